@@ -1,0 +1,36 @@
+# Two commands do all the setup on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-quick lint typecheck proto bench clean
+
+$(STAMP): requirements.lock pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.lock
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/georep demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q
+
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The generated code is committed; this regenerates it with the pinned grpcio-tools.
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. georep/proto/georep.proto
+
+bench: $(STAMP)
+	$(BIN)/python bench/produce.py
+
+clean:
+	rm -rf $(VENV) .georep .pytest_cache .mypy_cache .ruff_cache

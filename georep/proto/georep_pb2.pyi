@@ -1,0 +1,236 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Acks(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACKS_LEADER: _ClassVar[Acks]
+    ACKS_ALL: _ClassVar[Acks]
+    ACKS_GEO: _ClassVar[Acks]
+
+class StartPosition(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    START_EARLIEST: _ClassVar[StartPosition]
+    START_LATEST: _ClassVar[StartPosition]
+ACKS_LEADER: Acks
+ACKS_ALL: Acks
+ACKS_GEO: Acks
+START_EARLIEST: StartPosition
+START_LATEST: StartPosition
+
+class Error(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class OriginSeq(_message.Message):
+    __slots__ = ("site", "epoch", "next_seq")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    epoch: int
+    next_seq: int
+    def __init__(self, site: _Optional[str] = ..., epoch: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
+
+class VectorOffset(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[OriginSeq]
+    def __init__(self, entries: _Optional[_Iterable[_Union[OriginSeq, _Mapping]]] = ...) -> None: ...
+
+class CreateTopicRequest(_message.Message):
+    __slots__ = ("name", "partitions", "config")
+    class ConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    partitions: int
+    config: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., partitions: _Optional[int] = ..., config: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ListTopicsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTopicsResponse(_message.Message):
+    __slots__ = ("topics",)
+    TOPICS_FIELD_NUMBER: _ClassVar[int]
+    topics: _containers.RepeatedCompositeFieldContainer[TopicDescription]
+    def __init__(self, topics: _Optional[_Iterable[_Union[TopicDescription, _Mapping]]] = ...) -> None: ...
+
+class DescribeTopicRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class PartitionState(_message.Message):
+    __slots__ = ("partition", "log_start_offset", "log_end_offset", "size_bytes", "segments", "vector")
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    LOG_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LOG_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    partition: int
+    log_start_offset: int
+    log_end_offset: int
+    size_bytes: int
+    segments: int
+    vector: VectorOffset
+    def __init__(self, partition: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., log_end_offset: _Optional[int] = ..., size_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., vector: _Optional[_Union[VectorOffset, _Mapping]] = ...) -> None: ...
+
+class TopicDescription(_message.Message):
+    __slots__ = ("name", "partitions", "config", "partition_states")
+    class ConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_STATES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    partitions: int
+    config: _containers.ScalarMap[str, str]
+    partition_states: _containers.RepeatedCompositeFieldContainer[PartitionState]
+    def __init__(self, name: _Optional[str] = ..., partitions: _Optional[int] = ..., config: _Optional[_Mapping[str, str]] = ..., partition_states: _Optional[_Iterable[_Union[PartitionState, _Mapping]]] = ...) -> None: ...
+
+class ProduceRequest(_message.Message):
+    __slots__ = ("correlation_id", "topic", "partition", "batch", "acks", "geo_sites", "ack_timeout_ms")
+    CORRELATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    GEO_SITES_FIELD_NUMBER: _ClassVar[int]
+    ACK_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    correlation_id: int
+    topic: str
+    partition: int
+    batch: bytes
+    acks: Acks
+    geo_sites: int
+    ack_timeout_ms: int
+    def __init__(self, correlation_id: _Optional[int] = ..., topic: _Optional[str] = ..., partition: _Optional[int] = ..., batch: _Optional[bytes] = ..., acks: _Optional[_Union[Acks, str]] = ..., geo_sites: _Optional[int] = ..., ack_timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ProduceResponse(_message.Message):
+    __slots__ = ("correlation_id", "partition", "base_offset", "origin_site", "origin_epoch", "base_origin_seq", "last_origin_seq", "append_time_ms", "duplicate", "error")
+    CORRELATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    BASE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_SITE_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BASE_ORIGIN_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_ORIGIN_SEQ_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    correlation_id: int
+    partition: int
+    base_offset: int
+    origin_site: str
+    origin_epoch: int
+    base_origin_seq: int
+    last_origin_seq: int
+    append_time_ms: int
+    duplicate: bool
+    error: Error
+    def __init__(self, correlation_id: _Optional[int] = ..., partition: _Optional[int] = ..., base_offset: _Optional[int] = ..., origin_site: _Optional[str] = ..., origin_epoch: _Optional[int] = ..., base_origin_seq: _Optional[int] = ..., last_origin_seq: _Optional[int] = ..., append_time_ms: _Optional[int] = ..., duplicate: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("topic", "partition", "offset", "vector", "position", "max_bytes", "max_wait_ms")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    offset: int
+    vector: VectorOffset
+    position: StartPosition
+    max_bytes: int
+    max_wait_ms: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., offset: _Optional[int] = ..., vector: _Optional[_Union[VectorOffset, _Mapping]] = ..., position: _Optional[_Union[StartPosition, str]] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
+
+class FetchResponse(_message.Message):
+    __slots__ = ("batches", "high_watermark", "log_start_offset", "next_offset")
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    HIGH_WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    LOG_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    batches: bytes
+    high_watermark: int
+    log_start_offset: int
+    next_offset: int
+    def __init__(self, batches: _Optional[bytes] = ..., high_watermark: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., next_offset: _Optional[int] = ...) -> None: ...
+
+class ListOffsetsRequest(_message.Message):
+    __slots__ = ("topic", "partition", "position", "timestamp_ms")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    position: StartPosition
+    timestamp_ms: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., position: _Optional[_Union[StartPosition, str]] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+
+class PartitionOffset(_message.Message):
+    __slots__ = ("partition", "offset", "timestamp_ms")
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    partition: int
+    offset: int
+    timestamp_ms: int
+    def __init__(self, partition: _Optional[int] = ..., offset: _Optional[int] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+
+class ListOffsetsResponse(_message.Message):
+    __slots__ = ("offsets",)
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    offsets: _containers.RepeatedCompositeFieldContainer[PartitionOffset]
+    def __init__(self, offsets: _Optional[_Iterable[_Union[PartitionOffset, _Mapping]]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "site", "epoch", "version", "uptime_ms", "disk_full")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
+    DISK_FULL_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    site: str
+    epoch: int
+    version: str
+    uptime_ms: int
+    disk_full: bool
+    def __init__(self, status: _Optional[str] = ..., site: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., disk_full: _Optional[bool] = ...) -> None: ...

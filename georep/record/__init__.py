@@ -1,0 +1,1 @@
+"""Pure codecs for record batches (no sockets, no files, no clocks)."""

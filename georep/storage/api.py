@@ -1,0 +1,132 @@
+"""The ``PartitionLog`` port: what the broker and the replication core need from storage.
+
+Two implementations: ``georep.storage.segment_log.SegmentLog`` (segment files on
+disk) and ``georep.storage.memory_log.MemoryLog`` (the simulator's). Both hold
+whole batches only and never look inside records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from georep.record.batch import BatchHeader
+from offsets.coordinates import LocalOffset, Origin, OriginSeq
+
+BytesLike = bytes | bytearray | memoryview
+
+
+class StorageError(Exception):
+    """Base class of storage errors a user can cause or must act on."""
+
+
+class OffsetOutOfRange(StorageError):
+    def __init__(self, offset: int, log_start: int, log_end: int) -> None:
+        super().__init__(
+            f"offset {offset} is outside the log [{log_start}, {log_end}]: seek to a valid "
+            "offset, or to the beginning or end"
+        )
+        self.offset = offset
+        self.log_start = log_start
+        self.log_end = log_end
+
+
+class DiskFull(StorageError):
+    """A write hit ENOSPC (or EDQUOT). Nothing was half-written; reads still work."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    """Per-partition storage settings. Names end in their unit (STYLE.md §3)."""
+
+    segment_bytes_max: int = 1 << 30
+    segment_ms: int = 7 * 24 * 3600 * 1000
+    retention_ms: int = -1  # -1: keep forever
+    retention_bytes: int = -1  # -1: no size limit
+    flush_interval_ms: int = 0  # 0: fsync before every ack; N: every N ms
+    index_interval_bytes: int = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    data: bytes  # whole batches, concatenated, in log order
+    next_offset: LocalOffset  # where the following read continues
+
+
+@dataclass(slots=True)
+class BatchEntry:
+    """One batch as the origin index records it (enough to rebuild producer state)."""
+
+    origin: Origin
+    base_origin_seq: OriginSeq
+    last_offset_delta: int
+    base_offset: LocalOffset
+    max_timestamp: int
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    append_time_ms: int = field(default=-1)
+
+
+class PartitionLog(Protocol):
+    @property
+    def log_start_offset(self) -> LocalOffset: ...
+
+    @property
+    def log_end_offset(self) -> LocalOffset:
+        """The local offset the next appended record gets."""
+        ...
+
+    @property
+    def size_bytes(self) -> int: ...
+
+    @property
+    def segment_count(self) -> int: ...
+
+    def vector(self) -> dict[Origin, OriginSeq]:
+        """{origin: next origin seq} over everything appended (a copy)."""
+        ...
+
+    def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
+        """Append one batch at the log end.
+
+        ``header`` is the batch's parsed, CRC-valid header (origin stamped).
+        ``body`` holds the CRC-covered bytes ``[24, size)`` in one or more
+        buffers; the log writes its own 24-byte prefix (local offset and append
+        time) in front. Returns the header as stored. On ``DiskFull`` or any
+        OSError nothing of the batch remains in the log.
+        """
+        ...
+
+    def read(self, offset: LocalOffset, max_bytes: int) -> ReadResult:
+        """Whole batches from the one containing ``offset``; at least one batch if any.
+
+        Raises ``OffsetOutOfRange`` outside ``[log_start_offset, log_end_offset]``.
+        """
+        ...
+
+    def offset_for_origin_seq(self, origin: Origin, seq: OriginSeq) -> LocalOffset | None:
+        """Base offset of the first retained batch of ``origin`` holding a seq >= ``seq``."""
+        ...
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> LocalOffset | None:
+        """Base offset of the first batch whose max timestamp is >= ``timestamp_ms``."""
+        ...
+
+    def batch_entries(self) -> list[BatchEntry]:
+        """Every retained batch, in log order, from the index (no log reads)."""
+        ...
+
+    def flush(self) -> LocalOffset:
+        """fsync everything appended so far; returns the flushed log end. Blocking."""
+        ...
+
+    @property
+    def flushed_offset(self) -> LocalOffset: ...
+
+    def enforce_retention(self, now_ms: int) -> int:
+        """Delete sealed segments past retention; returns how many were deleted."""
+        ...
+
+    def close(self) -> None: ...
