@@ -1,0 +1,104 @@
+"""Start and stop ``georep node`` processes on this machine.
+
+Used by ``georep demo``, the integration tests and the benchmarks. A node
+writes ``node.json`` into its data dir once it is listening; that file gives
+its real addresses (ports may be ephemeral) and its process id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+NODE_INFO = "node.json"
+
+
+class NodeStartError(RuntimeError):
+    """A node process exited or did not become ready in time."""
+
+
+@dataclass
+class NodeProcess:
+    site: str
+    data_dir: Path
+    listen: str = "127.0.0.1:0"
+    metrics_listen: str = "127.0.0.1:0"
+    extra_args: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    address: str = ""
+    metrics_address: str = ""
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "georep.cli", "node",
+            "--site", self.site,
+            "--listen", self.listen,
+            "--metrics-listen", self.metrics_listen,
+            "--data-dir", str(self.data_dir),
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def start(self, timeout_s: float = 30.0) -> NodeProcess:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        info = self.data_dir / NODE_INFO
+        info.unlink(missing_ok=True)
+        log_path = self.log_path or self.data_dir / "node.log"
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise NodeStartError(f"georep node for site {self.site} exited with {self.proc.returncode}:\n{tail}")
+            if info.exists():
+                try:
+                    data = json.loads(info.read_text())
+                except json.JSONDecodeError:
+                    data = {}
+                if data.get("pid") == self.proc.pid:
+                    self.address = data["listen"]
+                    self.metrics_address = data.get("metrics", "")
+                    # Keep the port across restarts so clients can reconnect.
+                    self.listen = self.address
+                    if self.metrics_address:
+                        self.metrics_listen = self.metrics_address
+                    return self
+            time.sleep(0.02)
+        self.kill9()
+        raise NodeStartError(f"georep node for site {self.site} was not ready after {timeout_s}s")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        return self.proc.returncode
+
+    def restart(self, timeout_s: float = 30.0) -> NodeProcess:
+        self.stop()
+        return self.start(timeout_s)
