@@ -1,0 +1,84 @@
+"""Topic definitions: names, partition counts and per-topic configuration. Pure."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+TOPIC_NAME_MAX_CHARS = 249
+PARTITIONS_MAX = 10_000
+# Hierarchical names: levels of [A-Za-z0-9._-] separated by '/' (link filters match
+# levels with '+' and '**', so those characters cannot appear in names).
+_LEVEL = re.compile(r"[A-Za-z0-9._-]+")
+
+
+class InvalidTopic(ValueError):
+    """A topic name, partition count or config value that cannot be used."""
+
+
+def validate_topic_name(name: str) -> str:
+    if not name:
+        raise InvalidTopic("topic name is empty: use levels of letters, digits, '.', '_' or '-' separated by '/'")
+    if len(name) > TOPIC_NAME_MAX_CHARS:
+        raise InvalidTopic(f"topic name is {len(name)} characters long; the limit is {TOPIC_NAME_MAX_CHARS}")
+    levels = name.split("/")
+    for level in levels:
+        if not _LEVEL.fullmatch(level) or level in (".", ".."):
+            raise InvalidTopic(
+                f"invalid topic name {name!r}: each '/'-separated level must be letters, digits, '.', '_' "
+                "or '-' (not empty, not '.' or '..'), for example 'orders/eu'"
+            )
+    return name
+
+
+def validate_partitions(partitions: int) -> int:
+    if not 1 <= partitions <= PARTITIONS_MAX:
+        raise InvalidTopic(f"invalid partition count {partitions}: use 1 to {PARTITIONS_MAX}")
+    return partitions
+
+
+# Every per-topic setting, with its meaning; values are integers.
+TOPIC_CONFIG_KEYS: dict[str, str] = {
+    "segment_bytes_max": "roll a segment before it would exceed this size",
+    "segment_ms": "roll a segment once its first batch is this old",
+    "retention_ms": "delete sealed segments whose newest record is older (-1: forever)",
+    "retention_bytes": "delete the oldest sealed segments while the partition is larger (-1: no limit)",
+    "flush_interval_ms": "0: fsync before acking each batch; N: fsync every N ms",
+    "max_batch_bytes": "reject produced batches larger than this",
+}
+
+_MINIMUMS = {
+    "segment_bytes_max": 1024,
+    "segment_ms": 1,
+    "retention_ms": -1,
+    "retention_bytes": -1,
+    "flush_interval_ms": 0,
+    "max_batch_bytes": 1024,
+}
+
+
+def parse_topic_config(raw: dict[str, str]) -> dict[str, int]:
+    """Validate config overrides given as strings (from the CLI or the wire)."""
+    out: dict[str, int] = {}
+    for key in sorted(raw):
+        if key not in TOPIC_CONFIG_KEYS:
+            known = ", ".join(sorted(TOPIC_CONFIG_KEYS))
+            raise InvalidTopic(f"unknown topic config {key!r}: known keys are {known}")
+        try:
+            value = int(raw[key])
+        except ValueError:
+            raise InvalidTopic(f"topic config {key}={raw[key]!r} is not an integer") from None
+        if value < _MINIMUMS[key]:
+            raise InvalidTopic(f"topic config {key}={value} is below the minimum {_MINIMUMS[key]}")
+        out[key] = value
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    config: dict[str, int] = field(default_factory=dict)  # overrides only
+
+    def effective(self, defaults: dict[str, int]) -> dict[str, int]:
+        return {**defaults, **self.config}

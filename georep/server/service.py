@@ -1,0 +1,303 @@
+"""grpc.aio handlers for the ``georep.v1.Node`` service.
+
+Handlers receive the request as raw bytes and parse it themselves: a request
+that is not a valid protobuf gets ``INVALID_ARGUMENT`` with a message, instead of
+gRPC's generic deserialization failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from georep import __version__
+from georep.proto import georep_pb2 as pb
+from georep.record.batch import iter_headers
+from georep.server.broker import Broker, BrokerError, Partition, Produced
+from georep.server.metrics import NodeMetrics
+from offsets.coordinates import LocalOffset, Origin
+from topology.ids import InvalidSiteId
+
+log = logging.getLogger(__name__)
+
+SERVICE = "georep.v1.Node"
+FETCH_MAX_BYTES_CAP = 16 << 20
+FETCH_MAX_WAIT_MS_CAP = 30_000
+PRODUCE_STREAM_MAX_PENDING = 1024
+
+M = TypeVar("M", bound=Message)
+
+
+def _parse(cls: type[M], data: bytes) -> M:
+    msg = cls()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as exc:
+        raise BrokerError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"malformed {cls.__name__}: {exc}; use a client built from georep/proto/georep.proto",
+        ) from None
+    return msg
+
+
+def _error(exc: BrokerError) -> pb.Error:
+    return pb.Error(code=exc.code.value[0], message=exc.message)
+
+
+def _vector_from_pb(msg: pb.VectorOffset) -> dict[Origin, int]:
+    out: dict[Origin, int] = {}
+    try:
+        for e in msg.entries:
+            out[Origin.parse(f"{e.site}@{e.epoch}")] = e.next_seq
+    except (ValueError, InvalidSiteId) as exc:
+        raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed vector offset: {exc}") from None
+    return out
+
+
+def _vector_to_pb(vector: dict[Origin, Any]) -> pb.VectorOffset:
+    return pb.VectorOffset(
+        entries=[pb.OriginSeq(site=o.site, epoch=o.epoch, next_seq=s) for o, s in sorted(vector.items())]
+    )
+
+
+class NodeService:
+    def __init__(self, broker: Broker, metrics: NodeMetrics) -> None:
+        self.broker = broker
+        self.metrics = metrics
+        self.started = time.monotonic()
+
+    # -- admin ----------------------------------------------------------------
+
+    def _describe(self, name: str) -> pb.TopicDescription:
+        spec = self.broker.topic(name)
+        states = []
+        for i in range(spec.partitions):
+            plog = self.broker.partition(name, i).log
+            states.append(
+                pb.PartitionState(
+                    partition=i, log_start_offset=plog.log_start_offset, log_end_offset=plog.log_end_offset,
+                    size_bytes=plog.size_bytes, segments=plog.segment_count, vector=_vector_to_pb(plog.vector()),
+                )  # fmt: skip
+            )
+        config = {k: str(v) for k, v in spec.effective(self.broker.defaults).items()}
+        return pb.TopicDescription(name=name, partitions=spec.partitions, config=config, partition_states=states)
+
+    async def create_topic(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.TopicDescription:
+        req = _parse(pb.CreateTopicRequest, data)
+        self.broker.create_topic(req.name, req.partitions, dict(req.config))
+        return self._describe(req.name)
+
+    async def list_topics(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ListTopicsResponse:
+        _parse(pb.ListTopicsRequest, data)
+        return pb.ListTopicsResponse(topics=[self._describe(n) for n in sorted(self.broker.metadata.topics())])
+
+    async def describe_topic(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.TopicDescription:
+        return self._describe(_parse(pb.DescribeTopicRequest, data).name)
+
+    async def health(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        _parse(pb.HealthRequest, data)
+        return pb.HealthResponse(
+            status="SERVING", site=self.broker.identity.site, epoch=self.broker.identity.epoch,
+            version=__version__, uptime_ms=int((time.monotonic() - self.started) * 1000),
+            disk_full=self.broker.disk_full,
+        )  # fmt: skip
+
+    async def list_offsets(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ListOffsetsResponse:
+        req = _parse(pb.ListOffsetsRequest, data)
+        spec = self.broker.topic(req.topic)
+        indexes = range(spec.partitions) if req.partition == -1 else [req.partition]
+        out = []
+        for i in indexes:
+            plog = self.broker.partition(req.topic, i).log
+            if req.WhichOneof("spec") == "timestamp_ms":
+                at = plog.offset_for_timestamp(req.timestamp_ms)
+                out.append(pb.PartitionOffset(partition=i, offset=-1 if at is None else at,
+                                              timestamp_ms=req.timestamp_ms))  # fmt: skip
+            elif req.position == pb.START_LATEST:
+                out.append(pb.PartitionOffset(partition=i, offset=plog.log_end_offset, timestamp_ms=-1))
+            else:
+                out.append(pb.PartitionOffset(partition=i, offset=plog.log_start_offset, timestamp_ms=-1))
+        return pb.ListOffsetsResponse(offsets=out)
+
+    # -- produce --------------------------------------------------------------
+
+    def _produced(self, req: pb.ProduceRequest, produced: Produced) -> pb.ProduceResponse:
+        r = produced.result
+        return pb.ProduceResponse(
+            correlation_id=req.correlation_id, partition=req.partition, base_offset=r.base_offset,
+            origin_site=produced.origin.site, origin_epoch=produced.origin.epoch,
+            base_origin_seq=r.base_origin_seq, last_origin_seq=r.last_origin_seq,
+            append_time_ms=r.append_time_ms, duplicate=produced.duplicate,
+        )  # fmt: skip
+
+    async def produce(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ProduceResponse:
+        req = _parse(pb.ProduceRequest, data)
+        try:
+            produced = await self.broker.produce(req.topic, req.partition, req.batch, req.acks, req.geo_sites)
+        except BrokerError as exc:
+            self.metrics.produce_error(exc.code)
+            raise
+        return self._produced(req, produced)
+
+    async def produce_stream(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ProduceResponse]:
+        answers: asyncio.Queue[pb.ProduceResponse | BaseException | None] = asyncio.Queue()
+        pending = asyncio.Semaphore(PRODUCE_STREAM_MAX_PENDING)
+
+        def fail(req: pb.ProduceRequest, exc: BrokerError) -> None:
+            self.metrics.produce_error(exc.code)
+            answers.put_nowait(pb.ProduceResponse(correlation_id=req.correlation_id, partition=req.partition,
+                                                  error=_error(exc)))  # fmt: skip
+
+        async def answer(req: pb.ProduceRequest, p: Partition, produced: Produced) -> None:
+            try:
+                await self.broker.ack(p, produced)
+                answers.put_nowait(self._produced(req, produced))
+            except BrokerError as exc:
+                fail(req, exc)
+            finally:
+                pending.release()
+
+        async def read_all() -> None:
+            tasks: set[asyncio.Task[None]] = set()
+            try:
+                async for raw in requests:
+                    req = _parse(pb.ProduceRequest, raw)
+                    await pending.acquire()
+                    try:
+                        # Appended here, synchronously: stream order is append order.
+                        p, produced = self.broker.append(req.topic, req.partition, req.batch, req.acks, req.geo_sites)
+                    except BrokerError as exc:
+                        pending.release()
+                        fail(req, exc)
+                        continue
+                    task = asyncio.create_task(answer(req, p, produced))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*tasks)
+                answers.put_nowait(None)
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the response stream
+                answers.put_nowait(exc)
+
+        reader = asyncio.create_task(read_all())
+        try:
+            while True:
+                item = await answers.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            reader.cancel()
+
+    # -- fetch ----------------------------------------------------------------
+
+    async def fetch(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
+        req = _parse(pb.FetchRequest, data)
+        p = self.broker.partition(req.topic, req.partition)
+        max_bytes = min(req.max_bytes or (1 << 20), FETCH_MAX_BYTES_CAP)
+        max_wait_s = min(req.max_wait_ms or 500, FETCH_MAX_WAIT_MS_CAP) / 1000
+        vector: dict[Origin, int] | None = None
+        which = req.WhichOneof("start")
+        if which == "offset":
+            position = LocalOffset(req.offset)
+        elif which == "vector":
+            vector = _vector_from_pb(req.vector)
+            position = self.broker.start_offset_for_vector(p, vector)
+        elif req.position == pb.START_LATEST:
+            position = p.log.log_end_offset
+        else:
+            position = p.log.log_start_offset
+        while True:
+            if position < p.log.log_end_offset:
+                chunk, position = self.broker.read(p, position, max_bytes)
+                if vector is not None:
+                    chunk = _drop_covered(chunk, vector)
+                if not chunk:
+                    await asyncio.sleep(0)  # a long covered stretch must not starve other streams
+                    continue
+                self.metrics.fetched(len(chunk))
+                yield self._fetch_response(p, chunk, position)
+                continue
+            if position > p.log.log_end_offset:
+                self.broker.read(p, position, 0)  # raises OUT_OF_RANGE with the valid range
+            appended = p.appended()
+            try:
+                await asyncio.wait_for(asyncio.shield(appended), max_wait_s)
+            except TimeoutError:
+                yield self._fetch_response(p, b"", position)
+
+    def _fetch_response(self, p: Partition, chunk: bytes, position: int) -> pb.FetchResponse:
+        return pb.FetchResponse(
+            batches=chunk, high_watermark=p.log.log_end_offset,
+            log_start_offset=p.log.log_start_offset, next_offset=position,
+        )  # fmt: skip
+
+    # -- wiring ---------------------------------------------------------------
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def ser(msg: Message) -> bytes:
+            return msg.SerializeToString()
+
+        def unary(fn: Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]) -> grpc.RpcMethodHandler:
+            async def call(data: bytes, context: grpc.aio.ServicerContext) -> Message:
+                try:
+                    return await fn(data, context)
+                except BrokerError as exc:
+                    await context.abort(exc.code, exc.message)
+                    raise  # unreachable: abort raises
+
+            return grpc.unary_unary_rpc_method_handler(call, request_deserializer=None, response_serializer=ser)
+
+        async def fetch(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
+            try:
+                async for msg in self.fetch(data, context):
+                    yield msg
+            except BrokerError as exc:
+                await context.abort(exc.code, exc.message)
+
+        async def produce_stream(
+            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[pb.ProduceResponse]:
+            try:
+                async for msg in self.produce_stream(requests, context):
+                    yield msg
+            except BrokerError as exc:
+                await context.abort(exc.code, exc.message)
+
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "CreateTopic": unary(self.create_topic),
+                "ListTopics": unary(self.list_topics),
+                "DescribeTopic": unary(self.describe_topic),
+                "Produce": unary(self.produce),
+                "ListOffsets": unary(self.list_offsets),
+                "Health": unary(self.health),
+                "ProduceStream": grpc.stream_stream_rpc_method_handler(produce_stream, None, ser),
+                "Fetch": grpc.unary_stream_rpc_method_handler(fetch, None, ser),
+            },
+        )
+
+
+def _drop_covered(chunk: bytes, vector: dict[Origin, int]) -> bytes:
+    """Drop whole batches the vector covers; batches covered in part stay (the client trims)."""
+    keep: list[memoryview] = []
+    view = memoryview(chunk)
+    pos = 0
+    for h in iter_headers(chunk):
+        if h.last_origin_seq >= vector.get(h.origin, 0):
+            keep.append(view[pos : pos + h.size_bytes])
+        pos += h.size_bytes
+    if len(keep) == 1 and len(keep[0]) == len(chunk):
+        return chunk
+    return b"".join(keep)

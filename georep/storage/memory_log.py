@@ -1,0 +1,119 @@
+"""An in-memory ``PartitionLog`` for the deterministic simulator and unit tests.
+
+It keeps whole batches as bytes, exactly as the segment log would store them,
+and models durability: ``crash()`` drops everything appended since the last
+``flush()``, which is what a site loses when its process dies before an fsync.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Sequence
+
+from georep.record.batch import BatchHeader, local_prefix
+from georep.storage.api import BatchEntry, BytesLike, LogConfig, OffsetOutOfRange, ReadResult
+from offsets.coordinates import LocalOffset, Origin, OriginSeq
+
+
+class MemoryLog:
+    def __init__(self, config: LogConfig | None = None) -> None:
+        self.config = config or LogConfig()
+        self._batches: list[bytes] = []
+        self._headers: list[BatchHeader] = []
+        self._base_offsets: list[int] = []
+        self._start = LocalOffset(0)
+        self._end = LocalOffset(0)
+        self._flushed_count = 0
+        self._vector: dict[Origin, OriginSeq] = {}
+
+    @property
+    def log_start_offset(self) -> LocalOffset:
+        return self._start
+
+    @property
+    def log_end_offset(self) -> LocalOffset:
+        return self._end
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(len(b) for b in self._batches)
+
+    @property
+    def segment_count(self) -> int:
+        return 1
+
+    def vector(self) -> dict[Origin, OriginSeq]:
+        return dict(self._vector)
+
+    def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
+        stored = dataclasses.replace(header, base_offset=self._end, append_time_ms=append_time_ms)
+        data = local_prefix(self._end, header.batch_length, append_time_ms, header.crc) + b"".join(bytes(b) for b in body)
+        self._batches.append(data)
+        self._headers.append(stored)
+        self._base_offsets.append(self._end)
+        self._end = stored.next_offset
+        origin = stored.origin
+        self._vector[origin] = OriginSeq(max(self._vector.get(origin, 0), stored.next_origin_seq))
+        return stored
+
+    def _index_of(self, offset: int) -> int:
+        return bisect.bisect_right(self._base_offsets, offset) - 1
+
+    def read(self, offset: LocalOffset, max_bytes: int) -> ReadResult:
+        if not self._start <= offset <= self._end:
+            raise OffsetOutOfRange(offset, self._start, self._end)
+        if offset == self._end:
+            return ReadResult(b"", offset)
+        i = self._index_of(offset)
+        out: list[bytes] = []
+        size = 0
+        while i < len(self._batches) and (not out or size + len(self._batches[i]) <= max_bytes):
+            out.append(self._batches[i])
+            size += len(self._batches[i])
+            i += 1
+        return ReadResult(b"".join(out), self._headers[i - 1].next_offset)
+
+    def offset_for_origin_seq(self, origin: Origin, seq: OriginSeq) -> LocalOffset | None:
+        for h in self._headers:
+            if h.origin == origin and h.last_origin_seq >= seq:
+                return h.base_offset
+        return None
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> LocalOffset | None:
+        for h in self._headers:
+            if h.max_timestamp >= timestamp_ms:
+                return h.base_offset
+        return None
+
+    def batch_entries(self) -> list[BatchEntry]:
+        return [
+            BatchEntry(h.origin, h.base_origin_seq, h.last_offset_delta, h.base_offset, h.max_timestamp,
+                       h.producer_id, h.producer_epoch, h.base_sequence, h.append_time_ms)
+            for h in self._headers
+        ]  # fmt: skip
+
+    def flush(self) -> LocalOffset:
+        self._flushed_count = len(self._batches)
+        return self._end
+
+    @property
+    def flushed_offset(self) -> LocalOffset:
+        return self._headers[self._flushed_count - 1].next_offset if self._flushed_count else self._start
+
+    def crash(self) -> None:
+        """Lose every batch appended since the last flush, as a killed process would."""
+        del self._batches[self._flushed_count :]
+        del self._headers[self._flushed_count :]
+        del self._base_offsets[self._flushed_count :]
+        self._end = self.flushed_offset
+        self._vector = {}
+        for h in self._headers:
+            self._vector[h.origin] = OriginSeq(max(self._vector.get(h.origin, 0), h.next_origin_seq))
+
+    def enforce_retention(self, now_ms: int) -> int:
+        # One segment, never deleted: like the active segment of the segment log.
+        return 0
+
+    def close(self) -> None:
+        self.flush()
