@@ -65,8 +65,9 @@ Why this shape:
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import crc32c
 
@@ -165,7 +166,7 @@ def frame_length(buf: bytes | bytearray | memoryview, pos: int = 0) -> int:
     """
     if len(buf) - pos < LENGTH_PREFIX_BYTES:
         raise CorruptBatch(f"truncated batch prefix at byte {pos}")
-    _, batch_length = _FRAME.unpack_from(buf, pos)
+    batch_length: int = _FRAME.unpack_from(buf, pos)[1]
     if batch_length < HEADER_BYTES - LENGTH_PREFIX_BYTES:
         raise CorruptBatch(f"impossible batch_length {batch_length} at byte {pos}")
     return LENGTH_PREFIX_BYTES + batch_length
@@ -341,35 +342,48 @@ def decode_records(batch: bytes | memoryview, header: BatchHeader | None = None)
     end = len(body)
     b = bytes(body)
     try:
-        for _ in range(header.records_count):
+        for index in range(header.records_count):
             length, _attrs, ts_delta, delta, klen = unpack_head(b, pos)
             rec_end = pos + 4 + length
             if length < _RECORD_MIN_BYTES - 4 or rec_end > end:
                 raise CorruptBatch(f"record at byte {pos} of batch at offset {base_offset} overruns the batch")
+            if delta != index:
+                raise CorruptBatch(f"record {index} of batch at offset {base_offset} has offset_delta {delta}")
             p = pos + RECORD_HEAD.size
             if klen >= 0:
                 key: bytes | None = b[p : p + klen]
                 p += klen
-            else:
+            elif klen == -1:
                 key = None
+            else:
+                raise CorruptBatch(f"record at byte {pos} of batch at offset {base_offset} has key_length {klen}")
             (vlen,) = unpack_i32(b, p)
             p += 4
             if vlen >= 0:
                 value: bytes | None = b[p : p + vlen]
                 p += vlen
-            else:
+            elif vlen == -1:
                 value = None
+            else:
+                raise CorruptBatch(f"record at byte {pos} of batch at offset {base_offset} has value_length {vlen}")
             (hcount,) = unpack_i32(b, p)
             p += 4
             headers: tuple[tuple[str, bytes | None], ...] = ()
+            # Each header takes at least 8 bytes; the bound also keeps a corrupt count from looping for long.
+            if hcount < 0 or hcount * 8 > rec_end - p:
+                raise CorruptBatch(f"record at byte {pos} of batch at offset {base_offset} has header_count {hcount}")
             if hcount:
                 hs = []
                 for _h in range(hcount):
                     (hkl,) = unpack_i32(b, p)
+                    if hkl < 0:
+                        raise CorruptBatch(f"header of record at byte {pos} has key_length {hkl}")
                     hk = b[p + 4 : p + 4 + hkl].decode()
                     p += 4 + hkl
                     (hvl,) = unpack_i32(b, p)
                     p += 4
+                    if hvl < -1:
+                        raise CorruptBatch(f"header of record at byte {pos} has value_length {hvl}")
                     hv = None if hvl < 0 else b[p : p + hvl]
                     p += max(hvl, 0)
                     hs.append((hk, hv))
@@ -385,6 +399,8 @@ def decode_records(batch: bytes | memoryview, header: BatchHeader | None = None)
             pos = rec_end
     except struct.error as exc:
         raise CorruptBatch(f"batch at offset {base_offset} has a truncated record: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise CorruptBatch(f"batch at offset {base_offset} has a header key that is not UTF-8: {exc}") from exc
     if pos != end:
         raise CorruptBatch(f"batch at offset {base_offset} has {end - pos} bytes after its last record")
     return out
