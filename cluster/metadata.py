@@ -81,10 +81,8 @@ class FileMetadataStore:
         if spec.name in self._topics:
             raise TopicExists(spec.name)
         topics = {**self._topics, spec.name: spec}
-        write_json_atomic(
-            self._path,
-            {"version": 1, "topics": {t.name: {"partitions": t.partitions, "config": t.config} for t in topics.values()}},
-        )
+        table = {t.name: {"partitions": t.partitions, "config": t.config} for t in topics.values()}
+        write_json_atomic(self._path, {"version": 1, "topics": table})
         self._topics = topics
 
 

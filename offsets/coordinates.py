@@ -37,7 +37,7 @@ class Origin(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> Origin:
         site, sep, epoch = text.partition("@")
-        if not sep or not epoch.isdigit():
+        if not sep or not (epoch.isascii() and epoch.isdigit()):
             raise InvalidOrigin(f"invalid origin {text!r}: expected 'site@epoch', for example 'a@1'")
         value = int(epoch)
         if value > EPOCH_MAX:

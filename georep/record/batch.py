@@ -223,8 +223,8 @@ def iter_headers(buf: bytes | bytearray | memoryview, *, verify: bool = False) -
 def stamp_origin(batch: bytes | memoryview, origin: Origin, base_origin_seq: int) -> tuple[bytes, int]:
     """Give a producer's batch its origin coordinates, as the origin site does.
 
-    Returns the new 109-byte header (prefix fields zero, CRC recomputed) and the
-    CRC. The records section is not copied: callers write ``header`` followed by
+    Returns the new 109-byte header (prefix fields copied from the input, CRC
+    recomputed) and the CRC. The records section is not copied: callers write ``header`` followed by
     ``batch[HEADER_BYTES:]``. The producer's CRC must have been checked first.
     """
     view = memoryview(batch)

@@ -48,7 +48,8 @@ class MemoryLog:
 
     def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
         stored = dataclasses.replace(header, base_offset=self._end, append_time_ms=append_time_ms)
-        data = local_prefix(self._end, header.batch_length, append_time_ms, header.crc) + b"".join(bytes(b) for b in body)
+        prefix = local_prefix(self._end, header.batch_length, append_time_ms, header.crc)
+        data = prefix + b"".join(bytes(b) for b in body)
         self._batches.append(data)
         self._headers.append(stored)
         self._base_offsets.append(self._end)

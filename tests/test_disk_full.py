@@ -1,0 +1,73 @@
+"""A node whose disk fills up turns writes away, keeps serving reads, and recovers."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.record.batch import iter_headers
+from georep.server.process import NodeProcess
+from tests.test_node_api import batch, fetch_all, log_end
+
+DISK_BYTES = 3 << 20
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"this test mounts a small tmpfs and needs root: {proc.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_disk_turns_writes_away_keeps_reads_and_recovers(small_disk: Path, tmp_path: Path) -> None:
+    ballast = small_disk / "ballast"
+    ballast.write_bytes(b"\0" * (1 << 20))
+    node = NodeProcess(site="a", data_dir=small_disk / "node", log_path=tmp_path / "node.log").start()
+    try:
+        channel = grpc.insecure_channel(node.address)
+        stub = pbg.NodeStub(channel)
+        stub.CreateTopic(pb.CreateTopicRequest(name="t", partitions=1))
+        acked = []
+        refusal = None
+        for seq in range(0, 10_000, 16):
+            try:
+                resp = stub.Produce(pb.ProduceRequest(topic="t", batch=batch(16, pid=7, seq=seq, value_bytes=4000)))
+                acked.append(resp.base_offset)
+            except grpc.RpcError as exc:
+                refusal = exc
+                break
+        assert refusal is not None, "the disk never filled up"
+        assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "free disk space" in str(refusal.details())
+        assert stub.Health(pb.HealthRequest()).disk_full
+
+        # Reads still work and hold exactly the acked batches, none half-written.
+        end = log_end(stub, "t", 0)
+        assert end == 16 * len(acked)
+        data = fetch_all(stub, "t", 0, end)
+        assert [h.base_offset for h in iter_headers(data, verify=True)] == acked
+        (segment,) = sorted((small_disk / "node" / "logs" / "t-0").glob("*.log"))
+        assert segment.stat().st_size == len(data)
+
+        # Free space: the producer's retry of the refused batch now succeeds.
+        ballast.unlink()
+        seq = 16 * len(acked)
+        resp = stub.Produce(pb.ProduceRequest(topic="t", batch=batch(16, pid=7, seq=seq, value_bytes=4000)))
+        assert resp.base_offset == end and not resp.duplicate
+        assert not stub.Health(pb.HealthRequest()).disk_full
+        channel.close()
+    finally:
+        node.kill9()

@@ -1,0 +1,222 @@
+"""A real ``georep node`` process, driven over raw gRPC: bad input, idempotence, metrics."""
+
+from __future__ import annotations
+
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.record.batch import RecordInput, check_batch, decode_records, encode_batch, iter_headers
+from georep.server.process import NodeProcess
+
+
+def stub_for(node: NodeProcess) -> tuple[grpc.Channel, pbg.NodeStub]:
+    channel = grpc.insecure_channel(node.address)
+    return channel, pbg.NodeStub(channel)
+
+
+@pytest.fixture
+def api(node: NodeProcess) -> Iterator[pbg.NodeStub]:
+    channel, stub = stub_for(node)
+    stub.CreateTopic(pb.CreateTopicRequest(name="t", partitions=2))
+    yield stub
+    channel.close()
+
+
+def batch(n: int = 3, *, pid: int = -1, seq: int = -1, value_bytes: int = 10) -> bytes:
+    records = [RecordInput(b"k%d" % i, bytes([65 + i % 26]) * value_bytes, (), 1_000 + i) for i in range(n)]
+    return encode_batch(records, producer_id=pid, producer_epoch=0 if pid >= 0 else -1, base_sequence=seq)
+
+
+def fetch_all(stub: pbg.NodeStub, topic: str, partition: int, end: int) -> bytes:
+    """Every batch from the start of the partition up to local offset ``end``."""
+    out = b""
+    if end == 0:
+        return out
+    stream = stub.Fetch(pb.FetchRequest(topic=topic, partition=partition, offset=0, max_wait_ms=100))
+    for resp in stream:
+        out += resp.batches
+        if resp.next_offset >= end:
+            stream.cancel()
+            break
+    return out
+
+
+def log_end(stub: pbg.NodeStub, topic: str, partition: int) -> int:
+    resp = stub.ListOffsets(pb.ListOffsetsRequest(topic=topic, partition=partition, position=pb.START_LATEST))
+    return resp.offsets[0].offset
+
+
+def expect_error(code: grpc.StatusCode, call, *args) -> str:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args)
+    assert info.value.code() == code, info.value.details()
+    return str(info.value.details())
+
+
+def test_produce_assigns_coordinates_and_fetch_returns_verbatim_batches(api: pbg.NodeStub, node: NodeProcess) -> None:
+    first = api.Produce(pb.ProduceRequest(topic="t", partition=0, batch=batch(3)))
+    second = api.Produce(pb.ProduceRequest(topic="t", partition=0, batch=batch(2)))
+    assert (first.base_offset, first.base_origin_seq, first.last_origin_seq) == (0, 0, 2)
+    assert (second.base_offset, second.base_origin_seq, second.last_origin_seq) == (3, 3, 4)
+    health = api.Health(pb.HealthRequest())
+    assert (first.origin_site, first.origin_epoch) == ("a", health.epoch)
+    data = fetch_all(api, "t", 0, 5)
+    headers = iter_headers(data, verify=True)
+    assert [h.base_offset for h in headers] == [0, 3]
+    records = [r for h, pos in zip(headers, [0, headers[0].size_bytes], strict=True)
+               for r in decode_records(data[pos : pos + h.size_bytes])]  # fmt: skip
+    assert [(r.offset, r.origin_seq, r.key) for r in records] == [
+        (0, 0, b"k0"), (1, 1, b"k1"), (2, 2, b"k2"), (3, 3, b"k0"), (4, 4, b"k1"),
+    ]  # fmt: skip
+    assert {str(r.origin) for r in records} == {f"a@{health.epoch}"}
+
+
+def test_unknown_topic_and_partition(api: pbg.NodeStub) -> None:
+    msg = expect_error(grpc.StatusCode.NOT_FOUND, api.Produce, pb.ProduceRequest(topic="nope", batch=batch()))
+    assert "georep topic create nope" in msg
+    expect_error(grpc.StatusCode.NOT_FOUND, api.DescribeTopic, pb.DescribeTopicRequest(name="nope"))
+    msg = expect_error(grpc.StatusCode.NOT_FOUND, api.Produce, pb.ProduceRequest(topic="t", partition=2,
+                                                                              batch=batch()))  # fmt: skip
+    assert "0..1" in msg
+    stream = api.Fetch(pb.FetchRequest(topic="nope", partition=0, offset=0))
+    expect_error(grpc.StatusCode.NOT_FOUND, lambda: next(stream))
+
+
+@pytest.mark.parametrize(
+    ("name", "partitions", "fragment"),
+    [("bad name", 1, "invalid topic name"), ("a//b", 1, "invalid topic name"), ("", 1, "empty"),
+     ("x" * 300, 1, "limit"), ("ok", 0, "partition count"), ("ok", 100_000, "partition count")],
+)  # fmt: skip
+def test_invalid_topics_are_refused_and_leave_nothing(api: pbg.NodeStub, name: str, partitions: int,
+                                                      fragment: str) -> None:  # fmt: skip
+    msg = expect_error(grpc.StatusCode.INVALID_ARGUMENT, api.CreateTopic,
+                       pb.CreateTopicRequest(name=name, partitions=partitions))  # fmt: skip
+    assert fragment in msg
+    assert [t.name for t in api.ListTopics(pb.ListTopicsRequest()).topics] == ["t"]
+
+
+def test_unknown_config_key_is_refused(api: pbg.NodeStub) -> None:
+    msg = expect_error(grpc.StatusCode.INVALID_ARGUMENT, api.CreateTopic,
+                       pb.CreateTopicRequest(name="c", partitions=1, config={"retention.ms": "5"}))  # fmt: skip
+    assert "retention_ms" in msg  # names the keys that do exist
+
+
+def test_existing_topic(api: pbg.NodeStub) -> None:
+    expect_error(grpc.StatusCode.ALREADY_EXISTS, api.CreateTopic, pb.CreateTopicRequest(name="t", partitions=2))
+
+
+def test_oversized_batch_is_refused_and_nothing_is_stored(start_node) -> None:  # type: ignore[no-untyped-def]
+    node = start_node(extra_args=["--max-batch-bytes", "65536"])
+    channel, stub = stub_for(node)
+    stub.CreateTopic(pb.CreateTopicRequest(name="t", partitions=1))
+    msg = expect_error(grpc.StatusCode.INVALID_ARGUMENT, stub.Produce,
+                       pb.ProduceRequest(topic="t", batch=batch(100, value_bytes=1024)))  # fmt: skip
+    assert "max_batch_bytes=65536" in msg
+    assert log_end(stub, "t", 0) == 0
+    channel.close()
+
+
+def test_corrupt_crc_is_refused_and_nothing_is_stored(api: pbg.NodeStub) -> None:
+    good = bytearray(batch(3))
+    good[-20] ^= 0xFF  # inside a record value
+    msg = expect_error(grpc.StatusCode.DATA_LOSS, api.Produce, pb.ProduceRequest(topic="t", batch=bytes(good)))
+    assert "CRC" in msg
+    assert log_end(api, "t", 0) == 0
+
+
+def test_malformed_requests(api: pbg.NodeStub, node: NodeProcess) -> None:
+    channel = grpc.insecure_channel(node.address)
+    raw = channel.unary_unary("/georep.v1.Node/Produce")
+    msg = expect_error(grpc.StatusCode.INVALID_ARGUMENT, raw, b"\xff\xff\xff\xff")
+    assert "malformed ProduceRequest" in msg
+    expect_error(grpc.StatusCode.INVALID_ARGUMENT, api.Produce, pb.ProduceRequest(topic="t", batch=b"short"))
+    two = batch(1) + batch(1)
+    msg = expect_error(grpc.StatusCode.INVALID_ARGUMENT, api.Produce, pb.ProduceRequest(topic="t", batch=two))
+    assert "one batch per request" in msg
+    stamped = bytes(check_batch_and_stamp(batch(1)))
+    expect_error(grpc.StatusCode.INVALID_ARGUMENT, api.Produce, pb.ProduceRequest(topic="t", batch=stamped))
+    assert log_end(api, "t", 0) == 0
+    channel.close()
+
+
+def check_batch_and_stamp(data: bytes) -> bytes:
+    from georep.record.batch import HEADER_BYTES, stamp_origin
+    from offsets.coordinates import Origin
+    from topology.ids import SiteId
+
+    head, _ = stamp_origin(data, Origin(SiteId("zz"), 1), 0)
+    out = head + data[HEADER_BYTES:]
+    check_batch(out)
+    return out
+
+
+def test_fetch_out_of_range_names_the_valid_range(api: pbg.NodeStub) -> None:
+    api.Produce(pb.ProduceRequest(topic="t", partition=0, batch=batch(3)))
+    stream = api.Fetch(pb.FetchRequest(topic="t", partition=0, offset=50))
+    msg = expect_error(grpc.StatusCode.OUT_OF_RANGE, lambda: next(stream))
+    assert "[0, 3]" in msg
+
+
+def test_geo_acks_without_links_are_refused(api: pbg.NodeStub) -> None:
+    msg = expect_error(grpc.StatusCode.FAILED_PRECONDITION, api.Produce,
+                       pb.ProduceRequest(topic="t", batch=batch(), acks=pb.ACKS_GEO, geo_sites=2))  # fmt: skip
+    assert "acks=geo:2" in msg
+    assert log_end(api, "t", 0) == 0
+
+
+def test_retried_batch_is_stored_once_even_across_kill9(api: pbg.NodeStub, node: NodeProcess) -> None:
+    b0 = batch(3, pid=42, seq=0)
+    b1 = batch(2, pid=42, seq=3)
+    first = api.Produce(pb.ProduceRequest(topic="t", batch=b0))
+    again = api.Produce(pb.ProduceRequest(topic="t", batch=b0))
+    assert again.duplicate and (again.base_offset, again.base_origin_seq) == (first.base_offset, 0)
+    api.Produce(pb.ProduceRequest(topic="t", batch=b1))
+    gap = batch(1, pid=42, seq=9)
+    msg = expect_error(grpc.StatusCode.FAILED_PRECONDITION, api.Produce, pb.ProduceRequest(topic="t", batch=gap))
+    assert "expected 5" in msg
+    node.kill9()
+    node.start()
+    channel, stub = stub_for(node)
+    retry = stub.Produce(pb.ProduceRequest(topic="t", batch=b1))
+    assert retry.duplicate and retry.base_offset == 3
+    assert log_end(stub, "t", 0) == 5
+    channel.close()
+
+
+def test_metrics_endpoint(api: pbg.NodeStub, node: NodeProcess) -> None:
+    api.Produce(pb.ProduceRequest(topic="t", partition=1, batch=batch(4)))
+    text = urllib.request.urlopen(f"http://{node.metrics_address}/metrics", timeout=10).read().decode()
+    assert 'georep_produced_records_total{topic="t"} 4.0' in text
+    assert 'georep_partition_log_end_offset{partition="1",topic="t"} 4.0' in text
+
+
+def test_sigterm_shuts_down_cleanly(api: pbg.NodeStub, node: NodeProcess) -> None:
+    api.Produce(pb.ProduceRequest(topic="t", batch=batch(3)))
+    assert node.stop() == 0
+    assert not (node.data_dir / "node.json").exists()
+    node.start()
+    channel, stub = stub_for(node)
+    assert log_end(stub, "t", 0) == 3
+    channel.close()
+
+
+def test_second_node_on_the_same_port_fails_clearly(node: NodeProcess, tmp_path: Path) -> None:
+    other = NodeProcess(site="a", data_dir=tmp_path / "other", listen=node.address)
+    proc = subprocess.run(other.command(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "cannot listen on" in proc.stderr
+
+
+def test_data_dir_of_another_site_is_refused(node: NodeProcess) -> None:
+    node.stop()
+    other = NodeProcess(site="b", data_dir=node.data_dir)
+    proc = subprocess.run(other.command(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "belongs to site 'a'" in proc.stderr
