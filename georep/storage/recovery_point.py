@@ -1,0 +1,84 @@
+"""The ``recovery-point`` file of a partition directory.
+
+UTF-8 JSON, replaced atomically (see :mod:`georep.storage.durable_file`)::
+
+    {"format": 1,
+     "recovery_point": 1234,
+     "vector_offset": 1200,
+     "vector": {"us-east@1700000000": 17, "eu-west@1700000123": 5}}
+
+``recovery_point``
+    Every batch below this local offset was fsynced and validated. At startup,
+    sealed segments that end at or below it are trusted without a rescan.
+``vector_offset``, ``vector``
+    ``{origin: next origin seq}`` over every batch ever appended below
+    ``vector_offset``, including batches that retention has deleted since.
+    ``vector_offset`` is the base offset of the active segment when the file
+    was written, and retention deletes only sealed segments, so every deleted
+    batch lies below it: this is how ``SegmentLog.vector()`` survives the
+    deletion of all of an origin's segments. Batches at or above
+    ``vector_offset`` are still in the log and are read back from the origin
+    indexes.
+
+Text rather than binary because it is tiny, written only on roll and close,
+and an operator may want to read it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from georep.storage.durable_file import replace_file
+from offsets.coordinates import InvalidOrigin, LocalOffset, Origin, OriginSeq
+from topology.ids import InvalidSiteId
+
+FILE_NAME = "recovery-point"
+FORMAT = 1
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryPoint:
+    recovery_point: LocalOffset
+    vector_offset: LocalOffset
+    vector: dict[Origin, OriginSeq] = field(default_factory=dict)
+
+
+def read_recovery_point(directory: Path) -> RecoveryPoint | None:
+    """The directory's recovery point; ``None`` if missing or unreadable (logged)."""
+    path = directory / FILE_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(text)
+        if doc["format"] != FORMAT:
+            raise ValueError(f"format {doc['format']!r}, this build reads {FORMAT}")
+        point = LocalOffset(_non_negative(doc["recovery_point"]))
+        vector_offset = LocalOffset(_non_negative(doc["vector_offset"]))
+        vector = {Origin.parse(k): OriginSeq(_non_negative(v)) for k, v in doc["vector"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError, InvalidOrigin, InvalidSiteId) as exc:
+        log.warning("%s is unreadable (%s): every segment will be validated at startup", path, exc)
+        return None
+    return RecoveryPoint(point, vector_offset, vector)
+
+
+def write_recovery_point(directory: Path, point: RecoveryPoint) -> None:
+    doc = {
+        "format": FORMAT,
+        "recovery_point": point.recovery_point,
+        "vector_offset": point.vector_offset,
+        "vector": {str(origin): seq for origin, seq in sorted(point.vector.items())},
+    }
+    replace_file(directory / FILE_NAME, (json.dumps(doc, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def _non_negative(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
