@@ -1,0 +1,134 @@
+"""Producer batches and the record accumulator (no I/O, no clock: time comes in as ``now_ms``).
+
+``send`` appends a record to the open batch of its partition. A batch closes
+when the next record would take it past ``batch_size`` bytes, or when it has
+been open for ``linger_ms``, or on flush. Closed batches wait in ``closed``,
+in closing order, until the sender takes them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from georep.record.batch import HEADER_BYTES, RecordInput
+
+# Fixed bytes of one encoded record besides key, value and headers
+# (length, attributes, timestamp delta, offset delta, key/value lengths, header count).
+RECORD_OVERHEAD_BYTES = 29
+
+
+def record_size(key: bytes | None, value: bytes | None, headers: Any) -> int:
+    """Encoded size of one record, uncompressed; headers estimated from their lengths."""
+    size = RECORD_OVERHEAD_BYTES
+    if key is not None:
+        size += len(key)
+    if value is not None:
+        size += len(value)
+    if headers:
+        for hk, hv in headers:
+            size += 8 + len(hk) + (len(hv) if hv is not None else 0)
+    return size
+
+
+class BatchState(enum.Enum):
+    OPEN = "open"  # accepting records
+    QUEUED = "queued"  # closed, waiting to be sent (or re-sent)
+    IN_FLIGHT = "in_flight"  # written to the stream, no answer yet
+    RETRY = "retry"  # a retriable error or a broken stream: re-send with the same bytes
+    OUT_OF_ORDER = "out_of_order"  # the node saw a sequence gap
+    DONE = "done"  # acknowledged
+    FAILED = "failed"  # failed for good; its futures carry the error
+
+
+class ProducerBatch:
+    """Records for one partition, their futures, and their delivery state."""
+
+    __slots__ = (
+        "topic", "partition", "records", "futures", "size_bytes", "created_ms", "state",
+        "producer_id", "base_sequence", "data", "correlation_id", "sent", "sent_ms", "error", "done",
+    )  # fmt: skip
+
+    def __init__(self, topic: str, partition: int, created_ms: float) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.records: list[RecordInput] = []
+        self.futures: list[Any] = []
+        self.size_bytes = HEADER_BYTES
+        self.created_ms = created_ms
+        self.state = BatchState.OPEN
+        self.producer_id = -1
+        self.base_sequence: int | None = None  # assigned when first sent
+        self.data: bytes | None = None  # the encoded batch; resends reuse these bytes
+        self.correlation_id = 0
+        self.sent = False  # written at least once with the current sequence: the node may hold it
+        self.sent_ms = 0.0
+        self.error: Exception | None = None
+        self.done: Any = None  # set by the shell: completes when the batch is acked or failed
+
+    @property
+    def record_count(self) -> int:
+        return len(self.records)
+
+    def __repr__(self) -> str:
+        return (f"ProducerBatch({self.topic}/{self.partition}, {len(self.records)} records, "
+                f"{self.state.value}, pid={self.producer_id}, seq={self.base_sequence})")  # fmt: skip
+
+
+class RecordAccumulator:
+    """Open batches per (topic, partition), and the closed ones in closing order."""
+
+    def __init__(self, batch_size: int, linger_ms: float) -> None:
+        self.batch_size = batch_size
+        self.linger_ms = linger_ms
+        self.open: dict[tuple[str, int], ProducerBatch] = {}
+        self.closed: list[ProducerBatch] = []
+
+    def append(self, topic: str, partition: int, record: RecordInput, future: Any, size: int,
+               now_ms: float) -> ProducerBatch | None:  # fmt: skip
+        """Add a record. Returns the batch just opened for it, if a new one was opened.
+
+        A batch that this record would overflow is closed first (into ``closed``).
+        """
+        key = (topic, partition)
+        batch = self.open.get(key)
+        opened = None
+        if batch is None or (batch.size_bytes + size > self.batch_size and batch.records):
+            if batch is not None:
+                batch.state = BatchState.QUEUED
+                self.closed.append(batch)
+            batch = opened = self.open[key] = ProducerBatch(topic, partition, now_ms)
+        batch.records.append(record)
+        batch.futures.append(future)
+        batch.size_bytes += size
+        return opened
+
+    def close(self, batch: ProducerBatch) -> None:
+        """Close one open batch now (the sticky partitioner does, before it would overflow)."""
+        del self.open[(batch.topic, batch.partition)]
+        batch.state = BatchState.QUEUED
+        self.closed.append(batch)
+
+    def close_lingered(self, now_ms: float, force: bool = False) -> list[ProducerBatch]:
+        """Close open batches older than ``linger_ms`` (all of them with ``force``), oldest first."""
+        linger = self.linger_ms
+        due = [b for b in self.open.values() if force or now_ms - b.created_ms >= linger
+               or b.size_bytes >= self.batch_size]  # fmt: skip
+        due.sort(key=lambda b: b.created_ms)
+        for batch in due:
+            del self.open[(batch.topic, batch.partition)]
+            batch.state = BatchState.QUEUED
+            self.closed.append(batch)
+        return due
+
+    def next_linger_deadline_ms(self) -> float | None:
+        if not self.open:
+            return None
+        return min(b.created_ms for b in self.open.values()) + self.linger_ms
+
+    def take_closed(self) -> list[ProducerBatch]:
+        closed, self.closed = self.closed, []
+        return closed
+
+    def open_batches(self) -> list[ProducerBatch]:
+        return list(self.open.values())

@@ -1,0 +1,178 @@
+"""Channels to georep nodes: the bootstrap list, reachability, reconnects.
+
+A bootstrap list is ``host:port[,host:port...]``. The client uses the first
+node that accepts a TCP connection and moves to the next one when that node
+goes away. Before opening a gRPC channel the client probes the address with a
+plain TCP connect, so a dead address fails at once with a message that says
+why ("connection refused", "unknown host", "timed out") instead of gRPC's
+generic retrying.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+
+import grpc
+
+from georep.client.errors import InvalidRequest, NodeUnavailable
+from georep.proto import georep_pb2_grpc
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:7101"
+BOOTSTRAP_ENV = "GEOREP_BOOTSTRAP"
+
+# Above the node's default max_batch_bytes (8 MiB): a fetch response holds at
+# least one whole batch, whatever max_bytes says.
+MESSAGE_BYTES_MAX = 256 * 1024 * 1024
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MESSAGE_BYTES_MAX),
+    ("grpc.max_receive_message_length", MESSAGE_BYTES_MAX),
+    # gRPC's own reconnect backoff starts at 1 s and grows to 120 s; a restarted
+    # node should be found again within a fraction of a second.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.enable_retries", 0),
+]
+
+
+def default_bootstrap() -> str:
+    return os.environ.get(BOOTSTRAP_ENV) or DEFAULT_BOOTSTRAP
+
+
+def parse_bootstrap(text: str | list[str] | tuple[str, ...]) -> list[str]:
+    """``"h1:p1,h2:p2"`` (or a list of ``host:port``) as a list of addresses."""
+    parts = text.split(",") if isinstance(text, str) else list(text)
+    out: list[str] = []
+    for raw in parts:
+        address = raw.strip()
+        if not address:
+            continue
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidRequest(
+                f"invalid bootstrap address {address!r}: expected HOST:PORT, for example 127.0.0.1:7101"
+            )
+        out.append(address)
+    if not out:
+        raise InvalidRequest("empty bootstrap list: give HOST:PORT[,HOST:PORT...] (or set GEOREP_BOOTSTRAP)")
+    return out
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def probe(address: str, timeout_s: float) -> str | None:
+    """None if ``address`` accepts a TCP connection, else why not, in a few words."""
+    host, port = _split(address)
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(host, port)
+    except ConnectionRefusedError:
+        return "connection refused"
+    except socket.gaierror:
+        return "unknown host"
+    except TimeoutError:
+        return f"no answer within {timeout_s:g}s"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
+
+
+def unreachable(addresses: list[str], reasons: list[str]) -> NodeUnavailable:
+    if len(addresses) == 1:
+        return NodeUnavailable(
+            f"cannot reach georep node at {addresses[0]} ({reasons[0]}): is it running? check --bootstrap"
+        )
+    detail = "; ".join(f"{a}: {r}" for a, r in zip(addresses, reasons, strict=True))
+    return NodeUnavailable(
+        f"cannot reach any georep node of {','.join(addresses)} ({detail}): is one running? check --bootstrap"
+    )
+
+
+class Connection:
+    """One gRPC channel to one node of the bootstrap list, replaced on reconnect.
+
+    ``generation`` counts channels: several tasks sharing the connection (a
+    consumer's fetchers) all see a broken channel, and only the first of them
+    to call :meth:`reconnect` with the old generation replaces it.
+    """
+
+    def __init__(self, bootstrap: str | list[str], connect_timeout_ms: int = 5000) -> None:
+        self.addresses = parse_bootstrap(bootstrap)
+        self.connect_timeout_s = connect_timeout_ms / 1000
+        self.address = ""
+        self.generation = 0
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: georep_pb2_grpc.NodeStub | None = None
+        self._index = 0
+        self._lock = asyncio.Lock()
+
+    @property
+    def stub(self) -> georep_pb2_grpc.NodeStub:
+        if self._stub is None:
+            raise NodeUnavailable("not connected: call start() (or use 'async with') first")
+        return self._stub
+
+    @property
+    def connected(self) -> bool:
+        return self._stub is not None
+
+    async def connect(self) -> georep_pb2_grpc.NodeStub:
+        """Open a channel to the first reachable node, starting at the current one."""
+        async with self._lock:
+            if self._stub is not None:
+                return self._stub
+            await self._open()
+            assert self._stub is not None
+            return self._stub
+
+    async def reconnect(self, generation: int) -> georep_pb2_grpc.NodeStub:
+        """Replace the channel of ``generation`` (if nobody did yet) and return the current stub."""
+        async with self._lock:
+            if generation == self.generation and self._channel is not None:
+                await self._close_channel()
+            if self._stub is None:
+                await self._open()
+            assert self._stub is not None
+            return self._stub
+
+    async def _open(self) -> None:
+        n = len(self.addresses)
+        reasons: list[str] = []
+        tried: list[str] = []
+        for i in range(n):
+            index = (self._index + i) % n
+            address = self.addresses[index]
+            reason = await probe(address, self.connect_timeout_s)
+            if reason is None:
+                self._index = index
+                self.address = address
+                self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._stub = georep_pb2_grpc.NodeStub(self._channel)
+                self.generation += 1
+                return
+            tried.append(address)
+            reasons.append(reason)
+        self._index = (self._index + 1) % n
+        raise unreachable(tried, reasons)
+
+    async def _close_channel(self) -> None:
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close(grace=None)
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._close_channel()

@@ -1,0 +1,411 @@
+"""The asyncio consumer: one Fetch stream per assigned partition, decoded in the client.
+
+Each assigned partition has a fetcher task that reads its ``Fetch`` stream,
+checks every batch's CRC-32C, decodes the records, drops those below the
+requested position or covered by the start vector (the node sends whole
+batches), and puts them on a small bounded queue, so memory stays bounded
+while the application is slow. ``poll`` takes from those queues round-robin.
+
+A fetcher that loses its node reconnects with bounded exponential backoff and
+resumes from the offset after the last batch it queued. A start offset
+outside the log applies ``auto_offset_reset`` (``earliest`` or ``latest``),
+or with ``"none"`` makes ``poll`` raise :class:`OffsetOutOfRange`.
+
+``position(tp)`` is the next local offset ``poll`` will return from; it is
+None until known (after ``seek_to_beginning``/``seek_to_end``/
+``seek_to_vector`` it becomes known with the first answer). ``vector(tp)`` is
+the vector offset of everything consumed: the start vector plus, per origin,
+the origin seq after the last record returned. Hand it to a consumer at
+another site (``seek_to_vector``) to continue there with no loss and no
+duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import NamedTuple
+
+import grpc
+
+from georep.client.connection import Connection
+from georep.client.errors import (
+    CorruptData,
+    GeorepError,
+    InvalidRequest,
+    NodeUnavailable,
+    OffsetOutOfRange,
+    from_rpc_error,
+)
+from georep.proto import georep_pb2
+from georep.record.batch import CorruptBatch, check_batch, decode_records
+from georep.record.compression import DecompressionError
+from georep.vector_proto import vector_to_proto
+from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from offsets.vector import Coverage, VectorOffset
+
+TopicPartition = tuple[str, int]
+
+OFFSET_RESETS = ("earliest", "latest", "none")
+
+
+class ConsumerRecord(NamedTuple):
+    topic: str
+    partition: int
+    offset: LocalOffset  # local offset at the node read from
+    origin: Origin
+    origin_seq: OriginSeq
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes | None], ...]
+
+
+class _Chunk:
+    """Records decoded from one fetch response, and where the stream goes on."""
+
+    __slots__ = ("records", "index", "next_offset", "error")
+
+    def __init__(self, records: list[ConsumerRecord], next_offset: int, error: GeorepError | None = None) -> None:
+        self.records = records
+        self.index = 0
+        self.next_offset = next_offset
+        self.error = error
+
+
+class _Start(NamedTuple):
+    kind: str  # "offset", "earliest", "latest", "vector"
+    offset: int = -1
+    vector: VectorOffset | None = None
+
+
+class _PartitionState:
+    __slots__ = ("tp", "start", "position", "base_vector", "consumed", "queue", "current", "fetcher")
+
+    def __init__(self, tp: TopicPartition, start: _Start, queue_max: int) -> None:
+        self.tp = tp
+        self.start = start
+        self.position: int | None = start.offset if start.kind == "offset" else None
+        self.base_vector = start.vector or VectorOffset()
+        self.consumed: dict[Origin, int] = {}
+        self.queue: asyncio.Queue[_Chunk] = asyncio.Queue(queue_max)
+        self.current: _Chunk | None = None
+        self.fetcher: asyncio.Task[None] | None = None
+
+
+def decode_response(
+    topic: str, partition: int, buf: bytes, min_offset: int, vector: VectorOffset | None
+) -> list[ConsumerRecord]:
+    """CRC-check and decode the batches of one fetch response, dropping records below
+    ``min_offset`` and records ``vector`` covers."""
+    out: list[ConsumerRecord] = []
+    view = memoryview(buf)
+    pos = 0
+    end = len(buf)
+    make = ConsumerRecord._make
+    prefix = (topic, partition)
+    while pos < end:
+        header = check_batch(view, pos)
+        size = header.size_bytes
+        if header.next_offset <= min_offset:
+            pos += size
+            continue
+        skip_seq = -1
+        if vector:
+            coverage = vector.covers_batch(header.origin, header.base_origin_seq, header.last_origin_seq)
+            if coverage is Coverage.ALL:
+                pos += size
+                continue
+            if coverage is Coverage.PARTIAL:
+                skip_seq = vector.get(header.origin)
+        records = decode_records(view[pos : pos + size], header)
+        if header.base_offset < min_offset or skip_seq >= 0:
+            records = [r for r in records if r.offset >= min_offset and r.origin_seq >= skip_seq]
+        out.extend(make(prefix + r) for r in records)
+        pos += size
+    return out
+
+
+class Consumer:
+    """``consumer.assign([("t", 0)])``, then ``await consumer.poll()`` or ``async for record in consumer``."""
+
+    def __init__(
+        self,
+        bootstrap: str | list[str],
+        *,
+        auto_offset_reset: str = "latest",
+        max_bytes: int = 1 << 20,
+        max_wait_ms: int = 500,
+        queued_responses_max: int = 4,
+        retry_backoff_ms: int = 100,
+        retry_backoff_max_ms: int = 1_000,
+        request_timeout_ms: int = 30_000,
+        connect_timeout_ms: int = 5_000,
+    ) -> None:
+        if auto_offset_reset not in OFFSET_RESETS:
+            raise InvalidRequest(f"invalid auto_offset_reset {auto_offset_reset!r}: use earliest, latest or none")
+        self._connection = Connection(bootstrap, connect_timeout_ms)
+        self._reset = auto_offset_reset
+        self._max_bytes = max_bytes
+        self._max_wait_ms = max_wait_ms
+        self._queue_max = queued_responses_max
+        self._retry_backoff_ms = retry_backoff_ms
+        self._retry_backoff_max_ms = max(retry_backoff_max_ms, retry_backoff_ms)
+        self._request_timeout_s = request_timeout_ms / 1000
+        self._states: dict[TopicPartition, _PartitionState] = {}
+        self._subscribed: list[str] = []
+        self._resolved_topics: set[str] = set()
+        self._data = asyncio.Event()
+        self._rr = 0
+        self._closed = False
+
+    # --- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> Consumer:
+        await self._connection.connect()
+        return self
+
+    async def __aenter__(self) -> Consumer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = [s.fetcher for s in self._states.values() if s.fetcher is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self._connection.close()
+
+    # --- assignment and positions ------------------------------------------------
+
+    def _default_start(self) -> _Start:
+        return _Start("latest") if self._reset == "latest" else _Start("earliest") if self._reset == "earliest" \
+            else _Start("none")  # fmt: skip
+
+    def assign(self, partitions: Iterable[TopicPartition]) -> None:
+        """Read exactly these partitions (replacing any earlier assignment or subscription)."""
+        wanted = [(str(t), int(p)) for t, p in partitions]
+        self._subscribed = []
+        for tp in list(self._states):
+            if tp not in wanted:
+                self._drop(tp)
+        for tp in wanted:
+            if tp not in self._states:
+                self._states[tp] = _PartitionState(tp, self._default_start(), self._queue_max)
+
+    def subscribe(self, topics: Iterable[str]) -> None:
+        """Read every partition of each topic (resolved on the first poll)."""
+        self.assign([])
+        self._subscribed = list(topics)
+        self._resolved_topics = set()
+
+    def assignment(self) -> list[TopicPartition]:
+        return sorted(self._states)
+
+    def _drop(self, tp: TopicPartition) -> None:
+        state = self._states.pop(tp)
+        if state.fetcher is not None:
+            state.fetcher.cancel()
+
+    def _restart(self, tp: TopicPartition, start: _Start) -> None:
+        old = self._states.get(tp)
+        if old is not None and old.fetcher is not None:
+            old.fetcher.cancel()
+        self._states[tp] = _PartitionState(tp, start, self._queue_max)
+
+    def _tps(self, tps: Iterable[TopicPartition] | None) -> list[TopicPartition]:
+        return list(self._states) if tps is None else [(str(t), int(p)) for t, p in tps]
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        """Continue ``tp`` from local ``offset`` (the batch holding it is fetched, earlier records dropped)."""
+        self._restart(tp, _Start("offset", int(offset)))
+
+    def seek_to_beginning(self, tps: Iterable[TopicPartition] | None = None) -> None:
+        for tp in self._tps(tps):
+            self._restart(tp, _Start("earliest"))
+
+    def seek_to_end(self, tps: Iterable[TopicPartition] | None = None) -> None:
+        for tp in self._tps(tps):
+            self._restart(tp, _Start("latest"))
+
+    def seek_to_vector(self, tp: TopicPartition, vector: VectorOffset) -> None:
+        """Continue ``tp`` with exactly the records ``vector`` does not cover, at this or any site."""
+        self._restart(tp, _Start("vector", -1, vector))
+
+    def position(self, tp: TopicPartition) -> int | None:
+        """The next local offset to be returned for ``tp``; None until known."""
+        return self._states[tp].position
+
+    def vector(self, tp: TopicPartition) -> VectorOffset:
+        """The vector offset of everything consumed from ``tp``."""
+        state = self._states[tp]
+        if not state.consumed:
+            return state.base_vector
+        return state.base_vector.merge(VectorOffset(state.consumed))
+
+    # --- reading ---------------------------------------------------------------
+
+    async def _ensure_started(self) -> None:
+        if self._closed:
+            raise GeorepError("poll() on a closed consumer")
+        await self._connection.connect()
+        for topic in self._subscribed:
+            if topic in self._resolved_topics:
+                continue
+            try:
+                description = await self._connection.stub.DescribeTopic(
+                    georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_s
+                )
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, self._connection.address) from None
+            for partition in range(description.partitions):
+                tp = (topic, partition)
+                if tp not in self._states:
+                    self._states[tp] = _PartitionState(tp, self._default_start(), self._queue_max)
+            self._resolved_topics.add(topic)
+        for state in self._states.values():
+            if state.fetcher is None:
+                if state.start.kind == "none":
+                    raise InvalidRequest(
+                        f"no position for {state.tp[0]}/{state.tp[1]} and auto_offset_reset='none': "
+                        "call seek(), seek_to_beginning(), seek_to_end() or seek_to_vector() first"
+                    )
+                state.fetcher = asyncio.create_task(self._fetch(state), name=f"georep-fetch-{state.tp}")
+
+    async def poll(self, timeout_ms: float = 1000, max_records: int = 500) -> list[ConsumerRecord]:
+        """Up to ``max_records`` records, waiting at most ``timeout_ms`` for the first one."""
+        await self._ensure_started()
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            self._data.clear()
+            out = self._take(max_records)
+            if out:
+                return out
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return out
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._data.wait()
+
+    def _take(self, max_records: int) -> list[ConsumerRecord]:
+        out: list[ConsumerRecord] = []
+        states = list(self._states.values())
+        if not states:
+            return out
+        self._rr = (self._rr + 1) % len(states)
+        for state in states[self._rr :] + states[: self._rr]:
+            while len(out) < max_records:
+                chunk = state.current
+                if chunk is None:
+                    try:
+                        chunk = state.queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                    if chunk.error is not None:
+                        if out:
+                            state.current = chunk  # raise it on the next poll, after these records
+                            return out
+                        raise chunk.error
+                    state.current = chunk
+                records = chunk.records
+                take = records[chunk.index : chunk.index + max_records - len(out)]
+                chunk.index += len(take)
+                if take:
+                    consumed = state.consumed
+                    for record in take:
+                        consumed[record.origin] = record.origin_seq + 1
+                    out.extend(take)
+                    state.position = take[-1].offset + 1
+                if chunk.index >= len(records):
+                    state.position = chunk.next_offset
+                    state.current = None
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[ConsumerRecord]:
+        while True:
+            for record in await self.poll(timeout_ms=self._max_wait_ms):
+                yield record
+
+    # --- the fetchers ----------------------------------------------------------
+
+    def _request(self, state: _PartitionState, start: _Start) -> georep_pb2.FetchRequest:
+        topic, partition = state.tp
+        request = georep_pb2.FetchRequest(topic=topic, partition=partition, max_bytes=self._max_bytes,
+                                          max_wait_ms=self._max_wait_ms)  # fmt: skip
+        if start.kind == "offset":
+            request.offset = start.offset
+        elif start.kind == "vector":
+            assert start.vector is not None
+            request.vector.CopyFrom(vector_to_proto(start.vector))
+        elif start.kind == "latest":
+            request.position = georep_pb2.START_LATEST
+        else:
+            request.position = georep_pb2.START_EARLIEST
+        return request
+
+    async def _put(self, state: _PartitionState, chunk: _Chunk) -> None:
+        await state.queue.put(chunk)
+        self._data.set()
+
+    async def _fetch(self, state: _PartitionState) -> None:
+        topic, partition = state.tp
+        start = state.start
+        vector = start.vector
+        min_offset = start.offset if start.kind == "offset" else -1
+        last_next = -1
+        backoff_ms = self._retry_backoff_ms
+        while True:
+            try:
+                stub = await self._connection.connect()
+            except NodeUnavailable:
+                await asyncio.sleep(backoff_ms / 1000)
+                backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
+                continue
+            generation = self._connection.generation
+            call = stub.Fetch(self._request(state, start))
+            try:
+                async for response in call:
+                    backoff_ms = self._retry_backoff_ms
+                    try:
+                        records = decode_response(topic, partition, response.batches, min_offset, vector)
+                    except (CorruptBatch, DecompressionError) as exc:
+                        await self._put(state, _Chunk([], last_next, CorruptData(
+                            f"corrupt batch fetched from {topic}/{partition} at {self._connection.address}: "
+                            f"{exc}; the node's copy may be damaged, try another site")))  # fmt: skip
+                        return
+                    next_offset = response.next_offset
+                    if records or next_offset != last_next:
+                        await self._put(state, _Chunk(records, next_offset))
+                    last_next = next_offset
+                    # Resume here after a reconnect; the vector filter stays on.
+                    start = _Start("offset", next_offset)
+                    min_offset = next_offset
+                return
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc, self._connection.address)
+                if isinstance(error, NodeUnavailable):
+                    await asyncio.sleep(backoff_ms / 1000)
+                    backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
+                    with contextlib.suppress(GeorepError):
+                        await self._connection.reconnect(generation)
+                    continue
+                if isinstance(error, OffsetOutOfRange) and self._reset != "none":
+                    start = _Start(self._reset)
+                    min_offset = -1
+                    continue
+                if isinstance(error, OffsetOutOfRange):
+                    error = OffsetOutOfRange(
+                        f"{error.message} ({topic}/{partition}, auto_offset_reset='none': "
+                        "seek to a valid offset, or use seek_to_beginning/seek_to_end)", error.code)  # fmt: skip
+                await self._put(state, _Chunk([], last_next, error))
+                return
+            finally:
+                call.cancel()

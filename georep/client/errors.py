@@ -1,0 +1,134 @@
+"""The client's exceptions: one per error a user can see, each saying what to do.
+
+They are built from a gRPC status (unary calls and broken streams) or from a
+``ProduceResponse.error`` (per-batch errors inside ``ProduceStream``), which
+carries the same status code as a number.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from georep.proto import georep_pb2
+
+_CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class GeorepError(Exception):
+    """Base class of every error the georep client raises."""
+
+    retriable = False
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class UnknownTopic(GeorepError):
+    """The topic does not exist on the node (create it with ``georep topic create``)."""
+
+
+class TopicExists(GeorepError):
+    """``create_topic`` for a name that is already taken."""
+
+
+class InvalidRequest(GeorepError):
+    """The node rejected a request as malformed: bad name, partition count or arguments."""
+
+
+class BatchTooLarge(InvalidRequest):
+    """A batch is larger than the node's ``max_batch_bytes``."""
+
+
+class CorruptData(GeorepError):
+    """A batch failed its CRC-32C check (on the node, or in the client after a fetch)."""
+
+
+class DiskFull(GeorepError):
+    """The node's disk is full; nothing of the batch was written."""
+
+
+class OffsetOutOfRange(GeorepError):
+    """A fetch offset lies outside ``[log_start_offset, log_end_offset]``."""
+
+
+class OutOfOrderSequence(GeorepError):
+    """The node saw a gap in this producer's sequence: records may have been lost."""
+
+
+class ProducerFenced(GeorepError):
+    """A newer producer epoch with the same id exists; this producer must stop."""
+
+
+class NodeUnavailable(GeorepError):
+    """No node could be reached, or the connection broke."""
+
+    retriable = True
+
+
+class DeliveryTimeout(GeorepError):
+    """A batch was not acknowledged within ``delivery_timeout_ms``; it may or may not be stored."""
+
+
+class ProducerClosed(GeorepError):
+    """``send`` on a producer that is closing or closed."""
+
+
+class ServerError(GeorepError):
+    """A status the client has no specific meaning for (INTERNAL, UNKNOWN, ...)."""
+
+
+def _looks_fenced(message: str) -> bool:
+    return "fenced" in message.lower() or "epoch" in message.lower() and "producer" in message.lower()
+
+
+def _looks_too_large(message: str) -> bool:
+    text = message.lower()
+    return "max_batch_bytes" in text or "too large" in text or "exceeds" in text and "bytes" in text
+
+
+def from_status(code: grpc.StatusCode, message: str, address: str = "") -> GeorepError:
+    """The exception for a gRPC status code and its details message."""
+    where = f" at {address}" if address else ""
+    if code is grpc.StatusCode.NOT_FOUND:
+        return UnknownTopic(message or f"unknown topic{where}: create it with 'georep topic create'", code)
+    if code is grpc.StatusCode.ALREADY_EXISTS:
+        return TopicExists(message, code)
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        if _looks_too_large(message):
+            return BatchTooLarge(message, code)
+        return InvalidRequest(message, code)
+    if code is grpc.StatusCode.DATA_LOSS:
+        return CorruptData(message, code)
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return DiskFull(message, code)
+    if code is grpc.StatusCode.OUT_OF_RANGE:
+        return OffsetOutOfRange(message, code)
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        if _looks_fenced(message):
+            return ProducerFenced(message, code)
+        return OutOfOrderSequence(message, code)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        detail = f" ({message})" if message else ""
+        return NodeUnavailable(f"lost connection to georep node{where}{detail}: is it running? check --bootstrap", code)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        error = NodeUnavailable(f"georep node{where} did not answer in time ({message}); retry later", code)
+        return error
+    return ServerError(f"georep node{where} failed with {code.name}: {message}", code)
+
+
+def from_rpc_error(exc: grpc.RpcError, address: str = "") -> GeorepError:
+    """The exception for a failed gRPC call (``grpc.aio.AioRpcError`` included)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return from_status(code or grpc.StatusCode.UNKNOWN, details or "", address)
+
+
+def code_of(number: int) -> grpc.StatusCode:
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def from_produce_error(error: georep_pb2.Error, address: str = "") -> GeorepError:
+    """The exception for a per-batch ``ProduceResponse.error``."""
+    return from_status(code_of(error.code), error.message, address)
