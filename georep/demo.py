@@ -65,7 +65,7 @@ async def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: floa
     out: list[ConsumerRecord] = []
     async with Consumer(bootstrap) as consumer:
         consumer.subscribe([topic])
-        await consumer.seek_to_beginning()
+        consumer.seek_to_beginning()
         deadline = time.monotonic() + timeout_s
         while len(out) < expected and time.monotonic() < deadline:
             out.extend(await consumer.poll(timeout_ms=500, max_records=10_000))

@@ -265,3 +265,24 @@ def test_producer_survives_kill9_and_restart_without_loss_or_duplicates(node: No
             assert part == sorted(part)
 
     run(main())
+
+
+def test_seek_to_beginning_right_after_subscribe_reads_from_the_start(node) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> list[bytes | None]:
+        async with Admin(node.address) as admin:
+            await admin.create_topic("sub", 2)
+        async with Producer(node.address) as producer:
+            for i in range(10):
+                producer.send("sub", b"v%d" % i)
+            await producer.flush()
+        got: list[bytes | None] = []
+        async with Consumer(node.address) as consumer:  # default reset: latest
+            consumer.subscribe(["sub"])
+            consumer.seek_to_beginning()  # before the subscription has resolved its partitions
+            for _ in range(20):
+                got.extend(r.value for r in await consumer.poll(timeout_ms=200))
+                if len(got) == 10:
+                    break
+        return got
+
+    assert sorted(asyncio.run(scenario())) == sorted(b"v%d" % i for i in range(10))

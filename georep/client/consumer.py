@@ -157,6 +157,7 @@ class Consumer:
         self._states: dict[TopicPartition, _PartitionState] = {}
         self._subscribed: list[str] = []
         self._resolved_topics: set[str] = set()
+        self._subscription_start: _Start | None = None  # a seek made before the subscription resolved
         self._data = asyncio.Event()
         self._rr = 0
         self._closed = False
@@ -186,6 +187,8 @@ class Consumer:
     # --- assignment and positions ------------------------------------------------
 
     def _default_start(self) -> _Start:
+        if self._subscription_start is not None:
+            return self._subscription_start
         return _Start("latest") if self._reset == "latest" else _Start("earliest") if self._reset == "earliest" \
             else _Start("none")  # fmt: skip
 
@@ -205,6 +208,7 @@ class Consumer:
         self.assign([])
         self._subscribed = list(topics)
         self._resolved_topics = set()
+        self._subscription_start = None
 
     def assignment(self) -> list[TopicPartition]:
         return sorted(self._states)
@@ -228,10 +232,15 @@ class Consumer:
         self._restart(tp, _Start("offset", int(offset)))
 
     def seek_to_beginning(self, tps: Iterable[TopicPartition] | None = None) -> None:
+        if tps is None and self._subscribed:
+            # Partitions the subscription resolves later start here too.
+            self._subscription_start = _Start("earliest")
         for tp in self._tps(tps):
             self._restart(tp, _Start("earliest"))
 
     def seek_to_end(self, tps: Iterable[TopicPartition] | None = None) -> None:
+        if tps is None and self._subscribed:
+            self._subscription_start = _Start("latest")
         for tp in self._tps(tps):
             self._restart(tp, _Start("latest"))
 
