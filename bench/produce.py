@@ -61,7 +61,6 @@ DEFAULT_WINDOW_BYTES = 16 << 20  # bytes of requests in flight on one stream
 CLIENT_LINGER_MS = 5
 NATS_WINDOW_MESSAGES = 4096  # JetStream async publishes awaiting their ack
 RAW_METHOD = "/bench.Sink/Push"
-RAW_WRITE_METHOD = "/bench.Sink/PushWrite"
 PRODUCE_STREAM_METHOD = "/georep.v1.Node/ProduceStream"
 NODE_FLUSH_INTERVAL_MS = 100
 # Node and raw server accept the same message sizes as the georep client sends.
@@ -185,9 +184,7 @@ def start_raw_server(stack: contextlib.ExitStack, log_dir: Path) -> str:
     port = free_port()
     log = open(log_dir / "raw-grpc.log", "wb")  # noqa: SIM115 - closed by the exit stack
     stack.callback(log.close)
-    sink_dir = log_dir / "raw-sink"
-    sink_dir.mkdir(exist_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-raw", str(port), "--sink-dir", str(sink_dir)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-raw", str(port)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     stack.callback(stop_process, proc)
     wait_for_port(port, proc, "raw gRPC server")
@@ -219,39 +216,16 @@ def start_nats(stack: contextlib.ExitStack, root: Path) -> str | None:
 # -- raw gRPC reference server (runs in a child process) ------------------------
 
 
-async def serve_raw(port: int, sink_dir: Path) -> None:
+async def serve_raw(port: int) -> None:
     async def push(requests: Any, context: grpc.aio.ServicerContext) -> bytes:
         total = 0
         async for message in requests:
             total += len(message)
         return total.to_bytes(8, "big")
 
-    async def push_write(requests: Any, context: grpc.aio.ServicerContext) -> bytes:
-        """Also append each message to a file, fdatasync'd every 100 ms by a worker thread like the node."""
-        fd, name = tempfile.mkstemp(dir=sink_dir, suffix=".log")
-        total = 0
-        syncer = asyncio.create_task(sync_every(fd, NODE_FLUSH_INTERVAL_MS / 1000))
-        try:
-            async for message in requests:
-                os.pwrite(fd, message, total)
-                total += len(message)
-        finally:
-            syncer.cancel()
-            os.close(fd)
-            os.unlink(name)
-        return total.to_bytes(8, "big")
-
-    async def sync_every(fd: int, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            await asyncio.to_thread(os.fdatasync, fd)
-
     handler = grpc.method_handlers_generic_handler(
         "bench.Sink",
-        {
-            "Push": grpc.stream_unary_rpc_method_handler(push, None, None),
-            "PushWrite": grpc.stream_unary_rpc_method_handler(push_write, None, None),
-        },
+        {"Push": grpc.stream_unary_rpc_method_handler(push, None, None)},
     )
     server = grpc.aio.server(options=RAW_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
@@ -269,8 +243,8 @@ async def serve_raw(port: int, sink_dir: Path) -> None:
 # -- measurements -----------------------------------------------------------------
 
 
-async def raw_push(channel: grpc.aio.Channel, messages: Sequence[bytes], method: str = RAW_METHOD) -> float:
-    push = channel.stream_unary(method, request_serializer=None, response_deserializer=None)
+async def raw_push(channel: grpc.aio.Channel, messages: Sequence[bytes]) -> float:
+    push = channel.stream_unary(RAW_METHOD, request_serializer=None, response_deserializer=None)
     start = time.perf_counter()
     call = push()
     for message in messages:
@@ -445,21 +419,17 @@ async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: st
                 stream = Result("georep stream", batch_bytes, partitions, cfg.records, 0,
                                 note=f"window {window}")  # fmt: skip
                 raw = Result("raw gRPC", batch_bytes, partitions, cfg.records, 0, note="client-streaming sink")
-                raw_write = Result("raw gRPC+write", batch_bytes, partitions, cfg.records, 0,
-                                   note="sink that also pwrite()s, fdatasync 100 ms")  # fmt: skip
                 for i in range(cfg.repeats):
                     topic = next_topic("stream", batch_bytes, partitions)
                     await create_topic(node_channel, topic, partitions)
                     reqs = build_requests(topic, partitions, cfg.records, batch_bytes, value, seed=i)
-                    stream.payload_bytes = raw.payload_bytes = raw_write.payload_bytes = reqs.batch_bytes
+                    stream.payload_bytes = raw.payload_bytes = reqs.batch_bytes
                     progress(f"georep stream {size_label(batch_bytes)} x{partitions}p run {i + 1}")
                     stream.seconds.append(await stream_produce(node_channel, reqs.messages, window))
                     progress(f"raw gRPC {size_label(batch_bytes)} run {i + 1}")
                     raw.seconds.append(await raw_push(raw_channel, reqs.messages))
-                    progress(f"raw gRPC+write {size_label(batch_bytes)} run {i + 1}")
-                    raw_write.seconds.append(await raw_push(raw_channel, reqs.messages, RAW_WRITE_METHOD))
                     del reqs
-                results += [stream, raw, raw_write]
+                results += [stream, raw]
 
                 if not cfg.skip_client:
                     payload = cfg.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
@@ -544,20 +514,18 @@ def ratio_text(num: Result | None, den: Result | None, per_record: bool = False)
 def table(results: list[Result], nats_missing: str | None) -> Iterator[str]:
     nats = next((r for r in results if r.name == "nats js"), None)
     head = f"{'measurement':<15} {'batch':>8} {'parts':>5} {'MB/s':>8} {'records/s':>10}  {'vs raw':>6} " \
-           f"{'vs raw+w':>8} {'vs nats':>7}  {'runs MB/s':<18} note"  # fmt: skip
+           f"{'vs nats':>7}  {'runs MB/s':<18} note"  # fmt: skip
     yield head
     yield "-" * len(head)
     for r in results:
         vs_raw = ""
-        vs_raw_write = ""
         vs_nats = ""
         if r.name.startswith("georep"):
             vs_raw = ratio_text(r, find(results, "raw gRPC", r.batch_bytes, r.partitions))
-            vs_raw_write = ratio_text(r, find(results, "raw gRPC+write", r.batch_bytes, r.partitions))
             vs_nats = ratio_text(r, nats, per_record=True)
         runs = " ".join(f"{x:.0f}" for x in r.runs_mb_s())
         yield (f"{r.name:<15} {size_label(r.batch_bytes):>8} {r.partitions:>5} {r.mb_s:>8.1f} {r.records_s:>10,.0f}  "
-               f"{vs_raw:>6} {vs_raw_write:>8} {vs_nats:>7}  {runs:<18} {r.note}")  # fmt: skip
+               f"{vs_raw:>6} {vs_nats:>7}  {runs:<18} {r.note}")  # fmt: skip
     if nats_missing:
         yield f"nats js: {nats_missing}"
 
@@ -569,10 +537,8 @@ def summary(results: list[Result]) -> Iterator[str]:
             if raw is not None:
                 ratio = r.mb_s / raw.mb_s
                 verdict = "meets" if ratio >= 0.5 else "BELOW"
-                written = find(results, "raw gRPC+write", r.batch_bytes, r.partitions)
-                also = f"; {r.mb_s / written.mb_s * 100:.0f}% of raw gRPC+write" if written else ""
                 yield (f"{r.name} {size_label(r.batch_bytes)} x{r.partitions}p: {ratio * 100:.1f}% of raw gRPC "
-                       f"({verdict} the 50% target){also}")  # fmt: skip
+                       f"({verdict} the 50% target)")  # fmt: skip
         if r.name in ("encode_batch", "Producer.send"):
             verdict = "meets" if r.records_s >= 300_000 else "BELOW"
             yield f"{r.name} {size_label(r.batch_bytes)}: {r.records_s:,.0f} records/s ({verdict} the 300k target)"
@@ -617,7 +583,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run: few records, one run each")
     parser.add_argument("--serve-raw", type=int, metavar="PORT", help=argparse.SUPPRESS)
-    parser.add_argument("--sink-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.records is None:
         args.records = QUICK_RECORDS if args.quick else DEFAULT_RECORDS
@@ -633,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the finally blocks stop every child process.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.serve_raw is not None:
-        asyncio.run(serve_raw(args.serve_raw, args.sink_dir or Path(tempfile.gettempdir())))
+        asyncio.run(serve_raw(args.serve_raw))
         return 0
     cfg = Config(args.records, args.batch_sizes, args.partitions, args.repeats, args.window_bytes, args.no_client)
     cores = os.cpu_count() or 1
