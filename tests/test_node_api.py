@@ -220,3 +220,15 @@ def test_data_dir_of_another_site_is_refused(node: NodeProcess) -> None:
     proc = subprocess.run(other.command(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "belongs to site 'a'" in proc.stderr
+
+
+def test_idle_client_keepalive_pings_are_accepted(api: pbg.NodeStub, node: NodeProcess) -> None:
+    """Clients ping idle connections; the node must not answer with GOAWAY too_many_pings."""
+    import time
+
+    options = [("grpc.keepalive_time_ms", 1_500), ("grpc.keepalive_timeout_ms", 2_000),
+               ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]  # fmt: skip
+    with grpc.insecure_channel(node.address, options=options) as channel:
+        pbg.NodeStub(channel).Health(pb.HealthRequest())
+        time.sleep(8)  # 5 pings; gRPC's default server policy sends GOAWAY at the third
+        assert channel._channel.check_connectivity_state(False) == 2  # READY: the connection survived

@@ -29,6 +29,7 @@ log = logging.getLogger("georep.node")
 
 SHUTDOWN_GRACE_S = 5.0
 MESSAGE_SLACK_BYTES = 1 << 20
+KEEPALIVE_MIN_INTERVAL_MS = 1_000
 
 
 class UsageError(Exception):
@@ -85,6 +86,11 @@ async def serve(
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
             ("grpc.so_reuseport", 0),  # a second node on the same port must fail, not share it
+            # Clients ping every 10 s, even between calls, to notice a dead node
+            # under a long-poll fetch. gRPC servers by default answer pings more
+            # often than every 5 min with GOAWAY "too_many_pings".
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_INTERVAL_MS),
         ]
     )
     server.add_generic_rpc_handlers((service.handler(),))
