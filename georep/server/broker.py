@@ -286,20 +286,23 @@ class Broker:
         self.on_produce(topic, header.records_count, len(batch))
         return p, Produced(result, self.origin, False)
 
-    async def ack(self, p: Partition, produced: Produced) -> None:
-        """Wait until the append is as durable as the ack level promises.
+    def ack_waiter(self, p: Partition, produced: Produced) -> asyncio.Future[None] | None:
+        """What the ack must wait for to be as durable as its level promises; None: nothing.
 
         A single-node site has no in-site replicas, so ``acks=all`` promises
         what ``acks=leader`` does: the leader's log, fsynced when the topic
         fsyncs per batch.
         """
-        if p.fsync_per_batch:
-            r = produced.result
-            await p.flushed(r.base_offset + (r.last_origin_seq - r.base_origin_seq) + 1, self.executor)
+        if not p.fsync_per_batch:
+            return None
+        r = produced.result
+        return p.flushed(r.base_offset + (r.last_origin_seq - r.base_origin_seq) + 1, self.executor)
 
     async def produce(self, topic: str, index: int, batch: bytes, acks: int, geo_sites: int) -> Produced:
         p, produced = self.append(topic, index, batch, acks, geo_sites)
-        await self.ack(p, produced)
+        waiter = self.ack_waiter(p, produced)
+        if waiter is not None:
+            await waiter
         return produced
 
     # -- fetch ----------------------------------------------------------------

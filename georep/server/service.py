@@ -8,6 +8,7 @@ gRPC's generic deserialization failure.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 SERVICE = "georep.v1.Node"
 FETCH_MAX_BYTES_CAP = 16 << 20
 FETCH_MAX_WAIT_MS_CAP = 30_000
-PRODUCE_STREAM_MAX_PENDING = 1024
+PRODUCE_STREAM_MAX_PENDING = 1024  # unacked batches per stream before reading pauses
 
 M = TypeVar("M", bound=Message)
 
@@ -148,54 +149,70 @@ class NodeService:
     async def produce_stream(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ProduceResponse]:
-        answers: asyncio.Queue[pb.ProduceResponse | BaseException | None] = asyncio.Queue()
-        pending = asyncio.Semaphore(PRODUCE_STREAM_MAX_PENDING)
+        # Per request: one append and, when the ack must wait for an fsync, one
+        # callback on the shared fsync future. No task or queue per request:
+        # at 64 KiB batches that machinery cost more than the append itself.
+        ready: collections.deque[pb.ProduceResponse] = collections.deque()
+        wake = asyncio.Event()
+        room = asyncio.Event()
+        room.set()
+        state = {"waiting": 0, "done": False}
+        failure: list[BaseException] = []
+
+        def send(resp: pb.ProduceResponse) -> None:
+            ready.append(resp)
+            wake.set()
 
         def fail(req: pb.ProduceRequest, exc: BrokerError) -> None:
             self.metrics.produce_error(exc.code)
-            answers.put_nowait(pb.ProduceResponse(correlation_id=req.correlation_id, partition=req.partition,
-                                                  error=_error(exc)))  # fmt: skip
+            send(pb.ProduceResponse(correlation_id=req.correlation_id, partition=req.partition, error=_error(exc)))
 
-        async def answer(req: pb.ProduceRequest, p: Partition, produced: Produced) -> None:
-            try:
-                await self.broker.ack(p, produced)
-                answers.put_nowait(self._produced(req, produced))
-            except BrokerError as exc:
+        def durable(fut: asyncio.Future[None], req: pb.ProduceRequest, produced: Produced) -> None:
+            state["waiting"] -= 1
+            room.set()
+            exc = fut.exception()
+            if exc is None:
+                send(self._produced(req, produced))
+            elif isinstance(exc, BrokerError):
                 fail(req, exc)
-            finally:
-                pending.release()
+            else:
+                fail(req, BrokerError(grpc.StatusCode.INTERNAL, f"the batch was written but not acked: {exc}"))
 
         async def read_all() -> None:
-            tasks: set[asyncio.Task[None]] = set()
             try:
                 async for raw in requests:
                     req = _parse(pb.ProduceRequest, raw)
-                    await pending.acquire()
                     try:
                         # Appended here, synchronously: stream order is append order.
                         p, produced = self.broker.append(req.topic, req.partition, req.batch, req.acks, req.geo_sites)
                     except BrokerError as exc:
-                        pending.release()
                         fail(req, exc)
                         continue
-                    task = asyncio.create_task(answer(req, p, produced))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if tasks:
-                    await asyncio.gather(*tasks)
-                answers.put_nowait(None)
+                    waiter = self.broker.ack_waiter(p, produced)
+                    if waiter is None:
+                        send(self._produced(req, produced))
+                        continue
+                    state["waiting"] += 1
+                    waiter.add_done_callback(lambda f, r=req, pr=produced: durable(f, r, pr))
+                    if state["waiting"] >= PRODUCE_STREAM_MAX_PENDING:
+                        room.clear()
+                        await room.wait()
             except BaseException as exc:  # noqa: BLE001 - forwarded to the response stream
-                answers.put_nowait(exc)
+                failure.append(exc)
+            state["done"] = True
+            wake.set()
 
         reader = asyncio.create_task(read_all())
         try:
             while True:
-                item = await answers.get()
-                if item is None:
+                while ready:
+                    yield ready.popleft()
+                if failure:
+                    raise failure[0]
+                if state["done"] and not state["waiting"]:
                     return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+                wake.clear()
+                await wake.wait()
         finally:
             reader.cancel()
 
