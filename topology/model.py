@@ -1,0 +1,371 @@
+"""The topology: sites, their nodes, and the directed links between them. Pure.
+
+A topology file is TOML::
+
+    [sites.a]
+    nodes = ["127.0.0.1:7101"]          # HOST:PORT of each storage node of the site
+
+    [sites.b]
+    nodes = ["127.0.0.1:7201"]
+
+    [[links]]                           # a directed link src -> dst, pulled by dst
+    src = "a"
+    dst = "b"
+    topics = ["orders/**", "+/audit"]   # optional; default ["**"], every topic
+    cost = 1                            # optional; default 1
+
+``cost`` is a positive integer. Routing prefers the path with the smallest sum
+of link costs (with every cost 1, the fewest hops), so an operator can make an
+expensive WAN link a last resort by giving it a higher cost. Topic filter
+syntax is in ``topology/filters.py``.
+
+Every error names where it is ("link #3 (a -> b): ...", where #3 is the third
+``[[links]]`` table) and what to do. Unknown keys are rejected, so a typo such
+as ``topic =`` does not silently replicate everything. Cycles are legal.
+:func:`warnings` reports what is legal but probably a mistake, such as a site
+that no link reaches.
+
+Parsing takes the file's text; reading the file is the caller's job.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from topology.filters import ALL_TOPICS, InvalidTopicFilter, TopicFilter, matches_any
+from topology.ids import InvalidSiteId, SiteId, site_id
+
+COST_MAX = 1_000_000
+_HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+_TOP_KEYS = ("links", "sites")
+_SITE_KEYS = ("nodes",)
+_LINK_KEYS = ("cost", "dst", "src", "topics")
+
+
+class InvalidTopology(ValueError):
+    """A topology that cannot be used; the message says where and what to do."""
+
+
+class UnknownSite(ValueError):
+    """A site id that the topology does not define."""
+
+
+class UnknownLink(ValueError):
+    """A (src, dst) pair that is not a link of the topology."""
+
+
+def validate_node_address(address: str) -> str:
+    """Check ``HOST:PORT``: a host name, an IPv4 address or a bracketed IPv6 address, and a port 1-65535."""
+    example = "for example '127.0.0.1:7101', 'node1.example.com:7101' or '[::1]:7101'"
+    if not isinstance(address, str):
+        raise InvalidTopology(f"node address {address!r} must be a string 'HOST:PORT', {example}")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise InvalidTopology(f"node address {address!r} must be HOST:PORT, {example}")
+    if not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
+        raise InvalidTopology(f"node address {address!r} has the port {port!r}: use 1 to 65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise InvalidTopology(f"node address {address!r}: {host} is not an IPv6 address") from None
+        return address
+    if ":" in host:
+        raise InvalidTopology(f"node address {address!r}: put an IPv6 host in brackets, for example '[::1]:7101'")
+    if re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise InvalidTopology(f"node address {address!r}: {host} is not an IPv4 address") from None
+        return address
+    labels = host.split(".")
+    if len(host) > 253 or not all(_HOSTNAME_LABEL.fullmatch(label) for label in labels):
+        raise InvalidTopology(
+            f"node address {address!r}: {host!r} is not a host name (letters, digits and '-' in dot-separated labels)"
+        )
+    return address
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    id: SiteId
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A directed replication link: ``dst`` pulls from ``src`` the topics that ``topics`` match."""
+
+    src: SiteId
+    dst: SiteId
+    topics: tuple[TopicFilter, ...] = ALL_TOPICS
+    cost: int = 1
+
+    @property
+    def key(self) -> tuple[SiteId, SiteId]:
+        return (self.src, self.dst)
+
+    @property
+    def carries_everything(self) -> bool:
+        return any(f.matches_everything for f in self.topics)
+
+    def carries(self, topic: str) -> bool:
+        """Whether records of ``topic`` travel over this link."""
+        return matches_any(self.topics, topic)
+
+    def describe(self) -> str:
+        return f"{self.src} -> {self.dst}"
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Validated on construction, so every ``Topology`` is usable, however it was built.
+
+    ``links`` keeps the order given (the file's order), which is what "link #N" counts.
+    """
+
+    sites: tuple[Site, ...]
+    links: tuple[Link, ...]
+
+    def __post_init__(self) -> None:
+        _validate(self.sites, self.links)
+
+    def site_ids(self) -> tuple[SiteId, ...]:
+        return tuple(sorted(s.id for s in self.sites))
+
+    def site(self, sid: str) -> Site:
+        for s in self.sites:
+            if s.id == sid:
+                return s
+        raise UnknownSite(f"unknown site {sid!r}; known sites: {', '.join(self.site_ids())}")
+
+    def link(self, src: str, dst: str) -> Link:
+        for link in self.links:
+            if link.src == src and link.dst == dst:
+                return link
+        raise UnknownLink(f"there is no link {src} -> {dst} in the topology")
+
+    def links_sorted(self) -> tuple[Link, ...]:
+        return tuple(sorted(self.links, key=lambda link: link.key))
+
+
+def _validate(sites: tuple[Site, ...], links: tuple[Link, ...]) -> None:
+    if not sites:
+        raise InvalidTopology("the topology has no sites: add at least one [sites.<id>] table with nodes = [...]")
+    owner: dict[str, SiteId] = {}
+    ids: set[str] = set()
+    for s in sites:
+        where = f"site {s.id!r}"
+        try:
+            site_id(s.id)
+        except InvalidSiteId as e:
+            raise InvalidTopology(f"[sites.{s.id}]: {e}") from None
+        if s.id in ids:
+            raise InvalidTopology(f"{where} is defined twice")
+        ids.add(s.id)
+        if not s.nodes:
+            raise InvalidTopology(f"{where} has no nodes: list at least one, for example nodes = [\"127.0.0.1:7101\"]")
+        for address in s.nodes:
+            try:
+                validate_node_address(address)
+            except InvalidTopology as e:
+                raise InvalidTopology(f"{where}: {e}") from None
+            if address in owner:
+                other = owner[address]
+                whom = "twice" if other == s.id else f"by sites {other!r} and {s.id!r}"
+                raise InvalidTopology(f"node address {address} is listed {whom}; each node needs its own address")
+            owner[address] = s.id
+    known = ", ".join(sorted(ids))
+    first: dict[tuple[str, str], int] = {}
+    for number, link in enumerate(links, start=1):
+        where = f"link #{number} ({link.src} -> {link.dst})"
+        for end in (link.src, link.dst):
+            if end not in ids:
+                raise InvalidTopology(f"{where}: unknown site {end!r}; known sites: {known}")
+        if link.src == link.dst:
+            raise InvalidTopology(f"{where}: a link from a site to itself is not allowed; remove it")
+        if link.key in first:
+            raise InvalidTopology(
+                f"{where}: duplicate of link #{first[link.key]}; keep one link and put all its topic filters in it"
+            )
+        first[link.key] = number
+        if not link.topics:
+            raise InvalidTopology(
+                f"{where}: topics is empty, so the link would carry nothing; "
+                "omit 'topics' to carry every topic, or remove the link"
+            )
+        if isinstance(link.cost, bool) or not isinstance(link.cost, int) or not 1 <= link.cost <= COST_MAX:
+            raise InvalidTopology(f"{where}: cost {link.cost!r} must be an integer from 1 to {COST_MAX}")
+
+
+def _unknown_keys(table: Mapping[str, object], allowed: tuple[str, ...], where: str) -> None:
+    extra = sorted(k for k in table if k not in allowed)
+    if extra:
+        raise InvalidTopology(
+            f"{where}: unknown key {extra[0]!r}; allowed keys are {', '.join(allowed)}"
+        )
+
+
+def _string_list(value: object, where: str, what: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidTopology(f"{where}: {what} must be a list of strings, got {value!r}")
+    return list(value)
+
+
+def _parse_site(key: str, table: object) -> Site:
+    where = f"[sites.{key}]"
+    if not isinstance(table, dict):
+        raise InvalidTopology(f"{where} must be a table with nodes = [...], got {table!r}")
+    _unknown_keys(table, _SITE_KEYS, where)
+    try:
+        sid = site_id(key)
+    except InvalidSiteId as e:
+        raise InvalidTopology(f"{where}: {e}") from None
+    if "nodes" not in table:
+        raise InvalidTopology(f"{where}: missing 'nodes', for example nodes = [\"127.0.0.1:7101\"]")
+    return Site(sid, tuple(_string_list(table["nodes"], where, "nodes")))
+
+
+def _parse_link(number: int, table: object) -> Link:
+    where = f"link #{number}"
+    if not isinstance(table, dict):
+        raise InvalidTopology(f"{where} must be a table with src and dst, got {table!r}")
+    ends: list[str] = []
+    for end in ("src", "dst"):
+        value = table.get(end)
+        if value is None:
+            raise InvalidTopology(f"{where}: missing {end!r} (a site id)")
+        if not isinstance(value, str):
+            raise InvalidTopology(f"{where}: {end!r} must be a site id string, got {value!r}")
+        ends.append(value)
+    where = f"link #{number} ({ends[0]} -> {ends[1]})"
+    _unknown_keys(table, _LINK_KEYS, where)
+    topics = ALL_TOPICS
+    if "topics" in table:
+        try:
+            topics = tuple(TopicFilter(t) for t in _string_list(table["topics"], where, "topics"))
+        except InvalidTopicFilter as e:
+            raise InvalidTopology(f"{where}: {e}") from None
+    cost = table.get("cost", 1)
+    if isinstance(cost, bool) or not isinstance(cost, int):
+        raise InvalidTopology(f"{where}: cost {cost!r} must be an integer from 1 to {COST_MAX}")
+    # Ids are checked against the sites in Topology; unknown ones are reported there with the known ids.
+    return Link(SiteId(ends[0]), SiteId(ends[1]), topics, cost)
+
+
+def parse_topology(text: str) -> Topology:
+    """Parse and validate a TOML topology file's text. Raises :class:`InvalidTopology`."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise InvalidTopology(f"not valid TOML: {e}") from None
+    _unknown_keys(doc, _TOP_KEYS, "top level")
+    raw_sites = doc.get("sites")
+    if raw_sites is None:
+        raise InvalidTopology("the topology has no sites: add at least one [sites.<id>] table with nodes = [...]")
+    if not isinstance(raw_sites, dict):
+        raise InvalidTopology("'sites' must be a table of [sites.<id>] tables")
+    raw_links = doc.get("links", [])
+    if not isinstance(raw_links, list):
+        raise InvalidTopology("'links' must be an array of tables: write each link as a [[links]] table")
+    sites = tuple(_parse_site(key, raw_sites[key]) for key in raw_sites)
+    links = tuple(_parse_link(number, table) for number, table in enumerate(raw_links, start=1))
+    return Topology(sites, links)
+
+
+DEFAULT_PORTS: dict[str, int] = {"a": 7101, "b": 7201, "c": 7301}
+
+DEFAULT_TOPOLOGY_TOML = """\
+# The embedded default: three sites on 127.0.0.1, a cycle a -> b -> c -> a plus the reverse edges.
+[sites.a]
+nodes = ["127.0.0.1:7101"]
+
+[sites.b]
+nodes = ["127.0.0.1:7201"]
+
+[sites.c]
+nodes = ["127.0.0.1:7301"]
+
+[[links]]
+src = "a"
+dst = "b"
+
+[[links]]
+src = "b"
+dst = "c"
+
+[[links]]
+src = "c"
+dst = "a"
+
+[[links]]
+src = "b"
+dst = "a"
+
+[[links]]
+src = "c"
+dst = "b"
+
+[[links]]
+src = "a"
+dst = "c"
+"""
+
+
+def default_topology() -> Topology:
+    """Sites a, b, c on 127.0.0.1:7101/7201/7301; links a->b->c->a and the reverse edges, every topic, cost 1."""
+    return parse_topology(DEFAULT_TOPOLOGY_TOML)
+
+
+def _reachable(adjacent: Mapping[str, Iterable[str]], start: str) -> set[str]:
+    seen = {start}
+    todo = [start]
+    while todo:
+        for nxt in adjacent.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def warnings(topology: Topology) -> list[str]:
+    """What is legal but probably a mistake, one message per problem, in a stable order.
+
+    Topic filters are ignored here: a site that a filtered link reaches counts as reached.
+    """
+    ids = topology.site_ids()
+    if len(ids) < 2:
+        return []
+    out_of: dict[str, list[str]] = {s: [] for s in ids}
+    into: dict[str, list[str]] = {s: [] for s in ids}
+    for link in topology.links_sorted():
+        out_of[link.src].append(link.dst)
+        into[link.dst].append(link.src)
+    found: list[str] = []
+    for s in ids:
+        if not into[s]:
+            found.append(
+                f"site {s!r} is not reached by any link: records written at other sites never get there "
+                f"(add a [[links]] table with dst = {s!r})"
+            )
+    for s in ids:
+        if not out_of[s]:
+            found.append(
+                f"site {s!r} has no outgoing link: records written at {s!r} never leave it "
+                f"(add a [[links]] table with src = {s!r})"
+            )
+    reaches = {s: _reachable(out_of, s) for s in ids}
+    for dst in ids:
+        if not into[dst]:
+            continue
+        cut_off = [origin for origin in ids if out_of[origin] and origin != dst and dst not in reaches[origin]]
+        if cut_off:
+            names = ", ".join(repr(o) for o in cut_off)
+            found.append(f"site {dst!r} cannot receive records written at {names}: no chain of links leads there")
+    return found
