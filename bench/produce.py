@@ -388,8 +388,19 @@ class Config:
     skip_client: bool
 
 
+def settle_page_cache() -> None:
+    """Write back dirty pages left by earlier runs before the next one starts.
+
+    Page-cache writes on these VMs slow down several-fold while GBs of dirty
+    pages wait for writeback (the kernel throttles writers). Without this, a run
+    pays for the one before it, and the raw sink, which writes nothing, never does.
+    """
+    os.sync()
+
+
 async def repeat(result: Result, repeats: int, run: Callable[[int], Awaitable[float]]) -> Result:
     for i in range(repeats):
+        settle_page_cache()
         result.seconds.append(await run(i))
     return result
 
@@ -425,6 +436,7 @@ async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: st
                     reqs = build_requests(topic, partitions, cfg.records, batch_bytes, value, seed=i)
                     stream.payload_bytes = raw.payload_bytes = reqs.batch_bytes
                     progress(f"georep stream {size_label(batch_bytes)} x{partitions}p run {i + 1}")
+                    settle_page_cache()
                     stream.seconds.append(await stream_produce(node_channel, reqs.messages, window))
                     progress(f"raw gRPC {size_label(batch_bytes)} run {i + 1}")
                     raw.seconds.append(await raw_push(raw_channel, reqs.messages))

@@ -234,3 +234,117 @@ class HealthResponse(_message.Message):
     uptime_ms: int
     disk_full: bool
     def __init__(self, status: _Optional[str] = ..., site: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[str] = ..., uptime_ms: _Optional[int] = ..., disk_full: _Optional[bool] = ...) -> None: ...
+
+class PullWant(_message.Message):
+    __slots__ = ("topic", "partition", "have", "origin_sites")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_SITES_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    have: VectorOffset
+    origin_sites: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., have: _Optional[_Union[VectorOffset, _Mapping]] = ..., origin_sites: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("dst_site", "wants", "max_bytes", "max_wait_ms")
+    DST_SITE_FIELD_NUMBER: _ClassVar[int]
+    WANTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    dst_site: str
+    wants: _containers.RepeatedCompositeFieldContainer[PullWant]
+    max_bytes: int
+    max_wait_ms: int
+    def __init__(self, dst_site: _Optional[str] = ..., wants: _Optional[_Iterable[_Union[PullWant, _Mapping]]] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
+
+class ReplicaChunk(_message.Message):
+    __slots__ = ("topic", "partition", "batches", "src_vector", "src_log_end_offset")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SRC_VECTOR_FIELD_NUMBER: _ClassVar[int]
+    SRC_LOG_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    batches: bytes
+    src_vector: VectorOffset
+    src_log_end_offset: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., batches: _Optional[bytes] = ..., src_vector: _Optional[_Union[VectorOffset, _Mapping]] = ..., src_log_end_offset: _Optional[int] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[ReplicaChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[ReplicaChunk, _Mapping]]] = ...) -> None: ...
+
+class SiteStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OriginLag(_message.Message):
+    __slots__ = ("origin", "upstream", "lag_records", "lag_ms")
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_FIELD_NUMBER: _ClassVar[int]
+    LAG_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    LAG_MS_FIELD_NUMBER: _ClassVar[int]
+    origin: str
+    upstream: str
+    lag_records: int
+    lag_ms: int
+    def __init__(self, origin: _Optional[str] = ..., upstream: _Optional[str] = ..., lag_records: _Optional[int] = ..., lag_ms: _Optional[int] = ...) -> None: ...
+
+class PartitionStatus(_message.Message):
+    __slots__ = ("topic", "partition", "vector", "log_end_offset", "lags")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    LOG_END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LAGS_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    vector: VectorOffset
+    log_end_offset: int
+    lags: _containers.RepeatedCompositeFieldContainer[OriginLag]
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., vector: _Optional[_Union[VectorOffset, _Mapping]] = ..., log_end_offset: _Optional[int] = ..., lags: _Optional[_Iterable[_Union[OriginLag, _Mapping]]] = ...) -> None: ...
+
+class LinkStatus(_message.Message):
+    __slots__ = ("src", "dst", "state", "applied_batches", "applied_bytes", "skipped_batches", "last_error")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    dst: str
+    state: str
+    applied_batches: int
+    applied_bytes: int
+    skipped_batches: int
+    last_error: str
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., state: _Optional[str] = ..., applied_batches: _Optional[int] = ..., applied_bytes: _Optional[int] = ..., skipped_batches: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+
+class TopicConflict(_message.Message):
+    __slots__ = ("topic", "message")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    message: str
+    def __init__(self, topic: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SiteStatusResponse(_message.Message):
+    __slots__ = ("site", "epoch", "partitions", "links", "conflicts")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    CONFLICTS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    epoch: int
+    partitions: _containers.RepeatedCompositeFieldContainer[PartitionStatus]
+    links: _containers.RepeatedCompositeFieldContainer[LinkStatus]
+    conflicts: _containers.RepeatedCompositeFieldContainer[TopicConflict]
+    def __init__(self, site: _Optional[str] = ..., epoch: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[PartitionStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., conflicts: _Optional[_Iterable[_Union[TopicConflict, _Mapping]]] = ...) -> None: ...

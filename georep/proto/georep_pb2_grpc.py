@@ -74,6 +74,16 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.HealthRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.unary_stream(
+                '/georep.v1.Node/Replicate',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
+        self.SiteStatus = channel.unary_unary(
+                '/georep.v1.Node/SiteStatus',
+                request_serializer=georep_dot_proto_dot_georep__pb2.SiteStatusRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.SiteStatusResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -132,6 +142,23 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """Replication over the link src -> dst, pulled by dst: dst sends what it has
+        (a vector per partition) and which origin sites it wants from this src;
+        src streams the batches that extend it, verbatim, then keeps streaming new
+        ones, with its own vectors in every message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SiteStatus(self, request, context):
+        """The site's vectors and inbound links, for `georep status`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +201,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.HealthRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.HealthResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ReplicateRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'SiteStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SiteStatus,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.SiteStatusRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.SiteStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +429,60 @@ class Node:
             '/georep.v1.Node/Health',
             georep_dot_proto_dot_georep__pb2.HealthRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/georep.v1.Node/Replicate',
+            georep_dot_proto_dot_georep__pb2.ReplicateRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SiteStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/SiteStatus',
+            georep_dot_proto_dot_georep__pb2.SiteStatusRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.SiteStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

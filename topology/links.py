@@ -1,0 +1,192 @@
+"""The inbound links of one site: their states, routing per origin, and stall detection.
+
+Pure: events and ``now_ms`` in, decisions out. The node's pullers and the
+simulator feed it the same events:
+
+* ``link_up(src)`` when a ``Replicate`` stream to ``src`` delivers its first
+  message, ``link_down(src)`` when the stream or the connection fails;
+* ``upstream_vector(src, partition, vector)`` from every chunk ``src`` sends
+  (heartbeats included), ``local_vector(partition, vector)`` after each apply;
+* ``tick(now_ms)`` now and then, to detect stalls.
+
+and ask it ``wants(src)``: for each partition the link carries, the origin
+sites ``src`` must send. A puller reopens its stream when that answer changes.
+
+Routing. For each (topic, origin site), the preferred upstream is the next
+hop on the cheapest live path from the origin (``Router``). The links this
+site does not terminate are assumed up: a site only sees its own inbound
+links fail. An upstream that stays behind for an origin while another one has
+more of it, for ``stall_ms``, is *stalled* for that origin site and skipped.
+It is taken back once it has caught up with this site.
+
+A site also pulls its own origin site's records. A site rebuilt from empty
+has a new epoch, and its records of older epochs come back from any upstream
+that carries the topic, cheapest link first.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from offsets.coordinates import Origin
+from topology.ids import SiteId
+from topology.model import Topology
+from topology.routing import Router
+
+PartitionKey = tuple[str, int]
+DEFAULT_STALL_MS = 2_000
+
+
+class LinkState(enum.StrEnum):
+    CONNECTING = "connecting"
+    STREAMING = "streaming"
+    DOWN = "down"
+
+
+@dataclass
+class InboundLink:
+    src: SiteId
+    state: LinkState = LinkState.CONNECTING
+    since_ms: int = 0
+    last_error: str = ""
+    vectors: dict[PartitionKey, dict[Origin, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    src: SiteId
+    origin_site: SiteId
+    since_ms: int
+
+
+class LinkManager:
+    def __init__(self, topology: Topology, site: str, stall_ms: int = DEFAULT_STALL_MS) -> None:
+        self.topology = topology
+        self.site = topology.site(site).id
+        self.stall_ms = stall_ms
+        self.router = Router(topology)
+        self.links: dict[SiteId, InboundLink] = {
+            link.src: InboundLink(link.src) for link in topology.links_sorted() if link.dst == self.site
+        }
+        self.partitions: dict[str, int] = {}
+        self.local: dict[PartitionKey, dict[Origin, int]] = {}
+        # (src, origin site) -> since when src has been seen behind another upstream
+        self._behind_since: dict[tuple[SiteId, SiteId], int] = {}
+        self.stalled: dict[tuple[SiteId, SiteId], Stall] = {}
+
+    # -- events ---------------------------------------------------------------
+
+    def link_up(self, src: str, now_ms: int) -> None:
+        link = self.links[SiteId(src)]
+        if link.state is not LinkState.STREAMING:
+            link.state, link.since_ms, link.last_error = LinkState.STREAMING, now_ms, ""
+            self.router.set_link_up(src, self.site, True)
+
+    def link_down(self, src: str, now_ms: int, error: str = "") -> None:
+        link = self.links[SiteId(src)]
+        if link.state is not LinkState.DOWN:
+            link.state, link.since_ms = LinkState.DOWN, now_ms
+            self.router.set_link_up(src, self.site, False)
+        link.last_error = error or link.last_error
+        link.vectors.clear()  # what it held then is no promise of what it holds when it is back
+
+    def topic(self, name: str, partitions: int) -> None:
+        """A topic exists at this site with ``partitions`` partitions."""
+        self.partitions[name] = partitions
+
+    def upstream_vector(self, src: str, key: PartitionKey, vector: Mapping[Origin, int]) -> None:
+        self.links[SiteId(src)].vectors[key] = dict(vector)
+
+    def local_vector(self, key: PartitionKey, vector: Mapping[Origin, int]) -> None:
+        self.local[key] = dict(vector)
+
+    def tick(self, now_ms: int) -> None:
+        """Mark stalls, and lift the ones whose upstream has caught up."""
+        behind: set[tuple[SiteId, SiteId]] = set()
+        for key in sorted(self.local.keys() | self._upstream_keys()):
+            topic = key[0]
+            mine = self.local.get(key, {})
+            best = self._best_vector(key)
+            for origin in sorted(best):
+                if best[origin] <= mine.get(origin, 0):
+                    continue  # no upstream has more than this site
+                preferred = self._route(topic, origin.site, skip_stalled=False)
+                if preferred is None:
+                    continue
+                have = self.links[preferred].vectors.get(key, {}).get(origin, 0)
+                if have <= mine.get(origin, 0):
+                    behind.add((preferred, origin.site))
+        for pair in sorted(behind):
+            since = self._behind_since.setdefault(pair, now_ms)
+            if now_ms - since >= self.stall_ms and pair not in self.stalled:
+                self.stalled[pair] = Stall(pair[0], pair[1], now_ms)
+        for pair in sorted(set(self._behind_since) - behind):
+            del self._behind_since[pair]
+        for pair in sorted(self.stalled):
+            if pair not in behind and self._caught_up(*pair):
+                del self.stalled[pair]
+
+    # -- decisions ------------------------------------------------------------
+
+    def wants(self, src: str) -> dict[PartitionKey, tuple[SiteId, ...]]:
+        """For each partition the link ``src -> site`` carries, the origin sites to pull over it.
+
+        Partitions with no origin sites stay in the answer: their heartbeats
+        tell this site what ``src`` holds, which stall detection needs.
+        """
+        s = SiteId(src)
+        link = self.topology.link(s, self.site)
+        out: dict[PartitionKey, tuple[SiteId, ...]] = {}
+        for topic in sorted(self.partitions):
+            if not link.carries(topic):
+                continue
+            origins = tuple(o for o in self.topology.site_ids() if self._route(topic, o) == s)
+            for p in range(self.partitions[topic]):
+                out[(topic, p)] = origins
+        return out
+
+    def upstream_for(self, topic: str, origin_site: str) -> SiteId | None:
+        return self._route(topic, SiteId(origin_site))
+
+    def lag_records(self, key: PartitionKey) -> dict[Origin, int]:
+        mine = self.local.get(key, {})
+        best = self._best_vector(key)
+        return {o: max(0, best[o] - mine.get(o, 0)) for o in sorted(best)}
+
+    # -- internals ------------------------------------------------------------
+
+    def _route(self, topic: str, origin_site: SiteId, skip_stalled: bool = True) -> SiteId | None:
+        if origin_site == self.site:
+            candidates = [
+                link.src for link in sorted(self.topology.links_sorted(), key=lambda lk: (lk.cost, lk.src))
+                if link.dst == self.site and link.carries(topic) and self.router.is_link_up(link.src, self.site)
+            ]  # fmt: skip
+        else:
+            candidates = self.router.upstream_candidates(self.site, origin_site, topic)
+        usable = [c for c in candidates if not (skip_stalled and (c, origin_site) in self.stalled)]
+        if usable:
+            return usable[0]
+        return candidates[0] if candidates else None  # every candidate stalled: keep the best
+
+    def _upstream_keys(self) -> set[PartitionKey]:
+        return {key for link in self.links.values() for key in link.vectors}
+
+    def _best_vector(self, key: PartitionKey) -> dict[Origin, int]:
+        best: dict[Origin, int] = {}
+        for link in self.links.values():
+            if link.state is LinkState.DOWN:
+                continue
+            for origin, seq in link.vectors.get(key, {}).items():
+                if seq > best.get(origin, 0):
+                    best[origin] = seq
+        return best
+
+    def _caught_up(self, src: SiteId, origin_site: SiteId) -> bool:
+        vectors = self.links[src].vectors
+        for key, mine in self.local.items():
+            for origin, seq in mine.items():
+                if origin.site == origin_site and vectors.get(key, {}).get(origin, 0) < seq:
+                    return False
+        return True
