@@ -39,6 +39,9 @@ EXIT_INTERRUPTED = 130
 DELEGATED = {
     "node": ("georep.server.node", "run one storage node of a site"),
     "demo": ("georep.demo", "start a local multi-site demo"),
+    "up": ("georep.up", "run every node of a topology on this machine, in the foreground"),
+    "status": ("georep.status", "every site's vectors, links, routes and lag"),
+    "topology": ("topology.render", "topology show [FILE]: summary and picture of a topology"),
 }
 
 
@@ -400,6 +403,11 @@ def _run_delegated(name: str, argv: list[str]) -> int:
     except ImportError as exc:
         _err(f"error: 'georep {name}' is not available in this build ({exc})")
         return EXIT_ERROR
+    if name == "topology":
+        if not argv or argv[0] != "show":
+            _err("error: usage: georep topology show [FILE] [--output PICTURE] [--topic TOPIC]")
+            return EXIT_USAGE
+        return int(module.main(argv[1:]))
     parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=help_text)
     module.add_arguments(parser)
     code: int = module.main(parser.parse_args(argv))

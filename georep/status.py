@@ -1,0 +1,102 @@
+"""``georep status``: every site's vectors, links, routes and lag, from ``SiteStatus``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.up import TopologyFileError, load_topology
+from topology.model import Topology
+
+TIMEOUT_S = 3.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--topology", type=Path, help="topology TOML file (default: sites a, b, c)")
+    parser.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+
+
+def vector_text(vector: pb.VectorOffset) -> str:
+    return ",".join(f"{e.site}@{e.epoch}:{e.next_seq}" for e in vector.entries) or "-"
+
+
+async def fetch_status(topology: Topology) -> dict[str, pb.SiteStatusResponse | str]:
+    """Each site's status, or the reason it could not be had."""
+
+    async def one(address: str) -> pb.SiteStatusResponse | str:
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                return await pbg.NodeStub(channel).SiteStatus(pb.SiteStatusRequest(), timeout=TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                return f"unreachable at {address}: {exc.code().name} {exc.details()}"
+
+    sites = topology.site_ids()
+    answers = await asyncio.gather(*(one(topology.site(s).nodes[0]) for s in sites))
+    return dict(zip(sites, answers, strict=True))
+
+
+def as_json(statuses: dict[str, pb.SiteStatusResponse | str]) -> dict[str, Any]:
+    return {
+        site: ({"error": s} if isinstance(s, str) else MessageToDict(s, preserving_proto_field_name=True))
+        for site, s in statuses.items()
+    }
+
+
+def convergence(statuses: dict[str, pb.SiteStatusResponse | str]) -> list[tuple[str, int, bool]]:
+    """(topic, partition, whether every reachable site has the same vector)."""
+    vectors: dict[tuple[str, int], set[str]] = {}
+    for s in statuses.values():
+        if isinstance(s, str):
+            continue
+        for p in s.partitions:
+            vectors.setdefault((p.topic, p.partition), set()).add(vector_text(p.vector))
+    return [(t, p, len(v) == 1) for (t, p), v in sorted(vectors.items())]
+
+
+def render(statuses: dict[str, pb.SiteStatusResponse | str]) -> str:
+    lines: list[str] = []
+    for site, s in statuses.items():
+        if isinstance(s, str):
+            lines.append(f"site {site}: {s}")
+            continue
+        lines.append(f"site {site} (origin {site}@{s.epoch})")
+        for p in s.partitions:
+            lines.append(f"  {p.topic}/{p.partition}  end={p.log_end_offset}  vector={vector_text(p.vector)}")
+            for lag in p.lags:
+                lines.append(f"      {lag.origin:<24} from {lag.upstream or '-':<8} lag {lag.lag_records} records"
+                             f", {lag.lag_ms} ms")  # fmt: skip
+        for link in s.links:
+            err = f"  ({link.last_error})" if link.last_error else ""
+            lines.append(f"  link {link.src} -> {link.dst}: {link.state}, applied {link.applied_batches} batches "
+                         f"({link.applied_bytes} bytes), skipped {link.skipped_batches}{err}")  # fmt: skip
+        for c in s.conflicts:
+            lines.append(f"  CONFLICT {c.topic}: {c.message}")
+    rows = convergence(statuses)
+    if rows:
+        same = sum(1 for _, _, ok in rows if ok)
+        lines.append(f"converged partitions: {same}/{len(rows)}")
+        lines += [f"  differs: {t}/{p}" for t, p, ok in rows if not ok]
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        topology = load_topology(args.topology)
+    except TopologyFileError as exc:
+        print(f"georep: error: {exc}", file=sys.stderr)
+        return 2
+    statuses = asyncio.run(fetch_status(topology))
+    if args.json:
+        print(json.dumps(as_json(statuses), indent=1, sort_keys=True))
+    else:
+        print(render(statuses))
+    return 0 if all(not isinstance(s, str) for s in statuses.values()) else 1
