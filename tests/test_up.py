@@ -1,0 +1,89 @@
+"""georep up / status / topology show, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GEOREP = [sys.executable, "-m", "georep.cli"]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def triangle(path: Path) -> Path:
+    ports = free_ports(3)
+    sites = "".join(f'[sites.{s}]\nnodes = ["127.0.0.1:{p}"]\n' for s, p in zip("abc", ports, strict=True))
+    links = "".join(f'[[links]]\nsrc = "{s}"\ndst = "{d}"\n' for s, d in ["ab", "bc", "ca", "ba", "cb", "ac"])
+    path.write_text(sites + links)
+    return path
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*GEOREP, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_up_starts_every_site_and_sigterm_stops_them_cleanly(tmp_path: Path) -> None:
+    topo = triangle(tmp_path / "t.toml")
+    data = tmp_path / "data"
+    up = subprocess.Popen([*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all((data / s / "node.json").exists() for s in "abc"):
+            time.sleep(0.1)
+        infos = {s: json.loads((data / s / "node.json").read_text()) for s in "abc"}
+        for info in infos.values():
+            os.kill(info["pid"], 0)  # each site runs as its own process
+        assert len({i["pid"] for i in infos.values()}) == 3
+        health = run("health", "--bootstrap", infos["b"]["listen"])
+        assert health.returncode == 0 and "site=b" in health.stdout
+    finally:
+        up.send_signal(signal.SIGTERM)
+        out, err = up.communicate(timeout=60)
+    assert up.returncode == 0, err
+    assert "all sites stopped" in out
+    for s in "abc":
+        assert not (data / s / "node.json").exists()  # removed by a clean node shutdown
+
+
+def test_bad_topology_files_get_one_clear_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[sites.a]\nnodes = ["127.0.0.1:1"]\n[[links]]\nsrc = "a"\ndst = "zz"\n')
+    for command in (["up"], ["status"]):
+        proc = run(*command, "--topology", str(bad), "--data-dir", str(tmp_path / "d"), timeout=30) \
+            if command == ["up"] else run(*command, "--topology", str(bad))  # fmt: skip
+        assert proc.returncode == 2
+        assert "unknown site 'zz'" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    missing = run("status", "--topology", str(tmp_path / "nope.toml"))
+    assert missing.returncode == 2 and "cannot read topology file" in missing.stderr
+
+
+def test_status_reports_unreachable_sites(tmp_path: Path) -> None:
+    topo = triangle(tmp_path / "t.toml")
+    proc = run("status", "--topology", str(topo))
+    assert proc.returncode == 1
+    assert proc.stdout.count("unreachable") == 3
+
+
+def test_topology_show_writes_a_picture(tmp_path: Path) -> None:
+    topo = triangle(tmp_path / "t.toml")
+    picture = tmp_path / "t.svg"
+    proc = run("topology", "show", str(topo), "--output", str(picture))
+    assert proc.returncode == 0, proc.stderr
+    assert "a -> b" in proc.stdout
+    assert "<svg" in picture.read_text()
