@@ -1,0 +1,207 @@
+"""The source side of one ``Replicate`` stream: which batches to send, in what order. Sans-I/O.
+
+``ReplicaSource`` works over the ``PartitionLog`` port only, so the grpc.aio
+handler and the deterministic simulator (with ``MemoryLog``) drive the same
+object. It holds no sockets, clocks or tasks: the caller asks
+:meth:`ReplicaSource.next_chunks` for what to send now, and waits for appends
+or flushes itself when the answer is empty.
+
+Per wanted partition there is a cursor:
+
+* ``sent``: the dst's have-vector, advanced by every batch handed out. A batch
+  is sent only if its origin site is wanted and it extends ``sent``
+  (``last_origin_seq >= sent[origin]``); every other batch is skipped. So a
+  batch the dst already holds never crosses the link, which is what makes
+  cycles in the topology cost nothing.
+* ``offset``: the local offset where reading continues. It starts at the
+  smallest local offset of a batch the dst lacks, found through the origin
+  index (``offset_for_origin_seq``), over the wanted origin sites.
+
+Batches are read whole with ``PartitionLog.read``: the source never looks
+inside records and never rewrites bytes.
+
+**Only durable batches are served.** A batch at or beyond
+``log.flushed_offset`` is never sent. An origin that crashes loses its
+unflushed batches and then re-issues those coordinates with other records; if
+such a batch had already left the site, two sites would hold different bytes
+for one coordinate (I1). So replication exposes only what survives a crash.
+
+A partition log holds every origin's batches interleaved, so the batches of
+origin sites this link does not carry are read and skipped. That costs a read
+of data that is not sent; it is fine while a link carries most origins (the
+usual case: a site's upstreams split the origins between them). A per-origin
+read path through the origin index would remove it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from georep.record.batch import iter_headers
+from georep.storage.api import OffsetOutOfRange, PartitionLog
+from offsets.coordinates import LocalOffset, Origin, OriginSeq
+
+PartitionKey = tuple[str, int]
+# Bytes of skipped batches one next_chunks() call may read, as a multiple of
+# max_bytes: a long stretch of unwanted or covered batches must not hold the
+# event loop. Past it, next_chunks() returns what it has and has_more() says so.
+SCAN_BUDGET_FACTOR = 16
+# Reads ask for at least this much, so skipping small batches takes few reads;
+# batches past the budget are left for the next call (the cursor says where).
+READ_BYTES_MIN = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Whole batches of one partition, verbatim, with the source's state of the partition.
+
+    ``batches`` is empty in a heartbeat. ``src_vector`` is everything the
+    source has appended to the partition (its flushed part is what it serves).
+    """
+
+    key: tuple[str, int]
+    batches: bytes
+    src_vector: dict[Origin, int]
+    src_log_end: int
+
+
+class _Cursor:
+    __slots__ = ("key", "log", "sites", "sent", "offset")
+
+    def __init__(self, key: PartitionKey, log: PartitionLog, have: Mapping[Origin, int], sites: tuple[str, ...]):
+        self.key = key
+        self.log = log
+        self.sites = frozenset(sites)
+        self.sent: dict[Origin, int] = {o: s for o, s in have.items() if s > 0}
+        start = log.log_end_offset
+        for origin, next_seq in sorted(log.vector().items()):
+            have_seq = self.sent.get(origin, 0)
+            if origin.site not in self.sites or have_seq >= next_seq:
+                continue
+            at = log.offset_for_origin_seq(origin, OriginSeq(have_seq))
+            if at is not None:
+                start = min(start, at)
+        self.offset = LocalOffset(max(start, log.log_start_offset))
+
+    def pending(self) -> bool:
+        return self.offset < self.log.flushed_offset
+
+    def take(self, budget: int, scan_budget: int, oversize_ok: bool) -> tuple[list[memoryview], int, int]:
+        """Read from ``offset``: the batches to send (within ``budget`` bytes), bytes sent, bytes scanned.
+
+        ``oversize_ok``: the first batch may exceed ``budget`` (a response
+        holds at least one batch).
+        """
+        out: list[memoryview] = []
+        sent_bytes = 0
+        scanned = 0
+        log = self.log
+        while scanned < scan_budget:
+            flushed = log.flushed_offset
+            if self.offset >= flushed:
+                break
+            try:
+                res = log.read(self.offset, max(budget - sent_bytes, READ_BYTES_MIN))
+            except OffsetOutOfRange:
+                # Retention removed what the cursor pointed at: go on from the
+                # oldest retained batch. The dst sees the hole as a gap.
+                if self.offset < log.log_start_offset:
+                    self.offset = log.log_start_offset
+                    continue
+                raise
+            if not res.data:
+                break
+            view = memoryview(res.data)
+            pos = 0
+            full = False
+            for h in iter_headers(res.data):
+                if h.base_offset >= flushed:
+                    full = True  # not durable yet: stop before it
+                    break
+                size = h.size_bytes
+                origin = h.origin
+                if origin.site in self.sites and h.last_origin_seq >= self.sent.get(origin, 0):
+                    if sent_bytes + size > budget and (out or not oversize_ok):
+                        full = True
+                        break
+                    out.append(view[pos : pos + size])
+                    sent_bytes += size
+                    if h.next_origin_seq > self.sent.get(origin, 0):
+                        self.sent[origin] = h.next_origin_seq
+                scanned += size
+                pos += size
+                self.offset = h.next_offset
+            if full or sent_bytes >= budget:
+                break
+            if pos == 0:
+                break  # a read that yielded no whole batch: nothing more to do now
+        return out, sent_bytes, scanned
+
+
+class ReplicaSource:
+    """What one ``Replicate`` stream sends: wanted batches the dst lacks, durable ones only, fairly across partitions.
+
+    ``wants`` maps each partition key to the dst's have-vector for it and the
+    origin sites to send (every epoch of those sites). Every key must be in
+    ``logs``.
+    """
+
+    def __init__(
+        self,
+        logs: Mapping[tuple[str, int], PartitionLog],
+        wants: Mapping[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]],
+    ) -> None:
+        self._cursors = [_Cursor(key, logs[key], have, sites) for key, (have, sites) in sorted(wants.items())]
+        self._next = 0  # round-robin start
+
+    @property
+    def keys(self) -> list[PartitionKey]:
+        return [c.key for c in self._cursors]
+
+    def sent_vector(self, key: PartitionKey) -> dict[Origin, int]:
+        """The dst's have-vector for ``key`` plus everything handed out since (a copy)."""
+        for c in self._cursors:
+            if c.key == key:
+                return dict(c.sent)
+        raise KeyError(key)
+
+    def next_chunks(self, max_bytes: int) -> list[Chunk]:
+        """The batches to send now, at most ``max_bytes`` in all (but at least one batch), advancing cursors.
+
+        Partitions take turns: each call starts one partition further on. The
+        answer is ``[]`` when every cursor has reached its log's flushed
+        offset, or when only skipped batches were read this call
+        (:meth:`has_more` then says there is more to scan).
+        """
+        n = len(self._cursors)
+        if n == 0:
+            return []
+        budget = max(max_bytes, 1)
+        scan_budget = budget * SCAN_BUDGET_FACTOR
+        out: list[Chunk] = []
+        total = 0
+        start = self._next
+        self._next = (self._next + 1) % n
+        for i in range(n):
+            if total >= budget or scan_budget <= 0:
+                break
+            cursor = self._cursors[(start + i) % n]
+            if not cursor.pending():
+                continue
+            views, size, scanned = cursor.take(budget - total, scan_budget, oversize_ok=not out)
+            scan_budget -= scanned
+            if views:
+                total += size
+                data = views[0].tobytes() if len(views) == 1 else b"".join(views)
+                log = cursor.log
+                out.append(Chunk(cursor.key, data, dict(log.vector()), log.log_end_offset))
+        return out
+
+    def heartbeat(self) -> list[Chunk]:
+        """One empty chunk per wanted partition, carrying the source's vector and log end."""
+        return [Chunk(c.key, b"", dict(c.log.vector()), c.log.log_end_offset) for c in self._cursors]
+
+    def has_more(self) -> bool:
+        """Whether some cursor has durable batches left to read (sent or skipped)."""
+        return any(c.pending() for c in self._cursors)
