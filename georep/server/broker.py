@@ -24,6 +24,7 @@ from cluster.metadata import FileMetadataStore, SiteIdentity, TopicExists, Unkno
 from cluster.topics import InvalidTopic, TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from dedup.producer import Append, AppendResult, Duplicate, InvalidSequence, ProducerStateTable
 from georep.record.batch import HEADER_BYTES, CorruptBatch, compute_crc, parse_header, stamp_origin
+from georep.replication.sink import ApplyOutcome, CorruptChunk, apply_chunk
 from georep.storage.api import DiskFull, LogConfig, OffsetOutOfRange, PartitionLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 
@@ -54,6 +55,11 @@ def _err(code: grpc.StatusCode, message: str) -> BrokerError:
     return BrokerError(code, message)
 
 
+def _consume_exception(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def partition_dir_name(topic: str, partition: int) -> str:
     return f"{urllib.parse.quote(topic, safe='')}-{partition}"
 
@@ -77,6 +83,7 @@ class Partition:
         self.config = config
         self.producers = ProducerStateTable.rebuild(log_.batch_entries(), now_ms=now_ms, origin=origin)
         self._appended: asyncio.Future[None] | None = None
+        self._durable: asyncio.Future[None] | None = None
         self._flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._flushing = False
         self.last_flush_mono_ms = 0
@@ -94,6 +101,16 @@ class Partition:
     def notify_append(self) -> None:
         if self._appended is not None and not self._appended.done():
             self._appended.set_result(None)
+
+    def durable(self) -> asyncio.Future[None]:
+        """A future resolved when ``log.flushed_offset`` next advances (replication serves only flushed batches)."""
+        if self._durable is None or self._durable.done():
+            self._durable = asyncio.get_running_loop().create_future()
+        return self._durable
+
+    def _notify_durable(self) -> None:
+        if self._durable is not None and not self._durable.done():
+            self._durable.set_result(None)
 
     def flushed(self, end_offset: int, executor: ThreadPoolExecutor) -> asyncio.Future[None]:
         """Resolves once everything below ``end_offset`` is fsynced."""
@@ -122,6 +139,7 @@ class Partition:
                     fut.set_exception(_err(grpc.StatusCode.INTERNAL, f"fsync failed: {exc}; the batch was not acked"))
             return
         flushed = task.result()
+        self._notify_durable()
         for end, fut in waiters:
             if end <= flushed:
                 if not fut.done():
@@ -162,6 +180,9 @@ class Broker:
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fsync")
         self.disk_full = False
         self.on_produce: Callable[[str, int, int], None] = lambda topic, records, size: None
+        # Called with (name, partitions) for every topic this node opens: at
+        # startup, on CreateTopic, and when replication creates one.
+        self.on_topic: Callable[[str, int], None] = lambda name, partitions: None
         now = self.clock_ms()
         for spec in self.metadata.topics().values():
             self._open_topic(spec, now)
@@ -192,12 +213,15 @@ class Broker:
             # The partition directories come first: a crash in between leaves
             # empty directories that the next create reuses, never a topic
             # without its logs.
+            if name in self.metadata.topics():
+                raise TopicExists(name)
             self._open_topic(spec, self.clock_ms())
             self.metadata.create_topic(spec)
         except TopicExists as exc:
             raise _err(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
         except OSError as exc:
             raise _err(grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot create topic {name!r}: {exc}") from None
+        self.on_topic(name, partitions)
         return spec
 
     def topic(self, name: str) -> TopicSpec:
@@ -304,6 +328,33 @@ class Broker:
         if waiter is not None:
             await waiter
         return produced
+
+    # -- replication ----------------------------------------------------------
+
+    def append_replica(self, topic: str, index: int, batches: bytes) -> ApplyOutcome:
+        """Apply one replicated chunk (docs/design.md, "Replication"). Synchronous, like ``append``.
+
+        Nothing waits for an fsync here: the partition's flush policy makes the
+        batches durable (the next flush covers them), and until it does, this
+        site does not serve them onward either.
+        """
+        p = self.partition(topic, index)
+        try:
+            outcome = apply_chunk(p.log, batches, self.clock_ms())
+        except CorruptChunk as exc:
+            raise _err(grpc.StatusCode.DATA_LOSS, str(exc)) from None
+        except DiskFull as exc:
+            self.disk_full = True
+            raise _err(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        except OSError as exc:
+            raise _err(grpc.StatusCode.INTERNAL, f"write to {topic}-{index} failed: {exc}") from None
+        if outcome.appended_batches:
+            p.notify_append()
+            if p.fsync_per_batch:
+                # Nobody awaits this: it only starts (or joins) the partition's
+                # group fsync. Errors are logged by _flush_done.
+                p.flushed(p.log.log_end_offset, self.executor).add_done_callback(_consume_exception)
+        return outcome
 
     # -- fetch ----------------------------------------------------------------
 

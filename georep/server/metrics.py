@@ -11,11 +11,14 @@ from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from georep.replication.puller import Replicator
     from georep.server.broker import Broker
+
+LINK_STATES = ("connecting", "streaming", "stalled", "down")
 
 
 class _PartitionCollector(Collector):
@@ -49,6 +52,62 @@ class _PartitionCollector(Collector):
         yield from (end, start, size, segs, unflushed, vector, disk)
 
 
+class _ReplicationCollector(Collector):
+    """Inbound links and lags, read from the replicator at scrape time (the apply path bumps plain ints)."""
+
+    def __init__(self, replicator: Replicator) -> None:
+        self.replicator = replicator
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        r = self.replicator
+        link_labels = ["src", "dst"]
+        state = GaugeMetricFamily(
+            "georep_link_state", "1 for the inbound link's current state, 0 for the others",
+            labels=[*link_labels, "state"],
+        )
+        batches = CounterMetricFamily("georep_replication_applied_batches", "Replicated batches appended",
+                                      labels=link_labels)  # fmt: skip
+        size = CounterMetricFamily("georep_replication_applied_bytes", "Replicated batch bytes appended",
+                                   labels=link_labels)  # fmt: skip
+        records = CounterMetricFamily("georep_replication_applied_records", "Replicated records appended",
+                                      labels=link_labels)  # fmt: skip
+        skipped = CounterMetricFamily(
+            "georep_replication_skipped_batches", "Replicated batches already held (cycles, resends)",
+            labels=link_labels,
+        )
+        gaps = CounterMetricFamily("georep_replication_gaps", "Streams reopened on a gap", labels=link_labels)
+        for src, puller in sorted(r.pullers.items()):
+            lv = [src, r.site]
+            current = r.link_state(src)
+            for s in LINK_STATES:
+                state.add_metric([*lv, s], 1 if s == current else 0)
+            st = puller.stats
+            batches.add_metric(lv, st.applied_batches)
+            size.add_metric(lv, st.applied_bytes)
+            records.add_metric(lv, st.applied_records)
+            skipped.add_metric(lv, st.skipped_batches)
+            gaps.add_metric(lv, st.gaps)
+        origin_labels = ["topic", "partition", "origin"]
+        lag_records = GaugeMetricFamily(
+            "georep_replication_lag_records", "Records the best live upstream holds that this site does not",
+            labels=origin_labels,
+        )
+        lag_ms = GaugeMetricFamily(
+            "georep_replication_lag_ms", "Last applied batch: local append time minus its max producer timestamp",
+            labels=origin_labels,
+        )
+        for key in sorted(r.broker.partitions):
+            for origin, lag in sorted(r.links.lag_records(key).items()):
+                lag_records.add_metric([key[0], str(key[1]), str(origin)], lag)
+        for (topic, index, origin), ms in sorted(r.lag_ms.items()):
+            lag_ms.add_metric([topic, str(index), str(origin)], ms)
+        conflicts = GaugeMetricFamily(
+            "georep_topic_conflicts", "Topics not replicated over a link: partition counts differ"
+        )
+        conflicts.add_metric([], len(r.conflicts))
+        yield from (state, batches, size, records, skipped, gaps, lag_records, lag_ms, conflicts)
+
+
 class NodeMetrics:
     def __init__(self, broker: Broker) -> None:
         self.registry = CollectorRegistry()
@@ -62,6 +121,9 @@ class NodeMetrics:
             "georep_produce_errors", "Produce requests refused, by gRPC status", ["code"], registry=self.registry
         )
         self._fetched_bytes = Counter("georep_fetched_bytes", "Batch bytes sent to fetchers", registry=self.registry)
+        self._replicated_out_bytes = Counter(
+            "georep_replication_sent_bytes", "Batch bytes sent to downstream sites", registry=self.registry
+        )
         self.registry.register(_PartitionCollector(broker))
         broker.on_produce = self.produced
 
@@ -74,6 +136,12 @@ class NodeMetrics:
 
     def fetched(self, size: int) -> None:
         self._fetched_bytes.inc(size)
+
+    def replicated_out(self, size: int) -> None:
+        self._replicated_out_bytes.inc(size)
+
+    def attach(self, replicator: Replicator) -> None:
+        self.registry.register(_ReplicationCollector(replicator))
 
     def serve(self, host: str, port: int) -> str:
         """Start the /metrics HTTP server in a daemon thread; returns its address."""

@@ -24,6 +24,8 @@ from georep.server.metrics import NodeMetrics
 from georep.server.process import NODE_INFO
 from georep.server.service import FETCH_MAX_BYTES_CAP, NodeService
 from topology.ids import InvalidSiteId
+from topology.links import DEFAULT_STALL_MS
+from topology.model import InvalidTopology, Topology, UnknownSite, default_topology, parse_topology
 
 log = logging.getLogger("georep.node")
 
@@ -49,6 +51,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", required=True, type=Path, help="where this node keeps its logs")
     parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
+    parser.add_argument(
+        "--topology", type=Path, default=None,
+        help="topology TOML file: sites, their nodes and the links this site pulls over "
+        "(default: the embedded 3-site topology a, b, c on 127.0.0.1:7101/7201/7301)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stall-ms", type=int, default=DEFAULT_STALL_MS,
+        help=f"move an origin to another upstream after its preferred one stays behind this long "
+        f"(default {DEFAULT_STALL_MS})",
+    )  # fmt: skip
     for key, value in DEFAULT_TOPIC_CONFIG.items():
         parser.add_argument(
             f"--{key.replace('_', '-')}", type=int, default=value, help=f"default topic {key} (default {value})"
@@ -61,10 +73,35 @@ def main(args: argparse.Namespace) -> int:
         listen = parse_address(args.listen, "--listen")
         metrics_listen = parse_address(args.metrics_listen, "--metrics-listen")
         defaults = {key: getattr(args, key) for key in DEFAULT_TOPIC_CONFIG}
-        return asyncio.run(serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms))
+        topology = load_topology(args.topology, args.site)
+        if args.stall_ms < 1:
+            raise UsageError(f"--stall-ms {args.stall_ms} must be at least 1")
+        return asyncio.run(
+            serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
+                  topology, args.stall_ms)  # fmt: skip
+        )
     except (UsageError, DataDirMismatch, InvalidSiteId) as exc:
         log.error("%s", exc)
         return 2
+
+
+def load_topology(path: Path | None, site: str) -> Topology:
+    """The topology from ``path`` (or the embedded default); ``site`` must be one of its sites."""
+    where = str(path) if path is not None else "the default topology"
+    try:
+        topology = default_topology() if path is None else parse_topology(path.read_text())
+    except OSError as exc:
+        raise UsageError(f"--topology {path}: cannot read it: {exc.strerror or exc}") from None
+    except InvalidTopology as exc:
+        raise UsageError(f"--topology {path}: {exc}") from None
+    try:
+        topology.site(site)
+    except UnknownSite:
+        raise UsageError(
+            f"site {site!r} is not in {where} (sites: {', '.join(topology.site_ids())}): "
+            "pass --site with one of them, or --topology with a file that defines this site"
+        ) from None
+    return topology
 
 
 async def serve(
@@ -74,12 +111,19 @@ async def serve(
     data_dir: Path,
     defaults: dict[str, int],
     retention_check_ms: int,
+    topology: Topology | None = None,
+    stall_ms: int = DEFAULT_STALL_MS,
 ) -> int:
+    from georep.replication.puller import Replicator
+
     data_dir.mkdir(parents=True, exist_ok=True)
     identity = load_or_create_identity(data_dir, site, int(time.time()))
     broker = Broker(data_dir, identity, defaults)
     metrics = NodeMetrics(broker)
-    service = NodeService(broker, metrics)
+    replicator = Replicator(broker, topology, site, stall_ms) if topology is not None else None
+    if replicator is not None:
+        metrics.attach(replicator)
+    service = NodeService(broker, metrics, replicator)
     max_message = max(defaults["max_batch_bytes"], FETCH_MAX_BYTES_CAP) + MESSAGE_SLACK_BYTES
     server = grpc.aio.server(
         options=[
@@ -121,8 +165,14 @@ async def serve(
         asyncio.create_task(_flush_loop(broker)),
         asyncio.create_task(_retention_loop(broker, retention_check_ms / 1000)),
     ]
+    if replicator is not None:
+        replicator.start()
+        log.info("pulling from %s", ", ".join(f"{p.src} ({p.address})" for p in replicator.pullers.values())
+                 or "no site: no link leads here")  # fmt: skip
     await stop.wait()
     log.info("shutting down")
+    if replicator is not None:
+        await replicator.stop()
     for task in housekeeping:
         task.cancel()
     await server.stop(SHUTDOWN_GRACE_S)

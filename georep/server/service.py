@@ -12,7 +12,7 @@ import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -20,10 +20,16 @@ from google.protobuf.message import DecodeError, Message
 from georep import __version__
 from georep.proto import georep_pb2 as pb
 from georep.record.batch import iter_headers
+from georep.replication.source import Chunk, ReplicaSource
 from georep.server.broker import Broker, BrokerError, Partition, Produced
 from georep.server.metrics import NodeMetrics
+from georep.vector_proto import vector_from_proto
 from offsets.coordinates import LocalOffset, Origin
-from topology.ids import InvalidSiteId
+from offsets.vector import InvalidVectorOffset
+from topology.ids import InvalidSiteId, site_id
+
+if TYPE_CHECKING:
+    from georep.replication.puller import Replicator
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +37,8 @@ SERVICE = "georep.v1.Node"
 FETCH_MAX_BYTES_CAP = 16 << 20
 FETCH_MAX_WAIT_MS_CAP = 30_000
 PRODUCE_STREAM_MAX_PENDING = 1024  # unacked batches per stream before reading pauses
+REPLICATE_MAX_BYTES_DEFAULT = 1 << 20
+REPLICATE_MAX_WAIT_MS_DEFAULT = 500
 
 M = TypeVar("M", bound=Message)
 
@@ -68,9 +76,10 @@ def _vector_to_pb(vector: dict[Origin, Any]) -> pb.VectorOffset:
 
 
 class NodeService:
-    def __init__(self, broker: Broker, metrics: NodeMetrics) -> None:
+    def __init__(self, broker: Broker, metrics: NodeMetrics, replicator: Replicator | None = None) -> None:
         self.broker = broker
         self.metrics = metrics
+        self.replicator = replicator
         self.started = time.monotonic()
 
     # -- admin ----------------------------------------------------------------
@@ -259,6 +268,86 @@ class NodeService:
             log_start_offset=p.log.log_start_offset, next_offset=position,
         )  # fmt: skip
 
+    # -- replication ------------------------------------------------------------
+
+    async def replicate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReplicateResponse]:
+        """Serve one inbound pull (docs/design.md, "Replication"): a heartbeat first, then
+        batches the dst lacks as they become durable, and a heartbeat every ``max_wait_ms`` when idle."""
+        req = _parse(pb.ReplicateRequest, data)
+        if req.dst_site:
+            try:
+                site_id(req.dst_site)
+            except InvalidSiteId as exc:
+                raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ReplicateRequest: {exc}") from None
+        partitions: dict[tuple[str, int], Partition] = {}
+        wants: dict[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]] = {}
+        for want in req.wants:
+            key = (want.topic, want.partition)
+            if key in wants:
+                raise BrokerError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"malformed ReplicateRequest: {want.topic}-{want.partition} is wanted twice; list it once",
+                )
+            partitions[key] = self.broker.partition(want.topic, want.partition)
+            try:
+                have = vector_from_proto(want.have).to_dict()
+            except InvalidVectorOffset as exc:
+                raise BrokerError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"malformed have-vector for {want.topic}-{want.partition}: {exc}"
+                ) from None
+            wants[key] = (dict(have), tuple(want.origin_sites))
+        max_bytes = min(req.max_bytes or REPLICATE_MAX_BYTES_DEFAULT, FETCH_MAX_BYTES_CAP)
+        max_wait_s = min(req.max_wait_ms or REPLICATE_MAX_WAIT_MS_DEFAULT, FETCH_MAX_WAIT_MS_CAP) / 1000
+        source = ReplicaSource({k: p.log for k, p in partitions.items()}, wants)
+        loop = asyncio.get_running_loop()
+        yield self._replicate_response(source.heartbeat())
+        last_sent = loop.time()
+        while True:
+            chunks = source.next_chunks(max_bytes)
+            if chunks:
+                self.metrics.replicated_out(sum(len(c.batches) for c in chunks))
+                yield self._replicate_response(chunks)
+                last_sent = loop.time()
+                continue
+            if source.has_more():
+                await asyncio.sleep(0)  # only skipped batches so far: let other streams run
+                continue
+            remaining = max_wait_s - (loop.time() - last_sent)
+            if remaining <= 0:
+                yield self._replicate_response(source.heartbeat())
+                last_sent = loop.time()
+                continue
+            # Batches are served once durable, so wake on a flush, not on an append.
+            durable = [p.durable() for p in partitions.values()]
+            if durable:
+                await asyncio.wait(durable, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(remaining)
+
+    @staticmethod
+    def _replicate_response(chunks: list[Chunk]) -> pb.ReplicateResponse:
+        return pb.ReplicateResponse(
+            chunks=[
+                pb.ReplicaChunk(
+                    topic=c.key[0], partition=c.key[1], batches=c.batches,
+                    src_vector=_vector_to_pb(c.src_vector), src_log_end_offset=c.src_log_end,
+                )  # fmt: skip
+                for c in chunks
+            ]
+        )
+
+    async def site_status(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.SiteStatusResponse:
+        _parse(pb.SiteStatusRequest, data)
+        if self.replicator is not None:
+            return self.replicator.status()
+        identity = self.broker.identity
+        parts = [
+            pb.PartitionStatus(topic=t, partition=i, vector=_vector_to_pb(p.log.vector()),
+                               log_end_offset=p.log.log_end_offset)  # fmt: skip
+            for (t, i), p in sorted(self.broker.partitions.items())
+        ]
+        return pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch, partitions=parts)
+
     # -- wiring ---------------------------------------------------------------
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -291,6 +380,13 @@ class NodeService:
             except BrokerError as exc:
                 await context.abort(exc.code, exc.message)
 
+        async def replicate(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReplicateResponse]:
+            try:
+                async for msg in self.replicate(data, context):
+                    yield msg
+            except BrokerError as exc:
+                await context.abort(exc.code, exc.message)
+
         return grpc.method_handlers_generic_handler(
             SERVICE,
             {
@@ -300,6 +396,8 @@ class NodeService:
                 "Produce": unary(self.produce),
                 "ListOffsets": unary(self.list_offsets),
                 "Health": unary(self.health),
+                "SiteStatus": unary(self.site_status),
+                "Replicate": grpc.unary_stream_rpc_method_handler(replicate, None, ser),
                 "ProduceStream": grpc.stream_stream_rpc_method_handler(produce_stream, None, ser),
                 "Fetch": grpc.unary_stream_rpc_method_handler(fetch, None, ser),
             },

@@ -1,0 +1,446 @@
+"""Replication (issue 3): the source and sink cores over ``MemoryLog``, then real ``georep node`` processes.
+
+Process tests write a topology TOML naming the nodes' ports (picked free
+first), start one node per site with ``--topology``, and check the invariants
+of ARCHITECTURE.md over what each site's log holds:
+
+* I1 the same coordinate has the same key, value, headers and timestamp everywhere;
+* I2 no site holds a coordinate twice;
+* I3 within a site's log, each origin's records are in origin-seq order;
+* I4 every site holds every record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from georep.client.producer import Producer
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers, parse_header
+from georep.replication.sink import CorruptChunk, apply_chunk
+from georep.replication.source import ReplicaSource
+from georep.server.process import NodeProcess
+from georep.storage.memory_log import MemoryLog
+from offsets.coordinates import Origin
+from topology.ids import SiteId
+
+A1 = Origin(SiteId("a"), 1)
+B1 = Origin(SiteId("b"), 1)
+KEY = ("t", 0)
+
+
+# -- cores over MemoryLog -------------------------------------------------------
+
+
+def origin_batch(origin: Origin, base_seq: int, n: int = 2, tag: bytes = b"") -> bytes:
+    records = [RecordInput(b"k%d" % (base_seq + i), tag + b"v%d" % (base_seq + i), (), 1_000 + base_seq + i)
+               for i in range(n)]  # fmt: skip
+    return encode_batch(records, origin=origin, base_origin_seq=base_seq)
+
+
+def put(log: MemoryLog, batch: bytes, now_ms: int = 5_000) -> None:
+    log.append(parse_header(batch), [memoryview(batch)[24:]], now_ms)
+
+
+def coordinates(log: MemoryLog) -> list[tuple[Origin, int, int]]:
+    data = log.read(log.log_start_offset, 1 << 30).data if log.log_end_offset else b""
+    return [(h.origin, h.base_origin_seq, h.last_origin_seq) for h in iter_headers(data)]
+
+
+def drain(source: ReplicaSource, max_bytes: int = 1 << 20) -> list[tuple[tuple[str, int], bytes]]:
+    out = []
+    for _ in range(1000):
+        chunks = source.next_chunks(max_bytes)
+        if not chunks and not source.has_more():
+            break
+        out.extend((c.key, c.batches) for c in chunks)
+    return out
+
+
+def test_source_sends_only_what_the_have_vector_lacks_for_wanted_origin_sites() -> None:
+    src = MemoryLog()
+    for seq in (0, 2, 4):
+        put(src, origin_batch(A1, seq))
+        put(src, origin_batch(B1, seq))
+    src.flush()
+    source = ReplicaSource({KEY: src}, {KEY: ({A1: 2}, ("a",))})
+    sent = b"".join(data for _key, data in drain(source))
+    assert [(h.origin, h.base_origin_seq) for h in iter_headers(sent)] == [(A1, 2), (A1, 4)]
+    assert source.next_chunks(1 << 20) == [] and not source.has_more()
+    beat = source.heartbeat()
+    assert [(c.key, c.batches, c.src_vector) for c in beat] == [(KEY, b"", {A1: 6, B1: 6})]
+
+
+def test_source_never_serves_unflushed_batches_and_resumes_after_the_flush() -> None:
+    src = MemoryLog()
+    put(src, origin_batch(A1, 0))
+    src.flush()
+    put(src, origin_batch(A1, 2))  # appended, not yet durable
+    source = ReplicaSource({KEY: src}, {KEY: ({}, ("a",))})
+    first = drain(source)
+    assert [h.base_origin_seq for _k, d in first for h in iter_headers(d)] == [0]
+    assert not source.has_more()
+    src.flush()
+    assert source.has_more()
+    assert [h.base_origin_seq for _k, d in drain(source) for h in iter_headers(d)] == [2]
+
+
+def test_source_round_robins_partitions_and_respects_max_bytes() -> None:
+    logs = {("t", p): MemoryLog() for p in range(2)}
+    for log in logs.values():
+        for seq in range(0, 20, 2):
+            put(log, origin_batch(A1, seq))
+        log.flush()
+    size = len(origin_batch(A1, 0))
+    source = ReplicaSource(logs, {k: ({}, ("a",)) for k in logs})
+    calls = []
+    for _ in range(4):
+        chunks = source.next_chunks(3 * size)
+        assert sum(len(c.batches) for c in chunks) <= 3 * size
+        calls.append([c.key for c in chunks])
+    assert {calls[0][0], calls[1][0]} == {("t", 0), ("t", 1)}  # each call starts at the next partition
+    # one oversized batch still goes out whole
+    assert [len(c.batches) for c in ReplicaSource(logs, {KEY: ({}, ("a",))}).next_chunks(1)] == [size]
+
+
+def test_apply_appends_verbatim_skips_covered_and_stops_at_a_gap() -> None:
+    src, dst = MemoryLog(), MemoryLog()
+    for seq in (0, 2, 4):
+        put(src, origin_batch(A1, seq))
+    src.flush()
+    chunk = src.read(0, 1 << 20).data
+    out = apply_chunk(dst, chunk, now_ms=9_000)
+    assert (out.appended_batches, out.appended_records, out.skipped_batches, out.gap) == (3, 6, 0, None)
+    assert out.lag_ms == 9_000 - 1_005
+    # the CRC-covered bytes are identical; only the 24-byte local prefix is the dst's
+    def bodies(data: bytes) -> list[bytes]:
+        out, pos = [], 0
+        for h in iter_headers(data, verify=True):
+            out.append(data[pos + 24 : pos + h.size_bytes])
+            pos += h.size_bytes
+        return out
+
+    assert bodies(dst.read(0, 1 << 20).data) == bodies(chunk)
+    again = apply_chunk(dst, chunk, now_ms=9_001)
+    assert (again.appended_batches, again.skipped_batches) == (0, 3)
+    gap = apply_chunk(dst, origin_batch(A1, 8) + origin_batch(A1, 10), now_ms=9_002)
+    assert gap.appended_batches == 0 and gap.gap is not None and gap.gap.expected == 6
+    assert coordinates(dst) == [(A1, 0, 1), (A1, 2, 3), (A1, 4, 5)]
+
+
+def test_apply_rejects_a_corrupt_chunk_and_appends_nothing_of_it() -> None:
+    good = origin_batch(A1, 0)
+    bad = bytearray(origin_batch(A1, 2))
+    bad[-1] ^= 0xFF
+    dst = MemoryLog()
+    with pytest.raises(CorruptChunk, match="CRC"):
+        apply_chunk(dst, good + bytes(bad), now_ms=1)
+    with pytest.raises(CorruptChunk, match="partial"):
+        apply_chunk(dst, good + good[:50], now_ms=1)
+    assert dst.log_end_offset == 0
+
+
+def test_source_to_sink_over_a_cycle_holds_each_coordinate_once() -> None:
+    """a and b each write, then pull from each other twice: nothing is stored twice, both converge."""
+    logs = {"a": MemoryLog(), "b": MemoryLog()}
+    for seq in range(0, 6, 2):
+        put(logs["a"], origin_batch(A1, seq, tag=b"a"))
+        put(logs["b"], origin_batch(B1, seq, tag=b"b"))
+    for _round in range(2):
+        for dst, src in (("a", "b"), ("b", "a")):
+            logs[src].flush()
+            source = ReplicaSource({KEY: logs[src]}, {KEY: (logs[dst].vector(), ("a", "b"))})
+            for _key, data in drain(source):
+                apply_chunk(logs[dst], data, now_ms=10)
+    for log in logs.values():
+        assert log.vector() == {A1: 6, B1: 6}
+        coords = coordinates(log)
+        assert len(coords) == len(set(coords)) == 6
+
+
+# -- real processes -------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def topology_toml(ports: dict[str, int], links: list[tuple[str, str]]) -> str:
+    lines = []
+    for site, port in ports.items():
+        lines += [f"[sites.{site}]", f'nodes = ["127.0.0.1:{port}"]', ""]
+    for src, dst in links:
+        lines += ["[[links]]", f'src = "{src}"', f'dst = "{dst}"', ""]
+    return "\n".join(lines)
+
+
+TRIANGLE = [("a", "b"), ("b", "c"), ("c", "a"), ("b", "a"), ("c", "b"), ("a", "c")]
+
+
+class Sites:
+    """One node per site, on the ports the topology names."""
+
+    def __init__(self, root: Path, sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000) -> None:
+        self.ports = dict(zip(sites, free_ports(len(sites)), strict=True))
+        self.topology = root / "topology.toml"
+        self.topology.write_text(topology_toml(self.ports, links))
+        self.nodes = {
+            s: NodeProcess(site=s, data_dir=root / s, listen=f"127.0.0.1:{self.ports[s]}",
+                           extra_args=["--topology", str(self.topology), "--stall-ms", str(stall_ms)])
+            for s in sites
+        }  # fmt: skip
+        self.channels: dict[str, grpc.Channel] = {}
+
+    def start(self, *sites: str) -> None:
+        for s in sites or tuple(self.nodes):
+            self.nodes[s].start()
+
+    def stub(self, site: str) -> pbg.NodeStub:
+        if site not in self.channels:
+            self.channels[site] = grpc.insecure_channel(self.nodes[site].address or f"127.0.0.1:{self.ports[site]}")
+        return pbg.NodeStub(self.channels[site])
+
+    def address(self, site: str) -> str:
+        return f"127.0.0.1:{self.ports[site]}"
+
+    def status(self, site: str) -> pb.SiteStatusResponse:
+        return self.stub(site).SiteStatus(pb.SiteStatusRequest(), timeout=5)  # type: ignore[no-any-return]
+
+    def vectors(self, site: str, topic: str) -> dict[int, dict[str, int]]:
+        try:
+            desc = self.stub(site).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
+        except grpc.RpcError:
+            return {}
+        return {
+            ps.partition: {f"{e.site}@{e.epoch}": e.next_seq for e in ps.vector.entries} for ps in desc.partition_states
+        }
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+        for node in self.nodes.values():
+            node.kill9()
+
+
+@pytest.fixture
+def make_sites(tmp_path: Path) -> Iterator[Callable[..., Sites]]:
+    made: list[Sites] = []
+
+    def factory(sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000) -> Sites:
+        s = Sites(tmp_path, sites, links, stall_ms)
+        made.append(s)
+        return s
+
+    yield factory
+    for s in made:
+        s.close()
+
+
+def wait_until(what: str, cond: Callable[[], object], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
+
+
+def converged(sites: Sites, names: list[str], topic: str, expect_total: int | None = None) -> bool:
+    vectors = [sites.vectors(s, topic) for s in names]
+    if not vectors[0] or any(v != vectors[0] for v in vectors):
+        return False
+    return expect_total is None or sum(sum(p.values()) for p in vectors[0].values()) == expect_total
+
+
+def read_site(sites: Sites, site: str, topic: str) -> dict[int, list[tuple[str, int, bytes | None, bytes | None, int]]]:
+    """Every record of every partition at ``site``, in log order: (origin, origin seq, key, value, timestamp)."""
+    stub = sites.stub(site)
+    desc = stub.DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
+    out: dict[int, list[tuple[str, int, bytes | None, bytes | None, int]]] = {}
+    for ps in desc.partition_states:
+        records: list[tuple[str, int, bytes | None, bytes | None, int]] = []
+        end = ps.log_end_offset
+        if end:
+            stream = stub.Fetch(pb.FetchRequest(topic=topic, partition=ps.partition, offset=0, max_wait_ms=100))
+            for resp in stream:
+                data = resp.batches
+                pos = 0
+                for h in iter_headers(data, verify=True):
+                    for r in decode_records(data[pos : pos + h.size_bytes], h):
+                        records.append((str(r.origin), r.origin_seq, r.key, r.value, r.timestamp_ms))
+                    pos += h.size_bytes
+                if resp.next_offset >= end:
+                    stream.cancel()
+                    break
+        out[ps.partition] = records
+    return out
+
+
+def check_invariants(sites: Sites, names: list[str], topic: str, expected: set[tuple[bytes, bytes]]) -> None:
+    held = {s: read_site(sites, s, topic) for s in names}
+    by_coord: dict[tuple[int, str, int], tuple[bytes | None, bytes | None, int]] = {}
+    for s, parts in held.items():
+        for p, records in parts.items():
+            coords = [(r[0], r[1]) for r in records]
+            assert len(coords) == len(set(coords)), f"I2: site {s} partition {p} holds a coordinate twice"
+            last: dict[str, int] = {}
+            for origin, seq, key, value, ts in records:
+                after = last.get(origin, -1)
+                assert seq == after + 1, f"I3/I1: site {s} p{p} {origin} seq {seq} follows {after}"
+                last[origin] = seq
+                prev = by_coord.setdefault((p, origin, seq), (key, value, ts))
+                assert prev == (key, value, ts), f"I1: {origin}:{seq} differs at site {s}"
+    for s, parts in held.items():
+        got = {(r[2], r[3]) for records in parts.values() for r in records}
+        assert got == expected, f"I4: site {s} lacks {len(expected - got)} records, has {len(got - expected)} extra"
+        assert sum(len(r) for r in parts.values()) == len(by_coord), f"I4: site {s} does not hold every coordinate"
+
+
+async def produce(address: str, topic: str, prefix: str, n: int) -> set[tuple[bytes, bytes]]:
+    sent = set()
+    async with Producer(address, linger_ms=2, batch_size=4096) as producer:
+        futures = []
+        for i in range(n):
+            key, value = f"{prefix}-k{i}".encode(), f"{prefix}-v{i}".encode() * 3
+            futures.append(producer.send(topic, value, key=key))
+            sent.add((key, value))
+            if i % 200 == 0:
+                await asyncio.sleep(0.01)
+        await producer.flush()
+        await asyncio.gather(*futures)
+    return sent
+
+
+def test_two_sites_replicate_a_topic_and_its_records(make_sites: Callable[..., Sites]) -> None:
+    sites = make_sites(["a", "b"], [("a", "b")])
+    sites.start()
+    sites.stub("a").CreateTopic(pb.CreateTopicRequest(name="orders", partitions=2, config={"segment_ms": "60000"}))
+    wait_until("the topic exists at b", lambda: sites.vectors("b", "orders") != {}, 10)
+    desc = sites.stub("b").DescribeTopic(pb.DescribeTopicRequest(name="orders"))
+    assert desc.partitions == 2 and desc.config["segment_ms"] == "60000"
+    expected = asyncio.run(produce(sites.address("a"), "orders", "a", 500))
+    wait_until("b holds what a holds", lambda: converged(sites, ["a", "b"], "orders", 500), 20)
+    check_invariants(sites, ["a", "b"], "orders", expected)
+    status = sites.status("b")
+    (link,) = status.links
+    assert (link.src, link.dst, link.state) == ("a", "b", "streaming")
+    assert link.applied_batches > 0 and link.applied_bytes > 0
+    lags = {lag.origin: lag for ps in status.partitions for lag in ps.lags}
+    assert {lag.upstream for lag in lags.values()} == {"a"} and all(lag.lag_records == 0 for lag in lags.values())
+    # a does not pull from b: b's writes stay at b
+    asyncio.run(produce(sites.address("b"), "orders", "b", 10))
+    time.sleep(1)
+    assert sum(sum(v.values()) for v in sites.vectors("a", "orders").values()) == 500
+
+
+@pytest.mark.slow
+def test_triangle_converges_with_writes_at_every_site(make_sites: Callable[..., Sites]) -> None:
+    names = ["a", "b", "c"]
+    sites = make_sites(names, TRIANGLE)
+    sites.start()
+    sites.stub("a").CreateTopic(pb.CreateTopicRequest(name="events", partitions=3))
+    wait_until("the topic reaches b and c", lambda: all(sites.vectors(s, "events") for s in ("b", "c")), 10)
+
+    async def everyone() -> set[tuple[bytes, bytes]]:
+        sets = await asyncio.gather(*(produce(sites.address(s), "events", s, 1500) for s in names))
+        return set().union(*sets)
+
+    expected = asyncio.run(everyone())
+    wait_until("every site holds every record", lambda: converged(sites, names, "events", 4500), 30)
+    check_invariants(sites, names, "events", expected)
+    for s in names:
+        status = sites.status(s)
+        assert sorted(lk.state for lk in status.links) == ["streaming", "streaming"], status.links
+        assert not status.conflicts
+        # each origin came over about one path: a cycle costs (almost) nothing
+        applied = sum(lk.applied_batches for lk in status.links)
+        skipped = sum(lk.skipped_batches for lk in status.links)
+        assert skipped <= applied // 2 + 5, (s, applied, skipped)
+
+
+@pytest.mark.slow
+def test_a_site_killed_mid_stream_restarts_and_catches_up(make_sites: Callable[..., Sites]) -> None:
+    names = ["a", "b", "c"]
+    sites = make_sites(names, TRIANGLE)
+    sites.start()
+    sites.stub("a").CreateTopic(pb.CreateTopicRequest(name="events", partitions=2))
+    wait_until("the topic reaches b and c", lambda: all(sites.vectors(s, "events") for s in ("b", "c")), 10)
+
+    async def phase() -> set[tuple[bytes, bytes]]:
+        first = await asyncio.gather(*(produce(sites.address(s), "events", f"{s}1", 1000) for s in names))
+        # c dies while a and b keep writing and replicating to each other
+        writers = asyncio.gather(*(produce(sites.address(s), "events", f"{s}2", 3000) for s in ("a", "b")))
+        await asyncio.sleep(0.2)
+        sites.nodes["c"].kill9()
+        second = await writers
+        return set().union(*first, *second)
+
+    expected = asyncio.run(phase())
+    assert not sites.nodes["c"].alive()
+    sites.nodes["c"].start()
+    expected |= asyncio.run(produce(sites.address("c"), "events", "c3", 500))
+    wait_until("every site holds every record", lambda: converged(sites, names, "events", len(expected)), 40)
+    check_invariants(sites, names, "events", expected)
+
+
+@pytest.mark.slow
+def test_data_routes_around_a_stopped_site_and_the_route_comes_back(make_sites: Callable[..., Sites]) -> None:
+    """a -> b -> d and a -> c -> d: with b stopped, d still gets a's records, over c."""
+    names = ["a", "b", "c", "d"]
+    sites = make_sites(names, [("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
+    sites.start()
+    sites.stub("a").CreateTopic(pb.CreateTopicRequest(name="t", partitions=1))
+    wait_until("the topic reaches d", lambda: sites.vectors("d", "t") != {}, 10)
+    expected = asyncio.run(produce(sites.address("a"), "t", "x", 300))
+    wait_until("d holds a's records", lambda: converged(sites, names, "t", 300), 20)
+
+    def upstream_of_a(site: str) -> str:
+        (ps,) = sites.status(site).partitions
+        return next(lag.upstream for lag in ps.lags if lag.origin.startswith("a@"))
+
+    assert upstream_of_a("d") == "b"  # cheapest path, ties to the lowest id
+    sites.nodes["b"].stop()
+    expected |= asyncio.run(produce(sites.address("a"), "t", "y", 300))
+    wait_until("d holds a's new records over c", lambda: converged(sites, ["a", "c", "d"], "t", 600), 20)
+    status = {lk.src: lk for lk in sites.status("d").links}
+    assert status["b"].state == "down" and status["b"].last_error
+    assert upstream_of_a("d") == "c"
+    sites.nodes["b"].start()
+    expected |= asyncio.run(produce(sites.address("a"), "t", "z", 300))
+    wait_until("b is back and everyone converges", lambda: converged(sites, names, "t", 900), 20)
+    wait_until("d pulls a over b again", lambda: upstream_of_a("d") == "b", 10)
+    check_invariants(sites, names, "t", expected)
+
+
+def test_a_topic_with_different_partition_counts_is_a_conflict_not_merged(make_sites: Callable[..., Sites]) -> None:
+    sites = make_sites(["a", "b"], [("a", "b"), ("b", "a")])
+    sites.start("a")
+    sites.stub("a").CreateTopic(pb.CreateTopicRequest(name="x", partitions=2))
+    sites.nodes["a"].stop()
+    sites.start("b")
+    sites.stub("b").CreateTopic(pb.CreateTopicRequest(name="x", partitions=3))
+    sites.start("a")
+    for site, other in (("a", "b"), ("b", "a")):
+        wait_until(f"{site} reports the conflict", lambda s=site: bool(sites.status(s).conflicts), 10)
+        (conflict,) = sites.status(site).conflicts
+        assert conflict.topic == "x" and f"site {other}" in conflict.message and "partitions" in conflict.message
+    asyncio.run(produce(sites.address("a"), "x", "a", 50))
+    time.sleep(1.5)
+    assert all(not v for v in sites.vectors("b", "x").values())  # nothing of a's went into b's x
+    assert [lk.state for lk in sites.status("b").links] == ["streaming"]
