@@ -286,3 +286,32 @@ def test_seek_to_beginning_right_after_subscribe_reads_from_the_start(node) -> N
         return got
 
     assert sorted(asyncio.run(scenario())) == sorted(b"v%d" % i for i in range(10))
+
+
+@pytest.mark.slow
+def test_concurrent_producers_flush_after_sends_without_yielding(start_node) -> None:  # type: ignore[no-untyped-def]
+    # bench/produce.py's Producer.send row: thousands of send() calls with no
+    # await in between and buffer_memory out of the way, then flush(). Several
+    # producers at once, at small and large batches; every flush must end in
+    # bounded time with every record acknowledged once, in order.
+    node = start_node(extra_args=["--flush-interval-ms", "100"])
+    records = 8000
+
+    async def one(topic: str, batch_size: int) -> None:
+        async with Producer(node.address, batch_size=batch_size, linger_ms=5, buffer_memory=1 << 40) as producer:
+            await producer.send(topic, b"first")
+            send = producer.send
+            futures = [send(topic, b"v" * 1024) for _ in range(records)]
+            async with asyncio.timeout(20):
+                await producer.flush()
+            offsets = [m.offset for m in await asyncio.gather(*futures)]
+            assert offsets == list(range(1, records + 1))
+
+    async def main() -> None:
+        for round_ in range(3):
+            topics = [f"stress-{round_}-{i}" for i in range(4)]
+            for topic in topics:
+                await create(node.address, topic, 1)
+            await asyncio.gather(*(one(t, [65536, 1 << 20][i % 2]) for i, t in enumerate(topics)))
+
+    run(main())

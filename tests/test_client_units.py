@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import grpc
 import pytest
 
@@ -20,7 +23,7 @@ from georep.client.errors import (
     from_status,
 )
 from georep.client.partitioner import StickyPartitioner, key_partition
-from georep.client.producer import parse_acks
+from georep.client.producer import Producer, parse_acks
 from georep.proto import georep_pb2
 from georep.record.batch import RecordInput, encode_batch, local_prefix, parse_header, stamp_origin
 from offsets.coordinates import Origin
@@ -269,3 +272,86 @@ def test_parse_bootstrap() -> None:
         parse_bootstrap("nohost")
     with pytest.raises(InvalidRequest, match="empty"):
         parse_bootstrap(" , ")
+
+
+# --- producer sender vs a stream that breaks during a write ---------------------------
+
+
+class StallingStream:
+    """A ``ProduceStream`` call that behaves as grpc.aio does when its writes stall.
+
+    With ``stall`` every ``write`` blocks (HTTP/2 flow control) until ``cancel()``,
+    and then raises ``asyncio.CancelledError``: that is what grpc.aio's ``write``
+    raises when the call is cancelled locally while the write is pending.
+    Without ``stall`` every write is answered at once with a success.
+    """
+
+    def __init__(self, stall: bool) -> None:
+        self.stall = stall
+        self.writing = asyncio.Event()
+        self.responses: asyncio.Queue[Any] = asyncio.Queue()
+        self.cancelled = asyncio.Event()
+        self.written = 0  # records answered
+
+    async def write(self, request: georep_pb2.ProduceRequest) -> None:
+        if self.cancelled.is_set():
+            raise asyncio.InvalidStateError("RPC already finished")
+        if self.stall:
+            self.writing.set()
+            await self.cancelled.wait()
+            raise asyncio.CancelledError()
+        count = parse_header(request.batch).records_count
+        self.responses.put_nowait(georep_pb2.ProduceResponse(
+            correlation_id=request.correlation_id, partition=request.partition, base_offset=self.written,
+            origin_site="a", origin_epoch=1, base_origin_seq=self.written, last_origin_seq=self.written + count - 1,
+        ))  # fmt: skip
+        self.written += count
+
+    async def read(self) -> Any:
+        return await self.responses.get()
+
+    def cancel(self) -> bool:
+        self.cancelled.set()
+        return True
+
+
+def test_stream_broken_by_the_reader_during_a_write_does_not_kill_the_sender() -> None:
+    # grpc.aio raises CancelledError out of a pending write() when the call is
+    # cancelled locally (_close_stream() cancels it). With grpc the reader only
+    # sees the end of a call that is already done, so that cancel is a no-op
+    # today; the fake cancels anyway, to pin the sender's handling: a broken
+    # stream to resend on, not a reason to die quietly and leave flush() and
+    # every future waiting forever.
+    async def main() -> None:
+        streams = [StallingStream(stall=True), StallingStream(stall=False)]
+        opened: list[StallingStream] = []
+
+        class Stub:
+            def ProduceStream(self) -> StallingStream:  # noqa: N802 - the gRPC method name
+                opened.append(streams[len(opened)])
+                return opened[-1]
+
+        async def connect(*_: object) -> Stub:
+            return Stub()
+
+        producer = Producer("127.0.0.1:1", batch_size=1024, linger_ms=1, retry_backoff_ms=1)
+        producer._connection.connect = connect  # type: ignore[method-assign]
+        producer._connection.reconnect = connect  # type: ignore[method-assign]
+        await producer.start()
+        producer._partition_counts["t"] = 1
+        futures = [producer.send("t", b"v" * 100) for _ in range(20)]
+        flush = asyncio.ensure_future(producer.flush())
+        async with asyncio.timeout(5):
+            await streams[0].writing.wait()
+        streams[0].responses.put_nowait(grpc.aio.EOF)  # the node ends the stream
+        try:
+            async with asyncio.timeout(5):
+                await flush
+            results = await asyncio.gather(*futures)
+            assert [r.offset for r in results] == list(range(20))  # resent in order, each record once
+            assert len(opened) == 2
+            assert not producer._sender.done()  # type: ignore[union-attr]
+        finally:
+            await producer.close(timeout_s=1)
+
+    asyncio.run(main())

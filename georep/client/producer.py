@@ -497,12 +497,13 @@ class Producer:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(timeout_s):
                         await wakeup.wait()
-        except asyncio.CancelledError:
-            raise
         except BaseException as exc:
-            error = GeorepError(f"the producer's sender stopped: {exc!r}")
-            for batch in list(self._outstanding):
-                self._fail_batch(batch, error)
+            # close() cancels the sender and fails what is left itself; any other
+            # way out would leave flush() and the futures waiting forever.
+            if not self._closed:
+                error = GeorepError(f"the producer's sender stopped: {exc!r}")
+                for batch in list(self._outstanding):
+                    self._fail_batch(batch, error)
             raise
 
     def _check_request_timeouts(self, now_ms: float) -> float | None:
@@ -553,6 +554,16 @@ class Producer:
                 try:
                     await call.write(request)
                 except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError, RuntimeError):
+                    self._stream_broken(call)
+                    return None
+                except asyncio.CancelledError:
+                    # grpc.aio raises CancelledError from a pending write when the call
+                    # is cancelled locally: the reader saw the stream end and
+                    # _close_stream() cancelled it. That is a broken stream, not a
+                    # cancellation of the sender, unless close() is cancelling us.
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise
                     self._stream_broken(call)
                     return None
                 if call is not self._call:
