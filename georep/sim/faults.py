@@ -1,0 +1,87 @@
+"""Fault settings of one simulator run, and the counts of faults that actually happened.
+
+Faults are site- and link-level, as in FoundationDB's fault workloads
+(``RandomClogging``, ``Attrition``): messages on a link are dropped,
+duplicated, delayed with jitter or held back (reordered); a link is cut and
+later healed; a site crashes (losing what it had not flushed) and restarts;
+a site's clock is skewed. Every decision is drawn from the run's seeded
+``random.Random``.
+
+:meth:`Faults.swarm` draws the intensities from the seed too, so a swarm of
+seeds covers quiet runs and stormy ones (swarm testing: no single fault
+mix is best at finding every bug).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    drop_p: float = 0.02  # each message (request, chunk, heartbeat) is lost
+    dup_p: float = 0.02  # each message is delivered twice
+    reorder_p: float = 0.03  # each message is held back by up to reorder_ms, so later ones overtake it
+    reorder_ms: int = 150
+    latency_ms: tuple[int, int] = (1, 15)  # per-link base one-way latency, drawn once per link
+    jitter_ms: int = 4  # per-message extra delay, uniform in [0, jitter_ms]
+    cut_every_ms: int = 500  # mean time between link cuts; 0: never
+    cut_ms: tuple[int, int] = (50, 1_200)
+    crash_every_ms: int = 900  # mean time between site crashes; 0: never
+    down_ms: tuple[int, int] = (30, 800)
+    skew_ms: int = 5_000  # each site's clock is off by up to this, either way
+
+    @classmethod
+    def none(cls) -> Faults:
+        return cls(drop_p=0.0, dup_p=0.0, reorder_p=0.0, latency_ms=(1, 1), jitter_ms=0, cut_every_ms=0,
+                   crash_every_ms=0, skew_ms=0)  # fmt: skip
+
+    @classmethod
+    def swarm(cls, rng: random.Random) -> Faults:
+        """Every fault enabled, each with an intensity drawn from ``rng``."""
+        return cls(
+            drop_p=rng.choice((0.005, 0.02, 0.08)),
+            dup_p=rng.choice((0.005, 0.02, 0.08)),
+            reorder_p=rng.choice((0.01, 0.05, 0.15)),
+            reorder_ms=rng.choice((30, 150, 400)),
+            latency_ms=(1, rng.choice((5, 15, 40))),
+            jitter_ms=rng.choice((0, 4, 20)),
+            cut_every_ms=rng.choice((150, 500, 1_500)),
+            cut_ms=(20, rng.choice((300, 1_200, 3_000))),
+            crash_every_ms=rng.choice((250, 900, 2_500)),
+            down_ms=(10, rng.choice((200, 800, 2_000))),
+            skew_ms=rng.choice((0, 500, 30_000)),
+        )
+
+    def describe(self) -> str:
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+@dataclass(slots=True)
+class FaultCounts:
+    """What happened in one run; tests use these to prove the faults are really on."""
+
+    drops: int = 0  # random drops
+    cut_drops: int = 0  # lost because the link was cut or an end was down
+    dups: int = 0
+    reorders: int = 0
+    cuts: int = 0
+    heals: int = 0
+    crashes: int = 0
+    restarts: int = 0
+    lost_batches: int = 0  # unflushed batches that crashes threw away
+    timeouts: int = 0  # streams dst gave up on (no message for timeout_ms)
+    gap_reopens: int = 0
+    wants_reopens: int = 0
+    produced_batches: int = 0
+    applied_batches: int = 0
+    chunks: int = 0
+    heartbeats: int = 0
+
+    def add(self, other: FaultCounts) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

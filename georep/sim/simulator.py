@@ -1,0 +1,697 @@
+"""A deterministic multi-site simulator (STYLE.md §2: FoundationDB's Sim2, TigerBeetle's VOPR).
+
+``Simulator(seed, topology_name)`` runs N whole sites in one thread, with
+virtual time and a heap of ``(due_ms, seq, kind, args)`` events: it jumps
+time to the next event. The only randomness is one ``random.Random(seed)``:
+it draws the topology (``random-N``), the fault intensities, each site's
+epoch and clock skew, the workload and every fault. Iteration is over sorted
+keys only. So one seed always gives one run, and :attr:`SimResult.trace`
+(a hash of every event and the final vectors) proves it.
+
+Each site drives the same core objects as a node does:
+
+* one ``MemoryLog`` per partition; crashes call ``MemoryLog.crash()``, which
+  drops what was not flushed; a timer flushes every ``flush_ms``;
+* producers that append as the origin does: ``encode_batch``, then
+  ``stamp_origin`` with the partition's next seq of this site's origin, then
+  ``log.append``;
+* a ``LinkManager`` fed with ``link_up``, ``link_down``, ``upstream_vector``,
+  ``local_vector`` and ``tick``;
+* per inbound link ``src -> dst``, a simulated ``Replicate`` stream: dst
+  sends its wants (``LinkManager.wants(src)`` plus its have-vectors) to src;
+  src builds a ``ReplicaSource`` and sends its chunks back, and heartbeats
+  when idle; dst applies each chunk with ``apply_chunk``. dst reopens the
+  stream when its wants change, on a gap, or after ``timeout_ms`` without a
+  message (that is how it notices a cut link or a crashed upstream).
+
+Topic metadata is static here: every site knows every topic, with the same
+partition count, from the start. Replicating topic definitions is not
+simulated.
+
+Faults (``faults.py``) are site- and link-level: drop, duplicate, delay and
+reorder messages, cut and heal links, crash a site (it keeps its epoch: it lost
+only unflushed batches, which no source ever serves) and restart it, skew a
+site's clock (producer timestamps and append times only).
+
+A run has two phases, as in VOPR. Safety: ``steps`` events with producers and
+faults on; I1-I3 are checked after every event. Liveness: every fault is
+healed, crashed sites restart, producers stop, and the run goes on until I4
+holds (every site that ``expected_sites`` names holds all of each origin's
+records, and no other site holds any), or fails after ``liveness_ms`` of
+virtual time.
+
+A failure raises :class:`SimulationFailure`, whose message holds the seed, the
+topology and the command that replays the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import random
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from georep.record.batch import HEADER_BYTES, RecordInput, encode_batch, parse_header, stamp_origin
+from georep.replication.sink import apply_chunk
+from georep.replication.source import Chunk, ReplicaSource
+from georep.sim.checker import InvariantChecker, InvariantViolation
+from georep.sim.faults import FaultCounts, Faults
+from georep.sim.topologies import DEFAULT_TOPICS, build_topology
+from georep.storage.memory_log import MemoryLog
+from offsets.coordinates import Origin
+from topology.ids import SiteId
+from topology.links import LinkManager
+from topology.model import Topology
+
+PartitionKey = tuple[str, int]
+START_MS = 1_700_000_000_000  # virtual time starts at a realistic Unix time, so skewed clocks stay positive
+DEFAULT_STEPS = 3_000
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Timings of the simulated sites (virtual ms) and run bounds."""
+
+    steps: int = DEFAULT_STEPS  # events in the safety phase
+    produce_ms: tuple[int, int] = (20, 200)  # gap between two batches of one producer
+    records_per_batch: tuple[int, int] = (1, 4)
+    flush_ms: tuple[int, int] = (10, 100)  # each site's flush interval is drawn from this
+    heartbeat_ms: int = 100
+    timeout_ms: int = 350  # dst gives up on a stream after this long without a message
+    tick_ms: int = 100
+    stall_ms: int = 600
+    pump_ms: int = 2  # a source with more to send sends again after this long
+    chunk_bytes: int = 2_048
+    liveness_ms: int = 60_000  # virtual time the liveness phase may take to converge
+    settle_check_ms: int = 50
+    max_events: int = 2_000_000
+
+
+class SimulationFailure(AssertionError):
+    """A run broke an invariant or did not converge. The message says how to replay it."""
+
+    def __init__(self, message: str, seed: int, topology: str, steps: int) -> None:
+        self.seed = seed
+        self.topology = topology
+        self.steps = steps
+        self.replay = replay_command(seed, topology, steps)
+        super().__init__(f"{message}\n  seed={seed} topology={topology} steps={steps}\n  replay: {self.replay}")
+
+
+def replay_command(seed: int, topology: str, steps: int = DEFAULT_STEPS) -> str:
+    extra = "" if steps == DEFAULT_STEPS else f" --steps {steps}"
+    return f"python -m georep.sim --seed {seed} --topology {topology}{extra}"
+
+
+@dataclass(frozen=True, slots=True)
+class OpenStream:
+    """dst -> src: open a ``Replicate`` stream with these wants."""
+
+    src: SiteId
+    dst: SiteId
+    stream_id: int
+    wants: Mapping[PartitionKey, tuple[dict[Origin, int], tuple[str, ...]]]
+
+    def describe(self) -> str:
+        return f"open {self.src}->{self.dst} #{self.stream_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMessage:
+    """src -> dst: chunks of one stream (data, or a heartbeat with one empty chunk per partition)."""
+
+    src: SiteId
+    dst: SiteId
+    stream_id: int
+    chunks: tuple[Chunk, ...]
+    heartbeat: bool
+
+    def describe(self) -> str:
+        size = sum(len(c.batches) for c in self.chunks)
+        kind = "heartbeat" if self.heartbeat else f"chunk {size}B"
+        return f"{kind} {self.src}->{self.dst} #{self.stream_id}"
+
+
+Message = OpenStream | ChunkMessage
+
+
+@dataclass(slots=True)
+class InStream:
+    """At dst: the stream pulling from one upstream."""
+
+    stream_id: int
+    wants: dict[PartitionKey, tuple[SiteId, ...]]
+    last_message_ms: int
+    delivered: bool = False  # has any message of this stream arrived
+    # Set by a heartbeat that showed src holding more of a wanted origin than dst; cleared by data.
+    # If the next heartbeat finds dst still short of it, the data was lost on the way (see _check_tail).
+    promised: dict[PartitionKey, dict[Origin, int]] | None = None
+
+
+@dataclass(slots=True)
+class OutStream:
+    """At src: the stream serving one downstream."""
+
+    stream_id: int
+    source: ReplicaSource
+    last_send_ms: int
+    pump_pending: bool = False
+
+
+@dataclass(slots=True)
+class SimSite:
+    id: SiteId
+    origin: Origin
+    skew_ms: int
+    flush_ms: int
+    logs: dict[PartitionKey, MemoryLog]
+    links: LinkManager
+    inbound: tuple[SiteId, ...]  # srcs of the links into this site
+    up: bool = True
+    incarnation: int = 0  # bumped by each crash: timers of an older incarnation do nothing
+    in_streams: dict[SiteId, InStream] = field(default_factory=dict)
+    out_streams: dict[SiteId, OutStream] = field(default_factory=dict)
+    # LinkManager.wants() depends only on the inbound link states and the stalls; routing is costly
+    # enough to dominate a run, so answers are kept per such state (and dropped with the LinkManager).
+    wants_memo: dict[tuple[object, ...], dict[SiteId, dict[PartitionKey, tuple[SiteId, ...]]]] = field(
+        default_factory=dict
+    )
+
+    def wants(self, src: SiteId) -> dict[PartitionKey, tuple[SiteId, ...]]:
+        state = (tuple(link.state for _s, link in sorted(self.links.links.items())), tuple(sorted(self.links.stalled)))
+        memo = self.wants_memo.setdefault(state, {})
+        found = memo.get(src)
+        if found is None:
+            found = memo[src] = self.links.wants(src)
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    seed: int
+    topology: str
+    events: int
+    virtual_ms: int
+    trace: str  # sha256 of the event log and the final vectors
+    counts: FaultCounts
+    vectors: dict[str, dict[PartitionKey, dict[str, int]]]  # site -> partition -> {origin text: next seq}
+    batches_checked: int
+
+
+class Simulator:
+    def __init__(
+        self,
+        seed: int,
+        topology: str = "triangle",
+        *,
+        topics: Mapping[str, int] | None = None,
+        faults: Faults | None = None,
+        config: SimConfig | None = None,
+        verbose: bool = False,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.seed = seed
+        self.topology_name = topology
+        self.rng = random.Random(seed)
+        self.config = config or SimConfig()
+        self.topology: Topology = build_topology(topology, self.rng)
+        self.faults = faults if faults is not None else Faults.swarm(self.rng)
+        self.topics = dict(sorted((topics or DEFAULT_TOPICS).items()))
+        self.keys: tuple[PartitionKey, ...] = tuple((t, p) for t, n in self.topics.items() for p in range(n))
+        self.verbose = verbose
+        self._print = log or (lambda line: print(line, file=sys.stderr))
+        self.now_ms = START_MS
+        self.counts = FaultCounts()
+        self.checker = InvariantChecker()
+        self._heap: list[tuple[int, int, str, tuple[object, ...]]] = []
+        self._seq = 0
+        self._next_stream_id = 0
+        self._events = 0
+        self._trace = hashlib.sha256()
+        self.phase = "safety"
+        self._started = False
+        self._safety_steps = 0
+        self.kinds: dict[str, int] = {}
+        self.cut: dict[tuple[SiteId, SiteId], int] = {}  # link -> heal due
+        self.latency_ms = {
+            link.key: self.rng.randint(*self.faults.latency_ms) for link in self.topology.links_sorted()
+        }
+        self.sites: dict[SiteId, SimSite] = {}
+        for sid in self.topology.site_ids():
+            skew = self.rng.randint(-self.faults.skew_ms, self.faults.skew_ms) if self.faults.skew_ms else 0
+            origin = Origin(sid, self.rng.randint(1, 1_000_000))
+            inbound = tuple(link.src for link in self.topology.links_sorted() if link.dst == sid)
+            self.sites[sid] = SimSite(
+                sid, origin, skew, self.rng.randint(*self.config.flush_ms),
+                {key: MemoryLog() for key in self.keys}, self._new_link_manager(sid), inbound,
+            )  # fmt: skip
+
+    # -- running ------------------------------------------------------------------
+
+    def advance(self, steps: int) -> None:
+        """Run up to ``steps`` more events of the safety phase (starting the run if needed).
+
+        For tests that inspect or tamper with the sites part way; :meth:`run` finishes the run.
+        """
+        try:
+            self._run_safety(steps)
+        except InvariantViolation as e:
+            raise self._failure(f"invariant violated at t+{self.now_ms - START_MS}ms event {self._events}: {e}") from e
+
+    def run(self) -> SimResult:
+        """Safety phase (what is left of it), then liveness phase. Raises :class:`SimulationFailure`."""
+        try:
+            self._run_safety(self.config.steps - self._safety_steps)
+            self._run_liveness()
+            self.checker.rescan_all({s: site.logs for s, site in self.sites.items()})
+        except InvariantViolation as e:
+            raise self._failure(f"invariant violated at t+{self.now_ms - START_MS}ms event {self._events}: {e}") from e
+        vectors = {
+            str(s): {key: {str(o): int(n) for o, n in sorted(site.logs[key].vector().items())} for key in self.keys}
+            for s, site in self.sites.items()
+        }
+        self._trace.update(repr(sorted(vectors.items())).encode())
+        return SimResult(self.seed, self.topology_name, self._events, self.now_ms - START_MS,
+                         self._trace.hexdigest(), self.counts, vectors, self.checker.batches_checked)  # fmt: skip
+
+    def _failure(self, message: str) -> SimulationFailure:
+        return SimulationFailure(message, self.seed, self.topology_name, self.config.steps)
+
+    def _start(self) -> None:
+        for sid, site in self.sites.items():
+            self._start_site(site)
+            for key in self.keys:
+                self._after(self.rng.randint(0, self.config.produce_ms[1]), "produce", sid, site.incarnation, key)
+        if self.faults.cut_every_ms:
+            self._after(self._interval(self.faults.cut_every_ms), "fault_cut")
+        if self.faults.crash_every_ms:
+            self._after(self._interval(self.faults.crash_every_ms), "fault_crash")
+
+    def _start_site(self, site: SimSite) -> None:
+        """Timers and streams of a site that has just started (or restarted)."""
+        inc = site.incarnation
+        self._after(site.flush_ms, "flush", site.id, inc)
+        self._after(self.rng.randint(1, self.config.tick_ms), "tick", site.id, inc)
+        for src in site.inbound:
+            self._reopen(site, src)
+
+    def _run_safety(self, steps: int) -> None:
+        if not self._started:
+            self._started = True
+            self._start()
+        for _step in range(max(0, steps)):
+            self._safety_steps += 1
+            if not self._step():
+                break
+
+    def _run_liveness(self) -> None:
+        self.phase = "liveness"
+        self._log("liveness: heal every fault, restart every site, stop producers")
+        for key in sorted(self.cut):
+            self._heal(key)
+        for sid, site in self.sites.items():
+            if not site.up:
+                self._restart(sid, site.incarnation)
+        deadline = self.now_ms + self.config.liveness_ms
+        next_check = self.now_ms
+        logs = {str(s): site.logs for s, site in self.sites.items()}
+        origins = {str(s): site.origin for s, site in self.sites.items()}
+        for _step in range(self.config.max_events):
+            if self.now_ms >= next_check:
+                if not self.checker.convergence_problems(self.topology, origins, logs, self.keys):
+                    return
+                next_check = self.now_ms + self.config.settle_check_ms
+            if self.now_ms > deadline or not self._step():
+                break
+        self.checker.check_convergence(self.topology, origins, logs, self.keys)
+
+    def _step(self) -> bool:
+        if not self._heap:
+            return False
+        if self._events >= self.config.max_events:
+            raise self._failure(f"the run did not finish within {self.config.max_events} events")
+        due, _seq, kind, args = heapq.heappop(self._heap)
+        self.now_ms = due
+        self._events += 1
+        label = f"{due - START_MS} {kind} {' '.join(self._arg_text(a) for a in args)}"
+        self._trace.update(label.encode())
+        if self.verbose:
+            self._print(label)
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
+        getattr(self, "_on_" + kind)(*args)
+        for sid, site in self.sites.items():
+            self.checker.check_site(sid, site.logs)
+        return True
+
+    @staticmethod
+    def _arg_text(arg: object) -> str:
+        if isinstance(arg, OpenStream | ChunkMessage):
+            return arg.describe()
+        if isinstance(arg, tuple):
+            return "/".join(str(x) for x in arg)
+        return str(arg)
+
+    def _after(self, delay_ms: int, kind: str, *args: object) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (self.now_ms + max(0, delay_ms), self._seq, kind, args))
+
+    def _interval(self, mean_ms: int) -> int:
+        return self.rng.randint(mean_ms // 2, mean_ms * 3 // 2)
+
+    def _log(self, line: str) -> None:
+        if self.verbose:
+            self._print(f"{self.now_ms - START_MS} {line}")
+
+    def _local_ms(self, site: SimSite) -> int:
+        return self.now_ms + site.skew_ms
+
+    def _new_link_manager(self, sid: SiteId) -> LinkManager:
+        manager = LinkManager(self.topology, sid, stall_ms=self.config.stall_ms)
+        for topic, partitions in self.topics.items():
+            manager.topic(topic, partitions)
+        return manager
+
+    def _alive(self, sid: SiteId, incarnation: int) -> SimSite | None:
+        site = self.sites[sid]
+        return site if site.up and site.incarnation == incarnation else None
+
+    # -- workload ---------------------------------------------------------------
+
+    def _on_produce(self, sid: SiteId, incarnation: int, key: PartitionKey) -> None:
+        site = self._alive(sid, incarnation)
+        if site is None or self.phase != "safety":
+            return
+        log = site.logs[key]
+        ts = self._local_ms(site)
+        records = [
+            RecordInput(f"k{self.rng.randrange(100)}".encode(), self.rng.randbytes(self.rng.randint(0, 40)), (), ts)
+            for _ in range(self.rng.randint(*self.config.records_per_batch))
+        ]
+        batch = encode_batch(records)
+        head, _crc = stamp_origin(batch, site.origin, log.vector().get(site.origin, 0))
+        header = parse_header(head)
+        self.checker.register(key, header)
+        log.append(header, [head[24:], batch[HEADER_BYTES:]], ts)
+        site.links.local_vector(key, log.vector())
+        self.counts.produced_batches += 1
+        self._after(self.rng.randint(*self.config.produce_ms), "produce", sid, incarnation, key)
+
+    def _on_flush(self, sid: SiteId, incarnation: int) -> None:
+        site = self._alive(sid, incarnation)
+        if site is None:
+            return
+        grew = False
+        for key in self.keys:
+            log = site.logs[key]
+            if log.flushed_offset != log.log_end_offset:
+                log.flush()
+                grew = True
+        if grew:  # newly durable batches: the sources may send them now
+            for dst in sorted(site.out_streams):
+                self._pump_soon(site, dst, 0)
+        self._after(site.flush_ms, "flush", sid, incarnation)
+
+    def _on_tick(self, sid: SiteId, incarnation: int) -> None:
+        site = self._alive(sid, incarnation)
+        if site is None:
+            return
+        site.links.tick(self.now_ms)
+        self._refresh_wants(site)
+        self._after(self.config.tick_ms, "tick", sid, incarnation)
+
+    # -- network ------------------------------------------------------------------
+
+    def _send(self, link: tuple[SiteId, SiteId], to: SiteId, message: Message) -> bool:
+        """Put ``message`` on the wire of ``link`` towards ``to``; False when the connection is broken."""
+        if link in self.cut or not self.sites[to].up:
+            self.counts.cut_drops += 1
+            return False
+        faults = self.faults if self.phase == "safety" else Faults.none()
+        if faults.drop_p and self.rng.random() < faults.drop_p:
+            self.counts.drops += 1
+            return True
+        copies = 1
+        if faults.dup_p and self.rng.random() < faults.dup_p:
+            copies = 2
+            self.counts.dups += 1
+        for _copy in range(copies):
+            delay = self.latency_ms[link] + (self.rng.randint(0, faults.jitter_ms) if faults.jitter_ms else 0)
+            if faults.reorder_p and self.rng.random() < faults.reorder_p:
+                delay += self.rng.randint(1, faults.reorder_ms)
+                self.counts.reorders += 1
+            self._after(delay, "deliver", link, message)
+        return True
+
+    def _on_deliver(self, link: tuple[SiteId, SiteId], message: Message) -> None:
+        if link in self.cut:
+            self.counts.cut_drops += 1
+            return
+        if isinstance(message, OpenStream):
+            self._on_open(message)
+        else:
+            self._on_chunks(message)
+
+    # -- source side ----------------------------------------------------------------
+
+    def _on_open(self, msg: OpenStream) -> None:
+        site = self.sites[msg.src]
+        if not site.up:
+            self.counts.cut_drops += 1
+            return
+        source = ReplicaSource(site.logs, msg.wants)
+        site.out_streams[msg.dst] = OutStream(msg.stream_id, source, self.now_ms)
+        self._pump_soon(site, msg.dst, 0)
+        self._after(self.config.heartbeat_ms, "heartbeat", msg.src, site.incarnation, msg.dst, msg.stream_id)
+
+    def _out_stream(self, sid: SiteId, incarnation: int, dst: SiteId, stream_id: int) -> OutStream | None:
+        site = self._alive(sid, incarnation)
+        if site is None:
+            return None
+        out = site.out_streams.get(dst)
+        return out if out is not None and out.stream_id == stream_id else None
+
+    def _pump_soon(self, site: SimSite, dst: SiteId, delay_ms: int) -> None:
+        out = site.out_streams[dst]
+        if not out.pump_pending:
+            out.pump_pending = True
+            self._after(delay_ms, "pump", site.id, site.incarnation, dst, out.stream_id)
+
+    def _on_pump(self, sid: SiteId, incarnation: int, dst: SiteId, stream_id: int) -> None:
+        out = self._out_stream(sid, incarnation, dst, stream_id)
+        if out is None:
+            return
+        out.pump_pending = False
+        site = self.sites[sid]
+        for chunk in out.source.next_chunks(self.config.chunk_bytes):
+            self.counts.chunks += 1
+            if not self._send((sid, dst), dst, ChunkMessage(sid, dst, stream_id, (chunk,), False)):
+                del site.out_streams[dst]  # the connection broke: the stream ends at the source too
+                return
+            out.last_send_ms = self.now_ms
+        if out.source.has_more():
+            self._pump_soon(site, dst, self.config.pump_ms)
+
+    def _on_heartbeat(self, sid: SiteId, incarnation: int, dst: SiteId, stream_id: int) -> None:
+        out = self._out_stream(sid, incarnation, dst, stream_id)
+        if out is None:
+            return
+        due = out.last_send_ms + self.config.heartbeat_ms
+        if self.now_ms >= due:
+            self.counts.heartbeats += 1
+            message = ChunkMessage(sid, dst, stream_id, tuple(out.source.heartbeat()), True)
+            if not self._send((sid, dst), dst, message):
+                del self.sites[sid].out_streams[dst]
+                return
+            out.last_send_ms = self.now_ms
+            due = self.now_ms + self.config.heartbeat_ms
+        self._after(due - self.now_ms, "heartbeat", sid, incarnation, dst, stream_id)
+
+    # -- destination side -------------------------------------------------------------
+
+    def _reopen(self, site: SimSite, src: SiteId) -> None:
+        """Open (again) the stream pulling from ``src``, with this site's current wants and vectors."""
+        self._next_stream_id += 1
+        stream_id = self._next_stream_id
+        origins = site.wants(src)
+        wants: dict[PartitionKey, tuple[dict[Origin, int], tuple[str, ...]]] = {
+            key: (dict(site.logs[key].vector()), tuple(str(o) for o in sites)) for key, sites in origins.items()
+        }
+        site.in_streams[src] = InStream(stream_id, origins, self.now_ms)
+        self._send((src, site.id), src, OpenStream(src, site.id, stream_id, wants))
+        self._after(self.config.timeout_ms, "watchdog", site.id, site.incarnation, src, stream_id)
+
+    def _on_watchdog(self, sid: SiteId, incarnation: int, src: SiteId, stream_id: int) -> None:
+        site = self._alive(sid, incarnation)
+        if site is None:
+            return
+        stream = site.in_streams.get(src)
+        if stream is None or stream.stream_id != stream_id:
+            return
+        due = stream.last_message_ms + self.config.timeout_ms
+        if self.now_ms < due:
+            self._after(due - self.now_ms, "watchdog", sid, incarnation, src, stream_id)
+            return
+        self.counts.timeouts += 1
+        site.links.link_down(src, self.now_ms, f"no message for {self.config.timeout_ms} ms")
+        self._reopen(site, src)
+        self._refresh_wants(site)
+
+    def _refresh_wants(self, site: SimSite) -> None:
+        """Reopen every inbound stream whose wants changed (a link went up or down, a stall began or ended)."""
+        for src in site.inbound:
+            stream = site.in_streams.get(src)
+            if stream is not None and site.wants(src) != stream.wants:
+                self.counts.wants_reopens += 1
+                self._reopen(site, src)
+
+    def _on_chunks(self, msg: ChunkMessage) -> None:
+        site = self.sites[msg.dst]
+        if not site.up:
+            self.counts.cut_drops += 1
+            return
+        stream = site.in_streams.get(msg.src)
+        if stream is None or stream.stream_id != msg.stream_id:
+            return  # a message of a stream dst has given up on
+        stream.last_message_ms = self.now_ms
+        links = site.links
+        first = not stream.delivered
+        stream.delivered = True
+        if first:
+            links.link_up(msg.src, self.now_ms)
+        gap = False
+        for chunk in msg.chunks:
+            links.upstream_vector(msg.src, chunk.key, chunk.src_vector)
+            if not chunk.batches:
+                continue
+            log = site.logs[chunk.key]
+            outcome = apply_chunk(log, chunk.batches, self._local_ms(site))
+            self.counts.applied_batches += outcome.appended_batches
+            links.local_vector(chunk.key, log.vector())
+            if outcome.overlaps:
+                raise InvariantViolation(
+                    f"I1 bytes: {msg.src} sent {msg.dst} batches that straddle its vector: "
+                    + "; ".join(o.message() for o in outcome.overlaps)
+                )
+            if outcome.gap is not None:
+                gap = True
+                self._log(f"gap at {msg.dst} from {msg.src}: {outcome.gap.message()}")
+        lost = self._check_tail(site, stream, msg)
+        if gap or lost:
+            self.counts.gap_reopens += 1
+            self._reopen(site, msg.src)
+        if first or gap or lost:
+            self._refresh_wants(site)
+
+    def _check_tail(self, site: SimSite, stream: InStream, msg: ChunkMessage) -> bool:
+        """Whether the stream lost its last data: a gap shows only when a later batch arrives.
+
+        A source sends a heartbeat only after ``heartbeat_ms`` with nothing to send, and its vector counts
+        unflushed batches too. So one heartbeat showing more than dst holds proves nothing, but two in a
+        row, with no data between them, while dst is still short of what the first one showed, mean that
+        the batches were sent and lost.
+        """
+        if not msg.heartbeat:
+            stream.promised = None
+            return False
+        if stream.promised is not None:
+            for key in sorted(stream.promised):
+                held = site.logs[key].vector()
+                if any(held.get(o, 0) < seq for o, seq in stream.promised[key].items()):
+                    self._log(f"tail lost at {msg.dst} from {msg.src} in {key}")
+                    return True
+        promised: dict[PartitionKey, dict[Origin, int]] = {}
+        for chunk in msg.chunks:
+            wanted = stream.wants.get(chunk.key, ())
+            held = site.logs[chunk.key].vector()
+            ahead = {o: n for o, n in chunk.src_vector.items() if o.site in wanted and n > held.get(o, 0)}
+            if ahead:
+                promised[chunk.key] = ahead
+        stream.promised = promised or None
+        return False
+
+    # -- faults -------------------------------------------------------------------------
+
+    def _on_fault_cut(self) -> None:
+        if self.phase != "safety":
+            return
+        links = [link.key for link in self.topology.links_sorted() if link.key not in self.cut]
+        if links:
+            key = self.rng.choice(links)
+            heal_ms = self.rng.randint(*self.faults.cut_ms)
+            self.cut[key] = self.now_ms + heal_ms
+            self.counts.cuts += 1
+            self._log(f"cut {key[0]}->{key[1]} for {heal_ms} ms")
+            self._after(heal_ms, "heal", key)
+        self._after(self._interval(self.faults.cut_every_ms), "fault_cut")
+
+    def _on_heal(self, key: tuple[SiteId, SiteId]) -> None:
+        if key in self.cut and self.cut[key] <= self.now_ms:
+            self._heal(key)
+
+    def _heal(self, key: tuple[SiteId, SiteId]) -> None:
+        del self.cut[key]
+        self.counts.heals += 1
+        self._log(f"heal {key[0]}->{key[1]}")
+
+    def _on_fault_crash(self) -> None:
+        if self.phase != "safety":
+            return
+        candidates = [sid for sid, site in self.sites.items() if site.up]
+        if candidates:
+            sid = self.rng.choice(candidates)
+            self._crash(self.sites[sid])
+            self._after(self.rng.randint(*self.faults.down_ms), "restart", sid, self.sites[sid].incarnation)
+        self._after(self._interval(self.faults.crash_every_ms), "fault_crash")
+
+    def _crash(self, site: SimSite) -> None:
+        lost = 0
+        for key in self.keys:
+            log = site.logs[key]
+            before = len(log.batch_entries())
+            log.crash()
+            lost += before - len(log.batch_entries())
+        self.counts.crashes += 1
+        self.counts.lost_batches += lost
+        self._log(f"crash {site.id}: lost {lost} unflushed batches")
+        site.up = False
+        site.incarnation += 1
+        site.in_streams.clear()
+        site.out_streams.clear()
+        for other in self.sites.values():
+            other.out_streams.pop(site.id, None)  # the connections to the crashed site break
+        site.links = self._new_link_manager(site.id)
+        site.wants_memo.clear()
+        self.checker.on_crash(site.id, site.origin, {str(s): x.logs for s, x in self.sites.items()})
+
+    def _on_restart(self, sid: SiteId, incarnation: int) -> None:
+        site = self.sites[sid]
+        if site.up or site.incarnation != incarnation:
+            return
+        self._restart(sid, incarnation)
+
+    def _restart(self, sid: SiteId, incarnation: int) -> None:
+        site = self.sites[sid]
+        site.up = True
+        self.counts.restarts += 1
+        self._log(f"restart {sid}")
+        for key in self.keys:
+            site.links.local_vector(key, site.logs[key].vector())
+        self._start_site(site)
+        if self.phase == "safety":
+            for key in self.keys:
+                self._after(self.rng.randint(0, self.config.produce_ms[1]), "produce", sid, site.incarnation, key)
+
+
+def run_seed(
+    seed: int,
+    topology: str = "triangle",
+    *,
+    steps: int = DEFAULT_STEPS,
+    faults: Faults | None = None,
+    verbose: bool = False,
+) -> SimResult:
+    """One run, as ``python -m georep.sim --seed SEED --topology NAME --steps STEPS`` does it."""
+    config = SimConfig(steps=steps)
+    return Simulator(seed, topology, faults=faults, config=config, verbose=verbose).run()
