@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers, parse_header
 from georep.replication.sink import CorruptChunk, apply_chunk
 from georep.replication.source import ReplicaSource
-from georep.server.process import NodeProcess
+from georep.server.process import NodeProcess, NodeStartError
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import Origin
 from topology.ids import SiteId
@@ -444,3 +445,48 @@ def test_a_topic_with_different_partition_counts_is_a_conflict_not_merged(make_s
     time.sleep(1.5)
     assert all(not v for v in sites.vectors("b", "x").values())  # nothing of a's went into b's x
     assert [lk.state for lk in sites.status("b").links] == ["streaming"]
+
+
+def test_replicate_refuses_unknown_partitions_and_bad_vectors(make_sites: Callable[..., Sites]) -> None:
+    sites = make_sites(["a", "b"], [("a", "b")])
+    sites.start("a")
+    stub = sites.stub("a")
+    stub.CreateTopic(pb.CreateTopicRequest(name="t", partitions=1))
+
+    def first(request: pb.ReplicateRequest) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as info:
+            next(iter(stub.Replicate(request, timeout=5)))
+        return info.value
+
+    missing = first(pb.ReplicateRequest(dst_site="b", wants=[pb.PullWant(topic="t", partition=5)]))
+    assert missing.code() == grpc.StatusCode.NOT_FOUND and "partition 5" in missing.details()
+    bad = pb.VectorOffset(entries=[pb.OriginSeq(site="Not A Site", epoch=1, next_seq=3)])
+    invalid = first(pb.ReplicateRequest(dst_site="b", wants=[pb.PullWant(topic="t", partition=0, have=bad)]))
+    assert invalid.code() == grpc.StatusCode.INVALID_ARGUMENT and "have-vector" in invalid.details()
+    # a valid request is answered at once with a heartbeat carrying a's vector
+    stream = stub.Replicate(pb.ReplicateRequest(dst_site="b", wants=[pb.PullWant(topic="t", partition=0)]))
+    (chunk,) = next(iter(stream)).chunks
+    assert (chunk.topic, chunk.partition, chunk.batches) == ("t", 0, b"")
+    stream.cancel()
+
+
+def test_a_site_missing_from_the_topology_is_refused_with_a_clear_message(tmp_path: Path) -> None:
+    topology = tmp_path / "t.toml"
+    topology.write_text(topology_toml({"a": free_ports(1)[0]}, []))
+    node = NodeProcess(site="zz", data_dir=tmp_path / "zz", extra_args=["--topology", str(topology)])
+    with pytest.raises(NodeStartError, match="site 'zz' is not in .*sites: a"):
+        node.start(timeout_s=20)
+
+
+def test_metrics_show_links_applied_batches_and_lag(make_sites: Callable[..., Sites]) -> None:
+    sites = make_sites(["a", "b"], [("a", "b")])
+    sites.start()
+    sites.stub("a").CreateTopic(pb.CreateTopicRequest(name="m", partitions=1))
+    wait_until("the topic exists at b", lambda: sites.vectors("b", "m") != {}, 10)
+    asyncio.run(produce(sites.address("a"), "m", "a", 100))
+    wait_until("b holds a's records", lambda: converged(sites, ["a", "b"], "m", 100), 20)
+    text = urllib.request.urlopen(f"http://{sites.nodes['b'].metrics_address}/metrics", timeout=5).read().decode()
+    assert 'georep_link_state{dst="b",src="a",state="streaming"} 1.0' in text
+    applied = [line for line in text.splitlines() if line.startswith("georep_replication_applied_batches_total{")]
+    assert applied and float(applied[0].split()[-1]) > 0
+    assert 'georep_replication_lag_ms{origin="a@' in text and "georep_topic_conflicts 0.0" in text

@@ -87,6 +87,9 @@ class Puller:
         self._channel: grpc.aio.Channel | None = None
         self._stub: pbg.NodeStub | None = None
         self._topics_synced = asyncio.Event()
+        # The upstream's topics and partition counts, from the last ListTopics:
+        # a want for a topic it does not have (yet) would fail the whole stream.
+        self.remote_topics: dict[str, int] = {}
 
     @property
     def stub(self) -> pbg.NodeStub:
@@ -114,6 +117,7 @@ class Puller:
     def sync_topics(self, resp: pb.ListTopicsResponse) -> None:
         r = self.r
         link = r.topology.link(self.src, r.site)
+        self.remote_topics = {t.name: t.partitions for t in resp.topics}
         for t in resp.topics:
             if not link.carries(t.name):
                 continue
@@ -149,7 +153,11 @@ class Puller:
 
     def wants(self) -> Wants:
         conflicted = {topic for (topic, src) in self.r.conflicts if src == self.src}
-        return {k: v for k, v in self.r.links.wants(self.src).items() if k[0] not in conflicted}
+        remote = self.remote_topics
+        return {
+            k: v for k, v in self.r.links.wants(self.src).items()
+            if k[0] not in conflicted and k[1] < remote.get(k[0], 0)
+        }  # fmt: skip
 
     async def stream_loop(self) -> None:
         backoff = BACKOFF_MIN_S

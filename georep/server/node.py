@@ -173,6 +173,7 @@ async def serve(
     log.info("shutting down")
     if replicator is not None:
         await replicator.stop()
+    service.stop_streams()
     for task in housekeeping:
         task.cancel()
     await server.stop(SHUTDOWN_GRACE_S)

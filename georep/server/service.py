@@ -81,6 +81,18 @@ class NodeService:
         self.metrics = metrics
         self.replicator = replicator
         self.started = time.monotonic()
+        self._stopping: asyncio.Future[None] | None = None
+
+    def _stopping_future(self) -> asyncio.Future[None]:
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_future()
+        return self._stopping
+
+    def stop_streams(self) -> None:
+        """End the long-lived ``Replicate`` streams, so a clean shutdown does not wait out its grace period."""
+        stopping = self._stopping_future()
+        if not stopping.done():
+            stopping.set_result(None)
 
     # -- admin ----------------------------------------------------------------
 
@@ -300,9 +312,10 @@ class NodeService:
         max_wait_s = min(req.max_wait_ms or REPLICATE_MAX_WAIT_MS_DEFAULT, FETCH_MAX_WAIT_MS_CAP) / 1000
         source = ReplicaSource({k: p.log for k, p in partitions.items()}, wants)
         loop = asyncio.get_running_loop()
+        stopping = self._stopping_future()
         yield self._replicate_response(source.heartbeat())
         last_sent = loop.time()
-        while True:
+        while not stopping.done():
             chunks = source.next_chunks(max_bytes)
             if chunks:
                 self.metrics.replicated_out(sum(len(c.batches) for c in chunks))
@@ -318,11 +331,8 @@ class NodeService:
                 last_sent = loop.time()
                 continue
             # Batches are served once durable, so wake on a flush, not on an append.
-            durable = [p.durable() for p in partitions.values()]
-            if durable:
-                await asyncio.wait(durable, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            else:
-                await asyncio.sleep(remaining)
+            wake = [stopping, *(p.durable() for p in partitions.values())]
+            await asyncio.wait(wake, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
 
     @staticmethod
     def _replicate_response(chunks: list[Chunk]) -> pb.ReplicateResponse:
