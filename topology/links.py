@@ -112,12 +112,16 @@ class LinkManager:
             for origin in sorted(best):
                 if best[origin] <= mine.get(origin, 0):
                     continue  # no upstream has more than this site
-                preferred = self._route(topic, origin.site, skip_stalled=False)
-                if preferred is None:
-                    continue
-                have = self.links[preferred].vectors.get(key, {}).get(origin, 0)
-                if have <= mine.get(origin, 0):
-                    behind.add((preferred, origin.site))
+                # Walk the failover order: stalled candidates that are still behind stay stalled, and the
+                # first unstalled one (the one in use) is behind too, it stalls in turn. Checking only the
+                # first candidate left an origin on a fallback that was behind as well, for good, while a
+                # later candidate had more.
+                for candidate in self._candidates(topic, origin.site):
+                    if self.links[candidate].vectors.get(key, {}).get(origin, 0) > mine.get(origin, 0):
+                        break
+                    behind.add((candidate, origin.site))
+                    if (candidate, origin.site) not in self.stalled:
+                        break
         for pair in sorted(behind):
             since = self._behind_since.setdefault(pair, now_ms)
             if now_ms - since >= self.stall_ms and pair not in self.stalled:
@@ -157,14 +161,16 @@ class LinkManager:
 
     # -- internals ------------------------------------------------------------
 
-    def _route(self, topic: str, origin_site: SiteId, skip_stalled: bool = True) -> SiteId | None:
+    def _candidates(self, topic: str, origin_site: SiteId) -> list[SiteId]:
         if origin_site == self.site:
-            candidates = [
+            return [
                 link.src for link in sorted(self.topology.links_sorted(), key=lambda lk: (lk.cost, lk.src))
                 if link.dst == self.site and link.carries(topic) and self.router.is_link_up(link.src, self.site)
             ]  # fmt: skip
-        else:
-            candidates = self.router.upstream_candidates(self.site, origin_site, topic)
+        return self.router.upstream_candidates(self.site, origin_site, topic)
+
+    def _route(self, topic: str, origin_site: SiteId, skip_stalled: bool = True) -> SiteId | None:
+        candidates = self._candidates(topic, origin_site)
         usable = [c for c in candidates if not (skip_stalled and (c, origin_site) in self.stalled)]
         if usable:
             return usable[0]

@@ -45,23 +45,25 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--seeds", type=_seed_range, help="run a swarm of seeds A..B (both included)")
     parser.add_argument("--topology", help=f"one of {', '.join(TOPOLOGY_NAMES)}, or random-N")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="events in the safety phase")
+    parser.add_argument("--rebuild-p", type=float, default=0.0,
+                        help="chance that a crash also loses the disk (restart empty, new epoch); default 0")
     parser.add_argument("--verbose", action="store_true", help="print every event (one run only)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     try:
         if args.seed is not None:
-            return _one(args.seed, args.topology or "triangle", args.steps, args.verbose)
-        return _swarm(args.seeds, args.topology, args.steps)
+            return _one(args.seed, args.topology or "triangle", args.steps, args.verbose, args.rebuild_p)
+        return _swarm(args.seeds, args.topology, args.steps, args.rebuild_p)
     except UnknownTopologyName as e:
         parser.error(str(e))
     return 2  # pragma: no cover
 
 
-def _one(seed: int, topology: str, steps: int, verbose: bool) -> int:
+def _one(seed: int, topology: str, steps: int, verbose: bool, rebuild_p: float) -> int:
     started = time.perf_counter()
     try:
-        result = run_seed(seed, topology, steps=steps, verbose=verbose)
+        result = run_seed(seed, topology, steps=steps, verbose=verbose, rebuild_p=rebuild_p)
     except SimulationFailure as e:
         print(f"FAIL {e}", file=sys.stderr)
         return 1
@@ -73,7 +75,7 @@ def _one(seed: int, topology: str, steps: int, verbose: bool) -> int:
     return 0
 
 
-def _swarm(seeds: range, topology: str | None, steps: int) -> int:
+def _swarm(seeds: range, topology: str | None, steps: int, rebuild_p: float) -> int:
     started = time.perf_counter()
     total = FaultCounts()
     failures: list[SimulationFailure] = []
@@ -81,7 +83,7 @@ def _swarm(seeds: range, topology: str | None, steps: int) -> int:
     for seed in seeds:
         name = topology or swarm_topology(seed)
         try:
-            result = run_seed(seed, name, steps=steps)
+            result = run_seed(seed, name, steps=steps, rebuild_p=rebuild_p)
         except SimulationFailure as e:
             failures.append(e)
             print(f"FAIL seed={seed} topology={name}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)

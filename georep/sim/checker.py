@@ -173,34 +173,51 @@ class InvariantChecker:
     def convergence_problems(
         self,
         topology: Topology,
-        origins: Mapping[str, Origin],
+        origins: Iterable[Origin],
         sites_logs: Mapping[str, Mapping[PartitionKey, PartitionLog]],
         keys: Iterable[PartitionKey],
     ) -> list[str]:
-        """What I4 still misses: each site that should hold an origin's records and does not hold them all,
-        and each site that holds records its topic filters should have kept away."""
+        """What I4 still misses, one message per (partition, origin, site), in a stable order.
+
+        A record held by a site T should reach every site of ``expected_sites(topology, T, topic)``: so
+        each site S must hold, of each origin, as much as the most that any site reaching S holds. For an
+        origin's current epoch that is everything the origin holds, at every site its records can reach.
+        (Stated from the holders rather than from the origin, so that records of an epoch whose site was
+        since rebuilt from empty count too: they live on only where they were copied.) And no site holds
+        records of a topic from an origin site whose links carrying that topic do not lead to it.
+        """
+        sites = sorted(sites_logs)
+        reach: dict[tuple[str, str], frozenset[SiteId]] = {}
         problems: list[str] = []
         for key in sorted(keys):
             topic = key[0]
-            for origin_site in sorted(origins):
-                origin = origins[origin_site]
-                want = int(sites_logs[origin_site][key].vector().get(origin, 0))
-                reach = expected_sites(topology, origin_site, topic)
-                for site in sorted(sites_logs):
-                    held = int(sites_logs[site][key].vector().get(origin, 0))
-                    should = want if SiteId(site) in reach else 0
-                    if held != should:
+            for site in sites:
+                reach[(site, topic)] = reach.get((site, topic)) or expected_sites(topology, site, topic)
+            vectors = {site: sites_logs[site][key].vector() for site in sites}
+            for origin in sorted(set(origins)):
+                held = {site: int(vectors[site].get(origin, 0)) for site in sites}
+                for site in sites:
+                    if held[site] and SiteId(site) not in reach[(origin.site, topic)]:
                         problems.append(
-                            f"site {site} holds {held} of {origin}'s {want} records of {topic}[{key[1]}], "
-                            f"expected {should} ({'reachable' if should else 'not reachable'} through links "
-                            f"carrying {topic})"
+                            f"site {site} holds {held[site]} of {origin}'s records of {topic}[{key[1]}], but no "
+                            f"chain of links carrying {topic} leads there from {origin.site}"
+                        )
+                        continue
+                    best, holder = held[site], site
+                    for other in sites:
+                        if held[other] > best and SiteId(site) in reach[(other, topic)]:
+                            best, holder = held[other], other
+                    if held[site] < best:
+                        problems.append(
+                            f"site {site} holds {held[site]} of {origin}'s records of {topic}[{key[1]}], expected "
+                            f"{best}: site {holder} holds {best} and links carrying {topic} lead from it to {site}"
                         )
         return problems
 
     def check_convergence(
         self,
         topology: Topology,
-        origins: Mapping[str, Origin],
+        origins: Iterable[Origin],
         sites_logs: Mapping[str, Mapping[PartitionKey, PartitionLog]],
         keys: Iterable[PartitionKey],
     ) -> None:

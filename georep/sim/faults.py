@@ -31,6 +31,10 @@ class Faults:
     crash_every_ms: int = 900  # mean time between site crashes; 0: never
     down_ms: tuple[int, int] = (30, 800)
     skew_ms: int = 5_000  # each site's clock is off by up to this, either way
+    # A crash that also loses the disk: the site restarts empty, with a new epoch (ARCHITECTURE.md, origin).
+    # Off unless asked for (python -m georep.sim --rebuild-p P), and not drawn by swarm(), so that turning
+    # it on does not change what any seed does otherwise.
+    rebuild_p: float = 0.0
 
     @classmethod
     def none(cls) -> Faults:
@@ -71,6 +75,7 @@ class FaultCounts:
     crashes: int = 0
     restarts: int = 0
     lost_batches: int = 0  # unflushed batches that crashes threw away
+    rebuilds: int = 0  # crashes that lost the disk as well
     timeouts: int = 0  # streams dst gave up on (no message for timeout_ms)
     gap_reopens: int = 0
     wants_reopens: int = 0

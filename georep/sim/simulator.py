@@ -31,7 +31,10 @@ simulated.
 Faults (``faults.py``) are site- and link-level: drop, duplicate, delay and
 reorder messages, cut and heal links, crash a site (it keeps its epoch: it lost
 only unflushed batches, which no source ever serves) and restart it, skew a
-site's clock (producer timestamps and append times only).
+site's clock (producer timestamps and append times only). Off by default, a
+crash can also lose the disk (``rebuild_p``, ``--rebuild-p``): the site
+restarts empty with a new epoch, and its old epoch lives on only where it was
+copied.
 
 A run has two phases, as in VOPR. Safety: ``steps`` events with producers and
 faults on; I1-I3 are checked after every event. Liveness: every fault is
@@ -46,6 +49,7 @@ topology and the command that replays the run.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import random
@@ -92,16 +96,17 @@ class SimConfig:
 class SimulationFailure(AssertionError):
     """A run broke an invariant or did not converge. The message says how to replay it."""
 
-    def __init__(self, message: str, seed: int, topology: str, steps: int) -> None:
+    def __init__(self, message: str, seed: int, topology: str, steps: int, rebuild_p: float = 0.0) -> None:
         self.seed = seed
         self.topology = topology
         self.steps = steps
-        self.replay = replay_command(seed, topology, steps)
+        self.replay = replay_command(seed, topology, steps, rebuild_p)
         super().__init__(f"{message}\n  seed={seed} topology={topology} steps={steps}\n  replay: {self.replay}")
 
 
-def replay_command(seed: int, topology: str, steps: int = DEFAULT_STEPS) -> str:
+def replay_command(seed: int, topology: str, steps: int = DEFAULT_STEPS, rebuild_p: float = 0.0) -> str:
     extra = "" if steps == DEFAULT_STEPS else f" --steps {steps}"
+    extra += f" --rebuild-p {rebuild_p}" if rebuild_p else ""
     return f"python -m georep.sim --seed {seed} --topology {topology}{extra}"
 
 
@@ -198,6 +203,7 @@ class SimResult:
     counts: FaultCounts
     vectors: dict[str, dict[PartitionKey, dict[str, int]]]  # site -> partition -> {origin text: next seq}
     batches_checked: int
+    liveness_ms: int  # virtual time from healing every fault to convergence
 
 
 class Simulator:
@@ -233,16 +239,19 @@ class Simulator:
         self.phase = "safety"
         self._started = False
         self._safety_steps = 0
+        self._liveness_start_ms = START_MS
         self.kinds: dict[str, int] = {}
         self.cut: dict[tuple[SiteId, SiteId], int] = {}  # link -> heal due
         self.latency_ms = {
             link.key: self.rng.randint(*self.faults.latency_ms) for link in self.topology.links_sorted()
         }
         self.sites: dict[SiteId, SimSite] = {}
+        self.origins: list[Origin] = []  # every origin ever, old epochs of rebuilt sites included
         for sid in self.topology.site_ids():
             skew = self.rng.randint(-self.faults.skew_ms, self.faults.skew_ms) if self.faults.skew_ms else 0
             origin = Origin(sid, self.rng.randint(1, 1_000_000))
             inbound = tuple(link.src for link in self.topology.links_sorted() if link.dst == sid)
+            self.origins.append(origin)
             self.sites[sid] = SimSite(
                 sid, origin, skew, self.rng.randint(*self.config.flush_ms),
                 {key: MemoryLog() for key in self.keys}, self._new_link_manager(sid), inbound,
@@ -274,10 +283,11 @@ class Simulator:
         }
         self._trace.update(repr(sorted(vectors.items())).encode())
         return SimResult(self.seed, self.topology_name, self._events, self.now_ms - START_MS,
-                         self._trace.hexdigest(), self.counts, vectors, self.checker.batches_checked)  # fmt: skip
+                         self._trace.hexdigest(), self.counts, vectors, self.checker.batches_checked,
+                         self.now_ms - self._liveness_start_ms)  # fmt: skip
 
     def _failure(self, message: str) -> SimulationFailure:
-        return SimulationFailure(message, self.seed, self.topology_name, self.config.steps)
+        return SimulationFailure(message, self.seed, self.topology_name, self.config.steps, self.faults.rebuild_p)
 
     def _start(self) -> None:
         for sid, site in self.sites.items():
@@ -308,6 +318,7 @@ class Simulator:
 
     def _run_liveness(self) -> None:
         self.phase = "liveness"
+        self._liveness_start_ms = self.now_ms
         self._log("liveness: heal every fault, restart every site, stop producers")
         for key in sorted(self.cut):
             self._heal(key)
@@ -317,7 +328,7 @@ class Simulator:
         deadline = self.now_ms + self.config.liveness_ms
         next_check = self.now_ms
         logs = {str(s): site.logs for s, site in self.sites.items()}
-        origins = {str(s): site.origin for s, site in self.sites.items()}
+        origins = self.origins
         for _step in range(self.config.max_events):
             if self.now_ms >= next_check:
                 if not self.checker.convergence_problems(self.topology, origins, logs, self.keys):
@@ -641,20 +652,29 @@ class Simulator:
         candidates = [sid for sid, site in self.sites.items() if site.up]
         if candidates:
             sid = self.rng.choice(candidates)
-            self._crash(self.sites[sid])
+            rebuild = bool(self.faults.rebuild_p) and self.rng.random() < self.faults.rebuild_p
+            self._crash(self.sites[sid], rebuild)
             self._after(self.rng.randint(*self.faults.down_ms), "restart", sid, self.sites[sid].incarnation)
         self._after(self._interval(self.faults.crash_every_ms), "fault_crash")
 
-    def _crash(self, site: SimSite) -> None:
+    def _crash(self, site: SimSite, rebuild: bool = False) -> None:
         lost = 0
         for key in self.keys:
             log = site.logs[key]
             before = len(log.batch_entries())
-            log.crash()
-            lost += before - len(log.batch_entries())
+            if rebuild:
+                site.logs[key] = MemoryLog()
+            else:
+                log.crash()
+            lost += before - len(site.logs[key].batch_entries())
         self.counts.crashes += 1
         self.counts.lost_batches += lost
-        self._log(f"crash {site.id}: lost {lost} unflushed batches")
+        if rebuild:
+            self.counts.rebuilds += 1
+            site.origin = Origin(site.id, site.origin.epoch + self.rng.randint(1, 1_000))
+            self.origins.append(site.origin)
+        what = f"batches, rebuilt empty as {site.origin}" if rebuild else "unflushed batches"
+        self._log(f"crash {site.id}: lost {lost} {what}")
         site.up = False
         site.incarnation += 1
         site.in_streams.clear()
@@ -663,7 +683,10 @@ class Simulator:
             other.out_streams.pop(site.id, None)  # the connections to the crashed site break
         site.links = self._new_link_manager(site.id)
         site.wants_memo.clear()
-        self.checker.on_crash(site.id, site.origin, {str(s): x.logs for s, x in self.sites.items()})
+        if rebuild:  # the old epoch is never stamped again, so no coordinate is re-issued
+            self.checker.rescan(site.id, site.logs)
+        else:
+            self.checker.on_crash(site.id, site.origin, {str(s): x.logs for s, x in self.sites.items()})
 
     def _on_restart(self, sid: SiteId, incarnation: int) -> None:
         site = self.sites[sid]
@@ -690,8 +713,15 @@ def run_seed(
     *,
     steps: int = DEFAULT_STEPS,
     faults: Faults | None = None,
+    rebuild_p: float = 0.0,
     verbose: bool = False,
 ) -> SimResult:
-    """One run, as ``python -m georep.sim --seed SEED --topology NAME --steps STEPS`` does it."""
+    """One run, as ``python -m georep.sim --seed SEED --topology NAME --steps STEPS`` does it.
+
+    ``rebuild_p`` > 0 turns some crashes into disk losses (see ``Faults.rebuild_p``).
+    """
     config = SimConfig(steps=steps)
-    return Simulator(seed, topology, faults=faults, config=config, verbose=verbose).run()
+    sim = Simulator(seed, topology, faults=faults, config=config, verbose=verbose)
+    if rebuild_p:
+        sim.faults = dataclasses.replace(sim.faults, rebuild_p=rebuild_p)
+    return sim.run()
