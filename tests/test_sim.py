@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -165,6 +167,19 @@ def test_the_same_seed_gives_the_same_run(topology: str) -> None:
     assert first.counts == second.counts
     other = run_seed(8, topology, steps=1_500)
     assert other.trace != first.trace
+
+
+def test_the_same_seed_gives_the_same_run_in_other_processes() -> None:
+    """No iteration order leaks in from string hashing: PYTHONHASHSEED changes nothing."""
+    traces = set()
+    for hash_seed in ("1", "2"):
+        done = subprocess.run(
+            [sys.executable, "-m", "georep.sim", "--seed", "9", "--topology", "random-5", "--steps", "800"],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        traces.add(done.stdout.split("trace=")[1].split()[0])
+    assert len(traces) == 1
 
 
 def test_seeded_faults_actually_happen() -> None:
