@@ -19,6 +19,9 @@ links fail. An upstream that stays behind for an origin while another one has
 more of it, for ``stall_ms``, is *stalled* for that origin site and skipped.
 It is taken back once it has caught up with this site.
 
+After the routed next hops, every other live inbound link that carries the
+topic is a last-resort candidate (see ``_candidates``).
+
 A site also pulls its own origin site's records. A site rebuilt from empty
 has a new epoch, and its records of older epochs come back from any upstream
 that carries the topic, cheapest link first.
@@ -162,12 +165,22 @@ class LinkManager:
     # -- internals ------------------------------------------------------------
 
     def _candidates(self, topic: str, origin_site: SiteId) -> list[SiteId]:
+        """The failover order: routed next hops first, then every other live inbound link.
+
+        The router leaves out upstreams that reach the origin only through this
+        site. Normally they have nothing to give, but after this site and the
+        origin are both rebuilt from empty, they may hold the only copy of the
+        origin's old epochs. Stall detection reaches them when the routed
+        candidates have nothing.
+        """
+        direct = [
+            link.src for link in sorted(self.topology.links_sorted(), key=lambda lk: (lk.cost, lk.src))
+            if link.dst == self.site and link.carries(topic) and self.router.is_link_up(link.src, self.site)
+        ]  # fmt: skip
         if origin_site == self.site:
-            return [
-                link.src for link in sorted(self.topology.links_sorted(), key=lambda lk: (lk.cost, lk.src))
-                if link.dst == self.site and link.carries(topic) and self.router.is_link_up(link.src, self.site)
-            ]  # fmt: skip
-        return self.router.upstream_candidates(self.site, origin_site, topic)
+            return direct
+        routed = self.router.upstream_candidates(self.site, origin_site, topic)
+        return routed + [src for src in direct if src not in routed]
 
     def _route(self, topic: str, origin_site: SiteId, skip_stalled: bool = True) -> SiteId | None:
         candidates = self._candidates(topic, origin_site)

@@ -36,6 +36,7 @@ from cluster.topics import TOPIC_CONFIG_KEYS
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.replication.sink import pull_have
 from georep.server.broker import Broker, BrokerError
 from georep.vector_proto import vector_from_proto, vector_to_proto
 from offsets.coordinates import Origin
@@ -191,7 +192,7 @@ class Puller:
         wants = self.wants()
         request = pb.ReplicateRequest(dst_site=self.r.site, max_bytes=STREAM_MAX_BYTES, max_wait_ms=HEARTBEAT_MS)
         for (topic, index), sites in sorted(wants.items()):
-            have = self.r.broker.partition(topic, index).log.vector()
+            have = pull_have(self.r.broker.partition(topic, index).log.vector(), self.r.broker.origin)
             request.wants.append(
                 pb.PullWant(topic=topic, partition=index, have=vector_to_proto(VectorOffset(have)),
                             origin_sites=list(sites))  # fmt: skip

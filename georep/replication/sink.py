@@ -23,7 +23,7 @@ from dedup.apply import Covered, Gap, PartialOverlap, plan_apply
 from georep.record.batch import REWRITTEN_BYTES, CorruptBatch, iter_headers
 from georep.storage.api import PartitionLog
 from offsets.coordinates import Origin
-from offsets.vector import VectorOffset
+from offsets.vector import SEQ_MAX, VectorOffset
 
 
 class CorruptChunk(ValueError):
@@ -92,3 +92,16 @@ def apply_chunk(log: PartitionLog, batches: bytes, now_ms: int) -> ApplyOutcome:
         skipped_batches=skipped, gap=first_gap, overlaps=plan.overlaps, lag_ms=lag_ms,
         blocked_batches=len(headers) - appended - skipped, lag_ms_by_origin=lags,
     )  # fmt: skip
+
+
+def pull_have(vector: Mapping[Origin, int], own: Origin) -> dict[Origin, int]:
+    """The have-vector a site sends upstream: its vector, with its own current origin fully held.
+
+    A site pulls its own site's *older* epochs (it may have been rebuilt from
+    empty) but never its current one: every record of that it already has, and
+    the ones it appends while the stream is open would otherwise come straight
+    back from the upstream as duplicates, one extra copy of all local produce.
+    """
+    have = dict(vector)
+    have[own] = SEQ_MAX
+    return have

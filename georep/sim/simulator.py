@@ -58,7 +58,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from georep.record.batch import HEADER_BYTES, RecordInput, encode_batch, parse_header, stamp_origin
-from georep.replication.sink import apply_chunk
+from georep.replication.sink import apply_chunk, pull_have
 from georep.replication.source import Chunk, ReplicaSource
 from georep.sim.checker import InvariantChecker, InvariantViolation
 from georep.sim.faults import FaultCounts, Faults
@@ -527,7 +527,8 @@ class Simulator:
         stream_id = self._next_stream_id
         origins = site.wants(src)
         wants: dict[PartitionKey, tuple[dict[Origin, int], tuple[str, ...]]] = {
-            key: (dict(site.logs[key].vector()), tuple(str(o) for o in sites)) for key, sites in origins.items()
+            key: (pull_have(site.logs[key].vector(), site.origin), tuple(str(o) for o in sites))
+            for key, sites in origins.items()
         }
         site.in_streams[src] = InStream(stream_id, origins, self.now_ms)
         self._send((src, site.id), src, OpenStream(src, site.id, stream_id, wants))
