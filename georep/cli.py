@@ -41,6 +41,7 @@ DELEGATED = {
     "demo": ("georep.demo", "start a local multi-site demo"),
     "up": ("georep.up", "run every node of a topology on this machine, in the foreground"),
     "status": ("georep.status", "every site's vectors, links, routes and lag"),
+    "link": ("georep.link_admin", "cut or heal one replication link"),
     "topology": ("topology.render", "topology show [FILE]: summary and picture of a topology"),
 }
 

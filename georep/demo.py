@@ -1,9 +1,16 @@
 """``georep demo``: the main job on the embedded default, run by ``make demo``.
 
-Today it shows one site end to end with real processes, files and gRPC: create
-a topic, produce through the batching client, consume everything back with its
-coordinates, then SIGKILL the node during a produce that fsyncs every batch,
-restart it, and prove that every acknowledged record is there exactly once.
+Three sites ``a``, ``b`` and ``c`` on 127.0.0.1, linked in a cycle plus the
+reverse edges, each a real ``georep node`` process with its own data dir.
+The demo:
+
+1. creates a topic at ``a`` and watches it appear at ``b`` and ``c``;
+2. writes at all three sites at once (multi-master);
+3. shows every site converging on identical per-origin sequences;
+4. cuts the link ``c -> a`` and shows ``c``'s new records reaching ``a``
+   around it, through ``b``; then heals it;
+5. SIGKILLs site ``a`` during a produce that fsyncs every batch, restarts it,
+   and proves that every acknowledged record is held exactly once, everywhere.
 """
 
 from __future__ import annotations
@@ -17,38 +24,32 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from georep.client import Admin, Consumer, ConsumerRecord, Producer, RecordMetadata
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
+from georep.status import vector_text
+from georep.up import site_processes
+from topology.model import default_topology
 
 TOPIC = "demo/orders"
 PARTITIONS = 3
+CONVERGE_TIMEOUT_S = 60.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=Path, default=Path(".georep/demo"), help="wiped and reused by each run")
-    parser.add_argument("--records", type=int, default=20_000, help="records in the produce/consume step")
+    parser.add_argument("--records", type=int, default=5_000, help="records each site writes in step 2")
 
 
 def main(args: argparse.Namespace) -> int:
     return asyncio.run(run(args.data_dir, args.records))
 
 
-def say(text: str) -> None:
+def say(text: str = "") -> None:
     print(text, flush=True)
-
-
-@dataclass
-class CrashReport:
-    sent: int
-    acked: int
-    present: int
-    duplicates: int
-    missing_acked: int
-    kill_after_acked: int
-
-    @property
-    def ok(self) -> bool:
-        return self.duplicates == 0 and self.missing_acked == 0 and self.acked == self.sent
 
 
 def record_json(r: ConsumerRecord) -> str:
@@ -72,6 +73,52 @@ async def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: floa
     return out
 
 
+async def site_status(address: str) -> pb.SiteStatusResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pbg.NodeStub(channel).SiteStatus(pb.SiteStatusRequest(), timeout=5)
+
+
+async def vectors(nodes: list[NodeProcess], topic: str) -> dict[str, dict[int, str]]:
+    out = {}
+    for node in nodes:
+        status = await site_status(node.address)
+        out[node.site] = {p.partition: vector_text(p.vector) for p in status.partitions if p.topic == topic}
+    return out
+
+
+async def wait_converged(nodes: list[NodeProcess], topic: str, timeout_s: float = CONVERGE_TIMEOUT_S) -> float:
+    """Seconds until every site holds the same vector for every partition of ``topic``."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        seen = await vectors(nodes, topic)
+        if len({json.dumps(v, sort_keys=True) for v in seen.values()}) == 1 and all(seen.values()):
+            return time.monotonic() - started
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"sites did not converge on {topic} within {timeout_s}s: {await vectors(nodes, topic)}")
+
+
+def per_origin_sequences(records: list[ConsumerRecord]) -> dict[tuple[int, str], list[tuple[int, bytes | None]]]:
+    """(partition, origin) -> [(origin seq, value)] in the order the site's log holds them."""
+    out: dict[tuple[int, str], list[tuple[int, bytes | None]]] = {}
+    for r in sorted(records, key=lambda r: (r.partition, r.offset)):
+        out.setdefault((r.partition, str(r.origin)), []).append((r.origin_seq, r.value))
+    return out
+
+
+@dataclass
+class CrashReport:
+    sent: int
+    acked: int
+    present: int
+    duplicates: int
+    missing_acked: int
+    kill_after_acked: int
+
+    @property
+    def ok(self) -> bool:
+        return self.duplicates == 0 and self.missing_acked == 0 and self.acked == self.sent
+
+
 async def produce_through_crash(node: NodeProcess, topic: str, records: int, kill_after_acked: int) -> CrashReport:
     """Produce ``records`` values; SIGKILL and restart the node once ``kill_after_acked`` are acked.
 
@@ -79,26 +126,25 @@ async def produce_through_crash(node: NodeProcess, topic: str, records: int, kil
     producer id and sequences), so the node must store every record once.
     """
     acked: list[RecordMetadata] = []
+    at_kill = -1
     async with Producer(node.address, acks="leader", linger_ms=2, batch_size=16_384,
                         retry_backoff_ms=50) as producer:  # fmt: skip
         futures = []
-        killed = False
         for i in range(records):
             fut = producer.send(topic, b"crash-%d" % i, key=b"k%d" % (i % 97))
             fut.add_done_callback(lambda f: acked.append(f.result()) if not f.exception() else None)
             futures.append(fut)
             if i % 500 == 0:
                 await asyncio.sleep(0.005)  # a sustained stream, not one burst
-            if not killed and len(acked) >= kill_after_acked:
-                node.kill9()
-                killed = True
+            if at_kill < 0 and len(acked) >= kill_after_acked:
                 at_kill = len(acked)
+                node.kill9()
                 await asyncio.sleep(0.3)
                 node.start()
         await producer.flush()
-    if not killed:
-        node.kill9()
+    if at_kill < 0:
         at_kill = len(acked)
+        node.kill9()
         node.start()
     got = await consume_all(node.address, topic, records)
     values = Counter(r.value for r in got)
@@ -113,43 +159,98 @@ async def produce_through_crash(node: NodeProcess, topic: str, records: int, kil
     )
 
 
+async def set_link(dst: NodeProcess, src: str, enabled: bool) -> None:
+    async with grpc.aio.insecure_channel(dst.address) as channel:
+        await pbg.NodeStub(channel).SetLink(pb.SetLinkRequest(src=src, enabled=enabled), timeout=5)
+
+
+async def produce_at(node: NodeProcess, topic: str, count: int, tag: str) -> None:
+    async with Producer(node.address, acks="leader") as producer:
+        for i in range(count):
+            producer.send(topic, b"%s-%d" % (tag.encode(), i), key=b"customer-%d" % (i % 50))
+        await producer.flush()
+
+
 async def run(data_dir: Path, records: int) -> int:
     shutil.rmtree(data_dir, ignore_errors=True)
-    say(f"== georep demo: one site, data under {data_dir}/")
-    node = NodeProcess(site="a", data_dir=data_dir / "a").start()
+    topology = default_topology()
+    say(f"== georep demo: the default topology, 3 sites in a cycle plus reverse links, data under {data_dir}/")
+    nodes = site_processes(topology, None, data_dir, [])
+    by_site = {n.site: n for n in nodes}
+    failures: list[str] = []
     try:
-        say(f"node for site a serving on {node.address} (pid {node.pid}), metrics at http://{node.metrics_address}/metrics")
-        async with Admin(node.address) as admin:
+        for node in nodes:
+            node.start()
+            say(f"  site {node.site}: node on {node.address} (pid {node.pid}), metrics http://{node.metrics_address}/metrics")
+
+        say(f"\n1. create {TOPIC} ({PARTITIONS} partitions) at site a; topic metadata replicates")
+        async with Admin(by_site["a"].address) as admin:
             await admin.create_topic(TOPIC, PARTITIONS)
-            await admin.create_topic("demo/crash", 1)
-        say(f"created topic {TOPIC} with {PARTITIONS} partitions")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            present = [s for s, n in by_site.items() if TOPIC in await _topics(n)]
+            if len(present) == 3:
+                break
+            await asyncio.sleep(0.1)
+        say(f"   the topic exists at sites: {', '.join(present)}")
 
+        say(f"\n2. write {records} records at each of a, b and c at the same time")
         started = time.perf_counter()
-        async with Producer(node.address, acks="leader") as producer:
-            futures = [producer.send(TOPIC, b"order-%d" % i, key=b"customer-%d" % (i % 50)) for i in range(records)]
-            await producer.flush()
-            metas = [f.result() for f in futures]
-        took = time.perf_counter() - started
-        per_partition = Counter(m.partition for m in metas)
-        say(f"produced {records} records in {took:.2f}s; per partition: {dict(sorted(per_partition.items()))}")
+        await asyncio.gather(*(produce_at(n, TOPIC, records, f"from-{n.site}") for n in nodes))
+        say(f"   {3 * records} records acknowledged in {time.perf_counter() - started:.2f}s")
 
-        got = await consume_all(node.address, TOPIC, records)
-        in_order = all(
-            a.offset < b.offset for a, b in zip(got, got[1:], strict=False) if a.partition == b.partition
-        )
-        same_set = sorted(r.value for r in got) == sorted(b"order-%d" % i for i in range(records))
-        say(f"consumed {len(got)} records back; same set: {same_set}; per-partition order kept: {in_order}")
-        say("three records as `georep consume --json` prints them:")
-        for r in got[:3]:
-            say("  " + record_json(r))
+        took = await wait_converged(nodes, TOPIC)
+        say(f"\n3. every site converged {took:.2f}s after the last ack; vector per partition:")
+        for site, parts in (await vectors(nodes, TOPIC)).items():
+            say(f"   {site}: " + "  ".join(f"p{p}={v}" for p, v in sorted(parts.items())))
+        sequences = {}
+        for node in nodes:
+            got = await consume_all(node.address, TOPIC, 3 * records)
+            sequences[node.site] = per_origin_sequences(got)
+            say(f"   consumed {len(got)} records at site {node.site}; first: {record_json(got[0])}")
+        identical = sequences["a"] == sequences["b"] == sequences["c"]
+        say(f"   identical per-origin sequences (coordinates and values) at a, b and c: {identical}")
+        if not identical:
+            failures.append("per-origin sequences differ between sites")
 
-        say("crash recovery: produce 30000 records, fsync per batch, SIGKILL the node mid-stream, restart it")
-        report = await produce_through_crash(node, "demo/crash", 30_000, kill_after_acked=10_000)
-        say(f"  killed after {report.kill_after_acked} acks; after restart: {report.acked}/{report.sent} acked, "
+        say("\n4. cut the link c -> a; c's new records must reach a through b")
+        await set_link(by_site["a"], "c", enabled=False)
+        await produce_at(by_site["c"], TOPIC, 1_000, "after-cut")
+        took = await wait_converged(nodes, TOPIC)
+        status = await site_status(by_site["a"].address)
+        links = {f"{lk.src}->{lk.dst}": lk.state for lk in status.links}
+        upstreams = sorted({(lag.origin, lag.upstream) for p in status.partitions for lag in p.lags
+                            if lag.origin.startswith("c@")})  # fmt: skip
+        say(f"   a's links: {links}; a now pulls {upstreams[0][0] if upstreams else 'c'} from: "
+            f"{', '.join(sorted({u for _, u in upstreams})) or '-'}")  # fmt: skip
+        say(f"   converged again {took:.2f}s after the last ack, around the cut link")
+        if links.get("c->a") != "down" or any(u != "b" for _, u in upstreams):
+            failures.append(f"after the cut, a should pull c's records from b: {upstreams}, links {links}")
+        await set_link(by_site["a"], "c", enabled=True)
+        say("   link c -> a healed")
+
+        say("\n5. SIGKILL site a during a produce that fsyncs every batch, then restart it")
+        async with Admin(by_site["a"].address) as admin:
+            await admin.create_topic("demo/crash", 1)
+        report = await produce_through_crash(by_site["a"], "demo/crash", 20_000, kill_after_acked=6_000)
+        say(f"   killed after {report.kill_after_acked} acks; after restart: {report.acked}/{report.sent} acked, "
             f"{report.present} distinct present, {report.duplicates} duplicates, "
             f"{report.missing_acked} acked records missing")  # fmt: skip
-        ok = same_set and in_order and len(got) == records and report.ok
-        say("demo " + ("passed" if ok else "FAILED"))
-        return 0 if ok else 1
+        if not report.ok:
+            failures.append(f"crash recovery: {report}")
+        took = await wait_converged(nodes, "demo/crash")
+        counts = [len(await consume_all(n.address, "demo/crash", 20_000)) for n in nodes]
+        say(f"   replicated to every site {took:.2f}s later: records at a, b, c = {counts}")
+        if counts != [20_000] * 3:
+            failures.append(f"demo/crash counts per site: {counts}")
+
+        say("\ndemo " + ("passed" if not failures else "FAILED: " + "; ".join(failures)))
+        return 0 if not failures else 1
     finally:
-        node.stop()
+        for node in nodes:
+            node.stop()
+
+
+async def _topics(node: NodeProcess) -> set[str]:
+    async with Admin(node.address) as admin:
+        return {t.name for t in await admin.list_topics()}

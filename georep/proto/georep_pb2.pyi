@@ -348,3 +348,23 @@ class SiteStatusResponse(_message.Message):
     links: _containers.RepeatedCompositeFieldContainer[LinkStatus]
     conflicts: _containers.RepeatedCompositeFieldContainer[TopicConflict]
     def __init__(self, site: _Optional[str] = ..., epoch: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[PartitionStatus, _Mapping]]] = ..., links: _Optional[_Iterable[_Union[LinkStatus, _Mapping]]] = ..., conflicts: _Optional[_Iterable[_Union[TopicConflict, _Mapping]]] = ...) -> None: ...
+
+class SetLinkRequest(_message.Message):
+    __slots__ = ("src", "enabled")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    enabled: bool
+    def __init__(self, src: _Optional[str] = ..., enabled: _Optional[bool] = ...) -> None: ...
+
+class SetLinkResponse(_message.Message):
+    __slots__ = ("src", "dst", "enabled", "state")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    dst: str
+    enabled: bool
+    state: str
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., enabled: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...

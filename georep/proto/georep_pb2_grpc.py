@@ -84,6 +84,11 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.SiteStatusRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.SiteStatusResponse.FromString,
                 _registered_method=True)
+        self.SetLink = channel.unary_unary(
+                '/georep.v1.Node/SetLink',
+                request_serializer=georep_dot_proto_dot_georep__pb2.SetLinkRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.SetLinkResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -159,6 +164,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetLink(self, request, context):
+        """Cut or heal the inbound link src -> this site (`georep link cut|heal`).
+        A cut link carries nothing, topic metadata included, until healed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +224,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.SiteStatus,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.SiteStatusRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.SiteStatusResponse.SerializeToString,
+            ),
+            'SetLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLink,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.SetLinkRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.SetLinkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -483,6 +501,33 @@ class Node:
             '/georep.v1.Node/SiteStatus',
             georep_dot_proto_dot_georep__pb2.SiteStatusRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.SiteStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/SetLink',
+            georep_dot_proto_dot_georep__pb2.SetLinkRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.SetLinkResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -77,6 +77,13 @@ class LinkStats:
     last_error: str = ""
 
 
+class LinkDisabled(Exception):
+    """An operator cut the link (``SetLink``): end the stream until it is healed."""
+
+
+DISABLED = "cut by an operator (georep link cut); heal it with georep link heal"
+
+
 class Puller:
     """The inbound link ``src -> site``: topic sync and the ``Replicate`` stream."""
 
@@ -91,6 +98,8 @@ class Puller:
         # The upstream's topics and partition counts, from the last ListTopics:
         # a want for a topic it does not have (yet) would fail the whole stream.
         self.remote_topics: dict[str, int] = {}
+        self.enabled = asyncio.Event()
+        self.enabled.set()
 
     @property
     def stub(self) -> pbg.NodeStub:
@@ -107,6 +116,7 @@ class Puller:
 
     async def topics_loop(self) -> None:
         while True:
+            await self.enabled.wait()
             try:
                 resp = await self.stub.ListTopics(pb.ListTopicsRequest(), timeout=RPC_TIMEOUT_S)
                 self.sync_topics(resp)
@@ -166,9 +176,17 @@ class Puller:
             # The first stream should already carry the upstream's topics.
             await asyncio.wait_for(self._topics_synced.wait(), TOPIC_SYNC_S * 2)
         while True:
+            if not self.enabled.is_set():
+                self.stats.last_error = DISABLED
+                self.r.links.link_down(self.src, self.r.now_ms(), DISABLED)
+                log.warning("link %s -> %s %s", self.src, self.r.site, DISABLED)
+                await self.enabled.wait()
+                log.info("link %s -> %s healed by an operator", self.src, self.r.site)
             try:
                 await self.stream_once()
                 backoff = BACKOFF_MIN_S
+            except LinkDisabled:
+                continue
             except Reopen as exc:
                 self.stats.reopens += 1
                 log.info("reopening the stream from %s: %s", self.src, exc)
@@ -202,6 +220,8 @@ class Puller:
         try:
             while not reader.done():
                 await asyncio.wait([reader], timeout=WANTS_CHECK_S)
+                if not self.enabled.is_set():
+                    raise LinkDisabled()
                 if not reader.done() and self.wants() != wants:
                     log.info("wants from %s changed: reopening the stream", self.src)
                     return
@@ -286,6 +306,16 @@ class Replicator:
         for name, spec in sorted(broker.metadata.topics().items()):
             self.links.topic(name, spec.partitions)
         broker.on_topic = self.links.topic
+
+    def set_link(self, src: str, enabled: bool) -> str:
+        """Cut or heal the inbound link ``src -> site``; returns its state. Raises KeyError if there is none."""
+        puller = self.pullers[SiteId(src)]
+        if enabled:
+            puller.enabled.set()
+        else:
+            puller.enabled.clear()
+            self.links.link_down(puller.src, self.now_ms(), DISABLED)
+        return self.link_state(puller.src)
 
     def start(self) -> None:
         for puller in self.pullers.values():

@@ -346,6 +346,22 @@ class NodeService:
             ]
         )
 
+    async def set_link(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.SetLinkResponse:
+        req = _parse(pb.SetLinkRequest, data)
+        site = self.broker.identity.site
+        if self.replicator is None:
+            raise BrokerError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"site {site} runs without a topology, so it has no links")  # fmt: skip
+        try:
+            state = self.replicator.set_link(req.src, req.enabled)
+        except KeyError:
+            inbound = ", ".join(sorted(self.replicator.pullers)) or "none"
+            raise BrokerError(
+                grpc.StatusCode.NOT_FOUND,
+                f"no link {req.src} -> {site} in the topology; links into {site} come from: {inbound}",
+            ) from None
+        return pb.SetLinkResponse(src=req.src, dst=site, enabled=req.enabled, state=state)
+
     async def site_status(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.SiteStatusResponse:
         _parse(pb.SiteStatusRequest, data)
         if self.replicator is not None:
@@ -407,6 +423,7 @@ class NodeService:
                 "ListOffsets": unary(self.list_offsets),
                 "Health": unary(self.health),
                 "SiteStatus": unary(self.site_status),
+                "SetLink": unary(self.set_link),
                 "Replicate": grpc.unary_stream_rpc_method_handler(replicate, None, ser),
                 "ProduceStream": grpc.stream_stream_rpc_method_handler(produce_stream, None, ser),
                 "Fetch": grpc.unary_stream_rpc_method_handler(fetch, None, ser),
