@@ -11,7 +11,7 @@ import grpc
 
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.up import TopologyFileError, load_topology
+from georep.topology_file import TopologyFileError, load_topology
 from topology.model import UnknownLink, UnknownSite
 
 TIMEOUT_S = 5.0

@@ -14,7 +14,7 @@ from google.protobuf.json_format import MessageToDict
 
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.up import TopologyFileError, load_topology
+from georep.topology_file import TopologyFileError, load_topology
 from topology.model import Topology
 
 TIMEOUT_S = 3.0

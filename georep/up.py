@@ -16,28 +16,11 @@ import time
 from pathlib import Path
 
 from georep.server.process import NodeProcess, NodeStartError
-from topology.model import InvalidTopology, Topology, default_topology, parse_topology, warnings
+from georep.topology_file import DEFAULT, TopologyFileError, load_topology
+from topology.model import Topology, warnings
 
 DEFAULT_DATA_DIR = Path(".georep")
 POLL_S = 0.5
-
-
-class TopologyFileError(Exception):
-    pass
-
-
-def load_topology(path: Path | None) -> Topology:
-    """The topology in ``path``, or the embedded default (sites a, b, c) when None."""
-    if path is None:
-        return default_topology()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TopologyFileError(f"cannot read topology file {path}: {exc.strerror or exc}") from None
-    try:
-        return parse_topology(text)
-    except InvalidTopology as exc:
-        raise TopologyFileError(f"{path}: {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,9 +40,7 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
             raise TopologyFileError(
                 f"site {sid} lists {len(site.nodes)} nodes; this version runs one node per site: list one address"
             )
-        args = [*extra_args]
-        if topology_file is not None:
-            args += ["--topology", str(topology_file.resolve())]
+        args = [*extra_args, "--topology", str(topology_file.resolve()) if topology_file else DEFAULT]
         procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0], extra_args=args))
     return procs
 

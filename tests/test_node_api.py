@@ -232,3 +232,10 @@ def test_idle_client_keepalive_pings_are_accepted(api: pbg.NodeStub, node: NodeP
         pbg.NodeStub(channel).Health(pb.HealthRequest())
         time.sleep(8)  # 5 pings; gRPC's default server policy sends GOAWAY at the third
         assert channel._channel.check_connectivity_state(False) == 2  # READY: the connection survived
+
+
+def test_a_node_without_topology_runs_standalone(api: pbg.NodeStub) -> None:
+    """No --topology: no links, so it never pulls from whatever runs on the default ports."""
+    status = api.SiteStatus(pb.SiteStatusRequest())
+    assert status.site == "a" and list(status.links) == []
+    assert [p.topic for p in status.partitions] == ["t", "t"]

@@ -23,9 +23,10 @@ from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker
 from georep.server.metrics import NodeMetrics
 from georep.server.process import NODE_INFO
 from georep.server.service import FETCH_MAX_BYTES_CAP, NodeService
+from georep.topology_file import TopologyFileError, load_topology
 from topology.ids import InvalidSiteId
 from topology.links import DEFAULT_STALL_MS
-from topology.model import InvalidTopology, Topology, UnknownSite, default_topology, parse_topology
+from topology.model import Topology, UnknownSite
 
 log = logging.getLogger("georep.node")
 
@@ -52,9 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
     parser.add_argument(
-        "--topology", type=Path, default=None,
-        help="topology TOML file: sites, their nodes and the links this site pulls over "
-        "(default: the embedded 3-site topology a, b, c on 127.0.0.1:7101/7201/7301)",
+        "--topology", default=None,
+        help="topology TOML file: sites, their nodes and the links this site pulls over; 'default' for the "
+        "embedded 3-site topology (a, b, c on 127.0.0.1:7101/7201/7301). Without it the node runs "
+        "standalone, with no links",
     )  # fmt: skip
     parser.add_argument(
         "--stall-ms", type=int, default=DEFAULT_STALL_MS,
@@ -73,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
         listen = parse_address(args.listen, "--listen")
         metrics_listen = parse_address(args.metrics_listen, "--metrics-listen")
         defaults = {key: getattr(args, key) for key in DEFAULT_TOPIC_CONFIG}
-        topology = load_topology(args.topology, args.site)
+        topology = None if args.topology is None else site_topology(args.topology, args.site)
         if args.stall_ms < 1:
             raise UsageError(f"--stall-ms {args.stall_ms} must be at least 1")
         return asyncio.run(
@@ -85,20 +87,17 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
 
-def load_topology(path: Path | None, site: str) -> Topology:
-    """The topology from ``path`` (or the embedded default); ``site`` must be one of its sites."""
-    where = str(path) if path is not None else "the default topology"
+def site_topology(spec: str, site: str) -> Topology:
+    """The topology ``spec`` names; ``site`` must be one of its sites."""
     try:
-        topology = default_topology() if path is None else parse_topology(path.read_text())
-    except OSError as exc:
-        raise UsageError(f"--topology {path}: cannot read it: {exc.strerror or exc}") from None
-    except InvalidTopology as exc:
-        raise UsageError(f"--topology {path}: {exc}") from None
+        topology = load_topology(spec)
+    except TopologyFileError as exc:
+        raise UsageError(f"--topology: {exc}") from None
     try:
         topology.site(site)
     except UnknownSite:
         raise UsageError(
-            f"site {site!r} is not in {where} (sites: {', '.join(topology.site_ids())}): "
+            f"site {site!r} is not in topology {spec} (sites: {', '.join(topology.site_ids())}): "
             "pass --site with one of them, or --topology with a file that defines this site"
         ) from None
     return topology
