@@ -248,9 +248,9 @@ class Puller:
                 log.info("link %s -> %s streaming", self.src, r.site)
                 first = False
             for chunk in resp.chunks:
-                self._apply(chunk, now)
+                await self._apply(chunk, now)
 
-    def _apply(self, chunk: pb.ReplicaChunk, now: int) -> None:
+    async def _apply(self, chunk: pb.ReplicaChunk, now: int) -> None:
         r = self.r
         key = (chunk.topic, chunk.partition)
         try:
@@ -260,7 +260,7 @@ class Puller:
         r.links.upstream_vector(self.src, key, src_vector)
         if not chunk.batches:
             return
-        outcome = r.broker.append_replica(chunk.topic, chunk.partition, chunk.batches)
+        outcome = await r.broker.append_replica(chunk.topic, chunk.partition, chunk.batches)
         st = self.stats
         st.applied_batches += outcome.appended_batches
         st.applied_bytes += outcome.appended_bytes

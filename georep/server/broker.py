@@ -178,6 +178,11 @@ class Broker:
         self.metadata = FileMetadataStore(data_dir / "topics.json")
         self.partitions: dict[tuple[str, int], Partition] = {}
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fsync")
+        # Replicated chunks are applied here, off the event loop: the page-cache
+        # write was most of a pulling node's loop time, and the loop can take in
+        # the next chunk meanwhile. One thread, so that two upstreams sending the
+        # same origin during a failover never plan against the same vector at once.
+        self.replica_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="apply")
         self.disk_full = False
         self.on_produce: Callable[[str, int, int], None] = lambda topic, records, size: None
         # Called with (name, partitions) for every topic this node opens: at
@@ -331,8 +336,8 @@ class Broker:
 
     # -- replication ----------------------------------------------------------
 
-    def append_replica(self, topic: str, index: int, batches: bytes) -> ApplyOutcome:
-        """Apply one replicated chunk (docs/design.md, "Replication"). Synchronous, like ``append``.
+    async def append_replica(self, topic: str, index: int, batches: bytes) -> ApplyOutcome:
+        """Apply one replicated chunk (docs/design.md, "Replication") in the replica writer thread.
 
         Nothing waits for an fsync here: the partition's flush policy makes the
         batches durable (the next flush covers them), and until it does, this
@@ -340,7 +345,9 @@ class Broker:
         """
         p = self.partition(topic, index)
         try:
-            outcome = apply_chunk(p.log, batches, self.clock_ms())
+            outcome = await asyncio.get_running_loop().run_in_executor(
+                self.replica_writer, apply_chunk, p.log, batches, self.clock_ms()
+            )
         except CorruptChunk as exc:
             raise _err(grpc.StatusCode.DATA_LOSS, str(exc)) from None
         except DiskFull as exc:
@@ -397,6 +404,7 @@ class Broker:
         return deleted
 
     def close(self) -> None:
+        self.replica_writer.shutdown(wait=True)  # an apply still running finishes before its log closes
         for p in self.partitions.values():
             p.log.close()
         self.executor.shutdown(wait=True)
