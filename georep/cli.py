@@ -408,7 +408,9 @@ def _run_delegated(name: str, argv: list[str]) -> int:
         if not argv or argv[0] != "show":
             _err("error: usage: georep topology show [FILE] [--output PICTURE] [--topic TOPIC]")
             return EXIT_USAGE
-        return int(module.main(argv[1:]))
+        from georep.status import live_link_states
+
+        return int(module.main(argv[1:], live=live_link_states))
     parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=help_text)
     module.add_arguments(parser)
     code: int = module.main(parser.parse_args(argv))

@@ -15,7 +15,9 @@ from google.protobuf.json_format import MessageToDict
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.topology_file import TopologyFileError, load_topology
+from topology.ids import SiteId
 from topology.model import Topology
+from topology.render import LinkStatus
 
 TIMEOUT_S = 3.0
 
@@ -73,7 +75,7 @@ def render(statuses: dict[str, pb.SiteStatusResponse | str]) -> str:
             lines.append(f"  {p.topic}/{p.partition}  end={p.log_end_offset}  vector={vector_text(p.vector)}")
             for lag in p.lags:
                 lines.append(f"      {lag.origin:<24} from {lag.upstream or '-':<8} lag {lag.lag_records} records"
-                             f", {lag.lag_ms} ms")  # fmt: skip
+                             f", ~{lag.lag_bytes} bytes, {lag.lag_ms} ms")  # fmt: skip
         for link in s.links:
             err = f"  ({link.last_error})" if link.last_error else ""
             lines.append(f"  link {link.src} -> {link.dst}: {link.state}, applied {link.applied_batches} batches "
@@ -86,6 +88,22 @@ def render(statuses: dict[str, pb.SiteStatusResponse | str]) -> str:
         lines.append(f"converged partitions: {same}/{len(rows)}")
         lines += [f"  differs: {t}/{p}" for t, p, ok in rows if not ok]
     return "\n".join(lines)
+
+
+def live_link_states(topology: Topology) -> dict[tuple[SiteId, SiteId], LinkStatus]:
+    """Each link's state and lag as its destination reports them; links into unreachable sites are left out."""
+    out: dict[tuple[SiteId, SiteId], LinkStatus] = {}
+    for site, s in asyncio.run(fetch_status(topology)).items():
+        if isinstance(s, str):
+            continue
+        for link in s.links:
+            carried = [lag for p in s.partitions for lag in p.lags if lag.upstream == link.src]
+            out[(SiteId(link.src), SiteId(site))] = LinkStatus(
+                state=link.state,
+                lag_records=sum(lag.lag_records for lag in carried),
+                lag_ms=max((lag.lag_ms for lag in carried), default=0),
+            )
+    return out
 
 
 def main(args: argparse.Namespace) -> int:

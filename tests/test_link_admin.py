@@ -40,6 +40,11 @@ def test_cut_link_is_routed_around_and_heal_restores_it(make_sites: Callable[...
     links = {lk.src: lk for lk in sites.status("a").links}
     assert links["c"].state == "down" and "georep link heal" in links["c"].last_error
     assert upstream_of(sites, "a", "c") == "b"
+    show = georep("topology", "show", str(sites.topology), "--output", str(sites.topology.with_suffix(".svg")))
+    assert show.returncode == 0, show.stderr
+    rows = {line.split()[0] + line.split()[2]: line for line in show.stdout.splitlines() if " -> " in line}
+    assert "down" in rows["ca"] and "streaming" in rows["ba"]  # live state from the running sites
+    assert "<svg" in sites.topology.with_suffix(".svg").read_text()
 
     heal = georep("link", "heal", "c", "a", "--topology", str(sites.topology))
     assert heal.returncode == 0, heal.stderr

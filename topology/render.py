@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -192,7 +192,16 @@ def draw(topology: Topology, path: Path, link_state: Mapping[_LinkKey, LinkStatu
     fig.savefig(path, format=suffix[1:])
 
 
-def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+LiveState = Callable[[Topology], Mapping[_LinkKey, LinkStatus]]
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    live: LiveState | None = None,
+) -> int:
     """``georep topology show [FILE] [--output PICTURE] [--topic TOPIC]``. Returns the exit code."""
     stdout = out if out is not None else sys.stdout
     stderr = err if err is not None else sys.stderr
@@ -232,9 +241,11 @@ def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: T
         except InvalidTopology as e:
             print(f"error: {args.file}: {e}", file=stderr)
             return 2
-    stdout.write(summary_text(topology, topic=args.topic))
+    # The running sites, when reachable, tell each link's state and lag.
+    link_state = live(topology) if live is not None else None
+    stdout.write(summary_text(topology, link_state, topic=args.topic))
     try:
-        draw(topology, output)
+        draw(topology, output, link_state)
     except OSError as e:
         print(f"error: cannot write {output}: {e.strerror or e}", file=stderr)
         return 1

@@ -284,16 +284,18 @@ class SiteStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class OriginLag(_message.Message):
-    __slots__ = ("origin", "upstream", "lag_records", "lag_ms")
+    __slots__ = ("origin", "upstream", "lag_records", "lag_ms", "lag_bytes")
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
     LAG_RECORDS_FIELD_NUMBER: _ClassVar[int]
     LAG_MS_FIELD_NUMBER: _ClassVar[int]
+    LAG_BYTES_FIELD_NUMBER: _ClassVar[int]
     origin: str
     upstream: str
     lag_records: int
     lag_ms: int
-    def __init__(self, origin: _Optional[str] = ..., upstream: _Optional[str] = ..., lag_records: _Optional[int] = ..., lag_ms: _Optional[int] = ...) -> None: ...
+    lag_bytes: int
+    def __init__(self, origin: _Optional[str] = ..., upstream: _Optional[str] = ..., lag_records: _Optional[int] = ..., lag_ms: _Optional[int] = ..., lag_bytes: _Optional[int] = ...) -> None: ...
 
 class PartitionStatus(_message.Message):
     __slots__ = ("topic", "partition", "vector", "log_end_offset", "lags")

@@ -347,6 +347,12 @@ class Replicator:
             return "stalled"
         return str(state)
 
+    def bytes_per_record(self, topic: str, index: int) -> float:
+        """Mean stored bytes per record of a partition: turns a lag in records into an estimate in bytes."""
+        plog = self.broker.partition(topic, index).log
+        records = plog.log_end_offset - plog.log_start_offset
+        return plog.size_bytes / records if records > 0 else 0.0
+
     def status(self) -> pb.SiteStatusResponse:
         identity = self.broker.identity
         out = pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch)
@@ -355,11 +361,13 @@ class Replicator:
             ps = pb.PartitionStatus(topic=topic, partition=index, vector=vector_to_proto(VectorOffset(vector)),
                                     log_end_offset=p.log.log_end_offset)  # fmt: skip
             lag = self.links.lag_records((topic, index))
+            per_record = self.bytes_per_record(topic, index)
             for origin in sorted(set(vector) | set(lag)):
                 upstream = "" if origin == self.broker.origin else self.links.upstream_for(topic, origin.site) or ""
                 ps.lags.append(
                     pb.OriginLag(origin=str(origin), upstream=upstream, lag_records=lag.get(origin, 0),
-                                 lag_ms=self.lag_ms.get((topic, index, origin), 0))  # fmt: skip
+                                 lag_ms=self.lag_ms.get((topic, index, origin), 0),
+                                 lag_bytes=round(lag.get(origin, 0) * per_record))  # fmt: skip
                 )
             out.partitions.append(ps)
         for src, puller in sorted(self.pullers.items()):

@@ -92,20 +92,26 @@ class _ReplicationCollector(Collector):
             "georep_replication_lag_records", "Records the best live upstream holds that this site does not",
             labels=origin_labels,
         )
+        lag_bytes = GaugeMetricFamily(
+            "georep_replication_lag_bytes", "lag_records times the partition's mean stored bytes per record",
+            labels=origin_labels,
+        )
         lag_ms = GaugeMetricFamily(
             "georep_replication_lag_ms", "Last applied batch: local append time minus its max producer timestamp",
             labels=origin_labels,
         )
         for key in sorted(r.broker.partitions):
+            per_record = r.bytes_per_record(*key)
             for origin, lag in sorted(r.links.lag_records(key).items()):
                 lag_records.add_metric([key[0], str(key[1]), str(origin)], lag)
+                lag_bytes.add_metric([key[0], str(key[1]), str(origin)], round(lag * per_record))
         for (topic, index, origin), ms in sorted(r.lag_ms.items()):
             lag_ms.add_metric([topic, str(index), str(origin)], ms)
         conflicts = GaugeMetricFamily(
             "georep_topic_conflicts", "Topics not replicated over a link: partition counts differ"
         )
         conflicts.add_metric([], len(r.conflicts))
-        yield from (state, batches, size, records, skipped, gaps, lag_records, lag_ms, conflicts)
+        yield from (state, batches, size, records, skipped, gaps, lag_records, lag_bytes, lag_ms, conflicts)
 
 
 class NodeMetrics:
