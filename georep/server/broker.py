@@ -125,12 +125,21 @@ class Partition:
 
     def _start_flush(self, executor: ThreadPoolExecutor) -> None:
         self._flushing = True
-        task = asyncio.get_running_loop().run_in_executor(executor, self.log.flush)
+        try:
+            task = asyncio.get_running_loop().run_in_executor(executor, self.log.flush)
+        except RuntimeError as exc:  # the executor is shut down: the node is stopping
+            self._flushing = False
+            waiters, self._flush_waiters = self._flush_waiters, []
+            for _, fut in waiters:
+                if not fut.done():
+                    fut.set_exception(_err(grpc.StatusCode.UNAVAILABLE, f"node stopping ({exc}); retry"))
+            return
         task.add_done_callback(lambda t: self._flush_done(t, executor))
 
     def _flush_done(self, task: asyncio.Future[LocalOffset], executor: ThreadPoolExecutor) -> None:
         self._flushing = False
-        exc = task.exception()
+        # A cancelled fsync (shutdown) must still release its waiters, with an error.
+        exc = asyncio.CancelledError("fsync cancelled") if task.cancelled() else task.exception()
         waiters, self._flush_waiters = self._flush_waiters, []
         if exc is not None:
             log.error("fsync of %s-%d failed: %s", self.topic, self.index, exc)

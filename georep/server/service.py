@@ -191,7 +191,7 @@ class NodeService:
         def durable(fut: asyncio.Future[None], req: pb.ProduceRequest, produced: Produced) -> None:
             state["waiting"] -= 1
             room.set()
-            exc = fut.exception()
+            exc = asyncio.CancelledError("cancelled") if fut.cancelled() else fut.exception()
             if exc is None:
                 send(self._produced(req, produced))
             elif isinstance(exc, BrokerError):
