@@ -227,6 +227,11 @@ async def serve_raw(port: int) -> None:
         "bench.Sink",
         {"Push": grpc.stream_unary_rpc_method_handler(push, None, None)},
     )
+    await serve_until_signalled(handler, port)
+
+
+async def serve_until_signalled(handler: grpc.GenericRpcHandler, port: int) -> None:
+    """Serve a raw reference handler on 127.0.0.1:port until SIGTERM or SIGINT."""
     server = grpc.aio.server(options=RAW_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
     if server.add_insecure_port(f"127.0.0.1:{port}") == 0:

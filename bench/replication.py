@@ -52,12 +52,12 @@ import grpc
 # bench/ is on sys.path when this file runs as a script: reuse produce.py's workload and process helpers.
 from produce import (
     DEFAULT_WINDOW_BYTES,
-    RAW_SERVER_OPTIONS,
     RECORD_OVERHEAD_BYTES,
     RECORD_VALUE_BYTES,
     BenchError,
     build_requests,
     progress,
+    serve_until_signalled,
     settle_page_cache,
     size_label,
     stop_process,
@@ -273,17 +273,7 @@ async def serve_raw(port: int) -> None:
     handler = grpc.method_handlers_generic_handler(
         "bench.Source", {"Pull": grpc.unary_stream_rpc_method_handler(pull, None, None)}
     )
-    server = grpc.aio.server(options=RAW_SERVER_OPTIONS)
-    server.add_generic_rpc_handlers((handler,))
-    if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
-        raise BenchError(f"raw gRPC server cannot listen on 127.0.0.1:{port}")
-    await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop(1)
+    await serve_until_signalled(handler, port)
 
 
 def start_raw_server(stack: contextlib.ExitStack, root: Path) -> str:

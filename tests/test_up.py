@@ -5,30 +5,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tests.test_replication import TRIANGLE, free_ports, topology_toml
+
 GEOREP = [sys.executable, "-m", "georep.cli"]
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def triangle(path: Path) -> Path:
-    ports = free_ports(3)
-    sites = "".join(f'[sites.{s}]\nnodes = ["127.0.0.1:{p}"]\n' for s, p in zip("abc", ports, strict=True))
-    links = "".join(f'[[links]]\nsrc = "{s}"\ndst = "{d}"\n' for s, d in ["ab", "bc", "ca", "ba", "cb", "ac"])
-    path.write_text(sites + links)
+    path.write_text(topology_toml(dict(zip("abc", free_ports(3), strict=True)), TRIANGLE))
     return path
 
 
