@@ -353,10 +353,16 @@ class Broker:
         site does not serve them onward either.
         """
         p = self.partition(topic, index)
+        applying = asyncio.get_running_loop().run_in_executor(
+            self.replica_writer, apply_chunk, p.log, batches, self.clock_ms()
+        )
+        # What follows an apply runs as a callback, not after the await: a puller
+        # that reopens its stream cancels this coroutine, but the thread appends
+        # anyway, and those batches must still be fsynced and announced, or this
+        # site would never serve them onward.
+        applying.add_done_callback(lambda done: self._replica_applied(p, done))
         try:
-            outcome = await asyncio.get_running_loop().run_in_executor(
-                self.replica_writer, apply_chunk, p.log, batches, self.clock_ms()
-            )
+            outcome = await asyncio.shield(applying)
         except CorruptChunk as exc:
             raise _err(grpc.StatusCode.DATA_LOSS, str(exc)) from None
         except DiskFull as exc:
@@ -364,13 +370,16 @@ class Broker:
             raise _err(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         except OSError as exc:
             raise _err(grpc.StatusCode.INTERNAL, f"write to {topic}-{index} failed: {exc}") from None
-        if outcome.appended_batches:
-            p.notify_append()
-            if p.fsync_per_batch:
-                # Nobody awaits this: it only starts (or joins) the partition's
-                # group fsync. Errors are logged by _flush_done.
-                p.flushed(p.log.log_end_offset, self.executor).add_done_callback(_consume_exception)
         return outcome
+
+    def _replica_applied(self, p: Partition, done: asyncio.Future[ApplyOutcome]) -> None:
+        if done.cancelled() or done.exception() is not None or not done.result().appended_batches:
+            return
+        p.notify_append()
+        if p.fsync_per_batch:
+            # Nobody awaits this: it only starts (or joins) the partition's
+            # group fsync. Errors are logged by _flush_done.
+            p.flushed(p.log.log_end_offset, self.executor).add_done_callback(_consume_exception)
 
     # -- fetch ----------------------------------------------------------------
 
