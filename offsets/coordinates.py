@@ -43,10 +43,3 @@ class Origin(NamedTuple):
         if value > EPOCH_MAX:
             raise InvalidOrigin(f"invalid origin {text!r}: epoch exceeds {EPOCH_MAX}")
         return cls(site_id(site), value)
-
-
-class Coordinate(NamedTuple):
-    """A record's identity, identical at every site."""
-
-    origin: Origin
-    seq: OriginSeq

@@ -66,10 +66,6 @@ class ProducerBatch:
         self.error: Exception | None = None
         self.done: Any = None  # set by the shell: completes when the batch is acked or failed
 
-    @property
-    def record_count(self) -> int:
-        return len(self.records)
-
     def __repr__(self) -> str:
         return (f"ProducerBatch({self.topic}/{self.partition}, {len(self.records)} records, "
                 f"{self.state.value}, pid={self.producer_id}, seq={self.base_sequence})")  # fmt: skip
@@ -129,6 +125,3 @@ class RecordAccumulator:
     def take_closed(self) -> list[ProducerBatch]:
         closed, self.closed = self.closed, []
         return closed
-
-    def open_batches(self) -> list[ProducerBatch]:
-        return list(self.open.values())

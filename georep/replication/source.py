@@ -159,13 +159,6 @@ class ReplicaSource:
     def keys(self) -> list[PartitionKey]:
         return [c.key for c in self._cursors]
 
-    def sent_vector(self, key: PartitionKey) -> dict[Origin, int]:
-        """The dst's have-vector for ``key`` plus everything handed out since (a copy)."""
-        for c in self._cursors:
-            if c.key == key:
-                return dict(c.sent)
-        raise KeyError(key)
-
     def next_chunks(self, max_bytes: int) -> list[Chunk]:
         """The batches to send now, at most ``max_bytes`` in all (but at least one batch), advancing cursors.
 

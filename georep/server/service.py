@@ -11,8 +11,8 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -23,9 +23,9 @@ from georep.record.batch import iter_headers
 from georep.replication.source import Chunk, ReplicaSource
 from georep.server.broker import Broker, BrokerError, Partition, Produced
 from georep.server.metrics import NodeMetrics
-from georep.vector_proto import vector_from_proto
+from georep.vector_proto import vector_from_proto, vector_to_proto
 from offsets.coordinates import LocalOffset, Origin
-from offsets.vector import InvalidVectorOffset
+from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.ids import InvalidSiteId, site_id
 
 if TYPE_CHECKING:
@@ -60,19 +60,14 @@ def _error(exc: BrokerError) -> pb.Error:
 
 
 def _vector_from_pb(msg: pb.VectorOffset) -> dict[Origin, int]:
-    out: dict[Origin, int] = {}
     try:
-        for e in msg.entries:
-            out[Origin.parse(f"{e.site}@{e.epoch}")] = e.next_seq
-    except (ValueError, InvalidSiteId) as exc:
+        return vector_from_proto(msg).to_dict()
+    except InvalidVectorOffset as exc:
         raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed vector offset: {exc}") from None
-    return out
 
 
-def _vector_to_pb(vector: dict[Origin, Any]) -> pb.VectorOffset:
-    return pb.VectorOffset(
-        entries=[pb.OriginSeq(site=o.site, epoch=o.epoch, next_seq=s) for o, s in sorted(vector.items())]
-    )
+def _vector_to_pb(vector: Mapping[Origin, int]) -> pb.VectorOffset:
+    return vector_to_proto(VectorOffset(vector))
 
 
 class NodeService:
