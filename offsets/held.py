@@ -1,0 +1,53 @@
+"""What each site is known to hold durably: the basis of geo-synchronous acks.
+
+Every site keeps a :class:`HeldTable`: for each ``(site, topic, partition)``
+it has heard of, the vector that site holds fsynced. Its own entries come from
+its fsyncs. A site reports its table to each upstream it pulls from
+(``ReportHeld``), so knowledge flows against the replication links, from the
+sites that receive records back to the sites they came from: an origin learns
+of every site its records reach, however many hops away.
+
+Entries only grow (a vector merges by pointwise max), and a version counter
+lets a reporter send only the entries that grew since its last report. An
+``acks=geo:N`` ack waits until :meth:`HeldTable.sites_holding` counts N sites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from offsets.coordinates import Origin
+from offsets.vector import VectorOffset
+
+HeldKey = tuple[str, str, int]  # (site, topic, partition)
+
+
+@dataclass
+class HeldTable:
+    entries: dict[HeldKey, VectorOffset] = field(default_factory=dict)
+    versions: dict[HeldKey, int] = field(default_factory=dict)
+    version: int = 0
+
+    def update(self, site: str, topic: str, partition: int, vector: VectorOffset) -> bool:
+        """Merge what ``site`` holds; True if the table learned something."""
+        key = (site, topic, partition)
+        current = self.entries.get(key)
+        merged = vector if current is None else current.merge(vector)
+        if current is not None and merged == current:
+            return False
+        self.version += 1
+        self.entries[key] = merged
+        self.versions[key] = self.version
+        return True
+
+    def changed_since(self, version: int) -> Iterator[tuple[HeldKey, VectorOffset]]:
+        for key in sorted(k for k, v in self.versions.items() if v > version):
+            yield key, self.entries[key]
+
+    def sites_holding(self, topic: str, partition: int, origin: Origin, seq: int) -> list[str]:
+        """Sites known to hold the record ``(origin, seq)`` of ``topic/partition`` fsynced, sorted."""
+        return sorted(
+            site for (site, t, p), vector in self.entries.items()
+            if t == topic and p == partition and vector.covers(origin, seq)
+        )  # fmt: skip
