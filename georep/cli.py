@@ -27,6 +27,7 @@ from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap
 from georep.client.consumer import Consumer, ConsumerRecord
 from georep.client.errors import GeorepError, InvalidRequest
 from georep.client.producer import Producer, RecordMetadata
+from offsets.commits import OFFSETS_TOPIC, is_internal
 from offsets.vector import InvalidVectorOffset, VectorOffset
 
 PROG = "georep"
@@ -101,7 +102,7 @@ async def cmd_topic_create(args: argparse.Namespace) -> int:
 
 async def cmd_topic_list(args: argparse.Namespace) -> int:
     async with Admin(args.bootstrap) as admin:
-        topics = await admin.list_topics()
+        topics = [t for t in await admin.list_topics() if args.internal or not is_internal(t.name)]
     if args.json:
         print(json.dumps([_topic_json(t) for t in topics]))
         return 0
@@ -338,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE", help="topic config overrides")
     create.set_defaults(run=cmd_topic_create)
     listing = topic_commands.add_parser("list", help="list topics")
+    listing.add_argument("--internal", action="store_true",
+                         help=f"also list georep's internal topics ({OFFSETS_TOPIC}: committed offsets)")  # fmt: skip
     listing.set_defaults(run=cmd_topic_list)
     describe = topic_commands.add_parser("describe", help="partitions, offsets, vectors and config of a topic")
     describe.add_argument("name")

@@ -219,7 +219,7 @@ async def run(data_dir: Path, records: int) -> int:
         took = await wait_converged(nodes, TOPIC)
         status = await site_status(by_site["a"].address)
         links = {f"{lk.src}->{lk.dst}": lk.state for lk in status.links}
-        upstreams = sorted({(lag.origin, lag.upstream) for p in status.partitions for lag in p.lags
+        upstreams = sorted({(lag.origin, lag.upstream) for p in status.partitions if p.topic == TOPIC for lag in p.lags
                             if lag.origin.startswith("c@")})  # fmt: skip
         say(f"   a's links: {links}; a now pulls {upstreams[0][0] if upstreams else 'c'} from: "
             f"{', '.join(sorted({u for _, u in upstreams})) or '-'}")  # fmt: skip

@@ -15,6 +15,7 @@ from google.protobuf.json_format import MessageToDict
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.topology_file import TopologyFileError, load_topology
+from offsets.commits import is_internal
 from topology.ids import SiteId
 from topology.model import Topology
 from topology.render import LinkStatus
@@ -72,6 +73,8 @@ def render(statuses: dict[str, pb.SiteStatusResponse | str]) -> str:
             continue
         lines.append(f"site {site} (origin {site}@{s.epoch})")
         for p in s.partitions:
+            if is_internal(p.topic):
+                continue
             lines.append(f"  {p.topic}/{p.partition}  end={p.log_end_offset}  vector={vector_text(p.vector)}")
             for lag in p.lags:
                 lines.append(f"      {lag.origin:<24} from {lag.upstream or '-':<8} lag {lag.lag_records} records"

@@ -18,7 +18,7 @@ def georep(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def upstream_of(sites: Sites, site: str, origin_site: str) -> str:
-    (ps,) = sites.status(site).partitions
+    (ps,) = [p for p in sites.status(site).partitions if p.topic == "t"]
     return next(lag.upstream for lag in ps.lags if lag.origin.startswith(origin_site + "@"))
 
 

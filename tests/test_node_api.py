@@ -99,7 +99,7 @@ def test_invalid_topics_are_refused_and_leave_nothing(api: pbg.NodeStub, name: s
     msg = expect_error(grpc.StatusCode.INVALID_ARGUMENT, api.CreateTopic,
                        pb.CreateTopicRequest(name=name, partitions=partitions))  # fmt: skip
     assert fragment in msg
-    assert [t.name for t in api.ListTopics(pb.ListTopicsRequest()).topics] == ["t"]
+    assert [t.name for t in api.ListTopics(pb.ListTopicsRequest()).topics] == ["__georep_offsets", "t"]
 
 
 def test_unknown_config_key_is_refused(api: pbg.NodeStub) -> None:
@@ -238,4 +238,4 @@ def test_a_node_without_topology_runs_standalone(api: pbg.NodeStub) -> None:
     """No --topology: no links, so it never pulls from whatever runs on the default ports."""
     status = api.SiteStatus(pb.SiteStatusRequest())
     assert status.site == "a" and list(status.links) == []
-    assert [p.topic for p in status.partitions] == ["t", "t"]
+    assert [p.topic for p in status.partitions if not p.topic.startswith("__")] == ["t", "t"]

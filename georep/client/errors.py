@@ -71,6 +71,25 @@ class DeliveryTimeout(GeorepError):
     """A batch was not acknowledged within ``delivery_timeout_ms``; it may or may not be stored."""
 
 
+class GeoAckTimeout(GeorepError):
+    """``acks=geo:N`` was not reached in time. The write is stored at the site
+    that took it and replicates later; only the promise that N sites hold it
+    now could not be kept."""
+
+
+class GroupRebalanced(GeorepError):
+    """A commit made under an old generation, or for a partition no longer
+    assigned to this member: the group rebalanced."""
+
+
+class MemberFenced(GeorepError):
+    """The group no longer knows this member (its session expired): it must rejoin."""
+
+
+class PermissionDenied(GeorepError):
+    """An admin call without the node's admin token."""
+
+
 class ProducerClosed(GeorepError):
     """``send`` on a producer that is closing or closed."""
 
@@ -91,6 +110,8 @@ def _looks_too_large(message: str) -> bool:
 def from_status(code: grpc.StatusCode, message: str, address: str = "") -> GeorepError:
     """The exception for a gRPC status code and its details message."""
     where = f" at {address}" if address else ""
+    if code is grpc.StatusCode.NOT_FOUND and "is not in group" in message:
+        return MemberFenced(message, code)
     if code is grpc.StatusCode.NOT_FOUND:
         return UnknownTopic(message or f"unknown topic{where}: create it with 'georep topic create'", code)
     if code is grpc.StatusCode.ALREADY_EXISTS:
@@ -112,6 +133,12 @@ def from_status(code: grpc.StatusCode, message: str, address: str = "") -> Geore
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         detail = f" ({message})" if message else ""
         return NodeUnavailable(f"lost connection to georep node{where}{detail}: is it running? check --bootstrap", code)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED and message.startswith("acks=geo"):
+        return GeoAckTimeout(message, code)
+    if code is grpc.StatusCode.ABORTED:
+        return GroupRebalanced(message, code)
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return PermissionDenied(message, code)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         error = NodeUnavailable(f"georep node{where} did not answer in time ({message}); retry later", code)
         return error

@@ -158,7 +158,7 @@ class ProduceResponse(_message.Message):
     def __init__(self, correlation_id: _Optional[int] = ..., partition: _Optional[int] = ..., base_offset: _Optional[int] = ..., origin_site: _Optional[str] = ..., origin_epoch: _Optional[int] = ..., base_origin_seq: _Optional[int] = ..., last_origin_seq: _Optional[int] = ..., append_time_ms: _Optional[int] = ..., duplicate: _Optional[bool] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("topic", "partition", "offset", "vector", "position", "max_bytes", "max_wait_ms")
+    __slots__ = ("topic", "partition", "offset", "vector", "position", "max_bytes", "max_wait_ms", "hint_origin", "hint_offset")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,8 @@ class FetchRequest(_message.Message):
     POSITION_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    HINT_ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    HINT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     offset: int
@@ -173,7 +175,9 @@ class FetchRequest(_message.Message):
     position: StartPosition
     max_bytes: int
     max_wait_ms: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., offset: _Optional[int] = ..., vector: _Optional[_Union[VectorOffset, _Mapping]] = ..., position: _Optional[_Union[StartPosition, str]] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
+    hint_origin: str
+    hint_offset: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., offset: _Optional[int] = ..., vector: _Optional[_Union[VectorOffset, _Mapping]] = ..., position: _Optional[_Union[StartPosition, str]] = ..., max_bytes: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., hint_origin: _Optional[str] = ..., hint_offset: _Optional[int] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("batches", "high_watermark", "log_start_offset", "next_offset")
@@ -370,3 +374,215 @@ class SetLinkResponse(_message.Message):
     enabled: bool
     state: str
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., enabled: _Optional[bool] = ..., state: _Optional[str] = ...) -> None: ...
+
+class HeldEntry(_message.Message):
+    __slots__ = ("site", "topic", "partition", "vector")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    topic: str
+    partition: int
+    vector: VectorOffset
+    def __init__(self, site: _Optional[str] = ..., topic: _Optional[str] = ..., partition: _Optional[int] = ..., vector: _Optional[_Union[VectorOffset, _Mapping]] = ...) -> None: ...
+
+class ReportHeldRequest(_message.Message):
+    __slots__ = ("reporter", "entries")
+    REPORTER_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    reporter: str
+    entries: _containers.RepeatedCompositeFieldContainer[HeldEntry]
+    def __init__(self, reporter: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[HeldEntry, _Mapping]]] = ...) -> None: ...
+
+class ReportHeldResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TopicPartitions(_message.Message):
+    __slots__ = ("topic", "partitions")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partitions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, topic: _Optional[str] = ..., partitions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GroupHeartbeatRequest(_message.Message):
+    __slots__ = ("group", "member_id", "topics", "session_timeout_ms", "assignor", "client_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPICS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNOR_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    member_id: str
+    topics: _containers.RepeatedScalarFieldContainer[str]
+    session_timeout_ms: int
+    assignor: str
+    client_id: str
+    def __init__(self, group: _Optional[str] = ..., member_id: _Optional[str] = ..., topics: _Optional[_Iterable[str]] = ..., session_timeout_ms: _Optional[int] = ..., assignor: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class GroupHeartbeatResponse(_message.Message):
+    __slots__ = ("member_id", "generation", "assignment", "heartbeat_interval_ms")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    generation: int
+    assignment: _containers.RepeatedCompositeFieldContainer[TopicPartitions]
+    heartbeat_interval_ms: int
+    def __init__(self, member_id: _Optional[str] = ..., generation: _Optional[int] = ..., assignment: _Optional[_Iterable[_Union[TopicPartitions, _Mapping]]] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class LeaveGroupRequest(_message.Message):
+    __slots__ = ("group", "member_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    member_id: str
+    def __init__(self, group: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
+
+class LeaveGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PartitionCommit(_message.Message):
+    __slots__ = ("topic", "partition", "vector", "hint_offset", "metadata")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    HINT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    vector: VectorOffset
+    hint_offset: int
+    metadata: str
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., vector: _Optional[_Union[VectorOffset, _Mapping]] = ..., hint_offset: _Optional[int] = ..., metadata: _Optional[str] = ...) -> None: ...
+
+class CommitOffsetsRequest(_message.Message):
+    __slots__ = ("group", "member_id", "generation", "commits", "acks", "geo_sites", "ack_timeout_ms", "after_hlc")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    GEO_SITES_FIELD_NUMBER: _ClassVar[int]
+    ACK_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_HLC_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    member_id: str
+    generation: int
+    commits: _containers.RepeatedCompositeFieldContainer[PartitionCommit]
+    acks: Acks
+    geo_sites: int
+    ack_timeout_ms: int
+    after_hlc: int
+    def __init__(self, group: _Optional[str] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., commits: _Optional[_Iterable[_Union[PartitionCommit, _Mapping]]] = ..., acks: _Optional[_Union[Acks, str]] = ..., geo_sites: _Optional[int] = ..., ack_timeout_ms: _Optional[int] = ..., after_hlc: _Optional[int] = ...) -> None: ...
+
+class CommitOffsetsResponse(_message.Message):
+    __slots__ = ("hlc", "committed_by")
+    HLC_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BY_FIELD_NUMBER: _ClassVar[int]
+    hlc: int
+    committed_by: str
+    def __init__(self, hlc: _Optional[int] = ..., committed_by: _Optional[str] = ...) -> None: ...
+
+class FetchCommittedRequest(_message.Message):
+    __slots__ = ("group", "partitions")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    partitions: _containers.RepeatedCompositeFieldContainer[TopicPartitions]
+    def __init__(self, group: _Optional[str] = ..., partitions: _Optional[_Iterable[_Union[TopicPartitions, _Mapping]]] = ...) -> None: ...
+
+class CommittedOffset(_message.Message):
+    __slots__ = ("topic", "partition", "vector", "hlc", "committed_by", "hint_offset", "member_id", "generation", "committed_at_ms", "metadata", "lag_records")
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_FIELD_NUMBER: _ClassVar[int]
+    HLC_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_BY_FIELD_NUMBER: _ClassVar[int]
+    HINT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    LAG_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    topic: str
+    partition: int
+    vector: VectorOffset
+    hlc: int
+    committed_by: str
+    hint_offset: int
+    member_id: str
+    generation: int
+    committed_at_ms: int
+    metadata: str
+    lag_records: int
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., vector: _Optional[_Union[VectorOffset, _Mapping]] = ..., hlc: _Optional[int] = ..., committed_by: _Optional[str] = ..., hint_offset: _Optional[int] = ..., member_id: _Optional[str] = ..., generation: _Optional[int] = ..., committed_at_ms: _Optional[int] = ..., metadata: _Optional[str] = ..., lag_records: _Optional[int] = ...) -> None: ...
+
+class FetchCommittedResponse(_message.Message):
+    __slots__ = ("offsets",)
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    offsets: _containers.RepeatedCompositeFieldContainer[CommittedOffset]
+    def __init__(self, offsets: _Optional[_Iterable[_Union[CommittedOffset, _Mapping]]] = ...) -> None: ...
+
+class ListGroupsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GroupSummary(_message.Message):
+    __slots__ = ("group", "members", "generation", "assignor", "committed_partitions", "lag_records")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNOR_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    LAG_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    members: int
+    generation: int
+    assignor: str
+    committed_partitions: int
+    lag_records: int
+    def __init__(self, group: _Optional[str] = ..., members: _Optional[int] = ..., generation: _Optional[int] = ..., assignor: _Optional[str] = ..., committed_partitions: _Optional[int] = ..., lag_records: _Optional[int] = ...) -> None: ...
+
+class ListGroupsResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[GroupSummary]
+    def __init__(self, groups: _Optional[_Iterable[_Union[GroupSummary, _Mapping]]] = ...) -> None: ...
+
+class DescribeGroupRequest(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    def __init__(self, group: _Optional[str] = ...) -> None: ...
+
+class GroupMember(_message.Message):
+    __slots__ = ("member_id", "client_id", "assignment", "last_heartbeat_age_ms")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    client_id: str
+    assignment: _containers.RepeatedCompositeFieldContainer[TopicPartitions]
+    last_heartbeat_age_ms: int
+    def __init__(self, member_id: _Optional[str] = ..., client_id: _Optional[str] = ..., assignment: _Optional[_Iterable[_Union[TopicPartitions, _Mapping]]] = ..., last_heartbeat_age_ms: _Optional[int] = ...) -> None: ...
+
+class GroupDescription(_message.Message):
+    __slots__ = ("group", "generation", "assignor", "members", "offsets")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNOR_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    generation: int
+    assignor: str
+    members: _containers.RepeatedCompositeFieldContainer[GroupMember]
+    offsets: _containers.RepeatedCompositeFieldContainer[CommittedOffset]
+    def __init__(self, group: _Optional[str] = ..., generation: _Optional[int] = ..., assignor: _Optional[str] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ..., offsets: _Optional[_Iterable[_Union[CommittedOffset, _Mapping]]] = ...) -> None: ...

@@ -89,6 +89,41 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.SetLinkRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.SetLinkResponse.FromString,
                 _registered_method=True)
+        self.ReportHeld = channel.unary_unary(
+                '/georep.v1.Node/ReportHeld',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ReportHeldRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ReportHeldResponse.FromString,
+                _registered_method=True)
+        self.GroupHeartbeat = channel.unary_unary(
+                '/georep.v1.Node/GroupHeartbeat',
+                request_serializer=georep_dot_proto_dot_georep__pb2.GroupHeartbeatRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.GroupHeartbeatResponse.FromString,
+                _registered_method=True)
+        self.LeaveGroup = channel.unary_unary(
+                '/georep.v1.Node/LeaveGroup',
+                request_serializer=georep_dot_proto_dot_georep__pb2.LeaveGroupRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.LeaveGroupResponse.FromString,
+                _registered_method=True)
+        self.CommitOffsets = channel.unary_unary(
+                '/georep.v1.Node/CommitOffsets',
+                request_serializer=georep_dot_proto_dot_georep__pb2.CommitOffsetsRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.CommitOffsetsResponse.FromString,
+                _registered_method=True)
+        self.FetchCommitted = channel.unary_unary(
+                '/georep.v1.Node/FetchCommitted',
+                request_serializer=georep_dot_proto_dot_georep__pb2.FetchCommittedRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.FetchCommittedResponse.FromString,
+                _registered_method=True)
+        self.ListGroups = channel.unary_unary(
+                '/georep.v1.Node/ListGroups',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ListGroupsRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ListGroupsResponse.FromString,
+                _registered_method=True)
+        self.DescribeGroup = channel.unary_unary(
+                '/georep.v1.Node/DescribeGroup',
+                request_serializer=georep_dot_proto_dot_georep__pb2.DescribeGroupRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.GroupDescription.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -167,7 +202,55 @@ class NodeServicer:
     def SetLink(self, request, context):
         """Cut or heal the inbound link src -> this site (`georep link cut|heal`).
         A cut link carries nothing, topic metadata included, until healed.
+        Needs the admin token (metadata "authorization: Bearer TOKEN") when the
+        node has one; without one, only loopback peers may call it.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportHeld(self, request, context):
+        """dst -> src over each link: the vectors that dst, and the sites dst heard
+        from, hold fsynced. An origin counts them for acks=geo:N.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GroupHeartbeat(self, request, context):
+        """Consumer groups at this site (cluster/groups.py): join, heartbeat and
+        learn the assignment in one call; leave; commit and read vector offsets.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitOffsets(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchCommitted(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListGroups(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeGroup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -229,6 +312,41 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.SetLink,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.SetLinkRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.SetLinkResponse.SerializeToString,
+            ),
+            'ReportHeld': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportHeld,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ReportHeldRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ReportHeldResponse.SerializeToString,
+            ),
+            'GroupHeartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.GroupHeartbeat,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.GroupHeartbeatRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.GroupHeartbeatResponse.SerializeToString,
+            ),
+            'LeaveGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveGroup,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.LeaveGroupRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.LeaveGroupResponse.SerializeToString,
+            ),
+            'CommitOffsets': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitOffsets,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.CommitOffsetsRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.CommitOffsetsResponse.SerializeToString,
+            ),
+            'FetchCommitted': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchCommitted,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.FetchCommittedRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.FetchCommittedResponse.SerializeToString,
+            ),
+            'ListGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListGroups,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ListGroupsRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ListGroupsResponse.SerializeToString,
+            ),
+            'DescribeGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeGroup,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.DescribeGroupRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.GroupDescription.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,6 +646,195 @@ class Node:
             '/georep.v1.Node/SetLink',
             georep_dot_proto_dot_georep__pb2.SetLinkRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.SetLinkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportHeld(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/ReportHeld',
+            georep_dot_proto_dot_georep__pb2.ReportHeldRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ReportHeldResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GroupHeartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/GroupHeartbeat',
+            georep_dot_proto_dot_georep__pb2.GroupHeartbeatRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.GroupHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/LeaveGroup',
+            georep_dot_proto_dot_georep__pb2.LeaveGroupRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.LeaveGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitOffsets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/CommitOffsets',
+            georep_dot_proto_dot_georep__pb2.CommitOffsetsRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.CommitOffsetsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchCommitted(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/FetchCommitted',
+            georep_dot_proto_dot_georep__pb2.FetchCommittedRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.FetchCommittedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/ListGroups',
+            georep_dot_proto_dot_georep__pb2.ListGroupsRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ListGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/DescribeGroup',
+            georep_dot_proto_dot_georep__pb2.DescribeGroupRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.GroupDescription.FromString,
             options,
             channel_credentials,
             insecure,

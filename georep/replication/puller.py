@@ -44,6 +44,7 @@ from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.ids import SiteId
 from topology.links import LinkManager, LinkState, PartitionKey
 from topology.model import Topology
+from topology.reach import expected_sites
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,9 @@ class Puller:
         self.remote_topics: dict[str, int] = {}
         self.enabled = asyncio.Event()
         self.enabled.set()
+        # Reports of what this site (and the sites it heard from) hold, to src (acks=geo:N).
+        self.held_changed = asyncio.Event()
+        self.held_sent_version = 0
 
     @property
     def stub(self) -> pbg.NodeStub:
@@ -159,6 +163,36 @@ class Puller:
                 r.conflicts[(t.name, self.src)] = message
             else:
                 r.conflicts.pop((t.name, self.src), None)
+
+    # -- held reports -----------------------------------------------------------
+
+    async def report_loop(self) -> None:
+        """Tell src what this site, and every site it heard from, holds fsynced.
+
+        One report at a time; what changes meanwhile goes in the next one, so a
+        burst of fsyncs costs one report per round trip."""
+        held = self.r.broker.held
+        while True:
+            await self.held_changed.wait()
+            self.held_changed.clear()
+            await self.enabled.wait()
+            version = held.version
+            entries = [
+                pb.HeldEntry(site=site, topic=topic, partition=index, vector=vector_to_proto(vector))
+                for (site, topic, index), vector in held.changed_since(self.held_sent_version)
+                if site != self.src
+            ]  # fmt: skip
+            if not entries:
+                self.held_sent_version = version
+                continue
+            try:
+                await self.stub.ReportHeld(pb.ReportHeldRequest(reporter=self.r.site, entries=entries),
+                                           timeout=RPC_TIMEOUT_S)  # fmt: skip
+                self.held_sent_version = version
+            except grpc.aio.AioRpcError as exc:
+                log.debug("reporting held vectors to %s failed: %s", self.src, exc.details())
+                await asyncio.sleep(BACKOFF_MAX_S)
+                self.held_changed.set()
 
     # -- stream ---------------------------------------------------------------
 
@@ -243,6 +277,9 @@ class Puller:
             assert isinstance(resp, pb.ReplicateResponse)
             now = r.now_ms()
             if first:
+                # src may have restarted and forgotten what we hold: report everything again.
+                self.held_sent_version = 0
+                self.held_changed.set()
                 r.links.link_up(self.src, now)
                 self.stats.last_error = ""
                 log.info("link %s -> %s streaming", self.src, r.site)
@@ -306,6 +343,12 @@ class Replicator:
         for name, spec in sorted(broker.metadata.topics().items()):
             self.links.topic(name, spec.partitions)
         broker.on_topic = self.links.topic
+        broker.on_held = self._held_changed
+        broker.geo_reach = lambda topic: len(expected_sites(topology, self.site, topic))
+
+    def _held_changed(self) -> None:
+        for puller in self.pullers.values():
+            puller.held_changed.set()
 
     def set_link(self, src: str, enabled: bool) -> str:
         """Cut or heal the inbound link ``src -> site``; returns its state. Raises KeyError if there is none."""
@@ -321,6 +364,7 @@ class Replicator:
         for puller in self.pullers.values():
             self._tasks.append(asyncio.create_task(puller.topics_loop()))
             self._tasks.append(asyncio.create_task(puller.stream_loop()))
+            self._tasks.append(asyncio.create_task(puller.report_loop()))
         self._tasks.append(asyncio.create_task(self._tick_loop()))
 
     async def stop(self) -> None:

@@ -27,10 +27,13 @@ from georep.record.batch import HEADER_BYTES, CorruptBatch, compute_crc, parse_h
 from georep.replication.sink import ApplyOutcome, CorruptChunk, apply_chunk
 from georep.storage.api import DiskFull, LogConfig, OffsetOutOfRange, PartitionLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from offsets.held import HeldTable
+from offsets.vector import VectorOffset
 
 log = logging.getLogger(__name__)
 
 ACKS_GEO = 2  # georep.v1.Acks.ACKS_GEO
+GEO_ACK_TIMEOUT_MS_DEFAULT = 30_000
 
 DEFAULT_TOPIC_CONFIG: dict[str, int] = {
     "segment_bytes_max": 1 << 30,
@@ -65,6 +68,13 @@ def partition_dir_name(topic: str, partition: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class _GeoWait:
+    seq: int  # the batch's last origin seq
+    sites: int
+    future: asyncio.Future[None]
+
+
+@dataclass(frozen=True, slots=True)
 class Produced:
     result: AppendResult
     origin: Origin
@@ -87,6 +97,8 @@ class Partition:
         self._flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._flushing = False
         self.last_flush_mono_ms = 0
+        # Called with the vector of everything an fsync just made durable.
+        self.on_durable: Callable[[Partition, dict[Origin, OriginSeq]], None] = lambda p, vector: None
 
     @property
     def fsync_per_batch(self) -> bool:
@@ -125,6 +137,9 @@ class Partition:
 
     def _start_flush(self, executor: ThreadPoolExecutor) -> None:
         self._flushing = True
+        # Everything in this vector was written before the fsync starts, so the
+        # fsync makes it durable (the log updates its vector after the write).
+        vector = self.log.vector()
         try:
             task = asyncio.get_running_loop().run_in_executor(executor, self.log.flush)
         except RuntimeError as exc:  # the executor is shut down: the node is stopping
@@ -134,9 +149,11 @@ class Partition:
                 if not fut.done():
                     fut.set_exception(_err(grpc.StatusCode.UNAVAILABLE, f"node stopping ({exc}); retry"))
             return
-        task.add_done_callback(lambda t: self._flush_done(t, executor))
+        task.add_done_callback(lambda t: self._flush_done(t, executor, vector))
 
-    def _flush_done(self, task: asyncio.Future[LocalOffset], executor: ThreadPoolExecutor) -> None:
+    def _flush_done(
+        self, task: asyncio.Future[LocalOffset], executor: ThreadPoolExecutor, vector: dict[Origin, OriginSeq]
+    ) -> None:
         self._flushing = False
         # A cancelled fsync (shutdown) must still release its waiters, with an error.
         exc = asyncio.CancelledError("fsync cancelled") if task.cancelled() else task.exception()
@@ -149,6 +166,7 @@ class Partition:
             return
         flushed = task.result()
         self._notify_durable()
+        self.on_durable(self, vector)
         for end, fut in waiters:
             if end <= flushed:
                 if not fut.done():
@@ -197,6 +215,13 @@ class Broker:
         # Called with (name, partitions) for every topic this node opens: at
         # startup, on CreateTopic, and when replication creates one.
         self.on_topic: Callable[[str, int], None] = lambda name, partitions: None
+        # What each site holds fsynced (offsets/held.py), for acks=geo:N.
+        self.held = HeldTable()
+        self.on_held: Callable[[], None] = lambda: None  # the table learned something: report it upstream
+        # How many sites (this one included) this site's records of a topic reach; the
+        # replicator replaces it from the topology. A standalone node reaches itself only.
+        self.geo_reach: Callable[[str], int] = lambda topic: 1
+        self._geo_waiters: dict[tuple[str, int], list[_GeoWait]] = {}
         now = self.clock_ms()
         for spec in self.metadata.topics().values():
             self._open_topic(spec, now)
@@ -214,7 +239,9 @@ class Broker:
         )
         for i in range(spec.partitions):
             plog = self.open_log(self.logs_dir / partition_dir_name(spec.name, i), log_config, now_ms)
-            self.partitions[(spec.name, i)] = Partition(spec.name, i, plog, config, self.origin, now_ms)
+            p = self.partitions[(spec.name, i)] = Partition(spec.name, i, plog, config, self.origin, now_ms)
+            p.on_durable = self._durable
+            self.held.update(self.identity.site, spec.name, i, VectorOffset(plog.vector()))
 
     def create_topic(self, name: str, partitions: int, raw_config: dict[str, str]) -> TopicSpec:
         try:
@@ -259,13 +286,9 @@ class Broker:
     def append(self, topic: str, index: int, batch: bytes, acks: int, geo_sites: int) -> tuple[Partition, Produced]:
         """Validate and append one producer batch as its origin. Synchronous, so
         batches on one stream are appended in the order they arrived."""
-        if acks == ACKS_GEO and geo_sites > 1:
-            raise _err(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"acks=geo:{geo_sites} needs {geo_sites} sites, but site {self.identity.site} has no replication "
-                "links: use acks=leader or acks=all, or run a multi-site topology",
-            )
         p = self.partition(topic, index)
+        if acks == ACKS_GEO:
+            self._check_geo_sites(topic, geo_sites)
         limit = p.config["max_batch_bytes"]
         if len(batch) > limit:
             raise _err(
@@ -324,21 +347,106 @@ class Broker:
         self.on_produce(topic, header.records_count, len(batch))
         return p, Produced(result, self.origin, False)
 
-    def ack_waiter(self, p: Partition, produced: Produced) -> asyncio.Future[None] | None:
+    def _check_geo_sites(self, topic: str, geo_sites: int) -> None:
+        if geo_sites < 1:
+            raise _err(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"acks=geo:{geo_sites}: N must be at least 1 (the origin site counts)")  # fmt: skip
+        reach = self.geo_reach(topic)
+        if geo_sites > reach:
+            raise _err(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"acks=geo:{geo_sites} needs {geo_sites} sites, but records of topic {topic!r} from site "
+                f"{self.identity.site} reach only {reach} site(s) over the topology's links and their filters: "
+                f"use acks=geo:{reach} or less, or change the topology",
+            )
+
+    def ack_waiter(
+        self, p: Partition, produced: Produced, acks: int = 0, geo_sites: int = 0, timeout_ms: int = 0
+    ) -> asyncio.Future[None] | None:
         """What the ack must wait for to be as durable as its level promises; None: nothing.
 
         A single-node site has no in-site replicas, so ``acks=all`` promises
         what ``acks=leader`` does: the leader's log, fsynced when the topic
-        fsyncs per batch.
+        fsyncs per batch. ``acks=geo:N`` waits until N sites, this one
+        included, hold the batch fsynced (``HeldTable``), or fails with
+        ``DEADLINE_EXCEEDED`` after ``timeout_ms``; the batch stays written.
         """
-        if not p.fsync_per_batch:
-            return None
         r = produced.result
-        return p.flushed(r.base_offset + (r.last_origin_seq - r.base_origin_seq) + 1, self.executor)
+        local = None
+        if p.fsync_per_batch:
+            local = p.flushed(r.base_offset + (r.last_origin_seq - r.base_origin_seq) + 1, self.executor)
+        if acks != ACKS_GEO or geo_sites <= 1:
+            return local
+        return self._geo_waiter(p, r.last_origin_seq, geo_sites, timeout_ms or GEO_ACK_TIMEOUT_MS_DEFAULT, local)
 
-    async def produce(self, topic: str, index: int, batch: bytes, acks: int, geo_sites: int) -> Produced:
+    def _geo_waiter(
+        self, p: Partition, seq: int, sites: int, timeout_ms: int, local: asyncio.Future[None] | None
+    ) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        out: asyncio.Future[None] = loop.create_future()
+        key = (p.topic, p.index)
+        self._geo_waiters.setdefault(key, []).append(_GeoWait(seq, sites, out))
+
+        def expire() -> None:
+            if out.done():
+                return
+            holding = self.held.sites_holding(p.topic, p.index, self.origin, seq)
+            out.set_exception(_err(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"acks=geo:{sites} not reached within {timeout_ms} ms: {len(holding)} site(s) "
+                f"({', '.join(holding) or 'none'}) hold {p.topic}/{p.index} origin seq {seq} of {self.origin}. "
+                f"The batch stays written at site {self.identity.site} and replicates when the links allow; "
+                "a retry by the same producer is deduplicated, so retrying is safe",
+            ))  # fmt: skip
+
+        def local_done(f: asyncio.Future[None]) -> None:
+            exc = asyncio.CancelledError("fsync cancelled") if f.cancelled() else f.exception()
+            if exc is not None and not out.done():
+                out.set_exception(exc)
+
+        timer = loop.call_later(timeout_ms / 1000, expire)
+        out.add_done_callback(lambda _f: timer.cancel())
+        out.add_done_callback(_consume_exception)
+        if local is not None:
+            local.add_done_callback(local_done)
+        self._check_geo(p.topic, p.index)
+        return out
+
+    def _check_geo(self, topic: str, index: int) -> None:
+        waiters = self._geo_waiters.get((topic, index))
+        if not waiters:
+            return
+        keep = []
+        for w in waiters:
+            if w.future.done():
+                continue
+            if len(self.held.sites_holding(topic, index, self.origin, w.seq)) >= w.sites:
+                w.future.set_result(None)
+            else:
+                keep.append(w)
+        self._geo_waiters[(topic, index)] = keep
+
+    def _durable(self, p: Partition, vector: dict[Origin, OriginSeq]) -> None:
+        if self.held.update(self.identity.site, p.topic, p.index, VectorOffset(vector)):
+            self._check_geo(p.topic, p.index)
+            self.on_held()
+
+    def report_held(self, entries: list[tuple[str, str, int, VectorOffset]]) -> None:
+        """Take in what other sites hold (``ReportHeld``); this site's own entry comes from its fsyncs."""
+        changed: set[tuple[str, int]] = set()
+        for site, topic, index, vector in entries:
+            if site != self.identity.site and self.held.update(site, topic, index, vector):
+                changed.add((topic, index))
+        for topic, index in sorted(changed):
+            self._check_geo(topic, index)
+        if changed:
+            self.on_held()
+
+    async def produce(
+        self, topic: str, index: int, batch: bytes, acks: int, geo_sites: int, timeout_ms: int = 0
+    ) -> Produced:
         p, produced = self.append(topic, index, batch, acks, geo_sites)
-        waiter = self.ack_waiter(p, produced)
+        waiter = self.ack_waiter(p, produced, acks, geo_sites, timeout_ms)
         if waiter is not None:
             await waiter
         return produced

@@ -33,6 +33,7 @@ log = logging.getLogger("georep.node")
 SHUTDOWN_GRACE_S = 5.0
 MESSAGE_SLACK_BYTES = 1 << 20
 KEEPALIVE_MIN_INTERVAL_MS = 1_000
+GROUP_TICK_S = 0.2
 
 
 class UsageError(Exception):
@@ -63,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"move an origin to another upstream after its preferred one stays behind this long "
         f"(default {DEFAULT_STALL_MS})",
     )  # fmt: skip
+    parser.add_argument(
+        "--admin-token-file", type=Path, default=None,
+        help="file holding the admin token that admin calls (georep link cut/heal, drills) must present; "
+        "without it only callers on this host may make them",
+    )  # fmt: skip
     for key, value in DEFAULT_TOPIC_CONFIG.items():
         parser.add_argument(
             f"--{key.replace('_', '-')}", type=int, default=value, help=f"default topic {key} (default {value})"
@@ -78,13 +84,24 @@ def main(args: argparse.Namespace) -> int:
         topology = None if args.topology is None else site_topology(args.topology, args.site)
         if args.stall_ms < 1:
             raise UsageError(f"--stall-ms {args.stall_ms} must be at least 1")
+        admin_token = None if args.admin_token_file is None else read_admin_token(args.admin_token_file)
         return asyncio.run(
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
-                  topology, args.stall_ms)  # fmt: skip
+                  topology, args.stall_ms, admin_token)  # fmt: skip
         )
     except (UsageError, DataDirMismatch, InvalidSiteId) as exc:
         log.error("%s", exc)
         return 2
+
+
+def read_admin_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--admin-token-file {path}: {exc.strerror or exc}") from None
+    if len(token) < 16 or not token.isprintable():
+        raise UsageError(f"--admin-token-file {path}: the token must be at least 16 printable characters")
+    return token
 
 
 def site_topology(spec: str, site: str) -> Topology:
@@ -112,6 +129,7 @@ async def serve(
     retention_check_ms: int,
     topology: Topology | None = None,
     stall_ms: int = DEFAULT_STALL_MS,
+    admin_token: str | None = None,
 ) -> int:
     from georep.replication.puller import Replicator
 
@@ -122,7 +140,7 @@ async def serve(
     replicator = Replicator(broker, topology, site, stall_ms) if topology is not None else None
     if replicator is not None:
         metrics.attach(replicator)
-    service = NodeService(broker, metrics, replicator)
+    service = NodeService(broker, metrics, replicator, admin_token)
     max_message = max(defaults["max_batch_bytes"], FETCH_MAX_BYTES_CAP) + MESSAGE_SLACK_BYTES
     server = grpc.aio.server(
         options=[
@@ -163,6 +181,7 @@ async def serve(
     housekeeping = [
         asyncio.create_task(_flush_loop(broker)),
         asyncio.create_task(_retention_loop(broker, retention_check_ms / 1000)),
+        asyncio.create_task(_group_loop(service)),
     ]
     if replicator is not None:
         replicator.start()
@@ -189,6 +208,13 @@ async def _flush_loop(broker: Broker) -> None:
         due = [i for i in intervals if i > 0]
         await asyncio.sleep(min(due, default=1000) / 1000)
         await broker.flush_due(int(time.monotonic() * 1000))
+
+
+async def _group_loop(service: NodeService) -> None:
+    """Expire consumer group members whose session timed out."""
+    while True:
+        await asyncio.sleep(GROUP_TICK_S)
+        service.groups.expire()
 
 
 async def _retention_loop(broker: Broker, interval_s: float) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -22,8 +23,10 @@ from georep.proto import georep_pb2 as pb
 from georep.record.batch import iter_headers
 from georep.replication.source import Chunk, ReplicaSource
 from georep.server.broker import Broker, BrokerError, Partition, Produced
+from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
 from georep.vector_proto import vector_from_proto, vector_to_proto
+from offsets.commits import INTERNAL_TOPIC_PREFIX, is_internal
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.ids import InvalidSiteId, site_id
@@ -70,11 +73,24 @@ def _vector_to_pb(vector: Mapping[Origin, int]) -> pb.VectorOffset:
     return vector_to_proto(VectorOffset(vector))
 
 
+def _is_loopback(peer: str) -> bool:
+    """grpc peer strings: ``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``."""
+    return peer.startswith(("ipv4:127.", "ipv6:[::1]", "unix:"))
+
+
 class NodeService:
-    def __init__(self, broker: Broker, metrics: NodeMetrics, replicator: Replicator | None = None) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        metrics: NodeMetrics,
+        replicator: Replicator | None = None,
+        admin_token: str | None = None,
+    ) -> None:
         self.broker = broker
         self.metrics = metrics
         self.replicator = replicator
+        self.groups = GroupService(broker)
+        self.admin_token = admin_token
         self.started = time.monotonic()
         self._stopping: asyncio.Future[None] | None = None
 
@@ -107,6 +123,10 @@ class NodeService:
 
     async def create_topic(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.TopicDescription:
         req = _parse(pb.CreateTopicRequest, data)
+        if is_internal(req.name):
+            raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: "
+                              "choose another name")  # fmt: skip
         self.broker.create_topic(req.name, req.partitions, dict(req.config))
         return self._describe(req.name)
 
@@ -153,10 +173,20 @@ class NodeService:
             append_time_ms=r.append_time_ms, duplicate=produced.duplicate,
         )  # fmt: skip
 
+    @staticmethod
+    def _check_producible(topic: str) -> None:
+        if is_internal(topic):
+            raise BrokerError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"topic {topic!r} is internal to georep: commit with a consumer"
+            )
+
     async def produce(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ProduceResponse:
         req = _parse(pb.ProduceRequest, data)
         try:
-            produced = await self.broker.produce(req.topic, req.partition, req.batch, req.acks, req.geo_sites)
+            self._check_producible(req.topic)
+            produced = await self.broker.produce(
+                req.topic, req.partition, req.batch, req.acks, req.geo_sites, req.ack_timeout_ms
+            )
         except BrokerError as exc:
             self.metrics.produce_error(exc.code)
             raise
@@ -199,12 +229,13 @@ class NodeService:
                 async for raw in requests:
                     req = _parse(pb.ProduceRequest, raw)
                     try:
+                        self._check_producible(req.topic)
                         # Appended here, synchronously: stream order is append order.
                         p, produced = self.broker.append(req.topic, req.partition, req.batch, req.acks, req.geo_sites)
                     except BrokerError as exc:
                         fail(req, exc)
                         continue
-                    waiter = self.broker.ack_waiter(p, produced)
+                    waiter = self.broker.ack_waiter(p, produced, req.acks, req.geo_sites, req.ack_timeout_ms)
                     if waiter is None:
                         send(self._produced(req, produced))
                         continue
@@ -245,7 +276,11 @@ class NodeService:
             position = LocalOffset(req.offset)
         elif which == "vector":
             vector = _vector_from_pb(req.vector)
-            position = self.broker.start_offset_for_vector(p, vector)
+            if req.hint_origin == str(self.broker.origin) and req.hint_offset >= 0:
+                # The committing consumer had everything below this offset of this very log.
+                position = LocalOffset(min(max(req.hint_offset, p.log.log_start_offset), p.log.log_end_offset))
+            else:
+                position = self.broker.start_offset_for_vector(p, vector)
         elif req.position == pb.START_LATEST:
             position = p.log.log_end_offset
         else:
@@ -341,8 +376,27 @@ class NodeService:
             ]
         )
 
+    def _authorize_admin(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        """With an admin token, the caller must present it; without one, only loopback callers may."""
+        if self.admin_token is None:
+            if not _is_loopback(context.peer()):
+                raise BrokerError(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    f"{what} from {context.peer()} refused: this node has no admin token, so only local callers "
+                    "may; start it with --admin-token-file",
+                )
+            return
+        presented = dict(context.invocation_metadata() or ()).get("authorization", "")
+        if not hmac.compare_digest(str(presented), f"Bearer {self.admin_token}"):
+            raise BrokerError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{what} refused: missing or wrong admin token; pass the token the node was started with "
+                "(--admin-token-file, or GEOREP_ADMIN_TOKEN / the data dir's admin.token for georep commands)",
+            )
+
     async def set_link(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.SetLinkResponse:
         req = _parse(pb.SetLinkRequest, data)
+        self._authorize_admin(context, "SetLink")
         site = self.broker.identity.site
         if self.replicator is None:
             raise BrokerError(grpc.StatusCode.FAILED_PRECONDITION,
@@ -368,6 +422,40 @@ class NodeService:
             for (t, i), p in sorted(self.broker.partitions.items())
         ]
         return pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch, partitions=parts)
+
+    async def report_held(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ReportHeldResponse:
+        req = _parse(pb.ReportHeldRequest, data)
+        entries = []
+        for e in req.entries:
+            try:
+                site_id(e.site)
+                vector = vector_from_proto(e.vector)
+            except (InvalidSiteId, InvalidVectorOffset) as exc:
+                raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ReportHeldRequest: {exc}") from None
+            entries.append((e.site, e.topic, e.partition, vector))
+        self.broker.report_held(entries)
+        return pb.ReportHeldResponse()
+
+    # -- consumer groups --------------------------------------------------------
+
+    async def group_heartbeat(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.GroupHeartbeatResponse:
+        return self.groups.heartbeat(_parse(pb.GroupHeartbeatRequest, data))
+
+    async def leave_group(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.LeaveGroupResponse:
+        return self.groups.leave(_parse(pb.LeaveGroupRequest, data))
+
+    async def commit_offsets(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.CommitOffsetsResponse:
+        return await self.groups.commit(_parse(pb.CommitOffsetsRequest, data))
+
+    async def fetch_committed(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.FetchCommittedResponse:
+        return self.groups.fetch_committed(_parse(pb.FetchCommittedRequest, data))
+
+    async def list_groups(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ListGroupsResponse:
+        _parse(pb.ListGroupsRequest, data)
+        return self.groups.list_groups()
+
+    async def describe_group(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.GroupDescription:
+        return self.groups.describe(_parse(pb.DescribeGroupRequest, data))
 
     # -- wiring ---------------------------------------------------------------
 
@@ -419,6 +507,13 @@ class NodeService:
                 "Health": unary(self.health),
                 "SiteStatus": unary(self.site_status),
                 "SetLink": unary(self.set_link),
+                "ReportHeld": unary(self.report_held),
+                "GroupHeartbeat": unary(self.group_heartbeat),
+                "LeaveGroup": unary(self.leave_group),
+                "CommitOffsets": unary(self.commit_offsets),
+                "FetchCommitted": unary(self.fetch_committed),
+                "ListGroups": unary(self.list_groups),
+                "DescribeGroup": unary(self.describe_group),
                 "Replicate": grpc.unary_stream_rpc_method_handler(replicate, None, ser),
                 "ProduceStream": grpc.stream_stream_rpc_method_handler(produce_stream, None, ser),
                 "Fetch": grpc.unary_stream_rpc_method_handler(fetch, None, ser),
