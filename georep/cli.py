@@ -44,6 +44,8 @@ DELEGATED = {
     "status": ("georep.status", "every site's vectors, links, routes and lag"),
     "link": ("georep.link_admin", "cut or heal one replication link"),
     "topology": ("topology.render", "topology show [FILE]: summary and picture of a topology"),
+    "group": ("georep.group_admin", "list and describe consumer groups: members, assignments, commits, lag"),
+    "drill": ("georep.drill", "run a DR drill against a running topology and report RPO, RTO and duplicates"),
 }
 
 

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import grpc
 
+from georep.admin_token import find_token
 from georep.client import Admin, Consumer, ConsumerRecord, Producer, RecordMetadata
+from georep.link_admin import set_link as set_link_rpc
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
@@ -160,8 +162,8 @@ async def produce_through_crash(node: NodeProcess, topic: str, records: int, kil
 
 
 async def set_link(dst: NodeProcess, src: str, enabled: bool) -> None:
-    async with grpc.aio.insecure_channel(dst.address) as channel:
-        await pbg.NodeStub(channel).SetLink(pb.SetLinkRequest(src=src, enabled=enabled), timeout=5)
+    """An authenticated admin call, with the token ``georep up`` (here: ``site_processes``) created."""
+    await set_link_rpc(dst.address, src, enabled, find_token(None, dst.data_dir.parent))
 
 
 async def produce_at(node: NodeProcess, topic: str, count: int, tag: str) -> None:

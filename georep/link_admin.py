@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 
+from georep.admin_token import TOKEN_ENV, call_metadata, find_token
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.topology_file import TopologyFileError, load_topology
@@ -22,11 +23,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="the link's source site")
     parser.add_argument("dst", help="the link's destination site, which pulls over it")
     parser.add_argument("--topology", type=Path, help="topology TOML file (default: sites a, b, c)")
+    parser.add_argument("--data-dir", type=Path, default=Path(".georep"),
+                        help="where 'georep up' keeps admin.token (default .georep)")  # fmt: skip
+    parser.add_argument("--admin-token",
+                        help=f"the nodes' admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token)")  # fmt: skip
 
 
-async def set_link(address: str, src: str, enabled: bool) -> pb.SetLinkResponse:
+async def set_link(address: str, src: str, enabled: bool, token: str | None = None) -> pb.SetLinkResponse:
     async with grpc.aio.insecure_channel(address) as channel:
-        return await pbg.NodeStub(channel).SetLink(pb.SetLinkRequest(src=src, enabled=enabled), timeout=TIMEOUT_S)
+        return await pbg.NodeStub(channel).SetLink(  # type: ignore[no-any-return]
+            pb.SetLinkRequest(src=src, enabled=enabled), timeout=TIMEOUT_S, metadata=call_metadata(token)
+        )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -38,7 +45,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     address = topology.site(args.dst).nodes[0]
     try:
-        resp = asyncio.run(set_link(address, args.src, args.action == "heal"))
+        token = find_token(args.admin_token, args.data_dir)
+        resp = asyncio.run(set_link(address, args.src, args.action == "heal", token))
     except grpc.aio.AioRpcError as exc:
         print(f"georep: error: site {args.dst} at {address}: {exc.details()}", file=sys.stderr)
         return 1

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from georep.admin_token import ensure_token
 from georep.server.process import NodeProcess, NodeStartError
 from georep.topology_file import DEFAULT, TopologyFileError, load_topology
 from topology.model import Topology, warnings
@@ -40,7 +41,8 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
             raise TopologyFileError(
                 f"site {sid} lists {len(site.nodes)} nodes; this version runs one node per site: list one address"
             )
-        args = [*extra_args, "--topology", str(topology_file.resolve()) if topology_file else DEFAULT]
+        args = [*extra_args, "--topology", str(topology_file.resolve()) if topology_file else DEFAULT,
+                "--admin-token-file", str(ensure_token(data_dir).resolve())]
         procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0], extra_args=args))
     return procs
 

@@ -18,7 +18,7 @@ import socket
 import grpc
 
 from georep.client.errors import InvalidRequest, NodeUnavailable
-from georep.proto import georep_pb2_grpc
+from georep.proto import georep_pb2, georep_pb2_grpc
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:7101"
 BOOTSTRAP_ENV = "GEOREP_BOOTSTRAP"
@@ -113,6 +113,8 @@ class Connection:
         self.addresses = parse_bootstrap(bootstrap)
         self.connect_timeout_s = connect_timeout_ms / 1000
         self.address = ""
+        # site@epoch of the node connected to: local offsets mean something only there
+        self.origin = ""
         self.generation = 0
         self._channel: grpc.aio.Channel | None = None
         self._stub: georep_pb2_grpc.NodeStub | None = None
@@ -157,10 +159,19 @@ class Connection:
             address = self.addresses[index]
             reason = await probe(address, self.connect_timeout_s)
             if reason is None:
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                stub = georep_pb2_grpc.NodeStub(channel)
+                try:
+                    health = await stub.Health(georep_pb2.HealthRequest(), timeout=self.connect_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    await channel.close(grace=None)
+                    tried.append(address)
+                    reasons.append(f"not a georep node, or not answering: {exc.code().name}")
+                    continue
                 self._index = index
                 self.address = address
-                self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-                self._stub = georep_pb2_grpc.NodeStub(self._channel)
+                self.origin = f"{health.site}@{health.epoch}"
+                self._channel, self._stub = channel, stub
                 self.generation += 1
                 return
             tried.append(address)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import NamedTuple
@@ -39,6 +40,8 @@ from georep.client.errors import (
     OffsetOutOfRange,
     from_rpc_error,
 )
+from georep.client.group import Committed, GroupMembership, GroupOptions, check_group
+from georep.client.producer import parse_acks
 from georep.proto import georep_pb2
 from georep.record.batch import CorruptBatch, check_batch, decode_records
 from georep.record.compression import DecompressionError
@@ -47,6 +50,8 @@ from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import Coverage, VectorOffset
 
 TopicPartition = tuple[str, int]
+
+log = logging.getLogger(__name__)
 
 OFFSET_RESETS = ("earliest", "latest", "none")
 
@@ -79,13 +84,16 @@ class _Start(NamedTuple):
     kind: str  # "offset", "earliest", "latest", "vector"
     offset: int = -1
     vector: VectorOffset | None = None
+    hint_origin: str = ""  # with a vector: a committed local-offset hint, valid at that site@epoch only
+    hint_offset: int = -1
 
 
 class _PartitionState:
-    __slots__ = ("tp", "start", "position", "base_vector", "consumed", "queue", "current", "fetcher")
+    __slots__ = ("tp", "start", "position", "base_vector", "consumed", "queue", "current", "fetcher", "served_by")
 
     def __init__(self, tp: TopicPartition, start: _Start, queue_max: int) -> None:
         self.tp = tp
+        self.served_by = ""  # site@epoch whose local offsets `position` counts in
         self.start = start
         self.position: int | None = start.offset if start.kind == "offset" else None
         self.base_vector = start.vector or VectorOffset()
@@ -143,9 +151,24 @@ class Consumer:
         retry_backoff_max_ms: int = 1_000,
         request_timeout_ms: int = 30_000,
         connect_timeout_ms: int = 5_000,
+        group_id: str | None = None,
+        enable_auto_commit: bool = True,
+        auto_commit_interval_ms: int = 5_000,
+        session_timeout_ms: int = 10_000,
+        assignor: str = "range",
+        commit_acks: str = "leader",
+        commit_wait_caught_up_ms: int = 5_000,
+        client_id: str = "",
     ) -> None:
         if auto_offset_reset not in OFFSET_RESETS:
             raise InvalidRequest(f"invalid auto_offset_reset {auto_offset_reset!r}: use earliest, latest or none")
+        self._group: GroupMembership | None = None
+        self._group_id = group_id
+        self._group_options = GroupOptions(
+            session_timeout_ms=session_timeout_ms, assignor=assignor, client_id=client_id,
+            enable_auto_commit=enable_auto_commit, auto_commit_interval_ms=auto_commit_interval_ms,
+            commit_acks=parse_acks(commit_acks), commit_wait_caught_up_ms=commit_wait_caught_up_ms,
+        )  # fmt: skip
         self._connection = Connection(bootstrap, connect_timeout_ms)
         self._reset = auto_offset_reset
         self._max_bytes = max_bytes
@@ -161,6 +184,8 @@ class Consumer:
         self._data = asyncio.Event()
         self._rr = 0
         self._closed = False
+        self._next_auto_commit = 0.0
+        self._auto_commit: asyncio.Task[None] | None = None
 
     # --- lifecycle -----------------------------------------------------------
 
@@ -175,6 +200,14 @@ class Consumer:
         await self.close()
 
     async def close(self) -> None:
+        """Stop fetching; in a group, commit (with auto-commit on) and leave it, so others take over at once."""
+        if self._group is not None and not self._closed:
+            if self._group_options.enable_auto_commit and self._group.member_id:
+                try:
+                    await self.commit()
+                except GeorepError as exc:
+                    log.warning("final commit of group %r failed: %s", self._group.group, exc.message)
+            await self._group.leave()
         self._closed = True
         tasks = [s.fetcher for s in self._states.values() if s.fetcher is not None]
         for task in tasks:
@@ -203,12 +236,17 @@ class Consumer:
             if tp not in self._states:
                 self._states[tp] = _PartitionState(tp, self._default_start(), self._queue_max)
 
-    def subscribe(self, topics: Iterable[str]) -> None:
-        """Read every partition of each topic (resolved on the first poll)."""
+    def subscribe(self, topics: Iterable[str], group: str | None = None) -> None:
+        """Read the topics: with a group (here or ``group_id=``), the partitions the
+        group's coordinator assigns to this member; without one, every partition."""
+        if self._group is not None:
+            raise InvalidRequest("this consumer already joined a group: close it and create another to resubscribe")
         self.assign([])
         self._subscribed = list(topics)
         self._resolved_topics = set()
         self._subscription_start = None
+        if group is not None:
+            self._group_id = group
 
     def assignment(self) -> list[TopicPartition]:
         return sorted(self._states)
@@ -259,12 +297,88 @@ class Consumer:
             return state.base_vector
         return state.base_vector.merge(VectorOffset(state.consumed))
 
+    # --- groups and commits -------------------------------------------------------
+
+    async def _apply_assignment(self, assignment: set[TopicPartition], moved: bool) -> None:
+        """Called by the group membership with this member's new assignment."""
+        assert self._group is not None
+        for tp in list(self._states):
+            if tp not in assignment:
+                self._drop(tp)
+        need = sorted(tp for tp in assignment if moved or tp not in self._states)
+        committed = await self._group.fetch_committed(need) if need else {}
+        for tp in need:
+            c = committed.get(tp)
+            if tp not in self._states:
+                start = self._default_start() if c is None else \
+                    _Start("vector", -1, c.vector, c.committed_by, c.hint_offset)  # fmt: skip
+                self._states[tp] = _PartitionState(tp, start, self._queue_max)
+            elif c is not None and not c.vector.dominated_by(self.vector(tp)):
+                # Another member committed past what this one consumed (it owned the
+                # partition meanwhile): go on after both.
+                self._restart(tp, _Start("vector", -1, self.vector(tp).merge(c.vector)))
+        self._start_fetchers()
+
+    async def commit(self, offsets: dict[TopicPartition, VectorOffset] | None = None) -> None:
+        """Commit the group's position: by default the vector of everything ``poll`` returned,
+        for every assigned partition. Waits for the ack level of ``commit_acks``."""
+        group = self._membership()
+        if offsets is None:
+            offsets = {tp: self.vector(tp) for tp in self._states}
+            hints = {
+                tp: s.position for tp, s in self._states.items()
+                if s.position is not None and s.served_by == self._connection.origin
+            }  # fmt: skip
+        else:
+            hints = {}
+        await group.commit(offsets, hints, member=bool(self._subscribed))
+
+    def commit_async(self, offsets: dict[TopicPartition, VectorOffset] | None = None) -> asyncio.Task[None]:
+        """``commit`` in the background; await the task for its outcome."""
+        return asyncio.create_task(self.commit(offsets), name="georep-commit")
+
+    async def committed(self, tps: Iterable[TopicPartition]) -> dict[TopicPartition, Committed]:
+        """The group's committed positions for ``tps``, as the connected site holds them."""
+        await self._connection.connect()
+        return await self._membership().fetch_committed([(str(t), int(p)) for t, p in tps])
+
+    def _membership(self) -> GroupMembership:
+        if self._group is None:
+            group = check_group(self._group_id)
+            self._group = GroupMembership(self, group, self._subscribed, self._group_options)
+        return self._group
+
+    def _maybe_auto_commit(self) -> None:
+        if self._group is None or not self._group_options.enable_auto_commit or not self._group.member_id:
+            return
+        now = time.monotonic()
+        if now < self._next_auto_commit or (self._auto_commit is not None and not self._auto_commit.done()):
+            return
+        self._next_auto_commit = now + self._group_options.auto_commit_interval_ms / 1000
+        self._auto_commit = asyncio.create_task(self._auto_commit_once(), name="georep-auto-commit")
+
+    async def _auto_commit_once(self) -> None:
+        try:
+            await self.commit()
+        except GeorepError as exc:
+            log.warning("auto-commit of group %r failed: %s", self._group_id, exc.message)
+
     # --- reading ---------------------------------------------------------------
 
     async def _ensure_started(self) -> None:
         if self._closed:
             raise GeorepError("poll() on a closed consumer")
         await self._connection.connect()
+        if self._subscribed and self._group_id:
+            group = self._membership()
+            if not group.started:
+                await group.start()
+            if group.error is not None:
+                error, group.error = group.error, None
+                raise error
+            self._maybe_auto_commit()
+            self._start_fetchers()
+            return
         for topic in self._subscribed:
             if topic in self._resolved_topics:
                 continue
@@ -279,6 +393,9 @@ class Consumer:
                 if tp not in self._states:
                     self._states[tp] = _PartitionState(tp, self._default_start(), self._queue_max)
             self._resolved_topics.add(topic)
+        self._start_fetchers()
+
+    def _start_fetchers(self) -> None:
         for state in self._states.values():
             if state.fetcher is None:
                 if state.start.kind == "none":
@@ -354,11 +471,28 @@ class Consumer:
         elif start.kind == "vector":
             assert start.vector is not None
             request.vector.CopyFrom(vector_to_proto(start.vector))
+            if start.hint_origin:
+                request.hint_origin = start.hint_origin
+                request.hint_offset = start.hint_offset
         elif start.kind == "latest":
             request.position = georep_pb2.START_LATEST
         else:
             request.position = georep_pb2.START_EARLIEST
         return request
+
+    def _vector_start(self, state: _PartitionState) -> _Start:
+        """Where ``state`` continues at another site: after everything consumed."""
+        while not state.queue.empty():
+            state.queue.get_nowait()
+        state.current = None
+        state.position = None
+        vector = self.vector(state.tp)
+        if not vector and state.start.kind != "vector":
+            # Nothing consumed yet, and a local offset means nothing at another site.
+            kind = state.start.kind if state.start.kind in ("earliest", "latest") else self._reset
+            return _Start("latest") if kind == "latest" else _Start("earliest")
+        state.base_vector, state.consumed = vector, {}
+        return _Start("vector", -1, vector)
 
     async def _put(self, state: _PartitionState, chunk: _Chunk) -> None:
         await state.queue.put(chunk)
@@ -379,6 +513,13 @@ class Consumer:
                 backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
                 continue
             generation = self._connection.generation
+            if state.served_by and state.served_by != self._connection.origin:
+                # Another site: its local offsets mean nothing here. Continue from
+                # the vector of what was consumed, and drop what was fetched but
+                # not yet returned (the new site sends it again).
+                start = self._vector_start(state)
+                vector, min_offset, last_next = start.vector, -1, -1
+            state.served_by = self._connection.origin
             call = stub.Fetch(self._request(state, start))
             try:
                 async for response in call:

@@ -490,12 +490,14 @@ class CommitOffsetsResponse(_message.Message):
     def __init__(self, hlc: _Optional[int] = ..., committed_by: _Optional[str] = ...) -> None: ...
 
 class FetchCommittedRequest(_message.Message):
-    __slots__ = ("group", "partitions")
+    __slots__ = ("group", "partitions", "wait_caught_up_ms")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_CAUGHT_UP_MS_FIELD_NUMBER: _ClassVar[int]
     group: str
     partitions: _containers.RepeatedCompositeFieldContainer[TopicPartitions]
-    def __init__(self, group: _Optional[str] = ..., partitions: _Optional[_Iterable[_Union[TopicPartitions, _Mapping]]] = ...) -> None: ...
+    wait_caught_up_ms: int
+    def __init__(self, group: _Optional[str] = ..., partitions: _Optional[_Iterable[_Union[TopicPartitions, _Mapping]]] = ..., wait_caught_up_ms: _Optional[int] = ...) -> None: ...
 
 class CommittedOffset(_message.Message):
     __slots__ = ("topic", "partition", "vector", "hlc", "committed_by", "hint_offset", "member_id", "generation", "committed_at_ms", "metadata", "lag_records")

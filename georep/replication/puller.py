@@ -383,6 +383,16 @@ class Replicator:
                 self.links.local_vector(key, p.log.vector())
             self.links.tick(self.now_ms())
 
+    def behind_upstreams(self, key: PartitionKey) -> bool:
+        """Whether a streaming upstream holds records of ``key`` that this site lacks."""
+        local = self.broker.partition(*key).log.vector()
+        for link in self.links.links.values():
+            if link.state is LinkState.STREAMING:
+                upstream = link.vectors.get(key, {})
+                if any(seq > local.get(origin, 0) for origin, seq in upstream.items()):
+                    return True
+        return False
+
     # -- status ---------------------------------------------------------------
 
     def link_state(self, src: SiteId) -> str:

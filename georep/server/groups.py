@@ -13,6 +13,7 @@ every commit that has arrived here.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -55,6 +56,8 @@ OFFSETS_TOPIC_CONFIG = {"retention_ms": str(7 * 24 * 3600 * 1000), "flush_interv
 # site's clock forward by as much.
 AFTER_HLC_AHEAD_MS_MAX = 3600 * 1000
 READ_BYTES = 1 << 20
+CAUGHT_UP_WAIT_MS_MAX = 30_000
+CAUGHT_UP_POLL_S = 0.01
 
 
 def _tps(assignment: tuple[tuple[str, int], ...] | list[tuple[str, int]]) -> list[pb.TopicPartitions]:
@@ -80,6 +83,9 @@ class GroupService:
         self.clock = HybridClock()
         self.table = CommitTable()
         self._cursors: dict[int, int] = {}
+        # Whether a live upstream holds records of a partition this site lacks;
+        # the replicator replaces it (a standalone node has no upstream).
+        self.behind_upstreams: Callable[[tuple[str, int]], bool] = lambda key: False
         if OFFSETS_TOPIC not in broker.metadata.topics():
             broker.create_topic(OFFSETS_TOPIC, OFFSETS_PARTITIONS, OFFSETS_TOPIC_CONFIG)
         self.catch_up()
@@ -235,7 +241,12 @@ class GroupService:
             await waiter
         return pb.CommitOffsetsResponse(hlc=stamp, committed_by=str(origin))
 
-    def fetch_committed(self, req: pb.FetchCommittedRequest) -> pb.FetchCommittedResponse:
+    async def fetch_committed(self, req: pb.FetchCommittedRequest) -> pb.FetchCommittedResponse:
+        if req.wait_caught_up_ms > 0:
+            deadline = time.monotonic() + min(req.wait_caught_up_ms, CAUGHT_UP_WAIT_MS_MAX) / 1000
+            key = (OFFSETS_TOPIC, offsets_partition(req.group))
+            while self.behind_upstreams(key) and time.monotonic() < deadline:
+                await asyncio.sleep(CAUGHT_UP_POLL_S)
         self.catch_up()
         if not req.partitions:
             return pb.FetchCommittedResponse(offsets=[self._committed(c) for c in self.table.of_group(req.group)])

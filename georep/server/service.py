@@ -90,6 +90,8 @@ class NodeService:
         self.metrics = metrics
         self.replicator = replicator
         self.groups = GroupService(broker)
+        if replicator is not None:
+            self.groups.behind_upstreams = replicator.behind_upstreams
         self.admin_token = admin_token
         self.started = time.monotonic()
         self._stopping: asyncio.Future[None] | None = None
@@ -448,7 +450,7 @@ class NodeService:
         return await self.groups.commit(_parse(pb.CommitOffsetsRequest, data))
 
     async def fetch_committed(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.FetchCommittedResponse:
-        return self.groups.fetch_committed(_parse(pb.FetchCommittedRequest, data))
+        return await self.groups.fetch_committed(_parse(pb.FetchCommittedRequest, data))
 
     async def list_groups(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ListGroupsResponse:
         _parse(pb.ListGroupsRequest, data)
