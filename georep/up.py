@@ -10,13 +10,16 @@ left down: restarting sites is the operator's or the drill's decision.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import signal
 import sys
 import time
 from pathlib import Path
 
 from georep.admin_token import ensure_token
-from georep.server.process import NodeProcess, NodeStartError
+from georep.server.process import NODE_INFO, NodeProcess, NodeStartError
 from georep.topology_file import DEFAULT, TopologyFileError, load_topology
 from topology.model import Topology, warnings
 
@@ -45,6 +48,20 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
                 "--admin-token-file", str(ensure_token(data_dir).resolve())]
         procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0], extra_args=args))
     return procs
+
+
+def stop_restarted(procs: list[NodeProcess]) -> None:
+    """SIGTERM nodes of these sites that something else (a drill) restarted, so none outlives 'up'."""
+    for proc in procs:
+        try:
+            pid = int(json.loads((proc.data_dir / NODE_INFO).read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            continue
+        if proc.proc is not None and pid == proc.proc.pid:
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+            print(f"stopped site {proc.site}'s restarted node (pid {pid})", flush=True)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -92,5 +109,6 @@ def main(args: argparse.Namespace) -> int:
     finally:
         for proc in started:
             proc.stop()
+        stop_restarted(procs)
         if started:
             print("all sites stopped", flush=True)

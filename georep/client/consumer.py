@@ -248,6 +248,11 @@ class Consumer:
         if group is not None:
             self._group_id = group
 
+    @property
+    def site_origin(self) -> str:
+        """``site@epoch`` of the node this consumer reads from now ("" before connecting)."""
+        return self._connection.origin
+
     def assignment(self) -> list[TopicPartition]:
         return sorted(self._states)
 

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -169,6 +170,8 @@ async def serve(
     info = {
         "pid": os.getpid(), "site": identity.site, "epoch": identity.epoch, "version": __version__,
         "listen": f"{listen[0]}:{port}", "metrics": metrics_address,
+        # how to start this node again the same way (georep drill restarts a killed site)
+        "command": [sys.executable, "-m", "georep.cli", *sys.argv[1:]], "cwd": os.getcwd(),
     }  # fmt: skip
     write_json_atomic(data_dir / NODE_INFO, info)
     log.info("site %s (origin %s) serving on %s, metrics on %s", identity.site, broker.origin, info["listen"],
