@@ -28,12 +28,14 @@ import grpc
 
 from georep.admin_token import find_token
 from georep.client import Admin, Consumer, ConsumerRecord, Producer, RecordMetadata
+from georep.drill import add_arguments as add_drill_arguments
+from georep.drill import drill, render
 from georep.link_admin import set_link as set_link_rpc
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
 from georep.status import vector_text
-from georep.up import site_processes
+from georep.up import site_processes, stop_restarted
 from topology.model import default_topology
 
 TOPIC = "demo/orders"
@@ -246,11 +248,29 @@ async def run(data_dir: Path, records: int) -> int:
         if counts != [20_000] * 3:
             failures.append(f"demo/crash counts per site: {counts}")
 
+        say("\n6. DR drill: producers at every site (acks=leader and acks=geo:2), a consumer group at a;")
+        say("   SIGKILL a, the consumers fail over to b, a restarts and rejoins")
+        drill_args = argparse.Namespace(**{**vars(drill_defaults()), "data_dir": data_dir,
+                                           "report": data_dir / "drill-report.json"})  # fmt: skip
+        doc = await drill(drill_args, out=lambda line: say(f"   {line}"))
+        drill_args.report.write_text(json.dumps(doc, indent=2) + "\n")
+        say("\n" + "\n".join(f"   {line}" for line in render(doc).splitlines()))
+        say(f"   report: {drill_args.report}")
+        if not doc["ok"]:
+            failures.append("drill: " + "; ".join(doc["promises_broken"]))
+
         say("\ndemo " + ("passed" if not failures else "FAILED: " + "; ".join(failures)))
         return 0 if not failures else 1
     finally:
         for node in nodes:
             node.stop()
+        stop_restarted(nodes)
+
+
+def drill_defaults() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_drill_arguments(parser)
+    return parser.parse_args([])
 
 
 async def _topics(node: NodeProcess) -> set[str]:
