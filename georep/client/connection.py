@@ -162,7 +162,11 @@ class Connection:
                 channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
                 stub = georep_pb2_grpc.NodeStub(channel)
                 try:
-                    health = await stub.Health(georep_pb2.HealthRequest(), timeout=self.connect_timeout_s)
+                    # wait_for_ready: the TCP probe passed, so give the channel its
+                    # handshake instead of failing on a transient UNAVAILABLE.
+                    health = await stub.Health(
+                        georep_pb2.HealthRequest(), timeout=self.connect_timeout_s, wait_for_ready=True
+                    )
                 except grpc.aio.AioRpcError as exc:
                     await channel.close(grace=None)
                     tried.append(address)
