@@ -157,7 +157,7 @@ class _Tally:
 async def cmd_produce(args: argparse.Namespace) -> int:
     separator = args.key_separator.encode() if args.key_separator else None
     producer = Producer(args.bootstrap, acks=args.acks, batch_size=args.batch_size, linger_ms=args.linger_ms,
-                        compression=args.compression)  # fmt: skip
+                        compression=args.compression, request_timeout_ms=args.request_timeout_ms)  # fmt: skip
     stdin = sys.stdin.buffer
     loop = asyncio.get_running_loop()
     tally = _Tally()
@@ -223,12 +223,23 @@ async def cmd_consume(args: argparse.Namespace) -> int:
             raise InvalidRequest(f"--vector: {exc}") from None
     if args.offset is not None and vector is not None:
         raise InvalidRequest("give either --offset or --vector, not both")
+    if args.group is None and args.commit_acks is not None:
+        raise InvalidRequest("--commit-acks needs --group: only a group commits its position")
+    if args.group is not None and (args.partition is not None or args.offset is not None or vector is not None):
+        raise InvalidRequest("--group starts at the group's committed vector: leave out --partition, --offset and "
+                             "--vector (or leave out --group)")  # fmt: skip
     reset = "none" if args.offset is not None else "earliest"
+    if args.group is not None:  # --from-beginning: where to start when the group has no commit
+        reset = "earliest" if args.from_beginning else "latest"
     out = sys.stdout.buffer
     count = 0
-    async with Consumer(args.bootstrap, auto_offset_reset=reset) as consumer, Admin(args.bootstrap) as admin:
+    group = {} if args.group is None else {"group_id": args.group, "commit_acks": args.commit_acks or "leader"}
+    async with Consumer(args.bootstrap, auto_offset_reset=reset, **group) as consumer, \
+            Admin(args.bootstrap) as admin:  # fmt: skip
         topic = await admin.describe_topic(args.topic)
-        if args.partition is not None:
+        if args.group is not None:
+            partitions: list[int] = []  # the group's coordinator assigns them
+        elif args.partition is not None:
             if not 0 <= args.partition < topic.partitions:
                 raise InvalidRequest(f"partition {args.partition} does not exist: topic {args.topic!r} has "
                                      f"partitions 0..{topic.partitions - 1}")  # fmt: skip
@@ -239,7 +250,9 @@ async def cmd_consume(args: argparse.Namespace) -> int:
             raise InvalidRequest("--offset and --vector name a position in one partition: add --partition P")
         tps = [(args.topic, p) for p in partitions]
         consumer.assign(tps)
-        if args.offset is not None:
+        if args.group is not None:
+            consumer.subscribe([args.topic])  # each partition starts at the group's commit, else per `reset`
+        elif args.offset is not None:
             consumer.seek(tps[0], args.offset)
         elif vector is not None:
             consumer.seek_to_vector(tps[0], vector)
@@ -266,6 +279,13 @@ async def cmd_consume(args: argparse.Namespace) -> int:
                 out.write(b"".join((r.value or b"") + b"\n" for r in records))
             out.flush()
             count += len(records)
+        if args.group is not None:
+            # The final commit, here so that its failure is an error; then drop the partitions,
+            # leaving close() (which commits too, but only logs a failure) nothing to commit again.
+            try:
+                await consumer.commit()
+            finally:
+                consumer.assign([])
     _err(f"consumed {count} records from {args.topic!r}")
     return 0
 
@@ -321,6 +341,13 @@ def _nonnegative(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -363,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("--batch-size", type=int, default=65536, help="batch size in bytes (default 65536)")
     produce.add_argument("--linger-ms", type=_positive_float, default=5, help="batch linger time (default 5)")
     produce.add_argument("--compression", default="none", choices=("none", "zstd", "lz4"))
+    produce.add_argument("--request-timeout-ms", type=_positive, default=30_000, metavar="MS",
+                         help="how long a batch may wait for its acks, geo:N included (default 30000)")  # fmt: skip
     produce.set_defaults(run=cmd_produce)
     _add_bootstrap(produce)
 
@@ -379,6 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--offset", type=_nonnegative, help="start at this local offset (needs --partition)")
     consume.add_argument("--vector", metavar="TEXT",
                          help="start after what this vector offset covers, e.g. 'a@1:10,b@3:0'")  # fmt: skip
+    consume.add_argument("--group", metavar="G",
+                         help="read as a member of consumer group G: continue at its committed vector, commit "
+                              "every 5 s and on exit (--from-beginning: start at the earliest offset where G has "
+                              "no commit)")  # fmt: skip
+    consume.add_argument("--commit-acks", metavar="ACKS",
+                         help="ack level of the group's commits: leader or geo:N (default leader)")  # fmt: skip
     consume.set_defaults(run=cmd_consume)
     _add_bootstrap(consume)
 

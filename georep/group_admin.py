@@ -1,0 +1,180 @@
+"""``georep group list|describe``: consumer groups as one site sees them.
+
+Membership lives at the site a consumer is connected to (each site's node
+coordinates its own members), while commits replicate to every site. So both
+commands answer for the first reachable node of ``--bootstrap`` and name that
+site (``site@epoch``) in their output. ``LAG`` is exact: the number of records
+this site holds for the partition that the committed vector does not cover.
+
+The rendering functions are pure (protobuf message in, text or a JSON-ready
+dict out); ``main`` is the thin shell that calls the node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+
+from georep.client.connection import BOOTSTRAP_ENV, Connection, default_bootstrap, parse_bootstrap
+from georep.client.errors import GeorepError, InvalidRequest, UnknownTopic, from_rpc_error
+from georep.proto import georep_pb2 as pb
+from georep.vector_proto import vector_from_proto
+
+TIMEOUT_S = 10.0
+EXIT_ERROR = 1
+
+
+class UnknownGroup(GeorepError):
+    """``describe`` of a group the site has neither members nor commits of."""
+
+
+def _bootstrap(text: str) -> str:
+    try:
+        parse_bootstrap(text)
+    except InvalidRequest as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    listing = actions.add_parser("list", help="every group this site has members or commits of")
+    describe = actions.add_parser("describe", help="members, assignments, committed vectors and lag of one group")
+    describe.add_argument("group")
+    for sub in (listing, describe):
+        sub.add_argument(
+            "--bootstrap", type=_bootstrap, default=default_bootstrap(), metavar="HOST:PORT[,HOST:PORT]",
+            help=f"node(s) to ask; the first reachable one answers (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101)",
+        )  # fmt: skip
+        sub.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+
+
+# --- rendering (pure) ----------------------------------------------------------------
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [list(header)] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
+
+
+def utc_iso(ms: int) -> str:
+    """``2025-11-21T08:00:01.234Z``; ``-`` for 0 (never set)."""
+    if ms <= 0:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def vector_text(vector: pb.VectorOffset) -> str:
+    return vector_from_proto(vector).to_text() or "-"
+
+
+def assignment_json(assignment: Sequence[pb.TopicPartitions]) -> dict[str, list[int]]:
+    return {tp.topic: sorted(tp.partitions) for tp in sorted(assignment, key=lambda tp: tp.topic)}
+
+
+def assignment_text(assignment: Sequence[pb.TopicPartitions]) -> str:
+    """``orders/0,2;audit/1``: no spaces, so a table row splits into its columns."""
+    parts = [f"{t}/{','.join(map(str, ps))}" for t, ps in assignment_json(assignment).items() if ps]
+    return ";".join(parts) or "-"
+
+
+def list_json(site: str, groups: pb.ListGroupsResponse) -> dict[str, Any]:
+    return {
+        "site": site,
+        "groups": [
+            {"group": g.group, "members": g.members, "generation": g.generation, "assignor": g.assignor,
+             "committed_partitions": g.committed_partitions, "lag_records": g.lag_records}
+            for g in groups.groups
+        ],
+    }  # fmt: skip
+
+
+def render_list(site: str, groups: pb.ListGroupsResponse) -> str:
+    if not groups.groups:
+        return f"no consumer groups at site {site} (start one with 'georep consume TOPIC --group G')"
+    rows = [(g.group, g.members, g.generation, g.assignor or "-", g.committed_partitions, g.lag_records)
+            for g in groups.groups]  # fmt: skip
+    return _table(("GROUP", "MEMBERS", "GENERATION", "ASSIGNOR", "PARTITIONS", "LAG"), rows)
+
+
+def describe_json(site: str, d: pb.GroupDescription) -> dict[str, Any]:
+    return {
+        "site": site, "group": d.group, "generation": d.generation, "assignor": d.assignor,
+        "members": [
+            {"member_id": m.member_id, "client_id": m.client_id, "assignment": assignment_json(m.assignment),
+             "last_heartbeat_age_ms": m.last_heartbeat_age_ms}
+            for m in d.members
+        ],
+        "offsets": [
+            {"topic": c.topic, "partition": c.partition, "vector": vector_from_proto(c.vector).to_text(),
+             "committed_by": c.committed_by, "hlc": c.hlc, "committed_at": utc_iso(c.committed_at_ms),
+             "committed_at_ms": c.committed_at_ms, "member_id": c.member_id, "generation": c.generation,
+             "hint_offset": c.hint_offset, "metadata": c.metadata, "lag_records": c.lag_records}
+            for c in d.offsets
+        ],
+    }  # fmt: skip
+
+
+def render_describe(site: str, d: pb.GroupDescription) -> str:
+    lines = [f"Group: {d.group}  Site: {site}  Generation: {d.generation}  Assignor: {d.assignor or '-'}"]
+    if d.members:
+        rows = [(m.member_id, m.client_id or "-", assignment_text(m.assignment),
+                 f"{m.last_heartbeat_age_ms / 1000:.1f}s ago")
+                for m in d.members]  # fmt: skip
+        lines += ["", _table(("MEMBER", "CLIENT", "ASSIGNMENT", "LAST-HEARTBEAT"), rows)]
+    else:
+        lines += ["", f"no members at site {site}"]
+    if d.offsets:
+        commits = [(c.topic, c.partition, vector_text(c.vector), c.committed_by, c.hlc, utc_iso(c.committed_at_ms),
+                 c.member_id or "-", c.lag_records)
+                for c in d.offsets]  # fmt: skip
+        header = ("TOPIC", "PARTITION", "COMMITTED", "BY", "HLC", "COMMITTED-AT", "MEMBER", "LAG")
+        lines += ["", _table(header, commits)]
+    else:
+        lines += ["", "no committed offsets"]
+    return "\n".join(lines)
+
+
+# --- the shell -----------------------------------------------------------------------
+
+
+async def _ask(bootstrap: str, action: str, group: str) -> tuple[str, pb.ListGroupsResponse | pb.GroupDescription]:
+    connection = Connection(bootstrap)
+    try:
+        stub = await connection.connect()
+        try:
+            if action == "list":
+                groups: pb.ListGroupsResponse = await stub.ListGroups(pb.ListGroupsRequest(), timeout=TIMEOUT_S)
+                return connection.origin, groups
+            description: pb.GroupDescription = await stub.DescribeGroup(
+                pb.DescribeGroupRequest(group=group), timeout=TIMEOUT_S
+            )
+            return connection.origin, description
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc, connection.address)
+            if isinstance(error, UnknownTopic):  # DescribeGroup's NOT_FOUND
+                raise UnknownGroup(error.message, error.code) from None
+            raise error from None
+    finally:
+        await connection.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        site, answer = asyncio.run(_ask(args.bootstrap, args.action, getattr(args, "group", "")))
+    except GeorepError as exc:
+        print(f"georep: error: {exc.message}", file=sys.stderr)
+        return EXIT_ERROR
+    if isinstance(answer, pb.ListGroupsResponse):
+        print(json.dumps(list_json(site, answer)) if args.json else render_list(site, answer))
+    else:
+        print(json.dumps(describe_json(site, answer)) if args.json else render_describe(site, answer))
+    return 0
