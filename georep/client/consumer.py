@@ -45,7 +45,7 @@ from georep.client.producer import parse_acks
 from georep.proto import georep_pb2
 from georep.record.batch import CorruptBatch, check_batch, decode_records
 from georep.record.compression import DecompressionError
-from georep.vector_proto import vector_to_proto
+from georep.vector_proto import vector_from_proto, vector_to_proto
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import Coverage, VectorOffset
 
@@ -402,6 +402,12 @@ class Consumer:
 
     def _start_fetchers(self) -> None:
         for state in self._states.values():
+            if state.fetcher is not None and state.fetcher.done() and state.current is None and state.queue.empty():
+                # It ended on an error that poll() has raised by now: fetch again,
+                # after what was consumed (Kafka's consumer also retries a fetch).
+                state.fetcher = None
+                if state.consumed or state.start.kind == "vector":
+                    state.start = self._vector_start(state)
             if state.fetcher is None:
                 if state.start.kind == "none":
                     raise InvalidRequest(
@@ -503,9 +509,28 @@ class Consumer:
         await state.queue.put(chunk)
         self._data.set()
 
+    async def _latest_as_vector(self, state: _PartitionState) -> _Start:
+        """"The end of the log" as a vector: positions and commits then mean the same at every site."""
+        topic, partition = state.tp
+        try:
+            stub = await self._connection.connect()
+            description = await stub.DescribeTopic(
+                georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_s
+            )
+        except (grpc.RpcError, GeorepError):
+            return state.start  # the fetch reports the error, or retries
+        states = [ps for ps in description.partition_states if ps.partition == partition]
+        if not states:
+            return state.start
+        vector = vector_from_proto(states[0].vector)
+        state.base_vector = vector
+        return _Start("vector", -1, vector)
+
     async def _fetch(self, state: _PartitionState) -> None:
         topic, partition = state.tp
         start = state.start
+        if start.kind == "latest":
+            start = await self._latest_as_vector(state)
         vector = start.vector
         min_offset = start.offset if start.kind == "offset" else -1
         last_next = -1
@@ -543,7 +568,15 @@ class Consumer:
                     # Resume here after a reconnect; the vector filter stays on.
                     start = _Start("offset", next_offset)
                     min_offset = next_offset
-                return
+                continue  # the node ended the stream: open it again
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # The call was cancelled under us: another task closed the shared
+                # channel to reconnect. Follow it to the new channel.
+                await asyncio.sleep(backoff_ms / 1000)
+                continue
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc, self._connection.address)
                 if isinstance(error, NodeUnavailable):
