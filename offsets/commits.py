@@ -5,9 +5,10 @@ A commit says: group ``g`` has consumed ``topic/partition`` up to vector
 which replicates between sites like any other topic, so every site ends up
 holding every commit. Each site folds the commits it holds into a
 :class:`CommitTable`, where, for one ``(group, topic, partition)``, the commit
-with the largest ``(hlc, committed_by)`` wins, whatever order the commits
-arrived in. A consumer passes the stamp of its previous commit along with the
-next one, so its own commits are stamped in increasing order at any site and a
+with the largest ``(hlc, committed_by)`` wins (and, should a site ever issue
+one stamp twice, the larger record value), whatever order the commits arrived
+in. A consumer passes the stamp of its previous commit along with the next
+one, so its own commits are stamped in increasing order at any site and a
 late arrival of an older one never moves its position backwards.
 
 The record's key is ``group NUL topic NUL partition`` (UTF-8); its value is a
@@ -30,9 +31,9 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from offsets.coordinates import InvalidOrigin, Origin
+from offsets.coordinates import Origin
 from offsets.hlc import HlcStamp
-from offsets.vector import InvalidVectorOffset, VectorOffset
+from offsets.vector import VectorOffset
 
 OFFSETS_TOPIC = "__georep_offsets"
 OFFSETS_PARTITIONS = 8
@@ -106,8 +107,9 @@ class Commit:
                 member_id=str(doc.get("m", "")), generation=int(doc.get("gen", -1)),
                 committed_at_ms=int(doc.get("at", 0)), metadata=str(doc.get("md", "")),
             )  # fmt: skip
-        except (ValueError, KeyError, TypeError, InvalidVectorOffset, InvalidOrigin) as exc:
-            raise InvalidCommit(f"not a commit record: {exc}") from None
+        # OverflowError: int() of a JSON 1e400 or Infinity; RecursionError: deeply nested JSON.
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+            raise InvalidCommit(f"not a commit record: {type(exc).__name__}: {exc}") from None
 
 
 GroupPartition = tuple[str, str, int]  # (group, topic, partition)
@@ -123,8 +125,14 @@ class CommitTable:
         """Fold one commit in; True if it is now the winner."""
         key = (commit.group, commit.topic, commit.partition)
         current = self.latest.get(key)
-        if current is not None and current.order >= commit.order:
-            return False
+        if current is not None:
+            if current.order > commit.order:
+                return False
+            # Equal orders: a site whose clock state was lost in a restart while its wall clock stood
+            # still or stepped back can issue one stamp twice. Without this tie-break, the winner would
+            # be whichever arrived first, and sites would disagree forever.
+            if current.order == commit.order and current.value() >= commit.value():
+                return False
         self.latest[key] = commit
         return True
 

@@ -6,6 +6,13 @@ clocks), every site holds for each origin a gap-free, duplicate-free, ordered
 prefix with the origin's exact bytes, and once the faults heal every site the
 topology and its filters reach holds everything.
 
+And I5 (exact failover): consumers that hop between sites, resuming from
+their in-memory vector or from the vector committed at the new site, read
+exactly the records their start vector does not cover, in order; a site's
+committed position never moves back except as a crash allows; the tables
+converge; and a consumer that commits with every fetch and restarts from the
+commit at every hop processes every record exactly once.
+
 A failing run prints its seed and the command that replays it
 (``python -m georep.sim --seed N --topology NAME``). Put every seed that ever
 failed into ``REGRESSION_SEEDS``.
@@ -16,6 +23,7 @@ fresh base); the default 0 keeps CI reproducible.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import subprocess
@@ -23,6 +31,7 @@ import sys
 
 import pytest
 
+from georep.client.consumer import decode_response
 from georep.record.batch import HEADER_BYTES, RecordInput, encode_batch, parse_header, stamp_origin
 from georep.sim import (
     TOPOLOGY_NAMES,
@@ -38,6 +47,7 @@ from georep.sim import (
 )
 from georep.sim.__main__ import main as sim_main
 from georep.storage.memory_log import MemoryLog
+from offsets.commits import OFFSETS_TOPIC, Commit, CommitTable
 from offsets.coordinates import Origin
 from topology.ids import SiteId
 from topology.links import LinkManager
@@ -46,8 +56,12 @@ from topology.model import default_topology
 SEED_BASE = int(os.environ.get("GEOREP_SIM_SEED_BASE", "0"))
 SEEDS_PER_TOPOLOGY = 21  # x 10 topologies = 210 seeded runs per CI run
 CI_STEPS = 3_000
+# Consumers and commits (I5) cost about 60% more per run, so one swarm seed in CONSUMER_EVERY runs
+# them (70 of the 210); the others run replication alone, as before issue 4.
+CONSUMER_EVERY = 3
 
-# (seed, topology, rebuild_p) of every run that ever failed, with what it found. Default SimConfig.
+# (seed, topology, rebuild_p) of every run that ever failed, with what it found. Default SimConfig,
+# without consumers (--no-consumers): they were all found before consumers were simulated.
 REGRESSION_SEEDS: list[tuple[int, str, float]] = [
     # A dropped *last* chunk of an origin went unnoticed: no later batch came to show a gap, and
     # heartbeats kept the stream alive, so some site never converged (I4). Fixed in the simulated
@@ -85,7 +99,7 @@ def _run_group(topology: str, seeds: range | list[int], steps: int) -> FaultCoun
     failures: list[str] = []
     for seed in seeds:
         try:
-            total.add(run_seed(seed, topology, steps=steps).counts)
+            total.add(run_seed(seed, topology, steps=steps, consumers=seed % CONSUMER_EVERY == 0).counts)
         except SimulationFailure as e:
             failures.append(str(e))
     assert not failures, f"{len(failures)} of {len(seeds)} runs failed:\n\n" + "\n\n".join(failures)
@@ -100,20 +114,21 @@ def _run_group(topology: str, seeds: range | list[int], steps: int) -> FaultCoun
 def test_swarm_keeps_every_invariant(topology: str, seeds: range) -> None:
     counts = _run_group(topology, seeds, CI_STEPS)
     assert counts.produced_batches > 0 and counts.applied_batches > 0
+    assert counts.deliveries > 0 and counts.commits_acked > 0 and counts.consumer_hops > 0
 
 
 @pytest.mark.parametrize(
     ("seed", "topology", "rebuild_p"), REGRESSION_SEEDS, ids=[f"{t}-{s}-r{r}" for s, t, r in REGRESSION_SEEDS]
 )
 def test_regression_seeds(seed: int, topology: str, rebuild_p: float) -> None:
-    run_seed(seed, topology, rebuild_p=rebuild_p)
+    run_seed(seed, topology, rebuild_p=rebuild_p, consumers=False)
 
 
 @pytest.mark.parametrize(("seed", "topology"), [(34, "star5"), (64, "star5"), (93, "line4")])
 def test_old_epochs_come_back_through_any_surviving_path(seed: int, topology: str) -> None:
     """Found by the simulator: the hub and an origin both rebuilt from empty; the origin's old epoch
     survives only at a site the router ruled out, because it reaches the origin through the hub."""
-    run_seed(seed, topology, rebuild_p=0.3)
+    run_seed(seed, topology, rebuild_p=0.3, consumers=False)
 
 
 def test_a_fallback_that_is_behind_stalls_too() -> None:
@@ -141,7 +156,79 @@ def test_a_lost_last_chunk_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
     seed, topology = 0, "mesh5"
     monkeypatch.setattr(Simulator, "_check_tail", lambda self, site, stream, msg: False)
     with pytest.raises(SimulationFailure, match="I4 convergence"):
-        run_seed(seed, topology)
+        run_seed(seed, topology, consumers=False)
+
+
+# --- I5: consumers with committed vector offsets ----------------------------------------
+
+
+def _stormy(seed: int) -> Faults:
+    """Frequent cuts and crashes, so hops land in partitions and right after crashes."""
+    return dataclasses.replace(Faults.swarm(random.Random(seed)), cut_every_ms=150, crash_every_ms=250)
+
+
+@pytest.mark.parametrize(
+    ("topology", "seeds"), [("triangle", range(5)), ("mesh5", range(2)), ("ring4-split", range(2))]
+)
+def test_consumers_hop_during_partitions_and_crashes(topology: str, seeds: range) -> None:
+    total = FaultCounts()
+    for seed in seeds:
+        total.add(Simulator(seed, topology, faults=_stormy(seed)).run().counts)
+    c = total
+    assert c.deliveries > 0 and c.commits_acked > 0
+    assert c.consumer_hops_during_cuts > 0  # moved while links were cut
+    assert c.consumer_hops_forced > 0  # moved because its site had just crashed
+    assert c.consumer_restarts > 0  # resumed from a site's committed vector
+    assert c.commits_lost > 0  # unflushed commits went down with their site
+    assert c.commits_out_of_order > 0  # an older commit reached a site after a newer one
+
+
+def test_an_exactly_once_consumer_processes_every_record_once() -> None:
+    for seed in range(3):
+        sim = Simulator(seed, "mesh5", faults=_stormy(seed))
+        sim.run()
+        c = sim.consumers[0]
+        assert c.exactly_once and c.commit_every == 1 and c.counting
+        held = sim.sites[c.session.site].logs[c.key].vector()
+        assert c.counted_total == sum(c.counted.values()) > 0
+        assert all(c.counted.get(o, 0) >= n for o, n in held.items())  # everything its last site holds
+
+
+def test_a_consumer_that_ignores_its_start_vector_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_vector_filter(topic: str, partition: int, buf: bytes, min_offset: int, vector: object) -> object:
+        return decode_response(topic, partition, buf, min_offset, None)
+
+    monkeypatch.setattr("georep.sim.simulator.decode_response", no_vector_filter)
+    with pytest.raises(SimulationFailure, match="I5 duplicate.*which the vector it resumed from covers"):
+        for seed in range(6):
+            Simulator(seed, "triangle", faults=_stormy(seed)).run()
+
+
+def test_a_commit_table_that_lets_late_commits_win_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    def arrival_wins(self: CommitTable, commit: Commit) -> bool:
+        self.latest[(commit.group, commit.topic, commit.partition)] = commit
+        return True
+
+    monkeypatch.setattr(CommitTable, "apply", arrival_wins)
+    with pytest.raises(SimulationFailure, match="I5 commit order.*older"):
+        for seed in range(6):
+            Simulator(seed, "triangle", faults=_stormy(seed)).run()
+
+
+def test_serving_consumers_unflushed_records_breaks_i5() -> None:
+    """Why simulated consumers read only flushed batches: a crash loses the origin's unflushed tail and
+    the origin stamps those seqs again with other records, which a consumer's vector already covers."""
+    with pytest.raises(SimulationFailure, match="I5 lost record.*stamp that seq again") as failure:
+        Simulator(5, "triangle", config=SimConfig(consumer_reads_unflushed=True)).run()
+    assert "python -m georep.sim --seed 5 --topology triangle" in failure.value.replay
+
+
+def test_without_consumers_a_run_is_what_it_was_before_them() -> None:
+    with_them = Simulator(3, "ring5")
+    without = Simulator(3, "ring5", config=SimConfig(consumers=(0, 0)))
+    assert with_them.consumers and not without.consumers
+    assert OFFSETS_TOPIC in with_them.topics and OFFSETS_TOPIC not in without.topics
+    assert run_seed(3, "ring5", consumers=False).trace != run_seed(3, "ring5").trace
 
 
 # --- the runs are reproducible and really faulty -------------------------------------

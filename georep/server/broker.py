@@ -25,7 +25,7 @@ from cluster.topics import InvalidTopic, TopicSpec, parse_topic_config, validate
 from dedup.producer import Append, AppendResult, Duplicate, InvalidSequence, ProducerStateTable
 from georep.record.batch import HEADER_BYTES, CorruptBatch, compute_crc, parse_header, stamp_origin
 from georep.replication.sink import ApplyOutcome, CorruptChunk, apply_chunk
-from georep.storage.api import DiskFull, LogConfig, OffsetOutOfRange, PartitionLog
+from georep.storage.api import DiskFull, LogConfig, OffsetOutOfRange, PartitionLog, start_offset_for_vector
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -493,14 +493,7 @@ class Broker:
 
     def start_offset_for_vector(self, p: Partition, vector: dict[Origin, int]) -> LocalOffset:
         """The smallest local offset holding a record the vector does not cover."""
-        start = p.log.log_end_offset
-        for origin, next_seq in sorted(p.log.vector().items()):
-            if vector.get(origin, 0) >= next_seq:
-                continue
-            at = p.log.offset_for_origin_seq(origin, OriginSeq(vector.get(origin, 0)))
-            if at is not None:
-                start = min(start, at)
-        return LocalOffset(max(start, p.log.log_start_offset))
+        return start_offset_for_vector(p.log, vector)
 
     def read(self, p: Partition, offset: LocalOffset, max_bytes: int) -> tuple[bytes, LocalOffset]:
         try:

@@ -83,6 +83,15 @@ class FaultCounts:
     applied_batches: int = 0
     chunks: int = 0
     heartbeats: int = 0
+    deliveries: int = 0  # records the simulated consumers delivered
+    commits: int = 0  # consumer commits appended to the internal topic
+    commits_acked: int = 0  # flushed at the committing site
+    commits_lost: int = 0  # lost in a crash before that
+    commits_out_of_order: int = 0  # folded at a site after a newer commit of the same consumer
+    consumer_hops: int = 0
+    consumer_hops_during_cuts: int = 0  # while some link was cut
+    consumer_hops_forced: int = 0  # its site had crashed
+    consumer_restarts: int = 0  # sessions started from a site's committed vector
 
     def add(self, other: FaultCounts) -> None:
         for f in fields(self):

@@ -7,7 +7,7 @@ whole batches only and never look inside records.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -130,3 +130,20 @@ class PartitionLog(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def start_offset_for_vector(log: PartitionLog, vector: Mapping[Origin, int]) -> LocalOffset:
+    """The smallest local offset holding a record ``vector`` does not cover (the log end if none).
+
+    Every batch before it is covered whole, so a reader that starts here and drops what the
+    vector covers reads exactly the records the vector does not cover (I5). Used by the broker's
+    vector fetch and by the simulator's consumers.
+    """
+    start = log.log_end_offset
+    for origin, next_seq in sorted(log.vector().items()):
+        if vector.get(origin, 0) >= next_seq:
+            continue
+        at = log.offset_for_origin_seq(origin, OriginSeq(vector.get(origin, 0)))
+        if at is not None:
+            start = min(start, at)
+    return LocalOffset(max(start, log.log_start_offset))
