@@ -288,8 +288,13 @@ class NodeService:
         else:
             position = p.log.log_start_offset
         while True:
-            if position < p.log.log_end_offset:
+            # Only fsynced batches: an origin that crashes loses what it had not
+            # fsynced and reuses those origin seqs, so a consumer whose vector
+            # covered them would skip the new records (docs/design.md, "Fetch").
+            flushed = p.log.flushed_offset
+            if position < flushed:
                 chunk, position = self.broker.read(p, position, max_bytes)
+                chunk, position = _durable_part(chunk, position, flushed)
                 if vector is not None:
                     chunk = _drop_covered(chunk, vector)
                 if not chunk:
@@ -300,15 +305,15 @@ class NodeService:
                 continue
             if position > p.log.log_end_offset:
                 self.broker.read(p, position, 0)  # raises OUT_OF_RANGE with the valid range
-            appended = p.appended()
+            flushed_next = p.durable()  # appends become readable when an fsync covers them
             try:
-                await asyncio.wait_for(asyncio.shield(appended), max_wait_s)
+                await asyncio.wait_for(asyncio.shield(flushed_next), max_wait_s)
             except TimeoutError:
                 yield self._fetch_response(p, b"", position)
 
     def _fetch_response(self, p: Partition, chunk: bytes, position: int) -> pb.FetchResponse:
         return pb.FetchResponse(
-            batches=chunk, high_watermark=p.log.log_end_offset,
+            batches=chunk, high_watermark=p.log.flushed_offset,
             log_start_offset=p.log.log_start_offset, next_offset=position,
         )  # fmt: skip
 
@@ -521,6 +526,18 @@ class NodeService:
                 "Fetch": grpc.unary_stream_rpc_method_handler(fetch, None, ser),
             },
         )
+
+
+def _durable_part(chunk: bytes, next_offset: LocalOffset, flushed: int) -> tuple[bytes, LocalOffset]:
+    """The batches of ``chunk`` below the flushed offset, and where the stream goes on."""
+    if next_offset <= flushed:
+        return chunk, next_offset
+    end = 0
+    for h in iter_headers(chunk):
+        if h.base_offset >= flushed:
+            return chunk[:end], LocalOffset(h.base_offset)
+        end += h.size_bytes
+    return chunk, next_offset
 
 
 def _drop_covered(chunk: bytes, vector: dict[Origin, int]) -> bytes:
