@@ -83,6 +83,7 @@ class GroupMembership:
         self.interval_ms = min(1000, options.session_timeout_ms // 3)
         self.last_hlc = 0
         self.error: GeorepError | None = None
+        self._moved_pending = False  # a move to another site whose assignment is not applied yet
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
@@ -135,12 +136,20 @@ class GroupMembership:
                 self.member_id = ""
                 moved = True
                 resp = await self._call(stub)
+            moved = moved or self._moved_pending
             new_generation = resp.generation != self.generation or resp.member_id != self.member_id
-            self.member_id, self.generation, self.site = resp.member_id, resp.generation, site
+            self.member_id, self.site = resp.member_id, site
             self.interval_ms = resp.heartbeat_interval_ms or self.interval_ms
             if new_generation or moved:
                 assignment = {(t.topic, p) for t in resp.assignment for p in t.partitions}
+                # The generation is recorded only once its assignment is applied: if
+                # applying fails (reading the commits timed out), the next heartbeat
+                # applies it again instead of leaving partitions with no reader.
+                self.generation = -1
+                self._moved_pending = moved
                 await self.consumer._apply_assignment(assignment, moved)
+                self._moved_pending = False
+            self.generation = resp.generation
 
     async def _call(self, stub: object) -> pb.GroupHeartbeatResponse:
         request = pb.GroupHeartbeatRequest(
