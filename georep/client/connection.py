@@ -21,6 +21,8 @@ from georep.client.errors import InvalidRequest, NodeUnavailable
 from georep.proto import georep_pb2, georep_pb2_grpc
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:7101"
+IDENTIFY_ATTEMPTS = 4
+IDENTIFY_RETRY_S = 0.05
 BOOTSTRAP_ENV = "GEOREP_BOOTSTRAP"
 
 # Above the node's default max_batch_bytes (8 MiB): a fetch response holds at
@@ -161,16 +163,11 @@ class Connection:
             if reason is None:
                 channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
                 stub = georep_pb2_grpc.NodeStub(channel)
-                try:
-                    # wait_for_ready: the TCP probe passed, so give the channel its
-                    # handshake instead of failing on a transient UNAVAILABLE.
-                    health = await stub.Health(
-                        georep_pb2.HealthRequest(), timeout=self.connect_timeout_s, wait_for_ready=True
-                    )
-                except grpc.aio.AioRpcError as exc:
+                health = await self._identify(stub)
+                if isinstance(health, str):
                     await channel.close(grace=None)
                     tried.append(address)
-                    reasons.append(f"not a georep node, or not answering: {exc.code().name}")
+                    reasons.append(health)
                     continue
                 self._index = index
                 self.address = address
@@ -182,6 +179,23 @@ class Connection:
             reasons.append(reason)
         self._index = (self._index + 1) % n
         raise unreachable(tried, reasons)
+
+    async def _identify(self, stub: georep_pb2_grpc.NodeStub) -> georep_pb2.HealthResponse | str:
+        """The node's identity, or why there is none. A fresh channel may answer
+        UNAVAILABLE once under load: try a few times, quickly, rather than wait
+        for readiness (a node killed right after the probe would hold us for the
+        whole connect timeout)."""
+        for attempt in range(IDENTIFY_ATTEMPTS):
+            try:
+                health: georep_pb2.HealthResponse = await stub.Health(
+                    georep_pb2.HealthRequest(), timeout=self.connect_timeout_s
+                )
+                return health
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == IDENTIFY_ATTEMPTS - 1:
+                    return f"not a georep node, or not answering: {exc.code().name}"
+                await asyncio.sleep(IDENTIFY_RETRY_S)
+        raise AssertionError("unreachable")
 
     async def _close_channel(self) -> None:
         channel, self._channel, self._stub = self._channel, None, None
