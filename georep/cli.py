@@ -43,6 +43,8 @@ DELEGATED = {
     "status": ("georep.status", "every site's vectors, links, routes and lag"),
     "link": ("georep.link_admin", "cut or heal one replication link"),
     "topology": ("topology.render", "topology show [FILE]: summary and picture of a topology"),
+    "audit": ("spark_jobs.audit", "Spark audit: do all sites hold the same data? (reads segment files)"),
+    "delays": ("spark_jobs.delays", "Spark analytics: replication delay per path, origin and site, with plots"),
 }
 
 
