@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--site", action="append", default=[], metavar="SITE=DIR",
                         help="a site's data dir, instead of DATA_ROOT/<site>; repeat for several sites")
     parser.add_argument("--report", type=Path, required=True, help="directory to write report.json and the Parquet to")
-    parser.add_argument("--master", default="local[*]", help="Spark master URL (default local[*])")
+    parser.add_argument("--master", help="Spark master URL (default local[*]; under spark-submit, its --master)")
     parser.add_argument("--as-of", help="records appended at their origin at or after this time count as in flight "
                         "when missing: 'now', epoch ms or ISO-8601 (default: 60 s before now)")
     parser.add_argument("--topics", default="", help="comma-separated topic names or fnmatch patterns (default: all)")
@@ -144,11 +144,15 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
     # One row per batch is small: a few partitions hold it, so the checks' stages stay few and short.
     reader = spark.read.format("georep").option("segments", listing).option("level", "batches")
     batches = reader.load().coalesce(spark.sparkContext.defaultParallelism).cache()
-    streams = [(r.topic, r.origin_site) for r in
-               batches.where("status = 'ok'").select("topic", "origin_site").distinct().collect()]  # fmt: skip
+    inventory = batches.groupBy("site", "topic", "partition", "origin_site").agg(
+        F.sum(F.when(F.col("status") == "ok", F.col("records"))).alias("records"),
+        F.count("*").alias("batches"), F.sum("size_bytes").alias("bytes")).collect()  # fmt: skip
+    streams = [(r.topic, r.origin_site) for r in inventory if r.origin_site is not None]
     sites = sorted(dirs)
     expected = spark.createDataFrame(expected_reach(topology, streams, sites), "topic string, origin_site string, "
                                      "site string")  # fmt: skip
+    # Sized to the cluster: the shuffles carry one row per batch.
+    spark.conf.set("spark.sql.shuffle.partitions", str(max(2, spark.sparkContext.defaultParallelism)))
 
     mismatches = checks.batch_mismatches(batches).cache()
     narrowed = _narrow_mismatches(spark, batches, mismatches, listing)
@@ -162,18 +166,23 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
     )
     report_dir.mkdir(parents=True, exist_ok=True)
     issues.coalesce(1).write.mode("overwrite").parquet(str(report_dir / ISSUES_DIR))
-    counts = {r.kind: (r.n, r.records) for r in issues.groupBy("kind").agg(
-        F.count("*").alias("n"), F.sum("records").alias("records")).collect()}  # fmt: skip
-    totals = {r.site: r.asDict() for r in batches.groupBy("site").agg(
-        F.sum(F.when(F.col("status") == "ok", F.col("records"))).alias("records"),
-        F.count("*").alias("batches"), F.sum("size_bytes").alias("bytes"),
-        F.countDistinct("topic", "partition").alias("partitions")).collect()}  # fmt: skip
-    pairs = [r.asDict(recursive=True) for r in checks.summary_pairs(issues).collect()]
+    by_kind = [r.asDict(recursive=True) for r in checks.summary_by_kind(issues).collect()]
     sample = [r.asDict() for r in issues.limit(ISSUES_IN_JSON).collect()]
+    for df in (mismatches, issues, batches):
+        df.unpersist()
+    counts: dict[str, dict[str, int]] = {}
+    for row in by_kind:
+        c = counts.setdefault(row["kind"], {"issues": 0, "records": 0})
+        c["issues"] += row["issues"]
+        c["records"] += row["records"] or 0
     clean = not any(checks.KINDS[k] for k in counts)
-    mismatches.unpersist()
-    issues.unpersist()
-    batches.unpersist()
+    totals: dict[str, dict[str, int]] = {s: {"records": 0, "batches": 0, "bytes": 0, "partitions": 0} for s in sites}
+    for r in inventory:
+        t = totals[r.site]
+        for k in ("records", "batches", "bytes"):
+            t[k] += r[k] or 0
+    for site in sites:
+        totals[site]["partitions"] = len({(r.topic, r.partition) for r in inventory if r.site == site})
 
     report = {
         "format": REPORT_FORMAT,
@@ -185,16 +194,34 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
         "elapsed_s": round(time.monotonic() - started, 3),
         "input": {"sites": {s: str(d) for s, d in sorted(dirs.items())}, "segments": len(segments),
                   "bytes": sum(s.size_bytes for s in segments)},
-        "sites": {s: {k: int(totals.get(s, {}).get(k) or 0) for k in ("records", "batches", "bytes", "partitions")}
-                  for s in sites},
-        "counts": {k: {"issues": n, "records": int(rec or 0)} for k, (n, rec) in sorted(counts.items())},
-        "pairs": pairs,
+        "sites": totals,
+        "counts": dict(sorted(counts.items())),
+        "pairs": pairs_of(by_kind),
         "issues": sample,
-        "issues_truncated": sum(n for n, _ in counts.values()) > len(sample),
+        "issues_truncated": sum(c["issues"] for c in counts.values()) > len(sample),
         "issues_parquet": ISSUES_DIR,
     }  # fmt: skip
     (report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return AuditResult(clean, report, summary_lines(report, report_dir))
+
+
+def pairs_of(by_kind: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (reference site, site, origin): records per kind, and the first divergent coordinate (else the first)."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for row in by_kind:
+        groups.setdefault((row["site"] or "", row["reference_site"] or "", row["origin"] or ""), []).append(row)
+    pairs = []
+    for key in sorted(groups):
+        rows = groups[key]
+        first = min(rows, key=lambda r: (not r["divergence"], r["first"]["topic"] or "", r["first"]["partition"] or 0,
+                                         r["first"]["first_seq"] or 0))  # fmt: skip
+        pairs.append({
+            "site": rows[0]["site"], "reference_site": rows[0]["reference_site"], "origin": rows[0]["origin"],
+            "divergence": any(r["divergence"] for r in rows),
+            "kinds": {r["kind"]: r["records"] or 0 for r in sorted(rows, key=lambda r: r["kind"])},
+            "first": {**first["first"], "kind": first["kind"]},
+        })  # fmt: skip
+    return pairs
 
 
 def _narrow_mismatches(spark: Any, batches: Any, mismatches: Any, listing: str) -> Any:
@@ -243,8 +270,8 @@ def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
         first = pair["first"]
         verdict = "DIVERGENCE" if pair["divergence"] else "ok"
         lines.append(
-            f"  {verdict:<10} {who:<14} origin {pair['origin'] or '-':<16} {', '.join(pair['kinds'])}: "
-            f"{pair['records'] or 0:,} record(s); first: {first['kind']} at "
+            f"  {verdict:<10} {who:<14} origin {pair['origin'] or '-':<16} "
+            f"{', '.join(f'{k} {n:,}' for k, n in sorted(pair['kinds'].items()))} record(s); first: {first['kind']} at "
             f"{coordinate(first['topic'], first['partition'], pair['origin'] or '?', first['first_seq'] or 0)}"
         )
     counts = ", ".join(f"{k} {v['issues']}" for k, v in report["counts"].items()) or "no issues"
@@ -268,6 +295,9 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         return EXIT_USAGE
     try:
         result = run_audit(spark, topology, dirs, segments, args.report, as_of_ms)
+    except Exception as exc:  # noqa: BLE001 - exit 1 must mean divergence, never a crash
+        print(f"georep: error: the audit could not run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
         spark.stop()
     for line in result.summary if not args.quiet else result.summary[-2:]:

@@ -132,7 +132,7 @@ def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> Data
     streams = site_streams(batches)
     furthest = streams.groupBy(*STREAM, "origin_site").agg(
         F.max("held_max").alias("known_max"),
-        F.max_by("site", F.struct("held_max", (F.col("site") == F.col("origin_site")).alias("o"))).alias("reference_site"),
+        F.max_by("site", F.struct("held_max", F.col("site") == F.col("origin_site"))).alias("reference_site"),
     )  # fmt: skip
     targets = furthest.join(expected, ["topic", "origin_site"])
     held = streams.select(*SITE_STREAM, "held_max")
@@ -215,24 +215,26 @@ def first_record_differences(mismatches: DataFrame, records: DataFrame) -> DataF
     references). A mismatch whose records all agree keeps its batch range,
     with a detail saying that only batch header fields differ.
     """
-    ok = records.where(F.col("status") == "ok").select("site", *STREAM, "origin_seq", "record_hash", "offset")
-    mine = ok.alias("m")
+    ok = records.where(F.col("status") == "ok").select("site", *STREAM, "origin_seq", "record_hash",
+                                                       F.col("offset").alias("record_offset"))
+    mine = ok
     theirs = ok.select(F.col("site").alias("reference_site"), *STREAM, "origin_seq",
                        F.col("record_hash").alias("ref_hash"))  # fmt: skip
-    issues = mismatches.alias("i")
+    issues = mismatches
     joined = (
         issues.join(mine, [*SITE_STREAM])
         .where(F.col("origin_seq").between(F.col("first_seq"), F.col("last_seq")))
         .join(theirs, ["reference_site", *STREAM, "origin_seq"])
         .where(F.col("record_hash") != F.col("ref_hash"))
         .groupBy("site", "reference_site", *STREAM, "first_seq")
-        .agg(F.min_by(F.struct("origin_seq", "offset", "record_hash", "ref_hash"), F.col("origin_seq")).alias("d"),
-             F.count("*").alias("differing"))
+        .agg(F.min_by(F.struct("origin_seq", "record_offset", "record_hash", "ref_hash"), "origin_seq").alias("d"),
+             F.max("origin_seq").alias("last_differing"), F.count("*").alias("differing"))
     )  # fmt: skip
     narrowed = (
         issues.join(joined, ["site", "reference_site", *STREAM, "first_seq"], "left")
         .withColumn("first_seq", F.coalesce(F.col("d.origin_seq"), F.col("first_seq")))
-        .withColumn("offset", F.coalesce(F.col("d.offset"), F.col("offset")))
+        .withColumn("last_seq", F.coalesce(F.col("last_differing"), F.col("last_seq")))
+        .withColumn("offset", F.coalesce(F.col("d.record_offset"), F.col("offset")))
         .withColumn("records", F.coalesce(F.col("differing"), F.col("records")))
         .withColumn("detail", F.when(
             F.col("d").isNotNull(),
@@ -243,14 +245,8 @@ def first_record_differences(mismatches: DataFrame, records: DataFrame) -> DataF
     return narrowed.select(*ISSUE_SCHEMA.fieldNames())
 
 
-def summary_pairs(issues: DataFrame) -> DataFrame:
-    """One row per (reference site, site, origin): kinds, records, and the first divergent coordinate."""
-    first = F.min_by(F.struct("topic", "partition", "first_seq", "kind"),
-                     F.struct(F.col("divergence").cast("int") * -1, "topic", "partition", "first_seq"))  # fmt: skip
-    return (
-        issues.groupBy("reference_site", "site", "origin")
-        .agg(first.alias("first"), F.max("divergence").alias("divergence"),
-             F.array_sort(F.collect_set("kind")).alias("kinds"),
-             F.sum("records").alias("records"), F.count("*").alias("issues"))
-        .orderBy("site", F.col("reference_site").asc_nulls_first(), "origin")
-    )  # fmt: skip
+def summary_by_kind(issues: DataFrame) -> DataFrame:
+    """Per (reference site, site, origin, kind): issues, records, and the first coordinate."""
+    return issues.groupBy("reference_site", "site", "origin", "kind").agg(
+        F.min(F.struct("topic", "partition", "first_seq")).alias("first"), F.max("divergence").alias("divergence"),
+        F.sum("records").alias("records"), F.count("*").alias("issues"))

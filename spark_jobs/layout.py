@@ -85,7 +85,7 @@ def load_topology_for_audit(spec: str | None) -> Topology:
     try:
         return load_topology(spec)
     except TopologyFileError as exc:
-        raise AuditInputError(f"{exc}; pass --topology FILE with a valid topology, or omit it for the default") from None
+        raise AuditInputError(f"{exc}; pass a valid --topology FILE, or omit it for the default") from None
 
 
 def site_epoch(site_dir: Path) -> int | None:

@@ -22,6 +22,7 @@ appending to is read as the prefix it had then.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 from collections.abc import Callable, Iterator
@@ -30,7 +31,15 @@ from dataclasses import dataclass
 import crc32c
 import pyarrow as pa
 
-from georep.record.batch import BatchHeader, CorruptBatch, Record, check_batch, decode_records, frame_length, parse_header
+from georep.record.batch import (
+    BatchHeader,
+    CorruptBatch,
+    Record,
+    check_batch,
+    decode_records,
+    frame_length,
+    parse_header,
+)
 from spark_jobs.layout import SegmentFile
 
 OK = "ok"
@@ -97,10 +106,8 @@ def scan_segment(segment: SegmentFile, buf: bytes | mmap.mmap) -> Iterator[Scann
             yield Scanned(pos, expected, total or end - pos, TORN_TAIL if torn else CORRUPT, error)
             if not complete or total is None:
                 return
-            try:  # a frameable batch: skip it and go on, so one bad batch does not hide the rest
+            with contextlib.suppress(CorruptBatch):  # skip a frameable batch, so one bad batch hides no others
                 expected += parse_header(view, pos).records_count
-            except CorruptBatch:
-                pass
             pos += total
     finally:
         view.release()

@@ -1,0 +1,189 @@
+"""The consistency audit (issue 5) on synthetic sites: clean, then each kind of injected divergence.
+
+Sites are written straight through the storage layer (spark_jobs.sitegen), as
+replication leaves them, then edited through it (spark_jobs.inject) so that
+storage-level checks pass and only the cross-site comparison can catch them.
+The tests on real, replicating processes are in test_audit_sites.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from spark_jobs import inject
+from spark_jobs.audit import EXIT_CLEAN, EXIT_DIVERGENCE, EXIT_USAGE, AuditResult, run_audit
+from spark_jobs.layout import list_segments
+from spark_jobs.sitegen import SiteSpec, write_sites
+from topology.model import Topology, default_topology, parse_topology
+
+SITES = ["a", "b", "c"]
+SPEC = SiteSpec(topic="orders", partitions=2, records_per_origin=200, batch_records=20, segment_bytes_max=16_000)
+NEVER_IN_FLIGHT_MS = 4_000_000_000_000  # an as-of in 2096: every gap is a divergence
+ALWAYS_IN_FLIGHT_MS = 0
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    from spark_jobs.session import spark_session
+
+    session = spark_session("local[2]", "georep-audit-tests", {"spark.sql.shuffle.partitions": "2"})
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def sites(tmp_path: Path) -> dict[str, Path]:
+    return write_sites(tmp_path / "data", SITES, SPEC)
+
+
+def audit(spark: Any, dirs: dict[str, Path], report: Path, as_of_ms: int = NEVER_IN_FLIGHT_MS,
+          topology: Topology | None = None) -> AuditResult:  # fmt: skip
+    return run_audit(spark, topology or default_topology(), dirs, list_segments(dirs), report, as_of_ms)
+
+
+def issues(result: AuditResult) -> list[tuple[str, str, str | None, int, str, int, int]]:
+    return sorted((i["kind"], i["site"], i["topic"], i["partition"], i["origin"], i["first_seq"], i["last_seq"])
+                  for i in result.report["issues"])  # fmt: skip
+
+
+def part(dirs: dict[str, Path], site: str, p: int = 0) -> Path:
+    return dirs[site] / "logs" / f"{SPEC.topic}-{p}"
+
+
+def test_clean_sites_give_a_clean_report_and_an_empty_parquet(spark: Any, sites: dict[str, Path],
+                                                              tmp_path: Path) -> None:  # fmt: skip
+    result = audit(spark, sites, tmp_path / "report")
+    assert result.clean and result.exit_code == EXIT_CLEAN and result.report["issues"] == []
+    assert {s: t["records"] for s, t in result.report["sites"].items()} == {s: 3 * 2 * 200 for s in SITES}
+    on_disk = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert on_disk["clean"] is True and on_disk["counts"] == {}
+    assert pq.read_table(tmp_path / "report" / "discrepancies.parquet").num_rows == 0
+    assert "CLEAN" in result.summary[-2]
+
+
+def test_a_flipped_value_byte_with_a_valid_crc_is_a_mismatch_at_that_record(spark: Any, sites: dict[str, Path],
+                                                                             tmp_path: Path) -> None:  # fmt: skip
+    inject.flip_value_byte(part(sites, "b"), "a@1", 57)
+    result = audit(spark, sites, tmp_path / "r")
+    assert not result.clean and result.exit_code == EXIT_DIVERGENCE
+    assert issues(result) == [("mismatch", "b", "orders", 0, "a@1", 57, 57)]
+    (issue,) = result.report["issues"]
+    assert issue["reference_site"] == "a" and issue["records"] == 1 and "record differs" in issue["detail"]
+    (pair,) = result.report["pairs"]
+    assert (pair["site"], pair["reference_site"], pair["origin"], pair["first"]["first_seq"]) == ("b", "a", "a@1", 57)
+    assert any("b vs a" in line and "orders/0 a@1:57" in line for line in result.summary)
+    table = pq.read_table(tmp_path / "r" / "discrepancies.parquet").to_pylist()
+    assert [(r["kind"], r["site"], r["first_seq"]) for r in table] == [("mismatch", "b", 57)]
+
+
+def test_a_deleted_batch_is_a_hole_at_that_site(spark: Any, sites: dict[str, Path], tmp_path: Path) -> None:
+    inject.delete_batch(part(sites, "c", 1), "b@1", 45)
+    result = audit(spark, sites, tmp_path / "r", as_of_ms=ALWAYS_IN_FLIGHT_MS)
+    assert issues(result) == [("missing", "c", "orders", 1, "b@1", 40, 59)]  # a hole is never in flight
+    assert result.exit_code == EXIT_DIVERGENCE
+
+
+def test_a_duplicated_batch_is_a_duplicate(spark: Any, sites: dict[str, Path], tmp_path: Path) -> None:
+    inject.duplicate_batch(part(sites, "a"), "c@1", 100)
+    result = audit(spark, sites, tmp_path / "r")
+    assert issues(result) == [("duplicate", "a", "orders", 0, "c@1", 100, 119)]
+    assert result.report["issues"][0]["offset"] == 600  # the copy appended at the log end
+
+
+def test_two_swapped_batches_of_one_origin_are_an_order_violation(spark: Any, sites: dict[str, Path],
+                                                                  tmp_path: Path) -> None:  # fmt: skip
+    inject.swap_batches(part(sites, "b"), "a@1", 20)
+    result = audit(spark, sites, tmp_path / "r")
+    assert issues(result) == [("order", "b", "orders", 0, "a@1", 20, 39)]
+
+
+def test_a_corrupt_batch_is_named_by_site_file_and_position(spark: Any, sites: dict[str, Path],
+                                                            tmp_path: Path) -> None:  # fmt: skip
+    segment = next(s for s in list_segments(sites) if s.site == "c" and not s.last)
+    inject.corrupt_byte(Path(segment.path), 200)
+    result = audit(spark, sites, tmp_path / "r")
+    corrupt = [i for i in result.report["issues"] if i["kind"] == "corrupt"]
+    assert [(i["site"], i["file"], i["position"]) for i in corrupt] == [("c", segment.path, 0)]
+    assert "CRC" in corrupt[0]["detail"]
+    # its records are not counted as held: c now lacks them, in the middle of its log
+    assert {i["kind"] for i in result.report["issues"]} == {"corrupt", "missing"}
+
+
+def test_a_site_behind_by_a_recent_tail_is_in_flight_and_an_old_one_is_missing(spark: Any, sites: dict[str, Path],
+                                                                               tmp_path: Path) -> None:  # fmt: skip
+    for _ in range(2):  # b lacks a's last two batches of partition 0
+        inject.rewrite_partition(part(sites, "b"), lambda batches: _drop_last_of(batches, "a@1"))
+    recent = audit(spark, sites, tmp_path / "r1", as_of_ms=ALWAYS_IN_FLIGHT_MS)
+    assert issues(recent) == [("in_flight", "b", "orders", 0, "a@1", 160, 199)]
+    assert recent.clean and recent.exit_code == EXIT_CLEAN
+    old = audit(spark, sites, tmp_path / "r2", as_of_ms=NEVER_IN_FLIGHT_MS)
+    assert issues(old) == [("missing", "b", "orders", 0, "a@1", 160, 199)]
+    assert old.report["issues"][0]["reference_site"] == "a" and not old.clean
+
+
+def _drop_last_of(batches: list[inject.Stored], origin: str) -> list[inject.Stored]:
+    from georep.record.batch import parse_header
+
+    last = max(i for i, (_t, b) in enumerate(batches) if str(parse_header(b).origin) == origin)
+    return batches[:last] + batches[last + 1 :]
+
+
+def test_expected_reach_follows_link_filters(spark: Any, tmp_path: Path) -> None:
+    """c's link from b carries only 'audit/**': c must not hold, and need not hold, 'orders'."""
+    dirs = write_sites(tmp_path / "data", ["a", "b"], SPEC)
+    write_sites(tmp_path / "data", ["c"], SiteSpec(topic="other", records_per_origin=20))
+    text = "\n".join([*(f'[sites.{s}]\nnodes = ["127.0.0.1:{7000 + i}"]' for i, s in enumerate(SITES)),
+                      '[[links]]\nsrc = "a"\ndst = "b"', '[[links]]\nsrc = "b"\ndst = "a"',
+                      '[[links]]\nsrc = "b"\ndst = "c"\ntopics = ["audit/**"]',
+                      '[[links]]\nsrc = "c"\ndst = "b"\ntopics = ["audit/**"]'])  # fmt: skip
+    topology = parse_topology(text)
+    dirs["c"] = tmp_path / "data" / "c"
+    result = audit(spark, dirs, tmp_path / "r", topology=topology)
+    # 'other' written at c reaches nobody (the links carry only audit/**): nothing is missing
+    assert result.clean and result.report["issues"] == []
+    result = audit(spark, dirs, tmp_path / "r", topology=default_topology())
+    kinds = {(i["kind"], i["site"], i["topic"]) for i in result.report["issues"]}
+    assert ("missing", "c", "orders") in kinds and ("missing", "a", "other") in kinds
+
+
+def georep(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "georep.cli", *args], capture_output=True, text=True, timeout=240)
+
+
+def test_usage_errors_exit_2_with_what_to_do(tmp_path: Path) -> None:
+    missing = georep("audit", "--data-root", str(tmp_path / "nowhere"), "--report", str(tmp_path / "r"))
+    assert missing.returncode == EXIT_USAGE and "--data-root" in missing.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sites.a]\n")
+    topology = georep("audit", "--topology", str(bad), "--report", str(tmp_path / "r"))
+    assert topology.returncode == EXIT_USAGE and "valid --topology" in topology.stderr
+    no_report = georep("audit")
+    assert no_report.returncode == EXIT_USAGE and "--report" in no_report.stderr
+    write_sites(tmp_path / "data", SITES, SPEC)
+    no_topic = georep("audit", "--data-root", str(tmp_path / "data"), "--report", str(tmp_path / "r"),
+                      "--topics", "nothing-*")  # fmt: skip
+    assert no_topic.returncode == EXIT_USAGE and "no segment files of topics nothing-*" in no_topic.stderr
+    as_of = georep("audit", "--data-root", str(tmp_path / "data"), "--report", str(tmp_path / "r"), "--as-of", "soon")
+    assert as_of.returncode == EXIT_USAGE and "ISO-8601" in as_of.stderr
+
+
+@pytest.mark.slow
+def test_georep_audit_exits_0_when_clean_and_1_on_divergence(tmp_path: Path) -> None:
+    dirs = write_sites(tmp_path / "data", SITES, SPEC)
+    args = ["audit", "--data-root", str(tmp_path / "data"), "--report", str(tmp_path / "r"), "--master", "local[2]"]
+    clean = georep(*args)
+    assert clean.returncode == EXIT_CLEAN, clean.stderr
+    assert "CLEAN: no divergence" in clean.stdout and " WARN " not in clean.stderr
+    inject.flip_value_byte(part(dirs, "c"), "b@1", 3)
+    diverged = georep(*args)
+    assert diverged.returncode == EXIT_DIVERGENCE, diverged.stderr
+    assert "DIVERGENCE" in diverged.stdout and "orders/0 b@1:3" in diverged.stdout
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["exit_code"] == EXIT_DIVERGENCE
