@@ -47,21 +47,22 @@ REPORT_FORMAT = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_input_arguments(parser)
+    parser.add_argument("--as-of", help="records appended at their origin at or after this time count as in flight "
+                        "when missing: 'now', epoch ms or ISO-8601 (default: 60 s before now)")
+    parser.add_argument("--quiet", action="store_true", help="print only the verdict")
+
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``georep audit`` and ``georep delays`` read, where they write, and where Spark runs."""
     parser.add_argument("--topology", help="topology TOML file: sites, links, filters (default: the embedded a, b, c)")
     parser.add_argument("--data-root", type=Path,
                         help=f"directory with one data dir per site, DATA_ROOT/<site>/ (default {DEFAULT_DATA_ROOT})")
     parser.add_argument("--site", action="append", default=[], metavar="SITE=DIR",
                         help="a site's data dir, instead of DATA_ROOT/<site>; repeat for several sites")
-    parser.add_argument("--report", type=Path, required=True, help="directory to write report.json and the Parquet to")
+    parser.add_argument("--report", type=Path, required=True, help="directory to write the report files to")
     parser.add_argument("--master", help="Spark master URL (default local[*]; under spark-submit, its --master)")
-    parser.add_argument("--as-of", help="records appended at their origin at or after this time count as in flight "
-                        "when missing: 'now', epoch ms or ISO-8601 (default: 60 s before now)")
     parser.add_argument("--topics", default="", help="comma-separated topic names or fnmatch patterns (default: all)")
-    add_common(parser)
-
-
-def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quiet", action="store_true", help="print only the verdict")
 
 
 def parse_as_of(text: str | None, now_ms: int) -> int:

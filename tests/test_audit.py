@@ -187,3 +187,24 @@ def test_georep_audit_exits_0_when_clean_and_1_on_divergence(tmp_path: Path) -> 
     assert diverged.returncode == EXIT_DIVERGENCE, diverged.stderr
     assert "DIVERGENCE" in diverged.stdout and "orders/0 b@1:3" in diverged.stdout
     assert json.loads((tmp_path / "r" / "report.json").read_text())["exit_code"] == EXIT_DIVERGENCE
+
+
+def test_delays_per_path_origin_and_site_use_the_origin_append_time(spark: Any, sites: dict[str, Path],
+                                                                     tmp_path: Path) -> None:  # fmt: skip
+    from spark_jobs.delays import run_delays
+
+    doc = run_delays(spark, default_topology(), list_segments(sites), tmp_path / "d")
+    rows = {(r["origin"], r["site"]): r for r in doc["delays"]}
+    assert set(rows) == {(o + "@1", s) for o in SITES for s in SITES if o != s}
+    # sitegen appends copies SPEC.delay_ms * (1, 2 or 3) after the origin did, in turn
+    for r in rows.values():
+        assert r["reference"] == "origin_append" and r["records"] == 2 * 200
+        assert r["min_ms"] >= SPEC.delay_ms and r["max_ms"] <= 3 * SPEC.delay_ms
+        assert SPEC.delay_ms <= r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
+    assert rows[("a@1", "b")]["path"] == "a->b"
+    for png in ("delays_summary.png", "delays_over_time.png"):
+        assert (tmp_path / "d" / png).read_bytes()[:4] == b"\x89PNG"
+    without_origin = {s: d for s, d in sites.items() if s != "a"}
+    fallback = run_delays(spark, default_topology(), list_segments(without_origin), tmp_path / "d2")
+    ref = {r["reference"] for r in fallback["delays"] if r["origin"] == "a@1"}
+    assert ref == {"producer_timestamp"}
