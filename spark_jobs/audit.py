@@ -162,13 +162,13 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
         .unionByName(checks.sequence_issues(batches))
         .unionByName(checks.reach_issues(batches, expected, as_of_ms))
         .unionByName(narrowed)
-        .orderBy(F.desc("divergence"), "site", "topic", "partition", "origin", "first_seq", "kind")
         .cache()
     )
+    order = [F.desc("divergence"), "site", "topic", "partition", "origin", "first_seq", "kind"]
     report_dir.mkdir(parents=True, exist_ok=True)
-    issues.coalesce(1).write.mode("overwrite").parquet(str(report_dir / ISSUES_DIR))
+    issues.coalesce(1).sortWithinPartitions(*order).write.mode("overwrite").parquet(str(report_dir / ISSUES_DIR))
     by_kind = [r.asDict(recursive=True) for r in checks.summary_by_kind(issues).collect()]
-    sample = [r.asDict() for r in issues.limit(ISSUES_IN_JSON).collect()]
+    sample = [r.asDict() for r in issues.orderBy(*order).limit(ISSUES_IN_JSON).collect()]
     for df in (mismatches, issues, batches):
         df.unpersist()
     counts: dict[str, dict[str, int]] = {}
@@ -304,3 +304,14 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     for line in result.summary if not args.quiet else result.summary[-2:]:
         out(line)
     return result.exit_code
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The entry point for ``spark-submit spark_jobs/audit.py`` (``georep audit`` goes through georep.cli)."""
+    parser = argparse.ArgumentParser(prog="georep audit", description="check that every site holds the same data")
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

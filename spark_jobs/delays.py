@@ -200,3 +200,14 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
     for line in summary_lines(doc, args.report):
         out(line)
     return EXIT_CLEAN
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The entry point for ``spark-submit spark_jobs/delays.py`` (``georep delays`` goes through georep.cli)."""
+    parser = argparse.ArgumentParser(prog="georep delays", description="replication delay per path, origin and site")
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
