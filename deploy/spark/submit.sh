@@ -35,6 +35,11 @@ fi
 shift
 
 submit=${SPARK_SUBMIT:-$(command -v spark-submit || echo "$repo/.venv/bin/spark-submit")}
+if [[ $submit == "$repo/.venv/bin/spark-submit" ]]; then
+    # pip's PySpark, run without the virtualenv activated: tell it where Spark and its Python are.
+    export SPARK_HOME=${SPARK_HOME:-$("$repo/.venv/bin/python" -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')}
+    export PYSPARK_PYTHON=${PYSPARK_PYTHON:-$repo/.venv/bin/python}
+fi
 if [[ ! -x $submit ]]; then
     echo "submit.sh: no spark-submit at '$submit': install Spark 4 or set SPARK_SUBMIT" >&2
     exit 2
