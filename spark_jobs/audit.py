@@ -231,13 +231,14 @@ def _narrow_mismatches(spark: Any, batches: Any, mismatches: Any, listing: str) 
 
     from spark_jobs import checks
 
-    wanted = mismatches.select(F.col("site").alias("s"), F.col("reference_site").alias("r"), "topic", "partition",
-                               "origin", F.col("first_seq").alias("base_seq"), F.col("last_seq").alias("last_seq"))
-    both = wanted.select(F.col("s").alias("site"), *wanted.columns[2:]).unionByName(
-        wanted.select(F.col("r").alias("site"), *wanted.columns[2:]))  # fmt: skip
+    c, w = F.col, lambda name: F.col(f"w.{name}")
+    wanted = mismatches.select("site", "reference_site", *checks.STREAM, "first_seq", "last_seq").alias("w")
+    copies = batches.where("status = 'ok'").alias("c")
     located = (
-        batches.where("status = 'ok'").join(both, ["site", *checks.BATCH_KEY])
-        .select("file", "position").distinct().limit(MAX_DRILLED_BATCHES).collect()
+        copies.join(wanted, [*(c(f"c.{k}") == w(k) for k in checks.STREAM),
+                             c("c.base_seq") <= w("last_seq"), c("c.last_seq") >= w("first_seq"),
+                             (c("c.site") == w("site")) | (c("c.site") == w("reference_site"))])
+        .select("c.file", "c.position").distinct().limit(MAX_DRILLED_BATCHES).collect()
     )  # fmt: skip
     if not located:
         return mismatches

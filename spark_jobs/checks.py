@@ -211,9 +211,10 @@ def batch_mismatches(batches: DataFrame) -> DataFrame:
 def first_record_differences(mismatches: DataFrame, records: DataFrame) -> DataFrame:
     """Narrow batch ``mismatch`` issues to the first record that differs from the reference copy.
 
-    ``records``: the record-level view of the mismatching batches (and their
-    references). A mismatch whose records all agree keeps its batch range,
-    with a detail saying that only batch header fields differ.
+    ``records``: the record-level view of the mismatching batches and of the
+    reference's batches over the same seqs. A mismatch whose records all agree
+    (a header field differs, or the batch is cut differently) keeps its batch
+    range, and its detail says so.
     """
     ok = records.where(F.col("status") == "ok").select("site", *STREAM, "origin_seq", "record_hash",
                                                        F.col("offset").alias("record_offset"))
@@ -240,7 +241,7 @@ def first_record_differences(mismatches: DataFrame, records: DataFrame) -> DataF
             F.col("d").isNotNull(),
             F.format_string("record differs (hash 0x%08x, 0x%08x at %s); %d record(s) of the batch differ",
                             "d.record_hash", "d.ref_hash", "reference_site", "differing"),
-        ).otherwise(F.concat(F.col("detail"), F.lit("; records identical, batch header fields differ"))))
+        ).otherwise(F.concat(F.col("detail"), F.lit("; the records themselves are identical"))))
     )  # fmt: skip
     return narrowed.select(*ISSUE_SCHEMA.fieldNames())
 

@@ -9,6 +9,7 @@ The tests on real, replicating processes are in test_audit_sites.py.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -69,40 +70,52 @@ def test_clean_sites_give_a_clean_report_and_an_empty_parquet(spark: Any, sites:
     assert "CLEAN" in result.summary[-2]
 
 
-def test_a_flipped_value_byte_with_a_valid_crc_is_a_mismatch_at_that_record(spark: Any, sites: dict[str, Path],
-                                                                             tmp_path: Path) -> None:  # fmt: skip
-    inject.flip_value_byte(part(sites, "b"), "a@1", 57)
-    result = audit(spark, sites, tmp_path / "r")
+def test_each_injected_divergence_is_named_by_site_coordinate_and_kind(spark: Any, sites: dict[str, Path],
+                                                                       tmp_path: Path) -> None:  # fmt: skip
+    """Four edits to three sites' logs, each through the storage layer (CRCs valid), caught in one audit."""
+    inject.flip_value_byte(part(sites, "b"), "a@1", 57)  # I1: one byte of one value, batch CRC recomputed
+    inject.delete_batch(part(sites, "c", 1), "b@1", 45)  # I1 prefix: a batch gone from the middle of c's log
+    inject.duplicate_batch(part(sites, "a"), "c@1", 100)  # I2: c's batch 100..119 appended again at a
+    inject.swap_batches(part(sites, "b", 1), "a@1", 20)  # I3: a's batches 20..39 and 40..59 swapped at b
+    result = audit(spark, sites, tmp_path / "r", as_of_ms=ALWAYS_IN_FLIGHT_MS)  # holes are never in flight
     assert not result.clean and result.exit_code == EXIT_DIVERGENCE
-    assert issues(result) == [("mismatch", "b", "orders", 0, "a@1", 57, 57)]
-    (issue,) = result.report["issues"]
-    assert issue["reference_site"] == "a" and issue["records"] == 1 and "record differs" in issue["detail"]
-    (pair,) = result.report["pairs"]
-    assert (pair["site"], pair["reference_site"], pair["origin"], pair["first"]["first_seq"]) == ("b", "a", "a@1", 57)
+    assert issues(result) == [
+        ("duplicate", "a", "orders", 0, "c@1", 100, 119),
+        ("mismatch", "b", "orders", 0, "a@1", 57, 57),
+        ("missing", "c", "orders", 1, "b@1", 40, 59),
+        ("order", "b", "orders", 1, "a@1", 20, 39),
+    ]
+    by_kind = {i["kind"]: i for i in result.report["issues"]}
+    assert by_kind["mismatch"]["reference_site"] == "a" and by_kind["mismatch"]["records"] == 1
+    assert "record differs" in by_kind["mismatch"]["detail"]
+    assert by_kind["duplicate"]["offset"] == 600  # the copy appended at the log end
+    assert {(p["site"], p["reference_site"], p["origin"], p["first"]["first_seq"]) for p in result.report["pairs"]} == {
+        ("a", None, "c@1", 100), ("b", "a", "a@1", 57), ("b", None, "a@1", 20), ("c", None, "b@1", 40)}  # fmt: skip
     assert any("b vs a" in line and "orders/0 a@1:57" in line for line in result.summary)
     table = pq.read_table(tmp_path / "r" / "discrepancies.parquet").to_pylist()
-    assert [(r["kind"], r["site"], r["first_seq"]) for r in table] == [("mismatch", "b", 57)]
+    assert sorted((r["kind"], r["site"], r["first_seq"]) for r in table) == [
+        ("duplicate", "a", 100), ("mismatch", "b", 57), ("missing", "c", 40), ("order", "b", 20)]  # fmt: skip
 
 
-def test_a_deleted_batch_is_a_hole_at_that_site(spark: Any, sites: dict[str, Path], tmp_path: Path) -> None:
-    inject.delete_batch(part(sites, "c", 1), "b@1", 45)
-    result = audit(spark, sites, tmp_path / "r", as_of_ms=ALWAYS_IN_FLIGHT_MS)
-    assert issues(result) == [("missing", "c", "orders", 1, "b@1", 40, 59)]  # a hole is never in flight
-    assert result.exit_code == EXIT_DIVERGENCE
-
-
-def test_a_duplicated_batch_is_a_duplicate(spark: Any, sites: dict[str, Path], tmp_path: Path) -> None:
-    inject.duplicate_batch(part(sites, "a"), "c@1", 100)
-    result = audit(spark, sites, tmp_path / "r")
-    assert issues(result) == [("duplicate", "a", "orders", 0, "c@1", 100, 119)]
-    assert result.report["issues"][0]["offset"] == 600  # the copy appended at the log end
-
-
-def test_two_swapped_batches_of_one_origin_are_an_order_violation(spark: Any, sites: dict[str, Path],
+def test_a_batch_cut_otherwise_than_at_its_origin_is_a_mismatch(spark: Any, sites: dict[str, Path],
                                                                   tmp_path: Path) -> None:  # fmt: skip
-    inject.swap_batches(part(sites, "b"), "a@1", 20)
+    """Same records, other batch boundaries: not the origin's bytes (dedup never re-cuts a batch)."""
+
+    def split(batches: list[inject.Stored]) -> list[inject.Stored]:
+        from georep.record.batch import RecordInput, decode_records, encode_batch, parse_header
+
+        i = next(i for i, (_t, b) in enumerate(batches) if str(parse_header(b).origin) == "a@1")
+        appended, batch = batches[i]
+        records = [RecordInput(r.key, r.value, r.headers, r.timestamp_ms) for r in decode_records(batch)]
+        h = parse_header(batch)
+        halves = [(appended, encode_batch(records[:5], origin=h.origin, base_origin_seq=0)),
+                  (appended, encode_batch(records[5:], origin=h.origin, base_origin_seq=5))]  # fmt: skip
+        return [*batches[:i], *halves, *batches[i + 1 :]]
+
+    inject.rewrite_partition(part(sites, "c"), split)
     result = audit(spark, sites, tmp_path / "r")
-    assert issues(result) == [("order", "b", "orders", 0, "a@1", 20, 39)]
+    assert issues(result) == [("mismatch", "c", "orders", 0, "a@1", 0, 4), ("mismatch", "c", "orders", 0, "a@1", 5, 19)]
+    assert all("other batches; the records themselves are identical" in i["detail"] for i in result.report["issues"])
 
 
 def test_a_corrupt_batch_is_named_by_site_file_and_position(spark: Any, sites: dict[str, Path],
@@ -149,6 +162,10 @@ def test_expected_reach_follows_link_filters(spark: Any, tmp_path: Path) -> None
     result = audit(spark, dirs, tmp_path / "r", topology=topology)
     # 'other' written at c reaches nobody (the links carry only audit/**): nothing is missing
     assert result.clean and result.report["issues"] == []
+    shutil.copytree(part(dirs, "a"), part(dirs, "c"))  # c holds 'orders' that no link should have brought it
+    result = audit(spark, dirs, tmp_path / "r", topology=topology)
+    assert result.clean and issues(result) == [("unexpected", "c", "orders", 0, o, 0, 199) for o in ("a@1", "b@1")]
+    shutil.rmtree(part(dirs, "c"))
     result = audit(spark, dirs, tmp_path / "r", topology=default_topology())
     kinds = {(i["kind"], i["site"], i["topic"]) for i in result.report["issues"]}
     assert ("missing", "c", "orders") in kinds and ("missing", "a", "other") in kinds
