@@ -18,7 +18,7 @@ from georep.record.compression import Compression
 from georep.storage.api import LogConfig
 from georep.storage.segment_log import SegmentLog
 from spark_jobs.layout import SegmentFile, list_segments
-from spark_jobs.scan import _open, scan_segment
+from spark_jobs.scan import scan_segment
 
 Stored = tuple[int, bytes]  # (append_time_ms, whole batch)
 
@@ -38,12 +38,7 @@ def read_partition(part_dir: Path) -> list[Stored]:
 
 
 def _batches(segment: SegmentFile) -> list[Stored]:
-    buf = _open(segment)
-    found = [(s.header.append_time_ms, bytes(buf[s.position : s.position + s.size_bytes]))
-             for s in scan_segment(segment, buf) if s.header is not None]  # fmt: skip
-    if not isinstance(buf, bytes):
-        buf.close()
-    return found
+    return [(s.header.append_time_ms, s.data) for s in scan_segment(segment) if s.header is not None]
 
 
 def rewrite_partition(part_dir: Path, edit: Callable[[list[Stored]], list[Stored]]) -> None:

@@ -18,7 +18,6 @@ first, so a bad path fails with a clear message before a JVM starts.
 from __future__ import annotations
 
 import fnmatch
-import json
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from georep.topology_file import TopologyFileError, load_topology
 from topology.model import Topology
 
 LOGS_DIR = "logs"
-SITE_FILE = "site.json"
+SITE_FILE = "site.json"  # {"site": "a", "epoch": ...}: written by the node, not needed to read
 
 
 class AuditInputError(Exception):
@@ -86,13 +85,6 @@ def load_topology_for_audit(spec: str | None) -> Topology:
         return load_topology(spec)
     except TopologyFileError as exc:
         raise AuditInputError(f"{exc}; pass a valid --topology FILE, or omit it for the default") from None
-
-
-def site_epoch(site_dir: Path) -> int | None:
-    try:
-        return int(json.loads((site_dir / SITE_FILE).read_text())["epoch"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def topic_matches(topic: str, patterns: tuple[str, ...]) -> bool:

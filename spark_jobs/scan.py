@@ -23,7 +23,7 @@ appending to is read as the prefix it had then.
 from __future__ import annotations
 
 import contextlib
-import mmap
+import dataclasses
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,6 +32,7 @@ import crc32c
 import pyarrow as pa
 
 from georep.record.batch import (
+    LENGTH_PREFIX_BYTES,
     BatchHeader,
     CorruptBatch,
     Record,
@@ -69,9 +70,12 @@ _TS_AND_LEN = struct.Struct(">qi")
 _LEN = struct.Struct(">i")
 
 
+READ_BUFFER_BYTES = 1 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class Scanned:
-    """One batch of a segment as found: a valid ``header``, or damage (``status``, ``error``)."""
+    """One batch of a segment as found: a valid ``header`` and its bytes, or damage (``status``, ``error``)."""
 
     position: int
     base_offset: int  # the header's, or for damage the offset continuity expected there
@@ -79,38 +83,51 @@ class Scanned:
     status: str
     error: str | None = None
     header: BatchHeader | None = None
+    data: bytes = b""  # the whole batch, for a valid one
 
 
-def scan_segment(segment: SegmentFile, buf: bytes | mmap.mmap) -> Iterator[Scanned]:
-    """Every batch of ``buf`` (the segment's bytes, at most its listed size), valid or damaged."""
-    end = min(len(buf), segment.size_bytes)
-    view = memoryview(buf)[:end]
+def scan_segment(segment: SegmentFile) -> Iterator[Scanned]:
+    """Every batch of the segment below its listed size, valid or damaged, read batch by batch.
+
+    Plain buffered reads, not mmap: a node may truncate a torn tail while we
+    read, and a mapped page past the new end would kill the worker (SIGBUS);
+    a short read is just a torn batch. A segment that retention deleted since
+    the listing reads as empty.
+    """
+    try:
+        f = open(segment.path, "rb", buffering=READ_BUFFER_BYTES)  # noqa: SIM115 - closed in finally
+    except FileNotFoundError:
+        return
+    end = segment.size_bytes
     pos = 0
     expected = segment.base_offset
     try:
         while pos < end:
             total: int | None = None
+            data = b""
             try:
-                total = frame_length(view, pos)
-                header = check_batch(view, pos)
+                prefix = f.read(min(LENGTH_PREFIX_BYTES, end - pos))
+                total = frame_length(prefix)
+                data = prefix + f.read(min(total, end - pos) - len(prefix))
+                header = check_batch(data)
                 if header.base_offset != expected:
                     raise CorruptBatch(f"batch at byte {pos} has base_offset {header.base_offset}, expected {expected}")
-                yield Scanned(pos, expected, total, OK, header=header)
+                yield Scanned(pos, expected, total, OK, header=header, data=data)
                 expected = header.next_offset
                 pos += total
                 continue
             except CorruptBatch as exc:
-                error = str(exc)
+                error = str(exc).replace("at byte 0", f"at byte {pos}")
             complete = total is not None and pos + total <= end
             torn = segment.last and expected >= segment.recovery_point and (not complete or pos + (total or 0) == end)
             yield Scanned(pos, expected, total or end - pos, TORN_TAIL if torn else CORRUPT, error)
             if not complete or total is None:
                 return
             with contextlib.suppress(CorruptBatch):  # skip a frameable batch, so one bad batch hides no others
-                expected += parse_header(view, pos).records_count
+                expected += parse_header(data).records_count
             pos += total
     finally:
-        view.release()
+        f.close()
 
 
 def record_hash(record: Record) -> int:
@@ -132,14 +149,6 @@ def record_hash(record: Record) -> int:
 
 def _hash_or_none(data: bytes | None) -> int | None:
     return None if data is None else int(crc32c.crc32c(data))
-
-
-def _open(segment: SegmentFile) -> mmap.mmap | bytes:
-    with open(segment.path, "rb") as f:
-        try:
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:  # an empty file cannot be mapped
-            return b""
 
 
 def _constants(segment: SegmentFile, n: int) -> list[pa.Array]:
@@ -167,12 +176,7 @@ def _origin_columns(headers: list[BatchHeader | None]) -> list[list[object]]:
 
 def read_batches(segment: SegmentFile) -> Iterator[pa.RecordBatch]:
     """One row per batch of the segment (``BATCH_SCHEMA``)."""
-    buf = _open(segment)
-    try:
-        found = list(scan_segment(segment, buf))
-    finally:
-        if isinstance(buf, mmap.mmap):
-            buf.close()
+    found = [dataclasses.replace(s, data=b"") for s in scan_segment(segment)]
     if not found:
         return
     headers = [s.header for s in found]
@@ -209,10 +213,10 @@ class _RecordColumns:
                                              None), strict=True):  # fmt: skip
             column.append(value)
 
-    def add_batch(self, s: Scanned, buf: memoryview) -> None:
+    def add_batch(self, s: Scanned) -> None:
         h = s.header
         assert h is not None
-        records = decode_records(buf[s.position : s.position + s.size_bytes], h)
+        records = decode_records(s.data, h)
         n = len(records)
         origin = f"{h.origin_site}@{h.origin_epoch}"
         (position, status, error, origin_col, site, epoch, append, start, offset, seq, ts, khash, vhash,
@@ -243,10 +247,8 @@ def read_records(segment: SegmentFile, positions: frozenset[int] | None = None) 
 
     ``positions``: decode only the batches at these byte positions (every batch is still CRC-checked).
     """
-    buf = _open(segment)
-    view = memoryview(buf)
     columns = _RecordColumns(segment)
-    scan = scan_segment(segment, buf)
+    scan = scan_segment(segment)
     try:
         for s in scan:
             if positions is not None and s.position not in positions:
@@ -255,7 +257,7 @@ def read_records(segment: SegmentFile, positions: frozenset[int] | None = None) 
                 columns.add_damage(s)
             else:
                 try:
-                    columns.add_batch(s, view)
+                    columns.add_batch(s)
                 except CorruptBatch as exc:  # a valid CRC over records that do not decode
                     columns.add_damage(Scanned(s.position, s.base_offset, s.size_bytes, CORRUPT, str(exc)))
             if len(columns) >= RECORDS_PER_ARROW_BATCH:
@@ -264,6 +266,3 @@ def read_records(segment: SegmentFile, positions: frozenset[int] | None = None) 
             yield columns.flush()
     finally:
         scan.close()
-        view.release()
-        if isinstance(buf, mmap.mmap):
-            buf.close()
