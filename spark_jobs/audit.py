@@ -152,8 +152,6 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
     sites = sorted(dirs)
     expected = spark.createDataFrame(expected_reach(topology, streams, sites), "topic string, origin_site string, "
                                      "site string")  # fmt: skip
-    # Sized to the cluster: the shuffles carry one row per batch.
-    spark.conf.set("spark.sql.shuffle.partitions", str(max(2, spark.sparkContext.defaultParallelism)))
 
     mismatches = checks.batch_mismatches(batches).cache()
     narrowed = _narrow_mismatches(spark, batches, mismatches, listing)

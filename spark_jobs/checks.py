@@ -132,7 +132,9 @@ def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> Data
     streams = site_streams(batches)
     furthest = streams.groupBy(*STREAM, "origin_site").agg(
         F.max("held_max").alias("known_max"),
-        F.max_by("site", F.struct("held_max", F.col("site") == F.col("origin_site"))).alias("reference_site"),
+        # the furthest; among equals the origin, then the lowest site id
+        F.min_by("site", F.struct(-F.col("held_max"), F.col("site") != F.col("origin_site"), "site")).alias(
+            "reference_site"),
     )  # fmt: skip
     targets = furthest.join(expected, ["topic", "origin_site"])
     held = streams.select(*SITE_STREAM, "held_max")
@@ -181,7 +183,7 @@ def batch_mismatches(batches: DataFrame) -> DataFrame:
     keyed = crcs.withColumn("n_crcs", F.count("*").over(Window.partitionBy(*BATCH_KEY)))
     ref = keyed.where(F.col("n_crcs") > 1).withColumn("r", F.row_number().over(rank)).where("r = 1")
     ref_site = ok.join(ref.select(*BATCH_KEY, "crc"), [*BATCH_KEY, "crc"]).groupBy(*BATCH_KEY).agg(
-        F.min_by("site", F.col("site") != F.col("origin_site")).alias("reference_site"),
+        F.min_by("site", F.struct(F.col("site") != F.col("origin_site"), "site")).alias("reference_site"),
         F.first("crc").alias("ref_crc"))  # fmt: skip
     differ = ok.join(ref_site, BATCH_KEY).where(F.col("crc") != F.col("ref_crc"))
     copies = _issues(

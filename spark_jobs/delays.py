@@ -156,7 +156,7 @@ def plot(summary: list[dict[str, Any]], series: list[dict[str, Any]], bucket_ms:
         for site in sorted({r["site"] for r in series if r["origin"] == origin}):
             rows = [r for r in series if r["origin"] == origin and r["site"] == site]
             xs_s = [(r["bucket_ms"] - t0) / 1000 for r in rows]
-            line = ax.plot(xs_s, [r["p99_ms"] for r in rows], label=f"at {site}: p99")[0]
+            line = ax.plot(xs_s, [r["p99_ms"] for r in rows], marker=".", label=f"at {site}: p99")[0]
             ax.plot(xs_s, [r["p50_ms"] for r in rows], linestyle="--", color=line.get_color(), label=f"at {site}: p50")
         ax.set_title(f"records from origin {origin}", fontsize=9)
         ax.set_ylabel("delay (ms)")
