@@ -46,6 +46,8 @@ DELEGATED = {
     "topology": ("topology.render", "topology show [FILE]: summary and picture of a topology"),
     "group": ("georep.group_admin", "list and describe consumer groups: members, assignments, commits, lag"),
     "drill": ("georep.drill", "run a DR drill against a running topology and report RPO, RTO and duplicates"),
+    "audit": ("spark_jobs.audit", "Spark audit: do all sites hold the same data? (reads segment files)"),
+    "delays": ("spark_jobs.delays", "Spark analytics: replication delay per path, origin and site, with plots"),
 }
 
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Run the georep audit (or the delay analytics) on a Spark cluster with spark-submit.
+#
+#   deploy/spark/submit.sh [--job audit|delays] [SPARK-SUBMIT OPTIONS] -- JOB OPTIONS
+#
+#   deploy/spark/submit.sh --master spark://spark-master:7077 -- \
+#       --topology /etc/georep/topology.toml --data-root /mnt/georep --report /mnt/georep-audit/$(date +%F)
+#   deploy/spark/submit.sh --job delays --master yarn --deploy-mode client -- --data-root /mnt/georep --report /tmp/d
+#   deploy/spark/submit.sh --master 'local[2]' -- --data-root .georep/demo --report /tmp/audit   # try it here
+#
+# Options before "--" go to spark-submit, options after it to the job (docs/audit.md). The segment
+# files must be readable at the same paths on the driver and on every executor (README.md here).
+# SPARK_SUBMIT: the spark-submit to use (default: on PATH, else .venv/bin/spark-submit).
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+job=audit
+if [[ ${1:-} == --job ]]; then
+    job=${2:-}
+    shift 2
+fi
+if [[ $job != audit && $job != delays ]]; then
+    echo "submit.sh: --job must be audit or delays, not '$job'" >&2
+    exit 2
+fi
+submit_args=()
+while [[ $# -gt 0 && $1 != -- ]]; do
+    submit_args+=("$1")
+    shift
+done
+if [[ ${1:-} != -- ]]; then
+    echo "submit.sh: put '--' between the spark-submit options and the job's, e.g. --master URL -- --report DIR" >&2
+    exit 2
+fi
+shift
+
+submit=${SPARK_SUBMIT:-$(command -v spark-submit || echo "$repo/.venv/bin/spark-submit")}
+if [[ $submit == "$repo/.venv/bin/spark-submit" ]]; then
+    # pip's PySpark, run without the virtualenv activated: tell it where Spark and its Python are.
+    export SPARK_HOME=${SPARK_HOME:-$("$repo/.venv/bin/python" -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')}
+    export PYSPARK_PYTHON=${PYSPARK_PYTHON:-$repo/.venv/bin/python}
+fi
+if [[ ! -x $submit ]]; then
+    echo "submit.sh: no spark-submit at '$submit': install Spark 4 or set SPARK_SUBMIT" >&2
+    exit 2
+fi
+
+# georep's own packages (pure Python), shipped to the driver and executors with --py-files.
+build=$(mktemp -d)
+trap 'rm -rf "$build"' EXIT
+(cd "$repo" && find georep spark_jobs topology offsets dedup cluster -name '*.py' | sort | zip -q -@ "$build/georep.zip")
+
+"$submit" "${submit_args[@]}" \
+    --py-files "$build/georep.zip" \
+    --conf "spark.driver.extraJavaOptions=-Dlog4j2.configurationFile=$repo/spark_jobs/log4j2.properties" \
+    "$repo/spark_jobs/$job.py" "$@"

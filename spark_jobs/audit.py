@@ -1,0 +1,316 @@
+"""``georep audit``: check that every site holds the same data (invariants I1-I4).
+
+Thin entry point: it lists the sites' segment files, runs the DataFrame checks
+of :mod:`spark_jobs.checks` on the ``georep`` data source, and writes the
+report (docs/audit.md)::
+
+    REPORT/report.json               summary, counts, per site pair and origin
+    REPORT/discrepancies.parquet/    every issue, one row each (checks.ISSUE_SCHEMA)
+
+Exit codes: 0 no divergence (in-flight gaps allowed), 1 divergence, 2 usage
+error or an audit that could not run (the message says what to do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from spark_jobs.layout import (
+    AuditInputError,
+    SegmentFile,
+    list_segments,
+    load_topology_for_audit,
+    parse_site_dirs,
+    site_dirs_from_topology,
+)
+from topology.model import Topology, UnknownSite
+from topology.reach import expected_sites
+
+EXIT_CLEAN = 0
+EXIT_DIVERGENCE = 1
+EXIT_USAGE = 2
+DEFAULT_DATA_ROOT = Path(".georep")
+IN_FLIGHT_WINDOW_MS = 60_000
+REPORT_FILE = "report.json"
+ISSUES_DIR = "discrepancies.parquet"
+ISSUES_IN_JSON = 1000
+MAX_DRILLED_BATCHES = 10_000
+REPORT_FORMAT = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_input_arguments(parser)
+    parser.add_argument("--as-of", help="records appended at their origin at or after this time count as in flight "
+                        "when missing: 'now', epoch ms or ISO-8601 (default: 60 s before now)")
+    parser.add_argument("--quiet", action="store_true", help="print only the verdict")
+
+
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``georep audit`` and ``georep delays`` read, where they write, and where Spark runs."""
+    parser.add_argument("--topology", help="topology TOML file: sites, links, filters (default: the embedded a, b, c)")
+    parser.add_argument("--data-root", type=Path,
+                        help=f"directory with one data dir per site, DATA_ROOT/<site>/ (default {DEFAULT_DATA_ROOT})")
+    parser.add_argument("--site", action="append", default=[], metavar="SITE=DIR",
+                        help="a site's data dir, instead of DATA_ROOT/<site>; repeat for several sites")
+    parser.add_argument("--report", type=Path, required=True, help="directory to write the report files to")
+    parser.add_argument("--master", help="Spark master URL (default local[*]; under spark-submit, its --master)")
+    parser.add_argument("--topics", default="", help="comma-separated topic names or fnmatch patterns (default: all)")
+
+
+def parse_as_of(text: str | None, now_ms: int) -> int:
+    """Epoch ms from 'now', an integer of epoch ms, or ISO-8601 (UTC when no zone is given)."""
+    if text is None:
+        return now_ms - IN_FLIGHT_WINDOW_MS
+    if text == "now":
+        return now_ms
+    if text.isdigit():
+        return int(text)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise AuditInputError(
+            f"--as-of {text!r}: use 'now', epoch milliseconds or ISO-8601 such as 2026-01-31T12:00:00Z") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return int(when.timestamp() * 1000)
+
+
+def resolve_inputs(topology_spec: str | None, data_root: Path | None, site_args: list[str],
+                   topics: str) -> tuple[Topology, dict[str, Path], list[SegmentFile]]:  # fmt: skip
+    """The topology, each audited site's data dir, and the segment files listed now. Raises AuditInputError."""
+    topology = load_topology_for_audit(topology_spec)
+    if site_args:
+        dirs = parse_site_dirs(",".join(site_args))
+        for site, path in dirs.items():
+            if site not in topology.site_ids():
+                raise AuditInputError(f"site {site!r} is not in the topology ({', '.join(topology.site_ids())}): "
+                                      "pass the --topology that names it")  # fmt: skip
+            if not path.is_dir():
+                raise AuditInputError(f"the data dir of site {site}, {path}, is not a directory")
+    else:
+        dirs = site_dirs_from_topology(topology, data_root or DEFAULT_DATA_ROOT)
+    patterns = tuple(t.strip() for t in topics.split(",") if t.strip())
+    segments = list_segments(dirs, patterns)
+    if not segments:
+        which = f" of topics {', '.join(patterns)}" if patterns else ""
+        raise AuditInputError(f"no segment files{which} under {', '.join(str(d) for d in dirs.values())}: "
+                              "check --data-root/--site and --topics")  # fmt: skip
+    return topology, dirs, segments
+
+
+def expected_reach(topology: Topology, streams: list[tuple[str, str]], sites: list[str]) -> list[tuple[str, str, str]]:
+    """(topic, origin site, site) for every audited site that ``origin site``'s records of ``topic`` should reach.
+
+    An origin site that the topology does not name (a retired site, say) is expected everywhere audited.
+    """
+    out = []
+    for topic, origin_site in sorted(set(streams)):
+        try:
+            reach = expected_sites(topology, origin_site, topic)
+        except UnknownSite:
+            reach = frozenset(sites)  # type: ignore[arg-type]
+        out.extend((topic, origin_site, s) for s in sites if s in reach)
+    return out
+
+
+@dataclass
+class AuditResult:
+    clean: bool
+    report: dict[str, Any]
+    summary: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CLEAN if self.clean else EXIT_DIVERGENCE
+
+
+def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: list[SegmentFile],
+              report_dir: Path, as_of_ms: int) -> AuditResult:  # fmt: skip
+    """Run every check, write ``report_dir``, and return the verdict with its human summary."""
+    from pyspark.sql import functions as F
+
+    from spark_jobs import checks
+    from spark_jobs.datasource import segments_option
+
+    started = time.monotonic()
+    listing = segments_option(segments)
+    # One row per batch is small: a few partitions hold it, so the checks' stages stay few and short.
+    reader = spark.read.format("georep").option("segments", listing).option("level", "batches")
+    batches = reader.load().coalesce(spark.sparkContext.defaultParallelism).cache()
+    inventory = batches.groupBy("site", "topic", "partition", "origin_site").agg(
+        F.sum(F.when(F.col("status") == "ok", F.col("records"))).alias("records"),
+        F.count("*").alias("batches"), F.sum("size_bytes").alias("bytes")).collect()  # fmt: skip
+    streams = [(r.topic, r.origin_site) for r in inventory if r.origin_site is not None]
+    sites = sorted(dirs)
+    expected = spark.createDataFrame(expected_reach(topology, streams, sites), "topic string, origin_site string, "
+                                     "site string")  # fmt: skip
+
+    mismatches = checks.batch_mismatches(batches).cache()
+    narrowed = _narrow_mismatches(spark, batches, mismatches, listing)
+    issues = (
+        checks.damaged_batches(batches)
+        .unionByName(checks.sequence_issues(batches))
+        .unionByName(checks.reach_issues(batches, expected, as_of_ms))
+        .unionByName(narrowed)
+        .cache()
+    )
+    order = [F.desc("divergence"), "site", "topic", "partition", "origin", "first_seq", "kind"]
+    report_dir.mkdir(parents=True, exist_ok=True)
+    issues.coalesce(1).sortWithinPartitions(*order).write.mode("overwrite").parquet(str(report_dir / ISSUES_DIR))
+    by_kind = [r.asDict(recursive=True) for r in checks.summary_by_kind(issues).collect()]
+    sample = [r.asDict() for r in issues.orderBy(*order).limit(ISSUES_IN_JSON).collect()]
+    for df in (mismatches, issues, batches):
+        df.unpersist()
+    counts: dict[str, dict[str, int]] = {}
+    for row in by_kind:
+        c = counts.setdefault(row["kind"], {"issues": 0, "records": 0})
+        c["issues"] += row["issues"]
+        c["records"] += row["records"] or 0
+    clean = not any(checks.KINDS[k] for k in counts)
+    totals: dict[str, dict[str, int]] = {s: {"records": 0, "batches": 0, "bytes": 0, "partitions": 0} for s in sites}
+    for r in inventory:
+        t = totals[r.site]
+        for k in ("records", "batches", "bytes"):
+            t[k] += r[k] or 0
+    for site in sites:
+        totals[site]["partitions"] = len({(r.topic, r.partition) for r in inventory if r.site == site})
+
+    report = {
+        "format": REPORT_FORMAT,
+        "clean": clean,
+        "exit_code": EXIT_CLEAN if clean else EXIT_DIVERGENCE,
+        "as_of_ms": as_of_ms,
+        "as_of": _iso(as_of_ms),
+        "generated_at": _iso(int(time.time() * 1000)),
+        "elapsed_s": round(time.monotonic() - started, 3),
+        "input": {"sites": {s: str(d) for s, d in sorted(dirs.items())}, "segments": len(segments),
+                  "bytes": sum(s.size_bytes for s in segments)},
+        "sites": totals,
+        "counts": dict(sorted(counts.items())),
+        "pairs": pairs_of(by_kind),
+        "issues": sample,
+        "issues_truncated": sum(c["issues"] for c in counts.values()) > len(sample),
+        "issues_parquet": ISSUES_DIR,
+    }  # fmt: skip
+    (report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return AuditResult(clean, report, summary_lines(report, report_dir))
+
+
+def pairs_of(by_kind: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (reference site, site, origin): records per kind, and the first divergent coordinate (else the first)."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for row in by_kind:
+        groups.setdefault((row["site"] or "", row["reference_site"] or "", row["origin"] or ""), []).append(row)
+    pairs = []
+    for key in sorted(groups):
+        rows = groups[key]
+        first = min(rows, key=lambda r: (not r["divergence"], r["first"]["topic"] or "", r["first"]["partition"] or 0,
+                                         r["first"]["first_seq"] or 0))  # fmt: skip
+        pairs.append({
+            "site": rows[0]["site"], "reference_site": rows[0]["reference_site"], "origin": rows[0]["origin"],
+            "divergence": any(r["divergence"] for r in rows),
+            "kinds": {r["kind"]: r["records"] or 0 for r in sorted(rows, key=lambda r: r["kind"])},
+            "first": {**first["first"], "kind": first["kind"]},
+        })  # fmt: skip
+    return pairs
+
+
+def _narrow_mismatches(spark: Any, batches: Any, mismatches: Any, listing: str) -> Any:
+    """Read the records of mismatching batches, and of their reference copies, to name the first record."""
+    from pyspark.sql import functions as F
+
+    from spark_jobs import checks
+
+    c, w = F.col, lambda name: F.col(f"w.{name}")
+    wanted = mismatches.select("site", "reference_site", *checks.STREAM, "first_seq", "last_seq").alias("w")
+    copies = batches.where("status = 'ok'").alias("c")
+    located = (
+        copies.join(wanted, [*(c(f"c.{k}") == w(k) for k in checks.STREAM),
+                             c("c.base_seq") <= w("last_seq"), c("c.last_seq") >= w("first_seq"),
+                             (c("c.site") == w("site")) | (c("c.site") == w("reference_site"))])
+        .select("c.file", "c.position").distinct().limit(MAX_DRILLED_BATCHES).collect()
+    )  # fmt: skip
+    if not located:
+        return mismatches
+    positions: dict[str, list[int]] = {}
+    for row in located:
+        positions.setdefault(row.file, []).append(row.position)
+    records = (spark.read.format("georep").option("segments", listing)
+               .option("batchPositions", json.dumps(positions)).load())  # fmt: skip
+    return checks.first_record_differences(mismatches, records)
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def coordinate(topic: str, partition: int, origin: str, seq: int) -> str:
+    return f"{topic}/{partition} {origin}:{seq}"
+
+
+def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
+    sites = report["sites"]
+    lines = [
+        f"georep audit of {len(sites)} site(s) ({', '.join(sites)}), {report['input']['segments']} segment file(s), "
+        f"as of {report['as_of']}",
+    ]
+    for site, t in sites.items():
+        lines.append(f"  {site}: {t['records']:,} records in {t['batches']:,} batches, {t['partitions']} partition(s)")
+    for pair in report["pairs"]:
+        ref = pair["reference_site"]
+        who = f"{pair['site']} vs {ref}" if ref else f"{pair['site']} (own log)"
+        first = pair["first"]
+        verdict = "DIVERGENCE" if pair["divergence"] else "ok"
+        lines.append(
+            f"  {verdict:<10} {who:<14} origin {pair['origin'] or '-':<16} "
+            f"{', '.join(f'{k} {n:,}' for k, n in sorted(pair['kinds'].items()))} record(s); first: {first['kind']} at "
+            f"{coordinate(first['topic'], first['partition'], pair['origin'] or '?', first['first_seq'] or 0)}"
+        )
+    counts = ", ".join(f"{k} {v['issues']}" for k, v in report["counts"].items()) or "no issues"
+    verdict = "CLEAN: no divergence" if report["clean"] else "DIVERGENCE found"
+    lines.append(f"{verdict} ({counts})")
+    lines.append(f"report: {report_dir / REPORT_FILE}; every discrepancy: {report_dir / ISSUES_DIR}")
+    return lines
+
+
+def main(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
+    try:
+        as_of_ms = parse_as_of(args.as_of, int(time.time() * 1000))
+        topology, dirs, segments = resolve_inputs(args.topology, args.data_root, args.site, args.topics)
+    except AuditInputError as exc:
+        print(f"georep: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from spark_jobs.session import start_spark
+
+    spark = start_spark(args.master)
+    if spark is None:
+        return EXIT_USAGE
+    try:
+        result = run_audit(spark, topology, dirs, segments, args.report, as_of_ms)
+    except Exception as exc:  # noqa: BLE001 - exit 1 must mean divergence, never a crash
+        print(f"georep: error: the audit could not run: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        spark.stop()
+    for line in result.summary if not args.quiet else result.summary[-2:]:
+        out(line)
+    return result.exit_code
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The entry point for ``spark-submit spark_jobs/audit.py`` (``georep audit`` goes through georep.cli)."""
+    parser = argparse.ArgumentParser(prog="georep audit", description="check that every site holds the same data")
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

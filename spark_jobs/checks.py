@@ -1,0 +1,255 @@
+"""The audit's checks: DataFrame in, DataFrame of issues out. No I/O, no SparkSession.
+
+Input is the batch-level view of the ``georep`` data source (one row per
+batch, ``spark_jobs.scan.BATCH_SCHEMA``). Checking at batch granularity is
+exact, not a sample: every site copies the origin's batches verbatim
+(ARCHITECTURE.md, "Verbatim records"), so the same coordinates sit in batches
+with the same seq range and the same CRC-32C at every site, and that CRC
+covers every byte of every record. A copy whose CRC differs is drilled down
+record by record (:func:`first_record_differences`) to name the coordinate.
+
+Every check returns rows of ``ISSUE_SCHEMA``; ``kind`` is one of ``KINDS``.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import BooleanType, IntegerType, LongType, StringType, StructField, StructType
+
+MISSING = "missing"
+IN_FLIGHT = "in_flight"
+DUPLICATE = "duplicate"
+ORDER = "order"
+MISMATCH = "mismatch"
+CORRUPT = "corrupt"
+TORN_TAIL = "torn_tail"
+UNEXPECTED = "unexpected"
+# kind -> whether it is a divergence (exit code 1)
+KINDS = {MISSING: True, DUPLICATE: True, ORDER: True, MISMATCH: True, CORRUPT: True,
+         IN_FLIGHT: False, TORN_TAIL: False, UNEXPECTED: False}  # fmt: skip
+
+ISSUE_SCHEMA = StructType([
+    StructField("kind", StringType()), StructField("divergence", BooleanType()),
+    StructField("site", StringType()), StructField("reference_site", StringType()),
+    StructField("topic", StringType()), StructField("partition", IntegerType()),
+    StructField("origin", StringType()), StructField("first_seq", LongType()), StructField("last_seq", LongType()),
+    StructField("records", LongType()), StructField("offset", LongType()),
+    StructField("file", StringType()), StructField("position", LongType()), StructField("detail", StringType()),
+])  # fmt: skip
+
+STREAM = ["topic", "partition", "origin"]
+SITE_STREAM = ["site", *STREAM]
+BATCH_KEY = [*STREAM, "base_seq", "last_seq"]
+
+
+def _issues(df: DataFrame, kind: str | Column, **cols: Column | str | int | None) -> DataFrame:
+    """Project ``df`` onto ``ISSUE_SCHEMA``; ``cols`` gives each column (missing ones are null)."""
+    kind_col = F.lit(kind) if isinstance(kind, str) else kind
+    out = []
+    for field in ISSUE_SCHEMA.fields:
+        if field.name == "kind":
+            value: Column = kind_col
+        elif field.name == "divergence":
+            value = F.coalesce(*[F.when(kind_col == k, F.lit(d)) for k, d in KINDS.items()])
+        else:
+            given = cols.get(field.name)
+            value = given if isinstance(given, Column) else F.col(given) if isinstance(given, str) else F.lit(given)
+        out.append(value.cast(field.dataType).alias(field.name))
+    return df.select(*out)
+
+
+def ok_batches(batches: DataFrame) -> DataFrame:
+    return batches.where(F.col("status") == "ok")
+
+
+def damaged_batches(batches: DataFrame) -> DataFrame:
+    """``corrupt`` and ``torn_tail`` batches, named by site, file and byte position."""
+    bad = batches.where(F.col("status") != "ok")
+    return _issues(bad, F.when(F.col("status") == "torn_tail", F.lit(TORN_TAIL)).otherwise(F.lit(CORRUPT)),
+                   site="site", topic="topic", partition="partition", offset="base_offset", file="file",
+                   position="position", detail="error")  # fmt: skip
+
+
+def sequence_issues(batches: DataFrame) -> DataFrame:
+    """I2 duplicates, I3 order and holes (I1 prefix) within each site's log, per origin.
+
+    In origin-seq order, a batch starting at or below the highest seq before it
+    holds duplicates; one starting above it + 1 leaves a hole. In log order, a
+    batch starting at or below the highest seq already in the log, that is not
+    a duplicate, is out of order. A log whose oldest segments retention deleted
+    (``log_start_offset`` > 0) is not checked for a hole before its first batch.
+    """
+    by_seq = Window.partitionBy(*SITE_STREAM).orderBy("base_seq", "base_offset").rowsBetween(
+        Window.unboundedPreceding, -1)  # fmt: skip
+    by_offset = Window.partitionBy(*SITE_STREAM).orderBy("base_offset").rowsBetween(Window.unboundedPreceding, -1)
+    df = (
+        ok_batches(batches)
+        .withColumn("seq_before", F.max("last_seq").over(by_seq))
+        .withColumn("log_before", F.max("last_seq").over(by_offset))
+        .withColumn("dup", F.col("base_seq") <= F.col("seq_before"))
+        .withColumn("expect", F.coalesce(F.col("seq_before"), F.when(F.col("log_start_offset") == 0, F.lit(-1))) + 1)
+    )
+    common = {"site": "site", "topic": "topic", "partition": "partition", "origin": "origin",
+              "offset": "base_offset", "file": "file", "position": "position"}  # fmt: skip
+    dups = df.where("dup")
+    dup_last = F.least(F.col("last_seq"), F.col("seq_before"))
+    holes = df.where(F.col("base_seq") > F.col("expect"))
+    order = df.where(~F.col("dup") & (F.col("base_seq") <= F.col("log_before")))
+    return (
+        _issues(dups, DUPLICATE, **common, first_seq="base_seq", last_seq=dup_last,
+                records=dup_last - F.col("base_seq") + 1,
+                detail=F.format_string("seqs %d..%d held again at offset %d", "base_seq", dup_last, "base_offset"))
+        .unionByName(_issues(
+            holes, MISSING, **common, first_seq="expect", last_seq=F.col("base_seq") - 1,
+            records=F.col("base_seq") - F.col("expect"),
+            detail=F.format_string("hole: seqs %d..%d absent, the log goes on at seq %d (offset %d)",
+                                   "expect", F.col("base_seq") - 1, "base_seq", "base_offset")))
+        .unionByName(_issues(
+            order, ORDER, **common, first_seq="base_seq", last_seq="last_seq", records="records",
+            detail=F.format_string("seq %d at offset %d comes after seq %d in the log",
+                                   "base_seq", "base_offset", "log_before")))
+    )  # fmt: skip
+
+
+def site_streams(batches: DataFrame) -> DataFrame:
+    """Per (site, topic, partition, origin): the highest seq held, and how many records and batches."""
+    return ok_batches(batches).groupBy(*SITE_STREAM, "origin_site").agg(
+        F.max("last_seq").alias("held_max"), F.sum("records").alias("records"), F.count("*").alias("batches"))
+
+
+def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> DataFrame:
+    """I4: sites that the topology says should hold an origin's records but lack the newest ones.
+
+    ``expected``: (topic, origin_site, site) rows, the expected reach. For each
+    stream, the sites that should hold it are compared with the furthest copy
+    (``reference_site``, the origin itself when it is furthest). A site behind
+    by a tail whose first missing batch was appended at its origin at or after
+    ``as_of_ms`` is ``in_flight``; an older tail is ``missing``. Holes in the
+    middle of a log are :func:`sequence_issues`. Sites holding records that
+    the reach excludes are ``unexpected``.
+    """
+    streams = site_streams(batches)
+    furthest = streams.groupBy(*STREAM, "origin_site").agg(
+        F.max("held_max").alias("known_max"),
+        # the furthest; among equals the origin, then the lowest site id
+        F.min_by("site", F.struct(-F.col("held_max"), F.col("site") != F.col("origin_site"), "site")).alias(
+            "reference_site"),
+    )  # fmt: skip
+    targets = furthest.join(expected, ["topic", "origin_site"])
+    held = streams.select(*SITE_STREAM, "held_max")
+    behind = (
+        targets.join(held, SITE_STREAM, "left")
+        .withColumn("held_max", F.coalesce("held_max", F.lit(-1)))
+        .where(F.col("held_max") < F.col("known_max"))
+        .withColumn("first_missing", F.col("held_max") + 1)
+    )
+    ok = ok_batches(batches)
+    first_batch = ok.groupBy(*STREAM, "base_seq").agg(
+        F.coalesce(F.min(F.when(F.col("site") == F.col("origin_site"), F.col("append_time_ms"))),
+                   F.min("append_time_ms")).alias("appended_ms"))  # fmt: skip
+    gaps = behind.join(first_batch.withColumnRenamed("base_seq", "first_missing"), [*STREAM, "first_missing"], "left")
+    recent = F.coalesce(F.col("appended_ms") >= F.lit(as_of_ms), F.lit(False))
+    tail = _issues(
+        gaps, F.when(recent, F.lit(IN_FLIGHT)).otherwise(F.lit(MISSING)),
+        site="site", reference_site="reference_site", topic="topic", partition="partition", origin="origin",
+        first_seq="first_missing", last_seq="known_max", records=F.col("known_max") - F.col("first_missing") + 1,
+        detail=F.format_string("behind %s: lacks seqs %d..%d; the first was appended at its origin at %s ms",
+                               "reference_site", "first_missing", "known_max",
+                               F.coalesce(F.col("appended_ms").cast("string"), F.lit("an unknown time"))),
+    )  # fmt: skip
+    extra = streams.join(expected, ["topic", "origin_site", "site"], "left_anti")
+    unexpected = _issues(
+        extra, UNEXPECTED, site="site", topic="topic", partition="partition", origin="origin",
+        first_seq=F.lit(0), last_seq="held_max", records="records",
+        detail=F.lit("the topology's links and filters do not lead this origin's records of this topic here"),
+    )  # fmt: skip
+    return tail.unionByName(unexpected)
+
+
+def batch_mismatches(batches: DataFrame) -> DataFrame:
+    """I1: copies of one batch (same stream and seq range) whose bytes differ, and re-cut batches.
+
+    The reference copy is the origin site's, else the most common CRC (ties:
+    lowest CRC). Every other copy is a ``mismatch`` at its site, first_seq at
+    the batch's first seq until :func:`first_record_differences` narrows it.
+    A batch whose seq range the origin holds cut differently is a mismatch too:
+    its bytes cannot be the origin's.
+    """
+    ok = ok_batches(batches)
+    crcs = ok.groupBy(*BATCH_KEY, "crc").agg(
+        F.count("*").alias("copies"), F.max(F.col("site") == F.col("origin_site")).alias("at_origin"))
+    rank = Window.partitionBy(*BATCH_KEY).orderBy(F.desc("at_origin"), F.desc("copies"), "crc")
+    keyed = crcs.withColumn("n_crcs", F.count("*").over(Window.partitionBy(*BATCH_KEY)))
+    ref = keyed.where(F.col("n_crcs") > 1).withColumn("r", F.row_number().over(rank)).where("r = 1")
+    ref_site = ok.join(ref.select(*BATCH_KEY, "crc"), [*BATCH_KEY, "crc"]).groupBy(*BATCH_KEY).agg(
+        F.min_by("site", F.struct(F.col("site") != F.col("origin_site"), "site")).alias("reference_site"),
+        F.first("crc").alias("ref_crc"))  # fmt: skip
+    differ = ok.join(ref_site, BATCH_KEY).where(F.col("crc") != F.col("ref_crc"))
+    copies = _issues(
+        differ, MISMATCH, site="site", reference_site="reference_site", topic="topic", partition="partition",
+        origin="origin", first_seq="base_seq", last_seq="last_seq", records="records", offset="base_offset",
+        file="file", position="position",
+        detail=F.format_string("batch CRC 0x%08x, 0x%08x at %s", "crc", "ref_crc", "reference_site"),
+    )  # fmt: skip
+    at_origin = ok.where(F.col("site") == F.col("origin_site"))
+    origin_held = site_streams(at_origin).select(*STREAM, "held_max")
+    recut = (
+        ok.where(F.col("site") != F.col("origin_site"))
+        .join(at_origin.select(*BATCH_KEY), BATCH_KEY, "left_anti")
+        .join(origin_held, STREAM)
+        .where(F.col("base_seq") <= F.col("held_max"))
+    )
+    cut = _issues(
+        recut, MISMATCH, site="site", reference_site="origin_site", topic="topic", partition="partition",
+        origin="origin", first_seq="base_seq", last_seq="last_seq", records="records", offset="base_offset",
+        file="file", position="position",
+        detail=F.format_string("batch of seqs %d..%d: the origin %s cut these seqs into other batches",
+                               "base_seq", "last_seq", "origin_site"),
+    )  # fmt: skip
+    return copies.unionByName(cut)
+
+
+def first_record_differences(mismatches: DataFrame, records: DataFrame) -> DataFrame:
+    """Narrow batch ``mismatch`` issues to the first record that differs from the reference copy.
+
+    ``records``: the record-level view of the mismatching batches and of the
+    reference's batches over the same seqs. A mismatch whose records all agree
+    (a header field differs, or the batch is cut differently) keeps its batch
+    range, and its detail says so.
+    """
+    ok = records.where(F.col("status") == "ok").select("site", *STREAM, "origin_seq", "record_hash",
+                                                       F.col("offset").alias("record_offset"))
+    mine = ok
+    theirs = ok.select(F.col("site").alias("reference_site"), *STREAM, "origin_seq",
+                       F.col("record_hash").alias("ref_hash"))  # fmt: skip
+    issues = mismatches
+    joined = (
+        issues.join(mine, [*SITE_STREAM])
+        .where(F.col("origin_seq").between(F.col("first_seq"), F.col("last_seq")))
+        .join(theirs, ["reference_site", *STREAM, "origin_seq"])
+        .where(F.col("record_hash") != F.col("ref_hash"))
+        .groupBy("site", "reference_site", *STREAM, "first_seq")
+        .agg(F.min_by(F.struct("origin_seq", "record_offset", "record_hash", "ref_hash"), "origin_seq").alias("d"),
+             F.max("origin_seq").alias("last_differing"), F.count("*").alias("differing"))
+    )  # fmt: skip
+    narrowed = (
+        issues.join(joined, ["site", "reference_site", *STREAM, "first_seq"], "left")
+        .withColumn("first_seq", F.coalesce(F.col("d.origin_seq"), F.col("first_seq")))
+        .withColumn("last_seq", F.coalesce(F.col("last_differing"), F.col("last_seq")))
+        .withColumn("offset", F.coalesce(F.col("d.record_offset"), F.col("offset")))
+        .withColumn("records", F.coalesce(F.col("differing"), F.col("records")))
+        .withColumn("detail", F.when(
+            F.col("d").isNotNull(),
+            F.format_string("record differs (hash 0x%08x, 0x%08x at %s); %d record(s) of the batch differ",
+                            "d.record_hash", "d.ref_hash", "reference_site", "differing"),
+        ).otherwise(F.concat(F.col("detail"), F.lit("; the records themselves are identical"))))
+    )  # fmt: skip
+    return narrowed.select(*ISSUE_SCHEMA.fieldNames())
+
+
+def summary_by_kind(issues: DataFrame) -> DataFrame:
+    """Per (reference site, site, origin, kind): issues, records, and the first coordinate."""
+    return issues.groupBy("reference_site", "site", "origin", "kind").agg(
+        F.min(F.struct("topic", "partition", "first_seq")).alias("first"), F.max("divergence").alias("divergence"),
+        F.sum("records").alias("records"), F.count("*").alias("issues"))

@@ -1,0 +1,118 @@
+"""The ``georep`` Spark data source: segment files of one or more sites, read in place.
+
+::
+
+    spark.dataSource.register(GeorepDataSource)
+    df = (spark.read.format("georep")
+          .option("sites", "a=/data/a,b=/data/b")     # or: .option("topology", FILE).option("dataRoot", DIR)
+          .option("topics", "orders,audit/*")         # optional, fnmatch patterns
+          .option("level", "records")                 # "records" (default) or "batches"
+          .load())
+
+No server is needed: each input partition is one segment file of one
+(site, topic, partition), listed on the driver with the size it had then, and
+read by :mod:`spark_jobs.scan`, which yields ``pyarrow.RecordBatch`` es. The
+option ``segments`` (JSON, from :func:`segments_option`) passes a listing made
+earlier instead, so several reads see the same snapshot of live sites; option
+``batchPositions`` (JSON ``{file: [byte position, ...]}``) limits a records
+read to those batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+from pyspark.sql import SparkSession
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.types import DataType, IntegerType, LongType, StringType, StructField, StructType
+
+from spark_jobs.layout import (
+    AuditInputError,
+    SegmentFile,
+    list_segments,
+    load_topology_for_audit,
+    parse_site_dirs,
+    site_dirs_from_topology,
+)
+from spark_jobs.scan import BATCH_SCHEMA, RECORD_SCHEMA, read_batches, read_records
+
+NAME = "georep"
+LEVELS = ("records", "batches")
+_SPARK_TYPES: dict[pa.DataType, DataType] = {pa.string(): StringType(), pa.int32(): IntegerType(),
+                                             pa.int64(): LongType()}  # fmt: skip
+
+
+def spark_schema(schema: pa.Schema) -> StructType:
+    return StructType([StructField(f.name, _SPARK_TYPES[f.type], True) for f in schema])
+
+
+def segments_option(segments: Sequence[SegmentFile]) -> str:
+    return json.dumps([dataclasses.asdict(s) for s in segments])
+
+
+def segments_from_options(options: dict[str, str]) -> list[SegmentFile]:
+    """The segment files that ``options`` name (see the module docstring)."""
+    topics = tuple(t.strip() for t in options.get("topics", "").split(",") if t.strip())
+    if "segments" in options:
+        return [SegmentFile(**s) for s in json.loads(options["segments"])]
+    if "sites" in options:
+        dirs = parse_site_dirs(options["sites"])
+    elif "dataRoot" in options:
+        dirs = site_dirs_from_topology(load_topology_for_audit(options.get("topology")), Path(options["dataRoot"]))
+    else:
+        raise AuditInputError("the georep data source needs option 'sites' (a=DIR,b=DIR) or 'dataRoot' [+ 'topology']")
+    return list_segments(dirs, topics)
+
+
+class SegmentPartition(InputPartition):
+    def __init__(self, segment: SegmentFile) -> None:
+        super().__init__(segment)
+        self.segment = segment
+
+
+class GeorepDataSource(DataSource):
+    @classmethod
+    def name(cls) -> str:
+        return NAME
+
+    def _level(self) -> str:
+        level = self.options.get("level", "records")
+        if level not in LEVELS:
+            raise AuditInputError(f"option level={level!r}: use one of {', '.join(LEVELS)}")
+        return level
+
+    def schema(self) -> StructType:
+        return spark_schema(RECORD_SCHEMA if self._level() == "records" else BATCH_SCHEMA)
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return GeorepReader(dict(self.options), self._level())
+
+
+class GeorepReader(DataSourceReader):
+    def __init__(self, options: dict[str, str], level: str) -> None:
+        self.options = options
+        self.level = level
+        wanted = json.loads(options["batchPositions"]) if "batchPositions" in options else None
+        self.positions = None if wanted is None else {f: frozenset(p) for f, p in wanted.items()}
+
+    def partitions(self) -> Sequence[InputPartition]:
+        segments = segments_from_options(self.options)
+        if self.positions is not None:
+            segments = [s for s in segments if s.path in self.positions]
+        return [SegmentPartition(s) for s in segments]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, SegmentPartition)
+        if self.level == "records":
+            positions = None if self.positions is None else self.positions[partition.segment.path]
+            yield from read_records(partition.segment, positions)
+        else:
+            yield from read_batches(partition.segment)
+
+
+def register(spark: SparkSession) -> None:
+    spark.dataSource.register(GeorepDataSource)
