@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -54,15 +54,21 @@ def segments_option(segments: Sequence[SegmentFile]) -> str:
     return json.dumps([dataclasses.asdict(s) for s in segments])
 
 
-def segments_from_options(options: dict[str, str]) -> list[SegmentFile]:
-    """The segment files that ``options`` name (see the module docstring)."""
+def _lower(options: Mapping[str, str]) -> dict[str, str]:
+    """Spark option names are case-insensitive, and reach the source lowercased: compare them so."""
+    return {k.lower(): v for k, v in options.items()}
+
+
+def segments_from_options(raw: Mapping[str, str]) -> list[SegmentFile]:
+    """The segment files that the options name (see the module docstring)."""
+    options = _lower(raw)
     topics = tuple(t.strip() for t in options.get("topics", "").split(",") if t.strip())
     if "segments" in options:
         return [SegmentFile(**s) for s in json.loads(options["segments"])]
     if "sites" in options:
         dirs = parse_site_dirs(options["sites"])
-    elif "dataRoot" in options:
-        dirs = site_dirs_from_topology(load_topology_for_audit(options.get("topology")), Path(options["dataRoot"]))
+    elif "dataroot" in options:
+        dirs = site_dirs_from_topology(load_topology_for_audit(options.get("topology")), Path(options["dataroot"]))
     else:
         raise AuditInputError("the georep data source needs option 'sites' (a=DIR,b=DIR) or 'dataRoot' [+ 'topology']")
     return list_segments(dirs, topics)
@@ -80,7 +86,7 @@ class GeorepDataSource(DataSource):
         return NAME
 
     def _level(self) -> str:
-        level = self.options.get("level", "records")
+        level = _lower(self.options).get("level", "records")
         if level not in LEVELS:
             raise AuditInputError(f"option level={level!r}: use one of {', '.join(LEVELS)}")
         return level
@@ -89,14 +95,14 @@ class GeorepDataSource(DataSource):
         return spark_schema(RECORD_SCHEMA if self._level() == "records" else BATCH_SCHEMA)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return GeorepReader(dict(self.options), self._level())
+        return GeorepReader(_lower(self.options), self._level())
 
 
 class GeorepReader(DataSourceReader):
     def __init__(self, options: dict[str, str], level: str) -> None:
         self.options = options
         self.level = level
-        wanted = json.loads(options["batchPositions"]) if "batchPositions" in options else None
+        wanted = json.loads(options["batchpositions"]) if "batchpositions" in options else None
         self.positions = None if wanted is None else {f: frozenset(p) for f, p in wanted.items()}
 
     def partitions(self) -> Sequence[InputPartition]:

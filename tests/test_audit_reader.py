@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -152,3 +153,12 @@ def test_the_spark_source_reads_sites_in_parallel_with_a_topic_filter(tmp_path: 
         ("a@1", 0), ("a@1", 1), ("a@1", 2), ("b@7", 0), ("b@7", 1), ("b@7", 2), ("b@7", 3)]  # fmt: skip
     everything = spark.read.format("georep").option("sites", f"a={site}").option("level", "batches").load()
     assert sorted(r.topic for r in everything.collect()) == ["orders/eu", "orders/eu", "other"]
+    topology = tmp_path / "one-site.toml"
+    topology.write_text('[sites.a]\nnodes = ["127.0.0.1:7101"]\n')
+    by_root = (spark.read.format("georep").option("dataRoot", str(tmp_path)).option("topology", str(topology))
+               .option("topics", "other").load())  # fmt: skip
+    assert [(r.site, r.topic, r.origin_seq) for r in by_root.collect()] == [("a", "other", s) for s in range(3)]
+    (second,) = [r for r in everything.collect() if r.origin == "b@7"]
+    one = (spark.read.format("georep").option("sites", f"a={site}")
+           .option("batchPositions", json.dumps({second.file: [second.position]})).load())  # fmt: skip
+    assert sorted((r.origin, r.origin_seq) for r in one.collect()) == [("b@7", s) for s in range(4)]
