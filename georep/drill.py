@@ -65,6 +65,8 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NODE_INFO
 from georep.topology_file import TopologyFileError, load_topology
 from georep.up import DEFAULT_DATA_DIR
+from georep.vector_proto import vector_from_proto
+from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
 from topology.model import Topology, UnknownSite
 
@@ -157,8 +159,6 @@ class Site:
 
 
 async def vectors(site: Site, topic: str) -> dict[int, VectorOffset]:
-    from georep.vector_proto import vector_from_proto
-
     desc = await site.stub_call("DescribeTopic", pb.DescribeTopicRequest(name=topic))
     return {ps.partition: vector_from_proto(ps.vector) for ps in desc.partition_states}
 
@@ -392,7 +392,24 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
     async def first_at_target() -> bool:
         return any(d.site_origin == target_origin and d.at >= event for d in run.deliveries)
 
-    await wait_for(f"a consumer reads at {target}", first_at_target, 60)
+    restored = False
+
+    async def restore() -> None:
+        nonlocal restored
+        if not restored and not args.no_restart:
+            restored = True
+            if args.mode == "kill":
+                restart_node(info, args.data_dir, victim)
+            else:
+                await set_links(topology, victim, sites, True, token)
+
+    try:
+        await wait_for(f"a consumer reads at {target}", first_at_target, 60)
+    except BaseException:
+        # The drill cannot finish: still give the operator the site back.
+        with contextlib.suppress(Exception):
+            await restore()
+        raise
     rto_ms = (min(d.at for d in run.deliveries if d.site_origin == target_origin and d.at >= event) - event) * 1000
     out(f"drill: first record consumed at {target} {rto_ms:.0f} ms after the {args.mode}")
     await asyncio.sleep(args.after)
@@ -415,10 +432,7 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
     lost_after: list[Acked] = []
     rejoined = False
     if not args.no_restart:
-        if args.mode == "kill":
-            restart_node(info, args.data_dir, victim)
-        else:
-            await set_links(topology, victim, sites, True, token)
+        await restore()
 
         async def all_converged() -> bool:
             held = [await vectors(sites[s], run.topic) for s in names]
@@ -448,8 +462,6 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
 
 
 def covers(held: dict[int, VectorOffset], a: Acked) -> bool:
-    from offsets.coordinates import Origin
-
     return held.get(a.partition, VectorOffset()).covers(Origin.parse(a.origin), a.origin_seq)
 
 
@@ -474,7 +486,7 @@ def report(
     dup_vs_commit = [
         d for d in run.deliveries
         if d.at >= event and d.partition in run.commits
-        and run.commits[d.partition][1].covers(_origin(d.origin), d.origin_seq)
+        and run.commits[d.partition][1].covers(Origin.parse(d.origin), d.origin_seq)
     ]  # fmt: skip
     in_topic = {
         (p, str(o), s) for p, v in final.items() for o, n in v.items() for s in range(n)
@@ -518,12 +530,6 @@ def report(
         "partitions_final": {str(p): v.to_text() for p, v in sorted(final.items())},
     }  # fmt: skip
     return doc
-
-
-def _origin(text: str) -> Any:
-    from offsets.coordinates import Origin
-
-    return Origin.parse(text)
 
 
 def render(doc: dict[str, Any]) -> str:
