@@ -56,10 +56,11 @@ from typing import Any
 
 import grpc
 
-from georep.admin_token import TOKEN_ENV, call_metadata, find_token
+from georep.admin_token import TOKEN_ENV, find_token
 from georep.client.consumer import Consumer, ConsumerRecord
 from georep.client.errors import GeorepError
 from georep.client.producer import Producer, parse_acks
+from georep.link_admin import set_link
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NODE_INFO
@@ -153,9 +154,9 @@ class Site:
     name: str
     address: str
 
-    async def stub_call(self, method: str, request: Any, timeout: float = RPC_TIMEOUT_S, **kw: Any) -> Any:
+    async def stub_call(self, method: str, request: Any) -> Any:
         async with grpc.aio.insecure_channel(self.address) as channel:
-            return await getattr(pbg.NodeStub(channel), method)(request, timeout=timeout, **kw)
+            return await getattr(pbg.NodeStub(channel), method)(request, timeout=RPC_TIMEOUT_S)
 
 
 async def vectors(site: Site, topic: str) -> dict[int, VectorOffset]:
@@ -271,9 +272,8 @@ async def set_links(topology: Topology, victim: str, sites: dict[str, Site], ena
     for link in topology.links_sorted():
         if victim not in (link.src, link.dst):
             continue
-        request = pb.SetLinkRequest(src=link.src, enabled=enabled)
         try:
-            await sites[link.dst].stub_call("SetLink", request, metadata=call_metadata(token))
+            await set_link(sites[link.dst].address, link.src, enabled, token)
         except grpc.aio.AioRpcError as exc:
             where = f"SetLink {link.src} -> {link.dst} at {sites[link.dst].address}"
             raise DrillError(f"{where}: {exc.details()}") from None

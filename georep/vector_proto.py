@@ -1,6 +1,9 @@
-"""Vector offsets to and from their protobuf message (shell side: the core never imports protobuf)."""
+"""Positions to and from their protobuf messages: vector offsets and topic-partition
+lists (shell side: the core never imports protobuf)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from georep.proto import georep_pb2
 from offsets.coordinates import Origin
@@ -25,3 +28,11 @@ def vector_from_proto(message: georep_pb2.VectorOffset) -> VectorOffset:
             raise InvalidVectorOffset(f"invalid vector offset entry: {exc}") from exc
         entries.append((origin, entry.next_seq))
     return VectorOffset(entries)
+
+
+def topic_partitions_to_proto(tps: Iterable[tuple[str, int]]) -> list[georep_pb2.TopicPartitions]:
+    """``[(topic, partition), ...]`` grouped by topic, both sorted."""
+    by_topic: dict[str, list[int]] = {}
+    for topic, partition in tps:
+        by_topic.setdefault(topic, []).append(partition)
+    return [georep_pb2.TopicPartitions(topic=t, partitions=sorted(ps)) for t, ps in sorted(by_topic.items())]

@@ -28,6 +28,7 @@ class HeldTable:
     entries: dict[HeldKey, VectorOffset] = field(default_factory=dict)
     versions: dict[HeldKey, int] = field(default_factory=dict)
     version: int = 0
+    sites: set[str] = field(default_factory=set)  # every site with an entry
 
     def update(self, site: str, topic: str, partition: int, vector: VectorOffset) -> bool:
         """Merge what ``site`` holds; True if the table learned something."""
@@ -39,6 +40,7 @@ class HeldTable:
         self.version += 1
         self.entries[key] = merged
         self.versions[key] = self.version
+        self.sites.add(site)
         return True
 
     def changed_since(self, version: int) -> Iterator[tuple[HeldKey, VectorOffset]]:
@@ -47,7 +49,8 @@ class HeldTable:
 
     def sites_holding(self, topic: str, partition: int, origin: Origin, seq: int) -> list[str]:
         """Sites known to hold the record ``(origin, seq)`` of ``topic/partition`` fsynced, sorted."""
+        held = self.entries
         return sorted(
-            site for (site, t, p), vector in self.entries.items()
-            if t == topic and p == partition and vector.covers(origin, seq)
+            site for site in self.sites
+            if (vector := held.get((site, topic, partition))) is not None and vector.covers(origin, seq)
         )  # fmt: skip

@@ -122,6 +122,7 @@ class Connection:
         self._stub: georep_pb2_grpc.NodeStub | None = None
         self._index = 0
         self._lock = asyncio.Lock()
+        self._opened: asyncio.Future[None] | None = None
 
     @property
     def stub(self) -> georep_pb2_grpc.NodeStub:
@@ -132,6 +133,12 @@ class Connection:
     @property
     def connected(self) -> bool:
         return self._stub is not None
+
+    def opened(self) -> asyncio.Future[None]:
+        """Resolves the next time a channel opens: a reconnect, maybe to another site."""
+        if self._opened is None or self._opened.done():
+            self._opened = asyncio.get_running_loop().create_future()
+        return self._opened
 
     async def connect(self) -> georep_pb2_grpc.NodeStub:
         """Open a channel to the first reachable node, starting at the current one."""
@@ -174,6 +181,8 @@ class Connection:
                 self.origin = f"{health.site}@{health.epoch}"
                 self._channel, self._stub = channel, stub
                 self.generation += 1
+                if self._opened is not None and not self._opened.done():
+                    self._opened.set_result(None)
                 return
             tried.append(address)
             reasons.append(reason)

@@ -33,7 +33,7 @@ import grpc
 from georep.client.errors import GeorepError, GroupRebalanced, InvalidRequest, MemberFenced, NodeUnavailable
 from georep.client.errors import from_rpc_error as _from_rpc_error
 from georep.proto import georep_pb2 as pb
-from georep.vector_proto import vector_from_proto, vector_to_proto
+from georep.vector_proto import topic_partitions_to_proto, vector_from_proto, vector_to_proto
 from offsets.vector import VectorOffset
 
 if TYPE_CHECKING:
@@ -62,13 +62,6 @@ class Committed(NamedTuple):
     hlc: int
     committed_at_ms: int
     lag_records: int
-
-
-def _tps(tps: list[TopicPartition]) -> list[pb.TopicPartitions]:
-    by_topic: dict[str, list[int]] = {}
-    for topic, partition in tps:
-        by_topic.setdefault(topic, []).append(partition)
-    return [pb.TopicPartitions(topic=t, partitions=sorted(ps)) for t, ps in sorted(by_topic.items())]
 
 
 class GroupMembership:
@@ -104,11 +97,7 @@ class GroupMembership:
         while True:
             # A channel the fetchers replaced (their site failed) means a new
             # coordinator: heartbeat there at once rather than after the interval.
-            generation = connection.generation
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.interval_ms / 1000):
-                    while connection.generation == generation:
-                        await asyncio.sleep(0.02)
+            await asyncio.wait([connection.opened()], timeout=self.interval_ms / 1000)
             try:
                 await self.heartbeat()
                 self.error = None
@@ -167,7 +156,7 @@ class GroupMembership:
 
     async def fetch_committed(self, tps: list[TopicPartition]) -> dict[TopicPartition, Committed]:
         stub = await self.consumer._connection.connect()
-        request = pb.FetchCommittedRequest(group=self.group, partitions=_tps(tps),
+        request = pb.FetchCommittedRequest(group=self.group, partitions=topic_partitions_to_proto(tps),
                                            wait_caught_up_ms=self.options.commit_wait_caught_up_ms)  # fmt: skip
         try:
             resp = await stub.FetchCommitted(request, timeout=self._timeout_s + request.wait_caught_up_ms / 1000)

@@ -32,7 +32,7 @@ from georep.proto import georep_pb2 as pb
 from georep.record.batch import CorruptBatch, RecordInput, check_batch, decode_records, encode_batch
 from georep.server.broker import Broker, BrokerError
 from georep.storage.api import OffsetOutOfRange
-from georep.vector_proto import vector_from_proto, vector_to_proto
+from georep.vector_proto import topic_partitions_to_proto, vector_from_proto, vector_to_proto
 from offsets.commits import (
     METADATA_MAX_CHARS,
     OFFSETS_PARTITIONS,
@@ -58,13 +58,6 @@ AFTER_HLC_AHEAD_MS_MAX = 3600 * 1000
 READ_BYTES = 1 << 20
 CAUGHT_UP_WAIT_MS_MAX = 30_000
 CAUGHT_UP_POLL_S = 0.01
-
-
-def _tps(assignment: tuple[tuple[str, int], ...] | list[tuple[str, int]]) -> list[pb.TopicPartitions]:
-    by_topic: dict[str, list[int]] = {}
-    for topic, partition in assignment:
-        by_topic.setdefault(topic, []).append(partition)
-    return [pb.TopicPartitions(topic=t, partitions=sorted(ps)) for t, ps in sorted(by_topic.items())]
 
 
 def _group_error(exc: Exception) -> BrokerError:
@@ -170,7 +163,7 @@ class GroupService:
         except (InvalidCommit, UnknownMember, IllegalGeneration, NotAssigned, InvalidGroupRequest) as exc:
             raise _group_error(exc) from None
         return pb.GroupHeartbeatResponse(
-            member_id=hb.member_id, generation=hb.generation, assignment=_tps(hb.assignment),
+            member_id=hb.member_id, generation=hb.generation, assignment=topic_partitions_to_proto(hb.assignment),
             heartbeat_interval_ms=hb.heartbeat_interval_ms,
         )  # fmt: skip
 
@@ -284,7 +277,8 @@ class GroupService:
             )
         now = self.clock_ms()
         members = [] if g is None else [
-            pb.GroupMember(member_id=m.member_id, client_id=m.client_id, assignment=_tps(m.assignment),
+            pb.GroupMember(member_id=m.member_id, client_id=m.client_id,
+                           assignment=topic_partitions_to_proto(m.assignment),
                            last_heartbeat_age_ms=now - m.last_heartbeat_ms)
             for _, m in sorted(g.members.items())
         ]  # fmt: skip
