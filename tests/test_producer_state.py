@@ -352,12 +352,19 @@ class ProducerStateMachine(RuleBasedStateMachine):
             for x in self.model.known.get(pid, [])
             if (x.sent.epoch, x.sent.base, x.sent.last) == (s.epoch, s.base, s.last)
         ]
-        recent = self.model.known.get(pid, [])[-WINDOW:]
+        # The batches of the current epoch's latest run: an expired producer id may come back with an
+        # older epoch, and the batches of that epoch from before the expiry are not recent any more.
+        run: list[Stored] = []
+        for stored in reversed(self.model.known.get(pid, [])):
+            if run and stored.sent.epoch != run[0].sent.epoch:
+                break
+            run.append(stored)
+        recent = run[:WINDOW]
         decision = self.submit(s)
         if pid == -1:
             return
         # The property: a retry of a recent batch of the current epoch gets its original answer back.
-        if originals and originals[-1] in recent and s.epoch == recent[-1].sent.epoch:
+        if originals and originals[-1] in recent and s.epoch == recent[0].sent.epoch:
             assert isinstance(decision, Duplicate)
             assert decision.result == originals[-1].result
 
