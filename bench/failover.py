@@ -8,11 +8,11 @@ Run from the repository root::
 
 It starts its own three sites a, b, c (the default topology's links: the cycle
 a -> b -> c -> a and the reverse edges) on ephemeral ports, the way
-``georep up`` starts them (``georep.up.site_processes``, admin token file
+``georep up`` starts them (``georep.cli.up.site_processes``, admin token file
 included), under one temporary directory that is removed on exit, Ctrl-C or
 SIGTERM. What is measured (bench/README.md explains how to read it):
 
-* ``drills``: ``--drills`` runs of ``georep.drill.drill`` back to back in kill
+* ``drills``: ``--drills`` runs of ``georep.cli.drill.drill`` back to back in kill
   mode with restart, the victim taking turns through ``--victims``: per drill
   the RTO, the RPO lost per ack level, duplicates relative to the last commit,
   redeliveries and never-delivered records; then the median and worst RTO and
@@ -55,11 +55,11 @@ from produce import BenchError, progress, settle_page_cache
 from replication import free_ports, topology_toml
 
 from georep import drill as drill_mod
+from georep.cli.up import site_processes
 from georep.client import Consumer, Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NODE_INFO
-from georep.up import site_processes
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
 from topology.model import parse_topology

@@ -8,7 +8,7 @@ Run from the repository root::
 
 Every site is a ``georep node`` process on 127.0.0.1 (ephemeral ports written
 into topology files), started the way ``georep up`` starts them
-(``georep.up.site_processes``), with its data under one temporary directory
+(``georep.cli.up.site_processes``), with its data under one temporary directory
 that is removed on exit, Ctrl-C or SIGTERM. What is measured (bench/README.md
 explains how to read it):
 
@@ -65,12 +65,12 @@ from produce import (
     wait_for_port,
 )
 
+from georep.cli.up import site_processes
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.replication.puller import STREAM_MAX_BYTES
 from georep.server.process import NODE_INFO
-from georep.up import site_processes
+from georep.server.replicator import STREAM_MAX_BYTES
 from topology.model import parse_topology
 
 RECORD_BYTES = RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES  # one encoded 1 KiB record

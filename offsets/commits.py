@@ -37,7 +37,6 @@ from offsets.vector import VectorOffset
 
 OFFSETS_TOPIC = "__georep_offsets"
 OFFSETS_PARTITIONS = 8
-INTERNAL_TOPIC_PREFIX = "__georep"
 GROUP_NAME_MAX_CHARS = 249
 METADATA_MAX_CHARS = 4096
 
@@ -54,10 +53,6 @@ def validate_group(group: str) -> str:
     if "\x00" in group or not group.isprintable():
         raise InvalidCommit(f"group id {group!r} holds control characters: use printable characters only")
     return group
-
-
-def is_internal(topic: str) -> bool:
-    return topic.startswith(INTERNAL_TOPIC_PREFIX)
 
 
 def offsets_partition(group: str, partitions: int = OFFSETS_PARTITIONS) -> int:

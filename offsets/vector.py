@@ -12,7 +12,7 @@ join semi-lattice under pointwise max (:meth:`VectorOffset.merge`), ordered by
 vectors that each lead on a different origin are incomparable.
 
 The text form, used by the CLI's ``--vector``, is ``a@1:10,b@3:0``.
-Protobuf conversions live in ``georep/vector_proto.py``: the pure core does
+Protobuf conversions live in ``georep/proto/convert.py``: the pure core does
 not import protobuf.
 """
 

@@ -22,9 +22,9 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.storage.recovery_point import read_recovery_point
 from georep.storage.segment import LOG_SUFFIX
-from georep.topology_file import TopologyFileError, load_topology
 from topology.model import Topology
 
 LOGS_DIR = "logs"

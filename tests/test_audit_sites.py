@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from georep.cli.topology_file import load_topology
 from georep.proto import georep_pb2 as pb
-from georep.replication.puller import WANTS_CHECK_S
-from georep.topology_file import load_topology
+from georep.server.replicator import WANTS_CHECK_S
 from spark_jobs import inject
 from spark_jobs.audit import AuditResult, run_audit
 from spark_jobs.layout import list_segments

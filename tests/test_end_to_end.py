@@ -12,8 +12,8 @@ from collections import Counter, defaultdict
 import grpc
 import pytest
 
+from georep.cli.demo import produce_through_crash
 from georep.client import Admin, Producer
-from georep.demo import produce_through_crash
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import check_batch, decode_records

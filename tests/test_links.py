@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from georep.replication.links import LinkManager, LinkState
 from offsets.coordinates import Origin
 from topology.ids import SiteId
-from topology.links import LinkManager, LinkState
 from topology.model import default_topology, parse_topology
 
 D = Origin(SiteId("d"), 1)

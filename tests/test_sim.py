@@ -33,6 +33,7 @@ import pytest
 
 from georep.client.consumer import decode_response
 from georep.record.batch import HEADER_BYTES, RecordInput, encode_batch, parse_header, stamp_origin
+from georep.replication.links import LinkManager
 from georep.sim import (
     TOPOLOGY_NAMES,
     FaultCounts,
@@ -50,7 +51,6 @@ from georep.storage.memory_log import MemoryLog
 from offsets.commits import OFFSETS_TOPIC, Commit, CommitTable
 from offsets.coordinates import Origin
 from topology.ids import SiteId
-from topology.links import LinkManager
 from topology.model import default_topology
 
 SEED_BASE = int(os.environ.get("GEOREP_SIM_SEED_BASE", "0"))
@@ -80,7 +80,7 @@ REGRESSION_SEEDS: list[tuple[int, str, float]] = [
     # LinkManager.tick only ever checked the first failover candidate: once it stalled, the origin
     # moved to the second one and stayed there even when that one was behind too and a third had more.
     # With b rebuilt from empty, sites a, c, d never got b's old epoch back from e (I4). Fixed in
-    # topology/links.py (tick walks the failover order). See also test_a_fallback_that_is_behind_stalls_too.
+    # georep/replication/links.py (tick walks the failover order). See also test_a_fallback_that_is_behind_stalls_too.
     (12, "mesh5", 0.3),
     (37, "mesh4-audit", 0.3),
 ]

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import topology
+from georep.cli.topology import LinkStatus, draw, main, summary_text
 from topology.filters import InvalidTopicFilter, TopicFilter, matches_any
 from topology.ids import SiteId
 from topology.model import (
@@ -33,7 +34,6 @@ from topology.model import (
     warnings,
 )
 from topology.reach import expected_sites
-from topology.render import LinkStatus, draw, main, summary_text
 from topology.routing import Router
 
 PROPERTY = settings(max_examples=150, deadline=None)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from georep.proto import georep_pb2
-from georep.vector_proto import vector_from_proto, vector_to_proto
+from georep.proto.convert import vector_from_proto, vector_to_proto
 from offsets.coordinates import EPOCH_MAX, Origin
 from offsets.vector import SEQ_MAX, Coverage, InvalidVectorOffset, VectorOffset
 from topology.ids import SiteId

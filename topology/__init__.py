@@ -2,8 +2,8 @@
 
 The public names are importable from here. They load on first use, so that the
 many modules that only need ``topology.ids`` do not pay for importing networkx
-(about 0.1 s). ``topology.render`` (text summary, pictures, the ``show`` command)
-is a shell and is imported from its own module.
+(about 0.1 s). The ``georep topology show`` command (text summary and
+pictures) is a shell: ``georep/cli/topology.py``.
 """
 
 from __future__ import annotations

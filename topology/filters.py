@@ -21,6 +21,10 @@ matching nothing. So are empty levels (``a//b``, a leading or trailing ``/``),
 and a wildcard that is only part of a level (``orders+``, ``a**``).
 
 A link carries a topic if *any* of its filters matches it (:func:`matches_any`).
+
+Internal topics (names starting with ``__georep``, such as the committed
+consumer positions of ``__georep_offsets``) travel over every link, whatever
+its filters (:func:`is_internal`, ``Link.carries``).
 """
 
 from __future__ import annotations
@@ -30,9 +34,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 FILTER_MAX_CHARS = 249  # the same limit as topic names
+INTERNAL_TOPIC_PREFIX = "__georep"
 ONE_LEVEL = "+"
 ANY_LEVELS = "**"
 _LITERAL = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def is_internal(topic: str) -> bool:
+    """Whether ``topic`` is georep's own (reserved for georep, carried by every link)."""
+    return topic.startswith(INTERNAL_TOPIC_PREFIX)
 
 
 class InvalidTopicFilter(ValueError):

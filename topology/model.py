@@ -36,8 +36,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from offsets.commits import INTERNAL_TOPIC_PREFIX
-from topology.filters import ALL_TOPICS, InvalidTopicFilter, TopicFilter, matches_any
+from topology.filters import ALL_TOPICS, InvalidTopicFilter, TopicFilter, is_internal, matches_any
 from topology.ids import InvalidSiteId, SiteId, site_id
 
 COST_MAX = 1_000_000
@@ -119,7 +118,7 @@ class Link:
     def carries(self, topic: str) -> bool:
         """Whether records of ``topic`` travel over this link. Internal topics
         (committed consumer positions) travel over every link, whatever its filters."""
-        return topic.startswith(INTERNAL_TOPIC_PREFIX) or matches_any(self.topics, topic)
+        return is_internal(topic) or matches_any(self.topics, topic)
 
     def describe(self) -> str:
         return f"{self.src} -> {self.dst}"

@@ -11,7 +11,7 @@ import grpc
 from georep.client.connection import Connection
 from georep.client.errors import InvalidRequest, from_rpc_error
 from georep.proto import georep_pb2
-from georep.vector_proto import vector_from_proto
+from georep.proto.convert import vector_from_proto
 from offsets.vector import VectorOffset
 
 T = TypeVar("T")

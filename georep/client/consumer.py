@@ -43,9 +43,9 @@ from georep.client.errors import (
 from georep.client.group import Committed, GroupMembership, GroupOptions, check_group
 from georep.client.producer import parse_acks
 from georep.proto import georep_pb2
+from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.record.batch import CorruptBatch, check_batch, decode_records
 from georep.record.compression import DecompressionError
-from georep.vector_proto import vector_from_proto, vector_to_proto
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import Coverage, VectorOffset
 

@@ -33,7 +33,7 @@ import grpc
 from georep.client.errors import GeorepError, GroupRebalanced, InvalidRequest, MemberFenced, NodeUnavailable
 from georep.client.errors import from_rpc_error as _from_rpc_error
 from georep.proto import georep_pb2 as pb
-from georep.vector_proto import topic_partitions_to_proto, vector_from_proto, vector_to_proto
+from georep.proto.convert import topic_partitions_to_proto, vector_from_proto, vector_to_proto
 from offsets.vector import VectorOffset
 
 if TYPE_CHECKING:

@@ -1,2 +1,4 @@
-"""Replication over links (docs/design.md, "Replication"): the source side of a
-``Replicate`` stream, the sink that applies chunks, and the node's pullers."""
+"""Replication over links, sans I/O (docs/design.md, "Replication"): the link
+states and routing (``links``), the destination's pull session (``session``),
+the source's cursor (``source``) and the apply of a chunk (``sink``). The node
+(``georep/server/replicator.py``) and the simulator drive the same objects."""

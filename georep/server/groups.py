@@ -29,10 +29,10 @@ from cluster.groups import (
     UnknownMember,
 )
 from georep.proto import georep_pb2 as pb
+from georep.proto.convert import topic_partitions_to_proto, vector_from_proto, vector_to_proto
 from georep.record.batch import CorruptBatch, RecordInput, check_batch, decode_records, encode_batch
 from georep.server.broker import Broker, BrokerError
 from georep.storage.api import OffsetOutOfRange
-from georep.vector_proto import topic_partitions_to_proto, vector_from_proto, vector_to_proto
 from offsets.commits import (
     METADATA_MAX_CHARS,
     OFFSETS_PARTITIONS,
@@ -40,13 +40,13 @@ from offsets.commits import (
     Commit,
     CommitTable,
     InvalidCommit,
-    is_internal,
     offsets_partition,
     validate_group,
 )
 from offsets.coordinates import LocalOffset
 from offsets.hlc import HybridClock, unpack
 from offsets.vector import InvalidVectorOffset, VectorOffset
+from topology.filters import is_internal
 
 log = logging.getLogger(__name__)
 

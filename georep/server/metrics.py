@@ -15,8 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from georep.replication.puller import Replicator
     from georep.server.broker import Broker
+    from georep.server.replicator import Replicator
 
 LINK_STATES = ("connecting", "streaming", "stalled", "down")
 

@@ -20,19 +20,19 @@ from google.protobuf.message import DecodeError, Message
 
 from georep import __version__
 from georep.proto import georep_pb2 as pb
+from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.record.batch import iter_headers
 from georep.replication.source import Chunk, ReplicaSource
 from georep.server.broker import Broker, BrokerError, Partition, Produced
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
-from georep.vector_proto import vector_from_proto, vector_to_proto
-from offsets.commits import INTERNAL_TOPIC_PREFIX, is_internal
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
+from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
 from topology.ids import InvalidSiteId, site_id
 
 if TYPE_CHECKING:
-    from georep.replication.puller import Replicator
+    from georep.server.replicator import Replicator
 
 log = logging.getLogger(__name__)
 

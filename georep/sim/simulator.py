@@ -94,6 +94,7 @@ from georep.record.batch import (
     parse_header,
     stamp_origin,
 )
+from georep.replication.links import LinkManager
 from georep.replication.sink import apply_chunk, pull_have
 from georep.replication.source import Chunk, ReplicaSource
 from georep.sim.checker import READ_BYTES_MAX, SCAN_ROUNDS_MAX, InvariantChecker, InvariantViolation
@@ -102,12 +103,12 @@ from georep.sim.faults import FaultCounts, Faults
 from georep.sim.topologies import DEFAULT_TOPICS, build_topology
 from georep.storage.api import start_offset_for_vector
 from georep.storage.memory_log import MemoryLog
-from offsets.commits import OFFSETS_PARTITIONS, OFFSETS_TOPIC, Commit, CommitTable, is_internal, offsets_partition
+from offsets.commits import OFFSETS_PARTITIONS, OFFSETS_TOPIC, Commit, CommitTable, offsets_partition
 from offsets.coordinates import Origin
 from offsets.hlc import HybridClock
 from offsets.vector import VectorOffset
+from topology.filters import is_internal
 from topology.ids import SiteId
-from topology.links import LinkManager
 from topology.model import Topology
 from topology.reach import expected_sites
 

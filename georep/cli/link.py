@@ -9,10 +9,10 @@ from pathlib import Path
 
 import grpc
 
-from georep.admin_token import TOKEN_ENV, call_metadata, find_token
+from georep.cli.admin_token import TOKEN_ENV, call_metadata, find_token
+from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.topology_file import TopologyFileError, load_topology
 from topology.model import UnknownLink, UnknownSite
 
 TIMEOUT_S = 5.0

@@ -56,17 +56,17 @@ from typing import Any
 
 import grpc
 
-from georep.admin_token import TOKEN_ENV, find_token
+from georep.cli.admin_token import TOKEN_ENV, find_token
+from georep.cli.link import set_link
+from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.cli.up import DEFAULT_DATA_DIR
 from georep.client.consumer import Consumer, ConsumerRecord
 from georep.client.errors import GeorepError
 from georep.client.producer import Producer, parse_acks
-from georep.link_admin import set_link
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.proto.convert import vector_from_proto
 from georep.server.process import NODE_INFO
-from georep.topology_file import TopologyFileError, load_topology
-from georep.up import DEFAULT_DATA_DIR
-from georep.vector_proto import vector_from_proto
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
 from topology.model import Topology, UnknownSite

@@ -12,13 +12,13 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from georep.cli.topology import LinkStatus
+from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.topology_file import TopologyFileError, load_topology
-from offsets.commits import is_internal
+from topology.filters import is_internal
 from topology.ids import SiteId
 from topology.model import Topology
-from topology.render import LinkStatus
 
 TIMEOUT_S = 3.0
 

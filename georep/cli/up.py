@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from georep.admin_token import ensure_token
+from georep.cli.admin_token import ensure_token
+from georep.cli.topology_file import DEFAULT, TopologyFileError, load_topology
 from georep.server.process import NODE_INFO, NodeProcess, NodeStartError
-from georep.topology_file import DEFAULT, TopologyFileError, load_topology
 from topology.model import Topology, warnings
 
 DEFAULT_DATA_DIR = Path(".georep")

@@ -36,13 +36,13 @@ from cluster.topics import TOPIC_CONFIG_KEYS
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.proto.convert import vector_from_proto, vector_to_proto
+from georep.replication.links import LinkManager, LinkState, PartitionKey
 from georep.replication.sink import pull_have
 from georep.server.broker import Broker, BrokerError
-from georep.vector_proto import vector_from_proto, vector_to_proto
 from offsets.coordinates import Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.ids import SiteId
-from topology.links import LinkManager, LinkState, PartitionKey
 from topology.model import Topology
 from topology.reach import expected_sites
 

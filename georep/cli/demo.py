@@ -30,16 +30,16 @@ from pathlib import Path
 
 import grpc
 
-from georep.admin_token import find_token
+from georep.cli.admin_token import find_token
+from georep.cli.drill import add_arguments as add_drill_arguments
+from georep.cli.drill import drill, render
+from georep.cli.link import set_link as set_link_rpc
+from georep.cli.status import vector_text
+from georep.cli.up import site_processes, stop_restarted
 from georep.client import Admin, Consumer, ConsumerRecord, Producer, RecordMetadata
-from georep.drill import add_arguments as add_drill_arguments
-from georep.drill import drill, render
-from georep.link_admin import set_link as set_link_rpc
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
-from georep.status import vector_text
-from georep.up import site_processes, stop_restarted
 from topology.model import default_topology
 
 TOPIC = "demo/orders"

@@ -25,7 +25,7 @@ import grpc
 from georep.client.connection import BOOTSTRAP_ENV, Connection, default_bootstrap, parse_bootstrap
 from georep.client.errors import GeorepError, InvalidRequest, UnknownTopic, from_rpc_error
 from georep.proto import georep_pb2 as pb
-from georep.vector_proto import vector_from_proto
+from georep.proto.convert import vector_from_proto
 
 TIMEOUT_S = 10.0
 EXIT_ERROR = 1

@@ -1,0 +1,201 @@
+"""The ``georep`` command.
+
+Client commands (``topic``, ``produce``, ``consume``, ``offsets``, ``health``)
+take ``--bootstrap HOST:PORT[,HOST:PORT]`` (default: ``$GEOREP_BOOTSTRAP``,
+else 127.0.0.1:7101). ``node`` and ``demo`` belong to the server and demo
+modules; they are imported only when used.
+
+Every georep error is one line, ``georep: error: <what to do>``, exit code 1.
+Ctrl-C exits with 130, and a closed stdout (``| head``) ends quietly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from georep import __version__
+from georep.cli.output import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, err
+from georep.cli.records import cmd_consume, cmd_offsets, cmd_produce
+from georep.cli.topics import cmd_health, cmd_topic_create, cmd_topic_describe, cmd_topic_list
+from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap
+from georep.client.errors import GeorepError
+from offsets.commits import OFFSETS_TOPIC
+
+# Subcommands owned by other modules: name -> (module, help).
+DELEGATED = {
+    "node": ("georep.cli.node", "run one storage node of a site"),
+    "demo": ("georep.cli.demo", "start a local multi-site demo"),
+    "up": ("georep.cli.up", "run every node of a topology on this machine, in the foreground"),
+    "status": ("georep.cli.status", "every site's vectors, links, routes and lag"),
+    "link": ("georep.cli.link", "cut or heal one replication link"),
+    "topology": ("georep.cli.topology", "topology show [FILE]: summary and picture of a topology"),
+    "group": ("georep.cli.group", "list and describe consumer groups: members, assignments, commits, lag"),
+    "drill": ("georep.cli.drill", "run a DR drill against a running topology and report RPO, RTO and duplicates"),
+    "audit": ("spark_jobs.audit", "Spark audit: do all sites hold the same data? (reads segment files)"),
+    "delays": ("spark_jobs.delays", "Spark analytics: replication delay per path, origin and site, with plots"),
+}
+
+
+# --- the parser ----------------------------------------------------------------------
+
+
+def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bootstrap", default=default_bootstrap(), metavar="HOST:PORT[,HOST:PORT]",
+        help=f"node(s) to connect to (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101; now %(default)s)",
+    )  # fmt: skip
+
+
+def _nonnegative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Geo-replicated append-only event logs.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    topic = commands.add_parser("topic", help="create, list and describe topics")
+    topic_commands = topic.add_subparsers(dest="topic_command", metavar="ACTION", required=True)
+    create = topic_commands.add_parser("create", help="create a topic")
+    create.add_argument("name")
+    create.add_argument("--partitions", type=int, required=True, help="number of partitions (fixed for life)")
+    create.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE", help="topic config overrides")
+    create.set_defaults(run=cmd_topic_create)
+    listing = topic_commands.add_parser("list", help="list topics")
+    listing.add_argument("--internal", action="store_true",
+                         help=f"also list georep's internal topics ({OFFSETS_TOPIC}: committed offsets)")  # fmt: skip
+    listing.set_defaults(run=cmd_topic_list)
+    describe = topic_commands.add_parser("describe", help="partitions, offsets, vectors and config of a topic")
+    describe.add_argument("name")
+    describe.set_defaults(run=cmd_topic_describe)
+    for sub in (create, listing, describe):
+        _add_bootstrap(sub)
+        sub.add_argument("--json", action="store_true", help="machine-readable output")
+
+    produce = commands.add_parser("produce", help="send one record per stdin line")
+    produce.add_argument("topic")
+    produce.add_argument(
+        "--key-separator",
+        metavar="SEP",
+        help="split each line at the first SEP into key and value (no SEP in a line: no key)",
+    )
+    produce.add_argument("--acks", default="leader", help="leader, all or geo:N (default leader)")
+    produce.add_argument("--partition", type=_nonnegative, help="send every record to this partition")
+    produce.add_argument("--batch-size", type=int, default=65536, help="batch size in bytes (default 65536)")
+    produce.add_argument("--linger-ms", type=_positive_float, default=5, help="batch linger time (default 5)")
+    produce.add_argument("--compression", default="none", choices=("none", "zstd", "lz4"))
+    produce.add_argument("--request-timeout-ms", type=_positive, default=30_000, metavar="MS",
+                         help="how long a batch may wait for its acks, geo:N included (default 30000)")  # fmt: skip
+    produce.set_defaults(run=cmd_produce)
+    _add_bootstrap(produce)
+
+    consume = commands.add_parser("consume", help="print records, one per line")
+    consume.add_argument("topic")
+    consume.add_argument("--from-beginning", action="store_true", help="start at the earliest offset (default: end)")
+    consume.add_argument("--max", type=_nonnegative, help="exit after N records")
+    consume.add_argument("--timeout", type=_positive_float, metavar="S",
+                         help="exit after S seconds without a new record")  # fmt: skip
+    consume.add_argument("--json", action="store_true",
+                         help="one JSON object per record: key, value, partition, offset, origin, origin_seq, "
+                              "timestamp")  # fmt: skip
+    consume.add_argument("--partition", type=_nonnegative, help="read only this partition")
+    consume.add_argument("--offset", type=_nonnegative, help="start at this local offset (needs --partition)")
+    consume.add_argument("--vector", metavar="TEXT",
+                         help="start after what this vector offset covers, e.g. 'a@1:10,b@3:0'")  # fmt: skip
+    consume.add_argument("--group", metavar="G",
+                         help="read as a member of consumer group G: continue at its committed vector, commit "
+                              "every 5 s and on exit (--from-beginning: start at the earliest offset where G has "
+                              "no commit)")  # fmt: skip
+    consume.add_argument("--commit-acks", metavar="ACKS",
+                         help="ack level of the group's commits: leader or geo:N (default leader)")  # fmt: skip
+    consume.set_defaults(run=cmd_consume)
+    _add_bootstrap(consume)
+
+    offsets = commands.add_parser("offsets", help="earliest, latest or by-time offsets per partition")
+    offsets.add_argument("topic")
+    offsets.add_argument("--time", default="latest", help="earliest, latest or a timestamp in ms (default latest)")
+    offsets.add_argument("--partition", type=_nonnegative)
+    offsets.add_argument("--json", action="store_true")
+    offsets.set_defaults(run=cmd_offsets)
+    _add_bootstrap(offsets)
+
+    health = commands.add_parser("health", help="is the node serving?")
+    health.add_argument("--json", action="store_true")
+    health.set_defaults(run=cmd_health)
+    _add_bootstrap(health)
+
+    for name, (_, help_text) in DELEGATED.items():
+        commands.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _run_delegated(name: str, argv: list[str]) -> int:
+    module_name, help_text = DELEGATED[name]
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        err(f"error: 'georep {name}' is not available in this build ({exc})")
+        return EXIT_ERROR
+    if name == "topology":
+        if not argv or argv[0] != "show":
+            err("error: usage: georep topology show [FILE] [--output PICTURE] [--topic TOPIC]")
+            return EXIT_USAGE
+        from georep.cli.status import live_link_states
+
+        return int(module.main(argv[1:], live=live_link_states))
+    parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=help_text)
+    module.add_arguments(parser)
+    code: int = module.main(parser.parse_args(argv))
+    return code
+
+
+def _quiet_stdout() -> None:
+    # Python flushes stdout at exit and would raise again into the closed pipe.
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args_list and args_list[0] in DELEGATED:
+            return _run_delegated(args_list[0], args_list[1:])
+        args = build_parser().parse_args(args_list)
+        run: Callable[[argparse.Namespace], Any] = args.run
+        return int(asyncio.run(run(args)))
+    except GeorepError as exc:
+        err(f"error: {exc.message}")
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 0
+

@@ -1,0 +1,98 @@
+"""``georep node``: the command line of one storage node (``georep/server/node.py`` serves)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from cluster.metadata import DataDirMismatch
+from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.replication.links import DEFAULT_STALL_MS
+from georep.server.broker import DEFAULT_TOPIC_CONFIG
+from georep.server.node import UsageError, serve
+from topology.ids import InvalidSiteId
+from topology.model import Topology, UnknownSite
+
+log = logging.getLogger("georep.node")
+
+
+def parse_address(text: str, flag: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"{flag} {text!r} is not HOST:PORT (for example 127.0.0.1:7101; port 0 picks a free port)")
+    return host, int(port)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--site", required=True, help="site id, e.g. us-east")
+    parser.add_argument("--listen", default="127.0.0.1:7101", help="gRPC address HOST:PORT (port 0: any free port)")
+    parser.add_argument("--data-dir", required=True, type=Path, help="where this node keeps its logs")
+    parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
+    parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
+    parser.add_argument(
+        "--topology", default=None,
+        help="topology TOML file: sites, their nodes and the links this site pulls over; 'default' for the "
+        "embedded 3-site topology (a, b, c on 127.0.0.1:7101/7201/7301). Without it the node runs "
+        "standalone, with no links",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stall-ms", type=int, default=DEFAULT_STALL_MS,
+        help=f"move an origin to another upstream after its preferred one stays behind this long "
+        f"(default {DEFAULT_STALL_MS})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--admin-token-file", type=Path, default=None,
+        help="file holding the admin token that admin calls (georep link cut/heal, drills) must present; "
+        "without it only callers on this host may make them",
+    )  # fmt: skip
+    for key, value in DEFAULT_TOPIC_CONFIG.items():
+        parser.add_argument(
+            f"--{key.replace('_', '-')}", type=int, default=value, help=f"default topic {key} (default {value})"
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        listen = parse_address(args.listen, "--listen")
+        metrics_listen = parse_address(args.metrics_listen, "--metrics-listen")
+        defaults = {key: getattr(args, key) for key in DEFAULT_TOPIC_CONFIG}
+        topology = None if args.topology is None else site_topology(args.topology, args.site)
+        if args.stall_ms < 1:
+            raise UsageError(f"--stall-ms {args.stall_ms} must be at least 1")
+        admin_token = None if args.admin_token_file is None else read_admin_token(args.admin_token_file)
+        return asyncio.run(
+            serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
+                  topology, args.stall_ms, admin_token)  # fmt: skip
+        )
+    except (UsageError, DataDirMismatch, InvalidSiteId) as exc:
+        log.error("%s", exc)
+        return 2
+
+
+def read_admin_token(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"--admin-token-file {path}: {exc.strerror or exc}") from None
+    if len(token) < 16 or not token.isprintable():
+        raise UsageError(f"--admin-token-file {path}: the token must be at least 16 printable characters")
+    return token
+
+
+def site_topology(spec: str, site: str) -> Topology:
+    """The topology ``spec`` names; ``site`` must be one of its sites."""
+    try:
+        topology = load_topology(spec)
+    except TopologyFileError as exc:
+        raise UsageError(f"--topology: {exc}") from None
+    try:
+        topology.site(site)
+    except UnknownSite:
+        raise UsageError(
+            f"site {site!r} is not in topology {spec} (sites: {', '.join(topology.site_ids())}): "
+            "pass --site with one of them, or --topology with a file that defines this site"
+        ) from None
+    return topology
