@@ -54,3 +54,52 @@ class HeldTable:
             site for site in self.sites
             if (vector := held.get((site, topic, partition))) is not None and vector.covers(origin, seq)
         )  # fmt: skip
+
+
+class HeldReporter:
+    """What one site reports to one upstream it pulls from (``ReportHeld``). Pure.
+
+    One report at a time: :meth:`next_report` hands out the entries that grew
+    since the last report the upstream acknowledged, leaving out the
+    upstream's own entries (it knows its own holdings better); what changes
+    while a report is in flight goes in the next one, so a burst of fsyncs
+    costs one report per round trip. :meth:`failed` makes the same entries go
+    again; :meth:`reset` (the upstream reconnected, and may have restarted and
+    forgotten) makes everything go again. The node's replicator and the
+    simulator drive it alike.
+    """
+
+    __slots__ = ("upstream", "_acked", "_in_flight")
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self._acked = 0  # the table version the upstream has acknowledged
+        self._in_flight: int | None = None
+
+    def next_report(self, table: HeldTable) -> list[tuple[HeldKey, VectorOffset]] | None:
+        """The entries to send now, or None (nothing new, or a report is in flight)."""
+        if self._in_flight is not None:
+            return None
+        version = table.version
+        entries = [(key, vector) for key, vector in table.changed_since(self._acked) if key[0] != self.upstream]
+        if not entries:
+            self._acked = version
+            return None
+        self._in_flight = version
+        return entries
+
+    def acked(self) -> None:
+        if self._in_flight is not None:
+            self._acked = max(self._acked, self._in_flight)
+        self._in_flight = None
+
+    def failed(self) -> None:
+        self._in_flight = None
+
+    def reset(self) -> None:
+        self._acked = 0
+        self._in_flight = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None

@@ -1,10 +1,11 @@
-"""Positions to and from their protobuf messages: vector offsets and topic-partition
-lists (shell side: the core never imports protobuf)."""
+"""Domain values to and from their protobuf messages: vector offsets, topic-partition
+lists and ack levels (shell side: the core never imports protobuf)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from georep.broker.acks import AckKind, Acks
 from georep.proto import georep_pb2
 from offsets.coordinates import Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
@@ -36,3 +37,16 @@ def topic_partitions_to_proto(tps: Iterable[tuple[str, int]]) -> list[georep_pb2
     for topic, partition in tps:
         by_topic.setdefault(topic, []).append(partition)
     return [georep_pb2.TopicPartitions(topic=t, partitions=sorted(ps)) for t, ps in sorted(by_topic.items())]
+
+
+_ACK_KINDS = {
+    georep_pb2.ACKS_LEADER: AckKind.LEADER,
+    georep_pb2.ACKS_ALL: AckKind.ALL,
+    georep_pb2.ACKS_GEO: AckKind.GEO,
+}
+
+
+def acks_from_proto(acks: int, geo_sites: int) -> Acks:
+    """The ``Acks`` enum and ``geo_sites`` of a request as an ack level (an unknown enum value is ``leader``)."""
+    kind = _ACK_KINDS.get(acks, AckKind.LEADER)
+    return Acks(kind, geo_sites) if kind is AckKind.GEO else Acks(kind)

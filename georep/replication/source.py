@@ -56,14 +56,30 @@ READ_BYTES_MIN = 64 * 1024
 class Chunk:
     """Whole batches of one partition, verbatim, with the source's state of the partition.
 
-    ``batches`` is empty in a heartbeat. ``src_vector`` is everything the
-    source has appended to the partition (its flushed part is what it serves).
+    ``batches`` is empty in a heartbeat. ``src_vector`` is the source's durable
+    vector of the partition: what it can serve (``flushed_vector``).
     """
 
     key: tuple[str, int]
     batches: bytes
     src_vector: dict[Origin, int]
     src_log_end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Serve:
+    """One step of a stream (:meth:`ReplicaSource.step`).
+
+    ``chunks``: to send now, as one message (data, or a heartbeat when
+    ``heartbeat``). ``again``: step again as soon as other work has run.
+    Otherwise step again at ``wake_ms``, or sooner when a wanted partition's
+    flushed offset moves.
+    """
+
+    chunks: list[Chunk]
+    heartbeat: bool
+    again: bool
+    wake_ms: int
 
 
 class _Cursor:
@@ -151,9 +167,12 @@ class ReplicaSource:
         self,
         logs: Mapping[tuple[str, int], PartitionLog],
         wants: Mapping[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]],
+        heartbeat_ms: int = 500,
     ) -> None:
         self._cursors = [_Cursor(key, logs[key], have, sites) for key, (have, sites) in sorted(wants.items())]
         self._next = 0  # round-robin start
+        self.heartbeat_ms = heartbeat_ms
+        self._last_sent_ms: int | None = None
 
     @property
     def keys(self) -> list[PartitionKey]:
@@ -188,12 +207,36 @@ class ReplicaSource:
                 total += size
                 data = views[0].tobytes() if len(views) == 1 else b"".join(views)
                 log = cursor.log
-                out.append(Chunk(cursor.key, data, dict(log.vector()), log.log_end_offset))
+                out.append(Chunk(cursor.key, data, log.flushed_vector(), log.log_end_offset))
         return out
 
     def heartbeat(self) -> list[Chunk]:
-        """One empty chunk per wanted partition, carrying the source's vector and log end."""
-        return [Chunk(c.key, b"", dict(c.log.vector()), c.log.log_end_offset) for c in self._cursors]
+        """One empty chunk per wanted partition, carrying the source's durable vector and log end."""
+        return [Chunk(c.key, b"", c.log.flushed_vector(), c.log.log_end_offset) for c in self._cursors]
+
+    def step(self, now_ms: int, max_bytes: int) -> Serve:
+        """What the stream does now: send data, send a heartbeat, scan on, or wait.
+
+        The first step of a stream is a heartbeat, so dst learns at once that
+        the stream is up and what this site holds. After that: the batches to
+        send, if any; a heartbeat when nothing was sent for ``heartbeat_ms``;
+        otherwise wait until the heartbeat is due or a wanted partition's
+        flushed offset moves (batches are served once durable).
+        """
+        if self._last_sent_ms is None:
+            self._last_sent_ms = now_ms
+            return Serve(self.heartbeat(), True, False, now_ms + self.heartbeat_ms)
+        chunks = self.next_chunks(max_bytes)
+        if chunks:
+            self._last_sent_ms = now_ms
+            return Serve(chunks, False, True, now_ms)
+        if self.has_more():
+            return Serve([], False, True, now_ms)  # only skipped batches so far: go on after others ran
+        due = self._last_sent_ms + self.heartbeat_ms
+        if now_ms >= due:
+            self._last_sent_ms = now_ms
+            return Serve(self.heartbeat(), True, False, now_ms + self.heartbeat_ms)
+        return Serve([], False, False, due)
 
     def has_more(self) -> bool:
         """Whether some cursor has durable batches left to read (sent or skipped)."""

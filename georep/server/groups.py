@@ -19,53 +19,23 @@ import time
 import uuid
 from collections.abc import Callable
 
-import grpc
-
-from cluster.groups import (
-    GroupCoordinator,
-    IllegalGeneration,
-    InvalidGroupRequest,
-    NotAssigned,
-    UnknownMember,
-)
+from cluster.groups import GroupCoordinator, InvalidGroupRequest
+from georep.broker.acks import Acks
+from georep.broker.commits import CommitEntry, CommitLog, check_commit_request, commit_batch
+from georep.broker.errors import InvalidRequest, UnknownGroup
 from georep.proto import georep_pb2 as pb
-from georep.proto.convert import topic_partitions_to_proto, vector_from_proto, vector_to_proto
-from georep.record.batch import CorruptBatch, RecordInput, check_batch, decode_records, encode_batch
-from georep.server.broker import Broker, BrokerError
-from georep.storage.api import OffsetOutOfRange
-from offsets.commits import (
-    METADATA_MAX_CHARS,
-    OFFSETS_PARTITIONS,
-    OFFSETS_TOPIC,
-    Commit,
-    CommitTable,
-    InvalidCommit,
-    offsets_partition,
-    validate_group,
-)
-from offsets.coordinates import LocalOffset
-from offsets.hlc import HybridClock, unpack
+from georep.proto.convert import acks_from_proto, topic_partitions_to_proto, vector_from_proto, vector_to_proto
+from georep.server.broker import Broker
+from georep.storage.api import PartitionLog
+from offsets.commits import OFFSETS_PARTITIONS, OFFSETS_TOPIC, Commit, CommitTable, offsets_partition, validate_group
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.filters import is_internal
 
 log = logging.getLogger(__name__)
 
 OFFSETS_TOPIC_CONFIG = {"retention_ms": str(7 * 24 * 3600 * 1000), "flush_interval_ms": "0"}
-# A consumer's previous stamp may come from a site whose clock runs ahead; more
-# than this ahead of ours is a broken client, and taking it in would push this
-# site's clock forward by as much.
-AFTER_HLC_AHEAD_MS_MAX = 3600 * 1000
-READ_BYTES = 1 << 20
 CAUGHT_UP_WAIT_MS_MAX = 30_000
 CAUGHT_UP_POLL_S = 0.01
-
-
-def _group_error(exc: Exception) -> BrokerError:
-    if isinstance(exc, UnknownMember):
-        return BrokerError(grpc.StatusCode.NOT_FOUND, str(exc))
-    if isinstance(exc, IllegalGeneration | NotAssigned):
-        return BrokerError(grpc.StatusCode.ABORTED, str(exc))
-    return BrokerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 class GroupService:
@@ -73,15 +43,17 @@ class GroupService:
         self.broker = broker
         self.clock_ms = clock_ms
         self.coordinator = GroupCoordinator(self._partition_count, self._new_member_id)
-        self.clock = HybridClock()
-        self.table = CommitTable()
-        self._cursors: dict[int, int] = {}
+        self.commits = CommitLog()
         # Whether a live upstream holds records of a partition this site lacks;
         # the replicator replaces it (a standalone node has no upstream).
         self.behind_upstreams: Callable[[tuple[str, int]], bool] = lambda key: False
         if OFFSETS_TOPIC not in broker.metadata.topics():
             broker.create_topic(OFFSETS_TOPIC, OFFSETS_PARTITIONS, OFFSETS_TOPIC_CONFIG)
         self.catch_up()
+
+    @property
+    def table(self) -> CommitTable:
+        return self.commits.table
 
     def _partition_count(self, topic: str) -> int:
         spec = self.broker.metadata.topics().get(topic)
@@ -93,52 +65,20 @@ class GroupService:
 
     # -- the commit table -------------------------------------------------------
 
-    def catch_up(self) -> None:
-        """Fold every commit record this site holds and has not folded yet."""
-        for index in range(OFFSETS_PARTITIONS):
-            p = self.broker.partition(OFFSETS_TOPIC, index)
-            at = max(self._cursors.get(index, 0), p.log.log_start_offset)
-            end = p.log.log_end_offset
-            while at < end:
-                try:
-                    res = p.log.read(LocalOffset(at), READ_BYTES)
-                except OffsetOutOfRange:
-                    at = p.log.log_start_offset
-                    continue
-                self._fold(res.data, index)
-                if res.next_offset <= at:
-                    break
-                at = res.next_offset
-            self._cursors[index] = at
+    def _offsets_logs(self) -> dict[int, PartitionLog]:
+        return {i: self.broker.partition(OFFSETS_TOPIC, i).log for i in range(OFFSETS_PARTITIONS)}
 
-    def _fold(self, data: bytes, index: int) -> None:
-        view = memoryview(data)
-        pos = 0
-        while pos < len(data):
-            try:
-                header = check_batch(view, pos)
-            except CorruptBatch as exc:
-                log.error("unreadable batch in %s-%d: %s; commits in it are skipped", OFFSETS_TOPIC, index, exc)
-                return
-            for record in decode_records(view[pos : pos + header.size_bytes], header):
-                if record.value is None:
-                    continue
-                try:
-                    commit = Commit.decode(record.value)
-                except InvalidCommit as exc:
-                    log.warning("skipping a record of %s-%d at %d: %s", OFFSETS_TOPIC, index, record.offset, exc)
-                    continue
-                self.clock.observe(commit.hlc)
-                self.table.apply(commit)
-            pos += header.size_bytes
+    def catch_up(self) -> None:
+        """Fold every commit record this site holds and has not folded yet (``CommitLog.catch_up``)."""
+        for problem in self.commits.catch_up(self._offsets_logs()).problems:
+            log.warning("%s", problem)
 
     def lag(self, topic: str, partition: int, vector: VectorOffset) -> int:
         """Records this site holds for the partition that ``vector`` does not cover (exact: seqs are dense)."""
-        try:
-            held = self.broker.partition(topic, partition).log.vector()
-        except BrokerError:
+        p = self.broker.partitions.get((topic, partition))
+        if p is None:
             return 0
-        return sum(max(0, seq - vector.get(origin)) for origin, seq in held.items())
+        return sum(max(0, seq - vector.get(origin)) for origin, seq in p.log.vector().items())
 
     def _committed(self, c: Commit) -> pb.CommittedOffset:
         return pb.CommittedOffset(
@@ -151,27 +91,21 @@ class GroupService:
     # -- RPCs -------------------------------------------------------------------
 
     def heartbeat(self, req: pb.GroupHeartbeatRequest) -> pb.GroupHeartbeatResponse:
-        try:
-            group = validate_group(req.group)
-            for topic in req.topics:
-                if is_internal(topic):
-                    raise InvalidGroupRequest(f"topic {topic!r} is internal to georep: subscribe to your own topics")
-            hb = self.coordinator.heartbeat(
-                group, req.member_id, list(req.topics), req.session_timeout_ms or 10_000, req.assignor or "range",
-                self.clock_ms(), req.client_id,
-            )  # fmt: skip
-        except (InvalidCommit, UnknownMember, IllegalGeneration, NotAssigned, InvalidGroupRequest) as exc:
-            raise _group_error(exc) from None
+        group = validate_group(req.group)
+        for topic in req.topics:
+            if is_internal(topic):
+                raise InvalidGroupRequest(f"topic {topic!r} is internal to georep: subscribe to your own topics")
+        hb = self.coordinator.heartbeat(
+            group, req.member_id, list(req.topics), req.session_timeout_ms or 10_000, req.assignor or "range",
+            self.clock_ms(), req.client_id,
+        )  # fmt: skip
         return pb.GroupHeartbeatResponse(
             member_id=hb.member_id, generation=hb.generation, assignment=topic_partitions_to_proto(hb.assignment),
             heartbeat_interval_ms=hb.heartbeat_interval_ms,
         )  # fmt: skip
 
     def leave(self, req: pb.LeaveGroupRequest) -> pb.LeaveGroupResponse:
-        try:
-            self.coordinator.leave(req.group, req.member_id)
-        except UnknownMember as exc:
-            raise _group_error(exc) from None
+        self.coordinator.leave(req.group, req.member_id)
         return pb.LeaveGroupResponse()
 
     def expire(self) -> None:
@@ -179,57 +113,28 @@ class GroupService:
             log.info("member %s of group %r left: no heartbeat within its session timeout", member, group)
 
     async def commit(self, req: pb.CommitOffsetsRequest) -> pb.CommitOffsetsResponse:
-        try:
-            group = validate_group(req.group)
-        except InvalidCommit as exc:
-            raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        if not req.commits:
-            raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, "a commit needs at least one partition")
-        seen: set[tuple[str, int]] = set()
-        vectors: list[VectorOffset] = []
-        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        entries = []
         for c in req.commits:
-            key = (c.topic, c.partition)
-            if is_internal(c.topic):
-                raise BrokerError(invalid, f"cannot commit offsets of internal topic {c.topic!r}")
-            if key in seen:
-                raise BrokerError(invalid, f"{c.topic}/{c.partition} appears twice in one commit: list it once")
-            seen.add(key)
-            self.broker.partition(c.topic, c.partition)  # NOT_FOUND for an unknown topic or partition
-            if len(c.metadata) > METADATA_MAX_CHARS:
-                raise BrokerError(
-                    invalid, f"commit metadata is {len(c.metadata)} characters; the limit is {METADATA_MAX_CHARS}"
-                )
             try:
-                vectors.append(vector_from_proto(c.vector))
+                vector = vector_from_proto(c.vector)
             except InvalidVectorOffset as exc:
-                raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed vector offset: {exc}") from None
-        try:
-            self.coordinator.check_commit(group, req.member_id, req.generation, sorted(seen))
-        except (UnknownMember, IllegalGeneration, NotAssigned, InvalidGroupRequest) as exc:
-            raise _group_error(exc) from None
+                raise InvalidRequest(f"malformed vector offset: {exc}") from None
+            entries.append(CommitEntry(c.topic, c.partition, vector, c.hint_offset, c.metadata))
+        group = check_commit_request(req.group, entries)
+        for c in entries:
+            self.broker.partition(c.topic, c.partition)  # UnknownTopic / UnknownPartition
+        self.coordinator.check_commit(group, req.member_id, req.generation, sorted((c.topic, c.partition)
+                                                                                    for c in entries))  # fmt: skip
         now = self.clock_ms()
-        if req.after_hlc and unpack(req.after_hlc)[0] > now + AFTER_HLC_AHEAD_MS_MAX:
-            raise BrokerError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"after_hlc {req.after_hlc} is more than {AFTER_HLC_AHEAD_MS_MAX // 60_000} minutes ahead of site "
-                f"{self.broker.identity.site}'s clock: check the clocks of the sites this consumer used",
-            )
         self.catch_up()
-        stamp = self.clock.now(now, req.after_hlc)
+        stamp = self.commits.stamp(now, req.after_hlc, self.broker.identity.site)
         origin = self.broker.origin
-        commits = [
-            Commit(group=group, topic=c.topic, partition=c.partition, vector=v, hlc=stamp, committed_by=origin,
-                   hint_offset=c.hint_offset if c.hint_offset >= 0 else -1, member_id=req.member_id,
-                   generation=req.generation, committed_at_ms=now, metadata=c.metadata)  # fmt: skip
-            for c, v in zip(req.commits, vectors, strict=True)
-        ]
-        batch = encode_batch([RecordInput(c.key(), c.value(), (), now) for c in commits])
-        index = offsets_partition(group)
-        p, produced = self.broker.append(OFFSETS_TOPIC, index, batch, req.acks, req.geo_sites)
-        for c in commits:
-            self.table.apply(c)
-        waiter = self.broker.ack_waiter(p, produced, req.acks, req.geo_sites, req.ack_timeout_ms)
+        commits = self.commits.new_commits(group, entries, stamp, origin, member_id=req.member_id,
+                                           generation=req.generation, now_ms=now)  # fmt: skip
+        acks: Acks = acks_from_proto(req.acks, req.geo_sites)
+        p, produced = self.broker.append(OFFSETS_TOPIC, offsets_partition(group), commit_batch(commits, now), acks)
+        self.commits.record(commits)
+        waiter = self.broker.ack_waiter(p, produced, acks, req.ack_timeout_ms)
         if waiter is not None:
             await waiter
         return pb.CommitOffsetsResponse(hlc=stamp, committed_by=str(origin))
@@ -270,8 +175,7 @@ class GroupService:
         g = self.coordinator.groups.get(req.group)
         commits = list(self.table.of_group(req.group))
         if (g is None or not g.members) and not commits:
-            raise BrokerError(
-                grpc.StatusCode.NOT_FOUND,
+            raise UnknownGroup(
                 f"unknown group {req.group!r} at site {self.broker.identity.site}: no members and no commits here "
                 "(list groups with 'georep group list')",
             )

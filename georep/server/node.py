@@ -127,7 +127,7 @@ async def _flush_loop(broker: Broker) -> None:
         intervals = [p.config["flush_interval_ms"] for p in broker.partitions.values()]
         due = [i for i in intervals if i > 0]
         await asyncio.sleep(min(due, default=1000) / 1000)
-        await broker.flush_due(int(time.monotonic() * 1000))
+        broker.flush_due(int(time.monotonic() * 1000))
 
 
 async def _group_loop(service: NodeService) -> None:

@@ -1,46 +1,54 @@
-"""The node's replication shell: one puller per inbound link, around the pure ``LinkManager``.
+"""The node's replication shell: one puller per inbound link, around the pure core.
 
-For each link ``src -> me`` of the topology, a :class:`Puller` runs two tasks:
+For each link ``src -> me`` of the topology, a :class:`Puller` runs three tasks:
 
-* **topics**: every ``TOPIC_SYNC_S`` it lists ``src``'s topics and creates
-  here the ones the link's filters carry, with the same partition count and
-  configuration. A topic that exists here with another partition count is a
-  *conflict*: it is not replicated over this link, and is reported in
-  ``SiteStatus.conflicts`` and ``georep_topic_conflicts``. Nothing is merged.
-* **stream**: it opens ``Replicate`` with the wants ``LinkManager.wants(src)``
-  gives (plus this site's have-vectors), applies each chunk with
-  ``Broker.append_replica``, and feeds ``LinkManager``: ``link_up`` on the
-  first message, ``upstream_vector`` from every chunk, ``local_vector`` after
-  each apply, ``link_down`` on an error. It reopens the stream when the wants
-  change (checked every ``WANTS_CHECK_S``), on a gap or a divergent batch (the
-  stream is out of step with this site's vector), and after an error, with
-  exponential backoff from ``BACKOFF_MIN_S`` to ``BACKOFF_MAX_S``.
+* **stream**: it drives a :class:`~georep.replication.session.PullSession`
+  (every decision: when to open, reopen or give up on a ``Replicate``
+  stream, with what wants and have-vectors, what to do with each chunk, lost
+  tails, stalls) with grpc.aio: it opens the calls the session asks for,
+  reads their messages into a small queue (so HTTP/2 flow control still
+  pushes back), applies chunks with ``Broker.append_replica`` in the writer
+  thread, and feeds the outcomes back;
+* **topics**: every ``TOPIC_SYNC_S`` it lists ``src``'s topics and carries
+  out ``plan_topic_sync``: creates here the ones the link carries, reports
+  conflicts (``SiteStatus.conflicts``, ``georep_topic_conflicts``);
+* **held reports**: it sends ``src`` what this site, and every site it heard
+  from, holds fsynced (``offsets.held.HeldReporter``), for ``acks=geo:N``.
 
-:class:`Replicator` owns the ``LinkManager``, the pullers, the per-link
-counters and the ``tick`` task, and answers ``SiteStatus``. Every ``LinkManager``
-call happens on the event loop thread, so it needs no lock.
+:class:`Replicator` owns the ``LinkManager``, the pullers and the ``tick``
+task, and answers ``SiteStatus``. Every core call happens on the event loop
+thread, so nothing needs a lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 
-from cluster.topics import TOPIC_CONFIG_KEYS
+from cluster.metadata import TopicExists
+from cluster.topics import InvalidTopic
+from georep.broker.errors import BrokerError
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.replication.links import LinkManager, LinkState, PartitionKey
-from georep.replication.sink import pull_have
-from georep.server.broker import Broker, BrokerError
+from georep.replication.session import DISABLED, ApplyChunk, Effect, LinkEvent, OpenStream, PullConfig, PullSession
+from georep.replication.session import PullStats as LinkStats
+from georep.replication.sink import CorruptChunk
+from georep.replication.source import Chunk
+from georep.replication.topics import RemoteTopic, plan_topic_sync
+from georep.server.broker import Broker
+from georep.storage.api import DiskFull
 from offsets.coordinates import Origin
+from offsets.held import HeldReporter
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.ids import SiteId
 from topology.model import Topology
@@ -49,61 +57,52 @@ from topology.reach import expected_sites
 log = logging.getLogger(__name__)
 
 TOPIC_SYNC_S = 1.0
-WANTS_CHECK_S = 0.2
 TICK_S = 0.2
-BACKOFF_MIN_S = 0.1
-BACKOFF_MAX_S = 2.0
+BACKOFF_MIN_MS = 100
+BACKOFF_MAX_MS = 2_000
 STREAM_MAX_BYTES = 1 << 20
 HEARTBEAT_MS = 500
 RPC_TIMEOUT_S = 5.0
 # A stream that delivers nothing, not even a heartbeat, for this long is dead
 # (a peer that vanished without closing its TCP connection).
-STREAM_IDLE_S = 10 * HEARTBEAT_MS / 1000
-
-Wants = dict[PartitionKey, tuple[SiteId, ...]]
-
-
-class Reopen(Exception):
-    """The stream is out of step with this site's vector: open it again, at once."""
-
-
-@dataclass
-class LinkStats:
-    applied_batches: int = 0
-    applied_bytes: int = 0
-    applied_records: int = 0
-    skipped_batches: int = 0
-    gaps: int = 0
-    reopens: int = 0
-    last_error: str = ""
-
-
-class LinkDisabled(Exception):
-    """An operator cut the link (``SetLink``): end the stream until it is healed."""
-
-
-DISABLED = "cut by an operator (georep link cut); heal it with georep link heal"
+STREAM_IDLE_MS = 10 * HEARTBEAT_MS
+INBOX_MESSAGES = 2  # read ahead of the applies by this many messages, no more: back-pressure
+_END = "end"
 
 
 class Puller:
-    """The inbound link ``src -> site``: topic sync and the ``Replicate`` stream."""
+    """The inbound link ``src -> site``: its pull session, topic sync and held reports."""
 
     def __init__(self, replicator: Replicator, src: SiteId, address: str) -> None:
         self.r = replicator
         self.src = src
         self.address = address
-        self.stats = LinkStats()
+        broker = replicator.broker
+        self.session = PullSession(
+            src, replicator.links, broker.origin, lambda key: broker.partition(*key).log.vector(),
+            itertools.count(1), PullConfig(STREAM_IDLE_MS, BACKOFF_MIN_MS, BACKOFF_MAX_MS), usable=self._usable,
+        )  # fmt: skip
+        self.reporter = HeldReporter(src)
         self._channel: grpc.aio.Channel | None = None
         self._stub: pbg.NodeStub | None = None
         self._topics_synced = asyncio.Event()
         # The upstream's topics and partition counts, from the last ListTopics:
         # a want for a topic it does not have (yet) would fail the whole stream.
         self.remote_topics: dict[str, int] = {}
-        self.enabled = asyncio.Event()
+        self.enabled = asyncio.Event()  # mirrors the session's: an operator cut pauses topics and reports too
         self.enabled.set()
-        # Reports of what this site (and the sites it heard from) hold, to src (acks=geo:N).
         self.held_changed = asyncio.Event()
-        self.held_sent_version = 0
+        # (stream id, message | error text | _END) from the current call's reader, in order
+        self._inbox: asyncio.Queue[tuple[int, pb.ReplicateResponse | str]] = asyncio.Queue(INBOX_MESSAGES)
+        self._controls: deque[bool] = deque()  # operator cuts and heals, for the stream loop
+        self._wake = asyncio.Event()
+        self._call: grpc.aio.UnaryStreamCall | None = None  # type: ignore[type-arg]
+        self._call_id: int | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    @property
+    def stats(self) -> LinkStats:
+        return self.session.stats
 
     @property
     def stub(self) -> pbg.NodeStub:
@@ -113,8 +112,22 @@ class Puller:
         return self._stub
 
     async def close(self) -> None:
+        self._end_call()
         if self._channel is not None:
             await self._channel.close(grace=None)
+
+    def _usable(self, key: PartitionKey) -> bool:
+        topic, index = key
+        return (topic, self.src) not in self.r.conflicts and index < self.remote_topics.get(topic, 0)
+
+    def set_enabled(self, enabled: bool) -> None:
+        """An operator cut or healed the link; the stream loop tells the session."""
+        if enabled:
+            self.enabled.set()
+        else:
+            self.enabled.clear()
+        self._controls.append(enabled)
+        self._wake.set()
 
     # -- topics ---------------------------------------------------------------
 
@@ -131,188 +144,173 @@ class Puller:
 
     def sync_topics(self, resp: pb.ListTopicsResponse) -> None:
         r = self.r
-        link = r.topology.link(self.src, r.site)
-        self.remote_topics = {t.name: t.partitions for t in resp.topics}
-        for t in resp.topics:
-            if not link.carries(t.name):
-                continue
-            local = r.broker.metadata.topics().get(t.name)
-            if local is None:
-                config = {k: v for k, v in t.config.items() if k in TOPIC_CONFIG_KEYS}
-                try:
-                    r.broker.create_topic(t.name, t.partitions, config)
-                    log.info("created topic %r (%d partitions) replicated from site %s", t.name, t.partitions,
-                             self.src)  # fmt: skip
-                except BrokerError as exc:
-                    if exc.code != grpc.StatusCode.ALREADY_EXISTS:
-                        r.conflicts[(t.name, self.src)] = (
-                            f"topic {t.name!r} of site {self.src} cannot be created at site {r.site}: {exc.message}"
-                        )
-                        continue
-                local = r.broker.metadata.topics().get(t.name)
-                if local is None:
-                    continue
-            if local.partitions != t.partitions:
-                message = (
-                    f"topic {t.name!r} has {local.partitions} partitions at site {r.site} but {t.partitions} at "
-                    f"site {self.src}: it is not replicated over the link {self.src} -> {r.site}. Partition counts "
-                    "must match at every site; recreate the topic under a new name with one partition count"
+        remote = [RemoteTopic(t.name, t.partitions, dict(t.config)) for t in resp.topics]
+        self.remote_topics = {t.name: t.partitions for t in remote}
+        local = {name: spec.partitions for name, spec in r.broker.metadata.topics().items()}
+        plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local)
+        for t in plan.create:
+            try:
+                r.broker.create_topic(t.name, t.partitions, dict(t.config))
+                log.info("created topic %r (%d partitions) replicated from site %s", t.name, t.partitions, self.src)
+            except TopicExists:
+                pass  # created meanwhile: the next round compares partition counts
+            except (InvalidTopic, DiskFull, BrokerError) as exc:
+                r.conflicts[(t.name, self.src)] = (
+                    f"topic {t.name!r} of site {self.src} cannot be created at site {r.site}: {exc}"
                 )
-                if r.conflicts.get((t.name, self.src)) != message:
-                    log.warning("%s", message)
-                r.conflicts[(t.name, self.src)] = message
-            else:
-                r.conflicts.pop((t.name, self.src), None)
+        for name, message in plan.conflicts.items():
+            if r.conflicts.get((name, self.src)) != message:
+                log.warning("%s", message)
+            r.conflicts[(name, self.src)] = message
+        for name in plan.cleared:
+            r.conflicts.pop((name, self.src), None)
 
     # -- held reports -----------------------------------------------------------
 
     async def report_loop(self) -> None:
-        """Tell src what this site, and every site it heard from, holds fsynced.
-
-        One report at a time; what changes meanwhile goes in the next one, so a
-        burst of fsyncs costs one report per round trip."""
+        """Tell src what this site, and every site it heard from, holds fsynced (one report at a time)."""
         held = self.r.broker.held
         while True:
             await self.held_changed.wait()
             self.held_changed.clear()
             await self.enabled.wait()
-            version = held.version
-            entries = [
-                pb.HeldEntry(site=site, topic=topic, partition=index, vector=vector_to_proto(vector))
-                for (site, topic, index), vector in held.changed_since(self.held_sent_version)
-                if site != self.src
-            ]  # fmt: skip
-            if not entries:
-                self.held_sent_version = version
+            entries = self.reporter.next_report(held)
+            if entries is None:
                 continue
+            request = pb.ReportHeldRequest(reporter=self.r.site, entries=[
+                pb.HeldEntry(site=site, topic=topic, partition=index, vector=vector_to_proto(vector))
+                for (site, topic, index), vector in entries
+            ])  # fmt: skip
             try:
-                await self.stub.ReportHeld(pb.ReportHeldRequest(reporter=self.r.site, entries=entries),
-                                           timeout=RPC_TIMEOUT_S)  # fmt: skip
-                self.held_sent_version = version
+                await self.stub.ReportHeld(request, timeout=RPC_TIMEOUT_S)
+                self.reporter.acked()
             except grpc.aio.AioRpcError as exc:
                 log.debug("reporting held vectors to %s failed: %s", self.src, exc.details())
-                await asyncio.sleep(BACKOFF_MAX_S)
-                self.held_changed.set()
+                self.reporter.failed()
+                await asyncio.sleep(BACKOFF_MAX_MS / 1000)
+            self.held_changed.set()  # what changed meanwhile goes in the next report
 
     # -- stream ---------------------------------------------------------------
 
-    def wants(self) -> Wants:
-        conflicted = {topic for (topic, src) in self.r.conflicts if src == self.src}
-        remote = self.remote_topics
-        return {
-            k: v for k, v in self.r.links.wants(self.src).items()
-            if k[0] not in conflicted and k[1] < remote.get(k[0], 0)
-        }  # fmt: skip
-
     async def stream_loop(self) -> None:
-        backoff = BACKOFF_MIN_S
         with contextlib.suppress(TimeoutError):
             # The first stream should already carry the upstream's topics.
             await asyncio.wait_for(self._topics_synced.wait(), TOPIC_SYNC_S * 2)
+        session = self.session
+        now = self.r.now_ms
+        last_tick = now()
+        await self._perform(session.start(now()))
         while True:
-            if not self.enabled.is_set():
-                self.stats.last_error = DISABLED
-                self.r.links.link_down(self.src, self.r.now_ms(), DISABLED)
-                log.warning("link %s -> %s %s", self.src, self.r.site, DISABLED)
-                await self.enabled.wait()
-                log.info("link %s -> %s healed by an operator", self.src, self.r.site)
-            try:
-                await self.stream_once()
-                backoff = BACKOFF_MIN_S
-            except LinkDisabled:
+            while self._controls:
+                await self._perform(session.set_enabled(self._controls.popleft(), now()))
+            if now() - last_tick >= TICK_S * 1000:
+                last_tick = now()
+                await self._perform(session.tick(last_tick))
+            item = await self._next_item(TICK_S)
+            if item is None:
                 continue
-            except Reopen as exc:
-                self.stats.reopens += 1
-                log.info("reopening the stream from %s: %s", self.src, exc)
-                backoff = BACKOFF_MIN_S
-            except (grpc.aio.AioRpcError, BrokerError, TimeoutError) as exc:
-                if isinstance(exc, grpc.aio.AioRpcError):
-                    error = f"{exc.code().name}: {exc.details()}"
-                elif isinstance(exc, BrokerError):
-                    error = f"{exc.code.name}: {exc.message}"
-                else:
-                    error = f"no message from {self.src} for {STREAM_IDLE_S:g}s"
-                if self.r.links.links[self.src].state is not LinkState.DOWN:
-                    log.warning("link %s -> %s down: %s", self.src, self.r.site, error)
-                self.stats.last_error = error
-                self.r.links.link_down(self.src, self.r.now_ms(), error)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+            stream_id, what = item
+            if isinstance(what, str):
+                error = None if what == _END else what
+                await self._perform(session.on_stream_ended(stream_id, now(), error))
+                continue
+            try:
+                chunks = [self._chunk(c) for c in what.chunks]
+            except InvalidVectorOffset as exc:
+                await self._perform(session.on_stream_ended(stream_id, now(), f"site {self.src} sent a bad "
+                                                                                 f"vector: {exc}"))  # fmt: skip
+                continue
+            heartbeat = not any(c.batches for c in chunks)
+            await self._perform(session.on_message(stream_id, chunks, heartbeat, now()))
 
-    async def stream_once(self) -> None:
-        """One ``Replicate`` stream; returns when the wants change, raises ``Reopen`` or an RPC error."""
-        wants = self.wants()
-        request = pb.ReplicateRequest(dst_site=self.r.site, max_bytes=STREAM_MAX_BYTES, max_wait_ms=HEARTBEAT_MS)
-        for (topic, index), sites in sorted(wants.items()):
-            have = pull_have(self.r.broker.partition(topic, index).log.vector(), self.r.broker.origin)
-            request.wants.append(
-                pb.PullWant(topic=topic, partition=index, have=vector_to_proto(VectorOffset(have)),
-                            origin_sites=list(sites))  # fmt: skip
-            )
-        call = self.stub.Replicate(request)
-        reader = asyncio.create_task(self._read(call))
+    async def _next_item(self, timeout_s: float) -> tuple[int, pb.ReplicateResponse | str] | None:
+        get = asyncio.ensure_future(self._inbox.get())
+        wake = asyncio.ensure_future(self._wake.wait())
         try:
-            while not reader.done():
-                await asyncio.wait([reader], timeout=WANTS_CHECK_S)
-                if not self.enabled.is_set():
-                    raise LinkDisabled()
-                if not reader.done() and self.wants() != wants:
-                    log.info("wants from %s changed: reopening the stream", self.src)
-                    return
-            reader.result()
+            await asyncio.wait([get, wake], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            call.cancel()
-            if not reader.done():
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                    await reader
+            wake.cancel()
+            self._wake.clear()
+            if not get.done():
+                get.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await get
+        return get.result() if get.done() and not get.cancelled() else None
 
-    async def _read(self, call: grpc.aio.UnaryStreamCall) -> None:  # type: ignore[type-arg]
-        r = self.r
-        first = True
-        while True:
-            resp = await asyncio.wait_for(call.read(), STREAM_IDLE_S)
-            if resp is grpc.aio.EOF:
-                raise Reopen(f"site {self.src} ended the stream")
-            assert isinstance(resp, pb.ReplicateResponse)
-            now = r.now_ms()
-            if first:
-                # src may have restarted and forgotten what we hold: report everything again.
-                self.held_sent_version = 0
-                self.held_changed.set()
-                r.links.link_up(self.src, now)
-                self.stats.last_error = ""
-                log.info("link %s -> %s streaming", self.src, r.site)
-                first = False
-            for chunk in resp.chunks:
-                await self._apply(chunk, now)
+    @staticmethod
+    def _chunk(c: pb.ReplicaChunk) -> Chunk:
+        return Chunk((c.topic, c.partition), c.batches, vector_from_proto(c.src_vector).to_dict(),
+                     c.src_log_end_offset)  # fmt: skip
 
-    async def _apply(self, chunk: pb.ReplicaChunk, now: int) -> None:
+    async def _perform(self, effects: list[Effect]) -> None:
+        session = self.session
+        queue = deque(effects)
+        while queue:
+            effect = queue.popleft()
+            if isinstance(effect, OpenStream):
+                self._open_call(effect)
+            elif isinstance(effect, ApplyChunk):
+                queue.extend(await self._apply(effect))
+            elif isinstance(effect, LinkEvent):
+                self._log(effect)
+        if self._call_id != session.stream_id:
+            self._end_call()  # the session left the stream (a failure, or an operator cut)
+
+    async def _apply(self, effect: ApplyChunk) -> list[Effect]:
         r = self.r
-        key = (chunk.topic, chunk.partition)
+        topic, index = effect.key
         try:
-            src_vector = vector_from_proto(chunk.src_vector).to_dict()
-        except InvalidVectorOffset as exc:
-            raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, f"site {self.src} sent a bad vector: {exc}") from None
-        r.links.upstream_vector(self.src, key, src_vector)
-        if not chunk.batches:
-            return
-        outcome = await r.broker.append_replica(chunk.topic, chunk.partition, chunk.batches)
-        st = self.stats
-        st.applied_batches += outcome.appended_batches
-        st.applied_bytes += outcome.appended_bytes
-        st.applied_records += outcome.appended_records
-        st.skipped_batches += outcome.skipped_batches
+            outcome = await r.broker.append_replica(topic, index, effect.batches)
+        except (CorruptChunk, DiskFull, BrokerError) as exc:
+            return self.session.on_stream_ended(effect.stream_id, r.now_ms(), f"{type(exc).__name__}: {exc}")
         for origin, lag_ms in outcome.lag_ms_by_origin.items():
-            r.lag_ms[(chunk.topic, chunk.partition, origin)] = lag_ms
-        r.links.local_vector(key, r.broker.partition(chunk.topic, chunk.partition).log.vector())
-        if outcome.gap is not None:
-            st.gaps += 1
-            raise Reopen(outcome.gap.message())
-        if outcome.overlaps:
-            st.last_error = outcome.overlaps[0].message()
-            log.error("%s", st.last_error)
-            raise Reopen(st.last_error)
+            r.lag_ms[(topic, index, origin)] = lag_ms
+        return self.session.on_applied(effect.stream_id, effect.key, outcome, r.now_ms())
+
+    def _log(self, event: LinkEvent) -> None:
+        if event.kind == "up":
+            # src may have restarted and forgotten what we hold: report everything again.
+            self.reporter.reset()
+            self.held_changed.set()
+            log.info("%s", event.text)
+        elif event.kind in ("down", "timeout", "disabled"):
+            log.warning("%s", event.text)
+        elif event.kind == "diverged":
+            log.error("%s", event.text)
+        else:
+            log.info("%s", event.text)
+
+    def _open_call(self, effect: OpenStream) -> None:
+        self._end_call()
+        request = pb.ReplicateRequest(dst_site=self.r.site, max_bytes=STREAM_MAX_BYTES, max_wait_ms=HEARTBEAT_MS)
+        for (topic, index), (have, sites) in effect.wants.items():
+            request.wants.append(pb.PullWant(topic=topic, partition=index, have=vector_to_proto(VectorOffset(have)),
+                                             origin_sites=list(sites)))  # fmt: skip
+        call = self.stub.Replicate(request)
+        self._call, self._call_id = call, effect.stream_id
+        self._reader = asyncio.create_task(self._read(effect.stream_id, call))
+
+    def _end_call(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+        self._call = self._reader = self._call_id = None
+        while not self._inbox.empty():  # what the left stream had queued
+            self._inbox.get_nowait()
+
+    async def _read(self, stream_id: int, call: grpc.aio.UnaryStreamCall) -> None:  # type: ignore[type-arg]
+        try:
+            while True:
+                resp = await call.read()
+                if resp is grpc.aio.EOF:
+                    await self._inbox.put((stream_id, _END))
+                    return
+                assert isinstance(resp, pb.ReplicateResponse)
+                await self._inbox.put((stream_id, resp))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                await self._inbox.put((stream_id, f"{exc.code().name}: {exc.details()}"))
 
 
 class Replicator:
@@ -353,10 +351,8 @@ class Replicator:
     def set_link(self, src: str, enabled: bool) -> str:
         """Cut or heal the inbound link ``src -> site``; returns its state. Raises KeyError if there is none."""
         puller = self.pullers[SiteId(src)]
-        if enabled:
-            puller.enabled.set()
-        else:
-            puller.enabled.clear()
+        puller.set_enabled(enabled)
+        if not enabled:  # at once, so the answer says "down"; the session confirms it
             self.links.link_down(puller.src, self.now_ms(), DISABLED)
         return self.link_state(puller.src)
 

@@ -19,14 +19,17 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from georep import __version__
+from georep.broker.append import Produced
+from georep.broker.errors import InternalTopic, InvalidRequest, NoSuchLink, NotAuthorized, NoTopology, WriteFailed
+from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, FromVector, Latest
 from georep.proto import georep_pb2 as pb
-from georep.proto.convert import vector_from_proto, vector_to_proto
-from georep.record.batch import iter_headers
+from georep.proto.convert import acks_from_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
-from georep.server.broker import Broker, BrokerError, Partition, Produced
+from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
-from offsets.coordinates import LocalOffset, Origin
+from georep.server.status import DOMAIN_ERRORS, status_of
+from offsets.coordinates import InvalidOrigin, Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
 from topology.ids import InvalidSiteId, site_id
@@ -51,22 +54,25 @@ def _parse(cls: type[M], data: bytes) -> M:
     try:
         msg.ParseFromString(data)
     except DecodeError as exc:
-        raise BrokerError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"malformed {cls.__name__}: {exc}; use a client built from georep/proto/georep.proto",
+        raise InvalidRequest(
+            f"malformed {cls.__name__}: {exc}; use a client built from georep/proto/georep.proto"
         ) from None
     return msg
 
 
-def _error(exc: BrokerError) -> pb.Error:
-    return pb.Error(code=exc.code.value[0], message=exc.message)
+def _status(exc: Exception) -> grpc.StatusCode:
+    return status_of(exc) or grpc.StatusCode.INTERNAL
 
 
-def _vector_from_pb(msg: pb.VectorOffset) -> dict[Origin, int]:
+def _error(exc: Exception) -> pb.Error:
+    return pb.Error(code=_status(exc).value[0], message=str(exc))
+
+
+def _vector_from_pb(msg: pb.VectorOffset) -> VectorOffset:
     try:
-        return vector_from_proto(msg).to_dict()
+        return vector_from_proto(msg)
     except InvalidVectorOffset as exc:
-        raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed vector offset: {exc}") from None
+        raise InvalidRequest(f"malformed vector offset: {exc}") from None
 
 
 def _vector_to_pb(vector: Mapping[Origin, int]) -> pb.VectorOffset:
@@ -126,9 +132,8 @@ class NodeService:
     async def create_topic(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.TopicDescription:
         req = _parse(pb.CreateTopicRequest, data)
         if is_internal(req.name):
-            raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: "
-                              "choose another name")  # fmt: skip
+            raise InternalTopic(f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: "
+                                "choose another name")  # fmt: skip
         self.broker.create_topic(req.name, req.partitions, dict(req.config))
         return self._describe(req.name)
 
@@ -178,19 +183,17 @@ class NodeService:
     @staticmethod
     def _check_producible(topic: str) -> None:
         if is_internal(topic):
-            raise BrokerError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"topic {topic!r} is internal to georep: commit with a consumer"
-            )
+            raise InternalTopic(f"topic {topic!r} is internal to georep: commit with a consumer")
 
     async def produce(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ProduceResponse:
         req = _parse(pb.ProduceRequest, data)
         try:
             self._check_producible(req.topic)
             produced = await self.broker.produce(
-                req.topic, req.partition, req.batch, req.acks, req.geo_sites, req.ack_timeout_ms
+                req.topic, req.partition, req.batch, acks_from_proto(req.acks, req.geo_sites), req.ack_timeout_ms
             )
-        except BrokerError as exc:
-            self.metrics.produce_error(exc.code)
+        except DOMAIN_ERRORS as exc:
+            self.metrics.produce_error(_status(exc))
             raise
         return self._produced(req, produced)
 
@@ -211,8 +214,8 @@ class NodeService:
             ready.append(resp)
             wake.set()
 
-        def fail(req: pb.ProduceRequest, exc: BrokerError) -> None:
-            self.metrics.produce_error(exc.code)
+        def fail(req: pb.ProduceRequest, exc: Exception) -> None:
+            self.metrics.produce_error(_status(exc))
             send(pb.ProduceResponse(correlation_id=req.correlation_id, partition=req.partition, error=_error(exc)))
 
         def durable(fut: asyncio.Future[None], req: pb.ProduceRequest, produced: Produced) -> None:
@@ -221,23 +224,24 @@ class NodeService:
             exc = asyncio.CancelledError("cancelled") if fut.cancelled() else fut.exception()
             if exc is None:
                 send(self._produced(req, produced))
-            elif isinstance(exc, BrokerError):
+            elif isinstance(exc, DOMAIN_ERRORS):
                 fail(req, exc)
             else:
-                fail(req, BrokerError(grpc.StatusCode.INTERNAL, f"the batch was written but not acked: {exc}"))
+                fail(req, WriteFailed(f"the batch was written but not acked: {exc}"))
 
         async def read_all() -> None:
             try:
                 async for raw in requests:
                     req = _parse(pb.ProduceRequest, raw)
+                    acks = acks_from_proto(req.acks, req.geo_sites)
                     try:
                         self._check_producible(req.topic)
                         # Appended here, synchronously: stream order is append order.
-                        p, produced = self.broker.append(req.topic, req.partition, req.batch, req.acks, req.geo_sites)
-                    except BrokerError as exc:
+                        p, produced = self.broker.append(req.topic, req.partition, req.batch, acks)
+                    except DOMAIN_ERRORS as exc:
                         fail(req, exc)
                         continue
-                    waiter = self.broker.ack_waiter(p, produced, req.acks, req.geo_sites, req.ack_timeout_ms)
+                    waiter = self.broker.ack_waiter(p, produced, acks, req.ack_timeout_ms)
                     if waiter is None:
                         send(self._produced(req, produced))
                         continue
@@ -272,44 +276,22 @@ class NodeService:
         p = self.broker.partition(req.topic, req.partition)
         max_bytes = min(req.max_bytes or (1 << 20), FETCH_MAX_BYTES_CAP)
         max_wait_s = min(req.max_wait_ms or 500, FETCH_MAX_WAIT_MS_CAP) / 1000
-        vector: dict[Origin, int] | None = None
-        which = req.WhichOneof("start")
-        if which == "offset":
-            position = LocalOffset(req.offset)
-        elif which == "vector":
-            vector = _vector_from_pb(req.vector)
-            if req.hint_origin == str(self.broker.origin) and req.hint_offset >= 0:
-                # The committing consumer had everything below this offset of this very log.
-                position = LocalOffset(min(max(req.hint_offset, p.log.log_start_offset), p.log.log_end_offset))
-            else:
-                position = self.broker.start_offset_for_vector(p, vector)
-        elif req.position == pb.START_LATEST:
-            position = p.log.log_end_offset
-        else:
-            position = p.log.log_start_offset
+        cursor = FetchCursor(p.log, _fetch_start(req), self.broker.origin)
         while True:
-            # Only fsynced batches: an origin that crashes loses what it had not
-            # fsynced and reuses those origin seqs, so a consumer whose vector
-            # covered them would skip the new records (docs/design.md, "Fetch").
-            flushed = p.log.flushed_offset
-            if position < flushed:
-                chunk, position = self.broker.read(p, position, max_bytes)
-                chunk, position = _durable_part(chunk, position, flushed)
-                if vector is not None:
-                    chunk = _drop_covered(chunk, vector)
+            if cursor.readable:
+                chunk = cursor.read(max_bytes)
                 if not chunk:
                     await asyncio.sleep(0)  # a long covered stretch must not starve other streams
                     continue
                 self.metrics.fetched(len(chunk))
-                yield self._fetch_response(p, chunk, position)
+                yield self._fetch_response(p, chunk, cursor.position)
                 continue
-            if position > p.log.log_end_offset:
-                self.broker.read(p, position, 0)  # raises OUT_OF_RANGE with the valid range
+            cursor.check_in_range()
             flushed_next = p.durable()  # appends become readable when an fsync covers them
             try:
                 await asyncio.wait_for(asyncio.shield(flushed_next), max_wait_s)
             except TimeoutError:
-                yield self._fetch_response(p, b"", position)
+                yield self._fetch_response(p, b"", cursor.position)
 
     def _fetch_response(self, p: Partition, chunk: bytes, position: int) -> pb.FetchResponse:
         return pb.FetchResponse(
@@ -327,49 +309,39 @@ class NodeService:
             try:
                 site_id(req.dst_site)
             except InvalidSiteId as exc:
-                raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ReplicateRequest: {exc}") from None
+                raise InvalidRequest(f"malformed ReplicateRequest: {exc}") from None
         partitions: dict[tuple[str, int], Partition] = {}
         wants: dict[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]] = {}
         for want in req.wants:
             key = (want.topic, want.partition)
             if key in wants:
-                raise BrokerError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"malformed ReplicateRequest: {want.topic}-{want.partition} is wanted twice; list it once",
+                raise InvalidRequest(
+                    f"malformed ReplicateRequest: {want.topic}-{want.partition} is wanted twice; list it once"
                 )
             partitions[key] = self.broker.partition(want.topic, want.partition)
             try:
                 have = vector_from_proto(want.have).to_dict()
             except InvalidVectorOffset as exc:
-                raise BrokerError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"malformed have-vector for {want.topic}-{want.partition}: {exc}"
-                ) from None
+                raise InvalidRequest(f"malformed have-vector for {want.topic}-{want.partition}: {exc}") from None
             wants[key] = (dict(have), tuple(want.origin_sites))
         max_bytes = min(req.max_bytes or REPLICATE_MAX_BYTES_DEFAULT, FETCH_MAX_BYTES_CAP)
-        max_wait_s = min(req.max_wait_ms or REPLICATE_MAX_WAIT_MS_DEFAULT, FETCH_MAX_WAIT_MS_CAP) / 1000
-        source = ReplicaSource({k: p.log for k, p in partitions.items()}, wants)
-        loop = asyncio.get_running_loop()
+        max_wait_ms = min(req.max_wait_ms or REPLICATE_MAX_WAIT_MS_DEFAULT, FETCH_MAX_WAIT_MS_CAP)
+        source = ReplicaSource({k: p.log for k, p in partitions.items()}, wants, heartbeat_ms=max_wait_ms)
+        clock = self.broker.clock_ms
         stopping = self._stopping_future()
-        yield self._replicate_response(source.heartbeat())
-        last_sent = loop.time()
         while not stopping.done():
-            chunks = source.next_chunks(max_bytes)
-            if chunks:
-                self.metrics.replicated_out(sum(len(c.batches) for c in chunks))
-                yield self._replicate_response(chunks)
-                last_sent = loop.time()
-                continue
-            if source.has_more():
-                await asyncio.sleep(0)  # only skipped batches so far: let other streams run
-                continue
-            remaining = max_wait_s - (loop.time() - last_sent)
-            if remaining <= 0:
-                yield self._replicate_response(source.heartbeat())
-                last_sent = loop.time()
+            step = source.step(clock(), max_bytes)
+            if step.chunks:
+                if not step.heartbeat:
+                    self.metrics.replicated_out(sum(len(c.batches) for c in step.chunks))
+                yield self._replicate_response(step.chunks)
+            if step.again:
+                await asyncio.sleep(0)  # let other streams run between two reads
                 continue
             # Batches are served once durable, so wake on a flush, not on an append.
             wake = [stopping, *(p.durable() for p in partitions.values())]
-            await asyncio.wait(wake, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            timeout = max(0.0, (step.wake_ms - clock()) / 1000)
+            await asyncio.wait(wake, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
 
     @staticmethod
     def _replicate_response(chunks: list[Chunk]) -> pb.ReplicateResponse:
@@ -387,16 +359,14 @@ class NodeService:
         """With an admin token, the caller must present it; without one, only loopback callers may."""
         if self.admin_token is None:
             if not _is_loopback(context.peer()):
-                raise BrokerError(
-                    grpc.StatusCode.UNAUTHENTICATED,
+                raise NotAuthorized(
                     f"{what} from {context.peer()} refused: this node has no admin token, so only local callers "
                     "may; start it with --admin-token-file",
                 )
             return
         presented = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not hmac.compare_digest(str(presented), f"Bearer {self.admin_token}"):
-            raise BrokerError(
-                grpc.StatusCode.UNAUTHENTICATED,
+            raise NotAuthorized(
                 f"{what} refused: missing or wrong admin token; pass the token the node was started with "
                 "(--admin-token-file, or GEOREP_ADMIN_TOKEN / the data dir's admin.token for georep commands)",
             )
@@ -406,15 +376,13 @@ class NodeService:
         self._authorize_admin(context, "SetLink")
         site = self.broker.identity.site
         if self.replicator is None:
-            raise BrokerError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"site {site} runs without a topology, so it has no links")  # fmt: skip
+            raise NoTopology(f"site {site} runs without a topology, so it has no links")
         try:
             state = self.replicator.set_link(req.src, req.enabled)
         except KeyError:
             inbound = ", ".join(sorted(self.replicator.pullers)) or "none"
-            raise BrokerError(
-                grpc.StatusCode.NOT_FOUND,
-                f"no link {req.src} -> {site} in the topology; links into {site} come from: {inbound}",
+            raise NoSuchLink(
+                f"no link {req.src} -> {site} in the topology; links into {site} come from: {inbound}"
             ) from None
         return pb.SetLinkResponse(src=req.src, dst=site, enabled=req.enabled, state=state)
 
@@ -438,7 +406,7 @@ class NodeService:
                 site_id(e.site)
                 vector = vector_from_proto(e.vector)
             except (InvalidSiteId, InvalidVectorOffset) as exc:
-                raise BrokerError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ReportHeldRequest: {exc}") from None
+                raise InvalidRequest(f"malformed ReportHeldRequest: {exc}") from None
             entries.append((e.site, e.topic, e.partition, vector))
         self.broker.report_held(entries)
         return pb.ReportHeldResponse()
@@ -474,8 +442,8 @@ class NodeService:
             async def call(data: bytes, context: grpc.aio.ServicerContext) -> Message:
                 try:
                     return await fn(data, context)
-                except BrokerError as exc:
-                    await context.abort(exc.code, exc.message)
+                except DOMAIN_ERRORS as exc:
+                    await context.abort(_status(exc), str(exc))
                     raise  # unreachable: abort raises
 
             return grpc.unary_unary_rpc_method_handler(call, request_deserializer=None, response_serializer=ser)
@@ -484,8 +452,8 @@ class NodeService:
             try:
                 async for msg in self.fetch(data, context):
                     yield msg
-            except BrokerError as exc:
-                await context.abort(exc.code, exc.message)
+            except DOMAIN_ERRORS as exc:
+                await context.abort(_status(exc), str(exc))
 
         async def produce_stream(
             requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -493,15 +461,15 @@ class NodeService:
             try:
                 async for msg in self.produce_stream(requests, context):
                     yield msg
-            except BrokerError as exc:
-                await context.abort(exc.code, exc.message)
+            except DOMAIN_ERRORS as exc:
+                await context.abort(_status(exc), str(exc))
 
         async def replicate(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReplicateResponse]:
             try:
                 async for msg in self.replicate(data, context):
                     yield msg
-            except BrokerError as exc:
-                await context.abort(exc.code, exc.message)
+            except DOMAIN_ERRORS as exc:
+                await context.abort(_status(exc), str(exc))
 
         return grpc.method_handlers_generic_handler(
             SERVICE,
@@ -528,27 +496,17 @@ class NodeService:
         )
 
 
-def _durable_part(chunk: bytes, next_offset: LocalOffset, flushed: int) -> tuple[bytes, LocalOffset]:
-    """The batches of ``chunk`` below the flushed offset, and where the stream goes on."""
-    if next_offset <= flushed:
-        return chunk, next_offset
-    end = 0
-    for h in iter_headers(chunk):
-        if h.base_offset >= flushed:
-            return chunk[:end], LocalOffset(h.base_offset)
-        end += h.size_bytes
-    return chunk, next_offset
 
-
-def _drop_covered(chunk: bytes, vector: dict[Origin, int]) -> bytes:
-    """Drop whole batches the vector covers; batches covered in part stay (the client trims)."""
-    keep: list[memoryview] = []
-    view = memoryview(chunk)
-    pos = 0
-    for h in iter_headers(chunk):
-        if h.last_origin_seq >= vector.get(h.origin, 0):
-            keep.append(view[pos : pos + h.size_bytes])
-        pos += h.size_bytes
-    if len(keep) == 1 and len(keep[0]) == len(chunk):
-        return chunk
-    return b"".join(keep)
+def _fetch_start(req: pb.FetchRequest) -> FetchStart:
+    which = req.WhichOneof("start")
+    if which == "offset":
+        return AtOffset(req.offset)
+    if which == "vector":
+        hint_origin = None
+        if req.hint_origin:
+            try:
+                hint_origin = Origin.parse(req.hint_origin)
+            except (InvalidOrigin, InvalidSiteId):
+                hint_origin = None  # a hint is only a shortcut: without it the vector alone says where
+        return FromVector(_vector_from_pb(req.vector), hint_origin, req.hint_offset)
+    return Latest() if req.position == pb.START_LATEST else Earliest()

@@ -88,6 +88,10 @@ class PartitionLog(Protocol):
         """{origin: next origin seq} over everything appended (a copy)."""
         ...
 
+    def flushed_vector(self) -> dict[Origin, OriginSeq]:
+        """{origin: next origin seq} over the batches below ``flushed_offset``: what survives a crash."""
+        ...
+
     def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
         """Append one batch at the log end.
 

@@ -26,6 +26,7 @@ class MemoryLog:
         self._end = LocalOffset(0)
         self._flushed_count = 0
         self._vector: dict[Origin, OriginSeq] = {}
+        self._flushed_vector: dict[Origin, OriginSeq] = {}
 
     @property
     def log_start_offset(self) -> LocalOffset:
@@ -45,6 +46,9 @@ class MemoryLog:
 
     def vector(self) -> dict[Origin, OriginSeq]:
         return dict(self._vector)
+
+    def flushed_vector(self) -> dict[Origin, OriginSeq]:
+        return dict(self._flushed_vector)
 
     def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
         stored = dataclasses.replace(header, base_offset=self._end, append_time_ms=append_time_ms)
@@ -95,8 +99,18 @@ class MemoryLog:
         ]  # fmt: skip
 
     def flush(self) -> LocalOffset:
-        self._flushed_count = len(self._batches)
-        return self._end
+        return self.flush_to(self._end)
+
+    def flush_to(self, offset: int) -> LocalOffset:
+        """Make the batches below ``offset`` durable: an fsync that began when the log ended there
+        (the simulator's fsyncs take time, and appends go on meanwhile)."""
+        count = bisect.bisect_left(self._base_offsets, offset)
+        vector = self._flushed_vector
+        for h in self._headers[self._flushed_count : count]:
+            if h.next_origin_seq > vector.get(h.origin, 0):
+                vector[h.origin] = h.next_origin_seq
+        self._flushed_count = max(self._flushed_count, count)
+        return self.flushed_offset
 
     @property
     def flushed_offset(self) -> LocalOffset:
@@ -108,9 +122,7 @@ class MemoryLog:
         del self._headers[self._flushed_count :]
         del self._base_offsets[self._flushed_count :]
         self._end = self.flushed_offset
-        self._vector = {}
-        for h in self._headers:
-            self._vector[h.origin] = OriginSeq(max(self._vector.get(h.origin, 0), h.next_origin_seq))
+        self._vector = dict(self._flushed_vector)
 
     def enforce_retention(self, now_ms: int) -> int:
         # One segment, never deleted: like the active segment of the segment log.

@@ -211,6 +211,7 @@ class SegmentLog:
         self._log_start = LocalOffset(segments[0].base_offset)
         self._log_end = LocalOffset(segments[-1].next_offset)
         self._flushed = self._log_end
+        self._flushed_vector = dict(vector)  # {origin: next seq} over everything below _flushed
         self._size = sum(s.size for s in segments)
         self._closed = False
         self._origin_names: dict[tuple[bytes, int], Origin] = {}
@@ -361,6 +362,10 @@ class SegmentLog:
         with self._lock:
             return dict(self._vector)
 
+    def flushed_vector(self) -> dict[Origin, OriginSeq]:
+        with self._lock:
+            return dict(self._flushed_vector)
+
     def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
         if not header.stamped:
             raise ValueError("only a batch stamped with its origin and origin seq can be appended")
@@ -471,6 +476,7 @@ class SegmentLog:
             if self._closed:
                 return self._flushed
             end = self._log_end
+            vector = dict(self._vector)
             fd = os.dup(self._segments[-1].log_fd)
         try:
             os.fdatasync(fd)
@@ -479,6 +485,7 @@ class SegmentLog:
         with self._lock:
             if end > self._flushed:
                 self._flushed = end
+                self._flushed_vector = vector
             return self._flushed
 
     def enforce_retention(self, now_ms: int) -> int:
@@ -513,6 +520,7 @@ class SegmentLog:
             try:
                 self._segments[-1].sync()
                 self._flushed = self._log_end
+                self._flushed_vector = dict(self._vector)
                 self._write_recovery_point()
             finally:
                 for segment in self._segments:
@@ -548,8 +556,9 @@ class SegmentLog:
         """Seal the active segment and start a new one at the log end (lock held)."""
         end = self._log_end
         self._segments[-1].seal()
-        self._flushed = max(self._flushed, end)
         sealed_vector = dict(self._vector)
+        if end > self._flushed:
+            self._flushed, self._flushed_vector = end, dict(sealed_vector)
         write_recovery_point(self.directory, RecoveryPoint(end, end, sealed_vector))
         self._vector_offset, self._sealed_vector = end, sealed_vector
         segment = Segment.create(self.directory, end)

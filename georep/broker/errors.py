@@ -1,0 +1,95 @@
+"""The broker's domain errors: plain exceptions, each saying what to do. No gRPC here.
+
+The pure core raises these (and the errors of the modules it builds on:
+``cluster.metadata.UnknownTopic``, ``georep.storage.api.DiskFull``, ...).
+Only the gRPC layer (``georep/server/status.py``) maps them to status codes,
+so the simulator and the unit tests see the same exceptions the node does.
+"""
+
+from __future__ import annotations
+
+from dedup.producer import InvalidSequence, OutOfOrderSequence, ProducerFenced
+
+
+class BrokerError(Exception):
+    """Base of the errors a request causes or a caller must act on. ``str(exc)`` says what to do."""
+
+
+class InvalidRequest(BrokerError):
+    """A request with fields no correct client sends; nothing was stored."""
+
+
+class UnknownPartition(BrokerError):
+    def __init__(self, topic: str, partition: int, partitions: int) -> None:
+        super().__init__(
+            f"topic {topic!r} has partitions 0..{partitions - 1}; partition {partition} does not exist"
+        )
+
+
+class InternalTopic(InvalidRequest):
+    """A name reserved for georep's own topics, used where only user topics may be."""
+
+
+class BatchTooLarge(InvalidRequest):
+    def __init__(self, size: int, limit: int, topic: str) -> None:
+        super().__init__(
+            f"batch of {size} bytes exceeds max_batch_bytes={limit} for topic {topic!r}: "
+            "lower the producer's batch_size or raise the topic's max_batch_bytes"
+        )
+
+
+class MalformedBatch(InvalidRequest):
+    """A produced batch that is not one whole, unstamped batch."""
+
+
+class BatchCrcMismatch(BrokerError):
+    def __init__(self) -> None:
+        super().__init__("batch CRC-32C mismatch: the batch was corrupted in transit or by the producer; resend it")
+
+
+class SequenceRejected(BrokerError):
+    """The idempotent producer's table refused the batch (``dedup/producer.py``); nothing was stored."""
+
+    def __init__(self, decision: OutOfOrderSequence | ProducerFenced | InvalidSequence) -> None:
+        super().__init__(decision.message())
+        self.decision = decision
+
+
+class WriteFailed(BrokerError):
+    """The log could not take the write (an I/O error other than a full disk); nothing was half-written."""
+
+
+class FsyncFailed(BrokerError):
+    """The fsync an ack waited for failed: the batch was written but not acknowledged."""
+
+
+class NodeStopping(BrokerError):
+    """The node is shutting down; the caller should retry, at this node once it is back or at another."""
+
+
+class InvalidAcks(InvalidRequest):
+    """An ack level that does not exist (``acks=geo:0``, for example)."""
+
+
+class GeoAcksUnreachable(BrokerError):
+    """``acks=geo:N`` with more sites than the topic's records can reach from here."""
+
+
+class GeoAckTimeout(BrokerError):
+    """``acks=geo:N`` was not reached in time. The write stays and replicates later."""
+
+
+class UnknownGroup(BrokerError):
+    """A group this site has neither members nor commits of."""
+
+
+class NotAuthorized(BrokerError):
+    """An admin call without the right credentials."""
+
+
+class NoSuchLink(BrokerError):
+    """A link the topology does not have (or a node that runs without a topology)."""
+
+
+class NoTopology(BrokerError):
+    """A call that needs links, at a node that runs standalone."""

@@ -1,0 +1,331 @@
+"""The destination's pull session over one link ``src -> dst``. Sans I/O.
+
+dst pulls: it opens a ``Replicate`` stream to src with its *wants* (for each
+partition the link carries, the origin sites this upstream should send, per
+``LinkManager.wants``) and its have-vectors, and applies what comes back. A
+:class:`PullSession` makes every decision of that loop; the node's replicator
+(``georep/server/replicator.py``) drives it with grpc.aio and a writer
+thread, and the simulator with its event heap. Events go in (a message, the
+outcome of an apply, the end of a stream, ``tick(now_ms)``); effects come out:
+
+* :class:`OpenStream`: open a stream with these wants and have-vectors (the
+  shell drops any earlier one). The have-vector is the site's vector with its
+  own current origin marked fully held (``pull_have``).
+* :class:`ApplyChunk`: append one chunk's batches (``apply_chunk``), then
+  report :meth:`PullSession.on_applied`. Chunks are applied one at a time, in
+  arrival order; a message's chunks wait until the one before is applied.
+* :class:`LinkEvent`: something to log or count (up, down, reopen and why).
+
+The rules:
+
+* **Open** at start, right after a stream ends cleanly, and ``backoff`` after
+  a failure (doubling from ``backoff_min_ms`` to ``backoff_max_ms``; reset by
+  the next message that arrives).
+* **Reopen at once** when the stream is out of step with this site's vector:
+  a chunk that starts past the vector (a gap: a batch was lost on the way, or
+  the stream raced a failover), a chunk whose batches straddle the vector
+  (divergence: never appended, reported), or a *lost tail* (below). And when
+  the wants change: a link went up or down, or a stall began or ended
+  (checked on every tick, and after the first message and every reopen).
+* **Stall detection** is ``LinkManager``'s: every chunk feeds it src's
+  vector, every apply this site's vector.
+* **A dead stream**: no message for ``idle_timeout_ms`` (heartbeats
+  included) is a failure: the link is down and its origins route elsewhere.
+* **A lost tail.** A gap shows only when a later batch of the origin comes.
+  When the last data of a stream is lost, none comes, and heartbeats keep the
+  stream alive. Heartbeats carry src's *durable* vector (what it can serve).
+  One heartbeat that shows more than this site holds proves nothing (the data
+  may be behind it on the way), but two in a row with no data between them,
+  while this site is still short of what the first one showed, mean that the
+  data was sent and lost: reopen.
+* **An operator cut** (``set_enabled(False)``) ends the stream and marks the
+  link down until it is healed.
+
+Streams are numbered (``stream_ids``): a message or an apply outcome of a
+stream the session has left is ignored.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from georep.replication.links import LinkManager, LinkState, PartitionKey
+from georep.replication.sink import ApplyOutcome, pull_have
+from georep.replication.source import Chunk
+from offsets.coordinates import Origin
+from topology.ids import SiteId
+
+Wants = dict[PartitionKey, tuple[SiteId, ...]]
+# What a stream asks for: per partition, the have-vector and the origin sites to send.
+StreamWants = dict[PartitionKey, tuple[dict[Origin, int], tuple[str, ...]]]
+DISABLED = "cut by an operator (georep link cut); heal it with georep link heal"
+
+
+@dataclass(frozen=True, slots=True)
+class PullConfig:
+    idle_timeout_ms: int = 5_000  # no message for this long: the stream is dead
+    backoff_min_ms: int = 100
+    backoff_max_ms: int = 2_000
+
+
+@dataclass(frozen=True, slots=True)
+class OpenStream:
+    stream_id: int
+    wants: StreamWants
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyChunk:
+    stream_id: int
+    key: PartitionKey
+    batches: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEvent:
+    """``kind``: up, down, timeout, gap, tail, diverged, wants, ended, disabled, healed."""
+
+    kind: str
+    text: str
+
+
+Effect = OpenStream | ApplyChunk | LinkEvent
+
+
+@dataclass(slots=True)
+class PullStats:
+    applied_batches: int = 0
+    applied_bytes: int = 0
+    applied_records: int = 0
+    skipped_batches: int = 0
+    gaps: int = 0
+    reopens: int = 0
+    last_error: str = ""
+
+
+@dataclass(slots=True)
+class _Message:
+    chunks: deque[Chunk]
+    heartbeat: bool
+    first: bool
+
+
+@dataclass(slots=True)
+class _Stream:
+    stream_id: int
+    wants: Wants
+    opened_ms: int
+    last_message_ms: int
+    delivered: bool = False
+    applying: bool = False
+    inbox: deque[_Message] = field(default_factory=deque)
+    # Set by a heartbeat that showed src holding more of a wanted origin than dst; cleared by data.
+    promised: dict[PartitionKey, dict[Origin, int]] | None = None
+
+
+class PullSession:
+    """dst's side of the link ``src -> dst``."""
+
+    def __init__(
+        self,
+        src: SiteId,
+        links: LinkManager,
+        own: Origin,
+        vector_of: Callable[[PartitionKey], Mapping[Origin, int]],
+        stream_ids: Iterator[int],
+        config: PullConfig | None = None,
+        usable: Callable[[PartitionKey], bool] | None = None,
+    ) -> None:
+        self.src = src
+        self.links = links
+        self.own = own
+        self.vector_of = vector_of  # this site's vector of a partition, now
+        self.config = config or PullConfig()
+        # Partitions a stream may ask for (the node leaves out topics src does not have yet, or in conflict).
+        self.usable = usable or (lambda key: True)
+        self.stats = PullStats()
+        self.enabled = True
+        self._ids = stream_ids
+        self._stream: _Stream | None = None
+        self._retry_at_ms: int | None = None
+        self._backoff_ms = self.config.backoff_min_ms
+
+    # -- queries ------------------------------------------------------------------
+
+    @property
+    def stream_id(self) -> int | None:
+        return None if self._stream is None else self._stream.stream_id
+
+    def wants(self) -> Wants:
+        usable = self.usable
+        return {k: v for k, v in self.links.wants(self.src).items() if usable(k)}
+
+    def next_due_ms(self) -> int | None:
+        """When :meth:`tick` next has something to do (a retry, or the idle timeout)."""
+        if not self.enabled:
+            return None
+        if self._stream is None:
+            return self._retry_at_ms
+        return self._stream.last_message_ms + self.config.idle_timeout_ms
+
+    # -- events -------------------------------------------------------------------
+
+    def start(self, now_ms: int) -> list[Effect]:
+        return self._open(now_ms) if self.enabled and self._stream is None else []
+
+    def tick(self, now_ms: int) -> list[Effect]:
+        if not self.enabled:
+            return []
+        s = self._stream
+        if s is None:
+            if self._retry_at_ms is not None and now_ms >= self._retry_at_ms:
+                return self._open(now_ms)
+            return []
+        if now_ms - s.last_message_ms >= self.config.idle_timeout_ms:
+            return self._fail(now_ms, "timeout", f"no message from {self.src} for {self.config.idle_timeout_ms} ms")
+        if not s.applying and not s.inbox:
+            return self._check_wants(now_ms)
+        return []
+
+    def on_message(self, stream_id: int, chunks: Sequence[Chunk], heartbeat: bool, now_ms: int) -> list[Effect]:
+        """A ``ReplicateResponse`` of stream ``stream_id``: ``chunks`` in order; ``heartbeat`` if it holds no data."""
+        s = self._stream
+        if s is None or s.stream_id != stream_id:
+            return []  # a message of a stream this session has left
+        s.last_message_ms = now_ms
+        self._backoff_ms = self.config.backoff_min_ms
+        out: list[Effect] = []
+        first = not s.delivered
+        if first:
+            s.delivered = True
+            self.links.link_up(self.src, now_ms)
+            self.stats.last_error = ""
+            out.append(LinkEvent("up", f"link {self.src} -> {self.links.site} streaming"))
+        s.inbox.append(_Message(deque(chunks), heartbeat, first))
+        if not s.applying:
+            out += self._drain(s, now_ms)
+        return out
+
+    def on_applied(self, stream_id: int, key: PartitionKey, outcome: ApplyOutcome, now_ms: int) -> list[Effect]:
+        """The outcome of an :class:`ApplyChunk` of stream ``stream_id``."""
+        self.links.local_vector(key, self.vector_of(key))
+        st = self.stats
+        st.applied_batches += outcome.appended_batches
+        st.applied_bytes += outcome.appended_bytes
+        st.applied_records += outcome.appended_records
+        st.skipped_batches += outcome.skipped_batches
+        s = self._stream
+        if s is None or s.stream_id != stream_id:
+            return []
+        s.applying = False
+        if outcome.overlaps:
+            text = outcome.overlaps[0].message()
+            st.last_error = text
+            return [LinkEvent("diverged", text), *self._reopen(now_ms)]
+        if outcome.gap is not None:
+            st.gaps += 1
+            return [LinkEvent("gap", outcome.gap.message()), *self._reopen(now_ms)]
+        return self._drain(s, now_ms)
+
+    def on_stream_ended(self, stream_id: int, now_ms: int, error: str | None = None) -> list[Effect]:
+        """Stream ``stream_id`` ended: cleanly by src (``error`` None: reopen now), or with an error."""
+        s = self._stream
+        if s is None or s.stream_id != stream_id:
+            return []
+        if error is None:
+            return [LinkEvent("ended", f"site {self.src} ended the stream"), *self._reopen(now_ms)]
+        return self._fail(now_ms, "down", error)
+
+    def set_enabled(self, enabled: bool, now_ms: int) -> list[Effect]:
+        """An operator cut (False) or healed (True) the link."""
+        if enabled == self.enabled:
+            return []
+        self.enabled = enabled
+        if not enabled:
+            self._stream = None
+            self._retry_at_ms = None
+            self.stats.last_error = DISABLED
+            self.links.link_down(self.src, now_ms, DISABLED)
+            return [LinkEvent("disabled", f"link {self.src} -> {self.links.site} {DISABLED}")]
+        self._backoff_ms = self.config.backoff_min_ms
+        return [LinkEvent("healed", f"link {self.src} -> {self.links.site} healed by an operator"), *self._open(now_ms)]
+
+    # -- internals ------------------------------------------------------------------
+
+    def _open(self, now_ms: int) -> list[Effect]:
+        wants = self.wants()
+        stream_wants: StreamWants = {
+            key: (pull_have(self.vector_of(key), self.own), tuple(str(site) for site in sites))
+            for key, sites in sorted(wants.items())
+        }
+        stream_id = next(self._ids)
+        self._stream = _Stream(stream_id, wants, now_ms, now_ms)
+        self._retry_at_ms = None
+        return [OpenStream(stream_id, stream_wants)]
+
+    def _reopen(self, now_ms: int) -> list[Effect]:
+        self.stats.reopens += 1
+        return self._open(now_ms)
+
+    def _fail(self, now_ms: int, kind: str, error: str) -> list[Effect]:
+        was_down = self.links.links[self.src].state is LinkState.DOWN
+        self.links.link_down(self.src, now_ms, error)
+        self.stats.last_error = error
+        self._stream = None
+        self._retry_at_ms = now_ms + self._backoff_ms
+        self._backoff_ms = min(self._backoff_ms * 2, self.config.backoff_max_ms)
+        text = f"link {self.src} -> {self.links.site} down: {error}"
+        return [] if was_down and kind == "down" else [LinkEvent(kind, text)]
+
+    def _drain(self, s: _Stream, now_ms: int) -> list[Effect]:
+        """Go on with the queued messages: the next chunk to apply, or what ends a message."""
+        links = self.links
+        while s.inbox:
+            msg = s.inbox[0]
+            while msg.chunks:
+                chunk = msg.chunks.popleft()
+                links.upstream_vector(self.src, chunk.key, chunk.src_vector)
+                if chunk.batches:
+                    s.applying = True
+                    return [ApplyChunk(s.stream_id, chunk.key, chunk.batches)]
+            s.inbox.popleft()
+            if self._tail_lost(s, msg):
+                return [LinkEvent("tail", f"data from {self.src} was lost on the way: reopening"),
+                        *self._reopen(now_ms)]  # fmt: skip
+            if msg.first:
+                out = self._check_wants(now_ms)
+                if out:
+                    return out
+        return []
+
+    def _check_wants(self, now_ms: int) -> list[Effect]:
+        s = self._stream
+        if s is None or self.wants() == s.wants:
+            return []
+        return [LinkEvent("wants", f"wants from {self.src} changed: reopening"), *self._reopen(now_ms)]
+
+    def _tail_lost(self, s: _Stream, msg: _Message) -> bool:
+        """Two heartbeats in a row promising more than this site holds, with no data between: lost."""
+        if not msg.heartbeat:
+            s.promised = None
+            return False
+        vector_of = self.vector_of
+        if s.promised is not None:
+            for key in sorted(s.promised):
+                held = vector_of(key)
+                if any(held.get(o, 0) < seq for o, seq in s.promised[key].items()):
+                    return True
+        promised: dict[PartitionKey, dict[Origin, int]] = {}
+        # The heartbeat's chunks were consumed by _drain; their vectors are the upstream's, as fed to links.
+        for key, sites in s.wants.items():
+            upstream = self.links.links[self.src].vectors.get(key)
+            if not upstream:
+                continue
+            held = vector_of(key)
+            ahead = {o: n for o, n in upstream.items() if o.site in sites and n > held.get(o, 0)}
+            if ahead:
+                promised[key] = ahead
+        s.promised = promised or None
+        return False

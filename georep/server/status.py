@@ -1,0 +1,77 @@
+"""Domain errors to gRPC status codes: the only place that knows both.
+
+The core raises plain exceptions (``georep/broker/errors.py`` and the errors
+of the packages it builds on). A handler that catches one answers with the
+code this table gives and the exception's own message, which says what to
+do. The table is searched along the exception's class hierarchy, most
+specific class first, so a subclass may have a code of its own.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from cluster.groups import IllegalGeneration, InvalidGroupRequest, NotAssigned, UnknownMember
+from cluster.metadata import TopicExists, UnknownTopic
+from cluster.topics import InvalidTopic
+from dedup.producer import InvalidSequence
+from georep.broker import errors as e
+from georep.record.batch import CorruptBatch
+from georep.replication.sink import CorruptChunk
+from georep.storage.api import DiskFull, OffsetOutOfRange
+from offsets.commits import InvalidCommit
+from offsets.coordinates import InvalidOrigin
+from offsets.vector import InvalidVectorOffset
+from topology.ids import InvalidSiteId
+
+Code = grpc.StatusCode
+
+STATUS: dict[type[Exception], grpc.StatusCode] = {
+    # what the caller sent is wrong
+    e.InvalidRequest: Code.INVALID_ARGUMENT,
+    InvalidTopic: Code.INVALID_ARGUMENT,
+    InvalidCommit: Code.INVALID_ARGUMENT,
+    InvalidVectorOffset: Code.INVALID_ARGUMENT,
+    InvalidOrigin: Code.INVALID_ARGUMENT,
+    InvalidSiteId: Code.INVALID_ARGUMENT,
+    InvalidGroupRequest: Code.INVALID_ARGUMENT,
+    # what it names does not exist, or already does
+    UnknownTopic: Code.NOT_FOUND,
+    e.UnknownPartition: Code.NOT_FOUND,
+    e.UnknownGroup: Code.NOT_FOUND,
+    e.NoSuchLink: Code.NOT_FOUND,
+    UnknownMember: Code.NOT_FOUND,
+    TopicExists: Code.ALREADY_EXISTS,
+    # bytes that fail their checksum
+    e.BatchCrcMismatch: Code.DATA_LOSS,
+    CorruptBatch: Code.DATA_LOSS,
+    CorruptChunk: Code.DATA_LOSS,
+    # the state of the node or of the producer forbids it
+    e.SequenceRejected: Code.FAILED_PRECONDITION,
+    e.GeoAcksUnreachable: Code.FAILED_PRECONDITION,
+    e.NoTopology: Code.FAILED_PRECONDITION,
+    IllegalGeneration: Code.ABORTED,
+    NotAssigned: Code.ABORTED,
+    DiskFull: Code.RESOURCE_EXHAUSTED,
+    OffsetOutOfRange: Code.OUT_OF_RANGE,
+    e.GeoAckTimeout: Code.DEADLINE_EXCEEDED,
+    e.NodeStopping: Code.UNAVAILABLE,
+    e.NotAuthorized: Code.UNAUTHENTICATED,
+    e.WriteFailed: Code.INTERNAL,
+    e.FsyncFailed: Code.INTERNAL,
+}
+
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode | None:
+    """The status code for a domain error; None for anything else (a bug, answered as INTERNAL)."""
+    if isinstance(exc, e.SequenceRejected) and isinstance(exc.decision, InvalidSequence):
+        return Code.INVALID_ARGUMENT  # fields no correct client sends: a client bug, not a state to wait out
+    for cls in type(exc).__mro__:
+        code = STATUS.get(cls) if issubclass(cls, Exception) else None
+        if code is not None:
+            return code
+    return None
+
+
+DOMAIN_ERRORS: tuple[type[Exception], ...] = tuple(STATUS)
