@@ -30,6 +30,7 @@ Parsing takes the file's text; reading the file is the caller's job.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import tomllib
@@ -40,6 +41,12 @@ from topology.filters import ALL_TOPICS, InvalidTopicFilter, TopicFilter, is_int
 from topology.ids import InvalidSiteId, SiteId, site_id
 
 COST_MAX = 1_000_000
+
+
+@functools.lru_cache(maxsize=4096)
+def _matches_any(filters: tuple[TopicFilter, ...], topic: str) -> bool:
+    """``matches_any``, remembered: routing asks it for every link on every route it computes."""
+    return matches_any(filters, topic)
 _HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _PORT = re.compile(r"[0-9]{1,5}")
 
@@ -118,7 +125,7 @@ class Link:
     def carries(self, topic: str) -> bool:
         """Whether records of ``topic`` travel over this link. Internal topics
         (committed consumer positions) travel over every link, whatever its filters."""
-        return is_internal(topic) or matches_any(self.topics, topic)
+        return is_internal(topic) or _matches_any(self.topics, topic)
 
     def describe(self) -> str:
         return f"{self.src} -> {self.dst}"

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 
 from georep.client.accumulator import BatchState, ProducerBatch
+from georep.client.errors import GeoAckTimeout, GeorepError, OutOfOrderSequence
 
 SEQUENCE_MODULUS = 2**31
 
@@ -90,6 +91,28 @@ class PartitionDelivery:
         batch.state = BatchState.DONE
         if not self.blocked:
             self._retire()
+
+    def on_error(self, batch: ProducerBatch, error: GeorepError, now_ms: float, retry_backoff_ms: float) -> bool:
+        """The node answered ``batch`` with ``error``; True if it failed for good (the shell fails its futures).
+
+        A retriable error re-sends it after ``retry_backoff_ms``; an out-of-order
+        answer is judged when the round resolves; anything else fails it. A
+        ``GeoAckTimeout`` fails it too, but the node stored it: for the sequence
+        it counts as acknowledged, so the batches after it keep their sequences
+        and bytes (re-sequencing them would store them twice if they were stored).
+        """
+        if isinstance(error, GeoAckTimeout):
+            self.on_success(batch)
+            return True
+        if error.retriable:
+            self.on_retriable(batch)
+            self.not_before_ms = now_ms + retry_backoff_ms
+            return False
+        if isinstance(error, OutOfOrderSequence):
+            self.on_out_of_order(batch, error)
+            return False
+        self.on_failed(batch, error)
+        return True
 
     def on_retriable(self, batch: ProducerBatch) -> None:
         batch.state = BatchState.RETRY

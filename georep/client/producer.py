@@ -624,13 +624,8 @@ class Producer:
             self._complete_batch(batch, response)
         else:
             error = from_produce_error(response.error, self._connection.address)
-            if error.retriable:
-                delivery.on_retriable(batch)
-                delivery.not_before_ms = self._loop.time() * 1000 + self._retry_backoff_ms  # type: ignore[union-attr]
-            elif isinstance(error, OutOfOrderSequence):
-                delivery.on_out_of_order(batch, error)
-            else:
-                delivery.on_failed(batch, error)
+            now_ms = self._loop.time() * 1000  # type: ignore[union-attr]
+            if delivery.on_error(batch, error, now_ms, self._retry_backoff_ms):
                 self._fail_batch(batch, error)
             if delivery.round_complete():
                 self._resolve_rounds()

@@ -78,6 +78,9 @@ class LinkManager:
         # (src, origin site) -> since when src has been seen behind another upstream
         self._behind_since: dict[tuple[SiteId, SiteId], int] = {}
         self.stalled: dict[tuple[SiteId, SiteId], Stall] = {}
+        # wants() depends only on the link states, the stalls and the topics; routing is costly
+        # enough to dominate a simulated run, so answers are kept until one of those changes.
+        self._wants: dict[SiteId, dict[PartitionKey, tuple[SiteId, ...]]] = {}
 
     # -- events ---------------------------------------------------------------
 
@@ -86,18 +89,22 @@ class LinkManager:
         if link.state is not LinkState.STREAMING:
             link.state, link.since_ms, link.last_error = LinkState.STREAMING, now_ms, ""
             self.router.set_link_up(src, self.site, True)
+            self._wants.clear()
 
     def link_down(self, src: str, now_ms: int, error: str = "") -> None:
         link = self.links[SiteId(src)]
         if link.state is not LinkState.DOWN:
             link.state, link.since_ms = LinkState.DOWN, now_ms
             self.router.set_link_up(src, self.site, False)
+            self._wants.clear()
         link.last_error = error or link.last_error
         link.vectors.clear()  # what it held then is no promise of what it holds when it is back
 
     def topic(self, name: str, partitions: int) -> None:
         """A topic exists at this site with ``partitions`` partitions."""
-        self.partitions[name] = partitions
+        if self.partitions.get(name) != partitions:
+            self.partitions[name] = partitions
+            self._wants.clear()
 
     def upstream_vector(self, src: str, key: PartitionKey, vector: Mapping[Origin, int]) -> None:
         self.links[SiteId(src)].vectors[key] = dict(vector)
@@ -129,11 +136,13 @@ class LinkManager:
             since = self._behind_since.setdefault(pair, now_ms)
             if now_ms - since >= self.stall_ms and pair not in self.stalled:
                 self.stalled[pair] = Stall(pair[0], pair[1], now_ms)
+                self._wants.clear()
         for pair in sorted(set(self._behind_since) - behind):
             del self._behind_since[pair]
         for pair in sorted(self.stalled):
             if pair not in behind and self._caught_up(*pair):
                 del self.stalled[pair]
+                self._wants.clear()
 
     # -- decisions ------------------------------------------------------------
 
@@ -141,9 +150,13 @@ class LinkManager:
         """For each partition the link ``src -> site`` carries, the origin sites to pull over it.
 
         Partitions with no origin sites stay in the answer: their heartbeats
-        tell this site what ``src`` holds, which stall detection needs.
+        tell this site what ``src`` holds, which stall detection needs. The
+        answer is shared until the routing changes: read it, do not change it.
         """
         s = SiteId(src)
+        known = self._wants.get(s)
+        if known is not None:
+            return known
         link = self.topology.link(s, self.site)
         out: dict[PartitionKey, tuple[SiteId, ...]] = {}
         for topic in sorted(self.partitions):
@@ -152,6 +165,7 @@ class LinkManager:
             origins = tuple(o for o in self.topology.site_ids() if self._route(topic, o) == s)
             for p in range(self.partitions[topic]):
                 out[(topic, p)] = origins
+        self._wants[s] = out
         return out
 
     def upstream_for(self, topic: str, origin_site: str) -> SiteId | None:

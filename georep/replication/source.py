@@ -170,6 +170,7 @@ class ReplicaSource:
         heartbeat_ms: int = 500,
     ) -> None:
         self._cursors = [_Cursor(key, logs[key], have, sites) for key, (have, sites) in sorted(wants.items())]
+        self._wanted = frozenset(c.key for c in self._cursors)
         self._next = 0  # round-robin start
         self.heartbeat_ms = heartbeat_ms
         self._last_sent_ms: int | None = None
@@ -177,6 +178,10 @@ class ReplicaSource:
     @property
     def keys(self) -> list[PartitionKey]:
         return [c.key for c in self._cursors]
+
+    @property
+    def wanted(self) -> frozenset[PartitionKey]:
+        return self._wanted
 
     def next_chunks(self, max_bytes: int) -> list[Chunk]:
         """The batches to send now, at most ``max_bytes`` in all (but at least one batch), advancing cursors.

@@ -1,7 +1,7 @@
 """``python -m georep.sim``: replay one seed, or run a swarm of seeds and print a summary.
 
-    python -m georep.sim --seed 1234 --topology ring5 [--steps K] [--no-consumers] [--verbose]
-    python -m georep.sim --seeds 0..999 [--topology NAME] [--steps K] [--no-consumers]
+    python -m georep.sim --seed 1234 --topology ring5 [--steps K] [--no-consumers] [--groups] [--verbose]
+    python -m georep.sim --seeds 0..999 [--topology NAME] [--steps K] [--no-consumers] [--groups]
 
 Without ``--topology``, a swarm gives seed ``s`` the topology
 ``TOPOLOGY_NAMES[s % len(TOPOLOGY_NAMES)]``, so it covers all of them. The exit
@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rebuild-p", type=float, default=0.0,
                         help="chance that a crash also loses the disk (restart empty, new epoch); default 0")
     parser.add_argument("--no-consumers", action="store_true",
-                        help="no consumers or commits (I5): replication alone, as runs were before issue 4")
+                        help="no standalone consumers or commits (I5): producers and replication alone")
+    parser.add_argument("--groups", action="store_true",
+                        help="add a consumer group whose members join at several sites (G1-G3)")
     parser.add_argument("--verbose", action="store_true", help="print every event (one run only)")
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -56,17 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.seed is not None:
             return _one(args.seed, args.topology or "triangle", args.steps, args.verbose, args.rebuild_p,
-                        not args.no_consumers)  # fmt: skip
-        return _swarm(args.seeds, args.topology, args.steps, args.rebuild_p, not args.no_consumers)
+                        not args.no_consumers, args.groups)  # fmt: skip
+        return _swarm(args.seeds, args.topology, args.steps, args.rebuild_p, not args.no_consumers, args.groups)
     except UnknownTopologyName as e:
         parser.error(str(e))
     return 2  # pragma: no cover
 
 
-def _one(seed: int, topology: str, steps: int, verbose: bool, rebuild_p: float, consumers: bool) -> int:
+def _one(seed: int, topology: str, steps: int, verbose: bool, rebuild_p: float, consumers: bool, groups: bool) -> int:
     started = time.perf_counter()
     try:
-        result = run_seed(seed, topology, steps=steps, verbose=verbose, rebuild_p=rebuild_p, consumers=consumers)
+        result = run_seed(seed, topology, steps=steps, verbose=verbose, rebuild_p=rebuild_p, consumers=consumers,
+                          groups=groups)  # fmt: skip
     except SimulationFailure as e:
         print(f"FAIL {e}", file=sys.stderr)
         return 1
@@ -78,7 +81,7 @@ def _one(seed: int, topology: str, steps: int, verbose: bool, rebuild_p: float, 
     return 0
 
 
-def _swarm(seeds: range, topology: str | None, steps: int, rebuild_p: float, consumers: bool) -> int:
+def _swarm(seeds: range, topology: str | None, steps: int, rebuild_p: float, consumers: bool, groups: bool) -> int:
     started = time.perf_counter()
     total = FaultCounts()
     failures: list[SimulationFailure] = []
@@ -86,7 +89,7 @@ def _swarm(seeds: range, topology: str | None, steps: int, rebuild_p: float, con
     for seed in seeds:
         name = topology or swarm_topology(seed)
         try:
-            result = run_seed(seed, name, steps=steps, rebuild_p=rebuild_p, consumers=consumers)
+            result = run_seed(seed, name, steps=steps, rebuild_p=rebuild_p, consumers=consumers, groups=groups)
         except SimulationFailure as e:
             failures.append(e)
             print(f"FAIL seed={seed} topology={name}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)

@@ -76,8 +76,9 @@ class FaultCounts:
     restarts: int = 0
     lost_batches: int = 0  # unflushed batches that crashes threw away
     rebuilds: int = 0  # crashes that lost the disk as well
-    timeouts: int = 0  # streams dst gave up on (no message for timeout_ms)
+    timeouts: int = 0  # streams dst gave up on (no message for idle_timeout_ms)
     gap_reopens: int = 0
+    tail_reopens: int = 0  # two heartbeats promised data that never came: lost on the way
     wants_reopens: int = 0
     produced_batches: int = 0
     applied_batches: int = 0
@@ -92,6 +93,14 @@ class FaultCounts:
     consumer_hops_during_cuts: int = 0  # while some link was cut
     consumer_hops_forced: int = 0  # its site had crashed
     consumer_restarts: int = 0  # sessions started from a site's committed vector
+    held_reports: int = 0  # ReportHeld messages sent (acks=geo:N)
+    geo_timeouts: int = 0  # produces whose acks=geo:N did not come in time
+    group_heartbeats: int = 0
+    group_deliveries: int = 0
+    member_moves: int = 0
+    members_expired: int = 0  # expiries that removed members at some site
+    members_fenced: int = 0  # heartbeats of members their site had expired
+    commits_fenced: int = 0  # commits a coordinator refused (stale generation, unknown member, not assigned)
 
     def add(self, other: FaultCounts) -> None:
         for f in fields(self):
