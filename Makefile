@@ -25,9 +25,11 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# The generated code is committed; this regenerates it with the pinned grpcio-tools.
+# The generated code is committed; this regenerates it with the pinned grpcio-tools and mypy-protobuf
+# (typed stubs for the messages and the service, so mypy --strict checks every call).
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. georep/proto/georep.proto
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m grpc_tools.protoc -I. --python_out=. --mypy_out=. \
+		--grpc_python_out=. --mypy_grpc_out=. georep/proto/georep.proto
 
 bench: $(STAMP)
 	$(BIN)/python bench/produce.py

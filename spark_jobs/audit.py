@@ -111,7 +111,7 @@ def expected_reach(topology: Topology, streams: list[tuple[str, str]], sites: li
 
     An origin site that the topology does not name (a retired site, say) is expected everywhere audited.
     """
-    out = []
+    out: list[tuple[str, str, str]] = []
     for topic, origin_site in sorted(set(streams)):
         try:
             reach = expected_sites(topology, origin_site, topic)
@@ -162,7 +162,7 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
         .unionByName(narrowed)
         .cache()
     )
-    order = [F.desc("divergence"), "site", "topic", "partition", "origin", "first_seq", "kind"]
+    order: list[Any] = [F.desc("divergence"), "site", "topic", "partition", "origin", "first_seq", "kind"]
     report_dir.mkdir(parents=True, exist_ok=True)
     issues.coalesce(1).sortWithinPartitions(*order).write.mode("overwrite").parquet(str(report_dir / ISSUES_DIR))
     by_kind = [r.asDict(recursive=True) for r in checks.summary_by_kind(issues).collect()]
@@ -229,7 +229,12 @@ def _narrow_mismatches(spark: Any, batches: Any, mismatches: Any, listing: str) 
 
     from spark_jobs import checks
 
-    c, w = F.col, lambda name: F.col(f"w.{name}")
+    def c(name: str) -> Any:
+        return F.col(name)
+
+    def w(name: str) -> Any:
+        return F.col(f"w.{name}")
+
     wanted = mismatches.select("site", "reference_site", *checks.STREAM, "first_seq", "last_seq").alias("w")
     copies = batches.where("status = 'ok'").alias("c")
     located = (

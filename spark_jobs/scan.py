@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import crc32c
@@ -86,7 +86,7 @@ class Scanned:
     data: bytes = b""  # the whole batch, for a valid one
 
 
-def scan_segment(segment: SegmentFile) -> Iterator[Scanned]:
+def scan_segment(segment: SegmentFile) -> Generator[Scanned, None, None]:
     """Every batch of the segment below its listed size, valid or damaged, read batch by batch.
 
     Plain buffered reads, not mmap: a node may truncate a torn tail while we

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from georep.server.process import NodeProcess
+from tests.support.sites import Sites
 
 
 @pytest.fixture
@@ -31,3 +33,31 @@ def start_node(tmp_path: Path) -> Iterator[object]:
 def node(start_node) -> NodeProcess:  # type: ignore[no-untyped-def]
     """One running node of site ``a`` with default settings."""
     return start_node()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def make_sites(tmp_path: Path) -> Iterator[Callable[..., Sites]]:
+    """Factory: ``make_sites(["a", "b"], [("a", "b")])`` writes a topology and makes one node per site (not started).
+
+    Every node made here is killed at teardown.
+    """
+    made: list[Sites] = []
+
+    def factory(sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000) -> Sites:
+        s = Sites(tmp_path, sites, links, stall_ms)
+        made.append(s)
+        return s
+
+    yield factory
+    for s in made:
+        s.close()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local SparkSession for the whole run: starting a JVM costs seconds."""
+    from spark_jobs.session import spark_session
+
+    session = spark_session("local[2]", "georep-audit-tests", {"spark.sql.shuffle.partitions": "2"})
+    yield session
+    session.stop()

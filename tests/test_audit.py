@@ -12,7 +12,6 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +28,6 @@ SITES = ["a", "b", "c"]
 SPEC = SiteSpec(topic="orders", partitions=2, records_per_origin=200, batch_records=20, segment_bytes_max=16_000)
 NEVER_IN_FLIGHT_MS = 4_000_000_000_000  # an as-of in 2096: every gap is a divergence
 ALWAYS_IN_FLIGHT_MS = 0
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
-    from spark_jobs.session import spark_session
-
-    session = spark_session("local[2]", "georep-audit-tests", {"spark.sql.shuffle.partitions": "2"})
-    yield session
-    session.stop()
 
 
 @pytest.fixture

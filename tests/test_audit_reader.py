@@ -17,7 +17,6 @@ from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import Origin
 from spark_jobs.layout import AuditInputError, list_segments, parse_site_dirs, site_dirs_from_topology
 from spark_jobs.scan import BATCH_SCHEMA, RECORD_SCHEMA, read_batches, read_records, record_hash
-from tests.test_audit import spark  # noqa: F401 - the session-wide SparkSession fixture
 from topology.ids import SiteId
 from topology.model import default_topology
 

@@ -17,12 +17,11 @@ import pytest
 
 from georep.cli.topology_file import load_topology
 from georep.proto import georep_pb2 as pb
-from georep.server.replicator import WANTS_CHECK_S
+from georep.server.replicator import TICK_S
 from spark_jobs import inject
 from spark_jobs.audit import AuditResult, run_audit
 from spark_jobs.layout import list_segments
-from tests.test_audit import spark  # noqa: F401 - the session-wide SparkSession fixture
-from tests.test_replication import TRIANGLE, Sites, converged, make_sites, produce, wait_until  # noqa: F401
+from tests.support.sites import TRIANGLE, Sites, converged, produce, wait_until
 
 TOPIC = "orders"
 
@@ -82,7 +81,7 @@ def test_a_site_behind_a_cut_link_is_in_flight_not_divergent(
     asyncio.run(produce(sites.address("a"), TOPIC, "before", 200))
     wait_until("b holds a's records", lambda: converged(sites, ["a", "b"], TOPIC, 200), 20)
     sites.stub("b").SetLink(pb.SetLinkRequest(src="a", enabled=False), timeout=5)
-    time.sleep(2 * WANTS_CHECK_S)  # the puller notices the cut between two reads of its stream
+    time.sleep(2 * TICK_S)  # the pull session notices the cut at its next tick
     cut_ms = int(time.time() * 1000)
     asyncio.run(produce(sites.address("a"), TOPIC, "after", 100))
     a = origin_of(sites, "a")

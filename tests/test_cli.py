@@ -3,25 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 from georep.client import key_partition
 from georep.server.process import NodeProcess
-
-
-def georep(*args: str, stdin: bytes = b"", env: dict[str, str] | None = None,
-           timeout: float = 30) -> subprocess.CompletedProcess[bytes]:  # fmt: skip
-    return subprocess.run(
-        [sys.executable, "-m", "georep.cli", *args], input=stdin, capture_output=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
-
-
-def ok(result: subprocess.CompletedProcess[bytes]) -> str:
-    assert result.returncode == 0, result.stderr.decode()
-    return result.stdout.decode()
+from tests.support.cli import georep, ok
 
 
 def test_topic_create_list_describe(node: NodeProcess) -> None:

@@ -13,7 +13,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import iter_headers
 from georep.server.process import NodeProcess
-from tests.test_node_api import batch, fetch_all, log_end
+from tests.support.node_api import batch, fetch_all, log_end
 
 DISK_BYTES = 3 << 20
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from georep.server.process import NODE_INFO
-from tests.test_replication import TRIANGLE, Sites, read_site, wait_until
-from tests.test_replication import make_sites as make_sites  # noqa: F401 - the fixture
+from tests.support.sites import TRIANGLE, Sites, read_site, wait_until
 
 pytestmark = pytest.mark.slow
 

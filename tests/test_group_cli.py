@@ -10,9 +10,8 @@ from collections.abc import Callable
 
 from georep.proto import georep_pb2 as pb
 from georep.server.process import NodeProcess
-from tests.test_cli import georep, ok
-from tests.test_replication import Sites, converged, wait_until
-from tests.test_replication import make_sites as make_sites  # noqa: F401 - the fixture
+from tests.support.cli import georep, ok
+from tests.support.sites import Sites, converged, wait_until
 
 TOPIC = "t"
 

@@ -14,8 +14,7 @@ from georep.client.errors import GeoAckTimeout, GroupRebalanced, MemberFenced
 from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
 from offsets.vector import VectorOffset
-from tests.test_replication import TRIANGLE, Sites, converged, produce, wait_until
-from tests.test_replication import make_sites as make_sites  # noqa: F401 - the fixture
+from tests.support.sites import TRIANGLE, Sites, converged, produce, wait_until
 
 TOPIC = "t"
 

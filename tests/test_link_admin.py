@@ -8,9 +8,7 @@ import sys
 from collections.abc import Callable
 
 from georep.proto import georep_pb2 as pb
-from tests.test_replication import TRIANGLE, Sites, check_invariants, converged, make_sites, produce, wait_until
-
-__all__ = ["make_sites"]  # the fixture
+from tests.support.sites import TRIANGLE, Sites, check_invariants, converged, produce, wait_until
 
 
 def georep(*args: str) -> subprocess.CompletedProcess[str]:

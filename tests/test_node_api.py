@@ -12,13 +12,9 @@ import pytest
 
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.record.batch import RecordInput, check_batch, decode_records, encode_batch, iter_headers
+from georep.record.batch import check_batch, decode_records, iter_headers
 from georep.server.process import NodeProcess
-
-
-def stub_for(node: NodeProcess) -> tuple[grpc.Channel, pbg.NodeStub]:
-    channel = grpc.insecure_channel(node.address)
-    return channel, pbg.NodeStub(channel)
+from tests.support.node_api import batch, expect_error, fetch_all, log_end, stub_for
 
 
 @pytest.fixture
@@ -27,37 +23,6 @@ def api(node: NodeProcess) -> Iterator[pbg.NodeStub]:
     stub.CreateTopic(pb.CreateTopicRequest(name="t", partitions=2))
     yield stub
     channel.close()
-
-
-def batch(n: int = 3, *, pid: int = -1, seq: int = -1, value_bytes: int = 10) -> bytes:
-    records = [RecordInput(b"k%d" % i, bytes([65 + i % 26]) * value_bytes, (), 1_000 + i) for i in range(n)]
-    return encode_batch(records, producer_id=pid, producer_epoch=0 if pid >= 0 else -1, base_sequence=seq)
-
-
-def fetch_all(stub: pbg.NodeStub, topic: str, partition: int, end: int) -> bytes:
-    """Every batch from the start of the partition up to local offset ``end``."""
-    out = b""
-    if end == 0:
-        return out
-    stream = stub.Fetch(pb.FetchRequest(topic=topic, partition=partition, offset=0, max_wait_ms=100))
-    for resp in stream:
-        out += resp.batches
-        if resp.next_offset >= end:
-            stream.cancel()
-            break
-    return out
-
-
-def log_end(stub: pbg.NodeStub, topic: str, partition: int) -> int:
-    resp = stub.ListOffsets(pb.ListOffsetsRequest(topic=topic, partition=partition, position=pb.START_LATEST))
-    return resp.offsets[0].offset
-
-
-def expect_error(code: grpc.StatusCode, call, *args) -> str:  # type: ignore[no-untyped-def]
-    with pytest.raises(grpc.RpcError) as info:
-        call(*args)
-    assert info.value.code() == code, info.value.details()
-    return str(info.value.details())
 
 
 def test_produce_assigns_coordinates_and_fetch_returns_verbatim_batches(api: pbg.NodeStub, node: NodeProcess) -> None:

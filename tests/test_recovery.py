@@ -22,7 +22,7 @@ from georep.storage.api import OffsetOutOfRange
 from georep.storage.recovery_point import FILE_NAME as RECOVERY_POINT
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
-from tests.test_segment_log import A, B, C, Writer, log_files, open_log
+from tests.support.segments import A, B, C, Writer, log_files, open_log
 
 CONFIG = {"segment_bytes_max": 2048, "index_interval_bytes": 256}
 PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

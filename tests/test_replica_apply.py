@@ -8,7 +8,7 @@ from pathlib import Path
 from cluster.metadata import load_or_create_identity
 from georep.server.broker import Broker
 from offsets.coordinates import Origin
-from tests.test_replication import origin_batch
+from tests.support.sites import origin_batch
 from topology.ids import SiteId
 
 

@@ -13,24 +13,32 @@ of ARCHITECTURE.md over what each site's log holds:
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 
-from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
-from georep.proto import georep_pb2_grpc as pbg
-from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers, parse_header
+from georep.record.batch import iter_headers, parse_header
 from georep.replication.sink import CorruptChunk, apply_chunk
 from georep.replication.source import ReplicaSource
 from georep.server.process import NodeProcess, NodeStartError
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import Origin
+from tests.support.sites import (
+    TRIANGLE,
+    Sites,
+    check_invariants,
+    converged,
+    free_ports,
+    origin_batch,
+    produce,
+    topology_toml,
+    wait_until,
+)
 from topology.ids import SiteId
 
 A1 = Origin(SiteId("a"), 1)
@@ -39,12 +47,6 @@ KEY = ("t", 0)
 
 
 # -- cores over MemoryLog -------------------------------------------------------
-
-
-def origin_batch(origin: Origin, base_seq: int, n: int = 2, tag: bytes = b"") -> bytes:
-    records = [RecordInput(b"k%d" % (base_seq + i), tag + b"v%d" % (base_seq + i), (), 1_000 + base_seq + i)
-               for i in range(n)]  # fmt: skip
-    return encode_batch(records, origin=origin, base_origin_seq=base_seq)
 
 
 def put(log: MemoryLog, batch: bytes, now_ms: int = 5_000) -> None:
@@ -168,164 +170,6 @@ def test_source_to_sink_over_a_cycle_holds_each_coordinate_once() -> None:
 
 
 # -- real processes -------------------------------------------------------------
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def topology_toml(ports: dict[str, int], links: list[tuple[str, str]]) -> str:
-    lines = []
-    for site, port in ports.items():
-        lines += [f"[sites.{site}]", f'nodes = ["127.0.0.1:{port}"]', ""]
-    for src, dst in links:
-        lines += ["[[links]]", f'src = "{src}"', f'dst = "{dst}"', ""]
-    return "\n".join(lines)
-
-
-TRIANGLE = [("a", "b"), ("b", "c"), ("c", "a"), ("b", "a"), ("c", "b"), ("a", "c")]
-
-
-class Sites:
-    """One node per site, on the ports the topology names."""
-
-    def __init__(self, root: Path, sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000) -> None:
-        self.ports = dict(zip(sites, free_ports(len(sites)), strict=True))
-        self.topology = root / "topology.toml"
-        self.topology.write_text(topology_toml(self.ports, links))
-        self.nodes = {
-            s: NodeProcess(site=s, data_dir=root / s, listen=f"127.0.0.1:{self.ports[s]}",
-                           extra_args=["--topology", str(self.topology), "--stall-ms", str(stall_ms)])
-            for s in sites
-        }  # fmt: skip
-        self.channels: dict[str, grpc.Channel] = {}
-
-    def start(self, *sites: str) -> None:
-        for s in sites or tuple(self.nodes):
-            self.nodes[s].start()
-
-    def stub(self, site: str) -> pbg.NodeStub:
-        if site not in self.channels:
-            self.channels[site] = grpc.insecure_channel(self.nodes[site].address or f"127.0.0.1:{self.ports[site]}")
-        return pbg.NodeStub(self.channels[site])
-
-    def address(self, site: str) -> str:
-        return f"127.0.0.1:{self.ports[site]}"
-
-    def status(self, site: str) -> pb.SiteStatusResponse:
-        return self.stub(site).SiteStatus(pb.SiteStatusRequest(), timeout=5)  # type: ignore[no-any-return]
-
-    def vectors(self, site: str, topic: str) -> dict[int, dict[str, int]]:
-        try:
-            desc = self.stub(site).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
-        except grpc.RpcError:
-            return {}
-        return {
-            ps.partition: {f"{e.site}@{e.epoch}": e.next_seq for e in ps.vector.entries} for ps in desc.partition_states
-        }
-
-    def close(self) -> None:
-        for ch in self.channels.values():
-            ch.close()
-        for node in self.nodes.values():
-            node.kill9()
-
-
-@pytest.fixture
-def make_sites(tmp_path: Path) -> Iterator[Callable[..., Sites]]:
-    made: list[Sites] = []
-
-    def factory(sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000) -> Sites:
-        s = Sites(tmp_path, sites, links, stall_ms)
-        made.append(s)
-        return s
-
-    yield factory
-    for s in made:
-        s.close()
-
-
-def wait_until(what: str, cond: Callable[[], object], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
-
-
-def converged(sites: Sites, names: list[str], topic: str, expect_total: int | None = None) -> bool:
-    vectors = [sites.vectors(s, topic) for s in names]
-    if not vectors[0] or any(v != vectors[0] for v in vectors):
-        return False
-    return expect_total is None or sum(sum(p.values()) for p in vectors[0].values()) == expect_total
-
-
-def read_site(sites: Sites, site: str, topic: str) -> dict[int, list[tuple[str, int, bytes | None, bytes | None, int]]]:
-    """Every record of every partition at ``site``, in log order: (origin, origin seq, key, value, timestamp)."""
-    stub = sites.stub(site)
-    desc = stub.DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
-    out: dict[int, list[tuple[str, int, bytes | None, bytes | None, int]]] = {}
-    for ps in desc.partition_states:
-        records: list[tuple[str, int, bytes | None, bytes | None, int]] = []
-        end = ps.log_end_offset
-        if end:
-            stream = stub.Fetch(pb.FetchRequest(topic=topic, partition=ps.partition, offset=0, max_wait_ms=100))
-            for resp in stream:
-                data = resp.batches
-                pos = 0
-                for h in iter_headers(data, verify=True):
-                    for r in decode_records(data[pos : pos + h.size_bytes], h):
-                        records.append((str(r.origin), r.origin_seq, r.key, r.value, r.timestamp_ms))
-                    pos += h.size_bytes
-                if resp.next_offset >= end:
-                    stream.cancel()
-                    break
-        out[ps.partition] = records
-    return out
-
-
-def check_invariants(sites: Sites, names: list[str], topic: str, expected: set[tuple[bytes, bytes]]) -> None:
-    held = {s: read_site(sites, s, topic) for s in names}
-    by_coord: dict[tuple[int, str, int], tuple[bytes | None, bytes | None, int]] = {}
-    for s, parts in held.items():
-        for p, records in parts.items():
-            coords = [(r[0], r[1]) for r in records]
-            assert len(coords) == len(set(coords)), f"I2: site {s} partition {p} holds a coordinate twice"
-            last: dict[str, int] = {}
-            for origin, seq, key, value, ts in records:
-                after = last.get(origin, -1)
-                assert seq == after + 1, f"I3/I1: site {s} p{p} {origin} seq {seq} follows {after}"
-                last[origin] = seq
-                prev = by_coord.setdefault((p, origin, seq), (key, value, ts))
-                assert prev == (key, value, ts), f"I1: {origin}:{seq} differs at site {s}"
-    for s, parts in held.items():
-        got = {(r[2], r[3]) for records in parts.values() for r in records}
-        assert got == expected, f"I4: site {s} lacks {len(expected - got)} records, has {len(got - expected)} extra"
-        assert sum(len(r) for r in parts.values()) == len(by_coord), f"I4: site {s} does not hold every coordinate"
-
-
-async def produce(address: str, topic: str, prefix: str, n: int) -> set[tuple[bytes, bytes]]:
-    sent = set()
-    async with Producer(address, linger_ms=2, batch_size=4096) as producer:
-        futures = []
-        for i in range(n):
-            key, value = f"{prefix}-k{i}".encode(), f"{prefix}-v{i}".encode() * 3
-            futures.append(producer.send(topic, value, key=key))
-            sent.add((key, value))
-            if i % 200 == 0:
-                await asyncio.sleep(0.01)
-        await producer.flush()
-        await asyncio.gather(*futures)
-    return sent
 
 
 def test_two_sites_replicate_a_topic_and_its_records(make_sites: Callable[..., Sites]) -> None:

@@ -17,9 +17,7 @@ import pytest
 
 from georep.client.producer import Producer, RecordMetadata
 from georep.proto import georep_pb2 as pb
-from tests.test_replication import Sites, check_invariants, converged, make_sites, produce, wait_until
-
-__all__ = ["make_sites"]  # the fixture
+from tests.support.sites import Sites, check_invariants, converged, produce, wait_until
 
 NAMES = ["a", "b", "c", "d", "e"]
 RING = [(x, y) for i, x in enumerate(NAMES) for y in (NAMES[i - 1], NAMES[(i + 1) % len(NAMES)])]

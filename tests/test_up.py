@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.test_replication import TRIANGLE, free_ports, topology_toml
+from tests.support.sites import TRIANGLE, free_ports, topology_toml
 
 GEOREP = [sys.executable, "-m", "georep.cli"]
 

@@ -43,13 +43,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ from georep.proto.convert import vector_from_proto
 from georep.server.process import NODE_INFO
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
+from topology.ids import SiteId
 from topology.model import Topology, UnknownSite
 
 EXIT_BROKEN = 1
@@ -194,7 +196,7 @@ async def produce_loop(run: Run, site: Site, level: str, rate: float, stop: asyn
             value = f"{site.name}|{level}|{i}"
             fut = producer.send(run.topic, value.encode(), key=f"{site.name}-{i}".encode())
             pending.add(fut)
-            fut.add_done_callback(lambda f, v=value: _acked(run, key, level, site.name, v, f, pending))
+            fut.add_done_callback(functools.partial(_acked, run, key, level, site.name, value, pending=pending))
             run.sent[key] = run.sent.get(key, 0) + 1
             i += 1
             next_at += interval
@@ -268,7 +270,8 @@ def node_info(data_dir: Path, site: str) -> dict[str, Any]:
     return info
 
 
-async def set_links(topology: Topology, victim: str, sites: dict[str, Site], enabled: bool, token: str | None) -> None:
+async def set_links(topology: Topology, victim: str, sites: Mapping[SiteId, Site], enabled: bool,
+                    token: str | None) -> None:  # fmt: skip
     for link in topology.links_sorted():
         if victim not in (link.src, link.dst):
             continue

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def set_link(address: str, src: str, enabled: bool, token: str | None = None) -> pb.SetLinkResponse:
     async with grpc.aio.insecure_channel(address) as channel:
-        return await pbg.NodeStub(channel).SetLink(  # type: ignore[no-any-return]
+        return await pbg.NodeStub(channel).SetLink(
             pb.SetLinkRequest(src=src, enabled=enabled), timeout=TIMEOUT_S, metadata=call_metadata(token)
         )
 

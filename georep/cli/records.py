@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import sys
 import time
+from typing import cast
 
 from georep.cli.output import EXIT_ERROR, err, table
 from georep.client.admin import Admin
@@ -44,7 +46,7 @@ async def cmd_produce(args: argparse.Namespace) -> int:
     separator = args.key_separator.encode() if args.key_separator else None
     producer = Producer(args.bootstrap, acks=args.acks, batch_size=args.batch_size, linger_ms=args.linger_ms,
                         compression=args.compression, request_timeout_ms=args.request_timeout_ms)  # fmt: skip
-    stdin = sys.stdin.buffer
+    stdin = cast(io.BufferedReader, sys.stdin.buffer)
     loop = asyncio.get_running_loop()
     tally = _Tally()
     sent = 0

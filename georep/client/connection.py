@@ -119,13 +119,13 @@ class Connection:
         self.origin = ""
         self.generation = 0
         self._channel: grpc.aio.Channel | None = None
-        self._stub: georep_pb2_grpc.NodeStub | None = None
+        self._stub: georep_pb2_grpc.NodeAsyncStub | None = None
         self._index = 0
         self._lock = asyncio.Lock()
         self._opened: asyncio.Future[None] | None = None
 
     @property
-    def stub(self) -> georep_pb2_grpc.NodeStub:
+    def stub(self) -> georep_pb2_grpc.NodeAsyncStub:
         if self._stub is None:
             raise NodeUnavailable("not connected: call start() (or use 'async with') first")
         return self._stub
@@ -140,7 +140,7 @@ class Connection:
             self._opened = asyncio.get_running_loop().create_future()
         return self._opened
 
-    async def connect(self) -> georep_pb2_grpc.NodeStub:
+    async def connect(self) -> georep_pb2_grpc.NodeAsyncStub:
         """Open a channel to the first reachable node, starting at the current one."""
         async with self._lock:
             if self._stub is not None:
@@ -149,7 +149,7 @@ class Connection:
             assert self._stub is not None
             return self._stub
 
-    async def reconnect(self, generation: int) -> georep_pb2_grpc.NodeStub:
+    async def reconnect(self, generation: int) -> georep_pb2_grpc.NodeAsyncStub:
         """Replace the channel of ``generation`` (if nobody did yet) and return the current stub."""
         async with self._lock:
             if generation == self.generation and self._channel is not None:
@@ -189,7 +189,7 @@ class Connection:
         self._index = (self._index + 1) % n
         raise unreachable(tried, reasons)
 
-    async def _identify(self, stub: georep_pb2_grpc.NodeStub) -> georep_pb2.HealthResponse | str:
+    async def _identify(self, stub: georep_pb2_grpc.NodeAsyncStub) -> georep_pb2.HealthResponse | str:
         """The node's identity, or why there is none. A fresh channel may answer
         UNAVAILABLE once under load: try a few times, quickly, rather than wait
         for readiness (a node killed right after the probe would hold us for the

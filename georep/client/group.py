@@ -49,7 +49,7 @@ class GroupOptions:
     client_id: str = ""
     enable_auto_commit: bool = True
     auto_commit_interval_ms: int = 5_000
-    commit_acks: tuple[int, int] = (pb.ACKS_LEADER, 0)
+    commit_acks: tuple[pb.Acks.ValueType, int] = (pb.ACKS_LEADER, 0)
     commit_wait_caught_up_ms: int = 5_000
 
 

@@ -68,7 +68,7 @@ class RecordMetadata(NamedTuple):
     timestamp_ms: int
 
 
-def parse_acks(acks: str) -> tuple[int, int]:
+def parse_acks(acks: str) -> tuple[georep_pb2.Acks.ValueType, int]:
     """``"leader"``, ``"all"`` or ``"geo:N"`` as (``Acks`` enum value, geo_sites)."""
     text = str(acks).strip().lower()
     if text in ("leader", "1"):
@@ -221,10 +221,10 @@ class Producer:
         if loop is None or self._closing:
             raise ProducerClosed("send() on a producer that is not started or is closing")
         future: asyncio.Future[RecordMetadata] = loop.create_future()
-        if value.__class__ is str:
-            value = value.encode()  # type: ignore[union-attr]
-        if key.__class__ is str:
-            key = key.encode()  # type: ignore[union-attr]
+        if isinstance(value, str):
+            value = value.encode()
+        if isinstance(key, str):
+            key = key.encode()
         header_list = tuple(headers) if headers else ()
         # tuple.__new__ skips RecordInput's Python-level __new__: half the cost.
         record: RecordInput = _new_tuple(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from collections import deque
 from collections.abc import Coroutine, Iterable, Iterator
@@ -127,7 +128,7 @@ class SyncProducer:
             except Exception as exc:  # noqa: BLE001 - handed to the caller's future
                 future.set_exception(exc)
                 continue
-            inner.add_done_callback(lambda f, out=future: _copy(f, out))
+            inner.add_done_callback(functools.partial(_copy, target=future))
 
     def flush(self, timeout_s: float | None = None) -> None:
         self._thread.run(self._flush(), timeout_s)

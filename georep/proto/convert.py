@@ -39,7 +39,7 @@ def topic_partitions_to_proto(tps: Iterable[tuple[str, int]]) -> list[georep_pb2
     return [georep_pb2.TopicPartitions(topic=t, partitions=sorted(ps)) for t, ps in sorted(by_topic.items())]
 
 
-_ACK_KINDS = {
+_ACK_KINDS: dict[int, AckKind] = {
     georep_pb2.ACKS_LEADER: AckKind.LEADER,
     georep_pb2.ACKS_ALL: AckKind.ALL,
     georep_pb2.ACKS_GEO: AckKind.GEO,

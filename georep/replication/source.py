@@ -62,7 +62,7 @@ class Chunk:
 
     key: tuple[str, int]
     batches: bytes
-    src_vector: dict[Origin, int]
+    src_vector: Mapping[Origin, int]
     src_log_end: int
 
 

@@ -30,7 +30,7 @@ from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import UnknownPartition, WriteFailed
 from georep.replication.sink import ApplyOutcome, apply_chunk
 from georep.storage.api import DiskFull, LogConfig, PartitionLog
-from offsets.coordinates import Origin
+from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
 
@@ -274,7 +274,7 @@ class Broker:
             return
         task.add_done_callback(lambda t: self._flush_done(p, t))
 
-    def _flush_done(self, p: Partition, task: asyncio.Future[object]) -> None:
+    def _flush_done(self, p: Partition, task: asyncio.Future[LocalOffset]) -> None:
         # A cancelled fsync (shutdown) must still release its waiters, with an error.
         exc = asyncio.CancelledError("fsync cancelled") if task.cancelled() else task.exception()
         if exc is not None:

@@ -114,17 +114,17 @@ class GroupService:
 
     async def commit(self, req: pb.CommitOffsetsRequest) -> pb.CommitOffsetsResponse:
         entries = []
-        for c in req.commits:
+        for pc in req.commits:
             try:
-                vector = vector_from_proto(c.vector)
+                vector = vector_from_proto(pc.vector)
             except InvalidVectorOffset as exc:
                 raise InvalidRequest(f"malformed vector offset: {exc}") from None
-            entries.append(CommitEntry(c.topic, c.partition, vector, c.hint_offset, c.metadata))
+            entries.append(CommitEntry(pc.topic, pc.partition, vector, pc.hint_offset, pc.metadata))
         group = check_commit_request(req.group, entries)
-        for c in entries:
-            self.broker.partition(c.topic, c.partition)  # UnknownTopic / UnknownPartition
-        self.coordinator.check_commit(group, req.member_id, req.generation, sorted((c.topic, c.partition)
-                                                                                    for c in entries))  # fmt: skip
+        for e in entries:
+            self.broker.partition(e.topic, e.partition)  # UnknownTopic / UnknownPartition
+        self.coordinator.check_commit(group, req.member_id, req.generation, sorted((e.topic, e.partition)
+                                                                                    for e in entries))  # fmt: skip
         now = self.clock_ms()
         self.catch_up()
         stamp = self.commits.stamp(now, req.after_hlc, self.broker.identity.site)

@@ -84,7 +84,7 @@ class Puller:
         )  # fmt: skip
         self.reporter = HeldReporter(src)
         self._channel: grpc.aio.Channel | None = None
-        self._stub: pbg.NodeStub | None = None
+        self._stub: pbg.NodeAsyncStub | None = None
         self._topics_synced = asyncio.Event()
         # The upstream's topics and partition counts, from the last ListTopics:
         # a want for a topic it does not have (yet) would fail the whole stream.
@@ -105,7 +105,7 @@ class Puller:
         return self.session.stats
 
     @property
-    def stub(self) -> pbg.NodeStub:
+    def stub(self) -> pbg.NodeAsyncStub:
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
             self._stub = pbg.NodeStub(self._channel)

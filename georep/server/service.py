@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hmac
 import logging
 import time
@@ -47,6 +48,8 @@ REPLICATE_MAX_BYTES_DEFAULT = 1 << 20
 REPLICATE_MAX_WAIT_MS_DEFAULT = 500
 
 M = TypeVar("M", bound=Message)
+# Handlers take raw bytes (no deserializer) and return messages.
+Context = grpc.aio.ServicerContext[bytes, Message]
 
 
 def _parse(cls: type[M], data: bytes) -> M:
@@ -129,7 +132,7 @@ class NodeService:
         config = {k: str(v) for k, v in spec.effective(self.broker.defaults).items()}
         return pb.TopicDescription(name=name, partitions=spec.partitions, config=config, partition_states=states)
 
-    async def create_topic(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.TopicDescription:
+    async def create_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         req = _parse(pb.CreateTopicRequest, data)
         if is_internal(req.name):
             raise InternalTopic(f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: "
@@ -137,14 +140,14 @@ class NodeService:
         self.broker.create_topic(req.name, req.partitions, dict(req.config))
         return self._describe(req.name)
 
-    async def list_topics(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ListTopicsResponse:
+    async def list_topics(self, data: bytes, context: Context) -> pb.ListTopicsResponse:
         _parse(pb.ListTopicsRequest, data)
         return pb.ListTopicsResponse(topics=[self._describe(n) for n in sorted(self.broker.metadata.topics())])
 
-    async def describe_topic(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.TopicDescription:
+    async def describe_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         return self._describe(_parse(pb.DescribeTopicRequest, data).name)
 
-    async def health(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+    async def health(self, data: bytes, context: Context) -> pb.HealthResponse:
         _parse(pb.HealthRequest, data)
         return pb.HealthResponse(
             status="SERVING", site=self.broker.identity.site, epoch=self.broker.identity.epoch,
@@ -152,7 +155,7 @@ class NodeService:
             disk_full=self.broker.disk_full,
         )  # fmt: skip
 
-    async def list_offsets(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ListOffsetsResponse:
+    async def list_offsets(self, data: bytes, context: Context) -> pb.ListOffsetsResponse:
         req = _parse(pb.ListOffsetsRequest, data)
         spec = self.broker.topic(req.topic)
         indexes = range(spec.partitions) if req.partition == -1 else [req.partition]
@@ -185,7 +188,7 @@ class NodeService:
         if is_internal(topic):
             raise InternalTopic(f"topic {topic!r} is internal to georep: commit with a consumer")
 
-    async def produce(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ProduceResponse:
+    async def produce(self, data: bytes, context: Context) -> pb.ProduceResponse:
         req = _parse(pb.ProduceRequest, data)
         try:
             self._check_producible(req.topic)
@@ -198,7 +201,7 @@ class NodeService:
         return self._produced(req, produced)
 
     async def produce_stream(
-        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[bytes], context: Context
     ) -> AsyncIterator[pb.ProduceResponse]:
         # Per request: one append and, when the ack must wait for an fsync, one
         # callback on the shared fsync future. No task or queue per request:
@@ -246,7 +249,7 @@ class NodeService:
                         send(self._produced(req, produced))
                         continue
                     state["waiting"] += 1
-                    waiter.add_done_callback(lambda f, r=req, pr=produced: durable(f, r, pr))
+                    waiter.add_done_callback(functools.partial(durable, req=req, produced=produced))
                     if state["waiting"] >= PRODUCE_STREAM_MAX_PENDING:
                         room.clear()
                         await room.wait()
@@ -271,7 +274,7 @@ class NodeService:
 
     # -- fetch ----------------------------------------------------------------
 
-    async def fetch(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
+    async def fetch(self, data: bytes, context: Context) -> AsyncIterator[pb.FetchResponse]:
         req = _parse(pb.FetchRequest, data)
         p = self.broker.partition(req.topic, req.partition)
         max_bytes = min(req.max_bytes or (1 << 20), FETCH_MAX_BYTES_CAP)
@@ -301,7 +304,7 @@ class NodeService:
 
     # -- replication ------------------------------------------------------------
 
-    async def replicate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReplicateResponse]:
+    async def replicate(self, data: bytes, context: Context) -> AsyncIterator[pb.ReplicateResponse]:
         """Serve one inbound pull (docs/design.md, "Replication"): a heartbeat first, then
         batches the dst lacks as they become durable, and a heartbeat every ``max_wait_ms`` when idle."""
         req = _parse(pb.ReplicateRequest, data)
@@ -355,7 +358,7 @@ class NodeService:
             ]
         )
 
-    def _authorize_admin(self, context: grpc.aio.ServicerContext, what: str) -> None:
+    def _authorize_admin(self, context: Context, what: str) -> None:
         """With an admin token, the caller must present it; without one, only loopback callers may."""
         if self.admin_token is None:
             if not _is_loopback(context.peer()):
@@ -371,7 +374,7 @@ class NodeService:
                 "(--admin-token-file, or GEOREP_ADMIN_TOKEN / the data dir's admin.token for georep commands)",
             )
 
-    async def set_link(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.SetLinkResponse:
+    async def set_link(self, data: bytes, context: Context) -> pb.SetLinkResponse:
         req = _parse(pb.SetLinkRequest, data)
         self._authorize_admin(context, "SetLink")
         site = self.broker.identity.site
@@ -386,7 +389,7 @@ class NodeService:
             ) from None
         return pb.SetLinkResponse(src=req.src, dst=site, enabled=req.enabled, state=state)
 
-    async def site_status(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.SiteStatusResponse:
+    async def site_status(self, data: bytes, context: Context) -> pb.SiteStatusResponse:
         _parse(pb.SiteStatusRequest, data)
         if self.replicator is not None:
             return self.replicator.status()
@@ -398,7 +401,7 @@ class NodeService:
         ]
         return pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch, partitions=parts)
 
-    async def report_held(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ReportHeldResponse:
+    async def report_held(self, data: bytes, context: Context) -> pb.ReportHeldResponse:
         req = _parse(pb.ReportHeldRequest, data)
         entries = []
         for e in req.entries:
@@ -413,23 +416,23 @@ class NodeService:
 
     # -- consumer groups --------------------------------------------------------
 
-    async def group_heartbeat(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.GroupHeartbeatResponse:
+    async def group_heartbeat(self, data: bytes, context: Context) -> pb.GroupHeartbeatResponse:
         return self.groups.heartbeat(_parse(pb.GroupHeartbeatRequest, data))
 
-    async def leave_group(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.LeaveGroupResponse:
+    async def leave_group(self, data: bytes, context: Context) -> pb.LeaveGroupResponse:
         return self.groups.leave(_parse(pb.LeaveGroupRequest, data))
 
-    async def commit_offsets(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.CommitOffsetsResponse:
+    async def commit_offsets(self, data: bytes, context: Context) -> pb.CommitOffsetsResponse:
         return await self.groups.commit(_parse(pb.CommitOffsetsRequest, data))
 
-    async def fetch_committed(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.FetchCommittedResponse:
+    async def fetch_committed(self, data: bytes, context: Context) -> pb.FetchCommittedResponse:
         return await self.groups.fetch_committed(_parse(pb.FetchCommittedRequest, data))
 
-    async def list_groups(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.ListGroupsResponse:
+    async def list_groups(self, data: bytes, context: Context) -> pb.ListGroupsResponse:
         _parse(pb.ListGroupsRequest, data)
         return self.groups.list_groups()
 
-    async def describe_group(self, data: bytes, context: grpc.aio.ServicerContext) -> pb.GroupDescription:
+    async def describe_group(self, data: bytes, context: Context) -> pb.GroupDescription:
         return self.groups.describe(_parse(pb.DescribeGroupRequest, data))
 
     # -- wiring ---------------------------------------------------------------
@@ -438,8 +441,8 @@ class NodeService:
         def ser(msg: Message) -> bytes:
             return msg.SerializeToString()
 
-        def unary(fn: Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]) -> grpc.RpcMethodHandler:
-            async def call(data: bytes, context: grpc.aio.ServicerContext) -> Message:
+        def unary(fn: Callable[[bytes, Context], Awaitable[Message]]) -> grpc.RpcMethodHandler[bytes, Message]:
+            async def call(data: bytes, context: Context) -> Message:
                 try:
                     return await fn(data, context)
                 except DOMAIN_ERRORS as exc:
@@ -448,7 +451,7 @@ class NodeService:
 
             return grpc.unary_unary_rpc_method_handler(call, request_deserializer=None, response_serializer=ser)
 
-        async def fetch(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchResponse]:
+        async def fetch(data: bytes, context: Context) -> AsyncIterator[pb.FetchResponse]:
             try:
                 async for msg in self.fetch(data, context):
                     yield msg
@@ -456,7 +459,7 @@ class NodeService:
                 await context.abort(_status(exc), str(exc))
 
         async def produce_stream(
-            requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+            requests: AsyncIterator[bytes], context: Context
         ) -> AsyncIterator[pb.ProduceResponse]:
             try:
                 async for msg in self.produce_stream(requests, context):
@@ -464,7 +467,7 @@ class NodeService:
             except DOMAIN_ERRORS as exc:
                 await context.abort(_status(exc), str(exc))
 
-        async def replicate(data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ReplicateResponse]:
+        async def replicate(data: bytes, context: Context) -> AsyncIterator[pb.ReplicateResponse]:
             try:
                 async for msg in self.replicate(data, context):
                     yield msg

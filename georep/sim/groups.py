@@ -272,16 +272,16 @@ class GroupWorkload:
             if stale:
                 out.append(f"site {sid} still counts {len(stale)} member(s) of {GROUP} that left: {stale[0]}")
         for m in self.members:
-            site = sim.alive(m.site, m.incarnation)
-            if site is None or not m.member_id:
+            live = sim.alive(m.site, m.incarnation)
+            if live is None or not m.member_id:
                 out.append(f"member {m.name} is not connected")
                 continue
-            group = site.coordinator.groups.get(GROUP)
+            group = live.coordinator.groups.get(GROUP)
             if group is None or m.member_id not in group.members or group.generation != m.generation:
-                out.append(f"member {m.name} has not settled in {GROUP} at {site.id}")
+                out.append(f"member {m.name} has not settled in {GROUP} at {live.id}")
                 continue
             for key, session in sorted(m.sessions.items()):
-                held = VectorOffset(site.logs[key].vector())
+                held = VectorOffset(live.logs[key].vector())
                 if not held <= session.vector():
-                    out.append(f"member {m.name} at {site.id} has not read all of {key[0]}[{key[1]}]")
+                    out.append(f"member {m.name} at {live.id} has not read all of {key[0]}[{key[1]}]")
         return out

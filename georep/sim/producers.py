@@ -29,11 +29,13 @@ Checked, besides I1-I4 (``checker.py``):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from georep.broker.acks import Acks
 from georep.client.accumulator import BatchState, ProducerBatch
 from georep.client.delivery import PartitionDelivery
+from georep.record.batch import RecordInput
 from georep.replication.links import PartitionKey
 from georep.sim.checker import InvariantViolation
 from offsets.coordinates import Origin
@@ -77,7 +79,7 @@ class SimProducer:
     def name(self) -> str:
         return f"producer {self.index} ({self.acks}) of {self.key[0]}[{self.key[1]}] at {self.site}"
 
-    def new_batch(self, records: list, now_ms: int) -> ProducerBatch:  # type: ignore[type-arg]
+    def new_batch(self, records: list[RecordInput], now_ms: int) -> ProducerBatch:
         batch = ProducerBatch(self.key[0], self.key[1], now_ms)
         batch.records = records
         batch.futures = [None] * len(records)
@@ -102,7 +104,7 @@ class SimProducer:
             )
         self.stored[number] = (site, origin, base_seq)
 
-    def forget_lost(self, site: SiteId, kept: dict[Origin, int], rebuilt: bool) -> None:
+    def forget_lost(self, site: SiteId, kept: Mapping[Origin, int], rebuilt: bool) -> None:
         """``site`` crashed: copies it stored and lost (unflushed, or its whole disk) no longer count."""
         for number, (where, origin, base) in list(self.stored.items()):
             if where == site and (rebuilt or base >= kept.get(origin, 0)):

@@ -1,0 +1,235 @@
+"""The destination's pull session, the topic-sync plan and the held reporter, driven by hand over ``MemoryLog``.
+
+The simulator drives the same objects over random topologies and faults (tests/test_sim.py); these tests pin
+each rule of georep/replication/session.py with one small scenario.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+
+from georep.replication.links import LinkManager, LinkState
+from georep.replication.session import (
+    DISABLED,
+    ApplyChunk,
+    Effect,
+    LinkEvent,
+    OpenStream,
+    PullConfig,
+    PullSession,
+)
+from georep.replication.sink import SEQ_MAX, apply_chunk
+from georep.replication.source import Chunk
+from georep.replication.topics import RemoteTopic, plan_topic_sync
+from georep.storage.memory_log import MemoryLog
+from offsets.coordinates import Origin
+from offsets.held import HeldReporter, HeldTable
+from offsets.vector import VectorOffset
+from tests.support.sites import origin_batch
+from topology.ids import SiteId
+from topology.model import default_topology, parse_topology
+
+A = Origin(SiteId("a"), 1)
+B = Origin(SiteId("b"), 1)
+KEY = ("t", 0)
+CONFIG = PullConfig(idle_timeout_ms=1_000, backoff_min_ms=100, backoff_max_ms=400)
+
+
+class Dst:
+    """Site a pulling from b over the default triangle; c's link is up, so b sends a's old epochs and b's."""
+
+    def __init__(self) -> None:
+        self.log = MemoryLog()
+        self.links = LinkManager(default_topology(), "a")
+        self.links.topic("t", 1)
+        self.links.link_up("c", 0)
+        self.session = PullSession(SiteId("b"), self.links, A, self.vector_of, itertools.count(1), CONFIG)
+
+    def vector_of(self, key: tuple[str, int]) -> Mapping[Origin, int]:
+        return self.log.vector()
+
+    def run(self, effects: Sequence[Effect], now_ms: int) -> list[Effect]:
+        """Carry out the applies as the node's writer thread would; return every other effect."""
+        out: list[Effect] = []
+        todo = list(effects)
+        while todo:
+            effect = todo.pop(0)
+            if isinstance(effect, ApplyChunk):
+                outcome = apply_chunk(self.log, effect.batches, now_ms)
+                todo = self.session.on_applied(effect.stream_id, effect.key, outcome, now_ms) + todo
+            else:
+                out.append(effect)
+        return out
+
+    def message(self, stream_id: int, *chunks: Chunk, now_ms: int = 10) -> list[Effect]:
+        heartbeat = not any(c.batches for c in chunks)
+        return self.run(self.session.on_message(stream_id, chunks, heartbeat, now_ms), now_ms)
+
+
+def data(origin: Origin, seq: int, n: int = 2) -> Chunk:
+    return Chunk(KEY, origin_batch(origin, seq, n), {origin: seq + n}, 0)
+
+
+def heartbeat(vector: Mapping[Origin, int]) -> Chunk:
+    return Chunk(KEY, b"", vector, 0)
+
+
+def kinds(effects: Sequence[Effect]) -> list[str]:
+    return [e.kind if isinstance(e, LinkEvent) else type(e).__name__ for e in effects]
+
+
+def test_open_asks_for_the_wanted_origins_with_this_sites_own_origin_fully_held() -> None:
+    dst = Dst()
+    [opened] = dst.session.start(0)
+    assert isinstance(opened, OpenStream) and opened.stream_id == 1
+    have, sites = opened.wants[KEY]
+    assert have == {A: SEQ_MAX}  # its own current origin never comes back
+    assert sites == ("a", "b")  # a's older epochs (a rebuilt site) and b's records; c's come from c
+    assert dst.session.start(0) == []  # one stream at a time
+
+
+def test_chunks_are_applied_in_order_one_at_a_time() -> None:
+    dst = Dst()
+    dst.session.start(0)
+    effects = dst.session.on_message(1, [data(B, 0), data(B, 2)], False, 10)
+    assert kinds(effects) == ["up", "ApplyChunk"]  # the second chunk waits for the first one's apply
+    assert dst.session.on_message(1, [data(B, 4)], False, 11) == []  # so does the next message
+    assert dst.run(effects[1:], 12) == []
+    assert dst.log.vector() == {B: 6} and dst.session.stats.applied_batches == 3
+    assert dst.links.links[SiteId("b")].state is LinkState.STREAMING
+
+
+def test_a_gap_reopens_from_the_sites_vector_and_the_old_stream_is_ignored() -> None:
+    dst = Dst()
+    dst.session.start(0)
+    dst.message(1, data(B, 0))
+    effects = dst.message(1, data(B, 4))  # b:2-3 was lost on the way
+    assert kinds(effects) == ["gap", "OpenStream"] and dst.session.stats.gaps == 1
+    reopened = effects[1]
+    assert isinstance(reopened, OpenStream) and reopened.stream_id == 2
+    assert reopened.wants[KEY][0] == {A: SEQ_MAX, B: 2}
+    assert dst.message(1, data(B, 2)) == [] and dst.log.vector() == {B: 2}  # stream 1 is gone
+
+
+def test_a_batch_straddling_the_vector_is_divergence_never_appended() -> None:
+    dst = Dst()
+    dst.session.start(0)
+    dst.message(1, data(B, 0, n=4))
+    other = Chunk(KEY, origin_batch(B, 2, 4, tag=b"other-"), {B: 6}, 0)  # b:2-5 where b:2-3 is held
+    assert kinds(dst.message(1, other)) == ["diverged", "OpenStream"]
+    assert dst.log.vector() == {B: 4} and "diverg" in dst.session.stats.last_error.lower()
+
+
+def test_a_lost_tail_shows_as_two_heartbeats_promising_what_never_came() -> None:
+    dst = Dst()
+    dst.session.start(0)
+    dst.message(1, data(B, 0))
+    assert dst.message(1, heartbeat({B: 4})) == []  # the data may be on its way
+    dst.message(1, data(B, 2))
+    assert dst.message(1, heartbeat({B: 6})) == []  # data in between: a fresh promise
+    assert kinds(dst.message(1, heartbeat({B: 6}))) == ["tail", "OpenStream"]
+    # a heartbeat that promises nothing more than the site holds never reopens
+    dst2 = Dst()
+    dst2.session.start(0)
+    dst2.message(1, data(B, 0))
+    assert dst2.message(1, heartbeat({B: 2})) == [] and dst2.message(1, heartbeat({B: 2})) == []
+
+
+def test_a_silent_stream_is_dead_and_retries_back_off_then_reset() -> None:
+    dst = Dst()
+    dst.session.start(0)
+    assert dst.session.next_due_ms() == 1_000 and dst.session.tick(999) == []
+    assert kinds(dst.session.tick(1_000)) == ["timeout"]
+    assert dst.links.links[SiteId("b")].state is LinkState.DOWN
+    assert dst.session.tick(1_099) == [] and kinds(dst.session.tick(1_100)) == ["OpenStream"]
+    dst.session.tick(2_100)  # dead again: the next retry waits twice as long
+    assert dst.session.next_due_ms() == 2_300
+    for t in (2_300, 3_300, 3_700, 4_700):
+        dst.session.tick(t)
+    assert dst.session.next_due_ms() == 4_700 + 400  # capped at backoff_max_ms
+    dst.session.tick(5_100)
+    dst.message(dst.session.stream_id or 0, heartbeat({}), now_ms=5_200)  # a message resets the backoff
+    dst.session.tick(6_200)
+    assert dst.session.next_due_ms() == 6_300
+
+
+def test_a_clean_end_reopens_at_once_and_a_failed_one_after_the_backoff() -> None:
+    dst = Dst()
+    dst.session.start(0)
+    assert kinds(dst.session.on_stream_ended(1, 5)) == ["ended", "OpenStream"]
+    assert kinds(dst.session.on_stream_ended(2, 6, "connection refused")) == ["down"]
+    assert dst.session.stats.last_error == "connection refused" and dst.session.next_due_ms() == 106
+    assert dst.session.on_stream_ended(2, 7, "again") == []  # that stream is gone already
+
+
+def test_a_change_of_wants_reopens_the_stream() -> None:
+    dst = Dst()
+    dst.session.start(0)
+    dst.message(1, heartbeat({}))
+    assert dst.session.tick(20) == []
+    dst.links.link_down("c", 30, "unreachable")  # c's records now come through b
+    [event, reopened] = dst.session.tick(40)
+    assert isinstance(event, LinkEvent) and event.kind == "wants"
+    assert isinstance(reopened, OpenStream) and reopened.wants[KEY][1] == ("a", "b", "c")
+
+
+def test_an_operator_cut_stops_the_link_until_it_is_healed() -> None:
+    dst = Dst()
+    dst.session.start(0)
+    assert kinds(dst.session.set_enabled(False, 10)) == ["disabled"]
+    assert dst.session.stats.last_error == DISABLED and dst.session.next_due_ms() is None
+    assert dst.session.tick(100_000) == [] and dst.message(1, data(B, 0)) == []
+    assert dst.links.links[SiteId("b")].state is LinkState.DOWN
+    assert kinds(dst.session.set_enabled(True, 20)) == ["healed", "OpenStream"]
+
+
+# -- topic metadata over a link ------------------------------------------------------------------
+
+FILTERED = """
+[sites.a]
+nodes = ["127.0.0.1:1"]
+[sites.b]
+nodes = ["127.0.0.1:2"]
+[[links]]
+src = "a"
+dst = "b"
+topics = ["orders/**"]
+"""
+
+
+def test_topic_sync_creates_what_the_link_carries_and_reports_conflicts() -> None:
+    [link] = parse_topology(FILTERED).links
+    remote = [
+        RemoteTopic("orders/eu", 3, {"retention_ms": "60000", "made_up": "1"}),
+        RemoteTopic("orders/us", 2),
+        RemoteTopic("orders/asia", 4),
+        RemoteTopic("payments", 1),  # not carried by this link
+    ]
+    plan = plan_topic_sync(link, remote, {"orders/us": 4, "orders/asia": 4})
+    assert plan.create == [RemoteTopic("orders/eu", 3, {"retention_ms": "60000"})]
+    assert list(plan.conflicts) == ["orders/us"]
+    assert "4 partitions at site b but 2 at site a" in plan.conflicts["orders/us"]
+    assert plan.cleared == ["orders/asia"]
+
+
+# -- what a site reports upstream ----------------------------------------------------------------
+
+
+def test_held_reports_go_one_at_a_time_and_leave_out_the_upstreams_own_entries() -> None:
+    table, reporter = HeldTable(), HeldReporter("b")
+    assert reporter.next_report(table) is None
+    table.update("a", "t", 0, VectorOffset({A: 2}))
+    table.update("b", "t", 0, VectorOffset({B: 2}))
+    first = reporter.next_report(table)
+    assert first is not None and [key for key, _ in first] == [("a", "t", 0)]
+    table.update("a", "t", 0, VectorOffset({A: 4}))
+    assert reporter.next_report(table) is None and reporter.in_flight  # in flight: the change waits
+    reporter.failed()
+    again = reporter.next_report(table)
+    assert again is not None and again[0][1] == VectorOffset({A: 4})  # a failure resends, with what grew
+    reporter.acked()
+    assert reporter.next_report(table) is None
+    reporter.reset()  # the upstream reconnected: it may have forgotten everything
+    assert reporter.next_report(table) is not None
+
