@@ -47,6 +47,12 @@ TOPIC_CONFIG_KEYS: dict[str, str] = {
     "max_batch_bytes": "reject produced batches larger than this",
 }
 
+# The largest max_batch_bytes a topic may have. The node's gRPC receive limit is above it, so a batch over a
+# topic's limit always reaches the broker and gets its clear refusal, never a bare transport error.
+MAX_BATCH_BYTES_LIMIT = 64 << 20
+
+_MAXIMUMS = {"max_batch_bytes": MAX_BATCH_BYTES_LIMIT}
+
 _MINIMUMS = {
     "segment_bytes_max": 1024,
     "segment_ms": 1,
@@ -70,6 +76,8 @@ def parse_topic_config(raw: dict[str, str]) -> dict[str, int]:
             raise InvalidTopic(f"topic config {key}={raw[key]!r} is not an integer") from None
         if value < _MINIMUMS[key]:
             raise InvalidTopic(f"topic config {key}={value} is below the minimum {_MINIMUMS[key]}")
+        if key in _MAXIMUMS and value > _MAXIMUMS[key]:
+            raise InvalidTopic(f"topic config {key}={value} is above the maximum {_MAXIMUMS[key]}: use at most that")
         out[key] = value
     return out
 

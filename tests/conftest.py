@@ -6,7 +6,10 @@ from typing import Any
 
 import pytest
 
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
+from tests.support.node_api import stub_for
 from tests.support.sites import Sites
 
 
@@ -33,6 +36,15 @@ def start_node(tmp_path: Path) -> Iterator[object]:
 def node(start_node) -> NodeProcess:  # type: ignore[no-untyped-def]
     """One running node of site ``a`` with default settings."""
     return start_node()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def api(node: NodeProcess) -> Iterator[pbg.NodeStub]:
+    """A raw gRPC stub on ``node``, with topic ``t`` of 2 partitions created."""
+    channel, stub = stub_for(node)
+    stub.CreateTopic(pb.CreateTopicRequest(name="t", partitions=2))
+    yield stub
+    channel.close()
 
 
 @pytest.fixture

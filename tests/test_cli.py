@@ -101,3 +101,14 @@ def test_bad_arguments_are_usage_errors() -> None:
     assert result.returncode == 1 and "invalid vector offset" in result.stderr.decode()
     result = georep("produce", "t", "--acks", "some", "--bootstrap", "127.0.0.1:1")
     assert result.returncode == 1 and "invalid acks" in result.stderr.decode()
+
+
+def test_a_line_over_the_topics_limit_fails_at_once_with_the_limit_named(node: NodeProcess) -> None:
+    b = ("--bootstrap", node.address)
+    ok(georep("topic", "create", "small", "--partitions", "1", "--config", "max_batch_bytes=1024", *b))
+    # the limit is checked before sending: no wait for the delivery timeout, no "unreachable"
+    result = georep("produce", "small", *b, stdin=b"fits\n" + b"x" * 5000 + b"\n", timeout=20)
+    assert result.returncode == 1
+    err = result.stderr.decode()
+    assert "max_batch_bytes=1024 of topic 'small'; nothing was sent" in err and "unreachable" not in err
+    assert "1 of 2 records" in err

@@ -12,12 +12,12 @@ import pytest
 
 from georep.client import (
     Admin,
-    BatchTooLarge,
     Consumer,
     ConsumerRecord,
     NodeUnavailable,
     OffsetOutOfRange,
     Producer,
+    RecordTooLarge,
     SyncConsumer,
     SyncProducer,
     TopicExists,
@@ -202,11 +202,15 @@ def test_oversized_batch_fails_alone_and_later_records_still_go(node: NodeProces
             await before
             big = producer.send("small", b"x" * 5000, partition=0)
             after = [producer.send("small", b"after-%d" % i, partition=0) for i in range(3)]
-            with pytest.raises(BatchTooLarge, match="max_batch_bytes"):
-                await big
+            with pytest.raises(RecordTooLarge, match="max_batch_bytes=2000 of topic 'small'; nothing was sent"):
+                await big  # refused by the client at once, never sent, never a timeout
             await asyncio.gather(*after)
-        got = await read_all(node.address, "small", 1, 4)
-        assert [r.value for r in got] == [b"before", b"after-0", b"after-1", b"after-2"]
+        # a batch_size above the topic's limit: batches are cut at the limit, and every record goes
+        async with Producer(node.address, linger_ms=50, batch_size=1 << 20) as producer:
+            await asyncio.gather(*[producer.send("small", b"y" * 100, partition=0) for _ in range(100)])
+        got = await read_all(node.address, "small", 1, 104)
+        assert [r.value for r in got[:4]] == [b"before", b"after-0", b"after-1", b"after-2"]
+        assert len(got) == 104
 
     run(main())
 

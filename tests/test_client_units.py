@@ -30,6 +30,8 @@ from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
 from topology.ids import SiteId
 
+LIMIT = 8 << 20  # a topic's max_batch_bytes
+
 
 def rec(value: bytes, key: bytes | None = None) -> RecordInput:
     return RecordInput(key, value, (), 1000)
@@ -70,7 +72,7 @@ def test_sticky_partitioner_moves_round_robin_when_its_batch_closes() -> None:
 def test_accumulator_closes_a_batch_when_the_next_record_would_overflow() -> None:
     size = record_size(None, b"x" * 100, ())
     acc = RecordAccumulator(batch_size=109 + 3 * size, linger_ms=5)
-    opened = [acc.append("t", 0, rec(b"x" * 100), object(), size, now_ms=0) for _ in range(7)]
+    opened = [acc.append("t", 0, rec(b"x" * 100), object(), size, now_ms=0, max_batch_bytes=LIMIT) for _ in range(7)]
     assert [o is not None for o in opened] == [True, False, False, True, False, False, True]
     closed = acc.take_closed()
     assert [len(b.records) for b in closed] == [3, 3]
@@ -80,16 +82,27 @@ def test_accumulator_closes_a_batch_when_the_next_record_would_overflow() -> Non
 
 def test_accumulator_oversized_record_gets_its_own_batch() -> None:
     acc = RecordAccumulator(batch_size=200, linger_ms=5)
-    acc.append("t", 0, rec(b"a"), None, 30, 0)
-    acc.append("t", 0, rec(b"b" * 1000), None, 1030, 0)
-    acc.append("t", 0, rec(b"c"), None, 30, 0)
+    acc.append("t", 0, rec(b"a"), None, 30, 0, max_batch_bytes=LIMIT)
+    acc.append("t", 0, rec(b"b" * 1000), None, 1030, 0, max_batch_bytes=LIMIT)
+    acc.append("t", 0, rec(b"c"), None, 30, 0, max_batch_bytes=LIMIT)
     assert [len(b.records) for b in acc.take_closed()] == [1, 1]
+
+
+def test_accumulator_keeps_batches_within_the_topics_max_batch_bytes_when_it_is_below_batch_size() -> None:
+    acc = RecordAccumulator(batch_size=1 << 20, linger_ms=5)
+    size = record_size(None, b"x" * 100, ())
+    for _ in range(5):
+        acc.append("t", 0, rec(b"x" * 100), None, size, 0, max_batch_bytes=109 + 2 * size)
+    assert [len(b.records) for b in acc.take_closed()] == [2, 2]
+    assert [b.partition for b in acc.close_lingered(0)] == []  # one record open: room for another
+    acc.append("t", 0, rec(b"x" * 100), None, size, 0, max_batch_bytes=109 + 2 * size)
+    assert [len(b.records) for b in acc.close_lingered(0)] == [2]  # full: closed without waiting for linger
 
 
 def test_accumulator_linger() -> None:
     acc = RecordAccumulator(batch_size=1 << 20, linger_ms=5)
-    acc.append("t", 0, rec(b"a"), None, 30, now_ms=100)
-    acc.append("t", 1, rec(b"b"), None, 30, now_ms=102)
+    acc.append("t", 0, rec(b"a"), None, 30, now_ms=100, max_batch_bytes=LIMIT)
+    acc.append("t", 1, rec(b"b"), None, 30, now_ms=102, max_batch_bytes=LIMIT)
     assert acc.next_linger_deadline_ms() == 105
     assert acc.close_lingered(104) == []
     assert [b.partition for b in acc.close_lingered(105)] == [0]

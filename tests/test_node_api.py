@@ -2,27 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from cluster.topics import MAX_BATCH_BYTES_LIMIT
+from georep.client.errors import BatchTooLarge, from_status
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import check_batch, decode_records, iter_headers
-from georep.server.process import NodeProcess
+from georep.server.process import NODE_INFO, NodeProcess
 from tests.support.node_api import batch, expect_error, fetch_all, log_end, stub_for
-
-
-@pytest.fixture
-def api(node: NodeProcess) -> Iterator[pbg.NodeStub]:
-    channel, stub = stub_for(node)
-    stub.CreateTopic(pb.CreateTopicRequest(name="t", partitions=2))
-    yield stub
-    channel.close()
 
 
 def test_produce_assigns_coordinates_and_fetch_returns_verbatim_batches(api: pbg.NodeStub, node: NodeProcess) -> None:
@@ -86,6 +80,26 @@ def test_oversized_batch_is_refused_and_nothing_is_stored(start_node) -> None:  
     assert "max_batch_bytes=65536" in msg
     assert log_end(stub, "t", 0) == 0
     channel.close()
+
+
+def test_a_message_over_the_grpc_limit_is_refused_and_the_node_stays_up(api: pbg.NodeStub) -> None:
+    huge = pb.ProduceRequest(topic="t", partition=0, batch=bytes(MAX_BATCH_BYTES_LIMIT + (2 << 20)))
+    details = expect_error(grpc.StatusCode.RESOURCE_EXHAUSTED, api.Produce, huge)
+    # the client's meaning for it: too large, never "node unavailable"
+    error = from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+    assert isinstance(error, BatchTooLarge) and "send smaller batches" in str(error)
+    api.Produce(pb.ProduceRequest(topic="t", partition=0, batch=batch()))
+    assert log_end(api, "t", 0) == 3
+
+
+def test_topic_and_node_limits_above_the_maximum_are_refused(api: pbg.NodeStub, tmp_path: Path) -> None:
+    config = {"max_batch_bytes": str(MAX_BATCH_BYTES_LIMIT + 1)}
+    details = expect_error(grpc.StatusCode.INVALID_ARGUMENT, api.CreateTopic,
+                           pb.CreateTopicRequest(name="big", partitions=1, config=config))  # fmt: skip
+    assert f"above the maximum {MAX_BATCH_BYTES_LIMIT}" in details
+    flags = NodeProcess(site="a", data_dir=tmp_path / "n", extra_args=["--max-batch-bytes", str(1 << 30)])
+    proc = subprocess.run(flags.command(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--max-batch-bytes" in proc.stderr and "above the maximum" in proc.stderr
 
 
 def test_corrupt_crc_is_refused_and_nothing_is_stored(api: pbg.NodeStub) -> None:
@@ -177,6 +191,25 @@ def test_second_node_on_the_same_port_fails_clearly(node: NodeProcess, tmp_path:
     proc = subprocess.run(other.command(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "cannot listen on" in proc.stderr
+
+
+def test_a_second_node_on_the_same_data_dir_is_refused_naming_the_holder(api: pbg.NodeStub, node: NodeProcess,
+                                                                         start_node) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    second = NodeProcess(site="a", data_dir=node.data_dir)
+    proc = subprocess.run(second.command(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"in use by another georep node (pid {node.pid}, serving on {node.address})" in proc.stderr
+    assert "--data-dir" in proc.stderr
+    # the holder never noticed: it still serves, and node.json still names it
+    api.Produce(pb.ProduceRequest(topic="t", partition=0, batch=batch()))
+    assert log_end(api, "t", 0) == 3
+    assert json.loads((node.data_dir / NODE_INFO).read_text())["pid"] == node.pid
+    # the kernel drops the lock with its holder, kill -9 included: the lock file left behind blocks nothing
+    node.kill9()
+    assert (node.data_dir / ".lock").exists()
+    restarted = start_node(data_dir=node.data_dir)
+    _, stub = stub_for(restarted)
+    assert log_end(stub, "t", 0) == 3
 
 
 def test_data_dir_of_another_site_is_refused(node: NodeProcess) -> None:

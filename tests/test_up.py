@@ -48,6 +48,31 @@ def test_up_starts_every_site_and_sigterm_stops_them_cleanly(tmp_path: Path) -> 
         assert not (data / s / "node.json").exists()  # removed by a clean node shutdown
 
 
+def test_a_second_up_on_the_same_data_dir_fails_at_once_and_leaves_the_first_running(tmp_path: Path) -> None:
+    topo = triangle(tmp_path / "t.toml")
+    data = tmp_path / "data"
+    up = subprocess.Popen([*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all((data / s / "node.json").exists() for s in "abc"):
+            time.sleep(0.1)
+        infos = {s: json.loads((data / s / "node.json").read_text()) for s in "abc"}
+        second = run("up", "--topology", str(topo), "--data-dir", str(data), timeout=60)
+        assert second.returncode == 1
+        assert f"in use by another georep node (pid {infos['a']['pid']}, serving on {infos['a']['listen']})" in (
+            second.stderr
+        )
+        for s, info in infos.items():  # the first up's nodes run on, untouched
+            os.kill(info["pid"], 0)
+            assert json.loads((data / s / "node.json").read_text())["pid"] == info["pid"]
+        assert run("health", "--bootstrap", infos["a"]["listen"]).returncode == 0
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.communicate(timeout=60)
+    assert up.returncode == 0
+
+
 def test_bad_topology_files_get_one_clear_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[sites.a]\nnodes = ["127.0.0.1:1"]\n[[links]]\nsrc = "a"\ndst = "zz"\n')

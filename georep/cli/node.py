@@ -8,10 +8,12 @@ import logging
 from pathlib import Path
 
 from cluster.metadata import DataDirMismatch
+from cluster.topics import InvalidTopic, parse_topic_config
 from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.node import UsageError, serve
+from georep.storage.dirlock import DataDirLocked, DataDirUnusable
 from topology.ids import InvalidSiteId
 from topology.model import Topology, UnknownSite
 
@@ -58,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         listen = parse_address(args.listen, "--listen")
         metrics_listen = parse_address(args.metrics_listen, "--metrics-listen")
-        defaults = {key: getattr(args, key) for key in DEFAULT_TOPIC_CONFIG}
+        defaults = topic_defaults(args)
         topology = None if args.topology is None else site_topology(args.topology, args.site)
         if args.stall_ms < 1:
             raise UsageError(f"--stall-ms {args.stall_ms} must be at least 1")
@@ -67,9 +69,18 @@ def main(args: argparse.Namespace) -> int:
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
                   topology, args.stall_ms, admin_token)  # fmt: skip
         )
-    except (UsageError, DataDirMismatch, InvalidSiteId) as exc:
+    except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId) as exc:
         log.error("%s", exc)
         return 2
+
+
+def topic_defaults(args: argparse.Namespace) -> dict[str, int]:
+    """The default topic config from the flags, with the same bounds as a topic's own config."""
+    try:
+        return parse_topic_config({key: str(getattr(args, key)) for key in DEFAULT_TOPIC_CONFIG})
+    except InvalidTopic as exc:
+        flag = str(exc).split("topic config ", 1)[-1].split("=", 1)[0].replace("_", "-")
+        raise UsageError(f"--{flag}: {exc}") from None
 
 
 def read_admin_token(path: Path) -> str:

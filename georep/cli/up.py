@@ -50,14 +50,17 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
     return procs
 
 
-def stop_restarted(procs: list[NodeProcess]) -> None:
-    """SIGTERM nodes of these sites that something else (a drill) restarted, so none outlives 'up'."""
-    for proc in procs:
+def stop_restarted(started: list[NodeProcess]) -> None:
+    """SIGTERM nodes that something else (a drill) restarted in place of the ones 'up' started, so none outlives
+    'up'. Only sites this 'up' started and whose process has ended: never another 'up's nodes."""
+    for proc in started:
+        if proc.alive():
+            continue
         try:
             pid = int(json.loads((proc.data_dir / NODE_INFO).read_text())["pid"])
         except (OSError, ValueError, KeyError):
             continue
-        if proc.proc is not None and pid == proc.proc.pid:
+        if pid == proc.pid:
             continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGTERM)
@@ -109,6 +112,6 @@ def main(args: argparse.Namespace) -> int:
     finally:
         for proc in started:
             proc.stop()
-        stop_restarted(procs)
+        stop_restarted(started)
         if started:
             print("all sites stopped", flush=True)

@@ -45,16 +45,17 @@ class ProducerBatch:
     """Records for one partition, their futures, and their delivery state."""
 
     __slots__ = (
-        "topic", "partition", "records", "futures", "size_bytes", "created_ms", "state",
+        "topic", "partition", "records", "futures", "size_bytes", "capacity", "created_ms", "state",
         "producer_id", "base_sequence", "data", "correlation_id", "sent", "sent_ms", "error", "done",
     )  # fmt: skip
 
-    def __init__(self, topic: str, partition: int, created_ms: float) -> None:
+    def __init__(self, topic: str, partition: int, created_ms: float, capacity: int) -> None:
         self.topic = topic
         self.partition = partition
         self.records: list[RecordInput] = []
         self.futures: list[Any] = []
         self.size_bytes = HEADER_BYTES
+        self.capacity = capacity  # batch_size, or the topic's max_batch_bytes if smaller
         self.created_ms = created_ms
         self.state = BatchState.OPEN
         self.producer_id = -1
@@ -81,19 +82,23 @@ class RecordAccumulator:
         self.closed: list[ProducerBatch] = []
 
     def append(self, topic: str, partition: int, record: RecordInput, future: Any, size: int,
-               now_ms: float) -> ProducerBatch | None:  # fmt: skip
+               now_ms: float, *, max_batch_bytes: int) -> ProducerBatch | None:  # fmt: skip
         """Add a record. Returns the batch just opened for it, if a new one was opened.
 
         A batch that this record would overflow is closed first (into ``closed``).
+        A batch holds at most ``batch_size`` bytes, or the topic's
+        ``max_batch_bytes`` if smaller; the caller refuses a record that alone
+        would pass ``max_batch_bytes``.
         """
         key = (topic, partition)
         batch = self.open.get(key)
         opened = None
-        if batch is None or (batch.size_bytes + size > self.batch_size and batch.records):
+        if batch is None or (batch.size_bytes + size > batch.capacity and batch.records):
             if batch is not None:
                 batch.state = BatchState.QUEUED
                 self.closed.append(batch)
-            batch = opened = self.open[key] = ProducerBatch(topic, partition, now_ms)
+            capacity = min(self.batch_size, max_batch_bytes)
+            batch = opened = self.open[key] = ProducerBatch(topic, partition, now_ms, capacity)
         batch.records.append(record)
         batch.futures.append(future)
         batch.size_bytes += size
@@ -109,7 +114,7 @@ class RecordAccumulator:
         """Close open batches older than ``linger_ms`` (all of them with ``force``), oldest first."""
         linger = self.linger_ms
         due = [b for b in self.open.values() if force or now_ms - b.created_ms >= linger
-               or b.size_bytes >= self.batch_size]  # fmt: skip
+               or b.size_bytes >= b.capacity]  # fmt: skip
         due.sort(key=lambda b: b.created_ms)
         for batch in due:
             del self.open[(batch.topic, batch.partition)]

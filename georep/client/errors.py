@@ -41,6 +41,10 @@ class BatchTooLarge(InvalidRequest):
     """A batch is larger than the node's ``max_batch_bytes``."""
 
 
+class RecordTooLarge(BatchTooLarge):
+    """One record alone is larger than its topic's ``max_batch_bytes``: refused before it is sent."""
+
+
 class CorruptData(GeorepError):
     """A batch failed its CRC-32C check (on the node, or in the client after a fetch)."""
 
@@ -123,6 +127,9 @@ def from_status(code: grpc.StatusCode, message: str, address: str = "") -> Geore
     if code is grpc.StatusCode.DATA_LOSS:
         return CorruptData(message, code)
     if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if "larger than max" in message:  # gRPC's own message-size limit, before any handler ran
+            return BatchTooLarge(f"the request is above the node{where}'s message size limit ({message}); nothing "
+                                 "was stored: send smaller batches", code)  # fmt: skip
         return DiskFull(message, code)
     if code is grpc.StatusCode.OUT_OF_RANGE:
         return OffsetOutOfRange(message, code)

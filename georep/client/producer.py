@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import grpc
 from crc32c import crc32c as _crc32c
 
+from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep.client.accumulator import (
     RECORD_OVERHEAD_BYTES,
     BatchState,
@@ -34,12 +35,14 @@ from georep.client.accumulator import (
 from georep.client.connection import Connection
 from georep.client.delivery import PartitionDelivery
 from georep.client.errors import (
+    BatchTooLarge,
     DeliveryTimeout,
     GeorepError,
     InvalidRequest,
     NodeUnavailable,
     OutOfOrderSequence,
     ProducerClosed,
+    RecordTooLarge,
     UnknownTopic,
     from_produce_error,
     from_rpc_error,
@@ -134,6 +137,7 @@ class Producer:
         self._sticky_partitions = self._sticky.current  # read on the hot path
         self._open_batches = self._accumulator.open
         self._partition_counts: dict[str, int] = {}
+        self._max_batch_bytes: dict[str, int] = {}  # per topic, from its effective config
         self._pending_metadata: dict[str, list[tuple[RecordInput, asyncio.Future[RecordMetadata], int | None]]] = {}
         self._metadata_tasks: dict[str, asyncio.Task[None]] = {}
         self._deliveries: dict[tuple[str, int], PartitionDelivery] = {}
@@ -243,7 +247,7 @@ class Producer:
             size = (
                 RECORD_OVERHEAD_BYTES + (len(key) if key is not None else 0) + (len(value) if value is not None else 0)
             )
-            if batch is not None and batch.size_bytes + size <= self._batch_size:
+            if batch is not None and batch.size_bytes + size <= batch.capacity:
                 batch.records.append(record)
                 batch.futures.append(future)
                 batch.size_bytes += size
@@ -257,6 +261,15 @@ class Producer:
     def _append(self, topic: str, count: int, record: RecordInput, future: asyncio.Future[RecordMetadata],
                 partition: int | None) -> None:  # fmt: skip
         size = record_size(record.key, record.value, record.headers)
+        limit = self._max_batch_bytes.get(topic, MAX_BATCH_BYTES_LIMIT)
+        if HEADER_BYTES + size > limit:
+            future.set_exception(RecordTooLarge(
+                f"a record of {size} bytes makes a batch of {HEADER_BYTES + size} bytes, above the "
+                f"max_batch_bytes={limit} of topic {topic!r}; nothing was sent. Split the record, or give the "
+                f"topic a larger max_batch_bytes (up to {MAX_BATCH_BYTES_LIMIT}: georep topic create {topic} --config "
+                "max_batch_bytes=N, or the node's --max-batch-bytes for new topics)"
+            ))  # fmt: skip
+            return
         accumulator = self._accumulator
         if partition is None:
             if record.key is not None:
@@ -264,7 +277,7 @@ class Producer:
             else:
                 partition = self._sticky.partition(topic, count)
                 batch = accumulator.open.get((topic, partition))
-                if batch is not None and batch.size_bytes + size > self._batch_size:
+                if batch is not None and batch.size_bytes + size > batch.capacity:
                     accumulator.close(batch)
                     self._sticky.on_batch_closed(topic, partition, count)
                     partition = self._sticky.partition(topic, count)
@@ -275,7 +288,8 @@ class Producer:
             )
             return
         self._buffered_bytes += size
-        opened = accumulator.append(topic, partition, record, future, size, self._loop.time() * 1000)  # type: ignore[union-attr]
+        opened = accumulator.append(topic, partition, record, future, size, self._loop.time() * 1000,  # type: ignore[union-attr]
+                                    max_batch_bytes=limit)  # fmt: skip
         if opened is not None:
             opened.done = self._loop.create_future()  # type: ignore[union-attr]
             self._outstanding.add(opened)
@@ -325,7 +339,7 @@ class Producer:
                         )
                     self._fail_pending(topic, exc)
                     return
-            self._partition_counts[topic] = description.partitions
+            self._learn(topic, description)
             for record, future, partition in self._pending_metadata.pop(topic, []):
                 if not future.done():
                     self._append(topic, description.partitions, record, future, partition)
@@ -344,8 +358,13 @@ class Producer:
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self._connection.address) from None
-        self._partition_counts[topic] = description.partitions
+        self._learn(topic, description)
         return int(description.partitions)
+
+    def _learn(self, topic: str, description: georep_pb2.TopicDescription) -> None:
+        self._partition_counts[topic] = description.partitions
+        with contextlib.suppress(KeyError, ValueError):
+            self._max_batch_bytes[topic] = int(description.config["max_batch_bytes"])
 
     def _fail_pending(self, topic: str, error: Exception) -> None:
         for _, future, _ in self._pending_metadata.pop(topic, []):
@@ -609,9 +628,20 @@ class Producer:
             if call is not self._call:
                 return
             raise
-        except grpc.RpcError:
-            pass
+        except grpc.RpcError as exc:
+            if call is self._call and exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self._refused_oversized(from_rpc_error(exc, self._connection.address))
         self._stream_broken(call)
+
+    def _refused_oversized(self, error: GeorepError) -> None:
+        """gRPC refused a message above the node's size limit, and ended the stream. The largest unanswered batch
+        is above it (the refused one is unanswered, and none is larger), so it fails for good; the rest resend."""
+        in_flight = [b for b in self._by_correlation.values() if b.state is BatchState.IN_FLIGHT]
+        if not in_flight or not isinstance(error, BatchTooLarge):
+            return
+        batch = max(in_flight, key=lambda b: len(b.data or b""))
+        self._deliveries[(batch.topic, batch.partition)].on_failed(batch, error)
+        self._fail_batch(batch, error)
 
     def _on_response(self, response: georep_pb2.ProduceResponse) -> None:
         batch = self._by_correlation.pop(response.correlation_id, None)

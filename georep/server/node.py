@@ -18,12 +18,14 @@ from pathlib import Path
 import grpc
 
 from cluster.metadata import load_or_create_identity, write_json_atomic
+from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep import __version__
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.server.broker import Broker
 from georep.server.metrics import NodeMetrics
 from georep.server.process import NODE_INFO
 from georep.server.service import FETCH_MAX_BYTES_CAP, NodeService
+from georep.storage.dirlock import DataDirLock
 from topology.model import Topology
 
 log = logging.getLogger("georep.node")
@@ -49,9 +51,20 @@ async def serve(
     stall_ms: int = DEFAULT_STALL_MS,
     admin_token: str | None = None,
 ) -> int:
+    """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``."""
+    lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
+    try:
+        return await _serve_locked(site, listen, metrics_listen, data_dir, defaults, retention_check_ms, topology,
+                                   stall_ms, admin_token, lock)  # fmt: skip
+    finally:
+        lock.release()
+
+
+async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tuple[str, int], data_dir: Path,
+                        defaults: dict[str, int], retention_check_ms: int, topology: Topology | None, stall_ms: int,
+                        admin_token: str | None, lock: DataDirLock) -> int:  # fmt: skip
     from georep.server.replicator import Replicator
 
-    data_dir.mkdir(parents=True, exist_ok=True)
     identity = load_or_create_identity(data_dir, site, int(time.time()))
     broker = Broker(data_dir, identity, defaults)
     metrics = NodeMetrics(broker)
@@ -59,7 +72,8 @@ async def serve(
     if replicator is not None:
         metrics.attach(replicator)
     service = NodeService(broker, metrics, replicator, admin_token)
-    max_message = max(defaults["max_batch_bytes"], FETCH_MAX_BYTES_CAP) + MESSAGE_SLACK_BYTES
+    # Above every topic's max_batch_bytes: an oversized batch reaches the broker, which names the limit.
+    max_message = max(MAX_BATCH_BYTES_LIMIT, FETCH_MAX_BYTES_CAP) + MESSAGE_SLACK_BYTES
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_message),
@@ -90,6 +104,7 @@ async def serve(
         # how to start this node again the same way (georep drill restarts a killed site)
         "command": [sys.executable, "-m", "georep.cli", *sys.argv[1:]], "cwd": os.getcwd(),
     }  # fmt: skip
+    lock.describe(str(info["listen"]))
     write_json_atomic(data_dir / NODE_INFO, info)
     log.info("site %s (origin %s) serving on %s, metrics on %s", identity.site, broker.origin, info["listen"],
              metrics_address)  # fmt: skip

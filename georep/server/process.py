@@ -47,15 +47,17 @@ class NodeProcess:
 
     def start(self, timeout_s: float = 30.0) -> NodeProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        info = self.data_dir / NODE_INFO
-        info.unlink(missing_ok=True)
+        info = self.data_dir / NODE_INFO  # a node.json of another live node stays: only our pid's counts
         log_path = self.log_path or self.data_dir / "node.log"
         with open(log_path, "ab") as log:
+            logged_before = log.tell()
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-2000:]
+                with open(log_path, "rb") as log:
+                    log.seek(logged_before)
+                    tail = log.read().decode(errors="replace")[-2000:]  # what this process logged
                 raise NodeStartError(f"georep node for site {self.site} exited with {self.proc.returncode}:\n{tail}")
             if info.exists():
                 try:

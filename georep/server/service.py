@@ -24,6 +24,7 @@ from georep.broker.append import Produced
 from georep.broker.errors import InternalTopic, InvalidRequest, NoSuchLink, NotAuthorized, NoTopology, WriteFailed
 from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, FromVector, Latest
 from georep.proto import georep_pb2 as pb
+from georep.proto.bounds import check_bounds
 from georep.proto.convert import acks_from_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
 from georep.server.broker import Broker, Partition
@@ -60,6 +61,7 @@ def _parse(cls: type[M], data: bytes) -> M:
         raise InvalidRequest(
             f"malformed {cls.__name__}: {exc}; use a client built from georep/proto/georep.proto"
         ) from None
+    check_bounds(msg)
     return msg
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep.broker.acks import Acks
 from georep.client.accumulator import BatchState, ProducerBatch
 from georep.client.delivery import PartitionDelivery
@@ -80,7 +81,7 @@ class SimProducer:
         return f"producer {self.index} ({self.acks}) of {self.key[0]}[{self.key[1]}] at {self.site}"
 
     def new_batch(self, records: list[RecordInput], now_ms: int) -> ProducerBatch:
-        batch = ProducerBatch(self.key[0], self.key[1], now_ms)
+        batch = ProducerBatch(self.key[0], self.key[1], now_ms, MAX_BATCH_BYTES_LIMIT)
         batch.records = records
         batch.futures = [None] * len(records)
         batch.state = BatchState.QUEUED
