@@ -37,6 +37,42 @@ class DiskFull(StorageError):
 
 
 @dataclass(frozen=True, slots=True)
+class DamagedBatch:
+    """A stored batch whose bytes fail their check (CRC, framing, offset): quarantined until repaired.
+
+    Its coordinates come from the origin index (written at append time), never
+    from the damaged bytes. ``repair`` puts a peer's copy of the same batch in
+    place; the local offsets never change.
+    """
+
+    base_offset: int
+    next_offset: int
+    origin: Origin
+    base_origin_seq: int
+    last_origin_seq: int
+    segment: str  # the .log file
+    position: int  # byte position in it
+    size_bytes: int
+    reason: str
+
+    def describe(self) -> str:
+        return (f"offsets {self.base_offset}..{self.next_offset - 1} (origin {self.origin} seqs "
+                f"{self.base_origin_seq}..{self.last_origin_seq}, {self.segment} byte {self.position})")  # fmt: skip
+
+
+class BatchDamaged(StorageError):
+    """A read reached a quarantined batch. Nothing of it is served until it is repaired."""
+
+    def __init__(self, damaged: DamagedBatch) -> None:
+        super().__init__(f"{damaged.describe()} are damaged ({damaged.reason}) and quarantined until repaired")
+        self.damaged = damaged
+
+
+class RepairRefused(StorageError):
+    """A copy offered to repair a quarantined batch is not the same batch."""
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     """Per-partition storage settings. Names end in their unit (STYLE.md §3)."""
 
@@ -100,6 +136,18 @@ class PartitionLog(Protocol):
         buffers; the log writes its own 24-byte prefix (local offset and append
         time) in front. Returns the header as stored. On ``DiskFull`` or any
         OSError nothing of the batch remains in the log.
+        """
+        ...
+
+    def damaged_batches(self) -> list[DamagedBatch]:
+        """The quarantined batches, in offset order (they survive restarts)."""
+        ...
+
+    def repair(self, base_offset: int, batch: bytes) -> DamagedBatch:
+        """Put ``batch`` (a peer's copy, stamped) in place of the quarantined batch at ``base_offset``.
+
+        Raises ``RepairRefused`` unless it is the same batch: same origin, seqs
+        and size, and a CRC that matches. Returns what was repaired.
         """
         ...
 

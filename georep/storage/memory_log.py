@@ -3,6 +3,8 @@
 It keeps whole batches as bytes, exactly as the segment log would store them,
 and models durability: ``crash()`` drops everything appended since the last
 ``flush()``, which is what a site loses when its process dies before an fsync.
+``corrupt()`` damages a stored batch as bit rot would; reads then treat it as
+the segment log does (quarantined, never served) until ``repair``.
 """
 
 from __future__ import annotations
@@ -11,8 +13,17 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-from georep.record.batch import BatchHeader, local_prefix
-from georep.storage.api import BatchEntry, BytesLike, LogConfig, OffsetOutOfRange, ReadResult
+from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, check_batch, local_prefix
+from georep.storage.api import (
+    BatchDamaged,
+    BatchEntry,
+    BytesLike,
+    DamagedBatch,
+    LogConfig,
+    OffsetOutOfRange,
+    ReadResult,
+    RepairRefused,
+)
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 
 
@@ -27,6 +38,7 @@ class MemoryLog:
         self._flushed_count = 0
         self._vector: dict[Origin, OriginSeq] = {}
         self._flushed_vector: dict[Origin, OriginSeq] = {}
+        self._damaged: dict[int, DamagedBatch] = {}
 
     @property
     def log_start_offset(self) -> LocalOffset:
@@ -71,13 +83,49 @@ class MemoryLog:
         if offset == self._end:
             return ReadResult(b"", offset)
         i = self._index_of(offset)
+        if self._base_offsets[i] in self._damaged:
+            raise BatchDamaged(self._damaged[self._base_offsets[i]])
         out: list[bytes] = []
         size = 0
-        while i < len(self._batches) and (not out or size + len(self._batches[i]) <= max_bytes):
+        while (i < len(self._batches) and (not out or size + len(self._batches[i]) <= max_bytes)
+               and self._base_offsets[i] not in self._damaged):  # fmt: skip
             out.append(self._batches[i])
             size += len(self._batches[i])
             i += 1
         return ReadResult(b"".join(out), self._headers[i - 1].next_offset)
+
+    def corrupt(self, offset: int, reason: str = "bit rot") -> DamagedBatch:
+        """Damage the stored batch holding ``offset`` (one flipped byte) and quarantine it."""
+        i = self._index_of(offset)
+        h = self._headers[i]
+        data = bytearray(self._batches[i])
+        data[-1] ^= 0xFF
+        self._batches[i] = bytes(data)
+        damaged = DamagedBatch(h.base_offset, h.next_offset, h.origin, h.base_origin_seq, h.last_origin_seq,
+                               "memory", 0, h.size_bytes, reason)  # fmt: skip
+        self._damaged[h.base_offset] = damaged
+        return damaged
+
+    def damaged_batches(self) -> list[DamagedBatch]:
+        return [self._damaged[b] for b in sorted(self._damaged)]
+
+    def repair(self, base_offset: int, batch: bytes) -> DamagedBatch:
+        damaged = self._damaged.get(base_offset)
+        if damaged is None:
+            raise RepairRefused(f"no quarantined batch at offset {base_offset}")
+        try:
+            h = check_batch(batch)
+        except CorruptBatch as exc:
+            raise RepairRefused(f"the copy offered for {damaged.describe()} is itself damaged: {exc}") from None
+        if (h.origin, h.base_origin_seq, h.last_origin_seq, h.size_bytes) != (
+                damaged.origin, damaged.base_origin_seq, damaged.last_origin_seq, damaged.size_bytes):  # fmt: skip
+            raise RepairRefused(f"the copy offered for {damaged.describe()} is another batch")
+        i = self._index_of(base_offset)
+        stored = self._headers[i]
+        prefix = local_prefix(base_offset, h.batch_length, stored.append_time_ms, h.crc)
+        self._batches[i] = prefix + bytes(memoryview(batch)[REWRITTEN_BYTES:])
+        del self._damaged[base_offset]
+        return damaged
 
     def offset_for_origin_seq(self, origin: Origin, seq: OriginSeq) -> LocalOffset | None:
         for h in self._headers:

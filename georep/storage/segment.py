@@ -443,6 +443,20 @@ class Segment:
         i = bisect_left(self.running_max_timestamps, timestamp_ms)
         return i if i < self.batch_count else None
 
+    def entry_at_offset(self, offset: int) -> OriginEntry | None:
+        """The origin-index entry of the batch holding ``offset`` (a bisect over the ``.oindex`` file)."""
+        lo, hi = 0, self.batch_count
+        while lo < hi:
+            mid = (lo + hi) // 2
+            entry = OriginEntry(*ORIGIN_ENTRY.unpack(self.origin_entries(mid, 1)))
+            if entry.next_offset <= offset:
+                lo = mid + 1
+            elif entry.base_offset > offset:
+                hi = mid
+            else:
+                return entry
+        return None
+
     def origin_entries(self, start: int = 0, count: int | None = None) -> bytes:
         """``count`` origin-index entries from entry ``start``, read from the ``.oindex`` file."""
         if count is None:
@@ -469,13 +483,15 @@ def _consistent(base_offset: int, log_size: int, next_offset: int,
 
 
 def read_batches(fd: int, offset: int, position: int, limit: int, limit_offset: int,
-                 max_bytes: int) -> tuple[bytes, int]:  # fmt: skip
+                 max_bytes: int) -> tuple[bytes, int, int]:  # fmt: skip
     """Whole batches from the one containing ``offset``, within ``[position, limit)`` of one segment.
 
     ``position`` is a batch boundary at or before the batch holding ``offset``
     (from the sparse index); ``limit`` is the segment's size when the read
     began, so bytes of a later append are never returned; ``limit_offset`` is
-    the local offset at ``limit``. Returns the bytes and the next offset.
+    the local offset at ``limit``. Returns the bytes, the next offset and the
+    bytes' position in the segment. Raises ``CorruptBatch`` when the framing
+    does not hold (the caller looks for the damage with the origin index).
     """
     start = position
     prefix = os.pread(fd, LENGTH_PREFIX_BYTES, start)
@@ -496,7 +512,7 @@ def read_batches(fd: int, offset: int, position: int, limit: int, limit_offset: 
     if len(data) != want:
         raise CorruptBatch(f"segment is shorter than its recorded size: read {len(data)} of {want} bytes")
     if start + want == limit:  # the segment holds whole batches only, up to its recorded size
-        return data, limit_offset
+        return data, limit_offset, start
     end = 0
     last = 0
     while end + LENGTH_PREFIX_BYTES <= want:  # at least one batch fits: want >= size
@@ -506,4 +522,4 @@ def read_batches(fd: int, offset: int, position: int, limit: int, limit_offset: 
         last = end
         end += n
     next_offset = parse_header(data, last).next_offset
-    return (data if end == want else data[:end]), next_offset
+    return (data if end == want else data[:end]), next_offset, start

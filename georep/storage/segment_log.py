@@ -108,6 +108,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import logging
 import os
 import re
@@ -117,18 +118,21 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from pathlib import Path
 
-from georep.record.batch import REWRITTEN_BYTES, BatchHeader, local_prefix
+from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, check_batch, local_prefix
 from georep.storage.api import (
+    BatchDamaged,
     BatchEntry,
     BytesLike,
+    DamagedBatch,
     DiskFull,
     LogConfig,
     OffsetOutOfRange,
     PartitionLog,
     ReadResult,
+    RepairRefused,
     StorageError,
 )
-from georep.storage.durable_file import TMP_SUFFIX, fsync_directory
+from georep.storage.durable_file import TMP_SUFFIX, fsync_directory, replace_file
 from georep.storage.origin_index import OriginIndex
 from georep.storage.recovery_point import RecoveryPoint, read_recovery_point, write_recovery_point
 from georep.storage.segment import (
@@ -148,6 +152,8 @@ from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from topology.ids import SiteId
 
 log = logging.getLogger(__name__)
+
+DAMAGED_FILE = "damaged.json"  # the quarantine list: batches whose bytes failed their check
 
 _SEGMENT_FILE = re.compile(r"(\d{20})(\.log|\.index|\.oindex)")
 
@@ -215,6 +221,7 @@ class SegmentLog:
         self._size = sum(s.size for s in segments)
         self._closed = False
         self._origin_names: dict[tuple[bytes, int], Origin] = {}
+        self._damaged: dict[int, DamagedBatch] = {}  # base offset -> quarantined batch (DAMAGED_FILE)
 
     # -- open and recovery -----------------------------------------------------------------------
 
@@ -333,6 +340,10 @@ class SegmentLog:
         assert sealed_vector is not None
         opened = cls(directory, config, segments, origins, vector, vector_offset, sealed_vector, report)
         opened._origin_names = names
+        opened._damaged = _read_damaged(directory, opened._log_start, opened._log_end)
+        for d in opened._damaged.values():
+            log.error("partition log %s: %s stay quarantined (%s): served to no one until repaired from a peer",
+                      directory, d.describe(), d.reason)  # fmt: skip
         return opened
 
     # -- the PartitionLog protocol ---------------------------------------------------------------
@@ -406,21 +417,144 @@ class SegmentLog:
         return dataclasses.replace(header, base_offset=base, append_time_ms=append_time_ms)
 
     def read(self, offset: LocalOffset, max_bytes: int) -> ReadResult:
+        """Whole batches from the one holding ``offset``, each checked (framing, CRC, offsets) before it is
+        returned. Reaching a damaged batch quarantines it: the read returns the batches before it, or raises
+        ``BatchDamaged`` if it is the first."""
+        for _attempt in range(2):  # a second time after the damage was found and quarantined
+            with self._lock:
+                self._check_open()
+                if not self._log_start <= offset <= self._log_end:
+                    raise OffsetOutOfRange(offset, self._log_start, self._log_end)
+                if offset == self._log_end:
+                    return ReadResult(b"", offset)
+                for d in self._damaged.values():
+                    if d.base_offset <= offset < d.next_offset:
+                        raise BatchDamaged(d)
+                segment = self._segments[bisect_right(self._bases, offset) - 1]
+                name = segment_name(segment.base_offset) + LOG_SUFFIX
+                known = sorted((d.position, d.base_offset) for d in self._damaged.values() if d.segment == name)
+                position = segment.index_position(offset)
+                limit, limit_offset = segment.size, segment.next_offset
+                if known:
+                    # Frame from the origin index, not by walking length prefixes across the damage,
+                    # and stop before the first quarantined batch after the read's start.
+                    entry = segment.entry_at_offset(offset)
+                    position = entry.position if entry is not None else position
+                    limit, limit_offset = next(((at, base) for at, base in known if at > position),
+                                               (limit, limit_offset))  # fmt: skip
+                fd = os.dup(segment.log_fd)
+            try:
+                data, next_offset, _start = read_batches(fd, offset, position, limit, limit_offset, max_bytes)
+                bad = _first_bad_batch(data, offset)
+            except CorruptBatch as exc:
+                bad = str(exc)
+            finally:
+                os.close(fd)
+            if bad is None:
+                return ReadResult(data, LocalOffset(next_offset))
+            # Find every damaged batch of the segment with the origin index, quarantine them, read again.
+            self._find_damage(segment, bad)
+        raise StorageError(f"partition log {self.directory}: offset {offset} cannot be read even after checking "
+                           "its segment against the origin index; run 'georep scrub --now' and see the node log")
+
+    def _find_damage(self, segment: Segment, hint: str) -> list[DamagedBatch]:
+        """Check every batch of ``segment`` against its origin-index entry; quarantine the bad ones."""
         with self._lock:
             self._check_open()
-            if not self._log_start <= offset <= self._log_end:
-                raise OffsetOutOfRange(offset, self._log_start, self._log_end)
-            if offset == self._log_end:
-                return ReadResult(b"", offset)
-            segment = self._segments[bisect_right(self._bases, offset) - 1]
-            position = segment.index_position(offset)
-            limit, limit_offset = segment.size, segment.next_offset
+            entries = segment.origin_entries(0, segment.batch_count)
             fd = os.dup(segment.log_fd)
+        name = segment_name(segment.base_offset) + LOG_SUFFIX
+        found: list[DamagedBatch] = []
         try:
-            data, next_offset = read_batches(fd, offset, position, limit, limit_offset, max_bytes)
+            for entry in iter_origin_entries(entries):
+                reason = _check_stored(fd, entry)
+                if reason is not None:
+                    origin = _origin_of(self._origin_names, entry)
+                    found.append(DamagedBatch(
+                        entry.base_offset, entry.next_offset, origin, entry.base_origin_seq,
+                        entry.next_origin_seq - 1, name, entry.position, entry.size_bytes, reason,
+                    ))  # fmt: skip
         finally:
             os.close(fd)
-        return ReadResult(data, LocalOffset(next_offset))
+        with self._lock:
+            new = [d for d in found if d.base_offset not in self._damaged]
+            for d in new:
+                self._damaged[d.base_offset] = d
+                log.error("partition log %s: quarantined %s: %s (first noticed as: %s); it is served to no one "
+                          "until repaired from a peer", self.directory, d.describe(), d.reason, hint)  # fmt: skip
+            if new:
+                self._write_damaged()
+        return new
+
+    def scrub(self, offset: int, max_bytes: int) -> tuple[int, list[DamagedBatch]]:
+        """Check the batches from ``offset`` (about ``max_bytes`` of them), below the flushed offset. Returns
+        where to go on (the log end once done) and the batches newly quarantined."""
+        with self._lock:
+            self._check_open()
+            offset = max(offset, self._log_start)
+            end = self._flushed
+            if offset >= end:
+                return int(self._log_end), []
+            segment = self._segments[bisect_right(self._bases, offset) - 1]
+            entry = segment.entry_at_offset(offset)
+            if entry is None:
+                return int(segment.next_offset), []
+            first = (entry.position, entry.base_offset)
+            entries = segment.origin_entries(0, segment.batch_count)
+            fd = os.dup(segment.log_fd)
+        checked = 0
+        bad = False
+        next_offset = offset
+        try:
+            for e in iter_origin_entries(entries):
+                if (e.position, e.base_offset) < first:
+                    continue
+                if e.base_offset >= end or checked >= max_bytes:
+                    break
+                bad = bad or _check_stored(fd, e) is not None
+                checked += e.size_bytes
+                next_offset = e.next_offset
+        finally:
+            os.close(fd)
+        found = self._find_damage(segment, "found by the scrubber") if bad else []
+        return max(next_offset, offset + (0 if checked else 1)), found
+
+    def damaged_batches(self) -> list[DamagedBatch]:
+        with self._lock:
+            return [self._damaged[b] for b in sorted(self._damaged)]
+
+    def repair(self, base_offset: int, batch: bytes) -> DamagedBatch:
+        with self._lock:
+            self._check_open()
+            damaged = self._damaged.get(base_offset)
+            if damaged is None:
+                raise RepairRefused(f"partition log {self.directory}: no quarantined batch at offset {base_offset}")
+            try:
+                header = check_batch(batch)
+            except CorruptBatch as exc:
+                raise RepairRefused(f"the copy offered for {damaged.describe()} is itself damaged: {exc}") from None
+            offered = (header.origin, header.base_origin_seq, header.last_origin_seq, header.size_bytes,
+                       header.last_offset_delta)  # fmt: skip
+            quarantined = (damaged.origin, damaged.base_origin_seq, damaged.last_origin_seq, damaged.size_bytes,
+                           damaged.next_offset - damaged.base_offset - 1)  # fmt: skip
+            if offered != quarantined:
+                raise RepairRefused(
+                    f"the copy offered for {damaged.describe()} is another batch: origin {header.origin} seqs "
+                    f"{header.base_origin_seq}..{header.last_origin_seq}, {header.size_bytes} bytes"
+                )
+            segment = self._segments[bisect_right(self._bases, base_offset) - 1]
+            entry = segment.entry_at_offset(base_offset)
+            assert entry is not None and entry.position == damaged.position
+            prefix = local_prefix(base_offset, header.batch_length, entry.append_time_ms, header.crc)
+            fixed = prefix + bytes(memoryview(batch)[REWRITTEN_BYTES:])
+            written = os.pwrite(segment.log_fd, fixed, damaged.position)
+            if written != len(fixed):
+                raise OSError(errno.EIO, f"short write repairing {damaged.describe()}")
+            os.fsync(segment.log_fd)
+            del self._damaged[base_offset]
+            self._write_damaged()
+        log.warning("partition log %s: repaired %s from a peer's copy", self.directory, damaged.describe())
+        return damaged
 
     def offset_for_origin_seq(self, origin: Origin, seq: OriginSeq) -> LocalOffset | None:
         """Base offset of the batch of ``origin`` holding ``seq``, or of its first later retained batch.
@@ -507,6 +641,9 @@ class SegmentLog:
             if deleted:
                 self._log_start = LocalOffset(self._segments[0].base_offset)
                 self._origins.trim(self._log_start)
+                if any(b < self._log_start for b in self._damaged):
+                    self._damaged = {b: d for b, d in self._damaged.items() if b >= self._log_start}
+                    self._write_damaged()
                 log.info("partition log %s: retention deleted %d segment(s); log start is now %d",
                          self.directory, deleted, self._log_start)  # fmt: skip
         return deleted
@@ -552,6 +689,15 @@ class SegmentLog:
         if self._closed:
             raise LogClosed(f"partition log {self.directory} is closed")
 
+    def _write_damaged(self) -> None:
+        """Persist the quarantine list (lock held): it must survive restarts, or damage would be forgotten."""
+        path = self.directory / DAMAGED_FILE
+        if not self._damaged:
+            path.unlink(missing_ok=True)
+            return
+        rows = [dataclasses.asdict(d) | {"origin": str(d.origin)} for _, d in sorted(self._damaged.items())]
+        replace_file(path, (json.dumps(rows, indent=1) + "\n").encode())
+
     def _roll(self) -> None:
         """Seal the active segment and start a new one at the log end (lock held)."""
         end = self._log_end
@@ -586,6 +732,63 @@ class SegmentLog:
                 raise
             log.warning("partition log %s: cannot write the recovery point (%s); startup will validate more",
                         self.directory, exc.strerror)  # fmt: skip
+
+
+def _read_damaged(directory: Path, log_start: int, log_end: int) -> dict[int, DamagedBatch]:
+    path = directory / DAMAGED_FILE
+    try:
+        rows = json.loads(path.read_text())
+        out = {}
+        for row in rows:
+            d = DamagedBatch(**(row | {"origin": Origin.parse(row["origin"])}))
+            if log_start <= d.base_offset < log_end:
+                out[d.base_offset] = d
+        return out
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise StorageError(
+            f"partition log {directory}: unreadable {DAMAGED_FILE} ({exc}); it lists quarantined batches: "
+            "restore it, or delete it and run 'georep scrub --now' to find them again"
+        ) from None
+
+
+def _first_bad_batch(data: bytes, offset: int) -> str | None:
+    """Why the batches read for ``offset`` cannot be served (CRC, framing, offsets), or None."""
+    view = memoryview(data)
+    pos = 0
+    expected = -1
+    while pos < len(data):
+        try:
+            header = check_batch(view, pos)
+        except CorruptBatch as exc:
+            return str(exc)
+        if expected < 0:
+            if not header.base_offset <= offset < header.next_offset:
+                return f"the batch read for offset {offset} holds {header.base_offset}..{header.next_offset - 1}"
+        elif header.base_offset != expected:
+            return f"batch at byte {pos} of the read has base offset {header.base_offset}, not {expected}"
+        expected = header.next_offset
+        pos += header.size_bytes
+    return None
+
+
+def _check_stored(fd: int, entry: OriginEntry) -> str | None:
+    """Why the batch an origin-index entry describes is damaged in the ``.log``, or None."""
+    data = os.pread(fd, entry.size_bytes, entry.position)
+    if len(data) != entry.size_bytes:
+        return f"the segment ends {entry.size_bytes - len(data)} bytes into the batch"
+    try:
+        header = check_batch(data)
+    except CorruptBatch as exc:
+        return str(exc)
+    stored = (header.base_offset, header.size_bytes, header.origin_site, header.origin_epoch, header.base_origin_seq,
+              header.append_time_ms)  # fmt: skip
+    indexed = (entry.base_offset, entry.size_bytes, entry.origin_site.rstrip(b"\0").decode("ascii", "replace"),
+               entry.origin_epoch, entry.base_origin_seq, entry.append_time_ms)  # fmt: skip
+    if stored != indexed:
+        return f"its header {stored} disagrees with the origin index {indexed}"
+    return None
 
 
 def _origin_of(names: dict[tuple[bytes, int], Origin], entry: OriginEntry) -> Origin:

@@ -1,0 +1,131 @@
+"""Damage in stored batches is never served silently: every read checks, damage is quarantined (across restarts)
+and a peer's copy repairs it in place, at the same local offsets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from georep.record.batch import iter_headers, local_prefix, parse_header
+from georep.storage.api import BatchDamaged, RepairRefused
+from georep.storage.memory_log import MemoryLog
+from georep.storage.segment_log import DAMAGED_FILE, SegmentLog
+from tests.support.segments import A, B, Stored, Writer, log_files, open_log
+from tests.support.sites import origin_batch
+
+CONFIG = {"segment_bytes_max": 4000, "index_interval_bytes": 300}
+
+
+def filled(directory: Path, batches: int = 40) -> tuple[SegmentLog, Writer]:
+    log = open_log(directory, **CONFIG)
+    w = Writer(log)
+    for i in range(batches):
+        w.append(A if i % 3 else B, 2, value_bytes=100)
+    log.flush()
+    return log, w
+
+
+def read_everything(log: SegmentLog) -> tuple[list[int], list[tuple[int, int]]]:
+    """Base offsets of the batches served, and the damaged ranges met, from the log start to its end."""
+    served: list[int] = []
+    damaged: list[tuple[int, int]] = []
+    offset = log.log_start_offset
+    while offset < log.log_end_offset:
+        try:
+            res = log.read(offset, 700)
+        except BatchDamaged as exc:
+            damaged.append((exc.damaged.base_offset, exc.damaged.next_offset))
+            offset = exc.damaged.next_offset
+            continue
+        served += [h.base_offset for h in iter_headers(res.data, verify=True)]
+        offset = res.next_offset
+    return served, damaged
+
+
+def flip(path: Path, position: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[position] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("where", ["record bytes", "length prefix", "crc field", "base offset"])
+def test_a_flipped_byte_in_a_sealed_segment_is_quarantined_never_skipped(tmp_path: Path, where: str) -> None:
+    log, w = filled(tmp_path / "p")
+    log.close()
+    second = log_files(tmp_path / "p")[1]
+    victim = next(s for s in w.stored if s.header.base_offset >= int(second.stem))
+    victim = w.stored[w.stored.index(victim) + 3]  # mid-segment
+    pos = victim_position(tmp_path / "p", victim.header.base_offset)
+    flip(second, pos + {"record bytes": victim.header.size_bytes - 5, "length prefix": 9, "crc field": 21,
+                        "base offset": 6}[where])  # fmt: skip
+    log = open_log(tmp_path / "p", **CONFIG)
+    served, damaged = read_everything(log)
+    want = (victim.header.base_offset, victim.header.next_offset)
+    assert damaged == [want]
+    assert served == [s.header.base_offset for s in w.stored if s is not victim]  # everything else, in order
+    [d] = log.damaged_batches()
+    assert (d.base_offset, d.origin, d.base_origin_seq) == (want[0], victim.header.origin,
+                                                            victim.header.base_origin_seq)  # fmt: skip
+    assert "offsets" in str(BatchDamaged(d)) and str(victim.header.origin) in str(BatchDamaged(d))
+    log.close()
+    # the quarantine survives a restart
+    log = open_log(tmp_path / "p", **CONFIG)
+    assert [x.base_offset for x in log.damaged_batches()] == [want[0]]
+    assert json.loads((tmp_path / "p" / DAMAGED_FILE).read_text())[0]["base_offset"] == want[0]
+    # a peer's copy of the same batch (its own local prefix) repairs it in place
+    with pytest.raises(RepairRefused, match="another batch"):
+        log.repair(want[0], peer_copy(w.stored[0]))
+    log.repair(want[0], peer_copy(victim))
+    assert log.damaged_batches() == [] and not (tmp_path / "p" / DAMAGED_FILE).exists()
+    served, damaged = read_everything(log)
+    assert damaged == [] and served == [s.header.base_offset for s in w.stored]
+    log.close()
+
+
+def victim_position(directory: Path, base_offset: int) -> int:
+    log = open_log(directory, **CONFIG)
+    try:
+        segment = log._segments[[s.base_offset <= base_offset for s in log._segments].count(True) - 1]
+        entry = segment.entry_at_offset(base_offset)
+        assert entry is not None
+        return entry.position
+    finally:
+        log.close()
+
+
+def peer_copy(stored: Stored) -> bytes:
+    """The same batch as another site holds it: another local offset and append time."""
+    h = stored.header
+    return local_prefix(9_999, h.batch_length, 123, h.crc) + stored.batch.covered
+
+
+def test_the_scrubber_finds_damage_no_reader_reached(tmp_path: Path) -> None:
+    log, w = filled(tmp_path / "p")
+    log.close()
+    first = log_files(tmp_path / "p")[0]
+    victim = w.stored[2]
+    flip(first, victim_position(tmp_path / "p", victim.header.base_offset) + 50)
+    log = open_log(tmp_path / "p", **CONFIG)
+    offset, found = 0, []
+    for _ in range(1000):
+        offset, new = log.scrub(offset, 1000)
+        found += new
+        if offset >= log.log_end_offset:
+            break
+    assert [d.base_offset for d in found] == [victim.header.base_offset]
+    log.close()
+
+
+def test_memory_log_quarantines_and_repairs_like_the_segment_log() -> None:
+    log = MemoryLog()
+    for seq in (0, 2, 4):
+        data = origin_batch(A, seq)
+        log.append(parse_header(data), [memoryview(data)[24:]], 5_000)
+    damaged = log.corrupt(2)
+    assert len(log.read(0, 1 << 20).data) > 0 and log.read(0, 1 << 20).next_offset == 2
+    with pytest.raises(BatchDamaged):
+        log.read(2, 1 << 20)
+    log.repair(2, origin_batch(A, 2))
+    assert log.read(2, 1 << 20).next_offset == 6 and damaged.base_offset == 2
