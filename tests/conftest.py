@@ -55,8 +55,9 @@ def make_sites(tmp_path: Path) -> Iterator[Callable[..., Sites]]:
     """
     made: list[Sites] = []
 
-    def factory(sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000) -> Sites:
-        s = Sites(tmp_path, sites, links, stall_ms)
+    def factory(sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000,
+                extra_args: list[str] | None = None) -> Sites:  # fmt: skip
+        s = Sites(tmp_path, sites, links, stall_ms, extra_args)
         made.append(s)
         return s
 

@@ -110,8 +110,9 @@ def test_the_scrubber_finds_damage_no_reader_reached(tmp_path: Path) -> None:
     log = open_log(tmp_path / "p", **CONFIG)
     offset, found = 0, []
     for _ in range(1000):
-        offset, new = log.scrub(offset, 1000)
-        found += new
+        step = log.scrub(offset, 1000)
+        offset = step.next_offset
+        found += step.found
         if offset >= log.log_end_offset:
             break
     assert [d.base_offset for d in found] == [victim.header.base_offset]

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from georep.record.batch import CorruptBatch, RecordInput, check_batch, decode_records, encode_batch
-from georep.storage.api import OffsetOutOfRange, PartitionLog
+from georep.storage.api import BatchDamaged, OffsetOutOfRange, PartitionLog
 from offsets.commits import METADATA_MAX_CHARS, OFFSETS_TOPIC, Commit, CommitTable, InvalidCommit, validate_group
 from offsets.coordinates import LocalOffset, Origin
 from offsets.hlc import HlcStamp, HybridClock, unpack
@@ -113,6 +113,11 @@ class CommitLog:
                 except OffsetOutOfRange:
                     at = log.log_start_offset
                     continue
+                except BatchDamaged as exc:
+                    # Stop here until a peer's copy repairs it: folding past it would lose its commits for
+                    # good (this site's own new commits still go into the table as they are made).
+                    report.problems.append(f"{OFFSETS_TOPIC}-{index}: {exc}; folding waits for the repair")
+                    break
                 self._fold(res.data, index, report)
                 if res.next_offset <= at:
                     break

@@ -9,6 +9,7 @@ so the simulator and the unit tests see the same exceptions the node does.
 from __future__ import annotations
 
 from dedup.producer import InvalidSequence, OutOfOrderSequence, ProducerFenced
+from georep.storage.api import DamagedBatch
 
 
 class BrokerError(Exception):
@@ -93,3 +94,19 @@ class NoSuchLink(BrokerError):
 
 class NoTopology(BrokerError):
     """A call that needs links, at a node that runs standalone."""
+
+
+class DamagedData(BrokerError):
+    """A read reached a batch quarantined as damaged at this site (``georep/storage``): nothing of it is served."""
+
+    def __init__(self, topic: str, partition: int, site: str, damaged: DamagedBatch) -> None:
+        super().__init__(
+            f"topic {topic!r} partition {partition}: {damaged.describe()} are damaged at site {site} "
+            f"({damaged.reason}) and quarantined until a peer's copy repairs them. Read them at another site, "
+            "wait for the repair, or skip them (georep consume --skip-corrupt, Consumer(skip_corrupt=True))"
+        )
+        self.next_offset = damaged.next_offset
+
+
+class NotHeld(BrokerError):
+    """A batch asked for by its coordinate that this site does not hold durably (``FetchBatch``)."""

@@ -38,9 +38,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from georep.record.batch import iter_headers
+from georep.broker.errors import NotHeld
+from georep.record.batch import iter_headers, parse_header
 from georep.storage.api import PartitionLog, start_offset_for_vector
-from offsets.coordinates import LocalOffset, Origin
+from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
 
 
@@ -141,3 +142,19 @@ def drop_covered(chunk: bytes, vector: Mapping[Origin, int]) -> bytes:
     if len(keep) == 1 and len(keep[0]) == len(chunk):
         return chunk
     return b"".join(keep)
+
+
+def batch_by_coordinate(log: PartitionLog, origin: Origin, seq: int) -> bytes:
+    """The whole durable batch of ``origin`` that holds ``seq``, as stored here (a peer's repair asks for it).
+
+    Raises ``NotHeld`` if this log has no durable batch holding it, and
+    ``BatchDamaged`` if its own copy is quarantined.
+    """
+    at = log.offset_for_origin_seq(origin, OriginSeq(seq))
+    if at is None or at >= log.flushed_offset:
+        raise NotHeld(f"origin {origin} seq {seq} is not held durably here")
+    data = log.read(at, 1).data
+    header = parse_header(data) if data else None
+    if header is None or header.origin != origin or not header.base_origin_seq <= seq <= header.last_origin_seq:
+        raise NotHeld(f"origin {origin} seq {seq} is not held here (retention may have removed it)")
+    return data[: header.size_bytes]

@@ -34,6 +34,7 @@ DELEGATED = {
     "up": ("georep.cli.up", "run every node of a topology on this machine, in the foreground"),
     "status": ("georep.cli.status", "every site's vectors, links, routes and lag"),
     "link": ("georep.cli.link", "cut or heal one replication link"),
+    "scrub": ("georep.cli.scrub", "scrub --now: check every stored batch of a node, quarantine and repair damage"),
     "topology": ("georep.cli.topology", "topology show [FILE]: summary and picture of a topology"),
     "group": ("georep.cli.group", "list and describe consumer groups: members, assignments, commits, lag"),
     "drill": ("georep.cli.drill", "run a DR drill against a running topology and report RPO, RTO and duplicates"),
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="one JSON object per record: key, value, partition, offset, origin, origin_seq, "
                               "timestamp")  # fmt: skip
     consume.add_argument("--partition", type=_nonnegative, help="read only this partition")
+    consume.add_argument("--skip-corrupt", action="store_true",
+                         help="skip records the node holds damaged (quarantined until repaired) and report them, "
+                         "instead of stopping with an error")  # fmt: skip
     consume.add_argument("--offset", type=_nonnegative, help="start at this local offset (needs --partition)")
     consume.add_argument("--vector", metavar="TEXT",
                          help="start after what this vector offset covers, e.g. 'a@1:10,b@3:0'")  # fmt: skip

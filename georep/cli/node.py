@@ -12,7 +12,7 @@ from cluster.topics import InvalidTopic, parse_topic_config
 from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
-from georep.server.node import UsageError, serve
+from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, UsageError, serve
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
 from topology.ids import InvalidSiteId
 from topology.model import Topology, UnknownSite
@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="file holding the admin token that admin calls (georep link cut/heal, drills) must present; "
         "without it only callers on this host may make them",
     )  # fmt: skip
+    parser.add_argument(
+        "--scrub-bytes-per-s", type=int, default=SCRUB_BYTES_PER_S_DEFAULT,
+        help="how fast the background scrubber re-checks stored batches, in bytes per second; damaged ones are "
+        f"quarantined and repaired from a peer (0: off; default {SCRUB_BYTES_PER_S_DEFAULT})",
+    )  # fmt: skip
     for key, value in DEFAULT_TOPIC_CONFIG.items():
         parser.add_argument(
             f"--{key.replace('_', '-')}", type=int, default=value, help=f"default topic {key} (default {value})"
@@ -62,12 +67,14 @@ def main(args: argparse.Namespace) -> int:
         metrics_listen = parse_address(args.metrics_listen, "--metrics-listen")
         defaults = topic_defaults(args)
         topology = None if args.topology is None else site_topology(args.topology, args.site)
+        if args.scrub_bytes_per_s < 0:
+            raise UsageError(f"--scrub-bytes-per-s {args.scrub_bytes_per_s} must be 0 (off) or more")
         if args.stall_ms < 1:
             raise UsageError(f"--stall-ms {args.stall_ms} must be at least 1")
         admin_token = None if args.admin_token_file is None else read_admin_token(args.admin_token_file)
         return asyncio.run(
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
-                  topology, args.stall_ms, admin_token)  # fmt: skip
+                  topology, args.stall_ms, admin_token, args.scrub_bytes_per_s)  # fmt: skip
         )
     except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId) as exc:
         log.error("%s", exc)

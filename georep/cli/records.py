@@ -122,7 +122,8 @@ async def cmd_consume(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
     count = 0
     group = {} if args.group is None else {"group_id": args.group, "commit_acks": args.commit_acks or "leader"}
-    async with Consumer(args.bootstrap, auto_offset_reset=reset, **group) as consumer, \
+    async with Consumer(args.bootstrap, auto_offset_reset=reset, skip_corrupt=args.skip_corrupt,
+                        **group) as consumer, \
             Admin(args.bootstrap) as admin:  # fmt: skip
         topic = await admin.describe_topic(args.topic)
         if args.group is not None:
@@ -174,7 +175,11 @@ async def cmd_consume(args: argparse.Namespace) -> int:
                 await consumer.commit()
             finally:
                 consumer.assign([])
-    err(f"consumed {count} records from {args.topic!r}")
+        for topic_name, partition, first, after, message in consumer.skipped:
+            where = f"offsets {first}..{after - 1}" if first >= 0 else f"up to offset {after - 1}"
+            err(f"skipped damaged records of {topic_name}/{partition}, {where}: {message}")
+    err(f"consumed {count} records from {args.topic!r}"
+        + (f", skipped {len(consumer.skipped)} damaged range(s)" if consumer.skipped else ""))
     return 0
 
 

@@ -17,6 +17,7 @@ from georep.client.consumer import Consumer, ConsumerRecord, TopicPartition
 from georep.client.errors import (
     BatchTooLarge,
     CorruptData,
+    DamagedData,
     DeliveryTimeout,
     DiskFull,
     GeorepError,
@@ -45,6 +46,7 @@ __all__ = [
     "Consumer",
     "ConsumerRecord",
     "CorruptData",
+    "DamagedData",
     "DeliveryTimeout",
     "DiskFull",
     "GeorepError",

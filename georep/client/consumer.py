@@ -27,13 +27,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 
 from georep.client.connection import Connection
 from georep.client.errors import (
     CorruptData,
+    DamagedData,
     GeorepError,
     InvalidRequest,
     NodeUnavailable,
@@ -54,6 +55,20 @@ TopicPartition = tuple[str, int]
 log = logging.getLogger(__name__)
 
 OFFSET_RESETS = ("earliest", "latest", "none")
+DAMAGED_RETRY_S = 1.0  # how often a fetch stopped at a quarantined batch asks again
+NEXT_OFFSET_METADATA = "georep-next-offset"  # the node's trailing metadata on a quarantined batch
+
+
+def _next_offset_of(exc: grpc.RpcError) -> int | None:
+    """Where readable data goes on after the quarantined batch a failed fetch reached, if the node said."""
+    trailing: Any = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for item in trailing or ():
+        if item[0] == NEXT_OFFSET_METADATA:
+            try:
+                return int(item[1])
+            except (TypeError, ValueError):
+                return None
+    return None
 
 
 class ConsumerRecord(NamedTuple):
@@ -159,6 +174,7 @@ class Consumer:
         commit_acks: str = "leader",
         commit_wait_caught_up_ms: int = 5_000,
         client_id: str = "",
+        skip_corrupt: bool = False,
     ) -> None:
         if auto_offset_reset not in OFFSET_RESETS:
             raise InvalidRequest(f"invalid auto_offset_reset {auto_offset_reset!r}: use earliest, latest or none")
@@ -171,6 +187,9 @@ class Consumer:
         )  # fmt: skip
         self._connection = Connection(bootstrap, connect_timeout_ms)
         self._reset = auto_offset_reset
+        self._skip_corrupt = skip_corrupt
+        # With skip_corrupt: what was skipped, (topic, partition, first offset, next offset, the node's message).
+        self.skipped: list[tuple[str, int, int, int, str]] = []
         self._max_bytes = max_bytes
         self._max_wait_ms = max_wait_ms
         self._queue_max = queued_responses_max
@@ -534,6 +553,7 @@ class Consumer:
         vector = start.vector
         min_offset = start.offset if start.kind == "offset" else -1
         last_next = -1
+        reported_damage: int | None = None
         backoff_ms = self._retry_backoff_ms
         while True:
             try:
@@ -579,6 +599,20 @@ class Consumer:
                 continue
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc, self._connection.address)
+                if error.code is grpc.StatusCode.DATA_LOSS and (skip_to := _next_offset_of(exc)) is not None:
+                    # Quarantined at this node until a peer's copy repairs it: skip it if asked, else report
+                    # it once and keep trying (the repair may come).
+                    at = start.offset if start.kind == "offset" else -1
+                    if self._skip_corrupt:
+                        self.skipped.append((topic, partition, at, skip_to, error.message))
+                        start, min_offset = _Start("offset", skip_to), skip_to
+                        continue
+                    if reported_damage != at:
+                        reported_damage = at
+                        await self._put(state, _Chunk([], last_next, DamagedData(error.message, error.code,
+                                                                                 skip_to)))  # fmt: skip
+                    await asyncio.sleep(DAMAGED_RETRY_S)
+                    continue
                 if isinstance(error, NodeUnavailable):
                     await asyncio.sleep(backoff_ms / 1000)
                     backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)

@@ -49,6 +49,18 @@ class CorruptData(GeorepError):
     """A batch failed its CRC-32C check (on the node, or in the client after a fetch)."""
 
 
+class DamagedData(CorruptData):
+    """The node holds these records damaged and quarantined until a peer's copy repairs them.
+
+    ``next_offset`` is where readable data goes on at that node. The consumer
+    keeps retrying (the repair may come); ``skip_corrupt=True`` skips instead.
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, next_offset: int = -1) -> None:
+        super().__init__(message, code)
+        self.next_offset = next_offset
+
+
 class DiskFull(GeorepError):
     """The node's disk is full; nothing of the batch was written."""
 

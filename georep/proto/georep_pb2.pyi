@@ -1521,3 +1521,103 @@ class GroupDescription(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GroupDescription: _TypeAlias = GroupDescription  # noqa: Y015
+
+@_typing.final
+class FetchBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PARTITION_FIELD_NUMBER: _builtins.int
+    ORIGIN_SITE_FIELD_NUMBER: _builtins.int
+    ORIGIN_EPOCH_FIELD_NUMBER: _builtins.int
+    ORIGIN_SEQ_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    partition: _builtins.int
+    origin_site: _builtins.str
+    origin_epoch: _builtins.int
+    origin_seq: _builtins.int
+    """any seq of the batch"""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        partition: _builtins.int = ...,
+        origin_site: _builtins.str = ...,
+        origin_epoch: _builtins.int = ...,
+        origin_seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["origin_epoch", b"origin_epoch", "origin_seq", b"origin_seq", "origin_site", b"origin_site", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchBatchRequest: _TypeAlias = FetchBatchRequest  # noqa: Y015
+
+@_typing.final
+class FetchBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_FIELD_NUMBER: _builtins.int
+    batch: _builtins.bytes
+    """as stored at this site (its own local prefix)"""
+    def __init__(
+        self,
+        *,
+        batch: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchBatchResponse: _TypeAlias = FetchBatchResponse  # noqa: Y015
+
+@_typing.final
+class ScrubRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScrubRequest: _TypeAlias = ScrubRequest  # noqa: Y015
+
+@_typing.final
+class ScrubProgress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKED_BYTES_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    FOUND_FIELD_NUMBER: _builtins.int
+    QUARANTINED_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    checked_bytes: _builtins.int
+    total_bytes: _builtins.int
+    found: _builtins.int
+    """damaged batches newly quarantined by this scrub"""
+    quarantined: _builtins.int
+    """quarantined at the site now (repairs may be under way)"""
+    done: _builtins.bool
+    def __init__(
+        self,
+        *,
+        checked_bytes: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
+        found: _builtins.int = ...,
+        quarantined: _builtins.int = ...,
+        done: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked_bytes", b"checked_bytes", "done", b"done", "found", b"found", "quarantined", b"quarantined", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScrubProgress: _TypeAlias = ScrubProgress  # noqa: Y015

@@ -94,6 +94,16 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.ReportHeldRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.ReportHeldResponse.FromString,
                 _registered_method=True)
+        self.FetchBatch = channel.unary_unary(
+                '/georep.v1.Node/FetchBatch',
+                request_serializer=georep_dot_proto_dot_georep__pb2.FetchBatchRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.FetchBatchResponse.FromString,
+                _registered_method=True)
+        self.Scrub = channel.unary_stream(
+                '/georep.v1.Node/Scrub',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ScrubRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ScrubProgress.FromString,
+                _registered_method=True)
         self.GroupHeartbeat = channel.unary_unary(
                 '/georep.v1.Node/GroupHeartbeat',
                 request_serializer=georep_dot_proto_dot_georep__pb2.GroupHeartbeatRequest.SerializeToString,
@@ -217,6 +227,23 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBatch(self, request, context):
+        """One whole batch by its coordinate, verbatim: how a site repairs a batch it
+        holds damaged (quarantined) from a peer's copy. NOT_FOUND if this site
+        does not hold it durably, DATA_LOSS if its own copy is damaged too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Scrub(self, request, context):
+        """Check every stored batch now (the background scrubber's work, at full
+        speed), streaming progress; damaged batches are quarantined and repaired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GroupHeartbeat(self, request, context):
         """Consumer groups at this site (cluster/groups.py): join, heartbeat and
         learn the assignment in one call; leave; commit and read vector offsets.
@@ -317,6 +344,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.ReportHeld,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.ReportHeldRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.ReportHeldResponse.SerializeToString,
+            ),
+            'FetchBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchBatch,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.FetchBatchRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.FetchBatchResponse.SerializeToString,
+            ),
+            'Scrub': grpc.unary_stream_rpc_method_handler(
+                    servicer.Scrub,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ScrubRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ScrubProgress.SerializeToString,
             ),
             'GroupHeartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.GroupHeartbeat,
@@ -673,6 +710,60 @@ class Node:
             '/georep.v1.Node/ReportHeld',
             georep_dot_proto_dot_georep__pb2.ReportHeldRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.ReportHeldResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/FetchBatch',
+            georep_dot_proto_dot_georep__pb2.FetchBatchRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.FetchBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scrub(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/georep.v1.Node/Scrub',
+            georep_dot_proto_dot_georep__pb2.ScrubRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ScrubProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,6 +70,15 @@ class NodeStub:
     """dst -> src over each link: the vectors that dst, and the sites dst heard
     from, hold fsynced. An origin counts them for acks=geo:N.
     """
+    FetchBatch: _grpc.UnaryUnaryMultiCallable[_georep_pb2.FetchBatchRequest, _georep_pb2.FetchBatchResponse]
+    """One whole batch by its coordinate, verbatim: how a site repairs a batch it
+    holds damaged (quarantined) from a peer's copy. NOT_FOUND if this site
+    does not hold it durably, DATA_LOSS if its own copy is damaged too.
+    """
+    Scrub: _grpc.UnaryStreamMultiCallable[_georep_pb2.ScrubRequest, _georep_pb2.ScrubProgress]
+    """Check every stored batch now (the background scrubber's work, at full
+    speed), streaming progress; damaged batches are quarantined and repaired.
+    """
     GroupHeartbeat: _grpc.UnaryUnaryMultiCallable[_georep_pb2.GroupHeartbeatRequest, _georep_pb2.GroupHeartbeatResponse]
     """Consumer groups at this site (cluster/groups.py): join, heartbeat and
     learn the assignment in one call; leave; commit and read vector offsets.
@@ -115,6 +124,15 @@ class NodeAsyncStub(NodeStub):
     ReportHeld: _aio.UnaryUnaryMultiCallable[_georep_pb2.ReportHeldRequest, _georep_pb2.ReportHeldResponse]  # type: ignore[assignment]
     """dst -> src over each link: the vectors that dst, and the sites dst heard
     from, hold fsynced. An origin counts them for acks=geo:N.
+    """
+    FetchBatch: _aio.UnaryUnaryMultiCallable[_georep_pb2.FetchBatchRequest, _georep_pb2.FetchBatchResponse]  # type: ignore[assignment]
+    """One whole batch by its coordinate, verbatim: how a site repairs a batch it
+    holds damaged (quarantined) from a peer's copy. NOT_FOUND if this site
+    does not hold it durably, DATA_LOSS if its own copy is damaged too.
+    """
+    Scrub: _aio.UnaryStreamMultiCallable[_georep_pb2.ScrubRequest, _georep_pb2.ScrubProgress]  # type: ignore[assignment]
+    """Check every stored batch now (the background scrubber's work, at full
+    speed), streaming progress; damaged batches are quarantined and repaired.
     """
     GroupHeartbeat: _aio.UnaryUnaryMultiCallable[_georep_pb2.GroupHeartbeatRequest, _georep_pb2.GroupHeartbeatResponse]  # type: ignore[assignment]
     """Consumer groups at this site (cluster/groups.py): join, heartbeat and
@@ -230,6 +248,27 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_georep_pb2.ReportHeldResponse, _abc.Awaitable[_georep_pb2.ReportHeldResponse]]:
         """dst -> src over each link: the vectors that dst, and the sites dst heard
         from, hold fsynced. An origin counts them for acks=geo:N.
+        """
+
+    @_abc_1.abstractmethod
+    def FetchBatch(
+        self,
+        request: _georep_pb2.FetchBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.FetchBatchResponse, _abc.Awaitable[_georep_pb2.FetchBatchResponse]]:
+        """One whole batch by its coordinate, verbatim: how a site repairs a batch it
+        holds damaged (quarantined) from a peer's copy. NOT_FOUND if this site
+        does not hold it durably, DATA_LOSS if its own copy is damaged too.
+        """
+
+    @_abc_1.abstractmethod
+    def Scrub(
+        self,
+        request: _georep_pb2.ScrubRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_georep_pb2.ScrubProgress], _abc.AsyncIterator[_georep_pb2.ScrubProgress]]:
+        """Check every stored batch now (the background scrubber's work, at full
+        speed), streaming progress; damaged batches are quarantined and repaired.
         """
 
     @_abc_1.abstractmethod

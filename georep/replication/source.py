@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from georep.record.batch import iter_headers
-from georep.storage.api import OffsetOutOfRange, PartitionLog
+from georep.storage.api import BatchDamaged, DamagedBatch, OffsetOutOfRange, PartitionLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 
 PartitionKey = tuple[str, int]
@@ -83,7 +83,7 @@ class Serve:
 
 
 class _Cursor:
-    __slots__ = ("key", "log", "sites", "sent", "offset")
+    __slots__ = ("key", "log", "sites", "sent", "offset", "blocked")
 
     def __init__(self, key: PartitionKey, log: PartitionLog, have: Mapping[Origin, int], sites: tuple[str, ...]):
         self.key = key
@@ -99,9 +99,26 @@ class _Cursor:
             if at is not None:
                 start = min(start, at)
         self.offset = LocalOffset(max(start, log.log_start_offset))
+        # A quarantined batch the dst needs: the cursor waits at it until it is repaired (never skips it).
+        self.blocked: DamagedBatch | None = None
 
     def pending(self) -> bool:
-        return self.offset < self.log.flushed_offset
+        if self.offset >= self.log.flushed_offset:
+            return False
+        if self.blocked is not None:
+            if any(d.base_offset == self.blocked.base_offset for d in self.log.damaged_batches()):
+                return False
+            self.blocked = None
+        return True
+
+    def src_vector(self) -> dict[Origin, int]:
+        """What this site can serve of the partition: its durable vector, held back at a quarantined batch
+        (so the dst neither waits for it here nor takes its absence for a lost tail, and routes around)."""
+        vector: dict[Origin, int] = dict(self.log.flushed_vector())
+        if self.blocked is not None:
+            origin = self.blocked.origin
+            vector[origin] = min(vector.get(origin, 0), self.blocked.base_origin_seq)
+        return vector
 
     def take(self, budget: int, scan_budget: int, oversize_ok: bool) -> tuple[list[memoryview], int, int]:
         """Read from ``offset``: the batches to send (within ``budget`` bytes), bytes sent, bytes scanned.
@@ -119,6 +136,13 @@ class _Cursor:
                 break
             try:
                 res = log.read(self.offset, max(budget - sent_bytes, READ_BYTES_MIN))
+            except BatchDamaged as exc:
+                d = exc.damaged
+                if d.origin.site in self.sites and d.last_origin_seq >= self.sent.get(d.origin, 0):
+                    self.blocked = d  # the dst needs it: wait for the repair
+                    break
+                self.offset = LocalOffset(d.next_offset)  # the dst does not want it, or has it: step over
+                continue
             except OffsetOutOfRange:
                 # Retention removed what the cursor pointed at: go on from the
                 # oldest retained batch. The dst sees the hole as a gap.
@@ -212,12 +236,12 @@ class ReplicaSource:
                 total += size
                 data = views[0].tobytes() if len(views) == 1 else b"".join(views)
                 log = cursor.log
-                out.append(Chunk(cursor.key, data, log.flushed_vector(), log.log_end_offset))
+                out.append(Chunk(cursor.key, data, cursor.src_vector(), log.log_end_offset))
         return out
 
     def heartbeat(self) -> list[Chunk]:
         """One empty chunk per wanted partition, carrying the source's durable vector and log end."""
-        return [Chunk(c.key, b"", c.log.flushed_vector(), c.log.log_end_offset) for c in self._cursors]
+        return [Chunk(c.key, b"", c.src_vector(), c.log.log_end_offset) for c in self._cursors]
 
     def step(self, now_ms: int, max_bytes: int) -> Serve:
         """What the stream does now: send data, send a heartbeat, scan on, or wait.

@@ -29,7 +29,7 @@ from georep.broker.acks import LEADER, Acks, AckTable, Effect, Fail, HeldChanged
 from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import UnknownPartition, WriteFailed
 from georep.replication.sink import ApplyOutcome, apply_chunk
-from georep.storage.api import DiskFull, LogConfig, PartitionLog
+from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -332,6 +332,30 @@ class Broker:
             return
         p.notify_append()
         self._perform(self.acks.replicated(p.key, p.log.log_end_offset))
+
+    # -- damage ---------------------------------------------------------------
+
+    def damaged(self) -> dict[tuple[str, int], list[DamagedBatch]]:
+        """The quarantined batches of every partition that has some."""
+        out: dict[tuple[str, int], list[DamagedBatch]] = {}
+        for key, p in sorted(self.partitions.items()):
+            batches = p.log.damaged_batches()
+            if batches:
+                out[key] = batches
+        return out
+
+    async def repair(self, topic: str, index: int, base_offset: int, batch: bytes) -> DamagedBatch:
+        """Put a peer's copy in place of a quarantined batch (in the writer thread: it writes and fsyncs)."""
+        p = self.partition(topic, index)
+        loop = asyncio.get_running_loop()
+        repaired = await loop.run_in_executor(self.replica_writer, p.log.repair, base_offset, batch)
+        p.notify_durable()  # readers waiting at the damaged batch go on
+        return repaired
+
+    async def scrub(self, key: tuple[str, int], offset: int, max_bytes: int) -> ScrubStep:
+        """Check about ``max_bytes`` of ``key`` from ``offset`` (in a worker thread: it reads from disk)."""
+        p = self.partition(*key)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, p.log.scrub, offset, max_bytes)
 
     # -- housekeeping ---------------------------------------------------------
 

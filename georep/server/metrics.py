@@ -25,7 +25,7 @@ class _PartitionCollector(Collector):
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["topic", "partition"]
         end = GaugeMetricFamily("georep_partition_log_end_offset", "Next local offset to be assigned", labels=labels)
         start = GaugeMetricFamily("georep_partition_log_start_offset", "First retained local offset", labels=labels)
@@ -47,6 +47,20 @@ class _PartitionCollector(Collector):
             unflushed.add_metric(lv, p.log.log_end_offset - p.log.flushed_offset)
             for origin, seq in sorted(p.log.vector().items()):
                 vector.add_metric([*lv, str(origin)], seq)
+        quarantined = GaugeMetricFamily(
+            "georep_quarantined_batches", "Batches quarantined as damaged, served to no one until repaired",
+            labels=labels,
+        )
+        found = CounterMetricFamily("georep_corrupt_batches", "Damaged batches found (reads, scrubs) since start")
+        repaired = CounterMetricFamily("georep_repaired_batches", "Quarantined batches repaired from a peer's copy")
+        found_total = repaired_total = 0
+        for (topic, index), p in sorted(self.broker.partitions.items()):
+            quarantined.add_metric([topic, str(index)], len(p.log.damaged_batches()))
+            found_total += p.log.damage_found_total
+            repaired_total += p.log.repaired_total
+        found.add_metric([], found_total)
+        repaired.add_metric([], repaired_total)
+        yield from (quarantined, found, repaired)
         disk = GaugeMetricFamily("georep_disk_full", "1 while writes are turned away for lack of disk space")
         disk.add_metric([], 1 if self.broker.disk_full else 0)
         yield from (end, start, size, segs, unflushed, vector, disk)

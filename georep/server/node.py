@@ -24,7 +24,7 @@ from georep.replication.links import DEFAULT_STALL_MS
 from georep.server.broker import Broker
 from georep.server.metrics import NodeMetrics
 from georep.server.process import NODE_INFO
-from georep.server.service import FETCH_MAX_BYTES_CAP, NodeService
+from georep.server.service import FETCH_MAX_BYTES_CAP, SCRUB_STEP_BYTES, NodeService
 from georep.storage.dirlock import DataDirLock
 from topology.model import Topology
 
@@ -34,6 +34,8 @@ SHUTDOWN_GRACE_S = 5.0
 MESSAGE_SLACK_BYTES = 1 << 20
 KEEPALIVE_MIN_INTERVAL_MS = 1_000
 GROUP_TICK_S = 0.2
+SCRUB_PASS_MIN_S = 60.0  # a pass over little data waits this long before the next one
+SCRUB_BYTES_PER_S_DEFAULT = 8 << 20
 
 
 class UsageError(Exception):
@@ -50,19 +52,20 @@ async def serve(
     topology: Topology | None = None,
     stall_ms: int = DEFAULT_STALL_MS,
     admin_token: str | None = None,
+    scrub_bytes_per_s: int = SCRUB_BYTES_PER_S_DEFAULT,
 ) -> int:
     """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``."""
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
         return await _serve_locked(site, listen, metrics_listen, data_dir, defaults, retention_check_ms, topology,
-                                   stall_ms, admin_token, lock)  # fmt: skip
+                                   stall_ms, admin_token, scrub_bytes_per_s, lock)  # fmt: skip
     finally:
         lock.release()
 
 
 async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tuple[str, int], data_dir: Path,
                         defaults: dict[str, int], retention_check_ms: int, topology: Topology | None, stall_ms: int,
-                        admin_token: str | None, lock: DataDirLock) -> int:  # fmt: skip
+                        admin_token: str | None, scrub_bytes_per_s: int, lock: DataDirLock) -> int:  # fmt: skip
     from georep.server.replicator import Replicator
 
     identity = load_or_create_identity(data_dir, site, int(time.time()))
@@ -115,6 +118,7 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         loop.add_signal_handler(sig, stop.set)
     housekeeping = [
         asyncio.create_task(_flush_loop(broker)),
+        asyncio.create_task(_scrub_loop(broker, scrub_bytes_per_s)),
         asyncio.create_task(_retention_loop(broker, retention_check_ms / 1000)),
         asyncio.create_task(_group_loop(service)),
     ]
@@ -143,6 +147,25 @@ async def _flush_loop(broker: Broker) -> None:
         due = [i for i in intervals if i > 0]
         await asyncio.sleep(min(due, default=1000) / 1000)
         broker.flush_due(int(time.monotonic() * 1000))
+
+
+async def _scrub_loop(broker: Broker, bytes_per_s: int) -> None:
+    """Check every stored batch, again and again, at ``bytes_per_s`` (HDFS's block scanner, Ceph's scrub):
+    damage no reader has reached yet is quarantined, and repaired from a peer, before anyone needs it."""
+    if bytes_per_s <= 0:
+        return
+    step_bytes = max(1, min(bytes_per_s, SCRUB_STEP_BYTES))
+    while True:
+        started = time.monotonic()
+        for key in sorted(broker.partitions):
+            offset = 0
+            while key in broker.partitions and offset < broker.partitions[key].log.flushed_offset:
+                step = await broker.scrub(key, offset, step_bytes)
+                offset = step.next_offset
+                if step.found:
+                    log.error("scrubber: %d damaged batch(es) in %s/%d quarantined", len(step.found), *key)
+                await asyncio.sleep(step.checked_bytes / bytes_per_s)
+        await asyncio.sleep(max(0.0, SCRUB_PASS_MIN_S - (time.monotonic() - started)))
 
 
 async def _group_loop(service: NodeService) -> None:

@@ -15,6 +15,11 @@ For each link ``src -> me`` of the topology, a :class:`Puller` runs three tasks:
 * **held reports**: it sends ``src`` what this site, and every site it heard
   from, holds fsynced (``offsets.held.HeldReporter``), for ``acks=geo:N``.
 
+And one **repair** task for the site: every ``REPAIR_TICK_S`` it asks the
+``RepairQueue`` (``georep/broker/repair.py``) which quarantined batch to ask
+which peer for, fetches it with ``FetchBatch`` and hands it to the storage
+layer, which checks it and writes it in place.
+
 :class:`Replicator` owns the ``LinkManager``, the pullers and the ``tick``
 task, and answers ``SiteStatus``. Every core call happens on the event loop
 thread, so nothing needs a lock.
@@ -35,6 +40,7 @@ import grpc
 from cluster.metadata import TopicExists
 from cluster.topics import InvalidTopic
 from georep.broker.errors import BrokerError
+from georep.broker.repair import Ask, RepairQueue
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -46,7 +52,7 @@ from georep.replication.sink import CorruptChunk
 from georep.replication.source import Chunk
 from georep.replication.topics import RemoteTopic, plan_topic_sync
 from georep.server.broker import Broker
-from georep.storage.api import DiskFull
+from georep.storage.api import DiskFull, RepairRefused
 from offsets.coordinates import Origin
 from offsets.held import HeldReporter
 from offsets.vector import InvalidVectorOffset, VectorOffset
@@ -66,6 +72,7 @@ RPC_TIMEOUT_S = 5.0
 # A stream that delivers nothing, not even a heartbeat, for this long is dead
 # (a peer that vanished without closing its TCP connection).
 STREAM_IDLE_MS = 10 * HEARTBEAT_MS
+REPAIR_TICK_S = 0.5
 INBOX_MESSAGES = 2  # read ahead of the applies by this many messages, no more: back-pressure
 _END = "end"
 
@@ -338,6 +345,10 @@ class Replicator:
             if link.dst == self.site
         }
         self._tasks: list[asyncio.Task[None]] = []
+        upstreams = sorted(self.pullers)
+        others = [s for s in topology.site_ids() if s != self.site and s not in self.pullers]
+        self.repairs = RepairQueue([*upstreams, *others])
+        self._peer_channels: dict[str, grpc.aio.Channel] = {}
         for name, spec in sorted(broker.metadata.topics().items()):
             self.links.topic(name, spec.partitions)
         broker.on_topic = self.links.topic
@@ -362,6 +373,7 @@ class Replicator:
             self._tasks.append(asyncio.create_task(puller.stream_loop()))
             self._tasks.append(asyncio.create_task(puller.report_loop()))
         self._tasks.append(asyncio.create_task(self._tick_loop()))
+        self._tasks.append(asyncio.create_task(self._repair_loop()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -371,6 +383,41 @@ class Replicator:
                 await task
         for puller in self.pullers.values():
             await puller.close()
+        for channel in self._peer_channels.values():
+            await channel.close()
+
+    async def _repair_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REPAIR_TICK_S)
+            asks = self.repairs.due(self.broker.damaged(), self.now_ms())
+            if asks:
+                await asyncio.gather(*(self._repair(ask) for ask in asks))
+
+    async def _repair(self, ask: Ask) -> None:
+        (topic, index), d = ask.key, ask.damaged
+        request = pb.FetchBatchRequest(topic=topic, partition=index, origin_site=d.origin.site,
+                                       origin_epoch=d.origin.epoch, origin_seq=d.base_origin_seq)  # fmt: skip
+        try:
+            stub = pbg.NodeStub(self._peer_channel(ask.peer))
+            response = await stub.FetchBatch(request, timeout=RPC_TIMEOUT_S)
+            await self.broker.repair(topic, index, d.base_offset, response.batch)
+        except grpc.RpcError as exc:
+            self.repairs.failed(ask, f"{exc.code().name}: {exc.details()}", self.now_ms())
+            log.info("repair of %s/%d %s: site %s could not help (%s)", topic, index, d.describe(), ask.peer,
+                     exc.details())  # fmt: skip
+        except (RepairRefused, OSError) as exc:
+            self.repairs.failed(ask, str(exc), self.now_ms())
+            log.warning("repair of %s/%d %s from site %s refused: %s", topic, index, d.describe(), ask.peer, exc)
+        else:
+            self.repairs.repaired(ask)
+            log.warning("repaired %s/%d %s with site %s's copy", topic, index, d.describe(), ask.peer)
+
+    def _peer_channel(self, site: str) -> grpc.aio.Channel:
+        channel = self._peer_channels.get(site)
+        if channel is None:
+            address = self.topology.site(SiteId(site)).nodes[0]
+            channel = self._peer_channels[site] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return channel
 
     async def _tick_loop(self) -> None:
         while True:

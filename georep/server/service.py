@@ -21,8 +21,16 @@ from google.protobuf.message import DecodeError, Message
 
 from georep import __version__
 from georep.broker.append import Produced
-from georep.broker.errors import InternalTopic, InvalidRequest, NoSuchLink, NotAuthorized, NoTopology, WriteFailed
-from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, FromVector, Latest
+from georep.broker.errors import (
+    DamagedData,
+    InternalTopic,
+    InvalidRequest,
+    NoSuchLink,
+    NotAuthorized,
+    NoTopology,
+    WriteFailed,
+)
+from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, FromVector, Latest, batch_by_coordinate
 from georep.proto import georep_pb2 as pb
 from georep.proto.bounds import check_bounds
 from georep.proto.convert import acks_from_proto, vector_from_proto, vector_to_proto
@@ -31,6 +39,7 @@ from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
 from georep.server.status import DOMAIN_ERRORS, status_of
+from georep.storage.api import BatchDamaged
 from offsets.coordinates import InvalidOrigin, Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
@@ -43,6 +52,9 @@ log = logging.getLogger(__name__)
 
 SERVICE = "georep.v1.Node"
 FETCH_MAX_BYTES_CAP = 16 << 20
+SCRUB_STEP_BYTES = 4 << 20
+SCRUB_PROGRESS_S = 0.5
+NEXT_OFFSET_METADATA = "georep-next-offset"  # trailing metadata of a DATA_LOSS fetch: after the damaged batch
 FETCH_MAX_WAIT_MS_CAP = 30_000
 PRODUCE_STREAM_MAX_PENDING = 1024  # unacked batches per stream before reading pauses
 REPLICATE_MAX_BYTES_DEFAULT = 1 << 20
@@ -284,7 +296,10 @@ class NodeService:
         cursor = FetchCursor(p.log, _fetch_start(req), self.broker.origin)
         while True:
             if cursor.readable:
-                chunk = cursor.read(max_bytes)
+                try:
+                    chunk = cursor.read(max_bytes)
+                except BatchDamaged as exc:
+                    raise DamagedData(req.topic, req.partition, self.broker.identity.site, exc.damaged) from None
                 if not chunk:
                     await asyncio.sleep(0)  # a long covered stretch must not starve other streams
                     continue
@@ -303,6 +318,42 @@ class NodeService:
             batches=chunk, high_watermark=p.log.flushed_offset,
             log_start_offset=p.log.log_start_offset, next_offset=position,
         )  # fmt: skip
+
+    # -- damage -------------------------------------------------------------------
+
+    async def fetch_batch(self, data: bytes, context: Context) -> pb.FetchBatchResponse:
+        req = _parse(pb.FetchBatchRequest, data)
+        p = self.broker.partition(req.topic, req.partition)
+        try:
+            origin = Origin(site_id(req.origin_site), req.origin_epoch)
+        except InvalidSiteId as exc:
+            raise InvalidRequest(f"malformed FetchBatchRequest: {exc}") from None
+        return pb.FetchBatchResponse(batch=batch_by_coordinate(p.log, origin, req.origin_seq))
+
+    async def scrub(self, data: bytes, context: Context) -> AsyncIterator[pb.ScrubProgress]:
+        """Check every partition's stored batches now, streaming progress about every SCRUB_PROGRESS_S."""
+        _parse(pb.ScrubRequest, data)
+        keys = sorted(self.broker.partitions)
+        total = sum(self.broker.partition(*k).log.size_bytes for k in keys)
+        checked = found = 0
+        last = time.monotonic()
+        for key in keys:
+            plog = self.broker.partition(*key).log
+            offset = int(plog.log_start_offset)
+            while offset < plog.flushed_offset:
+                step = await self.broker.scrub(key, offset, SCRUB_STEP_BYTES)
+                offset = step.next_offset
+                found += len(step.found)
+                checked += step.checked_bytes
+                if time.monotonic() - last >= SCRUB_PROGRESS_S:
+                    last = time.monotonic()
+                    yield self._scrub_progress(min(checked, total), total, found, False)
+        yield self._scrub_progress(total, total, found, True)
+
+    def _scrub_progress(self, checked: int, total: int, found: int, done: bool) -> pb.ScrubProgress:
+        quarantined = sum(len(b) for b in self.broker.damaged().values())
+        return pb.ScrubProgress(checked_bytes=checked, total_bytes=total, found=found, quarantined=quarantined,
+                                done=done)  # fmt: skip
 
     # -- replication ------------------------------------------------------------
 
@@ -457,6 +508,8 @@ class NodeService:
             try:
                 async for msg in self.fetch(data, context):
                     yield msg
+            except DamagedData as exc:  # where the readable data goes on, for a consumer that skips
+                await context.abort(_status(exc), str(exc), ((NEXT_OFFSET_METADATA, str(exc.next_offset)),))
             except DOMAIN_ERRORS as exc:
                 await context.abort(_status(exc), str(exc))
 
@@ -465,6 +518,13 @@ class NodeService:
         ) -> AsyncIterator[pb.ProduceResponse]:
             try:
                 async for msg in self.produce_stream(requests, context):
+                    yield msg
+            except DOMAIN_ERRORS as exc:
+                await context.abort(_status(exc), str(exc))
+
+        async def scrub(data: bytes, context: Context) -> AsyncIterator[pb.ScrubProgress]:
+            try:
+                async for msg in self.scrub(data, context):
                     yield msg
             except DOMAIN_ERRORS as exc:
                 await context.abort(_status(exc), str(exc))
@@ -488,6 +548,8 @@ class NodeService:
                 "SiteStatus": unary(self.site_status),
                 "SetLink": unary(self.set_link),
                 "ReportHeld": unary(self.report_held),
+                "FetchBatch": unary(self.fetch_batch),
+                "Scrub": grpc.unary_stream_rpc_method_handler(scrub, None, ser),
                 "GroupHeartbeat": unary(self.group_heartbeat),
                 "LeaveGroup": unary(self.leave_group),
                 "CommitOffsets": unary(self.commit_offsets),

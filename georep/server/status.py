@@ -18,7 +18,7 @@ from dedup.producer import InvalidSequence
 from georep.broker import errors as e
 from georep.record.batch import CorruptBatch
 from georep.replication.sink import CorruptChunk
-from georep.storage.api import DiskFull, OffsetOutOfRange
+from georep.storage.api import BatchDamaged, DiskFull, OffsetOutOfRange
 from offsets.commits import InvalidCommit
 from offsets.coordinates import InvalidOrigin
 from offsets.vector import InvalidVectorOffset
@@ -40,12 +40,15 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     e.UnknownPartition: Code.NOT_FOUND,
     e.UnknownGroup: Code.NOT_FOUND,
     e.NoSuchLink: Code.NOT_FOUND,
+    e.NotHeld: Code.NOT_FOUND,
     UnknownMember: Code.NOT_FOUND,
     TopicExists: Code.ALREADY_EXISTS,
     # bytes that fail their checksum
     e.BatchCrcMismatch: Code.DATA_LOSS,
     CorruptBatch: Code.DATA_LOSS,
     CorruptChunk: Code.DATA_LOSS,
+    e.DamagedData: Code.DATA_LOSS,
+    BatchDamaged: Code.DATA_LOSS,
     # the state of the node or of the producer forbids it
     e.SequenceRejected: Code.FAILED_PRECONDITION,
     e.GeoAcksUnreachable: Code.FAILED_PRECONDITION,

@@ -68,6 +68,13 @@ class BatchDamaged(StorageError):
         self.damaged = damaged
 
 
+@dataclass(frozen=True, slots=True)
+class ScrubStep:
+    next_offset: int  # where the next step goes on (the log end once done)
+    checked_bytes: int
+    found: list[DamagedBatch]  # newly quarantined
+
+
 class RepairRefused(StorageError):
     """A copy offered to repair a quarantined batch is not the same batch."""
 
@@ -106,6 +113,9 @@ class BatchEntry:
 
 
 class PartitionLog(Protocol):
+    damage_found_total: int  # batches quarantined since the log was opened
+    repaired_total: int  # quarantined batches repaired since the log was opened
+
     @property
     def log_start_offset(self) -> LocalOffset: ...
 
@@ -149,6 +159,10 @@ class PartitionLog(Protocol):
         Raises ``RepairRefused`` unless it is the same batch: same origin, seqs
         and size, and a CRC that matches. Returns what was repaired.
         """
+        ...
+
+    def scrub(self, offset: int, max_bytes: int) -> ScrubStep:
+        """Check about ``max_bytes`` of durable batches from ``offset``; quarantine the damaged ones."""
         ...
 
     def read(self, offset: LocalOffset, max_bytes: int) -> ReadResult:

@@ -130,6 +130,7 @@ from georep.storage.api import (
     PartitionLog,
     ReadResult,
     RepairRefused,
+    ScrubStep,
     StorageError,
 )
 from georep.storage.durable_file import TMP_SUFFIX, fsync_directory, replace_file
@@ -222,6 +223,8 @@ class SegmentLog:
         self._closed = False
         self._origin_names: dict[tuple[bytes, int], Origin] = {}
         self._damaged: dict[int, DamagedBatch] = {}  # base offset -> quarantined batch (DAMAGED_FILE)
+        self.damage_found_total = 0
+        self.repaired_total = 0
 
     # -- open and recovery -----------------------------------------------------------------------
 
@@ -478,6 +481,7 @@ class SegmentLog:
             os.close(fd)
         with self._lock:
             new = [d for d in found if d.base_offset not in self._damaged]
+            self.damage_found_total += len(new)
             for d in new:
                 self._damaged[d.base_offset] = d
                 log.error("partition log %s: quarantined %s: %s (first noticed as: %s); it is served to no one "
@@ -486,19 +490,19 @@ class SegmentLog:
                 self._write_damaged()
         return new
 
-    def scrub(self, offset: int, max_bytes: int) -> tuple[int, list[DamagedBatch]]:
-        """Check the batches from ``offset`` (about ``max_bytes`` of them), below the flushed offset. Returns
-        where to go on (the log end once done) and the batches newly quarantined."""
+    def scrub(self, offset: int, max_bytes: int) -> ScrubStep:
+        """Check the batches from ``offset`` (about ``max_bytes`` of them, in one segment), below the flushed
+        offset, against the origin index; quarantine the damaged ones."""
         with self._lock:
             self._check_open()
             offset = max(offset, self._log_start)
             end = self._flushed
             if offset >= end:
-                return int(self._log_end), []
+                return ScrubStep(int(self._log_end), 0, [])
             segment = self._segments[bisect_right(self._bases, offset) - 1]
             entry = segment.entry_at_offset(offset)
             if entry is None:
-                return int(segment.next_offset), []
+                return ScrubStep(int(segment.next_offset), 0, [])
             first = (entry.position, entry.base_offset)
             entries = segment.origin_entries(0, segment.batch_count)
             fd = os.dup(segment.log_fd)
@@ -517,7 +521,7 @@ class SegmentLog:
         finally:
             os.close(fd)
         found = self._find_damage(segment, "found by the scrubber") if bad else []
-        return max(next_offset, offset + (0 if checked else 1)), found
+        return ScrubStep(max(next_offset, offset + (0 if checked else 1)), checked, found)
 
     def damaged_batches(self) -> list[DamagedBatch]:
         with self._lock:
@@ -553,6 +557,7 @@ class SegmentLog:
             os.fsync(segment.log_fd)
             del self._damaged[base_offset]
             self._write_damaged()
+            self.repaired_total += 1
         log.warning("partition log %s: repaired %s from a peer's copy", self.directory, damaged.describe())
         return damaged
 

@@ -60,13 +60,15 @@ TRIANGLE = [("a", "b"), ("b", "c"), ("c", "a"), ("b", "a"), ("c", "b"), ("a", "c
 class Sites:
     """One node per site, on the ports the topology names."""
 
-    def __init__(self, root: Path, sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000) -> None:
+    def __init__(self, root: Path, sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000,
+                 extra_args: list[str] | None = None) -> None:  # fmt: skip
         self.ports = dict(zip(sites, free_ports(len(sites)), strict=True))
         self.topology = root / "topology.toml"
         self.topology.write_text(topology_toml(self.ports, links))
         self.nodes = {
             s: NodeProcess(site=s, data_dir=root / s, listen=f"127.0.0.1:{self.ports[s]}",
-                           extra_args=["--topology", str(self.topology), "--stall-ms", str(stall_ms)])
+                           extra_args=["--topology", str(self.topology), "--stall-ms", str(stall_ms),
+                                       *(extra_args or [])])
             for s in sites
         }  # fmt: skip
         self.channels: dict[str, grpc.Channel] = {}
