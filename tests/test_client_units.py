@@ -124,7 +124,7 @@ def test_record_size_matches_the_encoding() -> None:
 def batches(n: int, records: int = 2) -> list:
     acc = RecordAccumulator(batch_size=109 + records * 1000, linger_ms=0)
     for i in range(n * records):
-        acc.append("t", 0, rec(b"%d" % i), None, 1000, 0)
+        acc.append("t", 0, rec(b"%d" % i), None, 1000, 0, max_batch_bytes=LIMIT)
     acc.close_lingered(0, force=True)
     return acc.take_closed()
 

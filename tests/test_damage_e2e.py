@@ -4,6 +4,7 @@ from a peer's copy (issue 10's reproduction: 20,000 records, 64 KiB segments, 4 
 from __future__ import annotations
 
 import json
+import subprocess
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -95,3 +96,21 @@ def test_a_peers_copy_repairs_the_damage_in_place(make_sites: Callable[..., Site
     log = (b.data_dir / "node.log").read_text()
     assert "quarantined offsets" in log and "with site a's copy" in log
     assert json.loads((b.data_dir / "node.json").read_text())["pid"] == b.pid
+
+
+def test_deleted_index_files_are_rebuilt_and_a_missing_middle_segment_is_refused(start_node) -> None:  # type: ignore[no-untyped-def]
+    node = start_node(extra_args=SEGMENT)
+    produce(node.address)
+    node.stop()
+    partition = node.data_dir / "logs" / "t-0"
+    for index in [*partition.glob("*.index"), *partition.glob("*.oindex")]:
+        index.unlink()
+    node.start()
+    code, lines, err = consume(node.address)
+    assert code == 0 and lines == [b"%d" % i for i in range(RECORDS)], err
+    node.stop()
+    sorted(partition.glob("*.log"))[1].unlink()
+    refused = subprocess.run(node.command(), capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2
+    assert "are missing" in refused.stderr and "let replication rebuild the partition" in refused.stderr
+    assert len(list(partition.glob("*.log"))) >= 2  # nothing was cut away

@@ -1,4 +1,5 @@
-"""The destination's pull session, the topic-sync plan and the held reporter, driven by hand over ``MemoryLog``.
+"""The destination's pull session, the topic-sync plan, the held reporter, a source at a damaged batch and the
+repair queue, driven by hand over ``MemoryLog``.
 
 The simulator drives the same objects over random topologies and faults (tests/test_sim.py); these tests pin
 each rule of georep/replication/session.py with one small scenario.
@@ -9,6 +10,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
+import pytest
+
+from georep.broker.errors import NotHeld
+from georep.broker.fetch import batch_by_coordinate
+from georep.broker.repair import RepairQueue
+from georep.record.batch import iter_headers, parse_header
 from georep.replication.links import LinkManager, LinkState
 from georep.replication.session import (
     DISABLED,
@@ -20,8 +27,9 @@ from georep.replication.session import (
     PullSession,
 )
 from georep.replication.sink import SEQ_MAX, apply_chunk
-from georep.replication.source import Chunk
+from georep.replication.source import Chunk, ReplicaSource
 from georep.replication.topics import RemoteTopic, plan_topic_sync
+from georep.storage.api import BatchDamaged
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import Origin
 from offsets.held import HeldReporter, HeldTable
@@ -233,3 +241,67 @@ def test_held_reports_go_one_at_a_time_and_leave_out_the_upstreams_own_entries()
     reporter.reset()  # the upstream reconnected: it may have forgotten everything
     assert reporter.next_report(table) is not None
 
+
+
+# -- a damaged batch at the source -------------------------------------------------------------
+
+
+def test_a_source_waits_at_a_quarantined_batch_its_dst_needs_and_holds_its_vector_back() -> None:
+    log = MemoryLog()
+    for seq in (0, 2, 4):
+        data = origin_batch(B, seq)
+        log.append(parse_header(data), [memoryview(data)[24:]], 5_000)
+    log.flush()
+    damaged = log.corrupt(2)
+    source = ReplicaSource({KEY: log}, {KEY: ({}, ("b",))})
+    [chunk] = source.next_chunks(1 << 20)
+    assert [h.base_origin_seq for h in iter_headers(chunk.batches)] == [0]  # never past the damage
+    assert chunk.src_vector == {B: 2}  # what it can serve: the dst routes the rest around it
+    assert source.next_chunks(1 << 20) == [] and not source.has_more()
+    assert source.heartbeat()[0].src_vector == {B: 2}
+    log.repair(damaged.base_offset, origin_batch(B, 2))
+    assert source.has_more()
+    [chunk] = source.next_chunks(1 << 20)
+    assert [h.base_origin_seq for h in iter_headers(chunk.batches)] == [2, 4] and chunk.src_vector == {B: 6}
+    # a dst that does not want the damaged batch's origin, or has it, never waits for it
+    other = ReplicaSource({KEY: log}, {KEY: ({B: 4}, ("b",))})
+    log.corrupt(2)
+    [chunk] = other.next_chunks(1 << 20)
+    assert [h.base_origin_seq for h in iter_headers(chunk.batches)] == [4]
+
+
+# -- repairing from peers ------------------------------------------------------------------------
+
+
+def test_repairs_ask_each_peer_in_turn_then_back_off() -> None:
+    log = MemoryLog()
+    data = origin_batch(B, 0)
+    log.append(parse_header(data), [memoryview(data)[24:]], 5_000)
+    d = log.corrupt(0)
+    queue = RepairQueue(["b", "c"], retry_min_ms=100, retry_max_ms=400)
+    [ask] = queue.due({KEY: [d]}, 0)
+    assert ask.peer == "b" and queue.due({KEY: [d]}, 0) == []  # one ask at a time per batch
+    queue.failed(ask, "NOT_FOUND", 0)
+    [ask] = queue.due({KEY: [d]}, 0)
+    assert ask.peer == "c"
+    queue.failed(ask, "unreachable", 10)  # a whole round failed: wait
+    assert queue.due({KEY: [d]}, 109) == [] and queue.due({KEY: [d]}, 110)[0].peer == "b"
+    assert queue.last_error(KEY, 0) == "c: unreachable"
+    assert queue.due({}, 200) == []  # repaired some other way: forgotten
+    assert RepairQueue([]).due({KEY: [d]}, 0) == []  # a site alone has no one to ask
+
+
+def test_a_peer_hands_out_a_batch_by_its_coordinate_only_when_it_holds_it_durably() -> None:
+    log = MemoryLog()
+    for seq in (0, 3):
+        data = origin_batch(B, seq, n=3)
+        log.append(parse_header(data), [memoryview(data)[24:]], 5_000)
+    log.flush_to(3)
+    assert parse_header(batch_by_coordinate(log, B, 2)).base_origin_seq == 0
+    with pytest.raises(NotHeld):
+        batch_by_coordinate(log, B, 4)  # not fsynced yet
+    with pytest.raises(NotHeld):
+        batch_by_coordinate(log, A, 0)
+    log.corrupt(0)
+    with pytest.raises(BatchDamaged):
+        batch_by_coordinate(log, B, 1)

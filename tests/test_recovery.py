@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from georep.record.batch import BatchHeader, check_batch, iter_headers
 from georep.storage.api import OffsetOutOfRange
 from georep.storage.recovery_point import FILE_NAME as RECOVERY_POINT
-from georep.storage.segment_log import SegmentLog
+from georep.storage.segment_log import MissingSegment, SegmentLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from tests.support.segments import A, B, C, Writer, log_files, open_log
 
@@ -211,16 +211,16 @@ def test_damage_in_a_middle_segment_deletes_every_later_segment(pristine: dict[b
     log.close()
 
 
-def test_a_missing_middle_segment_ends_the_log_before_the_gap(pristine: dict[bool, Pristine], scratch: Path) -> None:
+def test_a_missing_middle_segment_is_refused_never_cut(pristine: dict[bool, Pristine], scratch: Path) -> None:
     p = pristine[True]
     directory = copy_of(p, scratch)
-    log_files(directory)[3].unlink()  # its .index and .oindex are now orphans
-    log = open_log(directory, **CONFIG)
-    end = p.headers[p.segments[3][0][1]].base_offset
-    assert log.log_end_offset == end and log.segment_count == 3
-    assert log.recovery.damaged_offset == end and log.recovery.files_removed == 2
-    assert len(list(directory.glob("*.*index"))) == 6
-    log.close()
+    missing = log_files(directory)[3]
+    missing.unlink()
+    later = [f.name for f in log_files(directory)[3:]]
+    start, end = p.headers[p.segments[3][0][1]].base_offset, p.headers[p.segments[4][0][1]].base_offset
+    with pytest.raises(MissingSegment, match=f"holding offsets {start}..{end - 1} are missing"):
+        open_log(directory, **CONFIG)
+    assert [f.name for f in log_files(directory)[3:]] == later  # nothing after the hole was deleted
 
 
 def test_a_cut_at_a_segment_start_leaves_an_empty_active_segment(pristine: dict[bool, Pristine],

@@ -13,6 +13,7 @@ from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, UsageError, serve
+from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
 from topology.ids import InvalidSiteId
 from topology.model import Topology, UnknownSite
@@ -76,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
                   topology, args.stall_ms, admin_token, args.scrub_bytes_per_s)  # fmt: skip
         )
-    except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId) as exc:
+    except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId, StorageError) as exc:
         log.error("%s", exc)
         return 2
 

@@ -141,8 +141,13 @@ class Broker:
         self._geo_timer: asyncio.TimerHandle | None = None
         self._geo_timer_due = 0
         now = self.clock_ms()
-        for spec in self.metadata.topics().values():
-            self._open_topic(spec, now)
+        try:
+            for spec in self.metadata.topics().values():
+                self._open_topic(spec, now)
+        except BaseException:
+            for p in self.partitions.values():
+                p.log.close()
+            raise
 
     @property
     def held(self) -> HeldTable:

@@ -163,6 +163,10 @@ class LogClosed(StorageError):
     """The partition log was closed (or deleted); reopen it with ``SegmentLog.open``."""
 
 
+class MissingSegment(StorageError):
+    """A segment file is missing from the middle of a partition log: the node refuses to open it."""
+
+
 class InvalidLogConfig(ValueError):
     """A ``LogConfig`` value the segment log cannot work with."""
 
@@ -250,11 +254,14 @@ class SegmentLog:
                     _delete_later_segment(directory, base, report)
                     continue
                 if segments and base != segments[-1].next_offset:
-                    report.damaged_offset = LocalOffset(segments[-1].next_offset)
-                    report.damage = f"segment {segment_name(base)} does not follow offset {segments[-1].next_offset}"
-                    log.warning("partition log %s: %s", directory, report.damage)
-                    _delete_later_segment(directory, base, report)
-                    continue
+                    # A roll fsyncs the sealed segment first, so no crash leaves this: a segment file was
+                    # deleted or lost. Cutting the log here would throw away every good segment after it.
+                    raise MissingSegment(
+                        f"partition log {directory}: the segments jump from offset {segments[-1].next_offset} to "
+                        f"{base}: the segment file(s) holding offsets {segments[-1].next_offset}..{base - 1} are "
+                        "missing. Restore them from a backup, or move this partition directory away and let "
+                        "replication rebuild the partition from the other sites"
+                    )
                 trusted_next = None
                 if point is not None and i + 1 < len(bases) and bases[i + 1] <= point.recovery_point:
                     trusted_next = bases[i + 1]
@@ -787,13 +794,15 @@ def _check_stored(fd: int, entry: OriginEntry) -> str | None:
         header = check_batch(data)
     except CorruptBatch as exc:
         return str(exc)
-    stored = (header.base_offset, header.size_bytes, header.origin_site, header.origin_epoch, header.base_origin_seq,
-              header.append_time_ms)  # fmt: skip
-    indexed = (entry.base_offset, entry.size_bytes, entry.origin_site.rstrip(b"\0").decode("ascii", "replace"),
-               entry.origin_epoch, entry.base_origin_seq, entry.append_time_ms)  # fmt: skip
-    if stored != indexed:
-        return f"its header {stored} disagrees with the origin index {indexed}"
-    return None
+    stored = {"base_offset": header.base_offset, "size": header.size_bytes, "origin_site": header.origin_site,
+              "origin_epoch": header.origin_epoch, "base_origin_seq": header.base_origin_seq,
+              "append_time_ms": header.append_time_ms}  # fmt: skip
+    indexed = {"base_offset": entry.base_offset, "size": entry.size_bytes,
+               "origin_site": entry.origin_site.rstrip(b"\0").decode("ascii", "replace"),
+               "origin_epoch": entry.origin_epoch, "base_origin_seq": entry.base_origin_seq,
+               "append_time_ms": entry.append_time_ms}  # fmt: skip
+    differ = [f"{k} {stored[k]} where the origin index says {indexed[k]}" for k in stored if stored[k] != indexed[k]]
+    return f"its header has {', '.join(differ)}" if differ else None
 
 
 def _origin_of(names: dict[tuple[bytes, int], Origin], entry: OriginEntry) -> Origin:
