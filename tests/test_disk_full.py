@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -14,6 +15,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import iter_headers
 from georep.server.process import NodeProcess
 from tests.support.node_api import batch, fetch_all, log_end
+from tests.support.sites import Sites, check_invariants, converged, produce, read_site, wait_until
 
 DISK_BYTES = 3 << 20
 
@@ -71,3 +73,32 @@ def test_full_disk_turns_writes_away_keeps_reads_and_recovers(small_disk: Path, 
         channel.close()
     finally:
         node.kill9()
+
+
+def test_a_full_disk_during_replica_apply_stops_the_link_loses_nothing_and_catches_up(
+    small_disk: Path, make_sites: Callable[..., Sites]
+) -> None:
+    sites = make_sites(["a", "b"], [("a", "b")])
+    b = sites.nodes["b"]
+    b.data_dir, b.log_path = small_disk / "b", small_disk.parent / "b.log"
+    (small_disk / "ballast").write_bytes(b"\0" * (1 << 20))
+    sites.start()
+    sites.stub("a").CreateTopic(pb.CreateTopicRequest(name="t", partitions=1), timeout=5)
+    sent = asyncio.run(produce(sites.address("a"), "t", "big", 700, value_bytes=4000))  # ~2.8 MB: more than fits
+    wait_until("b's disk fills up", lambda: sites.stub("b").Health(pb.HealthRequest(), timeout=5).disk_full, 60)
+    assert b.alive()
+    status = sites.status("b")
+    assert any("DiskFull" in link.last_error for link in status.links), status.links
+    # what b holds is whole: a prefix of a's records, each once, in order
+    check_prefix(sites, "b", "t")
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    wait_until("b catches up", lambda: converged(sites, ["a", "b"], "t", 700), 60)
+    check_invariants(sites, ["a", "b"], "t", sent)
+    assert not sites.stub("b").Health(pb.HealthRequest(), timeout=5).disk_full
+
+
+def check_prefix(sites: Sites, site: str, topic: str) -> None:
+    held = read_site(sites, site, topic)
+    for records in held.values():
+        seqs = [r[1] for r in records]
+        assert seqs == list(range(len(seqs))), "b must hold a gap-free prefix of a's records"

@@ -333,10 +333,15 @@ class Broker:
             raise WriteFailed(f"write to {topic}-{index} failed: {exc}") from None
 
     def _replica_applied(self, p: Partition, done: asyncio.Future[ApplyOutcome]) -> None:
-        if done.cancelled() or done.exception() is not None or not done.result().appended_batches:
+        if done.cancelled():
             return
-        p.notify_append()
-        self._perform(self.acks.replicated(p.key, p.log.log_end_offset))
+        if done.exception() is None and done.result().appended_batches:
+            self.disk_full = False
+        if p.log.log_end_offset > p.log.flushed_offset:
+            # Also after an apply that failed midway (a full disk): what it appended before the failure is
+            # whole, and must be fsynced and served onward like the rest.
+            p.notify_append()
+            self._perform(self.acks.replicated(p.key, p.log.log_end_offset))
 
     # -- damage ---------------------------------------------------------------
 

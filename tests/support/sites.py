@@ -164,12 +164,14 @@ def check_invariants(sites: Sites, names: list[str], topic: str, expected: set[t
         assert sum(len(r) for r in parts.values()) == len(by_coord), f"I4: site {s} does not hold every coordinate"
 
 
-async def produce(address: str, topic: str, prefix: str, n: int) -> set[tuple[bytes, bytes]]:
+async def produce(address: str, topic: str, prefix: str, n: int, value_bytes: int = 0) -> set[tuple[bytes, bytes]]:
+    """Send ``n`` keyed records (values padded to ``value_bytes``) and wait for every ack; returns what was sent."""
     sent = set()
     async with Producer(address, linger_ms=2, batch_size=4096) as producer:
         futures = []
         for i in range(n):
             key, value = f"{prefix}-k{i}".encode(), f"{prefix}-v{i}".encode() * 3
+            value = value.ljust(value_bytes, b"x")
             futures.append(producer.send(topic, value, key=key))
             sent.add((key, value))
             if i % 200 == 0:
