@@ -237,3 +237,20 @@ def test_a_node_without_topology_runs_standalone(api: pbg.NodeStub) -> None:
     status = api.SiteStatus(pb.SiteStatusRequest())
     assert status.site == "a" and list(status.links) == []
     assert [p.topic for p in status.partitions if not p.topic.startswith("__")] == ["t", "t"]
+
+
+def test_a_read_only_data_dir_is_refused_at_start_with_what_to_do(node: NodeProcess, tmp_path: Path) -> None:
+    node.stop()
+    data = str(node.data_dir)
+    mounted = subprocess.run(["mount", "--bind", data, data], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"this test bind-mounts the data dir read-only and needs root: {mounted.stderr.strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", data], check=True)
+        proc = subprocess.run(node.command(), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert "is not usable" in proc.stderr and "Read-only file system" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    finally:
+        subprocess.run(["umount", "-l", data], check=False)
+    node.start()  # writable again: it starts as before

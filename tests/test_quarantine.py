@@ -4,11 +4,14 @@ and a peer's copy repairs it in place, at the same local offsets."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from georep.record.batch import iter_headers, local_prefix, parse_header
+from georep.record.batch import REWRITTEN_BYTES, iter_headers, local_prefix, parse_header
 from georep.storage.api import BatchDamaged, RepairRefused
 from georep.storage.memory_log import MemoryLog
 from georep.storage.segment_log import DAMAGED_FILE, SegmentLog
@@ -130,3 +133,54 @@ def test_memory_log_quarantines_and_repairs_like_the_segment_log() -> None:
         log.read(2, 1 << 20)
     log.repair(2, origin_batch(A, 2))
     assert log.read(2, 1 << 20).next_offset == 6 and damaged.base_offset == 2
+
+
+@pytest.fixture(scope="module")
+def pristine_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[tuple[int, int, bytes]]]:
+    """A closed log of several sealed segments; (base offset, next offset, covered bytes) per batch."""
+    directory = tmp_path_factory.mktemp("pristine") / "p"
+    log, w = filled(directory)
+    log.close()
+    return directory, [(s.header.base_offset, s.header.next_offset, s.batch.covered) for s in w.stored]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+def test_any_flipped_bit_in_sealed_data_is_served_to_no_one_and_costs_only_its_batch(
+    pristine_log: tuple[Path, list[tuple[int, int, bytes]]], tmp_path_factory: pytest.TempPathFactory,
+    where: float, bit: int,
+) -> None:  # fmt: skip
+    source, batches = pristine_log
+    directory = tmp_path_factory.mktemp("flip") / "p"
+    shutil.copytree(source, directory)
+    sealed = log_files(directory)[:-1]
+    sizes = [f.stat().st_size for f in sealed]
+    at = int(where * sum(sizes))
+    index = next(i for i in range(len(sizes)) if at < sum(sizes[: i + 1]))
+    position = at - sum(sizes[:index])
+    data = bytearray(sealed[index].read_bytes())
+    data[position] ^= 1 << bit
+    sealed[index].write_bytes(bytes(data))
+    log = open_log(directory, **CONFIG)
+    try:
+        offset, scrubbed = log.log_start_offset, 0
+        while offset < log.log_end_offset and scrubbed < 10_000:
+            offset, scrubbed = log.scrub(offset, 4000).next_offset, scrubbed + 1
+        served: dict[int, bytes] = {}
+        offset = log.log_start_offset
+        while offset < log.log_end_offset:
+            try:
+                res = log.read(offset, 700)
+            except BatchDamaged as exc:
+                offset = exc.damaged.next_offset
+                continue
+            pos = 0
+            for h in iter_headers(res.data, verify=True):
+                served[h.base_offset] = res.data[pos + REWRITTEN_BYTES : pos + h.size_bytes]
+                pos += h.size_bytes
+            offset = res.next_offset
+        damaged = [(d.base_offset, d.next_offset) for d in log.damaged_batches()]
+        assert len(damaged) == 1, "every bit of a stored batch is checked: its CRC or its origin-index entry"
+        assert served == {base: covered for base, _n, covered in batches if (base, _n) not in damaged}
+    finally:
+        log.close()
