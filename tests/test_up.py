@@ -20,19 +20,24 @@ def triangle(path: Path) -> Path:
     return path
 
 
+def start_up(topo: Path, data: Path) -> subprocess.Popen[str]:
+    """``georep up`` in the background, once every site's node has written its node.json."""
+    up = subprocess.Popen([*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all((data / s / "node.json").exists() for s in "abc"):
+        time.sleep(0.1)
+    return up
+
+
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*GEOREP, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_up_starts_every_site_and_sigterm_stops_them_cleanly(tmp_path: Path) -> None:
-    topo = triangle(tmp_path / "t.toml")
-    data = tmp_path / "data"
-    up = subprocess.Popen([*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    topo, data = triangle(tmp_path / "t.toml"), tmp_path / "data"
+    up = start_up(topo, data)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all((data / s / "node.json").exists() for s in "abc"):
-            time.sleep(0.1)
         infos = {s: json.loads((data / s / "node.json").read_text()) for s in "abc"}
         for info in infos.values():
             os.kill(info["pid"], 0)  # each site runs as its own process
@@ -49,14 +54,9 @@ def test_up_starts_every_site_and_sigterm_stops_them_cleanly(tmp_path: Path) -> 
 
 
 def test_a_second_up_on_the_same_data_dir_fails_at_once_and_leaves_the_first_running(tmp_path: Path) -> None:
-    topo = triangle(tmp_path / "t.toml")
-    data = tmp_path / "data"
-    up = subprocess.Popen([*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    topo, data = triangle(tmp_path / "t.toml"), tmp_path / "data"
+    up = start_up(topo, data)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all((data / s / "node.json").exists() for s in "abc"):
-            time.sleep(0.1)
         infos = {s: json.loads((data / s / "node.json").read_text()) for s in "abc"}
         second = run("up", "--topology", str(topo), "--data-dir", str(data), timeout=60)
         assert second.returncode == 1

@@ -14,7 +14,7 @@ import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -504,37 +504,19 @@ class NodeService:
 
             return grpc.unary_unary_rpc_method_handler(call, request_deserializer=None, response_serializer=ser)
 
-        async def fetch(data: bytes, context: Context) -> AsyncIterator[pb.FetchResponse]:
-            try:
-                async for msg in self.fetch(data, context):
-                    yield msg
-            except DamagedData as exc:  # where the readable data goes on, for a consumer that skips
-                await context.abort(_status(exc), str(exc), ((NEXT_OFFSET_METADATA, str(exc.next_offset)),))
-            except DOMAIN_ERRORS as exc:
-                await context.abort(_status(exc), str(exc))
+        def stream(fn: Callable[[Any, Context], AsyncIterator[Message]]) -> Callable[..., AsyncIterator[Message]]:
+            """A streaming handler whose domain errors end the call with their status code."""
 
-        async def produce_stream(
-            requests: AsyncIterator[bytes], context: Context
-        ) -> AsyncIterator[pb.ProduceResponse]:
-            try:
-                async for msg in self.produce_stream(requests, context):
-                    yield msg
-            except DOMAIN_ERRORS as exc:
-                await context.abort(_status(exc), str(exc))
+            async def call(request: Any, context: Context) -> AsyncIterator[Message]:
+                try:
+                    async for msg in fn(request, context):
+                        yield msg
+                except DamagedData as exc:  # where readable data goes on, for a consumer that skips
+                    await context.abort(_status(exc), str(exc), ((NEXT_OFFSET_METADATA, str(exc.next_offset)),))
+                except DOMAIN_ERRORS as exc:
+                    await context.abort(_status(exc), str(exc))
 
-        async def scrub(data: bytes, context: Context) -> AsyncIterator[pb.ScrubProgress]:
-            try:
-                async for msg in self.scrub(data, context):
-                    yield msg
-            except DOMAIN_ERRORS as exc:
-                await context.abort(_status(exc), str(exc))
-
-        async def replicate(data: bytes, context: Context) -> AsyncIterator[pb.ReplicateResponse]:
-            try:
-                async for msg in self.replicate(data, context):
-                    yield msg
-            except DOMAIN_ERRORS as exc:
-                await context.abort(_status(exc), str(exc))
+            return call
 
         return grpc.method_handlers_generic_handler(
             SERVICE,
@@ -549,16 +531,16 @@ class NodeService:
                 "SetLink": unary(self.set_link),
                 "ReportHeld": unary(self.report_held),
                 "FetchBatch": unary(self.fetch_batch),
-                "Scrub": grpc.unary_stream_rpc_method_handler(scrub, None, ser),
+                "Scrub": grpc.unary_stream_rpc_method_handler(stream(self.scrub), None, ser),
                 "GroupHeartbeat": unary(self.group_heartbeat),
                 "LeaveGroup": unary(self.leave_group),
                 "CommitOffsets": unary(self.commit_offsets),
                 "FetchCommitted": unary(self.fetch_committed),
                 "ListGroups": unary(self.list_groups),
                 "DescribeGroup": unary(self.describe_group),
-                "Replicate": grpc.unary_stream_rpc_method_handler(replicate, None, ser),
-                "ProduceStream": grpc.stream_stream_rpc_method_handler(produce_stream, None, ser),
-                "Fetch": grpc.unary_stream_rpc_method_handler(fetch, None, ser),
+                "Replicate": grpc.unary_stream_rpc_method_handler(stream(self.replicate), None, ser),
+                "ProduceStream": grpc.stream_stream_rpc_method_handler(stream(self.produce_stream), None, ser),
+                "Fetch": grpc.unary_stream_rpc_method_handler(stream(self.fetch), None, ser),
             },
         )
 
