@@ -166,14 +166,15 @@ async def vectors(site: Site, topic: str) -> dict[int, VectorOffset]:
     return {ps.partition: vector_from_proto(ps.vector) for ps in desc.partition_states}
 
 
-async def wait_for(what: str, cond: Callable[[], Any], timeout_s: float) -> None:
+async def wait_for(what: str, cond: Callable[[], Any], timeout_s: float,
+                   state: Callable[[], str] | None = None) -> None:  # fmt: skip
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(grpc.aio.AioRpcError):
             if await cond():
                 return
         await asyncio.sleep(0.05)
-    raise DrillError(f"timed out after {timeout_s:g}s waiting until {what}")
+    raise DrillError(f"timed out after {timeout_s:g}s waiting until {what}" + (f" ({state()})" if state else ""))
 
 
 # --- workload ----------------------------------------------------------------------
@@ -393,6 +394,9 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
     target_origin = f"{target_origin.site}@{target_origin.epoch}"
 
     async def first_at_target() -> bool:
+        for t in consumer_tasks:  # a consumer that died would leave the wait to time out with no reason
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise DrillError(f"a consumer failed while failing over to {target}: {t.exception()!r}")
         return any(d.site_origin == target_origin and d.at >= event for d in run.deliveries)
 
     restored = False
@@ -407,7 +411,8 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
                 await set_links(topology, victim, sites, True, token)
 
     try:
-        await wait_for(f"a consumer reads at {target}", first_at_target, 60)
+        await wait_for(f"a consumer reads at {target}", first_at_target, 60,
+                       lambda: "; ".join(c.describe() for c in consumers))  # fmt: skip
     except BaseException:
         # The drill cannot finish: still give the operator the site back.
         with contextlib.suppress(Exception):

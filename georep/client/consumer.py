@@ -275,6 +275,18 @@ class Consumer:
     def assignment(self) -> list[TopicPartition]:
         return sorted(self._states)
 
+    def describe(self) -> str:
+        """One line on where this consumer is: its site, its group membership, each partition's fetch."""
+        parts = [f"at {self._connection.origin or self._connection.address or 'no site'}"]
+        g = self._group
+        if g is not None:
+            parts.append(f"group {g.group} member {g.member_id or '-'} generation {g.generation} at {g.site or '-'}"
+                         + (f" (last error: {g.error.message})" if g.error is not None else ""))  # fmt: skip
+        for tp, s in sorted(self._states.items()):
+            fetch = "no fetch" if s.fetcher is None else "fetch ended" if s.fetcher.done() else "fetching"
+            parts.append(f"{tp[0]}/{tp[1]} position {s.position} from {s.served_by or '-'}, {fetch}")
+        return ", ".join(parts)
+
     def _drop(self, tp: TopicPartition) -> None:
         state = self._states.pop(tp)
         if state.fetcher is not None:
