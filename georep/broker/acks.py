@@ -8,14 +8,29 @@ I6), and the ack is released only once that promise holds:
   an fsync that covers the batch's end offset. With a flush interval, the ack
   goes out after the write, like Kafka's defaults, and the periodic flush
   makes the batch durable later.
-* ``acks=all``: every in-site replica. A one-node site has none, so this is
-  the ``leader`` promise. (The quorum of a segment's ensemble comes with
-  multi-node sites.)
-* ``acks=geo:N``: N sites, this one included, hold the batch fsynced. Each
-  site's own entry in the :class:`~offsets.held.HeldTable` comes from its
-  fsyncs (:meth:`AckTable.flush_done`); the others' from ``ReportHeld``
-  (:meth:`AckTable.held_reported`). After ``timeout_ms`` the waiter fails
-  with :class:`GeoAckTimeout`; the batch stays written and replicates later.
+* ``acks=all``: the ack quorum of the segment's ensemble. A partition
+  replicated in the site (``open_partition(..., replicated_in_site=True)``)
+  waits for the *last add confirmed* to reach the batch's end: ``lac >=
+  end_offset``, fed by :meth:`AckTable.quorum_advanced` from
+  ``cluster.quorum.SegmentQuorum``, which counts this node's fsync as one
+  member; with fsync per batch it also waits for this node's own fsync, so
+  ``all`` promises everything ``leader`` does. A partition of a single-node
+  site has an ensemble of one: its quorum end is its flushed offset, and
+  ``all`` is the ``leader`` promise.
+* ``acks=geo:N``: the site's own ``all`` promise (for a partition replicated
+  in the site: ``lac >= end_offset``; with fsync per batch: this node's fsync)
+  and N sites, this one included, holding the batch durably. Each site's own
+  entry in the :class:`~offsets.held.HeldTable`, which is what other sites are
+  told it holds, comes from what is durable in the site: its LAC vector
+  (:meth:`AckTable.quorum_advanced`) for a partition replicated in the site,
+  its fsyncs (:meth:`AckTable.flush_done`) for a single-node one. The other
+  sites' entries come from ``ReportHeld`` (:meth:`AckTable.held_reported`).
+  After ``timeout_ms`` the waiter fails with :class:`GeoAckTimeout`; the batch
+  stays written and replicates later.
+
+A waiter on the quorum has no deadline of its own: the LAC reaching its end
+releases it, and :meth:`AckTable.close` fails it. What the leader does when
+too few members are live is the shell's call (``cluster.quorum.QuorumLost``).
 
 **Group commit.** A partition runs one fsync at a time. A waiter whose end
 offset the last fsync did not cover starts the next one when the current one
@@ -29,10 +44,12 @@ the next write; so does the periodic flush of topics with a flush interval
 Events go in, effects come out: :class:`StartFlush` (the shell fsyncs the
 partition, then reports :meth:`AckTable.flush_done` with the flushed offset
 and the vector of what it made durable), :class:`Release` and :class:`Fail`
-(answer the waiter), :class:`HeldChanged` (report the table upstream). Time
-comes in as ``now_ms``. The node drives it with asyncio futures and worker
-threads; the simulator with its event heap, where I6 is checked at every
-release.
+(answer the waiter), :class:`HeldChanged` (report the table upstream). The
+quorum is computed in ``cluster/quorum.py`` and only its LAC comes in
+(:meth:`AckTable.quorum_advanced`), so a single-node site's path is
+unchanged. Time comes in as ``now_ms``. The node drives it with asyncio
+futures and worker threads; the simulator with its event heap, where I6 is
+checked at every release.
 """
 
 from __future__ import annotations
@@ -130,11 +147,14 @@ class _Waiter:
     deadline_ms: int  # geo only; -1 for none
     timeout_ms: int
     flushed: bool = False  # the local fsync it needed is done (or it needed none)
+    quorum_offset: int = 0  # the LAC it waits for (all, geo:N in an in-site replicated partition); 0: none
 
 
 @dataclass(slots=True)
 class _Partition:
     fsync_per_batch: bool
+    replicated_in_site: bool = False
+    lac: int = 0  # replicated in site only: the last add confirmed, never moves back
     flushing: bool = False
     flushed_offset: int = 0
     flush_target: int = 0  # the largest end offset someone asked to have fsynced
@@ -154,11 +174,23 @@ class AckTable:
     # -- partitions -------------------------------------------------------------
 
     def open_partition(self, key: PartitionKey, fsync_per_batch: bool, flushed_offset: int,
-                       flushed_vector: VectorOffset) -> None:  # fmt: skip
-        """A partition this node holds, with what is already durable in it."""
-        self._partitions[key] = _Partition(fsync_per_batch, flushed_offset=flushed_offset,
-                                           flush_target=flushed_offset)  # fmt: skip
-        self.held.update(self.site, key[0], key[1], flushed_vector)
+                       flushed_vector: VectorOffset, replicated_in_site: bool = False, lac: int = 0,
+                       lac_vector: VectorOffset | None = None) -> None:  # fmt: skip
+        """A partition this node holds, with what is already durable in it.
+
+        ``replicated_in_site``: the partition's segments have an ensemble of several nodes here, and ``lac`` and
+        ``lac_vector`` say what its ack quorum already holds (the defaults: nothing yet). This site's held entry
+        then starts from ``lac_vector``, not from ``flushed_vector``.
+        """
+        if not replicated_in_site and (lac or lac_vector is not None):
+            raise ValueError(
+                f"{key[0]}/{key[1]}: a LAC was given for a partition not replicated in the site; pass "
+                "replicated_in_site=True, or leave lac and lac_vector out (its quorum end is its flushed offset)"
+            )
+        self._partitions[key] = _Partition(fsync_per_batch, replicated_in_site=replicated_in_site, lac=lac,
+                                           flushed_offset=flushed_offset, flush_target=flushed_offset)  # fmt: skip
+        held = lac_vector if replicated_in_site else flushed_vector
+        self.held.update(self.site, key[0], key[1], held if held is not None else VectorOffset())
 
     def fsync_per_batch(self, key: PartitionKey) -> bool:
         return self._partitions[key].fsync_per_batch
@@ -177,12 +209,13 @@ class AckTable:
         timeout_ms = timeout_ms or GEO_ACK_TIMEOUT_MS_DEFAULT
         deadline = now_ms + timeout_ms if sites > 1 else -1
         needs_fsync = p.fsync_per_batch and end_offset > p.flushed_offset
+        needs_quorum = p.replicated_in_site and acks.kind is not AckKind.LEADER and end_offset > p.lac
         w = _Waiter(token, key, end_offset if needs_fsync else 0, origin, last_seq, sites, deadline, timeout_ms,
-                    flushed=not needs_fsync)  # fmt: skip
+                    flushed=not needs_fsync, quorum_offset=end_offset if needs_quorum else 0)  # fmt: skip
         out: list[Effect] = []
         if needs_fsync:
             out += self._want_flush(key, p, end_offset)
-        if w.flushed and self._geo_met(w):
+        if self._met(p, w):
             out.append(Release(token))
         else:
             p.waiters.append(w)
@@ -208,6 +241,9 @@ class AckTable:
         p.flushing = True
         return [StartFlush(key)]
 
+    def _met(self, p: _Partition, w: _Waiter) -> bool:
+        return w.flushed and p.lac >= w.quorum_offset and self._geo_met(w)
+
     def _geo_met(self, w: _Waiter) -> bool:
         if w.sites <= 1:
             return True
@@ -218,12 +254,13 @@ class AckTable:
 
     def flush_done(self, key: PartitionKey, flushed_offset: int, flushed_vector: VectorOffset) -> list[Effect]:
         """An fsync of ``key`` ended: everything below ``flushed_offset`` is durable, and ``flushed_vector``
-        with it."""
+        with it. For a partition replicated in the site this is one member's fsync: the site's held entry waits
+        for :meth:`quorum_advanced`."""
         p = self._partitions[key]
         p.flushing = False
         p.flushed_offset = max(p.flushed_offset, flushed_offset)
         out: list[Effect] = []
-        learned = self.held.update(self.site, key[0], key[1], flushed_vector)
+        learned = not p.replicated_in_site and self.held.update(self.site, key[0], key[1], flushed_vector)
         if learned:
             out.append(HeldChanged())
         for w in p.waiters:
@@ -233,6 +270,23 @@ class AckTable:
         if p.flush_target > p.flushed_offset and not self._closed:
             p.flushing = True
             out.append(StartFlush(key))
+        return out
+
+    def quorum_advanced(self, key: PartitionKey, lac: int, lac_vector: VectorOffset) -> list[Effect]:
+        """The ack quorum of ``key`` holds everything below offset ``lac`` fsynced, and ``lac_vector`` with it
+        (``cluster.quorum.LacAdvanced``). Releases the ``all`` and ``geo:N`` waiters it completes; this site's held
+        entry becomes ``lac_vector``. A LAC below the one known is stale: it changes nothing."""
+        p = self._partitions[key]
+        if not p.replicated_in_site:
+            raise ValueError(
+                f"{key[0]}/{key[1]} is not replicated in the site: its quorum end is its flushed offset "
+                "(flush_done); open it with replicated_in_site=True to feed it a LAC"
+            )
+        p.lac = max(p.lac, lac)
+        out: list[Effect] = []
+        if self.held.update(self.site, key[0], key[1], lac_vector):
+            out.append(HeldChanged())
+        out += self._release(p)
         return out
 
     def flush_failed(self, key: PartitionKey, error: str) -> list[Effect]:
@@ -246,7 +300,8 @@ class AckTable:
                 for w in failed]  # fmt: skip
 
     def held_reported(self, entries: Iterable[tuple[str, str, int, VectorOffset]]) -> list[Effect]:
-        """What other sites hold fsynced (``ReportHeld``). This site's own entry comes from its fsyncs only."""
+        """What other sites hold fsynced (``ReportHeld``). This site's own entry comes from its fsyncs or its
+        quorum only."""
         changed: set[PartitionKey] = set()
         for site, topic, index, vector in entries:
             if site != self.site and self.held.update(site, topic, index, vector):
@@ -266,7 +321,7 @@ class AckTable:
             if not expired:
                 continue
             p.waiters = [w for w in p.waiters if not 0 <= w.deadline_ms <= now_ms]
-            out += [Fail(w.token, self._timeout(w)) for w in expired]
+            out += [Fail(w.token, self._timeout(p, w)) for w in expired]
         return out
 
     def next_deadline_ms(self) -> int | None:
@@ -291,18 +346,22 @@ class AckTable:
         out: list[Effect] = []
         keep: list[_Waiter] = []
         for w in p.waiters:
-            if w.flushed and self._geo_met(w):
+            if self._met(p, w):
                 out.append(Release(w.token))
             else:
                 keep.append(w)
         p.waiters = keep
         return out
 
-    def _timeout(self, w: _Waiter) -> GeoAckTimeout:
+    def _timeout(self, p: _Partition, w: _Waiter) -> GeoAckTimeout:
         holding = self.held.sites_holding(w.key[0], w.key[1], w.origin, w.seq)
+        quorum = (
+            f"; this site's ack quorum has not confirmed it yet (last add confirmed {p.lac}, batch ends at "
+            f"{w.quorum_offset})" if p.lac < w.quorum_offset else ""
+        )  # fmt: skip
         return GeoAckTimeout(
             f"acks=geo:{w.sites} not reached within {w.timeout_ms} ms: {len(holding)} site(s) "
-            f"({', '.join(holding) or 'none'}) hold {w.key[0]}/{w.key[1]} origin seq {w.seq} of {w.origin}. "
+            f"({', '.join(holding) or 'none'}) hold {w.key[0]}/{w.key[1]} origin seq {w.seq} of {w.origin}{quorum}. "
             f"The batch stays written at site {self.site} and replicates when the links allow; a retry by the same "
             "producer is deduplicated, so retrying is safe"
         )
