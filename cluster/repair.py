@@ -1,0 +1,451 @@
+"""Repair planning: which segments to copy or roll after nodes die or drain. Pure.
+
+Each segment of a partition is held by its *ensemble* (ARCHITECTURE.md,
+"Inside a site"). When a member dies or is being decommissioned (draining),
+the segment has fewer copies than the site asked for. :func:`plan_repair`
+takes a snapshot of the segments (:class:`SegmentView`), of the nodes
+(``cluster.placement.NodeLoad``), of when each dead node was first seen dead,
+and of the copies already under way, and returns what to do, like
+BookKeeper's autorecovery, without I/O and without reading a clock (time
+comes in as ``now_ms``). The shell carries the effects out; running the
+planner twice on the same input gives the same plan.
+
+A member *must be replaced* when it is draining (dead or alive), or dead for
+at least ``repair_delay_ms`` (``now_ms - down_since_ms[node] >=
+repair_delay_ms``). A draining node is leaving by request, so waiting gains
+nothing. A dead node may be rebooting: copying everything it held costs far
+more than waiting a few minutes, which is why there is a delay
+(BookKeeper's ``lostBookieRecoveryDelay``, HDFS's ten and a half minutes).
+
+For each segment with a dead or draining member, in order of topic,
+partition and segment id:
+
+* **No alive member** (every member dead, draining ones included):
+  :class:`SegmentUnavailable`. Nothing can be copied or rolled; the data comes
+  back only with one of its members, so their disks must not be wiped.
+* **Open segment:** :class:`RollSegment`, at once (no delay). An open segment
+  is still being written: a copy would chase a moving tail and race the
+  leader's appends and fencing. Instead the leader seals it, which fixes its
+  end, and opens the next segment on a fresh ensemble of eligible nodes
+  (BookKeeper's ensemble change); the segment, now sealed, is then repaired by
+  copy like any other. Rolling moves no bytes, while every batch written in
+  the meantime lands on fewer nodes than the replication factor, so there is
+  nothing to gain by waiting. One roll is planned per segment, naming the
+  first dead member (else the first draining one) by node id. When that node
+  is the leader (``ensemble[0]`` opened the segment), the leader change does
+  the roll: the new leader's recovery seals the segment and opens the next.
+* **Sealed segment:** members already being copied (``in_progress``,
+  matched on topic, partition, segment id and ``replaces``) are left alone:
+  a copy is never planned twice. Of the others, one :class:`CopySegment` per
+  member that must be replaced, and one :class:`AwaitingRepairDelay` per
+  member dead for less than the delay, with the time it becomes due
+  (:attr:`RepairPlan.next_due_ms`: set a timer and plan again then).
+
+A copy's **source** is an alive member: a non-draining one first (a draining
+node has the rest of its decommission to serve), then the one sending the
+fewest copies (in progress, or planned earlier in this pass), so that the
+copies of a dead node's segments are read from all the nodes that hold them,
+then the least loaded, then the lowest id. Any alive member will do because
+a sealed segment is immutable and every member holds it up to the seal:
+before sealing, recovery copies every batch a quorum could have acked to the
+members that lack it. The shell checks the CRCs after the copy anyway. A
+dead node is never a source.
+
+A copy's **target** is chosen with the placement preference
+(``cluster.placement.choose_ensemble``: not overloaded, most free bytes in
+coarse buckets, least load, a hash salted by the segment) among alive,
+non-draining nodes
+with at least ``size_bytes`` free, excluding the segment's members and the
+targets of the copies of the same segment already in progress or planned
+earlier in this pass. So a target is never a current member, and two copies
+never land on the same node. Each planned copy counts, for the rest of the
+pass, as ``size_bytes`` less free space and one more unit of load on its
+target, so that one pass spreads its copies instead of sending all of them
+to the emptiest node. No eligible target: :class:`NoRepairTarget`, with the
+reason and what to do.
+
+**At most ``max_concurrent_copies``** copies run at once, those in progress
+included (0 pauses repair). When there are more to do, the segments with the
+fewest copies left go first (fewest alive non-draining members, then fewest
+alive members, then order): they are the closest to losing data. The rest
+are :class:`CopyDeferred`, planned again on a later pass.
+
+Why applying the copies leaves no sealed segment under-replicated when every
+dead member is past the delay, every segment has an alive member, and there
+are ``H`` alive, non-draining nodes with room, at least as many as the
+largest ensemble: for a segment with ensemble ``E`` and ``h`` healthy
+members, ``|E| - h`` members must be replaced, and at the ``k``-th of them at
+least ``H - h - (k - 1) >= |E| - h - (k - 1) >= 1`` healthy non-members
+remain eligible, so a target exists for every one, and each copy replaces a
+lost member with a healthy node. A pass therefore plans ``min(slots, lost
+members left)`` copies, never none while a member is left, and after
+``ceil(lost members / max_concurrent_copies)`` passes all ``|E|`` members of
+every sealed segment are healthy. (:func:`after_copy` is that update, which the metadata makes once the
+copy is fsynced and its CRCs are checked.)
+
+The caller drops a copy from ``in_progress`` once it is applied or has
+failed (its source or target died): a failed copy is then planned again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import crc32c
+
+from cluster.ids import NodeId, SegmentId
+from cluster.placement import NodeLoad, NotEnoughNodes, choose_ensemble, index_nodes
+
+SegmentKey = tuple[str, int, SegmentId]
+
+
+class InvalidRepairInput(ValueError):
+    """The snapshot handed to the planner is inconsistent (a caller bug); the message says what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentView:
+    """What the planner needs of one segment of a partition's chain."""
+
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    ensemble: tuple[NodeId, ...]  # ensemble[0] is the leader that opened it, until a copy replaces it
+    sealed: bool
+    size_bytes: int
+
+    @property
+    def key(self) -> SegmentKey:
+        return (self.topic, self.partition, self.segment_id)
+
+
+def _name(topic: str, partition: int, segment_id: SegmentId) -> str:
+    return f"{topic}/{partition} segment {segment_id}"
+
+
+def _nodes(nodes: Sequence[NodeId]) -> str:
+    listed = ", ".join(str(n) for n in nodes)
+    return f"node {listed}" if len(nodes) == 1 else f"nodes {listed}"
+
+
+@dataclass(frozen=True, slots=True)
+class CopySegment:
+    """Effect: copy a sealed segment from ``source`` to ``target``; then ``target`` replaces ``replaces``."""
+
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    source: NodeId
+    target: NodeId
+    replaces: NodeId
+
+    @property
+    def key(self) -> SegmentKey:
+        return (self.topic, self.partition, self.segment_id)
+
+    def message(self) -> str:
+        return (
+            f"copy {_name(self.topic, self.partition, self.segment_id)} from node {self.source} to node "
+            f"{self.target}, replacing node {self.replaces}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RollSegment:
+    """Effect: the partition's leader seals this open segment and opens the next one on eligible nodes."""
+
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    dead: NodeId  # the first dead member, else the first draining one
+
+    def message(self) -> str:
+        return (
+            f"roll {self.topic}/{self.partition}: open segment {self.segment_id} has node {self.dead} dead or "
+            "draining; the leader seals it and opens the next segment without that node"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentUnavailable:
+    """No alive member holds the segment: its data cannot be read, copied or rolled until one comes back."""
+
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    ensemble: tuple[NodeId, ...]
+
+    def message(self) -> str:
+        return (
+            f"{_name(self.topic, self.partition, self.segment_id)} is unavailable: every member "
+            f"({_nodes(self.ensemble)}) is dead. Bring one of them back; do not wipe their data dirs"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NoRepairTarget:
+    """A member must be replaced but no node can take the copy."""
+
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    replaces: NodeId
+    reason: str  # the placement error's message, with what to do
+
+    def message(self) -> str:
+        return (
+            f"{_name(self.topic, self.partition, self.segment_id)} cannot replace node {self.replaces}: {self.reason}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitingRepairDelay:
+    """A member is dead but not for ``repair_delay_ms`` yet: it may come back; copy at ``due_ms`` otherwise."""
+
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    dead: NodeId
+    due_ms: int
+
+    def message(self) -> str:
+        return (
+            f"{_name(self.topic, self.partition, self.segment_id)} lost node {self.dead}; it is copied elsewhere "
+            f"at {self.due_ms} ms unless the node comes back first"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CopyDeferred:
+    """A copy that is due but waits for a free slot (``max_concurrent_copies``)."""
+
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    replaces: NodeId
+
+    def message(self) -> str:
+        return (
+            f"{_name(self.topic, self.partition, self.segment_id)} waits for a copy slot to replace node "
+            f"{self.replaces} (every slot is busy; raise max_concurrent_copies to repair faster)"
+        )
+
+
+Unrepairable = SegmentUnavailable | NoRepairTarget
+
+
+@dataclass(frozen=True, slots=True)
+class RepairPlan:
+    """One pass of the planner.
+
+    ``copies`` are the copies to start, most urgent first; ``rolls`` the open
+    segments to roll; ``unrepairable`` what cannot be repaired now, each with
+    its reason; ``waiting`` the members still within the repair delay;
+    ``deferred`` the copies that wait for a slot.
+    """
+
+    copies: tuple[CopySegment, ...]
+    rolls: tuple[RollSegment, ...]
+    unrepairable: tuple[Unrepairable, ...]
+    waiting: tuple[AwaitingRepairDelay, ...]
+    deferred: tuple[CopyDeferred, ...]
+
+    @property
+    def next_due_ms(self) -> int | None:
+        """When the next waiting member becomes due, if any: plan again then."""
+        return min((w.due_ms for w in self.waiting), default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class UnderReplicated:
+    """A segment with fewer alive, non-draining members than its ensemble size."""
+
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    sealed: bool
+    ensemble: tuple[NodeId, ...]
+    dead: tuple[NodeId, ...]
+    draining: tuple[NodeId, ...]  # alive and draining
+
+    @property
+    def live_count(self) -> int:
+        return len(self.ensemble) - len(self.dead) - len(self.draining)
+
+    def message(self) -> str:
+        state = "sealed" if self.sealed else "open"
+        lost = (("dead", self.dead), ("draining", self.draining))
+        detail = "; ".join(f"{label}: {_nodes(ns)}" for label, ns in lost if ns)
+        return (
+            f"{_name(self.topic, self.partition, self.segment_id)} ({state}) has {self.live_count} of "
+            f"{len(self.ensemble)} members live ({detail})"
+        )
+
+
+def _segment_salt(segment: SegmentView) -> int:
+    return int(crc32c.crc32c(f"{segment.topic}/{segment.partition}/{segment.segment_id}".encode()))
+
+
+def _checked_segments(segments: Iterable[SegmentView], by_id: Mapping[NodeId, NodeLoad]) -> list[SegmentView]:
+    """The segments in key order, refusing duplicates, empty ensembles and members not in the node table."""
+    ordered = sorted(segments, key=lambda s: s.key)
+    for i, s in enumerate(ordered):
+        name = _name(s.topic, s.partition, s.segment_id)
+        if i and ordered[i - 1].key == s.key:
+            raise InvalidRepairInput(f"{name} appears twice: pass each segment once")
+        if not s.ensemble:
+            raise InvalidRepairInput(f"{name} has an empty ensemble: every segment is held by at least one node")
+        if len(set(s.ensemble)) != len(s.ensemble):
+            raise InvalidRepairInput(f"{name} lists a node twice in its ensemble ({_nodes(s.ensemble)})")
+        if s.size_bytes < 0:
+            raise InvalidRepairInput(f"{name} has size_bytes={s.size_bytes}: must be >= 0")
+        unknown = [m for m in s.ensemble if m not in by_id]
+        if unknown:
+            raise InvalidRepairInput(
+                f"{name} lists {_nodes(unknown)}, not in the node table: pass every node that a "
+                "segment names (a node leaves the table only once drained)"
+            )
+    return ordered
+
+
+def under_replicated(segments: Iterable[SegmentView], nodes: Iterable[NodeLoad]) -> tuple[UnderReplicated, ...]:
+    """Segments with fewer alive, non-draining members than their ensemble size, in key order.
+
+    For ``georep cluster status``; open and sealed segments alike.
+    """
+    by_id = index_nodes(nodes)
+    out: list[UnderReplicated] = []
+    for s in _checked_segments(segments, by_id):
+        dead = tuple(m for m in s.ensemble if not by_id[m].alive)
+        draining = tuple(m for m in s.ensemble if by_id[m].alive and by_id[m].draining)
+        if dead or draining:
+            out.append(UnderReplicated(s.topic, s.partition, s.segment_id, s.sealed, s.ensemble, dead, draining))
+    return tuple(out)
+
+
+def drained(node: NodeId, segments: Iterable[SegmentView]) -> bool:
+    """Whether no segment lists ``node`` any more: it holds nothing the site needs and can be removed."""
+    return all(node not in s.ensemble for s in segments)
+
+
+def after_copy(segment: SegmentView, copy: CopySegment) -> SegmentView:
+    """The segment once ``copy`` is done: ``copy.target`` takes the place of ``copy.replaces``."""
+    if copy.key != segment.key:
+        raise InvalidRepairInput(f"{copy.message()} does not apply to {_name(*segment.key)}")
+    if copy.replaces not in segment.ensemble or copy.target in segment.ensemble:
+        raise InvalidRepairInput(f"{copy.message()} does not apply: the ensemble is now {_nodes(segment.ensemble)}")
+    ensemble = tuple(copy.target if m == copy.replaces else m for m in segment.ensemble)
+    return replace(segment, ensemble=ensemble)
+
+
+@dataclass(frozen=True, slots=True)
+class _Need:
+    segment: SegmentView
+    replaces: NodeId
+    healthy: int  # alive, non-draining members
+    alive: int
+
+
+def plan_repair(
+    segments: Iterable[SegmentView],
+    nodes: Iterable[NodeLoad],
+    *,
+    down_since_ms: Mapping[NodeId, int],
+    now_ms: int,
+    repair_delay_ms: int,
+    in_progress: Iterable[CopySegment] = (),
+    max_concurrent_copies: int,
+) -> RepairPlan:
+    """Plan copies and rolls for the segments with dead or draining members; see the module docstring.
+
+    Raises :class:`InvalidRepairInput` for an inconsistent snapshot (a member
+    missing from ``nodes``, a dead node without ``down_since_ms``, ...) and
+    ``InvalidPlacementRequest`` for a node table with duplicate ids or
+    negative figures.
+    """
+    if repair_delay_ms < 0:
+        raise InvalidRepairInput(f"repair_delay_ms={repair_delay_ms}: must be >= 0")
+    if max_concurrent_copies < 0:
+        raise InvalidRepairInput(f"max_concurrent_copies={max_concurrent_copies}: must be >= 0 (0 pauses repair)")
+    by_id = index_nodes(nodes)
+    missing = [n for n in sorted(by_id) if not by_id[n].alive and n not in down_since_ms]
+    if missing:
+        raise InvalidRepairInput(
+            f"{_nodes(missing)}: dead but no down_since_ms: record when each dead node was first seen dead"
+        )
+    ordered = _checked_segments(segments, by_id)
+    running = list(in_progress)
+    busy = {(c.key, c.replaces) for c in running}
+    taken: dict[SegmentKey, set[NodeId]] = {}
+    for c in running:
+        taken.setdefault(c.key, set()).add(c.target)
+
+    rolls: list[RollSegment] = []
+    unrepairable: list[Unrepairable] = []
+    waiting: list[AwaitingRepairDelay] = []
+    needs: list[_Need] = []
+    for s in ordered:
+        dead = sorted(m for m in s.ensemble if not by_id[m].alive)
+        draining = sorted(m for m in s.ensemble if by_id[m].alive and by_id[m].draining)
+        if not dead and not draining:
+            continue
+        alive = len(s.ensemble) - len(dead)
+        if alive == 0:
+            unrepairable.append(SegmentUnavailable(s.topic, s.partition, s.segment_id, s.ensemble))
+            continue
+        if not s.sealed:
+            rolls.append(RollSegment(s.topic, s.partition, s.segment_id, (dead + draining)[0]))
+            continue
+        healthy = alive - len(draining)
+        for m in sorted(s.ensemble):
+            node = by_id[m]
+            if (node.alive and not node.draining) or (s.key, m) in busy:
+                continue
+            if not node.alive and not node.draining:
+                due_ms = down_since_ms[m] + repair_delay_ms
+                if now_ms < due_ms:
+                    waiting.append(AwaitingRepairDelay(s.topic, s.partition, s.segment_id, m, due_ms))
+                    continue
+            needs.append(_Need(s, m, healthy, alive))
+
+    free_bytes = {n: by_id[n].free_bytes for n in by_id}
+    load = {n: by_id[n].load for n in by_id}
+    sends = dict.fromkeys(by_id, 0)
+    for c in running:
+        if c.source in sends:
+            sends[c.source] += 1
+    slots = max(0, max_concurrent_copies - len(running))
+    copies: list[CopySegment] = []
+    deferred: list[CopyDeferred] = []
+    needs.sort(key=lambda need: (need.healthy, need.alive, need.segment.key, need.replaces))
+    for need in needs:
+        s = need.segment
+        if slots == 0:
+            deferred.append(CopyDeferred(s.topic, s.partition, s.segment_id, need.replaces))
+            continue
+        targets = taken.setdefault(s.key, set())
+        snapshot = [replace(by_id[n], free_bytes=free_bytes[n], load=load[n]) for n in sorted(by_id)]
+        try:
+            (target,) = choose_ensemble(
+                snapshot,
+                1,
+                leader=None,
+                exclude=set(s.ensemble) | targets,
+                salt=_segment_salt(s),
+                min_free_bytes=s.size_bytes,
+            )
+        except NotEnoughNodes as e:
+            unrepairable.append(NoRepairTarget(s.topic, s.partition, s.segment_id, need.replaces, str(e)))
+            continue
+        source = min(
+            (by_id[m] for m in s.ensemble if by_id[m].alive),
+            key=lambda n: (n.draining, sends[n.node], load[n.node], n.node),
+        ).node
+        copies.append(CopySegment(s.topic, s.partition, s.segment_id, source, target, need.replaces))
+        targets.add(target)
+        free_bytes[target] -= s.size_bytes
+        load[target] += 1
+        sends[source] += 1
+        slots -= 1
+    return RepairPlan(tuple(copies), tuple(rolls), tuple(unrepairable), tuple(waiting), tuple(deferred))
