@@ -1,0 +1,626 @@
+"""The site's metadata over Raft: :class:`RaftMetadataStore`, the shell around ``cluster/site_state.py``.
+
+Every node of a site runs one pysyncobj ``SyncObj`` on its own Raft port (a
+``host:port`` apart from its gRPC port) and lists the Raft ports of the other
+nodes. pysyncobj orders the commands in a replicated log; every node applies
+them, in that order, to its :class:`~cluster.site_state.SiteState`. The store
+implements the ``MetadataStore`` port (``cluster/metadata.py``) and adds
+:meth:`RaftMetadataStore.propose` for every other command.
+
+**Writes** (:meth:`RaftMetadataStore.propose`) go to the Raft leader, from any
+node, and return once the command is committed (journaled on a majority) and
+applied on *this* node, with the :class:`~cluster.site_state.Result` that the
+state machine gave: a refusal is a value, not an exception. A write that
+cannot be confirmed within its timeout raises :class:`NoRaftLeader` (no
+majority reachable: it says how many nodes are) or :class:`CommitUnconfirmed`.
+Neither means the command was not applied: it may still be committed later
+(by a leader that had it in its log). Every command is a compare-and-set
+(``CreateTopic``, ``ElectLeader``, ``ReplaceMember``) or idempotent (the
+rest), so a retry never applies twice; but a compare-and-set may be refused
+because its first try did apply, so the caller reads the state (after
+:meth:`read_barrier`) rather than trust a retry's refusal. Retries that are
+safe because the command certainly never entered a log (no leader known, or
+a leader change that discarded it) are made here, within the timeout, and a
+command is not sent while the last known leader is unreachable (pysyncobj
+would send it into the void and report the outcome as unknown).
+
+**Reads** are local and never block on the network: :meth:`state`,
+:meth:`topics`, :meth:`get`. A follower may be behind the leader by the
+commits it has not received yet (normally one heartbeat, 0.1 s; unbounded
+while it is cut off), and even the node that believes it is the leader may
+have been deposed without knowing for up to ``leader_step_down_s``. After a
+:meth:`propose` returns, this node's state includes that command
+(read-your-writes). Where a decision must not act on stale state (the
+leadership controller, repair), call :meth:`read_barrier` first: once it
+returns, the local state holds every command committed before the call.
+
+**Files**, under ``<data dir>/raft/``: pysyncobj's journal (``journal.bin``,
+every log entry, with ``journal.bin.meta`` for the term, vote and commit
+index) and the full dump (``site-state.json``) written at each log compaction
+and when the store is closed. The dump is JSON (:data:`DUMP_FORMAT`): the
+state's :meth:`~cluster.site_state.SiteState.snapshot` plus the two log
+entries pysyncobj needs to resume its log after it, so it does not depend on
+pickled classes. A restarted node loads the dump, replays the journal up to
+the commit index it had recorded, and catches up from the leader.
+
+pysyncobj facts this module relies on or works around (0.3.17):
+
+* Commands in the log and messages between nodes are pickled. Anyone who can
+  connect to the Raft port can run code in the node, so the port binds only
+  the given address (pysyncobj would bind 0.0.0.0), and must be reachable only
+  from the site's nodes.
+* The journal is written through mmap and not fsynced per entry: it survives
+  a crash of the process (kill -9), not of the machine. A commit therefore
+  relies on a majority not losing power at once.
+* An exception in an applied command stops the replica at that entry (it is
+  retried on every tick), so :meth:`_Replica.apply_command` never raises.
+* The tick thread stops when the thread that built the ``SyncObj`` exits:
+  build the store in the node's main thread.
+* ``commandsWaitLeader`` is off: with no leader known, a command is refused at
+  once (and retried here) instead of waiting in a queue, where it could be
+  applied long after its caller gave up.
+* A follower keeps pointing at a dead leader until a new one is elected (and
+  for good while it is cut off from everyone): :attr:`leader_address` hides
+  an unreachable leader, and :meth:`propose` waits for a reachable one.
+* Defaults changed: a failed bind is retried forever in the background
+  (here: ``RaftStartError`` at once), an unreachable node is retried every
+  5 s (here 1 s), a leader cut off from the majority stays leader for 30 s
+  (here 3 s). Only the node with the larger address string connects, so the
+  retry interval is how long a restarted node may wait to be reconnected.
+* A dump that fails to load is logged and skipped, and the node then runs on
+  a journal whose start was compacted away: a wrong state, silently. The dump
+  is therefore checked before the ``SyncObj`` starts (``RaftStartError``).
+* Files left open: the journal's ``.meta`` file is read and never closed (its
+  ``ResourceWarning`` is silenced at construction), and the dump file opened
+  to send it to a follower is dropped without closing (:class:`_ClosingSerializer`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException, replicated
+from pysyncobj.serializer import Serializer
+
+from cluster.metadata import TopicExists, UnknownTopic
+from cluster.site_state import (
+    Applied,
+    Command,
+    CreateTopic,
+    InvalidCommand,
+    InvalidSnapshot,
+    ReadBarrier,
+    RefusalCode,
+    Refused,
+    Result,
+    SiteState,
+    command_from_dict,
+)
+from cluster.topics import TopicSpec
+
+logger = logging.getLogger(__name__)
+
+RAFT_DIR = "raft"
+JOURNAL_FILE = "journal.bin"
+DUMP_FILE = "site-state.json"
+DUMP_FORMAT = "georep-site-state-dump"
+DUMP_FORMAT_VERSION = 1
+PORT_MAX = 65535
+
+T = TypeVar("T")
+
+# pysyncobj failures after which the command is certainly not in any log: retry within the timeout.
+_NOT_IN_LOG = frozenset({
+    FAIL_REASON.QUEUE_FULL,  # never queued
+    FAIL_REASON.MISSING_LEADER,  # no leader known: never sent
+    FAIL_REASON.NOT_LEADER,  # sent to a node that is no longer the leader: it did not append it
+    FAIL_REASON.DISCARDED,  # appended, then overwritten by a new leader's log: never applied
+})  # fmt: skip
+
+
+class MetadataUnavailable(Exception):
+    """A metadata write was not confirmed in time. It may still be applied: read the state before retrying."""
+
+
+class NoRaftLeader(MetadataUnavailable):
+    """No majority of the site's metadata nodes is reachable, so there is no Raft leader to commit the write."""
+
+    def __init__(self, what: str, timeout_s: float, reachable: int, total: int, unreachable: list[str]) -> None:
+        self.reachable = reachable
+        self.total = total
+        majority = total // 2 + 1
+        super().__init__(
+            f"no Raft leader: {reachable} of {total} metadata nodes reachable; a majority ({majority}) is needed. "
+            f"Start the stopped nodes or restore the network to their Raft ports ({', '.join(unreachable) or '-'}). "
+            f"The {what} was not confirmed within {timeout_s:g} s; it may still be applied once a majority is back, "
+            "so read the state before retrying"
+        )
+
+
+class CommitUnconfirmed(MetadataUnavailable):
+    """A leader exists but did not confirm the write in time, or changed while the write was in flight."""
+
+
+class CommandRefused(Exception):
+    """A :meth:`RaftMetadataStore.create_topic` the state machine refused for a reason other than an existing topic."""
+
+    def __init__(self, refused: Refused) -> None:
+        self.refused = refused
+        super().__init__(refused.reason)
+
+
+class RaftStartError(Exception):
+    """The store cannot start: bad address, Raft port in use, unreadable dump. The message says what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class RaftTiming:
+    """pysyncobj's timers, in seconds, plus the store's own. The defaults suit a LAN; tests shorten them."""
+
+    election_timeout_min_s: float = 0.4  # a follower that hears no leader for a random time in [min, max] runs
+    election_timeout_max_s: float = 1.4
+    heartbeat_interval_s: float = 0.1  # the leader's append-entries period; below election_timeout_min_s / 3
+    connection_timeout_s: float = 3.5  # a silent connection is dead after this; at least election_timeout_max_s
+    reconnect_interval_s: float = 1.0  # between attempts to reach a node that is down (pysyncobj: 5 s)
+    leader_step_down_s: float = 3.0  # a leader that hears no majority for this long steps down (pysyncobj: 30 s)
+    tick_s: float = 0.05  # the tick thread's poll period
+    write_timeout_s: float = 5.0  # propose()'s default timeout
+    retry_interval_s: float = 0.05  # between tries of a write that certainly did not enter the log
+    close_snapshot_timeout_s: float = 2.0  # how long close() waits for the final dump
+
+    def __post_init__(self) -> None:
+        # pysyncobj checks these with assert (gone under python -O); say which setting is wrong instead
+        rules = [
+            (self.heartbeat_interval_s > 0, "heartbeat_interval_s must be positive"),
+            (self.election_timeout_min_s > 3 * self.heartbeat_interval_s,
+             "election_timeout_min_s must exceed 3 * heartbeat_interval_s"),
+            (self.election_timeout_max_s > self.election_timeout_min_s,
+             "election_timeout_max_s must exceed election_timeout_min_s"),
+            (self.connection_timeout_s >= self.election_timeout_max_s,
+             "connection_timeout_s must be at least election_timeout_max_s"),
+            (self.leader_step_down_s > self.heartbeat_interval_s,
+             "leader_step_down_s must exceed heartbeat_interval_s"),
+            (self.reconnect_interval_s >= 0 and self.tick_s > 0 and self.write_timeout_s > 0
+             and self.retry_interval_s > 0 and self.close_snapshot_timeout_s >= 0,
+             "intervals and timeouts must be positive"),
+        ]  # fmt: skip
+        for ok, rule in rules:
+            if not ok:
+                raise ValueError(f"invalid Raft timing {self}: {rule}")
+
+    def conf_kwargs(self) -> dict[str, Any]:
+        return {
+            "raftMinTimeout": self.election_timeout_min_s,
+            "raftMaxTimeout": self.election_timeout_max_s,
+            "appendEntriesPeriod": self.heartbeat_interval_s,
+            "connectionTimeout": self.connection_timeout_s,
+            "connectionRetryTime": self.reconnect_interval_s,
+            "leaderFallbackTimeout": self.leader_step_down_s,
+            "autoTickPeriod": self.tick_s,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RaftStatus:
+    """What this node knows of the Raft group (for logs, metrics and the CLI)."""
+
+    self_address: str
+    leader_address: str | None  # None: no leader known, or the last known one is unreachable from here
+    is_leader: bool
+    reachable_nodes: int  # this node included
+    total_nodes: int
+    applied_index: int  # the last log entry applied to the local state
+    commit_index: int  # the last log entry this node knows to be committed
+
+
+def _check_raft_address(address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= PORT_MAX:
+        raise RaftStartError(f"invalid Raft address {address!r}: use host:port, for example 10.0.0.7:9093")
+    try:
+        socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise RaftStartError(f"cannot resolve the host of Raft address {address!r}: {e}") from None
+    return address
+
+
+# -- the dump file ---------------------------------------------------------------------------------------
+
+
+def _entry_to_json(entry: tuple[bytes, int, int]) -> list[Any]:
+    command, index, term = entry
+    return [base64.b64encode(bytes(command)).decode("ascii"), int(index), int(term)]
+
+
+def _entry_from_json(raw: object) -> tuple[bytes, int, int]:
+    if not (isinstance(raw, list) and len(raw) == 3 and isinstance(raw[0], str)):
+        raise ValueError(f"a log entry must be [base64 command, index, term], got {raw!r}")
+    command, index, term = raw
+    if not (isinstance(index, int) and isinstance(term, int)):
+        raise ValueError(f"a log entry's index and term must be integers, got {raw!r}")
+    return (base64.b64decode(command, validate=True), index, term)
+
+
+@dataclass(frozen=True, slots=True)
+class _Dump:
+    state: SiteState
+    last_applied: tuple[bytes, int, int]  # the entry the state is applied through
+    previous: tuple[bytes, int, int]  # the entry before it (pysyncobj keeps both at the head of its log)
+    cluster: list[str]
+
+
+def _read_dump(path: Path) -> _Dump:
+    """Read and check a dump file; raises :class:`RaftStartError` saying what to do."""
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or doc.get("format") != DUMP_FORMAT:
+            raise ValueError(f"not a {DUMP_FORMAT} file")
+        if doc.get("version") != DUMP_FORMAT_VERSION:
+            raise ValueError(f"dump format version {doc.get('version')!r}, this node reads {DUMP_FORMAT_VERSION}")
+        raft = doc["raft"]
+        cluster = raft["cluster"]
+        if not (isinstance(cluster, list) and all(isinstance(a, str) for a in cluster)):
+            raise ValueError("'raft.cluster' must be a list of addresses")
+        return _Dump(SiteState.restore(doc["state"]), _entry_from_json(raft["last_applied"]),
+                     _entry_from_json(raft["previous"]), cluster)  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, InvalidSnapshot) as e:
+        raise RaftStartError(
+            f"cannot read the metadata dump {path}: {e}. If the other nodes of the site hold the metadata, stop this "
+            f"node, move {path.parent} away and start it again: it will copy the metadata from the Raft leader"
+        ) from None
+
+
+def _write_json_fsynced(path: str, doc: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, sort_keys=True, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- the replicated object ------------------------------------------------------------------------------
+
+
+class _ClosingSerializer(Serializer):  # type: ignore[misc]  # pysyncobj has no type hints
+    """pysyncobj 0.3.17's ``Serializer`` with the files it opens closed.
+
+    To send its dump to a follower too far behind its log, the leader opens the dump file per follower and drops
+    the file object without closing it when the transfer ends, is cancelled (the follower disconnected) or is
+    superseded by a new dump. Each public method that can drop a transfer is wrapped to close what it dropped, and
+    :meth:`close_files` closes the rest when the replica stops.
+    """
+
+    # The transfers in flight, {follower: {"file": ..., "transmitted": n}}: a private attribute of Serializer.
+    _TRANSFERS = "_Serializer__transmissions"
+    _INCOMING = "_Serializer__incomingTransmissionFile"
+
+    def _transfers(self) -> dict[Any, dict[str, Any]]:
+        transfers: dict[Any, dict[str, Any]] = self.__dict__[self._TRANSFERS]
+        return transfers
+
+    def _closing(self, call: Callable[[], T]) -> T:
+        before = dict(self._transfers())
+        try:
+            return call()
+        finally:
+            after = self._transfers()
+            for key, transfer in before.items():
+                if after.get(key) is not transfer and "file" in transfer:
+                    transfer["file"].close()
+
+    # pysyncobj's method names (one misspelt), overridden
+    def getTransmissionData(self, transmissionID: Any) -> Any:
+        return self._closing(lambda: super(_ClosingSerializer, self).getTransmissionData(transmissionID))
+
+    def cancelTransmisstion(self, id: Any) -> None:
+        self._closing(lambda: super(_ClosingSerializer, self).cancelTransmisstion(id))
+
+    def checkSerializing(self) -> Any:
+        return self._closing(lambda: super(_ClosingSerializer, self).checkSerializing())
+
+    def close_files(self) -> None:
+        for transfer in self._transfers().values():
+            if "file" in transfer:
+                transfer["file"].close()
+        self.__dict__[self._TRANSFERS] = {}
+        incoming = self.__dict__.get(self._INCOMING)
+        if incoming is not None:
+            incoming.close()
+            self.__dict__[self._INCOMING] = None
+
+
+class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
+    """The SyncObj: one ``SiteState`` and the one replicated method that changes it.
+
+    Every attribute is set before ``SyncObj.__init__`` starts the tick thread, which applies log entries at once.
+    pysyncobj calls :meth:`apply_command`, :meth:`_write_dump` and :meth:`_read_dump` from its tick thread; readers
+    in other threads take ``_state_lock``.
+    """
+
+    def __init__(self, self_address: str, partners: list[str], conf: dict[str, Any], dump_path: Path,
+                 initial: _Dump | None) -> None:  # fmt: skip
+        self._state_lock = threading.Lock()
+        self._site_state = initial.state if initial is not None else SiteState()
+        self._dumped_index = initial.last_applied[1] if initial is not None else 0
+        self._dump_path = dump_path
+        syncobj_conf = SyncObjConf(serializer=self._write_dump, deserializer=self._read_dump, **conf)
+        super().__init__(self_address, partners, syncobj_conf)
+        # The tick thread sleeps 0.1 s before its first tick, so no transfer can have started yet.
+        self._SyncObj__serializer.__class__ = _ClosingSerializer
+
+    def release_files(self) -> None:
+        """Close the files pysyncobj leaves open; only once the tick thread has stopped."""
+        self._SyncObj__serializer.close_files()
+
+    @replicated  # type: ignore[untyped-decorator]  # pysyncobj has no type hints
+    def apply_command(self, raw: dict[str, Any]) -> Result:
+        try:
+            command = command_from_dict(raw)
+        except InvalidCommand as e:
+            logger.error("refusing a metadata command this node cannot decode: %s", e)
+            return Refused(RefusalCode.INVALID_COMMAND, str(e))
+        try:
+            with self._state_lock:
+                return self._site_state.apply(command)
+        except Exception as e:  # a bug in SiteState: refuse (alike on every node) rather than stop the replica
+            logger.exception("applying metadata command %r failed", raw)
+            return Refused(RefusalCode.INVALID_COMMAND, f"internal error applying {command!r}: {e!r}")
+
+    def read(self, fn: Callable[[SiteState], T]) -> T:
+        with self._state_lock:
+            return fn(self._site_state)
+
+    def dumped_index(self) -> int:
+        return self._dumped_index
+
+    def _write_dump(self, path: str, raft_data: tuple[Any, Any, Any]) -> None:
+        """pysyncobj's log compaction: the state as of ``last_applied`` goes to ``path`` (a temporary file that
+        pysyncobj then renames over the dump)."""
+        last_applied, previous, cluster = raft_data
+        with self._state_lock:
+            snapshot = self._site_state.snapshot()
+        doc = {
+            "format": DUMP_FORMAT,
+            "version": DUMP_FORMAT_VERSION,
+            "state": snapshot,
+            "raft": {
+                "last_applied": _entry_to_json(last_applied),
+                "previous": _entry_to_json(previous),
+                "cluster": sorted(node.address for node in cluster),
+            },
+        }
+        _write_json_fsynced(path, doc)
+        self._dumped_index = int(last_applied[1])
+
+    def _read_dump(self, path: str) -> tuple[Any, Any, Any]:
+        """pysyncobj loads a dump: at start, or one sent by the leader to a node too far behind its log."""
+        dump = _read_dump(Path(path))
+        with self._state_lock:
+            self._site_state = dump.state
+        self._dumped_index = dump.last_applied[1]
+        # pysyncobj compares these entries with its journal's head: they must be (bytes, int, int) tuples
+        return (dump.last_applied, dump.previous, dump.cluster)
+
+
+# -- the store --------------------------------------------------------------------------------------------
+
+
+class _Outcome:
+    __slots__ = ("event", "result", "error")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.result: Any = None
+        self.error: int | None = None
+
+    def done(self, result: Any, error: int) -> None:
+        self.result = result
+        self.error = error
+        self.event.set()
+
+
+class RaftMetadataStore:
+    """The site's metadata, replicated by Raft over the site's nodes; see the module docstring.
+
+    ``self_address`` and ``partner_addresses`` are the Raft ``host:port`` of this node and of the others (the same
+    set on every node). ``data_dir`` is the node's data dir; the Raft files go under ``data_dir/raft``. Build it in the
+    node's main thread, and :meth:`close` it.
+    """
+
+    def __init__(self, self_address: str, partner_addresses: Iterable[str], data_dir: Path,
+                 timing: RaftTiming | None = None) -> None:  # fmt: skip
+        self._timing = timing or RaftTiming()
+        self._self_address = _check_raft_address(self_address)
+        partners = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
+        self._total_nodes = len(partners) + 1
+        raft_dir = data_dir / RAFT_DIR
+        raft_dir.mkdir(parents=True, exist_ok=True)
+        dump_path = raft_dir / DUMP_FILE
+        initial = _read_dump(dump_path) if dump_path.exists() else None
+        conf = {
+            **self._timing.conf_kwargs(),
+            "journalFile": str(raft_dir / JOURNAL_FILE),
+            "fullDumpFile": str(dump_path),
+            "bindAddress": self_address,  # pysyncobj binds 0.0.0.0 otherwise
+            "maxBindRetries": 1,  # fail now with a clear error rather than retry in the background forever
+            "commandsWaitLeader": False,
+            "dynamicMembershipChange": False,
+        }
+        with warnings.catch_warnings():
+            # pysyncobj 0.3.17 reads the journal's .meta file with open(...).read() and never closes it
+            warnings.filterwarnings("ignore", category=ResourceWarning, message=r"unclosed file .*\.meta'>")
+            replica = _Replica(self_address, partners, conf, dump_path, initial)
+        try:
+            replica.waitBinded()
+        except SyncObjException:
+            replica._doDestroy()  # the tick thread has already stopped: release the socket and the journal here
+            raise RaftStartError(
+                f"cannot listen on Raft address {self_address}: another process (or another node of this host) "
+                "probably uses the port; choose another Raft port or stop that process"
+            ) from None
+        self._replica = replica
+        self._partners = sorted(replica.otherNodes, key=lambda node: node.address)
+        self._closed = False
+
+    # -- reads (local) ----------------------------------------------------------------------------------
+
+    def state(self) -> SiteState:
+        """A copy of the local state, consistent at one log index. May be behind the leader; see the module doc."""
+        return self._replica.read(lambda state: state.copy())
+
+    def read(self, fn: Callable[[SiteState], T]) -> T:
+        """``fn(state)`` under the state's lock, without copying it. ``fn`` must not keep the state nor block."""
+        return self._replica.read(fn)
+
+    def topics(self) -> dict[str, TopicSpec]:
+        return self._replica.read(lambda state: state.topics())
+
+    def get(self, name: str) -> TopicSpec:
+        spec = self._replica.read(lambda state: state.topic(name))
+        if spec is None:
+            raise UnknownTopic(name)
+        return spec
+
+    # -- writes ----------------------------------------------------------------------------------------
+
+    def create_topic(self, spec: TopicSpec) -> None:
+        """Raises ``TopicExists``, ``InvalidTopic``, or :class:`MetadataUnavailable`. Committed when it returns."""
+        result = self.propose(CreateTopic(spec))
+        if isinstance(result, Refused):
+            if result.code is RefusalCode.TOPIC_EXISTS:
+                raise TopicExists(spec.name)
+            raise CommandRefused(result)
+
+    def propose(self, command: Command, timeout_s: float | None = None) -> Result:
+        """Commit ``command`` and return what applying it gave; see the module docstring.
+
+        Raises :class:`NoRaftLeader` or :class:`CommitUnconfirmed` once ``timeout_s`` (default
+        ``RaftTiming.write_timeout_s``) has passed without a confirmation; never blocks longer.
+        """
+        self._check_open()
+        timeout = self._timing.write_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        raw = command.to_dict()
+        what = f"{command.KIND} command"
+        while True:
+            # Not to a leader we know is gone: pysyncobj would send the command into the void, and report it only
+            # as LEADER_CHANGED (outcome unknown) once a new leader shows up. Wait for one instead.
+            if self.leader_address is not None:
+                outcome = _Outcome()
+                self._replica.apply_command(raw, callback=outcome.done)
+                if not outcome.event.wait(max(0.0, deadline - time.monotonic())):
+                    raise self._unavailable(what, timeout)
+                if outcome.error == FAIL_REASON.SUCCESS:
+                    result = outcome.result
+                    if not isinstance(result, Applied | Refused):
+                        raise CommitUnconfirmed(f"the {what} was committed but gave no result ({result!r}): "
+                                                "read the state to see its effect")  # fmt: skip
+                    return result
+                if outcome.error not in _NOT_IN_LOG:
+                    leader = self.leader_address or "none known"
+                    raise CommitUnconfirmed(
+                        f"the Raft leader changed while the {what} was in flight (pysyncobj error {outcome.error}; "
+                        f"leader now: {leader}): it may or may not be applied; read the state after read_barrier() "
+                        "and retry if it is not"
+                    )
+            pause_s = min(self._timing.retry_interval_s, deadline - time.monotonic())
+            if pause_s <= 0:
+                raise self._unavailable(what, timeout)
+            time.sleep(pause_s)
+
+    def read_barrier(self, timeout_s: float | None = None) -> None:
+        """Return once the local state holds every command committed before this call (a no-op through the log)."""
+        self.propose(ReadBarrier(), timeout_s)
+
+    def _unavailable(self, what: str, timeout_s: float) -> MetadataUnavailable:
+        reachable, unreachable = self._reachability()
+        leader = self.leader_address
+        if reachable * 2 <= self._total_nodes or leader is None:
+            return NoRaftLeader(what, timeout_s, reachable, self._total_nodes, unreachable)
+        return CommitUnconfirmed(
+            f"the {what} was not confirmed within {timeout_s:g} s (Raft leader {leader}, {reachable} of "
+            f"{self._total_nodes} metadata nodes reachable): it may still be applied; read the state after "
+            "read_barrier() and retry if it is not"
+        )
+
+    # -- Raft status ------------------------------------------------------------------------------------
+
+    def _reachability(self) -> tuple[int, list[str]]:
+        unreachable = [node.address for node in self._partners if not self._replica.isNodeConnected(node)]
+        return self._total_nodes - len(unreachable), unreachable
+
+    @property
+    def self_address(self) -> str:
+        return self._self_address
+
+    @property
+    def is_leader(self) -> bool:
+        """This node believes it is the Raft leader. A leader cut off from the majority believes so for up to
+        ``leader_step_down_s``: call :meth:`read_barrier` before acting on a decision that must not be stale."""
+        return bool(self._replica._isLeader())
+
+    @property
+    def leader_address(self) -> str | None:
+        """The Raft address of the leader as this node last heard of it; None if none is known or it is unreachable
+        from here (pysyncobj keeps pointing at a dead leader until a new one is elected)."""
+        leader = self._replica._getLeader()
+        if leader is None:
+            return None
+        if leader.address != self._self_address and not self._replica.isNodeConnected(leader):
+            return None
+        return str(leader.address)
+
+    def status(self) -> RaftStatus:
+        reachable, _ = self._reachability()
+        return RaftStatus(self._self_address, self.leader_address, self.is_leader, reachable, self._total_nodes,
+                          int(self._replica.raftLastApplied), int(self._replica.raftCommitIndex))  # fmt: skip
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the metadata store of Raft node {self._self_address} is closed")
+
+    def close(self, snapshot: bool = True) -> None:
+        """Stop this node's Raft replica and release its port and files. Idempotent.
+
+        With ``snapshot`` (the default) the applied state is dumped first, so that the node restarts with all of it
+        even before it reaches a majority (the journal alone gives only what the commit index recorded up to a
+        second before the stop). ``snapshot=False`` stops as a crash would.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if snapshot:
+            self._dump_before_close()
+        self._replica.destroy_synchronous()
+        self._replica.release_files()
+
+    def _dump_before_close(self) -> None:
+        target = int(self._replica.raftLastApplied)
+        if self._replica.dumped_index() >= target:
+            return
+        self._replica.forceLogCompaction()
+        deadline = time.monotonic() + self._timing.close_snapshot_timeout_s
+        while self._replica.dumped_index() < target:
+            if time.monotonic() >= deadline:
+                logger.warning("Raft node %s: no dump of the metadata within %g s before closing; the journal has it",
+                               self._self_address, self._timing.close_snapshot_timeout_s)  # fmt: skip
+                return
+            time.sleep(0.01)
+
+    def __enter__(self) -> RaftMetadataStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,1039 @@
+"""The site's metadata as a replicated state machine. Pure.
+
+Every node of a site (ARCHITECTURE.md, "Inside a site: the segment cluster")
+keeps a copy of :class:`SiteState`, and Raft (``cluster/raft_store.py``) hands
+every copy the same commands in the same order. The state holds:
+
+* the topics (:class:`~cluster.topics.TopicSpec`);
+* per partition (:class:`PartitionInfo`): the leader node, the leader epoch,
+  and the chain of segments (:class:`SegmentInfo`: id, base offset, ensemble,
+  the epoch that opened it, open or sealed, and once sealed its end offset and
+  end vector);
+* the nodes (:class:`NodeInfo`): address, last heartbeat, free bytes, load,
+  draining flag.
+
+It changes per segment roll, per leader change and per node heartbeat, never
+per write, so Raft's latency stays off the data path.
+
+**Commands** are frozen dataclasses. They travel through the Raft log as
+JSON-shaped dicts, ``{"v": 1, "kind": "open_segment", ...}``
+(``to_dict`` / :func:`command_from_dict`), never as pickled classes, so the
+log does not depend on this module's class layout. A command whose fields
+make no sense whatever the state (an empty ensemble, a negative offset) cannot
+be built: its constructor raises :class:`InvalidCommand` (or
+:class:`~cluster.topics.InvalidTopic`), so it is never proposed.
+
+**Results are values.** :meth:`SiteState.apply` never raises. A command the
+current state does not allow (an epoch that is no longer current, a topic that
+exists) returns :class:`Refused`, with a :class:`RefusalCode` and a message
+that says what to do, and changes nothing; otherwise it returns
+:class:`Applied`. An exception would be fatal twice over: replay must reach the
+same state on every node, and pysyncobj retries an entry whose apply raised on
+every tick, so the replica would stop at that entry for good.
+
+**Determinism.** No clock, no randomness, no iteration over sets or over
+unsorted keys where order shows: time enters only as ``now_ms`` inside
+commands (the proposer's clock), so replaying one log gives one state, on any
+node, at any time. :meth:`SiteState.snapshot` is a plain, sorted dict;
+:meth:`SiteState.restore` reads it back.
+
+**The rules**, each enforced by :meth:`SiteState.apply`:
+
+* Leader epochs are a compare-and-set. :class:`ElectLeader` applies only if
+  its ``expected_epoch`` is the partition's current epoch, and bumps it by
+  one. So two controllers that plan from the same state cannot both win, each
+  epoch has at most one leader, and epochs only increase. Re-electing the same
+  node also bumps the epoch (a restarted leader must fence its old self).
+* While a segment is open, the leader comes from its ensemble (see
+  :func:`plan_leadership` for why). A segment is opened by the leader of the
+  current epoch, with itself first in the ensemble (it appends locally and
+  streams to the others; ``cluster/placement.py`` puts it first).
+* The chain is contiguous: at most one segment is open, and it is the last;
+  a new segment opens only when there is none or the last one is sealed, at
+  the sealed end (the first at offset 0); ids go 0, 1, 2, ...
+* Sealing is for the current epoch only (the new leader seals its
+  predecessor's segment after recovery; a deposed leader is refused). Sealing
+  again at the same end is a no-op, so a retry is safe; at another end it is
+  refused: a sealed segment never changes its end. End offsets are exclusive
+  (the next segment's base), and a segment's end vector covers at least what
+  the previous one's does: origin seqs never go back.
+* :class:`ReplaceMember` repairs sealed segments only (an open segment is
+  rolled by its leader instead), and is a compare-and-set on the old member.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Self
+
+from cluster.ids import LeaderEpoch, NodeId, SegmentId, node_id
+from cluster.topics import InvalidTopic, TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
+from offsets.coordinates import LocalOffset, Origin
+from offsets.vector import VectorOffset
+
+COMMAND_FORMAT_VERSION = 1
+SNAPSHOT_FORMAT_VERSION = 1
+PORT_MAX = 65535
+
+
+class InvalidCommand(ValueError):
+    """A command that cannot be built or decoded, whatever the state; the message says which field and why."""
+
+
+class InvalidSnapshot(ValueError):
+    """A snapshot dict that :meth:`SiteState.restore` cannot read."""
+
+
+class SegmentState(enum.StrEnum):
+    OPEN = "open"
+    SEALED = "sealed"
+
+
+# -- what the state holds ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One node of the site, as it registered and last reported."""
+
+    node: NodeId
+    address: str  # host:port of its gRPC service
+    last_heartbeat_ms: int | None = None  # the node's clock at its last heartbeat; None: none since it registered
+    free_bytes: int = 0
+    load: int = 0  # streams being written to the node (see cluster.placement.NodeLoad.load), as it last reported
+    draining: bool = False  # being decommissioned: keeps serving what it holds, takes nothing new
+
+    def is_live(self, now_ms: int, session_timeout_ms: int) -> bool:
+        """Heartbeated less than ``session_timeout_ms`` before ``now_ms``.
+
+        ``now_ms`` is the caller's clock and the heartbeat time the node's, so the timeout must exceed the clock
+        skew between nodes (plus the heartbeat interval and the Raft commit latency).
+        """
+        return self.last_heartbeat_ms is not None and now_ms - self.last_heartbeat_ms < session_timeout_ms
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    """One segment of a partition's chain."""
+
+    segment_id: SegmentId
+    base_offset: LocalOffset
+    ensemble: tuple[NodeId, ...]  # ensemble[0] is the leader that opened it (until a repair replaces it)
+    opened_epoch: LeaderEpoch
+    state: SegmentState = SegmentState.OPEN
+    end_offset: LocalOffset | None = None  # exclusive (the next segment's base); set when sealed
+    end_vector: VectorOffset | None = None  # the partition's vector at end_offset; set when sealed
+
+    @property
+    def sealed(self) -> bool:
+        return self.state is SegmentState.SEALED
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionInfo:
+    """One partition: its leader, leader epoch and chain of segments (oldest first)."""
+
+    topic: str
+    partition: int
+    leader: NodeId | None = None
+    leader_epoch: LeaderEpoch = LeaderEpoch(0)  # 0: never had a leader; every ElectLeader adds one
+    segments: tuple[SegmentInfo, ...] = ()
+
+    @property
+    def open_segment(self) -> SegmentInfo | None:
+        """The last segment if it is open (only the last one can be)."""
+        if self.segments and not self.segments[-1].sealed:
+            return self.segments[-1]
+        return None
+
+    @property
+    def next_base_offset(self) -> LocalOffset | None:
+        """Where the next segment must start: the sealed end of the last one, 0 for the first; None while open."""
+        if not self.segments:
+            return LocalOffset(0)
+        return self.segments[-1].end_offset
+
+    def segment(self, segment_id: SegmentId) -> SegmentInfo | None:
+        for segment in self.segments:
+            if segment.segment_id == segment_id:
+                return segment
+        return None
+
+    def sealed_vector_before(self, segment_id: SegmentId) -> VectorOffset:
+        """The end vector of the sealed segment before ``segment_id`` (the empty vector for the first)."""
+        before = VectorOffset()
+        for segment in self.segments:
+            if segment.segment_id >= segment_id:
+                break
+            if segment.end_vector is not None:
+                before = segment.end_vector
+        return before
+
+
+# -- results ---------------------------------------------------------------------------------------------
+
+
+class RefusalCode(enum.StrEnum):
+    TOPIC_EXISTS = "topic_exists"
+    INVALID_TOPIC = "invalid_topic"
+    UNKNOWN_TOPIC = "unknown_topic"
+    UNKNOWN_PARTITION = "unknown_partition"
+    UNKNOWN_NODE = "unknown_node"
+    ADDRESS_IN_USE = "address_in_use"
+    NODE_IN_USE = "node_in_use"
+    STALE_EPOCH = "stale_epoch"
+    NOT_IN_ENSEMBLE = "not_in_ensemble"
+    INVALID_ENSEMBLE = "invalid_ensemble"
+    SEGMENT_OPEN = "segment_open"
+    BASE_OFFSET_MISMATCH = "base_offset_mismatch"
+    UNKNOWN_SEGMENT = "unknown_segment"
+    NOT_SEALED = "not_sealed"
+    END_MISMATCH = "end_mismatch"
+    END_BEFORE_BASE = "end_before_base"
+    VECTOR_WENT_BACK = "vector_went_back"
+    NOT_A_MEMBER = "not_a_member"
+    INVALID_COMMAND = "invalid_command"  # an entry this node cannot decode (see command_from_dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """The command was applied. ``changed`` is False for an idempotent repeat (nothing to do)."""
+
+    changed: bool = True
+    leader_epoch: LeaderEpoch | None = None  # ElectLeader: the new epoch
+    segment_id: SegmentId | None = None  # OpenSegment, SealSegment: the segment
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The state does not allow the command; nothing changed. ``reason`` says what to do."""
+
+    code: RefusalCode
+    reason: str
+
+
+Result = Applied | Refused
+
+
+# -- field checks shared by the commands and the snapshot ------------------------------------------------
+
+
+def _int(raw: Mapping[str, Any], key: str) -> int:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _optional_int(raw: Mapping[str, Any], key: str) -> int | None:
+    return None if raw.get(key) is None else _int(raw, key)
+
+
+def _str(raw: Mapping[str, Any], key: str) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"field {key!r} must be a string, got {value!r}")
+    return value
+
+
+def _bool(raw: Mapping[str, Any], key: str) -> bool:
+    value = raw.get(key)
+    if not isinstance(value, bool):
+        raise ValueError(f"field {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _mapping(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = raw.get(key)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"field {key!r} must be an object, got {value!r}")
+    return value
+
+
+def _list(raw: Mapping[str, Any], key: str) -> list[Any]:
+    value = raw.get(key)
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"field {key!r} must be a list, got {value!r}")
+    return list(value)
+
+
+def _node(raw: Mapping[str, Any], key: str) -> NodeId:
+    return node_id(_int(raw, key))
+
+
+def _ensemble(raw: Mapping[str, Any], key: str) -> tuple[NodeId, ...]:
+    members = _list(raw, key)
+    return tuple(_node({key: member}, key) for member in members)
+
+
+def _vector_to_dict(vector: VectorOffset) -> dict[str, int]:
+    return {str(origin): seq for origin, seq in vector.items()}
+
+
+def _vector(raw: Mapping[str, Any], key: str) -> VectorOffset:
+    entries = _mapping(raw, key)
+    return VectorOffset({Origin.parse(text): _int(entries, text) for text in sorted(entries)})
+
+
+def _check_address(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= PORT_MAX:
+        raise InvalidCommand(f"invalid node address {address!r}: use host:port, for example 10.0.0.7:9092")
+
+
+def _check_non_negative(what: str, value: int) -> None:
+    if value < 0:
+        raise InvalidCommand(f"{what} is {value}; it cannot be negative")
+
+
+def _check_ensemble(ensemble: tuple[NodeId, ...]) -> None:
+    if not ensemble:
+        raise InvalidCommand("an ensemble needs at least one node (replication_factor >= 1)")
+    for member in ensemble:
+        node_id(member)
+    if len(set(ensemble)) != len(ensemble):
+        raise InvalidCommand(f"ensemble {list(ensemble)} names a node twice: each member must be a different node")
+
+
+# -- commands ----------------------------------------------------------------------------------------------
+
+
+class _CommandBase:
+    """``to_dict`` and ``from_dict`` for the commands; each subclass lists its fields in ``_encode``/``_decode``."""
+
+    __slots__ = ()
+    KIND: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-shaped form that goes into the Raft log."""
+        return {"v": COMMAND_FORMAT_VERSION, "kind": self.KIND, **self._encode()}
+
+    def _encode(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Self:
+        """Decode :meth:`to_dict`'s form; raises :class:`InvalidCommand`."""
+        if raw.get("kind") != cls.KIND:
+            raise InvalidCommand(f"expected a {cls.KIND!r} command, got kind {raw.get('kind')!r}")
+        try:
+            return cls._decode(raw)
+        except InvalidCommand:
+            raise
+        except ValueError as e:  # also InvalidTopic, InvalidNodeId, InvalidOrigin, InvalidVectorOffset
+            raise InvalidCommand(f"invalid {cls.KIND!r} command: {e}") from None
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterNode(_CommandBase):
+    """A node joins the site (or moves to a new address). Registering again at the same address is a no-op."""
+
+    KIND: ClassVar[str] = "register_node"
+    node: NodeId
+    address: str
+
+    def __post_init__(self) -> None:
+        node_id(self.node)
+        _check_address(self.address)
+
+    def _encode(self) -> dict[str, Any]:
+        return {"node": self.node, "address": self.address}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_node(raw, "node"), _str(raw, "address"))
+
+
+@dataclass(frozen=True, slots=True)
+class NodeHeartbeat(_CommandBase):
+    """A node is alive at ``now_ms`` (its clock) with this much free disk and load.
+
+    A heartbeat older than the last one recorded (delayed in flight) is ignored.
+    """
+
+    KIND: ClassVar[str] = "node_heartbeat"
+    node: NodeId
+    now_ms: int
+    free_bytes: int
+    load: int
+
+    def __post_init__(self) -> None:
+        node_id(self.node)
+        _check_non_negative("now_ms", self.now_ms)
+        _check_non_negative("free_bytes", self.free_bytes)
+        _check_non_negative("load", self.load)
+
+    def _encode(self) -> dict[str, Any]:
+        return {"node": self.node, "now_ms": self.now_ms, "free_bytes": self.free_bytes, "load": self.load}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_node(raw, "node"), _int(raw, "now_ms"), _int(raw, "free_bytes"), _int(raw, "load"))
+
+
+@dataclass(frozen=True, slots=True)
+class SetDraining(_CommandBase):
+    """Start (or stop) decommissioning a node: it takes no new segments and no new leaderships it can avoid."""
+
+    KIND: ClassVar[str] = "set_draining"
+    node: NodeId
+    draining: bool
+
+    def __post_init__(self) -> None:
+        node_id(self.node)
+
+    def _encode(self) -> dict[str, Any]:
+        return {"node": self.node, "draining": self.draining}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_node(raw, "node"), _bool(raw, "draining"))
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveNode(_CommandBase):
+    """Forget a node. Refused while it leads a partition or is a member of any segment (drain and repair first)."""
+
+    KIND: ClassVar[str] = "remove_node"
+    node: NodeId
+
+    def __post_init__(self) -> None:
+        node_id(self.node)
+
+    def _encode(self) -> dict[str, Any]:
+        return {"node": self.node}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_node(raw, "node"))
+
+
+@dataclass(frozen=True, slots=True)
+class CreateTopic(_CommandBase):
+    """Create a topic; its partitions start with no leader (epoch 0) and no segment. Refused if it exists."""
+
+    KIND: ClassVar[str] = "create_topic"
+    spec: TopicSpec
+
+    def __post_init__(self) -> None:
+        validate_topic_name(self.spec.name)
+        validate_partitions(self.spec.partitions)
+        if parse_topic_config({k: str(v) for k, v in self.spec.config.items()}) != self.spec.config:
+            raise InvalidTopic(f"topic config {self.spec.config!r} is not a dict of known keys to integers")
+
+    def _encode(self) -> dict[str, Any]:
+        spec = self.spec
+        return {"name": spec.name, "partitions": spec.partitions, "config": dict(sorted(spec.config.items()))}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        config = _mapping(raw, "config")
+        return cls(TopicSpec(_str(raw, "name"), _int(raw, "partitions"), {k: _int(config, k) for k in sorted(config)}))
+
+
+@dataclass(frozen=True, slots=True)
+class ElectLeader(_CommandBase):
+    """Make ``node`` the partition's leader, if the epoch is still ``expected_epoch``; the epoch goes up by one."""
+
+    KIND: ClassVar[str] = "elect_leader"
+    topic: str
+    partition: int
+    node: NodeId
+    expected_epoch: LeaderEpoch
+
+    def __post_init__(self) -> None:
+        node_id(self.node)
+        _check_non_negative("expected_epoch", self.expected_epoch)
+
+    def _encode(self) -> dict[str, Any]:
+        return {"topic": self.topic, "partition": self.partition, "node": self.node,
+                "expected_epoch": self.expected_epoch}  # fmt: skip
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_str(raw, "topic"), _int(raw, "partition"), _node(raw, "node"),
+                   LeaderEpoch(_int(raw, "expected_epoch")))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSegment(_CommandBase):
+    """The leader of ``epoch`` opens the next segment at ``base_offset`` on ``ensemble`` (itself first)."""
+
+    KIND: ClassVar[str] = "open_segment"
+    topic: str
+    partition: int
+    epoch: LeaderEpoch
+    base_offset: LocalOffset
+    ensemble: tuple[NodeId, ...]
+
+    def __post_init__(self) -> None:
+        _check_non_negative("base_offset", self.base_offset)
+        _check_ensemble(self.ensemble)
+
+    def _encode(self) -> dict[str, Any]:
+        return {"topic": self.topic, "partition": self.partition, "epoch": self.epoch,
+                "base_offset": self.base_offset, "ensemble": list(self.ensemble)}  # fmt: skip
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_str(raw, "topic"), _int(raw, "partition"), LeaderEpoch(_int(raw, "epoch")),
+                   LocalOffset(_int(raw, "base_offset")), _ensemble(raw, "ensemble"))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class SealSegment(_CommandBase):
+    """The leader of ``epoch`` seals ``segment_id`` at ``end_offset`` (exclusive) with ``end_vector``."""
+
+    KIND: ClassVar[str] = "seal_segment"
+    topic: str
+    partition: int
+    epoch: LeaderEpoch
+    segment_id: SegmentId
+    end_offset: LocalOffset
+    end_vector: VectorOffset
+
+    def __post_init__(self) -> None:
+        _check_non_negative("segment_id", self.segment_id)
+        _check_non_negative("end_offset", self.end_offset)
+
+    def _encode(self) -> dict[str, Any]:
+        return {"topic": self.topic, "partition": self.partition, "epoch": self.epoch,
+                "segment_id": self.segment_id, "end_offset": self.end_offset,
+                "end_vector": _vector_to_dict(self.end_vector)}  # fmt: skip
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_str(raw, "topic"), _int(raw, "partition"), LeaderEpoch(_int(raw, "epoch")),
+                   SegmentId(_int(raw, "segment_id")), LocalOffset(_int(raw, "end_offset")),
+                   _vector(raw, "end_vector"))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ReplaceMember(_CommandBase):
+    """A repair copied sealed ``segment_id`` from ``old``'s fellow members to ``new``: ``new`` takes ``old``'s place.
+
+    Applies only while ``old`` is a member; again after it applied (``new`` in place, ``old`` gone) it is a no-op.
+    """
+
+    KIND: ClassVar[str] = "replace_member"
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    old: NodeId
+    new: NodeId
+
+    def __post_init__(self) -> None:
+        _check_non_negative("segment_id", self.segment_id)
+        node_id(self.old)
+        node_id(self.new)
+        if self.old == self.new:
+            raise InvalidCommand(f"replacing node {self.old} by itself: name a different new node")
+
+    def _encode(self) -> dict[str, Any]:
+        return {"topic": self.topic, "partition": self.partition, "segment_id": self.segment_id,
+                "old": self.old, "new": self.new}  # fmt: skip
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_str(raw, "topic"), _int(raw, "partition"), SegmentId(_int(raw, "segment_id")),
+                   _node(raw, "old"), _node(raw, "new"))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBarrier(_CommandBase):
+    """Changes nothing. Once it is applied locally, the local state holds every command committed before it."""
+
+    KIND: ClassVar[str] = "read_barrier"
+
+    def _encode(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls()
+
+
+Command = (
+    RegisterNode | NodeHeartbeat | SetDraining | RemoveNode | CreateTopic | ElectLeader | OpenSegment | SealSegment
+    | ReplaceMember | ReadBarrier
+)
+
+_COMMANDS: dict[str, type[Command]] = {
+    cls.KIND: cls
+    for cls in (RegisterNode, NodeHeartbeat, SetDraining, RemoveNode, CreateTopic, ElectLeader, OpenSegment,
+                SealSegment, ReplaceMember, ReadBarrier)
+}  # fmt: skip
+
+
+def command_from_dict(raw: object) -> Command:
+    """Decode a command from the Raft log; raises :class:`InvalidCommand`.
+
+    A newer format version or an unknown kind means this node runs older code than the one that proposed the
+    command: upgrade every node before proposing new kinds (a node that cannot decode an entry refuses it while the
+    others apply it, and their states part).
+    """
+    if not isinstance(raw, Mapping):
+        raise InvalidCommand(f"a command must be an object, got {type(raw).__name__}")
+    version = raw.get("v")
+    if version != COMMAND_FORMAT_VERSION:
+        raise InvalidCommand(
+            f"command format version {version!r} is not {COMMAND_FORMAT_VERSION}, the one this node understands: "
+            "run the same georep version on every node of the site"
+        )
+    kind = raw.get("kind")
+    cls = _COMMANDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise InvalidCommand(
+            f"unknown command kind {kind!r} (known: {', '.join(sorted(_COMMANDS))}): "
+            "run the same georep version on every node of the site"
+        )
+    return cls.from_dict(raw)
+
+
+# -- the state -----------------------------------------------------------------------------------------------
+
+
+def _where(topic: str, partition: int) -> str:
+    return f"{topic}/{partition}"
+
+
+class SiteState:
+    """The site's metadata; see the module docstring. Change it only through :meth:`apply`."""
+
+    __slots__ = ("_topics", "_partitions", "_nodes")
+
+    def __init__(self) -> None:
+        self._topics: dict[str, TopicSpec] = {}
+        self._partitions: dict[tuple[str, int], PartitionInfo] = {}
+        self._nodes: dict[NodeId, NodeInfo] = {}
+
+    # -- queries ------------------------------------------------------------------------------------------
+
+    def topics(self) -> dict[str, TopicSpec]:
+        return dict(sorted(self._topics.items()))
+
+    def topic(self, name: str) -> TopicSpec | None:
+        return self._topics.get(name)
+
+    def partition(self, topic: str, partition: int) -> PartitionInfo | None:
+        return self._partitions.get((topic, partition))
+
+    def partitions(self) -> list[PartitionInfo]:
+        """Every partition, by topic then partition number."""
+        return [self._partitions[key] for key in sorted(self._partitions)]
+
+    def nodes(self) -> dict[NodeId, NodeInfo]:
+        return dict(sorted(self._nodes.items()))
+
+    def node(self, node: NodeId) -> NodeInfo | None:
+        return self._nodes.get(node)
+
+    def live_nodes(self, now_ms: int, session_timeout_ms: int) -> list[NodeInfo]:
+        """Nodes that heartbeated less than ``session_timeout_ms`` before ``now_ms``, by id."""
+        return [info for _, info in sorted(self._nodes.items()) if info.is_live(now_ms, session_timeout_ms)]
+
+    def copy(self) -> SiteState:
+        """An independent copy (the values are immutable, so copying the tables is enough)."""
+        twin = SiteState()
+        twin._topics = dict(self._topics)
+        twin._partitions = dict(self._partitions)
+        twin._nodes = dict(self._nodes)
+        return twin
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SiteState):
+            return NotImplemented
+        return self.snapshot() == other.snapshot()
+
+    def __repr__(self) -> str:
+        return f"SiteState({len(self._topics)} topics, {len(self._partitions)} partitions, {len(self._nodes)} nodes)"
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    # -- apply ------------------------------------------------------------------------------------------------
+
+    def apply(self, command: Command) -> Result:
+        """Apply one command from the log; never raises (see the module docstring)."""
+        if isinstance(command, RegisterNode):
+            return self._register_node(command)
+        if isinstance(command, NodeHeartbeat):
+            return self._heartbeat(command)
+        if isinstance(command, SetDraining):
+            return self._set_draining(command)
+        if isinstance(command, RemoveNode):
+            return self._remove_node(command)
+        if isinstance(command, CreateTopic):
+            return self._create_topic(command)
+        if isinstance(command, ElectLeader):
+            return self._elect_leader(command)
+        if isinstance(command, OpenSegment):
+            return self._open_segment(command)
+        if isinstance(command, SealSegment):
+            return self._seal_segment(command)
+        if isinstance(command, ReplaceMember):
+            return self._replace_member(command)
+        if isinstance(command, ReadBarrier):
+            return Applied(changed=False)
+        return Refused(RefusalCode.INVALID_COMMAND, f"not a command: {command!r}")
+
+    def _unknown_node(self, node: NodeId) -> Refused:
+        return Refused(RefusalCode.UNKNOWN_NODE, f"node {node} is not registered: start it so that it registers")
+
+    def _find_partition(self, topic: str, partition: int) -> PartitionInfo | Refused:
+        spec = self._topics.get(topic)
+        if spec is None:
+            return Refused(RefusalCode.UNKNOWN_TOPIC,
+                           f"topic {topic!r} does not exist: create it with 'georep topic create {topic} "
+                           "--partitions N'")  # fmt: skip
+        info = self._partitions.get((topic, partition))
+        if info is None:
+            return Refused(RefusalCode.UNKNOWN_PARTITION,
+                           f"topic {topic!r} has partitions 0..{spec.partitions - 1}, not {partition}")  # fmt: skip
+        return info
+
+    def _stale_epoch(self, info: PartitionInfo, epoch: int, what: str) -> Refused:
+        leader = "no leader" if info.leader is None else f"leader node {info.leader}"
+        return Refused(RefusalCode.STALE_EPOCH,
+                       f"{what} {_where(info.topic, info.partition)} under leader epoch {epoch}, but the epoch is "
+                       f"{info.leader_epoch} ({leader}): the leadership changed; stop acting as leader of epoch "
+                       f"{epoch} and plan again from the current state")  # fmt: skip
+
+    def _register_node(self, cmd: RegisterNode) -> Result:
+        for other in sorted(self._nodes):
+            if other != cmd.node and self._nodes[other].address == cmd.address:
+                return Refused(RefusalCode.ADDRESS_IN_USE,
+                               f"address {cmd.address} is registered to node {other}: give node {cmd.node} its own "
+                               f"address, or remove node {other} first")  # fmt: skip
+        current = self._nodes.get(cmd.node)
+        if current is None:
+            self._nodes[cmd.node] = NodeInfo(cmd.node, cmd.address)
+            return Applied()
+        if current.address == cmd.address:
+            return Applied(changed=False)
+        self._nodes[cmd.node] = replace(current, address=cmd.address)
+        return Applied()
+
+    def _heartbeat(self, cmd: NodeHeartbeat) -> Result:
+        current = self._nodes.get(cmd.node)
+        if current is None:
+            return self._unknown_node(cmd.node)
+        if current.last_heartbeat_ms is not None and cmd.now_ms < current.last_heartbeat_ms:
+            return Applied(changed=False)
+        self._nodes[cmd.node] = replace(current, last_heartbeat_ms=cmd.now_ms, free_bytes=cmd.free_bytes,
+                                        load=cmd.load)  # fmt: skip
+        return Applied()
+
+    def _set_draining(self, cmd: SetDraining) -> Result:
+        current = self._nodes.get(cmd.node)
+        if current is None:
+            return self._unknown_node(cmd.node)
+        if current.draining == cmd.draining:
+            return Applied(changed=False)
+        self._nodes[cmd.node] = replace(current, draining=cmd.draining)
+        return Applied()
+
+    def _remove_node(self, cmd: RemoveNode) -> Result:
+        if cmd.node not in self._nodes:
+            return Applied(changed=False)
+        for info in self.partitions():
+            where = _where(info.topic, info.partition)
+            if info.leader == cmd.node:
+                return Refused(RefusalCode.NODE_IN_USE,
+                               f"node {cmd.node} leads {where}: drain it (georep node drain) so that the leadership "
+                               "moves, then remove it")  # fmt: skip
+            for segment in info.segments:
+                if cmd.node in segment.ensemble:
+                    return Refused(RefusalCode.NODE_IN_USE,
+                                   f"node {cmd.node} holds {where} segment {segment.segment_id}: drain it and wait "
+                                   "until repair has copied its segments away, then remove it")  # fmt: skip
+        del self._nodes[cmd.node]
+        return Applied()
+
+    def _create_topic(self, cmd: CreateTopic) -> Result:
+        spec = cmd.spec
+        if spec.name in self._topics:
+            return Refused(RefusalCode.TOPIC_EXISTS,
+                           f"topic {spec.name!r} already exists: describe it with "
+                           f"'georep topic describe {spec.name}'")  # fmt: skip
+        self._topics[spec.name] = TopicSpec(spec.name, spec.partitions, dict(sorted(spec.config.items())))
+        for partition in range(spec.partitions):
+            self._partitions[(spec.name, partition)] = PartitionInfo(spec.name, partition)
+        return Applied()
+
+    def _elect_leader(self, cmd: ElectLeader) -> Result:
+        info = self._find_partition(cmd.topic, cmd.partition)
+        if isinstance(info, Refused):
+            return info
+        if cmd.expected_epoch != info.leader_epoch:
+            return self._stale_epoch(info, cmd.expected_epoch, "electing a leader of")
+        if cmd.node not in self._nodes:
+            return self._unknown_node(cmd.node)
+        open_segment = info.open_segment
+        if open_segment is not None and cmd.node not in open_segment.ensemble:
+            return Refused(RefusalCode.NOT_IN_ENSEMBLE,
+                           f"node {cmd.node} is not in the ensemble {list(open_segment.ensemble)} of the open "
+                           f"segment {open_segment.segment_id} of {_where(cmd.topic, cmd.partition)}: only a member "
+                           "holds a prefix of it and can recover it; choose a live member")  # fmt: skip
+        epoch = LeaderEpoch(info.leader_epoch + 1)
+        self._partitions[(cmd.topic, cmd.partition)] = replace(info, leader=cmd.node, leader_epoch=epoch)
+        return Applied(leader_epoch=epoch)
+
+    def _open_segment(self, cmd: OpenSegment) -> Result:
+        info = self._find_partition(cmd.topic, cmd.partition)
+        if isinstance(info, Refused):
+            return info
+        if cmd.epoch != info.leader_epoch or info.leader is None:
+            return self._stale_epoch(info, cmd.epoch, "opening a segment of")
+        where = _where(cmd.topic, cmd.partition)
+        open_segment = info.open_segment
+        if open_segment is not None:
+            if (open_segment.opened_epoch, open_segment.base_offset, open_segment.ensemble) == (
+                cmd.epoch, cmd.base_offset, cmd.ensemble
+            ):
+                return Applied(changed=False, segment_id=open_segment.segment_id)
+            return Refused(RefusalCode.SEGMENT_OPEN,
+                           f"segment {open_segment.segment_id} of {where} is still open: seal it first (recover it "
+                           "if it was opened under an earlier epoch)")  # fmt: skip
+        expected_base = info.next_base_offset
+        if cmd.base_offset != expected_base:
+            return Refused(RefusalCode.BASE_OFFSET_MISMATCH,
+                           f"the next segment of {where} must start at offset {expected_base}, where the last one "
+                           f"was sealed, not at {cmd.base_offset}")  # fmt: skip
+        for member in cmd.ensemble:
+            if member not in self._nodes:
+                return self._unknown_node(member)
+        if cmd.ensemble[0] != info.leader:
+            return Refused(RefusalCode.INVALID_ENSEMBLE,
+                           f"the ensemble {list(cmd.ensemble)} of a new segment of {where} must start with its "
+                           f"leader, node {info.leader}: the leader appends locally and streams to the "
+                           "others")  # fmt: skip
+        segment_id = SegmentId(info.segments[-1].segment_id + 1 if info.segments else 0)
+        segment = SegmentInfo(segment_id, cmd.base_offset, cmd.ensemble, cmd.epoch)
+        self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=(*info.segments, segment))
+        return Applied(segment_id=segment_id)
+
+    def _seal_segment(self, cmd: SealSegment) -> Result:
+        info = self._find_partition(cmd.topic, cmd.partition)
+        if isinstance(info, Refused):
+            return info
+        if cmd.epoch != info.leader_epoch or info.leader is None:
+            return self._stale_epoch(info, cmd.epoch, "sealing a segment of")
+        where = _where(cmd.topic, cmd.partition)
+        segment = info.segment(cmd.segment_id)
+        if segment is None:
+            return Refused(RefusalCode.UNKNOWN_SEGMENT, f"{where} has no segment {cmd.segment_id}")
+        if segment.sealed:
+            if segment.end_offset == cmd.end_offset and segment.end_vector == cmd.end_vector:
+                return Applied(changed=False, segment_id=segment.segment_id)
+            return Refused(RefusalCode.END_MISMATCH,
+                           f"segment {cmd.segment_id} of {where} is sealed at offset {segment.end_offset} with vector "
+                           f"{segment.end_vector}, not at {cmd.end_offset} with {cmd.end_vector}: a sealed segment "
+                           "never changes; recover from the sealed end")  # fmt: skip
+        if cmd.end_offset < segment.base_offset:
+            return Refused(RefusalCode.END_BEFORE_BASE,
+                           f"segment {cmd.segment_id} of {where} starts at offset {segment.base_offset}; it cannot end "
+                           f"at {cmd.end_offset}")  # fmt: skip
+        before = info.sealed_vector_before(segment.segment_id)
+        if not before.dominated_by(cmd.end_vector):
+            return Refused(RefusalCode.VECTOR_WENT_BACK,
+                           f"the end vector {cmd.end_vector} of segment {cmd.segment_id} of {where} is behind the "
+                           f"previous segment's {before}: origin seqs never go back; recovery lost data")  # fmt: skip
+        sealed = replace(segment, state=SegmentState.SEALED, end_offset=cmd.end_offset, end_vector=cmd.end_vector)
+        self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=(*info.segments[:-1], sealed))
+        return Applied(segment_id=segment.segment_id)
+
+    def _replace_member(self, cmd: ReplaceMember) -> Result:
+        info = self._find_partition(cmd.topic, cmd.partition)
+        if isinstance(info, Refused):
+            return info
+        where = _where(cmd.topic, cmd.partition)
+        segment = info.segment(cmd.segment_id)
+        if segment is None:
+            return Refused(RefusalCode.UNKNOWN_SEGMENT, f"{where} has no segment {cmd.segment_id}")
+        if not segment.sealed:
+            return Refused(RefusalCode.NOT_SEALED,
+                           f"segment {cmd.segment_id} of {where} is open: its leader rolls it (seal, then a new "
+                           "segment on a new ensemble) instead of copying a moving tail")  # fmt: skip
+        if cmd.old not in segment.ensemble:
+            if cmd.new in segment.ensemble:
+                return Applied(changed=False, segment_id=segment.segment_id)
+            return Refused(RefusalCode.NOT_A_MEMBER,
+                           f"node {cmd.old} is not a member of segment {cmd.segment_id} of {where} "
+                           f"{list(segment.ensemble)}: another repair replaced it; plan again")  # fmt: skip
+        if cmd.new in segment.ensemble:
+            return Refused(RefusalCode.INVALID_ENSEMBLE,
+                           f"node {cmd.new} already holds segment {cmd.segment_id} of {where}: copy to a node outside "
+                           f"its ensemble {list(segment.ensemble)}")  # fmt: skip
+        if cmd.new not in self._nodes:
+            return self._unknown_node(cmd.new)
+        ensemble = tuple(cmd.new if member == cmd.old else member for member in segment.ensemble)
+        segments = tuple(replace(s, ensemble=ensemble) if s is segment else s for s in info.segments)
+        self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=segments)
+        return Applied(segment_id=segment.segment_id)
+
+    # -- snapshot -------------------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole state as a plain, JSON-serializable dict with sorted keys and lists."""
+        return {
+            "version": SNAPSHOT_FORMAT_VERSION,
+            "topics": [
+                {"name": spec.name, "partitions": spec.partitions, "config": dict(sorted(spec.config.items()))}
+                for _, spec in sorted(self._topics.items())
+            ],
+            "partitions": [_partition_to_dict(info) for info in self.partitions()],
+            "nodes": [_node_to_dict(info) for _, info in sorted(self._nodes.items())],
+        }
+
+    @classmethod
+    def restore(cls, raw: Mapping[str, Any]) -> SiteState:
+        """Read :meth:`snapshot`'s form back; raises :class:`InvalidSnapshot`."""
+        try:
+            return cls._restore(raw)
+        except InvalidSnapshot:
+            raise
+        except (ValueError, TypeError) as e:
+            raise InvalidSnapshot(f"invalid site state snapshot: {e}") from None
+
+    @classmethod
+    def _restore(cls, raw: Mapping[str, Any]) -> SiteState:
+        if raw.get("version") != SNAPSHOT_FORMAT_VERSION:
+            raise InvalidSnapshot(
+                f"site state snapshot version {raw.get('version')!r} is not {SNAPSHOT_FORMAT_VERSION}, the one this "
+                "node reads: run the same georep version on every node of the site"
+            )
+        state = cls()
+        for entry in _list(raw, "topics"):
+            config = _mapping(entry, "config")
+            spec = TopicSpec(_str(entry, "name"), _int(entry, "partitions"), {k: _int(config, k) for k in config})
+            state._topics[spec.name] = spec
+        for entry in _list(raw, "partitions"):
+            info = _partition_from_dict(entry)
+            if info.topic not in state._topics:
+                raise InvalidSnapshot(f"partition {_where(info.topic, info.partition)} of a topic not in the snapshot")
+            state._partitions[(info.topic, info.partition)] = info
+        for spec in state._topics.values():
+            for partition in range(spec.partitions):
+                if (spec.name, partition) not in state._partitions:
+                    raise InvalidSnapshot(f"partition {_where(spec.name, partition)} is missing from the snapshot")
+        for entry in _list(raw, "nodes"):
+            node = _node_from_dict(entry)
+            state._nodes[node.node] = node
+        return state
+
+
+def _partition_to_dict(info: PartitionInfo) -> dict[str, Any]:
+    return {
+        "topic": info.topic,
+        "partition": info.partition,
+        "leader": info.leader,
+        "leader_epoch": info.leader_epoch,
+        "segments": [
+            {
+                "segment_id": s.segment_id,
+                "base_offset": s.base_offset,
+                "ensemble": list(s.ensemble),
+                "opened_epoch": s.opened_epoch,
+                "state": s.state.value,
+                "end_offset": s.end_offset,
+                "end_vector": None if s.end_vector is None else _vector_to_dict(s.end_vector),
+            }
+            for s in info.segments
+        ],
+    }
+
+
+def _partition_from_dict(raw: Mapping[str, Any]) -> PartitionInfo:
+    segments = []
+    for entry in _list(raw, "segments"):
+        state = SegmentState(_str(entry, "state"))
+        sealed = state is SegmentState.SEALED
+        end_offset = _optional_int(entry, "end_offset")
+        end_vector = None if entry.get("end_vector") is None else _vector(entry, "end_vector")
+        if sealed != (end_offset is not None) or sealed != (end_vector is not None):
+            raise InvalidSnapshot(f"segment {entry.get('segment_id')!r}: a sealed segment has an end, an open one none")
+        segments.append(SegmentInfo(SegmentId(_int(entry, "segment_id")), LocalOffset(_int(entry, "base_offset")),
+                                    _ensemble(entry, "ensemble"), LeaderEpoch(_int(entry, "opened_epoch")), state,
+                                    None if end_offset is None else LocalOffset(end_offset), end_vector))  # fmt: skip
+    leader = None if raw.get("leader") is None else _node(raw, "leader")
+    return PartitionInfo(_str(raw, "topic"), _int(raw, "partition"), leader, LeaderEpoch(_int(raw, "leader_epoch")),
+                         tuple(segments))  # fmt: skip
+
+
+def _node_to_dict(info: NodeInfo) -> dict[str, Any]:
+    return {
+        "node": info.node,
+        "address": info.address,
+        "last_heartbeat_ms": info.last_heartbeat_ms,
+        "free_bytes": info.free_bytes,
+        "load": info.load,
+        "draining": info.draining,
+    }
+
+
+def _node_from_dict(raw: Mapping[str, Any]) -> NodeInfo:
+    return NodeInfo(_node(raw, "node"), _str(raw, "address"), _optional_int(raw, "last_heartbeat_ms"),
+                    _int(raw, "free_bytes"), _int(raw, "load"), _bool(raw, "draining"))  # fmt: skip
+
+
+# -- the leadership controller ------------------------------------------------------------------------------
+
+
+def _candidate_order(info: NodeInfo) -> tuple[bool, int, int]:
+    # not draining first, then the most recent heartbeat, then the lowest id
+    return (info.draining, -(info.last_heartbeat_ms or 0), info.node)
+
+
+def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int) -> list[ElectLeader]:
+    """The leader elections to propose now: one per partition whose leader is missing or whose heartbeat expired.
+
+    Pure and deterministic: partitions in topic then partition order; the candidate is a live node, not draining
+    if possible, then the one that heartbeated last, then the lowest id. Each :class:`ElectLeader` carries the
+    current epoch as ``expected_epoch``, so if another controller (or an earlier run of this one) changed the
+    leadership in the meantime, the command is refused and nothing happens twice; plan again from the new state.
+
+    **Why the new leader must come from the open segment's ensemble.** The open segment's members are the only
+    nodes that hold any of it, each a prefix (the leader streams batches in order, and members append only
+    contiguously). The new leader must recover every batch that a quorum could have acked before it seals the
+    segment: a batch below the LAC is on at least ``min_insync_replicas`` (AQ) of the E members, so reading the ends
+    of any E - AQ + 1 members finds it (any E - AQ + 1 members include at least one of any AQ). A leader from the
+    ensemble is itself one of those members and already holds a prefix, so it needs E - AQ others and copies only
+    the tail it lacks; a node outside would hold nothing of the segment and would have to fetch all of it before
+    it could serve or seal. ``SiteState`` enforces the rule too (``NOT_IN_ENSEMBLE``). If no member is live, the
+    partition stays leaderless: electing an outsider could only seal the segment at an end it cannot verify, and
+    acknowledged writes would be lost, so it waits for a member to come back.
+
+    This does not check that E - AQ + 1 members are live (the ack quorum is a topic setting the recovery reads);
+    a leader elected with fewer still fences the old one, and completes recovery once enough members are back.
+
+    A partition with no open segment (never written, or sealed by a leader that then died) may go to any live
+    node: it has nothing to recover, and its sealed segments stay with their ensembles.
+    """
+    live = {info.node: info for info in state.live_nodes(now_ms, session_timeout_ms)}
+    plan: list[ElectLeader] = []
+    for info in state.partitions():
+        if info.leader is not None and info.leader in live:
+            continue
+        open_segment = info.open_segment
+        pool: Iterable[NodeInfo]
+        if open_segment is not None:
+            pool = [live[member] for member in open_segment.ensemble if member in live]
+        else:
+            pool = live.values()
+        candidates = sorted(pool, key=_candidate_order)
+        if candidates:
+            plan.append(ElectLeader(info.topic, info.partition, candidates[0].node, info.leader_epoch))
+    return plan
+
+
+def partitions_without_leader(state: SiteState, now_ms: int, session_timeout_ms: int) -> list[PartitionInfo]:
+    """Partitions whose leader is missing or expired: offline until :func:`plan_leadership` finds them one."""
+    live = {info.node for info in state.live_nodes(now_ms, session_timeout_ms)}
+    return [info for info in state.partitions() if info.leader is None or info.leader not in live]
+
