@@ -84,6 +84,15 @@ class UnknownGroup(BrokerError):
     """A group this site has neither members nor commits of."""
 
 
+class CommitsBehind(BrokerError):
+    """A live upstream holds commits this site lacks: answering now could hand out a stale position.
+
+    A consumer starting from a stale commit would read again what the group had
+    committed (a duplicate relative to the commit, I5), so the site says so and
+    the consumer asks again, as Kafka's consumers do on COORDINATOR_LOAD_IN_PROGRESS.
+    """
+
+
 class NotAuthorized(BrokerError):
     """An admin call without the right credentials."""
 

@@ -100,7 +100,7 @@ class Admin:
     async def _call(self, rpc: Callable[..., Awaitable[T]], request: Any) -> T:
         await self._connection.connect()
         try:
-            return await rpc(request, timeout=self._timeout_s)
+            return await self._connection.unary(rpc(request, timeout=self._timeout_s))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self._connection.address) from None
 

@@ -14,11 +14,15 @@ import asyncio
 import contextlib
 import os
 import socket
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import grpc
 
 from georep.client.errors import InvalidRequest, NodeUnavailable
 from georep.proto import georep_pb2, georep_pb2_grpc
+
+T = TypeVar("T")
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:7101"
 IDENTIFY_ATTEMPTS = 4
@@ -158,6 +162,28 @@ class Connection:
                 await self._open()
             assert self._stub is not None
             return self._stub
+
+    async def unary(self, call: Awaitable[T]) -> T:
+        """Await one call on this connection's channel.
+
+        Another task sharing the connection may close the channel under the call
+        to reconnect (a fetcher saw the node go). grpc.aio then cancels the call,
+        and the cancellation would reach the caller as if its own task had been
+        cancelled, ending it: an application's poll loop or a group's heartbeat
+        would stop for good. Here that is :class:`NodeUnavailable`, which callers
+        already retry on the new channel. A real cancellation of the caller's
+        task still propagates.
+        """
+        address = self.address
+        try:
+            return await call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            raise NodeUnavailable(
+                f"the channel to {address} was replaced while a call was in flight (the node went away): retry"
+            ) from None
 
     async def _open(self) -> None:
         n = len(self.addresses)

@@ -419,9 +419,9 @@ class Consumer:
             if topic in self._resolved_topics:
                 continue
             try:
-                description = await self._connection.stub.DescribeTopic(
+                description = await self._connection.unary(self._connection.stub.DescribeTopic(
                     georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_s
-                )
+                ))
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc, self._connection.address) from None
             for partition in range(description.partitions):
@@ -545,9 +545,9 @@ class Consumer:
         topic, partition = state.tp
         try:
             stub = await self._connection.connect()
-            description = await stub.DescribeTopic(
+            description = await self._connection.unary(stub.DescribeTopic(
                 georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_s
-            )
+            ))
         except (grpc.RpcError, GeorepError):
             return state.start  # the fetch reports the error, or retries
         states = [ps for ps in description.partition_states if ps.partition == partition]

@@ -98,6 +98,11 @@ class GroupRebalanced(GeorepError):
     assigned to this member: the group rebalanced."""
 
 
+class CommitsBehind(GeorepError):
+    """The site has not caught up with the group's commits that a live upstream holds: ask again shortly.
+    A group member does so by itself at its next heartbeat."""
+
+
 class MemberFenced(GeorepError):
     """The group no longer knows this member (its session expired): it must rejoin."""
 
@@ -154,6 +159,8 @@ def from_status(code: grpc.StatusCode, message: str, address: str = "") -> Geore
         return NodeUnavailable(f"lost connection to georep node{where}{detail}: is it running? check --bootstrap", code)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED and message.startswith("acks=geo"):
         return GeoAckTimeout(message, code)
+    if code is grpc.StatusCode.ABORTED and "has not caught up" in message:
+        return CommitsBehind(message, code)
     if code is grpc.StatusCode.ABORTED:
         return GroupRebalanced(message, code)
     if code is grpc.StatusCode.UNAUTHENTICATED:

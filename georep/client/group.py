@@ -30,7 +30,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 
-from georep.client.errors import GeorepError, GroupRebalanced, InvalidRequest, MemberFenced, NodeUnavailable
+from georep.client.errors import (
+    CommitsBehind,
+    GeorepError,
+    GroupRebalanced,
+    InvalidRequest,
+    MemberFenced,
+    NodeUnavailable,
+)
 from georep.client.errors import from_rpc_error as _from_rpc_error
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import topic_partitions_to_proto, vector_from_proto, vector_to_proto
@@ -98,13 +105,18 @@ class GroupMembership:
             # A channel the fetchers replaced (their site failed) means a new
             # coordinator: heartbeat there at once rather than after the interval.
             await asyncio.wait([connection.opened()], timeout=self.interval_ms / 1000)
+            generation = connection.generation
             try:
                 await self.heartbeat()
                 self.error = None
             except NodeUnavailable as exc:
+                # Replace the channel the heartbeat failed on, not one another task opened since.
                 log.info("group %r: heartbeat failed (%s); reconnecting", self.group, exc.message)
                 with contextlib.suppress(GeorepError):
-                    await connection.reconnect(connection.generation)
+                    await connection.reconnect(generation)
+            except CommitsBehind as exc:
+                # The assignment is applied again at the next heartbeat, from commits that are not stale.
+                log.info("group %r: %s", self.group, exc.message)
             except GeorepError as exc:
                 self.error = exc
 
@@ -147,8 +159,9 @@ class GroupMembership:
             client_id=self.options.client_id,
         )  # fmt: skip
         try:
-            resp: pb.GroupHeartbeatResponse = await self.consumer._connection.stub.GroupHeartbeat(
-                request, timeout=self._timeout_s
+            connection = self.consumer._connection
+            resp: pb.GroupHeartbeatResponse = await connection.unary(
+                connection.stub.GroupHeartbeat(request, timeout=self._timeout_s)
             )
         except grpc.RpcError as exc:
             raise _from_rpc_error(exc, self.consumer._connection.address) from None
@@ -159,7 +172,9 @@ class GroupMembership:
         request = pb.FetchCommittedRequest(group=self.group, partitions=topic_partitions_to_proto(tps),
                                            wait_caught_up_ms=self.options.commit_wait_caught_up_ms)  # fmt: skip
         try:
-            resp = await stub.FetchCommitted(request, timeout=self._timeout_s + request.wait_caught_up_ms / 1000)
+            resp = await self.consumer._connection.unary(
+                stub.FetchCommitted(request, timeout=self._timeout_s + request.wait_caught_up_ms / 1000)
+            )
         except grpc.RpcError as exc:
             raise _from_rpc_error(exc, self.consumer._connection.address) from None
         return {
@@ -186,7 +201,7 @@ class GroupMembership:
                          for (t, p), v in sorted(offsets.items())],
             )  # fmt: skip
             try:
-                resp = await stub.CommitOffsets(request, timeout=self._timeout_s + 1)
+                resp = await self.consumer._connection.unary(stub.CommitOffsets(request, timeout=self._timeout_s + 1))
             except grpc.RpcError as exc:
                 error = _from_rpc_error(exc, self.consumer._connection.address)
                 if isinstance(error, GroupRebalanced) and member and attempt == 0:
@@ -214,8 +229,8 @@ class GroupMembership:
             return
         with contextlib.suppress(GeorepError, grpc.RpcError):
             stub = await self.consumer._connection.connect()
-            await stub.LeaveGroup(pb.LeaveGroupRequest(group=self.group, member_id=self.member_id),
-                                  timeout=self._timeout_s)  # fmt: skip
+            await self.consumer._connection.unary(stub.LeaveGroup(
+                pb.LeaveGroupRequest(group=self.group, member_id=self.member_id), timeout=self._timeout_s))  # fmt: skip
         self.member_id = ""
 
 

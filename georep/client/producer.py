@@ -306,12 +306,14 @@ class Producer:
         backoff_ms = self._retry_backoff_ms
         try:
             while True:
+                generation = self._connection.generation
                 try:
                     stub = await self._connection.connect()
+                    generation = self._connection.generation
                     try:
-                        description = await stub.DescribeTopic(
+                        description = await self._connection.unary(stub.DescribeTopic(
                             georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_ms / 1000
-                        )
+                        ))
                     except grpc.RpcError as exc:
                         raise from_rpc_error(exc, self._connection.address) from None
                     break
@@ -327,7 +329,7 @@ class Producer:
                     await asyncio.sleep(backoff_ms / 1000)
                     backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
                     with contextlib.suppress(GeorepError):
-                        await self._connection.reconnect(self._connection.generation)
+                        await self._connection.reconnect(generation)
                 except GeorepError as exc:
                     if isinstance(exc, UnknownTopic):
                         exc = (
@@ -353,9 +355,9 @@ class Producer:
             return count
         stub = await self._connection.connect()
         try:
-            description = await stub.DescribeTopic(
+            description = await self._connection.unary(stub.DescribeTopic(
                 georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_ms / 1000
-            )
+            ))
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self._connection.address) from None
         self._learn(topic, description)

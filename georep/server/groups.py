@@ -22,7 +22,7 @@ from collections.abc import Callable
 from cluster.groups import GroupCoordinator, InvalidGroupRequest
 from georep.broker.acks import Acks
 from georep.broker.commits import CommitEntry, CommitLog, check_commit_request, commit_batch
-from georep.broker.errors import InvalidRequest, UnknownGroup
+from georep.broker.errors import CommitsBehind, InvalidRequest, UnknownGroup
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, topic_partitions_to_proto, vector_from_proto, vector_to_proto
 from georep.server.broker import Broker
@@ -145,6 +145,13 @@ class GroupService:
             key = (OFFSETS_TOPIC, offsets_partition(req.group))
             while self.behind_upstreams(key) and time.monotonic() < deadline:
                 await asyncio.sleep(CAUGHT_UP_POLL_S)
+            if self.behind_upstreams(key):
+                raise CommitsBehind(
+                    f"site {self.broker.identity.site} has not caught up, within {req.wait_caught_up_ms} ms, with "
+                    f"the commits of group {req.group!r} that a live upstream holds: its committed positions "
+                    "could be stale. Retry (a group member retries by itself); if this lasts, check the links "
+                    "with 'georep status'"
+                )
         self.catch_up()
         if not req.partitions:
             return pb.FetchCommittedResponse(offsets=[self._committed(c) for c in self.table.of_group(req.group)])

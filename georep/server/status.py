@@ -54,6 +54,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     e.GeoAcksUnreachable: Code.FAILED_PRECONDITION,
     e.NoTopology: Code.FAILED_PRECONDITION,
     IllegalGeneration: Code.ABORTED,
+    e.CommitsBehind: Code.ABORTED,
     NotAssigned: Code.ABORTED,
     DiskFull: Code.RESOURCE_EXHAUSTED,
     OffsetOutOfRange: Code.OUT_OF_RANGE,

@@ -1,0 +1,46 @@
+"""A site behind a live upstream on a group's commits says so instead of handing out a stale position.
+
+Handing out the older commit would make the consumer read again what the group
+had already committed: a duplicate relative to the commit, which exact failover
+(I5) rules out. The soak showed it under load: after its site was killed, a
+group that rejoined at another site started from a commit the new site had not
+received yet. Now FetchCommitted answers ``CommitsBehind`` (gRPC ABORTED) and a
+group member asks again at its next heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.metadata import load_or_create_identity
+from georep.broker.errors import CommitsBehind
+from georep.client.errors import CommitsBehind as ClientCommitsBehind
+from georep.client.errors import GroupRebalanced, from_status
+from georep.proto import georep_pb2 as pb
+from georep.server.broker import Broker
+from georep.server.groups import GroupService
+from georep.server.status import status_of
+
+
+def test_a_site_behind_its_upstream_on_commits_refuses_rather_than_answer_stale(tmp_path: Path) -> None:
+    async def main() -> None:
+        broker = Broker(tmp_path, load_or_create_identity(tmp_path, "b", 1))
+        groups = GroupService(broker)
+        request = pb.FetchCommittedRequest(group="g", wait_caught_up_ms=50)
+        assert list((await groups.fetch_committed(request)).offsets) == []  # caught up: answers
+        groups.behind_upstreams = lambda key: True
+        with pytest.raises(CommitsBehind, match="has not caught up") as caught:
+            await groups.fetch_committed(request)
+        groups.behind_upstreams = lambda key: False
+        assert list((await groups.fetch_committed(request)).offsets) == []
+        broker.close()
+        code = status_of(caught.value)
+        assert code is grpc.StatusCode.ABORTED
+        assert isinstance(from_status(code, str(caught.value)), ClientCommitsBehind)
+        assert isinstance(from_status(code, "generation 3 is not the group's"), GroupRebalanced)
+
+    asyncio.run(main())
