@@ -11,6 +11,7 @@ group member asks again at its next heartbeat.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
@@ -24,18 +25,29 @@ from georep.proto import georep_pb2 as pb
 from georep.server.broker import Broker
 from georep.server.groups import GroupService
 from georep.server.status import status_of
+from offsets.commits import OFFSETS_TOPIC, offsets_partition
+from offsets.coordinates import Origin
+from topology.ids import SiteId
 
 
-def test_a_site_behind_its_upstream_on_commits_refuses_rather_than_answer_stale(tmp_path: Path) -> None:
+def test_a_site_behind_what_its_upstream_holds_now_refuses_rather_than_answer_stale(tmp_path: Path) -> None:
     async def main() -> None:
         broker = Broker(tmp_path, load_or_create_identity(tmp_path, "b", 1))
         groups = GroupService(broker)
         request = pb.FetchCommittedRequest(group="g", wait_caught_up_ms=50)
-        assert list((await groups.fetch_committed(request)).offsets) == []  # caught up: answers
-        groups.behind_upstreams = lambda key: True
+        assert list((await groups.fetch_committed(request)).offsets) == []  # no upstream: answers
+        asked: list[tuple[tuple[str, int], float]] = []
+        upstream = {Origin(SiteId("a"), 1): 3}  # an upstream already holds 3 commit records of origin a@1
+
+        async def upstream_vectors(key: tuple[str, int], timeout_s: float) -> list[Mapping[Origin, int]]:
+            asked.append((key, timeout_s))
+            return [upstream]
+
+        groups.upstream_vectors = upstream_vectors
         with pytest.raises(CommitsBehind, match="has not caught up") as caught:
             await groups.fetch_committed(request)
-        groups.behind_upstreams = lambda key: False
+        assert asked and asked[0][0] == (OFFSETS_TOPIC, offsets_partition("g"))  # asked afresh, for g's partition
+        upstream.clear()  # what the upstream holds, this site holds too
         assert list((await groups.fetch_committed(request)).offsets) == []
         broker.close()
         code = status_of(caught.value)

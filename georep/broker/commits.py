@@ -171,3 +171,9 @@ class CommitLog:
         """Commits this site just appended: the table holds them before the fold reaches them."""
         for c in commits:
             self.table.apply(c)
+
+
+def lacks(local: Mapping[Origin, int], others: Iterable[Mapping[Origin, int]]) -> bool:
+    """Whether any of ``others`` holds a record ``local`` lacks: a site that answers a commit read now could hand
+    out an older commit than a peer already has (``FetchCommitted`` waits, then refuses with ``CommitsBehind``)."""
+    return any(seq > local.get(origin, 0) for other in others for origin, seq in other.items())

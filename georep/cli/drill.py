@@ -533,6 +533,10 @@ def report(
         "duplicates_total": sum(n - 1 for n in seen.values()),
         "duplicates_vs_commit": len(dup_vs_commit), "never_delivered": len(never),
         "never_delivered_first": [list(k) for k in never[:5]],
+        "duplicates_vs_commit_first": [
+            [d.consumer, d.partition, d.origin, d.origin_seq, d.site_origin, round((d.at - event) * 1000)]
+            for d in dup_vs_commit[:5]
+        ],
         "rto_ms": round(rto_ms), "commits": run.commit_count, "commit_errors": run.commit_errors,
         "commit_acks": args.commit_acks, "acks": per_level, "promises_broken": broken, "ok": not broken,
         "partitions_final": {str(p): v.to_text() for p, v in sorted(final.items())},

@@ -17,17 +17,18 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from cluster.groups import GroupCoordinator, InvalidGroupRequest
 from georep.broker.acks import Acks
-from georep.broker.commits import CommitEntry, CommitLog, check_commit_request, commit_batch
+from georep.broker.commits import CommitEntry, CommitLog, check_commit_request, commit_batch, lacks
 from georep.broker.errors import CommitsBehind, InvalidRequest, UnknownGroup
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, topic_partitions_to_proto, vector_from_proto, vector_to_proto
 from georep.server.broker import Broker
 from georep.storage.api import PartitionLog
 from offsets.commits import OFFSETS_PARTITIONS, OFFSETS_TOPIC, Commit, CommitTable, offsets_partition, validate_group
+from offsets.coordinates import Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.filters import is_internal
 
@@ -36,6 +37,11 @@ log = logging.getLogger(__name__)
 OFFSETS_TOPIC_CONFIG = {"retention_ms": str(7 * 24 * 3600 * 1000), "flush_interval_ms": "0"}
 CAUGHT_UP_WAIT_MS_MAX = 30_000
 CAUGHT_UP_POLL_S = 0.01
+UPSTREAM_ASK_S = 2.0
+
+
+async def _none(key: tuple[str, int], timeout_s: float) -> list[Mapping[Origin, int]]:
+    return []
 
 
 class GroupService:
@@ -44,9 +50,9 @@ class GroupService:
         self.clock_ms = clock_ms
         self.coordinator = GroupCoordinator(self._partition_count, self._new_member_id)
         self.commits = CommitLog()
-        # Whether a live upstream holds records of a partition this site lacks;
-        # the replicator replaces it (a standalone node has no upstream).
-        self.behind_upstreams: Callable[[tuple[str, int]], bool] = lambda key: False
+        # What each live upstream holds of a partition now; the replicator replaces it (a standalone node has
+        # no upstream).
+        self.upstream_vectors: Callable[[tuple[str, int], float], Awaitable[list[Mapping[Origin, int]]]] = _none
         if OFFSETS_TOPIC not in broker.metadata.topics():
             broker.create_topic(OFFSETS_TOPIC, OFFSETS_PARTITIONS, OFFSETS_TOPIC_CONFIG)
         self.catch_up()
@@ -141,11 +147,14 @@ class GroupService:
 
     async def fetch_committed(self, req: pb.FetchCommittedRequest) -> pb.FetchCommittedResponse:
         if req.wait_caught_up_ms > 0:
-            deadline = time.monotonic() + min(req.wait_caught_up_ms, CAUGHT_UP_WAIT_MS_MAX) / 1000
+            wait_s = min(req.wait_caught_up_ms, CAUGHT_UP_WAIT_MS_MAX) / 1000
+            deadline = time.monotonic() + wait_s
             key = (OFFSETS_TOPIC, offsets_partition(req.group))
-            while self.behind_upstreams(key) and time.monotonic() < deadline:
+            upstreams = await self.upstream_vectors(key, min(wait_s, UPSTREAM_ASK_S))
+            log_ = self.broker.partition(*key).log
+            while lacks(log_.vector(), upstreams) and time.monotonic() < deadline:
                 await asyncio.sleep(CAUGHT_UP_POLL_S)
-            if self.behind_upstreams(key):
+            if lacks(log_.vector(), upstreams):
                 raise CommitsBehind(
                     f"site {self.broker.identity.site} has not caught up, within {req.wait_caught_up_ms} ms, with "
                     f"the commits of group {req.group!r} that a live upstream holds: its committed positions "

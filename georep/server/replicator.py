@@ -33,7 +33,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -426,15 +426,31 @@ class Replicator:
                 self.links.local_vector(key, p.log.vector())
             self.links.tick(self.now_ms())
 
-    def behind_upstreams(self, key: PartitionKey) -> bool:
-        """Whether a streaming upstream holds records of ``key`` that this site lacks."""
-        local = self.broker.partition(*key).log.vector()
-        for link in self.links.links.values():
-            if link.state is LinkState.STREAMING:
-                upstream = link.vectors.get(key, {})
-                if any(seq > local.get(origin, 0) for origin, seq in upstream.items()):
-                    return True
-        return False
+    async def upstream_vectors(self, key: PartitionKey, timeout_s: float) -> list[Mapping[Origin, int]]:
+        """What each streaming upstream holds of ``key`` now, asked afresh (a read barrier for FetchCommitted).
+
+        The vectors that chunks and heartbeats carry can be a heartbeat old: a commit a peer acknowledged a
+        moment ago may not show in them yet, and a consumer starting from the older commit would read committed
+        records again. An upstream that does not answer within ``timeout_s`` counts with what it last sent.
+        """
+        streaming = [src for src, link in sorted(self.links.links.items()) if link.state is LinkState.STREAMING]
+
+        async def ask(src: SiteId) -> Mapping[Origin, int]:
+            last = self.links.links[src].vectors.get(key, {})
+            try:
+                desc = await self.pullers[src].stub.DescribeTopic(pb.DescribeTopicRequest(name=key[0]),
+                                                                  timeout=timeout_s)  # fmt: skip
+            except grpc.RpcError:
+                return last
+            for ps in desc.partition_states:
+                if ps.partition == key[1]:
+                    try:
+                        return vector_from_proto(ps.vector).to_dict()
+                    except InvalidVectorOffset:
+                        return last
+            return last
+
+        return list(await asyncio.gather(*(ask(src) for src in streaming)))
 
     # -- status ---------------------------------------------------------------
 

@@ -114,7 +114,7 @@ class NodeService:
         self.replicator = replicator
         self.groups = GroupService(broker)
         if replicator is not None:
-            self.groups.behind_upstreams = replicator.behind_upstreams
+            self.groups.upstream_vectors = replicator.upstream_vectors
         self.admin_token = admin_token
         self.started = time.monotonic()
         self._stopping: asyncio.Future[None] | None = None
