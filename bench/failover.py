@@ -54,7 +54,7 @@ import grpc
 from produce import BenchError, progress, settle_page_cache
 from replication import free_ports, topology_toml
 
-from georep import drill as drill_mod
+from georep.cli import drill as drill_mod
 from georep.cli.up import site_processes
 from georep.client import Consumer, Producer
 from georep.proto import georep_pb2 as pb

@@ -1,0 +1,30 @@
+"""Every benchmark script still starts: its imports resolve and it parses its options.
+
+The benches are not run by ``make test`` (they time things, and the machines
+are shared), so nothing else would notice a bench broken by a move of the
+modules it uses, as ``bench/failover.py`` was by the move of the CLI into
+``georep/cli/``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+
+
+def test_every_bench_is_covered() -> None:
+    assert {"produce.py", "replication.py", "failover.py", "audit.py", "fuzz.py", "soak.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bench_script_starts(script: str) -> None:
+    done = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=BENCH.parent)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout
