@@ -41,15 +41,21 @@ partition and segment id:
   member dead for less than the delay, with the time it becomes due
   (:attr:`RepairPlan.next_due_ms`: set a timer and plan again then).
 
-A copy's **source** is an alive member: a non-draining one first (a draining
-node has the rest of its decommission to serve), then the one sending the
-fewest copies (in progress, or planned earlier in this pass), so that the
-copies of a dead node's segments are read from all the nodes that hold them,
-then the least loaded, then the lowest id. Any alive member will do because
-a sealed segment is immutable and every member holds it up to the seal:
-before sealing, recovery copies every batch a quorum could have acked to the
-members that lack it. The shell checks the CRCs after the copy anyway. A
-dead node is never a source.
+A copy's **source** is an alive member that holds the whole segment: a
+non-draining one first (a draining node has the rest of its decommission to
+serve), then the one sending the fewest copies (in progress, or planned
+earlier in this pass), so that the copies of a dead node's segments are read
+from all the nodes that hold them, then the least loaded, then the lowest id.
+A sealed segment is immutable, and recovery copies every batch a quorum could
+have acked to the members that answered its fence, but a member can still
+hold *less* than the sealed end: one that was dead or cut off when its leader
+rolled the segment at the LAC, one outside the recovery's fence quorum, or a
+dead leader that lost its unfsynced tail. The shell reports those members
+(:attr:`SegmentView.short`, from what each member says it holds); a short
+member is never a source, and while it is alive and not draining it gets a
+:class:`FillSegment`: the missing tail, copied from a member that holds it all
+(no metadata change: it is a member already). The shell checks the CRCs after
+every copy anyway. A dead node is never a source.
 
 A copy's **target** is chosen with the placement preference
 (``cluster.placement.choose_ensemble``: not overloaded, most free bytes in
@@ -114,6 +120,7 @@ class SegmentView:
     ensemble: tuple[NodeId, ...]  # ensemble[0] is the leader that opened it, until a copy replaces it
     sealed: bool
     size_bytes: int
+    short: tuple[NodeId, ...] = ()  # members known to hold less than the sealed end: never a source; filled
 
     @property
     def key(self) -> SegmentKey:
@@ -148,6 +155,28 @@ class CopySegment:
         return (
             f"copy {_name(self.topic, self.partition, self.segment_id)} from node {self.source} to node "
             f"{self.target}, replacing node {self.replaces}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FillSegment:
+    """Effect: copy the tail of a sealed segment that ``target``, a member, lacks, from ``source``, a member that
+    holds it all. The ensemble does not change."""
+
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    source: NodeId
+    target: NodeId
+
+    @property
+    def key(self) -> SegmentKey:
+        return (self.topic, self.partition, self.segment_id)
+
+    def message(self) -> str:
+        return (
+            f"fill {_name(self.topic, self.partition, self.segment_id)} on node {self.target} (it holds less than the "
+            f"sealed end) from node {self.source}"
         )
 
 
@@ -250,6 +279,7 @@ class RepairPlan:
     unrepairable: tuple[Unrepairable, ...]
     waiting: tuple[AwaitingRepairDelay, ...]
     deferred: tuple[CopyDeferred, ...]
+    fills: tuple[FillSegment, ...] = ()  # short members to fill, after the copies (they share the slots)
 
     @property
     def next_due_ms(self) -> int | None:
@@ -354,10 +384,11 @@ def plan_repair(
     down_since_ms: Mapping[NodeId, int],
     now_ms: int,
     repair_delay_ms: int,
-    in_progress: Iterable[CopySegment] = (),
+    in_progress: Iterable[CopySegment | FillSegment] = (),
     max_concurrent_copies: int,
 ) -> RepairPlan:
-    """Plan copies and rolls for the segments with dead or draining members; see the module docstring.
+    """Plan copies and rolls for the segments with dead or draining members, and fills for short members (see
+    the module docstring).
 
     Raises :class:`InvalidRepairInput` for an inconsistent snapshot (a member
     missing from ``nodes``, a dead node without ``down_since_ms``, ...) and
@@ -376,10 +407,11 @@ def plan_repair(
         )
     ordered = _checked_segments(segments, by_id)
     running = list(in_progress)
-    busy = {(c.key, c.replaces) for c in running}
+    busy = {(c.key, c.replaces if isinstance(c, CopySegment) else c.target) for c in running}
     taken: dict[SegmentKey, set[NodeId]] = {}
     for c in running:
-        taken.setdefault(c.key, set()).add(c.target)
+        if isinstance(c, CopySegment):
+            taken.setdefault(c.key, set()).add(c.target)
 
     rolls: list[RollSegment] = []
     unrepairable: list[Unrepairable] = []
@@ -424,6 +456,12 @@ def plan_repair(
         if slots == 0:
             deferred.append(CopyDeferred(s.topic, s.partition, s.segment_id, need.replaces))
             continue
+        complete = [by_id[m] for m in s.ensemble if by_id[m].alive and m not in s.short]
+        if not complete:
+            unrepairable.append(NoRepairTarget(s.topic, s.partition, s.segment_id, need.replaces,
+                                               "no alive member holds the whole segment to copy it from: bring back "
+                                               "a member that does"))  # fmt: skip
+            continue
         targets = taken.setdefault(s.key, set())
         snapshot = [replace(by_id[n], free_bytes=free_bytes[n], load=load[n]) for n in sorted(by_id)]
         try:
@@ -438,14 +476,27 @@ def plan_repair(
         except NotEnoughNodes as e:
             unrepairable.append(NoRepairTarget(s.topic, s.partition, s.segment_id, need.replaces, str(e)))
             continue
-        source = min(
-            (by_id[m] for m in s.ensemble if by_id[m].alive),
-            key=lambda n: (n.draining, sends[n.node], load[n.node], n.node),
-        ).node
+        source = min(complete, key=lambda n: (n.draining, sends[n.node], load[n.node], n.node)).node
         copies.append(CopySegment(s.topic, s.partition, s.segment_id, source, target, need.replaces))
         targets.add(target)
         free_bytes[target] -= s.size_bytes
         load[target] += 1
         sends[source] += 1
         slots -= 1
-    return RepairPlan(tuple(copies), tuple(rolls), tuple(unrepairable), tuple(waiting), tuple(deferred))
+    fills: list[FillSegment] = []
+    for s in ordered:
+        for m in sorted(set(s.short)) if s.sealed else ():
+            if m not in s.ensemble or not by_id[m].alive or by_id[m].draining or (s.key, m) in busy:
+                continue  # a dead or draining short member is replaced by a copy instead
+            complete = [by_id[x] for x in s.ensemble if by_id[x].alive and x not in s.short]
+            if not complete:
+                continue  # filled once a member that holds it all is back
+            if slots == 0:
+                deferred.append(CopyDeferred(s.topic, s.partition, s.segment_id, m))
+                continue
+            source = min(complete, key=lambda n: (n.draining, sends[n.node], load[n.node], n.node)).node
+            fills.append(FillSegment(s.topic, s.partition, s.segment_id, source, m))
+            sends[source] += 1
+            slots -= 1
+    return RepairPlan(tuple(copies), tuple(rolls), tuple(unrepairable), tuple(waiting), tuple(deferred),
+                      tuple(fills))  # fmt: skip

@@ -2,10 +2,16 @@
 
     python -m georep.sim --seed 1234 --topology ring5 [--steps K] [--no-consumers] [--groups] [--verbose]
     python -m georep.sim --seeds 0..999 [--topology NAME] [--steps K] [--no-consumers] [--groups]
+    python -m georep.sim --cluster --seed 7 [--shape single3] [--verbose]
+    python -m georep.sim --cluster --seeds 0..199 [--shape NAME]
 
 Without ``--topology``, a swarm gives seed ``s`` the topology
 ``TOPOLOGY_NAMES[s % len(TOPOLOGY_NAMES)]``, so it covers all of them. The exit
 status is 1 when any run failed; each failure prints its replay command.
+
+``--cluster`` runs the simulator of one site's segment cluster instead
+(``georep/sim/cluster.py``); without ``--shape`` seed ``s`` gets the shape
+``SHAPES[s % len(SHAPES)]``.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import argparse
 import sys
 import time
 
+from georep.sim.cluster import ClusterSimulationFailure, run_cluster_seed, swarm_shape
+from georep.sim.cluster_model import SHAPES, ClusterCounts
 from georep.sim.faults import FaultCounts
 from georep.sim.simulator import DEFAULT_STEPS, SimulationFailure, run_seed
 from georep.sim.topologies import TOPOLOGY_NAMES, UnknownTopologyName
@@ -52,9 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", action="store_true",
                         help="add a consumer group whose members join at several sites (G1-G3)")
     parser.add_argument("--verbose", action="store_true", help="print every event (one run only)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="simulate one site's segment cluster (nodes, leaders, recovery, repair) instead")
+    parser.add_argument("--shape", choices=SHAPES, help="with --cluster: the run's shape (default: by seed)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.cluster:
+        if args.seed is not None:
+            return _cluster_one(args.seed, args.shape or swarm_shape(args.seed), args.verbose)
+        return _cluster_swarm(args.seeds, args.shape)
+    if args.shape:
+        parser.error("--shape goes with --cluster")
     try:
         if args.seed is not None:
             return _one(args.seed, args.topology or "triangle", args.steps, args.verbose, args.rebuild_p,
@@ -98,6 +115,46 @@ def _swarm(seeds: range, topology: str | None, steps: int, rebuild_p: float, con
         events += result.events
     took = time.perf_counter() - started
     print(f"{len(seeds)} runs, {len(failures)} failed, {events} events, {took:.1f}s "
+          f"({took / max(1, len(seeds)):.3f}s a run)")  # fmt: skip
+    print("  " + " ".join(f"{k}={v}" for k, v in total.as_dict().items()))
+    for failure in failures:
+        print(f"  replay: {failure.replay}")
+    return 1 if failures else 0
+
+
+def _cluster_one(seed: int, shape: str, verbose: bool) -> int:
+    started = time.perf_counter()
+    try:
+        result = run_cluster_seed(seed, shape, verbose=verbose)
+    except ClusterSimulationFailure as e:
+        print(f"FAIL {e}", file=sys.stderr)
+        return 1
+    took = time.perf_counter() - started
+    counts = " ".join(f"{k}={v}" for k, v in result.counts.as_dict().items() if v)
+    print(f"ok seed={seed} shape={shape} events={result.events} virtual_ms={result.virtual_ms} "
+          f"liveness_ms={result.liveness_ms} wall={took:.2f}s trace={result.trace[:16]}")  # fmt: skip
+    print(f"  {result.config}")
+    print(f"  {counts}")
+    return 0
+
+
+def _cluster_swarm(seeds: range, shape: str | None) -> int:
+    started = time.perf_counter()
+    total = ClusterCounts()
+    failures: list[ClusterSimulationFailure] = []
+    events = 0
+    for seed in seeds:
+        name = shape or swarm_shape(seed)
+        try:
+            result = run_cluster_seed(seed, name)
+        except ClusterSimulationFailure as e:
+            failures.append(e)
+            print(f"FAIL seed={seed} shape={name}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            continue
+        total.add(result.counts)
+        events += result.events
+    took = time.perf_counter() - started
+    print(f"{len(seeds)} cluster runs, {len(failures)} failed, {events} events, {took:.1f}s "
           f"({took / max(1, len(seeds)):.3f}s a run)")  # fmt: skip
     print("  " + " ".join(f"{k}={v}" for k, v in total.as_dict().items()))
     for failure in failures:
