@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Mapping, Sequence
 
 from georep.sim.cluster import ClusterSimulationFailure, run_cluster_seed, swarm_shape
 from georep.sim.cluster_model import SHAPES, ClusterCounts
@@ -113,13 +114,7 @@ def _swarm(seeds: range, topology: str | None, steps: int, rebuild_p: float, con
             continue
         total.add(result.counts)
         events += result.events
-    took = time.perf_counter() - started
-    print(f"{len(seeds)} runs, {len(failures)} failed, {events} events, {took:.1f}s "
-          f"({took / max(1, len(seeds)):.3f}s a run)")  # fmt: skip
-    print("  " + " ".join(f"{k}={v}" for k, v in total.as_dict().items()))
-    for failure in failures:
-        print(f"  replay: {failure.replay}")
-    return 1 if failures else 0
+    return _summary("runs", len(seeds), failures, events, total.as_dict(), started)
 
 
 def _cluster_one(seed: int, shape: str, verbose: bool) -> int:
@@ -153,10 +148,15 @@ def _cluster_swarm(seeds: range, shape: str | None) -> int:
             continue
         total.add(result.counts)
         events += result.events
+    return _summary("cluster runs", len(seeds), failures, events, total.as_dict(), started)
+
+
+def _summary(what: str, runs: int, failures: Sequence[SimulationFailure | ClusterSimulationFailure], events: int,
+             counts: Mapping[str, int], started: float) -> int:  # fmt: skip
+    """The closing lines of a swarm: runs, failures, fault counts, and a replay command per failure."""
     took = time.perf_counter() - started
-    print(f"{len(seeds)} cluster runs, {len(failures)} failed, {events} events, {took:.1f}s "
-          f"({took / max(1, len(seeds)):.3f}s a run)")  # fmt: skip
-    print("  " + " ".join(f"{k}={v}" for k, v in total.as_dict().items()))
+    print(f"{runs} {what}, {len(failures)} failed, {events} events, {took:.1f}s ({took / max(1, runs):.3f}s a run)")
+    print("  " + " ".join(f"{k}={v}" for k, v in counts.items()))
     for failure in failures:
         print(f"  replay: {failure.replay}")
     return 1 if failures else 0
