@@ -20,10 +20,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 3 --dist loadgroup
 
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n 3 --dist loadgroup -m "not slow"
 
 # The generated code is committed; this regenerates it with the pinned grpcio-tools and mypy-protobuf
 # (typed stubs for the messages and the service, so mypy --strict checks every call).

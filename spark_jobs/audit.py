@@ -286,7 +286,9 @@ def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
     return lines
 
 
-def main(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
+def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: Any = None) -> int:
+    """``georep audit``: the exit status is the verdict. ``spark``: a running session to use (and leave running);
+    by default the command starts its own and stops it."""
     try:
         as_of_ms = parse_as_of(args.as_of, int(time.time() * 1000))
         topology, dirs, segments = resolve_inputs(args.topology, args.data_root, args.site, args.topics)
@@ -295,26 +297,31 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         return EXIT_USAGE
     from spark_jobs.session import start_spark
 
-    spark = start_spark(args.master)
-    if spark is None:
+    session = spark or start_spark(args.master)
+    if session is None:
         return EXIT_USAGE
     try:
-        result = run_audit(spark, topology, dirs, segments, args.report, as_of_ms)
+        result = run_audit(session, topology, dirs, segments, args.report, as_of_ms)
     except Exception as exc:  # noqa: BLE001 - exit 1 must mean divergence, never a crash
         print(f"georep: error: the audit could not run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:
-        spark.stop()
+        if spark is None:
+            session.stop()
     for line in result.summary if not args.quiet else result.summary[-2:]:
         out(line)
     return result.exit_code
 
 
-def cli(argv: list[str] | None = None) -> int:
-    """The entry point for ``spark-submit spark_jobs/audit.py`` (``georep audit`` goes through georep.cli)."""
+def cli_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="georep audit", description="check that every site holds the same data")
     add_arguments(parser)
-    return main(parser.parse_args(argv))
+    return parser
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The entry point for ``spark-submit spark_jobs/audit.py`` (``georep audit`` goes through georep.cli)."""
+    return main(cli_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

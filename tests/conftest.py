@@ -12,6 +12,28 @@ from georep.server.process import NodeProcess
 from tests.support.node_api import stub_for
 from tests.support.sites import Sites
 
+# Tests that share one expensive thing run on one xdist worker (`make test` runs `pytest -n 3 --dist loadgroup`):
+# every test that uses Spark shares one JVM, and each simulator module shares one process pool. These groups
+# are the longest chains of the run, so they are handed out first.
+SHARED_ON_ONE_WORKER = {"test_sim.py": "sim", "test_sim_cluster.py": "sim-cluster"}
+
+GROUPS_FIRST = ("spark", "sim", "sim-cluster")
+
+
+def _group(item: pytest.Item) -> str | None:
+    if "spark" in getattr(item, "fixturenames", ()):
+        return "spark"
+    return SHARED_ON_ONE_WORKER.get(item.path.name)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    groups = {item.nodeid: _group(item) for item in items}
+    for item in items:
+        if groups[item.nodeid]:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    rank = {g: i for i, g in enumerate(GROUPS_FIRST)}
+    items.sort(key=lambda item: rank.get(groups[item.nodeid] or "", len(rank)))  # stable: file order otherwise
+
 
 @pytest.fixture
 def start_node(tmp_path: Path) -> Iterator[object]:
@@ -68,9 +90,14 @@ def make_sites(tmp_path: Path) -> Iterator[Callable[..., Sites]]:
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
-    """One local SparkSession for the whole run: starting a JVM costs seconds."""
-    from spark_jobs.session import spark_session
+    """One local SparkSession for the whole run: starting a JVM costs seconds.
 
-    session = spark_session("local[2]", "georep-audit-tests", {"spark.sql.shuffle.partitions": "2"})
+    Tuned for many small jobs on a shared 2-core machine: one task slot and one shuffle partition, and the JVM's
+    quick compiler only (C2 and parallel GC threads doubled the JVM's CPU time for data this small)."""
+    from spark_jobs.session import DEFAULTS, spark_session
+
+    java_options = DEFAULTS["spark.driver.extraJavaOptions"] + " -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+    session = spark_session("local[1]", "georep-audit-tests", {"spark.sql.shuffle.partitions": "1",
+                                                                "spark.driver.extraJavaOptions": java_options})
     yield session
     session.stop()

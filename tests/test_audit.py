@@ -182,18 +182,22 @@ def test_usage_errors_exit_2_with_what_to_do(tmp_path: Path) -> None:
     assert as_of.returncode == EXIT_USAGE and "ISO-8601" in as_of.stderr
 
 
-@pytest.mark.slow
-def test_georep_audit_exits_0_when_clean_and_1_on_divergence(tmp_path: Path) -> None:
+def test_georep_audit_exits_0_when_clean_and_1_on_divergence(spark: Any, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """The command's verdict as its exit status, from its own argument parser (in this process, on the shared
+    session: a process of its own would start a JVM per run; the usage errors above go through the process)."""
+    from spark_jobs.audit import cli_parser, main
+
     dirs = write_sites(tmp_path / "data", SITES, SPEC)
-    args = ["audit", "--data-root", str(tmp_path / "data"), "--report", str(tmp_path / "r"), "--master", "local[2]"]
-    clean = georep(*args)
-    assert clean.returncode == EXIT_CLEAN, clean.stderr
-    assert "CLEAN: no divergence" in clean.stdout and " WARN " not in clean.stderr
+    args = cli_parser().parse_args(["--data-root", str(tmp_path / "data"), "--report", str(tmp_path / "r")])
+    assert main(args, spark=spark) == EXIT_CLEAN
+    assert "CLEAN: no divergence" in capsys.readouterr().out
     inject.flip_value_byte(part(dirs, "c"), "b@1", 3)
-    diverged = georep(*args)
-    assert diverged.returncode == EXIT_DIVERGENCE, diverged.stderr
-    assert "DIVERGENCE" in diverged.stdout and "orders/0 b@1:3" in diverged.stdout
+    assert main(args, spark=spark) == EXIT_DIVERGENCE
+    out = capsys.readouterr().out
+    assert "DIVERGENCE" in out and "orders/0 b@1:3" in out
     assert json.loads((tmp_path / "r" / "report.json").read_text())["exit_code"] == EXIT_DIVERGENCE
+    assert spark.range(3).count() == 3, "a session the caller passed is left running"
 
 
 def test_delays_per_path_origin_and_site_use_the_origin_append_time(spark: Any, sites: dict[str, Path],

@@ -73,23 +73,23 @@ def test_describe_shows_a_running_member_and_its_assignment(node: NodeProcess) -
     b = node.address
     ok(georep("topic", "create", TOPIC, "--partitions", "3", "--bootstrap", b))
     produce(b, ["x", "y"])
-    consumer = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-m", "georep.cli", "consume", TOPIC, "--group", "live", "--from-beginning",
-         "--timeout", "4", "--bootstrap", b], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        wait_until("the consumer joins", lambda: _known(b, "live") and describe(b, "live")["members"], 15)
-        d = describe(b, "live")
-        [member] = d["members"]
-        assert member["assignment"] == {TOPIC: [0, 1, 2]}
-        assert 0 <= member["last_heartbeat_age_ms"] < 10_000
-        row = ok(georep("group", "list", "--bootstrap", b)).splitlines()[1].split()
-        assert row[:2] == ["live", "1"] and row[2] != "0"
-        text = ok(georep("group", "describe", "live", "--bootstrap", b))
-        assert member["member_id"] in text and f"{TOPIC}/0,1,2" in text
-        out, err = consumer.communicate(timeout=30)
-    finally:
-        consumer.kill()
+         "--timeout", "12", "--bootstrap", b], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ) as consumer:  # fmt: skip
+        try:
+            wait_until("the consumer joins", lambda: _known(b, "live") and describe(b, "live")["members"], 15)
+            d = describe(b, "live")
+            [member] = d["members"]
+            assert member["assignment"] == {TOPIC: [0, 1, 2]}
+            assert 0 <= member["last_heartbeat_age_ms"] < 10_000
+            row = ok(georep("group", "list", "--bootstrap", b)).splitlines()[1].split()
+            assert row[:2] == ["live", "1"] and row[2] != "0"
+            text = ok(georep("group", "describe", "live", "--bootstrap", b))
+            assert member["member_id"] in text and f"{TOPIC}/0,1,2" in text
+            out, err = consumer.communicate(timeout=30)
+        finally:
+            consumer.kill()
     assert consumer.returncode == 0, err.decode()
     assert sorted(out.split()) == [b"x", b"y"]
     d = describe(b, "live")
