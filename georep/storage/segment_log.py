@@ -302,6 +302,69 @@ class SegmentLog:
         return opened
 
     @classmethod
+    def create_at(cls, directory: Path, config: LogConfig, base_offset: int, vector: dict[Origin, OriginSeq],
+                  now_ms: int) -> SegmentLog:  # fmt: skip
+        """A new, empty log whose first offset is ``base_offset`` and whose vector starts at ``vector``.
+
+        For a segment of a partition whose earlier segments live on other nodes (a member of a segment's
+        ensemble, ``georep/storage/replica_store.py``): offsets and the vector go on from where the partition's
+        previous segment ended. ``directory`` must not exist. The recovery point is written before the segment
+        file, so a crash in between leaves a directory that :meth:`open` starts empty at ``base_offset``.
+        """
+        check_config(config)
+        directory = Path(directory)
+        directory.mkdir(parents=True)
+        write_recovery_point(directory, RecoveryPoint(LocalOffset(base_offset), LocalOffset(base_offset),
+                                                      dict(vector)))  # fmt: skip
+        Segment.create(directory, base_offset).close()
+        fsync_directory(directory)
+        fsync_directory(directory.parent)
+        return cls.open(directory, config, now_ms)
+
+    @classmethod
+    def cut(cls, directory: Path, config: LogConfig, end_offset: int, now_ms: int) -> SegmentLog:
+        """Open the log in ``directory`` cut back to ``end_offset``: every batch at or after it is removed.
+
+        The log must be closed, and ``end_offset`` must be a batch boundary in its last segment (a replica's
+        copy of one segment, cut to the end its ensemble sealed it at: ``cluster/recovery.py``). The ``.log`` is
+        truncated and fsynced first; its indexes are removed and rebuilt by :meth:`open`, so a crash anywhere in
+        between leaves a log that opens either whole or cut, never torn.
+        """
+        directory = Path(directory)
+        bases = sorted(int(p.name[: -len(LOG_SUFFIX)]) for p in directory.glob("*" + LOG_SUFFIX)
+                       if p.name[: -len(LOG_SUFFIX)].isdigit())  # fmt: skip
+        if not bases or end_offset < bases[-1]:
+            raise ValueError(f"partition log {directory}: cannot cut at offset {end_offset}: only the last segment "
+                             f"(from offset {bases[-1] if bases else '?'}) can be cut")  # fmt: skip
+        log_path, index_path, oindex_path = segment_paths(directory, bases[-1])
+        data = log_path.read_bytes()
+        position, offset = 0, bases[-1]
+        while offset < end_offset:
+            if position >= len(data):
+                raise ValueError(f"partition log {directory}: cannot cut at offset {end_offset}: the log ends at "
+                                 f"offset {offset}")  # fmt: skip
+            header = check_batch(data, position)
+            if header.base_offset != offset:
+                raise ValueError(f"partition log {directory}: the batch at byte {position} starts at offset "
+                                 f"{header.base_offset}, not {offset}")  # fmt: skip
+            position += header.size_bytes
+            offset = header.next_offset
+        if offset != end_offset:
+            raise ValueError(f"partition log {directory}: offset {end_offset} is inside the batch ending at {offset}: "
+                             "a cut must fall between batches")  # fmt: skip
+        if position < len(data):
+            fd = os.open(log_path, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, position)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            for stale in (index_path, oindex_path):
+                stale.unlink(missing_ok=True)
+            fsync_directory(directory)
+        return cls.open(directory, config, now_ms)
+
+    @classmethod
     def _from_segments(cls, directory: Path, config: LogConfig, segments: list[Segment],
                        point: RecoveryPoint | None, report: RecoveryReport) -> SegmentLog:  # fmt: skip
         origins = OriginIndex()

@@ -1,0 +1,304 @@
+"""A node's copies of the segments whose ensembles it is a member of. Shell.
+
+Inside a multi-node site (ARCHITECTURE.md, "Inside a site: the segment
+cluster") a partition is a chain of segments, each stored by its own ensemble
+of nodes. This module is one node's side of that: it keeps each segment it
+was sent as its own :class:`~georep.storage.segment_log.SegmentLog`, whose
+first offset is the segment's base, so a node holds segments 3 and 7 of a
+partition without 4 to 6. Layout, under the node's data dir::
+
+    replicas/<quoted topic>-<partition>/
+        guard.json               the partition's ReplicaGuard state, replaced durably
+        0000000003/              segment 3: a SegmentLog starting at the segment's base offset
+        0000000007/              segment 7
+        0000000008.new/          a segment being created; removed at startup
+
+**Decisions are the guard's.** Whether an append, a fence or a seal is
+allowed (leader epochs, sealed segments, contiguity) is
+:class:`cluster.quorum.ReplicaGuard`'s call; this module carries it out on
+disk. As the guard requires, its state is written durably (``guard.json``,
+fsynced, replaced atomically) before the call that changed it returns: a
+member that restarts never accepts a deposed leader it had fenced, nor appends
+to a segment it had sealed.
+
+**Copies are byte for byte.** A batch arrives with the leader's 24-byte local
+prefix (base offset, append time) and is stored with it unchanged, so every
+replica of a segment holds the same bytes, which the audit compares.
+
+**Cut only after the seal.** :meth:`ReplicaStore.seal` records the seal
+first and then cuts a copy longer than the sealed end (``cluster/recovery.py``:
+until the seal is committed a later recovery may still count that tail).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import threading
+import urllib.parse
+from pathlib import Path
+
+from cluster.ids import LeaderEpoch, SegmentId
+from cluster.quorum import GuardState, ReplicaGuard
+from georep.record.batch import REWRITTEN_BYTES, CorruptBatch, iter_headers
+from georep.storage.api import LogConfig, ReadResult
+from georep.storage.durable_file import fsync_directory, replace_file
+from georep.storage.segment import U32_MAX
+from georep.storage.segment_log import SegmentLog
+from offsets.coordinates import LocalOffset, Origin, OriginSeq
+
+log = logging.getLogger(__name__)
+
+REPLICAS_DIR = "replicas"
+GUARD_FILE = "guard.json"
+GUARD_FORMAT = 1
+NEW_SUFFIX = ".new"
+# A replica's log is one segment file (up to 4 GiB, the format's limit): the ensemble decides when a segment
+# ends, not the node's roll settings.
+REPLICA_LOG_CONFIG = LogConfig(segment_bytes_max=U32_MAX, segment_ms=1 << 62)
+
+PartitionKey = tuple[str, int]
+
+
+class ReplicaError(Exception):
+    """A replica operation that cannot be done; the message says what to do."""
+
+
+class UnknownSegment(ReplicaError):
+    def __init__(self, key: PartitionKey, segment_id: int) -> None:
+        super().__init__(f"this node holds no copy of segment {segment_id} of {key[0]}-{key[1]}: ask a member of "
+                         "the segment's ensemble (the site's metadata lists them)")  # fmt: skip
+
+
+class CorruptReplicaChunk(ReplicaError):
+    """Bytes sent for a segment that are not whole, valid batches; nothing of them was stored."""
+
+
+def partition_dir_name(key: PartitionKey) -> str:
+    return f"{urllib.parse.quote(key[0], safe='')}-{key[1]}"
+
+
+def _parse_partition_dir(name: str) -> PartitionKey | None:
+    topic, sep, index = name.rpartition("-")
+    if not sep or not index.isdigit():
+        return None
+    return urllib.parse.unquote(topic), int(index)
+
+
+def _segment_dir_name(segment_id: int) -> str:
+    return f"{segment_id:010d}"
+
+
+class PartitionReplicas:
+    """One partition's segments on this node, and its guard."""
+
+    def __init__(self, key: PartitionKey, directory: Path, guard: ReplicaGuard,
+                 segments: dict[SegmentId, SegmentLog]) -> None:  # fmt: skip
+        self.key = key
+        self.directory = directory
+        self.guard = guard
+        self.segments = segments
+
+    def segment(self, segment_id: SegmentId) -> SegmentLog:
+        found = self.segments.get(segment_id)
+        if found is None:
+            raise UnknownSegment(self.key, segment_id)
+        return found
+
+    def persist_guard(self) -> None:
+        doc = {"format": GUARD_FORMAT, **dataclasses.asdict(self.guard.state)}
+        replace_file(self.directory / GUARD_FILE, (json.dumps(doc, sort_keys=True) + "\n").encode())
+
+
+def _read_guard(directory: Path) -> ReplicaGuard:
+    path = directory / GUARD_FILE
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return ReplicaGuard()
+    except (OSError, ValueError) as exc:
+        # Starting with an empty fence could accept a deposed leader: refuse to guess.
+        raise ReplicaError(f"{path} is unreadable ({exc}): this node cannot know which leaders it fenced. Restore "
+                           "the file, or remove this node's replicas directory and let the site repair its "
+                           "segments onto it again") from None  # fmt: skip
+    if not isinstance(doc, dict) or doc.get("format") != GUARD_FORMAT:
+        raise ReplicaError(f"{path} has format {doc.get('format') if isinstance(doc, dict) else doc!r}; this build "
+                           f"reads {GUARD_FORMAT}")  # fmt: skip
+    sealed = doc.get("sealed_through")
+    return ReplicaGuard(GuardState(LeaderEpoch(int(doc["fenced_epoch"])),
+                                   None if sealed is None else SegmentId(int(sealed))))  # fmt: skip
+
+
+class ReplicaStore:
+    """Every segment copy a node holds. Thread-safe: one lock, held for each call (calls are short, and a
+    segment's appends come from one leader stream in order)."""
+
+    def __init__(self, data_dir: Path, now_ms: int) -> None:
+        self.root = data_dir / REPLICAS_DIR
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._partitions: dict[PartitionKey, PartitionReplicas] = {}
+        try:
+            for directory in sorted(p for p in self.root.iterdir() if p.is_dir()):
+                key = _parse_partition_dir(directory.name)
+                if key is not None:
+                    self._partitions[key] = self._open_partition(key, directory, now_ms)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _open_partition(key: PartitionKey, directory: Path, now_ms: int) -> PartitionReplicas:
+        segments: dict[SegmentId, SegmentLog] = {}
+        for child in sorted(directory.iterdir()):
+            if child.name.endswith(NEW_SUFFIX):
+                log.info("removing %s: a segment copy whose creation did not finish", child)
+                shutil.rmtree(child)
+            elif child.is_dir() and child.name.isdigit():
+                segments[SegmentId(int(child.name))] = SegmentLog.open(child, REPLICA_LOG_CONFIG, now_ms)
+        return PartitionReplicas(key, directory, _read_guard(directory), segments)
+
+    # -- what a node holds -------------------------------------------------------------------------------
+
+    def partitions(self) -> list[PartitionKey]:
+        with self._lock:
+            return sorted(self._partitions)
+
+    def segment_ids(self, key: PartitionKey) -> list[SegmentId]:
+        with self._lock:
+            p = self._partitions.get(key)
+            return sorted(p.segments) if p else []
+
+    def guard_state(self, key: PartitionKey) -> GuardState:
+        with self._lock:
+            p = self._partitions.get(key)
+            return p.guard.state if p else GuardState()
+
+    def end_offset(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
+        with self._lock:
+            return self._partition(key).segment(segment_id).log_end_offset
+
+    def flushed_offset(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
+        with self._lock:
+            return self._partition(key).segment(segment_id).flushed_offset
+
+    def size_bytes(self) -> int:
+        with self._lock:
+            return sum(s.size_bytes for p in self._partitions.values() for s in p.segments.values())
+
+    def _partition(self, key: PartitionKey) -> PartitionReplicas:
+        p = self._partitions.get(key)
+        if p is None:
+            directory = self.root / partition_dir_name(key)
+            directory.mkdir(exist_ok=True)
+            fsync_directory(self.root)
+            p = self._partitions[key] = PartitionReplicas(key, directory, ReplicaGuard(), {})
+        return p
+
+    # -- the leader's calls --------------------------------------------------------------------------------
+
+    def open_segment(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, base_offset: int,
+                     start_vector: dict[Origin, OriginSeq], now_ms: int) -> None:  # fmt: skip
+        """Start this node's copy of a new segment, empty at ``base_offset`` (its vector goes on from
+        ``start_vector``, the end vector of the segment before it). Opening an existing copy again is a no-op.
+
+        The guard decides as for an append at the segment's base (``Fenced``, ``SegmentSealed``).
+        """
+        with self._lock:
+            p = self._partition(key)
+            if segment_id in p.segments:
+                return
+            if p.guard.check_append(epoch, segment_id, base_offset, base_offset):
+                p.persist_guard()
+            final = p.directory / _segment_dir_name(segment_id)
+            building = final.with_name(final.name + NEW_SUFFIX)
+            if building.exists():
+                shutil.rmtree(building)
+            SegmentLog.create_at(building, REPLICA_LOG_CONFIG, base_offset, start_vector, now_ms).close()
+            building.rename(final)
+            fsync_directory(p.directory)
+            p.segments[segment_id] = SegmentLog.open(final, REPLICA_LOG_CONFIG, now_ms)
+
+    def append(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, chunk: bytes) -> LocalOffset:
+        """Append the leader's batches (whole batches, back to back, with their local prefixes) to this node's
+        copy of ``segment_id``. Returns the copy's new end (not yet fsynced: :meth:`flush`).
+
+        Raises :class:`CorruptReplicaChunk` (nothing stored), :class:`UnknownSegment`, or the guard's
+        ``Fenced``, ``SegmentSealed`` or ``NotContiguous`` at the first batch it refuses; the batches before
+        that one stay appended, and ``NotContiguous`` says where the leader must resend from.
+        """
+        try:
+            headers = iter_headers(chunk, verify=True)
+        except CorruptBatch as exc:
+            raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: {exc}; nothing was stored, the "
+                                      "leader resends") from None  # fmt: skip
+        if sum(h.size_bytes for h in headers) != len(chunk):
+            raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: the chunk ends inside a batch; "
+                                      "nothing was stored, the leader resends")  # fmt: skip
+        view = memoryview(chunk)
+        with self._lock:
+            p = self._partition(key)
+            seg = p.segment(segment_id)
+            at = 0
+            for h in headers:
+                if p.guard.check_append(epoch, segment_id, h.base_offset, seg.log_end_offset):
+                    p.persist_guard()
+                seg.append(h, [view[at + REWRITTEN_BYTES : at + h.size_bytes]], h.append_time_ms)
+                at += h.size_bytes
+            return seg.log_end_offset
+
+    def flush(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
+        """fsync this node's copy of ``segment_id``; returns the end it holds fsynced (what the member acks)."""
+        with self._lock:
+            seg = self._partition(key).segment(segment_id)
+        return seg.flush()  # outside the lock: an fsync is slow, and the log has its own lock
+
+    def fence(self, key: PartitionKey, epoch: LeaderEpoch) -> dict[SegmentId, LocalOffset]:
+        """A new leader fences this node at ``epoch`` (``Fenced`` if older than the fence). Returns the end of
+        every segment copy, each fsynced first: what recovery counts (``cluster/recovery.py``)."""
+        with self._lock:
+            p = self._partition(key)
+            before = p.guard.state
+            p.guard.fence(epoch)
+            if p.guard.state != before:
+                p.persist_guard()
+            segments = dict(p.segments)
+        return {sid: seg.flush() for sid, seg in sorted(segments.items())}
+
+    def seal(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, end_offset: int,
+             now_ms: int) -> LocalOffset:  # fmt: skip
+        """``segment_id`` was sealed at ``end_offset`` by the leader of ``epoch`` (the seal is committed in the
+        site's metadata). Records it, then cuts this node's copy if it is longer. Returns the copy's end, which
+        is below ``end_offset`` if this copy is short (repair fills it: ``cluster/repair.py``)."""
+        with self._lock:
+            p = self._partition(key)
+            before = p.guard.state
+            p.guard.seal(epoch, segment_id)
+            if p.guard.state != before:
+                p.persist_guard()
+            seg = p.segments.get(segment_id)
+            if seg is None:
+                return LocalOffset(0)
+            if seg.log_end_offset > end_offset:
+                log.info("segment %d of %s-%d: cutting this copy from offset %d back to the sealed end %d",
+                         segment_id, key[0], key[1], seg.log_end_offset, end_offset)  # fmt: skip
+                directory = seg.directory
+                seg.close()
+                p.segments[segment_id] = seg = SegmentLog.cut(directory, REPLICA_LOG_CONFIG, end_offset, now_ms)
+            return seg.log_end_offset
+
+    # -- reads -----------------------------------------------------------------------------------------------
+
+    def read(self, key: PartitionKey, segment_id: SegmentId, offset: LocalOffset, max_bytes: int) -> ReadResult:
+        with self._lock:
+            seg = self._partition(key).segment(segment_id)
+        return seg.read(offset, max_bytes)
+
+    def close(self) -> None:
+        with self._lock:
+            for p in self._partitions.values():
+                for seg in p.segments.values():
+                    seg.close()
+            self._partitions.clear()
