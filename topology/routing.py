@@ -23,11 +23,13 @@ results are cached per such set and per set of live links.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from topology.ids import SiteId
 from topology.model import Topology
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 _Key = tuple[SiteId, SiteId]
 
@@ -105,6 +107,8 @@ class Router:
         return cached
 
     def _graph(self, mask: tuple[bool, ...]) -> nx.DiGraph:
+        import networkx as nx  # here, not at the top: every CLI command imports this module, few route
+
         graph = self._graphs.get(mask)
         if graph is None:
             graph = nx.DiGraph()
@@ -116,6 +120,8 @@ class Router:
         return graph
 
     def _compute(self, mask: tuple[bool, ...], origin: SiteId, dst: SiteId) -> tuple[Candidate, ...]:
+        import networkx as nx
+
         graph = self._graph(mask)
         in_neighbours = sorted(graph.predecessors(dst))
         if not in_neighbours:
