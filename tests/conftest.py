@@ -16,7 +16,6 @@ from tests.support.sites import Sites
 # every test that uses Spark shares one JVM, and each simulator module shares one process pool. These groups
 # are the longest chains of the run, so they are handed out first.
 SHARED_ON_ONE_WORKER = {"test_sim.py": "sim", "test_sim_cluster.py": "sim-cluster"}
-
 GROUPS_FIRST = ("spark", "sim", "sim-cluster")
 
 
