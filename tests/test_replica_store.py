@@ -73,6 +73,9 @@ def test_the_guard_refuses_old_epochs_sealed_segments_and_gaps_and_changes_nothi
         store.append(KEY, E2, SEG, batches[1][:-1])
     with pytest.raises(UnknownSegment, match="ask a member"):
         store.append(KEY, E2, SegmentId(9), batches[1])
+    with pytest.raises(UnknownSegment):
+        store.read(("other", 0), SEG, LocalOffset(0), 100)
+    assert store.partitions() == [KEY]  # a read of what the node does not hold creates nothing
     end = store.append(KEY, E2, SEG, batches[1])
     store.seal(KEY, E2, SEG, end, now_ms=0)
     with pytest.raises(SegmentSealed):

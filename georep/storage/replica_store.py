@@ -178,17 +178,25 @@ class ReplicaStore:
 
     def end_offset(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
         with self._lock:
-            return self._partition(key).segment(segment_id).log_end_offset
+            return self._segment(key, segment_id).log_end_offset
 
     def flushed_offset(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
         with self._lock:
-            return self._partition(key).segment(segment_id).flushed_offset
+            return self._segment(key, segment_id).flushed_offset
 
     def size_bytes(self) -> int:
         with self._lock:
             return sum(s.size_bytes for p in self._partitions.values() for s in p.segments.values())
 
+    def _segment(self, key: PartitionKey, segment_id: SegmentId) -> SegmentLog:
+        """A copy this node holds (reads and fsyncs never create anything). Raises :class:`UnknownSegment`."""
+        p = self._partitions.get(key)
+        if p is None:
+            raise UnknownSegment(key, segment_id)
+        return p.segment(segment_id)
+
     def _partition(self, key: PartitionKey) -> PartitionReplicas:
+        """``key``'s replicas, created empty for a leader's first call."""
         p = self._partitions.get(key)
         if p is None:
             directory = self.root / partition_dir_name(key)
@@ -252,7 +260,7 @@ class ReplicaStore:
     def flush(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
         """fsync this node's copy of ``segment_id``; returns the end it holds fsynced (what the member acks)."""
         with self._lock:
-            seg = self._partition(key).segment(segment_id)
+            seg = self._segment(key, segment_id)
         return seg.flush()  # outside the lock: an fsync is slow, and the log has its own lock
 
     def fence(self, key: PartitionKey, epoch: LeaderEpoch) -> dict[SegmentId, LocalOffset]:
@@ -293,7 +301,7 @@ class ReplicaStore:
 
     def read(self, key: PartitionKey, segment_id: SegmentId, offset: LocalOffset, max_bytes: int) -> ReadResult:
         with self._lock:
-            seg = self._partition(key).segment(segment_id)
+            seg = self._segment(key, segment_id)
         return seg.read(offset, max_bytes)
 
     def close(self) -> None:
