@@ -50,9 +50,16 @@ the gRPC layer maps them to status codes, never this module.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
+
+
+def last_add_confirmed(ends: Iterable[int], ack_quorum: int) -> int:
+    """The LAC: the ``ack_quorum``-th largest member end, the highest offset ``ack_quorum`` members hold fsynced."""
+    return sorted(ends, reverse=True)[ack_quorum - 1]
+
 
 # -- errors ------------------------------------------------------------------------------------------
 
@@ -269,7 +276,7 @@ class SegmentQuorum:
         if end_offset <= self._ends[node]:
             return []
         self._ends[node] = end_offset
-        lac = sorted(self._ends.values(), reverse=True)[self.ack_quorum - 1]
+        lac = last_add_confirmed(self._ends.values(), self.ack_quorum)
         if lac <= self._lac:
             return []
         self._lac = lac

@@ -242,6 +242,12 @@ def cut_after_seal(local_end: int, sealed_end: int) -> LocalOffset | None:
     return LocalOffset(sealed_end) if local_end > sealed_end else None
 
 
+def recovered_end(fenced_ends: Sequence[int]) -> int:
+    """Where the segment is sealed: the largest end among the fence quorum's answers (see the module docstring:
+    E - AQ + 1 answers include a holder of every acked batch, and the max invents nothing)."""
+    return max(fenced_ends)
+
+
 class SegmentRecovery:
     """The new leader's recovery of one open segment; see the module docstring for the rules."""
 
@@ -489,7 +495,7 @@ class SegmentRecovery:
 
     def _decide(self, answered: list[NodeId]) -> list[Effect]:
         members = self._members
-        end = max(e for n in answered if (e := members[n].end) is not None)
+        end = recovered_end([e for n in answered if (e := members[n].end) is not None])
         self._end = end
         self._quorum = tuple(sorted(answered))
         self._phase = Phase.COPYING

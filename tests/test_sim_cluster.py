@@ -33,12 +33,12 @@ from typing import Any
 import pytest
 
 import cluster.placement as placement
+import cluster.quorum as quorum
 import cluster.recovery as recovery
 import cluster.repair as repair
 import cluster.site_state as site_state
 from cluster.ids import NodeId, SegmentId
-from cluster.quorum import AckOutOfRange, LacAdvanced, QuorumEffect, ReplicaGuard, SegmentQuorum
-from cluster.recovery import Effect, Phase, SegmentRecovery
+from cluster.quorum import ReplicaGuard
 from georep.sim.__main__ import main as sim_main
 from georep.sim.checker import InvariantViolation
 from georep.sim.cluster import ClusterSimulationFailure, ClusterSimulator, run_cluster_seed
@@ -146,59 +146,27 @@ def _caught(seed: int, shape: str, match: str, checks: frozenset[str] = ALL_CHEC
     return failure.value
 
 
-def _lac_is_the_largest_end(self: SegmentQuorum, node: NodeId, end_offset: int) -> list[QuorumEffect]:
-    """``SegmentQuorum.member_acked`` with the LAC taken as the largest member end (one line changed)."""
-    self._check_member(node, "ack")
-    if not self.base_offset <= end_offset <= self._appended_end:
-        raise AckOutOfRange(f"node {node} reported {end_offset}")
-    if end_offset <= self._ends[node]:
-        return []
-    self._ends[node] = end_offset
-    lac = sorted(self._ends.values(), reverse=True)[0]  # PLANTED: [self.ack_quorum - 1]
-    if lac <= self._lac:
-        return []
-    self._lac = lac
-    return [LacAdvanced(lac)]
-
-
-def _recovered_end_is_the_min(self: SegmentRecovery, answered: list[NodeId]) -> list[Effect]:
-    """``SegmentRecovery._decide`` with the recovered end taken as the MIN of the answers (one line changed)."""
-    members = self._members
-    end = min(e for n in answered if (e := members[n].end) is not None)  # PLANTED: max
-    self._end = end
-    self._quorum = tuple(sorted(answered))
-    self._phase = Phase.COPYING
-    out: list[Effect] = []
-    for n in self.ensemble:
-        e = members[n].end
-        if e is not None and e < end and members[n].reachable:
-            copy = self._plan_copy(n)
-            if copy is not None:
-                out.append(copy)
-    return out + self._copying_progress()
-
-
 def test_a_planted_bug_in_the_lac_is_caught_by_durability(monkeypatch: pytest.MonkeyPatch) -> None:
     """quorum.py: the LAC as the largest member end, not the AQ-th largest: acks=all goes out on one copy."""
-    monkeypatch.setattr(SegmentQuorum, "member_acked", _lac_is_the_largest_end)
+    monkeypatch.setattr(quorum, "last_add_confirmed", lambda ends, ack_quorum: max(ends))  # PLANTED: AQ-th largest
     _caught(0, "single3", r"C1 durability: .* held fsynced by 1 member\(s\)")
 
 
 def test_a_planted_bug_in_the_lac_is_caught_by_a_reader(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same bug with C4 alone: a reader is handed a batch that one crash could take back."""
-    monkeypatch.setattr(SegmentQuorum, "member_acked", _lac_is_the_largest_end)
+    monkeypatch.setattr(quorum, "last_add_confirmed", lambda ends, ack_quorum: max(ends))  # PLANTED: AQ-th largest
     _caught(0, "single3", r"C4 visibility: a reader read .* fewer than min_insync_replicas", frozenset({"C4"}))
 
 
 def test_a_planted_bug_in_recovery_is_caught_by_durability(monkeypatch: pytest.MonkeyPatch) -> None:
     """recovery.py: the recovered end as the min of the fence quorum's ends: the seal cuts acked batches."""
-    monkeypatch.setattr(SegmentRecovery, "_decide", _recovered_end_is_the_min)
+    monkeypatch.setattr(recovery, "recovered_end", min)  # PLANTED: max
     _caught(1, "single3", r"C1 durability: .* acked at the LAC .* fewer than min_insync_replicas=2")
 
 
 def test_a_planted_bug_in_recovery_is_caught_by_a_reader(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same bug with C4 alone: a batch a reader saw is past the end the segment is sealed at."""
-    monkeypatch.setattr(SegmentRecovery, "_decide", _recovered_end_is_the_min)
+    monkeypatch.setattr(recovery, "recovered_end", min)  # PLANTED: max
     _caught(5, "expand5", r"C4 visibility: a reader read .* but the segment was sealed at", frozenset({"C4"}))
 
 
@@ -406,7 +374,7 @@ def test_cli_runs_a_cluster_swarm_and_prints_the_replay_of_a_failure(
 ) -> None:
     assert sim_main(["--cluster", "--seeds", "0..3"]) == 0
     assert capsys.readouterr().out.startswith("4 cluster runs, 0 failed")
-    monkeypatch.setattr(SegmentQuorum, "member_acked", _lac_is_the_largest_end)
+    monkeypatch.setattr(quorum, "last_add_confirmed", lambda ends, ack_quorum: max(ends))  # PLANTED: AQ-th largest
     assert sim_main(["--cluster", "--seeds", "0..1", "--shape", "single3"]) == 1
     captured = capsys.readouterr()
     assert "2 cluster runs, 2 failed" in captured.out
