@@ -162,6 +162,23 @@ def test_a_silent_stream_is_dead_and_retries_back_off_then_reset() -> None:
     assert dst.session.next_due_ms() == 6_300
 
 
+def test_a_stream_that_fails_on_its_first_apply_backs_off_and_keeps_its_error_until_progress() -> None:
+    dst = Dst()
+    dst.session.start(0)
+    b = dst.links.links[SiteId("b")]
+    for stream_id, now, retry in ((1, 10, 110), (2, 110, 310), (3, 310, 710)):  # a full disk, say
+        [_, apply] = dst.session.on_message(stream_id, [data(B, 0)], False, now)
+        assert isinstance(apply, ApplyChunk) and b.state is LinkState.STREAMING
+        assert kinds(dst.session.on_stream_ended(stream_id, now, "DiskFull: no space")) == ["down"]
+        assert dst.session.stats.last_error == b.last_error == "DiskFull: no space"
+        assert dst.session.next_due_ms() == retry  # doubling: the message that came did not reset it
+        assert kinds(dst.session.tick(retry)) == ["OpenStream"]
+    dst.message(4, data(B, 0), now_ms=720)  # applied whole: the link works again
+    assert dst.session.stats.last_error == b.last_error == "" and dst.log.vector() == {B: 2}
+    dst.session.on_stream_ended(dst.session.stream_id or 0, 730, "reset")
+    assert dst.session.next_due_ms() == 830
+
+
 def test_a_clean_end_reopens_at_once_and_a_failed_one_after_the_backoff() -> None:
     dst = Dst()
     dst.session.start(0)

@@ -87,7 +87,7 @@ class LinkManager:
     def link_up(self, src: str, now_ms: int) -> None:
         link = self.links[SiteId(src)]
         if link.state is not LinkState.STREAMING:
-            link.state, link.since_ms, link.last_error = LinkState.STREAMING, now_ms, ""
+            link.state, link.since_ms = LinkState.STREAMING, now_ms  # its last error stays until progress
             self.router.set_link_up(src, self.site, True)
             self._wants.clear()
 

@@ -19,8 +19,11 @@ outcome of an apply, the end of a stream, ``tick(now_ms)``); effects come out:
 The rules:
 
 * **Open** at start, right after a stream ends cleanly, and ``backoff`` after
-  a failure (doubling from ``backoff_min_ms`` to ``backoff_max_ms``; reset by
-  the next message that arrives).
+  a failure (doubling from ``backoff_min_ms`` to ``backoff_max_ms``). Only
+  progress resets it and clears the link's last error: a message applied
+  whole. A stream that opens and fails on its first apply (a full local disk,
+  a refused batch) therefore backs off instead of reopening every
+  ``backoff_min_ms``, and its error stays on show while it does.
 * **Reopen at once** when the stream is out of step with this site's vector:
   a chunk that starts past the vector (a gap: a batch was lost on the way, or
   the stream raced a failover), a chunk whose batches straddle the vector
@@ -195,13 +198,11 @@ class PullSession:
         if s is None or s.stream_id != stream_id:
             return []  # a message of a stream this session has left
         s.last_message_ms = now_ms
-        self._backoff_ms = self.config.backoff_min_ms
         out: list[Effect] = []
         first = not s.delivered
         if first:
             s.delivered = True
             self.links.link_up(self.src, now_ms)
-            self.stats.last_error = ""
             out.append(LinkEvent("up", f"link {self.src} -> {self.links.site} streaming"))
         s.inbox.append(_Message(deque(chunks), heartbeat, first))
         if not s.applying:
@@ -291,6 +292,7 @@ class PullSession:
                     s.applying = True
                     return [ApplyChunk(s.stream_id, chunk.key, chunk.batches)]
             s.inbox.popleft()
+            self._progressed()
             if self._tail_lost(s, msg):
                 return [LinkEvent("tail", f"data from {self.src} was lost on the way: reopening"),
                         *self._reopen(now_ms)]  # fmt: skip
@@ -299,6 +301,11 @@ class PullSession:
                 if out:
                     return out
         return []
+
+    def _progressed(self) -> None:
+        """A message was applied whole: the link works again."""
+        self._backoff_ms = self.config.backoff_min_ms
+        self.stats.last_error = self.links.links[self.src].last_error = ""
 
     def _check_wants(self, now_ms: int) -> list[Effect]:
         s = self._stream
