@@ -1,9 +1,4 @@
-"""grpc.aio handlers for the ``georep.v1.Node`` service.
-
-Handlers receive the request as raw bytes and parse it themselves: a request
-that is not a valid protobuf gets ``INVALID_ARGUMENT`` with a message, instead of
-gRPC's generic deserialization failure.
-"""
+"""grpc.aio handlers for the ``georep.v1.Node`` service (the parsing and error mapping: ``georep/server/rpc.py``)."""
 
 from __future__ import annotations
 
@@ -13,11 +8,10 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import AsyncIterator, Mapping
+from typing import TYPE_CHECKING
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
 from georep import __version__
 from georep.broker.append import Produced
@@ -32,13 +26,13 @@ from georep.broker.errors import (
 )
 from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, FromVector, Latest, batch_by_coordinate
 from georep.proto import georep_pb2 as pb
-from georep.proto.bounds import check_bounds
 from georep.proto.convert import acks_from_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
 from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
-from georep.server.status import DOMAIN_ERRORS, status_of
+from georep.server.rpc import Context, parse, service, status, stream_stream, unary, unary_stream
+from georep.server.status import DOMAIN_ERRORS
 from georep.storage.api import BatchDamaged
 from offsets.coordinates import InvalidOrigin, Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
@@ -54,35 +48,13 @@ SERVICE = "georep.v1.Node"
 FETCH_MAX_BYTES_CAP = 16 << 20
 SCRUB_STEP_BYTES = 4 << 20
 SCRUB_PROGRESS_S = 0.5
-NEXT_OFFSET_METADATA = "georep-next-offset"  # trailing metadata of a DATA_LOSS fetch: after the damaged batch
 FETCH_MAX_WAIT_MS_CAP = 30_000
 PRODUCE_STREAM_MAX_PENDING = 1024  # unacked batches per stream before reading pauses
 REPLICATE_MAX_BYTES_DEFAULT = 1 << 20
 REPLICATE_MAX_WAIT_MS_DEFAULT = 500
 
-M = TypeVar("M", bound=Message)
-# Handlers take raw bytes (no deserializer) and return messages.
-Context = grpc.aio.ServicerContext[bytes, Message]
-
-
-def _parse(cls: type[M], data: bytes) -> M:
-    msg = cls()
-    try:
-        msg.ParseFromString(data)
-    except DecodeError as exc:
-        raise InvalidRequest(
-            f"malformed {cls.__name__}: {exc}; use a client built from georep/proto/georep.proto"
-        ) from None
-    check_bounds(msg)
-    return msg
-
-
-def _status(exc: Exception) -> grpc.StatusCode:
-    return status_of(exc) or grpc.StatusCode.INTERNAL
-
-
 def _error(exc: Exception) -> pb.Error:
-    return pb.Error(code=_status(exc).value[0], message=str(exc))
+    return pb.Error(code=status(exc).value[0], message=str(exc))
 
 
 def _vector_from_pb(msg: pb.VectorOffset) -> VectorOffset:
@@ -147,7 +119,7 @@ class NodeService:
         return pb.TopicDescription(name=name, partitions=spec.partitions, config=config, partition_states=states)
 
     async def create_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
-        req = _parse(pb.CreateTopicRequest, data)
+        req = parse(pb.CreateTopicRequest, data)
         if is_internal(req.name):
             raise InternalTopic(f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: "
                                 "choose another name")  # fmt: skip
@@ -155,14 +127,14 @@ class NodeService:
         return self._describe(req.name)
 
     async def list_topics(self, data: bytes, context: Context) -> pb.ListTopicsResponse:
-        _parse(pb.ListTopicsRequest, data)
+        parse(pb.ListTopicsRequest, data)
         return pb.ListTopicsResponse(topics=[self._describe(n) for n in sorted(self.broker.metadata.topics())])
 
     async def describe_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
-        return self._describe(_parse(pb.DescribeTopicRequest, data).name)
+        return self._describe(parse(pb.DescribeTopicRequest, data).name)
 
     async def health(self, data: bytes, context: Context) -> pb.HealthResponse:
-        _parse(pb.HealthRequest, data)
+        parse(pb.HealthRequest, data)
         return pb.HealthResponse(
             status="SERVING", site=self.broker.identity.site, epoch=self.broker.identity.epoch,
             version=__version__, uptime_ms=int((time.monotonic() - self.started) * 1000),
@@ -170,7 +142,7 @@ class NodeService:
         )  # fmt: skip
 
     async def list_offsets(self, data: bytes, context: Context) -> pb.ListOffsetsResponse:
-        req = _parse(pb.ListOffsetsRequest, data)
+        req = parse(pb.ListOffsetsRequest, data)
         spec = self.broker.topic(req.topic)
         indexes = range(spec.partitions) if req.partition == -1 else [req.partition]
         out = []
@@ -203,14 +175,14 @@ class NodeService:
             raise InternalTopic(f"topic {topic!r} is internal to georep: commit with a consumer")
 
     async def produce(self, data: bytes, context: Context) -> pb.ProduceResponse:
-        req = _parse(pb.ProduceRequest, data)
+        req = parse(pb.ProduceRequest, data)
         try:
             self._check_producible(req.topic)
             produced = await self.broker.produce(
                 req.topic, req.partition, req.batch, acks_from_proto(req.acks, req.geo_sites), req.ack_timeout_ms
             )
         except DOMAIN_ERRORS as exc:
-            self.metrics.produce_error(_status(exc))
+            self.metrics.produce_error(status(exc))
             raise
         return self._produced(req, produced)
 
@@ -232,7 +204,7 @@ class NodeService:
             wake.set()
 
         def fail(req: pb.ProduceRequest, exc: Exception) -> None:
-            self.metrics.produce_error(_status(exc))
+            self.metrics.produce_error(status(exc))
             send(pb.ProduceResponse(correlation_id=req.correlation_id, partition=req.partition, error=_error(exc)))
 
         def durable(fut: asyncio.Future[None], req: pb.ProduceRequest, produced: Produced) -> None:
@@ -249,7 +221,7 @@ class NodeService:
         async def read_all() -> None:
             try:
                 async for raw in requests:
-                    req = _parse(pb.ProduceRequest, raw)
+                    req = parse(pb.ProduceRequest, raw)
                     acks = acks_from_proto(req.acks, req.geo_sites)
                     try:
                         self._check_producible(req.topic)
@@ -289,7 +261,7 @@ class NodeService:
     # -- fetch ----------------------------------------------------------------
 
     async def fetch(self, data: bytes, context: Context) -> AsyncIterator[pb.FetchResponse]:
-        req = _parse(pb.FetchRequest, data)
+        req = parse(pb.FetchRequest, data)
         p = self.broker.partition(req.topic, req.partition)
         max_bytes = min(req.max_bytes or (1 << 20), FETCH_MAX_BYTES_CAP)
         max_wait_s = min(req.max_wait_ms or 500, FETCH_MAX_WAIT_MS_CAP) / 1000
@@ -322,7 +294,7 @@ class NodeService:
     # -- damage -------------------------------------------------------------------
 
     async def fetch_batch(self, data: bytes, context: Context) -> pb.FetchBatchResponse:
-        req = _parse(pb.FetchBatchRequest, data)
+        req = parse(pb.FetchBatchRequest, data)
         p = self.broker.partition(req.topic, req.partition)
         try:
             origin = Origin(site_id(req.origin_site), req.origin_epoch)
@@ -332,7 +304,7 @@ class NodeService:
 
     async def scrub(self, data: bytes, context: Context) -> AsyncIterator[pb.ScrubProgress]:
         """Check every partition's stored batches now, streaming progress about every SCRUB_PROGRESS_S."""
-        _parse(pb.ScrubRequest, data)
+        parse(pb.ScrubRequest, data)
         keys = sorted(self.broker.partitions)
         total = sum(self.broker.partition(*k).log.size_bytes for k in keys)
         checked = found = 0
@@ -360,7 +332,7 @@ class NodeService:
     async def replicate(self, data: bytes, context: Context) -> AsyncIterator[pb.ReplicateResponse]:
         """Serve one inbound pull (docs/design.md, "Replication"): a heartbeat first, then
         batches the dst lacks as they become durable, and a heartbeat every ``max_wait_ms`` when idle."""
-        req = _parse(pb.ReplicateRequest, data)
+        req = parse(pb.ReplicateRequest, data)
         if req.dst_site:
             try:
                 site_id(req.dst_site)
@@ -428,7 +400,7 @@ class NodeService:
             )
 
     async def set_link(self, data: bytes, context: Context) -> pb.SetLinkResponse:
-        req = _parse(pb.SetLinkRequest, data)
+        req = parse(pb.SetLinkRequest, data)
         self._authorize_admin(context, "SetLink")
         site = self.broker.identity.site
         if self.replicator is None:
@@ -443,7 +415,7 @@ class NodeService:
         return pb.SetLinkResponse(src=req.src, dst=site, enabled=req.enabled, state=state)
 
     async def site_status(self, data: bytes, context: Context) -> pb.SiteStatusResponse:
-        _parse(pb.SiteStatusRequest, data)
+        parse(pb.SiteStatusRequest, data)
         if self.replicator is not None:
             return self.replicator.status()
         identity = self.broker.identity
@@ -455,7 +427,7 @@ class NodeService:
         return pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch, partitions=parts)
 
     async def report_held(self, data: bytes, context: Context) -> pb.ReportHeldResponse:
-        req = _parse(pb.ReportHeldRequest, data)
+        req = parse(pb.ReportHeldRequest, data)
         entries = []
         for e in req.entries:
             try:
@@ -470,80 +442,49 @@ class NodeService:
     # -- consumer groups --------------------------------------------------------
 
     async def group_heartbeat(self, data: bytes, context: Context) -> pb.GroupHeartbeatResponse:
-        return self.groups.heartbeat(_parse(pb.GroupHeartbeatRequest, data))
+        return self.groups.heartbeat(parse(pb.GroupHeartbeatRequest, data))
 
     async def leave_group(self, data: bytes, context: Context) -> pb.LeaveGroupResponse:
-        return self.groups.leave(_parse(pb.LeaveGroupRequest, data))
+        return self.groups.leave(parse(pb.LeaveGroupRequest, data))
 
     async def commit_offsets(self, data: bytes, context: Context) -> pb.CommitOffsetsResponse:
-        return await self.groups.commit(_parse(pb.CommitOffsetsRequest, data))
+        return await self.groups.commit(parse(pb.CommitOffsetsRequest, data))
 
     async def fetch_committed(self, data: bytes, context: Context) -> pb.FetchCommittedResponse:
-        return await self.groups.fetch_committed(_parse(pb.FetchCommittedRequest, data))
+        return await self.groups.fetch_committed(parse(pb.FetchCommittedRequest, data))
 
     async def list_groups(self, data: bytes, context: Context) -> pb.ListGroupsResponse:
-        _parse(pb.ListGroupsRequest, data)
+        parse(pb.ListGroupsRequest, data)
         return self.groups.list_groups()
 
     async def describe_group(self, data: bytes, context: Context) -> pb.GroupDescription:
-        return self.groups.describe(_parse(pb.DescribeGroupRequest, data))
+        return self.groups.describe(parse(pb.DescribeGroupRequest, data))
 
     # -- wiring ---------------------------------------------------------------
 
     def handler(self) -> grpc.GenericRpcHandler:
-        def ser(msg: Message) -> bytes:
-            return msg.SerializeToString()
-
-        def unary(fn: Callable[[bytes, Context], Awaitable[Message]]) -> grpc.RpcMethodHandler[bytes, Message]:
-            async def call(data: bytes, context: Context) -> Message:
-                try:
-                    return await fn(data, context)
-                except DOMAIN_ERRORS as exc:
-                    await context.abort(_status(exc), str(exc))
-                    raise  # unreachable: abort raises
-
-            return grpc.unary_unary_rpc_method_handler(call, request_deserializer=None, response_serializer=ser)
-
-        def stream(fn: Callable[[Any, Context], AsyncIterator[Message]]) -> Callable[..., AsyncIterator[Message]]:
-            """A streaming handler whose domain errors end the call with their status code."""
-
-            async def call(request: Any, context: Context) -> AsyncIterator[Message]:
-                try:
-                    async for msg in fn(request, context):
-                        yield msg
-                except DamagedData as exc:  # where readable data goes on, for a consumer that skips
-                    await context.abort(_status(exc), str(exc), ((NEXT_OFFSET_METADATA, str(exc.next_offset)),))
-                except DOMAIN_ERRORS as exc:
-                    await context.abort(_status(exc), str(exc))
-
-            return call
-
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "CreateTopic": unary(self.create_topic),
-                "ListTopics": unary(self.list_topics),
-                "DescribeTopic": unary(self.describe_topic),
-                "Produce": unary(self.produce),
-                "ListOffsets": unary(self.list_offsets),
-                "Health": unary(self.health),
-                "SiteStatus": unary(self.site_status),
-                "SetLink": unary(self.set_link),
-                "ReportHeld": unary(self.report_held),
-                "FetchBatch": unary(self.fetch_batch),
-                "Scrub": grpc.unary_stream_rpc_method_handler(stream(self.scrub), None, ser),
-                "GroupHeartbeat": unary(self.group_heartbeat),
-                "LeaveGroup": unary(self.leave_group),
-                "CommitOffsets": unary(self.commit_offsets),
-                "FetchCommitted": unary(self.fetch_committed),
-                "ListGroups": unary(self.list_groups),
-                "DescribeGroup": unary(self.describe_group),
-                "Replicate": grpc.unary_stream_rpc_method_handler(stream(self.replicate), None, ser),
-                "ProduceStream": grpc.stream_stream_rpc_method_handler(stream(self.produce_stream), None, ser),
-                "Fetch": grpc.unary_stream_rpc_method_handler(stream(self.fetch), None, ser),
-            },
-        )
-
+        return service(SERVICE, {
+            "CreateTopic": unary(self.create_topic),
+            "ListTopics": unary(self.list_topics),
+            "DescribeTopic": unary(self.describe_topic),
+            "Produce": unary(self.produce),
+            "ListOffsets": unary(self.list_offsets),
+            "Health": unary(self.health),
+            "SiteStatus": unary(self.site_status),
+            "SetLink": unary(self.set_link),
+            "ReportHeld": unary(self.report_held),
+            "FetchBatch": unary(self.fetch_batch),
+            "Scrub": unary_stream(self.scrub),
+            "GroupHeartbeat": unary(self.group_heartbeat),
+            "LeaveGroup": unary(self.leave_group),
+            "CommitOffsets": unary(self.commit_offsets),
+            "FetchCommitted": unary(self.fetch_committed),
+            "ListGroups": unary(self.list_groups),
+            "DescribeGroup": unary(self.describe_group),
+            "Replicate": unary_stream(self.replicate),
+            "ProduceStream": stream_stream(self.produce_stream),
+            "Fetch": unary_stream(self.fetch),
+        })  # fmt: skip
 
 
 def _fetch_start(req: pb.FetchRequest) -> FetchStart:

@@ -1,0 +1,87 @@
+"""What every grpc.aio service of a node shares: parsing requests, and ending a call on a domain error.
+
+Handlers receive the request as raw bytes and parse it themselves
+(:func:`parse`): a request that is not a valid protobuf gets
+``INVALID_ARGUMENT`` with a message, instead of gRPC's generic
+deserialization failure, and every repeated field is bounded
+(``georep/proto/bounds.py``). A domain error raised by a handler ends the call
+with the status code ``georep/server/status.py`` gives it and its own message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from georep.broker.errors import DamagedData, InvalidRequest
+from georep.proto.bounds import check_bounds
+from georep.server.status import DOMAIN_ERRORS, status_of
+
+M = TypeVar("M", bound=Message)
+# Handlers take raw bytes (no deserializer) and return messages.
+Context = grpc.aio.ServicerContext[bytes, Message]
+NEXT_OFFSET_METADATA = "georep-next-offset"  # trailing metadata of a DATA_LOSS fetch: after the damaged batch
+
+Unary = Callable[[bytes, Context], Awaitable[Message]]
+Streaming = Callable[[Any, Context], AsyncIterator[Message]]
+
+
+def parse(cls: type[M], data: bytes) -> M:
+    msg = cls()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as exc:
+        raise InvalidRequest(
+            f"malformed {cls.__name__}: {exc}; use a client built from georep/proto/georep.proto"
+        ) from None
+    check_bounds(msg)
+    return msg
+
+
+def status(exc: Exception) -> grpc.StatusCode:
+    return status_of(exc) or grpc.StatusCode.INTERNAL
+
+
+def _serialize(msg: Message) -> bytes:
+    return msg.SerializeToString()
+
+
+def unary(fn: Unary) -> grpc.RpcMethodHandler[bytes, Message]:
+    async def call(data: bytes, context: Context) -> Message:
+        try:
+            return await fn(data, context)
+        except DOMAIN_ERRORS as exc:
+            await context.abort(status(exc), str(exc))
+            raise  # unreachable: abort raises
+
+    return grpc.unary_unary_rpc_method_handler(call, request_deserializer=None, response_serializer=_serialize)
+
+
+def _streaming(fn: Streaming) -> Streaming:
+    """A streaming handler whose domain errors end the call with their status code."""
+
+    async def call(request: Any, context: Context) -> AsyncIterator[Message]:
+        try:
+            async for msg in fn(request, context):
+                yield msg
+        except DamagedData as exc:  # where readable data goes on, for a consumer that skips
+            await context.abort(status(exc), str(exc), ((NEXT_OFFSET_METADATA, str(exc.next_offset)),))
+        except DOMAIN_ERRORS as exc:
+            await context.abort(status(exc), str(exc))
+
+    return call
+
+
+def unary_stream(fn: Streaming) -> grpc.RpcMethodHandler[bytes, Message]:
+    return grpc.unary_stream_rpc_method_handler(_streaming(fn), None, _serialize)
+
+
+def stream_stream(fn: Streaming) -> grpc.RpcMethodHandler[bytes, Message]:
+    return grpc.stream_stream_rpc_method_handler(_streaming(fn), None, _serialize)
+
+
+def service(name: str, methods: Mapping[str, grpc.RpcMethodHandler[bytes, Message]]) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(name, dict(methods))
