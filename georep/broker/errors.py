@@ -119,3 +119,12 @@ class DamagedData(BrokerError):
 
 class NotHeld(BrokerError):
     """A batch asked for by its coordinate that this site does not hold durably (``FetchBatch``)."""
+
+
+class NotLeader(BrokerError):
+    """This node does not lead the partition (any more): the client asks the site's metadata for the leader."""
+
+    def __init__(self, topic: str, partition: int, why: str, leader_hint: str = "") -> None:
+        hint = f"; the leader is {leader_hint}" if leader_hint else "; refresh the partition's leader and retry"
+        super().__init__(f"this node does not lead {topic}-{partition}: {why}{hint}")
+        self.leader_hint = leader_hint

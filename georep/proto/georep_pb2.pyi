@@ -1621,3 +1621,273 @@ class ScrubProgress(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ScrubProgress: _TypeAlias = ScrubProgress  # noqa: Y015
+
+@_typing.final
+class SegmentRef(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PARTITION_FIELD_NUMBER: _builtins.int
+    SEGMENT_ID_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    partition: _builtins.int
+    segment_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        partition: _builtins.int = ...,
+        segment_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition", "segment_id", b"segment_id", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentRef: _TypeAlias = SegmentRef  # noqa: Y015
+
+@_typing.final
+class SegmentOpen(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
+    BASE_OFFSET_FIELD_NUMBER: _builtins.int
+    START_VECTOR_FIELD_NUMBER: _builtins.int
+    leader_epoch: _builtins.int
+    base_offset: _builtins.int
+    @_builtins.property
+    def segment(self) -> Global___SegmentRef: ...
+    @_builtins.property
+    def start_vector(self) -> Global___VectorOffset:
+        """the end vector of the segment before it"""
+
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentRef | None = ...,
+        leader_epoch: _builtins.int = ...,
+        base_offset: _builtins.int = ...,
+        start_vector: Global___VectorOffset | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment", "start_vector", b"start_vector"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_offset", b"base_offset", "leader_epoch", b"leader_epoch", "segment", b"segment", "start_vector", b"start_vector"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentOpen: _TypeAlias = SegmentOpen  # noqa: Y015
+
+@_typing.final
+class SegmentAppendRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPEN_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
+    batches: _builtins.bytes
+    """whole batches as the leader stores them, from the member's end"""
+    @_builtins.property
+    def open(self) -> Global___SegmentOpen:
+        """the first request only"""
+
+    def __init__(
+        self,
+        *,
+        open: Global___SegmentOpen | None = ...,
+        batches: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["open", b"open"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "open", b"open"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentAppendRequest: _TypeAlias = SegmentAppendRequest  # noqa: Y015
+
+@_typing.final
+class SegmentAck(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    END_OFFSET_FIELD_NUMBER: _builtins.int
+    FLUSHED_OFFSET_FIELD_NUMBER: _builtins.int
+    end_offset: _builtins.int
+    """the member's copy ends here"""
+    flushed_offset: _builtins.int
+    """and holds this much fsynced: what the LAC counts"""
+    def __init__(
+        self,
+        *,
+        end_offset: _builtins.int = ...,
+        flushed_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "flushed_offset", b"flushed_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentAck: _TypeAlias = SegmentAck  # noqa: Y015
+
+@_typing.final
+class FenceSegmentsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PARTITION_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    partition: _builtins.int
+    leader_epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        partition: _builtins.int = ...,
+        leader_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leader_epoch", b"leader_epoch", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FenceSegmentsRequest: _TypeAlias = FenceSegmentsRequest  # noqa: Y015
+
+@_typing.final
+class SegmentEnd(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_ID_FIELD_NUMBER: _builtins.int
+    END_OFFSET_FIELD_NUMBER: _builtins.int
+    segment_id: _builtins.int
+    end_offset: _builtins.int
+    def __init__(
+        self,
+        *,
+        segment_id: _builtins.int = ...,
+        end_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "segment_id", b"segment_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentEnd: _TypeAlias = SegmentEnd  # noqa: Y015
+
+@_typing.final
+class FenceSegmentsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ends(self) -> _containers.RepeatedCompositeFieldContainer[Global___SegmentEnd]: ...
+    def __init__(
+        self,
+        *,
+        ends: _abc.Iterable[Global___SegmentEnd] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ends", b"ends"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FenceSegmentsResponse: _TypeAlias = FenceSegmentsResponse  # noqa: Y015
+
+@_typing.final
+class SealSegmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
+    END_OFFSET_FIELD_NUMBER: _builtins.int
+    leader_epoch: _builtins.int
+    end_offset: _builtins.int
+    @_builtins.property
+    def segment(self) -> Global___SegmentRef: ...
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentRef | None = ...,
+        leader_epoch: _builtins.int = ...,
+        end_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "leader_epoch", b"leader_epoch", "segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SealSegmentRequest: _TypeAlias = SealSegmentRequest  # noqa: Y015
+
+@_typing.final
+class SealSegmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    END_OFFSET_FIELD_NUMBER: _builtins.int
+    end_offset: _builtins.int
+    """the copy's end after the seal: below the sealed end if this copy is short"""
+    def __init__(
+        self,
+        *,
+        end_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SealSegmentResponse: _TypeAlias = SealSegmentResponse  # noqa: Y015
+
+@_typing.final
+class ReadSegmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    END_OFFSET_FIELD_NUMBER: _builtins.int
+    MAX_BYTES_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    end_offset: _builtins.int
+    """exclusive; 0: up to the copy's end"""
+    max_bytes: _builtins.int
+    """per response message"""
+    @_builtins.property
+    def segment(self) -> Global___SegmentRef: ...
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentRef | None = ...,
+        offset: _builtins.int = ...,
+        end_offset: _builtins.int = ...,
+        max_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "max_bytes", b"max_bytes", "offset", b"offset", "segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadSegmentRequest: _TypeAlias = ReadSegmentRequest  # noqa: Y015
+
+@_typing.final
+class ReadSegmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCHES_FIELD_NUMBER: _builtins.int
+    batches: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        batches: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadSegmentResponse: _TypeAlias = ReadSegmentResponse  # noqa: Y015

@@ -935,3 +935,234 @@ class Node:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class SegmentsStub:
+    """Inside a multi-node site: the segment storage of its nodes (docs/design.md,
+    "Multi-node sites"). A partition is a chain of segments; each segment is
+    stored by its ensemble of nodes. The partition leader writes the open
+    segment to every member, in offset order. Every call carries the caller's
+    leader epoch, and a member fenced at a newer epoch refuses it (ABORTED):
+    its sender is no longer the leader.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AppendSegment = channel.stream_stream(
+                '/georep.v1.Segments/AppendSegment',
+                request_serializer=georep_dot_proto_dot_georep__pb2.SegmentAppendRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.SegmentAck.FromString,
+                _registered_method=True)
+        self.FenceSegments = channel.unary_unary(
+                '/georep.v1.Segments/FenceSegments',
+                request_serializer=georep_dot_proto_dot_georep__pb2.FenceSegmentsRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.FenceSegmentsResponse.FromString,
+                _registered_method=True)
+        self.SealSegment = channel.unary_unary(
+                '/georep.v1.Segments/SealSegment',
+                request_serializer=georep_dot_proto_dot_georep__pb2.SealSegmentRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.SealSegmentResponse.FromString,
+                _registered_method=True)
+        self.ReadSegment = channel.unary_stream(
+                '/georep.v1.Segments/ReadSegment',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ReadSegmentRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ReadSegmentResponse.FromString,
+                _registered_method=True)
+
+
+class SegmentsServicer:
+    """Inside a multi-node site: the segment storage of its nodes (docs/design.md,
+    "Multi-node sites"). A partition is a chain of segments; each segment is
+    stored by its ensemble of nodes. The partition leader writes the open
+    segment to every member, in offset order. Every call carries the caller's
+    leader epoch, and a member fenced at a newer epoch refuses it (ABORTED):
+    its sender is no longer the leader.
+    """
+
+    def AppendSegment(self, request_iterator, context):
+        """The leader streams one open segment to one member. The first request
+        opens the segment (it creates the member's copy if it has none) and the
+        member answers it at once with what it holds; the leader then sends from
+        that end, and the member answers every request it stored with its ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FenceSegments(self, request, context):
+        """A new leader fences a member at its epoch: from then on the member
+        refuses the old leader. Answers the end of every segment copy it holds,
+        each fsynced first (what recovery counts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SealSegment(self, request, context):
+        """The segment was sealed at end_offset in the site's metadata: the member
+        records it, refuses later appends, and cuts a longer copy to it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadSegment(self, request, context):
+        """Whole batches of a segment copy, as stored (local prefixes included), from
+        offset up to end_offset: reads of a segment the leader does not hold, and
+        copies (recovery, repair).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SegmentsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AppendSegment': grpc.stream_stream_rpc_method_handler(
+                    servicer.AppendSegment,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.SegmentAppendRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.SegmentAck.SerializeToString,
+            ),
+            'FenceSegments': grpc.unary_unary_rpc_method_handler(
+                    servicer.FenceSegments,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.FenceSegmentsRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.FenceSegmentsResponse.SerializeToString,
+            ),
+            'SealSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.SealSegment,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.SealSegmentRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.SealSegmentResponse.SerializeToString,
+            ),
+            'ReadSegment': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadSegment,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ReadSegmentRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ReadSegmentResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'georep.v1.Segments', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('georep.v1.Segments', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Segments:
+    """Inside a multi-node site: the segment storage of its nodes (docs/design.md,
+    "Multi-node sites"). A partition is a chain of segments; each segment is
+    stored by its ensemble of nodes. The partition leader writes the open
+    segment to every member, in offset order. Every call carries the caller's
+    leader epoch, and a member fenced at a newer epoch refuses it (ABORTED):
+    its sender is no longer the leader.
+    """
+
+    @staticmethod
+    def AppendSegment(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/georep.v1.Segments/AppendSegment',
+            georep_dot_proto_dot_georep__pb2.SegmentAppendRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.SegmentAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FenceSegments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Segments/FenceSegments',
+            georep_dot_proto_dot_georep__pb2.FenceSegmentsRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.FenceSegmentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SealSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Segments/SealSegment',
+            georep_dot_proto_dot_georep__pb2.SealSegmentRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.SealSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/georep.v1.Segments/ReadSegment',
+            georep_dot_proto_dot_georep__pb2.ReadSegmentRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ReadSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

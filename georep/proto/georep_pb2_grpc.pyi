@@ -317,3 +317,124 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_georep_pb2.GroupDescription, _abc.Awaitable[_georep_pb2.GroupDescription]]: ...
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class SegmentsStub:
+    """Inside a multi-node site: the segment storage of its nodes (docs/design.md,
+    "Multi-node sites"). A partition is a chain of segments; each segment is
+    stored by its ensemble of nodes. The partition leader writes the open
+    segment to every member, in offset order. Every call carries the caller's
+    leader epoch, and a member fenced at a newer epoch refuses it (ABORTED):
+    its sender is no longer the leader.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> SegmentsAsyncStub: ...
+    AppendSegment: _grpc.StreamStreamMultiCallable[_georep_pb2.SegmentAppendRequest, _georep_pb2.SegmentAck]
+    """The leader streams one open segment to one member. The first request
+    opens the segment (it creates the member's copy if it has none) and the
+    member answers it at once with what it holds; the leader then sends from
+    that end, and the member answers every request it stored with its ends.
+    """
+    FenceSegments: _grpc.UnaryUnaryMultiCallable[_georep_pb2.FenceSegmentsRequest, _georep_pb2.FenceSegmentsResponse]
+    """A new leader fences a member at its epoch: from then on the member
+    refuses the old leader. Answers the end of every segment copy it holds,
+    each fsynced first (what recovery counts).
+    """
+    SealSegment: _grpc.UnaryUnaryMultiCallable[_georep_pb2.SealSegmentRequest, _georep_pb2.SealSegmentResponse]
+    """The segment was sealed at end_offset in the site's metadata: the member
+    records it, refuses later appends, and cuts a longer copy to it.
+    """
+    ReadSegment: _grpc.UnaryStreamMultiCallable[_georep_pb2.ReadSegmentRequest, _georep_pb2.ReadSegmentResponse]
+    """Whole batches of a segment copy, as stored (local prefixes included), from
+    offset up to end_offset: reads of a segment the leader does not hold, and
+    copies (recovery, repair).
+    """
+
+@_typing.type_check_only
+class SegmentsAsyncStub(SegmentsStub):
+    """Inside a multi-node site: the segment storage of its nodes (docs/design.md,
+    "Multi-node sites"). A partition is a chain of segments; each segment is
+    stored by its ensemble of nodes. The partition leader writes the open
+    segment to every member, in offset order. Every call carries the caller's
+    leader epoch, and a member fenced at a newer epoch refuses it (ABORTED):
+    its sender is no longer the leader.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    AppendSegment: _aio.StreamStreamMultiCallable[_georep_pb2.SegmentAppendRequest, _georep_pb2.SegmentAck]  # type: ignore[assignment]
+    """The leader streams one open segment to one member. The first request
+    opens the segment (it creates the member's copy if it has none) and the
+    member answers it at once with what it holds; the leader then sends from
+    that end, and the member answers every request it stored with its ends.
+    """
+    FenceSegments: _aio.UnaryUnaryMultiCallable[_georep_pb2.FenceSegmentsRequest, _georep_pb2.FenceSegmentsResponse]  # type: ignore[assignment]
+    """A new leader fences a member at its epoch: from then on the member
+    refuses the old leader. Answers the end of every segment copy it holds,
+    each fsynced first (what recovery counts).
+    """
+    SealSegment: _aio.UnaryUnaryMultiCallable[_georep_pb2.SealSegmentRequest, _georep_pb2.SealSegmentResponse]  # type: ignore[assignment]
+    """The segment was sealed at end_offset in the site's metadata: the member
+    records it, refuses later appends, and cuts a longer copy to it.
+    """
+    ReadSegment: _aio.UnaryStreamMultiCallable[_georep_pb2.ReadSegmentRequest, _georep_pb2.ReadSegmentResponse]  # type: ignore[assignment]
+    """Whole batches of a segment copy, as stored (local prefixes included), from
+    offset up to end_offset: reads of a segment the leader does not hold, and
+    copies (recovery, repair).
+    """
+
+class SegmentsServicer(metaclass=_abc_1.ABCMeta):
+    """Inside a multi-node site: the segment storage of its nodes (docs/design.md,
+    "Multi-node sites"). A partition is a chain of segments; each segment is
+    stored by its ensemble of nodes. The partition leader writes the open
+    segment to every member, in offset order. Every call carries the caller's
+    leader epoch, and a member fenced at a newer epoch refuses it (ABORTED):
+    its sender is no longer the leader.
+    """
+
+    @_abc_1.abstractmethod
+    def AppendSegment(
+        self,
+        request_iterator: _MaybeAsyncIterator[_georep_pb2.SegmentAppendRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_georep_pb2.SegmentAck], _abc.AsyncIterator[_georep_pb2.SegmentAck]]:
+        """The leader streams one open segment to one member. The first request
+        opens the segment (it creates the member's copy if it has none) and the
+        member answers it at once with what it holds; the leader then sends from
+        that end, and the member answers every request it stored with its ends.
+        """
+
+    @_abc_1.abstractmethod
+    def FenceSegments(
+        self,
+        request: _georep_pb2.FenceSegmentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.FenceSegmentsResponse, _abc.Awaitable[_georep_pb2.FenceSegmentsResponse]]:
+        """A new leader fences a member at its epoch: from then on the member
+        refuses the old leader. Answers the end of every segment copy it holds,
+        each fsynced first (what recovery counts).
+        """
+
+    @_abc_1.abstractmethod
+    def SealSegment(
+        self,
+        request: _georep_pb2.SealSegmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.SealSegmentResponse, _abc.Awaitable[_georep_pb2.SealSegmentResponse]]:
+        """The segment was sealed at end_offset in the site's metadata: the member
+        records it, refuses later appends, and cuts a longer copy to it.
+        """
+
+    @_abc_1.abstractmethod
+    def ReadSegment(
+        self,
+        request: _georep_pb2.ReadSegmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_georep_pb2.ReadSegmentResponse], _abc.AsyncIterator[_georep_pb2.ReadSegmentResponse]]:
+        """Whole batches of a segment copy, as stored (local prefixes included), from
+        offset up to end_offset: reads of a segment the leader does not hold, and
+        copies (recovery, repair).
+        """
+
+def add_SegmentsServicer_to_server(servicer: SegmentsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

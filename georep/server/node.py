@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -24,8 +25,10 @@ from georep.replication.links import DEFAULT_STALL_MS
 from georep.server.broker import Broker
 from georep.server.metrics import NodeMetrics
 from georep.server.process import NODE_INFO
+from georep.server.segments import SegmentService
 from georep.server.service import FETCH_MAX_BYTES_CAP, SCRUB_STEP_BYTES, NodeService
 from georep.storage.dirlock import DataDirLock
+from georep.storage.replica_store import ReplicaStore
 from topology.model import Topology
 
 log = logging.getLogger("georep.node")
@@ -75,6 +78,10 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
     if replicator is not None:
         metrics.attach(replicator)
     service = NodeService(broker, metrics, replicator, admin_token)
+    # This node's copies of segments it is an ensemble member of (multi-node sites; docs/design.md).
+    replicas = ReplicaStore(data_dir, broker.clock_ms())
+    segment_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="segments")
+    segments = SegmentService(replicas, segment_executor, broker.clock_ms)
     # Above every topic's max_batch_bytes: an oversized batch reaches the broker, which names the limit.
     max_message = max(MAX_BATCH_BYTES_LIMIT, FETCH_MAX_BYTES_CAP) + MESSAGE_SLACK_BYTES
     server = grpc.aio.server(
@@ -89,14 +96,16 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
             ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_INTERVAL_MS),
         ]
     )
-    server.add_generic_rpc_handlers((service.handler(),))
+    server.add_generic_rpc_handlers((service.handler(), segments.handler()))
     address = f"{listen[0]}:{listen[1]}"
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:
+        replicas.close()
         broker.close()
         raise UsageError(f"cannot listen on {address}: {exc}; is another process using the port?") from None
     if port == 0:
+        replicas.close()
         broker.close()
         raise UsageError(f"cannot listen on {address}: the port is in use or the address is not local")
     await server.start()
@@ -134,6 +143,8 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
     for task in housekeeping:
         task.cancel()
     await server.stop(SHUTDOWN_GRACE_S)
+    segment_executor.shutdown(wait=True)
+    replicas.close()
     broker.close()
     (data_dir / NODE_INFO).unlink(missing_ok=True)
     log.info("stopped cleanly")

@@ -13,12 +13,14 @@ import grpc
 
 from cluster.groups import IllegalGeneration, InvalidGroupRequest, NotAssigned, UnknownMember
 from cluster.metadata import TopicExists, UnknownTopic
+from cluster.quorum import Fenced, NotContiguous, QuorumError, SegmentSealed
 from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence
 from georep.broker import errors as e
 from georep.record.batch import CorruptBatch
 from georep.replication.sink import CorruptChunk
 from georep.storage.api import BatchDamaged, DiskFull, OffsetOutOfRange
+from georep.storage.replica_store import CorruptReplicaChunk, ReplicaError, UnknownSegment
 from offsets.commits import InvalidCommit
 from offsets.coordinates import InvalidOrigin
 from offsets.vector import InvalidVectorOffset
@@ -42,27 +44,35 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     e.NoSuchLink: Code.NOT_FOUND,
     e.NotHeld: Code.NOT_FOUND,
     UnknownMember: Code.NOT_FOUND,
+    UnknownSegment: Code.NOT_FOUND,
     TopicExists: Code.ALREADY_EXISTS,
     # bytes that fail their checksum
     e.BatchCrcMismatch: Code.DATA_LOSS,
     CorruptBatch: Code.DATA_LOSS,
     CorruptChunk: Code.DATA_LOSS,
     e.DamagedData: Code.DATA_LOSS,
+    CorruptReplicaChunk: Code.DATA_LOSS,
     BatchDamaged: Code.DATA_LOSS,
     # the state of the node or of the producer forbids it
     e.SequenceRejected: Code.FAILED_PRECONDITION,
     e.GeoAcksUnreachable: Code.FAILED_PRECONDITION,
     e.NoTopology: Code.FAILED_PRECONDITION,
     IllegalGeneration: Code.ABORTED,
+    Fenced: Code.ABORTED,  # a newer leader exists: the sender stops writing
+    SegmentSealed: Code.FAILED_PRECONDITION,
+    NotContiguous: Code.FAILED_PRECONDITION,  # the leader reopens the stream and sends from the member's end
+    QuorumError: Code.FAILED_PRECONDITION,
     e.CommitsBehind: Code.ABORTED,
     NotAssigned: Code.ABORTED,
     DiskFull: Code.RESOURCE_EXHAUSTED,
     OffsetOutOfRange: Code.OUT_OF_RANGE,
     e.GeoAckTimeout: Code.DEADLINE_EXCEEDED,
     e.NodeStopping: Code.UNAVAILABLE,
+    e.NotLeader: Code.FAILED_PRECONDITION,
     e.NotAuthorized: Code.UNAUTHENTICATED,
     e.WriteFailed: Code.INTERNAL,
     e.FsyncFailed: Code.INTERNAL,
+    ReplicaError: Code.INTERNAL,
 }
 
 

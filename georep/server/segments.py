@@ -1,0 +1,143 @@
+"""grpc.aio handlers for the ``georep.v1.Segments`` service: a node as a member of segment ensembles. Shell.
+
+Inside a multi-node site the partition leader writes each open segment to
+every member of its ensemble (``cluster/quorum.py``); this is the member's
+end of that, over the node's :class:`~georep.storage.replica_store.ReplicaStore`.
+Whether a call is allowed (leader epochs, sealed segments, contiguity) is the
+store's :class:`~cluster.quorum.ReplicaGuard`'s decision; these handlers parse,
+run the store's calls off the event loop, and answer.
+
+``AppendSegment`` is a bidirectional stream per segment and member. The first
+request opens the segment and is answered at once with the member's ends, so
+the leader knows where to send from (a member that restarted, or missed part
+of a stream, holds less than the leader sent). Each later request is appended
+and fsynced, then answered with the ends: the leader counts the fsynced end
+towards the LAC. A member takes one stream's requests in order, one fsync
+each; the leader keeps few requests in flight and puts everything appended
+meanwhile into the next one, so a burst costs an fsync per request, not per
+batch (``georep/server/ensemble.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from cluster.ids import LeaderEpoch, SegmentId
+from georep.broker.errors import InvalidRequest
+from georep.proto import georep_pb2 as pb
+from georep.proto.convert import vector_from_proto
+from georep.record.batch import iter_headers
+from georep.server.rpc import Context, parse, service, stream_stream, unary, unary_stream
+from georep.storage.replica_store import PartitionKey, ReplicaStore
+from offsets.coordinates import LocalOffset
+from offsets.vector import InvalidVectorOffset
+
+SERVICE = "georep.v1.Segments"
+READ_MAX_BYTES_DEFAULT = 1 << 20
+READ_MAX_BYTES_CAP = 16 << 20
+T = TypeVar("T")
+
+
+def _segment(ref: pb.SegmentRef) -> tuple[PartitionKey, SegmentId]:
+    if not ref.topic or ref.partition < 0 or ref.segment_id < 0:
+        raise InvalidRequest(f"malformed segment reference {ref.topic!r}/{ref.partition}/{ref.segment_id}: name "
+                             "the topic, a partition >= 0 and a segment id >= 0")  # fmt: skip
+    return (ref.topic, ref.partition), SegmentId(ref.segment_id)
+
+
+def _epoch(value: int) -> LeaderEpoch:
+    if value < 1:
+        raise InvalidRequest(f"leader epoch {value} is not positive: every leader has an epoch of 1 or more")
+    return LeaderEpoch(value)
+
+
+class SegmentService:
+    """The member side of segment replication; every call runs the store in ``executor``."""
+
+    def __init__(self, store: ReplicaStore, executor: ThreadPoolExecutor, clock_ms: Callable[[], int]) -> None:
+        self.store = store
+        self.executor = executor
+        self.clock_ms = clock_ms
+
+    async def _run(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def _ack(self, key: PartitionKey, segment_id: SegmentId, flushed: int) -> pb.SegmentAck:
+        return pb.SegmentAck(end_offset=self.store.end_offset(key, segment_id), flushed_offset=flushed)
+
+    async def append_segment(self, requests: AsyncIterator[bytes], context: Context) -> AsyncIterator[Message]:
+        first = await anext(aiter(requests), None)
+        if first is None:
+            return
+        req = parse(pb.SegmentAppendRequest, first)
+        if not req.HasField("open"):
+            raise InvalidRequest("the first SegmentAppendRequest of a stream must open the segment (set 'open')")
+        key, segment_id = _segment(req.open.segment)
+        epoch = _epoch(req.open.leader_epoch)
+        try:
+            start_vector = vector_from_proto(req.open.start_vector).to_dict()
+        except InvalidVectorOffset as exc:
+            raise InvalidRequest(f"malformed start vector: {exc}") from None
+        if req.open.base_offset < 0:
+            raise InvalidRequest(f"base offset {req.open.base_offset} is negative")
+        store = self.store
+        await self._run(store.open_segment, key, epoch, segment_id, req.open.base_offset, start_vector,
+                        self.clock_ms())  # fmt: skip
+        flushed = await self._run(store.flush, key, segment_id)
+        yield self._ack(key, segment_id, flushed)
+        async for data in requests:
+            req = parse(pb.SegmentAppendRequest, data)
+            if req.HasField("open"):
+                raise InvalidRequest("'open' is set on a request after the first: open one segment per stream")
+            if req.batches:
+                await self._run(store.append, key, epoch, segment_id, req.batches)
+            flushed = await self._run(store.flush, key, segment_id)
+            yield self._ack(key, segment_id, flushed)
+
+    async def fence_segments(self, data: bytes, context: Context) -> pb.FenceSegmentsResponse:
+        req = parse(pb.FenceSegmentsRequest, data)
+        if not req.topic or req.partition < 0:
+            raise InvalidRequest("name the topic and a partition >= 0 to fence")
+        ends = await self._run(self.store.fence, (req.topic, req.partition), _epoch(req.leader_epoch))
+        return pb.FenceSegmentsResponse(
+            ends=[pb.SegmentEnd(segment_id=s, end_offset=e) for s, e in ends.items()]
+        )
+
+    async def seal_segment(self, data: bytes, context: Context) -> pb.SealSegmentResponse:
+        req = parse(pb.SealSegmentRequest, data)
+        key, segment_id = _segment(req.segment)
+        end = await self._run(self.store.seal, key, _epoch(req.leader_epoch), segment_id, req.end_offset,
+                              self.clock_ms())  # fmt: skip
+        return pb.SealSegmentResponse(end_offset=end)
+
+    async def read_segment(self, data: bytes, context: Context) -> AsyncIterator[Message]:
+        req = parse(pb.ReadSegmentRequest, data)
+        key, segment_id = _segment(req.segment)
+        max_bytes = min(req.max_bytes or READ_MAX_BYTES_DEFAULT, READ_MAX_BYTES_CAP)
+        store = self.store
+        end = req.end_offset or store.end_offset(key, segment_id)
+        offset = LocalOffset(req.offset)
+        while offset < end:
+            result = await self._run(store.read, key, segment_id, offset, max_bytes)
+            data = result.data
+            if not data:
+                return
+            if result.next_offset > end:  # the last batches go past the end asked for
+                keep = sum(h.size_bytes for h in iter_headers(data) if h.base_offset < end)
+                data = data[:keep]
+            yield pb.ReadSegmentResponse(batches=data)
+            offset = result.next_offset
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return service(SERVICE, {
+            "AppendSegment": stream_stream(self.append_segment),
+            "FenceSegments": unary(self.fence_segments),
+            "SealSegment": unary(self.seal_segment),
+            "ReadSegment": unary_stream(self.read_segment),
+        })  # fmt: skip
