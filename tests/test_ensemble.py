@@ -8,6 +8,7 @@ Ensemble (1, 2, 3), ack quorum 2: the LAC is what two of the three hold fsynced.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,10 +23,12 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import iter_headers
 from georep.server.ensemble import OpenSegment, SegmentWriter
 from georep.server.process import NodeProcess
+from georep.server.recovery import RecoveryFailed, SegmentToRecover, recover_segment
+from georep.server.segments import SegmentService
 from georep.storage.api import LogConfig
 from georep.storage.replica_store import ReplicaStore
 from georep.storage.segment_log import SegmentLog
-from offsets.coordinates import OriginSeq
+from offsets.coordinates import LocalOffset, OriginSeq
 from tests.support.segments import A, B, Writer, read_all
 
 KEY = ("orders", 0)
@@ -238,5 +241,116 @@ def test_malformed_segment_calls_get_a_clear_error(members: dict[NodeId, NodePro
             with pytest.raises(grpc.aio.AioRpcError) as epoch:
                 await stub.FenceSegments(pb.FenceSegmentsRequest(topic=KEY[0], partition=0, leader_epoch=0))
             assert epoch.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    asyncio.run(run())
+
+
+# -- a new leader recovers the open segment (georep/server/recovery.py) ---------------------------------------
+
+
+async def serve_member(store: ReplicaStore, executor: ThreadPoolExecutor) -> tuple[grpc.aio.Server, str]:
+    """A member in this process: the same SegmentService a node serves, over ``store``."""
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((SegmentService(store, executor, lambda: 0).handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+NEW = NodeId(3)
+E2 = LeaderEpoch(2)
+
+
+def to_recover(epoch: LeaderEpoch = E2) -> SegmentToRecover:
+    return SegmentToRecover(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, NodeId(2), NEW), 2, epoch)
+
+
+def test_the_new_leader_recovers_every_acked_write_copies_the_tail_seals_and_cuts(
+    tmp_path: Path, members: dict[NodeId, NodeProcess]
+) -> None:
+    batches = leader_batches(tmp_path, 200)
+    two = members[NodeId(2)]
+    members[NodeId(3)].kill9()  # node 3 is this process from here on: the next leader
+
+    async def run() -> None:
+        with ThreadPoolExecutor(4) as executor:
+            new_store = ReplicaStore(tmp_path / "node-3-here", now_ms=0)
+            server, new_address = await serve_member(new_store, executor)
+            old_store = ReplicaStore(tmp_path / "leader", now_ms=0)
+            segment = OpenSegment(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, NodeId(2), NEW), 2, E1)
+            writer = SegmentWriter(old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor,
+                                   clock_ms=lambda: 0)  # fmt: skip
+            await writer.start()
+            confirmed = 0
+            for i, b in enumerate(batches):
+                end = await writer.append(b)
+                if i == 80:
+                    two.kill9()  # node 2 misses the rest: the leader and node 3 go on as the quorum
+                if i % 10 == 9:
+                    async with asyncio.timeout(WAIT_S):
+                        await writer.confirmed(end)
+                    confirmed = end
+            # the old leader dies: its copy is gone with it, and nothing more is sent
+            await writer.close()
+            old_store.close()
+            two.listen = two.address
+            two.start()
+            seals: list[tuple[SegmentId, int]] = []
+
+            async def seal(segment_id: SegmentId, end: LocalOffset) -> str | None:
+                seals.append((segment_id, end))
+                return None
+
+            addresses = {LEADER: closed_port(), NodeId(2): two.address}
+            sealed = await recover_segment(new_store, to_recover(), NEW, addresses, seal, executor, lambda: 0)
+            # every acked write is below the sealed end, and nothing was invented
+            assert confirmed <= sealed <= iter_headers(b"".join(batches))[-1].next_offset
+            assert seals == [(SEG, sealed)]
+            held = b"".join(batches)[: sum(h.size_bytes for h in iter_headers(b"".join(batches))
+                                           if h.base_offset < sealed)]  # fmt: skip
+            assert await read_copy(new_address) == held
+            assert await read_copy(two.address) == held  # node 2 was copied the tail it missed
+            # both members learned the seal: the old leader's epoch is refused from now on
+            async with grpc.aio.insecure_channel(two.address) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as late:
+                    await pbg.SegmentsStub(channel).FenceSegments(
+                        pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=1))
+            assert late.value.code() == grpc.StatusCode.ABORTED
+            await server.stop(None)
+            new_store.close()
+
+    asyncio.run(run())
+
+
+def test_recovery_refuses_without_enough_members_and_steps_down_for_a_newer_leader(
+    tmp_path: Path, members: dict[NodeId, NodeProcess]
+) -> None:
+    two = members[NodeId(2)]
+
+    async def never(segment_id: SegmentId, end: LocalOffset) -> str | None:
+        raise AssertionError("nothing may be sealed")
+
+    async def run() -> None:
+        with ThreadPoolExecutor(4) as executor:
+            store = ReplicaStore(tmp_path / "node-3-here", now_ms=0)
+            two.kill9()
+            addresses = {LEADER: closed_port(), NodeId(2): closed_port()}
+            with pytest.raises(RecoveryFailed, match="Bring a member back"):
+                await recover_segment(store, to_recover(), NEW, addresses, never, executor, lambda: 0)
+            two.listen = two.address
+            two.start()
+            async with grpc.aio.insecure_channel(two.address) as channel:  # a newer leader got there first
+                await pbg.SegmentsStub(channel).FenceSegments(
+                    pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=5))
+            addresses[NodeId(2)] = two.address
+            with pytest.raises(NotLeader, match="epoch 5"):
+                await recover_segment(store, to_recover(), NEW, addresses, never, executor, lambda: 0)
+            store.close()
 
     asyncio.run(run())

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from cluster.quorum import Fenced
 from georep.broker.errors import DamagedData, InvalidRequest
 from georep.proto.bounds import check_bounds
 from georep.server.status import DOMAIN_ERRORS, status_of
@@ -24,6 +25,7 @@ M = TypeVar("M", bound=Message)
 # Handlers take raw bytes (no deserializer) and return messages.
 Context = grpc.aio.ServicerContext[bytes, Message]
 NEXT_OFFSET_METADATA = "georep-next-offset"  # trailing metadata of a DATA_LOSS fetch: after the damaged batch
+FENCED_EPOCH_METADATA = "georep-fenced-epoch"  # trailing metadata of an ABORTED segment call: the member's fence
 
 Unary = Callable[[bytes, Context], Awaitable[Message]]
 Streaming = Callable[[Any, Context], AsyncIterator[Message]]
@@ -45,6 +47,16 @@ def status(exc: Exception) -> grpc.StatusCode:
     return status_of(exc) or grpc.StatusCode.INTERNAL
 
 
+def _trailers(exc: Exception) -> tuple[tuple[str, str], ...]:
+    """What a caller needs to act on the error besides its code: where readable data goes on (a consumer that
+    skips a damaged batch), or the epoch a member is fenced at (a recovery that learns of a newer leader)."""
+    if isinstance(exc, DamagedData):
+        return ((NEXT_OFFSET_METADATA, str(exc.next_offset)),)
+    if isinstance(exc, Fenced):
+        return ((FENCED_EPOCH_METADATA, str(exc.fenced_epoch)),)
+    return ()
+
+
 def _serialize(msg: Message) -> bytes:
     return msg.SerializeToString()
 
@@ -54,7 +66,7 @@ def unary(fn: Unary) -> grpc.RpcMethodHandler[bytes, Message]:
         try:
             return await fn(data, context)
         except DOMAIN_ERRORS as exc:
-            await context.abort(status(exc), str(exc))
+            await context.abort(status(exc), str(exc), _trailers(exc))
             raise  # unreachable: abort raises
 
     return grpc.unary_unary_rpc_method_handler(call, request_deserializer=None, response_serializer=_serialize)
@@ -67,10 +79,8 @@ def _streaming(fn: Streaming) -> Streaming:
         try:
             async for msg in fn(request, context):
                 yield msg
-        except DamagedData as exc:  # where readable data goes on, for a consumer that skips
-            await context.abort(status(exc), str(exc), ((NEXT_OFFSET_METADATA, str(exc.next_offset)),))
         except DOMAIN_ERRORS as exc:
-            await context.abort(status(exc), str(exc))
+            await context.abort(status(exc), str(exc), _trailers(exc))
 
     return call
 

@@ -32,7 +32,6 @@ from cluster.ids import LeaderEpoch, SegmentId
 from georep.broker.errors import InvalidRequest
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto
-from georep.record.batch import iter_headers
 from georep.server.rpc import Context, parse, service, stream_stream, unary, unary_stream
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import LocalOffset
@@ -124,14 +123,10 @@ class SegmentService:
         end = req.end_offset or store.end_offset(key, segment_id)
         offset = LocalOffset(req.offset)
         while offset < end:
-            result = await self._run(store.read, key, segment_id, offset, max_bytes)
-            data = result.data
-            if not data:
+            result = await self._run(store.read, key, segment_id, offset, max_bytes, end)
+            if not result.data:
                 return
-            if result.next_offset > end:  # the last batches go past the end asked for
-                keep = sum(h.size_bytes for h in iter_headers(data) if h.base_offset < end)
-                data = data[:keep]
-            yield pb.ReadSegmentResponse(batches=data)
+            yield pb.ReadSegmentResponse(batches=result.data)
             offset = result.next_offset
 
     def handler(self) -> grpc.GenericRpcHandler:

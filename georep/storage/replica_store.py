@@ -299,10 +299,22 @@ class ReplicaStore:
 
     # -- reads -----------------------------------------------------------------------------------------------
 
-    def read(self, key: PartitionKey, segment_id: SegmentId, offset: LocalOffset, max_bytes: int) -> ReadResult:
+    def read(self, key: PartitionKey, segment_id: SegmentId, offset: LocalOffset, max_bytes: int,
+             end_offset: int | None = None) -> ReadResult:  # fmt: skip
+        """Whole batches of this node's copy from ``offset``, as stored; with ``end_offset``, only those that start
+        below it (a read up to the LAC or a sealed end, a copy of a range)."""
         with self._lock:
             seg = self._segment(key, segment_id)
-        return seg.read(offset, max_bytes)
+        result = seg.read(offset, max_bytes)
+        if end_offset is None or result.next_offset <= end_offset:
+            return result
+        keep = 0
+        for h in iter_headers(result.data):
+            if h.base_offset >= end_offset:
+                break
+            keep += h.size_bytes
+            offset = LocalOffset(h.next_offset)
+        return ReadResult(result.data[:keep], offset)
 
     def close(self) -> None:
         with self._lock:
