@@ -21,7 +21,7 @@ from georep.broker.errors import NotLeader
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import iter_headers
-from georep.server.ensemble import OpenSegment, SegmentWriter
+from georep.server.ensemble import SegmentToWrite, SegmentWriter
 from georep.server.process import NodeProcess
 from georep.server.recovery import RecoveryFailed, SegmentToRecover, recover_segment
 from georep.server.segments import SegmentService
@@ -78,7 +78,7 @@ async def read_copy(address: str, end_offset: int = 0) -> bytes:
 def writer_for(tmp_path: Path, members: dict[NodeId, NodeProcess], executor: ThreadPoolExecutor,
                epoch: LeaderEpoch = E1) -> tuple[SegmentWriter, ReplicaStore]:  # fmt: skip
     store = ReplicaStore(tmp_path / "leader", now_ms=0)
-    segment = OpenSegment(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, *sorted(members)), 2, epoch)
+    segment = SegmentToWrite(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, *sorted(members)), 2, epoch)
     addresses = {n: p.address for n, p in members.items()}
     return SegmentWriter(store, segment, LEADER, addresses, executor, clock_ms=lambda: 0), store
 
@@ -283,7 +283,7 @@ def test_the_new_leader_recovers_every_acked_write_copies_the_tail_seals_and_cut
             new_store = ReplicaStore(tmp_path / "node-3-here", now_ms=0)
             server, new_address = await serve_member(new_store, executor)
             old_store = ReplicaStore(tmp_path / "leader", now_ms=0)
-            segment = OpenSegment(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, NodeId(2), NEW), 2, E1)
+            segment = SegmentToWrite(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, NodeId(2), NEW), 2, E1)
             writer = SegmentWriter(old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor,
                                    clock_ms=lambda: 0)  # fmt: skip
             await writer.start()

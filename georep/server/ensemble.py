@@ -60,7 +60,7 @@ class StreamBroken(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class OpenSegment:
+class SegmentToWrite:
     """What the site's metadata says of the segment being written."""
 
     key: PartitionKey
@@ -78,7 +78,7 @@ class SegmentWriter:
     def __init__(
         self,
         store: ReplicaStore,
-        segment: OpenSegment,
+        segment: SegmentToWrite,
         me: NodeId,
         addresses: Mapping[NodeId, str],
         executor: ThreadPoolExecutor,
