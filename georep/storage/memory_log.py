@@ -10,7 +10,6 @@ the segment log does (quarantined, never served) until ``repair``.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections.abc import Sequence
 
 from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, check_batch, local_prefix
@@ -66,7 +65,7 @@ class MemoryLog:
         return dict(self._flushed_vector)
 
     def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
-        stored = dataclasses.replace(header, base_offset=self._end, append_time_ms=append_time_ms)
+        stored = header._replace(base_offset=self._end, append_time_ms=append_time_ms)
         prefix = local_prefix(self._end, header.batch_length, append_time_ms, header.crc)
         data = prefix + b"".join(bytes(b) for b in body)
         self._batches.append(data)

@@ -487,7 +487,7 @@ class SegmentLog:
             self._origins.add(origin, next_seq, base)
             if next_seq > self._vector.get(origin, 0):
                 self._vector[origin] = next_seq
-        return dataclasses.replace(header, base_offset=base, append_time_ms=append_time_ms)
+        return header._replace(base_offset=base, append_time_ms=append_time_ms)
 
     def read(self, offset: LocalOffset, max_bytes: int) -> ReadResult:
         """Whole batches from the one holding ``offset``, each checked (framing, CRC, offsets) before it is
