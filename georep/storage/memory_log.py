@@ -36,6 +36,7 @@ class MemoryLog:
         self._start = LocalOffset(0)
         self._end = LocalOffset(0)
         self._flushed_count = 0
+        self._flushed_offset = self._start  # next_offset of the last flushed batch: sources ask for it all the time
         self._vector: dict[Origin, OriginSeq] = {}
         self._flushed_vector: dict[Origin, OriginSeq] = {}
         self._damaged: dict[int, DamagedBatch] = {}
@@ -166,12 +167,14 @@ class MemoryLog:
         for h in self._headers[self._flushed_count : count]:
             if h.next_origin_seq > vector.get(h.origin, 0):
                 vector[h.origin] = h.next_origin_seq
-        self._flushed_count = max(self._flushed_count, count)
-        return self.flushed_offset
+        if count > self._flushed_count:
+            self._flushed_count = count
+            self._flushed_offset = self._headers[count - 1].next_offset
+        return self._flushed_offset
 
     @property
     def flushed_offset(self) -> LocalOffset:
-        return self._headers[self._flushed_count - 1].next_offset if self._flushed_count else self._start
+        return self._flushed_offset
 
     def crash(self) -> None:
         """Lose every batch appended since the last flush, as a killed process would."""
