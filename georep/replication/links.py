@@ -81,6 +81,8 @@ class LinkManager:
         # wants() depends only on the link states, the stalls and the topics; routing is costly
         # enough to dominate a simulated run, so answers are kept until one of those changes.
         self._wants: dict[SiteId, dict[PartitionKey, tuple[SiteId, ...]]] = {}
+        # The failover order depends only on the link states (tick asks for it per partition and origin).
+        self._failover: dict[tuple[str, SiteId], tuple[SiteId, ...]] = {}
 
     # -- events ---------------------------------------------------------------
 
@@ -90,6 +92,7 @@ class LinkManager:
             link.state, link.since_ms = LinkState.STREAMING, now_ms  # its last error stays until progress
             self.router.set_link_up(src, self.site, True)
             self._wants.clear()
+            self._failover.clear()
 
     def link_down(self, src: str, now_ms: int, error: str = "") -> None:
         link = self.links[SiteId(src)]
@@ -97,6 +100,7 @@ class LinkManager:
             link.state, link.since_ms = LinkState.DOWN, now_ms
             self.router.set_link_up(src, self.site, False)
             self._wants.clear()
+            self._failover.clear()
         link.last_error = error or link.last_error
         link.vectors.clear()  # what it held then is no promise of what it holds when it is back
 
@@ -178,7 +182,7 @@ class LinkManager:
 
     # -- internals ------------------------------------------------------------
 
-    def _candidates(self, topic: str, origin_site: SiteId) -> list[SiteId]:
+    def _candidates(self, topic: str, origin_site: SiteId) -> tuple[SiteId, ...]:
         """The failover order: routed next hops first, then every other live inbound link.
 
         The router leaves out upstreams that reach the origin only through this
@@ -187,14 +191,20 @@ class LinkManager:
         origin's old epochs. Stall detection reaches them when the routed
         candidates have nothing.
         """
+        known = self._failover.get((topic, origin_site))
+        if known is not None:
+            return known
         direct = [
             link.src for link in sorted(self.topology.links_sorted(), key=lambda lk: (lk.cost, lk.src))
             if link.dst == self.site and link.carries(topic) and self.router.is_link_up(link.src, self.site)
         ]  # fmt: skip
         if origin_site == self.site:
-            return direct
-        routed = self.router.upstream_candidates(self.site, origin_site, topic)
-        return routed + [src for src in direct if src not in routed]
+            order = tuple(direct)
+        else:
+            routed = self.router.upstream_candidates(self.site, origin_site, topic)
+            order = tuple(routed + [src for src in direct if src not in routed])
+        self._failover[(topic, origin_site)] = order
+        return order
 
     def _route(self, topic: str, origin_site: SiteId, skip_stalled: bool = True) -> SiteId | None:
         candidates = self._candidates(topic, origin_site)
