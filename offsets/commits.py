@@ -121,12 +121,13 @@ class CommitTable:
         key = (commit.group, commit.topic, commit.partition)
         current = self.latest.get(key)
         if current is not None:
-            if current.order > commit.order:
+            current_order, order = current.order, commit.order
+            if current_order > order:
                 return False
             # Equal orders: a site whose clock state was lost in a restart while its wall clock stood
             # still or stepped back can issue one stamp twice. Without this tie-break, the winner would
             # be whichever arrived first, and sites would disagree forever.
-            if current.order == commit.order and current.value() >= commit.value():
+            if current_order == order and current.value() >= commit.value():
                 return False
         self.latest[key] = commit
         return True

@@ -205,4 +205,5 @@ class VectorOffset:
             if origin in entries:
                 raise InvalidVectorOffset(f"invalid vector offset {text!r}: origin {origin} appears twice")
             entries[origin] = OriginSeq(seq)
-        return cls(entries)
+        # Every entry was checked above; only the zero entries are left to drop (commit records parse a lot).
+        return cls._trusted({origin: seq for origin, seq in entries.items() if seq})
