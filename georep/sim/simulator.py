@@ -107,6 +107,7 @@ DEFAULT_STEPS = 3_000
 CLIENT_MS = 1  # one way between a client and its site
 PUMP_ROUNDS_MAX = 4  # steps of one source in one event, before others get a turn
 PRODUCER_ID_BITS = 62
+HEALED = Faults.none()  # the network of the liveness phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,17 +445,18 @@ class Simulator:
         due, _seq, kind, args = heapq.heappop(self._heap)
         self.now_ms = due
         self._events += 1
-        label = f"{due - START_MS} {kind} {' '.join(_arg_text(a) for a in args)}"
+        label = f"{due - START_MS} {kind} {' '.join(map(_arg_text, args))}"
         self._trace.update(label.encode())
         if self.verbose:
             self._print(label)
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
         self._handlers[kind](*args)
-        dirty, self._dirty = self._dirty, set()
-        for sid in sorted(dirty):  # only logs that an append or a crash changed need a look
-            site = self.sites[sid]
-            self.checker.check_site(sid, site.logs)
-            self.consumers.fold(site)
+        if self._dirty:
+            dirty, self._dirty = self._dirty, set()
+            for sid in sorted(dirty):  # only logs that an append or a crash changed need a look
+                site = self.sites[sid]
+                self.checker.check_site(sid, site.logs)
+                self.consumers.fold(site)
         return True
 
     def _after(self, delay_ms: int, kind: str, *args: object) -> None:
@@ -700,7 +702,7 @@ class Simulator:
         if link in self.cut or not self.sites[to].up:
             self.counts.cut_drops += 1
             return False
-        faults = self.faults if self.phase == "safety" else Faults.none()
+        faults = self.faults if self.phase == "safety" else HEALED
         if faults.drop_p and self.rng.random() < faults.drop_p:
             self.counts.drops += 1
             return True
@@ -941,6 +943,8 @@ class Simulator:
 
 
 def _arg_text(arg: object) -> str:
+    if type(arg) is int or type(arg) is str:  # most arguments: ids, incarnations, indexes (not bools or enums)
+        return str(arg)
     if isinstance(arg, OpenMessage | ChunkMessage | HeldReport | HeldAnswer):
         return arg.describe()
     if isinstance(arg, tuple):
