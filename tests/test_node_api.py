@@ -220,6 +220,18 @@ def test_data_dir_of_another_site_is_refused(node: NodeProcess) -> None:
     assert "belongs to site 'a'" in proc.stderr
 
 
+def test_an_unreadable_segment_fence_is_refused_at_start_with_what_to_do(node: NodeProcess) -> None:
+    node.stop()
+    guard = node.data_dir / "replicas" / "t-0" / "guard.json"
+    guard.parent.mkdir(parents=True)
+    guard.write_text("{not json")
+    proc = subprocess.run(node.command(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot know which leaders it fenced" in proc.stderr and "Traceback" not in proc.stderr
+    guard.unlink()
+    node.start()  # without the file: the node holds no copy of t-0 and starts
+
+
 def test_idle_client_keepalive_pings_are_accepted(api: pbg.NodeStub, node: NodeProcess) -> None:
     """Clients ping idle connections; the node must not answer with GOAWAY too_many_pings."""
     import time

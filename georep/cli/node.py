@@ -15,6 +15,7 @@ from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, UsageError, serve
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
+from georep.storage.replica_store import ReplicaError
 from topology.ids import InvalidSiteId
 from topology.model import Topology, UnknownSite
 
@@ -77,7 +78,8 @@ def main(args: argparse.Namespace) -> int:
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
                   topology, args.stall_ms, admin_token, args.scrub_bytes_per_s)  # fmt: skip
         )
-    except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId, StorageError) as exc:
+    except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId, StorageError,
+            ReplicaError) as exc:
         log.error("%s", exc)
         return 2
 
