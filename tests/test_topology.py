@@ -19,12 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import topology
+from cluster.ids import NODE_ID_MAX, NodeId
 from georep.cli.topology import LinkStatus, draw, main, summary_text
 from topology.filters import InvalidTopicFilter, TopicFilter, matches_any
 from topology.ids import SiteId
 from topology.model import (
     InvalidTopology,
     Link,
+    NodeSpec,
     Site,
     Topology,
     UnknownLink,
@@ -118,6 +120,12 @@ def links_text(*pairs: str, extra: str = "") -> str:
     return "".join(LINK.format(src=p[0], dst=p[1]) for p in pairs) + extra
 
 
+def node_table(n: int, *, nid: int | None = None, address: str | None = None, raft: str | None = None) -> str:
+    """Node n of site b in the table form: gRPC port 720n, Raft port 721n unless told otherwise."""
+    return NodeSpec(NodeId(n if nid is None else nid), address or f"127.0.0.1:{7200 + n}",
+                    raft or f"127.0.0.1:{7210 + n}").as_toml()
+
+
 BAD_FILES = {
     "unknown site in a link": (
         SITES_AB + links_text("ab", "bz"),
@@ -165,7 +173,90 @@ BAD_FILES = {
     ),
     "nodes not a list": (
         '[sites.a]\nnodes = "127.0.0.1:7101"\n',
-        "[sites.a]: nodes must be a list of strings, got '127.0.0.1:7101'",
+        '[sites.a]: nodes must be a list of strings "HOST:PORT" or of tables '
+        '{ id = 1, address = "HOST:PORT", raft = "HOST:PORT" }, got \'127.0.0.1:7101\'',
+    ),
+    "a node that is neither a string nor a table": (
+        "[sites.a]\nnodes = [7101]\n",
+        '[sites.a]: nodes must be a list of strings "HOST:PORT" or of tables',
+    ),
+    "nodes mixing strings and tables": (
+        '[sites.b]\nnodes = ["127.0.0.1:7201", ' + node_table(2) + "]\n",
+        "[sites.b]: nodes mixes strings and tables; write every node as a table, for example [sites.b] nodes = "
+        '[{ id = 1, address = "127.0.0.1:7201", raft = "HOST:PORT" }, '
+        '{ id = 2, address = "127.0.0.1:7202", raft = "HOST:PORT" }]',
+    ),
+    "unknown key in a node table": (
+        "[sites.b]\nnodes = [" + node_table(1) + ', { id = 2, address = "127.0.0.1:7202", raft_address = "x" }]\n',
+        "[sites.b], node #2: unknown key 'raft_address'; allowed keys are address, id, raft",
+    ),
+    "node table without an id": (
+        '[sites.b]\nnodes = [{ address = "127.0.0.1:7201" }]\n',
+        "[sites.b], node #1: missing 'id'; write the node as "
+        '{ id = 1, address = "HOST:PORT", raft = "HOST:PORT" }',
+    ),
+    "node table without an address": (
+        "[sites.b]\nnodes = [" + node_table(1) + ', { id = 2, raft = "127.0.0.1:7212" }]\n',
+        "[sites.b], node #2: missing 'address'; write the node as "
+        '{ id = 2, address = "HOST:PORT", raft = "HOST:PORT" }',
+    ),
+    "node id that is not an integer": (
+        '[sites.b]\nnodes = [{ id = "1", address = "127.0.0.1:7201" }]\n',
+        "[sites.b], node #1: id '1' must be an integer from 1 to 4095, for example id = 1",
+    ),
+    "node id that is a boolean": (
+        '[sites.b]\nnodes = [{ id = true, address = "127.0.0.1:7201" }]\n',
+        "[sites.b], node #1: id True must be an integer from 1 to 4095",
+    ),
+    "node id 0": (
+        '[sites.b]\nnodes = [{ id = 0, address = "127.0.0.1:7201" }]\n',
+        "site 'b', node #1: id 0 is out of range: use 1 to 4095, for example id = 1",
+    ),
+    "node id above NODE_ID_MAX": (
+        "[sites.b]\nnodes = [" + node_table(1) + ", " + node_table(2, nid=4096) + "]\n",
+        "site 'b', node #2: id 4096 is out of range: use 1 to 4095, for example id = 2",
+    ),
+    "the same node id twice in a site": (
+        "[sites.b]\nnodes = [" + node_table(1) + ", " + node_table(2) + ", " + node_table(3, nid=1) + "]\n",
+        "site 'b': node id 1 is listed twice (nodes #1 and #3); give each node of the site its own id, "
+        "for example id = 3",
+    ),
+    "a multi-node site whose node has no raft": (
+        "[sites.b]\nnodes = [" + node_table(1) + ', { id = 2, address = "127.0.0.1:7202" }]\n',
+        "[sites.b], node #2 (id 2): missing 'raft': a site with 2 nodes needs every node's Raft address, "
+        'on a port that no gRPC address uses; write { id = 2, address = "127.0.0.1:7202", raft = "HOST:PORT" }',
+    ),
+    "raft that is not a string": (
+        '[sites.b]\nnodes = [{ id = 1, address = "127.0.0.1:7201", raft = 7211 }]\n',
+        '[sites.b], node #1: raft 7211 must be a string, raft = "HOST:PORT"',
+    ),
+    "raft address without a port": (
+        '[sites.b]\nnodes = [{ id = 1, address = "127.0.0.1:7201", raft = "127.0.0.1" }]\n',
+        "site 'b', node 1 (127.0.0.1:7201): Raft address '127.0.0.1' must be HOST:PORT, for example",
+    ),
+    "a node's raft address equal to its gRPC address": (
+        '[sites.b]\nnodes = [{ id = 1, address = "127.0.0.1:7201", raft = "127.0.0.1:7201" }]\n',
+        "site 'b', node 1: its Raft address 127.0.0.1:7201 is its gRPC address; the Raft port is separate: "
+        "give raft a port of its own",
+    ),
+    "a raft address used by two nodes of a site": (
+        "[sites.b]\nnodes = [" + node_table(1) + ", " + node_table(2, raft="127.0.0.1:7211") + "]\n",
+        "site 'b', node 2: Raft address 127.0.0.1:7211 is already the Raft address of site 'b', node 1; "
+        "every gRPC and Raft address in the topology must be different: use another port",
+    ),
+    "a raft address equal to another site's gRPC address": (
+        '[sites.a]\nnodes = ["127.0.0.1:7211"]\n[sites.b]\nnodes = [' + node_table(1) + ", " + node_table(2) + "]\n",
+        "site 'b', node 1: Raft address 127.0.0.1:7211 is already the gRPC address of site 'a', node 1; "
+        "every gRPC and Raft address in the topology must be different: use another port",
+    ),
+    "a gRPC address equal to another site's raft address": (
+        "[sites.b]\nnodes = [" + node_table(1) + ']\n[sites.c]\nnodes = ["127.0.0.1:7211"]\n',
+        "site 'c', node 1: gRPC address 127.0.0.1:7211 is already the Raft address of site 'b', node 1; "
+        "every gRPC and Raft address in the topology must be different: use another port",
+    ),
+    "the same gRPC address twice in a table-form site": (
+        "[sites.b]\nnodes = [" + node_table(1) + ", " + node_table(2, address="127.0.0.1:7201") + "]\n",
+        "node address 127.0.0.1:7201 is listed twice; each node needs its own address",
     ),
     "bad site id (uppercase)": (
         '[sites.EU]\nnodes = ["127.0.0.1:7101"]\n',
@@ -294,6 +385,118 @@ def test_valid_node_addresses() -> None:
                        '"10.0.0.5:7101"]\n')
     assert len(t.site("a").nodes) == 4
     assert warnings(t) == []  # a single site needs no links
+
+
+TWO_FORMS = """\
+[sites.a]
+nodes = ["127.0.0.1:7101"]
+[sites.b]
+nodes = [
+  { id = 1, address = "127.0.0.1:7201", raft = "127.0.0.1:7211" },
+  { id = 2, address = "127.0.0.1:7202", raft = "127.0.0.1:7212" },
+]
+"""
+
+
+def test_a_site_names_its_nodes_with_ids_and_raft_addresses_next_to_a_site_listed_with_strings() -> None:
+    t = parse_topology(TWO_FORMS)
+    a, b = t.site("a"), t.site("b")
+    assert a.nodes == ("127.0.0.1:7101",) and a.members == (NodeSpec(NodeId(1), "127.0.0.1:7101", None),)
+    assert b.nodes == ("127.0.0.1:7201", "127.0.0.1:7202")  # what every caller of .nodes already reads
+    assert b.members == (NodeSpec(NodeId(1), "127.0.0.1:7201", "127.0.0.1:7211"),
+                         NodeSpec(NodeId(2), "127.0.0.1:7202", "127.0.0.1:7212"))
+    assert b.member(NodeId(2)).raft == "127.0.0.1:7212"
+    assert b.raft_addresses() == {1: "127.0.0.1:7211", 2: "127.0.0.1:7212"}
+    assert a.raft_addresses() == {}  # one node: no Raft peers to name
+
+
+def test_ids_follow_the_table_not_the_position() -> None:
+    t = parse_topology("[sites.b]\nnodes = [" + node_table(1, nid=7) + ", " + node_table(2, nid=3) + "]\n")
+    b = t.site("b")
+    assert [m.id for m in b.members] == [7, 3]
+    assert b.member(NodeId(3)).address == "127.0.0.1:7202"
+    assert list(b.raft_addresses().items()) == [(7, "127.0.0.1:7211"), (3, "127.0.0.1:7212")]
+
+
+def test_a_one_node_site_in_the_table_form_may_leave_out_raft() -> None:
+    t = parse_topology('[sites.a]\nnodes = [{ id = 5, address = "127.0.0.1:7101" }]\n')
+    assert t.site("a").members == (NodeSpec(NodeId(5), "127.0.0.1:7101", None),)
+    assert t.site("a").raft_addresses() == {}
+    t = parse_topology('[sites.a]\nnodes = [{ id = 1, address = "127.0.0.1:7101", raft = "127.0.0.1:7111" }]\n')
+    assert t.site("a").raft_addresses() == {1: "127.0.0.1:7111"}
+
+
+def test_strings_give_ids_by_position_and_no_raft_address() -> None:
+    t = parse_topology('[sites.a]\nnodes = ["127.0.0.1:7101", "127.0.0.1:7102", "127.0.0.1:7103"]\n')
+    a = t.site("a")
+    assert [(m.id, m.address, m.raft) for m in a.members] == [
+        (1, "127.0.0.1:7101", None), (2, "127.0.0.1:7102", None), (3, "127.0.0.1:7103", None)]
+    assert a.member(NodeId(3)).address == "127.0.0.1:7103"
+    with pytest.raises(InvalidTopology) as caught:
+        a.raft_addresses()
+    assert str(caught.value) == (
+        "site 'a', node 1 (127.0.0.1:7101) has no Raft address, and a site with 3 nodes needs one on every node: "
+        'list the nodes as tables with raft = "HOST:PORT", for example [sites.a] nodes = '
+        '[{ id = 1, address = "127.0.0.1:7101", raft = "HOST:PORT" }, '
+        '{ id = 2, address = "127.0.0.1:7102", raft = "HOST:PORT" }, ...]'
+    )
+
+
+def test_an_unknown_node_id_says_which_ids_the_site_has() -> None:
+    b = parse_topology(TWO_FORMS).site("b")
+    with pytest.raises(InvalidTopology, match=r"site 'b' has no node 3; its node ids are 1, 2: use one of them, "
+                                              r"or add the node to \[sites.b\] nodes"):
+        b.member(NodeId(3))
+
+
+def test_a_site_built_in_code_is_checked_like_a_file() -> None:
+    built = Site(S("a"), ("127.0.0.1:7101", "127.0.0.1:7102"))
+    assert built == Site.with_members(S("a"), (NodeSpec(NodeId(1), "127.0.0.1:7101"),
+                                               NodeSpec(NodeId(2), "127.0.0.1:7102")))
+    with pytest.raises(InvalidTopology, match="site 'a', node #1: id 0 is out of range: use 1 to 4095"):
+        Topology((Site.with_members(S("a"), (NodeSpec(NodeId(0), "127.0.0.1:7101"),)),), ())
+    partial = Site.with_members(S("a"), (NodeSpec(NodeId(1), "127.0.0.1:7101", "127.0.0.1:7111"),
+                                         NodeSpec(NodeId(2), "127.0.0.1:7102")))
+    with pytest.raises(InvalidTopology, match=r"site 'a', node 2 \(127.0.0.1:7102\) has no Raft address but other "
+                                              r'nodes of the site have; a site with more than one node needs '
+                                              r'raft = "HOST:PORT" on every node'):
+        Topology((partial,), ())
+    with pytest.raises(InvalidTopology, match=r"are not the members' addresses .*Site.with_members"):
+        Topology((Site(S("a"), ("127.0.0.1:7101",), (NodeSpec(NodeId(1), "127.0.0.1:7999"),)),), ())
+
+
+HOSTS = ("127.0.0.1", "10.0.0.5", "[::1]", "node-1.dc.example.com")
+
+
+@st.composite
+def table_sites(draw: st.DrawFn) -> tuple[NodeSpec, ...]:
+    """A valid table-form site: unique ids, and a port of its own for every gRPC and Raft address."""
+    count = draw(st.integers(1, 5))
+    ids = draw(st.lists(st.integers(1, NODE_ID_MAX), min_size=count, max_size=count, unique=True))
+    ports = draw(st.lists(st.integers(1, 65535), min_size=2 * count, max_size=2 * count, unique=True))
+    with_raft = count > 1 or draw(st.booleans())
+    return tuple(
+        NodeSpec(NodeId(ids[i]), f"{draw(st.sampled_from(HOSTS))}:{ports[i]}",
+                 f"{draw(st.sampled_from(HOSTS))}:{ports[count + i]}" if with_raft else None)
+        for i in range(count)
+    )
+
+
+@PROPERTY
+@given(table_sites(), st.integers(1, 5))
+def test_any_valid_table_form_site_round_trips(members: tuple[NodeSpec, ...], string_nodes: int) -> None:
+    text = "[sites.b]\nnodes = [\n" + "".join(f"  {m.as_toml()},\n" for m in members) + "]\n"
+    strings = [f"127.0.0.2:{port}" for port in range(1, string_nodes + 1)]  # 127.0.0.2: no clash with b's hosts
+    text += "[sites.a]\nnodes = [" + ", ".join(f'"{a}"' for a in strings) + "]\n"
+    t = parse_topology(text)
+    b = t.site("b")
+    assert b.members == members
+    assert b.nodes == tuple(m.address for m in members)
+    assert all(b.member(m.id) == m for m in members)
+    if members[0].raft is not None:
+        assert b.raft_addresses() == {m.id: m.raft for m in members}
+    a = t.site("a")
+    assert a.members == tuple(NodeSpec(NodeId(n), address) for n, address in enumerate(strings, start=1))
 
 
 def test_cycles_are_legal() -> None:

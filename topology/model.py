@@ -5,14 +5,25 @@ A topology file is TOML::
     [sites.a]
     nodes = ["127.0.0.1:7101"]          # HOST:PORT of each storage node of the site
 
-    [sites.b]
-    nodes = ["127.0.0.1:7201"]
+    [sites.b]                           # a multi-node site: one table per node
+    nodes = [
+      { id = 1, address = "127.0.0.1:7201", raft = "127.0.0.1:7211" },
+      { id = 2, address = "127.0.0.1:7202", raft = "127.0.0.1:7212" },
+    ]
 
     [[links]]                           # a directed link src -> dst, pulled by dst
     src = "a"
     dst = "b"
     topics = ["orders/**", "+/audit"]   # optional; default ["**"], every topic
     cost = 1                            # optional; default 1
+
+A site lists its nodes either as ``"HOST:PORT"`` strings (the gRPC address of
+each node; node ids are 1, 2, 3, ... by position, and no node has a Raft
+address) or as tables: ``id`` (1 to ``NODE_ID_MAX``, unique within the site),
+``address`` (gRPC ``HOST:PORT``) and ``raft`` (the ``HOST:PORT`` of the node's
+Raft metadata replica; optional for a one-node site, required on every node of a
+site with more than one). One site's list cannot mix the two forms. Every gRPC
+and Raft address of the topology is different from every other.
 
 ``cost`` is a positive integer. Routing prefers the path with the smallest sum
 of link costs (with every cost 1, the fewest hops), so an operator can make an
@@ -37,6 +48,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from cluster.ids import NODE_ID_MAX, InvalidNodeId, NodeId, node_id
 from topology.filters import ALL_TOPICS, InvalidTopicFilter, TopicFilter, is_internal, matches_any
 from topology.ids import InvalidSiteId, SiteId, site_id
 
@@ -52,6 +64,7 @@ _PORT = re.compile(r"[0-9]{1,5}")
 
 _TOP_KEYS = ("links", "sites")
 _SITE_KEYS = ("nodes",)
+_NODE_KEYS = ("address", "id", "raft")
 _LINK_KEYS = ("cost", "dst", "src", "topics")
 
 
@@ -67,42 +80,113 @@ class UnknownLink(ValueError):
     """A (src, dst) pair that is not a link of the topology."""
 
 
-def validate_node_address(address: str) -> str:
-    """Check ``HOST:PORT``: a host name, an IPv4 address or a bracketed IPv6 address, and a port 1-65535."""
+def validate_node_address(address: str, what: str = "node address") -> str:
+    """Check ``HOST:PORT``: a host name, an IPv4 address or a bracketed IPv6 address, and a port 1-65535.
+
+    ``what`` names the address in the messages ("node address", "Raft address").
+    """
     example = "for example '127.0.0.1:7101', 'node1.example.com:7101' or '[::1]:7101'"
     if not isinstance(address, str):
-        raise InvalidTopology(f"node address {address!r} must be a string 'HOST:PORT', {example}")
+        raise InvalidTopology(f"{what} {address!r} must be a string 'HOST:PORT', {example}")
     host, sep, port = address.rpartition(":")
     if not sep or not host:
-        raise InvalidTopology(f"node address {address!r} must be HOST:PORT, {example}")
+        raise InvalidTopology(f"{what} {address!r} must be HOST:PORT, {example}")
     if not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
-        raise InvalidTopology(f"node address {address!r} has the port {port!r}: use 1 to 65535")
+        raise InvalidTopology(f"{what} {address!r} has the port {port!r}: use 1 to 65535")
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
-            raise InvalidTopology(f"node address {address!r}: {host} is not an IPv6 address") from None
+            raise InvalidTopology(f"{what} {address!r}: {host} is not an IPv6 address") from None
         return address
     if ":" in host:
-        raise InvalidTopology(f"node address {address!r}: put an IPv6 host in brackets, for example '[::1]:7101'")
+        raise InvalidTopology(f"{what} {address!r}: put an IPv6 host in brackets, for example '[::1]:7101'")
     if re.fullmatch(r"[0-9.]+", host):
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
-            raise InvalidTopology(f"node address {address!r}: {host} is not an IPv4 address") from None
+            raise InvalidTopology(f"{what} {address!r}: {host} is not an IPv4 address") from None
         return address
     labels = host.split(".")
     if len(host) > 253 or not all(_HOSTNAME_LABEL.fullmatch(label) for label in labels):
         raise InvalidTopology(
-            f"node address {address!r}: {host!r} is not a host name (letters, digits and '-' in dot-separated labels)"
+            f"{what} {address!r}: {host!r} is not a host name (letters, digits and '-' in dot-separated labels)"
         )
     return address
 
 
 @dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """One node of a site: its id in the site's segment cluster, its gRPC address and its Raft address."""
+
+    id: NodeId
+    address: str
+    raft: str | None = None
+
+    def as_toml(self) -> str:
+        """The node as a TOML inline table, as a topology file writes it."""
+        raft = f', raft = "{self.raft}"' if self.raft is not None else ""
+        return f'{{ id = {self.id}, address = "{self.address}"{raft} }}'
+
+
+def _table_form_example(site: str, addresses: list[str]) -> str:
+    """A site's nodes in the table form, for the messages that ask for it: the first two, ids by position."""
+    shown = [NodeSpec(NodeId(n), a, "HOST:PORT").as_toml() for n, a in enumerate(addresses[:2], start=1)]
+    return f"[sites.{site}] nodes = [{', '.join(shown)}{', ...' if len(addresses) > 2 else ''}]"
+
+
+@dataclass(frozen=True, slots=True)
 class Site:
+    """A site and its nodes, in the order the topology lists them.
+
+    ``nodes`` are the nodes' gRPC addresses; ``members`` are the same nodes with
+    their ids and Raft addresses. Built from ``nodes`` alone (the string form),
+    the members get ids 1, 2, 3, ... by position and no Raft address; use
+    :meth:`with_members` to give them. Validated by :class:`Topology`.
+    """
+
     id: SiteId
     nodes: tuple[str, ...]
+    members: tuple[NodeSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            by_position = tuple(NodeSpec(NodeId(n), a) for n, a in enumerate(self.nodes, start=1))
+            object.__setattr__(self, "members", by_position)
+
+    @classmethod
+    def with_members(cls, sid: SiteId, members: tuple[NodeSpec, ...]) -> Site:
+        return cls(sid, tuple(m.address for m in members), members)
+
+    def member(self, nid: int) -> NodeSpec:
+        for m in self.members:
+            if m.id == nid:
+                return m
+        known = ", ".join(str(m.id) for m in self.members)
+        raise InvalidTopology(
+            f"site {self.id!r} has no node {nid}; its node ids are {known}: use one of them, "
+            f"or add the node to [sites.{self.id}] nodes"
+        )
+
+    def raft_addresses(self) -> dict[NodeId, str]:
+        """Each node's Raft address by node id, in the listed order.
+
+        Empty for a one-node site that names no Raft address (it needs no Raft
+        peers). Raises :class:`InvalidTopology` if a node of a multi-node site
+        has none, which is the case for every site listed with strings.
+        """
+        if len(self.members) == 1 and self.members[0].raft is None:
+            return {}
+        found: dict[NodeId, str] = {}
+        for m in self.members:
+            if m.raft is None:
+                raise InvalidTopology(
+                    f"site {self.id!r}, node {m.id} ({m.address}) has no Raft address, and a site with "
+                    f"{len(self.members)} nodes needs one on every node: list the nodes as tables with "
+                    f'raft = "HOST:PORT", for example {_table_form_example(self.id, list(self.nodes))}'
+                )
+            found[m.id] = m.raft
+        return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +250,7 @@ class Topology:
 def _validate(sites: tuple[Site, ...], links: tuple[Link, ...]) -> None:
     if not sites:
         raise InvalidTopology("the topology has no sites: add at least one [sites.<id>] table with nodes = [...]")
-    owner: dict[str, SiteId] = {}
+    owner: dict[str, _AddressUse] = {}
     ids: set[str] = set()
     for s in sites:
         where = f"site {s.id!r}"
@@ -179,16 +263,24 @@ def _validate(sites: tuple[Site, ...], links: tuple[Link, ...]) -> None:
         ids.add(s.id)
         if not s.nodes:
             raise InvalidTopology(f"{where} has no nodes: list at least one, for example nodes = [\"127.0.0.1:7101\"]")
-        for address in s.nodes:
+        _validate_members(s)
+        for m in s.members:
             try:
-                validate_node_address(address)
+                validate_node_address(m.address)
             except InvalidTopology as e:
                 raise InvalidTopology(f"{where}: {e}") from None
-            if address in owner:
-                other = owner[address]
-                whom = "twice" if other == s.id else f"by sites {other!r} and {s.id!r}"
-                raise InvalidTopology(f"node address {address} is listed {whom}; each node needs its own address")
-            owner[address] = s.id
+            if m.raft is not None:
+                try:
+                    validate_node_address(m.raft, "Raft address")
+                except InvalidTopology as e:
+                    raise InvalidTopology(f"{where}, node {m.id} ({m.address}): {e}") from None
+            uses = [_AddressUse(s.id, m.id, "gRPC", m.address)]
+            if m.raft is not None:
+                uses.append(_AddressUse(s.id, m.id, "Raft", m.raft))
+            for use in uses:
+                if use.address in owner:
+                    raise InvalidTopology(_address_clash(owner[use.address], use))
+                owner[use.address] = use
     known = ", ".join(sorted(ids))
     first: dict[tuple[str, str], int] = {}
     for number, link in enumerate(links, start=1):
@@ -210,6 +302,69 @@ def _validate(sites: tuple[Site, ...], links: tuple[Link, ...]) -> None:
             )
         if isinstance(link.cost, bool) or not isinstance(link.cost, int) or not 1 <= link.cost <= COST_MAX:
             raise InvalidTopology(f"{where}: cost {link.cost!r} must be an integer from 1 to {COST_MAX}")
+
+
+@dataclass(frozen=True, slots=True)
+class _AddressUse:
+    site: SiteId
+    node: NodeId
+    kind: str  # "gRPC" or "Raft"
+    address: str
+
+    def describe(self) -> str:
+        return f"the {self.kind} address of site {self.site!r}, node {self.node}"
+
+
+def _address_clash(first: _AddressUse, second: _AddressUse) -> str:
+    if first.kind == second.kind == "gRPC":  # the message the string form has always given
+        whom = "twice" if first.site == second.site else f"by sites {first.site!r} and {second.site!r}"
+        return f"node address {second.address} is listed {whom}; each node needs its own address"
+    if first.site == second.site and first.node == second.node:
+        return (
+            f"site {second.site!r}, node {second.node}: its Raft address {second.address} is its gRPC address; "
+            "the Raft port is separate: give raft a port of its own"
+        )
+    return (
+        f"site {second.site!r}, node {second.node}: {second.kind} address {second.address} is already "
+        f"{first.describe()}; every gRPC and Raft address in the topology must be different: use another port"
+    )
+
+
+def _validate_members(s: Site) -> None:
+    where = f"site {s.id!r}"
+    if tuple(m.address for m in s.members) != s.nodes:
+        raise InvalidTopology(
+            f"{where}: nodes {list(s.nodes)} are not the members' addresses "
+            f"{[m.address for m in s.members]}; build the site with Site.with_members(...)"
+        )
+    position_of: dict[int, int] = {}
+    for position, m in enumerate(s.members, start=1):
+        if isinstance(m.id, bool) or not isinstance(m.id, int):
+            raise InvalidTopology(
+                f"{where}, node #{position}: id {m.id!r} must be an integer from 1 to {NODE_ID_MAX}, "
+                f"for example id = {position}"
+            )
+        try:
+            node_id(m.id)
+        except InvalidNodeId:
+            raise InvalidTopology(
+                f"{where}, node #{position}: id {m.id} is out of range: use 1 to {NODE_ID_MAX}, "
+                f"for example id = {position}"
+            ) from None
+        if m.id in position_of:
+            free = min(set(range(1, len(s.members) + 2)) - {other.id for other in s.members})
+            raise InvalidTopology(
+                f"{where}: node id {m.id} is listed twice (nodes #{position_of[m.id]} and #{position}); "
+                f"give each node of the site its own id, for example id = {free}"
+            )
+        position_of[m.id] = position
+    if len(s.members) > 1 and any(m.raft is not None for m in s.members):
+        for m in s.members:
+            if m.raft is None:
+                raise InvalidTopology(
+                    f"{where}, node {m.id} ({m.address}) has no Raft address but other nodes of the site have; "
+                    f'a site with more than one node needs raft = "HOST:PORT" on every node'
+                )
 
 
 def _unknown_keys(table: Mapping[str, object], allowed: tuple[str, ...], where: str) -> None:
@@ -237,7 +392,56 @@ def _parse_site(key: str, table: object) -> Site:
         raise InvalidTopology(f"{where}: {e}") from None
     if "nodes" not in table:
         raise InvalidTopology(f"{where}: missing 'nodes', for example nodes = [\"127.0.0.1:7101\"]")
-    return Site(sid, tuple(_string_list(table["nodes"], where, "nodes")))
+    raw = table["nodes"]
+    forms = {type(v) for v in raw} if isinstance(raw, list) else set()
+    if not isinstance(raw, list) or not forms <= {str, dict}:
+        raise InvalidTopology(
+            f"{where}: nodes must be a list of strings \"HOST:PORT\" or of tables "
+            f"{{ id = 1, address = \"HOST:PORT\", raft = \"HOST:PORT\" }}, got {raw!r}"
+        )
+    if forms == {str, dict}:
+        raise InvalidTopology(
+            f"{where}: nodes mixes strings and tables; write every node as a table, "
+            f"for example {_table_form_example(key, [_address_of(v) for v in raw])}"
+        )
+    if forms != {dict}:
+        return Site(sid, tuple(raw))
+    members = tuple(_parse_node(where, position, node) for position, node in enumerate(raw, start=1))
+    if len(members) > 1:
+        for position, m in enumerate(members, start=1):
+            if m.raft is None:
+                with_raft = NodeSpec(m.id, m.address, "HOST:PORT").as_toml()
+                raise InvalidTopology(
+                    f"{where}, node #{position} (id {m.id}): missing 'raft': a site with {len(members)} nodes "
+                    f"needs every node's Raft address, on a port that no gRPC address uses; write {with_raft}"
+                )
+    return Site.with_members(sid, members)
+
+
+def _address_of(node: object) -> str:
+    address = node.get("address") if isinstance(node, dict) else node
+    return address if isinstance(address, str) else "HOST:PORT"
+
+
+def _parse_node(site_where: str, position: int, table: dict[str, object]) -> NodeSpec:
+    where = f"{site_where}, node #{position}"
+    _unknown_keys(table, _NODE_KEYS, where)
+    example = f'{{ id = {position}, address = "HOST:PORT", raft = "HOST:PORT" }}'
+    for key in ("id", "address"):
+        if key not in table:
+            raise InvalidTopology(f"{where}: missing {key!r}; write the node as {example}")
+    nid = table["id"]
+    if isinstance(nid, bool) or not isinstance(nid, int):
+        raise InvalidTopology(
+            f"{where}: id {nid!r} must be an integer from 1 to {NODE_ID_MAX}, for example id = {position}"
+        )
+    address, raft = table["address"], table.get("raft")
+    for key, value in (("address", address), ("raft", raft)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidTopology(f'{where}: {key} {value!r} must be a string, {key} = "HOST:PORT"')
+    assert isinstance(address, str) and (raft is None or isinstance(raft, str))  # checked just above
+    # The id's range and the addresses' form are checked in Topology, so a Site built in code gets them too.
+    return NodeSpec(NodeId(nid), address, raft)
 
 
 def _parse_link(number: int, table: object) -> Link:
