@@ -86,6 +86,15 @@ def test_bad_topology_files_get_one_clear_line(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "cannot read topology file" in missing.stderr
 
 
+def test_a_site_with_several_nodes_is_refused_by_up_and_by_node_until_they_form_one_site(tmp_path: Path) -> None:
+    topo = tmp_path / "three.toml"
+    topo.write_text('[sites.a]\nnodes = ["127.0.0.1:1", "127.0.0.1:2"]\n')
+    node = run("node", "--site", "a", "--topology", str(topo), "--data-dir", str(tmp_path / "n"), timeout=30)
+    assert node.returncode == 2 and "lists 2 nodes" in node.stderr and "Traceback" not in node.stderr
+    up = run("up", "--topology", str(topo), "--data-dir", str(tmp_path / "d"), timeout=30)
+    assert up.returncode == 2 and "lists 2 nodes" in up.stderr
+
+
 def test_status_reports_unreachable_sites(tmp_path: Path) -> None:
     topo = triangle(tmp_path / "t.toml")
     proc = run("status", "--topology", str(topo))

@@ -110,10 +110,14 @@ def site_topology(spec: str, site: str) -> Topology:
     except TopologyFileError as exc:
         raise UsageError(f"--topology: {exc}") from None
     try:
-        topology.site(site)
+        nodes = topology.site(site).nodes
     except UnknownSite:
         raise UsageError(
             f"site {site!r} is not in topology {spec} (sites: {', '.join(topology.site_ids())}): "
             "pass --site with one of them, or --topology with a file that defines this site"
         ) from None
+    if len(nodes) != 1:
+        # Several independent one-node brokers would each take writes as the same site: refuse, as 'georep up' does.
+        raise UsageError(f"site {site!r} lists {len(nodes)} nodes in {spec}; this version runs one node per site "
+                         "(multi-node sites are being built): list one address for it")  # fmt: skip
     return topology
