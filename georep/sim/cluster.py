@@ -14,7 +14,10 @@ decision                                       pure code, driven here by
 =============================================  ===========================================================
 metadata, compare-and-set on epochs, chain     ``SiteState.apply``: every command, in one order (the log)
 who leads which partition                      ``plan_leadership``: the controller's tick
-which nodes hold a new segment                 ``choose_ensemble``: a leader opening a segment
+lead, recover first, step down, or ask again   ``role_step``: every node, at every view of the metadata
+which segment a leader writes next             ``plan_open``: a leader after its recovery or roll
+which nodes hold a new segment                 ``choose_ensemble`` (via ``plan_open``), over ``node_loads``
+where a roll seals                             ``roll_seal_at``: a rolling leader, every tick
 the LAC, when ``acks=all`` goes                ``SegmentQuorum``: every fsync of every member
 fencing, contiguity, sealed segments           ``ReplicaGuard``: every append, fence and copy a member gets
 recovering an open segment                     ``SegmentRecovery``: a new leader (Fence, Copy, Seal effects)
@@ -71,6 +74,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+import cluster.leadership as leadership
 import cluster.placement as placement
 import cluster.recovery as recovery
 import cluster.repair as repair
@@ -565,36 +569,34 @@ class ClusterSimulator:
         self.checker.touched(seg)
 
     def _reconcile(self, node: SimNode) -> None:
-        """Start or stop leading each partition as the node's view says."""
+        """Start or stop leading each partition as the node's view says (``role_step``)."""
         for info in node.view.partitions():
             key = (info.topic, info.partition)
-            lead = node.leads.get(key)
-            if lead is not None and (info.leader != node.id or info.leader_epoch != lead.epoch):
-                self._step_down(node, lead, "deposed")
-                lead = None
-            if info.leader != node.id or lead is not None:
-                continue
-            epoch = info.leader_epoch
-            granted = self.elect_index.get((key, epoch), 0)
-            open_segment = info.open_segment
-            own_open = open_segment is not None and open_segment.opened_epoch == epoch
-            if node.done_epoch.get(key, LeaderEpoch(0)) >= epoch or granted <= node.boot_index or own_open:
-                # This incarnation cannot continue an epoch it did not start, or one it gave up: ask for a new one.
+            while True:
+                lead = node.leads.get(key)
+                fresh = self.elect_index.get((key, info.leader_epoch), 0) > node.boot_index
+                step = leadership.role_step(info, node.id, lead.epoch if lead is not None else None,
+                                            node.done_epoch.get(key, LeaderEpoch(0)), fresh)  # fmt: skip
+                if isinstance(step, leadership.StepDown) and lead is not None:
+                    self._step_down(node, lead, "deposed")
+                    continue  # it may be named again, in a newer epoch
+                break
+            if isinstance(step, leadership.AskEpoch):
+                epoch = info.leader_epoch
                 if node.reelect_asked.get(key) != epoch:
                     node.reelect_asked[key] = epoch
                     self.counts.reelections += 1
-                    self._propose(node, ElectLeader(info.topic, info.partition, node.id, epoch),
-                                  self._reelect_done(node, key, epoch))  # fmt: skip
-                continue
-            lead = node.leads[key] = Leadership(key, epoch)
-            self._log(f"node {node.id} leads {key} in epoch {epoch}")
-            if open_segment is not None:
-                lead.phase = "recovering"
-                self._start_recovery(node, lead)
-            else:
-                lead.phase = "opening"
-                lead.previous = info.segments[-1].ensemble if info.segments else ()
-                self._try_open(node, lead)
+                    self._propose(node, step.command, self._reelect_done(node, key, epoch))
+            elif isinstance(step, leadership.Lead):
+                lead = node.leads[key] = Leadership(key, step.epoch)
+                self._log(f"node {node.id} leads {key} in epoch {step.epoch}")
+                if step.recover is not None:
+                    lead.phase = "recovering"
+                    self._start_recovery(node, lead)
+                else:
+                    lead.phase = "opening"
+                    lead.previous = info.segments[-1].ensemble if info.segments else ()
+                    self._try_open(node, lead)
 
     def _reelect_done(self, node: SimNode, key: PartKey, epoch: LeaderEpoch) -> Callable[[Result | None], None]:
         def done(result: Result | None) -> None:
@@ -619,29 +621,14 @@ class ClusterSimulator:
         held = sum(c.end - c.base for c in node.copies.values())
         return max(0, self.cfg.capacity_bytes - node.base_used_bytes - held * self.cfg.record_bytes)
 
-    def _open_load(self, view: SiteState) -> dict[NodeId, int]:
-        load: dict[NodeId, int] = {}
-        for info in view.partitions():
-            open_segment = info.open_segment
-            if open_segment is not None:
-                for m in open_segment.ensemble:
-                    load[m] = load.get(m, 0) + 1
-        return load
-
     def _node_loads(self, node: SimNode) -> list[placement.NodeLoad]:
-        view = node.view
-        load = self._open_load(view)
-        return [
-            placement.NodeLoad(n, info.free_bytes, load.get(n, 0),
-                               info.is_live(self.now_ms, self.cfg.session_timeout_ms), info.draining)
-            for n, info in view.nodes().items()
-        ]  # fmt: skip
+        return leadership.node_loads(node.view, self.now_ms, self.cfg.session_timeout_ms)
 
     def _tick(self, node: SimNode) -> None:
         if node.controller is not None:
             self._controller_duties(node, node.controller)  # with the view it has: stale after a pause
         self._report_short(node)
-        load = self._open_load(node.view).get(node.id, 0)
+        load = leadership.open_loads(node.view).get(node.id, 0)
         self.last_hb_sent[node.id] = self.now_ms
         self._propose(node, NodeHeartbeat(node.id, self.now_ms, self._free_bytes(node), load))
         self._refresh_view(node)
@@ -1039,33 +1026,24 @@ class ClusterSimulator:
         if lead.busy or node.leads.get(lead.key) is not lead:
             return
         info = node.view.partition(*lead.key)
-        if info is None or info.leader != node.id or info.leader_epoch != lead.epoch:
+        if info is None:
             return
-        open_segment = info.open_segment
-        if open_segment is not None and open_segment.segment_id < lead.next_segment:
-            return  # the view has not caught up with our own seal yet: try again at the next tick
-        if open_segment is not None:
-            if open_segment.opened_epoch == lead.epoch:
-                self._adopt(node, lead, open_segment.segment_id, int(open_segment.base_offset), open_segment.ensemble)
-            return
-        base = info.next_base_offset
-        assert base is not None
-        previous = info.segments[-1].ensemble if info.segments else lead.previous
         loads = self._node_loads(node)
-        try:
-            ensemble = placement.choose_ensemble(loads, self.cfg.rf, leader=node.id, previous=previous,
-                                                 salt=placement.partition_salt(*lead.key))  # fmt: skip
-        except placement.PlacementError as e:
+        sealed_through = SegmentId(lead.next_segment - 1) if lead.next_segment > 0 else None
+        step = leadership.plan_open(info, node.id, lead.epoch, sealed_through, lead.previous, loads, self.cfg.rf)
+        if isinstance(step, leadership.Adopt):
+            self._adopt(node, lead, step.segment_id, int(step.base_offset), step.ensemble)
+        elif isinstance(step, leadership.Blocked):
             self.counts.placement_waits += 1
-            self._log(f"node {node.id} cannot place {lead.key}: {e}")
+            self._log(f"node {node.id}: {step.reason}")
             lead.retry_at = self.now_ms + self.cfg.retry_ms
-            return
-        self.checker.placed(f"placement of {lead.key[0]}/{lead.key[1]} at offset {base}", ensemble,
-                            self.last_hb_sent, self.now_ms)  # fmt: skip
-        self._check_expansion_placement(loads, ensemble, lead.key)
-        cmd = OpenSegment(lead.key[0], lead.key[1], lead.epoch, LocalOffset(base), ensemble)
-        lead.busy = True
-        self._propose(node, cmd, lambda result: self._opened(node, lead, cmd, result))
+        elif isinstance(step, leadership.ProposeOpen):
+            cmd = step.command
+            self.checker.placed(f"placement of {lead.key[0]}/{lead.key[1]} at offset {cmd.base_offset}", cmd.ensemble,
+                                self.last_hb_sent, self.now_ms)  # fmt: skip
+            self._check_expansion_placement(loads, cmd.ensemble, lead.key)
+            lead.busy = True
+            self._propose(node, cmd, lambda result: self._opened(node, lead, cmd, result))
 
     def _opened(self, node: SimNode, lead: Leadership, cmd: OpenSegment, result: Result | None) -> None:
         lead.busy = False
@@ -1346,11 +1324,12 @@ class ClusterSimulator:
         """Seal at the LAC once everything appended is confirmed, or once waiting longer is pointless."""
         if lead.seal_cmd is None:
             assert lead.roll_since is not None
-            if q.lac < q.appended_end and self.now_ms - lead.roll_since < self.cfg.roll_wait_ms:
+            end = leadership.roll_seal_at(q.lac, q.appended_end, lead.roll_since, self.now_ms, self.cfg.roll_wait_ms)
+            if end is None:
                 return
-            lead.release_limit = q.lac
-            lead.seal_cmd = SealSegment(lead.key[0], lead.key[1], lead.epoch, q.segment_id, LocalOffset(q.lac),
-                                        _vector(q.lac))  # fmt: skip
+            lead.release_limit = end
+            lead.seal_cmd = SealSegment(lead.key[0], lead.key[1], lead.epoch, q.segment_id, LocalOffset(end),
+                                        _vector(end))  # fmt: skip
         cmd = lead.seal_cmd
         lead.busy = True
         self._propose(node, cmd, lambda result: self._rolled(node, lead, cmd, result))
