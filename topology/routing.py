@@ -49,6 +49,8 @@ class Router:
         self._topology = topology
         self._links = topology.links_sorted()
         self._down: set[_Key] = set()
+        # topic -> whether each link carries it (filters never change; link states do)
+        self._carrying: dict[str, tuple[bool, ...]] = {}
         # (links carrying the topic and live, as a tuple of bools) -> graph of those links
         self._graphs: dict[tuple[bool, ...], nx.DiGraph] = {}
         self._routes: dict[tuple[tuple[bool, ...], SiteId, SiteId], tuple[Candidate, ...]] = {}
@@ -99,7 +101,11 @@ class Router:
         o = self._topology.site(origin_site).id
         if d == o:
             return ()
-        mask = tuple(link.key not in self._down and link.carries(topic) for link in self._links)
+        carrying = self._carrying.get(topic)
+        if carrying is None:
+            carrying = self._carrying[topic] = tuple(link.carries(topic) for link in self._links)
+        down = self._down
+        mask = tuple(carries and link.key not in down for link, carries in zip(self._links, carrying, strict=True))
         cached = self._routes.get((mask, o, d))
         if cached is None:
             cached = self._compute(mask, o, d)
