@@ -34,11 +34,10 @@ class HeldTable:
         """Merge what ``site`` holds; True if the table learned something."""
         key = (site, topic, partition)
         current = self.entries.get(key)
-        merged = vector if current is None else current.merge(vector)
-        if current is not None and merged == current:
+        if current is not None and vector.dominated_by(current):
             return False
         self.version += 1
-        self.entries[key] = merged
+        self.entries[key] = vector if current is None else current.merge(vector)
         self.versions[key] = self.version
         self.sites.add(site)
         return True
