@@ -68,7 +68,7 @@ class MemoryLog:
     def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
         stored = header._replace(base_offset=self._end, append_time_ms=append_time_ms)
         prefix = local_prefix(self._end, header.batch_length, append_time_ms, header.crc)
-        data = prefix + b"".join(bytes(b) for b in body)
+        data = b"".join([prefix, *body])
         self._batches.append(data)
         self._headers.append(stored)
         self._base_offsets.append(self._end)
@@ -85,17 +85,17 @@ class MemoryLog:
             raise OffsetOutOfRange(offset, self._start, self._end)
         if offset == self._end:
             return ReadResult(b"", offset)
-        i = self._index_of(offset)
-        if self._base_offsets[i] in self._damaged:
-            raise BatchDamaged(self._damaged[self._base_offsets[i]])
-        out: list[bytes] = []
+        batches, bases, damaged = self._batches, self._base_offsets, self._damaged
+        first = self._index_of(offset)
+        if bases[first] in damaged:
+            raise BatchDamaged(damaged[bases[first]])
+        i = first
         size = 0
-        while (i < len(self._batches) and (not out or size + len(self._batches[i]) <= max_bytes)
-               and self._base_offsets[i] not in self._damaged):  # fmt: skip
-            out.append(self._batches[i])
-            size += len(self._batches[i])
+        while (i < len(batches) and (i == first or size + len(batches[i]) <= max_bytes)
+               and bases[i] not in damaged):  # fmt: skip
+            size += len(batches[i])
             i += 1
-        return ReadResult(b"".join(out), self._headers[i - 1].next_offset)
+        return ReadResult(b"".join(batches[first:i]), self._headers[i - 1].next_offset)
 
     def corrupt(self, offset: int, reason: str = "bit rot") -> DamagedBatch:
         """Damage the stored batch holding ``offset`` (one flipped byte) and quarantine it."""
@@ -165,8 +165,9 @@ class MemoryLog:
         count = bisect.bisect_left(self._base_offsets, offset)
         vector = self._flushed_vector
         for h in self._headers[self._flushed_count : count]:
-            if h.next_origin_seq > vector.get(h.origin, 0):
-                vector[h.origin] = h.next_origin_seq
+            origin, next_seq = h.origin, h.next_origin_seq
+            if next_seq > vector.get(origin, 0):
+                vector[origin] = next_seq
         if count > self._flushed_count:
             self._flushed_count = count
             self._flushed_offset = self._headers[count - 1].next_offset
