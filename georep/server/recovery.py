@@ -271,23 +271,34 @@ class _Recovery:
         return lambda: self.rec.seal_refused(refused)
 
     async def _tell_members(self, end: LocalOffset) -> None:
-        """The seal is committed: every member records it and cuts a longer copy (best effort; see above)."""
         s = self.s
+        await tell_sealed(self.store, s.key, s.segment_id, s.epoch, end, s.ensemble, self.me, self.addresses,
+                          self.executor, self.clock_ms, self.channel)  # fmt: skip
 
-        async def tell(node: NodeId) -> None:
-            try:
-                if node == self.me:
-                    await self._run_local(self.store.seal, s.key, s.epoch, s.segment_id, end, self.clock_ms())
-                    return
-                async with self.channel(self.addresses[node]) as channel:
-                    await pbg.SegmentsStub(channel).SealSegment(
-                        pb.SealSegmentRequest(segment=self.ref, leader_epoch=s.epoch, end_offset=end),
-                        timeout=CALL_TIMEOUT_S)  # fmt: skip
-            except (grpc.aio.AioRpcError, OSError, BrokerError, ReplicaError, Fenced) as exc:
-                log.warning("segment %d of %s-%d is sealed at %d, but member %d was not told: %s", s.segment_id,
-                            *s.key, end, node, exc)  # fmt: skip
 
-        await asyncio.gather(*(tell(n) for n in s.ensemble))
+async def tell_sealed(store: ReplicaStore, key: PartitionKey, segment_id: SegmentId, epoch: LeaderEpoch,
+                      end: LocalOffset, ensemble: tuple[NodeId, ...], me: NodeId, addresses: Mapping[NodeId, str],
+                      executor: ThreadPoolExecutor, clock_ms: Callable[[], int],
+                      channel: Callable[[str], grpc.aio.Channel]) -> None:  # fmt: skip
+    """The seal of ``segment_id`` at ``end`` is committed: every member records it and cuts a longer copy. Best
+    effort: a member that misses it keeps its tail, which was never acked nor read (reads stop at the sealed end),
+    until it is told again."""
+    ref = pb.SegmentRef(topic=key[0], partition=key[1], segment_id=segment_id)
+
+    async def tell(node: NodeId) -> None:
+        try:
+            if node == me:
+                await asyncio.get_running_loop().run_in_executor(executor, store.seal, key, epoch, segment_id, end,
+                                                                 clock_ms())  # fmt: skip
+                return
+            async with channel(addresses[node]) as ch:
+                await pbg.SegmentsStub(ch).SealSegment(
+                    pb.SealSegmentRequest(segment=ref, leader_epoch=epoch, end_offset=end), timeout=CALL_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, OSError, BrokerError, ReplicaError, Fenced, KeyError) as exc:
+            log.warning("segment %d of %s-%d is sealed at %d, but member %d was not told: %s", segment_id, *key, end,
+                        node, exc)  # fmt: skip
+
+    await asyncio.gather(*(tell(n) for n in ensemble))
 
 
 class _CopyShort(Exception):

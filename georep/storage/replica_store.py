@@ -38,6 +38,7 @@ import logging
 import shutil
 import threading
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 
 from cluster.ids import LeaderEpoch, SegmentId
@@ -48,12 +49,14 @@ from georep.storage.durable_file import fsync_directory, replace_file
 from georep.storage.segment import U32_MAX
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from offsets.vector import VectorOffset
 
 log = logging.getLogger(__name__)
 
 REPLICAS_DIR = "replicas"
 GUARD_FILE = "guard.json"
 GUARD_FORMAT = 1
+VECTOR_READ_BYTES = 1 << 20
 NEW_SUFFIX = ".new"
 # A replica's log is one segment file (up to 4 GiB, the format's limit): the ensemble decides when a segment
 # ends, not the node's roll settings.
@@ -183,6 +186,11 @@ class ReplicaStore:
     def flushed_offset(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
         with self._lock:
             return self._segment(key, segment_id).flushed_offset
+
+    def size_of(self, key: PartitionKey, segment_id: SegmentId) -> int:
+        """The bytes of this node's copy of ``segment_id``."""
+        with self._lock:
+            return self._segment(key, segment_id).size_bytes
 
     def size_bytes(self) -> int:
         with self._lock:
@@ -315,6 +323,23 @@ class ReplicaStore:
             keep += h.size_bytes
             offset = LocalOffset(h.next_offset)
         return ReadResult(result.data[:keep], offset)
+
+    def vector_at(self, key: PartitionKey, segment_id: SegmentId, start: Mapping[Origin, int],
+                  end_offset: int) -> VectorOffset:  # fmt: skip
+        """The partition's vector at ``end_offset`` of this copy: ``start`` (the vector at the segment's base, the end
+        vector of the segment before it) advanced by every batch below ``end_offset``. What a seal records."""
+        vector = VectorOffset(start)
+        with self._lock:
+            offset = self._segment(key, segment_id).log_start_offset
+        while offset < end_offset:
+            result = self.read(key, segment_id, offset, VECTOR_READ_BYTES, end_offset)
+            if not result.data:
+                raise ReplicaError(f"segment {segment_id} of {key[0]}-{key[1]}: this copy ends at {offset}, short of "
+                                   f"{end_offset}")  # fmt: skip
+            for h in iter_headers(result.data):
+                vector = vector.advanced(h.origin, h.base_origin_seq + h.last_offset_delta + 1)
+            offset = result.next_offset
+        return vector
 
     def close(self) -> None:
         with self._lock:

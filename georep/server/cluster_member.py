@@ -1,0 +1,409 @@
+"""A node's part in its site's cluster: heartbeats, the controller, and leading partitions. Shell.
+
+Every decision is pure and shared with the cluster simulator
+(``georep/sim/cluster.py``):
+
+==========================================  ==============================================
+decision                                    pure code, driven here by
+==========================================  ==============================================
+who leads which partition                   ``plan_leadership``: the Raft leader's tick
+lead, recover first, step down, ask again   ``role_step``: every tick, on this node's view
+recovering the predecessor's open segment   ``SegmentRecovery`` (``recover_segment``)
+which segment to write next, on whom        ``plan_open`` over ``node_loads``
+the LAC                                     ``SegmentQuorum`` (``SegmentWriter``)
+where a roll seals                          ``roll_seal_at``
+==========================================  ==============================================
+
+:class:`ClusterMember` ticks every ``tick_ms``: it reports its heartbeat
+(free bytes and load), lets the Raft leader run the controller, and
+reconciles its role in every partition with its view of the metadata. A
+:class:`PartitionLeader` is one partition led in one epoch: it recovers the
+open segment it inherited, opens the next one, writes it through a
+:class:`~georep.server.ensemble.SegmentWriter`, and rolls it by size.
+
+**This incarnation's epochs.** ``role_step`` must know whether the current
+epoch was granted after this process started (an earlier incarnation may
+have written under an older grant). At start the member waits until its
+view holds everything committed (``read_barrier``) and records each
+partition's epoch: an epoch at or below that was granted before it.
+
+Metadata calls block (pysyncobj), so they run in the executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import grpc
+
+from cluster import leadership
+from cluster.ids import LeaderEpoch, NodeId, SegmentId
+from cluster.raft_store import MetadataUnavailable
+from cluster.site_state import (
+    Applied,
+    Command,
+    ElectLeader,
+    NodeHeartbeat,
+    PartitionInfo,
+    RefusalCode,
+    Refused,
+    RegisterNode,
+    Result,
+    SealSegment,
+    SegmentInfo,
+    SiteState,
+    plan_leadership,
+)
+from georep.broker.errors import NotLeader
+from georep.server.ensemble import SegmentToWrite, SegmentWriter
+from georep.server.recovery import RecoveryFailed, SegmentToRecover, recover_segment, tell_sealed
+from georep.storage.replica_store import PartitionKey, ReplicaStore
+from offsets.coordinates import LocalOffset
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Metadata(Protocol):
+    """What the member needs of the site's metadata (``cluster/raft_store.py``'s ``RaftMetadataStore``)."""
+
+    def state(self) -> SiteState: ...
+    def propose(self, command: Command, timeout_s: float | None = None) -> Result: ...
+    def read_barrier(self, timeout_s: float | None = None) -> None: ...
+    @property
+    def is_leader(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    replication_factor: int = 3  # the ensemble of each segment (write quorum)
+    ack_quorum: int = 2  # min_insync_replicas: members that hold a batch fsynced before acks=all
+    session_timeout_ms: int = 6_000  # a node that has not heartbeated for this long is dead
+    tick_ms: int = 500
+    segment_bytes: int = 64 << 20  # a leader rolls its segment past this size
+    roll_wait_ms: int = 2_000  # a roll waits this long for every appended batch to be confirmed
+    retry_ms: int = 500
+
+
+class ClusterMember:
+    """One node of a multi-node site; see the module docstring."""
+
+    def __init__(self, me: NodeId, address: str, metadata: Metadata, store: ReplicaStore, executor: ThreadPoolExecutor,
+                 clock_ms: Callable[[], int], free_bytes: Callable[[], int], config: ClusterConfig | None = None,
+                 channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:  # fmt: skip
+        self.me = me
+        self.address = address
+        self.metadata = metadata
+        self.store = store
+        self.executor = executor
+        self.clock_ms = clock_ms
+        self.free_bytes = free_bytes
+        self.config = config or ClusterConfig()
+        self.channel = channel
+        self.leaders: dict[PartitionKey, PartitionLeader] = {}
+        self._given_up: dict[PartitionKey, LeaderEpoch] = {}
+        self._epochs_at_start: dict[PartitionKey, LeaderEpoch] = {}
+        self._asked: dict[PartitionKey, LeaderEpoch] = {}  # re-elections of itself in flight
+        self._electing: dict[PartitionKey, LeaderEpoch] = {}  # the controller's elections in flight
+        self._task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    def spawn(self, work: Coroutine[object, object, None]) -> None:
+        """Run ``work`` in the background, keeping a reference until it ends."""
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def run_blocking(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def propose(self, command: Command) -> Result | None:
+        """Commit ``command``; None if the metadata could not confirm it (it may still apply: read the view)."""
+        try:
+            return await self.run_blocking(self.metadata.propose, command)
+        except MetadataUnavailable as exc:
+            log.warning("node %d: %s not confirmed: %s", self.me, command.KIND, exc)
+            return None
+
+    def addresses(self) -> dict[NodeId, str]:
+        return {n: info.address for n, info in self.metadata.state().nodes().items()}
+
+    # -- life ------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Register, learn which epochs were granted before this start, and tick from now on."""
+        result = await self.propose(RegisterNode(self.me, self.address))
+        if isinstance(result, Refused) and result.code is not RefusalCode.NODE_IN_USE:
+            raise MetadataUnavailable(f"node {self.me} cannot register at {self.address}: {result.reason}")
+        await self.run_blocking(self.metadata.read_barrier)
+        self._epochs_at_start = {(i.topic, i.partition): i.leader_epoch for i in self.metadata.state().partitions()}
+        await self._heartbeat()
+        self._task = asyncio.create_task(self._ticks())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(lead.close() for lead in list(self.leaders.values())), return_exceptions=True)
+        self.leaders.clear()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def _ticks(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_ms / 1000)
+            try:
+                await self.tick()
+            except Exception:  # a bug in one tick must not end the member: log it and tick again
+                log.exception("node %d: cluster tick failed", self.me)
+
+    async def tick(self) -> None:
+        await self._heartbeat()
+        if self.metadata.is_leader:
+            await self._controller()
+        self.reconcile()
+
+    async def _heartbeat(self) -> None:
+        load = leadership.open_loads(self.metadata.state()).get(self.me, 0)
+        free = await self.run_blocking(self.free_bytes)
+        await self.propose(NodeHeartbeat(self.me, self.clock_ms(), free, load))
+
+    async def _controller(self) -> None:
+        """Elect a leader for every partition whose leader is missing or dead (the Raft leader's duty)."""
+        for elect in plan_leadership(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms):
+            key = (elect.topic, elect.partition)
+            if self._electing.get(key) == elect.expected_epoch:
+                continue
+            self._electing[key] = elect.expected_epoch
+            result = await self.propose(elect)
+            self._electing.pop(key, None)
+            if isinstance(result, Applied):
+                log.info("controller: node %d leads %s-%d in epoch %s", elect.node, *key, result.leader_epoch)
+
+    # -- roles ---------------------------------------------------------------------------------------------
+
+    def reconcile(self) -> None:
+        """Start or stop leading each partition as this node's view says (``role_step``)."""
+        for info in self.metadata.state().partitions():
+            key = (info.topic, info.partition)
+            while True:
+                lead = self.leaders.get(key)
+                fresh = info.leader_epoch > self._epochs_at_start.get(key, LeaderEpoch(0))
+                step = leadership.role_step(info, self.me, lead.epoch if lead is not None else None,
+                                            self._given_up.get(key, LeaderEpoch(0)), fresh)  # fmt: skip
+                if isinstance(step, leadership.StepDown) and lead is not None:
+                    self.step_down(lead, step.reason)
+                    continue
+                break
+            if isinstance(step, leadership.AskEpoch) and self._asked.get(key) != info.leader_epoch:
+                self._asked[key] = info.leader_epoch
+                self.spawn(self._ask(key, step.command))
+            elif isinstance(step, leadership.Lead):
+                lead = self.leaders[key] = PartitionLeader(self, key, step.epoch, step.recover)
+                log.info("node %d leads %s-%d in epoch %d", self.me, *key, step.epoch)
+                lead.start()
+
+    async def _ask(self, key: PartitionKey, command: ElectLeader) -> None:
+        result = await self.propose(command)
+        if result is None:
+            self._asked.pop(key, None)  # not confirmed: ask again at the next look
+
+    def step_down(self, lead: PartitionLeader, reason: str) -> None:
+        log.info("node %d steps down from %s-%d epoch %d: %s", self.me, *lead.key, lead.epoch, reason)
+        if self.leaders.get(lead.key) is lead:
+            del self.leaders[lead.key]
+        self._given_up[lead.key] = max(self._given_up.get(lead.key, LeaderEpoch(0)), lead.epoch)
+        self.spawn(lead.close())
+
+
+class PartitionLeader:
+    """One partition led by this node in one epoch: recover, open, write, roll."""
+
+    def __init__(self, member: ClusterMember, key: PartitionKey, epoch: LeaderEpoch,
+                 recover: SegmentInfo | None) -> None:  # fmt: skip
+        self.member = member
+        self.key = key
+        self.epoch = epoch
+        self._recover = recover
+        self.writer: SegmentWriter | None = None
+        self._segment: SegmentToWrite | None = None
+        self._sealed_through: SegmentId | None = None
+        self._previous: tuple[NodeId, ...] = ()
+        self._writable = asyncio.Event()  # set while a segment is open for appends
+        self._rolling = False
+        self._release_limit: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        self._closed = True
+        self._writable.clear()
+        if self._task is not None and self._task is not asyncio.current_task():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.writer is not None:
+            await self.writer.close()
+
+    def _info(self) -> PartitionInfo | None:
+        return self.member.metadata.state().partition(*self.key)
+
+    async def _run(self) -> None:
+        try:
+            if self._recover is not None:
+                await self._recover_segment(self._recover)
+            await self._open_next()
+        except NotLeader as exc:
+            self.member.step_down(self, str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a failure of this leadership (its disk, a bug): give the partition up
+            log.exception("node %d: leading %s-%d failed", self.member.me, *self.key)
+            self.member.step_down(self, f"{type(exc).__name__}: {exc}")
+
+    # -- recovery --------------------------------------------------------------------------------------------
+
+    async def _recover_segment(self, segment: SegmentInfo) -> None:
+        m, info = self.member, self._info()
+        start_vector = info.sealed_vector_before(segment.segment_id).to_dict() if info is not None else {}
+        target = SegmentToRecover(self.key, segment.segment_id, segment.base_offset, start_vector, segment.ensemble,
+                                  m.config.ack_quorum, self.epoch)  # fmt: skip
+
+        async def seal(segment_id: SegmentId, end: LocalOffset) -> str | None:
+            vector = await m.run_blocking(m.store.vector_at, self.key, segment_id, start_vector, end)
+            return await self._seal(SealSegment(self.key[0], self.key[1], self.epoch, segment_id, end, vector))
+
+        while True:
+            try:
+                await recover_segment(m.store, target, m.me, m.addresses(), seal, m.executor, m.clock_ms, m.channel)
+                break
+            except RecoveryFailed as exc:
+                log.warning("%s; retrying in %d ms", exc, m.config.retry_ms)
+                await asyncio.sleep(m.config.retry_ms / 1000)
+        self._sealed_through = segment.segment_id
+        self._previous = segment.ensemble
+
+    async def _seal(self, command: SealSegment) -> str | None:
+        """Commit a seal (retried while the metadata cannot confirm it: sealing again at the same end is a no-op);
+        None once committed, or the reason it was refused."""
+        while True:
+            result = await self.member.propose(command)
+            if isinstance(result, Applied):
+                return None
+            if isinstance(result, Refused):
+                return result.reason
+            if self._closed:
+                return "this leader stopped"
+            await asyncio.sleep(self.member.config.retry_ms / 1000)
+
+    # -- opening and writing ---------------------------------------------------------------------------------
+
+    async def _open_next(self) -> None:
+        m = self.member
+        blocked: str | None = None
+        while not self._closed:
+            info = self._info()
+            if info is None:
+                raise NotLeader(*self.key, "the topic is gone")
+            loads = leadership.node_loads(m.metadata.state(), m.clock_ms(), m.config.session_timeout_ms)
+            step = leadership.plan_open(info, m.me, self.epoch, self._sealed_through, self._previous, loads,
+                                        m.config.replication_factor)  # fmt: skip
+            if isinstance(step, leadership.Adopt):
+                await self._write(step, info)
+                return
+            if isinstance(step, leadership.ProposeOpen):
+                result = await m.propose(step.command)
+                if isinstance(result, Refused) and result.code is RefusalCode.STALE_EPOCH:
+                    raise NotLeader(*self.key, result.reason)
+                continue  # applied: the next view shows it open (Adopt); otherwise look again
+            if isinstance(step, leadership.Blocked) and step.reason != blocked:
+                log.warning("node %d: %s", m.me, step.reason)  # once per reason: it is retried every retry_ms
+            blocked = step.reason if isinstance(step, leadership.Blocked) else None
+            await asyncio.sleep(m.config.retry_ms / 1000 if isinstance(step, leadership.Blocked) else 0.02)
+
+    async def _write(self, open_: leadership.Adopt, info: PartitionInfo) -> None:
+        m = self.member
+        start_vector = info.sealed_vector_before(open_.segment_id).to_dict()
+        self._segment = SegmentToWrite(self.key, open_.segment_id, open_.base_offset, start_vector, open_.ensemble,
+                                       m.config.ack_quorum, self.epoch)  # fmt: skip
+        self.writer = SegmentWriter(m.store, self._segment, m.me, m.addresses(), m.executor, m.clock_ms, m.channel)
+        await self.writer.start()
+        self._release_limit = None
+        self._rolling = False
+        self._writable.set()
+        log.info("node %d writes %s-%d segment %d from offset %d on %s", m.me, *self.key, open_.segment_id,
+                 open_.base_offset, list(open_.ensemble))  # fmt: skip
+
+    async def append(self, batches: bytes) -> tuple[SegmentId, int]:
+        """Append whole batches (local prefixes set from the segment's end) to the open segment; returns the
+        segment and the appended end. Waits while the segment rolls. Raises ``NotLeader`` once deposed."""
+        while True:
+            if self._closed:
+                raise NotLeader(*self.key, f"this node no longer leads epoch {self.epoch}")
+            await self._writable.wait()
+            writer, segment = self.writer, self._segment
+            if writer is None or segment is None or self._rolling:
+                continue
+            end = await writer.append(batches)
+            if self._copy_bytes() >= self.member.config.segment_bytes:
+                self.member.spawn(self._roll())
+            return segment.segment_id, end
+
+    def end_offset(self) -> int:
+        """Where the next batch goes: the open segment's appended end."""
+        if self.writer is None:
+            raise NotLeader(*self.key, "no segment is open yet")
+        return self.writer.quorum.appended_end
+
+    async def confirmed(self, end_offset: int) -> None:
+        """``acks=all``: returns once ``min_insync_replicas`` members hold ``[.., end_offset)`` fsynced, and never
+        past the end a roll seals at (what lies past it is cut, and its producer sends it again)."""
+        writer = self.writer
+        if writer is None:
+            raise NotLeader(*self.key, "no segment is open")
+        await writer.confirmed(end_offset)
+        if self._release_limit is not None and end_offset > self._release_limit:
+            raise NotLeader(*self.key, "the segment was rolled before this batch was confirmed: send it again")
+
+    def _copy_bytes(self) -> int:
+        segment = self._segment
+        if segment is None:
+            return 0
+        return self.member.store.size_of(self.key, segment.segment_id)
+
+    # -- rolling ---------------------------------------------------------------------------------------------
+
+    async def _roll(self) -> None:
+        if self._rolling or self.writer is None or self._segment is None:
+            return
+        m, writer, segment = self.member, self.writer, self._segment
+        self._rolling = True
+        self._writable.clear()
+        since = m.clock_ms()
+        while (end := leadership.roll_seal_at(writer.lac, writer.quorum.appended_end, since, m.clock_ms(),
+                                              m.config.roll_wait_ms)) is None:  # fmt: skip
+            await asyncio.sleep(0.01)
+        self._release_limit = end
+        vector = await m.run_blocking(m.store.vector_at, self.key, segment.segment_id, segment.start_vector, end)
+        refused = await self._seal(SealSegment(self.key[0], self.key[1], self.epoch, segment.segment_id,
+                                               LocalOffset(end), vector))  # fmt: skip
+        if refused is not None:
+            m.step_down(self, f"roll refused: {refused}")
+            return
+        await writer.close()
+        await tell_sealed(m.store, self.key, segment.segment_id, self.epoch, LocalOffset(end), segment.ensemble, m.me,
+                          m.addresses(), m.executor, m.clock_ms, m.channel)  # fmt: skip
+        log.info("node %d rolled %s-%d segment %d at %d", m.me, *self.key, segment.segment_id, end)
+        self._sealed_through = segment.segment_id
+        self._previous = segment.ensemble
+        self.writer = self._segment = None
+        await self._open_next()
