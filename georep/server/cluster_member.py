@@ -247,7 +247,7 @@ class PartitionLeader:
 
     async def close(self) -> None:
         self._closed = True
-        self._writable.clear()
+        self._writable.set()  # appends waiting for a segment wake up and find this leader closed
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

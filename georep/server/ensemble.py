@@ -98,6 +98,8 @@ class SegmentWriter:
         self.clock_ms = clock_ms
         self._channel = channel
         self._appended = asyncio.Event()  # set when the appended end moves: member streams wake up
+        self._append_lock = asyncio.Lock()  # appends reach the copy, and the quorum, in the order they were made
+        self._backoff: dict[NodeId, float] = {}
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._flushing: asyncio.Task[None] | None = None
@@ -129,10 +131,11 @@ class SegmentWriter:
     async def append(self, batches: bytes) -> int:
         """Append whole batches (local prefixes set: base offsets from the segment's end) to the leader's copy.
         Returns the new appended end; :meth:`confirmed` says when the ack quorum holds it."""
-        self._check_writable()
         s = self.segment
-        end = await self._run(self.store.append, s.key, s.epoch, s.segment_id, batches)
-        self.quorum.appended(end)
+        async with self._append_lock:
+            self._check_writable()
+            end = await self._run(self.store.append, s.key, s.epoch, s.segment_id, batches)
+            self.quorum.appended(end)
         self._appended.set()
         self._start_flush()
         return end
@@ -224,7 +227,6 @@ class SegmentWriter:
     # -- one member's stream ---------------------------------------------------------------------------------
 
     async def _member(self, node: NodeId) -> None:
-        backoff = BACKOFF_MIN_S
         while not self._closed and self._deposed is None:
             try:
                 async with self._channel(self.addresses[node]) as channel:
@@ -236,11 +238,10 @@ class SegmentWriter:
                 self._broken(node, f"{exc.code().name}: {exc.details()}")
             except (StreamBroken, QuorumError) as exc:
                 self._broken(node, str(exc))
-            else:
-                backoff = BACKOFF_MIN_S  # it streamed: start the backoff over
             self._perform(self.quorum.member_failed(node))
+            backoff = self._backoff.get(node, BACKOFF_MIN_S)
+            self._backoff[node] = min(backoff * 2, BACKOFF_MAX_S)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     def _broken(self, node: NodeId, why: str) -> None:
         s = self.segment
@@ -274,6 +275,7 @@ class SegmentWriter:
                                    f"{self.quorum.appended_end}")  # fmt: skip
             self._perform(self.quorum.member_reconnected(node))
             self._perform(self.quorum.member_acked(node, first.flushed_offset))
+            self._backoff.pop(node, None)  # it answered: the next failure starts the backoff over
             in_flight = asyncio.Semaphore(IN_FLIGHT)
             sender = asyncio.create_task(self._send(outbox, LocalOffset(first.end_offset), in_flight))
             receiver = asyncio.create_task(self._receive(node, answers, in_flight))
