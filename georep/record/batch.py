@@ -65,7 +65,7 @@ Why this shape:
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import crc32c
@@ -210,16 +210,20 @@ def check_batch(batch: bytes | bytearray | memoryview, pos: int = 0) -> BatchHea
 
 def iter_headers(buf: bytes | bytearray | memoryview, *, verify: bool = False) -> list[BatchHeader]:
     """Headers of the whole batches in ``buf``, in order; a partial last batch is left out."""
-    out: list[BatchHeader] = []
+    return list(headers_in(buf, verify=verify))
+
+
+def headers_in(buf: bytes | bytearray | memoryview, *, verify: bool = False) -> Iterator[BatchHeader]:
+    """:func:`iter_headers`, each header parsed only when asked for: for a reader that may stop early."""
     pos = 0
     n = len(buf)
     while n - pos >= HEADER_BYTES:
         header = check_batch(buf, pos) if verify else parse_header(buf, pos)
-        if pos + header.size_bytes > n:
-            break
-        out.append(header)
-        pos += header.size_bytes
-    return out
+        size = header.size_bytes
+        if pos + size > n:
+            return
+        yield header
+        pos += size
 
 
 def stamp_origin(batch: bytes | memoryview, origin: Origin, base_origin_seq: int) -> tuple[bytes, int]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from georep.record.batch import iter_headers
+from georep.record.batch import headers_in
 from georep.storage.api import BatchDamaged, DamagedBatch, OffsetOutOfRange, PartitionLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 
@@ -155,7 +155,7 @@ class _Cursor:
             view = memoryview(res.data)
             pos = 0
             full = False
-            for h in iter_headers(res.data):
+            for h in headers_in(res.data):  # a read may hold far more than is durable or fits: parse as we go
                 if h.base_offset >= flushed:
                     full = True  # not durable yet: stop before it
                     break
