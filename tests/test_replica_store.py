@@ -69,6 +69,8 @@ def test_the_guard_refuses_old_epochs_sealed_segments_and_gaps_and_changes_nothi
     store.fence(KEY, E2)
     with pytest.raises(Fenced):
         store.append(KEY, E1, SEG, batches[1])
+    with pytest.raises(Fenced):  # a deposed leader's stream is refused as it opens, not only at its first batch
+        store.open_segment(KEY, E1, SEG, 0, {}, now_ms=0)
     with pytest.raises(CorruptReplicaChunk):
         store.append(KEY, E2, SEG, batches[1][:-1])
     with pytest.raises(UnknownSegment, match="ask a member"):

@@ -218,13 +218,18 @@ class ReplicaStore:
     def open_segment(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, base_offset: int,
                      start_vector: dict[Origin, OriginSeq], now_ms: int) -> None:  # fmt: skip
         """Start this node's copy of a new segment, empty at ``base_offset`` (its vector goes on from
-        ``start_vector``, the end vector of the segment before it). Opening an existing copy again is a no-op.
+        ``start_vector``, the end vector of the segment before it). Opening an existing copy again changes nothing.
 
-        The guard decides as for an append at the segment's base (``Fenced``, ``SegmentSealed``).
+        The guard decides as for an append at the copy's end (``Fenced``, ``SegmentSealed``), so a deposed
+        leader's stream is refused at its first request, not only at its first batch.
         """
         with self._lock:
             p = self._partition(key)
-            if segment_id in p.segments:
+            existing = p.segments.get(segment_id)
+            if existing is not None:
+                end = existing.log_end_offset
+                if p.guard.check_append(epoch, segment_id, end, end):
+                    p.persist_guard()
                 return
             if p.guard.check_append(epoch, segment_id, base_offset, base_offset):
                 p.persist_guard()
