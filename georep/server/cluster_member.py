@@ -70,6 +70,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class RegistrationRefused(Exception):
+    """The site's metadata refused this node's id or address; the message says what to change."""
+
+
 class Metadata(Protocol):
     """What the member needs of the site's metadata (``cluster/raft_store.py``'s ``RaftMetadataStore``)."""
 
@@ -139,8 +143,8 @@ class ClusterMember:
     async def start(self) -> None:
         """Register, learn which epochs were granted before this start, and tick from now on."""
         result = await self.propose(RegisterNode(self.me, self.address))
-        if isinstance(result, Refused) and result.code is not RefusalCode.NODE_IN_USE:
-            raise MetadataUnavailable(f"node {self.me} cannot register at {self.address}: {result.reason}")
+        if isinstance(result, Refused):
+            raise RegistrationRefused(f"node {self.me} cannot register at {self.address}: {result.reason}")
         await self.run_blocking(self.metadata.read_barrier)
         self._epochs_at_start = {(i.topic, i.partition): i.leader_epoch for i in self.metadata.state().partitions()}
         await self._heartbeat()
