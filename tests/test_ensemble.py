@@ -328,6 +328,50 @@ def test_the_new_leader_recovers_every_acked_write_copies_the_tail_seals_and_cut
     asyncio.run(run())
 
 
+def test_a_new_leader_that_fell_behind_copies_the_tail_to_itself_before_it_seals(
+    tmp_path: Path, members: dict[NodeId, NodeProcess]
+) -> None:
+    batches = leader_batches(tmp_path, 120)
+    two = members[NodeId(2)]
+    members[NodeId(3)].kill9()  # node 3 is this process: it stops serving mid-stream, then leads
+
+    async def run() -> None:
+        with ThreadPoolExecutor(4) as executor:
+            new_store = ReplicaStore(tmp_path / "node-3-here", now_ms=0)
+            server, new_address = await serve_member(new_store, executor)
+            old_store = ReplicaStore(tmp_path / "leader", now_ms=0)
+            segment = SegmentToWrite(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, NodeId(2), NEW), 2, E1)
+            writer = SegmentWriter(old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor,
+                                   clock_ms=lambda: 0)  # fmt: skip
+            await writer.start()
+            confirmed = 0
+            for i, b in enumerate(batches):
+                end = await writer.append(b)
+                if i == 40:
+                    await server.stop(None)  # node 3 misses the rest
+                if i % 10 == 9:
+                    async with asyncio.timeout(WAIT_S):
+                        await writer.confirmed(end)
+                    confirmed = end
+            behind = new_store.end_offset(KEY, SEG)
+            assert behind < confirmed
+            await writer.close()
+            old_store.close()
+
+            async def seal(segment_id: SegmentId, end: LocalOffset) -> str | None:
+                return None
+
+            addresses = {LEADER: closed_port(), NodeId(2): two.address}
+            sealed = await recover_segment(new_store, to_recover(), NEW, addresses, seal, executor, lambda: 0)
+            assert sealed >= confirmed
+            held = await read_copy(two.address)
+            assert new_store.end_offset(KEY, SEG) == sealed
+            assert new_store.read(KEY, SEG, LocalOffset(BASE), 1 << 24).data == held  # copied from node 2, whole
+            new_store.close()
+
+    asyncio.run(run())
+
+
 def test_recovery_refuses_without_enough_members_and_steps_down_for_a_newer_leader(
     tmp_path: Path, members: dict[NodeId, NodeProcess]
 ) -> None:
