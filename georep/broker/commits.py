@@ -26,7 +26,7 @@ crashes, build a fresh ``CommitLog`` and fold what their logs kept.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from georep.record.batch import CorruptBatch, RecordInput, check_batch, decode_records, encode_batch
@@ -91,12 +91,18 @@ def commit_batch(commits: Iterable[Commit], now_ms: int) -> bytes:
 
 
 class CommitLog:
-    """A site's commit table, its clock, and how far it has folded each internal partition."""
+    """A site's commit table, its clock, and how far it has folded each internal partition.
 
-    def __init__(self) -> None:
+    ``decode`` turns a commit record's value into a :class:`Commit` (``Commit.decode``). The simulator runs
+    every site in one process and passes one that remembers what it decoded, so that a record is decoded
+    once, not once at every site it reaches and again after every crash.
+    """
+
+    def __init__(self, decode: Callable[[bytes], Commit] = Commit.decode) -> None:
         self.table = CommitTable()
         self.clock = HybridClock()
         self.cursors: dict[int, int] = {}
+        self.decode = decode
 
     def catch_up(self, logs: Mapping[int, PartitionLog]) -> FoldReport:
         """Fold every commit record in ``logs`` (internal partition -> log) not folded yet."""
@@ -140,7 +146,7 @@ class CommitLog:
                 if record.value is None:
                     continue
                 try:
-                    commit = Commit.decode(record.value)
+                    commit = self.decode(record.value)
                 except InvalidCommit as exc:
                     report.problems.append(f"skipping a record of {OFFSETS_TOPIC}-{index} at {record.offset}: {exc}")
                     continue

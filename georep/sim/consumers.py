@@ -411,7 +411,7 @@ class ConsumerWorkload:
                     f"I5 lost record: {c.name} delivered {site.origin} seq {delivered}, but the crash of {site.id} "
                     f"kept only seqs below {kept}: the origin will stamp that seq again with another record"
                 )
-        site.commits = type(site.commits)()  # what the restarted site folds from its logs
+        site.commits = type(site.commits)(site.commits.decode)  # what the restarted site folds from its logs
         before = dict(site.winners)
         site.winners = {}
         self._fold(site)
@@ -469,7 +469,7 @@ class ConsumerWorkload:
         sim = self.sim
         held: dict[SiteId, list[Commit]] = {}
         for sid, site in sim.sites.items():
-            fresh = type(site.commits)()
+            fresh = type(site.commits)(site.commits.decode)
             report = fresh.catch_up({key[1]: site.logs[key] for key in self.offsets_keys})
             held[sid] = [f.commit for f in report.folded]
         out: dict[SiteId, CommitTable] = {sid: CommitTable() for sid in sim.sites}

@@ -63,6 +63,7 @@ topology and the command that replays the run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import heapq
 import itertools
@@ -76,6 +77,7 @@ import grpc
 
 from georep.broker.acks import AckKind, Acks, Effect, Fail, HeldChanged, Release, StartFlush
 from georep.broker.append import Produced, append_as_origin
+from georep.broker.commits import CommitLog
 from georep.broker.errors import BrokerError
 from georep.client.delivery import PartitionDelivery
 from georep.client.errors import from_status
@@ -94,7 +96,7 @@ from georep.sim.producers import MAX_IN_FLIGHT, RETRY_BACKOFF_MS, AckedWrite, Si
 from georep.sim.site import OutStream, SimSite
 from georep.sim.topologies import DEFAULT_TOPICS, build_topology
 from georep.storage.memory_log import MemoryLog
-from offsets.commits import OFFSETS_PARTITIONS, OFFSETS_TOPIC
+from offsets.commits import OFFSETS_PARTITIONS, OFFSETS_TOPIC, Commit
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
 from topology.filters import is_internal
@@ -287,13 +289,15 @@ class Simulator:
         self.pull = PullConfig(cfg.idle_timeout_ms, cfg.backoff_ms[0], cfg.backoff_ms[1])
         self.sites: dict[SiteId, SimSite] = {}
         self.origins: list[Origin] = []  # every origin ever, old epochs of rebuilt sites included
+        decode_commit = functools.cache(Commit.decode)  # every site folds the same commit records (CommitLog)
         for sid in self.topology.site_ids():
             skew = self.rng.randint(-self.faults.skew_ms, self.faults.skew_ms) if self.faults.skew_ms else 0
             origin = Origin(sid, self.rng.randint(1, 1_000_000))
             inbound = tuple(link.src for link in self.topology.links_sorted() if link.dst == sid)
             self.origins.append(origin)
             site = SimSite(sid, origin, skew, self.rng.randint(*cfg.flush_ms), self.rng.randint(*cfg.fsync_ms),
-                           inbound, {key: MemoryLog() for key in self.keys})  # fmt: skip
+                           inbound, {key: MemoryLog() for key in self.keys},
+                           commits=CommitLog(decode_commit))  # fmt: skip
             self.sites[sid] = site
             self._boot(site)
         self.producers: list[SimProducer] = []

@@ -104,7 +104,7 @@ class SimSite:
             key: ProducerStateTable.rebuild(log.batch_entries(), now_ms=now_ms, origin=self.origin)
             for key, log in logs.items()
         }
-        self.commits = CommitLog()
+        self.commits = CommitLog(self.commits.decode)
         counts = {t: n for t, n in topics.items() if not is_internal(t)}
         self.coordinator = GroupCoordinator(lambda topic: counts.get(topic, 0), new_member_id)
         self.waiters = {}
