@@ -126,8 +126,9 @@ class CommitTable:
                 return False
             # Equal orders: a site whose clock state was lost in a restart while its wall clock stood
             # still or stepped back can issue one stamp twice. Without this tie-break, the winner would
-            # be whichever arrived first, and sites would disagree forever.
-            if current_order == order and current.value() >= commit.value():
+            # be whichever arrived first, and sites would disagree forever. (Mostly, though, it is the same
+            # commit again, as when a site folds one it recorded: equal, so no need to encode both.)
+            if current_order == order and (current == commit or current.value() >= commit.value()):
                 return False
         self.latest[key] = commit
         return True
