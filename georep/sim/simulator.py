@@ -956,10 +956,10 @@ class Simulator:
 def _arg_text(arg: object) -> str:
     if type(arg) is int or type(arg) is str:  # most arguments: ids, incarnations, indexes (not bools or enums)
         return str(arg)
+    if isinstance(arg, tuple):  # partition keys and links
+        return "/".join(map(str, arg))
     if isinstance(arg, OpenMessage | ChunkMessage | HeldReport | HeldAnswer):
         return arg.describe()
-    if isinstance(arg, tuple):
-        return "/".join(str(x) for x in arg)
     if isinstance(arg, Produced):
         return f"{arg.origin}:{arg.result.base_origin_seq}"
     return str(arg)
