@@ -73,6 +73,9 @@ class LinkManager:
         self.links: dict[SiteId, InboundLink] = {
             link.src: InboundLink(link.src) for link in topology.links_sorted() if link.dst == self.site
         }
+        # The inbound links cheapest first: the order of the last-resort candidates.
+        self._by_cost = sorted((link for link in topology.links_sorted() if link.dst == self.site),
+                               key=lambda lk: (lk.cost, lk.src))  # fmt: skip
         self.partitions: dict[str, int] = {}
         self.local: dict[PartitionKey, dict[Origin, int]] = {}
         # (src, origin site) -> since when src has been seen behind another upstream
@@ -195,8 +198,7 @@ class LinkManager:
         if known is not None:
             return known
         direct = [
-            link.src for link in sorted(self.topology.links_sorted(), key=lambda lk: (lk.cost, lk.src))
-            if link.dst == self.site and link.carries(topic) and self.router.is_link_up(link.src, self.site)
+            link.src for link in self._by_cost if link.carries(topic) and self.router.is_link_up(link.src, self.site)
         ]  # fmt: skip
         if origin_site == self.site:
             order = tuple(direct)
