@@ -122,7 +122,10 @@ class VectorOffset:
     def dominated_by(self, other: VectorOffset) -> bool:
         """Whether ``other`` covers everything this vector covers (pointwise ``<=``)."""
         other_next = other._next
-        return all(seq <= other_next.get(origin, 0) for origin, seq in self._next.items())
+        for origin, seq in self._next.items():  # a loop, not all() over a generator: held tables ask this a lot
+            if seq > other_next.get(origin, 0):
+                return False
+        return True
 
     def __le__(self, other: object) -> bool:
         if not isinstance(other, VectorOffset):
