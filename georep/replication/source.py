@@ -269,4 +269,7 @@ class ReplicaSource:
 
     def has_more(self) -> bool:
         """Whether some cursor has durable batches left to read (sent or skipped)."""
-        return any(c.pending() for c in self._cursors)
+        for c in self._cursors:  # a loop, not any() over a generator: every idle pump asks
+            if c.pending():
+                return True
+        return False
