@@ -138,8 +138,9 @@ class MemoryLog:
         return damaged
 
     def offset_for_origin_seq(self, origin: Origin, seq: OriginSeq) -> LocalOffset | None:
-        for h in self._headers:
-            if h.origin == origin and h.last_origin_seq >= seq:
+        site, epoch = origin
+        for h in self._headers:  # every stream a source opens asks, per partition and origin: no Origin per batch
+            if h.origin_site == site and h.origin_epoch == epoch and h.last_origin_seq >= seq:
                 return h.base_offset
         return None
 
