@@ -17,13 +17,13 @@ import grpc
 import pytest
 
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
-from georep.broker.errors import NotLeader
+from georep.broker.errors import NotLeader, RecoveryFailed
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import iter_headers
 from georep.server.ensemble import SegmentToWrite, SegmentWriter
 from georep.server.process import NodeProcess
-from georep.server.recovery import RecoveryFailed, SegmentToRecover, recover_segment
+from georep.server.recovery import SegmentToRecover, recover_segment
 from georep.server.segments import SegmentService
 from georep.storage.api import LogConfig
 from georep.storage.replica_store import ReplicaStore

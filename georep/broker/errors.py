@@ -128,3 +128,8 @@ class NotLeader(BrokerError):
         hint = f"; the leader is {leader_hint}" if leader_hint else "; refresh the partition's leader and retry"
         super().__init__(f"this node does not lead {topic}-{partition}: {why}{hint}")
         self.leader_hint = leader_hint
+
+
+class RecoveryFailed(BrokerError):
+    """A new leader cannot recover the partition's open segment safely now; the message says which members to
+    bring back. The partition takes no writes until it can."""

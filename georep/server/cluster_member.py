@@ -59,9 +59,9 @@ from cluster.site_state import (
     SiteState,
     plan_leadership,
 )
-from georep.broker.errors import NotLeader
+from georep.broker.errors import NotLeader, RecoveryFailed
 from georep.server.ensemble import SegmentToWrite, SegmentWriter
-from georep.server.recovery import RecoveryFailed, SegmentToRecover, recover_segment, tell_sealed
+from georep.server.recovery import SegmentToRecover, recover_segment, tell_sealed
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import LocalOffset
 

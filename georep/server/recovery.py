@@ -38,7 +38,7 @@ import grpc
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.quorum import Fenced
 from cluster.recovery import Copy, Done, Effect, Failed, Fence, Seal, SegmentRecovery, Superseded
-from georep.broker.errors import BrokerError, NotLeader
+from georep.broker.errors import BrokerError, NotLeader, RecoveryFailed
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_to_proto
@@ -52,10 +52,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 CALL_TIMEOUT_S = 10.0
 READ_MAX_BYTES = 1 << 20
-
-
-class RecoveryFailed(BrokerError):
-    """The open segment cannot be recovered safely now; the message says which members to bring back."""
 
 
 @dataclass(frozen=True, slots=True)

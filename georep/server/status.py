@@ -69,6 +69,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     e.GeoAckTimeout: Code.DEADLINE_EXCEEDED,
     e.NodeStopping: Code.UNAVAILABLE,
     e.NotLeader: Code.FAILED_PRECONDITION,
+    e.RecoveryFailed: Code.UNAVAILABLE,
     e.NotAuthorized: Code.UNAUTHENTICATED,
     e.WriteFailed: Code.INTERNAL,
     e.FsyncFailed: Code.INTERNAL,
