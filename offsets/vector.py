@@ -122,7 +122,7 @@ class VectorOffset:
     def dominated_by(self, other: VectorOffset) -> bool:
         """Whether ``other`` covers everything this vector covers (pointwise ``<=``)."""
         other_next = other._next
-        for origin, seq in self._next.items():  # a loop, not all() over a generator: held tables ask this a lot
+        for origin, seq in self._next.items():  # noqa: SIM110 - half the time of all(); held tables ask a lot
             if seq > other_next.get(origin, 0):
                 return False
         return True

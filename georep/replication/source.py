@@ -269,7 +269,7 @@ class ReplicaSource:
 
     def has_more(self) -> bool:
         """Whether some cursor has durable batches left to read (sent or skipped)."""
-        for c in self._cursors:  # a loop, not any() over a generator: every idle pump asks
+        for c in self._cursors:  # noqa: SIM110 - a loop, not any() over a generator: every idle pump asks
             if c.pending():
                 return True
         return False
