@@ -273,7 +273,8 @@ class Simulator:
         self._heap: list[tuple[int, int, str, tuple[object, ...]]] = []
         self._seq = 0
         self._stream_ids = itertools.count(1)
-        self._dirty: set[SiteId] = set()  # sites whose logs changed during the current event
+        # the logs that an append or a crash changed during the current event, per site
+        self._dirty: dict[SiteId, set[PartitionKey]] = {}
         self._tokens = itertools.count(1)
         self._events = 0
         self._trace = hashlib.sha256()
@@ -349,7 +350,7 @@ class Simulator:
 
     def mark_changed(self, sid: SiteId) -> None:
         """For tests that change a site's logs behind the simulator's back: check them after the next event."""
-        self._dirty.add(sid)
+        self._changed(sid, *self.keys)
 
     def run(self) -> SimResult:
         """Safety phase (what is left of it), then liveness phase. Raises :class:`SimulationFailure`."""
@@ -463,12 +464,15 @@ class Simulator:
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
         self._handlers[kind](*args)
         if self._dirty:
-            dirty, self._dirty = self._dirty, set()
+            dirty, self._dirty = self._dirty, {}
             for sid in sorted(dirty):  # only logs that an append or a crash changed need a look
                 site = self.sites[sid]
-                self.checker.check_site(sid, site.logs)
+                self.checker.check_site(sid, {key: site.logs[key] for key in dirty[sid]})
                 self.consumers.fold(site)
         return True
+
+    def _changed(self, sid: SiteId, *keys: PartitionKey) -> None:
+        self._dirty.setdefault(sid, set()).update(keys)
 
     def _after(self, delay_ms: int, kind: str, *args: object) -> None:
         self._seq += 1
@@ -496,7 +500,7 @@ class Simulator:
         log = site.logs[key]
         produced = append_as_origin(log, site.producers[key], site.origin, batch, topic=key[0],
                                     max_batch_bytes=1 << 30, now_ms=self.local_ms(site))  # fmt: skip
-        self._dirty.add(site.id)
+        self._changed(site.id, key)
         if not produced.duplicate:
             self.checker.register(key, parse_header(log.read(produced.result.base_offset, 1).data))
         return produced
@@ -804,7 +808,7 @@ class Simulator:
                 outcome = apply_chunk(log, effect.batches, self.local_ms(site))
                 self.counts.applied_batches += outcome.appended_batches
                 if outcome.appended_batches:
-                    self._dirty.add(site.id)
+                    self._changed(site.id, effect.key)
                     self.perform_acks(site, site.acks.replicated(effect.key, log.log_end_offset))
                 queue.extend(session.on_applied(effect.stream_id, effect.key, outcome, self.now_ms))
             else:
@@ -913,7 +917,7 @@ class Simulator:
             lost += before - len(site.logs[key].batch_entries())
         self.counts.crashes += 1
         self.counts.lost_batches += lost
-        self._dirty.add(site.id)
+        self._changed(site.id, *self.keys)
         if rebuild:
             self.counts.rebuilds += 1
             site.rebuilds += 1
