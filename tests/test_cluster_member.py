@@ -8,7 +8,6 @@ served by ``SegmentService`` on its own port, and a ``ClusterMember`` driving th
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import grpc
 
 from cluster.ids import NodeId, SegmentId
-from cluster.raft_store import RaftMetadataStore, RaftTiming
+from cluster.raft_store import RaftMetadataStore
 from cluster.site_state import CreateTopic
 from cluster.topics import TopicSpec
 from georep.broker.errors import NotLeader
@@ -25,28 +24,15 @@ from georep.server.cluster_member import ClusterConfig, ClusterMember, Partition
 from georep.server.segments import SegmentService
 from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import Origin
+from tests.support.raft import FAST, free_ports
 from tests.support.segments import make_batch
 from topology.ids import SiteId
 
-FAST = RaftTiming(election_timeout_min_s=0.3, election_timeout_max_s=0.6, heartbeat_interval_s=0.05,
-                  connection_timeout_s=1.0, reconnect_interval_s=0.2, leader_step_down_s=1.0,
-                  write_timeout_s=5.0)  # fmt: skip
 CONFIG = ClusterConfig(replication_factor=3, ack_quorum=2, session_timeout_ms=2_000, tick_ms=100,
                        segment_bytes=16 << 10, roll_wait_ms=1_000, retry_ms=100)  # fmt: skip
 KEY = ("t", 0)
 ORIGIN = Origin(SiteId("a"), 7)
 WAIT_S = 30.0
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class Node:
