@@ -129,7 +129,9 @@ class BatchHeader(NamedTuple):
 
     @property
     def origin(self) -> Origin:
-        return Origin(self.origin_site, self.origin_epoch)
+        # Origin's fields without NamedTuple's __new__ (a Python function): reads, applies, fetches and checks
+        # ask every header for its origin.
+        return tuple.__new__(Origin, (self.origin_site, self.origin_epoch))
 
     @property
     def last_offset(self) -> LocalOffset:
