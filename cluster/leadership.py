@@ -12,7 +12,8 @@ drive the same rules:
 * :func:`plan_open`: once nothing is open (or the open segment is its own),
   which segment to write: adopt its own open segment, wait for the view to
   catch up, or propose the next segment on an ensemble from
-  :func:`~cluster.placement.choose_ensemble`;
+  :func:`~cluster.placement.choose_ensemble`: ``replication_factor`` live
+  nodes, or as many as are eligible down to the ack quorum;
 * :func:`roll_seal_at`: when a leader rolling its segment seals it, and at
   which end;
 * :func:`node_loads`: what placement knows of every node, derived from the
@@ -41,6 +42,33 @@ epoch may hold acknowledged batches on some members only; the new leader
 must seal it at an end at or above every ack (``SegmentRecovery``) before a
 new segment may start at that end. With nothing open, there is nothing to
 recover: it opens the next segment at the sealed end.
+
+**Why a segment may open on fewer than ``replication_factor`` nodes, but not
+on fewer than the ack quorum** (``min_ensemble``, Kafka's behaviour: a
+partition takes writes while ``min_insync_replicas`` replicas are in sync,
+where a BookKeeper ledger needs its whole ensemble). Let E be the ensemble
+the metadata records for the segment and AQ the ack quorum, with
+AQ <= E <= RF:
+
+* *Every acknowledged write is still on AQ fsynced members.* The LAC is the
+  AQ-th largest fsynced end among the E members (``cluster/quorum.py``),
+  which is defined for any E >= AQ; ``acks=all`` is released at the LAC. So
+  what ``acks=all`` promises (AQ copies, surviving AQ - 1 member losses)
+  does not depend on E.
+* *Recovery still finds every acknowledged write.* It fences and reads
+  E - AQ + 1 members of the segment's own ensemble, and any E - AQ + 1 of E
+  members include one of any AQ of them (pigeonhole), whatever E is. The
+  new leader comes from that ensemble, as before.
+* *Below AQ nothing could be confirmed*: the LAC needs AQ members, so a
+  segment on fewer would take writes and never acknowledge one, and its
+  producers would retry into it for nothing. :class:`Blocked` says so.
+* *What a short segment lacks is margin, not a promise*: it survives
+  E - AQ member losses without its writes stopping (RF - AQ on a whole
+  ensemble), and holds E copies rather than RF. Repair restores both
+  (``cluster/repair.py``): a sealed segment below RF is copied to more live
+  nodes until it has RF members, and an open one is rolled, so that the
+  next segment opens on RF nodes, as soon as a node outside its ensemble is
+  eligible. Placement never opens short while more nodes are eligible.
 
 **Why a roll seals at the LAC.** A leader rolls by sealing its own open
 segment: it stops appending, waits until everything it appended is
@@ -140,7 +168,8 @@ class Wait:
 
 @dataclass(frozen=True, slots=True)
 class Blocked:
-    """No ensemble can be placed now (too few live nodes with room): try again later; ``reason`` says why."""
+    """No ensemble can be placed now (fewer eligible nodes than the smallest ensemble): try again later; ``reason``
+    says why. The partition takes no writes meanwhile."""
 
     reason: str
 
@@ -149,13 +178,18 @@ OpenStep = Adopt | ProposeOpen | Wait | Blocked
 
 
 def plan_open(info: PartitionInfo, me: NodeId, epoch: LeaderEpoch, sealed_through: SegmentId | None,
-              previous: Sequence[NodeId], loads: Sequence[placement.NodeLoad],
-              replication_factor: int) -> OpenStep:  # fmt: skip
+              previous: Sequence[NodeId], loads: Sequence[placement.NodeLoad], replication_factor: int, *,
+              min_ensemble: int | None = None) -> OpenStep:  # fmt: skip
     """What the leader of ``epoch`` does to have a segment to write.
 
     ``sealed_through`` is the last segment this leader sealed itself (its roll or its recovery), so a view that
     still shows that segment open is only behind; ``previous`` is the ensemble of the segment before the next one
     (the sealed one, if the view has no segments yet).
+
+    The next segment opens on ``replication_factor`` nodes, or on every eligible node while fewer are eligible,
+    as long as they are at least ``min_ensemble``: pass the ack quorum (``min_insync_replicas``), which is the
+    least that can confirm a write (see the module docstring). Below it, :class:`Blocked`. ``None`` keeps the
+    whole-ensemble rule: ``replication_factor`` nodes or :class:`Blocked`.
     """
     if info.leader != me or info.leader_epoch != epoch:
         return Wait(f"the view names node {info.leader} in epoch {info.leader_epoch}")
@@ -171,9 +205,11 @@ def plan_open(info: PartitionInfo, me: NodeId, epoch: LeaderEpoch, sealed_throug
     before = info.segments[-1].ensemble if info.segments else tuple(previous)
     try:
         ensemble = placement.choose_ensemble(loads, replication_factor, leader=me, previous=before,
-                                             salt=placement.partition_salt(info.topic, info.partition))  # fmt: skip
+                                             salt=placement.partition_salt(info.topic, info.partition),
+                                             min_size=min_ensemble)  # fmt: skip
     except placement.PlacementError as exc:
-        return Blocked(f"cannot place the next segment of {info.topic}/{info.partition}: {exc}")
+        return Blocked(f"cannot place the next segment of {info.topic}/{info.partition}, and it takes no writes "
+                       f"until it can: {exc}")
     return ProposeOpen(OpenSegment(info.topic, info.partition, epoch, LocalOffset(base), ensemble))
 
 

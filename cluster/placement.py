@@ -2,17 +2,26 @@
 
 A partition is a chain of segments, and each segment has an *ensemble* of
 ``replication_factor`` nodes, chosen when the segment opens (ARCHITECTURE.md,
-"Inside a site"). :func:`choose_ensemble` makes that choice from a snapshot of
-the nodes (:class:`NodeLoad`), without I/O, clocks or randomness: the node
-that opens the segment and the simulator compute the same ensemble from the
-same input. The repair planner (``cluster/repair.py``) uses the same
-preference to choose the target of a copy.
+"Inside a site"), or of fewer while fewer nodes are eligible, down to a floor
+the caller names (``min_size``: the leader passes ``min_insync_replicas``;
+``cluster/leadership.py`` says why that is safe). :func:`choose_ensemble`
+makes that choice from a snapshot of the nodes (:class:`NodeLoad`), without
+I/O, clocks or randomness: the node that opens the segment and the simulator
+compute the same ensemble from the same input. The repair planner
+(``cluster/repair.py``) uses the same preference to choose the target of a
+copy.
 
 The rules:
 
 * **Eligible** nodes are alive, not draining (being decommissioned), not in
-  ``exclude`` and hold at least ``min_free_bytes``. Fewer eligible nodes than
-  ``size``: :class:`NotEnoughNodes`, which names each node left out and why.
+  ``exclude`` and hold at least ``min_free_bytes``.
+* **Size.** ``size`` members when that many nodes are eligible; otherwise
+  every eligible node, if they are at least ``min_size`` (``None``: ``size``,
+  a whole ensemble or nothing). Fewer than ``min_size``:
+  :class:`NotEnoughNodes`, which names each node left out and why. An
+  ensemble is never smaller than it could be: each member beyond the floor
+  is a copy that repair need not make later, and one more member that can
+  be lost while the segment is written without its writes stopping.
 * **The leader is a member, first.** The leader appends locally and streams to
   the others, so it must hold the segment. It must itself be eligible: a dead
   leader cannot open a segment, and a draining one would put new data on a
@@ -76,12 +85,15 @@ segments: it still fills faster than the others, in proportion to its free
 space, but no node is a hot spot. The guard uses the mean over the
 candidates, so it needs no configuration.
 
-Why the result has ``size`` distinct eligible nodes with the leader first:
-node ids are checked unique; the leader is taken out of the candidates before
-they are ranked; the non-leader members are the first ``size - 1`` (or
-``size`` without a leader) ranked candidates, and the swap above replaces one
-of them with a candidate from beyond that prefix, so no node appears twice.
-Every candidate passed the eligibility filter.
+Why the result has ``min(size, eligible)`` distinct eligible nodes, at least
+``min_size``, with the leader first: node ids are checked unique; the leader
+is taken out of the candidates before they are ranked; the non-leader members
+are the first ``need = min(size, eligible) - 1`` (or ``min(size, eligible)``
+without a leader) ranked candidates, and the swap above replaces one of them
+with a candidate from beyond that prefix, so no node appears twice (when every
+candidate is chosen there is nothing beyond the prefix, and no swap). Every
+candidate passed the eligibility filter, and ``eligible >= min_size`` was
+checked before.
 """
 
 from __future__ import annotations
@@ -136,7 +148,7 @@ class LeaderNotEligible(PlacementError):
 
 
 class NotEnoughNodes(PlacementError):
-    """Fewer eligible nodes than the ensemble needs."""
+    """Fewer eligible nodes than the ensemble needs (``needed``: its floor; ``wanted``: its full size)."""
 
     def __init__(
         self,
@@ -147,8 +159,10 @@ class NotEnoughNodes(PlacementError):
         excluded: Sequence[NodeId],
         full: Sequence[NodeId],
         min_free_bytes: int,
+        wanted: int | None = None,
     ) -> None:
         self.needed = needed
+        self.wanted = needed if wanted is None else wanted
         self.eligible = tuple(eligible)
         self.dead = tuple(dead)
         self.draining = tuple(draining)
@@ -165,9 +179,15 @@ class NotEnoughNodes(PlacementError):
             if nodes
         ]
         why = "; not eligible: " + ", ".join(reasons) if reasons else ""
+        if self.wanted > needed:
+            need = f"need at least {needed} eligible node(s) (an ensemble of {needed} to {self.wanted})"
+            lower = "min_insync_replicas (the smallest ensemble a segment opens on)"
+        else:
+            need = f"need {needed} eligible node(s)"
+            lower = "the topic's replication_factor"
         super().__init__(
-            f"need {needed} eligible node(s), have {len(self.eligible)} ({_nodes(self.eligible) or 'none'}){why}. "
-            "Add nodes (or bring the dead ones back, or free disk space), or lower the topic's replication_factor"
+            f"{need}, have {len(self.eligible)} ({_nodes(self.eligible) or 'none'}){why}. "
+            f"Add nodes (or bring the dead ones back, or free disk space), or lower {lower}"
         )
 
 
@@ -235,17 +255,26 @@ def choose_ensemble(
     exclude: Iterable[NodeId] = (),
     salt: int = 0,
     min_free_bytes: int = 0,
+    min_size: int | None = None,
 ) -> tuple[NodeId, ...]:
-    """``size`` distinct eligible nodes, ``leader`` first when given; see the module docstring for the rules.
+    """``size`` distinct eligible nodes (or every eligible node, if fewer but at least ``min_size``), ``leader``
+    first when given; see the module docstring for the rules.
 
     ``previous`` is the ensemble of the segment this one follows (empty for a
     partition's first segment). ``exclude`` lists nodes that must not be
     chosen. ``min_free_bytes`` is the space a member needs (the segment size
-    limit when opening, the segment's size when copying).
+    limit when opening, the segment's size when copying). ``min_size`` is the
+    smallest ensemble the caller accepts (None: ``size``).
     """
     if size < 1:
         raise InvalidPlacementRequest(
             f"ensemble size {size}: a segment needs at least one node (replication_factor >= 1)"
+        )
+    floor = size if min_size is None else min_size
+    if not 1 <= floor <= size:
+        raise InvalidPlacementRequest(
+            f"min_size {min_size} is not between 1 and the ensemble size {size}: set min_insync_replicas to at "
+            "least 1 and at most replication_factor"
         )
     if min_free_bytes < 0:
         raise InvalidPlacementRequest(f"min_free_bytes={min_free_bytes}: must be >= 0")
@@ -284,10 +313,10 @@ def choose_ensemble(
             full.append(node_id)
         else:
             candidates.append(n)
-    need = size - len(fixed)
-    if len(candidates) < need:
+    if len(fixed) + len(candidates) < floor:
         eligible = list(fixed) + [c.node for c in candidates]
-        raise NotEnoughNodes(size, eligible, dead, draining, out, full, min_free_bytes)
+        raise NotEnoughNodes(floor, eligible, dead, draining, out, full, min_free_bytes, wanted=size)
+    need = min(size, len(fixed) + len(candidates)) - len(fixed)
     ranked = rank(candidates, salt)
     chosen = ranked[:need]
     before = set(previous)

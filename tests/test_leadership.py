@@ -119,6 +119,37 @@ def test_plan_open_is_blocked_without_enough_live_nodes() -> None:
     assert isinstance(step, Blocked) and "cannot place" in step.reason
 
 
+def test_plan_open_with_the_ack_quorum_opens_on_the_live_nodes_down_to_it() -> None:
+    # RF 3, ack quorum 2. Exactly the ack quorum live: the segment opens on those two, the leader first.
+    state = apply(site(live=(N1, N2)), ElectLeader("t", 0, N1, E0))
+    step = plan_open(part(state), N1, E1, None, (), node_loads(state, 100_000, SESSION_MS), 3, min_ensemble=2)
+    assert step == ProposeOpen(OpenSegment("t", 0, E1, LocalOffset(0), (N1, N2)))
+    # Between the ack quorum and RF: RF 4 wanted, three live, all three.
+    state = apply(site(live=(N1, N2, N3)), ElectLeader("t", 0, N1, E0))
+    step = plan_open(part(state), N1, E1, None, (), node_loads(state, 100_000, SESSION_MS), 4, min_ensemble=2)
+    assert isinstance(step, ProposeOpen) and step.command.ensemble[0] == N1
+    assert sorted(step.command.ensemble) == [N1, N2, N3]
+    # RF live nodes or more: RF of them, as without the floor.
+    state = apply(site(), ElectLeader("t", 0, N1, E0))
+    loads = node_loads(state, 100_000, SESSION_MS)
+    whole = plan_open(part(state), N1, E1, None, (), loads, 3)
+    assert isinstance(whole, ProposeOpen) and len(whole.command.ensemble) == 3
+    assert plan_open(part(state), N1, E1, None, (), loads, 3, min_ensemble=2) == whole
+
+
+def test_plan_open_below_the_ack_quorum_is_blocked_and_says_why() -> None:
+    state = apply(site(live=(N1,)), ElectLeader("t", 0, N1, E0))
+    step = plan_open(part(state), N1, E1, None, (), node_loads(state, 100_000, SESSION_MS), 3, min_ensemble=2)
+    assert isinstance(step, Blocked)
+    assert "cannot place the next segment of t/0, and it takes no writes until it can" in step.reason
+    assert "need at least 2 eligible node(s) (an ensemble of 2 to 3), have 1 (node 1)" in step.reason
+    assert "node 2, node 3, node 4 dead" in step.reason
+    # Without the floor (existing callers), two live nodes are not enough for RF 3.
+    state = apply(site(live=(N1, N2)), ElectLeader("t", 0, N1, E0))
+    step = plan_open(part(state), N1, E1, None, (), node_loads(state, 100_000, SESSION_MS), 3)
+    assert isinstance(step, Blocked) and "need 3 eligible node(s)" in step.reason
+
+
 def test_node_loads_count_the_open_segments_each_node_is_written_in() -> None:
     state = apply(site(live=(N1, N2, N3)), ElectLeader("t", 0, N1, E0),
                   OpenSegment("t", 0, E1, LocalOffset(0), (N1, N2, N3)))  # fmt: skip

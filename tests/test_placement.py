@@ -1,11 +1,13 @@
 """Segment placement: each rule with concrete clusters, then properties.
 
 What an operator relies on: every new segment gets ``replication_factor``
-distinct nodes that can take it, the partition's leader among them; a node
-that has just joined takes new segments at the next roll without any data
-being moved; nodes that are dead, draining or full are never chosen; segments
-spread over the nodes instead of piling on a few; and when placement cannot
-be done, the error says which nodes are missing and what to do.
+distinct nodes that can take it, the partition's leader among them (with a
+floor, such as the ack quorum: every node that can, while fewer can, and
+never fewer than the floor); a node that has just joined takes new segments
+at the next roll without any data being moved; nodes that are dead,
+draining or full are never chosen; segments spread over the nodes instead of
+piling on a few; and when placement cannot be done, the error says which
+nodes are missing and what to do.
 """
 
 from __future__ import annotations
@@ -173,6 +175,49 @@ def test_dead_draining_excluded_and_full_nodes_are_never_chosen() -> None:
     assert ensemble == ids(1, 7, 6)
 
 
+# --- fewer eligible nodes than the size, down to min_size ---------------------------------
+
+
+def test_with_min_size_every_eligible_node_is_taken_when_fewer_than_size() -> None:
+    # Three nodes, replication factor 3, ack quorum 2: node 3 is down, the segment opens on the two that are up.
+    nodes = [node(1), node(2), node(3, alive=False)]
+    assert choose_ensemble(nodes, 3, leader=NodeId(2), min_size=2) == ids(2, 1)
+    # Between min_size and size: five wanted, at least two, four eligible: all four, leader first.
+    nodes = [node(1), node(2), node(3, draining=True), node(4), node(5, load=1)]
+    ensemble = choose_ensemble(nodes, 5, leader=NodeId(4), min_size=2)
+    assert ensemble[0] == 4 and set(ensemble) == set(ids(1, 2, 4, 5)) and len(ensemble) == 4
+    # min_size == size is the whole-ensemble rule.
+    with pytest.raises(NotEnoughNodes, match="need 5 eligible node"):
+        choose_ensemble(nodes, 5, leader=NodeId(4), min_size=5)
+
+
+def test_with_min_size_an_ensemble_is_never_short_while_more_nodes_are_eligible() -> None:
+    nodes = healthy(1, 2, 3, 4)
+    for salt in range(20):
+        ensemble = choose_ensemble(nodes, 3, leader=NodeId(1), min_size=2, previous=ids(1, 2, 3), salt=salt)
+        assert len(ensemble) == 3 and NodeId(4) in ensemble  # the previous-ensemble rule still applies
+    # With every eligible node taken there is no outsider to swap in: the previous ensemble, short, it is.
+    assert set(choose_ensemble(healthy(1, 2) + [node(3, alive=False)], 3, leader=NodeId(1), min_size=2,
+                               previous=ids(1, 2, 3))) == set(ids(1, 2))  # fmt: skip
+
+
+def test_below_min_size_not_enough_nodes_names_the_floor_and_what_to_do() -> None:
+    nodes = [node(1), node(2, alive=False), node(3, alive=False)]
+    with pytest.raises(NotEnoughNodes) as caught:
+        choose_ensemble(nodes, 3, leader=NodeId(1), min_size=2)
+    err = caught.value
+    assert (err.needed, err.wanted, err.eligible, err.dead) == (2, 3, ids(1), ids(2, 3))
+    message = str(err)
+    assert "need at least 2 eligible node(s) (an ensemble of 2 to 3), have 1 (node 1)" in message
+    assert "node 2, node 3 dead" in message and "lower min_insync_replicas" in message
+
+
+@pytest.mark.parametrize("min_size", [0, 4])
+def test_a_min_size_outside_one_to_size_is_refused(min_size: int) -> None:
+    with pytest.raises(InvalidPlacementRequest, match=f"min_size {min_size} is not between 1 and"):
+        choose_ensemble(healthy(1, 2, 3), 3, leader=None, min_size=min_size)
+
+
 # --- errors ------------------------------------------------------------------------
 
 
@@ -290,6 +335,29 @@ def test_property_size_distinct_eligible_nodes_leader_first(
     assert set(ensemble) <= can
     if leader is not None:
         assert ensemble[0] == leader
+
+
+@PROPERTY
+@given(requests(), st.integers(1, 6))
+def test_property_with_min_size_as_many_eligible_nodes_as_there_are_up_to_size(
+    request: tuple[list[NodeLoad], int, NodeId | None, list[NodeId], list[NodeId], int], floor: int
+) -> None:
+    nodes, size, leader, previous, exclude, salt = request
+    floor = min(floor, size)
+    can = eligible(nodes, exclude)
+    try:
+        ensemble = choose_ensemble(nodes, size, leader=leader, previous=previous, exclude=exclude, salt=salt,
+                                   min_size=floor)  # fmt: skip
+    except NotEnoughNodes as err:
+        assert len(can) < floor
+        assert (err.needed, err.wanted, set(err.eligible)) == (floor, size, can)
+        return
+    assert len(ensemble) == len(set(ensemble)) == min(size, len(can)) >= floor
+    assert set(ensemble) <= can
+    if leader is not None:
+        assert ensemble[0] == leader
+    if len(can) >= size:  # enough nodes: the same ensemble as without a floor
+        assert ensemble == choose_ensemble(nodes, size, leader=leader, previous=previous, exclude=exclude, salt=salt)
 
 
 @PROPERTY
