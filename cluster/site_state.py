@@ -59,6 +59,11 @@ node, at any time. :meth:`SiteState.snapshot` is a plain, sorted dict;
   the previous one's does: origin seqs never go back.
 * :class:`ReplaceMember` repairs sealed segments only (an open segment is
   rolled by its leader instead), and is a compare-and-set on the old member.
+* :class:`AddMember` widens a sealed segment that opened on fewer than
+  ``replication_factor`` live nodes (``cluster/leadership.py``), once a repair
+  copied it to one more: sealed segments only, like a replacement, and only
+  while the ensemble is below the replication factor the command names, so
+  two repairs planned from one view cannot push it past that.
 """
 
 from __future__ import annotations
@@ -194,6 +199,7 @@ class RefusalCode(enum.StrEnum):
     END_BEFORE_BASE = "end_before_base"
     VECTOR_WENT_BACK = "vector_went_back"
     NOT_A_MEMBER = "not_a_member"
+    ENSEMBLE_FULL = "ensemble_full"
     INVALID_COMMAND = "invalid_command"  # an entry this node cannot decode (see command_from_dict)
 
 
@@ -546,6 +552,41 @@ class ReplaceMember(_CommandBase):
 
 
 @dataclass(frozen=True, slots=True)
+class AddMember(_CommandBase):
+    """A repair copied sealed ``segment_id``, whose ensemble is below ``replication_factor`` (it opened on fewer live
+    nodes), to ``node``: ``node`` joins the ensemble, last.
+
+    Applies only while the ensemble has fewer than ``replication_factor`` members; again after it applied (``node``
+    a member) it is a no-op.
+    """
+
+    KIND: ClassVar[str] = "add_member"
+    topic: str
+    partition: int
+    segment_id: SegmentId
+    node: NodeId
+    replication_factor: int
+
+    def __post_init__(self) -> None:
+        _check_non_negative("segment_id", self.segment_id)
+        node_id(self.node)
+        if self.replication_factor < 2:
+            raise InvalidCommand(
+                f"replication_factor is {self.replication_factor}: adding a member needs a segment below a "
+                "replication_factor of at least 2"
+            )
+
+    def _encode(self) -> dict[str, Any]:
+        return {"topic": self.topic, "partition": self.partition, "segment_id": self.segment_id, "node": self.node,
+                "replication_factor": self.replication_factor}  # fmt: skip
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_str(raw, "topic"), _int(raw, "partition"), SegmentId(_int(raw, "segment_id")), _node(raw, "node"),
+                   _int(raw, "replication_factor"))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class ReadBarrier(_CommandBase):
     """Changes nothing. Once it is applied locally, the local state holds every command committed before it."""
 
@@ -561,13 +602,13 @@ class ReadBarrier(_CommandBase):
 
 Command = (
     RegisterNode | NodeHeartbeat | SetDraining | RemoveNode | CreateTopic | ElectLeader | OpenSegment | SealSegment
-    | ReplaceMember | ReadBarrier
+    | ReplaceMember | AddMember | ReadBarrier
 )
 
 _COMMANDS: dict[str, type[Command]] = {
     cls.KIND: cls
     for cls in (RegisterNode, NodeHeartbeat, SetDraining, RemoveNode, CreateTopic, ElectLeader, OpenSegment,
-                SealSegment, ReplaceMember, ReadBarrier)
+                SealSegment, ReplaceMember, AddMember, ReadBarrier)
 }  # fmt: skip
 
 
@@ -678,6 +719,8 @@ class SiteState:
             return self._seal_segment(command)
         if isinstance(command, ReplaceMember):
             return self._replace_member(command)
+        if isinstance(command, AddMember):
+            return self._add_member(command)
         if isinstance(command, ReadBarrier):
             return Applied(changed=False)
         return Refused(RefusalCode.INVALID_COMMAND, f"not a command: {command!r}")
@@ -874,6 +917,31 @@ class SiteState:
             return self._unknown_node(cmd.new)
         ensemble = tuple(cmd.new if member == cmd.old else member for member in segment.ensemble)
         segments = tuple(replace(s, ensemble=ensemble) if s is segment else s for s in info.segments)
+        self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=segments)
+        return Applied(segment_id=segment.segment_id)
+
+    def _add_member(self, cmd: AddMember) -> Result:
+        info = self._find_partition(cmd.topic, cmd.partition)
+        if isinstance(info, Refused):
+            return info
+        where = _where(cmd.topic, cmd.partition)
+        segment = info.segment(cmd.segment_id)
+        if segment is None:
+            return Refused(RefusalCode.UNKNOWN_SEGMENT, f"{where} has no segment {cmd.segment_id}")
+        if not segment.sealed:
+            return Refused(RefusalCode.NOT_SEALED,
+                           f"segment {cmd.segment_id} of {where} is open: its leader rolls it (seal, then the next "
+                           "segment on replication_factor nodes) instead of copying a moving tail")  # fmt: skip
+        if cmd.node in segment.ensemble:
+            return Applied(changed=False, segment_id=segment.segment_id)
+        if len(segment.ensemble) >= cmd.replication_factor:
+            return Refused(RefusalCode.ENSEMBLE_FULL,
+                           f"segment {cmd.segment_id} of {where} already has {len(segment.ensemble)} members "
+                           f"{list(segment.ensemble)}, replication_factor {cmd.replication_factor}: another repair "
+                           f"completed it; plan again (node {cmd.node}'s copy is not needed)")  # fmt: skip
+        if cmd.node not in self._nodes:
+            return self._unknown_node(cmd.node)
+        segments = tuple(replace(s, ensemble=(*s.ensemble, cmd.node)) if s is segment else s for s in info.segments)
         self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=segments)
         return Applied(segment_id=segment.segment_id)
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from cluster.ids import InvalidNodeId, LeaderEpoch, NodeId, SegmentId
 from cluster.site_state import (
+    AddMember,
     Applied,
     Command,
     CreateTopic,
@@ -101,6 +102,7 @@ ONE_OF_EACH: list[Command] = [
     OpenSegment("t", 1, LeaderEpoch(8), LocalOffset(100), (N2, N1, N3)),
     SealSegment("t", 1, LeaderEpoch(8), SegmentId(4), LocalOffset(150), vec("a@1:40,b@2:10")),
     ReplaceMember("t", 1, SegmentId(4), N3, N4),
+    AddMember("t", 1, SegmentId(4), N5, 3),
     ReadBarrier(),
 ]
 
@@ -136,6 +138,8 @@ def test_the_log_format_is_plain_json_with_a_version_and_kind() -> None:
         ({"v": 1, "kind": "seal_segment", "topic": "t", "partition": 0, "epoch": 1, "segment_id": 0,
           "end_offset": 5, "end_vector": {"not-an-origin": 5}}, "invalid origin"),  # fmt: skip
         ({"v": 1, "kind": "create_topic", "name": "a b", "partitions": 1, "config": {}}, "invalid topic name"),
+        ({"v": 1, "kind": "add_member", "topic": "t", "partition": 0, "segment_id": 0, "node": 4},
+         "'replication_factor' must be an integer"),  # fmt: skip
     ],
 )
 def test_undecodable_commands_are_refused_with_the_reason(raw: Any, match: str) -> None:
@@ -152,6 +156,10 @@ def test_commands_that_make_no_sense_cannot_be_built() -> None:
         OpenSegment("t", 0, E1, LocalOffset(-1), (N1,))
     with pytest.raises(InvalidCommand, match="by itself"):
         ReplaceMember("t", 0, S0, N1, N1)
+    with pytest.raises(InvalidCommand, match="replication_factor is 1"):
+        AddMember("t", 0, S0, N4, 1)
+    with pytest.raises(InvalidCommand, match="segment_id is -1"):
+        AddMember("t", 0, SegmentId(-1), N4, 3)
     with pytest.raises(InvalidCommand, match="use host:port"):
         RegisterNode(N1, "no-port")
     with pytest.raises(InvalidCommand, match="free_bytes is -5"):
@@ -320,6 +328,22 @@ def test_replace_member_repairs_sealed_segments_only() -> None:
     # a second repair planned from the old state (N2 -> another node) lost the race
     assert "another repair replaced it" in refused(state, ReplaceMember("t", 0, S0, N2, N5),
                                                    RefusalCode.NOT_A_MEMBER).reason  # fmt: skip
+
+
+def test_add_member_widens_a_short_sealed_segment_up_to_the_replication_factor() -> None:
+    state = led(site(), N1, (N1, N2))  # opened on two nodes, the ack quorum, while the others were down
+    refused(state, AddMember("t", 0, S0, N3, 3), RefusalCode.NOT_SEALED)  # an open segment is rolled instead
+    applied(state, SealSegment("t", 0, E1, S0, LocalOffset(10), vec("a@1:10")))
+    refused(state, AddMember("t", 0, S1, N3, 3), RefusalCode.UNKNOWN_SEGMENT)
+    refused(state, AddMember("t", 0, S0, N5, 3), RefusalCode.UNKNOWN_NODE)
+
+    applied(state, AddMember("t", 0, S0, N3, 3))
+    assert part(state).segments[0].ensemble == (N1, N2, N3), "the new member comes last; the opener stays first"
+    assert applied(state, AddMember("t", 0, S0, N3, 3)).changed is False, "a retried repair is a no-op"
+    # a second addition planned from the old state (to another node) would push it past the replication factor
+    full = refused(state, AddMember("t", 0, S0, N4, 3), RefusalCode.ENSEMBLE_FULL)
+    assert "already has 3 members" in full.reason and "node 4's copy is not needed" in full.reason
+    assert part(state).segments[0].sealed and part(state).segments[0].end_offset == 10
 
 
 # -- snapshot ------------------------------------------------------------------------------------------------
@@ -499,8 +523,10 @@ def draw_command(draw: Draw, state: SiteState) -> Command:
         return SealSegment(*where, epoch, segment_id, end_offset, end_vector)
     sealed = [s for s in info.segments if s.sealed] or [last]
     target = draw.pick(sealed)
-    old = draw.often(draw.pick(target.ensemble), draw.node)
     new = node()
+    if draw.number(0, 2) == 0:
+        return AddMember(*where, target.segment_id, new, draw.often(3, lambda: draw.number(2, 4)))
+    old = draw.often(draw.pick(target.ensemble), draw.node)
     return ReplaceMember(*where, target.segment_id, old, new) if new != old else ReadBarrier()
 
 
@@ -540,6 +566,13 @@ def check_step(before: SiteState, command: Command, result: Result, after: SiteS
     if isinstance(command, OpenSegment | SealSegment) and isinstance(result, Applied) and result.changed:
         old = before.partition(command.topic, command.partition)
         assert old is not None and command.epoch == old.leader_epoch, "a segment changed under a stale epoch"
+    if isinstance(command, AddMember) and isinstance(result, Applied) and result.changed:
+        old = before.partition(command.topic, command.partition)
+        new = after.partition(command.topic, command.partition)
+        assert old is not None and new is not None
+        was, now = old.segment(command.segment_id), new.segment(command.segment_id)
+        assert was is not None and now is not None and was.sealed, "only a sealed segment gets a member"
+        assert now.ensemble == (*was.ensemble, command.node) and len(now.ensemble) <= command.replication_factor
 
 
 def check_invariants(state: SiteState, leader_of_epoch: dict[tuple[str, int, int], NodeId]) -> None:
