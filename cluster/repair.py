@@ -17,15 +17,30 @@ nothing. A dead node may be rebooting: copying everything it held costs far
 more than waiting a few minutes, which is why there is a delay
 (BookKeeper's ``lostBookieRecoveryDelay``, HDFS's ten and a half minutes).
 
-For each segment with a dead or draining member, in order of topic,
-partition and segment id:
+A segment is also *short* when its ensemble has fewer members than
+``replication_factor`` (passed in; None: each segment's own ensemble size, so
+none is short). A leader opens a segment on fewer nodes while fewer are
+eligible, down to the ack quorum (``cluster/leadership.py``). A short sealed
+segment *must be widened*, **at once**: one copy per missing member, whose
+target then joins the ensemble (:class:`CopySegment` with ``replaces`` None;
+the metadata's ``AddMember``). No delay, because the delay is a bet that a
+dead member comes back with its copy and makes a copy unnecessary, and a
+short segment has no such member: the nodes it lacks never held it, so its
+``replication_factor - len(ensemble)`` copies must be made whatever happens,
+and waiting would only keep its data on fewer copies for longer. In practice
+the copy is made as soon as a node outside its ensemble is eligible (it
+opened short because no other node was); until then each pass reports
+:class:`NoRepairTarget`, which says why.
+
+For each segment with a dead or draining member, or short, in order of
+topic, partition and segment id:
 
 * **No alive member** (every member dead, draining ones included):
   :class:`SegmentUnavailable`. Nothing can be copied or rolled; the data comes
   back only with one of its members, so their disks must not be wiped.
-* **Open segment:** :class:`RollSegment`, at once (no delay). An open segment
-  is still being written: a copy would chase a moving tail and race the
-  leader's appends and fencing. Instead the leader seals it, which fixes its
+* **Open segment with a dead or draining member:** :class:`RollSegment`, at
+  once (no delay). An open segment is still being written: a copy would
+  chase a moving tail and race the leader's appends and fencing. Instead the leader seals it, which fixes its
   end, and opens the next segment on a fresh ensemble of eligible nodes
   (BookKeeper's ensemble change); the segment, now sealed, is then repaired by
   copy like any other. Rolling moves no bytes, while every batch written in
@@ -34,12 +49,22 @@ partition and segment id:
   first dead member (else the first draining one) by node id. When that node
   is the leader (``ensemble[0]`` opened the segment), the leader change does
   the roll: the new leader's recovery seals the segment and opens the next.
+* **Short open segment, every member healthy:** :class:`RollSegment` with
+  ``dead`` None, at once, as soon as a node outside its ensemble is alive and
+  not draining, so that the leader opens the next segment on
+  ``replication_factor`` nodes; the sealed one is then widened by copy. Not
+  before: with no node to add, the next segment would open just as short,
+  and the roll would only add a seal. (The leader may still see fewer live
+  nodes than the planner for a moment and open short once more; the next
+  pass rolls that one too.)
 * **Sealed segment:** members already being copied (``in_progress``,
   matched on topic, partition, segment id and ``replaces``) are left alone:
   a copy is never planned twice. Of the others, one :class:`CopySegment` per
   member that must be replaced, and one :class:`AwaitingRepairDelay` per
   member dead for less than the delay, with the time it becomes due
-  (:attr:`RepairPlan.next_due_ms`: set a timer and plan again then).
+  (:attr:`RepairPlan.next_due_ms`: set a timer and plan again then). A short
+  sealed segment gets one :class:`CopySegment` with ``replaces`` None per
+  missing member, less the additions already in progress.
 
 A copy's **source** is an alive member that holds the whole segment: a
 non-draining one first (a draining node has the rest of its decommission to
@@ -78,16 +103,18 @@ are :class:`CopyDeferred`, planned again on a later pass.
 
 Why applying the copies leaves no sealed segment under-replicated when every
 dead member is past the delay, every segment has an alive member, and there
-are ``H`` alive, non-draining nodes with room, at least as many as the
-largest ensemble: for a segment with ensemble ``E`` and ``h`` healthy
-members, ``|E| - h`` members must be replaced, and at the ``k``-th of them at
-least ``H - h - (k - 1) >= |E| - h - (k - 1) >= 1`` healthy non-members
-remain eligible, so a target exists for every one, and each copy replaces a
-lost member with a healthy node. A pass therefore plans ``min(slots, lost
-members left)`` copies, never none while a member is left, and after
-``ceil(lost members / max_concurrent_copies)`` passes all ``|E|`` members of
-every sealed segment are healthy. (:func:`after_copy` is that update, which the metadata makes once the
-copy is fsynced and its CRCs are checked.)
+are ``H`` alive, non-draining nodes with room, at least
+``max(replication_factor, largest ensemble)``: for a segment with ensemble
+``E``, ``h`` healthy members and ``R = max(replication_factor, |E|)``,
+``|E| - h`` members must be replaced and ``R - |E|`` added, ``R - h`` copies
+in all. At the ``k``-th of them, the earlier ``k - 1`` took one target each,
+so at least ``H - h - (k - 1) >= R - h - (k - 1) >= 1`` healthy non-members
+remain eligible: a target exists for every one, and each copy puts a healthy
+node in a lost member's place or in a missing one. A pass therefore plans
+``min(slots, copies left)`` copies, never none while one is left, and after
+``ceil(copies / max_concurrent_copies)`` passes every sealed segment has
+``R`` members, all healthy. (:func:`after_copy` is that update, which the
+metadata makes once the copy is fsynced and its CRCs are checked.)
 
 The caller drops a copy from ``in_progress`` once it is applied or has
 failed (its source or target died): a failed copy is then planned again.
@@ -138,23 +165,30 @@ def _nodes(nodes: Sequence[NodeId]) -> str:
 
 @dataclass(frozen=True, slots=True)
 class CopySegment:
-    """Effect: copy a sealed segment from ``source`` to ``target``; then ``target`` replaces ``replaces``."""
+    """Effect: copy a sealed segment from ``source`` to ``target``; then ``target`` replaces ``replaces``
+    (``ReplaceMember``), or, with ``replaces`` None, joins the ensemble, which is below ``replication_factor``
+    (``AddMember``)."""
 
     topic: str
     partition: int
     segment_id: SegmentId
     source: NodeId
     target: NodeId
-    replaces: NodeId
+    replaces: NodeId | None
 
     @property
     def key(self) -> SegmentKey:
         return (self.topic, self.partition, self.segment_id)
 
     def message(self) -> str:
+        then = (
+            "adding a member (it has fewer than replication_factor)"
+            if self.replaces is None
+            else f"replacing node {self.replaces}"
+        )
         return (
             f"copy {_name(self.topic, self.partition, self.segment_id)} from node {self.source} to node "
-            f"{self.target}, replacing node {self.replaces}"
+            f"{self.target}, {then}"
         )
 
 
@@ -187,9 +221,15 @@ class RollSegment:
     topic: str
     partition: int
     segment_id: SegmentId
-    dead: NodeId  # the first dead member, else the first draining one
+    dead: NodeId | None  # the first dead member, else the first draining one; None: short, and a node can join
 
     def message(self) -> str:
+        if self.dead is None:
+            return (
+                f"roll {self.topic}/{self.partition}: open segment {self.segment_id} has fewer members than "
+                "replication_factor and another node is eligible; the leader seals it and opens the next segment "
+                "on replication_factor nodes"
+            )
         return (
             f"roll {self.topic}/{self.partition}: open segment {self.segment_id} has node {self.dead} dead or "
             "draining; the leader seals it and opens the next segment without that node"
@@ -214,18 +254,17 @@ class SegmentUnavailable:
 
 @dataclass(frozen=True, slots=True)
 class NoRepairTarget:
-    """A member must be replaced but no node can take the copy."""
+    """A member must be replaced (or added: ``replaces`` None) but no node can take the copy."""
 
     topic: str
     partition: int
     segment_id: SegmentId
-    replaces: NodeId
+    replaces: NodeId | None
     reason: str  # the placement error's message, with what to do
 
     def message(self) -> str:
-        return (
-            f"{_name(self.topic, self.partition, self.segment_id)} cannot replace node {self.replaces}: {self.reason}"
-        )
+        what = "get another member" if self.replaces is None else f"replace node {self.replaces}"
+        return f"{_name(self.topic, self.partition, self.segment_id)} cannot {what}: {self.reason}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,17 +286,18 @@ class AwaitingRepairDelay:
 
 @dataclass(frozen=True, slots=True)
 class CopyDeferred:
-    """A copy that is due but waits for a free slot (``max_concurrent_copies``)."""
+    """A copy that is due but waits for a free slot (``max_concurrent_copies``); ``replaces`` None: an addition."""
 
     topic: str
     partition: int
     segment_id: SegmentId
-    replaces: NodeId
+    replaces: NodeId | None
 
     def message(self) -> str:
+        what = "add a member" if self.replaces is None else f"replace node {self.replaces}"
         return (
-            f"{_name(self.topic, self.partition, self.segment_id)} waits for a copy slot to replace node "
-            f"{self.replaces} (every slot is busy; raise max_concurrent_copies to repair faster)"
+            f"{_name(self.topic, self.partition, self.segment_id)} waits for a copy slot to {what} (every slot is "
+            "busy; raise max_concurrent_copies to repair faster)"
         )
 
 
@@ -289,7 +329,7 @@ class RepairPlan:
 
 @dataclass(frozen=True, slots=True)
 class UnderReplicated:
-    """A segment with fewer alive, non-draining members than its ensemble size."""
+    """A segment with fewer alive, non-draining members than its ensemble size, or than ``replication_factor``."""
 
     topic: str
     partition: int
@@ -298,18 +338,26 @@ class UnderReplicated:
     ensemble: tuple[NodeId, ...]
     dead: tuple[NodeId, ...]
     draining: tuple[NodeId, ...]  # alive and draining
+    replication_factor: int | None = None  # None: the ensemble's size
 
     @property
     def live_count(self) -> int:
         return len(self.ensemble) - len(self.dead) - len(self.draining)
 
+    @property
+    def wanted(self) -> int:
+        """The members it should have: ``replication_factor``, or its ensemble's size if that is larger."""
+        return max(len(self.ensemble), self.replication_factor or 0)
+
     def message(self) -> str:
         state = "sealed" if self.sealed else "open"
         lost = (("dead", self.dead), ("draining", self.draining))
-        detail = "; ".join(f"{label}: {_nodes(ns)}" for label, ns in lost if ns)
+        details = [f"{label}: {_nodes(ns)}" for label, ns in lost if ns]
+        if self.wanted > len(self.ensemble):
+            details.append(f"{self.wanted - len(self.ensemble)} short of replication_factor")
         return (
             f"{_name(self.topic, self.partition, self.segment_id)} ({state}) has {self.live_count} of "
-            f"{len(self.ensemble)} members live ({detail})"
+            f"{self.wanted} members live ({'; '.join(details)})"
         )
 
 
@@ -339,19 +387,33 @@ def _checked_segments(segments: Iterable[SegmentView], by_id: Mapping[NodeId, No
     return ordered
 
 
-def under_replicated(segments: Iterable[SegmentView], nodes: Iterable[NodeLoad]) -> tuple[UnderReplicated, ...]:
-    """Segments with fewer alive, non-draining members than their ensemble size, in key order.
+def under_replicated(segments: Iterable[SegmentView], nodes: Iterable[NodeLoad], *,
+                     replication_factor: int | None = None) -> tuple[UnderReplicated, ...]:  # fmt: skip
+    """Segments with fewer alive, non-draining members than their ensemble size (or than ``replication_factor``,
+    when given), in key order.
 
     For ``georep cluster status``; open and sealed segments alike.
     """
+    _check_replication_factor(replication_factor)
     by_id = index_nodes(nodes)
     out: list[UnderReplicated] = []
     for s in _checked_segments(segments, by_id):
         dead = tuple(m for m in s.ensemble if not by_id[m].alive)
         draining = tuple(m for m in s.ensemble if by_id[m].alive and by_id[m].draining)
-        if dead or draining:
-            out.append(UnderReplicated(s.topic, s.partition, s.segment_id, s.sealed, s.ensemble, dead, draining))
+        if dead or draining or _missing(s, replication_factor):
+            out.append(UnderReplicated(s.topic, s.partition, s.segment_id, s.sealed, s.ensemble, dead, draining,
+                                       replication_factor))  # fmt: skip
     return tuple(out)
+
+
+def _check_replication_factor(replication_factor: int | None) -> None:
+    if replication_factor is not None and replication_factor < 1:
+        raise InvalidRepairInput(f"replication_factor={replication_factor}: must be >= 1 (or None)")
+
+
+def _missing(segment: SegmentView, replication_factor: int | None) -> int:
+    """How many members ``segment`` lacks to have ``replication_factor`` (0 when None)."""
+    return 0 if replication_factor is None else max(0, replication_factor - len(segment.ensemble))
 
 
 def drained(node: NodeId, segments: Iterable[SegmentView]) -> bool:
@@ -360,11 +422,15 @@ def drained(node: NodeId, segments: Iterable[SegmentView]) -> bool:
 
 
 def after_copy(segment: SegmentView, copy: CopySegment) -> SegmentView:
-    """The segment once ``copy`` is done: ``copy.target`` takes the place of ``copy.replaces``."""
+    """The segment once ``copy`` is done: ``copy.target`` takes the place of ``copy.replaces``, or joins the
+    ensemble, last, when ``copy.replaces`` is None."""
     if copy.key != segment.key:
         raise InvalidRepairInput(f"{copy.message()} does not apply to {_name(*segment.key)}")
-    if copy.replaces not in segment.ensemble or copy.target in segment.ensemble:
+    lost = copy.replaces is not None and copy.replaces not in segment.ensemble
+    if lost or copy.target in segment.ensemble:
         raise InvalidRepairInput(f"{copy.message()} does not apply: the ensemble is now {_nodes(segment.ensemble)}")
+    if copy.replaces is None:
+        return replace(segment, ensemble=(*segment.ensemble, copy.target))
     ensemble = tuple(copy.target if m == copy.replaces else m for m in segment.ensemble)
     return replace(segment, ensemble=ensemble)
 
@@ -372,9 +438,13 @@ def after_copy(segment: SegmentView, copy: CopySegment) -> SegmentView:
 @dataclass(frozen=True, slots=True)
 class _Need:
     segment: SegmentView
-    replaces: NodeId
+    replaces: NodeId | None  # None: a member to add (the segment is below replication_factor)
     healthy: int  # alive, non-draining members
     alive: int
+
+    def order(self) -> tuple[int, int, SegmentKey, bool, int]:
+        """Closest to losing data first; in one segment, replacements before additions."""
+        return (self.healthy, self.alive, self.segment.key, self.replaces is None, self.replaces or 0)
 
 
 def plan_repair(
@@ -386,9 +456,10 @@ def plan_repair(
     repair_delay_ms: int,
     in_progress: Iterable[CopySegment | FillSegment] = (),
     max_concurrent_copies: int,
+    replication_factor: int | None = None,
 ) -> RepairPlan:
-    """Plan copies and rolls for the segments with dead or draining members, and fills for short members (see
-    the module docstring).
+    """Plan copies and rolls for the segments with dead or draining members or fewer than ``replication_factor``
+    (None: none is short), and fills for short members (see the module docstring).
 
     Raises :class:`InvalidRepairInput` for an inconsistent snapshot (a member
     missing from ``nodes``, a dead node without ``down_since_ms``, ...) and
@@ -399,6 +470,7 @@ def plan_repair(
         raise InvalidRepairInput(f"repair_delay_ms={repair_delay_ms}: must be >= 0")
     if max_concurrent_copies < 0:
         raise InvalidRepairInput(f"max_concurrent_copies={max_concurrent_copies}: must be >= 0 (0 pauses repair)")
+    _check_replication_factor(replication_factor)
     by_id = index_nodes(nodes)
     missing = [n for n in sorted(by_id) if not by_id[n].alive and n not in down_since_ms]
     if missing:
@@ -409,9 +481,12 @@ def plan_repair(
     running = list(in_progress)
     busy = {(c.key, c.replaces if isinstance(c, CopySegment) else c.target) for c in running}
     taken: dict[SegmentKey, set[NodeId]] = {}
+    adding: dict[SegmentKey, int] = {}  # additions in progress, per segment
     for c in running:
         if isinstance(c, CopySegment):
             taken.setdefault(c.key, set()).add(c.target)
+            if c.replaces is None:
+                adding[c.key] = adding.get(c.key, 0) + 1
 
     rolls: list[RollSegment] = []
     unrepairable: list[Unrepairable] = []
@@ -420,16 +495,21 @@ def plan_repair(
     for s in ordered:
         dead = sorted(m for m in s.ensemble if not by_id[m].alive)
         draining = sorted(m for m in s.ensemble if by_id[m].alive and by_id[m].draining)
-        if not dead and not draining:
+        missing = _missing(s, replication_factor)
+        if not dead and not draining and not missing:
             continue
         alive = len(s.ensemble) - len(dead)
         if alive == 0:
             unrepairable.append(SegmentUnavailable(s.topic, s.partition, s.segment_id, s.ensemble))
             continue
         if not s.sealed:
-            rolls.append(RollSegment(s.topic, s.partition, s.segment_id, (dead + draining)[0]))
+            if dead or draining:
+                rolls.append(RollSegment(s.topic, s.partition, s.segment_id, (dead + draining)[0]))
+            elif any(n.alive and not n.draining and n.node not in s.ensemble for n in by_id.values()):
+                rolls.append(RollSegment(s.topic, s.partition, s.segment_id, None))
             continue
         healthy = alive - len(draining)
+        needs.extend(_Need(s, None, healthy, alive) for _ in range(missing - adding.get(s.key, 0)))
         for m in sorted(s.ensemble):
             node = by_id[m]
             if (node.alive and not node.draining) or (s.key, m) in busy:
@@ -450,7 +530,7 @@ def plan_repair(
     slots = max(0, max_concurrent_copies - len(running))
     copies: list[CopySegment] = []
     deferred: list[CopyDeferred] = []
-    needs.sort(key=lambda need: (need.healthy, need.alive, need.segment.key, need.replaces))
+    needs.sort(key=_Need.order)
     for need in needs:
         s = need.segment
         if slots == 0:

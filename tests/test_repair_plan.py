@@ -7,11 +7,14 @@ already holds it; an open segment is rolled rather than copied; a node that
 merely reboots costs no copy; repair never runs more copies at once than
 allowed, nor the same copy twice; what cannot be repaired is reported with
 what to do; and once the copies are applied, no sealed segment is left
-under-replicated.
+under-replicated. A segment that opened on fewer nodes than the replication
+factor (while fewer were live) is copied to more nodes, at once, until it
+has that many; an open one is rolled once a node can join the next one.
 """
 
 from __future__ import annotations
 
+import collections
 import random
 from collections.abc import Sequence
 
@@ -66,6 +69,7 @@ def plan(
     dead_for_ms: int = DELAY_MS,
     in_progress: Sequence[CopySegment] = (),
     cap: int = 10,
+    rf: int | None = None,
 ) -> RepairPlan:
     """Plan with every dead node dead for ``dead_for_ms``."""
     down = {n.node: NOW_MS - dead_for_ms for n in nodes if not n.alive}
@@ -77,11 +81,13 @@ def plan(
         repair_delay_ms=DELAY_MS,
         in_progress=in_progress,
         max_concurrent_copies=cap,
+        replication_factor=rf,
     )
 
 
-def copy(src: int, dst: int, replaces: int, partition: int = 0, segment_id: int = 0) -> CopySegment:
-    return CopySegment("t", partition, SegmentId(segment_id), NodeId(src), NodeId(dst), NodeId(replaces))
+def copy(src: int, dst: int, replaces: int | None, partition: int = 0, segment_id: int = 0) -> CopySegment:
+    gone = None if replaces is None else NodeId(replaces)
+    return CopySegment("t", partition, SegmentId(segment_id), NodeId(src), NodeId(dst), gone)
 
 
 # --- the rules one by one ----------------------------------------------------------
@@ -232,6 +238,62 @@ def test_the_copies_of_one_pass_take_the_space_they_use_into_account() -> None:
     assert [(c.partition, c.target) for c in p.copies] == [(0, 4), (1, 5)]
 
 
+# --- segments opened on fewer nodes than the replication factor ------------------------
+
+
+def test_a_short_sealed_segment_is_copied_to_another_node_at_once() -> None:
+    # RF 3: segment 0 opened on nodes 1 and 2 while node 3 was down. Node 3 is back: copy, no repair delay.
+    nodes = [node(1, load=2), node(2), node(3)]
+    p = plan([seg(1, 2)], nodes, rf=3)
+    assert p == RepairPlan((copy(2, 3, None),), (), (), (), ())
+    assert p.copies[0].message() == (
+        "copy t/0 segment 0 from node 2 to node 3, adding a member (it has fewer than replication_factor)"
+    )
+    assert after_copy(seg(1, 2), p.copies[0]) == seg(1, 2, 3)  # the opener stays first
+    assert plan([seg(1, 2, 3)], nodes, rf=3) == RepairPlan((), (), (), (), ())  # nothing left to do
+    assert plan([seg(1, 2)], nodes) == RepairPlan((), (), (), (), ())  # no replication_factor: nothing is short
+
+
+def test_a_short_sealed_segment_with_no_node_to_take_it_says_so() -> None:
+    p = plan([seg(1, 2)], cluster(3, dead=[3]), rf=3, dead_for_ms=0)
+    assert (p.copies, p.waiting) == ((), ())
+    (blocked,) = p.unrepairable
+    assert isinstance(blocked, NoRepairTarget) and blocked.replaces is None
+    assert blocked.message().startswith("t/0 segment 0 cannot get another member: need 1 eligible node(s), have 0")
+    assert "node 3 dead" in blocked.message()
+
+
+def test_each_missing_member_is_one_copy_to_its_own_target_less_those_under_way() -> None:
+    # RF 5 on six nodes: segment on 1, 2, 3 lacks two members.
+    p = plan([seg(1, 2, 3)], cluster(6), rf=5)
+    assert [c.replaces for c in p.copies] == [None, None]
+    assert len({c.target for c in p.copies}) == 2 and {c.target for c in p.copies} <= {4, 5, 6}
+    assert len({c.source for c in p.copies}) == 2  # read from two members, not twice from one
+    p = plan([seg(1, 2, 3)], cluster(6), rf=5, in_progress=[copy(1, 4, None)])
+    (c,) = p.copies
+    assert c.replaces is None and c.target in {5, 6}
+    assert plan([seg(1, 2, 3)], cluster(6), rf=5, in_progress=[copy(1, 4, None), copy(2, 5, None)]).copies == ()
+
+
+def test_a_short_segment_with_a_dead_member_gets_a_replacement_and_an_addition() -> None:
+    p = plan([seg(1, 2)], cluster(4, dead=[2]), rf=3)
+    assert sorted((c.replaces or 0, c.source) for c in p.copies) == [(0, 1), (2, 1)]
+    assert {c.target for c in p.copies} == {3, 4}
+    p = plan([seg(1, 2)], cluster(4, dead=[2]), rf=3, cap=1)  # replacing the lost member goes first
+    assert [c.replaces for c in p.copies] == [2]
+    assert p.deferred == (CopyDeferred("t", 0, SegmentId(0), None),)
+    assert "waits for a copy slot to add a member" in p.deferred[0].message()
+
+
+def test_a_short_open_segment_is_rolled_once_another_node_can_join_and_not_before() -> None:
+    assert plan([seg(1, 2, sealed=False)], cluster(3, dead=[3]), rf=3).rolls == ()
+    p = plan([seg(1, 2, sealed=False, segment_id=4)], cluster(3), rf=3)
+    assert (p.copies, p.rolls) == ((), (RollSegment("t", 0, SegmentId(4), None),))
+    assert "fewer members than replication_factor" in p.rolls[0].message()
+    # a draining node is no node to join
+    assert plan([seg(1, 2, sealed=False)], cluster(3, draining=[3]), rf=3).rolls == ()
+
+
 def test_under_replicated_lists_open_and_sealed_segments_in_order() -> None:
     segments = [seg(2, 3, 4, partition=1), seg(1, 2, 3, sealed=False), seg(3, 4, 5, partition=2)]
     nodes = cluster(5, dead=[1], draining=[2])
@@ -242,6 +304,17 @@ def test_under_replicated_lists_open_and_sealed_segments_in_order() -> None:
     )
     assert found[0].live_count == 1
     assert found[0].message() == "t/0 segment 0 (open) has 1 of 3 members live (dead: node 1; draining: node 2)"
+
+
+def test_under_replicated_with_a_replication_factor_lists_short_segments() -> None:
+    segments = [seg(1, 2), seg(1, 2, 3, partition=1), seg(1, 3, partition=2, sealed=False)]
+    found = under_replicated(segments, cluster(3, dead=[3]), replication_factor=3)
+    assert [(u.partition, u.live_count, u.wanted) for u in found] == [(0, 2, 3), (1, 2, 3), (2, 1, 3)]
+    assert found[0].message() == "t/0 segment 0 (sealed) has 2 of 3 members live (1 short of replication_factor)"
+    assert found[2].message() == (
+        "t/2 segment 0 (open) has 1 of 3 members live (dead: node 3; 1 short of replication_factor)"
+    )
+    assert [u.partition for u in under_replicated(segments, cluster(3, dead=[3]))] == [1, 2]
 
 
 def test_drained_once_no_segment_lists_the_node() -> None:
@@ -297,6 +370,10 @@ def test_bad_settings_and_node_tables_are_refused() -> None:
         plan_repair([], [], down_since_ms={}, now_ms=0, repair_delay_ms=0, max_concurrent_copies=-1)
     with pytest.raises(InvalidPlacementRequest, match="appears twice"):
         plan([seg(1)], [node(1), node(1)])
+    with pytest.raises(InvalidRepairInput, match="replication_factor=0"):
+        plan([seg(1)], cluster(2), rf=0)
+    with pytest.raises(InvalidRepairInput, match="replication_factor=0"):
+        under_replicated([seg(1)], cluster(2), replication_factor=0)
 
 
 # --- properties --------------------------------------------------------------------
@@ -306,8 +383,9 @@ PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[Heal
 
 
 @st.composite
-def sites(draw: st.DrawFn) -> tuple[list[SegmentView], list[NodeLoad], dict[NodeId, int], list[CopySegment], int]:
-    """A site: nodes (some dead, some draining), segments on them, copies under way, a cap."""
+def sites(draw: st.DrawFn) -> Site:
+    """A site: nodes (some dead, some draining), segments on them (some below the replication factor, if one is
+    given), copies under way (replacements and additions), a cap."""
     count = draw(st.integers(1, 8))
     nodes = [
         NodeLoad(
@@ -335,10 +413,13 @@ def sites(draw: st.DrawFn) -> tuple[list[SegmentView], list[NodeLoad], dict[Node
         )
         for topic, partition, segment_id in keys
     ]
+    rf = draw(st.none() | st.integers(1, 4))
     running: list[CopySegment] = []
     for s in segments:
         outside = [n for n in ids if n not in s.ensemble]
         if s.sealed and outside and draw(st.integers(0, 4)) == 0:
+            short = rf is not None and len(s.ensemble) < rf
+            replaces = draw(st.sampled_from([*s.ensemble, None] if short else s.ensemble))
             running.append(
                 CopySegment(
                     s.topic,
@@ -346,18 +427,18 @@ def sites(draw: st.DrawFn) -> tuple[list[SegmentView], list[NodeLoad], dict[Node
                     s.segment_id,
                     draw(st.sampled_from(s.ensemble)),
                     draw(st.sampled_from(outside)),
-                    draw(st.sampled_from(s.ensemble)),
+                    replaces,
                 )
             )
     cap = draw(st.integers(0, 6))
-    return segments, nodes, down, running, cap
+    return segments, nodes, down, running, cap, rf
 
 
-Site = tuple[list[SegmentView], list[NodeLoad], dict[NodeId, int], list[CopySegment], int]
+Site = tuple[list[SegmentView], list[NodeLoad], dict[NodeId, int], list[CopySegment], int, int | None]
 
 
 def plan_site(site: Site, rnd: random.Random | None = None) -> RepairPlan:
-    segments, nodes, down, running, cap = site
+    segments, nodes, down, running, cap, rf = site
     if rnd is not None:
         segments, nodes, running = list(segments), list(nodes), list(running)
         rnd.shuffle(segments)
@@ -371,7 +452,16 @@ def plan_site(site: Site, rnd: random.Random | None = None) -> RepairPlan:
         repair_delay_ms=DELAY_MS,
         in_progress=running,
         max_concurrent_copies=cap,
+        replication_factor=rf,
     )
+
+
+def _short(s: SegmentView, rf: int | None) -> int:
+    return 0 if rf is None else max(0, rf - len(s.ensemble))
+
+
+def _additions(copies: Sequence[CopySegment]) -> collections.Counter[tuple[str, int, SegmentId]]:
+    return collections.Counter(c.key for c in copies if c.replaces is None)
 
 
 @PROPERTY
@@ -385,17 +475,19 @@ def test_property_same_input_same_plan_whatever_the_order(site: Site, rnd: rando
 @PROPERTY
 @given(sites())
 def test_property_copies_are_safe(site: Site) -> None:
-    """Never from a dead node, never to a member, a dead or draining node, or one without room; within the cap."""
-    segments, nodes, down, running, cap = site
+    """Never from a dead node, never to a member, a dead or draining node, or one without room; within the cap;
+    never an ensemble past the replication factor; a roll of a healthy open segment only if a node can join."""
+    segments, nodes, down, running, cap, rf = site
     by_id = {n.node: n for n in nodes}
     by_key = {s.key: s for s in segments}
     p = plan_site(site)
     assert len(p.copies) <= max(0, cap - len(running))
-    planned = [(c.key, c.replaces) for c in p.copies]
+    planned = [(c.key, c.replaces) for c in p.copies if c.replaces is not None]
     assert len(planned) == len(set(planned))
     assert not set(planned) & {(c.key, c.replaces) for c in running}
     planned_targets = [(c.key, c.target) for c in p.copies]
     assert len(planned_targets) == len(set(planned_targets))
+    added, adding = _additions(p.copies), _additions(running)
     for c in p.copies:
         s = by_key[c.key]
         assert s.sealed
@@ -404,50 +496,69 @@ def test_property_copies_are_safe(site: Site) -> None:
         assert by_id[c.target].alive and not by_id[c.target].draining
         assert by_id[c.target].free_bytes >= s.size_bytes
         assert c.target not in {r.target for r in running if r.key == c.key}
+        if c.replaces is None:
+            assert rf is not None and len(s.ensemble) + added[c.key] + adding[c.key] <= rf
+            continue
         gone = by_id[c.replaces]
         assert c.replaces in s.ensemble
         assert gone.draining or (not gone.alive and NOW_MS - down[c.replaces] >= DELAY_MS)
     for r in p.rolls:
         s = by_key[(r.topic, r.partition, r.segment_id)]
         assert not s.sealed
-        assert not by_id[r.dead].alive or by_id[r.dead].draining
+        if r.dead is None:
+            assert _short(s, rf) and all(by_id[m].alive and not by_id[m].draining for m in s.ensemble)
+            assert any(n.alive and not n.draining and n.node not in s.ensemble for n in nodes)
+        else:
+            assert not by_id[r.dead].alive or by_id[r.dead].draining
 
 
 @PROPERTY
 @given(sites())
 def test_property_every_lost_member_is_accounted_for(site: Site) -> None:
-    """Each dead or draining member of a segment shows up in the plan, once: nothing is dropped silently."""
-    segments, nodes, down, running, cap = site
+    """Each dead or draining member of a segment, and each member a sealed one lacks to have the replication
+    factor, shows up in the plan, once: nothing is dropped silently."""
+    segments, nodes, down, running, cap, rf = site
     by_id = {n.node: n for n in nodes}
     p = plan_site(site)
     unavailable = {(u.topic, u.partition, u.segment_id) for u in p.unrepairable if isinstance(u, SegmentUnavailable)}
     rolled = [(r.topic, r.partition, r.segment_id) for r in p.rolls]
     assert len(rolled) == len(set(rolled))
-    handled = [
-        *((c.key, c.replaces) for c in p.copies),
-        *(((d.topic, d.partition, d.segment_id), d.replaces) for d in p.deferred),
-        *(((w.topic, w.partition, w.segment_id), w.dead) for w in p.waiting),
-        *(((u.topic, u.partition, u.segment_id), u.replaces) for u in p.unrepairable if isinstance(u, NoRepairTarget)),
-    ]
-    assert len(handled) == len(set(handled))
-    busy = {(c.key, c.replaces) for c in running}
-    expected_handled = set()
+    handled = collections.Counter(
+        [
+            *((c.key, c.replaces) for c in p.copies),
+            *(((d.topic, d.partition, d.segment_id), d.replaces) for d in p.deferred),
+            *(((w.topic, w.partition, w.segment_id), w.dead) for w in p.waiting),
+            *(
+                ((u.topic, u.partition, u.segment_id), u.replaces)
+                for u in p.unrepairable
+                if isinstance(u, NoRepairTarget)
+            ),
+        ]
+    )
+    assert all(n == 1 for (_, replaces), n in handled.items() if replaces is not None)
+    busy = {(c.key, c.replaces) for c in running if c.replaces is not None}
+    adding = _additions(running)
+    expected: collections.Counter[tuple[tuple[str, int, SegmentId], NodeId | None]] = collections.Counter()
     for s in segments:
         lost = [m for m in s.ensemble if not by_id[m].alive or by_id[m].draining]
-        if not lost:
-            assert s.key not in unavailable and s.key not in rolled
-        elif all(not by_id[m].alive for m in s.ensemble):
+        joinable = any(n.alive and not n.draining and n.node not in s.ensemble for n in nodes)
+        if all(not by_id[m].alive for m in s.ensemble):
             assert s.key in unavailable and s.key not in rolled
+        elif not lost:
+            assert s.key not in unavailable
+            assert (s.key in rolled) == (not s.sealed and bool(_short(s, rf)) and joinable)
         elif not s.sealed:
             assert s.key in rolled
-        else:
-            expected_handled |= {(s.key, m) for m in lost} - busy
-    assert set(handled) == expected_handled
+        if s.sealed and any(by_id[m].alive for m in s.ensemble):
+            expected.update({(s.key, m): 1 for m in lost if (s.key, m) not in busy})
+            expected[(s.key, None)] += max(0, _short(s, rf) - adding[s.key])
+    assert +handled == +expected
 
 
 @st.composite
-def repairable_sites(draw: st.DrawFn) -> tuple[list[SegmentView], list[NodeLoad]]:
-    """Enough alive, non-draining nodes with room; every segment has an alive member; every dead node is due."""
+def repairable_sites(draw: st.DrawFn) -> tuple[list[SegmentView], list[NodeLoad], int | None]:
+    """Enough alive, non-draining nodes with room; every segment has an alive member; every dead node is due.
+    With a replication factor, some segments have fewer members (they opened on fewer live nodes)."""
     rf = draw(st.integers(1, 4))
     healthy = draw(st.integers(rf, 8))
     lost = draw(st.lists(st.sampled_from(["dead", "draining", "dead+draining"]), max_size=4))
@@ -457,25 +568,33 @@ def repairable_sites(draw: st.DrawFn) -> tuple[list[SegmentView], list[NodeLoad]
     ]
     ids = [n.node for n in nodes]
     alive = {n.node for n in nodes if n.alive}
+    given_rf = draw(st.booleans())
     segments = []
     for i in range(draw(st.integers(0, 20))):
-        ensemble = draw(st.lists(st.sampled_from(ids), min_size=rf, max_size=rf, unique=True))
+        size = draw(st.integers(1, rf)) if given_rf else rf
+        ensemble = draw(st.lists(st.sampled_from(ids), min_size=size, max_size=size, unique=True))
         if not alive & set(ensemble):
             continue
         segments.append(seg(*ensemble, partition=i % 4, segment_id=i, size_gib=draw(st.integers(0, 2))))
-    return segments, nodes
+    return segments, nodes, rf if given_rf else None
 
 
 @PROPERTY
 @given(repairable_sites(), st.integers(1, 5))
 def test_property_applying_the_plans_leaves_no_sealed_segment_under_replicated(
-    site: tuple[list[SegmentView], list[NodeLoad]], cap: int
+    site: tuple[list[SegmentView], list[NodeLoad], int | None], cap: int
 ) -> None:
-    segments, nodes = site
+    segments, nodes, rf = site
     by_key = {s.key: s for s in segments}
     down = {n.node: NOW_MS - DELAY_MS for n in nodes if not n.alive}
     lost = {n.node for n in nodes if not n.alive or n.draining}
-    needed = sum(1 for s in segments for m in s.ensemble if m in lost)
+
+    def left() -> int:
+        return sum(1 for s in by_key.values() for m in s.ensemble if m in lost) + sum(
+            _short(s, rf) for s in by_key.values()
+        )
+
+    needed = left()
     # Pass after pass, apply every planned copy. Each pass but the last uses every slot, so the loop ends within
     # ceil(needed / cap) + 1 passes.
     for passes in range(1, needed + 2):  # noqa: B007 (read after the loop)
@@ -486,16 +605,17 @@ def test_property_applying_the_plans_leaves_no_sealed_segment_under_replicated(
             now_ms=NOW_MS,
             repair_delay_ms=DELAY_MS,
             max_concurrent_copies=cap,
+            replication_factor=rf,
         )
         assert (p.unrepairable, p.waiting, p.rolls) == ((), (), ())
         if not p.copies:
             break
-        remaining = sum(1 for s in by_key.values() for m in s.ensemble if m in lost)
-        assert len(p.copies) == min(cap, remaining)
+        assert len(p.copies) == min(cap, left())
         for c in p.copies:
             by_key[c.key] = after_copy(by_key[c.key], c)
     else:
         pytest.fail(f"repair did not converge in {needed + 1} passes")
     assert passes == 1 + -(-needed // cap)
-    assert under_replicated(by_key.values(), nodes) == ()
+    assert under_replicated(by_key.values(), nodes, replication_factor=rf) == ()
     assert all(drained(n, by_key.values()) for n in lost)
+    assert rf is None or all(len(s.ensemble) == rf for s in by_key.values())
