@@ -495,8 +495,8 @@ def plan_repair(
     for s in ordered:
         dead = sorted(m for m in s.ensemble if not by_id[m].alive)
         draining = sorted(m for m in s.ensemble if by_id[m].alive and by_id[m].draining)
-        missing = _missing(s, replication_factor)
-        if not dead and not draining and not missing:
+        lacking = _missing(s, replication_factor)
+        if not dead and not draining and not lacking:
             continue
         alive = len(s.ensemble) - len(dead)
         if alive == 0:
@@ -509,7 +509,7 @@ def plan_repair(
                 rolls.append(RollSegment(s.topic, s.partition, s.segment_id, None))
             continue
         healthy = alive - len(draining)
-        needs.extend(_Need(s, None, healthy, alive) for _ in range(missing - adding.get(s.key, 0)))
+        needs.extend(_Need(s, None, healthy, alive) for _ in range(lacking - adding.get(s.key, 0)))
         for m in sorted(s.ensemble):
             node = by_id[m]
             if (node.alive and not node.draining) or (s.key, m) in busy:
