@@ -587,6 +587,28 @@ class AddMember(_CommandBase):
 
 
 @dataclass(frozen=True, slots=True)
+class InitSite(_CommandBase):
+    """The site's origin epoch (``site@epoch``), proposed by every node at start: the first one committed is the
+    site's for good, and later proposals are no-ops. Every node of a site stamps records as the same origin, and a
+    site rebuilt from empty (a new Raft group) gets a new epoch, so it never issues an old coordinate again."""
+
+    KIND: ClassVar[str] = "init_site"
+    site: str
+    epoch: int
+
+    def __post_init__(self) -> None:
+        if self.epoch < 1:
+            raise InvalidCommand(f"site epoch {self.epoch} must be at least 1")
+
+    def _encode(self) -> dict[str, Any]:
+        return {"site": self.site, "epoch": self.epoch}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_str(raw, "site"), _int(raw, "epoch"))
+
+
+@dataclass(frozen=True, slots=True)
 class ReadBarrier(_CommandBase):
     """Changes nothing. Once it is applied locally, the local state holds every command committed before it."""
 
@@ -602,13 +624,13 @@ class ReadBarrier(_CommandBase):
 
 Command = (
     RegisterNode | NodeHeartbeat | SetDraining | RemoveNode | CreateTopic | ElectLeader | OpenSegment | SealSegment
-    | ReplaceMember | AddMember | ReadBarrier
+    | ReplaceMember | AddMember | InitSite | ReadBarrier
 )
 
 _COMMANDS: dict[str, type[Command]] = {
     cls.KIND: cls
     for cls in (RegisterNode, NodeHeartbeat, SetDraining, RemoveNode, CreateTopic, ElectLeader, OpenSegment,
-                SealSegment, ReplaceMember, AddMember, ReadBarrier)
+                SealSegment, ReplaceMember, AddMember, InitSite, ReadBarrier)
 }  # fmt: skip
 
 
@@ -647,17 +669,22 @@ def _where(topic: str, partition: int) -> str:
 class SiteState:
     """The site's metadata; see the module docstring. Change it only through :meth:`apply`."""
 
-    __slots__ = ("_topics", "_partitions", "_nodes")
+    __slots__ = ("_topics", "_partitions", "_nodes", "_site")
 
     def __init__(self) -> None:
         self._topics: dict[str, TopicSpec] = {}
         self._partitions: dict[tuple[str, int], PartitionInfo] = {}
         self._nodes: dict[NodeId, NodeInfo] = {}
+        self._site: tuple[str, int] | None = None  # (site id, origin epoch), from the first InitSite
 
     # -- queries ------------------------------------------------------------------------------------------
 
     def topics(self) -> dict[str, TopicSpec]:
         return dict(sorted(self._topics.items()))
+
+    def site(self) -> tuple[str, int] | None:
+        """The site id and origin epoch every node of the site stamps with (``InitSite``); None before the first."""
+        return self._site
 
     def topic(self, name: str) -> TopicSpec | None:
         return self._topics.get(name)
@@ -685,6 +712,7 @@ class SiteState:
         twin._topics = dict(self._topics)
         twin._partitions = dict(self._partitions)
         twin._nodes = dict(self._nodes)
+        twin._site = self._site
         return twin
 
     def __eq__(self, other: object) -> bool:
@@ -721,9 +749,21 @@ class SiteState:
             return self._replace_member(command)
         if isinstance(command, AddMember):
             return self._add_member(command)
+        if isinstance(command, InitSite):
+            return self._init_site(command)
         if isinstance(command, ReadBarrier):
             return Applied(changed=False)
         return Refused(RefusalCode.INVALID_COMMAND, f"not a command: {command!r}")
+
+    def _init_site(self, cmd: InitSite) -> Result:
+        if self._site is None:
+            self._site = (cmd.site, cmd.epoch)
+            return Applied()
+        if self._site[0] != cmd.site:
+            return Refused(RefusalCode.INVALID_COMMAND,
+                           f"this Raft group holds the metadata of site {self._site[0]!r}, not {cmd.site!r}: check the "
+                           "node's --site and the Raft addresses in the topology")  # fmt: skip
+        return Applied(changed=False)
 
     def _unknown_node(self, node: NodeId) -> Refused:
         return Refused(RefusalCode.UNKNOWN_NODE, f"node {node} is not registered: start it so that it registers")
@@ -957,6 +997,7 @@ class SiteState:
             ],
             "partitions": [_partition_to_dict(info) for info in self.partitions()],
             "nodes": [_node_to_dict(info) for _, info in sorted(self._nodes.items())],
+            "site": None if self._site is None else {"id": self._site[0], "epoch": self._site[1]},
         }
 
     @classmethod
@@ -993,6 +1034,9 @@ class SiteState:
         for entry in _list(raw, "nodes"):
             node = _node_from_dict(entry)
             state._nodes[node.node] = node
+        site = raw.get("site")
+        if site is not None:
+            state._site = (_str(site, "id"), _int(site, "epoch"))
         return state
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from dedup.producer import InvalidSequence, OutOfOrderSequence, ProducerStateTable
 from georep.broker import errors
-from georep.broker.acks import Acks, AckTable, Fail, HeldChanged, Release, StartFlush, check_acks
+from georep.broker.acks import AckKind, Acks, AckTable, Fail, HeldChanged, Release, StartFlush, check_acks
 from georep.broker.append import append_as_origin
 from georep.broker.commits import AFTER_HLC_AHEAD_MS_MAX, CommitEntry, CommitLog, check_commit_request, commit_batch
 from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FromVector, Latest, start_position
@@ -285,3 +285,18 @@ def test_every_domain_error_has_a_status_code() -> None:
     assert status_of(errors.SequenceRejected(OutOfOrderSequence(0, 5, 7, 0))) is grpc.StatusCode.FAILED_PRECONDITION
     assert status_of(errors.SequenceRejected(InvalidSequence("bad", 7, -1, 0, 1))) is grpc.StatusCode.INVALID_ARGUMENT
     assert status_of(KeyError("a bug")) is None
+
+
+def test_closing_a_partition_fails_its_unconfirmed_acks_and_forgets_it() -> None:
+    """A multi-node site's leader rolls or loses a partition: what the quorum had not confirmed gets no ack (the
+    seal may cut it), and a waiter that was already released stays released."""
+    table = AckTable("a", A)
+    table.open_partition(KEY, True, 0, VectorOffset(), replicated_in_site=True)
+    assert table.wait("early", KEY, 10, A, 9, Acks(AckKind.ALL), 0) == [StartFlush(KEY)]
+    table.wait("late", KEY, 20, A, 19, Acks(AckKind.ALL), 0)
+    table.flush_done(KEY, 20, VectorOffset())
+    assert table.quorum_advanced(KEY, 10, VectorOffset({A: 10})) == [HeldChanged(), Release("early")]
+    why = errors.NotLeader("t", 0, "segment 0 was sealed at offset 10")
+    assert table.close_partition(KEY, why) == [Fail("late", why)]
+    assert table.pending() == 0
+    assert table.close_partition(KEY, why) == []

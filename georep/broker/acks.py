@@ -192,6 +192,16 @@ class AckTable:
         held = lac_vector if replicated_in_site else flushed_vector
         self.held.update(self.site, key[0], key[1], held if held is not None else VectorOffset())
 
+    def close_partition(self, key: PartitionKey, error: BrokerError) -> list[Effect]:
+        """This node stops serving ``key`` (a multi-node site's leader rolled its segment or lost the partition):
+        every waiter fails with ``error``, and nothing more is known of it here. Its batches past the last add
+        confirmed may be cut by the seal, so no ack may go for them; a producer's retry is deduplicated by the
+        partition's next leader when the batch survived."""
+        p = self._partitions.pop(key, None)
+        if p is None:
+            return []
+        return [Fail(w.token, error) for w in p.waiters]
+
     def fsync_per_batch(self, key: PartitionKey) -> bool:
         return self._partitions[key].fsync_per_batch
 

@@ -130,6 +130,14 @@ class NotLeader(BrokerError):
         self.leader_hint = leader_hint
 
 
+class NotYetSupported(BrokerError):
+    """A feature this kind of site does not run yet; the message says which and what to use meanwhile."""
+
+
+class SegmentUnreadable(BrokerError):
+    """A read reached a segment this node holds no copy of, and none of the nodes that hold it answered."""
+
+
 class RecoveryFailed(BrokerError):
     """A new leader cannot recover the partition's open segment safely now; the message says which members to
     bring back. The partition takes no writes until it can."""

@@ -12,12 +12,13 @@ from cluster.topics import InvalidTopic, parse_topic_config
 from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
-from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, UsageError, serve
+from georep.server.cluster_member import ClusterConfig
+from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
 from georep.storage.replica_store import ReplicaError
 from topology.ids import InvalidSiteId
-from topology.model import Topology, UnknownSite
+from topology.model import InvalidTopology, Topology, UnknownSite
 
 log = logging.getLogger("georep.node")
 
@@ -31,7 +32,30 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--site", required=True, help="site id, e.g. us-east")
-    parser.add_argument("--listen", default="127.0.0.1:7101", help="gRPC address HOST:PORT (port 0: any free port)")
+    parser.add_argument(
+        "--listen", default=None,
+        help="gRPC address HOST:PORT (port 0: any free port; default 127.0.0.1:7101, or the node's address in the "
+        "topology for a node of a multi-node site)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--node-id", type=int, default=None,
+        help="this node's id in its site, for a site that lists several nodes in --topology (docs/cluster.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--replication-factor", type=int, default=None,
+        help="multi-node sites: the nodes each new segment is written to (default: 3, or the site's node count if "
+        "smaller)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--session-timeout-ms", type=int, default=6_000,
+        help="multi-node sites: a node that has not heartbeated for this long is dead, and the partitions it led "
+        "get new leaders (default 6000; it must exceed the clock skew between the site's nodes)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--min-insync-replicas", type=int, default=None,
+        help="multi-node sites: the nodes that must hold a batch fsynced before acks=all (default: 2, or the "
+        "replication factor if smaller)",
+    )  # fmt: skip
     parser.add_argument("--data-dir", required=True, type=Path, help="where this node keeps its logs")
     parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
@@ -65,10 +89,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        listen = parse_address(args.listen, "--listen")
         metrics_listen = parse_address(args.metrics_listen, "--metrics-listen")
         defaults = topic_defaults(args)
         topology = None if args.topology is None else site_topology(args.topology, args.site)
+        in_site = None if topology is None else in_site_options(topology, args)
+        if args.listen is not None:
+            listen = parse_address(args.listen, "--listen")
+        elif in_site is not None and topology is not None:
+            listen = parse_address(topology.site(args.site).member(in_site.node_id).address, "the topology's address")
+        else:
+            listen = ("127.0.0.1", 7101)
         if args.scrub_bytes_per_s < 0:
             raise UsageError(f"--scrub-bytes-per-s {args.scrub_bytes_per_s} must be 0 (off) or more")
         if args.stall_ms < 1:
@@ -76,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
         admin_token = None if args.admin_token_file is None else read_admin_token(args.admin_token_file)
         return asyncio.run(
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
-                  topology, args.stall_ms, admin_token, args.scrub_bytes_per_s)  # fmt: skip
+                  topology, args.stall_ms, admin_token, args.scrub_bytes_per_s, in_site)  # fmt: skip
         )
     except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId, StorageError,
             ReplicaError) as exc:
@@ -116,8 +146,42 @@ def site_topology(spec: str, site: str) -> Topology:
             f"site {site!r} is not in topology {spec} (sites: {', '.join(topology.site_ids())}): "
             "pass --site with one of them, or --topology with a file that defines this site"
         ) from None
-    if len(nodes) != 1:
-        # Several independent one-node brokers would each take writes as the same site: refuse, as 'georep up' does.
-        raise UsageError(f"site {site!r} lists {len(nodes)} nodes in {spec}; this version runs one node per site "
-                         "(multi-node sites are being built): list one address for it")  # fmt: skip
+    if len(nodes) > 1:
+        linked = [f"{link.src}->{link.dst}" for link in topology.links_sorted() if site in (link.src, link.dst)]
+        if linked:
+            raise UsageError(f"site {site!r} lists {len(nodes)} nodes in {spec} and has links ({', '.join(linked)}): "
+                             "replication between sites does not run on multi-node sites yet (docs/cluster.md, "
+                             "'Not yet'): give the site one node, or run it without links")  # fmt: skip
     return topology
+
+
+def in_site_options(topology: Topology, args: argparse.Namespace) -> InSiteOptions | None:
+    """A node of a multi-node site: its id, its Raft peers and the site's quorums; None for a one-node site."""
+    site = topology.site(args.site)
+    if len(site.nodes) == 1:
+        if args.node_id not in (None, site.members[0].id):
+            raise UsageError(f"--node-id {args.node_id}: site {args.site!r} has one node, id {site.members[0].id}")
+        return None
+    ids = ", ".join(str(m.id) for m in site.members)
+    if args.node_id is None:
+        raise UsageError(f"site {args.site!r} has {len(site.nodes)} nodes (ids {ids}): say which one this is with "
+                         "--node-id")  # fmt: skip
+    try:
+        me = site.member(args.node_id)
+        rafts = site.raft_addresses()
+    except (UnknownSite, InvalidTopology) as exc:
+        raise UsageError(str(exc)) from None
+    rf = args.replication_factor if args.replication_factor is not None else min(3, len(site.nodes))
+    if not 1 <= rf <= len(site.nodes):
+        raise UsageError(f"--replication-factor {rf}: site {args.site!r} has {len(site.nodes)} nodes; use 1 to "
+                         f"{len(site.nodes)}")  # fmt: skip
+    aq = args.min_insync_replicas if args.min_insync_replicas is not None else min(2, rf)
+    if not 1 <= aq <= rf:
+        raise UsageError(f"--min-insync-replicas {aq}: use 1 to the replication factor ({rf})")
+    if args.session_timeout_ms < 200:
+        raise UsageError(f"--session-timeout-ms {args.session_timeout_ms}: use at least 200")
+    assert me.raft is not None  # the topology requires it on every node of a multi-node site
+    tick_ms = min(500, args.session_timeout_ms // 5)  # a few heartbeats per session, and as quick to react
+    config = ClusterConfig(replication_factor=rf, ack_quorum=aq, session_timeout_ms=args.session_timeout_ms,
+                           tick_ms=tick_ms, retry_ms=tick_ms, segment_bytes=args.segment_bytes_max)  # fmt: skip
+    return InSiteOptions(me.id, me.raft, tuple(rafts.values()), config)

@@ -69,19 +69,23 @@ class Error(_message.Message):
 
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    LEADER_HINT_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """a grpc.StatusCode value, e.g. 3 = INVALID_ARGUMENT"""
     message: _builtins.str
     """says what to do"""
+    leader_hint: _builtins.str
+    """NOT_LEADER (FAILED_PRECONDITION) on a multi-node site: the leader's address, if known"""
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         message: _builtins.str = ...,
+        leader_hint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "leader_hint", b"leader_hint", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -300,6 +304,7 @@ class TopicDescription(_message.Message):
     PARTITIONS_FIELD_NUMBER: _builtins.int
     CONFIG_FIELD_NUMBER: _builtins.int
     PARTITION_STATES_FIELD_NUMBER: _builtins.int
+    LEADERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     partitions: _builtins.int
     @_builtins.property
@@ -307,7 +312,15 @@ class TopicDescription(_message.Message):
         """effective configuration"""
 
     @_builtins.property
-    def partition_states(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionState]: ...
+    def partition_states(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionState]:
+        """The partitions this node serves. On a multi-node site: only those it leads."""
+
+    @_builtins.property
+    def leaders(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionLeader]:
+        """A multi-node site: every partition's leader, as this node's view of the site's metadata has it
+        (a client sends produce and fetch there; a node that does not lead answers NOT_LEADER with a hint).
+        """
+
     def __init__(
         self,
         *,
@@ -315,14 +328,45 @@ class TopicDescription(_message.Message):
         partitions: _builtins.int = ...,
         config: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         partition_states: _abc.Iterable[Global___PartitionState] | None = ...,
+        leaders: _abc.Iterable[Global___PartitionLeader] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "name", b"name", "partition_states", b"partition_states", "partitions", b"partitions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "leaders", b"leaders", "name", b"name", "partition_states", b"partition_states", "partitions", b"partitions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TopicDescription: _TypeAlias = TopicDescription  # noqa: Y015
+
+@_typing.final
+class PartitionLeader(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARTITION_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
+    partition: _builtins.int
+    node_id: _builtins.int
+    """0: no leader yet"""
+    address: _builtins.str
+    """the leader's gRPC address; empty: no leader yet"""
+    leader_epoch: _builtins.int
+    def __init__(
+        self,
+        *,
+        partition: _builtins.int = ...,
+        node_id: _builtins.int = ...,
+        address: _builtins.str = ...,
+        leader_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "leader_epoch", b"leader_epoch", "node_id", b"node_id", "partition", b"partition"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PartitionLeader: _TypeAlias = PartitionLeader  # noqa: Y015
 
 @_typing.final
 class ProduceRequest(_message.Message):

@@ -21,13 +21,14 @@ import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
-from cluster.metadata import FileMetadataStore, SiteIdentity, TopicExists
+from cluster.metadata import FileMetadataStore, MetadataStore, SiteIdentity, TopicExists
 from cluster.topics import TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from dedup.producer import ProducerStateTable
 from georep.broker.acks import LEADER, Acks, AckTable, Effect, Fail, HeldChanged, Release, StartFlush, Token, check_acks
 from georep.broker.append import Produced, append_as_origin
-from georep.broker.errors import UnknownPartition, WriteFailed
+from georep.broker.errors import NotLeader, UnknownPartition, WriteFailed
 from georep.replication.sink import ApplyOutcome, apply_chunk
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
 from offsets.coordinates import LocalOffset, Origin
@@ -70,6 +71,10 @@ class Partition:
         self._appended: asyncio.Future[None] | None = None
         self._durable: asyncio.Future[None] | None = None
         self.last_flush_mono_ms = 0
+        # A partition of a multi-node site (georep/server/site_cluster.py): appends go on to the segment's writer,
+        # which fsyncs the leader's copy itself; ``sealing`` says its segment takes no more appends.
+        self.in_site: InSiteReplication | None = None
+        self.sealing = False
 
     @property
     def fsync_per_batch(self) -> bool:
@@ -96,6 +101,16 @@ class Partition:
             self._durable.set_result(None)
 
 
+class InSiteReplication(Protocol):
+    """A partition's segment writer, as the broker drives it (a multi-node site's leader node)."""
+
+    def appended(self, end: int) -> None:
+        """Batches were appended to the leader's copy up to ``end``: stream and fsync them."""
+
+    def flush(self) -> None:
+        """fsync the leader's copy (the writer reports it through ``Broker.own_flush_done``)."""
+
+
 class Broker:
     def __init__(
         self,
@@ -104,6 +119,7 @@ class Broker:
         defaults: dict[str, int] | None = None,
         clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
         open_log: Callable[[Path, LogConfig, int], PartitionLog] | None = None,
+        metadata: MetadataStore | None = None,
     ) -> None:
         self.data_dir = data_dir
         self.identity = identity
@@ -117,7 +133,12 @@ class Broker:
         self.open_log = open_log
         self.logs_dir = data_dir / "logs"
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        self.metadata = FileMetadataStore(data_dir / "topics.json")
+        # A multi-node site keeps its topics in its Raft metadata, and this node serves only the partitions it
+        # leads, attached as it comes to lead them (``attach``); a one-node site opens every partition here.
+        self.in_site = metadata is not None
+        self.metadata: MetadataStore = metadata if metadata is not None else FileMetadataStore(data_dir / "topics.json")
+        # Where to send a client for a partition this node does not lead (multi-node sites).
+        self.leader_hint: Callable[[str, int], str] = lambda topic, index: ""
         self.partitions: dict[tuple[str, int], Partition] = {}
         self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fsync")
         # Replicated chunks are applied here, off the event loop: the page-cache
@@ -142,7 +163,7 @@ class Broker:
         self._geo_timer_due = 0
         now = self.clock_ms()
         try:
-            for spec in self.metadata.topics().values():
+            for spec in self.metadata.topics().values() if not self.in_site else ():
                 self._open_topic(spec, now)
         except BaseException:
             for p in self.partitions.values():
@@ -177,6 +198,11 @@ class Broker:
         spec = TopicSpec(name, partitions, parse_topic_config(raw_config))
         if name in self.metadata.topics():
             raise TopicExists(name)
+        if self.in_site:
+            # The site's Raft metadata (blocking: the service calls this in a worker thread); each partition's
+            # leader attaches it here once its first segment is open.
+            self.metadata.create_topic(spec)
+            return spec
         try:
             # The partition directories come first: a crash in between leaves
             # empty directories that the next create reuses, never a topic
@@ -195,12 +221,59 @@ class Broker:
         return self.metadata.get(name)
 
     def partition(self, topic: str, index: int) -> Partition:
-        """Raises ``UnknownTopic`` or ``UnknownPartition``."""
+        """Raises ``UnknownTopic``, ``UnknownPartition``, or ``NotLeader`` on a multi-node site's other nodes."""
         spec = self.topic(topic)
         p = self.partitions.get((topic, index))
         if p is None:
+            if self.in_site and 0 <= index < spec.partitions:
+                raise NotLeader(topic, index, "another node of the site leads it, or none does yet",
+                                self.leader_hint(topic, index))  # fmt: skip
             raise UnknownPartition(topic, index, spec.partitions)
         return p
+
+    # -- partitions of a multi-node site ------------------------------------------------------------------
+
+    def attach(self, spec: TopicSpec, index: int, log_: PartitionLog, in_site: InSiteReplication, lac: int,
+               lac_vector: VectorOffset) -> Partition:  # fmt: skip
+        """Serve ``spec``'s partition ``index``, which this node now leads, over ``log_`` (a ``ChainLog``)."""
+        config = spec.effective(self.defaults)
+        p = Partition(spec.name, index, log_, config, self.origin, self.clock_ms())
+        p.in_site = in_site
+        old = self.partitions.get(p.key)
+        if old is not None:
+            self.detach(p.key, NotLeader(spec.name, index, "its segment changed"))
+        self.partitions[p.key] = p
+        self.acks.open_partition(p.key, p.fsync_per_batch, lac, lac_vector, replicated_in_site=True, lac=lac,
+                                 lac_vector=lac_vector)  # fmt: skip
+        self.on_topic(spec.name, spec.partitions)
+        p.notify_append()
+        return p
+
+    def detach(self, key: tuple[str, int], error: NotLeader) -> None:
+        """Stop serving ``key``: its unconfirmed acks fail with ``error`` (the producer retries at the leader)."""
+        p = self.partitions.pop(key, None)
+        if p is None:
+            return
+        self._perform(self.acks.close_partition(key, error))
+        p.notify_append()
+        p.notify_durable()  # long-polling readers wake up and find the partition gone
+
+    def quorum_advanced(self, key: tuple[str, int], lac: int, lac_vector: VectorOffset) -> None:
+        """The ack quorum of ``key``'s open segment holds everything below ``lac``."""
+        p = self.partitions.get(key)
+        if p is None:
+            return
+        p.notify_durable()
+        self._perform(self.acks.quorum_advanced(key, lac, lac_vector))
+
+    def own_flush_done(self, key: tuple[str, int], flushed: int | None, error: str = "") -> None:
+        """The leader's fsync of its own copy of ``key``'s open segment ended (``flushed``), or failed."""
+        if key not in self.partitions:
+            return
+        if flushed is None:
+            self._perform(self.acks.flush_failed(key, error))
+        else:
+            self._perform(self.acks.flush_done(key, flushed, VectorOffset()))
 
     # -- produce --------------------------------------------------------------
 
@@ -208,6 +281,9 @@ class Broker:
         """Take one producer batch as its origin (``append_as_origin``). Synchronous, so batches
         on one stream are appended in the order they arrived."""
         p = self.partition(topic, index)
+        if p.sealing:
+            raise NotLeader(topic, index, "its segment is being sealed; retry in a moment",
+                            self.leader_hint(topic, index))  # fmt: skip
         check_acks(acks, topic, self.identity.site, self.geo_reach(topic))
         try:
             produced = append_as_origin(
@@ -221,6 +297,8 @@ class Broker:
             raise WriteFailed(f"write to {topic}-{index} failed: {exc}") from None
         if not produced.duplicate:
             self.disk_full = False
+            if p.in_site is not None:
+                p.in_site.appended(p.log.log_end_offset)
             p.notify_append()
             self.on_produce(topic, produced.records, len(batch))
         return p, produced
@@ -272,6 +350,9 @@ class Broker:
 
     def _start_flush(self, key: tuple[str, int]) -> None:
         p = self.partitions[key]
+        if p.in_site is not None:
+            p.in_site.flush()  # the segment writer fsyncs the copy it streams from, and reports own_flush_done
+            return
         try:
             task = asyncio.get_running_loop().run_in_executor(self.executor, p.log.flush)
         except RuntimeError:  # the executor is shut down: the node is stopping
@@ -337,6 +418,8 @@ class Broker:
             return
         if done.exception() is None and done.result().appended_batches:
             self.disk_full = False
+        if p.in_site is not None and self.partitions.get(p.key) is p:
+            p.in_site.appended(p.log.log_end_offset)
         if p.log.log_end_offset > p.log.flushed_offset:
             # Also after an apply that failed midway (a full disk): what it appended before the failure is
             # whole, and must be fsynced and served onward like the rest.

@@ -74,6 +74,30 @@ class RegistrationRefused(Exception):
     """The site's metadata refused this node's id or address; the message says what to change."""
 
 
+class LeaderListener(Protocol):
+    """What the node's broker is told of the partitions this member leads (``georep/server/site_cluster.py``)."""
+
+    def segment_opened(self, lead: PartitionLeader) -> None:
+        """``lead`` has an open segment to append to (after its recovery, or a roll)."""
+
+    def sealing(self, lead: PartitionLeader) -> None:
+        """``lead`` is sealing its open segment: take no more appends; acks go on as the LAC moves."""
+
+    def segment_closed(self, lead: PartitionLeader, reason: str) -> None:
+        """``lead``'s segment is sealed, or ``lead`` stopped: what was not confirmed will not be."""
+
+
+class _NoListener:
+    def segment_opened(self, lead: PartitionLeader) -> None:
+        pass
+
+    def sealing(self, lead: PartitionLeader) -> None:
+        pass
+
+    def segment_closed(self, lead: PartitionLeader, reason: str) -> None:
+        pass
+
+
 class Metadata(Protocol):
     """What the member needs of the site's metadata (``cluster/raft_store.py``'s ``RaftMetadataStore``)."""
 
@@ -111,6 +135,7 @@ class ClusterMember:
         self.config = config or ClusterConfig()
         self.channel = channel
         self.leaders: dict[PartitionKey, PartitionLeader] = {}
+        self.listener: LeaderListener = _NoListener()
         self._given_up: dict[PartitionKey, LeaderEpoch] = {}
         self._epochs_at_start: dict[PartitionKey, LeaderEpoch] = {}
         self._asked: dict[PartitionKey, LeaderEpoch] = {}  # re-elections of itself in flight
@@ -252,6 +277,8 @@ class PartitionLeader:
     async def close(self) -> None:
         self._closed = True
         self._writable.set()  # appends waiting for a segment wake up and find this leader closed
+        if self.writer is not None:
+            self.member.listener.segment_closed(self, f"node {self.member.me} no longer leads epoch {self.epoch}")
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -320,7 +347,7 @@ class PartitionLeader:
                 raise NotLeader(*self.key, "the topic is gone")
             loads = leadership.node_loads(m.metadata.state(), m.clock_ms(), m.config.session_timeout_ms)
             step = leadership.plan_open(info, m.me, self.epoch, self._sealed_through, self._previous, loads,
-                                        m.config.replication_factor)  # fmt: skip
+                                        m.config.replication_factor, min_ensemble=m.config.ack_quorum)  # fmt: skip
             if isinstance(step, leadership.Adopt):
                 await self._write(step, info)
                 return
@@ -344,6 +371,7 @@ class PartitionLeader:
         self._release_limit = None
         self._rolling = False
         self._writable.set()
+        m.listener.segment_opened(self)
         log.info("node %d writes %s-%d segment %d from offset %d on %s", m.me, *self.key, open_.segment_id,
                  open_.base_offset, list(open_.ensemble))  # fmt: skip
 
@@ -358,9 +386,20 @@ class PartitionLeader:
             if writer is None or segment is None or self._rolling:
                 continue
             end = await writer.append(batches)
-            if self._copy_bytes() >= self.member.config.segment_bytes:
-                self.member.spawn(self._roll())
+            self._roll_if_full()
             return segment.segment_id, end
+
+    def note_appended(self, end: int) -> None:
+        """The broker appended to the open segment's copy itself (``ChainLog``), up to ``end``."""
+        writer = self.writer
+        if writer is None or self._closed:
+            raise NotLeader(*self.key, f"node {self.member.me} no longer writes epoch {self.epoch}")
+        writer.appended(end)
+        self._roll_if_full()
+
+    def _roll_if_full(self) -> None:
+        if not self._rolling and self._copy_bytes() >= self.member.config.segment_bytes:
+            self.member.spawn(self._roll())
 
     def end_offset(self) -> int:
         """Where the next batch goes: the open segment's appended end."""
@@ -392,6 +431,7 @@ class PartitionLeader:
         m, writer, segment = self.member, self.writer, self._segment
         self._rolling = True
         self._writable.clear()
+        m.listener.sealing(self)
         since = m.clock_ms()
         while (end := leadership.roll_seal_at(writer.lac, writer.quorum.appended_end, since, m.clock_ms(),
                                               m.config.roll_wait_ms)) is None:  # fmt: skip
@@ -404,6 +444,7 @@ class PartitionLeader:
             m.step_down(self, f"roll refused: {refused}")
             return
         await writer.close()
+        m.listener.segment_closed(self, f"segment {segment.segment_id} was sealed at offset {end}")
         await tell_sealed(m.store, self.key, segment.segment_id, self.epoch, LocalOffset(end), segment.ensemble, m.me,
                           m.addresses(), m.executor, m.clock_ms, m.channel)  # fmt: skip
         log.info("node %d rolled %s-%d segment %d at %d", m.me, *self.key, segment.segment_id, end)

@@ -106,6 +106,10 @@ class SegmentWriter:
         self._flush_again = False
         self._deposed: NotLeader | None = None
         self._closed = False
+        # Called with each new LAC: the broker releases acks=all and serves readers up to it.
+        self.on_lac: Callable[[int], None] = lambda lac: None
+        # Called with the end each fsync of the leader's own copy reached (or None and why it failed): acks=leader.
+        self.on_own_flush: Callable[[int | None, str], None] = lambda flushed, error: None
 
     @property
     def lac(self) -> int:
@@ -140,6 +144,17 @@ class SegmentWriter:
         self._start_flush()
         return end
 
+    def appended(self, end: int) -> None:
+        """The broker appended to the leader's copy itself (``ChainLog.append``), up to ``end``: stream it to the
+        members and fsync it. Ends reported out of order (a replicated apply finishing after a produce) are fine:
+        only a larger end moves anything."""
+        self._check_writable()
+        if end <= self.quorum.appended_end:
+            return
+        self.quorum.appended(end)
+        self._appended.set()
+        self._start_flush()
+
     def confirmed(self, end_offset: int) -> asyncio.Future[None]:
         """Resolves once the LAC reaches ``end_offset``: ``acks=all`` for a batch ending there may go.
         Fails with :class:`NotLeader` if a newer leader fences this one first."""
@@ -167,6 +182,7 @@ class SegmentWriter:
     def _perform(self, effects: list[QuorumEffect]) -> None:
         for effect in effects:
             if isinstance(effect, LacAdvanced):
+                self.on_lac(effect.lac)
                 keep = []
                 for end, fut in self._waiters:
                     if end <= effect.lac:
@@ -203,6 +219,10 @@ class SegmentWriter:
 
     # -- the leader's own fsync ------------------------------------------------------------------------------
 
+    def flush_soon(self) -> None:
+        """fsync the leader's copy now (or right after the running fsync); ``on_own_flush`` reports it."""
+        self._start_flush()
+
     def _start_flush(self) -> None:
         if self._flushing is not None:
             self._flush_again = True  # one more after the running one: it may have missed this append
@@ -216,11 +236,13 @@ class SegmentWriter:
                 self._flush_again = False
                 flushed = await self._run(self.store.flush, s.key, s.segment_id)
                 self._perform(self.quorum.member_acked(self.me, flushed))
+                self.on_own_flush(flushed, "")
                 if not self._flush_again:
                     return
         except OSError as exc:  # the leader's own disk: its copy no longer counts until the segment rolls
             log.error("fsync of segment %d of %s-%d failed: %s", s.segment_id, *s.key, exc)
             self._perform(self.quorum.member_failed(self.me))
+            self.on_own_flush(None, str(exc))
         finally:
             self._flushing = None
 

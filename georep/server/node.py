@@ -10,25 +10,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from cluster.metadata import load_or_create_identity, write_json_atomic
+from cluster.ids import NodeId
+from cluster.metadata import SiteIdentity, load_or_create_identity, write_json_atomic
+from cluster.raft_store import MetadataUnavailable, RaftMetadataStore, RaftStartError, RaftTiming
+from cluster.site_state import InitSite, Refused
 from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep import __version__
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.server.broker import Broker
+from georep.server.cluster_member import ClusterConfig, ClusterMember
 from georep.server.metrics import NodeMetrics
 from georep.server.process import NODE_INFO
 from georep.server.segments import SegmentService
 from georep.server.service import FETCH_MAX_BYTES_CAP, SCRUB_STEP_BYTES, NodeService
+from georep.server.site_cluster import SiteCluster
 from georep.storage.dirlock import DataDirLock
 from georep.storage.replica_store import ReplicaStore
+from topology.ids import site_id
 from topology.model import Topology
 
 log = logging.getLogger("georep.node")
@@ -56,31 +64,84 @@ async def serve(
     stall_ms: int = DEFAULT_STALL_MS,
     admin_token: str | None = None,
     scrub_bytes_per_s: int = SCRUB_BYTES_PER_S_DEFAULT,
+    in_site: InSiteOptions | None = None,
 ) -> int:
-    """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``."""
+    """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``.
+
+    ``in_site``: this node is one of several of its site (docs/cluster.md): the site's metadata is a Raft group of
+    its nodes, and the node serves the partitions it leads.
+    """
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
         return await _serve_locked(site, listen, metrics_listen, data_dir, defaults, retention_check_ms, topology,
-                                   stall_ms, admin_token, scrub_bytes_per_s, lock)  # fmt: skip
+                                   stall_ms, admin_token, scrub_bytes_per_s, lock, in_site)  # fmt: skip
     finally:
         lock.release()
 
 
+@dataclass(frozen=True, slots=True)
+class InSiteOptions:
+    """What a node of a multi-node site needs besides a one-node site's settings."""
+
+    node_id: NodeId
+    raft_address: str  # this node's Raft replica
+    raft_peers: tuple[str, ...]  # every node's Raft address (this one's may be among them)
+    config: ClusterConfig
+    raft_timing: RaftTiming | None = None
+
+
+async def _site_identity(metadata: RaftMetadataStore, site: str, executor: ThreadPoolExecutor) -> SiteIdentity:
+    """The site's origin, agreed in its Raft metadata (``InitSite``): waits until a majority of its nodes answers."""
+    loop = asyncio.get_running_loop()
+    waited = False
+    while True:
+        try:
+            result = await loop.run_in_executor(executor, metadata.propose, InitSite(site, int(time.time())))
+        except MetadataUnavailable as exc:
+            if not waited:
+                log.warning("waiting for a majority of site %s's nodes to agree on its metadata: %s", site, exc)
+            waited = True
+            continue
+        if isinstance(result, Refused):
+            raise UsageError(result.reason)
+        found = metadata.state().site()
+        if found is not None:
+            return SiteIdentity(site_id(found[0]), found[1])
+
+
 async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tuple[str, int], data_dir: Path,
                         defaults: dict[str, int], retention_check_ms: int, topology: Topology | None, stall_ms: int,
-                        admin_token: str | None, scrub_bytes_per_s: int, lock: DataDirLock) -> int:  # fmt: skip
+                        admin_token: str | None, scrub_bytes_per_s: int, lock: DataDirLock,
+                        in_site: InSiteOptions | None) -> int:  # fmt: skip
     from georep.server.replicator import Replicator
 
-    identity = load_or_create_identity(data_dir, site, int(time.time()))
-    broker = Broker(data_dir, identity, defaults)
+    # The Raft metadata and the segment threads of a multi-node site; this node's copies of the segments whose
+    # ensembles it is a member of (docs/cluster.md).
+    segment_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="segments")
+    metadata: RaftMetadataStore | None = None
+    if in_site is not None:
+        try:
+            metadata = RaftMetadataStore(in_site.raft_address, in_site.raft_peers, data_dir, in_site.raft_timing)
+        except RaftStartError as exc:
+            segment_executor.shutdown()
+            raise UsageError(str(exc)) from None
+        identity = await _site_identity(metadata, site, segment_executor)
+    else:
+        identity = load_or_create_identity(data_dir, site, int(time.time()))
+    broker = Broker(data_dir, identity, defaults, metadata=metadata)
     metrics = NodeMetrics(broker)
-    replicator = Replicator(broker, topology, site, stall_ms) if topology is not None else None
+    replicator = Replicator(broker, topology, site, stall_ms) if topology is not None and in_site is None else None
     if replicator is not None:
         metrics.attach(replicator)
-    service = NodeService(broker, metrics, replicator, admin_token)
-    # This node's copies of segments it is an ensemble member of (multi-node sites; docs/design.md).
     replicas = ReplicaStore(data_dir, broker.clock_ms())
-    segment_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="segments")
+    site_cluster: SiteCluster | None = None
+    member: ClusterMember | None = None
+    if in_site is not None and metadata is not None:
+        address = f"{listen[0]}:{listen[1]}"
+        member = ClusterMember(in_site.node_id, address, metadata, replicas, segment_executor, broker.clock_ms,
+                               lambda: shutil.disk_usage(data_dir).free, in_site.config)  # fmt: skip
+        site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor)
+    service = NodeService(broker, metrics, replicator, admin_token, site_cluster)
     segments = SegmentService(replicas, segment_executor, broker.clock_ms)
     # Above every topic's max_batch_bytes: an oversized batch reaches the broker, which names the limit.
     max_message = max(MAX_BATCH_BYTES_LIMIT, FETCH_MAX_BYTES_CAP) + MESSAGE_SLACK_BYTES
@@ -101,14 +162,14 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:
-        replicas.close()
-        broker.close()
+        _close(replicas, broker, metadata)
         raise UsageError(f"cannot listen on {address}: {exc}; is another process using the port?") from None
     if port == 0:
-        replicas.close()
-        broker.close()
+        _close(replicas, broker, metadata)
         raise UsageError(f"cannot listen on {address}: the port is in use or the address is not local")
     await server.start()
+    if member is not None:
+        await member.start()
     metrics_address = metrics.serve(*metrics_listen)
     info = {
         "pid": os.getpid(), "site": identity.site, "epoch": identity.epoch, "version": __version__,
@@ -137,6 +198,8 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
                  or "no site: no link leads here")  # fmt: skip
     await stop.wait()
     log.info("shutting down")
+    if member is not None:
+        await member.stop()
     if replicator is not None:
         await replicator.stop()
     service.stop_streams()
@@ -144,11 +207,17 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         task.cancel()
     await server.stop(SHUTDOWN_GRACE_S)
     segment_executor.shutdown(wait=True)
-    replicas.close()
-    broker.close()
+    _close(replicas, broker, metadata)
     (data_dir / NODE_INFO).unlink(missing_ok=True)
     log.info("stopped cleanly")
     return 0
+
+
+def _close(replicas: ReplicaStore, broker: Broker, metadata: RaftMetadataStore | None) -> None:
+    replicas.close()
+    broker.close()
+    if metadata is not None:
+        metadata.close()
 
 
 async def _flush_loop(broker: Broker) -> None:

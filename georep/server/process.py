@@ -34,6 +34,7 @@ class NodeProcess:
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
     metrics_address: str = ""
+    _logged_before: int = 0
 
     def command(self) -> list[str]:
         return [
@@ -46,12 +47,24 @@ class NodeProcess:
         ]  # fmt: skip
 
     def start(self, timeout_s: float = 30.0) -> NodeProcess:
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> NodeProcess:
+        """Start the process without waiting for it (a node of a multi-node site is ready only once a majority of
+        its site's nodes run: launch them all, then :meth:`wait_ready`)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        info = self.data_dir / NODE_INFO  # a node.json of another live node stays: only our pid's counts
         log_path = self.log_path or self.data_dir / "node.log"
         with open(log_path, "ab") as log:
-            logged_before = log.tell()
+            self._logged_before = log.tell()
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self
+
+    def wait_ready(self, timeout_s: float = 30.0) -> NodeProcess:
+        """Wait until the launched process serves (its ``node.json``); raises :class:`NodeStartError`."""
+        assert self.proc is not None, "launch() first"
+        info = self.data_dir / NODE_INFO  # a node.json of another live node stays: only our pid's counts
+        log_path = self.log_path or self.data_dir / "node.log"
+        logged_before = self._logged_before
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

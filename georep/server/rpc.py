@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from cluster.quorum import Fenced
-from georep.broker.errors import DamagedData, InvalidRequest
+from georep.broker.errors import DamagedData, InvalidRequest, NotLeader
 from georep.proto.bounds import check_bounds
 from georep.server.status import DOMAIN_ERRORS, status_of
 
@@ -26,6 +26,7 @@ M = TypeVar("M", bound=Message)
 Context = grpc.aio.ServicerContext[bytes, Message]
 NEXT_OFFSET_METADATA = "georep-next-offset"  # trailing metadata of a DATA_LOSS fetch: after the damaged batch
 FENCED_EPOCH_METADATA = "georep-fenced-epoch"  # trailing metadata of an ABORTED segment call: the member's fence
+LEADER_METADATA = "georep-leader"  # trailing metadata of a NOT_LEADER call: the leader's address, if known
 
 Unary = Callable[[bytes, Context], Awaitable[Message]]
 Streaming = Callable[[Any, Context], AsyncIterator[Message]]
@@ -54,6 +55,8 @@ def _trailers(exc: Exception) -> tuple[tuple[str, str], ...]:
         return ((NEXT_OFFSET_METADATA, str(exc.next_offset)),)
     if isinstance(exc, Fenced):
         return ((FENCED_EPOCH_METADATA, str(exc.fenced_epoch)),)
+    if isinstance(exc, NotLeader) and exc.leader_hint:
+        return ((LEADER_METADATA, exc.leader_hint),)
     return ()
 
 

@@ -21,7 +21,9 @@ from georep.broker.errors import (
     InvalidRequest,
     NoSuchLink,
     NotAuthorized,
+    NotLeader,
     NoTopology,
+    NotYetSupported,
     WriteFailed,
 )
 from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, FromVector, Latest, batch_by_coordinate
@@ -34,6 +36,7 @@ from georep.server.metrics import NodeMetrics
 from georep.server.rpc import Context, parse, service, status, stream_stream, unary, unary_stream
 from georep.server.status import DOMAIN_ERRORS
 from georep.storage.api import BatchDamaged
+from georep.storage.chain_log import ChainLog, SegmentElsewhere
 from offsets.coordinates import InvalidOrigin, Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
@@ -41,6 +44,7 @@ from topology.ids import InvalidSiteId, site_id
 
 if TYPE_CHECKING:
     from georep.server.replicator import Replicator
+    from georep.server.site_cluster import SiteCluster
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +58,8 @@ REPLICATE_MAX_BYTES_DEFAULT = 1 << 20
 REPLICATE_MAX_WAIT_MS_DEFAULT = 500
 
 def _error(exc: Exception) -> pb.Error:
-    return pb.Error(code=status(exc).value[0], message=str(exc))
+    hint = exc.leader_hint if isinstance(exc, NotLeader) else ""
+    return pb.Error(code=status(exc).value[0], message=str(exc), leader_hint=hint)
 
 
 def _vector_from_pb(msg: pb.VectorOffset) -> VectorOffset:
@@ -80,8 +85,10 @@ class NodeService:
         metrics: NodeMetrics,
         replicator: Replicator | None = None,
         admin_token: str | None = None,
+        site_cluster: SiteCluster | None = None,
     ) -> None:
         self.broker = broker
+        self.site_cluster = site_cluster
         self.metrics = metrics
         self.replicator = replicator
         self.groups = GroupService(broker)
@@ -108,7 +115,10 @@ class NodeService:
         spec = self.broker.topic(name)
         states = []
         for i in range(spec.partitions):
-            plog = self.broker.partition(name, i).log
+            p = self.broker.partitions.get((name, i))
+            if p is None:
+                continue  # a partition another node of a multi-node site leads
+            plog = p.log
             states.append(
                 pb.PartitionState(
                     partition=i, log_start_offset=plog.log_start_offset, log_end_offset=plog.log_end_offset,
@@ -116,14 +126,19 @@ class NodeService:
                 )  # fmt: skip
             )
         config = {k: str(v) for k, v in spec.effective(self.broker.defaults).items()}
-        return pb.TopicDescription(name=name, partitions=spec.partitions, config=config, partition_states=states)
+        leaders = self.site_cluster.leaders(name, spec.partitions) if self.site_cluster is not None else []
+        return pb.TopicDescription(name=name, partitions=spec.partitions, config=config, partition_states=states,
+                                   leaders=leaders)  # fmt: skip
 
     async def create_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         req = parse(pb.CreateTopicRequest, data)
         if is_internal(req.name):
             raise InternalTopic(f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: "
                                 "choose another name")  # fmt: skip
-        self.broker.create_topic(req.name, req.partitions, dict(req.config))
+        if self.site_cluster is not None:
+            await self.site_cluster.create_topic(req.name, req.partitions, dict(req.config))
+        else:
+            self.broker.create_topic(req.name, req.partitions, dict(req.config))
         return self._describe(req.name)
 
     async def list_topics(self, data: bytes, context: Context) -> pb.ListTopicsResponse:
@@ -267,11 +282,19 @@ class NodeService:
         max_wait_s = min(req.max_wait_ms or 500, FETCH_MAX_WAIT_MS_CAP) / 1000
         cursor = FetchCursor(p.log, _fetch_start(req), self.broker.origin)
         while True:
+            if self.broker.partitions.get(p.key) is not p:
+                # A multi-node site's leader rolled its segment (a new chain log), or leads no more (NotLeader).
+                p = self.broker.partition(req.topic, req.partition)
+                cursor.log = p.log
             if cursor.readable:
                 try:
                     chunk = cursor.read(max_bytes)
                 except BatchDamaged as exc:
                     raise DamagedData(req.topic, req.partition, self.broker.identity.site, exc.damaged) from None
+                except SegmentElsewhere as missing:
+                    assert self.site_cluster is not None and isinstance(p.log, ChainLog)
+                    await self.site_cluster.read_elsewhere(p.log, missing, max_bytes)
+                    continue
                 if not chunk:
                     await asyncio.sleep(0)  # a long covered stretch must not starve other streams
                     continue
@@ -441,23 +464,35 @@ class NodeService:
 
     # -- consumer groups --------------------------------------------------------
 
+    def _check_groups(self) -> None:
+        if self.site_cluster is not None:
+            raise NotYetSupported("consumer groups and committed offsets do not run on multi-node sites yet "
+                                  "(docs/cluster.md, 'Not yet'): assign partitions and keep positions in the "
+                                  "consumer, or use a one-node site")  # fmt: skip
+
     async def group_heartbeat(self, data: bytes, context: Context) -> pb.GroupHeartbeatResponse:
+        self._check_groups()
         return self.groups.heartbeat(parse(pb.GroupHeartbeatRequest, data))
 
     async def leave_group(self, data: bytes, context: Context) -> pb.LeaveGroupResponse:
+        self._check_groups()
         return self.groups.leave(parse(pb.LeaveGroupRequest, data))
 
     async def commit_offsets(self, data: bytes, context: Context) -> pb.CommitOffsetsResponse:
+        self._check_groups()
         return await self.groups.commit(parse(pb.CommitOffsetsRequest, data))
 
     async def fetch_committed(self, data: bytes, context: Context) -> pb.FetchCommittedResponse:
+        self._check_groups()
         return await self.groups.fetch_committed(parse(pb.FetchCommittedRequest, data))
 
     async def list_groups(self, data: bytes, context: Context) -> pb.ListGroupsResponse:
+        self._check_groups()
         parse(pb.ListGroupsRequest, data)
         return self.groups.list_groups()
 
     async def describe_group(self, data: bytes, context: Context) -> pb.GroupDescription:
+        self._check_groups()
         return self.groups.describe(parse(pb.DescribeGroupRequest, data))
 
     # -- wiring ---------------------------------------------------------------

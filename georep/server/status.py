@@ -70,6 +70,8 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     e.NodeStopping: Code.UNAVAILABLE,
     e.NotLeader: Code.FAILED_PRECONDITION,
     e.RecoveryFailed: Code.UNAVAILABLE,
+    e.SegmentUnreadable: Code.UNAVAILABLE,
+    e.NotYetSupported: Code.UNIMPLEMENTED,
     e.NotAuthorized: Code.UNAUTHENTICATED,
     e.WriteFailed: Code.INTERNAL,
     e.FsyncFailed: Code.INTERNAL,

@@ -113,8 +113,15 @@ class BatchEntry:
 
 
 class PartitionLog(Protocol):
-    damage_found_total: int  # batches quarantined since the log was opened
-    repaired_total: int  # quarantined batches repaired since the log was opened
+    @property
+    def damage_found_total(self) -> int:
+        """Batches quarantined since the log was opened."""
+        ...
+
+    @property
+    def repaired_total(self) -> int:
+        """Quarantined batches repaired since the log was opened."""
+        ...
 
     @property
     def log_start_offset(self) -> LocalOffset: ...

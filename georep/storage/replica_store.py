@@ -38,13 +38,13 @@ import logging
 import shutil
 import threading
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cluster.ids import LeaderEpoch, SegmentId
 from cluster.quorum import GuardState, ReplicaGuard
-from georep.record.batch import REWRITTEN_BYTES, CorruptBatch, iter_headers
-from georep.storage.api import LogConfig, ReadResult
+from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, iter_headers
+from georep.storage.api import BytesLike, LogConfig, ReadResult
 from georep.storage.durable_file import fsync_directory, replace_file
 from georep.storage.segment import U32_MAX
 from georep.storage.segment_log import SegmentLog
@@ -269,6 +269,26 @@ class ReplicaStore:
                 seg.append(h, [view[at + REWRITTEN_BYTES : at + h.size_bytes]], h.append_time_ms)
                 at += h.size_bytes
             return seg.log_end_offset
+
+    def append_batch(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, header: BatchHeader,
+                     body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:  # fmt: skip
+        """The leader's own append of one batch (stamped by its broker) to its copy of the open ``segment_id``, at
+        the copy's end; returns the header as stored. The guard decides as for a member's append, so a leader
+        that a newer one fenced writes nothing (``Fenced``)."""
+        with self._lock:
+            p = self._partition(key)
+            seg = p.segment(segment_id)
+            end = seg.log_end_offset
+            if p.guard.check_append(epoch, segment_id, end, end):
+                p.persist_guard()
+            return seg.append(header, body, append_time_ms)
+
+    def copy(self, key: PartitionKey, segment_id: SegmentId) -> SegmentLog | None:
+        """This node's copy of ``segment_id`` for lookups (its origin index, its batches' entries), or None. Read it
+        through :meth:`read`: a seal may replace the object."""
+        with self._lock:
+            p = self._partitions.get(key)
+            return p.segments.get(segment_id) if p is not None else None
 
     def flush(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
         """fsync this node's copy of ``segment_id``; returns the end it holds fsynced (what the member acks)."""

@@ -1,0 +1,188 @@
+"""A node of a multi-node site, as its broker sees it: which partitions it leads, and over what. Shell.
+
+The :class:`~georep.server.cluster_member.ClusterMember` decides who leads
+what and writes segments (every decision in ``cluster/``); the broker takes
+producers' batches, serves readers and releases acks (every decision in
+``georep/broker/``). :class:`SiteCluster` joins them, and holds no decision
+of its own:
+
+* **A segment opens** (after the leader's recovery, or a roll): the
+  partition is attached to the broker over a
+  :class:`~georep.storage.chain_log.ChainLog` of the chain the metadata
+  lists, whose LAC starts at the open segment's base and whose vector there
+  is the sealed end vector of the segment before it.
+* **Appends** (produced or replicated) go into the leader's copy through the
+  chain log; the writer is told (``SegmentWriter.appended``) and streams
+  them to the members. Its LAC comes back to the broker's ``AckTable``
+  (``acks=all``, ``geo:N``) and to readers; its own fsync to ``acks=leader``.
+* **The segment seals** (a roll, or the leader is deposed): new appends are
+  refused with ``NotLeader`` (retriable: the producer retries, at the leader
+  its metadata names), acks go on until the seal, and then the partition is
+  detached: what was not confirmed fails, and may be cut.
+* **Other nodes** answer ``NotLeader`` naming the leader's address, from
+  this node's view of the metadata, as Kafka's brokers answer
+  ``NOT_LEADER_OR_FOLLOWER``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from cluster.ids import NodeId
+from cluster.raft_store import RaftMetadataStore
+from georep.broker.errors import NotLeader, SegmentUnreadable
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.server.broker import Broker
+from georep.server.cluster_member import ClusterMember, PartitionLeader
+from georep.server.ensemble import SegmentWriter
+from georep.storage.chain_log import ChainLog, ChainSegment, SegmentElsewhere
+from georep.storage.replica_store import PartitionKey, ReplicaStore
+
+log = logging.getLogger(__name__)
+
+REMOTE_READ_TIMEOUT_S = 10.0
+
+
+class _Writing:
+    """The broker's handle on one leader's open segment (``InSiteReplication``)."""
+
+    def __init__(self, lead: PartitionLeader, writer: SegmentWriter, chain: ChainLog) -> None:
+        self.lead = lead
+        self.writer = writer
+        self.chain = chain
+
+    def appended(self, end: int) -> None:
+        self.lead.note_appended(end)
+
+    def flush(self) -> None:
+        self.writer.flush_soon()
+
+
+class SiteCluster:
+    """Attaches the partitions this node leads to its broker; see the module docstring."""
+
+    def __init__(self, broker: Broker, member: ClusterMember, metadata: RaftMetadataStore, store: ReplicaStore,
+                 executor: ThreadPoolExecutor,
+                 channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:  # fmt: skip
+        self.broker = broker
+        self.member = member
+        self.metadata = metadata
+        self.store = store
+        self.executor = executor
+        self.channel = channel
+        self._writing: dict[PartitionKey, _Writing] = {}
+        member.listener = self
+        broker.leader_hint = self.leader_address
+
+    # -- the metadata ----------------------------------------------------------------------------------------
+
+    def leader_address(self, topic: str, index: int) -> str:
+        """The address of the node the metadata names as the leader of ``topic``-``index``, or ""."""
+        state = self.metadata.state()
+        info = state.partition(topic, index)
+        if info is None or info.leader is None:
+            return ""
+        node = state.node(info.leader)
+        return node.address if node is not None else ""
+
+    def leaders(self, topic: str, partitions: int) -> list[pb.PartitionLeader]:
+        """Every partition's leader as this node's view has it (``DescribeTopic``: Kafka's Metadata)."""
+        state = self.metadata.state()
+        out = []
+        for index in range(partitions):
+            info = state.partition(topic, index)
+            node = state.node(info.leader) if info is not None and info.leader is not None else None
+            out.append(pb.PartitionLeader(partition=index, node_id=node.node if node is not None else 0,
+                                          address=node.address if node is not None else "",
+                                          leader_epoch=info.leader_epoch if info is not None else 0))  # fmt: skip
+        return out
+
+    def node_address(self, node: NodeId) -> str:
+        info = self.metadata.state().node(node)
+        return info.address if info is not None else ""
+
+    async def create_topic(self, name: str, partitions: int, config: dict[str, str]) -> None:
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.broker.create_topic, name, partitions,
+                                                         config)  # fmt: skip
+
+    # -- LeaderListener --------------------------------------------------------------------------------------
+
+    def segment_opened(self, lead: PartitionLeader) -> None:
+        writer = lead.writer
+        state = self.metadata.state()
+        info = state.partition(*lead.key)
+        spec = state.topic(lead.key[0])
+        if writer is None or info is None or spec is None:
+            return
+        open_id = writer.segment.segment_id
+        chain = [ChainSegment(s.segment_id, s.base_offset, s.end_offset, s.end_vector, s.ensemble)
+                 for s in info.segments if s.segment_id <= open_id]  # fmt: skip
+        if not chain or chain[-1].segment_id != open_id or chain[-1].end_offset is not None:
+            log.error("node %d: the view of %s-%d does not show segment %d open; not serving it", self.member.me,
+                      *lead.key, open_id)  # fmt: skip
+            return
+        lac_vector = info.sealed_vector_before(open_id)
+        chain_log = ChainLog(lead.key, self.store, chain, lead.epoch, lac_vector)
+        writing = _Writing(lead, writer, chain_log)
+        self._writing[lead.key] = writing
+        key = lead.key
+        writer.on_lac = lambda lac: self._lac(key, writing, lac)
+        writer.on_own_flush = lambda flushed, error: self._own_flush(key, writing, flushed, error)
+        self.broker.attach(spec, key[1], chain_log, writing, chain[-1].base_offset, lac_vector)
+
+    def sealing(self, lead: PartitionLeader) -> None:
+        writing = self._writing.get(lead.key)
+        p = self.broker.partitions.get(lead.key)
+        if writing is not None and writing.lead is lead and p is not None and p.in_site is writing:
+            p.sealing = True
+
+    def segment_closed(self, lead: PartitionLeader, reason: str) -> None:
+        writing = self._writing.get(lead.key)
+        if writing is None or writing.lead is not lead:
+            return
+        del self._writing[lead.key]
+        p = self.broker.partitions.get(lead.key)
+        if p is not None and p.in_site is writing:
+            self.broker.detach(lead.key, NotLeader(*lead.key, reason, self.leader_address(*lead.key)))
+
+    def _lac(self, key: PartitionKey, writing: _Writing, lac: int) -> None:
+        if self._writing.get(key) is writing and writing.chain.advance_lac(lac):
+            self.broker.quorum_advanced(key, writing.chain.flushed_offset, writing.chain.lac_vector())
+
+    def _own_flush(self, key: PartitionKey, writing: _Writing, flushed: int | None, error: str) -> None:
+        if self._writing.get(key) is writing:
+            self.broker.own_flush_done(key, flushed, error)
+
+    # -- reads of segments held elsewhere --------------------------------------------------------------------
+
+    async def read_elsewhere(self, chain: ChainLog, missing: SegmentElsewhere, max_bytes: int) -> None:
+        """Read ``missing``'s range from a member of its segment into ``chain``'s cache (``ChainLog.cache_remote``).
+        Raises :class:`SegmentUnreadable` if no member answers."""
+        segment = missing.segment
+        why: list[str] = []
+        for node in segment.ensemble:
+            if node == self.member.me:
+                continue
+            address = self.node_address(node)
+            if not address:
+                continue
+            request = pb.ReadSegmentRequest(
+                segment=pb.SegmentRef(topic=chain.key[0], partition=chain.key[1], segment_id=segment.segment_id),
+                offset=missing.offset, end_offset=segment.end_offset or 0, max_bytes=max_bytes,
+            )  # fmt: skip
+            try:
+                async with self.channel(address) as channel:
+                    call = pbg.SegmentsStub(channel).ReadSegment(request, timeout=REMOTE_READ_TIMEOUT_S)
+                    async for response in call:
+                        chain.cache_remote(segment.segment_id, missing.offset, response.batches)
+                        return
+            except grpc.aio.AioRpcError as exc:
+                why.append(f"node {node} ({address}): {exc.code().name} {exc.details()}")
+        raise SegmentUnreadable(f"{missing}, and none of them could be read ({'; '.join(why) or 'no address is known'})"
+                                "; bring one of them back, or wait for the site to repair the segment")

@@ -1,0 +1,281 @@
+"""A partition of a multi-node site, as its leader node serves it: a chain of segments. Shell.
+
+Inside a multi-node site a partition is a chain of segments, each stored by
+its own ensemble (ARCHITECTURE.md, "Inside a site"; docs/cluster.md). The
+leader node's broker needs the partition as one ``PartitionLog``, so that
+the origin append (``georep/broker/append.py``), the fetch cursor, the
+replication source and the apply of replicated chunks run unchanged. A
+:class:`ChainLog` is that view, over the leader's
+:class:`~georep.storage.replica_store.ReplicaStore` and the site's metadata:
+
+* **Appends** go to the leader's copy of the open segment, through the
+  store's guard, so a leader that a newer one fenced appends nothing. The
+  broker then tells the segment's writer, which streams the copy to the
+  other members (``georep/server/ensemble.py``).
+* **What counts as durable is the LAC.** ``flushed_offset`` is the last add
+  confirmed: what ``min_insync_replicas`` members hold fsynced, and
+  ``flushed_vector`` the partition's vector there. Readers, consumers and
+  other sites are served only below ``flushed_offset`` (the rule that on a
+  one-node site serves only fsynced batches), so nothing a reader saw can be
+  cut by a new leader's recovery. ``flush`` is this node's own fsync, one
+  member's share of the quorum.
+* **The vector at the LAC** is the sealed end vector of the segment before
+  the open one (from the metadata), advanced by each appended batch as the
+  LAC passes its end. The batches above the LAC are kept as (end offset,
+  origin, next seq) only: no batch is read back.
+* **Reads** go to the copy of the segment that holds the offset. A segment
+  this node holds no copy of (placement spreads a partition's segments over
+  the site) raises :class:`SegmentElsewhere`, which names its members; the
+  node reads it from one of them (``georep/server/site_cluster.py``) and puts
+  the bytes in :meth:`ChainLog.cache_remote`, and the read is tried again.
+  Sealed segments never change, so a cached range stays right.
+* **Lookups by coordinate** use each sealed segment's end vector to find the
+  segment that holds an origin seq, then that segment's origin index when
+  this node holds it, or the segment's base (a reader starting there drops
+  what its vector covers, so starting early is exact, only slower).
+
+A ``ChainLog`` lives as long as one open segment: when the leader rolls or
+loses the partition, the broker drops it and builds the next one from the
+new metadata. So its chain never changes under it.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cluster.ids import LeaderEpoch, NodeId, SegmentId
+from georep.record.batch import BatchHeader, iter_headers
+from georep.storage.api import (
+    BatchEntry,
+    BytesLike,
+    DamagedBatch,
+    OffsetOutOfRange,
+    ReadResult,
+    ScrubStep,
+    StorageError,
+)
+from georep.storage.replica_store import PartitionKey, ReplicaStore
+from georep.storage.segment_log import SegmentLog
+from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from offsets.vector import VectorOffset
+
+REMOTE_CACHE_BYTES = 64 << 20  # per partition: ranges of segments read from other nodes
+
+
+class SegmentElsewhere(StorageError):
+    """A read reached a segment this node holds no copy of; ``members`` hold it."""
+
+    def __init__(self, key: PartitionKey, segment: ChainSegment, offset: int) -> None:
+        super().__init__(f"segment {segment.segment_id} of {key[0]}-{key[1]} (offsets {segment.base_offset}.."
+                         f"{segment.end_offset}) is on nodes {list(segment.ensemble)}, not this one")  # fmt: skip
+        self.segment = segment
+        self.offset = offset
+
+
+@dataclass(frozen=True, slots=True)
+class ChainSegment:
+    """One segment of the chain, from the site's metadata."""
+
+    segment_id: SegmentId
+    base_offset: int
+    end_offset: int | None  # exclusive; None for the open segment
+    end_vector: VectorOffset | None  # the partition's vector at end_offset (sealed segments)
+    ensemble: tuple[NodeId, ...]
+
+
+class ChainLog:
+    """One partition led by this node, over its chain of segments; see the module docstring."""
+
+    def __init__(self, key: PartitionKey, store: ReplicaStore, chain: Sequence[ChainSegment], epoch: LeaderEpoch,
+                 lac_vector: VectorOffset) -> None:  # fmt: skip
+        if not chain or chain[-1].end_offset is not None:
+            raise ValueError(f"{key}: a chain log needs an open segment at its end")
+        self.key = key
+        self.store = store
+        self.chain = tuple(chain)
+        self.open = chain[-1]
+        self.epoch = epoch
+        if store.copy(key, self.open.segment_id) is None:
+            raise ValueError(f"{key}: this node holds no copy of the open segment {self.open.segment_id}")
+        self._lac = self.open.base_offset
+        self._lac_vector = lac_vector
+        self._above_lac: collections.deque[tuple[int, Origin, int]] = collections.deque()
+        self._remote: collections.OrderedDict[tuple[SegmentId, int], ReadResult] = collections.OrderedDict()
+        self._remote_bytes = 0
+
+    # -- the quorum ------------------------------------------------------------------------------------------
+
+    def advance_lac(self, lac: int) -> bool:
+        """The ack quorum holds everything below ``lac``; True if that moved the LAC."""
+        if lac <= self._lac:
+            return False
+        self._lac = lac
+        while self._above_lac and self._above_lac[0][0] <= lac:
+            _, origin, next_seq = self._above_lac.popleft()
+            self._lac_vector = self._lac_vector.advanced(origin, next_seq)
+        return True
+
+    @property
+    def flushed_offset(self) -> LocalOffset:
+        return LocalOffset(self._lac)
+
+    def flushed_vector(self) -> dict[Origin, OriginSeq]:
+        return self._lac_vector.to_dict()
+
+    def lac_vector(self) -> VectorOffset:
+        return self._lac_vector
+
+    # -- PartitionLog: sizes and vectors ---------------------------------------------------------------------
+
+    @property
+    def damage_found_total(self) -> int:
+        return sum(c.damage_found_total for c in self._copies())
+
+    @property
+    def repaired_total(self) -> int:
+        return sum(c.repaired_total for c in self._copies())
+
+    @property
+    def log_start_offset(self) -> LocalOffset:
+        return LocalOffset(self.chain[0].base_offset)
+
+    @property
+    def log_end_offset(self) -> LocalOffset:
+        return self.store.end_offset(self.key, self.open.segment_id)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(c.size_bytes for c in self._copies())
+
+    @property
+    def segment_count(self) -> int:
+        return len(self.chain)
+
+    def vector(self) -> dict[Origin, OriginSeq]:
+        return self._open_copy().vector()
+
+    def _open_copy(self) -> SegmentLog:
+        copy = self.store.copy(self.key, self.open.segment_id)
+        if copy is None:
+            raise StorageError(f"{self.key[0]}-{self.key[1]}: this node's copy of segment {self.open.segment_id} "
+                               "is gone")  # fmt: skip
+        return copy
+
+    def _copies(self) -> list[SegmentLog]:
+        out: list[SegmentLog] = []
+        for segment in self.chain:
+            copy = self.store.copy(self.key, segment.segment_id)
+            if copy is not None:
+                out.append(copy)
+        return out
+
+    # -- PartitionLog: writes --------------------------------------------------------------------------------
+
+    def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
+        stored = self.store.append_batch(self.key, self.epoch, self.open.segment_id, header, body, append_time_ms)
+        self._above_lac.append((stored.next_offset, stored.origin, stored.last_origin_seq + 1))
+        return stored
+
+    def flush(self) -> LocalOffset:
+        """This node's fsync of the open segment (one member's share of the LAC); returns its fsynced end."""
+        return self.store.flush(self.key, self.open.segment_id)
+
+    def enforce_retention(self, now_ms: int) -> int:
+        return 0  # a site's retention removes whole sealed segments through its metadata, not one node's copies
+
+    def close(self) -> None:
+        pass  # the store owns the copies
+
+    # -- PartitionLog: reads ---------------------------------------------------------------------------------
+
+    def _segment_at(self, offset: int) -> ChainSegment:
+        for segment in self.chain:
+            if segment.end_offset is None or offset < segment.end_offset:
+                return segment
+        return self.open
+
+    def read(self, offset: LocalOffset, max_bytes: int) -> ReadResult:
+        end = self.log_end_offset
+        if not self.log_start_offset <= offset <= end:
+            raise OffsetOutOfRange(offset, self.log_start_offset, end)
+        segment = self._segment_at(offset)
+        if segment.end_offset is not None and segment.end_offset == offset:
+            return ReadResult(b"", LocalOffset(offset))
+        cached = self._remote.get((segment.segment_id, offset))
+        if cached is not None:
+            self._remote.move_to_end((segment.segment_id, offset))
+            return cached
+        if self.store.copy(self.key, segment.segment_id) is None:
+            raise SegmentElsewhere(self.key, segment, offset)
+        try:
+            result = self.store.read(self.key, segment.segment_id, offset, max_bytes, segment.end_offset)
+        except OffsetOutOfRange:
+            raise SegmentElsewhere(self.key, segment, offset) from None  # this node's copy is short: repair fills it
+        if not result.data and segment.end_offset is not None:
+            raise SegmentElsewhere(self.key, segment, offset)
+        return result
+
+    def cache_remote(self, segment_id: SegmentId, offset: int, data: bytes) -> None:
+        """Keep ``data`` (whole batches of sealed ``segment_id`` from ``offset``, read from a member) for reads."""
+        if not data:
+            return
+        headers = iter_headers(data, verify=True)
+        result = ReadResult(data, LocalOffset(headers[-1].next_offset))
+        self._remote[(segment_id, offset)] = result
+        self._remote_bytes += len(data)
+        while self._remote_bytes > REMOTE_CACHE_BYTES and len(self._remote) > 1:
+            _, dropped = self._remote.popitem(last=False)
+            self._remote_bytes -= len(dropped.data)
+
+    def offset_for_origin_seq(self, origin: Origin, seq: OriginSeq) -> LocalOffset | None:
+        for segment in self.chain:
+            ends = segment.end_vector.get(origin) if segment.end_vector is not None else None
+            if segment.end_offset is not None and (ends is None or ends <= seq):
+                continue  # the segment ends before the seq
+            copy = self.store.copy(self.key, segment.segment_id)
+            if copy is None:
+                return LocalOffset(segment.base_offset)
+            found = copy.offset_for_origin_seq(origin, seq)
+            if found is not None or segment.end_offset is None:
+                return found
+        return None
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> LocalOffset | None:
+        for segment in self.chain:
+            copy = self.store.copy(self.key, segment.segment_id)
+            if copy is None:
+                continue  # a segment held elsewhere: its timestamps are not indexed here
+            found = copy.offset_for_timestamp(timestamp_ms)
+            if found is not None and (segment.end_offset is None or found < segment.end_offset):
+                return found
+        return None
+
+    def batch_entries(self) -> list[BatchEntry]:
+        out: list[BatchEntry] = []
+        for copy in self._copies():
+            out += copy.batch_entries()
+        return out
+
+    # -- damage ----------------------------------------------------------------------------------------------
+
+    def damaged_batches(self) -> list[DamagedBatch]:
+        out: list[DamagedBatch] = []
+        for copy in self._copies():
+            out += copy.damaged_batches()
+        return out
+
+    def repair(self, base_offset: int, batch: bytes) -> DamagedBatch:
+        segment = self._segment_at(base_offset)
+        copy = self.store.copy(self.key, segment.segment_id)
+        if copy is None:
+            raise SegmentElsewhere(self.key, segment, base_offset)
+        return copy.repair(base_offset, batch)
+
+    def scrub(self, offset: int, max_bytes: int) -> ScrubStep:
+        segment = self._segment_at(offset)
+        copy = self.store.copy(self.key, segment.segment_id)
+        if copy is None:
+            return ScrubStep(segment.end_offset or self.log_end_offset, 0, [])
+        return copy.scrub(max(offset, copy.log_start_offset), max_bytes)

@@ -1,0 +1,155 @@
+"""A three-node site (RF=3, min-insync=2) of real ``georep node`` processes: its partition leader is killed with
+``kill -9`` while a producer writes at ``acks=all``, again and again, and nothing acknowledged is lost.
+
+The producer here speaks the node's gRPC protocol directly (the client library's own routing is tested apart),
+so the test sees each answer: ``NOT_LEADER`` naming the leader, ``UNAVAILABLE`` from a dead node, and the
+idempotent producer's retries, which the new leader must answer from what the quorum held.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
+from georep.server.rpc import LEADER_METADATA
+from georep.storage.replica_store import ReplicaStore
+from tests.support.cluster_site import ClusterSite
+
+TOPIC = "orders"
+PRODUCER_ID = 4242
+
+
+def _leader_hint(exc: grpc.RpcError) -> str:
+    for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == LEADER_METADATA:
+            return str(value)
+    return ""
+
+
+class Writer:
+    """An idempotent producer of one partition that follows the leader, one batch at a time, at acks=all."""
+
+    def __init__(self, site: ClusterSite) -> None:
+        self.site = site
+        self.address = site.address(1)
+        self.acked: list[tuple[int, bytes]] = []  # (origin seq, value) of every acknowledged record
+        self.origin = ""
+        self.retries = 0
+
+    def send(self, seq: int, deadline_s: float = 60.0) -> None:
+        values = [f"v{seq}-{i}".encode() for i in range(5)]
+        batch = encode_batch([RecordInput(None, v, (), 1_700_000_000_000 + seq) for v in values],
+                             producer_id=PRODUCER_ID, producer_epoch=0,
+                             base_sequence=seq * 5)  # fmt: skip
+        request = pb.ProduceRequest(topic=TOPIC, partition=0, batch=batch, acks=pb.ACKS_ALL, ack_timeout_ms=10_000)
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            try:
+                with grpc.insecure_channel(self.address) as channel:
+                    r = pbg.NodeStub(channel).Produce(request, timeout=15)
+            except grpc.RpcError as exc:
+                self.retries += 1
+                hint = _leader_hint(exc) if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else ""
+                if hint:
+                    self.address = hint
+                else:
+                    live = self.site.live()  # a dead node, or one that knows no leader yet: ask the next one
+                    self.address = self.site.address(live[self.retries % len(live)])
+                    time.sleep(0.05)
+                continue
+            self.origin = f"{r.origin_site}@{r.origin_epoch}"
+            self.acked += [(r.base_origin_seq + i, v) for i, v in enumerate(values)]
+            return
+        raise AssertionError(f"batch {seq} was not acknowledged within {deadline_s} s (last address {self.address})")
+
+
+def read_all(address: str) -> list[tuple[str, int, bytes]]:
+    """Every record of the partition, from the leader, as (origin, origin seq, value)."""
+    out: list[tuple[str, int, bytes]] = []
+    with grpc.insecure_channel(address) as channel:
+        stub = pbg.NodeStub(channel)
+        offset = 0
+        for _ in range(10_000):
+            request = pb.FetchRequest(topic=TOPIC, partition=0, offset=offset, max_bytes=1 << 20, max_wait_ms=200)
+            response = next(iter(stub.Fetch(request, timeout=10)))
+            if not response.batches:
+                return out
+            at = 0
+            for h in iter_headers(response.batches):
+                for rec in decode_records(response.batches[at : at + h.size_bytes], h):
+                    out.append((str(h.origin), rec.origin_seq, bytes(rec.value or b"")))
+                at += h.size_bytes
+            offset = response.next_offset
+    raise AssertionError("the partition did not end")
+
+
+@pytest.mark.slow
+def test_killing_partition_leaders_one_after_another_loses_no_acked_write(tmp_path: Path) -> None:
+    site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "8192"])
+    try:
+        site.start()
+        with grpc.insecure_channel(site.address(2)) as channel:  # any node creates the topic, through Raft
+            pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=1), timeout=30)
+        site.wait_leader(TOPIC)
+        writer = Writer(site)
+        seq = 0
+        victims = []
+        for _round in range(3):
+            for _ in range(25):
+                writer.send(seq)
+                seq += 1
+            victim = site.wait_leader(TOPIC)
+            victims.append(victim)
+            site.nodes[victim].kill9()
+            for _ in range(10):  # written while the victim is down: a two-member quorum of the survivors
+                writer.send(seq)
+                seq += 1
+            site.nodes[victim].start(60)
+        for _ in range(10):
+            writer.send(seq)
+            seq += 1
+        leader = site.wait_leader(TOPIC)
+        records = read_all(site.address(leader))
+        acked = {(writer.origin, s, v) for s, v in writer.acked}
+        stored = set(records)
+        assert len(records) == len(stored), "a coordinate is stored twice (I2)"
+        lost = sorted(acked - stored)
+        assert not lost, f"{len(lost)} acknowledged records are lost, e.g. {lost[:3]}"
+        seqs = [s for o, s, _ in records if o == writer.origin]
+        assert seqs == list(range(len(seqs))), "the origin's seqs are not 0, 1, 2, ... in log order (I1, I3)"
+        assert len(seqs) == len(acked), "records that no producer sent, or a batch stored twice"
+        assert len(set(victims)) >= 2, f"the leader never moved to another node: {victims}"
+    finally:
+        site.close()
+    check_copies(tmp_path / "a", [1, 2, 3])
+
+
+def check_copies(root: Path, nodes: list[int]) -> None:
+    """Every node's copy of a segment is a byte-for-byte prefix of the longest copy (one writer per segment), and
+    every segment is held by at least two nodes (min-insync)."""
+    copies: dict[str, list[bytes]] = {}
+    for n in nodes:
+        store = ReplicaStore(root / str(n), now_ms=0)
+        try:
+            for key in store.partitions():
+                for sid in store.segment_ids(key):
+                    data, offset = b"", store.copy(key, sid).log_start_offset  # type: ignore[union-attr]
+                    while True:
+                        r = store.read(key, sid, offset, 1 << 20)
+                        if not r.data:
+                            break
+                        data, offset = data + r.data, r.next_offset
+                    copies.setdefault(f"{key[0]}-{key[1]}/{sid}", []).append(data)
+        finally:
+            store.close()
+    assert copies, "no segment copies found"
+    for name, held in sorted(copies.items()):
+        longest = max(held, key=len)
+        assert all(longest.startswith(c) for c in held), f"copies of {name} differ: not prefixes of one stream"
+        assert len([c for c in held if c]) >= 2 or not longest, f"segment {name} has data on fewer than 2 nodes"
