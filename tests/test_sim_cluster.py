@@ -7,8 +7,11 @@ stalls, lost and late proposals, a lost majority, a node added mid-run), a batch
 chain of segments (C2), every copy of a segment is a prefix of its one writer's stream (C3), a reader
 never sees what a recovery could take back (C4), one leader writes per epoch and a deposed one is
 fenced (C5), the placement and repair planners never pick a node the site knew was dead, nor copy an
-open segment, and a new node takes new segments at once (C6). Once the faults heal, every partition
-has a leader, every batch is acked and in the chain exactly once, and no segment is under-replicated.
+open segment, and a new node takes new segments at once (C6). A site with fewer than RF live nodes
+(but at least AQ) keeps taking writes on segments opened on the live ones, and never opens one on
+fewer nodes than it could (C6). Once the faults heal, every partition has a leader, every batch is
+acked and in the chain exactly once, no segment is under-replicated, and none has fewer than RF
+members.
 
 The simulator drives the pure core (``cluster/site_state.py``, ``placement.py``, ``quorum.py``,
 ``recovery.py``, ``repair.py``), so a bug planted in any of them is caught by a named seed (the
@@ -105,6 +108,8 @@ def test_swarm_keeps_every_invariant(shape: str, seeds: range,
     assert c.stream_cuts > 0 and c.partitions > 0 and c.dropped_messages > 0
     assert c.recoveries_done > 0 and c.rolls_by_size > 0 and c.rolls_by_repair > 0 and c.fills > 0
     assert c.budget_exceeded == 0 or shape != "single3"
+    if shape == "single3":  # RF 3, AQ 2, three nodes: a node down does not stop the writes
+        assert c.opens_short > 0 and c.acked_short > 0 and c.members_added > 0 and c.rolls_to_widen > 0
     if shape == "expand5":
         assert c.nodes_added == len(seeds) and c.members_replaced > 0
     if shape == "meta":
@@ -127,6 +132,7 @@ def test_the_faults_and_the_protocol_paths_actually_happen(swarm: dict[str, tupl
     assert c.tail_cuts > 0  # members cut what they held past a committed seal
     assert c.quorum_lost > 0 and c.placement_waits > 0
     assert c.repair_copies > 0 and c.members_replaced > 0 and c.fills > 0
+    assert c.opens_short > 0 and c.acked_short > 0 and c.members_added > 0 and c.rolls_to_widen > 0
     assert c.retries > 0 and c.dedup_hits > 0  # retried batches that were already in were not stored twice
     assert c.nodes_added > 0 and c.budget_exceeded == 0
 
@@ -161,7 +167,7 @@ def test_a_planted_bug_in_the_lac_is_caught_by_a_reader(monkeypatch: pytest.Monk
 def test_a_planted_bug_in_recovery_is_caught_by_durability(monkeypatch: pytest.MonkeyPatch) -> None:
     """recovery.py: the recovered end as the min of the fence quorum's ends: the seal cuts acked batches."""
     monkeypatch.setattr(recovery, "recovered_end", min)  # PLANTED: max
-    _caught(1, "single3", r"C1 durability: .* acked at the LAC .* fewer than min_insync_replicas=2")
+    _caught(20, "single3", r"C1 durability: .* acked at the LAC .* fewer than min_insync_replicas=2")
 
 
 def test_a_planted_bug_in_recovery_is_caught_by_a_reader(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -227,6 +233,30 @@ def test_a_planted_bug_in_repair_of_short_members_is_caught(monkeypatch: pytest.
 
     monkeypatch.setattr(repair, "plan_repair", short_as_whole)
     _caught(0, "single3", r"liveness after healing: .* is under-replicated: members \[\d\] do not hold it")
+
+
+def test_a_planted_bug_in_placement_size_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """placement.py: every segment opens on the ack quorum only, though RF nodes are eligible."""
+    real = placement.choose_ensemble
+
+    def at_the_floor(nodes: list[placement.NodeLoad], size: int, **kw: Any) -> tuple[NodeId, ...]:
+        return real(nodes, kw.get("min_size") or size, **kw)  # PLANTED: size
+
+    monkeypatch.setattr(placement, "choose_ensemble", at_the_floor)
+    _caught(0, "single3", r"C6 placement of .* chose 2 node\(s\) .* while 3 were eligible")
+
+
+def test_a_planted_bug_in_repair_of_short_segments_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """repair.py: the planner ignores the replication factor, so segments opened on two nodes while the third
+    was down stay on two after it is back."""
+    real = repair.plan_repair
+
+    def rf_ignored(segments: Any, nodes: Any, **kw: Any) -> repair.RepairPlan:
+        return real(segments, nodes, **{**kw, "replication_factor": None})  # PLANTED
+
+    monkeypatch.setattr(repair, "plan_repair", rf_ignored)
+    _caught(0, "single3", r"liveness after healing: .* \(sealed\) has 2 members .* below replication_factor 3, "
+                          r"while 3 nodes are live: repair did not widen it")  # fmt: skip
 
 
 def test_a_planted_bug_in_the_election_compare_and_set_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -301,6 +331,25 @@ def test_the_repair_planner_fills_short_members_and_never_reads_from_them() -> N
     without = repair.plan_repair([dataclasses.replace(short, short=())], nodes, down_since_ms={NodeId(3): 0},
                                  now_ms=10_000, repair_delay_ms=1_000, max_concurrent_copies=4)  # fmt: skip
     assert without.fills == () and without.copies == ()  # the old input gives the old plan
+
+
+# --- a node down: writes go on, on fewer nodes -------------------------------------------------------------
+
+
+def test_a_three_node_rf3_site_with_a_node_down_keeps_taking_acks_all_writes() -> None:
+    """RF 3, AQ 2, three nodes, kills one at a time: segments open on the two live nodes, acks=all goes on in
+    them (each ack on both, C1), and once the node is back every segment is copied up to three members."""
+    sim = ClusterSimulator(0, "single3")
+    result = sim.run()
+    c = result.counts
+    assert (sim.cfg.nodes, sim.cfg.rf, sim.cfg.aq) == (3, 3, 2)
+    assert c.kills > 0 and c.opens_short > 0 and c.acked_short > 0 and c.members_added > 0
+    short = [seg for seg, size in sorted(sim.checker.opened_size.items()) if size == 2]
+    acked_in_short = [a for acks in sim.checker.acked.values() for a in acks.values()
+                      if (a.key[0], a.key[1], a.segment_id) in short]  # fmt: skip
+    assert acked_in_short, "no acks=all write was released in a segment opened with a node down"
+    for info in sim.meta.partitions():
+        assert all(len(s.ensemble) == 3 for s in info.segments if s.sealed), info
 
 
 # --- the checks, outside a run ------------------------------------------------------------------------

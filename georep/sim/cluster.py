@@ -16,13 +16,14 @@ metadata, compare-and-set on epochs, chain     ``SiteState.apply``: every comman
 who leads which partition                      ``plan_leadership``: the controller's tick
 lead, recover first, step down, or ask again   ``role_step``: every node, at every view of the metadata
 which segment a leader writes next             ``plan_open``: a leader after its recovery or roll
-which nodes hold a new segment                 ``choose_ensemble`` (via ``plan_open``), over ``node_loads``
+which nodes hold a new segment, how many       ``choose_ensemble`` (via ``plan_open``), over ``node_loads``:
+                                               RF nodes, or every live one down to the ack quorum
 where a roll seals                             ``roll_seal_at``: a rolling leader, every tick
 the LAC, when ``acks=all`` goes                ``SegmentQuorum``: every fsync of every member
 fencing, contiguity, sealed segments           ``ReplicaGuard``: every append, fence and copy a member gets
 recovering an open segment                     ``SegmentRecovery``: a new leader (Fence, Copy, Seal effects)
 what a member cuts after a seal                ``cut_after_seal``: every node, once it learns the seal
-what to repair, fill, from where, to where     ``plan_repair``: the controller, periodically
+what to repair, widen or fill, from/to where   ``plan_repair``: the controller, periodically
 =============================================  ===========================================================
 
 What the simulator adds is the shell's plumbing, as a node would do it: a leader appends, streams
@@ -35,7 +36,10 @@ leader must fence its old self); so does a leader whose recovery was superseded 
 still names it. Members report the sealed segments they hold less of than the sealed end (a member
 that was down when its segment was rolled at the LAC, or that missed the recovery), and the controller
 passes them to the planner (``SegmentView.short``), which fills them (``FillSegment``). A rolling leader
-releases no ack past the LAC it proposed to seal at, even if later acks raise the LAC.
+releases no ack past the LAC it proposed to seal at, even if later acks raise the LAC. While fewer than
+RF nodes are live, a leader opens its next segment on those that are, down to the ack quorum (Kafka's
+``min_insync_replicas``); once more are, the controller rolls such a segment if it is open and has it
+copied to more nodes until it has RF members if it is sealed (``AddMember``).
 
 **The model.** Metadata is one :class:`~cluster.site_state.SiteState`, the Raft log's contract: each
 proposal commits after a few ms in one order, unless a majority of the voters (the first nodes) is down
@@ -58,9 +62,10 @@ majority. A node joins mid-run in expansion runs.
 **The checks** (``cluster_checks.py``, C1 to C6) run after every event. A run has two phases, as in
 VOPR: safety (the workload and the faults), then liveness (heal every fault, restart every node, stop
 new batches, run until every partition has a leader, every batch is acked, the chain holds every acked
-batch once at its offset, no segment is under-replicated and an added node holds new segments, or fail
-after ``liveness_ms``). A failure raises :class:`ClusterSimulationFailure`, whose message holds the
-seed and the command that replays it (``python -m georep.sim --cluster --seed N --shape NAME``).
+batch once at its offset, no segment is under-replicated, none has fewer than RF members while RF nodes
+are live, and an added node holds new segments, or fail after ``liveness_ms``). A failure raises
+:class:`ClusterSimulationFailure`, whose message holds the seed and the command that replays it
+(``python -m georep.sim --cluster --seed N --shape NAME``).
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ from cluster.quorum import (
 )
 from cluster.recovery import Copy, Done, Failed, Fence, InvalidRecoveryEvent, Seal, SegmentRecovery, Superseded
 from cluster.site_state import (
+    AddMember,
     Applied,
     Command,
     CreateTopic,
@@ -496,6 +502,8 @@ class ClusterSimulator:
         elif isinstance(cmd, OpenSegment) and isinstance(result, Applied) and result.changed:
             assert result.segment_id is not None
             self.counts.opens += 1
+            if len(cmd.ensemble) < self.cfg.rf:
+                self.counts.opens_short += 1
             self.checker.segment_opened((cmd.topic, cmd.partition, result.segment_id), self.now_ms)
         elif isinstance(cmd, SealSegment) and isinstance(result, Applied) and result.changed:
             self.counts.seals += 1
@@ -506,6 +514,9 @@ class ClusterSimulator:
                     table[b.payload] = (cmd.segment_id, b)
         elif isinstance(cmd, ReplaceMember) and isinstance(result, Applied) and result.changed:
             self.counts.members_replaced += 1
+            self.checker.touched((cmd.topic, cmd.partition, cmd.segment_id))
+        elif isinstance(cmd, AddMember) and isinstance(result, Applied) and result.changed:
+            self.counts.members_added += 1
             self.checker.touched((cmd.topic, cmd.partition, cmd.segment_id))
         if not isinstance(cmd, NodeHeartbeat):
             for nid in sorted(self.nodes):
@@ -715,10 +726,11 @@ class ClusterSimulator:
         running = [ctl.in_progress[cid][0] for cid in sorted(ctl.in_progress)]
         plan = repair.plan_repair(segments, loads, down_since_ms=dict(sorted(ctl.down_since.items())),
                                   now_ms=self.now_ms, repair_delay_ms=self.cfg.repair_delay_ms, in_progress=running,
-                                  max_concurrent_copies=self.cfg.max_concurrent_copies)  # fmt: skip
+                                  max_concurrent_copies=self.cfg.max_concurrent_copies,
+                                  replication_factor=self.cfg.rf)  # fmt: skip
         for c in plan.copies:
             seg = (c.topic, c.partition, c.segment_id)
-            self.checker.repair_planned(seg, c.source, c.target, self.meta)
+            self.checker.repair_planned(seg, c.source, c.target, self.meta, adds=c.replaces is None)
             self.checker.placed(f"repair of {seg} (source, target)", (c.source, c.target), self.last_hb_sent,
                                 self.now_ms)  # fmt: skip
             self._ids += 1
@@ -755,6 +767,8 @@ class ClusterSimulator:
             if leader is None or leader == r.dead or ctl.roll_asked.get(seg, -10**9) + 500 > self.now_ms:
                 continue
             ctl.roll_asked[seg] = self.now_ms
+            if r.dead is None:
+                self.counts.rolls_to_widen += 1
             self._send(node, leader, self._on_roll_req, (r.topic, r.partition), r.segment_id)
 
     def _repair_timeout(self, node: SimNode, ctl: ControllerState, cid: int) -> None:
@@ -809,8 +823,12 @@ class ClusterSimulator:
         if isinstance(c, repair.FillSegment):  # the member holds it all now; nothing changes in the metadata
             del ctl.in_progress[cid]
             return
-        self._propose(node, ReplaceMember(c.topic, c.partition, c.segment_id, c.replaces, c.target),
-                      lambda result: ctl.in_progress.pop(cid, None) and None)  # fmt: skip
+        cmd: Command
+        if c.replaces is None:
+            cmd = AddMember(c.topic, c.partition, c.segment_id, c.target, self.cfg.rf)
+        else:
+            cmd = ReplaceMember(c.topic, c.partition, c.segment_id, c.replaces, c.target)
+        self._propose(node, cmd, lambda result: ctl.in_progress.pop(cid, None) and None)
 
     def _sealed_end(self, seg: SegKey) -> int:
         info = self.meta.partition(seg[0], seg[1])
@@ -1030,7 +1048,8 @@ class ClusterSimulator:
             return
         loads = self._node_loads(node)
         sealed_through = SegmentId(lead.next_segment - 1) if lead.next_segment > 0 else None
-        step = leadership.plan_open(info, node.id, lead.epoch, sealed_through, lead.previous, loads, self.cfg.rf)
+        step = leadership.plan_open(info, node.id, lead.epoch, sealed_through, lead.previous, loads, self.cfg.rf,
+                                    min_ensemble=self.cfg.aq)  # fmt: skip
         if isinstance(step, leadership.Adopt):
             self._adopt(node, lead, step.segment_id, int(step.base_offset), step.ensemble)
         elif isinstance(step, leadership.Blocked):
@@ -1039,8 +1058,9 @@ class ClusterSimulator:
             lead.retry_at = self.now_ms + self.cfg.retry_ms
         elif isinstance(step, leadership.ProposeOpen):
             cmd = step.command
-            self.checker.placed(f"placement of {lead.key[0]}/{lead.key[1]} at offset {cmd.base_offset}", cmd.ensemble,
-                                self.last_hb_sent, self.now_ms)  # fmt: skip
+            what = f"placement of {lead.key[0]}/{lead.key[1]} at offset {cmd.base_offset}"
+            self.checker.placed(what, cmd.ensemble, self.last_hb_sent, self.now_ms)
+            self.checker.placed_size(what, cmd.ensemble, sum(1 for n in loads if n.alive and not n.draining))
             self._check_expansion_placement(loads, cmd.ensemble, lead.key)
             lead.busy = True
             self._propose(node, cmd, lambda result: self._opened(node, lead, cmd, result))
@@ -1140,6 +1160,9 @@ class ClusterSimulator:
     def _release(self, node: SimNode, lead: Leadership, segment_id: SegmentId, p: PendingAck) -> None:
         ack = AckedBatch(lead.key, segment_id, p.batch, self.now_ms, node.id, lead.epoch)
         self._trace.update(f"ack {lead.key} {segment_id} {p.batch}".encode())
+        q = lead.quorum
+        if q is not None and q.segment_id == segment_id and len(q.ensemble) < self.cfg.rf:
+            self.counts.acked_short += 1
         self.checker.released(ack, self.meta, self.now_ms)
         self._to_client(self._on_produce_reply, p.producer, p.batch.payload, p.batch.offset, True)
 
@@ -1737,6 +1760,7 @@ class ClusterSimulator:
             return [f"{where}: leader node {info.leader} (epoch {info.leader_epoch}) is not writing an open segment"]
         problems: list[str] = []
         content: list[Batch] = []
+        live = len(self.meta.live_nodes(self.now_ms, self.cfg.session_timeout_ms))
         for s in info.segments:
             seg = (key[0], key[1], s.segment_id)
             end = int(s.end_offset) if s.end_offset is not None else q.lac
@@ -1754,6 +1778,11 @@ class ClusterSimulator:
             if not s.sealed and q.lac < q.appended_end:
                 problems.append(f"{where} segment {s.segment_id}: LAC {q.lac} is behind the appended end "
                                 f"{q.appended_end}")  # fmt: skip
+            if len(s.ensemble) < self.cfg.rf <= live:
+                problems.append(f"{where} segment {s.segment_id} ({'sealed' if s.sealed else 'open'}) has "
+                                f"{len(s.ensemble)} members {list(s.ensemble)}, below replication_factor "
+                                f"{self.cfg.rf}, while {live} nodes are live: "
+                                f"{'repair did not widen it' if s.sealed else 'it was not rolled'}")  # fmt: skip
             copy = self.nodes[full[0]].copies.get(seg)
             if copy is not None:
                 content.extend(copy.read(copy.base, end, fsynced_only=True))

@@ -10,12 +10,13 @@ on every segment whose copies or ensemble changed.
   least AQ members of its segment (the committed ensemble, repairs included): at the release, and
   after every cut, member replacement or crash that touches the segment. Disks survive a kill (it
   loses only what was not fsynced), so with a correct protocol this never fails; when it does after
-  more than RF - AQ of the segment's members crashed since the ack, it is counted as "exceeded the
-  fault budget" instead, except in single-node-loss runs, where it must always hold.
+  more than E - AQ of the segment's members crashed since the ack (E: the ensemble it opened on, RF
+  or fewer), it is counted as "exceeded the fault budget" instead, except in single-node-loss runs,
+  where it must always hold.
 * **C2 chain.** After every committed metadata command: a partition's segments are numbered 0, 1, 2,
   ..., the first starts at 0 and each next one at the previous one's sealed end, at most one is open
-  and it is the last, a sealed end never changes, an ensemble has RF distinct nodes, and leader
-  epochs never go down.
+  and it is the last, a sealed end never changes, an ensemble has AQ to RF distinct nodes, and
+  leader epochs never go down.
 * **C3 prefix.** Each segment has one writer stream (the batches its opener appended, in order), and
   every batch any node writes into its copy (an append, a recovery copy, a repair copy) must be the
   stream's batch at that offset, at the copy's end: every copy is a prefix of the stream, cuts
@@ -33,9 +34,10 @@ on every segment whose copies or ensemble changed.
 * **C6 placement and repair effects.** The planners' effects are checked against the ground truth
   before they are carried out: no member of a new ensemble, and no source or target of a repair copy,
   had been silent (no heartbeat sent) for the whole session timeout, so no metadata view could show it
-  alive; a repair copy is of a sealed segment, to a node outside its ensemble. An expansion node is
-  in the first ensemble placed after it is eligible, and holds no copy of an older segment except
-  through repair.
+  alive; a new ensemble has RF members, or every node eligible in its leader's view when fewer are
+  (never fewer than AQ); a repair copy is of a sealed segment, to a node outside its ensemble, and
+  one that adds a member is of a segment below RF. An expansion node is in the first ensemble placed
+  after it is eligible, and holds no copy of an older segment except through repair.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class ClusterChecker:
         self._acked_max: dict[SegKey, AckedBatch] = {}  # per segment, the acked batch with the largest end
         self._excused: dict[SegKey, int] = {}  # segment -> the acked end already counted as over budget
         self.members_ever: dict[SegKey, list[NodeId]] = {}
+        self.opened_size: dict[SegKey, int] = {}  # the ensemble size a segment opened with
         self.opened_ms: dict[SegKey, int] = {}
         self.crash_times: dict[NodeId, list[int]] = {}
         self.sealed_ends: dict[SegKey, int] = {}
@@ -231,7 +234,8 @@ class ClusterChecker:
         return [n for n in self.members_ever.get(seg, []) if any(t >= since_ms for t in self.crash_times.get(n, []))]
 
     def _over_budget(self, seg: SegKey, since_ms: int) -> bool:
-        return not self.single_loss and len(self.crashes_since(seg, since_ms)) > self.rf - self.aq
+        budget = self.opened_size.get(seg, self.rf) - self.aq  # member losses the segment's writes survive
+        return not self.single_loss and len(self.crashes_since(seg, since_ms)) > budget
 
     def _check_durable(self, seg: SegKey, meta: SiteState, now_ms: int) -> None:
         top = self._acked_max.get(seg)
@@ -291,9 +295,10 @@ class ClusterChecker:
             if s.base_offset != next_base:
                 self._fail("C2", f"chain: {where} segment {s.segment_id} starts at {s.base_offset}, not at "
                                  f"{next_base} where the previous one was sealed")  # fmt: skip
-            if len(s.ensemble) != self.rf or len(set(s.ensemble)) != self.rf:
+            if not self.aq <= len(s.ensemble) <= self.rf or len(set(s.ensemble)) != len(s.ensemble):
                 self._fail("C2", f"chain: {where} segment {s.segment_id} has ensemble {list(s.ensemble)}, not "
-                                 f"{self.rf} distinct nodes")  # fmt: skip
+                                 f"{self.aq} to {self.rf} distinct nodes")  # fmt: skip
+            self.opened_size.setdefault(seg, len(s.ensemble))
             if s.opened_epoch > info.leader_epoch:
                 self._fail("C2", f"chain: {where} segment {s.segment_id} was opened under epoch {s.opened_epoch}, "
                                  f"after the partition's epoch {info.leader_epoch}")  # fmt: skip
@@ -366,9 +371,19 @@ class ClusterChecker:
                 self._fail("C6", f"{what} chose node {n}, which {silent} (session timeout "
                                  f"{self.session_timeout_ms} ms): no metadata view could show it alive")  # fmt: skip
 
+    def placed_size(self, what: str, ensemble: tuple[NodeId, ...], eligible: int) -> None:
+        """A new ensemble, placed when ``eligible`` nodes were alive and not draining in the leader's view, has RF
+        members, or all of those when fewer (a segment opens short only when no other node could take it)."""
+        if len(ensemble) < min(self.rf, eligible) or len(ensemble) < self.aq:
+            self._fail("C6", f"{what} chose {len(ensemble)} node(s) {list(ensemble)} while {eligible} were eligible "
+                             f"(replication_factor {self.rf}, min_insync_replicas {self.aq}): a segment opens on "
+                             "fewer than RF nodes only when no other node can take it, and never on fewer than "
+                             "AQ")  # fmt: skip
+
     def repair_planned(self, seg: SegKey, source: NodeId, target: NodeId, meta: SiteState, *,
-                       fill: bool = False) -> None:  # fmt: skip
-        """A repair copy (or a fill of a short member) planned: of a sealed segment, to a non-member (a member)."""
+                       fill: bool = False, adds: bool = False) -> None:  # fmt: skip
+        """A repair copy (or a fill of a short member) planned: of a sealed segment, to a non-member (a member);
+        one that adds a member (``adds``), of a segment below RF."""
         info = meta.partition(seg[0], seg[1])
         segment = info.segment(seg[2]) if info is not None else None
         if segment is None or not segment.sealed:
@@ -380,6 +395,9 @@ class ClusterChecker:
         elif not fill and target in segment.ensemble:
             self._fail("C6", f"repair: a copy of {_seg(seg)} targets node {target}, already a member "
                              f"{list(segment.ensemble)}")  # fmt: skip
+        elif adds and len(segment.ensemble) >= self.rf:
+            self._fail("C6", f"repair: a copy of {_seg(seg)} to node {target} would add a member to "
+                             f"{list(segment.ensemble)}, which already has replication_factor {self.rf}")  # fmt: skip
 
     def fail(self, check: str, message: str) -> None:
         """A violation found by the simulator itself (expansion, cuts, the pure core refusing an event)."""

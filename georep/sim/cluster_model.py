@@ -86,8 +86,8 @@ class ClusterConfig:
     nodes: int  # at the start
     add_node: bool  # expansion: one more node joins during the safety phase
     topics: tuple[tuple[str, int], ...]  # (name, partitions), sorted
-    rf: int  # replication_factor: the ensemble size
-    aq: int  # min_insync_replicas: the ack quorum
+    rf: int  # replication_factor: the ensemble size, while that many nodes are live
+    aq: int  # min_insync_replicas: the ack quorum, and the smallest ensemble a segment opens on
     single_loss: bool  # at most one node down (killed or paused) at a time; C1 must hold with no excuse
     max_down: int  # nodes down (killed or paused) at once
     meta_faults: bool  # Raft stalls and lost proposals (besides losing the majority)
@@ -224,9 +224,12 @@ class ClusterCounts:
     recovered_tails: int = 0  # recoveries whose end was past the LAC the old leader had reached
     tail_cuts: int = 0  # members that cut their copy after a seal
     opens: int = 0
+    opens_short: int = 0  # segments opened on fewer than RF nodes (fewer were live), down to the ack quorum
+    acked_short: int = 0  # acks released in such a segment: writes went on with a node down
     seals: int = 0
     rolls_by_size: int = 0
     rolls_by_repair: int = 0
+    rolls_to_widen: int = 0  # the controller asked a leader to roll a short open segment (a node can join now)
     placement_waits: int = 0  # placement could not find enough eligible nodes yet
     quorum_lost: int = 0
     fenced_appends: int = 0  # appends a member refused as fenced (a deposed leader)
@@ -236,6 +239,7 @@ class ClusterCounts:
     repair_copies: int = 0
     repair_copies_failed: int = 0
     members_replaced: int = 0
+    members_added: int = 0  # AddMember applied: a short sealed segment copied to one more node
     fills: int = 0  # sealed segments re-filled on a member that held less than the sealed end
     fills_failed: int = 0  # (a stale report: the source was short too, or the fill timed out)
     produced: int = 0
