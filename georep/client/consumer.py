@@ -38,6 +38,7 @@ from georep.client.errors import (
     GeorepError,
     InvalidRequest,
     NodeUnavailable,
+    NotLeader,
     OffsetOutOfRange,
     from_rpc_error,
 )
@@ -104,11 +105,13 @@ class _Start(NamedTuple):
 
 
 class _PartitionState:
-    __slots__ = ("tp", "start", "position", "base_vector", "consumed", "queue", "current", "fetcher", "served_by")
+    __slots__ = ("tp", "start", "position", "base_vector", "consumed", "queue", "current", "fetcher", "served_by",
+                 "leader")  # fmt: skip
 
     def __init__(self, tp: TopicPartition, start: _Start, queue_max: int) -> None:
         self.tp = tp
         self.served_by = ""  # site@epoch whose local offsets `position` counts in
+        self.leader = ""  # a multi-node site: the address of the node leading the partition, once it answered so
         self.start = start
         self.position: int | None = start.offset if start.kind == "offset" else None
         self.base_vector = start.vector or VectorOffset()
@@ -186,6 +189,10 @@ class Consumer:
             commit_acks=parse_acks(commit_acks), commit_wait_caught_up_ms=commit_wait_caught_up_ms,
         )  # fmt: skip
         self._connection = Connection(bootstrap, connect_timeout_ms)
+        self._connect_timeout_ms = connect_timeout_ms
+        # A multi-node site serves each partition at its leader: one connection per leader address, shared by the
+        # fetchers of the partitions it leads (the bootstrap connection serves the rest, and every other call).
+        self._leader_connections: dict[str, Connection] = {}
         self._reset = auto_offset_reset
         self._skip_corrupt = skip_corrupt
         # With skip_corrupt: what was skipped, (topic, partition, first offset, next offset, the node's message).
@@ -235,6 +242,16 @@ class Consumer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await self._connection.close()
+        for connection in self._leader_connections.values():
+            await connection.close()
+
+    def _fetch_connection(self, state: _PartitionState) -> Connection:
+        if not state.leader:
+            return self._connection
+        connection = self._leader_connections.get(state.leader)
+        if connection is None:
+            connection = self._leader_connections[state.leader] = Connection(state.leader, self._connect_timeout_ms)
+        return connection
 
     # --- assignment and positions ------------------------------------------------
 
@@ -568,20 +585,22 @@ class Consumer:
         reported_damage: int | None = None
         backoff_ms = self._retry_backoff_ms
         while True:
+            connection = self._fetch_connection(state)
             try:
-                stub = await self._connection.connect()
+                stub = await connection.connect()
             except NodeUnavailable:
+                state.leader = ""  # a partition leader that is gone: the bootstrap nodes name the next one
                 await asyncio.sleep(backoff_ms / 1000)
                 backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
                 continue
-            generation = self._connection.generation
-            if state.served_by and state.served_by != self._connection.origin:
+            generation = connection.generation
+            if state.served_by and state.served_by != connection.origin:
                 # Another site: its local offsets mean nothing here. Continue from
                 # the vector of what was consumed, and drop what was fetched but
                 # not yet returned (the new site sends it again).
                 start = self._vector_start(state)
                 vector, min_offset, last_next = start.vector, -1, -1
-            state.served_by = self._connection.origin
+            state.served_by = connection.origin
             call = stub.Fetch(self._request(state, start))
             try:
                 async for response in call:
@@ -590,7 +609,7 @@ class Consumer:
                         records = decode_response(topic, partition, response.batches, min_offset, vector)
                     except (CorruptBatch, DecompressionError) as exc:
                         await self._put(state, _Chunk([], last_next, CorruptData(
-                            f"corrupt batch fetched from {topic}/{partition} at {self._connection.address}: "
+                            f"corrupt batch fetched from {topic}/{partition} at {connection.address}: "
                             f"{exc}; the node's copy may be damaged, try another site")))  # fmt: skip
                         return
                     next_offset = response.next_offset
@@ -610,7 +629,12 @@ class Consumer:
                 await asyncio.sleep(backoff_ms / 1000)
                 continue
             except grpc.RpcError as exc:
-                error = from_rpc_error(exc, self._connection.address)
+                error = from_rpc_error(exc, connection.address)
+                if isinstance(error, NotLeader):  # a multi-node site: fetch from the partition's leader
+                    state.leader = error.leader if error.leader != connection.address else state.leader
+                    await asyncio.sleep(backoff_ms / 1000)
+                    backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
+                    continue
                 if error.code is grpc.StatusCode.DATA_LOSS and (skip_to := _next_offset_of(exc)) is not None:
                     # Quarantined at this node until a peer's copy repairs it: skip it if asked, else report
                     # it once and keep trying (the repair may come).
@@ -628,6 +652,9 @@ class Consumer:
                 if isinstance(error, NodeUnavailable):
                     await asyncio.sleep(backoff_ms / 1000)
                     backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
+                    if state.leader:
+                        state.leader = ""  # the leader went away: the bootstrap nodes name the next one
+                        continue
                     with contextlib.suppress(GeorepError):
                         await self._connection.reconnect(generation)
                     continue

@@ -7,11 +7,14 @@ carries the same status code as a number.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from georep.proto import georep_pb2
 
 _CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+LEADER_METADATA = "georep-leader"  # trailing metadata of a NOT_LEADER answer: the leader's address (server/rpc.py)
 
 
 class GeorepError(Exception):
@@ -83,6 +86,21 @@ class NodeUnavailable(GeorepError):
     retriable = True
 
 
+class NotLeader(GeorepError):
+    """The node does not lead the partition (a multi-node site): ``leader`` is the address to use, if known. The
+    client follows it and retries; the idempotent producer makes the retry safe."""
+
+    retriable = True
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, leader: str = "") -> None:
+        super().__init__(message, code)
+        self.leader = leader
+
+
+class NotSupported(GeorepError):
+    """The site does not run this feature (yet); the message says what to use instead."""
+
+
 class DeliveryTimeout(GeorepError):
     """A batch was not acknowledged within ``delivery_timeout_ms``; it may or may not be stored."""
 
@@ -128,8 +146,8 @@ def _looks_too_large(message: str) -> bool:
     return "max_batch_bytes" in text or "too large" in text or "exceeds" in text and "bytes" in text
 
 
-def from_status(code: grpc.StatusCode, message: str, address: str = "") -> GeorepError:
-    """The exception for a gRPC status code and its details message."""
+def from_status(code: grpc.StatusCode, message: str, address: str = "", leader: str = "") -> GeorepError:
+    """The exception for a gRPC status code and its details message (``leader``: a NOT_LEADER's hint)."""
     where = f" at {address}" if address else ""
     if code is grpc.StatusCode.NOT_FOUND and "is not in group" in message:
         return MemberFenced(message, code)
@@ -151,6 +169,8 @@ def from_status(code: grpc.StatusCode, message: str, address: str = "") -> Geore
     if code is grpc.StatusCode.OUT_OF_RANGE:
         return OffsetOutOfRange(message, code)
     if code is grpc.StatusCode.FAILED_PRECONDITION:
+        if "does not lead" in message:
+            return NotLeader(message, code, leader)
         if _looks_fenced(message):
             return ProducerFenced(message, code)
         return OutOfOrderSequence(message, code)
@@ -165,6 +185,8 @@ def from_status(code: grpc.StatusCode, message: str, address: str = "") -> Geore
         return GroupRebalanced(message, code)
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return PermissionDenied(message, code)
+    if code is grpc.StatusCode.UNIMPLEMENTED:
+        return NotSupported(message or f"georep node{where} does not support this call", code)
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         error = NodeUnavailable(f"georep node{where} did not answer in time ({message}); retry later", code)
         return error
@@ -175,7 +197,9 @@ def from_rpc_error(exc: grpc.RpcError, address: str = "") -> GeorepError:
     """The exception for a failed gRPC call (``grpc.aio.AioRpcError`` included)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    return from_status(code or grpc.StatusCode.UNKNOWN, details or "", address)
+    trailers: Any = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    leader = next((str(m[1]) for m in trailers or () if m[0] == LEADER_METADATA), "")
+    return from_status(code or grpc.StatusCode.UNKNOWN, details or "", address, leader)
 
 
 def code_of(number: int) -> grpc.StatusCode:
@@ -184,4 +208,4 @@ def code_of(number: int) -> grpc.StatusCode:
 
 def from_produce_error(error: georep_pb2.Error, address: str = "") -> GeorepError:
     """The exception for a per-batch ``ProduceResponse.error``."""
-    return from_status(code_of(error.code), error.message, address)
+    return from_status(code_of(error.code), error.message, address, error.leader_hint)

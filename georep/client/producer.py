@@ -40,6 +40,7 @@ from georep.client.errors import (
     GeorepError,
     InvalidRequest,
     NodeUnavailable,
+    NotLeader,
     OutOfOrderSequence,
     ProducerClosed,
     RecordTooLarge,
@@ -85,6 +86,25 @@ def parse_acks(acks: str) -> tuple[georep_pb2.Acks.ValueType, int]:
 
 def new_producer_id() -> int:
     return secrets.randbits(PRODUCER_ID_BITS)
+
+
+class _Route:
+    """One ProduceStream to one node: the bootstrap connection's (key ``""``), or a partition leader's (key: its
+    address). Each has its own connection, correlation ids and reconnect backoff."""
+
+    __slots__ = ("key", "connection", "call", "reader", "generation", "broken_generation", "backoff_ms",
+                 "not_before_ms", "by_correlation")  # fmt: skip
+
+    def __init__(self, key: str, connection: Connection, backoff_ms: int) -> None:
+        self.key = key
+        self.connection = connection
+        self.call: Any = None  # the current ProduceStream call
+        self.reader: asyncio.Task[None] | None = None
+        self.generation = 0  # of the connection the current stream runs on
+        self.broken_generation: int | None = None  # set while the stream needs a reconnect
+        self.backoff_ms = backoff_ms
+        self.not_before_ms = 0.0
+        self.by_correlation: dict[int, ProducerBatch] = {}
 
 
 class Producer:
@@ -142,7 +162,6 @@ class Producer:
         self._metadata_tasks: dict[str, asyncio.Task[None]] = {}
         self._deliveries: dict[tuple[str, int], PartitionDelivery] = {}
         self._outstanding: set[ProducerBatch] = set()  # opened and not yet acked or failed
-        self._by_correlation: dict[int, ProducerBatch] = {}
         self._next_correlation = 0
         self._buffered_bytes = 0
 
@@ -150,11 +169,11 @@ class Producer:
         self._wakeup: asyncio.Event | None = None
         self._space: asyncio.Event | None = None
         self._sender: asyncio.Task[None] | None = None
-        self._call: Any = None  # the current ProduceStream call
-        self._reader: asyncio.Task[None] | None = None
-        self._generation = 0  # of the connection the current stream runs on
-        self._broken_generation: int | None = None  # set while the stream needs a reconnect
-        self._backoff_ms = retry_backoff_ms
+        # One ProduceStream per node sent to: the bootstrap connection's (key ""), and on a multi-node site one
+        # per partition leader the metadata names (key: its address), as Kafka clients hold one per broker.
+        self._routes: dict[str, _Route] = {"": _Route("", self._connection, retry_backoff_ms)}
+        self._leaders: dict[tuple[str, int], str] = {}  # partition -> leader address (multi-node sites only)
+        self._connect_timeout_ms = connect_timeout_ms
         self._flushing = 0
         self._closing = False
         self._closed = False
@@ -197,13 +216,15 @@ class Producer:
                     await self._sender
             for task in list(self._metadata_tasks.values()):
                 task.cancel()
-            self._close_stream()
+            for route in self._routes.values():
+                self._close_stream(route)
             error = ProducerClosed("the producer was closed before this record was delivered")
             for batch in list(self._outstanding):
                 self._fail_batch(batch, error)
             for topic in list(self._pending_metadata):
                 self._fail_pending(topic, error)
-            await self._connection.close()
+            for route in self._routes.values():
+                await route.connection.close()
 
     # --- sending -------------------------------------------------------------
 
@@ -367,6 +388,24 @@ class Producer:
         self._partition_counts[topic] = description.partitions
         with contextlib.suppress(KeyError, ValueError):
             self._max_batch_bytes[topic] = int(description.config["max_batch_bytes"])
+        for leader in description.leaders:  # a multi-node site: send each partition to its leader
+            if leader.address:
+                self._leaders[(topic, leader.partition)] = leader.address
+        if description.leaders:
+            self._wakeup.set()  # type: ignore[union-attr]
+
+    def _refresh_leaders(self, topic: str) -> None:
+        """Ask the site again who leads ``topic``'s partitions (a leader went away, or refused: NOT_LEADER)."""
+        if topic not in self._metadata_tasks and not self._closed:
+            self._metadata_tasks[topic] = asyncio.create_task(self._fetch_metadata(topic))
+
+    def _route_for(self, delivery: PartitionDelivery) -> _Route:
+        address = self._leaders.get((delivery.topic, delivery.partition), "")
+        route = self._routes.get(address)
+        if route is None:
+            connection = Connection(address, self._connect_timeout_ms)
+            route = self._routes[address] = _Route(address, connection, self._retry_backoff_ms)
+        return route
 
     def _fail_pending(self, topic: str, error: Exception) -> None:
         for _, future, _ in self._pending_metadata.pop(topic, []):
@@ -391,8 +430,8 @@ class Producer:
 
     @property
     def reconnects(self) -> int:
-        """How many times the producer replaced its connection after losing a node."""
-        return max(self._connection.generation - 1, 0)
+        """How many times the producer replaced a connection after losing a node."""
+        return sum(max(route.connection.generation - 1, 0) for route in self._routes.values())
 
     @property
     def buffered_bytes(self) -> int:
@@ -489,24 +528,18 @@ class Producer:
                     self._delivery(batch.topic, batch.partition).enqueue(batch)
                 self._resolve_rounds()
                 timeout_s: float | None = None
-                if self._call is None:
-                    self._expire(now)
-                    if any(d.queue for d in self._deliveries.values()):
-                        if self._broken_generation is not None:
-                            await asyncio.sleep(self._backoff_ms / 1000)
-                            self._backoff_ms = min(self._backoff_ms * 2, self._retry_backoff_max_ms)
-                        try:
-                            if self._broken_generation is not None:
-                                await self._connection.reconnect(self._broken_generation)
-                            await self._open_stream()
-                        except GeorepError:
-                            self._broken_generation = self._connection.generation
-                            continue
-                if self._call is not None:
+                wanted = {id(r): r for r in (self._route_for(d) for d in self._deliveries.values() if d.queue)}
+                for route in wanted.values():
+                    if route.call is None:
+                        wait_s = await self._open_route(route, now)
+                        if wait_s is not None:
+                            timeout_s = wait_s if timeout_s is None else min(timeout_s, wait_s)
+                if any(route.call is not None for route in self._routes.values()):
                     retry_in_s = await self._send_ready()
-                    timeout_s = self._check_request_timeouts(loop.time() * 1000)
-                    if retry_in_s is not None:
-                        timeout_s = retry_in_s if timeout_s is None else min(timeout_s, retry_in_s)
+                    check_s = self._check_request_timeouts(loop.time() * 1000)
+                    for wait_s in (retry_in_s, check_s):
+                        if wait_s is not None:
+                            timeout_s = wait_s if timeout_s is None else min(timeout_s, wait_s)
                 deadline = self._accumulator.next_linger_deadline_ms()
                 if deadline is not None:
                     wait = max(deadline - loop.time() * 1000, 0) / 1000
@@ -527,34 +560,58 @@ class Producer:
                     self._fail_batch(batch, error)
             raise
 
-    def _check_request_timeouts(self, now_ms: float) -> float | None:
-        """Break the stream if a batch got no answer long after the node's own ack timeout."""
-        limit = self._request_timeout_ms + max(1000, self._request_timeout_ms // 10)
-        oldest = min((b.sent_ms for b in self._by_correlation.values()), default=None)
-        if oldest is None:
-            return None
-        if now_ms - oldest > limit:
-            self._stream_broken(self._call)
-            if self._wakeup is not None:
-                self._wakeup.set()
-            return 0
-        return (oldest + limit - now_ms) / 1000
+    async def _open_route(self, route: _Route, now_ms: float) -> float | None:
+        """Open ``route``'s stream (reconnecting after a break, with backoff); seconds to wait before trying again
+        if it cannot open now."""
+        self._expire(now_ms)
+        if route.not_before_ms > now_ms:
+            return (route.not_before_ms - now_ms) / 1000
+        try:
+            if route.broken_generation is not None:
+                await route.connection.reconnect(route.broken_generation)
+            stub = await route.connection.connect()
+        except GeorepError:
+            route.broken_generation = route.connection.generation
+            route.not_before_ms = now_ms + route.backoff_ms
+            route.backoff_ms = min(route.backoff_ms * 2, self._retry_backoff_max_ms)
+            if route.key:  # a leader that is gone: the site names another one soon
+                for topic in sorted({t for (t, _p), a in self._leaders.items() if a == route.key}):
+                    self._refresh_leaders(topic)
+            return route.backoff_ms / 1000
+        route.generation = route.connection.generation
+        route.call = stub.ProduceStream()
+        route.reader = asyncio.create_task(self._read(route, route.call), name="georep-producer-reader")
+        return None
 
-    async def _open_stream(self) -> None:
-        stub = await self._connection.connect()
-        self._generation = self._connection.generation
-        self._call = stub.ProduceStream()
-        self._reader = asyncio.create_task(self._read(self._call), name="georep-producer-reader")
+    def _check_request_timeouts(self, now_ms: float) -> float | None:
+        """Break a stream if a batch got no answer long after the node's own ack timeout."""
+        limit = self._request_timeout_ms + max(1000, self._request_timeout_ms // 10)
+        soonest: float | None = None
+        for route in list(self._routes.values()):
+            oldest = min((b.sent_ms for b in route.by_correlation.values()), default=None)
+            if oldest is None:
+                continue
+            if now_ms - oldest > limit:
+                self._stream_broken(route, route.call)
+                if self._wakeup is not None:
+                    self._wakeup.set()
+                return 0
+            wait = (oldest + limit - now_ms) / 1000
+            soonest = wait if soonest is None else min(soonest, wait)
+        return soonest
 
     async def _send_ready(self) -> float | None:
         """Write what may go now; returns seconds until a partition in retry backoff may send."""
-        call = self._call
         loop = self._loop
         assert loop is not None
         now = loop.time() * 1000
         retry_in_s: float | None = None
         for delivery in list(self._deliveries.values()):
             if delivery.blocked or not delivery.queue:
+                continue
+            route = self._route_for(delivery)
+            call = route.call
+            if call is None:
                 continue
             if delivery.not_before_ms > now:
                 wait = (delivery.not_before_ms - now) / 1000
@@ -566,7 +623,7 @@ class Producer:
                 self._next_correlation += 1
                 batch.correlation_id = self._next_correlation
                 batch.sent_ms = loop.time() * 1000
-                self._by_correlation[batch.correlation_id] = batch
+                route.by_correlation[batch.correlation_id] = batch
                 request = georep_pb2.ProduceRequest(
                     correlation_id=batch.correlation_id, topic=batch.topic, partition=batch.partition,
                     batch=batch.data, acks=self._acks, geo_sites=self._geo_sites,
@@ -575,7 +632,7 @@ class Producer:
                 try:
                     await call.write(request)
                 except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError, RuntimeError):
-                    self._stream_broken(call)
+                    self._stream_broken(route, call)
                     return None
                 except asyncio.CancelledError:
                     # grpc.aio raises CancelledError from a pending write when the call
@@ -585,9 +642,9 @@ class Producer:
                     task = asyncio.current_task()
                     if task is not None and task.cancelling():
                         raise
-                    self._stream_broken(call)
+                    self._stream_broken(route, call)
                     return None
-                if call is not self._call:
+                if call is not route.call:
                     return None
         return retry_in_s
 
@@ -597,65 +654,76 @@ class Producer:
                                 base_sequence=batch.base_sequence or 0, compression=self._compression)  # fmt: skip
         return encode_batch(batch.records, compression=self._compression)
 
-    def _stream_broken(self, call: Any) -> None:
-        if call is None or call is not self._call:
+    def _stream_broken(self, route: _Route, call: Any) -> None:
+        if call is None or call is not route.call:
             return
-        self._broken_generation = self._generation
-        self._close_stream()
-        for delivery in self._deliveries.values():
-            delivery.on_stream_broken()
+        route.broken_generation = route.generation
+        route.not_before_ms = self._loop.time() * 1000 + route.backoff_ms  # type: ignore[union-attr]
+        route.backoff_ms = min(route.backoff_ms * 2, self._retry_backoff_max_ms)
+        sent = {(b.topic, b.partition) for b in route.by_correlation.values()}
+        self._close_stream(route)
+        for key, delivery in self._deliveries.items():
+            if key in sent or self._route_for(delivery) is route:
+                delivery.on_stream_broken()
         self._resolve_rounds()
         if self._wakeup is not None:
             self._wakeup.set()
 
-    def _close_stream(self) -> None:
-        call, self._call = self._call, None
-        self._by_correlation.clear()
+    def _close_stream(self, route: _Route) -> None:
+        call, route.call = route.call, None
+        route.by_correlation.clear()
         if call is not None:
             call.cancel()
-        reader, self._reader = self._reader, None
+        reader, route.reader = route.reader, None
         if reader is not None and reader is not asyncio.current_task():
             reader.cancel()
 
-    async def _read(self, call: Any) -> None:
+    async def _read(self, route: _Route, call: Any) -> None:
         try:
             while True:
                 response = await call.read()
                 if response is grpc.aio.EOF:
                     break
-                if call is not self._call:
+                if call is not route.call:
                     return
-                self._on_response(response)
+                self._on_response(route, response)
         except asyncio.CancelledError:
-            if call is not self._call:
+            if call is not route.call:
                 return
             raise
         except grpc.RpcError as exc:
-            if call is self._call and exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self._refused_oversized(from_rpc_error(exc, self._connection.address))
-        self._stream_broken(call)
+            if call is route.call and exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self._refused_oversized(route, from_rpc_error(exc, route.connection.address))
+        self._stream_broken(route, call)
 
-    def _refused_oversized(self, error: GeorepError) -> None:
+    def _refused_oversized(self, route: _Route, error: GeorepError) -> None:
         """gRPC refused a message above the node's size limit, and ended the stream. The largest unanswered batch
         is above it (the refused one is unanswered, and none is larger), so it fails for good; the rest resend."""
-        in_flight = [b for b in self._by_correlation.values() if b.state is BatchState.IN_FLIGHT]
+        in_flight = [b for b in route.by_correlation.values() if b.state is BatchState.IN_FLIGHT]
         if not in_flight or not isinstance(error, BatchTooLarge):
             return
         batch = max(in_flight, key=lambda b: len(b.data or b""))
         self._deliveries[(batch.topic, batch.partition)].on_failed(batch, error)
         self._fail_batch(batch, error)
 
-    def _on_response(self, response: georep_pb2.ProduceResponse) -> None:
-        batch = self._by_correlation.pop(response.correlation_id, None)
+    def _on_response(self, route: _Route, response: georep_pb2.ProduceResponse) -> None:
+        batch = route.by_correlation.pop(response.correlation_id, None)
         if batch is None or batch.state is not BatchState.IN_FLIGHT:
             return
         delivery = self._deliveries[(batch.topic, batch.partition)]
         if not response.HasField("error") or response.error.code == 0:
-            self._backoff_ms = self._retry_backoff_ms
+            route.backoff_ms = self._retry_backoff_ms
             delivery.on_success(batch)
             self._complete_batch(batch, response)
         else:
-            error = from_produce_error(response.error, self._connection.address)
+            error = from_produce_error(response.error, route.connection.address)
+            if isinstance(error, NotLeader):  # a multi-node site moved the partition: follow it, then resend
+                key = (batch.topic, batch.partition)
+                if error.leader:
+                    self._leaders[key] = error.leader
+                else:
+                    self._leaders.pop(key, None)
+                    self._refresh_leaders(batch.topic)
             now_ms = self._loop.time() * 1000  # type: ignore[union-attr]
             if delivery.on_error(batch, error, now_ms, self._retry_backoff_ms):
                 self._fail_batch(batch, error)
