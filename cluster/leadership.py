@@ -58,7 +58,9 @@ AQ <= E <= RF:
 * *Recovery still finds every acknowledged write.* It fences and reads
   E - AQ + 1 members of the segment's own ensemble, and any E - AQ + 1 of E
   members include one of any AQ of them (pigeonhole), whatever E is. The
-  new leader comes from that ensemble, as before.
+  new leader comes from that ensemble, as before. (Repair changes the
+  ensembles of sealed segments only, so the ensemble recovery reads is the
+  one the writer streamed to.)
 * *Below AQ nothing could be confirmed*: the LAC needs AQ members, so a
   segment on fewer would take writes and never acknowledge one, and its
   producers would retry into it for nothing. :class:`Blocked` says so.
