@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.cluster_site import site_toml
 from tests.support.sites import TRIANGLE, free_ports, topology_toml
 
 GEOREP = [sys.executable, "-m", "georep.cli"]
@@ -30,8 +31,8 @@ def start_up(topo: Path, data: Path) -> subprocess.Popen[str]:
     return up
 
 
-def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*GEOREP, *args], capture_output=True, text=True, timeout=timeout)
+def run(*args: str, timeout: float = 60, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*GEOREP, *args], capture_output=True, text=True, timeout=timeout, input=input_text)
 
 
 def test_up_starts_every_site_and_sigterm_stops_them_cleanly(tmp_path: Path) -> None:
@@ -86,13 +87,59 @@ def test_bad_topology_files_get_one_clear_line(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "cannot read topology file" in missing.stderr
 
 
-def test_a_site_with_several_nodes_is_refused_by_up_and_by_node_until_they_form_one_site(tmp_path: Path) -> None:
-    topo = tmp_path / "three.toml"
-    topo.write_text('[sites.a]\nnodes = ["127.0.0.1:1", "127.0.0.1:2"]\n')
-    node = run("node", "--site", "a", "--topology", str(topo), "--data-dir", str(tmp_path / "n"), timeout=30)
-    assert node.returncode == 2 and "lists 2 nodes" in node.stderr and "Traceback" not in node.stderr
-    up = run("up", "--topology", str(topo), "--data-dir", str(tmp_path / "d"), timeout=30)
-    assert up.returncode == 2 and "lists 2 nodes" in up.stderr
+def test_a_multi_node_site_that_cannot_run_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    no_raft = tmp_path / "no-raft.toml"
+    no_raft.write_text('[sites.a]\nnodes = ["127.0.0.1:1", "127.0.0.1:2"]\n')
+    node = run("node", "--site", "a", "--topology", str(no_raft), "--data-dir", str(tmp_path / "n"), timeout=30)
+    assert node.returncode == 2 and "raft" in node.stderr and "Traceback" not in node.stderr
+    up = run("up", "--topology", str(no_raft), "--data-dir", str(tmp_path / "d"), timeout=30)
+    assert up.returncode == 2 and "raft" in up.stderr and "Traceback" not in up.stderr
+
+    g, r = free_ports(2), free_ports(2)
+    two = tmp_path / "two.toml"
+    two.write_text(site_toml("a", g, r) + '[sites.b]\nnodes = ["127.0.0.1:3"]\n[[links]]\nsrc = "a"\ndst = "b"\n')
+    up = run("up", "--topology", str(two), "--data-dir", str(tmp_path / "d2"), timeout=30)
+    assert up.returncode == 2 and "multi-node sites" in up.stderr and "a->b" in up.stderr
+    node = run("node", "--site", "a", "--node-id", "1", "--topology", str(two), "--data-dir", str(tmp_path / "m"),
+               timeout=30)  # fmt: skip
+    assert node.returncode == 2 and "multi-node sites" in node.stderr
+
+    alone = tmp_path / "alone.toml"
+    alone.write_text(site_toml("a", g, r))
+    node = run("node", "--site", "a", "--topology", str(alone), "--data-dir", str(tmp_path / "o"), timeout=30)
+    assert node.returncode == 2 and "--node-id" in node.stderr
+    node = run("node", "--site", "a", "--node-id", "7", "--topology", str(alone), "--data-dir", str(tmp_path / "o"),
+               timeout=30)  # fmt: skip
+    assert node.returncode == 2 and "no node 7" in node.stderr
+
+
+def test_up_runs_a_site_of_three_nodes_that_takes_writes_and_reads(tmp_path: Path) -> None:
+    g, r = free_ports(3), free_ports(3)
+    topo, data = tmp_path / "site.toml", tmp_path / "data"
+    topo.write_text(site_toml("a", g, r))
+    up = subprocess.Popen([*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all((data / "a" / n / "node.json").exists() for n in "123"):
+            time.sleep(0.1)
+        pids = {json.loads((data / "a" / n / "node.json").read_text())["pid"] for n in "123"}
+        assert len(pids) == 3, "one process per node"
+        bootstrap = f"127.0.0.1:{g[0]}"
+        assert run("topic", "create", "t", "--partitions", "2", "--bootstrap", bootstrap).returncode == 0
+        produced = run("produce", "t", "--acks", "all", "--bootstrap", f"127.0.0.1:{g[1]}",
+                       input_text="one\ntwo\nthree\n")  # fmt: skip
+        assert produced.returncode == 0, produced.stderr
+        consumed = run("consume", "t", "--from-beginning", "--max", "3", "--timeout", "20",
+                       "--bootstrap", f"127.0.0.1:{g[2]}")  # fmt: skip
+        assert consumed.returncode == 0, consumed.stderr
+        assert sorted(consumed.stdout.split()) == ["one", "three", "two"]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        out, err = up.communicate(timeout=60)
+    assert up.returncode == 0, err
+    assert "all sites stopped" in out
+    assert not any((data / "a" / n / "node.json").exists() for n in "123")
 
 
 def test_status_reports_unreachable_sites(tmp_path: Path) -> None:

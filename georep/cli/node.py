@@ -162,14 +162,17 @@ def in_site_options(topology: Topology, args: argparse.Namespace) -> InSiteOptio
         if args.node_id not in (None, site.members[0].id):
             raise UsageError(f"--node-id {args.node_id}: site {args.site!r} has one node, id {site.members[0].id}")
         return None
+    try:
+        rafts = site.raft_addresses()
+    except InvalidTopology as exc:
+        raise UsageError(str(exc)) from None
     ids = ", ".join(str(m.id) for m in site.members)
     if args.node_id is None:
         raise UsageError(f"site {args.site!r} has {len(site.nodes)} nodes (ids {ids}): say which one this is with "
                          "--node-id")  # fmt: skip
     try:
         me = site.member(args.node_id)
-        rafts = site.raft_addresses()
-    except (UnknownSite, InvalidTopology) as exc:
+    except InvalidTopology as exc:
         raise UsageError(str(exc)) from None
     rf = args.replication_factor if args.replication_factor is not None else min(3, len(site.nodes))
     if not 1 <= rf <= len(site.nodes):

@@ -1,8 +1,9 @@
 """``georep up``: run every node of a topology as a process on this machine.
 
 It stays in the foreground. Ctrl-C or SIGTERM stops every node cleanly. Each
-site's data lives under ``DATA_DIR/<site>/``, and each node writes its process
-id and addresses to ``node.json`` there, which is how ``georep drill`` and the
+site's data lives under ``DATA_DIR/<site>/`` (a site of several nodes: one
+``DATA_DIR/<site>/<node id>/`` per node), and each node writes its process id
+and addresses to ``node.json`` there, which is how ``georep drill`` and the
 tests find them. A node that dies (a drill's ``kill -9``, say) is reported and
 left down: restarting sites is the operator's or the drill's decision.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 from georep.cli.admin_token import ensure_token
 from georep.cli.topology_file import DEFAULT, TopologyFileError, load_topology
 from georep.server.process import NODE_INFO, NodeProcess, NodeStartError
-from topology.model import Topology, warnings
+from topology.model import InvalidTopology, Topology, warnings
 
 DEFAULT_DATA_DIR = Path(".georep")
 POLL_S = 0.5
@@ -36,17 +37,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def site_processes(topology: Topology, topology_file: Path | None, data_dir: Path,
                    extra_args: list[str]) -> list[NodeProcess]:  # fmt: skip
-    """One node process per site, as ``georep up`` starts them (not yet started)."""
+    """A node process per node of every site, as ``georep up`` starts them (not yet started)."""
     procs = []
     for sid in topology.site_ids():
         site = topology.site(sid)
-        if len(site.nodes) != 1:
-            raise TopologyFileError(
-                f"site {sid} lists {len(site.nodes)} nodes; this version runs one node per site: list one address"
-            )
         args = [*extra_args, "--topology", str(topology_file.resolve()) if topology_file else DEFAULT,
                 "--admin-token-file", str(ensure_token(data_dir).resolve())]
-        procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0], extra_args=args))
+        if len(site.nodes) == 1:
+            procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0], extra_args=args))
+            continue
+        try:
+            site.raft_addresses()
+        except InvalidTopology as exc:
+            raise TopologyFileError(str(exc)) from None
+        linked = [f"{link.src}->{link.dst}" for link in topology.links_sorted() if sid in (link.src, link.dst)]
+        if linked:
+            raise TopologyFileError(
+                f"site {sid} lists {len(site.nodes)} nodes and has links ({', '.join(linked)}): replication between "
+                "sites does not run on multi-node sites yet (docs/cluster.md, 'Not yet'); give the site one node, "
+                "or run it without links"
+            )
+        for member in site.members:
+            procs.append(NodeProcess(site=sid, data_dir=data_dir / sid / str(member.id), listen=member.address,
+                                     extra_args=[*args, "--node-id", str(member.id)], node_id=member.id))  # fmt: skip
     return procs
 
 
@@ -86,31 +99,37 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    started: list[NodeProcess] = []
+    launched: list[NodeProcess] = []
+    started: list[NodeProcess] = []  # those that served: only their data dirs are this 'up's
     try:
+        # Every process first: a node of a multi-node site serves only once a majority of its site's nodes runs.
         for proc in procs:
             if stopping:
                 break
+            launched.append(proc.launch())
+        for proc in launched:
             try:
-                started.append(proc.start())
+                started.append(proc.wait_ready())
             except NodeStartError as exc:
                 print(f"georep: error: {exc}", file=sys.stderr)
                 return 1
-        print(f"{'SITE':<8} {'ADDRESS':<22} {'METRICS':<22} {'PID':>8}  DATA")
+        print(f"{'SITE':<8} {'NODE':>4} {'ADDRESS':<22} {'METRICS':<22} {'PID':>8}  DATA")
         for proc in started:
-            print(f"{proc.site:<8} {proc.address:<22} {proc.metrics_address:<22} {proc.pid:>8}  {proc.data_dir}")
+            print(f"{proc.site:<8} {proc.node_id or 1:>4} {proc.address:<22} {proc.metrics_address:<22} "
+                  f"{proc.pid:>8}  {proc.data_dir}")  # fmt: skip
         print("all sites up; Ctrl-C stops them", flush=True)
-        reported: set[str] = set()
+        reported: set[Path] = set()
         while not stopping:
             time.sleep(POLL_S)
             for proc in started:
-                if not proc.alive() and proc.site not in reported and proc.proc is not None:
+                if not proc.alive() and proc.data_dir not in reported and proc.proc is not None:
                     code = proc.proc.returncode
-                    print(f"georep: site {proc.site} (pid {proc.pid}) exited with {code}", file=sys.stderr, flush=True)
-                    reported.add(proc.site)
+                    which = f"site {proc.site}" + (f" node {proc.node_id}" if proc.node_id else "")
+                    print(f"georep: {which} (pid {proc.pid}) exited with {code}", file=sys.stderr, flush=True)
+                    reported.add(proc.data_dir)
         return 0
     finally:
-        for proc in started:
+        for proc in launched:
             proc.stop()
         stop_restarted(started)
         if started:

@@ -34,6 +34,7 @@ class NodeProcess:
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
     metrics_address: str = ""
+    node_id: int | None = None  # a node of a multi-node site
     _logged_before: int = 0
 
     def command(self) -> list[str]:
