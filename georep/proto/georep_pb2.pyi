@@ -1619,6 +1619,291 @@ class FetchBatchResponse(_message.Message):
 Global___FetchBatchResponse: _TypeAlias = FetchBatchResponse  # noqa: Y015
 
 @_typing.final
+class ClusterStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterStatusRequest: _TypeAlias = ClusterStatusRequest  # noqa: Y015
+
+@_typing.final
+class ClusterNodeStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    LIVE_FIELD_NUMBER: _builtins.int
+    LAST_HEARTBEAT_AGE_MS_FIELD_NUMBER: _builtins.int
+    FREE_BYTES_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    OPEN_SEGMENTS_FIELD_NUMBER: _builtins.int
+    LEADER_OF_FIELD_NUMBER: _builtins.int
+    STORE_BYTES_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    address: _builtins.str
+    """its gRPC address"""
+    live: _builtins.bool
+    """heartbeated within the session timeout, by the answering node's clock"""
+    last_heartbeat_age_ms: _builtins.int
+    """The answering node's clock minus the node's last heartbeat time (the node's clock, so skew shows here);
+    unset: no heartbeat since it registered.
+    """
+    free_bytes: _builtins.int
+    """as it last reported"""
+    load: _builtins.int
+    """open segment streams, as it last reported"""
+    draining: _builtins.bool
+    """being decommissioned: serves what it holds, takes nothing new"""
+    segments: _builtins.int
+    """Segment copies the metadata puts on it: every segment whose ensemble includes it. The metadata holds no
+    segment sizes (it changes per roll, never per write), so this is a count.
+    """
+    open_segments: _builtins.int
+    """of which open: the streams being written to it"""
+    leader_of: _builtins.int
+    """partitions it leads"""
+    store_bytes: _builtins.int
+    """The bytes of the segment copies on its disk (its ReplicaStore). Only a node can read its own disk, so this
+    is set for the answering node alone; `georep cluster status` asks every live node for its own.
+    """
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+        address: _builtins.str = ...,
+        live: _builtins.bool = ...,
+        last_heartbeat_age_ms: _builtins.int | None = ...,
+        free_bytes: _builtins.int = ...,
+        load: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+        segments: _builtins.int = ...,
+        open_segments: _builtins.int = ...,
+        leader_of: _builtins.int = ...,
+        store_bytes: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_heartbeat_age_ms", b"_last_heartbeat_age_ms", "_store_bytes", b"_store_bytes", "last_heartbeat_age_ms", b"last_heartbeat_age_ms", "store_bytes", b"store_bytes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_heartbeat_age_ms", b"_last_heartbeat_age_ms", "_store_bytes", b"_store_bytes", "address", b"address", "draining", b"draining", "free_bytes", b"free_bytes", "last_heartbeat_age_ms", b"last_heartbeat_age_ms", "leader_of", b"leader_of", "live", b"live", "load", b"load", "node_id", b"node_id", "open_segments", b"open_segments", "segments", b"segments", "store_bytes", b"store_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__last_heartbeat_age_ms: _TypeAlias = _typing.Literal["last_heartbeat_age_ms"]  # noqa: Y015
+    _WhichOneofArgType__last_heartbeat_age_ms: _TypeAlias = _typing.Literal["_last_heartbeat_age_ms", b"_last_heartbeat_age_ms"]  # noqa: Y015
+    _WhichOneofReturnType__store_bytes: _TypeAlias = _typing.Literal["store_bytes"]  # noqa: Y015
+    _WhichOneofArgType__store_bytes: _TypeAlias = _typing.Literal["_store_bytes", b"_store_bytes"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_heartbeat_age_ms) -> _WhichOneofReturnType__last_heartbeat_age_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__store_bytes) -> _WhichOneofReturnType__store_bytes | None: ...
+
+Global___ClusterNodeStatus: _TypeAlias = ClusterNodeStatus  # noqa: Y015
+
+@_typing.final
+class ClusterPartitionStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PARTITION_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    LEADER_LIVE_FIELD_NUMBER: _builtins.int
+    LEADER_EPOCH_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    OPEN_SEGMENT_ID_FIELD_NUMBER: _builtins.int
+    OPEN_ENSEMBLE_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    partition: _builtins.int
+    leader: _builtins.int
+    """node id; 0: no leader yet"""
+    leader_live: _builtins.bool
+    leader_epoch: _builtins.int
+    segments: _builtins.int
+    """in its chain, open and sealed"""
+    open_segment_id: _builtins.int
+    """unset: no open segment"""
+    @_builtins.property
+    def open_ensemble(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the open segment's members, its leader first"""
+
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        partition: _builtins.int = ...,
+        leader: _builtins.int = ...,
+        leader_live: _builtins.bool = ...,
+        leader_epoch: _builtins.int = ...,
+        segments: _builtins.int = ...,
+        open_segment_id: _builtins.int | None = ...,
+        open_ensemble: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_open_segment_id", b"_open_segment_id", "open_segment_id", b"open_segment_id"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_open_segment_id", b"_open_segment_id", "leader", b"leader", "leader_epoch", b"leader_epoch", "leader_live", b"leader_live", "open_ensemble", b"open_ensemble", "open_segment_id", b"open_segment_id", "partition", b"partition", "segments", b"segments", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__open_segment_id: _TypeAlias = _typing.Literal["open_segment_id"]  # noqa: Y015
+    _WhichOneofArgType__open_segment_id: _TypeAlias = _typing.Literal["_open_segment_id", b"_open_segment_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__open_segment_id) -> _WhichOneofReturnType__open_segment_id | None: ...
+
+Global___ClusterPartitionStatus: _TypeAlias = ClusterPartitionStatus  # noqa: Y015
+
+@_typing.final
+class UnderReplicatedSegment(_message.Message):
+    """A segment with a dead or draining member, or fewer members than the replication factor
+    (cluster/repair.py's under_replicated, the rule the repair planner acts on).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PARTITION_FIELD_NUMBER: _builtins.int
+    SEGMENT_ID_FIELD_NUMBER: _builtins.int
+    SEALED_FIELD_NUMBER: _builtins.int
+    ENSEMBLE_FIELD_NUMBER: _builtins.int
+    DEAD_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    LIVE_MEMBERS_FIELD_NUMBER: _builtins.int
+    WANTED_MEMBERS_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    partition: _builtins.int
+    segment_id: _builtins.int
+    sealed: _builtins.bool
+    live_members: _builtins.int
+    """alive, not draining"""
+    wanted_members: _builtins.int
+    """the replication factor, or the ensemble's size if larger"""
+    message: _builtins.str
+    @_builtins.property
+    def ensemble(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def dead(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def draining(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """alive and draining"""
+
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        partition: _builtins.int = ...,
+        segment_id: _builtins.int = ...,
+        sealed: _builtins.bool = ...,
+        ensemble: _abc.Iterable[_builtins.int] | None = ...,
+        dead: _abc.Iterable[_builtins.int] | None = ...,
+        draining: _abc.Iterable[_builtins.int] | None = ...,
+        live_members: _builtins.int = ...,
+        wanted_members: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "draining", b"draining", "ensemble", b"ensemble", "live_members", b"live_members", "message", b"message", "partition", b"partition", "sealed", b"sealed", "segment_id", b"segment_id", "topic", b"topic", "wanted_members", b"wanted_members"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnderReplicatedSegment: _TypeAlias = UnderReplicatedSegment  # noqa: Y015
+
+@_typing.final
+class RaftGroupStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SELF_ADDRESS_FIELD_NUMBER: _builtins.int
+    LEADER_ADDRESS_FIELD_NUMBER: _builtins.int
+    IS_LEADER_FIELD_NUMBER: _builtins.int
+    REACHABLE_NODES_FIELD_NUMBER: _builtins.int
+    TOTAL_NODES_FIELD_NUMBER: _builtins.int
+    APPLIED_INDEX_FIELD_NUMBER: _builtins.int
+    COMMIT_INDEX_FIELD_NUMBER: _builtins.int
+    self_address: _builtins.str
+    """the answering node's Raft address"""
+    leader_address: _builtins.str
+    """the Raft leader's Raft address; empty: none known, or unreachable from here"""
+    is_leader: _builtins.bool
+    """the answering node's role: leader, else follower"""
+    reachable_nodes: _builtins.int
+    """the answering node included"""
+    total_nodes: _builtins.int
+    applied_index: _builtins.int
+    commit_index: _builtins.int
+    def __init__(
+        self,
+        *,
+        self_address: _builtins.str = ...,
+        leader_address: _builtins.str = ...,
+        is_leader: _builtins.bool = ...,
+        reachable_nodes: _builtins.int = ...,
+        total_nodes: _builtins.int = ...,
+        applied_index: _builtins.int = ...,
+        commit_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "commit_index", b"commit_index", "is_leader", b"is_leader", "leader_address", b"leader_address", "reachable_nodes", b"reachable_nodes", "self_address", b"self_address", "total_nodes", b"total_nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RaftGroupStatus: _TypeAlias = RaftGroupStatus  # noqa: Y015
+
+@_typing.final
+class ClusterStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    REPLICATION_FACTOR_FIELD_NUMBER: _builtins.int
+    SESSION_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    RAFT_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    PARTITIONS_FIELD_NUMBER: _builtins.int
+    UNDER_REPLICATED_FIELD_NUMBER: _builtins.int
+    site: _builtins.str
+    epoch: _builtins.int
+    node_id: _builtins.int
+    """the answering node"""
+    replication_factor: _builtins.int
+    session_timeout_ms: _builtins.int
+    @_builtins.property
+    def raft(self) -> Global___RaftGroupStatus: ...
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterNodeStatus]:
+        """by node id"""
+
+    @_builtins.property
+    def partitions(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterPartitionStatus]:
+        """by topic, then partition"""
+
+    @_builtins.property
+    def under_replicated(self) -> _containers.RepeatedCompositeFieldContainer[Global___UnderReplicatedSegment]: ...
+    def __init__(
+        self,
+        *,
+        site: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        node_id: _builtins.int = ...,
+        replication_factor: _builtins.int = ...,
+        session_timeout_ms: _builtins.int = ...,
+        raft: Global___RaftGroupStatus | None = ...,
+        nodes: _abc.Iterable[Global___ClusterNodeStatus] | None = ...,
+        partitions: _abc.Iterable[Global___ClusterPartitionStatus] | None = ...,
+        under_replicated: _abc.Iterable[Global___UnderReplicatedSegment] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["raft", b"raft"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "node_id", b"node_id", "nodes", b"nodes", "partitions", b"partitions", "raft", b"raft", "replication_factor", b"replication_factor", "session_timeout_ms", b"session_timeout_ms", "site", b"site", "under_replicated", b"under_replicated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterStatusResponse: _TypeAlias = ClusterStatusResponse  # noqa: Y015
+
+@_typing.final
 class ScrubRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -134,6 +134,11 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.DescribeGroupRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.GroupDescription.FromString,
                 _registered_method=True)
+        self.ClusterStatus = channel.unary_unary(
+                '/georep.v1.Node/ClusterStatus',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ClusterStatusResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -282,6 +287,16 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClusterStatus(self, request, context):
+        """A multi-node site's segment cluster as this node's view of the site's
+        metadata has it (`georep cluster status`): nodes, partition leaders,
+        under-replicated segments, the Raft group. A one-node site answers
+        FAILED_PRECONDITION: it has no segment cluster.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -384,6 +399,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.DescribeGroup,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.DescribeGroupRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.GroupDescription.SerializeToString,
+            ),
+            'ClusterStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClusterStatus,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ClusterStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -926,6 +946,33 @@ class Node:
             '/georep.v1.Node/DescribeGroup',
             georep_dot_proto_dot_georep__pb2.DescribeGroupRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.GroupDescription.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClusterStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/ClusterStatus',
+            georep_dot_proto_dot_georep__pb2.ClusterStatusRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ClusterStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -88,6 +88,12 @@ class NodeStub:
     FetchCommitted: _grpc.UnaryUnaryMultiCallable[_georep_pb2.FetchCommittedRequest, _georep_pb2.FetchCommittedResponse]
     ListGroups: _grpc.UnaryUnaryMultiCallable[_georep_pb2.ListGroupsRequest, _georep_pb2.ListGroupsResponse]
     DescribeGroup: _grpc.UnaryUnaryMultiCallable[_georep_pb2.DescribeGroupRequest, _georep_pb2.GroupDescription]
+    ClusterStatus: _grpc.UnaryUnaryMultiCallable[_georep_pb2.ClusterStatusRequest, _georep_pb2.ClusterStatusResponse]
+    """A multi-node site's segment cluster as this node's view of the site's
+    metadata has it (`georep cluster status`): nodes, partition leaders,
+    under-replicated segments, the Raft group. A one-node site answers
+    FAILED_PRECONDITION: it has no segment cluster.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -143,6 +149,12 @@ class NodeAsyncStub(NodeStub):
     FetchCommitted: _aio.UnaryUnaryMultiCallable[_georep_pb2.FetchCommittedRequest, _georep_pb2.FetchCommittedResponse]  # type: ignore[assignment]
     ListGroups: _aio.UnaryUnaryMultiCallable[_georep_pb2.ListGroupsRequest, _georep_pb2.ListGroupsResponse]  # type: ignore[assignment]
     DescribeGroup: _aio.UnaryUnaryMultiCallable[_georep_pb2.DescribeGroupRequest, _georep_pb2.GroupDescription]  # type: ignore[assignment]
+    ClusterStatus: _aio.UnaryUnaryMultiCallable[_georep_pb2.ClusterStatusRequest, _georep_pb2.ClusterStatusResponse]  # type: ignore[assignment]
+    """A multi-node site's segment cluster as this node's view of the site's
+    metadata has it (`georep cluster status`): nodes, partition leaders,
+    under-replicated segments, the Raft group. A one-node site answers
+    FAILED_PRECONDITION: it has no segment cluster.
+    """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -315,6 +327,18 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         request: _georep_pb2.DescribeGroupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_georep_pb2.GroupDescription, _abc.Awaitable[_georep_pb2.GroupDescription]]: ...
+
+    @_abc_1.abstractmethod
+    def ClusterStatus(
+        self,
+        request: _georep_pb2.ClusterStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.ClusterStatusResponse, _abc.Awaitable[_georep_pb2.ClusterStatusResponse]]:
+        """A multi-node site's segment cluster as this node's view of the site's
+        metadata has it (`georep cluster status`): nodes, partition leaders,
+        under-replicated segments, the Raft group. A one-node site answers
+        FAILED_PRECONDITION: it has no segment cluster.
+        """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
