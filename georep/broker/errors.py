@@ -141,3 +141,8 @@ class SegmentUnreadable(BrokerError):
 class RecoveryFailed(BrokerError):
     """A new leader cannot recover the partition's open segment safely now; the message says which members to
     bring back. The partition takes no writes until it can."""
+
+
+class SingleNodeSite(BrokerError):
+    """A call about a multi-node site's segment cluster (``georep cluster status``), at a node that is its site's
+    only node: there are no ensembles, no partition leaders and no Raft group to show."""

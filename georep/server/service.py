@@ -24,6 +24,7 @@ from georep.broker.errors import (
     NotLeader,
     NoTopology,
     NotYetSupported,
+    SingleNodeSite,
     WriteFailed,
 )
 from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, FromVector, Latest, batch_by_coordinate
@@ -462,6 +463,15 @@ class NodeService:
         self.broker.report_held(entries)
         return pb.ReportHeldResponse()
 
+    async def cluster_status(self, data: bytes, context: Context) -> pb.ClusterStatusResponse:
+        parse(pb.ClusterStatusRequest, data)
+        if self.site_cluster is None:
+            site = self.broker.identity.site
+            raise SingleNodeSite(f"site {site} has one node, so it has no segment cluster (ensembles, partition "
+                                 "leaders, Raft) to show: 'georep cluster status' is for sites whose nodes run with "
+                                 "--node-id; use 'georep health' and 'georep topic describe' here")  # fmt: skip
+        return await self.site_cluster.cluster_status()
+
     # -- consumer groups --------------------------------------------------------
 
     def _check_groups(self) -> None:
@@ -516,6 +526,7 @@ class NodeService:
             "FetchCommitted": unary(self.fetch_committed),
             "ListGroups": unary(self.list_groups),
             "DescribeGroup": unary(self.describe_group),
+            "ClusterStatus": unary(self.cluster_status),
             "Replicate": unary_stream(self.replicate),
             "ProduceStream": stream_stream(self.produce_stream),
             "Fetch": unary_stream(self.fetch),

@@ -35,6 +35,7 @@ import grpc
 
 from cluster.ids import NodeId
 from cluster.raft_store import RaftMetadataStore
+from cluster.status import cluster_status
 from georep.broker.errors import NotLeader, SegmentUnreadable
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -110,6 +111,51 @@ class SiteCluster:
     async def create_topic(self, name: str, partitions: int, config: dict[str, str]) -> None:
         await asyncio.get_running_loop().run_in_executor(self.executor, self.broker.create_topic, name, partitions,
                                                          config)  # fmt: skip
+
+    async def cluster_status(self) -> pb.ClusterStatusResponse:
+        """``ClusterStatus``: ``cluster.status.cluster_status`` of this node's view of the metadata, now, with its
+        own store's bytes (the only disk it can read) and its view of the Raft group."""
+        config = self.member.config
+        view = cluster_status(self.metadata.state(), self.member.clock_ms(), config.session_timeout_ms,
+                              config.replication_factor)  # fmt: skip
+        # The store's lock is also taken by appends and fsyncs in the segment threads: not on the event loop.
+        store_bytes = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.size_bytes)
+        raft = self.metadata.status()
+        identity = self.broker.identity
+        return pb.ClusterStatusResponse(
+            site=identity.site, epoch=identity.epoch, node_id=self.member.me,
+            replication_factor=config.replication_factor, session_timeout_ms=config.session_timeout_ms,
+            raft=pb.RaftGroupStatus(
+                self_address=raft.self_address, leader_address=raft.leader_address or "", is_leader=raft.is_leader,
+                reachable_nodes=raft.reachable_nodes, total_nodes=raft.total_nodes,
+                applied_index=raft.applied_index, commit_index=raft.commit_index,
+            ),
+            nodes=[
+                pb.ClusterNodeStatus(
+                    node_id=n.node, address=n.address, live=n.live, last_heartbeat_age_ms=n.heartbeat_age_ms,
+                    free_bytes=n.free_bytes, load=n.load, draining=n.draining, segments=n.segments,
+                    open_segments=n.open_segments, leader_of=n.leader_of,
+                    store_bytes=store_bytes if n.node == self.member.me else None,
+                )
+                for n in view.nodes
+            ],
+            partitions=[
+                pb.ClusterPartitionStatus(
+                    topic=p.topic, partition=p.partition, leader=p.leader or 0, leader_live=p.leader_live,
+                    leader_epoch=p.leader_epoch, segments=p.segments, open_segment_id=p.open_segment,
+                    open_ensemble=list(p.open_ensemble),
+                )
+                for p in view.partitions
+            ],
+            under_replicated=[
+                pb.UnderReplicatedSegment(
+                    topic=u.topic, partition=u.partition, segment_id=u.segment_id, sealed=u.sealed,
+                    ensemble=list(u.ensemble), dead=list(u.dead), draining=list(u.draining),
+                    live_members=u.live_count, wanted_members=u.wanted, message=u.message(),
+                )
+                for u in view.under_replicated
+            ],
+        )  # fmt: skip
 
     # -- LeaderListener --------------------------------------------------------------------------------------
 

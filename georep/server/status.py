@@ -57,6 +57,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     e.SequenceRejected: Code.FAILED_PRECONDITION,
     e.GeoAcksUnreachable: Code.FAILED_PRECONDITION,
     e.NoTopology: Code.FAILED_PRECONDITION,
+    e.SingleNodeSite: Code.FAILED_PRECONDITION,
     IllegalGeneration: Code.ABORTED,
     Fenced: Code.ABORTED,  # a newer leader exists: the sender stops writing
     SegmentSealed: Code.FAILED_PRECONDITION,
