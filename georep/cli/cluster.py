@@ -1,0 +1,265 @@
+"""``georep cluster status``: a multi-node site's nodes, partition leaders, under-replicated segments and Raft group.
+
+The first reachable node of ``--bootstrap`` answers ``ClusterStatus`` from its
+view of the site's metadata (``cluster/status.py``): which nodes are live,
+how many segment copies each holds and how many partitions it leads, every
+partition's leader, epoch and open ensemble, and the segments with fewer
+live members than they should have.
+
+**Bytes.** The metadata counts segments, not bytes: only a node can read its
+own disk. So the command then asks every other node that the answer shows
+live for its own ``ClusterStatus`` and takes from it the bytes of that
+node's segment copies (``STORED``) and its Raft role. A node that does not
+answer within a few seconds shows ``-`` (``null`` in ``--json``); a dead
+node is not asked.
+
+**Not shown: bytes moved.** No node copies a segment to a node outside its
+ensemble yet (the repair planner's copies are not carried out by the nodes;
+a new leader's recovery only fills members of the same ensemble), so a node
+that joins takes new segments as they open and nothing old moves. There is
+no counter to show until repair runs, and a field that could only ever say
+0 would say nothing.
+
+Exit codes: 0 the status was read; 2 no node of ``--bootstrap`` could be
+reached, or the site has one node; 1 any other failure. The rendering
+functions are pure (messages in, text or a JSON-ready dict out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+import grpc
+
+from georep.cli.output import EXIT_ERROR, EXIT_USAGE, table
+from georep.client.connection import BOOTSTRAP_ENV, CHANNEL_OPTIONS, Connection, default_bootstrap
+from georep.client.errors import GeorepError, InvalidRequest, NodeUnavailable, from_rpc_error
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+
+TIMEOUT_S = 10.0
+REPORT_TIMEOUT_S = 3.0  # per other node asked for its own bytes: a hung node must not hold the command long
+
+Reports = dict[int, pb.ClusterStatusResponse]  # node id -> that node's own answer
+
+
+class StatusRefused(Exception):
+    """The node would not give the status; ``str`` says why, ``exit_code`` is what the command exits with."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    status = actions.add_parser("status", help="nodes, bytes and segments per node, leaders, under-replicated "
+                                "segments, Raft leader")  # fmt: skip
+    status.add_argument(
+        "--bootstrap", default=default_bootstrap(), metavar="HOST:PORT[,HOST:PORT]",
+        help=f"node(s) of the site to ask; the first reachable one answers (default: ${BOOTSTRAP_ENV}, else "
+             "127.0.0.1:7101; now %(default)s)",
+    )  # fmt: skip
+    status.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+
+
+# --- rendering (pure) ----------------------------------------------------------------
+
+
+def raft_leader_node(answer: pb.ClusterStatusResponse, reports: Reports) -> int | None:
+    """The node id of the Raft leader, if the answering node is it or a node asked says it is."""
+    if answer.raft.is_leader:
+        return answer.node_id
+    for node, report in sorted(reports.items()):
+        if report.raft.is_leader and report.raft.self_address == answer.raft.leader_address:
+            return node
+    return None
+
+
+def _own(node: pb.ClusterNodeStatus, answer: pb.ClusterStatusResponse,
+         reports: Reports) -> pb.ClusterNodeStatus | None:  # fmt: skip
+    """The node's entry in its own answer (the only one with its bytes), if it was had."""
+    source = answer if node.node_id == answer.node_id else reports.get(node.node_id)
+    if source is None:
+        return None
+    return next((n for n in source.nodes if n.node_id == node.node_id), None)
+
+
+def _role(node: pb.ClusterNodeStatus, answer: pb.ClusterStatusResponse, reports: Reports) -> str | None:
+    source = answer if node.node_id == answer.node_id else reports.get(node.node_id)
+    if source is None:
+        return None
+    return "leader" if source.raft.is_leader else "follower"
+
+
+def status_json(answer: pb.ClusterStatusResponse, reports: Reports) -> dict[str, Any]:
+    """The status as one JSON-ready document; every key is always present (null where unknown)."""
+    nodes = []
+    for n in answer.nodes:
+        own = _own(n, answer, reports)
+        nodes.append({
+            "node": n.node_id, "address": n.address, "live": n.live,
+            "last_heartbeat_age_ms": n.last_heartbeat_age_ms if n.HasField("last_heartbeat_age_ms") else None,
+            "free_bytes": n.free_bytes, "load": n.load, "draining": n.draining, "segments": n.segments,
+            "open_segments": n.open_segments, "leader_of": n.leader_of,
+            "store_bytes": own.store_bytes if own is not None and own.HasField("store_bytes") else None,
+            "raft_role": _role(n, answer, reports),
+        })  # fmt: skip
+    partitions = [
+        {
+            "topic": p.topic, "partition": p.partition, "leader": p.leader or None, "leader_live": p.leader_live,
+            "leader_epoch": p.leader_epoch, "segments": p.segments,
+            "open_segment": (
+                {"segment_id": p.open_segment_id, "ensemble": list(p.open_ensemble)}
+                if p.HasField("open_segment_id") else None
+            ),
+        }
+        for p in answer.partitions
+    ]  # fmt: skip
+    under = [
+        {
+            "topic": u.topic, "partition": u.partition, "segment_id": u.segment_id, "sealed": u.sealed,
+            "ensemble": list(u.ensemble), "dead": list(u.dead), "draining": list(u.draining),
+            "live_members": u.live_members, "wanted_members": u.wanted_members, "message": u.message,
+        }
+        for u in answer.under_replicated
+    ]  # fmt: skip
+    raft = answer.raft
+    return {
+        "site": answer.site, "origin": f"{answer.site}@{answer.epoch}", "answered_by": answer.node_id,
+        "replication_factor": answer.replication_factor, "session_timeout_ms": answer.session_timeout_ms,
+        "raft": {
+            "leader_address": raft.leader_address or None, "leader_node": raft_leader_node(answer, reports),
+            "self_address": raft.self_address, "role": "leader" if raft.is_leader else "follower",
+            "reachable_nodes": raft.reachable_nodes, "total_nodes": raft.total_nodes,
+            "applied_index": raft.applied_index, "commit_index": raft.commit_index,
+        },
+        "nodes": nodes,
+        "partitions": partitions,
+        "under_replicated": under,
+    }  # fmt: skip
+
+
+def size_text(n: int | None) -> str:
+    """``512 B``, ``4.1 KiB``, ``12.0 GiB``; ``-`` for unknown."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _ids(nodes: list[int]) -> str:
+    return ",".join(map(str, nodes)) or "-"
+
+
+def render(answer: pb.ClusterStatusResponse, reports: Reports) -> str:
+    doc = status_json(answer, reports)
+    live = sum(1 for n in answer.nodes if n.live)
+    raft = doc["raft"]
+    leader = raft["leader_address"] or "none known"
+    if raft["leader_node"] is not None:
+        leader = f"node {raft['leader_node']} ({leader})"
+    lines = [
+        f"site {doc['site']} (origin {doc['origin']}): {len(answer.nodes)} nodes, {live} live; replication factor "
+        f"{answer.replication_factor}; as node {answer.node_id} sees it",
+        f"raft: leader {leader}; node {answer.node_id} is {raft['role']}; {raft['reachable_nodes']} of "
+        f"{raft['total_nodes']} metadata nodes reachable from it",
+    ]  # fmt: skip
+    if raft["leader_address"] is None:
+        lines.append(f"  no Raft leader known to node {answer.node_id}: no heartbeat commits until one is elected, so "
+                     "nodes that are up may show dead for now")  # fmt: skip
+    lines.append("")
+    rows = []
+    for n in doc["nodes"]:
+        state = ("live" if n["live"] else "dead") + (",draining" if n["draining"] else "")
+        age = n["last_heartbeat_age_ms"]
+        heartbeat = "never" if age is None else f"{age / 1000:.1f}s"
+        rows.append((n["node"], n["address"], state, heartbeat, size_text(n["free_bytes"]).replace(" ", ""),
+                     n["load"], n["segments"], n["open_segments"], n["leader_of"],
+                     size_text(n["store_bytes"]).replace(" ", "")))  # fmt: skip
+    header = ("NODE", "ADDRESS", "STATE", "HEARTBEAT-AGE", "FREE", "LOAD", "SEGMENTS", "OPEN", "LEADS", "STORED")
+    lines.append(table(header, rows))
+    lines.append("")
+    if doc["partitions"]:
+        prows = []
+        for p in doc["partitions"]:
+            lead = "-" if p["leader"] is None else str(p["leader"]) + ("" if p["leader_live"] else "(dead)")
+            ensemble = "-" if p["open_segment"] is None else _ids(p["open_segment"]["ensemble"])
+            prows.append((p["topic"], p["partition"], lead, p["leader_epoch"], p["segments"], ensemble))
+        lines.append(table(("TOPIC", "PARTITION", "LEADER", "EPOCH", "SEGMENTS", "OPEN-ENSEMBLE"), prows))
+    else:
+        lines.append("no topics yet (create one with 'georep topic create')")
+    lines.append("")
+    under = doc["under_replicated"]
+    if not under:
+        lines.append("under-replicated segments: none")
+    else:
+        lines.append(f"under-replicated segments: {len(under)}")
+        urows = [(u["topic"], u["partition"], u["segment_id"], "sealed" if u["sealed"] else "open",
+                  _ids(u["ensemble"]), f"{u['live_members']}/{u['wanted_members']}", _ids(u["dead"]),
+                  _ids(u["draining"]))
+                 for u in under]  # fmt: skip
+        lines.append(table(("TOPIC", "PARTITION", "SEGMENT", "STATE", "ENSEMBLE", "LIVE", "DEAD", "DRAINING"), urows))
+    return "\n".join(lines)
+
+
+# --- the shell -----------------------------------------------------------------------
+
+
+async def _report(node: pb.ClusterNodeStatus) -> pb.ClusterStatusResponse | None:
+    """``node``'s own answer, or None if it does not give one in time."""
+    try:
+        async with grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS) as channel:
+            report = await pbg.NodeStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=REPORT_TIMEOUT_S)
+    except grpc.aio.AioRpcError:
+        return None
+    return report if report.node_id == node.node_id else None  # another process at that address now
+
+
+async def fetch(bootstrap: str) -> tuple[pb.ClusterStatusResponse, Reports]:
+    """The first reachable node's answer, and the answers of the other live nodes that gave one."""
+    connection = Connection(bootstrap)
+    try:
+        stub = await connection.connect()
+        try:
+            answer: pb.ClusterStatusResponse = await stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=TIMEOUT_S)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.FAILED_PRECONDITION:  # the site has one node: nothing to show
+                raise StatusRefused(f"{connection.address}: {exc.details()}", EXIT_USAGE) from None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise StatusRefused(f"the node at {connection.address} does not serve ClusterStatus: it runs an "
+                                    "older georep; upgrade it", EXIT_ERROR) from None  # fmt: skip
+            raise from_rpc_error(exc, connection.address) from None
+    finally:
+        await connection.close()
+    others = [n for n in answer.nodes if n.live and n.node_id != answer.node_id]
+    answers = await asyncio.gather(*(_report(n) for n in others))
+    return answer, {n.node_id: r for n, r in zip(others, answers, strict=True) if r is not None}
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        answer, reports = asyncio.run(fetch(args.bootstrap))
+    except StatusRefused as exc:
+        print(f"georep: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except (NodeUnavailable, InvalidRequest) as exc:  # no node of --bootstrap answers, or it is not HOST:PORT
+        print(f"georep: error: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except GeorepError as exc:
+        print(f"georep: error: {exc.message}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print(json.dumps(status_json(answer, reports), indent=1, sort_keys=True))
+    else:
+        print(render(answer, reports))
+    return 0
