@@ -1102,8 +1102,17 @@ def _candidate_order(info: NodeInfo) -> tuple[bool, int, int]:
     return (info.draining, -(info.last_heartbeat_ms or 0), info.node)
 
 
-def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int) -> list[ElectLeader]:
+def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int,
+                    controller_since_ms: int | None = None) -> list[ElectLeader]:  # fmt: skip
     """The leader elections to propose now: one per partition whose leader is missing or whose heartbeat expired.
+
+    **Not before the controller has led the log for a session.** Heartbeats reach the state through the Raft log,
+    so while the log has no leader (the Raft leader's node died, a partition of the network) no heartbeat commits,
+    and every node's last one ages: right after a new Raft leader takes over, live nodes look expired. A controller
+    that has led the log (since ``controller_since_ms``) for less than ``session_timeout_ms`` cannot tell a dead
+    node from one whose heartbeats were stuck, so it replaces no leader yet (a partition that has none gets one: a
+    live node that looks stale is merely not chosen); by then every live node has heartbeated through it. Without the rule, killing the Raft leader's node moved partitions off live leaders (a new epoch,
+    a recovery and a roll each) — seen on real nodes. ``None``: the caller knows the log had no gap.
 
     Pure and deterministic: partitions in topic then partition order; the candidate is a live node, not draining
     if possible, then the one that heartbeated last, then the lowest id. Each :class:`ElectLeader` carries the
@@ -1127,10 +1136,11 @@ def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int) -> l
     A partition with no open segment (never written, or sealed by a leader that then died) may go to any live
     node: it has nothing to recover, and its sealed segments stay with their ensembles.
     """
+    settling = controller_since_ms is not None and now_ms - controller_since_ms < session_timeout_ms
     live = {info.node: info for info in state.live_nodes(now_ms, session_timeout_ms)}
     plan: list[ElectLeader] = []
     for info in state.partitions():
-        if info.leader is not None and info.leader in live:
+        if info.leader is not None and (info.leader in live or settling):
             continue
         open_segment = info.open_segment
         pool: Iterable[NodeInfo]

@@ -140,6 +140,7 @@ class ClusterMember:
         self._epochs_at_start: dict[PartitionKey, LeaderEpoch] = {}
         self._asked: dict[PartitionKey, LeaderEpoch] = {}  # re-elections of itself in flight
         self._electing: dict[PartitionKey, LeaderEpoch] = {}  # the controller's elections in flight
+        self._controller_since: int | None = None  # when this node's Raft replica last became the leader
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -196,7 +197,11 @@ class ClusterMember:
     async def tick(self) -> None:
         await self._heartbeat()
         if self.metadata.is_leader:
+            if self._controller_since is None:
+                self._controller_since = self.clock_ms()
             await self._controller()
+        else:
+            self._controller_since = None
         self.reconcile()
 
     async def _heartbeat(self) -> None:
@@ -206,7 +211,8 @@ class ClusterMember:
 
     async def _controller(self) -> None:
         """Elect a leader for every partition whose leader is missing or dead (the Raft leader's duty)."""
-        for elect in plan_leadership(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms):
+        for elect in plan_leadership(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms,
+                                     self._controller_since):  # fmt: skip
             key = (elect.topic, elect.partition)
             if self._electing.get(key) == elect.expected_epoch:
                 continue

@@ -220,6 +220,7 @@ class ControllerState:
     electing: dict[PartKey, LeaderEpoch] = field(default_factory=dict)
     next_repair_ms: int = 0
     roll_asked: dict[SegKey, int] = field(default_factory=dict)
+    since_ms: int = 0  # when this node became the controller (plan_leadership waits a session from then)
 
 
 @dataclass(eq=False)
@@ -647,7 +648,8 @@ class ClusterSimulator:
         if node.controller is not None and desired != node.id:
             node.controller = None
         elif node.controller is None and desired == node.id and not self._other_controller(node):
-            node.controller = ControllerState(next_repair_ms=self.now_ms + self.cfg.repair_every_ms)
+            node.controller = ControllerState(next_repair_ms=self.now_ms + self.cfg.repair_every_ms,
+                                              since_ms=self.now_ms)  # fmt: skip
             self._log(f"node {node.id} is the controller")
         for key in sorted(node.leads):
             lead = node.leads.get(key)
@@ -687,7 +689,7 @@ class ClusterSimulator:
                    for nid, n in sorted(self.nodes.items()) if nid != node.id)  # fmt: skip
 
     def _controller_duties(self, node: SimNode, ctl: ControllerState) -> None:
-        plan = site_state.plan_leadership(node.view, self.now_ms, self.cfg.session_timeout_ms)
+        plan = site_state.plan_leadership(node.view, self.now_ms, self.cfg.session_timeout_ms, ctl.since_ms)
         for elect in plan:
             key = (elect.topic, elect.partition)
             if ctl.electing.get(key) == elect.expected_epoch:
