@@ -1111,8 +1111,9 @@ def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int,
     and every node's last one ages: right after a new Raft leader takes over, live nodes look expired. A controller
     that has led the log (since ``controller_since_ms``) for less than ``session_timeout_ms`` cannot tell a dead
     node from one whose heartbeats were stuck, so it replaces no leader yet (a partition that has none gets one: a
-    live node that looks stale is merely not chosen); by then every live node has heartbeated through it. Without the rule, killing the Raft leader's node moved partitions off live leaders (a new epoch,
-    a recovery and a roll each) — seen on real nodes. ``None``: the caller knows the log had no gap.
+    live node that looks stale is merely not chosen); by then every live node has heartbeated through it. Without
+    the rule, killing the Raft leader's node moved partitions off live leaders (a new epoch, a recovery and a roll
+    each), as seen on real nodes. ``None``: the caller knows the log had no gap.
 
     Pure and deterministic: partitions in topic then partition order; the candidate is a live node, not draining
     if possible, then the one that heartbeated last, then the lowest id. Each :class:`ElectLeader` carries the
