@@ -19,7 +19,8 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 
 
 def test_every_bench_is_covered() -> None:
-    assert {"produce.py", "replication.py", "failover.py", "audit.py", "fuzz.py", "soak.py"} <= set(SCRIPTS)
+    assert {"produce.py", "replication.py", "ensemble.py", "site_cluster.py", "failover.py", "audit.py", "fuzz.py",
+            "soak.py"} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
