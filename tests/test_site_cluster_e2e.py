@@ -19,10 +19,10 @@ from georep.client.consumer import Consumer
 from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
+from georep.record.batch import RecordInput, encode_batch
 from georep.server.rpc import LEADER_METADATA
 from georep.storage.replica_store import ReplicaStore
-from tests.support.cluster_site import ClusterSite
+from tests.support.cluster_site import ClusterSite, read_partition
 
 TOPIC = "orders"
 PRODUCER_ID = 4242
@@ -72,27 +72,6 @@ class Writer:
         raise AssertionError(f"batch {seq} was not acknowledged within {deadline_s} s (last address {self.address})")
 
 
-def read_all(address: str, topic: str = TOPIC, partition: int = 0) -> list[tuple[str, int, bytes]]:
-    """Every record of the partition, from its leader, as (origin, origin seq, value)."""
-    out: list[tuple[str, int, bytes]] = []
-    with grpc.insecure_channel(address) as channel:
-        stub = pbg.NodeStub(channel)
-        offset = 0
-        for _ in range(10_000):
-            request = pb.FetchRequest(topic=topic, partition=partition, offset=offset, max_bytes=1 << 20,
-                                      max_wait_ms=200)  # fmt: skip
-            response = next(iter(stub.Fetch(request, timeout=10)))
-            if not response.batches:
-                return out
-            at = 0
-            for h in iter_headers(response.batches):
-                for rec in decode_records(response.batches[at : at + h.size_bytes], h):
-                    out.append((str(h.origin), rec.origin_seq, bytes(rec.value or b"")))
-                at += h.size_bytes
-            offset = response.next_offset
-    raise AssertionError("the partition did not end")
-
-
 @pytest.mark.slow
 def test_killing_partition_leaders_one_after_another_loses_no_acked_write(tmp_path: Path) -> None:
     site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "8192"])
@@ -119,7 +98,7 @@ def test_killing_partition_leaders_one_after_another_loses_no_acked_write(tmp_pa
             writer.send(seq)
             seq += 1
         leader = site.wait_leader(TOPIC)
-        records = read_all(site.address(leader))
+        records = read_partition(site.address(leader), TOPIC, 0)
         acked = {(writer.origin, s, v) for s, v in writer.acked}
         stored = set(records)
         assert len(records) == len(stored), "a coordinate is stored twice (I2)"
@@ -206,7 +185,7 @@ def test_producers_follow_partition_leaders_across_kills_and_lose_nothing(tmp_pa
         assert min(sent) > 100, f"too little was written to prove anything: {sent}"
         stored: set[tuple[int, str, int, bytes]] = set()
         for partition in range(3):
-            records = read_all(site.address(site.wait_leader(topic, partition)), topic, partition)
+            records = read_partition(site.address(site.wait_leader(topic, partition)), topic, partition)
             assert len(set(records)) == len(records), f"partition {partition} holds a coordinate twice (I2)"
             stored |= {(partition, o, s, v) for o, s, v in records}
         lost = sorted(acked - stored)

@@ -140,18 +140,12 @@ def site_topology(spec: str, site: str) -> Topology:
     except TopologyFileError as exc:
         raise UsageError(f"--topology: {exc}") from None
     try:
-        nodes = topology.site(site).nodes
+        topology.site(site)
     except UnknownSite:
         raise UsageError(
             f"site {site!r} is not in topology {spec} (sites: {', '.join(topology.site_ids())}): "
             "pass --site with one of them, or --topology with a file that defines this site"
         ) from None
-    if len(nodes) > 1:
-        linked = [f"{link.src}->{link.dst}" for link in topology.links_sorted() if site in (link.src, link.dst)]
-        if linked:
-            raise UsageError(f"site {site!r} lists {len(nodes)} nodes in {spec} and has links ({', '.join(linked)}): "
-                             "replication between sites does not run on multi-node sites yet (docs/cluster.md, "
-                             "'Not yet'): give the site one node, or run it without links")  # fmt: skip
     return topology
 
 

@@ -50,13 +50,6 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
             site.raft_addresses()
         except InvalidTopology as exc:
             raise TopologyFileError(str(exc)) from None
-        linked = [f"{link.src}->{link.dst}" for link in topology.links_sorted() if sid in (link.src, link.dst)]
-        if linked:
-            raise TopologyFileError(
-                f"site {sid} lists {len(site.nodes)} nodes and has links ({', '.join(linked)}): replication between "
-                "sites does not run on multi-node sites yet (docs/cluster.md, 'Not yet'); give the site one node, "
-                "or run it without links"
-            )
         for member in site.members:
             procs.append(NodeProcess(site=sid, data_dir=data_dir / sid / str(member.id), listen=member.address,
                                      extra_args=[*args, "--node-id", str(member.id)], node_id=member.id))  # fmt: skip

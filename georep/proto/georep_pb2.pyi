@@ -710,11 +710,16 @@ class ReplicateRequest(_message.Message):
     WANTS_FIELD_NUMBER: _builtins.int
     MAX_BYTES_FIELD_NUMBER: _builtins.int
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
+    FORWARDED_FIELD_NUMBER: _builtins.int
     dst_site: _builtins.str
     max_bytes: _builtins.int
     """per response message"""
     max_wait_ms: _builtins.int
     """heartbeat interval when there is nothing to send"""
+    forwarded: _builtins.bool
+    """Set by a node of a multi-node site that serves a pull for partitions another node of its site leads: the
+    receiving node serves only the partitions it leads (NOT_LEADER for the rest), and forwards nothing.
+    """
     @_builtins.property
     def wants(self) -> _containers.RepeatedCompositeFieldContainer[Global___PullWant]: ...
     def __init__(
@@ -724,10 +729,11 @@ class ReplicateRequest(_message.Message):
         wants: _abc.Iterable[Global___PullWant] | None = ...,
         max_bytes: _builtins.int = ...,
         max_wait_ms: _builtins.int = ...,
+        forwarded: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_site", b"dst_site", "max_bytes", b"max_bytes", "max_wait_ms", b"max_wait_ms", "wants", b"wants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_site", b"dst_site", "forwarded", b"forwarded", "max_bytes", b"max_bytes", "max_wait_ms", b"max_wait_ms", "wants", b"wants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1055,7 +1061,10 @@ class ReportHeldRequest(_message.Message):
 
     REPORTER_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    FORWARDED_FIELD_NUMBER: _builtins.int
     reporter: _builtins.str
+    forwarded: _builtins.bool
+    """passed on by a node of the same multi-node site: do not pass it on again"""
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldEntry]: ...
     def __init__(
@@ -1063,10 +1072,11 @@ class ReportHeldRequest(_message.Message):
         *,
         reporter: _builtins.str = ...,
         entries: _abc.Iterable[Global___HeldEntry] | None = ...,
+        forwarded: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "reporter", b"reporter"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "forwarded", b"forwarded", "reporter", b"reporter"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2220,3 +2230,243 @@ class ReadSegmentResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReadSegmentResponse: _TypeAlias = ReadSegmentResponse  # noqa: Y015
+
+@_typing.final
+class ListSegmentsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSegmentsRequest: _TypeAlias = ListSegmentsRequest  # noqa: Y015
+
+@_typing.final
+class HeldSegment(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    END_OFFSET_FIELD_NUMBER: _builtins.int
+    FLUSHED_OFFSET_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    end_offset: _builtins.int
+    flushed_offset: _builtins.int
+    """what the copy holds fsynced: a member holds a sealed segment whole if this reaches the sealed end"""
+    size_bytes: _builtins.int
+    @_builtins.property
+    def segment(self) -> Global___SegmentRef: ...
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentRef | None = ...,
+        end_offset: _builtins.int = ...,
+        flushed_offset: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "flushed_offset", b"flushed_offset", "segment", b"segment", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldSegment: _TypeAlias = HeldSegment  # noqa: Y015
+
+@_typing.final
+class ListSegmentsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldSegment]:
+        """by topic, partition, segment id"""
+
+    def __init__(
+        self,
+        *,
+        segments: _abc.Iterable[Global___HeldSegment] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["segments", b"segments"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSegmentsResponse: _TypeAlias = ListSegmentsResponse  # noqa: Y015
+
+@_typing.final
+class CopySegmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    BASE_OFFSET_FIELD_NUMBER: _builtins.int
+    START_VECTOR_FIELD_NUMBER: _builtins.int
+    END_OFFSET_FIELD_NUMBER: _builtins.int
+    SOURCE_ADDRESS_FIELD_NUMBER: _builtins.int
+    SOURCE_NODE_FIELD_NUMBER: _builtins.int
+    base_offset: _builtins.int
+    end_offset: _builtins.int
+    """the sealed end: the copy holds [base_offset, end_offset) once answered"""
+    source_address: _builtins.str
+    """a member that holds it whole"""
+    source_node: _builtins.int
+    """for messages"""
+    @_builtins.property
+    def segment(self) -> Global___SegmentRef: ...
+    @_builtins.property
+    def start_vector(self) -> Global___VectorOffset:
+        """the end vector of the segment before it"""
+
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentRef | None = ...,
+        base_offset: _builtins.int = ...,
+        start_vector: Global___VectorOffset | None = ...,
+        end_offset: _builtins.int = ...,
+        source_address: _builtins.str = ...,
+        source_node: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment", "start_vector", b"start_vector"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_offset", b"base_offset", "end_offset", b"end_offset", "segment", b"segment", "source_address", b"source_address", "source_node", b"source_node", "start_vector", b"start_vector"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CopySegmentRequest: _TypeAlias = CopySegmentRequest  # noqa: Y015
+
+@_typing.final
+class CopySegmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FLUSHED_OFFSET_FIELD_NUMBER: _builtins.int
+    COPIED_BYTES_FIELD_NUMBER: _builtins.int
+    flushed_offset: _builtins.int
+    """the copy's fsynced end (the sealed end)"""
+    copied_bytes: _builtins.int
+    """read from the source by this call (0: it held the segment already)"""
+    def __init__(
+        self,
+        *,
+        flushed_offset: _builtins.int = ...,
+        copied_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copied_bytes", b"copied_bytes", "flushed_offset", b"flushed_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CopySegmentResponse: _TypeAlias = CopySegmentResponse  # noqa: Y015
+
+@_typing.final
+class RollSegmentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def segment(self) -> Global___SegmentRef: ...
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RollSegmentRequest: _TypeAlias = RollSegmentRequest  # noqa: Y015
+
+@_typing.final
+class RollSegmentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLLING_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    rolling: _builtins.bool
+    """the leader rolls it now (or was already rolling it)"""
+    reason: _builtins.str
+    """why not, when not rolling"""
+    def __init__(
+        self,
+        *,
+        rolling: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "rolling", b"rolling"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RollSegmentResponse: _TypeAlias = RollSegmentResponse  # noqa: Y015
+
+@_typing.final
+class DecommissionNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    cancel: _builtins.bool
+    """stop draining it: it takes new segments again (what was moved stays moved)"""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+        cancel: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecommissionNodeRequest: _TypeAlias = DecommissionNodeRequest  # noqa: Y015
+
+@_typing.final
+class DecommissionNodeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    SEALED_SEGMENTS_FIELD_NUMBER: _builtins.int
+    OPEN_SEGMENTS_FIELD_NUMBER: _builtins.int
+    LEADER_OF_FIELD_NUMBER: _builtins.int
+    DRAINED_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    draining: _builtins.bool
+    sealed_segments: _builtins.int
+    """sealed segments whose ensemble still lists it: repair copies them elsewhere"""
+    open_segments: _builtins.int
+    """open ones: their leaders roll them"""
+    leader_of: _builtins.int
+    """partitions it leads: the controller moves them"""
+    drained: _builtins.bool
+    """draining and none of the above: it can be stopped without losing a copy"""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+        draining: _builtins.bool = ...,
+        sealed_segments: _builtins.int = ...,
+        open_segments: _builtins.int = ...,
+        leader_of: _builtins.int = ...,
+        drained: _builtins.bool = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "draining", b"draining", "leader_of", b"leader_of", "message", b"message", "node_id", b"node_id", "open_segments", b"open_segments", "sealed_segments", b"sealed_segments"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecommissionNodeResponse: _TypeAlias = DecommissionNodeResponse  # noqa: Y015

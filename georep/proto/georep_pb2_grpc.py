@@ -139,6 +139,11 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.DecommissionNode = channel.unary_unary(
+                '/georep.v1.Node/DecommissionNode',
+                request_serializer=georep_dot_proto_dot_georep__pb2.DecommissionNodeRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.DecommissionNodeResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -297,6 +302,19 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecommissionNode(self, request, context):
+        """Admin (`georep cluster decommission`): start (or, with cancel, stop)
+        draining a node of a multi-node site, through the site's metadata. A
+        draining node takes no new segment; the Raft leader's controller moves
+        its leaderships away, rolls its open segments and copies its sealed ones
+        to other nodes. Answers how much the metadata still puts on it; calling
+        again with the same request changes nothing and answers the progress.
+        A one-node site answers FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -404,6 +422,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.ClusterStatusRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'DecommissionNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecommissionNode,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.DecommissionNodeRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.DecommissionNodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -983,6 +1006,33 @@ class Node:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def DecommissionNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/DecommissionNode',
+            georep_dot_proto_dot_georep__pb2.DecommissionNodeRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.DecommissionNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class SegmentsStub:
     """Inside a multi-node site: the segment storage of its nodes (docs/design.md,
@@ -1018,6 +1068,21 @@ class SegmentsStub:
                 '/georep.v1.Segments/ReadSegment',
                 request_serializer=georep_dot_proto_dot_georep__pb2.ReadSegmentRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.ReadSegmentResponse.FromString,
+                _registered_method=True)
+        self.ListSegments = channel.unary_unary(
+                '/georep.v1.Segments/ListSegments',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ListSegmentsRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ListSegmentsResponse.FromString,
+                _registered_method=True)
+        self.CopySegment = channel.unary_unary(
+                '/georep.v1.Segments/CopySegment',
+                request_serializer=georep_dot_proto_dot_georep__pb2.CopySegmentRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.CopySegmentResponse.FromString,
+                _registered_method=True)
+        self.RollSegment = channel.unary_unary(
+                '/georep.v1.Segments/RollSegment',
+                request_serializer=georep_dot_proto_dot_georep__pb2.RollSegmentRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.RollSegmentResponse.FromString,
                 _registered_method=True)
 
 
@@ -1066,6 +1131,34 @@ class SegmentsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSegments(self, request, context):
+        """Repair (the Raft leader's controller asks): every segment copy this node
+        holds, with its ends and size, so that the planner knows which members
+        hold a sealed segment whole and how big it is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CopySegment(self, request, context):
+        """Repair: copy the sealed segment from the member at source_address
+        (ReadSegment, from this node's end), checking every batch's CRC, and
+        fsync it; answered only then. The controller then records this node as a
+        member in the site's metadata (or, for a fill, it was one already).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollSegment(self, request, context):
+        """Repair: the partition's leader rolls this open segment (a member is dead
+        or draining, or it has fewer members than the replication factor and
+        another node can join the next one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SegmentsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1088,6 +1181,21 @@ def add_SegmentsServicer_to_server(servicer, server):
                     servicer.ReadSegment,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.ReadSegmentRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.ReadSegmentResponse.SerializeToString,
+            ),
+            'ListSegments': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSegments,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ListSegmentsRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ListSegmentsResponse.SerializeToString,
+            ),
+            'CopySegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.CopySegment,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.CopySegmentRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.CopySegmentResponse.SerializeToString,
+            ),
+            'RollSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollSegment,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.RollSegmentRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.RollSegmentResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1204,6 +1312,87 @@ class Segments:
             '/georep.v1.Segments/ReadSegment',
             georep_dot_proto_dot_georep__pb2.ReadSegmentRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.ReadSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSegments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Segments/ListSegments',
+            georep_dot_proto_dot_georep__pb2.ListSegmentsRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ListSegmentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopySegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Segments/CopySegment',
+            georep_dot_proto_dot_georep__pb2.CopySegmentRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.CopySegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Segments/RollSegment',
+            georep_dot_proto_dot_georep__pb2.RollSegmentRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.RollSegmentResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -94,6 +94,15 @@ class NodeStub:
     under-replicated segments, the Raft group. A one-node site answers
     FAILED_PRECONDITION: it has no segment cluster.
     """
+    DecommissionNode: _grpc.UnaryUnaryMultiCallable[_georep_pb2.DecommissionNodeRequest, _georep_pb2.DecommissionNodeResponse]
+    """Admin (`georep cluster decommission`): start (or, with cancel, stop)
+    draining a node of a multi-node site, through the site's metadata. A
+    draining node takes no new segment; the Raft leader's controller moves
+    its leaderships away, rolls its open segments and copies its sealed ones
+    to other nodes. Answers how much the metadata still puts on it; calling
+    again with the same request changes nothing and answers the progress.
+    A one-node site answers FAILED_PRECONDITION.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -154,6 +163,15 @@ class NodeAsyncStub(NodeStub):
     metadata has it (`georep cluster status`): nodes, partition leaders,
     under-replicated segments, the Raft group. A one-node site answers
     FAILED_PRECONDITION: it has no segment cluster.
+    """
+    DecommissionNode: _aio.UnaryUnaryMultiCallable[_georep_pb2.DecommissionNodeRequest, _georep_pb2.DecommissionNodeResponse]  # type: ignore[assignment]
+    """Admin (`georep cluster decommission`): start (or, with cancel, stop)
+    draining a node of a multi-node site, through the site's metadata. A
+    draining node takes no new segment; the Raft leader's controller moves
+    its leaderships away, rolls its open segments and copies its sealed ones
+    to other nodes. Answers how much the metadata still puts on it; calling
+    again with the same request changes nothing and answers the progress.
+    A one-node site answers FAILED_PRECONDITION.
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -340,6 +358,21 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         FAILED_PRECONDITION: it has no segment cluster.
         """
 
+    @_abc_1.abstractmethod
+    def DecommissionNode(
+        self,
+        request: _georep_pb2.DecommissionNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.DecommissionNodeResponse, _abc.Awaitable[_georep_pb2.DecommissionNodeResponse]]:
+        """Admin (`georep cluster decommission`): start (or, with cancel, stop)
+        draining a node of a multi-node site, through the site's metadata. A
+        draining node takes no new segment; the Raft leader's controller moves
+        its leaderships away, rolls its open segments and copies its sealed ones
+        to other nodes. Answers how much the metadata still puts on it; calling
+        again with the same request changes nothing and answers the progress.
+        A one-node site answers FAILED_PRECONDITION.
+        """
+
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class SegmentsStub:
@@ -375,6 +408,22 @@ class SegmentsStub:
     offset up to end_offset: reads of a segment the leader does not hold, and
     copies (recovery, repair).
     """
+    ListSegments: _grpc.UnaryUnaryMultiCallable[_georep_pb2.ListSegmentsRequest, _georep_pb2.ListSegmentsResponse]
+    """Repair (the Raft leader's controller asks): every segment copy this node
+    holds, with its ends and size, so that the planner knows which members
+    hold a sealed segment whole and how big it is.
+    """
+    CopySegment: _grpc.UnaryUnaryMultiCallable[_georep_pb2.CopySegmentRequest, _georep_pb2.CopySegmentResponse]
+    """Repair: copy the sealed segment from the member at source_address
+    (ReadSegment, from this node's end), checking every batch's CRC, and
+    fsync it; answered only then. The controller then records this node as a
+    member in the site's metadata (or, for a fill, it was one already).
+    """
+    RollSegment: _grpc.UnaryUnaryMultiCallable[_georep_pb2.RollSegmentRequest, _georep_pb2.RollSegmentResponse]
+    """Repair: the partition's leader rolls this open segment (a member is dead
+    or draining, or it has fewer members than the replication factor and
+    another node can join the next one).
+    """
 
 @_typing.type_check_only
 class SegmentsAsyncStub(SegmentsStub):
@@ -406,6 +455,22 @@ class SegmentsAsyncStub(SegmentsStub):
     """Whole batches of a segment copy, as stored (local prefixes included), from
     offset up to end_offset: reads of a segment the leader does not hold, and
     copies (recovery, repair).
+    """
+    ListSegments: _aio.UnaryUnaryMultiCallable[_georep_pb2.ListSegmentsRequest, _georep_pb2.ListSegmentsResponse]  # type: ignore[assignment]
+    """Repair (the Raft leader's controller asks): every segment copy this node
+    holds, with its ends and size, so that the planner knows which members
+    hold a sealed segment whole and how big it is.
+    """
+    CopySegment: _aio.UnaryUnaryMultiCallable[_georep_pb2.CopySegmentRequest, _georep_pb2.CopySegmentResponse]  # type: ignore[assignment]
+    """Repair: copy the sealed segment from the member at source_address
+    (ReadSegment, from this node's end), checking every batch's CRC, and
+    fsync it; answered only then. The controller then records this node as a
+    member in the site's metadata (or, for a fill, it was one already).
+    """
+    RollSegment: _aio.UnaryUnaryMultiCallable[_georep_pb2.RollSegmentRequest, _georep_pb2.RollSegmentResponse]  # type: ignore[assignment]
+    """Repair: the partition's leader rolls this open segment (a member is dead
+    or draining, or it has fewer members than the replication factor and
+    another node can join the next one).
     """
 
 class SegmentsServicer(metaclass=_abc_1.ABCMeta):
@@ -459,6 +524,40 @@ class SegmentsServicer(metaclass=_abc_1.ABCMeta):
         """Whole batches of a segment copy, as stored (local prefixes included), from
         offset up to end_offset: reads of a segment the leader does not hold, and
         copies (recovery, repair).
+        """
+
+    @_abc_1.abstractmethod
+    def ListSegments(
+        self,
+        request: _georep_pb2.ListSegmentsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.ListSegmentsResponse, _abc.Awaitable[_georep_pb2.ListSegmentsResponse]]:
+        """Repair (the Raft leader's controller asks): every segment copy this node
+        holds, with its ends and size, so that the planner knows which members
+        hold a sealed segment whole and how big it is.
+        """
+
+    @_abc_1.abstractmethod
+    def CopySegment(
+        self,
+        request: _georep_pb2.CopySegmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.CopySegmentResponse, _abc.Awaitable[_georep_pb2.CopySegmentResponse]]:
+        """Repair: copy the sealed segment from the member at source_address
+        (ReadSegment, from this node's end), checking every batch's CRC, and
+        fsync it; answered only then. The controller then records this node as a
+        member in the site's metadata (or, for a fill, it was one already).
+        """
+
+    @_abc_1.abstractmethod
+    def RollSegment(
+        self,
+        request: _georep_pb2.RollSegmentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.RollSegmentResponse, _abc.Awaitable[_georep_pb2.RollSegmentResponse]]:
+        """Repair: the partition's leader rolls this open segment (a member is dead
+        or draining, or it has fewer members than the replication factor and
+        another node can join the next one).
         """
 
 def add_SegmentsServicer_to_server(servicer: SegmentsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -130,7 +130,7 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         identity = load_or_create_identity(data_dir, site, int(time.time()))
     broker = Broker(data_dir, identity, defaults, metadata=metadata)
     metrics = NodeMetrics(broker)
-    replicator = Replicator(broker, topology, site, stall_ms) if topology is not None and in_site is None else None
+    replicator = Replicator(broker, topology, site, stall_ms) if topology is not None else None
     if replicator is not None:
         metrics.attach(replicator)
     replicas = ReplicaStore(data_dir, broker.clock_ms())
@@ -202,6 +202,8 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         await member.stop()
     if replicator is not None:
         await replicator.stop()
+    if site_cluster is not None:
+        await site_cluster.close()
     service.stop_streams()
     for task in housekeeping:
         task.cancel()

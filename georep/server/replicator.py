@@ -80,10 +80,13 @@ _END = "end"
 class Puller:
     """The inbound link ``src -> site``: its pull session, topic sync and held reports."""
 
-    def __init__(self, replicator: Replicator, src: SiteId, address: str) -> None:
+    def __init__(self, replicator: Replicator, src: SiteId, addresses: tuple[str, ...]) -> None:
         self.r = replicator
         self.src = src
-        self.address = address
+        # Every node of src: a node of a multi-node site serves the whole site (it passes on the pulls of the
+        # partitions other nodes lead), so the puller moves to the next node when one fails.
+        self.addresses = addresses
+        self.address = addresses[0]
         broker = replicator.broker
         self.session = PullSession(
             src, replicator.links, broker.origin, lambda key: broker.partition(*key).log.vector(),
@@ -123,9 +126,23 @@ class Puller:
         if self._channel is not None:
             await self._channel.close(grace=None)
 
+    def _next_node(self) -> None:
+        """Pull from src's next node from now on (the current one failed)."""
+        if len(self.addresses) < 2:
+            return
+        self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            task = asyncio.create_task(channel.close(grace=None))
+            self.r.background.add(task)
+            task.add_done_callback(self.r.background.discard)
+
     def _usable(self, key: PartitionKey) -> bool:
         topic, index = key
-        return (topic, self.src) not in self.r.conflicts and index < self.remote_topics.get(topic, 0)
+        # A multi-node site's node pulls only the partitions it leads: the wants change (and the stream reopens)
+        # as leadership moves. A one-node site serves every partition of its topics.
+        return ((topic, self.src) not in self.r.conflicts and index < self.remote_topics.get(topic, 0)
+                and key in self.r.broker.partitions)  # fmt: skip
 
     def set_enabled(self, enabled: bool) -> None:
         """An operator cut or healed the link; the stream loop tells the session."""
@@ -143,13 +160,13 @@ class Puller:
             await self.enabled.wait()
             try:
                 resp = await self.stub.ListTopics(pb.ListTopicsRequest(), timeout=RPC_TIMEOUT_S)
-                self.sync_topics(resp)
+                await self.sync_topics(resp)
                 self._topics_synced.set()
             except grpc.aio.AioRpcError as exc:
                 log.debug("listing topics at %s (%s) failed: %s", self.src, self.address, exc.details())
             await asyncio.sleep(TOPIC_SYNC_S)
 
-    def sync_topics(self, resp: pb.ListTopicsResponse) -> None:
+    async def sync_topics(self, resp: pb.ListTopicsResponse) -> None:
         r = self.r
         remote = [RemoteTopic(t.name, t.partitions, dict(t.config)) for t in resp.topics]
         self.remote_topics = {t.name: t.partitions for t in remote}
@@ -157,7 +174,11 @@ class Puller:
         plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local)
         for t in plan.create:
             try:
-                r.broker.create_topic(t.name, t.partitions, dict(t.config))
+                if r.broker.in_site:  # a multi-node site's topics are Raft commands: not on the event loop
+                    await asyncio.get_running_loop().run_in_executor(
+                        None, r.broker.create_topic, t.name, t.partitions, dict(t.config))
+                else:
+                    r.broker.create_topic(t.name, t.partitions, dict(t.config))
                 log.info("created topic %r (%d partitions) replicated from site %s", t.name, t.partitions, self.src)
             except TopicExists:
                 pass  # created meanwhile: the next round compares partition counts
@@ -189,6 +210,7 @@ class Puller:
                 for (site, topic, index), vector in entries
             ])  # fmt: skip
             try:
+                # To one node of src: a node of a multi-node site passes it on to the others (any may lead).
                 await self.stub.ReportHeld(request, timeout=RPC_TIMEOUT_S)
                 self.reporter.acked()
             except grpc.aio.AioRpcError as exc:
@@ -219,6 +241,8 @@ class Puller:
             stream_id, what = item
             if isinstance(what, str):
                 error = None if what == _END else what
+                if error is not None:
+                    self._next_node()
                 await self._perform(session.on_stream_ended(stream_id, now(), error))
                 continue
             try:
@@ -340,10 +364,11 @@ class Replicator:
         # (topic, partition, origin) -> replication delay of the last batch applied
         self.lag_ms: dict[tuple[str, int, Origin], int] = {}
         self.pullers = {
-            link.src: Puller(self, link.src, topology.site(link.src).nodes[0])
+            link.src: Puller(self, link.src, topology.site(link.src).nodes)
             for link in topology.links_sorted()
             if link.dst == self.site
         }
+        self.background: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         upstreams = sorted(self.pullers)
         others = [s for s in topology.site_ids() if s != self.site and s not in self.pullers]
@@ -385,6 +410,7 @@ class Replicator:
             await puller.close()
         for channel in self._peer_channels.values():
             await channel.close()
+        await asyncio.gather(*self.background, return_exceptions=True)
 
     async def _repair_loop(self) -> None:
         while True:
@@ -422,6 +448,9 @@ class Replicator:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
+            if self.broker.in_site:  # topics other nodes of a multi-node site created, through Raft
+                for name, spec in sorted(self.broker.metadata.topics().items()):
+                    self.links.topic(name, spec.partitions)
             for key, p in sorted(self.broker.partitions.items()):
                 self.links.local_vector(key, p.log.vector())
             self.links.tick(self.now_ms())

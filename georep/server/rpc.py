@@ -10,6 +10,7 @@ with the status code ``georep/server/status.py`` gives it and its own message.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -98,3 +99,33 @@ def stream_stream(fn: Streaming) -> grpc.RpcMethodHandler[bytes, Message]:
 
 def service(name: str, methods: Mapping[str, grpc.RpcMethodHandler[bytes, Message]]) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(name, dict(methods))
+
+
+async def merge_streams(sources: list[AsyncIterator[M]], queue_max: int = 4) -> AsyncIterator[M]:
+    """The messages of every source as they come; the first source to fail ends it all with its error, and one
+    that ends ends it all too (a pull over several nodes is whole or not at all: the caller opens it again)."""
+    queue: asyncio.Queue[tuple[int, M | BaseException | None]] = asyncio.Queue(queue_max)
+
+    async def pump(index: int, source: AsyncIterator[M]) -> None:
+        try:
+            async for message in source:
+                await queue.put((index, message))
+            await queue.put((index, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        while True:
+            _index, item = await queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

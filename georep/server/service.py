@@ -24,6 +24,7 @@ from georep.broker.errors import (
     NotLeader,
     NoTopology,
     NotYetSupported,
+    SegmentUnreadable,
     SingleNodeSite,
     WriteFailed,
 )
@@ -34,7 +35,7 @@ from georep.replication.source import Chunk, ReplicaSource
 from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
-from georep.server.rpc import Context, parse, service, status, stream_stream, unary, unary_stream
+from georep.server.rpc import Context, merge_streams, parse, service, status, stream_stream, unary, unary_stream
 from georep.server.status import DOMAIN_ERRORS
 from georep.storage.api import BatchDamaged
 from georep.storage.chain_log import ChainLog, SegmentElsewhere
@@ -355,14 +356,17 @@ class NodeService:
 
     async def replicate(self, data: bytes, context: Context) -> AsyncIterator[pb.ReplicateResponse]:
         """Serve one inbound pull (docs/design.md, "Replication"): a heartbeat first, then
-        batches the dst lacks as they become durable, and a heartbeat every ``max_wait_ms`` when idle."""
+        batches the dst lacks as they become durable, and a heartbeat every ``max_wait_ms`` when idle.
+
+        On a multi-node site, the partitions this node leads are served here and the others are pulled from their
+        leaders (``forwarded``) and passed on, so a destination pulls the whole site over one stream. A partition
+        whose leader moves ends the stream: the destination reopens it, and the new routes serve it."""
         req = parse(pb.ReplicateRequest, data)
         if req.dst_site:
             try:
                 site_id(req.dst_site)
             except InvalidSiteId as exc:
                 raise InvalidRequest(f"malformed ReplicateRequest: {exc}") from None
-        partitions: dict[tuple[str, int], Partition] = {}
         wants: dict[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]] = {}
         for want in req.wants:
             key = (want.topic, want.partition)
@@ -370,20 +374,54 @@ class NodeService:
                 raise InvalidRequest(
                     f"malformed ReplicateRequest: {want.topic}-{want.partition} is wanted twice; list it once"
                 )
-            partitions[key] = self.broker.partition(want.topic, want.partition)
             try:
                 have = vector_from_proto(want.have).to_dict()
             except InvalidVectorOffset as exc:
                 raise InvalidRequest(f"malformed have-vector for {want.topic}-{want.partition}: {exc}") from None
             wants[key] = (dict(have), tuple(want.origin_sites))
+        elsewhere: dict[str, list[pb.PullWant]] = {}
+        partitions: dict[tuple[str, int], Partition] = {}
+        for want in req.wants:
+            key = (want.topic, want.partition)
+            try:
+                partitions[key] = self.broker.partition(*key)
+            except NotLeader as exc:
+                if req.forwarded or self.site_cluster is None:
+                    raise
+                if not exc.leader_hint:
+                    raise SegmentUnreadable(f"{key[0]}-{key[1]} has no leader at site {self.broker.identity.site} "
+                                            "yet (a leader change is under way); retry in a moment") from None
+                elsewhere.setdefault(exc.leader_hint, []).append(want)
         max_bytes = min(req.max_bytes or REPLICATE_MAX_BYTES_DEFAULT, FETCH_MAX_BYTES_CAP)
         max_wait_ms = min(req.max_wait_ms or REPLICATE_MAX_WAIT_MS_DEFAULT, FETCH_MAX_WAIT_MS_CAP)
+        local = {k: wants[k] for k in partitions}
+        if not elsewhere:
+            async for response in self._serve_replicas(partitions, local, max_bytes, max_wait_ms):
+                yield response
+            return
+        assert self.site_cluster is not None
+        sources = [self._serve_replicas(partitions, local, max_bytes, max_wait_ms)] if partitions else []
+        for address, forwarded in sorted(elsewhere.items()):
+            sub = pb.ReplicateRequest(dst_site=req.dst_site, wants=forwarded, max_bytes=req.max_bytes,
+                                      max_wait_ms=req.max_wait_ms, forwarded=True)  # fmt: skip
+            sources.append(self.site_cluster.pull_from(address, sub))
+        async for response in merge_streams(sources):
+            yield response
+
+    async def _serve_replicas(self, partitions: dict[tuple[str, int], Partition],
+                              wants: dict[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]],
+                              max_bytes: int, max_wait_ms: int) -> AsyncIterator[pb.ReplicateResponse]:  # fmt: skip
+        """The pulls of the partitions this node serves; ends with ``NotLeader`` if it stops serving one."""
         source = ReplicaSource({k: p.log for k, p in partitions.items()}, wants, heartbeat_ms=max_wait_ms)
         clock = self.broker.clock_ms
         stopping = self._stopping_future()
         while not stopping.done():
+            for key, p in partitions.items():
+                if self.broker.partitions.get(key) is not p:
+                    self.broker.partition(*key)  # NotLeader: it moved (the destination reopens, and is routed)
+                    raise NotLeader(*key, "its segment changed while it was being served; pull it again")
             step = source.step(clock(), max_bytes)
-            if step.chunks:
+            if step.chunks or step.heartbeat:  # a heartbeat of a pull that wants nothing (yet) has no chunk
                 if not step.heartbeat:
                     self.metrics.replicated_out(sum(len(c.batches) for c in step.chunks))
                 yield self._replicate_response(step.chunks)
@@ -461,6 +499,10 @@ class NodeService:
                 raise InvalidRequest(f"malformed ReportHeldRequest: {exc}") from None
             entries.append((e.site, e.topic, e.partition, vector))
         self.broker.report_held(entries)
+        if self.site_cluster is not None and not req.forwarded:
+            # Whichever node of this site leads a partition (now or after a failover) releases its geo acks.
+            forwarded = pb.ReportHeldRequest(reporter=req.reporter, entries=req.entries, forwarded=True)
+            self.site_cluster.tell_peers(forwarded)
         return pb.ReportHeldResponse()
 
     async def cluster_status(self, data: bytes, context: Context) -> pb.ClusterStatusResponse:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -37,6 +37,7 @@ from cluster.ids import NodeId
 from cluster.raft_store import RaftMetadataStore
 from cluster.status import cluster_status
 from georep.broker.errors import NotLeader, SegmentUnreadable
+from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.broker import Broker
@@ -78,6 +79,8 @@ class SiteCluster:
         self.executor = executor
         self.channel = channel
         self._writing: dict[PartitionKey, _Writing] = {}
+        self._peers: dict[str, grpc.aio.Channel] = {}  # long-lived channels to the other nodes, by address
+        self._background: set[asyncio.Task[None]] = set()
         member.listener = self
         broker.leader_hint = self.leader_address
 
@@ -204,6 +207,53 @@ class SiteCluster:
     def _own_flush(self, key: PartitionKey, writing: _Writing, flushed: int | None, error: str) -> None:
         if self._writing.get(key) is writing:
             self.broker.own_flush_done(key, flushed, error)
+
+    # -- the other nodes of the site -------------------------------------------------------------------------
+
+    def _peer(self, address: str) -> pbg.NodeAsyncStub:
+        channel = self._peers.get(address)
+        if channel is None:
+            # A pull's messages hold whole batches (up to the largest max_batch_bytes): the client's size limits.
+            channel = self._peers[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return pbg.NodeStub(channel)
+
+    async def pull_from(self, address: str, request: pb.ReplicateRequest) -> AsyncIterator[pb.ReplicateResponse]:
+        """A destination's pull of the partitions the node at ``address`` leads (``forwarded``), passed on by this
+        node. Ends with :class:`SegmentUnreadable` (UNAVAILABLE: the destination reopens) when that node stops."""
+        call = self._peer(address).Replicate(request)
+        try:
+            async for response in call:
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            raise SegmentUnreadable(f"the pull of {len(request.wants)} partition(s) led by the node at {address} "
+                                    f"ended ({exc.code().name}: {exc.details()}); pull again") from None
+        finally:
+            call.cancel()
+
+    def tell_peers(self, report: pb.ReportHeldRequest) -> None:
+        """Pass what another site holds on to every other live node of this site, in the background (a node that
+        misses one hears the next: reports are cumulative)."""
+        state = self.metadata.state()
+        now = self.member.clock_ms()
+        for node in state.live_nodes(now, self.member.config.session_timeout_ms):
+            if node.node != self.member.me:
+                task = asyncio.create_task(self._tell(node.address, report))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _tell(self, address: str, report: pb.ReportHeldRequest) -> None:
+        try:
+            await self._peer(address).ReportHeld(report, timeout=REMOTE_READ_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("passing a held report on to %s failed: %s", address, exc.details())
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for channel in self._peers.values():
+            await channel.close(grace=None)
+        self._peers.clear()
 
     # -- reads of segments held elsewhere --------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ new metadata. So its chain never changes under it.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -101,6 +102,9 @@ class ChainLog:
             raise ValueError(f"{key}: this node holds no copy of the open segment {self.open.segment_id}")
         self._lac = self.open.base_offset
         self._lac_vector = lac_vector
+        # Produced batches are appended on the event loop and replicated ones in the broker's writer thread: each
+        # append and its entry above the LAC go together, so the entries stay in offset order.
+        self._lock = threading.Lock()
         self._above_lac: collections.deque[tuple[int, Origin, int]] = collections.deque()
         self._remote: collections.OrderedDict[tuple[SegmentId, int], ReadResult] = collections.OrderedDict()
         self._remote_bytes = 0
@@ -109,13 +113,14 @@ class ChainLog:
 
     def advance_lac(self, lac: int) -> bool:
         """The ack quorum holds everything below ``lac``; True if that moved the LAC."""
-        if lac <= self._lac:
-            return False
-        self._lac = lac
-        while self._above_lac and self._above_lac[0][0] <= lac:
-            _, origin, next_seq = self._above_lac.popleft()
-            self._lac_vector = self._lac_vector.advanced(origin, next_seq)
-        return True
+        with self._lock:
+            if lac <= self._lac:
+                return False
+            self._lac = lac
+            while self._above_lac and self._above_lac[0][0] <= lac:
+                _, origin, next_seq = self._above_lac.popleft()
+                self._lac_vector = self._lac_vector.advanced(origin, next_seq)
+            return True
 
     @property
     def flushed_offset(self) -> LocalOffset:
@@ -174,8 +179,9 @@ class ChainLog:
     # -- PartitionLog: writes --------------------------------------------------------------------------------
 
     def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
-        stored = self.store.append_batch(self.key, self.epoch, self.open.segment_id, header, body, append_time_ms)
-        self._above_lac.append((stored.next_offset, stored.origin, stored.last_origin_seq + 1))
+        with self._lock:
+            stored = self.store.append_batch(self.key, self.epoch, self.open.segment_id, header, body, append_time_ms)
+            self._above_lac.append((stored.next_offset, stored.origin, stored.last_origin_seq + 1))
         return stored
 
     def flush(self) -> LocalOffset:

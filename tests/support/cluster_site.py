@@ -9,6 +9,7 @@ import grpc
 
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.record.batch import decode_records, iter_headers
 from georep.server.process import NodeProcess
 from tests.support.sites import free_ports
 
@@ -20,14 +21,17 @@ def site_toml(site: str, grpc_ports: list[int], raft_ports: list[int]) -> str:
 
 
 class ClusterSite:
-    """``count`` nodes of site ``site``, each ``georep node --node-id N`` with its own data dir under ``root``."""
+    """``count`` nodes of site ``site``, each ``georep node --node-id N`` with its own data dir under ``root``.
 
-    def __init__(self, root: Path, count: int = 3, site: str = "a", extra_args: list[str] | None = None) -> None:
+    ``more_toml`` adds to the topology file (other sites, links); those sites are the caller's to start."""
+
+    def __init__(self, root: Path, count: int = 3, site: str = "a", extra_args: list[str] | None = None,
+                 more_toml: str = "") -> None:  # fmt: skip
         ports = free_ports(2 * count)
         self.site = site
         self.grpc_ports, self.raft_ports = ports[:count], ports[count:]
         self.topology = root / "topology.toml"
-        self.topology.write_text(site_toml(site, self.grpc_ports, self.raft_ports))
+        self.topology.write_text(site_toml(site, self.grpc_ports, self.raft_ports) + more_toml)
         self.nodes = {
             i + 1: NodeProcess(site, root / site / str(i + 1), listen=f"127.0.0.1:{self.grpc_ports[i]}",
                                extra_args=["--node-id", str(i + 1), "--topology", str(self.topology),
@@ -81,3 +85,25 @@ class ClusterSite:
     def close(self) -> None:
         for node in self.nodes.values():
             node.stop()
+
+
+def read_partition(address: str, topic: str, partition: int) -> list[tuple[str, int, bytes]]:
+    """Every record of a partition at the node at ``address`` (a multi-node site: its leader), in log order, as
+    (origin, origin seq, value)."""
+    out: list[tuple[str, int, bytes]] = []
+    with grpc.insecure_channel(address) as channel:
+        stub = pbg.NodeStub(channel)
+        offset = 0
+        for _ in range(100_000):
+            request = pb.FetchRequest(topic=topic, partition=partition, offset=offset, max_bytes=1 << 20,
+                                      max_wait_ms=200)  # fmt: skip
+            response = next(iter(stub.Fetch(request, timeout=10)))
+            if not response.batches:
+                return out
+            at = 0
+            for h in iter_headers(response.batches):
+                for rec in decode_records(response.batches[at : at + h.size_bytes], h):
+                    out.append((str(h.origin), rec.origin_seq, bytes(rec.value or b"")))
+                at += h.size_bytes
+            offset = response.next_offset
+    raise AssertionError(f"{topic}-{partition} at {address} did not end")
