@@ -580,3 +580,135 @@ def plan_repair(
             slots -= 1
     return RepairPlan(tuple(copies), tuple(rolls), tuple(unrepairable), tuple(waiting), tuple(deferred),
                       tuple(fills))  # fmt: skip
+
+
+# -- decommissioning: leaderships off draining nodes, and how far a drain has got ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderView:
+    """What :func:`plan_leader_moves` needs of one partition: its leader, epoch and open segment's ensemble."""
+
+    topic: str
+    partition: int
+    leader: NodeId | None
+    leader_epoch: int
+    open_ensemble: tuple[NodeId, ...] | None  # None: no open segment
+
+
+@dataclass(frozen=True, slots=True)
+class MoveLeadership:
+    """Effect: elect ``to`` leader of the partition in place of draining ``leader`` (compare-and-set on
+    ``expected_epoch``, the metadata's ``ElectLeader``)."""
+
+    topic: str
+    partition: int
+    leader: NodeId
+    to: NodeId
+    expected_epoch: int
+
+    def message(self) -> str:
+        return (
+            f"move the leadership of {self.topic}/{self.partition} from node {self.leader}, which is draining, to "
+            f"node {self.to}; its recovery seals the open segment and opens the next one without node {self.leader}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LeadershipStuck:
+    """A draining node leads a partition and no node can take the leadership over now."""
+
+    topic: str
+    partition: int
+    leader: NodeId
+    reason: str
+
+    def message(self) -> str:
+        return f"{self.topic}/{self.partition} stays led by draining node {self.leader}: {self.reason}"
+
+
+def plan_leader_moves(partitions: Iterable[LeaderView],
+                      nodes: Iterable[NodeLoad]) -> tuple[MoveLeadership | LeadershipStuck, ...]:  # fmt: skip
+    """One :class:`MoveLeadership` per partition led by an alive, draining node, in topic and partition order
+    (:class:`LeadershipStuck` where no node can take it).
+
+    **Why move it at all.** A draining node takes no new segment
+    (``cluster.placement``), and the leader is always the first member of the
+    segment it opens, so a draining leader cannot open its partition's next
+    segment: at its next roll the partition would stop taking writes. The
+    repair planner cannot roll its open segment away either (the leader is
+    the member it would roll away from). So the leadership moves first, as
+    Kafka's controlled shutdown moves leaderships off a broker: the new
+    leader's recovery fences the old one, seals the open segment at an end
+    that keeps every acknowledged write, and opens the next one on eligible
+    nodes; the sealed segment is then copied off the draining node like any
+    other.
+
+    **Who takes it.** A member of the open segment's ensemble, as for any
+    election (``site_state.plan_leadership`` has the proof: only its members
+    hold the segment, and the new leader recovers it); any node when nothing
+    is open. Among those: alive, not draining, then the one leading the
+    fewest partitions (moves planned earlier in this pass count), then the
+    least loaded, then the lowest id, so that one drain spreads its
+    leaderships. A dead or missing leader is ``plan_leadership``'s case, not
+    this one.
+    """
+    by_id = index_nodes(nodes)
+    views = sorted(partitions, key=lambda p: (p.topic, p.partition))
+    leads: dict[NodeId, int] = {}
+    for p in views:
+        if p.leader is not None:
+            leads[p.leader] = leads.get(p.leader, 0) + 1
+    out: list[MoveLeadership | LeadershipStuck] = []
+    for p in views:
+        leader = by_id.get(p.leader) if p.leader is not None else None
+        if p.leader is None or leader is None or not leader.alive or not leader.draining:
+            continue
+        pool = sorted(by_id) if p.open_ensemble is None else list(p.open_ensemble)
+        candidates = [by_id[n] for n in pool if n in by_id and n != p.leader and by_id[n].alive
+                      and not by_id[n].draining]  # fmt: skip
+        if not candidates:
+            where = "the open segment's other members" if p.open_ensemble is not None else "the other nodes"
+            out.append(LeadershipStuck(p.topic, p.partition, p.leader,
+                                       f"none of {where} is alive and not draining; bring one back, or stop "
+                                       "draining another node"))  # fmt: skip
+            continue
+        best = min(candidates, key=lambda n: (leads.get(n.node, 0), n.load, n.node))
+        leads[best.node] = leads.get(best.node, 0) + 1
+        leads[p.leader] -= 1
+        out.append(MoveLeadership(p.topic, p.partition, p.leader, best.node, p.leader_epoch))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class DrainStatus:
+    """How far a node's decommission has got: what the metadata still puts on it."""
+
+    node: NodeId
+    draining: bool
+    sealed_segments: int  # sealed segments whose ensemble lists it: repair copies them elsewhere
+    open_segments: int  # open ones: repair rolls them
+    leader_of: int  # partitions it leads: the controller moves them
+
+    @property
+    def drained(self) -> bool:
+        """Draining, and nothing in the metadata names it any more: it can be stopped without losing a copy."""
+        return self.draining and not (self.sealed_segments or self.open_segments or self.leader_of)
+
+    def message(self) -> str:
+        if not self.draining:
+            return f"node {self.node} is not draining"
+        if self.drained:
+            return f"node {self.node} is drained: it holds no segment the site needs and leads no partition"
+        return (
+            f"node {self.node} is draining: it still holds {self.sealed_segments} sealed and {self.open_segments} "
+            f"open segment(s) and leads {self.leader_of} partition(s)"
+        )
+
+
+def drain_status(node: NodeId, draining: bool, segments: Iterable[SegmentView],
+                 partitions: Iterable[LeaderView]) -> DrainStatus:  # fmt: skip
+    """What the metadata (``segments``, ``partitions``) still puts on ``node``."""
+    held = [s for s in segments if node in s.ensemble]
+    return DrainStatus(node, draining, sum(1 for s in held if s.sealed), sum(1 for s in held if not s.sealed),
+                       sum(1 for p in partitions if p.leader == node))  # fmt: skip
