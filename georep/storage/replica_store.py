@@ -28,6 +28,15 @@ replica of a segment holds the same bytes, which the audit compares.
 **Cut only after the seal.** :meth:`ReplicaStore.seal` records the seal
 first and then cuts a copy longer than the sealed end (``cluster/recovery.py``:
 until the seal is committed a later recovery may still count that tail).
+
+**Repair copies sealed segments in.** A repair (``cluster/repair.py``)
+copies a sealed segment to a node that joins its ensemble, or fills a member
+that holds less than the sealed end. No leader writes a sealed segment, so
+the guard's leader checks do not apply: :meth:`ReplicaStore.open_sealed_copy`
+records the seal in the guard first (so no deposed leader can append to the
+copy afterwards), and :meth:`ReplicaStore.append_sealed_copy` takes only
+whole batches whose CRCs check, at the copy's end, and none past the sealed
+end.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cluster.ids import LeaderEpoch, SegmentId
-from cluster.quorum import GuardState, ReplicaGuard
+from cluster.quorum import GuardState, NotContiguous, ReplicaGuard
 from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, iter_headers
 from georep.storage.api import BytesLike, LogConfig, ReadResult
 from georep.storage.durable_file import fsync_directory, replace_file
@@ -77,6 +86,21 @@ class UnknownSegment(ReplicaError):
 
 class CorruptReplicaChunk(ReplicaError):
     """Bytes sent for a segment that are not whole, valid batches; nothing of them was stored."""
+
+
+class PastSealedEnd(ReplicaError):
+    """A repair copy sent a batch that ends past the segment's sealed end; nothing of the chunk was stored."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeldCopy:
+    """One segment copy on this node, as the repair controller asks for it (``ListSegments``)."""
+
+    key: PartitionKey
+    segment_id: SegmentId
+    end_offset: LocalOffset
+    flushed_offset: LocalOffset
+    size_bytes: int
 
 
 def partition_dir_name(key: PartitionKey) -> str:
@@ -196,6 +220,13 @@ class ReplicaStore:
         with self._lock:
             return sum(s.size_bytes for p in self._partitions.values() for s in p.segments.values())
 
+    def held(self) -> list[HeldCopy]:
+        """Every segment copy this node holds, by partition and segment id."""
+        with self._lock:
+            return [HeldCopy(key, sid, seg.log_end_offset, seg.flushed_offset, seg.size_bytes)
+                    for key, p in sorted(self._partitions.items())
+                    for sid, seg in sorted(p.segments.items())]  # fmt: skip
+
     def _segment(self, key: PartitionKey, segment_id: SegmentId) -> SegmentLog:
         """A copy this node holds (reads and fsyncs never create anything). Raises :class:`UnknownSegment`."""
         p = self._partitions.get(key)
@@ -282,6 +313,71 @@ class ReplicaStore:
             if p.guard.check_append(epoch, segment_id, end, end):
                 p.persist_guard()
             return seg.append(header, body, append_time_ms)
+
+    # -- repair's calls --------------------------------------------------------------------------------------
+
+    def open_sealed_copy(self, key: PartitionKey, segment_id: SegmentId, base_offset: int,
+                         start_vector: dict[Origin, OriginSeq], now_ms: int) -> LocalOffset:  # fmt: skip
+        """A repair is about to copy sealed ``segment_id`` here: record the seal in the guard (so that no leader
+        appends to it from now on), create the copy empty at ``base_offset`` if this node has none, and return the
+        copy's end, from which :meth:`append_sealed_copy` goes on. The fence epoch does not change."""
+        with self._lock:
+            p = self._partition(key)
+            sealed = p.guard.state.sealed_through
+            if sealed is None or sealed < segment_id:
+                p.guard.seal(p.guard.fenced_epoch, segment_id)
+                p.persist_guard()
+            existing = p.segments.get(segment_id)
+            if existing is not None:
+                return existing.log_end_offset
+            final = p.directory / _segment_dir_name(segment_id)
+            building = final.with_name(final.name + NEW_SUFFIX)
+            if building.exists():
+                shutil.rmtree(building)
+            SegmentLog.create_at(building, REPLICA_LOG_CONFIG, base_offset, start_vector, now_ms).close()
+            building.rename(final)
+            fsync_directory(p.directory)
+            seg = p.segments[segment_id] = SegmentLog.open(final, REPLICA_LOG_CONFIG, now_ms)
+            return seg.log_end_offset
+
+    def append_sealed_copy(self, key: PartitionKey, segment_id: SegmentId, end_offset: int,
+                           chunk: bytes) -> LocalOffset:  # fmt: skip
+        """Append whole batches of sealed ``segment_id`` (as its members store them, local prefixes included) read
+        from another member, at this copy's end; returns the new end (not yet fsynced: :meth:`flush`).
+
+        Every batch's CRC is checked first (``iter_headers(verify=True)``), and a batch ending past ``end_offset``
+        (the sealed end) is refused: :class:`CorruptReplicaChunk` and :class:`PastSealedEnd` store nothing.
+        A chunk that does not start at the copy's end raises ``NotContiguous`` (resend from the end it names).
+        Call :meth:`open_sealed_copy` first: a copy whose seal the guard does not know is refused
+        (``ReplicaError``), since a leader may still be appending to it.
+        """
+        try:
+            headers = iter_headers(chunk, verify=True)
+        except CorruptBatch as exc:
+            raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: {exc}; nothing was stored, the "
+                                      "repair copies it again") from None  # fmt: skip
+        if sum(h.size_bytes for h in headers) != len(chunk):
+            raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: the chunk ends inside a batch; "
+                                      "nothing was stored, the repair copies it again")  # fmt: skip
+        if headers and headers[-1].next_offset > end_offset:
+            raise PastSealedEnd(f"segment {segment_id} of {key[0]}-{key[1]} is sealed at offset {end_offset}, but the "
+                                f"copy sent a batch ending at {headers[-1].next_offset}: the source's copy is longer "
+                                "than the seal (it has not cut its tail yet); copy from another member")  # fmt: skip
+        view = memoryview(chunk)
+        with self._lock:
+            p = self._partition(key)
+            seg = p.segment(segment_id)
+            sealed = p.guard.state.sealed_through
+            if sealed is None or sealed < segment_id:
+                raise ReplicaError(f"segment {segment_id} of {key[0]}-{key[1]} is not sealed on this node: open the "
+                                   "copy with open_sealed_copy first")  # fmt: skip
+            if headers and headers[0].base_offset != seg.log_end_offset:
+                raise NotContiguous(segment_id, headers[0].base_offset, seg.log_end_offset)
+            at = 0
+            for h in headers:
+                seg.append(h, [view[at + REWRITTEN_BYTES : at + h.size_bytes]], h.append_time_ms)
+                at += h.size_bytes
+            return seg.log_end_offset
 
     def copy(self, key: PartitionKey, segment_id: SegmentId) -> SegmentLog | None:
         """This node's copy of ``segment_id`` for lookups (its origin index, its batches' entries), or None. Read it
