@@ -12,11 +12,17 @@ recovering the predecessor's open segment   ``SegmentRecovery`` (``recover_segme
 which segment to write next, on whom        ``plan_open`` over ``node_loads``
 the LAC                                     ``SegmentQuorum`` (``SegmentWriter``)
 where a roll seals                          ``roll_seal_at``
+what to copy, fill or roll; which           ``plan_repair``, ``plan_leader_moves``: the
+leaderships leave a draining node           Raft leader's ``RepairController`` (``site_repair.py``)
 ==========================================  ==============================================
 
 :class:`ClusterMember` ticks every ``tick_ms``: it reports its heartbeat
-(free bytes and load), lets the Raft leader run the controller, and
-reconciles its role in every partition with its view of the metadata. A
+(free bytes and load), lets the Raft leader run the controller (elections,
+and a repair pass every ``repair_interval_ms`` in the background, once it
+has led the Raft log for a session, as for elections), cuts its copies of
+sealed segments that are longer than their committed seal (a seal it was
+not told of: it was down, or cut off), and reconciles its role in every
+partition with its view of the metadata. A
 :class:`PartitionLeader` is one partition led in one epoch: it recovers the
 open segment it inherited, opens the next one, writes it through a
 :class:`~georep.server.ensemble.SegmentWriter`, and rolls it by size.
@@ -43,7 +49,10 @@ import grpc
 
 from cluster import leadership
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
+from cluster.quorum import QuorumError
 from cluster.raft_store import MetadataUnavailable
+from cluster.recovery import cut_after_seal
+from cluster.repair import DrainStatus
 from cluster.site_state import (
     Applied,
     Command,
@@ -62,7 +71,8 @@ from cluster.site_state import (
 from georep.broker.errors import NotLeader, RecoveryFailed
 from georep.server.ensemble import SegmentToWrite, SegmentWriter
 from georep.server.recovery import SegmentToRecover, recover_segment, tell_sealed
-from georep.storage.replica_store import PartitionKey, ReplicaStore
+from georep.server.site_repair import RepairController, decommission
+from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore
 from offsets.coordinates import LocalOffset
 
 log = logging.getLogger(__name__)
@@ -117,6 +127,9 @@ class ClusterConfig:
     segment_bytes: int = 64 << 20  # a leader rolls its segment past this size
     roll_wait_ms: int = 2_000  # a roll waits this long for every appended batch to be confirmed
     retry_ms: int = 500
+    repair_delay_ms: int = 30_000  # a dead member's sealed segments are copied elsewhere after this (it may reboot)
+    max_concurrent_copies: int = 2  # repair copies running at once, site-wide
+    repair_interval_ms: int = 1_000  # the Raft leader plans repair this often
 
 
 class ClusterMember:
@@ -141,6 +154,7 @@ class ClusterMember:
         self._asked: dict[PartitionKey, LeaderEpoch] = {}  # re-elections of itself in flight
         self._electing: dict[PartitionKey, LeaderEpoch] = {}  # the controller's elections in flight
         self._controller_since: int | None = None  # when this node's Raft replica last became the leader
+        self.repair: RepairController | None = None  # while this node is the Raft leader
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -202,6 +216,8 @@ class ClusterMember:
             await self._controller()
         else:
             self._controller_since = None
+            self.repair = None  # the next controller starts afresh; copies under way finish and are recorded
+        await self._learn_seals()
         self.reconcile()
 
     async def _heartbeat(self) -> None:
@@ -221,6 +237,51 @@ class ClusterMember:
             self._electing.pop(key, None)
             if isinstance(result, Applied):
                 log.info("controller: node %d leads %s-%d in epoch %s", elect.node, *key, result.leader_epoch)
+        # Like elections, repair waits until every live node has heartbeated through this Raft leader: before,
+        # live nodes look dead, and their open segments would be rolled for nothing.
+        since = self._controller_since
+        if since is not None and self.clock_ms() - since < self.config.session_timeout_ms:
+            return
+        if self.repair is None:
+            self.repair = RepairController(self)
+        self.repair.due()
+
+    # -- repair and decommission -------------------------------------------------------------------------------
+
+    async def _learn_seals(self) -> None:
+        """Cut every copy longer than its segment's committed seal (``cluster.recovery.cut_after_seal``): a member
+        that was down or cut off when the seal was told keeps its tail until it learns the seal here."""
+        state = self.metadata.state()
+        longer = []
+        for held in await self.run_blocking(self.store.held):
+            info = state.partition(*held.key)
+            segment = info.segment(held.segment_id) if info is not None else None
+            if info is None or segment is None or segment.end_offset is None:
+                continue
+            if cut_after_seal(held.end_offset, segment.end_offset) is not None:
+                longer.append((held, segment.end_offset, info.leader_epoch))
+        for held, end, leader_epoch in longer:
+            fenced = self.store.guard_state(held.key).fenced_epoch
+            epoch = LeaderEpoch(max(leader_epoch, fenced, 1))
+            log.info("node %d: %s-%d segment %d was sealed at %d; cutting this copy's tail from %d", self.me,
+                     *held.key, held.segment_id, end, held.end_offset)  # fmt: skip
+            try:
+                await self.run_blocking(self.store.seal, held.key, epoch, held.segment_id, end, self.clock_ms())
+            except (OSError, ReplicaError, QuorumError) as exc:  # the next tick tries again; roles go on meanwhile
+                log.error("node %d: cutting %s-%d segment %d to its seal failed: %s", self.me, *held.key,
+                          held.segment_id, exc)  # fmt: skip
+
+    def roll(self, key: PartitionKey, segment_id: SegmentId) -> str | None:
+        """The controller asks this node to roll ``segment_id`` of ``key`` (repair's ``RollSegment``): None if it
+        rolls (or already does), else why not."""
+        lead = self.leaders.get(key)
+        if lead is None:
+            return f"node {self.me} does not lead {key[0]}-{key[1]}"
+        return lead.roll_now(segment_id)
+
+    async def decommission(self, node: NodeId, draining: bool) -> DrainStatus:
+        """``DecommissionNode``: set ``node`` draining (or not) through the metadata; how far its drain has got."""
+        return await decommission(self, node, draining)
 
     # -- roles ---------------------------------------------------------------------------------------------
 
@@ -430,6 +491,18 @@ class PartitionLeader:
         return self.member.store.size_of(self.key, segment.segment_id)
 
     # -- rolling ---------------------------------------------------------------------------------------------
+
+    def roll_now(self, segment_id: SegmentId) -> str | None:
+        """Roll open ``segment_id`` now (the controller asks: a member is dead or draining, or it is short and a node
+        can join the next one). None if it rolls (or already does), else why not."""
+        segment = self._segment
+        if self._closed:
+            return f"node {self.member.me} no longer leads epoch {self.epoch}"
+        if segment is None or segment.segment_id != segment_id:
+            return f"segment {segment_id} is not the open segment this leader writes"
+        if not self._rolling and self._writable.is_set():
+            self.member.spawn(self._roll())
+        return None
 
     async def _roll(self) -> None:
         if self._rolling or self.writer is None or self._segment is None:

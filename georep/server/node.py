@@ -142,7 +142,7 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
                                lambda: shutil.disk_usage(data_dir).free, in_site.config)  # fmt: skip
         site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor)
     service = NodeService(broker, metrics, replicator, admin_token, site_cluster)
-    segments = SegmentService(replicas, segment_executor, broker.clock_ms)
+    segments = SegmentService(replicas, segment_executor, broker.clock_ms, member)  # member: repair's rolls
     # Above every topic's max_batch_bytes: an oversized batch reaches the broker, which names the limit.
     max_message = max(MAX_BATCH_BYTES_LIMIT, FETCH_MAX_BYTES_CAP) + MESSAGE_SLACK_BYTES
     server = grpc.aio.server(

@@ -16,6 +16,13 @@ towards the LAC. A member takes one stream's requests in order, one fsync
 each; the leader keeps few requests in flight and puts everything appended
 meanwhile into the next one, so a burst costs an fsync per request, not per
 batch (``georep/server/ensemble.py``).
+
+Repair (``georep/server/site_repair.py``) adds three calls, all made by the
+Raft leader's controller: ``ListSegments`` (which copies this node holds,
+how far fsynced, how big), ``CopySegment`` (this node copies a sealed
+segment from a member that holds it whole, checks every batch's CRC, fsyncs,
+and answers only then: ``site_repair.copy_in``), and ``RollSegment`` (this
+node, if it leads the partition, rolls the open segment).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -33,9 +40,13 @@ from georep.broker.errors import InvalidRequest
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto
 from georep.server.rpc import Context, parse, service, stream_stream, unary, unary_stream
+from georep.server.site_repair import SealedRange, copy_in, copy_timeout_s
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import LocalOffset
 from offsets.vector import InvalidVectorOffset
+
+if TYPE_CHECKING:
+    from georep.server.cluster_member import ClusterMember
 
 SERVICE = "georep.v1.Segments"
 READ_MAX_BYTES_DEFAULT = 1 << 20
@@ -59,10 +70,14 @@ def _epoch(value: int) -> LeaderEpoch:
 class SegmentService:
     """The member side of segment replication; every call runs the store in ``executor``."""
 
-    def __init__(self, store: ReplicaStore, executor: ThreadPoolExecutor, clock_ms: Callable[[], int]) -> None:
+    def __init__(self, store: ReplicaStore, executor: ThreadPoolExecutor, clock_ms: Callable[[], int],
+                 member: ClusterMember | None = None,
+                 channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:  # fmt: skip
         self.store = store
         self.executor = executor
         self.clock_ms = clock_ms
+        self.member = member  # the node's cluster member, which rolls the segments it leads
+        self.channel = channel
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -129,10 +144,51 @@ class SegmentService:
             yield pb.ReadSegmentResponse(batches=result.data)
             offset = result.next_offset
 
+    # -- repair ----------------------------------------------------------------------------------------------
+
+    async def list_segments(self, data: bytes, context: Context) -> pb.ListSegmentsResponse:
+        parse(pb.ListSegmentsRequest, data)
+        held = await self._run(self.store.held)
+        return pb.ListSegmentsResponse(segments=[
+            pb.HeldSegment(segment=pb.SegmentRef(topic=h.key[0], partition=h.key[1], segment_id=h.segment_id),
+                           end_offset=h.end_offset, flushed_offset=h.flushed_offset, size_bytes=h.size_bytes)
+            for h in held
+        ])  # fmt: skip
+
+    async def copy_segment(self, data: bytes, context: Context) -> pb.CopySegmentResponse:
+        req = parse(pb.CopySegmentRequest, data)
+        key, segment_id = _segment(req.segment)
+        if req.base_offset < 0 or req.end_offset < req.base_offset:
+            raise InvalidRequest(f"segment {segment_id} of {key[0]}-{key[1]}: base offset {req.base_offset} and "
+                                 f"sealed end {req.end_offset} do not make a range")  # fmt: skip
+        if not req.source_address:
+            raise InvalidRequest("name the member to copy from (source_address: HOST:PORT)")
+        try:
+            start_vector = vector_from_proto(req.start_vector).to_dict()
+        except InvalidVectorOffset as exc:
+            raise InvalidRequest(f"malformed start vector: {exc}") from None
+        segment = SealedRange(key, segment_id, req.base_offset, start_vector, req.end_offset)
+        remaining = context.time_remaining()
+        timeout = remaining if remaining is not None else copy_timeout_s(0)
+        flushed, copied = await copy_in(self.store, segment, req.source_address, self.executor, self.clock_ms(),
+                                        self.channel, timeout)  # fmt: skip
+        return pb.CopySegmentResponse(flushed_offset=flushed, copied_bytes=copied)
+
+    async def roll_segment(self, data: bytes, context: Context) -> pb.RollSegmentResponse:
+        req = parse(pb.RollSegmentRequest, data)
+        key, segment_id = _segment(req.segment)
+        if self.member is None:
+            return pb.RollSegmentResponse(rolling=False, reason="this node runs no cluster member: it leads nothing")
+        reason = self.member.roll(key, segment_id)
+        return pb.RollSegmentResponse(rolling=reason is None, reason=reason or "")
+
     def handler(self) -> grpc.GenericRpcHandler:
         return service(SERVICE, {
             "AppendSegment": stream_stream(self.append_segment),
             "FenceSegments": unary(self.fence_segments),
             "SealSegment": unary(self.seal_segment),
             "ReadSegment": unary_stream(self.read_segment),
+            "ListSegments": unary(self.list_segments),
+            "CopySegment": unary(self.copy_segment),
+            "RollSegment": unary(self.roll_segment),
         })  # fmt: skip
