@@ -1,4 +1,5 @@
-"""``georep cluster status``: a multi-node site's nodes, partition leaders, under-replicated segments and Raft group.
+"""``georep cluster status``: a multi-node site's nodes, partition leaders, under-replicated segments and Raft group;
+``georep cluster decommission``: drain a node of it.
 
 The first reachable node of ``--bootstrap`` answers ``ClusterStatus`` from its
 view of the site's metadata (``cluster/status.py``): which nodes are live,
@@ -13,16 +14,28 @@ node's segment copies (``STORED``) and its Raft role. A node that does not
 answer within a few seconds shows ``-`` (``null`` in ``--json``); a dead
 node is not asked.
 
-**Not shown: bytes moved.** No node copies a segment to a node outside its
-ensemble yet (the repair planner's copies are not carried out by the nodes;
-a new leader's recovery only fills members of the same ensemble), so a node
-that joins takes new segments as they open and nothing old moves. There is
-no counter to show until repair runs, and a field that could only ever say
-0 would say nothing.
+**Not shown: bytes moved.** Repair copies sealed segments between nodes
+(``georep/server/site_repair.py``) and logs each copy with the bytes it
+read, but no node keeps a counter of them yet; under-replicated segments
+shrink here as the copies land.
 
-Exit codes: 0 the status was read; 2 no node of ``--bootstrap`` could be
-reached, or the site has one node; 1 any other failure. The rendering
-functions are pure (messages in, text or a JSON-ready dict out).
+**Decommission.** ``georep cluster decommission NODE_ID`` sets the node
+draining through the site's metadata (``DecommissionNode``, an admin call:
+the token as for ``georep link``). From then on it takes no new segment, the
+Raft leader's controller moves the partitions it leads to other nodes, its
+open segments are rolled, and its sealed segments are copied to other nodes
+at once (no repair delay: it is leaving by request). The command prints what
+the metadata still puts on the node; with ``--wait`` it then follows
+``ClusterStatus`` until nothing does (the node can then be stopped without
+losing a copy), or gives up after ``--wait-timeout-s``. ``--cancel`` stops
+the drain: the node takes new segments again, and what was moved stays
+moved.
+
+Exit codes: 0 the status was read, or the drain was started (and, with
+``--wait``, finished); 2 no node of ``--bootstrap`` could be reached, the
+site has one node, or the node id is not one of its nodes; 1 any other
+failure, or ``--wait`` timed out. The rendering functions are pure (messages
+in, text or a JSON-ready dict out).
 """
 
 from __future__ import annotations
@@ -31,10 +44,13 @@ import argparse
 import asyncio
 import json
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from georep.cli.admin_token import TOKEN_ENV, call_metadata, find_token
 from georep.cli.output import EXIT_ERROR, EXIT_USAGE, table
 from georep.client.connection import BOOTSTRAP_ENV, CHANNEL_OPTIONS, Connection, default_bootstrap
 from georep.client.errors import GeorepError, InvalidRequest, NodeUnavailable, from_rpc_error
@@ -42,6 +58,8 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 
 TIMEOUT_S = 10.0
+WAIT_POLL_S = 1.0
+WAIT_TIMEOUT_S_DEFAULT = 3600.0
 REPORT_TIMEOUT_S = 3.0  # per other node asked for its own bytes: a hung node must not hold the command long
 
 Reports = dict[int, pb.ClusterStatusResponse]  # node id -> that node's own answer
@@ -65,6 +83,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "127.0.0.1:7101; now %(default)s)",
     )  # fmt: skip
     status.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+    drain = actions.add_parser("decommission", help="drain a node: move its leaderships and segments to other nodes")
+    drain.add_argument("node_id", type=int, metavar="NODE_ID", help="the node to drain (its --node-id)")
+    drain.add_argument(
+        "--bootstrap", default=default_bootstrap(), metavar="HOST:PORT[,HOST:PORT]",
+        help=f"node(s) of the site to ask; the first reachable one answers (default: ${BOOTSTRAP_ENV}, else "
+             "127.0.0.1:7101; now %(default)s)",
+    )  # fmt: skip
+    drain.add_argument("--wait", action="store_true",
+                       help="wait until the node holds no segment the site needs and leads no partition")  # fmt: skip
+    drain.add_argument("--wait-timeout-s", type=float, default=WAIT_TIMEOUT_S_DEFAULT,
+                       help=f"give up waiting after this long (default {WAIT_TIMEOUT_S_DEFAULT:.0f})")  # fmt: skip
+    drain.add_argument("--cancel", action="store_true", help="stop draining the node: it takes new segments again")
+    drain.add_argument("--data-dir", type=Path, default=Path(".georep"),
+                       help="where 'georep up' keeps admin.token (default .georep)")  # fmt: skip
+    drain.add_argument("--admin-token",
+                       help=f"the nodes' admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token)")  # fmt: skip
 
 
 # --- rendering (pure) ----------------------------------------------------------------
@@ -246,7 +280,93 @@ async def fetch(bootstrap: str) -> tuple[pb.ClusterStatusResponse, Reports]:
     return answer, {n.node_id: r for n, r in zip(others, answers, strict=True) if r is not None}
 
 
+def drain_text(node: int, draining: bool, sealed: int, open_: int, leads: int) -> str:
+    """One line of a drain's progress."""
+    if not draining:
+        return f"node {node} is not draining: it takes new segments"
+    if not (sealed or open_ or leads):
+        return f"node {node} is drained: it holds no segment the site needs and leads no partition; it can be stopped"
+    return (f"node {node} is draining: the site still needs {sealed} sealed and {open_} open segment(s) on it, and it "
+            f"leads {leads} partition(s)")  # fmt: skip
+
+
+def _drain_of(answer: pb.ClusterStatusResponse, node: int) -> tuple[bool, int, int, int] | None:
+    """(draining, sealed, open, leads) of ``node`` in a status answer, or None if it is not listed."""
+    for n in answer.nodes:
+        if n.node_id == node:
+            return n.draining, n.segments - n.open_segments, n.open_segments, n.leader_of
+    return None
+
+
+async def decommission(bootstrap: str, node: int, cancel: bool, token: str | None) -> pb.DecommissionNodeResponse:
+    connection = Connection(bootstrap)
+    try:
+        stub = await connection.connect()
+        try:
+            answer: pb.DecommissionNodeResponse = await stub.DecommissionNode(
+                pb.DecommissionNodeRequest(node_id=node, cancel=cancel), timeout=TIMEOUT_S,
+                metadata=call_metadata(token))  # fmt: skip
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
+                raise StatusRefused(f"{connection.address}: {exc.details()}", EXIT_USAGE) from None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                raise StatusRefused(f"the node at {connection.address} does not serve DecommissionNode: it runs an "
+                                    "older georep; upgrade it", EXIT_ERROR) from None  # fmt: skip
+            raise from_rpc_error(exc, connection.address) from None
+        return answer
+    finally:
+        await connection.close()
+
+
+async def wait_drained(bootstrap: str, node: int, timeout_s: float) -> bool:
+    """Follow ``ClusterStatus`` until ``node`` is drained (True) or ``timeout_s`` passes (False); prints progress."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        answer, _ = await fetch(bootstrap)
+        drain = _drain_of(answer, node)
+        if drain is None:
+            print(f"node {node} is no longer listed by the site's metadata")
+            return True
+        if drain != last:
+            print(drain_text(node, *drain), flush=True)
+            last = drain
+        draining, sealed, open_, leads = drain
+        if draining and not (sealed or open_ or leads):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(WAIT_POLL_S)
+
+
+def main_decommission(args: argparse.Namespace) -> int:
+    token = find_token(args.admin_token, args.data_dir)
+    try:
+        answer = asyncio.run(decommission(args.bootstrap, args.node_id, args.cancel, token))
+        print(drain_text(answer.node_id, answer.draining, answer.sealed_segments, answer.open_segments,
+                         answer.leader_of), flush=True)  # fmt: skip
+        if not args.wait or args.cancel or answer.drained:
+            return 0
+        if asyncio.run(wait_drained(args.bootstrap, args.node_id, args.wait_timeout_s)):
+            return 0
+    except StatusRefused as exc:
+        print(f"georep: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except (NodeUnavailable, InvalidRequest) as exc:
+        print(f"georep: error: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except GeorepError as exc:
+        print(f"georep: error: {exc.message}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"georep: error: node {args.node_id} still holds segments after {args.wait_timeout_s:.0f} s; it keeps "
+          "draining: 'georep cluster status' shows what is under-replicated and why", file=sys.stderr)  # fmt: skip
+    return EXIT_ERROR
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.action == "decommission":
+        return main_decommission(args)
     try:
         answer, reports = asyncio.run(fetch(args.bootstrap))
     except StatusRefused as exc:

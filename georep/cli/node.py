@@ -31,6 +31,7 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    repair_delay_ms = ClusterConfig().repair_delay_ms
     parser.add_argument("--site", required=True, help="site id, e.g. us-east")
     parser.add_argument(
         "--listen", default=None,
@@ -55,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-insync-replicas", type=int, default=None,
         help="multi-node sites: the nodes that must hold a batch fsynced before acks=all (default: 2, or the "
         "replication factor if smaller)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repair-delay-ms", type=int, default=repair_delay_ms,
+        help="multi-node sites: how long a dead node may stay down before the site copies its sealed segments to "
+        f"other nodes (it may only be rebooting; BookKeeper's autorecovery waits likewise). Segments opened on fewer "
+        f"nodes than the replication factor, and draining nodes' segments, are copied at once (default "
+        f"{repair_delay_ms})",
     )  # fmt: skip
     parser.add_argument("--data-dir", required=True, type=Path, help="where this node keeps its logs")
     parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
@@ -177,8 +185,11 @@ def in_site_options(topology: Topology, args: argparse.Namespace) -> InSiteOptio
         raise UsageError(f"--min-insync-replicas {aq}: use 1 to the replication factor ({rf})")
     if args.session_timeout_ms < 200:
         raise UsageError(f"--session-timeout-ms {args.session_timeout_ms}: use at least 200")
+    if args.repair_delay_ms < 0:
+        raise UsageError(f"--repair-delay-ms {args.repair_delay_ms}: use 0 (copy at once) or more")
     assert me.raft is not None  # the topology requires it on every node of a multi-node site
     tick_ms = min(500, args.session_timeout_ms // 5)  # a few heartbeats per session, and as quick to react
     config = ClusterConfig(replication_factor=rf, ack_quorum=aq, session_timeout_ms=args.session_timeout_ms,
-                           tick_ms=tick_ms, retry_ms=tick_ms, segment_bytes=args.segment_bytes_max)  # fmt: skip
+                           tick_ms=tick_ms, retry_ms=tick_ms, segment_bytes=args.segment_bytes_max,
+                           repair_delay_ms=args.repair_delay_ms)  # fmt: skip
     return InSiteOptions(me.id, me.raft, tuple(rafts.values()), config)

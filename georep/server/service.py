@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from cluster.ids import InvalidNodeId, node_id
 from georep import __version__
 from georep.broker.append import Produced
 from georep.broker.errors import (
@@ -514,6 +515,24 @@ class NodeService:
                                  "--node-id; use 'georep health' and 'georep topic describe' here")  # fmt: skip
         return await self.site_cluster.cluster_status()
 
+    async def decommission_node(self, data: bytes, context: Context) -> pb.DecommissionNodeResponse:
+        req = parse(pb.DecommissionNodeRequest, data)
+        self._authorize_admin(context, "DecommissionNode")
+        if self.site_cluster is None:
+            site = self.broker.identity.site
+            raise SingleNodeSite(f"site {site} has one node: there is no other node to move its segments to, so it "
+                                 "cannot be decommissioned (stop it, or add nodes with --node-id first)")  # fmt: skip
+        try:
+            node = node_id(req.node_id)
+        except InvalidNodeId as exc:
+            raise InvalidRequest(str(exc)) from None
+        drain = await self.site_cluster.member.decommission(node, not req.cancel)
+        return pb.DecommissionNodeResponse(
+            node_id=drain.node, draining=drain.draining, sealed_segments=drain.sealed_segments,
+            open_segments=drain.open_segments, leader_of=drain.leader_of, drained=drain.drained,
+            message=drain.message(),
+        )  # fmt: skip
+
     # -- consumer groups --------------------------------------------------------
 
     def _check_groups(self) -> None:
@@ -569,6 +588,7 @@ class NodeService:
             "ListGroups": unary(self.list_groups),
             "DescribeGroup": unary(self.describe_group),
             "ClusterStatus": unary(self.cluster_status),
+            "DecommissionNode": unary(self.decommission_node),
             "Replicate": unary_stream(self.replicate),
             "ProduceStream": stream_stream(self.produce_stream),
             "Fetch": unary_stream(self.fetch),
