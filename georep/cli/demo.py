@@ -12,7 +12,10 @@ The demo:
 5. SIGKILLs site ``a`` during a produce that fsyncs every batch, restarts it,
    and proves that every acknowledged record is held exactly once, everywhere;
 6. runs a DR drill (``georep drill``): kill ``a`` under producers and a consumer group;
-7. then, with the sites stopped, audits their segment files with Spark, catches a
+7. starts a site of three nodes (``docs/cluster.md``) and SIGKILLs the node leading
+   a partition while producers write at ``acks=all``: a new leader recovers the
+   segment from the quorum, and every acknowledged record is there, once;
+8. then, with the sites stopped, audits their segment files with Spark, catches a
    divergence injected into a copy of one site, and plots replication delays
    (:mod:`spark_jobs.demo_audit`).
 """
@@ -23,6 +26,7 @@ import argparse
 import asyncio
 import json
 import shutil
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -35,6 +39,7 @@ from georep.cli.drill import add_arguments as add_drill_arguments
 from georep.cli.drill import drill, render
 from georep.cli.link import set_link as set_link_rpc
 from georep.cli.status import vector_text
+from georep.cli.topology_file import load_topology
 from georep.cli.up import site_processes, stop_restarted
 from georep.client import Admin, Consumer, ConsumerRecord, Producer, RecordMetadata
 from georep.proto import georep_pb2 as pb
@@ -267,12 +272,129 @@ async def run(data_dir: Path, records: int) -> int:
         if not doc["ok"]:
             failures.append("drill: " + "; ".join(doc["promises_broken"]))
 
+        failures += await cluster_site_step(data_dir / "three-nodes")
+
         say("\ndemo " + ("passed" if not failures else "FAILED: " + "; ".join(failures)))
         return 0 if not failures else 1
     finally:
         for node in nodes:
             node.stop()
         stop_restarted(nodes)
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def _leader_of(nodes: list[NodeProcess], topic: str, partition: int) -> NodeProcess | None:
+    """The node serving ``topic``-``partition`` (its DescribeTopic lists the partition's state)."""
+    for node in nodes:
+        if not node.alive():
+            continue
+        try:
+            async with grpc.aio.insecure_channel(node.address) as channel:
+                d = await pbg.NodeStub(channel).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
+        except grpc.aio.AioRpcError:
+            continue
+        if any(ps.partition == partition for ps in d.partition_states):
+            return node
+    return None
+
+
+async def cluster_site_step(root: Path, topic: str = "demo/cluster") -> list[str]:
+    """Step 7: a site of three nodes loses the node leading a partition under acks=all producers."""
+    say("\n7. a site of three nodes, d (replication factor 3, min-insync 2): SIGKILL the node leading a partition")
+    say("   while two producers write at acks=all, then restart it")
+    grpc_ports, raft_ports = _free_ports(3), _free_ports(3)
+    root.mkdir(parents=True, exist_ok=True)
+    topology_file = root / "topology.toml"
+    members = ", ".join(f'{{ id = {i + 1}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}" }}'
+                        for i, (g, r) in enumerate(zip(grpc_ports, raft_ports, strict=True)))  # fmt: skip
+    topology_file.write_text(f"[sites.d]\nnodes = [{members}]\n")
+    nodes = site_processes(load_topology(topology_file), topology_file, root,
+                           ["--session-timeout-ms", "1500", "--segment-bytes-max", "262144"])  # fmt: skip
+    failures: list[str] = []
+    try:
+        for node in nodes:
+            node.launch()
+        for node in nodes:
+            node.wait_ready(60)
+        say("   " + ", ".join(f"node {n.node_id} on {n.address}" for n in nodes))
+        async with Admin(nodes[0].address) as admin:
+            await admin.create_topic(topic, 3)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any([await _leader_of(nodes, topic, p) is None for p in range(3)]):
+            await asyncio.sleep(0.1)
+        acked: set[bytes] = set()
+        first_ack_after_kill: list[float] = []  # of a partition-0 write, sent after the kill
+        killed_at = float("inf")
+        stop = asyncio.Event()
+
+        async def produce(tag: str, bootstrap: str) -> None:
+            n = 0
+            async with Producer(bootstrap, acks="all", linger_ms=2, batch_size=4096) as producer:
+                while not stop.is_set():
+                    values = [f"{tag}-{n + i}".encode() for i in range(50)]
+                    sent_at = time.monotonic()
+                    futures = [producer.send(topic, v, key=v) for v in values]
+                    for value, result in zip(values, await asyncio.gather(*futures, return_exceptions=True),
+                                             strict=True):  # fmt: skip
+                        if not isinstance(result, BaseException):
+                            acked.add(value)
+                            if result.partition == 0 and sent_at > killed_at and not first_ack_after_kill:
+                                first_ack_after_kill.append(time.monotonic())
+                    n += 50
+
+        producers = [asyncio.create_task(produce("p1", nodes[1].address)),
+                     asyncio.create_task(produce("p2", nodes[2].address))]  # fmt: skip
+        await asyncio.sleep(2.0)
+        victim = await _leader_of(nodes, topic, 0)
+        if victim is not None:
+            victim.kill9()
+            killed_at = time.monotonic()
+            say(f"   SIGKILL node {victim.node_id} (pid {victim.pid}), the leader of {topic}-0, after {len(acked)} "
+                "acks")  # fmt: skip
+        while not first_ack_after_kill and time.monotonic() - killed_at < 30:
+            await asyncio.sleep(0.01)
+        if first_ack_after_kill:
+            say(f"   {topic}-0 acknowledged writes again {first_ack_after_kill[0] - killed_at:.2f}s after the kill "
+                "(a new leader detected the death, recovered the open segment and opened the next one)")  # fmt: skip
+        else:
+            failures.append("three-node site: partition 0 took no write within 30 s of its leader's death")
+        await asyncio.sleep(1.0)
+        if victim is not None:
+            victim.start(60)
+            say(f"   node {victim.node_id} restarted; it rejoins as a member of new segments")
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*producers)
+        values: Counter[bytes | None] = Counter()
+        async with Consumer(nodes[0].address) as consumer:  # it reads each partition at its leader
+            consumer.subscribe([topic])
+            consumer.seek_to_beginning()
+            deadline = time.monotonic() + 60
+            while not acked <= set(values) and time.monotonic() < deadline:
+                values.update(r.value for r in await consumer.poll(timeout_ms=500, max_records=10_000))
+            values.update(r.value for r in await consumer.poll(timeout_ms=500, max_records=10_000))
+        missing = len(acked - set(values))
+        duplicates = sum(n - 1 for n in values.values() if n > 1)
+        say(f"   {len(acked)} records acknowledged at acks=all; read back from the leaders: {len(values)} distinct, "
+            f"{missing} acknowledged records missing, {duplicates} duplicates")  # fmt: skip
+        if victim is None:
+            failures.append("three-node site: no leader of partition 0 to kill")
+        if missing or duplicates or not acked:
+            failures.append(f"three-node site: {missing} acked records missing, {duplicates} duplicates")
+    finally:
+        for node in nodes:
+            node.stop()
+    return failures
 
 
 def drill_defaults() -> argparse.Namespace:
