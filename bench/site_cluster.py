@@ -33,10 +33,10 @@ picked free just before, under one temporary directory. What is measured
 After a kill the new leader opens the partition's next segment on the two
 survivors. The restarted node is back in the partition's ensemble only once
 that segment rolls: by size, or when the repair rolls a short open segment
-(docs/cluster.md, "Repair"). So the failover site has small segments
-(``--failover-segment-bytes``, 256 KiB: a roll every few seconds at the
-writer's rate) and every round waits for the roll, bounded: without it the
-next kill would leave the open segment with one member of two, and the
+(docs/cluster.md, "Repair and decommission"). So the failover site has small
+segments (``--failover-segment-bytes``, 256 KiB: a roll every few seconds at
+the writer's rate) and every round waits for the roll, bounded: without it
+the next kill would leave the open segment with one member of two, and the
 partition would wait for the killed node to come back, which measures a
 double failure.
 
