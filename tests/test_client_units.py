@@ -368,3 +368,17 @@ def test_stream_broken_by_the_reader_during_a_write_does_not_kill_the_sender() -
             await producer.close(timeout_s=1)
 
     asyncio.run(main())
+
+
+def test_an_out_of_order_sequence_is_not_taken_for_a_fenced_producer() -> None:
+    """Both messages name the producer and its epoch; only a fenced producer must stop. An out-of-order answer
+    after a batch lost in flight (a segment cut at a roll) is resent with the round."""
+    from dedup.producer import OutOfOrderSequence as Gap
+    from dedup.producer import ProducerFenced as Zombie
+    from georep.client.errors import OutOfOrderSequence, ProducerFenced, from_status
+
+    gap = Gap(expected=12_703, got=12_706, producer_id=7, producer_epoch=0).message()
+    zombie = Zombie(current_epoch=3, got=2, producer_id=7).message()
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(from_status(code, gap), OutOfOrderSequence)
+    assert isinstance(from_status(code, zombie), ProducerFenced)

@@ -138,7 +138,10 @@ class ServerError(GeorepError):
 
 
 def _looks_fenced(message: str) -> bool:
-    return "fenced" in message.lower() or "epoch" in message.lower() and "producer" in message.lower()
+    """The node's ``ProducerFenced`` (another instance took over the producer id), not an out-of-order sequence,
+    whose message names the producer and its epoch too."""
+    text = message.lower()
+    return "took over" in text or "fenced" in text
 
 
 def _looks_too_large(message: str) -> bool:
