@@ -199,6 +199,18 @@ class RaftTiming:
             if not ok:
                 raise ValueError(f"invalid Raft timing {self}: {rule}")
 
+    @classmethod
+    def for_session(cls, session_timeout_ms: int) -> RaftTiming:
+        """Timers that let a new Raft leader take over well within ``session_timeout_ms`` (a node's liveness): a
+        site that detects a dead node in a second must not spend longer electing the controller that acts on it.
+        The defaults for sessions of 3 s and more."""
+        if session_timeout_ms >= 3_000:
+            return cls()
+        election_min_s = max(0.15, session_timeout_ms / 5_000)
+        return cls(election_timeout_min_s=election_min_s, election_timeout_max_s=2 * election_min_s,
+                   heartbeat_interval_s=election_min_s / 4, connection_timeout_s=max(1.0, 2 * election_min_s),
+                   reconnect_interval_s=0.2, leader_step_down_s=max(1.0, session_timeout_ms / 1_000))  # fmt: skip
+
     def conf_kwargs(self) -> dict[str, Any]:
         return {
             "raftMinTimeout": self.election_timeout_min_s,

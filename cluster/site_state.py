@@ -1103,17 +1103,21 @@ def _candidate_order(info: NodeInfo) -> tuple[bool, int, int]:
 
 
 def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int,
-                    controller_since_ms: int | None = None) -> list[ElectLeader]:  # fmt: skip
+                    controller_since_ms: int | None = None, settle_ms: int = 0) -> list[ElectLeader]:  # fmt: skip
     """The leader elections to propose now: one per partition whose leader is missing or whose heartbeat expired.
 
     **Not before the controller has led the log for a session.** Heartbeats reach the state through the Raft log,
     so while the log has no leader (the Raft leader's node died, a partition of the network) no heartbeat commits,
     and every node's last one ages: right after a new Raft leader takes over, live nodes look expired. A controller
     that has led the log (since ``controller_since_ms``) for less than ``session_timeout_ms`` cannot tell a dead
-    node from one whose heartbeats were stuck, so it replaces no leader yet (a partition that has none gets one: a
-    live node that looks stale is merely not chosen); by then every live node has heartbeated through it. Without
-    the rule, killing the Raft leader's node moved partitions off live leaders (a new epoch, a recovery and a roll
-    each), as seen on real nodes. ``None``: the caller knows the log had no gap.
+    node from one whose heartbeats were stuck by its expired heartbeat alone. But every live node heartbeats
+    every tick, and its heartbeats commit again as soon as the log has a leader: so once the controller has led
+    for ``settle_ms`` (a few ticks), a leader that has not heartbeated since the controller took over, and whose
+    last heartbeat is older than ``session_timeout_ms``, is dead, and is replaced; any other stays until a whole
+    session has passed (a partition that has no leader gets one at once: a live node that looks stale is merely
+    not chosen). Without the rule, killing the Raft leader's node moved partitions off live leaders (a new epoch,
+    a recovery and a roll each), as seen on real nodes; with only the session, a partition whose leader died
+    with the Raft leader waited a session more. ``None``: the caller knows the log had no gap.
 
     Pure and deterministic: partitions in topic then partition order; the candidate is a live node, not draining
     if possible, then the one that heartbeated last, then the lowest id. Each :class:`ElectLeader` carries the
@@ -1139,9 +1143,17 @@ def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int,
     """
     settling = controller_since_ms is not None and now_ms - controller_since_ms < session_timeout_ms
     live = {info.node: info for info in state.live_nodes(now_ms, session_timeout_ms)}
+
+    def silent_since_takeover(node: NodeId) -> bool:
+        """Heartbeated not once since the controller took over, a settling time ago (see above)."""
+        assert controller_since_ms is not None
+        hb = state.node(node)
+        last = hb.last_heartbeat_ms if hb is not None else None
+        return now_ms - controller_since_ms >= settle_ms and (last is None or last < controller_since_ms)
+
     plan: list[ElectLeader] = []
     for info in state.partitions():
-        if info.leader is not None and (info.leader in live or settling):
+        if info.leader is not None and (info.leader in live or (settling and not silent_since_takeover(info.leader))):
             continue
         open_segment = info.open_segment
         pool: Iterable[NodeInfo]

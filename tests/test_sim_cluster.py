@@ -128,13 +128,20 @@ def test_the_faults_and_the_protocol_paths_actually_happen(swarm: dict[str, tupl
     assert c.stream_cuts > 0 and c.partitions > 0 and c.gaps > 0 and c.resends > 0
     assert c.elections > 0 and c.reelections > 0  # restarted leaders fenced their old selves
     assert c.recoveries_done > 0 and c.recovery_copies > 0 and c.recovered_tails > 0
-    assert c.recoveries_failed > 0 and c.recoveries_superseded > 0
+    assert c.recoveries_failed > 0  # superseded recoveries: rare since a new controller acts within ticks (below)
     assert c.tail_cuts > 0  # members cut what they held past a committed seal
     assert c.quorum_lost > 0 and c.placement_waits > 0
     assert c.repair_copies > 0 and c.members_replaced > 0 and c.fills > 0
     assert c.opens_short > 0 and c.acked_short > 0 and c.members_added > 0 and c.rolls_to_widen > 0
     assert c.retries > 0 and c.dedup_hits > 0  # retried batches that were already in were not stored twice
     assert c.nodes_added > 0 and c.budget_exceeded == 0
+
+
+def test_a_recovery_superseded_by_a_newer_leader_steps_down() -> None:
+    """The path where a recovering leader finds a member fenced by a newer epoch: the swarm reaches it seldom
+    since a new controller replaces a silent leader within a few ticks, so a named seed keeps it covered."""
+    result = run_cluster_seed(69, "meta")
+    assert result.counts.recoveries_superseded > 0 and result.counts.recoveries_done > 0
 
 
 @pytest.mark.parametrize(("seed", "shape"), REGRESSION_SEEDS, ids=[f"{s}-{n}" for n, s in REGRESSION_SEEDS])
@@ -221,7 +228,7 @@ def test_a_planted_bug_in_repair_before_the_seal_is_caught(monkeypatch: pytest.M
         return real([dataclasses.replace(s, sealed=True) for s in segments], nodes, **kw)  # PLANTED
 
     monkeypatch.setattr(repair, "plan_repair", open_as_sealed)
-    _caught(14, "meta", r"C6 repair: a copy of .* was planned while the segment is open")
+    _caught(9, "meta", r"C6 repair: a copy of .* was planned while the segment is open")
 
 
 def test_a_planted_bug_in_repair_of_short_members_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -45,6 +45,27 @@ def test_a_new_controller_replaces_no_leader_before_a_session_has_passed() -> No
     state.apply(ElectLeader("t", 0, NodeId(1), 0))
     # The log stalled for 5 s; node 2 heartbeats first through the new controller.
     state.apply(NodeHeartbeat(NodeId(2), 6_000, 1 << 30, 0))
-    assert [e.partition for e in plan_leadership(state, 6_000, 2_000, controller_since_ms=5_900)] == [1]
+    assert [e.partition for e in plan_leadership(state, 6_000, 2_000, controller_since_ms=5_900, settle_ms=300)] == [1]
     later = plan_leadership(state, 7_950, 2_000, controller_since_ms=5_900)
     assert [(e.partition, e.node) for e in later] == [(0, NodeId(2)), (1, NodeId(2))]
+
+
+def test_a_new_controller_replaces_at_once_a_leader_that_stayed_silent_after_it_took_over() -> None:
+    """The partition's leader died with the old Raft leader: it never heartbeats through the new controller, so
+    after a few ticks (``settle_ms``) it is replaced, without waiting a whole session."""
+    from cluster.ids import NodeId
+    from cluster.site_state import CreateTopic, ElectLeader, NodeHeartbeat, RegisterNode, plan_leadership
+    from cluster.topics import TopicSpec
+
+    state = SiteState()
+    for n in (1, 2):
+        state.apply(RegisterNode(NodeId(n), f"127.0.0.1:{7100 + n}"))
+        state.apply(NodeHeartbeat(NodeId(n), 1_000, 1 << 30, 0))
+    state.apply(CreateTopic(TopicSpec("t", 1)))
+    state.apply(ElectLeader("t", 0, NodeId(1), 0))
+    state.apply(NodeHeartbeat(NodeId(2), 4_100, 1 << 30, 0))  # node 2 heartbeats through the new controller
+    assert plan_leadership(state, 4_100, 2_000, controller_since_ms=4_000, settle_ms=300) == []  # too soon
+    elect = plan_leadership(state, 4_350, 2_000, controller_since_ms=4_000, settle_ms=300)
+    assert [(e.partition, e.node) for e in elect] == [(0, NodeId(2))]
+    state.apply(NodeHeartbeat(NodeId(1), 4_200, 1 << 30, 0))  # had it heartbeated, it would stay
+    assert plan_leadership(state, 4_350, 2_000, controller_since_ms=4_000, settle_ms=300) == []

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from cluster.metadata import DataDirMismatch
+from cluster.raft_store import RaftTiming
 from cluster.topics import InvalidTopic, parse_topic_config
 from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.replication.links import DEFAULT_STALL_MS
@@ -192,4 +193,5 @@ def in_site_options(topology: Topology, args: argparse.Namespace) -> InSiteOptio
     config = ClusterConfig(replication_factor=rf, ack_quorum=aq, session_timeout_ms=args.session_timeout_ms,
                            tick_ms=tick_ms, retry_ms=tick_ms, segment_bytes=args.segment_bytes_max,
                            repair_delay_ms=args.repair_delay_ms)  # fmt: skip
-    return InSiteOptions(me.id, me.raft, tuple(rafts.values()), config)
+    return InSiteOptions(me.id, me.raft, tuple(rafts.values()), config,
+                         RaftTiming.for_session(args.session_timeout_ms))  # fmt: skip

@@ -573,10 +573,13 @@ class Producer:
         except GeorepError:
             route.broken_generation = route.connection.generation
             route.not_before_ms = now_ms + route.backoff_ms
-            route.backoff_ms = min(route.backoff_ms * 2, self._retry_backoff_max_ms)
-            if route.key:  # a leader that is gone: the site names another one soon
+            if route.key:
+                # A leader that is gone: the site names another one within its session timeout. Ask again at
+                # every retry, without growing the backoff, so its partitions move on as soon as it does.
                 for topic in sorted({t for (t, _p), a in self._leaders.items() if a == route.key}):
                     self._refresh_leaders(topic)
+            else:
+                route.backoff_ms = min(route.backoff_ms * 2, self._retry_backoff_max_ms)
             return route.backoff_ms / 1000
         route.generation = route.connection.generation
         route.call = stub.ProduceStream()

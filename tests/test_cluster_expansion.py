@@ -1,0 +1,96 @@
+"""A node added to a running three-node site under load takes new segments at the next roll of each partition,
+and no byte of the old segments moves (as a new BookKeeper bookie or MapR node does; Kafka would have to copy
+whole partitions).
+
+The topology lists four nodes from the start (the site's Raft group is the topology's list); the fourth starts
+once the others are writing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from georep.client.producer import Producer
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.storage.replica_store import ReplicaStore
+from tests.support.cli import georep, ok
+from tests.support.cluster_site import ClusterSite
+
+TOPIC = "grow"
+PARTITIONS = 2
+
+
+def segment_ids(root: Path, node: int) -> dict[tuple[str, int], list[int]]:
+    store = ReplicaStore(root / "a" / str(node), now_ms=0)
+    try:
+        return {key: [int(s) for s in store.segment_ids(key)] for key in store.partitions() if key[0] == TOPIC}
+    finally:
+        store.close()
+
+
+@pytest.mark.slow
+def test_a_fourth_node_takes_new_segments_at_the_next_roll_with_nothing_moved(tmp_path: Path) -> None:
+    site = ClusterSite(tmp_path, 4, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "32768"])
+    stop = asyncio.Event()
+
+    async def produce() -> int:
+        acked = 0
+        async with Producer(site.address(1), acks="all", linger_ms=2, batch_size=2048) as producer:
+            while not stop.is_set():
+                futures = [producer.send(TOPIC, b"x" * 200, key=b"%d" % i) for i in range(50)]
+                await asyncio.gather(*futures)
+                acked += len(futures)
+        return acked
+
+    def open_segments() -> dict[tuple[str, int], int]:
+        status = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(1))))
+        return {(p["topic"], p["partition"]): p["open_segment"]["segment_id"] for p in status["partitions"]
+                if p["topic"] == TOPIC and p["open_segment"] is not None}  # fmt: skip
+
+    async def drive() -> tuple[int, dict[tuple[str, int], int], dict[tuple[str, int], int]]:
+        task = asyncio.create_task(produce())
+        await asyncio.sleep(1.5)
+        before = open_segments()
+        await asyncio.get_running_loop().run_in_executor(None, site.nodes[4].start, 60)
+        joined_at = open_segments()  # node 4 serves, registered and heartbeating: live in the site's metadata
+        joined = time.monotonic()
+        while time.monotonic() - joined < 30:  # under load, every partition rolls within a few seconds
+            status = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(1))))
+            new = {n["node"]: n["segments"] for n in status["nodes"]}
+            if new.get(4, 0) >= PARTITIONS:
+                break
+            await asyncio.sleep(0.3)
+        stop.set()
+        return await task, before, joined_at
+
+    try:
+        for n in (1, 2, 3):
+            site.nodes[n].launch()
+        for n in (1, 2, 3):
+            site.nodes[n].wait_ready(60)
+        with grpc.insecure_channel(site.address(1)) as channel:
+            pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=PARTITIONS), timeout=30)
+        for p in range(PARTITIONS):
+            site.wait_leader(TOPIC, p)
+        acked, before, joined_at = asyncio.run(drive())
+        assert acked > 0 and len(before) == len(joined_at) == PARTITIONS
+        status = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(4))))
+        node4 = next(n for n in status["nodes"] if n["node"] == 4)
+        assert node4["live"] and node4["segments"] >= PARTITIONS, f"node 4 took no new segments: {node4}"
+        assert status["under_replicated"] == [], status["under_replicated"]
+    finally:
+        site.close()
+    held = segment_ids(tmp_path, 4)
+    assert sorted(held) == sorted(before), f"node 4 holds segments of {sorted(held)}, not of every partition"
+    for key, ids in held.items():
+        # Nothing was copied to node 4: every segment it holds was opened after it started; and it took one at
+        # the partition's next roll after it was live (the segment after the one open then, or that one).
+        assert min(ids) > before[key], f"{key}: node 4 holds {ids}, older than {before[key]} open at its start"
+        assert min(ids) <= joined_at[key] + 1, f"{key}: node 4's first segment {min(ids)} came later than the roll " \
+                                               f"after {joined_at[key]}, the segment open when it was live"
