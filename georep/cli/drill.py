@@ -36,6 +36,19 @@ What it measures (per ack level where that makes sense):
 It exits 1 when a promise was broken: any RPO loss at ``acks=geo:N`` with
 N >= 2, any record lost after the rejoin, any duplicate relative to the
 commits, or any record never delivered. Exit 2 is a usage error.
+
+``--mode node-kill`` fails one node of a multi-node site instead of a site
+(docs/cluster.md): it SIGKILLs the node leading partition 0 of the drill
+topic (or ``--node N``; its pid from ``DATA_DIR/<site>/<node id>/node.json``)
+while producers write at ``acks=all`` and ``acks=leader`` through the site's
+nodes and one consumer reads every partition with ``assign()`` (a multi-node
+site has no consumer groups yet). The RTO is the time until a partition the
+node led acknowledges a write again (and until such a record is consumed);
+the RPO is what the site lost of what it had acknowledged: nothing at
+``acks=all``, and at ``acks=leader`` at most the tail that only the killed
+leader held. Then it restarts the node, waits until the site is whole and
+every site converged, and checks that nothing acknowledged is lost for good
+and that the consumer saw every record once, with no gap.
 """
 
 from __future__ import annotations
@@ -50,7 +63,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,12 +74,15 @@ from georep.cli.admin_token import TOKEN_ENV, find_token
 from georep.cli.link import set_link
 from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.cli.up import DEFAULT_DATA_DIR
-from georep.client.consumer import Consumer, ConsumerRecord
+from georep.client.connection import CHANNEL_OPTIONS
+from georep.client.consumer import Consumer, ConsumerRecord, decode_response
 from georep.client.errors import GeorepError
 from georep.client.producer import Producer, parse_acks
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_from_proto
+from georep.record.batch import CorruptBatch
+from georep.record.compression import DecompressionError
 from georep.server.process import NODE_INFO
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
@@ -77,6 +93,12 @@ EXIT_BROKEN = 1
 EXIT_USAGE = 2
 RPC_TIMEOUT_S = 5.0
 CONVERGE_TIMEOUT_S = 60.0
+FAILOVER_TIMEOUT_S = 60.0
+DRAIN_TIMEOUT_S = 30.0
+MODES = ("kill", "isolate", "node-kill")
+# A node of a multi-node site is lost, not the site: acks=all is the promise that survives it, acks=leader the one
+# that may not.
+DEFAULT_ACKS = {"kill": "leader,geo:2", "isolate": "leader,geo:2", "node-kill": "all,leader"}
 
 
 class DrillError(Exception):
@@ -89,11 +111,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where 'georep up' keeps DATA_DIR/<site>/node.json and admin.token "
                              "(default .georep)")  # fmt: skip
     parser.add_argument("--report", type=Path, help="write the report as JSON to this file")
-    parser.add_argument("--site", help="the site to fail (default: the topology's first site)")
+    parser.add_argument("--site", help="the site to fail (default: the topology's first site; node-kill: its first "
+                        "site of several nodes)")  # fmt: skip
     parser.add_argument("--failover-to", help="where the consumers go (default: the next site)")
-    parser.add_argument("--mode", choices=("kill", "isolate"), default="kill",
-                        help="kill: SIGKILL the site's node (local); isolate: cut all its links (any deployment)")
-    parser.add_argument("--acks", default="leader,geo:2", help="ack levels, one producer per site each")
+    parser.add_argument("--mode", choices=MODES, default="kill",
+                        help="kill: SIGKILL the site's node (local); isolate: cut all its links (any deployment); "
+                             "node-kill: SIGKILL one node of a multi-node site (local)")  # fmt: skip
+    parser.add_argument("--node", type=int, help="node-kill: the node id to kill (default: the leader of the drill "
+                        "topic's partition 0)")  # fmt: skip
+    parser.add_argument("--acks", help="ack levels, one producer per site each (default leader,geo:2; node-kill: "
+                        "all,leader)")  # fmt: skip
     parser.add_argument("--rate", type=float, default=200.0, help="records/s per producer (default 200)")
     parser.add_argument("--consumers", type=int, default=2, help="consumers in the group (default 2)")
     parser.add_argument("--partitions", type=int, default=4, help="partitions of the drill topic (default 4)")
@@ -127,6 +154,7 @@ class Delivery:
     origin_seq: int
     value: str
     at: float
+    offset: int = -1  # the local offset at the site read from
 
 
 @dataclass
@@ -142,6 +170,14 @@ class Run:
     commit_count: int = 0
     commit_errors: int = 0
     event_at: float = 0.0
+    # "site|level" -> records sent before the event: a record numbered from there was sent after it
+    sent_before_event: dict[str, int] = field(default_factory=dict)
+
+    def sent_after_event(self, value: str) -> bool:
+        """Whether the drill's record ``value`` (``<site>|<level>|<n>``) was sent after the event."""
+        site, _, rest = value.partition("|")
+        level, _, n = rest.partition("|")
+        return n.isdigit() and int(n) >= self.sent_before_event.get(f"{site}|{level}", 0)
 
 
 def _now() -> float:
@@ -154,16 +190,72 @@ def _now() -> float:
 @dataclass
 class Site:
     name: str
-    address: str
+    address: str  # the first node: the one the drill asks
+    nodes: tuple[str, ...] = ()  # every node of the site, in topology order
 
-    async def stub_call(self, method: str, request: Any) -> Any:
-        async with grpc.aio.insecure_channel(self.address) as channel:
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(self.nodes or (self.address,))
+
+    async def stub_call(self, method: str, request: Any, address: str | None = None) -> Any:
+        async with grpc.aio.insecure_channel(address or self.address) as channel:
             return await getattr(pbg.NodeStub(channel), method)(request, timeout=RPC_TIMEOUT_S)
+
+    async def any_call(self, method: str, request: Any) -> Any:
+        """The first node of the site that answers (a multi-node site with one node down still does)."""
+        error: grpc.aio.AioRpcError | None = None
+        for address in self.nodes or (self.address,):
+            try:
+                return await self.stub_call(method, request, address)
+            except grpc.aio.AioRpcError as exc:
+                error = exc
+        assert error is not None
+        raise error
+
+
+async def served_partitions(site: Site, topic: str) -> dict[int, tuple[str, pb.PartitionState]]:
+    """Each partition of ``topic`` as the node serving it describes it, with that node's address.
+
+    A node of a multi-node site describes only the partitions it leads, so the drill asks every node and takes
+    each partition from the leader of the highest leader epoch any of them names; a partition whose leader does
+    not serve it (yet) is left out."""
+    if len(site.nodes) <= 1:
+        desc = await site.stub_call("DescribeTopic", pb.DescribeTopicRequest(name=topic))
+        return {ps.partition: (site.address, ps) for ps in desc.partition_states}
+    answers: dict[str, pb.TopicDescription] = {}
+    error: grpc.aio.AioRpcError | None = None
+    for address in site.nodes:
+        try:
+            answers[address] = await site.stub_call("DescribeTopic", pb.DescribeTopicRequest(name=topic), address)
+        except grpc.aio.AioRpcError as exc:
+            error = exc  # a dead node
+    if not answers:
+        assert error is not None
+        raise error
+    out: dict[int, tuple[str, pb.PartitionState]] = {}
+    for partition, leader in current_leaders(answers.values()).items():
+        listing = {address: ps for address, answer in answers.items() for ps in answer.partition_states
+                   if ps.partition == partition}  # fmt: skip
+        if leader.address in listing:
+            out[partition] = (leader.address, listing[leader.address])
+        elif len(listing) == 1:  # the metadata spells the leader's address otherwise than the topology
+            out[partition] = next(iter(listing.items()))
+    return out
+
+
+def current_leaders(descriptions: Iterable[pb.TopicDescription]) -> dict[int, pb.PartitionLeader]:
+    """Each partition's leader, as the answer of the highest leader epoch names it (a node's view can lag)."""
+    out: dict[int, pb.PartitionLeader] = {}
+    for desc in descriptions:
+        for leader in desc.leaders:
+            if leader.node_id and (leader.partition not in out
+                                   or leader.leader_epoch > out[leader.partition].leader_epoch):  # fmt: skip
+                out[leader.partition] = leader
+    return out
 
 
 async def vectors(site: Site, topic: str) -> dict[int, VectorOffset]:
-    desc = await site.stub_call("DescribeTopic", pb.DescribeTopicRequest(name=topic))
-    return {ps.partition: vector_from_proto(ps.vector) for ps in desc.partition_states}
+    return {p: vector_from_proto(ps.vector) for p, (_, ps) in (await served_partitions(site, topic)).items()}
 
 
 async def wait_for(what: str, cond: Callable[[], Any], timeout_s: float,
@@ -183,7 +275,8 @@ async def wait_for(what: str, cond: Callable[[], Any], timeout_s: float,
 async def produce_loop(run: Run, site: Site, level: str, rate: float, stop: asyncio.Event) -> None:
     key = f"{site.name}|{level}"
     interval = 1.0 / rate
-    producer = Producer(site.address, acks=level, linger_ms=5, request_timeout_ms=10_000, delivery_timeout_ms=20_000)
+    producer = Producer(site.bootstrap, acks=level, linger_ms=5, request_timeout_ms=10_000,
+                        delivery_timeout_ms=20_000)  # fmt: skip
     try:
         await producer.start()
     except GeorepError:
@@ -220,8 +313,11 @@ def _acked(run: Run, key: str, level: str, site: str, value: str, fut: asyncio.F
     run.acked[value] = Acked(level, site, str(meta.origin), meta.origin_seq, meta.partition, _now())
 
 
-async def consume_loop(run: Run, consumer: Consumer, name: str, commit_interval_s: float, stop: asyncio.Event) -> None:
-    next_commit = time.monotonic() + commit_interval_s
+async def consume_loop(run: Run, consumer: Consumer, name: str, commit_interval_s: float | None,
+                       stop: asyncio.Event) -> None:  # fmt: skip
+    """Poll until ``stop``, noting every record; commit every ``commit_interval_s`` (None: a consumer without a
+    group, which keeps its position itself)."""
+    next_commit = time.monotonic() + (commit_interval_s or 0.0)
     while not stop.is_set():
         try:
             records = await consumer.poll(timeout_ms=100)
@@ -232,14 +328,14 @@ async def consume_loop(run: Run, consumer: Consumer, name: str, commit_interval_
         at = _now()
         for r in records:
             run.deliveries.append(_delivery(name, origin, r, at))
-        if time.monotonic() >= next_commit:
+        if commit_interval_s is not None and time.monotonic() >= next_commit:
             next_commit = time.monotonic() + commit_interval_s
             await commit(run, consumer)
 
 
 def _delivery(name: str, origin: str, r: ConsumerRecord, at: float) -> Delivery:
     value = (r.value or b"").decode(errors="replace")
-    return Delivery(name, origin, r.partition, str(r.origin), r.origin_seq, value, at)
+    return Delivery(name, origin, r.partition, str(r.origin), r.origin_seq, value, at, r.offset)
 
 
 async def commit(run: Run, consumer: Consumer) -> None:
@@ -283,11 +379,12 @@ async def set_links(topology: Topology, victim: str, sites: Mapping[SiteId, Site
             raise DrillError(f"{where}: {exc.details()}") from None
 
 
-def restart_node(info: dict[str, Any], data_dir: Path, site: str) -> None:
+def restart_node(info: dict[str, Any], node_dir: Path, what: str) -> None:
+    """Run the command in ``node_dir``'s node.json again, its output appended to ``node_dir/node.log``."""
     command = info.get("command")
     if not command:
-        raise DrillError(f"{data_dir / site / NODE_INFO} has no 'command': restart site {site} by hand")
-    with open(data_dir / site / "node.log", "ab") as log:
+        raise DrillError(f"{node_dir / NODE_INFO} has no 'command': restart {what} by hand")
+    with open(node_dir / "node.log", "ab") as log:
         # A session of its own: the restarted node outlives the drill, like the one it replaces.
         subprocess.Popen(command, cwd=info.get("cwd"), stdout=log, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
@@ -302,6 +399,21 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
     except TopologyFileError as exc:
         raise DrillError(str(exc)) from None
     names = list(topology.site_ids())
+    levels = [a.strip() for a in (args.acks or DEFAULT_ACKS[args.mode]).split(",") if a.strip()]
+    if not levels:
+        raise DrillError("--acks names no ack level: give one or more of leader, all, geo:N")
+    for level in (*levels, args.commit_acks):
+        try:
+            parse_acks(level)
+        except GeorepError as exc:
+            raise DrillError(exc.message) from None
+    if args.rate <= 0 or args.consumers < 1 or args.partitions < 1:
+        raise DrillError("--rate, --consumers and --partitions must be positive")
+    sites = {n: Site(n, topology.site(n).nodes[0], topology.site(n).nodes) for n in names}
+    if args.mode == "node-kill":
+        return await node_kill(args, topology, sites, levels, out)
+    if args.node is not None:
+        raise DrillError("--node is for --mode node-kill, which kills one node of a multi-node site")
     if len(names) < 2:
         raise DrillError("a drill needs a topology of at least 2 sites")
     victim = args.site or names[0]
@@ -313,15 +425,6 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
         raise DrillError(str(exc)) from None
     if victim == target:
         raise DrillError("--failover-to must be another site than --site")
-    levels = [a.strip() for a in args.acks.split(",") if a.strip()]
-    for level in (*levels, args.commit_acks):
-        try:
-            parse_acks(level)
-        except GeorepError as exc:
-            raise DrillError(exc.message) from None
-    if args.rate <= 0 or args.consumers < 1 or args.partitions < 1:
-        raise DrillError("--rate, --consumers and --partitions must be positive")
-    sites = {n: Site(n, topology.site(n).nodes[0]) for n in names}
     for s in sites.values():
         try:
             await s.stub_call("Health", pb.HealthRequest())
@@ -406,7 +509,7 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
         if not restored and not args.no_restart:
             restored = True
             if args.mode == "kill":
-                restart_node(info, args.data_dir, victim)
+                restart_node(info, args.data_dir / victim, f"site {victim}")
             else:
                 await set_links(topology, victim, sites, True, token)
 
@@ -545,6 +648,8 @@ def report(
 
 
 def render(doc: dict[str, Any]) -> str:
+    if doc["mode"] == "node-kill":
+        return render_node_kill(doc)
     lines = [
         f"DR drill: {doc['mode']} site {doc['victim']}, consumers failed over to {doc['failover_to']}"
         f"{' (site rejoined)' if doc['rejoined'] else ''}",
@@ -562,6 +667,436 @@ def render(doc: dict[str, Any]) -> str:
         f"commit: {doc['duplicates_vs_commit']}; redelivered in all: {doc['duplicates_total']}; "
         f"never delivered: {doc['never_delivered']}",
         f"  commits: {doc['commits']} at acks={doc['commit_acks']} ({doc['commit_errors']} failed)",
+    ]
+    if doc["promises_broken"]:
+        lines.append("  PROMISES BROKEN:")
+        lines += [f"    - {b}" for b in doc["promises_broken"]]
+    else:
+        lines.append("  every promise kept")
+    return "\n".join(lines)
+
+
+# --- node-kill: one node of a multi-node site ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SiteRecord:
+    """A record as the site serves it to readers, read back by the drill itself rather than by its consumer."""
+
+    offset: int
+    origin: str
+    origin_seq: int
+    value: str
+
+
+SiteContent = dict[int, list[SiteRecord]]  # partition -> its records in log order
+
+
+@dataclass
+class NodeKill:
+    """What the drill killed, and what became of the partitions the node led."""
+
+    site: str
+    site_origin: str
+    node: int
+    pid: int
+    address: str
+    led: list[int]  # the partitions it led at the kill
+    new_leaders: dict[int, int] = field(default_factory=dict)
+    rto_ms: dict[int, int] = field(default_factory=dict)  # per partition it led: kill -> first write acked again
+    rto_read_ms: dict[int, int] = field(default_factory=dict)  # kill -> first record written after it consumed
+
+
+def cluster_node_info(data_dir: Path, site: str, node: int, address: str) -> dict[str, Any]:
+    """The node.json of ``node`` of a multi-node site, checked to be the running node the topology names."""
+    path = data_dir / site / str(node) / NODE_INFO
+    try:
+        info: dict[str, Any] = json.loads(path.read_text())
+        pid = int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DrillError(
+            f"--mode node-kill needs node {node}'s pid from {path} ({exc!r}): run the drill on the machine that runs "
+            f"site {site}'s nodes, with the --data-dir of 'georep up' (each node's data dir is "
+            "DATA_DIR/<site>/<node id>/)"
+        ) from None
+    if str(info.get("listen", "")).rpartition(":")[2] != address.rpartition(":")[2]:
+        raise DrillError(f"{path} is of a node listening on {info.get('listen')}, but the topology puts node "
+                         f"{node} of site {site} on {address}: give the --topology and --data-dir the site runs "
+                         "with")  # fmt: skip
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        raise DrillError(f"node {node} of site {site} is not running (pid {pid}, from {path}): start the site "
+                         "first") from None  # fmt: skip
+    except PermissionError:
+        raise DrillError(f"pid {pid} (from {path}) is another user's: run the drill as the user that runs the "
+                         "site's nodes") from None  # fmt: skip
+    return info
+
+
+async def leaders_at(site: Site, topic: str) -> dict[int, pb.PartitionLeader]:
+    answers = []
+    for address in site.nodes:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            answers.append(await site.stub_call("DescribeTopic", pb.DescribeTopicRequest(name=topic), address))
+    return current_leaders(answers)
+
+
+async def read_partition(address: str, topic: str, partition: int, start: int, end: int) -> list[SiteRecord]:
+    """The records of a partition at the node that serves it, from ``start`` up to ``end`` (its log end when asked),
+    in log order. A node serves readers only what the quorum confirmed: a tail that stays unconfirmed for
+    ``RPC_TIMEOUT_S`` is left out, as a reader would never see it."""
+    out: list[SiteRecord] = []
+    offset = start
+    deadline = time.monotonic() + RPC_TIMEOUT_S  # for the next confirmed batch, not for the whole read
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pbg.NodeStub(channel)
+        while offset < end and time.monotonic() < deadline:
+            request = pb.FetchRequest(topic=topic, partition=partition, offset=offset, max_bytes=1 << 20,
+                                      max_wait_ms=100)  # fmt: skip
+            call = stub.Fetch(request, timeout=RPC_TIMEOUT_S)
+            try:
+                response = await call.read()
+            finally:
+                call.cancel()
+            if not isinstance(response, pb.FetchResponse) or not response.batches:
+                continue  # nothing confirmed past ``offset`` yet
+            try:
+                records = decode_response(topic, partition, response.batches, offset, None)
+            except (CorruptBatch, DecompressionError) as exc:
+                raise DrillError(f"{topic}-{partition} at {address} served a corrupt batch near offset {offset}: "
+                                 f"{exc}; check the node with 'georep scrub --now'") from None  # fmt: skip
+            for r in records:
+                out.append(SiteRecord(r.offset, str(r.origin), r.origin_seq, (r.value or b"").decode(errors="replace")))
+            offset = max(offset, response.next_offset)
+            deadline = time.monotonic() + RPC_TIMEOUT_S
+    return out
+
+
+async def read_site(site: Site, topic: str, partitions: int) -> SiteContent:
+    """Every record of every partition of ``topic``, each read at the node leading it: what the site holds."""
+    content: SiteContent = {}
+
+    async def read_all() -> bool:
+        served = await served_partitions(site, topic)
+        if len(served) < partitions:
+            return False
+        for p, (address, ps) in sorted(served.items()):
+            content[p] = await read_partition(address, topic, p, ps.log_start_offset, ps.log_end_offset)
+        return True
+
+    await wait_for(f"every partition of {topic} can be read at site {site.name}", read_all, CONVERGE_TIMEOUT_S)
+    return content
+
+
+def by_coordinate(content: SiteContent) -> dict[tuple[int, str, int], str]:
+    return {(p, r.origin, r.origin_seq): r.value for p, records in content.items() for r in records}
+
+
+async def site_whole(site: Site, topic: str, partitions: int) -> bool:
+    """Every node answers and is live in the site's metadata, and every partition of ``topic`` is served by a live
+    leader."""
+    for address in site.nodes:
+        await site.stub_call("Health", pb.HealthRequest(), address)
+    status = await site.any_call("ClusterStatus", pb.ClusterStatusRequest())
+    if len(status.nodes) < len(site.nodes) or not all(n.live for n in status.nodes):
+        return False
+    led = [p for p in status.partitions if p.topic == topic and p.leader and p.leader_live]
+    return len(led) >= partitions and len(await vectors(site, topic)) >= partitions
+
+
+async def node_kill(args: argparse.Namespace, topology: Topology, sites: dict[SiteId, Site], levels: list[str],
+                    out: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    names = list(sites)
+    if args.failover_to:
+        raise DrillError("--failover-to is not for --mode node-kill: the site keeps serving, and its consumer stays")
+    several = [n for n in names if len(sites[n].nodes) > 1]
+    victim = args.site or (several[0] if several else names[0])
+    try:
+        spec = topology.site(victim)
+    except UnknownSite as exc:
+        raise DrillError(str(exc)) from None
+    if len(spec.nodes) < 2:
+        raise DrillError(f"--mode node-kill kills one node of a site of several nodes, and site {victim} has one node: "
+                         "use --mode kill to kill a one-node site"
+                         + (f", or --site {several[0]}" if several else ""))  # fmt: skip
+    members = {int(m.id): m.address for m in spec.members} or {i + 1: a for i, a in enumerate(spec.nodes)}
+    if args.node is not None and args.node not in members:
+        raise DrillError(f"site {victim} has no node {args.node}: its nodes are "
+                         f"{', '.join(str(n) for n in sorted(members))}")  # fmt: skip
+    for s in sites.values():
+        for address in s.nodes:
+            try:
+                await s.stub_call("Health", pb.HealthRequest(), address)
+            except grpc.aio.AioRpcError as exc:
+                raise DrillError(f"node {address} of site {s.name} does not answer ({exc.code().name}): a drill starts "
+                                 "from a whole topology; start it first ('georep up')") from None  # fmt: skip
+    # Every candidate's node.json now, rather than after the warm-up: the leader of partition 0 is known only then.
+    infos = {n: cluster_node_info(args.data_dir, victim, n, members[n])
+             for n in ([args.node] if args.node is not None else sorted(members))}  # fmt: skip
+    site = sites[victim]
+    health = await site.any_call("Health", pb.HealthRequest())
+    site_origin = f"{health.site}@{health.epoch}"
+
+    stamp = int(time.time() * 1000)
+    run = Run(topic=f"drill-{stamp}", group="")
+    out(f"drill: node-kill at site {victim} ({len(members)} nodes); topic {run.topic}, ack levels {', '.join(levels)}, "
+        f"{args.rate:g} records/s per producer at {', '.join(names)}")  # fmt: skip
+    await site.any_call("CreateTopic", pb.CreateTopicRequest(name=run.topic, partitions=args.partitions))
+
+    async def served_everywhere() -> bool:
+        return all([len(await vectors(s, run.topic)) >= args.partitions for s in sites.values()])
+
+    await wait_for(f"every site serves every partition of {run.topic} (do the link filters carry 'drill-*'?)",
+                   served_everywhere, 30)  # fmt: skip
+
+    stop_producers = asyncio.Event()
+    producer_tasks = [asyncio.create_task(produce_loop(run, sites[s], level, args.rate, stop_producers))
+                      for s in names for level in levels]  # fmt: skip
+    stop_consumer = asyncio.Event()
+    # No group: a multi-node site has none yet. The consumer keeps its position, which is a local offset of the
+    # site and so means the same at every node of it.
+    consumer = Consumer(site.bootstrap, auto_offset_reset="earliest", client_id="drill-reader")
+    consumer_task: asyncio.Task[None] | None = None
+    restored = False
+    info: dict[str, Any] = {}
+    node = 0
+
+    async def restore() -> None:
+        nonlocal restored
+        if info and not restored and not args.no_restart:
+            restored = True
+            restart_node(info, args.data_dir / victim / str(node), f"node {node} of site {victim}")
+
+    try:
+        await consumer.start()
+        consumer.assign([(run.topic, p) for p in range(args.partitions)])
+        consumer_task = asyncio.create_task(consume_loop(run, consumer, "r0", None, stop_consumer))
+        await asyncio.sleep(args.warmup)
+
+        # -- the event
+        leaders = await leaders_at(site, run.topic)
+        if args.node is not None:
+            node = args.node
+        elif 0 in leaders:
+            node = leaders[0].node_id
+        else:
+            raise DrillError(f"partition 0 of {run.topic} has no leader at site {victim}: is the site whole?")
+        info = infos[node]
+        led = sorted(p for p, leader in leaders.items() if leader.node_id == node)
+        ev = NodeKill(victim, site_origin, node, int(info["pid"]), members[node], led)
+        out(f"drill: SIGKILL node {node} of site {victim} (pid {ev.pid}), leader of {_partitions_text(led)}, after "
+            f"{args.warmup:g}s warm-up ({len(run.acked)} records acked, {len(run.deliveries)} read)")  # fmt: skip
+        run.sent_before_event = dict(run.sent)  # no await until the kill: whatever is numbered from here is after it
+        run.event_at = _now()
+        try:
+            os.kill(ev.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            info = {}  # nothing to restart: it was not this drill that stopped it
+            raise DrillError(f"node {node} of site {victim} (pid {ev.pid}) exited before the drill killed it") from None
+        event = run.event_at
+
+        def firsts() -> tuple[dict[int, float], dict[int, float]]:
+            """Per partition the node led: the first ack, and the first record consumed, of a record sent after the
+            kill (only a new leader can have stored one)."""
+            acked: dict[int, float] = {}
+            for value, a in run.acked.items():
+                if a.partition in led and a.site == victim and run.sent_after_event(value):
+                    acked[a.partition] = min(acked.get(a.partition, a.acked_at), a.acked_at)
+            read: dict[int, float] = {}
+            for d in run.deliveries:
+                if d.partition in led and d.at >= event and d.partition not in read and run.sent_after_event(d.value):
+                    read[d.partition] = d.at
+            return acked, read
+
+        async def failed_over() -> bool:
+            if consumer_task is not None and consumer_task.done():
+                raise DrillError(f"the drill's consumer stopped: {consumer_task.exception()!r}")
+            acked, read = firsts()
+            return len(acked) == len(led) and len(read) == len(led)
+
+        def where() -> str:
+            acked, read = firsts()
+            return (f"writes acked again on {_partitions_text(sorted(acked))}, read again on "
+                    f"{_partitions_text(sorted(read))}; consumer {consumer.describe()}")  # fmt: skip
+
+        if led:
+            await wait_for(f"every partition node {node} led takes writes and serves them again", failed_over,
+                           FAILOVER_TIMEOUT_S, where)  # fmt: skip
+            acked_first, read_first = firsts()
+            ev.rto_ms = {p: round((t - event) * 1000) for p, t in sorted(acked_first.items())}
+            ev.rto_read_ms = {p: round((t - event) * 1000) for p, t in sorted(read_first.items())}
+            out(f"drill: a partition node {node} led acked a write {min(ev.rto_ms.values())} ms after the kill "
+                f"(all {len(led)}: {max(ev.rto_ms.values())} ms); first such record consumed after "
+                f"{min(ev.rto_read_ms.values())} ms")  # fmt: skip
+        else:
+            out(f"drill: node {node} led no partition of {run.topic}: no failover to time")
+        await asyncio.sleep(args.after)
+        stop_producers.set()
+        await asyncio.gather(*producer_tasks, return_exceptions=True)
+
+        # -- what the site holds without the node
+        ev.new_leaders = {p: leader.node_id for p, leader in (await leaders_at(site, run.topic)).items() if p in led}
+        held = by_coordinate(await read_site(site, run.topic, args.partitions))
+        lost = {v: a for v, a in run.acked.items() if a.site == victim and held.get(_coordinate(a)) != v}
+
+        # -- rejoin
+        rejoined = False
+        if not args.no_restart:
+            await restore()
+            await wait_for(f"node {node} is back and site {victim} is whole (every node live, every partition led)",
+                           lambda: site_whole(site, run.topic, args.partitions), CONVERGE_TIMEOUT_S)  # fmt: skip
+            rejoined = True
+
+        async def all_converged() -> bool:
+            held_at = [await vectors(sites[s], run.topic) for s in names]
+            return all(len(h) >= args.partitions and h == held_at[0] for h in held_at)
+
+        if len(names) > 1:
+            await wait_for("every site converges", all_converged, CONVERGE_TIMEOUT_S)
+        final = await read_site(site, run.topic, args.partitions)
+        held_final = by_coordinate(final)
+        lost_after = {v: a for v, a in run.acked.items() if held_final.get(_coordinate(a)) != v} if rejoined else {}
+
+        # -- let the consumer read everything, then account for every record
+        in_topic = set(held_final)
+
+        async def drained() -> bool:
+            return in_topic <= {(d.partition, d.origin, d.origin_seq) for d in run.deliveries}
+
+        with contextlib.suppress(DrillError):
+            await wait_for("the consumer read every record", drained, DRAIN_TIMEOUT_S)
+        final_vectors = await vectors(site, run.topic)
+    except BaseException:
+        # The drill cannot finish: still give the operator the node back.
+        with contextlib.suppress(Exception):
+            await restore()
+        raise
+    finally:
+        stop_producers.set()
+        stop_consumer.set()
+        await asyncio.gather(*producer_tasks, *([consumer_task] if consumer_task else []), return_exceptions=True)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(5):
+                await consumer.close()
+    return node_kill_report(run, ev, levels, lost, lost_after, rejoined, final, final_vectors)
+
+
+def _coordinate(a: Acked) -> tuple[int, str, int]:
+    return (a.partition, a.origin, a.origin_seq)
+
+
+def _partitions_text(partitions: list[int]) -> str:
+    if not partitions:
+        return "no partition"
+    return ("partition " if len(partitions) == 1 else "partitions ") + ", ".join(map(str, partitions))
+
+
+def node_kill_report(
+    run: Run, ev: NodeKill, levels: list[str], lost: dict[str, Acked], lost_after: dict[str, Acked],
+    rejoined: bool, final: SiteContent, final_vectors: dict[int, VectorOffset],
+) -> dict[str, Any]:  # fmt: skip
+    event = run.event_at
+    at_offset = {(p, r.offset): (i, r) for p, records in final.items() for i, r in enumerate(records)}
+    seen: dict[tuple[int, str, int], int] = {}
+    gaps: list[Delivery] = []
+    misread: list[Delivery] = []
+    last: dict[int, int] = {}  # partition -> index in the site's log of the last record delivered
+    for d in run.deliveries:
+        key = (d.partition, d.origin, d.origin_seq)
+        seen[key] = seen.get(key, 0) + 1
+        found = at_offset.get((d.partition, d.offset))
+        if found is None or (found[1].origin, found[1].origin_seq, found[1].value) != (d.origin, d.origin_seq, d.value):
+            misread.append(d)  # the site holds another record there, or none: the consumer saw what it lost
+            continue
+        if found[0] > last.get(d.partition, -1) + 1:
+            gaps.append(d)  # records the site holds before this one were skipped
+        last[d.partition] = max(found[0], last.get(d.partition, -1))
+    in_topic = {(p, r.origin, r.origin_seq) for p, records in final.items() for r in records}
+    never = sorted(in_topic - set(seen))
+
+    def allowed(value: str, a: Acked) -> bool:
+        """acks=leader promised the leader's log only: a record sent before the kill to a partition the killed node
+        led may be lost with it, if no other member held it yet."""
+        return a.level == "leader" and a.site == ev.site and a.partition in ev.led and not run.sent_after_event(value)
+
+    per_level: dict[str, Any] = {}
+    broken = []
+    for level in levels:
+        acked = [a for a in run.acked.values() if a.level == level]
+        lost_l = [a for a in lost.values() if a.level == level]
+        per_level[level] = {
+            "sent": sum(n for k, n in run.sent.items() if k.endswith(f"|{level}")),
+            "acked": len(acked),
+            "failed": sum(n for k, n in run.errors.items() if k.endswith(f"|{level}")),
+            "acked_at_victim": sum(1 for a in acked if a.site == ev.site),
+            "rpo_lost": len(lost_l),
+            "rpo_window_ms": round((event - min(a.acked_at for a in lost_l)) * 1000) if lost_l else 0,
+            "lost_after_rejoin": sum(1 for a in lost_after.values() if a.level == level),
+        }
+        bad = sum(1 for v, a in lost.items() if a.level == level and not allowed(v, a))
+        if bad:
+            broken.append(f"{bad} records acked with acks={level} at site {ev.site} were not there once node "
+                          f"{ev.node} was dead")  # fmt: skip
+        bad_after = sum(1 for v, a in lost_after.items() if a.level == level and not allowed(v, a))
+        if bad_after:
+            broken.append(f"{bad_after} records acked with acks={level} are lost for good")
+    dups = sum(n - 1 for n in seen.values())
+    if dups:
+        broken.append(f"the consumer read {dups} records twice")
+    if gaps:
+        broken.append(f"the consumer skipped records {len(gaps)} times")
+    if misread:
+        broken.append(f"the consumer read {len(misread)} records that the site does not hold where it read them")
+    if never:
+        broken.append(f"{len(never)} records in the topic were never delivered")
+    first = [ms for ms in ev.rto_ms.values()]
+    first_read = [ms for ms in ev.rto_read_ms.values()]
+    return {
+        "mode": "node-kill", "victim": ev.site, "victim_node": ev.node, "victim_pid": ev.pid,
+        "victim_address": ev.address, "victim_partitions": ev.led,
+        "new_leaders": {str(p): n for p, n in sorted(ev.new_leaders.items())}, "site_origin": ev.site_origin,
+        "topic": run.topic, "rejoined": rejoined,
+        "records_in_topic": len(in_topic), "records_sent": sum(run.sent.values()), "records_acked": len(run.acked),
+        "delivered": len(run.deliveries), "delivered_unique": len(seen), "duplicates_total": dups,
+        "gaps": len(gaps), "misread": len(misread), "never_delivered": len(never),
+        "never_delivered_first": [list(k) for k in never[:5]],
+        "gaps_first": [[d.partition, d.offset, d.origin, d.origin_seq] for d in gaps[:5]],
+        "misread_first": [[d.partition, d.offset, d.origin, d.origin_seq] for d in misread[:5]],
+        "rto_ms": min(first) if first else None, "rto_ms_all": max(first) if first else None,
+        "rto_ms_by_partition": {str(p): ms for p, ms in ev.rto_ms.items()},
+        "rto_read_ms": min(first_read) if first_read else None,
+        "acks": per_level, "promises_broken": broken, "ok": not broken,
+        "partitions_final": {str(p): v.to_text() for p, v in sorted(final_vectors.items())},
+    }  # fmt: skip
+
+
+def render_node_kill(doc: dict[str, Any]) -> str:
+    node = doc["victim_node"]
+    lines = [
+        f"DR drill: node-kill node {node} of site {doc['victim']} (pid {doc['victim_pid']}, leader of "
+        f"{_partitions_text(doc['victim_partitions'])})"
+        f"{'; node restarted, site whole again' if doc['rejoined'] else ''}",
+        f"  topic {doc['topic']}: {doc['records_in_topic']} records; {doc['records_acked']} of "
+        f"{doc['records_sent']} sent were acked",
+        f"  {'ACKS':<10} {'SENT':>7} {'ACKED':>7} {'FAILED':>7} {'RPO LOST':>9} {'WINDOW':>9} "
+        f"{'LOST AFTER REJOIN':>18}",
+    ]
+    for level, f in doc["acks"].items():
+        lines.append(f"  {level:<10} {f['sent']:>7} {f['acked']:>7} {f['failed']:>7} {f['rpo_lost']:>9} "
+                     f"{str(f['rpo_window_ms']) + ' ms':>9} {f['lost_after_rejoin']:>18}")  # fmt: skip
+    if doc["rto_ms"] is None:
+        lines.append(f"  RTO: none to measure, node {node} led no partition of the topic")
+    else:
+        by_partition = ", ".join(f"p{p} {ms} ms" for p, ms in doc["rto_ms_by_partition"].items())
+        lines.append(f"  RTO (kill to the first write acked on a partition node {node} led): {doc['rto_ms']} ms "
+                     f"({by_partition}); to the first such record consumed: {doc['rto_read_ms']} ms")  # fmt: skip
+        moved = ", ".join(f"p{p} -> node {n}" for p, n in doc["new_leaders"].items())
+        lines.append(f"  new leaders: {moved or '-'}")
+    lines += [
+        f"  one consumer assigned every partition at {doc['victim']}: delivered {doc['delivered']} "
+        f"({doc['delivered_unique']} distinct); duplicates: {doc['duplicates_total']}; gaps: {doc['gaps']}; "
+        f"misread: {doc['misread']}; never delivered: {doc['never_delivered']}",
     ]
     if doc["promises_broken"]:
         lines.append("  PROMISES BROKEN:")
