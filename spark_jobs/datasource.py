@@ -10,8 +10,10 @@
           .load())
 
 No server is needed: each input partition is one segment file of one
-(site, topic, partition), listed on the driver with the size it had then, and
-read by :mod:`spark_jobs.scan`, which yields ``pyarrow.RecordBatch`` es. The
+(site, topic, partition), or at a multi-node site every node's copy of one
+segment, listed on the driver with the size it had then, and read by
+:mod:`spark_jobs.scan`, which yields ``pyarrow.RecordBatch`` es (the
+``node`` and ``segment`` columns say which copy a row is from). The
 option ``segments`` (JSON, from :func:`segments_option`) passes a listing made
 earlier instead, so several reads see the same snapshot of live sites; option
 ``batchPositions`` (JSON ``{file: [byte position, ...]}``) limits a records
@@ -75,9 +77,20 @@ def segments_from_options(raw: Mapping[str, str]) -> list[SegmentFile]:
 
 
 class SegmentPartition(InputPartition):
-    def __init__(self, segment: SegmentFile) -> None:
-        super().__init__(segment)
-        self.segment = segment
+    """One segment file, or every copy of one segment of a multi-node site: read together, since each is small
+    next to what an input partition costs, and the replica checks compare them anyway."""
+
+    def __init__(self, segments: list[SegmentFile]) -> None:
+        super().__init__([s.path for s in segments])
+        self.segments = segments
+
+
+def input_partitions(segments: Sequence[SegmentFile]) -> list[SegmentPartition]:
+    groups: dict[tuple[str, str, int, int | str], list[SegmentFile]] = {}
+    for s in segments:
+        one = (s.site, s.topic, s.partition, s.path if s.segment_id is None else s.segment_id)
+        groups.setdefault(one, []).append(s)
+    return [SegmentPartition(g) for g in groups.values()]
 
 
 class GeorepDataSource(DataSource):
@@ -109,15 +122,16 @@ class GeorepReader(DataSourceReader):
         segments = segments_from_options(self.options)
         if self.positions is not None:
             segments = [s for s in segments if s.path in self.positions]
-        return [SegmentPartition(s) for s in segments]
+        return input_partitions(segments)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SegmentPartition)
-        if self.level == "records":
-            positions = None if self.positions is None else self.positions[partition.segment.path]
-            yield from read_records(partition.segment, positions)
-        else:
-            yield from read_batches(partition.segment)
+        for segment in partition.segments:
+            if self.level == "records":
+                positions = None if self.positions is None else self.positions[segment.path]
+                yield from read_records(segment, positions)
+            else:
+                yield from read_batches(segment)
 
 
 def register(spark: SparkSession) -> None:

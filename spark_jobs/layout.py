@@ -1,10 +1,25 @@
 """Where the audit's input lives: sites, their partition logs and segment files.
 
-A site's data dir (what ``georep node --data-dir`` and ``georep up`` create)::
+A one-node site's data dir (what ``georep node --data-dir`` and ``georep up``
+create)::
 
     <site dir>/site.json                 {"site": "a", "epoch": 1700000000, ...}
     <site dir>/topics.json               topic definitions
     <site dir>/logs/<quoted topic>-<p>/  one partition log (georep.storage.segment_log)
+
+A multi-node site's dir holds one data dir per node (``georep up`` writes
+``DATA_DIR/<site>/<node id>/``), and each node keeps the copies of the
+segments whose ensembles it is a member of (georep.storage.replica_store)::
+
+    <site dir>/<node>/replicas/<quoted topic>-<p>/<segment id, 10 digits>/   one SegmentLog from the segment's base
+
+The layout is told apart per site: a site dir with sub-directories that hold
+``replicas/`` is a multi-node site, and each of them is a node (named by its
+dir). Every copy of every segment is listed (``node``, ``segment_id``), and
+the site's own partition log is assembled from them later
+(:mod:`spark_jobs.replicas`); what the listing adds for that is where each
+segment ends in the site's chain: the base offset of the site's next segment
+(``segment_end``), which no copy's length can tell.
 
 The topic in a partition dir name is ``urllib.parse.quote(topic, safe='')``,
 so the last ``-`` separates it from the partition number.
@@ -17,6 +32,7 @@ first, so a bad path fails with a clear message before a JVM starts.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import urllib.parse
 from dataclasses import dataclass
@@ -24,6 +40,7 @@ from pathlib import Path
 
 from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.storage.recovery_point import read_recovery_point
+from georep.storage.replica_store import REPLICAS_DIR
 from georep.storage.segment import LOG_SUFFIX
 from topology.model import Topology
 
@@ -48,6 +65,11 @@ class SegmentFile:
     last: bool  # the partition's newest segment: the one a live node appends to
     recovery_point: int  # every batch below this local offset was fsynced and validated
     log_start_offset: int  # base offset of the partition's oldest segment (retention deletes older ones)
+    # A multi-node site's copy of one segment: the node holding it, and the segment's id and end (the base offset
+    # of the site's next segment, where this one was sealed; None for the newest). All None at a one-node site.
+    node: str | None = None
+    segment_id: int | None = None
+    segment_end: int | None = None
 
 
 def parse_site_dirs(text: str) -> dict[str, Path]:
@@ -98,29 +120,95 @@ def parse_partition_dir(name: str) -> tuple[str, int] | None:
     return urllib.parse.unquote(quoted), int(number)
 
 
+def node_dirs(site_dir: Path) -> dict[str, Path]:
+    """A multi-node site's node data dirs, by node (dir name), in node order; empty for a one-node site."""
+    try:
+        children = [c for c in site_dir.iterdir() if c.is_dir() and (c / REPLICAS_DIR).is_dir()]
+    except OSError:
+        return {}
+    return {c.name: c for c in sorted(children, key=lambda c: node_order(c.name))}
+
+
+def node_order(node: str) -> tuple[int, str]:
+    """Node ids in numeric order (2 before 10), any other dir name after them."""
+    return (len(node), node) if node.isdigit() else (1 << 30, node)
+
+
+def _holds_copies(replicas: Path) -> bool:
+    try:
+        return any(seg.name.isdigit() for part in replicas.iterdir() if part.is_dir() for seg in part.iterdir())
+    except OSError:
+        return False
+
+
+def _entries(directory: Path) -> list[Path]:
+    try:
+        return sorted(directory.iterdir())
+    except OSError as exc:
+        raise AuditInputError(f"cannot list {directory}: {exc.strerror}; check its permissions") from None
+
+
 def list_segments(site_dirs: dict[str, Path], topics: tuple[str, ...] = ()) -> list[SegmentFile]:
-    """Every segment file of every matching partition of every site, sorted; sizes fixed now."""
+    """Every segment file of every matching partition of every site (each copy, at a multi-node site), sorted;
+    sizes fixed now."""
     out: list[SegmentFile] = []
     for site, site_dir in sorted(site_dirs.items()):
+        nodes = node_dirs(site_dir)
+        if nodes:
+            out.extend(_cluster_segments(site, nodes, topics))
+            continue
+        if _holds_copies(site_dir / REPLICAS_DIR):
+            raise AuditInputError(
+                f"{site_dir} is the data dir of one node of a multi-node site (it holds segment copies in "
+                f"{REPLICAS_DIR}/), which holds only part of site {site}'s segments: pass the site's dir, the one "
+                f"that holds a dir per node ('georep up' writes DATA_DIR/{site}/<node id>/)"
+            )
         logs = site_dir / LOGS_DIR
         if not logs.is_dir():
             raise AuditInputError(
-                f"{site_dir} is not a georep site data dir (it has no {LOGS_DIR}/ directory): "
-                f"pass the directory that 'georep node --data-dir' used for site {site}"
+                f"{site_dir} is not a georep site data dir (it has no {LOGS_DIR}/ directory, nor node dirs with "
+                f"{REPLICAS_DIR}/): pass the directory that 'georep node --data-dir' used for site {site}, or for a "
+                "multi-node site the one that holds a dir per node"
             )
-        try:
-            entries = sorted(logs.iterdir())
-        except OSError as exc:
-            raise AuditInputError(f"cannot list {logs}: {exc.strerror}; check its permissions") from None
-        for part_dir in entries:
+        for part_dir in _entries(logs):
             parsed = parse_partition_dir(part_dir.name)
             if parsed is None or not part_dir.is_dir() or not topic_matches(parsed[0], topics):
                 continue
-            out.extend(_partition_segments(site, parsed[0], parsed[1], part_dir))
+            out.extend(partition_segments(site, parsed[0], parsed[1], part_dir))
     return out
 
 
-def _partition_segments(site: str, topic: str, partition: int, part_dir: Path) -> list[SegmentFile]:
+def _cluster_segments(site: str, nodes: dict[str, Path], topics: tuple[str, ...]) -> list[SegmentFile]:
+    """Every copy of every segment on every node of a multi-node site, with each segment's end in the site's chain.
+
+    A node's ``logs/`` is not read: a node of a multi-node site keeps its partitions in ``replicas/`` only.
+    """
+    copies: dict[tuple[str, int], list[SegmentFile]] = {}
+    for node, node_dir in nodes.items():
+        for part_dir in _entries(node_dir / REPLICAS_DIR):
+            parsed = parse_partition_dir(part_dir.name)
+            if parsed is None or not part_dir.is_dir() or not topic_matches(parsed[0], topics):
+                continue
+            for segment_dir in _entries(part_dir):
+                if segment_dir.name.isdigit() and segment_dir.is_dir():  # not 0000000008.new/, being created
+                    found = partition_segments(site, parsed[0], parsed[1], segment_dir)
+                    copies.setdefault(parsed, []).extend(
+                        dataclasses.replace(f, node=node, segment_id=int(segment_dir.name)) for f in found)
+    out: list[SegmentFile] = []
+    for key in sorted(copies):
+        files = sorted(copies[key], key=lambda f: (f.segment_id, node_order(f.node or ""), f.base_offset))
+        bases: dict[int | None, int] = {}
+        for f in files:  # every copy of a segment starts at its base; min() only so that a stray one changes nothing
+            bases[f.segment_id] = min(f.base_offset, bases.get(f.segment_id, f.base_offset))
+        ids = list(bases)  # in segment id order
+        ends = dict(zip(ids, (bases[i] for i in ids[1:]), strict=False))
+        out.extend(dataclasses.replace(f, log_start_offset=bases[ids[0]], segment_end=ends.get(f.segment_id))
+                   for f in files)  # fmt: skip
+    return out
+
+
+def partition_segments(site: str, topic: str, partition: int, part_dir: Path) -> list[SegmentFile]:
+    """The segment files of one ``SegmentLog`` directory (a partition log, or one node's copy of a segment)."""
     bases = sorted(int(p.stem) for p in part_dir.glob("*" + LOG_SUFFIX) if p.stem.isdigit())
     point = read_recovery_point(part_dir)
     recovery = point.recovery_point if point else 0

@@ -8,8 +8,9 @@ Damage is data, never an exception. A batch that cannot be framed, fails its
 CRC, does not decode, or breaks offset continuity becomes one row with
 ``status`` set and ``error`` saying why, at its ``file`` and byte ``position``:
 
-* ``torn_tail``: the damage ends the partition's newest segment and lies at or
-  above its recovery point. That is what a write in progress, or a crash
+* ``torn_tail``: the damage ends the partition's newest segment (at a
+  multi-node site, a node's copy of a segment: each is a log of its own) and
+  lies at or above its recovery point. That is what a write in progress, or a crash
   before an fsync, leaves behind; ``SegmentLog.open`` truncates it and a live
   node has not acknowledged it as durable. Not a divergence.
 * ``corrupt``: anything else, e.g. damage in a sealed segment, below the
@@ -48,9 +49,11 @@ CORRUPT = "corrupt"
 TORN_TAIL = "torn_tail"
 RECORDS_PER_ARROW_BATCH = 65_536
 
+# The first N_CONSTANT columns are the segment file's, the same on every row of it.
 _COMMON = [
-    ("site", pa.string()), ("topic", pa.string()), ("partition", pa.int32()),
-    ("file", pa.string()), ("position", pa.int64()), ("status", pa.string()), ("error", pa.string()),
+    ("site", pa.string()), ("topic", pa.string()), ("partition", pa.int32()), ("node", pa.string()),
+    ("segment", pa.int64()), ("file", pa.string()),
+    ("position", pa.int64()), ("status", pa.string()), ("error", pa.string()),
     ("origin", pa.string()), ("origin_site", pa.string()), ("origin_epoch", pa.int64()),
     ("append_time_ms", pa.int64()), ("log_start_offset", pa.int64()),
 ]  # fmt: skip
@@ -65,6 +68,8 @@ RECORD_SCHEMA = pa.schema([
     ("offset", pa.int64()), ("origin_seq", pa.int64()), ("timestamp_ms", pa.int64()),
     ("key_hash", pa.int64()), ("value_hash", pa.int64()), ("record_hash", pa.int64()),
 ])  # fmt: skip
+
+N_CONSTANT = 6
 
 _TS_AND_LEN = struct.Struct(">qi")
 _LEN = struct.Struct(">i")
@@ -154,6 +159,7 @@ def _hash_or_none(data: bytes | None) -> int | None:
 def _constants(segment: SegmentFile, n: int) -> list[pa.Array]:
     return [
         pa.repeat(segment.site, n), pa.repeat(segment.topic, n), pa.repeat(pa.scalar(segment.partition, pa.int32()), n),
+        pa.repeat(pa.scalar(segment.node, pa.string()), n), pa.repeat(pa.scalar(segment.segment_id, pa.int64()), n),
         pa.repeat(segment.path, n),
     ]  # fmt: skip
 
@@ -202,7 +208,7 @@ class _RecordColumns:
 
     def __init__(self, segment: SegmentFile) -> None:
         self.segment = segment
-        self.rows: list[list[object]] = [[] for _ in range(len(RECORD_SCHEMA) - 4)]
+        self.rows: list[list[object]] = [[] for _ in range(len(RECORD_SCHEMA) - N_CONSTANT)]
 
     def __len__(self) -> int:
         return len(self.rows[0])
@@ -236,7 +242,7 @@ class _RecordColumns:
     def flush(self) -> pa.RecordBatch:
         n = len(self)
         arrays = _constants(self.segment, n) + [
-            pa.array(c, type=f.type) for c, f in zip(self.rows, list(RECORD_SCHEMA)[4:], strict=True)
+            pa.array(c, type=f.type) for c, f in zip(self.rows, list(RECORD_SCHEMA)[N_CONSTANT:], strict=True)
         ]
         self.rows = [[] for _ in self.rows]
         return pa.RecordBatch.from_arrays(arrays, schema=RECORD_SCHEMA)

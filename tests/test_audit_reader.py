@@ -13,6 +13,7 @@ import pytest
 from georep.record.batch import RecordInput, decode_records, encode_batch, parse_header
 from georep.record.compression import Compression
 from georep.storage.api import LogConfig
+from georep.storage.replica_store import REPLICA_LOG_CONFIG
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import Origin
 from spark_jobs.layout import AuditInputError, list_segments, parse_site_dirs, site_dirs_from_topology
@@ -141,6 +142,44 @@ def test_bad_input_says_what_to_pass(tmp_path: Path) -> None:
         list_segments({"a": tmp_path / "a"})
     with pytest.raises(AuditInputError, match="expected SITE=DIR"):
         parse_site_dirs("a:/x")
+
+
+def write_copy(site: Path, node: str, segment_id: int, base: int, batches: list[bytes]) -> Path:
+    """One node's copy of a segment of orders/eu-0, as a member's ReplicaStore keeps it."""
+    copy = site / node / "replicas" / "orders%2Feu-0" / f"{segment_id:010d}"
+    log = SegmentLog.create_at(copy, REPLICA_LOG_CONFIG, base, {}, 0)
+    for i, b in enumerate(batches):
+        log.append(parse_header(b), [memoryview(b)[24:]], 10_000 + i)
+    log.close()
+    return copy
+
+
+def test_a_multi_node_site_is_listed_copy_by_copy_with_where_each_segment_ends(tmp_path: Path) -> None:
+    """Every node dir's copies are listed, in segment then node order (node 2 before 10), each with the base of the
+    site's next segment, even an empty one; a segment being created (.new) and a node's logs/ are not read."""
+    site = tmp_path / "a"
+    s0, s1, s2 = [batch(A1, 0)], [batch(A1, 3), batch(B7, 0)], [batch(A1, 6)]
+    write_copy(site, "1", 0, 0, s0)
+    write_copy(site, "10", 0, 0, s0)
+    write_copy(site, "2", 1, 3, s1)
+    write_copy(site, "10", 1, 3, s1[:1])  # short: it missed the end of the stream
+    write_copy(site, "1", 2, 9, s2)
+    write_copy(site, "2", 3, 12, [])  # just opened, empty
+    (site / "2" / "replicas" / "orders%2Feu-0" / "0000000004.new").mkdir()
+    write_log(site / "1" / "logs" / "orders%2Feu-0", [batch(B7, 0)])  # not where a node of a multi-node site writes
+    segments = list_segments({"a": site})
+    assert [(s.node, s.segment_id, s.base_offset, s.segment_end, s.log_start_offset) for s in segments] == [
+        ("1", 0, 0, 3, 0), ("10", 0, 0, 3, 0), ("2", 1, 3, 9, 0), ("10", 1, 3, 9, 0), ("1", 2, 9, 12, 0),
+        ("2", 3, 12, None, 0)]  # fmt: skip
+    assert all(s.last and s.topic == "orders/eu" and s.partition == 0 for s in segments)
+    got = rows(list(read_batches(segments[3])))
+    assert [(r["node"], r["segment"], r["base_offset"], r["status"]) for r in got] == [("10", 1, 3, "ok")]
+    assert segments[3].path.startswith(str(site / "10" / "replicas"))
+    assert rows(list(read_batches(segments[0])))[0]["node"] == "1"
+    one_node = rows(list(read_batches(list_segments({"b": site_with(tmp_path / "b", s0)})[0])))
+    assert (one_node[0]["node"], one_node[0]["segment"]) == (None, None)
+    with pytest.raises(AuditInputError, match="one node of a multi-node site.*pass the site's dir"):
+        list_segments({"a": site / "2"})
 
 
 def test_the_spark_source_reads_sites_in_parallel_with_a_topic_filter(tmp_path: Path, spark) -> None:  # noqa: F811
