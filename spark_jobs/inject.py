@@ -16,8 +16,10 @@ from pathlib import Path
 from georep.record.batch import BatchHeader, RecordInput, decode_records, encode_batch, parse_header
 from georep.record.compression import Compression
 from georep.storage.api import LogConfig
+from georep.storage.recovery_point import read_recovery_point
+from georep.storage.replica_store import REPLICA_LOG_CONFIG, REPLICAS_DIR
 from georep.storage.segment_log import SegmentLog
-from spark_jobs.layout import SegmentFile, list_segments
+from spark_jobs.layout import SegmentFile, partition_segments
 from spark_jobs.scan import scan_segment
 
 Stored = tuple[int, bytes]  # (append_time_ms, whole batch)
@@ -28,11 +30,9 @@ class NothingToInject(ValueError):
 
 
 def read_partition(part_dir: Path) -> list[Stored]:
-    """Every valid batch of a partition directory, in log order."""
-    site_dir = part_dir.parent.parent
-    segments = [s for s in list_segments({"x": site_dir}) if Path(s.path).parent == part_dir]
+    """Every valid batch of a partition directory (or of one node's copy of a segment), in log order."""
     out: list[Stored] = []
-    for segment in segments:
+    for segment in partition_segments("x", "", 0, part_dir):
         out.extend(_batches(segment))
     return out
 
@@ -42,11 +42,22 @@ def _batches(segment: SegmentFile) -> list[Stored]:
 
 
 def rewrite_partition(part_dir: Path, edit: Callable[[list[Stored]], list[Stored]]) -> None:
-    """Replace the partition's log with ``edit`` of its batches, appended afresh at offsets 0, 1, ..."""
+    """Replace the partition's log with ``edit`` of its batches, appended afresh from its first offset.
+
+    A node's copy of a segment (``<node>/replicas/<topic>-<p>/<segment id>/``) keeps its base offset and start
+    vector, and its append times, so that it stays byte for byte what the other copies hold, except for the edit.
+    """
     batches = edit(read_partition(part_dir))
     fresh = part_dir.with_name(part_dir.name + ".rewrite")
     shutil.rmtree(fresh, ignore_errors=True)
-    log = SegmentLog.open(fresh, LogConfig(), 0)
+    files = partition_segments("x", "", 0, part_dir)
+    if part_dir.parent.parent.name == REPLICAS_DIR and files:
+        point = read_recovery_point(part_dir)
+        base = files[0].base_offset
+        vector = point.vector if point is not None and point.vector_offset == base else {}
+        log = SegmentLog.create_at(fresh, REPLICA_LOG_CONFIG, base, vector, 0)
+    else:
+        log = SegmentLog.open(fresh, LogConfig(), 0)
     for append_time_ms, batch in batches:
         log.append(parse_header(batch), [memoryview(batch)[24:]], append_time_ms)
     log.close()

@@ -4,11 +4,16 @@ For the audit's benchmark and unit tests: each site writes its own records as
 their origin, and every site then holds every origin's batches, byte for byte
 (only the 24-byte local prefix differs), appended in an interleaved order with
 a replication delay. Faster than going through gRPC by orders of magnitude.
+
+:func:`to_cluster_site` turns such a site into a multi-node one, as its
+segment cluster stores it: each partition a chain of segments, each segment
+copied byte for byte onto the nodes of its ensemble.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +21,11 @@ from georep.record.batch import RecordInput, encode_batch, parse_header
 from georep.record.compression import Compression
 from georep.server.broker import partition_dir_name
 from georep.storage.api import LogConfig
+from georep.storage.replica_store import REPLICA_LOG_CONFIG, REPLICAS_DIR
+from georep.storage.replica_store import partition_dir_name as replica_dir_name
 from georep.storage.segment_log import SegmentLog
-from offsets.coordinates import Origin
-from spark_jobs.layout import LOGS_DIR, SITE_FILE
+from offsets.coordinates import Origin, OriginSeq
+from spark_jobs.layout import LOGS_DIR, SITE_FILE, parse_partition_dir
 from topology.ids import SiteId
 
 EPOCH = 1
@@ -73,3 +80,50 @@ def write_sites(root: Path, sites: list[str], spec: SiteSpec) -> dict[str, Path]
                         log.append(parse_header(batch), [memoryview(batch)[24:]], appended + delay)
             log.close()
     return dirs
+
+
+Ensembles = dict[tuple[str, int], list[list[str]]]  # (topic, partition) -> each segment's nodes, by segment id
+
+
+def segment_dir(site_dir: Path, node: str, topic: str, partition: int, segment_id: int) -> Path:
+    """A node's copy of a segment in a multi-node site's dir (georep/storage/replica_store.py's layout)."""
+    return site_dir / node / REPLICAS_DIR / replica_dir_name((topic, partition)) / f"{segment_id:010d}"
+
+
+def to_cluster_site(site_dir: Path, nodes: list[str], replication_factor: int, segment_batches: int) -> Ensembles:
+    """Rewrite a one-node site dir (:func:`write_sites`) as a multi-node site's, ``site_dir/<node>/replicas/...``.
+
+    Each partition's log is cut into segments of ``segment_batches`` batches, segment ids 0, 1, ...; segment ``i``
+    goes to the ``replication_factor`` nodes from ``nodes[i % len(nodes)]`` on, each copy a ``SegmentLog`` from the
+    segment's base offset and start vector holding the log's batches as they were, local prefix included. The
+    one-node log is removed. Returns each segment's ensemble.
+    """
+    from spark_jobs.inject import read_partition
+
+    ensembles: Ensembles = {}
+    logs = site_dir / LOGS_DIR
+    for part_dir in sorted(p for p in logs.iterdir() if p.is_dir()):
+        parsed = parse_partition_dir(part_dir.name)
+        if parsed is None:
+            continue
+        topic, partition = parsed
+        stored = read_partition(part_dir)
+        vector: dict[Origin, OriginSeq] = {}
+        chain = ensembles[parsed] = []
+        for sid, first in enumerate(range(0, len(stored), segment_batches)):
+            chunk = stored[first : first + segment_batches]
+            base = parse_header(chunk[0][1]).base_offset
+            ensemble = [nodes[(sid + k) % len(nodes)] for k in range(replication_factor)]
+            chain.append(ensemble)
+            for node in ensemble:
+                copy = SegmentLog.create_at(segment_dir(site_dir, node, topic, partition, sid), REPLICA_LOG_CONFIG,
+                                            base, vector, T0_MS)  # fmt: skip
+                for appended, batch in chunk:
+                    copy.append(parse_header(batch), [memoryview(batch)[24:]], appended)
+                copy.close()
+            for _appended, batch in chunk:
+                h = parse_header(batch)
+                vector[h.origin] = OriginSeq(h.last_origin_seq + 1)
+    shutil.rmtree(logs)
+    (site_dir / SITE_FILE).unlink(missing_ok=True)
+    return ensembles
