@@ -28,6 +28,7 @@ from spark_jobs.layout import (
     SegmentFile,
     list_segments,
     load_topology_for_audit,
+    node_order,
     parse_site_dirs,
     site_dirs_from_topology,
 )
@@ -44,6 +45,7 @@ ISSUES_DIR = "discrepancies.parquet"
 ISSUES_IN_JSON = 1000
 MAX_DRILLED_BATCHES = 10_000
 REPORT_FORMAT = 1
+REPLICA_LINES = 10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,7 +147,8 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
     # One row per batch is small: a few partitions hold it, so the checks' stages stay few and short.
     reader = spark.read.format("georep").option("segments", listing).option("level", "batches")
     batches = reader.load().coalesce(spark.sparkContext.defaultParallelism).cache()
-    inventory = batches.groupBy("site", "topic", "partition", "origin_site").agg(
+    log, replica_issues, cached = site_logs(spark, batches, segments)
+    inventory = log.groupBy("site", "topic", "partition", "origin_site").agg(
         F.sum(F.when(F.col("status") == "ok", F.col("records"))).alias("records"),
         F.count("*").alias("batches"), F.sum("size_bytes").alias("bytes")).collect()  # fmt: skip
     streams = [(r.topic, r.origin_site) for r in inventory if r.origin_site is not None]
@@ -153,21 +156,23 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
     expected = spark.createDataFrame(expected_reach(topology, streams, sites), "topic string, origin_site string, "
                                      "site string")  # fmt: skip
 
-    mismatches = checks.batch_mismatches(batches).cache()
-    narrowed = _narrow_mismatches(spark, batches, mismatches, listing)
+    mismatches = checks.batch_mismatches(log).cache()
+    narrowed = _narrow_mismatches(spark, log, mismatches, listing)
     issues = (
-        checks.damaged_batches(batches)
-        .unionByName(checks.sequence_issues(batches))
-        .unionByName(checks.reach_issues(batches, expected, as_of_ms))
+        checks.damaged_batches(batches)  # of every copy
+        .unionByName(checks.sequence_issues(log))
+        .unionByName(checks.reach_issues(log, expected, as_of_ms))
         .unionByName(narrowed)
-        .cache()
     )
+    if replica_issues is not None:
+        issues = issues.unionByName(replica_issues)
+    issues = issues.cache()
     order: list[Any] = [F.desc("divergence"), "site", "topic", "partition", "origin", "first_seq", "kind"]
     report_dir.mkdir(parents=True, exist_ok=True)
     issues.coalesce(1).sortWithinPartitions(*order).write.mode("overwrite").parquet(str(report_dir / ISSUES_DIR))
     by_kind = [r.asDict(recursive=True) for r in checks.summary_by_kind(issues).collect()]
     sample = [r.asDict() for r in issues.orderBy(*order).limit(ISSUES_IN_JSON).collect()]
-    for df in (mismatches, issues, batches):
+    for df in (mismatches, issues, *cached, batches):
         df.unpersist()
     counts: dict[str, dict[str, int]] = {}
     for row in by_kind:
@@ -175,13 +180,15 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
         c["issues"] += row["issues"]
         c["records"] += row["records"] or 0
     clean = not any(checks.KINDS[k] for k in counts)
-    totals: dict[str, dict[str, int]] = {s: {"records": 0, "batches": 0, "bytes": 0, "partitions": 0} for s in sites}
+    totals: dict[str, dict[str, Any]] = {s: {"records": 0, "batches": 0, "bytes": 0, "partitions": 0} for s in sites}
     for r in inventory:
         t = totals[r.site]
         for k in ("records", "batches", "bytes"):
             t[k] += r[k] or 0
     for site in sites:
         totals[site]["partitions"] = len({(r.topic, r.partition) for r in inventory if r.site == site})
+        totals[site]["nodes"] = sorted({s.node for s in segments if s.site == site and s.node is not None},
+                                       key=node_order)  # fmt: skip
 
     report = {
         "format": REPORT_FORMAT,
@@ -202,6 +209,22 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
     }  # fmt: skip
     (report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return AuditResult(clean, report, summary_lines(report, report_dir))
+
+
+def site_logs(spark: Any, batches: Any, segments: list[SegmentFile]) -> tuple[Any, Any, list[Any]]:
+    """Each site's own partition log (a multi-node site's from its segments' reference copies), the
+    ``replica_divergence`` issues (None when no site has several nodes), and the DataFrames cached for them."""
+    from spark_jobs import replicas
+    from spark_jobs.checks import ISSUE_SCHEMA
+
+    if not replicas.any_copies(segments):
+        return batches, None, []
+    partings = replicas.divergent_pairs(batches)
+    references = replicas.choose_references(replicas.copy_stats(batches), partings)
+    keep = spark.createDataFrame(replicas.keep_rows(segments, references), replicas.KEEP_SCHEMA)
+    log = replicas.site_log(batches, keep).cache()
+    issues = spark.createDataFrame(replicas.replica_issues(partings, references), ISSUE_SCHEMA)
+    return log, issues, [log]
 
 
 def pairs_of(by_kind: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -262,13 +285,17 @@ def coordinate(topic: str, partition: int, origin: str, seq: int) -> str:
 
 
 def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
+    from spark_jobs.checks import REPLICA_DIVERGENCE
+
     sites = report["sites"]
     lines = [
         f"georep audit of {len(sites)} site(s) ({', '.join(sites)}), {report['input']['segments']} segment file(s), "
         f"as of {report['as_of']}",
     ]
     for site, t in sites.items():
-        lines.append(f"  {site}: {t['records']:,} records in {t['batches']:,} batches, {t['partitions']} partition(s)")
+        nodes = f", read from {len(t['nodes'])} nodes' segment copies" if t.get("nodes") else ""
+        lines.append(f"  {site}: {t['records']:,} records in {t['batches']:,} batches, {t['partitions']} "
+                     f"partition(s){nodes}")  # fmt: skip
     for pair in report["pairs"]:
         ref = pair["reference_site"]
         who = f"{pair['site']} vs {ref}" if ref else f"{pair['site']} (own log)"
@@ -279,6 +306,13 @@ def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
             f"{', '.join(f'{k} {n:,}' for k, n in sorted(pair['kinds'].items()))} record(s); first: {first['kind']} at "
             f"{coordinate(first['topic'], first['partition'], pair['origin'] or '?', first['first_seq'] or 0)}"
         )
+    replica = [i for i in report["issues"] if i["kind"] == REPLICA_DIVERGENCE]
+    for i in replica[:REPLICA_LINES]:
+        where = coordinate(i["topic"], i["partition"], i["origin"] or "?", i["first_seq"] or 0)
+        lines.append(f"  DIVERGENCE {i['site']} node {i['node']} vs node {i['reference_node']}: segment "
+                     f"{i['segment']} of {i['topic']}/{i['partition']} parts at offset {i['offset']} ({where})")
+    if len(replica) > REPLICA_LINES:
+        lines.append(f"  ... and {len(replica) - REPLICA_LINES} more replica divergence(s) in the report")
     counts = ", ".join(f"{k} {v['issues']}" for k, v in report["counts"].items()) or "no issues"
     verdict = "CLEAN: no divergence" if report["clean"] else "DIVERGENCE found"
     lines.append(f"{verdict} ({counts})")

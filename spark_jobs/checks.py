@@ -8,6 +8,11 @@ with the same seq range and the same CRC-32C at every site, and that CRC
 covers every byte of every record. A copy whose CRC differs is drilled down
 record by record (:func:`first_record_differences`) to name the coordinate.
 
+The checks between sites take each site's own partition log: at a
+multi-node site, which holds a copy of each segment per ensemble member,
+that is one copy of each segment (:mod:`spark_jobs.replicas`, which also
+compares the copies: ``replica_divergence``).
+
 Every check returns rows of ``ISSUE_SCHEMA``; ``kind`` is one of ``KINDS``.
 """
 
@@ -25,8 +30,9 @@ MISMATCH = "mismatch"
 CORRUPT = "corrupt"
 TORN_TAIL = "torn_tail"
 UNEXPECTED = "unexpected"
+REPLICA_DIVERGENCE = "replica_divergence"  # inside a multi-node site: spark_jobs/replicas.py
 # kind -> whether it is a divergence (exit code 1)
-KINDS = {MISSING: True, DUPLICATE: True, ORDER: True, MISMATCH: True, CORRUPT: True,
+KINDS = {MISSING: True, DUPLICATE: True, ORDER: True, MISMATCH: True, CORRUPT: True, REPLICA_DIVERGENCE: True,
          IN_FLIGHT: False, TORN_TAIL: False, UNEXPECTED: False}  # fmt: skip
 
 ISSUE_SCHEMA = StructType([
@@ -36,6 +42,9 @@ ISSUE_SCHEMA = StructType([
     StructField("origin", StringType()), StructField("first_seq", LongType()), StructField("last_seq", LongType()),
     StructField("records", LongType()), StructField("offset", LongType()),
     StructField("file", StringType()), StructField("position", LongType()), StructField("detail", StringType()),
+    # A multi-node site's copies (null elsewhere): the node whose copy, the node whose copy it was compared with
+    # (replica_divergence), and the segment.
+    StructField("node", StringType()), StructField("reference_node", StringType()), StructField("segment", LongType()),
 ])  # fmt: skip
 
 STREAM = ["topic", "partition", "origin"]
@@ -43,7 +52,7 @@ SITE_STREAM = ["site", *STREAM]
 BATCH_KEY = [*STREAM, "base_seq", "last_seq"]
 
 
-def _issues(df: DataFrame, kind: str | Column, **cols: Column | str | int | None) -> DataFrame:
+def as_issues(df: DataFrame, kind: str | Column, **cols: Column | str | int | None) -> DataFrame:
     """Project ``df`` onto ``ISSUE_SCHEMA``; ``cols`` gives each column (missing ones are null)."""
     kind_col = F.lit(kind) if isinstance(kind, str) else kind
     out = []
@@ -66,9 +75,9 @@ def ok_batches(batches: DataFrame) -> DataFrame:
 def damaged_batches(batches: DataFrame) -> DataFrame:
     """``corrupt`` and ``torn_tail`` batches, named by site, file and byte position."""
     bad = batches.where(F.col("status") != "ok")
-    return _issues(bad, F.when(F.col("status") == "torn_tail", F.lit(TORN_TAIL)).otherwise(F.lit(CORRUPT)),
-                   site="site", topic="topic", partition="partition", offset="base_offset", file="file",
-                   position="position", detail="error")  # fmt: skip
+    return as_issues(bad, F.when(F.col("status") == "torn_tail", F.lit(TORN_TAIL)).otherwise(F.lit(CORRUPT)),
+                     site="site", topic="topic", partition="partition", offset="base_offset", file="file",
+                     position="position", detail="error", node="node", segment="segment")  # fmt: skip
 
 
 def sequence_issues(batches: DataFrame) -> DataFrame:
@@ -91,21 +100,22 @@ def sequence_issues(batches: DataFrame) -> DataFrame:
         .withColumn("expect", F.coalesce(F.col("seq_before"), F.when(F.col("log_start_offset") == 0, F.lit(-1))) + 1)
     )
     common = {"site": "site", "topic": "topic", "partition": "partition", "origin": "origin",
-              "offset": "base_offset", "file": "file", "position": "position"}  # fmt: skip
+              "offset": "base_offset", "file": "file", "position": "position", "node": "node",
+              "segment": "segment"}  # fmt: skip
     dups = df.where("dup")
     dup_last = F.least(F.col("last_seq"), F.col("seq_before"))
     holes = df.where(F.col("base_seq") > F.col("expect"))
     order = df.where(~F.col("dup") & (F.col("base_seq") <= F.col("log_before")))
     return (
-        _issues(dups, DUPLICATE, **common, first_seq="base_seq", last_seq=dup_last,
-                records=dup_last - F.col("base_seq") + 1,
-                detail=F.format_string("seqs %d..%d held again at offset %d", "base_seq", dup_last, "base_offset"))
-        .unionByName(_issues(
+        as_issues(dups, DUPLICATE, **common, first_seq="base_seq", last_seq=dup_last,
+                  records=dup_last - F.col("base_seq") + 1,
+                  detail=F.format_string("seqs %d..%d held again at offset %d", "base_seq", dup_last, "base_offset"))
+        .unionByName(as_issues(
             holes, MISSING, **common, first_seq="expect", last_seq=F.col("base_seq") - 1,
             records=F.col("base_seq") - F.col("expect"),
             detail=F.format_string("hole: seqs %d..%d absent, the log goes on at seq %d (offset %d)",
                                    "expect", F.col("base_seq") - 1, "base_seq", "base_offset")))
-        .unionByName(_issues(
+        .unionByName(as_issues(
             order, ORDER, **common, first_seq="base_seq", last_seq="last_seq", records="records",
             detail=F.format_string("seq %d at offset %d comes after seq %d in the log",
                                    "base_seq", "base_offset", "log_before")))
@@ -150,7 +160,7 @@ def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> Data
                    F.min("append_time_ms")).alias("appended_ms"))  # fmt: skip
     gaps = behind.join(first_batch.withColumnRenamed("base_seq", "first_missing"), [*STREAM, "first_missing"], "left")
     recent = F.coalesce(F.col("appended_ms") >= F.lit(as_of_ms), F.lit(False))
-    tail = _issues(
+    tail = as_issues(
         gaps, F.when(recent, F.lit(IN_FLIGHT)).otherwise(F.lit(MISSING)),
         site="site", reference_site="reference_site", topic="topic", partition="partition", origin="origin",
         first_seq="first_missing", last_seq="known_max", records=F.col("known_max") - F.col("first_missing") + 1,
@@ -159,7 +169,7 @@ def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> Data
                                F.coalesce(F.col("appended_ms").cast("string"), F.lit("an unknown time"))),
     )  # fmt: skip
     extra = streams.join(expected, ["topic", "origin_site", "site"], "left_anti")
-    unexpected = _issues(
+    unexpected = as_issues(
         extra, UNEXPECTED, site="site", topic="topic", partition="partition", origin="origin",
         first_seq=F.lit(0), last_seq="held_max", records="records",
         detail=F.lit("the topology's links and filters do not lead this origin's records of this topic here"),
@@ -186,10 +196,10 @@ def batch_mismatches(batches: DataFrame) -> DataFrame:
         F.min_by("site", F.struct(F.col("site") != F.col("origin_site"), "site")).alias("reference_site"),
         F.first("crc").alias("ref_crc"))  # fmt: skip
     differ = ok.join(ref_site, BATCH_KEY).where(F.col("crc") != F.col("ref_crc"))
-    copies = _issues(
+    copies = as_issues(
         differ, MISMATCH, site="site", reference_site="reference_site", topic="topic", partition="partition",
         origin="origin", first_seq="base_seq", last_seq="last_seq", records="records", offset="base_offset",
-        file="file", position="position",
+        file="file", position="position", node="node", segment="segment",
         detail=F.format_string("batch CRC 0x%08x, 0x%08x at %s", "crc", "ref_crc", "reference_site"),
     )  # fmt: skip
     at_origin = ok.where(F.col("site") == F.col("origin_site"))
@@ -200,10 +210,10 @@ def batch_mismatches(batches: DataFrame) -> DataFrame:
         .join(origin_held, STREAM)
         .where(F.col("base_seq") <= F.col("held_max"))
     )
-    cut = _issues(
+    cut = as_issues(
         recut, MISMATCH, site="site", reference_site="origin_site", topic="topic", partition="partition",
         origin="origin", first_seq="base_seq", last_seq="last_seq", records="records", offset="base_offset",
-        file="file", position="position",
+        file="file", position="position", node="node", segment="segment",
         detail=F.format_string("batch of seqs %d..%d: the origin %s cut these seqs into other batches",
                                "base_seq", "last_seq", "origin_site"),
     )  # fmt: skip

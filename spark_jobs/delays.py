@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spark_jobs.audit import EXIT_CLEAN, EXIT_USAGE, add_input_arguments, resolve_inputs
+from spark_jobs.audit import EXIT_CLEAN, EXIT_USAGE, add_input_arguments, resolve_inputs, site_logs
 from spark_jobs.layout import AuditInputError, SegmentFile
 from topology.model import Topology, UnknownSite
 from topology.routing import Router
@@ -102,10 +102,14 @@ def run_delays(spark: Any, topology: Topology, segments: list[SegmentFile], repo
     from pyspark.sql import functions as F
 
     from spark_jobs.datasource import segments_option
+    from spark_jobs.replicas import any_copies
 
     batches = (spark.read.format("georep").option("segments", segments_option(segments)).option("level", "batches")
                .load())  # fmt: skip
-    delays = batch_delays(batches).cache()
+    if any_copies(segments):  # choosing a multi-node site's copies reads the batches before the delays do
+        batches = batches.cache()
+    log, _replica_issues, cached = site_logs(spark, batches, segments)  # a multi-node site's batches once each
+    delays = batch_delays(log).cache()
     router = Router(topology)
     paths = [(r.topic, r.origin_site, r.site, route(router, r.topic, r.origin_site, r.site))
              for r in delays.select("topic", "origin_site", "site").distinct().collect()]  # fmt: skip
@@ -121,7 +125,8 @@ def run_delays(spark: Any, topology: Topology, segments: list[SegmentFile], repo
     report_dir.mkdir(parents=True, exist_ok=True)
     over_time.coalesce(1).write.mode("overwrite").parquet(str(report_dir / OVER_TIME_DIR))
     series = [r.asDict() for r in over_time.collect()]
-    delays.unpersist()
+    for df in (delays, *cached, batches):
+        df.unpersist()
     doc = {"format": 1, "bucket_ms": width, "delays": summary,
            "plots": [SUMMARY_PNG, OVER_TIME_PNG] if summary else []}  # fmt: skip
     (report_dir / DELAYS_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
