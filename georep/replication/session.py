@@ -38,9 +38,10 @@ The rules:
   When the last data of a stream is lost, none comes, and heartbeats keep the
   stream alive. Heartbeats carry src's *durable* vector (what it can serve).
   One heartbeat that shows more than this site holds proves nothing (the data
-  may be behind it on the way), but two in a row with no data between them,
-  while this site is still short of what the first one showed, mean that the
-  data was sent and lost: reopen.
+  may be behind it on the way), but two in a row that carry a partition, with
+  no data of it between them, while this site is still short of what the
+  first one showed of it, mean that the data was sent and lost: reopen. Per
+  partition, since one stream may merge several source nodes' pulls.
 * **An operator cut** (``set_enabled(False)``) ends the stream and marks the
   link down until it is healed.
 
@@ -113,6 +114,7 @@ class _Message:
     chunks: deque[Chunk]
     heartbeat: bool
     first: bool
+    keys: tuple[PartitionKey, ...]  # the partitions it carries (consumed chunks say nothing more)
 
 
 @dataclass(slots=True)
@@ -204,7 +206,7 @@ class PullSession:
             s.delivered = True
             self.links.link_up(self.src, now_ms)
             out.append(LinkEvent("up", f"link {self.src} -> {self.links.site} streaming"))
-        s.inbox.append(_Message(deque(chunks), heartbeat, first))
+        s.inbox.append(_Message(deque(chunks), heartbeat, first, tuple(c.key for c in chunks)))
         if not s.applying:
             out += self._drain(s, now_ms)
         return out
@@ -314,21 +316,30 @@ class PullSession:
         return [LinkEvent("wants", f"wants from {self.src} changed: reopening"), *self._reopen(now_ms)]
 
     def _tail_lost(self, s: _Stream, msg: _Message) -> bool:
-        """Two heartbeats in a row promising more than this site holds, with no data between: lost."""
+        """Two heartbeats in a row carrying a partition, both promising more of it than this site holds, with no
+        data of it between: lost.
+
+        Judged per partition, because a stream may merge the pulls of several source nodes (a multi-node site
+        passes on the partitions other nodes lead): one node's heartbeat says nothing of another's partitions,
+        whose data may still be on its way. A source sends every batch of a partition it promised before its next
+        heartbeat (it heartbeats only when it has nothing left to send), so the rule holds for each source."""
         if not msg.heartbeat:
-            s.promised = None
+            if s.promised is not None:
+                for key in msg.keys:
+                    s.promised.pop(key, None)
             return False
         vector_of = self.vector_of
-        if s.promised is not None:
-            for key in sorted(s.promised):
-                held = vector_of(key)
-                if any(held.get(o, 0) < seq for o, seq in s.promised[key].items()):
-                    return True
-        promised: dict[PartitionKey, dict[Origin, int]] = {}
+        promised = s.promised if s.promised is not None else {}
+        for key in sorted(set(msg.keys) & set(promised)):
+            held = vector_of(key)
+            if any(held.get(o, 0) < seq for o, seq in promised[key].items()):
+                return True
         # The heartbeat's chunks were consumed by _drain; their vectors are the upstream's, as fed to links.
-        for key, sites in s.wants.items():
+        for key in msg.keys:
+            sites = s.wants.get(key)
             upstream = self.links.links[self.src].vectors.get(key)
-            if not upstream:
+            promised.pop(key, None)
+            if sites is None or not upstream:
                 continue
             held = vector_of(key)
             ahead = {o: n for o, n in upstream.items() if o.site in sites and n > held.get(o, 0)}

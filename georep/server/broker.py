@@ -397,6 +397,9 @@ class Broker:
         then this site does not serve them onward either.
         """
         p = self.partition(topic, index)
+        if p.sealing:  # a multi-node site's segment is being sealed: what would go in now would be cut
+            raise NotLeader(topic, index, "its segment is being sealed; pull again in a moment",
+                            self.leader_hint(topic, index))  # fmt: skip
         applying = asyncio.get_running_loop().run_in_executor(
             self.replica_writer, apply_chunk, p.log, batches, self.clock_ms()
         )
@@ -419,7 +422,11 @@ class Broker:
         if done.exception() is None and done.result().appended_batches:
             self.disk_full = False
         if p.in_site is not None and self.partitions.get(p.key) is p:
-            p.in_site.appended(p.log.log_end_offset)
+            try:
+                p.in_site.appended(p.log.log_end_offset)
+            except NotLeader as exc:  # the segment closed meanwhile: its seal keeps or cuts these batches
+                log.info("%s-%d: replicated batches applied as its segment closed: %s", *p.key, exc)
+                return
         if p.log.log_end_offset > p.log.flushed_offset:
             # Also after an apply that failed midway (a full disk): what it appended before the failure is
             # whole, and must be fsynced and served onward like the rest.

@@ -133,7 +133,9 @@ class Puller:
         self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
         channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
-            task = asyncio.create_task(channel.close(grace=None))
+            # With a grace: the held reports and topic listings in flight on it end by themselves (their own
+            # timeout), rather than being cancelled under their tasks, which would end those loops for good.
+            task = asyncio.create_task(channel.close(grace=RPC_TIMEOUT_S))
             self.r.background.add(task)
             task.add_done_callback(self.r.background.discard)
 

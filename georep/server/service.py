@@ -25,7 +25,6 @@ from georep.broker.errors import (
     NotLeader,
     NoTopology,
     NotYetSupported,
-    SegmentUnreadable,
     SingleNodeSite,
     WriteFailed,
 )
@@ -382,45 +381,49 @@ class NodeService:
             wants[key] = (dict(have), tuple(want.origin_sites))
         elsewhere: dict[str, list[pb.PullWant]] = {}
         partitions: dict[tuple[str, int], Partition] = {}
+        routes: dict[tuple[str, int], str] = {}  # where each partition another node leads is pulled from
         for want in req.wants:
             key = (want.topic, want.partition)
             try:
                 partitions[key] = self.broker.partition(*key)
             except NotLeader as exc:
-                if req.forwarded or self.site_cluster is None:
+                if self.site_cluster is None:
                     raise
-                if not exc.leader_hint:
-                    raise SegmentUnreadable(f"{key[0]}-{key[1]} has no leader at site {self.broker.identity.site} "
-                                            "yet (a leader change is under way); retry in a moment") from None
-                elsewhere.setdefault(exc.leader_hint, []).append(want)
+                routes[key] = exc.leader_hint
+                # Forwarded here by a node whose view is ahead or behind, or leaderless for a moment: left out
+                # of this stream, which the node that passed it on ends as soon as its route changes.
+                if exc.leader_hint and not req.forwarded:
+                    elsewhere.setdefault(exc.leader_hint, []).append(want)
         max_bytes = min(req.max_bytes or REPLICATE_MAX_BYTES_DEFAULT, FETCH_MAX_BYTES_CAP)
         max_wait_ms = min(req.max_wait_ms or REPLICATE_MAX_WAIT_MS_DEFAULT, FETCH_MAX_WAIT_MS_CAP)
         local = {k: wants[k] for k in partitions}
-        if not elsewhere:
+        if not routes:
             async for response in self._serve_replicas(partitions, local, max_bytes, max_wait_ms):
                 yield response
             return
         assert self.site_cluster is not None
-        sources = [self._serve_replicas(partitions, local, max_bytes, max_wait_ms)] if partitions else []
+        sources = [self._serve_replicas(partitions, local, max_bytes, max_wait_ms)]
         for address, forwarded in sorted(elsewhere.items()):
             sub = pb.ReplicateRequest(dst_site=req.dst_site, wants=forwarded, max_bytes=req.max_bytes,
                                       max_wait_ms=req.max_wait_ms, forwarded=True)  # fmt: skip
             sources.append(self.site_cluster.pull_from(address, sub))
+        # Ends the pull (cleanly) when a partition left out or passed on moves: even here, where one was forwarded
+        # a moment before this node attached it (a roll, a new leadership).
+        sources.append(self.site_cluster.until_routes_change(routes, set(partitions)))
         async for response in merge_streams(sources):
             yield response
 
     async def _serve_replicas(self, partitions: dict[tuple[str, int], Partition],
                               wants: dict[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]],
                               max_bytes: int, max_wait_ms: int) -> AsyncIterator[pb.ReplicateResponse]:  # fmt: skip
-        """The pulls of the partitions this node serves; ends with ``NotLeader`` if it stops serving one."""
+        """The pulls of the partitions this node serves; ends (cleanly: the destination opens it again at once, and
+        it is routed afresh) when this node stops serving one of them, or its segment changes."""
         source = ReplicaSource({k: p.log for k, p in partitions.items()}, wants, heartbeat_ms=max_wait_ms)
         clock = self.broker.clock_ms
         stopping = self._stopping_future()
         while not stopping.done():
-            for key, p in partitions.items():
-                if self.broker.partitions.get(key) is not p:
-                    self.broker.partition(*key)  # NotLeader: it moved (the destination reopens, and is routed)
-                    raise NotLeader(*key, "its segment changed while it was being served; pull it again")
+            if any(self.broker.partitions.get(key) is not p for key, p in partitions.items()):
+                return
             step = source.step(clock(), max_bytes)
             if step.chunks or step.heartbeat:  # a heartbeat of a pull that wants nothing (yet) has no chunk
                 if not step.heartbeat:

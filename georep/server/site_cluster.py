@@ -49,6 +49,7 @@ from georep.storage.replica_store import PartitionKey, ReplicaStore
 log = logging.getLogger(__name__)
 
 REMOTE_READ_TIMEOUT_S = 10.0
+ROUTE_CHECK_S = 0.25  # how often a pull passed on to other nodes checks that their leadership has not moved
 
 
 class _Writing:
@@ -224,18 +225,32 @@ class SiteCluster:
         try:
             async for response in call:
                 yield response
+            # That node ended its part (a partition it served moved): end the whole pull, to be routed afresh.
         except grpc.aio.AioRpcError as exc:
             raise SegmentUnreadable(f"the pull of {len(request.wants)} partition(s) led by the node at {address} "
                                     f"ended ({exc.code().name}: {exc.details()}); pull again") from None
         finally:
             call.cancel()
 
+    async def until_routes_change(self, routes: dict[PartitionKey, str], local: set[PartitionKey],
+                                  check_s: float = ROUTE_CHECK_S) -> AsyncIterator[pb.ReplicateResponse]:
+        """Yields nothing; returns once a partition of a pull this node passes on is led elsewhere than ``routes``
+        says (or by this node, though it is not in ``local``): the pull ends cleanly, and the destination opens it
+        again at once, routed afresh. Leaderless partitions are left out of a pull until they have a leader."""
+        while True:
+            await asyncio.sleep(check_s)
+            for key, address in routes.items():
+                if key in self.broker.partitions and key not in local:
+                    return
+                if key not in self.broker.partitions and self.leader_address(*key) != address:
+                    return
+        yield pb.ReplicateResponse()  # pragma: no cover - makes this an async generator
+
     def tell_peers(self, report: pb.ReportHeldRequest) -> None:
-        """Pass what another site holds on to every other live node of this site, in the background (a node that
-        misses one hears the next: reports are cumulative)."""
-        state = self.metadata.state()
-        now = self.member.clock_ms()
-        for node in state.live_nodes(now, self.member.config.session_timeout_ms):
+        """Pass what another site holds on to every other node of this site, in the background. Every registered
+        node, not only those this view shows live: a node that just restarted has a stale view, and a report it
+        failed to pass on is lost until the partition changes again (reports carry what changed)."""
+        for node in self.metadata.state().nodes().values():
             if node.node != self.member.me:
                 task = asyncio.create_task(self._tell(node.address, report))
                 self._background.add(task)

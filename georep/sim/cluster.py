@@ -733,7 +733,7 @@ class ClusterSimulator:
                                   replication_factor=self.cfg.rf)  # fmt: skip
         for c in plan.copies:
             seg = (c.topic, c.partition, c.segment_id)
-            self.checker.repair_planned(seg, c.source, c.target, self.meta, adds=c.replaces is None)
+            self.checker.repair_planned(seg, c.source, c.target, node.view, adds=c.replaces is None)
             self.checker.placed(f"repair of {seg} (source, target)", (c.source, c.target), self.last_hb_sent,
                                 self.now_ms)  # fmt: skip
             self._ids += 1
@@ -749,7 +749,7 @@ class ClusterSimulator:
             self._at(self.cfg.copy_timeout_ms * 4, node, self._repair_timeout, node, ctl, cid)
         for f in plan.fills:
             seg = (f.topic, f.partition, f.segment_id)
-            self.checker.repair_planned(seg, f.source, f.target, self.meta, fill=True)
+            self.checker.repair_planned(seg, f.source, f.target, node.view, fill=True)
             self.checker.placed(f"fill of {seg} (source, target)", (f.source, f.target), self.last_hb_sent,
                                 self.now_ms)  # fmt: skip
             self._ids += 1
