@@ -88,22 +88,30 @@ class ClusterSite:
 
 
 def read_partition(address: str, topic: str, partition: int) -> list[tuple[str, int, bytes]]:
-    """Every record of a partition at the node at ``address`` (a multi-node site: its leader), in log order, as
-    (origin, origin seq, value)."""
+    """Every record of a partition at the node at ``address`` (a multi-node site: its leader, followed if it
+    moves meanwhile: local offsets are the site's), in log order, as (origin, origin seq, value)."""
     out: list[tuple[str, int, bytes]] = []
-    with grpc.insecure_channel(address) as channel:
-        stub = pbg.NodeStub(channel)
-        offset = 0
-        for _ in range(100_000):
-            request = pb.FetchRequest(topic=topic, partition=partition, offset=offset, max_bytes=1 << 20,
-                                      max_wait_ms=200)  # fmt: skip
-            response = next(iter(stub.Fetch(request, timeout=10)))
-            if not response.batches:
-                return out
-            at = 0
-            for h in iter_headers(response.batches):
-                for rec in decode_records(response.batches[at : at + h.size_bytes], h):
-                    out.append((str(h.origin), rec.origin_seq, bytes(rec.value or b"")))
-                at += h.size_bytes
-            offset = response.next_offset
+    offset, moves = 0, 0
+    for _ in range(100_000):
+        request = pb.FetchRequest(topic=topic, partition=partition, offset=offset, max_bytes=1 << 20,
+                                  max_wait_ms=200)  # fmt: skip
+        with grpc.insecure_channel(address) as channel:
+            try:
+                response = next(iter(pbg.NodeStub(channel).Fetch(request, timeout=10)))
+            except grpc.RpcError as exc:
+                hint = dict(exc.trailing_metadata() or ()).get("georep-leader")  # type: ignore[attr-defined]
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or moves >= 50:  # type: ignore[attr-defined]
+                    raise
+                moves += 1
+                address = str(hint) if hint else address
+                time.sleep(0.1)
+                continue
+        if not response.batches:
+            return out
+        at = 0
+        for h in iter_headers(response.batches):
+            for rec in decode_records(response.batches[at : at + h.size_bytes], h):
+                out.append((str(h.origin), rec.origin_seq, bytes(rec.value or b"")))
+            at += h.size_bytes
+        offset = response.next_offset
     raise AssertionError(f"{topic}-{partition} at {address} did not end")
