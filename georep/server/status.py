@@ -20,6 +20,7 @@ from georep.broker import errors as e
 from georep.record.batch import CorruptBatch
 from georep.replication.sink import CorruptChunk
 from georep.storage.api import BatchDamaged, DiskFull, OffsetOutOfRange
+from georep.storage.chain_log import SegmentElsewhere
 from georep.storage.replica_store import CorruptReplicaChunk, ReplicaError, UnknownSegment
 from offsets.commits import InvalidCommit
 from offsets.coordinates import InvalidOrigin
@@ -73,6 +74,8 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     e.RecoveryFailed: Code.UNAVAILABLE,
     e.SegmentUnreadable: Code.UNAVAILABLE,
     e.NotYetSupported: Code.UNIMPLEMENTED,
+    # a pull reached a segment this leader holds no copy of (a fetch reads it from a member instead)
+    SegmentElsewhere: Code.UNAVAILABLE,
     e.NotAuthorized: Code.UNAUTHENTICATED,
     e.WriteFailed: Code.INTERNAL,
     e.FsyncFailed: Code.INTERNAL,

@@ -1,0 +1,79 @@
+"""``ChainLog``: a partition a multi-node site's leader serves, over its segment copies (georep/storage/chain_log.py).
+
+Durable means confirmed by the ack quorum: readers see nothing past the LAC, and the vector there advances only
+as the LAC passes each batch. A segment this node holds no copy of is read from a member, through the cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.ids import LeaderEpoch, NodeId, SegmentId
+from georep.storage.chain_log import ChainLog, ChainSegment, SegmentElsewhere
+from georep.storage.replica_store import ReplicaStore
+from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from offsets.vector import VectorOffset
+from tests.support.segments import make_batch
+from topology.ids import SiteId
+
+A = Origin(SiteId("a"), 1)
+KEY = ("t", 0)
+EPOCH = LeaderEpoch(1)
+
+
+def chain_of(store: ReplicaStore, held_first: bool) -> tuple[ChainLog, bytes]:
+    """Segment 0 (offsets 0..2, sealed; held here only if ``held_first``) and segment 1, open, held here."""
+    first = b""
+    if held_first:
+        store.open_segment(KEY, EPOCH, SegmentId(0), 0, {}, 0)
+        b = make_batch(A, 0, [b"x", b"y"])
+        stored = store.append_batch(KEY, EPOCH, SegmentId(0), b.header, b.body, 5)
+        first = store.read(KEY, SegmentId(0), LocalOffset(0), 1 << 20).data
+        assert stored.next_offset == 2
+    store.open_segment(KEY, EPOCH, SegmentId(1), 2, {A: OriginSeq(2)}, 0)
+    sealed = VectorOffset({A: 2})
+    chain = [ChainSegment(SegmentId(0), 0, 2, sealed, (NodeId(1), NodeId(2))),
+             ChainSegment(SegmentId(1), 2, None, None, (NodeId(3), NodeId(1)))]  # fmt: skip
+    return ChainLog(KEY, store, chain, EPOCH, sealed), first
+
+
+def test_readers_see_only_what_the_quorum_confirmed_and_the_vector_follows_the_lac(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path, now_ms=0)
+    try:
+        log, _ = chain_of(store, held_first=True)
+        for seq in (2, 5):
+            b = make_batch(A, seq, [b"1", b"2", b"3"])
+            log.append(b.header, b.body, 10)
+        assert log.log_end_offset == 8 and log.vector() == {A: 8}
+        assert log.flushed_offset == 2 and log.flushed_vector() == {A: 2}  # nothing confirmed yet
+        assert log.advance_lac(5) and log.flushed_offset == 5 and log.flushed_vector() == {A: 5}
+        assert not log.advance_lac(4), "the LAC never moves back"
+        assert log.advance_lac(8) and log.flushed_vector() == {A: 8}
+        # Lookups by coordinate go to the segment whose sealed end vector covers it.
+        assert log.offset_for_origin_seq(A, OriginSeq(1)) == 0
+        assert log.offset_for_origin_seq(A, OriginSeq(6)) == 5
+        assert [e.base_offset for e in log.batch_entries()] == [0, 2, 5]
+    finally:
+        store.close()
+
+
+def test_a_segment_held_elsewhere_is_named_then_served_from_the_cache(tmp_path: Path) -> None:
+    holder = ReplicaStore(tmp_path / "member", now_ms=0)
+    store = ReplicaStore(tmp_path / "leader", now_ms=0)
+    try:
+        _, first = chain_of(holder, held_first=True)
+        log, _ = chain_of(store, held_first=False)
+        with pytest.raises(SegmentElsewhere) as missing:
+            log.read(LocalOffset(0), 1 << 20)
+        assert missing.value.segment.ensemble == (1, 2) and missing.value.offset == 0
+        # A lookup cannot look inside it: it answers the segment's base, where a reader dropping what its
+        # vector covers starts exactly.
+        assert log.offset_for_origin_seq(A, OriginSeq(1)) == 0
+        log.cache_remote(SegmentId(0), 0, first)
+        got = log.read(LocalOffset(0), 1 << 20)
+        assert got.data == first and got.next_offset == 2
+        assert log.read(LocalOffset(2), 1 << 20).data == b""  # the open segment, empty
+    finally:
+        store.close()
+        holder.close()
