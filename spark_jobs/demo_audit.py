@@ -27,7 +27,7 @@ def run_demo_audit(data_root: Path, topology: Topology, report_dir: Path, out: C
     dirs = site_dirs_from_topology(topology, data_root)
     spark = spark_session(app_name="georep-demo-audit")
     try:
-        out(f"\n6. audit every site's segment files with Spark ({spark.sparkContext.master}), no server involved")
+        out(f"\n8. audit every site's segment files with Spark ({spark.sparkContext.master}), no server involved")
         # Both audits judge as of the same moment, so the second differs from the first by the flipped byte
         # alone: a record still in flight in the first (the demo stopped the sites mid-replication) would
         # otherwise count as missing in the second, only because the clock moved on.
@@ -36,7 +36,7 @@ def run_demo_audit(data_root: Path, topology: Topology, report_dir: Path, out: C
         for line in clean.summary:
             out("   " + line)
 
-        out(f"\n7. flip one value byte in a copy of site {VICTIM}'s log (batch CRC recomputed) and audit again")
+        out(f"\n9. flip one value byte in a copy of site {VICTIM}'s log (batch CRC recomputed) and audit again")
         copy = report_dir / f"{VICTIM}-copy"
         shutil.copytree(dirs[VICTIM], copy)
         part, origin, seq = _target(VICTIM, copy)
@@ -52,7 +52,7 @@ def run_demo_audit(data_root: Path, topology: Topology, report_dir: Path, out: C
         out(f"   the audit {'names' if found else 'DID NOT name'} the divergence: mismatch at site {VICTIM}, "
             f"coordinate {origin}:{seq}")  # fmt: skip
 
-        out("\n8. replication delay per path, origin and site (append time at the site - at the origin)")
+        out("\n10. replication delay per path, origin and site (append time at the site - at the origin)")
         doc = run_delays(spark, topology, list_segments(dirs), report_dir / "delays")
         for line in summary_lines(doc, report_dir / "delays"):
             out("   " + line)
