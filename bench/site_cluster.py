@@ -40,11 +40,13 @@ the next kill would leave the open segment with one member of two, and the
 partition would wait for the killed node to come back, which measures a
 double failure.
 
-Not measured: the time for a fourth node to take its first segment after it
-joins. Not measurable yet: nodes cannot join a running site (the site's Raft
-group is the node list every node starts with; docs/cluster.md, "Not yet").
-A node listed from the start but started late takes segments at each
-partition's next roll, which times the write rate, not the site.
+``join``: a fourth node joins under acks=all load. Nodes cannot join a
+running site's Raft group yet (it is the node list every node starts with;
+docs/cluster.md, "Expansion"), so the fourth node is listed from the start
+and started late. It takes segments at each partition's next roll, so the
+time to its first segment is about one roll at the write rate
+(``--failover-segment-bytes``), printed beside it: the figure says that no
+more than a roll passes, not how fast the site is.
 
 Every node is stopped and the temporary directory removed on exit, on an
 error, on Ctrl-C and on SIGTERM.
@@ -89,6 +91,7 @@ from georep.server.process import NODE_INFO, NodeProcess, NodeStartError
 
 SITE = "a"
 NODES = (1, 2, 3)
+JOIN_WAIT_S = 30.0
 REPLICATION_FACTOR = 3
 MIN_INSYNC_REPLICAS = 2
 DEFAULT_SESSION_TIMEOUT_MS = 1000
@@ -124,38 +127,41 @@ def finite(x: float) -> float | None:
 # -- the site -------------------------------------------------------------------------------------------------------
 
 
-def site_toml(grpc_ports: Sequence[int], raft_ports: Sequence[int]) -> str:
+def site_toml(grpc_ports: Sequence[int], raft_ports: Sequence[int], nodes_: Sequence[int] = NODES) -> str:
     nodes = ", ".join(f'{{ id = {n}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}" }}'
-                      for n, g, r in zip(NODES, grpc_ports, raft_ports, strict=True))  # fmt: skip
+                      for n, g, r in zip(nodes_, grpc_ports, raft_ports, strict=True))  # fmt: skip
     return f"[sites.{SITE}]\nnodes = [{nodes}]\n"
 
 
 class Site:
     """The three nodes of site ``a``, each ``georep node --node-id N`` with its own data dir under ``root``."""
 
-    def __init__(self, root: Path, node_args: list[str]) -> None:
-        ports = free_ports(2 * len(NODES))
-        self.addresses = {n: f"127.0.0.1:{ports[i]}" for i, n in enumerate(NODES)}
-        self.raft_nodes = {f"127.0.0.1:{ports[len(NODES) + i]}": n for i, n in enumerate(NODES)}
+    def __init__(self, root: Path, node_args: list[str], listed: Sequence[int] = NODES,
+                 started: Sequence[int] = NODES) -> None:  # fmt: skip
+        """``listed``: the nodes of the topology (the site's Raft group); ``started``: those :meth:`start` runs."""
+        ports = free_ports(2 * len(listed))
+        self.addresses = {n: f"127.0.0.1:{ports[i]}" for i, n in enumerate(listed)}
+        self.raft_nodes = {f"127.0.0.1:{ports[len(listed) + i]}": n for i, n in enumerate(listed)}
         root.mkdir(parents=True, exist_ok=True)
         topology = root / "topology.toml"
-        topology.write_text(site_toml(ports[: len(NODES)], ports[len(NODES) :]))
+        topology.write_text(site_toml(ports[: len(listed)], ports[len(listed) :], listed))
         self.nodes = {
             n: NodeProcess(SITE, root / SITE / str(n), listen=self.addresses[n],
                            extra_args=["--node-id", str(n), "--topology", str(topology), *node_args])  # fmt: skip
-            for n in NODES
+            for n in listed
         }
+        self.started = tuple(started)
 
     @property
     def bootstrap(self) -> list[str]:
-        return [self.addresses[n] for n in NODES]
+        return [self.addresses[n] for n in self.started]
 
     def start(self) -> None:
         """Launch every node first: a node serves only once a majority of its site's nodes run."""
-        for node in self.nodes.values():
-            node.launch()
-        for node in self.nodes.values():
-            node.wait_ready(START_TIMEOUT_S)
+        for n in self.started:
+            self.nodes[n].launch()
+        for n in self.started:
+            self.nodes[n].wait_ready(START_TIMEOUT_S)
 
     def live(self) -> list[int]:
         return [n for n, p in self.nodes.items() if p.alive()]
@@ -163,8 +169,8 @@ class Site:
     def close(self) -> None:
         """SIGTERM to every node at once, then wait (``NodeProcess.stop`` kills one that outlasts the timeout)."""
         for node in self.nodes.values():
-            if node.alive():
-                node.proc.terminate()  # type: ignore[union-attr]
+            if node.alive() and node.proc is not None:
+                node.proc.terminate()
         for node in self.nodes.values():
             node.stop(STOP_TIMEOUT_S)
 
@@ -509,6 +515,59 @@ class Config:
     after_s: float
 
 
+# -- 3. a node joining --------------------------------------------------------------------------------------------
+
+
+JOIN_TOPIC = "join"
+JOIN_PARTITIONS = 2
+
+
+@dataclass
+class Join:
+    serving_s: float  # from its start to serving (it registered and heartbeated)
+    first_segment_s: float  # from serving to the first segment placed on it (inf: none within the wait)
+    segments: int  # segments the metadata places on it at the end
+    acks: int
+
+
+async def measure_join(site: Site, cfg: Config) -> Join:
+    """Three of four listed nodes write ``JOIN_TOPIC`` at acks=all; the fourth starts under that load. A segment
+    rolls past ``--failover-segment-bytes``, so the time to its first segment is about one roll."""
+    await site.create_topic(JOIN_TOPIC, JOIN_PARTITIONS)
+    stop = asyncio.Event()
+    acks = 0
+
+    async def write() -> None:
+        nonlocal acks
+        async with Producer(site.bootstrap, acks="all", linger_ms=LINGER_MS, batch_size=16_384) as producer:
+            value = b"j" * cfg.failover_record_bytes
+            while not stop.is_set():
+                await asyncio.gather(*(producer.send(JOIN_TOPIC, value, key=b"%d" % i) for i in range(50)))
+                acks += 50
+
+    writer = asyncio.create_task(write())
+    try:
+        await asyncio.sleep(cfg.warmup_s)
+        progress("starting node 4, listed in the topology, under load")
+        began = time.monotonic()
+        await site.restart(4)
+        serving = time.monotonic()
+        first = math.inf
+        segments = 0
+        while time.monotonic() - serving < JOIN_WAIT_S:
+            with contextlib.suppress(BenchError):
+                status = await site.status([1])
+                segments = next((n.segments for n in status.nodes if n.node_id == 4), 0)
+                if segments > 0:
+                    first = time.monotonic() - serving
+                    break
+            await asyncio.sleep(POLL_S)
+    finally:
+        stop.set()
+        await asyncio.gather(writer, return_exceptions=True)
+    return Join(serving - began, first, segments, acks)
+
+
 def throughput_table(pairs: list[Pair]) -> Iterator[str]:
     head = (f"{'record':>7} {'parts':>5}  {'acks':<7} {'MB/s':>7} {'records/s':>10}  {'runs MB/s':<20} "
             f"{'all/leader':>10}  leaders")  # fmt: skip
@@ -540,7 +599,7 @@ def failover_table(rounds: list[Round]) -> Iterator[str]:
                + (f"  {r.error}" if r.error else ""))  # fmt: skip
 
 
-def summary(pairs: list[Pair], fo: Failover | None, cfg: Config) -> Iterator[str]:
+def summary(pairs: list[Pair], fo: Failover | None, cfg: Config, join: Join | None = None) -> Iterator[str]:
     for p in pairs:
         verdict = "met" if p.ratio >= 0.6 else "MISSED"
         yield (f"acks=all / acks=leader, {size_label(p.record_bytes)} records, {p.partitions} partition(s): "
@@ -571,11 +630,16 @@ def summary(pairs: list[Pair], fo: Failover | None, cfg: Config) -> Iterator[str
                    f"p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000:.1f} ms ({len(lat):,} writes); "
                    f"{fo.acks:,} acks in all, {len(fo.failures)} failed"
                    + (f" (first: {fo.failures[0]})" if fo.failures else ""))  # fmt: skip
-    yield ("not measured: a 4th node's first segment after it joins (not measurable yet: nodes cannot join a running "
-           "site)")
+    if join is not None:
+        took = (f"{join.first_segment_s:.2f}s" if math.isfinite(join.first_segment_s)
+                else f"none within {JOIN_WAIT_S:g}s")  # fmt: skip
+        yield (f"a 4th node started under acks=all load (listed in the topology from the start): serving "
+               f"{join.serving_s:.2f}s after its start, its first segment {took} after that (segments roll past "
+               f"{cfg.failover_segment_bytes} B); {join.segments} segment(s) on it at the end "
+               "(tests/test_cluster_expansion.py checks that none is older than its start)")  # fmt: skip
 
 
-def report_json(cfg: Config, pairs: list[Pair], fo: Failover | None) -> dict[str, Any]:
+def report_json(cfg: Config, pairs: list[Pair], fo: Failover | None, join: Join | None = None) -> dict[str, Any]:
     rounds = [{k: finite(v) if isinstance(v, float) else v for k, v in asdict(r).items()}
               for r in (fo.rounds if fo else [])]  # fmt: skip
     return {
@@ -593,7 +657,7 @@ def report_json(cfg: Config, pairs: list[Pair], fo: Failover | None) -> dict[str
             "steady_ack_latency_s": sorted(fo.steady_s) if fo else [],
             "acks": fo.acks if fo else 0, "failures": fo.failures if fo else [],
         },
-        "not_measured": {"node_join_first_segment": "not measurable yet: nodes cannot join a running site"},
+        "join": None if join is None else {**asdict(join), "first_segment_s": finite(join.first_segment_s)},
     }  # fmt: skip
 
 
@@ -681,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     pairs: list[Pair] = []
     fo: Failover | None = None
+    join: Join | None = None
     with contextlib.ExitStack() as stack:
         root = Path(tempfile.mkdtemp(prefix="georep-bench-site-cluster-"))
         if args.keep:
@@ -692,8 +757,14 @@ def main(argv: list[str] | None = None) -> int:
                 site = start_site(phase, root / "throughput", cfg, cfg.segment_bytes)
                 pairs = asyncio.run(measure_throughput(site, cfg))
         if cfg.rounds > 0:
-            site = start_site(stack, root / "failover", cfg, cfg.failover_segment_bytes)
-            fo = asyncio.run(measure_failover(site, cfg))
+            with contextlib.ExitStack() as phase:
+                site = start_site(phase, root / "failover", cfg, cfg.failover_segment_bytes)
+                fo = asyncio.run(measure_failover(site, cfg))
+        site = Site(root / "join", node_args(cfg, cfg.failover_segment_bytes), listed=(1, 2, 3, 4), started=NODES)
+        stack.callback(site.close)
+        progress(f"starting nodes 1, 2, 3 of site {SITE} (4 listed) in join/")
+        site.start()
+        join = asyncio.run(measure_join(site, cfg))
     if pairs:
         print()
         print(f"Throughput: georep.client.Producer(batch_size={cfg.batch_bytes}, linger_ms={LINGER_MS}, "
@@ -712,11 +783,11 @@ def main(argv: list[str] | None = None) -> int:
         for line in failover_table(fo.rounds):
             print(line)
     print()
-    for line in summary(pairs, fo, cfg):
+    for line in summary(pairs, fo, cfg, join):
         print(line)
     print(f"(total {time.monotonic() - started:.0f}s)")
     if args.report:
-        args.report.write_text(json.dumps(report_json(cfg, pairs, fo), indent=2) + "\n")
+        args.report.write_text(json.dumps(report_json(cfg, pairs, fo, join), indent=2) + "\n")
         print(f"results written to {args.report}")
     return 0
 
