@@ -931,18 +931,28 @@ class SiteState:
         self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=(*info.segments[:-1], sealed))
         return Applied(segment_id=segment.segment_id)
 
-    def _replace_member(self, cmd: ReplaceMember) -> Result:
-        info = self._find_partition(cmd.topic, cmd.partition)
+    def _sealed_segment(self, topic: str, partition: int, segment_id: SegmentId,
+                        roll: str) -> tuple[PartitionInfo, SegmentInfo, str] | Refused:  # fmt: skip
+        """The sealed segment a repair command names (and where it is, for messages); refused if it is unknown or
+        open: its leader rolls it (``roll`` says into what) instead of copying a moving tail."""
+        info = self._find_partition(topic, partition)
         if isinstance(info, Refused):
             return info
-        where = _where(cmd.topic, cmd.partition)
-        segment = info.segment(cmd.segment_id)
+        where = _where(topic, partition)
+        segment = info.segment(segment_id)
         if segment is None:
-            return Refused(RefusalCode.UNKNOWN_SEGMENT, f"{where} has no segment {cmd.segment_id}")
+            return Refused(RefusalCode.UNKNOWN_SEGMENT, f"{where} has no segment {segment_id}")
         if not segment.sealed:
             return Refused(RefusalCode.NOT_SEALED,
-                           f"segment {cmd.segment_id} of {where} is open: its leader rolls it (seal, then a new "
-                           "segment on a new ensemble) instead of copying a moving tail")  # fmt: skip
+                           f"segment {segment_id} of {where} is open: its leader rolls it (seal, then {roll}) "
+                           "instead of copying a moving tail")  # fmt: skip
+        return info, segment, where
+
+    def _replace_member(self, cmd: ReplaceMember) -> Result:
+        found = self._sealed_segment(cmd.topic, cmd.partition, cmd.segment_id, "a new segment on a new ensemble")
+        if isinstance(found, Refused):
+            return found
+        info, segment, where = found
         if cmd.old not in segment.ensemble:
             if cmd.new in segment.ensemble:
                 return Applied(changed=False, segment_id=segment.segment_id)
@@ -961,17 +971,11 @@ class SiteState:
         return Applied(segment_id=segment.segment_id)
 
     def _add_member(self, cmd: AddMember) -> Result:
-        info = self._find_partition(cmd.topic, cmd.partition)
-        if isinstance(info, Refused):
-            return info
-        where = _where(cmd.topic, cmd.partition)
-        segment = info.segment(cmd.segment_id)
-        if segment is None:
-            return Refused(RefusalCode.UNKNOWN_SEGMENT, f"{where} has no segment {cmd.segment_id}")
-        if not segment.sealed:
-            return Refused(RefusalCode.NOT_SEALED,
-                           f"segment {cmd.segment_id} of {where} is open: its leader rolls it (seal, then the next "
-                           "segment on replication_factor nodes) instead of copying a moving tail")  # fmt: skip
+        found = self._sealed_segment(cmd.topic, cmd.partition, cmd.segment_id,
+                                     "the next segment on replication_factor nodes")  # fmt: skip
+        if isinstance(found, Refused):
+            return found
+        info, segment, where = found
         if cmd.node in segment.ensemble:
             return Applied(changed=False, segment_id=segment.segment_id)
         if len(segment.ensemble) >= cmd.replication_factor:

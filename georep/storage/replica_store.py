@@ -114,6 +114,20 @@ def _parse_partition_dir(name: str) -> PartitionKey | None:
     return urllib.parse.unquote(topic), int(index)
 
 
+def _whole_batches(key: PartitionKey, segment_id: int, chunk: bytes, then: str) -> list[BatchHeader]:
+    """The headers of ``chunk``, which must be whole, CRC-valid batches back to back; else
+    :class:`CorruptReplicaChunk` naming the segment and what happens ``then`` (nothing is stored)."""
+    try:
+        headers = iter_headers(chunk, verify=True)
+    except CorruptBatch as exc:
+        raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: {exc}; nothing was stored, "
+                                  f"{then}") from None  # fmt: skip
+    if sum(h.size_bytes for h in headers) != len(chunk):
+        raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: the chunk ends inside a batch; "
+                                  f"nothing was stored, {then}")  # fmt: skip
+    return headers
+
+
 def _segment_dir_name(segment_id: int) -> str:
     return f"{segment_id:010d}"
 
@@ -281,14 +295,7 @@ class ReplicaStore:
         ``Fenced``, ``SegmentSealed`` or ``NotContiguous`` at the first batch it refuses; the batches before
         that one stay appended, and ``NotContiguous`` says where the leader must resend from.
         """
-        try:
-            headers = iter_headers(chunk, verify=True)
-        except CorruptBatch as exc:
-            raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: {exc}; nothing was stored, the "
-                                      "leader resends") from None  # fmt: skip
-        if sum(h.size_bytes for h in headers) != len(chunk):
-            raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: the chunk ends inside a batch; "
-                                      "nothing was stored, the leader resends")  # fmt: skip
+        headers = _whole_batches(key, segment_id, chunk, "the leader resends")
         view = memoryview(chunk)
         with self._lock:
             p = self._partition(key)
@@ -351,14 +358,7 @@ class ReplicaStore:
         Call :meth:`open_sealed_copy` first: a copy whose seal the guard does not know is refused
         (``ReplicaError``), since a leader may still be appending to it.
         """
-        try:
-            headers = iter_headers(chunk, verify=True)
-        except CorruptBatch as exc:
-            raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: {exc}; nothing was stored, the "
-                                      "repair copies it again") from None  # fmt: skip
-        if sum(h.size_bytes for h in headers) != len(chunk):
-            raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: the chunk ends inside a batch; "
-                                      "nothing was stored, the repair copies it again")  # fmt: skip
+        headers = _whole_batches(key, segment_id, chunk, "the repair copies it again")
         if headers and headers[-1].next_offset > end_offset:
             raise PastSealedEnd(f"segment {segment_id} of {key[0]}-{key[1]} is sealed at offset {end_offset}, but the "
                                 f"copy sent a batch ending at {headers[-1].next_offset}: the source's copy is longer "
