@@ -226,7 +226,10 @@ class Puller:
     async def stream_loop(self) -> None:
         with contextlib.suppress(TimeoutError):
             # The first stream should already carry the upstream's topics.
-            await asyncio.wait_for(self._topics_synced.wait(), TOPIC_SYNC_S * 2)
+            # asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a cancellation that races with the
+            # event, and the stopping node then waits for this loop forever (seen: a stop right after a start).
+            async with asyncio.timeout(TOPIC_SYNC_S * 2):
+                await self._topics_synced.wait()
         session = self.session
         now = self.r.now_ms
         last_tick = now()
