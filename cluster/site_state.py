@@ -109,6 +109,9 @@ class NodeInfo:
     free_bytes: int = 0
     load: int = 0  # streams being written to the node (see cluster.placement.NodeLoad.load), as it last reported
     draining: bool = False  # being decommissioned: keeps serving what it holds, takes nothing new
+    # Bytes repair copies wrote to its disk from other nodes (copies, fills, widenings, decommissions), as it last
+    # reported: its own count, kept on its disk across restarts (georep/storage/moved_bytes.py).
+    bytes_moved: int = 0
 
     def is_live(self, now_ms: int, session_timeout_ms: int) -> bool:
         """Heartbeated less than ``session_timeout_ms`` before ``now_ms``.
@@ -358,7 +361,8 @@ class RegisterNode(_CommandBase):
 
 @dataclass(frozen=True, slots=True)
 class NodeHeartbeat(_CommandBase):
-    """A node is alive at ``now_ms`` (its clock) with this much free disk and load.
+    """A node is alive at ``now_ms`` (its clock) with this much free disk and load, and has had this many bytes
+    copied to it by repairs so far.
 
     A heartbeat older than the last one recorded (delayed in flight) is ignored.
     """
@@ -368,19 +372,24 @@ class NodeHeartbeat(_CommandBase):
     now_ms: int
     free_bytes: int
     load: int
+    bytes_moved: int = 0
 
     def __post_init__(self) -> None:
         node_id(self.node)
         _check_non_negative("now_ms", self.now_ms)
         _check_non_negative("free_bytes", self.free_bytes)
         _check_non_negative("load", self.load)
+        _check_non_negative("bytes_moved", self.bytes_moved)
 
     def _encode(self) -> dict[str, Any]:
-        return {"node": self.node, "now_ms": self.now_ms, "free_bytes": self.free_bytes, "load": self.load}
+        return {"node": self.node, "now_ms": self.now_ms, "free_bytes": self.free_bytes, "load": self.load,
+                "bytes_moved": self.bytes_moved}  # fmt: skip
 
     @classmethod
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
-        return cls(_node(raw, "node"), _int(raw, "now_ms"), _int(raw, "free_bytes"), _int(raw, "load"))
+        # Logs written before bytes_moved was reported lack it: 0.
+        return cls(_node(raw, "node"), _int(raw, "now_ms"), _int(raw, "free_bytes"), _int(raw, "load"),
+                   _int(raw, "bytes_moved") if "bytes_moved" in raw else 0)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -809,7 +818,7 @@ class SiteState:
         if current.last_heartbeat_ms is not None and cmd.now_ms < current.last_heartbeat_ms:
             return Applied(changed=False)
         self._nodes[cmd.node] = replace(current, last_heartbeat_ms=cmd.now_ms, free_bytes=cmd.free_bytes,
-                                        load=cmd.load)  # fmt: skip
+                                        load=cmd.load, bytes_moved=cmd.bytes_moved)  # fmt: skip
         return Applied()
 
     def _set_draining(self, cmd: SetDraining) -> Result:
@@ -1090,12 +1099,14 @@ def _node_to_dict(info: NodeInfo) -> dict[str, Any]:
         "free_bytes": info.free_bytes,
         "load": info.load,
         "draining": info.draining,
+        "bytes_moved": info.bytes_moved,
     }
 
 
 def _node_from_dict(raw: Mapping[str, Any]) -> NodeInfo:
     return NodeInfo(_node(raw, "node"), _str(raw, "address"), _optional_int(raw, "last_heartbeat_ms"),
-                    _int(raw, "free_bytes"), _int(raw, "load"), _bool(raw, "draining"))  # fmt: skip
+                    _int(raw, "free_bytes"), _int(raw, "load"), _bool(raw, "draining"),
+                    _int(raw, "bytes_moved") if "bytes_moved" in raw else 0)  # fmt: skip
 
 
 # -- the leadership controller ------------------------------------------------------------------------------
