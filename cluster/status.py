@@ -15,6 +15,12 @@ written to it). Bytes come from each node's own disk, which only that node
 can read; the shell adds them (``SiteCluster.cluster_status``: the
 answering node's ``ReplicaStore``).
 
+**Bytes moved** are each node's own count of the bytes repair copies wrote
+to it from other nodes (copies off dead or draining members, fills,
+widenings), which it keeps on its disk and reports with every heartbeat
+(``NodeInfo.bytes_moved``); the site's total is their sum. A node that joins
+takes new segments with none moved: its count stays 0.
+
 **Under-replicated** is ``cluster.repair.under_replicated``, the same rule
 the repair planner acts on: a segment with a dead or draining member, or
 with fewer members than ``replication_factor`` (a segment opened on fewer
@@ -51,6 +57,7 @@ class NodeStatus:
     segments: int  # segment copies the metadata puts on it: every segment whose ensemble includes it
     open_segments: int  # of which open: the streams being written to it
     leader_of: int  # partitions it leads
+    bytes_moved: int  # bytes repair copies wrote to it from other nodes, as of its last heartbeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +81,11 @@ class ClusterStatus:
     nodes: tuple[NodeStatus, ...]
     partitions: tuple[PartitionStatus, ...]
     under_replicated: tuple[UnderReplicated, ...]
+
+    @property
+    def bytes_moved(self) -> int:
+        """The site's total of bytes moved between nodes: every node's count, a dead node's last report included."""
+        return sum(n.bytes_moved for n in self.nodes)
 
 
 def cluster_status(state: SiteState, now_ms: int, session_timeout_ms: int,
@@ -113,7 +125,7 @@ def cluster_status(state: SiteState, now_ms: int, session_timeout_ms: int,
             n, info.address, info.is_live(now_ms, session_timeout_ms),
             None if info.last_heartbeat_ms is None else now_ms - info.last_heartbeat_ms,
             info.free_bytes, info.load, info.draining, segments.get(n, 0), open_segments.get(n, 0),
-            leader_of.get(n, 0),
+            leader_of.get(n, 0), info.bytes_moved,
         )
         for n, info in sorted(nodes.items())
     )  # fmt: skip

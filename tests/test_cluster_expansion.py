@@ -84,6 +84,8 @@ def test_a_fourth_node_takes_new_segments_at_the_next_roll_with_nothing_moved(tm
         node4 = next(n for n in status["nodes"] if n["node"] == 4)
         assert node4["live"] and node4["segments"] >= PARTITIONS, f"node 4 took no new segments: {node4}"
         assert status["under_replicated"] == [], status["under_replicated"]
+        assert status["bytes_moved"] == 0 and all(n["bytes_moved"] == 0 for n in status["nodes"]), \
+            f"a node joined under load and bytes were moved: {[(n['node'], n['bytes_moved']) for n in status['nodes']]}"
     finally:
         site.close()
     held = segment_ids(tmp_path, 4)

@@ -11,6 +11,7 @@ whole batches whose CRCs check, at its end, never past the seal, and answers onl
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from georep.server.rpc import LEADER_METADATA
 from georep.server.segments import SegmentService
 from georep.server.site_repair import CopyFailed, SealedRange, copy_in
 from georep.storage.api import LogConfig
+from georep.storage.moved_bytes import MOVED_FILE, MovedBytesCorrupt
 from georep.storage.replica_store import CorruptReplicaChunk, PastSealedEnd, ReplicaError, ReplicaStore
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, OriginSeq
@@ -177,10 +179,13 @@ def test_copy_in_reads_the_sealed_range_from_a_member_over_grpc_from_where_it_ho
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
+            assert target.moved.total == 0, "a leader's stream is the write itself, not bytes moved"
             flushed, copied = await copy_in(target, segment, f"127.0.0.1:{port}", executor, 0)
             assert flushed == end and copied == sum(len(b) for b in batches[2:])
+            assert target.moved.total == copied, "the fill's bytes are counted as moved"
             again = await copy_in(target, segment, f"127.0.0.1:{port}", executor, 0)
             assert again == (end, 0), "a copy that is whole reads nothing"
+            assert target.moved.total == copied
             longer = SealedRange(KEY, SegmentId(6), end, {}, end + 10)
             with pytest.raises(CopyFailed, match="NOT_FOUND"):
                 await copy_in(target, longer, f"127.0.0.1:{port}", executor, 0)
@@ -190,8 +195,15 @@ def test_copy_in_reads_the_sealed_range_from_a_member_over_grpc_from_where_it_ho
     asyncio.run(run())
     got = target.read(KEY, SEG, LocalOffset(BASE), 1 << 20)
     assert got.data == b"".join(batches)
+    moved = target.moved.total
     source.close()
     target.close()
+    reopened = ReplicaStore(tmp_path / "target", now_ms=0)
+    assert reopened.moved.total == moved > 0, "the count of bytes moved survives a restart"
+    reopened.close()
+    (tmp_path / "target" / MOVED_FILE).write_text("{not json")
+    with pytest.raises(MovedBytesCorrupt, match="delete it to count from 0"):
+        ReplicaStore(tmp_path / "target", now_ms=0)
 
 
 # -- real nodes ----------------------------------------------------------------------------------------------------
@@ -330,6 +342,10 @@ def test_a_node_back_from_kill_9_gets_every_sealed_segment_it_lacks_and_all_copi
         final = status(site)
         members = sum(n.segments for n in final.nodes)
         assert members == 3 * sealed_ids(final), "the metadata does not give every segment a 3-member ensemble"
+        doc = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(leader))))
+        moved = {n["node"]: n["bytes_moved"] for n in doc["nodes"]}
+        assert moved[victim] > 0 and doc["bytes_moved"] == sum(moved.values()), \
+            f"the segments copied back to node {victim} are not counted as bytes moved: {moved}"
         produce(site, 5, "after")
     finally:
         site.close()
@@ -365,6 +381,9 @@ def test_a_decommissioned_node_ends_holding_nothing_that_three_others_do_not_and
         assert site.wait_leader(TOPIC, not_node=victim) != victim
         assert produce(site, 20, "after") == 20, "writes stopped after the decommission"
         assert not status(site).under_replicated
+        # What the drain copied off the node is bytes moved (each target's count reaches the metadata with its
+        # next heartbeat).
+        wait_for("the drain's copies counted as bytes moved", lambda: status(site).bytes_moved > 0)
         again = grpc.insecure_channel(site.address(victim))
         assert pbg.NodeStub(again).DecommissionNode(pb.DecommissionNodeRequest(node_id=victim), timeout=30).drained
         again.close()

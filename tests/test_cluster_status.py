@@ -77,6 +77,19 @@ def test_the_view_counts_segment_copies_and_leaderships_per_node() -> None:
     assert (by_id[N3].segments, by_id[N3].open_segments, by_id[N3].leader_of) == (2, 1, 0)
     assert (by_id[N4].segments, by_id[N4].leader_of) == (0, 0)
     assert by_id[N1].free_bytes == 50 << 30
+    assert view.bytes_moved == 0 and all(n.bytes_moved == 0 for n in view.nodes), "no repair copied anything"
+
+
+def test_bytes_moved_are_each_nodes_last_report_and_the_site_total_keeps_a_dead_nodes() -> None:
+    state = four_nodes()
+    apply(state, NodeHeartbeat(N2, 9_900, 40 << 30, 2, bytes_moved=5_000), NodeHeartbeat(N3, 1_100, 30 << 30, 1, 700))
+    view = cluster_status(state, now_ms=10_000, session_timeout_ms=SESSION_MS, replication_factor=3)
+    assert [(n.node, n.live, n.bytes_moved) for n in view.nodes] == [
+        (N1, True, 0), (N2, True, 5_000), (N3, False, 700), (N4, False, 0),
+    ]  # fmt: skip
+    assert view.bytes_moved == 5_700, "node 3 is dead, but what was copied to it was moved all the same"
+    restored = SiteState.restore(json.loads(json.dumps(state.snapshot())))
+    assert restored.node(N2) is not None and restored.node(N2).bytes_moved == 5_000, "a Raft snapshot keeps it"
 
 
 def test_the_view_names_every_partitions_leader_and_open_ensemble() -> None:
@@ -122,9 +135,9 @@ def response() -> pb.ClusterStatusResponse:
             pb.ClusterNodeStatus(node_id=1, address="127.0.0.1:7101", live=True, last_heartbeat_age_ms=200,
                                  segments=1, store_bytes=4096),
             pb.ClusterNodeStatus(node_id=2, address="127.0.0.1:7102", live=True, last_heartbeat_age_ms=300,
-                                 segments=1),
+                                 segments=1, bytes_moved=100),
             pb.ClusterNodeStatus(node_id=3, address="127.0.0.1:7103", live=False, last_heartbeat_age_ms=9000,
-                                 segments=1),
+                                 segments=1, bytes_moved=2048),
         ],
         partitions=[pb.ClusterPartitionStatus(topic="t", partition=0, leader=3, leader_live=False, leader_epoch=1,
                                               segments=1, open_segment_id=0, open_ensemble=[3, 1, 2])],
@@ -136,11 +149,13 @@ def response() -> pb.ClusterStatusResponse:
 def test_bytes_and_raft_roles_come_from_each_nodes_own_answer() -> None:
     own_2 = pb.ClusterStatusResponse(node_id=2, raft=pb.RaftGroupStatus(self_address="127.0.0.1:9102",
                                                                         is_leader=True),
-                                     nodes=[pb.ClusterNodeStatus(node_id=2, store_bytes=8192)])  # fmt: skip
+                                     nodes=[pb.ClusterNodeStatus(node_id=2, store_bytes=8192,
+                                                                 bytes_moved=300)])  # fmt: skip
     doc = status_json(response(), {2: own_2})
-    assert [(n["node"], n["store_bytes"], n["raft_role"]) for n in doc["nodes"]] == [
-        (1, 4096, "follower"), (2, 8192, "leader"), (3, None, None),
-    ]  # fmt: skip
+    assert [(n["node"], n["store_bytes"], n["raft_role"], n["bytes_moved"]) for n in doc["nodes"]] == [
+        (1, 4096, "follower", 0), (2, 8192, "leader", 300), (3, None, None, 2048),
+    ], "bytes moved: a node's own count when it answered, else its last heartbeat's (a dead node's too)"  # fmt: skip
+    assert doc["bytes_moved"] == 2348
     assert doc["raft"]["leader_node"] == 2 and doc["raft"]["leader_address"] == "127.0.0.1:9102"
     assert doc["partitions"][0]["open_segment"] == {"segment_id": 0, "ensemble": [3, 1, 2]}
     assert status_json(response(), {})["raft"]["leader_node"] is None, "no node said it leads: unknown, not guessed"
@@ -150,7 +165,8 @@ def test_the_table_marks_dead_nodes_and_leaders_and_lists_under_replicated_segme
     text = render(response(), {})
     node_3 = next(line for line in text.splitlines() if line.startswith("3 "))
     assert node_3.split()[:3] == ["3", "127.0.0.1:7103", "dead"]
-    assert node_3.split()[-1] == "-", "a node not asked has no bytes"
+    assert node_3.split()[-2:] == ["-", "2.0KiB"], "a node not asked has no bytes stored; its bytes moved are known"
+    assert "bytes moved between nodes by repairs: 2.1 KiB (2148 B)" in text
     assert "3(dead)" in text
     assert "no Raft leader known" not in text
     leaderless = response()

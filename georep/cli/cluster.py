@@ -14,10 +14,12 @@ node's segment copies (``STORED``) and its Raft role. A node that does not
 answer within a few seconds shows ``-`` (``null`` in ``--json``); a dead
 node is not asked.
 
-**Not shown: bytes moved.** Repair copies sealed segments between nodes
-(``georep/server/site_repair.py``) and logs each copy with the bytes it
-read, but no node keeps a counter of them yet; under-replicated segments
-shrink here as the copies land.
+**Bytes moved** (``MOVED``, and the site's total) are the bytes repair
+copies wrote to each node from other nodes: copies off dead or draining
+members, fills, widenings (``georep/storage/moved_bytes.py``). Each node
+keeps its own count on its disk and reports it with its heartbeats, so a
+dead node's last report is shown too; a node that answered for itself gives
+its count now. A node that joins takes new segments with 0 bytes moved.
 
 **Decommission.** ``georep cluster decommission NODE_ID`` sets the node
 draining through the site's metadata (``DecommissionNode``, an admin call:
@@ -141,6 +143,7 @@ def status_json(answer: pb.ClusterStatusResponse, reports: Reports) -> dict[str,
             "free_bytes": n.free_bytes, "load": n.load, "draining": n.draining, "segments": n.segments,
             "open_segments": n.open_segments, "leader_of": n.leader_of,
             "store_bytes": own.store_bytes if own is not None and own.HasField("store_bytes") else None,
+            "bytes_moved": (own or n).bytes_moved,
             "raft_role": _role(n, answer, reports),
         })  # fmt: skip
     partitions = [
@@ -172,6 +175,7 @@ def status_json(answer: pb.ClusterStatusResponse, reports: Reports) -> dict[str,
             "reachable_nodes": raft.reachable_nodes, "total_nodes": raft.total_nodes,
             "applied_index": raft.applied_index, "commit_index": raft.commit_index,
         },
+        "bytes_moved": sum(n["bytes_moved"] for n in nodes),
         "nodes": nodes,
         "partitions": partitions,
         "under_replicated": under,
@@ -218,9 +222,13 @@ def render(answer: pb.ClusterStatusResponse, reports: Reports) -> str:
         heartbeat = "never" if age is None else f"{age / 1000:.1f}s"
         rows.append((n["node"], n["address"], state, heartbeat, size_text(n["free_bytes"]).replace(" ", ""),
                      n["load"], n["segments"], n["open_segments"], n["leader_of"],
-                     size_text(n["store_bytes"]).replace(" ", "")))  # fmt: skip
-    header = ("NODE", "ADDRESS", "STATE", "HEARTBEAT-AGE", "FREE", "LOAD", "SEGMENTS", "OPEN", "LEADS", "STORED")
+                     size_text(n["store_bytes"]).replace(" ", ""),
+                     size_text(n["bytes_moved"]).replace(" ", "")))  # fmt: skip
+    header = ("NODE", "ADDRESS", "STATE", "HEARTBEAT-AGE", "FREE", "LOAD", "SEGMENTS", "OPEN", "LEADS", "STORED",
+              "MOVED")  # fmt: skip
     lines.append(table(header, rows))
+    lines.append(f"bytes moved between nodes by repairs: {size_text(doc['bytes_moved'])}"
+                 + (f" ({doc['bytes_moved']} B)" if doc["bytes_moved"] >= 1024 else ""))  # fmt: skip
     lines.append("")
     if doc["partitions"]:
         prows = []

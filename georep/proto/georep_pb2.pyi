@@ -1658,6 +1658,7 @@ class ClusterNodeStatus(_message.Message):
     OPEN_SEGMENTS_FIELD_NUMBER: _builtins.int
     LEADER_OF_FIELD_NUMBER: _builtins.int
     STORE_BYTES_FIELD_NUMBER: _builtins.int
+    BYTES_MOVED_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     address: _builtins.str
     """its gRPC address"""
@@ -1685,6 +1686,11 @@ class ClusterNodeStatus(_message.Message):
     """The bytes of the segment copies on its disk (its ReplicaStore). Only a node can read its own disk, so this
     is set for the answering node alone; `georep cluster status` asks every live node for its own.
     """
+    bytes_moved: _builtins.int
+    """Bytes repair copies (off dead or draining members, fills, widenings) wrote to it from other nodes, since its
+    data dir was made: its own count, kept on its disk. The answering node's is its count now; the others' are
+    as of their last heartbeat (a dead node's last report).
+    """
     def __init__(
         self,
         *,
@@ -1699,10 +1705,11 @@ class ClusterNodeStatus(_message.Message):
         open_segments: _builtins.int = ...,
         leader_of: _builtins.int = ...,
         store_bytes: _builtins.int | None = ...,
+        bytes_moved: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_heartbeat_age_ms", b"_last_heartbeat_age_ms", "_store_bytes", b"_store_bytes", "last_heartbeat_age_ms", b"last_heartbeat_age_ms", "store_bytes", b"store_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_heartbeat_age_ms", b"_last_heartbeat_age_ms", "_store_bytes", b"_store_bytes", "address", b"address", "draining", b"draining", "free_bytes", b"free_bytes", "last_heartbeat_age_ms", b"last_heartbeat_age_ms", "leader_of", b"leader_of", "live", b"live", "load", b"load", "node_id", b"node_id", "open_segments", b"open_segments", "segments", b"segments", "store_bytes", b"store_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_heartbeat_age_ms", b"_last_heartbeat_age_ms", "_store_bytes", b"_store_bytes", "address", b"address", "bytes_moved", b"bytes_moved", "draining", b"draining", "free_bytes", b"free_bytes", "last_heartbeat_age_ms", b"last_heartbeat_age_ms", "leader_of", b"leader_of", "live", b"live", "load", b"load", "node_id", b"node_id", "open_segments", b"open_segments", "segments", b"segments", "store_bytes", b"store_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_heartbeat_age_ms: _TypeAlias = _typing.Literal["last_heartbeat_age_ms"]  # noqa: Y015
     _WhichOneofArgType__last_heartbeat_age_ms: _TypeAlias = _typing.Literal["_last_heartbeat_age_ms", b"_last_heartbeat_age_ms"]  # noqa: Y015
@@ -1874,12 +1881,15 @@ class ClusterStatusResponse(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     PARTITIONS_FIELD_NUMBER: _builtins.int
     UNDER_REPLICATED_FIELD_NUMBER: _builtins.int
+    BYTES_MOVED_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     epoch: _builtins.int
     node_id: _builtins.int
     """the answering node"""
     replication_factor: _builtins.int
     session_timeout_ms: _builtins.int
+    bytes_moved: _builtins.int
+    """the site's total: the sum of its nodes' bytes_moved"""
     @_builtins.property
     def raft(self) -> Global___RaftGroupStatus: ...
     @_builtins.property
@@ -1904,10 +1914,11 @@ class ClusterStatusResponse(_message.Message):
         nodes: _abc.Iterable[Global___ClusterNodeStatus] | None = ...,
         partitions: _abc.Iterable[Global___ClusterPartitionStatus] | None = ...,
         under_replicated: _abc.Iterable[Global___UnderReplicatedSegment] | None = ...,
+        bytes_moved: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["raft", b"raft"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "node_id", b"node_id", "nodes", b"nodes", "partitions", b"partitions", "raft", b"raft", "replication_factor", b"replication_factor", "session_timeout_ms", b"session_timeout_ms", "site", b"site", "under_replicated", b"under_replicated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "epoch", b"epoch", "node_id", b"node_id", "nodes", b"nodes", "partitions", b"partitions", "raft", b"raft", "replication_factor", b"replication_factor", "session_timeout_ms", b"session_timeout_ms", "site", b"site", "under_replicated", b"under_replicated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

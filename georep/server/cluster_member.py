@@ -223,7 +223,7 @@ class ClusterMember:
     async def _heartbeat(self) -> None:
         load = leadership.open_loads(self.metadata.state()).get(self.me, 0)
         free = await self.run_blocking(self.free_bytes)
-        await self.propose(NodeHeartbeat(self.me, self.clock_ms(), free, load))
+        await self.propose(NodeHeartbeat(self.me, self.clock_ms(), free, load, self.store.moved.total))
 
     async def _controller(self) -> None:
         """Elect a leader for every partition whose leader is missing or dead (the Raft leader's duty)."""

@@ -124,6 +124,7 @@ class SiteCluster:
                               config.replication_factor)  # fmt: skip
         # The store's lock is also taken by appends and fsyncs in the segment threads: not on the event loop.
         store_bytes = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.size_bytes)
+        moved = {n.node: n.bytes_moved for n in view.nodes} | {self.member.me: self.store.moved.total}
         raft = self.metadata.status()
         identity = self.broker.identity
         return pb.ClusterStatusResponse(
@@ -139,7 +140,7 @@ class SiteCluster:
                     node_id=n.node, address=n.address, live=n.live, last_heartbeat_age_ms=n.heartbeat_age_ms,
                     free_bytes=n.free_bytes, load=n.load, draining=n.draining, segments=n.segments,
                     open_segments=n.open_segments, leader_of=n.leader_of,
-                    store_bytes=store_bytes if n.node == self.member.me else None,
+                    store_bytes=store_bytes if n.node == self.member.me else None, bytes_moved=moved[n.node],
                 )
                 for n in view.nodes
             ],
@@ -159,6 +160,7 @@ class SiteCluster:
                 )
                 for u in view.under_replicated
             ],
+            bytes_moved=sum(moved.values()),
         )  # fmt: skip
 
     # -- LeaderListener --------------------------------------------------------------------------------------

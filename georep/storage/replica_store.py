@@ -36,7 +36,9 @@ the guard's leader checks do not apply: :meth:`ReplicaStore.open_sealed_copy`
 records the seal in the guard first (so no deposed leader can append to the
 copy afterwards), and :meth:`ReplicaStore.append_sealed_copy` takes only
 whole batches whose CRCs check, at the copy's end, and none past the sealed
-end.
+end. The bytes they append are counted (``bytes_moved.json``,
+:mod:`georep.storage.moved_bytes`): what ``georep cluster status`` shows as
+bytes moved.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from cluster.quorum import GuardState, NotContiguous, ReplicaGuard
 from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, iter_headers
 from georep.storage.api import BytesLike, LogConfig, ReadResult
 from georep.storage.durable_file import fsync_directory, replace_file
+from georep.storage.moved_bytes import MovedBytes
 from georep.storage.segment import U32_MAX
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
@@ -179,6 +182,7 @@ class ReplicaStore:
     def __init__(self, data_dir: Path, now_ms: int) -> None:
         self.root = data_dir / REPLICAS_DIR
         self.root.mkdir(parents=True, exist_ok=True)
+        self.moved = MovedBytes(data_dir)  # bytes repair copies appended here (append_sealed_copy)
         self._lock = threading.Lock()
         self._partitions: dict[PartitionKey, PartitionReplicas] = {}
         try:
@@ -377,7 +381,9 @@ class ReplicaStore:
             for h in headers:
                 seg.append(h, [view[at + REWRITTEN_BYTES : at + h.size_bytes]], h.append_time_ms)
                 at += h.size_bytes
-            return seg.log_end_offset
+            end = seg.log_end_offset
+        self.moved.add(at)  # bytes moved between nodes: only repair copies come here
+        return end
 
     def copy(self, key: PartitionKey, segment_id: SegmentId) -> SegmentLog | None:
         """This node's copy of ``segment_id`` for lookups (its origin index, its batches' entries), or None. Read it
