@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
+from georep.record.batch import iter_headers
+from georep.replication.source import ReplicaSource
 from georep.storage.chain_log import ChainLog, ChainSegment, SegmentElsewhere
 from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
@@ -77,3 +79,40 @@ def test_a_segment_held_elsewhere_is_named_then_served_from_the_cache(tmp_path: 
     finally:
         store.close()
         holder.close()
+
+
+def test_a_replication_source_stops_at_a_segment_held_elsewhere_keeping_what_it_gathered(tmp_path: Path) -> None:
+    """A cross-site pull over a leader that lacks sealed segment 1: its cursor stops there without losing the
+    batches of segment 0 it gathered in the same step, the range is read from a member (as a fetch does), and
+    every batch reaches the destination once, in order."""
+    here = ReplicaStore(tmp_path / "leader", now_ms=0)
+    member = ReplicaStore(tmp_path / "member", now_ms=0)
+    try:
+        here.open_segment(KEY, EPOCH, SegmentId(0), 0, {}, 0)
+        member.open_segment(KEY, EPOCH, SegmentId(1), 2, {A: OriginSeq(2)}, 0)
+        here.open_segment(KEY, EPOCH, SegmentId(2), 5, {A: OriginSeq(5)}, 0)
+        for store, sid, seq, n in ((here, 0, 0, 2), (member, 1, 2, 3)):
+            b = make_batch(A, seq, [b"v%d" % i for i in range(n)])
+            store.append_batch(KEY, EPOCH, SegmentId(sid), b.header, b.body, 5)
+        chain = [ChainSegment(SegmentId(0), 0, 2, VectorOffset({A: 2}), (NodeId(1),)),
+                 ChainSegment(SegmentId(1), 2, 5, VectorOffset({A: 5}), (NodeId(2),)),
+                 ChainSegment(SegmentId(2), 5, None, None, (NodeId(1), NodeId(2)))]  # fmt: skip
+        log = ChainLog(KEY, here, chain, EPOCH, VectorOffset({A: 5}))
+        b = make_batch(A, 5, [b"w0", b"w1", b"w2"])
+        log.append(b.header, b.body, 5)
+        assert log.advance_lac(8)
+        source = ReplicaSource({KEY: log}, {KEY: ({}, ("a",))})
+        sent: list[int] = []
+        for _ in range(10):
+            with log.deferring_elsewhere() as missing:
+                step = source.step(0, 1 << 20)
+            sent += [h.base_offset for c in step.chunks for h in iter_headers(c.batches)]
+            for m in missing:  # what SiteCluster.read_elsewhere does, from the member's copy
+                log.cache_remote(m.segment.segment_id, m.offset,
+                                 member.read(KEY, m.segment.segment_id, LocalOffset(m.offset), 1 << 20, 5).data)
+        assert sent == [0, 2, 5], "a batch was lost or sent twice around the segment held elsewhere"
+        with pytest.raises(SegmentElsewhere):  # outside the context, a reader is told as before
+            ChainLog(KEY, here, chain, EPOCH, VectorOffset({A: 5})).read(LocalOffset(2), 1 << 20)
+    finally:
+        here.close()
+        member.close()

@@ -137,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
                               "no commit)")  # fmt: skip
     consume.add_argument("--commit-acks", metavar="ACKS",
                          help="ack level of the group's commits: leader or geo:N (default leader)")  # fmt: skip
+    consume.add_argument("--read-from", choices=("leader", "follower"), default="leader",
+                         help="a multi-node site: fetch each partition at its leader (default), or at the "
+                              "--prefer node (default: the first --bootstrap node that answers), which serves it "
+                              "as a follower up to what its leader confirmed; where it cannot, the leader "
+                              "does")  # fmt: skip
+    consume.add_argument("--prefer", metavar="HOST:PORT",
+                         help="with --read-from follower: the node to read from (e.g. the one in your "
+                              "rack)")  # fmt: skip
     consume.set_defaults(run=cmd_consume)
     _add_bootstrap(consume)
 

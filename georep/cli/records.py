@@ -116,6 +116,8 @@ async def cmd_consume(args: argparse.Namespace) -> int:
     if args.group is not None and (args.partition is not None or args.offset is not None or vector is not None):
         raise InvalidRequest("--group starts at the group's committed vector: leave out --partition, --offset and "
                              "--vector (or leave out --group)")  # fmt: skip
+    if args.prefer is not None and args.read_from != "follower":
+        raise InvalidRequest("--prefer names the node follower reads go to: add --read-from follower")
     reset = "none" if args.offset is not None else "earliest"
     if args.group is not None:  # --from-beginning: where to start when the group has no commit
         reset = "earliest" if args.from_beginning else "latest"
@@ -123,7 +125,7 @@ async def cmd_consume(args: argparse.Namespace) -> int:
     count = 0
     group = {} if args.group is None else {"group_id": args.group, "commit_acks": args.commit_acks or "leader"}
     async with Consumer(args.bootstrap, auto_offset_reset=reset, skip_corrupt=args.skip_corrupt,
-                        **group) as consumer, \
+                        read_from=args.read_from, prefer=args.prefer, **group) as consumer, \
             Admin(args.bootstrap) as admin:  # fmt: skip
         topic = await admin.describe_topic(args.topic)
         if args.group is not None:

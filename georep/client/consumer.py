@@ -11,6 +11,19 @@ resumes from the offset after the last batch it queued. A start offset
 outside the log applies ``auto_offset_reset`` (``earliest`` or ``latest``),
 or with ``"none"`` makes ``poll`` raise :class:`OffsetOutOfRange`.
 
+**Follower reads** (a multi-node site; Kafka's KIP-392 ``client.rack``).
+With ``read_from="leader"`` (the default) each partition is fetched at its
+leader. With ``read_from="follower"`` it is fetched at one preferred node
+(``prefer``: its address; by default the first bootstrap node that answers,
+the one you point the consumer at as "nearby"), which serves it whether it
+leads the partition or follows it (``READ_FROM_REPLICA``: sealed segments to
+their seals, the open segment to the LAC its leader announced to it,
+``cluster/follower_reads.py``). Where that node cannot serve (it is down, or
+not in the open segment's ensemble) the fetcher falls back to the leader, and
+tries the preferred node again after ``FOLLOWER_RETRY_S``. Local offsets are
+the same on every node of a site, so a move between them loses and repeats
+nothing.
+
 ``position(tp)`` is the next local offset ``poll`` will return from; it is
 None until known (after ``seek_to_beginning``/``seek_to_end``/
 ``seek_to_vector`` it becomes known with the first answer). ``vector(tp)`` is
@@ -57,6 +70,8 @@ log = logging.getLogger(__name__)
 
 OFFSET_RESETS = ("earliest", "latest", "none")
 DAMAGED_RETRY_S = 1.0  # how often a fetch stopped at a quarantined batch asks again
+READ_FROM = ("leader", "follower")
+FOLLOWER_RETRY_S = 10.0  # after a fall back to the leader, the preferred node is tried again this much later
 NEXT_OFFSET_METADATA = "georep-next-offset"  # the node's trailing metadata on a quarantined batch
 
 
@@ -106,12 +121,13 @@ class _Start(NamedTuple):
 
 class _PartitionState:
     __slots__ = ("tp", "start", "position", "base_vector", "consumed", "queue", "current", "fetcher", "served_by",
-                 "leader")  # fmt: skip
+                 "leader", "fallback_until")  # fmt: skip
 
     def __init__(self, tp: TopicPartition, start: _Start, queue_max: int) -> None:
         self.tp = tp
         self.served_by = ""  # site@epoch whose local offsets `position` counts in
         self.leader = ""  # a multi-node site: the address of the node leading the partition, once it answered so
+        self.fallback_until = 0.0  # read_from="follower": fetch at the leader until then (time.monotonic())
         self.start = start
         self.position: int | None = start.offset if start.kind == "offset" else None
         self.base_vector = start.vector or VectorOffset()
@@ -178,9 +194,21 @@ class Consumer:
         commit_wait_caught_up_ms: int = 5_000,
         client_id: str = "",
         skip_corrupt: bool = False,
+        read_from: str = "leader",
+        prefer: str | None = None,
     ) -> None:
         if auto_offset_reset not in OFFSET_RESETS:
             raise InvalidRequest(f"invalid auto_offset_reset {auto_offset_reset!r}: use earliest, latest or none")
+        if read_from not in READ_FROM:
+            raise InvalidRequest(f"invalid read_from {read_from!r}: use 'leader' (each partition at its leader) or "
+                                 "'follower' (at the preferred node, which may follow the partition)")  # fmt: skip
+        if prefer is not None and read_from != "follower":
+            raise InvalidRequest("prefer names the node follower reads go to: give it with read_from='follower'")
+        self._read_from = read_from
+        # Fetch responses with records that a node not leading the partition served (read_from="follower").
+        self.follower_reads = 0
+        # read_from="follower": the node every partition is fetched at first (None: the bootstrap connection's).
+        self._prefer = Connection(prefer, connect_timeout_ms) if prefer is not None else None
         self._group: GroupMembership | None = None
         self._group_id = group_id
         self._group_options = GroupOptions(
@@ -244,8 +272,19 @@ class Consumer:
         await self._connection.close()
         for connection in self._leader_connections.values():
             await connection.close()
+        if self._prefer is not None:
+            await self._prefer.close()
+
+    def _preferred(self, state: _PartitionState) -> Connection | None:
+        """With read_from="follower", the preferred node's connection, unless ``state`` falls back to the leader."""
+        if self._read_from != "follower" or time.monotonic() < state.fallback_until:
+            return None
+        return self._prefer if self._prefer is not None else self._connection
 
     def _fetch_connection(self, state: _PartitionState) -> Connection:
+        preferred = self._preferred(state)
+        if preferred is not None:
+            return preferred
         if not state.leader:
             return self._connection
         connection = self._leader_connections.get(state.leader)
@@ -521,10 +560,12 @@ class Consumer:
 
     # --- the fetchers ----------------------------------------------------------
 
-    def _request(self, state: _PartitionState, start: _Start) -> georep_pb2.FetchRequest:
+    def _request(self, state: _PartitionState, start: _Start, replica: bool = False) -> georep_pb2.FetchRequest:
         topic, partition = state.tp
         request = georep_pb2.FetchRequest(topic=topic, partition=partition, max_bytes=self._max_bytes,
                                           max_wait_ms=self._max_wait_ms)  # fmt: skip
+        if replica:
+            request.read_from = georep_pb2.READ_FROM_REPLICA
         if start.kind == "offset":
             request.offset = start.offset
         elif start.kind == "vector":
@@ -586,9 +627,13 @@ class Consumer:
         backoff_ms = self._retry_backoff_ms
         while True:
             connection = self._fetch_connection(state)
+            preferred = connection is self._preferred(state)
             try:
                 stub = await connection.connect()
             except NodeUnavailable:
+                if preferred:  # the preferred node is down: fall back to the leader meanwhile
+                    state.fallback_until = time.monotonic() + FOLLOWER_RETRY_S
+                    continue
                 state.leader = ""  # a partition leader that is gone: the bootstrap nodes name the next one
                 await asyncio.sleep(backoff_ms / 1000)
                 backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
@@ -601,7 +646,7 @@ class Consumer:
                 start = self._vector_start(state)
                 vector, min_offset, last_next = start.vector, -1, -1
             state.served_by = connection.origin
-            call = stub.Fetch(self._request(state, start))
+            call = stub.Fetch(self._request(state, start, replica=preferred))
             try:
                 async for response in call:
                     backoff_ms = self._retry_backoff_ms
@@ -613,12 +658,16 @@ class Consumer:
                             f"{exc}; the node's copy may be damaged, try another site")))  # fmt: skip
                         return
                     next_offset = response.next_offset
+                    if records and response.follower_read:
+                        self.follower_reads += 1
                     if records or next_offset != last_next:
                         await self._put(state, _Chunk(records, next_offset))
                     last_next = next_offset
                     # Resume here after a reconnect; the vector filter stays on.
                     start = _Start("offset", next_offset)
                     min_offset = next_offset
+                    if not preferred and self._read_from == "follower" and self._preferred(state) is not None:
+                        break  # the fall back to the leader is over: the preferred node again
                 continue  # the node ended the stream: open it again
             except asyncio.CancelledError:
                 task = asyncio.current_task()
@@ -632,6 +681,9 @@ class Consumer:
                 error = from_rpc_error(exc, connection.address)
                 if isinstance(error, NotLeader):  # a multi-node site: fetch from the partition's leader
                     state.leader = error.leader if error.leader != connection.address else state.leader
+                    if preferred:  # it cannot serve this (all) as a follower: the leader meanwhile
+                        state.fallback_until = time.monotonic() + FOLLOWER_RETRY_S
+                        continue
                     await asyncio.sleep(backoff_ms / 1000)
                     backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
                     continue
@@ -652,6 +704,9 @@ class Consumer:
                 if isinstance(error, NodeUnavailable):
                     await asyncio.sleep(backoff_ms / 1000)
                     backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
+                    if preferred:
+                        state.fallback_until = time.monotonic() + FOLLOWER_RETRY_S
+                        continue
                     if state.leader:
                         state.leader = ""  # the leader went away: the bootstrap nodes name the next one
                         continue

@@ -63,6 +63,21 @@ START_EARLIEST: StartPosition.ValueType  # 0
 START_LATEST: StartPosition.ValueType  # 1
 Global___StartPosition: _TypeAlias = StartPosition  # noqa: Y015
 
+class _ReadFrom:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReadFromEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReadFrom.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    READ_FROM_LEADER: _ReadFrom.ValueType  # 0
+    READ_FROM_REPLICA: _ReadFrom.ValueType  # 1
+
+class ReadFrom(_ReadFrom, metaclass=_ReadFromEnumTypeWrapper): ...
+
+READ_FROM_LEADER: ReadFrom.ValueType  # 0
+READ_FROM_REPLICA: ReadFrom.ValueType  # 1
+Global___ReadFrom: _TypeAlias = ReadFrom  # noqa: Y015
+
 @_typing.final
 class Error(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -469,6 +484,7 @@ class FetchRequest(_message.Message):
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
     HINT_ORIGIN_FIELD_NUMBER: _builtins.int
     HINT_OFFSET_FIELD_NUMBER: _builtins.int
+    READ_FROM_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     partition: _builtins.int
     offset: _builtins.int
@@ -483,6 +499,13 @@ class FetchRequest(_message.Message):
     which nothing the vector does not cover is missing. Used only by that site.
     """
     hint_offset: _builtins.int
+    read_from: Global___ReadFrom.ValueType
+    """A multi-node site: which nodes may serve it (Kafka's KIP-392 follower fetching). READ_FROM_LEADER: only the
+    partition's leader; another node answers NOT_LEADER with the leader's address. READ_FROM_REPLICA: this node
+    serves it if it can (cluster/follower_reads.py: sealed segments to their seals, the open segment to the LAC
+    its leader announced to this node, if it is a member) and answers NOT_LEADER, with the leader's address,
+    where it cannot. A one-node site ignores it.
+    """
     @_builtins.property
     def vector(self) -> Global___VectorOffset:
         """skip what the vector covers, at any site"""
@@ -499,10 +522,11 @@ class FetchRequest(_message.Message):
         max_wait_ms: _builtins.int = ...,
         hint_origin: _builtins.str = ...,
         hint_offset: _builtins.int = ...,
+        read_from: Global___ReadFrom.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "position", b"position", "start", b"start", "vector", b"vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hint_offset", b"hint_offset", "hint_origin", b"hint_origin", "max_bytes", b"max_bytes", "max_wait_ms", b"max_wait_ms", "offset", b"offset", "partition", b"partition", "position", b"position", "start", b"start", "topic", b"topic", "vector", b"vector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hint_offset", b"hint_offset", "hint_origin", b"hint_origin", "max_bytes", b"max_bytes", "max_wait_ms", b"max_wait_ms", "offset", b"offset", "partition", b"partition", "position", b"position", "read_from", b"read_from", "start", b"start", "topic", b"topic", "vector", b"vector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_start: _TypeAlias = _typing.Literal["offset", "vector", "position"]  # noqa: Y015
     _WhichOneofArgType_start: _TypeAlias = _typing.Literal["start", b"start"]  # noqa: Y015
@@ -518,12 +542,16 @@ class FetchResponse(_message.Message):
     HIGH_WATERMARK_FIELD_NUMBER: _builtins.int
     LOG_START_OFFSET_FIELD_NUMBER: _builtins.int
     NEXT_OFFSET_FIELD_NUMBER: _builtins.int
+    FOLLOWER_READ_FIELD_NUMBER: _builtins.int
     batches: _builtins.bytes
     """whole batches, concatenated"""
     high_watermark: _builtins.int
+    """what this node serves up to (a follower: its bound, at or below the leader's LAC)"""
     log_start_offset: _builtins.int
     next_offset: _builtins.int
     """local offset the stream continues from"""
+    follower_read: _builtins.bool
+    """served by a node that does not lead the partition (READ_FROM_REPLICA)"""
     def __init__(
         self,
         *,
@@ -531,10 +559,11 @@ class FetchResponse(_message.Message):
         high_watermark: _builtins.int = ...,
         log_start_offset: _builtins.int = ...,
         next_offset: _builtins.int = ...,
+        follower_read: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "high_watermark", b"high_watermark", "log_start_offset", b"log_start_offset", "next_offset", b"next_offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "follower_read", b"follower_read", "high_watermark", b"high_watermark", "log_start_offset", b"log_start_offset", "next_offset", b"next_offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2035,8 +2064,14 @@ class SegmentAppendRequest(_message.Message):
 
     OPEN_FIELD_NUMBER: _builtins.int
     BATCHES_FIELD_NUMBER: _builtins.int
+    LAC_FIELD_NUMBER: _builtins.int
     batches: _builtins.bytes
     """whole batches as the leader stores them, from the member's end"""
+    lac: _builtins.int
+    """The segment's last add confirmed when the leader sent this (0: none yet), as BookKeeper piggybacks it on
+    adds; sent alone (no batches) when it moves while nothing is left to send. The member serves follower reads
+    of the open segment up to it (cluster/follower_reads.py).
+    """
     @_builtins.property
     def open(self) -> Global___SegmentOpen:
         """the first request only"""
@@ -2046,10 +2081,11 @@ class SegmentAppendRequest(_message.Message):
         *,
         open: Global___SegmentOpen | None = ...,
         batches: _builtins.bytes = ...,
+        lac: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["open", b"open"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "open", b"open"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "lac", b"lac", "open", b"open"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -183,6 +183,7 @@ class SegmentWriter:
         for effect in effects:
             if isinstance(effect, LacAdvanced):
                 self.on_lac(effect.lac)
+                self._appended.set()  # member streams announce it (follower reads)
                 keep = []
                 for end, fut in self._waiters:
                     if end <= effect.lac:
@@ -321,13 +322,22 @@ class SegmentWriter:
 
     async def _send(self, outbox: asyncio.Queue[pb.SegmentAppendRequest], offset: LocalOffset,
                     in_flight: asyncio.Semaphore) -> None:  # fmt: skip
-        """Send the leader's copy from ``offset`` on, as it grows: at most ``IN_FLIGHT`` requests unanswered."""
+        """Send the leader's copy from ``offset`` on, as it grows: at most ``IN_FLIGHT`` requests unanswered.
+
+        Every request carries the LAC, and the LAC goes alone when it moved while nothing was left to send, so a
+        member's follower reads reach the end the leader serves once writes pause (BookKeeper's explicit LAC)."""
         s = self.segment
+        announced = 0
         while True:
-            while offset >= self.quorum.appended_end:
+            while offset >= self.quorum.appended_end and self.quorum.lac <= announced:
                 self._appended.clear()
                 await self._appended.wait()
             await in_flight.acquire()
-            result = await self._run(self.store.read, s.key, s.segment_id, offset, REQUEST_MAX_BYTES)
-            outbox.put_nowait(pb.SegmentAppendRequest(batches=result.data))
-            offset = result.next_offset
+            lac = self.quorum.lac
+            if offset < self.quorum.appended_end:
+                result = await self._run(self.store.read, s.key, s.segment_id, offset, REQUEST_MAX_BYTES)
+                outbox.put_nowait(pb.SegmentAppendRequest(batches=result.data, lac=lac))
+                offset = result.next_offset
+            else:
+                outbox.put_nowait(pb.SegmentAppendRequest(lac=lac))
+            announced = lac

@@ -111,7 +111,11 @@ class SegmentService:
                 raise InvalidRequest("'open' is set on a request after the first: open one segment per stream")
             if req.batches:
                 await self._run(store.append, key, epoch, segment_id, req.batches)
-            flushed = await self._run(store.flush, key, segment_id)
+                flushed = await self._run(store.flush, key, segment_id)
+            else:  # a LAC alone: nothing to fsync
+                flushed = await self._run(store.flushed_offset, key, segment_id)
+            if req.lac:
+                store.lacs.announce(key, segment_id, req.lac)
             yield self._ack(key, segment_id, flushed)
 
     async def fence_segments(self, data: bytes, context: Context) -> pb.FenceSegmentsResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import hmac
 import logging
@@ -38,7 +39,7 @@ from georep.server.metrics import NodeMetrics
 from georep.server.rpc import Context, merge_streams, parse, service, status, stream_stream, unary, unary_stream
 from georep.server.status import DOMAIN_ERRORS
 from georep.storage.api import BatchDamaged
-from georep.storage.chain_log import ChainLog, SegmentElsewhere
+from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog, SegmentElsewhere
 from offsets.coordinates import InvalidOrigin, Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
@@ -58,6 +59,7 @@ FETCH_MAX_WAIT_MS_CAP = 30_000
 PRODUCE_STREAM_MAX_PENDING = 1024  # unacked batches per stream before reading pauses
 REPLICATE_MAX_BYTES_DEFAULT = 1 << 20
 REPLICATE_MAX_WAIT_MS_DEFAULT = 500
+FOLLOWER_POLL_S = 0.1  # a follower's fetch looks at the metadata's chain (rolls, seals) this often while it waits
 
 def _error(exc: Exception) -> pb.Error:
     hint = exc.leader_hint if isinstance(exc, NotLeader) else ""
@@ -279,9 +281,16 @@ class NodeService:
 
     async def fetch(self, data: bytes, context: Context) -> AsyncIterator[pb.FetchResponse]:
         req = parse(pb.FetchRequest, data)
-        p = self.broker.partition(req.topic, req.partition)
         max_bytes = min(req.max_bytes or (1 << 20), FETCH_MAX_BYTES_CAP)
         max_wait_s = min(req.max_wait_ms or 500, FETCH_MAX_WAIT_MS_CAP) / 1000
+        try:
+            p = self.broker.partition(req.topic, req.partition)
+        except NotLeader as not_leader:
+            if req.read_from != pb.READ_FROM_REPLICA or self.site_cluster is None:
+                raise
+            async for response in self._fetch_as_follower(req, not_leader, max_bytes, max_wait_s):
+                yield response
+            return
         cursor = FetchCursor(p.log, _fetch_start(req), self.broker.origin)
         while True:
             if self.broker.partitions.get(p.key) is not p:
@@ -309,6 +318,74 @@ class NodeService:
                 await asyncio.wait_for(asyncio.shield(flushed_next), max_wait_s)
             except TimeoutError:
                 yield self._fetch_response(p, b"", cursor.position)
+
+    def _follower_log(self, key: tuple[str, int], not_leader: NotLeader) -> FollowerLog:
+        """This node's follower view of ``key`` from its metadata now; ``not_leader`` if it has no chain yet."""
+        assert self.site_cluster is not None
+        info = self.site_cluster.metadata.state().partition(*key)
+        if info is None or not info.segments:
+            raise not_leader
+        chain = [ChainSegment(s.segment_id, s.base_offset, s.end_offset, s.end_vector, s.ensemble)
+                 for s in info.segments]  # fmt: skip
+        return FollowerLog(key, self.site_cluster.store, chain, self.site_cluster.member.me)
+
+    async def _fetch_as_follower(self, req: pb.FetchRequest, not_leader: NotLeader, max_bytes: int,
+                                 max_wait_s: float) -> AsyncIterator[pb.FetchResponse]:  # fmt: skip
+        """A fetch of a partition this node does not lead (``READ_FROM_REPLICA``): served below
+        ``cluster.follower_reads.follower_bound`` over a :class:`FollowerLog`, rebuilt whenever the metadata's
+        chain changes; a reader that reaches what this node cannot serve (it is not in the open segment's
+        ensemble, or asks past what this node can tell exists) gets ``NotLeader`` with the leader's address. The
+        stream ends (the client reopens it, and is then served as by a leader) once this node leads the
+        partition."""
+        assert self.site_cluster is not None
+        key = (req.topic, req.partition)
+        view = self._follower_log(key, not_leader)
+        cursor = FetchCursor(view, _fetch_start(req), self.broker.origin)
+        store = self.site_cluster.store
+        waited_s = 0.0
+        while True:
+            if key in self.broker.partitions:
+                return  # led here now
+            fresh = self._follower_log(key, not_leader)
+            if fresh.chain != view.chain:
+                view = cursor.log = fresh
+            bound = view.bound()
+            if cursor.position < bound.end:
+                try:
+                    chunk = cursor.read(max_bytes)
+                except BatchDamaged as exc:
+                    raise DamagedData(req.topic, req.partition, self.broker.identity.site, exc.damaged) from None
+                except SegmentElsewhere as missing:
+                    await self.site_cluster.read_elsewhere(view, missing, max_bytes)
+                    continue
+                if not chunk:
+                    await asyncio.sleep(0)
+                    continue
+                waited_s = 0.0
+                self.metrics.fetched(len(chunk))
+                yield self._follower_response(view, chunk, cursor.position, bound.end)
+                continue
+            if not bound.grows or cursor.position > view.log_end_offset:
+                hint = self.broker.leader_hint(*key)
+                raise NotLeader(req.topic, req.partition, f"this node serves it only below offset {bound.end} "
+                                f"({bound.why}), and the fetch is at {cursor.position}: read from the leader",
+                                hint)  # fmt: skip
+            # Woken by the leader's next LAC announcement; a roll or a seal shows in the metadata, looked at again
+            # every FOLLOWER_POLL_S.
+            step_s = min(FOLLOWER_POLL_S, max(max_wait_s - waited_s, 0.0))
+            changed = store.lacs.changed(key)
+            try:
+                await asyncio.wait_for(changed, step_s)
+            except TimeoutError:
+                waited_s += step_s
+                if waited_s >= max_wait_s:
+                    waited_s = 0.0
+                    yield self._follower_response(view, b"", cursor.position, bound.end)
+
+    @staticmethod
+    def _follower_response(view: FollowerLog, chunk: bytes, position: int, bound: int) -> pb.FetchResponse:
+        return pb.FetchResponse(batches=chunk, high_watermark=bound, log_start_offset=view.log_start_offset,
+                                next_offset=position, follower_read=True)  # fmt: skip
 
     def _fetch_response(self, p: Partition, chunk: bytes, position: int) -> pb.FetchResponse:
         return pb.FetchResponse(
@@ -421,14 +498,25 @@ class NodeService:
         source = ReplicaSource({k: p.log for k, p in partitions.items()}, wants, heartbeat_ms=max_wait_ms)
         clock = self.broker.clock_ms
         stopping = self._stopping_future()
+        chains = [p.log for p in partitions.values() if isinstance(p.log, ChainLog)]
         while not stopping.done():
             if any(self.broker.partitions.get(key) is not p for key, p in partitions.items()):
                 return
-            step = source.step(clock(), max_bytes)
+            # A multi-node site: a cursor that reaches a sealed segment this node holds no copy of stops there
+            # (keeping what it gathered), and the range is read from a member before the next step, as a fetch does.
+            with contextlib.ExitStack() as deferring:
+                missing = [(c, deferring.enter_context(c.deferring_elsewhere())) for c in chains]
+                step = source.step(clock(), max_bytes)
             if step.chunks or step.heartbeat:  # a heartbeat of a pull that wants nothing (yet) has no chunk
                 if not step.heartbeat:
                     self.metrics.replicated_out(sum(len(c.batches) for c in step.chunks))
                 yield self._replicate_response(step.chunks)
+            elsewhere = [(c, m[0]) for c, m in missing if m]
+            if elsewhere:
+                assert self.site_cluster is not None
+                for chain, first in elsewhere:
+                    await self.site_cluster.read_elsewhere(chain, first, max_bytes)
+                continue
             if step.again:
                 await asyncio.sleep(0)  # let other streams run between two reads
                 continue

@@ -34,6 +34,11 @@ replication source and the apply of replicated chunks run unchanged. A
   this node holds it, or the segment's base (a reader starting there drops
   what its vector covers, so starting early is exact, only slower).
 
+**Follower reads.** :class:`FollowerLog` is the same chain as a node that
+does not lead the partition serves it to consumers: read-only, and served
+only below :func:`cluster.follower_reads.follower_bound` (sealed segments to
+their seals, the open one to the LAC its leader announced to this node).
+
 A ``ChainLog`` lives as long as one open segment: when the leader rolls or
 loses the partition, the broker drops it and builds the next one from the
 new metadata. So its chain never changes under it.
@@ -42,10 +47,12 @@ new metadata. So its chain never changes under it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from cluster.follower_reads import FollowerBound, SegmentBounds, follower_bound
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from georep.record.batch import BatchHeader, iter_headers
 from georep.storage.api import (
@@ -108,6 +115,7 @@ class ChainLog:
         self._above_lac: collections.deque[tuple[int, Origin, int]] = collections.deque()
         self._remote: collections.OrderedDict[tuple[SegmentId, int], ReadResult] = collections.OrderedDict()
         self._remote_bytes = 0
+        self._deferring = threading.local()
 
     # -- the quorum ------------------------------------------------------------------------------------------
 
@@ -213,15 +221,35 @@ class ChainLog:
         if cached is not None:
             self._remote.move_to_end((segment.segment_id, offset))
             return cached
-        if self.store.copy(self.key, segment.segment_id) is None:
-            raise SegmentElsewhere(self.key, segment, offset)
         try:
-            result = self.store.read(self.key, segment.segment_id, offset, max_bytes, segment.end_offset)
-        except OffsetOutOfRange:
-            raise SegmentElsewhere(self.key, segment, offset) from None  # this node's copy is short: repair fills it
-        if not result.data and segment.end_offset is not None:
-            raise SegmentElsewhere(self.key, segment, offset)
+            if self.store.copy(self.key, segment.segment_id) is None:
+                raise SegmentElsewhere(self.key, segment, offset)
+            try:
+                result = self.store.read(self.key, segment.segment_id, offset, max_bytes, segment.end_offset)
+            except OffsetOutOfRange:
+                raise SegmentElsewhere(self.key, segment, offset) from None  # this copy is short: repair fills it
+            if not result.data and segment.end_offset is not None:
+                raise SegmentElsewhere(self.key, segment, offset)
+        except SegmentElsewhere as missing:
+            noted: list[SegmentElsewhere] | None = getattr(self._deferring, "missing", None)
+            if noted is None:
+                raise
+            noted.append(missing)
+            return ReadResult(b"", LocalOffset(offset))
         return result
+
+    @contextlib.contextmanager
+    def deferring_elsewhere(self) -> Iterator[list[SegmentElsewhere]]:
+        """Within it (on this thread), a read that reaches a segment held elsewhere returns nothing at that offset
+        and is noted in the yielded list, instead of raising :class:`SegmentElsewhere`. For a reader that gathers
+        several reads into one answer (the replication source's cursors): it stops there keeping what it had
+        gathered, and the caller reads the noted ranges from a member (``cache_remote``) before it reads again."""
+        missing: list[SegmentElsewhere] = []
+        self._deferring.missing = missing
+        try:
+            yield missing
+        finally:
+            self._deferring.missing = None
 
     def cache_remote(self, segment_id: SegmentId, offset: int, data: bytes) -> None:
         """Keep ``data`` (whole batches of sealed ``segment_id`` from ``offset``, read from a member) for reads."""
@@ -285,3 +313,83 @@ class ChainLog:
         if copy is None:
             return ScrubStep(segment.end_offset or self.log_end_offset, 0, [])
         return copy.scrub(max(offset, copy.log_start_offset), max_bytes)
+
+
+class FollowerLog(ChainLog):
+    """A partition as a node that does not lead it serves it to consumers: follower reads. Read-only.
+
+    What it may serve is :func:`cluster.follower_reads.follower_bound` of this node's view, recomputed at every
+    look (``flushed_offset``): sealed segments up to their sealed ends, from this node's copies or, for one it
+    holds no whole copy of, from a member (:class:`SegmentElsewhere`, as the leader reads); the open segment up to
+    the LAC its leader last announced to this node (``ReplicaStore.lacs``) and this node's copy. ``FetchCursor``
+    serves only below ``flushed_offset``, so the rule is all a fetch sees. ``log_end_offset`` is the furthest this
+    node can tell the partition reaches (its copy of the open segment, else the bound): a reader past it goes to
+    the leader, which knows. Writes, the quorum and the flushed vector belong to the leader's :class:`ChainLog`
+    and raise here. Like a ``ChainLog`` it lives for one chain: the fetch builds a new one when the metadata's
+    chain changes (a roll, a seal).
+    """
+
+    def __init__(self, key: PartitionKey, store: ReplicaStore, chain: Sequence[ChainSegment], me: NodeId) -> None:
+        if not chain:
+            raise ValueError(f"{key}: a follower log needs a chain of at least one segment")
+        # ChainLog.__init__ insists on an open segment held here; a follower may hold none, so set its fields.
+        self.key = key
+        self.store = store
+        self.chain = tuple(chain)
+        self.open = self.chain[-1]
+        self.epoch = LeaderEpoch(0)
+        self.me = me
+        self._lock = threading.Lock()
+        self._above_lac = collections.deque()
+        self._remote = collections.OrderedDict()
+        self._remote_bytes = 0
+        self._deferring = threading.local()
+        self._bounds = tuple(SegmentBounds(s.segment_id, s.base_offset, s.end_offset, s.ensemble) for s in chain)
+        last_sealed = next((s for s in reversed(self.chain) if s.end_offset is not None), None)
+        end_vector = last_sealed.end_vector if last_sealed is not None else None
+        self._sealed_vector = end_vector if end_vector is not None else VectorOffset()
+        self._lac = self.open.base_offset
+        self._lac_vector = self._sealed_vector
+
+    def _open_copy_end(self) -> int | None:
+        if self.open.end_offset is not None or self.store.copy(self.key, self.open.segment_id) is None:
+            return None
+        return int(self.store.end_offset(self.key, self.open.segment_id))
+
+    def bound(self) -> FollowerBound:
+        lac = self.store.lacs.get(self.key, self.open.segment_id) if self.open.end_offset is None else None
+        return follower_bound(self._bounds, self.me, self._open_copy_end(), lac)
+
+    @property
+    def flushed_offset(self) -> LocalOffset:
+        return LocalOffset(self.bound().end)
+
+    @property
+    def log_end_offset(self) -> LocalOffset:
+        copy_end = self._open_copy_end()
+        return LocalOffset(max(self.bound().end, copy_end if copy_end is not None else 0))
+
+    def vector(self) -> dict[Origin, OriginSeq]:
+        if self._open_copy_end() is not None:
+            return self._open_copy().vector()
+        return self._sealed_vector.to_dict()
+
+    def flushed_vector(self) -> dict[Origin, OriginSeq]:
+        raise StorageError(f"{self.key[0]}-{self.key[1]}: a follower's view has no flushed vector (its leader's "
+                           "ChainLog serves replication)")  # fmt: skip
+
+    def advance_lac(self, lac: int) -> bool:
+        raise StorageError(f"{self.key[0]}-{self.key[1]}: a follower learns the LAC from its leader's announcements")
+
+    def append(self, header: BatchHeader, body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:
+        raise StorageError(f"{self.key[0]}-{self.key[1]}: a follower's view takes no appends; the leader does")
+
+    def flush(self) -> LocalOffset:
+        raise StorageError(f"{self.key[0]}-{self.key[1]}: a follower's view has nothing to fsync")
+
+    def read(self, offset: LocalOffset, max_bytes: int) -> ReadResult:
+        segment = self._segment_at(offset)
+        if segment.end_offset is None and self.store.copy(self.key, segment.segment_id) is None:
+            # Never read an open segment from another member: its copy may hold what no quorum confirmed.
+            raise OffsetOutOfRange(offset, self.log_start_offset, self.flushed_offset)
+        return super().read(offset, max_bytes)

@@ -55,6 +55,7 @@ from pathlib import Path
 from cluster.ids import LeaderEpoch, SegmentId
 from cluster.quorum import GuardState, NotContiguous, ReplicaGuard
 from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, iter_headers
+from georep.storage.announced_lac import AnnouncedLacs
 from georep.storage.api import BytesLike, LogConfig, ReadResult
 from georep.storage.durable_file import fsync_directory, replace_file
 from georep.storage.moved_bytes import MovedBytes
@@ -183,6 +184,7 @@ class ReplicaStore:
         self.root = data_dir / REPLICAS_DIR
         self.root.mkdir(parents=True, exist_ok=True)
         self.moved = MovedBytes(data_dir)  # bytes repair copies appended here (append_sealed_copy)
+        self.lacs = AnnouncedLacs()  # what leaders confirmed of the open segments copied here: follower reads
         self._lock = threading.Lock()
         self._partitions: dict[PartitionKey, PartitionReplicas] = {}
         try:
