@@ -20,7 +20,8 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.storage.replica_store import ReplicaStore
 from tests.support.cli import georep, ok
-from tests.support.cluster_site import ClusterSite
+from tests.support.cluster_site import ClusterSite, read_partition
+from tests.test_follower_reads import consume_all
 
 TOPIC = "grow"
 PARTITIONS = 2
@@ -86,6 +87,15 @@ def test_a_fourth_node_takes_new_segments_at_the_next_roll_with_nothing_moved(tm
         assert status["under_replicated"] == [], status["under_replicated"]
         assert status["bytes_moved"] == 0 and all(n["bytes_moved"] == 0 for n in status["nodes"]), \
             f"a node joined under load and bytes were moved: {[(n['node'], n['bytes_moved']) for n in status['nodes']]}"
+        # Follower reads at the new node: it holds only the segments opened since it joined, so it reads the older
+        # ones from their members (or sends the consumer to the leader), and serves exactly what the leader does.
+        served_by_follower = 0
+        for p in range(PARTITIONS):
+            expected = read_partition(site.address(site.wait_leader(TOPIC, p)), TOPIC, p)
+            got, from_follower = asyncio.run(consume_all(site.address(1), site.address(4), len(expected), TOPIC, p))
+            assert got == expected, f"{TOPIC}-{p} read at node 4 differs from its leader's"
+            served_by_follower += from_follower
+        assert served_by_follower > 0, "node 4 served no follower read"
     finally:
         site.close()
     held = segment_ids(tmp_path, 4)

@@ -9,6 +9,7 @@ segment only up to a LAC its leader announced, so below every seal recovery coul
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import grpc
@@ -28,7 +29,7 @@ from georep.storage.chain_log import ChainSegment, FollowerLog, SegmentElsewhere
 from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import LocalOffset, OriginSeq
 from offsets.vector import VectorOffset
-from tests.support.cli import georep
+from tests.support.cli import georep, ok
 from tests.support.cluster_site import ClusterSite, read_partition
 from tests.support.segments import make_batch
 from tests.test_chain_log import EPOCH, KEY, A
@@ -212,12 +213,13 @@ def follower_matches_leader(site: ClusterSite, follower: int, leader: int) -> bo
     return True if got == expected else f"node {follower} serves {len(got)} records, the leader {len(expected)}"
 
 
-async def consume_all(bootstrap: str, prefer: str, count: int) -> tuple[list[tuple[str, int, bytes]], int]:
-    """Every record of ``TOPIC``-0 read by a consumer with read_from="follower", and how many of its fetch
-    responses a follower served."""
+async def consume_all(bootstrap: str, prefer: str, count: int, topic: str = TOPIC,
+                      partition: int = 0) -> tuple[list[tuple[str, int, bytes]], int]:  # fmt: skip
+    """``count`` records of ``topic``-``partition`` read by a consumer with read_from="follower" (fewer if they do
+    not come within a minute), and how many of its fetch responses a follower served."""
     out: list[tuple[str, int, bytes]] = []
     async with Consumer(bootstrap, read_from="follower", prefer=prefer, auto_offset_reset="earliest") as consumer:
-        consumer.assign([(TOPIC, 0)])
+        consumer.assign([(topic, partition)])
         consumer.seek_to_beginning()
         for _ in range(600):
             for r in await consumer.poll(timeout_ms=100):
@@ -256,6 +258,11 @@ def test_a_follower_serves_exactly_what_the_leader_does_and_a_follower_consumer_
         got, from_follower = asyncio.run(consume_all(site.address(new_leader), site.address(other), len(expected)))
         assert got == expected, "a consumer reading from a follower does not get what the leader gives"
         assert from_follower > 0, "the consumer read everything from the leader, not from the preferred follower"
+        printed = ok(georep("consume", TOPIC, "--from-beginning", "--read-from", "follower", "--prefer",
+                            site.address(other), "--json", "--max", "50", "--timeout", "10", "--bootstrap",
+                            site.address(new_leader)))  # fmt: skip
+        values = [json.loads(line)["value"] for line in printed.splitlines()]
+        assert values == [v.decode() for _, _, v in expected], "georep consume --read-from follower differs"
     finally:
         site.close()
 
