@@ -398,3 +398,28 @@ def test_recovery_refuses_without_enough_members_and_steps_down_for_a_newer_lead
             store.close()
 
     asyncio.run(run())
+
+
+def test_a_recovery_whose_effect_fails_unforeseen_fails_and_does_not_hang(tmp_path: Path) -> None:
+    """The writer died before its stream reached any member: no member holds a copy, the recovered end is the
+    base. A seal callback that raised (reading this node's copy of it, which it does not have) once left the
+    recovery waiting forever, and the partition without a leader that serves; it fails now, to be tried again."""
+
+    async def unforeseen(segment_id: SegmentId, end: LocalOffset) -> str | None:
+        assert end == BASE, "nothing was written, so nothing is recovered"
+        raise OSError("this node holds no copy of the segment")
+
+    async def run() -> None:
+        with ThreadPoolExecutor(4) as executor:
+            two_store = ReplicaStore(tmp_path / "node-2", now_ms=0)
+            server, two_address = await serve_member(two_store, executor)
+            store = ReplicaStore(tmp_path / "node-3-here", now_ms=0)
+            addresses = {LEADER: closed_port(), NodeId(2): two_address}
+            async with asyncio.timeout(WAIT_S):
+                with pytest.raises(RecoveryFailed, match="OSError: this node holds no copy"):
+                    await recover_segment(store, to_recover(), NEW, addresses, unforeseen, executor, lambda: 0)
+            await server.stop(None)
+            store.close()
+            two_store.close()
+
+    asyncio.run(run())

@@ -199,6 +199,37 @@ def test_a_change_of_wants_reopens_the_stream() -> None:
     assert isinstance(reopened, OpenStream) and reopened.wants[KEY][1] == ("a", "b", "c")
 
 
+def test_a_partition_that_stops_being_served_during_its_apply_reopens_the_stream() -> None:
+    """A multi-node site's node stops serving a partition while a chunk of it is applied (its segment rolled):
+    its vector cannot be read then (the node's broker raises NotLeader), and the stream is reopened without it.
+    This once ended the node's pull loop for good, silently, and acks=geo:N at the other site timed out."""
+    served = {KEY}
+
+    class Leader(Dst):
+        def __init__(self) -> None:
+            super().__init__()
+            self.session = PullSession(SiteId("b"), self.links, A, self.vector_of, itertools.count(1), CONFIG,
+                                       usable=lambda key: key in served)  # fmt: skip
+
+        def vector_of(self, key: tuple[str, int]) -> Mapping[Origin, int]:
+            assert key in served, "the vector of a partition this node does not serve"
+            return self.log.vector()
+
+    dst = Leader()
+    dst.session.start(0)
+    [up, apply] = dst.session.on_message(1, [data(B, 0)], False, 10)
+    assert isinstance(apply, ApplyChunk)
+    outcome = apply_chunk(dst.log, apply.batches, 11)
+    served.clear()  # the segment rolls while the writer thread applies the chunk
+    [event, reopened] = dst.session.on_applied(1, KEY, outcome, 12)
+    assert isinstance(event, LinkEvent) and event.kind == "wants"
+    assert isinstance(reopened, OpenStream) and reopened.wants == {}
+    assert dst.message(2, heartbeat({B: 4})) != [] and dst.session.stream_id == 2  # a heartbeat of it is harmless
+    served.add(KEY)  # the next segment opens: pulled again
+    [event, reopened] = dst.session.tick(40)
+    assert isinstance(reopened, OpenStream) and reopened.wants[KEY][0] == {A: SEQ_MAX, B: 2}
+
+
 def test_an_operator_cut_stops_the_link_until_it_is_healed() -> None:
     dst = Dst()
     dst.session.start(0)

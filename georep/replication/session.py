@@ -212,8 +212,15 @@ class PullSession:
         return out
 
     def on_applied(self, stream_id: int, key: PartitionKey, outcome: ApplyOutcome, now_ms: int) -> list[Effect]:
-        """The outcome of an :class:`ApplyChunk` of stream ``stream_id``."""
-        self.links.local_vector(key, self.vector_of(key))
+        """The outcome of an :class:`ApplyChunk` of stream ``stream_id``.
+
+        The partition may have stopped being usable while the chunk was applied (a multi-node site's node stops
+        serving a partition when its segment rolls or its leadership moves): this site's vector of it cannot be
+        read here then, and the stream, whose wants no longer match, is reopened; what the apply appended is its
+        segment's seal's to keep or cut."""
+        usable = self.usable(key)
+        if usable:
+            self.links.local_vector(key, self.vector_of(key))
         st = self.stats
         st.applied_batches += outcome.appended_batches
         st.applied_bytes += outcome.appended_bytes
@@ -230,6 +237,9 @@ class PullSession:
         if outcome.gap is not None:
             st.gaps += 1
             return [LinkEvent("gap", outcome.gap.message()), *self._reopen(now_ms)]
+        if not usable:
+            return [LinkEvent("wants", f"{key[0]}-{key[1]} is no longer pulled here: reopening"),
+                    *self._reopen(now_ms)]  # fmt: skip
         return self._drain(s, now_ms)
 
     def on_stream_ended(self, stream_id: int, now_ms: int, error: str | None = None) -> list[Effect]:
@@ -330,7 +340,10 @@ class PullSession:
             return False
         vector_of = self.vector_of
         promised = s.promised if s.promised is not None else {}
+        # A partition no longer usable here has no vector to compare (see on_applied); the wants check reopens.
         for key in sorted(set(msg.keys) & set(promised)):
+            if not self.usable(key):
+                continue
             held = vector_of(key)
             if any(held.get(o, 0) < seq for o, seq in promised[key].items()):
                 return True
@@ -339,7 +352,7 @@ class PullSession:
             sites = s.wants.get(key)
             upstream = self.links.links[self.src].vectors.get(key)
             promised.pop(key, None)
-            if sites is None or not upstream:
+            if sites is None or not upstream or not self.usable(key):
                 continue
             held = vector_of(key)
             ahead = {o: n for o, n in upstream.items() if o.site in sites and n > held.get(o, 0)}

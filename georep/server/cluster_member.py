@@ -74,6 +74,7 @@ from georep.server.recovery import SegmentToRecover, recover_segment, tell_seale
 from georep.server.site_repair import RepairController, decommission
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore
 from offsets.coordinates import LocalOffset
+from offsets.vector import VectorOffset
 
 log = logging.getLogger(__name__)
 
@@ -377,7 +378,12 @@ class PartitionLeader:
                                   m.config.ack_quorum, self.epoch)  # fmt: skip
 
         async def seal(segment_id: SegmentId, end: LocalOffset) -> str | None:
-            vector = await m.run_blocking(m.store.vector_at, self.key, segment_id, start_vector, end)
+            if end == segment.base_offset:
+                # Empty: its end vector is its start. This node may hold no copy of it at all (its writer died
+                # before its stream reached this member), and reading one failed the recovery for good.
+                vector = VectorOffset(start_vector)
+            else:
+                vector = await m.run_blocking(m.store.vector_at, self.key, segment_id, start_vector, end)
             return await self._seal(SealSegment(self.key[0], self.key[1], self.epoch, segment_id, end, vector))
 
         while True:

@@ -27,6 +27,7 @@ answers back, all of them concurrently:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -136,7 +137,14 @@ class _Recovery:
 
     def _spawn(self, work: Awaitable[Callable[[], list[Effect]]]) -> None:
         async def run() -> None:
-            self.answers.put_nowait(await work)
+            try:
+                answer = await work
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug or an unforeseen error: fail this recovery (retried), never hang it
+                log.exception("recovery of %s-%d: an effect failed", *self.s.key)
+                answer = functools.partial(_fail, f"{self.s.key[0]}-{self.s.key[1]}: {type(exc).__name__}: {exc}")
+            self.answers.put_nowait(answer)
 
         task = asyncio.create_task(run())
         self.tasks.add(task)
@@ -295,6 +303,11 @@ async def tell_sealed(store: ReplicaStore, key: PartitionKey, segment_id: Segmen
                         node, exc)  # fmt: skip
 
     await asyncio.gather(*(tell(n) for n in ensemble))
+
+
+def _fail(reason: str) -> list[Effect]:
+    """The answer of an effect that raised: the recovery fails (``RecoveryFailed``), and its leader tries again."""
+    raise RecoveryFailed(reason)
 
 
 class _CopyShort(Exception):

@@ -109,6 +109,7 @@ class Puller:
         self._call: grpc.aio.UnaryStreamCall | None = None  # type: ignore[type-arg]
         self._call_id: int | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._last_tick = 0  # when the stream loop last ticked the session
 
     @property
     def stats(self) -> LinkStats:
@@ -232,32 +233,46 @@ class Puller:
                 await self._topics_synced.wait()
         session = self.session
         now = self.r.now_ms
-        last_tick = now()
+        self._last_tick = now()
         await self._perform(session.start(now()))
         while True:
-            while self._controls:
-                await self._perform(session.set_enabled(self._controls.popleft(), now()))
-            if now() - last_tick >= TICK_S * 1000:
-                last_tick = now()
-                await self._perform(session.tick(last_tick))
-            item = await self._next_item(TICK_S)
-            if item is None:
-                continue
-            stream_id, what = item
-            if isinstance(what, str):
-                error = None if what == _END else what
-                if error is not None:
-                    self._next_node()
-                await self._perform(session.on_stream_ended(stream_id, now(), error))
-                continue
             try:
-                chunks = [self._chunk(c) for c in what.chunks]
-            except InvalidVectorOffset as exc:
-                await self._perform(session.on_stream_ended(stream_id, now(), f"site {self.src} sent a bad "
-                                                                                 f"vector: {exc}"))  # fmt: skip
-                continue
-            heartbeat = not any(c.batches for c in chunks)
-            await self._perform(session.on_message(stream_id, chunks, heartbeat, now()))
+                await self._stream_step()
+            except Exception as exc:  # a bug must not end the link for good, silently: log it, pull again
+                log.exception("link %s -> %s: the pull loop failed", self.src, self.r.site)
+                stream_id = session.stream_id
+                if stream_id is not None:
+                    with contextlib.suppress(Exception):
+                        await self._perform(session.on_stream_ended(stream_id, now(), f"{type(exc).__name__}: {exc}"))
+                await asyncio.sleep(BACKOFF_MIN_MS / 1000)
+
+    async def _stream_step(self) -> None:
+        """One turn of the stream loop: operator controls, the session's tick, then the next message or end."""
+        session = self.session
+        now = self.r.now_ms
+        while self._controls:
+            await self._perform(session.set_enabled(self._controls.popleft(), now()))
+        if now() - self._last_tick >= TICK_S * 1000:
+            self._last_tick = now()
+            await self._perform(session.tick(self._last_tick))
+        item = await self._next_item(TICK_S)
+        if item is None:
+            return
+        stream_id, what = item
+        if isinstance(what, str):
+            error = None if what == _END else what
+            if error is not None:
+                self._next_node()
+            await self._perform(session.on_stream_ended(stream_id, now(), error))
+            return
+        try:
+            chunks = [self._chunk(c) for c in what.chunks]
+        except InvalidVectorOffset as exc:
+            await self._perform(session.on_stream_ended(stream_id, now(), f"site {self.src} sent a bad "
+                                                                             f"vector: {exc}"))  # fmt: skip
+            return
+        heartbeat = not any(c.batches for c in chunks)
+        await self._perform(session.on_message(stream_id, chunks, heartbeat, now()))
 
     async def _next_item(self, timeout_s: float) -> tuple[int, pb.ReplicateResponse | str] | None:
         get = asyncio.ensure_future(self._inbox.get())
