@@ -258,6 +258,9 @@ def test_a_follower_serves_exactly_what_the_leader_does_and_a_follower_consumer_
         got, from_follower = asyncio.run(consume_all(site.address(new_leader), site.address(other), len(expected)))
         assert got == expected, "a consumer reading from a follower does not get what the leader gives"
         assert from_follower > 0, "the consumer read everything from the leader, not from the preferred follower"
+        # The preferred node is the killed one: the consumer falls back to the leader and misses nothing.
+        got, from_follower = asyncio.run(consume_all(site.address(new_leader), site.address(leader), len(expected)))
+        assert got == expected and from_follower == 0, "a consumer whose preferred node is down did not fall back"
         printed = ok(georep("consume", TOPIC, "--from-beginning", "--read-from", "follower", "--prefer",
                             site.address(other), "--json", "--max", "50", "--timeout", "10", "--bootstrap",
                             site.address(new_leader)))  # fmt: skip
