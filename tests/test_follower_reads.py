@@ -247,14 +247,23 @@ def test_a_follower_serves_exactly_what_the_leader_does_and_a_follower_consumer_
         produce(site, 30, "before")  # ~30 KiB: a few 8 KiB segments sealed, one open
         wait_for(f"node {follower} serving what leader {leader} does", lambda: follower_matches_leader(
             site, follower, leader), timeout_s=30)  # fmt: skip
-        site.nodes[leader].kill9()
-        produce(site, 20, "after")
+
+        async def read_through_the_kill() -> list[tuple[str, int, bytes]]:
+            """A follower-reads consumer at ``follower`` reads while its leader is killed and writes go on."""
+            reader = asyncio.create_task(consume_all(site.address(follower), site.address(follower), 50))
+            await asyncio.sleep(0.5)
+            site.nodes[leader].kill9()
+            await asyncio.get_running_loop().run_in_executor(None, produce, site, 20, "after")
+            return (await reader)[0]
+
+        during = asyncio.run(read_through_the_kill())
         new_leader = site.wait_leader(TOPIC, not_node=leader)
         other = next(n for n in site.live() if n != new_leader)
         wait_for(f"node {other} serving what the new leader {new_leader} does", lambda: follower_matches_leader(
             site, other, new_leader), timeout_s=30)  # fmt: skip
         expected = read_partition(site.address(new_leader), TOPIC, 0)
         assert len(expected) == 50 and len({(o, s) for o, s, _ in expected}) == 50, "a record lost or doubled"
+        assert during == expected, "read at a follower while its leader died: a record the site does not hold"
         got, from_follower = asyncio.run(consume_all(site.address(new_leader), site.address(other), len(expected)))
         assert got == expected, "a consumer reading from a follower does not get what the leader gives"
         assert from_follower > 0, "the consumer read everything from the leader, not from the preferred follower"
