@@ -53,18 +53,28 @@ BATCH_KEY = [*STREAM, "base_seq", "last_seq"]
 
 
 def as_issues(df: DataFrame, kind: str | Column, **cols: Column | str | int | None) -> DataFrame:
-    """Project ``df`` onto ``ISSUE_SCHEMA``; ``cols`` gives each column (missing ones are null)."""
-    kind_col = F.lit(kind) if isinstance(kind, str) else kind
+    """Project ``df`` onto ``ISSUE_SCHEMA``; ``cols`` gives each column (missing ones are null).
+
+    Every call through the JVM gateway costs about a millisecond while plans are built on the driver, so what is
+    not a ``Column`` already becomes one SQL expression per column (one call), and a fixed kind's ``divergence``
+    is a constant rather than a test of every kind."""
     out = []
     for field in ISSUE_SCHEMA.fields:
+        sql_type = field.dataType.simpleString()
+        given: Column | str | int | bool | None
         if field.name == "kind":
-            value: Column = kind_col
+            given = kind if isinstance(kind, Column) else f"'{kind}'"
         elif field.name == "divergence":
-            value = F.coalesce(*[F.when(kind_col == k, F.lit(d)) for k, d in KINDS.items()])
+            given = F.coalesce(*[F.when(kind == k, F.lit(d)) for k, d in KINDS.items()]) if isinstance(
+                kind, Column) else KINDS[kind]  # fmt: skip
         else:
             given = cols.get(field.name)
-            value = given if isinstance(given, Column) else F.col(given) if isinstance(given, str) else F.lit(given)
-        out.append(value.cast(field.dataType).alias(field.name))
+            given = f"`{given}`" if isinstance(given, str) else given
+        if isinstance(given, Column):
+            out.append(given.cast(field.dataType).alias(field.name))
+        else:
+            sql = "NULL" if given is None else str(given).lower() if isinstance(given, bool) else str(given)
+            out.append(F.expr(f"CAST({sql} AS {sql_type}) AS {field.name}"))
     return df.select(*out)
 
 

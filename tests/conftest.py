@@ -13,15 +13,17 @@ from tests.support.node_api import stub_for
 from tests.support.sites import Sites
 
 # Tests that share one expensive thing run on one xdist worker (`make test` runs `pytest -n 3 --dist loadgroup`):
-# the Spark tests share one JVM, and each simulator module shares one process pool. These groups are the longest
+# the Spark tests share a JVM per worker (two groups of about the same length: one would be the run's longest
+# chain), and each simulator module shares one process pool. These groups are the longest
 # chains of the run, so they are handed out first. The groups are whole files, named here, because xdist's own
 # marks do not group anything under pytest 9.2 (xdist 3.8 renames items through an attribute pytest no longer
 # reads), so the scheduler below groups by file instead.
 SHARED_ON_ONE_WORKER = {
-    "test_audit.py": "spark", "test_audit_reader.py": "spark", "test_audit_sites.py": "spark",
+    "test_audit.py": "spark", "test_audit_sites.py": "spark-2", "test_audit_replicas.py": "spark-2",
+    "test_audit_commands.py": "spark-2", "test_audit_reader.py": "spark-2",
     "test_sim.py": "sim", "test_sim_cluster.py": "sim-cluster",
 }  # fmt: skip
-GROUPS_FIRST = ("spark", "sim", "sim-cluster")
+GROUPS_FIRST = ("spark", "spark-2", "sim", "sim-cluster")
 
 
 def _group(nodeid: str) -> str | None:
@@ -29,10 +31,12 @@ def _group(nodeid: str) -> str | None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    strays = [i.nodeid for i in items if "spark" in getattr(i, "fixturenames", ()) and _group(i.nodeid) != "spark"]
+    spark_groups = {g for g in SHARED_ON_ONE_WORKER.values() if g.startswith("spark")}
+    uses_spark = [i for i in items if "spark" in getattr(i, "fixturenames", ())]
+    strays = [i.nodeid for i in uses_spark if _group(i.nodeid) not in spark_groups]
     if strays:
-        raise pytest.UsageError(f"{strays[0]} uses Spark: add its file to SHARED_ON_ONE_WORKER in tests/conftest.py "
-                                "so that it shares the one JVM")  # fmt: skip
+        raise pytest.UsageError(f"{strays[0]} uses Spark: add its file to a Spark group of SHARED_ON_ONE_WORKER in "
+                                "tests/conftest.py so that it shares a JVM")  # fmt: skip
     rank = {g: i for i, g in enumerate(GROUPS_FIRST)}
     items.sort(key=lambda item: rank.get(_group(item.nodeid) or "", len(rank)))  # stable: file order otherwise
 

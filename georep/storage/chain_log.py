@@ -100,13 +100,17 @@ class ChainLog:
                  lac_vector: VectorOffset) -> None:  # fmt: skip
         if not chain or chain[-1].end_offset is not None:
             raise ValueError(f"{key}: a chain log needs an open segment at its end")
+        if store.copy(key, chain[-1].segment_id) is None:
+            raise ValueError(f"{key}: this node holds no copy of the open segment {chain[-1].segment_id}")
+        self._init_chain(key, store, chain, epoch, lac_vector)
+
+    def _init_chain(self, key: PartitionKey, store: ReplicaStore, chain: Sequence[ChainSegment], epoch: LeaderEpoch,
+                    lac_vector: VectorOffset) -> None:  # fmt: skip
         self.key = key
         self.store = store
         self.chain = tuple(chain)
-        self.open = chain[-1]
+        self.open = self.chain[-1]
         self.epoch = epoch
-        if store.copy(key, self.open.segment_id) is None:
-            raise ValueError(f"{key}: this node holds no copy of the open segment {self.open.segment_id}")
         self._lac = self.open.base_offset
         self._lac_vector = lac_vector
         # Produced batches are appended on the event loop and replicated ones in the broker's writer thread: each
@@ -332,24 +336,13 @@ class FollowerLog(ChainLog):
     def __init__(self, key: PartitionKey, store: ReplicaStore, chain: Sequence[ChainSegment], me: NodeId) -> None:
         if not chain:
             raise ValueError(f"{key}: a follower log needs a chain of at least one segment")
-        # ChainLog.__init__ insists on an open segment held here; a follower may hold none, so set its fields.
-        self.key = key
-        self.store = store
-        self.chain = tuple(chain)
-        self.open = self.chain[-1]
-        self.epoch = LeaderEpoch(0)
-        self.me = me
-        self._lock = threading.Lock()
-        self._above_lac = collections.deque()
-        self._remote = collections.OrderedDict()
-        self._remote_bytes = 0
-        self._deferring = threading.local()
-        self._bounds = tuple(SegmentBounds(s.segment_id, s.base_offset, s.end_offset, s.ensemble) for s in chain)
-        last_sealed = next((s for s in reversed(self.chain) if s.end_offset is not None), None)
+        last_sealed = next((s for s in reversed(chain) if s.end_offset is not None), None)
         end_vector = last_sealed.end_vector if last_sealed is not None else None
         self._sealed_vector = end_vector if end_vector is not None else VectorOffset()
-        self._lac = self.open.base_offset
-        self._lac_vector = self._sealed_vector
+        # Not ChainLog.__init__: a follower may hold no copy of the open segment, and leads no epoch (0: none).
+        self._init_chain(key, store, chain, LeaderEpoch(0), self._sealed_vector)
+        self.me = me
+        self._bounds = tuple(SegmentBounds(s.segment_id, s.base_offset, s.end_offset, s.ensemble) for s in chain)
 
     def _open_copy_end(self) -> int | None:
         if self.open.end_offset is not None or self.store.copy(self.key, self.open.segment_id) is None:
