@@ -1112,13 +1112,8 @@ def _node_from_dict(raw: Mapping[str, Any]) -> NodeInfo:
 # -- the leadership controller ------------------------------------------------------------------------------
 
 
-def _candidate_order(info: NodeInfo) -> tuple[bool, int, int]:
-    # not draining first, then the most recent heartbeat, then the lowest id
-    return (info.draining, -(info.last_heartbeat_ms or 0), info.node)
-
-
-def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int,
-                    controller_since_ms: int | None = None, settle_ms: int = 0) -> list[ElectLeader]:  # fmt: skip
+def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int, controller_since_ms: int | None = None,
+                    settle_ms: int = 0, controller: NodeId | None = None) -> list[ElectLeader]:  # fmt: skip
     """The leader elections to propose now: one per partition whose leader is missing or whose heartbeat expired.
 
     **Not before the controller has led the log for a session.** Heartbeats reach the state through the Raft log,
@@ -1135,7 +1130,13 @@ def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int,
     with the Raft leader waited a session more. ``None``: the caller knows the log had no gap.
 
     Pure and deterministic: partitions in topic then partition order; the candidate is a live node, not draining
-    if possible, then the one that heartbeated last, then the lowest id. Each :class:`ElectLeader` carries the
+    if possible, then the one that leads the fewest partitions (counting the elections planned before it in this
+    plan), then not ``controller`` (the node whose Raft replica leads the log and runs this plan), then the one
+    that heartbeated last, then the lowest id. **Why spread, and why not the controller.** A node that leads
+    every partition is a site's one bottleneck, and its loss stops every partition at once. And a partition whose
+    leader is also the Raft leader fails over slowly: its node's death stops the metadata as well, so the
+    survivors first elect a new Raft leader, whose controller then waits ``settle_ms`` before it replaces the dead
+    leader (above); a leader elsewhere is replaced as soon as its session expires. Each :class:`ElectLeader` carries the
     current epoch as ``expected_epoch``, so if another controller (or an earlier run of this one) changed the
     leadership in the meantime, the command is refused and nothing happens twice; plan again from the new state.
 
@@ -1166,6 +1167,15 @@ def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int,
         last = hb.last_heartbeat_ms if hb is not None else None
         return now_ms - controller_since_ms >= settle_ms and (last is None or last < controller_since_ms)
 
+    led: dict[NodeId, int] = {}
+    for info in state.partitions():
+        if info.leader is not None and info.leader in live:
+            led[info.leader] = led.get(info.leader, 0) + 1
+
+    def candidate_order(node: NodeInfo) -> tuple[bool, int, bool, int, int]:
+        return (node.draining, led.get(node.node, 0), node.node == controller, -(node.last_heartbeat_ms or 0),
+                node.node)  # fmt: skip
+
     plan: list[ElectLeader] = []
     for info in state.partitions():
         if info.leader is not None and (info.leader in live or (settling and not silent_since_takeover(info.leader))):
@@ -1176,9 +1186,11 @@ def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int,
             pool = [live[member] for member in open_segment.ensemble if member in live]
         else:
             pool = live.values()
-        candidates = sorted(pool, key=_candidate_order)
+        candidates = sorted(pool, key=candidate_order)
         if candidates:
-            plan.append(ElectLeader(info.topic, info.partition, candidates[0].node, info.leader_epoch))
+            chosen = candidates[0].node
+            led[chosen] = led.get(chosen, 0) + 1
+            plan.append(ElectLeader(info.topic, info.partition, chosen, info.leader_epoch))
     return plan
 
 

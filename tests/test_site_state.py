@@ -408,7 +408,33 @@ def test_plan_leadership_leaves_a_partition_offline_rather_than_elect_an_outside
     plan = plan_leadership(state, 20_000, SESSION_MS)
     assert [(c.topic, c.partition) for c in plan] == [("t", 1)], "t/0's members N1 and N2 are both dead"
     applied(state, NodeHeartbeat(N1, 20_000, 1, 0))
-    assert plan_leadership(state, 20_000, SESSION_MS) == [ElectLeader("t", 1, N1, E0)], "t/0's leader is live again"
+    # t/0's leader is live again; t/1 goes to a node that leads nothing yet
+    assert plan_leadership(state, 20_000, SESSION_MS) == [ElectLeader("t", 1, N3, E0)]
+
+
+def test_plan_leadership_spreads_leaders_and_spares_the_controller() -> None:
+    """Each election goes to the live candidate leading the fewest partitions (those planned before it count),
+    and between equals not to the controller: its death also stops the metadata, so a partition it led would
+    wait for a Raft election and a settling controller before it got a new leader."""
+    state = site((N1, N2, N3), topic="u")
+    applied(state, CreateTopic(TopicSpec("t", 4)))
+    for node, at in ((N1, 1_300), (N2, 1_200), (N3, 1_100)):  # N1 heartbeated last: it used to get everything
+        applied(state, NodeHeartbeat(node, at, 1, 0))
+    plan = plan_leadership(state, 1_400, SESSION_MS, controller=N1)
+    by_node = {n: [(c.topic, c.partition) for c in plan if c.node == n] for n in (N1, N2, N3)}
+    assert sorted(len(v) for v in by_node.values()) == [2, 2, 2], by_node
+    assert plan[0].node == N2 and plan[1].node == N3, "the controller only once the others lead as many"
+    for command in plan:
+        applied(state, command)
+
+    # N2 dies: its partitions go to the member of their open segment that leads fewer, not the controller
+    for topic, index in by_node[N2]:
+        applied(state, OpenSegment(topic, index, E1, LocalOffset(0), (N2, N1, N3)))
+    applied(state, NodeHeartbeat(N1, 1_400 + SESSION_MS, 1, 0))
+    applied(state, NodeHeartbeat(N3, 1_400 + SESSION_MS, 1, 0))
+    replan = plan_leadership(state, 1_400 + SESSION_MS, SESSION_MS, controller=N1)
+    assert [(c.topic, c.partition) for c in replan] == by_node[N2]
+    assert [c.node for c in replan] == [N3, N1], "N3 first (it leads no more than N1, and is not the controller)"
 
 
 def test_plan_leadership_with_no_live_node_plans_nothing() -> None:

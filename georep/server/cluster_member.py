@@ -229,7 +229,8 @@ class ClusterMember:
     async def _controller(self) -> None:
         """Elect a leader for every partition whose leader is missing or dead (the Raft leader's duty)."""
         for elect in plan_leadership(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms,
-                                     self._controller_since, settle_ms=3 * self.config.tick_ms):  # fmt: skip
+                                     self._controller_since, settle_ms=3 * self.config.tick_ms,
+                                     controller=self.me):  # fmt: skip
             key = (elect.topic, elect.partition)
             if self._electing.get(key) == elect.expected_epoch:
                 continue
