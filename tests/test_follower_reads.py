@@ -146,7 +146,7 @@ def test_a_follower_log_serves_sealed_bytes_to_the_seal_and_the_open_segment_to_
         assert log.flushed_offset == 2, "no LAC announced yet: the sealed segment only"
         got = log.read(LocalOffset(0), 1 << 20)
         assert got.data == sealed and got.next_offset == 2, "the tail past the seal is never read"
-        assert log.log_end_offset == 11 and log.vector() == {A: 11}
+        assert log.log_end_offset == 2 and log.known_end() == 11 and log.vector() == {A: 11}
         assert store.lacs.announce(KEY, SegmentId(1), 5) and log.flushed_offset == 5
         assert not store.lacs.announce(KEY, SegmentId(1), 4), "an older announcement changes nothing"
         assert store.lacs.announce(KEY, SegmentId(0), 11) and log.flushed_offset == 5, "another segment's LAC"
@@ -167,7 +167,7 @@ def test_outside_the_open_ensemble_a_follower_log_stops_at_the_open_base_and_rea
         log = FollowerLog(KEY, store, chain, N4)
         bound = log.bound()
         assert (bound.end, bound.grows) == (2, False)
-        assert log.log_end_offset == 2 and log.vector() == {A: 2}
+        assert log.log_end_offset == log.known_end() == 2 and log.vector() == {A: 2}
         with pytest.raises(SegmentElsewhere):
             log.read(LocalOffset(0), 1 << 20)  # sealed and not held here: a member serves it
         log.cache_remote(SegmentId(0), 0, sealed)

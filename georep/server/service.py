@@ -365,7 +365,7 @@ class NodeService:
                 self.metrics.fetched(len(chunk))
                 yield self._follower_response(view, chunk, cursor.position, bound.end)
                 continue
-            if not bound.grows or cursor.position > view.log_end_offset:
+            if not bound.grows or cursor.position > view.known_end():
                 hint = self.broker.leader_hint(*key)
                 raise NotLeader(req.topic, req.partition, f"this node serves it only below offset {bound.end} "
                                 f"({bound.why}), and the fetch is at {cursor.position}: read from the leader",

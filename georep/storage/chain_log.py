@@ -326,11 +326,11 @@ class FollowerLog(ChainLog):
     look (``flushed_offset``): sealed segments up to their sealed ends, from this node's copies or, for one it
     holds no whole copy of, from a member (:class:`SegmentElsewhere`, as the leader reads); the open segment up to
     the LAC its leader last announced to this node (``ReplicaStore.lacs``) and this node's copy. ``FetchCursor``
-    serves only below ``flushed_offset``, so the rule is all a fetch sees. ``log_end_offset`` is the furthest this
-    node can tell the partition reaches (its copy of the open segment, else the bound): a reader past it goes to
-    the leader, which knows. Writes, the quorum and the flushed vector belong to the leader's :class:`ChainLog`
-    and raise here. Like a ``ChainLog`` it lives for one chain: the fetch builds a new one when the metadata's
-    chain changes (a roll, a seal).
+    serves only below ``flushed_offset``, so the rule is all a fetch sees. ``log_end_offset`` is the bound too (a
+    "latest" start there is never past what a recovery may cut); :meth:`known_end` is the furthest this node can
+    tell the partition reaches: a reader past it goes to the leader, which knows. Writes, the quorum and the
+    flushed vector belong to the leader's :class:`ChainLog` and raise here. Like a ``ChainLog`` it lives for one
+    chain: the fetch builds a new one when the metadata's chain changes (a roll, a seal).
     """
 
     def __init__(self, key: PartitionKey, store: ReplicaStore, chain: Sequence[ChainSegment], me: NodeId) -> None:
@@ -359,8 +359,14 @@ class FollowerLog(ChainLog):
 
     @property
     def log_end_offset(self) -> LocalOffset:
+        # What it serves, not its copy's end: a "latest" start there is never past a point a recovery may cut.
+        return LocalOffset(self.bound().end)
+
+    def known_end(self) -> int:
+        """The furthest this node can tell the partition reaches (its copy of the open segment, else its bound):
+        a reader past it goes to the leader, which knows whether that offset exists."""
         copy_end = self._open_copy_end()
-        return LocalOffset(max(self.bound().end, copy_end if copy_end is not None else 0))
+        return max(self.bound().end, copy_end if copy_end is not None else 0)
 
     def vector(self) -> dict[Origin, OriginSeq]:
         if self._open_copy_end() is not None:
