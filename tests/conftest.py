@@ -21,9 +21,9 @@ from tests.support.sites import Sites
 SHARED_ON_ONE_WORKER = {
     "test_audit.py": "spark", "test_audit_sites.py": "spark-2", "test_audit_replicas.py": "spark-2",
     "test_audit_commands.py": "spark-2", "test_audit_reader.py": "spark-2",
-    "test_sim.py": "sim", "test_sim_cluster.py": "sim-cluster",
+    "test_sim.py": "sim", "test_sim_cluster.py": "sim-cluster", "test_sim_geo_cluster.py": "sim-geo-cluster",
 }  # fmt: skip
-GROUPS_FIRST = ("spark", "spark-2", "sim", "sim-cluster")
+GROUPS_FIRST = ("spark", "spark-2", "sim", "sim-cluster", "sim-geo-cluster")
 
 
 def _group(nodeid: str) -> str | None:

@@ -4,6 +4,8 @@
     python -m georep.sim --seeds 0..999 [--topology NAME] [--steps K] [--no-consumers] [--groups]
     python -m georep.sim --cluster --seed 7 [--shape single3] [--verbose]
     python -m georep.sim --cluster --seeds 0..199 [--shape NAME]
+    python -m georep.sim --geo-cluster --seed 7 [--topology triangle] [--steps K] [--verbose]
+    python -m georep.sim --geo-cluster --seeds 0..199 [--topology NAME] [--steps K]
 
 Without ``--topology``, a swarm gives seed ``s`` the topology
 ``TOPOLOGY_NAMES[s % len(TOPOLOGY_NAMES)]``, so it covers all of them. The exit
@@ -12,6 +14,11 @@ status is 1 when any run failed; each failure prints its replay command.
 ``--cluster`` runs the simulator of one site's segment cluster instead
 (``georep/sim/cluster.py``); without ``--shape`` seed ``s`` gets the shape
 ``SHAPES[s % len(SHAPES)]``.
+
+``--geo-cluster`` runs the multi-site simulator with one multi-node site
+(``georep/sim/geo_cluster.py``); without ``--topology`` seed ``s`` gets
+``GEO_CLUSTER_TOPOLOGIES[s % len(GEO_CLUSTER_TOPOLOGIES)]``, and ``--steps``
+defaults to ``GEO_CLUSTER_STEPS``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from georep.sim.cluster import ClusterSimulationFailure, run_cluster_seed, swarm_shape
 from georep.sim.cluster_model import SHAPES, ClusterCounts
 from georep.sim.faults import FaultCounts
+from georep.sim.geo_cluster import GEO_CLUSTER_STEPS, GEO_CLUSTER_TOPOLOGIES, GeoClusterCounts, run_geo_cluster_seed
 from georep.sim.simulator import DEFAULT_STEPS, SimulationFailure, run_seed
 from georep.sim.topologies import TOPOLOGY_NAMES, UnknownTopologyName
 
@@ -53,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--seed", type=int, help="replay one run")
     which.add_argument("--seeds", type=_seed_range, help="run a swarm of seeds A..B (both included)")
     parser.add_argument("--topology", help=f"one of {', '.join(TOPOLOGY_NAMES)}, or random-N")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="events in the safety phase")
+    parser.add_argument("--steps", type=int, help=f"events in the safety phase (default {DEFAULT_STEPS}, "
+                                                  f"{GEO_CLUSTER_STEPS} with --geo-cluster)")
     parser.add_argument("--rebuild-p", type=float, default=0.0,
                         help="chance that a crash also loses the disk (restart empty, new epoch); default 0")
     parser.add_argument("--no-consumers", action="store_true",
@@ -64,9 +73,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", action="store_true",
                         help="simulate one site's segment cluster (nodes, leaders, recovery, repair) instead")
     parser.add_argument("--shape", choices=SHAPES, help="with --cluster: the run's shape (default: by seed)")
+    parser.add_argument("--geo-cluster", action="store_true",
+                        help="the multi-site simulator with one multi-node site (node kills, leader recovery)")
     args = parser.parse_args(argv)
+    if args.cluster and args.geo_cluster:
+        parser.error("--cluster and --geo-cluster are two different simulators: pick one")
+    if args.steps is None:
+        args.steps = GEO_CLUSTER_STEPS if args.geo_cluster else DEFAULT_STEPS
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.geo_cluster:
+        if args.shape:
+            parser.error("--shape goes with --cluster")
+        try:
+            if args.seed is not None:
+                return _geo_cluster_one(args.seed, args.topology or "triangle", args.steps, args.verbose)
+            return _geo_cluster_swarm(args.seeds, args.topology, args.steps)
+        except UnknownTopologyName as e:
+            parser.error(str(e))
     if args.cluster:
         if args.seed is not None:
             return _cluster_one(args.seed, args.shape or swarm_shape(args.seed), args.verbose)
@@ -149,6 +173,42 @@ def _cluster_swarm(seeds: range, shape: str | None) -> int:
         total.add(result.counts)
         events += result.events
     return _summary("cluster runs", len(seeds), failures, events, total.as_dict(), started)
+
+
+def _geo_cluster_one(seed: int, topology: str, steps: int, verbose: bool) -> int:
+    started = time.perf_counter()
+    try:
+        result, cluster, geo = run_geo_cluster_seed(seed, topology, steps=steps, verbose=verbose)
+    except SimulationFailure as e:
+        print(f"FAIL {e}", file=sys.stderr)
+        return 1
+    took = time.perf_counter() - started
+    print(f"ok seed={seed} topology={topology} events={result.events} virtual_ms={result.virtual_ms} "
+          f"batches_checked={result.batches_checked} wall={took:.2f}s trace={result.trace[:16]}")  # fmt: skip
+    for counts in (result.counts.as_dict(), cluster.as_dict(), geo.as_dict()):
+        print("  " + " ".join(f"{k}={v}" for k, v in counts.items() if v))
+    return 0
+
+
+def _geo_cluster_swarm(seeds: range, topology: str | None, steps: int) -> int:
+    started = time.perf_counter()
+    total, cluster, geo = FaultCounts(), ClusterCounts(), GeoClusterCounts()
+    failures: list[SimulationFailure] = []
+    events = 0
+    for seed in seeds:
+        name = topology or GEO_CLUSTER_TOPOLOGIES[seed % len(GEO_CLUSTER_TOPOLOGIES)]
+        try:
+            result, c, g = run_geo_cluster_seed(seed, name, steps=steps)
+        except SimulationFailure as e:
+            failures.append(e)
+            print(f"FAIL seed={seed} topology={name}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            continue
+        total.add(result.counts)
+        cluster.add(c)
+        geo.add(g)
+        events += result.events
+    counts = {**total.as_dict(), **{f"site_{k}": v for k, v in cluster.as_dict().items()}, **geo.as_dict()}
+    return _summary("geo-cluster runs", len(seeds), failures, events, counts, started)
 
 
 def _summary(what: str, runs: int, failures: Sequence[SimulationFailure | ClusterSimulationFailure], events: int,

@@ -253,6 +253,8 @@ class ConsumerWorkload:
         sim._after(sim.rng.randint(*sim.config.consume_ms), "consume", ci)
         site = sim.sites[c.session.site]
         if not site.up or site.incarnation != c.session.incarnation:
+            if c.exactly_once and c.pending:
+                return  # its commit's outcome is not known yet (a multi-node site's recovery decides it)
             self._hop(c, forced=True)  # its site crashed: the connection broke
             return
         if c.exactly_once and c.pending:
@@ -386,8 +388,11 @@ class ConsumerWorkload:
             if (OFFSETS_TOPIC, offsets_partition(c.group)) == key:
                 site.durable_winners[c.index] = site.winners.get(c.index, -1)
 
-    def site_crashed(self, site: SimSite, rebuild: bool) -> None:
+    def site_crashed(self, site: SimSite, rebuild: bool, *, read_back: bool = False) -> None:
         """``site`` crashed: its unflushed commits are lost, and its table is folded again from what it kept.
+
+        ``read_back`` (a multi-node site that lost a partition leader, ``geo_cluster.py``): a commit still
+        pending there may have survived, so its outcome is what the site's table returns after the recovery.
 
         The claim checked: for each consumer, the commit the site returns may move back, but never below the
         one it returned when the consumer's internal partition was last all fsynced, which is at least the
@@ -398,9 +403,14 @@ class ConsumerWorkload:
         if not self.consumers:
             return
         sim = self.sim
+        unresolved: dict[int, int] = {}  # read_back: consumer -> its last commit pending at the site
         for c in self.consumers:
-            for _index, at in c.pending:
-                if at == site.id:
+            for index, at in c.pending:
+                if at != site.id:
+                    continue
+                if read_back:
+                    unresolved[c.index] = max(unresolved.get(c.index, -1), index)
+                else:
                     c.lose()
                     sim.counts.commits_lost += 1
             c.pending = [p for p in c.pending if p[1] != site.id]
@@ -415,6 +425,17 @@ class ConsumerWorkload:
         before = dict(site.winners)
         site.winners = {}
         self._fold(site)
+        for ci, pending in sorted(unresolved.items()):
+            # A multi-node site that lost a partition leader may keep a commit it never acknowledged (its ack
+            # quorum held it, or the recovery kept the tail), so the client reads its position back: the
+            # commit took effect if the site's table returns it, and was lost otherwise.
+            c = self.consumers[ci]
+            if site.winners[ci] >= pending:
+                c.ack(pending, site.id)
+                sim.counts.commits_acked += 1
+            else:
+                c.lose()
+                sim.counts.commits_lost += 1
         for c in self.consumers:
             index = site.winners[c.index]
             floor = site.durable_winners.get(c.index, -1)
