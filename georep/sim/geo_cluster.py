@@ -109,7 +109,7 @@ from offsets.vector import VectorOffset
 from topology.ids import SiteId
 
 GEO_CLUSTER_TOPOLOGIES = ("triangle", "ring4-split", "mesh4-audit")  # each has a cycle
-GEO_CLUSTER_STEPS = 800
+GEO_CLUSTER_STEPS = 700
 READ_ALL = 1 << 30
 
 
