@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 import cluster.quorum as quorum
+import cluster.recovery as recovery
 from georep.sim import SimulationFailure
 from georep.sim.__main__ import main as sim_main
 from georep.sim.cluster_model import ClusterCounts
@@ -100,6 +101,15 @@ def test_a_planted_bug_in_the_ack_quorum_is_caught(monkeypatch: pytest.MonkeyPat
     with pytest.raises(SimulationFailure, match="C1 durability.*fewer than min_insync_replicas=2") as failure:
         run_geo_cluster_seed(0, "triangle")
     assert "python -m georep.sim --geo-cluster --seed 0 --topology triangle" in failure.value.replay
+
+
+def test_a_planted_bug_in_the_recovery_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new leader that seals at the smallest end its fence quorum reports, not the largest: the survivor that
+    missed the last acked batches decides, and the seal cuts what the site acknowledged and served to other
+    sites. (Seed 22 catches it whichever candidate ``plan_leadership`` prefers.)"""
+    monkeypatch.setattr(recovery, "recovered_end", lambda fenced_ends: min(fenced_ends))
+    with pytest.raises(SimulationFailure, match="C4 visibility.*the recovery cut what the site acked and served"):
+        run_geo_cluster_seed(22, "triangle")
 
 
 def test_the_replay_command_runs_one_seed(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,8 @@ seed, is a segment cluster of ``nodes`` nodes (RF ``rf``, ``min_insync_replicas`
 Every check of the geo simulator runs after every event (I1-I3, I5 per consumer session, I6 at every ack and
 after every recovery, I4 after healing), and so do the cluster checks of ``cluster_checks.py`` that apply to
 a site inside a geo topology (C1 durability of every ``acks=all`` write, C2 chain, C3 prefix, C5 one writer
-per epoch), with ``single_loss``: nodes are killed one at a time, so C1 must hold with no excuse.
+per epoch; and C4's rule that no seal falls below the LAC, since the site served and acked up to it), with
+``single_loss``: nodes are killed one at a time, so C1 must hold with no excuse.
 
 **The composition.** The multi-node site is still one ``SimSite``: its broker state (``AckTable``,
 producer tables, ``CommitLog``, ``PullSession`` per inbound link, ``ReplicaSource`` per outbound stream) is
@@ -33,20 +34,21 @@ recovering an open segment                     ``SegmentRecovery`` (Fence, Copy,
 what a member cuts after a seal                ``cut_after_seal``
 =============================================  ===========================================================
 
-Each node keeps its copies (``cluster_model.SegCopy``: batches and an fsynced prefix) and its persisted
-guard states; a batch is named by an id (``Batch.payload``) and its bytes are the chain's at its offset
-(every copy is a prefix of its segment's writer stream, which C3 checks). The leader appends to the chain,
-to its own copy and streams the batch to every other member over a per-pair FIFO link; members check it
-with their guard, append, fsync after the site's fsync time and ack their fsynced end; a member that was
-down is resent from its end when it is back. A node kill (``kill_every_ms``, one node down at a time, back
-after ``down_ms``) loses the unfsynced part of its copies. A kill of a node that leads partitions is the
-loss of that broker: the site's volatile state goes (its clients' connections, streams, pending acks, as
-in a site crash), and it comes back once every partition has a leader again: the controller elects one
-from the open segment's ensemble after the session timeout (or the restarted node asks for a new epoch),
-which fences the members, takes the end E - AQ + 1 of them hold, copies it to the others, seals it in the
-metadata, cuts longer copies and the chain, and opens the next segment. Then the geo checks of a crash run
-against the recovered chain (no other site holds a coordinate the recovery cut, no consumer delivered one,
-every acknowledged write is still held), and the site serves again.
+Each node keeps its copies (``cluster_model.SegCopy``: batches and an fsynced prefix) and its persisted guard
+states; a batch is named by an id (``Batch.payload``) and its bytes are the chain's at its offset (every copy
+is a prefix of its segment's writer stream, which C3 checks). The leader appends to the chain, to its own copy
+and streams the batch to every other member over a per-pair FIFO link; members check it with their guard,
+append, fsync after their own disk's fsync time and ack their fsynced end; a member that was down is resent
+from its end when it is back. A node kill (``kill_every_ms``, one node down at a time, back after ``down_ms``)
+loses the unfsynced part of its copies, and its messages not yet delivered (its streams' buffers), so a
+survivor may miss the last batches the others acked. A kill of a node that leads partitions is the loss of
+that broker: the site's volatile state goes (its clients' connections, streams, pending acks, as in a site
+crash), and it comes back once every partition has a leader again: the controller elects one from the open
+segment's ensemble after the session timeout (or the restarted node asks for a new epoch), which fences the
+members, takes the end E - AQ + 1 of them hold, copies it to the others, seals it in the metadata, cuts longer
+copies and the chain, and opens the next segment. Then the geo checks of a crash run against the recovered
+chain (no other site holds a coordinate the recovery cut, no consumer delivered one, every acknowledged write
+is still held), and the site serves again.
 
 **What it leaves out** (the cluster simulator covers them on one site): Raft faults (lost, late, stalled
 proposals, no majority), pauses and metadata isolation (zombie leaders), stream cuts and partitions between
@@ -248,12 +250,16 @@ class GeoClusterSimulator(Simulator):
         """A message between two nodes: FIFO per pair, lost if ``dst`` is down or restarted meanwhile."""
         due = max(self.now_ms + self._between(self.gc.latency_ms), self._fifo.get((src, dst), 0))
         self._fifo[(src, dst)] = due
-        node = self.nodes[dst]
-        self._at(due - self.now_ms, self._deliver_node, dst, node.incarnation, fn, args)
+        self._at(due - self.now_ms, self._deliver_node, src, self.nodes[src].incarnation, dst,
+                 self.nodes[dst].incarnation, fn, args)  # fmt: skip
 
-    def _deliver_node(self, dst: NodeId, incarnation: int, fn: Callable[..., None], args: tuple[object, ...]) -> None:
-        node = self.nodes[dst]
-        if node.up and node.incarnation == incarnation:
+    def _deliver_node(self, src: NodeId, src_incarnation: int, dst: NodeId, incarnation: int,
+                      fn: Callable[..., None], args: tuple[object, ...]) -> None:  # fmt: skip
+        """A kill loses what its node had not sent yet (its streams' buffers), and what was on its way to it."""
+        sender, node = self.nodes[src], self.nodes[dst]
+        if sender.incarnation != src_incarnation:
+            self.ccounts.dropped_messages += 1
+        elif node.up and node.incarnation == incarnation:
             fn(*args)
 
     def _step(self) -> bool:
@@ -544,8 +550,9 @@ class GeoClusterSimulator(Simulator):
             self._changed(site.id, key)
         if log.flushed_offset < end:
             log.flush_to(end)  # AQ members hold the sealed segment: the recovery copied it to them
-        self.fail_unless(log.flushed_offset == end, "C4", f"{key} is sealed at {end} but its LAC is "
-                                                          f"{log.flushed_offset}")  # fmt: skip
+        self.fail_unless(log.flushed_offset == end, "C4",
+                         f"visibility: {key[0]}/{key[1]} segment {seg[2]} is sealed at {end}, below its LAC "
+                         f"{log.flushed_offset}: the recovery cut what the site acked and served")  # fmt: skip
         self._note_durable(key)
 
     def fail_unless(self, ok: bool, check: str, message: str) -> None:
