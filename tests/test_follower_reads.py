@@ -33,7 +33,7 @@ from tests.support.cli import georep, ok
 from tests.support.cluster_site import ClusterSite, read_partition
 from tests.support.segments import make_batch
 from tests.test_chain_log import EPOCH, KEY, A
-from tests.test_cluster_repair import TOPIC, produce, wait_for
+from tests.test_cluster_repair import TOPIC, produce, status, wait_for
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 
@@ -286,3 +286,65 @@ def test_a_consumer_refuses_an_unknown_read_from_and_a_prefer_without_follower_r
         Consumer("127.0.0.1:1", prefer="127.0.0.1:2")
     result = georep("consume", "t", "--prefer", "127.0.0.1:2", "--bootstrap", "127.0.0.1:1")
     assert result.returncode == 1 and b"add --read-from follower" in result.stderr, result.stderr  # as --commit-acks
+
+
+def pull_all(address: str, count: int) -> list[tuple[str, int, bytes]]:
+    """What a destination site pulling ``TOPIC``-0 from scratch over ``Replicate`` at ``address`` gets, up to
+    ``count`` records (or what came before the stream stalled for 10 s)."""
+    want = pb.PullWant(topic=TOPIC, partition=0, have=pb.VectorOffset(), origin_sites=["a"])
+    out: list[tuple[str, int, bytes]] = []
+    with grpc.insecure_channel(address) as channel:
+        call = pbg.NodeStub(channel).Replicate(pb.ReplicateRequest(dst_site="b", wants=[want], max_bytes=4096,
+                                                                   max_wait_ms=200), timeout=10)  # fmt: skip
+        for response in call:
+            for chunk in response.chunks:
+                at = 0
+                for h in iter_headers(chunk.batches):
+                    out.extend((str(h.origin), r.origin_seq, bytes(r.value or b""))
+                               for r in decode_records(chunk.batches[at : at + h.size_bytes], h))  # fmt: skip
+                    at += h.size_bytes
+            if len(out) >= count:
+                call.cancel()
+                break
+    return out
+
+
+def lacking(site: ClusterSite, node: int) -> list[int]:
+    """The segments of ``TOPIC``-0 the metadata lists that ``node`` holds no copy of."""
+    with grpc.insecure_channel(site.address(node)) as channel:
+        held = pbg.SegmentsStub(channel).ListSegments(pb.ListSegmentsRequest(), timeout=5)
+    segments = next(p.segments for p in status(site).partitions if p.topic == TOPIC)
+    return sorted(set(range(segments)) - {h.segment.segment_id for h in held.segments if h.segment.topic == TOPIC})
+
+
+@pytest.mark.slow
+def test_a_cross_site_pull_at_a_leader_lacking_a_sealed_segment_reads_it_from_a_member(tmp_path: Path) -> None:
+    """Four nodes, replication factor 3: each segment leaves one node out, and a leader holds every segment it
+    wrote. Leaders are killed (the previous one restarted first, to keep the Raft majority) until one leads that
+    lacks a sealed segment; a site pulling from scratch through it gets that segment all the same (it was
+    UNAVAILABLE before), read from a member."""
+    site = ClusterSite(tmp_path, 4, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "4096",
+                                                "--repair-delay-ms", "600000"])  # fmt: skip
+    try:
+        site.start()
+        with grpc.insecure_channel(site.address(1)) as channel:
+            pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=1), timeout=30)
+        site.wait_leader(TOPIC)
+        produce(site, 30, "spread")  # ~30 KiB: several 4 KiB segments, their ensembles rotating over the nodes
+        dead: int | None = None
+        for _ in range(3):
+            leader = site.wait_leader(TOPIC, not_node=dead)
+            missing = lacking(site, leader)
+            if missing:
+                break
+            if dead is not None:
+                site.nodes[dead].start(60)
+            site.nodes[leader].kill9()
+            dead = leader
+        assert missing, "no leader lacked a sealed segment: nothing was read elsewhere"
+        expected = read_partition(site.address(leader), TOPIC, 0)
+        assert len(expected) == 30
+        assert pull_all(site.address(leader), len(expected)) == expected, \
+            f"the pull through node {leader}, which lacks segments {missing}, differs from its log"
+    finally:
+        site.close()
