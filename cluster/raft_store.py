@@ -220,6 +220,12 @@ class RaftTiming:
             "connectionRetryTime": self.reconnect_interval_s,
             "leaderFallbackTimeout": self.leader_step_down_s,
             "autoTickPeriod": self.tick_s,
+            # Send each command, and each new commit index, at once rather than at the next heartbeat: pysyncobj's
+            # batching costs a commit up to three heartbeat periods (the command waits for the leader's tick, the
+            # entry for its next append-entries, the follower for the commit index), about 150 ms, and a leader's
+            # failover takes three commits (the election, the seal, the next segment). The metadata changes per
+            # roll, leader change and heartbeat, so the messages it saves are few.
+            "appendEntriesUseBatch": False,
         }
 
 
@@ -365,6 +371,7 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         self._site_state = initial.state if initial is not None else SiteState()
         self._dumped_index = initial.last_applied[1] if initial is not None else 0
         self._dump_path = dump_path
+        self.on_change: Callable[[], None] | None = None  # called in the tick thread after each applied command
         syncobj_conf = SyncObjConf(serializer=self._write_dump, deserializer=self._read_dump, **conf)
         super().__init__(self_address, partners, syncobj_conf)
         # The tick thread sleeps 0.1 s before its first tick, so no transfer can have started yet.
@@ -383,10 +390,17 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
             return Refused(RefusalCode.INVALID_COMMAND, str(e))
         try:
             with self._state_lock:
-                return self._site_state.apply(command)
+                result = self._site_state.apply(command)
         except Exception as e:  # a bug in SiteState: refuse (alike on every node) rather than stop the replica
             logger.exception("applying metadata command %r failed", raw)
             return Refused(RefusalCode.INVALID_COMMAND, f"internal error applying {command!r}: {e!r}")
+        on_change = self.on_change
+        if on_change is not None and isinstance(result, Applied):
+            try:
+                on_change()
+            except Exception:  # the watcher's bug must not stop the replica
+                logger.exception("the metadata change callback failed")
+        return result
 
     def read(self, fn: Callable[[SiteState], T]) -> T:
         with self._state_lock:
@@ -483,6 +497,11 @@ class RaftMetadataStore:
         self._replica = replica
         self._partners = sorted(replica.otherNodes, key=lambda node: node.address)
         self._closed = False
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (in pysyncobj's thread: it must only hand over, not block) after each command that
+        changed the local state, so that a node acts on a new leadership at once rather than at its next look."""
+        self._replica.on_change = callback
 
     # -- reads (local) ----------------------------------------------------------------------------------
 

@@ -1194,6 +1194,21 @@ def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int, cont
     return plan
 
 
+def next_leader_expiry_ms(state: SiteState, now_ms: int, session_timeout_ms: int) -> int | None:
+    """The first time after ``now_ms`` at which a partition leader's session expires if it heartbeats no more: when
+    :func:`plan_leadership` may next have a dead leader to replace, so that the controller looks then rather than at
+    its next tick (which can come up to a tick later). None: no leader's session expires after ``now_ms``."""
+    soonest: int | None = None
+    for info in state.partitions():
+        node = state.node(info.leader) if info.leader is not None else None
+        if node is None or node.last_heartbeat_ms is None:
+            continue
+        expiry = node.last_heartbeat_ms + session_timeout_ms  # the first ms at which NodeInfo.is_live is false
+        if expiry > now_ms:
+            soonest = expiry if soonest is None else min(soonest, expiry)
+    return soonest
+
+
 def partitions_without_leader(state: SiteState, now_ms: int, session_timeout_ms: int) -> list[PartitionInfo]:
     """Partitions whose leader is missing or expired: offline until :func:`plan_leadership` finds them one."""
     live = {info.node for info in state.live_nodes(now_ms, session_timeout_ms)}

@@ -34,6 +34,7 @@ from cluster.site_state import (
     SetDraining,
     SiteState,
     command_from_dict,
+    next_leader_expiry_ms,
     partitions_without_leader,
     plan_leadership,
 )
@@ -435,6 +436,16 @@ def test_plan_leadership_spreads_leaders_and_spares_the_controller() -> None:
     replan = plan_leadership(state, 1_400 + SESSION_MS, SESSION_MS, controller=N1)
     assert [(c.topic, c.partition) for c in replan] == by_node[N2]
     assert [c.node for c in replan] == [N3, N1], "N3 first (it leads no more than N1, and is not the controller)"
+
+
+def test_the_controller_looks_again_when_the_first_leaders_session_expires() -> None:
+    state = led(site(), N2, (N2, N1, N3))  # t/0 led by N2, which heartbeated at 1_000; t/1 has no leader
+    applied(state, NodeHeartbeat(N1, 5_000, 1, 0))
+    applied(state, NodeHeartbeat(N3, 5_000, 1, 0))
+    assert next_leader_expiry_ms(state, 5_000, SESSION_MS) == 1_000 + SESSION_MS
+    assert [c.partition for c in plan_leadership(state, 1_000 + SESSION_MS - 1, SESSION_MS)] == [1], "t/0 is led"
+    assert [c.partition for c in plan_leadership(state, 1_000 + SESSION_MS, SESSION_MS)] == [0, 1], "expired"
+    assert next_leader_expiry_ms(state, 1_000 + SESSION_MS, SESSION_MS) is None, "no session expires later"
 
 
 def test_plan_leadership_with_no_live_node_plans_nothing() -> None:

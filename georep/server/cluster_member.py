@@ -39,6 +39,7 @@ Metadata calls block (pysyncobj), so they run in the executor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,7 @@ from cluster.site_state import (
     SealSegment,
     SegmentInfo,
     SiteState,
+    next_leader_expiry_ms,
     plan_leadership,
 )
 from georep.broker.errors import NotLeader, RecoveryFailed
@@ -115,6 +117,7 @@ class Metadata(Protocol):
     def state(self) -> SiteState: ...
     def propose(self, command: Command, timeout_s: float | None = None) -> Result: ...
     def read_barrier(self, timeout_s: float | None = None) -> None: ...
+    def watch(self, callback: Callable[[], None]) -> None: ...
     @property
     def is_leader(self) -> bool: ...
 
@@ -202,12 +205,43 @@ class ClusterMember:
         await asyncio.gather(*self._background, return_exceptions=True)
 
     async def _ticks(self) -> None:
+        """A tick every ``tick_ms``; between ticks, a look at the roles as soon as the metadata changes (a new
+        leader starts its recovery at once, not up to a tick later), and the controller's look as soon as a
+        partition leader's session expires."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def on_change() -> None:  # in pysyncobj's thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the node is stopping
+                loop.call_soon_threadsafe(changed.set)
+
+        self.metadata.watch(on_change)
+        tick_s = self.config.tick_ms / 1000
+        next_tick = loop.time() + tick_s
         while True:
-            await asyncio.sleep(self.config.tick_ms / 1000)
+            expiry = self._next_expiry_ms() if self.metadata.is_leader else None
+            wait_s = next_tick - loop.time()
+            if expiry is not None:
+                wait_s = min(wait_s, (expiry - self.clock_ms() + 1) / 1000)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, wait_s)):
+                    await changed.wait()
+            changed.clear()
             try:
-                await self.tick()
+                if loop.time() >= next_tick:
+                    next_tick = loop.time() + tick_s
+                    await self.tick()
+                    continue
+                if expiry is not None and self.clock_ms() >= expiry and self.metadata.is_leader:
+                    await self._controller()
+                self.reconcile()
             except Exception:  # a bug in one tick must not end the member: log it and tick again
                 log.exception("node %d: cluster tick failed", self.me)
+
+    def _next_expiry_ms(self) -> int | None:
+        if self._controller_since is None:
+            return None
+        return next_leader_expiry_ms(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms)
 
     async def tick(self) -> None:
         await self._heartbeat()
