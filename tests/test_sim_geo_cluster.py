@@ -77,6 +77,7 @@ def test_swarm_with_a_multi_node_site_keeps_every_invariant(topology: str, pool:
         "recoveries sealed": cluster.recoveries_done,
         "recoveries that kept a tail past the last ack": cluster.recovered_tails,
         "segments opened short while a node was down": cluster.opens_short,
+        "acks=all released in such segments": cluster.acked_short,
         "acks=all released at the LAC": geo.acks_all_released,
         "acks=geo:N released at the multi-node site": geo.geo_acks_released,
         "batches replicated between sites": total.applied_batches,

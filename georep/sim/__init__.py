@@ -1,7 +1,10 @@
 """Deterministic multi-site simulation of georep's replication (STYLE.md §2).
 
 ``python -m georep.sim --seed N --topology NAME`` replays one run;
-``python -m georep.sim --seeds A..B`` runs a swarm. See ``simulator.py``.
+``python -m georep.sim --seeds A..B`` runs a swarm. See ``simulator.py``;
+``--cluster`` runs one site's segment cluster (``cluster.py``), and
+``--geo-cluster`` the multi-site simulator with a multi-node site
+(``geo_cluster.py``).
 """
 
 from georep.sim.checker import InvariantChecker, InvariantViolation

@@ -937,6 +937,7 @@ class GeoClusterSimulator(Simulator):
             raise InvariantViolation(f"C1 {producer.name} was acked at offset {offset} of {key[0]}/{key[1]}, "
                                      "which no segment's writer stream holds")  # fmt: skip
         self.gcounts.acks_all_released += 1
+        self.ccounts.acked_short += len(segment.ensemble) < self.gc.rf  # writes went on with a node down
         self.gcounts.geo_acks_released += producer.acks.kind is AckKind.GEO
         self.cchecker.released(AckedBatch(key, segment.segment_id, stream[i], self.now_ms, lead.node, lead.epoch),
                                self.meta, self.now_ms)  # fmt: skip
@@ -957,13 +958,25 @@ class GeoClusterSimulator(Simulator):
                 self._restart_node(nid, node.incarnation)
         super()._run_liveness()
 
-    def _live(self, logs: Mapping[str, Mapping[PartitionKey, MemoryLog]]) -> bool:
-        return self.sites[self._sid()].up and super()._live(logs)
-
-    def _liveness_problems(self, logs: Mapping[str, Mapping[PartitionKey, MemoryLog]]) -> list[str]:
+    def _in_site_problems(self) -> list[str]:
+        """After healing, the site serves and every member of every open segment holds all its leader appended."""
         if not self.sites[self._sid()].up:
             return [f"the multi-node site {self._sid()} does not serve: partitions without an active leader"]
-        return super()._liveness_problems(logs)
+        out = []
+        for key in self.keys:
+            q = self.leads[key].quorum
+            assert q is not None
+            behind = [n for n in q.ensemble if q.member_end(n) < q.appended_end]
+            if behind:
+                out.append(f"{key[0]}/{key[1]} segment {q.segment_id}: nodes {behind} do not hold up to "
+                           f"{q.appended_end} fsynced (LAC {q.lac})")  # fmt: skip
+        return out
+
+    def _live(self, logs: Mapping[str, Mapping[PartitionKey, MemoryLog]]) -> bool:
+        return not self._in_site_problems() and super()._live(logs)
+
+    def _liveness_problems(self, logs: Mapping[str, Mapping[PartitionKey, MemoryLog]]) -> list[str]:
+        return self._in_site_problems() or super()._liveness_problems(logs)
 
 
 def run_geo_cluster_seed(seed: int, topology: str = "triangle", *, steps: int = GEO_CLUSTER_STEPS,
