@@ -75,6 +75,7 @@ def test_swarm_with_a_multi_node_site_keeps_every_invariant(topology: str, pool:
         "kills of partition leaders": geo.leader_kills,
         "leader changes (elections)": cluster.elections,
         "recoveries sealed": cluster.recoveries_done,
+        "segments rolled by size (sealed at the LAC)": cluster.rolls_by_size,
         "recoveries that kept a tail past the last ack": cluster.recovered_tails,
         "segments opened short while a node was down": cluster.opens_short,
         "acks=all released in such segments": cluster.acked_short,

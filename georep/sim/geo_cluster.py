@@ -28,6 +28,7 @@ metadata: nodes, topics, leaders, chains       ``SiteState.apply``, every comman
 who leads which partition                      ``plan_leadership``: the controller (lowest live node), every tick
 lead, recover first, or ask for a new epoch    ``role_step``: every live node, every tick
 which segment a leader writes next, where      ``plan_open`` (placement over ``node_loads``), down to the ack quorum
+where a roll seals                             ``roll_seal_at``: a leader whose open segment holds ``roll_records``
 the LAC, when ``acks=all`` goes                ``SegmentQuorum`` (every member's fsync), then ``AckTable``
 fencing, contiguity, sealed segments           ``ReplicaGuard``: every append, fence and copy a member gets
 recovering an open segment                     ``SegmentRecovery`` (Fence, Copy, Seal effects)
@@ -50,10 +51,17 @@ copies and the chain, and opens the next segment. Then the geo checks of a crash
 chain (no other site holds a coordinate the recovery cut, no consumer delivered one, every acknowledged write
 is still held), and the site serves again.
 
+A leader rolls its open segment once it holds ``roll_records`` records: it stops taking writes, seals at the
+LAC (``roll_seal_at``; nothing past the proposed seal becomes durable, whatever acks come later), and opens
+the next segment on the live nodes, which widens a segment opened short. Every committed seal, a roll's or
+a recovery's, is learned from the metadata: members cut longer copies, and the chain ends there.
+
 **What it leaves out** (the cluster simulator covers them on one site): Raft faults (lost, late, stalled
 proposals, no majority), pauses and metadata isolation (zombie leaders), stream cuts and partitions between
-nodes, rolls by size, repair and expansion. The whole-site crash fault spares the multi-node site (its
-nodes fail one at a time); the network between sites is as faulty as in the geo simulator.
+nodes, repair and expansion. A roll or a leader change restarts every broker of the site (its clients
+reconnect and retry), where a node re-attaches only that partition. The whole-site crash fault spares the
+multi-node site (its nodes fail one at a time); the network between sites is as faulty as in the geo
+simulator.
 
 Replay: ``python -m georep.sim --geo-cluster --seed N --topology NAME --steps S``.
 """
@@ -132,6 +140,8 @@ class GeoClusterConfig:
     fence_timeout_ms: int = 120
     copy_timeout_ms: int = 200
     retry_ms: int = 100
+    roll_records: int = 40  # a leader rolls its open segment once it holds this many records
+    roll_wait_ms: int = 60  # a rolling leader waits this long for the LAC to reach what it appended
 
 
 @dataclass(slots=True)
@@ -167,6 +177,9 @@ class Lead:
     sent: dict[NodeId, int] = field(default_factory=dict)  # per member: the end of what was streamed to it
     busy: bool = False
     retry_at: int = 0
+    roll_due: bool = False
+    roll_since: int = 0
+    seal_at: int | None = None  # a rolling leader's proposed seal: nothing past it becomes durable
 
 
 @dataclass(slots=True)
@@ -297,6 +310,9 @@ class GeoClusterSimulator(Simulator):
             self.cchecker.segment_opened((cmd.topic, cmd.partition, result.segment_id), self.now_ms)
         elif isinstance(cmd, SealSegment) and isinstance(result, Applied) and result.changed:
             self.ccounts.seals += 1
+            # Every node learns the seal from the metadata (and the chain ends there), whoever proposed it.
+            self._chain_sealed((cmd.topic, cmd.partition), (cmd.topic, cmd.partition, cmd.segment_id),
+                               int(cmd.end_offset))  # fmt: skip
         if then is not None:
             then(result)
 
@@ -343,8 +359,8 @@ class GeoClusterSimulator(Simulator):
                     self._propose(step.command)
             elif isinstance(step, leadership.StepDown) and lead is not None:
                 self._step_down(lead, step.reason)
-            elif lead is not None and lead.node == nid and lead.phase != "active" and lead.retry_at <= now \
-                    and not lead.busy and lead.recovery is None:  # fmt: skip
+            elif lead is not None and lead.node == nid and lead.phase in ("recovering", "opening") \
+                    and lead.retry_at <= now and not lead.busy and lead.recovery is None:  # fmt: skip
                 self._resume(lead)
         self._at(self.gc.tick_ms, self._tick, nid, incarnation)
 
@@ -426,7 +442,6 @@ class GeoClusterSimulator(Simulator):
                 self.ccounts.recoveries_done += 1
                 if eff.end_offset > self.cchecker.acked_end(seg):
                     self.ccounts.recovered_tails += 1
-                self._chain_sealed(lead.key, seg, int(eff.end_offset))
                 lead.recovery = None
                 lead.phase = "opening"
                 lead.sealed_through = seg_info.segment_id
@@ -768,6 +783,53 @@ class GeoClusterSimulator(Simulator):
         lead.sent[lead.node] = copy.end
         self.nodes[lead.node].unsynced.add(seg)
         self._stream(lead)
+        if copy.end - copy.base >= self.gc.roll_records and not lead.roll_due:
+            lead.roll_due = True
+            self._at(0, self._start_roll, lead)  # an event of its own: not in the middle of an append
+
+    # -- rolling by size -----------------------------------------------------------------------------------
+
+    def _start_roll(self, lead: Lead) -> None:
+        """Stop taking writes (the partition's ChainLog ends with its open segment), seal at the LAC, open the
+        next segment; the site's brokers restart over the new chain, as after a leader change."""
+        lead.roll_due = False
+        if not self._current(lead) or lead.phase != "active" or not self.sites[self._sid()].up:
+            return
+        q = lead.quorum
+        assert q is not None
+        self.ccounts.rolls_by_size += 1
+        lead.phase = "rolling"
+        lead.roll_since = self.now_ms
+        self._site_down(f"{lead.key[0]}/{lead.key[1]} rolls its segment {q.segment_id}")
+        self._roll_step(lead)
+
+    def _roll_step(self, lead: Lead) -> None:
+        q = lead.quorum
+        if not self._current(lead) or lead.phase != "rolling" or q is None or lead.busy:
+            return
+        at = leadership.roll_seal_at(q.lac, q.appended_end, lead.roll_since, self.now_ms, self.gc.roll_wait_ms)
+        if at is None:
+            self._at(self.gc.latency_ms[1], self._roll_step, lead)
+            return
+        lead.seal_at = at
+        lead.busy = True
+        cmd = SealSegment(lead.key[0], lead.key[1], lead.epoch, q.segment_id, LocalOffset(at),
+                          self._vector_at(lead.key, at))  # fmt: skip
+        self._propose(cmd, functools.partial(self._rolled, lead, q))
+
+    def _rolled(self, lead: Lead, q: SegmentQuorum, result: Result) -> None:
+        lead.busy = False
+        if not self._current(lead) or lead.phase != "rolling" or lead.quorum is not q:
+            return
+        if not isinstance(result, Applied):
+            self._step_down(lead, f"its roll's seal was refused: {result}")
+            return
+        lead.phase = "opening"
+        lead.sealed_through = q.segment_id
+        lead.previous = q.ensemble
+        lead.quorum = None
+        lead.seal_at = None
+        self._try_open(lead)
 
     def _stream(self, lead: Lead) -> None:
         q = lead.quorum
@@ -868,6 +930,8 @@ class GeoClusterSimulator(Simulator):
 
     def _lac_advanced(self, lead: Lead, lac: int) -> None:
         """The LAC is the chain's durable end (``ChainLog.advance_lac``), fed to the ack table."""
+        if lead.seal_at is not None:
+            lac = min(lac, lead.seal_at)  # a rolling leader's chain ends at its seal, whatever acks come later
         site = self.sites[self._sid()]
         log = site.logs[lead.key]
         log.flush_to(lac)
