@@ -124,7 +124,9 @@ def three_batches() -> MemoryLog:
 def test_start_positions() -> None:
     log = three_batches()
     assert start_position(log, AtOffset(3), A) == 3
-    assert start_position(log, Earliest(), A) == 0 and start_position(log, Latest(), A) == 6
+    # 'latest' is the end of what readers may see, not the log end: the unfsynced a:2-3 may yet be lost, and
+    # a consumer started past it would skip what is written at offsets 4-5 next
+    assert start_position(log, Earliest(), A) == 0 and start_position(log, Latest(), A) == 4
     vector = VectorOffset({A: 2})
     assert start_position(log, FromVector(vector), A) == 2  # b:0 is the first record the vector lacks
     assert start_position(log, FromVector(VectorOffset({A: 2, B: 2})), A) == 4

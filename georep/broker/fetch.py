@@ -9,7 +9,11 @@ simulator's consumers drive it over ``MemoryLog``.
 * :class:`AtOffset`: a local offset, as in Kafka. Outside
   ``[log_start_offset, log_end_offset]`` the first read raises
   ``OffsetOutOfRange``, which names the valid range.
-* :class:`Earliest` / :class:`Latest`: the log start or the log end.
+* :class:`Earliest` / :class:`Latest`: the log start, or the end of what readers
+  may see (``flushed_offset``: Kafka's high watermark). Not the log end: a
+  tail past it may yet be lost (an origin's crash before its fsync) or cut (a
+  multi-node site's recovery seals at the LAC), and a read started past the
+  end that then stands would skip the records written there next.
 * :class:`FromVector`: a vector offset, the same position at every site. The
   read starts at the smallest local offset that holds a record the vector
   does not cover (``start_offset_for_vector``: found per origin in the origin
@@ -77,7 +81,7 @@ def start_position(log: PartitionLog, start: FetchStart, own: Origin) -> LocalOf
     if isinstance(start, Earliest):
         return log.log_start_offset
     if isinstance(start, Latest):
-        return log.log_end_offset
+        return log.flushed_offset
     if start.hint_origin == own and start.hint_offset >= 0:
         return LocalOffset(min(max(start.hint_offset, log.log_start_offset), log.log_end_offset))
     return start_offset_for_vector(log, start.vector.to_dict())

@@ -172,7 +172,8 @@ class NodeService:
                 out.append(pb.PartitionOffset(partition=i, offset=-1 if at is None else at,
                                               timestamp_ms=req.timestamp_ms))  # fmt: skip
             elif req.position == pb.START_LATEST:
-                out.append(pb.PartitionOffset(partition=i, offset=plog.log_end_offset, timestamp_ms=-1))
+                # the high watermark, as in Kafka: what a read from 'latest' starts at (broker/fetch.py)
+                out.append(pb.PartitionOffset(partition=i, offset=plog.flushed_offset, timestamp_ms=-1))
             else:
                 out.append(pb.PartitionOffset(partition=i, offset=plog.log_start_offset, timestamp_ms=-1))
         return pb.ListOffsetsResponse(offsets=out)
