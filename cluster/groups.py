@@ -270,3 +270,47 @@ class GroupCoordinator:
             assignment = sticky_assign(subscriptions, counts, previous)
         for m, member in g.members.items():
             member.assignment = assignment.get(m, ())
+
+
+# -- coordinators on a multi-node site ------------------------------------------------------------------------
+
+# What a node leads of one ``__georep_offsets`` partition: (leader epoch, open segment id) of its chain log.
+LeadToken = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class LeadStep:
+    """What a node must drop when what it leads of the offsets partitions changes (:func:`lead_step`)."""
+
+    forget_members: tuple[int, ...]  # offsets partitions whose groups' membership is no longer this node's
+    refold: tuple[int, ...]  # offsets partitions whose commits must be folded again, from the log's start
+
+
+def lead_step(before: Mapping[int, LeadToken], now: Mapping[int, LeadToken]) -> LeadStep:
+    """A group's coordinator is the leader of its ``__georep_offsets`` partition (Kafka's rule for
+    ``__consumer_offsets``), so a node's groups follow what it leads:
+
+    * a partition it no longer leads, or leads at another leader epoch, loses its groups' members: they were
+      (or may have been) coordinated elsewhere meanwhile, and a member id from an older term must rejoin
+      rather than hold partitions until its session expires. Membership is in memory, as on a one-node site;
+      the committed positions are in the log, so a rejoin loses none of them.
+    * a partition it no longer leads, or leads over another chain (a new epoch or a roll), is folded again
+      from its start: the table may hold a commit this node appended that a recovery or a roll's seal cut
+      (it was never confirmed), and it lacks what other leaders appended meanwhile. What the log keeps is
+      the truth; a fold of it gives every node the same winners.
+
+    A roll under the same leader epoch keeps the members (the coordinator did not change)."""
+    forget = sorted(i for i, token in before.items() if i not in now or now[i][0] != token[0])
+    refold = sorted(i for i, token in before.items() if now.get(i) != token)
+    refold += sorted(i for i in now if i not in before)
+    return LeadStep(tuple(forget), tuple(sorted(set(refold))))
+
+
+def forget_groups(coordinator: GroupCoordinator, partitions: Iterable[int],
+                  partition_of: Callable[[str], int]) -> list[str]:  # fmt: skip
+    """Drop the membership of every group whose offsets partition is in ``partitions``; returns their names."""
+    dropped = set(partitions)
+    gone = sorted(name for name in coordinator.groups if partition_of(name) in dropped)
+    for name in gone:
+        del coordinator.groups[name]
+    return gone

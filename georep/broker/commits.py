@@ -127,9 +127,18 @@ class CommitLog:
                 self._fold(res.data, index, report)
                 if res.next_offset <= at:
                     break
-                at = res.next_offset
+                at = self.cursors[index] = res.next_offset
             self.cursors[index] = at
         return report
+
+    def reset(self, index: int, partition_of: Callable[[str], int]) -> None:
+        """Forget what was folded of internal partition ``index`` (its groups' commits and its cursor), so the
+        next :meth:`catch_up` folds it again from its start. A read of ``index`` may raise out of ``catch_up``
+        (a multi-node site's segment held by other nodes): the cursor is kept per read, so it goes on from there.
+        The clock keeps its stamps: a clock never goes back."""
+        self.cursors.pop(index, None)
+        for key in [k for k in self.table.latest if partition_of(k[0]) == index]:
+            del self.table.latest[key]
 
     def _fold(self, data: bytes, index: int, report: FoldReport) -> None:
         view = memoryview(data)

@@ -130,6 +130,20 @@ class NotLeader(BrokerError):
         self.leader_hint = leader_hint
 
 
+class NotCoordinator(NotLeader):
+    """A group call reached a node of a multi-node site that does not coordinate the group: the coordinator is the
+    leader of the group's ``__georep_offsets`` partition (Kafka's NOT_COORDINATOR). Mapped like ``NotLeader``, with
+    the coordinator's address as the hint, so clients follow it as they follow a partition's leader."""
+
+    def __init__(self, group: str, topic: str, partition: int, leader_hint: str = "", why: str = "") -> None:
+        where = f"; its coordinator is {leader_hint}" if leader_hint else (
+            f"; find its coordinator with DescribeTopic {topic} (the leader of partition {partition}) and retry")
+        because = f" ({why})" if why else ""
+        BrokerError.__init__(self, f"this node does not lead {topic}-{partition}, so it does not coordinate group "
+                                   f"{group!r}{because}{where}")  # fmt: skip
+        self.leader_hint = leader_hint
+
+
 class NotYetSupported(BrokerError):
     """A feature this kind of site does not run yet; the message says which and what to use meanwhile."""
 

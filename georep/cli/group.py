@@ -1,10 +1,18 @@
 """``georep group list|describe``: consumer groups as one site sees them.
 
-Membership lives at the site a consumer is connected to (each site's node
+Membership lives at the site a consumer is connected to (each site
 coordinates its own members), while commits replicate to every site. So both
-commands answer for the first reachable node of ``--bootstrap`` and name that
-site (``site@epoch``) in their output. ``LAG`` is exact: the number of records
-this site holds for the partition that the committed vector does not cover.
+commands answer for the site of the first reachable node of ``--bootstrap`` and
+name that site (``site@epoch``) in their output. ``LAG`` is exact: the number of
+records this site holds for the partition that the committed vector does not
+cover ("-" where the answering node does not lead the partition, on a multi-node
+site).
+
+On a multi-node site a group's coordinator is the leader of its
+``__georep_offsets`` partition: ``describe`` follows the ``NotLeader`` hint (or
+the leader ``DescribeTopic`` names) to it, and ``list`` asks every leader of the
+internal topic for the groups it coordinates and merges the answers; it fails,
+saying so, while a partition of the internal topic has no leader.
 
 The rendering functions are pure (protobuf message in, text or a JSON-ready
 dict out); ``main`` is the thin shell that calls the node.
@@ -23,12 +31,15 @@ from typing import Any
 import grpc
 
 from georep.client.connection import BOOTSTRAP_ENV, Connection, default_bootstrap, parse_bootstrap
-from georep.client.errors import GeorepError, InvalidRequest, UnknownTopic, from_rpc_error
+from georep.client.errors import GeorepError, InvalidRequest, NodeUnavailable, NotLeader, UnknownTopic, from_rpc_error
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto
+from offsets.commits import OFFSETS_TOPIC, offsets_partition
 
 TIMEOUT_S = 10.0
 EXIT_ERROR = 1
+COORDINATOR_ATTEMPTS = 10
+COORDINATOR_BACKOFF_S = 0.3
 
 
 class UnknownGroup(GeorepError):
@@ -86,12 +97,20 @@ def assignment_text(assignment: Sequence[pb.TopicPartitions]) -> str:
     return ";".join(parts) or "-"
 
 
+def _lag_text(lag: int) -> str:
+    return "-" if lag < 0 else str(lag)  # -1: the answering node does not lead the partition (multi-node site)
+
+
+def _lag_json(lag: int) -> int | None:
+    return None if lag < 0 else lag
+
+
 def list_json(site: str, groups: pb.ListGroupsResponse) -> dict[str, Any]:
     return {
         "site": site,
         "groups": [
             {"group": g.group, "members": g.members, "generation": g.generation, "assignor": g.assignor,
-             "committed_partitions": g.committed_partitions, "lag_records": g.lag_records}
+             "committed_partitions": g.committed_partitions, "lag_records": _lag_json(g.lag_records)}
             for g in groups.groups
         ],
     }  # fmt: skip
@@ -100,7 +119,7 @@ def list_json(site: str, groups: pb.ListGroupsResponse) -> dict[str, Any]:
 def render_list(site: str, groups: pb.ListGroupsResponse) -> str:
     if not groups.groups:
         return f"no consumer groups at site {site} (start one with 'georep consume TOPIC --group G')"
-    rows = [(g.group, g.members, g.generation, g.assignor or "-", g.committed_partitions, g.lag_records)
+    rows = [(g.group, g.members, g.generation, g.assignor or "-", g.committed_partitions, _lag_text(g.lag_records))
             for g in groups.groups]  # fmt: skip
     return _table(("GROUP", "MEMBERS", "GENERATION", "ASSIGNOR", "PARTITIONS", "LAG"), rows)
 
@@ -146,23 +165,86 @@ def render_describe(site: str, d: pb.GroupDescription) -> str:
 # --- the shell -----------------------------------------------------------------------
 
 
+async def _leaders(connection: Connection) -> list[pb.PartitionLeader]:
+    """The leaders of the internal topic's partitions (none on a one-node site, or before the topic exists)."""
+    try:
+        description: pb.TopicDescription = await connection.stub.DescribeTopic(
+            pb.DescribeTopicRequest(name=OFFSETS_TOPIC), timeout=TIMEOUT_S)  # fmt: skip
+    except grpc.RpcError as exc:
+        error = from_rpc_error(exc, connection.address)
+        if isinstance(error, UnknownTopic):
+            return []
+        raise error from None
+    return list(description.leaders)
+
+
+async def _list(connection: Connection) -> pb.ListGroupsResponse:
+    leaders = await _leaders(connection)
+    if not leaders:
+        groups: pb.ListGroupsResponse = await connection.stub.ListGroups(pb.ListGroupsRequest(), timeout=TIMEOUT_S)
+        return groups
+    leaderless = sorted(leader.partition for leader in leaders if not leader.address)
+    if leaderless:
+        raise NodeUnavailable(f"partition(s) {leaderless} of {OFFSETS_TOPIC} have no leader now (the site is "
+                              "electing one): the groups they coordinate cannot be listed; retry in a moment")
+    merged: dict[str, pb.GroupSummary] = {}
+    for address in sorted({leader.address for leader in leaders}):
+        node = connection if address == connection.address else Connection(address)
+        try:
+            stub = await node.connect()
+            answer: pb.ListGroupsResponse = await stub.ListGroups(pb.ListGroupsRequest(), timeout=TIMEOUT_S)
+        finally:
+            if node is not connection:
+                await node.close()
+        for g in answer.groups:
+            merged.setdefault(g.group, g)
+    return pb.ListGroupsResponse(groups=[merged[name] for name in sorted(merged)])
+
+
+async def _describe(connection: Connection, group: str) -> pb.GroupDescription:
+    """``DescribeGroup`` at the group's coordinator: the connected node, or the one a ``NotLeader`` names."""
+    node = connection
+    try:
+        for _attempt in range(COORDINATOR_ATTEMPTS):
+            try:
+                stub = await node.connect()
+                description: pb.GroupDescription = await stub.DescribeGroup(pb.DescribeGroupRequest(group=group),
+                                                                            timeout=TIMEOUT_S)  # fmt: skip
+                return description
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc, node.address)
+            except NodeUnavailable as exc:
+                error = exc
+            if not isinstance(error, NotLeader | NodeUnavailable) or (
+                    isinstance(error, NodeUnavailable) and node is connection):
+                raise error
+            hint = error.leader if isinstance(error, NotLeader) else ""
+            if not hint:
+                index = offsets_partition(group)
+                hint = next((lead.address for lead in await _leaders(connection) if lead.partition == index), "")
+            if node is not connection:
+                await node.close()
+            node = connection if not hint or hint == connection.address else Connection(hint)
+            if not hint:
+                await asyncio.sleep(COORDINATOR_BACKOFF_S)
+        raise error
+    finally:
+        if node is not connection:
+            await node.close()
+
+
 async def _ask(bootstrap: str, action: str, group: str) -> tuple[str, pb.ListGroupsResponse | pb.GroupDescription]:
     connection = Connection(bootstrap)
     try:
-        stub = await connection.connect()
+        await connection.connect()
         try:
             if action == "list":
-                groups: pb.ListGroupsResponse = await stub.ListGroups(pb.ListGroupsRequest(), timeout=TIMEOUT_S)
-                return connection.origin, groups
-            description: pb.GroupDescription = await stub.DescribeGroup(
-                pb.DescribeGroupRequest(group=group), timeout=TIMEOUT_S
-            )
-            return connection.origin, description
+                return connection.origin, await _list(connection)
+            return connection.origin, await _describe(connection, group)
         except grpc.RpcError as exc:
-            error = from_rpc_error(exc, connection.address)
-            if isinstance(error, UnknownTopic):  # DescribeGroup's NOT_FOUND
-                raise UnknownGroup(error.message, error.code) from None
-            raise error from None
+            raise from_rpc_error(exc, connection.address) from None
+        except UnknownTopic as error:  # DescribeGroup's NOT_FOUND
+            raise UnknownGroup(error.message, error.code) from None
     finally:
         await connection.close()
 

@@ -1,7 +1,15 @@
 """A consumer's membership in a group at one site, and its commits.
 
 The coordinator is the node the consumer is connected to (``cluster/groups.py``
-on the server). The member heartbeats every ``heartbeat_interval_ms``; each
+on the server) on a one-node site. On a multi-node site it is the leader of the
+group's ``__georep_offsets`` partition: another node answers ``NotLeader``
+(NOT_COORDINATOR) with the coordinator's address, and every group call here
+follows that hint, or asks the site (``DescribeTopic`` of the internal topic)
+when there is none or the coordinator went away, and retries, as the producer
+follows partition leaders. A new coordinator does not know the member (its
+membership is in memory): the member rejoins, and each partition continues
+after both its own position and the group's commit, which the new coordinator
+reads from the replicated log. The member heartbeats every ``heartbeat_interval_ms``; each
 answer carries the generation and the assignment, and a new generation makes
 the consumer apply the new assignment: partitions it lost are dropped,
 partitions it gained start at the group's committed vector.
@@ -24,12 +32,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import grpc
 
+from georep.client.connection import Connection
 from georep.client.errors import (
     CommitsBehind,
     GeorepError,
@@ -37,16 +46,25 @@ from georep.client.errors import (
     InvalidRequest,
     MemberFenced,
     NodeUnavailable,
+    NotLeader,
 )
 from georep.client.errors import from_rpc_error as _from_rpc_error
 from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import topic_partitions_to_proto, vector_from_proto, vector_to_proto
+from offsets.commits import OFFSETS_TOPIC, offsets_partition
 from offsets.vector import VectorOffset
 
 if TYPE_CHECKING:
     from georep.client.consumer import Consumer, TopicPartition
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+COORDINATOR_ATTEMPTS = 12  # per group call: hints followed and coordinators looked up before giving up
+COORDINATOR_BACKOFF_S = 0.1
+COORDINATOR_BACKOFF_MAX_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +104,8 @@ class GroupMembership:
         self._moved_pending = False  # a move to another site whose assignment is not applied yet
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        # A multi-node site: the group's coordinator when it is not the node the consumer is connected to.
+        self._coordinator: Connection | None = None
 
     @property
     def _timeout_s(self) -> float:
@@ -114,6 +134,9 @@ class GroupMembership:
                 log.info("group %r: heartbeat failed (%s); reconnecting", self.group, exc.message)
                 with contextlib.suppress(GeorepError):
                     await connection.reconnect(generation)
+            except NotLeader as exc:
+                # No coordinator yet (a multi-node site electing the leader of the group's offsets partition).
+                log.info("group %r: %s; trying again", self.group, exc.message)
             except CommitsBehind as exc:
                 # The assignment is applied again at the next heartbeat, from commits that are not stale.
                 log.info("group %r: %s", self.group, exc.message)
@@ -124,19 +147,21 @@ class GroupMembership:
         """One heartbeat (a join if the member has no id at this site); applies a new assignment."""
         async with self._lock:
             connection = self.consumer._connection
-            stub = await connection.connect()
+            await connection.connect()
             site = connection.origin
             moved = bool(self.site) and site != self.site
             if moved:
                 log.info("group %r: now at site %s (was %s): joining there", self.group, site, self.site)
                 self.member_id = ""
             try:
-                resp = await self._call(stub)
+                resp = await self._call()
             except MemberFenced:
-                log.warning("group %r: member %s was fenced (session expired): rejoining", self.group, self.member_id)
+                # Its session expired, or (a multi-node site) the group's coordinator changed: it knows no member.
+                log.warning("group %r: member %s is not known to the coordinator (session expired, or a new "
+                            "coordinator): rejoining", self.group, self.member_id)  # fmt: skip
                 self.member_id = ""
                 moved = True
-                resp = await self._call(stub)
+                resp = await self._call()
             moved = moved or self._moved_pending
             new_generation = resp.generation != self.generation or resp.member_id != self.member_id
             self.member_id, self.site = resp.member_id, site
@@ -152,31 +177,91 @@ class GroupMembership:
                 self._moved_pending = False
             self.generation = resp.generation
 
-    async def _call(self, stub: object) -> pb.GroupHeartbeatResponse:
+    async def _call(self) -> pb.GroupHeartbeatResponse:
         request = pb.GroupHeartbeatRequest(
             group=self.group, member_id=self.member_id, topics=self.topics,
             session_timeout_ms=self.options.session_timeout_ms, assignor=self.options.assignor,
             client_id=self.options.client_id,
         )  # fmt: skip
+        return await self._rpc(lambda stub: stub.GroupHeartbeat(request, timeout=self._timeout_s))
+
+    # -- finding the coordinator ------------------------------------------------
+
+    async def _rpc(self, call: Callable[[pbg.NodeAsyncStub], Awaitable[T]]) -> T:
+        """``call`` at the group's coordinator: following ``NotLeader`` hints, and looking the coordinator up again
+        when it went away. Raises the last error after ``COORDINATOR_ATTEMPTS``; ``NodeUnavailable`` of the node
+        the consumer is connected to at once (its owner reconnects)."""
+        backoff_s = COORDINATOR_BACKOFF_S
+        error: GeorepError | None = None
+        for _attempt in range(COORDINATOR_ATTEMPTS):
+            main = self.consumer._connection
+            await main.connect()
+            coordinator = self._coordinator
+            if coordinator is not None and coordinator.origin and coordinator.origin != main.origin:
+                await self._drop_coordinator()  # the consumer moved to another site: its coordinator is there
+                coordinator = None
+            connection = coordinator if coordinator is not None else main
+            try:
+                stub = await connection.connect()
+                return await connection.unary(call(stub))
+            except grpc.RpcError as exc:
+                error = _from_rpc_error(exc, connection.address)
+            except NodeUnavailable as exc:
+                error = exc
+            if isinstance(error, NotLeader):
+                if await self._follow(error.leader, connection):
+                    continue  # a new address: no need to wait
+            elif isinstance(error, NodeUnavailable) and connection is not main:
+                log.info("group %r: coordinator %s went away (%s): asking the site for the next one", self.group,
+                         connection.address or ", ".join(connection.addresses), error.message)  # fmt: skip
+                await self._drop_coordinator()
+            else:
+                raise error
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, COORDINATOR_BACKOFF_MAX_S)
+        assert error is not None
+        raise error
+
+    async def _follow(self, hint: str, tried: Connection) -> bool:
+        """Route group calls to ``hint`` (or, without one, to the leader the site names); True if that is another
+        node than the one just ``tried``."""
+        main = self.consumer._connection
+        address = hint or await self._find()
+        if not address or address == tried.address:
+            await self._drop_coordinator()
+            return False
+        if address == main.address:
+            await self._drop_coordinator()
+            return True
+        if self._coordinator is None or self._coordinator.addresses != [address]:
+            await self._drop_coordinator()
+            self._coordinator = Connection(address, int(main.connect_timeout_s * 1000))
+        return True
+
+    async def _find(self) -> str:
+        """The coordinator's address as the connected node's metadata names it (``DescribeTopic`` of the internal
+        topic: the leader of the group's partition), or "" if none is known now."""
+        main = self.consumer._connection
         try:
-            connection = self.consumer._connection
-            resp: pb.GroupHeartbeatResponse = await connection.unary(
-                connection.stub.GroupHeartbeat(request, timeout=self._timeout_s)
-            )
-        except grpc.RpcError as exc:
-            raise _from_rpc_error(exc, self.consumer._connection.address) from None
-        return resp
+            stub = await main.connect()
+            description = await main.unary(stub.DescribeTopic(pb.DescribeTopicRequest(name=OFFSETS_TOPIC),
+                                                              timeout=self._timeout_s))  # fmt: skip
+        except (grpc.RpcError, GeorepError):
+            return ""
+        index = offsets_partition(self.group)
+        return next((leader.address for leader in description.leaders if leader.partition == index), "")
+
+    async def _drop_coordinator(self) -> None:
+        coordinator, self._coordinator = self._coordinator, None
+        if coordinator is not None:
+            await coordinator.close()
 
     async def fetch_committed(self, tps: list[TopicPartition]) -> dict[TopicPartition, Committed]:
-        stub = await self.consumer._connection.connect()
         request = pb.FetchCommittedRequest(group=self.group, partitions=topic_partitions_to_proto(tps),
                                            wait_caught_up_ms=self.options.commit_wait_caught_up_ms)  # fmt: skip
-        try:
-            resp = await self.consumer._connection.unary(
-                stub.FetchCommitted(request, timeout=self._timeout_s + request.wait_caught_up_ms / 1000)
-            )
-        except grpc.RpcError as exc:
-            raise _from_rpc_error(exc, self.consumer._connection.address) from None
+        resp = await self._rpc(
+            lambda stub: stub.FetchCommitted(request, timeout=self._timeout_s + request.wait_caught_up_ms / 1000)
+        )
         return {
             (c.topic, c.partition): Committed(vector_from_proto(c.vector), c.committed_by, c.hint_offset, c.hlc,
                                               c.committed_at_ms, c.lag_records)  # fmt: skip
@@ -190,7 +275,6 @@ class GroupMembership:
         if not offsets:
             return
         for attempt in range(2):
-            stub = await self.consumer._connection.connect()
             acks, geo_sites = self.options.commit_acks
             request = pb.CommitOffsetsRequest(
                 group=self.group, member_id=self.member_id if member else "",
@@ -201,9 +285,8 @@ class GroupMembership:
                          for (t, p), v in sorted(offsets.items())],
             )  # fmt: skip
             try:
-                resp = await self.consumer._connection.unary(stub.CommitOffsets(request, timeout=self._timeout_s + 1))
-            except grpc.RpcError as exc:
-                error = _from_rpc_error(exc, self.consumer._connection.address)
+                resp = await self._rpc(self._commit_call(request))
+            except GeorepError as error:
                 if isinstance(error, GroupRebalanced) and member and attempt == 0:
                     # The group moved on since our last heartbeat: learn the new
                     # assignment, then commit what is still ours.
@@ -216,22 +299,25 @@ class GroupMembership:
                             error.code,
                         ) from None
                     continue
-                raise error from None
+                raise
             self.last_hlc = max(self.last_hlc, resp.hlc)
             return
+
+    def _commit_call(self, request: pb.CommitOffsetsRequest
+                     ) -> Callable[[pbg.NodeAsyncStub], Awaitable[pb.CommitOffsetsResponse]]:  # fmt: skip
+        return lambda stub: stub.CommitOffsets(request, timeout=self._timeout_s + 1)
 
     async def leave(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        if not self.member_id:
-            return
-        with contextlib.suppress(GeorepError, grpc.RpcError):
-            stub = await self.consumer._connection.connect()
-            await self.consumer._connection.unary(stub.LeaveGroup(
-                pb.LeaveGroupRequest(group=self.group, member_id=self.member_id), timeout=self._timeout_s))  # fmt: skip
-        self.member_id = ""
+        if self.member_id:
+            request = pb.LeaveGroupRequest(group=self.group, member_id=self.member_id)
+            with contextlib.suppress(GeorepError, grpc.RpcError):
+                await self._rpc(lambda stub: stub.LeaveGroup(request, timeout=self._timeout_s))
+            self.member_id = ""
+        await self._drop_coordinator()
 
 
 def check_group(group: str | None) -> str:

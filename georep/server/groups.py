@@ -9,6 +9,22 @@ own and replicated ones, into the ``CommitTable``, reading each internal
 partition from where it stopped last time. It runs before every read of the
 table and before every commit, so a consumer that fails over to this site sees
 every commit that has arrived here.
+
+**A multi-node site.** The coordinator of group G is the node leading
+``(__georep_offsets, offsets_partition(G))``, as Kafka's is the leader of the
+group's ``__consumer_offsets`` partition. The first group call a node gets
+creates the internal topic through the site's metadata, with the one-node
+config (a topic another node created first is fine), as Kafka creates
+``__consumer_offsets`` at the first coordinator lookup. A node answers group calls only for the groups it coordinates
+(``NotCoordinator``, with the coordinator's address, for the others), appends
+commits through the partition's ``ChainLog`` like any batch (``acks=all`` at the
+ack quorum, ``geo:N`` on top), and folds only the offsets partitions it leads.
+``cluster.groups.lead_step`` says what to drop when what it leads changes: the
+members of a partition it lost or leads at a new epoch (they rejoin), and the
+fold of a partition whose chain changed (folded again from the start, reading
+segments other nodes hold through ``SiteCluster.read_elsewhere``). ``ListGroups``
+answers for the groups this node coordinates; the client asks every leader of
+the internal topic and merges (``georep/cli/group.py``).
 """
 
 from __future__ import annotations
@@ -18,19 +34,32 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING
 
-from cluster.groups import GroupCoordinator, InvalidGroupRequest
+from cluster.groups import GroupCoordinator, InvalidGroupRequest, LeadToken, forget_groups, lead_step
+from cluster.metadata import TopicExists
+from cluster.raft_store import MetadataUnavailable
 from georep.broker.acks import Acks
 from georep.broker.commits import CommitEntry, CommitLog, check_commit_request, commit_batch, lacks
-from georep.broker.errors import CommitsBehind, InvalidRequest, UnknownGroup
+from georep.broker.errors import (
+    CommitsBehind,
+    InvalidRequest,
+    NotCoordinator,
+    UnknownGroup,
+    UnknownPartition,
+)
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, topic_partitions_to_proto, vector_from_proto, vector_to_proto
-from georep.server.broker import Broker
+from georep.server.broker import Broker, Partition
 from georep.storage.api import PartitionLog
+from georep.storage.chain_log import ChainLog, SegmentElsewhere
 from offsets.commits import OFFSETS_PARTITIONS, OFFSETS_TOPIC, Commit, CommitTable, offsets_partition, validate_group
 from offsets.coordinates import Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.filters import is_internal
+
+if TYPE_CHECKING:
+    from georep.server.site_cluster import SiteCluster
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +67,7 @@ OFFSETS_TOPIC_CONFIG = {"retention_ms": str(7 * 24 * 3600 * 1000), "flush_interv
 CAUGHT_UP_WAIT_MS_MAX = 30_000
 CAUGHT_UP_POLL_S = 0.01
 UPSTREAM_ASK_S = 2.0
+REMOTE_READS_MAX = 10_000  # segments read from other nodes in one fold: a bound, never reached
 
 
 async def _none(key: tuple[str, int], timeout_s: float) -> list[Mapping[Origin, int]]:
@@ -45,8 +75,12 @@ async def _none(key: tuple[str, int], timeout_s: float) -> list[Mapping[Origin, 
 
 
 class GroupService:
-    def __init__(self, broker: Broker, clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000) -> None:
+    def __init__(self, broker: Broker, clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+                 site_cluster: SiteCluster | None = None) -> None:  # fmt: skip
         self.broker = broker
+        self.site_cluster = site_cluster
+        self._led: dict[int, LeadToken] = {}  # multi-node site: the offsets partitions this node leads, as folded
+        self._creating = asyncio.Lock()
         self.clock_ms = clock_ms
         self.coordinator = GroupCoordinator(self._partition_count, self._new_member_id)
         self.commits = CommitLog()
@@ -54,7 +88,7 @@ class GroupService:
         # no upstream).
         self.upstream_vectors: Callable[[tuple[str, int], float], Awaitable[list[Mapping[Origin, int]]]] = _none
         if broker.in_site:
-            return  # consumer groups do not run on multi-node sites yet: every group call says so (service.py)
+            return  # the site's metadata holds the internal topic: the first group call creates it there
         if OFFSETS_TOPIC not in broker.metadata.topics():
             broker.create_topic(OFFSETS_TOPIC, OFFSETS_PARTITIONS, OFFSETS_TOPIC_CONFIG)
         self.catch_up()
@@ -71,21 +105,105 @@ class GroupService:
     def _new_member_id(client_id: str) -> str:
         return f"{client_id or 'consumer'}-{uuid.uuid4().hex[:12]}"
 
-    # -- the commit table -------------------------------------------------------
+    # -- the internal topic and what this node coordinates ----------------------
+
+    async def tick(self) -> None:
+        """The node's group housekeeping: drop the groups of offsets partitions this node stopped leading (a
+        multi-node site), and expire members whose session timed out."""
+        self._observe_leadership()
+        self.expire()
+
+    async def _ensure_offsets_topic(self, group: str) -> None:
+        """A multi-node site: create the internal topic through the site's metadata if it lacks it, at the first
+        group call (Kafka creates ``__consumer_offsets`` at the first coordinator lookup), so a site that runs no
+        group carries none of its partitions. Every node that gets a group call may try at once: all but one get
+        ``TopicExists``, which is fine. Until its partitions have leaders, group calls answer ``NotCoordinator``
+        with no hint, and clients look again."""
+        if not self.broker.in_site or OFFSETS_TOPIC in self.broker.metadata.topics():
+            return
+        async with self._creating:
+            if OFFSETS_TOPIC in self.broker.metadata.topics():
+                return
+            try:
+                # Blocking: a Raft proposal, in a worker thread.
+                await asyncio.to_thread(self.broker.create_topic, OFFSETS_TOPIC, OFFSETS_PARTITIONS,
+                                        OFFSETS_TOPIC_CONFIG)  # fmt: skip
+                log.info("created the internal topic %s (%d partitions)", OFFSETS_TOPIC, OFFSETS_PARTITIONS)
+            except TopicExists:
+                pass
+            except MetadataUnavailable as exc:  # no Raft majority now: the client looks again
+                raise NotCoordinator(group, OFFSETS_TOPIC, offsets_partition(group),
+                                     why=f"the site's metadata cannot create {OFFSETS_TOPIC} now: {exc}") from None
 
     def _offsets_logs(self) -> dict[int, PartitionLog]:
-        return {i: self.broker.partition(OFFSETS_TOPIC, i).log for i in range(OFFSETS_PARTITIONS)}
+        if not self.broker.in_site:
+            return {i: self.broker.partition(OFFSETS_TOPIC, i).log for i in range(OFFSETS_PARTITIONS)}
+        return {i: p.log for (topic, i), p in self.broker.partitions.items() if topic == OFFSETS_TOPIC}
+
+    def _observe_leadership(self) -> dict[int, PartitionLog]:
+        """Multi-node site: what this node leads of the offsets partitions now; drops what ``lead_step`` says."""
+        logs = self._offsets_logs()
+        if not self.broker.in_site:
+            return logs
+        now = {i: (int(chain.epoch), int(chain.open.segment_id))
+               for i, chain in logs.items() if isinstance(chain, ChainLog)}  # fmt: skip
+        step = lead_step(self._led, now)
+        for name in forget_groups(self.coordinator, step.forget_members, offsets_partition):
+            log.info("group %r: this node no longer coordinates it under the same leader epoch; its members rejoin",
+                     name)  # fmt: skip
+        for index in step.refold:
+            self.commits.reset(index, offsets_partition)
+        self._led = now
+        return logs
+
+    def _coordinated(self, group: str) -> Partition:
+        """The offsets partition of ``group``; ``NotCoordinator`` (with the coordinator's address) on a node of a
+        multi-node site that does not lead it."""
+        index = offsets_partition(group)
+        p = self.broker.partitions.get((OFFSETS_TOPIC, index))
+        if p is None and self.broker.in_site:
+            raise NotCoordinator(group, OFFSETS_TOPIC, index, self.broker.leader_hint(OFFSETS_TOPIC, index))
+        return self.broker.partition(OFFSETS_TOPIC, index)
+
+    def _check_partition(self, topic: str, partition: int) -> None:
+        """``UnknownTopic`` / ``UnknownPartition``; any node knows every topic, whoever leads its partitions."""
+        spec = self.broker.topic(topic)
+        if not 0 <= partition < spec.partitions:
+            raise UnknownPartition(topic, partition, spec.partitions)
+
+    # -- the commit table -------------------------------------------------------
 
     def catch_up(self) -> None:
         """Fold every commit record this site holds and has not folded yet (``CommitLog.catch_up``)."""
         for problem in self.commits.catch_up(self._offsets_logs()).problems:
             log.warning("%s", problem)
 
+    async def sync(self) -> None:
+        """``catch_up`` of what this node leads, after ``lead_step``; on a multi-node site, segments held by other
+        nodes are read from them (``SegmentUnreadable`` if none answers)."""
+        logs = self._observe_leadership()
+        if self.site_cluster is None:
+            self.catch_up()
+            return
+        for index in sorted(logs):
+            chain = logs[index]
+            for _read in range(REMOTE_READS_MAX):
+                try:
+                    report = self.commits.catch_up({index: chain})
+                except SegmentElsewhere as missing:
+                    assert isinstance(chain, ChainLog)
+                    await self.site_cluster.read_elsewhere(chain, missing, 1 << 20)
+                    continue
+                for problem in report.problems:
+                    log.warning("%s", problem)
+                break
+
     def lag(self, topic: str, partition: int, vector: VectorOffset) -> int:
-        """Records this site holds for the partition that ``vector`` does not cover (exact: seqs are dense)."""
+        """Records this site holds for the partition that ``vector`` does not cover (exact: seqs are dense); -1 on a
+        node of a multi-node site that does not lead the partition (it does not know its end)."""
         p = self.broker.partitions.get((topic, partition))
         if p is None:
-            return 0
+            return -1 if self.broker.in_site else 0
         return sum(max(0, seq - vector.get(origin)) for origin, seq in p.log.vector().items())
 
     def _committed(self, c: Commit) -> pb.CommittedOffset:
@@ -98,11 +216,14 @@ class GroupService:
 
     # -- RPCs -------------------------------------------------------------------
 
-    def heartbeat(self, req: pb.GroupHeartbeatRequest) -> pb.GroupHeartbeatResponse:
+    async def heartbeat(self, req: pb.GroupHeartbeatRequest) -> pb.GroupHeartbeatResponse:
         group = validate_group(req.group)
         for topic in req.topics:
             if is_internal(topic):
                 raise InvalidGroupRequest(f"topic {topic!r} is internal to georep: subscribe to your own topics")
+        await self._ensure_offsets_topic(group)
+        self._observe_leadership()
+        self._coordinated(group)
         hb = self.coordinator.heartbeat(
             group, req.member_id, list(req.topics), req.session_timeout_ms or 10_000, req.assignor or "range",
             self.clock_ms(), req.client_id,
@@ -112,7 +233,9 @@ class GroupService:
             heartbeat_interval_ms=hb.heartbeat_interval_ms,
         )  # fmt: skip
 
-    def leave(self, req: pb.LeaveGroupRequest) -> pb.LeaveGroupResponse:
+    async def leave(self, req: pb.LeaveGroupRequest) -> pb.LeaveGroupResponse:
+        self._observe_leadership()
+        self._coordinated(validate_group(req.group))
         self.coordinator.leave(req.group, req.member_id)
         return pb.LeaveGroupResponse()
 
@@ -130,11 +253,13 @@ class GroupService:
             entries.append(CommitEntry(pc.topic, pc.partition, vector, pc.hint_offset, pc.metadata))
         group = check_commit_request(req.group, entries)
         for e in entries:
-            self.broker.partition(e.topic, e.partition)  # UnknownTopic / UnknownPartition
+            self._check_partition(e.topic, e.partition)
+        await self._ensure_offsets_topic(group)
+        await self.sync()
+        self._coordinated(group)
         self.coordinator.check_commit(group, req.member_id, req.generation, sorted((e.topic, e.partition)
                                                                                     for e in entries))  # fmt: skip
         now = self.clock_ms()
-        self.catch_up()
         stamp = self.commits.stamp(now, req.after_hlc, self.broker.identity.site)
         origin = self.broker.origin
         commits = self.commits.new_commits(group, entries, stamp, origin, member_id=req.member_id,
@@ -148,53 +273,68 @@ class GroupService:
         return pb.CommitOffsetsResponse(hlc=stamp, committed_by=str(origin))
 
     async def fetch_committed(self, req: pb.FetchCommittedRequest) -> pb.FetchCommittedResponse:
+        group = validate_group(req.group)
+        await self._ensure_offsets_topic(group)
+        self._observe_leadership()
+        self._coordinated(group)
         if req.wait_caught_up_ms > 0:
             wait_s = min(req.wait_caught_up_ms, CAUGHT_UP_WAIT_MS_MAX) / 1000
             deadline = time.monotonic() + wait_s
-            key = (OFFSETS_TOPIC, offsets_partition(req.group))
+            key = (OFFSETS_TOPIC, offsets_partition(group))
             upstreams = await self.upstream_vectors(key, min(wait_s, UPSTREAM_ASK_S))
-            log_ = self.broker.partition(*key).log
+            log_ = self._coordinated(group).log
             while lacks(log_.vector(), upstreams) and time.monotonic() < deadline:
                 await asyncio.sleep(CAUGHT_UP_POLL_S)
+                log_ = self._coordinated(group).log  # a multi-node leader's chain log changes at a roll
             if lacks(log_.vector(), upstreams):
                 raise CommitsBehind(
                     f"site {self.broker.identity.site} has not caught up, within {req.wait_caught_up_ms} ms, with "
-                    f"the commits of group {req.group!r} that a live upstream holds: its committed positions "
+                    f"the commits of group {group!r} that a live upstream holds: its committed positions "
                     "could be stale. Retry (a group member retries by itself); if this lasts, check the links "
                     "with 'georep status'"
                 )
-        self.catch_up()
+        await self.sync()
+        self._coordinated(group)
         if not req.partitions:
-            return pb.FetchCommittedResponse(offsets=[self._committed(c) for c in self.table.of_group(req.group)])
+            return pb.FetchCommittedResponse(offsets=[self._committed(c) for c in self.table.of_group(group)])
         out = []
         for tps in req.partitions:
             for partition in tps.partitions:
-                c = self.table.get(req.group, tps.topic, partition)
+                c = self.table.get(group, tps.topic, partition)
                 if c is not None:
                     out.append(self._committed(c))
         return pb.FetchCommittedResponse(offsets=out)
 
-    def list_groups(self) -> pb.ListGroupsResponse:
-        self.catch_up()
+    async def list_groups(self) -> pb.ListGroupsResponse:
+        """Every group this site (a one-node site) or this node (a multi-node site: the groups whose offsets
+        partition it leads) knows of: clients of a multi-node site ask each leader and merge."""
+        await self.sync()
+        led = {i for (topic, i) in self.broker.partitions if topic == OFFSETS_TOPIC}
         names = sorted(set(self.table.groups()) | {n for n, g in self.coordinator.groups.items() if g.members})
         out = []
         for name in names:
+            if self.broker.in_site and offsets_partition(name) not in led:
+                continue
             g = self.coordinator.groups.get(name)
             commits = list(self.table.of_group(name))
+            lags = [self.lag(c.topic, c.partition, c.vector) for c in commits]
             out.append(pb.GroupSummary(
                 group=name, members=len(g.members) if g else 0, generation=g.generation if g else 0,
                 assignor=g.assignor if g else "", committed_partitions=len(commits),
-                lag_records=sum(self.lag(c.topic, c.partition, c.vector) for c in commits),
+                lag_records=-1 if any(lag < 0 for lag in lags) else sum(lags),
             ))  # fmt: skip
         return pb.ListGroupsResponse(groups=out)
 
-    def describe(self, req: pb.DescribeGroupRequest) -> pb.GroupDescription:
-        self.catch_up()
-        g = self.coordinator.groups.get(req.group)
-        commits = list(self.table.of_group(req.group))
+    async def describe(self, req: pb.DescribeGroupRequest) -> pb.GroupDescription:
+        group = validate_group(req.group)
+        await self._ensure_offsets_topic(group)
+        await self.sync()
+        self._coordinated(group)
+        g = self.coordinator.groups.get(group)
+        commits = list(self.table.of_group(group))
         if (g is None or not g.members) and not commits:
             raise UnknownGroup(
-                f"unknown group {req.group!r} at site {self.broker.identity.site}: no members and no commits here "
+                f"unknown group {group!r} at site {self.broker.identity.site}: no members and no commits here "
                 "(list groups with 'georep group list')",
             )
         now = self.clock_ms()
@@ -205,6 +345,6 @@ class GroupService:
             for _, m in sorted(g.members.items())
         ]  # fmt: skip
         return pb.GroupDescription(
-            group=req.group, generation=g.generation if g else 0, assignor=g.assignor if g else "",
+            group=group, generation=g.generation if g else 0, assignor=g.assignor if g else "",
             members=members, offsets=[self._committed(c) for c in commits],
         )  # fmt: skip

@@ -251,10 +251,11 @@ async def _scrub_loop(broker: Broker, bytes_per_s: int) -> None:
 
 
 async def _group_loop(service: NodeService) -> None:
-    """Expire consumer group members whose session timed out."""
+    """Expire consumer group members whose session timed out; on a multi-node site, follow what this node
+    coordinates (``GroupService.tick``)."""
     while True:
         await asyncio.sleep(GROUP_TICK_S)
-        service.groups.expire()
+        await service.groups.tick()
 
 
 async def _retention_loop(broker: Broker, interval_s: float) -> None:

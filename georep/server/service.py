@@ -25,7 +25,6 @@ from georep.broker.errors import (
     NotAuthorized,
     NotLeader,
     NoTopology,
-    NotYetSupported,
     SingleNodeSite,
     WriteFailed,
 )
@@ -95,7 +94,7 @@ class NodeService:
         self.site_cluster = site_cluster
         self.metrics = metrics
         self.replicator = replicator
-        self.groups = GroupService(broker)
+        self.groups = GroupService(broker, site_cluster=site_cluster)
         if replicator is not None:
             self.groups.upstream_vectors = replicator.upstream_vectors
         self.admin_token = admin_token
@@ -627,36 +626,27 @@ class NodeService:
 
     # -- consumer groups --------------------------------------------------------
 
-    def _check_groups(self) -> None:
-        if self.site_cluster is not None:
-            raise NotYetSupported("consumer groups and committed offsets do not run on multi-node sites yet "
-                                  "(docs/cluster.md, 'Not yet'): assign partitions and keep positions in the "
-                                  "consumer, or use a one-node site")  # fmt: skip
+    # Group calls on a multi-node site go to the group's coordinator, the leader of its __georep_offsets partition;
+    # another node answers NotCoordinator with its address (georep/server/groups.py).
 
     async def group_heartbeat(self, data: bytes, context: Context) -> pb.GroupHeartbeatResponse:
-        self._check_groups()
-        return self.groups.heartbeat(parse(pb.GroupHeartbeatRequest, data))
+        return await self.groups.heartbeat(parse(pb.GroupHeartbeatRequest, data))
 
     async def leave_group(self, data: bytes, context: Context) -> pb.LeaveGroupResponse:
-        self._check_groups()
-        return self.groups.leave(parse(pb.LeaveGroupRequest, data))
+        return await self.groups.leave(parse(pb.LeaveGroupRequest, data))
 
     async def commit_offsets(self, data: bytes, context: Context) -> pb.CommitOffsetsResponse:
-        self._check_groups()
         return await self.groups.commit(parse(pb.CommitOffsetsRequest, data))
 
     async def fetch_committed(self, data: bytes, context: Context) -> pb.FetchCommittedResponse:
-        self._check_groups()
         return await self.groups.fetch_committed(parse(pb.FetchCommittedRequest, data))
 
     async def list_groups(self, data: bytes, context: Context) -> pb.ListGroupsResponse:
-        self._check_groups()
         parse(pb.ListGroupsRequest, data)
-        return self.groups.list_groups()
+        return await self.groups.list_groups()
 
     async def describe_group(self, data: bytes, context: Context) -> pb.GroupDescription:
-        self._check_groups()
-        return self.groups.describe(parse(pb.DescribeGroupRequest, data))
+        return await self.groups.describe(parse(pb.DescribeGroupRequest, data))
 
     # -- wiring ---------------------------------------------------------------
 

@@ -71,6 +71,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     e.GeoAckTimeout: Code.DEADLINE_EXCEEDED,
     e.NodeStopping: Code.UNAVAILABLE,
     e.NotLeader: Code.FAILED_PRECONDITION,
+    e.NotCoordinator: Code.FAILED_PRECONDITION,  # with the coordinator's address in the georep-leader trailer
     e.RecoveryFailed: Code.UNAVAILABLE,
     e.SegmentUnreadable: Code.UNAVAILABLE,
     e.NotYetSupported: Code.UNIMPLEMENTED,
