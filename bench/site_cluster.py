@@ -28,7 +28,9 @@ picked free just before, under one temporary directory. What is measured
   ``ClusterStatus``): every round is one node's loss from a whole site.
   ``--rounds`` rounds; the median and the worst, printed next to
   ``--session-timeout-ms``, which the detection takes most of (target: median
-  at most 1 s).
+  at most 1 s). Each round also shows, from the nodes' logs, when the
+  controller's election committed, when the new leader took the role up and
+  when it had recovered the open segment and opened the next one.
 
 After a kill the new leader opens the partition's next segment on the two
 survivors. The restarted node is back in the partition's ensemble only once
@@ -61,6 +63,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import functools
 import json
 import logging
@@ -94,7 +97,7 @@ NODES = (1, 2, 3)
 JOIN_WAIT_S = 30.0
 REPLICATION_FACTOR = 3
 MIN_INSYNC_REPLICAS = 2
-DEFAULT_SESSION_TIMEOUT_MS = 1000
+DEFAULT_SESSION_TIMEOUT_MS = 500  # a short in-DC session, as the failover target assumes (bench/README.md)
 DEFAULT_SEGMENT_BYTES = 64 << 20
 DEFAULT_FAILOVER_SEGMENT_BYTES = 256 << 10
 FAILOVER_BATCH_BYTES = 4096  # small batches: a backlog after the outage goes out in many, each acked apart
@@ -348,6 +351,10 @@ class Round:
     named_s: float = float("nan")  # kill -> a survivor's DescribeTopic names another leader
     serving_s: float = float("nan")  # kill -> that leader's DescribeTopic lists the partition (it serves it)
     failover_s: float = float("nan")  # kill -> first ack of a record sent after the victim was reaped
+    # From the nodes' logs (bench/README.md, "How to read it"), seconds after the kill:
+    elected_s: float = float("nan")  # the controller's ElectLeader committed
+    leading_s: float = float("nan")  # the new leader's node took the role up (its next look at the metadata)
+    open_s: float = float("nan")  # it recovered the dead leader's open segment and opened the next one
     back_s: float = float("nan")  # the victim's restart -> it serves again
     whole_s: float = float("nan")  # the victim's restart -> the open segment is on all three nodes again
     failed: int = 0  # records whose delivery failed during the round
@@ -420,6 +427,38 @@ async def watch_leader(site: Site, victim: int, since: float, rnd: Round) -> Non
         await asyncio.sleep(POLL_S)
 
 
+LOG_TIME_FORMAT = "%Y-%m-%d %H:%M:%S,%f"  # georep node's log lines start with this (logging's asctime)
+
+
+def log_events(site: Site, since_wall: float, leader: int) -> dict[str, float]:
+    """The failover's steps in the nodes' logs after ``since_wall`` (time.time()): wall-clock times of the first
+    ElectLeader of the partition that a controller committed, of ``leader`` taking the role up, and of ``leader``
+    writing the next segment. Log times have millisecond resolution and the local clock, as time.time() has."""
+    marks = {
+        "elected": f"leads {FAILOVER_TOPIC}-0 in epoch",  # "controller: node N leads ..." in the controller's log
+        "leading": f"node {leader} leads {FAILOVER_TOPIC}-0 in epoch",
+        "open": f"node {leader} writes {FAILOVER_TOPIC}-0 segment",
+    }
+    found: dict[str, float] = {}
+    for n, node in site.nodes.items():
+        path = node.data_dir / "node.log"
+        with contextlib.suppress(OSError):
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    at = datetime.datetime.strptime(line[:23], LOG_TIME_FORMAT).timestamp()
+                except ValueError:
+                    continue
+                if at < since_wall:
+                    continue
+                for name, text in marks.items():
+                    if text not in line or (name == "elected") != ("controller:" in line):
+                        continue
+                    if name != "elected" and n != leader:
+                        continue
+                    found[name] = min(found.get(name, at), at)
+    return found
+
+
 async def failover_round(site: Site, writer: Writer, rnd: Round, cfg: Config, steady: list[float]) -> None:
     warm_from = time.monotonic()
     await asyncio.sleep(cfg.warmup_s)  # the writer writes with all three nodes up
@@ -432,6 +471,7 @@ async def failover_round(site: Site, writer: Writer, rnd: Round, cfg: Config, st
     failed_before = len(writer.failures)
     loop = asyncio.get_running_loop()
     killed = time.monotonic()
+    killed_wall = time.time()
     steady += [acked - sent for sent, acked in writer.acks if sent >= warm_from and acked < killed]
     watcher = asyncio.create_task(watch_leader(site, rnd.victim, killed, rnd))
     try:
@@ -445,6 +485,9 @@ async def failover_round(site: Site, writer: Writer, rnd: Round, cfg: Config, st
         rnd.error = f"no record sent after the kill was acknowledged within {FAILOVER_TIMEOUT_S:g}s"
     else:
         rnd.failover_s = first - killed
+    if rnd.new_leader:
+        for name, at in log_events(site, killed_wall, rnd.new_leader).items():
+            setattr(rnd, f"{name}_s", at - killed_wall)
     await asyncio.sleep(cfg.after_s)  # writes on the two survivors
     progress(f"round {rnd.number}: restarting node {rnd.victim}")
     restarted = time.monotonic()
@@ -588,12 +631,13 @@ def seconds(x: float, width: int) -> str:
 
 
 def failover_table(rounds: list[Round]) -> Iterator[str]:
-    head = (f"{'round':>5} {'killed':>6} {'raft leader':>11} {'new leader':>10} {'named':>7} {'serving':>8} "
-            f"{'first ack':>9} {'back':>7} {'whole':>7} {'failed':>6}")  # fmt: skip
+    head = (f"{'round':>5} {'killed':>6} {'raft leader':>11} {'new leader':>10} {'elected':>8} {'leading':>8} "
+            f"{'open':>7} {'named':>7} {'serving':>8} {'first ack':>9} {'back':>7} {'whole':>7} {'failed':>6}")
     yield head
     yield "-" * len(head)
     for r in rounds:
         yield (f"{r.number:>5} {r.victim or '-':>6} {r.raft_leader or '?':>11} {r.new_leader or '-':>10} "
+               f"{seconds(r.elected_s, 8)} {seconds(r.leading_s, 8)} {seconds(r.open_s, 7)} "
                f"{seconds(r.named_s, 7)} {seconds(r.serving_s, 8)} {seconds(r.failover_s, 9)} "
                f"{seconds(r.back_s, 7)} {seconds(r.whole_s, 7)} {r.failed:>6}"
                + (f"  {r.error}" if r.error else ""))  # fmt: skip
