@@ -126,4 +126,16 @@ async def _drive(site: ClusterSite, coordinator: int, others: list[int], run: Gr
         _site, listed = await _ask(site.address(others[0]), "list", "")
         assert isinstance(listed, pb.ListGroupsResponse)
         assert GROUP in [g.group for g in listed.groups]
+        # `georep group describe` reaches the coordinator from any node, and each partition's lag from its leader.
+        # (The members may have read everything before their heartbeats found the new coordinator: wait for both.)
+        deadline = time.monotonic() + 30
+        while True:
+            _site, described = await _ask(site.address(others[0]), "describe", GROUP)
+            assert isinstance(described, pb.GroupDescription)
+            if len(described.members) == 2 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert sorted(m.client_id for m in described.members) == ["m1", "m2"], "the members did not rejoin"
+        assert sorted((c.topic, c.partition) for c in described.offsets) == [(TOPIC, p) for p in range(PARTITIONS)]
+        assert all(c.lag_records >= 0 for c in described.offsets), described.offsets
     return survivor

@@ -5,8 +5,9 @@ coordinates its own members), while commits replicate to every site. So both
 commands answer for the site of the first reachable node of ``--bootstrap`` and
 name that site (``site@epoch``) in their output. ``LAG`` is exact: the number of
 records this site holds for the partition that the committed vector does not
-cover ("-" where the answering node does not lead the partition, on a multi-node
-site).
+cover; on a multi-node site ``describe`` asks each partition's leader for its
+end, and ``list`` shows "-" for a group with a partition its coordinator does not
+lead.
 
 On a multi-node site a group's coordinator is the leader of its
 ``__georep_offsets`` partition: ``describe`` follows the ``NotLeader`` hint (or
@@ -136,7 +137,7 @@ def describe_json(site: str, d: pb.GroupDescription) -> dict[str, Any]:
             {"topic": c.topic, "partition": c.partition, "vector": vector_from_proto(c.vector).to_text(),
              "committed_by": c.committed_by, "hlc": c.hlc, "committed_at": utc_iso(c.committed_at_ms),
              "committed_at_ms": c.committed_at_ms, "member_id": c.member_id, "generation": c.generation,
-             "hint_offset": c.hint_offset, "metadata": c.metadata, "lag_records": c.lag_records}
+             "hint_offset": c.hint_offset, "metadata": c.metadata, "lag_records": _lag_json(c.lag_records)}
             for c in d.offsets
         ],
     }  # fmt: skip
@@ -153,7 +154,7 @@ def render_describe(site: str, d: pb.GroupDescription) -> str:
         lines += ["", f"no members at site {site}"]
     if d.offsets:
         commits = [(c.topic, c.partition, vector_text(c.vector), c.committed_by, c.hlc, utc_iso(c.committed_at_ms),
-                 c.member_id or "-", c.lag_records)
+                 c.member_id or "-", _lag_text(c.lag_records))
                 for c in d.offsets]  # fmt: skip
         header = ("TOPIC", "PARTITION", "COMMITTED", "BY", "HLC", "COMMITTED-AT", "MEMBER", "LAG")
         lines += ["", _table(header, commits)]
@@ -201,6 +202,39 @@ async def _list(connection: Connection) -> pb.ListGroupsResponse:
     return pb.ListGroupsResponse(groups=[merged[name] for name in sorted(merged)])
 
 
+async def _fill_lags(connection: Connection, d: pb.GroupDescription) -> None:
+    """A multi-node site: the coordinator knows the end only of the partitions it leads (lag -1 for the others);
+    ask each partition's leader for its vector (``DescribeTopic``) and count what the commit does not cover.
+    A partition whose leader does not answer keeps -1 ("-")."""
+    unknown = [c for c in d.offsets if c.lag_records < 0]
+    vectors: dict[tuple[str, int], pb.VectorOffset] = {}
+    for topic in sorted({c.topic for c in unknown}):
+        try:
+            described: pb.TopicDescription = await connection.stub.DescribeTopic(
+                pb.DescribeTopicRequest(name=topic), timeout=TIMEOUT_S)  # fmt: skip
+        except grpc.RpcError:
+            continue
+        wanted = {c.partition for c in unknown if c.topic == topic}
+        for address in sorted({lead.address for lead in described.leaders if lead.partition in wanted and
+                               lead.address}):  # fmt: skip
+            node = Connection(address)
+            try:
+                stub = await node.connect()
+                at_leader: pb.TopicDescription = await stub.DescribeTopic(pb.DescribeTopicRequest(name=topic),
+                                                                          timeout=TIMEOUT_S)  # fmt: skip
+                vectors.update({(topic, st.partition): st.vector for st in at_leader.partition_states})
+            except (grpc.RpcError, GeorepError):
+                continue
+            finally:
+                await node.close()
+    for c in unknown:
+        end = vectors.get((c.topic, c.partition))
+        if end is not None:
+            committed = vector_from_proto(c.vector)
+            ends = vector_from_proto(end)
+            c.lag_records = sum(max(0, seq - committed.get(origin)) for origin, seq in ends.items())
+
+
 async def _describe(connection: Connection, group: str) -> pb.GroupDescription:
     """``DescribeGroup`` at the group's coordinator: the connected node, or the one a ``NotLeader`` names."""
     node = connection
@@ -240,7 +274,9 @@ async def _ask(bootstrap: str, action: str, group: str) -> tuple[str, pb.ListGro
         try:
             if action == "list":
                 return connection.origin, await _list(connection)
-            return connection.origin, await _describe(connection, group)
+            description = await _describe(connection, group)
+            await _fill_lags(connection, description)
+            return connection.origin, description
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, connection.address) from None
         except UnknownTopic as error:  # DescribeGroup's NOT_FOUND
