@@ -219,6 +219,11 @@ class GroupMembership:
                 raise error
             await asyncio.sleep(backoff_s)
             backoff_s = min(backoff_s * 2, COORDINATOR_BACKOFF_MAX_S)
+        if isinstance(error, NodeUnavailable):
+            # Only a coordinator's connection gets here (the connected node's failure is raised at once): say so,
+            # so that the heartbeat loop does not replace a connection that works.
+            raise NotLeader(f"no coordinator of group {self.group!r} answered ({error.message}); the site may be "
+                            "electing one: retry", error.code)  # fmt: skip
         assert error is not None
         raise error
 
