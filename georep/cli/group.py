@@ -180,10 +180,25 @@ async def _leaders(connection: Connection) -> list[pb.PartitionLeader]:
 
 
 async def _list(connection: Connection) -> pb.ListGroupsResponse:
-    leaders = await _leaders(connection)
-    if not leaders:
-        groups: pb.ListGroupsResponse = await connection.stub.ListGroups(pb.ListGroupsRequest(), timeout=TIMEOUT_S)
-        return groups
+    """One-node site: that node's answer. Multi-node site: every leader of the internal topic answers for the
+    groups it coordinates; asked again while a leader is missing, dead or not serving its partition yet."""
+    error: GeorepError | None = None
+    for _attempt in range(COORDINATOR_ATTEMPTS):
+        leaders = await _leaders(connection)
+        if not leaders:
+            groups: pb.ListGroupsResponse = await connection.stub.ListGroups(pb.ListGroupsRequest(),
+                                                                             timeout=TIMEOUT_S)  # fmt: skip
+            return groups
+        try:
+            return await _list_leaders(connection, leaders)
+        except (NotLeader, NodeUnavailable) as exc:
+            error = exc
+        await asyncio.sleep(COORDINATOR_BACKOFF_S)
+    assert error is not None
+    raise error
+
+
+async def _list_leaders(connection: Connection, leaders: list[pb.PartitionLeader]) -> pb.ListGroupsResponse:
     leaderless = sorted(leader.partition for leader in leaders if not leader.address)
     if leaderless:
         raise NodeUnavailable(f"partition(s) {leaderless} of {OFFSETS_TOPIC} have no leader now (the site is "
@@ -194,6 +209,8 @@ async def _list(connection: Connection) -> pb.ListGroupsResponse:
         try:
             stub = await node.connect()
             answer: pb.ListGroupsResponse = await stub.ListGroups(pb.ListGroupsRequest(), timeout=TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, address) from None
         finally:
             if node is not connection:
                 await node.close()

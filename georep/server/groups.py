@@ -45,6 +45,7 @@ from georep.broker.errors import (
     CommitsBehind,
     InvalidRequest,
     NotCoordinator,
+    NotLeader,
     UnknownGroup,
     UnknownPartition,
 )
@@ -310,6 +311,15 @@ class GroupService:
         partition it leads) knows of: clients of a multi-node site ask each leader and merge."""
         await self.sync()
         led = {i for (topic, i) in self.broker.partitions if topic == OFFSETS_TOPIC}
+        if self.site_cluster is not None:
+            # Named the leader of an offsets partition it does not serve yet (it is recovering it): its groups
+            # would be missing from the answer. Say so; the client asks again.
+            me = self.site_cluster.node_address(self.site_cluster.member.me)
+            taking_over = [i for i in range(OFFSETS_PARTITIONS)
+                           if i not in led and me and self.broker.leader_hint(OFFSETS_TOPIC, i) == me]  # fmt: skip
+            if taking_over and OFFSETS_TOPIC in self.broker.metadata.topics():
+                raise NotLeader(OFFSETS_TOPIC, taking_over[0], "this node is taking the partition over and does "
+                                "not serve it yet; list the groups again in a moment")  # fmt: skip
         names = sorted(set(self.table.groups()) | {n for n, g in self.coordinator.groups.items() if g.members})
         out = []
         for name in names:
