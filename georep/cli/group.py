@@ -12,8 +12,9 @@ lead.
 On a multi-node site a group's coordinator is the leader of its
 ``__georep_offsets`` partition: ``describe`` follows the ``NotLeader`` hint (or
 the leader ``DescribeTopic`` names) to it, and ``list`` asks every leader of the
-internal topic for the groups it coordinates and merges the answers; it fails,
-saying so, while a partition of the internal topic has no leader.
+internal topic for the groups it coordinates and merges the answers, asking
+again for a few seconds while a partition of the internal topic has no leader
+or its new leader is still taking it over, then failing saying so.
 
 The rendering functions are pure (protobuf message in, text or a JSON-ready
 dict out); ``main`` is the thin shell that calls the node.
