@@ -59,6 +59,9 @@ node, at any time. :meth:`SiteState.snapshot` is a plain, sorted dict;
   the previous one's does: origin seqs never go back.
 * :class:`ReplaceMember` repairs sealed segments only (an open segment is
   rolled by its leader instead), and is a compare-and-set on the old member.
+* :class:`TrimChain` (retention, ``cluster/retention.py``) drops a prefix of sealed segments: the chain's start
+  only moves forward, its last segment always stays, and the dropped segments' end vector becomes the chain's
+  ``start_vector``.
 * :class:`AddMember` widens a sealed segment that opened on fewer than
   ``replication_factor`` live nodes (``cluster/leadership.py``), once a repair
   copied it to one more: sealed segments only, like a replacement, and only
@@ -133,6 +136,10 @@ class SegmentInfo:
     state: SegmentState = SegmentState.OPEN
     end_offset: LocalOffset | None = None  # exclusive (the next segment's base); set when sealed
     end_vector: VectorOffset | None = None  # the partition's vector at end_offset; set when sealed
+    # What the sealing leader's copy held below end_offset, for retention (cluster/retention.py): its bytes and its
+    # newest producer timestamp (None: no batch). Unknown (None) for segments sealed before seals carried them.
+    size_bytes: int | None = None
+    max_timestamp_ms: int | None = None
 
     @property
     def sealed(self) -> bool:
@@ -148,6 +155,9 @@ class PartitionInfo:
     leader: NodeId | None = None
     leader_epoch: LeaderEpoch = LeaderEpoch(0)  # 0: never had a leader; every ElectLeader adds one
     segments: tuple[SegmentInfo, ...] = ()
+    # The vector at the chain's start: the end vector of the last segment retention trimmed (TrimChain), empty
+    # while nothing was trimmed. The log start offset is segments[0].base_offset.
+    start_vector: VectorOffset = VectorOffset()
 
     @property
     def open_segment(self) -> SegmentInfo | None:
@@ -170,8 +180,8 @@ class PartitionInfo:
         return None
 
     def sealed_vector_before(self, segment_id: SegmentId) -> VectorOffset:
-        """The end vector of the sealed segment before ``segment_id`` (the empty vector for the first)."""
-        before = VectorOffset()
+        """The end vector of the sealed segment before ``segment_id`` (the chain's start vector for the first)."""
+        before = self.start_vector
         for segment in self.segments:
             if segment.segment_id >= segment_id:
                 break
@@ -203,6 +213,7 @@ class RefusalCode(enum.StrEnum):
     VECTOR_WENT_BACK = "vector_went_back"
     NOT_A_MEMBER = "not_a_member"
     ENSEMBLE_FULL = "ensemble_full"
+    LAST_SEGMENT = "last_segment"
     INVALID_COMMAND = "invalid_command"  # an entry this node cannot decode (see command_from_dict)
 
 
@@ -512,21 +523,61 @@ class SealSegment(_CommandBase):
     segment_id: SegmentId
     end_offset: LocalOffset
     end_vector: VectorOffset
+    # For retention: the bytes below end_offset and their newest producer timestamp (None: no batch, or unknown).
+    size_bytes: int | None = None
+    max_timestamp_ms: int | None = None
 
     def __post_init__(self) -> None:
         _check_non_negative("segment_id", self.segment_id)
         _check_non_negative("end_offset", self.end_offset)
+        if self.size_bytes is not None:
+            _check_non_negative("size_bytes", self.size_bytes)
 
     def _encode(self) -> dict[str, Any]:
-        return {"topic": self.topic, "partition": self.partition, "epoch": self.epoch,
-                "segment_id": self.segment_id, "end_offset": self.end_offset,
-                "end_vector": _vector_to_dict(self.end_vector)}  # fmt: skip
+        out = {"topic": self.topic, "partition": self.partition, "epoch": self.epoch,
+               "segment_id": self.segment_id, "end_offset": self.end_offset,
+               "end_vector": _vector_to_dict(self.end_vector)}  # fmt: skip
+        # Only when known, so a seal without them encodes as before this field existed.
+        if self.size_bytes is not None:
+            out["size_bytes"] = self.size_bytes
+        if self.max_timestamp_ms is not None:
+            out["max_timestamp_ms"] = self.max_timestamp_ms
+        return out
 
     @classmethod
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        # Logs written before seals carried the size and timestamp lack them: unknown (never trimmed by them).
         return cls(_str(raw, "topic"), _int(raw, "partition"), LeaderEpoch(_int(raw, "epoch")),
                    SegmentId(_int(raw, "segment_id")), LocalOffset(_int(raw, "end_offset")),
-                   _vector(raw, "end_vector"))  # fmt: skip
+                   _vector(raw, "end_vector"), _optional_int(raw, "size_bytes"),
+                   _optional_int(raw, "max_timestamp_ms"))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TrimChain(_CommandBase):
+    """Retention: drop the sealed segments of the partition's chain before ``first_segment``, which becomes the
+    chain's first; the log start offset moves to its base (``cluster/retention.py`` plans it).
+
+    Only a prefix goes, so the chain stays contiguous, and ``first_segment`` must be in the chain, so the last
+    segment (the open one, if any) always stays. The chain's start only moves forward: once the chain starts at
+    or past ``first_segment`` (a repeat, or a later trim won) it is a no-op. A trimmed segment's copies are
+    deleted by each node once it sees the trim (``ClusterMember``).
+    """
+
+    KIND: ClassVar[str] = "trim_chain"
+    topic: str
+    partition: int
+    first_segment: SegmentId
+
+    def __post_init__(self) -> None:
+        _check_non_negative("first_segment", self.first_segment)
+
+    def _encode(self) -> dict[str, Any]:
+        return {"topic": self.topic, "partition": self.partition, "first_segment": self.first_segment}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(_str(raw, "topic"), _int(raw, "partition"), SegmentId(_int(raw, "first_segment")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -633,13 +684,13 @@ class ReadBarrier(_CommandBase):
 
 Command = (
     RegisterNode | NodeHeartbeat | SetDraining | RemoveNode | CreateTopic | ElectLeader | OpenSegment | SealSegment
-    | ReplaceMember | AddMember | InitSite | ReadBarrier
+    | ReplaceMember | AddMember | InitSite | ReadBarrier | TrimChain
 )
 
 _COMMANDS: dict[str, type[Command]] = {
     cls.KIND: cls
     for cls in (RegisterNode, NodeHeartbeat, SetDraining, RemoveNode, CreateTopic, ElectLeader, OpenSegment,
-                SealSegment, ReplaceMember, AddMember, InitSite, ReadBarrier)
+                SealSegment, ReplaceMember, AddMember, InitSite, ReadBarrier, TrimChain)
 }  # fmt: skip
 
 
@@ -762,6 +813,8 @@ class SiteState:
             return self._init_site(command)
         if isinstance(command, ReadBarrier):
             return Applied(changed=False)
+        if isinstance(command, TrimChain):
+            return self._trim_chain(command)
         return Refused(RefusalCode.INVALID_COMMAND, f"not a command: {command!r}")
 
     def _init_site(self, cmd: InitSite) -> Result:
@@ -936,7 +989,8 @@ class SiteState:
             return Refused(RefusalCode.VECTOR_WENT_BACK,
                            f"the end vector {cmd.end_vector} of segment {cmd.segment_id} of {where} is behind the "
                            f"previous segment's {before}: origin seqs never go back; recovery lost data")  # fmt: skip
-        sealed = replace(segment, state=SegmentState.SEALED, end_offset=cmd.end_offset, end_vector=cmd.end_vector)
+        sealed = replace(segment, state=SegmentState.SEALED, end_offset=cmd.end_offset, end_vector=cmd.end_vector,
+                         size_bytes=cmd.size_bytes, max_timestamp_ms=cmd.max_timestamp_ms)
         self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=(*info.segments[:-1], sealed))
         return Applied(segment_id=segment.segment_id)
 
@@ -998,6 +1052,24 @@ class SiteState:
         self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=segments)
         return Applied(segment_id=segment.segment_id)
 
+    def _trim_chain(self, cmd: TrimChain) -> Result:
+        info = self._find_partition(cmd.topic, cmd.partition)
+        if isinstance(info, Refused):
+            return info
+        where = _where(cmd.topic, cmd.partition)
+        if info.segments and info.segments[0].segment_id >= cmd.first_segment:
+            return Applied(changed=False, segment_id=info.segments[0].segment_id)
+        index = next((i for i, s in enumerate(info.segments) if s.segment_id == cmd.first_segment), None)
+        if index is None:
+            return Refused(RefusalCode.LAST_SEGMENT,
+                           f"{where} has no segment {cmd.first_segment} to keep as its first: retention never "
+                           "drops a chain's last segment; plan again")  # fmt: skip
+        dropped = info.segments[index - 1]
+        assert dropped.end_vector is not None  # only the last segment can be open
+        self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=info.segments[index:],
+                                                               start_vector=dropped.end_vector)  # fmt: skip
+        return Applied(segment_id=cmd.first_segment)
+
     # -- snapshot -------------------------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
@@ -1054,7 +1126,7 @@ class SiteState:
 
 
 def _partition_to_dict(info: PartitionInfo) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "topic": info.topic,
         "partition": info.partition,
         "leader": info.leader,
@@ -1068,10 +1140,15 @@ def _partition_to_dict(info: PartitionInfo) -> dict[str, Any]:
                 "state": s.state.value,
                 "end_offset": s.end_offset,
                 "end_vector": None if s.end_vector is None else _vector_to_dict(s.end_vector),
+                **({} if s.size_bytes is None else {"size_bytes": s.size_bytes}),
+                **({} if s.max_timestamp_ms is None else {"max_timestamp_ms": s.max_timestamp_ms}),
             }
             for s in info.segments
         ],
     }
+    if info.start_vector:  # only once trimmed, so older snapshots compare equal
+        out["start_vector"] = _vector_to_dict(info.start_vector)
+    return out
 
 
 def _partition_from_dict(raw: Mapping[str, Any]) -> PartitionInfo:
@@ -1085,10 +1162,13 @@ def _partition_from_dict(raw: Mapping[str, Any]) -> PartitionInfo:
             raise InvalidSnapshot(f"segment {entry.get('segment_id')!r}: a sealed segment has an end, an open one none")
         segments.append(SegmentInfo(SegmentId(_int(entry, "segment_id")), LocalOffset(_int(entry, "base_offset")),
                                     _ensemble(entry, "ensemble"), LeaderEpoch(_int(entry, "opened_epoch")), state,
-                                    None if end_offset is None else LocalOffset(end_offset), end_vector))  # fmt: skip
+                                    None if end_offset is None else LocalOffset(end_offset), end_vector,
+                                    _optional_int(entry, "size_bytes"),
+                                    _optional_int(entry, "max_timestamp_ms")))  # fmt: skip
     leader = None if raw.get("leader") is None else _node(raw, "leader")
+    start_vector = _vector(raw, "start_vector") if raw.get("start_vector") is not None else VectorOffset()
     return PartitionInfo(_str(raw, "topic"), _int(raw, "partition"), leader, LeaderEpoch(_int(raw, "leader_epoch")),
-                         tuple(segments))  # fmt: skip
+                         tuple(segments), start_vector)  # fmt: skip
 
 
 def _node_to_dict(info: NodeInfo) -> dict[str, Any]:

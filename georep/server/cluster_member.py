@@ -14,6 +14,9 @@ the LAC                                     ``SegmentQuorum`` (``SegmentWriter``
 where a roll seals                          ``roll_seal_at``
 what to copy, fill or roll; which           ``plan_repair``, ``plan_leader_moves``: the
 leaderships leave a draining node           Raft leader's ``RepairController`` (``site_repair.py``)
+which sealed segments retention drops       ``plan_retention``: the Raft leader's tick, every
+                                            ``retention_interval_ms``; each node deletes its
+                                            copies once it sees the trim (``_apply_trims``)
 ==========================================  ==============================================
 
 :class:`ClusterMember` ticks every ``tick_ms``: it reports its heartbeat
@@ -54,6 +57,7 @@ from cluster.quorum import QuorumError
 from cluster.raft_store import MetadataUnavailable
 from cluster.recovery import cut_after_seal
 from cluster.repair import DrainStatus
+from cluster.retention import plan_retention
 from cluster.site_state import (
     Applied,
     Command,
@@ -74,7 +78,7 @@ from georep.broker.errors import NotLeader, RecoveryFailed
 from georep.server.ensemble import SegmentToWrite, SegmentWriter
 from georep.server.recovery import SegmentToRecover, recover_segment, tell_sealed
 from georep.server.site_repair import RepairController, decommission
-from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore
+from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore, SealSummary
 from offsets.coordinates import LocalOffset
 from offsets.vector import VectorOffset
 
@@ -134,6 +138,7 @@ class ClusterConfig:
     repair_delay_ms: int = 30_000  # a dead member's sealed segments are copied elsewhere after this (it may reboot)
     max_concurrent_copies: int = 2  # repair copies running at once, site-wide
     repair_interval_ms: int = 1_000  # the Raft leader plans repair this often
+    retention_interval_ms: int = 60_000  # the Raft leader plans retention this often (georep node --retention-check-ms)
 
 
 class ClusterMember:
@@ -158,6 +163,7 @@ class ClusterMember:
         self._asked: dict[PartitionKey, LeaderEpoch] = {}  # re-elections of itself in flight
         self._electing: dict[PartitionKey, LeaderEpoch] = {}  # the controller's elections in flight
         self._controller_since: int | None = None  # when this node's Raft replica last became the leader
+        self._retention_due_ms: int | None = None  # the controller's next retention plan
         self.repair: RepairController | None = None  # while this node is the Raft leader
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -251,8 +257,10 @@ class ClusterMember:
             await self._controller()
         else:
             self._controller_since = None
+            self._retention_due_ms = None
             self.repair = None  # the next controller starts afresh; copies under way finish and are recorded
         await self._learn_seals()
+        await self._apply_trims()
         self.reconcile()
 
     async def _heartbeat(self) -> None:
@@ -281,6 +289,37 @@ class ClusterMember:
         if self.repair is None:
             self.repair = RepairController(self)
         self.repair.due()
+        await self._retention()
+
+    async def _retention(self) -> None:
+        """Every ``retention_interval_ms``, propose the trims ``plan_retention`` picks (the Raft leader's duty)."""
+        now = self.clock_ms()
+        if self._retention_due_ms is not None and now < self._retention_due_ms:
+            return
+        self._retention_due_ms = now + self.config.retention_interval_ms
+        for trim in plan_retention(self.metadata.state(), now):
+            result = await self.propose(trim)
+            if isinstance(result, Applied) and result.changed:
+                log.info("controller: retention drops %s-%d's segments before %d", trim.topic, trim.partition,
+                         trim.first_segment)  # fmt: skip
+
+    async def _apply_trims(self) -> None:
+        """Follow every committed trim (``TrimChain``): reads below a chain's new start are out of range, and this
+        node's copies of the segments before it are deleted. A node that was down when a trim committed deletes
+        them here at its first tick, from its view of the metadata."""
+        state = self.metadata.state()
+        for info in state.partitions():
+            if not info.segments or info.segments[0].segment_id == 0:
+                continue
+            key = (info.topic, info.partition)
+            first = info.segments[0].segment_id
+            held = self.store.segment_ids(key)
+            if self.store.trimmed_before(key) >= first and not (held and held[0] < first):
+                continue
+            try:
+                await self.run_blocking(self.store.trim, key, first)
+            except OSError as exc:  # the next tick tries again
+                log.error("node %d: deleting %s-%d's copies before segment %d failed: %s", self.me, *key, first, exc)
 
     # -- repair and decommission -------------------------------------------------------------------------------
 
@@ -416,10 +455,12 @@ class PartitionLeader:
             if end == segment.base_offset:
                 # Empty: its end vector is its start. This node may hold no copy of it at all (its writer died
                 # before its stream reached this member), and reading one failed the recovery for good.
-                vector = VectorOffset(start_vector)
+                summary = SealSummary(VectorOffset(start_vector), 0, None)
             else:
-                vector = await m.run_blocking(m.store.vector_at, self.key, segment_id, start_vector, end)
-            return await self._seal(SealSegment(self.key[0], self.key[1], self.epoch, segment_id, end, vector))
+                summary = await m.run_blocking(m.store.seal_summary, self.key, segment_id, start_vector, end)
+            return await self._seal(SealSegment(self.key[0], self.key[1], self.epoch, segment_id, end,
+                                                summary.end_vector, summary.size_bytes,
+                                                summary.max_timestamp_ms))  # fmt: skip
 
         while True:
             try:
@@ -557,9 +598,10 @@ class PartitionLeader:
                                               m.config.roll_wait_ms)) is None:  # fmt: skip
             await asyncio.sleep(0.01)
         self._release_limit = end
-        vector = await m.run_blocking(m.store.vector_at, self.key, segment.segment_id, segment.start_vector, end)
+        summary = await m.run_blocking(m.store.seal_summary, self.key, segment.segment_id, segment.start_vector, end)
         refused = await self._seal(SealSegment(self.key[0], self.key[1], self.epoch, segment.segment_id,
-                                               LocalOffset(end), vector))  # fmt: skip
+                                               LocalOffset(end), summary.end_vector, summary.size_bytes,
+                                               summary.max_timestamp_ms))  # fmt: skip
         if refused is not None:
             m.step_down(self, f"roll refused: {refused}")
             return

@@ -154,9 +154,18 @@ class ChainLog:
     def repaired_total(self) -> int:
         return sum(c.repaired_total for c in self._copies())
 
+    def _live_chain(self) -> tuple[ChainSegment, ...]:
+        """The chain without the segments retention dropped since it was built (``ReplicaStore.trim``); the last
+        segment always stays."""
+        first = self.store.trimmed_before(self.key)
+        if self.chain[0].segment_id >= first:
+            return self.chain
+        return tuple(s for s in self.chain[:-1] if s.segment_id >= first) + (self.chain[-1],)
+
     @property
     def log_start_offset(self) -> LocalOffset:
-        return LocalOffset(self.chain[0].base_offset)
+        # Retention moves it forward (TrimChain): fetches below it get OffsetOutOfRange, as on a one-node site.
+        return LocalOffset(self._live_chain()[0].base_offset)
 
     @property
     def log_end_offset(self) -> LocalOffset:
@@ -168,7 +177,7 @@ class ChainLog:
 
     @property
     def segment_count(self) -> int:
-        return len(self.chain)
+        return len(self._live_chain())
 
     def vector(self) -> dict[Origin, OriginSeq]:
         return self._open_copy().vector()
@@ -201,7 +210,9 @@ class ChainLog:
         return self.store.flush(self.key, self.open.segment_id)
 
     def enforce_retention(self, now_ms: int) -> int:
-        return 0  # a site's retention removes whole sealed segments through its metadata, not one node's copies
+        # A site's retention drops whole sealed segments through its metadata (cluster/retention.py, TrimChain),
+        # and each node deletes its copies of them (ReplicaStore.trim): never one node's copies on its own.
+        return 0
 
     def close(self) -> None:
         pass  # the store owns the copies
@@ -268,7 +279,7 @@ class ChainLog:
             self._remote_bytes -= len(dropped.data)
 
     def offset_for_origin_seq(self, origin: Origin, seq: OriginSeq) -> LocalOffset | None:
-        for segment in self.chain:
+        for segment in self._live_chain():
             ends = segment.end_vector.get(origin) if segment.end_vector is not None else None
             if segment.end_offset is not None and (ends is None or ends <= seq):
                 continue  # the segment ends before the seq
@@ -281,7 +292,7 @@ class ChainLog:
         return None
 
     def offset_for_timestamp(self, timestamp_ms: int) -> LocalOffset | None:
-        for segment in self.chain:
+        for segment in self._live_chain():
             copy = self.store.copy(self.key, segment.segment_id)
             if copy is None:
                 continue  # a segment held elsewhere: its timestamps are not indexed here

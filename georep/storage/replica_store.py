@@ -136,6 +136,15 @@ def _segment_dir_name(segment_id: int) -> str:
     return f"{segment_id:010d}"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SealSummary:
+    """What a seal records of a copy below its end (``ReplicaStore.seal_summary``)."""
+
+    end_vector: VectorOffset
+    size_bytes: int
+    max_timestamp_ms: int | None  # None: no batch below the end
+
+
 class PartitionReplicas:
     """One partition's segments on this node, and its guard."""
 
@@ -187,6 +196,8 @@ class ReplicaStore:
         self.lacs = AnnouncedLacs()  # what leaders confirmed of the open segments copied here: follower reads
         self._lock = threading.Lock()
         self._partitions: dict[PartitionKey, PartitionReplicas] = {}
+        # Retention (TrimChain): per partition, the first segment its chain keeps, as this node last saw it.
+        self._trimmed_before: dict[PartitionKey, SegmentId] = {}
         try:
             for directory in sorted(p for p in self.root.iterdir() if p.is_dir()):
                 key = _parse_partition_dir(directory.name)
@@ -343,6 +354,9 @@ class ReplicaStore:
             existing = p.segments.get(segment_id)
             if existing is not None:
                 return existing.log_end_offset
+            if segment_id < self._trimmed_before.get(key, SegmentId(0)):
+                raise ReplicaError(f"segment {segment_id} of {key[0]}-{key[1]} was dropped by retention: nothing to "
+                                   "copy")  # fmt: skip
             final = p.directory / _segment_dir_name(segment_id)
             building = final.with_name(final.name + NEW_SUFFIX)
             if building.exists():
@@ -457,7 +471,15 @@ class ReplicaStore:
                   end_offset: int) -> VectorOffset:  # fmt: skip
         """The partition's vector at ``end_offset`` of this copy: ``start`` (the vector at the segment's base, the end
         vector of the segment before it) advanced by every batch below ``end_offset``. What a seal records."""
+        return self.seal_summary(key, segment_id, start, end_offset).end_vector
+
+    def seal_summary(self, key: PartitionKey, segment_id: SegmentId, start: Mapping[Origin, int],
+                     end_offset: int) -> SealSummary:  # fmt: skip
+        """What a seal at ``end_offset`` records of this copy: the vector there (:meth:`vector_at`), and for
+        retention the bytes of the batches below it and their newest producer timestamp."""
         vector = VectorOffset(start)
+        size = 0
+        newest: int | None = None
         with self._lock:
             offset = self._segment(key, segment_id).log_start_offset
         while offset < end_offset:
@@ -467,8 +489,42 @@ class ReplicaStore:
                                    f"{end_offset}")  # fmt: skip
             for h in iter_headers(result.data):
                 vector = vector.advanced(h.origin, h.base_origin_seq + h.last_offset_delta + 1)
+                size += h.size_bytes
+                newest = h.max_timestamp if newest is None else max(newest, h.max_timestamp)
             offset = result.next_offset
-        return vector
+        return SealSummary(vector, size, newest)
+
+    # -- retention -------------------------------------------------------------------------------------------
+
+    def trimmed_before(self, key: PartitionKey) -> SegmentId:
+        """The first segment of ``key``'s chain as this node last saw retention trim it (0: never trimmed)."""
+        with self._lock:
+            return self._trimmed_before.get(key, SegmentId(0))
+
+    def trim(self, key: PartitionKey, first_segment: SegmentId) -> list[SegmentId]:
+        """Retention committed that ``key``'s chain starts at ``first_segment``: from now on reads below it are out
+        of range (``ChainLog.log_start_offset``), and this node's copies of the segments before it are deleted.
+        Returns the ids of the copies deleted. Each goes by a rename to a ``.new`` name first, so a crash in the
+        middle leaves a directory the next start removes, never a half-deleted copy."""
+        with self._lock:
+            if first_segment > self._trimmed_before.get(key, SegmentId(0)):
+                self._trimmed_before[key] = first_segment
+            p = self._partitions.get(key)
+            if p is None:
+                return []
+            gone = {sid: seg for sid, seg in p.segments.items() if sid < first_segment}
+            for sid in gone:
+                del p.segments[sid]
+        for sid, seg in sorted(gone.items()):
+            directory = seg.directory
+            seg.close()
+            doomed = directory.with_name(directory.name + ".trimmed" + NEW_SUFFIX)
+            directory.rename(doomed)
+            fsync_directory(p.directory)
+            shutil.rmtree(doomed)
+            log.info("segment %d of %s-%d: retention dropped it from the chain; deleted this node's copy", sid,
+                     key[0], key[1])  # fmt: skip
+        return sorted(gone)
 
     def close(self) -> None:
         with self._lock:
