@@ -43,6 +43,21 @@ entries pysyncobj needs to resume its log after it, so it does not depend on
 pickled classes. A restarted node loads the dump, replays the journal up to
 the commit index it had recorded, and catches up from the leader.
 
+**Membership** is dynamic (pysyncobj's ``dynamicMembershipChange``): the group
+forms from the topology's nodes, and a node added later joins it while it
+runs (:func:`join_running_group`, before the store starts: a fresh node asks
+the members listed with it for their view of the group with pysyncobj's
+``status`` utility message, and, if they run without it, asks the leader to
+add it, the ``add`` message that ``syncobj_admin -add`` sends; the leader
+appends the change to the log, one change at a time, and counts the new
+member at once). Changes are log entries: every node applies them when they
+reach its log, replays them from its journal at a restart, and keeps the
+membership in its dump (``raft.cluster``), so a restarted node counts the
+members it had, whatever its topology file lists. A node that is not a
+member cannot disturb the group: the members drop connections from Raft
+addresses they do not know, and a node that reaches nobody never runs for
+election, so it can neither vote nor form a majority of its own.
+
 pysyncobj facts this module relies on or works around (0.3.17):
 
 * Commands in the log and messages between nodes are pickled. Anyone who can
@@ -78,6 +93,7 @@ pysyncobj facts this module relies on or works around (0.3.17):
 from __future__ import annotations
 
 import base64
+import enum
 import json
 import logging
 import os
@@ -92,6 +108,7 @@ from typing import Any, TypeVar
 
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException, replicated
 from pysyncobj.serializer import Serializer
+from pysyncobj.utility import TcpUtility, UtilityException
 
 from cluster.metadata import TopicExists, UnknownTopic
 from cluster.site_state import (
@@ -253,6 +270,143 @@ def _check_raft_address(address: str) -> str:
     return address
 
 
+# -- joining a running group ---------------------------------------------------------------------------------
+
+JOIN_TIMEOUT_S = 30.0  # how long a new node tries to be added before it gives up with what to do
+ASK_TIMEOUT_S = 2.0  # per member asked for its view of the group, or to add this node
+
+
+class JoinFailed(RaftStartError):
+    """A node new to a running site could not be added to its Raft group; the message says why and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """What one running member says of its Raft group (pysyncobj's ``status`` utility message)."""
+
+    answered_by: str
+    leader: str | None  # the leader it follows; None while it knows of none
+    members: frozenset[str]  # the Raft addresses of the voting members, itself included
+
+
+class JoinStep(enum.Enum):
+    START = "start"  # start the replica now: this node is a member, or no group runs yet
+    JOIN = "join"  # a running group does not count this node: ask its leader to add it, then start
+    WAIT = "wait"  # members answered, but none knows of a leader: ask again
+
+
+def join_step(self_address: str, has_local_state: bool, views: Iterable[GroupView]) -> JoinStep:
+    """Whether a node starting its Raft replica must first be added to a running group. Pure.
+
+    A node that ran before keeps its membership in its journal and dump (pysyncobj replays the changes), so it starts.
+    A fresh node starts if any member counts it (it was in the topology when the group formed, or its addition is
+    committed), or if no member answered (the site is forming now, every node from the same topology). Otherwise it
+    joins, once a member knows the leader. A fresh node that started without being added would never vote nor be
+    counted: members drop connections from addresses they do not know, so it can neither join nor disturb them.
+    """
+    if has_local_state:
+        return JoinStep.START
+    answered = list(views)
+    if not answered or any(self_address in v.members for v in answered):
+        return JoinStep.START
+    if any(v.leader is not None for v in answered):
+        return JoinStep.JOIN
+    return JoinStep.WAIT
+
+
+def has_raft_state(data_dir: Path) -> bool:
+    """The node's Raft replica ran in ``data_dir`` before (its journal or dump is there)."""
+    raft_dir = data_dir / RAFT_DIR
+    return (raft_dir / JOURNAL_FILE).exists() or (raft_dir / DUMP_FILE).exists()
+
+
+def _utility(address: str, command: list[Any], timeout_s: float) -> Any:
+    """One pysyncobj utility message to the Raft port at ``address`` (what ``syncobj_admin`` sends); None if no
+    answer came."""
+    try:
+        return TcpUtility(timeout=timeout_s).executeCommand(address, command)
+    except (UtilityException, OSError):
+        return None
+
+
+def ask_group(address: str, timeout_s: float = ASK_TIMEOUT_S) -> GroupView | None:
+    """The Raft group as the member at ``address`` sees it; None if it does not answer."""
+    status = _utility(address, ["status"], timeout_s)
+    if not isinstance(status, dict) or "self" not in status:
+        return None
+    prefix = "partner_node_status_server_"
+    self_address = str(status["self"])
+    members = {self_address, *(key[len(prefix):] for key in status if isinstance(key, str) and key.startswith(prefix))}
+    leader = status.get("leader")
+    return GroupView(self_address, None if leader is None else str(leader), frozenset(members))
+
+
+def _check_bindable(address: str) -> None:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host.strip("[]"), int(port)))
+    except OSError as e:
+        raise RaftStartError(
+            f"cannot listen on Raft address {address}: {e.strerror or e}. It must be an address of this host and a "
+            "free port: fix this node's 'raft' address in the topology (or stop the process using the port)"
+        ) from None
+
+
+def join_running_group(self_address: str, partner_addresses: Iterable[str], data_dir: Path,
+                       timeout_s: float = JOIN_TIMEOUT_S,
+                       ask_timeout_s: float = ASK_TIMEOUT_S) -> list[str]:  # fmt: skip
+    """Before :class:`RaftMetadataStore` starts on a node: if the site's Raft group already runs without this node,
+    have its leader add it (pysyncobj's ``addNodeToCluster``, one member at a time) and wait until that is committed.
+
+    Returns the partners to start the replica with: ``partner_addresses`` (the topology's other nodes) and every
+    member the running group reported. Raises :class:`JoinFailed` after ``timeout_s`` without a committed addition,
+    and :class:`RaftStartError` at once if this node could not listen on its address (checked before it is added,
+    so that a mistyped address never becomes a member that cannot run).
+    """
+    self_address = _check_raft_address(self_address)
+    peers = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
+    if has_raft_state(data_dir):
+        return peers
+    deadline = time.monotonic() + timeout_s
+    why = "no member answered"
+    checked_bind = False
+    while True:
+        views = [v for v in (ask_group(a, ask_timeout_s) for a in peers) if v is not None]
+        known = sorted({m for v in views for m in v.members} | set(peers))
+        step = join_step(self_address, False, views)
+        if step is JoinStep.START:
+            if views and any(self_address not in v.members for v in views):
+                logger.info("Raft node %s is a member of the running group now (%s)", self_address,
+                            ", ".join(sorted(v.answered_by for v in views if self_address in v.members)))  # fmt: skip
+            return [a for a in known if a != self_address]
+        if step is JoinStep.WAIT:
+            why = f"members {', '.join(v.answered_by for v in views)} know of no Raft leader"
+        else:
+            if not checked_bind:
+                _check_bindable(self_address)
+                checked_bind = True
+            leader = next(v.leader for v in views if v.leader is not None)
+            logger.info("Raft node %s: the site's running group (%s) does not count it; asking leader %s to add it",
+                        self_address, ", ".join(sorted({m for v in views for m in v.members})), leader)  # fmt: skip
+            answer = _utility(leader, ["add", self_address], ask_timeout_s)
+            if isinstance(answer, str) and answer.startswith("SUCCESS"):
+                logger.info("Raft node %s was added to the site's group by %s", self_address, leader)
+                return [a for a in known if a != self_address]
+            # FAIL: the leader changed, or another change is not committed yet (one at a time): ask again
+            why = f"leader {leader} answered {answer!r} to adding it" if answer is not None else \
+                f"leader {leader} did not answer in {ask_timeout_s:g} s"
+        if time.monotonic() >= deadline:
+            raise JoinFailed(
+                f"Raft node {self_address} is not a member of its site's running Raft group and could not be added "
+                f"within {timeout_s:g} s ({why}). Check that a majority of the running nodes is up and that their Raft "
+                f"ports ({', '.join(peers) or '-'}) and this node's ({self_address}) reach each other, then start this "
+                "node again"
+            )
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
 # -- the dump file ---------------------------------------------------------------------------------------
 
 
@@ -371,6 +525,7 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         self._site_state = initial.state if initial is not None else SiteState()
         self._dumped_index = initial.last_applied[1] if initial is not None else 0
         self._dump_path = dump_path
+        self._me = self_address
         self.on_change: Callable[[], None] | None = None  # called in the tick thread after each applied command
         syncobj_conf = SyncObjConf(serializer=self._write_dump, deserializer=self._read_dump, **conf)
         super().__init__(self_address, partners, syncobj_conf)
@@ -434,8 +589,10 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         with self._state_lock:
             self._site_state = dump.state
         self._dumped_index = dump.last_applied[1]
-        # pysyncobj compares these entries with its journal's head: they must be (bytes, int, int) tuples
-        return (dump.last_applied, dump.previous, dump.cluster)
+        # pysyncobj compares these entries with its journal's head: they must be (bytes, int, int) tuples. It takes the
+        # cluster as the membership (dynamic membership), leaving out its own node by comparing Node objects with
+        # what it gets: with plain strings it would keep itself as its own partner, so this node is left out here.
+        return (dump.last_applied, dump.previous, [a for a in dump.cluster if a != self._me])
 
 
 # -- the store --------------------------------------------------------------------------------------------
@@ -468,7 +625,6 @@ class RaftMetadataStore:
         self._timing = timing or RaftTiming()
         self._self_address = _check_raft_address(self_address)
         partners = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
-        self._total_nodes = len(partners) + 1
         raft_dir = data_dir / RAFT_DIR
         raft_dir.mkdir(parents=True, exist_ok=True)
         dump_path = raft_dir / DUMP_FILE
@@ -480,7 +636,9 @@ class RaftMetadataStore:
             "bindAddress": self_address,  # pysyncobj binds 0.0.0.0 otherwise
             "maxBindRetries": 1,  # fail now with a clear error rather than retry in the background forever
             "commandsWaitLeader": False,
-            "dynamicMembershipChange": False,
+            # Members join a running group (``join_running_group``); the membership lives in the log, the journal
+            # and the dump, so a restarted node keeps it whatever its topology file lists.
+            "dynamicMembershipChange": True,
         }
         with warnings.catch_warnings():
             # pysyncobj 0.3.17 reads the journal's .meta file with open(...).read() and never closes it
@@ -495,7 +653,6 @@ class RaftMetadataStore:
                 "probably uses the port; choose another Raft port or stop that process"
             ) from None
         self._replica = replica
-        self._partners = sorted(replica.otherNodes, key=lambda node: node.address)
         self._closed = False
 
     def watch(self, callback: Callable[[], None]) -> None:
@@ -575,20 +732,27 @@ class RaftMetadataStore:
 
     def _unavailable(self, what: str, timeout_s: float) -> MetadataUnavailable:
         reachable, unreachable = self._reachability()
+        total = reachable + len(unreachable)
         leader = self.leader_address
-        if reachable * 2 <= self._total_nodes or leader is None:
-            return NoRaftLeader(what, timeout_s, reachable, self._total_nodes, unreachable)
+        if reachable * 2 <= total or leader is None:
+            return NoRaftLeader(what, timeout_s, reachable, total, unreachable)
         return CommitUnconfirmed(
             f"the {what} was not confirmed within {timeout_s:g} s (Raft leader {leader}, {reachable} of "
-            f"{self._total_nodes} metadata nodes reachable): it may still be applied; read the state after "
+            f"{total} metadata nodes reachable): it may still be applied; read the state after "
             "read_barrier() and retry if it is not"
         )
 
     # -- Raft status ------------------------------------------------------------------------------------
 
     def _reachability(self) -> tuple[int, list[str]]:
-        unreachable = [node.address for node in self._partners if not self._replica.isNodeConnected(node)]
-        return self._total_nodes - len(unreachable), unreachable
+        partners = sorted(self._replica.otherNodes, key=lambda node: node.address)  # a copy: it changes on joins
+        unreachable = [node.address for node in partners if not self._replica.isNodeConnected(node)]
+        return len(partners) + 1 - len(unreachable), unreachable
+
+    def members(self) -> list[str]:
+        """The Raft addresses of the group's members as this node knows them (itself included), sorted. A member
+        added or removed counts from the moment its log entry reaches this node, as Raft's membership changes do."""
+        return sorted({self._self_address, *(node.address for node in self._replica.otherNodes)})
 
     @property
     def self_address(self) -> str:
@@ -612,8 +776,9 @@ class RaftMetadataStore:
         return str(leader.address)
 
     def status(self) -> RaftStatus:
-        reachable, _ = self._reachability()
-        return RaftStatus(self._self_address, self.leader_address, self.is_leader, reachable, self._total_nodes,
+        reachable, unreachable = self._reachability()
+        return RaftStatus(self._self_address, self.leader_address, self.is_leader, reachable,
+                          reachable + len(unreachable),
                           int(self._replica.raftLastApplied), int(self._replica.raftCommitIndex))  # fmt: skip
 
     # -- lifecycle -------------------------------------------------------------------------------------
