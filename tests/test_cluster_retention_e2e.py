@@ -1,0 +1,110 @@
+"""Retention on a real three-node site: a topic with ``retention_bytes`` loses its oldest sealed segments through
+the metadata, every node deletes its copies of them, and readers start at the new log start."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from georep.client.consumer import Consumer
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.storage.replica_store import partition_dir_name
+from tests.support.cluster_site import ClusterSite
+from tests.test_site_cluster_e2e import Writer
+
+TOPIC = "orders"  # Writer's topic
+RETENTION_BYTES = 6_000
+
+
+def _copies(root: Path, node: int) -> list[int]:
+    """The segment ids node ``node`` holds copies of (its replica directories)."""
+    directory = root / "a" / str(node) / "replicas" / partition_dir_name((TOPIC, 0))
+    if not directory.exists():
+        return []
+    return sorted(int(d.name) for d in directory.iterdir() if d.is_dir() and d.name.isdigit())
+
+
+def _earliest(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        r = pbg.NodeStub(channel).ListOffsets(
+            pb.ListOffsetsRequest(topic=TOPIC, partition=0, position=pb.START_EARLIEST), timeout=10)
+    return int(r.offsets[0].offset)
+
+
+async def _read_from_earliest(bootstrap: str, expect_last: bytes) -> list[tuple[int, bytes]]:
+    out: list[tuple[int, bytes]] = []
+    async with Consumer(bootstrap, auto_offset_reset="earliest") as consumer:
+        consumer.assign([(TOPIC, 0)])
+        deadline = time.monotonic() + 15
+        while (not out or out[-1][1] != expect_last) and time.monotonic() < deadline:
+            out += [(int(r.offset), bytes(r.value or b"")) for r in await consumer.poll(timeout_ms=300)]
+    return out
+
+
+@pytest.mark.slow
+def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: Path) -> None:
+    site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "2048",
+                                                "--retention-check-ms", "200"])  # fmt: skip
+    try:
+        site.start()
+        with grpc.insecure_channel(site.address(1)) as channel:
+            pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(
+                name=TOPIC, partitions=1, config={"retention_bytes": str(RETENTION_BYTES)}), timeout=30)
+        site.wait_leader(TOPIC)
+        writer = Writer(site)
+        for seq in range(20):  # about 280 B a batch: segments of 2 KiB on all three nodes
+            writer.send(seq)
+        # A node that is down while the trims commit deletes its copies when it comes back.
+        down = next(n for n in (1, 2, 3) if n != site.wait_leader(TOPIC))
+        assert 0 in _copies(tmp_path, down)
+        site.nodes[down].kill9()
+        for seq in range(20, 60):
+            writer.send(seq)
+        up = [n for n in (1, 2, 3) if n != down]
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(0 in _copies(tmp_path, n) for n in up):
+            time.sleep(0.1)
+        assert 0 in _copies(tmp_path, down), "the dead node's copy went"
+        site.nodes[down].start(30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(0 in _copies(tmp_path, n) for n in (1, 2, 3)):
+            time.sleep(0.1)
+        held = {n: _copies(tmp_path, n) for n in (1, 2, 3)}
+        assert all(0 not in ids for ids in held.values()), f"segment 0 still has copies: {held}"
+        leader = site.wait_leader(TOPIC)
+        start = _earliest(site.address(leader))
+        assert start > 0, "the log start did not move"
+        first_held = min(i for ids in held.values() for i in ids)
+        assert first_held > 0
+        for n in (1, 2, 3):
+            assert not (set(range(first_held)) & set(held[n])), f"node {n} kept a trimmed copy: {held[n]}"
+
+        # A fetch below the log start is out of range; a consumer from earliest reads from it, to the end.
+        with grpc.insecure_channel(site.address(leader)) as channel:
+            try:
+                next(iter(pbg.NodeStub(channel).Fetch(pb.FetchRequest(topic=TOPIC, partition=0, offset=0,
+                                                                      max_bytes=1 << 16), timeout=10)))  # fmt: skip
+                raise AssertionError("a fetch below the log start was served")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.OUT_OF_RANGE, exc
+        last = writer.acked[-1][1]
+        read = asyncio.run(_read_from_earliest(site.address(2), last))
+        assert read and read[0][0] >= start and read[-1][1] == last, "a consumer from earliest did not read on"
+        values = [v for _, v in read]
+        written = [v for _, v in writer.acked]
+        assert values == written[len(written) - len(values):], "what is read is not the newest suffix written"
+        assert len(values) < len(written)
+
+        # Writes and reads go on after the trim.
+        for seq in range(60, 65):
+            writer.send(seq)
+        read = asyncio.run(_read_from_earliest(site.address(3), writer.acked[-1][1]))
+        assert read[-1][1] == writer.acked[-1][1]
+    finally:
+        site.close()
+
