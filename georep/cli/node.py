@@ -193,6 +193,7 @@ def in_site_options(topology: Topology, args: argparse.Namespace) -> InSiteOptio
     config = ClusterConfig(replication_factor=rf, ack_quorum=aq, session_timeout_ms=args.session_timeout_ms,
                            tick_ms=tick_ms, retry_ms=tick_ms, segment_bytes=args.segment_bytes_max,
                            repair_delay_ms=args.repair_delay_ms,
-                           retention_interval_ms=args.retention_check_ms)  # fmt: skip
+                           retention_interval_ms=args.retention_check_ms,
+                           topic_defaults=topic_defaults(args))  # fmt: skip
     return InSiteOptions(me.id, me.raft, tuple(rafts.values()), config,
                          RaftTiming.for_session(args.session_timeout_ms))  # fmt: skip

@@ -44,9 +44,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import grpc
@@ -139,6 +139,8 @@ class ClusterConfig:
     max_concurrent_copies: int = 2  # repair copies running at once, site-wide
     repair_interval_ms: int = 1_000  # the Raft leader plans repair this often
     retention_interval_ms: int = 60_000  # the Raft leader plans retention this often (georep node --retention-check-ms)
+    # The node's topic defaults (georep node --retention-ms ...): a topic's config in the metadata holds its overrides.
+    topic_defaults: Mapping[str, int] = field(default_factory=dict)
 
 
 class ClusterMember:
@@ -297,7 +299,7 @@ class ClusterMember:
         if self._retention_due_ms is not None and now < self._retention_due_ms:
             return
         self._retention_due_ms = now + self.config.retention_interval_ms
-        for trim in plan_retention(self.metadata.state(), now):
+        for trim in plan_retention(self.metadata.state(), now, self.config.topic_defaults):
             result = await self.propose(trim)
             if isinstance(result, Applied) and result.changed:
                 log.info("controller: retention drops %s-%d's segments before %d", trim.topic, trim.partition,
