@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
@@ -28,8 +30,12 @@ from cluster.site_state import (
     command_from_dict,
 )
 from cluster.topics import TopicSpec
+from georep.record.batch import iter_headers
+from georep.storage.api import OffsetOutOfRange
+from georep.storage.replica_store import NEW_SUFFIX, ReplicaError, ReplicaStore, partition_dir_name
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
+from tests.support.segments import make_batch
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 E1 = LeaderEpoch(1)
@@ -208,3 +214,45 @@ def check_trim(before: PartitionInfo, after: PartitionInfo, retention_ms: int, r
     if len(kept) > 1:
         oversize = retention_bytes >= 0 and None not in sealed_sizes and total > retention_bytes
         assert not (expired(kept[0]) or oversize), f"segment {kept[0].segment_id} should have been dropped too"
+
+
+# -- a node following a trim: its copies and its ChainLog -----------------------------------------------------
+
+
+def test_a_trim_deletes_the_copies_before_it_and_moves_the_chain_logs_start(tmp_path: Path) -> None:
+    from tests.test_chain_log import KEY, chain_of
+
+    store = ReplicaStore(tmp_path, now_ms=0)
+    try:
+        log, _ = chain_of(store, held_first=True)
+        b = make_batch(A, 2, [b"z"])
+        log.append(b.header, b.body, 10)
+        log.advance_lac(3)
+        assert log.log_start_offset == 0 and log.read(LocalOffset(0), 1 << 20).data
+        summary = store.seal_summary(KEY, SegmentId(0), {}, 2)
+        newest = max(h.max_timestamp for h in iter_headers(store.read(KEY, SegmentId(0), LocalOffset(0), 1 << 20).data))
+        assert (summary.end_vector, summary.max_timestamp_ms) == (VectorOffset({A: 2}), newest)
+        assert summary.size_bytes == store.size_of(KEY, SegmentId(0)) > 0
+
+        assert store.trim(KEY, SegmentId(1)) == [SegmentId(0)]
+        assert store.segment_ids(KEY) == [SegmentId(1)]
+        assert not (tmp_path / "replicas" / partition_dir_name(KEY) / "0000000000").exists()
+        assert store.trim(KEY, SegmentId(1)) == [], "a repeat deletes nothing"
+        assert log.log_start_offset == 2 and log.segment_count == 1
+        with pytest.raises(OffsetOutOfRange):
+            log.read(LocalOffset(0), 1 << 20)
+        assert log.read(LocalOffset(2), 1 << 20).data, "the rest is served as before"
+        with pytest.raises(ReplicaError, match="retention"):
+            store.open_sealed_copy(KEY, SegmentId(0), 0, {}, 0)  # a repair planned before the trim
+        assert store.copy(KEY, SegmentId(1)) is not None, "the open segment stays"
+    finally:
+        store.close()
+    # A deletion a crash interrupted (renamed, not yet removed) is cleaned at the next start.
+    partition = tmp_path / "replicas" / partition_dir_name(KEY)
+    (partition / ("0000000000.trimmed" + NEW_SUFFIX)).mkdir()
+    reopened = ReplicaStore(tmp_path, now_ms=0)
+    try:
+        assert reopened.segment_ids(KEY) == [SegmentId(1)]
+        assert not any(p.name.endswith(NEW_SUFFIX) for p in partition.iterdir())
+    finally:
+        reopened.close()
