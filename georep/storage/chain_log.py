@@ -41,7 +41,11 @@ their seals, the open one to the LAC its leader announced to this node).
 
 A ``ChainLog`` lives as long as one open segment: when the leader rolls or
 loses the partition, the broker drops it and builds the next one from the
-new metadata. So its chain never changes under it.
+new metadata. So its chain never changes under it, but for its start:
+retention drops a prefix of sealed segments through the metadata
+(``TrimChain``), the node records it in its store as it deletes its copies
+(``ReplicaStore.trim``), and ``log_start_offset`` follows at once, so reads
+below it are out of range as after a one-node site's retention.
 """
 
 from __future__ import annotations
