@@ -2,8 +2,9 @@
 and no byte of the old segments moves (as a new BookKeeper bookie or MapR node does; Kafka would have to copy
 whole partitions).
 
-The topology lists four nodes from the start (the site's Raft group is the topology's list); the fourth starts
-once the others are writing."""
+The three run from a topology that lists only them, so their Raft group is the three; the fourth starts, once they
+are writing, from a topology that lists four, and joins the running group (docs/cluster.md, "Expansion"). An old
+node restarted afterwards, still with its list of three, counts four Raft members."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.storage.replica_store import ReplicaStore
 from tests.support.cli import georep, ok
-from tests.support.cluster_site import ClusterSite, read_partition
+from tests.support.cluster_site import ClusterSite, read_partition, site_toml
 from tests.test_follower_reads import consume_all
 
 TOPIC = "grow"
@@ -36,8 +37,18 @@ def segment_ids(root: Path, node: int) -> dict[tuple[str, int], list[int]]:
 
 
 @pytest.mark.slow
-def test_a_fourth_node_takes_new_segments_at_the_next_roll_with_nothing_moved(tmp_path: Path) -> None:
+def raft_total(address: str) -> int:
+    return int(json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", address)))["raft"]["total_nodes"])
+
+
+def test_a_fourth_node_joins_the_running_site_and_takes_new_segments_at_the_next_roll_with_nothing_moved(
+        tmp_path: Path) -> None:  # fmt: skip
     site = ClusterSite(tmp_path, 4, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "32768"])
+    three = tmp_path / "topology-of-three.toml"  # what the running nodes were started with
+    three.write_text(site_toml("a", site.grpc_ports[:3], site.raft_ports[:3]))
+    for n in (1, 2, 3):
+        args = site.nodes[n].extra_args
+        args[args.index("--topology") + 1] = str(three)
     stop = asyncio.Event()
 
     async def produce() -> int:
@@ -79,14 +90,19 @@ def test_a_fourth_node_takes_new_segments_at_the_next_roll_with_nothing_moved(tm
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=PARTITIONS), timeout=30)
         for p in range(PARTITIONS):
             site.wait_leader(TOPIC, p)
+        assert raft_total(site.address(1)) == 3
         acked, before, joined_at = asyncio.run(drive())
         assert acked > 0 and len(before) == len(joined_at) == PARTITIONS
         status = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(4))))
+        assert status["raft"]["total_nodes"] == 4, status["raft"]
+        assert {n["node"]: n["address"] for n in status["nodes"]}[4] == site.address(4)
         node4 = next(n for n in status["nodes"] if n["node"] == 4)
         assert node4["live"] and node4["segments"] >= PARTITIONS, f"node 4 took no new segments: {node4}"
         assert status["under_replicated"] == [], status["under_replicated"]
-        assert status["bytes_moved"] == 0 and all(n["bytes_moved"] == 0 for n in status["nodes"]), \
-            f"a node joined under load and bytes were moved: {[(n['node'], n['bytes_moved']) for n in status['nodes']]}"
+        # Nothing was copied to the new node (below: it holds only segments opened after it joined). The old nodes
+        # may count a few bytes of their own: a roll under load seals at the LAC, and repair fills the member that
+        # held less of the sealed segment than that (a segment it already belonged to; nothing to do with the join).
+        assert node4["bytes_moved"] == 0, f"bytes were copied to the node that joined: {node4}"
         # Follower reads at the new node: it holds only the segments opened since it joined, so it reads the older
         # ones from their members (or sends the consumer to the leader), and serves exactly what the leader does.
         served_by_follower = 0
@@ -96,7 +112,16 @@ def test_a_fourth_node_takes_new_segments_at_the_next_roll_with_nothing_moved(tm
             assert got == expected, f"{TOPIC}-{p} read at node 4 differs from its leader's"
             served_by_follower += from_follower
         assert served_by_follower > 0, "node 4 served no follower read"
+        # The membership is the Raft group's, kept in each node's journal and dump: an old node restarted with its
+        # topology of three still counts four members, and so does every other
+        site.nodes[1].restart(60)
+        assert raft_total(site.address(1)) == 4
+        assert raft_total(site.address(2)) == 4
     finally:
+        for node in site.nodes.values():  # all at once: each may take seconds to stop its streams
+            if node.alive():
+                assert node.proc is not None
+                node.proc.terminate()
         site.close()
     held = segment_ids(tmp_path, 4)
     assert sorted(held) == sorted(before), f"node 4 holds segments of {sorted(held)}, not of every partition"

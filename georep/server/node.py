@@ -22,7 +22,13 @@ import grpc
 
 from cluster.ids import NodeId
 from cluster.metadata import SiteIdentity, load_or_create_identity, write_json_atomic
-from cluster.raft_store import MetadataUnavailable, RaftMetadataStore, RaftStartError, RaftTiming
+from cluster.raft_store import (
+    MetadataUnavailable,
+    RaftMetadataStore,
+    RaftStartError,
+    RaftTiming,
+    join_running_group,
+)
 from cluster.site_state import InitSite, Refused
 from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep import __version__
@@ -121,7 +127,11 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
     metadata: RaftMetadataStore | None = None
     if in_site is not None:
         try:
-            metadata = RaftMetadataStore(in_site.raft_address, in_site.raft_peers, data_dir, in_site.raft_timing)
+            # A node new to a running site is added to its Raft group first (docs/cluster.md, "Expansion"); the
+            # store itself must be built in this thread (pysyncobj's tick thread stops with the thread that built it)
+            partners = await asyncio.get_running_loop().run_in_executor(
+                segment_executor, join_running_group, in_site.raft_address, in_site.raft_peers, data_dir)
+            metadata = RaftMetadataStore(in_site.raft_address, partners, data_dir, in_site.raft_timing)
         except RaftStartError as exc:
             segment_executor.shutdown()
             raise UsageError(str(exc)) from None
