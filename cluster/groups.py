@@ -72,6 +72,8 @@ class Group:
     members: dict[str, Member] = field(default_factory=dict)
     # partition counts the last assignment was computed from
     partition_counts: dict[str, int] = field(default_factory=dict)
+    # A new coordinator's hold (``takeover_hold_until``): no partition is assigned before this time.
+    hold_until_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +173,7 @@ class GroupCoordinator:
         assignor: str,
         now_ms: int,
         client_id: str = "",
+        hold_until_ms: int = 0,
     ) -> Heartbeat:
         wanted = tuple(sorted(set(topics)))
         if not wanted:
@@ -183,7 +186,8 @@ class GroupCoordinator:
             )
         g = self.groups.get(group)
         if g is None or not g.members:
-            g = self.groups[group] = Group(group, assignor, generation=g.generation if g else 0)
+            g = self.groups[group] = Group(group, assignor, generation=g.generation if g else 0,
+                                           hold_until_ms=max(hold_until_ms, g.hold_until_ms if g else 0))
         elif assignor != g.assignor:
             raise InvalidGroupRequest(
                 f"group {group!r} uses the {g.assignor} assignor; its members must all use it (this one asked for "
@@ -206,6 +210,7 @@ class GroupCoordinator:
             self._rebalance(g)
         if self._counts_changed(g):
             self._rebalance(g)
+        self._release(g, now_ms)
         return Heartbeat(member.member_id, g.generation, member.assignment, heartbeat_interval_ms(session_timeout_ms))
 
     def leave(self, group: str, member_id: str) -> None:
@@ -228,7 +233,15 @@ class GroupCoordinator:
                 gone.append((name, m))
             if dead or (g.members and self._counts_changed(g)):
                 self._rebalance(g)
+            self._release(g, now_ms)
         return gone
+
+    def _release(self, g: Group, now_ms: int) -> None:
+        """End a hold that is over: the members get their partitions at their next heartbeat."""
+        if g.hold_until_ms and now_ms >= g.hold_until_ms:
+            g.hold_until_ms = 0
+            if g.members:
+                self._rebalance(g)
 
     def check_commit(self, group: str, member_id: str, generation: int, partitions: Iterable[TopicPartition]) -> None:
         g = self.groups.get(group)
@@ -268,8 +281,9 @@ class GroupCoordinator:
         else:
             previous = {m: member.assignment for m, member in g.members.items()}
             assignment = sticky_assign(subscriptions, counts, previous)
+        held = g.hold_until_ms > 0
         for m, member in g.members.items():
-            member.assignment = assignment.get(m, ())
+            member.assignment = () if held else assignment.get(m, ())
 
 
 # -- coordinators on a multi-node site ------------------------------------------------------------------------
@@ -284,6 +298,7 @@ class LeadStep:
 
     forget_members: tuple[int, ...]  # offsets partitions whose groups' membership is no longer this node's
     refold: tuple[int, ...]  # offsets partitions whose commits must be folded again, from the log's start
+    taken_over: tuple[int, ...] = ()  # offsets partitions this node now leads at a new leader epoch
 
 
 def lead_step(before: Mapping[int, LeadToken], now: Mapping[int, LeadToken]) -> LeadStep:
@@ -303,7 +318,26 @@ def lead_step(before: Mapping[int, LeadToken], now: Mapping[int, LeadToken]) -> 
     forget = sorted(i for i, token in before.items() if i not in now or now[i][0] != token[0])
     refold = sorted(i for i, token in before.items() if now.get(i) != token)
     refold += sorted(i for i in now if i not in before)
-    return LeadStep(tuple(forget), tuple(sorted(set(refold))))
+    taken_over = sorted(i for i, token in now.items() if i not in before or before[i][0] != token[0])
+    return LeadStep(tuple(forget), tuple(sorted(set(refold))), tuple(taken_over))
+
+
+def takeover_hold_until(taken_over_ms: int | None, session_timeout_ms: int, has_commits: bool) -> int:
+    """When a group that (re)joins a coordinator that took its offsets partition over at ``taken_over_ms`` may be
+    given partitions (0: at once).
+
+    The members of the previous coordinator do not all learn of the change at once: one that has not yet found
+    the new coordinator still reads the partitions it owned, and if another member were given them meanwhile,
+    started at the group's commit and committed further, the first one could deliver records that commit covers.
+    A member gives its partitions up once it has had no answer from a coordinator for its session timeout
+    (``georep/client/group.py``), as Kafka's does; the previous coordinator's last answer came before the takeover,
+    so a session timeout after the takeover every such member has given up or rejoined. Kafka's coordinator
+    waits likewise for the previous generation's members (its rebalance timeout). A group with no commit has
+    nothing a delivery could go behind (a new topic's first coordinator holds none), and ``None`` is a
+    one-node site's coordinator, which never takes over: neither is held."""
+    if taken_over_ms is None or not has_commits:
+        return 0
+    return taken_over_ms + session_timeout_ms
 
 
 def forget_groups(coordinator: GroupCoordinator, partitions: Iterable[int],

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from cluster.groups import GroupCoordinator, LeadStep, forget_groups, lead_step
+from cluster.groups import GroupCoordinator, LeadStep, forget_groups, lead_step, takeover_hold_until
 from dedup.producer import ProducerStateTable
 from georep.broker.append import append_as_origin
 from georep.broker.commits import CommitEntry, CommitLog, commit_batch
@@ -18,7 +18,7 @@ from topology.ids import SiteId
 def test_a_partition_lost_or_led_at_a_new_epoch_drops_its_members_and_its_fold() -> None:
     before = {0: (3, 10), 1: (3, 11), 2: (5, 12)}
     now = {0: (3, 10), 1: (4, 13), 3: (1, 14)}  # 0 unchanged, 1 at a new epoch, 2 lost, 3 gained
-    assert lead_step(before, now) == LeadStep(forget_members=(1, 2), refold=(1, 2, 3))
+    assert lead_step(before, now) == LeadStep(forget_members=(1, 2), refold=(1, 2, 3), taken_over=(1, 3))
 
 
 def test_a_roll_under_the_same_epoch_keeps_the_members_but_folds_again() -> None:
@@ -63,3 +63,23 @@ def test_a_reset_partition_is_folded_again_from_its_start_and_keeps_other_partit
     assert commits.table.get(g, "t", 0) is None and commits.table.get(other, "t", 0) is not None
     commits.catch_up(logs)
     assert commits.table.get(g, "t", 0).vector.get(origin) == 5  # type: ignore[union-attr]
+
+
+def test_a_new_coordinator_holds_a_group_with_commits_for_a_session_then_assigns() -> None:
+    """Members of the previous coordinator may still read their partitions for up to a session: nobody gets a
+    partition before then, and everybody who joined meanwhile gets one at the release."""
+    ids = iter(range(100))
+    coordinator = GroupCoordinator(lambda topic: 4, lambda client: f"{client}-{next(ids)}")
+    hold = takeover_hold_until(10_000, 3_000, has_commits=True)
+    assert hold == 13_000
+    assert takeover_hold_until(10_000, 3_000, has_commits=False) == 0  # nothing committed: nothing to protect
+    assert takeover_hold_until(None, 3_000, has_commits=True) == 0  # a one-node site never takes over
+    first = coordinator.heartbeat("g", "", ["t"], 3_000, "range", 10_500, "a", hold_until_ms=hold)
+    second = coordinator.heartbeat("g", "", ["t"], 3_000, "range", 11_000, "b", hold_until_ms=hold)
+    assert first.assignment == () and second.assignment == ()
+    assert coordinator.heartbeat("g", first.member_id, ["t"], 3_000, "range", 12_900, "a").assignment == ()
+    coordinator.expire(13_000)  # the node's tick releases the hold
+    after = [coordinator.heartbeat("g", m, ["t"], 3_000, "range", 13_100, "x") for m in (first.member_id,
+                                                                                       second.member_id)]
+    assert sorted(tp for hb in after for tp in hb.assignment) == [("t", p) for p in range(4)]
+    assert after[0].generation > second.generation

@@ -522,8 +522,8 @@ class Consumer:
     def _take(self, max_records: int) -> list[ConsumerRecord]:
         out: list[ConsumerRecord] = []
         states = list(self._states.values())
-        if not states:
-            return out
+        if not states or (self._group is not None and self._group.lapsed):
+            return out  # a group member no coordinator answered for a session: its partitions may be others' now
         self._rr = (self._rr + 1) % len(states)
         for state in states[self._rr :] + states[: self._rr]:
             while len(out) < max_records:

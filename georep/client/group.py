@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
@@ -106,6 +107,18 @@ class GroupMembership:
         self._lock = asyncio.Lock()
         # A multi-node site: the group's coordinator when it is not the node the consumer is connected to.
         self._coordinator: Connection | None = None
+        self._answered = time.monotonic()  # when a coordinator last answered a heartbeat
+
+    @property
+    def lapsed(self) -> bool:
+        """No coordinator has answered for a whole session: the consumer delivers nothing until one does.
+
+        The group may have given this member's partitions to others meanwhile (its session expired, or a new
+        coordinator took over and does not know it), and they start at the group's commit and commit further;
+        records this member went on delivering could be ones those commits cover. Kafka's consumer stops likewise
+        when it cannot reach its coordinator. A new coordinator waits a session before it assigns anything
+        (``cluster.groups.takeover_hold_until``), so by then every member of the previous one has stopped."""
+        return self.started and time.monotonic() - self._answered > self.options.session_timeout_ms / 1000
 
     @property
     def _timeout_s(self) -> float:
@@ -162,6 +175,7 @@ class GroupMembership:
                 self.member_id = ""
                 moved = True
                 resp = await self._call()
+            self._answered = time.monotonic()
             moved = moved or self._moved_pending
             new_generation = resp.generation != self.generation or resp.member_id != self.member_id
             self.member_id, self.site = resp.member_id, site

@@ -36,7 +36,14 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
-from cluster.groups import GroupCoordinator, InvalidGroupRequest, LeadToken, forget_groups, lead_step
+from cluster.groups import (
+    GroupCoordinator,
+    InvalidGroupRequest,
+    LeadToken,
+    forget_groups,
+    lead_step,
+    takeover_hold_until,
+)
 from cluster.metadata import TopicExists
 from cluster.raft_store import MetadataUnavailable
 from georep.broker.acks import Acks
@@ -81,6 +88,7 @@ class GroupService:
         self.broker = broker
         self.site_cluster = site_cluster
         self._led: dict[int, LeadToken] = {}  # multi-node site: the offsets partitions this node leads, as folded
+        self._taken_over_ms: dict[int, int] = {}  # ... and when it started leading each at its leader epoch
         self._creating = asyncio.Lock()
         self.clock_ms = clock_ms
         self.coordinator = GroupCoordinator(self._partition_count, self._new_member_id)
@@ -154,6 +162,9 @@ class GroupService:
                      name)  # fmt: skip
         for index in step.refold:
             self.commits.reset(index, offsets_partition)
+        now_ms = self.clock_ms()
+        self._taken_over_ms = {i: now_ms if i in step.taken_over else self._taken_over_ms.get(i, now_ms)
+                               for i in now}  # fmt: skip
         self._led = now
         return logs
 
@@ -223,11 +234,14 @@ class GroupService:
             if is_internal(topic):
                 raise InvalidGroupRequest(f"topic {topic!r} is internal to georep: subscribe to your own topics")
         await self._ensure_offsets_topic(group)
-        self._observe_leadership()
+        await self.sync()  # the group's commits, which decide a new coordinator's hold
         self._coordinated(group)
+        session_timeout_ms = req.session_timeout_ms or 10_000
+        hold = takeover_hold_until(self._taken_over_ms.get(offsets_partition(group)), session_timeout_ms,
+                                   any(True for _ in self.table.of_group(group)))  # fmt: skip
         hb = self.coordinator.heartbeat(
-            group, req.member_id, list(req.topics), req.session_timeout_ms or 10_000, req.assignor or "range",
-            self.clock_ms(), req.client_id,
+            group, req.member_id, list(req.topics), session_timeout_ms, req.assignor or "range", self.clock_ms(),
+            req.client_id, hold_until_ms=hold,
         )  # fmt: skip
         return pb.GroupHeartbeatResponse(
             member_id=hb.member_id, generation=hb.generation, assignment=topic_partitions_to_proto(hb.assignment),
