@@ -1,7 +1,8 @@
 """A consumer group on a three-node site (RF 3, min-insync 2) of real ``georep node`` processes: its coordinator,
 the leader of the group's ``__georep_offsets`` partition, is killed with ``kill -9`` while two members consume and
-commit at ``acks=all``. The members find the new coordinator, rejoin, and the group goes on from its commits: every
-record is delivered, and none that a commit covered is delivered again."""
+commit at ``acks=all``, and half the records are written after the kill. The members find the new coordinator,
+rejoin, and the group goes on from its commits: every record is delivered, and none that a commit covered is
+delivered again."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class GroupRun:
     async def member(self, consumer: Consumer, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                records = await consumer.poll(timeout_ms=200)
+                records = await consumer.poll(timeout_ms=200, max_records=20)
             except GeorepError:
                 await asyncio.sleep(0.1)  # a node went away under the poll: the consumer reconnects
                 continue
@@ -60,9 +61,9 @@ class GroupRun:
             for tp, vector in offsets.items():
                 self.committed[tp] = self.committed.get(tp, VectorOffset()).merge(vector)
 
-    async def until(self, count: int, timeout_s: float) -> None:
+    async def until(self, count: int, timeout_s: float, committed: bool = False) -> None:
         deadline = time.monotonic() + timeout_s
-        while len(self.delivered) < count and time.monotonic() < deadline:
+        while (len(self.delivered) < count or (committed and not self.committed)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
 
@@ -95,8 +96,13 @@ def test_a_group_resumes_from_its_commits_after_its_coordinator_is_killed(tmp_pa
 
 async def _drive(site: ClusterSite, coordinator: int, others: list[int], run: GroupRun) -> int:
     everyone = ",".join(site.address(n) for n in [*others, coordinator])
-    async with Producer(everyone, acks="all", linger_ms=2) as producer:
-        await asyncio.gather(*(producer.send(TOPIC, f"r{i}".encode(), key=f"k{i}".encode()) for i in range(RECORDS)))
+
+    async def produce(first: int, last: int) -> None:  # half before the kill, half after it
+        async with Producer(everyone, acks="all", linger_ms=2, delivery_timeout_ms=60_000) as producer:
+            await asyncio.gather(*(producer.send(TOPIC, f"r{i}".encode(), key=f"k{i}".encode())
+                                   for i in range(first, last)))  # fmt: skip
+
+    await produce(0, RECORDS // 2)
     options = {"group_id": GROUP, "enable_auto_commit": False, "auto_offset_reset": "earliest",
                "commit_acks": "all", "session_timeout_ms": 3000, "max_wait_ms": 200}  # fmt: skip
     # One member is connected to the coordinator itself (it loses its connection too), the other to another node
@@ -108,10 +114,11 @@ async def _drive(site: ClusterSite, coordinator: int, others: list[int], run: Gr
         first.subscribe([TOPIC])
         second.subscribe([TOPIC])
         tasks = [asyncio.create_task(run.member(c, stop)) for c in (first, second)]
-        await run.until(RECORDS // 3, 30)
+        await run.until(RECORDS // 4, 30, committed=True)
         before = dict(run.committed)
         assert before, "nothing was committed before the kill: the test proves nothing"
         site.nodes[coordinator].kill9()
+        await produce(RECORDS // 2, RECORDS)
         loop = asyncio.get_running_loop()
         survivor = await loop.run_in_executor(None, lambda: site.wait_leader(
             OFFSETS_TOPIC, offsets_partition(GROUP), not_node=coordinator))  # fmt: skip
