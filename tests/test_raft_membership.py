@@ -103,6 +103,11 @@ def test_a_node_joins_a_running_group_catches_up_and_the_membership_survives_res
     with pytest.raises(NoRaftLeader, match="2 of 4 metadata nodes reachable"):
         site[0].propose(CreateTopic(TopicSpec("two-of-four", 1)), timeout_s=2.0)
 
+    # a node that crashed (no dump at stop: node 1 never wrote one) replays the change from its journal
+    assert not (site.tmp_path / "node1" / "raft" / "site-state.json").exists()
+    site.stores[1] = RaftMetadataStore(old[1], old, site.tmp_path / "node1", FAST)
+    wait_until(lambda: site[1].members() == four, "the node restarted from its journal counts four members")
+
     # the new node, restarted, starts on its own state without asking anyone (it ran before)
     site.stop(3)
     started = time.monotonic()
