@@ -1,5 +1,6 @@
 """Retention on a real three-node site: a topic with ``retention_bytes`` loses its oldest sealed segments through
-the metadata, every node deletes its copies of them, and readers start at the new log start."""
+the metadata, every node deletes its copies of them (one killed meanwhile, once it is back), readers start at the
+new log start, and a one-node site pulling the partition over a link goes on through the trims."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 from georep.client.consumer import Consumer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.server.process import NodeProcess
 from georep.storage.replica_store import partition_dir_name
-from tests.support.cluster_site import ClusterSite
+from tests.support.cluster_site import ClusterSite, read_partition
+from tests.support.sites import free_ports
 from tests.test_site_cluster_e2e import Writer
 
 TOPIC = "orders"  # Writer's topic
@@ -48,10 +51,16 @@ async def _read_from_earliest(bootstrap: str, expect_last: bytes) -> list[tuple[
 
 @pytest.mark.slow
 def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: Path) -> None:
+    b_port = free_ports(1)[0]
+    more = f'[sites.b]\nnodes = ["127.0.0.1:{b_port}"]\n[[links]]\nsrc = "a"\ndst = "b"\n'
     site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "2048",
-                                                "--retention-check-ms", "200"])  # fmt: skip
+                                                "--retention-check-ms", "200"], more_toml=more)  # fmt: skip
+    b = NodeProcess("b", tmp_path / "b", listen=f"127.0.0.1:{b_port}",
+                    extra_args=["--topology", str(site.topology), "--scrub-bytes-per-s", "0",
+                                "--retention-check-ms", "600000"])  # fmt: skip
     try:
         site.start()
+        b.start()  # pulls a's partition from the start, through the trims
         with grpc.insecure_channel(site.address(1)) as channel:
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(
                 name=TOPIC, partitions=1, config={"retention_bytes": str(RETENTION_BYTES)}), timeout=30)
@@ -105,6 +114,15 @@ def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: P
             writer.send(seq)
         read = asyncio.run(_read_from_earliest(site.address(3), writer.acked[-1][1]))
         assert read[-1][1] == writer.acked[-1][1]
+        written = [v for _, v in writer.acked]
+        deadline = time.monotonic() + 15
+        while True:
+            at_b = [v for _, _, v in read_partition(b.address, TOPIC, 0)]
+            if at_b == written or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert at_b == written, "site b, pulling through the trims, does not hold every record once, in order"
     finally:
+        b.stop()
         site.close()
 
