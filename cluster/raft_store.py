@@ -360,10 +360,11 @@ def join_running_group(self_address: str, partner_addresses: Iterable[str], data
     """Before :class:`RaftMetadataStore` starts on a node: if the site's Raft group already runs without this node,
     have its leader add it (pysyncobj's ``addNodeToCluster``, one member at a time) and wait until that is committed.
 
-    Returns the partners to start the replica with: ``partner_addresses`` (the topology's other nodes) and every
-    member the running group reported. Raises :class:`JoinFailed` after ``timeout_s`` without a committed addition,
-    and :class:`RaftStartError` at once if this node could not listen on its address (checked before it is added,
-    so that a mistyped address never becomes a member that cannot run).
+    Returns the partners to start the replica with: the members the running group reported (this node left out), or
+    ``partner_addresses`` (the topology's other nodes) if no member answered or this node ran before. Raises
+    :class:`JoinFailed` after ``timeout_s`` without a committed addition, and :class:`RaftStartError` at once if this
+    node could not listen on its address (checked before it is added, so that a mistyped address never becomes a
+    member that cannot run).
     """
     self_address = _check_raft_address(self_address)
     peers = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
@@ -374,7 +375,9 @@ def join_running_group(self_address: str, partner_addresses: Iterable[str], data
     checked_bind = False
     while True:
         views = [v for v in (ask_group(a, ask_timeout_s) for a in peers) if v is not None]
-        known = sorted({m for v in views for m in v.members} | set(peers))
+        # The running group's members, not the topology's list: a node listed there but not added yet (the next one
+        # to join) must not count in this node's majority. With no answer, the site is forming from the topology.
+        known = sorted({m for v in views for m in v.members} if views else set(peers))
         step = join_step(self_address, False, views)
         if step is JoinStep.START:
             if views and any(self_address not in v.members for v in views):
