@@ -651,6 +651,7 @@ class RaftMetadataStore:
             replica.waitBinded()
         except SyncObjException:
             replica._doDestroy()  # the tick thread has already stopped: release the socket and the journal here
+            _check_bindable(self_address)  # says why: not an address of this host, or the port in use
             raise RaftStartError(
                 f"cannot listen on Raft address {self_address}: another process (or another node of this host) "
                 "probably uses the port; choose another Raft port or stop that process"

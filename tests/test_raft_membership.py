@@ -153,3 +153,9 @@ def test_a_new_node_gives_up_with_what_to_do_when_the_group_has_no_leader(grown:
     site.stores[0] = RaftMetadataStore(old[0], old, site.tmp_path / "node0", FAST)  # one of three: no leader
     with pytest.raises(JoinFailed, match="know of no Raft leader.*majority of the running nodes is up"):
         join_running_group(site.addresses[3], old, site.tmp_path / "node3", timeout_s=1.0, ask_timeout_s=0.5)
+
+
+def test_a_raft_address_not_of_this_host_is_refused_at_start_saying_so(tmp_path: Path) -> None:
+    mistyped = f"192.0.2.1:{free_ports(1)[0]}"
+    with pytest.raises(RaftStartError, match=f"cannot listen on Raft address {mistyped}: .*must be an address of this"):
+        RaftMetadataStore(mistyped, [mistyped, "127.0.0.1:1"], tmp_path, FAST)
