@@ -53,6 +53,7 @@ from georep.broker.errors import (
     InvalidRequest,
     NotCoordinator,
     NotLeader,
+    SegmentUnreadable,
     UnknownGroup,
     UnknownPartition,
 )
@@ -192,23 +193,29 @@ class GroupService:
 
     async def sync(self) -> None:
         """``catch_up`` of what this node leads, after ``lead_step``; on a multi-node site, segments held by other
-        nodes are read from them (``SegmentUnreadable`` if none answers)."""
-        logs = self._observe_leadership()
+        nodes are read from them (``SegmentUnreadable`` if none answers).
+
+        It returns only after a pass over every led partition that awaited nothing, so a caller that reads the
+        table right after it (with no await in between) reads a complete fold: while a read from another node is
+        awaited, ``lead_step`` may reset a partition (a roll, a new epoch), and a table read then would miss
+        commits and hand out an older position."""
         if self.site_cluster is None:
+            self._observe_leadership()
             self.catch_up()
             return
-        for index in sorted(logs):
-            chain = logs[index]
-            for _read in range(REMOTE_READS_MAX):
-                try:
-                    report = self.commits.catch_up({index: chain})
-                except SegmentElsewhere as missing:
-                    assert isinstance(chain, ChainLog)
-                    await self.site_cluster.read_elsewhere(chain, missing, 1 << 20)
-                    continue
-                for problem in report.problems:
-                    log.warning("%s", problem)
-                break
+        for _pass in range(REMOTE_READS_MAX):
+            logs = self._observe_leadership()
+            try:
+                for index in sorted(logs):
+                    for problem in self.commits.catch_up({index: logs[index]}).problems:
+                        log.warning("%s", problem)
+                return
+            except SegmentElsewhere as missing:
+                chain = logs[index]
+                assert isinstance(chain, ChainLog)
+                await self.site_cluster.read_elsewhere(chain, missing, 1 << 20)
+        raise SegmentUnreadable(f"the fold of {OFFSETS_TOPIC} read {REMOTE_READS_MAX} segments from other nodes "
+                                "without reaching the end; retry")
 
     def lag(self, topic: str, partition: int, vector: VectorOffset) -> int:
         """Records this site holds for the partition that ``vector`` does not cover (exact: seqs are dense); -1 on a
