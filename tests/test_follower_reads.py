@@ -180,6 +180,18 @@ def test_outside_the_open_ensemble_a_follower_log_stops_at_the_open_base_and_rea
         holder.close()
 
 
+def test_a_follower_log_of_a_chain_trimmed_to_its_open_segment_has_the_chains_start_vector(tmp_path: Path) -> None:
+    """Retention dropped every sealed segment; this node is outside the open one's ensemble: its vector is where the
+    chain starts now (the metadata's start vector), not empty, which would claim the partition holds nothing."""
+    store = ReplicaStore(tmp_path, now_ms=0)
+    try:
+        chain = [ChainSegment(SegmentId(1), 2, None, None, (N1, N2, N3))]
+        log = FollowerLog(KEY, store, chain, N4, VectorOffset({A: 2}))
+        assert log.vector() == {A: 2} and log.log_start_offset == log.log_end_offset == 2
+    finally:
+        store.close()
+
+
 # -- a real three-node site ------------------------------------------------------------------------------------
 
 

@@ -327,7 +327,7 @@ class NodeService:
             raise not_leader
         chain = [ChainSegment(s.segment_id, s.base_offset, s.end_offset, s.end_vector, s.ensemble)
                  for s in info.segments]  # fmt: skip
-        return FollowerLog(key, self.site_cluster.store, chain, self.site_cluster.member.me)
+        return FollowerLog(key, self.site_cluster.store, chain, self.site_cluster.member.me, info.start_vector)
 
     async def _fetch_as_follower(self, req: pb.FetchRequest, not_leader: NotLeader, max_bytes: int,
                                  max_wait_s: float) -> AsyncIterator[pb.FetchResponse]:  # fmt: skip

@@ -348,12 +348,15 @@ class FollowerLog(ChainLog):
     chain: the fetch builds a new one when the metadata's chain changes (a roll, a seal).
     """
 
-    def __init__(self, key: PartitionKey, store: ReplicaStore, chain: Sequence[ChainSegment], me: NodeId) -> None:
+    def __init__(self, key: PartitionKey, store: ReplicaStore, chain: Sequence[ChainSegment], me: NodeId,
+                 start_vector: VectorOffset | None = None) -> None:  # fmt: skip
+        """``start_vector``: the chain's start (the metadata's, past what retention trimmed); the vector of a
+        chain whose sealed segments are all gone, read at a node without a copy of the open segment."""
         if not chain:
             raise ValueError(f"{key}: a follower log needs a chain of at least one segment")
         last_sealed = next((s for s in reversed(chain) if s.end_offset is not None), None)
         end_vector = last_sealed.end_vector if last_sealed is not None else None
-        self._sealed_vector = end_vector if end_vector is not None else VectorOffset()
+        self._sealed_vector = end_vector if end_vector is not None else start_vector or VectorOffset()
         # Not ChainLog.__init__: a follower may hold no copy of the open segment, and leads no epoch (0: none).
         self._init_chain(key, store, chain, LeaderEpoch(0), self._sealed_vector)
         self.me = me
