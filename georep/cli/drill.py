@@ -41,8 +41,8 @@ commits, or any record never delivered. Exit 2 is a usage error.
 (docs/cluster.md): it SIGKILLs the node leading partition 0 of the drill
 topic (or ``--node N``; its pid from ``DATA_DIR/<site>/<node id>/node.json``)
 while producers write at ``acks=all`` and ``acks=leader`` through the site's
-nodes and one consumer reads every partition with ``assign()`` (a multi-node
-site has no consumer groups yet). The RTO is the time until a partition the
+nodes and one consumer reads every partition with ``assign()`` (no group: the
+drill measures the partition leaders' failover alone). The RTO is the time until a partition the
 node led acknowledges a write again (and until such a record is consumed);
 the RPO is what the site lost of what it had acknowledged: nothing at
 ``acks=all``, and at ``acks=leader`` at most the tail that only the killed
@@ -854,8 +854,8 @@ async def node_kill(args: argparse.Namespace, topology: Topology, sites: dict[Si
     producer_tasks = [asyncio.create_task(produce_loop(run, sites[s], level, args.rate, stop_producers))
                       for s in names for level in levels]  # fmt: skip
     stop_consumer = asyncio.Event()
-    # No group: a multi-node site has none yet. The consumer keeps its position, which is a local offset of the
-    # site and so means the same at every node of it.
+    # No group (the drill measures the partition leaders' failover alone): the consumer keeps its position, a
+    # local offset of the site, which means the same at every node of it.
     consumer = Consumer(site.bootstrap, auto_offset_reset="earliest", client_id="drill-reader")
     consumer_task: asyncio.Task[None] | None = None
     restored = False
