@@ -21,8 +21,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.storage.replica_store import ReplicaStore
 from tests.support.cli import georep, ok
-from tests.support.cluster_site import ClusterSite, read_partition, site_toml
-from tests.test_follower_reads import consume_all
+from tests.support.cluster_site import ClusterSite, consume_all, read_partition, site_toml
 
 TOPIC = "grow"
 PARTITIONS = 2

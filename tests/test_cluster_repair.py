@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,7 +41,7 @@ from georep.storage.replica_store import CorruptReplicaChunk, PastSealedEnd, Rep
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, OriginSeq
 from tests.support.cli import georep, ok
-from tests.support.cluster_site import ClusterSite
+from tests.support.cluster_site import TOPIC, WAIT_S, ClusterSite, produce, status, wait_for
 from tests.support.segments import A, B, Writer, read_all
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
@@ -208,34 +207,9 @@ def test_copy_in_reads_the_sealed_range_from_a_member_over_grpc_from_where_it_ho
 
 # -- real nodes ----------------------------------------------------------------------------------------------------
 
-TOPIC = "orders"
 EXTRA = ["--session-timeout-ms", "1500", "--repair-delay-ms", "2000", "--segment-bytes-max", "8192"]
-WAIT_S = 90.0
 
 
-def produce(site: ClusterSite, count: int, tag: str, deadline_s: float = 60.0) -> int:
-    """``count`` batches of ~1 KiB at acks=all, each retried at the leader (NOT_LEADER's hint) or at the next live
-    node until acknowledged; returns how many were acknowledged."""
-    acked = 0
-    address = site.address(site.live()[0])
-    for i in range(count):
-        request = pb.ProduceRequest(topic=TOPIC, partition=0, batch=_batch(f"{tag}-{i}"), acks=pb.ACKS_ALL,
-                                    ack_timeout_ms=10_000)  # fmt: skip
-        deadline = time.monotonic() + deadline_s
-        while True:
-            try:
-                with grpc.insecure_channel(address) as channel:
-                    pbg.NodeStub(channel).Produce(request, timeout=15)
-                acked += 1
-                break
-            except grpc.RpcError as exc:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"batch {tag}-{i} not acknowledged: {exc.code()} {exc.details()}") from None
-                hint = _leader_hint(exc)
-                live = site.live()
-                address = hint or site.address(live[(i + acked + 1) % len(live)])
-                time.sleep(0.05)
-    return acked
 
 
 def _leader_hint(exc: grpc.RpcError) -> str:
@@ -245,20 +219,8 @@ def _leader_hint(exc: grpc.RpcError) -> str:
     return ""
 
 
-def _batch(value: str) -> bytes:
-    from georep.record.batch import RecordInput, encode_batch
-
-    return encode_batch([RecordInput(None, value.encode().ljust(1000, b"."), (), 1_700_000_000_000)])
 
 
-def status(site: ClusterSite) -> pb.ClusterStatusResponse:
-    for n in site.live():
-        try:
-            with grpc.insecure_channel(site.address(n)) as channel:
-                return pbg.NodeStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
-        except grpc.RpcError:
-            continue
-    raise AssertionError("no node answers ClusterStatus")
 
 
 def held(site: ClusterSite, n: int) -> dict[int, int]:
@@ -268,18 +230,6 @@ def held(site: ClusterSite, n: int) -> dict[int, int]:
     return {h.segment.segment_id: h.flushed_offset for h in answer.segments if h.segment.topic == TOPIC}
 
 
-def wait_for(what: str, check: object, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()  # type: ignore[operator]
-        except (grpc.RpcError, AssertionError) as exc:
-            last = exc
-        if last is True:
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"{what} within {timeout_s} s; last: {last}")
 
 
 def read_copies(root: Path, nodes: list[int]) -> dict[int, dict[int, bytes]]:
@@ -318,6 +268,10 @@ def test_a_node_back_from_kill_9_gets_every_sealed_segment_it_lacks_and_all_copi
         produce(site, 12, "before")
         victim = next(n for n in (1, 2, 3) if n != leader)
         site.nodes[victim].kill9()
+        # Once the site knows it dead (a session), new segments open on the two live nodes only; writes as fast as
+        # a quiet machine makes them would otherwise roll them all with the dead node still in their ensembles.
+        wait_for("the site sees the killed node dead",
+                 lambda: not next(n for n in status(site).nodes if n.node_id == victim).live, 30)  # fmt: skip
         before = sealed_ids(status(site))
         produce(site, 60, "down")  # ~60 KiB: several 8 KiB segments, opened on the two live nodes
         during = status(site)

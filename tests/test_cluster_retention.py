@@ -220,7 +220,7 @@ def check_trim(before: PartitionInfo, after: PartitionInfo, retention_ms: int, r
 
 
 def test_a_trim_deletes_the_copies_before_it_and_moves_the_chain_logs_start(tmp_path: Path) -> None:
-    from tests.test_chain_log import KEY, chain_of
+    from tests.support.chains import KEY, chain_of
 
     store = ReplicaStore(tmp_path, now_ms=0)
     try:

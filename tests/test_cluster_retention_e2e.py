@@ -16,11 +16,9 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
 from georep.storage.replica_store import partition_dir_name
-from tests.support.cluster_site import ClusterSite, read_partition
+from tests.support.cluster_site import TOPIC, ClusterSite, Writer, read_partition
 from tests.support.sites import free_ports
-from tests.test_site_cluster_e2e import Writer
 
-TOPIC = "orders"  # Writer's topic
 RETENTION_BYTES = 6_000
 
 
@@ -66,14 +64,33 @@ def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: P
                 name=TOPIC, partitions=1, config={"retention_bytes": str(RETENTION_BYTES)}), timeout=30)
         site.wait_leader(TOPIC)
         writer = Writer(site)
+
+        def b_keeps_up() -> None:
+            """b holds every acknowledged record so far: retention keeps 6 KB, about 20 batches, so b is never left
+            behind by more than the trims keep (a site never appends past a gap: one that fell behind a trim would
+            wait for good, docs/cluster.md "Retention"). Under load its link may take a while to start."""
+            written = [v for _, v in writer.acked]
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if [v for _, _, v in read_partition(b.address, TOPIC, 0)] == written:
+                        return
+                except grpc.RpcError:
+                    pass  # the topic has not reached b yet
+                assert time.monotonic() < deadline, "site b did not keep up with a's writes"
+                time.sleep(0.2)
+
         for seq in range(20):  # about 280 B a batch: segments of 2 KiB on all three nodes
             writer.send(seq)
+        b_keeps_up()
         # A node that is down while the trims commit deletes its copies when it comes back.
         down = next(n for n in (1, 2, 3) if n != site.wait_leader(TOPIC))
         assert 0 in _copies(tmp_path, down)
         site.nodes[down].kill9()
         for seq in range(20, 60):
             writer.send(seq)
+            if seq % 10 == 9:
+                b_keeps_up()
         up = [n for n in (1, 2, 3) if n != down]
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and any(0 in _copies(tmp_path, n) for n in up):

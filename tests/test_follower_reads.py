@@ -29,11 +29,10 @@ from georep.storage.chain_log import ChainSegment, FollowerLog, SegmentElsewhere
 from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import LocalOffset, OriginSeq
 from offsets.vector import VectorOffset
+from tests.support.chains import EPOCH, KEY, A
 from tests.support.cli import georep, ok
-from tests.support.cluster_site import ClusterSite, read_partition
+from tests.support.cluster_site import TOPIC, ClusterSite, consume_all, produce, read_partition, status, wait_for
 from tests.support.segments import make_batch
-from tests.test_chain_log import EPOCH, KEY, A
-from tests.test_cluster_repair import TOPIC, produce, status, wait_for
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 
@@ -225,20 +224,6 @@ def follower_matches_leader(site: ClusterSite, follower: int, leader: int) -> bo
     return True if got == expected else f"node {follower} serves {len(got)} records, the leader {len(expected)}"
 
 
-async def consume_all(bootstrap: str, prefer: str, count: int, topic: str = TOPIC,
-                      partition: int = 0) -> tuple[list[tuple[str, int, bytes]], int]:  # fmt: skip
-    """``count`` records of ``topic``-``partition`` read by a consumer with read_from="follower" (fewer if they do
-    not come within a minute), and how many of its fetch responses a follower served."""
-    out: list[tuple[str, int, bytes]] = []
-    async with Consumer(bootstrap, read_from="follower", prefer=prefer, auto_offset_reset="earliest") as consumer:
-        consumer.assign([(topic, partition)])
-        consumer.seek_to_beginning()
-        for _ in range(600):
-            for r in await consumer.poll(timeout_ms=100):
-                out.append((str(r.origin), r.origin_seq, r.value or b""))
-            if len(out) >= count:
-                break
-        return out, consumer.follower_reads
 
 
 @pytest.mark.slow

@@ -26,8 +26,7 @@ from cluster.raft_store import (
 )
 from cluster.site_state import CreateTopic
 from cluster.topics import TopicSpec
-from tests.support.raft import FAST, free_ports
-from tests.test_raft_store import Site, ok, populate, wait_until
+from tests.support.raft import FAST, Site, free_ports, ok, populate, wait_until
 
 A, B, C, D = "10.0.0.1:9093", "10.0.0.2:9093", "10.0.0.3:9093", "10.0.0.4:9093"
 

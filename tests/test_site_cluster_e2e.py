@@ -19,57 +19,8 @@ from georep.client.consumer import Consumer
 from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.record.batch import RecordInput, encode_batch
-from georep.server.rpc import LEADER_METADATA
 from georep.storage.replica_store import ReplicaStore
-from tests.support.cluster_site import ClusterSite, read_partition
-
-TOPIC = "orders"
-PRODUCER_ID = 4242
-
-
-def _leader_hint(exc: grpc.RpcError) -> str:
-    for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
-        if key == LEADER_METADATA:
-            return str(value)
-    return ""
-
-
-class Writer:
-    """An idempotent producer of one partition that follows the leader, one batch at a time, at acks=all."""
-
-    def __init__(self, site: ClusterSite) -> None:
-        self.site = site
-        self.address = site.address(1)
-        self.acked: list[tuple[int, bytes]] = []  # (origin seq, value) of every acknowledged record
-        self.origin = ""
-        self.retries = 0
-
-    def send(self, seq: int, deadline_s: float = 60.0) -> None:
-        values = [f"v{seq}-{i}".encode() for i in range(5)]
-        batch = encode_batch([RecordInput(None, v, (), 1_700_000_000_000 + seq) for v in values],
-                             producer_id=PRODUCER_ID, producer_epoch=0,
-                             base_sequence=seq * 5)  # fmt: skip
-        request = pb.ProduceRequest(topic=TOPIC, partition=0, batch=batch, acks=pb.ACKS_ALL, ack_timeout_ms=10_000)
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            try:
-                with grpc.insecure_channel(self.address) as channel:
-                    r = pbg.NodeStub(channel).Produce(request, timeout=15)
-            except grpc.RpcError as exc:
-                self.retries += 1
-                hint = _leader_hint(exc) if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else ""
-                if hint:
-                    self.address = hint
-                else:
-                    live = self.site.live()  # a dead node, or one that knows no leader yet: ask the next one
-                    self.address = self.site.address(live[self.retries % len(live)])
-                    time.sleep(0.05)
-                continue
-            self.origin = f"{r.origin_site}@{r.origin_epoch}"
-            self.acked += [(r.base_origin_seq + i, v) for i, v in enumerate(values)]
-            return
-        raise AssertionError(f"batch {seq} was not acknowledged within {deadline_s} s (last address {self.address})")
+from tests.support.cluster_site import TOPIC, ClusterSite, Writer, read_partition
 
 
 @pytest.mark.slow

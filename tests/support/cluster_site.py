@@ -7,10 +7,12 @@ from pathlib import Path
 
 import grpc
 
+from georep.client.consumer import Consumer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.record.batch import decode_records, iter_headers
+from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
 from georep.server.process import NodeProcess
+from georep.server.rpc import LEADER_METADATA
 from tests.support.sites import free_ports
 
 
@@ -115,3 +117,127 @@ def read_partition(address: str, topic: str, partition: int) -> list[tuple[str, 
             at += h.size_bytes
         offset = response.next_offset
     raise AssertionError(f"{topic}-{partition} at {address} did not end")
+
+
+TOPIC = "orders"
+
+
+PRODUCER_ID = 4242
+
+
+def leader_hint(exc: grpc.RpcError) -> str:
+    for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == LEADER_METADATA:
+            return str(value)
+    return ""
+
+
+class Writer:
+    """An idempotent producer of one partition that follows the leader, one batch at a time, at acks=all."""
+
+    def __init__(self, site: ClusterSite) -> None:
+        self.site = site
+        self.address = site.address(1)
+        self.acked: list[tuple[int, bytes]] = []  # (origin seq, value) of every acknowledged record
+        self.origin = ""
+        self.retries = 0
+
+    def send(self, seq: int, deadline_s: float = 60.0) -> None:
+        values = [f"v{seq}-{i}".encode() for i in range(5)]
+        batch = encode_batch([RecordInput(None, v, (), 1_700_000_000_000 + seq) for v in values],
+                             producer_id=PRODUCER_ID, producer_epoch=0,
+                             base_sequence=seq * 5)  # fmt: skip
+        request = pb.ProduceRequest(topic=TOPIC, partition=0, batch=batch, acks=pb.ACKS_ALL, ack_timeout_ms=10_000)
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            try:
+                with grpc.insecure_channel(self.address) as channel:
+                    r = pbg.NodeStub(channel).Produce(request, timeout=15)
+            except grpc.RpcError as exc:
+                self.retries += 1
+                hint = leader_hint(exc) if exc.code() == grpc.StatusCode.FAILED_PRECONDITION else ""
+                if hint:
+                    self.address = hint
+                else:
+                    live = self.site.live()  # a dead node, or one that knows no leader yet: ask the next one
+                    self.address = self.site.address(live[self.retries % len(live)])
+                    time.sleep(0.05)
+                continue
+            self.origin = f"{r.origin_site}@{r.origin_epoch}"
+            self.acked += [(r.base_origin_seq + i, v) for i, v in enumerate(values)]
+            return
+        raise AssertionError(f"batch {seq} was not acknowledged within {deadline_s} s (last address {self.address})")
+
+
+WAIT_S = 90.0
+
+
+def produce(site: ClusterSite, count: int, tag: str, deadline_s: float = 60.0) -> int:
+    """``count`` batches of ~1 KiB at acks=all, each retried at the leader (NOT_LEADER's hint) or at the next live
+    node until acknowledged; returns how many were acknowledged."""
+    acked = 0
+    address = site.address(site.live()[0])
+    for i in range(count):
+        request = pb.ProduceRequest(topic=TOPIC, partition=0, batch=_batch(f"{tag}-{i}"), acks=pb.ACKS_ALL,
+                                    ack_timeout_ms=10_000)  # fmt: skip
+        deadline = time.monotonic() + deadline_s
+        while True:
+            try:
+                with grpc.insecure_channel(address) as channel:
+                    pbg.NodeStub(channel).Produce(request, timeout=15)
+                acked += 1
+                break
+            except grpc.RpcError as exc:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"batch {tag}-{i} not acknowledged: {exc.code()} {exc.details()}") from None
+                hint = leader_hint(exc)
+                live = site.live()
+                address = hint or site.address(live[(i + acked + 1) % len(live)])
+                time.sleep(0.05)
+    return acked
+
+
+def _batch(value: str) -> bytes:
+    from georep.record.batch import RecordInput, encode_batch
+
+    return encode_batch([RecordInput(None, value.encode().ljust(1000, b"."), (), 1_700_000_000_000)])
+
+
+def status(site: ClusterSite) -> pb.ClusterStatusResponse:
+    for n in site.live():
+        try:
+            with grpc.insecure_channel(site.address(n)) as channel:
+                return pbg.NodeStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
+        except grpc.RpcError:
+            continue
+    raise AssertionError("no node answers ClusterStatus")
+
+
+def wait_for(what: str, check: object, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()  # type: ignore[operator]
+        except (grpc.RpcError, AssertionError) as exc:
+            last = exc
+        if last is True:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{what} within {timeout_s} s; last: {last}")
+
+
+async def consume_all(bootstrap: str, prefer: str, count: int, topic: str = TOPIC,
+                      partition: int = 0) -> tuple[list[tuple[str, int, bytes]], int]:  # fmt: skip
+    """``count`` records of ``topic``-``partition`` read by a consumer with read_from="follower" (fewer if they do
+    not come within a minute), and how many of its fetch responses a follower served."""
+    out: list[tuple[str, int, bytes]] = []
+    async with Consumer(bootstrap, read_from="follower", prefer=prefer, auto_offset_reset="earliest") as consumer:
+        consumer.assign([(topic, partition)])
+        consumer.seek_to_beginning()
+        for _ in range(600):
+            for r in await consumer.poll(timeout_ms=100):
+                out.append((str(r.origin), r.origin_seq, r.value or b""))
+            if len(out) >= count:
+                break
+        return out, consumer.follower_reads
