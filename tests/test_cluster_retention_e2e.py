@@ -16,7 +16,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
 from georep.storage.replica_store import partition_dir_name
-from tests.support.cluster_site import TOPIC, ClusterSite, Writer, read_partition
+from tests.support.cluster_site import TOPIC, ClusterSite, Writer, leader_hint, read_partition
 from tests.support.sites import free_ports
 
 RETENTION_BYTES = 6_000
@@ -111,13 +111,22 @@ def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: P
             assert not (set(range(first_held)) & set(held[n])), f"node {n} kept a trimmed copy: {held[n]}"
 
         # A fetch below the log start is out of range; a consumer from earliest reads from it, to the end.
-        with grpc.insecure_channel(site.address(leader)) as channel:
-            try:
-                next(iter(pbg.NodeStub(channel).Fetch(pb.FetchRequest(topic=TOPIC, partition=0, offset=0,
-                                                                      max_bytes=1 << 16), timeout=10)))  # fmt: skip
-                raise AssertionError("a fetch below the log start was served")
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.OUT_OF_RANGE, exc
+        address = site.address(leader)
+        for _ in range(20):  # following the leader if it moves meanwhile (NOT_LEADER names it)
+            with grpc.insecure_channel(address) as channel:
+                try:
+                    next(iter(pbg.NodeStub(channel).Fetch(pb.FetchRequest(topic=TOPIC, partition=0, offset=0,
+                                                                          max_bytes=1 << 16), timeout=10)))  # fmt: skip
+                    raise AssertionError("a fetch below the log start was served")
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        address = leader_hint(exc) or address
+                        time.sleep(0.2)
+                        continue
+                    assert exc.code() == grpc.StatusCode.OUT_OF_RANGE, exc
+                    break
+        else:
+            raise AssertionError("no leader answered the fetch below the log start")
         last = writer.acked[-1][1]
         read = asyncio.run(_read_from_earliest(site.address(2), last))
         assert read and read[0][0] >= start and read[-1][1] == last, "a consumer from earliest did not read on"
