@@ -13,14 +13,12 @@ from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.retention import plan_retention
 from cluster.site_state import (
     Applied,
-    Command,
     CreateTopic,
     ElectLeader,
     NodeHeartbeat,
     OpenSegment,
     PartitionInfo,
     RefusalCode,
-    Refused,
     RegisterNode,
     ReplaceMember,
     SealSegment,
@@ -36,24 +34,15 @@ from georep.storage.replica_store import NEW_SUFFIX, ReplicaError, ReplicaStore,
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
 from tests.support.segments import make_batch
+from tests.support.site_state import applied, refused
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 E1 = LeaderEpoch(1)
 A = Origin.parse("a@1")
 
 
-def applied(state: SiteState, command: Command) -> Applied:
-    result = state.apply(command)
-    assert isinstance(result, Applied), result
-    return result
 
 
-def refused(state: SiteState, command: Command, code: RefusalCode) -> Refused:
-    before = state.snapshot()
-    result = state.apply(command)
-    assert isinstance(result, Refused) and result.code is code, result
-    assert state.snapshot() == before, "a refused command changed the state"
-    return result
 
 
 def chain(segments: list[tuple[int, int | None, int | None]], config: dict[str, int] | None = None,

@@ -41,6 +41,7 @@ from cluster.site_state import (
 from cluster.topics import InvalidTopic, TopicSpec
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
+from tests.support.site_state import applied, refused
 
 N1, N2, N3, N4, N5 = (NodeId(n) for n in (1, 2, 3, 4, 5))
 E0, E1, E2 = LeaderEpoch(0), LeaderEpoch(1), LeaderEpoch(2)
@@ -53,19 +54,8 @@ def vec(text: str) -> VectorOffset:
     return VectorOffset.parse(text)
 
 
-def applied(state: SiteState, command: Command) -> Applied:
-    result = state.apply(command)
-    assert isinstance(result, Applied), result
-    return result
 
 
-def refused(state: SiteState, command: Command, code: RefusalCode) -> Refused:
-    before = state.snapshot()
-    result = state.apply(command)
-    assert isinstance(result, Refused), result
-    assert result.code is code, result
-    assert state.snapshot() == before, "a refused command changed the state"
-    return result
 
 
 def site(nodes: tuple[NodeId, ...] = (N1, N2, N3, N4), now_ms: int = 1_000, topic: str = "t") -> SiteState:

@@ -682,12 +682,7 @@ class GeoClusterSimulator(Simulator):
         if not site.up:
             return
         self._log(f"{site.id} stops serving: {why}")
-        site.up = False
-        site.incarnation += 1
-        site.out_streams.clear()
-        site.waiters.clear()
-        for other in self.sites.values():
-            other.out_streams.pop(site.id, None)
+        self._disconnect(site)
         self._producers_lose_connection(site)
 
     def _on_fault_crash(self) -> None:

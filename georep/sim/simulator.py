@@ -894,6 +894,16 @@ class Simulator:
         self.counts.heals += 1
         self._log(f"heal {key[0]}->{key[1]}")
 
+    def _disconnect(self, site: SimSite) -> None:
+        """The site stops serving: its timers and connections of this incarnation do nothing from now on, and the
+        connections to it break."""
+        site.up = False
+        site.incarnation += 1
+        site.out_streams.clear()
+        site.waiters.clear()
+        for other in self.sites.values():
+            other.out_streams.pop(site.id, None)
+
     def _on_fault_crash(self) -> None:
         if self.phase != "safety":
             return
@@ -925,12 +935,7 @@ class Simulator:
             self.origins.append(site.origin)
         what = f"batches, rebuilt empty as {site.origin}" if rebuild else "unflushed batches"
         self._log(f"crash {site.id}: lost {lost} {what}")
-        site.up = False
-        site.incarnation += 1
-        site.out_streams.clear()
-        site.waiters.clear()
-        for other in self.sites.values():
-            other.out_streams.pop(site.id, None)  # the connections to the crashed site break
+        self._disconnect(site)
         if rebuild:  # the old epoch is never stamped again, so no coordinate is re-issued
             self.checker.rescan(site.id, site.logs)
         else:
