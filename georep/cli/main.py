@@ -38,6 +38,7 @@ DELEGATED = {
     "topology": ("georep.cli.topology", "topology show [FILE]: summary and picture of a topology"),
     "group": ("georep.cli.group", "list and describe consumer groups: members, assignments, commits, lag"),
     "cluster": ("georep.cli.cluster", "cluster status: a multi-node site's nodes, segments, leaders and Raft group"),
+    "certs": ("georep.cli.certs", "certs init: a development CA and certificates for sites, nodes and clients"),
     "drill": ("georep.cli.drill", "run a DR drill against a running topology and report RPO, RTO and duplicates"),
     "audit": ("spark_jobs.audit", "Spark audit: do all sites hold the same data? (reads segment files)"),
     "delays": ("spark_jobs.delays", "Spark analytics: replication delay per path, origin and site, with plots"),
