@@ -5,6 +5,7 @@ Run from the repository root::
     .venv/bin/python bench/replication.py            # full run, a few minutes
     .venv/bin/python bench/replication.py --quick    # smoke run, under 30 s
     .venv/bin/python bench/replication.py --only latency --json latency.json
+    .venv/bin/python bench/replication.py --only rtt        # the 200 ms RTT row next to the no-delay row
 
 Every site is a ``georep node`` process on 127.0.0.1 (ephemeral ports written
 into topology files), started the way ``georep up`` starts them
@@ -17,6 +18,11 @@ explains how to read it):
   vector equals a's. Next to it, raw gRPC server streaming of the same bytes in
   messages of the same size between two processes: the ceiling for any Python
   gRPC stream on this machine.
+* ``rtt``: the same a -> b catch-up, but b reaches a through the fault proxy
+  (``python -m georep.faultproxy`` in its own process, driven with
+  toxiproxy-python; a real Toxiproxy when ``TOXIPROXY_URL`` is set): a row with
+  no delay, and a row with a latency toxic of half the RTT each way (200 ms RTT
+  by default), run alternately, and their ratio: what a long fat pipe keeps.
 * ``wire``: five sites, every ordered pair linked (multi-master). Each site
   takes the same amount of produce at once; after every vector is equal, the
   batch bytes each node sent downstream, per byte produced, per other site.
@@ -64,6 +70,7 @@ from produce import (
     stream_produce,
     wait_for_port,
 )
+from toxiproxy import Toxiproxy
 
 from georep.cli.up import site_processes
 from georep.client.connection import CHANNEL_OPTIONS
@@ -85,6 +92,7 @@ LATENCY_BATCH_BYTES = 65536
 LATENCY_WARMUP_S = 1.5
 LATENCY_TARGET_P99_MS = 100.0
 THROUGHPUT_TARGET = 0.5
+RTT_TARGET = 0.7  # issue 12: the 200 ms RTT row at least 70% of the no-delay row
 WIRE_TARGET = 1.2
 CONVERGE_TIMEOUT_S = 300.0
 
@@ -379,6 +387,105 @@ async def measure_throughput(stack: contextlib.ExitStack, root: Path, cfg: Confi
     return results
 
 
+# -- 1b. the same link at a long RTT, through the fault proxy ----------------------------
+
+
+@dataclass
+class LongLink:
+    batch_bytes: int
+    payload_bytes: int
+    rtt_ms: int
+    flat: list[tuple[float, float, int, float]] = field(default_factory=list)  # pull_once() per run, no delay
+    delayed: list[tuple[float, float, int, float]] = field(default_factory=list)  # pull_once() per run, rtt_ms
+
+    def mb_s(self, runs: list[tuple[float, float, int, float]]) -> float:
+        """Best ready->equal rate."""
+        return self.payload_bytes / min(r[0] for r in runs) / 1e6
+
+    @staticmethod
+    def streaming_mb_s(runs: list[tuple[float, float, int, float]]) -> float:
+        rates = [b / s for _t, s, b, _st in runs if b > 0 and s > 0]
+        return max(rates) / 1e6 if rates else float("nan")
+
+    @property
+    def ratio(self) -> float:
+        return self.mb_s(self.delayed) / self.mb_s(self.flat)
+
+    @property
+    def streaming_ratio(self) -> float:
+        return self.streaming_mb_s(self.delayed) / self.streaming_mb_s(self.flat)
+
+    def as_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(flat_mb_s=self.mb_s(self.flat), delayed_mb_s=self.mb_s(self.delayed), ratio=self.ratio,
+                   flat_streaming_mb_s=self.streaming_mb_s(self.flat),
+                   delayed_streaming_mb_s=self.streaming_mb_s(self.delayed),
+                   streaming_ratio=self.streaming_ratio)  # fmt: skip
+        return out
+
+
+def start_fault_proxy(stack: contextlib.ExitStack, root: Path) -> Toxiproxy:
+    """The Toxiproxy API: a real server at TOXIPROXY_URL, else georep's fault proxy in its own process."""
+    client = Toxiproxy()
+    url = os.environ.get("TOXIPROXY_URL")
+    if url:
+        host, _, port = url.split("//", 1)[-1].rstrip("/").rpartition(":")
+        client.update_api_consumer(host, int(port))
+        return client
+    [port] = free_ports(1)
+    log = open(root / "faultproxy.log", "wb")  # noqa: SIM115 - closed by the exit stack
+    stack.callback(log.close)
+    cmd = [sys.executable, "-m", "georep.faultproxy", "--listen", f"127.0.0.1:{port}"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    stack.callback(stop_process, proc)
+    wait_for_port(port, proc, "fault proxy")
+    client.update_api_consumer("127.0.0.1", port)
+    return client
+
+
+async def measure_rtt(stack: contextlib.ExitStack, root: Path, cfg: Config) -> LongLink:
+    bb = cfg.rtt_batch_bytes
+    topic = f"rtt-{os.urandom(3).hex()}"
+    a_port, b_port, proxy_port = free_ports(3)
+    origin = Cluster(stack, root, "rtt", topology_toml("ab", [a_port, b_port], [("a", "b")]))
+    origin.start(["a"])
+    toxiproxy = start_fault_proxy(stack, root)
+    proxy = toxiproxy.create(upstream=origin.address("a"), name=f"bench-{topic}", listen=f"127.0.0.1:{proxy_port}")
+    stack.callback(proxy.destroy)
+    # b's topology names the proxy as a's node: every byte b pulls crosses it.
+    pulling = Cluster(stack, root, "rtt-b", topology_toml("ab", [proxy_port, b_port], [("a", "b")], [topic]))
+    a_ch = channel(origin.address("a"))
+    try:
+        a = pbg.NodeStub(a_ch)
+        await create_topic(a, topic, {"flush_interval_ms": str(THROUGHPUT_FLUSH_MS)})
+        records = max(1, cfg.rtt_bytes // RECORD_BYTES)
+        reqs = build_requests(topic, 1, records, bb, RECORD_VALUE_BYTES * b"r", seed=bb)
+        progress(f"rtt: producing {reqs.batch_bytes / 1e6:.0f} MB in {size_label(bb)} batches at a")
+        await stream_produce(a_ch, reqs.messages, max(2, DEFAULT_WINDOW_BYTES // bb))
+        result = LongLink(bb, reqs.batch_bytes, cfg.rtt_ms)
+        del reqs
+        await wait_durable(origin.metrics_address("a"), topic)
+        want, _ = await site_vector(a, topic)
+    finally:
+        await a_ch.close()
+    timeout_s = 60 + result.payload_bytes / 1e6
+    half = cfg.rtt_ms // 2
+    for i in range(cfg.repeats):
+        for delayed in (False, True):  # alternately, so both rows see the same machine
+            label = f"{cfg.rtt_ms} ms RTT" if delayed else "no delay"
+            if delayed:
+                for stream in ("upstream", "downstream"):
+                    proxy.add_toxic(type="latency", stream=stream, attributes={"latency": half, "jitter": 0})
+            progress(f"rtt run {i + 1}: b pulls from a through the proxy, {label}")
+            settle_page_cache()
+            try:
+                run = await pull_once(pulling, topic, want, timeout_s)
+            finally:
+                toxiproxy.reset()
+            (result.delayed if delayed else result.flat).append(run)
+    return result
+
+
 # -- 2. bytes on the wire in a full mesh ---------------------------------------------------
 
 
@@ -596,6 +703,9 @@ class Config:
     batch_sizes: list[int]
     link_bytes: int
     repeats: int
+    rtt_ms: int
+    rtt_bytes: int
+    rtt_batch_bytes: int
     wire_bytes: int
     latency_s: float
     latency_rate_mb_s: float
@@ -605,6 +715,7 @@ class Config:
 @dataclass
 class Results:
     throughput: list[Throughput] = field(default_factory=list)
+    rtt: LongLink | None = None
     wire: Wire | None = None
     latency: list[Latency] = field(default_factory=list)
 
@@ -615,6 +726,9 @@ async def run_all(cfg: Config, root: Path) -> Results:
     if "throughput" in cfg.only:
         with contextlib.ExitStack() as stack:
             res.throughput = await measure_throughput(stack, root, cfg)
+    if "rtt" in cfg.only:
+        with contextlib.ExitStack() as stack:
+            res.rtt = await measure_rtt(stack, root, cfg)
     if "wire" in cfg.only:
         with contextlib.ExitStack() as stack:
             res.wire = await measure_wire(stack, root, cfg)
@@ -643,6 +757,22 @@ def report(res: Results, cfg: Config) -> Iterator[str]:
                    f"{t.raw_mb_s:>6.1f} MB/s {t.georep_mb_s / t.raw_mb_s * 100:>6.0f}% "
                    f"{t.streaming_mb_s / t.raw_mb_s * 100:>12.0f}%  {startup:<14} {runs:<16} "
                    f"{msg}")  # fmt: skip
+        yield ""
+    if res.rtt is not None:
+        r = res.rtt
+        yield (f"1b. The same link through the fault proxy, {r.payload_bytes / 1e6:.0f} MB in "
+               f"{size_label(r.batch_bytes)} batches: no delay, and a latency toxic of {r.rtt_ms // 2} ms each way "
+               f"({r.rtt_ms} ms RTT); runs alternate; best of {len(r.flat)}.")  # fmt: skip
+        head = f"   {'link':>14} {'ready->equal':>12} {'streaming':>10}  {'startup s':<18} runs MB/s"
+        yield head
+        yield "   " + "-" * (len(head) - 3)
+        for name, runs in (("no delay", r.flat), (f"{r.rtt_ms} ms RTT", r.delayed)):
+            startup = " ".join(f"{x[3]:.2f}" for x in runs)
+            rates = " ".join(f"{r.payload_bytes / x[0] / 1e6:.0f}" for x in runs)
+            yield (f"   {name:>14} {r.mb_s(runs):>7.1f} MB/s {r.streaming_mb_s(runs):>5.1f} MB/s  {startup:<18} "
+                   f"{rates}")  # fmt: skip
+        yield (f"   {r.rtt_ms} ms RTT / no delay: {r.ratio * 100:.0f}% ready->equal, "
+               f"{r.streaming_ratio * 100:.0f}% streaming")  # fmt: skip
         yield ""
     if res.wire is not None:
         w = res.wire
@@ -682,6 +812,11 @@ def summary(res: Results) -> Iterator[str]:
         verdict = "meets" if ratio >= THROUGHPUT_TARGET else "BELOW"
         yield (f"throughput {size_label(t.batch_bytes)}: {ratio * 100:.1f}% of raw gRPC ready->equal, "
                f"{t.streaming_mb_s / t.raw_mb_s * 100:.1f}% streaming ({verdict} the 50% target)")  # fmt: skip
+    if res.rtt is not None:
+        r = res.rtt
+        verdict = "meets" if r.ratio >= RTT_TARGET else "BELOW"
+        yield (f"rtt {r.rtt_ms} ms: {r.ratio * 100:.1f}% of the no-delay row ready->equal, "
+               f"{r.streaming_ratio * 100:.1f}% streaming ({verdict} the 70% target)")  # fmt: skip
     if res.wire is not None:
         verdict = "meets" if res.wire.ratio <= WIRE_TARGET else "ABOVE"
         yield f"wire: {res.wire.ratio:.3f} bytes sent per byte produced per other site ({verdict} the 1.2 target)"
@@ -705,22 +840,27 @@ def parse_sizes(text: str) -> list[int]:
 
 def parse_only(text: str) -> list[str]:
     parts = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [p for p in parts if p not in ("throughput", "wire", "latency")]
+    bad = [p for p in parts if p not in ("throughput", "rtt", "wire", "latency")]
     if bad or not parts:
-        raise argparse.ArgumentTypeError(f"--only takes throughput, wire or latency (comma-separated), not {text!r}")
+        raise argparse.ArgumentTypeError(f"--only takes throughput, rtt, wire or latency (comma-separated), "
+                                         f"not {text!r}")  # fmt: skip
     return parts
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", type=parse_only, default=["throughput", "wire", "latency"],
-                        help="throughput, wire or latency (comma-separated; default all three)")
+    parser.add_argument("--only", type=parse_only, default=["throughput", "rtt", "wire", "latency"],
+                        help="throughput, rtt, wire or latency (comma-separated; default all four)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run each: a smoke run under 30 s")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=[65536, 1048576],
                         help="throughput batch sizes in bytes (default 65536,1048576)")
     parser.add_argument("--link-mb", type=float, help="throughput: MB produced at a per batch size (default 400)")
     parser.add_argument("--repeats", type=int, help="throughput: runs per batch size, best kept (default 3)")
+    parser.add_argument("--rtt-ms", type=int, default=200, help="rtt: the round trip of the delayed row (default 200)")
+    parser.add_argument("--rtt-mb", type=float, help="rtt: MB produced at a (default 200)")
+    parser.add_argument("--rtt-batch-bytes", type=int, default=1048576,
+                        help="rtt: batch size in bytes (default 1048576)")
     parser.add_argument("--wire-mb", type=float, help="wire: MB produced at each of the 5 sites (default 20)")
     parser.add_argument("--latency-s", type=float, help="latency: measured seconds per run (default 10)")
     parser.add_argument("--latency-rate", type=float, default=LATENCY_RATE_MB_S,
@@ -735,14 +875,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.link_mb = args.link_mb if args.link_mb is not None else (4 if q else 400)
     args.repeats = args.repeats if args.repeats is not None else (1 if q else 3)
     args.wire_mb = args.wire_mb if args.wire_mb is not None else (1 if q else 20)
+    args.rtt_mb = args.rtt_mb if args.rtt_mb is not None else (4 if q else 200)
     args.latency_s = args.latency_s if args.latency_s is not None else (2 if q else 10)
     flush = args.latency_flush_ms if args.latency_flush_ms is not None else ("0" if q else "0,5")
     try:
         args.latency_flush_ms = [int(x) for x in flush.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--latency-flush-ms {flush!r} is not a comma-separated list of integers")
-    if args.repeats < 1 or args.link_mb <= 0 or args.wire_mb <= 0 or args.latency_s <= 0:
-        parser.error("--repeats, --link-mb, --wire-mb and --latency-s must be positive")
+    if args.repeats < 1 or args.link_mb <= 0 or args.wire_mb <= 0 or args.latency_s <= 0 or args.rtt_mb <= 0:
+        parser.error("--repeats, --link-mb, --rtt-mb, --wire-mb and --latency-s must be positive")
+    if args.rtt_ms < 0 or args.rtt_batch_bytes < 2048:
+        parser.error("--rtt-ms must be >= 0 and --rtt-batch-bytes at least 2048 (one 1 KiB record)")
     return args
 
 
@@ -753,7 +896,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_raw is not None:
         asyncio.run(serve_raw(args.serve_raw))
         return 0
-    cfg = Config(args.only, args.batch_sizes, int(args.link_mb * 1e6), args.repeats, int(args.wire_mb * 1e6),
+    cfg = Config(args.only, args.batch_sizes, int(args.link_mb * 1e6), args.repeats, args.rtt_ms,
+                 int(args.rtt_mb * 1e6), args.rtt_batch_bytes, int(args.wire_mb * 1e6),
                  args.latency_s, args.latency_rate, args.latency_flush_ms)  # fmt: skip
     cores = os.cpu_count() or 1
     print(f"georep replication benchmark: {cores} cores ({platform.machine()}), Python {platform.python_version()}, "
@@ -780,6 +924,7 @@ def main(argv: list[str] | None = None) -> int:
             "cores": cores, "machine": platform.machine(), "python": platform.python_version(),
             "grpcio": grpc.__version__, "repeats": cfg.repeats,
             "throughput": [t.as_json() for t in res.throughput],
+            "rtt": res.rtt.as_json() if res.rtt else None,
             "wire": res.wire.as_json() if res.wire else None,
             "latency": [lat.as_json() for lat in res.latency],
         }  # fmt: skip
