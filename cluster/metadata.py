@@ -4,6 +4,10 @@
 node in a JSON file replaced atomically, so a crash leaves the old or the new
 table, never half of one. The Raft-backed store for multi-node sites sits
 behind the same protocol.
+
+The table also holds the site's ACL records (:class:`AclRecord`: an entry's text, present or removed, and its
+stamp), kept and replicated as last-writer-wins registers (``georep/security/acl_sync.py`` says why that
+converges); this module stores them without reading the entries.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from cluster.topics import TopicSpec
 from topology.ids import SiteId, site_id
@@ -32,6 +36,40 @@ class DataDirMismatch(Exception):
     """The data dir belongs to another site."""
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class AclRecord:
+    """One ACL entry's state at this site: present or removed (a tombstone), stamped by the site that changed it."""
+
+    entry: str  # "principal operation resource" (georep.security.acl.AclEntry.key)
+    present: bool
+    stamp_ms: int
+    site: str
+
+    @property
+    def version(self) -> tuple[int, str, bool]:
+        """Total order of the records of one entry: the higher one wins (ties: by site, then present)."""
+        return (self.stamp_ms, self.site, self.present)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"entry": self.entry, "present": self.present, "stamp_ms": self.stamp_ms, "site": self.site}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> AclRecord:
+        try:
+            entry, present, stamp, site = raw["entry"], raw["present"], raw["stamp_ms"], raw["site"]
+        except (KeyError, TypeError):
+            raise ValueError(f"invalid ACL record {raw!r}: it needs entry, present, stamp_ms and site") from None
+        if not (isinstance(entry, str) and isinstance(present, bool) and isinstance(stamp, int)
+                and not isinstance(stamp, bool) and isinstance(site, str)):  # fmt: skip
+            raise ValueError(f"invalid ACL record {raw!r}")
+        return cls(entry, present, stamp, site)
+
+
+def acl_newer(record: AclRecord, held: AclRecord | None) -> bool:
+    """Whether ``record`` replaces ``held``, the record held for the same entry (if any)."""
+    return held is None or record.version > held.version
+
+
 class MetadataStore(Protocol):
     def topics(self) -> dict[str, TopicSpec]: ...
 
@@ -41,6 +79,15 @@ class MetadataStore(Protocol):
 
     def create_topic(self, spec: TopicSpec) -> None:
         """Raises ``TopicExists``. Durable when it returns."""
+        ...
+
+    def acls(self) -> dict[str, AclRecord]:
+        """Entry text -> its record, tombstones included. A new dict after every change, the same one until."""
+        ...
+
+    def put_acl(self, record: AclRecord) -> bool:
+        """Keep ``record`` if it is newer than the one held (:func:`acl_newer`); whether it was. Durable when it
+        returns."""
         ...
 
 
@@ -63,10 +110,14 @@ class FileMetadataStore:
     def __init__(self, path: Path) -> None:
         self._path = path
         self._topics: dict[str, TopicSpec] = {}
+        self._acls: dict[str, AclRecord] = {}
         if path.exists():
             raw = json.loads(path.read_text())
             for name, t in raw["topics"].items():
                 self._topics[name] = TopicSpec(name, int(t["partitions"]), {k: int(v) for k, v in t["config"].items()})
+            for entry in raw.get("acls", ()):  # absent in tables written before ACLs
+                record = AclRecord.from_dict(entry)
+                self._acls[record.entry] = record
 
     def topics(self) -> dict[str, TopicSpec]:
         return dict(self._topics)
@@ -81,9 +132,26 @@ class FileMetadataStore:
         if spec.name in self._topics:
             raise TopicExists(spec.name)
         topics = {**self._topics, spec.name: spec}
-        table = {t.name: {"partitions": t.partitions, "config": t.config} for t in topics.values()}
-        write_json_atomic(self._path, {"version": 1, "topics": table})
+        self._write(topics, self._acls)
         self._topics = topics
+
+    def acls(self) -> dict[str, AclRecord]:
+        return self._acls
+
+    def put_acl(self, record: AclRecord) -> bool:
+        if not acl_newer(record, self._acls.get(record.entry)):
+            return False
+        acls = {**self._acls, record.entry: record}
+        self._write(self._topics, acls)
+        self._acls = acls
+        return True
+
+    def _write(self, topics: dict[str, TopicSpec], acls: dict[str, AclRecord]) -> None:
+        table = {t.name: {"partitions": t.partitions, "config": t.config} for t in topics.values()}
+        out: dict[str, Any] = {"version": 1, "topics": table}
+        if acls:
+            out["acls"] = [acls[k].to_dict() for k in sorted(acls)]
+        write_json_atomic(self._path, out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,13 +110,14 @@ from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException, repli
 from pysyncobj.serializer import Serializer
 from pysyncobj.utility import TcpUtility, UtilityException
 
-from cluster.metadata import TopicExists, UnknownTopic
+from cluster.metadata import AclRecord, TopicExists, UnknownTopic
 from cluster.site_state import (
     Applied,
     Command,
     CreateTopic,
     InvalidCommand,
     InvalidSnapshot,
+    PutAcl,
     ReadBarrier,
     RefusalCode,
     Refused,
@@ -683,7 +684,17 @@ class RaftMetadataStore:
             raise UnknownTopic(name)
         return spec
 
+    def acls(self) -> dict[str, AclRecord]:
+        return self._replica.read(lambda state: state.acls())
+
     # -- writes ----------------------------------------------------------------------------------------
+
+    def put_acl(self, record: AclRecord) -> bool:
+        """Raises :class:`MetadataUnavailable`; blocks up to the write timeout (call it off the event loop)."""
+        result = self.propose(PutAcl(record))
+        if isinstance(result, Refused):
+            raise CommandRefused(result)
+        return result.changed
 
     def create_topic(self, spec: TopicSpec) -> None:
         """Raises ``TopicExists``, ``InvalidTopic``, or :class:`MetadataUnavailable`. Committed when it returns."""

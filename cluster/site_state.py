@@ -10,7 +10,10 @@ every copy the same commands in the same order. The state holds:
   the epoch that opened it, open or sealed, and once sealed its end offset and
   end vector);
 * the nodes (:class:`NodeInfo`): address, last heartbeat, free bytes, load,
-  draining flag.
+  draining flag;
+* the ACL records (:class:`~cluster.metadata.AclRecord`, ``georep/security/acl.py``): :class:`PutAcl` keeps a
+  record only if it is newer than the one held for its entry (last-writer-wins, ``georep/security/acl_sync.py``),
+  so an operator's change and the same change replicated from another site commute.
 
 It changes per segment roll, per leader change and per node heartbeat, never
 per write, so Raft's latency stays off the data path.
@@ -77,6 +80,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Self
 
 from cluster.ids import LeaderEpoch, NodeId, SegmentId, node_id
+from cluster.metadata import AclRecord, acl_newer
 from cluster.topics import InvalidTopic, TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
@@ -682,15 +686,35 @@ class ReadBarrier(_CommandBase):
         return cls()
 
 
+@dataclass(frozen=True, slots=True)
+class PutAcl(_CommandBase):
+    """Keep an ACL record (an add, a remove, or one replicated from another site) if it is newer than the one held
+    for its entry; an older or equal one changes nothing (``Applied(changed=False)``)."""
+
+    KIND: ClassVar[str] = "put_acl"
+    record: AclRecord
+
+    def __post_init__(self) -> None:
+        if not self.record.entry or not self.record.site:
+            raise InvalidCommand(f"ACL record {self.record!r} needs an entry and a site")
+
+    def _encode(self) -> dict[str, Any]:
+        return {"record": self.record.to_dict()}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(AclRecord.from_dict(_mapping(raw, "record")))
+
+
 Command = (
     RegisterNode | NodeHeartbeat | SetDraining | RemoveNode | CreateTopic | ElectLeader | OpenSegment | SealSegment
-    | ReplaceMember | AddMember | InitSite | ReadBarrier | TrimChain
+    | ReplaceMember | AddMember | InitSite | ReadBarrier | TrimChain | PutAcl
 )
 
 _COMMANDS: dict[str, type[Command]] = {
     cls.KIND: cls
     for cls in (RegisterNode, NodeHeartbeat, SetDraining, RemoveNode, CreateTopic, ElectLeader, OpenSegment,
-                SealSegment, ReplaceMember, AddMember, InitSite, ReadBarrier, TrimChain)
+                SealSegment, ReplaceMember, AddMember, InitSite, ReadBarrier, TrimChain, PutAcl)
 }  # fmt: skip
 
 
@@ -729,18 +753,23 @@ def _where(topic: str, partition: int) -> str:
 class SiteState:
     """The site's metadata; see the module docstring. Change it only through :meth:`apply`."""
 
-    __slots__ = ("_topics", "_partitions", "_nodes", "_site")
+    __slots__ = ("_topics", "_partitions", "_nodes", "_site", "_acls")
 
     def __init__(self) -> None:
         self._topics: dict[str, TopicSpec] = {}
         self._partitions: dict[tuple[str, int], PartitionInfo] = {}
         self._nodes: dict[NodeId, NodeInfo] = {}
         self._site: tuple[str, int] | None = None  # (site id, origin epoch), from the first InitSite
+        self._acls: dict[str, AclRecord] = {}  # replaced, never changed in place: readers cache by identity
 
     # -- queries ------------------------------------------------------------------------------------------
 
     def topics(self) -> dict[str, TopicSpec]:
         return dict(sorted(self._topics.items()))
+
+    def acls(self) -> dict[str, AclRecord]:
+        """Entry text -> ACL record, tombstones included: the same dict until a :class:`PutAcl` changes it."""
+        return self._acls
 
     def site(self) -> tuple[str, int] | None:
         """The site id and origin epoch every node of the site stamps with (``InitSite``); None before the first."""
@@ -773,6 +802,7 @@ class SiteState:
         twin._partitions = dict(self._partitions)
         twin._nodes = dict(self._nodes)
         twin._site = self._site
+        twin._acls = self._acls
         return twin
 
     def __eq__(self, other: object) -> bool:
@@ -815,6 +845,11 @@ class SiteState:
             return Applied(changed=False)
         if isinstance(command, TrimChain):
             return self._trim_chain(command)
+        if isinstance(command, PutAcl):
+            if not acl_newer(command.record, self._acls.get(command.record.entry)):
+                return Applied(changed=False)
+            self._acls = {**self._acls, command.record.entry: command.record}
+            return Applied()
         return Refused(RefusalCode.INVALID_COMMAND, f"not a command: {command!r}")
 
     def _init_site(self, cmd: InitSite) -> Result:
@@ -1074,7 +1109,7 @@ class SiteState:
 
     def snapshot(self) -> dict[str, Any]:
         """The whole state as a plain, JSON-serializable dict with sorted keys and lists."""
-        return {
+        out: dict[str, Any] = {
             "version": SNAPSHOT_FORMAT_VERSION,
             "topics": [
                 {"name": spec.name, "partitions": spec.partitions, "config": dict(sorted(spec.config.items()))}
@@ -1084,6 +1119,9 @@ class SiteState:
             "nodes": [_node_to_dict(info) for _, info in sorted(self._nodes.items())],
             "site": None if self._site is None else {"id": self._site[0], "epoch": self._site[1]},
         }
+        if self._acls:  # only once there are any, so snapshots from before ACLs compare equal
+            out["acls"] = [self._acls[k].to_dict() for k in sorted(self._acls)]
+        return out
 
     @classmethod
     def restore(cls, raw: Mapping[str, Any]) -> SiteState:
@@ -1122,6 +1160,11 @@ class SiteState:
         site = raw.get("site")
         if site is not None:
             state._site = (_str(site, "id"), _int(site, "epoch"))
+        acls = {}
+        for entry in raw.get("acls", ()):
+            record = AclRecord.from_dict(entry)
+            acls[record.entry] = record
+        state._acls = acls
         return state
 
 

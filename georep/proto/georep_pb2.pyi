@@ -79,6 +79,134 @@ READ_FROM_REPLICA: ReadFrom.ValueType  # 1
 Global___ReadFrom: _TypeAlias = ReadFrom  # noqa: Y015
 
 @_typing.final
+class AclRecord(_message.Message):
+    """One ACL entry as a replicated record: present or removed, stamped by the
+    site where an operator changed it (georep/security/acl_sync.py).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRY_FIELD_NUMBER: _builtins.int
+    PRESENT_FIELD_NUMBER: _builtins.int
+    STAMP_MS_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
+    entry: _builtins.str
+    """"principal operation resource", e.g. "client:alice produce topic:orders/**" """
+    present: _builtins.bool
+    """false: removed (a tombstone)"""
+    stamp_ms: _builtins.int
+    site: _builtins.str
+    def __init__(
+        self,
+        *,
+        entry: _builtins.str = ...,
+        present: _builtins.bool = ...,
+        stamp_ms: _builtins.int = ...,
+        site: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "present", b"present", "site", b"site", "stamp_ms", b"stamp_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AclRecord: _TypeAlias = AclRecord  # noqa: Y015
+
+@_typing.final
+class PutAclRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PRINCIPAL_FIELD_NUMBER: _builtins.int
+    OPERATION_FIELD_NUMBER: _builtins.int
+    RESOURCE_FIELD_NUMBER: _builtins.int
+    REMOVE_FIELD_NUMBER: _builtins.int
+    principal: _builtins.str
+    """client:alice, client:**, node:a/+, site:b"""
+    operation: _builtins.str
+    """produce, consume, create_topic, alter_topic, delete_topic, commit, read, admin"""
+    resource: _builtins.str
+    """topic:<filter>, group:<filter> or cluster"""
+    remove: _builtins.bool
+    def __init__(
+        self,
+        *,
+        principal: _builtins.str = ...,
+        operation: _builtins.str = ...,
+        resource: _builtins.str = ...,
+        remove: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["operation", b"operation", "principal", b"principal", "remove", b"remove", "resource", b"resource"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutAclRequest: _TypeAlias = PutAclRequest  # noqa: Y015
+
+@_typing.final
+class PutAclResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORD_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    changed: _builtins.bool
+    """false: the entry was already so"""
+    @_builtins.property
+    def record(self) -> Global___AclRecord: ...
+    def __init__(
+        self,
+        *,
+        record: Global___AclRecord | None = ...,
+        changed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "record", b"record"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutAclResponse: _TypeAlias = PutAclResponse  # noqa: Y015
+
+@_typing.final
+class ListAclsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WITH_REMOVED_FIELD_NUMBER: _builtins.int
+    with_removed: _builtins.bool
+    def __init__(
+        self,
+        *,
+        with_removed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["with_removed", b"with_removed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAclsRequest: _TypeAlias = ListAclsRequest  # noqa: Y015
+
+@_typing.final
+class ListAclsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___AclRecord]: ...
+    def __init__(
+        self,
+        *,
+        records: _abc.Iterable[Global___AclRecord] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAclsResponse: _TypeAlias = ListAclsResponse  # noqa: Y015
+
+@_typing.final
 class Error(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

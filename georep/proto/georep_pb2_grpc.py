@@ -144,6 +144,16 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.DecommissionNodeRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.DecommissionNodeResponse.FromString,
                 _registered_method=True)
+        self.PutAcl = channel.unary_unary(
+                '/georep.v1.Node/PutAcl',
+                request_serializer=georep_dot_proto_dot_georep__pb2.PutAclRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.PutAclResponse.FromString,
+                _registered_method=True)
+        self.ListAcls = channel.unary_unary(
+                '/georep.v1.Node/ListAcls',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ListAclsRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ListAclsResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -315,6 +325,24 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutAcl(self, request, context):
+        """Admin (`georep acl add|remove`): allow (or, with remove, stop allowing)
+        one operation on a resource pattern to a principal pattern, in the site's
+        metadata; it reaches every linked site as topic metadata does
+        (docs/security.md, "Principals and ACLs").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAcls(self, request, context):
+        """The site's ACL records (`georep acl list`, and the ACL sync of a linked
+        site, which asks with_removed to learn of removals too).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -427,6 +455,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.DecommissionNode,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.DecommissionNodeRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.DecommissionNodeResponse.SerializeToString,
+            ),
+            'PutAcl': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutAcl,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.PutAclRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.PutAclResponse.SerializeToString,
+            ),
+            'ListAcls': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAcls,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ListAclsRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ListAclsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1023,6 +1061,60 @@ class Node:
             '/georep.v1.Node/DecommissionNode',
             georep_dot_proto_dot_georep__pb2.DecommissionNodeRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.DecommissionNodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutAcl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/PutAcl',
+            georep_dot_proto_dot_georep__pb2.PutAclRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.PutAclResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAcls(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/ListAcls',
+            georep_dot_proto_dot_georep__pb2.ListAclsRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ListAclsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -103,6 +103,16 @@ class NodeStub:
     again with the same request changes nothing and answers the progress.
     A one-node site answers FAILED_PRECONDITION.
     """
+    PutAcl: _grpc.UnaryUnaryMultiCallable[_georep_pb2.PutAclRequest, _georep_pb2.PutAclResponse]
+    """Admin (`georep acl add|remove`): allow (or, with remove, stop allowing)
+    one operation on a resource pattern to a principal pattern, in the site's
+    metadata; it reaches every linked site as topic metadata does
+    (docs/security.md, "Principals and ACLs").
+    """
+    ListAcls: _grpc.UnaryUnaryMultiCallable[_georep_pb2.ListAclsRequest, _georep_pb2.ListAclsResponse]
+    """The site's ACL records (`georep acl list`, and the ACL sync of a linked
+    site, which asks with_removed to learn of removals too).
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -172,6 +182,16 @@ class NodeAsyncStub(NodeStub):
     to other nodes. Answers how much the metadata still puts on it; calling
     again with the same request changes nothing and answers the progress.
     A one-node site answers FAILED_PRECONDITION.
+    """
+    PutAcl: _aio.UnaryUnaryMultiCallable[_georep_pb2.PutAclRequest, _georep_pb2.PutAclResponse]  # type: ignore[assignment]
+    """Admin (`georep acl add|remove`): allow (or, with remove, stop allowing)
+    one operation on a resource pattern to a principal pattern, in the site's
+    metadata; it reaches every linked site as topic metadata does
+    (docs/security.md, "Principals and ACLs").
+    """
+    ListAcls: _aio.UnaryUnaryMultiCallable[_georep_pb2.ListAclsRequest, _georep_pb2.ListAclsResponse]  # type: ignore[assignment]
+    """The site's ACL records (`georep acl list`, and the ACL sync of a linked
+    site, which asks with_removed to learn of removals too).
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -371,6 +391,28 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         to other nodes. Answers how much the metadata still puts on it; calling
         again with the same request changes nothing and answers the progress.
         A one-node site answers FAILED_PRECONDITION.
+        """
+
+    @_abc_1.abstractmethod
+    def PutAcl(
+        self,
+        request: _georep_pb2.PutAclRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.PutAclResponse, _abc.Awaitable[_georep_pb2.PutAclResponse]]:
+        """Admin (`georep acl add|remove`): allow (or, with remove, stop allowing)
+        one operation on a resource pattern to a principal pattern, in the site's
+        metadata; it reaches every linked site as topic metadata does
+        (docs/security.md, "Principals and ACLs").
+        """
+
+    @_abc_1.abstractmethod
+    def ListAcls(
+        self,
+        request: _georep_pb2.ListAclsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.ListAclsResponse, _abc.Awaitable[_georep_pb2.ListAclsResponse]]:
+        """The site's ACL records (`georep acl list`, and the ACL sync of a linked
+        site, which asks with_removed to learn of removals too).
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,113 @@
+"""Who may replicate from this site, which topics, and which origins a pulled batch may claim. Pure.
+
+The replication RPCs are authorized by the topology, not by ACL entries (``georep/security/acl.py``): the
+links are already the operator's statement of which site pulls what from which.
+
+**Pulling** (:func:`pull_decision`, the ``Replicate`` RPC and the calls a puller makes alongside it:
+``ReportHeld``, ``ListAcls`` for the ACL sync). A caller ``site:d`` or ``node:d/N`` may pull from site ``s``
+only if the topology has a link ``s -> d``, and only the topics that link carries (its filters, and the
+internal topics every link carries). The site's own nodes pull from each other (a node passes on the
+partitions another node leads), so they may pull everything. A client never replicates.
+
+**Repairs** (:func:`repair_decision`, ``FetchBatch``): a site asks any site of the topology for a copy of a
+batch it holds damaged. ``s`` gives a batch of topic ``T`` from origin ``O`` to site ``d`` only if ``d`` is one
+of the sites ``O``'s records of ``T`` reach (``topology/reach.py``): ``d`` then holds, or will hold, that very
+batch anyway, so nothing is disclosed that the topology does not already send it.
+
+**Origins of a pulled batch** (:func:`origin_may_arrive`). Site ``d`` pulls from ``s`` over the link ``s -> d``
+a batch of topic ``T`` whose header claims origin site ``O``. ``d`` accepts it only if ``O == s``, or ``s`` is
+among the sites ``O``'s records of ``T`` reach over links carrying ``T`` (``expected_sites(O, T)``).
+
+*Why this is exactly the set an honest ``s`` can send.* By induction on the batches a site holds: a batch of
+``T`` with origin ``O`` is at ``s`` either because ``s`` stamped it (a produce at ``s``: ``O == s``; producers
+cannot stamp, ``georep/broker/append.py`` refuses a stamped batch), or because ``s`` pulled it over some link
+``u -> s`` carrying ``T`` from a ``u`` that held it and passed this same check, so ``u == O`` or ``u`` is
+reached from ``O`` over links carrying ``T``; either way ``s`` is reached from ``O`` over links carrying ``T``.
+So a batch outside the rule did not come through the topology: a forged origin (a site stamping another's
+name), or a misconfigured peer. Refusing it keeps a compromised or mistaken site from injecting records in
+another site's name, where they would count toward the victim's vector offsets and be deduplicated against
+its real records.
+
+The rule uses the current topology: after a link is removed, records that came over it before are refused
+downstream of the sites that hold them (they stay where they are). ``d``'s own origin comes back only
+over a cycle, which the rule allows (``d`` reaches ``s``), and the sink then skips it as held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from georep.security.acl import CLUSTER, Decision, Operation, Resource, topic
+from georep.security.principal import Principal
+from topology.model import Topology, UnknownLink, UnknownSite
+from topology.reach import expected_sites
+
+
+def _denied(principal: Principal, resource: Resource, why: str) -> Decision:
+    return Decision(False, principal, Operation.REPLICATE, resource, why)
+
+
+def pull_decision(topology: Topology | None, me: str, principal: Principal, topics: Iterable[str]) -> Decision:
+    """Whether ``principal`` may pull ``topics`` (the wanted topics; none for a call without topics) from ``me``."""
+    caller = principal.site
+    if caller is None:
+        return _denied(principal, CLUSTER, f"only sites replicate; a client cannot pull from site {me}")
+    if caller == me:
+        return Decision(True, principal, Operation.REPLICATE, CLUSTER, f"a node of site {me}")
+    if topology is None:
+        return _denied(principal, CLUSTER, f"site {me} runs without a topology, so no site may pull from it")
+    try:
+        link = topology.link(me, caller)
+    except UnknownLink:
+        why = f"the topology has no link {me} -> {caller}, so site {caller} may not pull from site {me}"
+        return _denied(principal, CLUSTER, f"{why}; add the link to the topology if it should")
+    for name in sorted(set(topics)):
+        if not link.carries(name):
+            filters = ", ".join(str(f) for f in link.topics)
+            why = f"the link {link.describe()} carries only {filters}"
+            return _denied(principal, topic(name), f"{why}; widen its topics in the topology if it should carry it")
+    return Decision(True, principal, Operation.REPLICATE, CLUSTER, f"the link {link.describe()}")
+
+
+def repair_decision(topology: Topology | None, me: str, principal: Principal, topic_name: str,
+                    origin_site: str) -> Decision:  # fmt: skip
+    """Whether ``principal`` may fetch a copy of ``origin_site``'s batch of ``topic_name`` from ``me``."""
+    caller = principal.site
+    resource = topic(topic_name)
+    if caller is None:
+        return _denied(principal, resource, "only sites repair from other sites; read the topic with a consumer")
+    if caller == me:
+        return Decision(True, principal, Operation.REPLICATE, resource, f"a node of site {me}")
+    if topology is None:
+        return _denied(principal, resource, f"site {me} runs without a topology")
+    try:
+        reach = expected_sites(topology, origin_site, topic_name)
+    except UnknownSite:
+        return _denied(principal, resource, f"origin site {origin_site!r} is not in the topology")
+    if caller not in reach:
+        why = f"records of {topic_name!r} from site {origin_site} do not reach site {caller} under the topology's links"
+        return _denied(principal, resource, f"{why}, so it gets no copy of them")
+    return Decision(True, principal, Operation.REPLICATE, resource, f"site {caller} holds {origin_site}'s records")
+
+
+def origin_may_arrive(topology: Topology, src: str, dst: str, topic_name: str, origin_site: str) -> bool:
+    """Whether ``dst`` accepts, from ``src`` over the link ``src -> dst``, a batch of ``topic_name`` claiming
+    ``origin_site`` (see the module docstring for the rule and its proof)."""
+    if origin_site == src:
+        return True
+    try:
+        return src in expected_sites(topology, origin_site, topic_name)
+    except UnknownSite:
+        return False
+
+
+class ForgedOrigin(Exception):
+    """A pulled batch claims an origin its source cannot have received under the topology; nothing of its chunk
+    is applied."""
+
+    def __init__(self, src: str, dst: str, topic_name: str, origin: str) -> None:
+        super().__init__(
+            f"site {src} sent site {dst} a batch of topic {topic_name!r} claiming origin {origin}, but records of "
+            f"that topic from site {origin.partition('@')[0]} cannot reach site {src} under the topology's links: "
+            f"refused as a forged origin. Check site {src}'s topology file and its certificates"
+        )

@@ -1,0 +1,222 @@
+"""Every RPC of a node mapped to what it does to which resource: the one table authorization reads.
+
+:data:`NODE_ACCESS` (``georep.v1.Node``) and :data:`SEGMENTS_ACCESS` (``georep.v1.Segments``) give each method
+the request type and a rule from the request to a :class:`~georep.security.acl.Decision`. No handler checks
+anything itself: ``georep/server/rpc.py`` runs the rule before the handler (and on every message of a client
+stream), and a denial ends the call with ``PERMISSION_DENIED`` and the decision's message. A method missing
+from the table is denied to everyone but super-users (:meth:`Policy.decide`), so a new RPC is closed until it
+is given a rule.
+
+The rules:
+
+* topics: ``Produce``/``ProduceStream`` need produce; ``Fetch`` and ``ListOffsets`` consume; ``CreateTopic``
+  create_topic;
+* groups: ``GroupHeartbeat`` (join), ``LeaveGroup``, ``FetchCommitted``, ``DescribeGroup`` need read on the
+  group, and the heartbeat consume on every subscribed topic; ``CommitOffsets`` needs commit on the group
+  and consume on every committed topic (as Kafka's OffsetCommit needs READ on the group and the topic);
+* the cluster: ``SetLink``, ``DecommissionNode``, ``Scrub``, ``PutAcl`` need admin;
+* replication: ``Replicate``, ``ReportHeld`` (and ``ListAcls``, unless admin) follow the topology's links,
+  ``FetchBatch`` its reach (``georep/security/acl_replication.py``);
+* what describes the site without its data (``Health``, ``ListTopics``, ``DescribeTopic``, ``SiteStatus``,
+  ``ClusterStatus``, ``ListGroups``) is open to every principal the site's CA certified;
+* ``georep.v1.Segments`` is the site's inside: only its own nodes.
+
+The table is pure (requests in, decisions out); :class:`Authorizer` is the thin shell that takes the principal
+from the call's peer certificate (``georep.security.tls.principal_of``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.message import Message
+
+from georep.proto import georep_pb2 as pb
+from georep.security.acl import (
+    CLUSTER,
+    DEFAULT_SUPER_USERS,
+    AclEntry,
+    Decision,
+    Operation,
+    PermissionDenied,
+    Resource,
+    authorize,
+    group,
+    topic,
+)
+from georep.security.acl_replication import pull_decision, repair_decision
+from georep.security.principal import Principal
+from topology.model import Topology
+
+
+class Policy:
+    """What decisions depend on: the site, its super-users, its ACL entries and its topology (read at each call,
+    so an ``acl add`` or a new topology takes effect at the next call)."""
+
+    def __init__(self, own_site: str, entries: Callable[[], Iterable[AclEntry]],
+                 topology: Callable[[], Topology | None] = lambda: None,
+                 super_users: Iterable[Principal] = DEFAULT_SUPER_USERS) -> None:  # fmt: skip
+        self.own_site = own_site
+        self.entries = entries
+        self.topology = topology
+        self.super_users = tuple(super_users)
+
+    def acl(self, principal: Principal, operation: Operation, resources: Iterable[Resource]) -> Decision:
+        """Allowed if allowed on every resource; else the first refusal (by resource)."""
+        entries = list(self.entries())
+        decision: Decision | None = None
+        for resource in sorted(set(resources)):
+            decision = authorize(entries, principal, operation, resource, self.own_site, self.super_users)
+            if not decision.allowed:
+                return decision
+        if decision is None:  # no resource named: the operation itself, on the cluster
+            return authorize(entries, principal, operation, CLUSTER, self.own_site, self.super_users)
+        return decision
+
+    def open(self, principal: Principal) -> Decision:
+        return Decision(True, principal, Operation.READ, CLUSTER, "site metadata, open to every certified principal")
+
+    def in_site(self, principal: Principal) -> Decision:
+        if principal.site == self.own_site:
+            return Decision(True, principal, Operation.ADMIN, CLUSTER, f"a node of site {self.own_site}")
+        return Decision(False, principal, Operation.ADMIN, CLUSTER,
+                        f"the segment service is for the nodes of site {self.own_site} only")  # fmt: skip
+
+    def pull(self, principal: Principal, topics: Iterable[str]) -> Decision:
+        return pull_decision(self.topology(), self.own_site, principal, topics)
+
+    def admin_or_pull(self, principal: Principal) -> Decision:
+        admin = self.acl(principal, Operation.ADMIN, [CLUSTER])
+        return admin if admin.allowed else self.pull(principal, ())
+
+    def repair(self, principal: Principal, topic_name: str, origin_site: str) -> Decision:
+        return repair_decision(self.topology(), self.own_site, principal, topic_name, origin_site)
+
+
+Rule = Callable[[Any, Principal, Policy], Decision]
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    request: type[Message]
+    rule: Rule
+
+
+def _topic_op(operation: Operation) -> Rule:
+    return lambda req, who, policy: policy.acl(who, operation, [topic(req.topic)])
+
+
+def _group_read(req: Any, who: Principal, policy: Policy) -> Decision:
+    return policy.acl(who, Operation.READ, [group(req.group)])
+
+
+def _heartbeat(req: pb.GroupHeartbeatRequest, who: Principal, policy: Policy) -> Decision:
+    decision = policy.acl(who, Operation.READ, [group(req.group)])
+    return decision if not decision.allowed else policy.acl(who, Operation.CONSUME, [topic(t) for t in req.topics])
+
+
+def _commit(req: pb.CommitOffsetsRequest, who: Principal, policy: Policy) -> Decision:
+    decision = policy.acl(who, Operation.COMMIT, [group(req.group)])
+    if not decision.allowed or not req.commits:
+        return decision
+    return policy.acl(who, Operation.CONSUME, [topic(c.topic) for c in req.commits])
+
+
+def _open(req: Any, who: Principal, policy: Policy) -> Decision:
+    return policy.open(who)
+
+
+def _admin(req: Any, who: Principal, policy: Policy) -> Decision:
+    return policy.acl(who, Operation.ADMIN, [CLUSTER])
+
+
+def _replicate(req: pb.ReplicateRequest, who: Principal, policy: Policy) -> Decision:
+    decision = policy.pull(who, [w.topic for w in req.wants])
+    if decision.allowed and who.site != policy.own_site and req.dst_site and req.dst_site != who.site:
+        return Decision(False, who, Operation.REPLICATE, CLUSTER,
+                        f"the pull names site {req.dst_site} as its destination, but the caller's certificate is "
+                        f"site {who.site}'s: a site pulls only for itself")  # fmt: skip
+    return decision
+
+
+NODE_ACCESS: Mapping[str, Access] = {
+    "CreateTopic": Access(pb.CreateTopicRequest, lambda req, who, policy: policy.acl(
+        who, Operation.CREATE_TOPIC, [topic(req.name)])),
+    "ListTopics": Access(pb.ListTopicsRequest, _open),
+    "DescribeTopic": Access(pb.DescribeTopicRequest, _open),
+    "Produce": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE)),
+    "ProduceStream": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE)),
+    "Fetch": Access(pb.FetchRequest, _topic_op(Operation.CONSUME)),
+    "ListOffsets": Access(pb.ListOffsetsRequest, _topic_op(Operation.CONSUME)),
+    "Health": Access(pb.HealthRequest, _open),
+    "SiteStatus": Access(pb.SiteStatusRequest, _open),
+    "ClusterStatus": Access(pb.ClusterStatusRequest, _open),
+    "ListGroups": Access(pb.ListGroupsRequest, _open),
+    "SetLink": Access(pb.SetLinkRequest, _admin),
+    "DecommissionNode": Access(pb.DecommissionNodeRequest, _admin),
+    "Scrub": Access(pb.ScrubRequest, _admin),
+    "PutAcl": Access(pb.PutAclRequest, _admin),
+    "ListAcls": Access(pb.ListAclsRequest, lambda req, who, policy: policy.admin_or_pull(who)),
+    "Replicate": Access(pb.ReplicateRequest, _replicate),
+    "ReportHeld": Access(pb.ReportHeldRequest, lambda req, who, policy: policy.pull(who, ())),
+    "FetchBatch": Access(pb.FetchBatchRequest, lambda req, who, policy: policy.repair(
+        who, req.topic, req.origin_site)),
+    "GroupHeartbeat": Access(pb.GroupHeartbeatRequest, _heartbeat),
+    "LeaveGroup": Access(pb.LeaveGroupRequest, _group_read),
+    "CommitOffsets": Access(pb.CommitOffsetsRequest, _commit),
+    "FetchCommitted": Access(pb.FetchCommittedRequest, _group_read),
+    "DescribeGroup": Access(pb.DescribeGroupRequest, _group_read),
+}  # fmt: skip
+
+
+def _in_site(req: Any, who: Principal, policy: Policy) -> Decision:
+    return policy.in_site(who)
+
+
+SEGMENTS_ACCESS: Mapping[str, Access] = {
+    name: Access(request, _in_site)
+    for name, request in (
+        ("AppendSegment", pb.SegmentAppendRequest), ("FenceSegments", pb.FenceSegmentsRequest),
+        ("SealSegment", pb.SealSegmentRequest), ("ReadSegment", pb.ReadSegmentRequest),
+        ("ListSegments", pb.ListSegmentsRequest), ("CopySegment", pb.CopySegmentRequest),
+        ("RollSegment", pb.RollSegmentRequest),
+    )
+}  # fmt: skip
+
+
+def decide(table: Mapping[str, Access], method: str, request: Message, principal: Principal,
+           policy: Policy) -> Decision:  # fmt: skip
+    """The decision for one call (a method not in the table: super-users only)."""
+    access = table.get(method)
+    if access is None:
+        return policy.acl(principal, Operation.ADMIN, [CLUSTER])
+    return access.rule(request, principal, policy)
+
+
+NO_PRINCIPAL = ("the peer certificate names no georep principal (a SAN URI georep:<principal> or a CN such as "
+                "client:alice): issue it with 'georep certs init' or put the principal in its SAN")  # fmt: skip
+
+
+class Authorizer:
+    """The shell around the table: the principal from the call, the decision, a :class:`PermissionDenied`.
+
+    Only a node that serves TLS has one (a plaintext node authorizes nothing: the CONTRACT's ``--insecure``). So
+    here a call without a principal came with a certificate that names none, and is refused.
+    """
+
+    def __init__(self, policy: Policy, principal_of: Callable[[Any], Principal | None]) -> None:
+        self.policy = policy
+        self.principal_of = principal_of
+
+    def check(self, table: Mapping[str, Access], method: str, data: bytes, context: Any,
+              parse: Callable[[type[Message], bytes], Message]) -> None:  # fmt: skip
+        principal = self.principal_of(context)
+        if principal is None:
+            raise PermissionDenied(f"{method} refused: {NO_PRINCIPAL}")
+        access = table.get(method)
+        request = parse(access.request, data) if access is not None else pb.HealthRequest()
+        decision = decide(table, method, request, principal, self.policy)
+        if not decision.allowed:
+            raise PermissionDenied.of(decision)
