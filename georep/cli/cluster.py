@@ -54,10 +54,13 @@ import grpc
 
 from georep.cli.admin_token import TOKEN_ENV, call_metadata, find_token
 from georep.cli.output import EXIT_ERROR, EXIT_USAGE, table
+from georep.cli.tls_args import TlsArgsError, client_tls
+from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.client.connection import BOOTSTRAP_ENV, CHANNEL_OPTIONS, Connection, default_bootstrap
 from georep.client.errors import GeorepError, InvalidRequest, NodeUnavailable, from_rpc_error
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import TlsConfig, client_channel
 
 TIMEOUT_S = 10.0
 WAIT_POLL_S = 1.0
@@ -85,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "127.0.0.1:7101; now %(default)s)",
     )  # fmt: skip
     status.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+    add_client_tls_arguments(status, data_dir=True)
     drain = actions.add_parser("decommission", help="drain a node: move its leaderships and segments to other nodes")
     drain.add_argument("node_id", type=int, metavar="NODE_ID", help="the node to drain (its --node-id)")
     drain.add_argument(
@@ -101,6 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="where 'georep up' keeps admin.token (default .georep)")  # fmt: skip
     drain.add_argument("--admin-token",
                        help=f"the nodes' admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token)")  # fmt: skip
+    add_client_tls_arguments(drain)
 
 
 # --- rendering (pure) ----------------------------------------------------------------
@@ -256,19 +261,19 @@ def render(answer: pb.ClusterStatusResponse, reports: Reports) -> str:
 # --- the shell -----------------------------------------------------------------------
 
 
-async def _report(node: pb.ClusterNodeStatus) -> pb.ClusterStatusResponse | None:
+async def _report(node: pb.ClusterNodeStatus, tls: TlsConfig | None) -> pb.ClusterStatusResponse | None:
     """``node``'s own answer, or None if it does not give one in time."""
     try:
-        async with grpc.aio.insecure_channel(node.address, options=CHANNEL_OPTIONS) as channel:
+        async with client_channel(node.address, tls, CHANNEL_OPTIONS) as channel:
             report = await pbg.NodeStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=REPORT_TIMEOUT_S)
     except grpc.aio.AioRpcError:
         return None
     return report if report.node_id == node.node_id else None  # another process at that address now
 
 
-async def fetch(bootstrap: str) -> tuple[pb.ClusterStatusResponse, Reports]:
+async def fetch(bootstrap: str, tls: TlsConfig | None = None) -> tuple[pb.ClusterStatusResponse, Reports]:
     """The first reachable node's answer, and the answers of the other live nodes that gave one."""
-    connection = Connection(bootstrap)
+    connection = Connection(bootstrap, tls=tls)
     try:
         stub = await connection.connect()
         try:
@@ -284,7 +289,7 @@ async def fetch(bootstrap: str) -> tuple[pb.ClusterStatusResponse, Reports]:
     finally:
         await connection.close()
     others = [n for n in answer.nodes if n.live and n.node_id != answer.node_id]
-    answers = await asyncio.gather(*(_report(n) for n in others))
+    answers = await asyncio.gather(*(_report(n, tls) for n in others))
     return answer, {n.node_id: r for n, r in zip(others, answers, strict=True) if r is not None}
 
 
@@ -306,8 +311,9 @@ def _drain_of(answer: pb.ClusterStatusResponse, node: int) -> tuple[bool, int, i
     return None
 
 
-async def decommission(bootstrap: str, node: int, cancel: bool, token: str | None) -> pb.DecommissionNodeResponse:
-    connection = Connection(bootstrap)
+async def decommission(bootstrap: str, node: int, cancel: bool, token: str | None,
+                       tls: TlsConfig | None = None) -> pb.DecommissionNodeResponse:  # fmt: skip
+    connection = Connection(bootstrap, tls=tls)
     try:
         stub = await connection.connect()
         try:
@@ -327,12 +333,12 @@ async def decommission(bootstrap: str, node: int, cancel: bool, token: str | Non
         await connection.close()
 
 
-async def wait_drained(bootstrap: str, node: int, timeout_s: float) -> bool:
+async def wait_drained(bootstrap: str, node: int, timeout_s: float, tls: TlsConfig | None = None) -> bool:
     """Follow ``ClusterStatus`` until ``node`` is drained (True) or ``timeout_s`` passes (False); prints progress."""
     deadline = time.monotonic() + timeout_s
     last = None
     while True:
-        answer, _ = await fetch(bootstrap)
+        answer, _ = await fetch(bootstrap, tls)
         drain = _drain_of(answer, node)
         if drain is None:
             print(f"node {node} is no longer listed by the site's metadata")
@@ -351,16 +357,20 @@ async def wait_drained(bootstrap: str, node: int, timeout_s: float) -> bool:
 def main_decommission(args: argparse.Namespace) -> int:
     token = find_token(args.admin_token, args.data_dir)
     try:
-        answer = asyncio.run(decommission(args.bootstrap, args.node_id, args.cancel, token))
+        tls = client_tls(args)
+        answer = asyncio.run(decommission(args.bootstrap, args.node_id, args.cancel, token, tls))
         print(drain_text(answer.node_id, answer.draining, answer.sealed_segments, answer.open_segments,
                          answer.leader_of), flush=True)  # fmt: skip
         if not args.wait or args.cancel or answer.drained:
             return 0
-        if asyncio.run(wait_drained(args.bootstrap, args.node_id, args.wait_timeout_s)):
+        if asyncio.run(wait_drained(args.bootstrap, args.node_id, args.wait_timeout_s, tls)):
             return 0
     except StatusRefused as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except TlsArgsError as exc:
+        print(f"georep: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (NodeUnavailable, InvalidRequest) as exc:
         print(f"georep: error: {exc.message}", file=sys.stderr)
         return EXIT_USAGE
@@ -376,7 +386,10 @@ def main(args: argparse.Namespace) -> int:
     if args.action == "decommission":
         return main_decommission(args)
     try:
-        answer, reports = asyncio.run(fetch(args.bootstrap))
+        answer, reports = asyncio.run(fetch(args.bootstrap, client_tls(args)))
+    except TlsArgsError as exc:
+        print(f"georep: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except StatusRefused as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -39,11 +39,13 @@ from georep.cli.drill import add_arguments as add_drill_arguments
 from georep.cli.drill import drill, render
 from georep.cli.link import set_link as set_link_rpc
 from georep.cli.status import vector_text
+from georep.cli.tls_args import certs_dir
 from georep.cli.topology_file import load_topology
-from georep.cli.up import site_processes, stop_restarted
+from georep.cli.up import ensure_certs, site_processes, stop_restarted
 from georep.client import Admin, Consumer, ConsumerRecord, Producer, RecordMetadata
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import ADMIN, TlsConfig, client_channel
 from georep.server.process import NodeProcess
 from topology.model import default_topology
 
@@ -78,10 +80,16 @@ def record_json(r: ConsumerRecord) -> str:
     })  # fmt: skip
 
 
-async def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 60.0) -> list[ConsumerRecord]:
+def client_tls(node: NodeProcess) -> TlsConfig | None:
+    """The demo's client certificate (``client:admin``) beside the node's own: plaintext for a plaintext node."""
+    return None if node.tls is None else TlsConfig.from_dir(node.tls.ca.parent, ADMIN)
+
+
+async def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 60.0,
+                      tls: TlsConfig | None = None) -> list[ConsumerRecord]:  # fmt: skip
     """Every record of ``topic`` from the beginning, until ``expected`` arrived."""
     out: list[ConsumerRecord] = []
-    async with Consumer(bootstrap) as consumer:
+    async with Consumer(bootstrap, tls=tls) as consumer:
         consumer.subscribe([topic])
         consumer.seek_to_beginning()
         deadline = time.monotonic() + timeout_s
@@ -90,15 +98,15 @@ async def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: floa
     return out
 
 
-async def site_status(address: str) -> pb.SiteStatusResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def site_status(node: NodeProcess) -> pb.SiteStatusResponse:
+    async with client_channel(node.address, client_tls(node)) as channel:
         return await pbg.NodeStub(channel).SiteStatus(pb.SiteStatusRequest(), timeout=5)
 
 
 async def vectors(nodes: list[NodeProcess], topic: str) -> dict[str, dict[int, str]]:
     out = {}
     for node in nodes:
-        status = await site_status(node.address)
+        status = await site_status(node)
         out[node.site] = {p.partition: vector_text(p.vector) for p in status.partitions if p.topic == topic}
     return out
 
@@ -145,7 +153,7 @@ async def produce_through_crash(node: NodeProcess, topic: str, records: int, kil
     acked: list[RecordMetadata] = []
     at_kill = -1
     async with Producer(node.address, acks="leader", linger_ms=2, batch_size=16_384,
-                        retry_backoff_ms=50) as producer:  # fmt: skip
+                        retry_backoff_ms=50, tls=client_tls(node)) as producer:  # fmt: skip
         futures = []
         for i in range(records):
             fut = producer.send(topic, b"crash-%d" % i, key=b"k%d" % (i % 97))
@@ -163,7 +171,7 @@ async def produce_through_crash(node: NodeProcess, topic: str, records: int, kil
         at_kill = len(acked)
         node.kill9()
         node.start()
-    got = await consume_all(node.address, topic, records)
+    got = await consume_all(node.address, topic, records, tls=client_tls(node))
     values = Counter(r.value for r in got)
     acked_values = {b"crash-%d" % i for i, f in enumerate(futures) if not f.exception()}
     return CrashReport(
@@ -178,11 +186,11 @@ async def produce_through_crash(node: NodeProcess, topic: str, records: int, kil
 
 async def set_link(dst: NodeProcess, src: str, enabled: bool) -> None:
     """An authenticated admin call, with the token ``georep up`` (here: ``site_processes``) created."""
-    await set_link_rpc(dst.address, src, enabled, find_token(None, dst.data_dir.parent))
+    await set_link_rpc(dst.address, src, enabled, find_token(None, dst.data_dir.parent), client_tls(dst))
 
 
 async def produce_at(node: NodeProcess, topic: str, count: int, tag: str) -> None:
-    async with Producer(node.address, acks="leader") as producer:
+    async with Producer(node.address, acks="leader", tls=client_tls(node)) as producer:
         for i in range(count):
             producer.send(topic, b"%s-%d" % (tag.encode(), i), key=b"customer-%d" % (i % 50))
         await producer.flush()
@@ -192,7 +200,8 @@ async def run(data_dir: Path, records: int) -> int:
     shutil.rmtree(data_dir, ignore_errors=True)
     topology = default_topology()
     say(f"== georep demo: the default topology, 3 sites in a cycle plus reverse links, data under {data_dir}/")
-    nodes = site_processes(topology, None, data_dir, [])
+    nodes = site_processes(topology, None, data_dir, [], ensure_certs(topology, data_dir))
+    say(f"   mutual TLS everywhere: a development CA and certificates in {certs_dir(data_dir)}/ ('georep certs init')")
     by_site = {n.site: n for n in nodes}
     failures: list[str] = []
     try:
@@ -201,7 +210,7 @@ async def run(data_dir: Path, records: int) -> int:
             say(f"  site {node.site}: node on {node.address} (pid {node.pid}), metrics http://{node.metrics_address}/metrics")
 
         say(f"\n1. create {TOPIC} ({PARTITIONS} partitions) at site a; topic metadata replicates")
-        async with Admin(by_site["a"].address) as admin:
+        async with Admin(by_site["a"].address, tls=client_tls(by_site["a"])) as admin:
             await admin.create_topic(TOPIC, PARTITIONS)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -222,7 +231,7 @@ async def run(data_dir: Path, records: int) -> int:
             say(f"   {site}: " + "  ".join(f"p{p}={v}" for p, v in sorted(parts.items())))
         sequences = {}
         for node in nodes:
-            got = await consume_all(node.address, TOPIC, 3 * records)
+            got = await consume_all(node.address, TOPIC, 3 * records, tls=client_tls(node))
             sequences[node.site] = per_origin_sequences(got)
             say(f"   consumed {len(got)} records at site {node.site}; first: {record_json(got[0])}")
         identical = sequences["a"] == sequences["b"] == sequences["c"]
@@ -234,7 +243,7 @@ async def run(data_dir: Path, records: int) -> int:
         await set_link(by_site["a"], "c", enabled=False)
         await produce_at(by_site["c"], TOPIC, 1_000, "after-cut")
         took = await wait_converged(nodes, TOPIC)
-        status = await site_status(by_site["a"].address)
+        status = await site_status(by_site["a"])
         links = {f"{lk.src}->{lk.dst}": lk.state for lk in status.links}
         upstreams = sorted({(lag.origin, lag.upstream) for p in status.partitions if p.topic == TOPIC for lag in p.lags
                             if lag.origin.startswith("c@")})  # fmt: skip
@@ -247,7 +256,7 @@ async def run(data_dir: Path, records: int) -> int:
         say("   link c -> a healed")
 
         say("\n5. SIGKILL site a during a produce that fsyncs every batch, then restart it")
-        async with Admin(by_site["a"].address) as admin:
+        async with Admin(by_site["a"].address, tls=client_tls(by_site["a"])) as admin:
             await admin.create_topic("demo/crash", 1)
         report = await produce_through_crash(by_site["a"], "demo/crash", 20_000, kill_after_acked=6_000)
         say(f"   killed after {report.kill_after_acked} acks; after restart: {report.acked}/{report.sent} acked, "
@@ -256,7 +265,7 @@ async def run(data_dir: Path, records: int) -> int:
         if not report.ok:
             failures.append(f"crash recovery: {report}")
         took = await wait_converged(nodes, "demo/crash")
-        counts = [len(await consume_all(n.address, "demo/crash", 20_000)) for n in nodes]
+        counts = [len(await consume_all(n.address, "demo/crash", 20_000, tls=client_tls(n))) for n in nodes]
         say(f"   replicated to every site {took:.2f}s later: records at a, b, c = {counts}")
         if counts != [20_000] * 3:
             failures.append(f"demo/crash counts per site: {counts}")
@@ -299,7 +308,7 @@ async def _leader_of(nodes: list[NodeProcess], topic: str, partition: int) -> No
         if not node.alive():
             continue
         try:
-            async with grpc.aio.insecure_channel(node.address) as channel:
+            async with client_channel(node.address, client_tls(node)) as channel:
                 d = await pbg.NodeStub(channel).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
         except grpc.aio.AioRpcError:
             continue
@@ -318,8 +327,10 @@ async def cluster_site_step(root: Path, topic: str = "demo/cluster") -> list[str
     members = ", ".join(f'{{ id = {i + 1}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}" }}'
                         for i, (g, r) in enumerate(zip(grpc_ports, raft_ports, strict=True)))  # fmt: skip
     topology_file.write_text(f"[sites.d]\nnodes = [{members}]\n")
-    nodes = site_processes(load_topology(topology_file), topology_file, root,
-                           ["--session-timeout-ms", "1500", "--segment-bytes-max", "262144"])  # fmt: skip
+    topology = load_topology(topology_file)
+    nodes = site_processes(topology, topology_file, root, ["--session-timeout-ms", "1500", "--segment-bytes-max",
+                                                           "262144"], ensure_certs(topology, root))  # fmt: skip
+    tls = client_tls(nodes[0])
     failures: list[str] = []
     try:
         for node in nodes:
@@ -327,7 +338,7 @@ async def cluster_site_step(root: Path, topic: str = "demo/cluster") -> list[str
         for node in nodes:
             node.wait_ready(60)
         say("   " + ", ".join(f"node {n.node_id} on {n.address}" for n in nodes))
-        async with Admin(nodes[0].address) as admin:
+        async with Admin(nodes[0].address, tls=tls) as admin:
             await admin.create_topic(topic, 3)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any([await _leader_of(nodes, topic, p) is None for p in range(3)]):
@@ -339,7 +350,7 @@ async def cluster_site_step(root: Path, topic: str = "demo/cluster") -> list[str
 
         async def produce(tag: str, bootstrap: str) -> None:
             n = 0
-            async with Producer(bootstrap, acks="all", linger_ms=2, batch_size=4096) as producer:
+            async with Producer(bootstrap, acks="all", linger_ms=2, batch_size=4096, tls=tls) as producer:
                 while not stop.is_set():
                     values = [f"{tag}-{n + i}".encode() for i in range(50)]
                     sent_at = time.monotonic()
@@ -376,7 +387,7 @@ async def cluster_site_step(root: Path, topic: str = "demo/cluster") -> list[str
         stop.set()
         await asyncio.gather(*producers)
         values: Counter[bytes | None] = Counter()
-        async with Consumer(nodes[0].address) as consumer:  # it reads each partition at its leader
+        async with Consumer(nodes[0].address, tls=tls) as consumer:  # it reads each partition at its leader
             consumer.subscribe([topic])
             consumer.seek_to_beginning()
             deadline = time.monotonic() + 60
@@ -404,5 +415,5 @@ def drill_defaults() -> argparse.Namespace:
 
 
 async def _topics(node: NodeProcess) -> set[str]:
-    async with Admin(node.address) as admin:
+    async with Admin(node.address, tls=client_tls(node)) as admin:
         return {t.name for t in await admin.list_topics()}

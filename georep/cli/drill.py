@@ -72,6 +72,8 @@ import grpc
 
 from georep.cli.admin_token import TOKEN_ENV, find_token
 from georep.cli.link import set_link
+from georep.cli.tls_args import TlsArgsError, client_tls
+from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.cli.up import DEFAULT_DATA_DIR
 from georep.client.connection import CHANNEL_OPTIONS
@@ -83,6 +85,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_from_proto
 from georep.record.batch import CorruptBatch
 from georep.record.compression import DecompressionError
+from georep.security.tls import TlsConfig, client_channel
 from georep.server.process import NODE_INFO
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
@@ -130,6 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit-acks", default="geo:2", help="ack level of the commits (default geo:2)")
     parser.add_argument("--no-restart", action="store_true", help="leave the site down (or isolated)")
     parser.add_argument("--admin-token", help=f"admin token for isolate (default ${TOKEN_ENV}, DATA_DIR/admin.token)")
+    add_client_tls_arguments(parser)
 
 
 # --- what the drill records --------------------------------------------------------
@@ -192,13 +196,14 @@ class Site:
     name: str
     address: str  # the first node: the one the drill asks
     nodes: tuple[str, ...] = ()  # every node of the site, in topology order
+    tls: TlsConfig | None = None  # the drill's client certificate (None: plaintext)
 
     @property
     def bootstrap(self) -> str:
         return ",".join(self.nodes or (self.address,))
 
     async def stub_call(self, method: str, request: Any, address: str | None = None) -> Any:
-        async with grpc.aio.insecure_channel(address or self.address) as channel:
+        async with client_channel(address or self.address, self.tls) as channel:
             return await getattr(pbg.NodeStub(channel), method)(request, timeout=RPC_TIMEOUT_S)
 
     async def any_call(self, method: str, request: Any) -> Any:
@@ -276,7 +281,7 @@ async def produce_loop(run: Run, site: Site, level: str, rate: float, stop: asyn
     key = f"{site.name}|{level}"
     interval = 1.0 / rate
     producer = Producer(site.bootstrap, acks=level, linger_ms=5, request_timeout_ms=10_000,
-                        delivery_timeout_ms=20_000)  # fmt: skip
+                        delivery_timeout_ms=20_000, tls=site.tls)  # fmt: skip
     try:
         await producer.start()
     except GeorepError:
@@ -373,7 +378,7 @@ async def set_links(topology: Topology, victim: str, sites: Mapping[SiteId, Site
         if victim not in (link.src, link.dst):
             continue
         try:
-            await set_link(sites[link.dst].address, link.src, enabled, token)
+            await set_link(sites[link.dst].address, link.src, enabled, token, sites[link.dst].tls)
         except grpc.aio.AioRpcError as exc:
             where = f"SetLink {link.src} -> {link.dst} at {sites[link.dst].address}"
             raise DrillError(f"{where}: {exc.details()}") from None
@@ -409,7 +414,11 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
             raise DrillError(exc.message) from None
     if args.rate <= 0 or args.consumers < 1 or args.partitions < 1:
         raise DrillError("--rate, --consumers and --partitions must be positive")
-    sites = {n: Site(n, topology.site(n).nodes[0], topology.site(n).nodes) for n in names}
+    try:
+        tls = client_tls(args)
+    except TlsArgsError as exc:
+        raise DrillError(exc.message) from None
+    sites = {n: Site(n, topology.site(n).nodes[0], topology.site(n).nodes, tls) for n in names}
     if args.mode == "node-kill":
         return await node_kill(args, topology, sites, levels, out)
     if args.node is not None:
@@ -459,7 +468,8 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
     async def start_consumers(bootstrap: str, tag: str) -> None:
         for i in range(args.consumers):
             c = Consumer(bootstrap, group_id=run.group, auto_offset_reset="earliest", enable_auto_commit=False,
-                         commit_acks=args.commit_acks, client_id=f"drill-{i}", session_timeout_ms=6000)  # fmt: skip
+                         commit_acks=args.commit_acks, client_id=f"drill-{i}", session_timeout_ms=6000,
+                         tls=tls)  # fmt: skip
             await c.start()
             c.subscribe([run.topic])
             consumers.append(c)
@@ -742,14 +752,15 @@ async def leaders_at(site: Site, topic: str) -> dict[int, pb.PartitionLeader]:
     return current_leaders(answers)
 
 
-async def read_partition(address: str, topic: str, partition: int, start: int, end: int) -> list[SiteRecord]:
+async def read_partition(address: str, topic: str, partition: int, start: int, end: int,
+                         tls: TlsConfig | None = None) -> list[SiteRecord]:  # fmt: skip
     """The records of a partition at the node that serves it, from ``start`` up to ``end`` (its log end when asked),
     in log order. A node serves readers only what the quorum confirmed: a tail that stays unconfirmed for
     ``RPC_TIMEOUT_S`` is left out, as a reader would never see it."""
     out: list[SiteRecord] = []
     offset = start
     deadline = time.monotonic() + RPC_TIMEOUT_S  # for the next confirmed batch, not for the whole read
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    async with client_channel(address, tls, CHANNEL_OPTIONS) as channel:
         stub = pbg.NodeStub(channel)
         while offset < end and time.monotonic() < deadline:
             request = pb.FetchRequest(topic=topic, partition=partition, offset=offset, max_bytes=1 << 20,
@@ -782,7 +793,7 @@ async def read_site(site: Site, topic: str, partitions: int) -> SiteContent:
         if len(served) < partitions:
             return False
         for p, (address, ps) in sorted(served.items()):
-            content[p] = await read_partition(address, topic, p, ps.log_start_offset, ps.log_end_offset)
+            content[p] = await read_partition(address, topic, p, ps.log_start_offset, ps.log_end_offset, site.tls)
         return True
 
     await wait_for(f"every partition of {topic} can be read at site {site.name}", read_all, CONVERGE_TIMEOUT_S)
@@ -856,7 +867,7 @@ async def node_kill(args: argparse.Namespace, topology: Topology, sites: dict[Si
     stop_consumer = asyncio.Event()
     # No group (the drill measures the partition leaders' failover alone): the consumer keeps its position, a
     # local offset of the site, which means the same at every node of it.
-    consumer = Consumer(site.bootstrap, auto_offset_reset="earliest", client_id="drill-reader")
+    consumer = Consumer(site.bootstrap, auto_offset_reset="earliest", client_id="drill-reader", tls=site.tls)
     consumer_task: asyncio.Task[None] | None = None
     restored = False
     info: dict[str, Any] = {}

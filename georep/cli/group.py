@@ -32,10 +32,13 @@ from typing import Any
 
 import grpc
 
+from georep.cli.tls_args import TlsArgsError, client_tls
+from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.client.connection import BOOTSTRAP_ENV, Connection, default_bootstrap, parse_bootstrap
 from georep.client.errors import GeorepError, InvalidRequest, NodeUnavailable, NotLeader, UnknownTopic, from_rpc_error
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto
+from georep.security.tls import TlsConfig
 from offsets.commits import OFFSETS_TOPIC, offsets_partition
 
 TIMEOUT_S = 10.0
@@ -67,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"node(s) to ask; the first reachable one answers (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101)",
         )  # fmt: skip
         sub.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+        add_client_tls_arguments(sub, data_dir=True)
 
 
 # --- rendering (pure) ----------------------------------------------------------------
@@ -206,7 +210,7 @@ async def _list_leaders(connection: Connection, leaders: list[pb.PartitionLeader
                               "electing one): the groups they coordinate cannot be listed; retry in a moment")
     merged: dict[str, pb.GroupSummary] = {}
     for address in sorted({leader.address for leader in leaders}):
-        node = connection if address == connection.address else Connection(address)
+        node = connection if address == connection.address else Connection(address, tls=connection.tls)
         try:
             stub = await node.connect()
             answer: pb.ListGroupsResponse = await stub.ListGroups(pb.ListGroupsRequest(), timeout=TIMEOUT_S)
@@ -235,7 +239,7 @@ async def _fill_lags(connection: Connection, d: pb.GroupDescription) -> None:
         wanted = {c.partition for c in unknown if c.topic == topic}
         for address in sorted({lead.address for lead in described.leaders if lead.partition in wanted and
                                lead.address}):  # fmt: skip
-            node = Connection(address)
+            node = Connection(address, tls=connection.tls)
             try:
                 stub = await node.connect()
                 at_leader: pb.TopicDescription = await stub.DescribeTopic(pb.DescribeTopicRequest(name=topic),
@@ -276,7 +280,7 @@ async def _describe(connection: Connection, group: str) -> pb.GroupDescription:
                 hint = next((lead.address for lead in await _leaders(connection) if lead.partition == index), "")
             if node is not connection:
                 await node.close()
-            node = connection if not hint or hint == connection.address else Connection(hint)
+            node = connection if not hint or hint == connection.address else Connection(hint, tls=connection.tls)
             if not hint:
                 await asyncio.sleep(COORDINATOR_BACKOFF_S)
         raise error
@@ -285,8 +289,9 @@ async def _describe(connection: Connection, group: str) -> pb.GroupDescription:
             await node.close()
 
 
-async def _ask(bootstrap: str, action: str, group: str) -> tuple[str, pb.ListGroupsResponse | pb.GroupDescription]:
-    connection = Connection(bootstrap)
+async def _ask(bootstrap: str, action: str, group: str,
+               tls: TlsConfig | None = None) -> tuple[str, pb.ListGroupsResponse | pb.GroupDescription]:  # fmt: skip
+    connection = Connection(bootstrap, tls=tls)
     try:
         await connection.connect()
         try:
@@ -305,7 +310,10 @@ async def _ask(bootstrap: str, action: str, group: str) -> tuple[str, pb.ListGro
 
 def main(args: argparse.Namespace) -> int:
     try:
-        site, answer = asyncio.run(_ask(args.bootstrap, args.action, getattr(args, "group", "")))
+        site, answer = asyncio.run(_ask(args.bootstrap, args.action, getattr(args, "group", ""), client_tls(args)))
+    except TlsArgsError as exc:
+        print(f"georep: error: {exc}", file=sys.stderr)
+        return 2
     except GeorepError as exc:
         print(f"georep: error: {exc.message}", file=sys.stderr)
         return EXIT_ERROR

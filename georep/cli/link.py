@@ -10,9 +10,13 @@ from pathlib import Path
 import grpc
 
 from georep.cli.admin_token import TOKEN_ENV, call_metadata, find_token
+from georep.cli.tls_args import TlsArgsError, client_tls
+from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.client.connection import tls_problem
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import TlsConfig, client_channel
 from topology.model import UnknownLink, UnknownSite
 
 TIMEOUT_S = 5.0
@@ -27,10 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where 'georep up' keeps admin.token (default .georep)")  # fmt: skip
     parser.add_argument("--admin-token",
                         help=f"the nodes' admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token)")  # fmt: skip
+    add_client_tls_arguments(parser)
 
 
-async def set_link(address: str, src: str, enabled: bool, token: str | None = None) -> pb.SetLinkResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def set_link(address: str, src: str, enabled: bool, token: str | None = None,
+                   tls: TlsConfig | None = None) -> pb.SetLinkResponse:  # fmt: skip
+    async with client_channel(address, tls) as channel:
         return await pbg.NodeStub(channel).SetLink(
             pb.SetLinkRequest(src=src, enabled=enabled), timeout=TIMEOUT_S, metadata=call_metadata(token)
         )
@@ -46,9 +52,14 @@ def main(args: argparse.Namespace) -> int:
     address = topology.site(args.dst).nodes[0]
     try:
         token = find_token(args.admin_token, args.data_dir)
-        resp = asyncio.run(set_link(address, args.src, args.action == "heal", token))
+        tls = client_tls(args)
+        resp = asyncio.run(set_link(address, args.src, args.action == "heal", token, tls))
+    except TlsArgsError as exc:
+        print(f"georep: error: {exc}", file=sys.stderr)
+        return 2
     except grpc.aio.AioRpcError as exc:
-        print(f"georep: error: site {args.dst} at {address}: {exc.details()}", file=sys.stderr)
+        problem = asyncio.run(tls_problem(address, tls)) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+        print(f"georep: error: site {args.dst} at {address}: {problem or exc.details()}", file=sys.stderr)
         return 1
     print(f"link {resp.src} -> {resp.dst}: {'healed' if resp.enabled else 'cut'} (state {resp.state})")
     return 0

@@ -22,6 +22,7 @@ from typing import Any
 from georep import __version__
 from georep.cli.output import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, err
 from georep.cli.records import cmd_consume, cmd_offsets, cmd_produce
+from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topics import cmd_health, cmd_topic_create, cmd_topic_describe, cmd_topic_list
 from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap
 from georep.client.errors import GeorepError
@@ -53,6 +54,7 @@ def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
         "--bootstrap", default=default_bootstrap(), metavar="HOST:PORT[,HOST:PORT]",
         help=f"node(s) to connect to (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101; now %(default)s)",
     )  # fmt: skip
+    add_client_tls_arguments(parser, data_dir=True)
 
 
 def _nonnegative(text: str) -> int:

@@ -11,6 +11,7 @@ import time
 from typing import cast
 
 from georep.cli.output import EXIT_ERROR, err, table
+from georep.cli.tls_args import client_tls
 from georep.client.admin import Admin
 from georep.client.consumer import Consumer, ConsumerRecord
 from georep.client.errors import GeorepError, InvalidRequest
@@ -44,8 +45,9 @@ class _Tally:
 
 async def cmd_produce(args: argparse.Namespace) -> int:
     separator = args.key_separator.encode() if args.key_separator else None
-    producer = Producer(args.bootstrap, acks=args.acks, batch_size=args.batch_size, linger_ms=args.linger_ms,
-                        compression=args.compression, request_timeout_ms=args.request_timeout_ms)  # fmt: skip
+    producer = Producer(args.bootstrap, tls=client_tls(args), acks=args.acks, batch_size=args.batch_size,
+                        linger_ms=args.linger_ms, compression=args.compression,
+                        request_timeout_ms=args.request_timeout_ms)  # fmt: skip
     stdin = cast(io.BufferedReader, sys.stdin.buffer)
     loop = asyncio.get_running_loop()
     tally = _Tally()
@@ -124,9 +126,10 @@ async def cmd_consume(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
     count = 0
     group = {} if args.group is None else {"group_id": args.group, "commit_acks": args.commit_acks or "leader"}
-    async with Consumer(args.bootstrap, auto_offset_reset=reset, skip_corrupt=args.skip_corrupt,
+    tls = client_tls(args)
+    async with Consumer(args.bootstrap, tls=tls, auto_offset_reset=reset, skip_corrupt=args.skip_corrupt,
                         read_from=args.read_from, prefer=args.prefer, **group) as consumer, \
-            Admin(args.bootstrap) as admin:  # fmt: skip
+            Admin(args.bootstrap, tls=tls) as admin:  # fmt: skip
         topic = await admin.describe_topic(args.topic)
         if args.group is not None:
             partitions: list[int] = []  # the group's coordinator assigns them
@@ -195,7 +198,7 @@ async def cmd_offsets(args: argparse.Namespace) -> int:
             spec = int(args.time)
         except ValueError:
             raise InvalidRequest(f"invalid --time {args.time!r}: use earliest, latest or a timestamp in ms") from None
-    async with Admin(args.bootstrap) as admin:
+    async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
         offsets = await admin.list_offsets(args.topic, -1 if args.partition is None else args.partition, spec)
     if args.json:
         print(json.dumps([{"partition": o.partition, "offset": o.offset, "timestamp": o.timestamp_ms}

@@ -15,9 +15,12 @@ import sys
 
 import grpc
 
-from georep.client.connection import BOOTSTRAP_ENV, CHANNEL_OPTIONS, default_bootstrap
+from georep.cli.tls_args import TlsArgsError, client_tls
+from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
+from georep.client.connection import BOOTSTRAP_ENV, CHANNEL_OPTIONS, default_bootstrap, tls_problem
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import TlsConfig, client_channel
 
 BAR_WIDTH = 30
 
@@ -29,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bootstrap", default=default_bootstrap(), metavar="HOST:PORT",
         help=f"the node to scrub (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101; now %(default)s)",
     )  # fmt: skip
+    add_client_tls_arguments(parser, data_dir=True)
 
 
 def bar(progress: pb.ScrubProgress) -> str:
@@ -39,8 +43,8 @@ def bar(progress: pb.ScrubProgress) -> str:
             f"{done / 1e6:,.1f}/{total / 1e6:,.1f} MB, {progress.found} damaged")  # fmt: skip
 
 
-async def scrub(address: str) -> pb.ScrubProgress:
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+async def scrub(address: str, tls: TlsConfig | None = None) -> pb.ScrubProgress:
+    async with client_channel(address, tls, CHANNEL_OPTIONS) as channel:
         last = pb.ScrubProgress()
         async for progress in pbg.NodeStub(channel).Scrub(pb.ScrubRequest()):
             last = progress
@@ -54,9 +58,15 @@ async def scrub(address: str) -> pb.ScrubProgress:
 def main(args: argparse.Namespace) -> int:
     address = args.bootstrap.split(",")[0]
     try:
-        result = asyncio.run(scrub(address))
+        tls = client_tls(args)
+        result = asyncio.run(scrub(address, tls))
+    except TlsArgsError as exc:
+        print(f"georep: error: {exc}", file=sys.stderr)
+        return 2
     except grpc.aio.AioRpcError as exc:
-        print(f"georep: error: scrub at {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        problem = asyncio.run(tls_problem(address, tls)) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+        print(f"georep: error: scrub at {address}: {problem or f'{exc.code().name}: {exc.details()}'}",
+              file=sys.stderr)  # fmt: skip
         return 1
     print(f"scrubbed {result.checked_bytes:,} bytes at {address}: {result.found} damaged batch(es) found; "
           f"{result.quarantined} quarantined now"

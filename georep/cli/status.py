@@ -12,10 +12,14 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from georep.cli.tls_args import TlsArgsError, client_tls, default_client_tls
+from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topology import LinkStatus
 from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.client.connection import tls_problem
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import TlsConfig, client_channel
 from topology.filters import is_internal
 from topology.ids import SiteId
 from topology.model import Topology
@@ -26,21 +30,23 @@ TIMEOUT_S = 3.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", type=Path, help="topology TOML file (default: sites a, b, c)")
     parser.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+    add_client_tls_arguments(parser, data_dir=True)
 
 
 def vector_text(vector: pb.VectorOffset) -> str:
     return ",".join(f"{e.site}@{e.epoch}:{e.next_seq}" for e in vector.entries) or "-"
 
 
-async def fetch_status(topology: Topology) -> dict[str, pb.SiteStatusResponse | str]:
+async def fetch_status(topology: Topology, tls: TlsConfig | None = None) -> dict[str, pb.SiteStatusResponse | str]:
     """Each site's status, or the reason it could not be had."""
 
     async def one(address: str) -> pb.SiteStatusResponse | str:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with client_channel(address, tls) as channel:
             try:
                 return await pbg.NodeStub(channel).SiteStatus(pb.SiteStatusRequest(), timeout=TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                return f"unreachable at {address}: {exc.code().name} {exc.details()}"
+                problem = await tls_problem(address, tls) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+                return problem or f"unreachable at {address}: {exc.code().name} {exc.details()}"
 
     sites = topology.site_ids()
     answers = await asyncio.gather(*(one(topology.site(s).nodes[0]) for s in sites))
@@ -94,9 +100,10 @@ def render(statuses: dict[str, pb.SiteStatusResponse | str]) -> str:
 
 
 def live_link_states(topology: Topology) -> dict[tuple[SiteId, SiteId], LinkStatus]:
-    """Each link's state and lag as its destination reports them; links into unreachable sites are left out."""
+    """Each link's state and lag as its destination reports them; links into unreachable sites are left out.
+    Over TLS with the default certificates (``$GEOREP_TLS_DIR``, else those of 'georep up' in .georep/certs)."""
     out: dict[tuple[SiteId, SiteId], LinkStatus] = {}
-    for site, s in asyncio.run(fetch_status(topology)).items():
+    for site, s in asyncio.run(fetch_status(topology, default_client_tls())).items():
         if isinstance(s, str):
             continue
         for link in s.links:
@@ -115,7 +122,12 @@ def main(args: argparse.Namespace) -> int:
     except TopologyFileError as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return 2
-    statuses = asyncio.run(fetch_status(topology))
+    try:
+        tls = client_tls(args)
+    except TlsArgsError as exc:
+        print(f"georep: error: {exc}", file=sys.stderr)
+        return 2
+    statuses = asyncio.run(fetch_status(topology, tls))
     if args.json:
         print(json.dumps(as_json(statuses), indent=1, sort_keys=True))
     else:

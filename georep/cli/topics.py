@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 
 from georep.cli.output import EXIT_ERROR, table, topic_json
+from georep.cli.tls_args import client_tls
 from georep.client.admin import Admin
 from georep.client.errors import InvalidRequest
 from topology.filters import is_internal
@@ -23,7 +24,7 @@ def _parse_config(items: Sequence[str]) -> dict[str, str]:
 
 
 async def cmd_topic_create(args: argparse.Namespace) -> int:
-    async with Admin(args.bootstrap) as admin:
+    async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
         topic = await admin.create_topic(args.name, args.partitions, _parse_config(args.config))
     if args.json:
         print(json.dumps(topic_json(topic)))
@@ -33,7 +34,7 @@ async def cmd_topic_create(args: argparse.Namespace) -> int:
 
 
 async def cmd_topic_list(args: argparse.Namespace) -> int:
-    async with Admin(args.bootstrap) as admin:
+    async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
         topics = [t for t in await admin.list_topics() if args.internal or not is_internal(t.name)]
     if args.json:
         print(json.dumps([topic_json(t) for t in topics]))
@@ -48,7 +49,7 @@ async def cmd_topic_list(args: argparse.Namespace) -> int:
 
 
 async def cmd_topic_describe(args: argparse.Namespace) -> int:
-    async with Admin(args.bootstrap) as admin:
+    async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
         topic = await admin.describe_topic(args.name)
     if args.json:
         print(json.dumps(topic_json(topic)))
@@ -63,7 +64,7 @@ async def cmd_topic_describe(args: argparse.Namespace) -> int:
 
 
 async def cmd_health(args: argparse.Namespace) -> int:
-    async with Admin(args.bootstrap) as admin:
+    async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
         health = await admin.health()
     if args.json:
         print(json.dumps({"status": health.status, "site": health.site, "epoch": health.epoch,

@@ -20,7 +20,11 @@ import time
 from pathlib import Path
 
 from georep.cli.admin_token import ensure_token
+from georep.cli.tls_args import INSECURE_WARNING, certs_dir
 from georep.cli.topology_file import DEFAULT, TopologyFileError, load_topology
+from georep.security import dev_ca
+from georep.security.principal import node_principal, site_principal
+from georep.security.tls import TlsConfig, TlsError
 from georep.server.process import NODE_INFO, NodeProcess, NodeStartError
 from topology.model import InvalidTopology, Topology, warnings
 
@@ -31,20 +35,40 @@ POLL_S = 0.5
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", type=Path, help="topology TOML file (default: sites a, b, c in a cycle)")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="DATA_DIR/<site>/ per site")
+    parser.add_argument("--insecure", action="store_true",
+                        help="run the nodes plaintext, without TLS or ACLs (default: mutual TLS with the "
+                             "certificates in DATA_DIR/certs, made by 'georep certs init' if missing)")  # fmt: skip
     parser.add_argument("node_args", nargs=argparse.REMAINDER,
                         help="after '--': extra 'georep node' flags for every node, e.g. -- --flush-interval-ms 100")
 
 
+def ensure_certs(topology: Topology, data_dir: Path) -> Path:
+    """``DATA_DIR/certs``: a development CA and a certificate for every node of the topology and for
+    ``client:admin`` (the commands' default), made where missing (``georep certs init``)."""
+    directory = certs_dir(data_dir).resolve()  # absolute: node.json's restart command runs from anywhere
+    dev_ca.init(directory, dev_ca.topology_plan(topology))
+    return directory
+
+
+def node_tls(directory: Path | None, site: str, node: int | None) -> TlsConfig | None:
+    """A node's files in ``directory``: ``site:<s>`` for a one-node site, ``node:<s>/<n>`` for a node of several."""
+    if directory is None:
+        return None
+    return TlsConfig.from_dir(directory, site_principal(site) if node is None else node_principal(site, node))
+
+
 def site_processes(topology: Topology, topology_file: Path | None, data_dir: Path,
-                   extra_args: list[str]) -> list[NodeProcess]:  # fmt: skip
-    """A node process per node of every site, as ``georep up`` starts them (not yet started)."""
+                   extra_args: list[str], certs: Path | None = None) -> list[NodeProcess]:  # fmt: skip
+    """A node process per node of every site, as ``georep up`` starts them (not yet started); with mutual TLS
+    from the certificates in ``certs`` (see :func:`ensure_certs`), plaintext without."""
     procs = []
     for sid in topology.site_ids():
         site = topology.site(sid)
         args = [*extra_args, "--topology", str(topology_file.resolve()) if topology_file else DEFAULT,
                 "--admin-token-file", str(ensure_token(data_dir).resolve())]
         if len(site.nodes) == 1:
-            procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0], extra_args=args))
+            procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0], extra_args=args,
+                                     tls=node_tls(certs, sid, None)))  # fmt: skip
             continue
         try:
             site.raft_addresses()
@@ -52,7 +76,8 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
             raise TopologyFileError(str(exc)) from None
         for member in site.members:
             procs.append(NodeProcess(site=sid, data_dir=data_dir / sid / str(member.id), listen=member.address,
-                                     extra_args=[*args, "--node-id", str(member.id)], node_id=member.id))  # fmt: skip
+                                     extra_args=[*args, "--node-id", str(member.id)], node_id=member.id,
+                                     tls=node_tls(certs, sid, member.id)))  # fmt: skip
     return procs
 
 
@@ -77,10 +102,18 @@ def main(args: argparse.Namespace) -> int:
     extra = [a for a in args.node_args if a != "--"]
     try:
         topology = load_topology(args.topology)
-        procs = site_processes(topology, args.topology, args.data_dir, extra)
+        certs = None if args.insecure else ensure_certs(topology, args.data_dir)
+        procs = site_processes(topology, args.topology, args.data_dir, extra, certs)
     except TopologyFileError as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return 2
+    except (TlsError, OSError) as exc:
+        print(f"georep: error: cannot make the certificates in {certs_dir(args.data_dir)}: {exc}", file=sys.stderr)
+        return 1
+    if certs is None:
+        print(f"georep: {INSECURE_WARNING}", file=sys.stderr)
+    else:
+        print(f"mutual TLS: certificates in {certs}/ (commands find them there with --data-dir {args.data_dir})")
     for warning in warnings(topology):
         print(f"georep: warning: {warning}", file=sys.stderr)
 

@@ -12,6 +12,7 @@ from georep.client.connection import Connection
 from georep.client.errors import InvalidRequest, from_rpc_error
 from georep.proto import georep_pb2
 from georep.proto.convert import vector_from_proto
+from georep.security.tls import TlsConfig
 from offsets.vector import VectorOffset
 
 T = TypeVar("T")
@@ -80,8 +81,8 @@ class Admin:
     """``async with Admin("127.0.0.1:7101") as admin: await admin.create_topic("t", 3)``."""
 
     def __init__(self, bootstrap: str | list[str], request_timeout_ms: int = 30_000,
-                 connect_timeout_ms: int = 5_000) -> None:  # fmt: skip
-        self._connection = Connection(bootstrap, connect_timeout_ms)
+                 connect_timeout_ms: int = 5_000, tls: TlsConfig | None = None) -> None:  # fmt: skip
+        self._connection = Connection(bootstrap, connect_timeout_ms, tls)
         self._timeout_s = request_timeout_ms / 1000
 
     async def start(self) -> Admin:

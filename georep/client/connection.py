@@ -19,8 +19,9 @@ from typing import TypeVar
 
 import grpc
 
-from georep.client.errors import InvalidRequest, NodeUnavailable
+from georep.client.errors import InvalidRequest, NodeUnavailable, TlsRefused
 from georep.proto import georep_pb2, georep_pb2_grpc
+from georep.security.tls import MESSAGE_BYTES_MAX, TlsConfig, TlsError, client_channel, handshake_problem
 
 T = TypeVar("T")
 
@@ -29,10 +30,8 @@ IDENTIFY_ATTEMPTS = 4
 IDENTIFY_RETRY_S = 0.05
 BOOTSTRAP_ENV = "GEOREP_BOOTSTRAP"
 
-# Above the node's default max_batch_bytes (8 MiB): a fetch response holds at
-# least one whole batch, whatever max_bytes says.
-MESSAGE_BYTES_MAX = 256 * 1024 * 1024
-
+# The factory sets both bounds on every channel (georep.security.tls): above the largest batch a topic may allow,
+# since a fetch response holds at least one whole batch, whatever max_bytes says.
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_BYTES_MAX),
     ("grpc.max_receive_message_length", MESSAGE_BYTES_MAX),
@@ -107,6 +106,11 @@ def unreachable(addresses: list[str], reasons: list[str]) -> NodeUnavailable:
     )
 
 
+async def tls_problem(address: str, tls: TlsConfig | None, timeout_s: float = 3.0) -> str | None:
+    """Why TLS keeps a call to ``address`` from working, if it does (``handshake_problem``, in an executor)."""
+    return await asyncio.get_running_loop().run_in_executor(None, handshake_problem, address, tls, timeout_s)
+
+
 class Connection:
     """One gRPC channel to one node of the bootstrap list, replaced on reconnect.
 
@@ -115,9 +119,11 @@ class Connection:
     to call :meth:`reconnect` with the old generation replaces it.
     """
 
-    def __init__(self, bootstrap: str | list[str], connect_timeout_ms: int = 5000) -> None:
+    def __init__(self, bootstrap: str | list[str], connect_timeout_ms: int = 5000,
+                 tls: TlsConfig | None = None) -> None:  # fmt: skip
         self.addresses = parse_bootstrap(bootstrap)
         self.connect_timeout_s = connect_timeout_ms / 1000
+        self.tls = tls  # None: plaintext, for a node started with --insecure
         self.address = ""
         # site@epoch of the node connected to: local offsets mean something only there
         self.origin = ""
@@ -194,11 +200,15 @@ class Connection:
             address = self.addresses[index]
             reason = await probe(address, self.connect_timeout_s)
             if reason is None:
-                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                try:
+                    channel = client_channel(address, self.tls, CHANNEL_OPTIONS)
+                except TlsError as exc:
+                    raise TlsRefused(str(exc)) from None
                 stub = georep_pb2_grpc.NodeStub(channel)
                 health = await self._identify(stub)
                 if isinstance(health, str):
                     await channel.close(grace=None)
+                    await self._check_handshake(address)
                     tried.append(address)
                     reasons.append(health)
                     continue
@@ -231,6 +241,14 @@ class Connection:
                     return f"not a georep node, or not answering: {exc.code().name}"
                 await asyncio.sleep(IDENTIFY_RETRY_S)
         raise AssertionError("unreachable")
+
+    async def _check_handshake(self, address: str) -> None:
+        """A node that took the TCP connection but not the call: if TLS is why (one side wants it and the other
+        does not, or a certificate was refused), raise :class:`TlsRefused` saying which and what to pass, instead
+        of gRPC's bare "Socket closed"."""
+        problem = await tls_problem(address, self.tls, self.connect_timeout_s)
+        if problem is not None:
+            raise TlsRefused(problem)
 
     async def _close_channel(self) -> None:
         channel, self._channel, self._stub = self._channel, None, None

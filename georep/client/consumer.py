@@ -61,6 +61,7 @@ from georep.proto import georep_pb2
 from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.record.batch import CorruptBatch, check_batch, decode_records
 from georep.record.compression import DecompressionError
+from georep.security.tls import TlsConfig
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import Coverage, VectorOffset
 
@@ -196,7 +197,9 @@ class Consumer:
         skip_corrupt: bool = False,
         read_from: str = "leader",
         prefer: str | None = None,
+        tls: TlsConfig | None = None,
     ) -> None:
+        self._tls = tls
         if auto_offset_reset not in OFFSET_RESETS:
             raise InvalidRequest(f"invalid auto_offset_reset {auto_offset_reset!r}: use earliest, latest or none")
         if read_from not in READ_FROM:
@@ -208,7 +211,7 @@ class Consumer:
         # Fetch responses with records that a node not leading the partition served (read_from="follower").
         self.follower_reads = 0
         # read_from="follower": the node every partition is fetched at first (None: the bootstrap connection's).
-        self._prefer = Connection(prefer, connect_timeout_ms) if prefer is not None else None
+        self._prefer = Connection(prefer, connect_timeout_ms, tls) if prefer is not None else None
         self._group: GroupMembership | None = None
         self._group_id = group_id
         self._group_options = GroupOptions(
@@ -216,7 +219,7 @@ class Consumer:
             enable_auto_commit=enable_auto_commit, auto_commit_interval_ms=auto_commit_interval_ms,
             commit_acks=parse_acks(commit_acks), commit_wait_caught_up_ms=commit_wait_caught_up_ms,
         )  # fmt: skip
-        self._connection = Connection(bootstrap, connect_timeout_ms)
+        self._connection = Connection(bootstrap, connect_timeout_ms, tls)
         self._connect_timeout_ms = connect_timeout_ms
         # A multi-node site serves each partition at its leader: one connection per leader address, shared by the
         # fetchers of the partitions it leads (the bootstrap connection serves the rest, and every other call).
@@ -289,7 +292,8 @@ class Consumer:
             return self._connection
         connection = self._leader_connections.get(state.leader)
         if connection is None:
-            connection = self._leader_connections[state.leader] = Connection(state.leader, self._connect_timeout_ms)
+            connection = self._leader_connections[state.leader] = Connection(state.leader, self._connect_timeout_ms,
+                                                                                      self._tls)
         return connection
 
     # --- assignment and positions ------------------------------------------------

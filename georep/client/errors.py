@@ -125,6 +125,11 @@ class MemberFenced(GeorepError):
     """The group no longer knows this member (its session expired): it must rejoin."""
 
 
+class TlsRefused(GeorepError):
+    """The TLS handshake with a node failed: no client certificate where the node wants one, a certificate the
+    node does not trust (or the client does not trust the node's), or TLS against a plaintext node."""
+
+
 class PermissionDenied(GeorepError):
     """An admin call without the node's admin token."""
 

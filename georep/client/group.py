@@ -254,7 +254,7 @@ class GroupMembership:
             return True
         if self._coordinator is None or self._coordinator.addresses != [address]:
             await self._drop_coordinator()
-            self._coordinator = Connection(address, int(main.connect_timeout_s * 1000))
+            self._coordinator = Connection(address, int(main.connect_timeout_s * 1000), main.tls)
         return True
 
     async def _find(self) -> str:

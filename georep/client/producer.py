@@ -52,6 +52,7 @@ from georep.client.partitioner import StickyPartitioner, key_partition
 from georep.proto import georep_pb2
 from georep.record.batch import HEADER_BYTES, NO_PRODUCER_ID, RecordInput, encode_batch
 from georep.record.compression import Compression
+from georep.security.tls import TlsConfig
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from topology.ids import SiteId
 
@@ -126,8 +127,10 @@ class Producer:
         enable_idempotence: bool = True,
         buffer_memory: int = 32 << 20,
         connect_timeout_ms: int = 5_000,
+        tls: TlsConfig | None = None,
     ) -> None:
         self._acks, self._geo_sites = parse_acks(acks)
+        self._tls = tls
         try:
             self._compression = Compression.parse(compression)
         except ValueError as exc:
@@ -141,7 +144,7 @@ class Producer:
                 f"max_in_flight {max_in_flight} is above {IDEMPOTENT_IN_FLIGHT_MAX}, the most an idempotent "
                 "producer may have unanswered per partition: lower it or set enable_idempotence=False"
             )
-        self._connection = Connection(bootstrap, connect_timeout_ms)
+        self._connection = Connection(bootstrap, connect_timeout_ms, tls)
         self._batch_size = batch_size
         self._max_in_flight = max_in_flight
         self._delivery_timeout_ms = delivery_timeout_ms
@@ -403,7 +406,7 @@ class Producer:
         address = self._leaders.get((delivery.topic, delivery.partition), "")
         route = self._routes.get(address)
         if route is None:
-            connection = Connection(address, self._connect_timeout_ms)
+            connection = Connection(address, self._connect_timeout_ms, self._tls)
             route = self._routes[address] = _Route(address, connection, self._retry_backoff_ms)
         return route
 

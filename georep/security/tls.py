@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -174,11 +176,67 @@ def client_channel(address: str, tls: TlsConfig | None, options: Options = ()) -
     return grpc.aio.secure_channel(address, channel_credentials(tls), options=_options(options, tls))
 
 
+ChannelFactory = Callable[[str], grpc.aio.Channel]
+
+
+def channels(tls: TlsConfig | None, options: Options = ()) -> ChannelFactory:
+    """``address -> channel`` with these settings: what the node's in-site code opens its short calls with."""
+    return functools.partial(client_channel, tls=tls, options=options)
+
+
 def client_channel_sync(address: str, tls: TlsConfig | None, options: Options = ()) -> grpc.Channel:
     """The blocking ``grpc.Channel`` twin of :func:`client_channel`."""
     if tls is None:
         return grpc.insecure_channel(address, options=_options(options, None))
     return grpc.secure_channel(address, channel_credentials(tls), options=_options(options, tls))
+
+
+def handshake_problem(address: str, tls: TlsConfig | None, timeout_s: float) -> str | None:
+    """Why a TLS handshake with ``address`` fails, in words that say what to pass; ``None`` if TLS is not the
+    problem. Blocking (run it in an executor); called only after a call failed on a connection the node took.
+
+    gRPC shows every handshake failure as "Socket closed". With TLS 1.3 a server refuses a client certificate
+    after the client's side of the handshake completed, so this shakes hands with Python's ``ssl`` and then
+    sends the HTTP/2 preface: a server that closes the connection instead of answering refused the certificate.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    hint = ("pass --tls-dir DIR (from 'georep certs init', or DATA_DIR/certs of 'georep up') or --tls-ca, "
+            "--tls-cert and --tls-key")  # fmt: skip
+    try:
+        raw = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except OSError:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.set_alpn_protocols(["h2"])
+    if tls is None:
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    else:
+        context.load_verify_locations(cafile=str(tls.ca))
+        context.load_cert_chain(str(tls.cert), str(tls.key))
+    with raw:
+        try:
+            with context.wrap_socket(raw, server_hostname=(tls.server_name if tls else None) or host) as conn:
+                if tls is None:
+                    return f"the node at {address} requires TLS with a client certificate: {hint}"
+                conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                if conn.recv(9):
+                    return None
+        except ssl.SSLCertVerificationError as exc:
+            return (f"the node at {address} presented a certificate this client does not trust "
+                    f"({exc.verify_message}): is {tls.ca if tls else 'the CA'} the CA that signed the nodes' "
+                    "certificates? (a certificate made for another host name needs --tls-server-name)")  # fmt: skip
+        except ssl.SSLError as exc:
+            if tls is None:
+                return None  # a plaintext node: TLS is not what failed
+            if "WRONG_VERSION_NUMBER" in str(exc) or "RECORD_LAYER" in str(exc):
+                return f"the node at {address} does not speak TLS (started with --insecure?): pass --insecure"
+        except OSError:
+            pass
+    if tls is None:
+        return None
+    return (f"the node at {address} refused this client's certificate {tls.cert} (it needs a certificate signed "
+            f"by the CA the node trusts, naming a georep principal): {hint}")
 
 
 # --- servers -----------------------------------------------------------------------------------------------------

@@ -49,8 +49,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-import grpc
-
 from cluster import leadership
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.quorum import QuorumError
@@ -75,6 +73,7 @@ from cluster.site_state import (
     plan_leadership,
 )
 from georep.broker.errors import NotLeader, RecoveryFailed
+from georep.security.tls import TlsConfig, channels
 from georep.server.ensemble import SegmentToWrite, SegmentWriter
 from georep.server.recovery import SegmentToRecover, recover_segment, tell_sealed
 from georep.server.site_repair import RepairController, decommission
@@ -148,7 +147,7 @@ class ClusterMember:
 
     def __init__(self, me: NodeId, address: str, metadata: Metadata, store: ReplicaStore, executor: ThreadPoolExecutor,
                  clock_ms: Callable[[], int], free_bytes: Callable[[], int], config: ClusterConfig | None = None,
-                 channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:  # fmt: skip
+                 tls: TlsConfig | None = None) -> None:  # fmt: skip
         self.me = me
         self.address = address
         self.metadata = metadata
@@ -157,7 +156,8 @@ class ClusterMember:
         self.clock_ms = clock_ms
         self.free_bytes = free_bytes
         self.config = config or ClusterConfig()
-        self.channel = channel
+        self.tls = tls
+        self.channel = channels(tls)
         self.leaders: dict[PartitionKey, PartitionLeader] = {}
         self.listener: LeaderListener = _NoListener()
         self._given_up: dict[PartitionKey, LeaderEpoch] = {}
@@ -466,7 +466,7 @@ class PartitionLeader:
 
         while True:
             try:
-                await recover_segment(m.store, target, m.me, m.addresses(), seal, m.executor, m.clock_ms, m.channel)
+                await recover_segment(m.store, target, m.me, m.addresses(), seal, m.executor, m.clock_ms, m.tls)
                 break
             except RecoveryFailed as exc:
                 log.warning("%s; retrying in %d ms", exc, m.config.retry_ms)
@@ -517,7 +517,7 @@ class PartitionLeader:
         start_vector = info.sealed_vector_before(open_.segment_id).to_dict()
         self._segment = SegmentToWrite(self.key, open_.segment_id, open_.base_offset, start_vector, open_.ensemble,
                                        m.config.ack_quorum, self.epoch)  # fmt: skip
-        self.writer = SegmentWriter(m.store, self._segment, m.me, m.addresses(), m.executor, m.clock_ms, m.channel)
+        self.writer = SegmentWriter(m.store, self._segment, m.me, m.addresses(), m.executor, m.clock_ms, m.tls)
         await self.writer.start()
         self._release_limit = None
         self._rolling = False

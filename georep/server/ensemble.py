@@ -42,6 +42,7 @@ from georep.broker.errors import NotLeader
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_to_proto
+from georep.security.tls import TlsConfig, channels
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
@@ -83,7 +84,7 @@ class SegmentWriter:
         addresses: Mapping[NodeId, str],
         executor: ThreadPoolExecutor,
         clock_ms: Callable[[], int],
-        channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.store = store
         self.segment = segment
@@ -96,7 +97,7 @@ class SegmentWriter:
         self.addresses = dict(addresses)
         self.executor = executor
         self.clock_ms = clock_ms
-        self._channel = channel
+        self._channel = channels(tls)
         self._appended = asyncio.Event()  # set when the appended end moves: member streams wake up
         self._append_lock = asyncio.Lock()  # appends reach the copy, and the quorum, in the order they were made
         self._backoff: dict[NodeId, float] = {}

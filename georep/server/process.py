@@ -16,7 +16,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from georep.security.tls import TlsConfig
+
 NODE_INFO = "node.json"
+
+
+def node_flags(tls: TlsConfig | None) -> list[str]:
+    """The ``georep node`` flags that give it ``tls`` (``--insecure`` for ``None``)."""
+    if tls is None:
+        return ["--insecure"]
+    flags = ["--tls-ca", str(tls.ca), "--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
+    return [*flags, "--tls-server-name", tls.server_name] if tls.server_name else flags
 
 
 class NodeStartError(RuntimeError):
@@ -35,6 +45,7 @@ class NodeProcess:
     address: str = ""
     metrics_address: str = ""
     node_id: int | None = None  # a node of a multi-node site
+    tls: TlsConfig | None = None  # None: the node serves plaintext (--insecure)
     _logged_before: int = 0
 
     def command(self) -> list[str]:
@@ -44,6 +55,7 @@ class NodeProcess:
             "--listen", self.listen,
             "--metrics-listen", self.metrics_listen,
             "--data-dir", str(self.data_dir),
+            *node_flags(self.tls),
             *self.extra_args,
         ]  # fmt: skip
 

@@ -43,6 +43,7 @@ from georep.broker.errors import BrokerError, NotLeader, RecoveryFailed
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_to_proto
+from georep.security.tls import ChannelFactory, TlsConfig, channels
 from georep.server.rpc import FENCED_EPOCH_METADATA
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
@@ -79,16 +80,16 @@ async def recover_segment(
     seal: Seal_,
     executor: ThreadPoolExecutor,
     clock_ms: Callable[[], int],
-    channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+    tls: TlsConfig | None = None,
 ) -> LocalOffset:
     """Recover ``segment`` as its new leader ``me``; returns the sealed end, where the next segment starts."""
-    return await _Recovery(store, segment, me, addresses, seal, executor, clock_ms, channel).run()
+    return await _Recovery(store, segment, me, addresses, seal, executor, clock_ms, channels(tls)).run()
 
 
 class _Recovery:
     def __init__(self, store: ReplicaStore, segment: SegmentToRecover, me: NodeId, addresses: Mapping[NodeId, str],
                  seal: Seal_, executor: ThreadPoolExecutor, clock_ms: Callable[[], int],
-                 channel: Callable[[str], grpc.aio.Channel]) -> None:  # fmt: skip
+                 channel: ChannelFactory) -> None:  # fmt: skip
         self.store = store
         self.s = segment
         self.me = me
@@ -283,7 +284,7 @@ class _Recovery:
 async def tell_sealed(store: ReplicaStore, key: PartitionKey, segment_id: SegmentId, epoch: LeaderEpoch,
                       end: LocalOffset, ensemble: tuple[NodeId, ...], me: NodeId, addresses: Mapping[NodeId, str],
                       executor: ThreadPoolExecutor, clock_ms: Callable[[], int],
-                      channel: Callable[[str], grpc.aio.Channel]) -> None:  # fmt: skip
+                      channel: ChannelFactory) -> None:  # fmt: skip
     """The seal of ``segment_id`` at ``end`` is committed: every member records it and cuts a longer copy. Best
     effort: a member that misses it keeps its tail, which was never acked nor read (reads stop at the sealed end),
     until it is told again."""

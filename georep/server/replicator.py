@@ -51,6 +51,7 @@ from georep.replication.session import PullStats as LinkStats
 from georep.replication.sink import CorruptChunk
 from georep.replication.source import Chunk
 from georep.replication.topics import RemoteTopic, plan_topic_sync
+from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker
 from georep.storage.api import DiskFull, RepairRefused
 from offsets.coordinates import Origin
@@ -118,7 +119,7 @@ class Puller:
     @property
     def stub(self) -> pbg.NodeAsyncStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = client_channel(self.address, self.r.tls, CHANNEL_OPTIONS)
             self._stub = pbg.NodeStub(self._channel)
         return self._stub
 
@@ -374,8 +375,10 @@ class Replicator:
         site: str,
         stall_ms: int,
         clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.broker = broker
+        self.tls = tls  # the node's own certificate: it pulls as site:<s> (or node:<s>/<n>)
         self.topology = topology
         self.site = topology.site(site).id
         self.links = LinkManager(topology, site, stall_ms)
@@ -462,7 +465,7 @@ class Replicator:
         channel = self._peer_channels.get(site)
         if channel is None:
             address = self.topology.site(SiteId(site)).nodes[0]
-            channel = self._peer_channels[site] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._peer_channels[site] = client_channel(address, self.tls, CHANNEL_OPTIONS)
         return channel
 
     async def _tick_loop(self) -> None:

@@ -39,6 +39,7 @@ from cluster.ids import LeaderEpoch, SegmentId
 from georep.broker.errors import InvalidRequest
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto
+from georep.security.tls import TlsConfig
 from georep.server.rpc import Context, parse, service, stream_stream, unary, unary_stream
 from georep.server.site_repair import SealedRange, copy_in, copy_timeout_s
 from georep.storage.replica_store import PartitionKey, ReplicaStore
@@ -72,12 +73,12 @@ class SegmentService:
 
     def __init__(self, store: ReplicaStore, executor: ThreadPoolExecutor, clock_ms: Callable[[], int],
                  member: ClusterMember | None = None,
-                 channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:  # fmt: skip
+                 tls: TlsConfig | None = None) -> None:  # fmt: skip
         self.store = store
         self.executor = executor
         self.clock_ms = clock_ms
         self.member = member  # the node's cluster member, which rolls the segments it leads
-        self.channel = channel
+        self.tls = tls
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -175,7 +176,7 @@ class SegmentService:
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None else copy_timeout_s(0)
         flushed, copied = await copy_in(self.store, segment, req.source_address, self.executor, self.clock_ms(),
-                                        self.channel, timeout)  # fmt: skip
+                                        self.tls, timeout)  # fmt: skip
         return pb.CopySegmentResponse(flushed_offset=flushed, copied_bytes=copied)
 
     async def roll_segment(self, data: bytes, context: Context) -> pb.RollSegmentResponse:

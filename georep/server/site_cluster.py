@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -40,6 +40,7 @@ from georep.broker.errors import NotLeader, SegmentUnreadable
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import TlsConfig, channels, client_channel
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterMember, PartitionLeader
 from georep.server.ensemble import SegmentWriter
@@ -72,13 +73,14 @@ class SiteCluster:
 
     def __init__(self, broker: Broker, member: ClusterMember, metadata: RaftMetadataStore, store: ReplicaStore,
                  executor: ThreadPoolExecutor,
-                 channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel) -> None:  # fmt: skip
+                 tls: TlsConfig | None = None) -> None:  # fmt: skip
         self.broker = broker
         self.member = member
         self.metadata = metadata
         self.store = store
         self.executor = executor
-        self.channel = channel
+        self.tls = tls
+        self.channel = channels(tls)
         self._writing: dict[PartitionKey, _Writing] = {}
         self._peers: dict[str, grpc.aio.Channel] = {}  # long-lived channels to the other nodes, by address
         self._background: set[asyncio.Task[None]] = set()
@@ -217,7 +219,7 @@ class SiteCluster:
         channel = self._peers.get(address)
         if channel is None:
             # A pull's messages hold whole batches (up to the largest max_batch_bytes): the client's size limits.
-            channel = self._peers[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = self._peers[address] = client_channel(address, self.tls, CHANNEL_OPTIONS)
         return pbg.NodeStub(channel)
 
     async def pull_from(self, address: str, request: pb.ReplicateRequest) -> AsyncIterator[pb.ReplicateResponse]:

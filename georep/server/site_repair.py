@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -97,6 +97,7 @@ from georep.broker.errors import BrokerError, InvalidRequest, NodeStopping, Segm
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_to_proto
+from georep.security.tls import TlsConfig, client_channel
 from georep.storage.replica_store import HeldCopy, PartitionKey, ReplicaError, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
@@ -147,7 +148,7 @@ class SealedRange:
 
 
 async def copy_in(store: ReplicaStore, segment: SealedRange, source: str, executor: ThreadPoolExecutor,
-                  now_ms: int, channel: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+                  now_ms: int, tls: TlsConfig | None = None,
                   timeout_s: float = COPY_TIMEOUT_S_MIN) -> tuple[LocalOffset, int]:  # fmt: skip
     """Copy sealed ``segment`` into this node's store from the member at ``source`` (``ReadSegment``), from the end
     this node holds; fsync. Returns the fsynced end and the bytes read. Each chunk's CRCs are checked before it is
@@ -162,7 +163,7 @@ async def copy_in(store: ReplicaStore, segment: SealedRange, source: str, execut
         request = pb.ReadSegmentRequest(segment=pb.SegmentRef(topic=key[0], partition=key[1], segment_id=sid),
                                         offset=held, end_offset=end, max_bytes=READ_MAX_BYTES)  # fmt: skip
         try:
-            async with channel(source) as ch:
+            async with client_channel(source, tls) as ch:
                 async for response in pbg.SegmentsStub(ch).ReadSegment(request, timeout=timeout_s):
                     await loop.run_in_executor(executor, store.append_sealed_copy, key, sid, end, response.batches)
                     copied += len(response.batches)
@@ -441,7 +442,7 @@ class RepairController:
             raise CopyFailed(f"node {effect.source if source is None else effect.target} left the site")
         timeout = copy_timeout_s(size_bytes)
         if effect.target == m.me:
-            return await copy_in(m.store, segment, source.address, m.executor, m.clock_ms(), m.channel, timeout)
+            return await copy_in(m.store, segment, source.address, m.executor, m.clock_ms(), m.tls, timeout)
         request = pb.CopySegmentRequest(
             segment=pb.SegmentRef(topic=segment.key[0], partition=segment.key[1], segment_id=segment.segment_id),
             base_offset=segment.base_offset, start_vector=vector_to_proto(VectorOffset(segment.start_vector)),
