@@ -1,0 +1,508 @@
+"""The Kafka gateway's request handlers: Kafka requests in, Kafka responses out, over the node's broker and
+group service (no socket here: ``georep/kafka/server.py`` is the TCP shell).
+
+Every decision stays where it lives for georep's own protocol: the origin append, producer dedup and the
+ack table (``Broker.append``, ``ack_waiter``), the fetch cursor's durable rule (only offsets below the
+flushed offset, Kafka's high watermark), the group coordinator and the replicated commit log
+(``GroupService``). This module maps Kafka's requests onto them; docs/kafka.md lists each API and what
+differs from Kafka.
+
+**Order.** :meth:`KafkaGateway.dispatch` does a request's synchronous part at once (a produce's appends)
+and returns what is left to await, so a connection's pipelined produce requests are appended in the
+order they arrived, as the idempotent producer's sequence check requires, and their acks are awaited
+together; the server sends the responses in request order.
+
+**Groups.** Kafka's classic protocol has the group leader compute the assignment; georep's coordinator
+computes it on the server (``cluster/groups.py``, the range assignor). So every member is told it is a
+follower (JoinGroup names no member as leader) and each one's SyncGroup answer is its assignment from the
+coordinator, encoded as Kafka's ``ConsumerProtocolAssignment``. A join or a leave bumps the generation at
+once; a member at an older generation learns of it from its next Heartbeat (``REBALANCE_IN_PROGRESS``) and
+rejoins, and its commits at the older generation are refused (``ILLEGAL_GENERATION``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka.protocol import admin as kadmin
+from kafka.protocol import consumer as kconsumer
+from kafka.protocol import metadata as kmetadata
+from kafka.protocol import producer as kproducer
+
+from cluster.metadata import TopicExists
+from georep.broker.acks import LEADER, AckKind, Acks
+from georep.broker.fetch import durable_part
+from georep.kafka import errors as k
+from georep.kafka.offsets import FetchFilters, vector_at
+from georep.kafka.protocol import Request, api_versions_body
+from georep.kafka.records import RecordsError, georep_to_kafka, kafka_to_georep
+from georep.proto import georep_pb2 as pb
+from georep.proto.convert import vector_from_proto, vector_to_proto
+from georep.server.broker import Broker
+from georep.server.groups import GroupService
+from georep.storage.api import OffsetOutOfRange, start_offset_for_vector
+from topology.filters import is_internal
+
+log = logging.getLogger(__name__)
+
+NODE_ID = 0
+EAGER_PROTOCOLS = ("range", "roundrobin", "sticky")  # assignment strategies a client may name; georep assigns
+COMMITTED_WAIT_MS = 5_000  # OffsetFetch waits this long for the commits live upstreams hold
+FETCH_MAX_BYTES_CAP = 64 << 20
+NO_FILTER_END = 1 << 62
+LATEST = -1
+EARLIEST = -2
+
+
+@dataclass
+class KafkaMember:
+    client_id: str
+    client_host: str
+    topics: tuple[str, ...]
+    session_timeout_ms: int
+    metadata: bytes
+
+
+@dataclass
+class KafkaGroup:
+    protocol: str = ""
+    members: dict[str, KafkaMember] = field(default_factory=dict)
+
+
+Pending = Awaitable[Any]  # what is left of a request: resolves to the response object, or None (no response)
+
+
+class KafkaGateway:
+    def __init__(self, broker: Broker, groups: GroupService, host: str, port: int,
+                 create_topic: Callable[[str, int, dict[str, str]], Awaitable[None]],
+                 commit_acks: Acks = LEADER) -> None:  # fmt: skip
+        self.broker = broker
+        self.groups = groups
+        self.host = host
+        self.port = port
+        self.create_topic = create_topic
+        self.commit_acks = commit_acks
+        self.filters = FetchFilters()
+        self.kgroups: dict[str, KafkaGroup] = {}
+
+    def dispatch(self, req: Request, peer_host: str) -> Pending:
+        if req.api_key == 0:
+            return self._produce(req.body, req.version)
+        handler = self._handlers.get(req.api_key)
+        assert handler is not None, req.api_key  # protocol.SUPPORTED and this table list the same keys
+        return handler(self, req, peer_host)
+
+    # -- metadata and topics ------------------------------------------------------------------------------
+
+    async def _api_versions(self, req: Request, peer: str) -> Any:
+        return api_versions_body(req.version)
+
+    def _topic_names(self) -> list[str]:
+        return sorted(n for n in self.broker.metadata.topics() if not is_internal(n))
+
+    async def _metadata(self, req: Request, peer: str) -> Any:
+        r = kmetadata.MetadataResponse
+        body = req.body
+        wanted = None if body.topics is None or (req.version == 0 and not body.topics) else [t.name for t in
+                                                                                              body.topics]  # fmt: skip
+        topics = []
+        known = self.broker.metadata.topics()
+        for name in self._topic_names() if wanted is None else wanted:
+            spec = known.get(name)
+            if spec is None or is_internal(name):
+                topics.append(r.MetadataResponseTopic(error_code=k.UNKNOWN_TOPIC_OR_PARTITION, name=name))
+                continue
+            parts = [r.MetadataResponseTopic.MetadataResponsePartition(
+                partition_index=i, leader_id=NODE_ID, leader_epoch=0, replica_nodes=[NODE_ID], isr_nodes=[NODE_ID])
+                for i in range(spec.partitions)]  # fmt: skip
+            topics.append(r.MetadataResponseTopic(name=name, partitions=parts))
+        brokers = [r.MetadataResponseBroker(node_id=NODE_ID, host=self.host, port=self.port)]
+        return r(brokers=brokers, cluster_id=f"georep-{self.broker.identity.site}", controller_id=NODE_ID,
+                 topics=topics)  # fmt: skip
+
+    async def _create_topics(self, req: Request, peer: str) -> Any:
+        r = kadmin.CreateTopicsResponse
+        out = []
+        for t in req.body.topics:
+            partitions = t.num_partitions if t.num_partitions > 0 else 1
+            config = {c.name.replace(".", "_"): c.value for c in t.configs if c.value is not None}
+            try:
+                if req.body.validate_only:
+                    if t.name in self.broker.metadata.topics():
+                        raise TopicExists(t.name)
+                else:
+                    await self.create_topic(t.name, partitions, config)
+                out.append(r.CreatableTopicResult(name=t.name, num_partitions=partitions, replication_factor=1))
+            except Exception as exc:
+                out.append(r.CreatableTopicResult(name=t.name, error_code=self._code(exc), error_message=str(exc)))
+        return r(topics=out)
+
+    async def _delete_topics(self, req: Request, peer: str) -> Any:
+        r = kadmin.DeleteTopicsResponse
+        names = list(req.body.topic_names or []) + [t.name for t in (req.body.topics or []) if t.name]
+        msg = "georep does not delete topics (they replicate to every site); use retention to drop old data"
+        return r(responses=[r.DeletableTopicResult(name=n, error_code=k.TOPIC_DELETION_DISABLED, error_message=msg)
+                            for n in names])  # fmt: skip
+
+    # -- produce ----------------------------------------------------------------------------------------------
+
+    def _produce(self, body: Any, version: int) -> Pending:
+        """Appends now, in arrival order; the returned awaitable waits for the acks."""
+        acks = Acks(AckKind.ALL) if body.acks == -1 else LEADER
+        results: list[tuple[str, int, Any]] = []  # (topic, partition, (produced, waiter) or error code)
+        for t in body.topic_data:
+            for pd in t.partition_data:
+                try:
+                    if body.transactional_id is not None:
+                        raise RecordsError(k.INVALID_RECORD, "transactions are not supported")
+                    batch = kafka_to_georep(pd.records or b"")
+                    p, produced = self.broker.append(t.name, pd.index, batch, acks)
+                    waiter = self.broker.ack_waiter(p, produced, acks, body.timeout_ms) if body.acks != 0 else None
+                    results.append((t.name, pd.index, (p, produced, waiter)))
+                except RecordsError as exc:
+                    results.append((t.name, pd.index, (exc.code, str(exc))))
+                except Exception as exc:
+                    results.append((t.name, pd.index, (self._code(exc), str(exc))))
+        return self._produce_answer(results, body.acks == 0)
+
+    async def _produce_answer(self, results: list[tuple[str, int, Any]], no_response: bool) -> Any:
+        r = kproducer.ProduceResponse
+        by_topic: dict[str, list[Any]] = {}
+        for topic, index, outcome in results:
+            if len(outcome) == 2:
+                code, message = outcome
+                part = r.TopicProduceResponse.PartitionProduceResponse(
+                    index=index, error_code=code, base_offset=-1, error_message=message)  # fmt: skip
+            else:
+                p, produced, waiter = outcome
+                code = 0
+                if waiter is not None:
+                    try:
+                        await waiter
+                    except Exception as exc:
+                        code = self._code(exc)
+                part = r.TopicProduceResponse.PartitionProduceResponse(
+                    index=index, error_code=code, base_offset=produced.result.base_offset, log_append_time_ms=-1,
+                    log_start_offset=p.log.log_start_offset)  # fmt: skip
+            by_topic.setdefault(topic, []).append(part)
+        if no_response:
+            return None
+        return r(responses=[r.TopicProduceResponse(name=t, partition_responses=ps) for t, ps in by_topic.items()])
+
+    async def _init_producer_id(self, req: Request, peer: str) -> Any:
+        r = kproducer.InitProducerIdResponse
+        body = req.body
+        if body.transactional_id is not None:
+            return r(error_code=k.INVALID_REQUEST, producer_id=-1, producer_epoch=-1)
+        if body.producer_id >= 0 and 0 <= body.producer_epoch < 32766:  # KIP-360: bump the epoch of a known id
+            return r(producer_id=body.producer_id, producer_epoch=body.producer_epoch + 1)
+        # A random id: unique with overwhelming odds across every gateway and restart, with no state to keep.
+        return r(producer_id=secrets.randbits(47) + 1, producer_epoch=0)
+
+    # -- fetch ------------------------------------------------------------------------------------------------
+
+    async def _fetch(self, req: Request, peer: str) -> Any:
+        body = req.body
+        client = f"{req.client_id}@{peer}"
+        deadline = asyncio.get_running_loop().time() + max(0, body.max_wait_ms) / 1000
+        budget = min(body.max_bytes if req.version >= 3 else FETCH_MAX_BYTES_CAP, FETCH_MAX_BYTES_CAP)
+        while True:
+            responses, size, waits = self._fetch_once(body, client, budget)
+            remaining = deadline - asyncio.get_running_loop().time()
+            if size >= max(1, body.min_bytes) or remaining <= 0 or not waits:
+                r = kconsumer.FetchResponse
+                return r(responses=responses, session_id=0)
+            done, _pending = await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                remaining = 0
+
+    def _fetch_once(self, body: Any, client: str, budget: int) -> tuple[list[Any], int, list[asyncio.Future[None]]]:
+        r = kconsumer.FetchResponse
+        topics = []
+        size = 0
+        waits: list[asyncio.Future[None]] = []
+        for t in body.topics:
+            parts = []
+            for fp in t.partitions:
+                pd = r.FetchableTopicResponse.PartitionData
+                try:
+                    p = self.broker.partition(t.topic, fp.partition)
+                except Exception as exc:
+                    parts.append(pd(partition_index=fp.partition, error_code=self._code(exc), high_watermark=-1))
+                    continue
+                plog = p.log
+                flushed = plog.flushed_offset
+                records = b""
+                code = 0
+                offset = fp.fetch_offset
+                try:
+                    if offset < plog.log_start_offset or offset > plog.log_end_offset:
+                        plog.read(offset, 0)  # raises OffsetOutOfRange with the valid range
+                    if offset < flushed and budget - size > 0:
+                        got = plog.read(offset, min(fp.partition_max_bytes, budget - size))
+                        chunk, _next = durable_part(got.data, got.next_offset, flushed)
+                        skip = self.filters.for_fetch((client, t.topic, fp.partition), offset)
+                        records = georep_to_kafka(chunk, offset, skip.to_dict() if skip else None, NO_FILTER_END)
+                        size += len(records)
+                    else:
+                        waits.append(p.durable())
+                except OffsetOutOfRange:
+                    code = k.OFFSET_OUT_OF_RANGE
+                except Exception as exc:
+                    code = self._code(exc)
+                parts.append(pd(partition_index=fp.partition, error_code=code, high_watermark=flushed,
+                                last_stable_offset=flushed, log_start_offset=plog.log_start_offset,
+                                aborted_transactions=None, preferred_read_replica=-1,
+                                records=records))  # fmt: skip
+            topics.append(r.FetchableTopicResponse(topic=t.topic, partitions=parts))
+        return topics, size, waits
+
+    async def _list_offsets(self, req: Request, peer: str) -> Any:
+        r = kconsumer.ListOffsetsResponse
+        out = []
+        for t in req.body.topics:
+            parts = []
+            for lp in t.partitions:
+                rp = r.ListOffsetsTopicResponse.ListOffsetsPartitionResponse
+                try:
+                    plog = self.broker.partition(t.name, lp.partition_index).log
+                    if lp.timestamp == EARLIEST:
+                        offset = plog.log_start_offset
+                    elif lp.timestamp >= 0:
+                        found = plog.offset_for_timestamp(lp.timestamp)
+                        offset = plog.flushed_offset if found is None else min(found, plog.flushed_offset)
+                    else:  # LATEST, and the max-timestamp query (-3), which gets the end
+                        offset = plog.flushed_offset
+                    parts.append(rp(partition_index=lp.partition_index, timestamp=-1, offset=offset, leader_epoch=0))
+                except Exception as exc:
+                    parts.append(rp(partition_index=lp.partition_index, error_code=self._code(exc), offset=-1))
+            out.append(r.ListOffsetsTopicResponse(name=t.name, partitions=parts))
+        return r(topics=out)
+
+    # -- groups -----------------------------------------------------------------------------------------------
+
+    async def _find_coordinator(self, req: Request, peer: str) -> Any:
+        r = kmetadata.FindCoordinatorResponse
+        return r(node_id=NODE_ID, host=self.host, port=self.port)
+
+    async def _join_group(self, req: Request, peer: str) -> Any:
+        r = kconsumer.JoinGroupResponse
+        b = req.body
+
+        def refuse(code: int) -> Any:
+            return r(error_code=code, generation_id=-1, protocol_name="", leader="", member_id=b.member_id or "")
+
+        names = [p.name for p in b.protocols]
+        chosen = next((n for n in names if n in EAGER_PROTOCOLS), None)
+        if b.protocol_type != "consumer" or chosen is None:
+            log.info("group %r: join refused, protocol type %r with strategies %s (georep assigns on the server; "
+                     "use range or roundrobin)", b.group_id, b.protocol_type, names)  # fmt: skip
+            return refuse(k.INCONSISTENT_GROUP_PROTOCOL)
+        metadata = bytes(next(p.metadata for p in b.protocols if p.name == chosen))
+        try:
+            topics = tuple(kconsumer.ConsumerProtocolSubscription.decode(metadata).topics)
+            hb = await self.groups.heartbeat(pb.GroupHeartbeatRequest(
+                group=b.group_id, member_id=b.member_id, topics=topics, session_timeout_ms=b.session_timeout_ms,
+                assignor="range", client_id=req.client_id))  # fmt: skip
+        except Exception as exc:
+            return refuse(self._code(exc))
+        g = self.kgroups.setdefault(b.group_id, KafkaGroup())
+        g.protocol = chosen
+        g.members[hb.member_id] = KafkaMember(req.client_id, peer, topics, b.session_timeout_ms, metadata)
+        return r(generation_id=hb.generation, protocol_type="consumer", protocol_name=chosen, leader="",
+                 member_id=hb.member_id, members=[])  # fmt: skip
+
+    async def _beat(self, group: str, member_id: str) -> tuple[int, Any]:
+        """Heartbeat ``member_id`` at the coordinator: (error code, georep heartbeat answer)."""
+        member = self.kgroups.get(group, KafkaGroup()).members.get(member_id)
+        if member is None:
+            return k.UNKNOWN_MEMBER_ID, None
+        try:
+            hb = await self.groups.heartbeat(pb.GroupHeartbeatRequest(
+                group=group, member_id=member_id, topics=member.topics, session_timeout_ms=member.session_timeout_ms,
+                assignor="range", client_id=member.client_id))  # fmt: skip
+        except Exception as exc:
+            return self._code(exc), None
+        return 0, hb
+
+    async def _sync_group(self, req: Request, peer: str) -> Any:
+        r = kconsumer.SyncGroupResponse
+        b = req.body
+        code, hb = await self._beat(b.group_id, b.member_id)
+        if code:
+            return r(error_code=code, assignment=b"")
+        if hb.generation != b.generation_id:
+            return r(error_code=k.REBALANCE_IN_PROGRESS, assignment=b"")
+        a = kconsumer.ConsumerProtocolAssignment
+        assignment = a(version=0, assigned_partitions=[a.TopicPartition(topic=tp.topic, partitions=list(tp.partitions))
+                                                       for tp in hb.assignment])  # fmt: skip
+        g = self.kgroups[b.group_id]
+        return r(protocol_type="consumer", protocol_name=g.protocol, assignment=bytes(assignment.encode()))
+
+    async def _heartbeat(self, req: Request, peer: str) -> Any:
+        r = kconsumer.HeartbeatResponse
+        b = req.body
+        code, hb = await self._beat(b.group_id, b.member_id)
+        if not code and hb.generation != b.generation_id:
+            code = k.REBALANCE_IN_PROGRESS
+        return r(error_code=code)
+
+    async def _leave_group(self, req: Request, peer: str) -> Any:
+        r = kconsumer.LeaveGroupResponse
+        b = req.body
+        ids = [b.member_id] if req.version < 3 else [m.member_id for m in b.members]
+        results = []
+        for member_id in ids:
+            code = 0
+            try:
+                await self.groups.leave(pb.LeaveGroupRequest(group=b.group_id, member_id=member_id))
+            except Exception as exc:
+                code = self._code(exc)
+            self.kgroups.get(b.group_id, KafkaGroup()).members.pop(member_id, None)
+            results.append(r.MemberResponse(member_id=member_id, error_code=code))
+        first = results[0].error_code if results else 0
+        return r(error_code=first if req.version < 3 else 0, members=results)
+
+    async def _offset_commit(self, req: Request, peer: str) -> Any:
+        r = kconsumer.OffsetCommitResponse
+        b = req.body
+        commits = []
+        problems: dict[tuple[str, int], int] = {}
+        for t in b.topics:
+            for pc in t.partitions:
+                try:
+                    plog = self.broker.partition(t.name, pc.partition_index).log
+                    offset = min(pc.committed_offset, plog.log_end_offset)
+                    commits.append(pb.PartitionCommit(
+                        topic=t.name, partition=pc.partition_index, vector=vector_to_proto(vector_at(plog, offset)),
+                        hint_offset=offset, metadata=pc.committed_metadata or ""))  # fmt: skip
+                except Exception as exc:
+                    problems[(t.name, pc.partition_index)] = self._code(exc)
+        code = 0
+        if commits:
+            member_id = b.member_id or ""
+            generation = b.generation_id_or_member_epoch if member_id else -1
+            after = max((c.hlc for c in self.groups.table.of_group(b.group_id)), default=0)
+            acks = self.commit_acks
+            try:
+                await self.groups.commit(pb.CommitOffsetsRequest(
+                    group=b.group_id, member_id=member_id, generation=generation, commits=commits,
+                    acks=pb.ACKS_GEO if acks.kind is AckKind.GEO else pb.ACKS_ALL if acks.kind is AckKind.ALL
+                    else pb.ACKS_LEADER, geo_sites=acks.sites if acks.kind is AckKind.GEO else 0,
+                    after_hlc=after))  # fmt: skip
+            except Exception as exc:
+                code = self._code(exc)
+        return r(topics=[r.OffsetCommitResponseTopic(name=t.name, partitions=[
+            r.OffsetCommitResponseTopic.OffsetCommitResponsePartition(
+                partition_index=pc.partition_index, error_code=problems.get((t.name, pc.partition_index), code))
+            for pc in t.partitions]) for t in b.topics])  # fmt: skip
+
+    async def _offset_fetch(self, req: Request, peer: str) -> Any:
+        r = kconsumer.OffsetFetchResponse
+        b = req.body
+        client = f"{req.client_id}@{peer}"
+        rt, rp = r.OffsetFetchResponseTopic, r.OffsetFetchResponseTopic.OffsetFetchResponsePartition
+        try:
+            answer = await self.groups.fetch_committed(pb.FetchCommittedRequest(
+                group=b.group_id, wait_caught_up_ms=COMMITTED_WAIT_MS))  # fmt: skip
+        except Exception as exc:
+            return r(error_code=self._code(exc), topics=[])
+        committed = {(c.topic, c.partition): c for c in answer.offsets}
+        wanted = ([(t.name, list(t.partition_indexes)) for t in b.topics] if b.topics is not None else
+                  [(t, sorted(p for (tt, p) in committed if tt == t)) for t in sorted({t for t, _ in committed})])
+        out = []
+        for topic, partitions in wanted:
+            parts = []
+            for index in partitions:
+                c = committed.get((topic, index))
+                if c is None:
+                    parts.append(rp(partition_index=index, committed_offset=-1, metadata="", committed_leader_epoch=-1))
+                    continue
+                try:
+                    offset = self._resume_offset(client, c)
+                    parts.append(rp(partition_index=index, committed_offset=offset, metadata=c.metadata,
+                                    committed_leader_epoch=-1))  # fmt: skip
+                except Exception as exc:
+                    parts.append(rp(partition_index=index, committed_offset=-1, error_code=self._code(exc)))
+            out.append(rt(name=topic, partitions=parts))
+        return r(topics=out)
+
+    def _resume_offset(self, client: str, c: pb.CommittedOffset) -> int:
+        """This site's local offset for a committed vector (``georep/kafka/offsets.py``)."""
+        plog = self.broker.partition(c.topic, c.partition).log
+        key = (client, c.topic, c.partition)
+        if c.committed_by == str(self.broker.origin) and c.hint_offset >= 0:
+            self.filters.clear(key)  # committed here: the hint is exact in this very log
+            return int(c.hint_offset)
+        vector = vector_from_proto(c.vector)
+        offset = int(start_offset_for_vector(plog, vector.to_dict()))
+        self.filters.set(key, offset, vector)
+        return offset
+
+    async def _list_groups(self, req: Request, peer: str) -> Any:
+        r = kadmin.ListGroupsResponse
+        answer = await self.groups.list_groups()
+        return r(groups=[r.ListedGroup(group_id=g.group, protocol_type="consumer",
+                                       group_state="Stable" if g.members else "Empty") for g in answer.groups])
+
+    async def _describe_groups(self, req: Request, peer: str) -> Any:
+        r = kadmin.DescribeGroupsResponse
+        dg, dm = r.DescribedGroup, r.DescribedGroup.DescribedGroupMember
+        a = kconsumer.ConsumerProtocolAssignment
+        out = []
+        await self.groups.sync()
+        for name in req.body.groups:
+            g = self.groups.coordinator.groups.get(name)
+            kg = self.kgroups.get(name, KafkaGroup())
+            if g is None or not g.members:
+                state = "Empty" if any(True for _ in self.groups.table.of_group(name)) else "Dead"
+                out.append(dg(group_id=name, group_state=state, protocol_type="consumer", protocol_data="",
+                              members=[]))  # fmt: skip
+                continue
+            members = []
+            for member_id, m in sorted(g.members.items()):
+                km = kg.members.get(member_id)
+                by_topic: dict[str, list[int]] = {}
+                for topic, index in m.assignment:
+                    by_topic.setdefault(topic, []).append(index)
+                assignment = a(version=0, assigned_partitions=[a.TopicPartition(topic=t, partitions=ps)
+                                                               for t, ps in sorted(by_topic.items())])  # fmt: skip
+                members.append(dm(member_id=member_id, client_id=m.client_id, client_host=km.client_host if km else "",
+                                  member_metadata=km.metadata if km else b"",
+                                  member_assignment=bytes(assignment.encode())))  # fmt: skip
+            out.append(dg(group_id=name, group_state="Stable", protocol_type="consumer", protocol_data=kg.protocol,
+                          members=members))  # fmt: skip
+        return r(groups=out)
+
+    # -- errors -------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _code(exc: BaseException) -> int:
+        code = k.error_code(exc)
+        if code == k.UNKNOWN_SERVER_ERROR:
+            log.warning("kafka gateway: unexpected %s: %s", type(exc).__name__, exc)
+        return code
+
+    _handlers: dict[int, Callable[[KafkaGateway, Request, str], Pending]] = {
+        1: _fetch,
+        2: _list_offsets,
+        3: _metadata,
+        8: _offset_commit,
+        9: _offset_fetch,
+        10: _find_coordinator,
+        11: _join_group,
+        12: _heartbeat,
+        13: _leave_group,
+        14: _sync_group,
+        15: _describe_groups,
+        16: _list_groups,
+        18: _api_versions,
+        19: _create_topics,
+        20: _delete_topics,
+        22: _init_producer_id,
+    }

@@ -1,0 +1,152 @@
+"""Kafka record batches (v2, magic 2) to georep batches and back. Pure: bytes in, bytes out.
+
+The two layouts carry the same things (``georep/record/batch.py``): producer id, epoch and base
+sequence, a first and a max timestamp, records with key, value, headers and timestamp. They differ in
+encoding (Kafka's records are varint-framed, georep's are fixed-width) and in what georep adds: the origin
+and origin seq, stamped by the site that first accepts the batch. So a batch is converted at the gateway,
+once each way, by kafka-python's maintained codec (``kafka.record.default_records``):
+
+* **Produce** (:func:`kafka_to_georep`). The Kafka batch is parsed (decompressed if the producer
+  compressed it: gzip, lz4, zstd; snappy only with python-snappy), and each record's key, value and
+  headers go straight into georep's encoder: one copy of the record bytes out of the request, one into
+  the georep batch. The producer's id, epoch and base sequence are kept, so georep's producer table
+  (``dedup/producer.py``) deduplicates the idempotent producer's retries with Kafka's own rules.
+* **Fetch** (:func:`georep_to_kafka`). Each stored batch becomes one Kafka batch with the same base
+  offset (a Kafka offset is the site's local offset) and the records' offset deltas, CreateTime
+  timestamps, and two more headers per record: ``georep.origin`` (``site@epoch``) and
+  ``georep.origin_seq`` (decimal), the record's coordinate, the same at every site.
+  Records a ``skip`` vector covers are left out (a consumer that resumed at another site from a
+  committed vector: see ``georep/kafka/offsets.py``); Kafka clients accept offset gaps, as after
+  compaction. A batch left with no record becomes an empty batch (records count 0) that still spans its
+  offsets, as compaction leaves them, so the consumer's position moves past it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+
+import crc32c
+from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
+
+from georep.record.batch import RecordInput, decode_records, encode_batch, headers_in
+from offsets.coordinates import Origin
+
+ORIGIN_HEADER = "georep.origin"
+ORIGIN_SEQ_HEADER = "georep.origin_seq"
+MAGIC_V2 = 2
+_BATCH_HEAD_MIN = 61  # a v2 batch header
+_BASE_OFFSET = struct.Struct(">q")
+_LENGTH = struct.Struct(">qi")
+# Offsets inside a v2 batch header (Kafka's DefaultRecordBatch): the CRC covers from the attributes on.
+_CRC_AT = 17
+_ATTRIBUTES_AT = 21
+_LAST_OFFSET_DELTA_AT = 23
+_CODEC_NAMES = {1: "gzip", 2: "snappy", 3: "lz4", 4: "zstd"}
+
+
+class RecordsError(ValueError):
+    """A produce request's records that the gateway cannot take; ``code`` is the Kafka error code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+CORRUPT_MESSAGE = 2
+UNSUPPORTED_FOR_MESSAGE_FORMAT = 43
+UNSUPPORTED_COMPRESSION_TYPE = 76
+INVALID_RECORD = 87
+
+
+def kafka_to_georep(data: bytes | memoryview) -> bytes:
+    """One Kafka v2 record batch (a Produce request's records of one partition) as one unstamped georep batch.
+
+    Raises :class:`RecordsError`: not exactly one v2 batch, a bad CRC, a transactional or control batch
+    (transactions are not supported), or a compression codec this process cannot decode."""
+    buf = bytes(data)
+    if len(buf) < _BATCH_HEAD_MIN:
+        raise RecordsError(CORRUPT_MESSAGE, f"records of {len(buf)} bytes hold no whole record batch")
+    _base, length = _LENGTH.unpack_from(buf, 0)
+    if 12 + length != len(buf):
+        raise RecordsError(INVALID_RECORD, "a produce request must hold exactly one record batch per partition")
+    if buf[16] != MAGIC_V2:
+        raise RecordsError(UNSUPPORTED_FOR_MESSAGE_FORMAT,
+                           f"record batch magic {buf[16]}: only v2 batches (Kafka 0.11+) are taken")  # fmt: skip
+    batch = DefaultRecordBatch(buf)
+    if not batch.validate_crc():
+        raise RecordsError(CORRUPT_MESSAGE, "record batch CRC mismatch")
+    if batch.is_transactional or batch.is_control_batch:
+        raise RecordsError(INVALID_RECORD, "transactional producers are not supported by georep's Kafka gateway")
+    try:
+        records = [RecordInput(r.key, r.value, r.headers, r.timestamp) for r in batch]
+    except Exception as exc:  # kafka-python raises several types for a codec it lacks or corrupt data
+        codec = _CODEC_NAMES.get(batch.compression_type, str(batch.compression_type))
+        raise RecordsError(UNSUPPORTED_COMPRESSION_TYPE if batch.compression_type else CORRUPT_MESSAGE,
+                           f"cannot read the {codec} records: {exc}") from None  # fmt: skip
+    if not records:
+        raise RecordsError(INVALID_RECORD, "a record batch with no records")
+    return encode_batch(records, producer_id=batch.producer_id, producer_epoch=batch.producer_epoch,
+                        base_sequence=batch.base_sequence)  # fmt: skip
+
+
+def georep_to_kafka(chunk: bytes, from_offset: int = 0, skip: Mapping[Origin, int] | None = None,
+                    skip_below: int = -1) -> bytes:  # fmt: skip
+    """Whole georep batches (as a log read returns them) as Kafka v2 batches, concatenated.
+
+    ``skip``: leave out the records this vector covers, in batches that start below ``skip_below`` (from
+    there on the vector covers nothing). Batches ending before ``from_offset`` are left out whole; a batch
+    that holds it is sent whole, as Kafka does (the client drops the records before its position)."""
+    out = bytearray()
+    view = memoryview(chunk)
+    pos = 0
+    for header in headers_in(chunk):
+        size = header.size_bytes
+        if header.next_offset > from_offset:
+            covers = skip if skip is not None and header.base_offset < skip_below else None
+            if covers is not None and header.last_origin_seq < covers.get(header.origin, 0):
+                out += empty_batch(header.base_offset, header.last_offset_delta, header.max_timestamp)
+            else:
+                out += _convert(view[pos : pos + size], covers)
+        pos += size
+    return bytes(out)
+
+
+def _convert(batch: memoryview, skip: Mapping[Origin, int] | None) -> bytearray:
+    records = decode_records(batch)
+    first = records[0]
+    origin = str(first.origin).encode()
+    covered = -1 if skip is None else skip.get(first.origin, 0)  # records with origin_seq < covered are left out
+    builder = DefaultRecordBatchBuilder(MAGIC_V2, 0, False, -1, -1, -1, 1 << 62)
+    kept = 0
+    for r in records:
+        if r.origin_seq < covered:
+            continue
+        kept += 1
+        headers = [*r.headers, (ORIGIN_HEADER, origin), (ORIGIN_SEQ_HEADER, str(r.origin_seq).encode())]
+        builder.append(r.offset - first.offset, r.timestamp_ms, r.key, r.value, headers)
+    last_delta = records[-1].offset - first.offset
+    if not kept:
+        return empty_batch(first.offset, last_delta, max(r.timestamp_ms for r in records))
+    built: bytearray = builder.build()
+    _BASE_OFFSET.pack_into(built, 0, first.offset)
+    if builder._last_offset != last_delta:  # the covered tail was left out: the batch still spans its offsets
+        return _with_last_delta(built, last_delta)
+    return built
+
+
+def _with_last_delta(built: bytearray, last_delta: int) -> bytearray:
+    struct.pack_into(">i", built, _LAST_OFFSET_DELTA_AT, last_delta)
+    crc = crc32c.crc32c(memoryview(built)[_ATTRIBUTES_AT:])
+    struct.pack_into(">I", built, _CRC_AT, crc)
+    return built
+
+
+def empty_batch(base_offset: int, last_delta: int, timestamp_ms: int) -> bytearray:
+    """A v2 batch with no records spanning ``base_offset .. base_offset + last_delta``: what compaction leaves
+    of a batch whose records all went; consumers move their position past it."""
+    builder = DefaultRecordBatchBuilder(MAGIC_V2, 0, False, -1, -1, -1, 1 << 62)
+    builder._first_timestamp = builder._max_timestamp = timestamp_ms
+    built: bytearray = builder.build()
+    _BASE_OFFSET.pack_into(built, 0, base_offset)
+    return _with_last_delta(built, last_delta)
