@@ -312,6 +312,14 @@ def _advice(principal: Principal, operation: Operation, resource: Resource) -> s
             f"'georep acl add {principal} {operation} {resource}'")  # fmt: skip
 
 
+class UnknownAcl(Exception):
+    """A remove of an entry the site does not hold."""
+
+    def __init__(self, entry: AclEntry) -> None:
+        super().__init__(f"no ACL entry '{entry}' to remove: list the entries with 'georep acl list' and remove one "
+                         "of those exactly as listed")  # fmt: skip
+
+
 class PermissionDenied(Exception):
     """A call its principal may not make. ``str(exc)`` names the principal, the operation and the resource, and says
     what would allow it (mapped to ``PERMISSION_DENIED`` by ``georep/server/status.py``)."""

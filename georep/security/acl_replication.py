@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from georep.broker.errors import BrokerError
+from georep.record.batch import CorruptBatch, iter_headers
 from georep.security.acl import CLUSTER, Decision, Operation, Resource, topic
 from georep.security.principal import Principal
 from topology.model import Topology, UnknownLink, UnknownSite
@@ -101,9 +103,9 @@ def origin_may_arrive(topology: Topology, src: str, dst: str, topic_name: str, o
         return False
 
 
-class ForgedOrigin(Exception):
+class ForgedOrigin(BrokerError):
     """A pulled batch claims an origin its source cannot have received under the topology; nothing of its chunk
-    is applied."""
+    is applied (the pull ends with this message and is opened again, so the link shows it until fixed)."""
 
     def __init__(self, src: str, dst: str, topic_name: str, origin: str) -> None:
         super().__init__(
@@ -111,3 +113,29 @@ class ForgedOrigin(Exception):
             f"that topic from site {origin.partition('@')[0]} cannot reach site {src} under the topology's links: "
             f"refused as a forged origin. Check site {src}'s topology file and its certificates"
         )
+
+
+class OriginCheck:
+    """:func:`origin_may_arrive` for the chunks ``dst`` pulls, remembered per (source, topic, origin site): the
+    topology is the node's for its life, and the chunks of one partition repeat the same few origins."""
+
+    def __init__(self, topology: Topology, dst: str) -> None:
+        self.topology = topology
+        self.dst = dst
+        self._seen: dict[tuple[str, str, str], bool] = {}
+
+    def check(self, src: str, topic_name: str, batches: bytes) -> None:
+        """Raise :class:`ForgedOrigin` if a batch of the chunk claims an origin ``src`` cannot have sent; a chunk
+        that does not parse is left to the sink, which refuses it as corrupt."""
+        try:
+            headers = iter_headers(batches)
+        except CorruptBatch:
+            return
+        for header in headers:
+            origin = header.origin
+            key = (src, topic_name, origin.site)
+            allowed = self._seen.get(key)
+            if allowed is None:
+                allowed = self._seen[key] = origin_may_arrive(self.topology, src, self.dst, topic_name, origin.site)
+            if not allowed:
+                raise ForgedOrigin(src, self.dst, topic_name, str(origin))

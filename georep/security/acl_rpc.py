@@ -102,6 +102,7 @@ Rule = Callable[[Any, Principal, Policy], Decision]
 class Access:
     request: type[Message]
     rule: Rule
+    reads_request: bool = True  # False: the rule ignores the request, which then is not parsed to check it
 
 
 def _topic_op(operation: Operation) -> Rule:
@@ -124,6 +125,14 @@ def _commit(req: pb.CommitOffsetsRequest, who: Principal, policy: Policy) -> Dec
     return policy.acl(who, Operation.CONSUME, [topic(c.topic) for c in req.commits])
 
 
+def _open_access(request: type[Message]) -> Access:
+    return Access(request, _open, reads_request=False)
+
+
+def _admin_access(request: type[Message]) -> Access:
+    return Access(request, _admin, reads_request=False)
+
+
 def _open(req: Any, who: Principal, policy: Policy) -> Decision:
     return policy.open(who)
 
@@ -144,23 +153,23 @@ def _replicate(req: pb.ReplicateRequest, who: Principal, policy: Policy) -> Deci
 NODE_ACCESS: Mapping[str, Access] = {
     "CreateTopic": Access(pb.CreateTopicRequest, lambda req, who, policy: policy.acl(
         who, Operation.CREATE_TOPIC, [topic(req.name)])),
-    "ListTopics": Access(pb.ListTopicsRequest, _open),
-    "DescribeTopic": Access(pb.DescribeTopicRequest, _open),
+    "ListTopics": _open_access(pb.ListTopicsRequest),
+    "DescribeTopic": _open_access(pb.DescribeTopicRequest),
     "Produce": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE)),
     "ProduceStream": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE)),
     "Fetch": Access(pb.FetchRequest, _topic_op(Operation.CONSUME)),
     "ListOffsets": Access(pb.ListOffsetsRequest, _topic_op(Operation.CONSUME)),
-    "Health": Access(pb.HealthRequest, _open),
-    "SiteStatus": Access(pb.SiteStatusRequest, _open),
-    "ClusterStatus": Access(pb.ClusterStatusRequest, _open),
-    "ListGroups": Access(pb.ListGroupsRequest, _open),
-    "SetLink": Access(pb.SetLinkRequest, _admin),
-    "DecommissionNode": Access(pb.DecommissionNodeRequest, _admin),
-    "Scrub": Access(pb.ScrubRequest, _admin),
-    "PutAcl": Access(pb.PutAclRequest, _admin),
-    "ListAcls": Access(pb.ListAclsRequest, lambda req, who, policy: policy.admin_or_pull(who)),
+    "Health": _open_access(pb.HealthRequest),
+    "SiteStatus": _open_access(pb.SiteStatusRequest),
+    "ClusterStatus": _open_access(pb.ClusterStatusRequest),
+    "ListGroups": _open_access(pb.ListGroupsRequest),
+    "SetLink": _admin_access(pb.SetLinkRequest),
+    "DecommissionNode": _admin_access(pb.DecommissionNodeRequest),
+    "Scrub": _admin_access(pb.ScrubRequest),
+    "PutAcl": _admin_access(pb.PutAclRequest),
+    "ListAcls": Access(pb.ListAclsRequest, lambda req, who, policy: policy.admin_or_pull(who), False),
     "Replicate": Access(pb.ReplicateRequest, _replicate),
-    "ReportHeld": Access(pb.ReportHeldRequest, lambda req, who, policy: policy.pull(who, ())),
+    "ReportHeld": Access(pb.ReportHeldRequest, lambda req, who, policy: policy.pull(who, ()), False),
     "FetchBatch": Access(pb.FetchBatchRequest, lambda req, who, policy: policy.repair(
         who, req.topic, req.origin_site)),
     "GroupHeartbeat": Access(pb.GroupHeartbeatRequest, _heartbeat),
@@ -176,7 +185,7 @@ def _in_site(req: Any, who: Principal, policy: Policy) -> Decision:
 
 
 SEGMENTS_ACCESS: Mapping[str, Access] = {
-    name: Access(request, _in_site)
+    name: Access(request, _in_site, reads_request=False)
     for name, request in (
         ("AppendSegment", pb.SegmentAppendRequest), ("FenceSegments", pb.FenceSegmentsRequest),
         ("SealSegment", pb.SealSegmentRequest), ("ReadSegment", pb.ReadSegmentRequest),
@@ -202,21 +211,34 @@ NO_PRINCIPAL = ("the peer certificate names no georep principal (a SAN URI geore
 class Authorizer:
     """The shell around the table: the principal from the call, the decision, a :class:`PermissionDenied`.
 
-    Only a node that serves TLS has one (a plaintext node authorizes nothing: the CONTRACT's ``--insecure``). So
-    here a call without a principal came with a certificate that names none, and is refused.
+    Only a node that serves TLS has one (a plaintext node authorizes nothing: ``--insecure``). So here a call
+    without a principal came over TLS with a certificate that names none, and is refused.
     """
 
     def __init__(self, policy: Policy, principal_of: Callable[[Any], Principal | None]) -> None:
         self.policy = policy
         self.principal_of = principal_of
 
-    def check(self, table: Mapping[str, Access], method: str, data: bytes, context: Any,
-              parse: Callable[[type[Message], bytes], Message]) -> None:  # fmt: skip
+    def principal(self, method: str, context: Any) -> Principal:
         principal = self.principal_of(context)
         if principal is None:
             raise PermissionDenied(f"{method} refused: {NO_PRINCIPAL}")
+        return principal
+
+    def check(self, table: Mapping[str, Access], method: str, principal: Principal, data: bytes,
+              parse: Callable[[type[Message], bytes], Message]) -> None:  # fmt: skip
+        """Raise :class:`PermissionDenied` unless ``principal`` may make this call with this request (``data``)."""
         access = table.get(method)
-        request = parse(access.request, data) if access is not None else pb.HealthRequest()
+        if access is None or not access.reads_request:
+            request: Message = pb.HealthRequest()
+        else:
+            request = parse(access.request, data)
         decision = decide(table, method, request, principal, self.policy)
         if not decision.allowed:
             raise PermissionDenied.of(decision)
+
+    @staticmethod
+    def per_message(table: Mapping[str, Access], method: str) -> bool:
+        """Whether each message of a client stream must be checked (its rule reads the request)."""
+        access = table.get(method)
+        return access is not None and access.reads_request

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from cluster.ids import InvalidNodeId, node_id
+from cluster.metadata import AclRecord
 from georep import __version__
 from georep.broker.append import Produced
 from georep.broker.errors import (
@@ -32,6 +33,8 @@ from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, Fro
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
+from georep.security.acl import UnknownAcl, acl_entry
+from georep.security.acl_sync import change
 from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
@@ -89,8 +92,12 @@ class NodeService:
         replicator: Replicator | None = None,
         admin_token: str | None = None,
         site_cluster: SiteCluster | None = None,
+        authorizes: bool = False,
     ) -> None:
         self.broker = broker
+        # Calls are authorized by principals (georep/server/rpc.py's Authorization, on a TLS node): the admin
+        # token, the plaintext node's only check of admin calls, is not asked for then.
+        self.authorizes = authorizes
         self.site_cluster = site_cluster
         self.metrics = metrics
         self.replicator = replicator
@@ -538,7 +545,11 @@ class NodeService:
         )
 
     def _authorize_admin(self, context: Context, what: str) -> None:
-        """With an admin token, the caller must present it; without one, only loopback callers may."""
+        """A plaintext node's check of admin calls (a TLS node checks the caller's principal for the admin
+        operation before the handler runs): with an admin token, the caller must present it; without one, only
+        loopback callers may."""
+        if self.authorizes:
+            return
         if self.admin_token is None:
             if not _is_loopback(context.peer()):
                 raise NotAuthorized(
@@ -624,6 +635,33 @@ class NodeService:
             message=drain.message(),
         )  # fmt: skip
 
+    # -- ACLs ---------------------------------------------------------------------
+
+    async def put_acl(self, data: bytes, context: Context) -> pb.PutAclResponse:
+        """``georep acl add|remove``: an ACL record stamped above the one held (georep/security/acl_sync.py)."""
+        req = parse(pb.PutAclRequest, data)
+        self._authorize_admin(context, "PutAcl")
+        entry = acl_entry(req.principal, req.operation, req.resource)
+        held = self.broker.metadata.acls().get(entry.key())
+        present = not req.remove
+        if held is not None and held.present == present:
+            return pb.PutAclResponse(record=_acl_to_pb(held), changed=False)
+        if held is None and not present:
+            raise UnknownAcl(entry)
+        record = change(entry, present, held, self.broker.clock_ms(), self.broker.identity.site)
+        if self.broker.in_site:  # a Raft command: not on the event loop
+            await asyncio.get_running_loop().run_in_executor(None, self.broker.metadata.put_acl, record)
+        else:
+            self.broker.metadata.put_acl(record)
+        log.info("ACL %s %s", "added:" if present else "removed:", entry)
+        return pb.PutAclResponse(record=_acl_to_pb(record), changed=True)
+
+    async def list_acls(self, data: bytes, context: Context) -> pb.ListAclsResponse:
+        req = parse(pb.ListAclsRequest, data)
+        table = self.broker.metadata.acls()
+        return pb.ListAclsResponse(records=[_acl_to_pb(table[k]) for k in sorted(table)
+                                            if req.with_removed or table[k].present])  # fmt: skip
+
     # -- consumer groups --------------------------------------------------------
 
     # Group calls on a multi-node site go to the group's coordinator, the leader of its __georep_offsets partition;
@@ -671,10 +709,16 @@ class NodeService:
             "DescribeGroup": unary(self.describe_group),
             "ClusterStatus": unary(self.cluster_status),
             "DecommissionNode": unary(self.decommission_node),
+            "PutAcl": unary(self.put_acl),
+            "ListAcls": unary(self.list_acls),
             "Replicate": unary_stream(self.replicate),
             "ProduceStream": stream_stream(self.produce_stream),
             "Fetch": unary_stream(self.fetch),
         })  # fmt: skip
+
+
+def _acl_to_pb(record: AclRecord) -> pb.AclRecord:
+    return pb.AclRecord(entry=record.entry, present=record.present, stamp_ms=record.stamp_ms, site=record.site)
 
 
 def _fetch_start(req: pb.FetchRequest) -> FetchStart:

@@ -14,11 +14,13 @@ import grpc
 from cluster.groups import IllegalGeneration, InvalidGroupRequest, NotAssigned, UnknownMember
 from cluster.metadata import TopicExists, UnknownTopic
 from cluster.quorum import Fenced, NotContiguous, QuorumError, SegmentSealed
+from cluster.raft_store import MetadataUnavailable
 from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence
 from georep.broker import errors as e
 from georep.record.batch import CorruptBatch
 from georep.replication.sink import CorruptChunk
+from georep.security.acl import InvalidAcl, PermissionDenied, UnknownAcl
 from georep.storage.api import BatchDamaged, DiskFull, OffsetOutOfRange
 from georep.storage.chain_log import SegmentElsewhere
 from georep.storage.replica_store import CorruptReplicaChunk, ReplicaError, UnknownSegment
@@ -38,6 +40,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     InvalidOrigin: Code.INVALID_ARGUMENT,
     InvalidSiteId: Code.INVALID_ARGUMENT,
     InvalidGroupRequest: Code.INVALID_ARGUMENT,
+    InvalidAcl: Code.INVALID_ARGUMENT,
     # what it names does not exist, or already does
     UnknownTopic: Code.NOT_FOUND,
     e.UnknownPartition: Code.NOT_FOUND,
@@ -46,6 +49,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     e.NotHeld: Code.NOT_FOUND,
     UnknownMember: Code.NOT_FOUND,
     UnknownSegment: Code.NOT_FOUND,
+    UnknownAcl: Code.NOT_FOUND,
     TopicExists: Code.ALREADY_EXISTS,
     # bytes that fail their checksum
     e.BatchCrcMismatch: Code.DATA_LOSS,
@@ -70,6 +74,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     OffsetOutOfRange: Code.OUT_OF_RANGE,
     e.GeoAckTimeout: Code.DEADLINE_EXCEEDED,
     e.NodeStopping: Code.UNAVAILABLE,
+    MetadataUnavailable: Code.UNAVAILABLE,  # no Raft leader, or a commit unconfirmed: its message says to retry
     e.NotLeader: Code.FAILED_PRECONDITION,
     e.NotCoordinator: Code.FAILED_PRECONDITION,  # with the coordinator's address in the georep-leader trailer
     e.RecoveryFailed: Code.UNAVAILABLE,
@@ -78,6 +83,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     # a pull reached a segment this leader holds no copy of (a fetch reads it from a member instead)
     SegmentElsewhere: Code.UNAVAILABLE,
     e.NotAuthorized: Code.UNAUTHENTICATED,
+    PermissionDenied: Code.PERMISSION_DENIED,  # its message names the principal, the operation and the resource
     e.WriteFailed: Code.INTERNAL,
     e.FsyncFailed: Code.INTERNAL,
     ReplicaError: Code.INTERNAL,

@@ -1,0 +1,45 @@
+"""A site's ACLs from each site it pulls from (shell): the ``ListAcls`` call, then ``acl_sync.merge``.
+
+The replicator's topic sync calls :func:`pull_acls` with every listing of an upstream's topics: ACL records go
+over every link whatever its filters, and the newest record of each entry wins (``georep/security/acl_sync.py``),
+so an add or remove at one site reaches every site linked to it, directly or through others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from cluster.metadata import AclRecord, MetadataStore
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.security.acl import InvalidAcl, parse_acl_entry
+from georep.security.acl_sync import merge
+
+log = logging.getLogger(__name__)
+
+
+def record_from_pb(msg: pb.AclRecord) -> AclRecord:
+    """Raises :class:`InvalidAcl` for an entry this node cannot read (a newer version's)."""
+    parse_acl_entry(msg.entry)
+    return AclRecord(msg.entry, msg.present, msg.stamp_ms, msg.site)
+
+
+async def pull_acls(stub: pbg.NodeAsyncStub, metadata: MetadataStore, in_site: bool, src: str,
+                    timeout_s: float) -> list[AclRecord]:  # fmt: skip
+    """Keep every record of ``src``'s that is newer than this site's; the ones kept. RPC errors propagate."""
+    resp = await stub.ListAcls(pb.ListAclsRequest(with_removed=True), timeout=timeout_s)
+    received = []
+    for msg in resp.records:
+        try:
+            received.append(record_from_pb(msg))
+        except InvalidAcl as exc:
+            log.warning("ACL record from site %s skipped: %s", src, exc)
+    kept = merge(metadata.acls(), received)
+    for record in kept:
+        if in_site:  # a Raft command: not on the event loop
+            await asyncio.get_running_loop().run_in_executor(None, metadata.put_acl, record)
+        else:
+            metadata.put_acl(record)
+        log.info("ACL %s from site %s: %s", "added" if record.present else "removed", src, record.entry)
+    return kept
