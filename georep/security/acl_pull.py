@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import grpc
+
 from cluster.metadata import AclRecord, MetadataStore
+from cluster.raft_store import CommandRefused, MetadataUnavailable
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.acl import InvalidAcl, parse_acl_entry
@@ -27,8 +30,13 @@ def record_from_pb(msg: pb.AclRecord) -> AclRecord:
 
 async def pull_acls(stub: pbg.NodeAsyncStub, metadata: MetadataStore, in_site: bool, src: str,
                     timeout_s: float) -> list[AclRecord]:  # fmt: skip
-    """Keep every record of ``src``'s that is newer than this site's; the ones kept. RPC errors propagate."""
-    resp = await stub.ListAcls(pb.ListAclsRequest(with_removed=True), timeout=timeout_s)
+    """Keep every record of ``src``'s that is newer than this site's; the ones kept. A failed call or write is
+    logged and left to the next round (the records are still there then)."""
+    try:
+        resp = await stub.ListAcls(pb.ListAclsRequest(with_removed=True), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        log.debug("listing the ACLs of site %s failed: %s", src, exc.details())
+        return []
     received = []
     for msg in resp.records:
         try:
@@ -37,9 +45,13 @@ async def pull_acls(stub: pbg.NodeAsyncStub, metadata: MetadataStore, in_site: b
             log.warning("ACL record from site %s skipped: %s", src, exc)
     kept = merge(metadata.acls(), received)
     for record in kept:
-        if in_site:  # a Raft command: not on the event loop
-            await asyncio.get_running_loop().run_in_executor(None, metadata.put_acl, record)
-        else:
-            metadata.put_acl(record)
+        try:
+            if in_site:  # a Raft command: not on the event loop
+                await asyncio.get_running_loop().run_in_executor(None, metadata.put_acl, record)
+            else:
+                metadata.put_acl(record)
+        except (MetadataUnavailable, CommandRefused, OSError) as exc:
+            log.warning("ACL record from site %s not kept yet (%s): %s", src, record.entry, exc)
+            return []
         log.info("ACL %s from site %s: %s", "added" if record.present else "removed", src, record.entry)
     return kept

@@ -11,7 +11,8 @@ For each link ``src -> me`` of the topology, a :class:`Puller` runs three tasks:
   thread, and feeds the outcomes back;
 * **topics**: every ``TOPIC_SYNC_S`` it lists ``src``'s topics and carries
   out ``plan_topic_sync``: creates here the ones the link carries, reports
-  conflicts (``SiteStatus.conflicts``, ``georep_topic_conflicts``);
+  conflicts (``SiteStatus.conflicts``, ``georep_topic_conflicts``); and it
+  keeps ``src``'s newer ACL records (``georep/security/acl_pull.py``);
 * **held reports**: it sends ``src`` what this site, and every site it heard
   from, holds fsynced (``offsets.held.HeldReporter``), for ``acks=geo:N``.
 
@@ -51,6 +52,8 @@ from georep.replication.session import PullStats as LinkStats
 from georep.replication.sink import CorruptChunk
 from georep.replication.source import Chunk
 from georep.replication.topics import RemoteTopic, plan_topic_sync
+from georep.security.acl_pull import pull_acls
+from georep.security.acl_replication import OriginCheck
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker
 from georep.storage.api import DiskFull, RepairRefused
@@ -166,6 +169,7 @@ class Puller:
                 resp = await self.stub.ListTopics(pb.ListTopicsRequest(), timeout=RPC_TIMEOUT_S)
                 await self.sync_topics(resp)
                 self._topics_synced.set()
+                await pull_acls(self.stub, self.r.broker.metadata, self.r.broker.in_site, self.src, RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 log.debug("listing topics at %s (%s) failed: %s", self.src, self.address, exc.details())
             await asyncio.sleep(TOPIC_SYNC_S)
@@ -312,6 +316,8 @@ class Puller:
         r = self.r
         topic, index = effect.key
         try:
+            if r.origins is not None:  # a TLS node: a batch claiming an origin src cannot have is refused
+                r.origins.check(self.src, topic, effect.batches)
             outcome = await r.broker.append_replica(topic, index, effect.batches)
         except (CorruptChunk, DiskFull, BrokerError) as exc:
             return self.session.on_stream_ended(effect.stream_id, r.now_ms(), f"{type(exc).__name__}: {exc}")
@@ -379,6 +385,7 @@ class Replicator:
     ) -> None:
         self.broker = broker
         self.tls = tls  # the node's own certificate: it pulls as site:<s> (or node:<s>/<n>)
+        self.origins = OriginCheck(topology, site) if tls is not None else None
         self.topology = topology
         self.site = topology.site(site).id
         self.links = LinkManager(topology, site, stall_ms)

@@ -17,17 +17,23 @@ interceptor: it authorizes nothing.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from cluster.metadata import MetadataStore
 from cluster.quorum import Fenced
 from georep.broker.errors import DamagedData, InvalidRequest, NotLeader
 from georep.proto.bounds import check_bounds
-from georep.security.acl_rpc import Access, Authorizer
+from georep.security.acl import DEFAULT_SUPER_USERS
+from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, Access, Authorizer, Policy
+from georep.security.acl_sync import AclCache
+from georep.security.principal import Principal
+from georep.security.tls import principal_of
 from georep.server.status import DOMAIN_ERRORS, status_of
+from topology.model import Topology
 
 M = TypeVar("M", bound=Message)
 # Handlers take raw bytes (no deserializer) and return messages.
@@ -136,6 +142,14 @@ async def merge_streams(sources: list[AsyncIterator[M]], queue_max: int = 4) -> 
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def authorization(site: str, metadata: MetadataStore, topology: Topology | None,
+                  super_users: Iterable[Principal] = DEFAULT_SUPER_USERS) -> Authorization:  # fmt: skip
+    """The interceptor of a TLS node of ``site``: its ACLs from ``metadata``, its links from ``topology``."""
+    policy = Policy(site, AclCache(metadata.acls), lambda: topology, super_users)
+    tables = {"georep.v1.Node": NODE_ACCESS, "georep.v1.Segments": SEGMENTS_ACCESS}
+    return Authorization(Authorizer(policy, principal_of), tables)
 
 
 class Authorization(grpc.aio.ServerInterceptor):
