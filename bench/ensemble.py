@@ -82,6 +82,7 @@ from georep.record.batch import (
     local_prefix,
     stamp_origin,
 )
+from georep.security.tls import client_channel
 from georep.server.ensemble import IN_FLIGHT, REQUEST_MAX_BYTES, SegmentToWrite, SegmentWriter
 from georep.server.process import NodeProcess
 from georep.storage.api import ReadResult
@@ -382,7 +383,7 @@ async def run_all(cfg: Config, root: Path, addresses: dict[NodeId, str], raw_add
                note=f"2 bidi streams, {IN_FLIGHT} unanswered each, no disk"),
         batches=len(work.batches), requests=len(work.requests),
     )  # fmt: skip
-    channels = [grpc.aio.insecure_channel(a) for a in raw_addresses]  # the writer's channels have no options either
+    channels = [client_channel(a, None) for a in raw_addresses]  # the writer's channels have no options either
     try:
         for ch in channels:
             await asyncio.wait_for(ch.channel_ready(), 30)

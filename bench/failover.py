@@ -59,6 +59,7 @@ from georep.cli.up import site_processes
 from georep.client import Consumer, Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import client_channel
 from georep.server.process import NODE_INFO
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
@@ -143,7 +144,7 @@ class Sites:
         for site, address in self.addresses.items():
             while True:
                 try:
-                    async with grpc.aio.insecure_channel(address) as ch:
+                    async with client_channel(address, None) as ch:
                         await pbg.NodeStub(ch).Health(pb.HealthRequest(), timeout=2)
                     break
                 except grpc.aio.AioRpcError:
@@ -271,14 +272,14 @@ async def measure_commits(sites: Sites, seconds: float) -> list[Rate]:
     address = sites.addresses[COMMIT_SITE]
     run_id = os.urandom(3).hex()
     topic = f"commits-{run_id}"
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with client_channel(address, None) as ch:
         stub = pbg.NodeStub(ch)
         await stub.CreateTopic(pb.CreateTopicRequest(name=topic, partitions=1), timeout=30)
         health = await stub.Health(pb.HealthRequest(), timeout=10)
     origin = Origin.parse(f"{health.site}@{health.epoch}")
     # geo:2 needs the topic at a second site before its first record can be held there.
     for site in SITES:
-        async with grpc.aio.insecure_channel(sites.addresses[site]) as ch:
+        async with client_channel(sites.addresses[site], None) as ch:
             deadline = time.monotonic() + 30
             while True:
                 try:

@@ -38,8 +38,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 # bench/ is on sys.path when this file runs as a script: reuse the site of bench/site_cluster.py.
 from produce import progress
 from site_cluster import MIN_INSYNC_REPLICAS, REPLICATION_FACTOR, Site
@@ -48,6 +46,7 @@ from georep.client import Producer
 from georep.client.consumer import Consumer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import client_channel
 
 TOPIC = "follow"
 RECORD_BYTES = 1024
@@ -58,7 +57,7 @@ async def first_batch_at(address: str, offset: int, replica: bool) -> float:
     """When (time.monotonic()) a Fetch at ``address`` from ``offset`` first gets a batch."""
     request = pb.FetchRequest(topic=TOPIC, partition=0, offset=offset, max_wait_ms=5_000,
                               read_from=pb.READ_FROM_REPLICA if replica else pb.READ_FROM_LEADER)  # fmt: skip
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with client_channel(address, None) as channel:
         async for response in pbg.NodeStub(channel).Fetch(request, timeout=PROBE_TIMEOUT_S):
             if response.batches:
                 return time.monotonic()
@@ -69,7 +68,7 @@ async def visibility(site: Site, leader: int, follower: int, probes: int) -> tup
     """Per probe: ms from the ack to the record at the leader's stream, and at the follower's."""
     at_leader: list[float] = []
     at_follower: list[float] = []
-    async with grpc.aio.insecure_channel(site.addresses[leader]) as channel:
+    async with client_channel(site.addresses[leader], None) as channel:
         stub = pbg.NodeStub(channel)
         for i in range(probes):
             latest = pb.ListOffsetsRequest(topic=TOPIC, partition=0, position=pb.START_LATEST)
@@ -106,7 +105,7 @@ async def read_all(site: Site, read_from: str, prefer: int | None, records: int)
 
 
 async def run(site: Site, args: argparse.Namespace) -> None:
-    async with grpc.aio.insecure_channel(site.addresses[1]) as channel:
+    async with client_channel(site.addresses[1], None) as channel:
         await pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=1), timeout=30)
     leader = (await site.wait_leaders(TOPIC, 1))[0]
     follower = next(n for n in sorted(site.addresses) if n != leader)

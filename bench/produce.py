@@ -51,6 +51,7 @@ import grpc
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.record.batch import HEADER_BYTES, RecordInput, encode_batch
+from georep.security.tls import add_port, client_channel
 from georep.server.process import NodeProcess
 
 RECORD_VALUE_BYTES = 1024
@@ -234,7 +235,7 @@ async def serve_until_signalled(handler: grpc.GenericRpcHandler, port: int) -> N
     """Serve a raw reference handler on 127.0.0.1:port until SIGTERM or SIGINT."""
     server = grpc.aio.server(options=RAW_SERVER_OPTIONS)
     server.add_generic_rpc_handlers((handler,))
-    if server.add_insecure_port(f"127.0.0.1:{port}") == 0:
+    if add_port(server, f"127.0.0.1:{port}", None) == 0:
         raise BenchError(f"raw gRPC server cannot listen on 127.0.0.1:{port}")
     await server.start()
     stop = asyncio.Event()
@@ -417,8 +418,8 @@ def progress(text: str) -> None:
 async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: str | None) -> list[Result]:
     value = os.urandom(RECORD_VALUE_BYTES)
     results: list[Result] = []
-    node_channel = grpc.aio.insecure_channel(node_address, options=CHANNEL_OPTIONS)
-    raw_channel = grpc.aio.insecure_channel(raw_address, options=CHANNEL_OPTIONS)
+    node_channel = client_channel(node_address, None, CHANNEL_OPTIONS)
+    raw_channel = client_channel(raw_address, None, CHANNEL_OPTIONS)
     try:
         await asyncio.wait_for(node_channel.channel_ready(), 30)
         await asyncio.wait_for(raw_channel.channel_ready(), 30)

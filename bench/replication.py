@@ -76,6 +76,7 @@ from georep.cli.up import site_processes
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import client_channel
 from georep.server.process import NODE_INFO
 from georep.server.replicator import STREAM_MAX_BYTES
 from topology.model import parse_topology
@@ -160,7 +161,7 @@ class Cluster:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return client_channel(address, None, CHANNEL_OPTIONS)
 
 
 async def create_topic(stub: pbg.NodeStub, name: str, config: dict[str, str]) -> None:

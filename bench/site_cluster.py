@@ -90,6 +90,7 @@ from replication import free_ports
 from georep.client import Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import client_channel
 from georep.server.process import NODE_INFO, NodeProcess, NodeStartError
 
 SITE = "a"
@@ -195,7 +196,7 @@ class Site:
         """The topic as the first of ``nodes`` (default: the live ones) that answers describes it."""
         for n in nodes if nodes is not None else self.live():
             with contextlib.suppress(grpc.aio.AioRpcError):
-                async with grpc.aio.insecure_channel(self.addresses[n]) as ch:
+                async with client_channel(self.addresses[n], None) as ch:
                     return await pbg.NodeStub(ch).DescribeTopic(pb.DescribeTopicRequest(name=topic),
                                                                 timeout=RPC_TIMEOUT_S)  # fmt: skip
         raise BenchError(f"no node of site {SITE} describes topic {topic!r}")
@@ -205,7 +206,7 @@ class Site:
         site's metadata and of the Raft group."""
         for n in nodes if nodes is not None else self.live():
             with contextlib.suppress(grpc.aio.AioRpcError):
-                async with grpc.aio.insecure_channel(self.addresses[n]) as ch:
+                async with client_channel(self.addresses[n], None) as ch:
                     return await pbg.NodeStub(ch).ClusterStatus(pb.ClusterStatusRequest(), timeout=RPC_TIMEOUT_S)
         raise BenchError(f"no node of site {SITE} answers ClusterStatus")
 
@@ -252,7 +253,7 @@ class Site:
         raise BenchError(f"{topic} is not whole after {timeout_s:g}s: {last}")
 
     async def create_topic(self, topic: str, partitions: int) -> dict[int, int]:
-        async with grpc.aio.insecure_channel(self.addresses[NODES[0]]) as ch:  # any node creates it, through Raft
+        async with client_channel(self.addresses[NODES[0]], None) as ch:  # any node creates it, through Raft
             await pbg.NodeStub(ch).CreateTopic(pb.CreateTopicRequest(name=topic, partitions=partitions), timeout=30)
         leaders = await self.wait_leaders(topic, partitions)
         await self.wait_whole(topic, partitions, WHOLE_TIMEOUT_S)

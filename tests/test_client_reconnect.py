@@ -19,6 +19,7 @@ from georep.client.connection import Connection
 from georep.client.errors import NodeUnavailable
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from tests.support.channels import add_port
 
 
 class SlowDescribe(pbg.NodeServicer):
@@ -36,7 +37,7 @@ class SlowDescribe(pbg.NodeServicer):
 async def _with_server(body):  # type: ignore[no-untyped-def]
     server = grpc.aio.server()
     pbg.add_NodeServicer_to_server(SlowDescribe(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0")
     await server.start()
     connection = Connection(f"127.0.0.1:{port}")
     try:

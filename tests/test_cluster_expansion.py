@@ -13,13 +13,13 @@ import json
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.storage.replica_store import ReplicaStore
+from tests.support.channels import open_channel
 from tests.support.cli import georep, ok
 from tests.support.cluster_site import ClusterSite, consume_all, read_partition, site_toml
 
@@ -85,7 +85,7 @@ def test_a_fourth_node_joins_the_running_site_and_takes_new_segments_at_the_next
             site.nodes[n].launch()
         for n in (1, 2, 3):
             site.nodes[n].wait_ready(60)
-        with grpc.insecure_channel(site.address(1)) as channel:
+        with open_channel(site.address(1)) as channel:
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=PARTITIONS), timeout=30)
         for p in range(PARTITIONS):
             site.wait_leader(TOPIC, p)

@@ -24,6 +24,7 @@ from georep.server.cluster_member import ClusterConfig, ClusterMember, Partition
 from georep.server.segments import SegmentService
 from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import Origin
+from tests.support.channels import add_port
 from tests.support.raft import FAST, free_ports
 from tests.support.segments import make_batch
 from topology.ids import SiteId
@@ -50,7 +51,7 @@ class Node:
     async def start(self) -> None:
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers((SegmentService(self.store, self.executor, now_ms).handler(),))
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        port = add_port(self.server, "127.0.0.1:0")
         await self.server.start()
         self.member = ClusterMember(self.me, f"127.0.0.1:{port}", self.metadata, self.store, self.executor, now_ms,
                                     lambda: 1 << 40, CONFIG)  # fmt: skip

@@ -40,6 +40,7 @@ from georep.storage.moved_bytes import MOVED_FILE, MovedBytesCorrupt
 from georep.storage.replica_store import CorruptReplicaChunk, PastSealedEnd, ReplicaError, ReplicaStore
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, OriginSeq
+from tests.support.channels import add_port, open_channel
 from tests.support.cli import georep, ok
 from tests.support.cluster_site import TOPIC, WAIT_S, ClusterSite, produce, status, wait_for
 from tests.support.segments import A, B, Writer, read_all
@@ -175,7 +176,7 @@ def test_copy_in_reads_the_sealed_range_from_a_member_over_grpc_from_where_it_ho
     async def run() -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((SegmentService(source, executor, lambda: 0).handler(),))
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = add_port(server, "127.0.0.1:0")
         await server.start()
         try:
             assert target.moved.total == 0, "a leader's stream is the write itself, not bytes moved"
@@ -225,7 +226,7 @@ def _leader_hint(exc: grpc.RpcError) -> str:
 
 def held(site: ClusterSite, n: int) -> dict[int, int]:
     """Node ``n``'s copies of ``TOPIC``/0: segment id -> fsynced end."""
-    with grpc.insecure_channel(site.address(n)) as channel:
+    with open_channel(site.address(n)) as channel:
         answer = pbg.SegmentsStub(channel).ListSegments(pb.ListSegmentsRequest(), timeout=5)
     return {h.segment.segment_id: h.flushed_offset for h in answer.segments if h.segment.topic == TOPIC}
 
@@ -262,7 +263,7 @@ def test_a_node_back_from_kill_9_gets_every_sealed_segment_it_lacks_and_all_copi
     site = ClusterSite(tmp_path, 3, extra_args=EXTRA)
     try:
         site.start()
-        with grpc.insecure_channel(site.address(1)) as channel:
+        with open_channel(site.address(1)) as channel:
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=1), timeout=30)
         leader = site.wait_leader(TOPIC)
         produce(site, 12, "before")
@@ -317,7 +318,7 @@ def test_a_decommissioned_node_ends_holding_nothing_that_three_others_do_not_and
     site = ClusterSite(tmp_path, 4, extra_args=EXTRA)
     try:
         site.start()
-        with grpc.insecure_channel(site.address(1)) as channel:
+        with open_channel(site.address(1)) as channel:
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=1), timeout=30)
         leader = site.wait_leader(TOPIC)
         produce(site, 40, "before")
@@ -338,7 +339,7 @@ def test_a_decommissioned_node_ends_holding_nothing_that_three_others_do_not_and
         # What the drain copied off the node is bytes moved (each target's count reaches the metadata with its
         # next heartbeat).
         wait_for("the drain's copies counted as bytes moved", lambda: status(site).bytes_moved > 0)
-        again = grpc.insecure_channel(site.address(victim))
+        again = open_channel(site.address(victim))
         assert pbg.NodeStub(again).DecommissionNode(pb.DecommissionNodeRequest(node_id=victim), timeout=30).drained
         again.close()
     finally:

@@ -16,6 +16,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
 from georep.storage.replica_store import partition_dir_name
+from tests.support.channels import open_channel
 from tests.support.cluster_site import TOPIC, ClusterSite, Writer, leader_hint, read_partition
 from tests.support.sites import free_ports
 
@@ -31,7 +32,7 @@ def _copies(root: Path, node: int) -> list[int]:
 
 
 def _earliest(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address) as channel:
         r = pbg.NodeStub(channel).ListOffsets(
             pb.ListOffsetsRequest(topic=TOPIC, partition=0, position=pb.START_EARLIEST), timeout=10)
     return int(r.offsets[0].offset)
@@ -59,7 +60,7 @@ def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: P
     try:
         site.start()
         b.start()  # pulls a's partition from the start, through the trims
-        with grpc.insecure_channel(site.address(1)) as channel:
+        with open_channel(site.address(1)) as channel:
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(
                 name=TOPIC, partitions=1, config={"retention_bytes": str(RETENTION_BYTES)}), timeout=30)
         site.wait_leader(TOPIC)
@@ -113,7 +114,7 @@ def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: P
         # A fetch below the log start is out of range; a consumer from earliest reads from it, to the end.
         address = site.address(leader)
         for _ in range(20):  # following the leader if it moves meanwhile (NOT_LEADER names it)
-            with grpc.insecure_channel(address) as channel:
+            with open_channel(address) as channel:
                 try:
                     next(iter(pbg.NodeStub(channel).Fetch(pb.FetchRequest(topic=TOPIC, partition=0, offset=0,
                                                                           max_bytes=1 << 16), timeout=10)))  # fmt: skip

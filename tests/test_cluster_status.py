@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
@@ -37,6 +36,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
 from offsets.coordinates import LocalOffset
 from offsets.vector import VectorOffset
+from tests.support.channels import open_channel
 from tests.support.cli import georep
 from tests.support.cluster_site import ClusterSite
 
@@ -215,7 +215,7 @@ def test_cluster_status_of_a_three_node_site_before_and_after_a_kill(tmp_path: P
         everyone = ",".join(site.address(n) for n in (1, 2, 3))
         # Segments open on the nodes that are live then: wait for all three, or one may open short.
         wait_status(everyone, lambda d: live_nodes(d) == [1, 2, 3], "3 live nodes")
-        with grpc.insecure_channel(site.address(2)) as channel:
+        with open_channel(site.address(2)) as channel:
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=2), timeout=30)
         site.wait_leader(TOPIC, 0)
         site.wait_leader(TOPIC, 1)

@@ -14,6 +14,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import iter_headers
 from georep.server.process import NodeProcess
+from tests.support.channels import open_channel
 from tests.support.node_api import batch, fetch_all, log_end
 from tests.support.sites import Sites, check_invariants, converged, produce, read_site, wait_until
 
@@ -39,7 +40,7 @@ def test_full_disk_turns_writes_away_keeps_reads_and_recovers(small_disk: Path, 
     ballast.write_bytes(b"\0" * (1 << 20))
     node = NodeProcess(site="a", data_dir=small_disk / "node", log_path=tmp_path / "node.log").start()
     try:
-        channel = grpc.insecure_channel(node.address)
+        channel = open_channel(node.address)
         stub = pbg.NodeStub(channel)
         stub.CreateTopic(pb.CreateTopicRequest(name="t", partitions=1))
         acked = []

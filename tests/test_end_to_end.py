@@ -9,7 +9,6 @@ import subprocess
 import sys
 from collections import Counter, defaultdict
 
-import grpc
 import pytest
 
 from georep.cli.demo import produce_through_crash
@@ -18,6 +17,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import check_batch, decode_records
 from georep.server.process import NodeProcess
+from tests.support.channels import open_channel
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ def cli(*args: str, stdin: bytes | None = None, timeout: float = 300) -> subproc
 
 def read_partition(address: str, topic: str, partition: int) -> list[tuple[int, bytes | None, int]]:
     """(offset, value, origin_seq) of every record, read with raw gRPC and checked batch by batch."""
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address) as channel:
         stub = pbg.NodeStub(channel)
         end = stub.ListOffsets(pb.ListOffsetsRequest(topic=topic, partition=partition,
                                                      position=pb.START_LATEST)).offsets[0].offset  # fmt: skip

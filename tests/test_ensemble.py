@@ -29,6 +29,7 @@ from georep.storage.api import LogConfig
 from georep.storage.replica_store import ReplicaStore
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, OriginSeq
+from tests.support.channels import add_port, aio_channel
 from tests.support.segments import A, B, Writer, read_all
 
 KEY = ("orders", 0)
@@ -67,7 +68,7 @@ def restart_on_same_port(node: NodeProcess) -> None:
 
 
 async def read_copy(address: str, end_offset: int = 0) -> bytes:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_channel(address) as channel:
         stub = pbg.SegmentsStub(channel)
         ref = pb.SegmentRef(topic=KEY[0], partition=KEY[1], segment_id=SEG)
         chunks = [r.batches async for r in stub.ReadSegment(pb.ReadSegmentRequest(segment=ref, offset=BASE,
@@ -194,7 +195,7 @@ def test_a_newer_leader_fences_the_members_and_the_old_writer_stops_with_not_lea
             await wait_for("both members hold it", lambda: all(writer.quorum.member_end(n) == end for n in members))
             # the new leader (epoch 2) fences both members: each answers the end it holds, fsynced
             for node in members.values():
-                async with grpc.aio.insecure_channel(node.address) as channel:
+                async with aio_channel(node.address) as channel:
                     fenced = await pbg.SegmentsStub(channel).FenceSegments(
                         pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=2))
                 assert [(e.segment_id, e.end_offset) for e in fenced.ends] == [(SEG, end)]
@@ -209,7 +210,7 @@ def test_a_newer_leader_fences_the_members_and_the_old_writer_stops_with_not_lea
             for node in members.values():
                 assert await read_copy(node.address) == b"".join(batches[:5])
             # the new leader seals the segment at the recovered end; an older epoch may not
-            async with grpc.aio.insecure_channel(members[NodeId(2)].address) as channel:
+            async with aio_channel(members[NodeId(2)].address) as channel:
                 stub = pbg.SegmentsStub(channel)
                 ref = pb.SegmentRef(topic=KEY[0], partition=KEY[1], segment_id=SEG)
                 with pytest.raises(grpc.aio.AioRpcError) as old:
@@ -225,7 +226,7 @@ def test_a_newer_leader_fences_the_members_and_the_old_writer_stops_with_not_lea
 
 def test_malformed_segment_calls_get_a_clear_error(members: dict[NodeId, NodeProcess]) -> None:
     async def run() -> None:
-        async with grpc.aio.insecure_channel(members[NodeId(2)].address) as channel:
+        async with aio_channel(members[NodeId(2)].address) as channel:
             stub = pbg.SegmentsStub(channel)
             ref = pb.SegmentRef(topic=KEY[0], partition=KEY[1], segment_id=SEG)
             with pytest.raises(grpc.aio.AioRpcError) as no_open:
@@ -252,7 +253,7 @@ async def serve_member(store: ReplicaStore, executor: ThreadPoolExecutor) -> tup
     """A member in this process: the same SegmentService a node serves, over ``store``."""
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((SegmentService(store, executor, lambda: 0).handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
 
@@ -332,7 +333,7 @@ def test_the_new_leader_recovers_every_acked_write_copies_the_tail_seals_and_cut
             assert await read_copy(new_address) == held
             assert await read_copy(two.address) == held  # node 2 was copied the tail it missed
             # both members learned the seal: the old leader's epoch is refused from now on
-            async with grpc.aio.insecure_channel(two.address) as channel:
+            async with aio_channel(two.address) as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as late:
                     await pbg.SegmentsStub(channel).FenceSegments(
                         pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=1))
@@ -404,7 +405,7 @@ def test_recovery_refuses_without_enough_members_and_steps_down_for_a_newer_lead
                 await recover_segment(store, to_recover(), NEW, addresses, never, executor, lambda: 0)
             two.listen = two.address
             two.start()
-            async with grpc.aio.insecure_channel(two.address) as channel:  # a newer leader got there first
+            async with aio_channel(two.address) as channel:  # a newer leader got there first
                 await pbg.SegmentsStub(channel).FenceSegments(
                     pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=5))
             addresses[NodeId(2)] = two.address

@@ -30,6 +30,7 @@ from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import LocalOffset, OriginSeq
 from offsets.vector import VectorOffset
 from tests.support.chains import EPOCH, KEY, A
+from tests.support.channels import open_channel
 from tests.support.cli import georep, ok
 from tests.support.cluster_site import TOPIC, ClusterSite, consume_all, produce, read_partition, status, wait_for
 from tests.support.segments import make_batch
@@ -199,7 +200,7 @@ def read_replica(address: str, offset: int = 0) -> tuple[list[tuple[str, int, by
     whether every response said it came from a follower."""
     out: list[tuple[str, int, bytes]] = []
     followers = True
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address) as channel:
         for _ in range(10_000):
             request = pb.FetchRequest(topic=TOPIC, partition=0, offset=offset, max_bytes=1 << 20, max_wait_ms=200,
                                       read_from=pb.READ_FROM_REPLICA)  # fmt: skip
@@ -232,11 +233,11 @@ def test_a_follower_serves_exactly_what_the_leader_does_and_a_follower_consumer_
     site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "8192"])
     try:
         site.start()
-        with grpc.insecure_channel(site.address(1)) as channel:
+        with open_channel(site.address(1)) as channel:
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=1), timeout=30)
         leader = site.wait_leader(TOPIC)
         follower = next(n for n in (1, 2, 3) if n != leader)
-        with grpc.insecure_channel(site.address(follower)) as channel:
+        with open_channel(site.address(follower)) as channel:
             with pytest.raises(grpc.RpcError) as refused:  # the default: only the leader serves
                 next(iter(pbg.NodeStub(channel).Fetch(pb.FetchRequest(topic=TOPIC, partition=0, offset=0),
                                                        timeout=10)))  # fmt: skip
@@ -290,7 +291,7 @@ def pull_all(address: str, count: int) -> list[tuple[str, int, bytes]]:
     ``count`` records (or what came before the stream stalled for 10 s)."""
     want = pb.PullWant(topic=TOPIC, partition=0, have=pb.VectorOffset(), origin_sites=["a"])
     out: list[tuple[str, int, bytes]] = []
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address) as channel:
         call = pbg.NodeStub(channel).Replicate(pb.ReplicateRequest(dst_site="b", wants=[want], max_bytes=4096,
                                                                    max_wait_ms=200), timeout=10)  # fmt: skip
         for response in call:
@@ -308,7 +309,7 @@ def pull_all(address: str, count: int) -> list[tuple[str, int, bytes]]:
 
 def lacking(site: ClusterSite, node: int) -> list[int]:
     """The segments of ``TOPIC``-0 the metadata lists that ``node`` holds no copy of."""
-    with grpc.insecure_channel(site.address(node)) as channel:
+    with open_channel(site.address(node)) as channel:
         held = pbg.SegmentsStub(channel).ListSegments(pb.ListSegmentsRequest(), timeout=5)
     segments = next(p.segments for p in status(site).partitions if p.topic == TOPIC)
     return sorted(set(range(segments)) - {h.segment.segment_id for h in held.segments if h.segment.topic == TOPIC})
@@ -324,7 +325,7 @@ def test_a_cross_site_pull_at_a_leader_lacking_a_sealed_segment_reads_it_from_a_
                                                 "--repair-delay-ms", "600000"])  # fmt: skip
     try:
         site.start()
-        with grpc.insecure_channel(site.address(1)) as channel:
+        with open_channel(site.address(1)) as channel:
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=1), timeout=30)
         site.wait_leader(TOPIC)
         produce(site, 30, "spread")  # ~30 KiB: several 4 KiB segments, their ensembles rotating over the nodes

@@ -21,6 +21,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from offsets.commits import OFFSETS_TOPIC, offsets_partition
 from offsets.vector import VectorOffset
+from tests.support.channels import open_channel
 from tests.support.cluster_site import ClusterSite
 
 TOPIC = "orders"
@@ -79,7 +80,7 @@ def test_a_group_resumes_from_its_commits_after_its_coordinator_is_killed(tmp_pa
     site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500"])
     try:
         site.start()
-        with grpc.insecure_channel(site.address(1)) as channel:
+        with open_channel(site.address(1)) as channel:
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=PARTITIONS), timeout=30)
             # The site has no internal topic until its first group call, which creates it (as Kafka does); the
             # call itself finds no coordinator yet, or this node is it.

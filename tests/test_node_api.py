@@ -16,6 +16,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import check_batch, decode_records, iter_headers
 from georep.server.process import NODE_INFO, NodeProcess
+from tests.support.channels import open_channel
 from tests.support.node_api import batch, expect_error, fetch_all, log_end, stub_for
 
 
@@ -111,7 +112,7 @@ def test_corrupt_crc_is_refused_and_nothing_is_stored(api: pbg.NodeStub) -> None
 
 
 def test_malformed_requests(api: pbg.NodeStub, node: NodeProcess) -> None:
-    channel = grpc.insecure_channel(node.address)
+    channel = open_channel(node.address)
     raw = channel.unary_unary("/georep.v1.Node/Produce")
     msg = expect_error(grpc.StatusCode.INVALID_ARGUMENT, raw, b"\xff\xff\xff\xff")
     assert "malformed ProduceRequest" in msg
@@ -238,7 +239,7 @@ def test_idle_client_keepalive_pings_are_accepted(api: pbg.NodeStub, node: NodeP
 
     options = [("grpc.keepalive_time_ms", 1_500), ("grpc.keepalive_timeout_ms", 2_000),
                ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]  # fmt: skip
-    with grpc.insecure_channel(node.address, options=options) as channel:
+    with open_channel(node.address, options=options) as channel:
         pbg.NodeStub(channel).Health(pb.HealthRequest())
         time.sleep(8)  # 5 pings; gRPC's default server policy sends GOAWAY at the third
         assert channel._channel.check_connectivity_state(False) == 2  # READY: the connection survived

@@ -12,7 +12,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from georep.client.consumer import Consumer
@@ -20,6 +19,7 @@ from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.storage.replica_store import ReplicaStore
+from tests.support.channels import open_channel
 from tests.support.cluster_site import TOPIC, ClusterSite, Writer, read_partition
 
 
@@ -28,7 +28,7 @@ def test_killing_partition_leaders_one_after_another_loses_no_acked_write(tmp_pa
     site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "8192"])
     try:
         site.start()
-        with grpc.insecure_channel(site.address(2)) as channel:  # any node creates the topic, through Raft
+        with open_channel(site.address(2)) as channel:  # any node creates the topic, through Raft
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=1), timeout=30)
         site.wait_leader(TOPIC)
         writer = Writer(site)
@@ -128,7 +128,7 @@ def test_producers_follow_partition_leaders_across_kills_and_lose_nothing(tmp_pa
 
     try:
         site.start()
-        with grpc.insecure_channel(site.address(1)) as channel:
+        with open_channel(site.address(1)) as channel:
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=topic, partitions=3), timeout=30)
         for partition in range(3):
             site.wait_leader(topic, partition)

@@ -11,13 +11,13 @@ import asyncio
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 
 from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
+from tests.support.channels import open_channel
 from tests.support.cluster_site import ClusterSite, read_partition
 from tests.support.sites import free_ports
 
@@ -63,7 +63,7 @@ def test_a_multi_node_site_replicates_both_ways_through_a_leader_kill(tmp_path: 
     try:
         site_a.start()
         b.start()
-        with grpc.insecure_channel(b.address) as channel:  # created at b: the links carry it to a
+        with open_channel(b.address) as channel:  # created at b: the links carry it to a
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=PARTITIONS), timeout=30)
         for partition in range(PARTITIONS):
             site_a.wait_leader(TOPIC, partition, timeout_s=60)

@@ -13,6 +13,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
 from georep.server.process import NodeProcess
 from georep.server.rpc import LEADER_METADATA
+from tests.support.channels import open_channel
 from tests.support.sites import free_ports
 
 
@@ -56,7 +57,7 @@ class ClusterSite:
     def describe(self, topic: str) -> pb.TopicDescription | None:
         """The topic as the first live node that answers describes it."""
         for n in self.live():
-            with grpc.insecure_channel(self.address(n)) as channel:
+            with open_channel(self.address(n)) as channel:
                 try:
                     return pbg.NodeStub(channel).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
                 except grpc.RpcError:
@@ -66,7 +67,7 @@ class ClusterSite:
     def leader(self, topic: str, partition: int = 0) -> int | None:
         """The node that leads ``topic``-``partition`` and serves it (its DescribeTopic lists the partition)."""
         for n in self.live():
-            with grpc.insecure_channel(self.address(n)) as channel:
+            with open_channel(self.address(n)) as channel:
                 try:
                     d = pbg.NodeStub(channel).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
                 except grpc.RpcError:
@@ -97,7 +98,7 @@ def read_partition(address: str, topic: str, partition: int) -> list[tuple[str, 
     for _ in range(100_000):
         request = pb.FetchRequest(topic=topic, partition=partition, offset=offset, max_bytes=1 << 20,
                                   max_wait_ms=200)  # fmt: skip
-        with grpc.insecure_channel(address) as channel:
+        with open_channel(address) as channel:
             try:
                 response = next(iter(pbg.NodeStub(channel).Fetch(request, timeout=10)))
             except grpc.RpcError as exc:
@@ -151,7 +152,7 @@ class Writer:
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
             try:
-                with grpc.insecure_channel(self.address) as channel:
+                with open_channel(self.address) as channel:
                     r = pbg.NodeStub(channel).Produce(request, timeout=15)
             except grpc.RpcError as exc:
                 self.retries += 1
@@ -183,7 +184,7 @@ def produce(site: ClusterSite, count: int, tag: str, deadline_s: float = 60.0) -
         deadline = time.monotonic() + deadline_s
         while True:
             try:
-                with grpc.insecure_channel(address) as channel:
+                with open_channel(address) as channel:
                     pbg.NodeStub(channel).Produce(request, timeout=15)
                 acked += 1
                 break
@@ -206,7 +207,7 @@ def _batch(value: str) -> bytes:
 def status(site: ClusterSite) -> pb.ClusterStatusResponse:
     for n in site.live():
         try:
-            with grpc.insecure_channel(site.address(n)) as channel:
+            with open_channel(site.address(n)) as channel:
                 return pbg.NodeStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=5)
         except grpc.RpcError:
             continue

@@ -9,10 +9,11 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, encode_batch
 from georep.server.process import NodeProcess
+from tests.support.channels import open_channel
 
 
 def stub_for(node: NodeProcess) -> tuple[grpc.Channel, pbg.NodeStub]:
-    channel = grpc.insecure_channel(node.address)
+    channel = open_channel(node.address)
     return channel, pbg.NodeStub(channel)
 
 

@@ -25,6 +25,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
 from georep.server.process import NodeProcess
 from offsets.coordinates import Origin
+from tests.support.channels import open_channel
 
 
 def origin_batch(origin: Origin, base_seq: int, n: int = 2, tag: bytes = b"") -> bytes:
@@ -63,6 +64,7 @@ class Sites:
     def __init__(self, root: Path, sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000,
                  extra_args: list[str] | None = None) -> None:  # fmt: skip
         self.ports = dict(zip(sites, free_ports(len(sites)), strict=True))
+        self.links = list(links)
         self.topology = root / "topology.toml"
         self.topology.write_text(topology_toml(self.ports, links))
         self.nodes = {
@@ -79,7 +81,7 @@ class Sites:
 
     def stub(self, site: str) -> pbg.NodeStub:
         if site not in self.channels:
-            self.channels[site] = grpc.insecure_channel(self.nodes[site].address or f"127.0.0.1:{self.ports[site]}")
+            self.channels[site] = open_channel(self.nodes[site].address or f"127.0.0.1:{self.ports[site]}")
         return pbg.NodeStub(self.channels[site])
 
     def address(self, site: str) -> str:
