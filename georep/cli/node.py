@@ -10,8 +10,15 @@ from pathlib import Path
 from cluster.metadata import DataDirMismatch
 from cluster.raft_store import RaftTiming
 from cluster.topics import InvalidTopic, parse_topic_config
+from georep.broker.acks import AckKind, Acks
+from georep.cli.tls_args import TlsArgsError, node_tls
+from georep.cli.tls_args import add_node_arguments as add_node_tls_arguments
 from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.kafka.server import KafkaOptions
 from georep.replication.links import DEFAULT_STALL_MS
+from georep.security.acl import DEFAULT_SUPER_USERS
+from georep.security.principal import InvalidPrincipal, Principal, parse_principal
+from georep.security.tls import TlsError
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.cluster_member import ClusterConfig
 from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
@@ -67,6 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--data-dir", required=True, type=Path, help="where this node keeps its logs")
     parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
+    parser.add_argument(
+        "--kafka-listen", default=None, metavar="HOST:PORT",
+        help="also serve the Kafka wire protocol here, for unmodified Kafka clients (docs/kafka.md); off by default",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kafka-commit-acks", default="leader", metavar="ACKS",
+        help="ack level of the commits Kafka clients make: leader, all, or geo:N to wait until N sites hold each "
+        "commit, so a group that fails over to another site resumes exactly at its last commit (default leader)",
+    )  # fmt: skip
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
     parser.add_argument(
         "--topology", default=None,
@@ -88,6 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scrub-bytes-per-s", type=int, default=SCRUB_BYTES_PER_S_DEFAULT,
         help="how fast the background scrubber re-checks stored batches, in bytes per second; damaged ones are "
         f"quarantined and repaired from a peer (0: off; default {SCRUB_BYTES_PER_S_DEFAULT})",
+    )  # fmt: skip
+    add_node_tls_arguments(parser)
+    parser.add_argument(
+        "--super-user", action="append", type=_principal, default=None, metavar="PRINCIPAL",
+        help="a principal allowed everything without ACL entries, besides the site's own nodes; repeat for "
+        "several (default: client:admin; naming any replaces it)",
     )  # fmt: skip
     for key, value in DEFAULT_TOPIC_CONFIG.items():
         parser.add_argument(
@@ -113,14 +135,43 @@ def main(args: argparse.Namespace) -> int:
         if args.stall_ms < 1:
             raise UsageError(f"--stall-ms {args.stall_ms} must be at least 1")
         admin_token = None if args.admin_token_file is None else read_admin_token(args.admin_token_file)
+        try:
+            tls = node_tls(args)
+            if tls is not None:
+                tls.check()
+        except (TlsArgsError, TlsError) as exc:
+            raise UsageError(str(exc)) from None
         return asyncio.run(
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
-                  topology, args.stall_ms, admin_token, args.scrub_bytes_per_s, in_site)  # fmt: skip
+                  topology, args.stall_ms, admin_token, args.scrub_bytes_per_s, in_site, tls,
+                  kafka=kafka_options(args),
+                  super_users=tuple(args.super_user) if args.super_user else DEFAULT_SUPER_USERS)  # fmt: skip
         )
     except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId, StorageError,
             ReplicaError) as exc:
         log.error("%s", exc)
         return 2
+
+
+def _principal(text: str) -> Principal:
+    try:
+        return parse_principal(text)
+    except InvalidPrincipal as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def kafka_options(args: argparse.Namespace) -> KafkaOptions | None:
+    """``--kafka-listen`` and ``--kafka-commit-acks``; None without a Kafka listener."""
+    if args.kafka_listen is None:
+        return None
+    text = args.kafka_commit_acks
+    if text in ("leader", "all"):
+        acks = Acks(AckKind(text))
+    elif text.startswith("geo:") and text[4:].isdigit() and int(text[4:]) >= 1:
+        acks = Acks.geo(int(text[4:]))
+    else:
+        raise UsageError(f"--kafka-commit-acks {text!r}: use leader, all or geo:N with N at least 1")
+    return KafkaOptions(parse_address(args.kafka_listen, "--kafka-listen"), acks)
 
 
 def topic_defaults(args: argparse.Namespace) -> dict[str, int]:

@@ -30,13 +30,17 @@ from cluster.raft_store import (
     join_running_group,
 )
 from cluster.site_state import InitSite, Refused
-from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep import __version__
+from georep.kafka.server import KafkaOptions, start_kafka
 from georep.replication.links import DEFAULT_STALL_MS
+from georep.security.acl import DEFAULT_SUPER_USERS
+from georep.security.principal import Principal
+from georep.security.tls import MESSAGE_BYTES_MAX, TlsConfig, TlsError, add_port, server_options
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterConfig, ClusterMember
 from georep.server.metrics import NodeMetrics
 from georep.server.process import NODE_INFO
+from georep.server.rpc import authorization
 from georep.server.segments import SegmentService
 from georep.server.service import FETCH_MAX_BYTES_CAP, SCRUB_STEP_BYTES, NodeService
 from georep.server.site_cluster import SiteCluster
@@ -48,7 +52,6 @@ from topology.model import Topology
 log = logging.getLogger("georep.node")
 
 SHUTDOWN_GRACE_S = 5.0
-MESSAGE_SLACK_BYTES = 1 << 20
 KEEPALIVE_MIN_INTERVAL_MS = 1_000
 GROUP_TICK_S = 0.2
 SCRUB_PASS_MIN_S = 60.0  # a pass over little data waits this long before the next one
@@ -71,16 +74,23 @@ async def serve(
     admin_token: str | None = None,
     scrub_bytes_per_s: int = SCRUB_BYTES_PER_S_DEFAULT,
     in_site: InSiteOptions | None = None,
+    tls: TlsConfig | None = None,
+    kafka: KafkaOptions | None = None,
+    super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
 ) -> int:
     """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``.
 
     ``in_site``: this node is one of several of its site (docs/cluster.md): the site's metadata is a Raft group of
-    its nodes, and the node serves the partitions it leads.
+    its nodes, and the node serves the partitions it leads. ``tls``: its port takes only mutual-TLS clients with a
+    certificate signed by the CA, and it calls the other nodes and sites with its own certificate; ``None`` is
+    plaintext (``--insecure``), where no call is authorized (docs/security.md). ``super_users``: the principals a
+    TLS node allows everything besides its own site's nodes (``georep node --super-user``).
     """
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
         return await _serve_locked(site, listen, metrics_listen, data_dir, defaults, retention_check_ms, topology,
-                                   stall_ms, admin_token, scrub_bytes_per_s, lock, in_site)  # fmt: skip
+                                   stall_ms, admin_token, scrub_bytes_per_s, lock, in_site, tls, kafka,
+                                   super_users)  # fmt: skip
     finally:
         lock.release()
 
@@ -118,7 +128,9 @@ async def _site_identity(metadata: RaftMetadataStore, site: str, executor: Threa
 async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tuple[str, int], data_dir: Path,
                         defaults: dict[str, int], retention_check_ms: int, topology: Topology | None, stall_ms: int,
                         admin_token: str | None, scrub_bytes_per_s: int, lock: DataDirLock,
-                        in_site: InSiteOptions | None) -> int:  # fmt: skip
+                        in_site: InSiteOptions | None, tls: TlsConfig | None,
+                        kafka: KafkaOptions | None = None,
+                        super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS) -> int:  # fmt: skip
     from georep.server.replicator import Replicator
 
     # The Raft metadata and the segment threads of a multi-node site; this node's copies of the segments whose
@@ -140,7 +152,7 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         identity = load_or_create_identity(data_dir, site, int(time.time()))
     broker = Broker(data_dir, identity, defaults, metadata=metadata)
     metrics = NodeMetrics(broker)
-    replicator = Replicator(broker, topology, site, stall_ms) if topology is not None else None
+    replicator = Replicator(broker, topology, site, stall_ms, tls=tls) if topology is not None else None
     if replicator is not None:
         metrics.attach(replicator)
     replicas = ReplicaStore(data_dir, broker.clock_ms())
@@ -149,28 +161,34 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
     if in_site is not None and metadata is not None:
         address = f"{listen[0]}:{listen[1]}"
         member = ClusterMember(in_site.node_id, address, metadata, replicas, segment_executor, broker.clock_ms,
-                               lambda: shutil.disk_usage(data_dir).free, in_site.config)  # fmt: skip
-        site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor)
-    service = NodeService(broker, metrics, replicator, admin_token, site_cluster)
-    segments = SegmentService(replicas, segment_executor, broker.clock_ms, member)  # member: repair's rolls
-    # Above every topic's max_batch_bytes: an oversized batch reaches the broker, which names the limit.
-    max_message = max(MAX_BATCH_BYTES_LIMIT, FETCH_MAX_BYTES_CAP) + MESSAGE_SLACK_BYTES
+                               lambda: shutil.disk_usage(data_dir).free, in_site.config, tls)  # fmt: skip
+        site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor, tls)
+    service = NodeService(broker, metrics, replicator, admin_token, site_cluster, authorizes=tls is not None)
+    segments = SegmentService(replicas, segment_executor, broker.clock_ms, member, tls)  # member: repair's rolls
+    # server_options bounds every message (tls.MESSAGE_BYTES_MAX, above every topic's max_batch_bytes and the
+    # fetch cap: an oversized batch reaches the broker, which names the limit).
+    assert FETCH_MAX_BYTES_CAP < MESSAGE_BYTES_MAX
+    # A TLS node checks every call's principal against its ACLs and topology first (georep/server/rpc.py); a
+    # plaintext one (--insecure) authorizes nothing.
+    interceptors = [authorization(identity.site, broker.metadata, topology, super_users)] if tls is not None else []
     server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", max_message),
-            ("grpc.max_send_message_length", max_message),
+        interceptors=interceptors,
+        options=server_options([
             ("grpc.so_reuseport", 0),  # a second node on the same port must fail, not share it
             # Clients ping every 10 s, even between calls, to notice a dead node
             # under a long-poll fetch. gRPC servers by default answer pings more
             # often than every 5 min with GOAWAY "too_many_pings".
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_INTERVAL_MS),
-        ]
+        ])
     )
     server.add_generic_rpc_handlers((service.handler(), segments.handler()))
     address = f"{listen[0]}:{listen[1]}"
     try:
-        port = server.add_insecure_port(address)
+        port = add_port(server, address, tls)
+    except TlsError as exc:
+        _close(replicas, broker, metadata)
+        raise UsageError(str(exc)) from None
     except RuntimeError as exc:
         _close(replicas, broker, metadata)
         raise UsageError(f"cannot listen on {address}: {exc}; is another process using the port?") from None
@@ -178,17 +196,29 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         _close(replicas, broker, metadata)
         raise UsageError(f"cannot listen on {address}: the port is in use or the address is not local")
     await server.start()
+    kafka_server, kafka_address = None, ""
+    if kafka is not None:  # the Kafka wire protocol (docs/kafka.md)
+        try:
+            kafka_server, kafka_address = await start_kafka(kafka, broker, service.groups, site_cluster)
+        except OSError as exc:
+            await server.stop(0)
+            _close(replicas, broker, metadata)
+            raise UsageError(f"cannot listen for Kafka clients on {kafka.listen[0]}:{kafka.listen[1]}: "
+                             f"{exc.strerror or exc}; is another process using the port?") from None
     if member is not None:
         await member.start()
     metrics_address = metrics.serve(*metrics_listen)
     info = {
         "pid": os.getpid(), "site": identity.site, "epoch": identity.epoch, "version": __version__,
-        "listen": f"{listen[0]}:{port}", "metrics": metrics_address,
+        "listen": f"{listen[0]}:{port}", "metrics": metrics_address, "kafka": kafka_address,
         # how to start this node again the same way (georep drill restarts a killed site)
         "command": [sys.executable, "-m", "georep.cli", *sys.argv[1:]], "cwd": os.getcwd(),
     }  # fmt: skip
     lock.describe(str(info["listen"]))
     write_json_atomic(data_dir / NODE_INFO, info)
+    if tls is None:
+        log.warning("--insecure: serving plaintext, without TLS and without ACLs; any process that reaches %s may "
+                    "produce, consume, commit and replicate (docs/security.md)", info["listen"])  # fmt: skip
     log.info("site %s (origin %s) serving on %s, metrics on %s", identity.site, broker.origin, info["listen"],
              metrics_address)  # fmt: skip
 
@@ -214,6 +244,8 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         await replicator.stop()
     if site_cluster is not None:
         await site_cluster.close()
+    if kafka_server is not None:
+        await kafka_server.stop()
     service.stop_streams()
     for task in housekeeping:
         task.cancel()
