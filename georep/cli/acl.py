@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              ("remove", "stop allowing them (the entries as 'georep acl list' shows them)"))
     for name, help_text in helps:
         action = actions.add_parser(name, help=help_text)
-        action.add_argument("principal", help="client:alice, site:b, node:a/2, or a pattern: client:**, node:a/+")
+        action.add_argument("who", metavar="PRINCIPAL", help="client:alice, site:b, node:a/2, or a pattern: client:**, node:a/+")
         action.add_argument("operations", help=f"one or more, comma-separated: {ops}")
         action.add_argument("resource", help="topic:<filter> (topic:orders/**), group:<filter> (group:billing) "
                                              "or cluster")  # fmt: skip
@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
             return 0
         requests = []
         for operation in args.operations.split(","):
-            entry = acl_entry(args.principal, operation, args.resource)  # checked before anything is sent
+            entry = acl_entry(args.who, operation, args.resource)  # checked before anything is sent
             requests.append(pb.PutAclRequest(principal=str(entry.principal), operation=str(entry.operation),
                                              resource=str(entry.resource), remove=args.action == "remove"))
         token = find_token(args.admin_token, args.data_dir)
