@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              ("remove", "stop allowing them (the entries as 'georep acl list' shows them)"))
     for name, help_text in helps:
         action = actions.add_parser(name, help=help_text)
-        action.add_argument("who", metavar="PRINCIPAL", help="client:alice, site:b, node:a/2, or a pattern: client:**, node:a/+")
+        action.add_argument("who", metavar="PRINCIPAL",
+                            help="client:alice, site:b, node:a/2, or a pattern: client:**, node:a/+")
         action.add_argument("operations", help=f"one or more, comma-separated: {ops}")
         action.add_argument("resource", help="topic:<filter> (topic:orders/**), group:<filter> (group:billing) "
                                              "or cluster")  # fmt: skip
