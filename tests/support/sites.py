@@ -23,6 +23,9 @@ from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
+from georep.security import dev_ca
+from georep.security.principal import site_principal
+from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from offsets.coordinates import Origin
 from tests.support.channels import open_channel
@@ -62,7 +65,12 @@ class Sites:
     """One node per site, on the ports the topology names."""
 
     def __init__(self, root: Path, sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000,
-                 extra_args: list[str] | None = None) -> None:  # fmt: skip
+                 extra_args: list[str] | None = None, tls_dir: Path | None = None) -> None:  # fmt: skip
+        # tls_dir: mutual TLS with a development CA there (site:<s> per node, client:admin for the test's calls)
+        self.tls: TlsConfig | None = None
+        if tls_dir is not None:
+            dev_ca.init(tls_dir, dev_ca.plan(sites, {}, []))
+            self.tls = TlsConfig.from_dir(tls_dir)
         self.ports = dict(zip(sites, free_ports(len(sites)), strict=True))
         self.links = list(links)
         self.topology = root / "topology.toml"
@@ -70,7 +78,8 @@ class Sites:
         self.nodes = {
             s: NodeProcess(site=s, data_dir=root / s, listen=f"127.0.0.1:{self.ports[s]}",
                            extra_args=["--topology", str(self.topology), "--stall-ms", str(stall_ms),
-                                       *(extra_args or [])])
+                                       *(extra_args or [])],
+                           tls=None if tls_dir is None else TlsConfig.from_dir(tls_dir, site_principal(s)))
             for s in sites
         }  # fmt: skip
         self.channels: dict[str, grpc.Channel] = {}
@@ -81,7 +90,7 @@ class Sites:
 
     def stub(self, site: str) -> pbg.NodeStub:
         if site not in self.channels:
-            self.channels[site] = open_channel(self.nodes[site].address or f"127.0.0.1:{self.ports[site]}")
+            self.channels[site] = open_channel(self.nodes[site].address or f"127.0.0.1:{self.ports[site]}", self.tls)
         return pbg.NodeStub(self.channels[site])
 
     def address(self, site: str) -> str:
@@ -166,10 +175,11 @@ def check_invariants(sites: Sites, names: list[str], topic: str, expected: set[t
         assert sum(len(r) for r in parts.values()) == len(by_coord), f"I4: site {s} does not hold every coordinate"
 
 
-async def produce(address: str, topic: str, prefix: str, n: int, value_bytes: int = 0) -> set[tuple[bytes, bytes]]:
+async def produce(address: str, topic: str, prefix: str, n: int, value_bytes: int = 0,
+                  tls: TlsConfig | None = None) -> set[tuple[bytes, bytes]]:  # fmt: skip
     """Send ``n`` keyed records (values padded to ``value_bytes``) and wait for every ack; returns what was sent."""
     sent = set()
-    async with Producer(address, linger_ms=2, batch_size=4096) as producer:
+    async with Producer(address, linger_ms=2, batch_size=4096, tls=tls) as producer:
         futures = []
         for i in range(n):
             key, value = f"{prefix}-k{i}".encode(), f"{prefix}-v{i}".encode() * 3
