@@ -181,6 +181,7 @@ class PrincipalPattern:
 
     kind: str
     name: str
+    _levels: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)  # None: exact
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -192,6 +193,7 @@ class PrincipalPattern:
                 if level == "" or (level not in (ONE_LEVEL, ANY_LEVELS) and ("+" in level or "*" in level)):
                     raise InvalidAcl(f"invalid principal pattern {self}: a wildcard must be a whole level "
                                      f"('+' or '**') and no level may be empty; use {_PRINCIPAL_FORMS}")  # fmt: skip
+            object.__setattr__(self, "_levels", tuple(levels))
             return
         try:
             parse_principal(str(self))
@@ -203,15 +205,14 @@ class PrincipalPattern:
 
     @property
     def exact(self) -> bool:
-        levels = self.name.split("/")
-        return ONE_LEVEL not in levels and ANY_LEVELS not in levels
+        return self._levels is None
 
     def matches(self, principal: Principal) -> bool:
         if principal.kind != self.kind:
             return False
-        if self.exact:
+        if self._levels is None:
             return principal.name == self.name
-        return _match_levels(tuple(self.name.split("/")), tuple(principal.name.split("/")))
+        return _match_levels(self._levels, tuple(principal.name.split("/")))
 
 
 def parse_principal_pattern(text: str) -> PrincipalPattern:
@@ -275,7 +276,7 @@ def is_super_user(principal: Principal, own_site: str, super_users: Iterable[Pri
     """The site's own nodes and the configured super-users (see the module docstring)."""
     if principal.kind in (SITE, NODE) and principal.site == own_site:
         return True
-    return principal in set(super_users)
+    return principal in super_users
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,8 @@ from georep.security.acl_replication import pull_decision, repair_decision
 from georep.security.principal import Principal
 from topology.model import Topology
 
+MEMO_MAX = 4096
+
 
 class Policy:
     """What decisions depend on: the site, its super-users, its ACL entries and its topology (read at each call,
@@ -62,17 +64,35 @@ class Policy:
         self.entries = entries
         self.topology = topology
         self.super_users = tuple(super_users)
+        # Decisions of the current entries (a produce stream asks the same one per batch); emptied when the
+        # entries change (AclCache hands out a new list then) or the memo is full.
+        self._memo: dict[tuple[Principal, Operation, Resource], Decision] = {}
+        self._memo_of: object = None
+
+    def _decide(self, entries: list[AclEntry], principal: Principal, operation: Operation,
+                resource: Resource) -> Decision:  # fmt: skip
+        if entries is not self._memo_of or len(self._memo) >= MEMO_MAX:
+            self._memo = {}
+            self._memo_of = entries
+        key = (principal, operation, resource)
+        decision = self._memo.get(key)
+        if decision is None:
+            decision = self._memo[key] = authorize(entries, principal, operation, resource, self.own_site,
+                                                   self.super_users)  # fmt: skip
+        return decision
 
     def acl(self, principal: Principal, operation: Operation, resources: Iterable[Resource]) -> Decision:
         """Allowed if allowed on every resource; else the first refusal (by resource)."""
-        entries = list(self.entries())
+        entries = self.entries()
+        if not isinstance(entries, list):
+            entries = list(entries)
         decision: Decision | None = None
         for resource in sorted(set(resources)):
-            decision = authorize(entries, principal, operation, resource, self.own_site, self.super_users)
+            decision = self._decide(entries, principal, operation, resource)
             if not decision.allowed:
                 return decision
         if decision is None:  # no resource named: the operation itself, on the cluster
-            return authorize(entries, principal, operation, CLUSTER, self.own_site, self.super_users)
+            return self._decide(entries, principal, operation, CLUSTER)
         return decision
 
     def open(self, principal: Principal) -> Decision:
