@@ -43,8 +43,10 @@ def test_up_starts_every_site_and_sigterm_stops_them_cleanly(tmp_path: Path) -> 
         for info in infos.values():
             os.kill(info["pid"], 0)  # each site runs as its own process
         assert len({i["pid"] for i in infos.values()}) == 3
-        health = run("health", "--bootstrap", infos["b"]["listen"])
+        health = run("health", "--bootstrap", infos["b"]["listen"], "--data-dir", str(data))  # its certs: mTLS
         assert health.returncode == 0 and "site=b" in health.stdout
+        plain = run("health", "--bootstrap", infos["b"]["listen"], "--insecure")
+        assert plain.returncode == 1 and "requires TLS" in plain.stderr
     finally:
         up.send_signal(signal.SIGTERM)
         out, err = up.communicate(timeout=60)
@@ -67,7 +69,7 @@ def test_a_second_up_on_the_same_data_dir_fails_at_once_and_leaves_the_first_run
         for s, info in infos.items():  # the first up's nodes run on, untouched
             os.kill(info["pid"], 0)
             assert json.loads((data / s / "node.json").read_text())["pid"] == info["pid"]
-        assert run("health", "--bootstrap", infos["a"]["listen"]).returncode == 0
+        assert run("health", "--bootstrap", infos["a"]["listen"], "--data-dir", str(data)).returncode == 0
     finally:
         up.send_signal(signal.SIGTERM)
         up.communicate(timeout=60)
@@ -118,12 +120,13 @@ def test_up_runs_a_site_of_three_nodes_that_takes_writes_and_reads(tmp_path: Pat
         pids = {json.loads((data / "a" / n / "node.json").read_text())["pid"] for n in "123"}
         assert len(pids) == 3, "one process per node"
         bootstrap = f"127.0.0.1:{g[0]}"
-        assert run("topic", "create", "t", "--partitions", "2", "--bootstrap", bootstrap).returncode == 0
-        produced = run("produce", "t", "--acks", "all", "--bootstrap", f"127.0.0.1:{g[1]}",
+        certs = ("--data-dir", str(data))  # the node:a/<n> and client:admin certificates 'up' made there
+        assert run("topic", "create", "t", "--partitions", "2", "--bootstrap", bootstrap, *certs).returncode == 0
+        produced = run("produce", "t", "--acks", "all", "--bootstrap", f"127.0.0.1:{g[1]}", *certs,
                        input_text="one\ntwo\nthree\n")  # fmt: skip
         assert produced.returncode == 0, produced.stderr
         consumed = run("consume", "t", "--from-beginning", "--max", "3", "--timeout", "20",
-                       "--bootstrap", f"127.0.0.1:{g[2]}")  # fmt: skip
+                       "--bootstrap", f"127.0.0.1:{g[2]}", *certs)  # fmt: skip
         assert consumed.returncode == 0, consumed.stderr
         assert sorted(consumed.stdout.split()) == ["one", "three", "two"]
     finally:
