@@ -28,6 +28,8 @@ from georep.security.acl_replication import origin_may_arrive, pull_decision, re
 from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, Policy, decide
 from georep.security.acl_sync import AclCache, change, effective, merge
 from georep.security.principal import Principal, parse_principal
+from tests.support.raft import Site as RaftSite
+from tests.support.raft import wait_until as raft_wait
 from topology.filters import TopicFilter
 from topology.model import Link, Site, Topology
 
@@ -284,3 +286,21 @@ def test_pairs_of_entries_do_not_interact() -> None:
                 both = authorize([first, second], ALICE, op, topic(name), "a").allowed
                 either = any(authorize([e], ALICE, op, topic(name), "a").allowed for e in (first, second))
                 assert both == either
+
+
+def test_raft_store_replicates_records_to_every_member_and_keeps_them_across_restarts(tmp_path: Path) -> None:
+    """A multi-node site: an ACL record is a Raft command (PutAcl) every member applies; a stale one changes
+    nothing, and a restarted member has it back."""
+    site = RaftSite(tmp_path)
+    site.start()
+    try:
+        leader = site[site.leader()]
+        record = AclRecord("client:alice produce topic:x", True, 5, "a")
+        assert leader.put_acl(record)
+        assert not leader.put_acl(AclRecord(record.entry, False, 4, "b"))  # older: kept out
+        raft_wait(lambda: all(s.acls() == {record.entry: record} for s in site.running()), "every member has it")
+        site.stop(0)
+        site.start(0)
+        raft_wait(lambda: site[0].acls() == {record.entry: record}, "the restarted member has it back")
+    finally:
+        site.close()
