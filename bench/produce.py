@@ -21,6 +21,10 @@ explains how to read it):
   records/s into the accumulator when the client allows measuring it alone.
 * ``nats js``: NATS JetStream (file storage) with pipelined async publishes of
   the same 1 KiB payloads, when ``nats-server`` is installed.
+* ``... mTLS``: the same stream and client runs against a second node that
+  serves mutual TLS (a development CA made for the run), alternating with the
+  plaintext runs; the summary gives what TLS costs against plaintext (issue 12's
+  target: at most 25% of produce throughput).
 
 The node runs with ``--flush-interval-ms 100`` (fsync every 100 ms, acks after
 the write, like Kafka's defaults) and produce uses acks=leader.
@@ -51,7 +55,9 @@ import grpc
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.record.batch import HEADER_BYTES, RecordInput, encode_batch
-from georep.security.tls import add_port, client_channel
+from georep.security import dev_ca
+from georep.security.principal import site_principal
+from georep.security.tls import TlsConfig, add_port, client_channel
 from georep.server.process import NodeProcess
 
 RECORD_VALUE_BYTES = 1024
@@ -192,10 +198,18 @@ def start_raw_server(stack: contextlib.ExitStack, log_dir: Path) -> str:
     return f"127.0.0.1:{port}"
 
 
-def start_node(stack: contextlib.ExitStack, root: Path) -> NodeProcess:
-    node = NodeProcess("bench", root / "node", extra_args=["--flush-interval-ms", str(NODE_FLUSH_INTERVAL_MS)])
+def start_node(stack: contextlib.ExitStack, root: Path, tls: TlsConfig | None = None) -> NodeProcess:
+    node = NodeProcess("bench", root / ("node-tls" if tls else "node"), tls=tls,
+                       extra_args=["--flush-interval-ms", str(NODE_FLUSH_INTERVAL_MS)])  # fmt: skip
     stack.callback(node.stop)
     return node.start()
+
+
+def make_certs(root: Path) -> tuple[TlsConfig, TlsConfig]:
+    """A development CA for the run: the mTLS node's certificate (site:bench) and the client's (client:admin)."""
+    certs = root / "certs"
+    dev_ca.init(certs, dev_ca.plan(["bench"], {}, []))
+    return TlsConfig.from_dir(certs, site_principal("bench")), TlsConfig.from_dir(certs)
 
 
 def start_nats(stack: contextlib.ExitStack, root: Path) -> str | None:
@@ -306,11 +320,12 @@ async def create_topic(channel: grpc.aio.Channel, name: str, partitions: int) ->
     await create(pb.CreateTopicRequest(name=name, partitions=partitions), timeout=30)
 
 
-async def client_produce(address: str, topic: str, records: int, batch_bytes: int, value: bytes) -> float:
+async def client_produce(address: str, topic: str, records: int, batch_bytes: int, value: bytes,
+                         tls: TlsConfig | None = None) -> float:  # fmt: skip
     """``georep.client.Producer``: send every record, then wait until every one is acknowledged."""
     from georep.client import Producer  # imported late: the rest of the bench runs without the client
 
-    producer = Producer(address, acks="leader", batch_size=batch_bytes, linger_ms=CLIENT_LINGER_MS)
+    producer = Producer(address, acks="leader", batch_size=batch_bytes, linger_ms=CLIENT_LINGER_MS, tls=tls)
     await producer.start()
     try:
         await producer.send(topic, value)  # topic metadata and the stream, before the clock
@@ -415,14 +430,20 @@ def progress(text: str) -> None:
     print(f"  .. {text}", file=sys.stderr, flush=True)
 
 
-async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: str | None) -> list[Result]:
+async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: str | None,
+                  tls_address: str | None = None, client_tls: TlsConfig | None = None) -> list[Result]:  # fmt: skip
+    """Every measurement; with ``tls_address`` (a node serving mutual TLS) and ``client_tls``, an mTLS row
+    beside each georep stream and client row, its runs alternating with the plaintext ones."""
     value = os.urandom(RECORD_VALUE_BYTES)
     results: list[Result] = []
     node_channel = client_channel(node_address, None, CHANNEL_OPTIONS)
     raw_channel = client_channel(raw_address, None, CHANNEL_OPTIONS)
+    tls_channel = client_channel(tls_address, client_tls, CHANNEL_OPTIONS) if tls_address else None
     try:
         await asyncio.wait_for(node_channel.channel_ready(), 30)
         await asyncio.wait_for(raw_channel.channel_ready(), 30)
+        if tls_channel is not None:
+            await asyncio.wait_for(tls_channel.channel_ready(), 30)
         topic_seq = iter(range(1 << 30))
         run_id = os.urandom(4).hex()  # topics never collide with an earlier run on the same node
 
@@ -436,6 +457,8 @@ async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: st
                 stream = Result("georep stream", batch_bytes, partitions, cfg.records, 0,
                                 note=f"window {window}")  # fmt: skip
                 raw = Result("raw gRPC", batch_bytes, partitions, cfg.records, 0, note="client-streaming sink")
+                stream_tls = Result("georep stream mTLS", batch_bytes, partitions, cfg.records, 0,
+                                    note=f"window {window}, mutual TLS")  # fmt: skip
                 for i in range(cfg.repeats):
                     topic = next_topic("stream", batch_bytes, partitions)
                     await create_topic(node_channel, topic, partitions)
@@ -447,21 +470,43 @@ async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: st
                     progress(f"raw gRPC {size_label(batch_bytes)} run {i + 1}")
                     raw.seconds.append(await raw_push(raw_channel, reqs.messages))
                     del reqs
-                results += [stream, raw]
+                    if tls_channel is not None:
+                        topic = next_topic("stream-tls", batch_bytes, partitions)
+                        await create_topic(tls_channel, topic, partitions)
+                        reqs = build_requests(topic, partitions, cfg.records, batch_bytes, value, seed=i)
+                        stream_tls.payload_bytes = reqs.batch_bytes
+                        progress(f"georep stream mTLS {size_label(batch_bytes)} x{partitions}p run {i + 1}")
+                        settle_page_cache()
+                        stream_tls.seconds.append(await stream_produce(tls_channel, reqs.messages, window))
+                        del reqs
+                results += [stream, *([stream_tls] if tls_channel is not None else []), raw]
 
                 if not cfg.skip_client:
                     payload = cfg.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
                     client = Result("georep client", batch_bytes, partitions, cfg.records, payload,
                                     note=f"Producer, linger {CLIENT_LINGER_MS} ms")  # fmt: skip
+                    client_tls_row = Result("georep client mTLS", batch_bytes, partitions, cfg.records, payload,
+                                            note=f"Producer, linger {CLIENT_LINGER_MS} ms, mutual TLS")  # fmt: skip
 
-                    async def run_client(i: int, bb: int = batch_bytes, p: int = partitions) -> float:
+                    async def run_client(i: int, bb: int = batch_bytes, p: int = partitions,
+                                         tls_row: Result = client_tls_row) -> float:  # fmt: skip
                         topic = next_topic("client", bb, p)
                         await create_topic(node_channel, topic, p)
                         progress(f"georep client {size_label(bb)} x{p}p run {i + 1}")
-                        return await client_produce(node_address, topic, cfg.records, bb, value)
+                        elapsed = await client_produce(node_address, topic, cfg.records, bb, value)
+                        if tls_channel is not None and tls_address is not None:  # the mTLS run right after
+                            topic = next_topic("client-tls", bb, p)
+                            await create_topic(tls_channel, topic, p)
+                            progress(f"georep client mTLS {size_label(bb)} x{p}p run {i + 1}")
+                            settle_page_cache()
+                            tls_row.seconds.append(
+                                await client_produce(tls_address, topic, cfg.records, bb, value, client_tls))
+                        return elapsed
 
                     try:
                         results.append(await repeat(client, cfg.repeats, run_client))
+                        if client_tls_row.seconds:
+                            results.append(client_tls_row)
                     except ImportError as exc:
                         progress(f"georep.client.Producer is not available ({exc}); skipping the client runs")
                         cfg.skip_client = True
@@ -499,6 +544,8 @@ async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: st
     finally:
         await node_channel.close()
         await raw_channel.close()
+        if tls_channel is not None:
+            await tls_channel.close()
     return results
 
 
@@ -531,7 +578,7 @@ def ratio_text(num: Result | None, den: Result | None, per_record: bool = False)
 
 def table(results: list[Result], nats_missing: str | None) -> Iterator[str]:
     nats = next((r for r in results if r.name == "nats js"), None)
-    head = f"{'measurement':<15} {'batch':>8} {'parts':>5} {'MB/s':>8} {'records/s':>10}  {'vs raw':>6} " \
+    head = f"{'measurement':<18} {'batch':>8} {'parts':>5} {'MB/s':>8} {'records/s':>10}  {'vs raw':>6} " \
            f"{'vs nats':>7}  {'runs MB/s':<18} note"  # fmt: skip
     yield head
     yield "-" * len(head)
@@ -542,7 +589,7 @@ def table(results: list[Result], nats_missing: str | None) -> Iterator[str]:
             vs_raw = ratio_text(r, find(results, "raw gRPC", r.batch_bytes, r.partitions))
             vs_nats = ratio_text(r, nats, per_record=True)
         runs = " ".join(f"{x:.0f}" for x in r.runs_mb_s())
-        yield (f"{r.name:<15} {size_label(r.batch_bytes):>8} {r.partitions:>5} {r.mb_s:>8.1f} {r.records_s:>10,.0f}  "
+        yield (f"{r.name:<18} {size_label(r.batch_bytes):>8} {r.partitions:>5} {r.mb_s:>8.1f} {r.records_s:>10,.0f}  "
                f"{vs_raw:>6} {vs_nats:>7}  {runs:<18} {r.note}")  # fmt: skip
     if nats_missing:
         yield f"nats js: {nats_missing}"
@@ -550,6 +597,14 @@ def table(results: list[Result], nats_missing: str | None) -> Iterator[str]:
 
 def summary(results: list[Result]) -> Iterator[str]:
     for r in results:
+        if r.name.endswith(" mTLS"):
+            plain = find(results, r.name.removesuffix(" mTLS"), r.batch_bytes, r.partitions)
+            if plain is not None:
+                ratio = r.mb_s / plain.mb_s
+                verdict = "meets" if ratio >= 0.75 else "ABOVE"
+                yield (f"{r.name} {size_label(r.batch_bytes)} x{r.partitions}p: {ratio * 100:.1f}% of plaintext, "
+                       f"TLS costs {max(0.0, 1 - ratio) * 100:.1f}% ({verdict} the at-most-25% target)")  # fmt: skip
+            continue
         if r.name in ("georep stream", "georep client"):
             raw = find(results, "raw gRPC", r.batch_bytes, r.partitions)
             if raw is not None:
@@ -598,6 +653,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="request bytes in flight on ProduceStream (default 16 MiB)")
     parser.add_argument("--no-client", action="store_true", help="skip the georep.client.Producer runs")
     parser.add_argument("--no-nats", action="store_true", help="skip NATS JetStream even if installed")
+    parser.add_argument("--no-tls", action="store_true", help="skip the mutual-TLS node and its rows")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run: few records, one run each")
     parser.add_argument("--serve-raw", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -633,6 +689,10 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tempfile.mkdtemp(prefix="georep-bench-"))
         stack.callback(shutil.rmtree, root, ignore_errors=True)
         node = start_node(stack, root)
+        tls_address, client_tls = None, None
+        if not args.no_tls:
+            node_tls, client_tls = make_certs(root)
+            tls_address = start_node(stack, root, node_tls).address
         raw_address = start_raw_server(stack, root)
         nats_url = None
         if args.no_nats:
@@ -642,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             if nats_url is None:
                 nats_missing = ("nats-server is not on PATH; install it (Debian: apt-get install -y nats-server) "
                                 "to compare with NATS JetStream")  # fmt: skip
-        results = asyncio.run(run_all(cfg, node.address, raw_address, nats_url))
+        results = asyncio.run(run_all(cfg, node.address, raw_address, nats_url, tls_address, client_tls))
     print()
     for line in table(results, nats_missing):
         print(line)
