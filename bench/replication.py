@@ -459,7 +459,7 @@ async def measure_rtt(stack: contextlib.ExitStack, root: Path, cfg: Config) -> L
     try:
         a = pbg.NodeStub(a_ch)
         await create_topic(a, topic, {"flush_interval_ms": str(THROUGHPUT_FLUSH_MS)})
-        records = max(1, cfg.rtt_bytes // RECORD_BYTES)
+        records = max(1, cfg.link_bytes // RECORD_BYTES)
         reqs = build_requests(topic, 1, records, bb, RECORD_VALUE_BYTES * b"r", seed=bb)
         progress(f"rtt: producing {reqs.batch_bytes / 1e6:.0f} MB in {size_label(bb)} batches at a")
         await stream_produce(a_ch, reqs.messages, max(2, DEFAULT_WINDOW_BYTES // bb))
@@ -705,7 +705,6 @@ class Config:
     link_bytes: int
     repeats: int
     rtt_ms: int
-    rtt_bytes: int
     rtt_batch_bytes: int
     wire_bytes: int
     latency_s: float
@@ -856,10 +855,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--batch-sizes", type=parse_sizes, default=[65536, 1048576],
                         help="throughput batch sizes in bytes (default 65536,1048576)")
-    parser.add_argument("--link-mb", type=float, help="throughput: MB produced at a per batch size (default 400)")
+    parser.add_argument("--link-mb", type=float,
+                        help="throughput and rtt: MB produced at a per batch size (default 400)")
     parser.add_argument("--repeats", type=int, help="throughput: runs per batch size, best kept (default 3)")
     parser.add_argument("--rtt-ms", type=int, default=200, help="rtt: the round trip of the delayed row (default 200)")
-    parser.add_argument("--rtt-mb", type=float, help="rtt: MB produced at a (default 200)")
     parser.add_argument("--rtt-batch-bytes", type=int, default=1048576,
                         help="rtt: batch size in bytes (default 1048576)")
     parser.add_argument("--wire-mb", type=float, help="wire: MB produced at each of the 5 sites (default 20)")
@@ -876,15 +875,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.link_mb = args.link_mb if args.link_mb is not None else (4 if q else 400)
     args.repeats = args.repeats if args.repeats is not None else (1 if q else 3)
     args.wire_mb = args.wire_mb if args.wire_mb is not None else (1 if q else 20)
-    args.rtt_mb = args.rtt_mb if args.rtt_mb is not None else (4 if q else 200)
     args.latency_s = args.latency_s if args.latency_s is not None else (2 if q else 10)
     flush = args.latency_flush_ms if args.latency_flush_ms is not None else ("0" if q else "0,5")
     try:
         args.latency_flush_ms = [int(x) for x in flush.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--latency-flush-ms {flush!r} is not a comma-separated list of integers")
-    if args.repeats < 1 or args.link_mb <= 0 or args.wire_mb <= 0 or args.latency_s <= 0 or args.rtt_mb <= 0:
-        parser.error("--repeats, --link-mb, --rtt-mb, --wire-mb and --latency-s must be positive")
+    if args.repeats < 1 or args.link_mb <= 0 or args.wire_mb <= 0 or args.latency_s <= 0:
+        parser.error("--repeats, --link-mb, --wire-mb and --latency-s must be positive")
     if args.rtt_ms < 0 or args.rtt_batch_bytes < 2048:
         parser.error("--rtt-ms must be >= 0 and --rtt-batch-bytes at least 2048 (one 1 KiB record)")
     return args
@@ -897,9 +895,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_raw is not None:
         asyncio.run(serve_raw(args.serve_raw))
         return 0
-    cfg = Config(args.only, args.batch_sizes, int(args.link_mb * 1e6), args.repeats, args.rtt_ms,
-                 int(args.rtt_mb * 1e6), args.rtt_batch_bytes, int(args.wire_mb * 1e6),
-                 args.latency_s, args.latency_rate, args.latency_flush_ms)  # fmt: skip
+    cfg = Config(args.only, args.batch_sizes, int(args.link_mb * 1e6), args.repeats, args.rtt_ms, args.rtt_batch_bytes,
+                 int(args.wire_mb * 1e6), args.latency_s, args.latency_rate, args.latency_flush_ms)  # fmt: skip
     cores = os.cpu_count() or 1
     print(f"georep replication benchmark: {cores} cores ({platform.machine()}), Python {platform.python_version()}, "
           f"grpcio {grpc.__version__}")  # fmt: skip

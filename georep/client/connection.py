@@ -30,6 +30,8 @@ IDENTIFY_ATTEMPTS = 4
 IDENTIFY_RETRY_S = 0.05
 BOOTSTRAP_ENV = "GEOREP_BOOTSTRAP"
 
+CONNECT_TIMEOUT_MS = 5_000  # a handshake over a long link takes a few round trips
+
 # The factory sets both bounds on every channel (georep.security.tls): above the largest batch a topic may allow,
 # since a fetch response holds at least one whole batch, whatever max_bytes says.
 CHANNEL_OPTIONS = [
@@ -38,7 +40,13 @@ CHANNEL_OPTIONS = [
     # gRPC's own reconnect backoff starts at 1 s and grows to 120 s; a restarted
     # node should be found again within a fraction of a second.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    # Despite its name, grpc-core uses this as the time a connection attempt may
+    # take before it gives up (default 20 s). At 100 ms, as it was, a server whose
+    # SETTINGS frame comes back after more than 100 ms (a 200 ms RTT link) was
+    # given up on again and again ("connection attempt timed out before receiving
+    # SETTINGS frame", measured through the fault proxy). A refused connection
+    # still fails at once and is retried after the backoff above.
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),

@@ -78,6 +78,16 @@ RPC_TIMEOUT_S = 5.0
 STREAM_IDLE_MS = 10 * HEARTBEAT_MS
 REPAIR_TICK_S = 0.5
 INBOX_MESSAGES = 2  # read ahead of the applies by this many messages, no more: back-pressure
+# Long fat pipes. src pushes a Replicate stream as fast as dst's HTTP/2 window lets it: at most one window per round
+# trip. gRPC's BDP probing starts every connection at a 64 KiB window and grows it over many round trips, so a
+# fresh link at 200 ms RTT spent seconds of a catch-up below its bandwidth (bench/replication.py --only rtt). The
+# pull channel instead announces a fixed window of LINK_WINDOW_BYTES from the first byte: enough for
+# LINK_WINDOW_BYTES / RTT (160 MB/s at 200 ms, more than a node applies). It is also what dst may hold unread per
+# link when its applies fall behind (the inbox above stops reading; gRPC buffers up to the window). Only this
+# channel: clients' fetch streams keep BDP probing and small windows.
+LINK_WINDOW_BYTES = 64 << 20
+PULL_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.http2.bdp_probe", 0),
+                        ("grpc.http2.lookahead_bytes", LINK_WINDOW_BYTES)]
 _END = "end"
 
 
@@ -122,7 +132,7 @@ class Puller:
     @property
     def stub(self) -> pbg.NodeAsyncStub:
         if self._stub is None:
-            self._channel = client_channel(self.address, self.r.tls, CHANNEL_OPTIONS)
+            self._channel = client_channel(self.address, self.r.tls, PULL_CHANNEL_OPTIONS)
             self._stub = pbg.NodeStub(self._channel)
         return self._stub
 
