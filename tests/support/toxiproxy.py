@@ -20,6 +20,7 @@ from toxiproxy import Toxiproxy
 from toxiproxy.proxy import Proxy
 
 from georep.faultproxy import ThreadedFaultProxy
+from tests.support.sites import Sites, topology_toml
 
 URL_ENV = "TOXIPROXY_URL"
 
@@ -59,3 +60,13 @@ def create_proxy(client: Toxiproxy, name: str, upstream: str) -> Proxy:
     """A proxy to ``upstream`` on a free port of 127.0.0.1; its ``listen`` is the address to connect to."""
     proxy = client.create(upstream=upstream, name=name, listen=f"127.0.0.1:{free_port()}")
     return proxy
+
+
+def proxy_sites(client: Toxiproxy, sites: Sites, prefix: str) -> dict[str, Proxy]:
+    """Put a proxy in front of every site of ``sites`` (not started yet) and name the proxies, not the nodes, in
+    its topology file: every replication link, held report and repair fetch between sites crosses a proxy, while
+    each node listens on its own port (``sites.address``) for clients that connect directly."""
+    proxies = {s: create_proxy(client, f"{prefix}-{s}", sites.address(s)) for s in sites.nodes}
+    ports = {s: int(p.listen.rpartition(":")[2]) for s, p in proxies.items()}
+    sites.topology.write_text(topology_toml(ports, sites.links))
+    return proxies
