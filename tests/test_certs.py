@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from georep.security import dev_ca
 from georep.security.principal import Principal, parse_principal
-from georep.security.tls import TlsConfig, principal_of_certificate
+from georep.security.tls import TlsConfig, channel_credentials, principal_of_certificate
 from tests.support.cli import georep, ok
 
 
@@ -72,3 +72,13 @@ def test_bad_arguments_are_refused_with_what_to_pass(tmp_path: Path) -> None:
     assert result.returncode == 2 and b"add them to --sites" in result.stderr
     result = georep("certs", "init", "--dir", str(tmp_path), "--renew", "alice")
     assert result.returncode == 2 and b"client:<name>" in result.stderr
+
+
+def test_client_credentials_follow_the_files(tmp_path: Path) -> None:
+    """A client reads the files again for a new channel once they changed (a renewed certificate), not before."""
+    dev_ca.init(tmp_path, dev_ca.plan([], {}, []))
+    tls = TlsConfig.from_dir(tmp_path)
+    first = channel_credentials(tls)
+    assert channel_credentials(tls) is first
+    dev_ca.init(tmp_path, dev_ca.plan([], {}, []), renew=[parse_principal("client:admin")])
+    assert channel_credentials(tls) is not first

@@ -6,9 +6,9 @@ use mutual TLS: a server demands a client certificate signed by its CA, a client
 against its CA (and the address's host, or ``server_name``). ``None`` is plaintext, the explicit ``--insecure``.
 
 Rotation without restart: a server's credentials are gRPC's dynamic SSL credentials, whose fetcher runs before
-each new handshake and reloads the three files when one's mtime or size changed (a pair whose key does not match
-its certificate, as while one file is being replaced, is skipped until it does). Connections already up keep the
-certificate they were made with. A client reads the files again for each new channel.
+each new handshake and reloads the three files when one was replaced or its mtime or size changed (a pair whose
+key does not match its certificate, as while one file is being replaced, is skipped until it does). Connections
+already up keep the certificate they were made with. A client reads the files again for each new channel.
 
 Every channel and server bounds the messages it accepts to :data:`MESSAGE_BYTES_MAX`.
 
@@ -96,7 +96,7 @@ class TlsConfig:
         except ValueError as exc:
             raise TlsError(f"{self.ca} holds no PEM certificate ({exc}); pass the CA's certificate") from None
 
-    def _stamp(self) -> tuple[tuple[int, int], ...]:
+    def _stamp(self) -> tuple[tuple[int, int, int], ...]:
         return tuple(_stat(p) for p in (self.ca, self.cert, self.key))
 
 
@@ -110,12 +110,13 @@ def _read(path: Path, what: str) -> bytes:
         ) from None
 
 
-def _stat(path: Path) -> tuple[int, int]:
+def _stat(path: Path) -> tuple[int, int, int]:
+    """What changes when a file is rewritten or replaced: its inode (a rename over it), mtime and size."""
     try:
         st = path.stat()
     except OSError:
-        return (-1, -1)
-    return (st.st_mtime_ns, st.st_size)
+        return (-1, -1, -1)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _check_pair(cert_pem: bytes, key_pem: bytes, cert_path: Path, key_path: Path) -> x509.Certificate:
@@ -151,7 +152,7 @@ def server_options(options: Options = ()) -> list[tuple[str, Any]]:
 
 
 _client_lock = threading.Lock()
-_client_cache: dict[TlsConfig, tuple[tuple[tuple[int, int], ...], grpc.ChannelCredentials]] = {}
+_client_cache: dict[TlsConfig, tuple[tuple[tuple[int, int, int], ...], grpc.ChannelCredentials]] = {}
 
 
 def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
@@ -251,7 +252,7 @@ class _ServerCertificates:
         self.stamp = tls._stamp()
         self.reloads = 0
         self._lock = threading.Lock()
-        self._skipped: tuple[tuple[int, int], ...] | None = None
+        self._skipped: tuple[tuple[int, int, int], ...] | None = None
         self.initial = self._configuration()
 
     def _configuration(self) -> grpc.ServerCertificateConfiguration:
