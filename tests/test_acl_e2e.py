@@ -150,6 +150,15 @@ def test_a_client_needs_an_acl_and_one_added_at_a_works_at_b_too(net: Net) -> No
             "georep acl add client:alice produce topic:orders/eu")  # fmt: skip
     fetch = pb.FetchRequest(topic="orders/eu", partition=0, max_wait_ms=10)
     _denied(lambda: next(iter(alice_a.Fetch(fetch, timeout=10))), "client:alice", "consume", "topic:orders/eu")
+    # as the user sees it: the georep commands with alice's certificate
+    as_alice = ("--bootstrap", net.nodes["a"].address, "--tls-dir", str(net.certs), "--principal", "client:alice")
+    produced = subprocess.run([sys.executable, "-m", "georep.cli", "produce", "orders/eu", *as_alice],
+                              input="hello\n", capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert produced.returncode != 0
+    assert "client:alice may not produce topic:orders/eu" in produced.stderr, produced.stderr
+    consumed = georep("consume", "orders/eu", "--from-beginning", "--max", "1", "--timeout", "5", *as_alice)
+    assert consumed.returncode != 0
+    assert "client:alice may not consume topic:orders/eu" in consumed.stderr, consumed.stderr
 
     added = net.acl("a", "add", "client:alice", "produce,consume", "topic:orders/**")
     assert added.returncode == 0, added.stderr
@@ -157,6 +166,16 @@ def test_a_client_needs_an_acl_and_one_added_at_a_works_at_b_too(net: Net) -> No
     assert _produce(alice_a, "orders/eu", b"yes").base_offset == 0
     assert next(iter(alice_a.Fetch(fetch, timeout=10))).high_watermark >= 1
     _denied(lambda: _produce(alice_a, "payments", b"no"), "topic:payments")  # only what the entry names
+    # a produce stream answers a refused batch and goes on with the others
+    admin.CreateTopic(pb.CreateTopicRequest(name="payments", partitions=1), timeout=10)
+    batch = encode_batch([RecordInput(b"k", b"v", (), int(time.time() * 1000))])
+    mixed = [pb.ProduceRequest(topic=t, partition=0, batch=batch, correlation_id=i)
+             for i, t in enumerate(["orders/eu", "payments", "orders/eu"])]  # fmt: skip
+    answers = {r.correlation_id: r for r in alice_a.ProduceStream(iter(mixed), timeout=10)}
+    assert sorted(answers) == [0, 1, 2]
+    assert not answers[0].HasField("error") and not answers[2].HasField("error")
+    assert answers[1].error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+    assert "client:alice may not produce topic:payments" in answers[1].error.message
 
     def produces_at_b() -> bool:
         try:

@@ -131,7 +131,9 @@ class TlsRefused(GeorepError):
 
 
 class PermissionDenied(GeorepError):
-    """An admin call without the node's admin token."""
+    """A call the node refused: an admin call without its admin token (a plaintext node), or a call the
+    certificate's principal is not allowed to make (a TLS node's ACLs, docs/security.md); the message names the
+    principal, the operation and the resource, and the 'georep acl add' that would allow it."""
 
 
 class ProducerClosed(GeorepError):
@@ -191,7 +193,7 @@ def from_status(code: grpc.StatusCode, message: str, address: str = "", leader: 
         return CommitsBehind(message, code)
     if code is grpc.StatusCode.ABORTED:
         return GroupRebalanced(message, code)
-    if code is grpc.StatusCode.UNAUTHENTICATED:
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         return PermissionDenied(message, code)
     if code is grpc.StatusCode.UNIMPLEMENTED:
         return NotSupported(message or f"georep node{where} does not support this call", code)

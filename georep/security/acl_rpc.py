@@ -123,6 +123,9 @@ class Access:
     request: type[Message]
     rule: Rule
     reads_request: bool = True  # False: the rule ignores the request, which then is not parsed to check it
+    # A client stream's answer to one refused message, in place of ending the whole stream (a produce stream
+    # carries batches of several topics: the others go on, and the client fails only the refused batch).
+    refuse: Callable[[Any, str], Message] | None = None
 
 
 def _topic_op(operation: Operation) -> Rule:
@@ -143,6 +146,14 @@ def _commit(req: pb.CommitOffsetsRequest, who: Principal, policy: Policy) -> Dec
     if not decision.allowed or not req.commits:
         return decision
     return policy.acl(who, Operation.CONSUME, [topic(c.topic) for c in req.commits])
+
+
+PERMISSION_DENIED_CODE = 7  # grpc.StatusCode.PERMISSION_DENIED, as a produce response's error code carries it
+
+
+def _refuse_produce(req: pb.ProduceRequest, message: str) -> pb.ProduceResponse:
+    error = pb.Error(code=PERMISSION_DENIED_CODE, message=message)
+    return pb.ProduceResponse(correlation_id=req.correlation_id, partition=req.partition, error=error)
 
 
 def _open_access(request: type[Message]) -> Access:
@@ -176,7 +187,7 @@ NODE_ACCESS: Mapping[str, Access] = {
     "ListTopics": _open_access(pb.ListTopicsRequest),
     "DescribeTopic": _open_access(pb.DescribeTopicRequest),
     "Produce": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE)),
-    "ProduceStream": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE)),
+    "ProduceStream": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE), refuse=_refuse_produce),
     "Fetch": Access(pb.FetchRequest, _topic_op(Operation.CONSUME)),
     "ListOffsets": Access(pb.ListOffsetsRequest, _topic_op(Operation.CONSUME)),
     "Health": _open_access(pb.HealthRequest),
@@ -256,6 +267,19 @@ class Authorizer:
         decision = decide(table, method, request, principal, self.policy)
         if not decision.allowed:
             raise PermissionDenied.of(decision)
+
+    def screen(self, table: Mapping[str, Access], method: str, principal: Principal, data: bytes,
+               parse: Callable[[type[Message], bytes], Message]) -> Message | None:  # fmt: skip
+        """One message of a client stream: None if allowed; the refusal to answer it with, if the method has one
+        (:attr:`Access.refuse`); else raises :class:`PermissionDenied`, which ends the stream."""
+        access = table[method]
+        request = parse(access.request, data)
+        decision = decide(table, method, request, principal, self.policy)
+        if decision.allowed:
+            return None
+        if access.refuse is None:
+            raise PermissionDenied.of(decision)
+        return access.refuse(request, decision.message)
 
     @staticmethod
     def per_message(table: Mapping[str, Access], method: str) -> bool:

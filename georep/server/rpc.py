@@ -17,6 +17,7 @@ interceptor: it authorizes nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -144,6 +145,9 @@ async def merge_streams(sources: list[AsyncIterator[M]], queue_max: int = 4) -> 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+_END = object()  # the handler's answers ended
+
+
 def authorization(site: str, metadata: MetadataStore, topology: Topology | None,
                   super_users: Iterable[Principal] = DEFAULT_SUPER_USERS) -> Authorization:  # fmt: skip
     """The interceptor of a TLS node of ``site``: its ACLs from ``metadata``, its links from ``topology``."""
@@ -215,15 +219,43 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
         except DOMAIN_ERRORS as exc:
             await context.abort(status(exc), str(exc))
         assert principal is not None
+        if not per_message:
+            async for msg in inner_ss(requests, context):
+                yield msg
+            return
+        # Each message is screened on its way in; a refused one is answered here, in among the handler's answers
+        # (or, for a method without a refusal, ends the stream through the handler as its own errors do).
+        answers: asyncio.Queue[Any] = asyncio.Queue()
 
-        async def checked() -> AsyncIterator[bytes]:
+        async def screened() -> AsyncIterator[bytes]:
             async for raw in requests:
-                if per_message:
-                    # a refusal ends the stream through the handler, as its own domain errors do
-                    authorizer.check(table, method, principal, raw, parse)
-                yield raw
+                refusal = authorizer.screen(table, method, principal, raw, parse)
+                if refusal is None:
+                    yield raw
+                else:
+                    answers.put_nowait(refusal)
 
-        async for msg in inner_ss(checked() if per_message else requests, context):
-            yield msg
+        async def pump() -> None:
+            try:
+                async for msg in inner_ss(screened(), context):
+                    await answers.put(msg)
+            except Exception as exc:  # noqa: BLE001 - handed to the response stream, which raises it
+                answers.put_nowait(exc)
+                return
+            answers.put_nowait(_END)
+
+        task = asyncio.create_task(pump())
+        try:
+            while True:
+                item = await answers.get()
+                if item is _END:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     return grpc.stream_stream_rpc_method_handler(stream_stream_, None, handler.response_serializer)
