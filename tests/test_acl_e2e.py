@@ -114,6 +114,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
             node.start()
         net = Net(certs, nodes, ports)
         a_epoch = net.stub("a", "client:admin").Health(pb.HealthRequest(), timeout=10).epoch
+        net.stub("a", "client:admin").CreateTopic(pb.CreateTopicRequest(name="orders/eu", partitions=1), timeout=10)
         fake = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         fake.add_generic_rpc_handlers((FakeSiteC(Origin("a", a_epoch)).handler(),))  # type: ignore[arg-type]
         assert add_port(fake, f"127.0.0.1:{ports['c']}", net.tls("site:c")) == ports["c"]
@@ -144,7 +145,6 @@ def _denied(call: Any, *parts: str) -> None:
 
 def test_a_client_needs_an_acl_and_one_added_at_a_works_at_b_too(net: Net) -> None:
     admin = net.stub("a", "client:admin")
-    admin.CreateTopic(pb.CreateTopicRequest(name="orders/eu", partitions=1), timeout=10)
     alice_a, alice_b = net.stub("a", "client:alice"), net.stub("b", "client:alice")
     _denied(lambda: _produce(alice_a, "orders/eu", b"no"), "client:alice", "produce", "topic:orders/eu",
             "georep acl add client:alice produce topic:orders/eu")  # fmt: skip
@@ -211,6 +211,10 @@ def test_a_consumer_may_not_commit_for_a_group_it_may_not_read(net: Net) -> None
             "georep acl add client:alice commit group:billing")  # fmt: skip
     _denied(lambda: alice.FetchCommitted(pb.FetchCommittedRequest(group="billing"), timeout=10), "read",
             "group:billing")  # fmt: skip
+    as_alice = ("--bootstrap", net.nodes["a"].address, "--tls-dir", str(net.certs), "--principal", "client:alice")
+    joined = georep("consume", "orders/eu", "--group", "billing", "--max", "1", "--timeout", "5", *as_alice)
+    assert joined.returncode != 0
+    assert "client:alice may not read group:billing" in joined.stderr, joined.stderr
 
 
 def test_a_site_without_a_link_may_not_pull(net: Net) -> None:
