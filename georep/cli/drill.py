@@ -132,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit-interval-ms", type=int, default=200, help="consumer commit interval")
     parser.add_argument("--commit-acks", default="geo:2", help="ack level of the commits (default geo:2)")
     parser.add_argument("--no-restart", action="store_true", help="leave the site down (or isolated)")
+    parser.add_argument("--client", choices=("georep", "kafka"), default="georep",
+                        help="kafka: producers and a consumer group of unmodified Kafka clients (confluent-kafka) "
+                        "on the sites' Kafka ports, failing over from a killed site (docs/kafka.md)")  # fmt: skip
     parser.add_argument("--admin-token", help=f"admin token for isolate (default ${TOKEN_ENV}, DATA_DIR/admin.token)")
     add_client_tls_arguments(parser)
 
@@ -403,6 +406,15 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
         topology = load_topology(args.topology)
     except TopologyFileError as exc:
         raise DrillError(str(exc)) from None
+    if args.client == "kafka":
+        from georep.kafka.drill import KafkaDrillError, kafka_drill
+
+        if args.mode != "kill":
+            raise DrillError("--client kafka drills --mode kill (a site's node killed)")
+        try:
+            return await asyncio.to_thread(kafka_drill, args, topology, out)
+        except KafkaDrillError as exc:
+            raise DrillError(str(exc)) from None
     names = list(topology.site_ids())
     levels = [a.strip() for a in (args.acks or DEFAULT_ACKS[args.mode]).split(",") if a.strip()]
     if not levels:
@@ -1125,7 +1137,12 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
-    print(render(doc))
+    if doc.get("client") == "kafka":
+        from georep.kafka.drill import render as render_kafka
+
+        print(render_kafka(doc))
+    else:
+        print(render(doc))
     if args.report is not None:
         args.report.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"report written to {args.report}")

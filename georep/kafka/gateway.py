@@ -371,6 +371,7 @@ class KafkaGateway:
     async def _offset_commit(self, req: Request, peer: str) -> Any:
         r = kconsumer.OffsetCommitResponse
         b = req.body
+        client = f"{req.client_id}@{peer}"
         commits = []
         problems: dict[tuple[str, int], int] = {}
         for t in b.topics:
@@ -378,8 +379,14 @@ class KafkaGateway:
                 try:
                     plog = self.broker.partition(t.name, pc.partition_index).log
                     offset = min(pc.committed_offset, plog.log_end_offset)
+                    vector = vector_at(plog, offset)
+                    # A consumer that resumed here from a vector committed elsewhere has also read (skipped) what
+                    # that vector covers beyond ``offset``: the new commit keeps covering it.
+                    resumed = self.filters.for_fetch((client, t.name, pc.partition_index), offset)
+                    if resumed is not None:
+                        vector = vector.merge(resumed)
                     commits.append(pb.PartitionCommit(
-                        topic=t.name, partition=pc.partition_index, vector=vector_to_proto(vector_at(plog, offset)),
+                        topic=t.name, partition=pc.partition_index, vector=vector_to_proto(vector),
                         hint_offset=offset, metadata=pc.committed_metadata or ""))  # fmt: skip
                 except Exception as exc:
                     problems[(t.name, pc.partition_index)] = self._code(exc)
@@ -435,13 +442,14 @@ class KafkaGateway:
     def _resume_offset(self, client: str, c: pb.CommittedOffset) -> int:
         """This site's local offset for a committed vector (``georep/kafka/offsets.py``)."""
         plog = self.broker.partition(c.topic, c.partition).log
-        key = (client, c.topic, c.partition)
-        if c.committed_by == str(self.broker.origin) and c.hint_offset >= 0:
-            self.filters.clear(key)  # committed here: the hint is exact in this very log
-            return int(c.hint_offset)
         vector = vector_from_proto(c.vector)
-        offset = int(start_offset_for_vector(plog, vector.to_dict()))
-        self.filters.set(key, offset, vector)
+        if c.committed_by == str(self.broker.origin) and c.hint_offset >= 0:
+            offset = int(c.hint_offset)  # committed here: the hint is exact in this very log
+        else:
+            offset = int(start_offset_for_vector(plog, vector.to_dict()))
+        # Past the offset the vector may still cover records (interleaved origins, or a commit that kept covering
+        # what a resumed consumer skipped): the client's fetches leave them out.
+        self.filters.set((client, c.topic, c.partition), offset, vector)
         return offset
 
     async def _list_groups(self, req: Request, peer: str) -> Any:
