@@ -162,6 +162,7 @@ class Authorization(grpc.aio.ServerInterceptor):
     def __init__(self, authorizer: Authorizer, tables: Mapping[str, Mapping[str, Access]]) -> None:
         self.authorizer = authorizer
         self.tables = tables
+        self._guarded: dict[str, tuple[grpc.RpcMethodHandler[Any, Any], grpc.RpcMethodHandler[Any, Any]]] = {}
 
     async def intercept_service(
         self,
@@ -171,9 +172,14 @@ class Authorization(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler  # an unknown method: grpc answers UNIMPLEMENTED
-        service_name, _, method = handler_call_details.method.lstrip("/").partition("/")
-        table = self.tables.get(service_name, {})
-        return _guarded(handler, self.authorizer, table, method)
+        full = handler_call_details.method
+        cached = self._guarded.get(full)
+        if cached is not None and cached[0] is handler:  # the services' handlers are made once
+            return cached[1]
+        service_name, _, method = full.lstrip("/").partition("/")
+        guarded = _guarded(handler, self.authorizer, self.tables.get(service_name, {}), method)
+        self._guarded[full] = (handler, guarded)
+        return guarded
 
 
 def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, table: Mapping[str, Access],
