@@ -21,6 +21,10 @@ The rules:
   ``ClusterStatus``, ``ListGroups``) is open to every principal the site's CA certified;
 * ``georep.v1.Segments`` is the site's inside: only its own nodes.
 
+Super-users (the site's own nodes, ``client:admin``) may make every call, so their requests are neither parsed
+for the check nor screened message by message (:meth:`Authorizer.unrestricted`): the site's own traffic and the
+operator's pay only for reading the principal.
+
 The table is pure (requests in, decisions out); :class:`Authorizer` is the thin shell that takes the principal
 from the call's peer certificate (``georep.security.tls.principal_of``).
 """
@@ -44,6 +48,7 @@ from georep.security.acl import (
     Resource,
     authorize,
     group,
+    is_super_user,
     topic,
 )
 from georep.security.acl_replication import pull_decision, repair_decision
@@ -255,6 +260,10 @@ class Authorizer:
         if principal is None:
             raise PermissionDenied(f"{method} refused: {NO_PRINCIPAL}")
         return principal
+
+    def unrestricted(self, principal: Principal) -> bool:
+        """A super-user: every call is allowed whatever its request, so none is parsed or screened."""
+        return is_super_user(principal, self.policy.own_site, self.policy.super_users)
 
     def check(self, table: Mapping[str, Access], method: str, principal: Principal, data: bytes,
               parse: Callable[[type[Message], bytes], Message]) -> None:  # fmt: skip
