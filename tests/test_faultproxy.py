@@ -202,7 +202,7 @@ def recv_exactly(s: socket.socket, n: int) -> tuple[bytes, int]:
 
 def test_the_client_manages_proxies_and_toxics(toxiproxy: Toxiproxy, echo: str) -> None:
     proxy = create_proxy(toxiproxy, "echo", echo)
-    assert set(toxiproxy.proxies()) == {"echo"} and toxiproxy.get_proxy("echo").upstream == echo
+    assert "echo" in toxiproxy.proxies() and toxiproxy.get_proxy("echo").upstream == echo
     with pytest.raises(ProxyExists):
         toxiproxy.create(upstream=echo, name="echo")
     proxy.add_toxic(type="latency", attributes={"latency": 10, "jitter": 5})
@@ -219,7 +219,7 @@ def test_the_client_manages_proxies_and_toxics(toxiproxy: Toxiproxy, echo: str) 
     assert proxy.destroy()
     with pytest.raises(NotFound):
         proxy.destroy()
-    assert toxiproxy.proxies() == {}
+    assert "echo" not in toxiproxy.proxies()  # (a real Toxiproxy may serve other proxies too)
 
 
 def test_latency_and_slicer_delay_and_slice_but_keep_every_byte(toxiproxy: Toxiproxy, echo: str) -> None:

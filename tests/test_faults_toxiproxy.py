@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from toxiproxy import Toxiproxy
+from toxiproxy.api import APIConsumer
 from toxiproxy.proxy import Proxy
 
 from georep.client import Consumer, Producer
@@ -33,6 +34,7 @@ class Pair:
 
     def __init__(self, client: Toxiproxy, root: Path) -> None:
         self.client = client
+        self.api = (APIConsumer.host, APIConsumer.port)  # the client's API address is global to the process
         self.sites = Sites(root, SITES, [("a", "b"), ("b", "a")], stall_ms=1000)
         self.proxies = proxy_sites(client, self.sites, f"pair-{root.name}")
         self.sites.start()
@@ -66,6 +68,7 @@ def pair(toxiproxy: Toxiproxy, tmp_path_factory: pytest.TempPathFactory) -> Iter
 @pytest.fixture
 def clean(pair: Pair) -> Iterator[Pair]:
     """Every toxic a test added is removed, even when it fails, so the next test starts on a healthy pair."""
+    pair.client.update_api_consumer(*pair.api)
     yield pair
     pair.client.reset()
 
