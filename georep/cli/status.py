@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -16,10 +17,12 @@ from georep.cli.tls_args import TlsArgsError, client_tls, default_client_tls
 from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topology import LinkStatus
 from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.cli.up import DEFAULT_DATA_DIR
 from georep.client.connection import tls_problem
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import TlsConfig, client_channel
+from georep.server.process import NODE_INFO
 from topology.filters import is_internal
 from topology.ids import SiteId
 from topology.model import Topology
@@ -71,13 +74,27 @@ def convergence(statuses: dict[str, pb.SiteStatusResponse | str]) -> list[tuple[
     return [(t, p, len(v) == 1) for (t, p), v in sorted(vectors.items())]
 
 
-def render(statuses: dict[str, pb.SiteStatusResponse | str]) -> str:
+def kafka_addresses(data_dir: Path, sites: list[str]) -> dict[str, str]:
+    """The Kafka listener of each site's node that runs on this machine under ``data_dir`` (its node.json), as
+    'georep up' starts them; a node elsewhere is not listed."""
+    out: dict[str, str] = {}
+    for site in sites:
+        for info in sorted((data_dir / site).glob(f"**/{NODE_INFO}")):
+            with contextlib.suppress(OSError, ValueError):
+                address = json.loads(info.read_text()).get("kafka", "")
+                if address:
+                    out[site] = ", ".join(filter(None, [out.get(site, ""), address]))
+    return out
+
+
+def render(statuses: dict[str, pb.SiteStatusResponse | str], kafka: dict[str, str] | None = None) -> str:
     lines: list[str] = []
     for site, s in statuses.items():
         if isinstance(s, str):
             lines.append(f"site {site}: {s}")
             continue
-        lines.append(f"site {site} (origin {site}@{s.epoch})")
+        kafka_at = f", Kafka clients at {kafka[site]}" if kafka and kafka.get(site) else ""
+        lines.append(f"site {site} (origin {site}@{s.epoch}){kafka_at}")
         for p in s.partitions:
             if is_internal(p.topic):
                 continue
@@ -131,5 +148,5 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(as_json(statuses), indent=1, sort_keys=True))
     else:
-        print(render(statuses))
+        print(render(statuses, kafka_addresses(getattr(args, "data_dir", DEFAULT_DATA_DIR), list(statuses))))
     return 0 if all(not isinstance(s, str) for s in statuses.values()) else 1

@@ -66,8 +66,11 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
         site = topology.site(sid)
         args = [*extra_args, "--topology", str(topology_file.resolve()) if topology_file else DEFAULT,
                 "--admin-token-file", str(ensure_token(data_dir).resolve())]
+        args += kafka_args(len(topology.site_ids()), extra_args)
+        fixed = topology_file is None
         if len(site.nodes) == 1:
-            procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0], extra_args=args,
+            procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0],
+                                     extra_args=[*args, *kafka_listen(site.nodes[0], extra_args, fixed)],
                                      tls=node_tls(certs, sid, None)))  # fmt: skip
             continue
         try:
@@ -76,9 +79,31 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
             raise TopologyFileError(str(exc)) from None
         for member in site.members:
             procs.append(NodeProcess(site=sid, data_dir=data_dir / sid / str(member.id), listen=member.address,
-                                     extra_args=[*args, "--node-id", str(member.id)], node_id=member.id,
+                                     extra_args=[*args, *kafka_listen(member.address, extra_args, fixed), "--node-id",
+                                                 str(member.id)], node_id=member.id,
                                      tls=node_tls(certs, sid, member.id)))  # fmt: skip
     return procs
+
+
+KAFKA_PORT_OFFSET = 2000  # a node at HOST:7101 serves Kafka clients at HOST:9101 (docs/kafka.md)
+
+
+def kafka_listen(address: str, extra_args: list[str], fixed: bool) -> list[str]:
+    """``--kafka-listen`` for a node at ``address``: with ``fixed`` (the embedded default topology) its port plus
+    :data:`KAFKA_PORT_OFFSET`, otherwise any free port (named in its node.json, and by 'georep up' and
+    'georep status'); none if the flags given after ``--`` set one."""
+    if "--kafka-listen" in extra_args:
+        return []
+    host, _, port = address.rpartition(":")
+    return ["--kafka-listen", f"{host}:{int(port) + KAFKA_PORT_OFFSET if fixed and int(port) else 0}"]
+
+
+def kafka_args(sites: int, extra_args: list[str]) -> list[str]:
+    """Kafka clients' commits wait until two sites hold them (``georep drill --client kafka`` checks the
+    failover that buys), unless the flags after ``--`` say otherwise or there is one site."""
+    if "--kafka-commit-acks" in extra_args or sites < 2:
+        return []
+    return ["--kafka-commit-acks", "geo:2"]
 
 
 def stop_restarted(started: list[NodeProcess]) -> None:
@@ -139,10 +164,10 @@ def main(args: argparse.Namespace) -> int:
             except NodeStartError as exc:
                 print(f"georep: error: {exc}", file=sys.stderr)
                 return 1
-        print(f"{'SITE':<8} {'NODE':>4} {'ADDRESS':<22} {'METRICS':<22} {'PID':>8}  DATA")
+        print(f"{'SITE':<8} {'NODE':>4} {'ADDRESS':<22} {'KAFKA':<22} {'METRICS':<22} {'PID':>8}  DATA")
         for proc in started:
-            print(f"{proc.site:<8} {proc.node_id or 1:>4} {proc.address:<22} {proc.metrics_address:<22} "
-                  f"{proc.pid:>8}  {proc.data_dir}")  # fmt: skip
+            print(f"{proc.site:<8} {proc.node_id or 1:>4} {proc.address:<22} {proc.kafka_address or '-':<22} "
+                  f"{proc.metrics_address:<22} {proc.pid:>8}  {proc.data_dir}")  # fmt: skip
         print("all sites up; Ctrl-C stops them", flush=True)
         reported: set[Path] = set()
         while not stopping:

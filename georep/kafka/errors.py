@@ -43,6 +43,9 @@ INVALID_PRODUCER_EPOCH = 47
 KAFKA_STORAGE_ERROR = 56
 GROUP_ID_NOT_FOUND = 69
 TOPIC_DELETION_DISABLED = 73
+TOPIC_AUTHORIZATION_FAILED = 29
+GROUP_AUTHORIZATION_FAILED = 30
+CLUSTER_AUTHORIZATION_FAILED = 31
 INVALID_RECORD = 87
 
 CODES: dict[type[Exception], int] = {
@@ -81,6 +84,9 @@ SEQUENCE_CODES: dict[type[object], int] = {
 
 
 def error_code(exc: BaseException) -> int:
+    code = getattr(exc, "kafka_code", None)  # the gateway's own refusals (gateway.Denied) carry theirs
+    if isinstance(code, int):
+        return code
     if isinstance(exc, e.SequenceRejected):
         return SEQUENCE_CODES.get(type(exc.decision), OUT_OF_ORDER_SEQUENCE_NUMBER)
     for cls in type(exc).__mro__:

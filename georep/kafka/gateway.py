@@ -43,6 +43,11 @@ from georep.kafka.protocol import Request, api_versions_body
 from georep.kafka.records import RecordsError, georep_to_kafka, kafka_to_georep
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto, vector_to_proto
+from georep.security.acl import Operation, Resource, ResourceKind
+from georep.security.acl import group as acl_group
+from georep.security.acl import topic as acl_topic
+from georep.security.acl_rpc import Policy
+from georep.security.principal import Principal
 from georep.server.broker import Broker
 from georep.server.groups import GroupService
 from georep.storage.api import OffsetOutOfRange, start_offset_for_vector
@@ -74,38 +79,69 @@ class KafkaGroup:
     members: dict[str, KafkaMember] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Client:
+    """Who sent a request: the peer's host, and with TLS the principal its certificate names."""
+
+    host: str
+    principal: Principal | None = None
+
+
+class Denied(Exception):
+    """The principal may not do what the request asks (the ACLs of docs/security.md); ``code`` is Kafka's."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.kafka_code = code
+
+
 Pending = Awaitable[Any]  # what is left of a request: resolves to the response object, or None (no response)
 
 
 class KafkaGateway:
     def __init__(self, broker: Broker, groups: GroupService, host: str, port: int,
                  create_topic: Callable[[str, int, dict[str, str]], Awaitable[None]],
-                 commit_acks: Acks = LEADER) -> None:  # fmt: skip
+                 commit_acks: Acks = LEADER, policy: Policy | None = None) -> None:  # fmt: skip
         self.broker = broker
         self.groups = groups
         self.host = host
         self.port = port
         self.create_topic = create_topic
         self.commit_acks = commit_acks
+        self.policy = policy  # TLS: every request is checked against the site's ACLs; plaintext: none is
         self.filters = FetchFilters()
         self.kgroups: dict[str, KafkaGroup] = {}
 
-    def dispatch(self, req: Request, peer_host: str) -> Pending:
+    def dispatch(self, req: Request, peer: Client) -> Pending:
         if req.api_key == 0:
-            return self._produce(req.body, req.version)
+            return self._produce(req.body, peer)
         handler = self._handlers.get(req.api_key)
         assert handler is not None, req.api_key  # protocol.SUPPORTED and this table list the same keys
-        return handler(self, req, peer_host)
+        return handler(self, req, peer)
+
+    def _allow(self, peer: Client, operation: Operation, resources: list[Resource]) -> None:
+        """With TLS (``policy``): raise :class:`Denied` unless the client certificate's principal may do
+        ``operation`` on every resource (the same ACLs and rules as georep's own RPCs, ``acl_rpc.py``)."""
+        if self.policy is None:
+            return
+        kind = resources[0].kind if resources else ResourceKind.CLUSTER
+        code = {ResourceKind.TOPIC: k.TOPIC_AUTHORIZATION_FAILED,
+                ResourceKind.GROUP: k.GROUP_AUTHORIZATION_FAILED}.get(kind, k.CLUSTER_AUTHORIZATION_FAILED)  # fmt: skip
+        if peer.principal is None:
+            raise Denied(code, "the client certificate names no georep principal")
+        decision = self.policy.acl(peer.principal, operation, resources)
+        if not decision.allowed:
+            raise Denied(code, decision.message)
 
     # -- metadata and topics ------------------------------------------------------------------------------
 
-    async def _api_versions(self, req: Request, peer: str) -> Any:
+    async def _api_versions(self, req: Request, peer: Client) -> Any:
         return api_versions_body(req.version)
 
     def _topic_names(self) -> list[str]:
         return sorted(n for n in self.broker.metadata.topics() if not is_internal(n))
 
-    async def _metadata(self, req: Request, peer: str) -> Any:
+    async def _metadata(self, req: Request, peer: Client) -> Any:
         r = kmetadata.MetadataResponse
         body = req.body
         wanted = None if body.topics is None or (req.version == 0 and not body.topics) else [t.name for t in
@@ -125,13 +161,14 @@ class KafkaGateway:
         return r(brokers=brokers, cluster_id=f"georep-{self.broker.identity.site}", controller_id=NODE_ID,
                  topics=topics)  # fmt: skip
 
-    async def _create_topics(self, req: Request, peer: str) -> Any:
+    async def _create_topics(self, req: Request, peer: Client) -> Any:
         r = kadmin.CreateTopicsResponse
         out = []
         for t in req.body.topics:
             partitions = t.num_partitions if t.num_partitions > 0 else 1
             config = {c.name.replace(".", "_"): c.value for c in t.configs if c.value is not None}
             try:
+                self._allow(peer, Operation.CREATE_TOPIC, [acl_topic(t.name)])
                 if req.body.validate_only:
                     if t.name in self.broker.metadata.topics():
                         raise TopicExists(t.name)
@@ -142,7 +179,7 @@ class KafkaGateway:
                 out.append(r.CreatableTopicResult(name=t.name, error_code=self._code(exc), error_message=str(exc)))
         return r(topics=out)
 
-    async def _delete_topics(self, req: Request, peer: str) -> Any:
+    async def _delete_topics(self, req: Request, peer: Client) -> Any:
         r = kadmin.DeleteTopicsResponse
         names = list(req.body.topic_names or []) + [t.name for t in (req.body.topics or []) if t.name]
         msg = "georep does not delete topics (they replicate to every site); use retention to drop old data"
@@ -151,7 +188,7 @@ class KafkaGateway:
 
     # -- produce ----------------------------------------------------------------------------------------------
 
-    def _produce(self, body: Any, version: int) -> Pending:
+    def _produce(self, body: Any, peer: Client) -> Pending:
         """Appends now, in arrival order; the returned awaitable waits for the acks."""
         acks = Acks(AckKind.ALL) if body.acks == -1 else LEADER
         results: list[tuple[str, int, Any]] = []  # (topic, partition, (produced, waiter) or error code)
@@ -160,6 +197,7 @@ class KafkaGateway:
                 try:
                     if body.transactional_id is not None:
                         raise RecordsError(k.INVALID_RECORD, "transactions are not supported")
+                    self._allow(peer, Operation.PRODUCE, [acl_topic(t.name)])
                     batch = kafka_to_georep(pd.records or b"")
                     p, produced = self.broker.append(t.name, pd.index, batch, acks)
                     waiter = self.broker.ack_waiter(p, produced, acks, body.timeout_ms) if body.acks != 0 else None
@@ -194,7 +232,7 @@ class KafkaGateway:
             return None
         return r(responses=[r.TopicProduceResponse(name=t, partition_responses=ps) for t, ps in by_topic.items()])
 
-    async def _init_producer_id(self, req: Request, peer: str) -> Any:
+    async def _init_producer_id(self, req: Request, peer: Client) -> Any:
         r = kproducer.InitProducerIdResponse
         body = req.body
         if body.transactional_id is not None:
@@ -206,13 +244,13 @@ class KafkaGateway:
 
     # -- fetch ------------------------------------------------------------------------------------------------
 
-    async def _fetch(self, req: Request, peer: str) -> Any:
+    async def _fetch(self, req: Request, peer: Client) -> Any:
         body = req.body
-        client = f"{req.client_id}@{peer}"
+        client = f"{req.client_id}@{peer.host}"
         deadline = asyncio.get_running_loop().time() + max(0, body.max_wait_ms) / 1000
         budget = min(body.max_bytes if req.version >= 3 else FETCH_MAX_BYTES_CAP, FETCH_MAX_BYTES_CAP)
         while True:
-            responses, size, waits = self._fetch_once(body, client, budget)
+            responses, size, waits = self._fetch_once(body, client, budget, peer)
             remaining = deadline - asyncio.get_running_loop().time()
             if size >= max(1, body.min_bytes) or remaining <= 0 or not waits:
                 r = kconsumer.FetchResponse
@@ -221,7 +259,8 @@ class KafkaGateway:
             if not done:
                 remaining = 0
 
-    def _fetch_once(self, body: Any, client: str, budget: int) -> tuple[list[Any], int, list[asyncio.Future[None]]]:
+    def _fetch_once(self, body: Any, client: str, budget: int,
+                    peer: Client) -> tuple[list[Any], int, list[asyncio.Future[None]]]:  # fmt: skip
         r = kconsumer.FetchResponse
         topics = []
         size = 0
@@ -231,6 +270,7 @@ class KafkaGateway:
             for fp in t.partitions:
                 pd = r.FetchableTopicResponse.PartitionData
                 try:
+                    self._allow(peer, Operation.CONSUME, [acl_topic(t.topic)])
                     p = self.broker.partition(t.topic, fp.partition)
                 except Exception as exc:
                     parts.append(pd(partition_index=fp.partition, error_code=self._code(exc), high_watermark=-1))
@@ -262,7 +302,7 @@ class KafkaGateway:
             topics.append(r.FetchableTopicResponse(topic=t.topic, partitions=parts))
         return topics, size, waits
 
-    async def _list_offsets(self, req: Request, peer: str) -> Any:
+    async def _list_offsets(self, req: Request, peer: Client) -> Any:
         r = kconsumer.ListOffsetsResponse
         out = []
         for t in req.body.topics:
@@ -270,6 +310,7 @@ class KafkaGateway:
             for lp in t.partitions:
                 rp = r.ListOffsetsTopicResponse.ListOffsetsPartitionResponse
                 try:
+                    self._allow(peer, Operation.CONSUME, [acl_topic(t.name)])
                     plog = self.broker.partition(t.name, lp.partition_index).log
                     if lp.timestamp == EARLIEST:
                         offset = plog.log_start_offset
@@ -286,11 +327,11 @@ class KafkaGateway:
 
     # -- groups -----------------------------------------------------------------------------------------------
 
-    async def _find_coordinator(self, req: Request, peer: str) -> Any:
+    async def _find_coordinator(self, req: Request, peer: Client) -> Any:
         r = kmetadata.FindCoordinatorResponse
         return r(node_id=NODE_ID, host=self.host, port=self.port)
 
-    async def _join_group(self, req: Request, peer: str) -> Any:
+    async def _join_group(self, req: Request, peer: Client) -> Any:
         r = kconsumer.JoinGroupResponse
         b = req.body
 
@@ -306,6 +347,8 @@ class KafkaGateway:
         metadata = bytes(next(p.metadata for p in b.protocols if p.name == chosen))
         try:
             topics = tuple(kconsumer.ConsumerProtocolSubscription.decode(metadata).topics)
+            self._allow(peer, Operation.READ, [acl_group(b.group_id)])
+            self._allow(peer, Operation.CONSUME, [acl_topic(t) for t in topics])
             hb = await self.groups.heartbeat(pb.GroupHeartbeatRequest(
                 group=b.group_id, member_id=b.member_id, topics=topics, session_timeout_ms=b.session_timeout_ms,
                 assignor="range", client_id=req.client_id))  # fmt: skip
@@ -313,16 +356,17 @@ class KafkaGateway:
             return refuse(self._code(exc))
         g = self.kgroups.setdefault(b.group_id, KafkaGroup())
         g.protocol = chosen
-        g.members[hb.member_id] = KafkaMember(req.client_id, peer, topics, b.session_timeout_ms, metadata)
+        g.members[hb.member_id] = KafkaMember(req.client_id, peer.host, topics, b.session_timeout_ms, metadata)
         return r(generation_id=hb.generation, protocol_type="consumer", protocol_name=chosen, leader="",
                  member_id=hb.member_id, members=[])  # fmt: skip
 
-    async def _beat(self, group: str, member_id: str) -> tuple[int, Any]:
+    async def _beat(self, group: str, member_id: str, peer: Client) -> tuple[int, Any]:
         """Heartbeat ``member_id`` at the coordinator: (error code, georep heartbeat answer)."""
         member = self.kgroups.get(group, KafkaGroup()).members.get(member_id)
         if member is None:
             return k.UNKNOWN_MEMBER_ID, None
         try:
+            self._allow(peer, Operation.READ, [acl_group(group)])
             hb = await self.groups.heartbeat(pb.GroupHeartbeatRequest(
                 group=group, member_id=member_id, topics=member.topics, session_timeout_ms=member.session_timeout_ms,
                 assignor="range", client_id=member.client_id))  # fmt: skip
@@ -330,10 +374,10 @@ class KafkaGateway:
             return self._code(exc), None
         return 0, hb
 
-    async def _sync_group(self, req: Request, peer: str) -> Any:
+    async def _sync_group(self, req: Request, peer: Client) -> Any:
         r = kconsumer.SyncGroupResponse
         b = req.body
-        code, hb = await self._beat(b.group_id, b.member_id)
+        code, hb = await self._beat(b.group_id, b.member_id, peer)
         if code:
             return r(error_code=code, assignment=b"")
         if hb.generation != b.generation_id:
@@ -344,15 +388,15 @@ class KafkaGateway:
         g = self.kgroups[b.group_id]
         return r(protocol_type="consumer", protocol_name=g.protocol, assignment=bytes(assignment.encode()))
 
-    async def _heartbeat(self, req: Request, peer: str) -> Any:
+    async def _heartbeat(self, req: Request, peer: Client) -> Any:
         r = kconsumer.HeartbeatResponse
         b = req.body
-        code, hb = await self._beat(b.group_id, b.member_id)
+        code, hb = await self._beat(b.group_id, b.member_id, peer)
         if not code and hb.generation != b.generation_id:
             code = k.REBALANCE_IN_PROGRESS
         return r(error_code=code)
 
-    async def _leave_group(self, req: Request, peer: str) -> Any:
+    async def _leave_group(self, req: Request, peer: Client) -> Any:
         r = kconsumer.LeaveGroupResponse
         b = req.body
         ids = [b.member_id] if req.version < 3 else [m.member_id for m in b.members]
@@ -360,6 +404,7 @@ class KafkaGateway:
         for member_id in ids:
             code = 0
             try:
+                self._allow(peer, Operation.READ, [acl_group(b.group_id)])
                 await self.groups.leave(pb.LeaveGroupRequest(group=b.group_id, member_id=member_id))
             except Exception as exc:
                 code = self._code(exc)
@@ -368,10 +413,10 @@ class KafkaGateway:
         first = results[0].error_code if results else 0
         return r(error_code=first if req.version < 3 else 0, members=results)
 
-    async def _offset_commit(self, req: Request, peer: str) -> Any:
+    async def _offset_commit(self, req: Request, peer: Client) -> Any:
         r = kconsumer.OffsetCommitResponse
         b = req.body
-        client = f"{req.client_id}@{peer}"
+        client = f"{req.client_id}@{peer.host}"
         commits = []
         problems: dict[tuple[str, int], int] = {}
         for t in b.topics:
@@ -391,6 +436,10 @@ class KafkaGateway:
                 except Exception as exc:
                     problems[(t.name, pc.partition_index)] = self._code(exc)
         code = 0
+        try:
+            self._allow(peer, Operation.COMMIT, [acl_group(b.group_id)])
+        except Denied as exc:
+            code, commits = exc.kafka_code, []
         if commits:
             member_id = b.member_id or ""
             generation = b.generation_id_or_member_epoch if member_id else -1
@@ -409,12 +458,13 @@ class KafkaGateway:
                 partition_index=pc.partition_index, error_code=problems.get((t.name, pc.partition_index), code))
             for pc in t.partitions]) for t in b.topics])  # fmt: skip
 
-    async def _offset_fetch(self, req: Request, peer: str) -> Any:
+    async def _offset_fetch(self, req: Request, peer: Client) -> Any:
         r = kconsumer.OffsetFetchResponse
         b = req.body
-        client = f"{req.client_id}@{peer}"
+        client = f"{req.client_id}@{peer.host}"
         rt, rp = r.OffsetFetchResponseTopic, r.OffsetFetchResponseTopic.OffsetFetchResponsePartition
         try:
+            self._allow(peer, Operation.READ, [acl_group(b.group_id)])
             answer = await self.groups.fetch_committed(pb.FetchCommittedRequest(
                 group=b.group_id, wait_caught_up_ms=COMMITTED_WAIT_MS))  # fmt: skip
         except Exception as exc:
@@ -452,19 +502,25 @@ class KafkaGateway:
         self.filters.set((client, c.topic, c.partition), offset, vector)
         return offset
 
-    async def _list_groups(self, req: Request, peer: str) -> Any:
+    async def _list_groups(self, req: Request, peer: Client) -> Any:
         r = kadmin.ListGroupsResponse
         answer = await self.groups.list_groups()
         return r(groups=[r.ListedGroup(group_id=g.group, protocol_type="consumer",
                                        group_state="Stable" if g.members else "Empty") for g in answer.groups])
 
-    async def _describe_groups(self, req: Request, peer: str) -> Any:
+    async def _describe_groups(self, req: Request, peer: Client) -> Any:
         r = kadmin.DescribeGroupsResponse
         dg, dm = r.DescribedGroup, r.DescribedGroup.DescribedGroupMember
         a = kconsumer.ConsumerProtocolAssignment
         out = []
         await self.groups.sync()
         for name in req.body.groups:
+            try:
+                self._allow(peer, Operation.READ, [acl_group(name)])
+            except Denied as exc:
+                out.append(dg(group_id=name, error_code=exc.kafka_code, group_state="", protocol_type="",
+                              protocol_data="", members=[]))  # fmt: skip
+                continue
             g = self.groups.coordinator.groups.get(name)
             kg = self.kgroups.get(name, KafkaGroup())
             if g is None or not g.members:
@@ -496,7 +552,7 @@ class KafkaGateway:
             log.warning("kafka gateway: unexpected %s: %s", type(exc).__name__, exc)
         return code
 
-    _handlers: dict[int, Callable[[KafkaGateway, Request, str], Pending]] = {
+    _handlers: dict[int, Callable[[KafkaGateway, Request, Client], Pending]] = {
         1: _fetch,
         2: _list_offsets,
         3: _metadata,

@@ -16,10 +16,15 @@ import ssl
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cryptography import x509
+
 from georep.broker.acks import LEADER, Acks
 from georep.broker.errors import InternalTopic
-from georep.kafka.gateway import KafkaGateway, Pending
+from georep.kafka.gateway import Client, KafkaGateway, Pending
 from georep.kafka.protocol import FrameReader, FrameTooLarge, Request, decode_request, encode_response, error_response
+from georep.security.acl_rpc import Policy
+from georep.security.principal import Principal
+from georep.security.tls import TlsConfig, principal_of_certificate
 from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
 
 if TYPE_CHECKING:
@@ -69,6 +74,7 @@ class KafkaServer:
         self._connections.add(task)
         peer = writer.get_extra_info("peername")
         host = str(peer[0]) if peer else ""
+        client = Client(host, peer_principal(writer))
         queue: asyncio.Queue[tuple[Request, asyncio.Task[Any]] | bytes | None] = asyncio.Queue(IN_FLIGHT_MAX)
         sender = asyncio.create_task(self._send(queue, writer))
         frames = FrameReader()
@@ -84,7 +90,7 @@ class KafkaServer:
                             log.info("kafka: %s from %s: answered with an error code", req.reason, host)
                             await queue.put(error_response(req))
                             continue
-                        pending: Pending = self.gateway.dispatch(req, host)
+                        pending: Pending = self.gateway.dispatch(req, client)
                     except ValueError:
                         continue  # no header: nothing to answer
                     await queue.put((req, asyncio.ensure_future(pending)))
@@ -135,7 +141,26 @@ class KafkaOptions:
 
     listen: tuple[str, int]
     commit_acks: Acks = LEADER  # the ack level of the commits OffsetCommit makes (geo:N waits for N sites)
-    ssl_context: ssl.SSLContext | None = None
+    ssl_context: ssl.SSLContext | None = None  # TLS: mutual, with the node's certificates (server_ssl_context)
+    policy: Policy | None = None  # TLS: the site's ACLs, checked for every request
+
+
+def server_ssl_context(tls: TlsConfig) -> ssl.SSLContext:
+    """Mutual TLS from the node's own files (``georep certs init``): its certificate and key, and only clients
+    whose certificate the site's CA signed (Kafka's ``ssl.client.auth=required``)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(tls.ca))
+    ctx.load_cert_chain(str(tls.cert), str(tls.key))
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def peer_principal(writer: asyncio.StreamWriter) -> Principal | None:
+    """The principal the client certificate names (``client:<name>``, ``site:<s>``...); None on plaintext."""
+    ssl_object = writer.get_extra_info("ssl_object")
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    if not der:
+        return None
+    return principal_of_certificate(x509.load_der_x509_certificate(der))
 
 
 async def start_kafka(options: KafkaOptions, broker: Broker, groups: GroupService,
@@ -153,7 +178,7 @@ async def start_kafka(options: KafkaOptions, broker: Broker, groups: GroupServic
         else:
             broker.create_topic(name, partitions, config)
 
-    gateway = KafkaGateway(broker, groups, host, port, create_topic, options.commit_acks)
+    gateway = KafkaGateway(broker, groups, host, port, create_topic, options.commit_acks, options.policy)
     server = KafkaServer(gateway, options.ssl_context)
     bound = await server.start(host, port)
     gateway.port = bound

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -31,9 +31,11 @@ from cluster.raft_store import (
 )
 from cluster.site_state import InitSite, Refused
 from georep import __version__
-from georep.kafka.server import KafkaOptions, start_kafka
+from georep.kafka.server import KafkaOptions, server_ssl_context, start_kafka
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.acl import DEFAULT_SUPER_USERS
+from georep.security.acl_rpc import Policy
+from georep.security.acl_sync import AclCache
 from georep.security.principal import Principal
 from georep.security.tls import MESSAGE_BYTES_MAX, TlsConfig, TlsError, add_port, server_options
 from georep.server.broker import Broker
@@ -199,6 +201,9 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
     kafka_server, kafka_address = None, ""
     if kafka is not None:  # the Kafka wire protocol (docs/kafka.md)
         try:
+            if tls is not None:  # the Kafka port takes mutual TLS too, and checks the same ACLs (docs/kafka.md)
+                kafka = replace(kafka, ssl_context=server_ssl_context(tls), policy=Policy(
+                    identity.site, AclCache(broker.metadata.acls), lambda: topology, super_users))
             kafka_server, kafka_address = await start_kafka(kafka, broker, service.groups, site_cluster)
         except OSError as exc:
             await server.stop(0)

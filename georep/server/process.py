@@ -44,6 +44,7 @@ class NodeProcess:
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
     metrics_address: str = ""
+    kafka_address: str = ""  # the Kafka listener's HOST:PORT (--kafka-listen), from node.json
     node_id: int | None = None  # a node of a multi-node site
     tls: TlsConfig | None = None  # None: the node serves plaintext (--insecure)
     _logged_before: int = 0
@@ -93,6 +94,7 @@ class NodeProcess:
                 if data.get("pid") == self.proc.pid:
                     self.address = data["listen"]
                     self.metrics_address = data.get("metrics", "")
+                    self.kafka_address = data.get("kafka", "")
                     # Keep the port across restarts so clients can reconnect.
                     self.listen = self.address
                     if self.metrics_address:
