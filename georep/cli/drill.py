@@ -412,7 +412,11 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
         if args.mode != "kill":
             raise DrillError("--client kafka drills --mode kill (a site's node killed)")
         try:
-            return await asyncio.to_thread(kafka_drill, args, topology, out)
+            tls = client_tls(args)
+        except TlsArgsError as exc:
+            raise DrillError(exc.message) from None
+        try:
+            return await asyncio.to_thread(kafka_drill, args, topology, out, tls)
         except KafkaDrillError as exc:
             raise DrillError(str(exc)) from None
     names = list(topology.site_ids())

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from georep.security.tls import TlsConfig
 from topology.model import Topology, UnknownSite
 
 NODE_INFO = "node.json"
@@ -79,11 +80,11 @@ def _info(data_dir: Path, site: str) -> dict[str, Any]:
 
 
 def _producer(bootstrap: str, site: str, rate: float, stop: threading.Event, acked: list[str],
-              failed: list[str], topic: str) -> None:  # fmt: skip
+              failed: list[str], topic: str, secure: dict[str, str]) -> None:  # fmt: skip
     from confluent_kafka import Producer
 
     p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all", "linger.ms": 5,
-                  "message.timeout.ms": 10_000, "socket.timeout.ms": 3_000, "log_level": 0})  # fmt: skip
+                  "message.timeout.ms": 10_000, "socket.timeout.ms": 3_000, "log_level": 0, **secure})  # fmt: skip
 
     def delivered(err: Any, msg: Any) -> None:
         (failed if err else acked).append(msg.value().decode())
@@ -131,25 +132,25 @@ def _consume(consumers: list[Any], got: Deliveries, stop: threading.Event, commi
                     continue
 
 
-def _consumers(bootstrap: str, group: str, topic: str, n: int) -> list[Any]:
+def _consumers(bootstrap: str, group: str, topic: str, n: int, secure: dict[str, str]) -> list[Any]:
     from confluent_kafka import Consumer
 
     out = []
     for i in range(n):
         c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "client.id": f"drill-{i}",
                       "auto.offset.reset": "earliest", "enable.auto.commit": False, "session.timeout.ms": 6000,
-                      "heartbeat.interval.ms": 500, "log_level": 0})  # fmt: skip
+                      "heartbeat.interval.ms": 500, "log_level": 0, **secure})  # fmt: skip
         c.subscribe([topic])
         out.append(c)
     return out
 
 
-def _read_all(bootstrap: str, topic: str, partitions: int) -> list[str]:
+def _read_all(bootstrap: str, topic: str, partitions: int, secure: dict[str, str]) -> list[str]:
     """Every record of ``topic`` at one site, with no group (the independent count)."""
     from confluent_kafka import Consumer, TopicPartition
 
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": "unused", "enable.auto.commit": False,
-                  "log_level": 0})  # fmt: skip
+                  "log_level": 0, **secure})  # fmt: skip
     try:
         ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)}
         c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
@@ -176,7 +177,16 @@ def _abandon(consumers: list[Any]) -> None:
         threading.Thread(target=c.close, daemon=True).start()
 
 
-def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str], None] = print) -> dict[str, Any]:
+def ssl_config(tls: TlsConfig | None) -> dict[str, str]:
+    """librdkafka's settings for mutual TLS with georep's certificate files (none for a plaintext site)."""
+    if tls is None:
+        return {}
+    return {"security.protocol": "SSL", "ssl.ca.location": str(tls.ca), "ssl.certificate.location": str(tls.cert),
+            "ssl.key.location": str(tls.key)}  # fmt: skip
+
+
+def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str], None] = print,
+                tls: TlsConfig | None = None) -> dict[str, Any]:  # fmt: skip
     from confluent_kafka import admin as kafka_admin
 
     AdminClient, NewTopic = kafka_admin.AdminClient, kafka_admin.NewTopic  # type: ignore[attr-defined]
@@ -194,17 +204,18 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
     if victim == target:
         raise KafkaDrillError("--failover-to must be another site than --site")
     infos = {s: _info(args.data_dir, s) for s in (victim, target)}
+    secure = ssl_config(tls)
     kafka = {s: str(infos[s]["kafka"]) for s in infos}
     stamp = int(time.time() * 1000)
     topic, group = f"kdrill-{stamp}", f"kdrill-{stamp}"
     out(f"drill (Kafka clients): kill site {victim}, the group fails over to {target}; topic {topic}, "
         f"{args.rate:g} records/s per producer at acks=all, commits every {args.commit_interval_ms} ms")  # fmt: skip
-    admin = AdminClient({"bootstrap.servers": kafka[victim], "log_level": 0})
+    admin = AdminClient({"bootstrap.servers": kafka[victim], "log_level": 0, **secure})
     try:
         admin.create_topics([NewTopic(topic, args.partitions, 1)])[topic].result(15)
     except Exception as exc:
         raise KafkaDrillError(f"cannot create {topic} at {victim}'s Kafka port {kafka[victim]}: {exc}") from None
-    target_admin = AdminClient({"bootstrap.servers": kafka[target], "log_level": 0})
+    target_admin = AdminClient({"bootstrap.servers": kafka[target], "log_level": 0, **secure})
     deadline = time.monotonic() + TOPIC_WAIT_S
     while topic not in target_admin.list_topics(timeout=5).topics:
         if time.monotonic() > deadline:
@@ -215,12 +226,13 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
     failed: dict[str, list[str]] = {victim: [], target: []}
     stops = {s: threading.Event() for s in (victim, target)}
     producers = [threading.Thread(target=_producer, args=(kafka[s], s, args.rate, stops[s], acked[s], failed[s],
-                                                          topic), daemon=True) for s in (victim, target)]  # fmt: skip
+                                                          topic, secure), daemon=True)
+                 for s in (victim, target)]  # fmt: skip
     for t in producers:
         t.start()
     before, after = Deliveries(), Deliveries()
     stop_before, stop_after = threading.Event(), threading.Event()
-    consumers_a = _consumers(kafka[victim], group, topic, args.consumers)
+    consumers_a = _consumers(kafka[victim], group, topic, args.consumers, secure)
     reading_a = threading.Thread(target=_consume, args=(consumers_a, before, stop_before,
                                                         args.commit_interval_ms / 1000), daemon=True)  # fmt: skip
     reading_a.start()
@@ -238,7 +250,7 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
     reading_a.join(CLOSE_TIMEOUT_S)
     _abandon(consumers_a)
     out(f"  killed site {victim} (pid {infos[victim]['pid']}); the group reconnects to {target} ({kafka[target]})")
-    consumers_b = _consumers(kafka[target], group, topic, args.consumers)
+    consumers_b = _consumers(kafka[target], group, topic, args.consumers, secure)
     # No commits here: with the victim down, a commit at geo:2 cannot be acknowledged (the drill measures the
     # failover to the victim's last commit).
     reading_b = threading.Thread(target=_consume, args=(consumers_b, after, stop_after, None), daemon=True)
@@ -247,7 +259,7 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
     stops[target].set()
     for t in producers:
         t.join(20)
-    held = _read_all(kafka[target], topic, args.partitions)
+    held = _read_all(kafka[target], topic, args.partitions, secure)
     with before.lock:
         committed = {v for (p, o), v in before.at.items() if o < before.committed.get(p, 0)}
     expected = [v for v in held if v not in committed]
