@@ -213,8 +213,12 @@ def handshake_problem(address: str, tls: TlsConfig | None, timeout_s: float) -> 
     if tls is None:
         context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
     else:
-        context.load_verify_locations(cafile=str(tls.ca))
-        context.load_cert_chain(str(tls.cert), str(tls.key))
+        try:
+            context.load_verify_locations(cafile=str(tls.ca))
+            context.load_cert_chain(str(tls.cert), str(tls.key))
+        except (OSError, ssl.SSLError) as exc:
+            raw.close()
+            return f"the TLS files cannot be used ({exc}): {hint}"
     with raw:
         try:
             with context.wrap_socket(raw, server_hostname=(tls.server_name if tls else None) or host) as conn:
