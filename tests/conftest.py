@@ -112,11 +112,15 @@ def spark() -> Iterator[Any]:
     """One local SparkSession for the whole run: starting a JVM costs seconds.
 
     Tuned for many small jobs on a shared 2-core machine: one task slot and one shuffle partition, and the JVM's
-    quick compiler only (C2 and parallel GC threads doubled the JVM's CPU time for data this small)."""
+    quick compiler only (C2 and parallel GC threads doubled the JVM's CPU time for data this small). Expressions
+    are interpreted, not compiled: generating and compiling Java for every plan cost more than evaluating a few
+    thousand rows (about a quarter of the JVM's CPU time in ``tests/test_audit.py``); the audit's results do not
+    depend on it, and ``georep audit`` itself keeps Spark's code generation."""
     from spark_jobs.session import DEFAULTS, spark_session
 
     java_options = DEFAULTS["spark.driver.extraJavaOptions"] + " -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-    session = spark_session("local[1]", "georep-audit-tests", {"spark.sql.shuffle.partitions": "1",
-                                                                "spark.driver.extraJavaOptions": java_options})
+    session = spark_session("local[1]", "georep-audit-tests", {
+        "spark.sql.shuffle.partitions": "1", "spark.driver.extraJavaOptions": java_options,
+        "spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"})
     yield session
     session.stop()
