@@ -6,7 +6,8 @@ through a's proxy (the data flows downstream from it, b's requests upstream), an
 writes its own topic at both sites, injects a fault while records flow, removes it, and then reads every site:
 every acknowledged record is held exactly once, with the same coordinates and bytes, each origin's records in
 origin-seq order (I1-I4). Clients go through a proxy of their own where the fault is on their side; there a
-consumer that moves from a to b with its vector offset reads the rest exactly once (I5).
+consumer that moves from a to b with its vector offset reads the rest exactly once (I5). Every connection is
+mutual TLS, as ``georep up`` runs sites: the proxies relay TLS records, cut, sliced and reset.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class Pair:
     def __init__(self, client: Toxiproxy, root: Path) -> None:
         self.client = client
         self.api = (APIConsumer.host, APIConsumer.port)  # the client's API address is global to the process
-        self.sites = Sites(root, SITES, [("a", "b"), ("b", "a")], stall_ms=1000)
+        # Mutual TLS, as georep up runs: the proxies relay TLS records, and a sliced or reset one must fail cleanly.
+        self.sites = Sites(root, SITES, [("a", "b"), ("b", "a")], stall_ms=1000, tls_dir=root / "certs")
+        self.tls = self.sites.tls
         self.proxies = proxy_sites(client, self.sites, f"pair-{root.name}")
         self.sites.start()
 
@@ -77,7 +80,7 @@ def both(pair: Pair, topic: str, n: int, value_bytes: int = 0, tag: str = "") ->
     """``n`` records written at each site at once, every one acknowledged."""
 
     async def run() -> list[set[tuple[bytes, bytes]]]:
-        return await asyncio.gather(*(produce(pair.sites.address(s), topic, f"{s}{tag}", n, value_bytes)
+        return await asyncio.gather(*(produce(pair.sites.address(s), topic, f"{s}{tag}", n, value_bytes, pair.tls)
                                       for s in SITES))  # fmt: skip
 
     a, b = asyncio.run(run())
@@ -92,8 +95,8 @@ def add_both_ways(proxy: Proxy, **toxic: object) -> None:
 class Writer:
     """Writes waves of records at a site in a thread until stopped; ``sent`` is what was acknowledged."""
 
-    def __init__(self, address: str, topic: str, prefix: str) -> None:
-        self.address, self.topic, self.prefix = address, topic, prefix
+    def __init__(self, pair: Pair, site: str, topic: str) -> None:
+        self.address, self.topic, self.prefix, self.tls = pair.sites.address(site), topic, site, pair.tls
         self.sent: set[tuple[bytes, bytes]] = set()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -101,7 +104,7 @@ class Writer:
     def _run(self) -> None:
         wave = 0
         while not self.stop.is_set():
-            self.sent |= asyncio.run(produce(self.address, self.topic, f"{self.prefix}{wave}", 40))
+            self.sent |= asyncio.run(produce(self.address, self.topic, f"{self.prefix}{wave}", 40, tls=self.tls))
             wave += 1
 
     def __enter__(self) -> Writer:
@@ -139,7 +142,7 @@ def test_replication_with_sliced_frames(clean: Pair) -> None:
 
 def test_replication_resets_in_mid_stream_and_resumes_with_nothing_lost_or_doubled(clean: Pair) -> None:
     topic = clean.topic("resets")
-    with Writer(clean.sites.address("a"), topic, "a") as wa, Writer(clean.sites.address("b"), topic, "b") as wb:
+    with Writer(clean, "a", topic) as wa, Writer(clean, "b", topic) as wb:
         wait_until("records flow", lambda: len(wa.sent) >= 40 and len(wb.sent) >= 40, 20)
         for p in clean.proxies.values():  # the streams now open are reset at their next bytes, and every new one
             p.add_toxic(type="reset_peer", stream="downstream", attributes={"timeout": 100})
@@ -152,7 +155,7 @@ def test_replication_resets_in_mid_stream_and_resumes_with_nothing_lost_or_doubl
 
 def test_a_link_that_times_out_comes_back_and_catches_up(clean: Pair) -> None:
     topic = clean.topic("timeout")
-    with Writer(clean.sites.address("a"), topic, "a") as wa:
+    with Writer(clean, "a", topic) as wa:
         wait_until("records flow", lambda: len(wa.sent) >= 40, 20)
         clean.proxies["a"].add_toxic(type="timeout", stream="downstream", attributes={"timeout": 1000})
         wait_until("b's link from a times out", lambda: clean.link_state("a", "b") != "streaming", 15)
@@ -169,7 +172,7 @@ def test_geo_acks_under_latency_promise_the_second_site(clean: Pair) -> None:
 
     async def run() -> set[tuple[bytes, bytes]]:
         sent = set()
-        async with Producer(clean.sites.address("a"), acks="geo:2", linger_ms=5) as producer:
+        async with Producer(clean.sites.address("a"), acks="geo:2", linger_ms=5, tls=clean.tls) as producer:
             futures = []
             for i in range(60):
                 key, value = b"g%d" % i, b"geo-%d" % i
@@ -202,7 +205,7 @@ def test_clients_through_a_faulty_link_write_and_fail_over_exactly_once(clean: P
 
 async def client_run(pair: Pair, topic: str, to_a: Proxy, to_b: Proxy) -> None:
     sent: set[tuple[bytes, bytes]] = set()
-    async with Producer(to_a.listen, linger_ms=2, batch_size=4096, retry_backoff_ms=50) as producer:
+    async with Producer(to_a.listen, linger_ms=2, batch_size=4096, retry_backoff_ms=50, tls=pair.tls) as producer:
         futures = []
         for i in range(300):
             if i == 100:  # the producer's connection is reset under it: it retries, idempotently
@@ -218,12 +221,12 @@ async def client_run(pair: Pair, topic: str, to_a: Proxy, to_b: Proxy) -> None:
     pair.converge(topic, sent)
     got: list[tuple[str, int]] = []
     tp = (topic, 0)
-    async with Consumer(to_a.listen, auto_offset_reset="earliest", max_wait_ms=100) as at_a:
+    async with Consumer(to_a.listen, auto_offset_reset="earliest", max_wait_ms=100, tls=pair.tls) as at_a:
         at_a.assign([tp])
         while len(got) < 120:
             got += [(str(r.origin), r.origin_seq) for r in await at_a.poll(timeout_ms=200, max_records=7)]
         vector = at_a.vector(tp)
-    async with Consumer(to_b.listen, auto_offset_reset="earliest", max_wait_ms=100) as at_b:
+    async with Consumer(to_b.listen, auto_offset_reset="earliest", max_wait_ms=100, tls=pair.tls) as at_b:
         at_b.assign([tp])
         at_b.seek_to_vector(tp, vector)  # fail over to b at the vector offset
         for _ in range(200):
