@@ -146,6 +146,7 @@ async def merge_streams(sources: list[AsyncIterator[M]], queue_max: int = 4) -> 
 
 
 _END = object()  # the handler's answers ended
+SCREENED_ANSWERS_MAX = 1024  # answers of a screened client stream waiting for the caller to read them
 
 
 def authorization(site: str, metadata: MetadataStore, topology: Topology | None,
@@ -233,7 +234,7 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
             return
         # Each message is screened on its way in; a refused one is answered here, in among the handler's answers
         # (or, for a method without a refusal, ends the stream through the handler as its own errors do).
-        answers: asyncio.Queue[Any] = asyncio.Queue()
+        answers: asyncio.Queue[Any] = asyncio.Queue(SCREENED_ANSWERS_MAX)  # a slow reader slows the stream down
 
         async def screened() -> AsyncIterator[bytes]:
             async for raw in requests:
@@ -241,16 +242,16 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
                 if refusal is None:
                     yield raw
                 else:
-                    answers.put_nowait(refusal)
+                    await answers.put(refusal)
 
         async def pump() -> None:
             try:
                 async for msg in inner_ss(screened(), context):
                     await answers.put(msg)
             except Exception as exc:  # noqa: BLE001 - handed to the response stream, which raises it
-                answers.put_nowait(exc)
+                await answers.put(exc)
                 return
-            answers.put_nowait(_END)
+            await answers.put(_END)
 
         task = asyncio.create_task(pump())
         try:
