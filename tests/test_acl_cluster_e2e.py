@@ -1,0 +1,76 @@
+"""ACLs on a multi-node site over mutual TLS: an entry added at one node is a Raft command every node applies, and
+the nodes' own calls to each other (segment appends, forwarded calls) pass as the site's super-users."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.security.principal import node_principal
+from georep.security.tls import TlsConfig
+from tests.support.channels import open_channel
+from tests.support.cluster_site import ClusterSite
+from tests.support.sites import wait_until
+
+
+def georep(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "georep.cli", *args], input=stdin, capture_output=True, text=True,
+                          timeout=90)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterSite, Path]]:
+    root = tmp_path_factory.mktemp("acl-cluster")
+    certs = root / "certs"
+    made = georep("certs", "init", "--dir", str(certs), "--sites", "a", "--nodes", "a=3", "--clients", "alice", "bob")
+    assert made.returncode == 0, made.stderr
+    cluster = ClusterSite(root, count=3, extra_args=["--replication-factor", "3", "--min-insync-replicas", "2"])
+    for n, node in cluster.nodes.items():
+        node.tls = TlsConfig.from_dir(certs, node_principal("a", n))
+    try:
+        cluster.start()
+        yield cluster, certs
+    finally:
+        for node in cluster.nodes.values():  # all at once: each shuts down while the others do
+            if node.alive():
+                assert node.proc is not None
+                node.proc.terminate()
+        cluster.close()
+
+
+def test_an_entry_added_at_one_node_holds_at_every_node_and_replicated_writes_pass(
+    site: tuple[ClusterSite, Path],
+) -> None:  # fmt: skip
+    cluster, certs = site
+    admin = TlsConfig.from_dir(certs)
+    with open_channel(cluster.address(1), admin) as channel:
+        pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name="orders", partitions=1), timeout=30)
+    added = georep("acl", "add", "client:alice", "produce", "topic:orders", "--bootstrap", cluster.address(2),
+                   "--tls-dir", str(certs))  # fmt: skip
+    assert added.returncode == 0, added.stderr
+
+    def listed_at_every_node() -> bool:
+        return all("client:alice produce topic:orders" in georep("acl", "list", "--bootstrap", cluster.address(n),
+                                                                  "--tls-dir", str(certs)).stdout
+                   for n in (1, 2, 3))  # fmt: skip
+
+    wait_until("every node lists the entry", listed_at_every_node, 30)
+    bootstrap = ",".join(cluster.address(n) for n in (1, 2, 3))
+    as_alice = ("--bootstrap", bootstrap, "--tls-dir", str(certs), "--principal", "client:alice")
+    sent = georep("produce", "orders", "--acks", "all", *as_alice, stdin="one\ntwo\n")
+    assert sent.returncode == 0, sent.stderr  # acks=all: the leader's appends to its ensemble went through
+    as_bob = ("--bootstrap", bootstrap, "--tls-dir", str(certs), "--principal", "client:bob")
+    refused = georep("produce", "orders", *as_bob, stdin="three\n")
+    assert refused.returncode != 0 and "client:bob may not produce topic:orders" in refused.stderr, refused.stderr
+    ends = []
+    for n in (1, 2, 3):  # the leader describes the partition it serves
+        with open_channel(cluster.address(n), admin) as channel:
+            ends += [s.log_end_offset for s in pbg.NodeStub(channel).DescribeTopic(
+                pb.DescribeTopicRequest(name="orders"), timeout=10).partition_states]  # fmt: skip
+    assert ends == [2]  # alice's two records, none of bob's
