@@ -29,8 +29,11 @@ another site's name, where they would count toward the victim's vector offsets a
 its real records.
 
 The rule uses the current topology: after a link is removed, records that came over it before are refused
-downstream of the sites that hold them (they stay where they are). ``d``'s own origin comes back only
-over a cycle, which the rule allows (``d`` reaches ``s``), and the sink then skips it as held.
+downstream of the sites that hold them (they stay where they are), and a pull waits at them: per origin a log is
+a prefix, so nothing after them in that partition can be applied until the topology allows their origin again.
+Safety over liveness, as everywhere in replication; the link's last error says which origin and why. ``d``'s
+own origin comes back only over a cycle, which the rule allows (``d`` reaches ``s``), and the sink then skips it
+as held.
 """
 
 from __future__ import annotations
