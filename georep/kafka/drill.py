@@ -49,6 +49,7 @@ POLL_S = 0.05
 TOPIC_WAIT_S = 20.0
 DRAIN_TIMEOUT_S = 60.0
 CLOSE_TIMEOUT_S = 5.0
+UNCOMMITTED_S = 0.5  # reading on after the last commit, before the kill
 
 
 class KafkaDrillError(Exception):
@@ -64,6 +65,10 @@ class Deliveries:
     first_ms: float | None = None
     committed: dict[int, int] = field(default_factory=dict)  # partition -> highest offset a commit acknowledged
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set before the kill: no commit starts, so the last commit is the last acknowledged one (a commit cut by the
+    # kill may or may not have been stored, and the drill could not say what "the last commit" was).
+    no_more_commits: threading.Event = field(default_factory=threading.Event)
+    committing: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _info(data_dir: Path, site: str) -> dict[str, Any]:
@@ -122,14 +127,18 @@ def _consume(consumers: list[Any], got: Deliveries, stop: threading.Event, commi
                 got.values.append(value)
         if commit_s is not None and time.monotonic() - last_commit >= commit_s:
             last_commit = time.monotonic()
-            for c in consumers:
-                try:
-                    for tp in c.commit(asynchronous=False) or []:
-                        if tp.error is None and tp.offset >= 0:
-                            with got.lock:
-                                got.committed[tp.partition] = max(got.committed.get(tp.partition, 0), tp.offset)
-                except Exception:  # nothing to commit yet, or a rebalance: the next round commits
-                    continue
+            with got.committing:
+                for c in consumers:
+                    if got.no_more_commits.is_set():
+                        break
+                    try:
+                        for tp in c.commit(asynchronous=False) or []:
+                            if tp.error is None and tp.offset >= 0:
+                                with got.lock:
+                                    got.committed[tp.partition] = max(got.committed.get(tp.partition, 0),
+                                                                      tp.offset)  # fmt: skip
+                    except Exception:  # nothing to commit yet, or a rebalance: the next round commits
+                        continue
 
 
 def _consumers(bootstrap: str, group: str, topic: str, n: int, secure: dict[str, str]) -> list[Any]:
@@ -241,8 +250,13 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
         deadline = time.monotonic() + 20
         while not before.committed and time.monotonic() < deadline:
             time.sleep(0.1)
-    # The kill. The consumers at the victim stop where they are; what they delivered after their last commit
-    # may be delivered again (Kafka's at-least-once beyond the commit), nothing before it may.
+    # The kill, once no commit is in flight. The consumers at the victim go on reading until it; what they
+    # delivered after their last commit may be delivered again (Kafka's at-least-once beyond the commit),
+    # nothing before it may.
+    before.no_more_commits.set()
+    with before.committing:
+        pass
+    time.sleep(UNCOMMITTED_S)
     os.kill(int(infos[victim]["pid"]), signal.SIGKILL)
     killed_ms = time.time() * 1000
     stops[victim].set()
