@@ -66,9 +66,9 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
         site = topology.site(sid)
         args = [*extra_args, "--topology", str(topology_file.resolve()) if topology_file else DEFAULT,
                 "--admin-token-file", str(ensure_token(data_dir).resolve())]
-        args += kafka_args(len(topology.site_ids()), extra_args)
         fixed = topology_file is None
-        if len(site.nodes) == 1:
+        if len(site.nodes) == 1:  # the Kafka gateway serves one-node sites (docs/kafka.md)
+            args += kafka_args(len(topology.site_ids()), extra_args)
             procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0],
                                      extra_args=[*args, *kafka_listen(site.nodes[0], extra_args, fixed)],
                                      tls=node_tls(certs, sid, None)))  # fmt: skip
@@ -79,8 +79,7 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
             raise TopologyFileError(str(exc)) from None
         for member in site.members:
             procs.append(NodeProcess(site=sid, data_dir=data_dir / sid / str(member.id), listen=member.address,
-                                     extra_args=[*args, *kafka_listen(member.address, extra_args, fixed), "--node-id",
-                                                 str(member.id)], node_id=member.id,
+                                     extra_args=[*args, "--node-id", str(member.id)], node_id=member.id,
                                      tls=node_tls(certs, sid, member.id)))  # fmt: skip
     return procs
 

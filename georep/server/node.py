@@ -199,6 +199,11 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         raise UsageError(f"cannot listen on {address}: the port is in use or the address is not local")
     await server.start()
     kafka_server, kafka_address = None, ""
+    if kafka is not None and in_site is not None:
+        await server.stop(0)
+        _close(replicas, broker, metadata)
+        raise UsageError("--kafka-listen: the Kafka gateway serves one-node sites only (a Kafka client would take "
+                         "this node for the leader of every partition); drop it on the nodes of a multi-node site")
     if kafka is not None:  # the Kafka wire protocol (docs/kafka.md)
         try:
             if tls is not None:  # the Kafka port takes mutual TLS too, and checks the same ACLs (docs/kafka.md)
