@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cluster.metadata import DataDirMismatch
 from cluster.raft_store import RaftTiming
@@ -14,7 +15,6 @@ from georep.broker.acks import AckKind, Acks
 from georep.cli.tls_args import TlsArgsError, node_tls
 from georep.cli.tls_args import add_node_arguments as add_node_tls_arguments
 from georep.cli.topology_file import TopologyFileError, load_topology
-from georep.kafka.server import KafkaOptions
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.acl import DEFAULT_SUPER_USERS
 from georep.security.principal import InvalidPrincipal, Principal, parse_principal
@@ -27,6 +27,9 @@ from georep.storage.dirlock import DataDirLocked, DataDirUnusable
 from georep.storage.replica_store import ReplicaError
 from topology.ids import InvalidSiteId
 from topology.model import InvalidTopology, Topology, UnknownSite
+
+if TYPE_CHECKING:
+    from georep.kafka.server import KafkaOptions
 
 log = logging.getLogger("georep.node")
 
@@ -171,6 +174,8 @@ def kafka_options(args: argparse.Namespace) -> KafkaOptions | None:
         acks = Acks.geo(int(text[4:]))
     else:
         raise UsageError(f"--kafka-commit-acks {text!r}: use leader, all or geo:N with N at least 1")
+    from georep.kafka.server import KafkaOptions  # only with a Kafka listener: kafka-python is slow to import
+
     return KafkaOptions(parse_address(args.kafka_listen, "--kafka-listen"), acks)
 
 

@@ -26,16 +26,16 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import NameOID
 
 from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep.broker.errors import NotAuthorized
 from georep.security.principal import CLIENT, Principal, client_principal, principal_file_name, principal_of_names
+
+if TYPE_CHECKING:  # cryptography is imported where a certificate is read: a plaintext process never pays for it
+    from cryptography import x509
 
 log = logging.getLogger("georep.tls")
 
@@ -92,6 +92,8 @@ class TlsConfig:
         ca, cert, key = self.read()
         _check_pair(cert, key, self.cert, self.key)
         try:
+            from cryptography import x509
+
             x509.load_pem_x509_certificates(ca)
         except ValueError as exc:
             raise TlsError(f"{self.ca} holds no PEM certificate ({exc}); pass the CA's certificate") from None
@@ -120,6 +122,9 @@ def _stat(path: Path) -> tuple[int, int, int]:
 
 
 def _check_pair(cert_pem: bytes, key_pem: bytes, cert_path: Path, key_path: Path) -> x509.Certificate:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
     except ValueError as exc:
@@ -327,11 +332,16 @@ def _first(values: Iterable[bytes] | bytes | None) -> bytes:
 
 @functools.lru_cache(maxsize=1024)
 def _principal_of_pem(pem: bytes) -> Principal | None:
+    from cryptography import x509
+
     return principal_of_certificate(x509.load_pem_x509_certificate(pem))
 
 
 def principal_of_certificate(cert: x509.Certificate) -> Principal | None:
     """A certificate's principal: SAN URI ``georep:<principal>`` first, else the CN; ``None`` if neither."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     try:
         uris = list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
                     .get_values_for_type(x509.UniformResourceIdentifier))  # fmt: skip

@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -31,7 +32,6 @@ from cluster.raft_store import (
 )
 from cluster.site_state import InitSite, Refused
 from georep import __version__
-from georep.kafka.server import KafkaOptions, server_ssl_context, start_kafka
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.acl import DEFAULT_SUPER_USERS
 from georep.security.acl_rpc import Policy
@@ -50,6 +50,9 @@ from georep.storage.dirlock import DataDirLock
 from georep.storage.replica_store import ReplicaStore
 from topology.ids import site_id
 from topology.model import Topology
+
+if TYPE_CHECKING:  # kafka-python costs a node without a Kafka listener a tenth of a second of CPU at start
+    from georep.kafka.server import KafkaOptions
 
 log = logging.getLogger("georep.node")
 
@@ -205,6 +208,8 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         raise UsageError("--kafka-listen: the Kafka gateway serves one-node sites only (a Kafka client would take "
                          "this node for the leader of every partition); drop it on the nodes of a multi-node site")
     if kafka is not None:  # the Kafka wire protocol (docs/kafka.md)
+        from georep.kafka.server import server_ssl_context, start_kafka
+
         try:
             if tls is not None:  # the Kafka port takes mutual TLS too, and checks the same ACLs (docs/kafka.md)
                 kafka = replace(kafka, ssl_context=server_ssl_context(tls), policy=Policy(
