@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return _group(nodeid) or nodeid
 
     return GroupScheduling(config, log)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _outside_the_checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every test runs from an empty directory, so no file a user left in the checkout changes it: a ``georep up``
+    run there leaves ``.georep/certs``, which every ``georep`` command takes as its default TLS settings."""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    yield
+    os.chdir(before)
 
 
 @pytest.fixture
