@@ -137,6 +137,15 @@ def test_kafka_python_produce_consume_and_group_rebalance(bootstrap: str) -> Non
     after = [(name, p, v) for name, recs in got.items() for p, v in recs[60 if name == "k1" else 0:]]
     assert sorted(v for _n, _p, v in after) == sorted(second)
     assert all(p == parts[name] for name, p, _v in after)
+    # ListGroups and DescribeGroups, as kafka-python's admin client asks them.
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        listed = admin.list_groups()
+        described = admin.describe_groups(["kg"])["kg"]
+    finally:
+        admin.close()
+    assert "kg" in str(listed)
+    assert described["group_state"] == "Stable" and len(described["members"]) == 2, described
     for c in consumers.values():
         c.close()
 
