@@ -30,7 +30,7 @@ its filters (:func:`is_internal`, ``Link.carries``).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 FILTER_MAX_CHARS = 249  # the same limit as topic names
@@ -106,10 +106,12 @@ class TopicFilter:
 
     def matches(self, topic: str) -> bool:
         """Whether ``topic`` (a valid topic name) matches this filter."""
-        return _match(self.levels, topic.split("/"))
+        return match_levels(self.levels, topic.split("/"))
 
 
-def _match(pattern: tuple[str, ...], topic: list[str]) -> bool:
+def match_levels(pattern: Sequence[str], topic: Sequence[str]) -> bool:
+    """Do the filter levels ``pattern`` (literals, ``+``, ``**``) match the levels of a name? Topic filters use it,
+    and so do the ACLs' principal patterns (``georep/security/acl.py``)."""
     if ANY_LEVELS not in pattern:
         if len(pattern) != len(topic):
             return False

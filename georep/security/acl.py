@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from georep.security.principal import KINDS, NODE, SITE, InvalidPrincipal, Principal, parse_principal
-from topology.filters import ANY_LEVELS, ONE_LEVEL, InvalidTopicFilter, TopicFilter
+from topology.filters import ANY_LEVELS, ONE_LEVEL, InvalidTopicFilter, TopicFilter, match_levels
 
 
 class InvalidAcl(ValueError):
@@ -158,23 +158,6 @@ def parse_resource_pattern(text: str) -> ResourcePattern:
 # -- principals ---------------------------------------------------------------------------------------------------
 
 
-def _match_levels(pattern: tuple[str, ...], name: tuple[str, ...]) -> bool:
-    """``+``/``**`` levels over literal levels (``topology/filters.py``'s rules; literals compared exactly)."""
-    # reached[j]: the pattern levels seen so far match the first j name levels (no backtracking).
-    reached = [True] + [False] * len(name)
-    for p in pattern:
-        if p == ANY_LEVELS:
-            seen = False
-            for j in range(len(reached)):
-                seen = seen or reached[j]
-                reached[j] = seen
-        else:
-            for j in range(len(name), 0, -1):
-                reached[j] = reached[j - 1] and (p == ONE_LEVEL or p == name[j - 1])
-            reached[0] = False
-    return reached[len(name)]
-
-
 @dataclass(frozen=True, slots=True, order=True)
 class PrincipalPattern:
     """An exact principal, or ``kind:`` with ``+``/``**`` levels over the name (``client:**``, ``node:a/+``)."""
@@ -212,7 +195,7 @@ class PrincipalPattern:
             return False
         if self._levels is None:
             return principal.name == self.name
-        return _match_levels(self._levels, tuple(principal.name.split("/")))
+        return match_levels(self._levels, principal.name.split("/"))
 
 
 def parse_principal_pattern(text: str) -> PrincipalPattern:
