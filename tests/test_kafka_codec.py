@@ -9,7 +9,15 @@ import pytest
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
 from georep.kafka.offsets import FetchFilters, vector_at
-from georep.kafka.protocol import FrameReader, FrameTooLarge, Request, Unsupported, decode_request, error_response
+from georep.kafka.protocol import (
+    FrameReader,
+    FrameTooLarge,
+    Request,
+    Unsupported,
+    decode_request,
+    error_response,
+    failure_response,
+)
 from georep.kafka.records import RecordsError, empty_batch, georep_to_kafka, kafka_to_georep
 from georep.record.batch import HEADER_BYTES, REWRITTEN_BYTES, decode_records, parse_header, stamp_origin
 from georep.storage.memory_log import MemoryLog
@@ -68,6 +76,11 @@ def test_unknown_api_key_gets_a_header_and_an_error_code() -> None:
     req = decode_request(struct.pack(">hhih", 999, 0, 11, 1) + b"x")
     assert isinstance(req, Unsupported)
     assert error_response(req) == b"\x00\x00\x00\x06\x00\x00\x00\x0b\x00\x23"
+
+
+def test_a_failed_handler_is_answered_with_unknown_server_error() -> None:
+    # Heartbeat v0: size, correlation id, error_code -1.
+    assert failure_response(12, 0, 3) == b"\x00\x00\x00\x06\x00\x00\x00\x03\xff\xff"
 
 
 def test_kafka_batch_to_georep_keeps_records_and_producer_fields() -> None:

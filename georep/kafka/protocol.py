@@ -169,6 +169,16 @@ def error_response(unsupported: Unsupported) -> bytes:
     return encode_response(u.api_key, version, u.correlation_id, resp)
 
 
+def failure_response(api_key: int, version: int, correlation_id: int) -> bytes:
+    """The answer to a served request whose handler failed: its response type at its version, empty but for
+    ``UNKNOWN_SERVER_ERROR`` in the top-level error code if it has one (the client retries or reports it)."""
+    _req, resp_cls, _low, _high = SUPPORTED[api_key]
+    resp = resp_cls(version=version)
+    if "error_code" in set(resp_cls.fields):
+        resp.error_code = UNKNOWN_SERVER_ERROR
+    return encode_response(api_key, version, correlation_id, resp)
+
+
 def _known_responses() -> dict[int, Any]:
     """Every response type the codec knows, by API key: an API the gateway does not serve is still answered in
     its own response layout, so the client parses the error code rather than garbage."""

@@ -21,7 +21,15 @@ from cryptography import x509
 from georep.broker.acks import LEADER, Acks
 from georep.broker.errors import InternalTopic
 from georep.kafka.gateway import Client, KafkaGateway, Pending
-from georep.kafka.protocol import FrameReader, FrameTooLarge, Request, decode_request, encode_response, error_response
+from georep.kafka.protocol import (
+    FrameReader,
+    FrameTooLarge,
+    Request,
+    decode_request,
+    encode_response,
+    error_response,
+    failure_response,
+)
 from georep.security.acl_rpc import Policy
 from georep.security.principal import Principal
 from georep.security.tls import TlsConfig, principal_of_certificate
@@ -99,7 +107,10 @@ class KafkaServer:
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
         finally:
-            await queue.put(None)
+            try:
+                queue.put_nowait(None)  # the sender answers what was read, then stops
+            except asyncio.QueueFull:
+                sender.cancel()
             with contextlib.suppress(BaseException):
                 await sender
             writer.close()
@@ -120,11 +131,13 @@ class KafkaServer:
                     req, task = item
                     try:
                         response = await task
-                    except Exception:
+                        data = None if response is None else encode_response(req.api_key, req.version,
+                                                                              req.correlation_id, response)
+                    except Exception:  # a bug: answer UNKNOWN_SERVER_ERROR rather than leave the client waiting
                         log.exception("kafka: request %d v%d failed", req.api_key, req.version)
-                        raise
-                    if response is not None:
-                        writer.write(encode_response(req.api_key, req.version, req.correlation_id, response))
+                        data = failure_response(req.api_key, req.version, req.correlation_id)
+                    if data is not None:
+                        writer.write(data)
                 await writer.drain()
         except (ConnectionError, asyncio.CancelledError):
             pass
