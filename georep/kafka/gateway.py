@@ -357,6 +357,9 @@ class KafkaGateway:
         g = self.kgroups.setdefault(b.group_id, KafkaGroup())
         g.protocol = chosen
         g.members[hb.member_id] = KafkaMember(req.client_id, peer.host, topics, b.session_timeout_ms, metadata)
+        live = self.groups.coordinator.groups.get(b.group_id)
+        for gone in [m for m in g.members if live is None or m not in live.members]:  # expired or left
+            del g.members[gone]
         return r(generation_id=hb.generation, protocol_type="consumer", protocol_name=chosen, leader="",
                  member_id=hb.member_id, members=[])  # fmt: skip
 
