@@ -93,6 +93,21 @@ def test_kafka_batch_to_georep_keeps_records_and_producer_fields() -> None:
         (b"k0", b"v0", 1000, (("h", b"x"),)), (b"k1", b"v1", 1001, ()), (b"k2", b"v2", 1002, ())]  # fmt: skip
 
 
+def test_kafka_batch_with_null_key_and_value_and_a_compressed_one() -> None:
+    builder = DefaultRecordBatchBuilder(2, 0, False, -1, -1, -1, 1 << 20)
+    builder.append(0, 5, None, None, [("n", None)])
+    builder.append(1, 6, b"", b"", [])
+    recs = decode_records(kafka_to_georep(bytes(builder.build())))
+    assert [(r.key, r.value, r.headers, r.timestamp_ms) for r in recs] == [(None, None, (("n", None),), 5),
+                                                                           (b"", b"", (), 6)]  # fmt: skip
+    gzip = DefaultRecordBatchBuilder(2, 1, False, 7, 0, 0, 1 << 20)  # codec 1: gzip, through kafka-python's reader
+    for i in range(3):
+        gzip.append(i, 100 + i, None, b"z" * 100, [])
+    batch = kafka_to_georep(bytes(gzip.build()))
+    assert parse_header(batch).producer_id == 7
+    assert [r.value for r in decode_records(batch)] == [b"z" * 100] * 3
+
+
 def test_kafka_batch_refusals() -> None:
     good = kafka_batch(1)
     with pytest.raises(RecordsError) as two:

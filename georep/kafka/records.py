@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
+from typing import cast
 
 import crc32c
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
+from kafka.record.util import decode_varint
 
 from georep.record.batch import RecordInput, decode_records, encode_batch, headers_in
 from offsets.coordinates import Origin
@@ -42,6 +44,9 @@ _LENGTH = struct.Struct(">qi")
 _CRC_AT = 17
 _ATTRIBUTES_AT = 21
 _LAST_OFFSET_DELTA_AT = 23
+_CODEC_MASK = 0x07
+_TRANSACTIONAL = 0x10
+_CONTROL = 0x20
 _CODEC_NAMES = {1: "gzip", 2: "snappy", 3: "lz4", 4: "zstd"}
 
 
@@ -64,7 +69,7 @@ def kafka_to_georep(data: bytes | memoryview) -> bytes:
 
     Raises :class:`RecordsError`: not exactly one v2 batch, a bad CRC, a transactional or control batch
     (transactions are not supported), or a compression codec this process cannot decode."""
-    buf = bytes(data)
+    buf = memoryview(data)
     if len(buf) < _BATCH_HEAD_MIN:
         raise RecordsError(CORRUPT_MESSAGE, f"records of {len(buf)} bytes hold no whole record batch")
     _base, length = _LENGTH.unpack_from(buf, 0)
@@ -73,21 +78,74 @@ def kafka_to_georep(data: bytes | memoryview) -> bytes:
     if buf[16] != MAGIC_V2:
         raise RecordsError(UNSUPPORTED_FOR_MESSAGE_FORMAT,
                            f"record batch magic {buf[16]}: only v2 batches (Kafka 0.11+) are taken")  # fmt: skip
-    batch = DefaultRecordBatch(buf)
-    if not batch.validate_crc():
+    head = DefaultRecordBatch.HEADER_STRUCT.unpack_from(buf, 0)
+    attributes, first_ts, producer_id, producer_epoch, base_sequence, count = (head[5], head[7], head[9], head[10],
+                                                                               head[11], head[12])  # fmt: skip
+    if crc32c.crc32c(buf[_ATTRIBUTES_AT:]) != head[4]:
         raise RecordsError(CORRUPT_MESSAGE, "record batch CRC mismatch")
-    if batch.is_transactional or batch.is_control_batch:
+    if attributes & (_TRANSACTIONAL | _CONTROL):
         raise RecordsError(INVALID_RECORD, "transactional producers are not supported by georep's Kafka gateway")
+    if not attributes & _CODEC_MASK:
+        records = _records_in_place(buf, count, first_ts)
+    else:
+        records = _decompressed_records(bytes(buf))
+    if not records:
+        raise RecordsError(INVALID_RECORD, "a record batch with no records")
+    return encode_batch(records, producer_id=producer_id, producer_epoch=producer_epoch, base_sequence=base_sequence)
+
+
+def _records_in_place(buf: memoryview, count: int, first_ts: int) -> list[RecordInput]:
+    """The records of an uncompressed batch, keys and values as views of the request's bytes: georep's encoder
+    copies them once, into the georep batch. The walk uses kafka-python's varint decoder and Kafka's record
+    layout (length, attributes, timestamp delta, offset delta, key, value, headers); georep's batch has no
+    offset gaps, so the offset deltas must be 0, 1, 2 ..., as every producer writes them."""
+    out: list[RecordInput] = []
+    pos = _BATCH_HEAD_MIN
+    try:
+        for index in range(count):
+            length, pos = decode_varint(buf, pos)
+            end = pos + length
+            _attributes, pos = decode_varint(buf, pos)
+            ts_delta, pos = decode_varint(buf, pos)
+            offset_delta, pos = decode_varint(buf, pos)
+            if offset_delta != index:
+                raise RecordsError(INVALID_RECORD, f"record {index} has offset delta {offset_delta}: a produced "
+                                   "batch's offset deltas run 0, 1, 2 ...")  # fmt: skip
+            key_len, pos = decode_varint(buf, pos)
+            key = buf[pos : pos + key_len] if key_len >= 0 else None
+            pos += max(key_len, 0)
+            value_len, pos = decode_varint(buf, pos)
+            value = buf[pos : pos + value_len] if value_len >= 0 else None
+            pos += max(value_len, 0)
+            header_count, pos = decode_varint(buf, pos)
+            headers: list[tuple[str, bytes | None]] = []
+            for _h in range(header_count):
+                hk_len, pos = decode_varint(buf, pos)
+                hk = bytes(buf[pos : pos + hk_len]).decode()
+                pos += hk_len
+                hv_len, pos = decode_varint(buf, pos)
+                headers.append((hk, bytes(buf[pos : pos + hv_len]) if hv_len >= 0 else None))
+                pos += max(hv_len, 0)
+            if pos != end or end > len(buf) or header_count < 0 or key_len < -1 or value_len < -1:
+                raise RecordsError(CORRUPT_MESSAGE, f"record {index} of the batch has inconsistent lengths")
+            # encode_batch takes a key's and a value's length and joins them: a view serves as well as bytes.
+            out.append(RecordInput(cast(bytes | None, key), cast(bytes | None, value), headers, first_ts + ts_delta))
+    except (IndexError, UnicodeDecodeError) as exc:
+        raise RecordsError(CORRUPT_MESSAGE, f"record batch truncated or corrupt: {exc}") from None
+    if pos != len(buf):
+        raise RecordsError(CORRUPT_MESSAGE, f"{len(buf) - pos} bytes after the batch's last record")
+    return out
+
+
+def _decompressed_records(buf: bytes) -> list[RecordInput]:
+    """The records of a compressed batch, through kafka-python's reader (it decompresses)."""
+    batch = DefaultRecordBatch(buf)
     try:
         records = [RecordInput(r.key, r.value, r.headers, r.timestamp) for r in batch]
     except Exception as exc:  # kafka-python raises several types for a codec it lacks or corrupt data
         codec = _CODEC_NAMES.get(batch.compression_type, str(batch.compression_type))
-        raise RecordsError(UNSUPPORTED_COMPRESSION_TYPE if batch.compression_type else CORRUPT_MESSAGE,
-                           f"cannot read the {codec} records: {exc}") from None  # fmt: skip
-    if not records:
-        raise RecordsError(INVALID_RECORD, "a record batch with no records")
-    return encode_batch(records, producer_id=batch.producer_id, producer_epoch=batch.producer_epoch,
-                        base_sequence=batch.base_sequence)  # fmt: skip
+        raise RecordsError(UNSUPPORTED_COMPRESSION_TYPE, f"cannot read the {codec} records: {exc}") from None
+    return records
 
 
 def georep_to_kafka(chunk: bytes, from_offset: int = 0, skip: Mapping[Origin, int] | None = None,
