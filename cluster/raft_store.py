@@ -58,12 +58,23 @@ member cannot disturb the group: the members drop connections from Raft
 addresses they do not know, and a node that reaches nobody never runs for
 election, so it can neither vote nor form a majority of its own.
 
+**The Raft secret** (``password``; docs/security.md): pysyncobj seals every message on the Raft port, the utility
+messages above included, as a Fernet token under a key derived from the site's secret, and closes a connection at
+the first message that fails the check, before unpickling it. So a process without the secret can neither join,
+vote, nor send a command, and learns nothing from the port. pysyncobj logs nothing about it; this store does
+(``_CheckedEncryptor``), so a node given the wrong secret file shows in the logs of the nodes it tries.
+
 pysyncobj facts this module relies on or works around (0.3.17):
 
-* Commands in the log and messages between nodes are pickled. Anyone who can
-  connect to the Raft port can run code in the node, so the port binds only
-  the given address (pysyncobj would bind 0.0.0.0), and must be reachable only
-  from the site's nodes.
+* Commands in the log and messages between nodes are pickled. Without a
+  secret, anyone who can connect to the Raft port can run code in the node;
+  with one, only a holder of the secret gets a message unpickled. Either way
+  the port binds only the given address (pysyncobj would bind 0.0.0.0), and
+  should be reachable only from the site's nodes.
+* With a secret, the key is PBKDF2-HMAC-SHA256 over it with a salt fixed in
+  pysyncobj: the secret must be random (``georep.security.raft_secret``), not
+  a word. One secret only: a node with the old one and a node with the new one
+  cannot talk, so a change of secret is a stop of the site or a quorum gap.
 * The journal is written through mmap and not fsynced per entry: it survives
   a crash of the process (kill -9), not of the machine. A commit therefore
   relies on a majority not losing power at once.
@@ -106,7 +117,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from cryptography.fernet import InvalidToken
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException, replicated
+from pysyncobj.encryptor import getEncryptor
 from pysyncobj.serializer import Serializer
 from pysyncobj.utility import TcpUtility, UtilityException
 
@@ -135,6 +148,7 @@ DUMP_FILE = "site-state.json"
 DUMP_FORMAT = "georep-site-state-dump"
 DUMP_FORMAT_VERSION = 1
 PORT_MAX = 65535
+REFUSED_LOG_INTERVAL_S = 30.0  # at most one warning this often about messages sealed with another Raft secret
 
 T = TypeVar("T")
 
@@ -321,18 +335,19 @@ def has_raft_state(data_dir: Path) -> bool:
     return (raft_dir / JOURNAL_FILE).exists() or (raft_dir / DUMP_FILE).exists()
 
 
-def _utility(address: str, command: list[Any], timeout_s: float) -> Any:
-    """One pysyncobj utility message to the Raft port at ``address`` (what ``syncobj_admin`` sends); None if no
-    answer came."""
+def _utility(address: str, command: list[Any], timeout_s: float, password: bytes | None = None) -> Any:
+    """One pysyncobj utility message to the Raft port at ``address`` (what ``syncobj_admin`` sends), sealed with
+    the site's Raft secret ``password`` if it has one; None if no answer came (a port with another secret closes
+    the connection unanswered)."""
     try:
-        return TcpUtility(timeout=timeout_s).executeCommand(address, command)
+        return TcpUtility(password=password, timeout=timeout_s).executeCommand(address, command)
     except (UtilityException, OSError):
         return None
 
 
-def ask_group(address: str, timeout_s: float = ASK_TIMEOUT_S) -> GroupView | None:
+def ask_group(address: str, timeout_s: float = ASK_TIMEOUT_S, password: bytes | None = None) -> GroupView | None:
     """The Raft group as the member at ``address`` sees it; None if it does not answer."""
-    status = _utility(address, ["status"], timeout_s)
+    status = _utility(address, ["status"], timeout_s, password)
     if not isinstance(status, dict) or "self" not in status:
         return None
     prefix = "partner_node_status_server_"
@@ -356,8 +371,8 @@ def _check_bindable(address: str) -> None:
 
 
 def join_running_group(self_address: str, partner_addresses: Iterable[str], data_dir: Path,
-                       timeout_s: float = JOIN_TIMEOUT_S,
-                       ask_timeout_s: float = ASK_TIMEOUT_S) -> list[str]:  # fmt: skip
+                       timeout_s: float = JOIN_TIMEOUT_S, ask_timeout_s: float = ASK_TIMEOUT_S,
+                       password: bytes | None = None) -> list[str]:  # fmt: skip
     """Before :class:`RaftMetadataStore` starts on a node: if the site's Raft group already runs without this node,
     have its leader add it (pysyncobj's ``addNodeToCluster``, one member at a time) and wait until that is committed.
 
@@ -365,7 +380,7 @@ def join_running_group(self_address: str, partner_addresses: Iterable[str], data
     ``partner_addresses`` (the topology's other nodes) if no member answered or this node ran before. Raises
     :class:`JoinFailed` after ``timeout_s`` without a committed addition, and :class:`RaftStartError` at once if this
     node could not listen on its address (checked before it is added, so that a mistyped address never becomes a
-    member that cannot run).
+    member that cannot run). ``password``: the site's Raft secret, as :class:`RaftMetadataStore` takes it.
     """
     self_address = _check_raft_address(self_address)
     peers = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
@@ -375,7 +390,7 @@ def join_running_group(self_address: str, partner_addresses: Iterable[str], data
     why = "no member answered"
     checked_bind = False
     while True:
-        views = [v for v in (ask_group(a, ask_timeout_s) for a in peers) if v is not None]
+        views = [v for v in (ask_group(a, ask_timeout_s, password) for a in peers) if v is not None]
         # The running group's members, not the topology's list: a node listed there but not added yet (the next one
         # to join) must not count in this node's majority. With no answer, the site is forming from the topology.
         known = sorted({m for v in views for m in v.members} if views else set(peers))
@@ -394,7 +409,7 @@ def join_running_group(self_address: str, partner_addresses: Iterable[str], data
             leader = next(v.leader for v in views if v.leader is not None)
             logger.info("Raft node %s: the site's running group (%s) does not count it; asking leader %s to add it",
                         self_address, ", ".join(sorted({m for v in views for m in v.members})), leader)  # fmt: skip
-            answer = _utility(leader, ["add", self_address], ask_timeout_s)
+            answer = _utility(leader, ["add", self_address], ask_timeout_s, password)
             if isinstance(answer, str) and answer.startswith("SUCCESS"):
                 logger.info("Raft node %s was added to the site's group by %s", self_address, leader)
                 return [a for a in known if a != self_address]
@@ -405,10 +420,56 @@ def join_running_group(self_address: str, partner_addresses: Iterable[str], data
             raise JoinFailed(
                 f"Raft node {self_address} is not a member of its site's running Raft group and could not be added "
                 f"within {timeout_s:g} s ({why}). Check that a majority of the running nodes is up and that their Raft "
-                f"ports ({', '.join(peers) or '-'}) and this node's ({self_address}) reach each other, then start this "
-                "node again"
+                f"ports ({', '.join(peers) or '-'}) and this node's ({self_address}) reach each other and that every "
+                "node has the same Raft secret (--raft-secret-file: a member with another one closes the connection "
+                "unanswered), then start this node again"
             )
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+# -- the Raft secret ------------------------------------------------------------------------------------
+
+
+class _CheckedEncryptor:
+    """pysyncobj's Fernet for a password, saying in the node's log when a message fails its check.
+
+    pysyncobj (0.3.17) closes such a connection without a word, so a node given another site's secret, or a stray
+    process on the port, would look like a network fault. Every message goes through :meth:`extract_timestamp`
+    first (it checks the HMAC); the first failure is logged at once, later ones at most every
+    :data:`REFUSED_LOG_INTERVAL_S` with their count.
+    """
+
+    def __init__(self, fernet: Any, self_address: str) -> None:
+        self._fernet = fernet
+        self._me = self_address
+        self._lock = threading.Lock()
+        self._refused = 0
+        self._logged_at: float | None = None
+
+    def encrypt_at_time(self, data: bytes, current_time: int) -> bytes:
+        return bytes(self._fernet.encrypt_at_time(data, current_time))
+
+    def decrypt(self, token: bytes) -> bytes:
+        return bytes(self._fernet.decrypt(token))
+
+    def extract_timestamp(self, token: bytes) -> int:
+        try:
+            return int(self._fernet.extract_timestamp(token))
+        except InvalidToken:
+            self._note_refused()
+            raise
+
+    def _note_refused(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._refused += 1
+            if self._logged_at is not None and now - self._logged_at < REFUSED_LOG_INTERVAL_S:
+                return
+            count, self._refused, self._logged_at = self._refused, 0, now
+        logger.warning(
+            "Raft node %s refused %d message(s) not sealed with this node's Raft secret and closed the connection: "
+            "a node of this site started with another --raft-secret-file (every node of a site needs the same "
+            "file, made by 'georep certs init'), or a process that is not a node of this site", self._me, count)
 
 
 # -- the dump file ---------------------------------------------------------------------------------------
@@ -525,6 +586,10 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
 
     def __init__(self, self_address: str, partners: list[str], conf: dict[str, Any], dump_path: Path,
                  initial: _Dump | None) -> None:  # fmt: skip
+        password = conf.get("password")
+        # before SyncObj.__init__: it connects to the partners with this (pysyncobj reads :attr:`encryptor`)
+        self._checked_encryptor = None if password is None else _CheckedEncryptor(getEncryptor(password),
+                                                                                  self_address)  # fmt: skip
         self._state_lock = threading.Lock()
         self._site_state = initial.state if initial is not None else SiteState()
         self._dumped_index = initial.last_applied[1] if initial is not None else 0
@@ -535,6 +600,10 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         super().__init__(self_address, partners, syncobj_conf)
         # The tick thread sleeps 0.1 s before its first tick, so no transfer can have started yet.
         self._SyncObj__serializer.__class__ = _ClosingSerializer
+
+    @property
+    def encryptor(self) -> _CheckedEncryptor | None:  # what pysyncobj's transport seals each connection with
+        return self._checked_encryptor
 
     def release_files(self) -> None:
         """Close the files pysyncobj leaves open; only once the tick thread has stopped."""
@@ -621,11 +690,13 @@ class RaftMetadataStore:
 
     ``self_address`` and ``partner_addresses`` are the Raft ``host:port`` of this node and of the others (the same
     set on every node). ``data_dir`` is the node's data dir; the Raft files go under ``data_dir/raft``. Build it in the
-    node's main thread, and :meth:`close` it.
+    node's main thread, and :meth:`close` it. ``password`` is the site's Raft secret
+    (``georep.security.raft_secret``): every message on the Raft port is then sealed and checked with it; the same
+    on every node of the site. ``None`` leaves the port plaintext (``--insecure`` nodes and tests only).
     """
 
     def __init__(self, self_address: str, partner_addresses: Iterable[str], data_dir: Path,
-                 timing: RaftTiming | None = None) -> None:  # fmt: skip
+                 timing: RaftTiming | None = None, password: bytes | None = None) -> None:  # fmt: skip
         self._timing = timing or RaftTiming()
         self._self_address = _check_raft_address(self_address)
         partners = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
@@ -644,6 +715,8 @@ class RaftMetadataStore:
             # and the dump, so a restarted node keeps it whatever its topology file lists.
             "dynamicMembershipChange": True,
         }
+        if password is not None:
+            conf["password"] = password
         with warnings.catch_warnings():
             # pysyncobj 0.3.17 reads the journal's .meta file with open(...).read() and never closes it
             warnings.filterwarnings("ignore", category=ResourceWarning, message=r"unclosed file .*\.meta'>")

@@ -30,7 +30,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterSite
     certs = root / "certs"
     made = georep("certs", "init", "--dir", str(certs), "--sites", "a", "--nodes", "a=3", "--clients", "alice", "bob")
     assert made.returncode == 0, made.stderr
-    cluster = ClusterSite(root, count=3, extra_args=["--replication-factor", "3", "--min-insync-replicas", "2"])
+    cluster = ClusterSite(root, count=3, extra_args=["--replication-factor", "3", "--min-insync-replicas", "2"],
+                          raft_secret=certs / "raft-a.secret")  # fmt: skip
     for n, node in cluster.nodes.items():
         node.tls = TlsConfig.from_dir(certs, node_principal("a", n))
     try:

@@ -4,8 +4,9 @@
 
 writes ``certs/ca.crt`` (give it to every node and client), ``certs/ca.key`` (keep it; it signs more
 certificates later) and, per principal, ``<kind>-<name>.crt`` and ``.key``: ``site-a``, ``node-c-1`` ..
-``node-c-3``, ``client-admin``, ``client-alice``, ``client-bob``. Keys have mode 0600. Certificates that exist
-are kept; ``--renew`` issues new ones (nodes reload them without a restart).
+``node-c-3``, ``client-admin``, ``client-alice``, ``client-bob``, and for each site of several nodes its Raft
+secret ``raft-c.secret`` (``georep node --raft-secret-file``; kept once made). Keys and secrets have mode
+0600. Certificates that exist are kept; ``--renew`` issues new ones (nodes reload them without a restart).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.security import dev_ca
 from georep.security.principal import InvalidPrincipal, Principal, parse_principal, principal_file_name
+from georep.security.raft_secret import secret_file_name
 from georep.security.tls import CA_FILE, TlsError
 from topology.ids import InvalidSiteId, site_id
 
@@ -90,5 +92,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {args.dir / principal_file_name(p)}.crt/.key  {p}")
     if kept:
         print(f"kept {len(kept)} existing certificate(s): {', '.join(map(str, kept))}")
+    for site in plan.raft_sites:
+        print(f"Raft secret of site {site}: {args.dir / secret_file_name(site)} (give it to every node of the site: "
+              "--raft-secret-file)")  # fmt: skip
     print(f"CA: {args.dir / CA_FILE} (give it to every node and client; keep ca.key private)")
     return 0

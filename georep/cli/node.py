@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,8 @@ from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.acl import DEFAULT_SUPER_USERS
 from georep.security.principal import InvalidPrincipal, Principal, parse_principal
+from georep.security.raft_secret import FLAG as RAFT_SECRET_FLAG
+from georep.security.raft_secret import RaftSecretError, read_secret, secret_file_name
 from georep.security.tls import TlsError
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.cluster_member import ClusterConfig
@@ -110,6 +113,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_node_tls_arguments(parser)
     parser.add_argument(
+        RAFT_SECRET_FLAG, type=Path, default=None, metavar="FILE",
+        help="a node of a multi-node site: the site's Raft secret (raft-<site>.secret of 'georep certs init'), the "
+        "same file on every node; it seals the Raft metadata port. Required with TLS; --insecure runs Raft plaintext",
+    )  # fmt: skip
+    parser.add_argument(
         "--super-user", action="append", type=_principal, default=None, metavar="PRINCIPAL",
         help="a principal allowed everything without ACL entries, besides the site's own nodes; repeat for "
         "several (default: client:admin; naming any replaces it)",
@@ -127,6 +135,8 @@ def main(args: argparse.Namespace) -> int:
         defaults = topic_defaults(args)
         topology = None if args.topology is None else site_topology(args.topology, args.site)
         in_site = None if topology is None else in_site_options(topology, args)
+        if args.raft_secret_file is not None and in_site is None:
+            raise UsageError(f"{RAFT_SECRET_FLAG}: only a node of a multi-node site runs Raft; drop the flag")
         if args.listen is not None:
             listen = parse_address(args.listen, "--listen")
         elif in_site is not None and topology is not None:
@@ -144,6 +154,8 @@ def main(args: argparse.Namespace) -> int:
                 tls.check()
         except (TlsArgsError, TlsError) as exc:
             raise UsageError(str(exc)) from None
+        if in_site is not None:
+            in_site = replace(in_site, raft_secret=raft_secret(args.raft_secret_file, args.site, tls is not None))
         return asyncio.run(
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
                   topology, args.stall_ms, admin_token, args.scrub_bytes_per_s, in_site, tls,
@@ -186,6 +198,23 @@ def topic_defaults(args: argparse.Namespace) -> dict[str, int]:
     except InvalidTopic as exc:
         flag = str(exc).split("topic config ", 1)[-1].split("=", 1)[0].replace("_", "-")
         raise UsageError(f"--{flag}: {exc}") from None
+
+
+def raft_secret(path: Path | None, site: str, tls: bool) -> bytes | None:
+    """The Raft secret of a node of a multi-node site: read from ``path`` once; required with TLS."""
+    if path is None:
+        if tls:
+            raise UsageError(
+                f"site {site!r} has several nodes and this node runs TLS, so its Raft metadata port must be sealed "
+                f"too: pass {RAFT_SECRET_FLAG} {secret_file_name(site)} (every node of the site the same file; "
+                f"'georep certs init --dir DIR --nodes {site}=N' makes it next to the certificates), or --insecure "
+                "to run plaintext"
+            )
+        return None
+    try:
+        return read_secret(path)
+    except RaftSecretError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def read_admin_token(path: Path) -> str:

@@ -24,6 +24,7 @@ from georep.cli.tls_args import INSECURE_WARNING, certs_dir
 from georep.cli.topology_file import DEFAULT, TopologyFileError, load_topology
 from georep.security import dev_ca
 from georep.security.principal import node_principal, site_principal
+from georep.security.raft_secret import secret_file_name
 from georep.security.tls import TlsConfig, TlsError
 from georep.server.process import NODE_INFO, NodeProcess, NodeStartError
 from topology.model import InvalidTopology, Topology, warnings
@@ -44,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def ensure_certs(topology: Topology, data_dir: Path) -> Path:
     """``DATA_DIR/certs``: a development CA and a certificate for every node of the topology and for
-    ``client:admin`` (the commands' default), made where missing (``georep certs init``)."""
+    ``client:admin`` (the commands' default), and a Raft secret per multi-node site, made where missing (``georep
+    certs init``)."""
     directory = certs_dir(data_dir).resolve()  # absolute: node.json's restart command runs from anywhere
     dev_ca.init(directory, dev_ca.topology_plan(topology))
     return directory
@@ -77,9 +79,11 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
             site.raft_addresses()
         except InvalidTopology as exc:
             raise TopologyFileError(str(exc)) from None
+        # with TLS, the site's Raft port is sealed with its secret too (docs/security.md)
+        secret = [] if certs is None else ["--raft-secret-file", str(certs / secret_file_name(sid))]
         for member in site.members:
             procs.append(NodeProcess(site=sid, data_dir=data_dir / sid / str(member.id), listen=member.address,
-                                     extra_args=[*args, "--node-id", str(member.id)], node_id=member.id,
+                                     extra_args=[*args, *secret, "--node-id", str(member.id)], node_id=member.id,
                                      tls=node_tls(certs, sid, member.id)))  # fmt: skip
     return procs
 

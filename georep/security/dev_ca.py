@@ -9,7 +9,8 @@ call each other). Keys are ECDSA P-256 (fast handshakes, small certificates), wr
 
 Only what is missing is made, so running it again with more sites or clients adds them under the same CA;
 ``renew`` issues fresh keys and certificates for the given principals (rotation: nodes reload them without a
-restart). Production deployments bring their own PKI instead (docs/security.md).
+restart). A site of several nodes also gets its Raft secret, ``raft-<site>.secret`` (georep.security.raft_secret),
+made once and then kept. Production deployments bring their own PKI instead (docs/security.md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from georep.security.principal import (
     principal_file_name,
     site_principal,
 )
+from georep.security.raft_secret import ensure_secret
 from georep.security.tls import ADMIN, CA_FILE, CA_KEY_FILE, CERT_SUFFIX, KEY_SUFFIX, TlsError, write_secret
 from topology.model import Topology
 
@@ -49,17 +51,21 @@ class Plan:
 
     principals: tuple[Principal, ...]
     hosts: tuple[str, ...] = field(default=())
+    raft_sites: tuple[str, ...] = field(default=())  # multi-node sites: each gets a Raft secret
 
 
 def plan(sites: Iterable[str], nodes: Mapping[str, int], clients: Iterable[str], hosts: Iterable[str] = ()) -> Plan:
     """``site:<s>`` for a one-node site, ``node:<s>/<n>`` for each node of a site of ``nodes[s]`` > 1 nodes,
-    ``client:<c>`` for each client, and always ``client:admin`` (what georep's commands use by default)."""
+    ``client:<c>`` for each client, and always ``client:admin`` (what georep's commands use by default); and a Raft
+    secret for each site of several nodes."""
     out: list[Principal] = []
+    raft_sites: list[str] = []
     for site in sites:
         count = nodes.get(site, 1)
         out.extend([site_principal(site)] if count <= 1 else [node_principal(site, n) for n in range(1, count + 1)])
+        raft_sites.extend([site] if count > 1 else [])
     out.extend(client_principal(c) for c in [ADMIN.name, *clients])
-    return Plan(tuple(dict.fromkeys(out)), tuple(dict.fromkeys(hosts)))
+    return Plan(tuple(dict.fromkeys(out)), tuple(dict.fromkeys(hosts)), tuple(dict.fromkeys(raft_sites)))
 
 
 def topology_plan(topology: Topology, clients: Iterable[str] = ()) -> Plan:
@@ -159,7 +165,9 @@ def write_leaf(directory: Path, principal: Principal, cert: x509.Certificate, ke
 
 
 def init(directory: Path, wanted: Plan, renew: Iterable[Principal] = (), days: int = LEAF_DAYS) -> list[Principal]:
-    """Make the CA if missing, and a certificate for each planned principal that has none (or is in ``renew``).
+    """Make the CA if missing, a certificate for each planned principal that has none (or is in ``renew``), and
+    a Raft secret ``raft-<site>.secret`` for each planned multi-node site that has none (kept otherwise: every node
+    of the site must have the same; see :mod:`georep.security.raft_secret`).
 
     Returns the principals whose certificates were written now.
     """
@@ -178,4 +186,6 @@ def init(directory: Path, wanted: Plan, renew: Iterable[Principal] = (), days: i
         cert, key = issue(principal, ca_cert, ca_key, wanted.hosts, days)
         write_leaf(directory, principal, cert, key)
         written.append(principal)
+    for site in wanted.raft_sites:
+        ensure_secret(directory, site)
     return written

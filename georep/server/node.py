@@ -8,6 +8,7 @@ fsync and retention loops, and shuts down cleanly on SIGTERM or Ctrl-C
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -109,6 +110,7 @@ class InSiteOptions:
     raft_peers: tuple[str, ...]  # every node's Raft address (this one's may be among them)
     config: ClusterConfig
     raft_timing: RaftTiming | None = None
+    raft_secret: bytes | None = None  # seals the Raft port (georep.security.raft_secret); None: plaintext
 
 
 async def _site_identity(metadata: RaftMetadataStore, site: str, executor: ThreadPoolExecutor) -> SiteIdentity:
@@ -120,7 +122,9 @@ async def _site_identity(metadata: RaftMetadataStore, site: str, executor: Threa
             result = await loop.run_in_executor(executor, metadata.propose, InitSite(site, int(time.time())))
         except MetadataUnavailable as exc:
             if not waited:
-                log.warning("waiting for a majority of site %s's nodes to agree on its metadata: %s", site, exc)
+                log.warning("waiting for a majority of site %s's nodes to agree on its metadata: %s. If they run, "
+                            "check that every node has the same --raft-secret-file (a node with another is refused)",
+                            site, exc)  # fmt: skip
             waited = True
             continue
         if isinstance(result, Refused):
@@ -146,9 +150,10 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         try:
             # A node new to a running site is added to its Raft group first (docs/cluster.md, "Expansion"); the
             # store itself must be built in this thread (pysyncobj's tick thread stops with the thread that built it)
-            partners = await asyncio.get_running_loop().run_in_executor(
-                segment_executor, join_running_group, in_site.raft_address, in_site.raft_peers, data_dir)
-            metadata = RaftMetadataStore(in_site.raft_address, partners, data_dir, in_site.raft_timing)
+            partners = await asyncio.get_running_loop().run_in_executor(segment_executor, functools.partial(
+                join_running_group, in_site.raft_address, in_site.raft_peers, data_dir, password=in_site.raft_secret))
+            metadata = RaftMetadataStore(in_site.raft_address, partners, data_dir, in_site.raft_timing,
+                                         in_site.raft_secret)  # fmt: skip
         except RaftStartError as exc:
             segment_executor.shutdown()
             raise UsageError(str(exc)) from None
@@ -234,6 +239,10 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
     if tls is None:
         log.warning("--insecure: serving plaintext, without TLS and without ACLs; any process that reaches %s may "
                     "produce, consume, commit and replicate (docs/security.md)", info["listen"])  # fmt: skip
+    if in_site is not None and in_site.raft_secret is None:
+        log.warning("no --raft-secret-file: the Raft port %s is plaintext and unauthenticated; any process that "
+                    "reaches it may join the site's Raft group, change its metadata or run code in this node "
+                    "(docs/security.md)", in_site.raft_address)  # fmt: skip
     log.info("site %s (origin %s) serving on %s, metrics on %s", identity.site, broker.origin, info["listen"],
              metrics_address)  # fmt: skip
 

@@ -26,19 +26,21 @@ def site_toml(site: str, grpc_ports: list[int], raft_ports: list[int]) -> str:
 class ClusterSite:
     """``count`` nodes of site ``site``, each ``georep node --node-id N`` with its own data dir under ``root``.
 
-    ``more_toml`` adds to the topology file (other sites, links); those sites are the caller's to start."""
+    ``more_toml`` adds to the topology file (other sites, links); those sites are the caller's to start.
+    ``raft_secret``: the site's Raft secret file (``georep certs init``), which a node with TLS needs."""
 
     def __init__(self, root: Path, count: int = 3, site: str = "a", extra_args: list[str] | None = None,
-                 more_toml: str = "") -> None:  # fmt: skip
+                 more_toml: str = "", raft_secret: Path | None = None) -> None:  # fmt: skip
         ports = free_ports(2 * count)
         self.site = site
         self.grpc_ports, self.raft_ports = ports[:count], ports[count:]
         self.topology = root / "topology.toml"
         self.topology.write_text(site_toml(site, self.grpc_ports, self.raft_ports) + more_toml)
+        secret = [] if raft_secret is None else ["--raft-secret-file", str(raft_secret)]
         self.nodes = {
             i + 1: NodeProcess(site, root / site / str(i + 1), listen=f"127.0.0.1:{self.grpc_ports[i]}",
                                extra_args=["--node-id", str(i + 1), "--topology", str(self.topology),
-                                           "--scrub-bytes-per-s", "0", *(extra_args or [])])  # fmt: skip
+                                           "--scrub-bytes-per-s", "0", *secret, *(extra_args or [])])  # fmt: skip
             for i in range(count)
         }
 
