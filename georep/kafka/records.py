@@ -6,10 +6,10 @@ encoding (Kafka's records are varint-framed, georep's are fixed-width) and in wh
 and origin seq, stamped by the site that first accepts the batch. So a batch is converted at the gateway,
 once each way, by kafka-python's maintained codec (``kafka.record.default_records``):
 
-* **Produce** (:func:`kafka_to_georep`). The Kafka batch is parsed (decompressed if the producer
-  compressed it: gzip, lz4, zstd; snappy only with python-snappy), and each record's key, value and
-  headers go straight into georep's encoder: one copy of the record bytes out of the request, one into
-  the georep batch. The producer's id, epoch and base sequence are kept, so georep's producer table
+* **Produce** (:func:`kafka_to_georep`). An uncompressed batch is walked in place (its CRC checked over a
+  view of the request) and each record's key and value, as views, go straight into georep's encoder: the
+  record bytes are copied once, into the georep batch. A compressed one (gzip, lz4, zstd; snappy only with
+  python-snappy) goes through kafka-python's reader, which decompresses it. The producer's id, epoch and base sequence are kept, so georep's producer table
   (``dedup/producer.py``) deduplicates the idempotent producer's retries with Kafka's own rules.
 * **Fetch** (:func:`georep_to_kafka`). Each stored batch becomes one Kafka batch with the same base
   offset (a Kafka offset is the site's local offset) and the records' offset deltas, CreateTime
