@@ -4,14 +4,17 @@ The two layouts carry the same things (``georep/record/batch.py``): producer id,
 sequence, a first and a max timestamp, records with key, value, headers and timestamp. They differ in
 encoding (Kafka's records are varint-framed, georep's are fixed-width) and in what georep adds: the origin
 and origin seq, stamped by the site that first accepts the batch. So a batch is converted at the gateway,
-once each way, by kafka-python's maintained codec (``kafka.record.default_records``):
+once each way, with kafka-python's maintained codec (``kafka.record``: its batch header struct, its varint
+encoder and decoder, its reader for compressed batches), copying each record's bytes once:
 
 * **Produce** (:func:`kafka_to_georep`). An uncompressed batch is walked in place (its CRC checked over a
   view of the request) and each record's key and value, as views, go straight into georep's encoder: the
   record bytes are copied once, into the georep batch. A compressed one (gzip, lz4, zstd; snappy only with
-  python-snappy) goes through kafka-python's reader, which decompresses it. The producer's id, epoch and base sequence are kept, so georep's producer table
-  (``dedup/producer.py``) deduplicates the idempotent producer's retries with Kafka's own rules.
-* **Fetch** (:func:`georep_to_kafka`). Each stored batch becomes one Kafka batch with the same base
+  python-snappy) goes through kafka-python's reader, which decompresses it. The producer's id, epoch and
+  base sequence are kept, so georep's producer table (``dedup/producer.py``) deduplicates the idempotent
+  producer's retries with Kafka's own rules.
+* **Fetch** (:func:`georep_to_kafka`). Each stored batch is walked in place and becomes, in one pass,
+  one Kafka batch (uncompressed) with the same base
   offset (a Kafka offset is the site's local offset) and the records' offset deltas, CreateTime
   timestamps, and two more headers per record: ``georep.origin`` (``site@epoch``) and
   ``georep.origin_seq`` (decimal), the record's coordinate, the same at every site.
@@ -29,9 +32,18 @@ from typing import cast
 
 import crc32c
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
-from kafka.record.util import decode_varint
+from kafka.record.util import decode_varint, encode_varint, size_of_varint
 
-from georep.record.batch import RecordInput, decode_records, encode_batch, headers_in
+from georep.record.batch import (
+    HEADER_BYTES,
+    RECORD_HEAD,
+    CorruptBatch,
+    RecordInput,
+    encode_batch,
+    headers_in,
+    parse_header,
+)
+from georep.record.compression import decompress
 from offsets.coordinates import Origin
 
 ORIGIN_HEADER = "georep.origin"
@@ -44,6 +56,11 @@ _LENGTH = struct.Struct(">qi")
 _CRC_AT = 17
 _ATTRIBUTES_AT = 21
 _LAST_OFFSET_DELTA_AT = 23
+_KAFKA_HEAD = DefaultRecordBatch.HEADER_STRUCT
+_RECORD_HEAD = RECORD_HEAD  # georep's record: length, attributes, timestamp delta, offset delta, key length
+_I32 = struct.Struct(">i")
+_ORIGIN_KEY = ORIGIN_HEADER.encode()
+_ORIGIN_SEQ_KEY = ORIGIN_SEQ_HEADER.encode()
 _CODEC_MASK = 0x07
 _TRANSACTIONAL = 0x10
 _CONTROL = 0x20
@@ -171,26 +188,86 @@ def georep_to_kafka(chunk: bytes, from_offset: int = 0, skip: Mapping[Origin, in
 
 
 def _convert(batch: memoryview, skip: Mapping[Origin, int] | None) -> bytearray:
-    records = decode_records(batch)
-    first = records[0]
-    origin = str(first.origin).encode()
-    covered = -1 if skip is None else skip.get(first.origin, 0)  # records with origin_seq < covered are left out
-    builder = DefaultRecordBatchBuilder(MAGIC_V2, 0, False, -1, -1, -1, 1 << 62)
+    """One stored georep batch as one Kafka v2 batch, written in one pass: each record's key, value and headers
+    are copied once, from the stored batch (a view of the log read) into the Kafka batch. Kafka's record layout
+    with kafka-python's varint encoder and batch header struct; the CRC-32C over the result."""
+    h = parse_header(batch)
+    body = memoryview(decompress(h.compression, batch[HEADER_BYTES : h.size_bytes]))
+    covered = -1 if skip is None else skip.get(h.origin, 0)  # records with origin_seq < covered are left out
+    # The two coordinate headers: all but the seq's digits are the same for every record of the batch.
+    coordinate = bytearray()
+    for part in (_ORIGIN_KEY, str(h.origin).encode(), _ORIGIN_SEQ_KEY):
+        _write_bytes(coordinate, memoryview(part))
+    out = bytearray(_KAFKA_HEAD.size)
+    write_byte = out.append
+    unpack_head = _RECORD_HEAD.unpack_from
+    unpack_i32 = _I32.unpack_from
+    pos = 0
     kept = 0
-    for r in records:
-        if r.origin_seq < covered:
+    max_ts = h.first_timestamp
+    base_seq = h.base_origin_seq
+    for index in range(h.records_count):
+        length, _attributes, ts_delta, delta, key_len = unpack_head(body, pos)
+        if delta != index:
+            raise CorruptBatch(f"record {index} of the batch at offset {h.base_offset} has offset delta {delta}")
+        rec_end = pos + 4 + length
+        if base_seq + index < covered:
+            pos = rec_end
             continue
+        p = pos + _RECORD_HEAD.size
+        key = body[p : p + key_len] if key_len >= 0 else None
+        p += max(key_len, 0)
+        (value_len,) = unpack_i32(body, p)
+        p += 4
+        value = body[p : p + value_len] if value_len >= 0 else None
+        p += max(value_len, 0)
+        (header_count,) = unpack_i32(body, p)
+        p += 4
+        headers = bytearray()  # the record's own headers, re-framed; usually none
+        for _h in range(header_count):
+            (hk_len,) = unpack_i32(body, p)
+            _write_bytes(headers, body[p + 4 : p + 4 + hk_len])
+            p += 4 + hk_len
+            (hv_len,) = unpack_i32(body, p)
+            p += 4
+            _write_bytes(headers, body[p : p + hv_len] if hv_len >= 0 else None)
+            p += max(hv_len, 0)
+        pos = rec_end
         kept += 1
-        headers = [*r.headers, (ORIGIN_HEADER, origin), (ORIGIN_SEQ_HEADER, str(r.origin_seq).encode())]
-        builder.append(r.offset - first.offset, r.timestamp_ms, r.key, r.value, headers)
-    last_delta = records[-1].offset - first.offset
+        if ts_delta > 0:
+            max_ts = max(max_ts, h.first_timestamp + ts_delta)
+        seq_text = b"%d" % (base_seq + index)
+        size = (1 + size_of_varint(ts_delta) + size_of_varint(delta) + _bytes_size(key) + _bytes_size(value)
+                + size_of_varint(header_count + 2) + len(headers) + len(coordinate) + 1 + len(seq_text))  # fmt: skip
+        encode_varint(size, write_byte)
+        write_byte(0)  # attributes
+        encode_varint(ts_delta, write_byte)
+        encode_varint(delta, write_byte)
+        _write_bytes(out, key)
+        _write_bytes(out, value)
+        encode_varint(header_count + 2, write_byte)
+        out += headers
+        out += coordinate
+        write_byte(len(seq_text) << 1)  # its length as a varint: at most 20 digits, one byte
+        out += seq_text
     if not kept:
-        return empty_batch(first.offset, last_delta, max(r.timestamp_ms for r in records))
-    built: bytearray = builder.build()
-    _BASE_OFFSET.pack_into(built, 0, first.offset)
-    if builder._last_offset != last_delta:  # the covered tail was left out: the batch still spans its offsets
-        return _with_last_delta(built, last_delta)
-    return built
+        return empty_batch(h.base_offset, h.last_offset_delta, h.max_timestamp)
+    _KAFKA_HEAD.pack_into(out, 0, h.base_offset, len(out) - 12, 0, MAGIC_V2, 0, 0, h.last_offset_delta,
+                          h.first_timestamp, max_ts, -1, -1, -1, kept)  # fmt: skip
+    struct.pack_into(">I", out, _CRC_AT, crc32c.crc32c(memoryview(out)[_ATTRIBUTES_AT:]))
+    return out
+
+
+def _bytes_size(data: memoryview | None) -> int:
+    return 1 if data is None else size_of_varint(len(data)) + len(data)
+
+
+def _write_bytes(out: bytearray, data: memoryview | None) -> None:
+    if data is None:
+        encode_varint(-1, out.append)
+        return
+    encode_varint(len(data), out.append)
+    out += data
 
 
 def _with_last_delta(built: bytearray, last_delta: int) -> bytearray:
