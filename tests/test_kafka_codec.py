@@ -124,9 +124,9 @@ def test_georep_to_kafka_offsets_and_coordinate_headers() -> None:
     out = georep_to_kafka(stored(kafka_batch(2), A, 5, 40))
     kb = DefaultRecordBatch(out)
     assert kb.validate_crc() and kb.base_offset == 40
-    assert [(r.offset, r.value, r.headers[-2:]) for r in kb] == [
-        (40, b"v0", [("georep.origin", b"a@1"), ("georep.origin_seq", b"5")]),
-        (41, b"v1", [("georep.origin", b"a@1"), ("georep.origin_seq", b"6")])]  # fmt: skip
+    assert [(r.offset, r.key, r.value, r.timestamp, r.headers) for r in kb] == [
+        (40, b"k0", b"v0", 1000, [("h", b"x"), ("georep.origin", b"a@1"), ("georep.origin_seq", b"5")]),
+        (41, b"k1", b"v1", 1001, [("georep.origin", b"a@1"), ("georep.origin_seq", b"6")])]  # fmt: skip
 
 
 def test_covered_records_are_left_out_and_a_covered_batch_still_spans_its_offsets() -> None:
