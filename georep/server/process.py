@@ -3,6 +3,10 @@
 Used by ``georep demo``, the integration tests and the benchmarks. A node
 writes ``node.json`` into its data dir once it is listening; that file gives
 its real addresses (ports may be ephemeral) and its process id.
+
+:data:`launcher` starts the process: ``subprocess.Popen`` of ``python -m georep.cli node ...``. The tests replace it
+with one that forks each node from a server that has already imported the node's modules
+(``tests/support/forkserver.py``); what they get back only needs the part of ``Popen`` that :class:`Launched` names.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from georep.security.tls import TlsConfig
 
@@ -29,6 +35,37 @@ def node_flags(tls: TlsConfig | None) -> list[str]:
     return [*flags, "--tls-server-name", tls.server_name] if tls.server_name else flags
 
 
+class Launched(Protocol):
+    """The part of ``subprocess.Popen`` a started node process must offer: ``wait`` raises
+    ``subprocess.TimeoutExpired`` on timeout, and a process killed by a signal has ``returncode`` minus its number."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+def popen_launcher(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``command`` with stdin from /dev/null, its output appended to ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+# How NodeProcess.launch starts ``command`` (always ``sys.executable -m georep.cli node ...``) logging to a path.
+launcher: Callable[[list[str], Path], Launched] = popen_launcher
+
+
 class NodeStartError(RuntimeError):
     """A node process exited or did not become ready in time."""
 
@@ -41,7 +78,7 @@ class NodeProcess:
     metrics_listen: str = "127.0.0.1:0"
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Launched | None = None
     address: str = ""
     metrics_address: str = ""
     kafka_address: str = ""  # the Kafka listener's HOST:PORT (--kafka-listen), from node.json
@@ -68,9 +105,8 @@ class NodeProcess:
         its site's nodes run: launch them all, then :meth:`wait_ready`)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_path or self.data_dir / "node.log"
-        with open(log_path, "ab") as log:
-            self._logged_before = log.tell()
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._logged_before = log_path.stat().st_size if log_path.exists() else 0
+        self.proc = launcher(self.command(), log_path)
         return self
 
     def wait_ready(self, timeout_s: float = 30.0) -> NodeProcess:
