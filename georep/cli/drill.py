@@ -71,6 +71,7 @@ from typing import Any
 import grpc
 
 from georep.cli.admin_token import TOKEN_ENV, find_token
+from georep.cli.drill_sites import DrillSitesError, drill_sites
 from georep.cli.link import set_link
 from georep.cli.tls_args import TlsArgsError, client_tls
 from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
@@ -439,17 +440,10 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
         return await node_kill(args, topology, sites, levels, out)
     if args.node is not None:
         raise DrillError("--node is for --mode node-kill, which kills one node of a multi-node site")
-    if len(names) < 2:
-        raise DrillError("a drill needs a topology of at least 2 sites")
-    victim = args.site or names[0]
-    target = args.failover_to or next(n for n in names if n != victim)
     try:
-        topology.site(victim)
-        topology.site(target)
-    except UnknownSite as exc:
+        victim, target = drill_sites(topology, args.site, args.failover_to)
+    except DrillSitesError as exc:
         raise DrillError(str(exc)) from None
-    if victim == target:
-        raise DrillError("--failover-to must be another site than --site")
     for s in sites.values():
         try:
             await s.stub_call("Health", pb.HealthRequest())

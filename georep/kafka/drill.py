@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from georep.cli.drill_sites import DrillSitesError, drill_sites
 from georep.security.tls import TlsConfig
-from topology.model import Topology, UnknownSite
+from topology.model import Topology
 
 NODE_INFO = "node.json"
 POLL_S = 0.05
@@ -200,18 +201,10 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
 
     AdminClient, NewTopic = kafka_admin.AdminClient, kafka_admin.NewTopic  # type: ignore[attr-defined]
 
-    names = list(topology.site_ids())
-    if len(names) < 2:
-        raise KafkaDrillError("a drill needs a topology of at least 2 sites")
-    victim = args.site or names[0]
-    target = args.failover_to or next(n for n in names if n != victim)
     try:
-        topology.site(victim)
-        topology.site(target)
-    except UnknownSite as exc:
+        victim, target = drill_sites(topology, args.site, args.failover_to)
+    except DrillSitesError as exc:
         raise KafkaDrillError(str(exc)) from None
-    if victim == target:
-        raise KafkaDrillError("--failover-to must be another site than --site")
     infos = {s: _info(args.data_dir, s) for s in (victim, target)}
     secure = ssl_config(tls)
     kafka = {s: str(infos[s]["kafka"]) for s in infos}
