@@ -188,7 +188,7 @@ BAD_FILES = {
     ),
     "unknown key in a node table": (
         "[sites.b]\nnodes = [" + node_table(1) + ', { id = 2, address = "127.0.0.1:7202", raft_address = "x" }]\n',
-        "[sites.b], node #2: unknown key 'raft_address'; allowed keys are address, id, raft",
+        "[sites.b], node #2: unknown key 'raft_address'; allowed keys are address, id, kafka, raft",
     ),
     "node table without an id": (
         '[sites.b]\nnodes = [{ address = "127.0.0.1:7201" }]\n',
@@ -242,17 +242,33 @@ BAD_FILES = {
     "a raft address used by two nodes of a site": (
         "[sites.b]\nnodes = [" + node_table(1) + ", " + node_table(2, raft="127.0.0.1:7211") + "]\n",
         "site 'b', node 2: Raft address 127.0.0.1:7211 is already the Raft address of site 'b', node 1; "
-        "every gRPC and Raft address in the topology must be different: use another port",
+        "every gRPC, Raft and Kafka address in the topology must be different: use another port",
     ),
     "a raft address equal to another site's gRPC address": (
         '[sites.a]\nnodes = ["127.0.0.1:7211"]\n[sites.b]\nnodes = [' + node_table(1) + ", " + node_table(2) + "]\n",
         "site 'b', node 1: Raft address 127.0.0.1:7211 is already the gRPC address of site 'a', node 1; "
-        "every gRPC and Raft address in the topology must be different: use another port",
+        "every gRPC, Raft and Kafka address in the topology must be different: use another port",
     ),
     "a gRPC address equal to another site's raft address": (
         "[sites.b]\nnodes = [" + node_table(1) + ']\n[sites.c]\nnodes = ["127.0.0.1:7211"]\n',
         "site 'c', node 1: gRPC address 127.0.0.1:7211 is already the Raft address of site 'b', node 1; "
-        "every gRPC and Raft address in the topology must be different: use another port",
+        "every gRPC, Raft and Kafka address in the topology must be different: use another port",
+    ),
+    "a Kafka address on some nodes of a multi-node site only": (
+        "[sites.b]\nnodes = [" + NodeSpec(NodeId(1), "127.0.0.1:7201", "127.0.0.1:7211", "127.0.0.1:9201").as_toml()
+        + ", " + node_table(2) + "]\n",
+        "site 'b', node 2 (127.0.0.1:7202) has no Kafka address but other nodes of the site have; give every node "
+        'kafka = "HOST:PORT"',
+    ),
+    "a Kafka address equal to a Raft address": (
+        "[sites.b]\nnodes = [" + NodeSpec(NodeId(1), "127.0.0.1:7201", "127.0.0.1:7211", "127.0.0.1:7211").as_toml()
+        + "]\n",
+        "site 'b', node 1: its Kafka address 127.0.0.1:7211 is its Raft address; the Kafka port is separate: "
+        "give kafka a port of its own",
+    ),
+    "a Kafka address that is not HOST:PORT": (
+        "[sites.b]\nnodes = [" + NodeSpec(NodeId(1), "127.0.0.1:7201", "127.0.0.1:7211", "nowhere").as_toml() + "]\n",
+        "site 'b', node 1 (127.0.0.1:7201): ",
     ),
     "the same gRPC address twice in a table-form site": (
         "[sites.b]\nnodes = [" + node_table(1) + ", " + node_table(2, address="127.0.0.1:7201") + "]\n",
@@ -416,6 +432,14 @@ def test_ids_follow_the_table_not_the_position() -> None:
     assert [m.id for m in b.members] == [7, 3]
     assert b.member(NodeId(3)).address == "127.0.0.1:7202"
     assert list(b.raft_addresses().items()) == [(7, "127.0.0.1:7211"), (3, "127.0.0.1:7212")]
+
+
+def test_every_node_of_a_site_names_its_kafka_address() -> None:
+    nodes = [NodeSpec(NodeId(n), f"127.0.0.1:{7200 + n}", f"127.0.0.1:{7210 + n}", f"127.0.0.1:{9200 + n}")
+             for n in (1, 2)]  # fmt: skip
+    site = parse_topology("[sites.b]\nnodes = [" + ", ".join(n.as_toml() for n in nodes) + "]\n").site("b")
+    assert site.kafka_addresses() == {1: "127.0.0.1:9201", 2: "127.0.0.1:9202"}
+    assert parse_topology("[sites.b]\nnodes = [" + node_table(1) + "]\n").site("b").kafka_addresses() == {}
 
 
 def test_a_one_node_site_in_the_table_form_may_leave_out_raft() -> None:

@@ -7,8 +7,8 @@ A topology file is TOML::
 
     [sites.b]                           # a multi-node site: one table per node
     nodes = [
-      { id = 1, address = "127.0.0.1:7201", raft = "127.0.0.1:7211" },
-      { id = 2, address = "127.0.0.1:7202", raft = "127.0.0.1:7212" },
+      { id = 1, address = "127.0.0.1:7201", raft = "127.0.0.1:7211", kafka = "127.0.0.1:9201" },
+      { id = 2, address = "127.0.0.1:7202", raft = "127.0.0.1:7212", kafka = "127.0.0.1:9202" },
     ]
 
     [[links]]                           # a directed link src -> dst, pulled by dst
@@ -22,8 +22,11 @@ each node; node ids are 1, 2, 3, ... by position, and no node has a Raft
 address) or as tables: ``id`` (1 to ``NODE_ID_MAX``, unique within the site),
 ``address`` (gRPC ``HOST:PORT``) and ``raft`` (the ``HOST:PORT`` of the node's
 Raft metadata replica; optional for a one-node site, required on every node of a
-site with more than one). One site's list cannot mix the two forms. Every gRPC
-and Raft address of the topology is different from every other.
+site with more than one) and ``kafka`` (optional: the ``HOST:PORT`` the node serves
+Kafka clients at, and what the site's Kafka Metadata names it by, as Kafka's
+``advertised.listeners``; on a site of several nodes, every node or none). One
+site's list cannot mix the two forms. Every gRPC, Raft and Kafka address of the
+topology is different from every other.
 
 ``cost`` is a positive integer. Routing prefers the path with the smallest sum
 of link costs (with every cost 1, the fewest hops), so an operator can make an
@@ -64,7 +67,7 @@ _PORT = re.compile(r"[0-9]{1,5}")
 
 _TOP_KEYS = ("links", "sites")
 _SITE_KEYS = ("nodes",)
-_NODE_KEYS = ("address", "id", "raft")
+_NODE_KEYS = ("address", "id", "kafka", "raft")
 _LINK_KEYS = ("cost", "dst", "src", "topics")
 
 
@@ -117,16 +120,19 @@ def validate_node_address(address: str, what: str = "node address") -> str:
 
 @dataclass(frozen=True, slots=True)
 class NodeSpec:
-    """One node of a site: its id in the site's segment cluster, its gRPC address and its Raft address."""
+    """One node of a site: its id in the site's segment cluster, its gRPC address, its Raft address and the
+    address it serves Kafka clients at (docs/kafka.md)."""
 
     id: NodeId
     address: str
     raft: str | None = None
+    kafka: str | None = None
 
     def as_toml(self) -> str:
         """The node as a TOML inline table, as a topology file writes it."""
         raft = f', raft = "{self.raft}"' if self.raft is not None else ""
-        return f'{{ id = {self.id}, address = "{self.address}"{raft} }}'
+        kafka = f', kafka = "{self.kafka}"' if self.kafka is not None else ""
+        return f'{{ id = {self.id}, address = "{self.address}"{raft}{kafka} }}'
 
 
 def _table_form_example(site: str, addresses: list[str]) -> str:
@@ -167,6 +173,10 @@ class Site:
             f"site {self.id!r} has no node {nid}; its node ids are {known}: use one of them, "
             f"or add the node to [sites.{self.id}] nodes"
         )
+
+    def kafka_addresses(self) -> dict[NodeId, str]:
+        """Each node's Kafka address by node id (docs/kafka.md); empty if the site names none."""
+        return {m.id: m.kafka for m in self.members if m.kafka is not None}
 
     def raft_addresses(self) -> dict[NodeId, str]:
         """Each node's Raft address by node id, in the listed order.
@@ -274,9 +284,16 @@ def _validate(sites: tuple[Site, ...], links: tuple[Link, ...]) -> None:
                     validate_node_address(m.raft, "Raft address")
                 except InvalidTopology as e:
                     raise InvalidTopology(f"{where}, node {m.id} ({m.address}): {e}") from None
+            if m.kafka is not None:
+                try:
+                    validate_node_address(m.kafka, "Kafka address")
+                except InvalidTopology as e:
+                    raise InvalidTopology(f"{where}, node {m.id} ({m.address}): {e}") from None
             uses = [_AddressUse(s.id, m.id, "gRPC", m.address)]
             if m.raft is not None:
                 uses.append(_AddressUse(s.id, m.id, "Raft", m.raft))
+            if m.kafka is not None:
+                uses.append(_AddressUse(s.id, m.id, "Kafka", m.kafka))
             for use in uses:
                 if use.address in owner:
                     raise InvalidTopology(_address_clash(owner[use.address], use))
@@ -308,7 +325,7 @@ def _validate(sites: tuple[Site, ...], links: tuple[Link, ...]) -> None:
 class _AddressUse:
     site: SiteId
     node: NodeId
-    kind: str  # "gRPC" or "Raft"
+    kind: str  # "gRPC", "Raft" or "Kafka"
     address: str
 
     def describe(self) -> str:
@@ -321,12 +338,12 @@ def _address_clash(first: _AddressUse, second: _AddressUse) -> str:
         return f"node address {second.address} is listed {whom}; each node needs its own address"
     if first.site == second.site and first.node == second.node:
         return (
-            f"site {second.site!r}, node {second.node}: its Raft address {second.address} is its gRPC address; "
-            "the Raft port is separate: give raft a port of its own"
+            f"site {second.site!r}, node {second.node}: its {second.kind} address {second.address} is its "
+            f"{first.kind} address; the {second.kind} port is separate: give {second.kind.lower()} a port of its own"
         )
     return (
         f"site {second.site!r}, node {second.node}: {second.kind} address {second.address} is already "
-        f"{first.describe()}; every gRPC and Raft address in the topology must be different: use another port"
+        f"{first.describe()}; every gRPC, Raft and Kafka address in the topology must be different: use another port"
     )
 
 
@@ -364,6 +381,14 @@ def _validate_members(s: Site) -> None:
                 raise InvalidTopology(
                     f"{where}, node {m.id} ({m.address}) has no Raft address but other nodes of the site have; "
                     f'a site with more than one node needs raft = "HOST:PORT" on every node'
+                )
+    if len(s.members) > 1 and any(m.kafka is not None for m in s.members):
+        for m in s.members:
+            if m.kafka is None:
+                raise InvalidTopology(
+                    f"{where}, node {m.id} ({m.address}) has no Kafka address but other nodes of the site have; "
+                    f'give every node kafka = "HOST:PORT" (a Kafka client is sent to whichever node leads a '
+                    f"partition), or none"
                 )
 
 
@@ -435,13 +460,14 @@ def _parse_node(site_where: str, position: int, table: dict[str, object]) -> Nod
         raise InvalidTopology(
             f"{where}: id {nid!r} must be an integer from 1 to {NODE_ID_MAX}, for example id = {position}"
         )
-    address, raft = table["address"], table.get("raft")
-    for key, value in (("address", address), ("raft", raft)):
+    address, raft, kafka = table["address"], table.get("raft"), table.get("kafka")
+    for key, value in (("address", address), ("raft", raft), ("kafka", kafka)):
         if value is not None and not isinstance(value, str):
             raise InvalidTopology(f'{where}: {key} {value!r} must be a string, {key} = "HOST:PORT"')
     assert isinstance(address, str) and (raft is None or isinstance(raft, str))  # checked just above
+    assert kafka is None or isinstance(kafka, str)
     # The id's range and the addresses' form are checked in Topology, so a Site built in code gets them too.
-    return NodeSpec(NodeId(nid), address, raft)
+    return NodeSpec(NodeId(nid), address, raft, kafka)
 
 
 def _parse_link(number: int, table: object) -> Link:
