@@ -6,7 +6,8 @@ table, never half of one. The Raft-backed store for multi-node sites sits
 behind the same protocol.
 
 The table also holds the site's ACL records (:class:`AclRecord`: an entry's text, present or removed, and its
-stamp), kept and replicated as last-writer-wins registers (``georep/security/acl_sync.py`` says why that
+stamp), and the users' SCRAM credentials as records of the same kind (a key and a ``data`` field), kept and
+replicated as last-writer-wins registers (``georep/security/acl_sync.py`` says why that
 converges); this module stores them without reading the entries.
 """
 
@@ -40,29 +41,37 @@ class DataDirMismatch(Exception):
 class AclRecord:
     """One ACL entry's state at this site: present or removed (a tombstone), stamped by the site that changed it."""
 
-    entry: str  # "principal operation resource" (georep.security.acl.AclEntry.key)
+    entry: str  # "principal operation resource" (georep.security.acl.AclEntry.key), or a credential's key
     present: bool
     stamp_ms: int
     site: str
+    # What the record holds beyond its key: "" for an ACL entry; a SCRAM credential's stored form for a user's
+    # credential (georep/security/credentials.py), which travels and wins exactly as an ACL record does.
+    data: str = ""
 
     @property
-    def version(self) -> tuple[int, str, bool]:
-        """Total order of the records of one entry: the higher one wins (ties: by site, then present)."""
-        return (self.stamp_ms, self.site, self.present)
+    def version(self) -> tuple[int, str, bool, str]:
+        """Total order of the records of one entry: the higher one wins (ties: by site, then present, then data)."""
+        return (self.stamp_ms, self.site, self.present, self.data)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"entry": self.entry, "present": self.present, "stamp_ms": self.stamp_ms, "site": self.site}
+        out: dict[str, Any] = {"entry": self.entry, "present": self.present, "stamp_ms": self.stamp_ms,
+                               "site": self.site}
+        if self.data:  # only then, so ACL-only tables and snapshots read as before
+            out["data"] = self.data
+        return out
 
     @classmethod
     def from_dict(cls, raw: Any) -> AclRecord:
         try:
             entry, present, stamp, site = raw["entry"], raw["present"], raw["stamp_ms"], raw["site"]
-        except (KeyError, TypeError):
+            data = raw.get("data", "")
+        except (KeyError, TypeError, AttributeError):
             raise ValueError(f"invalid ACL record {raw!r}: it needs entry, present, stamp_ms and site") from None
         if not (isinstance(entry, str) and isinstance(present, bool) and isinstance(stamp, int)
-                and not isinstance(stamp, bool) and isinstance(site, str)):  # fmt: skip
+                and not isinstance(stamp, bool) and isinstance(site, str) and isinstance(data, str)):  # fmt: skip
             raise ValueError(f"invalid ACL record {raw!r}")
-        return cls(entry, present, stamp, site)
+        return cls(entry, present, stamp, site, data)
 
 
 def acl_newer(record: AclRecord, held: AclRecord | None) -> bool:

@@ -40,6 +40,7 @@ DELEGATED = {
     "group": ("georep.cli.group", "list and describe consumer groups: members, assignments, commits, lag"),
     "cluster": ("georep.cli.cluster", "cluster status: a multi-node site's nodes, segments, leaders and Raft group"),
     "acl": ("georep.cli.acl", "acl add|remove|list: which principal may do what to which topic or group"),
+    "user": ("georep.cli.user", "user add|remove|list: Kafka SASL users and their SCRAM credentials"),
     "certs": ("georep.cli.certs", "certs init: a development CA and certificates for sites, nodes and clients"),
     "drill": ("georep.cli.drill", "run a DR drill against a running topology and report RPO, RTO and duplicates"),
     "audit": ("spark_jobs.audit", "Spark audit: do all sites hold the same data? (reads segment files)"),

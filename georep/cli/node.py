@@ -89,6 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ack level of the commits Kafka clients make: leader, all, or geo:N to wait until N sites hold each "
         "commit, so a group that fails over to another site resumes exactly at its last commit (default leader)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kafka-sasl", default=None, choices=["scram"],
+        help="Kafka clients authenticate with SASL SCRAM-SHA-256/512 as client:<user> ('georep user add'): "
+        "SASL_SSL on a TLS node, SASL_PLAINTEXT with --insecure (docs/kafka.md); off by default (mutual TLS)",
+    )  # fmt: skip
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
     parser.add_argument(
         "--topology", default=None,
@@ -176,7 +181,7 @@ def _principal(text: str) -> Principal:
 
 
 def kafka_options(args: argparse.Namespace) -> KafkaOptions | None:
-    """``--kafka-listen`` and ``--kafka-commit-acks``; None without a Kafka listener."""
+    """``--kafka-listen``, ``--kafka-commit-acks`` and ``--kafka-sasl``; None without a Kafka listener."""
     if args.kafka_listen is None:
         return None
     text = args.kafka_commit_acks
@@ -188,7 +193,12 @@ def kafka_options(args: argparse.Namespace) -> KafkaOptions | None:
         raise UsageError(f"--kafka-commit-acks {text!r}: use leader, all or geo:N with N at least 1")
     from georep.kafka.server import KafkaOptions  # only with a Kafka listener: kafka-python is slow to import
 
-    return KafkaOptions(parse_address(args.kafka_listen, "--kafka-listen"), acks)
+    sasl = args.kafka_sasl == "scram"
+    if sasl and getattr(args, "insecure", False):
+        log.warning("warning: --kafka-sasl with --insecure: SASL_PLAINTEXT; SCRAM keeps the password off the wire, "
+                    "but the records and the session are plaintext that anyone on the network path can read or "
+                    "take over: use TLS (SASL_SSL) outside tests")  # fmt: skip
+    return KafkaOptions(parse_address(args.kafka_listen, "--kafka-listen"), acks, sasl=sasl)
 
 
 def topic_defaults(args: argparse.Namespace) -> dict[str, int]:

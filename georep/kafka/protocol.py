@@ -26,6 +26,7 @@ from kafka.protocol import admin as kadmin
 from kafka.protocol import consumer as kconsumer
 from kafka.protocol import metadata as kmetadata
 from kafka.protocol import producer as kproducer
+from kafka.protocol import sasl as ksasl
 
 MAX_FRAME_BYTES = 100 << 20  # Kafka's socket.request.max.bytes default
 _SIZE = struct.Struct(">i")
@@ -54,12 +55,16 @@ SUPPORTED: dict[int, tuple[Any, Any, int, int]] = {
     14: (kconsumer.SyncGroupRequest, kconsumer.SyncGroupResponse, 0, 5),
     15: (kadmin.DescribeGroupsRequest, kadmin.DescribeGroupsResponse, 0, 5),
     16: (kadmin.ListGroupsRequest, kadmin.ListGroupsResponse, 0, 4),
+    17: (ksasl.SaslHandshakeRequest, ksasl.SaslHandshakeResponse, 0, 1),  # both SASL APIs: georep/kafka/server.py
     18: (kmetadata.ApiVersionsRequest, kmetadata.ApiVersionsResponse, 0, 3),
     19: (kadmin.CreateTopicsRequest, kadmin.CreateTopicsResponse, 2, 7),
     20: (kadmin.DeleteTopicsRequest, kadmin.DeleteTopicsResponse, 1, 6),
     22: (kproducer.InitProducerIdRequest, kproducer.InitProducerIdResponse, 0, 4),
+    36: (ksasl.SaslAuthenticateRequest, ksasl.SaslAuthenticateResponse, 0, 2),
 }
 API_VERSIONS = 18
+SASL_HANDSHAKE = 17
+SASL_AUTHENTICATE = 36
 
 
 class FrameTooLarge(ValueError):
@@ -139,6 +144,15 @@ def api_versions_body(version: int, error_code: int = NONE) -> Any:
     return resp_cls(version=version, error_code=error_code, api_keys=keys, throttle_time_ms=0)
 
 
+def sasl_handshake_body(version: int, error_code: int, mechanisms: list[str]) -> Any:
+    return ksasl.SaslHandshakeResponse(version=version, error_code=error_code, mechanisms=mechanisms)
+
+
+def sasl_authenticate_body(version: int, error_code: int, message: str | None, auth_bytes: bytes) -> Any:
+    return ksasl.SaslAuthenticateResponse(version=version, error_code=error_code, error_message=message,
+                                          auth_bytes=auth_bytes, session_lifetime_ms=0)  # fmt: skip
+
+
 def error_response(unsupported: Unsupported) -> bytes:
     """The answer to an API or version the gateway does not serve.
 
@@ -183,7 +197,7 @@ def _known_responses() -> dict[int, Any]:
     """Every response type the codec knows, by API key: an API the gateway does not serve is still answered in
     its own response layout, so the client parses the error code rather than garbage."""
     out: dict[int, Any] = {}
-    for module in (kadmin, kconsumer, kmetadata, kproducer):
+    for module in (kadmin, kconsumer, kmetadata, kproducer, ksasl):
         for name in dir(module):
             cls = getattr(module, name)
             if name.endswith("Response") and isinstance(getattr(cls, "API_KEY", None), int):

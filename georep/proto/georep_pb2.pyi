@@ -90,12 +90,15 @@ class AclRecord(_message.Message):
     PRESENT_FIELD_NUMBER: _builtins.int
     STAMP_MS_FIELD_NUMBER: _builtins.int
     SITE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
     entry: _builtins.str
     """"principal operation resource", e.g. "client:alice produce topic:orders/**" """
     present: _builtins.bool
     """false: removed (a tombstone)"""
     stamp_ms: _builtins.int
     site: _builtins.str
+    data: _builtins.str
+    """a SCRAM credential's stored form (entry "credential <mechanism> <user>"); "" for an ACL"""
     def __init__(
         self,
         *,
@@ -103,10 +106,11 @@ class AclRecord(_message.Message):
         present: _builtins.bool = ...,
         stamp_ms: _builtins.int = ...,
         site: _builtins.str = ...,
+        data: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "present", b"present", "site", b"site", "stamp_ms", b"stamp_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "entry", b"entry", "present", b"present", "site", b"site", "stamp_ms", b"stamp_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -172,19 +176,156 @@ class ListAclsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WITH_REMOVED_FIELD_NUMBER: _builtins.int
+    WITH_CREDENTIALS_FIELD_NUMBER: _builtins.int
     with_removed: _builtins.bool
+    with_credentials: _builtins.bool
+    """the ACL sync: the users' SCRAM credential records too"""
     def __init__(
         self,
         *,
         with_removed: _builtins.bool = ...,
+        with_credentials: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["with_removed", b"with_removed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["with_credentials", b"with_credentials", "with_removed", b"with_removed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListAclsRequest: _TypeAlias = ListAclsRequest  # noqa: Y015
+
+@_typing.final
+class PutUserRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    USER_FIELD_NUMBER: _builtins.int
+    MECHANISM_FIELD_NUMBER: _builtins.int
+    REMOVE_FIELD_NUMBER: _builtins.int
+    SALT_FIELD_NUMBER: _builtins.int
+    ITERATIONS_FIELD_NUMBER: _builtins.int
+    STORED_KEY_FIELD_NUMBER: _builtins.int
+    SERVER_KEY_FIELD_NUMBER: _builtins.int
+    user: _builtins.str
+    """the principal is client:<user>"""
+    mechanism: _builtins.str
+    """SCRAM-SHA-256 or SCRAM-SHA-512"""
+    remove: _builtins.bool
+    salt: _builtins.bytes
+    """the credential (georep/kafka/sasl.py), absent with remove"""
+    iterations: _builtins.int
+    stored_key: _builtins.bytes
+    server_key: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        user: _builtins.str = ...,
+        mechanism: _builtins.str = ...,
+        remove: _builtins.bool = ...,
+        salt: _builtins.bytes = ...,
+        iterations: _builtins.int = ...,
+        stored_key: _builtins.bytes = ...,
+        server_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["iterations", b"iterations", "mechanism", b"mechanism", "remove", b"remove", "salt", b"salt", "server_key", b"server_key", "stored_key", b"stored_key", "user", b"user"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutUserRequest: _TypeAlias = PutUserRequest  # noqa: Y015
+
+@_typing.final
+class PutUserResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORD_FIELD_NUMBER: _builtins.int
+    CHANGED_FIELD_NUMBER: _builtins.int
+    changed: _builtins.bool
+    """false: nothing to remove"""
+    @_builtins.property
+    def record(self) -> Global___AclRecord:
+        """its data (the credential) left out"""
+
+    def __init__(
+        self,
+        *,
+        record: Global___AclRecord | None = ...,
+        changed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["record", b"record"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed", b"changed", "record", b"record"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutUserResponse: _TypeAlias = PutUserResponse  # noqa: Y015
+
+@_typing.final
+class ListUsersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListUsersRequest: _TypeAlias = ListUsersRequest  # noqa: Y015
+
+@_typing.final
+class UserInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    USER_FIELD_NUMBER: _builtins.int
+    MECHANISM_FIELD_NUMBER: _builtins.int
+    ITERATIONS_FIELD_NUMBER: _builtins.int
+    STAMP_MS_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
+    user: _builtins.str
+    mechanism: _builtins.str
+    iterations: _builtins.int
+    stamp_ms: _builtins.int
+    site: _builtins.str
+    """where it was last changed"""
+    def __init__(
+        self,
+        *,
+        user: _builtins.str = ...,
+        mechanism: _builtins.str = ...,
+        iterations: _builtins.int = ...,
+        stamp_ms: _builtins.int = ...,
+        site: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["iterations", b"iterations", "mechanism", b"mechanism", "site", b"site", "stamp_ms", b"stamp_ms", "user", b"user"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UserInfo: _TypeAlias = UserInfo  # noqa: Y015
+
+@_typing.final
+class ListUsersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    USERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def users(self) -> _containers.RepeatedCompositeFieldContainer[Global___UserInfo]: ...
+    def __init__(
+        self,
+        *,
+        users: _abc.Iterable[Global___UserInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["users", b"users"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListUsersResponse: _TypeAlias = ListUsersResponse  # noqa: Y015
 
 @_typing.final
 class ListAclsResponse(_message.Message):

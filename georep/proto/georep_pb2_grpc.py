@@ -154,6 +154,16 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.ListAclsRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.ListAclsResponse.FromString,
                 _registered_method=True)
+        self.PutUser = channel.unary_unary(
+                '/georep.v1.Node/PutUser',
+                request_serializer=georep_dot_proto_dot_georep__pb2.PutUserRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.PutUserResponse.FromString,
+                _registered_method=True)
+        self.ListUsers = channel.unary_unary(
+                '/georep.v1.Node/ListUsers',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ListUsersRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ListUsersResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -343,6 +353,23 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutUser(self, request, context):
+        """Admin (`georep user add|remove`): store (or, with remove, delete) a Kafka
+        SASL user's SCRAM credential, derived by the client (the password never
+        travels); it is a record of the ACL table and replicates as ACLs do
+        (docs/security.md, "Users and SCRAM credentials").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListUsers(self, request, context):
+        """Admin (`georep user list`): the users with a credential, without keys.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -465,6 +492,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.ListAcls,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.ListAclsRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.ListAclsResponse.SerializeToString,
+            ),
+            'PutUser': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutUser,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.PutUserRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.PutUserResponse.SerializeToString,
+            ),
+            'ListUsers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListUsers,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ListUsersRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ListUsersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1115,6 +1152,60 @@ class Node:
             '/georep.v1.Node/ListAcls',
             georep_dot_proto_dot_georep__pb2.ListAclsRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.ListAclsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutUser(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/PutUser',
+            georep_dot_proto_dot_georep__pb2.PutUserRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.PutUserResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListUsers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/ListUsers',
+            georep_dot_proto_dot_georep__pb2.ListUsersRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ListUsersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -113,6 +113,14 @@ class NodeStub:
     """The site's ACL records (`georep acl list`, and the ACL sync of a linked
     site, which asks with_removed to learn of removals too).
     """
+    PutUser: _grpc.UnaryUnaryMultiCallable[_georep_pb2.PutUserRequest, _georep_pb2.PutUserResponse]
+    """Admin (`georep user add|remove`): store (or, with remove, delete) a Kafka
+    SASL user's SCRAM credential, derived by the client (the password never
+    travels); it is a record of the ACL table and replicates as ACLs do
+    (docs/security.md, "Users and SCRAM credentials").
+    """
+    ListUsers: _grpc.UnaryUnaryMultiCallable[_georep_pb2.ListUsersRequest, _georep_pb2.ListUsersResponse]
+    """Admin (`georep user list`): the users with a credential, without keys."""
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -193,6 +201,14 @@ class NodeAsyncStub(NodeStub):
     """The site's ACL records (`georep acl list`, and the ACL sync of a linked
     site, which asks with_removed to learn of removals too).
     """
+    PutUser: _aio.UnaryUnaryMultiCallable[_georep_pb2.PutUserRequest, _georep_pb2.PutUserResponse]  # type: ignore[assignment]
+    """Admin (`georep user add|remove`): store (or, with remove, delete) a Kafka
+    SASL user's SCRAM credential, derived by the client (the password never
+    travels); it is a record of the ACL table and replicates as ACLs do
+    (docs/security.md, "Users and SCRAM credentials").
+    """
+    ListUsers: _aio.UnaryUnaryMultiCallable[_georep_pb2.ListUsersRequest, _georep_pb2.ListUsersResponse]  # type: ignore[assignment]
+    """Admin (`georep user list`): the users with a credential, without keys."""
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -414,6 +430,26 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         """The site's ACL records (`georep acl list`, and the ACL sync of a linked
         site, which asks with_removed to learn of removals too).
         """
+
+    @_abc_1.abstractmethod
+    def PutUser(
+        self,
+        request: _georep_pb2.PutUserRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.PutUserResponse, _abc.Awaitable[_georep_pb2.PutUserResponse]]:
+        """Admin (`georep user add|remove`): store (or, with remove, delete) a Kafka
+        SASL user's SCRAM credential, derived by the client (the password never
+        travels); it is a record of the ACL table and replicates as ACLs do
+        (docs/security.md, "Users and SCRAM credentials").
+        """
+
+    @_abc_1.abstractmethod
+    def ListUsers(
+        self,
+        request: _georep_pb2.ListUsersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.ListUsersResponse, _abc.Awaitable[_georep_pb2.ListUsersResponse]]:
+        """Admin (`georep user list`): the users with a credential, without keys."""
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -18,14 +18,23 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.acl import InvalidAcl, parse_acl_entry
 from georep.security.acl_sync import merge
+from georep.security.credentials import check_record, is_credential
 
 log = logging.getLogger(__name__)
 
 
 def record_from_pb(msg: pb.AclRecord) -> AclRecord:
-    """Raises :class:`InvalidAcl` for an entry this node cannot read (a newer version's)."""
-    parse_acl_entry(msg.entry)
-    return AclRecord(msg.entry, msg.present, msg.stamp_ms, msg.site)
+    """Raises :class:`InvalidAcl` for an entry this node cannot read (a newer version's): an ACL entry, or a
+    user's SCRAM credential (``georep/security/credentials.py``)."""
+    record = AclRecord(msg.entry, msg.present, msg.stamp_ms, msg.site, msg.data)
+    if is_credential(msg.entry):
+        try:
+            check_record(record)
+        except ValueError as exc:
+            raise InvalidAcl(str(exc)) from None
+    else:
+        parse_acl_entry(msg.entry)
+    return record
 
 
 async def pull_acls(stub: pbg.NodeAsyncStub, metadata: MetadataStore, in_site: bool, src: str,
@@ -33,7 +42,7 @@ async def pull_acls(stub: pbg.NodeAsyncStub, metadata: MetadataStore, in_site: b
     """Keep every record of ``src``'s that is newer than this site's; the ones kept. A failed call or write is
     logged and left to the next round (the records are still there then)."""
     try:
-        resp = await stub.ListAcls(pb.ListAclsRequest(with_removed=True), timeout=timeout_s)
+        resp = await stub.ListAcls(pb.ListAclsRequest(with_removed=True, with_credentials=True), timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
         log.debug("listing the ACLs of site %s failed: %s", src, exc.details())
         return []
@@ -53,5 +62,6 @@ async def pull_acls(stub: pbg.NodeAsyncStub, metadata: MetadataStore, in_site: b
         except (MetadataUnavailable, CommandRefused, OSError) as exc:
             log.warning("ACL record from site %s not kept yet (%s): %s", src, record.entry, exc)
             return []
-        log.info("ACL %s from site %s: %s", "added" if record.present else "removed", src, record.entry)
+        log.info("%s %s from site %s: %s", "credential" if is_credential(record.entry) else "ACL",
+                 "added" if record.present else "removed", src, record.entry)
     return kept

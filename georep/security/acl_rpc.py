@@ -14,7 +14,7 @@ The rules:
 * groups: ``GroupHeartbeat`` (join), ``LeaveGroup``, ``FetchCommitted``, ``DescribeGroup`` need read on the
   group, and the heartbeat consume on every subscribed topic; ``CommitOffsets`` needs commit on the group
   and consume on every committed topic (as Kafka's OffsetCommit needs READ on the group and the topic);
-* the cluster: ``SetLink``, ``DecommissionNode``, ``Scrub``, ``PutAcl`` need admin;
+* the cluster: ``SetLink``, ``DecommissionNode``, ``Scrub``, ``PutAcl``, ``PutUser``, ``ListUsers`` need admin;
 * replication: ``Replicate``, ``ReportHeld`` (and ``ListAcls``, unless admin) follow the topology's links,
   ``FetchBatch`` its reach (``georep/security/acl_replication.py``);
 * what describes the site without its data (``Health``, ``ListTopics``, ``DescribeTopic``, ``SiteStatus``,
@@ -203,6 +203,8 @@ NODE_ACCESS: Mapping[str, Access] = {
     "DecommissionNode": _admin_access(pb.DecommissionNodeRequest),
     "Scrub": _admin_access(pb.ScrubRequest),
     "PutAcl": _admin_access(pb.PutAclRequest),
+    "PutUser": _admin_access(pb.PutUserRequest),
+    "ListUsers": _admin_access(pb.ListUsersRequest),
     "ListAcls": Access(pb.ListAclsRequest, lambda req, who, policy: policy.admin_or_pull(who), False),
     "Replicate": Access(pb.ReplicateRequest, _replicate),
     "ReportHeld": Access(pb.ReportHeldRequest, lambda req, who, policy: policy.pull(who, ()), False),

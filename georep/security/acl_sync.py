@@ -18,6 +18,10 @@ about the other site's. An operator removes an entry they can list, so the tombs
 only a concurrent add elsewhere, unseen yet, can win over it (by its later stamp), which is the usual
 last-writer-wins behaviour and the one thing to know: change an entry at one site at a time.
 
+**The same table carries users' SCRAM credentials** (``georep/security/credentials.py``): a record keyed
+``credential <mechanism> <user>`` whose ``data`` is the credential. They merge by the same rule over the same
+``ListAcls`` path, so a user added at one site authenticates at every site linked to it.
+
 Tombstones are kept (a few bytes each); without them a site that has not seen the remove would send the add
 back.
 """
@@ -29,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from cluster.metadata import AclRecord, acl_newer
 from georep.security.acl import AclEntry, parse_acl_entry
 
-__all__ = ["AclRecord", "AclCache", "change", "effective", "merge", "newer", "parsed"]
+__all__ = ["AclRecord", "AclCache", "change", "effective", "is_acl", "merge", "newer", "parsed", "stamp_above"]
 
 
 def parsed(record: AclRecord) -> AclEntry:
@@ -41,10 +45,14 @@ def newer(record: AclRecord, held: AclRecord | None) -> bool:
     return acl_newer(record, held)
 
 
+def stamp_above(held: AclRecord | None, now_ms: int) -> int:
+    """The stamp of an operator's change of the record held: ``now_ms``, or above ``held``'s if the clock is not."""
+    return now_ms if held is None else max(now_ms, held.stamp_ms + 1)
+
+
 def change(entry: AclEntry, present: bool, held: AclRecord | None, now_ms: int, site: str) -> AclRecord:
     """The record an operator's add (``present``) or remove makes at ``site``: stamped above ``held``."""
-    stamp = now_ms if held is None else max(now_ms, held.stamp_ms + 1)
-    return AclRecord(entry.key(), present, stamp, site)
+    return AclRecord(entry.key(), present, stamp_above(held, now_ms), site)
 
 
 def merge(held: Mapping[str, AclRecord], received: Iterable[AclRecord]) -> list[AclRecord]:
@@ -57,9 +65,15 @@ def merge(held: Mapping[str, AclRecord], received: Iterable[AclRecord]) -> list[
     return [best[k] for k in sorted(best)]
 
 
+def is_acl(key: str) -> bool:
+    """Whether a table key is an ACL entry's; the table also holds users' SCRAM credentials
+    (``georep/security/credentials.py``), whose keys start with a word, not a principal ``kind:name``."""
+    return ":" in key.split(" ", 1)[0]
+
+
 def effective(table: Mapping[str, AclRecord]) -> list[AclEntry]:
     """The entries in force: the present ones, by their text."""
-    return [parsed(table[k]) for k in sorted(table) if table[k].present]
+    return [parsed(table[k]) for k in sorted(table) if table[k].present and is_acl(k)]
 
 
 class AclCache:

@@ -34,7 +34,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
 from georep.security.acl import UnknownAcl, acl_entry
-from georep.security.acl_sync import change
+from georep.security.acl_sync import change, is_acl
 from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
@@ -660,7 +660,49 @@ class NodeService:
         req = parse(pb.ListAclsRequest, data)
         table = self.broker.metadata.acls()
         return pb.ListAclsResponse(records=[_acl_to_pb(table[k]) for k in sorted(table)
-                                            if req.with_removed or table[k].present])  # fmt: skip
+                                            if (req.with_removed or table[k].present)
+                                            and (req.with_credentials or is_acl(k))])  # fmt: skip
+
+    # -- SASL users (georep/security/credentials.py) --------------------------------
+
+    async def put_user(self, data: bytes, context: Context) -> pb.PutUserResponse:
+        """``georep user add|remove``: a credential record (or its tombstone) stamped above the one held."""
+        from georep.kafka.sasl import ScramCredential
+        from georep.security import credentials
+
+        req = parse(pb.PutUserRequest, data)
+        self._authorize_admin(context, "PutUser")
+        try:
+            held = self.broker.metadata.acls().get(credentials.key(req.mechanism, req.user))
+            now, site = self.broker.clock_ms(), self.broker.identity.site
+            if req.remove:
+                if held is None or not held.present:
+                    raise InvalidRequest(f"user {req.user!r} has no {req.mechanism} credential: list the users with "
+                                         "'georep user list'")  # fmt: skip
+                record = credentials.remove(req.mechanism, req.user, held, now, site)
+            else:
+                credential = ScramCredential(req.mechanism, req.salt, req.iterations, req.stored_key, req.server_key)
+                record = credentials.put(credential, req.user, held, now, site)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if self.broker.in_site:  # a Raft command: not on the event loop
+            await asyncio.get_running_loop().run_in_executor(None, self.broker.metadata.put_acl, record)
+        else:
+            self.broker.metadata.put_acl(record)
+        log.info("user %s %s (%s)", req.user, "removed" if req.remove else "stored", req.mechanism)
+        out = _acl_to_pb(record)
+        out.data = ""
+        return pb.PutUserResponse(record=out, changed=True)
+
+    async def list_users(self, data: bytes, context: Context) -> pb.ListUsersResponse:
+        from georep.security import credentials
+
+        parse(pb.ListUsersRequest, data)
+        self._authorize_admin(context, "ListUsers")
+        return pb.ListUsersResponse(users=[
+            pb.UserInfo(user=u.user, mechanism=u.mechanism, iterations=u.iterations, stamp_ms=u.record.stamp_ms,
+                        site=u.record.site)
+            for u in credentials.users(self.broker.metadata.acls())])  # fmt: skip
 
     # -- consumer groups --------------------------------------------------------
 
@@ -711,6 +753,8 @@ class NodeService:
             "DecommissionNode": unary(self.decommission_node),
             "PutAcl": unary(self.put_acl),
             "ListAcls": unary(self.list_acls),
+            "PutUser": unary(self.put_user),
+            "ListUsers": unary(self.list_users),
             "Replicate": unary_stream(self.replicate),
             "ProduceStream": stream_stream(self.produce_stream),
             "Fetch": unary_stream(self.fetch),
@@ -718,7 +762,8 @@ class NodeService:
 
 
 def _acl_to_pb(record: AclRecord) -> pb.AclRecord:
-    return pb.AclRecord(entry=record.entry, present=record.present, stamp_ms=record.stamp_ms, site=record.site)
+    return pb.AclRecord(entry=record.entry, present=record.present, stamp_ms=record.stamp_ms, site=record.site,
+                        data=record.data)
 
 
 def _fetch_start(req: pb.FetchRequest) -> FetchStart:
