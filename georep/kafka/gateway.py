@@ -36,8 +36,10 @@ from kafka.protocol import producer as kproducer
 
 from cluster.metadata import TopicExists
 from georep.broker.acks import LEADER, AckKind, Acks
+from georep.broker.errors import NotLeader
 from georep.broker.fetch import durable_part
 from georep.kafka import errors as k
+from georep.kafka.cluster import NO_GROUPS, OneNode, SiteView, ViewOf
 from georep.kafka.offsets import FetchFilters, vector_at
 from georep.kafka.protocol import Request, api_versions_body
 from georep.kafka.records import RecordsError, georep_to_kafka, kafka_to_georep
@@ -55,7 +57,6 @@ from topology.filters import is_internal
 
 log = logging.getLogger(__name__)
 
-NODE_ID = 0
 EAGER_PROTOCOLS = ("range", "roundrobin", "sticky")  # assignment strategies a client may name; georep assigns
 COMMITTED_WAIT_MS = 5_000  # OffsetFetch waits this long for the commits live upstreams hold
 FETCH_MAX_BYTES_CAP = 64 << 20
@@ -111,6 +112,11 @@ class KafkaGateway:
         self.policy = policy  # TLS: every request is checked against the site's ACLs; plaintext: none is
         self.filters = FetchFilters()
         self.kgroups: dict[str, KafkaGroup] = {}
+        # A node of a multi-node site: its view of the site's leaders and Kafka addresses (georep/kafka/cluster.py)
+        self.view_of: ViewOf | None = None
+
+    def _view(self, keys: list[tuple[str, int]] | None = None) -> SiteView:
+        return OneNode(self.host, self.port) if self.view_of is None else self.view_of(keys)
 
     def dispatch(self, req: Request, peer: Client) -> Pending:
         if req.api_key == 0:
@@ -148,17 +154,21 @@ class KafkaGateway:
                                                                                               body.topics]  # fmt: skip
         topics = []
         known = self.broker.metadata.topics()
+        view = self._view()
         for name in self._topic_names() if wanted is None else wanted:
             spec = known.get(name)
             if spec is None or is_internal(name):
                 topics.append(r.MetadataResponseTopic(error_code=k.UNKNOWN_TOPIC_OR_PARTITION, name=name))
                 continue
-            parts = [r.MetadataResponseTopic.MetadataResponsePartition(
-                partition_index=i, leader_id=NODE_ID, leader_epoch=0, replica_nodes=[NODE_ID], isr_nodes=[NODE_ID])
-                for i in range(spec.partitions)]  # fmt: skip
+            parts = []
+            for i in range(spec.partitions):
+                route = view.route(name, i)
+                parts.append(r.MetadataResponseTopic.MetadataResponsePartition(
+                    error_code=route.error, partition_index=i, leader_id=route.leader, leader_epoch=route.leader_epoch,
+                    replica_nodes=list(route.replicas), isr_nodes=list(route.isr)))  # fmt: skip
             topics.append(r.MetadataResponseTopic(name=name, partitions=parts))
-        brokers = [r.MetadataResponseBroker(node_id=NODE_ID, host=self.host, port=self.port)]
-        return r(brokers=brokers, cluster_id=f"georep-{self.broker.identity.site}", controller_id=NODE_ID,
+        brokers = [r.MetadataResponseBroker(node_id=b.node_id, host=b.host, port=b.port) for b in view.brokers()]
+        return r(brokers=brokers, cluster_id=f"georep-{self.broker.identity.site}", controller_id=view.me,
                  topics=topics)  # fmt: skip
 
     async def _create_topics(self, req: Request, peer: Client) -> Any:
@@ -205,7 +215,7 @@ class KafkaGateway:
                 except RecordsError as exc:
                     results.append((t.name, pd.index, (exc.code, str(exc))))
                 except Exception as exc:
-                    results.append((t.name, pd.index, (self._code(exc), str(exc))))
+                    results.append((t.name, pd.index, (self._code(exc, t.name, pd.index), str(exc))))
         return self._produce_answer(results, body.acks == 0)
 
     async def _produce_answer(self, results: list[tuple[str, int, Any]], no_response: bool) -> Any:
@@ -223,7 +233,7 @@ class KafkaGateway:
                     try:
                         await waiter
                     except Exception as exc:
-                        code = self._code(exc)
+                        code = self._code(exc, topic, index)
                 part = r.TopicProduceResponse.PartitionProduceResponse(
                     index=index, error_code=code, base_offset=produced.result.base_offset, log_append_time_ms=-1,
                     log_start_offset=p.log.log_start_offset)  # fmt: skip
@@ -273,7 +283,8 @@ class KafkaGateway:
                     self._allow(peer, Operation.CONSUME, [acl_topic(t.topic)])
                     p = self.broker.partition(t.topic, fp.partition)
                 except Exception as exc:
-                    parts.append(pd(partition_index=fp.partition, error_code=self._code(exc), high_watermark=-1))
+                    parts.append(pd(partition_index=fp.partition, error_code=self._code(exc, t.topic, fp.partition),
+                                    high_watermark=-1))  # fmt: skip
                     continue
                 plog = p.log
                 flushed = plog.flushed_offset
@@ -294,7 +305,7 @@ class KafkaGateway:
                 except OffsetOutOfRange:
                     code = k.OFFSET_OUT_OF_RANGE
                 except Exception as exc:
-                    code = self._code(exc)
+                    code = self._code(exc, t.topic, fp.partition)
                 parts.append(pd(partition_index=fp.partition, error_code=code, high_watermark=flushed,
                                 last_stable_offset=flushed, log_start_offset=plog.log_start_offset,
                                 aborted_transactions=None, preferred_read_replica=-1,
@@ -319,9 +330,12 @@ class KafkaGateway:
                         offset = plog.flushed_offset if found is None else min(found, plog.flushed_offset)
                     else:  # LATEST, and the max-timestamp query (-3), which gets the end
                         offset = plog.flushed_offset
-                    parts.append(rp(partition_index=lp.partition_index, timestamp=-1, offset=offset, leader_epoch=0))
+                    epoch = self._view([(t.name, lp.partition_index)]).route(t.name, lp.partition_index).leader_epoch
+                    parts.append(rp(partition_index=lp.partition_index, timestamp=-1, offset=offset,
+                                    leader_epoch=epoch))  # fmt: skip
                 except Exception as exc:
-                    parts.append(rp(partition_index=lp.partition_index, error_code=self._code(exc), offset=-1))
+                    parts.append(rp(partition_index=lp.partition_index, offset=-1,
+                                    error_code=self._code(exc, t.name, lp.partition_index)))  # fmt: skip
             out.append(r.ListOffsetsTopicResponse(name=t.name, partitions=parts))
         return r(topics=out)
 
@@ -329,7 +343,10 @@ class KafkaGateway:
 
     async def _find_coordinator(self, req: Request, peer: Client) -> Any:
         r = kmetadata.FindCoordinatorResponse
-        return r(node_id=NODE_ID, host=self.host, port=self.port)
+        found = self._view([]).coordinator(req.body.key)
+        if found is None:
+            return r(error_code=k.COORDINATOR_NOT_AVAILABLE, error_message=NO_GROUPS, node_id=-1, host="", port=-1)
+        return r(node_id=found.node_id, host=found.host, port=found.port)
 
     async def _join_group(self, req: Request, peer: Client) -> Any:
         r = kconsumer.JoinGroupResponse
@@ -548,8 +565,11 @@ class KafkaGateway:
 
     # -- errors -------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _code(exc: BaseException) -> int:
+    def _code(self, exc: BaseException, topic: str | None = None, index: int = 0) -> int:
+        """Kafka's code for ``exc``; for a partition this node does not serve, the view's
+        (``NOT_LEADER_OR_FOLLOWER``, or ``LEADER_NOT_AVAILABLE`` when the site has no leader for it)."""
+        if isinstance(exc, NotLeader) and topic is not None:
+            return self._view([(topic, index)]).not_served(topic, index)
         code = k.error_code(exc)
         if code == k.UNKNOWN_SERVER_ERROR:
             log.warning("kafka gateway: unexpected %s: %s", type(exc).__name__, exc)
