@@ -69,11 +69,13 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
         args = [*extra_args, "--topology", str(topology_file.resolve()) if topology_file else DEFAULT,
                 "--admin-token-file", str(ensure_token(data_dir).resolve())]
         fixed = topology_file is None
-        if len(site.nodes) == 1:  # the Kafka gateway serves one-node sites (docs/kafka.md)
-            args += kafka_args(len(topology.site_ids()), extra_args)
+        args += kafka_args(len(topology.site_ids()), extra_args)
+        if len(site.nodes) == 1:
+            member = site.members[0]
+            listen = ["--kafka-listen", member.kafka] if member.kafka and "--kafka-listen" not in extra_args else \
+                kafka_listen(site.nodes[0], extra_args, fixed)  # fmt: skip
             procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0],
-                                     extra_args=[*args, *kafka_listen(site.nodes[0], extra_args, fixed)],
-                                     tls=node_tls(certs, sid, None)))  # fmt: skip
+                                     extra_args=[*args, *listen], tls=node_tls(certs, sid, None)))  # fmt: skip
             continue
         try:
             site.raft_addresses()
@@ -82,9 +84,11 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
         # with TLS, the site's Raft port is sealed with its secret too (docs/security.md)
         secret = [] if certs is None else ["--raft-secret-file", str(certs / secret_file_name(sid))]
         for member in site.members:
+            # Each node serves Kafka clients at its topology address, which the others name in Metadata
+            listen = ["--kafka-listen", member.kafka] if member.kafka and "--kafka-listen" not in extra_args else []
             procs.append(NodeProcess(site=sid, data_dir=data_dir / sid / str(member.id), listen=member.address,
-                                     extra_args=[*args, *secret, "--node-id", str(member.id)], node_id=member.id,
-                                     tls=node_tls(certs, sid, member.id)))  # fmt: skip
+                                     extra_args=[*args, *secret, "--node-id", str(member.id), *listen],
+                                     node_id=member.id, tls=node_tls(certs, sid, member.id)))  # fmt: skip
     return procs
 
 
@@ -99,6 +103,13 @@ def kafka_listen(address: str, extra_args: list[str], fixed: bool) -> list[str]:
         return []
     host, _, port = address.rpartition(":")
     return ["--kafka-listen", f"{host}:{int(port) + KAFKA_PORT_OFFSET if fixed and int(port) else 0}"]
+
+
+def kafka_warnings(topology: Topology) -> list[str]:
+    """Multi-node sites whose nodes name no Kafka address: 'georep up' starts no Kafka listener on them."""
+    return [f"site {sid}'s nodes have no kafka = \"HOST:PORT\" in the topology, so they serve no Kafka clients; add "
+            f"one to every node of the site (docs/kafka.md)" for sid in topology.site_ids()
+            if len(topology.site(sid).members) > 1 and not topology.site(sid).kafka_addresses()]  # fmt: skip
 
 
 def kafka_args(sites: int, extra_args: list[str]) -> list[str]:
@@ -142,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"georep: {INSECURE_WARNING}", file=sys.stderr)
     else:
         print(f"mutual TLS: certificates in {certs}/ (commands find them there with --data-dir {args.data_dir})")
-    for warning in warnings(topology):
+    for warning in [*warnings(topology), *kafka_warnings(topology)]:
         print(f"georep: warning: {warning}", file=sys.stderr)
 
     stopping = False

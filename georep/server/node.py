@@ -207,19 +207,30 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         raise UsageError(f"cannot listen on {address}: the port is in use or the address is not local")
     await server.start()
     kafka_server, kafka_address = None, ""
-    if kafka is not None and in_site is not None:
+    # A node of a multi-node site tells Kafka clients which node leads what, by the topology's Kafka addresses
+    kafka_nodes = {int(n): a for n, a in topology.site(site).kafka_addresses().items()} if topology else {}
+    if kafka is not None and in_site is not None and in_site.node_id not in kafka_nodes:
         await server.stop(0)
         _close(replicas, broker, metadata)
-        raise UsageError("--kafka-listen: the Kafka gateway serves one-node sites only (a Kafka client would take "
-                         "this node for the leader of every partition); drop it on the nodes of a multi-node site")
+        raise UsageError(f"--kafka-listen: a node of a multi-node site needs its site's Kafka addresses, which Kafka "
+                         f"clients are sent to for the partitions each node leads: add kafka = \"HOST:PORT\" to every "
+                         f"node of site {site} in the topology file (docs/kafka.md)")  # fmt: skip
     if kafka is not None:  # the Kafka wire protocol (docs/kafka.md)
         from georep.kafka.server import server_ssl_context, start_kafka
 
         try:
-            if tls is not None:  # the Kafka port takes mutual TLS too, and checks the same ACLs (docs/kafka.md)
-                kafka = replace(kafka, ssl_context=server_ssl_context(tls), policy=Policy(
-                    identity.site, AclCache(broker.metadata.acls), lambda: topology, super_users))
+            # The Kafka port takes mutual TLS too (or SASL: SASL_SSL, or SASL_PLAINTEXT on an --insecure node),
+            # and checks the same ACLs (docs/kafka.md)
+            if tls is not None or kafka.sasl:
+                kafka = replace(kafka, ssl_context=None if tls is None else server_ssl_context(tls, kafka.sasl),
+                                policy=Policy(identity.site, AclCache(broker.metadata.acls), lambda: topology,
+                                              super_users))  # fmt: skip
             kafka_server, kafka_address = await start_kafka(kafka, broker, service.groups, site_cluster)
+            if site_cluster is not None:  # set before any request is read (no await since the listener started)
+                from georep.kafka.cluster import cluster_view_of
+
+                kafka_server.gateway.view_of = cluster_view_of(site_cluster, kafka_nodes)
+                kafka_address = kafka_nodes[int(site_cluster.member.me)]  # what clients are told (node.json)
         except OSError as exc:
             await server.stop(0)
             _close(replicas, broker, metadata)

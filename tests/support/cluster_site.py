@@ -17,8 +17,9 @@ from tests.support.channels import open_channel
 from tests.support.sites import free_ports
 
 
-def site_toml(site: str, grpc_ports: list[int], raft_ports: list[int]) -> str:
-    nodes = ", ".join(f'{{ id = {i + 1}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}" }}'
+def site_toml(site: str, grpc_ports: list[int], raft_ports: list[int], kafka_ports: list[int] | None = None) -> str:
+    kafka = [f', kafka = "127.0.0.1:{k}"' for k in kafka_ports] if kafka_ports else [""] * len(grpc_ports)
+    nodes = ", ".join(f'{{ id = {i + 1}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}"{kafka[i]} }}'
                       for i, (g, r) in enumerate(zip(grpc_ports, raft_ports, strict=True)))  # fmt: skip
     return f"[sites.{site}]\nnodes = [{nodes}]\n"
 
@@ -27,20 +28,23 @@ class ClusterSite:
     """``count`` nodes of site ``site``, each ``georep node --node-id N`` with its own data dir under ``root``.
 
     ``more_toml`` adds to the topology file (other sites, links); those sites are the caller's to start.
-    ``raft_secret``: the site's Raft secret file (``georep certs init``), which a node with TLS needs."""
+    ``raft_secret``: the site's Raft secret file (``georep certs init``), which a node with TLS needs.
+    ``kafka``: every node serves Kafka clients too, at ``kafka_address(node)`` (the topology's ``kafka``)."""
 
     def __init__(self, root: Path, count: int = 3, site: str = "a", extra_args: list[str] | None = None,
-                 more_toml: str = "", raft_secret: Path | None = None) -> None:  # fmt: skip
-        ports = free_ports(2 * count)
+                 more_toml: str = "", raft_secret: Path | None = None, kafka: bool = False) -> None:  # fmt: skip
+        ports = free_ports((3 if kafka else 2) * count)
         self.site = site
-        self.grpc_ports, self.raft_ports = ports[:count], ports[count:]
+        self.grpc_ports, self.raft_ports = ports[:count], ports[count:2 * count]
+        self.kafka_ports = ports[2 * count:]
         self.topology = root / "topology.toml"
-        self.topology.write_text(site_toml(site, self.grpc_ports, self.raft_ports) + more_toml)
+        self.topology.write_text(site_toml(site, self.grpc_ports, self.raft_ports, self.kafka_ports) + more_toml)
         secret = [] if raft_secret is None else ["--raft-secret-file", str(raft_secret)]
         self.nodes = {
             i + 1: NodeProcess(site, root / site / str(i + 1), listen=f"127.0.0.1:{self.grpc_ports[i]}",
                                extra_args=["--node-id", str(i + 1), "--topology", str(self.topology),
-                                           "--scrub-bytes-per-s", "0", *secret, *(extra_args or [])])  # fmt: skip
+                                           "--scrub-bytes-per-s", "0", *secret, *(extra_args or []),
+                                           *(["--kafka-listen", self.kafka_address(i + 1)] if kafka else [])])
             for i in range(count)
         }
 
@@ -52,6 +56,9 @@ class ClusterSite:
 
     def address(self, node: int) -> str:
         return f"127.0.0.1:{self.grpc_ports[node - 1]}"
+
+    def kafka_address(self, node: int) -> str:
+        return f"127.0.0.1:{self.kafka_ports[node - 1]}"
 
     def live(self) -> list[int]:
         return [n for n, p in self.nodes.items() if p.alive()]
