@@ -21,6 +21,7 @@ from georep.broker import errors as e
 from georep.record.batch import CorruptBatch
 from georep.replication.sink import CorruptChunk
 from georep.security.acl import InvalidAcl, PermissionDenied, UnknownAcl
+from georep.security.acl_replication import ForgedOrigin
 from georep.storage.api import BatchDamaged, DiskFull, OffsetOutOfRange
 from georep.storage.chain_log import SegmentElsewhere
 from georep.storage.replica_store import CorruptReplicaChunk, ReplicaError, UnknownSegment
@@ -84,6 +85,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     SegmentElsewhere: Code.UNAVAILABLE,
     e.NotAuthorized: Code.UNAUTHENTICATED,
     PermissionDenied: Code.PERMISSION_DENIED,  # its message names the principal, the operation and the resource
+    ForgedOrigin: Code.PERMISSION_DENIED,  # a pulled batch whose origin its source cannot have received
     e.WriteFailed: Code.INTERNAL,
     e.FsyncFailed: Code.INTERNAL,
     ReplicaError: Code.INTERNAL,
