@@ -15,10 +15,9 @@ import sys
 
 import grpc
 
-from georep.cli.admin_token import TOKEN_ENV, call_metadata, find_token
+from georep.cli.admin_token import add_admin_call_arguments, call_metadata, find_token
 from georep.cli.tls_args import TlsArgsError, client_tls
-from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
-from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap, tls_problem
+from georep.client.connection import tls_problem
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.acl import InvalidAcl, Operation, acl_entry
@@ -41,20 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action.add_argument("operations", help=f"one or more, comma-separated: {ops}")
         action.add_argument("resource", help="topic:<filter> (topic:orders/**), group:<filter> (group:billing) "
                                              "or cluster")  # fmt: skip
-        _common(action)
+        add_admin_call_arguments(action)
     listing = actions.add_parser("list", help="the entries in force at the site")
     listing.add_argument("--json", action="store_true", help="one JSON object per entry")
     listing.add_argument("--with-removed", action="store_true", help="also the removed entries' records")
-    _common(listing)
-
-
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bootstrap", default=default_bootstrap(), metavar="HOST:PORT",
-                        help=f"a node of the site (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101)")  # fmt: skip
-    parser.add_argument("--admin-token",
-                        help=f"a plaintext node's admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token); "
-                             "a TLS node checks the principal instead (client:admin by default)")  # fmt: skip
-    add_client_tls_arguments(parser, data_dir=True)
+    add_admin_call_arguments(listing)
 
 
 async def _put(address: str, tls: TlsConfig | None, token: str | None,

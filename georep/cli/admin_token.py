@@ -8,9 +8,13 @@ by priority: ``--admin-token``, ``$GEOREP_ADMIN_TOKEN``, then
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 from pathlib import Path
+
+from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
+from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap
 
 TOKEN_FILE = "admin.token"
 TOKEN_ENV = "GEOREP_ADMIN_TOKEN"
@@ -41,3 +45,14 @@ def find_token(explicit: str | None, data_dir: Path | None) -> str | None:
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return () if not token else (("authorization", f"Bearer {token}"),)
+
+
+def add_admin_call_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where an admin command calls (``--bootstrap``) and as whom: a TLS node checks the principal of the TLS
+    flags, a plaintext node the admin token."""
+    parser.add_argument("--bootstrap", default=default_bootstrap(), metavar="HOST:PORT",
+                        help=f"a node of the site (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101)")  # fmt: skip
+    parser.add_argument("--admin-token",
+                        help=f"a plaintext node's admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token); "
+                             "a TLS node checks the principal instead (client:admin by default)")  # fmt: skip
+    add_client_tls_arguments(parser, data_dir=True)

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import grpc
 
-from georep.cli.admin_token import TOKEN_ENV, call_metadata, find_token
+from georep.cli.admin_token import add_admin_call_arguments, call_metadata, find_token
 from georep.cli.tls_args import TlsArgsError, client_tls
-from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
-from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap, tls_problem
+from georep.client.connection import tls_problem
 from georep.kafka.sasl import DEFAULT_MECHANISM, MECHANISMS, MIN_ITERATIONS, derive
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -51,23 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add.add_argument("--password-file", type=Path, help="read the password from this file (its first line)")
     add.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS,
                      help=f"PBKDF2 iterations, at least {MIN_ITERATIONS} (default {DEFAULT_ITERATIONS})")
-    _common(add)
+    add_admin_call_arguments(add)
     remove = actions.add_parser("remove", help="delete a user's credential (at every linked site)")
     remove.add_argument("name")
     remove.add_argument("--mechanism", default=DEFAULT_MECHANISM, choices=MECHANISMS)
-    _common(remove)
+    add_admin_call_arguments(remove)
     listing = actions.add_parser("list", help="the users with a credential (names and mechanisms, never keys)")
     listing.add_argument("--json", action="store_true", help="one JSON object per credential")
-    _common(listing)
-
-
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bootstrap", default=default_bootstrap(), metavar="HOST:PORT",
-                        help=f"a node of the site (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101)")  # fmt: skip
-    parser.add_argument("--admin-token",
-                        help=f"a plaintext node's admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token); "
-                             "a TLS node checks the principal instead (client:admin by default)")  # fmt: skip
-    add_client_tls_arguments(parser, data_dir=True)
+    add_admin_call_arguments(listing)
 
 
 def read_password(path: Path | None) -> str:
