@@ -12,7 +12,6 @@ import pytest
 
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.security.principal import node_principal
 from georep.security.tls import TlsConfig
 from tests.support.channels import open_channel
 from tests.support.cluster_site import ClusterSite
@@ -32,17 +31,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterSite
     assert made.returncode == 0, made.stderr
     cluster = ClusterSite(root, count=3, extra_args=["--replication-factor", "3", "--min-insync-replicas", "2"],
                           raft_secret=certs / "raft-a.secret")  # fmt: skip
-    for n, node in cluster.nodes.items():
-        node.tls = TlsConfig.from_dir(certs, node_principal("a", n))
-    try:
-        cluster.start()
+    cluster.use_tls(certs)
+    with cluster.running():
         yield cluster, certs
-    finally:
-        for node in cluster.nodes.values():  # all at once: each shuts down while the others do
-            if node.alive():
-                assert node.proc is not None
-                node.proc.terminate()
-        cluster.close()
 
 
 def test_an_entry_added_at_one_node_holds_at_every_node_and_replicated_writes_pass(

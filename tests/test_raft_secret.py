@@ -88,17 +88,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterSite
     certs = root / "certs"
     dev_ca.init(certs, dev_ca.plan(["a"], {"a": 4}, []))  # node 4: the intruder's certificate is a good one
     cluster = ClusterSite(root, count=3, raft_secret=certs / secret_file_name("a"))
-    for n, node in cluster.nodes.items():
-        node.tls = TlsConfig.from_dir(certs, node_principal("a", n))
-    try:
-        cluster.start()
+    cluster.use_tls(certs)
+    with cluster.running():
         yield cluster, certs
-    finally:
-        for node in cluster.nodes.values():  # all at once: each shuts down while the others do
-            if node.alive():
-                assert node.proc is not None
-                node.proc.terminate()
-        cluster.close()
 
 
 def raft_addresses(cluster: ClusterSite) -> list[str]:

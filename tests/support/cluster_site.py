@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -11,6 +13,8 @@ from georep.client.consumer import Consumer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
+from georep.security.principal import node_principal
+from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from georep.server.rpc import LEADER_METADATA
 from tests.support.channels import open_channel
@@ -97,6 +101,25 @@ class ClusterSite:
     def close(self) -> None:
         for node in self.nodes.values():
             node.stop()
+
+    def use_tls(self, certs: Path) -> None:
+        """Each node serves mutual TLS with its own ``node:<site>/<n>`` certificate from ``certs`` (made by ``georep
+        certs init``); pass the site's Raft secret to the constructor."""
+        for n, node in self.nodes.items():
+            node.tls = TlsConfig.from_dir(certs, node_principal(self.site, n))
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[ClusterSite]:
+        """Started, and stopped at the end all at once (each node shuts down while the others do)."""
+        try:
+            self.start()
+            yield self
+        finally:
+            for node in self.nodes.values():
+                if node.alive():
+                    assert node.proc is not None
+                    node.proc.terminate()
+            self.close()
 
 
 def read_partition(address: str, topic: str, partition: int) -> list[tuple[str, int, bytes]]:
