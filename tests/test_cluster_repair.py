@@ -335,7 +335,9 @@ def test_a_decommissioned_node_ends_holding_nothing_that_three_others_do_not_and
         assert node.draining and node.segments == 0 and node.leader_of == 0, node
         assert site.wait_leader(TOPIC, not_node=victim) != victim
         assert produce(site, 20, "after") == 20, "writes stopped after the decommission"
-        assert not status(site).under_replicated
+        # Under load a live node's session can lapse for a moment, and a segment then opens on fewer members:
+        # repair makes it whole again.
+        wait_for("every segment fully replicated", lambda: not status(site).under_replicated)
         # What the drain copied off the node is bytes moved (each target's count reaches the metadata with its
         # next heartbeat).
         wait_for("the drain's copies counted as bytes moved", lambda: status(site).bytes_moved > 0)
