@@ -112,6 +112,17 @@ class BatchEntry:
     append_time_ms: int = field(default=-1)
 
 
+@dataclass(frozen=True, slots=True)
+class SegmentBatches:
+    """One retained segment of a log, as :meth:`PartitionLog.segment_at` answers it."""
+
+    base_offset: LocalOffset
+    # The log's vector at ``base_offset``: {origin: next seq} over every batch below it, the ones retention (or a
+    # chain trim) deleted included. For the first retained segment: the vector below the log start.
+    start_vector: dict[Origin, OriginSeq]
+    entries: list[BatchEntry]  # the segment's batches, in log order
+
+
 class PartitionLog(Protocol):
     @property
     def damage_found_total(self) -> int:
@@ -189,6 +200,12 @@ class PartitionLog(Protocol):
 
     def batch_entries(self) -> list[BatchEntry]:
         """Every retained batch, in log order, from the index (no log reads)."""
+        ...
+
+    def segment_at(self, offset: int) -> SegmentBatches:
+        """The retained segment holding ``offset`` (the one starting there at a segment boundary, the last at the
+        log end), with the log's vector at its base. Raises ``OffsetOutOfRange`` outside ``[log_start_offset,
+        log_end_offset]``."""
         ...
 
     def flush(self) -> LocalOffset:

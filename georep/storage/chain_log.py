@@ -66,6 +66,7 @@ from georep.storage.api import (
     OffsetOutOfRange,
     ReadResult,
     ScrubStep,
+    SegmentBatches,
     StorageError,
 )
 from georep.storage.replica_store import PartitionKey, ReplicaStore
@@ -124,6 +125,7 @@ class ChainLog:
         self._remote: collections.OrderedDict[tuple[SegmentId, int], ReadResult] = collections.OrderedDict()
         self._remote_bytes = 0
         self._deferring = threading.local()
+        self._chain_start: VectorOffset | None = None  # the vector below the chain's first segment, if known
 
     # -- the quorum ------------------------------------------------------------------------------------------
 
@@ -311,6 +313,25 @@ class ChainLog:
             out += copy.batch_entries()
         return out
 
+    def segment_at(self, offset: int) -> SegmentBatches:
+        """From this node's copy of the chain segment holding ``offset``: the copy was created at the partition's
+        vector at its base (``ReplicaStore``), so its start vectors are the partition's. A segment held elsewhere
+        answers only at its base, from the end vector of the segment before it; inside it this raises
+        :class:`SegmentElsewhere` rather than guess."""
+        start, end = self.log_start_offset, self.log_end_offset
+        if not start <= offset <= end:
+            raise OffsetOutOfRange(offset, start, end)
+        segment = self._segment_at(offset)
+        copy = self.store.copy(self.key, segment.segment_id)
+        if copy is not None and copy.log_start_offset <= offset <= copy.log_end_offset:
+            return copy.segment_at(offset)
+        if offset == segment.base_offset:
+            i = self.chain.index(segment)
+            before = self.chain[i - 1].end_vector if i else self._chain_start
+            if before is not None:
+                return SegmentBatches(LocalOffset(offset), before.to_dict(), [])
+        raise SegmentElsewhere(self.key, segment, offset)
+
     # -- damage ----------------------------------------------------------------------------------------------
 
     def damaged_batches(self) -> list[DamagedBatch]:
@@ -359,6 +380,7 @@ class FollowerLog(ChainLog):
         self._sealed_vector = end_vector if end_vector is not None else start_vector or VectorOffset()
         # Not ChainLog.__init__: a follower may hold no copy of the open segment, and leads no epoch (0: none).
         self._init_chain(key, store, chain, LeaderEpoch(0), self._sealed_vector)
+        self._chain_start = start_vector
         self.me = me
         self._bounds = tuple(SegmentBounds(s.segment_id, s.base_offset, s.end_offset, s.ensemble) for s in chain)
 

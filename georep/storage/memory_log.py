@@ -23,6 +23,7 @@ from georep.storage.api import (
     ReadResult,
     RepairRefused,
     ScrubStep,
+    SegmentBatches,
 )
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 
@@ -156,6 +157,12 @@ class MemoryLog:
                        h.producer_id, h.producer_epoch, h.base_sequence, h.append_time_ms)
             for h in self._headers
         ]  # fmt: skip
+
+    def segment_at(self, offset: int) -> SegmentBatches:
+        # One segment from offset 0, never trimmed: nothing lies below it.
+        if not self._start <= offset <= self._end:
+            raise OffsetOutOfRange(offset, self._start, self._end)
+        return SegmentBatches(self._start, {}, self.batch_entries())
 
     def flush(self) -> LocalOffset:
         return self.flush_to(self._end)

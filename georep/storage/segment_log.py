@@ -131,6 +131,7 @@ from georep.storage.api import (
     ReadResult,
     RepairRefused,
     ScrubStep,
+    SegmentBatches,
     StorageError,
 )
 from georep.storage.durable_file import TMP_SUFFIX, fsync_directory, replace_file
@@ -219,6 +220,8 @@ class SegmentLog:
         # >= the active segment's base: what the recovery-point file persists.
         self._vector_offset = vector_offset
         self._sealed_vector = sealed_vector
+        # The log's vector at each segment's base, beside _segments (segment_at); _from_segments sets them.
+        self._start_vectors: list[dict[Origin, OriginSeq]] = [{} for _ in segments]
         self._log_start = LocalOffset(segments[0].base_offset)
         self._log_end = LocalOffset(segments[-1].next_offset)
         self._flushed = self._log_end
@@ -401,17 +404,25 @@ class SegmentLog:
         vector_offset = max(covered, active_base)
         if covered >= active_base:
             sealed_vector = dict(vector)
+        segment_ends: list[dict[Origin, int]] = []  # per segment, {origin: next seq after its batches there}
+        first: dict[Origin, tuple[int, int]] = {}  # origin -> (base offset, base seq) of its first retained batch
         for segment in segments:
             if segment.base_offset == active_base and sealed_vector is None:
                 sealed_vector = dict(vector)
+            ends: dict[Origin, int] = {}
             for entry in iter_origin_entries(segment.origin_entries()):
                 origin = _origin_of(names, entry)
                 next_seq = entry.next_origin_seq
                 origins.add(origin, next_seq, entry.base_offset)
+                first.setdefault(origin, (entry.base_offset, entry.base_origin_seq))
+                if next_seq > ends.get(origin, 0):
+                    ends[origin] = next_seq
                 if next_seq > vector.get(origin, 0):  # per-origin max, so batches below `covered` change nothing
                     vector[origin] = OriginSeq(next_seq)
+            segment_ends.append(ends)
         assert sealed_vector is not None
         opened = cls(directory, config, segments, origins, vector, vector_offset, sealed_vector, report)
+        opened._start_vectors = _start_vectors(sealed_vector, vector_offset, first, segment_ends)
         opened._origin_names = names
         opened._damaged = _read_damaged(directory, opened._log_start, opened._log_end)
         for d in opened._damaged.values():
@@ -658,21 +669,35 @@ class SegmentLog:
         with self._lock:
             self._check_open()
             for segment in self._segments:
-                for e in iter_origin_entries(segment.origin_entries()):
-                    out.append(
-                        BatchEntry(
-                            _origin_of(self._origin_names, e),
-                            OriginSeq(e.base_origin_seq),
-                            e.last_offset_delta,
-                            LocalOffset(e.base_offset),
-                            e.max_timestamp,
-                            e.producer_id,
-                            e.producer_epoch,
-                            e.base_sequence,
-                            e.append_time_ms,
-                        )  # fmt: skip
-                    )
+                out += self._entries(segment)
         return out
+
+    def segment_at(self, offset: int) -> SegmentBatches:
+        with self._lock:
+            self._check_open()
+            if not self._log_start <= offset <= self._log_end:
+                raise OffsetOutOfRange(offset, self._log_start, self._log_end)
+            i = bisect_right(self._bases, offset) - 1
+            segment = self._segments[i]
+            return SegmentBatches(LocalOffset(segment.base_offset), dict(self._start_vectors[i]),
+                                  self._entries(segment))  # fmt: skip
+
+    def _entries(self, segment: Segment) -> list[BatchEntry]:
+        """``segment``'s batches from its origin index (lock held)."""
+        return [
+            BatchEntry(
+                _origin_of(self._origin_names, e),
+                OriginSeq(e.base_origin_seq),
+                e.last_offset_delta,
+                LocalOffset(e.base_offset),
+                e.max_timestamp,
+                e.producer_id,
+                e.producer_epoch,
+                e.base_sequence,
+                e.append_time_ms,
+            )  # fmt: skip
+            for e in iter_origin_entries(segment.origin_entries())
+        ]
 
     def flush(self) -> LocalOffset:
         """fsync the active segment's log; returns the flushed log end. Safe from a worker thread.
@@ -710,6 +735,7 @@ class SegmentLog:
                     break
                 self._segments.pop(0)
                 self._bases.pop(0)
+                self._start_vectors.pop(0)
                 self._size -= oldest.size
                 oldest.delete()
                 deleted += 1
@@ -790,6 +816,7 @@ class SegmentLog:
             raise
         self._segments.append(segment)
         self._bases.append(end)
+        self._start_vectors.append(dict(sealed_vector))
 
     def _write_recovery_point(self) -> None:
         """Move the recovery point to the log end, at open and close.
@@ -807,6 +834,31 @@ class SegmentLog:
                 raise
             log.warning("partition log %s: cannot write the recovery point (%s); startup will validate more",
                         self.directory, exc.strerror)  # fmt: skip
+
+
+def _start_vectors(vector: dict[Origin, OriginSeq], vector_offset: int, first: dict[Origin, tuple[int, int]],
+                   segment_ends: list[dict[Origin, int]]) -> list[dict[Origin, OriginSeq]]:  # fmt: skip
+    """The log's vector at each segment's base, at open: only the vector at ``vector_offset`` is persisted.
+
+    Below the log start, for each origin: the base seq of its first retained batch if that batch lies below
+    ``vector_offset``; else (none retained there) all of its records below ``vector_offset`` were deleted, and
+    ``vector`` says how far they went. Exact by I1 and I3: a site holds each origin's records as a gapless prefix,
+    in origin-seq order, so the records of an origin below its first retained batch are exactly those before that
+    batch's base seq. Each later segment's start is the previous one's advanced by its batches (per-origin max).
+    """
+    start: dict[Origin, OriginSeq] = {}
+    for origin, upto in vector.items():
+        at = first.get(origin)
+        seq = at[1] if at is not None and at[0] < vector_offset else int(upto)
+        if seq:
+            start[origin] = OriginSeq(seq)
+    out: list[dict[Origin, OriginSeq]] = []
+    for ends in segment_ends:
+        out.append(dict(start))
+        for origin, next_seq in ends.items():
+            if next_seq > start.get(origin, 0):
+                start[origin] = OriginSeq(next_seq)
+    return out
 
 
 def _read_damaged(directory: Path, log_start: int, log_end: int) -> dict[int, DamagedBatch]:
