@@ -245,8 +245,11 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         # how to start this node again the same way (georep drill restarts a killed site)
         "command": [sys.executable, "-m", "georep.cli", *sys.argv[1:]], "cwd": os.getcwd(),
     }  # fmt: skip
-    lock.describe(str(info["listen"]))
-    write_json_atomic(data_dir / NODE_INFO, info)
+    # A stop asked for once node.json says the node serves is a clean stop: the handlers come first.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     if tls is None:
         log.warning("--insecure: serving plaintext, without TLS and without ACLs; any process that reaches %s may "
                     "produce, consume, commit and replicate (docs/security.md)", info["listen"])  # fmt: skip
@@ -256,11 +259,9 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
                     "(docs/security.md)", in_site.raft_address)  # fmt: skip
     log.info("site %s (origin %s) serving on %s, metrics on %s", identity.site, broker.origin, info["listen"],
              metrics_address)  # fmt: skip
+    lock.describe(str(info["listen"]))
+    write_json_atomic(data_dir / NODE_INFO, info)  # last: whoever waits for it finds the warnings logged
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     housekeeping = [
         asyncio.create_task(_flush_loop(broker)),
         asyncio.create_task(_scrub_loop(broker, scrub_bytes_per_s)),
