@@ -6,11 +6,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-quick lint typecheck proto bench clean
 
-# pip --no-compile: byte-compiling every installed file (pyspark's thousands) took half of the install's 70 s;
-# Python compiles what it imports, once, on first use.
 $(STAMP): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check --no-compile -r requirements.lock
+	$(BIN)/pip install --quiet --disable-pip-version-check -r requirements.lock
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
