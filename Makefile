@@ -14,15 +14,22 @@ $(STAMP): requirements.lock pyproject.toml
 
 venv: $(STAMP)
 
+# The project's own bytecode, written once: where PYTHONDONTWRITEBYTECODE is set (as on these machines) every
+# process would otherwise compile each georep module it imports, and the tests start hundreds of processes.
+PACKAGES := georep cluster topology offsets dedup spark_jobs tests
+
 demo: $(STAMP)
+	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
 	$(BIN)/georep demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
 	$(BIN)/python -m pytest -q -n 3 --dist loadgroup
 
 test-quick: $(STAMP)
+	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
 	$(BIN)/python -m pytest -q -n 3 --dist loadgroup -m "not slow"
 
 # The generated code is committed; this regenerates it with the pinned grpcio-tools and mypy-protobuf
