@@ -58,6 +58,7 @@ from georep.record.batch import HEADER_BYTES, RecordInput, encode_batch
 from georep.security import dev_ca
 from georep.security.principal import site_principal
 from georep.security.tls import TlsConfig, add_port, client_channel
+from georep.server.node import KEEPALIVE_MIN_INTERVAL_MS
 from georep.server.process import NodeProcess
 
 RECORD_VALUE_BYTES = 1024
@@ -74,6 +75,10 @@ NODE_FLUSH_INTERVAL_MS = 100
 RAW_SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", 256 << 20),
     ("grpc.max_send_message_length", 256 << 20),
+    # The same client channel pings every 10 s: answer it as a node does, not with GOAWAY "too_many_pings" in the
+    # middle of a long run.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_INTERVAL_MS),
 ]
 
 
