@@ -280,17 +280,17 @@ class Authorizer:
             raise PermissionDenied.of(decision)
 
     def screen(self, table: Mapping[str, Access], method: str, principal: Principal, data: bytes,
-               parse: Callable[[type[Message], bytes], Message]) -> Message | None:  # fmt: skip
-        """One message of a client stream: None if allowed; the refusal to answer it with, if the method has one
-        (:attr:`Access.refuse`); else raises :class:`PermissionDenied`, which ends the stream."""
+               parse: Callable[[type[Message], bytes], Message]) -> tuple[Message, Message | None]:  # fmt: skip
+        """One message of a client stream, parsed, and None if allowed; else the refusal to answer it with, if the
+        method has one (:attr:`Access.refuse`), or :class:`PermissionDenied` raised, which ends the stream."""
         access = table[method]
         request = parse(access.request, data)
         decision = decide(table, method, request, principal, self.policy)
         if decision.allowed:
-            return None
+            return request, None
         if access.refuse is None:
             raise PermissionDenied.of(decision)
-        return access.refuse(request, decision.message)
+        return request, access.refuse(request, decision.message)
 
     @staticmethod
     def per_message(table: Mapping[str, Access], method: str) -> bool:

@@ -47,7 +47,12 @@ Unary = Callable[[bytes, Context], Awaitable[Message]]
 Streaming = Callable[[Any, Context], AsyncIterator[Message]]
 
 
-def parse(cls: type[M], data: bytes) -> M:
+def parse(cls: type[M], data: bytes | M) -> M:
+    """``data`` parsed and bounds-checked; a message the authorization screen already parsed is taken as it is
+    (a client stream's batches are parsed once, not once to screen them and again to serve them)."""
+    if not isinstance(data, bytes):
+        assert isinstance(data, cls), f"{cls.__name__} expected, got {type(data).__name__}"
+        return data
     msg = cls()
     try:
         msg.ParseFromString(data)
@@ -236,11 +241,11 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
         # (or, for a method without a refusal, ends the stream through the handler as its own errors do).
         answers: asyncio.Queue[Any] = asyncio.Queue(SCREENED_ANSWERS_MAX)  # a slow reader slows the stream down
 
-        async def screened() -> AsyncIterator[bytes]:
+        async def screened() -> AsyncIterator[Message]:
             async for raw in requests:
-                refusal = authorizer.screen(table, method, principal, raw, parse)
+                request, refusal = authorizer.screen(table, method, principal, raw, parse)
                 if refusal is None:
-                    yield raw
+                    yield request  # parsed: the handler's parse() takes it as it is
                 else:
                     await answers.put(refusal)
 

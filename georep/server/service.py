@@ -213,7 +213,7 @@ class NodeService:
         return self._produced(req, produced)
 
     async def produce_stream(
-        self, requests: AsyncIterator[bytes], context: Context
+        self, requests: AsyncIterator[bytes | pb.ProduceRequest], context: Context  # parsed when screened (rpc.py)
     ) -> AsyncIterator[pb.ProduceResponse]:
         # Per request: one append and, when the ack must wait for an fsync, one
         # callback on the shared fsync future. No task or queue per request:
