@@ -27,7 +27,8 @@ from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from offsets.coordinates import Origin
 from tests.support.channels import add_port, open_channel
-from tests.support.sites import free_ports, origin_batch, wait_until
+from tests.support.ports import free_ports
+from tests.support.sites import origin_batch, wait_until
 
 FORGED = "forged"
 

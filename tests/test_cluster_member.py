@@ -25,7 +25,8 @@ from georep.server.segments import SegmentService
 from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import Origin
 from tests.support.channels import add_port
-from tests.support.raft import FAST, free_ports
+from tests.support.ports import free_ports
+from tests.support.raft import FAST
 from tests.support.segments import make_batch
 from topology.ids import SiteId
 

@@ -18,7 +18,7 @@ from georep.server.process import NodeProcess
 from georep.storage.replica_store import partition_dir_name
 from tests.support.channels import open_channel
 from tests.support.cluster_site import TOPIC, ClusterSite, Writer, leader_hint, read_partition
-from tests.support.sites import free_ports
+from tests.support.ports import free_ports
 
 RETENTION_BYTES = 6_000
 

@@ -8,7 +8,6 @@ Ensemble (1, 2, 3), ack quorum 2: the LAC is what two of the three hold fsynced.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,6 +29,7 @@ from georep.storage.replica_store import ReplicaStore
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, OriginSeq
 from tests.support.channels import add_port, aio_channel
+from tests.support.ports import free_port
 from tests.support.segments import A, B, Writer, read_all
 
 KEY = ("orders", 0)
@@ -259,9 +259,7 @@ async def serve_member(store: ReplicaStore, executor: ThreadPoolExecutor) -> tup
 
 
 def closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 NEW = NodeId(3)

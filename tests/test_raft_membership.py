@@ -26,7 +26,8 @@ from cluster.raft_store import (
 )
 from cluster.site_state import CreateTopic
 from cluster.topics import TopicSpec
-from tests.support.raft import FAST, Site, free_ports, ok, populate, wait_until
+from tests.support.ports import free_ports
+from tests.support.raft import FAST, Site, ok, populate, wait_until
 
 A, B, C, D = "10.0.0.1:9093", "10.0.0.2:9093", "10.0.0.3:9093", "10.0.0.4:9093"
 

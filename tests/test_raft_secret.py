@@ -29,7 +29,8 @@ from georep.security.tls import TlsConfig, write_secret
 from georep.server.process import NodeProcess
 from tests.support.channels import open_channel
 from tests.support.cluster_site import ClusterSite, site_toml
-from tests.support.sites import free_ports, wait_until
+from tests.support.ports import free_ports
+from tests.support.sites import wait_until
 
 
 def test_certs_init_writes_one_secret_per_multi_node_site_and_keeps_it(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
 from tests.support.channels import open_channel
 from tests.support.cluster_site import ClusterSite, read_partition
-from tests.support.sites import free_ports
+from tests.support.ports import free_ports
 
 TOPIC = "geo"
 PARTITIONS = 2

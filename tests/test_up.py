@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from tests.support.cluster_site import site_toml
-from tests.support.sites import TRIANGLE, free_ports, topology_toml
+from tests.support.ports import free_ports
+from tests.support.sites import TRIANGLE, topology_toml
 
 GEOREP = [sys.executable, "-m", "georep.cli"]
 

@@ -18,7 +18,7 @@ from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from georep.server.rpc import LEADER_METADATA
 from tests.support.channels import open_channel
-from tests.support.sites import free_ports
+from tests.support.ports import free_ports
 
 
 def site_toml(site: str, grpc_ports: list[int], raft_ports: list[int], kafka_ports: list[int] | None = None) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +10,7 @@ from cluster.ids import NodeId
 from cluster.raft_store import RaftMetadataStore, RaftTiming
 from cluster.site_state import Applied, RegisterNode
 from cluster.topics import TopicSpec
+from tests.support.ports import free_ports
 
 # Shorter than the defaults so that elections take a fraction of a second, but with room for two busy cores.
 FAST = RaftTiming(
@@ -22,18 +22,6 @@ FAST = RaftTiming(
     leader_step_down_s=1.0,
     write_timeout_s=5.0,
 )
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports the kernel picked as free (bound together, so they differ), released for the stores to bind."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 WAIT_S = 10.0

@@ -12,7 +12,6 @@ ARCHITECTURE.md:
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,24 +28,13 @@ from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from offsets.coordinates import Origin
 from tests.support.channels import open_channel
+from tests.support.ports import free_ports
 
 
 def origin_batch(origin: Origin, base_seq: int, n: int = 2, tag: bytes = b"") -> bytes:
     records = [RecordInput(b"k%d" % (base_seq + i), tag + b"v%d" % (base_seq + i), (), 1_000 + base_seq + i)
                for i in range(n)]  # fmt: skip
     return encode_batch(records, origin=origin, base_origin_seq=base_seq)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def topology_toml(ports: dict[str, int], links: list[tuple[str, str]]) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import urllib.parse
 from collections.abc import Iterator
 
@@ -20,6 +19,7 @@ from toxiproxy import Toxiproxy
 from toxiproxy.proxy import Proxy
 
 from georep.faultproxy import ThreadedFaultProxy
+from tests.support.ports import free_port
 from tests.support.sites import Sites, topology_toml
 
 URL_ENV = "TOXIPROXY_URL"
@@ -48,12 +48,6 @@ def toxiproxy_server() -> Iterator[Toxiproxy]:
                     proxy.destroy()
         if server is not None:
             server.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def create_proxy(client: Toxiproxy, name: str, upstream: str) -> Proxy:
