@@ -16,11 +16,11 @@ from tests.support.sites import Sites
 
 # Tests that share one expensive thing run on one xdist worker (`make test` runs `pytest -n 3 --dist loadgroup`):
 # the Spark tests share one JVM (the suite is CPU-bound on two cores, and a second JVM's start and warm-up cost
-# more than its parallelism saved), each simulator module shares one process pool, and the Toxiproxy fault tests share two sites behind
-# their proxies (a module fixture: spread over workers, each worker would start its own). The groups of
-# GROUPS_FIRST are the longest chains of the run, so they are handed out first. The groups are whole files, named
-# here, because xdist's own marks do not group anything under pytest 9.2 (xdist 3.8 renames items through an
-# attribute pytest no longer reads), so the scheduler below groups by file instead.
+# more than its parallelism saved), each simulator module shares one process pool, and the Toxiproxy fault tests
+# share two sites behind their proxies (a module fixture: spread over workers, each worker would start its own).
+# The groups of GROUPS_FIRST are the longest chains of the run, so they are handed out first. The groups are whole
+# files, named here, because xdist's own marks do not group anything under pytest 9.2 (xdist 3.8 renames items
+# through an attribute pytest no longer reads), so the scheduler below groups by file instead.
 SHARED_ON_ONE_WORKER = {
     "test_audit.py": "spark", "test_audit_sites.py": "spark", "test_audit_replicas.py": "spark",
     "test_audit_commands.py": "spark", "test_audit_reader.py": "spark",
