@@ -17,19 +17,20 @@ d'(u) + cost(u, dst), then by id. An in-neighbour that could only get the
 records from dst itself would have nothing to give, so it is left out.
 
 Routes depend on a topic only through the set of links that carry it, so
-results are cached per such set and per set of live links.
+results are cached per such set and per set of live links: by each router, and
+in one bounded cache shared by every router of the process (a simulation runs
+thousands of routers over the same few graphs while its links flap).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from topology.ids import SiteId
 from topology.model import Topology
 
-if TYPE_CHECKING:
-    import networkx as nx
+ROUTES_CACHED = 16_384  # (graph, origin, destination) triples kept by the shared cache
 
 _Key = tuple[SiteId, SiteId]
 
@@ -51,8 +52,6 @@ class Router:
         self._down: set[_Key] = set()
         # topic -> whether each link carries it (filters never change; link states do)
         self._carrying: dict[str, tuple[bool, ...]] = {}
-        # (links carrying the topic and live, as a tuple of bools) -> graph of those links
-        self._graphs: dict[tuple[bool, ...], nx.DiGraph] = {}
         self._routes: dict[tuple[tuple[bool, ...], SiteId, SiteId], tuple[Candidate, ...]] = {}
 
     @property
@@ -72,7 +71,6 @@ class Router:
             self._down.add(key)
         # The cache keys already exclude down links, so entries stay correct; they just stop being hit.
         # Clear them anyway so flapping links cannot grow the cache without bound.
-        self._graphs.clear()
         self._routes.clear()
 
     def is_link_up(self, src: str, dst: str) -> bool:
@@ -112,36 +110,30 @@ class Router:
             self._routes[(mask, o, d)] = cached
         return cached
 
-    def _graph(self, mask: tuple[bool, ...]) -> nx.DiGraph:
-        import networkx as nx  # here, not at the top: every CLI command imports this module, few route
-
-        graph = self._graphs.get(mask)
-        if graph is None:
-            graph = nx.DiGraph()
-            graph.add_nodes_from(self._topology.site_ids())
-            for link, usable in zip(self._links, mask, strict=True):
-                if usable:
-                    graph.add_edge(link.src, link.dst, cost=link.cost)
-            self._graphs[mask] = graph
-        return graph
-
     def _compute(self, mask: tuple[bool, ...], origin: SiteId, dst: SiteId) -> tuple[Candidate, ...]:
-        import networkx as nx
+        edges = tuple((link.src, link.dst, link.cost) for link, usable in zip(self._links, mask, strict=True) if usable)
+        return _candidates(tuple(self._topology.site_ids()), edges, origin, dst)
 
-        graph = self._graph(mask)
-        in_neighbours = sorted(graph.predecessors(dst))
-        if not in_neighbours:
-            return ()
-        # Paths that do not pass through dst: an upstream that only gets the records from dst has nothing to give.
-        without_dst = nx.restricted_view(graph, [dst], [])
-        cost_from_origin: dict[SiteId, int] = nx.single_source_dijkstra_path_length(
-            without_dst, origin, weight="cost"
-        )
-        found = [
-            Candidate(u, cost_from_origin[u] + int(graph.edges[u, dst]["cost"]))
-            for u in in_neighbours
-            if u in cost_from_origin
-        ]
-        found.sort(key=lambda c: (c.cost, c.upstream))
-        return tuple(found)
 
+@functools.lru_cache(maxsize=ROUTES_CACHED)
+def _candidates(sites: tuple[SiteId, ...], edges: tuple[tuple[SiteId, SiteId, int], ...], origin: SiteId,
+                dst: SiteId) -> tuple[Candidate, ...]:  # fmt: skip
+    """dst's candidates for origin's records over the graph of ``edges`` (src, dst, cost); see the docstring."""
+    import networkx as nx  # here, not at the top: every CLI command imports this module, few route
+
+    graph = nx.DiGraph()
+    graph.add_nodes_from(sites)
+    graph.add_weighted_edges_from(edges, weight="cost")
+    in_neighbours = sorted(graph.predecessors(dst))
+    if not in_neighbours:
+        return ()
+    # Paths that do not pass through dst: an upstream that only gets the records from dst has nothing to give.
+    without_dst = nx.restricted_view(graph, [dst], [])
+    cost_from_origin: dict[SiteId, int] = nx.single_source_dijkstra_path_length(without_dst, origin, weight="cost")
+    found = [
+        Candidate(u, cost_from_origin[u] + int(graph.edges[u, dst]["cost"]))
+        for u in in_neighbours
+        if u in cost_from_origin
+    ]
+    found.sort(key=lambda c: (c.cost, c.upstream))
+    return tuple(found)
