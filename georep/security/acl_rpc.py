@@ -268,16 +268,16 @@ class Authorizer:
         return is_super_user(principal, self.policy.own_site, self.policy.super_users)
 
     def check(self, table: Mapping[str, Access], method: str, principal: Principal, data: bytes,
-              parse: Callable[[type[Message], bytes], Message]) -> None:  # fmt: skip
-        """Raise :class:`PermissionDenied` unless ``principal`` may make this call with this request (``data``)."""
+              parse: Callable[[type[Message], bytes], Message]) -> Message | None:  # fmt: skip
+        """Raise :class:`PermissionDenied` unless ``principal`` may make this call with this request (``data``); the
+        request, if the rule had to parse it (so that the handler does not parse it again), else None."""
         access = table.get(method)
-        if access is None or not access.reads_request:
-            request: Message = pb.HealthRequest()
-        else:
-            request = parse(access.request, data)
+        parsed = access is not None and access.reads_request
+        request = parse(access.request, data) if access is not None and parsed else pb.HealthRequest()
         decision = decide(table, method, request, principal, self.policy)
         if not decision.allowed:
             raise PermissionDenied.of(decision)
+        return request if parsed else None
 
     def screen(self, table: Mapping[str, Access], method: str, principal: Principal, data: bytes,
                parse: Callable[[type[Message], bytes], Message]) -> tuple[Message, Message | None]:  # fmt: skip

@@ -37,7 +37,8 @@ from georep.server.status import DOMAIN_ERRORS, status_of
 from topology.model import Topology
 
 M = TypeVar("M", bound=Message)
-# Handlers take raw bytes (no deserializer) and return messages.
+# Handlers take raw bytes (no deserializer), or the message the authorization screen already parsed, read it with
+# parse(), and return messages.
 Context = grpc.aio.ServicerContext[bytes, Message]
 NEXT_OFFSET_METADATA = "georep-next-offset"  # trailing metadata of a DATA_LOSS fetch: after the damaged batch
 FENCED_EPOCH_METADATA = "georep-fenced-epoch"  # trailing metadata of an ABORTED segment call: the member's fence
@@ -192,30 +193,29 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
              method: str) -> grpc.RpcMethodHandler[Any, Any]:  # fmt: skip
     """``handler`` with the check first; a client stream's messages checked one by one when the rule reads them."""
 
-    async def admit(data: bytes, context: Context) -> Any:
-        """The caller's principal, once the first (or only) request is allowed; ends the call otherwise."""
+    async def admit(data: bytes, context: Context) -> bytes | Message:
+        """The request for the handler once it is allowed (parsed if the check parsed it); ends the call otherwise."""
         try:
             principal = authorizer.principal(method, context)
             if not authorizer.unrestricted(principal):
-                authorizer.check(table, method, principal, data, parse)
+                request = authorizer.check(table, method, principal, data, parse)
+                return data if request is None else request
         except DOMAIN_ERRORS as exc:
             await context.abort(status(exc), str(exc))
-        return principal
+        return data
 
     if handler.unary_unary is not None:
         inner_uu: Any = handler.unary_unary  # an async handler of rpc.unary (the stubs type them sync)
 
         async def unary_unary(data: bytes, context: Context) -> Message:
-            await admit(data, context)
-            return await inner_uu(data, context)  # type: ignore[no-any-return]
+            return await inner_uu(await admit(data, context), context)  # type: ignore[no-any-return]
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
     if handler.unary_stream is not None:
         inner_us: Any = handler.unary_stream
 
         async def unary_stream_(data: bytes, context: Context) -> AsyncIterator[Message]:
-            await admit(data, context)
-            async for msg in inner_us(data, context):
+            async for msg in inner_us(await admit(data, context), context):
                 yield msg
 
         return grpc.unary_stream_rpc_method_handler(unary_stream_, None, handler.response_serializer)
