@@ -804,8 +804,9 @@ class RaftMetadataStore:
                     return result
                 if outcome.error not in _NOT_IN_LOG:
                     reachable, unreachable = self._reachability()
-                    if reachable * 2 <= reachable + len(unreachable):  # the leader stepped down: no majority
-                        raise NoRaftLeader(what, timeout, reachable, reachable + len(unreachable), unreachable)
+                    total = reachable + len(unreachable)
+                    if reachable * 2 <= total:  # the leader stepped down for want of a majority
+                        raise NoRaftLeader(what, timeout, reachable, total, unreachable)
                     leader = self.leader_address or "none known"
                     raise CommitUnconfirmed(
                         f"the Raft leader changed while the {what} was in flight (pysyncobj error {outcome.error}; "

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from georep.server.process import NodeProcess
-from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address, poll_until, values
+from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address, poll_until, read_frame, values
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 kafka = pytest.importorskip("kafka")
@@ -192,17 +192,7 @@ def _request(sock: socket.socket, api_key: int, version: int, correlation_id: in
         head += b"\x00"  # the flexible request header's empty tagged fields
     frame = head + body
     sock.sendall(struct.pack(">i", len(frame)) + frame)
-    (size,) = struct.unpack(">i", _read(sock, 4))
-    return _read(sock, size)
-
-
-def _read(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        assert chunk, "the gateway closed the connection"
-        out += chunk
-    return out
+    return read_frame(sock)
 
 
 def test_unsupported_requests_get_error_codes_on_an_open_connection(bootstrap: str) -> None:

@@ -32,7 +32,7 @@ from georep.security.credentials import CredentialLookup
 from georep.security.principal import site_principal
 from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
-from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address, poll_until
+from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address, poll_until, read_frame
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 
@@ -282,15 +282,3 @@ def scram_exchange(lookup: CredentialLookup, user: str, password: str) -> bool:
 
 def frame(data: bytes) -> bytes:
     return len(data).to_bytes(4, "big") + data
-
-
-def read_frame(sock: ssl.SSLSocket) -> bytes:
-    def exactly(n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            chunk = sock.recv(n - len(out))
-            assert chunk, "connection closed"
-            out += chunk
-        return out
-
-    return exactly(int.from_bytes(exactly(4), "big"))

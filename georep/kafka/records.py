@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from typing import cast
 
 import crc32c
-from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
+from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.util import decode_varint, encode_varint, size_of_varint
 
 from georep.record.batch import (
@@ -50,14 +50,11 @@ ORIGIN_HEADER = "georep.origin"
 ORIGIN_SEQ_HEADER = "georep.origin_seq"
 MAGIC_V2 = 2
 _BATCH_HEAD_MIN = 61  # a v2 batch header
-_BASE_OFFSET = struct.Struct(">q")
 _LENGTH = struct.Struct(">qi")
 # Offsets inside a v2 batch header (Kafka's DefaultRecordBatch): the CRC covers from the attributes on.
 _CRC_AT = 17
 _ATTRIBUTES_AT = 21
-_LAST_OFFSET_DELTA_AT = 23
 _KAFKA_HEAD = DefaultRecordBatch.HEADER_STRUCT
-_RECORD_HEAD = RECORD_HEAD  # georep's record: length, attributes, timestamp delta, offset delta, key length
 _I32 = struct.Struct(">i")
 _ORIGIN_KEY = ORIGIN_HEADER.encode()
 _ORIGIN_SEQ_KEY = ORIGIN_SEQ_HEADER.encode()
@@ -200,7 +197,7 @@ def _convert(batch: memoryview, skip: Mapping[Origin, int] | None) -> bytearray:
         _write_bytes(coordinate, memoryview(part))
     out = bytearray(_KAFKA_HEAD.size)
     write_byte = out.append
-    unpack_head = _RECORD_HEAD.unpack_from
+    unpack_head = RECORD_HEAD.unpack_from  # length, attributes, timestamp delta, offset delta, key length
     unpack_i32 = _I32.unpack_from
     pos = 0
     kept = 0
@@ -214,7 +211,7 @@ def _convert(batch: memoryview, skip: Mapping[Origin, int] | None) -> bytearray:
         if base_seq + index < covered:
             pos = rec_end
             continue
-        p = pos + _RECORD_HEAD.size
+        p = pos + RECORD_HEAD.size
         key = body[p : p + key_len] if key_len >= 0 else None
         p += max(key_len, 0)
         (value_len,) = unpack_i32(body, p)
@@ -252,8 +249,14 @@ def _convert(batch: memoryview, skip: Mapping[Origin, int] | None) -> bytearray:
         out += seq_text
     if not kept:
         return empty_batch(h.base_offset, h.last_offset_delta, h.max_timestamp)
-    _KAFKA_HEAD.pack_into(out, 0, h.base_offset, len(out) - 12, 0, MAGIC_V2, 0, 0, h.last_offset_delta,
-                          h.first_timestamp, max_ts, -1, -1, -1, kept)  # fmt: skip
+    return _sealed(out, h.base_offset, h.last_offset_delta, h.first_timestamp, max_ts, kept)
+
+
+def _sealed(out: bytearray, base_offset: int, last_delta: int, first_ts: int, max_ts: int, count: int) -> bytearray:
+    """``out`` (a header's room, then ``count`` records) with its v2 batch header written and its CRC-32C: no
+    producer id (fetched records carry none), no attributes (uncompressed, CreateTime)."""
+    _KAFKA_HEAD.pack_into(out, 0, base_offset, len(out) - 12, 0, MAGIC_V2, 0, 0, last_delta, first_ts, max_ts,
+                          -1, -1, -1, count)  # fmt: skip
     struct.pack_into(">I", out, _CRC_AT, crc32c.crc32c(memoryview(out)[_ATTRIBUTES_AT:]))
     return out
 
@@ -270,18 +273,7 @@ def _write_bytes(out: bytearray, data: memoryview | None) -> None:
     out += data
 
 
-def _with_last_delta(built: bytearray, last_delta: int) -> bytearray:
-    struct.pack_into(">i", built, _LAST_OFFSET_DELTA_AT, last_delta)
-    crc = crc32c.crc32c(memoryview(built)[_ATTRIBUTES_AT:])
-    struct.pack_into(">I", built, _CRC_AT, crc)
-    return built
-
-
 def empty_batch(base_offset: int, last_delta: int, timestamp_ms: int) -> bytearray:
     """A v2 batch with no records spanning ``base_offset .. base_offset + last_delta``: what compaction leaves
     of a batch whose records all went; consumers move their position past it."""
-    builder = DefaultRecordBatchBuilder(MAGIC_V2, 0, False, -1, -1, -1, 1 << 62)
-    builder._first_timestamp = builder._max_timestamp = timestamp_ms
-    built: bytearray = builder.build()
-    _BASE_OFFSET.pack_into(built, 0, base_offset)
-    return _with_last_delta(built, last_delta)
+    return _sealed(bytearray(_KAFKA_HEAD.size), base_offset, last_delta, timestamp_ms, timestamp_ms, 0)

@@ -272,12 +272,11 @@ class Authorizer:
         """Raise :class:`PermissionDenied` unless ``principal`` may make this call with this request (``data``); the
         request, if the rule had to parse it (so that the handler does not parse it again), else None."""
         access = table.get(method)
-        parsed = access is not None and access.reads_request
-        request = parse(access.request, data) if access is not None and parsed else pb.HealthRequest()
-        decision = decide(table, method, request, principal, self.policy)
+        parsed = None if access is None or not access.reads_request else parse(access.request, data)
+        decision = decide(table, method, pb.HealthRequest() if parsed is None else parsed, principal, self.policy)
         if not decision.allowed:
             raise PermissionDenied.of(decision)
-        return request if parsed else None
+        return parsed
 
     def screen(self, table: Mapping[str, Access], method: str, principal: Principal, data: bytes,
                parse: Callable[[type[Message], bytes], Message]) -> tuple[Message, Message | None]:  # fmt: skip
