@@ -54,6 +54,7 @@ class DamagedBatch:
     position: int  # byte position in it
     size_bytes: int
     reason: str
+    crc: int = -1  # the batch's CRC-32C as its origin index entry recorded it; -1 when unknown (an older list)
 
     def describe(self) -> str:
         return (f"offsets {self.base_offset}..{self.next_offset - 1} (origin {self.origin} seqs "
@@ -73,6 +74,7 @@ class ScrubStep:
     next_offset: int  # where the next step goes on (the log end once done)
     checked_bytes: int
     found: list[DamagedBatch]  # newly quarantined
+    indexes_rebuilt: int = 0  # segments whose index files disagreed with their CRC-valid batches and were rebuilt
 
 
 class RepairRefused(StorageError):

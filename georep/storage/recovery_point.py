@@ -1,11 +1,16 @@
 """The ``recovery-point`` file of a partition directory.
 
-UTF-8 JSON, replaced atomically (see :mod:`georep.storage.durable_file`)::
+UTF-8 JSON, replaced atomically (see :mod:`georep.storage.durable_file`), with its own checksum
+(:mod:`georep.storage.checked_json`)::
 
-    {"format": 1,
+    {"crc32c": 3735928559,
+     "format": 2,
      "recovery_point": 1234,
      "vector_offset": 1200,
      "vector": {"us-east@1700000000": 17, "eu-west@1700000123": 5}}
+
+Format 2 added the checksum: a flipped digit in the vector parses as JSON and would claim seqs the log does not
+hold. A format-1 file (no checksum) is still read; the next write replaces it.
 
 ``recovery_point``
     Every batch below this local offset was fsynced and validated. At startup,
@@ -22,21 +27,26 @@ UTF-8 JSON, replaced atomically (see :mod:`georep.storage.durable_file`)::
 
 Text rather than binary because it is tiny, written only on roll and close,
 and an operator may want to read it.
+
+It is derived: the segments are the truth. An unreadable file only means that every segment is walked at the
+next start; :mod:`georep.storage.log_start` keeps the one thing the segments cannot give back (the vector of
+what retention deleted).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
 from georep.storage.durable_file import replace_file
 from offsets.coordinates import InvalidOrigin, LocalOffset, Origin, OriginSeq
 from topology.ids import InvalidSiteId
 
 FILE_NAME = "recovery-point"
-FORMAT = 1
+FORMAT = 2
+_UNCHECKED_FORMAT = 1  # written before the checksum
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +62,17 @@ def read_recovery_point(directory: Path) -> RecoveryPoint | None:
     """The directory's recovery point; ``None`` if missing or unreadable (logged)."""
     path = directory / FILE_NAME
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
     try:
-        doc = json.loads(text)
-        if doc["format"] != FORMAT:
+        doc = loads_checked(data, unchecked_formats=(_UNCHECKED_FORMAT,))
+        if doc["format"] not in (FORMAT, _UNCHECKED_FORMAT):
             raise ValueError(f"format {doc['format']!r}, this build reads {FORMAT}")
         point = LocalOffset(_non_negative(doc["recovery_point"]))
         vector_offset = LocalOffset(_non_negative(doc["vector_offset"]))
         vector = {Origin.parse(k): OriginSeq(_non_negative(v)) for k, v in doc["vector"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError, InvalidOrigin, InvalidSiteId) as exc:
+    except (DamagedStateFile, ValueError, KeyError, TypeError, AttributeError, InvalidOrigin, InvalidSiteId) as exc:
         log.warning("%s is unreadable (%s): every segment will be validated at startup", path, exc)
         return None
     return RecoveryPoint(point, vector_offset, vector)
@@ -75,7 +85,7 @@ def write_recovery_point(directory: Path, point: RecoveryPoint) -> None:
         "vector_offset": point.vector_offset,
         "vector": {str(origin): seq for origin, seq in sorted(point.vector.items())},
     }
-    replace_file(directory / FILE_NAME, (json.dumps(doc, sort_keys=True) + "\n").encode("utf-8"))
+    replace_file(directory / FILE_NAME, dumps_checked(doc))
 
 
 def _non_negative(value: object) -> int:

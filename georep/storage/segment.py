@@ -16,11 +16,14 @@ import os
 import struct
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
+
 from georep.record.batch import (
+    CRC_START,
     HEADER_BYTES,
     LENGTH_PREFIX_BYTES,
     BatchHeader,
@@ -29,26 +32,38 @@ from georep.record.batch import (
     frame_length,
     parse_header,
 )
-from georep.storage.api import BytesLike
+from georep.storage.api import BytesLike, StorageError
 from georep.storage.durable_file import replace_file
+from georep.storage.index_format import (
+    FILE_HEADER,
+    INDEX_ENTRY,
+    INDEX_FORMAT_VERSION,
+    INDEX_MAGIC,
+    ORIGIN_ENTRY,
+    ORIGIN_ENTRY_BYTES,
+    ORIGIN_INDEX_FORMAT_VERSION,
+    ORIGIN_INDEX_MAGIC,
+    U32_MAX,
+    OriginEntry,
+    entries_of_file,
+    file_bytes,
+    iter_origin_entries,
+    pack_entries,
+    pack_origin_entry,
+    sparse_index,
+)
+from georep.storage.slots import OriginKey, SegmentPlan, plan_segment
 
 LOG_SUFFIX = ".log"
 INDEX_SUFFIX = ".index"
 ORIGIN_INDEX_SUFFIX = ".oindex"
 
-FILE_HEADER = struct.Struct(">4sB3x")  # magic, version, reserved
-INDEX_MAGIC = b"GRSI"
-ORIGIN_INDEX_MAGIC = b"GROI"
-INDEX_FORMAT_VERSION = 1
-INDEX_ENTRY = struct.Struct(">II")  # relative_offset, position
-ORIGIN_ENTRY = struct.Struct(">32sIqiqIIqqhiq2x")
-ORIGIN_ENTRY_APPEND_TIME_AT = 86  # byte range [86, 94) of an origin entry
-ORIGIN_ENTRY_BYTES = ORIGIN_ENTRY.size  # 96
-U32_MAX = 0xFFFFFFFF
 SCAN_CHUNK_BYTES = 8 << 20
 _BASE_OFFSET = struct.Struct(">q")
 
 log = logging.getLogger(__name__)
+
+__all__ = ["ORIGIN_ENTRY", "ORIGIN_ENTRY_BYTES", "U32_MAX", "OriginEntry", "iter_origin_entries", "pack_origin_entry"]
 
 
 def segment_name(base_offset: int) -> str:
@@ -61,48 +76,12 @@ def segment_paths(directory: Path, base_offset: int) -> tuple[Path, Path, Path]:
             directory / (name + ORIGIN_INDEX_SUFFIX))  # fmt: skip
 
 
+class UnrepairableDamage(StorageError):
+    """Damage below the recovery point that the origin index cannot name: the log is refused, never cut."""
+
+
 class ShortWrite(OSError):
     """A write made no progress without an error: the device is out of space."""
-
-
-def pack_origin_entry(header: BatchHeader, base_offset: int, position: int, append_time_ms: int) -> bytes:
-    """One ``.oindex`` entry for ``header`` stored at ``base_offset`` and byte ``position``."""
-    return ORIGIN_ENTRY.pack(
-        header.origin_site.encode("ascii"), header.origin_epoch, header.base_origin_seq,
-        header.last_offset_delta, base_offset, position, header.size_bytes, header.max_timestamp,
-        header.producer_id, header.producer_epoch, header.base_sequence, append_time_ms,
-    )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class OriginEntry:
-    """One decoded ``.oindex`` entry."""
-
-    origin_site: bytes  # NUL-padded
-    origin_epoch: int
-    base_origin_seq: int
-    last_offset_delta: int
-    base_offset: int
-    position: int
-    size_bytes: int
-    max_timestamp: int
-    producer_id: int
-    producer_epoch: int
-    base_sequence: int
-    append_time_ms: int
-
-    @property
-    def next_offset(self) -> int:
-        return self.base_offset + self.last_offset_delta + 1
-
-    @property
-    def next_origin_seq(self) -> int:
-        return self.base_origin_seq + self.last_offset_delta + 1
-
-
-def iter_origin_entries(entries: BytesLike) -> Iterator[OriginEntry]:
-    for fields in ORIGIN_ENTRY.iter_unpack(entries):
-        yield OriginEntry(*fields)
 
 
 def _write_all(fd: int, buffers: Sequence[BytesLike], position: int, size: int) -> None:
@@ -136,109 +115,70 @@ def _open_rw(path: Path, *, create: bool = False) -> int:
     return os.open(path, flags, 0o644)
 
 
-def read_index_file(path: Path, magic: bytes, entry_bytes: int) -> bytes | None:
-    """The entries of an index file, or ``None`` if it is missing, foreign or torn."""
+def read_index_file(path: Path, magic: bytes, version: int, entry_bytes: int) -> bytes | None:
+    """The entries of an index file, or ``None`` if it is missing, foreign, of another version or torn."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
-    if len(data) < FILE_HEADER.size or (len(data) - FILE_HEADER.size) % entry_bytes:
-        return None
-    file_magic, version = FILE_HEADER.unpack_from(data)
-    if file_magic != magic or version != INDEX_FORMAT_VERSION:
-        return None
-    return data[FILE_HEADER.size :]
+    return entries_of_file(data, magic, version, entry_bytes)
 
 
-@dataclass(slots=True)
-class ScanResult:
-    """What a batch-by-batch validation of a ``.log`` found."""
+class LogBytes:
+    """A segment's ``.log`` as :class:`georep.storage.slots.SegmentBytes`: what lies at a byte position.
 
-    valid_end: int  # byte position after the last whole, valid batch
-    next_offset: int  # the local offset the next batch must have
-    origin_entries: bytearray
-    index_entries: bytearray
-    damage: str | None  # why the scan stopped before the file's end
-    indexed_batches_lost: int  # origin-index entries past the valid end: batches that were appended, now gone
-
-
-def scan_log(fd: int, base_offset: int, log_size: int, index_interval_bytes: int,
-             recorded_entries: bytes | None) -> ScanResult:  # fmt: skip
-    """Validate a segment's batches (framing, CRC, offset continuity) and build its indexes.
-
-    Stops at the first batch that is torn, corrupt, out of sequence, or whose
-    ``append_time_ms`` (outside the CRC) disagrees with ``recorded_entries``,
-    the existing origin index, on an otherwise identical entry.
+    Reads go through one buffer of ``SCAN_CHUNK_BYTES`` (a walk from byte 0 is sequential), and a batch larger
+    than the buffer is read whole.
     """
-    origin_entries = bytearray()
-    index_entries = bytearray()
-    since_index = 0
-    pos = 0
-    expected = base_offset
-    count = 0
-    buf = b""
-    buf_at = 0
-    damage: str | None = None
-    at_time = slice(ORIGIN_ENTRY_APPEND_TIME_AT, ORIGIN_ENTRY_APPEND_TIME_AT + 8)
-    while pos < log_size:  # each pass advances pos by at least HEADER_BYTES or stops
-        if log_size - pos < HEADER_BYTES:
-            damage = f"torn batch: only {log_size - pos} bytes at byte {pos}"
-            break
-        if pos + HEADER_BYTES > buf_at + len(buf):
-            buf = os.pread(fd, max(SCAN_CHUNK_BYTES, HEADER_BYTES), pos)
-            buf_at = pos
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self._size = size
+        self._buf = b""
+        self._at = 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def _bytes(self, position: int, count: int) -> memoryview:
+        if not (self._at <= position and position + count <= self._at + len(self._buf)):
+            self._buf = os.pread(self.fd, max(SCAN_CHUNK_BYTES, count), position)
+            self._at = position
+        start = position - self._at
+        return memoryview(self._buf)[start : start + count]
+
+    def batch_at(self, position: int) -> BatchHeader | str:
+        left = self._size - position
+        if left < HEADER_BYTES:
+            return f"torn batch: only {max(left, 0)} bytes at byte {position}"
         try:
-            size = frame_length(buf, pos - buf_at)
-            if pos + size > log_size:
-                damage = f"torn batch at byte {pos}: it claims {size} bytes, {log_size - pos} remain"
-                break
-            if pos + size > buf_at + len(buf):
-                buf = os.pread(fd, max(SCAN_CHUNK_BYTES, size), pos)
-                buf_at = pos
-            header = check_batch(buf, pos - buf_at)
+            size = frame_length(self._bytes(position, LENGTH_PREFIX_BYTES))
+            if size > left:
+                return f"torn batch at byte {position}: it claims {size} bytes, {left} remain"
+            header = check_batch(self._bytes(position, size))
         except CorruptBatch as exc:
-            damage = str(exc)
-            break
-        if header.base_offset != expected:
-            damage = f"batch at byte {pos} has base_offset {header.base_offset}, expected {expected}"
-            break
+            return f"{exc} (at byte {position})"
         if not header.stamped:
-            damage = f"batch at byte {pos} has no origin seq"
-            break
-        if header.base_offset - base_offset > U32_MAX or pos > U32_MAX:
-            damage = f"batch at byte {pos} is beyond what a segment can index"
-            break
-        try:
-            entry = pack_origin_entry(header, header.base_offset, pos, header.append_time_ms)
-        except (UnicodeEncodeError, struct.error) as exc:
-            damage = f"batch at byte {pos} has an origin that cannot be indexed: {exc}"
-            break
-        if recorded_entries is not None and len(recorded_entries) >= (count + 1) * ORIGIN_ENTRY_BYTES:
-            recorded = recorded_entries[count * ORIGIN_ENTRY_BYTES : (count + 1) * ORIGIN_ENTRY_BYTES]
-            if recorded[: at_time.start] == entry[: at_time.start] and recorded[at_time] != entry[at_time]:
-                # append_time_ms is outside the CRC; the origin index holds a
-                # second copy, and the log cannot tell which of the two is damaged.
-                damage = f"batch at byte {pos}: append_time_ms disagrees with the origin index"
-                break
-        if since_index >= index_interval_bytes:
-            index_entries += INDEX_ENTRY.pack(header.base_offset - base_offset, pos)
-            since_index = 0
-        since_index += size
-        origin_entries += entry
-        pos += size
-        expected = header.next_offset
-        count += 1
-    recorded_count = 0 if recorded_entries is None else len(recorded_entries) // ORIGIN_ENTRY_BYTES
-    return ScanResult(pos, expected, origin_entries, index_entries, damage, max(0, recorded_count - count))
+            return f"batch at byte {position} has no origin seq"
+        return header
+
+    def crc_of(self, position: int, size_bytes: int) -> int | None:
+        if size_bytes < HEADER_BYTES or position + size_bytes > self._size:
+            return None
+        return int(crc32c.crc32c(self._bytes(position, size_bytes)[CRC_START:]))
 
 
 @dataclass(frozen=True, slots=True)
 class LoadOutcome:
-    validated: bool  # scanned batch by batch (rather than trusted)
+    validated: bool  # walked batch by batch (rather than trusted from its index files)
     rebuilt: bool  # index files rewritten from the log
-    damage: str | None  # why the log was cut; None when it was whole
-    damaged_position: int  # byte position of the cut (the old size when whole)
-    indexed_batches_lost: int = 0
+    plan: SegmentPlan | None  # what the walk decided, when it walked
+    indexed_batches_lost: int = 0  # origin-index entries past the kept end: appended, their bytes did not survive
+
+    @property
+    def cut(self) -> str | None:
+        return self.plan.cut if self.plan is not None else None
 
 
 class Segment:
@@ -262,6 +202,10 @@ class Segment:
         self.oindex_fd = oindex_fd
         self.size = size
         self.next_offset = next_offset
+        self._remember(origin_entries, index_entries)
+
+    def _remember(self, origin_entries: BytesLike, index_entries: BytesLike) -> None:
+        """Keep in memory what lookups need of the index files: the sparse index and the running max timestamps."""
         self.batch_count = len(origin_entries) // ORIGIN_ENTRY_BYTES
         self.first_append_time_ms = -1
         # The sparse index in memory: relative offsets and positions, both increasing.
@@ -279,7 +223,7 @@ class Segment:
                 self.first_append_time_ms = entry.append_time_ms
             running = max(running, entry.max_timestamp)
             self.running_max_timestamps.append(running)
-        self._since_index = size - (self.index_positions[-1] if self.index_positions else 0)
+        self._since_index = self.size - (self.index_positions[-1] if self.index_positions else 0)
         self._index_end = FILE_HEADER.size + len(self.index_positions) * INDEX_ENTRY.size
         self._oindex_end = FILE_HEADER.size + self.batch_count * ORIGIN_ENTRY_BYTES
 
@@ -294,7 +238,8 @@ class Segment:
             for path in paths:
                 fds.append(_open_rw(path, create=True))
             _write_all(fds[1], [FILE_HEADER.pack(INDEX_MAGIC, INDEX_FORMAT_VERSION)], 0, FILE_HEADER.size)
-            _write_all(fds[2], [FILE_HEADER.pack(ORIGIN_INDEX_MAGIC, INDEX_FORMAT_VERSION)], 0, FILE_HEADER.size)
+            _write_all(fds[2], [FILE_HEADER.pack(ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION)], 0,
+                       FILE_HEADER.size)  # fmt: skip
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -305,45 +250,44 @@ class Segment:
         return cls(directory, base_offset, fds[0], fds[1], fds[2], 0, base_offset, b"", b"")
 
     @classmethod
-    def load(cls, directory: Path, base_offset: int, index_interval_bytes: int,
-             trusted_next_offset: int | None) -> tuple[Segment, LoadOutcome]:  # fmt: skip
-        """Open an existing segment, validating it unless it may be trusted.
+    def load(cls, directory: Path, base_offset: int, index_interval_bytes: int, *, next_base: int | None,
+             durable_end: int, running: dict[OriginKey, int], trust: bool) -> tuple[Segment, LoadOutcome]:  # fmt: skip
+        """Open an existing segment: trusted from its index files, or walked batch by batch.
 
-        ``trusted_next_offset`` is given for sealed segments below the recovery
-        point: the segment is then trusted if its index files are present and
-        consistent with the log's size and with the next segment's base offset.
-        Otherwise every batch is validated; the log is cut at the first damaged
-        batch, and index files that do not match the validated log are rebuilt.
+        With ``trust`` (a sealed segment below the recovery point), the segment is trusted if its index files are
+        present and agree with the log's size, with the next segment's base offset and with themselves (see
+        :func:`_consistent`). Otherwise :func:`georep.storage.slots.plan_segment` walks it, with the origin index
+        as the evidence of what damaged slots held; this carries the plan out: prefixes mended, a torn tail cut
+        (only at or above ``durable_end``), index files rebuilt when they differ from the plan. Damage the plan
+        cannot name raises :class:`UnrepairableDamage` and changes nothing. ``running`` is each origin's next
+        seq before this segment (for the continuity checks); the caller advances it.
         """
         log_path, index_path, oindex_path = segment_paths(directory, base_offset)
         log_fd = _open_rw(log_path)
         try:
             log_size = os.fstat(log_fd).st_size
-            origin_entries = read_index_file(oindex_path, ORIGIN_INDEX_MAGIC, ORIGIN_ENTRY_BYTES)
-            index_entries = read_index_file(index_path, INDEX_MAGIC, INDEX_ENTRY.size)
-            if trusted_next_offset is not None and _consistent(
-                base_offset, log_size, trusted_next_offset, origin_entries, index_entries
-            ):
-                assert origin_entries is not None and index_entries is not None
-                outcome = LoadOutcome(False, False, None, log_size)
-                next_offset = trusted_next_offset
-                size = log_size
+            evidence = read_index_file(oindex_path, ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION, ORIGIN_ENTRY_BYTES)
+            sparse = read_index_file(index_path, INDEX_MAGIC, INDEX_FORMAT_VERSION, INDEX_ENTRY.size)
+            if trust and next_base is not None and _consistent(base_offset, log_size, next_base, evidence, sparse,
+                                                               running):  # fmt: skip
+                assert evidence is not None and sparse is not None
+                outcome = LoadOutcome(False, False, None)
+                entries, size, next_offset = evidence, log_size, next_base
             else:
-                scan = scan_log(log_fd, base_offset, log_size, index_interval_bytes, origin_entries)
-                if scan.damage is not None:
-                    os.ftruncate(log_fd, scan.valid_end)
-                os.fdatasync(log_fd)  # what was validated is durable before the recovery point moves
-                rebuilt = bytes(scan.origin_entries) != origin_entries or bytes(scan.index_entries) != index_entries
+                decoded = list(iter_origin_entries(evidence)) if evidence is not None else None
+                plan = plan_segment(base_offset, LogBytes(log_fd, log_size), decoded, next_base=next_base,
+                                    durable_end=durable_end, running=running)  # fmt: skip
+                if plan.refused is not None:
+                    raise UnrepairableDamage(refusal(log_path, plan.refused))
+                carry_out(log_fd, plan)
+                entries = pack_entries(plan.entries)
+                sparse_now = sparse_index(plan.entries, base_offset, index_interval_bytes)
+                rebuilt = entries != evidence or sparse_now != sparse
                 if rebuilt:
-                    replace_file(oindex_path, FILE_HEADER.pack(ORIGIN_INDEX_MAGIC, INDEX_FORMAT_VERSION)
-                                 + scan.origin_entries, sync_directory=False)  # fmt: skip
-                    replace_file(index_path, FILE_HEADER.pack(INDEX_MAGIC, INDEX_FORMAT_VERSION)
-                                 + scan.index_entries, sync_directory=False)  # fmt: skip
-                origin_entries = bytes(scan.origin_entries)
-                index_entries = bytes(scan.index_entries)
-                outcome = LoadOutcome(True, rebuilt, scan.damage, scan.valid_end, scan.indexed_batches_lost)
-                next_offset = scan.next_offset
-                size = scan.valid_end
+                    write_indexes(directory, base_offset, entries, sparse_now)
+                gone = sum(1 for e in decoded or () if e.base_offset >= plan.next_offset)
+                outcome = LoadOutcome(True, rebuilt, plan, gone)
+                sparse, size, next_offset = sparse_now, plan.end_position, plan.next_offset
             index_fd = _open_rw(index_path)
         except BaseException:
             os.close(log_fd)
@@ -354,9 +298,23 @@ class Segment:
             os.close(log_fd)
             os.close(index_fd)
             raise
-        segment = cls(directory, base_offset, log_fd, index_fd, oindex_fd, size, next_offset,
-                      origin_entries, index_entries)  # fmt: skip
+        segment = cls(directory, base_offset, log_fd, index_fd, oindex_fd, size, next_offset, entries, sparse)
         return segment, outcome
+
+    def reindex(self, entries: bytes, index_interval_bytes: int) -> None:
+        """Replace both index files with ``entries`` (and the sparse index they imply), and what is kept of them.
+
+        The caller holds the log's lock; the files are replaced atomically and their descriptors reopened.
+        """
+        sparse = sparse_index(iter_origin_entries(entries), self.base_offset, index_interval_bytes)
+        write_indexes(self.directory, self.base_offset, entries, sparse)
+        _, index_path, oindex_path = segment_paths(self.directory, self.base_offset)
+        for old in (self.index_fd, self.oindex_fd):
+            with contextlib.suppress(OSError):
+                os.close(old)
+        self.index_fd = _open_rw(index_path)
+        self.oindex_fd = _open_rw(oindex_path)
+        self._remember(entries, sparse)
 
     def sync(self) -> None:
         """fdatasync the log and both index files."""
@@ -457,6 +415,11 @@ class Segment:
                 return entry
         return None
 
+    def sparse_entries(self) -> bytes:
+        """The sparse index as kept in memory, in the ``.index`` file's entry layout."""
+        return b"".join(INDEX_ENTRY.pack(rel, pos) for rel, pos in zip(self.index_relative_offsets,
+                                                                        self.index_positions, strict=True))
+
     def origin_entries(self, start: int = 0, count: int | None = None) -> bytes:
         """``count`` origin-index entries from entry ``start``, read from the ``.oindex`` file."""
         if count is None:
@@ -464,22 +427,60 @@ class Segment:
         return os.pread(self.oindex_fd, count * ORIGIN_ENTRY_BYTES, FILE_HEADER.size + start * ORIGIN_ENTRY_BYTES)
 
 
-def _consistent(base_offset: int, log_size: int, next_offset: int,
-                origin_entries: bytes | None, index_entries: bytes | None) -> bool:  # fmt: skip
-    """Whether a sealed segment's index files agree with its log and its successor."""
+def _consistent(base_offset: int, log_size: int, next_offset: int, origin_entries: bytes | None,
+                index_entries: bytes | None, running: dict[OriginKey, int]) -> bool:  # fmt: skip
+    """Whether a sealed segment's index files may be trusted without reading its batches.
+
+    Cheap, from the index files alone: the origin entries tile the ``.log`` byte for byte from position 0 to its
+    size and the offsets from the base to the next segment's base, each origin's seqs continue (within the segment
+    and from ``running``), and every sparse entry points at a batch the origin index lists. A flipped seq, offset,
+    position or size, a lost entry or a torn file fails one of these; what they cannot see (a flipped timestamp or
+    producer field, a flipped byte in the ``.log``) the scrubber finds later.
+    """
     if origin_entries is None or index_entries is None or not origin_entries:
         return False
-    first = OriginEntry(*ORIGIN_ENTRY.unpack_from(origin_entries, 0))
-    last = OriginEntry(*ORIGIN_ENTRY.unpack_from(origin_entries, len(origin_entries) - ORIGIN_ENTRY_BYTES))
-    if first.base_offset != base_offset or first.position != 0:
-        return False
-    if last.position + last.size_bytes != log_size or last.next_offset != next_offset:
-        return False
-    if index_entries:
-        _, last_position = INDEX_ENTRY.unpack_from(index_entries, len(index_entries) - INDEX_ENTRY.size)
-        if last_position >= log_size:
+    seqs = dict(running)
+    starts: set[tuple[int, int]] = set()
+    position, offset = 0, base_offset
+    for e in iter_origin_entries(origin_entries):
+        if e.position != position or e.base_offset != offset or e.size_bytes < HEADER_BYTES or e.last_offset_delta < 0:
             return False
-    return True
+        if seqs.get(e.origin_key, e.base_origin_seq) != e.base_origin_seq:
+            return False
+        seqs[e.origin_key] = e.next_origin_seq
+        starts.add((e.base_offset - base_offset, e.position))
+        position, offset = e.end_position, e.next_offset
+    if position != log_size or offset != next_offset:
+        return False
+    return all(entry in starts for entry in INDEX_ENTRY.iter_unpack(index_entries))
+
+
+def carry_out(log_fd: int, plan: SegmentPlan) -> None:
+    """Write what a plan decided into the ``.log``: mended prefixes, then the cut; then make it durable."""
+    for slot in plan.mended:
+        assert slot.prefix is not None
+        if os.pwrite(log_fd, slot.prefix, slot.entry.position) != len(slot.prefix):
+            raise OSError(errno.EIO, f"short write mending the prefix of the batch at byte {slot.entry.position}")
+    if plan.cut is not None:
+        os.ftruncate(log_fd, plan.end_position)
+    os.fdatasync(log_fd)  # what was decided is durable before the recovery point or the quarantine moves
+
+
+def write_indexes(directory: Path, base_offset: int, entries: bytes, sparse: bytes) -> None:
+    _, index_path, oindex_path = segment_paths(directory, base_offset)
+    replace_file(oindex_path, file_bytes(ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION, entries),
+                 sync_directory=False)  # fmt: skip
+    replace_file(index_path, file_bytes(INDEX_MAGIC, INDEX_FORMAT_VERSION, sparse), sync_directory=False)
+
+
+def refusal(log_path: Path, why: str) -> str:
+    """What an operator reads when damage below the recovery point cannot be named: where, why, and what to do."""
+    return (
+        f"{log_path} is damaged below the recovery point at {why}. Nothing was cut: cutting here would drop "
+        "the CRC-valid batches after the damage, and a site could issue its own lost seqs again. Restore this "
+        "partition directory from a backup; or stop the node, move its whole data dir away and start it empty: "
+        "the site gets a new epoch and pulls every record back from the linked sites"
+    )
 
 
 def read_batches(fd: int, offset: int, position: int, limit: int, limit_offset: int,

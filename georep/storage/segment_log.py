@@ -105,7 +105,6 @@ deleting a segment meanwhile cannot redirect them to another file.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import json
@@ -134,8 +133,13 @@ from georep.storage.api import (
     SegmentBatches,
     StorageError,
 )
+from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
 from georep.storage.durable_file import TMP_SUFFIX, fsync_directory, replace_file
+from georep.storage.index_format import OriginEntry, iter_origin_entries, pack_entries, sparse_index
+from georep.storage.log_start import FILE_NAME as LOG_START_FILE
+from georep.storage.log_start import LogStart, read_log_start, write_log_start
 from georep.storage.origin_index import OriginIndex
+from georep.storage.recovery_point import FILE_NAME as RECOVERY_POINT_FILE
 from georep.storage.recovery_point import RecoveryPoint, read_recovery_point, write_recovery_point
 from georep.storage.segment import (
     INDEX_SUFFIX,
@@ -143,13 +147,16 @@ from georep.storage.segment import (
     ORIGIN_ENTRY,
     ORIGIN_INDEX_SUFFIX,
     U32_MAX,
-    OriginEntry,
+    LogBytes,
     Segment,
-    iter_origin_entries,
+    UnrepairableDamage,
+    carry_out,
     read_batches,
+    refusal,
     segment_name,
     segment_paths,
 )
+from georep.storage.slots import OriginKey, SegmentPlan, plan_segment
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from topology.ids import SiteId
 
@@ -179,7 +186,6 @@ class RecoveryReport:
     segments_trusted: int = 0
     segments_validated: int = 0
     indexes_rebuilt: int = 0  # segments whose .index/.oindex were rewritten from the log
-    segments_deleted: int = 0  # later segments removed after damage
     files_removed: int = 0  # stray .tmp files and orphan index files
     damaged_offset: LocalOffset | None = None  # where the log was cut, if it was
     damage: str | None = None
@@ -250,39 +256,14 @@ class SegmentLog:
         report = RecoveryReport()
         bases = _tidy_directory(directory, report)
         point = read_recovery_point(directory)
+        listed = _read_damaged(directory)
+        if listed is None:
+            log.warning("partition log %s: %s is unreadable; every segment is walked to find the damage again",
+                        directory, DAMAGED_FILE)  # fmt: skip
         segments: list[Segment] = []
+        lost: list[DamagedBatch] = []
         try:
-            for i, base in enumerate(bases):
-                if report.damaged_offset is not None:
-                    _delete_later_segment(directory, base, report)
-                    continue
-                if segments and base != segments[-1].next_offset:
-                    # A roll fsyncs the sealed segment first, so no crash leaves this: a segment file was
-                    # deleted or lost. Cutting the log here would throw away every good segment after it.
-                    raise MissingSegment(
-                        f"partition log {directory}: the segments jump from offset {segments[-1].next_offset} to "
-                        f"{base}: the segment file(s) holding offsets {segments[-1].next_offset}..{base - 1} are "
-                        "missing. Restore them from a backup, or move this partition directory away and let "
-                        "replication rebuild the partition from the other sites"
-                    )
-                trusted_next = None
-                if point is not None and i + 1 < len(bases) and bases[i + 1] <= point.recovery_point:
-                    trusted_next = bases[i + 1]
-                segment, outcome = Segment.load(directory, base, config.index_interval_bytes, trusted_next)
-                segments.append(segment)
-                report.segments_validated += outcome.validated
-                report.segments_trusted += not outcome.validated
-                report.indexes_rebuilt += outcome.rebuilt
-                report.indexed_batches_lost += outcome.indexed_batches_lost
-                if outcome.indexed_batches_lost and outcome.damage is None:
-                    log.warning("partition log %s: segment %s ends at offset %d, but its origin index lists %d more "
-                                "batch(es): they were appended and did not reach the disk", directory,
-                                segment_name(base), segment.next_offset, outcome.indexed_batches_lost)  # fmt: skip
-                if outcome.damage is not None:
-                    report.damaged_offset = LocalOffset(segment.next_offset)
-                    report.damage = f"segment {segment_name(base)} byte {outcome.damaged_position}: {outcome.damage}"
-                    log.warning("partition log %s: damage at offset %d (%s); cut the log there, nothing after it "
-                                "is served", directory, segment.next_offset, report.damage)  # fmt: skip
+            _load_segments(directory, config, bases, point, listed is not None, segments, lost, report)
             if not segments:
                 start = point.recovery_point if point is not None else 0
                 if start:
@@ -290,17 +271,13 @@ class SegmentLog:
                 segments.append(Segment.create(directory, start))
             fsync_directory(directory)
             opened = cls._from_segments(directory, config, segments, point, report)
+            opened._quarantine_at_open(listed or [], lost)
             opened._write_recovery_point()
         except BaseException:
             for segment in segments:
                 segment.close()
             raise
-        if (
-            report.indexes_rebuilt
-            or report.damaged_offset is not None
-            or report.files_removed
-            or report.indexed_batches_lost
-        ):
+        if report.indexes_rebuilt or report.damaged_offset is not None or report.files_removed or lost:
             log.info("partition log %s recovered: %s", directory, report)
         return opened
 
@@ -319,6 +296,8 @@ class SegmentLog:
         directory.mkdir(parents=True)
         write_recovery_point(directory, RecoveryPoint(LocalOffset(base_offset), LocalOffset(base_offset),
                                                       dict(vector)))  # fmt: skip
+        if base_offset:
+            write_log_start(directory, LogStart(LocalOffset(base_offset), dict(vector)))
         Segment.create(directory, base_offset).close()
         fsync_directory(directory)
         fsync_directory(directory.parent)
@@ -356,6 +335,9 @@ class SegmentLog:
             raise ValueError(f"partition log {directory}: offset {end_offset} is inside the batch ending at {offset}: "
                              "a cut must fall between batches")  # fmt: skip
         if position < len(data):
+            point = read_recovery_point(directory)
+            if point is not None and point.recovery_point > end_offset:  # the cut goes below it: lower it first
+                write_recovery_point(directory, dataclasses.replace(point, recovery_point=LocalOffset(end_offset)))
             fd = os.open(log_path, os.O_WRONLY)
             try:
                 os.ftruncate(fd, position)
@@ -370,43 +352,34 @@ class SegmentLog:
     @classmethod
     def _from_segments(cls, directory: Path, config: LogConfig, segments: list[Segment],
                        point: RecoveryPoint | None, report: RecoveryReport) -> SegmentLog:  # fmt: skip
-        origins = OriginIndex()
+        """The log over loaded segments: its vector, the origin index and each segment's start vector.
+
+        Below the first retained segment, the vector comes from the recovery point (or, when that is unreadable,
+        from the ``log-start`` file); from there on, from the segments' own batches.
+        """
         active_base = segments[-1].base_offset
-        log_end = segments[-1].next_offset
-        if point is None:
-            vector: dict[Origin, OriginSeq] = {}
-            covered = segments[0].base_offset
-            if covered:
-                log.warning("partition log %s has no recovery point and starts at offset %d: vector() knows only "
-                            "the retained batches", directory, covered)  # fmt: skip
-        else:
-            vector = dict(point.vector)
-            covered = point.vector_offset
-            if covered > log_end:
-                log.warning(
-                    "partition log %s: damage cut the log at %d, below the persisted vector's offset %d; "
-                    "vector() may claim origin seqs that are no longer stored",
-                    directory,
-                    log_end,
-                    covered,
-                )
-                covered = log_end  # batches appended from here on are read back into the vector
-            elif covered < segments[0].base_offset:
-                log.warning(
-                    "partition log %s: the recovery point's vector ends at %d, before the first segment "
-                    "%d; vector() may miss deleted batches",
-                    directory,
-                    covered,
-                    segments[0].base_offset,
-                )
-        names: dict[tuple[bytes, int], Origin] = {}
-        sealed_vector: dict[Origin, OriginSeq] | None = None
+        log_start = segments[0].base_offset
+        vector, covered = _vector_below(directory, point, log_start, segments[-1].next_offset)
         vector_offset = max(covered, active_base)
-        if covered >= active_base:
-            sealed_vector = dict(vector)
+        opened = cls(directory, config, segments, OriginIndex(), vector, vector_offset, {}, report)
+        opened._index_segments(vector, covered)
+        if log_start and read_log_start(directory) is None:  # made by an older build, or lost: the second copy again
+            write_log_start(directory, LogStart(LocalOffset(log_start), dict(opened._start_vectors[0])))
+        return opened
+
+    def _index_segments(self, vector: dict[Origin, OriginSeq], covered: int) -> None:
+        """Fold every segment's origin entries into the origin index, the vector and the start vectors.
+
+        ``vector`` is ``{origin: next seq}`` over every batch below offset ``covered`` (deleted ones included);
+        batches at or above it are read back from the segments.
+        """
+        origins = OriginIndex()
+        names: dict[tuple[bytes, int], Origin] = {}
+        active_base = self._segments[-1].base_offset
+        sealed_vector: dict[Origin, OriginSeq] | None = dict(vector) if covered >= active_base else None
         segment_ends: list[dict[Origin, int]] = []  # per segment, {origin: next seq after its batches there}
         first: dict[Origin, tuple[int, int]] = {}  # origin -> (base offset, base seq) of its first retained batch
-        for segment in segments:
+        for segment in self._segments:
             if segment.base_offset == active_base and sealed_vector is None:
                 sealed_vector = dict(vector)
             ends: dict[Origin, int] = {}
@@ -421,14 +394,10 @@ class SegmentLog:
                     vector[origin] = OriginSeq(next_seq)
             segment_ends.append(ends)
         assert sealed_vector is not None
-        opened = cls(directory, config, segments, origins, vector, vector_offset, sealed_vector, report)
-        opened._start_vectors = _start_vectors(sealed_vector, vector_offset, first, segment_ends)
-        opened._origin_names = names
-        opened._damaged = _read_damaged(directory, opened._log_start, opened._log_end)
-        for d in opened._damaged.values():
-            log.error("partition log %s: %s stay quarantined (%s): served to no one until repaired from a peer",
-                      directory, d.describe(), d.reason)  # fmt: skip
-        return opened
+        self._origins, self._origin_names, self._vector = origins, names, vector
+        self._sealed_vector = sealed_vector
+        self._vector_offset = max(covered, active_base)
+        self._start_vectors = _start_vectors(sealed_vector, self._vector_offset, first, segment_ends)
 
     # -- the PartitionLog protocol ---------------------------------------------------------------
 
@@ -536,32 +505,55 @@ class SegmentLog:
                 os.close(fd)
             if bad is None:
                 return ReadResult(data, LocalOffset(next_offset))
-            # Find every damaged batch of the segment with the origin index, quarantine them, read again.
-            self._find_damage(segment, bad)
+            # Walk the segment: quarantine what is damaged, rebuild an index that misled the read; read again.
+            found, rebuilt = self._revalidate(segment, bad)
+            if not found and not rebuilt:
+                break
         raise StorageError(f"partition log {self.directory}: offset {offset} cannot be read even after checking "
                            "its segment against the origin index; run 'georep scrub --now' and see the node log")
 
-    def _find_damage(self, segment: Segment, hint: str) -> list[DamagedBatch]:
-        """Check every batch of ``segment`` against its origin-index entry; quarantine the bad ones."""
+    def _revalidate(self, segment: Segment, hint: str) -> tuple[list[DamagedBatch], bool]:
+        """Walk ``segment`` again, as recovery does, and act on the plan: ``(newly quarantined, mended)``, where
+        mended means an index file was rebuilt or a batch's local prefix rewritten.
+
+        The walk runs outside the lock over the segment's bytes as they were when it began (appends after that
+        are kept as they are). Nothing is cut at run time: the durable end is the segment's end.
+        """
         with self._lock:
             self._check_open()
-            entries = segment.origin_entries(0, segment.batch_count)
+            i = self._segments.index(segment)
+            count = segment.batch_count
+            evidence = list(iter_origin_entries(segment.origin_entries(0, count)))
+            size, end = segment.size, segment.next_offset
+            next_base = self._bases[i + 1] if i + 1 < len(self._bases) else None
+            running = {_origin_key(o): int(seq) for o, seq in self._start_vectors[i].items()}
             fd = os.dup(segment.log_fd)
-        name = segment_name(segment.base_offset) + LOG_SUFFIX
-        found: list[DamagedBatch] = []
         try:
-            for entry in iter_origin_entries(entries):
-                reason = _check_stored(fd, entry)
-                if reason is not None:
-                    origin = _origin_of(self._origin_names, entry)
-                    found.append(DamagedBatch(
-                        entry.base_offset, entry.next_offset, origin, entry.base_origin_seq,
-                        entry.next_origin_seq - 1, name, entry.position, entry.size_bytes, reason,
-                    ))  # fmt: skip
+            plan = plan_segment(segment.base_offset, LogBytes(fd, size), evidence, next_base=next_base,
+                                durable_end=end, running=running)  # fmt: skip
         finally:
             os.close(fd)
+        name = segment_name(segment.base_offset) + LOG_SUFFIX
+        if plan.refused is not None:
+            raise UnrepairableDamage(refusal(self.directory / name, plan.refused) + f" (first noticed as: {hint})")
         with self._lock:
-            new = [d for d in found if d.base_offset not in self._damaged]
+            self._check_open()
+            if segment not in self._segments:
+                return [], False  # retention deleted it meanwhile
+            carry_out(segment.log_fd, plan)
+            entries = pack_entries(plan.entries) + segment.origin_entries(count, segment.batch_count - count)
+            sparse = sparse_index(iter_origin_entries(entries), segment.base_offset, self.config.index_interval_bytes)
+            rebuilt = entries != segment.origin_entries() or sparse != segment.sparse_entries()
+            if rebuilt:
+                segment.reindex(entries, self.config.index_interval_bytes)
+                self._reindex()
+                log.warning("partition log %s: the origin index of %s disagreed with its CRC-valid batches (first "
+                            "noticed as: %s); rebuilt it from them", self.directory, name, hint)  # fmt: skip
+            for slot in plan.mended:
+                log.warning("partition log %s: %s byte %d: only the batch's local prefix was damaged (its CRC-covered "
+                            "bytes match the origin index); rewrote it", self.directory, name,
+                            slot.entry.position)  # fmt: skip
+            new = [damaged_slot(s.entry, name, s.reason) for s in plan.lost if s.entry.base_offset not in self._damaged]
             self.damage_found_total += len(new)
             for d in new:
                 self._damaged[d.base_offset] = d
@@ -569,11 +561,51 @@ class SegmentLog:
                           "until repaired from a peer", self.directory, d.describe(), d.reason, hint)  # fmt: skip
             if new:
                 self._write_damaged()
-        return new
+        return new, rebuilt or bool(plan.mended)
+
+    def _reindex(self) -> None:
+        """Fold every segment's (rebuilt) origin index into memory again (lock held); the vector below the log
+        start is the first segment's start vector, and the recovery point is written anew from it."""
+        below = dict(self._start_vectors[0])
+        self._index_segments(below, self._log_start)
+        flushed: dict[Origin, OriginSeq] = dict(below)
+        for segment in self._segments:
+            for entry in iter_origin_entries(segment.origin_entries()):
+                if entry.next_offset <= self._flushed:
+                    origin = _origin_of(self._origin_names, entry)
+                    flushed[origin] = OriginSeq(max(flushed.get(origin, 0), entry.next_origin_seq))
+        self._flushed_vector = flushed
+        self._write_recovery_point()
+
+    def _quarantine_at_open(self, listed: list[DamagedBatch], lost: list[DamagedBatch]) -> None:
+        """The quarantine after recovery: the slots the walks found lost, and the listed ones whose bytes still
+        fail their check. A listed slot that holds the good batch its index entry names is released: the list
+        is derived from the data, never the other way round."""
+        quarantine = {d.base_offset: d for d in lost}
+        released = 0
+        for d in listed:
+            if d.base_offset in quarantine or not self._log_start <= d.base_offset < self._log_end:
+                continue
+            segment = self._segments[bisect_right(self._bases, d.base_offset) - 1]
+            entry = segment.entry_at_offset(d.base_offset)
+            if entry is None or _check_stored(segment.log_fd, entry) is None:
+                released += 1
+                log.warning("partition log %s: %s listed %s, which holds a good batch: released from quarantine",
+                            self.directory, DAMAGED_FILE, d.describe())  # fmt: skip
+                continue
+            quarantine[d.base_offset] = damaged_slot(entry, segment_name(segment.base_offset) + LOG_SUFFIX, d.reason)
+        self._damaged = quarantine
+        self.damage_found_total += len(lost)
+        if lost or released or len(quarantine) != len(listed):
+            self._write_damaged()
+        for d in quarantine.values():
+            log.error("partition log %s: %s stay quarantined (%s): served to no one until repaired from a peer",
+                      self.directory, d.describe(), d.reason)  # fmt: skip
 
     def scrub(self, offset: int, max_bytes: int) -> ScrubStep:
         """Check the batches from ``offset`` (about ``max_bytes`` of them, in one segment), below the flushed
-        offset, against the origin index; quarantine the damaged ones."""
+        offset, against the origin index; walk the segment again where they disagree (quarantining damage,
+        rebuilding an index that lies about good batches)."""
         with self._lock:
             self._check_open()
             offset = max(offset, self._log_start)
@@ -586,9 +618,10 @@ class SegmentLog:
                 return ScrubStep(int(segment.next_offset), 0, [])
             first = (entry.position, entry.base_offset)
             entries = segment.origin_entries(0, segment.batch_count)
+            quarantined = {d.base_offset for d in self._damaged.values()}
             fd = os.dup(segment.log_fd)
         checked = 0
-        bad = False
+        bad: str | None = None
         next_offset = offset
         try:
             for e in iter_origin_entries(entries):
@@ -596,46 +629,43 @@ class SegmentLog:
                     continue
                 if e.base_offset >= end or checked >= max_bytes:
                     break
-                bad = bad or _check_stored(fd, e) is not None
+                if bad is None and e.base_offset not in quarantined:
+                    bad = _check_stored(fd, e)
                 checked += e.size_bytes
                 next_offset = e.next_offset
         finally:
             os.close(fd)
-        found = self._find_damage(segment, "found by the scrubber") if bad else []
-        return ScrubStep(max(next_offset, offset + (0 if checked else 1)), checked, found)
+        found, rebuilt = self._revalidate(segment, f"found by the scrubber: {bad}") if bad else ([], False)
+        return ScrubStep(max(next_offset, offset + (0 if checked else 1)), checked, found, int(rebuilt))
 
     def damaged_batches(self) -> list[DamagedBatch]:
         with self._lock:
             return [self._damaged[b] for b in sorted(self._damaged)]
 
     def repair(self, base_offset: int, batch: bytes) -> DamagedBatch:
+        """Fill a quarantined slot with a peer's copy of its batch: only the same batch (origin, seqs, length and
+        CRC as the slot), and never over a CRC-valid batch."""
         with self._lock:
             self._check_open()
             damaged = self._damaged.get(base_offset)
             if damaged is None:
                 raise RepairRefused(f"partition log {self.directory}: no quarantined batch at offset {base_offset}")
-            try:
-                header = check_batch(batch)
-            except CorruptBatch as exc:
-                raise RepairRefused(f"the copy offered for {damaged.describe()} is itself damaged: {exc}") from None
-            offered = (header.origin, header.base_origin_seq, header.last_origin_seq, header.size_bytes,
-                       header.last_offset_delta)  # fmt: skip
-            quarantined = (damaged.origin, damaged.base_origin_seq, damaged.last_origin_seq, damaged.size_bytes,
-                           damaged.next_offset - damaged.base_offset - 1)  # fmt: skip
-            if offered != quarantined:
-                raise RepairRefused(
-                    f"the copy offered for {damaged.describe()} is another batch: origin {header.origin} seqs "
-                    f"{header.base_origin_seq}..{header.last_origin_seq}, {header.size_bytes} bytes"
-                )
+            header = _same_batch(damaged, batch)
             segment = self._segments[bisect_right(self._bases, base_offset) - 1]
             entry = segment.entry_at_offset(base_offset)
-            assert entry is not None and entry.position == damaged.position
-            prefix = local_prefix(base_offset, header.batch_length, entry.append_time_ms, header.crc)
-            fixed = prefix + bytes(memoryview(batch)[REWRITTEN_BYTES:])
-            written = os.pwrite(segment.log_fd, fixed, damaged.position)
-            if written != len(fixed):
-                raise OSError(errno.EIO, f"short write repairing {damaged.describe()}")
-            os.fsync(segment.log_fd)
+            if entry is None or entry.position != damaged.position or entry.size_bytes != damaged.size_bytes:
+                raise RepairRefused(f"the slot of {damaged.describe()} is no longer where the quarantine list says; "
+                                    "run 'georep scrub --now' to check the segment again")  # fmt: skip
+            if _check_stored(segment.log_fd, entry) is not None:
+                prefix = local_prefix(base_offset, header.batch_length, entry.append_time_ms, header.crc)
+                fixed = prefix + bytes(memoryview(batch)[REWRITTEN_BYTES:])
+                if os.pwrite(segment.log_fd, fixed, damaged.position) != len(fixed):
+                    raise OSError(errno.EIO, f"short write repairing {damaged.describe()}")
+                os.fsync(segment.log_fd)
+                still = _check_stored(segment.log_fd, entry)
+                if still is not None:
+                    raise StorageError(f"partition log {self.directory}: {damaged.describe()} reads back damaged "
+                                       f"after the repair was written ({still}): the disk may be failing")  # fmt: skip
             del self._damaged[base_offset]
             self._write_damaged()
             self.repaired_total += 1
@@ -723,16 +753,16 @@ class SegmentLog:
             return self._flushed
 
     def enforce_retention(self, now_ms: int) -> int:
-        config = self.config
         deleted = 0
         with self._lock:
             self._check_open()
-            while len(self._segments) > 1:  # the active segment is never deleted
+            doomed = self._expired_segments(now_ms)
+            if doomed:
+                # The second copy of the vector below the new log start goes first (georep/storage/log_start.py).
+                write_log_start(self.directory, LogStart(LocalOffset(self._bases[doomed]),
+                                                         dict(self._start_vectors[doomed])))  # fmt: skip
+            while deleted < doomed:
                 oldest = self._segments[0]
-                expired = config.retention_ms >= 0 and oldest.max_timestamp < now_ms - config.retention_ms
-                oversize = config.retention_bytes >= 0 and self._size > config.retention_bytes
-                if not (expired or oversize):
-                    break
                 self._segments.pop(0)
                 self._bases.pop(0)
                 self._start_vectors.pop(0)
@@ -748,6 +778,20 @@ class SegmentLog:
                 log.info("partition log %s: retention deleted %d segment(s); log start is now %d",
                          self.directory, deleted, self._log_start)  # fmt: skip
         return deleted
+
+    def _expired_segments(self, now_ms: int) -> int:
+        """How many of the oldest segments retention deletes now (lock held); never the active one."""
+        config = self.config
+        size = self._size
+        count = 0
+        for segment in self._segments[:-1]:
+            expired = config.retention_ms >= 0 and segment.max_timestamp < now_ms - config.retention_ms
+            oversize = config.retention_bytes >= 0 and size > config.retention_bytes
+            if not (expired or oversize):
+                break
+            size -= segment.size
+            count += 1
+        return count
 
     def close(self) -> None:
         """fsync, write the recovery point (the log end) and close the files."""
@@ -797,7 +841,7 @@ class SegmentLog:
             path.unlink(missing_ok=True)
             return
         rows = [dataclasses.asdict(d) | {"origin": str(d.origin)} for _, d in sorted(self._damaged.items())]
-        replace_file(path, (json.dumps(rows, indent=1) + "\n").encode())
+        replace_file(path, dumps_checked({"format": 2, "batches": rows}))
 
     def _roll(self) -> None:
         """Seal the active segment and start a new one at the log end (lock held)."""
@@ -836,6 +880,38 @@ class SegmentLog:
                         self.directory, exc.strerror)  # fmt: skip
 
 
+def _vector_below(directory: Path, point: RecoveryPoint | None, log_start: int,
+                  log_end: int) -> tuple[dict[Origin, OriginSeq], int]:  # fmt: skip
+    """The persisted vector and the offset it covers up to: ``(vector, covered)``.
+
+    From the recovery point when it is readable. Otherwise from the ``log-start`` file, which covers everything
+    below the log start; with neither, a log starting above offset 0 is refused: the vector of what retention
+    deleted would be forgotten, and the site could re-pull it, or issue its own deleted seqs again.
+    """
+    if point is not None:
+        if point.vector_offset > log_end:
+            raise StorageError(
+                f"partition log {directory}: the recovery point's vector covers offsets up to {point.vector_offset}, "
+                f"but the log ends at {log_end}: the log was cut below its recovery point, which recovery never "
+                "does. Restore the partition directory from a backup, or move the node's whole data dir away and "
+                "start it empty (a new epoch; every record is pulled back from the linked sites)"
+            )
+        return dict(point.vector), point.vector_offset
+    if not log_start:
+        return {}, 0
+    start = read_log_start(directory)
+    if start is None or start.log_start < log_start:
+        raise StorageError(
+            f"partition log {directory}: {RECOVERY_POINT_FILE} and {LOG_START_FILE} are both missing or damaged, and "
+            f"the log starts at offset {log_start}: what retention deleted below it is no longer known. Restore "
+            "either file from a backup, or move the node's whole data dir away and start it empty (a new epoch; "
+            "every record is pulled back from the linked sites)"
+        )
+    log.warning("partition log %s: no readable %s; the vector below offset %d comes from %s", directory,
+                RECOVERY_POINT_FILE, start.log_start, LOG_START_FILE)  # fmt: skip
+    return dict(start.vector), start.log_start
+
+
 def _start_vectors(vector: dict[Origin, OriginSeq], vector_offset: int, first: dict[Origin, tuple[int, int]],
                    segment_ends: list[dict[Origin, int]]) -> list[dict[Origin, OriginSeq]]:  # fmt: skip
     """The log's vector at each segment's base, at open: only the vector at ``vector_offset`` is persisted.
@@ -861,23 +937,46 @@ def _start_vectors(vector: dict[Origin, OriginSeq], vector_offset: int, first: d
     return out
 
 
-def _read_damaged(directory: Path, log_start: int, log_end: int) -> dict[int, DamagedBatch]:
+def _read_damaged(directory: Path) -> list[DamagedBatch] | None:
+    """The quarantine list as ``damaged.json`` has it: ``[]`` when there is none, ``None`` when it is unreadable.
+
+    It is derived, like the indexes: an unreadable list is found again by walking every segment, and every entry
+    is checked against the bytes before it is believed (``SegmentLog._quarantine_at_open``).
+    """
     path = directory / DAMAGED_FILE
     try:
-        rows = json.loads(path.read_text())
-        out = {}
-        for row in rows:
-            d = DamagedBatch(**(row | {"origin": Origin.parse(row["origin"])}))
-            if log_start <= d.base_offset < log_end:
-                out[d.base_offset] = d
-        return out
+        data = path.read_bytes()
     except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise StorageError(
-            f"partition log {directory}: unreadable {DAMAGED_FILE} ({exc}); it lists quarantined batches: "
-            "restore it, or delete it and run 'georep scrub --now' to find them again"
-        ) from None
+        return []
+    try:
+        # A bare list was written before the checksum.
+        rows = json.loads(data) if data.lstrip().startswith(b"[") else loads_checked(data)["batches"]
+        return [DamagedBatch(**(row | {"origin": Origin.parse(row["origin"])})) for row in rows]
+    except (DamagedStateFile, ValueError, TypeError, KeyError, AttributeError) as exc:
+        log.warning("partition log %s: %s is unreadable (%s)", directory, DAMAGED_FILE, exc)
+        return None
+
+
+def _same_batch(damaged: DamagedBatch, batch: bytes) -> BatchHeader:
+    """The header of ``batch`` if it is the batch ``damaged`` held (origin, seqs, length, CRC); else refused."""
+    try:
+        header = check_batch(batch)
+    except CorruptBatch as exc:
+        raise RepairRefused(f"the copy offered for {damaged.describe()} is itself damaged: {exc}") from None
+    offered = (header.origin, header.base_origin_seq, header.last_origin_seq, header.size_bytes,
+               header.last_offset_delta, header.crc if damaged.crc >= 0 else -1)  # fmt: skip
+    quarantined = (damaged.origin, damaged.base_origin_seq, damaged.last_origin_seq, damaged.size_bytes,
+                   damaged.next_offset - damaged.base_offset - 1, damaged.crc)  # fmt: skip
+    if offered != quarantined or len(batch) != header.size_bytes:
+        raise RepairRefused(
+            f"the copy offered for {damaged.describe()} is another batch: origin {header.origin} seqs "
+            f"{header.base_origin_seq}..{header.last_origin_seq}, {header.size_bytes} bytes, CRC {header.crc:#010x}"
+        )
+    return header
+
+
+def _origin_key(origin: Origin) -> OriginKey:
+    return (origin.site.encode("ascii").ljust(32, b"\0"), origin.epoch)
 
 
 def _first_bad_batch(data: bytes, offset: int) -> str | None:
@@ -911,11 +1010,15 @@ def _check_stored(fd: int, entry: OriginEntry) -> str | None:
         return str(exc)
     stored = {"base_offset": header.base_offset, "size": header.size_bytes, "origin_site": header.origin_site,
               "origin_epoch": header.origin_epoch, "base_origin_seq": header.base_origin_seq,
-              "append_time_ms": header.append_time_ms}  # fmt: skip
+              "records": header.records_count, "crc": header.crc, "append_time_ms": header.append_time_ms,
+              "max_timestamp": header.max_timestamp, "producer_id": header.producer_id,
+              "producer_epoch": header.producer_epoch, "base_sequence": header.base_sequence}  # fmt: skip
     indexed = {"base_offset": entry.base_offset, "size": entry.size_bytes,
                "origin_site": entry.origin_site.rstrip(b"\0").decode("ascii", "replace"),
                "origin_epoch": entry.origin_epoch, "base_origin_seq": entry.base_origin_seq,
-               "append_time_ms": entry.append_time_ms}  # fmt: skip
+               "records": entry.last_offset_delta + 1, "crc": entry.crc, "append_time_ms": entry.append_time_ms,
+               "max_timestamp": entry.max_timestamp, "producer_id": entry.producer_id,
+               "producer_epoch": entry.producer_epoch, "base_sequence": entry.base_sequence}  # fmt: skip
     differ = [f"{k} {stored[k]} where the origin index says {indexed[k]}" for k in stored if stored[k] != indexed[k]]
     return f"its header has {', '.join(differ)}" if differ else None
 
@@ -930,7 +1033,14 @@ def _origin_of(names: dict[tuple[bytes, int], Origin], entry: OriginEntry) -> Or
 
 
 def _tidy_directory(directory: Path, report: RecoveryReport) -> list[int]:
-    """Remove stray ``.tmp`` files and index files without a ``.log``; return the segments' base offsets."""
+    """Remove stray ``.tmp`` files; return the segments' base offsets.
+
+    Index files without a ``.log`` below the first ``.log`` are what a crash during retention leaves (a segment
+    is deleted ``.log`` first): removed. Above it (or with no ``.log`` at all: the active segment is never
+    deleted), a ``.log`` was lost while its origin index survived, which no crash does: an empty ``.log`` is put
+    back, so that recovery quarantines every batch the index names there
+    and repairs them from peers, instead of refusing the whole log.
+    """
     logs: set[int] = set()
     indexes: list[tuple[int, Path]] = []
     for path in directory.iterdir():
@@ -946,21 +1056,78 @@ def _tidy_directory(directory: Path, report: RecoveryReport) -> list[int]:
             logs.add(int(match.group(1)))
         else:
             indexes.append((int(match.group(1)), path))
-    for base, path in indexes:
-        if base not in logs:
+    first = min(logs, default=None)
+    for base, path in sorted(indexes):
+        if base in logs:
+            continue
+        if (first is None or base > first) and path.name.endswith(ORIGIN_INDEX_SUFFIX):
+            log.error("partition log %s: %s has lost its .log; its batches are quarantined until repaired",
+                      directory, path.name)  # fmt: skip
+            (directory / (path.name[: -len(ORIGIN_INDEX_SUFFIX)] + LOG_SUFFIX)).touch(mode=0o600)
+            logs.add(base)
+        elif first is not None and base < first:
             log.warning("partition log %s: removing %s, which has no .log", directory, path.name)
             path.unlink()
             report.files_removed += 1
     return sorted(logs)
 
 
-def _delete_later_segment(directory: Path, base: int, report: RecoveryReport) -> None:
-    log.warning("partition log %s: deleting segment %s, which follows damage at offset %s",
-                directory, segment_name(base), report.damaged_offset)  # fmt: skip
-    for path in segment_paths(directory, base):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-    report.segments_deleted += 1
+def _load_segments(directory: Path, config: LogConfig, bases: list[int], point: RecoveryPoint | None,
+                   may_trust: bool, segments: list[Segment], lost: list[DamagedBatch],
+                   report: RecoveryReport) -> None:  # fmt: skip
+    """Load every segment in order into ``segments``; what their plans find lost goes into ``lost``.
+
+    A sealed segment is never cut (its end is its own durable end: it was fsynced when it rolled); the last one
+    is cut only at or above the recovery point, where a crash can leave a torn write.
+    """
+    durable = point.recovery_point if point is not None else 0
+    running: dict[OriginKey, int] = {}
+    for i, base in enumerate(bases):
+        if segments and base != segments[-1].next_offset:
+            # A roll fsyncs the sealed segment first, so no crash leaves this: a segment file was deleted or
+            # lost along with its origin index. Cutting the log here would throw away every good segment after it.
+            raise MissingSegment(
+                f"partition log {directory}: the segments jump from offset {segments[-1].next_offset} to "
+                f"{base}: the segment file(s) holding offsets {segments[-1].next_offset}..{base - 1} are "
+                "missing, and so is their origin index. Restore them from a backup; or stop the node, move its "
+                "whole data dir away and start it empty: the site gets a new epoch and pulls every record back"
+            )
+        next_base = bases[i + 1] if i + 1 < len(bases) else None
+        trust = may_trust and next_base is not None and next_base <= durable
+        segment, outcome = Segment.load(directory, base, config.index_interval_bytes, next_base=next_base,
+                                        durable_end=durable if next_base is None else next_base,
+                                        running=running, trust=trust)  # fmt: skip
+        segments.append(segment)
+        for entry in iter_origin_entries(segment.origin_entries()):
+            running[entry.origin_key] = entry.next_origin_seq
+        report.segments_validated += outcome.validated
+        report.segments_trusted += not outcome.validated
+        report.indexes_rebuilt += outcome.rebuilt
+        report.indexed_batches_lost += outcome.indexed_batches_lost
+        if outcome.plan is not None:
+            _report_plan(directory, segment, outcome.plan, lost, report)
+
+
+def _report_plan(directory: Path, segment: Segment, plan: SegmentPlan, lost: list[DamagedBatch],
+                 report: RecoveryReport) -> None:  # fmt: skip
+    name = segment_name(segment.base_offset) + LOG_SUFFIX
+    for slot in plan.mended:
+        log.warning("partition log %s: %s byte %d: only the batch's local prefix was damaged (its CRC-covered "
+                    "bytes match the origin index); rewrote it", directory, name, slot.entry.position)  # fmt: skip
+    for found in plan.lost:
+        lost.append(damaged_slot(found.entry, name, found.reason))
+    if plan.cut is not None:
+        report.damaged_offset = LocalOffset(plan.next_offset)
+        report.damage = f"segment {name}: {plan.cut}"
+        log.warning("partition log %s: %s; cut there (above the recovery point, so never acknowledged by an "
+                    "fsync that recovery could see)", directory, report.damage)  # fmt: skip
+
+
+def damaged_slot(entry: OriginEntry, segment: str, reason: str) -> DamagedBatch:
+    site = SiteId(entry.origin_site.rstrip(b"\0").decode("ascii", "replace"))
+    return DamagedBatch(entry.base_offset, entry.next_offset, Origin(site, entry.origin_epoch),
+                        entry.base_origin_seq, entry.next_origin_seq - 1, segment, entry.position, entry.size_bytes,
+                        reason, entry.crc)  # fmt: skip
 
 
 def _conforms(segment_log: SegmentLog) -> PartitionLog:
