@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from georep.server.process import NodeProcess
+from georep.storage.index_format import FILE_HEADER, ORIGIN_ENTRY_BYTES
 from tests.support.cli import georep, ok
 from tests.support.sites import Sites, converged, wait_until
 
@@ -98,7 +99,7 @@ def test_a_peers_copy_repairs_the_damage_in_place(make_sites: Callable[..., Site
     assert json.loads((b.data_dir / "node.json").read_text())["pid"] == b.pid
 
 
-def test_deleted_index_files_are_rebuilt_and_a_missing_middle_segment_is_refused(start_node) -> None:  # type: ignore[no-untyped-def]
+def test_deleted_index_files_are_rebuilt_and_a_lost_segment_is_quarantined_or_refused(start_node) -> None:  # type: ignore[no-untyped-def]
     node = start_node(extra_args=SEGMENT)
     produce(node.address)
     node.stop()
@@ -109,8 +110,84 @@ def test_deleted_index_files_are_rebuilt_and_a_missing_middle_segment_is_refused
     code, lines, err = consume(node.address)
     assert code == 0 and lines == [b"%d" % i for i in range(RECORDS)], err
     node.stop()
-    sorted(partition.glob("*.log"))[1].unlink()
+    # A .log lost with its origin index surviving: every batch it held is quarantined by coordinate, not cut.
+    lost = sorted(partition.glob("*.log"))[1]
+    lost.unlink()
+    node.start()
+    code, lines, err = consume(node.address)
+    assert code == 1 and "quarantined" in err and lines == [b"%d" % i for i in range(len(lines))]
+    node.stop()
+    # Lost with its origin index: nothing names what it held, so the node refuses to start and says what to do.
+    lost.with_suffix(".oindex").unlink()
+    lost.write_bytes(b"")
+    lost.unlink()
     refused = subprocess.run(node.command(), capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2
-    assert "are missing" in refused.stderr and "let replication rebuild the partition" in refused.stderr
+    assert "are missing, and so is their origin index" in refused.stderr and "new epoch" in refused.stderr
     assert len(list(partition.glob("*.log"))) >= 2  # nothing was cut away
+
+
+TORN = ["--segment-bytes-max", "4096"]
+
+
+def two_sites_with_300_records(make_sites: Callable[..., Sites]) -> Sites:
+    """Issue 20's setup: x <-> y, topic t (4 KiB segments), 300 records produced at x in 200-byte batches."""
+    sites = make_sites(["x", "y"], [("x", "y"), ("y", "x")], extra_args=TORN)
+    sites.start()
+    b = ("--bootstrap", sites.address("x"))
+    ok(georep("topic", "create", "t", "--partitions", "1", *b))
+    lines = b"".join(b"%d\n" % i for i in range(300))
+    assert "produced 300 records" in georep("produce", "t", "--batch-size", "200", *b, stdin=lines).stderr.decode()
+    wait_until("y holds every record", lambda: converged(sites, ["x", "y"], "t", 300), 60)
+    return sites
+
+
+def every_record_once_at(sites: Sites, site: str) -> None:
+    code, lines, err = consume(sites.address(site))
+    assert code == 0, err
+    assert lines == [b"%d" % i for i in range(300)], f"site {site} holds {len(lines)} of 300 records"
+
+
+def test_a_torn_sealed_segment_at_a_replica_is_repaired_by_coordinate_never_cut(
+        make_sites: Callable[..., Sites]) -> None:  # fmt: skip
+    """Issue 20, item 1: y cut the log at the damage, deleted the good segments after it and kept its vector, so
+    it held 114 of 300 records for good while status said converged."""
+    sites = two_sites_with_300_records(make_sites)
+    y = sites.nodes["y"]
+    y.stop()
+    second = sorted((y.data_dir / "logs" / "t-0").glob("*.log"))[1]
+    with open(second, "r+b") as f:
+        f.truncate(second.stat().st_size - 100)
+    segments = sorted(p.name for p in second.parent.glob("*.log"))
+    y.start()
+    wait_until("y repaired the torn tail from x's copy", lambda: metric(y, "georep_repaired_batches_total") >= 1
+               and metric(y, "georep_quarantined_batches{") == 0, 30)  # fmt: skip
+    every_record_once_at(sites, "y")
+    assert sorted(p.name for p in second.parent.glob("*.log")) == segments  # nothing deleted
+    log = (y.data_dir / "node.log").read_text()
+    assert "quarantined" in log and "with site x's copy" in log and "deleting segment" not in log
+    scrub = georep("scrub", "--now", "--bootstrap", sites.address("y"))
+    assert scrub.returncode == 0 and "0 damaged batch(es) found; 0 quarantined now" in scrub.stdout.decode()
+    status = georep("status", "--topology", str(sites.topology))
+    assert "converged partitions: 1/1" in status.stdout.decode(), status.stdout.decode()
+
+
+def test_a_lying_origin_index_is_rebuilt_from_the_batches_never_used_to_overwrite_one(
+        make_sites: Callable[..., Sites]) -> None:  # fmt: skip
+    """Issue 20, item 2: y's .oindex said seq 55 where the CRC-valid batch said 53; scrub quarantined the good
+    batch and wrote x's seqs 55..56 over it: values 54 and 55 lost, 56 and 57 held twice."""
+    sites = two_sites_with_300_records(make_sites)
+    y = sites.nodes["y"]
+    y.stop()
+    oindex = sorted((y.data_dir / "logs" / "t-0").glob("*.oindex"))[1]
+    raw = bytearray(oindex.read_bytes())
+    at = FILE_HEADER.size + 2 * ORIGIN_ENTRY_BYTES + 36  # entry 2's base_origin_seq
+    seq = int.from_bytes(raw[at : at + 8], "big")
+    raw[at : at + 8] = (seq + 2).to_bytes(8, "big")
+    oindex.write_bytes(bytes(raw))
+    y.start()
+    scrub = georep("scrub", "--now", "--bootstrap", sites.address("y"))
+    assert scrub.returncode == 0 and "0 damaged batch(es) found; 0 quarantined now" in scrub.stdout.decode()
+    every_record_once_at(sites, "y")
+    assert metric(y, "georep_repaired_batches_total") == 0  # nothing was written over a batch
+    assert georep("scrub", "--now", "--bootstrap", sites.address("y")).returncode == 0

@@ -68,7 +68,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"georep: error: scrub at {address}: {problem or f'{exc.code().name}: {exc.details()}'}",
               file=sys.stderr)  # fmt: skip
         return 1
+    rebuilt = (f"; {result.indexes_rebuilt} segment index(es) disagreed with their batches and were rebuilt from "
+               "them" if result.indexes_rebuilt else "")  # fmt: skip
     print(f"scrubbed {result.checked_bytes:,} bytes at {address}: {result.found} damaged batch(es) found; "
-          f"{result.quarantined} quarantined now"
+          f"{result.quarantined} quarantined now{rebuilt}"
           + (" (the node repairs them from peers; see georep_repaired_batches_total)" if result.quarantined else ""))
     return 3 if result.quarantined else 0

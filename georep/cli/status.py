@@ -18,6 +18,7 @@ from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topology import LinkStatus
 from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.cli.up import DEFAULT_DATA_DIR
+from georep.client.admin import damaged_text
 from georep.client.connection import tls_problem
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -64,13 +65,20 @@ def as_json(statuses: dict[str, pb.SiteStatusResponse | str]) -> dict[str, Any]:
 
 
 def convergence(statuses: dict[str, pb.SiteStatusResponse | str]) -> list[tuple[str, int, bool]]:
-    """(topic, partition, whether every reachable site has the same vector)."""
+    """(topic, partition, whether every reachable site holds the same records) for the users' topics.
+
+    Each site's vector is read from its stored batches; a quarantined batch is counted in it (its slot waits for
+    the repair) but is not held, so a partition with one anywhere has not converged.
+    """
     vectors: dict[tuple[str, int], set[str]] = {}
     for s in statuses.values():
         if isinstance(s, str):
             continue
         for p in s.partitions:
-            vectors.setdefault((p.topic, p.partition), set()).add(vector_text(p.vector))
+            if is_internal(p.topic):
+                continue
+            held = vector_text(p.vector) if not p.damaged else f"{s.site} has {len(p.damaged)} damaged"
+            vectors.setdefault((p.topic, p.partition), set()).add(held)
     return [(t, p, len(v) == 1) for (t, p), v in sorted(vectors.items())]
 
 
@@ -99,6 +107,8 @@ def render(statuses: dict[str, pb.SiteStatusResponse | str], kafka: dict[str, st
             if is_internal(p.topic):
                 continue
             lines.append(f"  {p.topic}/{p.partition}  end={p.log_end_offset}  vector={vector_text(p.vector)}")
+            for d in p.damaged:
+                lines.append(f"      DAMAGED {damaged_text(d)}; quarantined until a peer's copy repairs it")
             for lag in p.lags:
                 lines.append(f"      {lag.origin:<24} from {lag.upstream or '-':<8} lag {lag.lag_records} records"
                              f", ~{lag.lag_bytes} bytes, {lag.lag_ms} ms")  # fmt: skip
@@ -109,7 +119,10 @@ def render(statuses: dict[str, pb.SiteStatusResponse | str], kafka: dict[str, st
         for c in s.conflicts:
             lines.append(f"  CONFLICT {c.topic}: {c.message}")
     rows = convergence(statuses)
-    if rows:
+    unreachable = [site for site, s in statuses.items() if isinstance(s, str)]
+    if unreachable:
+        lines.append(f"convergence unknown: site(s) {', '.join(unreachable)} did not answer")
+    elif rows:
         same = sum(1 for _, _, ok in rows if ok)
         lines.append(f"converged partitions: {same}/{len(rows)}")
         lines += [f"  differs: {t}/{p}" for t, p, ok in rows if not ok]

@@ -57,9 +57,13 @@ async def cmd_topic_describe(args: argparse.Namespace) -> int:
     print(f"Topic: {topic.name}  Partitions: {topic.partitions}")
     if topic.config:
         print("Config: " + ", ".join(f"{k}={v}" for k, v in topic.config.items()))
-    rows = [(p.partition, p.log_start_offset, p.log_end_offset, p.size_bytes, p.segments, p.vector.to_text() or "-")
-            for p in topic.partition_states]  # fmt: skip
-    print(table(("PARTITION", "START", "END", "BYTES", "SEGMENTS", "VECTOR"), rows))
+    rows = [(p.partition, p.log_start_offset, p.log_end_offset, p.size_bytes, p.segments, len(p.damaged),
+             p.vector.to_text() or "-") for p in topic.partition_states]  # fmt: skip
+    print(table(("PARTITION", "START", "END", "BYTES", "SEGMENTS", "DAMAGED", "VECTOR"), rows))
+    for p in topic.partition_states:
+        for text in p.damaged:
+            print(f"partition {p.partition}: quarantined {text}; repaired from a peer's copy when one answers "
+                  "('georep scrub --now' checks every batch)")  # fmt: skip
     return 0
 
 

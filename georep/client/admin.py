@@ -29,6 +29,8 @@ class PartitionInfo:
     size_bytes: int
     segments: int
     vector: VectorOffset
+    # Quarantined batches, each "offsets A..B (origin O seqs X..Y): reason": served to no one until repaired.
+    damaged: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +44,16 @@ class TopicInfo:
     def from_proto(cls, message: georep_pb2.TopicDescription) -> TopicInfo:
         states = [
             PartitionInfo(p.partition, p.log_start_offset, p.log_end_offset, p.size_bytes, p.segments,
-                          vector_from_proto(p.vector))
+                          vector_from_proto(p.vector), tuple(damaged_text(d) for d in p.damaged))
             for p in message.partition_states
         ]  # fmt: skip
         states.sort(key=lambda p: p.partition)
         return cls(message.name, message.partitions, dict(sorted(message.config.items())), states)
+
+
+def damaged_text(d: georep_pb2.DamagedRange) -> str:
+    return (f"offsets {d.base_offset}..{d.next_offset - 1} (origin {d.origin} seqs {d.base_origin_seq}.."
+            f"{d.last_origin_seq}): {d.reason}")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

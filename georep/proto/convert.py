@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from georep.broker.acks import AckKind, Acks
 from georep.proto import georep_pb2
+from georep.storage.api import DamagedBatch
 from offsets.coordinates import Origin
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.ids import InvalidSiteId, site_id
@@ -50,3 +51,12 @@ def acks_from_proto(acks: int, geo_sites: int) -> Acks:
     """The ``Acks`` enum and ``geo_sites`` of a request as an ack level (an unknown enum value is ``leader``)."""
     kind = _ACK_KINDS.get(acks, AckKind.LEADER)
     return Acks(kind, geo_sites) if kind is AckKind.GEO else Acks(kind)
+
+
+def damaged_to_proto(damaged: Iterable[DamagedBatch]) -> list[georep_pb2.DamagedRange]:
+    return [
+        georep_pb2.DamagedRange(origin=str(d.origin), base_origin_seq=d.base_origin_seq,
+                                last_origin_seq=d.last_origin_seq, base_offset=d.base_offset,
+                                next_offset=d.next_offset, reason=d.reason)  # fmt: skip
+        for d in damaged
+    ]

@@ -535,13 +535,18 @@ class PartitionState(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     SEGMENTS_FIELD_NUMBER: _builtins.int
     VECTOR_FIELD_NUMBER: _builtins.int
+    DAMAGED_FIELD_NUMBER: _builtins.int
     partition: _builtins.int
     log_start_offset: _builtins.int
     log_end_offset: _builtins.int
     size_bytes: _builtins.int
     segments: _builtins.int
     @_builtins.property
-    def vector(self) -> Global___VectorOffset: ...
+    def vector(self) -> Global___VectorOffset:
+        """read from the stored batches, quarantined ones included (see damaged)"""
+
+    @_builtins.property
+    def damaged(self) -> _containers.RepeatedCompositeFieldContainer[Global___DamagedRange]: ...
     def __init__(
         self,
         *,
@@ -551,14 +556,53 @@ class PartitionState(_message.Message):
         size_bytes: _builtins.int = ...,
         segments: _builtins.int = ...,
         vector: Global___VectorOffset | None = ...,
+        damaged: _abc.Iterable[Global___DamagedRange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["vector", b"vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["log_end_offset", b"log_end_offset", "log_start_offset", b"log_start_offset", "partition", b"partition", "segments", b"segments", "size_bytes", b"size_bytes", "vector", b"vector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["damaged", b"damaged", "log_end_offset", b"log_end_offset", "log_start_offset", b"log_start_offset", "partition", b"partition", "segments", b"segments", "size_bytes", b"size_bytes", "vector", b"vector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PartitionState: _TypeAlias = PartitionState  # noqa: Y015
+
+@_typing.final
+class DamagedRange(_message.Message):
+    """A stored batch whose bytes failed their check: quarantined, served to no one until repaired from a peer's copy.
+    The partition's vector counts it (its slot is reserved), so it is not converged until the repair.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    BASE_ORIGIN_SEQ_FIELD_NUMBER: _builtins.int
+    LAST_ORIGIN_SEQ_FIELD_NUMBER: _builtins.int
+    BASE_OFFSET_FIELD_NUMBER: _builtins.int
+    NEXT_OFFSET_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    origin: _builtins.str
+    base_origin_seq: _builtins.int
+    last_origin_seq: _builtins.int
+    base_offset: _builtins.int
+    next_offset: _builtins.int
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        origin: _builtins.str = ...,
+        base_origin_seq: _builtins.int = ...,
+        last_origin_seq: _builtins.int = ...,
+        base_offset: _builtins.int = ...,
+        next_offset: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_offset", b"base_offset", "base_origin_seq", b"base_origin_seq", "last_origin_seq", b"last_origin_seq", "next_offset", b"next_offset", "origin", b"origin", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DamagedRange: _TypeAlias = DamagedRange  # noqa: Y015
 
 @_typing.final
 class TopicDescription(_message.Message):
@@ -1152,6 +1196,7 @@ class PartitionStatus(_message.Message):
     VECTOR_FIELD_NUMBER: _builtins.int
     LOG_END_OFFSET_FIELD_NUMBER: _builtins.int
     LAGS_FIELD_NUMBER: _builtins.int
+    DAMAGED_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     partition: _builtins.int
     log_end_offset: _builtins.int
@@ -1159,6 +1204,8 @@ class PartitionStatus(_message.Message):
     def vector(self) -> Global___VectorOffset: ...
     @_builtins.property
     def lags(self) -> _containers.RepeatedCompositeFieldContainer[Global___OriginLag]: ...
+    @_builtins.property
+    def damaged(self) -> _containers.RepeatedCompositeFieldContainer[Global___DamagedRange]: ...
     def __init__(
         self,
         *,
@@ -1167,10 +1214,11 @@ class PartitionStatus(_message.Message):
         vector: Global___VectorOffset | None = ...,
         log_end_offset: _builtins.int = ...,
         lags: _abc.Iterable[Global___OriginLag] | None = ...,
+        damaged: _abc.Iterable[Global___DamagedRange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["vector", b"vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lags", b"lags", "log_end_offset", b"log_end_offset", "partition", b"partition", "topic", b"topic", "vector", b"vector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["damaged", b"damaged", "lags", b"lags", "log_end_offset", b"log_end_offset", "partition", b"partition", "topic", b"topic", "vector", b"vector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2246,6 +2294,7 @@ class ScrubProgress(_message.Message):
     FOUND_FIELD_NUMBER: _builtins.int
     QUARANTINED_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
+    INDEXES_REBUILT_FIELD_NUMBER: _builtins.int
     checked_bytes: _builtins.int
     total_bytes: _builtins.int
     found: _builtins.int
@@ -2253,6 +2302,8 @@ class ScrubProgress(_message.Message):
     quarantined: _builtins.int
     """quarantined at the site now (repairs may be under way)"""
     done: _builtins.bool
+    indexes_rebuilt: _builtins.int
+    """segments whose index disagreed with their CRC-valid batches, rebuilt from them"""
     def __init__(
         self,
         *,
@@ -2261,10 +2312,11 @@ class ScrubProgress(_message.Message):
         found: _builtins.int = ...,
         quarantined: _builtins.int = ...,
         done: _builtins.bool = ...,
+        indexes_rebuilt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked_bytes", b"checked_bytes", "done", b"done", "found", b"found", "quarantined", b"quarantined", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked_bytes", b"checked_bytes", "done", b"done", "found", b"found", "indexes_rebuilt", b"indexes_rebuilt", "quarantined", b"quarantined", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

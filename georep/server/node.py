@@ -47,6 +47,7 @@ from georep.server.rpc import authorization
 from georep.server.segments import SegmentService
 from georep.server.service import FETCH_MAX_BYTES_CAP, SCRUB_STEP_BYTES, NodeService
 from georep.server.site_cluster import SiteCluster
+from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLock
 from georep.storage.replica_store import ReplicaStore
 from topology.ids import site_id
@@ -320,7 +321,11 @@ async def _scrub_loop(broker: Broker, bytes_per_s: int) -> None:
         for key in sorted(broker.partitions):
             offset = 0
             while key in broker.partitions and offset < broker.partitions[key].log.flushed_offset:
-                step = await broker.scrub(key, offset, step_bytes)
+                try:
+                    step = await broker.scrub(key, offset, step_bytes)
+                except StorageError as exc:  # damage nothing names: reported, and the other partitions go on
+                    log.error("scrubber: %s/%d: %s", *key, exc)
+                    break
                 offset = step.next_offset
                 if step.found:
                     log.error("scrubber: %d damaged batch(es) in %s/%d quarantined", len(step.found), *key)

@@ -45,7 +45,7 @@ from georep.broker.repair import Ask, RepairQueue
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.proto.convert import vector_from_proto, vector_to_proto
+from georep.proto.convert import damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.replication.links import LinkManager, LinkState, PartitionKey
 from georep.replication.session import DISABLED, ApplyChunk, Effect, LinkEvent, OpenStream, PullConfig, PullSession
 from georep.replication.session import PullStats as LinkStats
@@ -77,6 +77,7 @@ RPC_TIMEOUT_S = 5.0
 # (a peer that vanished without closing its TCP connection).
 STREAM_IDLE_MS = 10 * HEARTBEAT_MS
 REPAIR_TICK_S = 0.5
+LAG_MS_MAX = 1 << 53  # a lag a float (Prometheus) holds exactly: about 285,000 years
 INBOX_MESSAGES = 2  # read ahead of the applies by this many messages, no more: back-pressure
 # Long fat pipes. src pushes a Replicate stream as fast as dst's HTTP/2 window lets it: at most one window per round
 # trip. gRPC's BDP probing starts every connection at a 64 KiB window and grows it over many round trips, so a
@@ -332,7 +333,8 @@ class Puller:
         except (CorruptChunk, DiskFull, BrokerError) as exc:
             return self.session.on_stream_ended(effect.stream_id, r.now_ms(), f"{type(exc).__name__}: {exc}")
         for origin, lag_ms in outcome.lag_ms_by_origin.items():
-            r.lag_ms[(topic, index, origin)] = lag_ms
+            # A producer's timestamp is its claim: bounded so that no stored timestamp breaks status or metrics.
+            r.lag_ms[(topic, index, origin)] = min(max(lag_ms, 0), LAG_MS_MAX)
         return self.session.on_applied(effect.stream_id, effect.key, outcome, r.now_ms())
 
     def _log(self, event: LinkEvent) -> None:
@@ -541,7 +543,8 @@ class Replicator:
         for (topic, index), p in sorted(self.broker.partitions.items()):
             vector = p.log.vector()
             ps = pb.PartitionStatus(topic=topic, partition=index, vector=vector_to_proto(VectorOffset(vector)),
-                                    log_end_offset=p.log.log_end_offset)  # fmt: skip
+                                    log_end_offset=p.log.log_end_offset,
+                                    damaged=damaged_to_proto(p.log.damaged_batches()))  # fmt: skip
             lag = self.links.lag_records((topic, index))
             per_record = self.bytes_per_record(topic, index)
             for origin in sorted(set(vector) | set(lag)):

@@ -31,7 +31,7 @@ from georep.broker.errors import (
 )
 from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, FromVector, Latest, batch_by_coordinate
 from georep.proto import georep_pb2 as pb
-from georep.proto.convert import acks_from_proto, vector_from_proto, vector_to_proto
+from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
 from georep.security.acl import UnknownAcl, acl_entry
 from georep.security.acl_sync import change, is_acl
@@ -133,6 +133,7 @@ class NodeService:
                 pb.PartitionState(
                     partition=i, log_start_offset=plog.log_start_offset, log_end_offset=plog.log_end_offset,
                     size_bytes=plog.size_bytes, segments=plog.segment_count, vector=_vector_to_pb(plog.vector()),
+                    damaged=damaged_to_proto(plog.damaged_batches()),
                 )  # fmt: skip
             )
         config = {k: str(v) for k, v in spec.effective(self.broker.defaults).items()}
@@ -416,7 +417,7 @@ class NodeService:
         parse(pb.ScrubRequest, data)
         keys = sorted(self.broker.partitions)
         total = sum(self.broker.partition(*k).log.size_bytes for k in keys)
-        checked = found = 0
+        checked = found = rebuilt = 0
         last = time.monotonic()
         for key in keys:
             plog = self.broker.partition(*key).log
@@ -425,16 +426,17 @@ class NodeService:
                 step = await self.broker.scrub(key, offset, SCRUB_STEP_BYTES)
                 offset = step.next_offset
                 found += len(step.found)
+                rebuilt += step.indexes_rebuilt
                 checked += step.checked_bytes
                 if time.monotonic() - last >= SCRUB_PROGRESS_S:
                     last = time.monotonic()
-                    yield self._scrub_progress(min(checked, total), total, found, False)
-        yield self._scrub_progress(total, total, found, True)
+                    yield self._scrub_progress(min(checked, total), total, found, rebuilt, False)
+        yield self._scrub_progress(total, total, found, rebuilt, True)
 
-    def _scrub_progress(self, checked: int, total: int, found: int, done: bool) -> pb.ScrubProgress:
+    def _scrub_progress(self, checked: int, total: int, found: int, rebuilt: int, done: bool) -> pb.ScrubProgress:
         quarantined = sum(len(b) for b in self.broker.damaged().values())
         return pb.ScrubProgress(checked_bytes=checked, total_bytes=total, found=found, quarantined=quarantined,
-                                done=done)  # fmt: skip
+                                done=done, indexes_rebuilt=rebuilt)  # fmt: skip
 
     # -- replication ------------------------------------------------------------
 
@@ -586,7 +588,8 @@ class NodeService:
         identity = self.broker.identity
         parts = [
             pb.PartitionStatus(topic=t, partition=i, vector=_vector_to_pb(p.log.vector()),
-                               log_end_offset=p.log.log_end_offset)  # fmt: skip
+                               log_end_offset=p.log.log_end_offset,
+                               damaged=damaged_to_proto(p.log.damaged_batches()))  # fmt: skip
             for (t, i), p in sorted(self.broker.partitions.items())
         ]
         return pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch, partitions=parts)

@@ -25,6 +25,7 @@ from georep.security.acl_replication import ForgedOrigin
 from georep.storage.api import BatchDamaged, DiskFull, OffsetOutOfRange
 from georep.storage.chain_log import SegmentElsewhere
 from georep.storage.replica_store import CorruptReplicaChunk, ReplicaError, UnknownSegment
+from georep.storage.segment import UnrepairableDamage
 from offsets.commits import InvalidCommit
 from offsets.coordinates import InvalidOrigin
 from offsets.vector import InvalidVectorOffset
@@ -59,6 +60,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     e.DamagedData: Code.DATA_LOSS,
     CorruptReplicaChunk: Code.DATA_LOSS,
     BatchDamaged: Code.DATA_LOSS,
+    UnrepairableDamage: Code.DATA_LOSS,
     # the state of the node or of the producer forbids it
     e.SequenceRejected: Code.FAILED_PRECONDITION,
     e.GeoAcksUnreachable: Code.FAILED_PRECONDITION,
