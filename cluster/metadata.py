@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cluster.topics import TopicSpec
-from topology.ids import SiteId, site_id
+from georep.storage.api import StorageError
+from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
+from topology.ids import InvalidSiteId, SiteId, site_id
 
 
 class TopicExists(Exception):
@@ -100,11 +102,20 @@ class MetadataStore(Protocol):
         ...
 
 
-def write_json_atomic(path: Path, data: object) -> None:
-    """Write, fsync, rename over, fsync the directory: all or nothing."""
+class MetadataFileDamaged(StorageError):
+    """``topics.json`` or ``site.json`` does not hold what its checksum vouches for: the node refuses to start."""
+
+
+def write_json_atomic(path: Path, data: object, *, checked: bool = False) -> None:
+    """Write, fsync, rename over, fsync the directory: all or nothing. ``checked``: with a checksum member
+    (``georep/storage/checked_json.py``), so that damage is refused rather than believed."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+        if checked:
+            assert isinstance(data, dict)
+            f.write(dumps_checked(data).decode("ascii"))
+        else:
+            json.dump(data, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -120,13 +131,22 @@ class FileMetadataStore:
         self._path = path
         self._topics: dict[str, TopicSpec] = {}
         self._acls: dict[str, AclRecord] = {}
-        if path.exists():
-            raw = json.loads(path.read_text())
+        if not path.exists():
+            return
+        try:
+            raw = loads_checked(path.read_bytes(), unchecked_formats=(1,), format_key="version")
             for name, t in raw["topics"].items():
                 self._topics[name] = TopicSpec(name, int(t["partitions"]), {k: int(v) for k, v in t["config"].items()})
             for entry in raw.get("acls", ()):  # absent in tables written before ACLs
                 record = AclRecord.from_dict(entry)
                 self._acls[record.entry] = record
+        except (DamagedStateFile, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise MetadataFileDamaged(
+                f"{path} is damaged ({exc}): it holds this site's topic definitions, ACLs and SASL users. Restore "
+                "it from a backup; or move it away and start the node: it takes the topics, ACLs and users of its "
+                "linked sites back through topic and ACL sync, and serves the partitions on disk again as their "
+                "topics come back (a site with no links must create its topics again with the same partitions)"
+            ) from None
 
     def topics(self) -> dict[str, TopicSpec]:
         return dict(self._topics)
@@ -157,10 +177,10 @@ class FileMetadataStore:
 
     def _write(self, topics: dict[str, TopicSpec], acls: dict[str, AclRecord]) -> None:
         table = {t.name: {"partitions": t.partitions, "config": t.config} for t in topics.values()}
-        out: dict[str, Any] = {"version": 1, "topics": table}
+        out: dict[str, Any] = {"version": 2, "topics": table}  # 2: with a checksum
         if acls:
             out["acls"] = [acls[k].to_dict() for k in sorted(acls)]
-        write_json_atomic(self._path, out)
+        write_json_atomic(self._path, out, checked=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +193,16 @@ def load_or_create_identity(data_dir: Path, site: str, now_s: int) -> SiteIdenti
     """The site's epoch is fixed when its data dir is created (docs/design.md, Identity)."""
     path = data_dir / "site.json"
     if path.exists():
-        raw = json.loads(path.read_text())
+        try:
+            raw = loads_checked(path.read_bytes(), unchecked_formats=(1,), format_key="version")
+            site_id(raw["site"])
+            int(raw["epoch"])
+        except (DamagedStateFile, ValueError, KeyError, TypeError, InvalidSiteId) as exc:
+            raise MetadataFileDamaged(
+                f"{path} is damaged ({exc}): it holds this site's epoch. Restore it from a backup; or move it away "
+                "and start the node: the site starts under a new epoch, which never reuses a coordinate, and the "
+                "records of the old epoch stay and keep replicating"
+            ) from None
         if raw["site"] != site:
             raise DataDirMismatch(
                 f"data dir {data_dir} belongs to site {raw['site']!r}, not {site!r}: "
@@ -181,5 +210,5 @@ def load_or_create_identity(data_dir: Path, site: str, now_s: int) -> SiteIdenti
             )
         return SiteIdentity(site_id(raw["site"]), int(raw["epoch"]))
     identity = SiteIdentity(site_id(site), now_s)
-    write_json_atomic(path, {"version": 1, "site": identity.site, "epoch": identity.epoch})
+    write_json_atomic(path, {"version": 2, "site": identity.site, "epoch": identity.epoch}, checked=True)
     return identity

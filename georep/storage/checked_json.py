@@ -35,10 +35,11 @@ def dumps_checked(doc: dict[str, Any]) -> bytes:
     return (json.dumps({**doc, CHECKSUM_KEY: _checksum(doc)}, sort_keys=True, indent=1) + "\n").encode("ascii")
 
 
-def loads_checked(data: bytes, *, unchecked_formats: tuple[int, ...] = ()) -> dict[str, Any]:
+def loads_checked(data: bytes, *, unchecked_formats: tuple[int, ...] = (),
+                  format_key: str = "format") -> dict[str, Any]:  # fmt: skip
     """The object in ``data`` without its checksum member; raises :class:`DamagedStateFile` when they disagree.
 
-    ``unchecked_formats``: the ``"format"`` values of files written before the checksum, accepted without one.
+    ``unchecked_formats``: the values of ``format_key`` of files written before the checksum, accepted without one.
     """
     try:
         doc = json.loads(data.decode("utf-8"))
@@ -48,7 +49,7 @@ def loads_checked(data: bytes, *, unchecked_formats: tuple[int, ...] = ()) -> di
         raise DamagedStateFile(f"not a JSON object but a {type(doc).__name__}")
     stored = doc.pop(CHECKSUM_KEY, None)
     if stored is None:
-        if doc.get("format") in unchecked_formats:
+        if doc.get(format_key) in unchecked_formats:
             return doc
         raise DamagedStateFile(f"no {CHECKSUM_KEY!r} member")
     if stored != _checksum(doc):
