@@ -1,7 +1,8 @@
 """Limits before authentication on the node's listeners (issue 20, item 6): the Kafka port refuses a frame over
 512 KiB before SASL authentication as soon as its size is read, closes connections idle past
 ``--connections-max-idle-ms`` (a half-sent frame is no activity), refuses connections over its bounds at accept,
-and stops quietly; the gRPC port has the same connection bounds. The pure decisions: test_kafka_connections.py."""
+and stops quietly; the gRPC port has the same connection bounds, and the metrics port serves a few connections at
+once. The pure decisions: test_kafka_connections.py."""
 
 from __future__ import annotations
 
@@ -247,3 +248,26 @@ def test_sigterm_with_kafka_clients_connected_logs_no_traceback(start_node: Any)
     for sock in (served, half_sent, fetching):
         assert closed_by_peer(sock)
         sock.close()
+
+
+def test_the_metrics_listener_serves_a_few_connections_at_once(node: NodeProcess) -> None:
+    import urllib.request
+
+    from georep.server.http_bounds import CONNECTIONS_MAX
+
+    stalled = [connect(node.metrics_address) for _ in range(CONNECTIONS_MAX)]
+    for sock in stalled:
+        sock.sendall(b"GET /metr")  # a request line that never ends holds its thread
+    one_more = connect(node.metrics_address)
+    assert closed_by_peer(one_more)
+    for sock in (*stalled, one_more):
+        sock.close()
+
+    def scraped() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{node.metrics_address}/metrics", timeout=5) as resp:
+                return b"georep_" in resp.read()
+        except OSError:
+            return False
+
+    wait_until("the metrics are served again", scraped)
