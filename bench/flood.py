@@ -17,7 +17,7 @@ samples the node process's ``VmRSS`` every 20 ms from ``/proc/<pid>/status``, an
   connections that the node did not close are held open together until every one has sent its frame, so the
   node holds them all at once, and then closed.
 * ``bomb``: a georep batch of one record of ``--bomb-mib`` (1024) MiB of zeros, compressed with zstd to about
-  32 KB, sent by gRPC ``Produce`` to a topic whose ``max_batch_bytes`` is 8 MiB. It must be refused.
+  33 KB, sent by gRPC ``Produce`` to a topic whose ``max_batch_bytes`` is 8 MiB. It must be refused.
 * ``bomb-fetch`` (only when named in ``--phases``): if the bomb was stored, a Kafka consumer fetches it.
 * ``kafka-value``: a Kafka ``Produce`` (SASL-authenticated as ``admin``) of a record batch holding one
   ``--value-mb`` (900) MB value of zeros compressed with zstd. It must be refused with MSG_SIZE_TOO_LARGE.
