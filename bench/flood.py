@@ -16,6 +16,9 @@ samples the node process's ``VmRSS`` every 20 ms from ``/proc/<pid>/status``, an
   ``--frame-mib`` (99) MiB frame and then its bytes, all but the last, until the node closes the socket; the
   connections that the node did not close are held open together until every one has sent its frame, so the
   node holds them all at once, and then closed.
+* ``held``: the worst case within the bounds: ``--held-connections`` (100, the default bound per address)
+  unauthenticated connections each send all but the last byte of a 512 KiB frame, the most the node takes
+  before authentication, and hold it.
 * ``bomb``: a georep batch of one record of ``--bomb-mib`` (1024) MiB of zeros, compressed with zstd to about
   33 KB, sent by gRPC ``Produce`` to a topic whose ``max_batch_bytes`` is 8 MiB. It must be refused.
 * ``bomb-fetch`` (only when named in ``--phases``): if the bomb was stored, a Kafka consumer fetches it.
@@ -60,8 +63,9 @@ from georep.security.principal import site_principal  # noqa: E402
 from georep.security.tls import TlsConfig  # noqa: E402
 from georep.server.process import NodeProcess  # noqa: E402
 
-PHASES = ("flood", "bomb", "bomb-fetch", "kafka-value")
-DEFAULT_PHASES = "flood,bomb,kafka-value"
+PHASES = ("flood", "held", "bomb", "bomb-fetch", "kafka-value")
+DEFAULT_PHASES = "flood,held,bomb,kafka-value"
+BEFORE_AUTH_BYTES = 512 << 10
 TARGET_MB = 500
 PASSWORD = "flood-bench-password"
 SAMPLE_S = 0.02
@@ -419,6 +423,7 @@ def run(args: argparse.Namespace, tmp: Path) -> list[Phase]:
         admin_tls = TlsConfig.from_dir(certs) if args.tls else None
         steps: dict[str, Callable[[], str]] = {
             "flood": lambda: flood(target, args.connections, args.frame_mib << 20),
+            "held": lambda: flood(target, args.held_connections, BEFORE_AUTH_BYTES),
             "bomb": lambda: grpc_produce(node, admin_tls, "bomb", georep_bomb(args.bomb_mib << 20)),
             "bomb-fetch": lambda: fetch_bomb(target, "bomb", certs / "ca.crt" if args.tls else None),
             "kafka-value": lambda: kafka_produce(target, "kv", kafka_bomb(args.value_mb * 1_000_000)),
@@ -441,6 +446,8 @@ def main() -> int:
                         f"(default {DEFAULT_PHASES})")  # fmt: skip
     parser.add_argument("--connections", type=int, default=20, help="unauthenticated connections (default 20)")
     parser.add_argument("--frame-mib", type=int, default=99, help="the frame each one sends (default 99 MiB)")
+    parser.add_argument("--held-connections", type=int, default=100,
+                        help="connections of the held phase (default 100, the bound per address)")  # fmt: skip
     parser.add_argument("--bomb-mib", type=int, default=1024, help="the bomb's record, uncompressed (default 1 GiB)")
     parser.add_argument("--value-mb", type=int, default=900, help="the Kafka value, uncompressed (default 900 MB)")
     parser.add_argument("--kill-above-mb", type=int, default=3000,
