@@ -80,9 +80,9 @@ class FrameTooLarge(ValueError):
 class FrameReader:
     """Frames from a byte stream, one at a time, as they complete.
 
-    A frame's size is checked against :attr:`max_frame_bytes` as soon as its 4-byte header is there, before the
-    frame is kept beyond the read that brought its header. The bound is read again for each frame, so a listener
-    raises it between two frames: once the client has authenticated (georep/kafka/server.py).
+    A frame's size is checked against :attr:`max_frame_bytes` as soon as its 4-byte header is there: a read that
+    completes the size of the next frame is refused before any of it is kept. The bound is read again for each
+    frame, so a listener raises it between two frames, once the client has authenticated (georep/kafka/server.py).
     """
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
@@ -91,11 +91,15 @@ class FrameReader:
         self._pos = 0  # where the next frame starts: consumed bytes are dropped at the next feed, not per frame
 
     def feed(self, data: bytes) -> None:
+        """Add the bytes of one read; raises :class:`FrameTooLarge` before keeping them if they complete the size
+        of a frame over the bound (the frames before it must have been taken with :meth:`next_frame`)."""
         if self._pos:
             del self._buf[: self._pos]
             self._pos = 0
+        if len(self._buf) < 4 <= len(self._buf) + len(data):
+            (size,) = _SIZE.unpack(bytes(self._buf) + data[: 4 - len(self._buf)])
+            self._refuse_over_bound(size)
         self._buf += data
-        self._check_size()
 
     def next_frame(self) -> bytes | None:
         """The next complete frame, or None until more bytes come; raises :class:`FrameTooLarge`."""
@@ -112,9 +116,12 @@ class FrameReader:
         if len(self._buf) - self._pos < 4:
             return None
         (size,) = _SIZE.unpack_from(self._buf, self._pos)
+        self._refuse_over_bound(size)
+        return int(size)
+
+    def _refuse_over_bound(self, size: int) -> None:
         if not 0 <= size <= self.max_frame_bytes:
             raise FrameTooLarge(size, self.max_frame_bytes)
-        return int(size)
 
 
 @dataclass(frozen=True, slots=True)
