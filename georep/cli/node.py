@@ -16,12 +16,18 @@ from georep.broker.acks import AckKind, Acks
 from georep.cli.tls_args import TlsArgsError, node_tls
 from georep.cli.tls_args import add_node_arguments as add_node_tls_arguments
 from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.kafka.connections import (
+    IDLE_MS_DEFAULT,
+    MAX_CONNECTIONS_DEFAULT,
+    MAX_CONNECTIONS_PER_IP_DEFAULT,
+    ListenerLimits,
+)
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.acl import DEFAULT_SUPER_USERS
 from georep.security.principal import InvalidPrincipal, Principal, parse_principal
 from georep.security.raft_secret import FLAG as RAFT_SECRET_FLAG
 from georep.security.raft_secret import RaftSecretError, read_secret, secret_file_name
-from georep.security.tls import TlsError
+from georep.security.tls import ServerLimits, TlsError
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.cluster_member import ClusterConfig
 from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
@@ -35,6 +41,8 @@ if TYPE_CHECKING:
     from georep.kafka.server import KafkaOptions
 
 log = logging.getLogger("georep.node")
+
+IDLE_MS_MIN = 100
 
 
 def parse_address(text: str, flag: str) -> tuple[str, int]:
@@ -94,6 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Kafka clients authenticate with SASL SCRAM-SHA-256/512 as client:<user> ('georep user add'): "
         "SASL_SSL on a TLS node, SASL_PLAINTEXT with --insecure (docs/kafka.md); off by default (mutual TLS)",
     )  # fmt: skip
+    add_listener_arguments(parser)
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
     parser.add_argument(
         "--topology", default=None,
@@ -133,6 +142,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def add_listener_arguments(parser: argparse.ArgumentParser) -> None:
+    """The connection bounds of the node's gRPC and Kafka ports (docs/security.md, "Listener limits")."""
+    grpc = ServerLimits()
+    parser.add_argument(
+        "--connections-max-idle-ms", type=int, default=IDLE_MS_DEFAULT, metavar="MS",
+        help="close a connection of the gRPC or Kafka port that has had no request for this long (Kafka's "
+        f"connections.max.idle.ms; a half-sent request does not count; clients reconnect; default {IDLE_MS_DEFAULT})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--grpc-max-connections", type=int, default=grpc.max_connections, metavar="N",
+        help=f"connections the gRPC port takes at once; one more is closed at accept (default {grpc.max_connections})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--grpc-max-concurrent-streams", type=int, default=0, metavar="N",
+        help="calls in flight on one gRPC connection; more wait in the client (default 0: no bound; georep's clients "
+        "open a stream per partition they read)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kafka-max-connections", type=int, default=None, metavar="N",
+        help="connections the Kafka port takes at once; one more is closed at accept (Kafka's max.connections; "
+        f"default {MAX_CONNECTIONS_DEFAULT})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kafka-max-connections-per-ip", type=int, default=None, metavar="N",
+        help="connections the Kafka port takes from one address (Kafka's max.connections.per.ip; 0: no bound; "
+        f"default {MAX_CONNECTIONS_PER_IP_DEFAULT})",
+    )  # fmt: skip
+
+
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -165,7 +203,8 @@ def main(args: argparse.Namespace) -> int:
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
                   topology, args.stall_ms, admin_token, args.scrub_bytes_per_s, in_site, tls,
                   kafka=kafka_options(args),
-                  super_users=tuple(args.super_user) if args.super_user else DEFAULT_SUPER_USERS)  # fmt: skip
+                  super_users=tuple(args.super_user) if args.super_user else DEFAULT_SUPER_USERS,
+                  grpc_limits=grpc_limits(args))  # fmt: skip
         )
     except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId, StorageError,
             ReplicaError) as exc:
@@ -180,9 +219,29 @@ def _principal(text: str) -> Principal:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def grpc_limits(args: argparse.Namespace) -> ServerLimits:
+    """``--grpc-max-connections``, ``--grpc-max-concurrent-streams`` and ``--connections-max-idle-ms``."""
+    if args.grpc_max_connections < 1:
+        raise UsageError(f"--grpc-max-connections {args.grpc_max_connections}: use at least 1")
+    if args.grpc_max_concurrent_streams < 0:
+        raise UsageError(f"--grpc-max-concurrent-streams {args.grpc_max_concurrent_streams}: use 0 (no bound) or more")
+    return ServerLimits(max_connections=args.grpc_max_connections, idle_ms=idle_ms(args),
+                        max_concurrent_streams=args.grpc_max_concurrent_streams)  # fmt: skip
+
+
+def idle_ms(args: argparse.Namespace) -> int:
+    if args.connections_max_idle_ms < IDLE_MS_MIN:
+        raise UsageError(f"--connections-max-idle-ms {args.connections_max_idle_ms}: use at least {IDLE_MS_MIN}")
+    return int(args.connections_max_idle_ms)
+
+
 def kafka_options(args: argparse.Namespace) -> KafkaOptions | None:
-    """``--kafka-listen``, ``--kafka-commit-acks`` and ``--kafka-sasl``; None without a Kafka listener."""
+    """``--kafka-listen`` and the ``--kafka-*`` flags; None without a Kafka listener."""
     if args.kafka_listen is None:
+        for flag in ("kafka_max_connections", "kafka_max_connections_per_ip"):
+            if getattr(args, flag) is not None:
+                raise UsageError(f"--{flag.replace('_', '-')}: this node serves no Kafka port; add --kafka-listen "
+                                 "HOST:PORT or drop the flag")  # fmt: skip
         return None
     text = args.kafka_commit_acks
     if text in ("leader", "all"):
@@ -198,7 +257,20 @@ def kafka_options(args: argparse.Namespace) -> KafkaOptions | None:
         log.warning("warning: --kafka-sasl with --insecure: SASL_PLAINTEXT; SCRAM keeps the password off the wire, "
                     "but the records and the session are plaintext that anyone on the network path can read or "
                     "take over: use TLS (SASL_SSL) outside tests")  # fmt: skip
-    return KafkaOptions(parse_address(args.kafka_listen, "--kafka-listen"), acks, sasl=sasl)
+    return KafkaOptions(parse_address(args.kafka_listen, "--kafka-listen"), acks, sasl=sasl,
+                        limits=kafka_limits(args))  # fmt: skip
+
+
+def kafka_limits(args: argparse.Namespace) -> ListenerLimits:
+    """``--kafka-max-connections``, ``--kafka-max-connections-per-ip`` and ``--connections-max-idle-ms``."""
+    most = MAX_CONNECTIONS_DEFAULT if args.kafka_max_connections is None else args.kafka_max_connections
+    per_ip = MAX_CONNECTIONS_PER_IP_DEFAULT if args.kafka_max_connections_per_ip is None \
+        else args.kafka_max_connections_per_ip  # fmt: skip
+    if most < 1:
+        raise UsageError(f"--kafka-max-connections {most}: use at least 1")
+    if per_ip < 0:
+        raise UsageError(f"--kafka-max-connections-per-ip {per_ip}: use 0 (no bound) or more")
+    return ListenerLimits(max_connections=most, max_connections_per_ip=per_ip, idle_ms=idle_ms(args))
 
 
 def topic_defaults(args: argparse.Namespace) -> dict[str, int]:

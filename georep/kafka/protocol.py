@@ -5,7 +5,7 @@ generated from Apache Kafka's own JSON message specs, flexible versions (compact
 included, so this module writes no field encoding itself. What it adds:
 
 * :class:`FrameReader` splits a byte stream into frames (a 4-byte big-endian size, then the frame), with
-  a bound on the size.
+  a bound on the size that is checked before the frame is buffered, and that may change between frames.
 * :func:`decode_request` reads a frame's request header and body for the APIs and versions in
   :data:`SUPPORTED` and returns a :class:`Request`; any other API or version is an :class:`Unsupported`
   that still carries the correlation id, so the gateway answers it with an error code
@@ -28,7 +28,8 @@ from kafka.protocol import metadata as kmetadata
 from kafka.protocol import producer as kproducer
 from kafka.protocol import sasl as ksasl
 
-MAX_FRAME_BYTES = 100 << 20  # Kafka's socket.request.max.bytes default
+from georep.kafka.connections import FRAME_BYTES_MAX as MAX_FRAME_BYTES
+
 _SIZE = struct.Struct(">i")
 _HEAD = struct.Struct(">hhi")  # api key, api version, correlation id
 
@@ -68,30 +69,59 @@ SASL_AUTHENTICATE = 36
 
 
 class FrameTooLarge(ValueError):
-    """A frame size above :data:`MAX_FRAME_BYTES` or below zero: the connection cannot be framed again."""
+    """A frame size above the reader's bound or below zero: the connection cannot be framed again."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes (at most {limit})")
+        self.size = size
+        self.limit = limit
 
 
 class FrameReader:
-    """Frames from a byte stream, as they complete."""
+    """Frames from a byte stream, one at a time, as they complete.
+
+    A frame's size is checked against :attr:`max_frame_bytes` as soon as its 4-byte header is there: a read that
+    completes the size of the next frame is refused before any of it is kept. The bound is read again for each
+    frame, so a listener raises it between two frames, once the client has authenticated (georep/kafka/server.py).
+    """
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.max_frame_bytes = max_frame_bytes
         self._buf = bytearray()
-        self._max = max_frame_bytes
+        self._pos = 0  # where the next frame starts: consumed bytes are dropped at the next feed, not per frame
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes) -> None:
+        """Add the bytes of one read; raises :class:`FrameTooLarge` before keeping them if they complete the size
+        of a frame over the bound (the frames before it must have been taken with :meth:`next_frame`)."""
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        if len(self._buf) < 4 <= len(self._buf) + len(data):
+            (size,) = _SIZE.unpack(bytes(self._buf) + data[: 4 - len(self._buf)])
+            self._refuse_over_bound(size)
         self._buf += data
-        frames: list[bytes] = []
-        pos = 0
-        while len(self._buf) - pos >= 4:
-            (size,) = _SIZE.unpack_from(self._buf, pos)
-            if not 0 <= size <= self._max:
-                raise FrameTooLarge(f"frame of {size} bytes (at most {self._max})")
-            if len(self._buf) - pos - 4 < size:
-                break
-            frames.append(bytes(self._buf[pos + 4 : pos + 4 + size]))
-            pos += 4 + size
-        del self._buf[:pos]
-        return frames
+
+    def next_frame(self) -> bytes | None:
+        """The next complete frame, or None until more bytes come; raises :class:`FrameTooLarge`."""
+        size = self._check_size()
+        if size is None or len(self._buf) - self._pos - 4 < size:
+            return None
+        start = self._pos + 4
+        with memoryview(self._buf) as view:  # one copy out of the buffer, not a slice and then a copy of it
+            frame = bytes(view[start : start + size])
+        self._pos = start + size
+        return frame
+
+    def _check_size(self) -> int | None:
+        if len(self._buf) - self._pos < 4:
+            return None
+        (size,) = _SIZE.unpack_from(self._buf, self._pos)
+        self._refuse_over_bound(size)
+        return int(size)
+
+    def _refuse_over_bound(self, size: int) -> None:
+        if not 0 <= size <= self.max_frame_bytes:
+            raise FrameTooLarge(size, self.max_frame_bytes)
 
 
 @dataclass(frozen=True, slots=True)

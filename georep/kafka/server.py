@@ -23,6 +23,7 @@ import contextlib
 import logging
 import secrets
 import ssl
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from cryptography import x509
 
 from georep.broker.acks import LEADER, Acks
 from georep.broker.errors import InternalTopic
+from georep.kafka.connections import ConnectionTable, ListenerLimits, LogThrottle, Refused
 from georep.kafka.gateway import Client, KafkaGateway, Pending
 from georep.kafka.protocol import (
     SASL_AUTHENTICATE,
@@ -60,6 +62,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 READ_BYTES = 1 << 16
+STOP_GRACE_S = 2.0
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
 IN_FLIGHT_MAX = 100  # requests read ahead of their responses, per connection (back-pressure on the reader)
 NONCE_BYTES = 18
 API_VERSIONS_KEY = 18
@@ -117,90 +121,149 @@ class SaslSession:
             return sasl_authenticate_body(req.version, SASL_AUTHENTICATION_FAILED, str(exc), b""), True
 
 
+Answer = tuple[Request, "asyncio.Future[Any]"] | bytes  # a request and its pending response, or raw SASL bytes
+
+
 class KafkaServer:
-    def __init__(self, gateway: KafkaGateway, ssl_context: ssl.SSLContext | None = None,
-                 sasl: Lookup | None = None) -> None:  # fmt: skip
+    def __init__(self, gateway: KafkaGateway, ssl_context: ssl.SSLContext | None = None, sasl: Lookup | None = None,
+                 limits: ListenerLimits | None = None) -> None:  # fmt: skip
         self.gateway = gateway
         self.ssl_context = ssl_context
         self.sasl = sasl  # the credentials of the SASL users; None: the listener takes no SASL
+        self.limits = limits = limits or ListenerLimits()
+        self.table = ConnectionTable(limits)
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._open: dict[int, _Open] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._refused_log: dict[str, LogThrottle] = {}
+        self._oversized_log = LogThrottle()
 
     async def start(self, host: str, port: int) -> int:
         """Listen; returns the port (the one chosen, for port 0). Raises ``OSError`` if it cannot."""
-        self._server = await asyncio.start_server(self._serve, host, port, ssl=self.ssl_context,
-                                                  reuse_address=True)  # fmt: skip
+        loop = asyncio.get_running_loop()
+
+        def accepted() -> _Accepted:
+            return _Accepted(asyncio.StreamReader(loop=loop), self._serve, loop=loop)
+
+        # TLS is started by each connection's task once the connection is admitted (start_server's ssl= would
+        # shake hands with every connection first, however many are open).
+        self._server = await loop.create_server(accepted, host, port, reuse_address=True)
+        self._sweeper = asyncio.create_task(self._sweep())
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
+        """Close the port and every connection; requests in flight are dropped (their clients retry elsewhere)."""
+        self._stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self._server is not None:
             self._server.close()
-        for task in list(self._connections):
-            task.cancel()
-        for task in list(self._connections):
-            with contextlib.suppress(BaseException):
-                await task
+        for conn in list(self._open.values()):
+            conn.close()
+        tasks = [conn.task for conn in self._open.values()]
+        if tasks:
+            _done, late = await asyncio.wait(tasks, timeout=STOP_GRACE_S)
+            for task in late:  # not expected: every connection ends once its transport is closed
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         if self._server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+                await asyncio.wait_for(self._server.wait_closed(), STOP_GRACE_S)
+
+    async def _sweep(self) -> None:
+        """Close the connections idle past the idle time (``connections.max.idle.ms``): one pass for all of them."""
+        interval_s = self.limits.sweep_interval_ms() / 1000
+        while True:
+            await asyncio.sleep(interval_s)
+            idle = self.table.idle(_now_ms())
+            if not idle:
+                continue
+            peers = [self._open[c].peer for c in idle if c in self._open]
+            log.info("kafka: closing %d connection(s) with no request for %d ms (--connections-max-idle-ms): %s%s",
+                     len(idle), self.limits.idle_ms, ", ".join(peers[:5]),
+                     f" and {len(peers) - 5} more" if len(peers) > 5 else "")  # fmt: skip
+            for conn in idle:
+                if conn in self._open:
+                    self._open[conn].close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Only stop() cancels a connection, and only one that outlived its grace. Ending normally matters: asyncio
+        # logs a cancelled connection task as an error, with a traceback (its callback asks the task's exception).
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._connection(reader, writer)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        host = str(peername[0]) if peername else ""
+        peer = f"{host}:{peername[1]}" if peername else "?"
+        admitted = self.table.admit(host, _now_ms()) if not self._stopping else Refused("the node is stopping",
+                                                                                         "stopping")
+        if isinstance(admitted, Refused):
+            writer.transport.abort()
+            left_out = self._refused_log.setdefault(admitted.bound, LogThrottle()).allow(_now_ms())
+            if left_out is not None:
+                log.warning("kafka: refused the connection from %s at accept: %s%s", peer, admitted.reason,
+                            _left_out(left_out))  # fmt: skip
+            return
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
-        peer = writer.get_extra_info("peername")
-        host = str(peer[0]) if peer else ""
+        conn = _Open(admitted, peer, writer, task)
+        self._open[admitted] = conn
+        try:
+            if self.ssl_context is not None:
+                try:
+                    await writer.start_tls(self.ssl_context, ssl_handshake_timeout=min(TLS_HANDSHAKE_TIMEOUT_S,
+                                                                                       self.limits.idle_ms / 1000))
+                except (OSError, EOFError):  # a failed or abandoned handshake (ssl.SSLError is an OSError)
+                    return
+            else:
+                transport = writer.transport
+                assert isinstance(transport, asyncio.ReadTransport)
+                transport.resume_reading()
+            await self._requests(conn, reader, writer, host)
+        finally:
+            self._open.pop(admitted, None)
+            self.table.release(admitted)
+            writer.close()  # sends what is still buffered (a refusal's answer), then closes
+            try:
+                await asyncio.wait_for(writer.wait_closed(), STOP_GRACE_S)
+            except Exception:  # a client that does not read, or a connection already reset
+                writer.transport.abort()
+
+    async def _requests(self, conn: _Open, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        host: str) -> None:  # fmt: skip
         client = Client(host, peer_principal(writer))
         sasl = SaslSession(self.sasl)
-        queue: asyncio.Queue[tuple[Request, asyncio.Task[Any]] | bytes | None] = asyncio.Queue(IN_FLIGHT_MAX)
-        sender = asyncio.create_task(self._send(queue, writer))
-        frames = FrameReader()
+        queue: asyncio.Queue[Answer | None] = asyncio.Queue(IN_FLIGHT_MAX)
+        sender = asyncio.create_task(self._send(conn.id, queue, writer))
+        conn.sender = sender
+        limits = self.limits
+        frames = FrameReader(limits.frame_bytes_before_auth if sasl.required else limits.frame_bytes_max)
         try:
             while True:
                 data = await reader.read(READ_BYTES)
                 if not data:
                     break
-                for frame in frames.feed(data):
-                    if sasl.raw:  # after a v0 handshake: a bare SASL token, answered bare
-                        try:
-                            token = sasl.step(frame)
-                        except ScramFailed as exc:
-                            raise CloseConnection(f"SASL authentication failed: {exc}") from None
-                        await queue.put(len(token).to_bytes(4, "big") + token)
-                        if sasl.principal is not None:
-                            client = Client(host, sasl.principal)
+                frames.feed(data)
+                while not conn.closed and (frame := frames.next_frame()) is not None:
+                    self.table.request(conn.id, _now_ms())
+                    answer = self._answer(frame, client, sasl, host)
+                    if answer is None:  # nothing to answer
+                        self.table.answered(conn.id, _now_ms())
                         continue
-                    try:
-                        req = decode_request(frame)
-                        if not isinstance(req, Request):
-                            if sasl.required and req.api_key not in (API_VERSIONS_KEY, SASL_HANDSHAKE,
-                                                                     SASL_AUTHENTICATE):  # fmt: skip
-                                raise CloseConnection(f"API key {req.api_key} before SASL authentication")
-                            log.info("kafka: %s from %s: answered with an error code", req.reason, host)
-                            await queue.put(error_response(req))
-                            continue
-                        close: str | None = None
-                        if req.api_key == SASL_HANDSHAKE:
-                            pending: Pending = _done(sasl.handshake(req))
-                        elif req.api_key == SASL_AUTHENTICATE:
-                            response, failed = sasl.authenticate(req)
-                            pending = _done(response)
-                            close = f"SASL authentication failed: {response.error_message}" if failed else None
-                            if sasl.principal is not None:  # SASL's principal wins over the certificate's
-                                client = Client(host, sasl.principal)
-                        elif sasl.required and req.api_key != API_VERSIONS_KEY:
-                            raise CloseConnection(f"API key {req.api_key} before SASL authentication")
-                        else:
-                            pending = self.gateway.dispatch(req, client)
-                    except ValueError:
-                        continue  # no header: nothing to answer
-                    await queue.put((req, asyncio.ensure_future(pending)))
+                    item, client, close = answer
+                    await queue.put(item)
                     if close is not None:
                         raise CloseConnection(close)
+                    if not sasl.required:  # authenticated (or no SASL): the listener's full bound from now on
+                        frames.max_frame_bytes = limits.frame_bytes_max
         except CloseConnection as exc:
-            log.info("kafka: closing the connection from %s: %s", host, exc)
+            log.info("kafka: closing the connection from %s: %s", conn.peer, exc)
         except FrameTooLarge as exc:
-            log.warning("kafka: closing the connection from %s: %s", host, exc)
+            self._oversized(conn.peer, exc, sasl.required)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
         finally:
@@ -208,15 +271,60 @@ class KafkaServer:
                 queue.put_nowait(None)  # the sender answers what was read, then stops
             except asyncio.QueueFull:
                 sender.cancel()
+            if writer.transport.is_closing():  # closed by us (idle, stop) or by the client: nobody reads answers
+                sender.cancel()
             with contextlib.suppress(BaseException):
                 await sender
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-            self._connections.discard(task)
 
-    async def _send(self, queue: asyncio.Queue[tuple[Request, asyncio.Task[Any]] | bytes | None],
-                    writer: asyncio.StreamWriter) -> None:  # fmt: skip
+    def _answer(self, frame: bytes, client: Client, sasl: SaslSession,
+                host: str) -> tuple[Answer, Client, str | None] | None:  # fmt: skip
+        """What to queue for one frame, the connection's client from then on, and why it must close after (None:
+        it stays open); None for a frame with nothing to answer. Raises :class:`CloseConnection`."""
+        if sasl.raw:  # after a v0 handshake: a bare SASL token, answered bare
+            try:
+                token = sasl.step(frame)
+            except ScramFailed as exc:
+                raise CloseConnection(f"SASL authentication failed: {exc}") from None
+            if sasl.principal is not None:
+                client = Client(host, sasl.principal)
+            return len(token).to_bytes(4, "big") + token, client, None
+        try:
+            req = decode_request(frame)
+        except ValueError:
+            return None  # no header: nothing to answer
+        if not isinstance(req, Request):
+            if sasl.required and req.api_key not in (API_VERSIONS_KEY, SASL_HANDSHAKE, SASL_AUTHENTICATE):
+                raise CloseConnection(f"API key {req.api_key} before SASL authentication")
+            log.info("kafka: %s from %s: answered with an error code", req.reason, host)
+            return error_response(req), client, None
+        close: str | None = None
+        if req.api_key == SASL_HANDSHAKE:
+            pending: Pending = _done(sasl.handshake(req))
+        elif req.api_key == SASL_AUTHENTICATE:
+            response, failed = sasl.authenticate(req)
+            pending = _done(response)
+            close = f"SASL authentication failed: {response.error_message}" if failed else None
+            if sasl.principal is not None:  # SASL's principal wins over the certificate's
+                client = Client(host, sasl.principal)
+        elif sasl.required and req.api_key != API_VERSIONS_KEY:
+            raise CloseConnection(f"API key {req.api_key} before SASL authentication")
+        else:
+            pending = self.gateway.dispatch(req, client)
+        return (req, asyncio.ensure_future(pending)), client, close
+
+    def _oversized(self, peer: str, exc: FrameTooLarge, before_auth: bool) -> None:
+        left_out = self._oversized_log.allow(_now_ms())
+        if left_out is None:
+            return
+        if before_auth:
+            log.warning("kafka: closing the connection from %s: a frame of %d bytes before SASL authentication "
+                        "(at most %d until the client has authenticated, as Kafka's sasl.server.max.receive.size)%s",
+                        peer, exc.size, exc.limit, _left_out(left_out))  # fmt: skip
+        else:
+            log.warning("kafka: closing the connection from %s: a frame of %d bytes (at most %d, as Kafka's "
+                        "socket.request.max.bytes)%s", peer, exc.size, exc.limit, _left_out(left_out))  # fmt: skip
+
+    async def _send(self, conn: int, queue: asyncio.Queue[Answer | None], writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 item = await queue.get()
@@ -236,6 +344,7 @@ class KafkaServer:
                     if data is not None:
                         writer.write(data)
                 await writer.drain()
+                self.table.answered(conn, _now_ms())
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
@@ -243,6 +352,43 @@ class KafkaServer:
                 item = queue.get_nowait()
                 if isinstance(item, tuple):
                     item[1].cancel()
+
+
+class _Accepted(asyncio.StreamReaderProtocol):
+    """A connection just accepted: nothing is read from it until its task has admitted it, and started TLS if the
+    listener takes TLS (a client hello read before would land in the plaintext buffer, and the handshake stall)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.ReadTransport)
+        transport.pause_reading()
+        super().connection_made(transport)
+
+
+@dataclass(slots=True)
+class _Open:
+    """One admitted connection, as the listener closes it (idle, or stopping)."""
+
+    id: int
+    peer: str  # HOST:PORT, for the log
+    writer: asyncio.StreamWriter
+    task: asyncio.Task[None]
+    sender: asyncio.Task[None] | None = None
+    closed: bool = False
+
+    def close(self) -> None:
+        """Abort the transport: the reader sees the end of the stream and the connection task ends by itself."""
+        self.closed = True
+        self.writer.transport.abort()
+        if self.sender is not None:
+            self.sender.cancel()  # answers in flight would go nowhere
+
+
+def _now_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
+def _left_out(count: int) -> str:
+    return f" ({count} more like it since the last such line)" if count else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +400,7 @@ class KafkaOptions:
     ssl_context: ssl.SSLContext | None = None  # TLS: mutual, with the node's certificates (server_ssl_context)
     policy: Policy | None = None  # TLS or SASL: the site's ACLs, checked for every request
     sasl: bool = False  # --kafka-sasl scram: SASL/SCRAM required (SASL_SSL, or SASL_PLAINTEXT with --insecure)
+    limits: ListenerLimits | None = None  # --kafka-max-connections and its companions (None: the defaults)
 
 
 def server_ssl_context(tls: TlsConfig, sasl: bool = False) -> ssl.SSLContext:
@@ -300,7 +447,7 @@ async def start_kafka(options: KafkaOptions, broker: Broker, groups: GroupServic
     lookup = CredentialLookup(broker.metadata.acls) if options.sasl else None
     if lookup is not None and options.ssl_context is not None:  # SASL_SSL: SCRAM authenticates, not a certificate
         options.ssl_context.verify_mode = ssl.CERT_OPTIONAL
-    server = KafkaServer(gateway, options.ssl_context, lookup)
+    server = KafkaServer(gateway, options.ssl_context, lookup, options.limits)
     bound = await server.start(host, port)
     gateway.port = bound
     return server, f"{host}:{bound}"

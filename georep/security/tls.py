@@ -10,7 +10,9 @@ each new handshake and reloads the three files when one was replaced or its mtim
 key does not match its certificate, as while one file is being replaced, is skipped until it does). Connections
 already up keep the certificate they were made with. A client reads the files again for each new channel.
 
-Every channel and server bounds the messages it accepts to :data:`MESSAGE_BYTES_MAX`.
+Every channel and server bounds the messages it accepts to :data:`MESSAGE_BYTES_MAX`. A server also bounds its
+connections (:class:`ServerLimits`: how many, how long one may sit idle or in its handshake, streams per connection,
+header bytes), through gRPC core's channel arguments.
 
 :func:`principal_of` gives a call's peer principal from its certificate (``georep.security.principal``).
 """
@@ -148,9 +150,43 @@ def _options(options: Options, tls: TlsConfig | None) -> list[tuple[str, Any]]:
     return out
 
 
-def server_options(options: Options = ()) -> list[tuple[str, Any]]:
-    """Options for ``grpc.aio.server``/``grpc.server``: the caller's, with the message bound."""
-    return _options(options, None)
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """The bounds of a gRPC port besides its messages' (``georep node --grpc-max-connections`` and companions;
+    docs/security.md, "Listener limits"). Each is a gRPC core channel argument, checked to exist in grpcio 1.85."""
+
+    max_connections: int = 1000  # grpc.max_allowed_incoming_connections: one more is closed at accept
+    idle_ms: int = 600_000  # grpc.max_connection_idle_ms: no call in flight for this long, GOAWAY (clients reconnect)
+    handshake_timeout_ms: int = 20_000  # grpc.server_handshake_timeout_ms: TLS handshake and HTTP/2 preface (120 s)
+    # grpc.max_concurrent_streams: 0 keeps gRPC's (no bound). georep's own clients open a stream per partition they
+    # read, and a leader one per open segment per member, so a bound must exceed those.
+    max_concurrent_streams: int = 0
+
+    def options(self) -> list[tuple[str, int]]:
+        out = [
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+            ("grpc.max_connection_idle_ms", self.idle_ms),
+            ("grpc.server_handshake_timeout_ms", self.handshake_timeout_ms),
+            # gRPC's defaults, pinned: header bytes of a call (soft: some calls above refused; hard: all of them)
+            ("grpc.max_metadata_size", METADATA_BYTES_SOFT),
+            ("grpc.absolute_max_metadata_size", METADATA_BYTES_MAX),
+        ]
+        if self.max_concurrent_streams:
+            out.append(("grpc.max_concurrent_streams", self.max_concurrent_streams))
+        return out
+
+
+METADATA_BYTES_SOFT = 8 << 10
+METADATA_BYTES_MAX = 16 << 10
+
+
+def server_options(options: Options = (), limits: ServerLimits | None = None) -> list[tuple[str, Any]]:
+    """Options for ``grpc.aio.server``/``grpc.server``: the caller's, with the message bound and the connection
+    bounds of ``limits`` (the defaults if None)."""
+    out = _options(options, None)
+    limit_options = (limits or ServerLimits()).options()
+    keys = {k for k, _ in limit_options}
+    return [(k, v) for k, v in out if k not in keys] + limit_options
 
 
 # --- clients -----------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from georep.server.http_bounds import bound_connections
+
 if TYPE_CHECKING:
     from georep.server.broker import Broker
     from georep.server.replicator import Replicator
@@ -166,4 +168,5 @@ class NodeMetrics:
     def serve(self, host: str, port: int) -> str:
         """Start the /metrics HTTP server in a daemon thread; returns its address."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        bound_connections(server)  # georep/server/http_bounds.py: a few connections at once, none for ever
         return f"{host}:{server.server_port}"

@@ -38,7 +38,7 @@ from georep.security.acl import DEFAULT_SUPER_USERS
 from georep.security.acl_rpc import Policy
 from georep.security.acl_sync import AclCache
 from georep.security.principal import Principal
-from georep.security.tls import MESSAGE_BYTES_MAX, TlsConfig, TlsError, add_port, server_options
+from georep.security.tls import MESSAGE_BYTES_MAX, ServerLimits, TlsConfig, TlsError, add_port, server_options
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterConfig, ClusterMember
 from georep.server.metrics import NodeMetrics
@@ -84,6 +84,7 @@ async def serve(
     tls: TlsConfig | None = None,
     kafka: KafkaOptions | None = None,
     super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
+    grpc_limits: ServerLimits | None = None,
 ) -> int:
     """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``.
 
@@ -91,13 +92,14 @@ async def serve(
     its nodes, and the node serves the partitions it leads. ``tls``: its port takes only mutual-TLS clients with a
     certificate signed by the CA, and it calls the other nodes and sites with its own certificate; ``None`` is
     plaintext (``--insecure``), where no call is authorized (docs/security.md). ``super_users``: the principals a
-    TLS node allows everything besides its own site's nodes (``georep node --super-user``).
+    TLS node allows everything besides its own site's nodes (``georep node --super-user``). ``grpc_limits``: the
+    gRPC port's connection bounds (``--grpc-max-connections``...; None: the defaults).
     """
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
         return await _serve_locked(site, listen, metrics_listen, data_dir, defaults, retention_check_ms, topology,
                                    stall_ms, admin_token, scrub_bytes_per_s, lock, in_site, tls, kafka,
-                                   super_users)  # fmt: skip
+                                   super_users, grpc_limits)  # fmt: skip
     finally:
         lock.release()
 
@@ -140,7 +142,8 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
                         admin_token: str | None, scrub_bytes_per_s: int, lock: DataDirLock,
                         in_site: InSiteOptions | None, tls: TlsConfig | None,
                         kafka: KafkaOptions | None = None,
-                        super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS) -> int:  # fmt: skip
+                        super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
+                        grpc_limits: ServerLimits | None = None) -> int:  # fmt: skip
     from georep.server.replicator import Replicator
 
     # The Raft metadata and the segment threads of a multi-node site; this node's copies of the segments whose
@@ -191,7 +194,7 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
             # often than every 5 min with GOAWAY "too_many_pings".
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_INTERVAL_MS),
-        ])
+        ], grpc_limits)
     )
     server.add_generic_rpc_handlers((service.handler(), segments.handler()))
     address = f"{listen[0]}:{listen[1]}"
