@@ -34,12 +34,12 @@ def main() -> int:
     kinds: collections.Counter[str] = collections.Counter()
     refusals = 0
     started = time.monotonic()
-    seed = args.first
-    while seed < args.first + args.seeds:
+    seeds = list(range(args.first, args.first + args.seeds))
+    for batch_start in range(0, len(seeds), args.restart_every):
         with tempfile.TemporaryDirectory(prefix="georep-damage-") as root:
             campaign = Campaign(Path(root)).start()
             try:
-                for seed in range(seed, min(args.first + args.seeds, seed + args.restart_every)):
+                for seed in seeds[batch_start : batch_start + args.restart_every]:
                     before = campaign.refusals
                     try:
                         damage = campaign.run_seed(seed)
@@ -51,7 +51,6 @@ def main() -> int:
                     kinds[damage.kind] += 1
                     print(f"seed {seed}: ok after {damage}{' (refused to start, then restored)' if refused else ''}",
                           flush=True)  # fmt: skip
-                seed += 1
             finally:
                 campaign.close()
     elapsed = time.monotonic() - started
