@@ -191,3 +191,16 @@ def test_a_lying_origin_index_is_rebuilt_from_the_batches_never_used_to_overwrit
     every_record_once_at(sites, "y")
     assert metric(y, "georep_repaired_batches_total") == 0  # nothing was written over a batch
     assert georep("scrub", "--now", "--bootstrap", sites.address("y")).returncode == 0
+
+
+def test_status_never_says_converged_while_a_site_does_not_answer(make_sites: Callable[..., Sites]) -> None:
+    """Issue 20, item 7: with site y failing to answer, 'georep status' printed 'site y: unreachable' and still
+    'converged'."""
+    sites = two_sites_with_300_records(make_sites)
+    status = georep("status", "--topology", str(sites.topology))
+    assert status.returncode == 0 and "converged partitions: 1/1" in status.stdout.decode()  # the user topic only
+    sites.nodes["y"].stop()
+    status = georep("status", "--topology", str(sites.topology))
+    out = status.stdout.decode()
+    assert status.returncode == 1 and "site y: unreachable" in out
+    assert "converged partitions" not in out and "convergence unknown: site(s) y did not answer" in out
