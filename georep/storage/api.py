@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from georep.record.batch import BatchHeader
+from georep.record.batch import BatchHeader, CorruptBatch, check_batch
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 
 BytesLike = bytes | bytearray | memoryview
@@ -79,6 +79,25 @@ class ScrubStep:
 
 class RepairRefused(StorageError):
     """A copy offered to repair a quarantined batch is not the same batch."""
+
+
+def copy_for_repair(damaged: DamagedBatch, batch: bytes) -> BatchHeader:
+    """The header of ``batch`` if it is the batch ``damaged`` held (origin, seqs, length and, where the slot
+    recorded it, CRC), whole and CRC-valid; otherwise :class:`RepairRefused`, saying what was offered."""
+    try:
+        header = check_batch(batch)
+    except CorruptBatch as exc:
+        raise RepairRefused(f"the copy offered for {damaged.describe()} is itself damaged: {exc}") from None
+    offered = (header.origin, header.base_origin_seq, header.last_origin_seq, header.size_bytes,
+               header.last_offset_delta, header.crc if damaged.crc >= 0 else -1)  # fmt: skip
+    quarantined = (damaged.origin, damaged.base_origin_seq, damaged.last_origin_seq, damaged.size_bytes,
+                   damaged.next_offset - damaged.base_offset - 1, damaged.crc)  # fmt: skip
+    if offered != quarantined or len(batch) != header.size_bytes:
+        raise RepairRefused(
+            f"the copy offered for {damaged.describe()} is another batch: origin {header.origin} seqs "
+            f"{header.base_origin_seq}..{header.last_origin_seq}, {header.size_bytes} bytes, CRC {header.crc:#010x}"
+        )
+    return header
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, check_batch, local_prefix
+from georep.record.batch import REWRITTEN_BYTES, BatchHeader, local_prefix
 from georep.storage.api import (
     BatchDamaged,
     BatchEntry,
@@ -24,6 +24,7 @@ from georep.storage.api import (
     RepairRefused,
     ScrubStep,
     SegmentBatches,
+    copy_for_repair,
 )
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 
@@ -106,7 +107,7 @@ class MemoryLog:
         data[-1] ^= 0xFF
         self._batches[i] = bytes(data)
         damaged = DamagedBatch(h.base_offset, h.next_offset, h.origin, h.base_origin_seq, h.last_origin_seq,
-                               "memory", 0, h.size_bytes, reason)  # fmt: skip
+                               "memory", 0, h.size_bytes, reason, h.crc)  # fmt: skip
         self._damaged[h.base_offset] = damaged
         self.damage_found_total += 1
         return damaged
@@ -123,13 +124,7 @@ class MemoryLog:
         damaged = self._damaged.get(base_offset)
         if damaged is None:
             raise RepairRefused(f"no quarantined batch at offset {base_offset}")
-        try:
-            h = check_batch(batch)
-        except CorruptBatch as exc:
-            raise RepairRefused(f"the copy offered for {damaged.describe()} is itself damaged: {exc}") from None
-        if (h.origin, h.base_origin_seq, h.last_origin_seq, h.size_bytes) != (
-                damaged.origin, damaged.base_origin_seq, damaged.last_origin_seq, damaged.size_bytes):  # fmt: skip
-            raise RepairRefused(f"the copy offered for {damaged.describe()} is another batch")
+        h = copy_for_repair(damaged, batch)
         i = self._index_of(base_offset)
         stored = self._headers[i]
         prefix = local_prefix(base_offset, h.batch_length, stored.append_time_ms, h.crc)

@@ -132,6 +132,7 @@ from georep.storage.api import (
     ScrubStep,
     SegmentBatches,
     StorageError,
+    copy_for_repair,
 )
 from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
 from georep.storage.durable_file import TMP_SUFFIX, fsync_directory, replace_file
@@ -650,7 +651,7 @@ class SegmentLog:
             damaged = self._damaged.get(base_offset)
             if damaged is None:
                 raise RepairRefused(f"partition log {self.directory}: no quarantined batch at offset {base_offset}")
-            header = _same_batch(damaged, batch)
+            header = copy_for_repair(damaged, batch)
             segment = self._segments[bisect_right(self._bases, base_offset) - 1]
             entry = segment.entry_at_offset(base_offset)
             if entry is None or entry.position != damaged.position or entry.size_bytes != damaged.size_bytes:
@@ -955,24 +956,6 @@ def _read_damaged(directory: Path) -> list[DamagedBatch] | None:
     except (DamagedStateFile, ValueError, TypeError, KeyError, AttributeError) as exc:
         log.warning("partition log %s: %s is unreadable (%s)", directory, DAMAGED_FILE, exc)
         return None
-
-
-def _same_batch(damaged: DamagedBatch, batch: bytes) -> BatchHeader:
-    """The header of ``batch`` if it is the batch ``damaged`` held (origin, seqs, length, CRC); else refused."""
-    try:
-        header = check_batch(batch)
-    except CorruptBatch as exc:
-        raise RepairRefused(f"the copy offered for {damaged.describe()} is itself damaged: {exc}") from None
-    offered = (header.origin, header.base_origin_seq, header.last_origin_seq, header.size_bytes,
-               header.last_offset_delta, header.crc if damaged.crc >= 0 else -1)  # fmt: skip
-    quarantined = (damaged.origin, damaged.base_origin_seq, damaged.last_origin_seq, damaged.size_bytes,
-                   damaged.next_offset - damaged.base_offset - 1, damaged.crc)  # fmt: skip
-    if offered != quarantined or len(batch) != header.size_bytes:
-        raise RepairRefused(
-            f"the copy offered for {damaged.describe()} is another batch: origin {header.origin} seqs "
-            f"{header.base_origin_seq}..{header.last_origin_seq}, {header.size_bytes} bytes, CRC {header.crc:#010x}"
-        )
-    return header
 
 
 def _origin_key(origin: Origin) -> OriginKey:
