@@ -80,8 +80,9 @@ class Ledger:
                 self.early.append(f"a message to {sock.getpeername()} with {pending} entries not fdatasynced")
 
 
-def test_no_raft_message_leaves_a_node_before_its_journal_is_fdatasynced(site: Site,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_no_raft_message_leaves_a_node_before_its_journal_is_fdatasynced(
+    site: Site, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ledger = Ledger()
     for name in ("fdatasync", "fsync"):
         real: Callable[[int], None] = getattr(os, name)
