@@ -52,6 +52,7 @@ from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.tcp_connection import CONNECTION_STATE, _getAddrType, set_keepalive
 from pysyncobj.transport import TCPTransport
 
+from georep.raft.appends import Entry, next_index_after_answer, trim_append
 from georep.raft.frames import FRAME_HEADER_BYTES, FrameBounds, frame_length_fault
 
 logger = logging.getLogger(__name__)
@@ -450,6 +451,14 @@ _STRANGER = ("; a process without the site's Raft secret is probing or flooding 
              "reachable from the site's nodes only")  # fmt: skip
 
 
+def _entry_at(raft_log: Any, index: int) -> Entry | None:
+    position = index - raft_log[0][1]
+    if 0 <= position < len(raft_log):
+        entry: Entry = raft_log[position]
+        return entry
+    return None
+
+
 class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no type hints
     """pysyncobj's ``TCPTransport`` over :class:`GuardedConnection` and :class:`GuardedServer`, with the limits and
     held messages of the module docstring. Build it through ``SyncObj(transportClass=functools.partial(
@@ -560,6 +569,24 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
                                 f"(from {conn.peer})" + _STRANGER)  # fmt: skip
             conn.disconnect()
             self._pending.pop(conn, None)
+
+    def _onMessageReceived(self, node: Any, message: Any) -> None:
+        """A member's message, with ``georep.raft.appends``' corrections, to pysyncobj."""
+        if not isinstance(message, dict):
+            super()._onMessageReceived(node, message)
+            return
+        raft_log = self._syncObj._SyncObj__raftLog
+        if len(raft_log) > 0:
+            trimmed = trim_append(message, lambda index: _entry_at(raft_log, index), raft_log[-1][1])
+            if trimmed is None:
+                return
+            message = trimmed
+        next_index: dict[Any, int] = self._syncObj._SyncObj__raftNextIndex
+        before = next_index.get(node)
+        super()._onMessageReceived(node, message)
+        kept = next_index_after_answer(message, before, next_index.get(node))
+        if kept is not None and node in next_index:
+            next_index[node] = kept
 
     def _onTick(self) -> None:
         super()._onTick()
