@@ -451,6 +451,10 @@ _STRANGER = ("; a process without the site's Raft secret is probing or flooding 
              "reachable from the site's nodes only")  # fmt: skip
 
 
+def _is_append(message: Any) -> bool:
+    return isinstance(message, dict) and message.get("type") == "append_entries"
+
+
 def _entry_at(raft_log: Any, index: int) -> Entry | None:
     position = index - raft_log[0][1]
     if 0 <= position < len(raft_log):
@@ -473,6 +477,7 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
         self._accepted: set[GuardedConnection] = set()
         self._outbox: list[tuple[Any, GuardedConnection, int, Any]] = []
         self._journal_sync = journal_sync
+        self._journal_failed = False
         self._refusals = _RefusalLog(selfNode.address if selfNode is not None else "(read-only)")
         super().__init__(syncObj, selfNode, otherNodes)
         if journal_sync is not None:
@@ -605,18 +610,32 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
         return True
 
     def _flush(self) -> None:
-        """fsync the journal, then send what waited for it."""
+        """Send a leader's appends, fdatasync the journal, then send what waited for it."""
         if self._journal_sync is None:
             return
-        try:
-            self._journal_sync()
-        except OSError:  # the journal logged it; this node sends nothing more
+        if self._journal_failed:
             self._outbox.clear()
             return
         outbox, self._outbox = self._outbox, []
-        for node, conn, epoch, message in outbox:
-            if self._connections.get(node) is conn and conn.epoch == epoch and conn.state == CONNECTION_STATE.CONNECTED:
-                conn.send(message)
+        later = []
+        for item in outbox:
+            if _is_append(item[3]):
+                self._send_held(*item)
+            else:
+                later.append(item)
+        try:
+            self._journal_sync()
+        except OSError:  # the journal logged it: stop before the next tick could count this node in a commit
+            if not self._journal_failed:
+                self._journal_failed = True
+                self._syncObj.destroy()
+            return
+        for item in later:
+            self._send_held(*item)
+
+    def _send_held(self, node: Any, conn: GuardedConnection, epoch: int, message: Any) -> None:
+        if self._connections.get(node) is conn and conn.epoch == epoch and conn.state == CONNECTION_STATE.CONNECTED:
+            conn.send(message)
 
     def destroy(self) -> None:
         self._outbox.clear()
