@@ -27,7 +27,7 @@ from cluster.raft_store import MetadataUnavailable
 from cluster.site_state import CreateTopic
 from cluster.topics import TopicSpec
 from georep.security.raft_secret import new_secret
-from tests.support.raft import Site, ok
+from tests.support.raft import Site, ok, wait_until
 
 COMMANDS = 30
 REPO = Path(__file__).resolve().parent.parent
@@ -159,7 +159,7 @@ from cluster.raft_store import MetadataUnavailable
 from cluster.site_state import CreateTopic
 from cluster.topics import TopicSpec
 from georep.security.raft_secret import new_secret
-from tests.support.raft import Site, ok
+from tests.support.raft import Site, ok, wait_until
 
 site = Site(Path(sys.argv[1]), password=new_secret())
 site.start()
@@ -219,4 +219,4 @@ def test_a_node_whose_journal_cannot_be_fdatasynced_leaves_its_group_which_goes_
     assert "stops taking part in its site's metadata" in caplog.text
     survivors = [i for i in range(3) if i != leader]
     ok(site[survivors[0]].propose(CreateTopic(TopicSpec("after", 1)), timeout_s=10.0))
-    assert "after" in site[survivors[1]].topics()
+    wait_until(lambda: "after" in site[survivors[1]].topics(), "the other survivor applies it")
