@@ -34,14 +34,35 @@ have been deposed without knowing for up to ``leader_step_down_s``. After a
 leadership controller, repair), call :meth:`read_barrier` first: once it
 returns, the local state holds every command committed before the call.
 
-**Files**, under ``<data dir>/raft/``: pysyncobj's journal (``journal.bin``,
-every log entry, with ``journal.bin.meta`` for the term, vote and commit
-index) and the full dump (``site-state.json``) written at each log compaction
-and when the store is closed. The dump is JSON (:data:`DUMP_FORMAT`): the
-state's :meth:`~cluster.site_state.SiteState.snapshot` plus the two log
-entries pysyncobj needs to resume its log after it, so it does not depend on
-pickled classes. A restarted node loads the dump, replays the journal up to
-the commit index it had recorded, and catches up from the leader.
+**Files**, under ``<data dir>/raft/`` (mode 0700, files 0600: the state holds
+ACLs and SCRAM credentials): the journal (``journal.log``, every log entry,
+with ``journal.meta`` for the term, vote and commit index;
+``georep.raft.journal``) and the full dump (``site-state.json``) written at
+each log compaction and when the store is closed. The dump is JSON
+(:data:`DUMP_FORMAT`): the state's
+:meth:`~cluster.site_state.SiteState.snapshot` plus the two log entries
+pysyncobj needs to resume its log after it, so it does not depend on pickled
+classes. A restarted node loads the dump, replays the journal up to the commit
+index it had recorded, and catches up from the leader. A data dir of an older
+georep (pysyncobj's ``journal.bin``) is taken over at the first start.
+
+**What survives what.** A command is committed once a majority of the nodes
+hold it fdatasynced in their journals: no node answers the leader's append, and
+the leader does not count itself, before its fdatasync (``georep.raft.journal``,
+``georep.raft.transport``; one fdatasync per node for all the entries of a poll
+pass or tick). So a committed command survives a crash of the process, of the
+machine and of the whole site's power, as long as the disks keep what was
+fdatasynced. A command whose :meth:`propose` raised may or may not be there.
+The term and vote are fsynced before a vote leaves, a follower's truncation at
+once, and a received dump before the journal it replaces is cleared.
+
+**The Raft port** (``georep.raft.transport``) is pysyncobj's protocol over
+connections of georep's own: a frame longer than the largest a member sends
+(``georep.raft.frames``: 4 KiB before a message passes the secret's check,
+about 2.3 MiB after) closes its connection at its header, connections that are
+not a member's yet are capped and closed after a few seconds, and the node logs
+what it closed. A command is refused before it is proposed if its entry would
+exceed :data:`~georep.raft.frames.COMMAND_BYTES_MAX` (:class:`CommandTooLarge`).
 
 **Membership** is dynamic (pysyncobj's ``dynamicMembershipChange``): the group
 forms from the topology's nodes, and a node added later joins it while it
@@ -75,9 +96,17 @@ pysyncobj facts this module relies on or works around (0.3.17):
   pysyncobj: the secret must be random (``georep.security.raft_secret``), not
   a word. One secret only: a node with the old one and a node with the new one
   cannot talk, so a change of secret is a stop of the site or a quorum gap.
-* The journal is written through mmap and not fsynced per entry: it survives
-  a crash of the process (kill -9), not of the machine. A commit therefore
-  relies on a majority not losing power at once.
+* Its own journal (``FileJournal``) is written through mmap and never fsynced,
+  its term and vote neither: it survives a crash of the process, not of the
+  machine. It is replaced (``georep.raft.journal``; ``journal_sync=False``
+  keeps it, for benchmarks only).
+* Its ``TcpConnection`` buffers a frame whole, in a ``bytes`` copied at every
+  read, before it checks the secret, and keeps an idle connection open for
+  good; it is replaced (``georep.raft.transport``).
+* A follower deletes every entry after an append's previous index, even the
+  ones equal to the append's, and a leader sends a follower's next index back
+  at each successful answer; both are corrected on the way in
+  (``georep.raft.appends``).
 * An exception in an applied command stops the replica at that entry (it is
   retried on every tick), so :meth:`_Replica.apply_command` never raises.
 * The tick thread stops when the thread that built the ``SyncObj`` exits:
@@ -96,9 +125,10 @@ pysyncobj facts this module relies on or works around (0.3.17):
 * A dump that fails to load is logged and skipped, and the node then runs on
   a journal whose start was compacted away: a wrong state, silently. The dump
   is therefore checked before the ``SyncObj`` starts (``RaftStartError``).
-* Files left open: the journal's ``.meta`` file is read and never closed (its
-  ``ResourceWarning`` is silenced at construction), and the dump file opened
-  to send it to a follower is dropped without closing (:class:`_ClosingSerializer`).
+* Files left open: its journal's ``.meta`` file is read and never closed (with
+  ``journal_sync=False``; the ``ResourceWarning`` is silenced at construction),
+  and the dump file opened to send it to a follower is dropped without closing
+  (:class:`_ClosingSerializer`).
 """
 
 from __future__ import annotations
@@ -557,6 +587,7 @@ def _fsync_received_dump(path: Path) -> None:
     pysyncobj clears the journal that it replaces."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
+        os.fchmod(fd, 0o600)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -762,6 +793,7 @@ class RaftMetadataStore:
         partners = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
         raft_dir = data_dir / RAFT_DIR
         raft_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        raft_dir.chmod(0o700)  # one made by an older georep too
         dump_path = raft_dir / DUMP_FILE
         initial = _read_dump(dump_path) if dump_path.exists() else None
         raft_log = _open_journal(raft_dir, journal_sync)
@@ -849,6 +881,7 @@ class RaftMetadataStore:
 
         Raises :class:`NoRaftLeader` or :class:`CommitUnconfirmed` once ``timeout_s`` (default
         ``RaftTiming.write_timeout_s``) has passed without a confirmation; never blocks longer.
+        :class:`CommandTooLarge` at once for a command whose log entry would be over the bound of the Raft port.
         """
         self._check_open()
         timeout = self._timing.write_timeout_s if timeout_s is None else timeout_s
