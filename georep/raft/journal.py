@@ -7,13 +7,14 @@ is a :class:`JournalHandle` gives back the journal it holds (any other value kee
 
 **When an entry is durable.** :meth:`DurableJournal.add` keeps an entry in memory and in a write buffer;
 :meth:`DurableJournal.sync` writes the buffer and fdatasyncs the file: one fdatasync for every entry added since
-the last one (group commit). The Raft port (``georep.raft.transport``) holds every outgoing message until a sync,
-so a follower answers the leader's append only once the entries are on its disk, and a leader counts itself in a
-commit only from the tick after its sync. The term and vote are fsynced before :meth:`setCurrentTerm` returns (Raft
-needs them durable before a vote leaves). A truncation (a follower's conflicting suffix) is fdatasynced at once, so
-that a crash never brings back entries the leader replaced. A compaction (pysyncobj dropping the entries its dump
-holds) first fsyncs the directory, where pysyncobj renamed the dump, then rewrites the file beside it and renames it
-over. The commit index is written at most once a second: it is a hint (the entries up to it are applied at a restart
+the last one (group commit). The Raft port (``georep.raft.transport``) holds every outgoing message but a leader's
+appends until a sync, so a follower answers the leader's append only once the entries are on its disk, and a leader
+counts itself in a commit only from the tick after its sync. The term and vote are fsynced before
+:meth:`setCurrentTerm` returns (Raft needs them durable before a vote leaves). A truncation (a follower's
+conflicting suffix) is fdatasynced at once, so that a crash never brings back entries the leader replaced. A
+compaction (pysyncobj dropping the entries its dump holds) first fsyncs the directory, where pysyncobj renamed the
+dump, then rewrites the file beside it and renames it over. The commit index is written at most once a second: it is
+a hint (the entries up to it are applied at a restart
 without waiting for a leader), not something Raft needs durable.
 
 **Files**, in the node's Raft directory:

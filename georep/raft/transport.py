@@ -1,5 +1,5 @@
-"""A node's Raft port: pysyncobj's TCP transport with limits before authentication, and with every message held
-until the journal entries before it are fsynced.
+"""A node's Raft port: pysyncobj's TCP transport with limits before authentication, and with the messages that
+count on the journal held until it is fdatasynced.
 
 pysyncobj 0.3.17's ``TcpConnection`` appends whatever arrives to one ``bytes`` buffer and reads a frame only once
 all of the length its header announces is there; the secret is checked after that. So a process without the secret
@@ -22,14 +22,17 @@ its server:
   ``connections_max``, and logs what it closed and why, at most every :data:`REFUSED_LOG_INTERVAL_S` per reason.
 
 **Held messages** (``journal_sync``): Raft counts an entry as persisted on a node once it is in that node's
-journal, so no message may leave a node while the journal holds an entry that is not fsynced yet (a follower's
-answer to the leader's append, a leader's append that a follower's answer would count it with). With a
-``journal_sync``, every message pysyncobj sends waits in an outbox; after each pass of the poller (where a follower
-appends what the leader sent) and at the end of each tick (where the leader appends new commands), the journal is
-fsynced once and the outbox goes out: one fsync for everything that arrived or was proposed meanwhile (group
-commit). The leader counts itself in a commit from the next tick on, so after that fsync too. A message meant for a
-connection that closed meanwhile is dropped, as TCP would have dropped it. If the fsync fails, nothing is sent any
-more: the node drops out of its group (the journal says why in the log).
+journal, so no node may answer for an entry, nor a leader count itself in its commit, while the entry is not
+fsynced yet. With a ``journal_sync``, every message pysyncobj sends waits in an outbox. After each pass of the
+poller (where a follower appends what the leader sent) and at the end of each tick (where the leader appends new
+commands), the outbox goes out: first a leader's appends (Raft lets a leader write its log while it replicates it,
+so the followers' fdatasyncs run meanwhile), then one fdatasync of the journal for everything added since the last
+one (group commit), then every other message. The leader counts itself in a commit only from its next tick, after
+that fdatasync. A message meant for a connection that closed meanwhile is dropped, as TCP would have dropped it. If
+the fdatasync fails, nothing is sent any more and the replica stops before its next tick (the journal says why in
+the log): a retried fsync may report success for pages the kernel dropped.
+
+pysyncobj's habits around repeated appends are corrected on the way in (``georep.raft.appends``).
 """
 
 from __future__ import annotations
