@@ -14,8 +14,8 @@ counts itself in a commit only from the tick after its sync. The term and vote a
 conflicting suffix) is fdatasynced at once, so that a crash never brings back entries the leader replaced. A
 compaction (pysyncobj dropping the entries its dump holds) first fsyncs the directory, where pysyncobj renamed the
 dump, then rewrites the file beside it and renames it over. The commit index is written at most once a second: it is
-a hint (the entries up to it are applied at a restart
-without waiting for a leader), not something Raft needs durable.
+a hint (the entries up to it are applied at a restart without waiting for a leader), not something Raft needs
+durable.
 
 **Files**, in the node's Raft directory:
 
