@@ -12,6 +12,8 @@ import pytest
 from pysyncobj.journal import FileJournal
 
 from cluster.raft_store import RaftMetadataStore, RaftStartError
+from cluster.site_state import CreateTopic
+from cluster.topics import TopicSpec
 from georep.raft.journal import (
     HEADER,
     JOURNAL_FILE,
@@ -21,7 +23,8 @@ from georep.raft.journal import (
     JournalDamaged,
     JournalFailed,
 )
-from tests.support.raft import FAST
+from tests.support.ports import free_ports
+from tests.support.raft import FAST, ok, wait_until
 
 
 def entries(n: int, start: int = 1, term: int = 1) -> list[tuple[bytes, int, int]]:
@@ -178,3 +181,21 @@ def test_pysyncobj_journal_of_an_older_georep_is_taken_over(tmp_path: Path) -> N
     assert not (tmp_path / (PYSYNCOBJ_JOURNAL_FILE + ".meta")).exists()
     assert json.loads((tmp_path / META_FILE).read_text())["term"] == 4
     journal._destroy()
+
+
+def test_a_node_of_an_older_georep_keeps_its_metadata_when_it_starts_with_this_journal(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    old = RaftMetadataStore(address, [], tmp_path, FAST, journal_sync=False)  # pysyncobj's journal, as before
+    try:
+        wait_until(lambda: old.is_leader, "the one node leads")
+        for n in range(5):
+            ok(old.propose(CreateTopic(TopicSpec(f"t{n}", 1))))
+    finally:
+        old.close(snapshot=False)  # no dump: the journal alone holds the commands
+    assert (tmp_path / "raft" / PYSYNCOBJ_JOURNAL_FILE).exists()
+    with RaftMetadataStore(address, [], tmp_path, FAST) as new:
+        wait_until(lambda: sorted(new.topics()) == [f"t{n}" for n in range(5)], "it applies the old journal")
+        assert not (tmp_path / "raft" / PYSYNCOBJ_JOURNAL_FILE).exists()
+        ok(new.propose(CreateTopic(TopicSpec("after", 1))))
+    with pytest.raises(RaftStartError, match="fsynced journal"):
+        RaftMetadataStore(address, [], tmp_path, FAST, journal_sync=False)
