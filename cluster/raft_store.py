@@ -229,8 +229,8 @@ class CommandTooLarge(ValueError):
         self.size = size
         super().__init__(
             f"the {what} encodes to {size} bytes, over the {COMMAND_BYTES_MAX} bytes a metadata command may take "
-            "(every message on the site's Raft port is bounded: docs/cluster.md, \"The Raft port\"); it cannot be "
-            "stored: make it smaller (fewer or shorter names)"
+            "(every message on the site's Raft port is bounded: docs/cluster.md, \"Metadata: what survives what\"); "
+            "it cannot be stored: make it smaller (fewer or shorter names)"
         )
 
 
@@ -819,7 +819,12 @@ class RaftMetadataStore:
             warnings.filterwarnings("ignore", category=ResourceWarning, message=r"unclosed file .*\.meta'>")
             transport = functools.partial(GuardedTransport, limits=port_limits or RaftPortLimits(),
                                           journal_sync=raft_log.sync if raft_log is not None else None)  # fmt: skip
-            replica = _Replica(self_address, partners, conf, dump_path, initial, transport)
+            try:
+                replica = _Replica(self_address, partners, conf, dump_path, initial, transport)
+            except BaseException:
+                if raft_log is not None:
+                    raft_log._destroy()
+                raise
         try:
             replica.waitBinded()
         except SyncObjException:
