@@ -543,6 +543,8 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
                                 f"{self._limits.pending_connections_max} connections had not authenticated: the "
                                 f"oldest (from {oldest.peer}) made room for a new one" + _STRANGER)  # fmt: skip
             oldest.disconnect()
+            self._pending.pop(oldest, None)
+            self._accepted.discard(oldest)
         conn = self._new_connection(sock, peer, trusted=False)
         self._accepted.add(conn)
         self._pending[conn] = None
