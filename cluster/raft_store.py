@@ -34,14 +34,35 @@ have been deposed without knowing for up to ``leader_step_down_s``. After a
 leadership controller, repair), call :meth:`read_barrier` first: once it
 returns, the local state holds every command committed before the call.
 
-**Files**, under ``<data dir>/raft/``: pysyncobj's journal (``journal.bin``,
-every log entry, with ``journal.bin.meta`` for the term, vote and commit
-index) and the full dump (``site-state.json``) written at each log compaction
-and when the store is closed. The dump is JSON (:data:`DUMP_FORMAT`): the
-state's :meth:`~cluster.site_state.SiteState.snapshot` plus the two log
-entries pysyncobj needs to resume its log after it, so it does not depend on
-pickled classes. A restarted node loads the dump, replays the journal up to
-the commit index it had recorded, and catches up from the leader.
+**Files**, under ``<data dir>/raft/`` (mode 0700, files 0600: the state holds
+ACLs and SCRAM credentials): the journal (``journal.log``, every log entry,
+with ``journal.meta`` for the term, vote and commit index;
+``georep.raft.journal``) and the full dump (``site-state.json``) written at
+each log compaction and when the store is closed. The dump is JSON
+(:data:`DUMP_FORMAT`): the state's
+:meth:`~cluster.site_state.SiteState.snapshot` plus the two log entries
+pysyncobj needs to resume its log after it, so it does not depend on pickled
+classes. A restarted node loads the dump, replays the journal up to the commit
+index it had recorded, and catches up from the leader. A data dir of an older
+georep (pysyncobj's ``journal.bin``) is taken over at the first start.
+
+**What survives what.** A command is committed once a majority of the nodes
+hold it fdatasynced in their journals: no node answers the leader's append, and
+the leader does not count itself, before its fdatasync (``georep.raft.journal``,
+``georep.raft.transport``; one fdatasync per node for all the entries of a poll
+pass or tick). So a committed command survives a crash of the process, of the
+machine and of the whole site's power, as long as the disks keep what was
+fdatasynced. A command whose :meth:`propose` raised may or may not be there.
+The term and vote are fsynced before a vote leaves, a follower's truncation at
+once, and a received dump before the journal it replaces is cleared.
+
+**The Raft port** (``georep.raft.transport``) is pysyncobj's protocol over
+connections of georep's own: a frame longer than the largest a member sends
+(``georep.raft.frames``: 4 KiB before a message passes the secret's check,
+about 2.3 MiB after) closes its connection at its header, connections that are
+not a member's yet are capped and closed after a few seconds, and the node logs
+what it closed. A command is refused before it is proposed if its entry would
+exceed :data:`~georep.raft.frames.COMMAND_BYTES_MAX` (:class:`CommandTooLarge`).
 
 **Membership** is dynamic (pysyncobj's ``dynamicMembershipChange``): the group
 forms from the topology's nodes, and a node added later joins it while it
@@ -75,9 +96,17 @@ pysyncobj facts this module relies on or works around (0.3.17):
   pysyncobj: the secret must be random (``georep.security.raft_secret``), not
   a word. One secret only: a node with the old one and a node with the new one
   cannot talk, so a change of secret is a stop of the site or a quorum gap.
-* The journal is written through mmap and not fsynced per entry: it survives
-  a crash of the process (kill -9), not of the machine. A commit therefore
-  relies on a majority not losing power at once.
+* Its own journal (``FileJournal``) is written through mmap and never fsynced,
+  its term and vote neither: it survives a crash of the process, not of the
+  machine. It is replaced (``georep.raft.journal``; ``journal_sync=False``
+  keeps it, for benchmarks only).
+* Its ``TcpConnection`` buffers a frame whole, in a ``bytes`` copied at every
+  read, before it checks the secret, and keeps an idle connection open for
+  good; it is replaced (``georep.raft.transport``).
+* A follower deletes every entry after an append's previous index, even the
+  ones equal to the append's, and a leader sends a follower's next index back
+  at each successful answer; both are corrected on the way in
+  (``georep.raft.appends``).
 * An exception in an applied command stops the replica at that entry (it is
   retried on every tick), so :meth:`_Replica.apply_command` never raises.
 * The tick thread stops when the thread that built the ``SyncObj`` exits:
@@ -96,15 +125,17 @@ pysyncobj facts this module relies on or works around (0.3.17):
 * A dump that fails to load is logged and skipped, and the node then runs on
   a journal whose start was compacted away: a wrong state, silently. The dump
   is therefore checked before the ``SyncObj`` starts (``RaftStartError``).
-* Files left open: the journal's ``.meta`` file is read and never closed (its
-  ``ResourceWarning`` is silenced at construction), and the dump file opened
-  to send it to a follower is dropped without closing (:class:`_ClosingSerializer`).
+* Files left open: its journal's ``.meta`` file is read and never closed (with
+  ``journal_sync=False``; the ``ResourceWarning`` is silenced at construction),
+  and the dump file opened to send it to a follower is dropped without closing
+  (:class:`_ClosingSerializer`).
 """
 
 from __future__ import annotations
 
 import base64
 import enum
+import functools
 import json
 import logging
 import os
@@ -117,6 +148,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pysyncobj.pickle as syncobj_pickle
 from cryptography.fernet import InvalidToken
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException, replicated
 from pysyncobj.encryptor import getEncryptor
@@ -139,11 +171,17 @@ from cluster.site_state import (
     command_from_dict,
 )
 from cluster.topics import TopicSpec
+from georep.raft import journal
+from georep.raft.frames import APPEND_BATCH_BYTES, COMMAND_BYTES_MAX, DUMP_CHUNK_BYTES
+from georep.raft.journal import DurableJournal, JournalDamaged, JournalHandle
+from georep.raft.transport import GuardedTransport, RaftPortLimits
+from georep.storage.durable_file import fsync_directory
 
 logger = logging.getLogger(__name__)
 
 RAFT_DIR = "raft"
-JOURNAL_FILE = "journal.bin"
+JOURNAL_FILE = journal.JOURNAL_FILE
+PYSYNCOBJ_JOURNAL_FILE = journal.PYSYNCOBJ_JOURNAL_FILE  # before issue 20; and with journal_sync=False
 DUMP_FILE = "site-state.json"
 DUMP_FORMAT = "georep-site-state-dump"
 DUMP_FORMAT_VERSION = 1
@@ -182,6 +220,18 @@ class NoRaftLeader(MetadataUnavailable):
 
 class CommitUnconfirmed(MetadataUnavailable):
     """A leader exists but did not confirm the write in time, or changed while the write was in flight."""
+
+
+class CommandTooLarge(ValueError):
+    """A command too large to be a Raft log entry: every message between the site's nodes is bounded."""
+
+    def __init__(self, what: str, size: int) -> None:
+        self.size = size
+        super().__init__(
+            f"the {what} encodes to {size} bytes, over the {COMMAND_BYTES_MAX} bytes a metadata command may take "
+            "(every message on the site's Raft port is bounded: docs/cluster.md, \"Metadata: what survives what\"); "
+            "it cannot be stored: make it smaller (fewer or shorter names)"
+        )
 
 
 class CommandRefused(Exception):
@@ -332,7 +382,7 @@ def join_step(self_address: str, has_local_state: bool, views: Iterable[GroupVie
 def has_raft_state(data_dir: Path) -> bool:
     """The node's Raft replica ran in ``data_dir`` before (its journal or dump is there)."""
     raft_dir = data_dir / RAFT_DIR
-    return (raft_dir / JOURNAL_FILE).exists() or (raft_dir / DUMP_FILE).exists()
+    return any((raft_dir / name).exists() for name in (JOURNAL_FILE, PYSYNCOBJ_JOURNAL_FILE, DUMP_FILE))
 
 
 def _utility(address: str, command: list[Any], timeout_s: float, password: bytes | None = None) -> Any:
@@ -472,6 +522,12 @@ class _CheckedEncryptor:
             "file, made by 'georep certs init'), or a process that is not a node of this site", self._me, count)
 
 
+def _command_bytes(raw: dict[str, Any]) -> int:
+    """The length of the log entry pysyncobj makes of ``apply_command(raw)``: a type byte and the pickle of the
+    method's id (a small int) and its arguments."""
+    return 1 + len(syncobj_pickle.dumps((0, (raw,))))
+
+
 # -- the dump file ---------------------------------------------------------------------------------------
 
 
@@ -519,10 +575,23 @@ def _read_dump(path: Path) -> _Dump:
 
 
 def _write_json_fsynced(path: str, doc: dict[str, Any]) -> None:
-    with open(path, "w") as f:
+    # 0600: the state holds ACLs and SCRAM credentials
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w") as f:
         json.dump(doc, f, sort_keys=True, separators=(",", ":"))
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync_received_dump(path: Path) -> None:
+    """Make a dump pysyncobj wrote (a leader's, received; it neither fsyncs nor syncs the rename) durable, before
+    pysyncobj clears the journal that it replaces."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o600)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_directory(path.parent)
 
 
 # -- the replicated object ------------------------------------------------------------------------------
@@ -585,7 +654,7 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
     """
 
     def __init__(self, self_address: str, partners: list[str], conf: dict[str, Any], dump_path: Path,
-                 initial: _Dump | None) -> None:  # fmt: skip
+                 initial: _Dump | None, transport_class: Callable[..., Any]) -> None:  # fmt: skip
         password = conf.get("password")
         # before SyncObj.__init__: it connects to the partners with this (pysyncobj reads :attr:`encryptor`)
         self._checked_encryptor = None if password is None else _CheckedEncryptor(getEncryptor(password),
@@ -597,7 +666,7 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         self._me = self_address
         self.on_change: Callable[[], None] | None = None  # called in the tick thread after each applied command
         syncobj_conf = SyncObjConf(serializer=self._write_dump, deserializer=self._read_dump, **conf)
-        super().__init__(self_address, partners, syncobj_conf)
+        super().__init__(self_address, partners, syncobj_conf, transportClass=transport_class)
         # The tick thread sleeps 0.1 s before its first tick, so no transfer can have started yet.
         self._SyncObj__serializer.__class__ = _ClosingSerializer
 
@@ -658,6 +727,7 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
 
     def _read_dump(self, path: str) -> tuple[Any, Any, Any]:
         """pysyncobj loads a dump: at start, or one sent by the leader to a node too far behind its log."""
+        _fsync_received_dump(Path(path))
         dump = _read_dump(Path(path))
         with self._state_lock:
             self._site_state = dump.state
@@ -685,6 +755,21 @@ class _Outcome:
         self.event.set()
 
 
+def _open_journal(raft_dir: Path, journal_sync: bool) -> DurableJournal | None:
+    if not journal_sync:
+        if (raft_dir / JOURNAL_FILE).exists():
+            raise RaftStartError(f"{raft_dir} holds a fsynced journal ({JOURNAL_FILE}); journal_sync=False would "
+                                 "start from another one: use a fresh data dir")  # fmt: skip
+        return None
+    try:
+        return DurableJournal(raft_dir)
+    except JournalDamaged as e:
+        raise RaftStartError(str(e)) from None
+    except OSError as e:
+        raise RaftStartError(f"cannot open the Raft journal in {raft_dir}: {e.strerror or e}; check the data dir's "
+                             "disk and permissions") from None
+
+
 class RaftMetadataStore:
     """The site's metadata, replicated by Raft over the site's nodes; see the module docstring.
 
@@ -693,21 +778,33 @@ class RaftMetadataStore:
     node's main thread, and :meth:`close` it. ``password`` is the site's Raft secret
     (``georep.security.raft_secret``): every message on the Raft port is then sealed and checked with it; the same
     on every node of the site. ``None`` leaves the port plaintext (``--insecure`` nodes and tests only).
+    ``port_limits``: what the connections to the Raft port may take (``georep.raft.transport``).
+
+    ``journal_sync=False`` keeps pysyncobj's own journal (``journal.bin``, written through mmap, never fsynced: it
+    survives a crash of the process, not of the machine) and sends messages without waiting for it: for benchmarks
+    that measure what the fsyncs cost (``bench/metadata.py``), never for a node. A data dir keeps one kind of journal.
     """
 
     def __init__(self, self_address: str, partner_addresses: Iterable[str], data_dir: Path,
-                 timing: RaftTiming | None = None, password: bytes | None = None) -> None:  # fmt: skip
+                 timing: RaftTiming | None = None, password: bytes | None = None,
+                 port_limits: RaftPortLimits | None = None, journal_sync: bool = True) -> None:  # fmt: skip
         self._timing = timing or RaftTiming()
         self._self_address = _check_raft_address(self_address)
         partners = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
         raft_dir = data_dir / RAFT_DIR
-        raft_dir.mkdir(parents=True, exist_ok=True)
+        raft_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        raft_dir.chmod(0o700)  # one made by an older georep too
         dump_path = raft_dir / DUMP_FILE
         initial = _read_dump(dump_path) if dump_path.exists() else None
+        raft_log = _open_journal(raft_dir, journal_sync)
+        journal.install()
         conf = {
             **self._timing.conf_kwargs(),
-            "journalFile": str(raft_dir / JOURNAL_FILE),
+            "journalFile": JournalHandle(raft_log) if raft_log is not None else str(raft_dir / PYSYNCOBJ_JOURNAL_FILE),
             "fullDumpFile": str(dump_path),
+            # The sizes that bound a member's messages (georep.raft.frames): the Raft port refuses longer frames.
+            "appendEntriesBatchSizeBytes": APPEND_BATCH_BYTES,
+            "logCompactionBatchSize": DUMP_CHUNK_BYTES,
             "bindAddress": self_address,  # pysyncobj binds 0.0.0.0 otherwise
             "maxBindRetries": 1,  # fail now with a clear error rather than retry in the background forever
             "commandsWaitLeader": False,
@@ -720,7 +817,14 @@ class RaftMetadataStore:
         with warnings.catch_warnings():
             # pysyncobj 0.3.17 reads the journal's .meta file with open(...).read() and never closes it
             warnings.filterwarnings("ignore", category=ResourceWarning, message=r"unclosed file .*\.meta'>")
-            replica = _Replica(self_address, partners, conf, dump_path, initial)
+            transport = functools.partial(GuardedTransport, limits=port_limits or RaftPortLimits(),
+                                          journal_sync=raft_log.sync if raft_log is not None else None)  # fmt: skip
+            try:
+                replica = _Replica(self_address, partners, conf, dump_path, initial, transport)
+            except BaseException:
+                if raft_log is not None:
+                    raft_log._destroy()
+                raise
         try:
             replica.waitBinded()
         except SyncObjException:
@@ -782,12 +886,16 @@ class RaftMetadataStore:
 
         Raises :class:`NoRaftLeader` or :class:`CommitUnconfirmed` once ``timeout_s`` (default
         ``RaftTiming.write_timeout_s``) has passed without a confirmation; never blocks longer.
+        :class:`CommandTooLarge` at once for a command whose log entry would be over the bound of the Raft port.
         """
         self._check_open()
         timeout = self._timing.write_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         raw = command.to_dict()
         what = f"{command.KIND} command"
+        size = _command_bytes(raw)
+        if size > COMMAND_BYTES_MAX:
+            raise CommandTooLarge(what, size)
         while True:
             # Not to a leader we know is gone: pysyncobj would send the command into the void, and report it only
             # as LEADER_CHANGED (outcome unknown) once a new leader shows up. Wait for one instead.

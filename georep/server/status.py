@@ -14,7 +14,7 @@ import grpc
 from cluster.groups import IllegalGeneration, InvalidGroupRequest, NotAssigned, UnknownMember
 from cluster.metadata import TopicExists, UnknownTopic
 from cluster.quorum import Fenced, NotContiguous, QuorumError, SegmentSealed
-from cluster.raft_store import MetadataUnavailable
+from cluster.raft_store import CommandTooLarge, MetadataUnavailable
 from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence
 from georep.broker import errors as e
@@ -43,6 +43,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     InvalidSiteId: Code.INVALID_ARGUMENT,
     InvalidGroupRequest: Code.INVALID_ARGUMENT,
     InvalidAcl: Code.INVALID_ARGUMENT,
+    CommandTooLarge: Code.INVALID_ARGUMENT,  # a metadata command over the Raft port's bound
     # what it names does not exist, or already does
     UnknownTopic: Code.NOT_FOUND,
     e.UnknownPartition: Code.NOT_FOUND,
