@@ -151,6 +151,8 @@ class Broker:
         # Called with (name, partitions) for every topic this node opens: at
         # startup, on CreateTopic, and when replication creates one.
         self.on_topic: Callable[[str, int], None] = lambda name, partitions: None
+        # Called with every partition this node opens or comes to lead (after its ack table knows it).
+        self.on_open: Callable[[Partition], None] = lambda p: None
         # When acks may go, and when to fsync (georep/broker/acks.py); its held table serves acks=geo:N.
         self.acks = AckTable(identity.site, self.origin)
         self.on_held: Callable[[], None] = lambda: None  # the held table learned something: report it upstream
@@ -190,6 +192,7 @@ class Broker:
             plog = self.open_log(self.logs_dir / partition_dir_name(spec.name, i), log_config, now_ms)
             p = self.partitions[(spec.name, i)] = Partition(spec.name, i, plog, config, self.origin, now_ms)
             self.acks.open_partition(p.key, p.fsync_per_batch, plog.flushed_offset, VectorOffset(plog.flushed_vector()))
+            self.on_open(p)
 
     def create_topic(self, name: str, partitions: int, raw_config: dict[str, str]) -> TopicSpec:
         """Raises ``InvalidTopic``, ``TopicExists``, ``DiskFull`` or ``WriteFailed``."""
@@ -245,6 +248,7 @@ class Broker:
         self.partitions[p.key] = p
         self.acks.open_partition(p.key, p.fsync_per_batch, lac, lac_vector, replicated_in_site=True, lac=lac,
                                  lac_vector=lac_vector)  # fmt: skip
+        self.on_open(p)
         self.on_topic(spec.name, spec.partitions)
         p.notify_append()
         return p
