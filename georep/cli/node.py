@@ -27,6 +27,7 @@ from georep.server.cluster_member import ClusterConfig
 from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
+from georep.storage.private import restrict_umask
 from georep.storage.replica_store import ReplicaError
 from topology.ids import InvalidSiteId
 from topology.model import InvalidTopology, Topology, UnknownSite
@@ -134,6 +135,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    restrict_umask()  # what the node and its libraries (pysyncobj's journal) create: the owner's only
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         metrics_listen = parse_address(args.metrics_listen, "--metrics-listen")

@@ -27,6 +27,7 @@ from georep.security.principal import node_principal, site_principal
 from georep.security.raft_secret import secret_file_name
 from georep.security.tls import TlsConfig, TlsError
 from georep.server.process import NODE_INFO, NodeProcess, NodeStartError
+from georep.storage.private import restrict_umask
 from topology.model import InvalidTopology, Topology, warnings
 
 DEFAULT_DATA_DIR = Path(".georep")
@@ -138,6 +139,7 @@ def stop_restarted(started: list[NodeProcess]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    restrict_umask()  # the data dirs, certificates, token and logs it makes: the owner's only
     extra = [a for a in args.node_args if a != "--"]
     try:
         topology = load_topology(args.topology)

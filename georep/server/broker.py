@@ -31,6 +31,7 @@ from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import NotLeader, UnknownPartition, WriteFailed
 from georep.replication.sink import ApplyOutcome, apply_chunk
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
+from georep.storage.private import private_dir
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -132,7 +133,7 @@ class Broker:
             open_log = SegmentLog.open
         self.open_log = open_log
         self.logs_dir = data_dir / "logs"
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.logs_dir)
         # A multi-node site keeps its topics in its Raft metadata, and this node serves only the partitions it
         # leads, attached as it comes to lead them (``attach``); a one-node site opens every partition here.
         self.in_site = metadata is not None

@@ -48,6 +48,7 @@ from georep.server.segments import SegmentService
 from georep.server.service import FETCH_MAX_BYTES_CAP, SCRUB_STEP_BYTES, NodeService
 from georep.server.site_cluster import SiteCluster
 from georep.storage.dirlock import DataDirLock
+from georep.storage.private import tighten
 from georep.storage.replica_store import ReplicaStore
 from topology.ids import site_id
 from topology.model import Topology
@@ -94,6 +95,9 @@ async def serve(
     """
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
+        tightened = tighten(data_dir)
+        if tightened:
+            log.warning("%s", tightened.describe(data_dir))
         return await _serve_locked(site, listen, metrics_listen, data_dir, defaults, retention_check_ms, topology,
                                    stall_ms, admin_token, scrub_bytes_per_s, lock, in_site, tls, kafka,
                                    super_users)  # fmt: skip
