@@ -61,7 +61,7 @@ def test_a_kill_during_a_create_leaves_no_orphan_directory(tmp_path: Path) -> No
         assert partition_dirs(data, "big") == [], "orphan partition directories after the restart"
         assert not list((data / "creating").iterdir())
         assert partition_dirs(data, "small") == ["small-0", "small-1"]  # other topics untouched
-        assert f"the create of topic 'big' did not finish" in (data / "node.log").read_text()
+        assert "the create of topic 'big' did not finish" in (data / "node.log").read_text()
         assert f"removed its {made} partition directories" in (data / "node.log").read_text()
         stub = stub_of(node)
         assert "big" not in {t.name for t in stub.ListTopics(pb.ListTopicsRequest(), timeout=10).topics}
