@@ -25,6 +25,7 @@ from georep.security.tls import TlsError
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.cluster_member import ClusterConfig
 from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
+from georep.server.shutdown import EXIT_FORCED, SHUTDOWN_TIMEOUT_MS_DEFAULT
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
 from georep.storage.private import restrict_umask
@@ -97,6 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
     parser.add_argument(
+        "--shutdown-timeout-ms", type=int, default=SHUTDOWN_TIMEOUT_MS_DEFAULT,
+        help="a stop (SIGTERM, Ctrl-C) that takes longer is forced: the node logs what had not finished and exits "
+        f"with code {EXIT_FORCED}; so does a second SIGTERM or Ctrl-C (default {SHUTDOWN_TIMEOUT_MS_DEFAULT})",
+    )  # fmt: skip
+    parser.add_argument(
         "--topology", default=None,
         help="topology TOML file: sites, their nodes and the links this site pulls over; 'default' for the "
         "embedded 3-site topology (a, b, c on 127.0.0.1:7101/7201/7301). Without it the node runs "
@@ -149,6 +155,8 @@ def main(args: argparse.Namespace) -> int:
             listen = parse_address(topology.site(args.site).member(in_site.node_id).address, "the topology's address")
         else:
             listen = ("127.0.0.1", 7101)
+        if args.shutdown_timeout_ms < 1:
+            raise UsageError(f"--shutdown-timeout-ms {args.shutdown_timeout_ms} must be at least 1")
         if args.scrub_bytes_per_s < 0:
             raise UsageError(f"--scrub-bytes-per-s {args.scrub_bytes_per_s} must be 0 (off) or more")
         stall_ms = DEFAULT_STALL_MS if args.stall_ms is None else args.stall_ms
@@ -167,7 +175,8 @@ def main(args: argparse.Namespace) -> int:
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
                   topology, stall_ms, admin_token, args.scrub_bytes_per_s, in_site, tls,
                   kafka=kafka_options(args),
-                  super_users=tuple(args.super_user) if args.super_user else DEFAULT_SUPER_USERS)  # fmt: skip
+                  super_users=tuple(args.super_user) if args.super_user else DEFAULT_SUPER_USERS,
+                  shutdown_timeout_ms=args.shutdown_timeout_ms)  # fmt: skip
         )
     except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId, StorageError,
             ReplicaError) as exc:
