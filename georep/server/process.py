@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from georep.security.tls import TlsConfig
-from georep.storage.private import FILE_MODE, private_dir
+from georep.storage.private import append_private, private_dir
 
 NODE_INFO = "node.json"
 
@@ -59,7 +59,7 @@ class Launched(Protocol):
 
 def popen_launcher(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     """Start ``command`` with stdin from /dev/null, its output appended to ``log_path``."""
-    with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, FILE_MODE), "ab") as log:
+    with append_private(log_path) as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 

@@ -20,6 +20,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 FILE_MODE = 0o600
 DIR_MODE = 0o700
@@ -30,6 +31,11 @@ SHOWN = 3  # paths a warning names
 def restrict_umask() -> None:
     """From now on this process creates files 0600 and directories 0700 (unless a mode says less)."""
     os.umask(UMASK)
+
+
+def append_private(path: Path) -> BinaryIO:
+    """``path`` opened to append (a node's log), created 0600 if missing."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, FILE_MODE), "ab")
 
 
 def private_dir(path: Path) -> None:
