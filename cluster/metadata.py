@@ -103,8 +103,9 @@ class MetadataStore(Protocol):
 def write_json_atomic(path: Path, data: object) -> None:
     """Write, fsync, rename over, fsync the directory: all or nothing."""
     tmp = path.with_name(path.name + ".tmp")
-    # 0600 whatever the umask: topics.json holds users' SCRAM keys (georep/storage/private.py)
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w") as f:
+    # 0600 whatever the umask (open keeps the mode of the file it truncates): topics.json holds users' SCRAM keys
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+    with open(tmp, "w") as f:
         json.dump(data, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())

@@ -31,7 +31,6 @@ from georep.record.batch import (
 )
 from georep.storage.api import BytesLike
 from georep.storage.durable_file import replace_file
-from georep.storage.private import FILE_MODE
 
 LOG_SUFFIX = ".log"
 INDEX_SUFFIX = ".index"
@@ -134,7 +133,7 @@ def _write_all(fd: int, buffers: Sequence[BytesLike], position: int, size: int) 
 
 def _open_rw(path: Path, *, create: bool = False) -> int:
     flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0)
-    return os.open(path, flags, FILE_MODE)
+    return os.open(path, flags, 0o600)  # a data dir's files are its owner's only (georep/storage/private.py)
 
 
 def read_index_file(path: Path, magic: bytes, entry_bytes: int) -> bytes | None:
