@@ -110,6 +110,8 @@ def write_json_atomic(path: Path, data: object, *, checked: bool = False) -> Non
     """Write, fsync, rename over, fsync the directory: all or nothing. ``checked``: with a checksum member
     (``georep/storage/checked_json.py``), so that damage is refused rather than believed."""
     tmp = path.with_name(path.name + ".tmp")
+    # 0600 whatever the umask (open keeps the mode of the file it truncates): topics.json holds users' SCRAM keys
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
     with open(tmp, "w") as f:
         if checked:
             assert isinstance(data, dict)

@@ -20,6 +20,7 @@ from georep.security import dev_ca
 from georep.security.principal import InvalidPrincipal, Principal, parse_principal, principal_file_name
 from georep.security.raft_secret import secret_file_name
 from georep.security.tls import CA_FILE, TlsError
+from georep.storage.private import restrict_umask
 from topology.ids import InvalidSiteId, site_id
 
 
@@ -63,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    restrict_umask()  # keys, certificates and secrets: the owner's only (georep/storage/private.py)
     sites: list[str] = list(args.sites)
     nodes = dict(args.nodes)
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]

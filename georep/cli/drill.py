@@ -88,6 +88,7 @@ from georep.record.batch import CorruptBatch
 from georep.record.compression import DecompressionError
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.process import NODE_INFO
+from georep.storage.private import append_private
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
 from topology.ids import SiteId
@@ -393,7 +394,7 @@ def restart_node(info: dict[str, Any], node_dir: Path, what: str) -> None:
     command = info.get("command")
     if not command:
         raise DrillError(f"{node_dir / NODE_INFO} has no 'command': restart {what} by hand")
-    with open(node_dir / "node.log", "ab") as log:
+    with append_private(node_dir / "node.log") as log:
         # A session of its own: the restarted node outlives the drill, like the one it replaces.
         subprocess.Popen(command, cwd=info.get("cwd"), stdout=log, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip

@@ -31,8 +31,10 @@ from georep.security.tls import ServerLimits, TlsError
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.cluster_member import ClusterConfig
 from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
+from georep.server.shutdown import EXIT_FORCED, SHUTDOWN_TIMEOUT_MS_DEFAULT
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
+from georep.storage.private import restrict_umask
 from georep.storage.replica_store import ReplicaError
 from topology.ids import InvalidSiteId
 from topology.model import InvalidTopology, Topology, UnknownSite
@@ -70,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "smaller)",
     )  # fmt: skip
     parser.add_argument(
-        "--session-timeout-ms", type=int, default=6_000,
+        "--session-timeout-ms", type=int, default=None,
         help="multi-node sites: a node that has not heartbeated for this long is dead, and the partitions it led "
         "get new leaders (default 6000; it must exceed the clock skew between the site's nodes)",
     )  # fmt: skip
@@ -80,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replication factor if smaller)",
     )  # fmt: skip
     parser.add_argument(
-        "--repair-delay-ms", type=int, default=repair_delay_ms,
+        "--repair-delay-ms", type=int, default=None,
         help="multi-node sites: how long a dead node may stay down before the site copies its sealed segments to "
         f"other nodes (it may only be rebooting; BookKeeper's autorecovery waits likewise). Segments opened on fewer "
         f"nodes than the replication factor, and draining nodes' segments, are copied at once (default "
@@ -93,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve the Kafka wire protocol here, for unmodified Kafka clients (docs/kafka.md); off by default",
     )  # fmt: skip
     parser.add_argument(
-        "--kafka-commit-acks", default="leader", metavar="ACKS",
+        "--kafka-commit-acks", default=None, metavar="ACKS",
         help="ack level of the commits Kafka clients make: leader, all, or geo:N to wait until N sites hold each "
         "commit, so a group that fails over to another site resumes exactly at its last commit (default leader)",
     )  # fmt: skip
@@ -105,13 +107,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_listener_arguments(parser)
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
     parser.add_argument(
+        "--shutdown-timeout-ms", type=int, default=SHUTDOWN_TIMEOUT_MS_DEFAULT,
+        help="a stop (SIGTERM, Ctrl-C) that takes longer is forced: the node logs what had not finished and exits "
+        f"with code {EXIT_FORCED}; so does a second SIGTERM or Ctrl-C (default {SHUTDOWN_TIMEOUT_MS_DEFAULT})",
+    )  # fmt: skip
+    parser.add_argument(
         "--topology", default=None,
         help="topology TOML file: sites, their nodes and the links this site pulls over; 'default' for the "
         "embedded 3-site topology (a, b, c on 127.0.0.1:7101/7201/7301). Without it the node runs "
         "standalone, with no links",
     )  # fmt: skip
     parser.add_argument(
-        "--stall-ms", type=int, default=DEFAULT_STALL_MS,
+        "--stall-ms", type=int, default=None,
         help=f"move an origin to another upstream after its preferred one stays behind this long "
         f"(default {DEFAULT_STALL_MS})",
     )  # fmt: skip
@@ -172,24 +179,27 @@ def add_listener_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    restrict_umask()  # what the node and its libraries (pysyncobj's journal) create: the owner's only
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         metrics_listen = parse_address(args.metrics_listen, "--metrics-listen")
         defaults = topic_defaults(args)
         topology = None if args.topology is None else site_topology(args.topology, args.site)
+        refuse_inapplicable(args, topology)
         in_site = None if topology is None else in_site_options(topology, args)
-        if args.raft_secret_file is not None and in_site is None:
-            raise UsageError(f"{RAFT_SECRET_FLAG}: only a node of a multi-node site runs Raft; drop the flag")
         if args.listen is not None:
             listen = parse_address(args.listen, "--listen")
         elif in_site is not None and topology is not None:
             listen = parse_address(topology.site(args.site).member(in_site.node_id).address, "the topology's address")
         else:
             listen = ("127.0.0.1", 7101)
+        if args.shutdown_timeout_ms < 1:
+            raise UsageError(f"--shutdown-timeout-ms {args.shutdown_timeout_ms} must be at least 1")
         if args.scrub_bytes_per_s < 0:
             raise UsageError(f"--scrub-bytes-per-s {args.scrub_bytes_per_s} must be 0 (off) or more")
-        if args.stall_ms < 1:
-            raise UsageError(f"--stall-ms {args.stall_ms} must be at least 1")
+        stall_ms = DEFAULT_STALL_MS if args.stall_ms is None else args.stall_ms
+        if stall_ms < 1:
+            raise UsageError(f"--stall-ms {stall_ms} must be at least 1")
         admin_token = None if args.admin_token_file is None else read_admin_token(args.admin_token_file)
         try:
             tls = node_tls(args)
@@ -201,15 +211,56 @@ def main(args: argparse.Namespace) -> int:
             in_site = replace(in_site, raft_secret=raft_secret(args.raft_secret_file, args.site, tls is not None))
         return asyncio.run(
             serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
-                  topology, args.stall_ms, admin_token, args.scrub_bytes_per_s, in_site, tls,
+                  topology, stall_ms, admin_token, args.scrub_bytes_per_s, in_site, tls,
                   kafka=kafka_options(args),
                   super_users=tuple(args.super_user) if args.super_user else DEFAULT_SUPER_USERS,
-                  grpc_limits=grpc_limits(args))  # fmt: skip
+                  grpc_limits=grpc_limits(args), shutdown_timeout_ms=args.shutdown_timeout_ms)  # fmt: skip
         )
     except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId, StorageError,
             ReplicaError) as exc:
         log.error("%s", exc)
         return 2
+
+
+SESSION_TIMEOUT_MS_DEFAULT = 6_000
+# Flags that only a node of a multi-node site uses: its segments are written to several nodes, under Raft.
+MULTI_NODE_FLAGS = ("node_id", "replication_factor", "min_insync_replicas", "session_timeout_ms", "repair_delay_ms",
+                    "raft_secret_file")  # fmt: skip
+
+
+def refuse_inapplicable(args: argparse.Namespace, topology: Topology | None) -> None:
+    """Refuse a flag that cannot apply in the configuration the others give, saying why and what to do: a flag
+    silently ignored lets an operator believe a node runs as it does not (``--node-id 2`` without a topology ran a
+    one-node site)."""
+    multi_node = topology is not None and len(topology.site(args.site).nodes) > 1
+    for name in MULTI_NODE_FLAGS:
+        value = getattr(args, name)
+        if value is None or multi_node or (name == "node_id" and topology is not None):
+            continue  # a one-node site's own id is checked with the topology (in_site_options)
+        flag = f"--{name.replace('_', '-')}"
+        if topology is None:
+            why = "this node runs without --topology, so it is the only node of its site"
+            fix = "pass --topology with a file that lists the site's nodes, or drop the flag"
+        else:
+            why = f"the topology lists one node for site {args.site!r}"
+            fix = "list the site's nodes in the topology (docs/cluster.md), or drop the flag"
+        raise UsageError(f"{flag} {value}: only a node of a multi-node site uses it, and {why}: {fix}")
+    if args.stall_ms is not None and topology is None:
+        raise UsageError(f"--stall-ms {args.stall_ms}: it times the failover between upstreams, and this node runs "
+                         "without --topology, so it pulls over no link: pass --topology, or drop the flag")  # fmt: skip
+    if args.kafka_listen is None:
+        for name in ("kafka_commit_acks", "kafka_sasl", "kafka_max_connections", "kafka_max_connections_per_ip"):
+            if getattr(args, name) is not None:
+                raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: it sets up the Kafka listener, "
+                                 "and the node has none: add --kafka-listen HOST:PORT, or drop the flag")  # fmt: skip
+    insecure = getattr(args, "insecure", False)
+    if args.super_user and insecure:
+        raise UsageError("--super-user: a node started with --insecure authorizes no call, so no principal is "
+                         "checked: drop --super-user, or serve TLS to have principals and ACLs")  # fmt: skip
+    if args.admin_token_file is not None and not insecure:
+        raise UsageError(f"--admin-token-file {args.admin_token_file}: a TLS node authorizes admin calls by the "
+                         "caller's principal (client:admin, or an admin ACL entry), never by a token: drop the flag "
+                         "(the token is for --insecure nodes)")  # fmt: skip
 
 
 def _principal(text: str) -> Principal:
@@ -238,12 +289,8 @@ def idle_ms(args: argparse.Namespace) -> int:
 def kafka_options(args: argparse.Namespace) -> KafkaOptions | None:
     """``--kafka-listen`` and the ``--kafka-*`` flags; None without a Kafka listener."""
     if args.kafka_listen is None:
-        for flag in ("kafka_max_connections", "kafka_max_connections_per_ip"):
-            if getattr(args, flag) is not None:
-                raise UsageError(f"--{flag.replace('_', '-')}: this node serves no Kafka port; add --kafka-listen "
-                                 "HOST:PORT or drop the flag")  # fmt: skip
         return None
-    text = args.kafka_commit_acks
+    text = args.kafka_commit_acks or "leader"
     if text in ("leader", "all"):
         acks = Acks(AckKind(text))
     elif text.startswith("geo:") and text[4:].isdigit() and int(text[4:]) >= 1:
@@ -351,16 +398,18 @@ def in_site_options(topology: Topology, args: argparse.Namespace) -> InSiteOptio
     aq = args.min_insync_replicas if args.min_insync_replicas is not None else min(2, rf)
     if not 1 <= aq <= rf:
         raise UsageError(f"--min-insync-replicas {aq}: use 1 to the replication factor ({rf})")
-    if args.session_timeout_ms < 200:
-        raise UsageError(f"--session-timeout-ms {args.session_timeout_ms}: use at least 200")
-    if args.repair_delay_ms < 0:
-        raise UsageError(f"--repair-delay-ms {args.repair_delay_ms}: use 0 (copy at once) or more")
+    session_timeout_ms = SESSION_TIMEOUT_MS_DEFAULT if args.session_timeout_ms is None else args.session_timeout_ms
+    if session_timeout_ms < 200:
+        raise UsageError(f"--session-timeout-ms {session_timeout_ms}: use at least 200")
+    repair_delay_ms = ClusterConfig().repair_delay_ms if args.repair_delay_ms is None else args.repair_delay_ms
+    if repair_delay_ms < 0:
+        raise UsageError(f"--repair-delay-ms {repair_delay_ms}: use 0 (copy at once) or more")
     assert me.raft is not None  # the topology requires it on every node of a multi-node site
-    tick_ms = min(500, args.session_timeout_ms // 5)  # a few heartbeats per session, and as quick to react
-    config = ClusterConfig(replication_factor=rf, ack_quorum=aq, session_timeout_ms=args.session_timeout_ms,
+    tick_ms = min(500, session_timeout_ms // 5)  # a few heartbeats per session, and as quick to react
+    config = ClusterConfig(replication_factor=rf, ack_quorum=aq, session_timeout_ms=session_timeout_ms,
                            tick_ms=tick_ms, retry_ms=tick_ms, segment_bytes=args.segment_bytes_max,
-                           repair_delay_ms=args.repair_delay_ms,
+                           repair_delay_ms=repair_delay_ms,
                            retention_interval_ms=args.retention_check_ms,
                            topic_defaults=topic_defaults(args))  # fmt: skip
     return InSiteOptions(me.id, me.raft, tuple(rafts.values()), config,
-                         RaftTiming.for_session(args.session_timeout_ms))  # fmt: skip
+                         RaftTiming.for_session(session_timeout_ms))  # fmt: skip

@@ -27,6 +27,7 @@ from georep.security.principal import node_principal, site_principal
 from georep.security.raft_secret import secret_file_name
 from georep.security.tls import TlsConfig, TlsError
 from georep.server.process import NODE_INFO, NodeProcess, NodeStartError
+from georep.storage.private import restrict_umask
 from topology.model import InvalidTopology, Topology, warnings
 
 DEFAULT_DATA_DIR = Path(".georep")
@@ -66,16 +67,18 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
     procs = []
     for sid in topology.site_ids():
         site = topology.site(sid)
-        args = [*extra_args, "--topology", str(topology_file.resolve()) if topology_file else DEFAULT,
-                "--admin-token-file", str(ensure_token(data_dir).resolve())]
+        args = [*extra_args, "--topology", str(topology_file.resolve()) if topology_file else DEFAULT]
+        if certs is None:  # a TLS node authorizes admin calls by principal, and refuses the flag
+            args += ["--admin-token-file", str(ensure_token(data_dir).resolve())]
         fixed = topology_file is None
-        args += kafka_args(len(topology.site_ids()), extra_args)
+        commit_acks = kafka_args(len(topology.site_ids()), extra_args)
         if len(site.nodes) == 1:
             member = site.members[0]
             listen = ["--kafka-listen", member.kafka] if member.kafka and "--kafka-listen" not in extra_args else \
                 kafka_listen(site.nodes[0], extra_args, fixed)  # fmt: skip
             procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0],
-                                     extra_args=[*args, *listen], tls=node_tls(certs, sid, None)))  # fmt: skip
+                                     extra_args=[*args, *listen, *commit_acks],
+                                     tls=node_tls(certs, sid, None)))  # fmt: skip
             continue
         try:
             site.raft_addresses()
@@ -86,8 +89,9 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
         for member in site.members:
             # Each node serves Kafka clients at its topology address, which the others name in Metadata
             listen = ["--kafka-listen", member.kafka] if member.kafka and "--kafka-listen" not in extra_args else []
+            kafka = [*listen, *commit_acks] if listen or "--kafka-listen" in extra_args else []
             procs.append(NodeProcess(site=sid, data_dir=data_dir / sid / str(member.id), listen=member.address,
-                                     extra_args=[*args, *secret, "--node-id", str(member.id), *listen],
+                                     extra_args=[*args, *secret, "--node-id", str(member.id), *kafka],
                                      node_id=member.id, tls=node_tls(certs, sid, member.id)))  # fmt: skip
     return procs
 
@@ -138,6 +142,7 @@ def stop_restarted(started: list[NodeProcess]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    restrict_umask()  # the data dirs, certificates, token and logs it makes: the owner's only
     extra = [a for a in args.node_args if a != "--"]
     try:
         topology = load_topology(args.topology)

@@ -43,6 +43,7 @@ from typing import Any
 
 from georep.cli.drill_sites import DrillSitesError, drill_sites
 from georep.security.tls import TlsConfig
+from georep.storage.private import append_private
 from topology.model import Topology
 
 NODE_INFO = "node.json"
@@ -283,7 +284,7 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
     if not args.no_restart:
         command = infos[victim].get("command")
         if command:
-            with open(args.data_dir / victim / "node.log", "ab") as log:
+            with append_private(args.data_dir / victim / "node.log") as log:
                 subprocess.Popen(command, cwd=infos[victim].get("cwd"), stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     return _report(victim, target, topic, group, acked, held, before, after, committed, expected, killed_ms)

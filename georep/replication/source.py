@@ -83,13 +83,15 @@ class Serve:
 
 
 class _Cursor:
-    __slots__ = ("key", "log", "sites", "sent", "offset", "blocked")
+    __slots__ = ("key", "log", "sites", "sent", "handed_out", "offset", "blocked")
 
     def __init__(self, key: PartitionKey, log: PartitionLog, have: Mapping[Origin, int], sites: tuple[str, ...]):
         self.key = key
         self.log = log
         self.sites = frozenset(sites)
         self.sent: dict[Origin, int] = {o: s for o, s in have.items() if s > 0}
+        # What this stream itself sent, per origin (``sent`` starts at the dst's word): the next seq after it.
+        self.handed_out: dict[Origin, int] = {}
         start = log.log_end_offset
         for origin, next_seq in sorted(log.vector().items()):
             have_seq = self.sent.get(origin, 0)
@@ -169,6 +171,7 @@ class _Cursor:
                     sent_bytes += size
                     if h.next_origin_seq > self.sent.get(origin, 0):
                         self.sent[origin] = h.next_origin_seq
+                    self.handed_out[origin] = h.next_origin_seq  # per origin, a log holds seqs in order (I3)
                 scanned += size
                 pos += size
                 self.offset = h.next_offset
@@ -195,6 +198,7 @@ class ReplicaSource:
     ) -> None:
         self._cursors = [_Cursor(key, logs[key], have, sites) for key, (have, sites) in sorted(wants.items())]
         self._wanted = frozenset(c.key for c in self._cursors)
+        self._by_key = {c.key: c for c in self._cursors}
         self._next = 0  # round-robin start
         self.heartbeat_ms = heartbeat_ms
         self._last_sent_ms: int | None = None
@@ -206,6 +210,12 @@ class ReplicaSource:
     @property
     def wanted(self) -> frozenset[PartitionKey]:
         return self._wanted
+
+    def handed_out(self, key: PartitionKey, origin: Origin) -> int:
+        """The next seq after the last batch of ``origin`` this stream sent of ``key`` (0: none): what has left
+        (``offsets.held.ServedGate``), unlike the cursor's position, which starts at the dst's have-vector."""
+        cursor = self._by_key.get(key)
+        return 0 if cursor is None else cursor.handed_out.get(origin, 0)
 
     def next_chunks(self, max_bytes: int) -> list[Chunk]:
         """The batches to send now, at most ``max_bytes`` in all (but at least one batch), advancing cursors.

@@ -1,4 +1,5 @@
-"""Who may replicate from this site, which topics, and which origins a pulled batch may claim. Pure.
+"""Who may replicate from this site, which topics, which origins a pulled batch may claim, and which claims of a
+held report count. Pure.
 
 The replication RPCs are authorized by the topology, not by ACL entries (``georep/security/acl.py``): the
 links are already the operator's statement of which site pulls what from which.
@@ -8,6 +9,10 @@ links are already the operator's statement of which site pulls what from which.
 only if the topology has a link ``s -> d``, and only the topics that link carries (its filters, and the
 internal topics every link carries). The site's own nodes pull from each other (a node passes on the
 partitions another node leads), so they may pull everything. A client never replicates.
+
+**Held reports** (:func:`held_claim_refusal`, ``ReportHeld``): a site that pulls from this one may tell it what
+it and the sites downstream of it hold, for ``acks=geo:N``; each claim counts only about a site that this site's
+records of the topic reach through the reporter (the function's docstring has the rule and why it is exact).
 
 **Repairs** (:func:`repair_decision`, ``FetchBatch``): a site asks any site of the topology for a copy of a
 batch it holds damaged. ``s`` gives a batch of topic ``T`` from origin ``O`` to site ``d`` only if ``d`` is one
@@ -38,12 +43,13 @@ as held.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from georep.broker.errors import BrokerError
 from georep.record.batch import CorruptBatch, iter_headers
-from georep.security.acl import CLUSTER, Decision, Operation, Resource, topic
+from georep.security.acl import CLUSTER, Decision, Operation, PermissionDenied, Resource, topic
 from georep.security.principal import Principal
+from offsets.coordinates import Origin
 from topology.model import Topology, UnknownLink, UnknownSite
 from topology.reach import expected_sites
 
@@ -127,6 +133,21 @@ class OriginCheck:
         self.dst = dst
         self._seen: dict[tuple[str, str, str], bool] = {}
 
+    def may_arrive(self, src: str, topic_name: str, origin_site: str) -> bool:
+        key = (src, topic_name, origin_site)
+        allowed = self._seen.get(key)
+        if allowed is None:
+            if len(self._seen) >= CLAIM_CHECKS_KEPT:  # topics are many and made at will: keep the memo bounded
+                self._seen.clear()
+            allowed = self._seen[key] = origin_may_arrive(self.topology, src, self.dst, topic_name, origin_site)
+        return allowed
+
+    def plausible(self, src: str, topic_name: str, vector: Mapping[Origin, int]) -> dict[Origin, int]:
+        """``src``'s vector of a partition of ``topic_name`` (a chunk's or a heartbeat's ``src_vector``) without
+        the origins it cannot have received: its word about them would steer routing and stall detection
+        (``georep/replication/links.py``) toward records it cannot give."""
+        return {o: n for o, n in vector.items() if self.may_arrive(src, topic_name, o.site)}
+
     def check(self, src: str, topic_name: str, batches: bytes) -> None:
         """Raise :class:`ForgedOrigin` if a batch of the chunk claims an origin ``src`` cannot have sent; a chunk
         that does not parse is left to the sink, which refuses it as corrupt."""
@@ -136,9 +157,96 @@ class OriginCheck:
             return
         for header in headers:
             origin = header.origin
-            key = (src, topic_name, origin.site)
-            allowed = self._seen.get(key)
-            if allowed is None:
-                allowed = self._seen[key] = origin_may_arrive(self.topology, src, self.dst, topic_name, origin.site)
-            if not allowed:
+            if not self.may_arrive(src, topic_name, origin.site):
                 raise ForgedOrigin(src, self.dst, topic_name, str(origin))
+
+
+# -- claims about what other sites hold ----------------------------------------------------------------------------
+
+
+def held_claim_refusal(topology: Topology | None, me: str, reporter: str, site: str, topic_name: str) -> str | None:
+    """Why site ``me`` refuses ``reporter``'s claim (``ReportHeld``) that ``site`` holds records of ``topic_name``
+    fsynced; None if the claim may count toward ``acks=geo:N``.
+
+    *The rule.* Knowledge of what a site holds flows against the links (``offsets/held.py``): ``site`` reports to
+    the sites it pulls from, they pass it on to theirs, and so on back to the origin. So ``reporter`` may speak
+    for ``site`` about ``T`` only if:
+
+    1. ``reporter`` pulls ``T`` from ``me``: the topology has a link ``me -> reporter`` that carries ``T``.
+       Otherwise nothing of ``me``'s ``T`` goes to ``reporter``, and its word about ``T`` is not about records
+       it has been sent;
+    2. ``site`` is in the topology, and is not ``me`` (a site's own entry comes from its own fsyncs);
+    3. ``site`` is ``reporter``, or ``reporter`` reaches ``site`` over links that carry ``T``
+       (``expected_sites(reporter, T)``).
+
+    *Why every true claim passes.* A site ``s != me`` holds a record of ``me``'s ``T`` only if it came over a
+    chain of links carrying ``T``: ``me -> x1 -> ... -> xk = s``. Each ``xi`` reports to ``x(i-1)`` (it pulls
+    from it), and ``x(i-1)`` passes on what it accepted. At each hop the reporter ``xi`` pulls ``T`` from its
+    upstream over a link carrying ``T`` (1), and reaches ``s`` over the rest of the chain (3). So the report of
+    ``s`` reaches ``me`` along the chain itself, every hop accepting it (reporters leave out what their upstream
+    would refuse: :class:`~offsets.held.HeldReporter`'s ``accepts``).
+
+    *What it keeps out.* A principal that may pull from ``me`` can no longer vouch for a site that ``me``'s
+    records of ``T`` cannot reach through it: a site off its ``T`` paths, or one the topology does not know. What
+    it says about itself and about the sites downstream of it is all a compromised site can still claim, and
+    ``offsets.held.ServedGate`` holds even that to records that have left ``me``.
+    """
+    if topology is None:
+        return f"site {me} runs without a topology: no other site receives its records"
+    if site == me:
+        return f"what site {me} holds comes from its own fsyncs, never from another site's report"
+    try:
+        link = topology.link(me, reporter)
+    except UnknownLink:
+        return f"the topology has no link {me} -> {reporter}, so site {reporter} receives nothing from site {me}"
+    if not link.carries(topic_name):
+        return f"the link {link.describe()} does not carry topic {topic_name!r}"
+    if site == reporter:
+        return None
+    try:
+        reach = expected_sites(topology, reporter, topic_name)
+        topology.site(site)
+    except UnknownSite:
+        return f"site {site!r} is not in the topology"
+    if site not in reach:
+        return (f"no chain of links carrying topic {topic_name!r} leads from site {reporter} to site {site}, so site "
+                f"{reporter} cannot know what site {site} holds of it")  # fmt: skip
+    return None
+
+
+class ClaimRefused(PermissionDenied):
+    """A ``ReportHeld`` with claims the topology does not allow: the others of the report were taken in, these count
+    toward nothing (``PERMISSION_DENIED``; the reporter sends them again with its next report, so the
+    topologies of the two sites disagree until fixed)."""
+
+    def __init__(self, me: str, reporter: str, refused: list[tuple[str, str, int, str]]) -> None:
+        shown = "; ".join(f"that site {s} holds {t}/{p}: {why}" for s, t, p, why in refused[:CLAIMS_SHOWN])
+        more = f" (and {len(refused) - CLAIMS_SHOWN} more)" if len(refused) > CLAIMS_SHOWN else ""
+        super().__init__(
+            f"site {me} refused {len(refused)} claim(s) of site {reporter}'s held report, which count toward no "
+            f"acks=geo:N: {shown}{more}. If the claims are true, the two sites run different topologies: give them "
+            "the same topology file"
+        )
+        self.refused = refused
+
+
+CLAIMS_SHOWN = 3
+CLAIM_CHECKS_KEPT = 16_384
+
+
+class HeldClaimCheck:
+    """:func:`held_claim_refusal` for the reports ``me`` receives, remembered per (reporter, site, topic): the
+    topology is the node's for its life, and reports repeat the same few sites for every partition."""
+
+    def __init__(self, topology: Topology | None, me: str) -> None:
+        self.topology = topology
+        self.me = me
+        self._seen: dict[tuple[str, str, str], str | None] = {}
+
+    def refusal(self, reporter: str, site: str, topic_name: str) -> str | None:
+        key = (reporter, site, topic_name)
+        if key not in self._seen:
+            if len(self._seen) >= CLAIM_CHECKS_KEPT:  # topics are many and made at will: keep the memo bounded
+                self._seen.clear()
+            self._seen[key] = held_claim_refusal(self.topology, self.me, reporter, site, topic_name)
+        return self._seen[key]

@@ -16,7 +16,8 @@ The rules:
   and consume on every committed topic (as Kafka's OffsetCommit needs READ on the group and the topic);
 * the cluster: ``SetLink``, ``DecommissionNode``, ``Scrub``, ``PutAcl``, ``PutUser``, ``ListUsers`` need admin;
 * replication: ``Replicate``, ``ReportHeld`` (and ``ListAcls``, unless admin) follow the topology's links,
-  ``FetchBatch`` its reach (``georep/security/acl_replication.py``);
+  ``FetchBatch`` its reach (``georep/security/acl_replication.py``); a pull and a held report are made only in
+  the caller's own name (the claims a report makes are then checked one by one: ``held_claim_refusal``);
 * what describes the site without its data (``Health``, ``ListTopics``, ``DescribeTopic``, ``SiteStatus``,
   ``ClusterStatus``, ``ListGroups``) is open to every principal the site's CA certified;
 * ``georep.v1.Segments`` is the site's inside: only its own nodes.
@@ -186,6 +187,22 @@ def _replicate(req: pb.ReplicateRequest, who: Principal, policy: Policy) -> Deci
     return decision
 
 
+def _report_held(req: pb.ReportHeldRequest, who: Principal, policy: Policy) -> Decision:
+    """A site reports in its own name, and only a node of this site passes a report on: what the report claims
+    is then checked claim by claim against the topology (``held_claim_refusal``, in the handler)."""
+    decision = policy.pull(who, ())
+    if not decision.allowed or who.site == policy.own_site:
+        return decision
+    if req.forwarded:
+        return Decision(False, who, Operation.REPLICATE, CLUSTER,
+                        f"only a node of site {policy.own_site} passes a held report on to the others")  # fmt: skip
+    if req.reporter != who.site:
+        return Decision(False, who, Operation.REPLICATE, CLUSTER,
+                        f"the held report names site {req.reporter or '(none)'} as its reporter, but the caller's "
+                        f"certificate is site {who.site}'s: a site reports only in its own name")  # fmt: skip
+    return decision
+
+
 NODE_ACCESS: Mapping[str, Access] = {
     "CreateTopic": Access(pb.CreateTopicRequest, lambda req, who, policy: policy.acl(
         who, Operation.CREATE_TOPIC, [topic(req.name)])),
@@ -207,7 +224,7 @@ NODE_ACCESS: Mapping[str, Access] = {
     "ListUsers": _admin_access(pb.ListUsersRequest),
     "ListAcls": Access(pb.ListAclsRequest, lambda req, who, policy: policy.admin_or_pull(who), False),
     "Replicate": Access(pb.ReplicateRequest, _replicate),
-    "ReportHeld": Access(pb.ReportHeldRequest, lambda req, who, policy: policy.pull(who, ()), False),
+    "ReportHeld": Access(pb.ReportHeldRequest, _report_held),
     "FetchBatch": Access(pb.FetchBatchRequest, lambda req, who, policy: policy.repair(
         who, req.topic, req.origin_site)),
     "GroupHeartbeat": Access(pb.GroupHeartbeatRequest, _heartbeat),

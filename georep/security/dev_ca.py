@@ -79,7 +79,7 @@ def topology_plan(topology: Topology, clients: Iterable[str] = ()) -> Plan:
 def _write_cert(path: Path, cert: x509.Certificate) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    os.chmod(tmp, 0o644)
+    os.chmod(tmp, 0o600)  # in the 0700 directory anyway; a data dir's files are all 0600 (georep/storage/private.py)
     os.replace(tmp, path)
 
 

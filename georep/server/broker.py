@@ -16,6 +16,8 @@ import asyncio
 import errno
 import itertools
 import logging
+import re
+import shutil
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -31,6 +33,8 @@ from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import NotLeader, UnknownPartition, WriteFailed
 from georep.replication.sink import ApplyOutcome, apply_chunk
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
+from georep.storage.durable_file import fsync_directory, replace_file
+from georep.storage.private import private_dir
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -47,13 +51,21 @@ DEFAULT_TOPIC_CONFIG: dict[str, int] = {
 }
 
 
+CREATING_DIR = "creating"
+
+
 def _consume_exception(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled():
         fut.exception()
 
 
+def topic_file_name(topic: str) -> str:
+    """``topic`` as a file name: '/' (and every other character a name may not hold) %-quoted."""
+    return urllib.parse.quote(topic, safe="")
+
+
 def partition_dir_name(topic: str, partition: int) -> str:
-    return f"{urllib.parse.quote(topic, safe='')}-{partition}"
+    return f"{topic_file_name(topic)}-{partition}"
 
 
 class Partition:
@@ -132,7 +144,8 @@ class Broker:
             open_log = SegmentLog.open
         self.open_log = open_log
         self.logs_dir = data_dir / "logs"
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.logs_dir)
+        self.creating_dir = data_dir / CREATING_DIR  # topic creates under way (``_finish_creates``)
         # A multi-node site keeps its topics in its Raft metadata, and this node serves only the partitions it
         # leads, attached as it comes to lead them (``attach``); a one-node site opens every partition here.
         self.in_site = metadata is not None
@@ -151,6 +164,8 @@ class Broker:
         # Called with (name, partitions) for every topic this node opens: at
         # startup, on CreateTopic, and when replication creates one.
         self.on_topic: Callable[[str, int], None] = lambda name, partitions: None
+        # Called with every partition this node opens or comes to lead (after its ack table knows it).
+        self.on_open: Callable[[Partition], None] = lambda p: None
         # When acks may go, and when to fsync (georep/broker/acks.py); its held table serves acks=geo:N.
         self.acks = AckTable(identity.site, self.origin)
         self.on_held: Callable[[], None] = lambda: None  # the held table learned something: report it upstream
@@ -162,6 +177,8 @@ class Broker:
         self._geo_timer: asyncio.TimerHandle | None = None
         self._geo_timer_due = 0
         now = self.clock_ms()
+        if not self.in_site:
+            self._finish_creates()
         try:
             for spec in self.metadata.topics().values() if not self.in_site else ():
                 self._open_topic(spec, now)
@@ -187,9 +204,12 @@ class Broker:
             flush_interval_ms=config["flush_interval_ms"],
         )
         for i in range(spec.partitions):
-            plog = self.open_log(self.logs_dir / partition_dir_name(spec.name, i), log_config, now_ms)
+            directory = self.logs_dir / partition_dir_name(spec.name, i)
+            private_dir(directory)
+            plog = self.open_log(directory, log_config, now_ms)
             p = self.partitions[(spec.name, i)] = Partition(spec.name, i, plog, config, self.origin, now_ms)
             self.acks.open_partition(p.key, p.fsync_per_batch, plog.flushed_offset, VectorOffset(plog.flushed_vector()))
+            self.on_open(p)
 
     def create_topic(self, name: str, partitions: int, raw_config: dict[str, str]) -> TopicSpec:
         """Raises ``InvalidTopic``, ``TopicExists``, ``DiskFull`` or ``WriteFailed``."""
@@ -203,18 +223,80 @@ class Broker:
             # leader attaches it here once its first segment is open.
             self.metadata.create_topic(spec)
             return spec
+        intent = self.creating_dir / topic_file_name(name)
         try:
-            # The partition directories come first: a crash in between leaves
-            # empty directories that the next create reuses, never a topic
-            # without its logs.
+            private_dir(self.creating_dir)
+            replace_file(intent, b"")
             self._open_topic(spec, self.clock_ms())
             self.metadata.create_topic(spec)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFull(f"cannot create topic {name!r}: {exc}; free disk space") from None
-            raise WriteFailed(f"cannot create topic {name!r}: {exc}") from None
+        except (OSError, DiskFull) as exc:
+            self._undo_create(name, partitions, intent)
+            full = isinstance(exc, DiskFull) or exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            if full:
+                raise DiskFull(f"cannot create topic {name!r}: {exc}; free disk space, then create it again (nothing "
+                               "of it was kept)") from None  # fmt: skip
+            raise WriteFailed(f"cannot create topic {name!r}: {exc}; nothing of it was kept") from None
+        try:
+            intent.unlink()
+        except OSError as exc:  # the topic is whole; the next start sees it defined and drops the intent
+            log.warning("topic %r created, but its create intent %s stays until the next start: %s", name, intent, exc)
         self.on_topic(name, partitions)
         return spec
+
+    # A topic create is made atomic on disk by an intent file (``creating/<topic>``), written and fsynced before the
+    # first partition directory and removed once the topic is in the topic table. The partition directories cannot
+    # appear at once (a rename into ``logs/`` per directory is no more atomic than a mkdir, and the Spark audit and
+    # the operator expect them there), so the intent says which are a create's leftovers: a crash or a full disk
+    # midway leaves an intent whose topic the table lacks, and its directories are removed (here, or at the next
+    # start), so the create can be made again from nothing. A topic in the table is whole: its create finished.
+
+    def _undo_create(self, name: str, partitions: int, intent: Path) -> None:
+        """Close and remove what a failed create of ``name`` made (in memory and on disk); leftovers that cannot be
+        removed now stay under the intent, for the next start."""
+        for i in range(partitions):
+            p = self.partitions.pop((name, i), None)
+            if p is not None:
+                self.acks.close_partition(p.key, WriteFailed(f"topic {name!r} was not created"))
+                p.log.close()
+        try:
+            self._remove_leftovers(name)
+            intent.unlink(missing_ok=True)
+        except OSError as exc:
+            log.error("the failed create of topic %r left files that could not be removed yet (%s): the next start "
+                      "removes them", name, exc)  # fmt: skip
+
+    def _remove_leftovers(self, name: str) -> list[str]:
+        """Remove the partition directories of ``name``, a topic the table lacks, that hold no batch; the ones
+        removed. A directory holding batches is left (with an error): no create makes one."""
+        pattern = re.compile(re.escape(topic_file_name(name)) + r"-\d+")
+        removed = []
+        for directory in sorted(self.logs_dir.iterdir()):
+            if not pattern.fullmatch(directory.name) or not directory.is_dir():
+                continue
+            if any(f.stat().st_size for f in directory.glob("*.log")):
+                log.error("partition directory %s holds batches of topic %r, which is not in the topic table: left as "
+                          "it is; move it away if the topic is not to be restored", directory, name)  # fmt: skip
+                continue
+            shutil.rmtree(directory)
+            removed.append(directory.name)
+        if removed:
+            fsync_directory(self.logs_dir)
+        return removed
+
+    def _finish_creates(self) -> None:
+        """Roll back the creates a crash or a full disk interrupted (their intents whose topic the table lacks)."""
+        if not self.creating_dir.is_dir():
+            return
+        defined = {topic_file_name(t) for t in self.metadata.topics()}
+        for intent in sorted(self.creating_dir.iterdir()):
+            name = urllib.parse.unquote(intent.name)
+            if intent.name not in defined:
+                removed = self._remove_leftovers(name)
+                log.warning("the create of topic %r did not finish (the node stopped or the disk filled up midway): "
+                            "removed its %d partition director%s; create the topic again", name, len(removed),
+                            "y" if len(removed) == 1 else "ies")  # fmt: skip
+            intent.unlink()
+        fsync_directory(self.creating_dir)
 
     def topic(self, name: str) -> TopicSpec:
         """Raises ``UnknownTopic``."""
@@ -245,6 +327,7 @@ class Broker:
         self.partitions[p.key] = p
         self.acks.open_partition(p.key, p.fsync_per_batch, lac, lac_vector, replicated_in_site=True, lac=lac,
                                  lac_vector=lac_vector)  # fmt: skip
+        self.on_open(p)
         self.on_topic(spec.name, spec.partitions)
         p.notify_append()
         return p

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -46,9 +47,11 @@ from georep.server.process import NODE_INFO
 from georep.server.rpc import authorization
 from georep.server.segments import SegmentService
 from georep.server.service import FETCH_MAX_BYTES_CAP, SCRUB_STEP_BYTES, NodeService
+from georep.server.shutdown import SHUTDOWN_TIMEOUT_MS_DEFAULT, STEP_TIMEOUT_S, Shutdown
 from georep.server.site_cluster import SiteCluster
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLock
+from georep.storage.private import tighten
 from georep.storage.replica_store import ReplicaStore
 from topology.ids import site_id
 from topology.model import Topology
@@ -59,6 +62,8 @@ if TYPE_CHECKING:  # kafka-python costs a node without a Kafka listener a tenth 
 log = logging.getLogger("georep.node")
 
 SHUTDOWN_GRACE_S = 5.0
+# Tests only (tests/test_shutdown.py): the stop finds an fsync thread that never returns, as on a disk that hangs.
+STUCK_FSYNC_ENV = "GEOREP_TEST_STUCK_FSYNC_AT_STOP"
 KEEPALIVE_MIN_INTERVAL_MS = 1_000
 GROUP_TICK_S = 0.2
 SCRUB_PASS_MIN_S = 60.0  # a pass over little data waits this long before the next one
@@ -85,8 +90,12 @@ async def serve(
     kafka: KafkaOptions | None = None,
     super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
     grpc_limits: ServerLimits | None = None,
+    shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT,
 ) -> int:
     """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``.
+
+    The stop is bounded (``georep/server/shutdown.py``): a second SIGTERM or SIGINT, or ``shutdown_timeout_ms``,
+    ends the process with ``EXIT_FORCED`` and a log line naming what had not finished.
 
     ``in_site``: this node is one of several of its site (docs/cluster.md): the site's metadata is a Raft group of
     its nodes, and the node serves the partitions it leads. ``tls``: its port takes only mutual-TLS clients with a
@@ -97,9 +106,12 @@ async def serve(
     """
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
+        tightened = tighten(data_dir)
+        if tightened:
+            log.warning("%s", tightened.describe(data_dir))
         return await _serve_locked(site, listen, metrics_listen, data_dir, defaults, retention_check_ms, topology,
                                    stall_ms, admin_token, scrub_bytes_per_s, lock, in_site, tls, kafka,
-                                   super_users, grpc_limits)  # fmt: skip
+                                   super_users, grpc_limits, shutdown_timeout_ms)  # fmt: skip
     finally:
         lock.release()
 
@@ -143,7 +155,8 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
                         in_site: InSiteOptions | None, tls: TlsConfig | None,
                         kafka: KafkaOptions | None = None,
                         super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
-                        grpc_limits: ServerLimits | None = None) -> int:  # fmt: skip
+                        grpc_limits: ServerLimits | None = None,
+                        shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT) -> int:  # fmt: skip
     from georep.server.replicator import Replicator
 
     # The Raft metadata and the segment threads of a multi-node site; this node's copies of the segments whose
@@ -277,22 +290,29 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         log.info("pulling from %s", ", ".join(f"{p.src} ({p.address})" for p in replicator.pullers.values())
                  or "no site: no link leads here")  # fmt: skip
     await stop.wait()
+    shutdown = Shutdown(shutdown_timeout_ms)
+    shutdown.begin(loop)
     log.info("shutting down")
+    if os.environ.get(STUCK_FSYNC_ENV):
+        broker.executor.submit(threading.Event().wait)  # tests: an fsync thread that never returns
     if member is not None:
-        await member.stop()
+        await shutdown.step("stopping the cluster member", member.stop())
     if replicator is not None:
-        await replicator.stop()
+        await shutdown.step("stopping the pullers", replicator.stop())
     if site_cluster is not None:
-        await site_cluster.close()
+        await shutdown.step("closing the connections to the site's other nodes", site_cluster.close())
     if kafka_server is not None:
-        await kafka_server.stop()
+        await shutdown.step("stopping the Kafka listener", kafka_server.stop())
     service.stop_streams()
     for task in housekeeping:
         task.cancel()
-    await server.stop(SHUTDOWN_GRACE_S)
+    await shutdown.step("ending the calls in flight", server.stop(SHUTDOWN_GRACE_S), SHUTDOWN_GRACE_S + STEP_TIMEOUT_S)
+    shutdown.blocking("waiting for the segment threads")
     segment_executor.shutdown(wait=True)
+    shutdown.blocking("fsyncing and closing the logs and the Raft metadata")
     _close(replicas, broker, metadata)
     (data_dir / NODE_INFO).unlink(missing_ok=True)
+    shutdown.done()
     log.info("stopped cleanly")
     return 0
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from georep.security.tls import TlsConfig
+from georep.storage.private import append_private, private_dir
 
 NODE_INFO = "node.json"
 
@@ -58,7 +59,7 @@ class Launched(Protocol):
 
 def popen_launcher(command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     """Start ``command`` with stdin from /dev/null, its output appended to ``log_path``."""
-    with open(log_path, "ab") as log:
+    with append_private(log_path) as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
@@ -103,7 +104,7 @@ class NodeProcess:
     def launch(self) -> NodeProcess:
         """Start the process without waiting for it (a node of a multi-node site is ready only once a majority of
         its site's nodes run: launch them all, then :meth:`wait_ready`)."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
         log_path = self.log_path or self.data_dir / "node.log"
         self._logged_before = log_path.stat().st_size if log_path.exists() else 0
         self.proc = launcher(self.command(), log_path)

@@ -53,7 +53,7 @@ from georep.replication.sink import CorruptChunk
 from georep.replication.source import Chunk
 from georep.replication.topics import RemoteTopic, plan_topic_sync
 from georep.security.acl_pull import pull_acls
-from georep.security.acl_replication import OriginCheck
+from georep.security.acl_replication import HeldClaimCheck, OriginCheck
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker
 from georep.storage.api import DiskFull, RepairRefused
@@ -107,7 +107,10 @@ class Puller:
             src, replicator.links, broker.origin, lambda key: broker.partition(*key).log.vector(),
             itertools.count(1), PullConfig(STREAM_IDLE_MS, BACKOFF_MIN_MS, BACKOFF_MAX_MS), usable=self._usable,
         )  # fmt: skip
-        self.reporter = HeldReporter(src)
+        # Only the claims src takes: about sites its records reach through this one (held_claim_refusal).
+        claims = HeldClaimCheck(replicator.topology, src)
+        self.reporter = HeldReporter(src, lambda key: claims.refusal(replicator.site, key[0], key[1]) is None)
+        self._refused_report = ""  # src's last refusal of a report, logged once
         self._channel: grpc.aio.Channel | None = None
         self._stub: pbg.NodeAsyncStub | None = None
         self._topics_synced = asyncio.Event()
@@ -233,7 +236,11 @@ class Puller:
                 await self.stub.ReportHeld(request, timeout=RPC_TIMEOUT_S)
                 self.reporter.acked()
             except grpc.aio.AioRpcError as exc:
-                log.debug("reporting held vectors to %s failed: %s", self.src, exc.details())
+                if exc.code() == grpc.StatusCode.PERMISSION_DENIED and exc.details() != self._refused_report:
+                    self._refused_report = exc.details() or ""
+                    log.warning("site %s refused this site's held report: %s", self.src, exc.details())
+                else:
+                    log.debug("reporting held vectors to %s failed: %s", self.src, exc.details())
                 self.reporter.failed()
                 await asyncio.sleep(BACKOFF_MAX_MS / 1000)
             self.held_changed.set()  # what changed meanwhile goes in the next report
@@ -304,10 +311,11 @@ class Puller:
                     await get
         return get.result() if get.done() and not get.cancelled() else None
 
-    @staticmethod
-    def _chunk(c: pb.ReplicaChunk) -> Chunk:
-        return Chunk((c.topic, c.partition), c.batches, vector_from_proto(c.src_vector).to_dict(),
-                     c.src_log_end_offset)  # fmt: skip
+    def _chunk(self, c: pb.ReplicaChunk) -> Chunk:
+        vector: dict[Origin, int] = dict(vector_from_proto(c.src_vector).to_dict())
+        if self.r.origins is not None:  # a TLS node: src's word counts only for origins that can reach it
+            vector = self.r.origins.plausible(self.src, c.topic, vector)
+        return Chunk((c.topic, c.partition), c.batches, vector, c.src_log_end_offset)
 
     async def _perform(self, effects: list[Effect]) -> None:
         session = self.session

@@ -34,6 +34,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
 from georep.security.acl import UnknownAcl, acl_entry
+from georep.security.acl_replication import ClaimRefused, HeldClaimCheck
 from georep.security.acl_sync import change, is_acl
 from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
@@ -43,6 +44,7 @@ from georep.server.status import DOMAIN_ERRORS
 from georep.storage.api import BatchDamaged
 from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog, SegmentElsewhere
 from offsets.coordinates import InvalidOrigin, Origin
+from offsets.held import HeldEntry, ServedGate
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
 from topology.ids import InvalidSiteId, site_id
@@ -62,6 +64,8 @@ PRODUCE_STREAM_MAX_PENDING = 1024  # unacked batches per stream before reading p
 REPLICATE_MAX_BYTES_DEFAULT = 1 << 20
 REPLICATE_MAX_WAIT_MS_DEFAULT = 500
 FOLLOWER_POLL_S = 0.1  # a follower's fetch looks at the metadata's chain (rolls, seals) this often while it waits
+REFUSALS_LOGGED_EVERY_S = 60.0
+REFUSALS_LOGGED_MAX = 1024
 
 def _error(exc: Exception) -> pb.Error:
     hint = exc.leader_hint if isinstance(exc, NotLeader) else ""
@@ -107,6 +111,14 @@ class NodeService:
         self.admin_token = admin_token
         self.started = time.monotonic()
         self._stopping: asyncio.Future[None] | None = None
+        # ReportHeld's claims: which the topology allows (acl_replication.held_claim_refusal), and how far what they
+        # say of this site's own records counts (offsets.held.ServedGate: up to what has left this node).
+        self.claims = HeldClaimCheck(replicator.topology if replicator is not None else None, broker.identity.site)
+        self.served = ServedGate(broker.origin)
+        self._refusals_logged: dict[str, tuple[str, float]] = {}
+        broker.on_open = self._partition_opened
+        for p in list(broker.partitions.values()):
+            self._partition_opened(p)
 
     def _stopping_future(self) -> asyncio.Future[None]:
         if self._stopping is None:
@@ -519,6 +531,9 @@ class NodeService:
             if step.chunks or step.heartbeat:  # a heartbeat of a pull that wants nothing (yet) has no chunk
                 if not step.heartbeat:
                     self.metrics.replicated_out(sum(len(c.batches) for c in step.chunks))
+                    origin = self.broker.origin
+                    for c in step.chunks:  # before they leave: a report of them may come back at once
+                        self._count_held(self.served.sent(*c.key, source.handed_out(c.key, origin)))
                 yield self._replicate_response(step.chunks)
             elsewhere = [(c, m[0]) for c, m in missing if m]
             if elsewhere:
@@ -595,21 +610,59 @@ class NodeService:
         return pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch, partitions=parts)
 
     async def report_held(self, data: bytes, context: Context) -> pb.ReportHeldResponse:
+        """What the sites downstream hold (``offsets/held.py``): each claim counts only if the topology lets the
+        reporter make it (the others are refused, named in the ``PERMISSION_DENIED`` that answers the report, and
+        logged), and only up to what has left this node (``ServedGate``)."""
         req = parse(pb.ReportHeldRequest, data)
+        try:
+            reporter = site_id(req.reporter)
+        except InvalidSiteId as exc:
+            raise InvalidRequest(f"malformed ReportHeldRequest: the reporter: {exc}") from None
         entries = []
+        kept = []
+        refused: list[tuple[str, str, int, str]] = []
         for e in req.entries:
             try:
                 site_id(e.site)
                 vector = vector_from_proto(e.vector)
             except (InvalidSiteId, InvalidVectorOffset) as exc:
                 raise InvalidRequest(f"malformed ReportHeldRequest: {exc}") from None
+            why = self.claims.refusal(reporter, e.site, e.topic)
+            if why is not None:
+                refused.append((e.site, e.topic, e.partition, why))
+                continue
             entries.append((e.site, e.topic, e.partition, vector))
-        self.broker.report_held(entries)
-        if self.site_cluster is not None and not req.forwarded:
+            kept.append(e)
+        self._count_held(self.served.admit(entries))
+        if self.site_cluster is not None and not req.forwarded and kept:
             # Whichever node of this site leads a partition (now or after a failover) releases its geo acks.
-            forwarded = pb.ReportHeldRequest(reporter=req.reporter, entries=req.entries, forwarded=True)
+            forwarded = pb.ReportHeldRequest(reporter=reporter, entries=kept, forwarded=True)
             self.site_cluster.tell_peers(forwarded)
+        if refused:
+            error = ClaimRefused(self.broker.identity.site, reporter, refused)
+            self._log_refused(reporter, str(error))
+            raise error
         return pb.ReportHeldResponse()
+
+    def _count_held(self, entries: list[HeldEntry]) -> None:
+        if entries:
+            self.broker.report_held(entries)
+
+    def _partition_opened(self, p: Partition) -> None:
+        """Records of this site that the log held when this node opened it may have left before (``ServedGate``)."""
+        self._count_held(self.served.opened(p.topic, p.index, p.log.vector().get(self.broker.origin, 0)))
+
+    def _log_refused(self, reporter: str, message: str) -> None:
+        """A warning per reporter when what it gets refused changes, and once a minute while it lasts: the reporter
+        sends refused claims again with every report."""
+        now = time.monotonic()
+        last = self._refusals_logged.get(reporter)
+        if last is not None and last[0] == message and now - last[1] < REFUSALS_LOGGED_EVERY_S:
+            return
+        if len(self._refusals_logged) >= REFUSALS_LOGGED_MAX:
+            self._refusals_logged.clear()
+        self._refusals_logged[reporter] = (message, now)
+        log.warning("%s", message)
 
     async def cluster_status(self, data: bytes, context: Context) -> pb.ClusterStatusResponse:
         parse(pb.ClusterStatusRequest, data)

@@ -87,6 +87,7 @@ from georep.replication.session import ApplyChunk, LinkEvent, OpenStream, PullCo
 from georep.replication.session import Effect as PullEffect
 from georep.replication.sink import apply_chunk
 from georep.replication.source import Chunk, ReplicaSource
+from georep.security.acl_replication import HeldClaimCheck
 from georep.server.status import status_of
 from georep.sim.checker import InvariantChecker, InvariantViolation
 from georep.sim.consumers import ConsumerWorkload
@@ -253,6 +254,7 @@ class Simulator:
         self.rng = random.Random(seed)
         self.config = config or SimConfig()
         self.topology: Topology = build_topology(topology, self.rng)
+        self._claims: dict[SiteId, HeldClaimCheck] = {}  # per upstream: the claims its node would take
         self.faults = faults if faults is not None else Faults.swarm(self.rng)
         cfg = self.config
         consumer_count = self.rng.randint(*cfg.consumers) if cfg.consumers[1] else 0
@@ -850,6 +852,14 @@ class Simulator:
         upstream = self.sites[msg.upstream]
         if not upstream.up:
             return
+        for site, topic, _partition, _vector in msg.entries:  # the node refuses these (ClaimRefused)
+            claims = self._claims.get(msg.upstream)
+            if claims is None:
+                claims = self._claims[msg.upstream] = HeldClaimCheck(self.topology, msg.upstream)
+            why = claims.refusal(msg.reporter, site, topic)
+            if why is not None:
+                raise InvariantViolation(f"site {msg.upstream} would refuse {msg.reporter}'s honest claim that site "
+                                         f"{site} holds {topic}: {why}")  # fmt: skip
         self.perform_acks(upstream, upstream.acks.held_reported(msg.entries))
         reporter = self.sites[msg.reporter]
         answer = HeldAnswer(msg.reporter, msg.upstream, msg.report_id, reporter.incarnation)

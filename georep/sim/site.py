@@ -22,6 +22,7 @@ from georep.broker.commits import CommitLog
 from georep.replication.links import LinkManager, PartitionKey
 from georep.replication.session import PullConfig, PullSession
 from georep.replication.source import ReplicaSource
+from georep.security.acl_replication import HeldClaimCheck
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import Origin
 from offsets.held import HeldReporter
@@ -92,7 +93,7 @@ class SimSite:
             src: PullSession(src, links, self.origin, lambda key: logs[key].vector(), stream_ids, pull)
             for src in self.inbound
         }
-        self.reporters = {src: HeldReporter(src) for src in self.inbound}
+        self.reporters = {src: _reporter(topology, src, self.id) for src in self.inbound}
         self.report_ids = {}
         self.report_sent_ms = {}
         self.out_streams = {}
@@ -108,3 +109,9 @@ class SimSite:
         counts = {t: n for t, n in topics.items() if not is_internal(t)}
         self.coordinator = GroupCoordinator(lambda topic: counts.get(topic, 0), new_member_id)
         self.waiters = {}
+
+
+def _reporter(topology: Topology, upstream: SiteId, me: SiteId) -> HeldReporter:
+    """The node's reporter: only the claims ``upstream`` takes (``held_claim_refusal``)."""
+    claims = HeldClaimCheck(topology, upstream)
+    return HeldReporter(upstream, lambda key: claims.refusal(me, key[0], key[1]) is None)

@@ -22,6 +22,8 @@ import json
 import os
 from pathlib import Path
 
+from georep.storage.private import FILE_MODE, private_dir
+
 LOCK_FILE = ".lock"
 
 
@@ -45,8 +47,8 @@ class DataDirLock:
         """Lock ``data_dir`` (creating it) for this process, which serves on ``address``."""
         path = data_dir / LOCK_FILE
         try:
-            data_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            private_dir(data_dir)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         except OSError as exc:
             raise DataDirUnusable(
                 f"data dir {data_dir} is not usable: {exc.strerror or exc}; give the node a directory it can "

@@ -2,6 +2,7 @@
 
 Write ``<name>.tmp``, fsync it, rename it over ``<name>``, fsync the directory.
 A crash can leave a stray ``.tmp`` behind; ``SegmentLog.open`` removes those.
+The file is its owner's only (0600: ``georep/storage/private.py``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
+
+from georep.storage.private import FILE_MODE
 
 TMP_SUFFIX = ".tmp"
 
@@ -29,7 +32,7 @@ def replace_file(path: Path, data: bytes, *, sync_directory: bool = True) -> Non
     replaces several files and syncs the directory once.
     """
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
     try:
         view = memoryview(data)
         done = 0

@@ -59,6 +59,7 @@ from georep.storage.announced_lac import AnnouncedLacs
 from georep.storage.api import BytesLike, LogConfig, ReadResult
 from georep.storage.durable_file import fsync_directory, replace_file
 from georep.storage.moved_bytes import MovedBytes
+from georep.storage.private import DIR_MODE, private_dir
 from georep.storage.segment import U32_MAX
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
@@ -191,7 +192,7 @@ class ReplicaStore:
 
     def __init__(self, data_dir: Path, now_ms: int) -> None:
         self.root = data_dir / REPLICAS_DIR
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
         self.moved = MovedBytes(data_dir)  # bytes repair copies appended here (append_sealed_copy)
         self.lacs = AnnouncedLacs()  # what leaders confirmed of the open segments copied here: follower reads
         self._lock = threading.Lock()
@@ -270,7 +271,7 @@ class ReplicaStore:
         p = self._partitions.get(key)
         if p is None:
             directory = self.root / partition_dir_name(key)
-            directory.mkdir(exist_ok=True)
+            directory.mkdir(mode=DIR_MODE, exist_ok=True)
             fsync_directory(self.root)
             p = self._partitions[key] = PartitionReplicas(key, directory, ReplicaGuard(), {})
         return p

@@ -112,7 +112,7 @@ def _write_all(fd: int, buffers: Sequence[BytesLike], position: int, size: int) 
 
 def _open_rw(path: Path, *, create: bool = False) -> int:
     flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0)
-    return os.open(path, flags, 0o644)
+    return os.open(path, flags, 0o600)  # a data dir's files are its owner's only (georep/storage/private.py)
 
 
 def read_index_file(path: Path, magic: bytes, version: int, entry_bytes: int) -> bytes | None:

@@ -138,7 +138,7 @@ def _run_node(args: list[str], env: dict[str, str], cwd: str, log_path: str) -> 
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     devnull = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)  # as popen_launcher: a data dir is private
     os.dup2(devnull, 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
