@@ -33,7 +33,7 @@ from georep.record.validate import (
     validate_batch,
 )
 from offsets.coordinates import Origin
-from tests.support.forge import TS, forge, hostile_batches, lz4_bomb, record, zstd_bomb
+from tests.support.forge import TS, forge, hostile_batches, record
 from topology.ids import SiteId
 
 LIMIT = 8 << 20

@@ -141,9 +141,10 @@ def _decompressed(codec: int, data: memoryview, limit_bytes: int) -> bytes:
             return decompress_lz4(data, limit_bytes)
         if codec == _GZIP:
             return _gunzip(data, limit_bytes)
-    except DecompressedTooLarge as exc:
-        raise RecordsError(MESSAGE_TOO_LARGE, f"{exc}: the topic's max_batch_bytes; send smaller batches or raise "
-                           "the topic's max_batch_bytes") from None  # fmt: skip
+    except DecompressedTooLarge:
+        raise RecordsError(MESSAGE_TOO_LARGE, f"the batch's {name} records decompress to more than the topic's "
+                           f"max_batch_bytes={limit_bytes}: send smaller batches or raise the topic's "
+                           "max_batch_bytes") from None  # fmt: skip
     except DecompressionError as exc:
         raise RecordsError(CORRUPT_MESSAGE, f"cannot read the {name} records: {exc}") from None
     raise RecordsError(UNSUPPORTED_COMPRESSION_TYPE, f"compression {name} is not supported by georep's Kafka "
