@@ -97,7 +97,7 @@ def apply_chunk(log: PartitionLog, batches: bytes, now_ms: int,
         try:
             check_records(view[starts[i] :], headers[i], limit_bytes)
         except InvalidBatch as exc:
-            invalid = _invalid(view[starts[i] :], i, str(exc))
+            invalid = _invalid(view[starts[i] :], str(exc))
             del append_indexes[n:]
             break
     outcome = _append(log, view, headers, starts, append_indexes, now_ms)
@@ -135,7 +135,7 @@ def _checked_headers(view: memoryview) -> tuple[list[BatchHeader], list[int], In
             if invalid is None:
                 _check_stamped(header)
         except InvalidBatch as exc:
-            invalid = invalid or _invalid(batch, len(headers), str(exc))
+            invalid = invalid or _invalid(batch, str(exc))
         except CorruptBatch as exc:
             raise CorruptChunk(f"replicated chunk holds a corrupt batch at byte {pos}: {exc}") from None
         if invalid is None:
@@ -155,14 +155,15 @@ def _check_stamped(header: BatchHeader) -> None:
         raise InvalidBatch(f"its origin is not a site: {exc}") from None
 
 
-def _invalid(batch: memoryview, index: int, reason: str) -> InvalidChunk:
-    """The error for the invalid batch ``index`` of a chunk, naming its coordinates as its header gives them."""
+def _invalid(batch: memoryview, reason: str) -> InvalidChunk:
+    """The error for an invalid batch of a chunk, naming its coordinates as its header gives them (the same text
+    each time the upstream sends it, so that the puller logs it once)."""
     f = HEADER.unpack_from(batch, 0)
     site = f[6].rstrip(b"\0").decode("ascii", "replace")
     base, last = f[8], f[8] + f[9]
-    return InvalidChunk(f"replicated batch {index} of the chunk, origin {site}@{f[7]} origin seqs {base}..{last}, "
-                        f"is invalid: {reason}. It was not stored, nor anything after it in the chunk: a valid copy "
-                        "must come from another upstream, or the upstream must be fixed")  # fmt: skip
+    return InvalidChunk(f"replicated batch of origin {site}@{f[7]} origin seqs {base}..{last} is invalid: {reason}. "
+                        "It was not stored, nor anything after it in the chunk: a valid copy must come from another "
+                        "upstream, or the upstream must be fixed")  # fmt: skip
 
 
 def _append(log: PartitionLog, view: memoryview, headers: list[BatchHeader], starts: list[int],
