@@ -14,6 +14,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from dedup.producer import ProducerStateTable
+from georep.broker import errors
+from georep.broker.append import append_as_origin
+from georep.kafka import errors as k
 from georep.kafka.records import convert_fetched
 from georep.record.batch import (
     HEADER_BYTES,
@@ -32,6 +36,9 @@ from georep.record.validate import (
     TimestampWindow,
     validate_batch,
 )
+from georep.replication.sink import CorruptChunk, InvalidChunk, apply_chunk
+from georep.server.status import Code, status_of
+from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import Origin
 from tests.support.forge import TS, forge, hostile_batches, record
 from topology.ids import SiteId
@@ -259,3 +266,61 @@ def test_a_mutated_record_section_is_refused_or_readable(records: list[RecordInp
     except InvalidBatch:
         return
     _readers_agree(forged, len(records))
+
+
+# --- where the validator is used: the origin append, the apply, the error tables ----------------------------------
+
+
+def test_the_origin_append_refuses_each_kind_with_its_own_error_and_stores_nothing() -> None:
+    good = encode_batch([RecordInput(None, b"v", (), TS)])
+    bomb = forge(compress(Compression.ZSTD, record(b"\0" * 5000)), 1, attributes=1)
+    flipped = bytearray(good)
+    flipped[-1] ^= 1
+    cases = [
+        (forge(record(b"v"), 1, attributes=7), errors.InvalidRecords, "unknown compression codec id 7",
+         Code.INVALID_ARGUMENT, k.INVALID_RECORD),
+        (bomb, errors.DecompressedTooLarge, "decompress to more than max_batch_bytes=4096",
+         Code.INVALID_ARGUMENT, k.MESSAGE_TOO_LARGE),
+        (encode_batch([RecordInput(None, b"v", (), TS + 3_600_001)]), errors.TimestampRefused,
+         "message_timestamp_after_max_ms=3600000", Code.INVALID_ARGUMENT, k.INVALID_TIMESTAMP),
+        (bytes(flipped), errors.BatchCrcMismatch, "CRC", Code.DATA_LOSS, k.CORRUPT_MESSAGE),
+        (good + good, errors.MalformedBatch, "one batch per request", Code.INVALID_ARGUMENT, k.CORRUPT_MESSAGE),
+    ]  # fmt: skip
+    for batch, error, message, status, kafka_code in cases:
+        log = MemoryLog()
+        with pytest.raises(error, match=message) as info:
+            append_as_origin(log, ProducerStateTable(), ORIGIN, batch, topic="t", max_batch_bytes=4096, now_ms=TS,
+                             window=TimestampWindow(TS))  # fmt: skip
+        assert log.log_end_offset == 0
+        assert (status_of(info.value), k.error_code(info.value)) == (status, kafka_code), error
+
+
+def stamped(seq: int, value: bytes = b"v", origin: Origin = ORIGIN) -> bytes:
+    return encode_batch([RecordInput(None, value, (), TS)], origin=origin, base_origin_seq=seq)
+
+
+def test_apply_stores_what_came_before_an_invalid_batch_and_nothing_from_it_on() -> None:
+    other = Origin(SiteId("z"), 2)
+    poison = forge(record(b"v", index=3), 1, site=b"x", epoch=1, seq=1)
+    log = MemoryLog()
+    with pytest.raises(InvalidChunk, match=r"origin x@1 origin seqs 1\.\.1 is invalid: record 0 .* offset_delta 3"):
+        apply_chunk(log, stamped(0) + stamped(0, origin=other) + poison + stamped(2) + stamped(1, origin=other),
+                    now_ms=TS, limit_bytes=LIMIT)  # fmt: skip
+    assert log.vector() == {ORIGIN: 1, other: 1}
+    # a batch the vector covers is skipped unread; one past the topic's limit is refused like any invalid one
+    big = encode_batch([RecordInput(None, b"w" * 5000, (), TS)], compression=Compression.LZ4, origin=ORIGIN,
+                       base_origin_seq=1)  # fmt: skip
+    with pytest.raises(InvalidChunk, match="records section decompresses to more than the limit of 4096"):
+        apply_chunk(log, stamped(0) + big, now_ms=TS, limit_bytes=4096)
+    unstamped = encode_batch([RecordInput(None, b"v", (), TS)])
+    with pytest.raises(InvalidChunk, match="it is unstamped"):
+        apply_chunk(log, unstamped, now_ms=TS)
+    with pytest.raises(InvalidChunk, match="its origin is not a site"):
+        apply_chunk(log, forge(record(b"v"), 1, site=b"X!", epoch=1, seq=1), now_ms=TS)
+    assert log.vector() == {ORIGIN: 1, other: 1}
+    # a CRC failure anywhere refuses the whole chunk, as before
+    flipped = bytearray(stamped(2))
+    flipped[-1] ^= 1
+    with pytest.raises(CorruptChunk, match="CRC") as info:
+        apply_chunk(log, stamped(1) + bytes(flipped), now_ms=TS)
+    assert not isinstance(info.value, InvalidChunk) and log.vector() == {ORIGIN: 1, other: 1}

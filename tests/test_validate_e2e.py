@@ -223,8 +223,8 @@ def test_a_record_stamped_minus_2_pow_63_is_refused_at_the_origin(start_node) ->
 
 
 def test_a_kafka_write_to_an_internal_topic_is_refused_by_the_broker(start_node) -> None:  # type: ignore[no-untyped-def]
-    """Item 12: a raw Kafka Produce to __georep_offsets (which needs no metadata) meets the broker's rule; the
-    group coordinator's own commits still go in."""
+    """Item 12: a raw Kafka Produce to __georep_offsets (which needs no metadata) meets the broker's rule, as a
+    gRPC Produce does; the group coordinator's own commits still go in."""
     node: NodeProcess = start_node(extra_args=KAFKA_ARGS)
     b = ("--bootstrap", node.address)
     ok(georep("topic", "create", "t", "--partitions", "1", *b))
@@ -240,6 +240,8 @@ def test_a_kafka_write_to_an_internal_topic_is_refused_by_the_broker(start_node)
                                                       timeout=5).partition_states)):  # fmt: skip
             code, message = produce_raw(kafka_address(node), "__georep_offsets", partition, forged)
             assert code == INVALID_TOPIC_EXCEPTION and "internal to georep" in message, (code, message)
+        georep_batch = encode_batch([RecordInput(b"g", b'{"forged": true}', (), now_ms())])
+        assert "internal to georep" in refusal(produce_grpc(stub, georep_batch, "__georep_offsets"))
         ok(georep("produce", "t", *b, stdin=b"two\n"))
         out = ok(georep("consume", "t", "--group", "g", "--max", "1", "--timeout", "10", *b))
         assert out.splitlines() == ["two"]  # the group's first commit held, and its next one went in
