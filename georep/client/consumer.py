@@ -665,6 +665,29 @@ class Consumer:
         state.base_vector = vector
         return _Start("vector", -1, vector)
 
+    async def _past_bad_batch(self, state: _PartitionState, records: list[ConsumerRecord], bad: BadBatch,
+                              last_next: int, address: str) -> bool:  # fmt: skip
+        """Hand out the records before a batch that does not decode, then skip it (True: the fetcher goes on after
+        it) or report it (False: the fetcher stops; ``poll`` raises after the records)."""
+        topic, partition = state.tp
+        if records:
+            await self._put(state, _Chunk(records, bad.base_offset))  # every record before it first
+        if bad.next_offset < 0:  # a CRC failure: its header, so where it ends, cannot be trusted
+            await self._put(state, _Chunk([], last_next, CorruptData(
+                f"corrupt batch fetched from {topic}/{partition} at {address}: {bad.error}; the node's copy may be "
+                "damaged, try another site")))  # fmt: skip
+            return False
+        message = (f"invalid batch at {topic}/{partition} offsets {bad.base_offset}..{bad.next_offset - 1}, served "
+                   f"by {address}: {bad.error}. It was stored before georep validated batches")  # fmt: skip
+        if not self._skip_corrupt:
+            await self._put(state, _Chunk([], bad.base_offset, InvalidData(
+                f"{message}; skip it (georep consume --skip-corrupt, Consumer(skip_corrupt=True)) or read it at a "
+                "site that holds a valid copy", None, bad.next_offset)))  # fmt: skip
+            return False
+        self.skipped.append(Skipped(topic, partition, bad.base_offset, bad.next_offset, message, "invalid"))
+        await self._put(state, _Chunk([], bad.next_offset))
+        return True
+
     async def _fetch(self, state: _PartitionState) -> None:
         topic, partition = state.tp
         start = state.start
@@ -702,26 +725,10 @@ class Consumer:
                     backoff_ms = self._retry_backoff_ms
                     records, bad = decode_fetched(topic, partition, response.batches, min_offset, vector)
                     if bad is not None:
-                        if records:
-                            await self._put(state, _Chunk(records, bad.base_offset))  # every record before it first
-                        if bad.next_offset < 0:
-                            await self._put(state, _Chunk([], last_next, CorruptData(
-                                f"corrupt batch fetched from {topic}/{partition} at {connection.address}: "
-                                f"{bad.error}; the node's copy may be damaged, try another site")))  # fmt: skip
+                        if not await self._past_bad_batch(state, records, bad, last_next, connection.address):
                             return
-                        message = (f"invalid batch at {topic}/{partition} offsets {bad.base_offset}.."
-                                   f"{bad.next_offset - 1}, served by {connection.address}: {bad.error}. It was "
-                                   "stored before georep validated batches")  # fmt: skip
-                        if not self._skip_corrupt:
-                            await self._put(state, _Chunk([], bad.base_offset, InvalidData(
-                                f"{message}; skip it (georep consume --skip-corrupt, Consumer(skip_corrupt=True)) "
-                                "or read it at a site that holds a valid copy", None, bad.next_offset)))  # fmt: skip
-                            return
-                        self.skipped.append(Skipped(topic, partition, bad.base_offset, bad.next_offset, message,
-                                                    "invalid"))  # fmt: skip
                         start = _Start("offset", bad.next_offset)
                         min_offset = last_next = bad.next_offset
-                        await self._put(state, _Chunk([], bad.next_offset))
                         break  # fetch again from after it: the rest of this response was not decoded
                     next_offset = response.next_offset
                     if records and response.follower_read:
