@@ -17,8 +17,10 @@ How each codec is bounded (zstandard 0.25, lz4 4.4.5):
   when it does not fit, a stream reader reads at most ``limit_bytes + 1``
   bytes of it to tell a bomb (too large) from a damaged frame. One frame only:
   data after it is refused, as both georep's and Kafka's producers write one.
-* **lz4.** An ``LZ4FrameDecompressor`` with ``max_length=limit_bytes + 1``: the
-  output stops there, and a frame that is not over by then is too large.
+* **lz4.** A frame that declares its content size past the limit is refused
+  at once. Otherwise an ``LZ4FrameDecompressor`` with ``max_length`` one past
+  the declared size, or past the limit when none is declared: the output stops
+  there, and a frame that is not over by then is too large (or lied).
 """
 
 from __future__ import annotations
@@ -130,12 +132,23 @@ def _zstd_exceeds(data: bytes | memoryview, limit_bytes: int) -> bool:
 
 def decompress_lz4(data: bytes | memoryview, limit_bytes: int) -> bytes:
     """One lz4 frame, bounded as the module docstring says."""
-    dctx = lz4.frame.LZ4FrameDecompressor()
     try:
-        out = dctx.decompress(data, max_length=limit_bytes + 1)
+        declared = int(lz4.frame.get_frame_info(data)["content_size"])  # 0: not declared
     except RuntimeError as exc:
         raise DecompressionError(f"records do not decompress as lz4: {exc}") from None
-    if len(out) > limit_bytes:
+    if declared > limit_bytes:
+        raise DecompressedTooLarge("lz4", limit_bytes, declared)
+    # A buffer no larger than needed: lz4 pays for the room max_length asks (0.45 ms for 64 MiB, 0.11 for 1 MiB).
+    room = declared or limit_bytes
+    dctx = lz4.frame.LZ4FrameDecompressor()
+    try:
+        out = dctx.decompress(data, max_length=room + 1)
+    except RuntimeError as exc:
+        raise DecompressionError(f"records do not decompress as lz4: {exc}") from None
+    if len(out) > room:
+        if declared:
+            raise DecompressionError(f"records do not decompress as lz4: the frame holds more than the {declared} "
+                                     "bytes it declares")  # fmt: skip
         raise DecompressedTooLarge("lz4", limit_bytes)
     if not dctx.eof:
         raise DecompressionError("records do not decompress as lz4: the lz4 frame is truncated")
