@@ -44,7 +44,11 @@ TOPIC_CONFIG_KEYS: dict[str, str] = {
     "retention_ms": "delete sealed segments whose newest record is older (-1: forever)",
     "retention_bytes": "delete the oldest sealed segments while the partition is larger (-1: no limit)",
     "flush_interval_ms": "0: fsync before acking each batch; N: fsync every N ms",
-    "max_batch_bytes": "reject produced batches larger than this",
+    "max_batch_bytes": "reject produced batches larger than this, compressed or decompressed",
+    "message_timestamp_before_max_ms": "reject a produced record stamped more than this before the site's clock "
+    "(-1: no limit; Kafka's message.timestamp.before.max.ms)",
+    "message_timestamp_after_max_ms": "reject a produced record stamped more than this after the site's clock "
+    "(-1: no limit; Kafka's message.timestamp.after.max.ms)",
 }
 
 # The largest max_batch_bytes a topic may have. The node's gRPC receive limit is above it, so a batch over a
@@ -60,6 +64,8 @@ _MINIMUMS = {
     "retention_bytes": -1,
     "flush_interval_ms": 0,
     "max_batch_bytes": 1024,
+    "message_timestamp_before_max_ms": -1,
+    "message_timestamp_after_max_ms": -1,
 }
 
 

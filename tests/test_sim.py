@@ -192,7 +192,7 @@ def test_a_planted_bug_in_the_pull_session_is_caught(monkeypatch: pytest.MonkeyP
     """The lost-tail rule is really needed: without it a dropped last chunk is never fetched again."""
     monkeypatch.setattr(PullSession, "_tail_lost", lambda self, stream, message: False)
     with pytest.raises(SimulationFailure, match="I4 convergence"):
-        run_seed(6, "random-6")
+        run_seed(11, "random-6")  # seed 6 no longer loses a tail since a pull's backoff resets on progress only
 
 
 def test_a_planted_bug_in_the_fetch_cursor_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,9 +6,13 @@ broker calls it for every produced batch (and for the commit records of
 consumer groups); the simulator calls it for its producers and consumers, on
 ``MemoryLog``. In order:
 
-1. **Shape.** The batch is at most ``max_batch_bytes``, is exactly one batch
-   (its header's length is the request's length), its CRC-32C matches, and it
-   is unstamped: producers never choose coordinates.
+1. **Validation.** The batch is at most ``max_batch_bytes``, is exactly one
+   batch (its header's length is the request's length), its CRC-32C matches,
+   its records are what its header says, decompressed into at most
+   ``max_batch_bytes``, and their timestamps are within the topic's limits
+   around ``now_ms`` (``georep/record/validate.py`` lists every check). And it
+   is unstamped: producers never choose coordinates. A site never stores what
+   it could not serve.
 2. **Producer.** The idempotent producer's table classifies it
    (``dedup/producer.py``): a retry of one of the producer's last 5 batches is
    answered with the original result and stores nothing; an out-of-order or
@@ -36,8 +40,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dedup.producer import Append, AppendResult, Duplicate, ProducerStateTable
-from georep.broker.errors import BatchCrcMismatch, BatchTooLarge, MalformedBatch, SequenceRejected
-from georep.record.batch import HEADER_BYTES, REWRITTEN_BYTES, CorruptBatch, compute_crc, parse_header, stamp_origin
+from georep.broker.errors import (
+    BatchCrcMismatch,
+    BatchTooLarge,
+    DecompressedTooLarge,
+    InvalidRecords,
+    MalformedBatch,
+    SequenceRejected,
+    TimestampRefused,
+)
+from georep.record.batch import (
+    HEADER_BYTES,
+    REWRITTEN_BYTES,
+    BatchHeader,
+    CorruptBatch,
+    parse_header,
+    stamp_origin,
+)
+from georep.record.validate import (
+    CrcMismatch,
+    InvalidBatch,
+    RecordsTooLarge,
+    TimestampOutOfRange,
+    TimestampWindow,
+    validate_batch,
+)
 from georep.storage.api import PartitionLog
 from offsets.coordinates import LocalOffset, Origin
 
@@ -57,26 +84,32 @@ class Produced:
         return LocalOffset(self.result.base_offset + self.records)
 
 
-def check_batch_shape(batch: bytes | memoryview, topic: str, max_batch_bytes: int) -> None:
-    """Raise unless ``batch`` is one whole, CRC-valid, unstamped batch within ``max_batch_bytes``."""
+def check_batch_shape(batch: bytes | memoryview, topic: str, max_batch_bytes: int,
+                      window: TimestampWindow | None = None) -> BatchHeader:  # fmt: skip
+    """The header of ``batch`` if it is one whole, valid, unstamped batch within ``max_batch_bytes`` (see the
+    module docstring); raises otherwise. ``window``: the topic's limits on record timestamps around this site's
+    clock."""
     if len(batch) > max_batch_bytes:
         raise BatchTooLarge(len(batch), max_batch_bytes, topic)
     try:
-        header = parse_header(batch)
+        header = validate_batch(batch, max_batch_bytes, window).header
+    except RecordsTooLarge:
+        raise DecompressedTooLarge(max_batch_bytes, topic) from None
+    except TimestampOutOfRange as exc:
+        raise TimestampRefused(f"batch refused by topic {topic!r}: {exc}") from None
+    except InvalidBatch as exc:
+        raise InvalidRecords(f"invalid batch for topic {topic!r}: {exc}. Nothing was stored: the producer "
+                             "encoded a batch georep cannot serve; fix or replace that producer") from None
+    except CrcMismatch:
+        raise BatchCrcMismatch() from None
     except CorruptBatch as exc:
-        raise MalformedBatch(f"malformed batch: {exc}") from None
-    if header.size_bytes != len(batch):
-        raise MalformedBatch(
-            f"malformed batch: its header says {header.size_bytes} bytes but the request holds {len(batch)}; "
-            "send exactly one batch per request"
-        )
-    if compute_crc(batch) != header.crc:
-        raise BatchCrcMismatch()
+        raise MalformedBatch(f"malformed batch: {exc}; send exactly one batch per request") from None
     if header.stamped:
         raise MalformedBatch(
             f"batch already carries origin {header.origin} seq {header.base_origin_seq}: producers send "
             "unstamped batches and the receiving site stamps them"
         )
+    return header
 
 
 def append_as_origin(
@@ -88,10 +121,11 @@ def append_as_origin(
     topic: str,
     max_batch_bytes: int,
     now_ms: int,
+    window: TimestampWindow | None = None,
 ) -> Produced:
-    """Validate, deduplicate, stamp and append one producer batch; see the module docstring."""
-    check_batch_shape(batch, topic, max_batch_bytes)
-    header = parse_header(batch)
+    """Validate, deduplicate, stamp and append one producer batch; see the module docstring. ``window`` holds
+    ``now_ms`` too, with the topic's timestamp limits (the simulator, whose clocks skew freely, gives none)."""
+    header = check_batch_shape(batch, topic, max_batch_bytes, window)
     records = header.records_count
     decision = producers.check(header.producer_id, header.producer_epoch, header.base_sequence,
                                header.last_sequence, now_ms)  # fmt: skip

@@ -43,6 +43,27 @@ class MalformedBatch(InvalidRequest):
     """A produced batch that is not one whole, unstamped batch."""
 
 
+class InvalidRecords(MalformedBatch):
+    """A produced batch, whole and CRC-valid, whose records break the batch format
+    (``georep/record/validate.py``): an unknown codec, a bad count, offset delta, length, header count or
+    timestamp. Nothing was stored."""
+
+
+class DecompressedTooLarge(BatchTooLarge, InvalidRecords):
+    """A produced batch whose records decompress (or say they do) past its topic's ``max_batch_bytes``."""
+
+    def __init__(self, limit: int, topic: str) -> None:
+        InvalidRequest.__init__(
+            self, f"the batch's records decompress to more than max_batch_bytes={limit} of topic {topic!r}; "
+            "nothing was stored: lower the producer's batch_size or raise the topic's max_batch_bytes"
+        )  # fmt: skip
+
+
+class TimestampRefused(InvalidRecords):
+    """A record timestamp out of the topic's ``message_timestamp_before_max_ms`` / ``..._after_max_ms``
+    around the origin's clock (Kafka's ``message.timestamp.before.max.ms`` / ``after.max.ms``)."""
+
+
 class BatchCrcMismatch(BrokerError):
     def __init__(self) -> None:
         super().__init__("batch CRC-32C mismatch: the batch was corrupted in transit or by the producer; resend it")

@@ -180,11 +180,15 @@ async def cmd_consume(args: argparse.Namespace) -> int:
                 await consumer.commit()
             finally:
                 consumer.assign([])
-        for topic_name, partition, first, after, message in consumer.skipped:
-            where = f"offsets {first}..{after - 1}" if first >= 0 else f"up to offset {after - 1}"
-            err(f"skipped damaged records of {topic_name}/{partition}, {where}: {message}")
+        for s in consumer.skipped:
+            where = f"offsets {s.first_offset}..{s.next_offset - 1}" if s.first_offset >= 0 else \
+                f"up to offset {s.next_offset - 1}"  # fmt: skip
+            err(f"skipped {s.kind} records of {s.topic}/{s.partition}, {where}: {s.message}")
+    damaged = sum(1 for s in consumer.skipped if s.kind == "damaged")
+    invalid = len(consumer.skipped) - damaged
     err(f"consumed {count} records from {args.topic!r}"
-        + (f", skipped {len(consumer.skipped)} damaged range(s)" if consumer.skipped else ""))
+        + (f", skipped {damaged} damaged range(s)" if damaged else "")
+        + (f", skipped {invalid} invalid batch(es)" if invalid else ""))
     return 0
 
 

@@ -6,6 +6,14 @@ requested position or covered by the start vector (the node sends whole
 batches), and puts them on a small bounded queue, so memory stays bounded
 while the application is slow. ``poll`` takes from those queues round-robin.
 
+Decoding decompresses a batch into at most ``READ_RECORDS_BYTES_MAX`` (the
+largest ``max_batch_bytes`` a topic may have) and checks its records as a site
+does before it stores them. A batch that fails (stored before sites validated
+batches) ends the records of its response: ``poll`` returns every record
+before it, then raises :class:`InvalidData`, which names the batch and says
+what to do; with ``skip_corrupt=True`` the fetcher skips the batch, notes it
+in :attr:`Consumer.skipped`, and goes on after it.
+
 A fetcher that loses its node reconnects with bounded exponential backoff and
 resumes from the offset after the last batch it queued. A start offset
 outside the log applies ``auto_offset_reset`` (``earliest`` or ``latest``),
@@ -49,6 +57,7 @@ from georep.client.errors import (
     CorruptData,
     DamagedData,
     GeorepError,
+    InvalidData,
     InvalidRequest,
     NodeUnavailable,
     NotLeader,
@@ -59,8 +68,7 @@ from georep.client.group import Committed, GroupMembership, GroupOptions, check_
 from georep.client.producer import parse_acks
 from georep.proto import georep_pb2
 from georep.proto.convert import vector_from_proto, vector_to_proto
-from georep.record.batch import CorruptBatch, check_batch, decode_records
-from georep.record.compression import DecompressionError
+from georep.record.batch import CorruptBatch, InvalidBatch, check_batch, decode_records
 from georep.security.tls import TlsConfig
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import Coverage, VectorOffset
@@ -138,11 +146,43 @@ class _PartitionState:
         self.fetcher: asyncio.Task[None] | None = None
 
 
+class Skipped(NamedTuple):
+    """A range of a partition a ``skip_corrupt`` consumer skipped, and why."""
+
+    topic: str
+    partition: int
+    first_offset: int  # -1: not known (a quarantined batch met before any position)
+    next_offset: int
+    message: str
+    kind: str  # "damaged" (quarantined at the node) or "invalid" (stored without validation)
+
+
+class BadBatch(NamedTuple):
+    """A batch of a fetch response that does not decode: the records before it are good."""
+
+    base_offset: int
+    next_offset: int  # -1 when its header cannot be trusted (a CRC failure)
+    error: CorruptBatch
+
+
+class Decoded(NamedTuple):
+    records: list[ConsumerRecord]
+    bad: BadBatch | None
+
+
 def decode_response(
     topic: str, partition: int, buf: bytes, min_offset: int, vector: VectorOffset | None
 ) -> list[ConsumerRecord]:
-    """CRC-check and decode the batches of one fetch response, dropping records below
-    ``min_offset`` and records ``vector`` covers."""
+    """:func:`decode_fetched`'s records; raises the first bad batch's error instead of returning it."""
+    decoded = decode_fetched(topic, partition, buf, min_offset, vector)
+    if decoded.bad is not None:
+        raise decoded.bad.error
+    return decoded.records
+
+
+def decode_fetched(topic: str, partition: int, buf: bytes, min_offset: int, vector: VectorOffset | None) -> Decoded:
+    """CRC-check and decode the batches of one fetch response, dropping records below ``min_offset`` and
+    records ``vector`` covers; stops at the first batch that does not decode, returning the records before it."""
     out: list[ConsumerRecord] = []
     view = memoryview(buf)
     pos = 0
@@ -150,7 +190,10 @@ def decode_response(
     make = ConsumerRecord._make
     prefix = (topic, partition)
     while pos < end:
-        header = check_batch(view, pos)
+        try:
+            header = check_batch(view, pos)
+        except CorruptBatch as exc:
+            return Decoded(out, BadBatch(-1, -1, exc))
         size = header.size_bytes
         if header.next_offset <= min_offset:
             pos += size
@@ -163,12 +206,15 @@ def decode_response(
                 continue
             if coverage is Coverage.PARTIAL:
                 skip_seq = vector.get(header.origin)
-        records = decode_records(view[pos : pos + size], header)
+        try:
+            records = decode_records(view[pos : pos + size], header)
+        except InvalidBatch as exc:
+            return Decoded(out, BadBatch(header.base_offset, header.next_offset, exc))
         if header.base_offset < min_offset or skip_seq >= 0:
             records = [r for r in records if r.offset >= min_offset and r.origin_seq >= skip_seq]
         out.extend(make(prefix + r) for r in records)
         pos += size
-    return out
+    return Decoded(out, None)
 
 
 class Consumer:
@@ -226,8 +272,8 @@ class Consumer:
         self._leader_connections: dict[str, Connection] = {}
         self._reset = auto_offset_reset
         self._skip_corrupt = skip_corrupt
-        # With skip_corrupt: what was skipped, (topic, partition, first offset, next offset, the node's message).
-        self.skipped: list[tuple[str, int, int, int, str]] = []
+        # With skip_corrupt: what was skipped, and why.
+        self.skipped: list[Skipped] = []
         self._max_bytes = max_bytes
         self._max_wait_ms = max_wait_ms
         self._queue_max = queued_responses_max
@@ -619,6 +665,29 @@ class Consumer:
         state.base_vector = vector
         return _Start("vector", -1, vector)
 
+    async def _past_bad_batch(self, state: _PartitionState, records: list[ConsumerRecord], bad: BadBatch,
+                              last_next: int, address: str) -> bool:  # fmt: skip
+        """Hand out the records before a batch that does not decode, then skip it (True: the fetcher goes on after
+        it) or report it (False: the fetcher stops; ``poll`` raises after the records)."""
+        topic, partition = state.tp
+        if records:
+            await self._put(state, _Chunk(records, bad.base_offset))  # every record before it first
+        if bad.next_offset < 0:  # a CRC failure: its header, so where it ends, cannot be trusted
+            await self._put(state, _Chunk([], last_next, CorruptData(
+                f"corrupt batch fetched from {topic}/{partition} at {address}: {bad.error}; the node's copy may be "
+                "damaged, try another site")))  # fmt: skip
+            return False
+        message = (f"invalid batch at {topic}/{partition} offsets {bad.base_offset}..{bad.next_offset - 1}, served "
+                   f"by {address}: {bad.error}. It was stored before georep validated batches")  # fmt: skip
+        if not self._skip_corrupt:
+            await self._put(state, _Chunk([], bad.base_offset, InvalidData(
+                f"{message}; skip it (georep consume --skip-corrupt, Consumer(skip_corrupt=True)) or read it at a "
+                "site that holds a valid copy", None, bad.next_offset)))  # fmt: skip
+            return False
+        self.skipped.append(Skipped(topic, partition, bad.base_offset, bad.next_offset, message, "invalid"))
+        await self._put(state, _Chunk([], bad.next_offset))
+        return True
+
     async def _fetch(self, state: _PartitionState) -> None:
         topic, partition = state.tp
         start = state.start
@@ -654,13 +723,13 @@ class Consumer:
             try:
                 async for response in call:
                     backoff_ms = self._retry_backoff_ms
-                    try:
-                        records = decode_response(topic, partition, response.batches, min_offset, vector)
-                    except (CorruptBatch, DecompressionError) as exc:
-                        await self._put(state, _Chunk([], last_next, CorruptData(
-                            f"corrupt batch fetched from {topic}/{partition} at {connection.address}: "
-                            f"{exc}; the node's copy may be damaged, try another site")))  # fmt: skip
-                        return
+                    records, bad = decode_fetched(topic, partition, response.batches, min_offset, vector)
+                    if bad is not None:
+                        if not await self._past_bad_batch(state, records, bad, last_next, connection.address):
+                            return
+                        start = _Start("offset", bad.next_offset)
+                        min_offset = last_next = bad.next_offset
+                        break  # fetch again from after it: the rest of this response was not decoded
                     next_offset = response.next_offset
                     if records and response.follower_read:
                         self.follower_reads += 1
@@ -696,7 +765,7 @@ class Consumer:
                     # it once and keep trying (the repair may come).
                     at = start.offset if start.kind == "offset" else -1
                     if self._skip_corrupt:
-                        self.skipped.append((topic, partition, at, skip_to, error.message))
+                        self.skipped.append(Skipped(topic, partition, at, skip_to, error.message, "damaged"))
                         start, min_offset = _Start("offset", skip_to), skip_to
                         continue
                     if reported_damage != at:

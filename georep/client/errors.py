@@ -64,6 +64,16 @@ class DamagedData(CorruptData):
         self.next_offset = next_offset
 
 
+class InvalidData(CorruptData):
+    """A fetched batch whose CRC is valid but whose records are not (a site stored it without validating it,
+    before georep validated batches). ``next_offset`` is where the log goes on after it; ``skip_corrupt=True``
+    skips it."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, next_offset: int = -1) -> None:
+        super().__init__(message, code)
+        self.next_offset = next_offset
+
+
 class DiskFull(GeorepError):
     """The node's disk is full; nothing of the batch was written."""
 

@@ -11,7 +11,7 @@ from cluster.metadata import TopicExists, UnknownTopic
 from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence, OutOfOrderSequence, ProducerFenced
 from georep.broker import errors as e
-from georep.record.batch import CorruptBatch
+from georep.record.batch import CorruptBatch, InvalidBatch, RecordsTooLarge
 from georep.storage.api import DiskFull, OffsetOutOfRange
 from offsets.commits import InvalidCommit
 
@@ -47,15 +47,21 @@ TOPIC_AUTHORIZATION_FAILED = 29
 GROUP_AUTHORIZATION_FAILED = 30
 CLUSTER_AUTHORIZATION_FAILED = 31
 INVALID_RECORD = 87
+INVALID_TIMESTAMP = 32
 
 CODES: dict[type[Exception], int] = {
     UnknownTopic: UNKNOWN_TOPIC_OR_PARTITION,
     e.UnknownPartition: UNKNOWN_TOPIC_OR_PARTITION,
     TopicExists: TOPIC_ALREADY_EXISTS,
     InvalidTopic: INVALID_TOPIC_EXCEPTION,
-    e.BatchTooLarge: MESSAGE_TOO_LARGE,
+    e.BatchTooLarge: MESSAGE_TOO_LARGE,  # e.DecompressedTooLarge too: Kafka's answer to a batch over its limit
+    e.TimestampRefused: INVALID_TIMESTAMP,
+    e.InvalidRecords: INVALID_RECORD,
     e.MalformedBatch: CORRUPT_MESSAGE,
     e.BatchCrcMismatch: CORRUPT_MESSAGE,
+    e.InternalTopic: INVALID_TOPIC_EXCEPTION,  # Kafka's answer to a client's write to an internal topic
+    RecordsTooLarge: MESSAGE_TOO_LARGE,
+    InvalidBatch: INVALID_RECORD,
     CorruptBatch: CORRUPT_MESSAGE,
     e.InvalidRequest: INVALID_REQUEST,
     e.NotCoordinator: NOT_COORDINATOR,

@@ -42,7 +42,7 @@ from georep.kafka import errors as k
 from georep.kafka.cluster import NO_GROUPS, OneNode, SiteView, ViewOf
 from georep.kafka.offsets import FetchFilters, vector_at
 from georep.kafka.protocol import Request, api_versions_body
-from georep.kafka.records import RecordsError, georep_to_kafka, kafka_to_georep
+from georep.kafka.records import InvalidStored, RecordsError, convert_fetched, kafka_to_georep
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.security.acl import Operation, Resource, ResourceKind
@@ -61,6 +61,7 @@ EAGER_PROTOCOLS = ("range", "roundrobin", "sticky")  # assignment strategies a c
 COMMITTED_WAIT_MS = 5_000  # OffsetFetch waits this long for the commits live upstreams hold
 FETCH_MAX_BYTES_CAP = 64 << 20
 NO_FILTER_END = 1 << 62
+INVALID_REPORTED_MAX = 10_000
 LATEST = -1
 EARLIEST = -2
 
@@ -114,6 +115,7 @@ class KafkaGateway:
         self.kgroups: dict[str, KafkaGroup] = {}
         # A node of a multi-node site: its view of the site's leaders and Kafka addresses (georep/kafka/cluster.py)
         self.view_of: ViewOf | None = None
+        self._invalid_reported: set[tuple[str, int, int]] = set()  # stored invalid batches already logged
 
     def _view(self, keys: list[tuple[str, int]] | None = None) -> SiteView:
         return OneNode(self.host, self.port) if self.view_of is None else self.view_of(keys)
@@ -208,7 +210,8 @@ class KafkaGateway:
                     if body.transactional_id is not None:
                         raise RecordsError(k.INVALID_RECORD, "transactions are not supported")
                     self._allow(peer, Operation.PRODUCE, [acl_topic(t.name)])
-                    batch = kafka_to_georep(pd.records or b"")
+                    limit = self.broker.partition(t.name, pd.index).config["max_batch_bytes"]
+                    batch = kafka_to_georep(pd.records or b"", limit)
                     p, produced = self.broker.append(t.name, pd.index, batch, acks)
                     waiter = self.broker.ack_waiter(p, produced, acks, body.timeout_ms) if body.acks != 0 else None
                     results.append((t.name, pd.index, (p, produced, waiter)))
@@ -298,7 +301,9 @@ class KafkaGateway:
                         got = plog.read(offset, min(fp.partition_max_bytes, budget - size))
                         chunk, _next = durable_part(got.data, got.next_offset, flushed)
                         skip = self.filters.for_fetch((client, t.topic, fp.partition), offset)
-                        records = georep_to_kafka(chunk, offset, skip.to_dict() if skip else None, NO_FILTER_END)
+                        converted = convert_fetched(chunk, offset, skip.to_dict() if skip else None, NO_FILTER_END)
+                        self._report_invalid(t.topic, fp.partition, converted.invalid)
+                        records = converted.data
                         size += len(records)
                     else:
                         waits.append(p.durable())
@@ -312,6 +317,21 @@ class KafkaGateway:
                                 records=records))  # fmt: skip
             topics.append(r.FetchableTopicResponse(topic=t.topic, partitions=parts))
         return topics, size, waits
+
+    def _report_invalid(self, topic: str, partition: int, invalid: tuple[InvalidStored, ...]) -> None:
+        """Log each stored batch a fetch served empty because its records are invalid, once per batch (clients
+        fetch it again and again until they are past it); the set is bounded."""
+        for bad in invalid:
+            key = (topic, partition, bad.base_offset)
+            if key in self._invalid_reported:
+                continue
+            if len(self._invalid_reported) >= INVALID_REPORTED_MAX:
+                self._invalid_reported.clear()
+            self._invalid_reported.add(key)
+            log.error("%s-%d: the stored batch at offsets %d..%d is invalid and was served to Kafka clients as an "
+                      "empty batch, which they move past: %s. It was stored before georep validated batches; "
+                      "'georep consume' reports it too, and another site may hold a valid copy",
+                      topic, partition, bad.base_offset, bad.next_offset - 1, bad.reason)  # fmt: skip
 
     async def _list_offsets(self, req: Request, peer: Client) -> Any:
         r = kconsumer.ListOffsetsResponse

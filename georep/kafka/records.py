@@ -7,12 +7,18 @@ and origin seq, stamped by the site that first accepts the batch. So a batch is 
 once each way, with kafka-python's maintained codec (``kafka.record``: its batch header struct, its varint
 encoder and decoder, its reader for compressed batches), copying each record's bytes once:
 
-* **Produce** (:func:`kafka_to_georep`). An uncompressed batch is walked in place (its CRC checked over a
-  view of the request) and each record's key and value, as views, go straight into georep's encoder: the
-  record bytes are copied once, into the georep batch. A compressed one (gzip, lz4, zstd; snappy only with
-  python-snappy) goes through kafka-python's reader, which decompresses it. The producer's id, epoch and
-  base sequence are kept, so georep's producer table (``dedup/producer.py``) deduplicates the idempotent
-  producer's retries with Kafka's own rules.
+* **Produce** (:func:`kafka_to_georep`). The batch is validated before it is converted: exactly one v2
+  batch, its CRC, no transactional or control batch, a codec this process reads, and its records walked
+  once, each with its length, offset delta (0, 1, 2 ...), key, value and headers inside the batch, with no
+  byte left over. An uncompressed batch is walked in place (its CRC checked over a view of the request)
+  and each record's key and value, as views, go straight into georep's encoder: the record bytes are copied
+  once, into the georep batch. A compressed one (gzip, lz4, zstd) is decompressed first, streaming and
+  bounded by the topic's ``max_batch_bytes`` (``georep/record/compression.py``): a bomb is refused with
+  ``MESSAGE_TOO_LARGE`` having cost about that much memory, never what it would have grown to. Snappy is
+  refused (``UNSUPPORTED_COMPRESSION_TYPE``): no maintained wheel reads it bounded. The producer's id, epoch
+  and base sequence are kept, so georep's producer table (``dedup/producer.py``) deduplicates the
+  idempotent producer's retries with Kafka's own rules. The georep batch then goes through the origin
+  append, whose validation (``georep/record/validate.py``) checks it once more, timestamps included.
 * **Fetch** (:func:`georep_to_kafka`). Each stored batch is walked in place and becomes, in one pass,
   one Kafka batch (uncompressed) with the same base
   offset (a Kafka offset is the site's local offset) and the records' offset deltas, CreateTime
@@ -22,13 +28,18 @@ encoder and decoder, its reader for compressed batches), copying each record's b
   committed vector: see ``georep/kafka/offsets.py``); Kafka clients accept offset gaps, as after
   compaction. A batch left with no record becomes an empty batch (records count 0) that still spans its
   offsets, as compaction leaves them, so the consumer's position moves past it.
+* **An invalid stored batch** (stored before validation existed, or by a build without it) is decompressed
+  at most ``READ_RECORDS_BYTES_MAX`` and never crashes a fetch: the batches before it are served, and it
+  becomes an empty batch spanning its offsets, so Kafka consumers move past it as past compacted records,
+  and :func:`georep_to_kafka` reports it for the gateway to log (docs/kafka.md says why).
 """
 
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Mapping
-from typing import cast
+from typing import NamedTuple, cast
 
 import crc32c
 from kafka.record.default_records import DefaultRecordBatch
@@ -36,14 +47,18 @@ from kafka.record.util import decode_varint, encode_varint, size_of_varint
 
 from georep.record.batch import (
     HEADER_BYTES,
+    READ_RECORDS_BYTES_MAX,
     RECORD_HEAD,
+    BatchHeader,
     CorruptBatch,
+    InvalidBatch,
     RecordInput,
+    decompress_records,
     encode_batch,
     headers_in,
-    parse_header,
+    walk_records,
 )
-from georep.record.compression import decompress
+from georep.record.compression import DecompressedTooLarge, DecompressionError, decompress_lz4, decompress_zstd
 from offsets.coordinates import Origin
 
 ORIGIN_HEADER = "georep.origin"
@@ -73,16 +88,21 @@ class RecordsError(ValueError):
 
 
 CORRUPT_MESSAGE = 2
+MESSAGE_TOO_LARGE = 10
 UNSUPPORTED_FOR_MESSAGE_FORMAT = 43
 UNSUPPORTED_COMPRESSION_TYPE = 76
 INVALID_RECORD = 87
+_GZIP, _SNAPPY, _LZ4, _ZSTD = 1, 2, 3, 4
+_RECORD_MIN_BYTES = 7  # length, attributes, timestamp delta, offset delta, key, value, header count: a byte each
 
 
-def kafka_to_georep(data: bytes | memoryview) -> bytes:
-    """One Kafka v2 record batch (a Produce request's records of one partition) as one unstamped georep batch.
+def kafka_to_georep(data: bytes | memoryview, limit_bytes: int = READ_RECORDS_BYTES_MAX) -> bytes:
+    """One Kafka v2 record batch (a Produce request's records of one partition) as one unstamped georep batch;
+    its records decompress into at most ``limit_bytes`` (the topic's ``max_batch_bytes``).
 
     Raises :class:`RecordsError`: not exactly one v2 batch, a bad CRC, a transactional or control batch
-    (transactions are not supported), or a compression codec this process cannot decode."""
+    (transactions are not supported), a compression codec this process cannot decode, records that decompress
+    past the limit, or records that are not what the batch says."""
     buf = memoryview(data)
     if len(buf) < _BATCH_HEAD_MIN:
         raise RecordsError(CORRUPT_MESSAGE, f"records of {len(buf)} bytes hold no whole record batch")
@@ -99,22 +119,64 @@ def kafka_to_georep(data: bytes | memoryview) -> bytes:
         raise RecordsError(CORRUPT_MESSAGE, "record batch CRC mismatch")
     if attributes & (_TRANSACTIONAL | _CONTROL):
         raise RecordsError(INVALID_RECORD, "transactional producers are not supported by georep's Kafka gateway")
-    if not attributes & _CODEC_MASK:
-        records = _records_in_place(buf, count, first_ts)
-    else:
-        records = _decompressed_records(bytes(buf))
-    if not records:
-        raise RecordsError(INVALID_RECORD, "a record batch with no records")
+    if count < 1:
+        raise RecordsError(INVALID_RECORD, f"a record batch with records count {count}: it needs at least one")
+    codec = attributes & _CODEC_MASK
+    body = buf[_BATCH_HEAD_MIN:] if not codec else memoryview(_decompressed(codec, buf[_BATCH_HEAD_MIN:],
+                                                                            limit_bytes))  # fmt: skip
+    if len(body) > limit_bytes:
+        raise RecordsError(MESSAGE_TOO_LARGE, f"the batch's records hold {len(body)} bytes, more than the topic's "
+                           f"max_batch_bytes={limit_bytes}")  # fmt: skip
+    records = _records_in_place(body, count, first_ts)
     return encode_batch(records, producer_id=producer_id, producer_epoch=producer_epoch, base_sequence=base_sequence)
 
 
+def _decompressed(codec: int, data: memoryview, limit_bytes: int) -> bytes:
+    """A compressed batch's records section, at most ``limit_bytes``, streaming and bounded."""
+    name = _CODEC_NAMES.get(codec, str(codec))
+    try:
+        if codec == _ZSTD:
+            return decompress_zstd(data, limit_bytes)
+        if codec == _LZ4:
+            return decompress_lz4(data, limit_bytes)
+        if codec == _GZIP:
+            return _gunzip(data, limit_bytes)
+    except DecompressedTooLarge:
+        raise RecordsError(MESSAGE_TOO_LARGE, f"the batch's {name} records decompress to more than the topic's "
+                           f"max_batch_bytes={limit_bytes}: send smaller batches or raise the topic's "
+                           "max_batch_bytes") from None  # fmt: skip
+    except DecompressionError as exc:
+        raise RecordsError(CORRUPT_MESSAGE, f"cannot read the {name} records: {exc}") from None
+    raise RecordsError(UNSUPPORTED_COMPRESSION_TYPE, f"compression {name} is not supported by georep's Kafka "
+                       "gateway: use gzip, lz4, zstd or none")  # fmt: skip
+
+
+def _gunzip(data: memoryview, limit_bytes: int) -> bytes:
+    """One gzip member, its output stopped at ``limit_bytes + 1`` (zlib's ``max_length``)."""
+    dctx = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = dctx.decompress(data, limit_bytes + 1)
+    except zlib.error as exc:
+        raise DecompressionError(f"records do not decompress as gzip: {exc}") from None
+    if len(out) > limit_bytes:
+        raise DecompressedTooLarge("gzip", limit_bytes)
+    if not dctx.eof:
+        raise DecompressionError("records do not decompress as gzip: the gzip stream is truncated")
+    if dctx.unused_data:
+        raise DecompressionError(f"records hold {len(dctx.unused_data)} bytes after their gzip stream")
+    return out
+
+
 def _records_in_place(buf: memoryview, count: int, first_ts: int) -> list[RecordInput]:
-    """The records of an uncompressed batch, keys and values as views of the request's bytes: georep's encoder
-    copies them once, into the georep batch. The walk uses kafka-python's varint decoder and Kafka's record
-    layout (length, attributes, timestamp delta, offset delta, key, value, headers); georep's batch has no
-    offset gaps, so the offset deltas must be 0, 1, 2 ..., as every producer writes them."""
+    """The ``count`` records of a records section (a view of the request, or the decompressed section), keys
+    and values as views of it: georep's encoder copies them once, into the georep batch. The walk uses
+    kafka-python's varint decoder and Kafka's record layout (length, attributes, timestamp delta, offset delta,
+    key, value, headers); georep's batch has no offset gaps, so the offset deltas must be 0, 1, 2 ..., as every
+    producer writes them. Each record's fields stay inside the record, and no byte is left after the last."""
+    if count > len(buf) // _RECORD_MIN_BYTES:
+        raise RecordsError(INVALID_RECORD, f"records count {count} cannot fit in {len(buf)} bytes of records")
     out: list[RecordInput] = []
-    pos = _BATCH_HEAD_MIN
+    pos = 0
     try:
         for index in range(count):
             length, pos = decode_varint(buf, pos)
@@ -132,64 +194,90 @@ def _records_in_place(buf: memoryview, count: int, first_ts: int) -> list[Record
             value = buf[pos : pos + value_len] if value_len >= 0 else None
             pos += max(value_len, 0)
             header_count, pos = decode_varint(buf, pos)
+            if (end > len(buf) or key_len < -1 or value_len < -1 or pos > end
+                    or not 0 <= header_count <= (end - pos) // 2):  # a header takes at least 2 bytes; fmt: skip
+                raise RecordsError(INVALID_RECORD, f"record {index} of the batch has inconsistent lengths")
             headers: list[tuple[str, bytes | None]] = []
             for _h in range(header_count):
                 hk_len, pos = decode_varint(buf, pos)
-                hk = bytes(buf[pos : pos + hk_len]).decode()
+                if not 0 <= hk_len <= end - pos:
+                    raise RecordsError(INVALID_RECORD, f"record {index} has a header key length {hk_len}")
+                hk = str(buf[pos : pos + hk_len], "utf-8")
                 pos += hk_len
                 hv_len, pos = decode_varint(buf, pos)
+                if not -1 <= hv_len <= end - pos:
+                    raise RecordsError(INVALID_RECORD, f"record {index} has a header value length {hv_len}")
                 headers.append((hk, bytes(buf[pos : pos + hv_len]) if hv_len >= 0 else None))
                 pos += max(hv_len, 0)
-            if pos != end or end > len(buf) or header_count < 0 or key_len < -1 or value_len < -1:
-                raise RecordsError(CORRUPT_MESSAGE, f"record {index} of the batch has inconsistent lengths")
+            if pos != end:
+                raise RecordsError(INVALID_RECORD, f"record {index} of the batch has inconsistent lengths")
             # encode_batch takes a key's and a value's length and joins them: a view serves as well as bytes.
             out.append(RecordInput(cast(bytes | None, key), cast(bytes | None, value), headers, first_ts + ts_delta))
     except (IndexError, UnicodeDecodeError) as exc:
-        raise RecordsError(CORRUPT_MESSAGE, f"record batch truncated or corrupt: {exc}") from None
+        raise RecordsError(INVALID_RECORD, f"record batch truncated or corrupt: {exc}") from None
     if pos != len(buf):
-        raise RecordsError(CORRUPT_MESSAGE, f"{len(buf) - pos} bytes after the batch's last record")
+        raise RecordsError(INVALID_RECORD, f"{len(buf) - pos} bytes after the batch's last record")
     return out
 
 
-def _decompressed_records(buf: bytes) -> list[RecordInput]:
-    """The records of a compressed batch, through kafka-python's reader (it decompresses)."""
-    batch = DefaultRecordBatch(buf)
-    try:
-        records = [RecordInput(r.key, r.value, r.headers, r.timestamp) for r in batch]
-    except Exception as exc:  # kafka-python raises several types for a codec it lacks or corrupt data
-        codec = _CODEC_NAMES.get(batch.compression_type, str(batch.compression_type))
-        raise RecordsError(UNSUPPORTED_COMPRESSION_TYPE, f"cannot read the {codec} records: {exc}") from None
-    return records
+class InvalidStored(NamedTuple):
+    """A stored batch a fetch could not convert: served as an empty batch over its offsets."""
+
+    base_offset: int
+    next_offset: int
+    reason: str
+
+
+class Converted(NamedTuple):
+    data: bytes  # Kafka v2 batches, concatenated
+    invalid: tuple[InvalidStored, ...]  # the stored batches served empty
 
 
 def georep_to_kafka(chunk: bytes, from_offset: int = 0, skip: Mapping[Origin, int] | None = None,
                     skip_below: int = -1) -> bytes:  # fmt: skip
+    """:func:`convert_fetched`'s Kafka batches."""
+    return convert_fetched(chunk, from_offset, skip, skip_below).data
+
+
+def convert_fetched(chunk: bytes, from_offset: int = 0, skip: Mapping[Origin, int] | None = None,
+                    skip_below: int = -1) -> Converted:  # fmt: skip
     """Whole georep batches (as a log read returns them) as Kafka v2 batches, concatenated.
 
     ``skip``: leave out the records this vector covers, in batches that start below ``skip_below`` (from
     there on the vector covers nothing). Batches ending before ``from_offset`` are left out whole; a batch
-    that holds it is sent whole, as Kafka does (the client drops the records before its position)."""
+    that holds it is sent whole, as Kafka does (the client drops the records before its position). A stored
+    batch whose records are invalid (see the module docstring) is sent as an empty batch over its offsets,
+    and named in :attr:`Converted.invalid`."""
     out = bytearray()
+    invalid: list[InvalidStored] = []
     view = memoryview(chunk)
     pos = 0
-    for header in headers_in(chunk):
-        size = header.size_bytes
-        if header.next_offset > from_offset:
-            covers = skip if skip is not None and header.base_offset < skip_below else None
-            if covers is not None and header.last_origin_seq < covers.get(header.origin, 0):
-                out += empty_batch(header.base_offset, header.last_offset_delta, header.max_timestamp)
-            else:
-                out += _convert(view[pos : pos + size], covers)
-        pos += size
-    return bytes(out)
+    try:
+        for header in headers_in(chunk):
+            size = header.size_bytes
+            if header.next_offset > from_offset:
+                covers = skip if skip is not None and header.base_offset < skip_below else None
+                if covers is not None and header.last_origin_seq < covers.get(header.origin, 0):
+                    out += empty_batch(header.base_offset, header.last_offset_delta, header.max_timestamp)
+                else:
+                    try:
+                        out += _convert(view[pos : pos + size], header, covers)
+                    except InvalidBatch as exc:
+                        invalid.append(InvalidStored(header.base_offset, header.next_offset, str(exc)))
+                        out += empty_batch(header.base_offset, header.last_offset_delta, max(header.max_timestamp, 0))
+            pos += size
+    except CorruptBatch as exc:  # a header no site would have stored: serve what came before it
+        invalid.append(InvalidStored(-1, -1, f"unreadable batch header at byte {pos} of the read: {exc}"))
+    return Converted(bytes(out), tuple(invalid))
 
 
-def _convert(batch: memoryview, skip: Mapping[Origin, int] | None) -> bytearray:
+def _convert(batch: memoryview, h: BatchHeader, skip: Mapping[Origin, int] | None) -> bytearray:
     """One stored georep batch as one Kafka v2 batch, written in one pass: each record's key, value and headers
     are copied once, from the stored batch (a view of the log read) into the Kafka batch. Kafka's record layout
-    with kafka-python's varint encoder and batch header struct; the CRC-32C over the result."""
-    h = parse_header(batch)
-    body = memoryview(decompress(h.compression, batch[HEADER_BYTES : h.size_bytes]))
+    with kafka-python's varint encoder and batch header struct; the CRC-32C over the result. The records are
+    checked first (``walk_records``); raises :class:`InvalidBatch`."""
+    body = memoryview(decompress_records(h, batch[HEADER_BYTES : h.size_bytes], READ_RECORDS_BYTES_MAX))
+    walk_records(body, h.records_count, h.first_timestamp, h.max_timestamp)
     covered = -1 if skip is None else skip.get(h.origin, 0)  # records with origin_seq < covered are left out
     # The two coordinate headers: all but the seq's digits are the same for every record of the batch.
     coordinate = bytearray()
@@ -205,8 +293,6 @@ def _convert(batch: memoryview, skip: Mapping[Origin, int] | None) -> bytearray:
     base_seq = h.base_origin_seq
     for index in range(h.records_count):
         length, _attributes, ts_delta, delta, key_len = unpack_head(body, pos)
-        if delta != index:
-            raise CorruptBatch(f"record {index} of the batch at offset {h.base_offset} has offset delta {delta}")
         rec_end = pos + 4 + length
         if base_seq + index < covered:
             pos = rec_end

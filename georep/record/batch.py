@@ -53,7 +53,9 @@ Why this shape:
   "Verbatim records"). The append time is local for the same reason Kafka's
   LogAppendTime is: replication delay is append time minus producer timestamp.
 * The origin is fixed-size so the header is one ``struct`` unpack. The broker
-  parses only this header; it never walks records on its hot path.
+  walks a batch's records once, to validate it before storing it
+  (``georep/record/validate.py``), at its origin and at each apply; fetch and
+  replication serve stored batches by their headers alone.
 * Record fields are fixed-width rather than Kafka's varints: in CPython one
   ``struct.pack`` per record is several times faster than varint loops, and
   the space cost (~20 bytes a record) is small next to typical values.
@@ -70,7 +72,15 @@ from typing import NamedTuple
 
 import crc32c
 
-from georep.record.compression import COMPRESSION_MASK, Compression, compress, decompress
+from cluster.topics import MAX_BATCH_BYTES_LIMIT
+from georep.record.compression import (
+    COMPRESSION_MASK,
+    Compression,
+    DecompressedTooLarge,
+    DecompressionError,
+    compress,
+    decompress,
+)
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from topology.ids import SiteId
 
@@ -89,14 +99,35 @@ _OFFSET_AND_TIME = struct.Struct(">q")
 
 RECORD_HEAD = struct.Struct(">ibqii")  # length, attributes, ts delta, offset delta, key_length
 _I32 = struct.Struct(">i")
-_RECORD_MIN_BYTES = RECORD_HEAD.size + 8  # + value_length + header_count
+_HEAD_BYTES = RECORD_HEAD.size  # length, attributes, timestamp delta, offset delta, key length: 21
+_RECORD_MIN_BYTES = _HEAD_BYTES + 8  # + value length and header count: an empty record, its length field included
 
 NO_PRODUCER_ID = -1
 UNSTAMPED_SEQ = -1
 
+# What a reader decompresses of one batch at most, when it does not know the batch's topic: the largest
+# max_batch_bytes a topic may have. No site stores a batch whose records decompress past its topic's
+# max_batch_bytes (georep/record/validate.py), so a larger one is refused as invalid, not decompressed.
+READ_RECORDS_BYTES_MAX = MAX_BATCH_BYTES_LIMIT
+
 
 class CorruptBatch(ValueError):
-    """Bytes that do not form a valid batch: short, bad length, bad CRC or bad magic."""
+    """Bytes that do not form a valid batch: short, bad length, bad CRC or bad magic (damaged bytes)."""
+
+
+class InvalidBatch(CorruptBatch):
+    """A whole batch, its CRC valid, whose content breaks the format: records that are not there or overrun it,
+    an unknown codec, a bad count, offset delta, length or timestamp. Not damage but a producer's (or a lying
+    upstream's) doing, so it has its own type; it is a :class:`CorruptBatch` for every reader that only needs to
+    know that a batch cannot be read. The message names what is wrong and where."""
+
+
+class RecordsTooLarge(InvalidBatch):
+    """The records section decompresses past the limit it was read or validated with."""
+
+    def __init__(self, message: str, limit_bytes: int) -> None:
+        super().__init__(message)
+        self.limit_bytes = limit_bytes
 
 
 class BatchHeader(NamedTuple):
@@ -333,12 +364,140 @@ def encode_batch(
     return head[:20] + struct.pack(">I", crc) + head[24:] + body
 
 
-def decode_records(batch: bytes | memoryview, header: BatchHeader | None = None) -> list[Record]:
-    """Decode every record of one (already CRC-checked) batch."""
+def walk_records(body: bytes | memoryview, count: int, first_timestamp: int, max_timestamp: int) -> int:
+    """Check the ``count`` records of a decompressed records section (step 5); returns the smallest timestamp
+    delta. Raises :class:`InvalidBatch` naming the record and the byte where it goes wrong."""
+    end = len(body)
+    if count > end // _RECORD_MIN_BYTES:
+        raise InvalidBatch(f"records_count {count} cannot fit in a records section of {end} bytes (a record takes "
+                           f"at least {_RECORD_MIN_BYTES})")  # fmt: skip
+    unpack_head = RECORD_HEAD.unpack_from
+    unpack_i32 = _I32.unpack_from
+    low = -first_timestamp  # every record timestamp in [0, max_timestamp]
+    high = max_timestamp - first_timestamp
+    top = min_delta = 0
+    pos = 0
+    try:
+        for index in range(count):
+            length, attributes, ts_delta, offset_delta, key_length = unpack_head(body, pos)
+            rec_end = pos + 4 + length
+            p = pos + _HEAD_BYTES + (key_length if key_length > 0 else 0)
+            if (length < _RECORD_MIN_BYTES - 4 or rec_end > end or attributes or offset_delta != index
+                    or not low <= ts_delta <= high or key_length < -1 or p + 8 > rec_end):  # fmt: skip
+                raise _explain(body, pos, index, low, high)
+            if ts_delta > top:
+                top = ts_delta
+            elif ts_delta < min_delta:
+                min_delta = ts_delta
+            (value_length,) = unpack_i32(body, p)
+            p += 4 + (value_length if value_length > 0 else 0)
+            if value_length < -1 or p + 4 > rec_end:
+                raise _explain(body, pos, index, low, high)
+            (header_count,) = unpack_i32(body, p)
+            p += 4
+            if header_count:
+                p = _walk_headers(body, p, rec_end, header_count, pos, index)
+            if p != rec_end:
+                raise _explain(body, pos, index, low, high)
+            pos = rec_end
+    except struct.error:  # only past the section's end, which the bounds above keep it from reaching
+        raise _explain(body, pos, index, low, high) from None
+    if pos != end:
+        raise InvalidBatch(f"{end - pos} bytes follow the last of the {count} records (at byte {pos} of the "
+                           "records section)")  # fmt: skip
+    if count and _first_delta(body) != 0:
+        raise InvalidBatch(f"the first record's timestamp_delta is {_first_delta(body)}: first_timestamp must be "
+                           "the first record's timestamp")  # fmt: skip
+    if top != high:
+        raise InvalidBatch(f"max_timestamp is {max_timestamp} but the largest record timestamp is "
+                           f"{first_timestamp + top}")  # fmt: skip
+    return min_delta
+
+
+def _first_delta(body: bytes | memoryview) -> int:
+    return int(RECORD_HEAD.unpack_from(body, 0)[2])
+
+
+def _walk_headers(body: bytes | memoryview, p: int, rec_end: int, count: int, pos: int, index: int) -> int:
+    """The ``count`` headers of the record at ``pos``, from ``p``; returns where they end."""
+    where = f"record {index} (byte {pos} of the records section)"
+    if count < 0 or count * 8 > rec_end - p:  # a header takes at least 8 bytes
+        raise InvalidBatch(f"{where} has header_count {count}, more than its {rec_end - p} bytes left can hold")
+    unpack_i32 = _I32.unpack_from
+    for h in range(count):
+        if p + 8 > rec_end:
+            raise InvalidBatch(f"{where}: header {h} overruns the record")
+        (key_length,) = unpack_i32(body, p)
+        p += 4
+        if not 0 <= key_length <= rec_end - p - 4:
+            raise InvalidBatch(f"{where}: header {h} has key_length {key_length}, outside the record")
+        try:
+            str(body[p : p + key_length], "utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidBatch(f"{where}: header {h}'s key is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        p += key_length
+        (value_length,) = unpack_i32(body, p)
+        p += 4
+        if value_length < -1 or p + max(value_length, 0) > rec_end:
+            raise InvalidBatch(f"{where}: header {h} has value_length {value_length}, outside the record")
+        p += max(value_length, 0)
+    return p
+
+
+def _explain(body: bytes | memoryview, pos: int, index: int, low: int, high: int) -> InvalidBatch:
+    """What is wrong with record ``index`` at byte ``pos``: the slow path of :func:`walk_records`."""
+    end = len(body)
+    where = f"record {index} (byte {pos} of the records section)"
+    if end - pos < _RECORD_MIN_BYTES:
+        return InvalidBatch(f"{where}: only {end - pos} bytes of the records section are left, fewer than a record "
+                            "takes; records_count says more records follow")  # fmt: skip
+    length, attributes, ts_delta, offset_delta, key_length = RECORD_HEAD.unpack_from(body, pos)
+    rec_end = pos + 4 + length
+    if length < _RECORD_MIN_BYTES - 4 or rec_end > end:
+        return InvalidBatch(f"{where} has length {length}: outside the {end - pos - 4} bytes left")
+    if attributes:
+        return InvalidBatch(f"{where} has attributes {attributes}: record attributes are reserved and must be 0")
+    if offset_delta != index:
+        return InvalidBatch(f"{where} has offset_delta {offset_delta}: a batch's offset deltas run 0..n-1")
+    if not low <= ts_delta <= high:
+        return InvalidBatch(f"{where} has timestamp_delta {ts_delta}: its timestamp {ts_delta - low} is outside "
+                            f"0..max_timestamp ({high - low})")  # fmt: skip
+    p = pos + _HEAD_BYTES + max(key_length, 0)
+    if key_length < -1 or p + 8 > rec_end:
+        return InvalidBatch(f"{where} has key_length {key_length}, outside the record")
+    (value_length,) = _I32.unpack_from(body, p)
+    p += 4 + max(value_length, 0)
+    if value_length < -1 or p + 4 > rec_end:
+        return InvalidBatch(f"{where} has value_length {value_length}, outside the record")
+    return InvalidBatch(f"{where}: its key, value and headers do not add up to its length {length}")
+
+
+def decompress_records(header: BatchHeader, body: bytes | memoryview, limit_bytes: int) -> bytes | memoryview:
+    """The records section of a batch, decompressed, at most ``limit_bytes``; raises :class:`InvalidBatch`."""
+    try:
+        return decompress(header.compression, body, limit_bytes)
+    except DecompressedTooLarge as exc:
+        raise RecordsTooLarge(str(exc), exc.limit_bytes) from None
+    except DecompressionError as exc:
+        raise InvalidBatch(str(exc)) from None
+
+
+def decode_records(batch: bytes | memoryview, header: BatchHeader | None = None,
+                   limit_bytes: int = READ_RECORDS_BYTES_MAX) -> list[Record]:  # fmt: skip
+    """Decode every record of one (already CRC-checked) batch, decompressing at most ``limit_bytes``.
+
+    The records are checked first (:func:`walk_records`, the same checks a site makes before it stores a
+    batch), so a batch that a site stored without them is refused whole with :class:`InvalidBatch`
+    (:class:`RecordsTooLarge` past the limit), never decoded in part or wrongly."""
     if header is None:
         header = parse_header(batch)
     view = memoryview(batch)
-    body = decompress(header.compression, view[HEADER_BYTES : header.size_bytes])
+    body = decompress_records(header, view[HEADER_BYTES : header.size_bytes], limit_bytes)
+    try:
+        walk_records(body, header.records_count, header.first_timestamp, header.max_timestamp)
+    except InvalidBatch as exc:
+        raise InvalidBatch(f"batch at offset {header.base_offset} ({header.origin} origin seqs "
+                           f"{header.base_origin_seq}..{header.last_origin_seq}): {exc}") from None  # fmt: skip
     origin = header.origin
     base_offset = header.base_offset
     base_seq = header.base_origin_seq
@@ -346,69 +505,33 @@ def decode_records(batch: bytes | memoryview, header: BatchHeader | None = None)
     unpack_head = RECORD_HEAD.unpack_from
     unpack_i32 = _I32.unpack_from
     out: list[Record] = []
+    append = out.append
     pos = 0
-    end = len(body)
     b = bytes(body)
-    try:
-        for index in range(header.records_count):
-            length, _attrs, ts_delta, delta, klen = unpack_head(b, pos)
-            rec_end = pos + 4 + length
-            if length < _RECORD_MIN_BYTES - 4 or rec_end > end:
-                raise CorruptBatch(f"record at byte {pos} of batch at offset {base_offset} overruns the batch")
-            if delta != index:
-                raise CorruptBatch(f"record {index} of batch at offset {base_offset} has offset_delta {delta}")
-            p = pos + RECORD_HEAD.size
-            if klen >= 0:
-                key: bytes | None = b[p : p + klen]
-                p += klen
-            elif klen == -1:
-                key = None
-            else:
-                raise CorruptBatch(f"record at byte {pos} of batch at offset {base_offset} has key_length {klen}")
-            (vlen,) = unpack_i32(b, p)
-            p += 4
-            if vlen >= 0:
-                value: bytes | None = b[p : p + vlen]
-                p += vlen
-            elif vlen == -1:
-                value = None
-            else:
-                raise CorruptBatch(f"record at byte {pos} of batch at offset {base_offset} has value_length {vlen}")
-            (hcount,) = unpack_i32(b, p)
-            p += 4
-            headers: tuple[tuple[str, bytes | None], ...] = ()
-            # Each header takes at least 8 bytes; the bound also keeps a corrupt count from looping for long.
-            if hcount < 0 or hcount * 8 > rec_end - p:
-                raise CorruptBatch(f"record at byte {pos} of batch at offset {base_offset} has header_count {hcount}")
-            if hcount:
-                hs = []
-                for _h in range(hcount):
-                    (hkl,) = unpack_i32(b, p)
-                    if hkl < 0:
-                        raise CorruptBatch(f"header of record at byte {pos} has key_length {hkl}")
-                    hk = b[p + 4 : p + 4 + hkl].decode()
-                    p += 4 + hkl
-                    (hvl,) = unpack_i32(b, p)
-                    p += 4
-                    if hvl < -1:
-                        raise CorruptBatch(f"header of record at byte {pos} has value_length {hvl}")
-                    hv = None if hvl < 0 else b[p : p + hvl]
-                    p += max(hvl, 0)
-                    hs.append((hk, hv))
-                headers = tuple(hs)
-            if p != rec_end:
-                raise CorruptBatch(f"record at byte {pos} of batch at offset {base_offset} has inconsistent lengths")
-            out.append(
-                Record(
-                    LocalOffset(base_offset + delta), origin, OriginSeq(base_seq + delta),
-                    first_ts + ts_delta, key, value, headers,
-                )  # fmt: skip
-            )
-            pos = rec_end
-    except struct.error as exc:
-        raise CorruptBatch(f"batch at offset {base_offset} has a truncated record: {exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise CorruptBatch(f"batch at offset {base_offset} has a header key that is not UTF-8: {exc}") from exc
-    if pos != end:
-        raise CorruptBatch(f"batch at offset {base_offset} has {end - pos} bytes after its last record")
+    for _index in range(header.records_count):  # walk_records checked every length below
+        length, _attrs, ts_delta, delta, klen = unpack_head(b, pos)
+        p = pos + _HEAD_BYTES
+        key = b[p : p + klen] if klen >= 0 else None
+        p += max(klen, 0)
+        (vlen,) = unpack_i32(b, p)
+        p += 4
+        value = b[p : p + vlen] if vlen >= 0 else None
+        p += max(vlen, 0)
+        (hcount,) = unpack_i32(b, p)
+        p += 4
+        headers: tuple[tuple[str, bytes | None], ...] = ()
+        if hcount:
+            hs = []
+            for _h in range(hcount):
+                (hkl,) = unpack_i32(b, p)
+                hk = b[p + 4 : p + 4 + hkl].decode()
+                p += 4 + hkl
+                (hvl,) = unpack_i32(b, p)
+                p += 4
+                hs.append((hk, None if hvl < 0 else b[p : p + hvl]))
+                p += max(hvl, 0)
+            headers = tuple(hs)
+        append(Record(LocalOffset(base_offset + delta), origin, OriginSeq(base_seq + delta), first_ts + ts_delta,
+                      key, value, headers))  # fmt: skip
+        pos += 4 + length
     return out

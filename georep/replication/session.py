@@ -20,10 +20,14 @@ The rules:
 
 * **Open** at start, right after a stream ends cleanly, and ``backoff`` after
   a failure (doubling from ``backoff_min_ms`` to ``backoff_max_ms``). Only
-  progress resets it and clears the link's last error: a message applied
-  whole. A stream that opens and fails on its first apply (a full local disk,
-  a refused batch) therefore backs off instead of reopening every
-  ``backoff_min_ms``, and its error stays on show while it does.
+  progress resets it and clears the link's last error: a message with data
+  applied whole, or a heartbeat once the stream has lived ``backoff_max_ms``
+  (a source heartbeats as soon as a stream opens, so an earlier one proves
+  nothing). A stream that opens and fails on its first apply (a full local
+  disk, a batch refused as invalid) therefore backs off instead of reopening
+  every ``backoff_min_ms``, and its error stays on show while it does. A
+  failure that repeats with no progress between is logged once, and the link
+  is announced up again only with progress.
 * **Reopen at once** when the stream is out of step with this site's vector:
   a chunk that starts past the vector (a gap: a batch was lost on the way, or
   the stream raced a failover), a chunk whose batches straddle the vector
@@ -205,7 +209,8 @@ class PullSession:
         if first:
             s.delivered = True
             self.links.link_up(self.src, now_ms)
-            out.append(LinkEvent("up", f"link {self.src} -> {self.links.site} streaming"))
+            if not self.stats.last_error:  # else the failure on show is not over: "up" comes with progress
+                out.append(LinkEvent("up", f"link {self.src} -> {self.links.site} streaming"))
         s.inbox.append(_Message(deque(chunks), heartbeat, first, tuple(c.key for c in chunks)))
         if not s.applying:
             out += self._drain(s, now_ms)
@@ -284,17 +289,19 @@ class PullSession:
 
     def _fail(self, now_ms: int, kind: str, error: str) -> list[Effect]:
         was_down = self.links.links[self.src].state is LinkState.DOWN
+        repeated = error == self.stats.last_error  # no progress since the same failure: logged then
         self.links.link_down(self.src, now_ms, error)
         self.stats.last_error = error
         self._stream = None
         self._retry_at_ms = now_ms + self._backoff_ms
         self._backoff_ms = min(self._backoff_ms * 2, self.config.backoff_max_ms)
         text = f"link {self.src} -> {self.links.site} down: {error}"
-        return [] if was_down and kind == "down" else [LinkEvent(kind, text)]
+        return [] if (was_down and kind == "down") or repeated else [LinkEvent(kind, text)]
 
     def _drain(self, s: _Stream, now_ms: int) -> list[Effect]:
         """Go on with the queued messages: the next chunk to apply, or what ends a message."""
         links = self.links
+        out: list[Effect] = []
         while s.inbox:
             msg = s.inbox[0]
             while msg.chunks:
@@ -302,22 +309,26 @@ class PullSession:
                 links.upstream_vector(self.src, chunk.key, chunk.src_vector)
                 if chunk.batches:
                     s.applying = True
-                    return [ApplyChunk(s.stream_id, chunk.key, chunk.batches)]
+                    return [*out, ApplyChunk(s.stream_id, chunk.key, chunk.batches)]
             s.inbox.popleft()
-            self._progressed()
+            out += self._progressed(s, msg, now_ms)
             if self._tail_lost(s, msg):
-                return [LinkEvent("tail", f"data from {self.src} was lost on the way: reopening"),
+                return [*out, LinkEvent("tail", f"data from {self.src} was lost on the way: reopening"),
                         *self._reopen(now_ms)]  # fmt: skip
             if msg.first:
-                out = self._check_wants(now_ms)
-                if out:
-                    return out
-        return []
+                wants = self._check_wants(now_ms)
+                if wants:
+                    return [*out, *wants]
+        return out
 
-    def _progressed(self) -> None:
-        """A message was applied whole: the link works again."""
+    def _progressed(self, s: _Stream, msg: _Message, now_ms: int) -> list[Effect]:
+        """A message was applied whole: the link works again, unless it is a heartbeat of a young stream."""
+        if msg.heartbeat and now_ms - s.opened_ms < self.config.backoff_max_ms:
+            return []
+        failed = self.stats.last_error
         self._backoff_ms = self.config.backoff_min_ms
         self.stats.last_error = self.links.links[self.src].last_error = ""
+        return [LinkEvent("up", f"link {self.src} -> {self.links.site} streaming again")] if failed else []
 
     def _check_wants(self, now_ms: int) -> list[Effect]:
         s = self._stream

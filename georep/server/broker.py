@@ -30,14 +30,16 @@ from cluster.topics import TopicSpec, parse_topic_config, validate_partitions, v
 from dedup.producer import ProducerStateTable
 from georep.broker.acks import LEADER, Acks, AckTable, Effect, Fail, HeldChanged, Release, StartFlush, Token, check_acks
 from georep.broker.append import Produced, append_as_origin
-from georep.broker.errors import NotLeader, UnknownPartition, WriteFailed
-from georep.replication.sink import ApplyOutcome, apply_chunk
+from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
+from georep.record.validate import TimestampWindow
+from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
 from georep.storage.durable_file import fsync_directory, replace_file
 from georep.storage.private import private_dir
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
+from topology.filters import is_internal
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,9 @@ DEFAULT_TOPIC_CONFIG: dict[str, int] = {
     "retention_bytes": -1,
     "flush_interval_ms": 0,
     "max_batch_bytes": 8 << 20,
+    # Kafka 4.0's defaults: any age, at most an hour ahead (checked at the origin only: georep/record/validate.py)
+    "message_timestamp_before_max_ms": -1,
+    "message_timestamp_after_max_ms": 3600 * 1000,
 }
 
 
@@ -360,18 +365,30 @@ class Broker:
 
     # -- produce --------------------------------------------------------------
 
-    def append(self, topic: str, index: int, batch: bytes, acks: Acks = LEADER) -> tuple[Partition, Produced]:
+    def append(self, topic: str, index: int, batch: bytes, acks: Acks = LEADER, *,
+               internal: bool = False) -> tuple[Partition, Produced]:  # fmt: skip
         """Take one producer batch as its origin (``append_as_origin``). Synchronous, so batches
-        on one stream are appended in the order they arrived."""
+        on one stream are appended in the order they arrived.
+
+        Clients never write georep's internal topics (``topology.filters.is_internal``): this is the one place
+        that says so, so every produce path meets it (gRPC ``Produce`` and ``ProduceStream``, the Kafka
+        gateway). Only georep's own writers pass ``internal=True``: the group coordinator's commits."""
+        if is_internal(topic) and not internal:
+            raise InternalTopic(f"topic {topic!r} is internal to georep and clients cannot write to it: consumer "
+                                "positions are stored by a group's commit (georep consume --group, Consumer.commit, "
+                                "a Kafka client's commit)")  # fmt: skip
         p = self.partition(topic, index)
         if p.sealing:
             raise NotLeader(topic, index, "its segment is being sealed; retry in a moment",
                             self.leader_hint(topic, index))  # fmt: skip
         check_acks(acks, topic, self.identity.site, self.geo_reach(topic))
         try:
+            now = self.clock_ms()
+            window = TimestampWindow(now, p.config["message_timestamp_before_max_ms"],
+                                     p.config["message_timestamp_after_max_ms"])  # fmt: skip
             produced = append_as_origin(
                 p.log, p.producers, self.origin, batch,
-                topic=topic, max_batch_bytes=p.config["max_batch_bytes"], now_ms=self.clock_ms(),
+                topic=topic, max_batch_bytes=p.config["max_batch_bytes"], now_ms=now, window=window,
             )  # fmt: skip
         except DiskFull:
             self.disk_full = True
@@ -484,7 +501,7 @@ class Broker:
             raise NotLeader(topic, index, "its segment is being sealed; pull again in a moment",
                             self.leader_hint(topic, index))  # fmt: skip
         applying = asyncio.get_running_loop().run_in_executor(
-            self.replica_writer, apply_chunk, p.log, batches, self.clock_ms()
+            self.replica_writer, apply_chunk, p.log, batches, self.clock_ms(), p.config["max_batch_bytes"]
         )
         # What follows an apply runs as a callback, not after the await: a puller
         # that reopens its stream cancels this coroutine, but the thread appends
@@ -496,6 +513,8 @@ class Broker:
         except DiskFull:
             self.disk_full = True
             raise
+        except InvalidChunk as exc:
+            raise InvalidChunk(f"{topic}-{index}: {exc}") from None
         except OSError as exc:
             raise WriteFailed(f"write to {topic}-{index} failed: {exc}") from None
 

@@ -287,7 +287,8 @@ class GroupService:
         commits = self.commits.new_commits(group, entries, stamp, origin, member_id=req.member_id,
                                            generation=req.generation, now_ms=now)  # fmt: skip
         acks: Acks = acks_from_proto(req.acks, req.geo_sites)
-        p, produced = self.broker.append(OFFSETS_TOPIC, offsets_partition(group), commit_batch(commits, now), acks)
+        p, produced = self.broker.append(OFFSETS_TOPIC, offsets_partition(group), commit_batch(commits, now), acks,
+                                         internal=True)  # fmt: skip
         self.commits.record(commits)
         waiter = self.broker.ack_waiter(p, produced, acks, req.ack_timeout_ms)
         if waiter is not None:

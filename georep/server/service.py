@@ -208,15 +208,9 @@ class NodeService:
             append_time_ms=r.append_time_ms, duplicate=produced.duplicate,
         )  # fmt: skip
 
-    @staticmethod
-    def _check_producible(topic: str) -> None:
-        if is_internal(topic):
-            raise InternalTopic(f"topic {topic!r} is internal to georep: commit with a consumer")
-
     async def produce(self, data: bytes, context: Context) -> pb.ProduceResponse:
         req = parse(pb.ProduceRequest, data)
         try:
-            self._check_producible(req.topic)
             produced = await self.broker.produce(
                 req.topic, req.partition, req.batch, acks_from_proto(req.acks, req.geo_sites), req.ack_timeout_ms
             )
@@ -263,7 +257,6 @@ class NodeService:
                     req = parse(pb.ProduceRequest, raw)
                     acks = acks_from_proto(req.acks, req.geo_sites)
                     try:
-                        self._check_producible(req.topic)
                         # Appended here, synchronously: stream order is append order.
                         p, produced = self.broker.append(req.topic, req.partition, req.batch, acks)
                     except DOMAIN_ERRORS as exc:

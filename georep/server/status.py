@@ -18,7 +18,7 @@ from cluster.raft_store import CommandTooLarge, MetadataUnavailable
 from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence
 from georep.broker import errors as e
-from georep.record.batch import CorruptBatch
+from georep.record.batch import CorruptBatch, InvalidBatch
 from georep.replication.sink import CorruptChunk
 from georep.security.acl import InvalidAcl, PermissionDenied, UnknownAcl
 from georep.security.acl_replication import ForgedOrigin
@@ -44,6 +44,7 @@ STATUS: dict[type[Exception], grpc.StatusCode] = {
     InvalidGroupRequest: Code.INVALID_ARGUMENT,
     InvalidAcl: Code.INVALID_ARGUMENT,
     CommandTooLarge: Code.INVALID_ARGUMENT,  # a metadata command over the Raft port's bound
+    InvalidBatch: Code.INVALID_ARGUMENT,  # whole and CRC-valid, but not a batch georep can serve: nothing stored
     # what it names does not exist, or already does
     UnknownTopic: Code.NOT_FOUND,
     e.UnknownPartition: Code.NOT_FOUND,
