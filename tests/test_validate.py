@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -190,7 +191,9 @@ def test_a_decompression_bomb_is_refused_without_allocating_it(codec: str, bomb:
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print(json.dumps([len(section), verdict, before, after]))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, check=True, timeout=120)
+    # From the checkout, which tests.support is imported from (the tests themselves run from an empty directory).
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, check=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
     size, verdict, before_kib, after_kib = json.loads(out.stdout)
     assert size < compressed_max, size
     assert f"the {codec} records section" in verdict and f"limit of {LIMIT}" in verdict, verdict
