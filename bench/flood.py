@@ -24,6 +24,8 @@ samples the node process's ``VmRSS`` every 20 ms from ``/proc/<pid>/status``, an
 * ``bomb-fetch`` (only when named in ``--phases``): if the bomb was stored, a Kafka consumer fetches it.
 * ``kafka-value``: a Kafka ``Produce`` (SASL-authenticated as ``admin``) of a record batch holding one
   ``--value-mb`` (900) MB value of zeros compressed with zstd. It must be refused with MSG_SIZE_TOO_LARGE.
+* ``together``: ``flood``, ``bomb`` and ``kafka-value`` at once, each in its own thread: the node holds what
+  all three cost at the same time.
 
 It prints each phase's baseline RSS, its peak RSS and the outcome, then the peak over the whole run; issue
 20's target is a peak under 500 MB. A node whose RSS passes ``--kill-above-mb`` (3000) is killed with SIGKILL,
@@ -45,6 +47,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +66,8 @@ from georep.security.principal import site_principal  # noqa: E402
 from georep.security.tls import TlsConfig  # noqa: E402
 from georep.server.process import NodeProcess  # noqa: E402
 
-PHASES = ("flood", "held", "bomb", "bomb-fetch", "kafka-value")
-DEFAULT_PHASES = "flood,held,bomb,kafka-value"
+PHASES = ("flood", "held", "bomb", "bomb-fetch", "kafka-value", "together")
+DEFAULT_PHASES = "flood,held,bomb,kafka-value,together"
 BEFORE_AUTH_BYTES = 512 << 10
 TARGET_MB = 500
 PASSWORD = "flood-bench-password"
@@ -428,6 +431,7 @@ def run(args: argparse.Namespace, tmp: Path) -> list[Phase]:
             "bomb-fetch": lambda: fetch_bomb(target, "bomb", certs / "ca.crt" if args.tls else None),
             "kafka-value": lambda: kafka_produce(target, "kv", kafka_bomb(args.value_mb * 1_000_000)),
         }
+        steps["together"] = lambda: together([steps["flood"], steps["bomb"], steps["kafka-value"]])
         for name in phases:
             if not node.alive():
                 print(f"{name:<12} skipped: the node is not running", flush=True)
@@ -438,6 +442,12 @@ def run(args: argparse.Namespace, tmp: Path) -> list[Phase]:
         if node.alive():
             node.stop()
     return results
+
+
+def together(steps: list[Callable[[], str]]) -> str:
+    """Run ``steps`` at the same time; their outcomes, in order."""
+    with ThreadPoolExecutor(len(steps)) as pool:
+        return "; ".join(pool.map(lambda step: step(), steps))
 
 
 def main() -> int:

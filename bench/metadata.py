@@ -6,7 +6,7 @@ Run from the repository root::
     .venv/bin/python bench/metadata.py            # full run: 3,000 commands by 24 writers, 300 one by one, best of 3
     .venv/bin/python bench/metadata.py --quick    # smoke run, a few seconds
 
-Each run starts a fresh group of three ``RaftMetadataStore``s (``cluster/raft_store.py``) in this process, on
+Each run starts a fresh group of three ``RaftMetadataStore``s (``georep/raft/store.py``) in this process, on
 127.0.0.1 with the default Raft timing and a Raft secret, their data under one temporary directory (``--dir``: on
 the disk to measure; a tmpfs would make every fsync free). Two kinds of group, alternating run by run so that both
 see the same moments of a shared machine:
@@ -51,8 +51,8 @@ from pathlib import Path
 from produce import free_port, progress
 
 from cluster.ids import NodeId
-from cluster.raft_store import RaftMetadataStore
 from cluster.site_state import Applied, NodeHeartbeat, Refused, RegisterNode
+from georep.raft.store import RaftMetadataStore
 from georep.security.raft_secret import new_secret
 
 NODES = 3

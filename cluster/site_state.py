@@ -1,7 +1,7 @@
 """The site's metadata as a replicated state machine. Pure.
 
 Every node of a site (ARCHITECTURE.md, "Inside a site: the segment cluster")
-keeps a copy of :class:`SiteState`, and Raft (``cluster/raft_store.py``) hands
+keeps a copy of :class:`SiteState`, and Raft (``georep/raft/store.py``) hands
 every copy the same commands in the same order. The state holds:
 
 * the topics (:class:`~cluster.topics.TopicSpec`);

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.metadata import AclRecord, FileMetadataStore
+from cluster.metadata import AclRecord
 from cluster.site_state import PutAcl, SiteState, command_from_dict
 from georep.proto import georep_pb2 as pb
 from georep.security.acl import (
@@ -28,6 +28,7 @@ from georep.security.acl_replication import origin_may_arrive, pull_decision, re
 from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, Policy, decide
 from georep.security.acl_sync import AclCache, change, effective, merge
 from georep.security.principal import Principal, parse_principal
+from georep.storage.metadata_file import FileMetadataStore
 from tests.support.raft import Site as RaftSite
 from tests.support.raft import wait_until as raft_wait
 from topology.filters import TopicFilter

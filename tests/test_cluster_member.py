@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 
 from cluster.ids import NodeId, SegmentId
-from cluster.raft_store import RaftMetadataStore
 from cluster.site_state import CreateTopic
 from cluster.topics import TopicSpec
 from georep.broker.errors import NotLeader
+from georep.raft.store import RaftMetadataStore
 from georep.record.batch import iter_headers, local_prefix
 from georep.server.cluster_member import ClusterConfig, ClusterMember, PartitionLeader
 from georep.server.segments import SegmentService

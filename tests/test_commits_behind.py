@@ -17,7 +17,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.metadata import load_or_create_identity
 from georep.broker.errors import CommitsBehind
 from georep.client.errors import CommitsBehind as ClientCommitsBehind
 from georep.client.errors import GroupRebalanced, from_status
@@ -25,6 +24,7 @@ from georep.proto import georep_pb2 as pb
 from georep.server.broker import Broker
 from georep.server.groups import GroupService
 from georep.server.status import status_of
+from georep.storage.metadata_file import load_or_create_identity
 from offsets.commits import OFFSETS_TOPIC, offsets_partition
 from offsets.coordinates import Origin
 from topology.ids import SiteId

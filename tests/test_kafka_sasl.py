@@ -20,7 +20,6 @@ import pytest
 from kafka.protocol.metadata import MetadataRequest
 from kafka.protocol.sasl import SaslHandshakeRequest
 
-from cluster.metadata import FileMetadataStore
 from cluster.site_state import PutAcl, SiteState, command_from_dict
 from georep.kafka.sasl import MIN_ITERATIONS, ScramCredential, ScramFailed, ScramServer, derive
 from georep.proto import georep_pb2 as pb
@@ -32,6 +31,7 @@ from georep.security.credentials import CredentialLookup
 from georep.security.principal import site_principal
 from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
+from georep.storage.metadata_file import FileMetadataStore
 from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address, poll_until, read_frame
 
 confluent_kafka = pytest.importorskip("confluent_kafka")

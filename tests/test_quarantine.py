@@ -12,9 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from georep.record.batch import REWRITTEN_BYTES, iter_headers, local_prefix, parse_header
-from georep.storage.api import BatchDamaged, RepairRefused
+from georep.storage.api import BatchDamaged, RepairRefused, ScrubStep
 from georep.storage.memory_log import MemoryLog
 from georep.storage.segment_log import DAMAGED_FILE, SegmentLog
+from tests.support.forge import forge
 from tests.support.segments import A, B, Stored, Writer, log_files, open_log, read_all
 from tests.support.sites import origin_batch
 
@@ -213,3 +214,27 @@ def test_any_flipped_bit_in_sealed_data_is_served_to_no_one_and_costs_only_its_b
             assert [f.read_bytes() for f in log_files(directory)] == [f.read_bytes() for f in log_files(source)]
     finally:
         log.close()
+
+
+def test_the_scrubber_reports_a_batch_stored_before_validation_once_and_never_quarantines_it(tmp_path: Path) -> None:
+    """Issue 20, item 3: a batch whose CRC holds but whose records are garbage (stored before every batch was
+    validated) was found by no scrub. It is not damage (every site holds the same bytes): it is reported."""
+    log, w = filled(tmp_path / "p", batches=3)
+    poison = forge(b"\x07" * 40, 2, site=b"a", epoch=1, seq=w.next_seq[A])
+    stored = log.append(parse_header(poison), [memoryview(poison)[REWRITTEN_BYTES:]], 99_999)
+    w.next_seq[A] += 2
+    w.append(A, 2)
+    log.flush()
+    [found] = [text for step in scrub_steps(log) for text in step.invalid]
+    assert found.startswith(f"offsets {stored.base_offset}..{stored.last_offset}: ") and "record" in found
+    assert log.damaged_batches() == []
+    assert [t for step in scrub_steps(log) for t in step.invalid] == []  # reported once per node
+    log.close()
+
+
+def scrub_steps(log: SegmentLog) -> list[ScrubStep]:
+    steps, offset = [], log.log_start_offset
+    while offset < log.log_end_offset and len(steps) < 1000:
+        steps.append(log.scrub(offset, 1 << 20))
+        offset = steps[-1].next_offset
+    return steps

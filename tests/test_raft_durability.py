@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from cluster.raft_store import MetadataUnavailable
 from cluster.site_state import CreateTopic
 from cluster.topics import TopicSpec
+from georep.raft.store import MetadataUnavailable
 from georep.security.raft_secret import new_secret
 from tests.support.raft import Site, ok, wait_until
 
@@ -155,7 +155,7 @@ def test_no_raft_answer_or_commit_counts_on_an_entry_before_it_is_fdatasynced(
 CHILD = """
 import sys
 from pathlib import Path
-from cluster.raft_store import MetadataUnavailable
+from georep.raft.store import MetadataUnavailable
 from cluster.site_state import CreateTopic
 from cluster.topics import TopicSpec
 from georep.security.raft_secret import new_secret

@@ -22,7 +22,6 @@ from pysyncobj.poller import createPoller
 from pysyncobj.tcp_connection import CONNECTION_STATE
 
 from cluster.metadata import AclRecord
-from cluster.raft_store import CommandTooLarge, RaftMetadataStore
 from cluster.site_state import PutAcl
 from georep.raft.frames import (
     APPEND_BATCH_BYTES,
@@ -32,6 +31,7 @@ from georep.raft.frames import (
     FrameBounds,
     frame_length_fault,
 )
+from georep.raft.store import CommandTooLarge, RaftMetadataStore
 from georep.raft.transport import GuardedConnection
 from georep.security.raft_secret import new_secret
 from tests.support.ports import free_ports

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from pysyncobj.journal import FileJournal
 
-from cluster.raft_store import RaftMetadataStore, RaftStartError
 from cluster.site_state import CreateTopic
 from cluster.topics import TopicSpec
 from georep.raft.journal import (
@@ -23,6 +22,7 @@ from georep.raft.journal import (
     JournalDamaged,
     JournalFailed,
 )
+from georep.raft.store import RaftMetadataStore, RaftStartError
 from tests.support.ports import free_ports
 from tests.support.raft import FAST, ok, wait_until
 

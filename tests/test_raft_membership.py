@@ -1,4 +1,4 @@
-"""A node joins a running site's Raft group (cluster/raft_store.py ``join_running_group``): the rule that decides
+"""A node joins a running site's Raft group (georep/raft/store.py ``join_running_group``): the rule that decides
 whether it must, and real pysyncobj stores on 127.0.0.1, in one process.
 
 Every wait polls with a deadline, and each test closes every store it started.
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.raft_store import (
+from cluster.site_state import CreateTopic
+from cluster.topics import TopicSpec
+from georep.raft.store import (
     GroupView,
     JoinFailed,
     JoinStep,
@@ -24,8 +26,6 @@ from cluster.raft_store import (
     join_running_group,
     join_step,
 )
-from cluster.site_state import CreateTopic
-from cluster.topics import TopicSpec
 from tests.support.ports import free_ports
 from tests.support.raft import FAST, Site, ok, populate, wait_until
 

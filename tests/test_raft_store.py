@@ -1,4 +1,4 @@
-"""The Raft metadata store (cluster/raft_store.py): real pysyncobj nodes on 127.0.0.1, three in one process.
+"""The Raft metadata store (georep/raft/store.py): real pysyncobj nodes on 127.0.0.1, three in one process.
 
 Each SyncObj runs its own tick thread. Every wait polls with a deadline, and the fixture closes every store it
 started, so a failing test neither hangs nor leaks a thread or a socket.
@@ -18,7 +18,6 @@ import pytest
 
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.metadata import MetadataStore, TopicExists, UnknownTopic
-from cluster.raft_store import NoRaftLeader, RaftMetadataStore, RaftStartError, RaftTiming
 from cluster.site_state import (
     Applied,
     CreateTopic,
@@ -30,6 +29,7 @@ from cluster.site_state import (
     SealSegment,
 )
 from cluster.topics import TopicSpec
+from georep.raft.store import NoRaftLeader, RaftMetadataStore, RaftStartError, RaftTiming
 from offsets.coordinates import LocalOffset
 from offsets.vector import VectorOffset
 from tests.support.raft import FAST, WAIT_S, Site, ok, populate

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from cluster.metadata import load_or_create_identity
 from georep.server.broker import Broker
+from georep.storage.metadata_file import load_or_create_identity
 from offsets.coordinates import Origin
 from tests.support.sites import origin_batch
 from topology.ids import SiteId

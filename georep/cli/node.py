@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.metadata import DataDirMismatch
-from cluster.raft_store import RaftTiming
 from cluster.topics import InvalidTopic, parse_topic_config
 from georep.broker.acks import AckKind, Acks
 from georep.cli.tls_args import TlsArgsError, node_tls
@@ -22,6 +21,7 @@ from georep.kafka.connections import (
     MAX_CONNECTIONS_PER_IP_DEFAULT,
     ListenerLimits,
 )
+from georep.raft.store import RaftTiming
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.acl import DEFAULT_SUPER_USERS
 from georep.security.principal import InvalidPrincipal, Principal, parse_principal

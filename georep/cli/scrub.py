@@ -70,6 +70,9 @@ def main(args: argparse.Namespace) -> int:
         return 1
     rebuilt = (f"; {result.indexes_rebuilt} segment index(es) disagreed with their batches and were rebuilt from "
                "them" if result.indexes_rebuilt else "")  # fmt: skip
+    if result.invalid:
+        rebuilt += (f"; {result.invalid} whole batch(es) hold records no reader accepts, stored before every batch "
+                    "was validated: the node log names them, and readers skip them (georep consume --skip-corrupt)")
     print(f"scrubbed {result.checked_bytes:,} bytes at {address}: {result.found} damaged batch(es) found; "
           f"{result.quarantined} quarantined now{rebuilt}"
           + (" (the node repairs them from peers; see georep_repaired_batches_total)" if result.quarantined else ""))

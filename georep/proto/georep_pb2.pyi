@@ -2295,6 +2295,7 @@ class ScrubProgress(_message.Message):
     QUARANTINED_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     INDEXES_REBUILT_FIELD_NUMBER: _builtins.int
+    INVALID_FIELD_NUMBER: _builtins.int
     checked_bytes: _builtins.int
     total_bytes: _builtins.int
     found: _builtins.int
@@ -2304,6 +2305,8 @@ class ScrubProgress(_message.Message):
     done: _builtins.bool
     indexes_rebuilt: _builtins.int
     """segments whose index disagreed with their CRC-valid batches, rebuilt from them"""
+    invalid: _builtins.int
+    """whole batches whose records no reader accepts (stored before validation); skipped"""
     def __init__(
         self,
         *,
@@ -2313,10 +2316,11 @@ class ScrubProgress(_message.Message):
         quarantined: _builtins.int = ...,
         done: _builtins.bool = ...,
         indexes_rebuilt: _builtins.int = ...,
+        invalid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked_bytes", b"checked_bytes", "done", b"done", "found", b"found", "indexes_rebuilt", b"indexes_rebuilt", "quarantined", b"quarantined", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked_bytes", b"checked_bytes", "done", b"done", "found", b"found", "indexes_rebuilt", b"indexes_rebuilt", "invalid", b"invalid", "quarantined", b"quarantined", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -13,9 +13,9 @@ import logging
 import grpc
 
 from cluster.metadata import AclRecord, MetadataStore
-from cluster.raft_store import CommandRefused, MetadataUnavailable
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.raft.store import CommandRefused, MetadataUnavailable
 from georep.security.acl import InvalidAcl, parse_acl_entry
 from georep.security.acl_sync import merge
 from georep.security.credentials import check_record, is_credential

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from cluster.metadata import FileMetadataStore, MetadataStore, SiteIdentity, TopicExists
+from cluster.metadata import MetadataStore, SiteIdentity, TopicExists
 from cluster.topics import TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from dedup.producer import ProducerStateTable
 from georep.broker.acks import LEADER, Acks, AckTable, Effect, Fail, HeldChanged, Release, StartFlush, Token, check_acks
@@ -35,6 +35,7 @@ from georep.record.validate import TimestampWindow
 from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
 from georep.storage.durable_file import fsync_directory, replace_file
+from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.private import private_dir
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable

@@ -52,7 +52,6 @@ from typing import Protocol, TypeVar
 from cluster import leadership
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.quorum import QuorumError
-from cluster.raft_store import MetadataUnavailable
 from cluster.recovery import cut_after_seal
 from cluster.repair import DrainStatus
 from cluster.retention import plan_retention
@@ -73,6 +72,7 @@ from cluster.site_state import (
     plan_leadership,
 )
 from georep.broker.errors import NotLeader, RecoveryFailed
+from georep.raft.store import MetadataUnavailable
 from georep.security.tls import TlsConfig, channels
 from georep.server.ensemble import SegmentToWrite, SegmentWriter
 from georep.server.recovery import SegmentToRecover, recover_segment, tell_sealed
@@ -115,7 +115,7 @@ class _NoListener:
 
 
 class Metadata(Protocol):
-    """What the member needs of the site's metadata (``cluster/raft_store.py``'s ``RaftMetadataStore``)."""
+    """What the member needs of the site's metadata (``georep/raft/store.py``'s ``RaftMetadataStore``)."""
 
     def state(self) -> SiteState: ...
     def propose(self, command: Command, timeout_s: float | None = None) -> Result: ...

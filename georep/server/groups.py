@@ -45,7 +45,6 @@ from cluster.groups import (
     takeover_hold_until,
 )
 from cluster.metadata import TopicExists
-from cluster.raft_store import MetadataUnavailable
 from georep.broker.acks import Acks
 from georep.broker.commits import CommitEntry, CommitLog, check_commit_request, commit_batch, lacks
 from georep.broker.errors import (
@@ -59,6 +58,7 @@ from georep.broker.errors import (
 )
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, topic_partitions_to_proto, vector_from_proto, vector_to_proto
+from georep.raft.store import MetadataUnavailable
 from georep.server.broker import Broker, Partition
 from georep.storage.api import PartitionLog
 from georep.storage.chain_log import ChainLog, SegmentElsewhere

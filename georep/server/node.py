@@ -24,16 +24,16 @@ from typing import TYPE_CHECKING
 import grpc
 
 from cluster.ids import NodeId
-from cluster.metadata import SiteIdentity, load_or_create_identity, write_json_atomic
-from cluster.raft_store import (
+from cluster.metadata import SiteIdentity
+from cluster.site_state import InitSite, Refused
+from georep import __version__
+from georep.raft.store import (
     MetadataUnavailable,
     RaftMetadataStore,
     RaftStartError,
     RaftTiming,
     join_running_group,
 )
-from cluster.site_state import InitSite, Refused
-from georep import __version__
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.acl import DEFAULT_SUPER_USERS
 from georep.security.acl_rpc import Policy
@@ -51,6 +51,7 @@ from georep.server.shutdown import SHUTDOWN_TIMEOUT_MS_DEFAULT, STEP_TIMEOUT_S, 
 from georep.server.site_cluster import SiteCluster
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLock
+from georep.storage.metadata_file import load_or_create_identity, write_json_atomic
 from georep.storage.private import tighten
 from georep.storage.replica_store import ReplicaStore
 from topology.ids import site_id
@@ -352,6 +353,9 @@ async def _scrub_loop(broker: Broker, bytes_per_s: int) -> None:
                 offset = step.next_offset
                 if step.found:
                     log.error("scrubber: %d damaged batch(es) in %s/%d quarantined", len(step.found), *key)
+                for text in step.invalid:
+                    log.error("scrubber: %s/%d %s; readers skip it (georep consume --skip-corrupt; Kafka clients "
+                              "pass over it)", *key, text)  # fmt: skip
                 await asyncio.sleep(step.checked_bytes / bytes_per_s)
         await asyncio.sleep(max(0.0, SCRUB_PASS_MIN_S - (time.monotonic() - started)))
 

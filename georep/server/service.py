@@ -422,7 +422,7 @@ class NodeService:
         parse(pb.ScrubRequest, data)
         keys = sorted(self.broker.partitions)
         total = sum(self.broker.partition(*k).log.size_bytes for k in keys)
-        checked = found = rebuilt = 0
+        checked = found = rebuilt = invalid = 0
         last = time.monotonic()
         for key in keys:
             plog = self.broker.partition(*key).log
@@ -432,16 +432,20 @@ class NodeService:
                 offset = step.next_offset
                 found += len(step.found)
                 rebuilt += step.indexes_rebuilt
+                invalid += len(step.invalid)
+                for text in step.invalid:
+                    log.error("scrub: %s/%d %s", *key, text)
                 checked += step.checked_bytes
                 if time.monotonic() - last >= SCRUB_PROGRESS_S:
                     last = time.monotonic()
-                    yield self._scrub_progress(min(checked, total), total, found, rebuilt, False)
-        yield self._scrub_progress(total, total, found, rebuilt, True)
+                    yield self._scrub_progress(min(checked, total), total, found, rebuilt, invalid, False)
+        yield self._scrub_progress(total, total, found, rebuilt, invalid, True)
 
-    def _scrub_progress(self, checked: int, total: int, found: int, rebuilt: int, done: bool) -> pb.ScrubProgress:
+    def _scrub_progress(self, checked: int, total: int, found: int, rebuilt: int, invalid: int,
+                        done: bool) -> pb.ScrubProgress:  # fmt: skip
         quarantined = sum(len(b) for b in self.broker.damaged().values())
         return pb.ScrubProgress(checked_bytes=checked, total_bytes=total, found=found, quarantined=quarantined,
-                                done=done, indexes_rebuilt=rebuilt)  # fmt: skip
+                                done=done, indexes_rebuilt=rebuilt, invalid=invalid)  # fmt: skip
 
     # -- replication ------------------------------------------------------------
 

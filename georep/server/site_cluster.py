@@ -34,12 +34,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from cluster.ids import NodeId
-from cluster.raft_store import RaftMetadataStore
 from cluster.status import cluster_status
 from georep.broker.errors import NotLeader, SegmentUnreadable
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.raft.store import RaftMetadataStore
 from georep.security.tls import TlsConfig, channels, client_channel
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterMember, PartitionLeader

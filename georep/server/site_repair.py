@@ -75,7 +75,6 @@ from cluster import leadership
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.placement import NodeLoad
 from cluster.quorum import QuorumError
-from cluster.raft_store import MetadataUnavailable
 from cluster.repair import (
     AwaitingRepairDelay,
     CopyDeferred,
@@ -97,6 +96,7 @@ from georep.broker.errors import BrokerError, InvalidRequest, NodeStopping, Segm
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_to_proto
+from georep.raft.store import MetadataUnavailable
 from georep.security.tls import TlsConfig, client_channel
 from georep.storage.replica_store import HeldCopy, PartitionKey, ReplicaError, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq

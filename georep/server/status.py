@@ -14,10 +14,10 @@ import grpc
 from cluster.groups import IllegalGeneration, InvalidGroupRequest, NotAssigned, UnknownMember
 from cluster.metadata import TopicExists, UnknownTopic
 from cluster.quorum import Fenced, NotContiguous, QuorumError, SegmentSealed
-from cluster.raft_store import CommandTooLarge, MetadataUnavailable
 from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence
 from georep.broker import errors as e
+from georep.raft.store import CommandTooLarge, MetadataUnavailable
 from georep.record.batch import CorruptBatch, InvalidBatch
 from georep.replication.sink import CorruptChunk
 from georep.security.acl import InvalidAcl, PermissionDenied, UnknownAcl

@@ -75,6 +75,9 @@ class ScrubStep:
     checked_bytes: int
     found: list[DamagedBatch]  # newly quarantined
     indexes_rebuilt: int = 0  # segments whose index files disagreed with their CRC-valid batches and were rebuilt
+    # Newly found whole, CRC-valid batches whose records no reader accepts (stored before every batch was
+    # validated): "offsets A..B: why". Not damage, since every site holds the same bytes; readers skip them.
+    invalid: list[str] = field(default_factory=list)
 
 
 class RepairRefused(StorageError):

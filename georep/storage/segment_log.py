@@ -117,7 +117,17 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from pathlib import Path
 
-from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, check_batch, local_prefix
+from georep.record.batch import (
+    READ_RECORDS_BYTES_MAX,
+    REWRITTEN_BYTES,
+    BatchHeader,
+    CorruptBatch,
+    InvalidBatch,
+    check_batch,
+    local_prefix,
+    parse_header,
+)
+from georep.record.validate import check_records
 from georep.storage.api import (
     BatchDamaged,
     BatchEntry,
@@ -237,6 +247,7 @@ class SegmentLog:
         self._closed = False
         self._origin_names: dict[tuple[bytes, int], Origin] = {}
         self._damaged: dict[int, DamagedBatch] = {}  # base offset -> quarantined batch (DAMAGED_FILE)
+        self._invalid: set[int] = set()  # base offsets of stored batches whose records no reader accepts (reported)
         self.damage_found_total = 0
         self.repaired_total = 0
 
@@ -623,6 +634,7 @@ class SegmentLog:
             fd = os.dup(segment.log_fd)
         checked = 0
         bad: str | None = None
+        invalid: list[str] = []
         next_offset = offset
         try:
             for e in iter_origin_entries(entries):
@@ -631,13 +643,18 @@ class SegmentLog:
                 if e.base_offset >= end or checked >= max_bytes:
                     break
                 if bad is None and e.base_offset not in quarantined:
-                    bad = _check_stored(fd, e)
+                    data = os.pread(fd, e.size_bytes, e.position)
+                    bad = _stored_problem(data, e)
+                    why = None if bad is not None or e.base_offset in self._invalid else _invalid_records(data)
+                    if why is not None:
+                        self._invalid.add(e.base_offset)
+                        invalid.append(f"offsets {e.base_offset}..{e.next_offset - 1}: {why}")
                 checked += e.size_bytes
                 next_offset = e.next_offset
         finally:
             os.close(fd)
         found, rebuilt = self._revalidate(segment, f"found by the scrubber: {bad}") if bad else ([], False)
-        return ScrubStep(max(next_offset, offset + (0 if checked else 1)), checked, found, int(rebuilt))
+        return ScrubStep(max(next_offset, offset + (0 if checked else 1)), checked, found, int(rebuilt), invalid)
 
     def damaged_batches(self) -> list[DamagedBatch]:
         with self._lock:
@@ -984,7 +1001,20 @@ def _first_bad_batch(data: bytes, offset: int) -> str | None:
 
 def _check_stored(fd: int, entry: OriginEntry) -> str | None:
     """Why the batch an origin-index entry describes is damaged in the ``.log``, or None."""
-    data = os.pread(fd, entry.size_bytes, entry.position)
+    return _stored_problem(os.pread(fd, entry.size_bytes, entry.position), entry)
+
+
+def _invalid_records(data: bytes) -> str | None:
+    """Why a whole, CRC-valid stored batch holds records no reader accepts (it was stored before every batch was
+    validated: issue 20), or None. Not damage: every site holds the same bytes, so no peer can repair it."""
+    try:
+        check_records(data, parse_header(data), READ_RECORDS_BYTES_MAX)
+    except InvalidBatch as exc:
+        return str(exc)
+    return None
+
+
+def _stored_problem(data: bytes, entry: OriginEntry) -> str | None:
     if len(data) != entry.size_bytes:
         return f"the segment ends {entry.size_bytes - len(data)} bytes into the batch"
     try:

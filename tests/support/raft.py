@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cluster.ids import NodeId
-from cluster.raft_store import RaftMetadataStore, RaftTiming
 from cluster.site_state import Applied, RegisterNode
 from cluster.topics import TopicSpec
+from georep.raft.store import RaftMetadataStore, RaftTiming
 from tests.support.ports import free_ports
 
 # Shorter than the defaults so that elections take a fraction of a second, but with room for two busy cores.
