@@ -15,6 +15,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import iter_headers
 from georep.server.process import NodeProcess
 from tests.support.channels import open_channel
+from tests.support.disks import small_tmpfs
 from tests.support.node_api import batch, fetch_all, log_end
 from tests.support.sites import Sites, check_invariants, converged, produce, read_site, wait_until
 
@@ -23,16 +24,8 @@ DISK_BYTES = 3 << 20
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"this test mounts a small tmpfs and needs root: {proc.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path, f"size={DISK_BYTES}") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_full_disk_turns_writes_away_keeps_reads_and_recovers(small_disk: Path, tmp_path: Path) -> None:

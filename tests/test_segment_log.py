@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from georep.record.batch import (
 from georep.storage.api import BatchEntry, DiskFull, OffsetOutOfRange
 from georep.storage.segment_log import LogClosed, SegmentLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from tests.support.disks import small_tmpfs
 from tests.support.segments import A, B, C, Writer, log_files, make_batch, open_log, read_all
 from topology.ids import SiteId
 
@@ -368,17 +368,8 @@ def test_flush_from_a_worker_thread_while_appending_and_reading(tmp_path: Path) 
 
 @pytest.fixture
 def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"the disk-full test mounts a 256 KiB tmpfs and needs root: {proc.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path, "size=256k") as mount:
         yield mount
-    finally:
-        # Lazy: a failing test may still hold files open on the mount.
-        subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
 def test_disk_full_leaves_nothing_half_written_and_recovers_after_retention(tiny_disk: Path) -> None:

@@ -16,6 +16,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
 from tests.support.channels import open_channel
+from tests.support.disks import small_tmpfs
 from tests.support.ports import free_ports
 from tests.support.sites import wait_until
 
@@ -74,16 +75,8 @@ def test_a_kill_during_a_create_leaves_no_orphan_directory(tmp_path: Path) -> No
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs with few inodes: a create of many partitions (a directory and a few files each) fills it midway."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=600", "tmpfs", str(mount)],
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"this test mounts a small tmpfs and needs root: {proc.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path, "size=16m,nr_inodes=600") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_disk_that_fills_during_a_create_leaves_no_orphan_directory(small_disk: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ when their ``"format"`` is one the caller names as older than the checksum.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import crc32c
@@ -55,3 +56,13 @@ def loads_checked(data: bytes, *, unchecked_formats: tuple[int, ...] = (),
     if stored != _checksum(doc):
         raise DamagedStateFile(f"checksum {stored!r} does not match the contents ({_checksum(doc)})")
     return doc
+
+
+def read_checked(path: Path, *, unchecked_formats: tuple[int, ...] = ()) -> dict[str, Any] | None:
+    """The checked object in the file at ``path``, or ``None`` when there is no such file; raises
+    :class:`DamagedStateFile` when there is one and its bytes are not what its checksum vouches for."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    return loads_checked(data, unchecked_formats=unchecked_formats)

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
+from georep.storage.checked_json import DamagedStateFile, dumps_checked, read_checked
 from georep.storage.durable_file import replace_file
 from offsets.coordinates import InvalidOrigin, LocalOffset, Origin, OriginSeq
 from topology.ids import InvalidSiteId
@@ -42,11 +42,9 @@ def read_log_start(directory: Path) -> LogStart | None:
     """The directory's log start; ``None`` if missing or unreadable (logged)."""
     path = directory / FILE_NAME
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    try:
-        doc = loads_checked(data)
+        doc = read_checked(path)
+        if doc is None:
+            return None
         if doc["format"] != FORMAT:
             raise ValueError(f"format {doc['format']!r}, this build reads {FORMAT}")
         start = doc["log_start"]

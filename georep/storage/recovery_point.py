@@ -39,7 +39,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
+from georep.storage.checked_json import DamagedStateFile, dumps_checked, read_checked
 from georep.storage.durable_file import replace_file
 from offsets.coordinates import InvalidOrigin, LocalOffset, Origin, OriginSeq
 from topology.ids import InvalidSiteId
@@ -62,11 +62,9 @@ def read_recovery_point(directory: Path) -> RecoveryPoint | None:
     """The directory's recovery point; ``None`` if missing or unreadable (logged)."""
     path = directory / FILE_NAME
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    try:
-        doc = loads_checked(data, unchecked_formats=(_UNCHECKED_FORMAT,))
+        doc = read_checked(path, unchecked_formats=(_UNCHECKED_FORMAT,))
+        if doc is None:
+            return None
         if doc["format"] not in (FORMAT, _UNCHECKED_FORMAT):
             raise ValueError(f"format {doc['format']!r}, this build reads {FORMAT}")
         point = LocalOffset(_non_negative(doc["recovery_point"]))
