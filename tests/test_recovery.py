@@ -324,7 +324,7 @@ def test_damage_in_a_middle_segment_never_deletes_a_later_segment(pristine: dict
 def test_a_lost_log_file_whose_origin_index_survives_is_quarantined_whole(pristine: dict[bool, Pristine],
                                                                           scratch: Path) -> None:  # fmt: skip
     p = pristine[True]
-    for segment in (3, len(p.segments) - 1):  # a middle one, and the active one
+    for segment in (0, 3, len(p.segments) - 1):  # the first (not a retention leftover), a middle one, the active one
         directory = copy_of(p, scratch / str(segment))
         log_files(directory)[segment].unlink()
         check_quarantined(directory, p, {i for _pos, i in p.segments[segment]})
@@ -494,3 +494,26 @@ def test_a_new_directory_opens_as_an_empty_log(scratch: Path) -> None:
     log: SegmentLog = open_log(scratch / "fresh", **CONFIG)
     assert (log.log_start_offset, log.log_end_offset, log.segment_count, log.vector()) == (0, 0, 1, {})
     log.close()
+
+
+def test_the_first_segments_lost_after_retention_are_refused_never_skipped(scratch: Path) -> None:
+    """Found by the damage campaign (seed 403): the first .log of a log lost, and the log started at its second
+    segment, its vector still claiming the records of the first. Retention writes the log start first, so a log
+    whose segments start later than that lost its first segments; one whose files retention left is tidied."""
+    log = open_log(scratch / "t-0", **CONFIG, retention_bytes=6000)
+    w = Writer(log)
+    for i in range(40):
+        w.append((A, B)[i % 5 == 0], 2, value_bytes=120)
+    assert log.enforce_retention(now_ms=0) > 0
+    log.close()
+    first = log_files(scratch / "t-0")[0]
+    start = int(first.stem)
+    (scratch / "t-0" / "00000000000000000000.oindex").write_bytes(b"GROI")  # what a crash in retention leaves
+    again = open_log(scratch / "t-0", **CONFIG)
+    assert again.log_start_offset == start and not (scratch / "t-0" / "00000000000000000000.oindex").exists()
+    again.close()
+    for path in (first, first.with_suffix(".oindex"), first.with_suffix(".index")):
+        path.unlink()
+    second = int(log_files(scratch / "t-0")[0].stem)
+    with pytest.raises(MissingSegment, match=f"holding offsets {start}..{second - 1} are missing"):
+        open_log(scratch / "t-0", **CONFIG)

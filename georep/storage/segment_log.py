@@ -266,7 +266,8 @@ class SegmentLog:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         report = RecoveryReport()
-        bases = _tidy_directory(directory, report)
+        kept = read_log_start(directory)
+        bases = _tidy_directory(directory, report, None if kept is None else kept.log_start)
         point = read_recovery_point(directory)
         listed = _read_damaged(directory)
         if listed is None:
@@ -276,10 +277,15 @@ class SegmentLog:
         lost: list[DamagedBatch] = []
         try:
             _load_segments(directory, config, bases, point, listed is not None, segments, lost, report)
+            # What retention kept starts at the log-start file's offset (0 without one: nothing was deleted, or an
+            # older build deleted, which the check of a log whose segments start later must let pass).
+            expected = kept.log_start if kept is not None else 0
+            if segments and kept is not None and segments[0].base_offset > expected:
+                raise MissingSegment(_missing(directory, expected, segments[0].base_offset))
             if not segments:
-                start = point.recovery_point if point is not None else 0
-                if start:
-                    log.warning("partition log %s: no segment files; starting empty at offset %d", directory, start)
+                start = point.recovery_point if point is not None else expected
+                if start > expected:  # every segment file is gone: nothing created the log at this offset
+                    raise MissingSegment(_missing(directory, expected, start))
                 segments.append(Segment.create(directory, start))
             fsync_directory(directory)
             opened = cls._from_segments(directory, config, segments, point, report)
@@ -301,15 +307,16 @@ class SegmentLog:
         For a segment of a partition whose earlier segments live on other nodes (a member of a segment's
         ensemble, ``georep/storage/replica_store.py``): offsets and the vector go on from where the partition's
         previous segment ended. ``directory`` must not exist. The recovery point is written before the segment
-        file, so a crash in between leaves a directory that :meth:`open` starts empty at ``base_offset``.
+        file (and the ``log-start`` file before both), so a crash in between leaves a directory that :meth:`open`
+        starts empty at ``base_offset``.
         """
         check_config(config)
         directory = Path(directory)
         directory.mkdir(parents=True)
+        if base_offset:  # first: what starts the log later than offset 0 is known before anything else exists
+            write_log_start(directory, LogStart(LocalOffset(base_offset), dict(vector)))
         write_recovery_point(directory, RecoveryPoint(LocalOffset(base_offset), LocalOffset(base_offset),
                                                       dict(vector)))  # fmt: skip
-        if base_offset:
-            write_log_start(directory, LogStart(LocalOffset(base_offset), dict(vector)))
         Segment.create(directory, base_offset).close()
         fsync_directory(directory)
         fsync_directory(directory.parent)
@@ -1045,14 +1052,14 @@ def _origin_of(names: dict[tuple[bytes, int], Origin], entry: OriginEntry) -> Or
     return origin
 
 
-def _tidy_directory(directory: Path, report: RecoveryReport) -> list[int]:
+def _tidy_directory(directory: Path, report: RecoveryReport, log_start: int | None) -> list[int]:
     """Remove stray ``.tmp`` files; return the segments' base offsets.
 
-    Index files without a ``.log`` below the first ``.log`` are what a crash during retention leaves (a segment
-    is deleted ``.log`` first): removed. Above it (or with no ``.log`` at all: the active segment is never
-    deleted), a ``.log`` was lost while its origin index survived, which no crash does: an empty ``.log`` is put
-    back, so that recovery quarantines every batch the index names there
-    and repairs them from peers, instead of refusing the whole log.
+    Index files without a ``.log`` below ``log_start`` (the ``log-start`` file's, written before retention
+    deletes) are what a crash during retention leaves (a segment is deleted ``.log`` first): removed. Anywhere
+    else a ``.log`` was lost while its origin index survived, which no crash does: an empty ``.log`` is put back,
+    so that recovery quarantines every batch the index names there and repairs them from peers, instead of
+    refusing the whole log or, for the first segment, starting the log later and losing its records silently.
     """
     logs: set[int] = set()
     indexes: list[tuple[int, Path]] = []
@@ -1069,16 +1076,16 @@ def _tidy_directory(directory: Path, report: RecoveryReport) -> list[int]:
             logs.add(int(match.group(1)))
         else:
             indexes.append((int(match.group(1)), path))
-    first = min(logs, default=None)
     for base, path in sorted(indexes):
         if base in logs:
             continue
-        if (first is None or base > first) and path.name.endswith(ORIGIN_INDEX_SUFFIX):
+        deleted = log_start is not None and base < log_start
+        if not deleted and path.name.endswith(ORIGIN_INDEX_SUFFIX):
             log.error("partition log %s: %s has lost its .log; its batches are quarantined until repaired",
                       directory, path.name)  # fmt: skip
             (directory / (path.name[: -len(ORIGIN_INDEX_SUFFIX)] + LOG_SUFFIX)).touch(mode=0o600)
             logs.add(base)
-        elif first is not None and base < first:
+        elif deleted:
             log.warning("partition log %s: removing %s, which has no .log", directory, path.name)
             path.unlink()
             report.files_removed += 1
@@ -1099,12 +1106,7 @@ def _load_segments(directory: Path, config: LogConfig, bases: list[int], point: 
         if segments and base != segments[-1].next_offset:
             # A roll fsyncs the sealed segment first, so no crash leaves this: a segment file was deleted or
             # lost along with its origin index. Cutting the log here would throw away every good segment after it.
-            raise MissingSegment(
-                f"partition log {directory}: the segments jump from offset {segments[-1].next_offset} to "
-                f"{base}: the segment file(s) holding offsets {segments[-1].next_offset}..{base - 1} are "
-                "missing, and so is their origin index. Restore them from a backup; or stop the node, move its "
-                "whole data dir away and start it empty: the site gets a new epoch and pulls every record back"
-            )
+            raise MissingSegment(_missing(directory, segments[-1].next_offset, base))
         next_base = bases[i + 1] if i + 1 < len(bases) else None
         trust = may_trust and next_base is not None and next_base <= durable
         segment, outcome = Segment.load(directory, base, config.index_interval_bytes, next_base=next_base,
@@ -1119,6 +1121,12 @@ def _load_segments(directory: Path, config: LogConfig, bases: list[int], point: 
         report.indexed_batches_lost += outcome.indexed_batches_lost
         if outcome.plan is not None:
             _report_plan(directory, segment, outcome.plan, lost, report)
+
+
+def _missing(directory: Path, start: int, end: int) -> str:
+    return (f"partition log {directory}: the segment file(s) holding offsets {start}..{end - 1} are missing, and so "
+            "is their origin index. Restore them from a backup; or stop the node, move its whole data dir away and "
+            "start it empty: the site gets a new epoch and pulls every record back")
 
 
 def _report_plan(directory: Path, segment: Segment, plan: SegmentPlan, lost: list[DamagedBatch],
