@@ -160,8 +160,8 @@ class Campaign:
             self.scrub(victim)
             self.settle(f"seed {seed}: {damage}")
             check_invariants(self.sites, SITES, TOPIC, self.expected)
-        except AssertionError as exc:
-            raise AssertionError(f"seed {seed} failed after {damage}: {exc}") from exc
+        except Exception as exc:  # a read refused (DATA_LOSS, OUT_OF_RANGE) fails the seed as much as an assert
+            raise AssertionError(f"seed {seed} failed after {damage}: {type(exc).__name__}: {exc}") from exc
         return damage
 
     def restart(self, damage: Damage, backup: Path) -> None:
