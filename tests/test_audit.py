@@ -53,6 +53,7 @@ def test_clean_sites_give_a_clean_report_and_an_empty_parquet(spark: Any, sites:
     assert "CLEAN" in result.summary[-2]
 
 
+@pytest.mark.slow
 def test_each_injected_divergence_is_named_by_site_coordinate_and_kind(spark: Any, sites: dict[str, Path],
                                                                        tmp_path: Path) -> None:  # fmt: skip
     """Four edits to three sites' logs, each through the storage layer (CRCs valid), caught in one audit."""
@@ -80,6 +81,7 @@ def test_each_injected_divergence_is_named_by_site_coordinate_and_kind(spark: An
         ("duplicate", "a", 100), ("mismatch", "b", 57), ("missing", "c", 40), ("order", "b", 20)]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_batch_cut_otherwise_than_at_its_origin_is_a_mismatch(spark: Any, sites: dict[str, Path],
                                                                   tmp_path: Path) -> None:  # fmt: skip
     """Same records, other batch boundaries: not the origin's bytes (dedup never re-cuts a batch)."""
@@ -112,6 +114,7 @@ def test_a_corrupt_batch_is_named_by_site_file_and_position(spark: Any, sites: d
     assert {i["kind"] for i in result.report["issues"]} == {"corrupt", "missing"}
 
 
+@pytest.mark.slow
 def test_a_site_behind_by_a_recent_tail_is_in_flight_and_an_old_one_is_missing(spark: Any, sites: dict[str, Path],
                                                                                tmp_path: Path) -> None:  # fmt: skip
     for _ in range(2):  # b lacks a's last two batches of partition 0
@@ -130,6 +133,7 @@ def _drop_last_of(batches: list[inject.Stored], origin: str) -> list[inject.Stor
     return batches[:last] + batches[last + 1 :]
 
 
+@pytest.mark.slow
 def test_expected_reach_follows_link_filters(spark: Any, tmp_path: Path) -> None:
     """c's link from b carries only 'audit/**': c must not hold, and need not hold, 'orders'."""
     dirs = write_sites(tmp_path / "data", ["a", "b"], SPEC)

@@ -62,6 +62,7 @@ def test_georep_audit_exits_0_when_clean_and_1_on_divergence(spark: Any, tmp_pat
     assert spark.range(3).count() == 3, "a session the caller passed is left running"
 
 
+@pytest.mark.slow
 def test_delays_per_path_origin_and_site_use_the_origin_append_time(spark: Any, sites: dict[str, Path],
                                                                      tmp_path: Path) -> None:  # fmt: skip
     from spark_jobs.delays import run_delays

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import pytest
 
 from cluster.ids import NodeId, SegmentId
 from cluster.site_state import CreateTopic
@@ -101,6 +102,7 @@ async def produce(lead: PartitionLeader, seq: int, records: int = 4) -> int:
     return end
 
 
+@pytest.mark.slow
 def test_a_site_of_four_nodes_elects_writes_rolls_and_survives_its_leader(tmp_path: Path) -> None:
     """Four nodes, RF=3, min-insync=2: a segment opens on three live nodes (as a BookKeeper ledger needs its
     ensemble), so with one node dead the site still places new segments."""

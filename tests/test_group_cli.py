@@ -8,6 +8,8 @@ import sys
 import time
 from collections.abc import Callable
 
+import pytest
+
 from georep.proto import georep_pb2 as pb
 from georep.server.process import NodeProcess
 from tests.support.cli import georep, ok
@@ -69,6 +71,7 @@ def test_consume_group_twice_continues_where_the_first_left(node: NodeProcess) -
     assert again.split() == ["n0", "n1", "n2"]
 
 
+@pytest.mark.slow
 def test_describe_shows_a_running_member_and_its_assignment(node: NodeProcess) -> None:
     b = node.address
     ok(georep("topic", "create", TOPIC, "--partitions", "3", "--bootstrap", b))
@@ -135,6 +138,7 @@ def test_group_errors_are_one_line(node: NodeProcess) -> None:
         assert len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_geo_commits_resume_at_another_site_and_geo_acks_time_out(make_sites: Callable[..., Sites]) -> None:
     sites = make_sites(["a", "b"], [("a", "b"), ("b", "a")])
     sites.start()

@@ -110,6 +110,7 @@ def flood(address: str, stop: threading.Event, rounds: list[int], worst: list[in
         rounds[index] += 1
 
 
+@pytest.mark.slow
 def test_unauthenticated_frames_are_cut_at_512_kib_while_an_authenticated_client_works(sasl_node: NodeProcess,
                                                                                         tmp_path: Path) -> None:
     confluent_kafka = pytest.importorskip("confluent_kafka")
@@ -150,6 +151,7 @@ def test_unauthenticated_frames_are_cut_at_512_kib_while_an_authenticated_client
         node_log(sasl_node)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_idle_and_half_sent_connections_are_closed_after_the_idle_time(start_node: Any) -> None:
     node: NodeProcess = start_node(extra_args=[*KAFKA_ARGS, "--connections-max-idle-ms", "2500"])
     address = kafka_address(node)

@@ -233,6 +233,7 @@ def test_an_unreadable_segment_fence_is_refused_at_start_with_what_to_do(node: N
     node.start()  # without the file: the node holds no copy of t-0 and starts
 
 
+@pytest.mark.slow
 def test_idle_client_keepalive_pings_are_accepted(api: pbg.NodeStub, node: NodeProcess) -> None:
     """Clients ping idle connections; the node must not answer with GOAWAY too_many_pings."""
     import time

@@ -175,6 +175,7 @@ finally:
 SYNC_LINE = re.compile(r"^\d+\s+(fdatasync|fsync)\((\d+)<([^>]*)>")
 
 
+@pytest.mark.slow
 def test_strace_shows_each_node_fdatasync_its_journal(tmp_path: Path) -> None:
     strace = shutil.which("strace")
     if strace is None:

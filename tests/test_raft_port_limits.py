@@ -143,6 +143,7 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_idle_connections_without_the_secret_are_capped_and_timed_out_while_members_reconnect(site: Site) -> None:
     site.start()
     leader = site.leader()

@@ -130,11 +130,14 @@ def pool() -> Iterator[ProcessPoolExecutor]:
         yield executor
 
 
+QUICK_TOPOLOGIES = 2  # make test-quick runs the first two topologies' swarms; make test runs them all
+
+
 @pytest.mark.parametrize(
     ("topology", "runs"),
-    _swarm_groups(),
-    ids=[f"{name}-seeds-{runs[0][0]}..{runs[-1][0]}" for name, runs in _swarm_groups()],
-)
+    [pytest.param(name, runs, marks=() if i < QUICK_TOPOLOGIES else pytest.mark.slow,
+                  id=f"{name}-seeds-{runs[0][0]}..{runs[-1][0]}") for i, (name, runs) in enumerate(_swarm_groups())],
+)  # fmt: skip
 def test_swarm_keeps_every_invariant(topology: str, runs: list[tuple[int, str, bool, float]],
                                      pool: ProcessPoolExecutor) -> None:  # fmt: skip
     total = FaultCounts()

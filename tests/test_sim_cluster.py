@@ -98,6 +98,7 @@ def swarm(pool: ProcessPoolExecutor) -> dict[str, tuple[list[str], ClusterCounts
     return out
 
 
+@pytest.mark.slow  # make test runs the 210 seeds; make test-quick the named seeds below
 @pytest.mark.parametrize(("shape", "seeds"), SWARM, ids=[f"{s}-seeds-{r[0]}..{r[-1]}" for s, r in SWARM])
 def test_swarm_keeps_every_invariant(shape: str, seeds: range,
                                      swarm: dict[str, tuple[list[str], ClusterCounts]]) -> None:  # fmt: skip
@@ -117,6 +118,7 @@ def test_swarm_keeps_every_invariant(shape: str, seeds: range,
         assert c.elections_refused > 0  # stale plans met the compare-and-set
 
 
+@pytest.mark.slow
 def test_the_faults_and_the_protocol_paths_actually_happen(swarm: dict[str, tuple[list[str], ClusterCounts]]) -> None:
     total = ClusterCounts()
     for _failures, counts in swarm.values():

@@ -54,7 +54,8 @@ def _one_run(run: tuple[int, str]) -> Outcome:
     return result.counts, cluster, geo
 
 
-@pytest.mark.parametrize("topology", GEO_CLUSTER_TOPOLOGIES)
+@pytest.mark.parametrize("topology", [pytest.param(t, marks=() if i == 0 else pytest.mark.slow)
+                                      for i, t in enumerate(GEO_CLUSTER_TOPOLOGIES)])  # quick: the first only
 def test_swarm_with_a_multi_node_site_keeps_every_invariant(topology: str, pool: ProcessPoolExecutor) -> None:
     first = SEED_BASE + GEO_CLUSTER_TOPOLOGIES.index(topology) * 1_000
     runs = [(seed, topology) for seed in range(first, first + SEEDS_PER_TOPOLOGY)]

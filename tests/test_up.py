@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support.cluster_site import site_toml
 from tests.support.ports import free_ports
 from tests.support.sites import TRIANGLE, topology_toml
@@ -108,6 +110,7 @@ def test_a_multi_node_site_that_cannot_run_is_refused_with_what_to_do(tmp_path: 
     assert node.returncode == 2 and "no node 7" in node.stderr
 
 
+@pytest.mark.slow
 def test_up_runs_a_site_of_three_nodes_that_takes_writes_and_reads(tmp_path: Path) -> None:
     g, r = free_ports(3), free_ports(3)
     topo, data = tmp_path / "site.toml", tmp_path / "data"

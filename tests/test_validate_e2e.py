@@ -94,6 +94,7 @@ POISONS = {  # issue 20, item 3: each with a valid CRC
 }
 
 
+@pytest.mark.slow
 def test_poison_batches_are_refused_at_the_origin_and_every_site_reads_on(make_sites: Callable[..., Sites]) -> None:
     """Item 3: the poison batches never enter the log, so both sites keep serving every good record."""
     sites = make_sites(["x", "y"], [("x", "y"), ("y", "x")])
