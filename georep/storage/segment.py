@@ -176,10 +176,6 @@ class LoadOutcome:
     plan: SegmentPlan | None  # what the walk decided, when it walked
     indexed_batches_lost: int = 0  # origin-index entries past the kept end: appended, their bytes did not survive
 
-    @property
-    def cut(self) -> str | None:
-        return self.plan.cut if self.plan is not None else None
-
 
 class Segment:
     """A segment's open files and what is kept in memory about them.
