@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick lint typecheck proto bench clean
+.PHONY: demo test test-quick lint typecheck proto bench clean strace
 
 # pip writes the dependencies' bytecode on one core; compileall writes it on every core, which is faster. (It must
 # be written: where PYTHONDONTWRITEBYTECODE is set, every process would compile what it imports, pyspark and grpc.)
@@ -25,7 +25,15 @@ demo: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
 	$(BIN)/georep demo
 
-test: $(STAMP)
+# tests/test_raft_durability.py shows the Raft journal's fdatasync calls with strace: installed here when it can be
+# (root and apt-get), else that one test is skipped with a message that says how to get it.
+strace:
+	@command -v strace > /dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null 2>&1 && \
+		{ apt-get install -y -qq strace > /dev/null 2>&1 || \
+		  { apt-get update -qq > /dev/null 2>&1 && apt-get install -y -qq strace > /dev/null 2>&1; }; }; } || \
+		echo "strace could not be installed: its test is skipped (apt-get install -y strace)"
+
+test: $(STAMP) strace
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
