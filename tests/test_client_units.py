@@ -16,6 +16,7 @@ from georep.client.errors import (
     BatchTooLarge,
     InvalidRequest,
     NodeUnavailable,
+    Operation,
     OutOfOrderSequence,
     ProducerFenced,
     UnknownTopic,
@@ -259,15 +260,19 @@ def test_decode_rejects_a_corrupt_batch() -> None:
 
 
 def test_status_codes_map_to_exceptions() -> None:
-    assert isinstance(from_status(grpc.StatusCode.NOT_FOUND, "unknown topic 'x'"), UnknownTopic)
-    assert isinstance(from_status(grpc.StatusCode.INVALID_ARGUMENT, "bad name"), InvalidRequest)
-    too_big = from_status(grpc.StatusCode.INVALID_ARGUMENT, "batch of 9 bytes exceeds max_batch_bytes=8")
+    produce, code = Operation.PRODUCE, grpc.StatusCode
+    assert isinstance(from_status(produce, code.NOT_FOUND, "unknown topic 'x'", "unknown-topic"), UnknownTopic)
+    assert isinstance(from_status(produce, code.INVALID_ARGUMENT, "bad name", "invalid-request"), InvalidRequest)
+    too_big = from_status(produce, code.INVALID_ARGUMENT, "batch of 9 bytes exceeds max_batch_bytes=8",
+                          "batch-too-large")  # fmt: skip
     assert isinstance(too_big, BatchTooLarge)
-    assert isinstance(from_status(grpc.StatusCode.FAILED_PRECONDITION, "producer 1 is fenced"), ProducerFenced)
-    assert isinstance(from_status(grpc.StatusCode.FAILED_PRECONDITION, "expected sequence 5"), OutOfOrderSequence)
-    unavailable = from_status(grpc.StatusCode.UNAVAILABLE, "", "h:1")
+    fenced = from_status(produce, code.FAILED_PRECONDITION, "producer 1 is fenced", "producer-fenced")
+    assert isinstance(fenced, ProducerFenced)
+    gap = from_status(produce, code.FAILED_PRECONDITION, "expected sequence 5", "out-of-order-sequence")
+    assert isinstance(gap, OutOfOrderSequence)
+    unavailable = from_status(produce, code.UNAVAILABLE, "", address="h:1")  # gRPC's own: no reason
     assert isinstance(unavailable, NodeUnavailable) and unavailable.retriable
-    error = georep_pb2.Error(code=grpc.StatusCode.NOT_FOUND.value[0], message="unknown topic 'x'")
+    error = georep_pb2.Error(code=code.NOT_FOUND.value[0], message="unknown topic 'x'", reason="unknown-topic")
     assert isinstance(from_produce_error(error), UnknownTopic)
 
 
@@ -372,13 +377,17 @@ def test_stream_broken_by_the_reader_during_a_write_does_not_kill_the_sender() -
 
 def test_an_out_of_order_sequence_is_not_taken_for_a_fenced_producer() -> None:
     """Both messages name the producer and its epoch; only a fenced producer must stop. An out-of-order answer
-    after a batch lost in flight (a segment cut at a roll) is resent with the round."""
+    after a batch lost in flight (a segment cut at a roll) is resent with the round. The node's reason tells them
+    apart, not the message."""
     from dedup.producer import OutOfOrderSequence as Gap
     from dedup.producer import ProducerFenced as Zombie
-    from georep.client.errors import OutOfOrderSequence, ProducerFenced, from_status
+    from georep.broker.errors import SequenceRejected
+    from georep.client.errors import OutOfOrderSequence, ProducerFenced
+    from georep.server.status import wire_status
 
-    gap = Gap(expected=12_703, got=12_706, producer_id=7, producer_epoch=0).message()
-    zombie = Zombie(current_epoch=3, got=2, producer_id=7).message()
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    assert isinstance(from_status(code, gap), OutOfOrderSequence)
-    assert isinstance(from_status(code, zombie), ProducerFenced)
+    def seen(decision: Gap | Zombie) -> object:
+        code, reason = wire_status(SequenceRejected(decision)) or (grpc.StatusCode.INTERNAL, "")
+        return from_status(Operation.PRODUCE, code, decision.message(), reason)
+
+    assert isinstance(seen(Gap(expected=12_703, got=12_706, producer_id=7, producer_epoch=0)), OutOfOrderSequence)
+    assert isinstance(seen(Zombie(current_epoch=3, got=2, producer_id=7)), ProducerFenced)

@@ -17,13 +17,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cluster.groups import IllegalGeneration
 from georep.broker.errors import CommitsBehind
 from georep.client.errors import CommitsBehind as ClientCommitsBehind
-from georep.client.errors import GroupRebalanced, from_status
+from georep.client.errors import GroupRebalanced, Operation, from_status
 from georep.proto import georep_pb2 as pb
 from georep.server.broker import Broker
 from georep.server.groups import GroupService
-from georep.server.status import status_of
+from georep.server.status import wire_status
 from georep.storage.metadata_file import load_or_create_identity
 from offsets.commits import OFFSETS_TOPIC, offsets_partition
 from offsets.coordinates import Origin
@@ -50,9 +51,11 @@ def test_a_site_behind_what_its_upstream_holds_now_refuses_rather_than_answer_st
         upstream.clear()  # what the upstream holds, this site holds too
         assert list((await groups.fetch_committed(request)).offsets) == []
         broker.close()
-        code = status_of(caught.value)
+        code, reason = wire_status(caught.value) or (grpc.StatusCode.INTERNAL, "")
         assert code is grpc.StatusCode.ABORTED
-        assert isinstance(from_status(code, str(caught.value)), ClientCommitsBehind)
-        assert isinstance(from_status(code, "generation 3 is not the group's"), GroupRebalanced)
+        assert isinstance(from_status(Operation.GROUP, code, str(caught.value), reason), ClientCommitsBehind)
+        rebalanced = wire_status(IllegalGeneration("generation 3 is not the group's"))
+        assert rebalanced is not None and rebalanced[0] is code
+        assert isinstance(from_status(Operation.GROUP, code, "", rebalanced[1]), GroupRebalanced)
 
     asyncio.run(main())

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from cluster.topics import MAX_BATCH_BYTES_LIMIT
-from georep.client.errors import BatchTooLarge, from_status
+from georep.client.errors import BatchTooLarge, Operation, from_status
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import check_batch, decode_records, iter_headers
@@ -87,7 +87,7 @@ def test_a_message_over_the_grpc_limit_is_refused_and_the_node_stays_up(api: pbg
     huge = pb.ProduceRequest(topic="t", partition=0, batch=bytes(MAX_BATCH_BYTES_LIMIT + (2 << 20)))
     details = expect_error(grpc.StatusCode.RESOURCE_EXHAUSTED, api.Produce, huge)
     # the client's meaning for it: too large, never "node unavailable"
-    error = from_status(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+    error = from_status(Operation.PRODUCE, grpc.StatusCode.RESOURCE_EXHAUSTED, details)  # gRPC's own: no reason
     assert isinstance(error, BatchTooLarge) and "send smaller batches" in str(error)
     api.Produce(pb.ProduceRequest(topic="t", partition=0, batch=batch()))
     assert log_end(api, "t", 0) == 3

@@ -57,7 +57,7 @@ from georep.cli.output import EXIT_ERROR, EXIT_USAGE, table
 from georep.cli.tls_args import TlsArgsError, client_tls
 from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.client.connection import BOOTSTRAP_ENV, CHANNEL_OPTIONS, Connection, default_bootstrap
-from georep.client.errors import GeorepError, InvalidRequest, NodeUnavailable, from_rpc_error
+from georep.client.errors import GeorepError, InvalidRequest, NodeUnavailable, Operation, from_rpc_error
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import TlsConfig, client_channel
@@ -285,7 +285,7 @@ async def fetch(bootstrap: str, tls: TlsConfig | None = None) -> tuple[pb.Cluste
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 raise StatusRefused(f"the node at {connection.address} does not serve ClusterStatus: it runs an "
                                     "older georep; upgrade it", EXIT_ERROR) from None  # fmt: skip
-            raise from_rpc_error(exc, connection.address) from None
+            raise from_rpc_error(exc, connection.address, operation=Operation.ADMIN) from None
     finally:
         await connection.close()
     others = [n for n in answer.nodes if n.live and n.node_id != answer.node_id]
@@ -327,7 +327,7 @@ async def decommission(bootstrap: str, node: int, cancel: bool, token: str | Non
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 raise StatusRefused(f"the node at {connection.address} does not serve DecommissionNode: it runs an "
                                     "older georep; upgrade it", EXIT_ERROR) from None  # fmt: skip
-            raise from_rpc_error(exc, connection.address) from None
+            raise from_rpc_error(exc, connection.address, operation=Operation.ADMIN) from None
         return answer
     finally:
         await connection.close()

@@ -35,7 +35,15 @@ import grpc
 from georep.cli.tls_args import TlsArgsError, client_tls
 from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.client.connection import BOOTSTRAP_ENV, Connection, default_bootstrap, parse_bootstrap
-from georep.client.errors import GeorepError, InvalidRequest, NodeUnavailable, NotLeader, UnknownTopic, from_rpc_error
+from georep.client.errors import (
+    GeorepError,
+    InvalidRequest,
+    NodeUnavailable,
+    NotLeader,
+    Operation,
+    UnknownTopic,
+    from_rpc_error,
+)
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto
 from georep.security.tls import TlsConfig
@@ -45,10 +53,6 @@ TIMEOUT_S = 10.0
 EXIT_ERROR = 1
 COORDINATOR_ATTEMPTS = 10
 COORDINATOR_BACKOFF_S = 0.3
-
-
-class UnknownGroup(GeorepError):
-    """``describe`` of a group the site has neither members nor commits of."""
 
 
 def _bootstrap(text: str) -> str:
@@ -177,7 +181,7 @@ async def _leaders(connection: Connection) -> list[pb.PartitionLeader]:
         description: pb.TopicDescription = await connection.stub.DescribeTopic(
             pb.DescribeTopicRequest(name=OFFSETS_TOPIC), timeout=TIMEOUT_S)  # fmt: skip
     except grpc.RpcError as exc:
-        error = from_rpc_error(exc, connection.address)
+        error = from_rpc_error(exc, connection.address, operation=Operation.GROUP)
         if isinstance(error, UnknownTopic):
             return []
         raise error from None
@@ -215,7 +219,7 @@ async def _list_leaders(connection: Connection, leaders: list[pb.PartitionLeader
             stub = await node.connect()
             answer: pb.ListGroupsResponse = await stub.ListGroups(pb.ListGroupsRequest(), timeout=TIMEOUT_S)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, address) from None
+            raise from_rpc_error(exc, address, operation=Operation.GROUP) from None
         finally:
             if node is not connection:
                 await node.close()
@@ -268,7 +272,7 @@ async def _describe(connection: Connection, group: str) -> pb.GroupDescription:
                                                                             timeout=TIMEOUT_S)  # fmt: skip
                 return description
             except grpc.RpcError as exc:
-                error = from_rpc_error(exc, node.address)
+                error = from_rpc_error(exc, node.address, operation=Operation.GROUP)
             except NodeUnavailable as exc:
                 error = exc
             if not isinstance(error, NotLeader | NodeUnavailable) or (
@@ -301,9 +305,7 @@ async def _ask(bootstrap: str, action: str, group: str,
             await _fill_lags(connection, description)
             return connection.origin, description
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, connection.address) from None
-        except UnknownTopic as error:  # DescribeGroup's NOT_FOUND
-            raise UnknownGroup(error.message, error.code) from None
+            raise from_rpc_error(exc, connection.address, operation=Operation.GROUP) from None
     finally:
         await connection.close()
 

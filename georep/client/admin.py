@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import grpc
 
 from georep.client.connection import Connection
-from georep.client.errors import InvalidRequest, from_rpc_error
+from georep.client.errors import InvalidRequest, Operation, from_rpc_error
 from georep.proto import georep_pb2
 from georep.proto.convert import vector_from_proto
 from georep.security.tls import TlsConfig
@@ -110,7 +110,7 @@ class Admin:
         try:
             return await self._connection.unary(rpc(request, timeout=self._timeout_s))
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self._connection.address) from None
+            raise from_rpc_error(exc, self._connection.address, operation=Operation.ADMIN) from None
 
     async def create_topic(self, name: str, partitions: int, config: dict[str, str] | None = None) -> TopicInfo:
         stub = await self._connection.connect()

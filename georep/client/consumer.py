@@ -48,7 +48,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import grpc
 
@@ -62,6 +62,7 @@ from georep.client.errors import (
     NodeUnavailable,
     NotLeader,
     OffsetOutOfRange,
+    Operation,
     from_rpc_error,
 )
 from georep.client.group import Committed, GroupMembership, GroupOptions, check_group
@@ -81,19 +82,6 @@ OFFSET_RESETS = ("earliest", "latest", "none")
 DAMAGED_RETRY_S = 1.0  # how often a fetch stopped at a quarantined batch asks again
 READ_FROM = ("leader", "follower")
 FOLLOWER_RETRY_S = 10.0  # after a fall back to the leader, the preferred node is tried again this much later
-NEXT_OFFSET_METADATA = "georep-next-offset"  # the node's trailing metadata on a quarantined batch
-
-
-def _next_offset_of(exc: grpc.RpcError) -> int | None:
-    """Where readable data goes on after the quarantined batch a failed fetch reached, if the node said."""
-    trailing: Any = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    for item in trailing or ():
-        if item[0] == NEXT_OFFSET_METADATA:
-            try:
-                return int(item[1])
-            except (TypeError, ValueError):
-                return None
-    return None
 
 
 class ConsumerRecord(NamedTuple):
@@ -529,7 +517,7 @@ class Consumer:
                     georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_s
                 ))
             except grpc.RpcError as exc:
-                raise from_rpc_error(exc, self._connection.address) from None
+                raise from_rpc_error(exc, self._connection.address, operation=Operation.FETCH) from None
             for partition in range(description.partitions):
                 tp = (topic, partition)
                 if tp not in self._states:
@@ -751,7 +739,7 @@ class Consumer:
                 await asyncio.sleep(backoff_ms / 1000)
                 continue
             except grpc.RpcError as exc:
-                error = from_rpc_error(exc, connection.address)
+                error = from_rpc_error(exc, connection.address, operation=Operation.FETCH)
                 if isinstance(error, NotLeader):  # a multi-node site: fetch from the partition's leader
                     state.leader = error.leader if error.leader != connection.address else state.leader
                     if preferred:  # it cannot serve this (all) as a follower: the leader meanwhile
@@ -760,7 +748,7 @@ class Consumer:
                     await asyncio.sleep(backoff_ms / 1000)
                     backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
                     continue
-                if error.code is grpc.StatusCode.DATA_LOSS and (skip_to := _next_offset_of(exc)) is not None:
+                if isinstance(error, DamagedData) and (skip_to := error.next_offset) >= 0:
                     # Quarantined at this node until a peer's copy repairs it: skip it if asked, else report
                     # it once and keep trying (the repair may come).
                     at = start.offset if start.kind == "offset" else -1

@@ -48,6 +48,7 @@ from georep.client.errors import (
     MemberFenced,
     NodeUnavailable,
     NotLeader,
+    Operation,
 )
 from georep.client.errors import from_rpc_error as _from_rpc_error
 from georep.proto import georep_pb2 as pb
@@ -219,7 +220,7 @@ class GroupMembership:
                 stub = await connection.connect()
                 return await connection.unary(call(stub))
             except grpc.RpcError as exc:
-                error = _from_rpc_error(exc, connection.address)
+                error = _from_rpc_error(exc, connection.address, operation=Operation.GROUP)
             except NodeUnavailable as exc:
                 error = exc
             if isinstance(error, NotLeader):

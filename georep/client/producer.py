@@ -41,6 +41,7 @@ from georep.client.errors import (
     InvalidRequest,
     NodeUnavailable,
     NotLeader,
+    Operation,
     OutOfOrderSequence,
     ProducerClosed,
     RecordTooLarge,
@@ -339,7 +340,7 @@ class Producer:
                             georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_ms / 1000
                         ))
                     except grpc.RpcError as exc:
-                        raise from_rpc_error(exc, self._connection.address) from None
+                        raise from_rpc_error(exc, self._connection.address, operation=Operation.PRODUCE) from None
                     break
                 except NodeUnavailable as exc:
                     if time.monotonic() + backoff_ms / 1000 > deadline:
@@ -383,7 +384,7 @@ class Producer:
                 georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_ms / 1000
             ))
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self._connection.address) from None
+            raise from_rpc_error(exc, self._connection.address, operation=Operation.PRODUCE) from None
         self._learn(topic, description)
         return int(description.partitions)
 
@@ -699,7 +700,8 @@ class Producer:
             raise
         except grpc.RpcError as exc:
             if call is route.call and exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self._refused_oversized(route, from_rpc_error(exc, route.connection.address))
+                self._refused_oversized(route, from_rpc_error(exc, route.connection.address,
+                                                                   operation=Operation.PRODUCE))
         self._stream_broken(route, call)
 
     def _refused_oversized(self, route: _Route, error: GeorepError) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from cluster.groups import IllegalGeneration, InvalidGroupRequest, NotAssigned, UnknownMember
 from cluster.metadata import TopicExists, UnknownTopic
+from cluster.quorum import Fenced, SegmentSealed
 from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence, OutOfOrderSequence, ProducerFenced
 from georep.broker import errors as e
@@ -66,6 +67,9 @@ CODES: dict[type[Exception], int] = {
     e.InvalidRequest: INVALID_REQUEST,
     e.NotCoordinator: NOT_COORDINATOR,
     e.NotLeader: NOT_LEADER_OR_FOLLOWER,
+    # A leader a newer one fenced, or whose segment it sealed: Kafka producers refresh their metadata and resend.
+    Fenced: NOT_LEADER_OR_FOLLOWER,
+    SegmentSealed: NOT_LEADER_OR_FOLLOWER,
     e.GeoAckTimeout: REQUEST_TIMED_OUT,
     e.GeoAcksUnreachable: NOT_ENOUGH_REPLICAS,
     e.CommitsBehind: COORDINATOR_LOAD_IN_PROGRESS,

@@ -35,6 +35,7 @@ from kafka.protocol import metadata as kmetadata
 from kafka.protocol import producer as kproducer
 
 from cluster.metadata import TopicExists
+from cluster.quorum import Fenced, SegmentSealed
 from georep.broker.acks import LEADER, AckKind, Acks
 from georep.broker.errors import NotLeader
 from georep.broker.fetch import durable_part
@@ -586,9 +587,10 @@ class KafkaGateway:
     # -- errors -------------------------------------------------------------------------------------------------
 
     def _code(self, exc: BaseException, topic: str | None = None, index: int = 0) -> int:
-        """Kafka's code for ``exc``; for a partition this node does not serve, the view's
-        (``NOT_LEADER_OR_FOLLOWER``, or ``LEADER_NOT_AVAILABLE`` when the site has no leader for it)."""
-        if isinstance(exc, NotLeader) and topic is not None:
+        """Kafka's code for ``exc``; for a partition this node does not serve (or no longer leads: a newer leader
+        fenced or sealed its segment), the view's (``NOT_LEADER_OR_FOLLOWER``, or ``LEADER_NOT_AVAILABLE`` when the
+        site has no leader for it)."""
+        if isinstance(exc, NotLeader | Fenced | SegmentSealed) and topic is not None:
             return self._view([(topic, index)]).not_served(topic, index)
         code = k.error_code(exc)
         if code == k.UNKNOWN_SERVER_ERROR:

@@ -354,22 +354,26 @@ class Error(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     LEADER_HINT_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """a grpc.StatusCode value, e.g. 3 = INVALID_ARGUMENT"""
     message: _builtins.str
     """says what to do"""
     leader_hint: _builtins.str
     """NOT_LEADER (FAILED_PRECONDITION) on a multi-node site: the leader's address, if known"""
+    reason: _builtins.str
+    """why, in words a client program reads (georep/proto/reasons.py): the georep-reason trailer"""
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         message: _builtins.str = ...,
         leader_hint: _builtins.str = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "leader_hint", b"leader_hint", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "leader_hint", b"leader_hint", "message", b"message", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

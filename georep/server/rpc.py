@@ -28,21 +28,21 @@ from cluster.metadata import MetadataStore
 from cluster.quorum import Fenced
 from georep.broker.errors import DamagedData, InvalidRequest, NotLeader
 from georep.proto.bounds import check_bounds
+from georep.proto.reasons import FENCED_EPOCH_METADATA as FENCED_EPOCH_METADATA  # read by server/recovery.py
+from georep.proto.reasons import LEADER_METADATA as LEADER_METADATA
+from georep.proto.reasons import NEXT_OFFSET_METADATA, REASON_METADATA
 from georep.security.acl import DEFAULT_SUPER_USERS
 from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, Access, Authorizer, Policy
 from georep.security.acl_sync import AclCache
 from georep.security.principal import Principal
 from georep.security.tls import principal_of
-from georep.server.status import DOMAIN_ERRORS, status_of
+from georep.server.status import DOMAIN_ERRORS, reason_of, status_of
 from topology.model import Topology
 
 M = TypeVar("M", bound=Message)
 # Handlers take raw bytes (no deserializer), or the message the authorization screen already parsed, read it with
 # parse(), and return messages.
 Context = grpc.aio.ServicerContext[bytes, Message]
-NEXT_OFFSET_METADATA = "georep-next-offset"  # trailing metadata of a DATA_LOSS fetch: after the damaged batch
-FENCED_EPOCH_METADATA = "georep-fenced-epoch"  # trailing metadata of an ABORTED segment call: the member's fence
-LEADER_METADATA = "georep-leader"  # trailing metadata of a NOT_LEADER call: the leader's address, if known
 
 Unary = Callable[[bytes, Context], Awaitable[Message]]
 Streaming = Callable[[Any, Context], AsyncIterator[Message]]
@@ -70,15 +70,22 @@ def status(exc: Exception) -> grpc.StatusCode:
 
 
 def _trailers(exc: Exception) -> tuple[tuple[str, str], ...]:
-    """What a caller needs to act on the error besides its code: where readable data goes on (a consumer that
-    skips a damaged batch), or the epoch a member is fenced at (a recovery that learns of a newer leader)."""
+    """What a caller needs to act on the error besides its code: the reason (what a client program tells the
+    errors of one code apart by), and where readable data goes on (a consumer that skips a damaged batch), the
+    epoch a member is fenced at (a recovery that learns of a newer leader), or the leader's address."""
+    reason = ((REASON_METADATA, str(reason_of(exc))),)
     if isinstance(exc, DamagedData):
-        return ((NEXT_OFFSET_METADATA, str(exc.next_offset)),)
+        return (*reason, (NEXT_OFFSET_METADATA, str(exc.next_offset)))
     if isinstance(exc, Fenced):
-        return ((FENCED_EPOCH_METADATA, str(exc.fenced_epoch)),)
+        return (*reason, (FENCED_EPOCH_METADATA, str(exc.fenced_epoch)))
     if isinstance(exc, NotLeader) and exc.leader_hint:
-        return ((LEADER_METADATA, exc.leader_hint),)
-    return ()
+        return (*reason, (LEADER_METADATA, exc.leader_hint))
+    return reason
+
+
+async def abort(context: Context, exc: Exception) -> None:
+    """End the call with ``exc``'s status code, its message and its trailers (raises, as ``context.abort`` does)."""
+    await context.abort(status(exc), str(exc), _trailers(exc))
 
 
 def _serialize(msg: Message) -> bytes:
@@ -90,7 +97,7 @@ def unary(fn: Unary) -> grpc.RpcMethodHandler[bytes, Message]:
         try:
             return await fn(data, context)
         except DOMAIN_ERRORS as exc:
-            await context.abort(status(exc), str(exc), _trailers(exc))
+            await abort(context, exc)
             raise  # unreachable: abort raises
 
     return grpc.unary_unary_rpc_method_handler(call, request_deserializer=None, response_serializer=_serialize)
@@ -104,7 +111,7 @@ def _streaming(fn: Streaming) -> Streaming:
             async for msg in fn(request, context):
                 yield msg
         except DOMAIN_ERRORS as exc:
-            await context.abort(status(exc), str(exc), _trailers(exc))
+            await abort(context, exc)
 
     return call
 
@@ -201,7 +208,7 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
                 request = authorizer.check(table, method, principal, data, parse)
                 return data if request is None else request
         except DOMAIN_ERRORS as exc:
-            await context.abort(status(exc), str(exc))
+            await abort(context, exc)
         return data
 
     if handler.unary_unary is not None:
@@ -231,7 +238,7 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
             if not per_message and not unrestricted:
                 authorizer.check(table, method, principal, b"", parse)
         except DOMAIN_ERRORS as exc:
-            await context.abort(status(exc), str(exc))
+            await abort(context, exc)
         assert principal is not None
         if not per_message or unrestricted:  # a super-user's messages are not screened (nor parsed twice)
             async for msg in inner_ss(requests, context):

@@ -40,7 +40,7 @@ from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
 from georep.server.rpc import Context, merge_streams, parse, service, status, stream_stream, unary, unary_stream
-from georep.server.status import DOMAIN_ERRORS
+from georep.server.status import DOMAIN_ERRORS, reason_of
 from georep.storage.api import BatchDamaged
 from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog, SegmentElsewhere
 from offsets.coordinates import InvalidOrigin, Origin
@@ -69,7 +69,7 @@ REFUSALS_LOGGED_MAX = 1024
 
 def _error(exc: Exception) -> pb.Error:
     hint = exc.leader_hint if isinstance(exc, NotLeader) else ""
-    return pb.Error(code=status(exc).value[0], message=str(exc), leader_hint=hint)
+    return pb.Error(code=status(exc).value[0], message=str(exc), leader_hint=hint, reason=reason_of(exc))
 
 
 def _vector_from_pb(msg: pb.VectorOffset) -> VectorOffset:

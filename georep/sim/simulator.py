@@ -80,7 +80,7 @@ from georep.broker.append import Produced, append_as_origin
 from georep.broker.commits import CommitLog
 from georep.broker.errors import BrokerError
 from georep.client.delivery import PartitionDelivery
-from georep.client.errors import from_status
+from georep.client.errors import Operation, from_status
 from georep.record.batch import RecordInput, encode_batch, parse_header
 from georep.replication.links import PartitionKey
 from georep.replication.session import ApplyChunk, LinkEvent, OpenStream, PullConfig
@@ -88,7 +88,7 @@ from georep.replication.session import Effect as PullEffect
 from georep.replication.sink import apply_chunk
 from georep.replication.source import Chunk, ReplicaSource
 from georep.security.acl_replication import HeldClaimCheck
-from georep.server.status import status_of
+from georep.server.status import wire_status
 from georep.sim.checker import InvariantChecker, InvariantViolation
 from georep.sim.consumers import ConsumerWorkload
 from georep.sim.faults import FaultCounts, Faults
@@ -654,7 +654,8 @@ class Simulator:
             delivery.on_success(batch)
             producer.acked_batches += 1
         else:
-            client_error = from_status(status_of(error) or grpc.StatusCode.INTERNAL, str(error))
+            code, reason = wire_status(error) or (grpc.StatusCode.INTERNAL, "")
+            client_error = from_status(Operation.PRODUCE, code, str(error), reason)
             if delivery.on_error(batch, client_error, self.now_ms, RETRY_BACKOFF_MS):
                 producer.failed_batches += 1
                 self.counts.geo_timeouts += type(error).__name__ == "GeoAckTimeout"
