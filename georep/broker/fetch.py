@@ -35,6 +35,11 @@ filter runs per batch, never per record.
 A read may hand out nothing while the cursor still moved (a stretch of
 covered batches): :attr:`FetchCursor.readable` says whether to read again now
 or to wait for the next fsync.
+
+**Both front ends.** georep's ``Fetch`` keeps a cursor per stream; the Kafka
+gateway makes one per partition of each Fetch request, at the request's
+offset, and resumes a committed vector (OffsetFetch) at the position a cursor
+from that vector would take. Offsets by time follow :func:`offset_for_time`.
 """
 
 from __future__ import annotations
@@ -117,9 +122,23 @@ class FetchCursor:
         return data
 
     def check_in_range(self) -> None:
-        """Raise ``OffsetOutOfRange`` (with the valid range) if the position is past the log end."""
-        if self.position > self.log.log_end_offset:
-            self.log.read(self.position, 0)
+        """Raise ``OffsetOutOfRange`` (with the valid range) if the position is outside the log: past its end, or
+        below its start (retention deleted what it named, even where nothing durable lies after it yet)."""
+        log = self.log
+        if self.position > log.log_end_offset or self.position < log.log_start_offset:
+            log.read(self.position, 0)
+
+
+def offset_for_time(log: PartitionLog, timestamp_ms: int) -> LocalOffset | None:
+    """Where a read of the records at or after ``timestamp_ms`` starts: the first batch whose max timestamp is at or
+    after it, among the batches a reader may be handed (below the flushed offset); None when no such batch is
+    durable yet. Both front ends answer offsets by time with it (georep's ``ListOffsets``, Kafka's), each saying
+    None its own way. A batch past the flushed offset is not answered: a crash or a recovery may still cut it,
+    and a consumer told to start there would skip what is written in its place."""
+    found = log.offset_for_timestamp(timestamp_ms)
+    if found is None or found >= log.flushed_offset:
+        return None
+    return found
 
 
 def durable_part(chunk: bytes, next_offset: LocalOffset, flushed: int) -> tuple[bytes, LocalOffset]:

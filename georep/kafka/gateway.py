@@ -36,9 +36,9 @@ from kafka.protocol import producer as kproducer
 
 from cluster.metadata import TopicExists
 from cluster.quorum import Fenced, SegmentSealed
+from georep.broker import fetch
 from georep.broker.acks import LEADER, AckKind, Acks
 from georep.broker.errors import NotLeader
-from georep.broker.fetch import durable_part
 from georep.kafka import errors as k
 from georep.kafka.cluster import NO_GROUPS, OneNode, SiteView, ViewOf
 from georep.kafka.offsets import FetchFilters, vector_at
@@ -51,9 +51,10 @@ from georep.security.acl import group as acl_group
 from georep.security.acl import topic as acl_topic
 from georep.security.acl_rpc import Policy
 from georep.security.principal import Principal
-from georep.server.broker import Broker
+from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
-from georep.storage.api import OffsetOutOfRange, start_offset_for_vector
+from georep.storage.api import OffsetOutOfRange
+from offsets.coordinates import InvalidOrigin, Origin
 from topology.filters import is_internal
 
 log = logging.getLogger(__name__)
@@ -294,20 +295,9 @@ class KafkaGateway:
                 flushed = plog.flushed_offset
                 records = b""
                 code = 0
-                offset = fp.fetch_offset
                 try:
-                    if offset < plog.log_start_offset or offset > plog.log_end_offset:
-                        plog.read(offset, 0)  # raises OffsetOutOfRange with the valid range
-                    if offset < flushed and budget - size > 0:
-                        got = plog.read(offset, min(fp.partition_max_bytes, budget - size))
-                        chunk, _next = durable_part(got.data, got.next_offset, flushed)
-                        skip = self.filters.for_fetch((client, t.topic, fp.partition), offset)
-                        converted = convert_fetched(chunk, offset, skip.to_dict() if skip else None, NO_FILTER_END)
-                        self._report_invalid(t.topic, fp.partition, converted.invalid)
-                        records = converted.data
-                        size += len(records)
-                    else:
-                        waits.append(p.durable())
+                    records = self._read(p, t.topic, fp, client, budget - size, waits)
+                    size += len(records)
                 except OffsetOutOfRange:
                     code = k.OFFSET_OUT_OF_RANGE
                 except Exception as exc:
@@ -318,6 +308,22 @@ class KafkaGateway:
                                 records=records))  # fmt: skip
             topics.append(r.FetchableTopicResponse(topic=t.topic, partitions=parts))
         return topics, size, waits
+
+    def _read(self, p: Partition, topic: str, fp: Any, client: str, budget: int,
+              waits: list[asyncio.Future[None]]) -> bytes:  # fmt: skip
+        """One partition of a Fetch: the durable batches at its offset as Kafka records (what the client's resumed
+        commit covers left out), or a wait for the next fsync. The fetch cursor decides the range and what is
+        durable, as for georep's own Fetch; raises ``OffsetOutOfRange`` outside the log."""
+        cursor = fetch.FetchCursor(p.log, fetch.AtOffset(fp.fetch_offset), self.broker.origin)
+        cursor.check_in_range()
+        if not cursor.readable or budget <= 0:
+            waits.append(p.durable())
+            return b""
+        chunk = cursor.read(min(fp.partition_max_bytes, budget))
+        skip = self.filters.for_fetch((client, topic, fp.partition), fp.fetch_offset)
+        converted = convert_fetched(chunk, fp.fetch_offset, skip.to_dict() if skip else None, NO_FILTER_END)
+        self._report_invalid(topic, fp.partition, converted.invalid)
+        return converted.data
 
     def _report_invalid(self, topic: str, partition: int, invalid: tuple[InvalidStored, ...]) -> None:
         """Log each stored batch a fetch served empty because its records are invalid, once per batch (clients
@@ -346,9 +352,9 @@ class KafkaGateway:
                     plog = self.broker.partition(t.name, lp.partition_index).log
                     if lp.timestamp == EARLIEST:
                         offset = plog.log_start_offset
-                    elif lp.timestamp >= 0:
-                        found = plog.offset_for_timestamp(lp.timestamp)
-                        offset = plog.flushed_offset if found is None else min(found, plog.flushed_offset)
+                    elif lp.timestamp >= 0:  # none durable yet: the high watermark, where the next ones go
+                        found = fetch.offset_for_time(plog, lp.timestamp)
+                        offset = plog.flushed_offset if found is None else found
                     else:  # LATEST, and the max-timestamp query (-3), which gets the end
                         offset = plog.flushed_offset
                     epoch = self._view([(t.name, lp.partition_index)]).route(t.name, lp.partition_index).leader_epoch
@@ -531,13 +537,17 @@ class KafkaGateway:
         return r(topics=out)
 
     def _resume_offset(self, client: str, c: pb.CommittedOffset) -> int:
-        """This site's local offset for a committed vector (``georep/kafka/offsets.py``)."""
+        """This site's local offset for a committed vector: where a fetch cursor from it starts
+        (``georep/broker/fetch.py``: the commit's hint only in the log it was taken in, clamped into the log;
+        otherwise the first offset holding a record the vector does not cover)."""
         plog = self.broker.partition(c.topic, c.partition).log
         vector = vector_from_proto(c.vector)
-        if c.committed_by == str(self.broker.origin) and c.hint_offset >= 0:
-            offset = int(c.hint_offset)  # committed here: the hint is exact in this very log
-        else:
-            offset = int(start_offset_for_vector(plog, vector.to_dict()))
+        try:
+            hint_origin: Origin | None = Origin.parse(c.committed_by)
+        except InvalidOrigin:
+            hint_origin = None  # a hint is a shortcut: the vector alone says where
+        start = fetch.FromVector(vector, hint_origin, int(c.hint_offset))
+        offset = int(fetch.FetchCursor(plog, start, self.broker.origin).position)
         # Past the offset the vector may still cover records (interleaved origins, or a commit that kept covering
         # what a resumed consumer skipped): the client's fetches leave them out.
         self.filters.set((client, c.topic, c.partition), offset, vector)

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from georep.storage.api import PartitionLog
-from offsets.coordinates import Origin, OriginSeq
+from offsets.log_prefix import vector_below
 from offsets.vector import VectorOffset
 
 FILTERS_MAX = 10_000  # (client, partition) filters kept; the oldest go first
@@ -33,22 +33,11 @@ def vector_at(log: PartitionLog, offset: int) -> VectorOffset:
     ``offset`` must lie in ``[log start, log end]`` (``OffsetOutOfRange`` otherwise: below the log start the
     records are gone, and so is the exact vector). The answer is the vector at the base of the segment holding
     ``offset`` (:meth:`PartitionLog.segment_at`: every batch below it, those retention or a chain trim deleted
-    included) advanced, per origin, to the furthest seq of that segment's batches below ``offset``; a batch that
-    straddles ``offset`` counts up to it (a batch maps a contiguous offset range onto a contiguous origin-seq
-    range). Exact: an origin's batches appear at a site in origin-seq order (I3), so the origin's records below
-    ``offset`` are those below the max end over its batches below ``offset``, and a max splits over the segment
-    boundary. Cost: one segment's batch entries, not the whole log's, per commit.
+    included) advanced past that segment's batches below ``offset`` by ``offsets/log_prefix.py``, the one fold
+    every vector-at-an-offset question uses. Cost: one segment's batch entries, not the whole log's, per commit.
     """
     segment = log.segment_at(offset)
-    next_seq: dict[Origin, int] = dict(segment.start_vector)
-    for b in segment.entries:
-        if b.base_offset >= offset:
-            break
-        seqs = min(b.last_offset_delta + 1, offset - b.base_offset)
-        end = b.base_origin_seq + seqs
-        if end > next_seq.get(b.origin, 0):
-            next_seq[b.origin] = end
-    return VectorOffset({o: OriginSeq(s) for o, s in next_seq.items()})
+    return vector_below(segment.start_vector, segment.entries, offset)
 
 
 @dataclass(frozen=True, slots=True)

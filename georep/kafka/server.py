@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 from cryptography import x509
 
 from georep.broker.acks import LEADER, Acks
-from georep.broker.errors import InternalTopic
 from georep.kafka.connections import ConnectionTable, ListenerLimits, LogThrottle, Refused
 from georep.kafka.gateway import Client, KafkaGateway, Pending
 from georep.kafka.protocol import (
@@ -52,7 +51,6 @@ from georep.security.acl_rpc import Policy
 from georep.security.credentials import CredentialLookup
 from georep.security.principal import Principal
 from georep.security.tls import TlsConfig, principal_of_certificate
-from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
 
 if TYPE_CHECKING:
     from georep.server.broker import Broker
@@ -435,9 +433,7 @@ async def start_kafka(options: KafkaOptions, broker: Broker, groups: GroupServic
     host, port = options.listen
 
     async def create_topic(name: str, partitions: int, config: dict[str, str]) -> None:
-        if is_internal(name):
-            raise InternalTopic(f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: "
-                                "choose another name")  # fmt: skip
+        # An internal topic's name is refused by Broker.create_topic, for both front ends.
         if site_cluster is not None:
             await site_cluster.create_topic(name, partitions, config)
         else:

@@ -40,7 +40,7 @@ from georep.storage.private import private_dir
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
-from topology.filters import is_internal
+from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +217,16 @@ class Broker:
             self.acks.open_partition(p.key, p.fsync_per_batch, plog.flushed_offset, VectorOffset(plog.flushed_vector()))
             self.on_open(p)
 
-    def create_topic(self, name: str, partitions: int, raw_config: dict[str, str]) -> TopicSpec:
-        """Raises ``InvalidTopic``, ``TopicExists``, ``DiskFull`` or ``WriteFailed``."""
+    def create_topic(self, name: str, partitions: int, raw_config: dict[str, str], *,
+                     internal: bool = False) -> TopicSpec:  # fmt: skip
+        """Raises ``InternalTopic``, ``InvalidTopic``, ``TopicExists``, ``DiskFull`` or ``WriteFailed``.
+
+        Clients never create georep's internal topics: this is the one place that says so, as :meth:`append` is
+        for their writes (georep's ``CreateTopic`` and Kafka's both come here). Only georep itself passes
+        ``internal=True``: the group coordinator's commit topic, and topics a link replicates from a peer."""
+        if is_internal(name) and not internal:
+            raise InternalTopic(f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: "
+                                "choose another name")  # fmt: skip
         validate_topic_name(name)
         validate_partitions(partitions)
         spec = TopicSpec(name, partitions, parse_topic_config(raw_config))

@@ -100,7 +100,7 @@ class GroupService:
         if broker.in_site:
             return  # the site's metadata holds the internal topic: the first group call creates it there
         if OFFSETS_TOPIC not in broker.metadata.topics():
-            broker.create_topic(OFFSETS_TOPIC, OFFSETS_PARTITIONS, OFFSETS_TOPIC_CONFIG)
+            broker.create_topic(OFFSETS_TOPIC, OFFSETS_PARTITIONS, OFFSETS_TOPIC_CONFIG, internal=True)
         self.catch_up()
 
     @property
@@ -137,7 +137,7 @@ class GroupService:
             try:
                 # Blocking: a Raft proposal, in a worker thread.
                 await asyncio.to_thread(self.broker.create_topic, OFFSETS_TOPIC, OFFSETS_PARTITIONS,
-                                        OFFSETS_TOPIC_CONFIG)  # fmt: skip
+                                        OFFSETS_TOPIC_CONFIG, internal=True)  # fmt: skip
                 log.info("created the internal topic %s (%d partitions)", OFFSETS_TOPIC, OFFSETS_PARTITIONS)
             except TopicExists:
                 pass

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -198,9 +199,10 @@ class Puller:
             try:
                 if r.broker.in_site:  # a multi-node site's topics are Raft commands: not on the event loop
                     await asyncio.get_running_loop().run_in_executor(
-                        None, r.broker.create_topic, t.name, t.partitions, dict(t.config))
+                        None, functools.partial(r.broker.create_topic, t.name, t.partitions, dict(t.config),
+                                                internal=True))  # fmt: skip
                 else:
-                    r.broker.create_topic(t.name, t.partitions, dict(t.config))
+                    r.broker.create_topic(t.name, t.partitions, dict(t.config), internal=True)
                 log.info("created topic %r (%d partitions) replicated from site %s", t.name, t.partitions, self.src)
             except TopicExists:
                 pass  # created meanwhile: the next round compares partition counts

@@ -20,7 +20,6 @@ from georep import __version__
 from georep.broker.append import Produced
 from georep.broker.errors import (
     DamagedData,
-    InternalTopic,
     InvalidRequest,
     NoSuchLink,
     NotAuthorized,
@@ -29,7 +28,16 @@ from georep.broker.errors import (
     SingleNodeSite,
     WriteFailed,
 )
-from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, FromVector, Latest, batch_by_coordinate
+from georep.broker.fetch import (
+    AtOffset,
+    Earliest,
+    FetchCursor,
+    FetchStart,
+    FromVector,
+    Latest,
+    batch_by_coordinate,
+    offset_for_time,
+)
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
@@ -46,7 +54,6 @@ from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog, Segmen
 from offsets.coordinates import InvalidOrigin, Origin
 from offsets.held import HeldEntry, ServedGate
 from offsets.vector import InvalidVectorOffset, VectorOffset
-from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
 from topology.ids import InvalidSiteId, site_id
 
 if TYPE_CHECKING:
@@ -154,10 +161,7 @@ class NodeService:
                                    leaders=leaders)  # fmt: skip
 
     async def create_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
-        req = parse(pb.CreateTopicRequest, data)
-        if is_internal(req.name):
-            raise InternalTopic(f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: "
-                                "choose another name")  # fmt: skip
+        req = parse(pb.CreateTopicRequest, data)  # an internal topic's name is refused by Broker.create_topic
         if self.site_cluster is not None:
             await self.site_cluster.create_topic(req.name, req.partitions, dict(req.config))
         else:
@@ -187,7 +191,7 @@ class NodeService:
         for i in indexes:
             plog = self.broker.partition(req.topic, i).log
             if req.WhichOneof("spec") == "timestamp_ms":
-                at = plog.offset_for_timestamp(req.timestamp_ms)
+                at = offset_for_time(plog, req.timestamp_ms)  # the rule Kafka's ListOffsets follows too
                 out.append(pb.PartitionOffset(partition=i, offset=-1 if at is None else at,
                                               timestamp_ms=req.timestamp_ms))  # fmt: skip
             elif req.position == pb.START_LATEST:

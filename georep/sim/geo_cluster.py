@@ -115,6 +115,7 @@ from georep.sim.simulator import START_MS, SimConfig, SimResult, SimulationFailu
 from georep.sim.site import SimSite
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from offsets.log_prefix import vector_below
 from offsets.vector import VectorOffset
 from topology.ids import SiteId
 
@@ -543,12 +544,7 @@ class GeoClusterSimulator(Simulator):
     def _vector_at(self, key: PartitionKey, end: int) -> VectorOffset:
         """The chain's vector at ``end``: the sealed end vector the metadata records."""
         log = self.sites[self._sid()].logs[key]
-        vector: dict[Origin, OriginSeq] = {}
-        for h in iter_headers(log.read(log.log_start_offset, READ_ALL).data):
-            if h.base_offset >= end:
-                break
-            vector[h.origin] = OriginSeq(max(vector.get(h.origin, 0), h.next_origin_seq))
-        return VectorOffset(vector)
+        return vector_below({}, iter_headers(log.read(log.log_start_offset, READ_ALL).data), end)
 
     def _chain_sealed(self, key: PartitionKey, seg: SegKey, end: int) -> None:
         """The seal committed: members learn it and cut longer copies, and the chain ends at ``end``."""

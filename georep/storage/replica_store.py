@@ -63,6 +63,7 @@ from georep.storage.private import DIR_MODE, private_dir
 from georep.storage.segment import U32_MAX
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from offsets.log_prefix import vector_below
 from offsets.vector import VectorOffset
 
 log = logging.getLogger(__name__)
@@ -488,8 +489,9 @@ class ReplicaStore:
             if not result.data:
                 raise ReplicaError(f"segment {segment_id} of {key[0]}-{key[1]}: this copy ends at {offset}, short of "
                                    f"{end_offset}")  # fmt: skip
-            for h in iter_headers(result.data):
-                vector = vector.advanced(h.origin, h.base_origin_seq + h.last_offset_delta + 1)
+            headers = list(iter_headers(result.data))
+            vector = vector_below(vector.to_dict(), headers, end_offset)
+            for h in headers:
                 size += h.size_bytes
                 newest = h.max_timestamp if newest is None else max(newest, h.max_timestamp)
             offset = result.next_offset
