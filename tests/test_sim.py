@@ -54,6 +54,7 @@ from georep.client.consumer import decode_response
 from georep.record.batch import HEADER_BYTES, RecordInput, encode_batch, parse_header, stamp_origin
 from georep.replication.links import LinkManager
 from georep.replication.session import PullSession
+from georep.replication.upstream import UpstreamNodes
 from georep.sim import (
     TOPOLOGY_NAMES,
     FaultCounts,
@@ -222,6 +223,25 @@ def test_a_planted_bug_in_the_fetch_cursors_hint_is_caught(monkeypatch: pytest.M
         run_seed(0, "triangle")
 
 
+def test_a_planted_bug_in_the_choice_of_upstream_node_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule the node's replicator had: move to the upstream's next node only when a stream ends with an error.
+    A node that goes silent (frozen, or behind a half-open connection) never ends it, and a site whose only
+    upstream is ring5's waits on it forever."""
+    real = UpstreamNodes.stream_failed
+    monkeypatch.setattr(UpstreamNodes, "stream_failed", lambda self, kind: kind != "timeout" and real(self, kind))
+    with pytest.raises(SimulationFailure, match="I4 convergence") as failure:
+        run_seed(0, "ring5", site_nodes=2, silence_every_ms=SILENCE_EVERY_MS)
+    assert f"--site-nodes 2 --silence-every-ms {SILENCE_EVERY_MS}" in failure.value.replay
+
+
+def test_pullers_move_off_silent_nodes_of_their_upstreams() -> None:
+    """Every site has two nodes and one of them goes silent for good: every link pulls from the other."""
+    total = FaultCounts()
+    for topology, seed in (("ring5", 0), ("line4", 0), ("ring4-split", 0), ("star5", 4)):
+        total.add(run_seed(seed, topology, site_nodes=2, silence_every_ms=SILENCE_EVERY_MS).counts)
+    assert total.silenced >= 10 and total.silent_drops > 0, total
+
+
 def test_a_planted_bug_in_the_ack_table_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """acks=geo:N released one site short."""
 
@@ -293,6 +313,9 @@ def test_a_consumer_that_ignores_its_start_vector_is_caught(monkeypatch: pytest.
 
 
 # --- I5: consumers with committed vector offsets; groups ----------------------------------------
+
+
+SILENCE_EVERY_MS = 400
 
 
 def _stormy(seed: int) -> Faults:

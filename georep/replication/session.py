@@ -8,9 +8,10 @@ partition the link carries, the origin sites this upstream should send, per
 thread, and the simulator with its event heap. Events go in (a message, the
 outcome of an apply, the end of a stream, ``tick(now_ms)``); effects come out:
 
-* :class:`OpenStream`: open a stream with these wants and have-vectors (the
-  shell drops any earlier one). The have-vector is the site's vector with its
-  own current origin marked fully held (``pull_have``).
+* :class:`OpenStream`: open a stream with these wants and have-vectors, at
+  this node of src (the shell drops any earlier one). The have-vector is the
+  site's vector with its own current origin marked fully held (``pull_have``);
+  the node is :class:`~georep.replication.upstream.UpstreamNodes`' choice.
 * :class:`ApplyChunk`: append one chunk's batches (``apply_chunk``), then
   report :meth:`PullSession.on_applied`. Chunks are applied one at a time, in
   arrival order; a message's chunks wait until the one before is applied.
@@ -38,6 +39,8 @@ The rules:
   vector, every apply this site's vector.
 * **A dead stream**: no message for ``idle_timeout_ms`` (heartbeats
   included) is a failure: the link is down and its origins route elsewhere.
+  Every failed stream (this, or an end with an error) moves the next one to
+  src's next node (``georep/replication/upstream.py``).
 * **A lost tail.** A gap shows only when a later batch of the origin comes.
   When the last data of a stream is lost, none comes, and heartbeats keep the
   stream alive. Heartbeats carry src's *durable* vector (what it can serve).
@@ -62,6 +65,7 @@ from dataclasses import dataclass, field
 from georep.replication.links import LinkManager, LinkState, PartitionKey
 from georep.replication.sink import ApplyOutcome, pull_have
 from georep.replication.source import Chunk
+from georep.replication.upstream import UpstreamNodes
 from offsets.coordinates import Origin
 from topology.ids import SiteId
 
@@ -82,6 +86,7 @@ class PullConfig:
 class OpenStream:
     stream_id: int
     wants: StreamWants
+    address: str = ""  # the node of src to open it at ("": the session was given no nodes to choose from)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +151,7 @@ class PullSession:
         stream_ids: Iterator[int],
         config: PullConfig | None = None,
         usable: Callable[[PartitionKey], bool] | None = None,
+        nodes: UpstreamNodes | None = None,
     ) -> None:
         self.src = src
         self.links = links
@@ -154,6 +160,7 @@ class PullSession:
         self.config = config or PullConfig()
         # Partitions a stream may ask for (the node leaves out topics src does not have yet, or in conflict).
         self.usable = usable or (lambda key: True)
+        self.nodes = nodes  # src's nodes: a failed stream moves the next one to another
         self.stats = PullStats()
         self.enabled = True
         self._ids = stream_ids
@@ -281,7 +288,7 @@ class PullSession:
         stream_id = next(self._ids)
         self._stream = _Stream(stream_id, wants, now_ms, now_ms)
         self._retry_at_ms = None
-        return [OpenStream(stream_id, stream_wants)]
+        return [OpenStream(stream_id, stream_wants, "" if self.nodes is None else self.nodes.current)]
 
     def _reopen(self, now_ms: int) -> list[Effect]:
         self.stats.reopens += 1
@@ -291,6 +298,8 @@ class PullSession:
         was_down = self.links.links[self.src].state is LinkState.DOWN
         repeated = error == self.stats.last_error  # no progress since the same failure: logged then
         self.links.link_down(self.src, now_ms, error)
+        if self.nodes is not None:
+            self.nodes.stream_failed(kind)
         self.stats.last_error = error
         self._stream = None
         self._retry_at_ms = now_ms + self._backoff_ms

@@ -53,6 +53,7 @@ from georep.replication.session import PullStats as LinkStats
 from georep.replication.sink import CorruptChunk
 from georep.replication.source import Chunk
 from georep.replication.topics import RemoteTopic, plan_topic_sync
+from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
 from georep.security.acl_replication import HeldClaimCheck, OriginCheck
 from georep.security.tls import TlsConfig, client_channel
@@ -100,13 +101,15 @@ class Puller:
         self.r = replicator
         self.src = src
         # Every node of src: a node of a multi-node site serves the whole site (it passes on the pulls of the
-        # partitions other nodes lead), so the puller moves to the next node when one fails.
-        self.addresses = addresses
-        self.address = addresses[0]
+        # partitions other nodes lead), so the session moves its streams to the next node when one fails
+        # (georep/replication/upstream.py); the topic listings and held reports follow it there.
+        self.nodes = UpstreamNodes(addresses)
+        self.address = self.nodes.current
         broker = replicator.broker
         self.session = PullSession(
             src, replicator.links, broker.origin, lambda key: broker.partition(*key).log.vector(),
             itertools.count(1), PullConfig(STREAM_IDLE_MS, BACKOFF_MIN_MS, BACKOFF_MAX_MS), usable=self._usable,
+            nodes=self.nodes,
         )  # fmt: skip
         # Only the claims src takes: about sites its records reach through this one (held_claim_refusal).
         claims = HeldClaimCheck(replicator.topology, src)
@@ -146,11 +149,11 @@ class Puller:
         if self._channel is not None:
             await self._channel.close(grace=None)
 
-    def _next_node(self) -> None:
-        """Pull from src's next node from now on (the current one failed)."""
-        if len(self.addresses) < 2:
-            return
-        self.address = self.addresses[(self.addresses.index(self.address) + 1) % len(self.addresses)]
+    def _move_to(self, address: str) -> None:
+        """Pull from ``address`` from now on (the session moved its streams to another node of src)."""
+        log.info("link %s -> %s: pulling from %s's node %s (%s failed)", self.src, self.r.site, self.src, address,
+                 self.address)  # fmt: skip
+        self.address = address
         channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
             # With a grace: the held reports and topic listings in flight on it end by themselves (their own
@@ -160,11 +163,9 @@ class Puller:
             task.add_done_callback(self.r.background.discard)
 
     def _usable(self, key: PartitionKey) -> bool:
-        topic, index = key
-        # A multi-node site's node pulls only the partitions it leads: the wants change (and the stream reopens)
-        # as leadership moves. A one-node site serves every partition of its topics.
-        return ((topic, self.src) not in self.r.conflicts and index < self.remote_topics.get(topic, 0)
-                and key in self.r.broker.partitions)  # fmt: skip
+        # The broker's partitions are the ones this node serves: all of a one-node site's, the ones a node of a
+        # multi-node site leads.
+        return pullable(key, self.src, self.remote_topics, self.r.conflicts, self.r.broker.partitions)
 
     def set_enabled(self, enabled: bool) -> None:
         """An operator cut or healed the link; the stream loop tells the session."""
@@ -286,8 +287,6 @@ class Puller:
         stream_id, what = item
         if isinstance(what, str):
             error = None if what == _END else what
-            if error is not None:
-                self._next_node()
             await self._perform(session.on_stream_ended(stream_id, now(), error))
             return
         try:
@@ -362,6 +361,8 @@ class Puller:
 
     def _open_call(self, effect: OpenStream) -> None:
         self._end_call()
+        if effect.address and effect.address != self.address:
+            self._move_to(effect.address)
         request = pb.ReplicateRequest(dst_site=self.r.site, max_bytes=STREAM_MAX_BYTES, max_wait_ms=HEARTBEAT_MS)
         for (topic, index), (have, sites) in effect.wants.items():
             request.wants.append(pb.PullWant(topic=topic, partition=index, have=vector_to_proto(VectorOffset(have)),

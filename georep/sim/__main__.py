@@ -2,6 +2,7 @@
 
     python -m georep.sim --seed 1234 --topology ring5 [--steps K] [--no-consumers] [--groups] [--verbose]
     python -m georep.sim --seeds 0..999 [--topology NAME] [--steps K] [--no-consumers] [--groups]
+    python -m georep.sim --seed 3 --topology ring5 --site-nodes 2 --silence-every-ms 400
     python -m georep.sim --cluster --seed 7 [--shape single3] [--verbose]
     python -m georep.sim --cluster --seeds 0..199 [--shape NAME]
     python -m georep.sim --geo-cluster --seed 7 [--topology triangle] [--steps K] [--verbose]
@@ -27,6 +28,7 @@ import argparse
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from typing import TypedDict
 
 from georep.sim.cluster import ClusterSimulationFailure, run_cluster_seed, swarm_shape
 from georep.sim.cluster_model import SHAPES, ClusterCounts
@@ -69,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="no standalone consumers or commits (I5): producers and replication alone")
     parser.add_argument("--groups", action="store_true",
                         help="add a consumer group whose members join at several sites (G1-G3)")
+    parser.add_argument("--site-nodes", type=int, default=1,
+                        help="nodes per site, each answering pulls for the whole site (default 1)")
+    parser.add_argument("--silence-every-ms", type=int, default=0,
+                        help="with --site-nodes 2 or more: mean virtual ms between two nodes going silent for good "
+                             "(default 0: never)")
     parser.add_argument("--verbose", action="store_true", help="print every event (one run only)")
     parser.add_argument("--cluster", action="store_true",
                         help="simulate one site's segment cluster (nodes, leaders, recovery, repair) instead")
@@ -97,21 +104,33 @@ def main(argv: list[str] | None = None) -> int:
         return _cluster_swarm(args.seeds, args.shape)
     if args.shape:
         parser.error("--shape goes with --cluster")
+    if args.site_nodes < 1 or args.silence_every_ms < 0:
+        parser.error("--site-nodes must be at least 1 and --silence-every-ms at least 0")
+    options = RunOptions(rebuild_p=args.rebuild_p, consumers=not args.no_consumers, groups=args.groups,
+                         site_nodes=args.site_nodes, silence_every_ms=args.silence_every_ms)  # fmt: skip
     try:
         if args.seed is not None:
-            return _one(args.seed, args.topology or "triangle", args.steps, args.verbose, args.rebuild_p,
-                        not args.no_consumers, args.groups)  # fmt: skip
-        return _swarm(args.seeds, args.topology, args.steps, args.rebuild_p, not args.no_consumers, args.groups)
+            return _one(args.seed, args.topology or "triangle", args.steps, args.verbose, options)
+        return _swarm(args.seeds, args.topology, args.steps, options)
     except UnknownTopologyName as e:
         parser.error(str(e))
     return 2  # pragma: no cover
 
 
-def _one(seed: int, topology: str, steps: int, verbose: bool, rebuild_p: float, consumers: bool, groups: bool) -> int:
+class RunOptions(TypedDict):
+    """``run_seed``'s options from the command line."""
+
+    rebuild_p: float
+    consumers: bool
+    groups: bool
+    site_nodes: int
+    silence_every_ms: int
+
+
+def _one(seed: int, topology: str, steps: int, verbose: bool, options: RunOptions) -> int:
     started = time.perf_counter()
     try:
-        result = run_seed(seed, topology, steps=steps, verbose=verbose, rebuild_p=rebuild_p, consumers=consumers,
-                          groups=groups)  # fmt: skip
+        result = run_seed(seed, topology, steps=steps, verbose=verbose, **options)
     except SimulationFailure as e:
         print(f"FAIL {e}", file=sys.stderr)
         return 1
@@ -123,7 +142,7 @@ def _one(seed: int, topology: str, steps: int, verbose: bool, rebuild_p: float, 
     return 0
 
 
-def _swarm(seeds: range, topology: str | None, steps: int, rebuild_p: float, consumers: bool, groups: bool) -> int:
+def _swarm(seeds: range, topology: str | None, steps: int, options: RunOptions) -> int:
     started = time.perf_counter()
     total = FaultCounts()
     failures: list[SimulationFailure] = []
@@ -131,7 +150,7 @@ def _swarm(seeds: range, topology: str | None, steps: int, rebuild_p: float, con
     for seed in seeds:
         name = topology or swarm_topology(seed)
         try:
-            result = run_seed(seed, name, steps=steps, rebuild_p=rebuild_p, consumers=consumers, groups=groups)
+            result = run_seed(seed, name, steps=steps, **options)
         except SimulationFailure as e:
             failures.append(e)
             print(f"FAIL seed={seed} topology={name}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)

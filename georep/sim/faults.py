@@ -35,6 +35,9 @@ class Faults:
     # Off unless asked for (python -m georep.sim --rebuild-p P), and not drawn by swarm(), so that turning
     # it on does not change what any seed does otherwise.
     rebuild_p: float = 0.0
+    # A node of a site with several (SimConfig.site_nodes) goes silent for good: frozen, or cut off behind a
+    # half-open connection. Mean time between two; 0: never. Off unless asked for, and not drawn by swarm().
+    silence_every_ms: int = 0
 
     @classmethod
     def none(cls) -> Faults:
@@ -76,6 +79,8 @@ class FaultCounts:
     restarts: int = 0
     lost_batches: int = 0  # unflushed batches that crashes threw away
     rebuilds: int = 0  # crashes that lost the disk as well
+    silenced: int = 0  # nodes that went silent for good
+    silent_drops: int = 0  # stream opens and held reports a silent node left unanswered
     timeouts: int = 0  # streams dst gave up on (no message for idle_timeout_ms)
     gap_reopens: int = 0
     tail_reopens: int = 0  # two heartbeats promised data that never came: lost on the way

@@ -22,6 +22,7 @@ when an ack goes, fsyncs    ``georep/broker/acks.py``                  every app
 what a fetch hands out      ``georep/broker/fetch.py``                 consumers and group members
 commit fold and stamps      ``georep/broker/commits.py``               every site, after every event
 pulling over a link         ``georep/replication/session.py``          messages, applies, ticks
+upstream node, partitions   ``georep/replication/upstream.py``         every session (silent nodes)
 what a source sends         ``georep/replication/source.py``           pumps
 apply and dedup             ``georep/replication/sink.py``, ``dedup``  every chunk
 routing, stalls             ``georep/replication/links.py``            every session
@@ -48,7 +49,12 @@ reorder messages, cut and heal links, crash a site (it loses what it had not
 fsynced, and every volatile structure) and restart it, skew a site's clock
 (timestamps, append times, HLC stamps and session timeouts). Off by default,
 a crash can also lose the disk (``rebuild_p``): the site restarts empty with
-a new epoch.
+a new epoch. Also off by default, sites have several nodes that each answer
+pulls for the whole site (``SimConfig.site_nodes``), and a node goes silent
+for good now and then (``Faults.silence_every_ms``: frozen, or cut off behind
+a half-open connection; its site keeps at least one answering node): what
+was opened or reported at it gets no answer, and the pullers must move to
+another node of the site.
 
 A run has two phases, as in VOPR. Safety: ``steps`` events with the workload
 and faults on. Liveness: every fault is healed, crashed sites restart,
@@ -143,6 +149,7 @@ class SimConfig:
     group_members: tuple[int, int] = (0, 0)  # members of the one consumer group; (0, 0): no group
     session_timeout_ms: int = 1_000
     heartbeat_interval_ms: int = 150  # group members' heartbeats
+    site_nodes: int = 1  # nodes per site, each answering pulls and held reports for the whole site
 
 
 class SimulationFailure(AssertionError):
@@ -157,10 +164,12 @@ class SimulationFailure(AssertionError):
 
 def replay_command(
     seed: int, topology: str, steps: int = DEFAULT_STEPS, rebuild_p: float = 0.0, consumers: bool = True,
-    groups: bool = False,
+    groups: bool = False, site_nodes: int = 1, silence_every_ms: int = 0,
 ) -> str:  # fmt: skip
     extra = "" if steps == DEFAULT_STEPS else f" --steps {steps}"
     extra += f" --rebuild-p {rebuild_p}" if rebuild_p else ""
+    extra += f" --site-nodes {site_nodes}" if site_nodes != 1 else ""
+    extra += f" --silence-every-ms {silence_every_ms}" if silence_every_ms else ""
     extra += "" if consumers else " --no-consumers"
     extra += " --groups" if groups else ""
     return f"python -m georep.sim --seed {seed} --topology {topology}{extra}"
@@ -174,9 +183,10 @@ class OpenMessage:
     dst: SiteId
     stream_id: int
     wants: Mapping[PartitionKey, tuple[dict[Origin, int], tuple[str, ...]]]
+    node: str  # the node of src it goes to
 
     def describe(self) -> str:
-        return f"open {self.src}->{self.dst} #{self.stream_id}"
+        return f"open {self.src}->{self.dst} #{self.stream_id} at {self.node}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +213,7 @@ class HeldReport:
     upstream: SiteId
     report_id: int
     entries: tuple[tuple[str, str, int, VectorOffset], ...]
+    node: str  # the node of the upstream it goes to: the one the reporter pulls from
 
     def describe(self) -> str:
         return f"report {self.reporter}->{self.upstream} #{self.report_id} ({len(self.entries)})"
@@ -291,6 +302,9 @@ class Simulator:
         }
         self.pull = PullConfig(cfg.idle_timeout_ms, cfg.backoff_ms[0], cfg.backoff_ms[1])
         self.sites: dict[SiteId, SimSite] = {}
+        self.pull_nodes = {sid: tuple(f"{sid}/{n}" for n in range(1, max(1, cfg.site_nodes) + 1))
+                      for sid in self.topology.site_ids()}  # fmt: skip
+        self.silent_nodes: set[str] = set()  # nodes that answer nothing, for good (Faults.silence_every_ms)
         self.origins: list[Origin] = []  # every origin ever, old epochs of rebuilt sites included
         decode_commit = functools.cache(Commit.decode)  # every site folds the same commit records (CommitLog)
         for sid in self.topology.site_ids():
@@ -325,7 +339,8 @@ class Simulator:
             "flush": self._on_flush, "fsync_done": self._on_fsync_done, "tick": self._on_tick,
             "deliver": self._on_deliver, "pump": self._on_pump,
             "fault_cut": self._on_fault_cut, "heal": self._on_heal, "fault_crash": self._on_fault_crash,
-            "restart": self._on_restart, **self.consumers.handlers(), **self.groups.handlers(),
+            "restart": self._on_restart, "fault_silence": self._on_fault_silence,
+            **self.consumers.handlers(), **self.groups.handlers(),
         }  # fmt: skip
 
     def _producer_id(self) -> int:
@@ -333,7 +348,7 @@ class Simulator:
 
     def _boot(self, site: SimSite) -> None:
         site.boot(self.topology, self.topics, self.fsync_per_batch, self.config.stall_ms, self.pull,
-                  self._stream_ids, self.local_ms(site), self._new_member_id)  # fmt: skip
+                  self._stream_ids, self.local_ms(site), self._new_member_id, self.pull_nodes)  # fmt: skip
 
     def _new_member_id(self, client_id: str) -> str:
         return f"{client_id or 'consumer'}-{self.rng.getrandbits(48):012x}"
@@ -377,7 +392,8 @@ class Simulator:
     def _failure(self, message: str) -> SimulationFailure:
         cfg = self.config
         replay = replay_command(self.seed, self.topology_name, cfg.steps, self.faults.rebuild_p,
-                                bool(cfg.consumers[1]), bool(cfg.group_members[1]))  # fmt: skip
+                                bool(cfg.consumers[1]), bool(cfg.group_members[1]), cfg.site_nodes,
+                                self.faults.silence_every_ms)  # fmt: skip
         return SimulationFailure(message, self.seed, self.topology_name, replay)
 
     def _start(self) -> None:
@@ -391,6 +407,8 @@ class Simulator:
             self._after(self._interval(self.faults.cut_every_ms), "fault_cut")
         if self.faults.crash_every_ms:
             self._after(self._interval(self.faults.crash_every_ms), "fault_crash")
+        if self.faults.silence_every_ms:
+            self._after(self._interval(self.faults.silence_every_ms), "fault_silence")
 
     def _start_site(self, site: SimSite) -> None:
         """Timers, streams and client connections of a site that has just started (or restarted)."""
@@ -756,8 +774,11 @@ class Simulator:
         if not site.up:
             self.counts.cut_drops += 1
             return
+        if msg.node in self.silent_nodes:
+            self.counts.silent_drops += 1
+            return
         source = ReplicaSource(site.logs, msg.wants, heartbeat_ms=self.config.heartbeat_ms)
-        site.out_streams[msg.dst] = OutStream(msg.stream_id, source)
+        site.out_streams[msg.dst] = OutStream(msg.stream_id, source, msg.node)
         self._pump_soon(site, msg.dst, 0)
 
     def _pump_soon(self, site: SimSite, dst: SiteId, delay_ms: int) -> None:
@@ -805,7 +826,8 @@ class Simulator:
         while queue:
             effect = queue.popleft()
             if isinstance(effect, OpenStream):
-                self._send((src, site.id), src, OpenMessage(src, site.id, effect.stream_id, effect.wants))
+                message = OpenMessage(src, site.id, effect.stream_id, effect.wants, effect.address)
+                self._send((src, site.id), src, message)
             elif isinstance(effect, ApplyChunk):
                 log = site.logs[effect.key]
                 outcome = apply_chunk(log, effect.batches, self.local_ms(site))
@@ -847,11 +869,15 @@ class Simulator:
         flat = tuple((s, t, p, v) for (s, t, p), v in entries)
         self.counts.held_reports += 1
         site.report_sent_ms[upstream] = self.now_ms
-        self._send((upstream, site.id), upstream, HeldReport(site.id, upstream, report_id, flat))
+        node = site.upstreams[upstream].current  # the node's reports go where its pulls go
+        self._send((upstream, site.id), upstream, HeldReport(site.id, upstream, report_id, flat, node))
 
     def _on_report(self, msg: HeldReport) -> None:
         upstream = self.sites[msg.upstream]
         if not upstream.up:
+            return
+        if msg.node in self.silent_nodes:
+            self.counts.silent_drops += 1
             return
         for site, topic, _partition, _vector in msg.entries:  # the node refuses these (ClaimRefused)
             claims = self._claims.get(msg.upstream)
@@ -904,6 +930,25 @@ class Simulator:
         del self.cut[key]
         self.counts.heals += 1
         self._log(f"heal {key[0]}->{key[1]}")
+
+    def _on_fault_silence(self) -> None:
+        """A node goes silent for good: it answers no pull and no report from now on (the site's other nodes do).
+        Streams it was serving stop, as a frozen process's would; nothing tells their pullers so."""
+        if self.phase != "safety":
+            return
+        candidates = [
+            (sid, node) for sid in sorted(self.sites) for node in self.pull_nodes[sid]
+            if node not in self.silent_nodes and sum(n not in self.silent_nodes for n in self.pull_nodes[sid]) >= 2
+        ]  # fmt: skip
+        if candidates:
+            sid, node = self.rng.choice(candidates)
+            self.silent_nodes.add(node)
+            self.counts.silenced += 1
+            self._log(f"node {node} goes silent")
+            site = self.sites[sid]
+            for dst in sorted(d for d, out in site.out_streams.items() if out.node == node):
+                del site.out_streams[dst]
+        self._after(self._interval(self.faults.silence_every_ms), "fault_silence")
 
     def _disconnect(self, site: SimSite) -> None:
         """The site stops serving: its timers and connections of this incarnation do nothing from now on, and the
@@ -995,16 +1040,21 @@ def run_seed(
     consumers: bool = True,
     groups: bool = False,
     verbose: bool = False,
+    site_nodes: int = 1,
+    silence_every_ms: int = 0,
 ) -> SimResult:
     """One run, as ``python -m georep.sim --seed SEED --topology NAME --steps STEPS`` does it.
 
     ``rebuild_p`` > 0 turns some crashes into disk losses (see ``Faults.rebuild_p``). ``consumers=False``
     (``--no-consumers``) runs no consumers; ``groups`` (``--groups``) adds a consumer group whose members
-    join at several sites.
+    join at several sites. ``site_nodes`` (``--site-nodes``) gives every site that many nodes answering pulls, and
+    ``silence_every_ms`` (``--silence-every-ms``) silences one of them for good that often.
     """
     config = SimConfig(steps=steps, consumers=(2, 3) if consumers else (0, 0),
-                       group_members=(2, 3) if groups else (0, 0))  # fmt: skip
+                       group_members=(2, 3) if groups else (0, 0), site_nodes=site_nodes)  # fmt: skip
     sim = Simulator(seed, topology, faults=faults, config=config, verbose=verbose)
     if rebuild_p:
         sim.faults = dataclasses.replace(sim.faults, rebuild_p=rebuild_p)
+    if silence_every_ms:
+        sim.faults = dataclasses.replace(sim.faults, silence_every_ms=silence_every_ms)
     return sim.run()

@@ -2,8 +2,9 @@
 
 What survives a crash is the logs' flushed part (``MemoryLog.crash``).
 Everything else is rebuilt by :meth:`SimSite.boot`, as a node rebuilds it
-when it starts: the ``LinkManager``, a ``PullSession`` and a ``HeldReporter``
-per inbound link, the ``AckTable`` (opened with each log's flushed offset and
+when it starts: the ``LinkManager``, a ``PullSession`` (with the choice of the
+upstream's node to pull from, ``UpstreamNodes``, and of the partitions to ask
+for, ``pullable``) and a ``HeldReporter`` per inbound link, the ``AckTable`` (opened with each log's flushed offset and
 vector), the idempotent producers' ``ProducerStateTable`` (from each log's
 batch index), the ``CommitLog`` (refolded from the internal topic's logs) and
 an empty ``GroupCoordinator``.
@@ -22,6 +23,7 @@ from georep.broker.commits import CommitLog
 from georep.replication.links import LinkManager, PartitionKey
 from georep.replication.session import PullConfig, PullSession
 from georep.replication.source import ReplicaSource
+from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_replication import HeldClaimCheck
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import Origin
@@ -38,6 +40,7 @@ class OutStream:
 
     stream_id: int
     source: ReplicaSource
+    node: str  # the node of this site that dst opened it at
     pump_due_ms: int = -1  # when the next pump is scheduled; -1 for none
 
 
@@ -56,6 +59,7 @@ class SimSite:
     # -- rebuilt by boot() ------------------------------------------------------------
     links: LinkManager = field(init=False)
     sessions: dict[SiteId, PullSession] = field(default_factory=dict)
+    upstreams: dict[SiteId, UpstreamNodes] = field(default_factory=dict)  # per inbound link: the node pulled from
     reporters: dict[SiteId, HeldReporter] = field(default_factory=dict)
     report_ids: dict[SiteId, int] = field(default_factory=dict)  # upstream -> id of the report in flight
     report_sent_ms: dict[SiteId, int] = field(default_factory=dict)  # upstream -> when it was sent
@@ -81,16 +85,20 @@ class SimSite:
         stream_ids: itertools.count[int],
         now_ms: int,
         new_member_id: Callable[[str], str],
+        nodes: Mapping[SiteId, tuple[str, ...]],
     ) -> None:
-        """Build everything a node builds at startup from what its logs hold."""
+        """Build everything a node builds at startup from what its logs hold; ``nodes``: every site's nodes."""
         links = self.links = LinkManager(topology, self.id, stall_ms)
         for topic, partitions in topics.items():
             links.topic(topic, partitions)
         for key, log in self.logs.items():
             links.local_vector(key, log.vector())
         logs = self.logs
+        self.upstreams = {src: UpstreamNodes(nodes[src]) for src in self.inbound}
+        # Every simulated site has every topic from the start and no conflict: every partition is pullable.
         self.sessions = {
-            src: PullSession(src, links, self.origin, lambda key: logs[key].vector(), stream_ids, pull)
+            src: PullSession(src, links, self.origin, lambda key: logs[key].vector(), stream_ids, pull,
+                             usable=_pullable_from(src, topics, logs), nodes=self.upstreams[src])  # fmt: skip
             for src in self.inbound
         }
         self.reporters = {src: _reporter(topology, src, self.id) for src in self.inbound}
@@ -109,6 +117,11 @@ class SimSite:
         counts = {t: n for t, n in topics.items() if not is_internal(t)}
         self.coordinator = GroupCoordinator(lambda topic: counts.get(topic, 0), new_member_id)
         self.waiters = {}
+
+
+def _pullable_from(src: SiteId, topics: Mapping[str, int],
+                   logs: Mapping[PartitionKey, MemoryLog]) -> Callable[[PartitionKey], bool]:  # fmt: skip
+    return lambda key: pullable(key, src, topics, (), logs)
 
 
 def _reporter(topology: Topology, upstream: SiteId, me: SiteId) -> HeldReporter:
