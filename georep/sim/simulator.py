@@ -306,26 +306,8 @@ class Simulator:
                       for sid in self.topology.site_ids()}  # fmt: skip
         self.silent_nodes: set[str] = set()  # nodes that answer nothing, for good (Faults.silence_every_ms)
         self.origins: list[Origin] = []  # every origin ever, old epochs of rebuilt sites included
-        decode_commit = functools.cache(Commit.decode)  # every site folds the same commit records (CommitLog)
-        for sid in self.topology.site_ids():
-            skew = self.rng.randint(-self.faults.skew_ms, self.faults.skew_ms) if self.faults.skew_ms else 0
-            origin = Origin(sid, self.rng.randint(1, 1_000_000))
-            inbound = tuple(link.src for link in self.topology.links_sorted() if link.dst == sid)
-            self.origins.append(origin)
-            site = SimSite(sid, origin, skew, self.rng.randint(*cfg.flush_ms), self.rng.randint(*cfg.fsync_ms),
-                           inbound, {key: MemoryLog() for key in self.keys},
-                           commits=CommitLog(decode_commit))  # fmt: skip
-            self.sites[sid] = site
-            self._boot(site)
-        self.producers: list[SimProducer] = []
-        for sid in sorted(self.sites):
-            for key in self.data_keys:
-                acks = Acks()
-                reach = len(expected_sites(self.topology, sid, key[0]))
-                if reach >= 2 and self.rng.random() < cfg.geo_p:
-                    acks = Acks.geo(self.rng.randint(2, reach))
-                delivery = PartitionDelivery(key[0], key[1], self._producer_id(), MAX_IN_FLIGHT)
-                self.producers.append(SimProducer(len(self.producers), sid, key, acks, delivery))
+        self._make_sites()
+        self.producers = self._make_producers()
         self.acked: list[AckedWrite] = []
         # (site, partition) -> {origin: next seq} of everything the site ever held fsynced, across disk losses
         self.ever_flushed: dict[tuple[SiteId, PartitionKey], dict[Origin, int]] = {
@@ -342,6 +324,32 @@ class Simulator:
             "restart": self._on_restart, "fault_silence": self._on_fault_silence,
             **self.consumers.handlers(), **self.groups.handlers(),
         }  # fmt: skip
+
+    def _make_sites(self) -> None:
+        cfg = self.config
+        decode_commit = functools.cache(Commit.decode)  # every site folds the same commit records (CommitLog)
+        for sid in self.topology.site_ids():
+            skew = self.rng.randint(-self.faults.skew_ms, self.faults.skew_ms) if self.faults.skew_ms else 0
+            origin = Origin(sid, self.rng.randint(1, 1_000_000))
+            inbound = tuple(link.src for link in self.topology.links_sorted() if link.dst == sid)
+            self.origins.append(origin)
+            site = SimSite(sid, origin, skew, self.rng.randint(*cfg.flush_ms), self.rng.randint(*cfg.fsync_ms),
+                           inbound, {key: MemoryLog() for key in self.keys},
+                           commits=CommitLog(decode_commit))  # fmt: skip
+            self.sites[sid] = site
+            self._boot(site)
+
+    def _make_producers(self) -> list[SimProducer]:
+        producers: list[SimProducer] = []
+        for sid in sorted(self.sites):
+            for key in self.data_keys:
+                acks = Acks()
+                reach = len(expected_sites(self.topology, sid, key[0]))
+                if reach >= 2 and self.rng.random() < self.config.geo_p:
+                    acks = Acks.geo(self.rng.randint(2, reach))
+                delivery = PartitionDelivery(key[0], key[1], self._producer_id(), MAX_IN_FLIGHT)
+                producers.append(SimProducer(len(producers), sid, key, acks, delivery))
+        return producers
 
     def _producer_id(self) -> int:
         return self.rng.getrandbits(PRODUCER_ID_BITS)

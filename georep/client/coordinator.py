@@ -1,4 +1,5 @@
-"""A consumer's membership in a group at one site, and its commits.
+"""A consumer's coordinator: its membership in a group at one site, the assignment it applies to the subscription,
+and its commits (aiokafka's ``GroupCoordinator``; the fetcher and the subscription state are their own modules).
 
 The coordinator is the node the consumer is connected to (``cluster/groups.py``
 on the server) on a one-node site. On a multi-node site it is the leader of the
@@ -51,6 +52,7 @@ from georep.client.errors import (
     Operation,
 )
 from georep.client.errors import from_rpc_error as _from_rpc_error
+from georep.client.subscription import Start
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import topic_partitions_to_proto, vector_from_proto, vector_to_proto
@@ -58,7 +60,8 @@ from offsets.commits import OFFSETS_TOPIC, offsets_partition
 from offsets.vector import VectorOffset
 
 if TYPE_CHECKING:
-    from georep.client.consumer import Consumer, TopicPartition
+    from georep.client.fetcher import Fetcher
+    from georep.client.subscription import SubscriptionState, TopicPartition
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +94,14 @@ class Committed(NamedTuple):
     lag_records: int
 
 
-class GroupMembership:
-    def __init__(self, consumer: Consumer, group: str, topics: list[str], options: GroupOptions) -> None:
-        self.consumer = consumer
+class Coordinator:
+    def __init__(self, connection: Connection, subscription: SubscriptionState, fetcher: Fetcher, group: str,
+                 options: GroupOptions, timeout_s: float) -> None:  # fmt: skip
+        self.connection = connection  # the consumer's: the site it reads from, whose group it joins
+        self.subscription = subscription
+        self.fetcher = fetcher
         self.group = group
+        topics = subscription.subscribed
         self.topics = topics
         self.options = options
         self.member_id = ""
@@ -109,6 +116,9 @@ class GroupMembership:
         # A multi-node site: the group's coordinator when it is not the node the consumer is connected to.
         self._coordinator: Connection | None = None
         self._answered = time.monotonic()  # when a coordinator last answered a heartbeat
+        self._timeout_s = timeout_s
+        self._next_auto_commit = 0.0
+        self._auto_commit: asyncio.Task[None] | None = None
 
     @property
     def lapsed(self) -> bool:
@@ -122,10 +132,6 @@ class GroupMembership:
         return self.started and time.monotonic() - self._answered > self.options.session_timeout_ms / 1000
 
     @property
-    def _timeout_s(self) -> float:
-        return self.consumer._request_timeout_s
-
-    @property
     def started(self) -> bool:
         return self._task is not None
 
@@ -134,7 +140,7 @@ class GroupMembership:
         self._task = asyncio.create_task(self._run(), name=f"georep-heartbeat-{self.group}")
 
     async def _run(self) -> None:
-        connection = self.consumer._connection
+        connection = self.connection
         while True:
             # A channel the fetchers replaced (their site failed) means a new
             # coordinator: heartbeat there at once rather than after the interval.
@@ -160,7 +166,7 @@ class GroupMembership:
     async def heartbeat(self) -> None:
         """One heartbeat (a join if the member has no id at this site); applies a new assignment."""
         async with self._lock:
-            connection = self.consumer._connection
+            connection = self.connection
             await connection.connect()
             site = connection.origin
             moved = bool(self.site) and site != self.site
@@ -188,7 +194,7 @@ class GroupMembership:
                 # applies it again instead of leaving partitions with no reader.
                 self.generation = -1
                 self._moved_pending = moved
-                await self.consumer._apply_assignment(assignment, moved)
+                await self.apply_assignment(assignment, moved)
                 self._moved_pending = False
             self.generation = resp.generation
 
@@ -209,7 +215,7 @@ class GroupMembership:
         backoff_s = COORDINATOR_BACKOFF_S
         error: GeorepError | None = None
         for _attempt in range(COORDINATOR_ATTEMPTS):
-            main = self.consumer._connection
+            main = self.connection
             await main.connect()
             coordinator = self._coordinator
             if coordinator is not None and coordinator.origin and coordinator.origin != main.origin:
@@ -245,7 +251,7 @@ class GroupMembership:
     async def _follow(self, hint: str, tried: Connection) -> bool:
         """Route group calls to ``hint`` (or, without one, to the leader the site names); True if that is another
         node than the one just ``tried``."""
-        main = self.consumer._connection
+        main = self.connection
         address = hint or await self._find()
         if not address or address == tried.address:
             await self._drop_coordinator()
@@ -261,7 +267,7 @@ class GroupMembership:
     async def _find(self) -> str:
         """The coordinator's address as the connected node's metadata names it (``DescribeTopic`` of the internal
         topic: the leader of the group's partition), or "" if none is known now."""
-        main = self.consumer._connection
+        main = self.connection
         try:
             stub = await main.connect()
             description = await main.unary(stub.DescribeTopic(pb.DescribeTopicRequest(name=OFFSETS_TOPIC),
@@ -311,7 +317,7 @@ class GroupMembership:
                     # The group moved on since our last heartbeat: learn the new
                     # assignment, then commit what is still ours.
                     await self.heartbeat()
-                    owned = set(self.consumer.assignment())
+                    owned = set(self.subscription.states)
                     offsets = {tp: v for tp, v in offsets.items() if tp in owned}
                     if not offsets:
                         raise GroupRebalanced(
@@ -326,6 +332,65 @@ class GroupMembership:
     def _commit_call(self, request: pb.CommitOffsetsRequest
                      ) -> Callable[[pbg.NodeAsyncStub], Awaitable[pb.CommitOffsetsResponse]]:  # fmt: skip
         return lambda stub: stub.CommitOffsets(request, timeout=self._timeout_s + 1)
+
+    # -- the consumer's side -------------------------------------------------------
+
+    async def apply_assignment(self, assignment: set[TopicPartition], moved: bool) -> None:
+        """This member's new assignment: partitions it lost are dropped, partitions it gained start at the group's
+        committed vector, and (``moved``: at another site) every partition goes on after both what it consumed and
+        what the group committed."""
+        subscription = self.subscription
+        for tp in list(subscription.states):
+            if tp not in assignment:
+                subscription.drop(tp)
+        need = sorted(tp for tp in assignment if moved or tp not in subscription.states)
+        committed = await self.fetch_committed(need) if need else {}
+        for tp in need:
+            c = committed.get(tp)
+            state = subscription.states.get(tp)
+            if state is None:
+                subscription.add(tp, None if c is None else Start("vector", -1, c.vector, c.committed_by,
+                                                                  c.hint_offset))  # fmt: skip
+            elif c is not None and not c.vector.dominated_by(state.vector()):
+                # Another member committed past what this one consumed (it owned the partition meanwhile): go on
+                # after both.
+                subscription.restart(tp, Start("vector", -1, state.vector().merge(c.vector)))
+        self.fetcher.start()
+
+    async def commit_consumed(self, offsets: dict[TopicPartition, VectorOffset] | None, member: bool) -> None:
+        """Commit ``offsets``, by default the vector of everything ``poll`` returned for every assigned partition
+        (with each one's position as the hint, where it counts in the connected site's log)."""
+        if offsets is None:
+            offsets = {tp: s.vector() for tp, s in self.subscription.states.items()}
+            hints = self.subscription.positions_at(self.connection.origin)
+        else:
+            hints = {}
+        await self.commit(offsets, hints, member=member)
+
+    def maybe_auto_commit(self) -> None:
+        """With auto-commit on, commit in the background every ``auto_commit_interval_ms``."""
+        if not self.options.enable_auto_commit or not self.member_id:
+            return
+        now = time.monotonic()
+        if now < self._next_auto_commit or (self._auto_commit is not None and not self._auto_commit.done()):
+            return
+        self._next_auto_commit = now + self.options.auto_commit_interval_ms / 1000
+        self._auto_commit = asyncio.create_task(self._auto_commit_once(), name="georep-auto-commit")
+
+    async def _auto_commit_once(self) -> None:
+        try:
+            await self.commit_consumed(None, member=True)
+        except GeorepError as exc:
+            log.warning("auto-commit of group %r failed: %s", self.group, exc.message)
+
+    async def close(self) -> None:
+        """Commit what was consumed (with auto-commit on), then leave, so others take over at once."""
+        if self.options.enable_auto_commit and self.member_id:
+            try:
+                await self.commit_consumed(None, member=True)
+            except GeorepError as exc:
+                log.warning("final commit of group %r failed: %s", self.group, exc.message)
+        await self.leave()
 
     async def leave(self) -> None:
         if self._task is not None:
