@@ -219,12 +219,12 @@ def _take_from(state: PartitionState, out: list[ConsumerRecord], max_records: in
                 chunk = state.queue.get_nowait()
             except asyncio.QueueEmpty:
                 return True
-            if chunk.error is not None:
-                if out:
-                    state.current = chunk  # raise it on the next poll, after these records
-                    return False
-                raise chunk.error
             state.current = chunk
+        if chunk.error is not None:
+            if out:
+                return False  # raised by the next poll, after these records
+            state.current = None
+            raise chunk.error
         records = chunk.records
         take = records[chunk.index : chunk.index + max_records - len(out)]
         chunk.index += len(take)
