@@ -175,3 +175,12 @@ def test_neither_front_end_creates_an_internal_topic(broker: Broker) -> None:
     with pytest.raises(InternalTopic, match="reserved"):
         asyncio.run(georep_create())
     assert "__georep_x" not in broker.metadata.topics()
+
+
+@pytest.mark.parametrize(("name", "code"), [("__georep_x", k.INVALID_TOPIC_EXCEPTION), (TOPIC, k.TOPIC_ALREADY_EXISTS),
+                                            ("ok", 0)])  # fmt: skip
+def test_a_validate_only_create_meets_the_same_rules(broker: Broker, name: str, code: int) -> None:
+    body = SimpleNamespace(validate_only=True, topics=[SimpleNamespace(name=name, num_partitions=1, configs=[])])
+    answer = asyncio.run(gateway(broker)._create_topics(Request(19, 5, 1, "c", body), PEER))
+    assert answer.topics[0].error_code == code
+    assert "ok" not in broker.metadata.topics(), "validate_only creates nothing"

@@ -34,7 +34,6 @@ from kafka.protocol import consumer as kconsumer
 from kafka.protocol import metadata as kmetadata
 from kafka.protocol import producer as kproducer
 
-from cluster.metadata import TopicExists
 from cluster.quorum import Fenced, SegmentSealed
 from georep.broker import fetch
 from georep.broker.acks import LEADER, AckKind, Acks
@@ -184,8 +183,7 @@ class KafkaGateway:
             try:
                 self._allow(peer, Operation.CREATE_TOPIC, [acl_topic(t.name)])
                 if req.body.validate_only:
-                    if t.name in self.broker.metadata.topics():
-                        raise TopicExists(t.name)
+                    self.broker.check_new_topic(t.name, partitions, config)
                 else:
                     await self.create_topic(t.name, partitions, config)
                 out.append(r.CreatableTopicResult(name=t.name, num_partitions=partitions, replication_factor=1))

@@ -217,9 +217,10 @@ class Broker:
             self.acks.open_partition(p.key, p.fsync_per_batch, plog.flushed_offset, VectorOffset(plog.flushed_vector()))
             self.on_open(p)
 
-    def create_topic(self, name: str, partitions: int, raw_config: dict[str, str], *,
-                     internal: bool = False) -> TopicSpec:  # fmt: skip
-        """Raises ``InternalTopic``, ``InvalidTopic``, ``TopicExists``, ``DiskFull`` or ``WriteFailed``.
+    def check_new_topic(self, name: str, partitions: int, raw_config: dict[str, str], *,
+                        internal: bool = False) -> TopicSpec:  # fmt: skip
+        """The topic :meth:`create_topic` would create (a validate-only create asks this alone). Raises
+        ``InternalTopic``, ``InvalidTopic`` or ``TopicExists``.
 
         Clients never create georep's internal topics: this is the one place that says so, as :meth:`append` is
         for their writes (georep's ``CreateTopic`` and Kafka's both come here). Only georep itself passes
@@ -232,6 +233,12 @@ class Broker:
         spec = TopicSpec(name, partitions, parse_topic_config(raw_config))
         if name in self.metadata.topics():
             raise TopicExists(name)
+        return spec
+
+    def create_topic(self, name: str, partitions: int, raw_config: dict[str, str], *,
+                     internal: bool = False) -> TopicSpec:  # fmt: skip
+        """Raises what :meth:`check_new_topic` raises, ``DiskFull`` or ``WriteFailed``."""
+        spec = self.check_new_topic(name, partitions, raw_config, internal=internal)
         if self.in_site:
             # The site's Raft metadata (blocking: the service calls this in a worker thread); each partition's
             # leader attaches it here once its first segment is open.
