@@ -190,6 +190,9 @@ REFUSED_LOG_INTERVAL_S = 30.0  # at most one warning this often about messages s
 
 T = TypeVar("T")
 
+_RAFT_CANDIDATE = 1  # pysyncobj's _RAFT_STATE values, as onStateChanged passes them
+_RAFT_LEADER = 2
+
 # pysyncobj failures after which the command is certainly not in any log: retry within the timeout.
 _NOT_IN_LOG = frozenset({
     FAIL_REASON.QUEUE_FULL,  # never queued
@@ -665,7 +668,8 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         self._dump_path = dump_path
         self._me = self_address
         self.on_change: Callable[[], None] | None = None  # called in the tick thread after each applied command
-        syncobj_conf = SyncObjConf(serializer=self._write_dump, deserializer=self._read_dump, **conf)
+        syncobj_conf = SyncObjConf(serializer=self._write_dump, deserializer=self._read_dump,
+                                   onStateChanged=self._state_changed, **conf)  # fmt: skip
         super().__init__(self_address, partners, syncobj_conf, transportClass=transport_class)
         # The tick thread sleeps 0.1 s before its first tick, so no transfer can have started yet.
         self._SyncObj__serializer.__class__ = _ClosingSerializer
@@ -698,6 +702,17 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
             except Exception:  # the watcher's bug must not stop the replica
                 logger.exception("the metadata change callback failed")
         return result
+
+    def _state_changed(self, old: int, new: int) -> None:
+        """pysyncobj's ``onStateChanged`` (tick thread): every election shows in the node's log, so a site whose Raft
+        leadership moves while no node fails (timers too short for the load) can be told from one that is stable."""
+        # A candidate's term is raised just after this call; a leader's and a follower's are already set.
+        if new == _RAFT_CANDIDATE:
+            logger.info("Raft node %s runs for leader in term %d", self._me, self.raftCurrentTerm + 1)
+        elif new == _RAFT_LEADER:
+            logger.info("Raft node %s leads the site's Raft group in term %d", self._me, self.raftCurrentTerm)
+        elif old == _RAFT_LEADER:
+            logger.info("Raft node %s no longer leads the site's Raft group (term %d)", self._me, self.raftCurrentTerm)
 
     def read(self, fn: Callable[[SiteState], T]) -> T:
         with self._state_lock:
