@@ -334,6 +334,7 @@ class RaftStatus:
     total_nodes: int
     applied_index: int  # the last log entry applied to the local state
     commit_index: int  # the last log entry this node knows to be committed
+    term: int = 0  # the Raft term this node is in: each election raises it by one at least
 
 
 def _check_raft_address(address: str) -> str:
@@ -1034,7 +1035,8 @@ class RaftMetadataStore:
         reachable, unreachable = self._reachability()
         return RaftStatus(self._self_address, self.leader_address, self.is_leader, reachable,
                           reachable + len(unreachable),
-                          int(self._replica.raftLastApplied), int(self._replica.raftCommitIndex))  # fmt: skip
+                          int(self._replica.raftLastApplied), int(self._replica.raftCommitIndex),
+                          int(self._replica.raftCurrentTerm))  # fmt: skip
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
