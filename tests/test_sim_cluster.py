@@ -182,7 +182,7 @@ def test_a_planted_bug_in_recovery_is_caught_by_durability(monkeypatch: pytest.M
 def test_a_planted_bug_in_recovery_is_caught_by_a_reader(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same bug with C4 alone: a batch a reader saw is past the end the segment is sealed at."""
     monkeypatch.setattr(recovery, "recovered_end", min)  # PLANTED: max
-    _caught(14, "expand5", r"C4 visibility: a reader read .* but the segment was sealed at", frozenset({"C4"}))
+    _caught(15, "expand5", r"C4 visibility: a reader read .* but the segment was sealed at", frozenset({"C4"}))
 
 
 def test_a_planted_bug_in_placement_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,7 +230,7 @@ def test_a_planted_bug_in_repair_before_the_seal_is_caught(monkeypatch: pytest.M
         return real([dataclasses.replace(s, sealed=True) for s in segments], nodes, **kw)  # PLANTED
 
     monkeypatch.setattr(repair, "plan_repair", open_as_sealed)
-    _caught(8, "meta", r"C6 repair: a copy of .* was planned while the segment is open")
+    _caught(4, "meta", r"C6 repair: a copy of .* was planned while the segment is open")
 
 
 def test_a_planted_bug_in_repair_of_short_members_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -293,7 +293,7 @@ def test_a_planted_bug_in_the_chain_is_caught(monkeypatch: pytest.MonkeyPatch) -
 def test_a_planted_bug_in_the_fence_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """quorum.py: ReplicaGuard without its epoch check: a deposed leader's appends get past the fence."""
     monkeypatch.setattr(ReplicaGuard, "_check_epoch", lambda self, epoch: None)  # PLANTED
-    _caught(2, "rf2", r"C5 one writer per epoch: node \d+ accepted an append .* while fenced at epoch")
+    _caught(9, "rf2", r"C5 one writer per epoch: node \d+ accepted an append .* while fenced at epoch")
 
 
 def test_a_planted_bug_in_contiguity_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -122,6 +122,13 @@ pysyncobj facts this module relies on or works around (0.3.17):
   5 s (here 1 s), a leader cut off from the majority stays leader for 30 s
   (here 3 s). Only the node with the larger address string connects, so the
   retry interval is how long a restarted node may wait to be reconnected.
+* Its followers draw their election timeouts at random in one window, and closed any connection that had
+  received nothing for ``connectionTimeout`` at its next message, dropping that message: two followers exchange
+  nothing while their leader lives, so the first vote request after its death was always lost, and each of the
+  survivors ran. The death of a Raft leader cost two to four elections. Here the followers run in turn, its
+  successor first (``georep.raft.elections``), a node that restarts lets the leader reach it before it runs,
+  and a connection is closed for silence only when an append went unanswered (``georep.raft.transport``): one
+  election per death of a leader, none while no node fails.
 * A dump that fails to load is logged and skipped, and the node then runs on
   a journal whose start was compacted away: a wrong state, silently. The dump
   is therefore checked before the ``SyncObj`` starts (``RaftStartError``).
@@ -139,6 +146,7 @@ import functools
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -172,6 +180,7 @@ from cluster.site_state import (
 )
 from cluster.topics import TopicSpec
 from georep.raft import journal
+from georep.raft.elections import election_timeout_s, first_election_timeout_s
 from georep.raft.frames import APPEND_BATCH_BYTES, COMMAND_BYTES_MAX, DUMP_CHUNK_BYTES
 from georep.raft.journal import DurableJournal, JournalDamaged, JournalHandle
 from georep.raft.transport import GuardedTransport, RaftPortLimits
@@ -189,6 +198,9 @@ PORT_MAX = 65535
 REFUSED_LOG_INTERVAL_S = 30.0  # at most one warning this often about messages sealed with another Raft secret
 
 T = TypeVar("T")
+
+_RAFT_CANDIDATE = 1  # pysyncobj's _RAFT_STATE values, as onStateChanged passes them
+_RAFT_LEADER = 2
 
 # pysyncobj failures after which the command is certainly not in any log: retry within the timeout.
 _NOT_IN_LOG = frozenset({
@@ -253,7 +265,7 @@ class RaftTiming:
     election_timeout_min_s: float = 0.4  # a follower that hears no leader for a random time in [min, max] runs
     election_timeout_max_s: float = 1.4
     heartbeat_interval_s: float = 0.1  # the leader's append-entries period; below election_timeout_min_s / 3
-    connection_timeout_s: float = 3.5  # a silent connection is dead after this; at least election_timeout_max_s
+    connection_timeout_s: float = 3.5  # a peer that answers no append for this long is cut off; >= election max
     reconnect_interval_s: float = 1.0  # between attempts to reach a node that is down (pysyncobj: 5 s)
     leader_step_down_s: float = 3.0  # a leader that hears no majority for this long steps down (pysyncobj: 30 s)
     tick_s: float = 0.05  # the tick thread's poll period
@@ -322,6 +334,7 @@ class RaftStatus:
     total_nodes: int
     applied_index: int  # the last log entry applied to the local state
     commit_index: int  # the last log entry this node knows to be committed
+    term: int = 0  # the Raft term this node is in: each election raises it by one at least
 
 
 def _check_raft_address(address: str) -> str:
@@ -654,7 +667,8 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
     """
 
     def __init__(self, self_address: str, partners: list[str], conf: dict[str, Any], dump_path: Path,
-                 initial: _Dump | None, transport_class: Callable[..., Any]) -> None:  # fmt: skip
+                 initial: _Dump | None, transport_class: Callable[..., Any],
+                 rejoining: bool = False) -> None:  # fmt: skip
         password = conf.get("password")
         # before SyncObj.__init__: it connects to the partners with this (pysyncobj reads :attr:`encryptor`)
         self._checked_encryptor = None if password is None else _CheckedEncryptor(getEncryptor(password),
@@ -664,8 +678,12 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         self._dumped_index = initial.last_applied[1] if initial is not None else 0
         self._dump_path = dump_path
         self._me = self_address
+        self._last_leader: str | None = None  # the Raft address of the leader last followed (elections.py)
+        self._first_timeout: bool | None = rejoining  # until the first timeout is drawn: whether this node ran before
+        self.leader_since: float | None = None  # time.monotonic() when this replica became the leader; None: it is not
         self.on_change: Callable[[], None] | None = None  # called in the tick thread after each applied command
-        syncobj_conf = SyncObjConf(serializer=self._write_dump, deserializer=self._read_dump, **conf)
+        syncobj_conf = SyncObjConf(serializer=self._write_dump, deserializer=self._read_dump,
+                                   onStateChanged=self._state_changed, **conf)  # fmt: skip
         super().__init__(self_address, partners, syncobj_conf, transportClass=transport_class)
         # The tick thread sleeps 0.1 s before its first tick, so no transfer can have started yet.
         self._SyncObj__serializer.__class__ = _ClosingSerializer
@@ -698,6 +716,33 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
             except Exception:  # the watcher's bug must not stop the replica
                 logger.exception("the metadata change callback failed")
         return result
+
+    def _SyncObj__generateRaftTimeout(self) -> float:  # pysyncobj's private __generateRaftTimeout, overridden
+        """The election timeout pysyncobj draws at each message of the leader, at start and when it runs: ranked
+        after the leader's (``georep.raft.elections``) rather than uniform."""
+        leader = self._getLeader()
+        if leader is not None:
+            self._last_leader = str(leader.address)
+        conf = self.conf
+        members = [str(node.address) for node in self.otherNodes]
+        timeout_s = election_timeout_s(self._me, self._last_leader, members, conf.raftMinTimeout, conf.raftMaxTimeout,
+                                       random.random())  # fmt: skip
+        rejoining, self._first_timeout = self._first_timeout, None
+        if rejoining is None:
+            return timeout_s
+        return first_election_timeout_s(timeout_s, rejoining, conf.connectionRetryTime)
+
+    def _state_changed(self, old: int, new: int) -> None:
+        """pysyncobj's ``onStateChanged`` (tick thread): every election shows in the node's log, so a site whose Raft
+        leadership moves while no node fails (timers too short for the load) can be told from one that is stable."""
+        # A candidate's term is raised just after this call; a leader's and a follower's are already set.
+        self.leader_since = time.monotonic() if new == _RAFT_LEADER else None
+        if new == _RAFT_CANDIDATE:
+            logger.info("Raft node %s runs for leader in term %d", self._me, self.raftCurrentTerm + 1)
+        elif new == _RAFT_LEADER:
+            logger.info("Raft node %s leads the site's Raft group in term %d", self._me, self.raftCurrentTerm)
+        elif old == _RAFT_LEADER:
+            logger.info("Raft node %s no longer leads the site's Raft group (term %d)", self._me, self.raftCurrentTerm)
 
     def read(self, fn: Callable[[SiteState], T]) -> T:
         with self._state_lock:
@@ -791,6 +836,7 @@ class RaftMetadataStore:
         self._timing = timing or RaftTiming()
         self._self_address = _check_raft_address(self_address)
         partners = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
+        rejoining = has_raft_state(data_dir)
         raft_dir = data_dir / RAFT_DIR
         raft_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         raft_dir.chmod(0o700)  # one made by an older georep too
@@ -820,7 +866,7 @@ class RaftMetadataStore:
             transport = functools.partial(GuardedTransport, limits=port_limits or RaftPortLimits(),
                                           journal_sync=raft_log.sync if raft_log is not None else None)  # fmt: skip
             try:
-                replica = _Replica(self_address, partners, conf, dump_path, initial, transport)
+                replica = _Replica(self_address, partners, conf, dump_path, initial, transport, rejoining)
             except BaseException:
                 if raft_log is not None:
                     raft_log._destroy()
@@ -965,6 +1011,16 @@ class RaftMetadataStore:
         return bool(self._replica._isLeader())
 
     @property
+    def led_for_s(self) -> float | None:
+        """How long this node's replica has been the Raft leader; None if it is not. A node that acts as the leader
+        (the controller) counts from here, not from when it first looked: its own calls may have waited for the
+        election, while the other nodes' writes already went through it."""
+        since = self._replica.leader_since
+        if since is None or not self.is_leader:
+            return None
+        return max(0.0, time.monotonic() - since)
+
+    @property
     def leader_address(self) -> str | None:
         """The Raft address of the leader as this node last heard of it; None if none is known or it is unreachable
         from here (pysyncobj keeps pointing at a dead leader until a new one is elected)."""
@@ -979,7 +1035,8 @@ class RaftMetadataStore:
         reachable, unreachable = self._reachability()
         return RaftStatus(self._self_address, self.leader_address, self.is_leader, reachable,
                           reachable + len(unreachable),
-                          int(self._replica.raftLastApplied), int(self._replica.raftCommitIndex))  # fmt: skip
+                          int(self._replica.raftLastApplied), int(self._replica.raftCommitIndex),
+                          int(self._replica.raftCurrentTerm))  # fmt: skip
 
     # -- lifecycle -------------------------------------------------------------------------------------
 

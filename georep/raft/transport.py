@@ -14,7 +14,11 @@ its server:
   port without a secret, until its first message), then the largest frame a member sends. It decompresses at most
   the largest message, reads at most ``reads_per_event`` times per event, so one connection cannot hold the tick
   thread, and checks the token's timestamp and the connection's random key with ``if``, not with ``assert`` (gone
-  under ``python -O``) as pysyncobj does.
+  under ``python -O``) as pysyncobj does. It closes a connection for silence only when an append (or its
+  connect) went unanswered for ``connectionTimeout``, checked at each tick (:meth:`GuardedConnection.check_answered`):
+  pysyncobj closed every connection that had received nothing for that long at its next send or read, dropping the
+  message, and two followers exchange nothing until their leader dies, so the first vote request of every election
+  was lost.
 * :class:`GuardedServer` accepts up to ``accepts_per_event`` connections per event with a backlog of its own.
 * :class:`GuardedTransport` keeps at most ``pending_connections_max`` accepted connections that are not a member's
   yet (the oldest is closed to make room, so a flood cannot keep a restarted member out: a member's handshake takes
@@ -127,7 +131,8 @@ class GuardedConnection:
         self._reads_per_event = reads_per_event
         self._read_buffer = bytearray()
         self._write_buffer = bytearray()
-        self._last_read = syncobj_clock()
+        # When the peer started to owe an answer (our connect, or an append since its last byte): see check_answered
+        self._unanswered_since: float | None = None
         self._on_message: Callable[[Any], None] | None = None
         self._on_connected: Callable[[], None] | None = None
         self._on_disconnected: Callable[[], None] | None = None
@@ -179,7 +184,7 @@ class GuardedConnection:
         self._authenticated = self._trusted
         self._read_buffer = bytearray()
         self._write_buffer = bytearray()
-        self._last_read = syncobj_clock()
+        self._unanswered_since = syncobj_clock()  # the connect must complete in time
         self.opened_at = time.monotonic()
         self.peer = f"{host}:{port}"
         sock = socket.socket(_getAddrType(host), socket.SOCK_STREAM)
@@ -202,6 +207,8 @@ class GuardedConnection:
         return True
 
     def send(self, message: Any) -> None:
+        if self._unanswered_since is None and _is_append(message):
+            self._unanswered_since = syncobj_clock()
         if self.sendRandKey:
             message = (self.sendRandKey, message)
         data = zlib.compress(syncobj_pickle.dumps(message), 3)
@@ -251,7 +258,6 @@ class GuardedConnection:
         if event & POLL_EVENT_TYPE.ERROR:
             self.disconnect()
             return
-        self._check_timeout()
         if self._state == CONNECTION_STATE.DISCONNECTED:
             return
         if self._state == CONNECTION_STATE.CONNECTING and event & (POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.WRITE):
@@ -264,7 +270,7 @@ class GuardedConnection:
             if self._state == CONNECTION_STATE.DISCONNECTED:
                 return
             self._state = CONNECTION_STATE.CONNECTED
-            self._last_read = syncobj_clock()
+            self._unanswered_since = None
             return
         if event & POLL_EVENT_TYPE.WRITE:
             self._try_send()
@@ -274,12 +280,24 @@ class GuardedConnection:
         if event & POLL_EVENT_TYPE.READ:
             self._read()
 
-    def _check_timeout(self) -> None:
-        if syncobj_clock() - self._last_read > self._timeout_s:
+    def check_answered(self) -> None:
+        """Close the connection if its connect, or an append sent on it, has had no byte back for ``timeout_s``.
+
+        pysyncobj closes a connection that has received nothing for its ``connectionTimeout`` whenever it next sends
+        or reads on it, and drops the message that found it so. But two followers exchange nothing while their
+        leader lives, so when it dies the first vote request one sends the other, and the other's answer, each found
+        their connection "dead": the vote was lost, the other follower ran for leader too, and every death of a Raft
+        leader cost a split vote (``bench/site_cluster.py --victim raft-leader``: two elections and 0.4 to 0.7 s
+        without a leader, at a 500 ms session). Silence is no sign of death when nothing was asked: only an append
+        (which a live member always answers) or a connect starts the clock, any byte back stops it, and the check
+        runs at each tick, never on a send or a read, so it drops no message. A process that dies closes its
+        connections at once; this catches a peer whose host went silent."""
+        since = self._unanswered_since
+        if self._state != CONNECTION_STATE.DISCONNECTED and since is not None \
+                and syncobj_clock() - since > self._timeout_s:  # fmt: skip
             self.disconnect()
 
     def _try_send(self) -> None:
-        self._check_timeout()
         if self._state == CONNECTION_STATE.DISCONNECTED or self._socket is None:
             return
         while self._write_buffer:
@@ -310,13 +328,13 @@ class GuardedConnection:
             if not incoming:
                 self.disconnect()
                 return
+            self._unanswered_since = None
             self._read_buffer += incoming
             self._deliver()
             if self._state == CONNECTION_STATE.DISCONNECTED:
                 return
             if len(incoming) < self._recv_buffer_bytes:
                 break  # drained
-        self._last_read = syncobj_clock()
 
     def _deliver(self) -> None:
         """Hand over every whole frame in the read buffer; close at the first header over the bound."""
@@ -601,6 +619,8 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
     def _onTick(self) -> None:
         super()._onTick()
         self._expire_pending()
+        for conn in list(self._connections.values()):
+            conn.check_answered()
         self._flush()
 
     # -- held messages -------------------------------------------------------------------------------------------

@@ -123,6 +123,8 @@ class Metadata(Protocol):
     def watch(self, callback: Callable[[], None]) -> None: ...
     @property
     def is_leader(self) -> bool: ...
+    @property
+    def led_for_s(self) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +257,9 @@ class ClusterMember:
         await self._heartbeat()
         if self.metadata.is_leader:
             if self._controller_since is None:
-                self._controller_since = self.clock_ms()
+                # From the election, not from this look: this tick's heartbeat may have waited for the election
+                # while the other nodes' heartbeats went through (plan_leadership's settling counts from here).
+                self._controller_since = self.clock_ms() - int(1000 * (self.metadata.led_for_s or 0.0))
             await self._controller()
         else:
             self._controller_since = None
@@ -273,7 +277,7 @@ class ClusterMember:
     async def _controller(self) -> None:
         """Elect a leader for every partition whose leader is missing or dead (the Raft leader's duty)."""
         for elect in plan_leadership(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms,
-                                     self._controller_since, settle_ms=3 * self.config.tick_ms,
+                                     self._controller_since, settle_ms=2 * self.config.tick_ms,
                                      controller=self.me):  # fmt: skip
             key = (elect.topic, elect.partition)
             if self._electing.get(key) == elect.expected_epoch:

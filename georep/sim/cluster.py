@@ -690,7 +690,7 @@ class ClusterSimulator:
 
     def _controller_duties(self, node: SimNode, ctl: ControllerState) -> None:
         plan = site_state.plan_leadership(node.view, self.now_ms, self.cfg.session_timeout_ms, ctl.since_ms,
-                                          settle_ms=3 * self.cfg.tick_ms, controller=node.id)  # fmt: skip
+                                          settle_ms=2 * self.cfg.tick_ms, controller=node.id)  # fmt: skip
         for elect in plan:
             key = (elect.topic, elect.partition)
             if ctl.electing.get(key) == elect.expected_epoch:

@@ -38,17 +38,18 @@ def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = WAIT
 class Site:
     """Three metadata nodes of one site, started and stopped by index (0, 1, 2)."""
 
-    def __init__(self, tmp_path: Path, size: int = 3, password: bytes | None = None) -> None:
+    def __init__(self, tmp_path: Path, size: int = 3, password: bytes | None = None, timing: RaftTiming = FAST) -> None:
         self.tmp_path = tmp_path
         self.addresses = [f"127.0.0.1:{port}" for port in free_ports(size)]
         self.stores: dict[int, RaftMetadataStore] = {}
         self.password = password  # the site's Raft secret; None: a plaintext port
+        self.timing = timing
 
     def start(self, *indexes: int) -> None:
         for i in indexes or range(len(self.addresses)):
             assert i not in self.stores, f"node {i} is already running"
-            self.stores[i] = RaftMetadataStore(self.addresses[i], self.addresses, self.tmp_path / f"node{i}", FAST,
-                                               password=self.password)  # fmt: skip
+            self.stores[i] = RaftMetadataStore(self.addresses[i], self.addresses, self.tmp_path / f"node{i}",
+                                               self.timing, password=self.password)  # fmt: skip
 
     def stop(self, i: int, snapshot: bool = True) -> None:
         self.stores.pop(i).close(snapshot=snapshot)
