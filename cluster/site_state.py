@@ -81,6 +81,8 @@ from typing import Any, ClassVar, Self
 
 from cluster.ids import LeaderEpoch, NodeId, SegmentId, node_id
 from cluster.metadata import AclRecord, acl_newer
+from cluster.producer_snapshot import InvalidSnapshot as InvalidProducerSnapshot
+from cluster.producer_snapshot import ProducerSnapshot
 from cluster.topics import InvalidTopic, TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
@@ -162,6 +164,9 @@ class PartitionInfo:
     # The vector at the chain's start: the end vector of the last segment retention trimmed (TrimChain), empty
     # while nothing was trimmed. The log start offset is segments[0].base_offset.
     start_vector: VectorOffset = VectorOffset()
+    # The idempotent producers' table at the last seal (cluster/producer_snapshot.py); None while no seal carried
+    # one: nothing was sealed yet, or the last seal came from a node from before seals carried it.
+    producers: ProducerSnapshot | None = None
 
     @property
     def open_segment(self) -> SegmentInfo | None:
@@ -192,6 +197,15 @@ class PartitionInfo:
             if segment.end_vector is not None:
                 before = segment.end_vector
         return before
+
+    def sealed_producers(self, origin: Origin) -> ProducerSnapshot | None:
+        """The producer table at the chain's last seal (what a leader starts from, and a seal folds onto): empty
+        while no segment was ever sealed; None when the last seal carried none (``history_at_open`` falls back)."""
+        if self.producers is not None:
+            return self.producers
+        if not self.segments or (self.segments[0].segment_id == 0 and not self.segments[0].sealed):
+            return ProducerSnapshot(origin)
+        return None
 
 
 # -- results ---------------------------------------------------------------------------------------------
@@ -299,6 +313,15 @@ def _vector_to_dict(vector: VectorOffset) -> dict[str, int]:
 def _vector(raw: Mapping[str, Any], key: str) -> VectorOffset:
     entries = _mapping(raw, key)
     return VectorOffset({Origin.parse(text): _int(entries, text) for text in sorted(entries)})
+
+
+def _producers(raw: Mapping[str, Any], key: str) -> ProducerSnapshot | None:
+    if raw.get(key) is None:
+        return None
+    try:
+        return ProducerSnapshot.decode(_mapping(raw, key))
+    except InvalidProducerSnapshot as e:
+        raise ValueError(f"field {key!r}: {e}") from None
 
 
 def _check_address(address: str) -> None:
@@ -530,6 +553,8 @@ class SealSegment(_CommandBase):
     # For retention: the bytes below end_offset and their newest producer timestamp (None: no batch, or unknown).
     size_bytes: int | None = None
     max_timestamp_ms: int | None = None
+    # The idempotent producers' table at end_offset (cluster/producer_snapshot.py): the next leader starts from it.
+    producers: ProducerSnapshot | None = None
 
     def __post_init__(self) -> None:
         _check_non_negative("segment_id", self.segment_id)
@@ -541,20 +566,23 @@ class SealSegment(_CommandBase):
         out = {"topic": self.topic, "partition": self.partition, "epoch": self.epoch,
                "segment_id": self.segment_id, "end_offset": self.end_offset,
                "end_vector": _vector_to_dict(self.end_vector)}  # fmt: skip
-        # Only when known, so a seal without them encodes as before this field existed.
+        # Only when known, so a seal without them encodes as before these fields existed.
         if self.size_bytes is not None:
             out["size_bytes"] = self.size_bytes
         if self.max_timestamp_ms is not None:
             out["max_timestamp_ms"] = self.max_timestamp_ms
+        if self.producers is not None:
+            out["producers"] = self.producers.encode()
         return out
 
     @classmethod
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
-        # Logs written before seals carried the size and timestamp lack them: unknown (never trimmed by them).
+        # Logs written before seals carried the size and timestamp lack them: unknown (never trimmed by them); and
+        # before they carried the producers' table: unknown (the next leader falls back to the copies it holds).
         return cls(_str(raw, "topic"), _int(raw, "partition"), LeaderEpoch(_int(raw, "epoch")),
                    SegmentId(_int(raw, "segment_id")), LocalOffset(_int(raw, "end_offset")),
                    _vector(raw, "end_vector"), _optional_int(raw, "size_bytes"),
-                   _optional_int(raw, "max_timestamp_ms"))  # fmt: skip
+                   _optional_int(raw, "max_timestamp_ms"), _producers(raw, "producers"))  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -1026,7 +1054,8 @@ class SiteState:
                            f"previous segment's {before}: origin seqs never go back; recovery lost data")  # fmt: skip
         sealed = replace(segment, state=SegmentState.SEALED, end_offset=cmd.end_offset, end_vector=cmd.end_vector,
                          size_bytes=cmd.size_bytes, max_timestamp_ms=cmd.max_timestamp_ms)
-        self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=(*info.segments[:-1], sealed))
+        self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=(*info.segments[:-1], sealed),
+                                                               producers=cmd.producers)  # fmt: skip
         return Applied(segment_id=segment.segment_id)
 
     def _sealed_segment(self, topic: str, partition: int, segment_id: SegmentId,
@@ -1191,6 +1220,8 @@ def _partition_to_dict(info: PartitionInfo) -> dict[str, Any]:
     }
     if info.start_vector:  # only once trimmed, so older snapshots compare equal
         out["start_vector"] = _vector_to_dict(info.start_vector)
+    if info.producers is not None:  # only once a seal carried it, likewise
+        out["producers"] = info.producers.encode()
     return out
 
 
@@ -1211,7 +1242,7 @@ def _partition_from_dict(raw: Mapping[str, Any]) -> PartitionInfo:
     leader = None if raw.get("leader") is None else _node(raw, "leader")
     start_vector = _vector(raw, "start_vector") if raw.get("start_vector") is not None else VectorOffset()
     return PartitionInfo(_str(raw, "topic"), _int(raw, "partition"), leader, LeaderEpoch(_int(raw, "leader_epoch")),
-                         tuple(segments), start_vector)  # fmt: skip
+                         tuple(segments), start_vector, _producers(raw, "producers"))  # fmt: skip
 
 
 def _node_to_dict(info: NodeInfo) -> dict[str, Any]:

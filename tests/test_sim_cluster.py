@@ -36,6 +36,7 @@ from typing import Any
 import pytest
 
 import cluster.placement as placement
+import cluster.producer_snapshot as producer_snapshot
 import cluster.quorum as quorum
 import cluster.recovery as recovery
 import cluster.repair as repair
@@ -67,6 +68,11 @@ REGRESSION_SEEDS: list[tuple[int, str]] = [
     # found sealed segments under-replicated. Fixed in cluster/repair.py (SegmentView.short, FillSegment);
     # test_a_planted_bug_in_repair_of_short_members_is_caught puts the old planner back.
     (0, "single3"),
+    # Issue 21: a new leader rebuilt its idempotent producers' table from the copies it held; one that held an
+    # older segment but not the producer's last one refused the producer's next batch with OutOfOrderSequence.
+    # Seals now carry the table (cluster/producer_snapshot.py); test_a_planted_bug_in_the_producers_history_is_caught
+    # puts the old rule back.
+    (0, "expand5"),
 ]
 
 
@@ -136,13 +142,17 @@ def test_the_faults_and_the_protocol_paths_actually_happen(swarm: dict[str, tupl
     assert c.repair_copies > 0 and c.members_replaced > 0 and c.fills > 0
     assert c.opens_short > 0 and c.acked_short > 0 and c.members_added > 0 and c.rolls_to_widen > 0
     assert c.retries > 0 and c.dedup_hits > 0  # retried batches that were already in were not stored twice
+    # Idempotent producers through leader changes: leaders killed between a roll's seal and the next open, and
+    # leaders that started without a whole copy of the last sealed segment; a gap left by an earlier refusal
+    # (OutOfOrderSequence) was resent, never failed to the application.
+    assert c.roll_kills > 0 and c.leaders_missing_history > 0 and c.out_of_order > 0
     assert c.nodes_added > 0 and c.budget_exceeded == 0
 
 
 def test_a_recovery_superseded_by_a_newer_leader_steps_down() -> None:
     """The path where a recovering leader finds a member fenced by a newer epoch: the swarm reaches it seldom
     since a new controller replaces a silent leader within a few ticks, so a named seed keeps it covered."""
-    result = run_cluster_seed(1, "meta")
+    result = run_cluster_seed(33, "meta")
     assert result.counts.recoveries_superseded > 0 and result.counts.recoveries_done > 0
 
 
@@ -176,7 +186,7 @@ def test_a_planted_bug_in_the_lac_is_caught_by_a_reader(monkeypatch: pytest.Monk
 def test_a_planted_bug_in_recovery_is_caught_by_durability(monkeypatch: pytest.MonkeyPatch) -> None:
     """recovery.py: the recovered end as the min of the fence quorum's ends: the seal cuts acked batches."""
     monkeypatch.setattr(recovery, "recovered_end", min)  # PLANTED: max
-    _caught(2, "single3", r"C1 durability: .* acked at the LAC .* fewer than min_insync_replicas=2")
+    _caught(10, "single3", r"C1 durability: .* acked at the LAC .* fewer than min_insync_replicas=2")
 
 
 def test_a_planted_bug_in_recovery_is_caught_by_a_reader(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,7 +229,7 @@ def test_a_planted_bug_in_repair_sources_is_caught(monkeypatch: pytest.MonkeyPat
                                                       for c in plan.copies))  # fmt: skip
 
     monkeypatch.setattr(repair, "plan_repair", from_the_dead)
-    _caught(9, "rf2", r"C6 repair of .* chose node \d+, which sent no heartbeat")
+    _caught(7, "rf2", r"C6 repair of .* chose node \d+, which sent no heartbeat")
 
 
 def test_a_planted_bug_in_repair_before_the_seal_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,7 +290,7 @@ def test_a_planted_bug_in_the_election_compare_and_set_is_caught(monkeypatch: py
         return real(self, cmd)
 
     monkeypatch.setattr(site_state.SiteState, "_elect_leader", no_cas)
-    _caught(3, "meta", r"C5 compare-and-set: ElectLeader of .* expected epoch \d+ but applied at epoch")
+    _caught(0, "meta", r"C5 compare-and-set: ElectLeader of .* expected epoch \d+ but applied at epoch")
 
 
 def test_a_planted_bug_in_the_chain_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -311,6 +321,15 @@ def test_a_planted_bug_in_the_cut_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
     """recovery.py: cut_after_seal never cuts: a member keeps batches past the sealed end."""
     monkeypatch.setattr(recovery, "cut_after_seal", lambda local_end, sealed_end: None)  # PLANTED
     _caught(3, "single3", r"C3 prefix: node \d+ knows .* is sealed at \d+ but its copy still ends at")
+
+
+def test_a_planted_bug_in_the_producers_history_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """producer_snapshot.py: a new leader rebuilds its producer table from the copies it holds, not from the last
+    seal's snapshot (the rule before issue 21). A leader killed after its roll's seal, or one that missed a
+    segment, leaves a successor that knows an older sequence: the producer's next batch is refused."""
+    monkeypatch.setattr(producer_snapshot, "history_at_open", lambda sealed, held: held())  # PLANTED
+    _caught(0, "single3", r"failed to the application: OutOfOrderSequence: producer \d+ epoch 0 sent sequence \d+, "
+                          r"expected \d+")  # fmt: skip
 
 
 def test_every_check_has_a_planted_bug_that_it_catches() -> None:

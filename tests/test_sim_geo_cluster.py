@@ -23,6 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+import cluster.producer_snapshot as producer_snapshot
 import cluster.quorum as quorum
 import cluster.recovery as recovery
 from georep.sim import SimulationFailure
@@ -77,6 +78,8 @@ def test_swarm_with_a_multi_node_site_keeps_every_invariant(topology: str, pool:
         "leader changes (elections)": cluster.elections,
         "recoveries sealed": cluster.recoveries_done,
         "segments rolled by size (sealed at the LAC)": cluster.rolls_by_size,
+        "leaders killed between a roll's seal and the next open": cluster.roll_kills,
+        "leaders that started without a whole copy of the last sealed segment": cluster.leaders_missing_history,
         "recoveries that kept a tail past the last ack": cluster.recovered_tails,
         "segments opened short while a node was down": cluster.opens_short,
         "acks=all released in such segments": cluster.acked_short,
@@ -113,6 +116,16 @@ def test_a_planted_bug_in_the_recovery_is_caught(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(recovery, "recovered_end", lambda fenced_ends: min(fenced_ends))
     with pytest.raises(SimulationFailure, match="C4 visibility.*the recovery cut what the site acked and served"):
         run_geo_cluster_seed(22, "triangle")
+
+
+def test_a_planted_bug_in_the_producers_history_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new leader that rebuilds its idempotent producers' table from the segment copies it holds, not from the
+    last seal's snapshot (the rule before issue 21): after a leader killed between its roll's seal and the next
+    open, the controller names a node that missed that segment, and a batch the producer resends is stored twice."""
+    monkeypatch.setattr(producer_snapshot, "history_at_open", lambda sealed, held: held())  # PLANTED
+    with pytest.raises(SimulationFailure, match="exactly once: .* was stored twice as a new write") as failure:
+        run_geo_cluster_seed(14, "triangle")
+    assert "python -m georep.sim --geo-cluster --seed 14 --topology triangle" in failure.value.replay
 
 
 def test_the_replay_command_runs_one_seed(capsys: pytest.CaptureFixture[str]) -> None:

@@ -78,14 +78,18 @@ class Partition:
     """One topic-partition: its log, its producer state, and what readers wait on."""
 
     def __init__(
-        self, topic: str, index: int, log_: PartitionLog, config: dict[str, int], origin: Origin, now_ms: int
+        self, topic: str, index: int, log_: PartitionLog, config: dict[str, int], origin: Origin, now_ms: int,
+        producers: ProducerStateTable | None = None,
     ) -> None:
         self.topic = topic
         self.index = index
         self.key = (topic, index)
         self.log = log_
         self.config = config
-        self.producers = ProducerStateTable.rebuild(log_.batch_entries(), now_ms=now_ms, origin=origin)
+        # A multi-node site's leader passes the table its chain's last seal carries (georep/server/site_cluster.py).
+        if producers is None:
+            producers = ProducerStateTable.rebuild(log_.batch_entries(), now_ms=now_ms, origin=origin)
+        self.producers = producers
         self._appended: asyncio.Future[None] | None = None
         self._durable: asyncio.Future[None] | None = None
         self.last_flush_mono_ms = 0
@@ -337,10 +341,11 @@ class Broker:
     # -- partitions of a multi-node site ------------------------------------------------------------------
 
     def attach(self, spec: TopicSpec, index: int, log_: PartitionLog, in_site: InSiteReplication, lac: int,
-               lac_vector: VectorOffset) -> Partition:  # fmt: skip
-        """Serve ``spec``'s partition ``index``, which this node now leads, over ``log_`` (a ``ChainLog``)."""
+               lac_vector: VectorOffset, producers: ProducerStateTable | None = None) -> Partition:  # fmt: skip
+        """Serve ``spec``'s partition ``index``, which this node now leads, over ``log_`` (a ``ChainLog``), with the
+        idempotent producers' table ``producers`` (else rebuilt from ``log_``'s batch index)."""
         config = spec.effective(self.defaults)
-        p = Partition(spec.name, index, log_, config, self.origin, self.clock_ms())
+        p = Partition(spec.name, index, log_, config, self.origin, self.clock_ms(), producers)
         p.in_site = in_site
         old = self.partitions.get(p.key)
         if old is not None:

@@ -51,6 +51,7 @@ from typing import Protocol, TypeVar
 
 from cluster import leadership
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
+from cluster.producer_snapshot import ProducerSnapshot, fold, history_at_open
 from cluster.quorum import QuorumError
 from cluster.recovery import cut_after_seal
 from cluster.repair import DrainStatus
@@ -78,7 +79,7 @@ from georep.server.ensemble import SegmentToWrite, SegmentWriter
 from georep.server.recovery import SegmentToRecover, recover_segment, tell_sealed
 from georep.server.site_repair import RepairController, decommission
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore, SealSummary
-from offsets.coordinates import LocalOffset
+from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,7 @@ class ClusterMember:
         self.channel = channels(tls)
         self.leaders: dict[PartitionKey, PartitionLeader] = {}
         self.listener: LeaderListener = _NoListener()
+        self.origin: Origin | None = None  # the site's (its broker's): seals fold its own producers' batches
         self._given_up: dict[PartitionKey, LeaderEpoch] = {}
         self._epochs_at_start: dict[PartitionKey, LeaderEpoch] = {}
         self._asked: dict[PartitionKey, LeaderEpoch] = {}  # re-elections of itself in flight
@@ -400,6 +402,17 @@ class ClusterMember:
         self.spawn(lead.close())
 
 
+def seal_producers(store: ReplicaStore, info: PartitionInfo, segment_id: SegmentId, base: int, end: int, origin: Origin,
+                   now_ms: int) -> ProducerSnapshot:  # fmt: skip
+    """The producers' table a seal of ``segment_id`` at ``end`` carries, from this node's view ``info`` (which shows
+    the segment open) and its index of the segment, which it holds up to ``end`` (a roll's writer, or a recovery's
+    leader: ``cluster/recovery.py``, rule (S)). Blocking: it reads the store's index."""
+    key = (info.topic, info.partition)
+    history = history_at_open(info.sealed_producers(origin), lambda: store.entries_before(key, segment_id))
+    batches = store.batch_entries(key, segment_id, end) if end > base else []
+    return fold(history, origin, batches, now_ms=now_ms)
+
+
 class PartitionLeader:
     """One partition led by this node in one epoch: recover, open, write, roll."""
 
@@ -464,9 +477,10 @@ class PartitionLeader:
                 summary = SealSummary(VectorOffset(start_vector), 0, None)
             else:
                 summary = await m.run_blocking(m.store.seal_summary, self.key, segment_id, start_vector, end)
+            producers = await m.run_blocking(self._producers_at, segment_id, segment.base_offset, end)
             return await self._seal(SealSegment(self.key[0], self.key[1], self.epoch, segment_id, end,
                                                 summary.end_vector, summary.size_bytes,
-                                                summary.max_timestamp_ms))  # fmt: skip
+                                                summary.max_timestamp_ms, producers))  # fmt: skip
 
         while True:
             try:
@@ -477,6 +491,16 @@ class PartitionLeader:
                 await asyncio.sleep(m.config.retry_ms / 1000)
         self._sealed_through = segment.segment_id
         self._previous = segment.ensemble
+
+    def _producers_at(self, segment_id: SegmentId, base: int, end: int) -> ProducerSnapshot | None:
+        """The producers' table the seal carries; None (the next leader falls back to its copies) only without a
+        broker, whose origin says which producers are the site's own."""
+        m, info = self.member, self._info()
+        if info is None:
+            raise NotLeader(*self.key, "the topic is gone")
+        if m.origin is None:
+            return None
+        return seal_producers(m.store, info, segment_id, base, end, m.origin, m.clock_ms())
 
     async def _seal(self, command: SealSegment) -> str | None:
         """Commit a seal (retried while the metadata cannot confirm it: sealing again at the same end is a no-op);
@@ -605,9 +629,10 @@ class PartitionLeader:
             await asyncio.sleep(0.01)
         self._release_limit = end
         summary = await m.run_blocking(m.store.seal_summary, self.key, segment.segment_id, segment.start_vector, end)
+        producers = await m.run_blocking(self._producers_at, segment.segment_id, segment.base_offset, end)
         refused = await self._seal(SealSegment(self.key[0], self.key[1], self.epoch, segment.segment_id,
                                                LocalOffset(end), summary.end_vector, summary.size_bytes,
-                                               summary.max_timestamp_ms))  # fmt: skip
+                                               summary.max_timestamp_ms, producers))  # fmt: skip
         if refused is not None:
             m.step_down(self, f"roll refused: {refused}")
             return

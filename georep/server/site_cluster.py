@@ -27,14 +27,18 @@ of its own:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from cluster.ids import NodeId
+from cluster.ids import NodeId, SegmentId
+from cluster.producer_snapshot import history_at_open
+from cluster.site_state import PartitionInfo
 from cluster.status import cluster_status
+from dedup.producer import ProducerStateTable
 from georep.broker.errors import NotLeader, SegmentUnreadable
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
@@ -46,11 +50,23 @@ from georep.server.cluster_member import ClusterMember, PartitionLeader
 from georep.server.ensemble import SegmentWriter
 from georep.storage.chain_log import ChainLog, ChainSegment, SegmentElsewhere
 from georep.storage.replica_store import PartitionKey, ReplicaStore
+from offsets.coordinates import Origin
 
 log = logging.getLogger(__name__)
 
 REMOTE_READ_TIMEOUT_S = 10.0
 ROUTE_CHECK_S = 0.25  # how often a pull passed on to other nodes checks that their leadership has not moved
+
+
+def leader_producers(store: ReplicaStore, info: PartitionInfo, open_id: SegmentId, origin: Origin,
+                     now_ms: int) -> ProducerStateTable:  # fmt: skip
+    """The idempotent producers' table a leader starts writing open segment ``open_id`` with: the one the chain's last
+    seal carries (``cluster/producer_snapshot.py`` has why), then the open segment's own batches. Never only the
+    copies this node holds: it may hold none of the segments a producer last wrote to."""
+    key = (info.topic, info.partition)
+    history = history_at_open(info.sealed_producers(origin), lambda: store.entries_before(key, open_id))
+    entries = itertools.chain(history, store.batch_entries(key, open_id))
+    return ProducerStateTable.rebuild(entries, now_ms=now_ms, origin=origin)
 
 
 class _Writing:
@@ -85,6 +101,7 @@ class SiteCluster:
         self._peers: dict[str, grpc.aio.Channel] = {}  # long-lived channels to the other nodes, by address
         self._background: set[asyncio.Task[None]] = set()
         member.listener = self
+        member.origin = broker.origin
         broker.leader_hint = self.leader_address
 
     # -- the metadata ----------------------------------------------------------------------------------------
@@ -188,7 +205,8 @@ class SiteCluster:
         key = lead.key
         writer.on_lac = lambda lac: self._lac(key, writing, lac)
         writer.on_own_flush = lambda flushed, error: self._own_flush(key, writing, flushed, error)
-        self.broker.attach(spec, key[1], chain_log, writing, chain[-1].base_offset, lac_vector)
+        producers = leader_producers(self.store, info, open_id, self.broker.origin, self.broker.clock_ms())
+        self.broker.attach(spec, key[1], chain_log, writing, chain[-1].base_offset, lac_vector, producers)
 
     def sealing(self, lead: PartitionLeader) -> None:
         writing = self._writing.get(lead.key)

@@ -22,11 +22,16 @@ GIB = 1 << 30
 
 
 class Batch(NamedTuple):
-    """A batch of ``records`` records at local ``offset``; ``payload`` names it (the producer's batch id)."""
+    """A batch of ``records`` records at local ``offset``; ``payload`` names it (the producer's batch id). An
+    idempotent producer's batch carries its producer id and base sequence (``producer`` -1: none), and the time
+    its leader appended it: what a leader's producer table keeps of it."""
 
     offset: int
     records: int
     payload: int
+    producer: int = -1
+    sequence: int = 0
+    append_ms: int = 0
 
     @property
     def end(self) -> int:
@@ -105,6 +110,7 @@ class ClusterConfig:
     latency_ms: tuple[int, int]
     fsync_ms: tuple[int, int]
     roll_records: int  # a leader rolls its open segment once it holds this many records
+    roll_kill_p: float = 0.25  # the chance that a leader is killed right after its roll's seal commits
     safety_ms: int = 9_000
     liveness_ms: int = 25_000
     max_events: int = 400_000
@@ -245,7 +251,10 @@ class ClusterCounts:
     produced: int = 0
     retries: int = 0
     acked: int = 0  # acks released at the LAC
-    dedup_hits: int = 0  # a retried batch the partition already held
+    dedup_hits: int = 0  # a retried batch the partition already held (the leader's producer table said Duplicate)
+    out_of_order: int = 0  # answers OutOfOrderSequence: each a gap an earlier refusal of the same round left
+    roll_kills: int = 0  # a leader killed after its roll's seal committed, before it opened the next segment
+    leaders_missing_history: int = 0  # a leader started a segment without a whole copy of the last sealed one
     reads: int = 0
     read_batches: int = 0
     nodes_added: int = 0

@@ -75,9 +75,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 
 import cluster.leadership as leadership
+import cluster.producer_snapshot as producer_snapshot
 import cluster.recovery as recovery
 import cluster.site_state as site_state
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
+from cluster.producer_snapshot import ProducerSnapshot
 from cluster.quorum import (
     Fenced,
     GuardState,
@@ -103,8 +105,10 @@ from cluster.site_state import (
     SiteState,
 )
 from cluster.topics import TopicSpec
+from dedup.producer import ProducerStateTable
 from georep.broker.acks import AckKind, Acks, Effect, StartFlush
 from georep.broker.append import Produced
+from georep.broker.errors import GeoAckTimeout
 from georep.record.batch import iter_headers
 from georep.replication.links import PartitionKey
 from georep.sim.checker import InvariantViolation
@@ -113,6 +117,7 @@ from georep.sim.cluster_model import Batch, ClusterCounts, SegCopy, SegKey
 from georep.sim.producers import AckedWrite, SimProducer
 from georep.sim.simulator import START_MS, SimConfig, SimResult, SimulationFailure, Simulator
 from georep.sim.site import SimSite
+from georep.storage.api import BatchEntry
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.log_prefix import vector_below
@@ -141,8 +146,9 @@ class GeoClusterConfig:
     fence_timeout_ms: int = 120
     copy_timeout_ms: int = 200
     retry_ms: int = 100
-    roll_records: int = 40  # a leader rolls its open segment once it holds this many records
+    roll_records: int = 12  # a leader rolls its open segment once it holds this many records
     roll_wait_ms: int = 60  # a rolling leader waits this long for the LAC to reach what it appended
+    roll_kill_p: float = 0.5  # the chance that a leader is killed right after its roll's seal commits
 
 
 @dataclass(slots=True)
@@ -244,6 +250,9 @@ class GeoClusterSimulator(Simulator):
         super()._boot(site)
         if site.id != self.cluster_site:
             return
+        if self.leads:  # serving again: each partition's producers as its leader builds them
+            for key in self.keys:
+                site.producers[key] = self._producer_table(self.leads[key])
         for key, log in sorted(site.logs.items()):  # as Broker.attach does for a ChainLog: the LAC is durable
             lac, vector = int(log.flushed_offset), VectorOffset(log.flushed_vector())
             site.acks.open_partition(key, self.fsync_per_batch[key[0]], lac, vector, replicated_in_site=True,
@@ -437,7 +446,8 @@ class GeoClusterSimulator(Simulator):
             elif isinstance(eff, recovery.Seal):
                 end = int(eff.end_offset)
                 cmd = SealSegment(lead.key[0], lead.key[1], lead.epoch, eff.segment_id, LocalOffset(end),
-                                  self._vector_at(lead.key, end))  # fmt: skip
+                                  self._vector_at(lead.key, end),
+                                  producers=self._seal_producers(lead, seg_info, end))  # fmt: skip
                 self._propose(cmd, functools.partial(self._sealed, lead, lead.attempt, end))
             elif isinstance(eff, Done):
                 self.ccounts.recoveries_done += 1
@@ -545,6 +555,71 @@ class GeoClusterSimulator(Simulator):
         """The chain's vector at ``end``: the sealed end vector the metadata records."""
         log = self.sites[self._sid()].logs[key]
         return vector_below({}, iter_headers(log.read(log.log_start_offset, READ_ALL).data), end)
+
+    # -- the producers' state across leaders -----------------------------------------------------------------
+
+    def _held_entries(self, nid: NodeId, key: PartitionKey, before: SegmentId) -> list[BatchEntry]:
+        """The chain's batches that node ``nid``'s copies of ``key``'s segments before ``before`` hold (each copy
+        is a prefix of its segment's stream: C3)."""
+        info = self.meta.partition(*key)
+        chain = self.sites[self._sid()].logs[key].batch_entries()
+        out: list[BatchEntry] = []
+        for seg in sorted(self.nodes[nid].copies):
+            segment = info.segment(seg[2]) if info is not None and seg[:2] == key and seg[2] < before else None
+            if segment is None:
+                continue
+            copy = self.nodes[nid].copies[seg]
+            end = min(copy.end, int(segment.end_offset)) if segment.end_offset is not None else copy.end
+            out += [e for e in chain if copy.base <= e.base_offset < end]
+        return out
+
+    def _producer_table(self, lead: Lead) -> ProducerStateTable:
+        """The table ``lead`` starts its open segment with, as the node builds it (``georep/server/site_cluster.py``
+        ``leader_producers``): its chain's last seal's snapshot, then the open segment's batches."""
+        site = self.sites[self._sid()]
+        info = self.meta.partition(*lead.key)
+        q = lead.quorum
+        assert info is not None and q is not None
+        last = next((s for s in reversed(info.segments) if s.sealed), None)
+        if last is not None and last.end_offset is not None and last.end_offset > last.base_offset:
+            copy = self.nodes[lead.node].copies.get((lead.key[0], lead.key[1], last.segment_id))
+            if copy is None or copy.end < int(last.end_offset or 0):
+                self.ccounts.leaders_missing_history += 1
+        history = producer_snapshot.history_at_open(info.sealed_producers(site.origin),
+                                                    lambda: self._held_entries(lead.node, lead.key, q.segment_id))
+        own = [e for e in site.logs[lead.key].batch_entries() if e.base_offset >= q.base_offset]
+        return ProducerStateTable.rebuild(itertools.chain(history, own), now_ms=self.local_ms(site), origin=site.origin)
+
+    def _seal_producers(self, lead: Lead, segment: SegmentInfo, end: int) -> ProducerSnapshot:
+        """The table a seal of ``segment`` at ``end`` carries (``georep/server/cluster_member.py``
+        ``seal_producers``): its leader holds the segment up to ``end``, the chain's bytes there."""
+        site = self.sites[self._sid()]
+        info = self.meta.partition(*lead.key)
+        assert info is not None
+        base = int(segment.base_offset)
+        batches = [e for e in site.logs[lead.key].batch_entries() if base <= e.base_offset < end]
+        history = producer_snapshot.history_at_open(
+            info.sealed_producers(site.origin), lambda: self._held_entries(lead.node, lead.key, segment.segment_id))
+        return producer_snapshot.fold(history, site.origin, batches, now_ms=self.local_ms(site))
+
+    def _resolve(self, producer: SimProducer) -> None:
+        failed = producer.failed_batches
+        super()._resolve(producer)
+        if producer.site == self.cluster_site and producer.failed_batches > failed:
+            raise InvariantViolation(f"{producer.name}: {producer.failed_batches - failed} batch(es) failed to the "
+                                     "application at the multi-node site when the producer's round of resends "
+                                     "resolved (OutOfOrderSequence with nothing wrong before it: the leader's "
+                                     "producer table did not know the producer's last sequences)")  # fmt: skip
+
+    def _on_produce_answer(self, pi: int, incarnation: int, correlation: int, produced: Produced | None,
+                           error: Exception | None) -> None:  # fmt: skip
+        producer = self.producers[pi]
+        failed = producer.failed_batches
+        super()._on_produce_answer(pi, incarnation, correlation, produced, error)
+        if producer.site == self.cluster_site and producer.failed_batches > failed \
+                and not isinstance(error, GeoAckTimeout):  # fmt: skip
+            raise InvariantViolation(f"{producer.name}: a batch failed to the application at the multi-node site: "
+                                     f"{type(error).__name__}: {error}")
 
     def _chain_sealed(self, key: PartitionKey, seg: SegKey, end: int) -> None:
         """The seal committed: members learn it and cut longer copies, and the chain ends at ``end``."""
@@ -804,8 +879,11 @@ class GeoClusterSimulator(Simulator):
             return
         lead.seal_at = at
         lead.busy = True
+        info = self.meta.partition(*lead.key)
+        segment = info.segment(q.segment_id) if info is not None else None
+        assert segment is not None
         cmd = SealSegment(lead.key[0], lead.key[1], lead.epoch, q.segment_id, LocalOffset(at),
-                          self._vector_at(lead.key, at))  # fmt: skip
+                          self._vector_at(lead.key, at), producers=self._seal_producers(lead, segment, at))  # fmt: skip
         self._propose(cmd, functools.partial(self._rolled, lead, q))
 
     def _rolled(self, lead: Lead, q: SegmentQuorum, result: Result) -> None:
@@ -820,6 +898,15 @@ class GeoClusterSimulator(Simulator):
         lead.previous = q.ensemble
         lead.quorum = None
         lead.seal_at = None
+        if self.phase == "safety" and all(n.up for n in self.nodes.values()) \
+                and self.rng.random() < self.gc.roll_kill_p:  # fmt: skip
+            # Killed between the seal and the next open: the controller may name a node that holds none of the
+            # segment just sealed, and it must still know every producer's last sequences.
+            self.ccounts.roll_kills += 1
+            node = self.nodes[lead.node]
+            self._kill(node)
+            self._at(self._between(self.gc.down_ms), self._restart_node, node.id, node.incarnation)
+            return
         self._try_open(lead)
 
     def _stream(self, lead: Lead) -> None:

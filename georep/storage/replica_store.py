@@ -56,7 +56,7 @@ from cluster.ids import LeaderEpoch, SegmentId
 from cluster.quorum import GuardState, NotContiguous, ReplicaGuard
 from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, iter_headers
 from georep.storage.announced_lac import AnnouncedLacs
-from georep.storage.api import BytesLike, LogConfig, ReadResult
+from georep.storage.api import BatchEntry, BytesLike, LogConfig, ReadResult
 from georep.storage.durable_file import fsync_directory, replace_file
 from georep.storage.moved_bytes import MovedBytes
 from georep.storage.private import DIR_MODE, private_dir
@@ -496,6 +496,26 @@ class ReplicaStore:
                 newest = h.max_timestamp if newest is None else max(newest, h.max_timestamp)
             offset = result.next_offset
         return SealSummary(vector, size, newest)
+
+    def batch_entries(self, key: PartitionKey, segment_id: SegmentId,
+                      end_offset: int | None = None) -> list[BatchEntry]:  # fmt: skip
+        """The index entries of this node's copy of ``segment_id`` (no log reads), in log order; with ``end_offset``,
+        those of the batches below it: what a seal folds into the producers' table
+        (``cluster/producer_snapshot.py``)."""
+        with self._lock:
+            seg = self._segment(key, segment_id)
+        entries = seg.batch_entries()
+        return entries if end_offset is None else [e for e in entries if e.base_offset < end_offset]
+
+    def entries_before(self, key: PartitionKey, segment_id: SegmentId) -> list[BatchEntry]:
+        """The index entries of every copy this node holds of ``key``'s segments before ``segment_id``, in chain
+        order: a producers' table from what this node holds, for a chain whose last seal carries none
+        (``cluster.producer_snapshot.history_at_open``)."""
+        out: list[BatchEntry] = []
+        for sid in self.segment_ids(key):
+            if sid < segment_id:
+                out += self.batch_entries(key, sid)
+        return out
 
     # -- retention -------------------------------------------------------------------------------------------
 
