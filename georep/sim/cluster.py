@@ -126,9 +126,9 @@ from dedup.producer import Append, AppendResult, Duplicate, ProducerStateTable
 from georep.broker.errors import NotLeader, SequenceRejected
 from georep.client.accumulator import ProducerBatch
 from georep.client.delivery import PartitionDelivery
-from georep.client.errors import from_status
+from georep.client.errors import Operation, from_status
 from georep.record.batch import RecordInput
-from georep.server.status import status_of
+from georep.server.status import reason_of, status_of
 from georep.sim.checker import InvariantViolation
 from georep.sim.cluster_checks import ALL_CHECKS, AckedBatch, ClusterChecker
 from georep.sim.cluster_model import (
@@ -1614,7 +1614,8 @@ class ClusterSimulator:
             delivery.on_success(batch)
         else:
             self.counts.retries += 1
-            client_error = from_status(status_of(error) or grpc.StatusCode.INTERNAL, str(error))
+            client_error = from_status(Operation.PRODUCE, status_of(error) or grpc.StatusCode.INTERNAL, str(error),
+                                       reason_of(error))
             if isinstance(error, NotLeader):
                 p.leader = None  # ask the metadata again
             if delivery.on_error(batch, client_error, self.now_ms, self._between(self.cfg.backoff_ms)):
