@@ -70,7 +70,6 @@ from produce import (
     wait_for_port,
 )
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from georep.proto import georep_pb2 as pb
 from georep.record.batch import (
     HEADER_BYTES,
@@ -88,7 +87,7 @@ from georep.server.process import NodeProcess
 from georep.storage.api import ReadResult
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
-from topology.ids import SiteId
+from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 RECORD_BYTES = RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES  # one encoded 1 KiB record
 DEFAULT_MB = 200.0

@@ -79,11 +79,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Self
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId, node_id
 from cluster.metadata import AclRecord, acl_newer
 from cluster.topics import InvalidTopic, TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId, node_id
 
 COMMAND_FORMAT_VERSION = 1
 SNAPSHOT_FORMAT_VERSION = 1

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.retention import plan_retention
 from cluster.site_state import (
     Applied,
@@ -35,6 +34,7 @@ from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
 from tests.support.segments import make_batch
 from tests.support.site_state import applied, refused
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 E1 = LeaderEpoch(1)

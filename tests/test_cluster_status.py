@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.site_state import (
     Applied,
     Command,
@@ -39,6 +38,7 @@ from offsets.vector import VectorOffset
 from tests.support.channels import open_channel
 from tests.support.cli import georep
 from tests.support.cluster_site import ClusterSite
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 SESSION_MS = 2_000

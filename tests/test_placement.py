@@ -20,7 +20,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.ids import NodeId
 from cluster.placement import (
     FREE_BUCKET_BYTES_MIN,
     InvalidPlacementRequest,
@@ -32,6 +31,7 @@ from cluster.placement import (
     rank,
     tiebreak,
 )
+from topology.ids import NodeId
 
 GiB = 1 << 30
 MiB = 1 << 20

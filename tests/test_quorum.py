@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.quorum import (
     AckOutOfRange,
     AppendWentBack,
@@ -41,7 +40,7 @@ from georep.broker import errors
 from georep.broker.acks import AckKind, Acks, AckTable, Effect, Fail, HeldChanged, Release, StartFlush
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
-from topology.ids import SiteId
+from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 N1, N2, N3, N4 = NodeId(1), NodeId(2), NodeId(3), NodeId(4)
 SEG = SegmentId(0)

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.metadata import MetadataStore, TopicExists, UnknownTopic
 from cluster.site_state import (
     Applied,
@@ -33,6 +32,7 @@ from georep.raft.store import NoRaftLeader, RaftMetadataStore, RaftStartError, R
 from offsets.coordinates import LocalOffset
 from offsets.vector import VectorOffset
 from tests.support.raft import FAST, WAIT_S, Site, ok, populate
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.ids import NodeId, SegmentId
 from cluster.placement import InvalidPlacementRequest, NodeLoad
 from cluster.repair import (
     AwaitingRepairDelay,
@@ -40,6 +39,7 @@ from cluster.repair import (
     plan_repair,
     under_replicated,
 )
+from topology.ids import NodeId, SegmentId
 
 GiB = 1 << 30
 DELAY_MS = 60_000

@@ -19,10 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import topology
-from cluster.ids import NODE_ID_MAX, NodeId
 from georep.cli.topology import LinkStatus, draw, main, summary_text
 from topology.filters import InvalidTopicFilter, TopicFilter, matches_any
-from topology.ids import SiteId
+from topology.ids import NODE_ID_MAX, NodeId, SiteId
 from topology.model import (
     InvalidTopology,
     Link,

@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from cluster import leadership
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.quorum import QuorumError
 from cluster.recovery import cut_after_seal
 from cluster.repair import DrainStatus
@@ -80,6 +79,7 @@ from georep.server.site_repair import RepairController, decommission
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore, SealSummary
 from offsets.coordinates import LocalOffset
 from offsets.vector import VectorOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cluster.ids import NodeId
 from cluster.metadata import SiteIdentity
 from cluster.site_state import InitSite, Refused
 from georep import __version__
@@ -54,7 +53,7 @@ from georep.storage.dirlock import DataDirLock
 from georep.storage.metadata_file import load_or_create_identity, write_json_atomic
 from georep.storage.private import tighten
 from georep.storage.replica_store import ReplicaStore
-from topology.ids import site_id
+from topology.ids import NodeId, site_id
 from topology.model import Topology
 
 if TYPE_CHECKING:  # kafka-python costs a node without a Kafka listener a tenth of a second of CPU at start

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cluster.ids import InvalidNodeId, node_id
 from cluster.metadata import AclRecord
 from georep import __version__
 from georep.broker.append import Produced
@@ -47,7 +46,7 @@ from offsets.coordinates import InvalidOrigin, Origin
 from offsets.held import HeldEntry, ServedGate
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.filters import INTERNAL_TOPIC_PREFIX, is_internal
-from topology.ids import InvalidSiteId, site_id
+from topology.ids import InvalidNodeId, InvalidSiteId, node_id, site_id
 
 if TYPE_CHECKING:
     from georep.server.replicator import Replicator

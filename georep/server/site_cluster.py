@@ -33,7 +33,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from cluster.ids import NodeId
 from cluster.status import cluster_status
 from georep.broker.errors import NotLeader, SegmentUnreadable
 from georep.client.connection import CHANNEL_OPTIONS
@@ -46,6 +45,7 @@ from georep.server.cluster_member import ClusterMember, PartitionLeader
 from georep.server.ensemble import SegmentWriter
 from georep.storage.chain_log import ChainLog, ChainSegment, SegmentElsewhere
 from georep.storage.replica_store import PartitionKey, ReplicaStore
+from topology.ids import NodeId
 
 log = logging.getLogger(__name__)
 

@@ -84,7 +84,6 @@ import cluster.placement as placement
 import cluster.recovery as recovery
 import cluster.repair as repair
 import cluster.site_state as site_state
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.quorum import (
     Fenced,
     GuardState,
@@ -133,7 +132,7 @@ from georep.sim.cluster_model import (
 )
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
-from topology.ids import SiteId
+from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 ORIGIN = Origin(SiteId("a"), 1)  # the site's origin: in this model a record's origin seq is its local offset
 PAYLOADS_PER_PRODUCER = 1_000_000

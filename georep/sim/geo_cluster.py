@@ -77,7 +77,6 @@ from dataclasses import dataclass, field, fields
 import cluster.leadership as leadership
 import cluster.recovery as recovery
 import cluster.site_state as site_state
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.quorum import (
     Fenced,
     GuardState,
@@ -116,7 +115,7 @@ from georep.sim.site import SimSite
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
-from topology.ids import SiteId
+from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 GEO_CLUSTER_TOPOLOGIES = ("triangle", "ring4-split", "mesh4-audit")  # each has a cycle
 GEO_CLUSTER_STEPS = 700
