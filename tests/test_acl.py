@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.metadata import AclRecord
 from cluster.site_state import PutAcl, SiteState, command_from_dict
+from georep.metadata.store import AclRecord
 from georep.proto import georep_pb2 as pb
 from georep.security.acl import (
     AclEntry,

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from cluster.site_state import CreateTopic
-from cluster.topics import TopicSpec
 from georep.broker.errors import NotLeader
+from georep.metadata.topics import TopicSpec
 from georep.raft.store import RaftMetadataStore
 from georep.record.batch import iter_headers, local_prefix
 from georep.server.cluster_member import ClusterConfig, ClusterMember, PartitionLeader

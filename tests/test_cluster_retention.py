@@ -26,7 +26,7 @@ from cluster.site_state import (
     TrimChain,
     command_from_dict,
 )
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.record.batch import iter_headers
 from georep.storage.api import OffsetOutOfRange
 from georep.storage.replica_store import NEW_SUFFIX, ReplicaError, ReplicaStore, partition_dir_name

@@ -28,8 +28,8 @@ from cluster.site_state import (
     SiteState,
 )
 from cluster.status import cluster_status
-from cluster.topics import TopicSpec
 from georep.cli.cluster import render, size_text, status_json
+from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess

@@ -31,7 +31,7 @@ from cluster.site_state import (
     SealSegment,
     SiteState,
 )
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from offsets.coordinates import LocalOffset
 from offsets.vector import VectorOffset
 from topology.ids import LeaderEpoch, NodeId, SegmentId

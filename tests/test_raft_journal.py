@@ -12,7 +12,7 @@ import pytest
 from pysyncobj.journal import FileJournal
 
 from cluster.site_state import CreateTopic
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.raft.journal import (
     HEADER,
     JOURNAL_FILE,

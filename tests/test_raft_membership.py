@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.site_state import CreateTopic
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.raft.store import (
     GroupView,
     JoinFailed,

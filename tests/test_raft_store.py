@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from cluster.metadata import MetadataStore, TopicExists, UnknownTopic
 from cluster.site_state import (
     Applied,
     CreateTopic,
@@ -27,7 +26,8 @@ from cluster.site_state import (
     RegisterNode,
     SealSegment,
 )
-from cluster.topics import TopicSpec
+from georep.metadata.store import MetadataStore, TopicExists, UnknownTopic
+from georep.metadata.topics import TopicSpec
 from georep.raft.store import NoRaftLeader, RaftMetadataStore, RaftStartError, RaftTiming
 from offsets.coordinates import LocalOffset
 from offsets.vector import VectorOffset

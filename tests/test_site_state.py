@@ -37,7 +37,7 @@ from cluster.site_state import (
     partitions_without_leader,
     plan_leadership,
 )
-from cluster.topics import InvalidTopic, TopicSpec
+from georep.metadata.topics import InvalidTopic, TopicSpec
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
 from tests.support.site_state import applied, refused

@@ -1,7 +1,7 @@
 """Topic filters on replication links. Pure.
 
 A topic name is a sequence of levels separated by ``/``; each level is
-``[A-Za-z0-9._-]+`` (``cluster/topics.py``). A filter has the same shape, and
+``[A-Za-z0-9._-]+`` (``georep/metadata/topics.py``). A filter has the same shape, and
 a filter level is one of:
 
 - a literal, which matches the same level exactly (case-sensitive);

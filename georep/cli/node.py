@@ -9,8 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster.metadata import DataDirMismatch
-from cluster.topics import InvalidTopic, parse_topic_config
 from georep.broker.acks import AckKind, Acks
 from georep.cli.tls_args import TlsArgsError, node_tls
 from georep.cli.tls_args import add_node_arguments as add_node_tls_arguments
@@ -21,6 +19,8 @@ from georep.kafka.connections import (
     MAX_CONNECTIONS_PER_IP_DEFAULT,
     ListenerLimits,
 )
+from georep.metadata.store import DataDirMismatch
+from georep.metadata.topics import InvalidTopic, parse_topic_config
 from georep.raft.store import RaftTiming
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.acl import DEFAULT_SUPER_USERS

@@ -34,7 +34,6 @@ from kafka.protocol import consumer as kconsumer
 from kafka.protocol import metadata as kmetadata
 from kafka.protocol import producer as kproducer
 
-from cluster.metadata import TopicExists
 from georep.broker.acks import LEADER, AckKind, Acks
 from georep.broker.errors import NotLeader
 from georep.broker.fetch import durable_part
@@ -43,6 +42,7 @@ from georep.kafka.cluster import NO_GROUPS, OneNode, SiteView, ViewOf
 from georep.kafka.offsets import FetchFilters, vector_at
 from georep.kafka.protocol import Request, api_versions_body
 from georep.kafka.records import InvalidStored, RecordsError, convert_fetched, kafka_to_georep
+from georep.metadata.store import TopicExists
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.security.acl import Operation, Resource, ResourceKind

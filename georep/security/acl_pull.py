@@ -12,7 +12,7 @@ import logging
 
 import grpc
 
-from cluster.metadata import AclRecord, MetadataStore
+from georep.metadata.store import AclRecord, MetadataStore
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.raft.store import CommandRefused, MetadataUnavailable

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from cluster.metadata import AclRecord, acl_newer
+from georep.metadata.store import AclRecord, acl_newer
 from georep.security.acl import AclEntry, parse_acl_entry
 
 __all__ = ["AclRecord", "AclCache", "change", "effective", "is_acl", "merge", "newer", "parsed", "stamp_above"]

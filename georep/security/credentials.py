@@ -1,6 +1,6 @@
 """Users' SCRAM credentials as replicated records (pure): the Kafka listener's SASL users (``georep user``).
 
-A credential is a record of the site's ACL table (:class:`~cluster.metadata.AclRecord`) keyed
+A credential is a record of the site's ACL table (:class:`~georep.metadata.store.AclRecord`) keyed
 ``credential <mechanism> <user>`` whose ``data`` is the credential's stored form
 (:meth:`georep.kafka.sasl.ScramCredential.encode`: salt, iterations, stored key, server key; never the
 password). Keeping it in that table reuses everything ACLs have: last-writer-wins with tombstones
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from cluster.metadata import AclRecord
 from georep.kafka.sasl import ScramCredential, hash_name
+from georep.metadata.store import AclRecord
 from georep.security.acl_sync import stamp_above
 from georep.security.principal import InvalidPrincipal, Principal, parse_principal
 

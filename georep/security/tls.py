@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
-from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep.broker.errors import NotAuthorized
+from georep.metadata.topics import MAX_BATCH_BYTES_LIMIT
 from georep.security.principal import CLIENT, Principal, client_principal, principal_file_name, principal_of_names
 
 if TYPE_CHECKING:  # cryptography is imported where a certificate is read: a plaintext process never pays for it

@@ -25,12 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from cluster.metadata import MetadataStore, SiteIdentity, TopicExists
-from cluster.topics import TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from dedup.producer import ProducerStateTable
 from georep.broker.acks import LEADER, Acks, AckTable, Effect, Fail, HeldChanged, Release, StartFlush, Token, check_acks
 from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
+from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists
+from georep.metadata.topics import TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from georep.record.validate import TimestampWindow
 from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep

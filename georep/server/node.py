@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cluster.metadata import SiteIdentity
 from cluster.site_state import InitSite, Refused
 from georep import __version__
+from georep.metadata.store import SiteIdentity
 from georep.raft.store import (
     MetadataUnavailable,
     RaftMetadataStore,

@@ -38,11 +38,11 @@ from collections.abc import Callable, Mapping
 
 import grpc
 
-from cluster.metadata import TopicExists
-from cluster.topics import InvalidTopic
 from georep.broker.errors import BrokerError
 from georep.broker.repair import Ask, RepairQueue
 from georep.client.connection import CHANNEL_OPTIONS
+from georep.metadata.store import TopicExists
+from georep.metadata.topics import InvalidTopic
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import damaged_to_proto, vector_from_proto, vector_to_proto

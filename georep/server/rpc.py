@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from cluster.metadata import MetadataStore
 from cluster.quorum import Fenced
 from georep.broker.errors import DamagedData, InvalidRequest, NotLeader
+from georep.metadata.store import MetadataStore
 from georep.proto.bounds import check_bounds
 from georep.security.acl import DEFAULT_SUPER_USERS
 from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, Access, Authorizer, Policy

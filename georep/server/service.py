@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cluster.metadata import AclRecord
 from georep import __version__
 from georep.broker.append import Produced
 from georep.broker.errors import (
@@ -29,6 +28,7 @@ from georep.broker.errors import (
     WriteFailed,
 )
 from georep.broker.fetch import AtOffset, Earliest, FetchCursor, FetchStart, FromVector, Latest, batch_by_coordinate
+from georep.metadata.store import AclRecord
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource

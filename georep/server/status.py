@@ -12,11 +12,11 @@ from __future__ import annotations
 import grpc
 
 from cluster.groups import IllegalGeneration, InvalidGroupRequest, NotAssigned, UnknownMember
-from cluster.metadata import TopicExists, UnknownTopic
 from cluster.quorum import Fenced, NotContiguous, QuorumError, SegmentSealed
-from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence
 from georep.broker import errors as e
+from georep.metadata.store import TopicExists, UnknownTopic
+from georep.metadata.topics import InvalidTopic
 from georep.raft.store import CommandTooLarge, MetadataUnavailable
 from georep.record.batch import CorruptBatch, InvalidBatch
 from georep.replication.sink import CorruptChunk

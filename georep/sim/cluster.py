@@ -115,7 +115,7 @@ from cluster.site_state import (
     SegmentInfo,
     SiteState,
 )
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.sim.checker import InvariantViolation
 from georep.sim.cluster_checks import ALL_CHECKS, AckedBatch, ClusterChecker
 from georep.sim.cluster_model import (

@@ -101,9 +101,9 @@ from cluster.site_state import (
     SegmentInfo,
     SiteState,
 )
-from cluster.topics import TopicSpec
 from georep.broker.acks import AckKind, Acks, Effect, StartFlush
 from georep.broker.append import Produced
+from georep.metadata.topics import TopicSpec
 from georep.record.batch import iter_headers
 from georep.replication.links import PartitionKey
 from georep.sim.checker import InvariantViolation

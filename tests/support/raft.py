@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cluster.site_state import Applied, RegisterNode
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.raft.store import RaftMetadataStore, RaftTiming
 from tests.support.ports import free_ports
 from topology.ids import NodeId
