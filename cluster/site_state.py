@@ -11,8 +11,8 @@ every copy the same commands in the same order. The state holds:
   end vector);
 * the nodes (:class:`NodeInfo`): address, last heartbeat, free bytes, load,
   draining flag;
-* the ACL records (:class:`~georep.metadata.store.AclRecord`, ``georep/security/acl.py``): :class:`PutAcl` keeps a
-  record only if it is newer than the one held for its entry (last-writer-wins, ``georep/security/acl_sync.py``),
+* the ACL records (:class:`~georep.metadata.store.AclRecord`, ``georep/auth/acl.py``): :class:`PutAcl` keeps a
+  record only if it is newer than the one held for its entry (last-writer-wins, ``georep/auth/acl_sync.py``),
   so an operator's change and the same change replicated from another site commute.
 
 It changes per segment roll, per leader change and per node heartbeat, never

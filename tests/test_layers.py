@@ -77,8 +77,6 @@ PURE_ALLOWED = {
 
 # Imports that run back up today, each removed as its move lands (issue 21). Empty when the layout is done.
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
-    ("georep/security/credentials.py", "georep.kafka.sasl"): "SASL SCRAM moves to georep/auth",
-    ("georep/server/service.py", "georep.kafka.sasl"): "SASL SCRAM moves to georep/auth",
     ("georep/server/node.py", "georep.kafka.server"): "the process wiring moves to georep/node",
     ("georep/server/node.py", "georep.kafka.cluster"): "the process wiring moves to georep/node",
     ("georep/kafka/drill.py", "georep.cli.drill_sites"): "the Kafka drill is a CLI command: georep/cli",

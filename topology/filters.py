@@ -111,7 +111,7 @@ class TopicFilter:
 
 def match_levels(pattern: Sequence[str], topic: Sequence[str]) -> bool:
     """Do the filter levels ``pattern`` (literals, ``+``, ``**``) match the levels of a name? Topic filters use it,
-    and so do the ACLs' principal patterns (``georep/security/acl.py``)."""
+    and so do the ACLs' principal patterns (``georep/auth/acl.py``)."""
     if ANY_LEVELS not in pattern:
         if len(pattern) != len(topic):
             return False

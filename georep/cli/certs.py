@@ -15,9 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from georep.auth.principal import InvalidPrincipal, Principal, parse_principal, principal_file_name
 from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.security import dev_ca
-from georep.security.principal import InvalidPrincipal, Principal, parse_principal, principal_file_name
 from georep.security.raft_secret import secret_file_name
 from georep.security.tls import CA_FILE, TlsError
 from georep.storage.private import restrict_umask

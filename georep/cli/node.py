@@ -9,6 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from georep.auth.acl import DEFAULT_SUPER_USERS
+from georep.auth.principal import InvalidPrincipal, Principal, parse_principal
 from georep.broker.acks import AckKind, Acks
 from georep.cli.tls_args import TlsArgsError, node_tls
 from georep.cli.tls_args import add_node_arguments as add_node_tls_arguments
@@ -23,8 +25,6 @@ from georep.metadata.store import DataDirMismatch
 from georep.metadata.topics import InvalidTopic, parse_topic_config
 from georep.raft.store import RaftTiming
 from georep.replication.links import DEFAULT_STALL_MS
-from georep.security.acl import DEFAULT_SUPER_USERS
-from georep.security.principal import InvalidPrincipal, Principal, parse_principal
 from georep.security.raft_secret import FLAG as RAFT_SECRET_FLAG
 from georep.security.raft_secret import RaftSecretError, read_secret, secret_file_name
 from georep.security.tls import ServerLimits, TlsError

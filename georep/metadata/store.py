@@ -6,7 +6,7 @@ one-node site in a JSON file replaced atomically, so a crash leaves the old or t
 
 The table also holds the site's ACL records (:class:`AclRecord`: an entry's text, present or removed, and its
 stamp), and the users' SCRAM credentials as records of the same kind (a key and a ``data`` field), kept and
-replicated as last-writer-wins registers (``georep/security/acl_sync.py`` says why that
+replicated as last-writer-wins registers (``georep/auth/acl_sync.py`` says why that
 converges); this module stores them without reading the entries.
 """
 
@@ -37,12 +37,12 @@ class DataDirMismatch(Exception):
 class AclRecord:
     """One ACL entry's state at this site: present or removed (a tombstone), stamped by the site that changed it."""
 
-    entry: str  # "principal operation resource" (georep.security.acl.AclEntry.key), or a credential's key
+    entry: str  # "principal operation resource" (georep.auth.acl.AclEntry.key), or a credential's key
     present: bool
     stamp_ms: int
     site: str
     # What the record holds beyond its key: "" for an ACL entry; a SCRAM credential's stored form for a user's
-    # credential (georep/security/credentials.py), which travels and wins exactly as an ACL record does.
+    # credential (georep/auth/credentials.py), which travels and wins exactly as an ACL record does.
     data: str = ""
 
     @property

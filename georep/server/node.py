@@ -25,6 +25,10 @@ import grpc
 
 from cluster.site_state import InitSite, Refused
 from georep import __version__
+from georep.auth.acl import DEFAULT_SUPER_USERS
+from georep.auth.acl_sync import AclCache
+from georep.auth.policy import Policy
+from georep.auth.principal import Principal
 from georep.metadata.store import SiteIdentity
 from georep.raft.store import (
     MetadataUnavailable,
@@ -34,10 +38,6 @@ from georep.raft.store import (
     join_running_group,
 )
 from georep.replication.links import DEFAULT_STALL_MS
-from georep.security.acl import DEFAULT_SUPER_USERS
-from georep.security.acl_rpc import Policy
-from georep.security.acl_sync import AclCache
-from georep.security.principal import Principal
 from georep.security.tls import MESSAGE_BYTES_MAX, ServerLimits, TlsConfig, TlsError, add_port, server_options
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterConfig, ClusterMember

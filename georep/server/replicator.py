@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 
 import grpc
 
+from georep.auth.acl_replication import HeldClaimCheck, OriginCheck
 from georep.broker.errors import BrokerError
 from georep.broker.repair import Ask, RepairQueue
 from georep.client.connection import CHANNEL_OPTIONS
@@ -53,7 +54,6 @@ from georep.replication.sink import CorruptChunk
 from georep.replication.source import Chunk
 from georep.replication.topics import RemoteTopic, plan_topic_sync
 from georep.security.acl_pull import pull_acls
-from georep.security.acl_replication import HeldClaimCheck, OriginCheck
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker
 from georep.storage.api import DiskFull, RepairRefused

@@ -25,13 +25,14 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from cluster.quorum import Fenced
+from georep.auth.acl import DEFAULT_SUPER_USERS
+from georep.auth.acl_sync import AclCache
+from georep.auth.policy import Policy
+from georep.auth.principal import Principal
 from georep.broker.errors import DamagedData, InvalidRequest, NotLeader
 from georep.metadata.store import MetadataStore
 from georep.proto.bounds import check_bounds
-from georep.security.acl import DEFAULT_SUPER_USERS
-from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, Access, Authorizer, Policy
-from georep.security.acl_sync import AclCache
-from georep.security.principal import Principal
+from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, Access, Authorizer
 from georep.security.tls import principal_of
 from georep.server.status import DOMAIN_ERRORS, status_of
 from topology.model import Topology

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 import grpc
 
 from georep import __version__
+from georep.auth.acl import UnknownAcl, acl_entry
+from georep.auth.acl_replication import ClaimRefused, HeldClaimCheck
+from georep.auth.acl_sync import change, is_acl
 from georep.broker.append import Produced
 from georep.broker.errors import (
     DamagedData,
@@ -32,9 +35,6 @@ from georep.metadata.store import AclRecord
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
-from georep.security.acl import UnknownAcl, acl_entry
-from georep.security.acl_replication import ClaimRefused, HeldClaimCheck
-from georep.security.acl_sync import change, is_acl
 from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
@@ -690,7 +690,7 @@ class NodeService:
     # -- ACLs ---------------------------------------------------------------------
 
     async def put_acl(self, data: bytes, context: Context) -> pb.PutAclResponse:
-        """``georep acl add|remove``: an ACL record stamped above the one held (georep/security/acl_sync.py)."""
+        """``georep acl add|remove``: an ACL record stamped above the one held (georep/auth/acl_sync.py)."""
         req = parse(pb.PutAclRequest, data)
         self._authorize_admin(context, "PutAcl")
         entry = acl_entry(req.principal, req.operation, req.resource)
@@ -715,12 +715,12 @@ class NodeService:
                                             if (req.with_removed or table[k].present)
                                             and (req.with_credentials or is_acl(k))])  # fmt: skip
 
-    # -- SASL users (georep/security/credentials.py) --------------------------------
+    # -- SASL users (georep/auth/credentials.py) --------------------------------
 
     async def put_user(self, data: bytes, context: Context) -> pb.PutUserResponse:
         """``georep user add|remove``: a credential record (or its tombstone) stamped above the one held."""
-        from georep.kafka.sasl import ScramCredential
-        from georep.security import credentials
+        from georep.auth import credentials
+        from georep.auth.sasl import ScramCredential
 
         req = parse(pb.PutUserRequest, data)
         self._authorize_admin(context, "PutUser")
@@ -747,7 +747,7 @@ class NodeService:
         return pb.PutUserResponse(record=out, changed=True)
 
     async def list_users(self, data: bytes, context: Context) -> pb.ListUsersResponse:
-        from georep.security import credentials
+        from georep.auth import credentials
 
         parse(pb.ListUsersRequest, data)
         self._authorize_admin(context, "ListUsers")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import grpc
 
+from georep.auth.principal import node_principal
 from georep.client.consumer import Consumer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
-from georep.security.principal import node_principal
 from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from georep.server.rpc import LEADER_METADATA
