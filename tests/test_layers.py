@@ -79,7 +79,6 @@ PURE_ALLOWED = {
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
     ("georep/server/node.py", "georep.kafka.server"): "the process wiring moves to georep/node",
     ("georep/server/node.py", "georep.kafka.cluster"): "the process wiring moves to georep/node",
-    ("georep/kafka/drill.py", "georep.cli.drill_sites"): "the Kafka drill is a CLI command: georep/cli",
     ("spark_jobs/layout.py", "georep.cli.topology_file"): "the topology file's parse moves to topology/",
 }
 

@@ -409,7 +409,7 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
     except TopologyFileError as exc:
         raise DrillError(str(exc)) from None
     if args.client == "kafka":
-        from georep.kafka.drill import KafkaDrillError, kafka_drill
+        from georep.cli.kafka_drill import KafkaDrillError, kafka_drill
 
         if args.mode != "kill":
             raise DrillError("--client kafka drills --mode kill (a site's node killed)")
@@ -1137,7 +1137,7 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     if doc.get("client") == "kafka":
-        from georep.kafka.drill import render as render_kafka
+        from georep.cli.kafka_drill import render as render_kafka
 
         print(render_kafka(doc))
     else:
