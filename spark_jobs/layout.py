@@ -38,11 +38,11 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from georep.cli.topology_file import TopologyFileError, load_topology
 from georep.storage.recovery_point import read_recovery_point
 from georep.storage.replica_store import REPLICAS_DIR
 from georep.storage.segment import LOG_SUFFIX
-from topology.model import Topology
+from topology.file import TopologyFileError, is_default, parse_topology_file, unreadable
+from topology.model import Topology, default_topology
 
 LOGS_DIR = "logs"
 SITE_FILE = "site.json"  # {"site": "a", "epoch": ...}: written by the node, not needed to read
@@ -103,10 +103,17 @@ def site_dirs_from_topology(topology: Topology, data_root: Path) -> dict[str, Pa
 
 
 def load_topology_for_audit(spec: str | None) -> Topology:
+    """The topology in file ``spec`` (the embedded default for None or ``"default"``); else :class:`AuditInputError`."""
+    if is_default(spec):
+        return default_topology()
+    error: Exception
     try:
-        return load_topology(spec)
+        return parse_topology_file(str(spec), Path(str(spec)).read_bytes())
+    except OSError as exc:
+        error = unreadable(str(spec), exc)
     except TopologyFileError as exc:
-        raise AuditInputError(f"{exc}; pass a valid --topology FILE, or omit it for the default") from None
+        error = exc
+    raise AuditInputError(f"{error}; pass a valid --topology FILE, or omit it for the default")
 
 
 def topic_matches(topic: str, patterns: tuple[str, ...]) -> bool:

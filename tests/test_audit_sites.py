@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from georep.cli.topology_file import load_topology
+from georep.cli.topology_arg import load_topology
 from georep.proto import georep_pb2 as pb
 from georep.server.replicator import TICK_S
 from spark_jobs import inject

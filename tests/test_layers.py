@@ -79,7 +79,6 @@ PURE_ALLOWED = {
 KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {
     ("georep/server/node.py", "georep.kafka.server"): "the process wiring moves to georep/node",
     ("georep/server/node.py", "georep.kafka.cluster"): "the process wiring moves to georep/node",
-    ("spark_jobs/layout.py", "georep.cli.topology_file"): "the topology file's parse moves to topology/",
 }
 
 

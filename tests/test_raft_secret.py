@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from georep.auth.principal import node_principal
-from georep.cli.topology_file import load_topology
+from georep.cli.topology_arg import load_topology
 from georep.cli.up import ensure_certs, site_processes
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg

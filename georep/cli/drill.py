@@ -75,7 +75,7 @@ from georep.cli.drill_sites import DrillSitesError, drill_sites
 from georep.cli.link import set_link
 from georep.cli.tls_args import TlsArgsError, client_tls
 from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
-from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.cli.topology_arg import load_topology
 from georep.cli.up import DEFAULT_DATA_DIR
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.client.consumer import Consumer, ConsumerRecord, decode_response
@@ -91,6 +91,7 @@ from georep.server.process import NODE_INFO
 from georep.storage.private import append_private
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
+from topology.file import TopologyFileError
 from topology.ids import SiteId
 from topology.model import Topology, UnknownSite
 

@@ -14,7 +14,7 @@ from georep.auth.principal import InvalidPrincipal, Principal, parse_principal
 from georep.broker.acks import AckKind, Acks
 from georep.cli.tls_args import TlsArgsError, node_tls
 from georep.cli.tls_args import add_node_arguments as add_node_tls_arguments
-from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.cli.topology_arg import load_topology
 from georep.kafka.connections import (
     IDLE_MS_DEFAULT,
     MAX_CONNECTIONS_DEFAULT,
@@ -36,6 +36,7 @@ from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
 from georep.storage.private import restrict_umask
 from georep.storage.replica_store import ReplicaError
+from topology.file import TopologyFileError
 from topology.ids import InvalidSiteId
 from topology.model import InvalidTopology, Topology, UnknownSite
 
