@@ -36,6 +36,7 @@ from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
 from georep.storage.durable_file import fsync_directory, replace_file
 from georep.storage.metadata_file import FileMetadataStore
+from georep.storage.partition_dirs import partition_dir_name, topic_file_name
 from georep.storage.private import private_dir
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
@@ -63,15 +64,6 @@ CREATING_DIR = "creating"
 def _consume_exception(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled():
         fut.exception()
-
-
-def topic_file_name(topic: str) -> str:
-    """``topic`` as a file name: '/' (and every other character a name may not hold) %-quoted."""
-    return urllib.parse.quote(topic, safe="")
-
-
-def partition_dir_name(topic: str, partition: int) -> str:
-    return f"{topic_file_name(topic)}-{partition}"
 
 
 class Partition:
