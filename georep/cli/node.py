@@ -1,4 +1,4 @@
-"""``georep node``: the command line of one storage node (``georep/server/node.py`` serves)."""
+"""``georep node``: the command line of one storage node (``georep/node/serve.py`` serves)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from georep.kafka.connections import (
 )
 from georep.metadata.store import DataDirMismatch
 from georep.metadata.topics import InvalidTopic, parse_topic_config
+from georep.node.serve import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
 from georep.raft.store import RaftTiming
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.raft_secret import FLAG as RAFT_SECRET_FLAG
@@ -30,7 +31,6 @@ from georep.security.raft_secret import RaftSecretError, read_secret, secret_fil
 from georep.security.tls import ServerLimits, TlsError
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.cluster_member import ClusterConfig
-from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
 from georep.server.shutdown import EXIT_FORCED, SHUTDOWN_TIMEOUT_MS_DEFAULT
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable

@@ -43,7 +43,7 @@ from georep.server.process import Launched, popen_launcher
 
 ENABLE_ENV = "GEOREP_TEST_FORKSERVER"  # "0": the tests start nodes with Popen, as 'georep up' does
 # What a node imports before it serves. Importing them creates no thread, channel or event loop.
-PRELOAD = ["georep.cli", "georep.cli.main", "georep.cli.node", "georep.server.node", "georep.server.replicator",
+PRELOAD = ["georep.cli", "georep.cli.main", "georep.cli.node", "georep.node.serve", "georep.server.replicator",
            "tests.support.forkserver"]  # fmt: skip
 # Imported by nodes with a Kafka listener only (0.2 s: kafka-python); preloaded when it imports here.
 PRELOAD_IF_IMPORTS = ["georep.kafka.server"]
