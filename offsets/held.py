@@ -79,7 +79,7 @@ class HeldReporter:
     alike.
     """
 
-    __slots__ = ("upstream", "accepts", "_acked", "_in_flight")
+    __slots__ = ("_acked", "_in_flight", "accepts", "upstream")
 
     def __init__(self, upstream: str, accepts: Callable[[HeldKey], bool] = lambda key: True) -> None:
         self.upstream = upstream

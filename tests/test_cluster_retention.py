@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -173,7 +174,7 @@ def check_trim(before: PartitionInfo, after: PartitionInfo, retention_ms: int, r
     # A prefix goes, never the last segment, and the chain stays contiguous from its new start.
     assert kept == before.segments[len(dropped):]
     assert kept and kept[-1] == before.segments[-1], "the last segment (the open one, if any) always stays"
-    for prev, nxt in zip(kept, kept[1:], strict=False):
+    for prev, nxt in pairwise(kept):
         assert prev.end_offset == nxt.base_offset
     if dropped:
         assert kept[0].base_offset == dropped[-1].end_offset

@@ -120,7 +120,7 @@ def test_reports_no_member_could_make_are_refused_and_change_nothing() -> None:
     q.appended(110)
     with pytest.raises(NotAMember, match="node 4, which is not in the ensemble"):
         q.member_acked(N4, 105)
-    with pytest.raises(AckOutOfRange, match="up to offset 111, but .* leader appended up to 110"):
+    with pytest.raises(AckOutOfRange, match=r"up to offset 111, but .* leader appended up to 110"):
         q.member_acked(N2, 111)
     with pytest.raises(AckOutOfRange, match="segment starts at 100"):
         q.member_acked(N2, 99)

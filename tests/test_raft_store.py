@@ -190,7 +190,7 @@ def test_a_raft_port_in_use_is_refused_at_start(tmp_path: Path) -> None:
 def test_an_unreadable_dump_is_refused_at_start_with_what_to_do(tmp_path: Path) -> None:
     (tmp_path / "raft").mkdir()
     (tmp_path / "raft" / "site-state.json").write_text('{"format": "something else"}')
-    with pytest.raises(RaftStartError, match="move .*raft away and start it again"):
+    with pytest.raises(RaftStartError, match=r"move .*raft away and start it again"):
         RaftMetadataStore("127.0.0.1:1", [], tmp_path, FAST)
 
 

@@ -101,7 +101,7 @@ def test_a_run_is_deterministic() -> None:
 def test_a_planted_bug_in_the_ack_quorum_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A LAC that counts one fsynced copy: acks=all released while only the leader holds the batch."""
     monkeypatch.setattr(quorum, "last_add_confirmed", lambda ends, ack_quorum: max(ends))
-    with pytest.raises(SimulationFailure, match="C1 durability.*fewer than min_insync_replicas=2") as failure:
+    with pytest.raises(SimulationFailure, match=r"C1 durability.*fewer than min_insync_replicas=2") as failure:
         run_geo_cluster_seed(0, "triangle")
     assert "python -m georep.sim --geo-cluster --seed 0 --topology triangle" in failure.value.replay
 
@@ -111,7 +111,7 @@ def test_a_planted_bug_in_the_recovery_is_caught(monkeypatch: pytest.MonkeyPatch
     missed the last acked batches decides, and the seal cuts what the site acknowledged and served to other
     sites. (Seed 22 catches it whichever candidate ``plan_leadership`` prefers.)"""
     monkeypatch.setattr(recovery, "recovered_end", lambda fenced_ends: min(fenced_ends))
-    with pytest.raises(SimulationFailure, match="C4 visibility.*the recovery cut what the site acked and served"):
+    with pytest.raises(SimulationFailure, match=r"C4 visibility.*the recovery cut what the site acked and served"):
         run_geo_cluster_seed(22, "triangle")
 
 

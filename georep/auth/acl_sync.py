@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from georep.auth.acl import AclEntry, parse_acl_entry
 from georep.metadata.store import AclRecord, acl_newer
 
-__all__ = ["AclRecord", "AclCache", "change", "effective", "is_acl", "merge", "newer", "parsed", "stamp_above"]
+__all__ = ["AclCache", "AclRecord", "change", "effective", "is_acl", "merge", "newer", "parsed", "stamp_above"]
 
 
 def parsed(record: AclRecord) -> AclEntry:

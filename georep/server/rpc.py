@@ -134,7 +134,7 @@ async def merge_streams(sources: list[AsyncIterator[M]], queue_max: int = 4) -> 
             await queue.put((index, None))
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+        except BaseException as exc:  # handed to the consumer, which raises it
             await queue.put((index, exc))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
@@ -254,7 +254,7 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
             try:
                 async for msg in inner_ss(screened(), context):
                     await answers.put(msg)
-            except Exception as exc:  # noqa: BLE001 - handed to the response stream, which raises it
+            except Exception as exc:  # handed to the response stream, which raises it
                 await answers.put(exc)
                 return
             await answers.put(_END)

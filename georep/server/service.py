@@ -270,7 +270,7 @@ class NodeService:
                     if state["waiting"] >= PRODUCE_STREAM_MAX_PENDING:
                         room.clear()
                         await room.wait()
-            except BaseException as exc:  # noqa: BLE001 - forwarded to the response stream
+            except BaseException as exc:  # forwarded to the response stream
                 failure.append(exc)
             state["done"] = True
             wake.set()
