@@ -19,8 +19,6 @@ CLASS_METHODS_MAX = 40
 LONG_FUNCTIONS: dict[str, str] = {
     "georep/cli/demo.py:run": "issue 21, layout",
     "georep/cli/demo.py:cluster_site_step": "issue 21, layout",
-    "georep/cli/drill.py:drill": "issue 21, layout",
-    "georep/cli/drill.py:node_kill": "issue 21, layout",
     "georep/cli/main.py:build_parser": "issue 21, layout",
     "georep/cli/node.py:add_arguments": "issue 21, layout",
     "georep/cli/records.py:cmd_consume": "issue 21, layout",
