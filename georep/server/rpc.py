@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -238,39 +238,52 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
             async for msg in inner_ss(requests, context):
                 yield msg
             return
-        # Each message is screened on its way in; a refused one is answered here, in among the handler's answers
-        # (or, for a method without a refusal, ends the stream through the handler as its own errors do).
-        answers: asyncio.Queue[Any] = asyncio.Queue(SCREENED_ANSWERS_MAX)  # a slow reader slows the stream down
-
-        async def screened() -> AsyncIterator[Message]:
-            async for raw in requests:
-                request, refusal = authorizer.screen(table, method, principal, raw, parse)
-                if refusal is None:
-                    yield request  # parsed: the handler's parse() takes it as it is
-                else:
-                    await answers.put(refusal)
-
-        async def pump() -> None:
-            try:
-                async for msg in inner_ss(screened(), context):
-                    await answers.put(msg)
-            except Exception as exc:  # handed to the response stream, which raises it
-                await answers.put(exc)
-                return
-            await answers.put(_END)
-
-        task = asyncio.create_task(pump())
-        try:
-            while True:
-                item = await answers.get()
-                if item is _END:
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Closed with the call: a call that ends stops the handler's task at once.
+        async with contextlib.aclosing(
+            _screened_stream(inner_ss, requests, context, authorizer, table, method, principal)
+        ) as answers:
+            async for msg in answers:
+                yield msg
 
     return grpc.stream_stream_rpc_method_handler(stream_stream_, None, handler.response_serializer)
+
+
+async def _screened_stream(
+    inner: Any, requests: AsyncIterator[bytes], context: Context, authorizer: Authorizer, table: Mapping[str, Access],
+    method: str, principal: Principal,
+) -> AsyncGenerator[Message, None]:
+    """The answers of the stream handler ``inner`` to ``requests``, each request screened for ``principal`` first."""
+    # Each message is screened on its way in; a refused one is answered here, in among the handler's answers
+    # (or, for a method without a refusal, ends the stream through the handler as its own errors do).
+    answers: asyncio.Queue[Any] = asyncio.Queue(SCREENED_ANSWERS_MAX)  # a slow reader slows the stream down
+
+    async def screened() -> AsyncIterator[Message]:
+        async for raw in requests:
+            request, refusal = authorizer.screen(table, method, principal, raw, parse)
+            if refusal is None:
+                yield request  # parsed: the handler's parse() takes it as it is
+            else:
+                await answers.put(refusal)
+
+    async def pump() -> None:
+        try:
+            async for msg in inner(screened(), context):
+                await answers.put(msg)
+        except Exception as exc:  # handed to the response stream, which raises it
+            await answers.put(exc)
+            return
+        await answers.put(_END)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            item = await answers.get()
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
