@@ -22,7 +22,6 @@ LONG_FUNCTIONS: dict[str, str] = {
     "georep/cli/main.py:build_parser": "issue 21, layout",
     "georep/cli/node.py:add_arguments": "issue 21, layout",
     "georep/cli/records.py:cmd_consume": "issue 21, layout",
-    "georep/cli/kafka_drill.py:kafka_drill": "issue 21, layout",
     "georep/client/consumer.py:Consumer._fetch": "issue 21, the Kafka gateway and client helper (the Consumer split)",
     "georep/sim/simulator.py:Simulator.__init__": "issue 21, the Kafka gateway and client helper (simulator.py)",
 }
