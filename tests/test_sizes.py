@@ -17,8 +17,6 @@ CLASS_METHODS_MAX = 40
 
 # "path:qualified name" -> who splits it (issue 21). Empty when every split has landed.
 LONG_FUNCTIONS: dict[str, str] = {
-    "georep/cli/demo.py:run": "issue 21, layout",
-    "georep/cli/demo.py:cluster_site_step": "issue 21, layout",
     "georep/client/consumer.py:Consumer._fetch": "issue 21, the Kafka gateway and client helper (the Consumer split)",
     "georep/sim/simulator.py:Simulator.__init__": "issue 21, the Kafka gateway and client helper (simulator.py)",
 }
