@@ -33,9 +33,14 @@ strace:
 		  { apt-get update -qq > /dev/null 2>&1 && apt-get install -y -qq strace > /dev/null 2>&1; }; }; } || \
 		echo "strace could not be installed: its test is skipped (apt-get install -y strace)"
 
-test: $(STAMP) strace
+lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# mypy --strict over the packages and tests/support (pyproject.toml's [tool.mypy] files)
+typecheck: $(STAMP)
 	$(BIN)/mypy
+
+test: $(STAMP) strace lint typecheck
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
 	$(BIN)/python -m pytest -q -n 3 --dist loadgroup
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, from a checkout
 
-from tests.support.damage import Campaign  # noqa: E402
+from tests.support.damage import Campaign
 
 
 def main() -> int:

@@ -70,7 +70,6 @@ from produce import (
     wait_for_port,
 )
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from georep.proto import georep_pb2 as pb
 from georep.record.batch import (
     HEADER_BYTES,
@@ -88,7 +87,7 @@ from georep.server.process import NodeProcess
 from georep.storage.api import ReadResult
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
-from topology.ids import SiteId
+from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 RECORD_BYTES = RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES  # one encoded 1 KiB record
 DEFAULT_MB = 200.0
@@ -103,7 +102,7 @@ SEGMENT_ID = SegmentId(1)
 BASE_OFFSET = 1000  # a segment after an earlier one: offsets and origin seqs go on from there
 ORIGIN = Origin(SiteId("a"), 1)
 START_SEQ = 1000
-EXECUTOR_THREADS = 4  # as a node's segment executor (georep/server/node.py)
+EXECUTOR_THREADS = 4  # as a node's segment executor (georep/node/serve.py)
 RUN_TIMEOUT_S = 300.0
 POLL_S = 0.001  # member ends, polled only after confirmed() resolved
 RAW_METHOD = "/bench.Members/Append"

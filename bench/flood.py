@@ -60,9 +60,9 @@ sys.path[:] = [str(Path(__file__).resolve().parent.parent)] + [
 import crc32c  # noqa: E402
 import zstandard  # noqa: E402
 
+from georep.auth.principal import site_principal  # noqa: E402
 from georep.record.batch import HEADER, HEADER_BYTES, LENGTH_PREFIX_BYTES, MAGIC, RECORD_HEAD  # noqa: E402
 from georep.record.compression import Compression  # noqa: E402
-from georep.security.principal import site_principal  # noqa: E402
 from georep.security.tls import TlsConfig  # noqa: E402
 from georep.server.process import NodeProcess  # noqa: E402
 

@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from georep.server.process import NODE_INFO, NodeProcess  # noqa: E402
+from georep.server.process import NODE_INFO, NodeProcess
 
 
 def kafka_produce(bootstrap: str, topic: str, records: int, value: bytes) -> float:

@@ -50,10 +50,10 @@ from pathlib import Path
 # bench/ is on sys.path when this file runs as a script
 from produce import free_port, progress
 
-from cluster.ids import NodeId
 from cluster.site_state import Applied, NodeHeartbeat, Refused, RegisterNode
 from georep.raft.store import RaftMetadataStore
 from georep.security.raft_secret import new_secret
+from topology.ids import NodeId
 
 NODES = 3
 WAIT_S = 60.0

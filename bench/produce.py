@@ -52,13 +52,13 @@ from typing import Any
 
 import grpc
 
+from georep.auth.principal import site_principal
 from georep.client.connection import CHANNEL_OPTIONS
+from georep.node.serve import KEEPALIVE_MIN_INTERVAL_MS
 from georep.proto import georep_pb2 as pb
 from georep.record.batch import HEADER_BYTES, RecordInput, encode_batch
 from georep.security import dev_ca
-from georep.security.principal import site_principal
 from georep.security.tls import TlsConfig, add_port, client_channel
-from georep.server.node import KEEPALIVE_MIN_INTERVAL_MS
 from georep.server.process import NodeProcess
 
 RECORD_VALUE_BYTES = 1024

@@ -49,10 +49,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from georep.cli import drill as drill_cli  # noqa: E402
-from georep.cli.up import site_processes  # noqa: E402
-from georep.server.process import NODE_INFO, NodeProcess  # noqa: E402
-from topology.model import parse_topology  # noqa: E402
+from georep.cli import drill as drill_cli
+from georep.cli.up import site_processes
+from georep.server.process import NODE_INFO, NodeProcess
+from topology.model import parse_topology
 
 SITES = ["a", "b", "c"]
 SAMPLE_S = 10.0

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.ids import NodeId, SegmentId
+from topology.ids import NodeId, SegmentId
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,9 +88,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster import placement
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.site_state import ElectLeader, OpenSegment, PartitionInfo, SegmentInfo, SiteState
 from offsets.coordinates import LocalOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 # -- role ---------------------------------------------------------------------------------------------------
 

@@ -103,7 +103,7 @@ from dataclasses import dataclass
 
 import crc32c
 
-from cluster.ids import NodeId
+from topology.ids import NodeId
 
 FREE_BUCKETS = 8  # free bytes are compared in steps of 1/8 of the largest free space
 FREE_BUCKET_BYTES_MIN = 1 << 30  # ... and never in steps below 1 GiB

@@ -53,7 +53,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 
 def last_add_confirmed(ends: Iterable[int], ack_quorum: int) -> int:

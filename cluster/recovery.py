@@ -136,8 +136,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId, node_id
 from offsets.coordinates import LocalOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId, node_id
 
 
 class InvalidRecovery(ValueError):

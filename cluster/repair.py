@@ -127,8 +127,8 @@ from dataclasses import dataclass, replace
 
 import crc32c
 
-from cluster.ids import NodeId, SegmentId
 from cluster.placement import NodeLoad, NotEnoughNodes, choose_ensemble, index_nodes
+from topology.ids import NodeId, SegmentId
 
 SegmentKey = tuple[str, int, SegmentId]
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from cluster.ids import SegmentId
 from cluster.site_state import PartitionInfo, SegmentInfo, SiteState, TrimChain
+from topology.ids import SegmentId
 
 NO_LIMIT = -1
 

@@ -4,15 +4,15 @@ Every node of a site (ARCHITECTURE.md, "Inside a site: the segment cluster")
 keeps a copy of :class:`SiteState`, and Raft (``georep/raft/store.py``) hands
 every copy the same commands in the same order. The state holds:
 
-* the topics (:class:`~cluster.topics.TopicSpec`);
+* the topics (:class:`~georep.metadata.topics.TopicSpec`);
 * per partition (:class:`PartitionInfo`): the leader node, the leader epoch,
   and the chain of segments (:class:`SegmentInfo`: id, base offset, ensemble,
   the epoch that opened it, open or sealed, and once sealed its end offset and
   end vector);
 * the nodes (:class:`NodeInfo`): address, last heartbeat, free bytes, load,
   draining flag;
-* the ACL records (:class:`~cluster.metadata.AclRecord`, ``georep/security/acl.py``): :class:`PutAcl` keeps a
-  record only if it is newer than the one held for its entry (last-writer-wins, ``georep/security/acl_sync.py``),
+* the ACL records (:class:`~georep.metadata.store.AclRecord`, ``georep/auth/acl.py``): :class:`PutAcl` keeps a
+  record only if it is newer than the one held for its entry (last-writer-wins, ``georep/auth/acl_sync.py``),
   so an operator's change and the same change replicated from another site commute.
 
 It changes per segment roll, per leader change and per node heartbeat, never
@@ -24,7 +24,7 @@ JSON-shaped dicts, ``{"v": 1, "kind": "open_segment", ...}``
 log does not depend on this module's class layout. A command whose fields
 make no sense whatever the state (an empty ensemble, a negative offset) cannot
 be built: its constructor raises :class:`InvalidCommand` (or
-:class:`~cluster.topics.InvalidTopic`), so it is never proposed.
+:class:`~georep.metadata.topics.InvalidTopic`), so it is never proposed.
 
 **Results are values.** :meth:`SiteState.apply` never raises. A command the
 current state does not allow (an epoch that is no longer current, a topic that
@@ -79,13 +79,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Self
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId, node_id
-from cluster.metadata import AclRecord, acl_newer
 from cluster.producer_snapshot import InvalidSnapshot as InvalidProducerSnapshot
 from cluster.producer_snapshot import ProducerSnapshot
-from cluster.topics import InvalidTopic, TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
+from georep.metadata.store import AclRecord, acl_newer
+from georep.metadata.topics import InvalidTopic, TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId, node_id
 
 COMMAND_FORMAT_VERSION = 1
 SNAPSHOT_FORMAT_VERSION = 1

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.leadership import node_loads
 from cluster.placement import NodeLoad
 from cluster.repair import SegmentView, UnderReplicated, under_replicated
 from cluster.site_state import SiteState
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 
 @dataclass(frozen=True, slots=True)

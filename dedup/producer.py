@@ -193,7 +193,7 @@ class _CachedBatch:
 
 
 class _ProducerState:
-    __slots__ = ("epoch", "batches", "last_append_ms")
+    __slots__ = ("batches", "epoch", "last_append_ms")
 
     def __init__(self, epoch: int, window_batches: int, now_ms: int) -> None:
         self.epoch = epoch

@@ -14,7 +14,7 @@ lets a reporter send only the entries that grew since its last report. An
 A report is a claim, and claims are checked before they count
 (ARCHITECTURE.md, "Claims are checked"): the receiving site takes only the
 claims the topology lets the reporter make
-(``georep.security.acl_replication.held_claim_refusal``: about a site its
+(``georep.auth.acl_replication.held_claim_refusal``: about a site its
 records reach through the reporter), and :class:`ServedGate` holds what they
 say of the receiving site's own records to the ones that have left it.
 """
@@ -79,7 +79,7 @@ class HeldReporter:
     alike.
     """
 
-    __slots__ = ("upstream", "accepts", "_acked", "_in_flight")
+    __slots__ = ("_acked", "_in_flight", "accepts", "upstream")
 
     def __init__(self, upstream: str, accepts: Callable[[HeldKey], bool] = lambda key: True) -> None:
         self.upstream = upstream

@@ -51,7 +51,7 @@ class Coverage(enum.StrEnum):
 class VectorOffset:
     """An immutable ``{origin: next origin seq}``; absent origins are at 0."""
 
-    __slots__ = ("_next", "_hash")
+    __slots__ = ("_hash", "_next")
 
     _next: dict[Origin, OriginSeq]
     _hash: int | None

@@ -336,7 +336,7 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: An
         return EXIT_USAGE
     try:
         result = run_audit(session, topology, dirs, segments, args.report, as_of_ms)
-    except Exception as exc:  # noqa: BLE001 - exit 1 must mean divergence, never a crash
+    except Exception as exc:  # exit 1 must mean divergence, never a crash
         print(f"georep: error: the audit could not run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:

@@ -197,7 +197,7 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:
         return EXIT_USAGE
     try:
         doc = run_delays(spark, topology, segments, args.report, args.bucket_ms)
-    except Exception as exc:  # noqa: BLE001 - say what failed, in one line
+    except Exception as exc:  # say what failed, in one line
         print(f"georep: error: the delay analytics could not run: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:

@@ -21,8 +21,8 @@ the site's own partition log is assembled from them later
 segment ends in the site's chain: the base offset of the site's next segment
 (``segment_end``), which no copy's length can tell.
 
-The topic in a partition dir name is ``urllib.parse.quote(topic, safe='')``,
-so the last ``-`` separates it from the partition number.
+A partition dir's name is the node's (``georep/storage/partition_dirs.py``): the
+topic %-quoted, then ``-`` and the partition number.
 
 Listing fixes, for every segment, the byte size seen *now*: the reader never
 reads past it, so segments that a live node keeps appending to are read as a
@@ -34,15 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.storage.partition_dirs import parse_partition_dir
 from georep.storage.recovery_point import read_recovery_point
 from georep.storage.replica_store import REPLICAS_DIR
 from georep.storage.segment import LOG_SUFFIX
-from topology.model import Topology
+from topology.file import TopologyFileError, is_default, parse_topology_file, unreadable
+from topology.model import Topology, default_topology
 
 LOGS_DIR = "logs"
 SITE_FILE = "site.json"  # {"site": "a", "epoch": ...}: written by the node, not needed to read
@@ -103,21 +103,21 @@ def site_dirs_from_topology(topology: Topology, data_root: Path) -> dict[str, Pa
 
 
 def load_topology_for_audit(spec: str | None) -> Topology:
+    """The topology in file ``spec`` (the embedded default for None or ``"default"``); else :class:`AuditInputError`."""
+    if is_default(spec):
+        return default_topology()
+    error: Exception
     try:
-        return load_topology(spec)
+        return parse_topology_file(str(spec), Path(str(spec)).read_bytes())
+    except OSError as exc:
+        error = unreadable(str(spec), exc)
     except TopologyFileError as exc:
-        raise AuditInputError(f"{exc}; pass a valid --topology FILE, or omit it for the default") from None
+        error = exc
+    raise AuditInputError(f"{error}; pass a valid --topology FILE, or omit it for the default")
 
 
 def topic_matches(topic: str, patterns: tuple[str, ...]) -> bool:
     return not patterns or any(fnmatch.fnmatchcase(topic, p) for p in patterns)
-
-
-def parse_partition_dir(name: str) -> tuple[str, int] | None:
-    quoted, sep, number = name.rpartition("-")
-    if not sep or not number.isdigit():
-        return None
-    return urllib.parse.unquote(quoted), int(number)
 
 
 def node_dirs(site_dir: Path) -> dict[str, Path]:

@@ -58,7 +58,7 @@ def start_spark(master: str | None, app_name: str = "georep-audit") -> SparkSess
     """A session for a command; None, after saying what to do, when Spark cannot start here."""
     try:
         return spark_session(master, app_name)
-    except Exception as exc:  # noqa: BLE001 - Java missing, bad master URL, ...: all end the same way
+    except Exception as exc:  # Java missing, bad master URL, ...: all end the same way
         print(f"georep: error: cannot start Spark with master {master or DEFAULT_MASTER!r}: "
               f"{str(exc).strip().splitlines()[0]}; check --master and that Java 17+ is installed (JAVA_HOME)",
               file=sys.stderr)  # fmt: skip

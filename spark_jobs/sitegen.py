@@ -19,13 +19,13 @@ from pathlib import Path
 
 from georep.record.batch import RecordInput, encode_batch, parse_header
 from georep.record.compression import Compression
-from georep.server.broker import partition_dir_name
 from georep.storage.api import LogConfig
+from georep.storage.partition_dirs import parse_partition_dir, partition_dir_name
 from georep.storage.replica_store import REPLICA_LOG_CONFIG, REPLICAS_DIR
 from georep.storage.replica_store import partition_dir_name as replica_dir_name
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import Origin, OriginSeq
-from spark_jobs.layout import LOGS_DIR, SITE_FILE, parse_partition_dir
+from spark_jobs.layout import LOGS_DIR, SITE_FILE
 from topology.ids import SiteId
 
 EPOCH = 1

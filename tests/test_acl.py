@@ -10,10 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.metadata import AclRecord
 from cluster.site_state import PutAcl, SiteState, command_from_dict
-from georep.proto import georep_pb2 as pb
-from georep.security.acl import (
+from georep.auth.acl import (
     AclEntry,
     InvalidAcl,
     Operation,
@@ -24,10 +22,13 @@ from georep.security.acl import (
     parse_acl_entry,
     topic,
 )
-from georep.security.acl_replication import origin_may_arrive, pull_decision, repair_decision
-from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, Policy, decide
-from georep.security.acl_sync import AclCache, change, effective, merge
-from georep.security.principal import Principal, parse_principal
+from georep.auth.acl_replication import origin_may_arrive, pull_decision, repair_decision
+from georep.auth.acl_sync import AclCache, change, effective, merge
+from georep.auth.policy import Policy
+from georep.auth.principal import Principal, parse_principal
+from georep.metadata.store import AclRecord
+from georep.proto import georep_pb2 as pb
+from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, decide
 from georep.storage.metadata_file import FileMetadataStore
 from tests.support.raft import Site as RaftSite
 from tests.support.raft import wait_until as raft_wait

@@ -19,10 +19,10 @@ from typing import Any
 import grpc
 import pytest
 
+from georep.auth.principal import parse_principal
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, encode_batch
-from georep.security.principal import parse_principal
 from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from offsets.coordinates import Origin

@@ -178,11 +178,11 @@ def test_a_multi_node_site_is_listed_copy_by_copy_with_where_each_segment_ends(t
     assert rows(list(read_batches(segments[0])))[0]["node"] == "1"
     one_node = rows(list(read_batches(list_segments({"b": site_with(tmp_path / "b", s0)})[0])))
     assert (one_node[0]["node"], one_node[0]["segment"]) == (None, None)
-    with pytest.raises(AuditInputError, match="one node of a multi-node site.*pass the site's dir"):
+    with pytest.raises(AuditInputError, match=r"one node of a multi-node site.*pass the site's dir"):
         list_segments({"a": site / "2"})
 
 
-def test_the_spark_source_reads_sites_in_parallel_with_a_topic_filter(tmp_path: Path, spark) -> None:  # noqa: F811
+def test_the_spark_source_reads_sites_in_parallel_with_a_topic_filter(tmp_path: Path, spark) -> None:
     site = site_with(tmp_path, [batch(A1, 0), batch(B7, 0, 4)], segment_bytes_max=200)
     write_log(site / "logs" / "other-0", [batch(A1, 0)])
     df = spark.read.format("georep").option("sites", f"a={site}").option("topics", "orders/*").load()

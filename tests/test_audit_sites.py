@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from georep.cli.topology_file import load_topology
+from georep.cli.topology_arg import load_topology
 from georep.proto import georep_pb2 as pb
 from georep.server.replicator import TICK_S
 from spark_jobs import inject
@@ -26,7 +26,7 @@ from tests.support.sites import TRIANGLE, Sites, converged, produce, wait_until
 TOPIC = "orders"
 
 
-def audit_sites(spark: Any, sites: Sites, names: list[str], report: Path, as_of_ms: int) -> AuditResult:  # noqa: F811
+def audit_sites(spark: Any, sites: Sites, names: list[str], report: Path, as_of_ms: int) -> AuditResult:
     dirs = {s: sites.nodes[s].data_dir for s in names}
     return run_audit(spark, load_topology(sites.topology), dirs, list_segments(dirs), report, as_of_ms)
 
@@ -41,7 +41,7 @@ def kinds(result: AuditResult) -> list[tuple[str, str, str, int]]:
 
 @pytest.mark.slow
 def test_replicated_sites_audit_clean_live_then_a_flipped_byte_is_caught(
-    make_sites: Callable[..., Sites], spark: Any, tmp_path: Path  # noqa: F811
+    make_sites: Callable[..., Sites], spark: Any, tmp_path: Path
 ) -> None:
     names = ["a", "b", "c"]
     sites = make_sites(names, TRIANGLE)
@@ -72,7 +72,7 @@ def test_replicated_sites_audit_clean_live_then_a_flipped_byte_is_caught(
 
 @pytest.mark.slow
 def test_a_site_behind_a_cut_link_is_in_flight_not_divergent(
-    make_sites: Callable[..., Sites], spark: Any, tmp_path: Path  # noqa: F811
+    make_sites: Callable[..., Sites], spark: Any, tmp_path: Path
 ) -> None:
     sites = make_sites(["a", "b"], [("a", "b"), ("b", "a")])
     sites.start()

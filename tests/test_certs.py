@@ -8,8 +8,8 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from georep.auth.principal import Principal, parse_principal
 from georep.security import dev_ca
-from georep.security.principal import Principal, parse_principal
 from georep.security.tls import TlsConfig, channel_credentials, principal_of_certificate
 from tests.support.cli import georep, ok
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from cluster.ids import NodeId, SegmentId
 from georep.record.batch import iter_headers
 from georep.replication.source import ReplicaSource
 from georep.storage.chain_log import ChainLog, ChainSegment, SegmentElsewhere
@@ -18,6 +17,7 @@ from offsets.coordinates import LocalOffset, OriginSeq
 from offsets.vector import VectorOffset
 from tests.support.chains import EPOCH, KEY, A, chain_of
 from tests.support.segments import make_batch
+from topology.ids import NodeId, SegmentId
 
 
 def test_readers_see_only_what_the_quorum_confirmed_and_the_vector_follows_the_lac(tmp_path: Path) -> None:

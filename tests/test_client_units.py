@@ -345,7 +345,7 @@ def test_stream_broken_by_the_reader_during_a_write_does_not_kill_the_sender() -
         opened: list[StallingStream] = []
 
         class Stub:
-            def ProduceStream(self) -> StallingStream:  # noqa: N802 - the gRPC method name
+            def ProduceStream(self) -> StallingStream:  # the gRPC method name
                 opened.append(streams[len(opened)])
                 return opened[-1]
 

@@ -15,10 +15,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.ids import NodeId, SegmentId
 from cluster.site_state import CreateTopic
-from cluster.topics import TopicSpec
 from georep.broker.errors import NotLeader
+from georep.metadata.topics import TopicSpec
 from georep.raft.store import RaftMetadataStore
 from georep.record.batch import iter_headers, local_prefix
 from georep.server.cluster_member import ClusterConfig, ClusterMember, PartitionLeader
@@ -29,7 +28,7 @@ from tests.support.channels import add_port
 from tests.support.ports import free_ports
 from tests.support.raft import FAST
 from tests.support.segments import make_batch
-from topology.ids import SiteId
+from topology.ids import NodeId, SegmentId, SiteId
 
 CONFIG = ClusterConfig(replication_factor=3, ack_quorum=2, session_timeout_ms=2_000, tick_ms=100,
                        segment_bytes=16 << 10, roll_wait_ms=1_000, retry_ms=100)  # fmt: skip

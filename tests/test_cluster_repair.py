@@ -19,7 +19,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.placement import NodeLoad
 from cluster.quorum import NotContiguous, SegmentSealed
 from cluster.repair import (
@@ -44,6 +43,7 @@ from tests.support.channels import add_port, open_channel
 from tests.support.cli import georep, ok
 from tests.support.cluster_site import TOPIC, WAIT_S, ClusterSite, produce, status, wait_for
 from tests.support.segments import A, B, Writer, read_all
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 KEY = ("orders", 0)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.retention import plan_retention
 from cluster.site_state import (
     Applied,
@@ -27,7 +27,7 @@ from cluster.site_state import (
     TrimChain,
     command_from_dict,
 )
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.record.batch import iter_headers
 from georep.storage.api import OffsetOutOfRange
 from georep.storage.replica_store import NEW_SUFFIX, ReplicaError, ReplicaStore, partition_dir_name
@@ -35,6 +35,7 @@ from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
 from tests.support.segments import make_batch
 from tests.support.site_state import applied, refused
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 E1 = LeaderEpoch(1)
@@ -173,7 +174,7 @@ def check_trim(before: PartitionInfo, after: PartitionInfo, retention_ms: int, r
     # A prefix goes, never the last segment, and the chain stays contiguous from its new start.
     assert kept == before.segments[len(dropped):]
     assert kept and kept[-1] == before.segments[-1], "the last segment (the open one, if any) always stays"
-    for prev, nxt in zip(kept, kept[1:], strict=False):
+    for prev, nxt in pairwise(kept):
         assert prev.end_offset == nxt.base_offset
     if dropped:
         assert kept[0].base_offset == dropped[-1].end_offset

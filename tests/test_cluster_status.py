@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.site_state import (
     Applied,
     Command,
@@ -29,8 +28,8 @@ from cluster.site_state import (
     SiteState,
 )
 from cluster.status import cluster_status
-from cluster.topics import TopicSpec
 from georep.cli.cluster import render, size_text, status_json
+from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
@@ -39,6 +38,7 @@ from offsets.vector import VectorOffset
 from tests.support.channels import open_channel
 from tests.support.cli import georep
 from tests.support.cluster_site import ClusterSite
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 SESSION_MS = 2_000

@@ -56,7 +56,7 @@ def test_drill_keeps_its_promises_and_its_report_matches_an_independent_count(
     assert doc["records_in_topic"] == len(values["a"]) == doc["delivered_unique"]
     per_level: dict[str, int] = {}
     for value in values["a"]:
-        site, level, _ = value.decode().split("|")
+        _site, level, _ = value.decode().split("|")
         per_level[level] = per_level.get(level, 0) + 1
     for level, figures in doc["acks"].items():
         # Everything acked is in the topic (nothing lost after the rejoin), and nothing was stored unsent.

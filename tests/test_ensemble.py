@@ -15,7 +15,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from georep.broker.errors import NotLeader, RecoveryFailed
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -31,6 +30,7 @@ from offsets.coordinates import LocalOffset, OriginSeq
 from tests.support.channels import add_port, aio_channel
 from tests.support.ports import free_port
 from tests.support.segments import A, B, Writer, read_all
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 KEY = ("orders", 0)
 SEG = SegmentId(3)

@@ -13,24 +13,24 @@ import grpc
 import pytest
 
 from cluster.groups import IllegalGeneration, InvalidGroupRequest, NotAssigned, UnknownMember
-from cluster.metadata import TopicExists, UnknownTopic
 from cluster.quorum import Fenced, NotContiguous, QuorumError, SegmentSealed
-from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence
 from dedup.producer import OutOfOrderSequence as Gap
 from dedup.producer import ProducerFenced as Zombie
+from georep.auth.acl import InvalidAcl, PermissionDenied, UnknownAcl
+from georep.auth.acl_replication import ForgedOrigin
 from georep.broker import errors as e
 from georep.client import errors as c
 from georep.client.accumulator import ProducerBatch
 from georep.client.delivery import PartitionDelivery
 from georep.client.errors import Operation
+from georep.metadata.store import TopicExists, UnknownTopic
+from georep.metadata.topics import InvalidTopic
 from georep.proto import georep_pb2 as pb
 from georep.proto.reasons import LEADER_METADATA, NEXT_OFFSET_METADATA, REASON_METADATA, Reason
 from georep.raft.store import CommandTooLarge, MetadataUnavailable
 from georep.record.batch import CorruptBatch, InvalidBatch
 from georep.replication.sink import CorruptChunk
-from georep.security.acl import InvalidAcl, PermissionDenied, UnknownAcl
-from georep.security.acl_replication import ForgedOrigin
 from georep.server import rpc
 from georep.server.status import STATUS, wire_status
 from georep.storage.api import BatchDamaged, DiskFull, OffsetOutOfRange

@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.follower_reads import FollowerBound, SegmentBounds, follower_bound
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from georep.client.consumer import Consumer
 from georep.client.errors import InvalidRequest
 from georep.proto import georep_pb2 as pb
@@ -34,6 +33,7 @@ from tests.support.channels import open_channel
 from tests.support.cli import georep, ok
 from tests.support.cluster_site import TOPIC, ClusterSite, consume_all, produce, read_partition, status, wait_for
 from tests.support.segments import make_batch
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 

@@ -116,7 +116,7 @@ def fuzzed_node(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-un
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(requests())
 def test_every_rpc_answers_bad_input_with_a_clear_status(fuzzed_node, request) -> None:  # type: ignore[no-untyped-def]
-    node, channel, _stub = fuzzed_node
+    _node, channel, _stub = fuzzed_node
     name, raw = request
     code = call(channel, name, raw)
     assert code not in BAD_CODES, f"{name} answered {code.name} to {raw[:80]!r}"

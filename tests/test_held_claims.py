@@ -6,10 +6,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from georep.auth.acl_replication import ClaimRefused, HeldClaimCheck, held_claim_refusal
+from georep.auth.policy import Policy
+from georep.auth.principal import parse_principal
 from georep.proto import georep_pb2 as pb
-from georep.security.acl_replication import ClaimRefused, HeldClaimCheck, held_claim_refusal
-from georep.security.acl_rpc import NODE_ACCESS, Policy, decide
-from georep.security.principal import parse_principal
+from georep.security.acl_rpc import NODE_ACCESS, decide
 from offsets.coordinates import Origin
 from offsets.held import HeldReporter, HeldTable, ServedGate
 from offsets.vector import VectorOffset

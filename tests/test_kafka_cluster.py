@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from cluster.ids import NodeId, SegmentId
 from cluster.site_state import NodeInfo, PartitionInfo, SegmentInfo, SiteState
 from georep.kafka import errors as k
 from georep.kafka.cluster import LEADER_NOT_AVAILABLE, NO_LEADER, ClusterView, KafkaBroker, OneNode
 from tests.support.cluster_site import ClusterSite, site_toml
 from tests.support.kafka_nodes import poll_until
+from topology.ids import NodeId, SegmentId
 
 KAFKA = {1: "10.0.0.1:9092", 2: "10.0.0.2:9092", 3: "10.0.0.3:9092"}
 

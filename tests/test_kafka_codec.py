@@ -74,7 +74,7 @@ def test_unsupported_version_of_api_versions_gets_the_v0_answer_with_the_ranges(
     req = decode_request(struct.pack(">hhih", 18, 9, 5, 1) + b"x")
     assert isinstance(req, Unsupported)
     resp = error_response(req)
-    size, correlation, code, count = struct.unpack_from(">iihi", resp)
+    size, correlation, code, _count = struct.unpack_from(">iihi", resp)
     assert (size, correlation, code) == (len(resp) - 4, 5, 35)
     first = struct.unpack_from(">hhh", resp, 14)
     assert first == (0, 3, 9)  # Produce v3..v9

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.ids import SegmentId
 from georep.kafka.offsets import vector_at
 from georep.storage.api import OffsetOutOfRange, start_offset_for_vector
 from georep.storage.chain_log import SegmentElsewhere
@@ -24,6 +23,7 @@ from offsets.coordinates import Origin, OriginSeq
 from offsets.vector import VectorOffset
 from tests.support.chains import KEY, chain_of
 from tests.support.segments import A, B, C, Writer, make_batch, open_log
+from topology.ids import SegmentId
 
 RETENTION_MS = 1_000_000
 History = list[tuple[Origin, int, int, int]]  # (origin, base seq, base offset, records) of every batch appended

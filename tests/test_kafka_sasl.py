@@ -21,14 +21,14 @@ from kafka.protocol.metadata import MetadataRequest
 from kafka.protocol.sasl import SaslHandshakeRequest
 
 from cluster.site_state import PutAcl, SiteState, command_from_dict
-from georep.kafka.sasl import MIN_ITERATIONS, ScramCredential, ScramFailed, ScramServer, derive
+from georep.auth import credentials
+from georep.auth.acl_sync import effective, merge
+from georep.auth.credentials import CredentialLookup
+from georep.auth.principal import site_principal
+from georep.auth.sasl import MIN_ITERATIONS, ScramCredential, ScramFailed, ScramServer, derive
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.security import credentials
 from georep.security.acl_pull import record_from_pb
-from georep.security.acl_sync import effective, merge
-from georep.security.credentials import CredentialLookup
-from georep.security.principal import site_principal
 from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from georep.storage.metadata_file import FileMetadataStore

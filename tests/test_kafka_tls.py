@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from georep.security.principal import site_principal
+from georep.auth.principal import site_principal
 from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address, poll_until

@@ -6,7 +6,6 @@ The cluster simulator drives the same functions under crashes, pauses and lost p
 
 from __future__ import annotations
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.leadership import (
     Adopt,
     AskEpoch,
@@ -32,9 +31,10 @@ from cluster.site_state import (
     SealSegment,
     SiteState,
 )
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from offsets.coordinates import LocalOffset
 from offsets.vector import VectorOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 N1, N2, N3, N4 = (NodeId(n) for n in (1, 2, 3, 4))
 E0, E1, E2 = LeaderEpoch(0), LeaderEpoch(1), LeaderEpoch(2)

@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep.client.errors import BatchTooLarge, Operation, from_status
+from georep.metadata.topics import MAX_BATCH_BYTES_LIMIT
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import check_batch, decode_records, iter_headers

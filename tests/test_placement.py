@@ -20,7 +20,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.ids import NodeId
 from cluster.placement import (
     FREE_BUCKET_BYTES_MIN,
     InvalidPlacementRequest,
@@ -32,6 +31,7 @@ from cluster.placement import (
     rank,
     tiebreak,
 )
+from topology.ids import NodeId
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -197,7 +197,7 @@ def test_with_min_size_an_ensemble_is_never_short_while_more_nodes_are_eligible(
         ensemble = choose_ensemble(nodes, 3, leader=NodeId(1), min_size=2, previous=ids(1, 2, 3), salt=salt)
         assert len(ensemble) == 3 and NodeId(4) in ensemble  # the previous-ensemble rule still applies
     # With every eligible node taken there is no outsider to swap in: the previous ensemble, short, it is.
-    assert set(choose_ensemble(healthy(1, 2) + [node(3, alive=False)], 3, leader=NodeId(1), min_size=2,
+    assert set(choose_ensemble([*healthy(1, 2), node(3, alive=False)], 3, leader=NodeId(1), min_size=2,
                                previous=ids(1, 2, 3))) == set(ids(1, 2))  # fmt: skip
 
 
@@ -237,7 +237,7 @@ def test_not_enough_nodes_says_how_many_and_why_the_others_are_out() -> None:
 
 
 def test_not_enough_nodes_without_a_leader() -> None:
-    with pytest.raises(NotEnoughNodes, match="need 3 eligible node.s., have 2"):
+    with pytest.raises(NotEnoughNodes, match=r"need 3 eligible node.s., have 2"):
         choose_ensemble([node(1), node(2), node(3, alive=False)], 3, leader=None)
 
 

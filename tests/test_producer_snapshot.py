@@ -10,6 +10,7 @@ metadata that carries it, and the node's two uses of it over real segment copies
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cluster.producer_snapshot as producer_snapshot
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.producer_snapshot import SNAPSHOT_ENTRIES_MAX, ProducerEntry, ProducerSnapshot, fold
 from cluster.site_state import (
     Applied,
@@ -32,8 +32,8 @@ from cluster.site_state import (
     SiteState,
     command_from_dict,
 )
-from cluster.topics import TopicSpec
 from dedup.producer import Append, Duplicate, OutOfOrderSequence, ProducerStateTable
+from georep.metadata.topics import TopicSpec
 from georep.raft.frames import COMMAND_BYTES_MAX
 from georep.server.cluster_member import seal_producers
 from georep.server.site_cluster import leader_producers
@@ -41,7 +41,7 @@ from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
 from tests.support.segments import make_batch
-from topology.ids import SiteId
+from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 ORIGIN = Origin(SiteId("a"), 1)
 OTHER = Origin(SiteId("b"), 9)
@@ -99,7 +99,7 @@ def test_seals_folded_one_after_the_other_give_the_table_of_the_whole_chain(
     log = _log(draws)
     bounds = sorted({0, len(log), *(c for c in cuts if c <= len(log))})
     snapshot = ProducerSnapshot(ORIGIN)
-    for start, end in zip(bounds, bounds[1:], strict=False):
+    for start, end in itertools.pairwise(bounds):
         snapshot = fold(snapshot.entries, ORIGIN, log[start:end], now_ms=NOW)
     whole = ProducerStateTable.rebuild(log, origin=ORIGIN)
     assert _state(ProducerStateTable.rebuild(snapshot.entries, origin=ORIGIN)) == _state(whole)

@@ -224,7 +224,7 @@ def test_a_partition_that_stops_being_served_during_its_apply_reopens_the_stream
 
     dst = Leader()
     dst.session.start(0)
-    [up, apply] = dst.session.on_message(1, [data(B, 0)], False, 10)
+    [_up, apply] = dst.session.on_message(1, [data(B, 0)], False, 10)
     assert isinstance(apply, ApplyChunk)
     outcome = apply_chunk(dst.log, apply.batches, 11)
     served.clear()  # the segment rolls while the writer thread applies the chunk

@@ -18,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.quorum import (
     AckOutOfRange,
     AppendWentBack,
@@ -41,7 +40,7 @@ from georep.broker import errors
 from georep.broker.acks import AckKind, Acks, AckTable, Effect, Fail, HeldChanged, Release, StartFlush
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
-from topology.ids import SiteId
+from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 N1, N2, N3, N4 = NodeId(1), NodeId(2), NodeId(3), NodeId(4)
 SEG = SegmentId(0)
@@ -121,7 +120,7 @@ def test_reports_no_member_could_make_are_refused_and_change_nothing() -> None:
     q.appended(110)
     with pytest.raises(NotAMember, match="node 4, which is not in the ensemble"):
         q.member_acked(N4, 105)
-    with pytest.raises(AckOutOfRange, match="up to offset 111, but .* leader appended up to 110"):
+    with pytest.raises(AckOutOfRange, match=r"up to offset 111, but .* leader appended up to 110"):
         q.member_acked(N2, 111)
     with pytest.raises(AckOutOfRange, match="segment starts at 100"):
         q.member_acked(N2, 99)

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from cluster.site_state import CreateTopic
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.raft.store import MetadataUnavailable
 from georep.security.raft_secret import new_secret
 from tests.support.raft import Site, ok, wait_until
@@ -157,7 +157,7 @@ import sys
 from pathlib import Path
 from georep.raft.store import MetadataUnavailable
 from cluster.site_state import CreateTopic
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.security.raft_secret import new_secret
 from tests.support.raft import Site, ok, wait_until
 

@@ -8,6 +8,7 @@ on its own; the others run three real pysyncobj nodes on 127.0.0.1 in one proces
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_followers_run_in_turn_after_the_leader_its_successor_first(leader: str,
     slot = (1.2 - 0.4) / len(turns)
     assert timeouts == sorted(timeouts), "the successor runs first, then the next one in the ring"
     assert all(0.4 <= t < 1.2 for t in timeouts)
-    worst_gap = min(b - a for a, b in zip(timeouts, timeouts[1:], strict=False))
+    worst_gap = min(b - a for a, b in itertools.pairwise(timeouts))
     assert worst_gap >= slot * (1 - JITTER_SLOTS) - 1e-9, "a vote has most of a turn before the next follower runs"
 
 

@@ -21,8 +21,8 @@ from pysyncobj.encryptor import getEncryptor
 from pysyncobj.poller import createPoller
 from pysyncobj.tcp_connection import CONNECTION_STATE
 
-from cluster.metadata import AclRecord
 from cluster.site_state import PutAcl
+from georep.metadata.store import AclRecord
 from georep.raft.frames import (
     APPEND_BATCH_BYTES,
     COMMAND_BYTES_MAX,

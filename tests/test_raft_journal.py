@@ -12,7 +12,7 @@ import pytest
 from pysyncobj.journal import FileJournal
 
 from cluster.site_state import CreateTopic
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.raft.journal import (
     HEADER,
     JOURNAL_FILE,
@@ -102,7 +102,7 @@ def test_a_damaged_record_that_was_synced_refuses_the_start(tmp_path: Path) -> N
     raft_dir = tmp_path / "node" / "raft"
     raft_dir.mkdir(parents=True)
     (raft_dir / JOURNAL_FILE).write_bytes(bytes(data))
-    with pytest.raises(RaftStartError, match="move .*raft away and start it again"):
+    with pytest.raises(RaftStartError, match=r"move .*raft away and start it again"):
         RaftMetadataStore("127.0.0.1:1", [], tmp_path / "node", FAST)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.site_state import CreateTopic
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.raft.store import (
     GroupView,
     JoinFailed,
@@ -151,7 +151,7 @@ def test_a_new_node_gives_up_with_what_to_do_when_the_group_has_no_leader(grown:
     site = grown
     old = site.addresses[:3]
     site.stores[0] = RaftMetadataStore(old[0], old, site.tmp_path / "node0", FAST)  # one of three: no leader
-    with pytest.raises(JoinFailed, match="know of no Raft leader.*majority of the running nodes is up"):
+    with pytest.raises(JoinFailed, match=r"know of no Raft leader.*majority of the running nodes is up"):
         join_running_group(site.addresses[3], old, site.tmp_path / "node3", timeout_s=1.0, ask_timeout_s=0.5)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from cluster.site_state import Applied, CreateTopic
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.security.raft_secret import new_secret
 from tests.support.raft import Site, ok, wait_until
 

@@ -17,13 +17,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from georep.cli.topology_file import load_topology
+from georep.auth.principal import node_principal
+from georep.cli.topology_arg import load_topology
 from georep.cli.up import ensure_certs, site_processes
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.raft.store import ask_group
 from georep.security import dev_ca
-from georep.security.principal import node_principal
 from georep.security.raft_secret import MIN_CHARS, RaftSecretError, new_secret, read_secret, secret_file_name
 from georep.security.tls import TlsConfig, write_secret
 from georep.server.process import NodeProcess

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
-from cluster.metadata import MetadataStore, TopicExists, UnknownTopic
 from cluster.site_state import (
     Applied,
     CreateTopic,
@@ -28,11 +26,13 @@ from cluster.site_state import (
     RegisterNode,
     SealSegment,
 )
-from cluster.topics import TopicSpec
+from georep.metadata.store import MetadataStore, TopicExists, UnknownTopic
+from georep.metadata.topics import TopicSpec
 from georep.raft.store import NoRaftLeader, RaftMetadataStore, RaftStartError, RaftTiming
 from offsets.coordinates import LocalOffset
 from offsets.vector import VectorOffset
 from tests.support.raft import FAST, WAIT_S, Site, ok, populate
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 
 @pytest.fixture
@@ -190,7 +190,7 @@ def test_a_raft_port_in_use_is_refused_at_start(tmp_path: Path) -> None:
 def test_an_unreadable_dump_is_refused_at_start_with_what_to_do(tmp_path: Path) -> None:
     (tmp_path / "raft").mkdir()
     (tmp_path / "raft" / "site-state.json").write_text('{"format": "something else"}')
-    with pytest.raises(RaftStartError, match="move .*raft away and start it again"):
+    with pytest.raises(RaftStartError, match=r"move .*raft away and start it again"):
         RaftMetadataStore("127.0.0.1:1", [], tmp_path, FAST)
 
 

@@ -138,7 +138,7 @@ def check_recovered(directory: Path, p: Pristine, intact: int, *, corrupt: bool 
     again = open_log(directory, **CONFIG)
     assert again.recovery.damaged_offset is None and again.log_end_offset == end + 2
     assert check_batch(again.read(LocalOffset(end + 1), 1).data) == stored.header
-    assert [h.base_offset for h in iter_headers(again.read(again.log_start_offset, 1 << 20).data)][0] == 0
+    assert next(h.base_offset for h in iter_headers(again.read(again.log_start_offset, 1 << 20).data)) == 0
     again.close()
 
 
@@ -303,7 +303,7 @@ def test_a_flipped_append_time_is_mended_from_the_origin_index_copy(pristine: di
     # append_time_ms (bytes 12-20 of a batch) is outside the CRC by design; the .oindex entry holds the second copy.
     p = pristine[closed]
     directory = copy_of(p, scratch)
-    position, index = p.segments[-1][1]
+    position, _index = p.segments[-1][1]
     flip(log_files(directory)[-1], position + 19, 0x40)
     check_recovered(directory, p, len(p.batches)) if not closed else check_quarantined(directory, p, set())
 
@@ -465,7 +465,7 @@ def test_after_retention_the_vector_below_the_log_start_survives_a_lost_recovery
     again.close()
     for name in (RECOVERY_POINT, LOG_START):
         (scratch / "t-0" / name).unlink(missing_ok=True)
-    with pytest.raises(StorageError, match="both missing or damaged.*new epoch"):
+    with pytest.raises(StorageError, match=r"both missing or damaged.*new epoch"):
         open_log(scratch / "t-0", **CONFIG)
 
 

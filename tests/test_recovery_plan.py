@@ -16,7 +16,6 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from cluster.ids import InvalidNodeId, LeaderEpoch, NodeId, SegmentId
 from cluster.recovery import (
     Copy,
     Done,
@@ -32,6 +31,7 @@ from cluster.recovery import (
     cut_after_seal,
 )
 from offsets.coordinates import LocalOffset
+from topology.ids import InvalidNodeId, LeaderEpoch, NodeId, SegmentId
 
 N1, N2, N3, N4, N5 = (NodeId(n) for n in range(1, 6))
 SEG = SegmentId(7)

@@ -22,7 +22,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.ids import NodeId, SegmentId
 from cluster.placement import InvalidPlacementRequest, NodeLoad
 from cluster.repair import (
     AwaitingRepairDelay,
@@ -40,6 +39,7 @@ from cluster.repair import (
     plan_repair,
     under_replicated,
 )
+from topology.ids import NodeId, SegmentId
 
 GiB = 1 << 30
 DELAY_MS = 60_000
@@ -517,7 +517,7 @@ def test_property_copies_are_safe(site: Site) -> None:
 def test_property_every_lost_member_is_accounted_for(site: Site) -> None:
     """Each dead or draining member of a segment, and each member a sealed one lacks to have the replication
     factor, shows up in the plan, once: nothing is dropped silently."""
-    segments, nodes, down, running, cap, rf = site
+    segments, nodes, _down, running, _cap, rf = site
     by_id = {n.node: n for n in nodes}
     p = plan_site(site)
     unavailable = {(u.topic, u.partition, u.segment_id) for u in p.unrepairable if isinstance(u, SegmentUnavailable)}

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from cluster.ids import LeaderEpoch, SegmentId
 from cluster.quorum import Fenced, NotContiguous, SegmentSealed
 from georep.record.batch import iter_headers
 from georep.storage.api import LogConfig
@@ -21,6 +20,7 @@ from georep.storage.replica_store import GUARD_FILE, CorruptReplicaChunk, Replic
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, OriginSeq
 from tests.support.segments import A, B, Writer, open_log, read_all
+from topology.ids import LeaderEpoch, SegmentId
 
 KEY = ("orders/eu", 3)
 SEG = SegmentId(4)
@@ -140,7 +140,7 @@ def test_an_unreadable_guard_stops_the_store_rather_than_forgetting_the_fence(tm
 CHILD = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from cluster.ids import LeaderEpoch, SegmentId
+    from topology.ids import LeaderEpoch, SegmentId
     from georep.storage.replica_store import ReplicaStore
     chunks = Path(sys.argv[2]).read_bytes().split(b"\\n--8<--\\n")
     store = ReplicaStore(Path(sys.argv[1]), now_ms=0)

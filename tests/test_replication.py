@@ -318,7 +318,7 @@ def test_a_site_missing_from_the_topology_is_refused_with_a_clear_message(tmp_pa
     topology = tmp_path / "t.toml"
     topology.write_text(topology_toml({"a": free_ports(1)[0]}, []))
     node = NodeProcess(site="zz", data_dir=tmp_path / "zz", extra_args=["--topology", str(topology)])
-    with pytest.raises(NodeStartError, match="site 'zz' is not in .*sites: a"):
+    with pytest.raises(NodeStartError, match=r"site 'zz' is not in .*sites: a"):
         node.start(timeout_s=20)
 
 

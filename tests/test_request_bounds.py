@@ -29,11 +29,11 @@ def test_bounds_hold_at_any_depth_and_name_the_field() -> None:
     with pytest.raises(InvalidRequest, match=f"VectorOffset.entries has {limit + 1} entries; at most {limit}"):
         check_bounds(pb.FetchRequest(topic="t", vector=entries(limit + 1)))
     nested = pb.ReplicateRequest(wants=[pb.PullWant(topic="t"), pb.PullWant(topic="t", have=entries(limit + 1))])
-    with pytest.raises(InvalidRequest, match="VectorOffset.entries"):
+    with pytest.raises(InvalidRequest, match=r"VectorOffset\.entries"):
         check_bounds(nested)
     # a field the table does not name still has the default bound
     status = pb.GroupDescription(members=[pb.GroupMember() for _ in range(REPEATED_DEFAULT_MAX + 1)])
-    with pytest.raises(InvalidRequest, match="GroupDescription.members"):
+    with pytest.raises(InvalidRequest, match=r"GroupDescription\.members"):
         check_bounds(status)
     check_bounds(pb.ProduceRequest(topic="t", batch=b"x"))  # nothing repeated: nothing to walk
 

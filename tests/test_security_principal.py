@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from georep.security.principal import (
+from georep.auth.principal import (
     InvalidPrincipal,
     Principal,
     parse_principal,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from georep.server.node import STUCK_FSYNC_ENV
+from georep.node.serve import STUCK_FSYNC_ENV
 from georep.server.process import NodeProcess
 from georep.server.shutdown import EXIT_FORCED
 from tests.support.ports import free_ports

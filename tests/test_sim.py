@@ -204,7 +204,7 @@ def test_a_planted_bug_in_the_fetch_cursor_is_caught(monkeypatch: pytest.MonkeyP
     those seqs again with other records, which a consumer's vector already covers."""
     monkeypatch.setattr(fetch.FetchCursor, "readable", property(lambda c: c.position < c.log.log_end_offset))
     monkeypatch.setattr(fetch, "durable_part", lambda chunk, next_offset, flushed: (chunk, next_offset))
-    with pytest.raises(SimulationFailure, match="I5 lost record.*stamp that seq again") as failure:
+    with pytest.raises(SimulationFailure, match=r"I5 lost record.*stamp that seq again") as failure:
         run_seed(12, "ring4-split")
     assert "python -m georep.sim --seed 12 --topology ring4-split" in failure.value.replay
 
@@ -251,7 +251,7 @@ def test_a_planted_bug_in_the_ack_table_is_caught(monkeypatch: pytest.MonkeyPatc
         return sites <= 1 or len(holding) >= sites - 1
 
     monkeypatch.setattr(AckTable, "_geo_met", one_short)
-    with pytest.raises(SimulationFailure, match="I6: producer .* acks=geo:3 promises 3"):
+    with pytest.raises(SimulationFailure, match=r"I6: producer .* acks=geo:3 promises 3"):
         run_seed(0, "triangle")
 
 
@@ -270,7 +270,7 @@ def test_a_planted_bug_in_the_ack_tables_fsync_wait_is_caught(monkeypatch: pytes
 def test_a_planted_bug_in_the_producer_table_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The origin append without its idempotent-producer check: a resend after a crash is stored twice."""
     monkeypatch.setattr(ProducerStateTable, "check", lambda self, *args: Append())
-    with pytest.raises(SimulationFailure, match="exactly once: producer .* stored twice"):
+    with pytest.raises(SimulationFailure, match=r"exactly once: producer .* stored twice"):
         run_seed(5, "random-4")
 
 
@@ -283,7 +283,7 @@ def test_a_planted_bug_in_the_group_coordinator_is_caught(monkeypatch: pytest.Mo
             member.assignment = tuple((t, p) for t in member.topics for p in range(self._counts(t)))
 
     monkeypatch.setattr(GroupCoordinator, "_rebalance", everyone)
-    with pytest.raises(SimulationFailure, match="G1: at site .* is assigned to both"):
+    with pytest.raises(SimulationFailure, match=r"G1: at site .* is assigned to both"):
         for seed in range(1, 30, 3):
             run_seed(seed, "triangle", groups=True)
 
@@ -296,7 +296,7 @@ def test_a_planted_bug_in_the_commit_fold_is_caught(monkeypatch: pytest.MonkeyPa
         return True
 
     monkeypatch.setattr(CommitTable, "apply", arrival_wins)
-    with pytest.raises(SimulationFailure, match="I5 commit order.*older"):
+    with pytest.raises(SimulationFailure, match=r"I5 commit order.*older"):
         for seed in range(6):
             Simulator(seed, "triangle", faults=_stormy(seed)).run()
 
@@ -307,7 +307,7 @@ def test_a_consumer_that_ignores_its_start_vector_is_caught(monkeypatch: pytest.
 
     monkeypatch.setattr("georep.sim.consumers.decode_response", no_vector_filter)
     monkeypatch.setattr(fetch, "drop_covered", lambda chunk, vector: chunk)
-    with pytest.raises(SimulationFailure, match="I5 duplicate.*which the vector it resumed from covers"):
+    with pytest.raises(SimulationFailure, match=r"I5 duplicate.*which the vector it resumed from covers"):
         for seed in range(6):
             Simulator(seed, "triangle", faults=_stormy(seed)).run()
 
@@ -495,7 +495,7 @@ def test_checker_catches_out_of_order_and_gaps() -> None:
     batches = _origin_batches(checker)
     for head, batch in [batches[0], batches[2], batches[1]]:
         _append(log, head, batch)
-    with pytest.raises(InvariantViolation, match="I1 prefix.*seqs 2..2 are missing"):
+    with pytest.raises(InvariantViolation, match=r"I1 prefix.*seqs 2\.\.2 are missing"):
         checker.check_site("b", {KEY: log})
 
 
@@ -505,7 +505,7 @@ def test_checker_catches_divergent_bytes_for_one_coordinate() -> None:
     batches = _origin_batches(checker)
     _append(log, *batches[0])
     _append(log, *_stamped(A, 2, [b"not z"]))  # same coordinate, other record
-    with pytest.raises(InvariantViolation, match="I1 bytes.*crc"):
+    with pytest.raises(InvariantViolation, match=r"I1 bytes.*crc"):
         checker.check_site("b", {KEY: log})
 
 

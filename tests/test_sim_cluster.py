@@ -41,7 +41,6 @@ import cluster.quorum as quorum
 import cluster.recovery as recovery
 import cluster.repair as repair
 import cluster.site_state as site_state
-from cluster.ids import NodeId, SegmentId
 from cluster.quorum import ReplicaGuard
 from georep.sim.__main__ import main as sim_main
 from georep.sim.checker import InvariantViolation
@@ -49,6 +48,7 @@ from georep.sim.cluster import ClusterSimulationFailure, ClusterSimulator, run_c
 from georep.sim.cluster_checks import ALL_CHECKS
 from georep.sim.cluster_model import ClusterCounts
 from offsets.coordinates import LocalOffset
+from topology.ids import NodeId, SegmentId
 
 SEED_BASE = int(os.environ.get("GEOREP_SIM_SEED_BASE", "0"))
 

@@ -104,7 +104,7 @@ def test_a_run_is_deterministic() -> None:
 def test_a_planted_bug_in_the_ack_quorum_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A LAC that counts one fsynced copy: acks=all released while only the leader holds the batch."""
     monkeypatch.setattr(quorum, "last_add_confirmed", lambda ends, ack_quorum: max(ends))
-    with pytest.raises(SimulationFailure, match="C1 durability.*fewer than min_insync_replicas=2") as failure:
+    with pytest.raises(SimulationFailure, match=r"C1 durability.*fewer than min_insync_replicas=2") as failure:
         run_geo_cluster_seed(0, "triangle")
     assert "python -m georep.sim --geo-cluster --seed 0 --topology triangle" in failure.value.replay
 
@@ -114,7 +114,7 @@ def test_a_planted_bug_in_the_recovery_is_caught(monkeypatch: pytest.MonkeyPatch
     missed the last acked batches decides, and the seal cuts what the site acknowledged and served to other
     sites. (Seed 22 catches it whichever candidate ``plan_leadership`` prefers.)"""
     monkeypatch.setattr(recovery, "recovered_end", lambda fenced_ends: min(fenced_ends))
-    with pytest.raises(SimulationFailure, match="C4 visibility.*the recovery cut what the site acked and served"):
+    with pytest.raises(SimulationFailure, match=r"C4 visibility.*the recovery cut what the site acked and served"):
         run_geo_cluster_seed(22, "triangle")
 
 
@@ -123,7 +123,7 @@ def test_a_planted_bug_in_the_producers_history_is_caught(monkeypatch: pytest.Mo
     last seal's snapshot (the rule before issue 21): after a leader killed between its roll's seal and the next
     open, the controller names a node that missed that segment, and a batch the producer resends is stored twice."""
     monkeypatch.setattr(producer_snapshot, "history_at_open", lambda sealed, held: held())  # PLANTED
-    with pytest.raises(SimulationFailure, match="exactly once: .* was stored twice as a new write") as failure:
+    with pytest.raises(SimulationFailure, match=r"exactly once: .* was stored twice as a new write") as failure:
         run_geo_cluster_seed(14, "triangle")
     assert "python -m georep.sim --geo-cluster --seed 14 --topology triangle" in failure.value.replay
 

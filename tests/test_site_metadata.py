@@ -33,9 +33,9 @@ def test_the_site_survives_a_snapshot_and_the_command_its_log_encoding() -> None
 def test_a_new_controller_replaces_no_leader_before_a_session_has_passed() -> None:
     """Heartbeats commit through the Raft log: right after the log had no leader, every node looks expired. A
     controller that has led for less than a session timeout keeps the leaders (and still elects where none is)."""
-    from cluster.ids import NodeId
     from cluster.site_state import CreateTopic, ElectLeader, NodeHeartbeat, RegisterNode, plan_leadership
-    from cluster.topics import TopicSpec
+    from georep.metadata.topics import TopicSpec
+    from topology.ids import NodeId
 
     state = SiteState()
     for n in (1, 2):
@@ -53,9 +53,9 @@ def test_a_new_controller_replaces_no_leader_before_a_session_has_passed() -> No
 def test_a_new_controller_replaces_at_once_a_leader_that_stayed_silent_after_it_took_over() -> None:
     """The partition's leader died with the old Raft leader: it never heartbeats through the new controller, so
     after a few ticks (``settle_ms``) it is replaced, without waiting a whole session."""
-    from cluster.ids import NodeId
     from cluster.site_state import CreateTopic, ElectLeader, NodeHeartbeat, RegisterNode, plan_leadership
-    from cluster.topics import TopicSpec
+    from georep.metadata.topics import TopicSpec
+    from topology.ids import NodeId
 
     state = SiteState()
     for n in (1, 2):

@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from cluster.ids import InvalidNodeId, LeaderEpoch, NodeId, SegmentId
 from cluster.site_state import (
     AddMember,
     Applied,
@@ -38,10 +37,11 @@ from cluster.site_state import (
     partitions_without_leader,
     plan_leadership,
 )
-from cluster.topics import InvalidTopic, TopicSpec
+from georep.metadata.topics import InvalidTopic, TopicSpec
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
 from tests.support.site_state import applied, refused
+from topology.ids import InvalidNodeId, LeaderEpoch, NodeId, SegmentId
 
 N1, N2, N3, N4, N5 = (NodeId(n) for n in (1, 2, 3, 4, 5))
 E0, E1, E2 = LeaderEpoch(0), LeaderEpoch(1), LeaderEpoch(2)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+from georep.auth.principal import client_principal, site_principal
 from georep.client import Admin, Consumer, Producer
 from georep.client.errors import TlsRefused
 from georep.security import dev_ca
-from georep.security.principal import client_principal, site_principal
 from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from offsets.commits import OFFSETS_TOPIC

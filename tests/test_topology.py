@@ -19,10 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import topology
-from cluster.ids import NODE_ID_MAX, NodeId
 from georep.cli.topology import LinkStatus, draw, main, summary_text
 from topology.filters import InvalidTopicFilter, TopicFilter, matches_any
-from topology.ids import SiteId
+from topology.ids import NODE_ID_MAX, NodeId, SiteId
 from topology.model import (
     InvalidTopology,
     Link,
@@ -59,7 +58,7 @@ nodes = ["127.0.0.1:7201"]
 """
 
 
-def S(text: str) -> SiteId:  # noqa: N802 - reads like a constructor
+def S(text: str) -> SiteId:  # reads like a constructor
     return SiteId(text)
 
 
@@ -913,7 +912,7 @@ def test_draw_writes_png_and_svg(tmp_path: Path) -> None:
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 5000
     text = svg.read_text()
     assert "<svg" in text
-    with pytest.raises(ValueError, match="use a file name ending in .png or .svg"):
+    with pytest.raises(ValueError, match=r"use a file name ending in \.png or \.svg"):
         draw(t, tmp_path / "t.jpg")
     one = tmp_path / "one.png"
     draw(Topology((Site(S("a"), ("127.0.0.1:7101",)),), ()), one)

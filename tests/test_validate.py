@@ -244,7 +244,7 @@ def _readers_agree(batch: bytes, count: int) -> None:
 def test_hostile_batches_are_refused_or_readable(hostile: tuple[bytes, str]) -> None:
     """Arbitrary records sections and header fields under a valid CRC: the validator raises only its own errors,
     and whatever it accepts every reader reads whole."""
-    batch, label = hostile
+    batch, _label = hostile
     try:
         valid = validate_batch(batch, LIMIT)
     except InvalidBatch as exc:

@@ -130,7 +130,7 @@ def test_items_are_sorted(x: VectorOffset) -> None:
 def test_text_round_trip(x: VectorOffset) -> None:
     assert VectorOffset.parse(x.to_text()) == x
     assert VectorOffset.parse(x.to_text()).to_text() == x.to_text()
-    assert eval(repr(x), {"VectorOffset": VectorOffset}) == x  # noqa: S307 - repr is the parse call
+    assert eval(repr(x), {"VectorOffset": VectorOffset}) == x  # repr is the parse call
 
 
 def test_text_form() -> None:

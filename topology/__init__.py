@@ -56,8 +56,8 @@ _WHERE = {
 
 __all__ = [
     "ALL_TOPICS",
-    "Candidate",
     "DEFAULT_TOPOLOGY_TOML",
+    "Candidate",
     "InvalidSiteId",
     "InvalidTopicFilter",
     "InvalidTopology",

@@ -1,7 +1,7 @@
 """Topic filters on replication links. Pure.
 
 A topic name is a sequence of levels separated by ``/``; each level is
-``[A-Za-z0-9._-]+`` (``cluster/topics.py``). A filter has the same shape, and
+``[A-Za-z0-9._-]+`` (``georep/metadata/topics.py``). A filter has the same shape, and
 a filter level is one of:
 
 - a literal, which matches the same level exactly (case-sensitive);
@@ -111,7 +111,7 @@ class TopicFilter:
 
 def match_levels(pattern: Sequence[str], topic: Sequence[str]) -> bool:
     """Do the filter levels ``pattern`` (literals, ``+``, ``**``) match the levels of a name? Topic filters use it,
-    and so do the ACLs' principal patterns (``georep/security/acl.py``)."""
+    and so do the ACLs' principal patterns (``georep/auth/acl.py``)."""
     if ANY_LEVELS not in pattern:
         if len(pattern) != len(topic):
             return False

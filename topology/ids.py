@@ -1,4 +1,11 @@
-"""Site ids: the short names of datacenters (ARCHITECTURE.md, vocabulary)."""
+"""Ids: site ids, the short names of datacenters (ARCHITECTURE.md, vocabulary), and the ids inside one site's
+segment cluster (ARCHITECTURE.md, "Inside a site").
+
+Every id has this one home, at the bottom of the layers: the topology names sites and their nodes, and the
+site's cluster numbers leader epochs and segments. ``NewType`` keeps them apart in type checking: a node id, a
+leader epoch and a segment's place in its partition's chain cannot be mixed up with each other, nor with a local
+offset or an origin seq.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,21 @@ import re
 from typing import NewType
 
 SiteId = NewType("SiteId", str)
+NodeId = NewType("NodeId", int)  # a node of one site: 1, 2, 3, ... (principal ``node:a/2``)
+LeaderEpoch = NewType("LeaderEpoch", int)  # per partition; bumped by every leader change
+SegmentId = NewType("SegmentId", int)  # per partition: 0, 1, 2, ... in chain order
 
 SITE_ID_MAX_CHARS = 32
 _SITE_ID = re.compile(r"[a-z][a-z0-9-]{0,31}")
+NODE_ID_MAX = 4095
 
 
 class InvalidSiteId(ValueError):
     """A site id does not match ``[a-z][a-z0-9-]{0,31}``."""
+
+
+class InvalidNodeId(ValueError):
+    """A node id outside ``1..NODE_ID_MAX``."""
 
 
 def site_id(text: str) -> SiteId:
@@ -23,3 +38,10 @@ def site_id(text: str) -> SiteId:
             "first, then lowercase letters, digits or '-' (for example 'us-east')"
         )
     return SiteId(text)
+
+
+def node_id(value: int) -> NodeId:
+    """Validate ``value`` and return it as a :data:`NodeId`."""
+    if not 1 <= value <= NODE_ID_MAX:
+        raise InvalidNodeId(f"invalid node id {value}: use 1 to {NODE_ID_MAX}, for example --node-id 2")
+    return NodeId(value)

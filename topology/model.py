@@ -51,9 +51,8 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from cluster.ids import NODE_ID_MAX, InvalidNodeId, NodeId, node_id
 from topology.filters import ALL_TOPICS, InvalidTopicFilter, TopicFilter, is_internal, matches_any
-from topology.ids import InvalidSiteId, SiteId, site_id
+from topology.ids import NODE_ID_MAX, InvalidNodeId, InvalidSiteId, NodeId, SiteId, node_id, site_id
 
 COST_MAX = 1_000_000
 

@@ -1,7 +1,7 @@
 """The broker's domain errors: plain exceptions, each saying what to do. No gRPC here.
 
 The pure core raises these (and the errors of the modules it builds on:
-``cluster.metadata.UnknownTopic``, ``georep.storage.api.DiskFull``, ...).
+``georep.metadata.store.UnknownTopic``, ``georep.storage.api.DiskFull``, ...).
 Only the gRPC layer (``georep/server/status.py``) maps them to status codes,
 so the simulator and the unit tests see the same exceptions the node does.
 """

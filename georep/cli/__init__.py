@@ -11,6 +11,6 @@ import os
 # pass), so a command shows that one line instead. Set GRPC_VERBOSITY to see gRPC's own logs again.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from georep.cli.main import main  # noqa: E402  (after the environment gRPC reads when it loads)
+from georep.cli.main import main  # after the environment gRPC reads when it loads
 
 __all__ = ["main"]

@@ -3,7 +3,7 @@
 ``add PRINCIPAL OPERATION[,OPERATION...] RESOURCE`` allows each operation on the resource pattern to the
 principal pattern, at the node ``--bootstrap`` names; the entry then reaches every site linked to it.
 ``remove`` takes the same three arguments and stops allowing them. Entries are checked here first
-(``georep/security/acl.py``), so a typo is an error that shows the accepted forms before anything is sent.
+(``georep/auth/acl.py``), so a typo is an error that shows the accepted forms before anything is sent.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import sys
 
 import grpc
 
+from georep.auth.acl import InvalidAcl, Operation, acl_entry
 from georep.cli.admin_token import add_admin_call_arguments, call_metadata, find_token
 from georep.cli.tls_args import TlsArgsError, client_tls
 from georep.client.connection import tls_problem
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.security.acl import InvalidAcl, Operation, acl_entry
 from georep.security.tls import TlsConfig, client_channel
 
 TIMEOUT_S = 10.0

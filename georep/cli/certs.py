@@ -15,12 +15,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.auth.principal import InvalidPrincipal, Principal, parse_principal, principal_file_name
+from georep.cli.topology_arg import load_topology
 from georep.security import dev_ca
-from georep.security.principal import InvalidPrincipal, Principal, parse_principal, principal_file_name
 from georep.security.raft_secret import secret_file_name
 from georep.security.tls import CA_FILE, TlsError
 from georep.storage.private import restrict_umask
+from topology.file import TopologyFileError
 from topology.ids import InvalidSiteId, site_id
 
 

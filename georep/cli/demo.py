@@ -40,7 +40,7 @@ from georep.cli.drill import drill, render
 from georep.cli.link import set_link as set_link_rpc
 from georep.cli.status import vector_text
 from georep.cli.tls_args import certs_dir
-from georep.cli.topology_file import load_topology
+from georep.cli.topology_arg import load_topology
 from georep.cli.up import ensure_certs, site_processes, stop_restarted
 from georep.client import Admin, Consumer, ConsumerRecord, Producer, RecordMetadata
 from georep.proto import georep_pb2 as pb
@@ -208,87 +208,107 @@ async def run(data_dir: Path, records: int) -> int:
         for node in nodes:
             node.start()
             say(f"  site {node.site}: node on {node.address} (pid {node.pid}), metrics http://{node.metrics_address}/metrics")
-
-        say(f"\n1. create {TOPIC} ({PARTITIONS} partitions) at site a; topic metadata replicates")
-        async with Admin(by_site["a"].address, tls=client_tls(by_site["a"])) as admin:
-            await admin.create_topic(TOPIC, PARTITIONS)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            present = [s for s, n in by_site.items() if TOPIC in await _topics(n)]
-            if len(present) == 3:
-                break
-            await asyncio.sleep(0.1)
-        say(f"   the topic exists at sites: {', '.join(present)}")
-
-        say(f"\n2. write {records} records at each of a, b and c at the same time")
-        started = time.perf_counter()
-        await asyncio.gather(*(produce_at(n, TOPIC, records, f"from-{n.site}") for n in nodes))
-        say(f"   {3 * records} records acknowledged in {time.perf_counter() - started:.2f}s")
-
-        took = await wait_converged(nodes, TOPIC)
-        say(f"\n3. every site converged {took:.2f}s after the last ack; vector per partition:")
-        for site, parts in (await vectors(nodes, TOPIC)).items():
-            say(f"   {site}: " + "  ".join(f"p{p}={v}" for p, v in sorted(parts.items())))
-        sequences = {}
-        for node in nodes:
-            got = await consume_all(node.address, TOPIC, 3 * records, tls=client_tls(node))
-            sequences[node.site] = per_origin_sequences(got)
-            say(f"   consumed {len(got)} records at site {node.site}; first: {record_json(got[0])}")
-        identical = sequences["a"] == sequences["b"] == sequences["c"]
-        say(f"   identical per-origin sequences (coordinates and values) at a, b and c: {identical}")
-        if not identical:
-            failures.append("per-origin sequences differ between sites")
-
-        say("\n4. cut the link c -> a; c's new records must reach a through b")
-        await set_link(by_site["a"], "c", enabled=False)
-        await produce_at(by_site["c"], TOPIC, 1_000, "after-cut")
-        took = await wait_converged(nodes, TOPIC)
-        status = await site_status(by_site["a"])
-        links = {f"{lk.src}->{lk.dst}": lk.state for lk in status.links}
-        upstreams = sorted({(lag.origin, lag.upstream) for p in status.partitions if p.topic == TOPIC for lag in p.lags
-                            if lag.origin.startswith("c@")})  # fmt: skip
-        say(f"   a's links: {links}; a now pulls {upstreams[0][0] if upstreams else 'c'} from: "
-            f"{', '.join(sorted({u for _, u in upstreams})) or '-'}")  # fmt: skip
-        say(f"   converged again {took:.2f}s after the last ack, around the cut link")
-        if links.get("c->a") != "down" or any(u != "b" for _, u in upstreams):
-            failures.append(f"after the cut, a should pull c's records from b: {upstreams}, links {links}")
-        await set_link(by_site["a"], "c", enabled=True)
-        say("   link c -> a healed")
-
-        say("\n5. SIGKILL site a during a produce that fsyncs every batch, then restart it")
-        async with Admin(by_site["a"].address, tls=client_tls(by_site["a"])) as admin:
-            await admin.create_topic("demo/crash", 1)
-        report = await produce_through_crash(by_site["a"], "demo/crash", 20_000, kill_after_acked=6_000)
-        say(f"   killed after {report.kill_after_acked} acks; after restart: {report.acked}/{report.sent} acked, "
-            f"{report.present} distinct present, {report.duplicates} duplicates, "
-            f"{report.missing_acked} acked records missing")  # fmt: skip
-        if not report.ok:
-            failures.append(f"crash recovery: {report}")
-        took = await wait_converged(nodes, "demo/crash")
-        counts = [len(await consume_all(n.address, "demo/crash", 20_000, tls=client_tls(n))) for n in nodes]
-        say(f"   replicated to every site {took:.2f}s later: records at a, b, c = {counts}")
-        if counts != [20_000] * 3:
-            failures.append(f"demo/crash counts per site: {counts}")
-
-        say("\n6. DR drill: producers at every site (acks=leader and acks=geo:2), a consumer group at a;")
-        say("   SIGKILL a, the consumers fail over to b, a restarts and rejoins")
-        drill_args = argparse.Namespace(**{**vars(drill_defaults()), "data_dir": data_dir,
-                                           "report": data_dir / "drill-report.json"})  # fmt: skip
-        doc = await drill(drill_args, out=lambda line: say(f"   {line}"))
-        drill_args.report.write_text(json.dumps(doc, indent=2) + "\n")
-        say("\n" + "\n".join(f"   {line}" for line in render(doc).splitlines()))
-        say(f"   report: {drill_args.report}")
-        if not doc["ok"]:
-            failures.append("drill: " + "; ".join(doc["promises_broken"]))
-
+        await _create_everywhere(by_site)
+        failures += await _write_at_every_site(nodes, records)
+        failures += await _route_around_a_cut(nodes, by_site)
+        failures += await _crash_and_restart(nodes, by_site)
+        failures += await _dr_drill(data_dir)
         failures += await cluster_site_step(data_dir / "three-nodes")
-
         say("\ndemo " + ("passed" if not failures else "FAILED: " + "; ".join(failures)))
         return 0 if not failures else 1
     finally:
         for node in nodes:
             node.stop()
         stop_restarted(nodes)
+
+
+async def _create_everywhere(by_site: dict[str, NodeProcess]) -> None:
+    """Step 1: a topic created at one site exists at every site."""
+    say(f"\n1. create {TOPIC} ({PARTITIONS} partitions) at site a; topic metadata replicates")
+    async with Admin(by_site["a"].address, tls=client_tls(by_site["a"])) as admin:
+        await admin.create_topic(TOPIC, PARTITIONS)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        present = [s for s, n in by_site.items() if TOPIC in await _topics(n)]
+        if len(present) == 3:
+            break
+        await asyncio.sleep(0.1)
+    say(f"   the topic exists at sites: {', '.join(present)}")
+
+
+async def _write_at_every_site(nodes: list[NodeProcess], records: int) -> list[str]:
+    """Step 2 and 3: writes at every site at once converge to the same per-origin sequences everywhere."""
+    say(f"\n2. write {records} records at each of a, b and c at the same time")
+    started = time.perf_counter()
+    await asyncio.gather(*(produce_at(n, TOPIC, records, f"from-{n.site}") for n in nodes))
+    say(f"   {3 * records} records acknowledged in {time.perf_counter() - started:.2f}s")
+
+    took = await wait_converged(nodes, TOPIC)
+    say(f"\n3. every site converged {took:.2f}s after the last ack; vector per partition:")
+    for site, parts in (await vectors(nodes, TOPIC)).items():
+        say(f"   {site}: " + "  ".join(f"p{p}={v}" for p, v in sorted(parts.items())))
+    sequences = {}
+    for node in nodes:
+        got = await consume_all(node.address, TOPIC, 3 * records, tls=client_tls(node))
+        sequences[node.site] = per_origin_sequences(got)
+        say(f"   consumed {len(got)} records at site {node.site}; first: {record_json(got[0])}")
+    identical = sequences["a"] == sequences["b"] == sequences["c"]
+    say(f"   identical per-origin sequences (coordinates and values) at a, b and c: {identical}")
+    return [] if identical else ["per-origin sequences differ between sites"]
+
+
+async def _route_around_a_cut(nodes: list[NodeProcess], by_site: dict[str, NodeProcess]) -> list[str]:
+    """Step 4: with the link c -> a cut, a pulls c's records through b."""
+    failures = []
+    say("\n4. cut the link c -> a; c's new records must reach a through b")
+    await set_link(by_site["a"], "c", enabled=False)
+    await produce_at(by_site["c"], TOPIC, 1_000, "after-cut")
+    took = await wait_converged(nodes, TOPIC)
+    status = await site_status(by_site["a"])
+    links = {f"{lk.src}->{lk.dst}": lk.state for lk in status.links}
+    upstreams = sorted({(lag.origin, lag.upstream) for p in status.partitions if p.topic == TOPIC for lag in p.lags
+                        if lag.origin.startswith("c@")})  # fmt: skip
+    say(f"   a's links: {links}; a now pulls {upstreams[0][0] if upstreams else 'c'} from: "
+        f"{', '.join(sorted({u for _, u in upstreams})) or '-'}")  # fmt: skip
+    say(f"   converged again {took:.2f}s after the last ack, around the cut link")
+    if links.get("c->a") != "down" or any(u != "b" for _, u in upstreams):
+        failures.append(f"after the cut, a should pull c's records from b: {upstreams}, links {links}")
+    await set_link(by_site["a"], "c", enabled=True)
+    say("   link c -> a healed")
+    return failures
+
+
+async def _crash_and_restart(nodes: list[NodeProcess], by_site: dict[str, NodeProcess]) -> list[str]:
+    """Step 5: a site killed during a produce loses no acknowledged record, and replicates all of them."""
+    failures = []
+    say("\n5. SIGKILL site a during a produce that fsyncs every batch, then restart it")
+    async with Admin(by_site["a"].address, tls=client_tls(by_site["a"])) as admin:
+        await admin.create_topic("demo/crash", 1)
+    report = await produce_through_crash(by_site["a"], "demo/crash", 20_000, kill_after_acked=6_000)
+    say(f"   killed after {report.kill_after_acked} acks; after restart: {report.acked}/{report.sent} acked, "
+        f"{report.present} distinct present, {report.duplicates} duplicates, "
+        f"{report.missing_acked} acked records missing")  # fmt: skip
+    if not report.ok:
+        failures.append(f"crash recovery: {report}")
+    took = await wait_converged(nodes, "demo/crash")
+    counts = [len(await consume_all(n.address, "demo/crash", 20_000, tls=client_tls(n))) for n in nodes]
+    say(f"   replicated to every site {took:.2f}s later: records at a, b, c = {counts}")
+    if counts != [20_000] * 3:
+        failures.append(f"demo/crash counts per site: {counts}")
+    return failures
+
+
+async def _dr_drill(data_dir: Path) -> list[str]:
+    """Step 6: ``georep drill``'s site kill, with its report."""
+    say("\n6. DR drill: producers at every site (acks=leader and acks=geo:2), a consumer group at a;")
+    say("   SIGKILL a, the consumers fail over to b, a restarts and rejoins")
+    drill_args = argparse.Namespace(**{**vars(drill_defaults()), "data_dir": data_dir,
+                                       "report": data_dir / "drill-report.json"})  # fmt: skip
+    doc = await drill(drill_args, out=lambda line: say(f"   {line}"))
+    drill_args.report.write_text(json.dumps(doc, indent=2) + "\n")
+    say("\n" + "\n".join(f"   {line}" for line in render(doc).splitlines()))
+    say(f"   report: {drill_args.report}")
+    return [] if doc["ok"] else ["drill: " + "; ".join(doc["promises_broken"])]
 
 
 def _free_ports(count: int) -> list[int]:
@@ -343,57 +363,12 @@ async def cluster_site_step(root: Path, topic: str = "demo/cluster") -> list[str
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any([await _leader_of(nodes, topic, p) is None for p in range(3)]):
             await asyncio.sleep(0.1)
-        acked: set[bytes] = set()
-        first_ack_after_kill: list[float] = []  # of a partition-0 write, sent after the kill
-        killed_at = float("inf")
-        stop = asyncio.Event()
-
-        async def produce(tag: str, bootstrap: str) -> None:
-            n = 0
-            async with Producer(bootstrap, acks="all", linger_ms=2, batch_size=4096, tls=tls) as producer:
-                while not stop.is_set():
-                    values = [f"{tag}-{n + i}".encode() for i in range(50)]
-                    sent_at = time.monotonic()
-                    futures = [producer.send(topic, v, key=v) for v in values]
-                    for value, result in zip(values, await asyncio.gather(*futures, return_exceptions=True),
-                                             strict=True):  # fmt: skip
-                        if not isinstance(result, BaseException):
-                            acked.add(value)
-                            if result.partition == 0 and sent_at > killed_at and not first_ack_after_kill:
-                                first_ack_after_kill.append(time.monotonic())
-                    n += 50
-
-        producers = [asyncio.create_task(produce("p1", nodes[1].address)),
-                     asyncio.create_task(produce("p2", nodes[2].address))]  # fmt: skip
-        await asyncio.sleep(2.0)
-        victim = await _leader_of(nodes, topic, 0)
-        if victim is not None:
-            victim.kill9()
-            killed_at = time.monotonic()
-            say(f"   SIGKILL node {victim.node_id} (pid {victim.pid}), the leader of {topic}-0, after {len(acked)} "
-                "acks")  # fmt: skip
-        while not first_ack_after_kill and time.monotonic() - killed_at < 30:
-            await asyncio.sleep(0.01)
-        if first_ack_after_kill:
-            say(f"   {topic}-0 acknowledged writes again {first_ack_after_kill[0] - killed_at:.2f}s after the kill "
-                "(a new leader detected the death, recovered the open segment and opened the next one)")  # fmt: skip
-        else:
+        writes = LeaderKillWrites(topic, tls)
+        victim = await writes.kill_the_leader(nodes)
+        if not writes.first_ack_after_kill:
             failures.append("three-node site: partition 0 took no write within 30 s of its leader's death")
-        await asyncio.sleep(1.0)
-        if victim is not None:
-            victim.start(60)
-            say(f"   node {victim.node_id} restarted; it rejoins as a member of new segments")
-        await asyncio.sleep(1.0)
-        stop.set()
-        await asyncio.gather(*producers)
-        values: Counter[bytes | None] = Counter()
-        async with Consumer(nodes[0].address, tls=tls) as consumer:  # it reads each partition at its leader
-            consumer.subscribe([topic])
-            consumer.seek_to_beginning()
-            deadline = time.monotonic() + 60
-            while not acked <= set(values) and time.monotonic() < deadline:
-                values.update(r.value for r in await consumer.poll(timeout_ms=500, max_records=10_000))
-            values.update(r.value for r in await consumer.poll(timeout_ms=500, max_records=10_000))
+        acked = writes.acked
+        values = await _read_back(nodes[0].address, topic, tls, acked)
         missing = len(acked - set(values))
         duplicates = sum(n - 1 for n in values.values() if n > 1)
         say(f"   {len(acked)} records acknowledged at acks=all; read back from the leaders: {len(values)} distinct, "
@@ -406,6 +381,73 @@ async def cluster_site_step(root: Path, topic: str = "demo/cluster") -> list[str
         for node in nodes:
             node.stop()
     return failures
+
+
+class LeaderKillWrites:
+    """Two producers at acks=all through the site's other nodes, while the leader of partition 0 is killed and
+    restarted: what was acknowledged, and when partition 0 took a write again."""
+
+    def __init__(self, topic: str, tls: TlsConfig | None) -> None:
+        self.topic, self.tls = topic, tls
+        self.acked: set[bytes] = set()
+        self.first_ack_after_kill: list[float] = []  # of a partition-0 write, sent after the kill
+        self.killed_at = float("inf")
+        self.stop = asyncio.Event()
+
+    async def produce(self, tag: str, bootstrap: str) -> None:
+        n = 0
+        async with Producer(bootstrap, acks="all", linger_ms=2, batch_size=4096, tls=self.tls) as producer:
+            while not self.stop.is_set():
+                values = [f"{tag}-{n + i}".encode() for i in range(50)]
+                sent_at = time.monotonic()
+                futures = [producer.send(self.topic, v, key=v) for v in values]
+                for value, result in zip(values, await asyncio.gather(*futures, return_exceptions=True),
+                                         strict=True):  # fmt: skip
+                    if not isinstance(result, BaseException):
+                        self.acked.add(value)
+                        if result.partition == 0 and sent_at > self.killed_at and not self.first_ack_after_kill:
+                            self.first_ack_after_kill.append(time.monotonic())
+                n += 50
+
+    async def kill_the_leader(self, nodes: list[NodeProcess]) -> NodeProcess | None:
+        """Write, kill partition 0's leader, wait for a write to it, restart the node, stop writing; the victim."""
+        topic = self.topic
+        producers = [asyncio.create_task(self.produce("p1", nodes[1].address)),
+                     asyncio.create_task(self.produce("p2", nodes[2].address))]  # fmt: skip
+        await asyncio.sleep(2.0)
+        victim = await _leader_of(nodes, topic, 0)
+        if victim is not None:
+            victim.kill9()
+            self.killed_at = time.monotonic()
+            say(f"   SIGKILL node {victim.node_id} (pid {victim.pid}), the leader of {topic}-0, after "
+                f"{len(self.acked)} acks")  # fmt: skip
+        while not self.first_ack_after_kill and time.monotonic() - self.killed_at < 30:
+            await asyncio.sleep(0.01)
+        if self.first_ack_after_kill:
+            say(f"   {topic}-0 acknowledged writes again {self.first_ack_after_kill[0] - self.killed_at:.2f}s after "
+                "the kill (a new leader detected the death, recovered the open segment and opened the next "
+                "one)")  # fmt: skip
+        await asyncio.sleep(1.0)
+        if victim is not None:
+            victim.start(60)
+            say(f"   node {victim.node_id} restarted; it rejoins as a member of new segments")
+        await asyncio.sleep(1.0)
+        self.stop.set()
+        await asyncio.gather(*producers)
+        return victim
+
+
+async def _read_back(bootstrap: str, topic: str, tls: TlsConfig | None, acked: set[bytes]) -> Counter[bytes | None]:
+    """Every value of ``topic`` (with its count), read until every acknowledged one is seen (or a minute)."""
+    values: Counter[bytes | None] = Counter()
+    async with Consumer(bootstrap, tls=tls) as consumer:  # it reads each partition at its leader
+        consumer.subscribe([topic])
+        consumer.seek_to_beginning()
+        deadline = time.monotonic() + 60
+        while not acked <= set(values) and time.monotonic() < deadline:
+            values.update(r.value for r in await consumer.poll(timeout_ms=500, max_records=10_000))
+        values.update(r.value for r in await consumer.poll(timeout_ms=500, max_records=10_000))
+    return values
 
 
 def drill_defaults() -> argparse.Namespace:

@@ -75,7 +75,7 @@ from georep.cli.drill_sites import DrillSitesError, drill_sites
 from georep.cli.link import set_link
 from georep.cli.tls_args import TlsArgsError, client_tls
 from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
-from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.cli.topology_arg import load_topology
 from georep.cli.up import DEFAULT_DATA_DIR
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.client.consumer import Consumer, ConsumerRecord, decode_response
@@ -91,6 +91,7 @@ from georep.server.process import NODE_INFO
 from georep.storage.private import append_private
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
+from topology.file import TopologyFileError
 from topology.ids import SiteId
 from topology.model import Topology, UnknownSite
 
@@ -409,34 +410,12 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
     except TopologyFileError as exc:
         raise DrillError(str(exc)) from None
     if args.client == "kafka":
-        from georep.kafka.drill import KafkaDrillError, kafka_drill
-
-        if args.mode != "kill":
-            raise DrillError("--client kafka drills --mode kill (a site's node killed)")
-        try:
-            tls = client_tls(args)
-        except TlsArgsError as exc:
-            raise DrillError(exc.message) from None
-        try:
-            return await asyncio.to_thread(kafka_drill, args, topology, out, tls)
-        except KafkaDrillError as exc:
-            raise DrillError(str(exc)) from None
-    names = list(topology.site_ids())
-    levels = [a.strip() for a in (args.acks or DEFAULT_ACKS[args.mode]).split(",") if a.strip()]
-    if not levels:
-        raise DrillError("--acks names no ack level: give one or more of leader, all, geo:N")
-    for level in (*levels, args.commit_acks):
-        try:
-            parse_acks(level)
-        except GeorepError as exc:
-            raise DrillError(exc.message) from None
+        return await _kafka_drill(args, topology, out)
+    levels = _ack_levels(args)
     if args.rate <= 0 or args.consumers < 1 or args.partitions < 1:
         raise DrillError("--rate, --consumers and --partitions must be positive")
-    try:
-        tls = client_tls(args)
-    except TlsArgsError as exc:
-        raise DrillError(exc.message) from None
-    sites = {n: Site(n, topology.site(n).nodes[0], topology.site(n).nodes, tls) for n in names}
+    tls = _client_tls(args)
+    sites = {n: Site(n, topology.site(n).nodes[0], topology.site(n).nodes, tls) for n in topology.site_ids()}
     if args.mode == "node-kill":
         return await node_kill(args, topology, sites, levels, out)
     if args.node is not None:
@@ -451,146 +430,209 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
         except grpc.aio.AioRpcError as exc:
             raise DrillError(f"site {s.name} at {s.address} does not answer ({exc.code().name}): start the "
                              "topology first ('georep up')") from None  # fmt: skip
-    info = node_info(args.data_dir, victim) if args.mode == "kill" else {}
-    token = find_token(args.admin_token, args.data_dir)
+    return await SiteDrill(args, topology, sites, levels, victim, target, out).drill()
 
-    stamp = int(time.time() * 1000)
-    run = Run(topic=f"drill-{stamp}", group=f"drill-{stamp}")
-    out(f"drill: {args.mode} site {victim}, consumers fail over to {target}; topic {run.topic}, ack levels "
-        f"{', '.join(levels)}, {args.rate:g} records/s per producer, commits {args.commit_acks}")  # fmt: skip
-    await sites[victim].stub_call("CreateTopic", pb.CreateTopicRequest(name=run.topic, partitions=args.partitions))
 
-    async def everywhere() -> bool:
-        for s in sites.values():
-            await vectors(s, run.topic)
-        return True
+async def _kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str], None]) -> dict[str, Any]:
+    from georep.cli.kafka_drill import KafkaDrillError, kafka_drill
 
-    await wait_for(f"topic {run.topic} exists at every site (do the link filters carry 'drill-*'?)", everywhere, 15)
-
-    stop_producers = asyncio.Event()
-    producer_tasks = {
-        (s, level): asyncio.create_task(produce_loop(run, sites[s], level, args.rate, stop_producers))
-        for s in names for level in levels
-    }  # fmt: skip
-    stop_consumers = asyncio.Event()
-    consumers: list[Consumer] = []
-    consumer_tasks: list[asyncio.Task[None]] = []
-
-    async def start_consumers(bootstrap: str, tag: str) -> None:
-        for i in range(args.consumers):
-            c = Consumer(bootstrap, group_id=run.group, auto_offset_reset="earliest", enable_auto_commit=False,
-                         commit_acks=args.commit_acks, client_id=f"drill-{i}", session_timeout_ms=6000,
-                         tls=tls)  # fmt: skip
-            await c.start()
-            c.subscribe([run.topic])
-            consumers.append(c)
-            consumer_tasks.append(asyncio.create_task(
-                consume_loop(run, c, f"{tag}{i}", args.commit_interval_ms / 1000, stop_consumers)))  # fmt: skip
-
-    await start_consumers(f"{sites[victim].address},{sites[target].address}", "c")
-    await asyncio.sleep(args.warmup)
-
-    # -- the event
-    out(f"drill: {args.mode} {victim} after {args.warmup:g}s warm-up "
-        f"({len(run.acked)} records acked, {len(run.deliveries)} delivered, {run.commit_count} commits)")
-    for level in levels:  # producers at the victim stop with it
-        producer_tasks[(victim, level)].cancel()
-    if args.mode == "kill":
-        run.event_at = _now()
-        os.kill(int(info["pid"]), signal.SIGKILL)
-    else:
-        run.event_at = _now()
-        await set_links(topology, victim, sites, False, token)
-        # The application at the victim is abandoned, as if it crashed; a new one starts at the target.
-        stop_consumers.set()
-        for t in consumer_tasks:
-            t.cancel()
-        for c in consumers:
-            c._closed = True
-            with contextlib.suppress(Exception):
-                await c._connection.close()
-        consumers.clear()
-        consumer_tasks.clear()
-        stop_consumers = asyncio.Event()
-        await start_consumers(sites[target].address, "r")
-    event = run.event_at
-    target_origin = (await sites[target].stub_call("Health", pb.HealthRequest()))
-    target_origin = f"{target_origin.site}@{target_origin.epoch}"
-
-    async def first_at_target() -> bool:
-        for t in consumer_tasks:  # a consumer that died would leave the wait to time out with no reason
-            if t.done() and not t.cancelled() and t.exception() is not None:
-                raise DrillError(f"a consumer failed while failing over to {target}: {t.exception()!r}")
-        return any(d.site_origin == target_origin and d.at >= event for d in run.deliveries)
-
-    restored = False
-
-    async def restore() -> None:
-        nonlocal restored
-        if not restored and not args.no_restart:
-            restored = True
-            if args.mode == "kill":
-                restart_node(info, args.data_dir / victim, f"site {victim}")
-            else:
-                await set_links(topology, victim, sites, True, token)
-
+    if args.mode != "kill":
+        raise DrillError("--client kafka drills --mode kill (a site's node killed)")
+    tls = _client_tls(args)
     try:
-        await wait_for(f"a consumer reads at {target}", first_at_target, 60,
-                       lambda: "; ".join(c.describe() for c in consumers))  # fmt: skip
-    except BaseException:
-        # The drill cannot finish: still give the operator the site back.
-        with contextlib.suppress(Exception):
-            await restore()
-        raise
-    rto_ms = (min(d.at for d in run.deliveries if d.site_origin == target_origin and d.at >= event) - event) * 1000
-    out(f"drill: first record consumed at {target} {rto_ms:.0f} ms after the {args.mode}")
-    await asyncio.sleep(args.after)
-    stop_producers.set()
-    await asyncio.gather(*(t for t in producer_tasks.values() if not t.done()), return_exceptions=True)
+        return await asyncio.to_thread(kafka_drill, args, topology, out, tls)
+    except KafkaDrillError as exc:
+        raise DrillError(str(exc)) from None
 
-    # -- what the survivors hold
-    survivors = [n for n in names if n != victim]
 
-    async def survivors_converged() -> bool:
-        held = [await vectors(sites[s], run.topic) for s in survivors]
+def _ack_levels(args: argparse.Namespace) -> list[str]:
+    """The producers' ack levels (``--acks``, else the mode's), each checked, as is ``--commit-acks``."""
+    levels = [a.strip() for a in (args.acks or DEFAULT_ACKS[args.mode]).split(",") if a.strip()]
+    if not levels:
+        raise DrillError("--acks names no ack level: give one or more of leader, all, geo:N")
+    for level in (*levels, args.commit_acks):
+        try:
+            parse_acks(level)
+        except GeorepError as exc:
+            raise DrillError(exc.message) from None
+    return levels
+
+
+def _client_tls(args: argparse.Namespace) -> TlsConfig | None:
+    try:
+        return client_tls(args)
+    except TlsArgsError as exc:
+        raise DrillError(exc.message) from None
+
+
+class SiteDrill:
+    """One drill of a site (``--mode kill`` or ``isolate``): the workload, the event, the consumers' failover,
+    what the survivors hold, the rejoin, and the accounting of every record (the module's docstring)."""
+
+    def __init__(self, args: argparse.Namespace, topology: Topology, sites: dict[SiteId, Site], levels: list[str],
+                 victim: SiteId, target: SiteId, out: Callable[[str], None]) -> None:  # fmt: skip
+        self.args, self.topology, self.sites, self.levels, self.out = args, topology, sites, levels, out
+        self.victim, self.target = victim, target
+        self.names = list(sites)
+        self.info = node_info(args.data_dir, victim) if args.mode == "kill" else {}
+        self.token = find_token(args.admin_token, args.data_dir)
+        stamp = int(time.time() * 1000)
+        self.run = Run(topic=f"drill-{stamp}", group=f"drill-{stamp}")
+        self.stop_producers = asyncio.Event()
+        self.producer_tasks: dict[tuple[SiteId, str], asyncio.Task[None]] = {}
+        self.stop_consumers = asyncio.Event()
+        self.consumers: list[Consumer] = []
+        self.consumer_tasks: list[asyncio.Task[None]] = []
+        self.target_origin = ""
+        self.restored = False
+
+    async def drill(self) -> dict[str, Any]:
+        args, run, victim, target = self.args, self.run, self.victim, self.target
+        self.out(f"drill: {args.mode} site {victim}, consumers fail over to {target}; topic {run.topic}, ack "
+                 f"levels {', '.join(self.levels)}, {args.rate:g} records/s per producer, commits "
+                 f"{args.commit_acks}")  # fmt: skip
+        await self.create_topic()
+        self.producer_tasks = {
+            (s, level): asyncio.create_task(produce_loop(run, self.sites[s], level, args.rate, self.stop_producers))
+            for s in self.names for level in self.levels
+        }  # fmt: skip
+        await self.start_consumers(f"{self.sites[victim].address},{self.sites[target].address}", "c")
+        await asyncio.sleep(args.warmup)
+        await self.event()
+        rto_ms = await self.failover()
+        await asyncio.sleep(args.after)
+        self.stop_producers.set()
+        await asyncio.gather(*(t for t in self.producer_tasks.values() if not t.done()), return_exceptions=True)
+        lost = await self.lost_by_survivors()
+        rejoined, lost_after = await self.rejoin()
+        final = await self.drain()
+        return report(run, args, victim, target, self.target_origin, self.levels, lost, lost_after, rejoined, rto_ms,
+                      final)  # fmt: skip
+
+    async def create_topic(self) -> None:
+        topic = self.run.topic
+        request = pb.CreateTopicRequest(name=topic, partitions=self.args.partitions)
+        await self.sites[self.victim].stub_call("CreateTopic", request)
+
+        async def everywhere() -> bool:
+            for s in self.sites.values():
+                await vectors(s, topic)
+            return True
+
+        await wait_for(f"topic {topic} exists at every site (do the link filters carry 'drill-*'?)", everywhere, 15)
+
+    async def start_consumers(self, bootstrap: str, tag: str) -> None:
+        args = self.args
+        for i in range(args.consumers):
+            c = Consumer(bootstrap, group_id=self.run.group, auto_offset_reset="earliest", enable_auto_commit=False,
+                         commit_acks=args.commit_acks, client_id=f"drill-{i}", session_timeout_ms=6000,
+                         tls=self.sites[self.target].tls)  # fmt: skip
+            await c.start()
+            c.subscribe([self.run.topic])
+            self.consumers.append(c)
+            loop = consume_loop(self.run, c, f"{tag}{i}", args.commit_interval_ms / 1000, self.stop_consumers)
+            self.consumer_tasks.append(asyncio.create_task(loop))
+
+    async def event(self) -> None:
+        """Kill the victim's node or cut its links; after a cut, abandon its consumers for new ones at the target."""
+        args, run, victim = self.args, self.run, self.victim
+        self.out(f"drill: {args.mode} {victim} after {args.warmup:g}s warm-up "
+                 f"({len(run.acked)} records acked, {len(run.deliveries)} delivered, {run.commit_count} commits)")
+        for level in self.levels:  # producers at the victim stop with it
+            self.producer_tasks[(victim, level)].cancel()
+        run.event_at = _now()
+        if args.mode == "kill":
+            os.kill(int(self.info["pid"]), signal.SIGKILL)
+        else:
+            await set_links(self.topology, victim, self.sites, False, self.token)
+            # The application at the victim is abandoned, as if it crashed; a new one starts at the target.
+            self.stop_consumers.set()
+            for t in self.consumer_tasks:
+                t.cancel()
+            for c in self.consumers:
+                c._closed = True
+                with contextlib.suppress(Exception):
+                    await c._connection.close()
+            self.consumers.clear()
+            self.consumer_tasks.clear()
+            self.stop_consumers = asyncio.Event()
+            await self.start_consumers(self.sites[self.target].address, "r")
+        health = await self.sites[self.target].stub_call("Health", pb.HealthRequest())
+        self.target_origin = f"{health.site}@{health.epoch}"
+
+    async def failover(self) -> float:
+        """Wait until a consumer reads at the target; the RTO in ms. The victim is given back if that fails."""
+        run, event, target = self.run, self.run.event_at, self.target
+
+        async def first_at_target() -> bool:
+            for t in self.consumer_tasks:  # a consumer that died would leave the wait to time out with no reason
+                if t.done() and not t.cancelled() and t.exception() is not None:
+                    raise DrillError(f"a consumer failed while failing over to {target}: {t.exception()!r}")
+            return any(d.site_origin == self.target_origin and d.at >= event for d in run.deliveries)
+
+        try:
+            await wait_for(f"a consumer reads at {target}", first_at_target, 60,
+                           lambda: "; ".join(c.describe() for c in self.consumers))  # fmt: skip
+        except BaseException:
+            # The drill cannot finish: still give the operator the site back.
+            with contextlib.suppress(Exception):
+                await self.restore()
+            raise
+        first = min(d.at for d in run.deliveries if d.site_origin == self.target_origin and d.at >= event)
+        rto_ms = (first - event) * 1000
+        self.out(f"drill: first record consumed at {target} {rto_ms:.0f} ms after the {self.args.mode}")
+        return rto_ms
+
+    async def restore(self) -> None:
+        """Restart the victim's node or heal its links, once (unless ``--no-restart``)."""
+        if self.restored or self.args.no_restart:
+            return
+        self.restored = True
+        if self.args.mode == "kill":
+            restart_node(self.info, self.args.data_dir / self.victim, f"site {self.victim}")
+        else:
+            await set_links(self.topology, self.victim, self.sites, True, self.token)
+
+    async def converged(self, names: list[SiteId]) -> bool:
+        held = [await vectors(self.sites[s], self.run.topic) for s in names]
         return all(h == held[0] for h in held)
 
-    with contextlib.suppress(DrillError):
-        await wait_for("the surviving sites converge", survivors_converged, CONVERGE_TIMEOUT_S)
-    held_by_survivors = await merged_vectors([sites[s] for s in survivors], run.topic)
-    lost = [a for a in run.acked.values() if not covers(held_by_survivors, a)]
+    async def lost_by_survivors(self) -> list[Acked]:
+        """The acknowledged records no surviving site holds, once the survivors converged (or gave up)."""
+        survivors = [n for n in self.names if n != self.victim]
+        with contextlib.suppress(DrillError):
+            await wait_for("the surviving sites converge", lambda: self.converged(survivors), CONVERGE_TIMEOUT_S)
+        held_by_survivors = await merged_vectors([self.sites[s] for s in survivors], self.run.topic)
+        return [a for a in self.run.acked.values() if not covers(held_by_survivors, a)]
 
-    # -- rejoin
-    lost_after: list[Acked] = []
-    rejoined = False
-    if not args.no_restart:
-        await restore()
+    async def rejoin(self) -> tuple[bool, list[Acked]]:
+        """Give the victim back and wait until every site converges: whether it did, and what is lost for good."""
+        if self.args.no_restart:
+            return False, []
+        await self.restore()
+        await wait_for(f"site {self.victim} rejoins and every site converges", lambda: self.converged(self.names),
+                       CONVERGE_TIMEOUT_S)  # fmt: skip
+        held_all = await vectors(self.sites[self.target], self.run.topic)
+        return True, [a for a in self.run.acked.values() if not covers(held_all, a)]
 
-        async def all_converged() -> bool:
-            held = [await vectors(sites[s], run.topic) for s in names]
-            return all(h == held[0] for h in held)
+    async def drain(self) -> dict[int, VectorOffset]:
+        """Let the consumers read every record the target holds (or give up), stop them; the target's vectors."""
+        run = self.run
+        final = await vectors(self.sites[self.target], run.topic)
+        total = sum(sum(seq for _, seq in v.items()) for v in final.values())
 
-        await wait_for(f"site {victim} rejoins and every site converges", all_converged, CONVERGE_TIMEOUT_S)
-        rejoined = True
-        held_all = await vectors(sites[target], run.topic)
-        lost_after = [a for a in run.acked.values() if not covers(held_all, a)]
+        async def drained() -> bool:
+            return len({(d.partition, d.origin, d.origin_seq) for d in run.deliveries}) >= total
 
-    # -- drain the consumers, then account for every record
-    final = await vectors(sites[target], run.topic)
-    total = sum(sum(seq for _, seq in v.items()) for v in final.values())
-
-    async def drained() -> bool:
-        return len({(d.partition, d.origin, d.origin_seq) for d in run.deliveries}) >= total
-
-    with contextlib.suppress(DrillError):
-        await wait_for("the consumers read every record", drained, 30)
-    stop_consumers.set()
-    await asyncio.gather(*consumer_tasks, return_exceptions=True)
-    for c in consumers:
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(5):
-                await c.close()
-    return report(run, args, victim, target, target_origin, levels, lost, lost_after, rejoined, rto_ms, final)
+        with contextlib.suppress(DrillError):
+            await wait_for("the consumers read every record", drained, 30)
+        self.stop_consumers.set()
+        await asyncio.gather(*self.consumer_tasks, return_exceptions=True)
+        for c in self.consumers:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5):
+                    await c.close()
+        return final
 
 
 def covers(held: dict[int, VectorOffset], a: Acked) -> bool:
@@ -829,6 +871,23 @@ async def site_whole(site: Site, topic: str, partitions: int) -> bool:
 
 async def node_kill(args: argparse.Namespace, topology: Topology, sites: dict[SiteId, Site], levels: list[str],
                     out: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    victim, members = _node_kill_victim(args, topology, sites)
+    for s in sites.values():
+        for address in s.nodes:
+            try:
+                await s.stub_call("Health", pb.HealthRequest(), address)
+            except grpc.aio.AioRpcError as exc:
+                raise DrillError(f"node {address} of site {s.name} does not answer ({exc.code().name}): a drill starts "
+                                 "from a whole topology; start it first ('georep up')") from None  # fmt: skip
+    # Every candidate's node.json now, rather than after the warm-up: the leader of partition 0 is known only then.
+    infos = {n: cluster_node_info(args.data_dir, victim, n, members[n])
+             for n in ([args.node] if args.node is not None else sorted(members))}  # fmt: skip
+    return await NodeKillDrill(args, sites, levels, victim, members, infos, out).drill()
+
+
+def _node_kill_victim(args: argparse.Namespace, topology: Topology,
+                      sites: dict[SiteId, Site]) -> tuple[SiteId, dict[int, str]]:  # fmt: skip
+    """The site whose node the drill kills (``--site``, else the first of several nodes) and its nodes' addresses."""
     names = list(sites)
     if args.failover_to:
         raise DrillError("--failover-to is not for --mode node-kill: the site keeps serving, and its consumer stays")
@@ -846,162 +905,197 @@ async def node_kill(args: argparse.Namespace, topology: Topology, sites: dict[Si
     if args.node is not None and args.node not in members:
         raise DrillError(f"site {victim} has no node {args.node}: its nodes are "
                          f"{', '.join(str(n) for n in sorted(members))}")  # fmt: skip
-    for s in sites.values():
-        for address in s.nodes:
-            try:
-                await s.stub_call("Health", pb.HealthRequest(), address)
-            except grpc.aio.AioRpcError as exc:
-                raise DrillError(f"node {address} of site {s.name} does not answer ({exc.code().name}): a drill starts "
-                                 "from a whole topology; start it first ('georep up')") from None  # fmt: skip
-    # Every candidate's node.json now, rather than after the warm-up: the leader of partition 0 is known only then.
-    infos = {n: cluster_node_info(args.data_dir, victim, n, members[n])
-             for n in ([args.node] if args.node is not None else sorted(members))}  # fmt: skip
-    site = sites[victim]
-    health = await site.any_call("Health", pb.HealthRequest())
-    site_origin = f"{health.site}@{health.epoch}"
+    return SiteId(victim), members
 
-    stamp = int(time.time() * 1000)
-    run = Run(topic=f"drill-{stamp}", group="")
-    out(f"drill: node-kill at site {victim} ({len(members)} nodes); topic {run.topic}, ack levels {', '.join(levels)}, "
-        f"{args.rate:g} records/s per producer at {', '.join(names)}")  # fmt: skip
-    await site.any_call("CreateTopic", pb.CreateTopicRequest(name=run.topic, partitions=args.partitions))
 
-    async def served_everywhere() -> bool:
-        return all([len(await vectors(s, run.topic)) >= args.partitions for s in sites.values()])
+class NodeKillDrill:
+    """One ``--mode node-kill`` drill: the workload through the site's nodes, the kill of the node leading
+    partition 0 (or ``--node``), the partitions' failover, what the site holds, the node's return, and the
+    accounting of every record (the module's docstring)."""
 
-    await wait_for(f"every site serves every partition of {run.topic} (do the link filters carry 'drill-*'?)",
-                   served_everywhere, 30)  # fmt: skip
+    def __init__(self, args: argparse.Namespace, sites: dict[SiteId, Site], levels: list[str], victim: SiteId,
+                 members: dict[int, str], infos: dict[int, dict[str, Any]],
+                 out: Callable[[str], None]) -> None:  # fmt: skip
+        self.args, self.sites, self.levels, self.out = args, sites, levels, out
+        self.victim, self.members, self.infos = victim, members, infos
+        self.names = list(sites)
+        self.site = sites[victim]
+        self.run = Run(topic=f"drill-{int(time.time() * 1000)}", group="")
+        self.stop_producers = asyncio.Event()
+        self.producer_tasks: list[asyncio.Task[None]] = []
+        self.stop_consumer = asyncio.Event()
+        # No group (the drill measures the partition leaders' failover alone): the consumer keeps its position, a
+        # local offset of the site, which means the same at every node of it.
+        self.consumer = Consumer(self.site.bootstrap, auto_offset_reset="earliest", client_id="drill-reader",
+                                 tls=self.site.tls)  # fmt: skip
+        self.consumer_task: asyncio.Task[None] | None = None
+        self.info: dict[str, Any] = {}  # the killed node's node.json, once killed: what restarts it
+        self.node = 0
+        self.restored = False
 
-    stop_producers = asyncio.Event()
-    producer_tasks = [asyncio.create_task(produce_loop(run, sites[s], level, args.rate, stop_producers))
-                      for s in names for level in levels]  # fmt: skip
-    stop_consumer = asyncio.Event()
-    # No group (the drill measures the partition leaders' failover alone): the consumer keeps its position, a
-    # local offset of the site, which means the same at every node of it.
-    consumer = Consumer(site.bootstrap, auto_offset_reset="earliest", client_id="drill-reader", tls=site.tls)
-    consumer_task: asyncio.Task[None] | None = None
-    restored = False
-    info: dict[str, Any] = {}
-    node = 0
+    async def drill(self) -> dict[str, Any]:
+        args, run, site, victim = self.args, self.run, self.site, self.victim
+        health = await site.any_call("Health", pb.HealthRequest())
+        site_origin = f"{health.site}@{health.epoch}"
+        self.out(f"drill: node-kill at site {victim} ({len(self.members)} nodes); topic {run.topic}, ack levels "
+                 f"{', '.join(self.levels)}, {args.rate:g} records/s per producer at "
+                 f"{', '.join(self.names)}")  # fmt: skip
+        await self.create_topic()
+        self.producer_tasks = [asyncio.create_task(produce_loop(run, self.sites[s], level, args.rate,
+                                                                self.stop_producers))
+                               for s in self.names for level in self.levels]  # fmt: skip
+        try:
+            await self.consumer.start()
+            self.consumer.assign([(run.topic, p) for p in range(args.partitions)])
+            self.consumer_task = asyncio.create_task(consume_loop(run, self.consumer, "r0", None, self.stop_consumer))
+            await asyncio.sleep(args.warmup)
+            ev = await self.kill(site_origin)
+            await self.time_failover(ev)
+            await asyncio.sleep(args.after)
+            self.stop_producers.set()
+            await asyncio.gather(*self.producer_tasks, return_exceptions=True)
+            # -- what the site holds without the node
+            ev.new_leaders = {p: leader.node_id for p, leader in (await leaders_at(site, run.topic)).items()
+                              if p in ev.led}  # fmt: skip
+            held = by_coordinate(await read_site(site, run.topic, args.partitions))
+            lost = {v: a for v, a in run.acked.items() if a.site == victim and held.get(_coordinate(a)) != v}
+            rejoined = await self.rejoin()
+            final = await read_site(site, run.topic, args.partitions)
+            held_final = by_coordinate(final)
+            lost_after = {v: a for v, a in run.acked.items() if held_final.get(_coordinate(a)) != v} if rejoined else {}
+            await self.drain(set(held_final))
+            final_vectors = await vectors(site, run.topic)
+        except BaseException:
+            # The drill cannot finish: still give the operator the node back.
+            with contextlib.suppress(Exception):
+                await self.restore()
+            raise
+        finally:
+            await self.stop()
+        return node_kill_report(run, ev, self.levels, lost, lost_after, rejoined, final, final_vectors)
 
-    async def restore() -> None:
-        nonlocal restored
-        if info and not restored and not args.no_restart:
-            restored = True
-            restart_node(info, args.data_dir / victim / str(node), f"node {node} of site {victim}")
+    async def create_topic(self) -> None:
+        topic, partitions = self.run.topic, self.args.partitions
+        await self.site.any_call("CreateTopic", pb.CreateTopicRequest(name=topic, partitions=partitions))
 
-    try:
-        await consumer.start()
-        consumer.assign([(run.topic, p) for p in range(args.partitions)])
-        consumer_task = asyncio.create_task(consume_loop(run, consumer, "r0", None, stop_consumer))
-        await asyncio.sleep(args.warmup)
+        async def served_everywhere() -> bool:
+            return all([len(await vectors(s, topic)) >= partitions for s in self.sites.values()])
 
-        # -- the event
-        leaders = await leaders_at(site, run.topic)
+        await wait_for(f"every site serves every partition of {topic} (do the link filters carry 'drill-*'?)",
+                       served_everywhere, 30)  # fmt: skip
+
+    async def kill(self, site_origin: str) -> NodeKill:
+        """SIGKILL the node leading partition 0 (or ``--node``); what it led."""
+        args, run, victim = self.args, self.run, self.victim
+        leaders = await leaders_at(self.site, run.topic)
         if args.node is not None:
-            node = args.node
+            self.node = args.node
         elif 0 in leaders:
-            node = leaders[0].node_id
+            self.node = leaders[0].node_id
         else:
             raise DrillError(f"partition 0 of {run.topic} has no leader at site {victim}: is the site whole?")
-        info = infos[node]
+        node = self.node
+        self.info = self.infos[node]
         led = sorted(p for p, leader in leaders.items() if leader.node_id == node)
-        ev = NodeKill(victim, site_origin, node, int(info["pid"]), members[node], led)
-        out(f"drill: SIGKILL node {node} of site {victim} (pid {ev.pid}), leader of {_partitions_text(led)}, after "
-            f"{args.warmup:g}s warm-up ({len(run.acked)} records acked, {len(run.deliveries)} read)")  # fmt: skip
+        ev = NodeKill(victim, site_origin, node, int(self.info["pid"]), self.members[node], led)
+        self.out(f"drill: SIGKILL node {node} of site {victim} (pid {ev.pid}), leader of {_partitions_text(led)}, "
+                 f"after {args.warmup:g}s warm-up ({len(run.acked)} records acked, "
+                 f"{len(run.deliveries)} read)")  # fmt: skip
         run.sent_before_event = dict(run.sent)  # no await until the kill: whatever is numbered from here is after it
         run.event_at = _now()
         try:
             os.kill(ev.pid, signal.SIGKILL)
         except ProcessLookupError:
-            info = {}  # nothing to restart: it was not this drill that stopped it
+            self.info = {}  # nothing to restart: it was not this drill that stopped it
             raise DrillError(f"node {node} of site {victim} (pid {ev.pid}) exited before the drill killed it") from None
-        event = run.event_at
+        return ev
 
-        def firsts() -> tuple[dict[int, float], dict[int, float]]:
-            """Per partition the node led: the first ack, and the first record consumed, of a record sent after the
-            kill (only a new leader can have stored one)."""
-            acked: dict[int, float] = {}
-            for value, a in run.acked.items():
-                if a.partition in led and a.site == victim and run.sent_after_event(value):
-                    acked[a.partition] = min(acked.get(a.partition, a.acked_at), a.acked_at)
-            read: dict[int, float] = {}
-            for d in run.deliveries:
-                if d.partition in led and d.at >= event and d.partition not in read and run.sent_after_event(d.value):
-                    read[d.partition] = d.at
-            return acked, read
+    def firsts(self, led: list[int]) -> tuple[dict[int, float], dict[int, float]]:
+        """Per partition the node led: the first ack, and the first record consumed, of a record sent after the
+        kill (only a new leader can have stored one)."""
+        run = self.run
+        acked: dict[int, float] = {}
+        for value, a in run.acked.items():
+            if a.partition in led and a.site == self.victim and run.sent_after_event(value):
+                acked[a.partition] = min(acked.get(a.partition, a.acked_at), a.acked_at)
+        read: dict[int, float] = {}
+        for d in run.deliveries:
+            after = d.at >= run.event_at and run.sent_after_event(d.value)
+            if d.partition in led and after and d.partition not in read:
+                read[d.partition] = d.at
+        return acked, read
+
+    async def time_failover(self, ev: NodeKill) -> None:
+        """Wait until every partition the node led takes writes and serves them again; the RTOs into ``ev``."""
+        led, event, node = ev.led, self.run.event_at, ev.node
+        if not led:
+            self.out(f"drill: node {node} led no partition of {self.run.topic}: no failover to time")
+            return
 
         async def failed_over() -> bool:
-            if consumer_task is not None and consumer_task.done():
-                raise DrillError(f"the drill's consumer stopped: {consumer_task.exception()!r}")
-            acked, read = firsts()
+            if self.consumer_task is not None and self.consumer_task.done():
+                raise DrillError(f"the drill's consumer stopped: {self.consumer_task.exception()!r}")
+            acked, read = self.firsts(led)
             return len(acked) == len(led) and len(read) == len(led)
 
         def where() -> str:
-            acked, read = firsts()
+            acked, read = self.firsts(led)
             return (f"writes acked again on {_partitions_text(sorted(acked))}, read again on "
-                    f"{_partitions_text(sorted(read))}; consumer {consumer.describe()}")  # fmt: skip
+                    f"{_partitions_text(sorted(read))}; consumer {self.consumer.describe()}")  # fmt: skip
 
-        if led:
-            await wait_for(f"every partition node {node} led takes writes and serves them again", failed_over,
-                           FAILOVER_TIMEOUT_S, where)  # fmt: skip
-            acked_first, read_first = firsts()
-            ev.rto_ms = {p: round((t - event) * 1000) for p, t in sorted(acked_first.items())}
-            ev.rto_read_ms = {p: round((t - event) * 1000) for p, t in sorted(read_first.items())}
-            out(f"drill: a partition node {node} led acked a write {min(ev.rto_ms.values())} ms after the kill "
-                f"(all {len(led)}: {max(ev.rto_ms.values())} ms); first such record consumed after "
-                f"{min(ev.rto_read_ms.values())} ms")  # fmt: skip
-        else:
-            out(f"drill: node {node} led no partition of {run.topic}: no failover to time")
-        await asyncio.sleep(args.after)
-        stop_producers.set()
-        await asyncio.gather(*producer_tasks, return_exceptions=True)
+        await wait_for(f"every partition node {node} led takes writes and serves them again", failed_over,
+                       FAILOVER_TIMEOUT_S, where)  # fmt: skip
+        acked_first, read_first = self.firsts(led)
+        ev.rto_ms = {p: round((t - event) * 1000) for p, t in sorted(acked_first.items())}
+        ev.rto_read_ms = {p: round((t - event) * 1000) for p, t in sorted(read_first.items())}
+        self.out(f"drill: a partition node {node} led acked a write {min(ev.rto_ms.values())} ms after the kill "
+                 f"(all {len(led)}: {max(ev.rto_ms.values())} ms); first such record consumed after "
+                 f"{min(ev.rto_read_ms.values())} ms")  # fmt: skip
 
-        # -- what the site holds without the node
-        ev.new_leaders = {p: leader.node_id for p, leader in (await leaders_at(site, run.topic)).items() if p in led}
-        held = by_coordinate(await read_site(site, run.topic, args.partitions))
-        lost = {v: a for v, a in run.acked.items() if a.site == victim and held.get(_coordinate(a)) != v}
+    async def restore(self) -> None:
+        """Restart the killed node, once (unless ``--no-restart``, or no node was killed)."""
+        if self.info and not self.restored and not self.args.no_restart:
+            self.restored = True
+            restart_node(self.info, self.args.data_dir / self.victim / str(self.node),
+                         f"node {self.node} of site {self.victim}")  # fmt: skip
 
-        # -- rejoin
+    async def rejoin(self) -> bool:
+        """Restart the node and wait until the site is whole, then until every site converges; whether the node
+        came back."""
+        args, run, site, partitions = self.args, self.run, self.site, self.args.partitions
         rejoined = False
         if not args.no_restart:
-            await restore()
-            await wait_for(f"node {node} is back and site {victim} is whole (every node live, every partition led)",
-                           lambda: site_whole(site, run.topic, args.partitions), CONVERGE_TIMEOUT_S)  # fmt: skip
+            await self.restore()
+            await wait_for(f"node {self.node} is back and site {self.victim} is whole (every node live, every "
+                           "partition led)", lambda: site_whole(site, run.topic, partitions),
+                           CONVERGE_TIMEOUT_S)  # fmt: skip
             rejoined = True
 
         async def all_converged() -> bool:
-            held_at = [await vectors(sites[s], run.topic) for s in names]
-            return all(len(h) >= args.partitions and h == held_at[0] for h in held_at)
+            held_at = [await vectors(self.sites[s], run.topic) for s in self.names]
+            return all(len(h) >= partitions and h == held_at[0] for h in held_at)
 
-        if len(names) > 1:
+        if len(self.names) > 1:
             await wait_for("every site converges", all_converged, CONVERGE_TIMEOUT_S)
-        final = await read_site(site, run.topic, args.partitions)
-        held_final = by_coordinate(final)
-        lost_after = {v: a for v, a in run.acked.items() if held_final.get(_coordinate(a)) != v} if rejoined else {}
+        return rejoined
 
-        # -- let the consumer read everything, then account for every record
-        in_topic = set(held_final)
+    async def drain(self, in_topic: set[tuple[int, str, int]]) -> None:
+        """Let the consumer read every record of the topic (or give up)."""
 
         async def drained() -> bool:
-            return in_topic <= {(d.partition, d.origin, d.origin_seq) for d in run.deliveries}
+            return in_topic <= {(d.partition, d.origin, d.origin_seq) for d in self.run.deliveries}
 
         with contextlib.suppress(DrillError):
             await wait_for("the consumer read every record", drained, DRAIN_TIMEOUT_S)
-        final_vectors = await vectors(site, run.topic)
-    except BaseException:
-        # The drill cannot finish: still give the operator the node back.
-        with contextlib.suppress(Exception):
-            await restore()
-        raise
-    finally:
-        stop_producers.set()
-        stop_consumer.set()
-        await asyncio.gather(*producer_tasks, *([consumer_task] if consumer_task else []), return_exceptions=True)
+
+    async def stop(self) -> None:
+        self.stop_producers.set()
+        self.stop_consumer.set()
+        tasks = [*self.producer_tasks, *([self.consumer_task] if self.consumer_task else [])]
+        await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             async with asyncio.timeout(5):
-                await consumer.close()
-    return node_kill_report(run, ev, levels, lost, lost_after, rejoined, final, final_vectors)
+                await self.consumer.close()
 
 
 def _coordinate(a: Acked) -> tuple[int, str, int]:
@@ -1137,7 +1231,7 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     if doc.get("client") == "kafka":
-        from georep.kafka.drill import render as render_kafka
+        from georep.cli.kafka_drill import render as render_kafka
 
         print(render_kafka(doc))
     else:

@@ -85,6 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
+    _add_topic_commands(commands)
+    _add_produce(commands)
+    _add_consume(commands)
+    _add_offsets_and_health(commands)
+    for name, (_, help_text) in DELEGATED.items():
+        commands.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``topic create``, ``topic list`` and ``topic describe``."""
     topic = commands.add_parser("topic", help="create, list and describe topics")
     topic_commands = topic.add_subparsers(dest="topic_command", metavar="ACTION", required=True)
     create = topic_commands.add_parser("create", help="create a topic")
@@ -103,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_bootstrap(sub)
         sub.add_argument("--json", action="store_true", help="machine-readable output")
 
+
+def _add_produce(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``produce``: one record per stdin line."""
     produce = commands.add_parser("produce", help="send one record per stdin line")
     produce.add_argument("topic")
     produce.add_argument(
@@ -120,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     produce.set_defaults(run=cmd_produce)
     _add_bootstrap(produce)
 
+
+def _add_consume(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``consume``: one record per line, from an offset, a vector or a group's commit."""
     consume = commands.add_parser("consume", help="print records, one per line")
     consume.add_argument("topic")
     consume.add_argument("--from-beginning", action="store_true", help="start at the earliest offset (default: end)")
@@ -153,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     consume.set_defaults(run=cmd_consume)
     _add_bootstrap(consume)
 
+
+def _add_offsets_and_health(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``offsets`` and ``health``."""
     offsets = commands.add_parser("offsets", help="earliest, latest or by-time offsets per partition")
     offsets.add_argument("topic")
     offsets.add_argument("--time", default="latest", help="earliest, latest or a timestamp in ms (default latest)")
@@ -165,10 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--json", action="store_true")
     health.set_defaults(run=cmd_health)
     _add_bootstrap(health)
-
-    for name, (_, help_text) in DELEGATED.items():
-        commands.add_parser(name, help=help_text, add_help=False)
-    return parser
 
 
 def _run_delegated(name: str, argv: list[str]) -> int:

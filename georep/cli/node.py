@@ -1,4 +1,4 @@
-"""``georep node``: the command line of one storage node (``georep/server/node.py`` serves)."""
+"""``georep node``: the command line of one storage node (``georep/node/serve.py`` serves)."""
 
 from __future__ import annotations
 
@@ -9,33 +9,34 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster.metadata import DataDirMismatch
-from cluster.topics import InvalidTopic, parse_topic_config
+from georep.auth.acl import DEFAULT_SUPER_USERS
+from georep.auth.principal import InvalidPrincipal, Principal, parse_principal
 from georep.broker.acks import AckKind, Acks
 from georep.cli.tls_args import TlsArgsError, node_tls
 from georep.cli.tls_args import add_node_arguments as add_node_tls_arguments
-from georep.cli.topology_file import TopologyFileError, load_topology
+from georep.cli.topology_arg import load_topology
 from georep.kafka.connections import (
     IDLE_MS_DEFAULT,
     MAX_CONNECTIONS_DEFAULT,
     MAX_CONNECTIONS_PER_IP_DEFAULT,
     ListenerLimits,
 )
+from georep.metadata.store import DataDirMismatch
+from georep.metadata.topics import InvalidTopic, parse_topic_config
+from georep.node.serve import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
 from georep.raft.store import RaftTiming
 from georep.replication.links import DEFAULT_STALL_MS
-from georep.security.acl import DEFAULT_SUPER_USERS
-from georep.security.principal import InvalidPrincipal, Principal, parse_principal
 from georep.security.raft_secret import FLAG as RAFT_SECRET_FLAG
 from georep.security.raft_secret import RaftSecretError, read_secret, secret_file_name
 from georep.security.tls import ServerLimits, TlsError
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.cluster_member import ClusterConfig
-from georep.server.node import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
 from georep.server.shutdown import EXIT_FORCED, SHUTDOWN_TIMEOUT_MS_DEFAULT
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
 from georep.storage.private import restrict_umask
 from georep.storage.replica_store import ReplicaError
+from topology.file import TopologyFileError
 from topology.ids import InvalidSiteId
 from topology.model import InvalidTopology, Topology, UnknownSite
 
@@ -55,55 +56,16 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    repair_delay_ms = ClusterConfig().repair_delay_ms
     parser.add_argument("--site", required=True, help="site id, e.g. us-east")
     parser.add_argument(
         "--listen", default=None,
         help="gRPC address HOST:PORT (port 0: any free port; default 127.0.0.1:7101, or the node's address in the "
         "topology for a node of a multi-node site)",
     )  # fmt: skip
-    parser.add_argument(
-        "--node-id", type=int, default=None,
-        help="this node's id in its site, for a site that lists several nodes in --topology (docs/cluster.md)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--replication-factor", type=int, default=None,
-        help="multi-node sites: the nodes each new segment is written to (default: 3, or the site's node count if "
-        "smaller)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--session-timeout-ms", type=int, default=None,
-        help="multi-node sites: a node that has not heartbeated for this long is dead, and the partitions it led "
-        "get new leaders (default 6000; it must exceed the clock skew between the site's nodes)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--min-insync-replicas", type=int, default=None,
-        help="multi-node sites: the nodes that must hold a batch fsynced before acks=all (default: 2, or the "
-        "replication factor if smaller)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--repair-delay-ms", type=int, default=None,
-        help="multi-node sites: how long a dead node may stay down before the site copies its sealed segments to "
-        f"other nodes (it may only be rebooting; BookKeeper's autorecovery waits likewise). Segments opened on fewer "
-        f"nodes than the replication factor, and draining nodes' segments, are copied at once (default "
-        f"{repair_delay_ms})",
-    )  # fmt: skip
+    _add_cluster_arguments(parser)
     parser.add_argument("--data-dir", required=True, type=Path, help="where this node keeps its logs")
     parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
-    parser.add_argument(
-        "--kafka-listen", default=None, metavar="HOST:PORT",
-        help="also serve the Kafka wire protocol here, for unmodified Kafka clients (docs/kafka.md); off by default",
-    )  # fmt: skip
-    parser.add_argument(
-        "--kafka-commit-acks", default=None, metavar="ACKS",
-        help="ack level of the commits Kafka clients make: leader, all, or geo:N to wait until N sites hold each "
-        "commit, so a group that fails over to another site resumes exactly at its last commit (default leader)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--kafka-sasl", default=None, choices=["scram"],
-        help="Kafka clients authenticate with SASL SCRAM-SHA-256/512 as client:<user> ('georep user add'): "
-        "SASL_SSL on a TLS node, SASL_PLAINTEXT with --insecure (docs/kafka.md); off by default (mutual TLS)",
-    )  # fmt: skip
+    _add_kafka_arguments(parser)
     add_listener_arguments(parser)
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
     parser.add_argument(
@@ -147,6 +109,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             f"--{key.replace('_', '-')}", type=int, default=value, help=f"default topic {key} (default {value})"
         )
+
+
+def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """A node of a multi-node site: its id, and the site's replication settings (docs/cluster.md)."""
+    repair_delay_ms = ClusterConfig().repair_delay_ms
+    parser.add_argument(
+        "--node-id", type=int, default=None,
+        help="this node's id in its site, for a site that lists several nodes in --topology (docs/cluster.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--replication-factor", type=int, default=None,
+        help="multi-node sites: the nodes each new segment is written to (default: 3, or the site's node count if "
+        "smaller)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--session-timeout-ms", type=int, default=None,
+        help="multi-node sites: a node that has not heartbeated for this long is dead, and the partitions it led "
+        "get new leaders (default 6000; it must exceed the clock skew between the site's nodes)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--min-insync-replicas", type=int, default=None,
+        help="multi-node sites: the nodes that must hold a batch fsynced before acks=all (default: 2, or the "
+        "replication factor if smaller)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repair-delay-ms", type=int, default=None,
+        help="multi-node sites: how long a dead node may stay down before the site copies its sealed segments to "
+        f"other nodes (it may only be rebooting; BookKeeper's autorecovery waits likewise). Segments opened on fewer "
+        f"nodes than the replication factor, and draining nodes' segments, are copied at once (default "
+        f"{repair_delay_ms})",
+    )  # fmt: skip
+
+
+def _add_kafka_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Kafka wire protocol (docs/kafka.md)."""
+    parser.add_argument(
+        "--kafka-listen", default=None, metavar="HOST:PORT",
+        help="also serve the Kafka wire protocol here, for unmodified Kafka clients (docs/kafka.md); off by default",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kafka-commit-acks", default=None, metavar="ACKS",
+        help="ack level of the commits Kafka clients make: leader, all, or geo:N to wait until N sites hold each "
+        "commit, so a group that fails over to another site resumes exactly at its last commit (default leader)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kafka-sasl", default=None, choices=["scram"],
+        help="Kafka clients authenticate with SASL SCRAM-SHA-256/512 as client:<user> ('georep user add'): "
+        "SASL_SSL on a TLS node, SASL_PLAINTEXT with --insecure (docs/kafka.md); off by default (mutual TLS)",
+    )  # fmt: skip
 
 
 def add_listener_arguments(parser: argparse.ArgumentParser) -> None:

@@ -105,74 +105,17 @@ def _record_json(record: ConsumerRecord) -> str:
 
 
 async def cmd_consume(args: argparse.Namespace) -> int:
-    vector = None
-    if args.vector is not None:
-        try:
-            vector = VectorOffset.parse(args.vector)
-        except InvalidVectorOffset as exc:
-            raise InvalidRequest(f"--vector: {exc}") from None
-    if args.offset is not None and vector is not None:
-        raise InvalidRequest("give either --offset or --vector, not both")
-    if args.group is None and args.commit_acks is not None:
-        raise InvalidRequest("--commit-acks needs --group: only a group commits its position")
-    if args.group is not None and (args.partition is not None or args.offset is not None or vector is not None):
-        raise InvalidRequest("--group starts at the group's committed vector: leave out --partition, --offset and "
-                             "--vector (or leave out --group)")  # fmt: skip
-    if args.prefer is not None and args.read_from != "follower":
-        raise InvalidRequest("--prefer names the node follower reads go to: add --read-from follower")
+    vector = _consume_checked(args)
     reset = "none" if args.offset is not None else "earliest"
     if args.group is not None:  # --from-beginning: where to start when the group has no commit
         reset = "earliest" if args.from_beginning else "latest"
-    out = sys.stdout.buffer
-    count = 0
     group = {} if args.group is None else {"group_id": args.group, "commit_acks": args.commit_acks or "leader"}
     tls = client_tls(args)
     async with Consumer(args.bootstrap, tls=tls, auto_offset_reset=reset, skip_corrupt=args.skip_corrupt,
                         read_from=args.read_from, prefer=args.prefer, **group) as consumer, \
             Admin(args.bootstrap, tls=tls) as admin:  # fmt: skip
-        topic = await admin.describe_topic(args.topic)
-        if args.group is not None:
-            partitions: list[int] = []  # the group's coordinator assigns them
-        elif args.partition is not None:
-            if not 0 <= args.partition < topic.partitions:
-                raise InvalidRequest(f"partition {args.partition} does not exist: topic {args.topic!r} has "
-                                     f"partitions 0..{topic.partitions - 1}")  # fmt: skip
-            partitions = [args.partition]
-        else:
-            partitions = list(range(topic.partitions))
-        if (args.offset is not None or vector is not None) and len(partitions) != 1:
-            raise InvalidRequest("--offset and --vector name a position in one partition: add --partition P")
-        tps = [(args.topic, p) for p in partitions]
-        consumer.assign(tps)
-        if args.group is not None:
-            consumer.subscribe([args.topic])  # each partition starts at the group's commit, else per `reset`
-        elif args.offset is not None:
-            consumer.seek(tps[0], args.offset)
-        elif vector is not None:
-            consumer.seek_to_vector(tps[0], vector)
-        elif args.from_beginning:
-            consumer.seek_to_beginning()
-        else:
-            consumer.seek_to_end()
-        last_record = time.monotonic()
-        while args.max is None or count < args.max:
-            wait_ms = 500.0
-            if args.timeout is not None:
-                left = args.timeout - (time.monotonic() - last_record)
-                if left <= 0:
-                    break
-                wait_ms = min(wait_ms, left * 1000)
-            want = 500 if args.max is None else min(500, args.max - count)
-            records = await consumer.poll(timeout_ms=wait_ms, max_records=want)
-            if not records:
-                continue
-            last_record = time.monotonic()
-            if args.json:
-                out.write("".join(_record_json(r) + "\n" for r in records).encode())
-            else:
-                out.write(b"".join((r.value or b"") + b"\n" for r in records))
-            out.flush()
-            count += len(records)
+        await _consume_from(args, vector, consumer, admin)
+        count = await _print_records(args, consumer)
         if args.group is not None:
             # The final commit, here so that its failure is an error; then drop the partitions,
             # leaving close() (which commits too, but only logs a failure) nothing to commit again.
@@ -190,6 +133,81 @@ async def cmd_consume(args: argparse.Namespace) -> int:
         + (f", skipped {damaged} damaged range(s)" if damaged else "")
         + (f", skipped {invalid} invalid batch(es)" if invalid else ""))
     return 0
+
+
+def _consume_checked(args: argparse.Namespace) -> VectorOffset | None:
+    """``--vector`` parsed, once the flags are checked to go together."""
+    vector = None
+    if args.vector is not None:
+        try:
+            vector = VectorOffset.parse(args.vector)
+        except InvalidVectorOffset as exc:
+            raise InvalidRequest(f"--vector: {exc}") from None
+    if args.offset is not None and vector is not None:
+        raise InvalidRequest("give either --offset or --vector, not both")
+    if args.group is None and args.commit_acks is not None:
+        raise InvalidRequest("--commit-acks needs --group: only a group commits its position")
+    if args.group is not None and (args.partition is not None or args.offset is not None or vector is not None):
+        raise InvalidRequest("--group starts at the group's committed vector: leave out --partition, --offset and "
+                             "--vector (or leave out --group)")  # fmt: skip
+    if args.prefer is not None and args.read_from != "follower":
+        raise InvalidRequest("--prefer names the node follower reads go to: add --read-from follower")
+    return vector
+
+
+async def _consume_from(args: argparse.Namespace, vector: VectorOffset | None, consumer: Consumer,
+                        admin: Admin) -> None:  # fmt: skip
+    """Assign the partitions to read and put the consumer where the flags say it starts."""
+    topic = await admin.describe_topic(args.topic)
+    if args.group is not None:
+        partitions: list[int] = []  # the group's coordinator assigns them
+    elif args.partition is not None:
+        if not 0 <= args.partition < topic.partitions:
+            raise InvalidRequest(f"partition {args.partition} does not exist: topic {args.topic!r} has "
+                                 f"partitions 0..{topic.partitions - 1}")  # fmt: skip
+        partitions = [args.partition]
+    else:
+        partitions = list(range(topic.partitions))
+    if (args.offset is not None or vector is not None) and len(partitions) != 1:
+        raise InvalidRequest("--offset and --vector name a position in one partition: add --partition P")
+    tps = [(args.topic, p) for p in partitions]
+    consumer.assign(tps)
+    if args.group is not None:
+        consumer.subscribe([args.topic])  # each partition starts at the group's commit, else per `reset`
+    elif args.offset is not None:
+        consumer.seek(tps[0], args.offset)
+    elif vector is not None:
+        consumer.seek_to_vector(tps[0], vector)
+    elif args.from_beginning:
+        consumer.seek_to_beginning()
+    else:
+        consumer.seek_to_end()
+
+
+async def _print_records(args: argparse.Namespace, consumer: Consumer) -> int:
+    """Print records until ``--max`` of them, or ``--timeout`` seconds without one; how many."""
+    out = sys.stdout.buffer
+    count = 0
+    last_record = time.monotonic()
+    while args.max is None or count < args.max:
+        wait_ms = 500.0
+        if args.timeout is not None:
+            left = args.timeout - (time.monotonic() - last_record)
+            if left <= 0:
+                break
+            wait_ms = min(wait_ms, left * 1000)
+        want = 500 if args.max is None else min(500, args.max - count)
+        records = await consumer.poll(timeout_ms=wait_ms, max_records=want)
+        if not records:
+            continue
+        last_record = time.monotonic()
+        if args.json:
+            out.write("".join(_record_json(r) + "\n" for r in records).encode())
+        else:
+            out.write(b"".join((r.value or b"") + b"\n" for r in records))
+        out.flush()
+        count += len(records)
+    return count
 
 
 # --- offsets, health ---------------------------------------------------------------

@@ -14,8 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from georep.auth.principal import InvalidPrincipal, Principal, parse_principal
 from georep.client.errors import GeorepError
-from georep.security.principal import InvalidPrincipal, Principal, parse_principal
 from georep.security.tls import ADMIN, CA_FILE, TlsConfig
 
 TLS_DIR_ENV = "GEOREP_TLS_DIR"

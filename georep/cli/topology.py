@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from cluster.topics import InvalidTopic, validate_topic_name
+from georep.metadata.topics import InvalidTopic, validate_topic_name
 from topology.ids import SiteId
 from topology.model import InvalidTopology, Topology, default_topology, parse_topology, warnings
 from topology.routing import Router

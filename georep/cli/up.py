@@ -19,15 +19,16 @@ import sys
 import time
 from pathlib import Path
 
+from georep.auth.principal import node_principal, site_principal
 from georep.cli.admin_token import ensure_token
 from georep.cli.tls_args import INSECURE_WARNING, certs_dir
-from georep.cli.topology_file import DEFAULT, TopologyFileError, load_topology
+from georep.cli.topology_arg import load_topology
 from georep.security import dev_ca
-from georep.security.principal import node_principal, site_principal
 from georep.security.raft_secret import secret_file_name
 from georep.security.tls import TlsConfig, TlsError
 from georep.server.process import NODE_INFO, NodeProcess, NodeStartError
 from georep.storage.private import restrict_umask
+from topology.file import DEFAULT, TopologyFileError
 from topology.model import InvalidTopology, Topology, warnings
 
 DEFAULT_DATA_DIR = Path(".georep")

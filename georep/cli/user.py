@@ -2,7 +2,7 @@
 credentials").
 
 ``add NAME`` reads the password from ``--password-file`` or standard input (a prompt on a terminal), derives
-the SCRAM credential here (``georep/kafka/sasl.py``: a random salt, ``--iterations``, stored and server keys)
+the SCRAM credential here (``georep/auth/sasl.py``: a random salt, ``--iterations``, stored and server keys)
 and sends only the credential to the node ``--bootstrap`` names: the password never leaves this process. The
 credential then reaches every site linked to that one, as ACL entries do. The user's principal is
 ``client:NAME``: give it ACLs with ``georep acl add client:NAME ...``.
@@ -20,13 +20,13 @@ from pathlib import Path
 
 import grpc
 
+from georep.auth.credentials import user_principal
+from georep.auth.sasl import DEFAULT_MECHANISM, MECHANISMS, MIN_ITERATIONS, derive
 from georep.cli.admin_token import add_admin_call_arguments, call_metadata, find_token
 from georep.cli.tls_args import TlsArgsError, client_tls
 from georep.client.connection import tls_problem
-from georep.kafka.sasl import DEFAULT_MECHANISM, MECHANISMS, MIN_ITERATIONS, derive
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.security.credentials import user_principal
 from georep.security.tls import client_channel
 
 TIMEOUT_S = 10.0

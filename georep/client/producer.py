@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 import grpc
 from crc32c import crc32c as _crc32c
 
-from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep.client.accumulator import (
     RECORD_OVERHEAD_BYTES,
     BatchState,
@@ -50,6 +49,7 @@ from georep.client.errors import (
     from_rpc_error,
 )
 from georep.client.partitioner import StickyPartitioner, key_partition
+from georep.metadata.topics import MAX_BATCH_BYTES_LIMIT
 from georep.proto import georep_pb2
 from georep.record.batch import HEADER_BYTES, NO_PRODUCER_ID, RecordInput, encode_batch
 from georep.record.compression import Compression

@@ -7,11 +7,11 @@ Searched along the exception's class hierarchy, most specific class first. An er
 from __future__ import annotations
 
 from cluster.groups import IllegalGeneration, InvalidGroupRequest, NotAssigned, UnknownMember
-from cluster.metadata import TopicExists, UnknownTopic
 from cluster.quorum import Fenced, SegmentSealed
-from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence, OutOfOrderSequence, ProducerFenced
 from georep.broker import errors as e
+from georep.metadata.store import TopicExists, UnknownTopic
+from georep.metadata.topics import InvalidTopic
 from georep.record.batch import CorruptBatch, InvalidBatch, RecordsTooLarge
 from georep.storage.api import DiskFull, OffsetOutOfRange
 from offsets.commits import InvalidCommit

@@ -35,6 +35,11 @@ from kafka.protocol import metadata as kmetadata
 from kafka.protocol import producer as kproducer
 
 from cluster.quorum import Fenced, SegmentSealed
+from georep.auth.acl import Operation, Resource, ResourceKind
+from georep.auth.acl import group as acl_group
+from georep.auth.acl import topic as acl_topic
+from georep.auth.policy import Policy
+from georep.auth.principal import Principal
 from georep.broker import fetch
 from georep.broker.acks import LEADER, AckKind, Acks
 from georep.broker.errors import NotLeader
@@ -45,11 +50,6 @@ from georep.kafka.protocol import Request, api_versions_body
 from georep.kafka.records import InvalidStored, RecordsError, convert_fetched, kafka_to_georep
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto, vector_to_proto
-from georep.security.acl import Operation, Resource, ResourceKind
-from georep.security.acl import group as acl_group
-from georep.security.acl import topic as acl_topic
-from georep.security.acl_rpc import Policy
-from georep.security.principal import Principal
 from georep.server.broker import Broker, Partition
 from georep.server.groups import GroupService
 from georep.storage.api import OffsetOutOfRange

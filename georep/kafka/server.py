@@ -7,7 +7,7 @@ clients require. A request the gateway does not serve gets an error response; on
 framed (a negative or huge size) close the connection.
 
 **SASL** (``georep node --kafka-sasl scram``, docs/kafka.md): the connection-level rule lives here, the
-exchange in ``georep/kafka/sasl.py``. :class:`SaslSession` answers SaslHandshake (v0: the SASL tokens then
+exchange in ``georep/auth/sasl.py``. :class:`SaslSession` answers SaslHandshake (v0: the SASL tokens then
 come as raw frames, without a Kafka header; v1: inside SaslAuthenticate) and SaslAuthenticate, and the
 connection's principal becomes ``client:<user>`` once the exchange succeeds, replacing any TLS client
 certificate's (Kafka's rule: the SASL principal wins). Until then only ApiVersions, SaslHandshake and
@@ -30,6 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 from cryptography import x509
 
+from georep.auth.credentials import CredentialLookup
+from georep.auth.policy import Policy
+from georep.auth.principal import Principal
+from georep.auth.sasl import MECHANISMS, ScramCredential, ScramFailed, ScramServer
 from georep.broker.acks import LEADER, Acks
 from georep.kafka.connections import ConnectionTable, ListenerLimits, LogThrottle, Refused
 from georep.kafka.gateway import Client, KafkaGateway, Pending
@@ -46,10 +50,6 @@ from georep.kafka.protocol import (
     sasl_authenticate_body,
     sasl_handshake_body,
 )
-from georep.kafka.sasl import MECHANISMS, ScramCredential, ScramFailed, ScramServer
-from georep.security.acl_rpc import Policy
-from georep.security.credentials import CredentialLookup
-from georep.security.principal import Principal
 from georep.security.tls import TlsConfig, principal_of_certificate
 
 if TYPE_CHECKING:

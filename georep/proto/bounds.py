@@ -16,8 +16,8 @@ from functools import cache
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
-from cluster.topics import PARTITIONS_MAX
 from georep.broker.errors import InvalidRequest
+from georep.metadata.topics import PARTITIONS_MAX
 
 REPEATED_DEFAULT_MAX = 1_000
 

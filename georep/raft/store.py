@@ -4,7 +4,7 @@ Every node of a site runs one pysyncobj ``SyncObj`` on its own Raft port (a
 ``host:port`` apart from its gRPC port) and lists the Raft ports of the other
 nodes. pysyncobj orders the commands in a replicated log; every node applies
 them, in that order, to its :class:`~cluster.site_state.SiteState`. The store
-implements the ``MetadataStore`` port (``cluster/metadata.py``) and adds
+implements the ``MetadataStore`` port (``georep/metadata/store.py``) and adds
 :meth:`RaftMetadataStore.propose` for every other command.
 
 **Writes** (:meth:`RaftMetadataStore.propose`) go to the Raft leader, from any
@@ -163,7 +163,6 @@ from pysyncobj.encryptor import getEncryptor
 from pysyncobj.serializer import Serializer
 from pysyncobj.utility import TcpUtility, UtilityException
 
-from cluster.metadata import AclRecord, TopicExists, UnknownTopic
 from cluster.site_state import (
     Applied,
     Command,
@@ -178,7 +177,8 @@ from cluster.site_state import (
     SiteState,
     command_from_dict,
 )
-from cluster.topics import TopicSpec
+from georep.metadata.store import AclRecord, TopicExists, UnknownTopic
+from georep.metadata.topics import TopicSpec
 from georep.raft import journal
 from georep.raft.elections import election_timeout_s, first_election_timeout_s
 from georep.raft.frames import APPEND_BATCH_BYTES, COMMAND_BYTES_MAX, DUMP_CHUNK_BYTES

@@ -72,7 +72,7 @@ from typing import NamedTuple
 
 import crc32c
 
-from cluster.topics import MAX_BATCH_BYTES_LIMIT
+from georep.metadata.topics import MAX_BATCH_BYTES_LIMIT
 from georep.record.compression import (
     COMPRESSION_MASK,
     Compression,

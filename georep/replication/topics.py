@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cluster.topics import TOPIC_CONFIG_KEYS
+from georep.metadata.topics import TOPIC_CONFIG_KEYS
 from topology.model import Link
 
 

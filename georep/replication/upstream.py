@@ -27,7 +27,7 @@ FAILURES = ("down", "timeout")  # the kinds of a failed stream: ended with an er
 class UpstreamNodes:
     """The nodes of one upstream site, in the topology's order, and the one dst pulls from now."""
 
-    __slots__ = ("addresses", "moves", "_index")
+    __slots__ = ("_index", "addresses", "moves")
 
     def __init__(self, addresses: Sequence[str]) -> None:
         if not addresses:

@@ -1,7 +1,7 @@
 """A site's ACLs from each site it pulls from (shell): the ``ListAcls`` call, then ``acl_sync.merge``.
 
 The replicator's topic sync calls :func:`pull_acls` with every listing of an upstream's topics: ACL records go
-over every link whatever its filters, and the newest record of each entry wins (``georep/security/acl_sync.py``),
+over every link whatever its filters, and the newest record of each entry wins (``georep/auth/acl_sync.py``),
 so an add or remove at one site reaches every site linked to it, directly or through others.
 """
 
@@ -12,20 +12,20 @@ import logging
 
 import grpc
 
-from cluster.metadata import AclRecord, MetadataStore
+from georep.auth.acl import InvalidAcl, parse_acl_entry
+from georep.auth.acl_sync import merge
+from georep.auth.credentials import check_record, is_credential
+from georep.metadata.store import AclRecord, MetadataStore
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.raft.store import CommandRefused, MetadataUnavailable
-from georep.security.acl import InvalidAcl, parse_acl_entry
-from georep.security.acl_sync import merge
-from georep.security.credentials import check_record, is_credential
 
 log = logging.getLogger(__name__)
 
 
 def record_from_pb(msg: pb.AclRecord) -> AclRecord:
     """Raises :class:`InvalidAcl` for an entry this node cannot read (a newer version's): an ACL entry, or a
-    user's SCRAM credential (``georep/security/credentials.py``)."""
+    user's SCRAM credential (``georep/auth/credentials.py``)."""
     record = AclRecord(msg.entry, msg.present, msg.stamp_ms, msg.site, msg.data)
     if is_credential(msg.entry):
         try:

@@ -1,7 +1,7 @@
 """Every RPC of a node mapped to what it does to which resource: the one table authorization reads.
 
 :data:`NODE_ACCESS` (``georep.v1.Node``) and :data:`SEGMENTS_ACCESS` (``georep.v1.Segments``) give each method
-the request type and a rule from the request to a :class:`~georep.security.acl.Decision`. No handler checks
+the request type and a rule from the request to a :class:`~georep.auth.acl.Decision`. No handler checks
 anything itself: ``georep/server/rpc.py`` runs the rule before the handler (and on every message of a client
 stream), and a denial ends the call with ``PERMISSION_DENIED`` and the decision's message. A method missing
 from the table is denied to everyone but super-users (:meth:`Policy.decide`), so a new RPC is closed until it
@@ -16,7 +16,7 @@ The rules:
   and consume on every committed topic (as Kafka's OffsetCommit needs READ on the group and the topic);
 * the cluster: ``SetLink``, ``DecommissionNode``, ``Scrub``, ``PutAcl``, ``PutUser``, ``ListUsers`` need admin;
 * replication: ``Replicate``, ``ReportHeld`` (and ``ListAcls``, unless admin) follow the topology's links,
-  ``FetchBatch`` its reach (``georep/security/acl_replication.py``); a pull and a held report are made only in
+  ``FetchBatch`` its reach (``georep/auth/acl_replication.py``); a pull and a held report are made only in
   the caller's own name (the claims a report makes are then checked one by one: ``held_claim_refusal``);
 * what describes the site without its data (``Health``, ``ListTopics``, ``DescribeTopic``, ``SiteStatus``,
   ``ClusterStatus``, ``ListGroups``) is open to every principal the site's CA certified;
@@ -26,100 +26,31 @@ Super-users (the site's own nodes, ``client:admin``) may make every call, so the
 for the check nor screened message by message (:meth:`Authorizer.unrestricted`): the site's own traffic and the
 operator's pay only for reading the principal.
 
-The table is pure (requests in, decisions out); :class:`Authorizer` is the thin shell that takes the principal
+The decisions are pure (:class:`~georep.auth.policy.Policy`, which the Kafka gateway asks too); this table
+names the RPCs and their protobuf requests, and :class:`Authorizer` is the thin shell that takes the principal
 from the call's peer certificate (``georep.security.tls.principal_of``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import Message
 
-from georep.proto import georep_pb2 as pb
-from georep.security.acl import (
+from georep.auth.acl import (
     CLUSTER,
-    DEFAULT_SUPER_USERS,
-    AclEntry,
     Decision,
     Operation,
     PermissionDenied,
-    Resource,
-    authorize,
     group,
     is_super_user,
     topic,
 )
-from georep.security.acl_replication import pull_decision, repair_decision
-from georep.security.principal import Principal
-from topology.model import Topology
-
-MEMO_MAX = 4096
-
-
-class Policy:
-    """What decisions depend on: the site, its super-users, its ACL entries and its topology (read at each call,
-    so an ``acl add`` or a new topology takes effect at the next call)."""
-
-    def __init__(self, own_site: str, entries: Callable[[], Iterable[AclEntry]],
-                 topology: Callable[[], Topology | None] = lambda: None,
-                 super_users: Iterable[Principal] = DEFAULT_SUPER_USERS) -> None:  # fmt: skip
-        self.own_site = own_site
-        self.entries = entries
-        self.topology = topology
-        self.super_users = tuple(super_users)
-        # Decisions of the current entries (a produce stream asks the same one per batch); emptied when the
-        # entries change (AclCache hands out a new list then) or the memo is full.
-        self._memo: dict[tuple[Principal, Operation, Resource], Decision] = {}
-        self._memo_of: object = None
-
-    def _decide(self, entries: list[AclEntry], principal: Principal, operation: Operation,
-                resource: Resource) -> Decision:  # fmt: skip
-        if entries is not self._memo_of or len(self._memo) >= MEMO_MAX:
-            self._memo = {}
-            self._memo_of = entries
-        key = (principal, operation, resource)
-        decision = self._memo.get(key)
-        if decision is None:
-            decision = self._memo[key] = authorize(entries, principal, operation, resource, self.own_site,
-                                                   self.super_users)  # fmt: skip
-        return decision
-
-    def acl(self, principal: Principal, operation: Operation, resources: Iterable[Resource]) -> Decision:
-        """Allowed if allowed on every resource; else the first refusal (by resource)."""
-        entries = self.entries()
-        if not isinstance(entries, list):
-            entries = list(entries)
-        decision: Decision | None = None
-        for resource in sorted(set(resources)):
-            decision = self._decide(entries, principal, operation, resource)
-            if not decision.allowed:
-                return decision
-        if decision is None:  # no resource named: the operation itself, on the cluster
-            return self._decide(entries, principal, operation, CLUSTER)
-        return decision
-
-    def open(self, principal: Principal) -> Decision:
-        return Decision(True, principal, Operation.READ, CLUSTER, "site metadata, open to every certified principal")
-
-    def in_site(self, principal: Principal) -> Decision:
-        if principal.site == self.own_site:
-            return Decision(True, principal, Operation.ADMIN, CLUSTER, f"a node of site {self.own_site}")
-        return Decision(False, principal, Operation.ADMIN, CLUSTER,
-                        f"the segment service is for the nodes of site {self.own_site} only")  # fmt: skip
-
-    def pull(self, principal: Principal, topics: Iterable[str]) -> Decision:
-        return pull_decision(self.topology(), self.own_site, principal, topics)
-
-    def admin_or_pull(self, principal: Principal) -> Decision:
-        admin = self.acl(principal, Operation.ADMIN, [CLUSTER])
-        return admin if admin.allowed else self.pull(principal, ())
-
-    def repair(self, principal: Principal, topic_name: str, origin_site: str) -> Decision:
-        return repair_decision(self.topology(), self.own_site, principal, topic_name, origin_site)
-
+from georep.auth.policy import Policy
+from georep.auth.principal import Principal
+from georep.proto import georep_pb2 as pb
 
 Rule = Callable[[Any, Principal, Policy], Decision]
 

@@ -1,7 +1,7 @@
 """A development certificate authority: what ``georep certs init`` and ``georep up`` write (issue 12).
 
 One directory holds the CA (``ca.crt``, ``ca.key``) and a certificate and key per principal, named by
-:func:`georep.security.principal.principal_file_name`: ``site-a.crt``, ``node-a-2.crt``, ``client-alice.crt``.
+:func:`georep.auth.principal.principal_file_name`: ``site-a.crt``, ``node-a-2.crt``, ``client-alice.crt``.
 Each certificate names its principal twice, as a SAN URI ``georep:<principal>`` and as its CN. A node's
 certificate (``site:`` or ``node:``) also carries the names clients dial it by: ``localhost``, 127.0.0.1, ::1 and
 any ``hosts`` given (the hosts of the topology's addresses), and serves both as a server and as a client (nodes
@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from georep.security.principal import (
+from georep.auth.principal import (
     CLIENT,
     Principal,
     client_principal,

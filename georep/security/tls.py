@@ -14,7 +14,7 @@ Every channel and server bounds the messages it accepts to :data:`MESSAGE_BYTES_
 connections (:class:`ServerLimits`: how many, how long one may sit idle or in its handshake, streams per connection,
 header bytes), through gRPC core's channel arguments.
 
-:func:`principal_of` gives a call's peer principal from its certificate (``georep.security.principal``).
+:func:`principal_of` gives a call's peer principal from its certificate (``georep.auth.principal``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
-from cluster.topics import MAX_BATCH_BYTES_LIMIT
+from georep.auth.principal import CLIENT, Principal, client_principal, principal_file_name, principal_of_names
 from georep.broker.errors import NotAuthorized
-from georep.security.principal import CLIENT, Principal, client_principal, principal_file_name, principal_of_names
+from georep.metadata.topics import MAX_BATCH_BYTES_LIMIT
 
 if TYPE_CHECKING:  # cryptography is imported where a certificate is read: a plaintext process never pays for it
     from cryptography import x509

@@ -25,17 +25,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from cluster.metadata import MetadataStore, SiteIdentity, TopicExists
-from cluster.topics import TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from dedup.producer import ProducerStateTable
 from georep.broker.acks import LEADER, Acks, AckTable, Effect, Fail, HeldChanged, Release, StartFlush, Token, check_acks
 from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
+from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists
+from georep.metadata.topics import TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from georep.record.validate import TimestampWindow
 from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
 from georep.storage.durable_file import fsync_directory, replace_file
 from georep.storage.metadata_file import FileMetadataStore
+from georep.storage.partition_dirs import partition_dir_name, topic_file_name
 from georep.storage.private import private_dir
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
@@ -63,15 +64,6 @@ CREATING_DIR = "creating"
 def _consume_exception(fut: asyncio.Future[None]) -> None:
     if not fut.cancelled():
         fut.exception()
-
-
-def topic_file_name(topic: str) -> str:
-    """``topic`` as a file name: '/' (and every other character a name may not hold) %-quoted."""
-    return urllib.parse.quote(topic, safe="")
-
-
-def partition_dir_name(topic: str, partition: int) -> str:
-    return f"{topic_file_name(topic)}-{partition}"
 
 
 class Partition:

@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from cluster import leadership
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.producer_snapshot import ProducerSnapshot, fold, history_at_open
 from cluster.quorum import QuorumError
 from cluster.recovery import cut_after_seal
@@ -81,6 +80,7 @@ from georep.server.site_repair import RepairController, decommission
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore, SealSummary
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 log = logging.getLogger(__name__)
 

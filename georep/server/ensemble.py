@@ -36,7 +36,6 @@ from typing import TypeVar
 
 import grpc
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.quorum import LacAdvanced, QuorumEffect, QuorumError, QuorumLost, QuorumRegained, SegmentQuorum
 from georep.broker.errors import NotLeader
 from georep.proto import georep_pb2 as pb
@@ -46,6 +45,7 @@ from georep.security.tls import TlsConfig, channels
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 log = logging.getLogger(__name__)
 

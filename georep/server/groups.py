@@ -44,7 +44,6 @@ from cluster.groups import (
     lead_step,
     takeover_hold_until,
 )
-from cluster.metadata import TopicExists
 from georep.broker.acks import Acks
 from georep.broker.commits import CommitEntry, CommitLog, check_commit_request, commit_batch, lacks
 from georep.broker.errors import (
@@ -56,6 +55,7 @@ from georep.broker.errors import (
     UnknownGroup,
     UnknownPartition,
 )
+from georep.metadata.store import TopicExists
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, topic_partitions_to_proto, vector_from_proto, vector_to_proto
 from georep.raft.store import MetadataUnavailable

@@ -36,7 +36,6 @@ from typing import TypeVar
 
 import grpc
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.quorum import Fenced
 from cluster.recovery import Copy, Done, Effect, Failed, Fence, Seal, SegmentRecovery, Superseded
 from georep.broker.errors import BrokerError, NotLeader, RecoveryFailed
@@ -48,6 +47,7 @@ from georep.server.rpc import FENCED_EPOCH_METADATA
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 log = logging.getLogger(__name__)
 

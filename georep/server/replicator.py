@@ -39,11 +39,12 @@ from collections.abc import Callable, Mapping
 
 import grpc
 
-from cluster.metadata import TopicExists
-from cluster.topics import InvalidTopic
+from georep.auth.acl_replication import HeldClaimCheck, OriginCheck
 from georep.broker.errors import BrokerError
 from georep.broker.repair import Ask, RepairQueue
 from georep.client.connection import CHANNEL_OPTIONS
+from georep.metadata.store import TopicExists
+from georep.metadata.topics import InvalidTopic
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import damaged_to_proto, vector_from_proto, vector_to_proto
@@ -55,7 +56,6 @@ from georep.replication.source import Chunk
 from georep.replication.topics import RemoteTopic, plan_topic_sync
 from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
-from georep.security.acl_replication import HeldClaimCheck, OriginCheck
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker
 from georep.storage.api import DiskFull, RepairRefused

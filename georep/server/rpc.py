@@ -18,23 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from cluster.metadata import MetadataStore
 from cluster.quorum import Fenced
+from georep.auth.acl import DEFAULT_SUPER_USERS
+from georep.auth.acl_sync import AclCache
+from georep.auth.policy import Policy
+from georep.auth.principal import Principal
 from georep.broker.errors import DamagedData, InvalidRequest, NotLeader
+from georep.metadata.store import MetadataStore
 from georep.proto.bounds import check_bounds
 from georep.proto.reasons import FENCED_EPOCH_METADATA as FENCED_EPOCH_METADATA  # read by server/recovery.py
 from georep.proto.reasons import LEADER_METADATA as LEADER_METADATA
 from georep.proto.reasons import NEXT_OFFSET_METADATA, REASON_METADATA
-from georep.security.acl import DEFAULT_SUPER_USERS
-from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, Access, Authorizer, Policy
-from georep.security.acl_sync import AclCache
-from georep.security.principal import Principal
+from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, Access, Authorizer
 from georep.security.tls import principal_of
 from georep.server.status import DOMAIN_ERRORS, reason_of, status_of
 from topology.model import Topology
@@ -140,7 +141,7 @@ async def merge_streams(sources: list[AsyncIterator[M]], queue_max: int = 4) -> 
             await queue.put((index, None))
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+        except BaseException as exc:  # handed to the consumer, which raises it
             await queue.put((index, exc))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
@@ -244,39 +245,52 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
             async for msg in inner_ss(requests, context):
                 yield msg
             return
-        # Each message is screened on its way in; a refused one is answered here, in among the handler's answers
-        # (or, for a method without a refusal, ends the stream through the handler as its own errors do).
-        answers: asyncio.Queue[Any] = asyncio.Queue(SCREENED_ANSWERS_MAX)  # a slow reader slows the stream down
-
-        async def screened() -> AsyncIterator[Message]:
-            async for raw in requests:
-                request, refusal = authorizer.screen(table, method, principal, raw, parse)
-                if refusal is None:
-                    yield request  # parsed: the handler's parse() takes it as it is
-                else:
-                    await answers.put(refusal)
-
-        async def pump() -> None:
-            try:
-                async for msg in inner_ss(screened(), context):
-                    await answers.put(msg)
-            except Exception as exc:  # noqa: BLE001 - handed to the response stream, which raises it
-                await answers.put(exc)
-                return
-            await answers.put(_END)
-
-        task = asyncio.create_task(pump())
-        try:
-            while True:
-                item = await answers.get()
-                if item is _END:
-                    return
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Closed with the call: a call that ends stops the handler's task at once.
+        async with contextlib.aclosing(
+            _screened_stream(inner_ss, requests, context, authorizer, table, method, principal)
+        ) as answers:
+            async for msg in answers:
+                yield msg
 
     return grpc.stream_stream_rpc_method_handler(stream_stream_, None, handler.response_serializer)
+
+
+async def _screened_stream(
+    inner: Any, requests: AsyncIterator[bytes], context: Context, authorizer: Authorizer, table: Mapping[str, Access],
+    method: str, principal: Principal,
+) -> AsyncGenerator[Message, None]:
+    """The answers of the stream handler ``inner`` to ``requests``, each request screened for ``principal`` first."""
+    # Each message is screened on its way in; a refused one is answered here, in among the handler's answers
+    # (or, for a method without a refusal, ends the stream through the handler as its own errors do).
+    answers: asyncio.Queue[Any] = asyncio.Queue(SCREENED_ANSWERS_MAX)  # a slow reader slows the stream down
+
+    async def screened() -> AsyncIterator[Message]:
+        async for raw in requests:
+            request, refusal = authorizer.screen(table, method, principal, raw, parse)
+            if refusal is None:
+                yield request  # parsed: the handler's parse() takes it as it is
+            else:
+                await answers.put(refusal)
+
+    async def pump() -> None:
+        try:
+            async for msg in inner(screened(), context):
+                await answers.put(msg)
+        except Exception as exc:  # handed to the response stream, which raises it
+            await answers.put(exc)
+            return
+        await answers.put(_END)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            item = await answers.get()
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from cluster.ids import LeaderEpoch, SegmentId
 from georep.broker.errors import InvalidRequest
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto
@@ -45,6 +44,7 @@ from georep.server.site_repair import SealedRange, copy_in, copy_timeout_s
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import LocalOffset
 from offsets.vector import InvalidVectorOffset
+from topology.ids import LeaderEpoch, SegmentId
 
 if TYPE_CHECKING:
     from georep.server.cluster_member import ClusterMember

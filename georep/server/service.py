@@ -6,7 +6,6 @@ import asyncio
 import collections
 import contextlib
 import functools
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -14,15 +13,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cluster.ids import InvalidNodeId, node_id
-from cluster.metadata import AclRecord
 from georep import __version__
+from georep.auth.acl_replication import ClaimRefused, HeldClaimCheck
 from georep.broker.append import Produced
 from georep.broker.errors import (
     DamagedData,
     InvalidRequest,
     NoSuchLink,
-    NotAuthorized,
     NotLeader,
     NoTopology,
     SingleNodeSite,
@@ -41,10 +38,10 @@ from georep.broker.fetch import (
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
-from georep.security.acl import UnknownAcl, acl_entry
-from georep.security.acl_replication import ClaimRefused, HeldClaimCheck
-from georep.security.acl_sync import change, is_acl
+from georep.server.acl_calls import AclCalls
+from georep.server.admin_gate import AdminGate
 from georep.server.broker import Broker, Partition
+from georep.server.group_calls import GroupCalls
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
 from georep.server.rpc import Context, merge_streams, parse, service, status, stream_stream, unary, unary_stream
@@ -54,7 +51,7 @@ from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog, Segmen
 from offsets.coordinates import InvalidOrigin, Origin
 from offsets.held import HeldEntry, ServedGate
 from offsets.vector import InvalidVectorOffset, VectorOffset
-from topology.ids import InvalidSiteId, site_id
+from topology.ids import InvalidNodeId, InvalidSiteId, node_id, site_id
 
 if TYPE_CHECKING:
     from georep.server.replicator import Replicator
@@ -90,11 +87,6 @@ def _vector_to_pb(vector: Mapping[Origin, int]) -> pb.VectorOffset:
     return vector_to_proto(VectorOffset(vector))
 
 
-def _is_loopback(peer: str) -> bool:
-    """grpc peer strings: ``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``."""
-    return peer.startswith(("ipv4:127.", "ipv6:[::1]", "unix:"))
-
-
 class NodeService:
     def __init__(
         self,
@@ -106,16 +98,15 @@ class NodeService:
         authorizes: bool = False,
     ) -> None:
         self.broker = broker
-        # Calls are authorized by principals (georep/server/rpc.py's Authorization, on a TLS node): the admin
-        # token, the plaintext node's only check of admin calls, is not asked for then.
-        self.authorizes = authorizes
         self.site_cluster = site_cluster
         self.metrics = metrics
         self.replicator = replicator
         self.groups = GroupService(broker, site_cluster=site_cluster)
         if replicator is not None:
             self.groups.upstream_vectors = replicator.upstream_vectors
-        self.admin_token = admin_token
+        self.admin = AdminGate(admin_token, authorizes)
+        self.acls = AclCalls(broker, self.admin)
+        self.group_calls = GroupCalls(self.groups)
         self.started = time.monotonic()
         self._stopping: asyncio.Future[None] | None = None
         # ReportHeld's claims: which the topology allows (acl_replication.held_claim_refusal), and how far what they
@@ -275,7 +266,7 @@ class NodeService:
                     if state["waiting"] >= PRODUCE_STREAM_MAX_PENDING:
                         room.clear()
                         await room.wait()
-            except BaseException as exc:  # noqa: BLE001 - forwarded to the response stream
+            except BaseException as exc:  # forwarded to the response stream
                 failure.append(exc)
             state["done"] = True
             wake.set()
@@ -562,29 +553,9 @@ class NodeService:
             ]
         )
 
-    def _authorize_admin(self, context: Context, what: str) -> None:
-        """A plaintext node's check of admin calls (a TLS node checks the caller's principal for the admin
-        operation before the handler runs): with an admin token, the caller must present it; without one, only
-        loopback callers may."""
-        if self.authorizes:
-            return
-        if self.admin_token is None:
-            if not _is_loopback(context.peer()):
-                raise NotAuthorized(
-                    f"{what} from {context.peer()} refused: this node has no admin token, so only local callers "
-                    "may; start it with --admin-token-file",
-                )
-            return
-        presented = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not hmac.compare_digest(str(presented), f"Bearer {self.admin_token}"):
-            raise NotAuthorized(
-                f"{what} refused: missing or wrong admin token; pass the token the node was started with "
-                "(--admin-token-file, or GEOREP_ADMIN_TOKEN / the data dir's admin.token for georep commands)",
-            )
-
     async def set_link(self, data: bytes, context: Context) -> pb.SetLinkResponse:
         req = parse(pb.SetLinkRequest, data)
-        self._authorize_admin(context, "SetLink")
+        self.admin.check(context, "SetLink")
         site = self.broker.identity.site
         if self.replicator is None:
             raise NoTopology(f"site {site} runs without a topology, so it has no links")
@@ -676,7 +647,7 @@ class NodeService:
 
     async def decommission_node(self, data: bytes, context: Context) -> pb.DecommissionNodeResponse:
         req = parse(pb.DecommissionNodeRequest, data)
-        self._authorize_admin(context, "DecommissionNode")
+        self.admin.check(context, "DecommissionNode")
         if self.site_cluster is None:
             site = self.broker.identity.site
             raise SingleNodeSite(f"site {site} has one node: there is no other node to move its segments to, so it "
@@ -691,99 +662,6 @@ class NodeService:
             open_segments=drain.open_segments, leader_of=drain.leader_of, drained=drain.drained,
             message=drain.message(),
         )  # fmt: skip
-
-    # -- ACLs ---------------------------------------------------------------------
-
-    async def put_acl(self, data: bytes, context: Context) -> pb.PutAclResponse:
-        """``georep acl add|remove``: an ACL record stamped above the one held (georep/security/acl_sync.py)."""
-        req = parse(pb.PutAclRequest, data)
-        self._authorize_admin(context, "PutAcl")
-        entry = acl_entry(req.principal, req.operation, req.resource)
-        held = self.broker.metadata.acls().get(entry.key())
-        present = not req.remove
-        if held is not None and held.present == present:
-            return pb.PutAclResponse(record=_acl_to_pb(held), changed=False)
-        if held is None and not present:
-            raise UnknownAcl(entry)
-        record = change(entry, present, held, self.broker.clock_ms(), self.broker.identity.site)
-        if self.broker.in_site:  # a Raft command: not on the event loop
-            await asyncio.get_running_loop().run_in_executor(None, self.broker.metadata.put_acl, record)
-        else:
-            self.broker.metadata.put_acl(record)
-        log.info("ACL %s %s", "added:" if present else "removed:", entry)
-        return pb.PutAclResponse(record=_acl_to_pb(record), changed=True)
-
-    async def list_acls(self, data: bytes, context: Context) -> pb.ListAclsResponse:
-        req = parse(pb.ListAclsRequest, data)
-        table = self.broker.metadata.acls()
-        return pb.ListAclsResponse(records=[_acl_to_pb(table[k]) for k in sorted(table)
-                                            if (req.with_removed or table[k].present)
-                                            and (req.with_credentials or is_acl(k))])  # fmt: skip
-
-    # -- SASL users (georep/security/credentials.py) --------------------------------
-
-    async def put_user(self, data: bytes, context: Context) -> pb.PutUserResponse:
-        """``georep user add|remove``: a credential record (or its tombstone) stamped above the one held."""
-        from georep.kafka.sasl import ScramCredential
-        from georep.security import credentials
-
-        req = parse(pb.PutUserRequest, data)
-        self._authorize_admin(context, "PutUser")
-        try:
-            held = self.broker.metadata.acls().get(credentials.key(req.mechanism, req.user))
-            now, site = self.broker.clock_ms(), self.broker.identity.site
-            if req.remove:
-                if held is None or not held.present:
-                    raise InvalidRequest(f"user {req.user!r} has no {req.mechanism} credential: list the users with "
-                                         "'georep user list'")  # fmt: skip
-                record = credentials.remove(req.mechanism, req.user, held, now, site)
-            else:
-                credential = ScramCredential(req.mechanism, req.salt, req.iterations, req.stored_key, req.server_key)
-                record = credentials.put(credential, req.user, held, now, site)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        if self.broker.in_site:  # a Raft command: not on the event loop
-            await asyncio.get_running_loop().run_in_executor(None, self.broker.metadata.put_acl, record)
-        else:
-            self.broker.metadata.put_acl(record)
-        log.info("user %s %s (%s)", req.user, "removed" if req.remove else "stored", req.mechanism)
-        out = _acl_to_pb(record)
-        out.data = ""
-        return pb.PutUserResponse(record=out, changed=True)
-
-    async def list_users(self, data: bytes, context: Context) -> pb.ListUsersResponse:
-        from georep.security import credentials
-
-        parse(pb.ListUsersRequest, data)
-        self._authorize_admin(context, "ListUsers")
-        return pb.ListUsersResponse(users=[
-            pb.UserInfo(user=u.user, mechanism=u.mechanism, iterations=u.iterations, stamp_ms=u.record.stamp_ms,
-                        site=u.record.site)
-            for u in credentials.users(self.broker.metadata.acls())])  # fmt: skip
-
-    # -- consumer groups --------------------------------------------------------
-
-    # Group calls on a multi-node site go to the group's coordinator, the leader of its __georep_offsets partition;
-    # another node answers NotCoordinator with its address (georep/server/groups.py).
-
-    async def group_heartbeat(self, data: bytes, context: Context) -> pb.GroupHeartbeatResponse:
-        return await self.groups.heartbeat(parse(pb.GroupHeartbeatRequest, data))
-
-    async def leave_group(self, data: bytes, context: Context) -> pb.LeaveGroupResponse:
-        return await self.groups.leave(parse(pb.LeaveGroupRequest, data))
-
-    async def commit_offsets(self, data: bytes, context: Context) -> pb.CommitOffsetsResponse:
-        return await self.groups.commit(parse(pb.CommitOffsetsRequest, data))
-
-    async def fetch_committed(self, data: bytes, context: Context) -> pb.FetchCommittedResponse:
-        return await self.groups.fetch_committed(parse(pb.FetchCommittedRequest, data))
-
-    async def list_groups(self, data: bytes, context: Context) -> pb.ListGroupsResponse:
-        parse(pb.ListGroupsRequest, data)
-        return await self.groups.list_groups()
-
-    async def describe_group(self, data: bytes, context: Context) -> pb.GroupDescription:
-        return await self.groups.describe(parse(pb.DescribeGroupRequest, data))
 
     # -- wiring ---------------------------------------------------------------
 
@@ -800,27 +678,22 @@ class NodeService:
             "ReportHeld": unary(self.report_held),
             "FetchBatch": unary(self.fetch_batch),
             "Scrub": unary_stream(self.scrub),
-            "GroupHeartbeat": unary(self.group_heartbeat),
-            "LeaveGroup": unary(self.leave_group),
-            "CommitOffsets": unary(self.commit_offsets),
-            "FetchCommitted": unary(self.fetch_committed),
-            "ListGroups": unary(self.list_groups),
-            "DescribeGroup": unary(self.describe_group),
+            "GroupHeartbeat": unary(self.group_calls.group_heartbeat),
+            "LeaveGroup": unary(self.group_calls.leave_group),
+            "CommitOffsets": unary(self.group_calls.commit_offsets),
+            "FetchCommitted": unary(self.group_calls.fetch_committed),
+            "ListGroups": unary(self.group_calls.list_groups),
+            "DescribeGroup": unary(self.group_calls.describe_group),
             "ClusterStatus": unary(self.cluster_status),
             "DecommissionNode": unary(self.decommission_node),
-            "PutAcl": unary(self.put_acl),
-            "ListAcls": unary(self.list_acls),
-            "PutUser": unary(self.put_user),
-            "ListUsers": unary(self.list_users),
+            "PutAcl": unary(self.acls.put_acl),
+            "ListAcls": unary(self.acls.list_acls),
+            "PutUser": unary(self.acls.put_user),
+            "ListUsers": unary(self.acls.list_users),
             "Replicate": unary_stream(self.replicate),
             "ProduceStream": stream_stream(self.produce_stream),
             "Fetch": unary_stream(self.fetch),
         })  # fmt: skip
-
-
-def _acl_to_pb(record: AclRecord) -> pb.AclRecord:
-    return pb.AclRecord(entry=record.entry, present=record.present, stamp_ms=record.stamp_ms, site=record.site,
-                        data=record.data)
 
 
 def _fetch_start(req: pb.FetchRequest) -> FetchStart:

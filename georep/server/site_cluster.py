@@ -34,7 +34,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from cluster.ids import NodeId, SegmentId
 from cluster.producer_snapshot import history_at_open
 from cluster.site_state import PartitionInfo
 from cluster.status import cluster_status
@@ -51,6 +50,7 @@ from georep.server.ensemble import SegmentWriter
 from georep.storage.chain_log import ChainLog, ChainSegment, SegmentElsewhere
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import Origin
+from topology.ids import NodeId, SegmentId
 
 log = logging.getLogger(__name__)
 

@@ -72,7 +72,6 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from cluster import leadership
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.placement import NodeLoad
 from cluster.quorum import QuorumError
 from cluster.repair import (
@@ -101,6 +100,7 @@ from georep.security.tls import TlsConfig, client_channel
 from georep.storage.replica_store import HeldCopy, PartitionKey, ReplicaError, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor

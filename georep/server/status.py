@@ -14,17 +14,17 @@ from __future__ import annotations
 import grpc
 
 from cluster.groups import IllegalGeneration, InvalidGroupRequest, NotAssigned, UnknownMember
-from cluster.metadata import TopicExists, UnknownTopic
 from cluster.quorum import Fenced, NotContiguous, QuorumError, SegmentSealed
-from cluster.topics import InvalidTopic
 from dedup.producer import InvalidSequence, ProducerFenced
+from georep.auth.acl import InvalidAcl, PermissionDenied, UnknownAcl
+from georep.auth.acl_replication import ForgedOrigin
 from georep.broker import errors as e
+from georep.metadata.store import TopicExists, UnknownTopic
+from georep.metadata.topics import InvalidTopic
 from georep.proto.reasons import Reason
 from georep.raft.store import CommandTooLarge, MetadataUnavailable
 from georep.record.batch import CorruptBatch, InvalidBatch
 from georep.replication.sink import CorruptChunk
-from georep.security.acl import InvalidAcl, PermissionDenied, UnknownAcl
-from georep.security.acl_replication import ForgedOrigin
 from georep.storage.api import BatchDamaged, DiskFull, OffsetOutOfRange
 from georep.storage.chain_log import SegmentElsewhere
 from georep.storage.replica_store import CorruptReplicaChunk, ReplicaError, UnknownSegment

@@ -88,7 +88,6 @@ import cluster.producer_snapshot as producer_snapshot
 import cluster.recovery as recovery
 import cluster.repair as repair
 import cluster.site_state as site_state
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.producer_snapshot import ProducerEntry, ProducerSnapshot
 from cluster.quorum import (
     Fenced,
@@ -121,12 +120,12 @@ from cluster.site_state import (
     SegmentInfo,
     SiteState,
 )
-from cluster.topics import MAX_BATCH_BYTES_LIMIT, TopicSpec
 from dedup.producer import Append, AppendResult, Duplicate, ProducerStateTable
 from georep.broker.errors import NotLeader, SequenceRejected
 from georep.client.accumulator import ProducerBatch
 from georep.client.delivery import PartitionDelivery
 from georep.client.errors import Operation, from_status
+from georep.metadata.topics import MAX_BATCH_BYTES_LIMIT, TopicSpec
 from georep.record.batch import RecordInput
 from georep.server.status import reason_of, status_of
 from georep.sim.checker import InvariantViolation
@@ -145,7 +144,7 @@ from georep.sim.cluster_model import (
 )
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
-from topology.ids import SiteId
+from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 ORIGIN = Origin(SiteId("a"), 1)  # the site's origin: in this model a record's origin seq is its local offset
 PAYLOADS_PER_PRODUCER = 1_000_000

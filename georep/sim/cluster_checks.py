@@ -45,10 +45,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.site_state import Applied, Command, ElectLeader, PartitionInfo, Result, SiteState
 from georep.sim.checker import InvariantViolation
 from georep.sim.cluster_model import Batch, ClusterCounts, PartKey, SegCopy, SegKey
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 ALL_CHECKS = frozenset({"C1", "C2", "C3", "C4", "C5", "C6"})
 

@@ -12,7 +12,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
-from cluster.ids import SegmentId
+from topology.ids import SegmentId
 
 PartKey = tuple[str, int]  # (topic, partition)
 SegKey = tuple[str, int, SegmentId]  # (topic, partition, segment id)

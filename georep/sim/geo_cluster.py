@@ -78,7 +78,6 @@ import cluster.leadership as leadership
 import cluster.producer_snapshot as producer_snapshot
 import cluster.recovery as recovery
 import cluster.site_state as site_state
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.producer_snapshot import ProducerSnapshot
 from cluster.quorum import (
     Fenced,
@@ -104,11 +103,11 @@ from cluster.site_state import (
     SegmentInfo,
     SiteState,
 )
-from cluster.topics import TopicSpec
 from dedup.producer import ProducerStateTable
 from georep.broker.acks import AckKind, Acks, Effect, StartFlush
 from georep.broker.append import Produced
 from georep.broker.errors import GeoAckTimeout
+from georep.metadata.topics import TopicSpec
 from georep.record.batch import iter_headers
 from georep.replication.links import PartitionKey
 from georep.sim.checker import InvariantViolation
@@ -122,7 +121,7 @@ from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.log_prefix import vector_below
 from offsets.vector import VectorOffset
-from topology.ids import SiteId
+from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 GEO_CLUSTER_TOPOLOGIES = ("triangle", "ring4-split", "mesh4-audit")  # each has a cycle
 GEO_CLUSTER_STEPS = 700

@@ -32,10 +32,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from cluster.topics import MAX_BATCH_BYTES_LIMIT
 from georep.broker.acks import Acks
 from georep.client.accumulator import BatchState, ProducerBatch
 from georep.client.delivery import PartitionDelivery
+from georep.metadata.topics import MAX_BATCH_BYTES_LIMIT
 from georep.record.batch import RecordInput
 from georep.replication.links import PartitionKey
 from georep.sim.checker import InvariantViolation

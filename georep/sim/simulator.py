@@ -81,6 +81,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from georep.auth.acl_replication import HeldClaimCheck
 from georep.broker.acks import AckKind, Acks, Effect, Fail, HeldChanged, Release, StartFlush
 from georep.broker.append import Produced, append_as_origin
 from georep.broker.commits import CommitLog
@@ -93,7 +94,6 @@ from georep.replication.session import ApplyChunk, LinkEvent, OpenStream, PullCo
 from georep.replication.session import Effect as PullEffect
 from georep.replication.sink import apply_chunk
 from georep.replication.source import Chunk, ReplicaSource
-from georep.security.acl_replication import HeldClaimCheck
 from georep.server.status import wire_status
 from georep.sim.checker import InvariantChecker, InvariantViolation
 from georep.sim.consumers import ConsumerWorkload

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 from cluster.groups import GroupCoordinator
 from dedup.producer import ProducerStateTable
+from georep.auth.acl_replication import HeldClaimCheck
 from georep.broker.acks import AckTable
 from georep.broker.commits import CommitLog
 from georep.replication.links import LinkManager, PartitionKey
 from georep.replication.session import PullConfig, PullSession
 from georep.replication.source import ReplicaSource
 from georep.replication.upstream import UpstreamNodes, pullable
-from georep.security.acl_replication import HeldClaimCheck
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import Origin
 from offsets.held import HeldReporter

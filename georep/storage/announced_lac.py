@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from cluster.ids import SegmentId
+from topology.ids import SegmentId
 
 PartitionKey = tuple[str, int]
 KEPT_PER_PARTITION = 4  # segment ids: older ones are sealed, and a seal bounds reads of them

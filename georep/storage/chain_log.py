@@ -57,7 +57,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from cluster.follower_reads import FollowerBound, SegmentBounds, follower_bound
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from georep.record.batch import BatchHeader, iter_headers
 from georep.storage.api import (
     BatchEntry,
@@ -73,6 +72,7 @@ from georep.storage.replica_store import PartitionKey, ReplicaStore
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 REMOTE_CACHE_BYTES = 64 << 20  # per partition: ranges of segments read from other nodes
 

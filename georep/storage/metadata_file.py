@@ -1,5 +1,5 @@
 """The file-backed metadata of a one-node site: ``topics.json`` (topics, ACLs, SASL users) and ``site.json``
-(the site's identity), behind the ``MetadataStore`` port of ``cluster/metadata.py``.
+(the site's identity), behind the ``MetadataStore`` port of ``georep/metadata/store.py``.
 
 Both files are JSON replaced atomically (write, fsync, rename, fsync the directory), with a checksum member
 (``georep/storage/checked_json.py``): a changed digit still parses, and these files are not derived from
@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cluster.metadata import AclRecord, DataDirMismatch, SiteIdentity, TopicExists, UnknownTopic, acl_newer
-from cluster.topics import TopicSpec
+from georep.metadata.store import AclRecord, DataDirMismatch, SiteIdentity, TopicExists, UnknownTopic, acl_newer
+from georep.metadata.topics import TopicSpec
 from georep.storage.api import StorageError
 from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
 from topology.ids import InvalidSiteId, site_id

@@ -18,7 +18,7 @@ from offsets.coordinates import LocalOffset, Origin, OriginSeq
 
 
 class _OriginBatches:
-    __slots__ = ("next_seqs", "base_offsets")
+    __slots__ = ("base_offsets", "next_seqs")
 
     def __init__(self) -> None:
         self.next_seqs: array[int] = array("q")

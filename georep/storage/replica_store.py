@@ -52,7 +52,6 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cluster.ids import LeaderEpoch, SegmentId
 from cluster.quorum import GuardState, NotContiguous, ReplicaGuard
 from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, iter_headers
 from georep.storage.announced_lac import AnnouncedLacs
@@ -65,6 +64,7 @@ from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.log_prefix import vector_below
 from offsets.vector import VectorOffset
+from topology.ids import LeaderEpoch, SegmentId
 
 log = logging.getLogger(__name__)
 

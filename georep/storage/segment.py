@@ -184,9 +184,9 @@ class Segment:
     """
 
     __slots__ = (
-        "directory", "base_offset", "log_fd", "index_fd", "oindex_fd", "size", "next_offset", "batch_count",
-        "first_append_time_ms", "index_relative_offsets", "index_positions", "running_max_timestamps",
-        "_since_index", "_index_end", "_oindex_end",
+        "_index_end", "_oindex_end", "_since_index", "base_offset", "batch_count", "directory", "first_append_time_ms",
+        "index_fd", "index_positions", "index_relative_offsets", "log_fd", "next_offset", "oindex_fd",
+        "running_max_timestamps", "size",
     )  # fmt: skip
 
     def __init__(self, directory: Path, base_offset: int, log_fd: int, index_fd: int, oindex_fd: int,

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from georep.storage.chain_log import ChainLog, ChainSegment
 from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
 from tests.support.segments import make_batch
-from topology.ids import SiteId
+from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 A = Origin(SiteId("a"), 1)
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 
+from georep.auth.principal import node_principal
 from georep.client.consumer import Consumer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
-from georep.security.principal import node_principal
 from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from georep.server.rpc import LEADER_METADATA
@@ -134,11 +134,10 @@ def read_partition(address: str, topic: str, partition: int) -> list[tuple[str, 
             try:
                 response = next(iter(pbg.NodeStub(channel).Fetch(request, timeout=10)))
             except grpc.RpcError as exc:
-                hint = dict(exc.trailing_metadata() or ()).get("georep-leader")  # type: ignore[attr-defined]
-                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or moves >= 50:  # type: ignore[attr-defined]
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or moves >= 50:
                     raise
                 moves += 1
-                address = str(hint) if hint else address
+                address = leader_hint(exc) or address
                 time.sleep(0.1)
                 continue
         if not response.batches:
@@ -159,9 +158,9 @@ PRODUCER_ID = 4242
 
 
 def leader_hint(exc: grpc.RpcError) -> str:
-    for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
-        if key == LEADER_METADATA:
-            return str(value)
+    for item in exc.trailing_metadata() or ():
+        if item.key == LEADER_METADATA:
+            return str(item.value)
     return ""
 
 
@@ -246,12 +245,12 @@ def status(site: ClusterSite) -> pb.ClusterStatusResponse:
     raise AssertionError("no node answers ClusterStatus")
 
 
-def wait_for(what: str, check: object, timeout_s: float = WAIT_S) -> None:
+def wait_for(what: str, check: Callable[[], object], timeout_s: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
         try:
-            last = check()  # type: ignore[operator]
+            last = check()
         except (grpc.RpcError, AssertionError) as exc:
             last = exc
         if last is True:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def categories(data_dir: Path) -> dict[str, list[Path]]:
     return out
 
 
-_KINDS = (
+_KINDS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("segment log", lambda n: n.endswith(".log") and n != "node.log"),
     ("sparse index", lambda n: n.endswith(".index")),
     ("origin index", lambda n: n.endswith(".oindex")),

@@ -99,7 +99,7 @@ def _hostile(draw: st.DrawFn) -> tuple[bytes, str]:
     n = draw(st.integers(1, 4))
     rarely = st.sampled_from([False] * 30 + [True])  # uniform: Hypothesis draws small integers most often
     pieces = []
-    deltas = [0] + draw(st.lists(st.integers(-3, 3), min_size=n - 1, max_size=n - 1))
+    deltas = [0, *draw(st.lists(st.integers(-3, 3), min_size=n - 1, max_size=n - 1))]
     for i in range(n):
         pairs = draw(st.lists(st.tuples(st.sampled_from([b"h"] * 8 + [b"", b"\xc3\xa9", b"\xff"]),
                                         st.none() | st.binary(max_size=4)), max_size=2))  # fmt: skip

@@ -21,12 +21,13 @@ import atexit
 import contextlib
 import ctypes
 import importlib
+import io
 import logging
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.process
 import multiprocessing.resource_tracker
-import multiprocessing.util  # noqa: F401  (its exit handler, registered on import, must run after ours)
+import multiprocessing.util  # its exit handler, registered on import, must run after ours
 import os
 import signal
 import subprocess
@@ -43,7 +44,7 @@ from georep.server.process import Launched, popen_launcher
 
 ENABLE_ENV = "GEOREP_TEST_FORKSERVER"  # "0": the tests start nodes with Popen, as 'georep up' does
 # What a node imports before it serves. Importing them creates no thread, channel or event loop.
-PRELOAD = ["georep.cli", "georep.cli.main", "georep.cli.node", "georep.server.node", "georep.server.replicator",
+PRELOAD = ["georep.cli", "georep.cli.main", "georep.cli.node", "georep.node.serve", "georep.server.replicator",
            "tests.support.forkserver"]  # fmt: skip
 # Imported by nodes with a Kafka listener only (0.2 s: kafka-python); preloaded when it imports here.
 PRELOAD_IF_IMPORTS = ["georep.kafka.server"]
@@ -145,8 +146,9 @@ def _run_node(args: list[str], env: dict[str, str], cwd: str, log_path: str) -> 
     os.close(devnull)
     os.close(log)
     # As a fresh interpreter writing to a file: stdout block-buffered, stderr line-buffered.
-    sys.stdout.reconfigure(line_buffering=False)  # type: ignore[union-attr]
-    sys.stderr.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    assert isinstance(sys.stdout, io.TextIOWrapper) and isinstance(sys.stderr, io.TextIOWrapper)
+    sys.stdout.reconfigure(line_buffering=False)
+    sys.stderr.reconfigure(line_buffering=True)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)

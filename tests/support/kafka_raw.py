@@ -104,7 +104,7 @@ def hostile_kafka_batches() -> st.SearchStrategy[tuple[bytes, str]]:
 def _hostile_kafka(draw: st.DrawFn) -> tuple[bytes, str]:
     rarely = st.sampled_from([False] * 30 + [True])
     n = draw(st.integers(1, 4))
-    deltas = [0] + draw(st.lists(st.integers(-3, 3), min_size=n - 1, max_size=n - 1))
+    deltas = [0, *draw(st.lists(st.integers(-3, 3), min_size=n - 1, max_size=n - 1))]
     pieces = []
     for i in range(n):
         headers = draw(st.lists(st.tuples(st.sampled_from([b"h"] * 8 + [b"", b"\xc3\xa9", b"\xff"]),

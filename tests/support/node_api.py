@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 import pytest
 
@@ -41,7 +43,7 @@ def log_end(stub: pbg.NodeStub, topic: str, partition: int) -> int:
     return resp.offsets[0].offset
 
 
-def expect_error(code: grpc.StatusCode, call, *args) -> str:  # type: ignore[no-untyped-def]
+def expect_error(code: grpc.StatusCode, call: Callable[..., object], *args: object) -> str:
     with pytest.raises(grpc.RpcError) as info:
         call(*args)
     assert info.value.code() == code, info.value.details()

@@ -6,11 +6,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster.ids import NodeId
 from cluster.site_state import Applied, RegisterNode
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from georep.raft.store import RaftMetadataStore, RaftTiming
 from tests.support.ports import free_ports
+from topology.ids import NodeId
 
 # Shorter than the defaults so that elections take a fraction of a second, but with room for two busy cores.
 FAST = RaftTiming(

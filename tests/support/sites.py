@@ -18,12 +18,12 @@ from pathlib import Path
 
 import grpc
 
+from georep.auth.principal import site_principal
 from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
 from georep.security import dev_ca
-from georep.security.principal import site_principal
 from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from offsets.coordinates import Origin
@@ -85,7 +85,7 @@ class Sites:
         return f"127.0.0.1:{self.ports[site]}"
 
     def status(self, site: str) -> pb.SiteStatusResponse:
-        return self.stub(site).SiteStatus(pb.SiteStatusRequest(), timeout=5)  # type: ignore[no-any-return]
+        return self.stub(site).SiteStatus(pb.SiteStatusRequest(), timeout=5)
 
     def vectors(self, site: str, topic: str) -> dict[int, dict[str, int]]:
         try:

@@ -23,10 +23,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from cluster.ids import NodeId
-from cluster.metadata import SiteIdentity
 from cluster.site_state import InitSite, Refused
 from georep import __version__
+from georep.auth.acl import DEFAULT_SUPER_USERS
+from georep.auth.acl_sync import AclCache
+from georep.auth.policy import Policy
+from georep.auth.principal import Principal
+from georep.metadata.store import SiteIdentity
 from georep.raft.store import (
     MetadataUnavailable,
     RaftMetadataStore,
@@ -35,10 +38,6 @@ from georep.raft.store import (
     join_running_group,
 )
 from georep.replication.links import DEFAULT_STALL_MS
-from georep.security.acl import DEFAULT_SUPER_USERS
-from georep.security.acl_rpc import Policy
-from georep.security.acl_sync import AclCache
-from georep.security.principal import Principal
 from georep.security.tls import MESSAGE_BYTES_MAX, ServerLimits, TlsConfig, TlsError, add_port, server_options
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterConfig, ClusterMember
@@ -54,11 +53,12 @@ from georep.storage.dirlock import DataDirLock
 from georep.storage.metadata_file import load_or_create_identity, write_json_atomic
 from georep.storage.private import tighten
 from georep.storage.replica_store import ReplicaStore
-from topology.ids import site_id
+from topology.ids import NodeId, site_id
 from topology.model import Topology
 
 if TYPE_CHECKING:  # kafka-python costs a node without a Kafka listener a tenth of a second of CPU at start
-    from georep.kafka.server import KafkaOptions
+    from georep.kafka.server import KafkaOptions, KafkaServer
+    from georep.server.replicator import Replicator
 
 log = logging.getLogger("georep.node")
 
@@ -150,6 +150,29 @@ async def _site_identity(metadata: RaftMetadataStore, site: str, executor: Threa
             return SiteIdentity(site_id(found[0]), found[1])
 
 
+@dataclass(slots=True)
+class _Node:
+    """A node's services, wired (``_wire``) but not yet serving; ``close`` fsyncs and closes what holds files."""
+
+    identity: SiteIdentity
+    metadata: RaftMetadataStore | None
+    segment_executor: ThreadPoolExecutor
+    broker: Broker
+    metrics: NodeMetrics
+    replicator: Replicator | None
+    replicas: ReplicaStore
+    member: ClusterMember | None
+    site_cluster: SiteCluster | None
+    service: NodeService
+    segments: SegmentService
+
+    def close(self) -> None:
+        self.replicas.close()
+        self.broker.close()
+        if self.metadata is not None:
+            self.metadata.close()
+
+
 async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tuple[str, int], data_dir: Path,
                         defaults: dict[str, int], retention_check_ms: int, topology: Topology | None, stall_ms: int,
                         admin_token: str | None, scrub_bytes_per_s: int, lock: DataDirLock,
@@ -158,26 +181,67 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
                         super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
                         grpc_limits: ServerLimits | None = None,
                         shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT) -> int:  # fmt: skip
-    from georep.server.replicator import Replicator
-
     # The Raft metadata and the segment threads of a multi-node site; this node's copies of the segments whose
     # ensembles it is a member of (docs/cluster.md).
     segment_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="segments")
-    metadata: RaftMetadataStore | None = None
-    if in_site is not None:
-        try:
-            # A node new to a running site is added to its Raft group first (docs/cluster.md, "Expansion"); the
-            # store itself must be built in this thread (pysyncobj's tick thread stops with the thread that built it)
-            partners = await asyncio.get_running_loop().run_in_executor(segment_executor, functools.partial(
-                join_running_group, in_site.raft_address, in_site.raft_peers, data_dir, password=in_site.raft_secret))
-            metadata = RaftMetadataStore(in_site.raft_address, partners, data_dir, in_site.raft_timing,
-                                         in_site.raft_secret)  # fmt: skip
-        except RaftStartError as exc:
-            segment_executor.shutdown()
-            raise UsageError(str(exc)) from None
-        identity = await _site_identity(metadata, site, segment_executor)
-    else:
-        identity = load_or_create_identity(data_dir, site, int(time.time()))
+    metadata, identity = await _site_metadata(site, data_dir, in_site, segment_executor)
+    node = _wire(site, listen, data_dir, defaults, topology, stall_ms, admin_token, in_site, tls, identity, metadata,
+                 segment_executor)  # fmt: skip
+    server = _grpc_server(node, topology, tls, super_users, grpc_limits)
+    port = await _start_grpc(server, f"{listen[0]}:{listen[1]}", tls, node)
+    kafka_server, kafka_address = await _start_kafka(kafka, site, topology, in_site, tls, super_users, server, node)
+    if node.member is not None:
+        await node.member.start()
+    metrics_address = node.metrics.serve(*metrics_listen)
+    info = {
+        "pid": os.getpid(), "site": identity.site, "epoch": identity.epoch, "version": __version__,
+        "listen": f"{listen[0]}:{port}", "metrics": metrics_address, "kafka": kafka_address,
+        # how to start this node again the same way (georep drill restarts a killed site)
+        "command": [sys.executable, "-m", "georep.cli", *sys.argv[1:]], "cwd": os.getcwd(),
+    }  # fmt: skip
+    # A stop asked for once node.json says the node serves is a clean stop: the handlers come first.
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    _warn_insecure(tls, in_site, str(info["listen"]))
+    log.info("site %s (origin %s) serving on %s, metrics on %s", identity.site, node.broker.origin, info["listen"],
+             metrics_address)  # fmt: skip
+    lock.describe(str(info["listen"]))
+    write_json_atomic(data_dir / NODE_INFO, info)  # last: whoever waits for it finds the warnings logged
+    housekeeping = _start_housekeeping(node, scrub_bytes_per_s, retention_check_ms)
+    await stop.wait()
+    await _shut_down(node, server, kafka_server, housekeeping, shutdown_timeout_ms, data_dir / NODE_INFO)
+    log.info("stopped cleanly")
+    return 0
+
+
+async def _site_metadata(
+    site: str, data_dir: Path, in_site: InSiteOptions | None, segment_executor: ThreadPoolExecutor
+) -> tuple[RaftMetadataStore | None, SiteIdentity]:
+    """A multi-node site's Raft metadata (None for a one-node site) and the site's identity."""
+    if in_site is None:
+        return None, load_or_create_identity(data_dir, site, int(time.time()))
+    try:
+        # A node new to a running site is added to its Raft group first (docs/cluster.md, "Expansion"); the
+        # store itself must be built in this thread (pysyncobj's tick thread stops with the thread that built it)
+        partners = await asyncio.get_running_loop().run_in_executor(segment_executor, functools.partial(
+            join_running_group, in_site.raft_address, in_site.raft_peers, data_dir, password=in_site.raft_secret))
+        metadata = RaftMetadataStore(in_site.raft_address, partners, data_dir, in_site.raft_timing,
+                                     in_site.raft_secret)  # fmt: skip
+    except RaftStartError as exc:
+        segment_executor.shutdown()
+        raise UsageError(str(exc)) from None
+    return metadata, await _site_identity(metadata, site, segment_executor)
+
+
+def _wire(site: str, listen: tuple[str, int], data_dir: Path, defaults: dict[str, int], topology: Topology | None,
+          stall_ms: int, admin_token: str | None, in_site: InSiteOptions | None, tls: TlsConfig | None,
+          identity: SiteIdentity, metadata: RaftMetadataStore | None,
+          segment_executor: ThreadPoolExecutor) -> _Node:  # fmt: skip
+    """The broker and the services over it: the replicator, the segment member of a multi-node site, the gRPC
+    services."""
+    from georep.server.replicator import Replicator
+
     broker = Broker(data_dir, identity, defaults, metadata=metadata)
     metrics = NodeMetrics(broker)
     replicator = Replicator(broker, topology, site, stall_ms, tls=tls) if topology is not None else None
@@ -193,12 +257,19 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor, tls)
     service = NodeService(broker, metrics, replicator, admin_token, site_cluster, authorizes=tls is not None)
     segments = SegmentService(replicas, segment_executor, broker.clock_ms, member, tls)  # member: repair's rolls
+    return _Node(identity, metadata, segment_executor, broker, metrics, replicator, replicas, member, site_cluster,
+                 service, segments)  # fmt: skip
+
+
+def _grpc_server(node: _Node, topology: Topology | None, tls: TlsConfig | None, super_users: tuple[Principal, ...],
+                 grpc_limits: ServerLimits | None) -> grpc.aio.Server:  # fmt: skip
     # server_options bounds every message (tls.MESSAGE_BYTES_MAX, above every topic's max_batch_bytes and the
     # fetch cap: an oversized batch reaches the broker, which names the limit).
     assert FETCH_MAX_BYTES_CAP < MESSAGE_BYTES_MAX
     # A TLS node checks every call's principal against its ACLs and topology first (georep/server/rpc.py); a
     # plaintext one (--insecure) authorizes nothing.
-    interceptors = [authorization(identity.site, broker.metadata, topology, super_users)] if tls is not None else []
+    interceptors = ([authorization(node.identity.site, node.broker.metadata, topology, super_users)]
+                    if tls is not None else [])  # fmt: skip
     server = grpc.aio.server(
         interceptors=interceptors,
         options=server_options([
@@ -210,119 +281,118 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
             ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_INTERVAL_MS),
         ], grpc_limits)
     )
-    server.add_generic_rpc_handlers((service.handler(), segments.handler()))
-    address = f"{listen[0]}:{listen[1]}"
+    server.add_generic_rpc_handlers((node.service.handler(), node.segments.handler()))
+    return server
+
+
+async def _start_grpc(server: grpc.aio.Server, address: str, tls: TlsConfig | None, node: _Node) -> int:
+    """Listen on ``address`` and start serving; the port. A port the node cannot take closes the node."""
     try:
         port = add_port(server, address, tls)
     except TlsError as exc:
-        _close(replicas, broker, metadata)
+        node.close()
         raise UsageError(str(exc)) from None
     except RuntimeError as exc:
-        _close(replicas, broker, metadata)
+        node.close()
         raise UsageError(f"cannot listen on {address}: {exc}; is another process using the port?") from None
     if port == 0:
-        _close(replicas, broker, metadata)
+        node.close()
         raise UsageError(f"cannot listen on {address}: the port is in use or the address is not local")
     await server.start()
-    kafka_server, kafka_address = None, ""
+    return port
+
+
+async def _start_kafka(kafka: KafkaOptions | None, site: str, topology: Topology | None, in_site: InSiteOptions | None,
+                       tls: TlsConfig | None, super_users: tuple[Principal, ...], server: grpc.aio.Server,
+                       node: _Node) -> tuple[KafkaServer | None, str]:  # fmt: skip
+    """The Kafka listener (docs/kafka.md), if asked for, and the address Kafka clients are told; a listener the node
+    cannot start stops the node."""
     # A node of a multi-node site tells Kafka clients which node leads what, by the topology's Kafka addresses
     kafka_nodes = {int(n): a for n, a in topology.site(site).kafka_addresses().items()} if topology else {}
     if kafka is not None and in_site is not None and in_site.node_id not in kafka_nodes:
         await server.stop(0)
-        _close(replicas, broker, metadata)
+        node.close()
         raise UsageError(f"--kafka-listen: a node of a multi-node site needs its site's Kafka addresses, which Kafka "
                          f"clients are sent to for the partitions each node leads: add kafka = \"HOST:PORT\" to every "
                          f"node of site {site} in the topology file (docs/kafka.md)")  # fmt: skip
-    if kafka is not None:  # the Kafka wire protocol (docs/kafka.md)
-        from georep.kafka.server import server_ssl_context, start_kafka
+    if kafka is None:
+        return None, ""
+    from georep.kafka.server import server_ssl_context, start_kafka
 
-        try:
-            # The Kafka port takes mutual TLS too (or SASL: SASL_SSL, or SASL_PLAINTEXT on an --insecure node),
-            # and checks the same ACLs (docs/kafka.md)
-            if tls is not None or kafka.sasl:
-                kafka = replace(kafka, ssl_context=None if tls is None else server_ssl_context(tls, kafka.sasl),
-                                policy=Policy(identity.site, AclCache(broker.metadata.acls), lambda: topology,
-                                              super_users))  # fmt: skip
-            kafka_server, kafka_address = await start_kafka(kafka, broker, service.groups, site_cluster)
-            if site_cluster is not None:  # set before any request is read (no await since the listener started)
-                from georep.kafka.cluster import cluster_view_of
+    try:
+        # The Kafka port takes mutual TLS too (or SASL: SASL_SSL, or SASL_PLAINTEXT on an --insecure node),
+        # and checks the same ACLs (docs/kafka.md)
+        if tls is not None or kafka.sasl:
+            kafka = replace(kafka, ssl_context=None if tls is None else server_ssl_context(tls, kafka.sasl),
+                            policy=Policy(node.identity.site, AclCache(node.broker.metadata.acls), lambda: topology,
+                                          super_users))  # fmt: skip
+        kafka_server, kafka_address = await start_kafka(kafka, node.broker, node.service.groups, node.site_cluster)
+        if node.site_cluster is not None:  # set before any request is read (no await since the listener started)
+            from georep.kafka.cluster import cluster_view_of
 
-                kafka_server.gateway.view_of = cluster_view_of(site_cluster, kafka_nodes)
-                kafka_address = kafka_nodes[int(site_cluster.member.me)]  # what clients are told (node.json)
-        except OSError as exc:
-            await server.stop(0)
-            _close(replicas, broker, metadata)
-            raise UsageError(f"cannot listen for Kafka clients on {kafka.listen[0]}:{kafka.listen[1]}: "
-                             f"{exc.strerror or exc}; is another process using the port?") from None
-    if member is not None:
-        await member.start()
-    metrics_address = metrics.serve(*metrics_listen)
-    info = {
-        "pid": os.getpid(), "site": identity.site, "epoch": identity.epoch, "version": __version__,
-        "listen": f"{listen[0]}:{port}", "metrics": metrics_address, "kafka": kafka_address,
-        # how to start this node again the same way (georep drill restarts a killed site)
-        "command": [sys.executable, "-m", "georep.cli", *sys.argv[1:]], "cwd": os.getcwd(),
-    }  # fmt: skip
-    # A stop asked for once node.json says the node serves is a clean stop: the handlers come first.
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+            kafka_server.gateway.view_of = cluster_view_of(node.site_cluster, kafka_nodes)
+            kafka_address = kafka_nodes[int(node.site_cluster.member.me)]  # what clients are told (node.json)
+    except OSError as exc:
+        await server.stop(0)
+        node.close()
+        raise UsageError(f"cannot listen for Kafka clients on {kafka.listen[0]}:{kafka.listen[1]}: "
+                         f"{exc.strerror or exc}; is another process using the port?") from None
+    return kafka_server, kafka_address
+
+
+def _warn_insecure(tls: TlsConfig | None, in_site: InSiteOptions | None, listen: str) -> None:
     if tls is None:
         log.warning("--insecure: serving plaintext, without TLS and without ACLs; any process that reaches %s may "
-                    "produce, consume, commit and replicate (docs/security.md)", info["listen"])  # fmt: skip
+                    "produce, consume, commit and replicate (docs/security.md)", listen)  # fmt: skip
     if in_site is not None and in_site.raft_secret is None:
         log.warning("no --raft-secret-file: the Raft port %s is plaintext and unauthenticated; any process that "
                     "reaches it may join the site's Raft group, change its metadata or run code in this node "
                     "(docs/security.md)", in_site.raft_address)  # fmt: skip
-    log.info("site %s (origin %s) serving on %s, metrics on %s", identity.site, broker.origin, info["listen"],
-             metrics_address)  # fmt: skip
-    lock.describe(str(info["listen"]))
-    write_json_atomic(data_dir / NODE_INFO, info)  # last: whoever waits for it finds the warnings logged
 
+
+def _start_housekeeping(node: _Node, scrub_bytes_per_s: int, retention_check_ms: int) -> list[asyncio.Task[None]]:
+    """The background loops (fsync, scrub, retention, groups) and the replicator's pullers."""
     housekeeping = [
-        asyncio.create_task(_flush_loop(broker)),
-        asyncio.create_task(_scrub_loop(broker, scrub_bytes_per_s)),
-        asyncio.create_task(_retention_loop(broker, retention_check_ms / 1000)),
-        asyncio.create_task(_group_loop(service)),
+        asyncio.create_task(_flush_loop(node.broker)),
+        asyncio.create_task(_scrub_loop(node.broker, scrub_bytes_per_s)),
+        asyncio.create_task(_retention_loop(node.broker, retention_check_ms / 1000)),
+        asyncio.create_task(_group_loop(node.service)),
     ]
-    if replicator is not None:
-        replicator.start()
-        log.info("pulling from %s", ", ".join(f"{p.src} ({p.address})" for p in replicator.pullers.values())
+    if node.replicator is not None:
+        node.replicator.start()
+        log.info("pulling from %s", ", ".join(f"{p.src} ({p.address})" for p in node.replicator.pullers.values())
                  or "no site: no link leads here")  # fmt: skip
-    await stop.wait()
+    return housekeeping
+
+
+async def _shut_down(node: _Node, server: grpc.aio.Server, kafka_server: KafkaServer | None,
+                     housekeeping: list[asyncio.Task[None]], shutdown_timeout_ms: int,
+                     node_info: Path) -> None:  # fmt: skip
+    """Stop taking calls, end what runs, fsync and close every log, within ``shutdown_timeout_ms``; then
+    ``node_info`` goes: the node no longer serves."""
     shutdown = Shutdown(shutdown_timeout_ms)
-    shutdown.begin(loop)
+    shutdown.begin(asyncio.get_running_loop())
     log.info("shutting down")
     if os.environ.get(STUCK_FSYNC_ENV):
-        broker.executor.submit(threading.Event().wait)  # tests: an fsync thread that never returns
-    if member is not None:
-        await shutdown.step("stopping the cluster member", member.stop())
-    if replicator is not None:
-        await shutdown.step("stopping the pullers", replicator.stop())
-    if site_cluster is not None:
-        await shutdown.step("closing the connections to the site's other nodes", site_cluster.close())
+        node.broker.executor.submit(threading.Event().wait)  # tests: an fsync thread that never returns
+    if node.member is not None:
+        await shutdown.step("stopping the cluster member", node.member.stop())
+    if node.replicator is not None:
+        await shutdown.step("stopping the pullers", node.replicator.stop())
+    if node.site_cluster is not None:
+        await shutdown.step("closing the connections to the site's other nodes", node.site_cluster.close())
     if kafka_server is not None:
         await shutdown.step("stopping the Kafka listener", kafka_server.stop())
-    service.stop_streams()
+    node.service.stop_streams()
     for task in housekeeping:
         task.cancel()
     await shutdown.step("ending the calls in flight", server.stop(SHUTDOWN_GRACE_S), SHUTDOWN_GRACE_S + STEP_TIMEOUT_S)
     shutdown.blocking("waiting for the segment threads")
-    segment_executor.shutdown(wait=True)
+    node.segment_executor.shutdown(wait=True)
     shutdown.blocking("fsyncing and closing the logs and the Raft metadata")
-    _close(replicas, broker, metadata)
-    (data_dir / NODE_INFO).unlink(missing_ok=True)
+    node.close()
+    node_info.unlink(missing_ok=True)
     shutdown.done()
-    log.info("stopped cleanly")
-    return 0
-
-
-def _close(replicas: ReplicaStore, broker: Broker, metadata: RaftMetadataStore | None) -> None:
-    replicas.close()
-    broker.close()
-    if metadata is not None:
-        metadata.close()
 
 
 async def _flush_loop(broker: Broker) -> None:

@@ -1,10 +1,10 @@
 """Users' SCRAM credentials as replicated records (pure): the Kafka listener's SASL users (``georep user``).
 
-A credential is a record of the site's ACL table (:class:`~cluster.metadata.AclRecord`) keyed
+A credential is a record of the site's ACL table (:class:`~georep.metadata.store.AclRecord`) keyed
 ``credential <mechanism> <user>`` whose ``data`` is the credential's stored form
-(:meth:`georep.kafka.sasl.ScramCredential.encode`: salt, iterations, stored key, server key; never the
+(:meth:`georep.auth.sasl.ScramCredential.encode`: salt, iterations, stored key, server key; never the
 password). Keeping it in that table reuses everything ACLs have: last-writer-wins with tombstones
-(``georep/security/acl_sync.py`` says why it converges), the metadata store of one-node sites and the Raft
+(``georep/auth/acl_sync.py`` says why it converges), the metadata store of one-node sites and the Raft
 ``PutAcl`` command of multi-node ones, and the ACL sync over every link (``ListAcls`` with
 ``with_credentials``). A user's principal is ``client:<user>``: the ACLs of that principal apply to it.
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from cluster.metadata import AclRecord
-from georep.kafka.sasl import ScramCredential, hash_name
-from georep.security.acl_sync import stamp_above
-from georep.security.principal import InvalidPrincipal, Principal, parse_principal
+from georep.auth.acl_sync import stamp_above
+from georep.auth.principal import InvalidPrincipal, Principal, parse_principal
+from georep.auth.sasl import ScramCredential, hash_name
+from georep.metadata.store import AclRecord
 
 PREFIX = "credential "
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from cluster.ids import NodeId
-from topology.ids import InvalidSiteId, SiteId, site_id
+from topology.ids import InvalidSiteId, NodeId, SiteId, site_id
 
 SITE = "site"
 NODE = "node"

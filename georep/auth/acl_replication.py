@@ -1,7 +1,7 @@
 """Who may replicate from this site, which topics, which origins a pulled batch may claim, and which claims of a
 held report count. Pure.
 
-The replication RPCs are authorized by the topology, not by ACL entries (``georep/security/acl.py``): the
+The replication RPCs are authorized by the topology, not by ACL entries (``georep/auth/acl.py``): the
 links are already the operator's statement of which site pulls what from which.
 
 **Pulling** (:func:`pull_decision`, the ``Replicate`` RPC and the calls a puller makes alongside it:
@@ -45,10 +45,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+from georep.auth.acl import CLUSTER, Decision, Operation, PermissionDenied, Resource, topic
+from georep.auth.principal import Principal
 from georep.broker.errors import BrokerError
 from georep.record.batch import CorruptBatch, iter_headers
-from georep.security.acl import CLUSTER, Decision, Operation, PermissionDenied, Resource, topic
-from georep.security.principal import Principal
 from offsets.coordinates import Origin
 from topology.model import Topology, UnknownLink, UnknownSite
 from topology.reach import expected_sites

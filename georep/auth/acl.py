@@ -7,7 +7,7 @@ principals a pattern matches, for example ``client:alice produce topic:orders/**
   its operation and its resource. With no entry at all, only super-users can do anything.
 * **Order does not matter.** A set of allow entries is a union, so the decision is a monotone function of the set:
   adding an entry can only allow more, removing one only allow less, and two sites that hold the same set decide
-  the same whatever order the entries arrived in (they replicate, see :mod:`georep.security.acl_sync`). Kafka's deny
+  the same whatever order the entries arrived in (they replicate, see :mod:`georep.auth.acl_sync`). Kafka's deny
   entries need a precedence rule (deny wins); without them there is nothing to order, so nothing to get wrong.
 
 **Principal patterns.** ``kind:name`` where ``name`` is an exact principal name (``client:alice``,
@@ -27,7 +27,7 @@ groups; replicate and admin with the cluster. An entry that pairs an operation w
 recover), and the configured super-users (``client:admin`` unless ``georep node --super-user`` says otherwise).
 
 **replicate is granted by the topology, not by entries.** Which sites may pull from this one, and which topics,
-is what the topology's links say (:mod:`georep.security.acl_replication`); an entry granting ``replicate`` would be
+is what the topology's links say (:mod:`georep.auth.acl_replication`); an entry granting ``replicate`` would be
 a second, conflicting source of truth, so :class:`AclEntry` refuses it with a pointer to the topology.
 
 **Decisions carry their message.** :func:`authorize` returns a :class:`Decision` whose message names the principal,
@@ -40,7 +40,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from georep.security.principal import KINDS, NODE, SITE, InvalidPrincipal, Principal, parse_principal
+from georep.auth.principal import KINDS, NODE, SITE, InvalidPrincipal, Principal, parse_principal
 from topology.filters import ANY_LEVELS, ONE_LEVEL, InvalidTopicFilter, TopicFilter, match_levels
 
 

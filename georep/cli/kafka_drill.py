@@ -198,10 +198,6 @@ def ssl_config(tls: TlsConfig | None) -> dict[str, str]:
 
 def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str], None] = print,
                 tls: TlsConfig | None = None) -> dict[str, Any]:  # fmt: skip
-    from confluent_kafka import admin as kafka_admin
-
-    AdminClient, NewTopic = kafka_admin.AdminClient, kafka_admin.NewTopic  # type: ignore[attr-defined]
-
     try:
         victim, target = drill_sites(topology, args.site, args.failover_to)
     except DrillSitesError as exc:
@@ -213,17 +209,7 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
     topic, group = f"kdrill-{stamp}", f"kdrill-{stamp}"
     out(f"drill (Kafka clients): kill site {victim}, the group fails over to {target}; topic {topic}, "
         f"{args.rate:g} records/s per producer at acks=all, commits every {args.commit_interval_ms} ms")  # fmt: skip
-    admin = AdminClient({"bootstrap.servers": kafka[victim], "log_level": 0, **secure})
-    try:
-        admin.create_topics([NewTopic(topic, args.partitions, 1)])[topic].result(15)
-    except Exception as exc:
-        raise KafkaDrillError(f"cannot create {topic} at {victim}'s Kafka port {kafka[victim]}: {exc}") from None
-    target_admin = AdminClient({"bootstrap.servers": kafka[target], "log_level": 0, **secure})
-    deadline = time.monotonic() + TOPIC_WAIT_S
-    while topic not in target_admin.list_topics(timeout=5).topics:
-        if time.monotonic() > deadline:
-            raise KafkaDrillError(f"{topic} did not reach site {target} within {TOPIC_WAIT_S:g}s: is there a link?")
-        time.sleep(0.2)
+    _create_topic(topic, args.partitions, victim, kafka[victim], target, kafka[target], secure)
 
     acked: dict[str, list[str]] = {victim: [], target: []}
     failed: dict[str, list[str]] = {victim: [], target: []}
@@ -240,19 +226,7 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
                                                         args.commit_interval_ms / 1000), daemon=True)  # fmt: skip
     reading_a.start()
     time.sleep(args.warmup)
-    if not before.committed:
-        deadline = time.monotonic() + 20
-        while not before.committed and time.monotonic() < deadline:
-            time.sleep(0.1)
-    # The kill, once no commit is in flight. The consumers at the victim go on reading until it; what they
-    # delivered after their last commit may be delivered again (Kafka's at-least-once beyond the commit),
-    # nothing before it may.
-    before.no_more_commits.set()
-    with before.committing:
-        pass
-    time.sleep(UNCOMMITTED_S)
-    os.kill(int(infos[victim]["pid"]), signal.SIGKILL)
-    killed_ms = time.time() * 1000
+    killed_ms = _kill_between_commits(before, int(infos[victim]["pid"]))
     stops[victim].set()
     stop_before.set()
     reading_a.join(CLOSE_TIMEOUT_S)
@@ -271,23 +245,70 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
     with before.lock:
         committed = {v for (p, o), v in before.at.items() if o < before.committed.get(p, 0)}
     expected = [v for v in held if v not in committed]
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while time.monotonic() < deadline:
-        with after.lock:
-            if set(expected) <= set(after.values):
-                break
-        time.sleep(0.1)
+    _wait_delivered(after, expected)
     stop_after.set()
     reading_b.join(CLOSE_TIMEOUT_S)
     for c in consumers_b:
         c.close()
     if not args.no_restart:
-        command = infos[victim].get("command")
-        if command:
-            with append_private(args.data_dir / victim / "node.log") as log:
-                subprocess.Popen(command, cwd=infos[victim].get("cwd"), stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        _restart(infos[victim], args.data_dir / victim)
     return _report(victim, target, topic, group, acked, held, before, after, committed, expected, killed_ms)
+
+
+def _create_topic(topic: str, partitions: int, victim: str, victim_kafka: str, target: str, target_kafka: str,
+                  secure: dict[str, str]) -> None:  # fmt: skip
+    """Create ``topic`` at the victim, and wait until the link carries it to the target."""
+    from confluent_kafka import admin as kafka_admin
+
+    AdminClient, NewTopic = kafka_admin.AdminClient, kafka_admin.NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": victim_kafka, "log_level": 0, **secure})
+    try:
+        admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(15)
+    except Exception as exc:
+        raise KafkaDrillError(f"cannot create {topic} at {victim}'s Kafka port {victim_kafka}: {exc}") from None
+    target_admin = AdminClient({"bootstrap.servers": target_kafka, "log_level": 0, **secure})
+    deadline = time.monotonic() + TOPIC_WAIT_S
+    while topic not in target_admin.list_topics(timeout=5).topics:
+        if time.monotonic() > deadline:
+            raise KafkaDrillError(f"{topic} did not reach site {target} within {TOPIC_WAIT_S:g}s: is there a link?")
+        time.sleep(0.2)
+
+
+def _kill_between_commits(before: Deliveries, pid: int) -> float:
+    """SIGKILL the victim's node once a commit was made and none is in flight; when (ms since the epoch)."""
+    if not before.committed:
+        deadline = time.monotonic() + 20
+        while not before.committed and time.monotonic() < deadline:
+            time.sleep(0.1)
+    # The kill, once no commit is in flight. The consumers at the victim go on reading until it; what they
+    # delivered after their last commit may be delivered again (Kafka's at-least-once beyond the commit),
+    # nothing before it may.
+    before.no_more_commits.set()
+    with before.committing:
+        pass
+    time.sleep(UNCOMMITTED_S)
+    os.kill(pid, signal.SIGKILL)
+    return time.time() * 1000
+
+
+def _wait_delivered(after: Deliveries, expected: list[str]) -> None:
+    """Wait until the consumers at the target delivered every expected record (or give up after a while)."""
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with after.lock:
+            if set(expected) <= set(after.values):
+                return
+        time.sleep(0.1)
+
+
+def _restart(info: dict[str, Any], node_dir: Path) -> None:
+    """Start the killed node again the way it was started (its node.json), if it says how."""
+    command = info.get("command")
+    if command:
+        with append_private(node_dir / "node.log") as log:
+            subprocess.Popen(command, cwd=info.get("cwd"), stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
 
 def _report(victim: str, target: str, topic: str, group: str, acked: dict[str, list[str]], held: list[str],

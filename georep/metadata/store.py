@@ -1,13 +1,12 @@
 """The site's metadata: which topics exist, and the site's identity.
 
-``MetadataStore`` is the port. ``FileMetadataStore`` keeps the table of one
-node in a JSON file replaced atomically, so a crash leaves the old or the new
-table, never half of one. The Raft-backed store for multi-node sites sits
-behind the same protocol.
+``MetadataStore`` is the port. Its stores are shells: ``georep/storage/metadata_file.py`` keeps the table of a
+one-node site in a JSON file replaced atomically, so a crash leaves the old or the new table, never half of one;
+``georep/raft/store.py`` keeps a multi-node site's in its Raft group.
 
 The table also holds the site's ACL records (:class:`AclRecord`: an entry's text, present or removed, and its
 stamp), and the users' SCRAM credentials as records of the same kind (a key and a ``data`` field), kept and
-replicated as last-writer-wins registers (``georep/security/acl_sync.py`` says why that
+replicated as last-writer-wins registers (``georep/auth/acl_sync.py`` says why that
 converges); this module stores them without reading the entries.
 """
 
@@ -16,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cluster.topics import TopicSpec
+from georep.metadata.topics import TopicSpec
 from topology.ids import SiteId
 
 
@@ -38,12 +37,12 @@ class DataDirMismatch(Exception):
 class AclRecord:
     """One ACL entry's state at this site: present or removed (a tombstone), stamped by the site that changed it."""
 
-    entry: str  # "principal operation resource" (georep.security.acl.AclEntry.key), or a credential's key
+    entry: str  # "principal operation resource" (georep.auth.acl.AclEntry.key), or a credential's key
     present: bool
     stamp_ms: int
     site: str
     # What the record holds beyond its key: "" for an ACL entry; a SCRAM credential's stored form for a user's
-    # credential (georep/security/credentials.py), which travels and wins exactly as an ACL record does.
+    # credential (georep/auth/credentials.py), which travels and wins exactly as an ACL record does.
     data: str = ""
 
     @property

@@ -1,6 +1,6 @@
 """ACL entries as replicated records: how an add or a remove at one site reaches every site, in any order. Pure.
 
-A site's ACL table maps each entry's canonical text (:meth:`~georep.security.acl.AclEntry.key`) to an
+A site's ACL table maps each entry's canonical text (:meth:`~georep.auth.acl.AclEntry.key`) to an
 :class:`AclRecord`: present or removed (a tombstone), stamped ``(stamp_ms, site)`` by the site where the operator
 changed it. A record replaces the one held for its entry only if its :func:`version` is higher
 (:func:`newer`): a last-writer-wins register per entry.
@@ -18,7 +18,7 @@ about the other site's. An operator removes an entry they can list, so the tombs
 only a concurrent add elsewhere, unseen yet, can win over it (by its later stamp), which is the usual
 last-writer-wins behaviour and the one thing to know: change an entry at one site at a time.
 
-**The same table carries users' SCRAM credentials** (``georep/security/credentials.py``): a record keyed
+**The same table carries users' SCRAM credentials** (``georep/auth/credentials.py``): a record keyed
 ``credential <mechanism> <user>`` whose ``data`` is the credential. They merge by the same rule over the same
 ``ListAcls`` path, so a user added at one site authenticates at every site linked to it.
 
@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 
-from cluster.metadata import AclRecord, acl_newer
-from georep.security.acl import AclEntry, parse_acl_entry
+from georep.auth.acl import AclEntry, parse_acl_entry
+from georep.metadata.store import AclRecord, acl_newer
 
-__all__ = ["AclRecord", "AclCache", "change", "effective", "is_acl", "merge", "newer", "parsed", "stamp_above"]
+__all__ = ["AclCache", "AclRecord", "change", "effective", "is_acl", "merge", "newer", "parsed", "stamp_above"]
 
 
 def parsed(record: AclRecord) -> AclEntry:
@@ -67,7 +67,7 @@ def merge(held: Mapping[str, AclRecord], received: Iterable[AclRecord]) -> list[
 
 def is_acl(key: str) -> bool:
     """Whether a table key is an ACL entry's; the table also holds users' SCRAM credentials
-    (``georep/security/credentials.py``), whose keys start with a word, not a principal ``kind:name``."""
+    (``georep/auth/credentials.py``), whose keys start with a word, not a principal ``kind:name``."""
     return ":" in key.split(" ", 1)[0]
 
 

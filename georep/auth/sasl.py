@@ -158,7 +158,7 @@ class ScramServer:
 
     def _first(self, text: str) -> str:
         parts = text.split(",", 2)
-        if len(parts) != 3 or parts[0] not in ("n", "y", "p") and not parts[0].startswith("p="):
+        if len(parts) != 3 or (parts[0] not in ("n", "y", "p") and not parts[0].startswith("p=")):
             raise ScramFailed("invalid SCRAM client-first message: it starts with a GS2 header such as 'n,,'")
         flag, authzid, bare = parts
         if flag != "n" and flag != "y":
