@@ -21,7 +21,6 @@ LONG_FUNCTIONS: dict[str, str] = {
 BIG_CLASSES: dict[str, str] = {
     "georep/sim/cluster.py:ClusterSimulator": "issue 21, the node core helper (both cluster simulators drive it)",
     "georep/sim/geo_cluster.py:GeoClusterSimulator": "issue 21, the node core helper (both cluster simulators)",
-    "georep/sim/simulator.py:Simulator": "issue 21, the Kafka gateway and client helper (simulator.py)",
 }
 
 
