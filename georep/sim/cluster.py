@@ -258,8 +258,10 @@ class ClusterNodes(SimNodes):
         self.sim = sim
         self.leaders: dict[tuple[NodeId, PartKey], LeaderData] = {}
 
-    def size_of(self, segment: object) -> int:
-        assert isinstance(segment, SegmentInfo)
+    def repair_sizes(self) -> Callable[[SegmentInfo], int]:
+        return self._size_of
+
+    def _size_of(self, segment: SegmentInfo) -> int:
         if segment.end_offset is None:
             return 0
         return (int(segment.end_offset) - int(segment.base_offset)) * self.sim.cfg.record_bytes
@@ -911,13 +913,10 @@ class ClusterSimulator:
         return target.up and self.links[(src.id, dst)].down_until <= self.now_ms \
             and self.links[(dst, src.id)].down_until <= self.now_ms  # fmt: skip
 
-    def leads_metadata(self, node: SimNode) -> bool:
-        """The metadata log's leader: the lowest running voter that reaches the metadata (the controller); a node
-        that wakes from a pause still thinking it leads keeps its controller until its next tick says otherwise."""
-        if self.desired_controller() != node.id:
-            return False
+    def can_lead_metadata(self, node: SimNode) -> bool:
+        """A running voter that reaches the metadata majority (``SimNodes.leads_metadata`` picks the controller)."""
         assert isinstance(node, ClusterSimNode)
-        return (node.core is not None and node.core.controller is not None) or not self._other_controller(node)
+        return node.voter and self.running(node) and node.isolated_until <= self.now_ms
 
     def log(self, line: str) -> None:
         if self.verbose:
@@ -964,24 +963,13 @@ class ClusterSimulator:
         return node.up and node.paused_until <= self.now_ms
 
     def tick(self, node: ClusterSimNode) -> None:
-        self.shells.report_short(node, self.desired_controller())
+        self.shells.report_short(node, self.shells.metadata_leader())
         load = leadership.open_loads(node.view).get(node.id, 0)
         self.last_hb_sent[node.id] = self.now_ms
         self.propose(node, NodeHeartbeat(node.id, self.now_ms, self._free_bytes(node), load))
         self._refresh_view(node)
         self.shells.tick(node)
         self.at(self.cfg.tick_ms, node, self.tick, node)
-
-    def desired_controller(self) -> NodeId | None:
-        for nid in sorted(self.nodes):
-            n = self.nodes[nid]
-            if n.voter and self.running(n) and n.isolated_until <= self.now_ms:
-                return nid
-        return None
-
-    def _other_controller(self, node: ClusterSimNode) -> bool:
-        return any(n.core is not None and n.core.controller is not None and self.running(n)
-                   and n.isolated_until <= self.now_ms for nid, n in sorted(self.nodes.items()) if nid != node.id)
 
     def serving(self, key: PartKey) -> bool:
         """Whether the partition's leader (as the metadata names it) writes an open segment."""

@@ -52,7 +52,7 @@ from cluster.lead import (
 from cluster.node import Leading, NodeConfig, NodeCore, NodeEffect, ProposeElection, ProposeEpoch
 from cluster.producer_snapshot import ProducerSnapshot
 from cluster.quorum import GuardState, ReplicaGuard
-from cluster.site_state import AddMember, Applied, Command, ReplaceMember, Result, SealSegment, SiteState
+from cluster.site_state import AddMember, Applied, Command, ReplaceMember, Result, SealSegment, SegmentInfo, SiteState
 from dedup.producer import ProducerBatch, ProducerStateTable
 from georep.sim.checker import InvariantViolation
 from georep.sim.cluster_checks import ClusterChecker
@@ -70,9 +70,14 @@ NOTE_COUNTS = {  # what a lead's Note adds to
 class Fabric(Protocol):
     """What a simulator gives its nodes: time, the network, the metadata."""
 
-    now_ms: int
-    counts: ClusterCounts
-    checker: ClusterChecker
+    @property
+    def now_ms(self) -> int: ...
+
+    @property
+    def counts(self) -> ClusterCounts: ...
+
+    @property
+    def checker(self) -> ClusterChecker: ...
 
     def at(self, delay_ms: int, node: SimNode | None, fn: Action, *args: object) -> None:
         """Run ``fn(*args)`` after ``delay_ms``; on ``node``, only if this incarnation is still up then."""
@@ -89,8 +94,8 @@ class Fabric(Protocol):
     def reachable(self, src: SimNode, dst: NodeId) -> bool:
         """Whether ``src`` can open a stream to ``dst`` now."""
 
-    def leads_metadata(self, node: SimNode) -> bool:
-        """Whether ``node``'s replica leads the metadata log now (it is the controller)."""
+    def can_lead_metadata(self, node: SimNode) -> bool:
+        """Whether ``node``'s replica could lead the metadata log now: a running voter that reaches a majority."""
 
     def log(self, line: str) -> None: ...
 
@@ -177,8 +182,23 @@ class SimNodes:
         assert core is not None
         view = self.fabric.view(node)
         self.learn(node, view)
-        self.run(node, core.tick(view, self.fabric.now_ms, self.fabric.leads_metadata(node), self.size_of))
+        self.run(node, core.tick(view, self.fabric.now_ms, self.leads_metadata(node), self.repair_sizes()))
         self.reconcile(node)
+
+    def metadata_leader(self) -> NodeId | None:
+        """The simulated metadata log's leader: the lowest-numbered node whose replica can lead it now."""
+        return next((nid for nid in sorted(self.nodes) if self.fabric.can_lead_metadata(self.nodes[nid])), None)
+
+    def leads_metadata(self, node: SimNode) -> bool:
+        """Whether ``node`` is the controller now, the one controller rule (``cluster/controller.py``): its replica
+        leads the metadata log. A node that wakes from a pause still holding a controller keeps it until its next
+        tick says otherwise, and no other node takes over while one that can lead the log still holds one."""
+        if self.metadata_leader() != node.id:
+            return False
+        if node.core is not None and node.core.controller is not None:
+            return True
+        return not any(n.core is not None and n.core.controller is not None and self.fabric.can_lead_metadata(n)
+                       for nid, n in sorted(self.nodes.items()) if nid != node.id)  # fmt: skip
 
     def reconcile(self, node: SimNode) -> None:
         core = node.core
@@ -195,9 +215,13 @@ class SimNodes:
     def lead(self, node: SimNode, key: PartKey) -> PartitionLead | None:
         return node.core.leads.get(key) if node.core is not None and node.up else None
 
-    def size_of(self, segment: object) -> int:
-        """What a sealed segment weighs, for repair placement (a simulator with repair says)."""
-        return 0
+    def repair_sizes(self) -> Callable[[SegmentInfo], int] | None:
+        """What a sealed segment weighs, for repair placement; None: the controller plans no repair here."""
+        return None
+
+    def table_now_ms(self) -> int:
+        """The clock a leader's producers' table is built with (the clock of the broker that appends)."""
+        return self.fabric.now_ms
 
     # -- guards and disks -----------------------------------------------------------------------------------
 
@@ -458,7 +482,7 @@ class SimNodes:
         sealed = info.sealed_producers(self.origin) if info is not None else None
         history = producer_snapshot.history_at_open(
             sealed, lambda: self.held_entries(node, eff.key, eff.segment.segment_id))
-        return producer_snapshot.fold(history, self.origin, batches, now_ms=self.fabric.now_ms)
+        return producer_snapshot.fold(history, self.origin, batches, now_ms=self.table_now_ms())
 
     def producer_table(self, node: SimNode, key: PartKey, segment_id: SegmentId,
                        own: list[ProducerBatch]) -> ProducerStateTable:  # fmt: skip
@@ -472,7 +496,8 @@ class SimNodes:
             if copy is None or copy.end < last.end_offset:
                 self.counts.leaders_missing_history += 1
         history = producer_snapshot.history_at_open(sealed, lambda: self.held_entries(node, key, segment_id))
-        return ProducerStateTable.rebuild(itertools.chain(history, own), now_ms=self.fabric.now_ms, origin=self.origin)
+        return ProducerStateTable.rebuild(itertools.chain(history, own), now_ms=self.table_now_ms(),
+                                         origin=self.origin)  # fmt: skip
 
     # -- a leader: opening, streaming -----------------------------------------------------------------------
 
