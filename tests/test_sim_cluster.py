@@ -395,7 +395,7 @@ def test_the_expansion_check_refuses_old_data_moved_to_a_new_node_except_by_repa
 
 def test_the_simulator_stops_at_the_event_after_tampering_and_prints_the_replay() -> None:
     sim = ClusterSimulator(11, "single3")
-    real = sim.shells.fsync_done
+    real = sim.shells.members.fsync_done
 
     def lose_a_batch(node: Any) -> None:
         real(node)
@@ -407,7 +407,7 @@ def test_the_simulator_stops_at_the_event_after_tampering_and_prints_the_replay(
                 sim.checker.touched(seg)
                 return
 
-    sim.shells.fsync_done = lose_a_batch  # type: ignore[method-assign]
+    sim.shells.members.fsync_done = lose_a_batch  # type: ignore[method-assign]
     with pytest.raises(ClusterSimulationFailure, match="C1 durability") as failure:
         sim.run()
     assert "seed=11 shape=single3" in str(failure.value)

@@ -105,6 +105,7 @@ from georep.record.batch import RecordInput
 from georep.server.status import status_of
 from georep.sim.checker import InvariantViolation
 from georep.sim.cluster_checks import ALL_CHECKS, AckedBatch, ClusterChecker
+from georep.sim.cluster_controller import SimControllers
 from georep.sim.cluster_model import (
     GIB,
     SHAPES,
@@ -254,17 +255,10 @@ class ClusterNodes(SimNodes):
         config = NodeConfig(cfg.rf, cfg.aq, cfg.session_timeout_ms, cfg.tick_ms, cfg.retry_ms, cfg.roll_wait_ms,
                             cfg.reconnect_ms, cfg.repair_every_ms, cfg.repair_delay_ms,
                             cfg.max_concurrent_copies)  # fmt: skip
-        super().__init__(sim, config, cfg.fence_timeout_ms, cfg.copy_timeout_ms, sim.between)
+        super().__init__(sim, config, cfg.fence_timeout_ms, cfg.copy_timeout_ms, sim.between,
+                         lambda shells: ClusterControllers(shells, sim))
         self.sim = sim
         self.leaders: dict[tuple[NodeId, PartKey], LeaderData] = {}
-
-    def repair_sizes(self) -> Callable[[SegmentInfo], int]:
-        return self._size_of
-
-    def _size_of(self, segment: SegmentInfo) -> int:
-        if segment.end_offset is None:
-            return 0
-        return (int(segment.end_offset) - int(segment.base_offset)) * self.sim.cfg.record_bytes
 
     def kill(self, node: SimNode) -> int:
         for k in [k for k in self.leaders if k[0] == node.id]:
@@ -439,7 +433,22 @@ class ClusterNodes(SimNodes):
         for b in batches[first : first + READ_BATCHES_MAX]:
             self.checker.read(key, seg, node.id, b, bound, self.sim.meta, self.sim.now_ms)
 
-    # -- repair --------------------------------------------------------------------------------------------
+class ClusterControllers(SimControllers):
+    """The controller's shell here: it repairs (copies and fills planned over the segments' sizes) under checks."""
+
+    def __init__(self, shells: SimNodes, sim: ClusterSimulator) -> None:
+        super().__init__(shells)
+        self.sim = sim
+        self.checker = sim.checker
+        self.counts = sim.counts
+
+    def repair_sizes(self) -> Callable[[SegmentInfo], int]:
+        return self._size_of
+
+    def _size_of(self, segment: SegmentInfo) -> int:
+        if segment.end_offset is None:
+            return 0
+        return (int(segment.end_offset) - int(segment.base_offset)) * self.sim.cfg.record_bytes
 
     def repair_copy(self, node: SimNode, eff: RepairCopy) -> None:
         c = eff.effect
@@ -458,8 +467,8 @@ class ClusterNodes(SimNodes):
         if eff.end is None:
             self.checker.fail("C6", f"repair: {seg} was handed out with no sealed end")
             return
-        self.fabric.send(node, c.source, self.repair_source, seg, eff.base_offset, eff.end, c.target, node.id,
-                         eff.copy_id)  # fmt: skip
+        self.fabric.send(node, c.source, self.shells.members.repair_source, seg, eff.base_offset, eff.end, c.target,
+                         node.id, eff.copy_id)  # fmt: skip
         self.sim.at(self.sim.cfg.copy_timeout_ms * 4, node, self._repair_timeout, node, eff.copy_id)
 
     def _repair_timeout(self, node: SimNode, copy_id: int) -> None:
@@ -963,7 +972,7 @@ class ClusterSimulator:
         return node.up and node.paused_until <= self.now_ms
 
     def tick(self, node: ClusterSimNode) -> None:
-        self.shells.report_short(node, self.shells.metadata_leader())
+        self.shells.members.report_short(node, self.shells.controllers.metadata_leader())
         load = leadership.open_loads(node.view).get(node.id, 0)
         self.last_hb_sent[node.id] = self.now_ms
         self.propose(node, NodeHeartbeat(node.id, self.now_ms, self._free_bytes(node), load))
@@ -1090,7 +1099,7 @@ class ClusterSimulator:
         if node.isolated_until > self.now_ms:
             return  # it cannot read the log: it acts on what it last knew
         node.view = self.meta.copy()
-        self.shells.learn(node, node.view)
+        self.shells.members.learn(node, node.view)
         self.shells.reconcile(node)
 
     # -- running -------------------------------------------------------------------------------------------

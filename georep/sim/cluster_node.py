@@ -30,7 +30,7 @@ from typing import Protocol
 
 import cluster.producer_snapshot as producer_snapshot
 from cluster import member as membership
-from cluster.controller import AskRoll, RepairCopy, short_segments
+from cluster.controller import AskRoll, RepairCopy
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.lead import (
     Adopted,
@@ -52,10 +52,11 @@ from cluster.lead import (
 from cluster.node import Leading, NodeConfig, NodeCore, NodeEffect, ProposeElection, ProposeEpoch
 from cluster.producer_snapshot import ProducerSnapshot
 from cluster.quorum import GuardState, ReplicaGuard
-from cluster.site_state import AddMember, Applied, Command, ReplaceMember, Result, SealSegment, SegmentInfo, SiteState
+from cluster.site_state import Applied, Command, Result, SealSegment, SiteState
 from dedup.producer import ProducerBatch, ProducerStateTable
-from georep.sim.checker import InvariantViolation
 from georep.sim.cluster_checks import ClusterChecker
+from georep.sim.cluster_controller import SimControllers
+from georep.sim.cluster_members import SimMembers
 from georep.sim.cluster_model import Batch, ClusterCounts, PartKey, SegCopy, SegKey
 from offsets.coordinates import Origin
 
@@ -143,13 +144,16 @@ class SimNodes:
     origin: Origin  # the site's: whose producers the tables keep
 
     def __init__(self, fabric: Fabric, config: NodeConfig, fence_timeout_ms: int, copy_timeout_ms: int,
-                 rng_between: Callable[[tuple[int, int]], int]) -> None:  # fmt: skip
+                 rng_between: Callable[[tuple[int, int]], int],
+                 controllers: Callable[[SimNodes], SimControllers] = SimControllers) -> None:  # fmt: skip
         self.fabric = fabric
         self.config = config
         self.fence_timeout_ms = fence_timeout_ms
         self.copy_timeout_ms = copy_timeout_ms
         self.between = rng_between
         self.nodes: dict[NodeId, SimNode] = {}
+        self.members = SimMembers(self)
+        self.controllers = controllers(self)
 
     @property
     def counts(self) -> ClusterCounts:
@@ -181,24 +185,10 @@ class SimNodes:
         core = node.core
         assert core is not None
         view = self.fabric.view(node)
-        self.learn(node, view)
-        self.run(node, core.tick(view, self.fabric.now_ms, self.leads_metadata(node), self.repair_sizes()))
+        self.members.learn(node, view)
+        self.run(node, core.tick(view, self.fabric.now_ms, self.controllers.leads_metadata(node),
+                                 self.controllers.repair_sizes()))  # fmt: skip
         self.reconcile(node)
-
-    def metadata_leader(self) -> NodeId | None:
-        """The simulated metadata log's leader: the lowest-numbered node whose replica can lead it now."""
-        return next((nid for nid in sorted(self.nodes) if self.fabric.can_lead_metadata(self.nodes[nid])), None)
-
-    def leads_metadata(self, node: SimNode) -> bool:
-        """Whether ``node`` is the controller now, the one controller rule (``cluster/controller.py``): its replica
-        leads the metadata log. A node that wakes from a pause still holding a controller keeps it until its next
-        tick says otherwise, and no other node takes over while one that can lead the log still holds one."""
-        if self.metadata_leader() != node.id:
-            return False
-        if node.core is not None and node.core.controller is not None:
-            return True
-        return not any(n.core is not None and n.core.controller is not None and self.fabric.can_lead_metadata(n)
-                       for nid, n in sorted(self.nodes.items()) if nid != node.id)  # fmt: skip
 
     def reconcile(self, node: SimNode) -> None:
         core = node.core
@@ -215,94 +205,11 @@ class SimNodes:
     def lead(self, node: SimNode, key: PartKey) -> PartitionLead | None:
         return node.core.leads.get(key) if node.core is not None and node.up else None
 
-    def repair_sizes(self) -> Callable[[SegmentInfo], int] | None:
-        """What a sealed segment weighs, for repair placement; None: the controller plans no repair here."""
-        return None
-
     def table_now_ms(self) -> int:
         """The clock a leader's producers' table is built with (the clock of the broker that appends)."""
         return self.fabric.now_ms
 
     # -- guards and disks -----------------------------------------------------------------------------------
-
-    def guard(self, node: SimNode, key: PartKey) -> ReplicaGuard:
-        guard = node.guards.get(key)
-        if guard is None:
-            guard = node.guards[key] = ReplicaGuard(node.guard_disk.get(key))
-        return guard
-
-    def persist(self, node: SimNode, key: PartKey) -> None:
-        """The guard's state goes to disk before the node answers (``ReplicaGuard``'s docstring)."""
-        state = self.guard(node, key).state
-        node.guard_disk[key] = state
-        self.checker.fence_state(node.id, key, state.fenced_epoch)
-
-    def fsync_soon(self, node: SimNode, then: Callable[[], None] | None = None) -> None:
-        if then is not None:
-            node.after_fsync.append(then)
-        if not node.fsync_due:
-            node.fsync_due = True
-            self.fabric.at(self.between(node.fsync_ms), node, self.fsync_done, node)
-
-    def fsync_done(self, node: SimNode) -> None:
-        node.fsync_due = False
-        changed, node.unsynced = sorted(node.unsynced), set()
-        callbacks, node.after_fsync = node.after_fsync, []
-        for seg in changed:
-            copy = node.copies.get(seg)
-            if copy is None:
-                continue
-            copy.fsynced = len(copy.batches)
-            self._fsynced(node, seg, copy.fsynced_end)
-        for then in callbacks:
-            then()
-        if node.unsynced:
-            self.fsync_soon(node)
-
-    def _fsynced(self, node: SimNode, seg: SegKey, end: int) -> None:
-        key = (seg[0], seg[1])
-        lead = self.lead(node, key)
-        q = lead.quorum if lead is not None else None
-        if lead is not None and q is not None and q.segment_id == seg[2]:
-            if lead.writing and end <= q.appended_end:
-                self.step(node, key, lambda ld, ctx: ld.member_acked(node.id, end))
-                self.own_fsync(node, key, end)
-            return
-        writer = node.writer_of.get(seg)
-        if writer is not None and writer[0] != node.id:
-            self.fabric.send(node, writer[0], self.member_acked, key, seg[2], node.id, end)
-
-    def learn(self, node: SimNode, view: SiteState) -> None:
-        """Committed seals: the guard refuses the sealed segments from now on, and a longer copy is cut."""
-        guards = {key: self.guard(node, key).state for key in sorted({(s[0], s[1]) for s in node.copies} |
-                                                                     set(node.guard_disk))}  # fmt: skip
-        ends = {seg: node.copies[seg].end for seg in sorted(node.copies)}
-        for step in membership.seals_to_learn(view, guards, ends):
-            if isinstance(step, membership.GuardSeal):
-                self.guard(node, step.key).seal(step.epoch, step.through)
-                self.persist(node, step.key)
-            else:
-                self.cut(node, step.segment, step.end)
-        for seg in sorted(node.copies):
-            info = view.partition(seg[0], seg[1])
-            segment = info.segment(seg[2]) if info is not None else None
-            if segment is not None and segment.end_offset is not None and node.copies[seg].end > segment.end_offset:
-                self.checker.fail("C3", f"prefix: node {node.id} knows {seg[0]}/{seg[1]} segment {seg[2]} is sealed "
-                                        f"at {segment.end_offset} but its copy still ends at "
-                                        f"{node.copies[seg].end}")  # fmt: skip
-
-    def cut(self, node: SimNode, seg: SegKey, end: int) -> None:
-        copy = node.copies[seg]
-        i = copy.index_at(end)
-        if i < 0:
-            self.checker.fail("C3", f"prefix: node {node.id} must cut {seg[0]}/{seg[1]} segment {seg[2]} at {end}, "
-                                    "which is not a batch boundary of its copy")  # fmt: skip
-            return
-        self.counts.tail_cuts += 1
-        self.fabric.log(f"node {node.id} cuts {seg} from {copy.end} to {end}")
-        del copy.batches[i:]
-        copy.fsynced = min(copy.fsynced, i)
-        self.checker.touched(seg)
 
     def new_copy(self, node: SimNode, seg: SegKey, base: int, how: str) -> SegCopy:
         copy = node.copies[seg] = SegCopy(base, via_repair=how == "repair")
@@ -362,51 +269,21 @@ class SimNodes:
             assert core is not None
             self.fabric.propose(node, eff.command, lambda result: core.epoch_asked(key, epoch, result))
         elif isinstance(eff, ProposeElection):
-            self._elect(node, eff)
+            self.controllers.elect(node, eff)
         elif isinstance(eff, RepairCopy):
-            self.repair_copy(node, eff)
+            self.controllers.repair_copy(node, eff)
         elif isinstance(eff, AskRoll):
-            self.ask_roll(node, eff)
-
-    def _elect(self, node: SimNode, eff: ProposeElection) -> None:
-        core = node.core
-        ctl = core.controller if core is not None else None
-        if ctl is None:
-            return
-        key, expected = (eff.command.topic, eff.command.partition), eff.command.expected_epoch
-        self.fabric.propose(node, eff.command, lambda result: ctl.election_done(key, expected))
+            self.controllers.ask_roll(node, eff)
 
     # -- a leader: recovery ---------------------------------------------------------------------------------
 
     def _fence(self, node: SimNode, eff: FenceMember) -> None:
         seg = (eff.key[0], eff.key[1], eff.segment.segment_id)
-        self.fabric.send(node, eff.member, self.member_fence, seg, int(eff.segment.base_offset), eff.epoch, node.id,
-                         eff.attempt)  # fmt: skip
+        self.fabric.send(node, eff.member, self.members.member_fence, seg, int(eff.segment.base_offset), eff.epoch,
+                         node.id, eff.attempt)  # fmt: skip
         key, attempt, member = eff.key, eff.attempt, eff.member
         self.fabric.at(self.fence_timeout_ms, node, self.step, node, key,
                        lambda ld, ctx: ld.unreachable(attempt, member, ctx))  # fmt: skip
-
-    def member_fence(self, member: SimNode, seg: SegKey, base: int, epoch: LeaderEpoch, leader: NodeId,
-                     attempt: int) -> None:  # fmt: skip
-        key = (seg[0], seg[1])
-        refused = membership.judge_fence(self.guard(member, key), epoch)
-        if refused is not None:
-            their = int(refused.fenced_epoch)
-            self.fabric.send(member, leader, self.step_answer, key, lambda ld, ctx: ld.fence_refused(attempt,
-                                                                                                  member.id, their,
-                                                                                                  ctx))  # fmt: skip
-            return
-        self.persist(member, key)
-        copy = member.copies.get(seg)
-        if copy is not None and copy.fsynced < len(copy.batches):
-            member.unsynced.add(seg)
-
-        def answer() -> None:  # what it holds durably, after its fsync: an acked batch is there
-            end = copy.fsynced_end if copy is not None else base
-            self.fabric.send(member, leader, self.step_answer, key, lambda ld, ctx: ld.fenced(attempt, member.id,
-                                                                                              end, ctx))  # fmt: skip
-
-        self.fsync_soon(member, answer)
 
     def step_answer(self, leader: SimNode, key: PartKey,
                     event: Callable[[PartitionLead, LeadContext], list[LeadEffect]]) -> None:  # fmt: skip
@@ -414,58 +291,11 @@ class SimNodes:
 
     def _copy(self, node: SimNode, eff: CopyTail) -> None:
         seg = (eff.key[0], eff.key[1], eff.segment.segment_id)
-        self.fabric.send(node, eff.copy.source, self.copy_source, seg, int(eff.segment.base_offset), eff, node.id)
+        self.fabric.send(node, eff.copy.source, self.members.copy_source, seg, int(eff.segment.base_offset), eff,
+                         node.id)  # fmt: skip
         key, attempt, cid, target = eff.key, eff.attempt, eff.copy_id, eff.copy.target
         self.fabric.at(self.copy_timeout_ms, node, self.step, node, key,
                        lambda ld, ctx: ld.copy_failed(attempt, cid, target, "timeout", ctx))  # fmt: skip
-
-    def copy_source(self, source: SimNode, seg: SegKey, base: int, eff: CopyTail, leader: NodeId) -> None:
-        copy = source.copies.get(seg)
-        c = eff.copy
-        if copy is None or copy.fsynced_end < c.end_offset:
-            held = copy.fsynced_end if copy is not None else base
-            self._copy_answer(source, leader, eff, None, f"source {source.id} holds only up to {held}")
-            return
-        batches = tuple(copy.read(int(c.start_offset), int(c.end_offset), fsynced_only=True))
-        self.fabric.send(source, c.target, self.copy_target, seg, base, batches, eff, leader)
-
-    def copy_target(self, target: SimNode, seg: SegKey, base: int, batches: tuple[Batch, ...], eff: CopyTail,
-                    leader: NodeId) -> None:  # fmt: skip
-        key = (seg[0], seg[1])
-        refused = membership.judge_copy(self.guard(target, key), eff.epoch, seg[2])
-        if refused is not None:
-            self._copy_answer(target, leader, eff, None, int(refused.fenced_epoch) if refused.why == "fenced"
-                              else refused.message)  # fmt: skip
-            return
-        self.persist(target, key)
-        copy = target.copies.get(seg)
-        if copy is None:
-            copy = self.new_copy(target, seg, base, "recovery copy")
-        for b in batches:
-            if b.end <= copy.end:
-                self.checker.check_held(target.id, seg, b, "recovery")
-                continue
-            if b.offset != copy.end:
-                break
-            self.checker.copy_write(target.id, seg, copy, b, "recovery")
-            copy.batches.append(b)
-        target.unsynced.add(seg)
-        end = int(eff.copy.end_offset)
-        ok = copy.end >= end
-        self.fsync_soon(target, lambda: self._copy_answer(target, leader, eff, end if ok else None,
-                                                          None if ok else "gap"))  # fmt: skip
-
-    def _copy_answer(self, node: SimNode, leader: NodeId, eff: CopyTail, end: int | None,
-                     why: str | int | None) -> None:  # fmt: skip
-        attempt, cid, target = eff.attempt, eff.copy_id, eff.copy.target
-        event: Callable[[PartitionLead, LeadContext], list[LeadEffect]]
-        if end is not None:
-            event = lambda ld, ctx: ld.copied(attempt, cid, target, end, ctx)  # noqa: E731
-        elif isinstance(why, int):
-            event = lambda ld, ctx: ld.copy_refused(attempt, cid, target, why, ctx)  # noqa: E731
-        else:
-            event = lambda ld, ctx: ld.copy_failed(attempt, cid, target, str(why), ctx)  # noqa: E731
-        self.fabric.send(node, leader, self.step_answer, eff.key, event)
 
     def _seal(self, node: SimNode, eff: ProposeSeal) -> None:
         cmd = self.seal_command(node, eff)
@@ -516,53 +346,8 @@ class SimNodes:
             return
         batches = tuple(copy.read(eff.offset, q.appended_end))
         if batches:
-            self.fabric.send(node, eff.member, self.member_append, eff.key, eff.segment_id, q.base_offset, lead.epoch,
-                             node.id, node.incarnation, batches)  # fmt: skip
-
-    def member_append(self, member: SimNode, key: PartKey, segment_id: SegmentId, base: int, epoch: LeaderEpoch,
-                      sender: NodeId, sender_inc: int, batches: tuple[Batch, ...]) -> None:  # fmt: skip
-        """A member gets a leader's batches: its guard judges each; it appends, fsyncs and acks its end."""
-        seg = (key[0], key[1], segment_id)
-        self.appending(member, key, epoch)
-        guard = self.guard(member, key)
-        copy = member.copies.get(seg)
-        wrote = False
-        for batch in batches:
-            end = copy.end if copy is not None else base
-            verdict = membership.judge_append(guard, epoch, seg, batch.offset, end, member.gaps)
-            if isinstance(verdict, membership.Refuse):
-                self.counts.fenced_appends += verdict.why == "fenced"
-                self.fabric.send(member, sender, self.append_refused, key, segment_id, member.id, verdict.why)
-                return
-            if isinstance(verdict, membership.Held):  # a resend of what it holds: the same bytes (C3), acked again
-                if copy is not None:
-                    self.checker.check_held(member.id, seg, batch, "resend")
-                    member.writer_of[seg] = (sender, sender_inc)
-                    wrote = True
-                continue
-            if isinstance(verdict, membership.Gap):
-                if verdict.report:
-                    self.counts.gaps += 1
-                    self.fabric.send(member, sender, self.append_gap, key, segment_id, member.id, verdict.end)
-                break
-            if verdict.persist:
-                self.persist(member, key)
-            self.checker.accepted(member.id, key, epoch, (sender, sender_inc))
-            if copy is None:
-                copy = self.new_copy(member, seg, base, "append")
-            self.checker.copy_write(member.id, seg, copy, batch, "append")
-            copy.batches.append(batch)
-            member.writer_of[seg] = (sender, sender_inc)
-            wrote = True
-        if wrote:
-            member.unsynced.add(seg)
-            self.fsync_soon(member)
-
-    def append_refused(self, node: SimNode, key: PartKey, segment_id: SegmentId, member: NodeId, why: str) -> None:
-        self.step(node, key, lambda ld, ctx: ld.member_refused(segment_id, member, why))
-
-    def append_gap(self, node: SimNode, key: PartKey, segment_id: SegmentId, member: NodeId, end: int) -> None:
-        self.step(node, key, lambda ld, ctx: ld.member_gap(segment_id, member, end))
+            self.fabric.send(node, eff.member, self.members.member_append, eff.key, eff.segment_id, q.base_offset,
+                             lead.epoch, node.id, node.incarnation, batches)  # fmt: skip
 
     def member_acked(self, node: SimNode, key: PartKey, segment_id: SegmentId, member: NodeId, end: int) -> None:
         lead = self.lead(node, key)
@@ -588,7 +373,8 @@ class SimNodes:
         copy = node.copies.get(seg)
         if copy is None:
             copy = self.new_copy(node, seg, q.base_offset, "append")
-        verdict = membership.judge_append(self.guard(node, key), lead.epoch, seg, batch.offset, copy.end, node.gaps)
+        guard = self.members.guard(node, key)
+        verdict = membership.judge_append(guard, lead.epoch, seg, batch.offset, copy.end, node.gaps)
         if isinstance(verdict, membership.Refuse):
             self.run(node, node.core.step_down(key, verdict.message) if node.core is not None else [])
             return False
@@ -596,24 +382,17 @@ class SimNodes:
             self.checker.fail("CORE", f"the leader's own guard judged {batch} of {seg} {verdict}")
             return False
         if verdict.persist:
-            self.persist(node, key)
+            self.members.persist(node, key)
         self.checker.accepted(node.id, key, lead.epoch, (node.id, node.incarnation))
         self.checker.writer_append(seg, (node.id, node.incarnation, lead.epoch), batch)
         self.checker.copy_write(node.id, seg, copy, batch, "append")
         copy.batches.append(batch)
         node.unsynced.add(seg)
-        self.fsync_soon(node)
+        self.members.fsync_soon(node)
         self.step(node, key, lambda ld, ctx: ld.appended(batch.end))
         return True
 
     # -- repair ---------------------------------------------------------------------------------------------
-
-    def repair_copy(self, node: SimNode, eff: RepairCopy) -> None:
-        raise InvariantViolation(f"CORE: a controller without repair planned {eff}")
-
-    def ask_roll(self, node: SimNode, eff: AskRoll) -> None:
-        self.counts.rolls_to_widen += eff.widen
-        self.fabric.send(node, eff.leader, self.roll_asked, eff.key, eff.segment_id)
 
     def roll_asked(self, node: SimNode, key: PartKey, segment_id: SegmentId) -> None:
         lead = self.lead(node, key)
@@ -621,56 +400,6 @@ class SimNodes:
         if lead is not None and q is not None and lead.active and q.segment_id == segment_id:
             self.counts.rolls_by_repair += 1
             self.step(node, key, lambda ld, ctx: ld.start_roll(ctx.now_ms))
-
-    def repair_source(self, source: SimNode, seg: SegKey, base: int, end: int, target: NodeId, ctl_node: NodeId,
-                      copy_id: int) -> None:  # fmt: skip
-        copy = source.copies.get(seg)
-        batches = tuple(copy.read(base, end, fsynced_only=True)) if copy is not None else ()
-        self.fabric.send(source, target, self.repair_target, seg, base, batches, ctl_node, copy_id)
-
-    def repair_target(self, target: SimNode, seg: SegKey, base: int, batches: tuple[Batch, ...], ctl_node: NodeId,
-                      copy_id: int) -> None:  # fmt: skip
-        copy = target.copies.get(seg)
-        if copy is None:
-            copy = self.new_copy(target, seg, base, "repair")
-        for b in batches:
-            if b.end <= copy.end:
-                self.checker.check_held(target.id, seg, b, "repair")
-                continue
-            if b.offset != copy.end:
-                break
-            self.checker.copy_write(target.id, seg, copy, b, "repair")
-            copy.batches.append(b)
-        target.unsynced.add(seg)
-        self.fsync_soon(target, lambda: self.fabric.send(target, ctl_node, self.repair_done, copy_id, target.id,
-                                                         copy.fsynced_end))  # fmt: skip
-
-    def repair_done(self, node: SimNode, copy_id: int, target: NodeId, end: int) -> None:
-        ctl = node.core.controller if node.core is not None else None
-        if ctl is None:
-            return
-        whole, cmd = ctl.repair_answered(copy_id, target, end, self.fabric.view(node))
-        if not whole:
-            self.repair_gave_up(ctl.repair_failed(copy_id))
-            return
-        if isinstance(cmd, AddMember | ReplaceMember):
-            self.fabric.propose(node, cmd, lambda result: ctl.recorded(copy_id))
-
-    def repair_gave_up(self, effect: object) -> None:
-        """A repair copy failed (a short copy, a timeout): it is planned afresh."""
-
-    def report_short(self, node: SimNode, controller: NodeId | None) -> None:
-        """Tell the controller which sealed segments this member holds less of than the sealed end."""
-        if controller is None:
-            return
-        ends = {seg: copy.fsynced_end for seg, copy in sorted(node.copies.items())}
-        short = short_segments(self.fabric.view(node), node.id, ends)
-        self.fabric.send(node, controller, self.short_reported, node.id, frozenset(short))
-
-    def short_reported(self, node: SimNode, member: NodeId, short: frozenset[SegKey]) -> None:
-        ctl = node.core.controller if node.core is not None else None
-        if ctl is not None:
-            ctl.reported_short(member, set(short))
 
     # -- what a partition means to the simulator: the hooks --------------------------------------------------
 

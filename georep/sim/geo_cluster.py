@@ -485,7 +485,7 @@ class GeoClusterSimulator(Simulator):
         """The seal committed: members learn it and cut longer copies, and the chain ends at ``end``."""
         for nid in sorted(self.nodes):
             if self.nodes[nid].up:
-                self.shells.learn(self.nodes[nid], self.meta)
+                self.shells.members.learn(self.nodes[nid], self.meta)
         site = self.sites[self.sid()]
         log = site.logs[key]
         if log.log_end_offset > end:
@@ -558,7 +558,7 @@ class GeoClusterSimulator(Simulator):
         self.ccounts.restarts += 1
         self._log(f"restart node {node.id} of {self.sid()}")
         self.shells.boot(node)
-        self.shells.learn(node, self.meta)
+        self.shells.members.learn(node, self.meta)
         self.shells.fabric.at(self.rng.randint(1, self.gc.tick_ms), node, self._tick, node)
 
     # -- the chain: appends, the LAC ------------------------------------------------------------------------
