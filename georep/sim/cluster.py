@@ -96,7 +96,7 @@ from cluster.site_state import (
     SiteState,
 )
 from cluster.topics import MAX_BATCH_BYTES_LIMIT, TopicSpec
-from dedup.producer import Append, AppendResult, Duplicate, ProducerBatch, ProducerStateTable
+from dedup.producer import Append, AppendResult, Duplicate, OutOfOrderSequence, ProducerBatch, ProducerStateTable
 from georep.broker.errors import NotLeader, SequenceRejected
 from georep.client.accumulator import ProducerBatch as ClientBatch
 from georep.client.delivery import PartitionDelivery
@@ -370,6 +370,8 @@ class ClusterNodes(SimNodes):
         if not isinstance(decision, Append):
             self.counts.out_of_order += 1
             self.sim.log(f"node {node.id} {key}: {decision.message()}")
+            if isinstance(decision, OutOfOrderSequence):
+                self._check_out_of_order(node, q.segment_id, key, decision)
             self.sim.producers.reply(producer, conn, correlation, SequenceRejected(decision))
             return
         stored = batch._replace(offset=q.appended_end, append_ms=self.sim.now_ms)
@@ -391,6 +393,28 @@ class ClusterNodes(SimNodes):
         if q.appended_end - q.base_offset >= self.sim.cfg.roll_records and lead.active:
             self.counts.rolls_by_size += 1
             self.step(node, key, lambda ld, ctx: ld.start_roll(ctx.now_ms))
+
+    def _check_out_of_order(self, node: SimNode, open_id: SegmentId, key: PartKey,
+                            refused: OutOfOrderSequence) -> None:  # fmt: skip
+        """An ``OutOfOrderSequence`` is spurious if the partition holds the producer's batches up to another sequence
+        than the leader's table expects: the table missed the producer's last sequences (what a new leader without
+        the seal's snapshot did). The partition as this leader knows it: its view's sealed segments up to their
+        ends (the writers' streams), then its own copy of the segment it writes."""
+        assert isinstance(node, ClusterSimNode)
+        info = node.view.partition(*key)
+        batches: list[Batch] = []
+        for s in info.segments if info is not None else ():
+            if s.sealed and s.end_offset is not None and s.segment_id < open_id:
+                seg = (key[0], key[1], s.segment_id)
+                batches += [b for b in self.checker.streams.get(seg, []) if b.end <= s.end_offset]
+        copy = node.copies.get((key[0], key[1], open_id))
+        batches += copy.batches if copy is not None else []
+        held = [b.sequence + b.records for b in batches if b.producer == refused.producer_id]
+        if held and not refused.new_epoch and held[-1] != refused.expected:
+            raise InvariantViolation(f"spurious OutOfOrderSequence: node {node.id} refused producer "
+                                     f"{refused.producer_id}'s sequence {refused.got} of {key[0]}/{key[1]} expecting "
+                                     f"{refused.expected}, but the partition holds its batches up to sequence "
+                                     f"{held[-1]}: the leader's producer table did not know its last sequences")
 
     def _duplicate(self, node: SimNode, lead: PartitionLead, data: LeaderData, p: PendingAck,
                    decision: Duplicate) -> None:  # fmt: skip

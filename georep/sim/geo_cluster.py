@@ -96,10 +96,10 @@ from cluster.site_state import (
     SiteState,
 )
 from cluster.topics import TopicSpec
-from dedup.producer import ProducerBatch
+from dedup.producer import OutOfOrderSequence, ProducerBatch
 from georep.broker.acks import AckKind, Acks, Effect, StartFlush
 from georep.broker.append import Produced
-from georep.broker.errors import GeoAckTimeout
+from georep.broker.errors import GeoAckTimeout, SequenceRejected
 from georep.record.batch import iter_headers
 from georep.replication.links import PartitionKey
 from georep.sim.checker import InvariantViolation
@@ -649,6 +649,26 @@ class GeoClusterSimulator(Simulator):
         self._after(self._interval(self.faults.crash_every_ms), "fault_crash")
 
     # -- the producers' checks ----------------------------------------------------------------------------
+
+    def append(self, site: SimSite, key: PartitionKey, batch: bytes) -> Produced:
+        try:
+            return super().append(site, key, batch)
+        except SequenceRejected as e:
+            if site.id == self.cluster_site and isinstance(e.decision, OutOfOrderSequence):
+                self._check_out_of_order(site, key, e.decision)
+            raise
+
+    def _check_out_of_order(self, site: SimSite, key: PartitionKey, refused: OutOfOrderSequence) -> None:
+        """An ``OutOfOrderSequence`` is spurious if the chain holds the producer's batches up to another sequence
+        than the site's producer table expects: the leader's table missed the producer's last sequences (what a new
+        leader without the seal's snapshot did)."""
+        held = [e.base_sequence + e.last_offset_delta + 1 for e in site.logs[key].batch_entries()
+                if e.origin == site.origin and e.producer_id == refused.producer_id]  # fmt: skip
+        if held and not refused.new_epoch and held[-1] != refused.expected:
+            raise InvariantViolation(f"spurious OutOfOrderSequence: {site.id} refused producer {refused.producer_id}'s "
+                                     f"sequence {refused.got} of {key[0]}/{key[1]} expecting {refused.expected}, but "
+                                     f"the chain holds its batches up to sequence {held[-1]}: the leader's producer "
+                                     "table did not know its last sequences")  # fmt: skip
 
     def _resolve(self, producer: SimProducer) -> None:
         failed = producer.failed_batches
