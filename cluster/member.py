@@ -2,7 +2,7 @@
 
 The member's fence is :class:`~cluster.quorum.ReplicaGuard` (leader epochs, sealed segments, contiguity);
 these functions are the rules around it that every shell applied its own way before issue 21: the node's store
-(``georep/storage/replica_store.py``) and both cluster simulators (``georep/sim/cluster_node.py``) call them.
+(``georep/storage/replica_store.py``) and both cluster simulators (``georep/sim/cluster_members.py``) call them.
 
 * :func:`judge_append`: an append the guard refuses only because the member already holds it (a leader resends
   from the end it last knew, after a reconnection) is **held**: the member acks its end again and stores
