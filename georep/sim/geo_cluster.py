@@ -655,6 +655,7 @@ class GeoClusterSimulator(Simulator):
             return super().append(site, key, batch)
         except SequenceRejected as e:
             if site.id == self.cluster_site and isinstance(e.decision, OutOfOrderSequence):
+                self.ccounts.out_of_order += 1
                 self._check_out_of_order(site, key, e.decision)
             raise
 
