@@ -19,42 +19,48 @@ cursor and the replication source serve only what the ack quorum holds. The ack 
 ``replicated_in_site`` and is fed ``quorum_advanced`` at each LAC and ``flush_done`` at each of the
 leader's own fsyncs, as ``server/site_cluster.py`` and ``server/broker.py`` do.
 
-Under it, the nodes run the pure cluster core, as ``georep/sim/cluster.py`` does:
+**The nodes are the node's own core** (issue 21). Each node of the site is a :class:`~cluster.node.NodeCore`,
+the object a real node runs, carried out by the node shells both cluster simulators share
+(``georep/sim/cluster_node.py``); this module keeps no node plumbing of its own, only what a partition means
+to a site inside a geo topology (:class:`GeoNodes`' hooks) and the world around the nodes (:class:`GeoFabric`):
 
 =============================================  ===========================================================
-decision                                       pure code, driven here by
+decision                                       pure code, driven through ``NodeCore``
 =============================================  ===========================================================
 metadata: nodes, topics, leaders, chains       ``SiteState.apply``, every command after a Raft latency
-who leads which partition                      ``plan_leadership``: the controller (lowest live node), every tick
-lead, recover first, or ask for a new epoch    ``role_step``: every live node, every tick
-which segment a leader writes next, where      ``plan_open`` (placement over ``node_loads``), down to the ack quorum
-where a roll seals                             ``roll_seal_at``: a leader whose open segment holds ``roll_records``
-the LAC, when ``acks=all`` goes                ``SegmentQuorum`` (every member's fsync), then ``AckTable``
-fencing, contiguity, sealed segments           ``ReplicaGuard``: every append, fence and copy a member gets
-recovering an open segment                     ``SegmentRecovery`` (Fence, Copy, Seal effects)
-what a member cuts after a seal                ``cut_after_seal``
+who leads which partition                      ``Controller.elections`` (``plan_leadership``): the node whose
+                                               replica leads the metadata log (``SimNodes.leads_metadata``,
+                                               the same rule as ``georep/sim/cluster.py``)
+lead, recover first, step down, or ask again   ``NodeCore.reconcile`` (``role_step``): every tick
+recover, open, write, roll; the resend rule    ``PartitionLead`` (``SegmentRecovery``, ``plan_open``,
+                                               ``SegmentQuorum``, ``roll_seal_at``)
+fencing, contiguity, sealed segments, cuts     ``cluster.member`` (``ReplicaGuard``, ``cut_after_seal``)
+the producers' table across leaders            ``cluster.producer_snapshot`` (seals carry it)
 =============================================  ===========================================================
 
 Each node keeps its copies (``cluster_model.SegCopy``: batches and an fsynced prefix) and its persisted guard
 states; a batch is named by an id (``Batch.payload``) and its bytes are the chain's at its offset (every copy
-is a prefix of its segment's writer stream, which C3 checks). The leader appends to the chain, to its own copy
-and streams the batch to every other member over a per-pair FIFO link; members check it with their guard,
-append, fsync after their own disk's fsync time and ack their fsynced end; a member that was down is resent
-from its end when it is back. A node kill (``kill_every_ms``, one node down at a time, back after ``down_ms``)
-loses the unfsynced part of its copies, and its messages not yet delivered (its streams' buffers), so a
-survivor may miss the last batches the others acked. A kill of a node that leads partitions is the loss of
-that broker: the site's volatile state goes (its clients' connections, streams, pending acks, as in a site
-crash), and it comes back once every partition has a leader again: the controller elects one from the open
-segment's ensemble after the session timeout (or the restarted node asks for a new epoch), which fences the
-members, takes the end E - AQ + 1 of them hold, copies it to the others, seals it in the metadata, cuts longer
-copies and the chain, and opens the next segment. Then the geo checks of a crash run against the recovered
-chain (no other site holds a coordinate the recovery cut, no consumer delivered one, every acknowledged write
-is still held), and the site serves again.
+is a prefix of its segment's writer stream, which C3 checks). What the site's broker appends to the chain goes
+to the leader's copy (``SimNodes.append_as_leader``) and from there to the members over per-pair FIFO links;
+a member that was down is sent again what the lead's resend rule says once it is back. A node kill
+(``kill_every_ms``, one node down at a time, back after ``down_ms``) loses the unfsynced part of its copies,
+and its messages not yet delivered (its streams' buffers), so a survivor may miss the last batches the others
+acked. A kill of a node that leads partitions is the loss of that broker: the site's volatile state goes (its
+clients' connections, streams, pending acks, as in a site crash), and it comes back once every partition has a
+leader writing an open segment again: the controller elects one after the session timeout (or the restarted
+node asks for a new epoch), which fences the members, takes the end E - AQ + 1 of them hold, copies it to the
+others, seals it in the metadata, cuts longer copies and the chain, and opens the next segment. Then the geo
+checks of a crash run against the recovered chain (no other site holds a coordinate the recovery cut, no
+consumer delivered one, every acknowledged write is still held), and the site serves again.
 
 A leader rolls its open segment once it holds ``roll_records`` records: it stops taking writes, seals at the
 LAC (``roll_seal_at``; nothing past the proposed seal becomes durable, whatever acks come later), and opens
-the next segment on the live nodes, which widens a segment opened short. Every committed seal, a roll's or
-a recovery's, is learned from the metadata: members cut longer copies, and the chain ends there.
+the next segment on the live nodes, which widens a segment opened short. With ``roll_kill_p`` the leader is
+killed right after its roll's seal commits, before it opens the next segment, so the controller may name a
+node that holds none of the sealed segment: it must take every idempotent producer's last sequences from the
+seal, else a producer's resend is stored twice or its next batch is refused (both fail the run). Every
+committed seal, a roll's or a recovery's, is learned from the metadata: members cut longer copies, and the
+chain ends there.
 
 **What it leaves out** (the cluster simulator covers them on one site): Raft faults (lost, late, stalled
 proposals, no majority), pauses and metadata isolation (zombie leaders), stream cuts and partitions between
@@ -69,27 +75,13 @@ Replay: ``python -m georep.sim --geo-cluster --seed N --topology NAME --steps S`
 from __future__ import annotations
 
 import bisect
-import functools
 import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import cluster.leadership as leadership
-import cluster.producer_snapshot as producer_snapshot
-import cluster.recovery as recovery
-import cluster.site_state as site_state
-from cluster.producer_snapshot import ProducerSnapshot
-from cluster.quorum import (
-    Fenced,
-    GuardState,
-    LacAdvanced,
-    NotContiguous,
-    QuorumError,
-    ReplicaGuard,
-    SegmentQuorum,
-    SegmentSealed,
-)
-from cluster.recovery import Copy, Done, Failed, Fence, SegmentRecovery, Superseded
+from cluster.lead import Adopted, PartitionLead, ProposeSeal, Release, Sealing, SegmentSealed, StepDown
+from cluster.node import NodeConfig
 from cluster.site_state import (
     Applied,
     Command,
@@ -100,32 +92,32 @@ from cluster.site_state import (
     RegisterNode,
     Result,
     SealSegment,
-    SegmentInfo,
     SiteState,
 )
-from dedup.producer import ProducerStateTable
+from dedup.producer import OutOfOrderSequence, ProducerBatch
 from georep.broker.acks import AckKind, Acks, Effect, StartFlush
 from georep.broker.append import Produced
-from georep.broker.errors import GeoAckTimeout
+from georep.broker.errors import GeoAckTimeout, SequenceRejected
 from georep.metadata.topics import TopicSpec
 from georep.record.batch import iter_headers
 from georep.replication.links import PartitionKey
 from georep.sim.checker import InvariantViolation
 from georep.sim.cluster_checks import AckedBatch, ClusterChecker
-from georep.sim.cluster_model import Batch, ClusterCounts, SegCopy, SegKey
+from georep.sim.cluster_model import Batch, ClusterCounts
+from georep.sim.cluster_node import Action, SimNode, SimNodes
 from georep.sim.producers import AckedWrite, SimProducer
 from georep.sim.simulator import START_MS, SimConfig, SimResult, SimulationFailure, Simulator
 from georep.sim.site import SimSite
-from georep.storage.api import BatchEntry
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.log_prefix import vector_below
 from offsets.vector import VectorOffset
-from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
+from topology.ids import NodeId, SegmentId, SiteId
 
 GEO_CLUSTER_TOPOLOGIES = ("triangle", "ring4-split", "mesh4-audit")  # each has a cycle
 GEO_CLUSTER_STEPS = 700
 READ_ALL = 1 << 30
+FREE_BYTES = 100 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,45 +139,10 @@ class GeoClusterConfig:
     retry_ms: int = 100
     roll_records: int = 12  # a leader rolls its open segment once it holds this many records
     roll_wait_ms: int = 60  # a rolling leader waits this long for the LAC to reach what it appended
-    roll_kill_p: float = 0.5  # the chance that a leader is killed right after its roll's seal commits
+    roll_kill_p: float = 0.8  # the chance that a leader is killed right after its roll's seal commits
 
-
-@dataclass(slots=True)
-class Node:
-    id: NodeId
-    fsync_ms: int  # this node's disk: members that fsync at different speeds open windows for recovery
-    up: bool = True
-    incarnation: int = 0
-    copies: dict[SegKey, SegCopy] = field(default_factory=dict)
-    guards: dict[PartitionKey, GuardState] = field(default_factory=dict)  # persisted before every answer
-    unsynced: set[SegKey] = field(default_factory=set)
-    fsyncing: bool = False
-    done_epoch: dict[PartitionKey, LeaderEpoch] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class Lead:
-    """One node's leadership of one partition in one epoch (volatile: a kill ends it)."""
-
-    key: PartitionKey
-    node: NodeId
-    incarnation: int
-    epoch: LeaderEpoch
-    phase: str = "recovering"  # recovering, opening, active
-    recovering: SegmentInfo | None = None
-    recovery: SegmentRecovery | None = None
-    attempt: int = 0
-    answered: set[NodeId] = field(default_factory=set)
-    copying: dict[NodeId, int] = field(default_factory=dict)
-    sealed_through: SegmentId | None = None
-    previous: tuple[NodeId, ...] = ()
-    quorum: SegmentQuorum | None = None
-    sent: dict[NodeId, int] = field(default_factory=dict)  # per member: the end of what was streamed to it
-    busy: bool = False
-    retry_at: int = 0
-    roll_due: bool = False
-    roll_since: int = 0
-    seal_at: int | None = None  # a rolling leader's proposed seal: nothing past it becomes durable
+    def node(self) -> NodeConfig:
+        return NodeConfig(self.rf, self.aq, self.session_timeout_ms, self.tick_ms, self.retry_ms, self.roll_wait_ms)
 
 
 @dataclass(slots=True)
@@ -205,6 +162,208 @@ class GeoClusterCounts:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+class GeoFabric:
+    """The multi-node site's world, as its nodes' shells see it (``cluster_node.Fabric``): the simulator's clock
+    and event heap, a FIFO network between nodes that loses what a killed node had not sent yet, and the metadata
+    log, which commits every proposal after a Raft latency; the metadata log's leader is any running node (every
+    node is a voter, and nothing here cuts a node off from the majority)."""
+
+    def __init__(self, sim: GeoClusterSimulator) -> None:
+        self.sim = sim
+        self._fifo: dict[tuple[NodeId, NodeId], int] = {}
+
+    @property
+    def now_ms(self) -> int:
+        return self.sim.now_ms
+
+    @property
+    def counts(self) -> ClusterCounts:
+        return self.sim.ccounts
+
+    @property
+    def checker(self) -> ClusterChecker:
+        return self.sim.cchecker
+
+    def at(self, delay_ms: int, node: SimNode | None, fn: Action, *args: object) -> None:
+        if node is None:
+            self.sim.later(delay_ms, fn, *args)
+        else:
+            self.sim.later(delay_ms, self._on_node, node, node.incarnation, fn, args)
+
+    def _on_node(self, node: SimNode, incarnation: int, fn: Action, args: tuple[object, ...]) -> None:
+        if node.up and node.incarnation == incarnation:
+            fn(*args)
+
+    def send(self, src: SimNode, dst: NodeId, fn: Action, *args: object) -> None:
+        """A message between two nodes: FIFO per pair, lost if either restarts meanwhile. To a node that is down
+        the sender notices at once that its stream broke, as TCP would."""
+        target = self.sim.shells.node(dst)
+        if dst == src.id:
+            self.at(0, target, fn, target, *args)
+            return
+        if not target.up:
+            self.counts.dropped_messages += 1
+            self.at(0, src, self.sim.shells.stream_broken, src, dst)
+            return
+        due = max(self.now_ms + self.sim.between(self.sim.gc.latency_ms), self._fifo.get((src.id, dst), 0))
+        self._fifo[(src.id, dst)] = due
+        self.sim.later(due - self.now_ms, self._deliver, src, src.incarnation, target, target.incarnation, fn,
+                       (target, *args))  # fmt: skip
+
+    def _deliver(self, src: SimNode, src_incarnation: int, dst: SimNode, incarnation: int, fn: Action,
+                 args: tuple[object, ...]) -> None:  # fmt: skip
+        """A kill loses what its node had not sent yet (its streams' buffers), and what was on its way to it."""
+        if src.incarnation != src_incarnation:
+            self.counts.dropped_messages += 1
+        elif dst.up and dst.incarnation == incarnation:
+            fn(*args)
+
+    def propose(self, node: SimNode, cmd: Command, then: Callable[[Result | None], None] | None = None) -> None:
+        self.sim.later(self.sim.between(self.sim.gc.raft_ms), self._commit, node, node.incarnation, cmd, then)
+
+    def _commit(self, node: SimNode, incarnation: int, cmd: Command,
+                then: Callable[[Result | None], None] | None) -> None:  # fmt: skip
+        """The command commits whatever became of its proposer; only the incarnation that proposed it hears."""
+        result = self.sim.commit(cmd)
+        if then is not None and node.up and node.incarnation == incarnation:
+            then(result)
+
+    def view(self, node: SimNode) -> SiteState:
+        return self.sim.meta
+
+    def reachable(self, src: SimNode, dst: NodeId) -> bool:
+        return self.sim.shells.node(dst).up
+
+    def can_lead_metadata(self, node: SimNode) -> bool:
+        return node.up
+
+    def log(self, line: str) -> None:
+        self.sim._log(line)
+
+
+class GeoNodes(SimNodes):
+    """The site's nodes (``georep/sim/cluster_node.py``), and what a partition means to a site in a geo topology:
+    the chain its broker appends to goes to the leader's copy; a release is the chain's durable end, fed to the
+    ack table; a roll or a step-down stops the site's brokers; a roll's seal may be followed by the leader's kill.
+    """
+
+    def __init__(self, sim: GeoClusterSimulator, origin: Origin) -> None:
+        gc = sim.gc
+        super().__init__(GeoFabric(sim), gc.node(), gc.fence_timeout_ms, gc.copy_timeout_ms, sim.between)
+        self.sim = sim
+        self.origin = origin
+        self._roll_due: set[tuple[NodeId, PartitionKey, SegmentId]] = set()
+
+    def serving(self, key: PartitionKey) -> tuple[SimNode, PartitionLead] | None:
+        """The node the metadata names leader of ``key`` and its lead, if it leads in the named epoch."""
+        info = self.sim.meta.partition(*key)
+        if info is None or info.leader is None:
+            return None
+        node = self.node(info.leader)
+        lead = self.lead(node, key)
+        return (node, lead) if lead is not None and lead.epoch == info.leader_epoch else None
+
+    def _serves(self, node: SimNode, key: PartitionKey, segment_id: SegmentId) -> PartitionLead | None:
+        serving = self.serving(key)
+        if serving is None or serving[0] is not node:
+            return None
+        q = serving[1].quorum
+        return serving[1] if q is not None and q.segment_id == segment_id else None
+
+    def table_now_ms(self) -> int:
+        return self.sim.local_ms(self.sim.sites[self.sim.sid()])
+
+    # -- the chain into the leader's copy --------------------------------------------------------------
+
+    def take_appends(self, key: PartitionKey) -> None:
+        """What the broker appended to the chain goes into the leader's copy and out to the members."""
+        serving = self.serving(key)
+        q = serving[1].quorum if serving is not None else None
+        if serving is None or q is None or not serving[1].writing:
+            return
+        node, lead = serving
+        log = self.sim.sites[self.sim.sid()].logs[key]
+        copy = node.copies.get((key[0], key[1], q.segment_id))
+        start = copy.end if copy is not None else q.base_offset
+        if log.log_end_offset <= start:
+            return
+        for h in iter_headers(log.read(LocalOffset(start), READ_ALL).data):
+            b = Batch(int(h.base_offset), h.last_offset_delta + 1, self.sim.next_payload())
+            if not self.append_as_leader(node, lead, b):
+                return
+        due = (node.id, key, q.segment_id)
+        if q.appended_end - q.base_offset >= self.sim.gc.roll_records and due not in self._roll_due:
+            self._roll_due.add(due)
+            self.fabric.at(0, node, self._start_roll, node, key, q.segment_id)  # not in the middle of an append
+
+    def _start_roll(self, node: SimNode, key: PartitionKey, segment_id: SegmentId) -> None:
+        """Roll by size while the site serves: no more writes, seal at the LAC, open the next segment."""
+        self._roll_due.discard((node.id, key, segment_id))
+        lead = self._serves(node, key, segment_id)
+        if lead is None or not lead.active or not self.sim.sites[self.sim.sid()].up:
+            return
+        self.counts.rolls_by_size += 1
+        self.step(node, key, lambda ld, ctx: ld.start_roll(ctx.now_ms))
+
+    # -- the hooks --------------------------------------------------------------------------------------
+
+    def held_entries(self, node: SimNode, key: PartitionKey, before: SegmentId) -> list[ProducerBatch]:
+        """The chain's batches that ``node``'s copies of ``key``'s segments before ``before`` hold (each copy is a
+        prefix of its segment's stream: C3)."""
+        info = self.sim.meta.partition(*key)
+        chain = self.sim.sites[self.sim.sid()].logs[key].batch_entries()
+        out: list[ProducerBatch] = []
+        for seg in sorted(node.copies):
+            segment = info.segment(seg[2]) if info is not None and seg[:2] == key and seg[2] < before else None
+            if segment is None:
+                continue
+            copy = node.copies[seg]
+            end = min(copy.end, int(segment.end_offset)) if segment.end_offset is not None else copy.end
+            out += [e for e in chain if copy.base <= e.base_offset < end]
+        return out
+
+    def seal_command(self, node: SimNode, eff: ProposeSeal) -> SealSegment | None:
+        """The seal with the chain's vector and producers' table at the end (the chain holds the writer's bytes
+        there, which every copy is a prefix of)."""
+        base = int(eff.segment.base_offset)
+        chain = self.sim.sites[self.sim.sid()].logs[eff.key].batch_entries()
+        batches: list[ProducerBatch] = [e for e in chain if base <= e.base_offset < eff.end]
+        return SealSegment(eff.key[0], eff.key[1], eff.epoch, eff.segment.segment_id, LocalOffset(eff.end),
+                           self.sim.vector_at(eff.key, eff.end), producers=self.seal_producers(node, eff, batches))
+
+    def adopted(self, node: SimNode, eff: Adopted) -> None:
+        log = self.sim.sites[self.sim.sid()].logs[eff.key]
+        self.sim.fail_unless(log.log_end_offset == eff.base_offset, "C2",
+                             f"{eff.key} segment {eff.segment_id} opens at {eff.base_offset} but the chain ends at "
+                             f"{log.log_end_offset}")  # fmt: skip
+        self.sim.maybe_serve()
+
+    def released(self, node: SimNode, eff: Release) -> None:
+        if self._serves(node, eff.key, eff.segment_id) is not None:
+            self.sim.lac_advanced(eff.key, eff.end)
+
+    def own_fsync(self, node: SimNode, key: PartitionKey, end: int) -> None:
+        site = self.sim.sites[self.sim.sid()]
+        serving = self.serving(key)
+        if site.up and serving is not None and serving[0] is node:
+            self.sim.perform_acks(site, site.acks.flush_done(key, end, VectorOffset()))
+
+    def sealing(self, node: SimNode, eff: Sealing) -> None:
+        self.sim.site_down(f"{eff.key[0]}/{eff.key[1]} rolls its segment {eff.segment_id}")
+
+    def segment_sealed(self, node: SimNode, eff: SegmentSealed) -> None:
+        """A roll's seal committed and its leader has not opened the next segment yet: maybe kill it now, so that
+        the controller may name a node that holds none of the sealed segment."""
+        sim = self.sim
+        if eff.roll and sim.phase == "safety" and all(n.up for n in self.nodes.values()) \
+                and sim.rng.random() < sim.gc.roll_kill_p:  # fmt: skip
+            self.counts.roll_kills += 1
+            sim.kill(node)
+
+    def stepped_down(self, node: SimNode, eff: StepDown) -> None:
+        self.sim.site_down(f"node {node.id} stepped down from {eff.key[0]}/{eff.key[1]}: {eff.reason}")
+
+
 class GeoClusterSimulator(Simulator):
     """See the module docstring."""
 
@@ -218,22 +377,21 @@ class GeoClusterSimulator(Simulator):
         self.cluster_site = sid = self.rng.choice(sorted(self.sites))
         self.ccounts = ClusterCounts()
         self.gcounts = GeoClusterCounts()
-        self.nodes = {NodeId(i): Node(NodeId(i), self._between(gc.fsync_ms)) for i in range(1, gc.nodes + 1)}
         self.meta = SiteState()
+        self.shells = GeoNodes(self, self.sites[sid].origin)
+        for i in range(1, gc.nodes + 1):
+            fsync_ms = self.between(gc.fsync_ms)  # each node's disk: different speeds open windows for recovery
+            self.shells.nodes[NodeId(i)] = SimNode(NodeId(i), (fsync_ms, fsync_ms))
         self.cchecker = ClusterChecker(rf=gc.rf, aq=gc.aq, single_loss=True, session_timeout_ms=gc.session_timeout_ms,
-                                       copies_of=lambda n: self.nodes[n].copies, counts=self.ccounts)  # fmt: skip
-        self.leads: dict[PartitionKey, Lead] = {}
-        self.granted: dict[tuple[PartitionKey, LeaderEpoch], tuple[NodeId, int]] = {}
-        self.electing: set[tuple[PartitionKey, LeaderEpoch]] = set()
+                                       copies_of=lambda n: self.shells.node(n).copies, counts=self.ccounts)  # fmt: skip
         self._calls: dict[int, Callable[[], None]] = {}
         self._call_ids = itertools.count(1)
         self._payloads = itertools.count(1)
-        self._fifo: dict[tuple[NodeId, NodeId], int] = {}
         self._handlers["gc"] = self._on_gc
         now = self.now_ms
-        for nid in sorted(self.nodes):
+        for nid in sorted(self.shells.nodes):
             self.meta.apply(RegisterNode(nid, f"127.0.0.1:{7000 + nid}"))
-            self.meta.apply(NodeHeartbeat(nid, now, 100 << 30, 0))
+            self.meta.apply(NodeHeartbeat(nid, now, FREE_BYTES, 0))
         for topic, partitions in self.topics.items():
             self.meta.apply(CreateTopic(TopicSpec(topic, partitions)))
         site = self.sites[sid]
@@ -243,21 +401,29 @@ class GeoClusterSimulator(Simulator):
             if producer.site == sid and producer.acks.kind is AckKind.LEADER:
                 producer.acks = Acks(AckKind.ALL)
 
+    @property
+    def nodes(self) -> dict[NodeId, SimNode]:
+        return self.shells.nodes
+
     # -- plumbing ------------------------------------------------------------------------------------------
 
     def _boot(self, site: SimSite) -> None:
         super()._boot(site)
         if site.id != self.cluster_site:
             return
-        if self.leads:  # serving again: each partition's producers as its leader builds them
-            for key in self.keys:
-                site.producers[key] = self._producer_table(self.leads[key])
+        for key in self.keys:  # serving again: each partition's producers as its leader builds them
+            serving = self.shells.serving(key)
+            q = serving[1].quorum if serving is not None else None
+            if serving is not None and q is not None:
+                own: list[ProducerBatch] = [e for e in site.logs[key].batch_entries() if e.base_offset >= q.base_offset]
+                site.producers[key] = self.shells.producer_table(serving[0], key, q.segment_id, own)
         for key, log in sorted(site.logs.items()):  # as Broker.attach does for a ChainLog: the LAC is durable
             lac, vector = int(log.flushed_offset), VectorOffset(log.flushed_vector())
             site.acks.open_partition(key, self.fsync_per_batch[key[0]], lac, vector, replicated_in_site=True,
                                      lac=lac, lac_vector=vector)  # fmt: skip
 
-    def _at(self, delay_ms: int, fn: Callable[..., None], *args: object) -> None:
+    def later(self, delay_ms: int, fn: Callable[..., None], *args: object) -> None:
+        """Run ``fn(*args)`` after ``delay_ms`` on the simulator's heap (an event named ``gc``)."""
         cid = next(self._call_ids)
         self._calls[cid] = lambda: fn(*args)
         self._after(delay_ms, "gc", cid)
@@ -265,341 +431,240 @@ class GeoClusterSimulator(Simulator):
     def _on_gc(self, cid: int) -> None:
         self._calls.pop(cid)()
 
-    def _between(self, bounds: tuple[int, int]) -> int:
+    def between(self, bounds: tuple[int, int]) -> int:
         return self.rng.randint(*bounds)
 
-    def _nsend(self, src: NodeId, dst: NodeId, fn: Callable[..., None], *args: object) -> None:
-        """A message between two nodes: FIFO per pair, lost if ``dst`` is down or restarted meanwhile."""
-        due = max(self.now_ms + self._between(self.gc.latency_ms), self._fifo.get((src, dst), 0))
-        self._fifo[(src, dst)] = due
-        self._at(due - self.now_ms, self._deliver_node, src, self.nodes[src].incarnation, dst,
-                 self.nodes[dst].incarnation, fn, args)  # fmt: skip
+    def next_payload(self) -> int:
+        return next(self._payloads)
 
-    def _deliver_node(self, src: NodeId, src_incarnation: int, dst: NodeId, incarnation: int,
-                      fn: Callable[..., None], args: tuple[object, ...]) -> None:  # fmt: skip
-        """A kill loses what its node had not sent yet (its streams' buffers), and what was on its way to it."""
-        sender, node = self.nodes[src], self.nodes[dst]
-        if sender.incarnation != src_incarnation:
-            self.ccounts.dropped_messages += 1
-        elif node.up and node.incarnation == incarnation:
-            fn(*args)
+    def sid(self) -> SiteId:
+        assert self.cluster_site is not None
+        return self.cluster_site
 
     def _step(self) -> bool:
         stepped = super()._step()
         self.cchecker.after_event(self.meta, self.now_ms)
         return stepped
 
-    def _propose(self, cmd: Command, then: Callable[[Result], None] | None = None) -> None:
-        self._at(self._between(self.gc.raft_ms), self._commit, cmd, then)
+    def fail_unless(self, ok: bool, check: str, message: str) -> None:
+        if not ok:
+            raise InvariantViolation(f"{check} {message}")
 
-    def _commit(self, cmd: Command, then: Callable[[Result], None] | None) -> None:
+    # -- the metadata log --------------------------------------------------------------------------------
+
+    def commit(self, cmd: Command) -> Result:
+        """Apply one command in log order, check C2/C5 on the result, and cut the chain at a committed seal."""
         topic, partition = getattr(cmd, "topic", None), getattr(cmd, "partition", None)
         before = None
         if isinstance(topic, str) and isinstance(partition, int):
             before = self.meta.partition(topic, partition)
         result = self.meta.apply(cmd)
         if isinstance(cmd, NodeHeartbeat):  # every tick of every node: no chain or epoch changes
-            return
+            return result
         if self.verbose:
             self._log(f"commit {cmd} -> {result}")
         self.cchecker.committed(cmd, result, before, self.meta, self.now_ms)
+        changed = isinstance(result, Applied) and result.changed
         if isinstance(cmd, ElectLeader):
-            self.electing.discard(((cmd.topic, cmd.partition), cmd.expected_epoch))
             if isinstance(result, Applied):
-                assert result.leader_epoch is not None
                 self.ccounts.elections += 1
-                self.granted[((cmd.topic, cmd.partition), result.leader_epoch)] = (
-                    cmd.node, self.nodes[cmd.node].incarnation)
             else:
                 self.ccounts.elections_refused += 1
-        elif isinstance(cmd, OpenSegment) and isinstance(result, Applied) and result.changed:
-            assert result.segment_id is not None
+        elif isinstance(cmd, OpenSegment) and changed:
+            assert isinstance(result, Applied) and result.segment_id is not None
             self.ccounts.opens += 1
             self.ccounts.opens_short += len(cmd.ensemble) < self.gc.rf
             self.cchecker.segment_opened((cmd.topic, cmd.partition, result.segment_id), self.now_ms)
-        elif isinstance(cmd, SealSegment) and isinstance(result, Applied) and result.changed:
+        elif isinstance(cmd, SealSegment) and changed:
             self.ccounts.seals += 1
             # Every node learns the seal from the metadata (and the chain ends there), whoever proposed it.
-            self._chain_sealed((cmd.topic, cmd.partition), (cmd.topic, cmd.partition, cmd.segment_id),
-                               int(cmd.end_offset))  # fmt: skip
-        if then is not None:
-            then(result)
+            self._chain_sealed((cmd.topic, cmd.partition), cmd.segment_id, int(cmd.end_offset))
+        return result
 
-    def _guard(self, node: Node, key: PartitionKey) -> ReplicaGuard:
-        return ReplicaGuard(node.guards.get(key))
+    def _chain_sealed(self, key: PartitionKey, segment_id: SegmentId, end: int) -> None:
+        """The seal committed: members learn it and cut longer copies, and the chain ends at ``end``."""
+        for nid in sorted(self.nodes):
+            if self.nodes[nid].up:
+                self.shells.members.learn(self.nodes[nid], self.meta)
+        site = self.sites[self.sid()]
+        log = site.logs[key]
+        if log.log_end_offset > end:
+            before = len(log.batch_entries())
+            log.flush_to(end)
+            log.crash()  # nothing past the seal stays in the chain: the next segment starts at ``end``
+            self.ccounts.lost_batches += before - len(log.batch_entries())
+            self._changed(site.id, key)
+        if log.flushed_offset < end:
+            log.flush_to(end)  # AQ members hold the sealed segment: the recovery copied it to them
+        self.fail_unless(log.flushed_offset == end, "C4",
+                         f"visibility: {key[0]}/{key[1]} segment {segment_id} is sealed at {end}, below its LAC "
+                         f"{log.flushed_offset}: the recovery cut what the site acked and served")  # fmt: skip
+        self._note_durable(key)
 
-    def _persist(self, node: Node, key: PartitionKey, guard: ReplicaGuard) -> None:
-        node.guards[key] = guard.state
-        self.cchecker.fence_state(node.id, key, guard.fenced_epoch)
+    def vector_at(self, key: PartitionKey, end: int) -> VectorOffset:
+        """The chain's vector at ``end``: the sealed end vector the metadata records."""
+        log = self.sites[self.sid()].logs[key]
+        return vector_below({}, iter_headers(log.read(log.log_start_offset, READ_ALL).data), end)
 
-    # -- starting, ticks, the controller -------------------------------------------------------------------
+    # -- the nodes: ticks, kills, restarts ---------------------------------------------------------------
 
     def _start(self) -> None:
         super()._start()
         for nid in sorted(self.nodes):
-            self._at(self.rng.randint(1, self.gc.tick_ms), self._tick, nid, 0)
-        self._at(self.rng.randint(self.gc.tick_ms, self.gc.kill_every_ms), self._fault_kill)  # early: runs are short
+            node = self.nodes[nid]
+            self.shells.boot(node)
+            self.shells.fabric.at(self.rng.randint(1, self.gc.tick_ms), node, self._tick, node)
+        self.later(self.rng.randint(self.gc.tick_ms, self.gc.kill_every_ms), self._fault_kill)  # early: runs are short
 
-    def _tick(self, nid: NodeId, incarnation: int) -> None:
-        node = self.nodes[nid]
-        if not node.up or node.incarnation != incarnation:
+    def _tick(self, node: SimNode) -> None:
+        """A node's heartbeat, then its core's tick (the controller's duties if it leads the metadata, its leads'
+        retries and rolls, and the roles its view gives it)."""
+        self.commit(NodeHeartbeat(node.id, self.now_ms, FREE_BYTES, leadership.open_loads(self.meta).get(node.id, 0)))
+        self.shells.tick(node)
+        self.shells.fabric.at(self.gc.tick_ms, node, self._tick, node)
+
+    def _fault_kill(self) -> None:
+        if self.phase != "safety":
             return
-        now = self.now_ms
-        self._commit(NodeHeartbeat(nid, now, 100 << 30, leadership.open_loads(self.meta).get(nid, 0)), None)
-        if nid == min(n for n in sorted(self.nodes) if self.nodes[n].up):  # the controller
-            for elect in site_state.plan_leadership(self.meta, now, self.gc.session_timeout_ms, None):
-                tag = ((elect.topic, elect.partition), elect.expected_epoch)
-                if tag not in self.electing:
-                    self.electing.add(tag)
-                    self._propose(elect)
-        for info in self.meta.partitions():
-            key = (info.topic, info.partition)
-            lead = self.leads.get(key)
-            leading = lead.epoch if lead is not None and lead.node == nid else None
-            granted = self.granted.get((key, info.leader_epoch)) == (nid, node.incarnation)
-            step = leadership.role_step(info, nid, leading, node.done_epoch.get(key, LeaderEpoch(0)), granted)
-            if isinstance(step, leadership.Lead):
-                self._begin(node, key, step.epoch, step.recover, info.segments)
-            elif isinstance(step, leadership.AskEpoch):
-                tag = (key, step.command.expected_epoch)
-                if tag not in self.electing:
-                    self.electing.add(tag)
-                    self.ccounts.reelections += 1
-                    self._propose(step.command)
-            elif isinstance(step, leadership.StepDown) and lead is not None:
-                self._step_down(lead, step.reason)
-            elif lead is not None and lead.node == nid and lead.phase in ("recovering", "opening") \
-                    and lead.retry_at <= now and not lead.busy and lead.recovery is None:  # fmt: skip
-                self._resume(lead)
-        self._at(self.gc.tick_ms, self._tick, nid, incarnation)
+        if all(n.up for n in self.nodes.values()):  # one node down at a time
+            self.kill(self.nodes[self.rng.choice(sorted(self.nodes))])
+        self.later(self.rng.randint(self.gc.tick_ms, self.gc.kill_every_ms), self._fault_kill)  # early: runs are short
 
-    def _step_down(self, lead: Lead, why: str) -> None:
-        self._log(f"node {lead.node} steps down from {lead.key} epoch {lead.epoch}: {why}")
-        self.ccounts.step_downs += 1
-        node = self.nodes[lead.node]
-        node.done_epoch[lead.key] = max(node.done_epoch.get(lead.key, LeaderEpoch(0)), lead.epoch)
-        if self.leads.get(lead.key) is lead:
-            del self.leads[lead.key]
-        self._site_down(f"node {lead.node} stepped down from {lead.key[0]}/{lead.key[1]}")
+    def kill(self, node: SimNode) -> None:
+        """A kill: the node loses what it had not fsynced and everything in memory; if it led partitions, the
+        site's brokers stop until every partition has a leader again. Back after ``down_ms``."""
+        self.ccounts.kills += 1
+        led = sorted(node.core.leads) if node.core is not None else []
+        lost = self.shells.kill(node)
+        self.ccounts.lost_batches += lost
+        self._log(f"kill node {node.id} of {self.sid()}: lost {lost} unfsynced batches; it led {led}")
+        if led:
+            self.gcounts.leader_kills += 1
+            self.site_down(f"node {node.id}, leader of {len(led)} partition(s), was killed")
+        for nid in sorted(self.nodes):  # their streams to it break
+            if self.nodes[nid].up:
+                self.shells.stream_broken(self.nodes[nid], node.id)
+        self.later(self.between(self.gc.down_ms), self._restart_node, node, node.incarnation)
 
-    # -- becoming leader: recovery, then the next segment ---------------------------------------------------
+    def _restart_node(self, node: SimNode, incarnation: int) -> None:
+        if node.up or node.incarnation != incarnation:
+            return
+        node.up = True
+        self.ccounts.restarts += 1
+        self._log(f"restart node {node.id} of {self.sid()}")
+        self.shells.boot(node)
+        self.shells.members.learn(node, self.meta)
+        self.shells.fabric.at(self.rng.randint(1, self.gc.tick_ms), node, self._tick, node)
 
-    def _begin(self, node: Node, key: PartitionKey, epoch: LeaderEpoch, recover: SegmentInfo | None,
-               segments: tuple[SegmentInfo, ...]) -> None:  # fmt: skip
-        old = self.leads.get(key)
-        if old is not None:
-            self._step_down(old, f"node {node.id} leads epoch {epoch}")
-        lead = self.leads[key] = Lead(key, node.id, node.incarnation, epoch)
-        if self.verbose:
-            self._log(f"node {node.id} leads {key} in epoch {epoch}")
-        lead.previous = segments[-1].ensemble if segments else ()
-        if recover is None:
-            lead.phase = "opening"
-            self._try_open(lead)
+    # -- the chain: appends, the LAC ------------------------------------------------------------------------
+
+    def _changed(self, sid: SiteId, *keys: PartitionKey) -> None:
+        super()._changed(sid, *keys)
+        if sid == self.cluster_site and self.sites[sid].up:
+            for key in keys:
+                self.shells.take_appends(key)
+
+    def lac_advanced(self, key: PartitionKey, lac: int) -> None:
+        """The LAC (capped at a roll's seal) is the chain's durable end (``ChainLog.advance_lac``), fed to the ack
+        table."""
+        site = self.sites[self.sid()]
+        log = site.logs[key]
+        log.flush_to(lac)
+        flushed = self._note_durable(key)
+        if not site.up:
+            return
+        self.perform_acks(site, site.acks.quorum_advanced(key, int(log.flushed_offset), VectorOffset(flushed)))
+        self.consumers.flushed(site, key)
+        for dst, out in sorted(site.out_streams.items()):
+            if key in out.source.wanted:
+                self._pump_soon(site, dst, 0)
+
+    def _note_durable(self, key: PartitionKey) -> dict[Origin, OriginSeq]:
+        """What the chain holds durably (at the LAC, or sealed) counts as held by the site for I6."""
+        sid = self.sid()
+        flushed = self.sites[sid].logs[key].flushed_vector()
+        ever = self.ever_flushed[(sid, key)]
+        for origin, n in flushed.items():
+            if n > ever.get(origin, 0):
+                ever[origin] = n
+        return flushed
+
+    def perform_acks(self, site: SimSite, effects: list[Effect]) -> None:
+        """At the multi-node site a flush is the leader's own fsync, which every append to its copy asks for."""
+        if site.id == self.cluster_site:
+            effects = [e for e in effects if not isinstance(e, StartFlush)]
+        super().perform_acks(site, effects)
+
+    def _on_fsync_done(self, sid: SiteId, incarnation: int, key: PartitionKey, end: int) -> None:
+        if sid != self.cluster_site:
+            super()._on_fsync_done(sid, incarnation, key, end)
+
+    # -- the site serves, or stops ------------------------------------------------------------------------
+
+    def maybe_serve(self) -> None:
+        """The site serves again once every partition has a leader writing an open segment."""
+        site = self.sites[self.sid()]
+        if site.up or not all((s := self.shells.serving(key)) is not None and s[1].active for key in self.keys):
+            return
+        # What a crash's checks hold the site to, against the chain the recoveries left.
+        self.gcounts.served_again += 1
+        self._changed(site.id, *self.keys)
+        self.checker.on_crash(site.id, site.origin, {str(s): x.logs for s, x in self.sites.items()})
+        for producer in self.producers:
+            producer.forget_lost(site.id, site.logs[producer.key].vector(), False)
+        self._check_acked_writes(crashed=site)
+        self.consumers.site_crashed(site, False, read_back=True)
+        self.groups.site_crashed(site)
+        super()._restart(site.id)
+
+    def _restart(self, sid: SiteId) -> None:
+        if sid == self.cluster_site:
+            self.maybe_serve()  # the multi-node site serves again once its partitions have leaders
         else:
-            lead.recovering = recover
-            self._start_recovery(lead)
+            super()._restart(sid)
 
-    def _resume(self, lead: Lead) -> None:
-        if lead.phase == "recovering":
-            self._start_recovery(lead)
-        else:
-            self._try_open(lead)
+    def site_down(self, why: str) -> None:
+        site = self.sites[self.sid()]
+        if not site.up:
+            return
+        self._log(f"{site.id} stops serving: {why}")
+        self._disconnect(site)
+        self._producers_lose_connection(site)
 
-    def _current(self, lead: Lead) -> bool:
-        node = self.nodes[lead.node]
-        return self.leads.get(lead.key) is lead and node.up and node.incarnation == lead.incarnation
+    def _on_fault_crash(self) -> None:
+        """Whole-site crashes spare the multi-node site: its nodes fail one at a time (``_fault_kill``)."""
+        if self.phase != "safety":
+            return
+        candidates = [sid for sid, site in self.sites.items() if site.up and sid != self.cluster_site]
+        if candidates:
+            sid = self.rng.choice(candidates)
+            rebuild = bool(self.faults.rebuild_p) and self.rng.random() < self.faults.rebuild_p
+            self._crash(self.sites[sid], rebuild)
+            self._after(self.rng.randint(*self.faults.down_ms), "restart", sid, self.sites[sid].incarnation)
+        self._after(self._interval(self.faults.crash_every_ms), "fault_crash")
 
-    def _start_recovery(self, lead: Lead) -> None:
-        seg = lead.recovering
-        assert seg is not None
-        lead.attempt += 1
-        lead.answered = set()
-        lead.copying = {}
-        self.ccounts.recoveries += 1
-        rec = lead.recovery = SegmentRecovery(seg.segment_id, int(seg.base_offset), seg.ensemble, self.gc.aq,
-                                              lead.epoch, lead.node)  # fmt: skip
-        self._recovery_effects(lead, rec.start())
+    # -- the producers' checks ----------------------------------------------------------------------------
 
-    def _rec(self, lead: Lead, attempt: int) -> SegmentRecovery | None:
-        if not self._current(lead) or lead.phase != "recovering" or lead.attempt != attempt:
-            return None
-        return lead.recovery
-
-    def _recovery_effects(self, lead: Lead, effects: list[recovery.Effect]) -> None:
-        seg_info = lead.recovering
-        assert seg_info is not None
-        seg = (lead.key[0], lead.key[1], seg_info.segment_id)
-        for eff in effects:
-            if isinstance(eff, Fence):
-                self._nsend(lead.node, eff.node, self._on_fence, lead, lead.attempt, seg, int(seg_info.base_offset),
-                           eff.node)  # fmt: skip
-                self._at(self.gc.fence_timeout_ms, self._fence_timeout, lead, lead.attempt, eff.node)
-            elif isinstance(eff, Copy):
-                cid = next(self._call_ids)
-                lead.copying[eff.target] = cid
-                self.ccounts.recovery_copies += 1
-                self._nsend(lead.node, eff.source, self._on_copy_req, lead, lead.attempt, seg,
-                            int(seg_info.base_offset), eff, cid)  # fmt: skip
-                self._at(self.gc.copy_timeout_ms, self._copy_timeout, lead, lead.attempt, eff.target, cid)
-            elif isinstance(eff, recovery.Seal):
-                end = int(eff.end_offset)
-                cmd = SealSegment(lead.key[0], lead.key[1], lead.epoch, eff.segment_id, LocalOffset(end),
-                                  self._vector_at(lead.key, end),
-                                  producers=self._seal_producers(lead, seg_info, end))  # fmt: skip
-                self._propose(cmd, functools.partial(self._sealed, lead, lead.attempt, end))
-            elif isinstance(eff, Done):
-                self.ccounts.recoveries_done += 1
-                if eff.end_offset > self.cchecker.acked_end(seg):
-                    self.ccounts.recovered_tails += 1
-                lead.recovery = None
-                lead.phase = "opening"
-                lead.sealed_through = seg_info.segment_id
-                lead.previous = seg_info.ensemble
-                self._try_open(lead)
-            elif isinstance(eff, Failed):
-                self.ccounts.recoveries_failed += 1
-                self._log(f"node {lead.node} recovery of {seg} failed: {eff.reason}")
-                lead.recovery = None
-                lead.retry_at = self.now_ms + self.gc.retry_ms
-            elif isinstance(eff, Superseded):
-                self.ccounts.recoveries_superseded += 1
-                self._step_down(lead, f"recovery superseded: {eff.reason}")
-                return
-
-    def _feed(self, lead: Lead, attempt: int, call: Callable[[SegmentRecovery], list[recovery.Effect]]) -> None:
-        rec = self._rec(lead, attempt)
-        if rec is not None:
-            self._recovery_effects(lead, call(rec))
-
-    def _on_fence(self, lead: Lead, attempt: int, seg: SegKey, base: int, member: NodeId) -> None:
-        node = self.nodes[member]
-        key = (seg[0], seg[1])
-        guard = self._guard(node, key)
+    def append(self, site: SimSite, key: PartitionKey, batch: bytes) -> Produced:
         try:
-            guard.fence(lead.epoch)
-        except Fenced as e:
-            their = int(e.fenced_epoch)
-            self._nsend(member, lead.node, self._feed_answer, lead, attempt, member,
-                       lambda r: r.fence_refused(member, their))  # fmt: skip
-            return
-        self._persist(node, key, guard)
-        copy = node.copies.get(seg)
-        end = copy.fsynced_end if copy is not None else base  # what it holds durably: an acked batch is there
-        self._nsend(member, lead.node, self._feed_answer, lead, attempt, member, lambda r: r.fenced(member, end))
+            return super().append(site, key, batch)
+        except SequenceRejected as e:
+            if site.id == self.cluster_site and isinstance(e.decision, OutOfOrderSequence):
+                self.ccounts.out_of_order += 1
+                self._check_out_of_order(site, key, e.decision)
+            raise
 
-    def _feed_answer(self, lead: Lead, attempt: int, member: NodeId,
-                     call: Callable[[SegmentRecovery], list[recovery.Effect]]) -> None:  # fmt: skip
-        if self._rec(lead, attempt) is not None:
-            lead.answered.add(member)
-            self._feed(lead, attempt, call)
-
-    def _fence_timeout(self, lead: Lead, attempt: int, member: NodeId) -> None:
-        if self._rec(lead, attempt) is not None and member not in lead.answered:
-            self._feed(lead, attempt, lambda r: r.unreachable(member))
-
-    def _on_copy_req(self, lead: Lead, attempt: int, seg: SegKey, base: int, eff: Copy, cid: int) -> None:
-        source = self.nodes[eff.source]
-        copy = source.copies.get(seg)
-        if copy is None or copy.fsynced_end < eff.end_offset:
-            self._nsend(eff.source, lead.node, self._copy_answer, lead, attempt, eff.target, cid, None)
-            return
-        batches = tuple(copy.read(int(eff.start_offset), int(eff.end_offset), fsynced_only=True))
-        self._nsend(eff.source, eff.target, self._on_copy_data, lead, attempt, seg, base, batches, eff, cid)
-
-    def _on_copy_data(self, lead: Lead, attempt: int, seg: SegKey, base: int, batches: tuple[Batch, ...], eff: Copy,
-                      cid: int) -> None:  # fmt: skip
-        node = self.nodes[eff.target]
-        key = (seg[0], seg[1])
-        guard = self._guard(node, key)
-        try:
-            guard.fence(lead.epoch)
-        except Fenced:
-            self._nsend(eff.target, lead.node, self._copy_answer, lead, attempt, eff.target, cid, None)
-            return
-        self._persist(node, key, guard)
-        copy = node.copies.setdefault(seg, SegCopy(base))
-        for b in batches:
-            if b.end <= copy.end:
-                self.cchecker.check_held(node.id, seg, b, "recovery")
-            elif b.offset == copy.end:
-                self.cchecker.copy_write(node.id, seg, copy, b, "recovery")
-                copy.batches.append(b)
-        copy.fsynced = len(copy.batches)  # a copy is fsynced before it is answered
-        ok = copy.end >= eff.end_offset
-        self._nsend(eff.target, lead.node, self._copy_answer, lead, attempt, eff.target, cid,
-                   int(eff.end_offset) if ok else None)  # fmt: skip
-
-    def _copy_answer(self, lead: Lead, attempt: int, target: NodeId, cid: int, end: int | None) -> None:
-        if self._rec(lead, attempt) is None or lead.copying.get(target) != cid:
-            return
-        del lead.copying[target]
-        if end is not None:
-            self._feed(lead, attempt, lambda r: r.copied(target, end))
-        else:
-            self._feed(lead, attempt, lambda r: r.copy_failed(target, "the source or the target could not copy"))
-
-    def _copy_timeout(self, lead: Lead, attempt: int, target: NodeId, cid: int) -> None:
-        if self._rec(lead, attempt) is not None and lead.copying.get(target) == cid:
-            del lead.copying[target]
-            self._feed(lead, attempt, lambda r: r.copy_failed(target, "timeout"))
-
-    def _sealed(self, lead: Lead, attempt: int, end: int, result: Result) -> None:
-        if isinstance(result, Applied):
-            self._feed(lead, attempt, lambda r: r.seal_committed(end))
-        else:
-            self._feed(lead, attempt, lambda r: r.seal_refused(getattr(result, "reason", str(result))))
-
-    def _vector_at(self, key: PartitionKey, end: int) -> VectorOffset:
-        """The chain's vector at ``end``: the sealed end vector the metadata records."""
-        log = self.sites[self._sid()].logs[key]
-        return vector_below({}, iter_headers(log.read(log.log_start_offset, READ_ALL).data), end)
-
-    # -- the producers' state across leaders -----------------------------------------------------------------
-
-    def _held_entries(self, nid: NodeId, key: PartitionKey, before: SegmentId) -> list[BatchEntry]:
-        """The chain's batches that node ``nid``'s copies of ``key``'s segments before ``before`` hold (each copy
-        is a prefix of its segment's stream: C3)."""
-        info = self.meta.partition(*key)
-        chain = self.sites[self._sid()].logs[key].batch_entries()
-        out: list[BatchEntry] = []
-        for seg in sorted(self.nodes[nid].copies):
-            segment = info.segment(seg[2]) if info is not None and seg[:2] == key and seg[2] < before else None
-            if segment is None:
-                continue
-            copy = self.nodes[nid].copies[seg]
-            end = min(copy.end, int(segment.end_offset)) if segment.end_offset is not None else copy.end
-            out += [e for e in chain if copy.base <= e.base_offset < end]
-        return out
-
-    def _producer_table(self, lead: Lead) -> ProducerStateTable:
-        """The table ``lead`` starts its open segment with, as the node builds it (``georep/server/site_cluster.py``
-        ``leader_producers``): its chain's last seal's snapshot, then the open segment's batches."""
-        site = self.sites[self._sid()]
-        info = self.meta.partition(*lead.key)
-        q = lead.quorum
-        assert info is not None and q is not None
-        last = next((s for s in reversed(info.segments) if s.sealed), None)
-        if last is not None and last.end_offset is not None and last.end_offset > last.base_offset:
-            copy = self.nodes[lead.node].copies.get((lead.key[0], lead.key[1], last.segment_id))
-            if copy is None or copy.end < int(last.end_offset or 0):
-                self.ccounts.leaders_missing_history += 1
-        history = producer_snapshot.history_at_open(info.sealed_producers(site.origin),
-                                                    lambda: self._held_entries(lead.node, lead.key, q.segment_id))
-        own = [e for e in site.logs[lead.key].batch_entries() if e.base_offset >= q.base_offset]
-        return ProducerStateTable.rebuild(itertools.chain(history, own), now_ms=self.local_ms(site), origin=site.origin)
-
-    def _seal_producers(self, lead: Lead, segment: SegmentInfo, end: int) -> ProducerSnapshot:
-        """The table a seal of ``segment`` at ``end`` carries (``georep/server/cluster_member.py``
-        ``seal_producers``): its leader holds the segment up to ``end``, the chain's bytes there."""
-        site = self.sites[self._sid()]
-        info = self.meta.partition(*lead.key)
-        assert info is not None
-        base = int(segment.base_offset)
-        batches = [e for e in site.logs[lead.key].batch_entries() if base <= e.base_offset < end]
-        history = producer_snapshot.history_at_open(
-            info.sealed_producers(site.origin), lambda: self._held_entries(lead.node, lead.key, segment.segment_id))
-        return producer_snapshot.fold(history, site.origin, batches, now_ms=self.local_ms(site))
+    def _check_out_of_order(self, site: SimSite, key: PartitionKey, refused: OutOfOrderSequence) -> None:
+        """An ``OutOfOrderSequence`` is spurious if the chain holds the producer's batches up to another sequence
+        than the site's producer table expects: the leader's table missed the producer's last sequences (what a new
+        leader without the seal's snapshot did)."""
+        held = [e.base_sequence + e.last_offset_delta + 1 for e in site.logs[key].batch_entries()
+                if e.origin == site.origin and e.producer_id == refused.producer_id]  # fmt: skip
+        if held and not refused.new_epoch and held[-1] != refused.expected:
+            raise InvariantViolation(f"spurious OutOfOrderSequence: {site.id} refused producer {refused.producer_id}'s "
+                                     f"sequence {refused.got} of {key[0]}/{key[1]} expecting {refused.expected}, but "
+                                     f"the chain holds its batches up to sequence {held[-1]}: the leader's producer "
+                                     "table did not know its last sequences")  # fmt: skip
 
     def _resolve(self, producer: SimProducer) -> None:
         failed = producer.failed_batches
@@ -620,438 +685,6 @@ class GeoClusterSimulator(Simulator):
             raise InvariantViolation(f"{producer.name}: a batch failed to the application at the multi-node site: "
                                      f"{type(error).__name__}: {error}")
 
-    def _chain_sealed(self, key: PartitionKey, seg: SegKey, end: int) -> None:
-        """The seal committed: members learn it and cut longer copies, and the chain ends at ``end``."""
-        for nid in sorted(self.nodes):
-            if self.nodes[nid].up:
-                self._learn_seals(self.nodes[nid])
-        site = self.sites[self._sid()]
-        log = site.logs[key]
-        if log.log_end_offset > end:
-            before = len(log.batch_entries())
-            log.flush_to(end)
-            log.crash()  # nothing past the seal stays in the chain: the next segment starts at ``end``
-            self.ccounts.lost_batches += before - len(log.batch_entries())
-            self._changed(site.id, key)
-        if log.flushed_offset < end:
-            log.flush_to(end)  # AQ members hold the sealed segment: the recovery copied it to them
-        self.fail_unless(log.flushed_offset == end, "C4",
-                         f"visibility: {key[0]}/{key[1]} segment {seg[2]} is sealed at {end}, below its LAC "
-                         f"{log.flushed_offset}: the recovery cut what the site acked and served")  # fmt: skip
-        self._note_durable(key)
-
-    def fail_unless(self, ok: bool, check: str, message: str) -> None:
-        if not ok:
-            raise InvariantViolation(f"{check} {message}")
-
-    def _learn_seals(self, node: Node) -> None:
-        for info in self.meta.partitions():
-            key = (info.topic, info.partition)
-            last = next((s for s in reversed(info.segments) if s.sealed), None)
-            if last is None:
-                continue
-            guard = self._guard(node, key)
-            through = guard.state.sealed_through
-            if through is None or through < last.segment_id:
-                guard.seal(LeaderEpoch(max(info.leader_epoch, guard.fenced_epoch)), last.segment_id)
-                self._persist(node, key, guard)
-            for s in info.segments:
-                seg = (info.topic, info.partition, s.segment_id)
-                copy = node.copies.get(seg)
-                if copy is None or not s.sealed:
-                    continue
-                assert s.end_offset is not None
-                cut = recovery.cut_after_seal(copy.end, int(s.end_offset))
-                if cut is not None:
-                    i = copy.index_at(int(cut))
-                    self.fail_unless(i >= 0, "C3", f"node {node.id} must cut {seg} at {cut}, not a batch boundary")
-                    self.ccounts.tail_cuts += 1
-                    del copy.batches[i:]
-                    copy.fsynced = min(copy.fsynced, i)
-                    self.cchecker.touched(seg)
-
-    def _try_open(self, lead: Lead) -> None:
-        if lead.busy or not self._current(lead):
-            return
-        info = self.meta.partition(*lead.key)
-        assert info is not None
-        loads = leadership.node_loads(self.meta, self.now_ms, self.gc.session_timeout_ms)
-        step = leadership.plan_open(info, lead.node, lead.epoch, lead.sealed_through, lead.previous, loads,
-                                    self.gc.rf, min_ensemble=self.gc.aq)  # fmt: skip
-        if isinstance(step, leadership.Adopt):
-            self._adopt(lead, step.segment_id, int(step.base_offset), step.ensemble)
-        elif isinstance(step, leadership.ProposeOpen):
-            cmd = step.command
-            lead.busy = True
-            self._propose(cmd, lambda result: self._opened(lead, cmd, result))
-        else:
-            self.ccounts.placement_waits += isinstance(step, leadership.Blocked)
-            lead.retry_at = self.now_ms + self.gc.retry_ms
-
-    def _opened(self, lead: Lead, cmd: OpenSegment, result: Result) -> None:
-        lead.busy = False
-        if not self._current(lead) or lead.phase != "opening":
-            return
-        if isinstance(result, Applied) and result.segment_id is not None:
-            self._adopt(lead, result.segment_id, int(cmd.base_offset), cmd.ensemble)
-        else:
-            lead.retry_at = self.now_ms + self.gc.retry_ms
-
-    def _adopt(self, lead: Lead, segment_id: SegmentId, base: int, ensemble: tuple[NodeId, ...]) -> None:
-        if lead.phase != "opening":
-            return
-        log = self.sites[self._sid()].logs[lead.key]
-        self.fail_unless(log.log_end_offset == base, "C2",
-                         f"{lead.key} segment {segment_id} opens at {base} but the chain ends at "
-                         f"{log.log_end_offset}")  # fmt: skip
-        q = lead.quorum = SegmentQuorum(segment_id, base, ensemble, self.gc.aq, lead.epoch, lead.node)
-        lead.phase = "active"
-        lead.sent = dict.fromkeys(ensemble, base)
-        seg = (lead.key[0], lead.key[1], segment_id)
-        self.nodes[lead.node].copies.setdefault(seg, SegCopy(base))
-        for member in ensemble:
-            if not self.nodes[member].up:
-                q.member_failed(member)
-        if self.verbose:
-            self._log(f"node {lead.node} writes {lead.key} segment {segment_id} at {base} on {list(ensemble)}")
-        self._maybe_serve()
-
-    # -- the site serves, or stops ------------------------------------------------------------------------
-
-    def _sid(self) -> SiteId:
-        assert self.cluster_site is not None
-        return self.cluster_site
-
-    def _all_active(self) -> bool:
-        return all((lead := self.leads.get(key)) is not None and lead.phase == "active" and self._current(lead)
-                   for key in self.keys)  # fmt: skip
-
-    def _maybe_serve(self) -> None:
-        site = self.sites[self._sid()]
-        if site.up or not self._all_active():
-            return
-        # What a crash's checks hold the site to, against the chain the recoveries left.
-        self.gcounts.served_again += 1
-        self._changed(site.id, *self.keys)
-        self.checker.on_crash(site.id, site.origin, {str(s): x.logs for s, x in self.sites.items()})
-        for producer in self.producers:
-            producer.forget_lost(site.id, site.logs[producer.key].vector(), False)
-        self._check_acked_writes(crashed=site)
-        self.consumers.site_crashed(site, False, read_back=True)
-        self.groups.site_crashed(site)
-        super()._restart(site.id)
-
-    def _restart(self, sid: SiteId) -> None:
-        if sid == self.cluster_site:
-            self._maybe_serve()  # the multi-node site serves again once its partitions have leaders
-        else:
-            super()._restart(sid)
-
-    def _site_down(self, why: str) -> None:
-        site = self.sites[self._sid()]
-        if not site.up:
-            return
-        self._log(f"{site.id} stops serving: {why}")
-        self._disconnect(site)
-        self._producers_lose_connection(site)
-
-    def _on_fault_crash(self) -> None:
-        """Whole-site crashes spare the multi-node site: its nodes fail one at a time (``_fault_kill``)."""
-        if self.phase != "safety":
-            return
-        candidates = [sid for sid, site in self.sites.items() if site.up and sid != self.cluster_site]
-        if candidates:
-            sid = self.rng.choice(candidates)
-            rebuild = bool(self.faults.rebuild_p) and self.rng.random() < self.faults.rebuild_p
-            self._crash(self.sites[sid], rebuild)
-            self._after(self.rng.randint(*self.faults.down_ms), "restart", sid, self.sites[sid].incarnation)
-        self._after(self._interval(self.faults.crash_every_ms), "fault_crash")
-
-    # -- node kills ----------------------------------------------------------------------------------------
-
-    def _fault_kill(self) -> None:
-        if self.phase != "safety":
-            return
-        if all(n.up for n in self.nodes.values()):  # one node down at a time
-            nid = self.rng.choice(sorted(self.nodes))
-            self._kill(self.nodes[nid])
-            self._at(self._between(self.gc.down_ms), self._restart_node, nid, self.nodes[nid].incarnation)
-        self._at(self.rng.randint(self.gc.tick_ms, self.gc.kill_every_ms), self._fault_kill)  # early: runs are short
-
-    def _kill(self, node: Node) -> None:
-        self.ccounts.kills += 1
-        node.up = False
-        node.incarnation += 1
-        node.fsyncing = False
-        node.unsynced.clear()
-        lost = 0
-        for copy in node.copies.values():
-            lost += len(copy.batches) - copy.fsynced
-            del copy.batches[copy.fsynced:]
-        self.ccounts.lost_batches += lost
-        self.cchecker.crashed(node.id, self.now_ms, node.copies)
-        led = sorted(key for key, lead in self.leads.items() if lead.node == node.id)
-        self._log(f"kill node {node.id} of {self._sid()}: lost {lost} unfsynced batches; it led {led}")
-        for key in led:
-            del self.leads[key]
-        if led:
-            self.gcounts.leader_kills += 1
-            self._site_down(f"node {node.id}, leader of {len(led)} partition(s), was killed")
-        for _key, lead in sorted(self.leads.items()):
-            if lead.quorum is not None and node.id in lead.quorum.ensemble:
-                lead.quorum.member_failed(node.id)
-
-    def _restart_node(self, nid: NodeId, incarnation: int) -> None:
-        node = self.nodes[nid]
-        if node.up or node.incarnation != incarnation:
-            return
-        node.up = True
-        self.ccounts.restarts += 1
-        self._log(f"restart node {nid} of {self._sid()}")
-        self._learn_seals(node)
-        for _key, lead in sorted(self.leads.items()):
-            q = lead.quorum
-            if q is not None and nid in q.ensemble and nid != lead.node:
-                q.member_reconnected(nid)
-                copy = node.copies.get((lead.key[0], lead.key[1], q.segment_id))
-                lead.sent[nid] = copy.end if copy is not None else q.base_offset  # the stream's open says its end
-                self._stream(lead)
-        self._at(self.rng.randint(1, self.gc.tick_ms), self._tick, nid, node.incarnation)
-
-    # -- writing: the leader's appends, members, fsyncs, the LAC --------------------------------------------
-
-    def _changed(self, sid: SiteId, *keys: PartitionKey) -> None:
-        super()._changed(sid, *keys)
-        if sid != self.cluster_site or not self.sites[sid].up:
-            return
-        for key in keys:
-            lead = self.leads.get(key)
-            if lead is not None and lead.quorum is not None:
-                self._take_appends(lead)
-
-    def _take_appends(self, lead: Lead) -> None:
-        """What the broker appended to the chain goes into the leader's copy and out to the members."""
-        q = lead.quorum
-        assert q is not None
-        log = self.sites[self._sid()].logs[lead.key]
-        seg = (lead.key[0], lead.key[1], q.segment_id)
-        copy = self.nodes[lead.node].copies[seg]
-        if log.log_end_offset <= copy.end:
-            return
-        writer = (lead.node, lead.incarnation, lead.epoch)
-        for h in iter_headers(log.read(LocalOffset(copy.end), READ_ALL).data):
-            b = Batch(int(h.base_offset), h.last_offset_delta + 1, next(self._payloads))
-            self.cchecker.writer_append(seg, writer, b)
-            self.cchecker.copy_write(lead.node, seg, copy, b, "append")
-            copy.batches.append(b)
-        q.appended(copy.end)
-        lead.sent[lead.node] = copy.end
-        self.nodes[lead.node].unsynced.add(seg)
-        self._stream(lead)
-        if copy.end - copy.base >= self.gc.roll_records and not lead.roll_due:
-            lead.roll_due = True
-            self._at(0, self._start_roll, lead)  # an event of its own: not in the middle of an append
-
-    # -- rolling by size -----------------------------------------------------------------------------------
-
-    def _start_roll(self, lead: Lead) -> None:
-        """Stop taking writes (the partition's ChainLog ends with its open segment), seal at the LAC, open the
-        next segment; the site's brokers restart over the new chain, as after a leader change."""
-        lead.roll_due = False
-        if not self._current(lead) or lead.phase != "active" or not self.sites[self._sid()].up:
-            return
-        q = lead.quorum
-        assert q is not None
-        self.ccounts.rolls_by_size += 1
-        lead.phase = "rolling"
-        lead.roll_since = self.now_ms
-        self._site_down(f"{lead.key[0]}/{lead.key[1]} rolls its segment {q.segment_id}")
-        self._roll_step(lead)
-
-    def _roll_step(self, lead: Lead) -> None:
-        q = lead.quorum
-        if not self._current(lead) or lead.phase != "rolling" or q is None or lead.busy:
-            return
-        at = leadership.roll_seal_at(q.lac, q.appended_end, lead.roll_since, self.now_ms, self.gc.roll_wait_ms)
-        if at is None:
-            self._at(self.gc.latency_ms[1], self._roll_step, lead)
-            return
-        lead.seal_at = at
-        lead.busy = True
-        info = self.meta.partition(*lead.key)
-        segment = info.segment(q.segment_id) if info is not None else None
-        assert segment is not None
-        cmd = SealSegment(lead.key[0], lead.key[1], lead.epoch, q.segment_id, LocalOffset(at),
-                          self._vector_at(lead.key, at), producers=self._seal_producers(lead, segment, at))  # fmt: skip
-        self._propose(cmd, functools.partial(self._rolled, lead, q))
-
-    def _rolled(self, lead: Lead, q: SegmentQuorum, result: Result) -> None:
-        lead.busy = False
-        if not self._current(lead) or lead.phase != "rolling" or lead.quorum is not q:
-            return
-        if not isinstance(result, Applied):
-            self._step_down(lead, f"its roll's seal was refused: {result}")
-            return
-        lead.phase = "opening"
-        lead.sealed_through = q.segment_id
-        lead.previous = q.ensemble
-        lead.quorum = None
-        lead.seal_at = None
-        if self.phase == "safety" and all(n.up for n in self.nodes.values()) \
-                and self.rng.random() < self.gc.roll_kill_p:  # fmt: skip
-            # Killed between the seal and the next open: the controller may name a node that holds none of the
-            # segment just sealed, and it must still know every producer's last sequences.
-            self.ccounts.roll_kills += 1
-            node = self.nodes[lead.node]
-            self._kill(node)
-            self._at(self._between(self.gc.down_ms), self._restart_node, node.id, node.incarnation)
-            return
-        self._try_open(lead)
-
-    def _stream(self, lead: Lead) -> None:
-        q = lead.quorum
-        assert q is not None
-        seg = (lead.key[0], lead.key[1], q.segment_id)
-        copy = self.nodes[lead.node].copies[seg]
-        for member in q.ensemble:
-            if member == lead.node or not self.nodes[member].up or lead.sent[member] >= copy.end:
-                continue
-            batches = tuple(copy.read(lead.sent[member], copy.end))
-            lead.sent[member] = copy.end
-            self._nsend(lead.node, member, self._on_append, lead, member, seg, q.base_offset, batches)
-
-    def _on_append(self, lead: Lead, nid: NodeId, seg: SegKey, base: int, batches: tuple[Batch, ...]) -> None:
-        """A member gets streamed batches: its guard checks each, it appends, then fsyncs and acks."""
-        node = self.nodes[nid]
-        key = (seg[0], seg[1])
-        guard = self._guard(node, key)
-        copy = node.copies.get(seg)
-        wrote = False
-        for b in batches:
-            end = copy.end if copy is not None else base
-            if b.end <= end:
-                continue  # sent again after a reconnection: it has it
-            try:
-                raised = guard.check_append(lead.epoch, seg[2], b.offset, end)
-            except Fenced:
-                self.ccounts.fenced_appends += 1
-                return
-            except SegmentSealed:
-                return
-            except NotContiguous:
-                self.ccounts.gaps += 1
-                self._nsend(nid, lead.node, self._on_gap, lead, seg, nid, end)
-                break
-            if raised:
-                self._persist(node, key, guard)
-            self.cchecker.accepted(nid, key, lead.epoch, (lead.node, lead.incarnation))
-            if copy is None:
-                copy = node.copies[seg] = SegCopy(base)
-            self.cchecker.copy_write(nid, seg, copy, b, "append")
-            copy.batches.append(b)
-            wrote = True
-        if wrote:
-            node.unsynced.add(seg)
-            self._fsync_soon(node)
-
-    def _on_gap(self, lead: Lead, seg: SegKey, member: NodeId, end: int) -> None:
-        q = lead.quorum
-        if not self._current(lead) or q is None or q.segment_id != seg[2]:
-            return
-        self.ccounts.resends += 1
-        lead.sent[member] = end
-        self._stream(lead)
-
-    def _fsync_soon(self, node: Node) -> None:
-        if not node.fsyncing:
-            node.fsyncing = True
-            self._at(node.fsync_ms, self._fsync_done, node.id, node.incarnation,
-                     {seg: len(node.copies[seg].batches) for seg in sorted(node.unsynced)})  # fmt: skip
-            node.unsynced = set()
-
-    def _fsync_done(self, nid: NodeId, incarnation: int, counts: dict[SegKey, int]) -> None:
-        node = self.nodes[nid]
-        if not node.up or node.incarnation != incarnation:
-            return
-        node.fsyncing = False
-        for seg, n in sorted(counts.items()):
-            copy = node.copies.get(seg)
-            if copy is None:
-                continue
-            copy.fsynced = max(copy.fsynced, min(n, len(copy.batches)))
-            lead = self.leads.get((seg[0], seg[1]))
-            if lead is None or lead.quorum is None or lead.quorum.segment_id != seg[2]:
-                continue
-            end = copy.fsynced_end
-            if lead.node == nid:
-                self._on_member_ack(lead, seg, nid, end)
-                site = self.sites[self._sid()]
-                if site.up and self._current(lead):
-                    self.perform_acks(site, site.acks.flush_done(lead.key, end, VectorOffset()))
-            else:
-                self._nsend(nid, lead.node, self._on_member_ack, lead, seg, nid, end)
-        if node.unsynced:
-            self._fsync_soon(node)
-
-    def _on_member_ack(self, lead: Lead, seg: SegKey, member: NodeId, end: int) -> None:
-        q = lead.quorum
-        if not self._current(lead) or q is None or q.segment_id != seg[2]:
-            return
-        try:
-            effects = q.member_acked(member, end)
-        except QuorumError as e:
-            raise InvariantViolation(f"C1 the quorum refused node {member}'s ack of {seg} at {end}: {e}") from e
-        for eff in effects:
-            if isinstance(eff, LacAdvanced):
-                self._lac_advanced(lead, eff.lac)
-
-    def _lac_advanced(self, lead: Lead, lac: int) -> None:
-        """The LAC is the chain's durable end (``ChainLog.advance_lac``), fed to the ack table."""
-        if lead.seal_at is not None:
-            lac = min(lac, lead.seal_at)  # a rolling leader's chain ends at its seal, whatever acks come later
-        site = self.sites[self._sid()]
-        log = site.logs[lead.key]
-        log.flush_to(lac)
-        flushed = self._note_durable(lead.key)
-        if not site.up:
-            return
-        self.perform_acks(site, site.acks.quorum_advanced(lead.key, int(log.flushed_offset), VectorOffset(flushed)))
-        self.consumers.flushed(site, lead.key)
-        for dst, out in sorted(site.out_streams.items()):
-            if lead.key in out.source.wanted:
-                self._pump_soon(site, dst, 0)
-
-    def _note_durable(self, key: PartitionKey) -> dict[Origin, OriginSeq]:
-        """What the chain holds durably (at the LAC, or sealed) counts as held by the site for I6."""
-        sid = self._sid()
-        flushed = self.sites[sid].logs[key].flushed_vector()
-        ever = self.ever_flushed[(sid, key)]
-        for origin, n in flushed.items():
-            if n > ever.get(origin, 0):
-                ever[origin] = n
-        return flushed
-
-    def perform_acks(self, site: SimSite, effects: list[Effect]) -> None:
-        if site.id != self.cluster_site:
-            super().perform_acks(site, effects)
-            return
-        rest: list[Effect] = []
-        for effect in effects:
-            if isinstance(effect, StartFlush):  # the leader fsyncs its own copy: one member's share of the LAC
-                lead = self.leads.get(effect.key)
-                if lead is not None and lead.quorum is not None:
-                    self._take_appends(lead)
-                    node = self.nodes[lead.node]
-                    node.unsynced.add((lead.key[0], lead.key[1], lead.quorum.segment_id))
-                    self._fsync_soon(node)
-            else:
-                rest.append(effect)
-        super().perform_acks(site, rest)
-
-    def _on_fsync_done(self, sid: SiteId, incarnation: int, key: PartitionKey, end: int) -> None:
-        if sid != self.cluster_site:
-            super()._on_fsync_done(sid, incarnation, key, end)
-
     # -- I6 and C1 at the ack --------------------------------------------------------------------------------
 
     def _check_ack_promise(self, producer: SimProducer, site: SimSite, produced: Produced) -> None:
@@ -1071,22 +704,24 @@ class GeoClusterSimulator(Simulator):
         assert info is not None
         segment = next((s for s in info.segments if s.base_offset <= offset
                         and (s.end_offset is None or offset < s.end_offset)), None)  # fmt: skip
-        lead = self.leads.get(key)
+        serving = self.shells.serving(key)
         stream = self.cchecker.streams.get((key[0], key[1], segment.segment_id), []) if segment else []
         i = bisect.bisect_left(stream, offset, key=lambda b: b.offset)
-        if segment is None or lead is None or i >= len(stream) or stream[i].offset != offset:
+        if segment is None or serving is None or i >= len(stream) or stream[i].offset != offset:
             raise InvariantViolation(f"C1 {producer.name} was acked at offset {offset} of {key[0]}/{key[1]}, "
                                      "which no segment's writer stream holds")  # fmt: skip
         self.gcounts.acks_all_released += 1
         self.ccounts.acked_short += len(segment.ensemble) < self.gc.rf  # writes went on with a node down
         self.gcounts.geo_acks_released += producer.acks.kind is AckKind.GEO
-        self.cchecker.released(AckedBatch(key, segment.segment_id, stream[i], self.now_ms, lead.node, lead.epoch),
+        self.cchecker.released(AckedBatch(key, segment.segment_id, stream[i], self.now_ms, serving[0].id,
+                                           serving[1].epoch),
                                self.meta, self.now_ms)  # fmt: skip
+
 
     def _failure(self, message: str) -> SimulationFailure:
         steps = "" if self.config.steps == GEO_CLUSTER_STEPS else f" --steps {self.config.steps}"
         replay = f"python -m georep.sim --geo-cluster --seed {self.seed} --topology {self.topology_name}{steps}"
-        return SimulationFailure(f"{message}\n  multi-node site: {self._sid()} ({self.gc.nodes} nodes, RF "
+        return SimulationFailure(f"{message}\n  multi-node site: {self.sid()} ({self.gc.nodes} nodes, RF "
                                  f"{self.gc.rf}, min_insync_replicas {self.gc.aq})", self.seed, self.topology_name,
                                  replay)  # fmt: skip
 
@@ -1096,17 +731,20 @@ class GeoClusterSimulator(Simulator):
         for nid in sorted(self.nodes):
             node = self.nodes[nid]
             if not node.up:
-                self._restart_node(nid, node.incarnation)
+                self._restart_node(node, node.incarnation)
         super()._run_liveness()
 
     def _in_site_problems(self) -> list[str]:
         """After healing, the site serves and every member of every open segment holds all its leader appended."""
-        if not self.sites[self._sid()].up:
-            return [f"the multi-node site {self._sid()} does not serve: partitions without an active leader"]
+        if not self.sites[self.sid()].up:
+            return [f"the multi-node site {self.sid()} does not serve: partitions without an active leader"]
         out = []
         for key in self.keys:
-            q = self.leads[key].quorum
-            assert q is not None
+            serving = self.shells.serving(key)
+            q = serving[1].quorum if serving is not None else None
+            if q is None:
+                out.append(f"{key[0]}/{key[1]} has no leader writing an open segment")
+                continue
             behind = [n for n in q.ensemble if q.member_end(n) < q.appended_end]
             if behind:
                 out.append(f"{key[0]}/{key[1]} segment {q.segment_id}: nodes {behind} do not hold up to "

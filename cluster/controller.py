@@ -1,0 +1,209 @@
+"""The controller of a multi-node site: elections and the repair passes' bookkeeping. Pure.
+
+**One controller rule** (issue 21: the node and the two cluster simulators picked it three ways). The
+controller is the node whose replica leads the site's metadata log (Raft), from the moment it does: the shell
+says so at each tick (``NodeCore.tick(..., leads_metadata=...)``), and a node that stops leading drops its
+controller, whose memory is volatile, as a new controller starts afresh. Its elections are
+:func:`~cluster.site_state.plan_leadership` with the time it became the controller (``since_ms``: live nodes
+look dead until they heartbeat through it) and a settling time of three ticks, one proposal per partition and
+expected epoch in flight at a time.
+
+**Repair.** :meth:`Controller.repair_plan` runs :func:`~cluster.repair.plan_repair` every ``repair_every_ms``
+over the controller's view, with ``down_since`` as this controller first saw each node dead (a new controller
+starts the repair delay again), the members that reported holding less of a sealed segment than its end
+(``SegmentView.short``), and the copies in flight; it numbers each copy or fill it hands out, and throttles the
+rolls it asks of a leader (one per segment per ``roll_ask_ms``). :meth:`Controller.repair_answered` says what a
+finished copy changes in the metadata (``AddMember`` or ``ReplaceMember``; nothing for a fill, or for a copy
+short of the sealed end, which is planned again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from cluster import repair
+from cluster.placement import NodeLoad
+from cluster.site_state import AddMember, ElectLeader, ReplaceMember, SegmentInfo, SiteState, plan_leadership
+from topology.ids import LeaderEpoch, NodeId, SegmentId
+
+PartitionKey = tuple[str, int]
+SegmentKey = tuple[str, int, SegmentId]
+SETTLE_TICKS = 2  # a new controller waits this many ticks from its election for heartbeats before it elects
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    session_timeout_ms: int
+    tick_ms: int
+    replication_factor: int
+    repair_every_ms: int = 1_000
+    repair_delay_ms: int = 30_000
+    max_concurrent_copies: int = 2
+    roll_ask_ms: int = 500
+
+
+@dataclass(frozen=True, slots=True)
+class RepairCopy:
+    """Copy (or fill) ``effect.segment_id`` from ``effect.source`` to ``effect.target``, up to ``end``; answer
+    :meth:`Controller.repair_answered` (or :meth:`Controller.repair_failed`) with ``copy_id``."""
+
+    copy_id: int
+    effect: repair.CopySegment | repair.FillSegment
+    base_offset: int
+    end: int | None  # the sealed end (the planner copies sealed segments only: a shell refuses None)
+
+
+@dataclass(frozen=True, slots=True)
+class AskRoll:
+    """Ask ``leader`` to roll ``segment_id`` of ``key`` (``widen``: so that the next segment has RF members)."""
+
+    key: PartitionKey
+    segment_id: SegmentId
+    leader: NodeId
+    widen: bool
+
+
+@dataclass(slots=True)
+class Controller:
+    """See the module docstring. Volatile: a node that stops being the controller drops it."""
+
+    me: NodeId
+    since_ms: int
+    config: ControllerConfig
+    electing: dict[PartitionKey, LeaderEpoch] = field(default_factory=dict)
+    down_since: dict[NodeId, int] = field(default_factory=dict)
+    in_progress: dict[int, tuple[repair.CopySegment | repair.FillSegment, int]] = field(default_factory=dict)
+    short: dict[NodeId, set[SegmentKey]] = field(default_factory=dict)  # what each member last reported short
+    roll_asked: dict[SegmentKey, int] = field(default_factory=dict)
+    next_repair_ms: int = 0
+    _ids: int = 0
+
+    def __post_init__(self) -> None:
+        self.next_repair_ms = self.since_ms + self.config.repair_every_ms
+
+    # -- elections ---------------------------------------------------------------------------------------
+
+    def elections(self, view: SiteState, now_ms: int) -> list[ElectLeader]:
+        """The elections to propose now (each answered by :meth:`election_done`)."""
+        out = []
+        for elect in plan_leadership(view, now_ms, self.config.session_timeout_ms, self.since_ms,
+                                     settle_ms=SETTLE_TICKS * self.config.tick_ms, controller=self.me):  # fmt: skip
+            key = (elect.topic, elect.partition)
+            if self.electing.get(key) != elect.expected_epoch:
+                self.electing[key] = elect.expected_epoch
+                out.append(elect)
+        return out
+
+    def election_done(self, key: PartitionKey, expected: LeaderEpoch) -> None:
+        if self.electing.get(key) == expected:
+            del self.electing[key]
+
+    # -- repair ------------------------------------------------------------------------------------------
+
+    def reported_short(self, member: NodeId, segments: set[SegmentKey]) -> None:
+        """``member`` holds less than the sealed end of ``segments`` (its report of every sealed segment)."""
+        self.short[member] = segments
+
+    def repair_plan(self, view: SiteState, now_ms: int, size_of: Callable[[SegmentInfo], int],
+                    loads: Callable[[], list[NodeLoad]]) -> tuple[list[RepairCopy], list[AskRoll]]:  # fmt: skip
+        """The copies, fills and rolls to start now, once every ``repair_every_ms``; none in between."""
+        if now_ms < self.next_repair_ms:
+            return [], []
+        self.next_repair_ms = now_ms + self.config.repair_every_ms
+        nodes = loads()
+        for n in nodes:
+            if n.alive:
+                self.down_since.pop(n.node, None)
+            else:
+                self.down_since.setdefault(n.node, now_ms)
+        segments = [
+            repair.SegmentView(info.topic, info.partition, s.segment_id, s.ensemble, s.sealed, size_of(s),
+                               tuple(m for m in s.ensemble
+                                     if (info.topic, info.partition, s.segment_id) in self.short.get(m, ())))
+            for info in view.partitions() for s in info.segments
+        ]  # fmt: skip
+        running = [self.in_progress[cid][0] for cid in sorted(self.in_progress)]
+        plan = repair.plan_repair(segments, nodes, down_since_ms=dict(sorted(self.down_since.items())),
+                                  now_ms=now_ms, repair_delay_ms=self.config.repair_delay_ms, in_progress=running,
+                                  max_concurrent_copies=self.config.max_concurrent_copies,
+                                  replication_factor=self.config.replication_factor)  # fmt: skip
+        copies = []
+        planned: list[repair.CopySegment | repair.FillSegment] = [*plan.copies, *plan.fills]
+        for effect in planned:
+            info = view.partition(effect.topic, effect.partition)
+            segment = info.segment(effect.segment_id) if info is not None else None
+            if segment is None:
+                continue
+            self._ids += 1
+            self.in_progress[self._ids] = (effect, now_ms)
+            end = int(segment.end_offset) if segment.end_offset is not None else None
+            copies.append(RepairCopy(self._ids, effect, int(segment.base_offset), end))
+        return copies, self._rolls(view, plan.rolls, now_ms)
+
+    def _rolls(self, view: SiteState, rolls: tuple[repair.RollSegment, ...], now_ms: int) -> list[AskRoll]:
+        out = []
+        for r in rolls:
+            seg = (r.topic, r.partition, r.segment_id)
+            info = view.partition(r.topic, r.partition)
+            leader = info.leader if info is not None else None
+            asked = self.roll_asked.get(seg)
+            if leader is None or leader == r.dead or (asked is not None and asked + self.config.roll_ask_ms > now_ms):
+                continue
+            self.roll_asked[seg] = now_ms
+            out.append(AskRoll((r.topic, r.partition), r.segment_id, leader, widen=r.dead is None))
+        return out
+
+    def repair_failed(self, copy_id: int) -> repair.CopySegment | repair.FillSegment | None:
+        """The copy ``copy_id`` failed or timed out: it is planned afresh at a later pass."""
+        entry = self.in_progress.pop(copy_id, None)
+        return entry[0] if entry is not None else None
+
+    def repair_answered(self, copy_id: int, target: NodeId, end: int,
+                        view: SiteState) -> tuple[bool, AddMember | ReplaceMember | None]:  # fmt: skip
+        """The target of copy ``copy_id`` holds it up to ``end`` fsynced: (whether the copy is whole, the command
+        that records it). A copy short of the sealed end fails; a fill changes no metadata."""
+        entry = self.in_progress.get(copy_id)
+        if entry is None:
+            return False, None
+        effect = entry[0]
+        seg = (effect.topic, effect.partition, effect.segment_id)
+        info = view.partition(effect.topic, effect.partition)
+        segment = info.segment(effect.segment_id) if info is not None else None
+        if segment is None or segment.end_offset is None or end < segment.end_offset:
+            del self.in_progress[copy_id]
+            return False, None
+        if target in self.short:
+            self.short[target].discard(seg)
+        if isinstance(effect, repair.FillSegment):
+            del self.in_progress[copy_id]
+            return True, None
+        if effect.replaces is None:
+            return True, AddMember(effect.topic, effect.partition, effect.segment_id, effect.target,
+                                   self.config.replication_factor)  # fmt: skip
+        return True, ReplaceMember(effect.topic, effect.partition, effect.segment_id, effect.replaces, effect.target)
+
+    def recorded(self, copy_id: int) -> None:
+        """The metadata answered the command that records copy ``copy_id`` (or gave up on it)."""
+        self.in_progress.pop(copy_id, None)
+
+
+def controller_step(controller: Controller | None, me: NodeId, leads_metadata: bool, now_ms: int,
+                    config: ControllerConfig) -> Controller | None:  # fmt: skip
+    """The one controller rule: this node's controller now, given whether its replica leads the metadata log."""
+    if not leads_metadata:
+        return None
+    return controller if controller is not None else Controller(me, now_ms, config)
+
+
+def short_segments(view: SiteState, me: NodeId, fsynced_end: Mapping[SegmentKey, int]) -> set[SegmentKey]:
+    """The sealed segments ``me`` is a member of and holds less of than the sealed end (what it reports)."""
+    out = set()
+    for info in view.partitions():
+        for s in info.segments:
+            if not s.sealed or me not in s.ensemble or s.end_offset is None:
+                continue
+            seg = (info.topic, info.partition, s.segment_id)
+            if fsynced_end.get(seg, int(s.base_offset)) < s.end_offset:
+                out.add(seg)
+    return out
