@@ -50,10 +50,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from cluster import leadership
+from cluster import member as membership
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
 from cluster.producer_snapshot import ProducerSnapshot, fold, history_at_open
 from cluster.quorum import QuorumError
-from cluster.recovery import cut_after_seal
 from cluster.repair import DrainStatus
 from cluster.retention import plan_retention
 from cluster.site_state import (
@@ -328,27 +328,24 @@ class ClusterMember:
     # -- repair and decommission -------------------------------------------------------------------------------
 
     async def _learn_seals(self) -> None:
-        """Cut every copy longer than its segment's committed seal (``cluster.recovery.cut_after_seal``): a member
-        that was down or cut off when the seal was told keeps its tail until it learns the seal here."""
+        """Carry out what ``cluster.member.seals_to_learn`` says of the seals this node's view shows: record them in
+        the guards, and cut every copy longer than its committed seal (a member that was down or cut off when the
+        seal was told keeps its tail until it learns the seal here)."""
         state = self.metadata.state()
-        longer = []
-        for held in await self.run_blocking(self.store.held):
-            info = state.partition(*held.key)
-            segment = info.segment(held.segment_id) if info is not None else None
-            if info is None or segment is None or segment.end_offset is None:
-                continue
-            if cut_after_seal(held.end_offset, segment.end_offset) is not None:
-                longer.append((held, segment.end_offset, info.leader_epoch))
-        for held, end, leader_epoch in longer:
-            fenced = self.store.guard_state(held.key).fenced_epoch
-            epoch = LeaderEpoch(max(leader_epoch, fenced, 1))
-            log.info("node %d: %s-%d segment %d was sealed at %d; cutting this copy's tail from %d", self.me,
-                     *held.key, held.segment_id, end, held.end_offset)  # fmt: skip
+        held = await self.run_blocking(self.store.held)
+        ends = {(h.key[0], h.key[1], h.segment_id): int(h.end_offset) for h in held}
+        for step in membership.seals_to_learn(state, self.store.guard_states(), ends):
             try:
-                await self.run_blocking(self.store.seal, held.key, epoch, held.segment_id, end, self.clock_ms())
+                if isinstance(step, membership.GuardSeal):
+                    await self.run_blocking(self.store.learn_seal, step.key, step.epoch, step.through)
+                    continue
+                topic, partition, segment_id = step.segment
+                log.info("node %d: %s-%d segment %d was sealed at %d; cutting this copy's tail from %d", self.me,
+                         topic, partition, segment_id, step.end, ends[step.segment])  # fmt: skip
+                await self.run_blocking(self.store.seal, (topic, partition), step.epoch, segment_id, step.end,
+                                        self.clock_ms())  # fmt: skip
             except (OSError, ReplicaError, QuorumError) as exc:  # the next tick tries again; roles go on meanwhile
-                log.error("node %d: cutting %s-%d segment %d to its seal failed: %s", self.me, *held.key,
-                          held.segment_id, exc)  # fmt: skip
+                log.error("node %d: learning the seal %s failed: %s", self.me, step, exc)
 
     def roll(self, key: PartitionKey, segment_id: SegmentId) -> str | None:
         """The controller asks this node to roll ``segment_id`` of ``key`` (repair's ``RollSegment``): None if it
