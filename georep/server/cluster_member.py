@@ -51,7 +51,9 @@ from typing import Protocol, TypeVar
 
 from cluster import leadership
 from cluster import member as membership
+from cluster.controller import Controller
 from cluster.ids import LeaderEpoch, NodeId, SegmentId
+from cluster.node import NodeConfig, NodeCore, ProposeElection
 from cluster.producer_snapshot import ProducerSnapshot, fold, history_at_open
 from cluster.quorum import QuorumError
 from cluster.repair import DrainStatus
@@ -70,7 +72,6 @@ from cluster.site_state import (
     SegmentInfo,
     SiteState,
     next_leader_expiry_ms,
-    plan_leadership,
 )
 from georep.broker.errors import NotLeader, RecoveryFailed
 from georep.raft.store import MetadataUnavailable
@@ -143,6 +144,14 @@ class ClusterConfig:
     topic_defaults: Mapping[str, int] = field(default_factory=dict)
 
 
+def node_config(config: ClusterConfig) -> NodeConfig:
+    """The node core's settings from the node's."""
+    return NodeConfig(config.replication_factor, config.ack_quorum, config.session_timeout_ms, config.tick_ms,
+                      config.retry_ms, config.roll_wait_ms, repair_every_ms=config.repair_interval_ms,
+                      repair_delay_ms=config.repair_delay_ms,
+                      max_concurrent_copies=config.max_concurrent_copies)  # fmt: skip
+
+
 class ClusterMember:
     """One node of a multi-node site; see the module docstring."""
 
@@ -165,8 +174,8 @@ class ClusterMember:
         self._given_up: dict[PartitionKey, LeaderEpoch] = {}
         self._epochs_at_start: dict[PartitionKey, LeaderEpoch] = {}
         self._asked: dict[PartitionKey, LeaderEpoch] = {}  # re-elections of itself in flight
-        self._electing: dict[PartitionKey, LeaderEpoch] = {}  # the controller's elections in flight
-        self._controller_since: int | None = None  # when this node's Raft replica last became the leader
+        # The node's decisions (cluster/node.py): the controller's, as the cluster simulators take them.
+        self.core = NodeCore(me, node_config(self.config), {})
         self._retention_due_ms: int | None = None  # the controller's next retention plan
         self.repair: RepairController | None = None  # while this node is the Raft leader
         self._task: asyncio.Task[None] | None = None
@@ -242,27 +251,20 @@ class ClusterMember:
                     next_tick = loop.time() + tick_s
                     await self.tick()
                     continue
-                if expiry is not None and self.clock_ms() >= expiry and self.metadata.is_leader:
+                if expiry is not None and self.clock_ms() >= expiry:
                     await self._controller()
                 self.reconcile()
             except Exception:  # a bug in one tick must not end the member: log it and tick again
                 log.exception("node %d: cluster tick failed", self.me)
 
     def _next_expiry_ms(self) -> int | None:
-        if self._controller_since is None:
+        if self.core.controller is None:
             return None
         return next_leader_expiry_ms(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms)
 
     async def tick(self) -> None:
         await self._heartbeat()
-        if self.metadata.is_leader:
-            if self._controller_since is None:
-                self._controller_since = self.clock_ms()
-            await self._controller()
-        else:
-            self._controller_since = None
-            self._retention_due_ms = None
-            self.repair = None  # the next controller starts afresh; copies under way finish and are recorded
+        await self._controller()
         await self._learn_seals()
         await self._apply_trims()
         self.reconcile()
@@ -273,27 +275,32 @@ class ClusterMember:
         await self.propose(NodeHeartbeat(self.me, self.clock_ms(), free, load, self.store.moved.total))
 
     async def _controller(self) -> None:
-        """Elect a leader for every partition whose leader is missing or dead (the Raft leader's duty)."""
-        for elect in plan_leadership(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms,
-                                     self._controller_since, settle_ms=3 * self.config.tick_ms,
-                                     controller=self.me):  # fmt: skip
-            key = (elect.topic, elect.partition)
-            if self._electing.get(key) == elect.expected_epoch:
-                continue
-            self._electing[key] = elect.expected_epoch
-            result = await self.propose(elect)
-            self._electing.pop(key, None)
-            if isinstance(result, Applied):
-                log.info("controller: node %d leads %s-%d in epoch %s", elect.node, *key, result.leader_epoch)
+        """The controller's duties while this node's Raft replica leads the metadata log (``NodeCore.tick``, one
+        controller rule): the elections it proposes, then repair and retention."""
+        effects = self.core.tick(self.metadata.state(), self.clock_ms(), self.metadata.is_leader)
+        ctl = self.core.controller
+        if ctl is None:
+            self._retention_due_ms = None
+            self.repair = None  # the next controller starts afresh; copies under way finish and are recorded
+            return
+        for eff in effects:
+            if isinstance(eff, ProposeElection):
+                await self._elect(ctl, eff.command)
         # Like elections, repair waits until every live node has heartbeated through this Raft leader: before,
         # live nodes look dead, and their open segments would be rolled for nothing.
-        since = self._controller_since
-        if since is not None and self.clock_ms() - since < self.config.session_timeout_ms:
+        if self.clock_ms() - ctl.since_ms < self.config.session_timeout_ms:
             return
         if self.repair is None:
             self.repair = RepairController(self)
         self.repair.due()
         await self._retention()
+
+    async def _elect(self, ctl: Controller, elect: ElectLeader) -> None:
+        result = await self.propose(elect)
+        ctl.election_done((elect.topic, elect.partition), elect.expected_epoch)
+        if isinstance(result, Applied):
+            log.info("controller: node %d leads %s-%d in epoch %s", elect.node, elect.topic, elect.partition,
+                     result.leader_epoch)  # fmt: skip
 
     async def _retention(self) -> None:
         """Every ``retention_interval_ms``, propose the trims ``plan_retention`` picks (the Raft leader's duty)."""
