@@ -4,6 +4,7 @@ node records the seals its view shows in its guards, as both cluster simulators 
 
 from __future__ import annotations
 
+import ast
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -126,3 +127,30 @@ def test_a_node_records_the_seals_its_view_shows_even_of_segments_it_holds_no_co
         reopened.close()
     finally:
         executor.shutdown(wait=True)
+
+
+# The rules a multi-node site's node decides by; their one home is cluster/node.py and what it drives
+# (cluster/lead.py, cluster/member.py, cluster/controller.py). A shell that names one keeps its own copy of it.
+RULES = {"role_step", "plan_open", "roll_seal_at", "plan_leadership", "SegmentRecovery", "SegmentQuorum",
+         "cut_after_seal", "check_append", "node_loads"}  # fmt: skip
+SHELLS = ("georep/server/cluster_member.py", "georep/server/ensemble.py", "georep/server/recovery.py",
+          "georep/storage/replica_store.py")  # fmt: skip
+
+
+def names_used(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.ImportFrom):
+            out.update(alias.name for alias in node.names)
+    return out
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_the_nodes_shells_name_no_rule_of_the_node_core(shell: str) -> None:
+    root = Path(__file__).resolve().parent.parent
+    assert names_used(root / shell) & RULES == set(), f"{shell} decides what cluster/node.py decides"
