@@ -77,6 +77,9 @@ class Controller:
     short: dict[NodeId, set[SegmentKey]] = field(default_factory=dict)  # what each member last reported short
     roll_asked: dict[SegmentKey, int] = field(default_factory=dict)
     next_repair_ms: int = 0
+    # What the last repair pass reported besides its effects (unrepairable, waiting for the repair delay, deferred):
+    # a shell logs it.
+    reports: tuple[repair.Unrepairable | repair.AwaitingRepairDelay | repair.CopyDeferred, ...] = ()
     _ids: int = 0
 
     def __post_init__(self) -> None:
@@ -128,6 +131,7 @@ class Controller:
                                   now_ms=now_ms, repair_delay_ms=self.config.repair_delay_ms, in_progress=running,
                                   max_concurrent_copies=self.config.max_concurrent_copies,
                                   replication_factor=self.config.replication_factor)  # fmt: skip
+        self.reports = (*plan.unrepairable, *plan.waiting, *plan.deferred)
         copies = []
         planned: list[repair.CopySegment | repair.FillSegment] = [*plan.copies, *plan.fills]
         for effect in planned:

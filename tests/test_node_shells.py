@@ -132,9 +132,9 @@ def test_a_node_records_the_seals_its_view_shows_even_of_segments_it_holds_no_co
 # The rules a multi-node site's node decides by; their one home is cluster/node.py and what it drives
 # (cluster/lead.py, cluster/member.py, cluster/controller.py). A shell that names one keeps its own copy of it.
 RULES = {"role_step", "plan_open", "roll_seal_at", "plan_leadership", "SegmentRecovery", "SegmentQuorum",
-         "cut_after_seal", "check_append", "node_loads"}  # fmt: skip
+         "cut_after_seal", "check_append", "node_loads", "plan_repair"}  # fmt: skip
 SHELLS = ("georep/server/cluster_member.py", "georep/server/ensemble.py", "georep/server/recovery.py",
-          "georep/storage/replica_store.py")  # fmt: skip
+          "georep/storage/replica_store.py", "georep/server/site_repair.py")  # fmt: skip
 
 
 def names_used(path: Path) -> set[str]:

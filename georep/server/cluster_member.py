@@ -18,8 +18,8 @@ a lead's recovery (``FenceMember``,           ``georep/server/recovery.py`` (``f
 ``Sealing``, a roll's ``SegmentSealed``       no more appends; the writer stops; the broker detaches
 the controller (``ProposeElection``)          proposed in order on the Raft leader's tick
 seals to learn (``cluster.member``)           ``_learn_seals``: the guards and cut tails in the store
-what to copy, fill or roll; which             ``plan_repair``, ``plan_leader_moves``: the Raft leader's
-leaderships leave a draining node             ``RepairController`` (``site_repair.py``)
+the controller's repair (``repair_plan``:     the Raft leader's ``RepairController`` (``site_repair.py``):
+``RepairCopy``, ``AskRoll``)                  ``CopySegment`` and ``RollSegment`` calls, records proposed
 which sealed segments retention drops         ``plan_retention``: the Raft leader's tick, every
                                               ``retention_interval_ms``; each node deletes its copies once it
                                               sees the trim (``_apply_trims``)
@@ -299,8 +299,8 @@ class ClusterMember:
         # live nodes look dead, and their open segments would be rolled for nothing.
         if self.clock_ms() - ctl.since_ms < self.config.session_timeout_ms:
             return
-        if self.repair is None:
-            self.repair = RepairController(self)
+        if self.repair is None or self.repair.ctl is not ctl:
+            self.repair = RepairController(self, ctl)
         self.repair.due()
         await self._retention()
 
