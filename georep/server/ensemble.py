@@ -143,7 +143,9 @@ class SegmentWriter:
         s = self.segment
         await self._run(self.store.open_segment, s.key, s.epoch, s.segment_id, s.base_offset, dict(s.start_vector),
                         self.clock_ms())  # fmt: skip
-        self.appended_end = max(self.appended_end, int(await self._run(self.store.end_offset, s.key, s.segment_id)))
+        held = int(await self._run(self.store.end_offset, s.key, s.segment_id))
+        if held > self.appended_end:  # the lead adopted a segment its copy holds some of: stream it too
+            self.appended(held)
         for node in self._streams:
             self.reconnect(node)
 
