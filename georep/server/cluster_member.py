@@ -378,8 +378,14 @@ class ClusterMember:
     # -- roles ---------------------------------------------------------------------------------------------
 
     def reconcile(self) -> None:
-        """Start or stop leading each partition as this node's view says (``NodeCore.reconcile``)."""
-        self.run(self.core.reconcile(self.metadata.state(), self.clock_ms()))
+        """Start or stop leading each partition as this node's view says (``NodeCore.reconcile``), then let every
+        lead look at the view again (a lead waiting for its open or seal to show goes on at once, not a tick
+        later)."""
+        view, now = self.metadata.state(), self.clock_ms()
+        effects = self.core.reconcile(view, now)
+        for key in sorted(self.core.leads):
+            effects += self.core.step(view, key, now, lambda lead, ctx: lead.tick(ctx))
+        self.run(effects)
 
     def step(self, key: PartitionKey, epoch: LeaderEpoch, event: LeadEvent) -> None:
         """Feed this node's lead of ``key`` in ``epoch`` an event, and carry out what it returns (nothing once that
@@ -412,7 +418,9 @@ class ClusterMember:
             elif isinstance(eff, ProposeElection):
                 pass  # the controller proposes its elections in order (_controller)
             elif isinstance(eff, RepairCopy | AskRoll):
-                log.error("node %d: the core planned repair, which this node runs itself: %s", self.me, eff)
+                # The core's tick plans no repair here (no size_of): the RepairController runs the same controller's
+                # repair_plan after its inventory of the members' copies.
+                log.error("node %d: the core's tick planned repair: %s", self.me, eff)
             else:
                 lead = self.leaders.get(eff.key)
                 if lead is not None:
