@@ -70,6 +70,8 @@ from produce import (
     wait_for_port,
 )
 
+from cluster.lead import PartitionLead
+from cluster.quorum import SegmentQuorum
 from georep.proto import georep_pb2 as pb
 from georep.record.batch import (
     HEADER_BYTES,
@@ -82,7 +84,7 @@ from georep.record.batch import (
     stamp_origin,
 )
 from georep.security.tls import client_channel
-from georep.server.ensemble import IN_FLIGHT, REQUEST_MAX_BYTES, SegmentToWrite, SegmentWriter
+from georep.server.ensemble import IN_FLIGHT, REQUEST_MAX_BYTES, SegmentToWrite, SegmentWriter, solo_writer
 from georep.server.process import NodeProcess
 from georep.storage.api import ReadResult
 from georep.storage.replica_store import PartitionKey, ReplicaStore
@@ -220,8 +222,14 @@ class WriterRun:
     leader_fsyncs: int
 
 
-async def members_hold(writer: SegmentWriter, end: int) -> None:
-    while any(writer.quorum.member_end(n) < end for n in MEMBERS):
+def quorum(lead: PartitionLead) -> SegmentQuorum:
+    """The writer's quorum, as its lead counts it (``cluster/lead.py``)."""
+    assert lead.quorum is not None
+    return lead.quorum
+
+
+async def members_hold(writer: SegmentWriter, lead: PartitionLead, end: int) -> None:
+    while any(quorum(lead).member_end(n) < end for n in MEMBERS):
         if writer.deposed is not None:
             raise BenchError(f"the writer stopped: {writer.deposed}")
         await asyncio.sleep(POLL_S)
@@ -234,13 +242,13 @@ async def writer_run(root: Path, addresses: dict[NodeId, str], work: Workload, r
     store = CountingStore(leader_dir, clock_ms())
     segment = SegmentToWrite(key, SEGMENT_ID, BASE_OFFSET, {ORIGIN: OriginSeq(START_SEQ)}, ENSEMBLE, ACK_QUORUM,
                              EPOCH)  # fmt: skip
-    writer = SegmentWriter(store, segment, LEADER, addresses, executor, clock_ms)
+    writer, lead = solo_writer(store, segment, LEADER, addresses, executor, clock_ms)
     try:
         async with asyncio.timeout(RUN_TIMEOUT_S):
             await writer.start()
             warm = await writer.append(work.warmup)
             await writer.confirmed(warm)
-            await members_hold(writer, warm)  # both streams are open, answered, and past their first request
+            await members_hold(writer, lead, warm)  # both streams are open, answered, and past their first request
             reads, read_bytes, flushes = store.reads, store.read_bytes, store.flushes
             end = warm
             start = time.perf_counter()
@@ -249,13 +257,13 @@ async def writer_run(root: Path, addresses: dict[NodeId, str], work: Workload, r
             appended = time.perf_counter()
             await writer.confirmed(end)
             confirmed = time.perf_counter()
-            await members_hold(writer, end)
+            await members_hold(writer, lead, end)
             both = time.perf_counter()
     except TimeoutError:
-        failed = ", ".join(str(n) for n in writer.quorum.failed_members()) or "none"
+        failed = ", ".join(str(n) for n in quorum(lead).failed_members()) or "none"
         raise BenchError(f"the segment writer did not finish within {RUN_TIMEOUT_S:g}s: LAC {writer.lac}, appended "
-                         f"end {writer.quorum.appended_end}, member ends "
-                         f"{ {n: writer.quorum.member_end(n) for n in MEMBERS} }, failed members: {failed}; rerun "
+                         f"end {quorum(lead).appended_end}, member ends "
+                         f"{ {n: quorum(lead).member_end(n) for n in MEMBERS} }, failed members: {failed}; rerun "
                          "with --keep and read the node logs") from None  # fmt: skip
     finally:
         await writer.close()

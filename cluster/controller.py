@@ -77,6 +77,9 @@ class Controller:
     short: dict[NodeId, set[SegmentKey]] = field(default_factory=dict)  # what each member last reported short
     roll_asked: dict[SegmentKey, int] = field(default_factory=dict)
     next_repair_ms: int = 0
+    # What the last repair pass reported besides its effects (unrepairable, waiting for the repair delay, deferred):
+    # a shell logs it.
+    reports: tuple[repair.Unrepairable | repair.AwaitingRepairDelay | repair.CopyDeferred, ...] = ()
     _ids: int = 0
 
     def __post_init__(self) -> None:
@@ -128,6 +131,7 @@ class Controller:
                                   now_ms=now_ms, repair_delay_ms=self.config.repair_delay_ms, in_progress=running,
                                   max_concurrent_copies=self.config.max_concurrent_copies,
                                   replication_factor=self.config.replication_factor)  # fmt: skip
+        self.reports = (*plan.unrepairable, *plan.waiting, *plan.deferred)
         copies = []
         planned: list[repair.CopySegment | repair.FillSegment] = [*plan.copies, *plan.fills]
         for effect in planned:
@@ -189,11 +193,16 @@ class Controller:
 
 
 def controller_step(controller: Controller | None, me: NodeId, leads_metadata: bool, now_ms: int,
-                    config: ControllerConfig) -> Controller | None:  # fmt: skip
-    """The one controller rule: this node's controller now, given whether its replica leads the metadata log."""
+                    config: ControllerConfig, elected_ms: int | None = None) -> Controller | None:  # fmt: skip
+    """The one controller rule: this node's controller now, given whether its replica leads the metadata log.
+
+    A new controller's settling counts from ``elected_ms``, when its replica won the Raft election, if the shell
+    knows it: the tick that first sees the leadership may come late (its heartbeat waited for the election while
+    the other nodes' went through), and counting from the tick would delay every election by that much."""
     if not leads_metadata:
         return None
-    return controller if controller is not None else Controller(me, now_ms, config)
+    return controller if controller is not None else Controller(me, now_ms if elected_ms is None else elected_ms,
+                                                                config)  # fmt: skip
 
 
 def short_segments(view: SiteState, me: NodeId, fsynced_end: Mapping[SegmentKey, int]) -> set[SegmentKey]:

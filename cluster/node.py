@@ -165,11 +165,13 @@ class NodeCore:
     # -- ticks -------------------------------------------------------------------------------------------
 
     def tick(self, view: SiteState, now_ms: int, leads_metadata: bool,
-             size_of: Callable[..., int] | None = None) -> list[NodeEffect]:  # fmt: skip
+             size_of: Callable[..., int] | None = None, elected_ms: int | None = None) -> list[NodeEffect]:  # fmt: skip
         """The controller's duties if this node's replica leads the metadata log (with the view it has: stale
-        after a pause), then every lead's due retries, roll seals and reconnections."""
+        after a pause; ``elected_ms``: when it won the election, if known), then every lead's due retries, roll
+        seals and reconnections."""
         out: list[NodeEffect] = []
-        self.controller = controller_step(self.controller, self.me, leads_metadata, now_ms, self.config.controller())
+        self.controller = controller_step(self.controller, self.me, leads_metadata, now_ms, self.config.controller(),
+                                          elected_ms)  # fmt: skip
         ctl = self.controller
         if ctl is not None:
             out += [ProposeElection(e) for e in ctl.elections(view, now_ms)]

@@ -15,11 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cluster.lead import PartitionLead
+from cluster.quorum import SegmentQuorum
 from georep.broker.errors import NotLeader, RecoveryFailed
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import iter_headers
-from georep.server.ensemble import SegmentToWrite, SegmentWriter
+from georep.server.ensemble import SegmentToWrite, SegmentWriter, solo_writer
 from georep.server.process import NodeProcess
 from georep.server.recovery import SegmentToRecover, recover_segment
 from georep.server.segments import SegmentService
@@ -77,11 +79,18 @@ async def read_copy(address: str, end_offset: int = 0) -> bytes:
 
 
 def writer_for(tmp_path: Path, members: dict[NodeId, NodeProcess], executor: ThreadPoolExecutor,
-               epoch: LeaderEpoch = E1) -> tuple[SegmentWriter, ReplicaStore]:  # fmt: skip
+               epoch: LeaderEpoch = E1) -> tuple[SegmentWriter, ReplicaStore, PartitionLead]:  # fmt: skip
     store = ReplicaStore(tmp_path / "leader", now_ms=0)
     segment = SegmentToWrite(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, *sorted(members)), 2, epoch)
     addresses = {n: p.address for n, p in members.items()}
-    return SegmentWriter(store, segment, LEADER, addresses, executor, clock_ms=lambda: 0), store
+    writer, lead = solo_writer(store, segment, LEADER, addresses, executor, clock_ms=lambda: 0)
+    return writer, store, lead
+
+
+def quorum(lead: PartitionLead) -> SegmentQuorum:
+    """The writer's quorum, as its lead counts it (``cluster/lead.py``)."""
+    assert lead.quorum is not None
+    return lead.quorum
 
 
 async def wait_for(what: str, check: Callable[[], bool]) -> None:
@@ -98,7 +107,7 @@ def test_every_member_holds_the_leaders_bytes_and_the_lac_follows_the_fsyncs(
 
     async def run() -> None:
         with ThreadPoolExecutor(4) as executor:
-            writer, store = writer_for(tmp_path, members, executor)
+            writer, store, lead = writer_for(tmp_path, members, executor)
             await writer.start()
             ends = [await writer.append(b) for b in batches]
             async with asyncio.timeout(WAIT_S):
@@ -106,7 +115,7 @@ def test_every_member_holds_the_leaders_bytes_and_the_lac_follows_the_fsyncs(
             assert writer.lac == ends[-1]
             everything = b"".join(batches)
             await wait_for("both members caught up", lambda: all(
-                writer.quorum.member_end(n) == ends[-1] for n in members))  # fmt: skip
+                quorum(lead).member_end(n) == ends[-1] for n in members))  # fmt: skip
             for node in members.values():
                 assert await read_copy(node.address) == everything  # byte for byte, local prefixes included
             # a read up to an offset inside the copy stops at the batch boundary below it
@@ -126,7 +135,7 @@ def test_a_member_killed_mid_stream_costs_no_ack_and_catches_up_from_its_own_end
 
     async def run() -> None:
         with ThreadPoolExecutor(4) as executor:
-            writer, store = writer_for(tmp_path, members, executor)
+            writer, store, lead = writer_for(tmp_path, members, executor)
             await writer.start()
             ends = []
             for i, b in enumerate(batches):
@@ -138,10 +147,10 @@ def test_a_member_killed_mid_stream_costs_no_ack_and_catches_up_from_its_own_end
                         await writer.confirmed(ends[-1])
             async with asyncio.timeout(WAIT_S):
                 await writer.confirmed(ends[-1])
-            assert writer.quorum.member_end(NodeId(3)) < ends[-1] and NodeId(3) in writer.quorum.failed_members()
+            assert quorum(lead).member_end(NodeId(3)) < ends[-1] and NodeId(3) in quorum(lead).failed_members()
             # back on its port: it answers the end it kept, and the leader sends the rest from there
             restart_on_same_port(victim)
-            await wait_for("node 3 caught up", lambda: writer.quorum.member_end(NodeId(3)) == ends[-1])
+            await wait_for("node 3 caught up", lambda: quorum(lead).member_end(NodeId(3)) == ends[-1])
             assert await read_copy(victim.address) == b"".join(batches)
             await writer.close()
             store.close()
@@ -156,7 +165,7 @@ def test_with_both_members_down_nothing_is_confirmed_until_one_comes_back(
 
     async def run() -> None:
         with ThreadPoolExecutor(4) as executor:
-            writer, store = writer_for(tmp_path, members, executor)
+            writer, store, lead = writer_for(tmp_path, members, executor)
             await writer.start()
             first = await writer.append(batches[0])
             async with asyncio.timeout(WAIT_S):
@@ -167,7 +176,7 @@ def test_with_both_members_down_nothing_is_confirmed_until_one_comes_back(
             for b in batches[1:]:
                 end = await writer.append(b)
             waiting = writer.confirmed(end)
-            await wait_for("the leader saw both streams break", lambda: len(writer.quorum.failed_members()) == 2)
+            await wait_for("the leader saw both streams break", lambda: len(quorum(lead).failed_members()) == 2)
             assert not waiting.done() and writer.lac == first  # its own fsync alone is not a quorum
             restart_on_same_port(members[NodeId(2)])
             async with asyncio.timeout(WAIT_S):
@@ -186,13 +195,13 @@ def test_a_newer_leader_fences_the_members_and_the_old_writer_stops_with_not_lea
 
     async def run() -> None:
         with ThreadPoolExecutor(4) as executor:
-            writer, store = writer_for(tmp_path, members, executor)
+            writer, store, lead = writer_for(tmp_path, members, executor)
             await writer.start()
             for b in batches[:5]:
                 end = await writer.append(b)
             async with asyncio.timeout(WAIT_S):
                 await writer.confirmed(end)
-            await wait_for("both members hold it", lambda: all(writer.quorum.member_end(n) == end for n in members))
+            await wait_for("both members hold it", lambda: all(quorum(lead).member_end(n) == end for n in members))
             # the new leader (epoch 2) fences both members: each answers the end it holds, fsynced
             for node in members.values():
                 async with aio_channel(node.address) as channel:
@@ -298,8 +307,8 @@ def test_the_new_leader_recovers_every_acked_write_copies_the_tail_seals_and_cut
             server, new_address = await serve_member(new_store, executor)
             old_store = ReplicaStore(tmp_path / "leader", now_ms=0)
             segment = SegmentToWrite(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, NodeId(2), NEW), 2, E1)
-            writer = SegmentWriter(old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor,
-                                   clock_ms=lambda: 0)  # fmt: skip
+            writer, _ = solo_writer(old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor,
+                                    clock_ms=lambda: 0)  # fmt: skip
             await writer.start()
             confirmed = 0
             for i, b in enumerate(batches):
@@ -355,8 +364,8 @@ def test_a_new_leader_that_fell_behind_copies_the_tail_to_itself_before_it_seals
             server, new_address = await serve_member(new_store, executor)
             old_store = ReplicaStore(tmp_path / "leader", now_ms=0)
             segment = SegmentToWrite(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, NodeId(2), NEW), 2, E1)
-            writer = SegmentWriter(old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor,
-                                   clock_ms=lambda: 0)  # fmt: skip
+            writer, _ = solo_writer(old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor,
+                                    clock_ms=lambda: 0)  # fmt: skip
             await writer.start()
             confirmed = 0
             for i, b in enumerate(batches):

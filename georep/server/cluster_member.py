@@ -1,40 +1,36 @@
 """A node's part in its site's cluster: heartbeats, the controller, and leading partitions. Shell.
 
-Every decision is pure and shared with the cluster simulator
-(``georep/sim/cluster.py``):
+Every decision is the node core's (:class:`cluster.node.NodeCore`), the one both cluster simulators drive
+(``georep/sim/cluster_node.py``); this module carries out its effects over the Raft store, the node's
+:class:`~georep.storage.replica_store.ReplicaStore` and gRPC, and feeds it their outcomes:
 
-==========================================  ==============================================
-decision                                    pure code, driven here by
-==========================================  ==============================================
-who leads which partition                   ``plan_leadership``: the Raft leader's tick
-lead, recover first, step down, ask again   ``role_step``: every tick, on this node's view
-recovering the predecessor's open segment   ``SegmentRecovery`` (``recover_segment``)
-which segment to write next, on whom        ``plan_open`` over ``node_loads``
-the LAC                                     ``SegmentQuorum`` (``SegmentWriter``)
-where a roll seals                          ``roll_seal_at``
-what to copy, fill or roll; which           ``plan_repair``, ``plan_leader_moves``: the
-leaderships leave a draining node           Raft leader's ``RepairController`` (``site_repair.py``)
-which sealed segments retention drops       ``plan_retention``: the Raft leader's tick, every
-                                            ``retention_interval_ms``; each node deletes its
-                                            copies once it sees the trim (``_apply_trims``)
-==========================================  ==============================================
+the core's                                    carried out here by
+``reconcile`` (lead, recover first, step      :meth:`ClusterMember.reconcile`: ``Leading`` makes a
+down, ask again: ``role_step``)               :class:`PartitionLeader`, ``StepDown`` closes it,
+                                              ``ProposeEpoch`` is proposed
+a lead's recovery (``FenceMember``,           ``georep/server/recovery.py`` (``fence_member``, ``copy_tail``,
+``CopyTail``, ``SegmentSealed``)              ``tell_sealed``); the seal's summary and producers' table here
+``ProposeSeal``, ``ProposeOpen``              proposed through Raft; the result goes back to the lead
+``Adopted``, ``StreamTo``, ``Release``,       a :class:`~georep.server.ensemble.SegmentWriter` (own copy,
+``Reconnect``                                 fsync, member streams); the broker attaches the partition
+``Sealing``, a roll's ``SegmentSealed``       no more appends; the writer stops; the broker detaches
+the controller (``ProposeElection``)          proposed in order on the Raft leader's tick
+seals to learn (``cluster.member``)           ``_learn_seals``: the guards and cut tails in the store
+the controller's repair (``repair_plan``:     the Raft leader's ``RepairController`` (``site_repair.py``):
+``RepairCopy``, ``AskRoll``)                  ``CopySegment`` and ``RollSegment`` calls, records proposed
+which sealed segments retention drops         ``plan_retention``: the Raft leader's tick, every
+                                              ``retention_interval_ms``; each node deletes its copies once it
+                                              sees the trim (``_apply_trims``)
 
-:class:`ClusterMember` ticks every ``tick_ms``: it reports its heartbeat
-(free bytes and load), lets the Raft leader run the controller (elections,
-and a repair pass every ``repair_interval_ms`` in the background, once it
-has led the Raft log for a session, as for elections), cuts its copies of
-sealed segments that are longer than their committed seal (a seal it was
-not told of: it was down, or cut off), and reconciles its role in every
-partition with its view of the metadata. A
-:class:`PartitionLeader` is one partition led in one epoch: it recovers the
-open segment it inherited, opens the next one, writes it through a
-:class:`~georep.server.ensemble.SegmentWriter`, and rolls it by size.
+:class:`ClusterMember` ticks every ``tick_ms``: it reports its heartbeat (free bytes and load), ticks the core
+(every lead's due retries and reconnections; on the Raft leader the controller's elections, and a repair pass
+every ``repair_interval_ms`` in the background once it has led the Raft log for a session), learns the seals
+its view shows, and reconciles its roles with its view of the metadata.
 
-**This incarnation's epochs.** ``role_step`` must know whether the current
-epoch was granted after this process started (an earlier incarnation may
-have written under an older grant). At start the member waits until its
-view holds everything committed (``read_barrier``) and records each
-partition's epoch: an epoch at or below that was granted before it.
+**This incarnation's epochs.** The core must know whether the current epoch was granted after this process
+started (an earlier incarnation may have written under an older grant). At start the member waits until its
+view holds everything committed (``read_barrier``) and gives the core each partition's epoch: an epoch at or
+below that was granted before it.
 
 Metadata calls block (pysyncobj), so they run in the executor.
 """
@@ -44,15 +40,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from cluster import leadership
+from cluster import member as membership
+from cluster.controller import AskRoll, Controller, RepairCopy
+from cluster.lead import (
+    Adopted,
+    CopyTail,
+    FenceMember,
+    LeadEffect,
+    Note,
+    ProposeOpen,
+    ProposeSeal,
+    Sealing,
+    SegmentSealed,
+    StepDown,
+)
+from cluster.node import Leading, NodeConfig, NodeCore, NodeEffect, ProposeElection, ProposeEpoch
 from cluster.producer_snapshot import ProducerSnapshot, fold, history_at_open
 from cluster.quorum import QuorumError
-from cluster.recovery import cut_after_seal
 from cluster.repair import DrainStatus
 from cluster.retention import plan_retention
 from cluster.site_state import (
@@ -61,21 +71,18 @@ from cluster.site_state import (
     ElectLeader,
     NodeHeartbeat,
     PartitionInfo,
-    RefusalCode,
     Refused,
     RegisterNode,
     Result,
     SealSegment,
-    SegmentInfo,
     SiteState,
     next_leader_expiry_ms,
-    plan_leadership,
 )
-from georep.broker.errors import NotLeader, RecoveryFailed
+from georep.broker.errors import NotLeader
 from georep.raft.store import MetadataUnavailable
 from georep.security.tls import TlsConfig, channels
-from georep.server.ensemble import SegmentToWrite, SegmentWriter
-from georep.server.recovery import SegmentToRecover, recover_segment, tell_sealed
+from georep.server.ensemble import LeadEvent, SegmentToWrite, SegmentWriter
+from georep.server.recovery import Members, copy_tail, fence_member, tell_sealed
 from georep.server.site_repair import RepairController, decommission
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore, SealSummary
 from offsets.coordinates import LocalOffset, Origin
@@ -145,6 +152,14 @@ class ClusterConfig:
     topic_defaults: Mapping[str, int] = field(default_factory=dict)
 
 
+def node_config(config: ClusterConfig) -> NodeConfig:
+    """The node core's settings from the node's."""
+    return NodeConfig(config.replication_factor, config.ack_quorum, config.session_timeout_ms, config.tick_ms,
+                      config.retry_ms, config.roll_wait_ms, repair_every_ms=config.repair_interval_ms,
+                      repair_delay_ms=config.repair_delay_ms,
+                      max_concurrent_copies=config.max_concurrent_copies)  # fmt: skip
+
+
 class ClusterMember:
     """One node of a multi-node site; see the module docstring."""
 
@@ -164,11 +179,9 @@ class ClusterMember:
         self.leaders: dict[PartitionKey, PartitionLeader] = {}
         self.listener: LeaderListener = _NoListener()
         self.origin: Origin | None = None  # the site's (its broker's): seals fold its own producers' batches
-        self._given_up: dict[PartitionKey, LeaderEpoch] = {}
-        self._epochs_at_start: dict[PartitionKey, LeaderEpoch] = {}
-        self._asked: dict[PartitionKey, LeaderEpoch] = {}  # re-elections of itself in flight
-        self._electing: dict[PartitionKey, LeaderEpoch] = {}  # the controller's elections in flight
-        self._controller_since: int | None = None  # when this node's Raft replica last became the leader
+        # Every decision of the node (cluster/node.py), as the cluster simulators take them; its epochs at start
+        # are set once the view holds everything committed (start).
+        self.core = NodeCore(me, node_config(self.config), {})
         self._retention_due_ms: int | None = None  # the controller's next retention plan
         self.repair: RepairController | None = None  # while this node is the Raft leader
         self._task: asyncio.Task[None] | None = None
@@ -202,7 +215,7 @@ class ClusterMember:
         if isinstance(result, Refused):
             raise RegistrationRefused(f"node {self.me} cannot register at {self.address}: {result.reason}")
         await self.run_blocking(self.metadata.read_barrier)
-        self._epochs_at_start = {(i.topic, i.partition): i.leader_epoch for i in self.metadata.state().partitions()}
+        self.core.epochs_at_start = {(i.topic, i.partition): i.leader_epoch for i in self.metadata.state().partitions()}
         await self._heartbeat()
         self._task = asyncio.create_task(self._ticks())
 
@@ -210,6 +223,7 @@ class ClusterMember:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self.core.stop(f"node {self.me} stops")  # every lead ends; their shells close here
         await asyncio.gather(*(lead.close() for lead in list(self.leaders.values())), return_exceptions=True)
         self.leaders.clear()
         for task in list(self._background):
@@ -244,29 +258,20 @@ class ClusterMember:
                     next_tick = loop.time() + tick_s
                     await self.tick()
                     continue
-                if expiry is not None and self.clock_ms() >= expiry and self.metadata.is_leader:
+                if expiry is not None and self.clock_ms() >= expiry:
                     await self._controller()
                 self.reconcile()
             except Exception:  # a bug in one tick must not end the member: log it and tick again
                 log.exception("node %d: cluster tick failed", self.me)
 
     def _next_expiry_ms(self) -> int | None:
-        if self._controller_since is None:
+        if self.core.controller is None:
             return None
         return next_leader_expiry_ms(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms)
 
     async def tick(self) -> None:
         await self._heartbeat()
-        if self.metadata.is_leader:
-            if self._controller_since is None:
-                # From the election, not from this look: this tick's heartbeat may have waited for the election
-                # while the other nodes' heartbeats went through (plan_leadership's settling counts from here).
-                self._controller_since = self.clock_ms() - int(1000 * (self.metadata.led_for_s or 0.0))
-            await self._controller()
-        else:
-            self._controller_since = None
-            self._retention_due_ms = None
-            self.repair = None  # the next controller starts afresh; copies under way finish and are recorded
+        await self._controller()
         await self._learn_seals()
         await self._apply_trims()
         self.reconcile()
@@ -277,27 +282,36 @@ class ClusterMember:
         await self.propose(NodeHeartbeat(self.me, self.clock_ms(), free, load, self.store.moved.total))
 
     async def _controller(self) -> None:
-        """Elect a leader for every partition whose leader is missing or dead (the Raft leader's duty)."""
-        for elect in plan_leadership(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms,
-                                     self._controller_since, settle_ms=2 * self.config.tick_ms,
-                                     controller=self.me):  # fmt: skip
-            key = (elect.topic, elect.partition)
-            if self._electing.get(key) == elect.expected_epoch:
-                continue
-            self._electing[key] = elect.expected_epoch
-            result = await self.propose(elect)
-            self._electing.pop(key, None)
-            if isinstance(result, Applied):
-                log.info("controller: node %d leads %s-%d in epoch %s", elect.node, *key, result.leader_epoch)
+        """The core's tick: every lead's due retries, and the controller's duties while this node's Raft replica
+        leads the metadata log (one controller rule): the elections it proposes, then repair and retention."""
+        now_ms = self.clock_ms()
+        led_for_s = self.metadata.led_for_s
+        elected_ms = None if led_for_s is None else now_ms - int(1000 * led_for_s)
+        effects = self.core.tick(self.metadata.state(), now_ms, self.metadata.is_leader, elected_ms=elected_ms)
+        self.run(effects)  # the leads' due retries, roll checks and reconnections
+        ctl = self.core.controller
+        if ctl is None:
+            self._retention_due_ms = None
+            self.repair = None  # the next controller starts afresh; copies under way finish and are recorded
+            return
+        for eff in effects:
+            if isinstance(eff, ProposeElection):
+                await self._elect(ctl, eff.command)
         # Like elections, repair waits until every live node has heartbeated through this Raft leader: before,
         # live nodes look dead, and their open segments would be rolled for nothing.
-        since = self._controller_since
-        if since is not None and self.clock_ms() - since < self.config.session_timeout_ms:
+        if self.clock_ms() - ctl.since_ms < self.config.session_timeout_ms:
             return
-        if self.repair is None:
-            self.repair = RepairController(self)
+        if self.repair is None or self.repair.ctl is not ctl:
+            self.repair = RepairController(self, ctl)
         self.repair.due()
         await self._retention()
+
+    async def _elect(self, ctl: Controller, elect: ElectLeader) -> None:
+        result = await self.propose(elect)
+        ctl.election_done((elect.topic, elect.partition), elect.expected_epoch)
+        if isinstance(result, Applied):
+            log.info("controller: node %d leads %s-%d in epoch %s", elect.node, elect.topic, elect.partition,
+                     result.leader_epoch)  # fmt: skip
 
     async def _retention(self) -> None:
         """Every ``retention_interval_ms``, propose the trims ``plan_retention`` picks (the Raft leader's duty)."""
@@ -332,27 +346,24 @@ class ClusterMember:
     # -- repair and decommission -------------------------------------------------------------------------------
 
     async def _learn_seals(self) -> None:
-        """Cut every copy longer than its segment's committed seal (``cluster.recovery.cut_after_seal``): a member
-        that was down or cut off when the seal was told keeps its tail until it learns the seal here."""
+        """Carry out what ``cluster.member.seals_to_learn`` says of the seals this node's view shows: record them in
+        the guards, and cut every copy longer than its committed seal (a member that was down or cut off when the
+        seal was told keeps its tail until it learns the seal here)."""
         state = self.metadata.state()
-        longer = []
-        for held in await self.run_blocking(self.store.held):
-            info = state.partition(*held.key)
-            segment = info.segment(held.segment_id) if info is not None else None
-            if info is None or segment is None or segment.end_offset is None:
-                continue
-            if cut_after_seal(held.end_offset, segment.end_offset) is not None:
-                longer.append((held, segment.end_offset, info.leader_epoch))
-        for held, end, leader_epoch in longer:
-            fenced = self.store.guard_state(held.key).fenced_epoch
-            epoch = LeaderEpoch(max(leader_epoch, fenced, 1))
-            log.info("node %d: %s-%d segment %d was sealed at %d; cutting this copy's tail from %d", self.me,
-                     *held.key, held.segment_id, end, held.end_offset)  # fmt: skip
+        held = await self.run_blocking(self.store.held)
+        ends = {(h.key[0], h.key[1], h.segment_id): int(h.end_offset) for h in held}
+        for step in membership.seals_to_learn(state, self.store.guard_states(), ends):
             try:
-                await self.run_blocking(self.store.seal, held.key, epoch, held.segment_id, end, self.clock_ms())
+                if isinstance(step, membership.GuardSeal):
+                    await self.run_blocking(self.store.learn_seal, step.key, step.epoch, step.through)
+                    continue
+                topic, partition, segment_id = step.segment
+                log.info("node %d: %s-%d segment %d was sealed at %d; cutting this copy's tail from %d", self.me,
+                         topic, partition, segment_id, step.end, ends[step.segment])  # fmt: skip
+                await self.run_blocking(self.store.seal, (topic, partition), step.epoch, segment_id, step.end,
+                                        self.clock_ms())  # fmt: skip
             except (OSError, ReplicaError, QuorumError) as exc:  # the next tick tries again; roles go on meanwhile
-                log.error("node %d: cutting %s-%d segment %d to its seal failed: %s", self.me, *held.key,
-                          held.segment_id, exc)  # fmt: skip
+                log.error("node %d: learning the seal %s failed: %s", self.me, step, exc)
 
     def roll(self, key: PartitionKey, segment_id: SegmentId) -> str | None:
         """The controller asks this node to roll ``segment_id`` of ``key`` (repair's ``RollSegment``): None if it
@@ -369,37 +380,57 @@ class ClusterMember:
     # -- roles ---------------------------------------------------------------------------------------------
 
     def reconcile(self) -> None:
-        """Start or stop leading each partition as this node's view says (``role_step``)."""
-        for info in self.metadata.state().partitions():
-            key = (info.topic, info.partition)
-            while True:
-                lead = self.leaders.get(key)
-                fresh = info.leader_epoch > self._epochs_at_start.get(key, LeaderEpoch(0))
-                step = leadership.role_step(info, self.me, lead.epoch if lead is not None else None,
-                                            self._given_up.get(key, LeaderEpoch(0)), fresh)  # fmt: skip
-                if isinstance(step, leadership.StepDown) and lead is not None:
-                    self.step_down(lead, step.reason)
-                    continue
-                break
-            if isinstance(step, leadership.AskEpoch) and self._asked.get(key) != info.leader_epoch:
-                self._asked[key] = info.leader_epoch
-                self.spawn(self._ask(key, step.command))
-            elif isinstance(step, leadership.Lead):
-                lead = self.leaders[key] = PartitionLeader(self, key, step.epoch, step.recover)
-                log.info("node %d leads %s-%d in epoch %d", self.me, *key, step.epoch)
-                lead.start()
+        """Start or stop leading each partition as this node's view says (``NodeCore.reconcile``), then let every
+        lead look at the view again (a lead waiting for its open or seal to show goes on at once, not a tick
+        later)."""
+        view, now = self.metadata.state(), self.clock_ms()
+        effects = self.core.reconcile(view, now)
+        for key in sorted(self.core.leads):
+            effects += self.core.step(view, key, now, lambda lead, ctx: lead.tick(ctx))
+        self.run(effects)
 
-    async def _ask(self, key: PartitionKey, command: ElectLeader) -> None:
-        result = await self.propose(command)
-        if result is None:
-            self._asked.pop(key, None)  # not confirmed: ask again at the next look
+    def step(self, key: PartitionKey, epoch: LeaderEpoch, event: LeadEvent) -> None:
+        """Feed this node's lead of ``key`` in ``epoch`` an event, and carry out what it returns (nothing once that
+        lead ended: a late answer never reaches a newer lead)."""
+        lead = self.core.leads.get(key)
+        if lead is None or lead.epoch != epoch:
+            return
+        self.run(self.core.step(self.metadata.state(), key, self.clock_ms(), event))
 
-    def step_down(self, lead: PartitionLeader, reason: str) -> None:
-        log.info("node %d steps down from %s-%d epoch %d: %s", self.me, *lead.key, lead.epoch, reason)
-        if self.leaders.get(lead.key) is lead:
-            del self.leaders[lead.key]
-        self._given_up[lead.key] = max(self._given_up.get(lead.key, LeaderEpoch(0)), lead.epoch)
-        self.spawn(lead.close())
+    def give_up(self, key: PartitionKey, epoch: LeaderEpoch, reason: str) -> None:
+        """This node's lead of ``key`` in ``epoch`` failed in its shell (a disk, a bug): it steps down."""
+        lead = self.core.leads.get(key)
+        if lead is not None and lead.epoch == epoch:
+            self.run(self.core.step_down(key, reason))
+
+    def run(self, effects: list[NodeEffect]) -> None:
+        """Carry out the core's effects, in order."""
+        for eff in effects:
+            if isinstance(eff, Leading):
+                self.leaders[eff.key] = PartitionLeader(self, eff.key, eff.epoch)
+                log.info("node %d leads %s-%d in epoch %d", self.me, *eff.key, eff.epoch)
+            elif isinstance(eff, StepDown):
+                log.info("node %d steps down from %s-%d epoch %d: %s", self.me, *eff.key, eff.epoch, eff.reason)
+                lead = self.leaders.get(eff.key)
+                if lead is not None and lead.epoch == eff.epoch:
+                    del self.leaders[eff.key]
+                    self.spawn(lead.close())
+            elif isinstance(eff, ProposeEpoch):
+                self.spawn(self._ask(eff))
+            elif isinstance(eff, ProposeElection):
+                pass  # the controller proposes its elections in order (_controller)
+            elif isinstance(eff, RepairCopy | AskRoll):
+                # The core's tick plans no repair here (no size_of): the RepairController runs the same controller's
+                # repair_plan after its inventory of the members' copies.
+                log.error("node %d: the core's tick planned repair: %s", self.me, eff)
+            else:
+                lead = self.leaders.get(eff.key)
+                if lead is not None:
+                    lead.perform(eff)
+
+    async def _ask(self, eff: ProposeEpoch) -> None:
+        result = await self.propose(eff.command)
+        self.core.epoch_asked(eff.key, eff.command.expected_epoch, result)  # not confirmed: asked again
 
 
 def seal_producers(store: ReplicaStore, info: PartitionInfo, segment_id: SegmentId, base: int, end: int, origin: Origin,
@@ -414,145 +445,184 @@ def seal_producers(store: ReplicaStore, info: PartitionInfo, segment_id: Segment
 
 
 class PartitionLeader:
-    """One partition led by this node in one epoch: recover, open, write, roll."""
+    """One partition led by this node in one epoch: the shell of its :class:`~cluster.lead.PartitionLead`, which
+    decides everything (recover, open, write, roll). This carries out its effects (recovery's fences and copies,
+    proposals, the segment's writer, the broker's attach and detach) and feeds it their outcomes."""
 
-    def __init__(self, member: ClusterMember, key: PartitionKey, epoch: LeaderEpoch,
-                 recover: SegmentInfo | None) -> None:  # fmt: skip
+    def __init__(self, member: ClusterMember, key: PartitionKey, epoch: LeaderEpoch) -> None:
         self.member = member
         self.key = key
         self.epoch = epoch
-        self._recover = recover
         self.writer: SegmentWriter | None = None
-        self._segment: SegmentToWrite | None = None
-        self._sealed_through: SegmentId | None = None
-        self._previous: tuple[NodeId, ...] = ()
         self._writable = asyncio.Event()  # set while a segment is open for appends
         self._rolling = False
-        self._release_limit: int | None = None
-        self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._blocked: str | None = None  # the last placement wait logged (once per reason)
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+    def _step(self, event: LeadEvent) -> None:
+        if not self._closed:
+            self.member.step(self.key, self.epoch, event)
 
-    async def close(self) -> None:
-        self._closed = True
-        self._writable.set()  # appends waiting for a segment wake up and find this leader closed
-        if self.writer is not None:
-            self.member.listener.segment_closed(self, f"node {self.member.me} no longer leads epoch {self.epoch}")
-        if self._task is not None and self._task is not asyncio.current_task():
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        if self.writer is not None:
-            await self.writer.close()
+    def _step_writing(self, segment_id: SegmentId, event: LeadEvent) -> None:
+        """An event of the writer of ``segment_id``: dropped once the lead writes another segment (a stopping
+        writer's late acks are of the old segment, whose ends say nothing of the new one)."""
+        lead = self.member.core.leads.get(self.key)
+        quorum = lead.quorum if lead is not None and lead.epoch == self.epoch else None
+        if quorum is not None and quorum.segment_id == segment_id:
+            self._step(event)
+
+    def _spawn(self, work: Coroutine[object, object, None]) -> None:
+        """Run an effect in the background; a failure of it (its disk, a bug) ends this leadership."""
+
+        async def run() -> None:
+            try:
+                await work
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("node %d: leading %s-%d failed", self.member.me, *self.key)
+                self.member.give_up(self.key, self.epoch, f"{type(exc).__name__}: {exc}")
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _members(self) -> Members:
+        m = self.member
+        return Members(m.store, m.me, m.addresses(), m.executor, m.clock_ms, m.channel)
 
     def _info(self) -> PartitionInfo | None:
         return self.member.metadata.state().partition(*self.key)
 
-    async def _run(self) -> None:
-        try:
-            if self._recover is not None:
-                await self._recover_segment(self._recover)
-            await self._open_next()
-        except NotLeader as exc:
-            self.member.step_down(self, str(exc))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a failure of this leadership (its disk, a bug): give the partition up
-            log.exception("node %d: leading %s-%d failed", self.member.me, *self.key)
-            self.member.step_down(self, f"{type(exc).__name__}: {exc}")
+    async def close(self) -> None:
+        self._closed = True
+        self._writable.set()  # appends waiting for a segment wake up and find this leader closed
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            self.member.listener.segment_closed(self, f"node {self.member.me} no longer leads epoch {self.epoch}")
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if writer is not None:
+            await writer.close(f"node {self.member.me} no longer leads epoch {self.epoch}")
 
-    # -- recovery --------------------------------------------------------------------------------------------
+    # -- the lead's effects ------------------------------------------------------------------------------------
 
-    async def _recover_segment(self, segment: SegmentInfo) -> None:
-        m, info = self.member, self._info()
-        start_vector = info.sealed_vector_before(segment.segment_id).to_dict() if info is not None else {}
-        target = SegmentToRecover(self.key, segment.segment_id, segment.base_offset, start_vector, segment.ensemble,
-                                  m.config.ack_quorum, self.epoch)  # fmt: skip
+    def perform(self, eff: LeadEffect) -> None:
+        if self._closed:
+            return
+        if isinstance(eff, FenceMember):
+            self._spawn(self._answer(fence_member(self._members(), eff)))
+        elif isinstance(eff, CopyTail):
+            info = self._info()
+            start = info.sealed_vector_before(eff.segment.segment_id).to_dict() if info is not None else {}
+            self._spawn(self._answer(copy_tail(self._members(), eff, start)))
+        elif isinstance(eff, ProposeSeal):
+            self._spawn(self._seal(eff))
+        elif isinstance(eff, ProposeOpen):
+            self._spawn(self._open(eff))
+        elif isinstance(eff, Adopted):
+            self._spawn(self._write(eff))
+        elif isinstance(eff, Sealing):
+            self._rolling = True
+            self._writable.clear()
+            self.member.listener.sealing(self)
+            self._spawn(self._roll_checks())
+        elif isinstance(eff, SegmentSealed):
+            self._sealed(eff)
+        elif isinstance(eff, Note):
+            self._note(eff)
+        elif self.writer is not None:  # StreamTo, Release, Reconnect: the open segment's
+            self.writer.perform(eff)
 
-        async def seal(segment_id: SegmentId, end: LocalOffset) -> str | None:
-            if end == segment.base_offset:
-                # Empty: its end vector is its start. This node may hold no copy of it at all (its writer died
-                # before its stream reached this member), and reading one failed the recovery for good.
-                summary = SealSummary(VectorOffset(start_vector), 0, None)
-            else:
-                summary = await m.run_blocking(m.store.seal_summary, self.key, segment_id, start_vector, end)
-            producers = await m.run_blocking(self._producers_at, segment_id, segment.base_offset, end)
-            return await self._seal(SealSegment(self.key[0], self.key[1], self.epoch, segment_id, end,
-                                                summary.end_vector, summary.size_bytes,
-                                                summary.max_timestamp_ms, producers))  # fmt: skip
+    def _note(self, eff: Note) -> None:
+        if eff.what == "placement_wait":
+            if eff.message != self._blocked:
+                log.warning("node %d: %s", self.member.me, eff.message)  # once per reason: retried every retry_ms
+            self._blocked = eff.message
+        elif eff.what in ("recovery_failed", "recovery_superseded", "quorum_lost"):
+            log.warning("node %d %s-%d: %s: %s", self.member.me, *self.key, eff.what, eff.message)
+        else:
+            log.info("node %d %s-%d: %s %s", self.member.me, *self.key, eff.what, eff.message)
 
-        while True:
-            try:
-                await recover_segment(m.store, target, m.me, m.addresses(), seal, m.executor, m.clock_ms, m.tls)
-                break
-            except RecoveryFailed as exc:
-                log.warning("%s; retrying in %d ms", exc, m.config.retry_ms)
-                await asyncio.sleep(m.config.retry_ms / 1000)
-        self._sealed_through = segment.segment_id
-        self._previous = segment.ensemble
+    async def _answer(self, work: Awaitable[LeadEvent]) -> None:
+        self._step(await work)
 
-    def _producers_at(self, segment_id: SegmentId, base: int, end: int) -> ProducerSnapshot | None:
-        """The producers' table the seal carries; None (the next leader falls back to its copies) only without a
-        broker, whose origin says which producers are the site's own."""
-        m, info = self.member, self._info()
+    async def _open(self, eff: ProposeOpen) -> None:
+        result = await self.member.propose(eff.command)
+        self._step(lambda lead, ctx: lead.opened(eff.command, result, ctx))
+
+    async def _seal(self, eff: ProposeSeal) -> None:
+        """Propose the seal with this node's summary of its copy below the end (a lost result is proposed again)."""
+        m = self.member
+        info = self._info()
         if info is None:
             raise NotLeader(*self.key, "the topic is gone")
+        s, end = eff.segment, eff.end
+        start_vector = info.sealed_vector_before(s.segment_id).to_dict()
+        if end == s.base_offset:
+            # Empty: its end vector is its start. This node may hold no copy of it at all (its writer died before
+            # its stream reached this member), and reading one failed the recovery for good.
+            summary = SealSummary(VectorOffset(start_vector), 0, None)
+        else:
+            summary = await m.run_blocking(m.store.seal_summary, self.key, s.segment_id, start_vector, end)
+        producers = await m.run_blocking(self._producers_at, info, s.segment_id, int(s.base_offset), end)
+        command = SealSegment(self.key[0], self.key[1], self.epoch, s.segment_id, LocalOffset(end), summary.end_vector,
+                              summary.size_bytes, summary.max_timestamp_ms, producers)  # fmt: skip
+        result = await m.propose(command)
+        self._step(lambda lead, ctx: lead.sealed(eff.token, result, ctx))
+
+    def _producers_at(self, info: PartitionInfo, segment_id: SegmentId, base: int, end: int) -> ProducerSnapshot | None:
+        """The producers' table the seal carries; None (the next leader falls back to its copies) only without a
+        broker, whose origin says which producers are the site's own."""
+        m = self.member
         if m.origin is None:
             return None
         return seal_producers(m.store, info, segment_id, base, end, m.origin, m.clock_ms())
 
-    async def _seal(self, command: SealSegment) -> str | None:
-        """Commit a seal (retried while the metadata cannot confirm it: sealing again at the same end is a no-op);
-        None once committed, or the reason it was refused."""
-        while True:
-            result = await self.member.propose(command)
-            if isinstance(result, Applied):
-                return None
-            if isinstance(result, Refused):
-                return result.reason
-            if self._closed:
-                return "this leader stopped"
-            await asyncio.sleep(self.member.config.retry_ms / 1000)
-
-    # -- opening and writing ---------------------------------------------------------------------------------
-
-    async def _open_next(self) -> None:
+    def _sealed(self, eff: SegmentSealed) -> None:
+        """A seal this lead proposed committed: the writer of a rolled segment stops (what waits past the seal fails:
+        its producer sends it again) and the broker detaches; every member is told."""
         m = self.member
-        blocked: str | None = None
-        while not self._closed:
-            info = self._info()
-            if info is None:
-                raise NotLeader(*self.key, "the topic is gone")
-            loads = leadership.node_loads(m.metadata.state(), m.clock_ms(), m.config.session_timeout_ms)
-            step = leadership.plan_open(info, m.me, self.epoch, self._sealed_through, self._previous, loads,
-                                        m.config.replication_factor, min_ensemble=m.config.ack_quorum)  # fmt: skip
-            if isinstance(step, leadership.Adopt):
-                await self._write(step, info)
-                return
-            if isinstance(step, leadership.ProposeOpen):
-                result = await m.propose(step.command)
-                if isinstance(result, Refused) and result.code is RefusalCode.STALE_EPOCH:
-                    raise NotLeader(*self.key, result.reason)
-                continue  # applied: the next view shows it open (Adopt); otherwise look again
-            if isinstance(step, leadership.Blocked) and step.reason != blocked:
-                log.warning("node %d: %s", m.me, step.reason)  # once per reason: it is retried every retry_ms
-            blocked = step.reason if isinstance(step, leadership.Blocked) else None
-            await asyncio.sleep(m.config.retry_ms / 1000 if isinstance(step, leadership.Blocked) else 0.02)
+        writer = self.writer
+        if eff.roll and writer is not None and writer.segment.segment_id == eff.segment_id:
+            self.writer = None
+            self._rolling = False
+            m.listener.segment_closed(self, f"segment {eff.segment_id} was sealed at offset {eff.end}")
+            log.info("node %d rolled %s-%d segment %d at %d", m.me, *self.key, eff.segment_id, eff.end)
+            self._spawn(writer.close("the segment was rolled before this batch was confirmed: send it again"))
+        self._spawn(tell_sealed(self._members(), eff))
 
-    async def _write(self, open_: leadership.Adopt, info: PartitionInfo) -> None:
+    # -- writing -------------------------------------------------------------------------------------------------
+
+    async def _write(self, eff: Adopted) -> None:
         m = self.member
-        start_vector = info.sealed_vector_before(open_.segment_id).to_dict()
-        self._segment = SegmentToWrite(self.key, open_.segment_id, open_.base_offset, start_vector, open_.ensemble,
-                                       m.config.ack_quorum, self.epoch)  # fmt: skip
-        self.writer = SegmentWriter(m.store, self._segment, m.me, m.addresses(), m.executor, m.clock_ms, m.tls)
-        await self.writer.start()
-        self._release_limit = None
+        info = self._info()
+        if info is None:
+            raise NotLeader(*self.key, "the topic is gone")
+        start_vector = info.sealed_vector_before(eff.segment_id).to_dict()
+        segment = SegmentToWrite(self.key, eff.segment_id, eff.base_offset, start_vector, eff.ensemble,
+                                 m.config.ack_quorum, self.epoch)  # fmt: skip
+        sid = eff.segment_id
+        writer = self.writer = SegmentWriter(m.store, segment, m.me, m.addresses(), m.executor, m.clock_ms,
+                                             lambda event: self._step_writing(sid, event), m.tls)  # fmt: skip
+        await writer.start()
+        while not self._shows_open(eff.segment_id):  # the broker serves the chain its view lists
+            await asyncio.sleep(0.02)
+        if self._closed or self.writer is not writer:
+            return
         self._rolling = False
         self._writable.set()
         m.listener.segment_opened(self)
-        log.info("node %d writes %s-%d segment %d from offset %d on %s", m.me, *self.key, open_.segment_id,
-                 open_.base_offset, list(open_.ensemble))  # fmt: skip
+        log.info("node %d writes %s-%d segment %d from offset %d on %s", m.me, *self.key, eff.segment_id,
+                 eff.base_offset, list(eff.ensemble))  # fmt: skip
+
+    def _shows_open(self, segment_id: SegmentId) -> bool:
+        info = self._info()
+        segment = info.open_segment if info is not None else None
+        return self._closed or (segment is not None and segment.segment_id >= segment_id)
 
     async def append(self, batches: bytes) -> tuple[SegmentId, int]:
         """Append whole batches (local prefixes set from the segment's end) to the open segment; returns the
@@ -561,12 +631,13 @@ class PartitionLeader:
             if self._closed:
                 raise NotLeader(*self.key, f"this node no longer leads epoch {self.epoch}")
             await self._writable.wait()
-            writer, segment = self.writer, self._segment
-            if writer is None or segment is None or self._rolling:
+            writer = self.writer
+            if writer is None or self._rolling or not self._writable.is_set():
+                await asyncio.sleep(0)
                 continue
             end = await writer.append(batches)
             self._roll_if_full()
-            return segment.segment_id, end
+            return writer.segment.segment_id, end
 
     def note_appended(self, end: int) -> None:
         """The broker appended to the open segment's copy itself (``ChainLog``), up to ``end``."""
@@ -577,71 +648,44 @@ class PartitionLeader:
         self._roll_if_full()
 
     def _roll_if_full(self) -> None:
-        if not self._rolling and self._copy_bytes() >= self.member.config.segment_bytes:
-            self.member.spawn(self._roll())
+        writer = self.writer
+        if writer is None or self._rolling:
+            return
+        if self.member.store.size_of(self.key, writer.segment.segment_id) >= self.member.config.segment_bytes:
+            self._step(lambda lead, ctx: lead.start_roll(ctx.now_ms))
 
     def end_offset(self) -> int:
         """Where the next batch goes: the open segment's appended end."""
         if self.writer is None:
             raise NotLeader(*self.key, "no segment is open yet")
-        return self.writer.quorum.appended_end
+        return self.writer.appended_end
 
     async def confirmed(self, end_offset: int) -> None:
-        """``acks=all``: returns once ``min_insync_replicas`` members hold ``[.., end_offset)`` fsynced, and never
-        past the end a roll seals at (what lies past it is cut, and its producer sends it again)."""
+        """``acks=all``: returns once the lead releases ``[.., end_offset)`` (``min_insync_replicas`` members hold
+        it fsynced, and never past the end a roll seals at: what lies past it is cut, and its producer sends it
+        again)."""
         writer = self.writer
         if writer is None:
             raise NotLeader(*self.key, "no segment is open")
         await writer.confirmed(end_offset)
-        if self._release_limit is not None and end_offset > self._release_limit:
-            raise NotLeader(*self.key, "the segment was rolled before this batch was confirmed: send it again")
-
-    def _copy_bytes(self) -> int:
-        segment = self._segment
-        if segment is None:
-            return 0
-        return self.member.store.size_of(self.key, segment.segment_id)
 
     # -- rolling ---------------------------------------------------------------------------------------------
 
     def roll_now(self, segment_id: SegmentId) -> str | None:
         """Roll open ``segment_id`` now (the controller asks: a member is dead or draining, or it is short and a node
         can join the next one). None if it rolls (or already does), else why not."""
-        segment = self._segment
+        writer = self.writer
         if self._closed:
             return f"node {self.member.me} no longer leads epoch {self.epoch}"
-        if segment is None or segment.segment_id != segment_id:
+        if writer is None or writer.segment.segment_id != segment_id:
             return f"segment {segment_id} is not the open segment this leader writes"
-        if not self._rolling and self._writable.is_set():
-            self.member.spawn(self._roll())
+        self._step(lambda lead, ctx: lead.start_roll(ctx.now_ms))
         return None
 
-    async def _roll(self) -> None:
-        if self._rolling or self.writer is None or self._segment is None:
-            return
-        m, writer, segment = self.member, self.writer, self._segment
-        self._rolling = True
-        self._writable.clear()
-        m.listener.sealing(self)
-        since = m.clock_ms()
-        while (end := leadership.roll_seal_at(writer.lac, writer.quorum.appended_end, since, m.clock_ms(),
-                                              m.config.roll_wait_ms)) is None:  # fmt: skip
-            await asyncio.sleep(0.01)
-        self._release_limit = end
-        summary = await m.run_blocking(m.store.seal_summary, self.key, segment.segment_id, segment.start_vector, end)
-        producers = await m.run_blocking(self._producers_at, segment.segment_id, segment.base_offset, end)
-        refused = await self._seal(SealSegment(self.key[0], self.key[1], self.epoch, segment.segment_id,
-                                               LocalOffset(end), summary.end_vector, summary.size_bytes,
-                                               summary.max_timestamp_ms, producers))  # fmt: skip
-        if refused is not None:
-            m.step_down(self, f"roll refused: {refused}")
-            return
-        await writer.close()
-        m.listener.segment_closed(self, f"segment {segment.segment_id} was sealed at offset {end}")
-        await tell_sealed(m.store, self.key, segment.segment_id, self.epoch, LocalOffset(end), segment.ensemble, m.me,
-                          m.addresses(), m.executor, m.clock_ms, m.channel)  # fmt: skip
-        log.info("node %d rolled %s-%d segment %d at %d", m.me, *self.key, segment.segment_id, end)
-        self._sealed_through = segment.segment_id
-        self._previous = segment.ensemble
-        self.writer = self._segment = None
-        await self._open_next()
+    async def _roll_checks(self) -> None:
+        """While the segment rolls, let the lead look for its seal often (the LAC moves between ticks)."""
+        while self._rolling and not self._closed:
+            self._step(lambda lead, ctx: lead.roll_check(ctx))
+            lead = self.member.core.leads.get(self.key)
+            waiting = lead is not None and lead.seal_end is None
+            await asyncio.sleep(0.01 if waiting else self.member.config.retry_ms / 1000)

@@ -1,54 +1,41 @@
-"""Repair and decommission on a multi-node site: what the planner asks for, carried out. Shell.
+"""Repair and decommission on a multi-node site: what the controller asks for, carried out. Shell.
 
-Every decision is pure and shared with the cluster simulator
-(``georep/sim/cluster.py``), which drives the same planner the same way:
+Every decision is pure and shared with the cluster simulators, which drive the same controller the same way:
 
-==============================================  ==========================================================
 decision                                        pure code
-==============================================  ==========================================================
-which sealed segments to copy, from/to where    ``cluster.repair.plan_repair`` (``CopySegment``,
-                                                ``FillSegment``), with the concurrency bound
-which open segments to roll                     ``plan_repair`` (``RollSegment``)
+which sealed segments to copy, from/to where;   the node core's controller (``cluster/controller.py``,
+which open segments to roll; whom a dead        ``Controller.repair_plan`` over ``cluster.repair.plan_repair``:
+member is down since; which copies are in       ``RepairCopy``, ``AskRoll``); ``repair_answered`` says what
+flight; how often a roll is asked               a finished copy records
 which leaderships leave a draining node, to     ``cluster.repair.plan_leader_moves``
 whom
 how far a decommission has got                  ``cluster.repair.drain_status``
-==============================================  ==========================================================
 
-:class:`RepairController` runs on the Raft leader (``ClusterMember``'s
-controller starts a pass every ``repair_interval_ms``, one at a time, never
-inside the tick, so that a slow member cannot delay this node's heartbeat).
-A pass:
+:class:`RepairController` runs on the Raft leader, over the node core's controller (``ClusterMember``'s tick
+starts a pass when the controller's is due, one at a time, never inside the tick, so that a slow member cannot
+delay this node's heartbeat). A pass:
 
-1. **Learns which members hold each sealed segment whole**, as the simulator's
-   members report it: it asks every live node for its copies
-   (``ListSegments``: each copy's fsynced end and size; this node reads its
-   own store). A member whose fsynced end is below the sealed end, or that
-   has no copy, is *short* (``SegmentView.short``): never a source, and
-   filled. A live node that does not answer counts as short for every
-   segment it is a member of, which is the safe side: it is not read from,
-   and a fill of a copy that turns out whole copies nothing. The segment's
-   size is the largest copy reported (0 if none), which the planner needs to
-   choose a target with room.
-2. **Runs the planner** on this node's view of the metadata, with
-   ``down_since`` (when this controller first saw each node dead: a new
-   controller starts the repair delay again, as the simulator's does) and
-   the copies in flight or backing off.
-3. **Carries out each effect.** A copy (or fill) is done by its target:
-   ``CopySegment`` tells it to read the sealed range from the source with
-   ``ReadSegment`` from the end it holds, append every batch to its
-   ``ReplicaStore`` only after checking its CRC, fsync, and answer only then
-   (:func:`copy_in`). The controller then proposes ``ReplaceMember`` or
-   ``AddMember`` (not for a fill: the target is a member already). A roll is
-   asked of the partition's leader (``RollSegment``); none is asked when the
-   leader is dead (the election does it) or is the member being rolled away
-   from (``plan_leader_moves`` moves a draining leader first, which rolls by
-   recovery). A leadership move is an ``ElectLeader``.
+1. **Learns which members hold each sealed segment whole**, as the simulators' members report it: it asks every
+   live node for its copies (``ListSegments``: each copy's fsynced end and size; this node reads its own store)
+   and tells the controller what each one holds short of the sealed end (``Controller.reported_short``:
+   never a source, and filled). A live node that does not answer reports every sealed segment it is a member
+   of, which is the safe side: it is not read from, and a fill of a copy that turns out whole copies nothing. A
+   dead node reports nothing (it is replaced, not filled). A segment's size is the largest copy reported (0 if
+   none), which the planner needs to choose a target with room.
+2. **Runs the controller's plan** (``Controller.repair_plan``) on this node's view of the metadata.
+3. **Carries out each effect.** A copy (or fill) is done by its target: ``CopySegment`` tells it to read the
+   sealed range from the source with ``ReadSegment`` from the end it holds, append every batch to its
+   ``ReplicaStore`` only after checking its CRC, fsync, and answer only then (:func:`copy_in`). The
+   controller's ``repair_answered`` then gives ``ReplaceMember`` or ``AddMember`` to propose (nothing for a
+   fill: the target is a member already). A roll is asked of the partition's leader (``RollSegment``). A
+   leadership move is an ``ElectLeader``.
 
 **Bounds and retries.** At most ``max_concurrent_copies`` copies run at once
 (the planner counts the ones in flight). A copy that fails stays counted as
 in progress for a backoff (``retry_ms``, doubled per consecutive failure of
-the same repair, at most :data:`BACKOFF_MAX_MS`), so the planner does not
-plan it again at once; then it is dropped and planned afresh, maybe from
+the same repair, at most :data:`BACKOFF_MAX_MS`: this shell's timer), so the
+planner does not plan it again at once; then the controller drops it
+(``repair_failed``) and it is planned afresh, maybe from
 another source or to another target. A copy the metadata refuses to record
 (another repair completed the segment first) is dropped at once: the next
 pass plans from the new state.
@@ -65,13 +52,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from cluster import leadership
+from cluster.controller import AskRoll, Controller, RepairCopy
 from cluster.placement import NodeLoad
 from cluster.quorum import QuorumError
 from cluster.repair import (
@@ -83,14 +70,22 @@ from cluster.repair import (
     LeadershipStuck,
     LeaderView,
     MoveLeadership,
-    RollSegment,
     SegmentKey,
     SegmentView,
     drain_status,
     plan_leader_moves,
-    plan_repair,
 )
-from cluster.site_state import AddMember, Applied, Command, ElectLeader, Refused, ReplaceMember, SetDraining, SiteState
+from cluster.site_state import (
+    AddMember,
+    Applied,
+    Command,
+    ElectLeader,
+    Refused,
+    ReplaceMember,
+    SegmentInfo,
+    SetDraining,
+    SiteState,
+)
 from georep.broker.errors import BrokerError, InvalidRequest, NodeStopping, SegmentUnreadable
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -115,7 +110,6 @@ COPY_TIMEOUT_S_MIN = 60.0  # a copy's call: this, plus the segment's size at COP
 COPY_BYTES_PER_S_MIN = 4 << 20
 READ_MAX_BYTES = 1 << 20  # per ReadSegment response of a copy
 BACKOFF_MAX_MS = 10_000
-ROLL_ASK_EVERY_MS = 2_000  # a roll asked of a leader is asked again after this, if the segment is still open
 PROPOSE_ATTEMPTS = 5
 
 
@@ -181,28 +175,25 @@ def copy_timeout_s(size_bytes: int) -> float:
     return COPY_TIMEOUT_S_MIN + size_bytes / COPY_BYTES_PER_S_MIN
 
 
-# -- what the planner is given ------------------------------------------------------------------------------------
+# -- what the controller is told ----------------------------------------------------------------------------------
 
 
-def segment_views(state: SiteState, held: Mapping[NodeId, Mapping[SegmentKey, HeldCopy]],
-                  loads: Mapping[NodeId, NodeLoad]) -> list[SegmentView]:  # fmt: skip
-    """Every segment of the metadata as the planner takes it: ``short`` from what the live members reported
-    (``held``; a live member absent from it did not answer, and counts as short), the size from the largest copy
-    reported."""
-    views: list[SegmentView] = []
+def short_reports(state: SiteState, held: Mapping[NodeId, Mapping[SegmentKey, HeldCopy]],
+                  live: Sequence[NodeId]) -> dict[NodeId, set[SegmentKey]]:  # fmt: skip
+    """What each live node reports short (``Controller.reported_short``): the sealed segments it is a member of and
+    holds less of than the sealed end, by what it listed (``held``); a live node absent from ``held`` did not answer,
+    and reports every sealed segment it is a member of (the safe side: it is not read from, and a fill of a copy
+    that turns out whole copies nothing)."""
+    out: dict[NodeId, set[SegmentKey]] = {n: set() for n in live}
     for info in state.partitions():
         for s in info.segments:
+            if not s.sealed or s.end_offset is None:
+                continue
             key: SegmentKey = (info.topic, info.partition, s.segment_id)
-            copies = [h[key] for h in held.values() if key in h]
-            short: tuple[NodeId, ...] = ()
-            if s.sealed and s.end_offset is not None:
-                end = s.end_offset
-                short = tuple(m for m in s.ensemble
-                              if m in loads and loads[m].alive
-                              and (key not in held.get(m, {}) or held[m][key].flushed_offset < end))  # fmt: skip
-            views.append(SegmentView(info.topic, info.partition, s.segment_id, s.ensemble, s.sealed,
-                                     max((c.size_bytes for c in copies), default=0), short))  # fmt: skip
-    return views
+            for m in s.ensemble:
+                if m in out and (m not in held or key not in held[m] or held[m][key].flushed_offset < s.end_offset):
+                    out[m].add(key)
+    return out
 
 
 def leader_views(state: SiteState) -> list[LeaderView]:
@@ -228,18 +219,6 @@ class _Reported(Protocol):
     def message(self) -> str: ...
 
 
-@dataclass(slots=True)
-class _InFlight:
-    effect: CopySegment | FillSegment
-    retry_at_ms: int | None = None  # set once it failed: it counts as in progress until then (backoff)
-
-
-def _flight_key(e: CopySegment | FillSegment) -> tuple[SegmentKey, str, NodeId | None, NodeId]:
-    if isinstance(e, FillSegment):
-        return (e.key, "fill", None, e.target)
-    return (e.key, "copy", e.replaces, e.target)
-
-
 def _retry_key(e: CopySegment | FillSegment) -> tuple[SegmentKey, str, NodeId | None]:
     """What a retry of ``e`` would be planned as: the same member replaced (or filled), whatever the target."""
     if isinstance(e, FillSegment):
@@ -248,27 +227,23 @@ def _retry_key(e: CopySegment | FillSegment) -> tuple[SegmentKey, str, NodeId | 
 
 
 class RepairController:
-    """The Raft leader's repair: one pass at a time; see the module docstring."""
+    """The Raft leader's repair: the controller's plan (``Controller.repair_plan``), carried out one pass at a time;
+    see the module docstring."""
 
-    def __init__(self, member: ClusterMember) -> None:
+    def __init__(self, member: ClusterMember, controller: Controller) -> None:
         self.m = member
-        self.down_since: dict[NodeId, int] = {}
-        self.in_flight: dict[tuple[SegmentKey, str, NodeId | None, NodeId], _InFlight] = {}
+        self.ctl = controller
         self.failures: dict[tuple[SegmentKey, str, NodeId | None], int] = {}
-        self.roll_asked: dict[SegmentKey, int] = {}
         self.reported: set[str] = set()  # what the last pass reported (logged when it first appeared)
-        self.next_pass_ms = 0
         self.passing = False
 
     # -- passes -------------------------------------------------------------------------------------------------
 
     def due(self) -> None:
-        """Called on every tick of the Raft leader: start a pass if one is due and none runs."""
-        now = self.m.clock_ms()
-        if self.passing or now < self.next_pass_ms:
+        """Called on every tick of the Raft leader: start a pass if the controller's is due and none runs."""
+        if self.passing or self.m.clock_ms() < self.ctl.next_repair_ms:
             return
         self.passing = True
-        self.next_pass_ms = now + self.m.config.repair_interval_ms
         self.m.spawn(self._pass())
 
     async def _pass(self) -> None:
@@ -279,48 +254,38 @@ class RepairController:
         finally:
             self.passing = False
 
+    def _loads(self, state: SiteState, now: int) -> dict[NodeId, NodeLoad]:
+        return {n.node: n for n in self.m.core.context(state, ("", 0), now).loads()}
+
     async def run_pass(self) -> None:
-        m, cfg = self.m, self.m.config
+        m = self.m
         state = m.metadata.state()
-        now = m.clock_ms()
-        loads = {n.node: n for n in leadership.node_loads(state, now, cfg.session_timeout_ms)}
-        for n in loads.values():
-            if n.alive:
-                self.down_since.pop(n.node, None)
-            else:
-                self.down_since.setdefault(n.node, now)
+        loads = self._loads(state, m.clock_ms())
         held = await self._inventory(state, loads)
         state = m.metadata.state()  # the inventory took a while: plan on the newest view
         now = m.clock_ms()
-        loads = {n.node: n for n in leadership.node_loads(state, now, cfg.session_timeout_ms)}
-        for down in [n for n in self.down_since if n not in loads]:
-            del self.down_since[down]  # removed from the site
-        for n in loads.values():
-            if not n.alive:
-                self.down_since.setdefault(n.node, now)
-        for k, f in list(self.in_flight.items()):
-            if f.retry_at_ms is not None and f.retry_at_ms <= now:
-                del self.in_flight[k]
+        loads = self._loads(state, now)
+        live = [n for n in sorted(loads) if loads[n].alive]
+        for node, short in short_reports(state, held, live).items():
+            self.ctl.reported_short(node, short)
+        for node in loads:
+            if node not in live:
+                self.ctl.reported_short(node, set())  # a dead node reports nothing: it is replaced, not filled
         stuck = await self._move_leaders(state, loads)
-        views = segment_views(state, held, loads)
-        sizes = {v.key: v.size_bytes for v in views}
-        plan = plan_repair(views, list(loads.values()),
-                           down_since_ms=dict(sorted(self.down_since.items())), now_ms=now,
-                           repair_delay_ms=cfg.repair_delay_ms,
-                           in_progress=[f.effect for f in self.in_flight.values()],
-                           max_concurrent_copies=cfg.max_concurrent_copies,
-                           replication_factor=cfg.replication_factor)  # fmt: skip
-        self._report([*stuck, *plan.unrepairable, *plan.waiting, *plan.deferred], now)
-        effects: list[CopySegment | FillSegment] = [*plan.copies, *plan.fills]
-        for effect in effects:
-            segment = self._sealed_range(state, effect.key)
+        sizes = {id(s): max((h[(i.topic, i.partition, s.segment_id)].size_bytes for h in held.values()
+                             if (i.topic, i.partition, s.segment_id) in h), default=0)
+                 for i in state.partitions() for s in i.segments}  # fmt: skip
+        copies, rolls = self.ctl.repair_plan(state, now, lambda s: sizes.get(id(s), 0), lambda: list(loads.values()))
+        self._report([*stuck, *self.ctl.reports], now)
+        for copy in copies:
+            segment = self._sealed_range(state, copy.effect.key)
             if segment is None:
+                self.ctl.repair_failed(copy.copy_id)
                 continue
-            self.in_flight[_flight_key(effect)] = _InFlight(effect)
-            log.info("repair: %s%s", effect.message(), self._why(effect, held, now))
-            m.spawn(self._copy(effect, segment, sizes.get(effect.key, 0), state))
-        for roll in plan.rolls:
-            self._ask_roll(state, loads, roll, now)
+            log.info("repair: %s%s", copy.effect.message(), self._why(copy.effect, held, now))
+            m.spawn(self._copy(copy, segment, sizes.get(id(self._segment(state, copy.effect.key)), 0), state))
+        for roll in rolls:
+            m.spawn(self._roll(roll))
 
     def _report(self, items: list[_Reported], now: int) -> None:
         """Log what the planner reports when it first appears (again only after it went away)."""
@@ -349,11 +314,16 @@ class RepairController:
             return ""
         if effect.replaces is None:
             return ""
-        since = self.down_since.get(effect.replaces)
+        since = self.ctl.down_since.get(effect.replaces)
         if since is not None:
             return (f": node {effect.replaces} has been dead for {now - since} ms, past the repair delay of "
                     f"{self.m.config.repair_delay_ms} ms")  # fmt: skip
         return f": node {effect.replaces} is draining"
+
+    @staticmethod
+    def _segment(state: SiteState, key: SegmentKey) -> SegmentInfo | None:
+        info = state.partition(key[0], key[1])
+        return info.segment(key[2]) if info is not None else None
 
     @staticmethod
     def _sealed_range(state: SiteState, key: SegmentKey) -> SealedRange | None:
@@ -395,43 +365,42 @@ class RepairController:
 
     # -- copies ----------------------------------------------------------------------------------------------------
 
-    async def _copy(self, effect: CopySegment | FillSegment, segment: SealedRange, size_bytes: int,
-                    state: SiteState) -> None:  # fmt: skip
-        m = self.m
-        flight = self.in_flight.get(_flight_key(effect))
+    async def _copy(self, copy: RepairCopy, segment: SealedRange, size_bytes: int, state: SiteState) -> None:
+        m, effect = self.m, copy.effect
         try:
             flushed, copied = await self._copy_on_target(effect, segment, size_bytes, state)
-            if isinstance(effect, FillSegment):
+            whole, command = self.ctl.repair_answered(copy.copy_id, effect.target, flushed, m.metadata.state())
+            if not whole:
+                raise CopyFailed(f"node {effect.target} holds segment {segment.segment_id} up to {flushed} only")
+            if command is None:
                 log.info("repair: node %d now holds %s-%d segment %d whole (%d bytes copied from node %d)",
                          effect.target, *segment.key, segment.segment_id, copied, effect.source)  # fmt: skip
             else:
-                command: Command = (
-                    AddMember(effect.topic, effect.partition, effect.segment_id, effect.target,
-                              m.config.replication_factor)
-                    if effect.replaces is None
-                    else ReplaceMember(effect.topic, effect.partition, effect.segment_id, effect.replaces,
-                                       effect.target)
-                )  # fmt: skip
-                result = await self._propose(command)
-                if isinstance(result, Refused):
-                    log.warning("repair: node %d holds %s-%d segment %d (fsynced to %d), but the metadata refused to "
-                                "record it: %s", effect.target, *segment.key, segment.segment_id, flushed,
-                                result.reason)  # fmt: skip
-                else:
-                    then = "joins its ensemble" if effect.replaces is None else f"replaces node {effect.replaces}"
-                    log.info("repair: node %d holds %s-%d segment %d whole (%d bytes copied from node %d) and %s",
-                             effect.target, *segment.key, segment.segment_id, copied, effect.source,
-                             then)  # fmt: skip
+                await self._record(copy, command, flushed, copied)
             self.failures.pop(_retry_key(effect), None)
-            if self.in_flight.get(_flight_key(effect)) is flight:
-                del self.in_flight[_flight_key(effect)]
         except (grpc.aio.AioRpcError, BrokerError, ReplicaError, QuorumError, OSError, MetadataUnavailable) as exc:
             why = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             failures = self.failures[_retry_key(effect)] = self.failures.get(_retry_key(effect), 0) + 1
             backoff = min(m.config.retry_ms * 2 ** (failures - 1), BACKOFF_MAX_MS)
-            if flight is not None:
-                flight.retry_at_ms = m.clock_ms() + backoff
             log.warning("repair: %s failed (%s); planned again in %d ms", effect.message(), why, backoff)
+            # It counts as in progress until then, so that the planner does not plan it again at once.
+            await asyncio.sleep(backoff / 1000)
+            self.ctl.repair_failed(copy.copy_id)
+
+    async def _record(self, copy: RepairCopy, command: AddMember | ReplaceMember, flushed: int, copied: int) -> None:
+        effect = copy.effect
+        try:
+            result = await self._propose(command)
+        finally:
+            self.ctl.recorded(copy.copy_id)
+        if isinstance(result, Refused):
+            log.warning("repair: node %d holds %s-%d segment %d (fsynced to %d), but the metadata refused to record "
+                        "it: %s", effect.target, effect.topic, effect.partition, effect.segment_id, flushed,
+                        result.reason)  # fmt: skip
+            return
+        then = "joins its ensemble" if isinstance(command, AddMember) else f"replaces node {command.old}"
+        log.info("repair: node %d holds %s-%d segment %d whole (%d bytes copied from node %d) and %s", effect.target,
+                 effect.topic, effect.partition, effect.segment_id, copied, effect.source, then)  # fmt: skip
 
     async def _copy_on_target(self, effect: CopySegment | FillSegment, segment: SealedRange, size_bytes: int,
                               state: SiteState) -> tuple[int, int]:  # fmt: skip
@@ -467,30 +436,19 @@ class RepairController:
 
     # -- rolls and leaderships ----------------------------------------------------------------------------------
 
-    def _ask_roll(self, state: SiteState, loads: Mapping[NodeId, NodeLoad], roll: RollSegment, now: int) -> None:
-        info = state.partition(roll.topic, roll.partition)
-        leader = info.leader if info is not None else None
-        if leader is None or leader not in loads or not loads[leader].alive or leader == roll.dead:
-            return  # the election (or the move off a draining leader) rolls it by recovery
-        key: SegmentKey = (roll.topic, roll.partition, roll.segment_id)
-        asked = self.roll_asked.get(key)
-        if asked is not None and now - asked < ROLL_ASK_EVERY_MS:
-            return
-        if asked is None:
-            log.info("repair: %s", roll.message())
-        self.roll_asked = {k: t for k, t in self.roll_asked.items() if now - t < 60_000}
-        self.roll_asked[key] = now
-        self.m.spawn(self._roll(leader, roll))
-
-    async def _roll(self, leader: NodeId, roll: RollSegment) -> None:
+    async def _roll(self, roll: AskRoll) -> None:
+        """Ask the partition's leader to roll (``RollSegment``; this node's own lead directly)."""
         m = self.m
-        if leader == m.me:
-            reason = m.roll((roll.topic, roll.partition), roll.segment_id)
+        what = f"{roll.key[0]}/{roll.key[1]} segment {roll.segment_id}"
+        log.info("repair: asking node %d to roll %s%s", roll.leader, what,
+                 " so that the next segment has every replica" if roll.widen else "")  # fmt: skip
+        if roll.leader == m.me:
+            reason = m.roll(roll.key, roll.segment_id)
         else:
-            info = m.metadata.state().node(leader)
+            info = m.metadata.state().node(roll.leader)
             if info is None:
                 return
-            ref = pb.SegmentRef(topic=roll.topic, partition=roll.partition, segment_id=roll.segment_id)
+            ref = pb.SegmentRef(topic=roll.key[0], partition=roll.key[1], segment_id=roll.segment_id)
             try:
                 async with m.channel(info.address) as channel:
                     answer = await pbg.SegmentsStub(channel).RollSegment(pb.RollSegmentRequest(segment=ref),
@@ -500,8 +458,7 @@ class RepairController:
             else:
                 reason = None if answer.rolling else answer.reason
         if reason is not None:
-            log.info("repair: node %d did not roll %s/%d segment %d: %s; asked again later", leader, roll.topic,
-                     roll.partition, roll.segment_id, reason)  # fmt: skip
+            log.info("repair: node %d did not roll %s: %s; asked again later", roll.leader, what, reason)
 
     async def _move_leaders(self, state: SiteState, loads: Mapping[NodeId, NodeLoad]) -> list[_Reported]:
         """Propose the moves off draining leaders; returns the leaderships that cannot move now."""

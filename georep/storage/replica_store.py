@@ -13,10 +13,14 @@ partition without 4 to 6. Layout, under the node's data dir::
         0000000007/              segment 7
         0000000008.new/          a segment being created; removed at startup
 
-**Decisions are the guard's.** Whether an append, a fence or a seal is
-allowed (leader epochs, sealed segments, contiguity) is
-:class:`cluster.quorum.ReplicaGuard`'s call; this module carries it out on
-disk. As the guard requires, its state is written durably (``guard.json``,
+**Decisions are the member's.** Whether an append, a fence, a copy or a seal
+is allowed (leader epochs, sealed segments, contiguity) is decided by
+:mod:`cluster.member` (``judge_append``, ``judge_fence``, ``judge_copy``)
+over :class:`cluster.quorum.ReplicaGuard`, the rules the cluster simulators
+apply too; this module carries the verdicts out on disk: a batch the member
+holds already is stored no second time (the leader resent it), a gap raises
+``NotContiguous`` (the leader resends from the end it names), a refusal raises
+``Fenced`` or ``SegmentSealed``. As the guard requires, its state is written durably (``guard.json``,
 fsynced, replaced atomically) before the call that changed it returns: a
 member that restarts never accepts a deposed leader it had fenced, nor appends
 to a segment it had sealed.
@@ -52,7 +56,8 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cluster.quorum import GuardState, NotContiguous, ReplicaGuard
+from cluster import member as membership
+from cluster.quorum import Fenced, GuardState, NotContiguous, ReplicaGuard, SegmentSealed
 from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, iter_headers
 from georep.storage.announced_lac import AnnouncedLacs
 from georep.storage.api import BatchEntry, BytesLike, LogConfig, ReadResult
@@ -138,6 +143,14 @@ def _segment_dir_name(segment_id: int) -> str:
     return f"{segment_id:010d}"
 
 
+def _refused(refuse: membership.Refuse, epoch: LeaderEpoch, segment_id: SegmentId, guard: ReplicaGuard) -> Exception:
+    """The error a member answers for the judgment ``refuse`` (the leader of ``epoch`` stops writing)."""
+    sealed = guard.state.sealed_through
+    if refuse.why == "sealed" and sealed is not None:
+        return SegmentSealed(segment_id, sealed)
+    return Fenced(epoch, refuse.fenced_epoch)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SealSummary:
     """What a seal records of a copy below its end (``ReplicaStore.seal_summary``)."""
@@ -200,6 +213,7 @@ class ReplicaStore:
         self._partitions: dict[PartitionKey, PartitionReplicas] = {}
         # Retention (TrimChain): per partition, the first segment its chain keeps, as this node last saw it.
         self._trimmed_before: dict[PartitionKey, SegmentId] = {}
+        self._gaps = membership.GapReports()  # a gap is logged once per end, not once per batch past it
         try:
             for directory in sorted(p for p in self.root.iterdir() if p.is_dir()):
                 key = _parse_partition_dir(directory.name)
@@ -284,19 +298,19 @@ class ReplicaStore:
         """Start this node's copy of a new segment, empty at ``base_offset`` (its vector goes on from
         ``start_vector``, the end vector of the segment before it). Opening an existing copy again changes nothing.
 
-        The guard decides as for an append at the copy's end (``Fenced``, ``SegmentSealed``), so a deposed
-        leader's stream is refused at its first request, not only at its first batch.
+        The member judges it as a recovery's copy (``cluster.member.judge_copy``: ``Fenced``, ``SegmentSealed``),
+        so a deposed leader's stream is refused at its first request, not only at its first batch.
         """
         with self._lock:
             p = self._partition(key)
-            existing = p.segments.get(segment_id)
-            if existing is not None:
-                end = existing.log_end_offset
-                if p.guard.check_append(epoch, segment_id, end, end):
-                    p.persist_guard()
-                return
-            if p.guard.check_append(epoch, segment_id, base_offset, base_offset):
+            before = p.guard.state
+            refused = membership.judge_copy(p.guard, epoch, segment_id)
+            if refused is not None:
+                raise _refused(refused, epoch, segment_id, p.guard)
+            if p.guard.state != before:
                 p.persist_guard()
+            if segment_id in p.segments:
+                return
             final = p.directory / _segment_dir_name(segment_id)
             building = final.with_name(final.name + NEW_SUFFIX)
             if building.exists():
@@ -310,9 +324,11 @@ class ReplicaStore:
         """Append the leader's batches (whole batches, back to back, with their local prefixes) to this node's
         copy of ``segment_id``. Returns the copy's new end (not yet fsynced: :meth:`flush`).
 
-        Raises :class:`CorruptReplicaChunk` (nothing stored), :class:`UnknownSegment`, or the guard's
-        ``Fenced``, ``SegmentSealed`` or ``NotContiguous`` at the first batch it refuses; the batches before
-        that one stay appended, and ``NotContiguous`` says where the leader must resend from.
+        Each batch is judged by ``cluster.member.judge_append``: one this copy holds already (the leader resent it
+        from the end it last knew) is stored no second time. Raises :class:`CorruptReplicaChunk` (nothing stored),
+        :class:`UnknownSegment`, ``Fenced``, ``SegmentSealed`` or ``NotContiguous`` (a gap) at the first batch
+        it refuses; the batches before that one stay appended, and ``NotContiguous`` says where the leader must
+        resend from.
         """
         headers = _whole_batches(key, segment_id, chunk, "the leader resends")
         view = memoryview(chunk)
@@ -321,22 +337,36 @@ class ReplicaStore:
             seg = p.segment(segment_id)
             at = 0
             for h in headers:
-                if p.guard.check_append(epoch, segment_id, h.base_offset, seg.log_end_offset):
-                    p.persist_guard()
-                seg.append(h, [view[at + REWRITTEN_BYTES : at + h.size_bytes]], h.append_time_ms)
+                end = seg.log_end_offset
+                verdict = membership.judge_append(p.guard, epoch, (key[0], key[1], segment_id), h.base_offset, end,
+                                                  self._gaps)  # fmt: skip
+                if isinstance(verdict, membership.Refuse):
+                    raise _refused(verdict, epoch, segment_id, p.guard)
+                if isinstance(verdict, membership.Gap):
+                    if verdict.report:
+                        log.warning("segment %d of %s-%d: a batch at offset %d is past this copy's end %d; the "
+                                    "leader resends from there", segment_id, *key, h.base_offset, end)  # fmt: skip
+                    raise NotContiguous(segment_id, h.base_offset, end)
+                if isinstance(verdict, membership.Take):
+                    if verdict.persist:
+                        p.persist_guard()
+                    seg.append(h, [view[at + REWRITTEN_BYTES : at + h.size_bytes]], h.append_time_ms)
                 at += h.size_bytes
             return seg.log_end_offset
 
     def append_batch(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, header: BatchHeader,
                      body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:  # fmt: skip
         """The leader's own append of one batch (stamped by its broker) to its copy of the open ``segment_id``, at
-        the copy's end; returns the header as stored. The guard decides as for a member's append, so a leader
+        the copy's end; returns the header as stored. Judged as a member's append (``judge_append``), so a leader
         that a newer one fenced writes nothing (``Fenced``)."""
         with self._lock:
             p = self._partition(key)
             seg = p.segment(segment_id)
             end = seg.log_end_offset
-            if p.guard.check_append(epoch, segment_id, end, end):
+            verdict = membership.judge_append(p.guard, epoch, (key[0], key[1], segment_id), end, end, self._gaps)
+            if isinstance(verdict, membership.Refuse):
+                raise _refused(verdict, epoch, segment_id, p.guard)
+            if isinstance(verdict, membership.Take) and verdict.persist:
                 p.persist_guard()
             return seg.append(header, body, append_time_ms)
 
@@ -422,11 +452,29 @@ class ReplicaStore:
         with self._lock:
             p = self._partition(key)
             before = p.guard.state
-            p.guard.fence(epoch)
+            refused = membership.judge_fence(p.guard, epoch)
+            if refused is not None:
+                raise Fenced(epoch, refused.fenced_epoch)
             if p.guard.state != before:
                 p.persist_guard()
             segments = dict(p.segments)
         return {sid: seg.flush() for sid, seg in sorted(segments.items())}
+
+    def learn_seal(self, key: PartitionKey, epoch: LeaderEpoch, through: SegmentId) -> None:
+        """The site's metadata shows ``key``'s segments up to ``through`` sealed (``cluster.member.seals_to_learn``):
+        the guard refuses them from now on, whether or not this node holds a copy (a deposed leader cannot open
+        one here). Raises ``Fenced`` for an epoch older than the fence."""
+        with self._lock:
+            p = self._partition(key)
+            before = p.guard.state
+            p.guard.seal(epoch, through)
+            if p.guard.state != before:
+                p.persist_guard()
+
+    def guard_states(self) -> dict[PartitionKey, GuardState]:
+        """Every partition's guard state on this node."""
+        with self._lock:
+            return {key: p.guard.state for key, p in sorted(self._partitions.items())}
 
     def seal(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, end_offset: int,
              now_ms: int) -> LocalOffset:  # fmt: skip
