@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick lint typecheck proto bench clean strace
+.PHONY: demo test test-quick lint format typecheck proto bench clean strace
 
 # pip writes the dependencies' bytecode on one core; compileall writes it on every core, which is faster. (It must
 # be written: where PYTHONDONTWRITEBYTECODE is set, every process would compile what it imports, pyspark and grpc.)
@@ -33,8 +33,13 @@ strace:
 		  { apt-get update -qq > /dev/null 2>&1 && apt-get install -y -qq strace > /dev/null 2>&1; }; }; } || \
 		echo "strace could not be installed: its test is skipped (apt-get install -y strace)"
 
+# ruff's lint rules, and ruff format's layout: `make format` rewrites the tree as the check wants it
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check --quiet .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
 
 # mypy --strict over the packages and tests/support (pyproject.toml's [tool.mypy] files)
 typecheck: $(STAMP)

@@ -55,8 +55,14 @@ def parse_count(text: str) -> int:
 
 def generate(root: Path, records: int) -> dict[str, Path]:
     per_origin = max(1, records // (len(SITES) * len(SITES) * PARTITIONS))
-    spec = SiteSpec(topic="bench", partitions=PARTITIONS, records_per_origin=per_origin, batch_records=BATCH_RECORDS,
-                    value_bytes=40, segment_bytes_max=SEGMENT_BYTES_MAX)  # fmt: skip
+    spec = SiteSpec(
+        topic="bench",
+        partitions=PARTITIONS,
+        records_per_origin=per_origin,
+        batch_records=BATCH_RECORDS,
+        value_bytes=40,
+        segment_bytes_max=SEGMENT_BYTES_MAX,
+    )
     return write_sites(root, SITES, spec)
 
 
@@ -71,18 +77,41 @@ def measure(spark: Any, dirs: dict[str, Path], report: Path, repeats: int) -> di
 
     segments = list_segments(dirs)
     listing = segments_option(segments)
-    audit_s, result = min((timed(lambda: run_audit(spark, default_topology(), dirs, segments, report, FAR_FUTURE_MS))
-                           for _ in range(repeats)), key=lambda t: t[0])  # fmt: skip
+    audit_s, result = min(
+        (
+            timed(lambda: run_audit(spark, default_topology(), dirs, segments, report, FAR_FUTURE_MS))
+            for _ in range(repeats)
+        ),
+        key=lambda t: t[0],
+    )
     assert result.clean, result.summary
     records = sum(t["records"] for t in result.report["sites"].values())
-    batch_s, batch_sum = min((timed(lambda: spark.read.format("georep").option("segments", listing)
-                                    .option("level", "batches").load().agg(F.sum("records")).first()[0])
-                              for _ in range(repeats)), key=lambda t: t[0])  # fmt: skip
-    record_s, record_count = timed(
-        lambda: spark.read.format("georep").option("segments", listing).load().count())
+    batch_s, batch_sum = min(
+        (
+            timed(
+                lambda: (
+                    spark.read.format("georep")
+                    .option("segments", listing)
+                    .option("level", "batches")
+                    .load()
+                    .agg(F.sum("records"))
+                    .first()[0]
+                )
+            )
+            for _ in range(repeats)
+        ),
+        key=lambda t: t[0],
+    )
+    record_s, record_count = timed(lambda: spark.read.format("georep").option("segments", listing).load().count())
     assert batch_sum == record_count == records, (batch_sum, record_count, records)
-    return {"records": records, "segments": len(segments), "bytes": sum(s.size_bytes for s in segments),
-            "audit_s": audit_s, "batch_scan_s": batch_s, "record_scan_s": record_s}  # fmt: skip
+    return {
+        "records": records,
+        "segments": len(segments),
+        "bytes": sum(s.size_bytes for s in segments),
+        "audit_s": audit_s,
+        "batch_scan_s": batch_s,
+        "record_scan_s": record_s,
+    }
 
 
 def main() -> int:
@@ -99,8 +128,11 @@ def main() -> int:
     rows = []
     try:
         spark = spark_session(args.master, "georep-bench-audit")
-        print(f"georep audit bench: master {args.master} ({cores} cores), {os.cpu_count()} cores on this machine; "
-              f"3 sites x {PARTITIONS} partitions, {BATCH_RECORDS} records per batch", flush=True)  # fmt: skip
+        print(
+            f"georep audit bench: master {args.master} ({cores} cores), {os.cpu_count()} cores on this machine; "
+            f"3 sites x {PARTITIONS} partitions, {BATCH_RECORDS} records per batch",
+            flush=True,
+        )
         warm = generate(root / "warm", 30_000)
         run_audit(spark, default_topology(), warm, list_segments(warm), root / "warm-report", FAR_FUTURE_MS)
         for size in sizes:
@@ -108,11 +140,14 @@ def main() -> int:
             row = measure(spark, dirs, root / f"report{size}", args.repeats)
             row["generate_s"] = gen_s
             rows.append(row)
-            print(f"  {row['records']:>11,} records ({row['bytes'] / 1e6:,.0f} MB, {row['segments']} segments, "
-                  f"generated in {gen_s:.1f}s): audit {row['audit_s']:6.1f}s = "
-                  f"{row['records'] / row['audit_s']:>10,.0f} rec/s ({row['records'] / row['audit_s'] / cores:,.0f} "
-                  f"per core); batch scan {row['batch_scan_s']:.1f}s; record scan {row['record_scan_s']:.1f}s "
-                  f"= {row['records'] / row['record_scan_s']:,.0f} rec/s", flush=True)  # fmt: skip
+            print(
+                f"  {row['records']:>11,} records ({row['bytes'] / 1e6:,.0f} MB, {row['segments']} segments, "
+                f"generated in {gen_s:.1f}s): audit {row['audit_s']:6.1f}s = "
+                f"{row['records'] / row['audit_s']:>10,.0f} rec/s ({row['records'] / row['audit_s'] / cores:,.0f} "
+                f"per core); batch scan {row['batch_scan_s']:.1f}s; record scan {row['record_scan_s']:.1f}s "
+                f"= {row['records'] / row['record_scan_s']:,.0f} rec/s",
+                flush=True,
+            )
             shutil.rmtree(dirs["a"].parent)
         spark.stop()
     finally:
@@ -120,12 +155,16 @@ def main() -> int:
     if len(rows) > 1:
         lo, hi = rows[0], rows[-1]
         size_ratio = hi["records"] / lo["records"]
-        print(f"growth {lo['records']:,} -> {hi['records']:,} records (x{size_ratio:.1f}): audit time "
-              f"x{hi['audit_s'] / lo['audit_s']:.2f}, batch scan x{hi['batch_scan_s'] / lo['batch_scan_s']:.2f}, "
-              f"record scan x{hi['record_scan_s'] / lo['record_scan_s']:.2f} (x{size_ratio:.1f} is linear)")
+        print(
+            f"growth {lo['records']:,} -> {hi['records']:,} records (x{size_ratio:.1f}): audit time "
+            f"x{hi['audit_s'] / lo['audit_s']:.2f}, batch scan x{hi['batch_scan_s'] / lo['batch_scan_s']:.2f}, "
+            f"record scan x{hi['record_scan_s'] / lo['record_scan_s']:.2f} (x{size_ratio:.1f} is linear)"
+        )
     for row in rows:
-        print(f"  {row['records']:>11,}: audit / batch scan = {row['audit_s'] / row['batch_scan_s']:.2f}, "
-              f"audit / record scan = {row['audit_s'] / row['record_scan_s']:.2f}")
+        print(
+            f"  {row['records']:>11,}: audit / batch scan = {row['audit_s'] / row['batch_scan_s']:.2f}, "
+            f"audit / record scan = {row['audit_s'] / row['record_scan_s']:.2f}"
+        )
     if args.json:
         args.json.write_text(json.dumps({"master": args.master, "cores": cores, "rows": rows}, indent=2) + "\n")
     return 0

@@ -28,8 +28,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=50, help="how many seeds to run (default 50)")
     parser.add_argument("--first", type=int, default=0, help="the first seed (default 0)")
-    parser.add_argument("--restart-every", type=int, default=100,
-                        help="start three fresh sites after this many seeds, so logs stay small (default 100)")
+    parser.add_argument(
+        "--restart-every",
+        type=int,
+        default=100,
+        help="start three fresh sites after this many seeds, so logs stay small (default 100)",
+    )
     args = parser.parse_args()
     kinds: collections.Counter[str] = collections.Counter()
     refusals = 0
@@ -49,13 +53,17 @@ def main() -> int:
                     refused = campaign.refusals > before
                     refusals += refused
                     kinds[damage.kind] += 1
-                    print(f"seed {seed}: ok after {damage}{' (refused to start, then restored)' if refused else ''}",
-                          flush=True)  # fmt: skip
+                    print(
+                        f"seed {seed}: ok after {damage}{' (refused to start, then restored)' if refused else ''}",
+                        flush=True,
+                    )
             finally:
                 campaign.close()
     elapsed = time.monotonic() - started
-    print(f"{args.seeds} seeds passed ({refusals} refused to start with a message naming the file), "
-          f"{dict(sorted(kinds.items()))}, {elapsed / args.seeds:.1f} s per seed")  # fmt: skip
+    print(
+        f"{args.seeds} seeds passed ({refusals} refused to start with a message naming the file), "
+        f"{dict(sorted(kinds.items()))}, {elapsed / args.seeds:.1f} s per seed"
+    )
     return 0
 
 

@@ -147,8 +147,9 @@ def build_workload(records: int, batch_bytes: int) -> Workload:
         if raw is None:
             raw = encoded[count] = encode_batch([RecordInput(None, value, (), now)] * count)
         head, crc = stamp_origin(raw, ORIGIN, seq)
-        batch = local_prefix(offset, len(raw) - LENGTH_PREFIX_BYTES, now, crc) + head[REWRITTEN_BYTES:] \
-            + raw[HEADER_BYTES:]  # fmt: skip
+        batch = (
+            local_prefix(offset, len(raw) - LENGTH_PREFIX_BYTES, now, crc) + head[REWRITTEN_BYTES:] + raw[HEADER_BYTES:]
+        )
         header = check_batch(batch)  # framing and CRC, as the stores will check them
         if header.base_offset != offset or header.base_origin_seq != seq or header.records_count != count:
             raise BenchError(f"batch built at offset {offset}, seq {seq} reads back as {header}")
@@ -197,8 +198,14 @@ class CountingStore(ReplicaStore):
         self.read_bytes = 0
         self.flushes = 0
 
-    def read(self, key: PartitionKey, segment_id: SegmentId, offset: LocalOffset, max_bytes: int,
-             end_offset: int | None = None) -> ReadResult:  # fmt: skip
+    def read(
+        self,
+        key: PartitionKey,
+        segment_id: SegmentId,
+        offset: LocalOffset,
+        max_bytes: int,
+        end_offset: int | None = None,
+    ) -> ReadResult:
         result = super().read(key, segment_id, offset, max_bytes, end_offset)
         with self._count_lock:
             self.reads += 1
@@ -235,13 +242,13 @@ async def members_hold(writer: SegmentWriter, lead: PartitionLead, end: int) -> 
         await asyncio.sleep(POLL_S)
 
 
-async def writer_run(root: Path, addresses: dict[NodeId, str], work: Workload, run: int,
-                     executor: ThreadPoolExecutor) -> WriterRun:  # fmt: skip
+async def writer_run(
+    root: Path, addresses: dict[NodeId, str], work: Workload, run: int, executor: ThreadPoolExecutor
+) -> WriterRun:
     key = (f"bench-{os.urandom(3).hex()}-{run}", 0)  # a fresh partition at the members every run
     leader_dir = root / f"leader-{run}"
     store = CountingStore(leader_dir, clock_ms())
-    segment = SegmentToWrite(key, SEGMENT_ID, BASE_OFFSET, {ORIGIN: OriginSeq(START_SEQ)}, ENSEMBLE, ACK_QUORUM,
-                             EPOCH)  # fmt: skip
+    segment = SegmentToWrite(key, SEGMENT_ID, BASE_OFFSET, {ORIGIN: OriginSeq(START_SEQ)}, ENSEMBLE, ACK_QUORUM, EPOCH)
     writer, lead = solo_writer(store, segment, LEADER, addresses, executor, clock_ms)
     try:
         async with asyncio.timeout(RUN_TIMEOUT_S):
@@ -261,18 +268,26 @@ async def writer_run(root: Path, addresses: dict[NodeId, str], work: Workload, r
             both = time.perf_counter()
     except TimeoutError:
         failed = ", ".join(str(n) for n in quorum(lead).failed_members()) or "none"
-        raise BenchError(f"the segment writer did not finish within {RUN_TIMEOUT_S:g}s: LAC {writer.lac}, appended "
-                         f"end {quorum(lead).appended_end}, member ends "
-                         f"{ {n: quorum(lead).member_end(n) for n in MEMBERS} }, failed members: {failed}; rerun "
-                         "with --keep and read the node logs") from None  # fmt: skip
+        raise BenchError(
+            f"the segment writer did not finish within {RUN_TIMEOUT_S:g}s: LAC {writer.lac}, appended "
+            f"end {quorum(lead).appended_end}, member ends "
+            f"{ {n: quorum(lead).member_end(n) for n in MEMBERS} }, failed members: {failed}; rerun "
+            "with --keep and read the node logs"
+        ) from None
     finally:
         await writer.close()
         store.close()
         shutil.rmtree(leader_dir, ignore_errors=True)  # free the disk for the next run
     if end != work.end_offset:
         raise BenchError(f"the leader's copy ends at {end}, the workload at {work.end_offset}")
-    return WriterRun(appended - start, confirmed - start, both - start, store.reads - reads,
-                     store.read_bytes - read_bytes, store.flushes - flushes)  # fmt: skip
+    return WriterRun(
+        appended - start,
+        confirmed - start,
+        both - start,
+        store.reads - reads,
+        store.read_bytes - read_bytes,
+        store.flushes - flushes,
+    )
 
 
 def start_members(stack: contextlib.ExitStack, root: Path) -> dict[NodeId, str]:
@@ -382,14 +397,26 @@ async def run_all(cfg: Config, root: Path, addresses: dict[NodeId, str], raw_add
     work = build_workload(cfg.records, cfg.batch_bytes)
     payload = work.batch_bytes
     res = Results(
-        Result("segment writer", cfg.batch_bytes, 1, work.records, payload,
-               note=f"confirmed(end): {ACK_QUORUM} of {len(ENSEMBLE)} hold it fsynced (acks=all)"),
-        Result("both members", cfg.batch_bytes, 1, work.records, payload,
-               note="both members hold it fsynced (3 of 3)"),
-        Result("raw gRPC", cfg.batch_bytes, 1, work.records, payload,
-               note=f"2 bidi streams, {IN_FLIGHT} unanswered each, no disk"),
-        batches=len(work.batches), requests=len(work.requests),
-    )  # fmt: skip
+        Result(
+            "segment writer",
+            cfg.batch_bytes,
+            1,
+            work.records,
+            payload,
+            note=f"confirmed(end): {ACK_QUORUM} of {len(ENSEMBLE)} hold it fsynced (acks=all)",
+        ),
+        Result("both members", cfg.batch_bytes, 1, work.records, payload, note="both members hold it fsynced (3 of 3)"),
+        Result(
+            "raw gRPC",
+            cfg.batch_bytes,
+            1,
+            work.records,
+            payload,
+            note=f"2 bidi streams, {IN_FLIGHT} unanswered each, no disk",
+        ),
+        batches=len(work.batches),
+        requests=len(work.requests),
+    )
     channels = [client_channel(a, None) for a in raw_addresses]  # the writer's channels have no options either
     try:
         for ch in channels:
@@ -417,20 +444,26 @@ def table(res: Results) -> Iterator[str]:
     yield "-" * len(head)
     for r in (res.writer, res.both, res.raw):
         runs = " ".join(f"{x:.0f}" for x in r.runs_mb_s())
-        yield (f"{r.name:<15} {r.mb_s:>8.1f} {r.records_s:>10,.0f} {r.mb_s / res.raw.mb_s * 100:>6.0f}%  "
-               f"{runs:<18} {r.note}")  # fmt: skip
+        yield (
+            f"{r.name:<15} {r.mb_s:>8.1f} {r.records_s:>10,.0f} {r.mb_s / res.raw.mb_s * 100:>6.0f}%  "
+            f"{runs:<18} {r.note}"
+        )
 
 
 def details(res: Results) -> Iterator[str]:
     yield "segment writer, per run (both member streams together; the leader's fsyncs of its own copy):"
     for i, run in enumerate(res.runs):
         mean = run.request_bytes / run.requests if run.requests else 0.0
-        yield (f"  run {i + 1}: appends done after {run.append_s:.2f}s, confirmed after {run.confirmed_s:.2f}s, "
-               f"both members after {run.both_s:.2f}s; {run.requests} AppendSegment requests of "
-               f"{mean / 1024:,.0f} KiB on average ({res.batches} batches appended); "
-               f"{run.leader_fsyncs} leader fsyncs")  # fmt: skip
-    yield (f"raw gRPC: {res.requests} requests of up to {size_label(REQUEST_MAX_BYTES)} per stream, "
-           "the fewest the writer can send")  # fmt: skip
+        yield (
+            f"  run {i + 1}: appends done after {run.append_s:.2f}s, confirmed after {run.confirmed_s:.2f}s, "
+            f"both members after {run.both_s:.2f}s; {run.requests} AppendSegment requests of "
+            f"{mean / 1024:,.0f} KiB on average ({res.batches} batches appended); "
+            f"{run.leader_fsyncs} leader fsyncs"
+        )
+    yield (
+        f"raw gRPC: {res.requests} requests of up to {size_label(REQUEST_MAX_BYTES)} per stream, "
+        "the fewest the writer can send"
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -439,8 +472,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--records", type=int, help="1 KiB records per run")
     size.add_argument("--mb", type=float, help=f"MB of records per run (default {DEFAULT_MB:g}, --quick {QUICK_MB:g})")
-    parser.add_argument("--batch-bytes", type=int, default=DEFAULT_BATCH_BYTES,
-                        help=f"bytes per batch, as a producer fills them (default {DEFAULT_BATCH_BYTES})")  # fmt: skip
+    parser.add_argument(
+        "--batch-bytes",
+        type=int,
+        default=DEFAULT_BATCH_BYTES,
+        help=f"bytes per batch, as a producer fills them (default {DEFAULT_BATCH_BYTES})",
+    )
     parser.add_argument("--repeats", type=int, help="runs of each row, best kept (default 3, --quick 1)")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (node logs) on exit")
@@ -470,14 +507,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="  !! %(name)s: %(message)s")  # a stream that breaks says so
     cfg = Config(args.records, args.batch_bytes, args.repeats)
     cores = os.cpu_count() or 1
-    print(f"georep in-site segment replication benchmark: {cores} cores ({platform.machine()}), "
-          f"Python {platform.python_version()}, grpcio {grpc.__version__}")  # fmt: skip
+    print(
+        f"georep in-site segment replication benchmark: {cores} cores ({platform.machine()}), "
+        f"Python {platform.python_version()}, grpcio {grpc.__version__}"
+    )
     print("This machine is shared and noisy: absolute MB/s vary run to run; only the ratios are meaningful.")
-    print(f"Ensemble {tuple(int(n) for n in ENSEMBLE)}, ack quorum {ACK_QUORUM}: the leader is this process, members "
-          f"2 and 3 are georep node processes; every AppendSegment request is fsynced by the member before its "
-          f"answer, and the leader fsyncs its own copy.")  # fmt: skip
-    print(f"{cfg.records:,} records of {RECORD_VALUE_BYTES} B per run in {size_label(cfg.batch_bytes)} batches, "
-          f"best of {cfg.repeats}.")  # fmt: skip
+    print(
+        f"Ensemble {tuple(int(n) for n in ENSEMBLE)}, ack quorum {ACK_QUORUM}: the leader is this process, members "
+        f"2 and 3 are georep node processes; every AppendSegment request is fsynced by the member before its "
+        f"answer, and the leader fsyncs its own copy."
+    )
+    print(
+        f"{cfg.records:,} records of {RECORD_VALUE_BYTES} B per run in {size_label(cfg.batch_bytes)} batches, "
+        f"best of {cfg.repeats}."
+    )
     if cores < 4:
         print(f"Note: with {cores} cores the leader, both members and the kernel compete for CPU.")
     started = time.monotonic()
@@ -498,19 +541,29 @@ def main(argv: list[str] | None = None) -> int:
     for line in details(res):
         print(line)
     print()
-    print(f"segment writer at acks=all: {res.writer.mb_s / res.raw.mb_s * 100:.1f}% of raw gRPC; both members "
-          f"hold everything at {res.both.mb_s / res.raw.mb_s * 100:.1f}% of raw gRPC")  # fmt: skip
+    print(
+        f"segment writer at acks=all: {res.writer.mb_s / res.raw.mb_s * 100:.1f}% of raw gRPC; both members "
+        f"hold everything at {res.both.mb_s / res.raw.mb_s * 100:.1f}% of raw gRPC"
+    )
     print(f"(total {time.monotonic() - started:.0f}s)")
     if args.json:
         doc = {
-            "cores": cores, "machine": platform.machine(), "python": platform.python_version(),
-            "grpcio": grpc.__version__, "records": cfg.records, "batch_bytes": cfg.batch_bytes,
-            "repeats": cfg.repeats, "ensemble": [int(n) for n in ENSEMBLE], "ack_quorum": ACK_QUORUM,
-            "in_flight": IN_FLIGHT, "request_max_bytes": REQUEST_MAX_BYTES, "batches": res.batches,
+            "cores": cores,
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "grpcio": grpc.__version__,
+            "records": cfg.records,
+            "batch_bytes": cfg.batch_bytes,
+            "repeats": cfg.repeats,
+            "ensemble": [int(n) for n in ENSEMBLE],
+            "ack_quorum": ACK_QUORUM,
+            "in_flight": IN_FLIGHT,
+            "request_max_bytes": REQUEST_MAX_BYTES,
+            "batches": res.batches,
             "raw_requests_per_stream": res.requests,
             "results": [r.as_json() for r in (res.writer, res.both, res.raw)],
             "writer_runs": [asdict(run) for run in res.runs],
-        }  # fmt: skip
+        }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"results written to {args.json}")
     return 0

@@ -245,9 +245,17 @@ class Rate:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
     def as_json(self) -> dict[str, Any]:
-        return {"what": self.what, "acks": self.acks, "seconds": self.seconds, "count": self.count,
-                "errors": self.errors, "per_s": self.per_s, "p50_ms": self.pct(0.5), "p99_ms": self.pct(0.99),
-                "max_ms": max(self.latencies_ms, default=float("nan"))}  # fmt: skip
+        return {
+            "what": self.what,
+            "acks": self.acks,
+            "seconds": self.seconds,
+            "count": self.count,
+            "errors": self.errors,
+            "per_s": self.per_s,
+            "p50_ms": self.pct(0.5),
+            "p99_ms": self.pct(0.99),
+            "max_ms": max(self.latencies_ms, default=float("nan")),
+        }
 
 
 async def timed(what: str, acks: str, seconds: float, op: Any) -> Rate:
@@ -302,8 +310,9 @@ async def measure_commits(sites: Sites, seconds: float) -> list[Rate]:
             await producer.close()
         progress(f"commits: commit acks={acks}, one partition per commit, back to back, {seconds:g}s")
         settle_page_cache()
-        consumer = Consumer(address, group_id=f"bench-{run_id}-{acks.replace(':', '')}", commit_acks=acks,
-                            enable_auto_commit=False)  # fmt: skip
+        consumer = Consumer(
+            address, group_id=f"bench-{run_id}-{acks.replace(':', '')}", commit_acks=acks, enable_auto_commit=False
+        )
         await consumer.start()
         seq = 0
 
@@ -366,13 +375,17 @@ def broken(res: Results) -> list[str]:
 def report(res: Results, cfg: Config) -> Iterator[str]:
     if res.drills:
         levels = next((list(r.report["acks"]) for r in res.drills if r.report is not None), [])
-        yield (f"1. Failover drills: {len(res.drills)} x georep drill --mode kill (restart on), warm-up "
-               f"{cfg.warmup_s:g}s, {cfg.after_s:g}s after, {cfg.rate:g} records/s per producer at each site and "
-               f"ack level ({', '.join(levels)}), 2 consumers committing every 200 ms at acks=geo:2.")  # fmt: skip
+        yield (
+            f"1. Failover drills: {len(res.drills)} x georep drill --mode kill (restart on), warm-up "
+            f"{cfg.warmup_s:g}s, {cfg.after_s:g}s after, {cfg.rate:g} records/s per producer at each site and "
+            f"ack level ({', '.join(levels)}), 2 consumers committing every 200 ms at acks=geo:2."
+        )
         yield "   RPO lost per ack level: acked records no surviving site held (window: event - oldest such ack)."
         lost_heads = "".join(f" {'lost ' + level:>17}" for level in levels)
-        head = (f"   {'#':>2} {'kill':>4} {'->':>3} {'RTO ms':>7}{lost_heads} {'lost@rejoin':>11} {'dup/commit':>10} "
-                f"{'redelivered':>11} {'never':>5} {'commits':>7} {'failed':>6} {'secs':>5}  promises")  # fmt: skip
+        head = (
+            f"   {'#':>2} {'kill':>4} {'->':>3} {'RTO ms':>7}{lost_heads} {'lost@rejoin':>11} {'dup/commit':>10} "
+            f"{'redelivered':>11} {'never':>5} {'commits':>7} {'failed':>6} {'secs':>5}  promises"
+        )
         yield head
         yield "   " + "-" * (len(head) - 3)
         for r in res.drills:
@@ -380,25 +393,32 @@ def report(res: Results, cfg: Config) -> Iterator[str]:
             if d is None:
                 yield f"   {r.number:>2} {r.victim:>4}  did not finish: {r.error}"
                 continue
-            lost = "".join(f" {str(f['rpo_lost']) + ' (' + str(f['rpo_window_ms']) + ' ms)':>17}"
-                           for f in d["acks"].values())  # fmt: skip
+            lost = "".join(
+                f" {str(f['rpo_lost']) + ' (' + str(f['rpo_window_ms']) + ' ms)':>17}" for f in d["acks"].values()
+            )
             rejoin = sum(f["lost_after_rejoin"] for f in d["acks"].values())
-            yield (f"   {r.number:>2} {r.victim:>4} {d['failover_to']:>3} {d['rto_ms']:>7}{lost} {rejoin:>11} "
-                   f"{d['duplicates_vs_commit']:>10} {d['duplicates_total']:>11} {d['never_delivered']:>5} "
-                   f"{d['commits']:>7} {d['commit_errors']:>6} {r.seconds:>5.1f}  "
-                   f"{'kept' if d['ok'] else 'BROKEN'}")  # fmt: skip
+            yield (
+                f"   {r.number:>2} {r.victim:>4} {d['failover_to']:>3} {d['rto_ms']:>7}{lost} {rejoin:>11} "
+                f"{d['duplicates_vs_commit']:>10} {d['duplicates_total']:>11} {d['never_delivered']:>5} "
+                f"{d['commits']:>7} {d['commit_errors']:>6} {r.seconds:>5.1f}  "
+                f"{'kept' if d['ok'] else 'BROKEN'}"
+            )
         yield ""
     if res.rates:
-        yield (f"2. Commits at site {COMMIT_SITE}, one partition per commit, awaited one by one, next to one-record "
-               f"produce batches awaited one by one ({res.rates[0].seconds:.0f}s each; the offsets topic and the "
-               "produce topic both fsync per batch).")  # fmt: skip
+        yield (
+            f"2. Commits at site {COMMIT_SITE}, one partition per commit, awaited one by one, next to one-record "
+            f"produce batches awaited one by one ({res.rates[0].seconds:.0f}s each; the offsets topic and the "
+            "produce topic both fsync per batch)."
+        )
         head = f"   {'what':<8} {'acks':<7} {'ops/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'count':>7} errors"
         yield head
         yield "   " + "-" * (len(head) - 3)
         for rate in res.rates:
             j = rate.as_json()
-            yield (f"   {rate.what:<8} {rate.acks:<7} {rate.per_s:>7.0f} {j['p50_ms']:>7.2f} {j['p99_ms']:>7.2f} "
-                   f"{j['max_ms']:>7.2f} {rate.count:>7} {rate.errors}")  # fmt: skip
+            yield (
+                f"   {rate.what:<8} {rate.acks:<7} {rate.per_s:>7.0f} {j['p50_ms']:>7.2f} {j['p99_ms']:>7.2f} "
+                f"{j['max_ms']:>7.2f} {rate.count:>7} {rate.errors}"
+            )
         yield ""
 
 
@@ -420,8 +440,10 @@ def summary(res: Results) -> Iterator[str]:
     if res.drills:
         figures = rto_figures(res)
         if figures is not None:
-            yield (f"RTO (kill to the first record consumed at the failover site): median {figures[0]:.0f} ms, "
-                   f"worst {figures[1]} ms over {sum(1 for r in res.drills if r.report)} drills")  # fmt: skip
+            yield (
+                f"RTO (kill to the first record consumed at the failover site): median {figures[0]:.0f} ms, "
+                f"worst {figures[1]} ms over {sum(1 for r in res.drills if r.report)} drills"
+            )
         problems = broken(res)
         if problems:
             yield f"PROMISES BROKEN in {len({p.split(':')[0] for p in problems})} of {len(res.drills)} drills:"
@@ -441,14 +463,20 @@ def summary(res: Results) -> Iterator[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drills", type=int, default=10, help="drills back to back (default 10; 0: none)")
-    parser.add_argument("--victims", default="a,b,c",
-                        help="sites to kill, in turn (default a,b,c); each fails over to the next site")  # fmt: skip
+    parser.add_argument(
+        "--victims", default="a,b,c", help="sites to kill, in turn (default a,b,c); each fails over to the next site"
+    )
     parser.add_argument("--warmup", type=float, default=2.0, help="drill seconds before the kill (default 2)")
     parser.add_argument("--after", type=float, default=2.0, help="drill seconds of producing after it (default 2)")
-    parser.add_argument("--rate", type=float, default=100.0,
-                        help="drill records/s per producer; 6 producers run, 2 per site (default 100)")  # fmt: skip
-    parser.add_argument("--seconds", type=float, default=5.0,
-                        help="seconds per commit and produce measurement (default 5; 0: none)")  # fmt: skip
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=100.0,
+        help="drill records/s per producer; 6 producers run, 2 per site (default 100)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=5.0, help="seconds per commit and produce measurement (default 5; 0: none)"
+    )
     parser.add_argument("--json", type=Path, help="also write the results (every drill report whole) to this file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (node logs) on exit")
     args = parser.parse_args(argv)
@@ -492,12 +520,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = Config(args.drills, args.victims, args.warmup, args.after, args.rate, args.seconds)
     cores = os.cpu_count() or 1
-    print(f"georep failover benchmark: {cores} cores ({platform.machine()}), Python {platform.python_version()}, "
-          f"grpcio {grpc.__version__}")  # fmt: skip
+    print(
+        f"georep failover benchmark: {cores} cores ({platform.machine()}), Python {platform.python_version()}, "
+        f"grpcio {grpc.__version__}"
+    )
     print("This machine is shared and noisy: absolute ms and ops/s vary run to run; compare the ratios in one run.")
     if cores < 4:
-        print(f"Note: with {cores} cores the three nodes, the drill's producers and consumers and the bench compete "
-              "for CPU, which shows in the RTO and the latencies.")  # fmt: skip
+        print(
+            f"Note: with {cores} cores the three nodes, the drill's producers and consumers and the bench compete "
+            "for CPU, which shows in the RTO and the latencies."
+        )
     print()
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="georep-bench-failover-"))
@@ -526,16 +558,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         figures = rto_figures(res)
         doc = {
-            "cores": cores, "machine": platform.machine(), "python": platform.python_version(),
+            "cores": cores,
+            "machine": platform.machine(),
+            "python": platform.python_version(),
             "grpcio": grpc.__version__,
-            "config": {"drills": cfg.drills, "victims": cfg.victims, "warmup_s": cfg.warmup_s,
-                       "after_s": cfg.after_s, "rate": cfg.rate, "seconds": cfg.seconds},
-            "drills": [{"number": r.number, "victim": r.victim, "seconds": r.seconds, "error": r.error,
-                        "report": r.report} for r in res.drills],
-            "rto_median_ms": figures[0] if figures else None, "rto_worst_ms": figures[1] if figures else None,
+            "config": {
+                "drills": cfg.drills,
+                "victims": cfg.victims,
+                "warmup_s": cfg.warmup_s,
+                "after_s": cfg.after_s,
+                "rate": cfg.rate,
+                "seconds": cfg.seconds,
+            },
+            "drills": [
+                {"number": r.number, "victim": r.victim, "seconds": r.seconds, "error": r.error, "report": r.report}
+                for r in res.drills
+            ],
+            "rto_median_ms": figures[0] if figures else None,
+            "rto_worst_ms": figures[1] if figures else None,
             "every_promise_kept": not broken(res) if res.drills else None,
-            "rates": [r.as_json() for r in res.rates], "ratios": ratios(res),
-        }  # fmt: skip
+            "rates": [r.as_json() for r in res.rates],
+            "ratios": ratios(res),
+        }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"results written to {args.json}")
     return 0

@@ -55,7 +55,8 @@ from typing import Any
 
 # The repository root first, and not this directory: its kafka.py would shadow kafka-python.
 sys.path[:] = [str(Path(__file__).resolve().parent.parent)] + [
-    p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+    p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent
+]
 
 import crc32c  # noqa: E402
 import zstandard  # noqa: E402
@@ -162,8 +163,7 @@ def measured(node: NodeProcess, name: str, kill_above_mb: int, phases: list[Phas
         phase.killed = True
         phase.outcome = f"node killed: its RSS passed {kill_above_mb} MB " + phase.outcome
     phases.append(phase)
-    print(f"{name:<12} baseline {phase.baseline_mb:7.1f} MB  peak {phase.peak:7.1f} MB  {phase.outcome}",
-          flush=True)  # fmt: skip
+    print(f"{name:<12} baseline {phase.baseline_mb:7.1f} MB  peak {phase.peak:7.1f} MB  {phase.outcome}", flush=True)
 
 
 # -- Kafka, raw ------------------------------------------------------------------------------------------------
@@ -266,10 +266,12 @@ def flood(target: Target, connections: int, frame_bytes: int) -> str:
     for t in threads:
         t.join()
     closed = sum(cut)
-    return (f"{closed}/{connections} connections closed by the node; the most one sent before its close: "
-            f"{max((s for s, c in zip(sent, cut, strict=True) if c), default=0) / 2**20:.2f} MiB; "
-            f"the connections left open held {sum(s for s, c in zip(sent, cut, strict=True) if not c) / 2**20:.0f} "
-            "MiB")  # fmt: skip
+    return (
+        f"{closed}/{connections} connections closed by the node; the most one sent before its close: "
+        f"{max((s for s, c in zip(sent, cut, strict=True) if c), default=0) / 2**20:.2f} MiB; "
+        f"the connections left open held {sum(s for s, c in zip(sent, cut, strict=True) if not c) / 2**20:.0f} "
+        "MiB"
+    )
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
@@ -302,8 +304,26 @@ def georep_bomb(value_bytes: int) -> bytes:
     record_head = RECORD_HEAD.pack(25 + value_bytes, 0, 0, 0, -1) + struct.pack(">i", value_bytes)
     body = zstd_of_zeros(record_head, value_bytes, b"\0\0\0\0")  # no headers
     now_ms = int(time.time() * 1000)
-    head = bytearray(HEADER.pack(0, HEADER_BYTES - LENGTH_PREFIX_BYTES + len(body), 0, 0, MAGIC, int(Compression.ZSTD),
-                                 b"", 0, -1, 0, now_ms, now_ms, -1, -1, -1, 1))  # fmt: skip
+    head = bytearray(
+        HEADER.pack(
+            0,
+            HEADER_BYTES - LENGTH_PREFIX_BYTES + len(body),
+            0,
+            0,
+            MAGIC,
+            int(Compression.ZSTD),
+            b"",
+            0,
+            -1,
+            0,
+            now_ms,
+            now_ms,
+            -1,
+            -1,
+            -1,
+            1,
+        )
+    )
     struct.pack_into(">I", head, 20, crc32c.crc32c(body, crc32c.crc32c(bytes(head[24:]))))
     return bytes(head) + body
 
@@ -348,8 +368,12 @@ def kafka_produce(target: Target, topic: str, batch: bytes) -> str:
     from kafka.protocol.producer import ProduceRequest, ProduceResponse
 
     data = ProduceRequest.TopicProduceData
-    request = ProduceRequest[8](transactional_id=None, acks=1, timeout_ms=30_000, topic_data=[
-        data(name=topic, partition_data=[data.PartitionProduceData(index=0, records=batch)])])  # fmt: skip
+    request = ProduceRequest[8](
+        transactional_id=None,
+        acks=1,
+        timeout_ms=30_000,
+        topic_data=[data(name=topic, partition_data=[data.PartitionProduceData(index=0, records=batch)])],
+    )
     request.with_header(correlation_id=9, client_id="flood-bench")
     with target.connect(timeout_s=300) as sock:
         authenticate(sock, "admin", PASSWORD)
@@ -366,10 +390,16 @@ def kafka_produce(target: Target, topic: str, batch: bytes) -> str:
 def fetch_bomb(target: Target, topic: str, ssl_ca: Path | None) -> str:
     from confluent_kafka import Consumer, TopicPartition
 
-    config: dict[str, Any] = {"bootstrap.servers": target.kafka, "group.id": "flood-bench",
-                              "security.protocol": "SASL_SSL" if ssl_ca else "SASL_PLAINTEXT",
-                              "sasl.mechanisms": "SCRAM-SHA-512", "sasl.username": "admin", "sasl.password": PASSWORD,
-                              "fetch.max.bytes": 64 << 20, "receive.message.max.bytes": 100 << 20}  # fmt: skip
+    config: dict[str, Any] = {
+        "bootstrap.servers": target.kafka,
+        "group.id": "flood-bench",
+        "security.protocol": "SASL_SSL" if ssl_ca else "SASL_PLAINTEXT",
+        "sasl.mechanisms": "SCRAM-SHA-512",
+        "sasl.username": "admin",
+        "sasl.password": PASSWORD,
+        "fetch.max.bytes": 64 << 20,
+        "receive.message.max.bytes": 100 << 20,
+    }
     if ssl_ca:
         config["ssl.ca.location"] = str(ssl_ca)
     consumer = Consumer(config)
@@ -392,8 +422,9 @@ def fetch_bomb(target: Target, topic: str, ssl_ca: Path | None) -> str:
 
 
 def georep(*args: str, stdin: str | None = None) -> None:
-    done = subprocess.run([sys.executable, "-m", "georep.cli", *args], capture_output=True, text=True, timeout=120,
-                          input=stdin)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "georep.cli", *args], capture_output=True, text=True, timeout=120, input=stdin
+    )
     if done.returncode != 0:
         raise RuntimeError(f"georep {' '.join(args)} failed: {done.stderr.strip()}")
 
@@ -410,8 +441,9 @@ def run(args: argparse.Namespace, tmp: Path) -> list[Phase]:
         georep("certs", "init", "--dir", str(certs), "--sites", "a")
         tls = TlsConfig.from_dir(certs, site_principal("a"))
         admin = ["--tls-dir", str(certs)]
-    node = NodeProcess(site="a", data_dir=tmp / "a", tls=tls,
-                       extra_args=["--kafka-listen", "127.0.0.1:0", "--kafka-sasl", "scram"])  # fmt: skip
+    node = NodeProcess(
+        site="a", data_dir=tmp / "a", tls=tls, extra_args=["--kafka-listen", "127.0.0.1:0", "--kafka-sasl", "scram"]
+    )
     node.start()
     results: list[Phase] = []
     try:
@@ -452,16 +484,24 @@ def together(steps: list[Callable[[], str]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phases", default=DEFAULT_PHASES, help=f"comma-separated, in order, from {', '.join(PHASES)} "
-                        f"(default {DEFAULT_PHASES})")  # fmt: skip
+    parser.add_argument(
+        "--phases",
+        default=DEFAULT_PHASES,
+        help=f"comma-separated, in order, from {', '.join(PHASES)} (default {DEFAULT_PHASES})",
+    )
     parser.add_argument("--connections", type=int, default=20, help="unauthenticated connections (default 20)")
     parser.add_argument("--frame-mib", type=int, default=99, help="the frame each one sends (default 99 MiB)")
-    parser.add_argument("--held-connections", type=int, default=100,
-                        help="connections of the held phase (default 100, the bound per address)")  # fmt: skip
+    parser.add_argument(
+        "--held-connections",
+        type=int,
+        default=100,
+        help="connections of the held phase (default 100, the bound per address)",
+    )
     parser.add_argument("--bomb-mib", type=int, default=1024, help="the bomb's record, uncompressed (default 1 GiB)")
     parser.add_argument("--value-mb", type=int, default=900, help="the Kafka value, uncompressed (default 900 MB)")
-    parser.add_argument("--kill-above-mb", type=int, default=3000,
-                        help="SIGKILL the node if its RSS passes this (default 3000)")  # fmt: skip
+    parser.add_argument(
+        "--kill-above-mb", type=int, default=3000, help="SIGKILL the node if its RSS passes this (default 3000)"
+    )
     parser.add_argument("--tls", action="store_true", help="a TLS node: SASL_SSL, mutual-TLS gRPC")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
@@ -476,8 +516,9 @@ def main() -> int:
     if stored:
         print(f"stored, where issue 20 wants a refusal: {', '.join(stored)}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"phases": [vars(p) | {"peak": p.peak} for p in results],
-                                         "peak_mb": overall}, indent=2) + "\n")  # fmt: skip
+        args.json.write_text(
+            json.dumps({"phases": [vars(p) | {"peak": p.peak} for p in results], "peak_mb": overall}, indent=2) + "\n"
+        )
     return 0 if verdict == "under" and not stored else 1
 
 

@@ -55,8 +55,13 @@ PROBE_TIMEOUT_S = 10.0
 
 async def first_batch_at(address: str, offset: int, replica: bool) -> float:
     """When (time.monotonic()) a Fetch at ``address`` from ``offset`` first gets a batch."""
-    request = pb.FetchRequest(topic=TOPIC, partition=0, offset=offset, max_wait_ms=5_000,
-                              read_from=pb.READ_FROM_REPLICA if replica else pb.READ_FROM_LEADER)  # fmt: skip
+    request = pb.FetchRequest(
+        topic=TOPIC,
+        partition=0,
+        offset=offset,
+        max_wait_ms=5_000,
+        read_from=pb.READ_FROM_REPLICA if replica else pb.READ_FROM_LEADER,
+    )
     async with client_channel(address, None) as channel:
         async for response in pbg.NodeStub(channel).Fetch(request, timeout=PROBE_TIMEOUT_S):
             if response.batches:
@@ -73,8 +78,9 @@ async def visibility(site: Site, leader: int, follower: int, probes: int) -> tup
         for i in range(probes):
             latest = pb.ListOffsetsRequest(topic=TOPIC, partition=0, position=pb.START_LATEST)
             end = (await stub.ListOffsets(latest)).offsets[0].offset
-            streams = [asyncio.create_task(first_batch_at(site.addresses[n], end, n != leader))
-                       for n in (leader, follower)]  # fmt: skip
+            streams = [
+                asyncio.create_task(first_batch_at(site.addresses[n], end, n != leader)) for n in (leader, follower)
+            ]
             await asyncio.sleep(0.05)  # both streams wait at the end
             async with Producer(site.addresses[leader], acks="all", linger_ms=0) as producer:
                 await producer.send(TOPIC, b"p" * RECORD_BYTES, partition=0)
@@ -114,8 +120,9 @@ async def run(site: Site, args: argparse.Namespace) -> None:
     progress(f"writing {records} records of {RECORD_BYTES} B at acks=all")
     async with Producer(site.addresses[leader], acks="all", linger_ms=5) as producer:
         for start in range(0, records, 1000):
-            await asyncio.gather(*(producer.send(TOPIC, b"r" * RECORD_BYTES, partition=0)
-                                   for _ in range(min(1000, records - start))))  # fmt: skip
+            await asyncio.gather(
+                *(producer.send(TOPIC, b"r" * RECORD_BYTES, partition=0) for _ in range(min(1000, records - start)))
+            )
     best = {"leader": 0.0, "follower": 0.0}
     for _ in range(args.repeats):
         for mode in ("leader", "follower"):
@@ -123,8 +130,10 @@ async def run(site: Site, args: argparse.Namespace) -> None:
             best[mode] = max(best[mode], mb_s)
             progress(f"read from {mode}: {mb_s:.1f} MB/s")
     print()
-    print(f"Site a: 3 nodes, replication factor {REPLICATION_FACTOR}, min-insync {MIN_INSYNC_REPLICAS}; "
-          f"partition leader node {leader}, follower node {follower}")
+    print(
+        f"Site a: 3 nodes, replication factor {REPLICATION_FACTOR}, min-insync {MIN_INSYNC_REPLICAS}; "
+        f"partition leader node {leader}, follower node {follower}"
+    )
     print(f"visibility, ms from an acks=all ack to the record on a waiting Fetch stream ({args.probes} probes):")
     for name, values in (("leader", at_leader), ("follower", at_follower)):
         print(f"  {name:<8}  median {statistics.median(values):6.1f}  worst {max(values):6.1f}")
@@ -146,8 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         root = Path(tempfile.mkdtemp(prefix="georep-bench-follower-reads-"))
         stack.callback(shutil.rmtree, root, ignore_errors=True)
-        site = Site(root, ["--replication-factor", str(REPLICATION_FACTOR), "--min-insync-replicas",
-                           str(MIN_INSYNC_REPLICAS), "--session-timeout-ms", "1000", "--scrub-bytes-per-s", "0"])
+        site = Site(
+            root,
+            [
+                "--replication-factor",
+                str(REPLICATION_FACTOR),
+                "--min-insync-replicas",
+                str(MIN_INSYNC_REPLICAS),
+                "--session-timeout-ms",
+                "1000",
+                "--scrub-bytes-per-s",
+                "0",
+            ],
+        )
         stack.callback(site.close)
         progress("starting nodes 1, 2, 3 of site a")
         site.start()

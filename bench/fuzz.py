@@ -25,8 +25,17 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=5000, help="Hypothesis examples (default 5000)")
     args = parser.parse_args()
     env = {**os.environ, "GEOREP_FUZZ_EXAMPLES": str(args.examples)}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "0",
-               "tests/test_fuzz_rpc.py"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--timeout",
+        "0",
+        "tests/test_fuzz_rpc.py",
+    ]
     return subprocess.run(command, cwd=ROOT, env=env, check=False).returncode
 
 

@@ -41,8 +41,16 @@ from georep.server.process import NODE_INFO, NodeProcess
 def kafka_produce(bootstrap: str, topic: str, records: int, value: bytes) -> float:
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 5,
-                  "batch.size": 1 << 20, "queue.buffering.max.kbytes": 1 << 20})  # fmt: skip
+    p = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            "batch.size": 1 << 20,
+            "queue.buffering.max.kbytes": 1 << 20,
+        }
+    )
     p.produce(topic, value=value)  # metadata and the producer id, before the clock
     p.flush(30)
     start = time.perf_counter()
@@ -61,8 +69,15 @@ def kafka_produce(bootstrap: str, topic: str, records: int, value: bytes) -> flo
 def kafka_consume(bootstrap: str, topic: str, records: int) -> float:
     from confluent_kafka import Consumer, TopicPartition
 
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{time.time_ns()}", "enable.auto.commit": False,
-                  "fetch.max.bytes": 16 << 20, "max.partition.fetch.bytes": 4 << 20})  # fmt: skip
+    c = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-{time.time_ns()}",
+            "enable.auto.commit": False,
+            "fetch.max.bytes": 16 << 20,
+            "max.partition.fetch.bytes": 4 << 20,
+        }
+    )
     try:
         c.assign([TopicPartition(topic, 0, 0)])
         got = 0
@@ -139,13 +154,17 @@ def main() -> int:
         args.records, args.repeats = 5_000, 1
     value = b"x" * args.value_bytes
     with tempfile.TemporaryDirectory(prefix="georep-bench-kafka-") as tmp:
-        node = NodeProcess(site="a", data_dir=Path(tmp) / "a",
-                           extra_args=["--kafka-listen", "127.0.0.1:0", "--flush-interval-ms", "100"])  # fmt: skip
+        node = NodeProcess(
+            site="a",
+            data_dir=Path(tmp) / "a",
+            extra_args=["--kafka-listen", "127.0.0.1:0", "--flush-interval-ms", "100"],
+        )
         node.start()
         try:
             bootstrap = json.loads((node.data_dir / NODE_INFO).read_text())["kafka"]
-            results: dict[str, list[float]] = {k: [] for k in ("kafka produce", "georep produce", "kafka consume",
-                                                                "georep consume")}  # fmt: skip
+            results: dict[str, list[float]] = {
+                k: [] for k in ("kafka produce", "georep produce", "kafka consume", "georep consume")
+            }
             for run in range(args.repeats):
                 kt, gt = f"k{run}", f"g{run}"
                 create_topics(bootstrap, [kt, gt])
@@ -153,8 +172,10 @@ def main() -> int:
                 results["georep produce"].append(asyncio.run(georep_produce(node.address, gt, args.records, value)))
                 results["kafka consume"].append(kafka_consume(bootstrap, kt, args.records))
                 results["georep consume"].append(asyncio.run(georep_consume(node.address, gt, args.records)))
-                print(f"run {run + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in results.items()),
-                      flush=True)  # fmt: skip
+                print(
+                    f"run {run + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in results.items()),
+                    flush=True,
+                )
         finally:
             node.stop()
     mb = args.records * args.value_bytes / 1e6

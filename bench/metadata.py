@@ -124,8 +124,9 @@ def group(root: Path, journal_sync: bool) -> Iterator[list[RaftMetadataStore]]:
     stores: list[RaftMetadataStore] = []
     try:
         for i, address in enumerate(addresses):
-            stores.append(RaftMetadataStore(address, addresses, root / f"node{i}", password=secret,
-                                            journal_sync=journal_sync))  # fmt: skip
+            stores.append(
+                RaftMetadataStore(address, addresses, root / f"node{i}", password=secret, journal_sync=journal_sync)
+            )
         yield stores
     finally:
         for store in stores:
@@ -145,8 +146,9 @@ def committed(result: object) -> None:
         raise RuntimeError(f"a command gave {result!r}")
 
 
-def throughput(stores: list[RaftMetadataStore], commands: int, writers: int, counter: FdatasyncCounter) -> tuple[
-        float, float]:  # fmt: skip
+def throughput(
+    stores: list[RaftMetadataStore], commands: int, writers: int, counter: FdatasyncCounter
+) -> tuple[float, float]:
     per_writer = commands // writers
     errors: list[BaseException] = []
     start = threading.Barrier(writers + 1)
@@ -192,8 +194,10 @@ def latency(stores: list[RaftMetadataStore], commands: int) -> list[float]:
 
 def one_run(root: Path, journal_sync: bool, args: argparse.Namespace, counter: FdatasyncCounter) -> Run:
     with group(root, journal_sync) as stores:
-        wait_for("Raft leader", lambda: sum(s.is_leader for s in stores) == 1
-                 and all(s.leader_address is not None for s in stores))  # fmt: skip
+        wait_for(
+            "Raft leader",
+            lambda: sum(s.is_leader for s in stores) == 1 and all(s.leader_address is not None for s in stores),
+        )
         for i in range(NODES):  # the nodes the heartbeats are about, and a warm-up of every path
             committed(stores[i].propose(RegisterNode(NodeId(i + 1), f"127.0.0.1:{9000 + i}")))
         rate, syncs = throughput(stores, args.commands, args.writers, counter)
@@ -202,14 +206,21 @@ def one_run(root: Path, journal_sync: bool, args: argparse.Namespace, counter: F
 
 def report(modes: dict[str, Mode], args: argparse.Namespace, where: Path) -> Iterator[str]:
     before, after = modes["before"], modes["after"]
-    yield (f"metadata commands through a {NODES}-node Raft group in one process; {os.cpu_count()} cores; "
-           f"Python {platform.python_version()}; data under {where}")  # fmt: skip
-    yield (f"throughput: {args.commands} NodeHeartbeat commands by {args.writers} writers; latency: "
-           f"{args.latency_commands} commands one by one through a follower; {args.repeats} runs each")  # fmt: skip
+    yield (
+        f"metadata commands through a {NODES}-node Raft group in one process; {os.cpu_count()} cores; "
+        f"Python {platform.python_version()}; data under {where}"
+    )
+    yield (
+        f"throughput: {args.commands} NodeHeartbeat commands by {args.writers} writers; latency: "
+        f"{args.latency_commands} commands one by one through a follower; {args.repeats} runs each"
+    )
     yield ""
     yield f"{'median of runs':28}{'before (no fsync)':>20}{'after (fdatasync)':>20}{'after/before':>14}"
-    rows = [("throughput, commands/s", Mode.throughput, ".0f"), ("latency p50, ms", Mode.p50_ms, ".2f"),
-            ("latency p99, ms", Mode.p99_ms, ".2f")]  # fmt: skip
+    rows = [
+        ("throughput, commands/s", Mode.throughput, ".0f"),
+        ("latency p50, ms", Mode.p50_ms, ".2f"),
+        ("latency p99, ms", Mode.p99_ms, ".2f"),
+    ]
     for label, figure, spec in rows:
         b, a = figure(before), figure(after)
         yield f"{label:28}{b:>20{spec}}{a:>20{spec}}{a / b:>13.0%}"
@@ -227,8 +238,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--writers", type=int, default=24, help="concurrent writers (default 24)")
     parser.add_argument("--latency-commands", type=int, default=300, help="commands one by one (default 300)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each kind of group (default 3)")
-    parser.add_argument("--dir", type=Path, default=None, help="where the groups' data go (default: a temporary "
-                        "directory in the system's; it must be on the disk to measure, not a tmpfs)")  # fmt: skip
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="where the groups' data go (default: a temporary "
+        "directory in the system's; it must be on the disk to measure, not a tmpfs)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 300 commands, 30 one by one, one run each")
     args = parser.parse_args(argv)
     if args.quick:

@@ -204,8 +204,12 @@ def start_raw_server(stack: contextlib.ExitStack, log_dir: Path) -> str:
 
 
 def start_node(stack: contextlib.ExitStack, root: Path, tls: TlsConfig | None = None) -> NodeProcess:
-    node = NodeProcess("bench", root / ("node-tls" if tls else "node"), tls=tls,
-                       extra_args=["--flush-interval-ms", str(NODE_FLUSH_INTERVAL_MS)])  # fmt: skip
+    node = NodeProcess(
+        "bench",
+        root / ("node-tls" if tls else "node"),
+        tls=tls,
+        extra_args=["--flush-interval-ms", str(NODE_FLUSH_INTERVAL_MS)],
+    )
     stack.callback(node.stop)
     return node.start()
 
@@ -244,8 +248,7 @@ async def serve_raw(port: int) -> None:
         return total.to_bytes(8, "big")
 
     handler = grpc.method_handlers_generic_handler(
-        "bench.Sink",
-        {"Push": grpc.stream_unary_rpc_method_handler(push, None, None)},
+        "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push, None, None)}
     )
     await serve_until_signalled(handler, port)
 
@@ -325,8 +328,9 @@ async def create_topic(channel: grpc.aio.Channel, name: str, partitions: int) ->
     await create(pb.CreateTopicRequest(name=name, partitions=partitions), timeout=30)
 
 
-async def client_produce(address: str, topic: str, records: int, batch_bytes: int, value: bytes,
-                         tls: TlsConfig | None = None) -> float:  # fmt: skip
+async def client_produce(
+    address: str, topic: str, records: int, batch_bytes: int, value: bytes, tls: TlsConfig | None = None
+) -> float:
     """``georep.client.Producer``: send every record, then wait until every one is acknowledged."""
     from georep.client import Producer  # imported late: the rest of the bench runs without the client
 
@@ -352,8 +356,9 @@ async def client_send_only(address: str, topic: str, records: int, batch_bytes: 
     """``Producer.send`` alone: the loop never yields while timed, so no I/O runs in between."""
     from georep.client import Producer
 
-    producer = Producer(address, acks="leader", batch_size=batch_bytes, linger_ms=CLIENT_LINGER_MS,
-                        buffer_memory=1 << 40)  # fmt: skip
+    producer = Producer(
+        address, acks="leader", batch_size=batch_bytes, linger_ms=CLIENT_LINGER_MS, buffer_memory=1 << 40
+    )
     await producer.start()
     try:
         await producer.send(topic, value)
@@ -435,8 +440,14 @@ def progress(text: str) -> None:
     print(f"  .. {text}", file=sys.stderr, flush=True)
 
 
-async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: str | None,
-                  tls_address: str | None = None, client_tls: TlsConfig | None = None) -> list[Result]:  # fmt: skip
+async def run_all(
+    cfg: Config,
+    node_address: str,
+    raw_address: str,
+    nats_url: str | None,
+    tls_address: str | None = None,
+    client_tls: TlsConfig | None = None,
+) -> list[Result]:
     """Every measurement; with ``tls_address`` (a node serving mutual TLS) and ``client_tls``, an mTLS row
     beside each georep stream and client row, its runs alternating with the plaintext ones."""
     value = os.urandom(RECORD_VALUE_BYTES)
@@ -459,11 +470,11 @@ async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: st
             window = max(2, cfg.window_bytes // batch_bytes)
             for partitions in cfg.partitions:
                 # Same request bytes for the node and the raw sink; topics are fresh per run.
-                stream = Result("georep stream", batch_bytes, partitions, cfg.records, 0,
-                                note=f"window {window}")  # fmt: skip
+                stream = Result("georep stream", batch_bytes, partitions, cfg.records, 0, note=f"window {window}")
                 raw = Result("raw gRPC", batch_bytes, partitions, cfg.records, 0, note="client-streaming sink")
-                stream_tls = Result("georep stream mTLS", batch_bytes, partitions, cfg.records, 0,
-                                    note=f"window {window}, mutual TLS")  # fmt: skip
+                stream_tls = Result(
+                    "georep stream mTLS", batch_bytes, partitions, cfg.records, 0, note=f"window {window}, mutual TLS"
+                )
                 for i in range(cfg.repeats):
                     topic = next_topic("stream", batch_bytes, partitions)
                     await create_topic(node_channel, topic, partitions)
@@ -488,13 +499,26 @@ async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: st
 
                 if not cfg.skip_client:
                     payload = cfg.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
-                    client = Result("georep client", batch_bytes, partitions, cfg.records, payload,
-                                    note=f"Producer, linger {CLIENT_LINGER_MS} ms")  # fmt: skip
-                    client_tls_row = Result("georep client mTLS", batch_bytes, partitions, cfg.records, payload,
-                                            note=f"Producer, linger {CLIENT_LINGER_MS} ms, mutual TLS")  # fmt: skip
+                    client = Result(
+                        "georep client",
+                        batch_bytes,
+                        partitions,
+                        cfg.records,
+                        payload,
+                        note=f"Producer, linger {CLIENT_LINGER_MS} ms",
+                    )
+                    client_tls_row = Result(
+                        "georep client mTLS",
+                        batch_bytes,
+                        partitions,
+                        cfg.records,
+                        payload,
+                        note=f"Producer, linger {CLIENT_LINGER_MS} ms, mutual TLS",
+                    )
 
-                    async def run_client(i: int, bb: int = batch_bytes, p: int = partitions,
-                                         tls_row: Result = client_tls_row) -> float:  # fmt: skip
+                    async def run_client(
+                        i: int, bb: int = batch_bytes, p: int = partitions, tls_row: Result = client_tls_row
+                    ) -> float:
                         topic = next_topic("client", bb, p)
                         await create_topic(node_channel, topic, p)
                         progress(f"georep client {size_label(bb)} x{p}p run {i + 1}")
@@ -505,7 +529,8 @@ async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: st
                             progress(f"georep client mTLS {size_label(bb)} x{p}p run {i + 1}")
                             settle_page_cache()
                             tls_row.seconds.append(
-                                await client_produce(tls_address, topic, cfg.records, bb, value, client_tls))
+                                await client_produce(tls_address, topic, cfg.records, bb, value, client_tls)
+                            )
                         return elapsed
 
                     try:
@@ -526,8 +551,9 @@ async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: st
 
             if not cfg.skip_client:
                 payload = cfg.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
-                send_only = Result("Producer.send", batch_bytes, 1, cfg.records, payload,
-                                   note="1 core, accumulate only, no I/O")  # fmt: skip
+                send_only = Result(
+                    "Producer.send", batch_bytes, 1, cfg.records, payload, note="1 core, accumulate only, no I/O"
+                )
 
                 async def run_send(i: int, bb: int = batch_bytes) -> float:
                     topic = next_topic("send", bb, 1)
@@ -538,8 +564,14 @@ async def run_all(cfg: Config, node_address: str, raw_address: str, nats_url: st
                 results.append(await repeat(send_only, cfg.repeats, run_send))
 
         if nats_url is not None:
-            nats_result = Result("nats js", 0, 1, cfg.records, cfg.records * RECORD_VALUE_BYTES,
-                                 note=f"publish_async, {NATS_WINDOW_MESSAGES} pending, file storage")  # fmt: skip
+            nats_result = Result(
+                "nats js",
+                0,
+                1,
+                cfg.records,
+                cfg.records * RECORD_VALUE_BYTES,
+                note=f"publish_async, {NATS_WINDOW_MESSAGES} pending, file storage",
+            )
 
             async def run_nats(i: int) -> float:
                 progress(f"nats js run {i + 1}")
@@ -583,8 +615,10 @@ def ratio_text(num: Result | None, den: Result | None, per_record: bool = False)
 
 def table(results: list[Result], nats_missing: str | None) -> Iterator[str]:
     nats = next((r for r in results if r.name == "nats js"), None)
-    head = f"{'measurement':<18} {'batch':>8} {'parts':>5} {'MB/s':>8} {'records/s':>10}  {'vs raw':>6} " \
-           f"{'vs nats':>7}  {'runs MB/s':<18} note"  # fmt: skip
+    head = (
+        f"{'measurement':<18} {'batch':>8} {'parts':>5} {'MB/s':>8} {'records/s':>10}  {'vs raw':>6} "
+        f"{'vs nats':>7}  {'runs MB/s':<18} note"
+    )
     yield head
     yield "-" * len(head)
     for r in results:
@@ -594,8 +628,10 @@ def table(results: list[Result], nats_missing: str | None) -> Iterator[str]:
             vs_raw = ratio_text(r, find(results, "raw gRPC", r.batch_bytes, r.partitions))
             vs_nats = ratio_text(r, nats, per_record=True)
         runs = " ".join(f"{x:.0f}" for x in r.runs_mb_s())
-        yield (f"{r.name:<18} {size_label(r.batch_bytes):>8} {r.partitions:>5} {r.mb_s:>8.1f} {r.records_s:>10,.0f}  "
-               f"{vs_raw:>6} {vs_nats:>7}  {runs:<18} {r.note}")  # fmt: skip
+        yield (
+            f"{r.name:<18} {size_label(r.batch_bytes):>8} {r.partitions:>5} {r.mb_s:>8.1f} {r.records_s:>10,.0f}  "
+            f"{vs_raw:>6} {vs_nats:>7}  {runs:<18} {r.note}"
+        )
     if nats_missing:
         yield f"nats js: {nats_missing}"
 
@@ -607,16 +643,20 @@ def summary(results: list[Result]) -> Iterator[str]:
             if plain is not None:
                 ratio = r.mb_s / plain.mb_s
                 verdict = "meets" if ratio >= 0.75 else "ABOVE"
-                yield (f"{r.name} {size_label(r.batch_bytes)} x{r.partitions}p: {ratio * 100:.1f}% of plaintext, "
-                       f"TLS costs {max(0.0, 1 - ratio) * 100:.1f}% ({verdict} the at-most-25% target)")  # fmt: skip
+                yield (
+                    f"{r.name} {size_label(r.batch_bytes)} x{r.partitions}p: {ratio * 100:.1f}% of plaintext, "
+                    f"TLS costs {max(0.0, 1 - ratio) * 100:.1f}% ({verdict} the at-most-25% target)"
+                )
             continue
         if r.name in ("georep stream", "georep client"):
             raw = find(results, "raw gRPC", r.batch_bytes, r.partitions)
             if raw is not None:
                 ratio = r.mb_s / raw.mb_s
                 verdict = "meets" if ratio >= 0.5 else "BELOW"
-                yield (f"{r.name} {size_label(r.batch_bytes)} x{r.partitions}p: {ratio * 100:.1f}% of raw gRPC "
-                       f"({verdict} the 50% target)")  # fmt: skip
+                yield (
+                    f"{r.name} {size_label(r.batch_bytes)} x{r.partitions}p: {ratio * 100:.1f}% of raw gRPC "
+                    f"({verdict} the 50% target)"
+                )
         if r.name in ("encode_batch", "Producer.send"):
             verdict = "meets" if r.records_s >= 300_000 else "BELOW"
             yield f"{r.name} {size_label(r.batch_bytes)}: {r.records_s:,.0f} records/s ({verdict} the 300k target)"
@@ -647,15 +687,31 @@ def parse_partitions(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--records", type=int, default=None,
-                        help=f"1 KiB records per measurement (default {DEFAULT_RECORDS}, --quick {QUICK_RECORDS})")
-    parser.add_argument("--batch-sizes", type=parse_sizes, default=[65536, 1048576],
-                        help="comma-separated batch sizes in bytes (default 65536,1048576)")
-    parser.add_argument("--partitions", type=parse_partitions, default=[1],
-                        help="comma-separated partition counts, e.g. 1,4 (default 1)")
+    parser.add_argument(
+        "--records",
+        type=int,
+        default=None,
+        help=f"1 KiB records per measurement (default {DEFAULT_RECORDS}, --quick {QUICK_RECORDS})",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        type=parse_sizes,
+        default=[65536, 1048576],
+        help="comma-separated batch sizes in bytes (default 65536,1048576)",
+    )
+    parser.add_argument(
+        "--partitions",
+        type=parse_partitions,
+        default=[1],
+        help="comma-separated partition counts, e.g. 1,4 (default 1)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="runs per measurement, best kept (default 3)")
-    parser.add_argument("--window-bytes", type=int, default=DEFAULT_WINDOW_BYTES,
-                        help="request bytes in flight on ProduceStream (default 16 MiB)")
+    parser.add_argument(
+        "--window-bytes",
+        type=int,
+        default=DEFAULT_WINDOW_BYTES,
+        help="request bytes in flight on ProduceStream (default 16 MiB)",
+    )
     parser.add_argument("--no-client", action="store_true", help="skip the georep.client.Producer runs")
     parser.add_argument("--no-nats", action="store_true", help="skip NATS JetStream even if installed")
     parser.add_argument("--no-tls", action="store_true", help="skip the mutual-TLS node and its rows")
@@ -681,11 +737,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = Config(args.records, args.batch_sizes, args.partitions, args.repeats, args.window_bytes, args.no_client)
     cores = os.cpu_count() or 1
-    print(f"georep produce benchmark: {cores} cores ({platform.machine()}), Python {platform.python_version()}, "
-          f"grpcio {grpc.__version__}")  # fmt: skip
+    print(
+        f"georep produce benchmark: {cores} cores ({platform.machine()}), Python {platform.python_version()}, "
+        f"grpcio {grpc.__version__}"
+    )
     print("This machine is shared and noisy: absolute MB/s vary run to run; only the ratios are meaningful.")
-    print(f"{cfg.records} records of {RECORD_VALUE_BYTES} B per measurement, best of {cfg.repeats}; "
-          f"node fsyncs every {NODE_FLUSH_INTERVAL_MS} ms, acks=leader.")  # fmt: skip
+    print(
+        f"{cfg.records} records of {RECORD_VALUE_BYTES} B per measurement, best of {cfg.repeats}; "
+        f"node fsyncs every {NODE_FLUSH_INTERVAL_MS} ms, acks=leader."
+    )
     if cores < 4:
         print(f"Note: with {cores} cores the client, the server and the kernel compete for CPU.")
     nats_missing: str | None = None
@@ -705,8 +765,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             nats_url = start_nats(stack, root)
             if nats_url is None:
-                nats_missing = ("nats-server is not on PATH; install it (Debian: apt-get install -y nats-server) "
-                                "to compare with NATS JetStream")  # fmt: skip
+                nats_missing = (
+                    "nats-server is not on PATH; install it (Debian: apt-get install -y nats-server) "
+                    "to compare with NATS JetStream"
+                )
         results = asyncio.run(run_all(cfg, node.address, raw_address, nats_url, tls_address, client_tls))
     print()
     for line in table(results, nats_missing):
@@ -717,11 +779,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(total {time.monotonic() - started:.0f}s)")
     if args.json:
         doc = {
-            "cores": cores, "machine": platform.machine(), "python": platform.python_version(),
-            "grpcio": grpc.__version__, "records": cfg.records, "repeats": cfg.repeats,
-            "flush_interval_ms": NODE_FLUSH_INTERVAL_MS, "nats": nats_missing or "measured",
+            "cores": cores,
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "grpcio": grpc.__version__,
+            "records": cfg.records,
+            "repeats": cfg.repeats,
+            "flush_interval_ms": NODE_FLUSH_INTERVAL_MS,
+            "nats": nats_missing or "measured",
             "results": [r.as_json() for r in results],
-        }  # fmt: skip
+        }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"results written to {args.json}")
     return 0

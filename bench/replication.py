@@ -110,8 +110,9 @@ def free_ports(n: int) -> list[int]:
         return [int(s.getsockname()[1]) for s in socks]
 
 
-def topology_toml(sites: Sequence[str], ports: Sequence[int], links: Sequence[tuple[str, str]],
-                  topics: Sequence[str] | None = None) -> str:  # fmt: skip
+def topology_toml(
+    sites: Sequence[str], ports: Sequence[int], links: Sequence[tuple[str, str]], topics: Sequence[str] | None = None
+) -> str:
     lines = []
     for site, port in zip(sites, ports, strict=True):
         lines += [f"[sites.{site}]", f'nodes = ["127.0.0.1:{port}"]', ""]
@@ -128,8 +129,9 @@ def topology_toml(sites: Sequence[str], ports: Sequence[int], links: Sequence[tu
 class Cluster:
     """The sites of one topology file, each a ``georep node`` under ``data_dir/<site>``."""
 
-    def __init__(self, stack: contextlib.ExitStack, root: Path, name: str, text: str,
-                 extra_args: list[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, stack: contextlib.ExitStack, root: Path, name: str, text: str, extra_args: list[str] | None = None
+    ) -> None:
         self.stack = stack
         self.root = root
         self.data_dir = root / name
@@ -259,9 +261,13 @@ class Throughput:
 
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out.update(georep_mb_s=self.georep_mb_s, streaming_mb_s=self.streaming_mb_s, raw_mb_s=self.raw_mb_s,
-                   ratio=self.georep_mb_s / self.raw_mb_s,
-                   streaming_ratio=self.streaming_mb_s / self.raw_mb_s)  # fmt: skip
+        out.update(
+            georep_mb_s=self.georep_mb_s,
+            streaming_mb_s=self.streaming_mb_s,
+            raw_mb_s=self.raw_mb_s,
+            ratio=self.georep_mb_s / self.raw_mb_s,
+            streaming_ratio=self.streaming_mb_s / self.raw_mb_s,
+        )
         return out
 
 
@@ -418,10 +424,14 @@ class LongLink:
 
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out.update(flat_mb_s=self.mb_s(self.flat), delayed_mb_s=self.mb_s(self.delayed), ratio=self.ratio,
-                   flat_streaming_mb_s=self.streaming_mb_s(self.flat),
-                   delayed_streaming_mb_s=self.streaming_mb_s(self.delayed),
-                   streaming_ratio=self.streaming_ratio)  # fmt: skip
+        out.update(
+            flat_mb_s=self.mb_s(self.flat),
+            delayed_mb_s=self.mb_s(self.delayed),
+            ratio=self.ratio,
+            flat_streaming_mb_s=self.streaming_mb_s(self.flat),
+            delayed_streaming_mb_s=self.streaming_mb_s(self.delayed),
+            streaming_ratio=self.streaming_ratio,
+        )
         return out
 
 
@@ -547,8 +557,11 @@ async def measure_wire(stack: contextlib.ExitStack, root: Path, cfg: Config) -> 
         deadline = time.monotonic() + CONVERGE_TIMEOUT_S
         while True:
             vectors = [(await site_vector(stubs[s], topic))[0] for s in sites]
-            if all(v == vectors[0] for v in vectors) and len(vectors[0]) == len(sites) \
-                    and all(seq == records for seq in vectors[0].values()):  # fmt: skip
+            if (
+                all(v == vectors[0] for v in vectors)
+                and len(vectors[0]) == len(sites)
+                and all(seq == records for seq in vectors[0].values())
+            ):
                 break
             if time.monotonic() > deadline:
                 raise BenchError(f"the mesh did not converge within {CONVERGE_TIMEOUT_S:g}s: {vectors}")
@@ -572,9 +585,12 @@ async def measure_wire(stack: contextlib.ExitStack, root: Path, cfg: Config) -> 
         sent_bytes=sum(sent.values()),
         applied_bytes=sum(metric_sum(m, "georep_replication_applied_bytes_total") for m in samples.values()),
         skipped_batches=sum(metric_sum(m, "georep_replication_skipped_batches_total") for m in samples.values()),
-        converge_s=converge_s, produce_s=produce_s, flush_interval_ms=0, sent_by_site=sent,
+        converge_s=converge_s,
+        produce_s=produce_s,
+        flush_interval_ms=0,
+        sent_by_site=sent,
         skipped_by_link=skipped_by_link,
-    )  # fmt: skip
+    )
 
 
 # -- 3. end-to-end latency over two hops ---------------------------------------------------
@@ -595,11 +611,16 @@ class Latency:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "flush_interval_ms": self.flush_interval_ms, "rate_mb_s": self.rate_mb_s, "seconds": self.seconds,
-            "sent": self.sent, "received": self.received, "p50_ms": self.pct(0.5), "p99_ms": self.pct(0.99),
+            "flush_interval_ms": self.flush_interval_ms,
+            "rate_mb_s": self.rate_mb_s,
+            "seconds": self.seconds,
+            "sent": self.sent,
+            "received": self.received,
+            "p50_ms": self.pct(0.5),
+            "p99_ms": self.pct(0.99),
             "max_ms": max(self.latencies_ms, default=float("nan")),
             "mean_ms": statistics.fmean(self.latencies_ms) if self.latencies_ms else float("nan"),
-        }  # fmt: skip
+        }
 
 
 async def latency_run(line: Cluster, flush_interval_ms: int, cfg: Config) -> Latency:
@@ -679,8 +700,9 @@ async def latency_run(line: Cluster, flush_interval_ms: int, cfg: Config) -> Lat
             await reader
         await producer.close()
         await consumer.close()
-    return Latency(flush_interval_ms, counted * RECORD_VALUE_BYTES / window_s / 1e6, window_s, counted, received,
-                   latencies)  # fmt: skip
+    return Latency(
+        flush_interval_ms, counted * RECORD_VALUE_BYTES / window_s / 1e6, window_s, counted, received, latencies
+    )
 
 
 async def measure_latency(stack: contextlib.ExitStack, root: Path, cfg: Config) -> list[Latency]:
@@ -741,68 +763,96 @@ async def run_all(cfg: Config, root: Path) -> Results:
 def report(res: Results, cfg: Config) -> Iterator[str]:
     if res.throughput:
         mb = res.throughput[0].payload_bytes / 1e6
-        yield (f"1. Throughput over one link a -> b: {mb:.0f} MB of 1 KiB records produced at a first "
-               f"(topic flush_interval_ms={THROUGHPUT_FLUSH_MS}), then b started; best of {cfg.repeats}.")  # fmt: skip
+        yield (
+            f"1. Throughput over one link a -> b: {mb:.0f} MB of 1 KiB records produced at a first "
+            f"(topic flush_interval_ms={THROUGHPUT_FLUSH_MS}), then b started; best of {cfg.repeats}."
+        )
         yield "   'ready->equal': from b's node being up to b's vector equal to a's (includes topic sync and"
         yield "   stream setup); 'streaming': from the first applied bytes b reports to equal."
-        head = f"   {'batch':>7} {'ready->equal':>12} {'streaming':>10} {'raw gRPC':>9} {'vs raw':>7} " \
-               f"{'stream vs raw':>13}  {'startup s':<14} {'runs MB/s':<16} raw msg"  # fmt: skip
+        head = (
+            f"   {'batch':>7} {'ready->equal':>12} {'streaming':>10} {'raw gRPC':>9} {'vs raw':>7} "
+            f"{'stream vs raw':>13}  {'startup s':<14} {'runs MB/s':<16} raw msg"
+        )
         yield head
         yield "   " + "-" * (len(head) - 3)
         for t in res.throughput:
             runs = " ".join(f"{t.payload_bytes / s / 1e6:.0f}" for s in t.georep_s)
             startup = " ".join(f"{s:.2f}" for s in t.startup_s)
             msg = size_label(t.message_bytes) if t.message_bytes % 1024 == 0 else f"{t.message_bytes:,} B"
-            yield (f"   {size_label(t.batch_bytes):>7} {t.georep_mb_s:>9.1f} MB/s {t.streaming_mb_s:>5.1f} MB/s "
-                   f"{t.raw_mb_s:>6.1f} MB/s {t.georep_mb_s / t.raw_mb_s * 100:>6.0f}% "
-                   f"{t.streaming_mb_s / t.raw_mb_s * 100:>12.0f}%  {startup:<14} {runs:<16} "
-                   f"{msg}")  # fmt: skip
+            yield (
+                f"   {size_label(t.batch_bytes):>7} {t.georep_mb_s:>9.1f} MB/s {t.streaming_mb_s:>5.1f} MB/s "
+                f"{t.raw_mb_s:>6.1f} MB/s {t.georep_mb_s / t.raw_mb_s * 100:>6.0f}% "
+                f"{t.streaming_mb_s / t.raw_mb_s * 100:>12.0f}%  {startup:<14} {runs:<16} "
+                f"{msg}"
+            )
         yield ""
     if res.rtt is not None:
         r = res.rtt
-        yield (f"1b. The same link through the fault proxy, {r.payload_bytes / 1e6:.0f} MB in "
-               f"{size_label(r.batch_bytes)} batches: no delay, and a latency toxic of {r.rtt_ms // 2} ms each way "
-               f"({r.rtt_ms} ms RTT); runs alternate; best of {len(r.flat)}.")  # fmt: skip
+        yield (
+            f"1b. The same link through the fault proxy, {r.payload_bytes / 1e6:.0f} MB in "
+            f"{size_label(r.batch_bytes)} batches: no delay, and a latency toxic of {r.rtt_ms // 2} ms each way "
+            f"({r.rtt_ms} ms RTT); runs alternate; best of {len(r.flat)}."
+        )
         head = f"   {'link':>14} {'ready->equal':>12} {'streaming':>10}  {'startup s':<18} runs MB/s"
         yield head
         yield "   " + "-" * (len(head) - 3)
         for name, runs in (("no delay", r.flat), (f"{r.rtt_ms} ms RTT", r.delayed)):
             startup = " ".join(f"{x[3]:.2f}" for x in runs)
             rates = " ".join(f"{r.payload_bytes / x[0] / 1e6:.0f}" for x in runs)
-            yield (f"   {name:>14} {r.mb_s(runs):>7.1f} MB/s {r.streaming_mb_s(runs):>5.1f} MB/s  {startup:<18} "
-                   f"{rates}")  # fmt: skip
-        yield (f"   {r.rtt_ms} ms RTT / no delay: {r.ratio * 100:.0f}% ready->equal, "
-               f"{r.streaming_ratio * 100:.0f}% streaming")  # fmt: skip
+            yield (
+                f"   {name:>14} {r.mb_s(runs):>7.1f} MB/s {r.streaming_mb_s(runs):>5.1f} MB/s  {startup:<18} {rates}"
+            )
+        yield (
+            f"   {r.rtt_ms} ms RTT / no delay: {r.ratio * 100:.0f}% ready->equal, "
+            f"{r.streaming_ratio * 100:.0f}% streaming"
+        )
         yield ""
     if res.wire is not None:
         w = res.wire
-        yield (f"2. Bytes on the wire, {w.sites}-site full mesh (every ordered pair linked, node default "
-               f"flush_interval_ms={w.flush_interval_ms}): {w.produced_bytes / w.sites / 1e6:.1f} MB produced at "
-               f"each site at once, 64 KiB batches.")  # fmt: skip
-        yield (f"   produced {w.produced_bytes / 1e6:.1f} MB in all; sent downstream {w.sent_bytes / 1e6:.1f} MB; "
-               f"applied {w.applied_bytes / 1e6:.1f} MB; skipped batches {w.skipped_batches:.0f}")  # fmt: skip
+        yield (
+            f"2. Bytes on the wire, {w.sites}-site full mesh (every ordered pair linked, node default "
+            f"flush_interval_ms={w.flush_interval_ms}): {w.produced_bytes / w.sites / 1e6:.1f} MB produced at "
+            f"each site at once, 64 KiB batches."
+        )
+        yield (
+            f"   produced {w.produced_bytes / 1e6:.1f} MB in all; sent downstream {w.sent_bytes / 1e6:.1f} MB; "
+            f"applied {w.applied_bytes / 1e6:.1f} MB; skipped batches {w.skipped_batches:.0f}"
+        )
         per_site = ", ".join(f"{s} {v / 1e6:.1f}" for s, v in sorted(w.sent_by_site.items()))
         yield f"   sent MB by site: {per_site}"
         if w.skipped_by_link:
             yield "   skipped batches by link: " + ", ".join(f"{k} {v:.0f}" for k, v in w.skipped_by_link.items())
-        yield (f"   sent / (produced x {w.sites - 1}) = {w.ratio:.3f}   applied / (produced x {w.sites - 1}) = "
-               f"{w.applied_ratio:.3f}")  # fmt: skip
+        yield (
+            f"   sent / (produced x {w.sites - 1}) = {w.ratio:.3f}   applied / (produced x {w.sites - 1}) = "
+            f"{w.applied_ratio:.3f}"
+        )
         yield f"   produce took {w.produce_s:.1f}s; every vector equal after {w.converge_s:.1f}s"
         yield ""
     if res.latency:
-        yield (f"3. End-to-end latency a -> b -> c: a Producer at a (1 KiB records, linger {LATENCY_LINGER_MS} ms), "
-               f"a Consumer at c; produce send() to poll() return, same clock; {LATENCY_WARMUP_S:g}s warm-up "
-               "not counted.")  # fmt: skip
-        head = f"   {'flush_interval_ms':>17} {'MB/s':>5} {'records':>8} {'received':>8} {'p50 ms':>7} " \
-               f"{'p99 ms':>7} {'max ms':>7}"  # fmt: skip
+        yield (
+            f"3. End-to-end latency a -> b -> c: a Producer at a (1 KiB records, linger {LATENCY_LINGER_MS} ms), "
+            f"a Consumer at c; produce send() to poll() return, same clock; {LATENCY_WARMUP_S:g}s warm-up "
+            "not counted."
+        )
+        head = (
+            f"   {'flush_interval_ms':>17} {'MB/s':>5} {'records':>8} {'received':>8} {'p50 ms':>7} "
+            f"{'p99 ms':>7} {'max ms':>7}"
+        )
         yield head
         yield "   " + "-" * (len(head) - 3)
         for lat in res.latency:
             j = lat.as_json()
-            note = " (node default: fsync per batch)" if lat.flush_interval_ms == 0 else " (fsync every 5 ms)" \
-                if lat.flush_interval_ms == 5 else ""  # fmt: skip
-            yield (f"   {lat.flush_interval_ms:>17} {lat.rate_mb_s:>5.1f} {lat.sent:>8} {lat.received:>8} "
-                   f"{j['p50_ms']:>7.1f} {j['p99_ms']:>7.1f} {j['max_ms']:>7.1f}{note}")  # fmt: skip
+            note = (
+                " (node default: fsync per batch)"
+                if lat.flush_interval_ms == 0
+                else " (fsync every 5 ms)"
+                if lat.flush_interval_ms == 5
+                else ""
+            )
+            yield (
+                f"   {lat.flush_interval_ms:>17} {lat.rate_mb_s:>5.1f} {lat.sent:>8} {lat.received:>8} "
+                f"{j['p50_ms']:>7.1f} {j['p99_ms']:>7.1f} {j['max_ms']:>7.1f}{note}"
+            )
         yield ""
 
 
@@ -810,13 +860,17 @@ def summary(res: Results) -> Iterator[str]:
     for t in res.throughput:
         ratio = t.georep_mb_s / t.raw_mb_s
         verdict = "meets" if ratio >= THROUGHPUT_TARGET else "BELOW"
-        yield (f"throughput {size_label(t.batch_bytes)}: {ratio * 100:.1f}% of raw gRPC ready->equal, "
-               f"{t.streaming_mb_s / t.raw_mb_s * 100:.1f}% streaming ({verdict} the 50% target)")  # fmt: skip
+        yield (
+            f"throughput {size_label(t.batch_bytes)}: {ratio * 100:.1f}% of raw gRPC ready->equal, "
+            f"{t.streaming_mb_s / t.raw_mb_s * 100:.1f}% streaming ({verdict} the 50% target)"
+        )
     if res.rtt is not None:
         r = res.rtt
         verdict = "meets" if r.ratio >= RTT_TARGET else "BELOW"
-        yield (f"rtt {r.rtt_ms} ms: {r.ratio * 100:.1f}% of the no-delay row ready->equal, "
-               f"{r.streaming_ratio * 100:.1f}% streaming ({verdict} the 70% target)")  # fmt: skip
+        yield (
+            f"rtt {r.rtt_ms} ms: {r.ratio * 100:.1f}% of the no-delay row ready->equal, "
+            f"{r.streaming_ratio * 100:.1f}% streaming ({verdict} the 70% target)"
+        )
     if res.wire is not None:
         verdict = "meets" if res.wire.ratio <= WIRE_TARGET else "ABOVE"
         yield f"wire: {res.wire.ratio:.3f} bytes sent per byte produced per other site ({verdict} the 1.2 target)"
@@ -824,8 +878,10 @@ def summary(res: Results) -> Iterator[str]:
         p99 = lat.pct(0.99)
         verdict = "meets" if p99 <= LATENCY_TARGET_P99_MS else "ABOVE"
         lost = "" if lat.received == lat.sent else f"; {lat.sent - lat.received} records NOT received"
-        yield (f"latency flush_interval_ms={lat.flush_interval_ms}: p99 {p99:.1f} ms over two hops "
-               f"({verdict} the 100 ms target){lost}")  # fmt: skip
+        yield (
+            f"latency flush_interval_ms={lat.flush_interval_ms}: p99 {p99:.1f} ms over two hops "
+            f"({verdict} the 100 ms target){lost}"
+        )
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -842,32 +898,51 @@ def parse_only(text: str) -> list[str]:
     parts = [x.strip() for x in text.split(",") if x.strip()]
     bad = [p for p in parts if p not in ("throughput", "rtt", "wire", "latency")]
     if bad or not parts:
-        raise argparse.ArgumentTypeError(f"--only takes throughput, rtt, wire or latency (comma-separated), "
-                                         f"not {text!r}")  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"--only takes throughput, rtt, wire or latency (comma-separated), not {text!r}"
+        )
     return parts
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", type=parse_only, default=["throughput", "rtt", "wire", "latency"],
-                        help="throughput, rtt, wire or latency (comma-separated; default all four)")
+    parser.add_argument(
+        "--only",
+        type=parse_only,
+        default=["throughput", "rtt", "wire", "latency"],
+        help="throughput, rtt, wire or latency (comma-separated; default all four)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one run each: a smoke run under 30 s")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
-    parser.add_argument("--batch-sizes", type=parse_sizes, default=[65536, 1048576],
-                        help="throughput batch sizes in bytes (default 65536,1048576)")
-    parser.add_argument("--link-mb", type=float,
-                        help="throughput and rtt: MB produced at a per batch size (default 400)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=parse_sizes,
+        default=[65536, 1048576],
+        help="throughput batch sizes in bytes (default 65536,1048576)",
+    )
+    parser.add_argument(
+        "--link-mb", type=float, help="throughput and rtt: MB produced at a per batch size (default 400)"
+    )
     parser.add_argument("--repeats", type=int, help="throughput: runs per batch size, best kept (default 3)")
     parser.add_argument("--rtt-ms", type=int, default=200, help="rtt: the round trip of the delayed row (default 200)")
-    parser.add_argument("--rtt-batch-bytes", type=int, default=1048576,
-                        help="rtt: batch size in bytes (default 1048576)")
+    parser.add_argument(
+        "--rtt-batch-bytes", type=int, default=1048576, help="rtt: batch size in bytes (default 1048576)"
+    )
     parser.add_argument("--wire-mb", type=float, help="wire: MB produced at each of the 5 sites (default 20)")
     parser.add_argument("--latency-s", type=float, help="latency: measured seconds per run (default 10)")
-    parser.add_argument("--latency-rate", type=float, default=LATENCY_RATE_MB_S,
-                        help=f"latency: produce rate in MB/s (default {LATENCY_RATE_MB_S:g})")
-    parser.add_argument("--latency-flush-ms", type=str, default=None,
-                        help="latency: topic flush_interval_ms values to run, comma-separated (default 0,5; "
-                             "--quick 0); 0 is the node default, an fsync per batch")  # fmt: skip
+    parser.add_argument(
+        "--latency-rate",
+        type=float,
+        default=LATENCY_RATE_MB_S,
+        help=f"latency: produce rate in MB/s (default {LATENCY_RATE_MB_S:g})",
+    )
+    parser.add_argument(
+        "--latency-flush-ms",
+        type=str,
+        default=None,
+        help="latency: topic flush_interval_ms values to run, comma-separated (default 0,5; "
+        "--quick 0); 0 is the node default, an fsync per batch",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (node logs) on exit")
     parser.add_argument("--serve-raw", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -895,11 +970,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_raw is not None:
         asyncio.run(serve_raw(args.serve_raw))
         return 0
-    cfg = Config(args.only, args.batch_sizes, int(args.link_mb * 1e6), args.repeats, args.rtt_ms, args.rtt_batch_bytes,
-                 int(args.wire_mb * 1e6), args.latency_s, args.latency_rate, args.latency_flush_ms)  # fmt: skip
+    cfg = Config(
+        args.only,
+        args.batch_sizes,
+        int(args.link_mb * 1e6),
+        args.repeats,
+        args.rtt_ms,
+        args.rtt_batch_bytes,
+        int(args.wire_mb * 1e6),
+        args.latency_s,
+        args.latency_rate,
+        args.latency_flush_ms,
+    )
     cores = os.cpu_count() or 1
-    print(f"georep replication benchmark: {cores} cores ({platform.machine()}), Python {platform.python_version()}, "
-          f"grpcio {grpc.__version__}")  # fmt: skip
+    print(
+        f"georep replication benchmark: {cores} cores ({platform.machine()}), Python {platform.python_version()}, "
+        f"grpcio {grpc.__version__}"
+    )
     print("This machine is shared and noisy: absolute MB/s and ms vary run to run; compare the ratios in one run.")
     if cores < 4:
         print(f"Note: with {cores} cores every site's node, the reference and the bench client compete for CPU.")
@@ -919,13 +1006,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(total {time.monotonic() - started:.0f}s)")
     if args.json:
         doc = {
-            "cores": cores, "machine": platform.machine(), "python": platform.python_version(),
-            "grpcio": grpc.__version__, "repeats": cfg.repeats,
+            "cores": cores,
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+            "grpcio": grpc.__version__,
+            "repeats": cfg.repeats,
             "throughput": [t.as_json() for t in res.throughput],
             "rtt": res.rtt.as_json() if res.rtt else None,
             "wire": res.wire.as_json() if res.wire else None,
             "latency": [lat.as_json() for lat in res.latency],
-        }  # fmt: skip
+        }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"results written to {args.json}")
     return 0

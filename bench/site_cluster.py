@@ -133,16 +133,19 @@ def finite(x: float) -> float | None:
 
 
 def site_toml(grpc_ports: Sequence[int], raft_ports: Sequence[int], nodes_: Sequence[int] = NODES) -> str:
-    nodes = ", ".join(f'{{ id = {n}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}" }}'
-                      for n, g, r in zip(nodes_, grpc_ports, raft_ports, strict=True))  # fmt: skip
+    nodes = ", ".join(
+        f'{{ id = {n}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}" }}'
+        for n, g, r in zip(nodes_, grpc_ports, raft_ports, strict=True)
+    )
     return f"[sites.{SITE}]\nnodes = [{nodes}]\n"
 
 
 class Site:
     """The three nodes of site ``a``, each ``georep node --node-id N`` with its own data dir under ``root``."""
 
-    def __init__(self, root: Path, node_args: list[str], listed: Sequence[int] = NODES,
-                 started: Sequence[int] = NODES) -> None:  # fmt: skip
+    def __init__(
+        self, root: Path, node_args: list[str], listed: Sequence[int] = NODES, started: Sequence[int] = NODES
+    ) -> None:
         """``listed``: the nodes of the topology (the site's Raft group); ``started``: those :meth:`start` runs."""
         ports = free_ports(2 * len(listed))
         self.addresses = {n: f"127.0.0.1:{ports[i]}" for i, n in enumerate(listed)}
@@ -151,8 +154,12 @@ class Site:
         topology = root / "topology.toml"
         topology.write_text(site_toml(ports[: len(listed)], ports[len(listed) :], listed))
         self.nodes = {
-            n: NodeProcess(SITE, root / SITE / str(n), listen=self.addresses[n],
-                           extra_args=["--node-id", str(n), "--topology", str(topology), *node_args])  # fmt: skip
+            n: NodeProcess(
+                SITE,
+                root / SITE / str(n),
+                listen=self.addresses[n],
+                extra_args=["--node-id", str(n), "--topology", str(topology), *node_args],
+            )
             for n in listed
         }
         self.started = tuple(started)
@@ -198,8 +205,9 @@ class Site:
         for n in nodes if nodes is not None else self.live():
             with contextlib.suppress(grpc.aio.AioRpcError):
                 async with client_channel(self.addresses[n], None) as ch:
-                    return await pbg.NodeStub(ch).DescribeTopic(pb.DescribeTopicRequest(name=topic),
-                                                                timeout=RPC_TIMEOUT_S)  # fmt: skip
+                    return await pbg.NodeStub(ch).DescribeTopic(
+                        pb.DescribeTopicRequest(name=topic), timeout=RPC_TIMEOUT_S
+                    )
         raise BenchError(f"no node of site {SITE} describes topic {topic!r}")
 
     async def status(self, nodes: Sequence[int] | None = None) -> pb.ClusterStatusResponse:
@@ -245,8 +253,11 @@ class Site:
                 status = await self.status()
                 dead = [n.node_id for n in status.nodes if not n.live]
                 mine = [p for p in status.partitions if p.topic == topic]
-                short = {p.partition: list(p.open_ensemble) for p in mine
-                         if not p.leader_live or len(p.open_ensemble) < REPLICATION_FACTOR}  # fmt: skip
+                short = {
+                    p.partition: list(p.open_ensemble)
+                    for p in mine
+                    if not p.leader_live or len(p.open_ensemble) < REPLICATION_FACTOR
+                }
                 if not dead and not short and len(mine) == partitions:
                     return
                 last = f"dead nodes {dead or 'none'}, partitions not on {REPLICATION_FACTOR} nodes: {short or 'none'}"
@@ -262,9 +273,18 @@ class Site:
 
 
 def node_args(cfg: Config, segment_bytes: int) -> list[str]:
-    return ["--replication-factor", str(REPLICATION_FACTOR), "--min-insync-replicas", str(MIN_INSYNC_REPLICAS),
-            "--session-timeout-ms", str(cfg.session_timeout_ms), "--segment-bytes-max", str(segment_bytes),
-            "--scrub-bytes-per-s", "0"]  # fmt: skip
+    return [
+        "--replication-factor",
+        str(REPLICATION_FACTOR),
+        "--min-insync-replicas",
+        str(MIN_INSYNC_REPLICAS),
+        "--session-timeout-ms",
+        str(cfg.session_timeout_ms),
+        "--segment-bytes-max",
+        str(segment_bytes),
+        "--scrub-bytes-per-s",
+        "0",
+    ]
 
 
 def start_site(stack: contextlib.ExitStack, root: Path, cfg: Config, segment_bytes: int) -> Site:
@@ -293,11 +313,18 @@ class Pair:
         return self.all.mb_s / self.leader.mb_s
 
 
-async def produce_run(bootstrap: list[str], topic: str, partitions: int, acks: str, records: int, value: bytes,
-                      batch_bytes: int) -> float:  # fmt: skip
+async def produce_run(
+    bootstrap: list[str], topic: str, partitions: int, acks: str, records: int, value: bytes, batch_bytes: int
+) -> float:
     """Send ``records`` records and wait until every one is acknowledged; the seconds that took."""
-    producer = Producer(bootstrap, acks=acks, batch_size=batch_bytes, linger_ms=LINGER_MS,
-                        max_in_flight=MAX_IN_FLIGHT, delivery_timeout_ms=DELIVERY_TIMEOUT_MS)  # fmt: skip
+    producer = Producer(
+        bootstrap,
+        acks=acks,
+        batch_size=batch_bytes,
+        linger_ms=LINGER_MS,
+        max_in_flight=MAX_IN_FLIGHT,
+        delivery_timeout_ms=DELIVERY_TIMEOUT_MS,
+    )
     await producer.start()
     try:
         # Metadata, the leaders' streams, before the clock.
@@ -327,16 +354,21 @@ async def measure_throughput(site: Site, cfg: Config) -> list[Pair]:
             topic = f"tput-{record_bytes}b-{partitions}p"
             progress(f"creating {topic}")
             leaders = await site.create_topic(topic, partitions)
-            pair = Pair(record_bytes, partitions,
-                        Result("acks=leader", cfg.batch_bytes, partitions, records, payload),
-                        Result("acks=all", cfg.batch_bytes, partitions, records, payload), leaders)  # fmt: skip
+            pair = Pair(
+                record_bytes,
+                partitions,
+                Result("acks=leader", cfg.batch_bytes, partitions, records, payload),
+                Result("acks=all", cfg.batch_bytes, partitions, records, payload),
+                leaders,
+            )
             for i in range(cfg.repeats):
                 order = (("leader", pair.leader), ("all", pair.all))
                 for acks, result in order if i % 2 == 0 else order[::-1]:  # alternate which goes first
                     settle_page_cache()
                     progress(f"{topic}: acks={acks} run {i + 1}")
-                    result.seconds.append(await produce_run(site.bootstrap, topic, partitions, acks, records, value,
-                                                            cfg.batch_bytes))  # fmt: skip
+                    result.seconds.append(
+                        await produce_run(site.bootstrap, topic, partitions, acks, records, value, cfg.batch_bytes)
+                    )
             pairs.append(pair)
     return pairs
 
@@ -429,8 +461,7 @@ async def watch_leader(site: Site, victim: int, since: float, rnd: Round) -> Non
     while time.monotonic() < deadline:
         with contextlib.suppress(BenchError):
             named = await site.describe(FAILOVER_TOPIC, survivors)
-            leader = next((x.node_id for x in named.leaders if x.partition == part and x.node_id not in (0, victim)),
-                          0)  # fmt: skip
+            leader = next((x.node_id for x in named.leaders if x.partition == part and x.node_id not in (0, victim)), 0)
             if leader:
                 if math.isnan(rnd.named_s):
                     rnd.named_s = time.monotonic() - since
@@ -509,13 +540,16 @@ async def pick_victim(site: Site, victim: str) -> tuple[int, int, int]:
             if led:
                 return leaders[led[0]], led[0], raft
         if time.monotonic() >= deadline:
-            raise BenchError(f"--victim {victim}: no such node after {LEADER_TIMEOUT_S:g}s (Raft leader: node "
-                             f"{raft or '?'}, partition leaders: {leaders})")  # fmt: skip
+            raise BenchError(
+                f"--victim {victim}: no such node after {LEADER_TIMEOUT_S:g}s (Raft leader: node "
+                f"{raft or '?'}, partition leaders: {leaders})"
+            )
         await asyncio.sleep(POLL_S)
 
 
-async def failover_round(site: Site, writer: Writer, rnd: Round, cfg: Config, steady: list[float],
-                         whole_wall: float) -> None:  # fmt: skip
+async def failover_round(
+    site: Site, writer: Writer, rnd: Round, cfg: Config, steady: list[float], whole_wall: float
+) -> None:
     """One kill of a ``cfg.victim`` node; ``whole_wall``: when the site was last whole (time.time())."""
     _, writer.partition, _ = await pick_victim(site, cfg.victim)
     warm_from = time.monotonic()
@@ -526,8 +560,10 @@ async def failover_round(site: Site, writer: Writer, rnd: Round, cfg: Config, st
         warm_from = time.monotonic()
         await asyncio.sleep(cfg.warmup_s)
     node = site.nodes[rnd.victim]
-    progress(f"round {rnd.number}: kill -9 node {rnd.victim}, the leader of {FAILOVER_TOPIC}-{rnd.partition} "
-             f"(the Raft leader is node {rnd.raft_leader or '?'})")  # fmt: skip
+    progress(
+        f"round {rnd.number}: kill -9 node {rnd.victim}, the leader of {FAILOVER_TOPIC}-{rnd.partition} "
+        f"(the Raft leader is node {rnd.raft_leader or '?'})"
+    )
     failed_before = len(writer.failures)
     loop = asyncio.get_running_loop()
     killed = time.monotonic()
@@ -577,8 +613,13 @@ async def measure_failover(site: Site, cfg: Config) -> Failover:
     await site.create_topic(FAILOVER_TOPIC, len(NODES))
     # Every other producer setting at its default, as an application would have it: up to 5 batches in flight,
     # retries that back off from 100 ms to 1 s.
-    producer = Producer(site.bootstrap, acks="all", linger_ms=0, batch_size=FAILOVER_BATCH_BYTES,
-                        delivery_timeout_ms=DELIVERY_TIMEOUT_MS)  # fmt: skip
+    producer = Producer(
+        site.bootstrap,
+        acks="all",
+        linger_ms=0,
+        batch_size=FAILOVER_BATCH_BYTES,
+        delivery_timeout_ms=DELIVERY_TIMEOUT_MS,
+    )
     await producer.start()
     writer = Writer(producer, cfg.interval_ms / 1000, cfg.failover_record_bytes)
     task = asyncio.create_task(writer.run())
@@ -690,8 +731,10 @@ async def measure_join(site: Site, cfg: Config) -> Join:
 
 
 def throughput_table(pairs: list[Pair]) -> Iterator[str]:
-    head = (f"{'record':>7} {'parts':>5}  {'acks':<7} {'MB/s':>7} {'records/s':>10}  {'runs MB/s':<20} "
-            f"{'all/leader':>10}  leaders")  # fmt: skip
+    head = (
+        f"{'record':>7} {'parts':>5}  {'acks':<7} {'MB/s':>7} {'records/s':>10}  {'runs MB/s':<20} "
+        f"{'all/leader':>10}  leaders"
+    )
     yield head
     yield "-" * len(head)
     for p in pairs:
@@ -699,8 +742,10 @@ def throughput_table(pairs: list[Pair]) -> Iterator[str]:
         for r in (p.leader, p.all):
             runs = " ".join(f"{x:.1f}" for x in r.runs_mb_s())
             ratio = f"{p.ratio * 100:.0f}%" if r is p.all else ""
-            line = (f"{size_label(p.record_bytes):>7} {p.partitions:>5}  {r.name[5:]:<7} {r.mb_s:>7.1f} "
-                    f"{r.records_s:>10,.0f}  {runs:<20} {ratio:>10}  {where if r is p.leader else ''}")  # fmt: skip
+            line = (
+                f"{size_label(p.record_bytes):>7} {p.partitions:>5}  {r.name[5:]:<7} {r.mb_s:>7.1f} "
+                f"{r.records_s:>10,.0f}  {runs:<20} {ratio:>10}  {where if r is p.leader else ''}"
+            )
             yield line.rstrip()
 
 
@@ -709,30 +754,37 @@ def seconds(x: float, width: int) -> str:
 
 
 def failover_table(rounds: list[Round]) -> Iterator[str]:
-    head = (f"{'round':>5} {'killed':>6} {'part':>4} {'raft leader':>11} {'raft elected':>12} {'new leader':>10} "
-            f"{'elected':>8} {'leading':>8} {'open':>7} {'named':>7} {'serving':>8} {'first ack':>9} {'back':>7} "
-            f"{'whole':>7} {'elections':>9} {'failed':>6}")  # fmt: skip
+    head = (
+        f"{'round':>5} {'killed':>6} {'part':>4} {'raft leader':>11} {'raft elected':>12} {'new leader':>10} "
+        f"{'elected':>8} {'leading':>8} {'open':>7} {'named':>7} {'serving':>8} {'first ack':>9} {'back':>7} "
+        f"{'whole':>7} {'elections':>9} {'failed':>6}"
+    )
     yield head
     yield "-" * len(head)
     for r in rounds:
         elections = f"{r.elections}/{r.rejoin_elections}/{r.quiet_elections}"
-        yield (f"{r.number:>5} {r.victim or '-':>6} {r.partition:>4} {r.raft_leader or '?':>11} "
-               f"{seconds(r.raft_elected_s, 12)} {r.new_leader or '-':>10} "
-               f"{seconds(r.elected_s, 8)} {seconds(r.leading_s, 8)} {seconds(r.open_s, 7)} "
-               f"{seconds(r.named_s, 7)} {seconds(r.serving_s, 8)} {seconds(r.failover_s, 9)} "
-               f"{seconds(r.back_s, 7)} {seconds(r.whole_s, 7)} {elections:>9} {r.failed:>6}"
-               + (f"  {r.error}" if r.error else ""))  # fmt: skip
+        yield (
+            f"{r.number:>5} {r.victim or '-':>6} {r.partition:>4} {r.raft_leader or '?':>11} "
+            f"{seconds(r.raft_elected_s, 12)} {r.new_leader or '-':>10} "
+            f"{seconds(r.elected_s, 8)} {seconds(r.leading_s, 8)} {seconds(r.open_s, 7)} "
+            f"{seconds(r.named_s, 7)} {seconds(r.serving_s, 8)} {seconds(r.failover_s, 9)} "
+            f"{seconds(r.back_s, 7)} {seconds(r.whole_s, 7)} {elections:>9} {r.failed:>6}"
+            + (f"  {r.error}" if r.error else "")
+        )
 
 
 FAILOVER_TARGET_S = 0.6  # issue 21: the median at a 500 ms session, whether or not the victim leads the Raft group
 
 
-def summary(pairs: list[Pair], fo: Failover | None, cfg: Config, join: Join | None = None,
-            quiet: Quiet | None = None) -> Iterator[str]:  # fmt: skip
+def summary(
+    pairs: list[Pair], fo: Failover | None, cfg: Config, join: Join | None = None, quiet: Quiet | None = None
+) -> Iterator[str]:
     for p in pairs:
         verdict = "met" if p.ratio >= 0.6 else "MISSED"
-        yield (f"acks=all / acks=leader, {size_label(p.record_bytes)} records, {p.partitions} partition(s): "
-               f"{p.ratio * 100:.0f}% (target >= 60%: {verdict})")  # fmt: skip
+        yield (
+            f"acks=all / acks=leader, {size_label(p.record_bytes)} records, {p.partitions} partition(s): "
+            f"{p.ratio * 100:.0f}% (target >= 60%: {verdict})"
+        )
     if fo is not None:
         done = [r for r in fo.rounds if math.isfinite(r.failover_s)]
         times = [r.failover_s for r in done]
@@ -741,63 +793,93 @@ def summary(pairs: list[Pair], fo: Failover | None, cfg: Config, join: Join | No
         if times:
             median = statistics.median(times)
             verdict = "met" if median <= FAILOVER_TARGET_S and len(times) == len(fo.rounds) else "MISSED"
-            yield (f"leader failover (--victim {cfg.victim}), kill -9 -> first acks=all write acked by the new leader: "
-                   f"median {median:.2f}s, worst {max(times):.2f}s over {len(times)} of {len(fo.rounds)} rounds, at "
-                   f"{setting} (target median <= {FAILOVER_TARGET_S:g} s at 500 ms: {verdict})")  # fmt: skip
+            yield (
+                f"leader failover (--victim {cfg.victim}), kill -9 -> first acks=all write acked by the new leader: "
+                f"median {median:.2f}s, worst {max(times):.2f}s over {len(times)} of {len(fo.rounds)} rounds, at "
+                f"{setting} (target median <= {FAILOVER_TARGET_S:g} s at 500 ms: {verdict})"
+            )
             raft_too = [r for r in done if r.victim == r.raft_leader]
             not_raft = [r for r in done if r.raft_leader not in (0, r.victim)]
             for label, group in (("the Raft leader too", raft_too), ("not the Raft leader", not_raft)):
                 if group:
                     g = [r.failover_s for r in group]
-                    yield (f"  rounds whose victim was {label}: {len(g)}, median {statistics.median(g):.2f}s, "
-                           f"worst {max(g):.2f}s")  # fmt: skip
+                    yield (
+                        f"  rounds whose victim was {label}: {len(g)}, median {statistics.median(g):.2f}s, "
+                        f"worst {max(g):.2f}s"
+                    )
         else:
             yield f"leader failover: no round completed, at {setting}"
         if fo.steady_s:
             lat = sorted(fo.steady_s)
-            yield (f"failover producer with three nodes up: acks=all latency p50 {lat[len(lat) // 2] * 1000:.1f} ms, "
-                   f"p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000:.1f} ms ({len(lat):,} writes); "
-                   f"{fo.acks:,} acks in all, {len(fo.failures)} failed"
-                   + (f" (first: {fo.failures[0]})" if fo.failures else ""))  # fmt: skip
+            yield (
+                f"failover producer with three nodes up: acks=all latency p50 {lat[len(lat) // 2] * 1000:.1f} ms, "
+                f"p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000:.1f} ms ({len(lat):,} writes); "
+                f"{fo.acks:,} acks in all, {len(fo.failures)} failed"
+                + (f" (first: {fo.failures[0]})" if fo.failures else "")
+            )
         due = sum(1 for r in fo.rounds if r.victim == r.raft_leader)
-        yield (f"Raft elections: {sum(r.elections for r in fo.rounds)} after the kills ({due} due: one per kill of "
-               f"the Raft leader), {sum(r.rejoin_elections for r in fo.rounds)} while a restarted node rejoined, "
-               f"{sum(r.quiet_elections for r in fo.rounds)} while every node was up (target: none but the due "
-               "ones)")  # fmt: skip
+        yield (
+            f"Raft elections: {sum(r.elections for r in fo.rounds)} after the kills ({due} due: one per kill of "
+            f"the Raft leader), {sum(r.rejoin_elections for r in fo.rounds)} while a restarted node rejoined, "
+            f"{sum(r.quiet_elections for r in fo.rounds)} while every node was up (target: none but the due "
+            "ones)"
+        )
     if quiet is not None:
-        yield (f"Raft elections during the throughput runs (no kill, {quiet.seconds:.0f}s under load): "
-               f"{quiet.elections} (target: 0)")  # fmt: skip
+        yield (
+            f"Raft elections during the throughput runs (no kill, {quiet.seconds:.0f}s under load): "
+            f"{quiet.elections} (target: 0)"
+        )
     if join is not None:
-        took = (f"{join.first_segment_s:.2f}s" if math.isfinite(join.first_segment_s)
-                else f"none within {JOIN_WAIT_S:g}s")  # fmt: skip
-        yield (f"a 4th node started under acks=all load (listed in the topology from the start): serving "
-               f"{join.serving_s:.2f}s after its start, its first segment {took} after that (segments roll past "
-               f"{cfg.failover_segment_bytes} B); {join.segments} segment(s) on it at the end "
-               "(tests/test_cluster_expansion.py checks that none is older than its start)")  # fmt: skip
+        took = (
+            f"{join.first_segment_s:.2f}s" if math.isfinite(join.first_segment_s) else f"none within {JOIN_WAIT_S:g}s"
+        )
+        yield (
+            f"a 4th node started under acks=all load (listed in the topology from the start): serving "
+            f"{join.serving_s:.2f}s after its start, its first segment {took} after that (segments roll past "
+            f"{cfg.failover_segment_bytes} B); {join.segments} segment(s) on it at the end "
+            "(tests/test_cluster_expansion.py checks that none is older than its start)"
+        )
 
 
-def report_json(cfg: Config, pairs: list[Pair], fo: Failover | None, join: Join | None = None,
-                quiet: Quiet | None = None) -> dict[str, Any]:  # fmt: skip
-    rounds = [{k: finite(v) if isinstance(v, float) else v for k, v in asdict(r).items()}
-              for r in (fo.rounds if fo else [])]  # fmt: skip
+def report_json(
+    cfg: Config, pairs: list[Pair], fo: Failover | None, join: Join | None = None, quiet: Quiet | None = None
+) -> dict[str, Any]:
+    rounds = [
+        {k: finite(v) if isinstance(v, float) else v for k, v in asdict(r).items()} for r in (fo.rounds if fo else [])
+    ]
     return {
-        "cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-        "grpcio": grpc.__version__, "config": asdict(cfg), "nodes": len(NODES),
-        "replication_factor": REPLICATION_FACTOR, "min_insync_replicas": MIN_INSYNC_REPLICAS,
-        "throughput": [{"record_bytes": p.record_bytes, "partitions": p.partitions, "all_over_leader": p.ratio,
-                        "leaders": p.leaders, "acks_leader": p.leader.as_json(), "acks_all": p.all.as_json()}
-                       for p in pairs],
+        "cores": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+        "config": asdict(cfg),
+        "nodes": len(NODES),
+        "replication_factor": REPLICATION_FACTOR,
+        "min_insync_replicas": MIN_INSYNC_REPLICAS,
+        "throughput": [
+            {
+                "record_bytes": p.record_bytes,
+                "partitions": p.partitions,
+                "all_over_leader": p.ratio,
+                "leaders": p.leaders,
+                "acks_leader": p.leader.as_json(),
+                "acks_all": p.all.as_json(),
+            }
+            for p in pairs
+        ],
         "failover": {
             "rounds": rounds,
-            "failover_s_median": statistics.median(t) if (t := [r["failover_s"] for r in rounds
-                                                               if r["failover_s"] is not None]) else None,
+            "failover_s_median": statistics.median(t)
+            if (t := [r["failover_s"] for r in rounds if r["failover_s"] is not None])
+            else None,
             "failover_s_worst": max(t) if t else None,
             "steady_ack_latency_s": sorted(fo.steady_s) if fo else [],
-            "acks": fo.acks if fo else 0, "failures": fo.failures if fo else [],
+            "acks": fo.acks if fo else 0,
+            "failures": fo.failures if fo else [],
         },
         "join": None if join is None else {**asdict(join), "first_segment_s": finite(join.first_segment_s)},
         "throughput_raft_elections": None if quiet is None else asdict(quiet),
-    }  # fmt: skip
+    }
 
 
 def parse_list(text: str, flag: str) -> list[int]:
@@ -812,44 +894,93 @@ def parse_list(text: str, flag: str) -> list[int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: 1 KiB records, 1 partition, {QUICK_MB:g} MB, one run each, one "
-                        "failover round")  # fmt: skip
-    parser.add_argument("--record-bytes", type=lambda t: parse_list(t, "--record-bytes"),
-                        help=f"record value sizes, comma-separated (default {DEFAULT_RECORD_BYTES})")  # fmt: skip
-    parser.add_argument("--partitions", type=lambda t: parse_list(t, "--partitions"),
-                        help=f"partition counts, comma-separated, a topic each (default {DEFAULT_PARTITIONS})")
-    parser.add_argument("--mb", type=float,
-                        help=f"MB of record values per throughput run (default {DEFAULT_MB:g}, --quick "
-                        f"{QUICK_MB:g}; 0 skips throughput)")  # fmt: skip
-    parser.add_argument("--batch-bytes", type=int, default=DEFAULT_BATCH_BYTES,
-                        help=f"the producer's batch_size (default {DEFAULT_BATCH_BYTES}); linger_ms is "
-                        f"{LINGER_MS}")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: 1 KiB records, 1 partition, {QUICK_MB:g} MB, one run each, one failover round",
+    )
+    parser.add_argument(
+        "--record-bytes",
+        type=lambda t: parse_list(t, "--record-bytes"),
+        help=f"record value sizes, comma-separated (default {DEFAULT_RECORD_BYTES})",
+    )
+    parser.add_argument(
+        "--partitions",
+        type=lambda t: parse_list(t, "--partitions"),
+        help=f"partition counts, comma-separated, a topic each (default {DEFAULT_PARTITIONS})",
+    )
+    parser.add_argument(
+        "--mb",
+        type=float,
+        help=f"MB of record values per throughput run (default {DEFAULT_MB:g}, --quick "
+        f"{QUICK_MB:g}; 0 skips throughput)",
+    )
+    parser.add_argument(
+        "--batch-bytes",
+        type=int,
+        default=DEFAULT_BATCH_BYTES,
+        help=f"the producer's batch_size (default {DEFAULT_BATCH_BYTES}); linger_ms is {LINGER_MS}",
+    )
     parser.add_argument("--repeats", type=int, help="throughput runs per ack level, best kept (default 3, --quick 1)")
-    parser.add_argument("--segment-bytes-max", type=int, default=DEFAULT_SEGMENT_BYTES,
-                        help=f"the throughput site's --segment-bytes-max (default {DEFAULT_SEGMENT_BYTES})")
-    parser.add_argument("--rounds", type=int,
-                        help=f"failover rounds (default {DEFAULT_ROUNDS}, --quick 1; 0 skips failover)")  # fmt: skip
-    parser.add_argument("--session-timeout-ms", type=int, default=DEFAULT_SESSION_TIMEOUT_MS,
-                        help="every node's --session-timeout-ms: how long a silent node has until it counts as dead "
-                        f"(default {DEFAULT_SESSION_TIMEOUT_MS})")  # fmt: skip
-    parser.add_argument("--failover-segment-bytes", type=int, default=DEFAULT_FAILOVER_SEGMENT_BYTES,
-                        help="the failover site's --segment-bytes-max: small, so that a roll puts a restarted node "
-                        f"back in the ensemble (default {DEFAULT_FAILOVER_SEGMENT_BYTES})")  # fmt: skip
-    parser.add_argument("--victim", choices=VICTIMS, default="any",
-                        help="failover: which node each round kills: 'partition-leader', a partition's leader that "
-                        "does not lead the site's Raft group; 'raft-leader', the Raft leader, which leads a "
-                        "partition too; 'any', partition 0's leader, whichever it is (default)")  # fmt: skip
-    parser.add_argument("--failover-record-bytes", type=int, default=DEFAULT_FAILOVER_RECORD_BYTES,
-                        help=f"failover producer: record value bytes (default {DEFAULT_FAILOVER_RECORD_BYTES})")
-    parser.add_argument("--interval-ms", type=float, default=5.0,
-                        help="failover producer: one record sent every this many ms (default 5)")  # fmt: skip
-    parser.add_argument("--warmup", type=float, help="failover: seconds of writes on a whole site before each kill "
-                        "(default 2, --quick 0.5)")  # fmt: skip
-    parser.add_argument("--after", type=float, help="failover: seconds of writes on the two survivors before the "
-                        "restart (default 1, --quick 0.2)")  # fmt: skip
-    parser.add_argument("--join", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the part where a 4th node starts under load (default; --no-join skips it)")
+    parser.add_argument(
+        "--segment-bytes-max",
+        type=int,
+        default=DEFAULT_SEGMENT_BYTES,
+        help=f"the throughput site's --segment-bytes-max (default {DEFAULT_SEGMENT_BYTES})",
+    )
+    parser.add_argument(
+        "--rounds", type=int, help=f"failover rounds (default {DEFAULT_ROUNDS}, --quick 1; 0 skips failover)"
+    )
+    parser.add_argument(
+        "--session-timeout-ms",
+        type=int,
+        default=DEFAULT_SESSION_TIMEOUT_MS,
+        help="every node's --session-timeout-ms: how long a silent node has until it counts as dead "
+        f"(default {DEFAULT_SESSION_TIMEOUT_MS})",
+    )
+    parser.add_argument(
+        "--failover-segment-bytes",
+        type=int,
+        default=DEFAULT_FAILOVER_SEGMENT_BYTES,
+        help="the failover site's --segment-bytes-max: small, so that a roll puts a restarted node "
+        f"back in the ensemble (default {DEFAULT_FAILOVER_SEGMENT_BYTES})",
+    )
+    parser.add_argument(
+        "--victim",
+        choices=VICTIMS,
+        default="any",
+        help="failover: which node each round kills: 'partition-leader', a partition's leader that "
+        "does not lead the site's Raft group; 'raft-leader', the Raft leader, which leads a "
+        "partition too; 'any', partition 0's leader, whichever it is (default)",
+    )
+    parser.add_argument(
+        "--failover-record-bytes",
+        type=int,
+        default=DEFAULT_FAILOVER_RECORD_BYTES,
+        help=f"failover producer: record value bytes (default {DEFAULT_FAILOVER_RECORD_BYTES})",
+    )
+    parser.add_argument(
+        "--interval-ms",
+        type=float,
+        default=5.0,
+        help="failover producer: one record sent every this many ms (default 5)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        help="failover: seconds of writes on a whole site before each kill (default 2, --quick 0.5)",
+    )
+    parser.add_argument(
+        "--after",
+        type=float,
+        help="failover: seconds of writes on the two survivors before the restart (default 1, --quick 0.2)",
+    )
+    parser.add_argument(
+        "--join",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the part where a 4th node starts under load (default; --no-join skips it)",
+    )
     parser.add_argument("--report", type=Path, help="also write the results to this JSON file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (node logs) on exit")
     args = parser.parse_args(argv)
@@ -875,16 +1006,33 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the exit stack stops every node and removes the directory.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.basicConfig(level=logging.WARNING, format="  !! %(name)s: %(message)s")
-    cfg = Config(args.record_bytes, args.partitions, args.mb, args.batch_bytes, args.repeats, args.rounds,
-                 args.session_timeout_ms, args.segment_bytes_max, args.failover_segment_bytes,
-                 args.failover_record_bytes, args.interval_ms, args.warmup, args.after, args.victim)  # fmt: skip
+    cfg = Config(
+        args.record_bytes,
+        args.partitions,
+        args.mb,
+        args.batch_bytes,
+        args.repeats,
+        args.rounds,
+        args.session_timeout_ms,
+        args.segment_bytes_max,
+        args.failover_segment_bytes,
+        args.failover_record_bytes,
+        args.interval_ms,
+        args.warmup,
+        args.after,
+        args.victim,
+    )
     cores = os.cpu_count() or 1
-    print(f"georep site cluster benchmark: {cores} cores ({platform.machine()}), Python "
-          f"{platform.python_version()}, grpcio {grpc.__version__}")  # fmt: skip
+    print(
+        f"georep site cluster benchmark: {cores} cores ({platform.machine()}), Python "
+        f"{platform.python_version()}, grpcio {grpc.__version__}"
+    )
     print("This machine is shared and noisy: absolute MB/s vary run to run; only the ratios are meaningful.")
-    print(f"Site {SITE}: {len(NODES)} georep node processes on 127.0.0.1, replication factor {REPLICATION_FACTOR}, "
-          f"min-insync {MIN_INSYNC_REPLICAS}, --session-timeout-ms {cfg.session_timeout_ms}; topics fsync every "
-          "batch (flush_interval_ms=0).")  # fmt: skip
+    print(
+        f"Site {SITE}: {len(NODES)} georep node processes on 127.0.0.1, replication factor {REPLICATION_FACTOR}, "
+        f"min-insync {MIN_INSYNC_REPLICAS}, --session-timeout-ms {cfg.session_timeout_ms}; topics fsync every "
+        "batch (flush_interval_ms=0)."
+    )
     if cores < 4:
         print(f"Note: with {cores} cores the three nodes, the producer and the kernel compete for CPU.")
     started = time.monotonic()
@@ -909,29 +1057,32 @@ def main(argv: list[str] | None = None) -> int:
                 site = start_site(phase, root / "failover", cfg, cfg.failover_segment_bytes)
                 fo = asyncio.run(measure_failover(site, cfg))
         if args.join:
-            site = Site(root / "join", node_args(cfg, cfg.failover_segment_bytes), listed=(1, 2, 3, 4),
-                        started=NODES)  # fmt: skip
+            site = Site(root / "join", node_args(cfg, cfg.failover_segment_bytes), listed=(1, 2, 3, 4), started=NODES)
             stack.callback(site.close)
             progress(f"starting nodes 1, 2, 3 of site {SITE} (4 listed) in join/")
             site.start()
             join = asyncio.run(measure_join(site, cfg))
     if pairs:
         print()
-        print(f"Throughput: georep.client.Producer(batch_size={cfg.batch_bytes}, linger_ms={LINGER_MS}, "
-              f"max_in_flight={MAX_IN_FLIGHT}), {cfg.mb:g} MB of record values per run, best of {cfg.repeats}, the "
-              f"two ack levels alternating; --segment-bytes-max {cfg.segment_bytes}. MB/s of record values; "
-              "leaders: each partition's leader node")  # fmt: skip
+        print(
+            f"Throughput: georep.client.Producer(batch_size={cfg.batch_bytes}, linger_ms={LINGER_MS}, "
+            f"max_in_flight={MAX_IN_FLIGHT}), {cfg.mb:g} MB of record values per run, best of {cfg.repeats}, the "
+            f"two ack levels alternating; --segment-bytes-max {cfg.segment_bytes}. MB/s of record values; "
+            "leaders: each partition's leader node"
+        )
         for line in throughput_table(pairs):
             print(line)
     if fo is not None:
         print()
-        print(f"Failover: one {cfg.failover_record_bytes} B record to {FAILOVER_TOPIC}-0 every {cfg.interval_ms:g} ms "
-              f"at acks=all; per round {cfg.warmup_s:g}s of writes, kill -9 of the partition's leader "
-              f"(--victim {cfg.victim}), {cfg.after_s:g}s, restart; --segment-bytes-max {cfg.failover_segment_bytes}. "
-              "raft elected, elected, leading, open, named, serving and first ack count from the kill; back (the "
-              "node serves) and whole (the open segment is on all three nodes again) from the restart; elections: "
-              "the nodes that ran for Raft leader from the kill to the restart / from the restart until whole / "
-              "between rounds, with every node up")  # fmt: skip
+        print(
+            f"Failover: one {cfg.failover_record_bytes} B record to {FAILOVER_TOPIC}-0 every {cfg.interval_ms:g} ms "
+            f"at acks=all; per round {cfg.warmup_s:g}s of writes, kill -9 of the partition's leader "
+            f"(--victim {cfg.victim}), {cfg.after_s:g}s, restart; --segment-bytes-max {cfg.failover_segment_bytes}. "
+            "raft elected, elected, leading, open, named, serving and first ack count from the kill; back (the "
+            "node serves) and whole (the open segment is on all three nodes again) from the restart; elections: "
+            "the nodes that ran for Raft leader from the kill to the restart / from the restart until whole / "
+            "between rounds, with every node up"
+        )
         for line in failover_table(fo.rounds):
             print(line)
     print()

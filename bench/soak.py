@@ -111,11 +111,30 @@ class Sampler(threading.Thread):
 def drill_args(topology: Path, data_dir: Path, victim: str, mode: str, rate: float) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     drill_cli.add_arguments(parser)
-    return parser.parse_args([
-        "--topology", str(topology), "--data-dir", str(data_dir), "--site", victim,
-        "--failover-to", SITES[(SITES.index(victim) + 1) % len(SITES)], "--mode", mode, "--rate", str(rate),
-        "--partitions", "2", "--warmup", "8", "--after", "8", "--commit-acks", "geo:2",
-    ])  # fmt: skip
+    return parser.parse_args(
+        [
+            "--topology",
+            str(topology),
+            "--data-dir",
+            str(data_dir),
+            "--site",
+            victim,
+            "--failover-to",
+            SITES[(SITES.index(victim) + 1) % len(SITES)],
+            "--mode",
+            mode,
+            "--rate",
+            str(rate),
+            "--partitions",
+            "2",
+            "--warmup",
+            "8",
+            "--after",
+            "8",
+            "--commit-acks",
+            "geo:2",
+        ]
+    )
 
 
 def main() -> int:
@@ -145,8 +164,9 @@ def main() -> int:
             victim, mode = SITES[i % len(SITES)], ("kill", "isolate")[i % 2]
             lines: list[str] = []
             try:
-                doc = asyncio.run(drill_cli.drill(drill_args(topology_file, root, victim, mode, args.rate),
-                                                  out=lines.append))  # fmt: skip
+                doc = asyncio.run(
+                    drill_cli.drill(drill_args(topology_file, root, victim, mode, args.rate), out=lines.append)
+                )
             except drill_cli.DrillError as exc:
                 # A round that cannot finish is a broken promise (no failover within the drill's limit), not a
                 # reason to stop: record it, show what the drill saw, and go on with the next round.
@@ -155,10 +175,13 @@ def main() -> int:
                 print("".join(f"    {line}\n" for line in lines), end="", flush=True)
             else:
                 rounds.append(doc)
-                print(f"minute {i + 1}: {mode} {victim}: {doc['records_acked']} acked, lost for good "
-                      f"{sum(f['lost_after_rejoin'] for f in doc['acks'].values())}, duplicates vs commits "
-                      f"{doc['duplicates_vs_commit']}, never delivered {doc['never_delivered']}, "
-                      f"RTO {doc['rto_ms']} ms", flush=True)  # fmt: skip
+                print(
+                    f"minute {i + 1}: {mode} {victim}: {doc['records_acked']} acked, lost for good "
+                    f"{sum(f['lost_after_rejoin'] for f in doc['acks'].values())}, duplicates vs commits "
+                    f"{doc['duplicates_vs_commit']}, never delivered {doc['never_delivered']}, "
+                    f"RTO {doc['rto_ms']} ms",
+                    flush=True,
+                )
             i += 1
             time.sleep(max(0.0, min(60.0 - (time.monotonic() - started), deadline - time.monotonic())))
     finally:
@@ -174,9 +197,12 @@ def main() -> int:
     return summarise(rounds, failed, sampler.samples, args)
 
 
-def summarise(rounds: list[dict[str, Any]], failed: list[str],
-              samples: list[tuple[float, dict[str, tuple[float, int, int]]]],
-              args: argparse.Namespace) -> int:  # fmt: skip
+def summarise(
+    rounds: list[dict[str, Any]],
+    failed: list[str],
+    samples: list[tuple[float, dict[str, tuple[float, int, int]]]],
+    args: argparse.Namespace,
+) -> int:
     print(f"\n{'MINUTE':>6} " + " ".join(f"{s + ' RSS MB':>10} {s + ' FDS':>6}" for s in SITES))
     for minute in range(int(args.minutes) + 1):
         row = next((r for t, r in samples if t >= minute * 60), None)
@@ -206,8 +232,10 @@ def summarise(rounds: list[dict[str, Any]], failed: list[str],
     print(f"records lost for good: {lost}")
     print(f"duplicates relative to commits: {dups}")
     print(f"never delivered: {never}")
-    print("RSS growth of each node process after its warm-up (the largest per site): "
-          + (", ".join(f"{s} {100 * g:+.1f}%" for s, g in growth.items()) or "no process lived long enough"))
+    print(
+        "RSS growth of each node process after its warm-up (the largest per site): "
+        + (", ".join(f"{s} {100 * g:+.1f}%" for s, g in growth.items()) or "no process lived long enough")
+    )
     if args.report:
         report = {"rounds": rounds, "failed": failed, "samples": samples, "rss_growth": growth}
         args.report.write_text(json.dumps(report, indent=1))

@@ -104,8 +104,9 @@ class Load:
     """``count`` idempotent producers at acks=all, each sending ``rate`` unique records a second to the topic."""
 
     def __init__(self, bootstrap: list[str], count: int, rate: float, partitions: int, rng: random.Random) -> None:
-        self.producers = [Producer(bootstrap, acks="all", delivery_timeout_ms=DELIVERY_TIMEOUT_MS)
-                          for _ in range(count)]  # fmt: skip
+        self.producers = [
+            Producer(bootstrap, acks="all", delivery_timeout_ms=DELIVERY_TIMEOUT_MS) for _ in range(count)
+        ]
         self.rate = rate
         self.partitions = partitions
         self.rng = rng
@@ -215,8 +216,9 @@ async def read_back(site: Site, partitions: int) -> Counter[bytes]:
         offset = 0
         address = site.addresses[await wait_leader(site, partition)]
         for _ in range(1_000_000):
-            request = pb.FetchRequest(topic=TOPIC, partition=partition, offset=offset, max_bytes=READ_BYTES,
-                                      max_wait_ms=0)  # fmt: skip
+            request = pb.FetchRequest(
+                topic=TOPIC, partition=partition, offset=offset, max_bytes=READ_BYTES, max_wait_ms=0
+            )
             try:
                 async with client_channel(address, None) as ch:
                     response = await anext(aiter(pbg.NodeStub(ch).Fetch(request, timeout=RPC_TIMEOUT_S)))
@@ -239,17 +241,27 @@ async def read_back(site: Site, partitions: int) -> Counter[bytes]:
 async def run_seed(seed: int, args: argparse.Namespace, root: Path) -> SeedResult:
     result = SeedResult(seed, "pause" if args.pause else "kill")
     rng = random.Random(seed)
-    node_args = ["--replication-factor", str(REPLICATION_FACTOR), "--min-insync-replicas", str(MIN_INSYNC_REPLICAS),
-                 "--session-timeout-ms", str(args.session_timeout_ms), "--segment-bytes-max", str(args.segment_bytes),
-                 "--scrub-bytes-per-s", "0"]  # fmt: skip
+    node_args = [
+        "--replication-factor",
+        str(REPLICATION_FACTOR),
+        "--min-insync-replicas",
+        str(MIN_INSYNC_REPLICAS),
+        "--session-timeout-ms",
+        str(args.session_timeout_ms),
+        "--segment-bytes-max",
+        str(args.segment_bytes),
+        "--scrub-bytes-per-s",
+        "0",
+    ]
     site = Site(root / f"seed-{seed}", node_args)
     started = time.monotonic()
     try:
         progress(f"seed {seed}: starting nodes {', '.join(map(str, NODES))}")
         await asyncio.to_thread(site.start)
         async with client_channel(site.addresses[NODES[0]], None) as ch:
-            await pbg.NodeStub(ch).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=args.partitions),
-                                               timeout=30)  # fmt: skip
+            await pbg.NodeStub(ch).CreateTopic(
+                pb.CreateTopicRequest(name=TOPIC, partitions=args.partitions), timeout=30
+            )
         for partition in range(args.partitions):
             await wait_leader(site, partition)
         load = Load(site.bootstrap, args.producers, args.rate, args.partitions, rng)
@@ -283,8 +295,10 @@ async def run_seed(seed: int, args: argparse.Namespace, root: Path) -> SeedResul
 
 def describe(r: SeedResult) -> str:
     failed = ", ".join(f"{k} {v}" for k, v in sorted(r.failed.items())) or "none"
-    line = (f"seed {r.seed}: {r.events} {'pauses' if r.mode == 'pause' else 'kills'}, {r.sent} sent, {r.acked} acked, "
-            f"failed to the application: {failed}; lost {r.lost}, duplicated {r.duplicated}")  # fmt: skip
+    line = (
+        f"seed {r.seed}: {r.events} {'pauses' if r.mode == 'pause' else 'kills'}, {r.sent} sent, {r.acked} acked, "
+        f"failed to the application: {failed}; lost {r.lost}, duplicated {r.duplicated}"
+    )
     return line + (f"; ERROR {r.error}" if r.error else "")
 
 
@@ -301,20 +315,30 @@ async def main_async(args: argparse.Namespace) -> int:
     failed: Counter[str] = Counter()
     for r in results:
         failed.update(r.failed)
-    total = (f"total over {len(results)} seeds ({'SIGSTOP 1-3 s' if args.pause else 'SIGKILL'}, "
-             f"{args.seconds:g}s each, session {args.session_timeout_ms} ms): "
-             f"{sum(r.events for r in results)} events, {sum(r.sent for r in results)} sent, "
-             f"{sum(r.acked for r in results)} acked, failed to the application: "
-             f"{', '.join(f'{k} {v}' for k, v in sorted(failed.items())) or 'none'}; "
-             f"lost {sum(r.lost for r in results)}, duplicated {sum(r.duplicated for r in results)}")  # fmt: skip
+    total = (
+        f"total over {len(results)} seeds ({'SIGSTOP 1-3 s' if args.pause else 'SIGKILL'}, "
+        f"{args.seconds:g}s each, session {args.session_timeout_ms} ms): "
+        f"{sum(r.events for r in results)} events, {sum(r.sent for r in results)} sent, "
+        f"{sum(r.acked for r in results)} acked, failed to the application: "
+        f"{', '.join(f'{k} {v}' for k, v in sorted(failed.items())) or 'none'}; "
+        f"lost {sum(r.lost for r in results)}, duplicated {sum(r.duplicated for r in results)}"
+    )
     print(total)
     for r in results:
         for name, text in sorted(r.failure_examples.items()):
             print(f"  seed {r.seed} {name}: {text}")
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
-                                                  for k, v in vars(args).items()},
-                                         "seeds": [asdict(r) for r in results], "total": total}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                    "seeds": [asdict(r) for r in results],
+                    "total": total,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0 if all(r.clean for r in results) else 1
 
 
@@ -328,8 +352,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS)
     p.add_argument("--rate", type=float, default=DEFAULT_RATE, help="records a second, per producer (default 200)")
     p.add_argument("--session-timeout-ms", type=int, default=DEFAULT_SESSION_TIMEOUT_MS)
-    p.add_argument("--segment-bytes", type=int, default=DEFAULT_SEGMENT_BYTES,
-                   help="a leader rolls its segment past this size (default 64 KiB: rolls all along)")
+    p.add_argument(
+        "--segment-bytes",
+        type=int,
+        default=DEFAULT_SEGMENT_BYTES,
+        help="a leader rolls its segment past this size (default 64 KiB: rolls all along)",
+    )
     p.add_argument("--json", type=Path, help="write the figures to this file")
     return p.parse_args(argv)
 

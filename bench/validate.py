@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one short run each")
     args = parser.parse_args(argv)
     runs, min_seconds = (1, 0.05) if args.quick else (args.repeats, 0.5)
-    print(f"{'value':>7} {'codec':>5} {'records':>8} {'check MB/s':>11} {'validate MB/s':>14} {'records/s':>11} "
-          f"{'walk ns/record':>15}")  # fmt: skip
+    print(
+        f"{'value':>7} {'codec':>5} {'records':>8} {'check MB/s':>11} {'validate MB/s':>14} {'records/s':>11} "
+        f"{'walk ns/record':>15}"
+    )
     for value_bytes in (int(v) for v in args.record_sizes.split(",")):
         count = max(1, args.batch_bytes // (value_bytes + 30))
         records = [RecordInput(b"key-%d" % i, os.urandom(value_bytes), (), TS + i) for i in range(count)]
@@ -59,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             check = best_seconds(lambda b=batch: check_batch(b), runs, min_seconds)  # type: ignore[misc]
             full = best_seconds(lambda b=batch: validate_batch(b, LIMIT), runs, min_seconds)  # type: ignore[misc]
             size = len(encode_batch(records))  # MB/s of the uncompressed batch, for every codec
-            print(f"{value_bytes:>7} {codec.name.lower():>5} {count:>8} {size / check / 1e6:>11,.0f} "
-                  f"{size / full / 1e6:>14,.0f} {count / full:>11,.0f} {(full - check) / count * 1e9:>15,.0f}")
+            print(
+                f"{value_bytes:>7} {codec.name.lower():>5} {count:>8} {size / check / 1e6:>11,.0f} "
+                f"{size / full / 1e6:>14,.0f} {count / full:>11,.0f} {(full - check) / count * 1e9:>15,.0f}"
+            )
     return 0
 
 

@@ -90,8 +90,14 @@ class Controller:
     def elections(self, view: SiteState, now_ms: int) -> list[ElectLeader]:
         """The elections to propose now (each answered by :meth:`election_done`)."""
         out = []
-        for elect in plan_leadership(view, now_ms, self.config.session_timeout_ms, self.since_ms,
-                                     settle_ms=SETTLE_TICKS * self.config.tick_ms, controller=self.me):  # fmt: skip
+        for elect in plan_leadership(
+            view,
+            now_ms,
+            self.config.session_timeout_ms,
+            self.since_ms,
+            settle_ms=SETTLE_TICKS * self.config.tick_ms,
+            controller=self.me,
+        ):
             key = (elect.topic, elect.partition)
             if self.electing.get(key) != elect.expected_epoch:
                 self.electing[key] = elect.expected_epoch
@@ -108,8 +114,9 @@ class Controller:
         """``member`` holds less than the sealed end of ``segments`` (its report of every sealed segment)."""
         self.short[member] = segments
 
-    def repair_plan(self, view: SiteState, now_ms: int, size_of: Callable[[SegmentInfo], int],
-                    loads: Callable[[], list[NodeLoad]]) -> tuple[list[RepairCopy], list[AskRoll]]:  # fmt: skip
+    def repair_plan(
+        self, view: SiteState, now_ms: int, size_of: Callable[[SegmentInfo], int], loads: Callable[[], list[NodeLoad]]
+    ) -> tuple[list[RepairCopy], list[AskRoll]]:
         """The copies, fills and rolls to start now, once every ``repair_every_ms``; none in between."""
         if now_ms < self.next_repair_ms:
             return [], []
@@ -121,16 +128,29 @@ class Controller:
             else:
                 self.down_since.setdefault(n.node, now_ms)
         segments = [
-            repair.SegmentView(info.topic, info.partition, s.segment_id, s.ensemble, s.sealed, size_of(s),
-                               tuple(m for m in s.ensemble
-                                     if (info.topic, info.partition, s.segment_id) in self.short.get(m, ())))
-            for info in view.partitions() for s in info.segments
-        ]  # fmt: skip
+            repair.SegmentView(
+                info.topic,
+                info.partition,
+                s.segment_id,
+                s.ensemble,
+                s.sealed,
+                size_of(s),
+                tuple(m for m in s.ensemble if (info.topic, info.partition, s.segment_id) in self.short.get(m, ())),
+            )
+            for info in view.partitions()
+            for s in info.segments
+        ]
         running = [self.in_progress[cid][0] for cid in sorted(self.in_progress)]
-        plan = repair.plan_repair(segments, nodes, down_since_ms=dict(sorted(self.down_since.items())),
-                                  now_ms=now_ms, repair_delay_ms=self.config.repair_delay_ms, in_progress=running,
-                                  max_concurrent_copies=self.config.max_concurrent_copies,
-                                  replication_factor=self.config.replication_factor)  # fmt: skip
+        plan = repair.plan_repair(
+            segments,
+            nodes,
+            down_since_ms=dict(sorted(self.down_since.items())),
+            now_ms=now_ms,
+            repair_delay_ms=self.config.repair_delay_ms,
+            in_progress=running,
+            max_concurrent_copies=self.config.max_concurrent_copies,
+            replication_factor=self.config.replication_factor,
+        )
         self.reports = (*plan.unrepairable, *plan.waiting, *plan.deferred)
         copies = []
         planned: list[repair.CopySegment | repair.FillSegment] = [*plan.copies, *plan.fills]
@@ -163,8 +183,9 @@ class Controller:
         entry = self.in_progress.pop(copy_id, None)
         return entry[0] if entry is not None else None
 
-    def repair_answered(self, copy_id: int, target: NodeId, end: int,
-                        view: SiteState) -> tuple[bool, AddMember | ReplaceMember | None]:  # fmt: skip
+    def repair_answered(
+        self, copy_id: int, target: NodeId, end: int, view: SiteState
+    ) -> tuple[bool, AddMember | ReplaceMember | None]:
         """The target of copy ``copy_id`` holds it up to ``end`` fsynced: (whether the copy is whole, the command
         that records it). A copy short of the sealed end fails; a fill changes no metadata."""
         entry = self.in_progress.get(copy_id)
@@ -183,8 +204,9 @@ class Controller:
             del self.in_progress[copy_id]
             return True, None
         if effect.replaces is None:
-            return True, AddMember(effect.topic, effect.partition, effect.segment_id, effect.target,
-                                   self.config.replication_factor)  # fmt: skip
+            return True, AddMember(
+                effect.topic, effect.partition, effect.segment_id, effect.target, self.config.replication_factor
+            )
         return True, ReplaceMember(effect.topic, effect.partition, effect.segment_id, effect.replaces, effect.target)
 
     def recorded(self, copy_id: int) -> None:
@@ -192,8 +214,14 @@ class Controller:
         self.in_progress.pop(copy_id, None)
 
 
-def controller_step(controller: Controller | None, me: NodeId, leads_metadata: bool, now_ms: int,
-                    config: ControllerConfig, elected_ms: int | None = None) -> Controller | None:  # fmt: skip
+def controller_step(
+    controller: Controller | None,
+    me: NodeId,
+    leads_metadata: bool,
+    now_ms: int,
+    config: ControllerConfig,
+    elected_ms: int | None = None,
+) -> Controller | None:
     """The one controller rule: this node's controller now, given whether its replica leads the metadata log.
 
     A new controller's settling counts from ``elected_ms``, when its replica won the Raft election, if the shell
@@ -201,8 +229,9 @@ def controller_step(controller: Controller | None, me: NodeId, leads_metadata: b
     the other nodes' went through), and counting from the tick would delay every election by that much."""
     if not leads_metadata:
         return None
-    return controller if controller is not None else Controller(me, now_ms if elected_ms is None else elected_ms,
-                                                                config)  # fmt: skip
+    return (
+        controller if controller is not None else Controller(me, now_ms if elected_ms is None else elected_ms, config)
+    )
 
 
 def short_segments(view: SiteState, me: NodeId, fsynced_end: Mapping[SegmentKey, int]) -> set[SegmentKey]:

@@ -73,8 +73,9 @@ class FollowerBound:
         return offset < self.end
 
 
-def follower_bound(chain: Sequence[SegmentBounds], me: NodeId, open_copy_end: int | None,
-                   announced_lac: int | None) -> FollowerBound:  # fmt: skip
+def follower_bound(
+    chain: Sequence[SegmentBounds], me: NodeId, open_copy_end: int | None, announced_lac: int | None
+) -> FollowerBound:
     """The bound of what node ``me`` may serve of a partition whose chain is ``chain`` (oldest first).
 
     ``open_copy_end``: the end of ``me``'s copy of the open segment (None: it holds none). ``announced_lac``: the
@@ -87,19 +88,31 @@ def follower_bound(chain: Sequence[SegmentBounds], me: NodeId, open_copy_end: in
     last = chain[-1]
     if last.end_offset is not None:
         # Between a seal and the next open (or this node has not seen the next segment yet): all of it is final.
-        return FollowerBound(last.end_offset, True, f"segment {last.segment_id} is sealed there, and no later "
-                                                    "segment is known to this node yet")  # fmt: skip
+        return FollowerBound(
+            last.end_offset,
+            True,
+            f"segment {last.segment_id} is sealed there, and no later segment is known to this node yet",
+        )
     base = last.base_offset
     if me not in last.ensemble or open_copy_end is None:
-        return FollowerBound(base, False, f"the open segment {last.segment_id} is on nodes {list(last.ensemble)}, "
-                                          "not on this node, which learns no LAC of it")  # fmt: skip
+        return FollowerBound(
+            base,
+            False,
+            f"the open segment {last.segment_id} is on nodes {list(last.ensemble)}, "
+            "not on this node, which learns no LAC of it",
+        )
     if announced_lac is None or announced_lac <= base:
-        return FollowerBound(base, True, f"no LAC of the open segment {last.segment_id} above its base has been "
-                                         "announced to this node yet")  # fmt: skip
+        return FollowerBound(
+            base,
+            True,
+            f"no LAC of the open segment {last.segment_id} above its base has been announced to this node yet",
+        )
     if open_copy_end < announced_lac:
-        return FollowerBound(max(base, open_copy_end), True, f"this node's copy of the open segment "
-                                                             f"{last.segment_id} ends there, below the LAC "
-                                                             f"{announced_lac}")  # fmt: skip
+        return FollowerBound(
+            max(base, open_copy_end),
+            True,
+            f"this node's copy of the open segment {last.segment_id} ends there, below the LAC {announced_lac}",
+        )
     return FollowerBound(announced_lac, True, f"the LAC of the open segment {last.segment_id} the leader announced")
 
 
@@ -108,5 +121,7 @@ def _check_chain(chain: Sequence[SegmentBounds]) -> None:
         if before.end_offset is None:
             raise ValueError(f"segment {before.segment_id} is open but segment {after.segment_id} follows it")
         if after.base_offset != before.end_offset or after.segment_id <= before.segment_id:
-            raise ValueError(f"segment {after.segment_id} (base {after.base_offset}) does not follow segment "
-                             f"{before.segment_id} (sealed at {before.end_offset})")  # fmt: skip
+            raise ValueError(
+                f"segment {after.segment_id} (base {after.base_offset}) does not follow segment "
+                f"{before.segment_id} (sealed at {before.end_offset})"
+            )

@@ -186,8 +186,12 @@ class GroupCoordinator:
             )
         g = self.groups.get(group)
         if g is None or not g.members:
-            g = self.groups[group] = Group(group, assignor, generation=g.generation if g else 0,
-                                           hold_until_ms=max(hold_until_ms, g.hold_until_ms if g else 0))
+            g = self.groups[group] = Group(
+                group,
+                assignor,
+                generation=g.generation if g else 0,
+                hold_until_ms=max(hold_until_ms, g.hold_until_ms if g else 0),
+            )
         elif assignor != g.assignor:
             raise InvalidGroupRequest(
                 f"group {group!r} uses the {g.assignor} assignor; its members must all use it (this one asked for "
@@ -225,9 +229,10 @@ class GroupCoordinator:
         for name in sorted(self.groups):
             g = self.groups[name]
             dead = [
-                m for m, member in sorted(g.members.items())
+                m
+                for m, member in sorted(g.members.items())
                 if now_ms - member.last_heartbeat_ms > member.session_timeout_ms
-            ]  # fmt: skip
+            ]
             for m in dead:
                 del g.members[m]
                 gone.append((name, m))
@@ -340,8 +345,9 @@ def takeover_hold_until(taken_over_ms: int | None, session_timeout_ms: int, has_
     return taken_over_ms + session_timeout_ms
 
 
-def forget_groups(coordinator: GroupCoordinator, partitions: Iterable[int],
-                  partition_of: Callable[[str], int]) -> list[str]:  # fmt: skip
+def forget_groups(
+    coordinator: GroupCoordinator, partitions: Iterable[int], partition_of: Callable[[str], int]
+) -> list[str]:
     """Drop the membership of every group whose offsets partition is in ``partitions``; returns their names."""
     dropped = set(partitions)
     gone = sorted(name for name in coordinator.groups if partition_of(name) in dropped)

@@ -197,8 +197,20 @@ class StepDown:
     reason: str
 
 
-LeadEffect = (FenceMember | CopyTail | ProposeSeal | ProposeOpen | Adopted | StreamTo | Release | Sealing
-              | SegmentSealed | Reconnect | Note | StepDown)  # fmt: skip
+LeadEffect = (
+    FenceMember
+    | CopyTail
+    | ProposeSeal
+    | ProposeOpen
+    | Adopted
+    | StreamTo
+    | Release
+    | Sealing
+    | SegmentSealed
+    | Reconnect
+    | Note
+    | StepDown
+)
 
 
 class Phase(enum.StrEnum):
@@ -225,8 +237,9 @@ class _Recovery:
 class PartitionLead:
     """See the module docstring."""
 
-    def __init__(self, me: NodeId, key: PartitionKey, epoch: LeaderEpoch, config: LeadConfig,
-                 recover: SegmentInfo | None) -> None:  # fmt: skip
+    def __init__(
+        self, me: NodeId, key: PartitionKey, epoch: LeaderEpoch, config: LeadConfig, recover: SegmentInfo | None
+    ) -> None:
         self.me = me
         self.key = key
         self.epoch = epoch
@@ -281,16 +294,23 @@ class PartitionLead:
             rec = self.recovery
             if rec is None and ctx.now_ms >= self.retry_at:
                 return self._begin_recovery(ctx)
-            if rec is not None and rec.seal_end is not None and rec.seal_due_ms is not None \
-                    and ctx.now_ms >= rec.seal_due_ms:  # fmt: skip
+            if (
+                rec is not None
+                and rec.seal_end is not None
+                and rec.seal_due_ms is not None
+                and ctx.now_ms >= rec.seal_due_ms
+            ):
                 return self._propose_recovery_seal(rec)
             return []
         if self.phase is Phase.OPENING:
             return self.try_open(ctx) if not self.busy and ctx.now_ms >= self.retry_at else []
         if not self.writing:
             return []
-        out: list[LeadEffect] = [Reconnect(self.key, m) for m in sorted(self.failed_at)
-                                 if ctx.now_ms - self.failed_at[m] >= self.config.reconnect_ms]  # fmt: skip
+        out: list[LeadEffect] = [
+            Reconnect(self.key, m)
+            for m in sorted(self.failed_at)
+            if ctx.now_ms - self.failed_at[m] >= self.config.reconnect_ms
+        ]
         if self.phase is Phase.ROLLING:
             out += self.roll_check(ctx)
         return out
@@ -314,8 +334,9 @@ class PartitionLead:
                 self.previous = info.segments[-1].ensemble
             return self.try_open(ctx)
         self._attempts += 1
-        machine = SegmentRecovery(segment.segment_id, int(segment.base_offset), segment.ensemble,
-                                  self.config.ack_quorum, self.epoch, self.me)  # fmt: skip
+        machine = SegmentRecovery(
+            segment.segment_id, int(segment.base_offset), segment.ensemble, self.config.ack_quorum, self.epoch, self.me
+        )
         self.recovery = _Recovery(segment, machine, self._attempts)
         return [Note(self.key, "recovery"), *self._recovered(self.recovery, machine.start(), ctx)]
 
@@ -357,13 +378,13 @@ class PartitionLead:
         rec = self._copy(attempt, copy_id, target)
         return self._recovered(rec, rec.machine.copied(target, end), ctx) if rec is not None else []
 
-    def copy_failed(self, attempt: int, copy_id: int, target: NodeId, why: str,
-                    ctx: LeadContext) -> list[LeadEffect]:  # fmt: skip
+    def copy_failed(self, attempt: int, copy_id: int, target: NodeId, why: str, ctx: LeadContext) -> list[LeadEffect]:
         rec = self._copy(attempt, copy_id, target)
         return self._recovered(rec, rec.machine.copy_failed(target, why), ctx) if rec is not None else []
 
-    def copy_refused(self, attempt: int, copy_id: int, target: NodeId, their_epoch: int,
-                     ctx: LeadContext) -> list[LeadEffect]:  # fmt: skip
+    def copy_refused(
+        self, attempt: int, copy_id: int, target: NodeId, their_epoch: int, ctx: LeadContext
+    ) -> list[LeadEffect]:
         """The copy's target is fenced by a newer epoch."""
         rec = self._copy(attempt, copy_id, target)
         return self._recovered(rec, rec.machine.fence_refused(target, their_epoch), ctx) if rec is not None else []
@@ -384,8 +405,10 @@ class PartitionLead:
             elif isinstance(eff, Copy):
                 self._ids += 1
                 rec.copies[eff.target] = self._ids
-                out += [Note(self.key, "recovery_copy"),
-                        CopyTail(self.key, segment, eff, self.epoch, rec.attempt, self._ids)]  # fmt: skip
+                out += [
+                    Note(self.key, "recovery_copy"),
+                    CopyTail(self.key, segment, eff, self.epoch, rec.attempt, self._ids),
+                ]
             elif isinstance(eff, Seal):
                 rec.seal_end = int(eff.end_offset)
                 out += self._propose_recovery_seal(rec)
@@ -394,16 +417,22 @@ class PartitionLead:
                 self.phase = Phase.OPENING
                 self.sealed_through = segment.segment_id
                 self.previous = segment.ensemble
-                out += [Note(self.key, "recovery_done"),
-                        SegmentSealed(self.key, self.epoch, segment.segment_id, segment.ensemble, int(eff.end_offset),
-                                      roll=False), *self.try_open(ctx)]  # fmt: skip
+                out += [
+                    Note(self.key, "recovery_done"),
+                    SegmentSealed(
+                        self.key, self.epoch, segment.segment_id, segment.ensemble, int(eff.end_offset), roll=False
+                    ),
+                    *self.try_open(ctx),
+                ]
             elif isinstance(eff, Failed):
                 self.recovery = None
                 self.retry_at = ctx.now_ms + self.config.retry_ms
                 out.append(Note(self.key, "recovery_failed", eff.reason))
             elif isinstance(eff, Superseded):
-                out += [Note(self.key, "recovery_superseded", eff.reason),
-                        *self.close(f"recovery superseded: {eff.reason}")]  # fmt: skip
+                out += [
+                    Note(self.key, "recovery_superseded", eff.reason),
+                    *self.close(f"recovery superseded: {eff.reason}"),
+                ]
                 break
         return out
 
@@ -429,8 +458,16 @@ class PartitionLead:
         """Adopt this lead's open segment, or propose the next one (``plan_open``)."""
         if self.phase is not Phase.OPENING or self.busy or ctx.info is None:
             return []
-        step = leadership.plan_open(ctx.info, self.me, self.epoch, self.sealed_through, self.previous, ctx.loads(),
-                                    self.config.replication_factor, min_ensemble=self.config.ack_quorum)  # fmt: skip
+        step = leadership.plan_open(
+            ctx.info,
+            self.me,
+            self.epoch,
+            self.sealed_through,
+            self.previous,
+            ctx.loads(),
+            self.config.replication_factor,
+            min_ensemble=self.config.ack_quorum,
+        )
         if isinstance(step, leadership.Adopt):
             return self._adopt(step.segment_id, int(step.base_offset), step.ensemble)
         if isinstance(step, leadership.Blocked):

@@ -120,8 +120,13 @@ class AskEpoch:
 RoleStep = Lead | StepDown | AskEpoch
 
 
-def role_step(info: PartitionInfo, me: NodeId, leading: LeaderEpoch | None, done_epoch: LeaderEpoch,
-              granted_to_this_incarnation: bool) -> RoleStep | None:  # fmt: skip
+def role_step(
+    info: PartitionInfo,
+    me: NodeId,
+    leading: LeaderEpoch | None,
+    done_epoch: LeaderEpoch,
+    granted_to_this_incarnation: bool,
+) -> RoleStep | None:
     """What node ``me`` does about partition ``info`` as its view shows it; None: nothing.
 
     ``leading`` is the epoch it leads in now (None if it does not), ``done_epoch`` the newest epoch it gave up
@@ -179,9 +184,17 @@ class Blocked:
 OpenStep = Adopt | ProposeOpen | Wait | Blocked
 
 
-def plan_open(info: PartitionInfo, me: NodeId, epoch: LeaderEpoch, sealed_through: SegmentId | None,
-              previous: Sequence[NodeId], loads: Sequence[placement.NodeLoad], replication_factor: int, *,
-              min_ensemble: int | None = None) -> OpenStep:  # fmt: skip
+def plan_open(
+    info: PartitionInfo,
+    me: NodeId,
+    epoch: LeaderEpoch,
+    sealed_through: SegmentId | None,
+    previous: Sequence[NodeId],
+    loads: Sequence[placement.NodeLoad],
+    replication_factor: int,
+    *,
+    min_ensemble: int | None = None,
+) -> OpenStep:
     """What the leader of ``epoch`` does to have a segment to write.
 
     ``sealed_through`` is the last segment this leader sealed itself (its roll or its recovery), so a view that
@@ -206,12 +219,19 @@ def plan_open(info: PartitionInfo, me: NodeId, epoch: LeaderEpoch, sealed_throug
     assert base is not None  # no open segment: the chain ends sealed, or is empty
     before = info.segments[-1].ensemble if info.segments else tuple(previous)
     try:
-        ensemble = placement.choose_ensemble(loads, replication_factor, leader=me, previous=before,
-                                             salt=placement.partition_salt(info.topic, info.partition),
-                                             min_size=min_ensemble)  # fmt: skip
+        ensemble = placement.choose_ensemble(
+            loads,
+            replication_factor,
+            leader=me,
+            previous=before,
+            salt=placement.partition_salt(info.topic, info.partition),
+            min_size=min_ensemble,
+        )
     except placement.PlacementError as exc:
-        return Blocked(f"cannot place the next segment of {info.topic}/{info.partition}, and it takes no writes "
-                       f"until it can: {exc}")
+        return Blocked(
+            f"cannot place the next segment of {info.topic}/{info.partition}, and it takes no writes "
+            f"until it can: {exc}"
+        )
     return ProposeOpen(OpenSegment(info.topic, info.partition, epoch, LocalOffset(base), ensemble))
 
 
@@ -247,7 +267,6 @@ def node_loads(state: SiteState, now_ms: int, session_timeout_ms: int) -> list[p
     """Every node as placement sees it, from the metadata alone (so every node places alike)."""
     load = open_loads(state)
     return [
-        placement.NodeLoad(n, info.free_bytes, load.get(n, 0), info.is_live(now_ms, session_timeout_ms),
-                           info.draining)
+        placement.NodeLoad(n, info.free_bytes, load.get(n, 0), info.is_live(now_ms, session_timeout_ms), info.draining)
         for n, info in state.nodes().items()
-    ]  # fmt: skip
+    ]

@@ -77,8 +77,9 @@ class GapReports:
         return True
 
 
-def judge_append(guard: ReplicaGuard, epoch: LeaderEpoch, segment: SegmentKey, offset: int, local_end: int,
-                 gaps: GapReports) -> AppendVerdict:  # fmt: skip
+def judge_append(
+    guard: ReplicaGuard, epoch: LeaderEpoch, segment: SegmentKey, offset: int, local_end: int, gaps: GapReports
+) -> AppendVerdict:
     """What a member does with a leader's batch at ``offset`` of ``segment``, holding it up to ``local_end``."""
     try:
         return Take(guard.check_append(epoch, segment[2], offset, local_end))
@@ -132,8 +133,9 @@ class CutCopy:
     end: int
 
 
-def seals_to_learn(view: SiteState, guards: Mapping[PartitionKey, GuardState],
-                   ends: Mapping[SegmentKey, int]) -> list[GuardSeal | CutCopy]:  # fmt: skip
+def seals_to_learn(
+    view: SiteState, guards: Mapping[PartitionKey, GuardState], ends: Mapping[SegmentKey, int]
+) -> list[GuardSeal | CutCopy]:
     """What a member does about the seals its ``view`` shows, given its guards' states and its copies' ends."""
     out: list[GuardSeal | CutCopy] = []
     for info in view.partitions():

@@ -62,12 +62,17 @@ class NodeConfig:
     max_concurrent_copies: int = 2
 
     def lead(self) -> LeadConfig:
-        return LeadConfig(self.replication_factor, self.ack_quorum, self.retry_ms, self.roll_wait_ms,
-                          self.reconnect_ms)  # fmt: skip
+        return LeadConfig(self.replication_factor, self.ack_quorum, self.retry_ms, self.roll_wait_ms, self.reconnect_ms)
 
     def controller(self) -> ControllerConfig:
-        return ControllerConfig(self.session_timeout_ms, self.tick_ms, self.replication_factor, self.repair_every_ms,
-                                self.repair_delay_ms, self.max_concurrent_copies)  # fmt: skip
+        return ControllerConfig(
+            self.session_timeout_ms,
+            self.tick_ms,
+            self.replication_factor,
+            self.repair_every_ms,
+            self.repair_delay_ms,
+            self.max_concurrent_copies,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +115,9 @@ class NodeCore:
         self.controller: Controller | None = None
 
     def context(self, view: SiteState, key: PartitionKey, now_ms: int) -> LeadContext:
-        return LeadContext(now_ms, view.partition(*key),
-                           lambda: leadership.node_loads(view, now_ms, self.config.session_timeout_ms))
+        return LeadContext(
+            now_ms, view.partition(*key), lambda: leadership.node_loads(view, now_ms, self.config.session_timeout_ms)
+        )
 
     # -- roles -------------------------------------------------------------------------------------------
 
@@ -123,8 +129,13 @@ class NodeCore:
             while True:
                 lead = self.leads.get(key)
                 fresh = info.leader_epoch > self.epochs_at_start.get(key, LeaderEpoch(0))
-                step = leadership.role_step(info, self.me, lead.epoch if lead is not None else None,
-                                            self.given_up.get(key, LeaderEpoch(0)), fresh)  # fmt: skip
+                step = leadership.role_step(
+                    info,
+                    self.me,
+                    lead.epoch if lead is not None else None,
+                    self.given_up.get(key, LeaderEpoch(0)),
+                    fresh,
+                )
                 if isinstance(step, leadership.StepDown) and lead is not None:
                     out += self._ended(lead, lead.close(step.reason))
                     continue  # it may be named again, in a newer epoch
@@ -143,8 +154,13 @@ class NodeCore:
         if result is None and self.asked.get(key) == epoch:
             del self.asked[key]
 
-    def step(self, view: SiteState, key: PartitionKey, now_ms: int,
-             event: Callable[[PartitionLead, LeadContext], list[LeadEffect]]) -> list[NodeEffect]:  # fmt: skip
+    def step(
+        self,
+        view: SiteState,
+        key: PartitionKey,
+        now_ms: int,
+        event: Callable[[PartitionLead, LeadContext], list[LeadEffect]],
+    ) -> list[NodeEffect]:
         """Feed ``key``'s lead one event (nothing if this node does not lead it)."""
         lead = self.leads.get(key)
         if lead is None:
@@ -164,14 +180,21 @@ class NodeCore:
 
     # -- ticks -------------------------------------------------------------------------------------------
 
-    def tick(self, view: SiteState, now_ms: int, leads_metadata: bool,
-             size_of: Callable[..., int] | None = None, elected_ms: int | None = None) -> list[NodeEffect]:  # fmt: skip
+    def tick(
+        self,
+        view: SiteState,
+        now_ms: int,
+        leads_metadata: bool,
+        size_of: Callable[..., int] | None = None,
+        elected_ms: int | None = None,
+    ) -> list[NodeEffect]:
         """The controller's duties if this node's replica leads the metadata log (with the view it has: stale
         after a pause; ``elected_ms``: when it won the election, if known), then every lead's due retries, roll
         seals and reconnections."""
         out: list[NodeEffect] = []
-        self.controller = controller_step(self.controller, self.me, leads_metadata, now_ms, self.config.controller(),
-                                          elected_ms)  # fmt: skip
+        self.controller = controller_step(
+            self.controller, self.me, leads_metadata, now_ms, self.config.controller(), elected_ms
+        )
         ctl = self.controller
         if ctl is not None:
             out += [ProposeElection(e) for e in ctl.elections(view, now_ms)]

@@ -90,8 +90,15 @@ class ProducerEntry:
     append_time_ms: int
 
     def encode(self) -> list[int]:
-        return [self.producer_id, self.producer_epoch, self.base_sequence, self.last_offset_delta,
-                int(self.base_offset), int(self.base_origin_seq), self.append_time_ms]  # fmt: skip
+        return [
+            self.producer_id,
+            self.producer_epoch,
+            self.base_sequence,
+            self.last_offset_delta,
+            int(self.base_offset),
+            int(self.base_origin_seq),
+            self.append_time_ms,
+        ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +116,10 @@ class ProducerSnapshot:
     def decode(cls, raw: Mapping[str, Any]) -> ProducerSnapshot:
         """:meth:`encode`'s form back; raises :class:`InvalidSnapshot`."""
         if raw.get("v") != SNAPSHOT_FORMAT:
-            raise InvalidSnapshot(f"producer snapshot format {raw.get('v')!r} is not {SNAPSHOT_FORMAT}: run the same "
-                                  "georep version on every node of the site")  # fmt: skip
+            raise InvalidSnapshot(
+                f"producer snapshot format {raw.get('v')!r} is not {SNAPSHOT_FORMAT}: run the same "
+                "georep version on every node of the site"
+            )
         text = raw.get("origin")
         rows = raw.get("entries")
         if not isinstance(text, str) or not isinstance(rows, list):
@@ -121,14 +130,24 @@ class ProducerSnapshot:
             if not isinstance(row, list) or len(row) != 7 or not all(type(v) is int for v in row):
                 raise InvalidSnapshot(f"producer snapshot entry {row!r} is not 7 integers")
             pid, epoch, base_seq, delta, base_offset, base_origin_seq, append_ms = row
-            entries.append(ProducerEntry(origin, pid, epoch, base_seq, delta, LocalOffset(base_offset),
-                                         OriginSeq(base_origin_seq), append_ms))  # fmt: skip
+            entries.append(
+                ProducerEntry(
+                    origin, pid, epoch, base_seq, delta, LocalOffset(base_offset), OriginSeq(base_origin_seq), append_ms
+                )
+            )
         return cls(origin, tuple(entries))
 
 
-def fold(history: Iterable[ProducerBatch], origin: Origin, batches: Iterable[ProducerBatch], *, now_ms: int,
-         window: int = DEFAULT_WINDOW_BATCHES, expiration_ms: int = DEFAULT_EXPIRATION_MS,
-         max_entries: int = SNAPSHOT_ENTRIES_MAX) -> ProducerSnapshot:  # fmt: skip
+def fold(
+    history: Iterable[ProducerBatch],
+    origin: Origin,
+    batches: Iterable[ProducerBatch],
+    *,
+    now_ms: int,
+    window: int = DEFAULT_WINDOW_BATCHES,
+    expiration_ms: int = DEFAULT_EXPIRATION_MS,
+    max_entries: int = SNAPSHOT_ENTRIES_MAX,
+) -> ProducerSnapshot:
     """The snapshot at a seal: ``history`` (the chain's at the segment's base: :func:`history_at_open` of the
     proposer's view), then ``batches`` (the segment's, below its sealed end, in log order); only ``origin``'s own
     batches count. See the module docstring."""
@@ -142,10 +161,21 @@ def fold(history: Iterable[ProducerBatch], origin: Origin, batches: Iterable[Pro
 
     for b in itertools.chain(history, batches):
         if b.producer_id != NO_PRODUCER_ID and b.origin == origin:
-            take(ProducerEntry(origin, b.producer_id, b.producer_epoch, b.base_sequence, b.last_offset_delta,
-                               b.base_offset, b.base_origin_seq, b.append_time_ms))  # fmt: skip
-    live = [list(state[1]) for state in kept.values()
-            if now_ms - max(e.append_time_ms for e in state[1]) <= expiration_ms]  # fmt: skip
+            take(
+                ProducerEntry(
+                    origin,
+                    b.producer_id,
+                    b.producer_epoch,
+                    b.base_sequence,
+                    b.last_offset_delta,
+                    b.base_offset,
+                    b.base_origin_seq,
+                    b.append_time_ms,
+                )
+            )
+    live = [
+        list(state[1]) for state in kept.values() if now_ms - max(e.append_time_ms for e in state[1]) <= expiration_ms
+    ]
     entries, left_out = _bounded(live, max_entries)
     return ProducerSnapshot(origin, tuple(sorted(entries, key=lambda e: (e.base_offset, e.producer_id))), left_out)
 
@@ -163,8 +193,9 @@ def _bounded(producers: list[list[ProducerEntry]], max_entries: int) -> tuple[li
     return chosen, max(0, len(producers) - max_entries)
 
 
-def history_at_open(sealed: ProducerSnapshot | None,
-                    held: Callable[[], Iterable[ProducerBatch]]) -> Iterable[ProducerBatch]:  # fmt: skip
+def history_at_open(
+    sealed: ProducerSnapshot | None, held: Callable[[], Iterable[ProducerBatch]]
+) -> Iterable[ProducerBatch]:
     """What a leader rebuilds its producer table from when it starts writing a segment (before the segment's own
     batches): the snapshot of the chain's last seal; ``held`` (the batches of the sealed segments this node holds
     copies of) only for a chain whose last seal carries no snapshot."""

@@ -194,11 +194,28 @@ def _validate_ensemble(ensemble: tuple[NodeId, ...], ack_quorum: int, leader: No
 class SegmentQuorum:
     """The LAC of one open segment, at its leader; see the module docstring for the rules."""
 
-    __slots__ = ("segment_id", "base_offset", "ensemble", "ack_quorum", "epoch", "leader",
-                 "_ends", "_failed", "_appended_end", "_lac")  # fmt: skip
+    __slots__ = (
+        "segment_id",
+        "base_offset",
+        "ensemble",
+        "ack_quorum",
+        "epoch",
+        "leader",
+        "_ends",
+        "_failed",
+        "_appended_end",
+        "_lac",
+    )
 
-    def __init__(self, segment_id: SegmentId, base_offset: int, ensemble: tuple[NodeId, ...], ack_quorum: int,
-                 epoch: LeaderEpoch, leader: NodeId) -> None:  # fmt: skip
+    def __init__(
+        self,
+        segment_id: SegmentId,
+        base_offset: int,
+        ensemble: tuple[NodeId, ...],
+        ack_quorum: int,
+        epoch: LeaderEpoch,
+        leader: NodeId,
+    ) -> None:
         _validate_ensemble(ensemble, ack_quorum, leader, base_offset)
         self.segment_id = segment_id
         self.base_offset = base_offset
@@ -244,9 +261,10 @@ class SegmentQuorum:
         there is no stream to resend on until :meth:`member_reconnected`.
         """
         return [
-            Lagging(node, self._ends[node]) for node in sorted(self.ensemble)
+            Lagging(node, self._ends[node])
+            for node in sorted(self.ensemble)
             if node != self.leader and node not in self._failed and self._ends[node] < self._appended_end
-        ]  # fmt: skip
+        ]
 
     # -- events ---------------------------------------------------------------
 

@@ -387,8 +387,9 @@ def _checked_segments(segments: Iterable[SegmentView], by_id: Mapping[NodeId, No
     return ordered
 
 
-def under_replicated(segments: Iterable[SegmentView], nodes: Iterable[NodeLoad], *,
-                     replication_factor: int | None = None) -> tuple[UnderReplicated, ...]:  # fmt: skip
+def under_replicated(
+    segments: Iterable[SegmentView], nodes: Iterable[NodeLoad], *, replication_factor: int | None = None
+) -> tuple[UnderReplicated, ...]:
     """Segments with fewer alive, non-draining members than their ensemble size (or than ``replication_factor``,
     when given), in key order.
 
@@ -401,8 +402,11 @@ def under_replicated(segments: Iterable[SegmentView], nodes: Iterable[NodeLoad],
         dead = tuple(m for m in s.ensemble if not by_id[m].alive)
         draining = tuple(m for m in s.ensemble if by_id[m].alive and by_id[m].draining)
         if dead or draining or _missing(s, replication_factor):
-            out.append(UnderReplicated(s.topic, s.partition, s.segment_id, s.sealed, s.ensemble, dead, draining,
-                                       replication_factor))  # fmt: skip
+            out.append(
+                UnderReplicated(
+                    s.topic, s.partition, s.segment_id, s.sealed, s.ensemble, dead, draining, replication_factor
+                )
+            )
     return tuple(out)
 
 
@@ -538,9 +542,15 @@ def plan_repair(
             continue
         complete = [by_id[m] for m in s.ensemble if by_id[m].alive and m not in s.short]
         if not complete:
-            unrepairable.append(NoRepairTarget(s.topic, s.partition, s.segment_id, need.replaces,
-                                               "no alive member holds the whole segment to copy it from: bring back "
-                                               "a member that does"))  # fmt: skip
+            unrepairable.append(
+                NoRepairTarget(
+                    s.topic,
+                    s.partition,
+                    s.segment_id,
+                    need.replaces,
+                    "no alive member holds the whole segment to copy it from: bring back a member that does",
+                )
+            )
             continue
         targets = taken.setdefault(s.key, set())
         snapshot = [replace(by_id[n], free_bytes=free_bytes[n], load=load[n]) for n in sorted(by_id)]
@@ -578,8 +588,7 @@ def plan_repair(
             fills.append(FillSegment(s.topic, s.partition, s.segment_id, source, m))
             sends[source] += 1
             slots -= 1
-    return RepairPlan(tuple(copies), tuple(rolls), tuple(unrepairable), tuple(waiting), tuple(deferred),
-                      tuple(fills))  # fmt: skip
+    return RepairPlan(tuple(copies), tuple(rolls), tuple(unrepairable), tuple(waiting), tuple(deferred), tuple(fills))
 
 
 # -- decommissioning: leaderships off draining nodes, and how far a drain has got ---------------------------------
@@ -627,8 +636,9 @@ class LeadershipStuck:
         return f"{self.topic}/{self.partition} stays led by draining node {self.leader}: {self.reason}"
 
 
-def plan_leader_moves(partitions: Iterable[LeaderView],
-                      nodes: Iterable[NodeLoad]) -> tuple[MoveLeadership | LeadershipStuck, ...]:  # fmt: skip
+def plan_leader_moves(
+    partitions: Iterable[LeaderView], nodes: Iterable[NodeLoad]
+) -> tuple[MoveLeadership | LeadershipStuck, ...]:
     """One :class:`MoveLeadership` per partition led by an alive, draining node, in topic and partition order
     (:class:`LeadershipStuck` where no node can take it).
 
@@ -665,13 +675,19 @@ def plan_leader_moves(partitions: Iterable[LeaderView],
         if p.leader is None or leader is None or not leader.alive or not leader.draining:
             continue
         pool = sorted(by_id) if p.open_ensemble is None else list(p.open_ensemble)
-        candidates = [by_id[n] for n in pool if n in by_id and n != p.leader and by_id[n].alive
-                      and not by_id[n].draining]  # fmt: skip
+        candidates = [
+            by_id[n] for n in pool if n in by_id and n != p.leader and by_id[n].alive and not by_id[n].draining
+        ]
         if not candidates:
             where = "the open segment's other members" if p.open_ensemble is not None else "the other nodes"
-            out.append(LeadershipStuck(p.topic, p.partition, p.leader,
-                                       f"none of {where} is alive and not draining; bring one back, or stop "
-                                       "draining another node"))  # fmt: skip
+            out.append(
+                LeadershipStuck(
+                    p.topic,
+                    p.partition,
+                    p.leader,
+                    f"none of {where} is alive and not draining; bring one back, or stop draining another node",
+                )
+            )
             continue
         best = min(candidates, key=lambda n: (leads.get(n.node, 0), n.load, n.node))
         leads[best.node] = leads.get(best.node, 0) + 1
@@ -706,9 +722,15 @@ class DrainStatus:
         )
 
 
-def drain_status(node: NodeId, draining: bool, segments: Iterable[SegmentView],
-                 partitions: Iterable[LeaderView]) -> DrainStatus:  # fmt: skip
+def drain_status(
+    node: NodeId, draining: bool, segments: Iterable[SegmentView], partitions: Iterable[LeaderView]
+) -> DrainStatus:
     """What the metadata (``segments``, ``partitions``) still puts on ``node``."""
     held = [s for s in segments if node in s.ensemble]
-    return DrainStatus(node, draining, sum(1 for s in held if s.sealed), sum(1 for s in held if not s.sealed),
-                       sum(1 for p in partitions if p.leader == node))  # fmt: skip
+    return DrainStatus(
+        node,
+        draining,
+        sum(1 for s in held if s.sealed),
+        sum(1 for s in held if not s.sealed),
+        sum(1 for p in partitions if p.leader == node),
+    )

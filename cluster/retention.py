@@ -58,8 +58,7 @@ def first_kept(info: PartitionInfo, now_ms: int, retention_ms: int, retention_by
     dropped = 0
     for segment in segments[:-1]:  # never the last one
         expired = _expired(segment, now_ms, retention_ms)
-        oversize = (retention_bytes >= 0 and sizes_known and segment.size_bytes is not None
-                    and size > retention_bytes)  # fmt: skip
+        oversize = retention_bytes >= 0 and sizes_known and segment.size_bytes is not None and size > retention_bytes
         if not (expired or oversize):
             break
         size -= segment.size_bytes or 0

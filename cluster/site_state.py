@@ -420,14 +420,24 @@ class NodeHeartbeat(_CommandBase):
         _check_non_negative("bytes_moved", self.bytes_moved)
 
     def _encode(self) -> dict[str, Any]:
-        return {"node": self.node, "now_ms": self.now_ms, "free_bytes": self.free_bytes, "load": self.load,
-                "bytes_moved": self.bytes_moved}  # fmt: skip
+        return {
+            "node": self.node,
+            "now_ms": self.now_ms,
+            "free_bytes": self.free_bytes,
+            "load": self.load,
+            "bytes_moved": self.bytes_moved,
+        }
 
     @classmethod
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
         # Logs written before bytes_moved was reported lack it: 0.
-        return cls(_node(raw, "node"), _int(raw, "now_ms"), _int(raw, "free_bytes"), _int(raw, "load"),
-                   _int(raw, "bytes_moved") if "bytes_moved" in raw else 0)  # fmt: skip
+        return cls(
+            _node(raw, "node"),
+            _int(raw, "now_ms"),
+            _int(raw, "free_bytes"),
+            _int(raw, "load"),
+            _int(raw, "bytes_moved") if "bytes_moved" in raw else 0,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,13 +515,18 @@ class ElectLeader(_CommandBase):
         _check_non_negative("expected_epoch", self.expected_epoch)
 
     def _encode(self) -> dict[str, Any]:
-        return {"topic": self.topic, "partition": self.partition, "node": self.node,
-                "expected_epoch": self.expected_epoch}  # fmt: skip
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "node": self.node,
+            "expected_epoch": self.expected_epoch,
+        }
 
     @classmethod
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
-        return cls(_str(raw, "topic"), _int(raw, "partition"), _node(raw, "node"),
-                   LeaderEpoch(_int(raw, "expected_epoch")))  # fmt: skip
+        return cls(
+            _str(raw, "topic"), _int(raw, "partition"), _node(raw, "node"), LeaderEpoch(_int(raw, "expected_epoch"))
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,13 +545,23 @@ class OpenSegment(_CommandBase):
         _check_ensemble(self.ensemble)
 
     def _encode(self) -> dict[str, Any]:
-        return {"topic": self.topic, "partition": self.partition, "epoch": self.epoch,
-                "base_offset": self.base_offset, "ensemble": list(self.ensemble)}  # fmt: skip
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "epoch": self.epoch,
+            "base_offset": self.base_offset,
+            "ensemble": list(self.ensemble),
+        }
 
     @classmethod
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
-        return cls(_str(raw, "topic"), _int(raw, "partition"), LeaderEpoch(_int(raw, "epoch")),
-                   LocalOffset(_int(raw, "base_offset")), _ensemble(raw, "ensemble"))  # fmt: skip
+        return cls(
+            _str(raw, "topic"),
+            _int(raw, "partition"),
+            LeaderEpoch(_int(raw, "epoch")),
+            LocalOffset(_int(raw, "base_offset")),
+            _ensemble(raw, "ensemble"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -563,9 +588,14 @@ class SealSegment(_CommandBase):
             _check_non_negative("size_bytes", self.size_bytes)
 
     def _encode(self) -> dict[str, Any]:
-        out = {"topic": self.topic, "partition": self.partition, "epoch": self.epoch,
-               "segment_id": self.segment_id, "end_offset": self.end_offset,
-               "end_vector": _vector_to_dict(self.end_vector)}  # fmt: skip
+        out = {
+            "topic": self.topic,
+            "partition": self.partition,
+            "epoch": self.epoch,
+            "segment_id": self.segment_id,
+            "end_offset": self.end_offset,
+            "end_vector": _vector_to_dict(self.end_vector),
+        }
         # Only when known, so a seal without them encodes as before these fields existed.
         if self.size_bytes is not None:
             out["size_bytes"] = self.size_bytes
@@ -579,10 +609,17 @@ class SealSegment(_CommandBase):
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
         # Logs written before seals carried the size and timestamp lack them: unknown (never trimmed by them); and
         # before they carried the producers' table: unknown (the next leader falls back to the copies it holds).
-        return cls(_str(raw, "topic"), _int(raw, "partition"), LeaderEpoch(_int(raw, "epoch")),
-                   SegmentId(_int(raw, "segment_id")), LocalOffset(_int(raw, "end_offset")),
-                   _vector(raw, "end_vector"), _optional_int(raw, "size_bytes"),
-                   _optional_int(raw, "max_timestamp_ms"), _producers(raw, "producers"))  # fmt: skip
+        return cls(
+            _str(raw, "topic"),
+            _int(raw, "partition"),
+            LeaderEpoch(_int(raw, "epoch")),
+            SegmentId(_int(raw, "segment_id")),
+            LocalOffset(_int(raw, "end_offset")),
+            _vector(raw, "end_vector"),
+            _optional_int(raw, "size_bytes"),
+            _optional_int(raw, "max_timestamp_ms"),
+            _producers(raw, "producers"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -634,13 +671,23 @@ class ReplaceMember(_CommandBase):
             raise InvalidCommand(f"replacing node {self.old} by itself: name a different new node")
 
     def _encode(self) -> dict[str, Any]:
-        return {"topic": self.topic, "partition": self.partition, "segment_id": self.segment_id,
-                "old": self.old, "new": self.new}  # fmt: skip
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "segment_id": self.segment_id,
+            "old": self.old,
+            "new": self.new,
+        }
 
     @classmethod
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
-        return cls(_str(raw, "topic"), _int(raw, "partition"), SegmentId(_int(raw, "segment_id")),
-                   _node(raw, "old"), _node(raw, "new"))  # fmt: skip
+        return cls(
+            _str(raw, "topic"),
+            _int(raw, "partition"),
+            SegmentId(_int(raw, "segment_id")),
+            _node(raw, "old"),
+            _node(raw, "new"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -669,13 +716,23 @@ class AddMember(_CommandBase):
             )
 
     def _encode(self) -> dict[str, Any]:
-        return {"topic": self.topic, "partition": self.partition, "segment_id": self.segment_id, "node": self.node,
-                "replication_factor": self.replication_factor}  # fmt: skip
+        return {
+            "topic": self.topic,
+            "partition": self.partition,
+            "segment_id": self.segment_id,
+            "node": self.node,
+            "replication_factor": self.replication_factor,
+        }
 
     @classmethod
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
-        return cls(_str(raw, "topic"), _int(raw, "partition"), SegmentId(_int(raw, "segment_id")), _node(raw, "node"),
-                   _int(raw, "replication_factor"))  # fmt: skip
+        return cls(
+            _str(raw, "topic"),
+            _int(raw, "partition"),
+            SegmentId(_int(raw, "segment_id")),
+            _node(raw, "node"),
+            _int(raw, "replication_factor"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -735,15 +792,41 @@ class PutAcl(_CommandBase):
 
 
 Command = (
-    RegisterNode | NodeHeartbeat | SetDraining | RemoveNode | CreateTopic | ElectLeader | OpenSegment | SealSegment
-    | ReplaceMember | AddMember | InitSite | ReadBarrier | TrimChain | PutAcl
+    RegisterNode
+    | NodeHeartbeat
+    | SetDraining
+    | RemoveNode
+    | CreateTopic
+    | ElectLeader
+    | OpenSegment
+    | SealSegment
+    | ReplaceMember
+    | AddMember
+    | InitSite
+    | ReadBarrier
+    | TrimChain
+    | PutAcl
 )
 
 _COMMANDS: dict[str, type[Command]] = {
     cls.KIND: cls
-    for cls in (RegisterNode, NodeHeartbeat, SetDraining, RemoveNode, CreateTopic, ElectLeader, OpenSegment,
-                SealSegment, ReplaceMember, AddMember, InitSite, ReadBarrier, TrimChain, PutAcl)
-}  # fmt: skip
+    for cls in (
+        RegisterNode,
+        NodeHeartbeat,
+        SetDraining,
+        RemoveNode,
+        CreateTopic,
+        ElectLeader,
+        OpenSegment,
+        SealSegment,
+        ReplaceMember,
+        AddMember,
+        InitSite,
+        ReadBarrier,
+        TrimChain,
+        PutAcl,
+    )
+}
 
 
 def command_from_dict(raw: object) -> Command:
@@ -885,9 +968,11 @@ class SiteState:
             self._site = (cmd.site, cmd.epoch)
             return Applied()
         if self._site[0] != cmd.site:
-            return Refused(RefusalCode.INVALID_COMMAND,
-                           f"this Raft group holds the metadata of site {self._site[0]!r}, not {cmd.site!r}: check the "
-                           "node's --site and the Raft addresses in the topology")  # fmt: skip
+            return Refused(
+                RefusalCode.INVALID_COMMAND,
+                f"this Raft group holds the metadata of site {self._site[0]!r}, not {cmd.site!r}: check the "
+                "node's --site and the Raft addresses in the topology",
+            )
         return Applied(changed=False)
 
     def _unknown_node(self, node: NodeId) -> Refused:
@@ -896,28 +981,35 @@ class SiteState:
     def _find_partition(self, topic: str, partition: int) -> PartitionInfo | Refused:
         spec = self._topics.get(topic)
         if spec is None:
-            return Refused(RefusalCode.UNKNOWN_TOPIC,
-                           f"topic {topic!r} does not exist: create it with 'georep topic create {topic} "
-                           "--partitions N'")  # fmt: skip
+            return Refused(
+                RefusalCode.UNKNOWN_TOPIC,
+                f"topic {topic!r} does not exist: create it with 'georep topic create {topic} --partitions N'",
+            )
         info = self._partitions.get((topic, partition))
         if info is None:
-            return Refused(RefusalCode.UNKNOWN_PARTITION,
-                           f"topic {topic!r} has partitions 0..{spec.partitions - 1}, not {partition}")  # fmt: skip
+            return Refused(
+                RefusalCode.UNKNOWN_PARTITION,
+                f"topic {topic!r} has partitions 0..{spec.partitions - 1}, not {partition}",
+            )
         return info
 
     def _stale_epoch(self, info: PartitionInfo, epoch: int, what: str) -> Refused:
         leader = "no leader" if info.leader is None else f"leader node {info.leader}"
-        return Refused(RefusalCode.STALE_EPOCH,
-                       f"{what} {_where(info.topic, info.partition)} under leader epoch {epoch}, but the epoch is "
-                       f"{info.leader_epoch} ({leader}): the leadership changed; stop acting as leader of epoch "
-                       f"{epoch} and plan again from the current state")  # fmt: skip
+        return Refused(
+            RefusalCode.STALE_EPOCH,
+            f"{what} {_where(info.topic, info.partition)} under leader epoch {epoch}, but the epoch is "
+            f"{info.leader_epoch} ({leader}): the leadership changed; stop acting as leader of epoch "
+            f"{epoch} and plan again from the current state",
+        )
 
     def _register_node(self, cmd: RegisterNode) -> Result:
         for other in sorted(self._nodes):
             if other != cmd.node and self._nodes[other].address == cmd.address:
-                return Refused(RefusalCode.ADDRESS_IN_USE,
-                               f"address {cmd.address} is registered to node {other}: give node {cmd.node} its own "
-                               f"address, or remove node {other} first")  # fmt: skip
+                return Refused(
+                    RefusalCode.ADDRESS_IN_USE,
+                    f"address {cmd.address} is registered to node {other}: give node {cmd.node} its own "
+                    f"address, or remove node {other} first",
+                )
         current = self._nodes.get(cmd.node)
         if current is None:
             self._nodes[cmd.node] = NodeInfo(cmd.node, cmd.address)
@@ -933,8 +1025,9 @@ class SiteState:
             return self._unknown_node(cmd.node)
         if current.last_heartbeat_ms is not None and cmd.now_ms < current.last_heartbeat_ms:
             return Applied(changed=False)
-        self._nodes[cmd.node] = replace(current, last_heartbeat_ms=cmd.now_ms, free_bytes=cmd.free_bytes,
-                                        load=cmd.load, bytes_moved=cmd.bytes_moved)  # fmt: skip
+        self._nodes[cmd.node] = replace(
+            current, last_heartbeat_ms=cmd.now_ms, free_bytes=cmd.free_bytes, load=cmd.load, bytes_moved=cmd.bytes_moved
+        )
         return Applied()
 
     def _set_draining(self, cmd: SetDraining) -> Result:
@@ -952,23 +1045,28 @@ class SiteState:
         for info in self.partitions():
             where = _where(info.topic, info.partition)
             if info.leader == cmd.node:
-                return Refused(RefusalCode.NODE_IN_USE,
-                               f"node {cmd.node} leads {where}: drain it (georep node drain) so that the leadership "
-                               "moves, then remove it")  # fmt: skip
+                return Refused(
+                    RefusalCode.NODE_IN_USE,
+                    f"node {cmd.node} leads {where}: drain it (georep node drain) so that the leadership "
+                    "moves, then remove it",
+                )
             for segment in info.segments:
                 if cmd.node in segment.ensemble:
-                    return Refused(RefusalCode.NODE_IN_USE,
-                                   f"node {cmd.node} holds {where} segment {segment.segment_id}: drain it and wait "
-                                   "until repair has copied its segments away, then remove it")  # fmt: skip
+                    return Refused(
+                        RefusalCode.NODE_IN_USE,
+                        f"node {cmd.node} holds {where} segment {segment.segment_id}: drain it and wait "
+                        "until repair has copied its segments away, then remove it",
+                    )
         del self._nodes[cmd.node]
         return Applied()
 
     def _create_topic(self, cmd: CreateTopic) -> Result:
         spec = cmd.spec
         if spec.name in self._topics:
-            return Refused(RefusalCode.TOPIC_EXISTS,
-                           f"topic {spec.name!r} already exists: describe it with "
-                           f"'georep topic describe {spec.name}'")  # fmt: skip
+            return Refused(
+                RefusalCode.TOPIC_EXISTS,
+                f"topic {spec.name!r} already exists: describe it with 'georep topic describe {spec.name}'",
+            )
         self._topics[spec.name] = TopicSpec(spec.name, spec.partitions, dict(sorted(spec.config.items())))
         for partition in range(spec.partitions):
             self._partitions[(spec.name, partition)] = PartitionInfo(spec.name, partition)
@@ -984,10 +1082,12 @@ class SiteState:
             return self._unknown_node(cmd.node)
         open_segment = info.open_segment
         if open_segment is not None and cmd.node not in open_segment.ensemble:
-            return Refused(RefusalCode.NOT_IN_ENSEMBLE,
-                           f"node {cmd.node} is not in the ensemble {list(open_segment.ensemble)} of the open "
-                           f"segment {open_segment.segment_id} of {_where(cmd.topic, cmd.partition)}: only a member "
-                           "holds a prefix of it and can recover it; choose a live member")  # fmt: skip
+            return Refused(
+                RefusalCode.NOT_IN_ENSEMBLE,
+                f"node {cmd.node} is not in the ensemble {list(open_segment.ensemble)} of the open "
+                f"segment {open_segment.segment_id} of {_where(cmd.topic, cmd.partition)}: only a member "
+                "holds a prefix of it and can recover it; choose a live member",
+            )
         epoch = LeaderEpoch(info.leader_epoch + 1)
         self._partitions[(cmd.topic, cmd.partition)] = replace(info, leader=cmd.node, leader_epoch=epoch)
         return Applied(leader_epoch=epoch)
@@ -1002,25 +1102,33 @@ class SiteState:
         open_segment = info.open_segment
         if open_segment is not None:
             if (open_segment.opened_epoch, open_segment.base_offset, open_segment.ensemble) == (
-                cmd.epoch, cmd.base_offset, cmd.ensemble
+                cmd.epoch,
+                cmd.base_offset,
+                cmd.ensemble,
             ):
                 return Applied(changed=False, segment_id=open_segment.segment_id)
-            return Refused(RefusalCode.SEGMENT_OPEN,
-                           f"segment {open_segment.segment_id} of {where} is still open: seal it first (recover it "
-                           "if it was opened under an earlier epoch)")  # fmt: skip
+            return Refused(
+                RefusalCode.SEGMENT_OPEN,
+                f"segment {open_segment.segment_id} of {where} is still open: seal it first (recover it "
+                "if it was opened under an earlier epoch)",
+            )
         expected_base = info.next_base_offset
         if cmd.base_offset != expected_base:
-            return Refused(RefusalCode.BASE_OFFSET_MISMATCH,
-                           f"the next segment of {where} must start at offset {expected_base}, where the last one "
-                           f"was sealed, not at {cmd.base_offset}")  # fmt: skip
+            return Refused(
+                RefusalCode.BASE_OFFSET_MISMATCH,
+                f"the next segment of {where} must start at offset {expected_base}, where the last one "
+                f"was sealed, not at {cmd.base_offset}",
+            )
         for member in cmd.ensemble:
             if member not in self._nodes:
                 return self._unknown_node(member)
         if cmd.ensemble[0] != info.leader:
-            return Refused(RefusalCode.INVALID_ENSEMBLE,
-                           f"the ensemble {list(cmd.ensemble)} of a new segment of {where} must start with its "
-                           f"leader, node {info.leader}: the leader appends locally and streams to the "
-                           "others")  # fmt: skip
+            return Refused(
+                RefusalCode.INVALID_ENSEMBLE,
+                f"the ensemble {list(cmd.ensemble)} of a new segment of {where} must start with its "
+                f"leader, node {info.leader}: the leader appends locally and streams to the "
+                "others",
+            )
         segment_id = SegmentId(info.segments[-1].segment_id + 1 if info.segments else 0)
         segment = SegmentInfo(segment_id, cmd.base_offset, cmd.ensemble, cmd.epoch)
         self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=(*info.segments, segment))
@@ -1039,27 +1147,41 @@ class SiteState:
         if segment.sealed:
             if segment.end_offset == cmd.end_offset and segment.end_vector == cmd.end_vector:
                 return Applied(changed=False, segment_id=segment.segment_id)
-            return Refused(RefusalCode.END_MISMATCH,
-                           f"segment {cmd.segment_id} of {where} is sealed at offset {segment.end_offset} with vector "
-                           f"{segment.end_vector}, not at {cmd.end_offset} with {cmd.end_vector}: a sealed segment "
-                           "never changes; recover from the sealed end")  # fmt: skip
+            return Refused(
+                RefusalCode.END_MISMATCH,
+                f"segment {cmd.segment_id} of {where} is sealed at offset {segment.end_offset} with vector "
+                f"{segment.end_vector}, not at {cmd.end_offset} with {cmd.end_vector}: a sealed segment "
+                "never changes; recover from the sealed end",
+            )
         if cmd.end_offset < segment.base_offset:
-            return Refused(RefusalCode.END_BEFORE_BASE,
-                           f"segment {cmd.segment_id} of {where} starts at offset {segment.base_offset}; it cannot end "
-                           f"at {cmd.end_offset}")  # fmt: skip
+            return Refused(
+                RefusalCode.END_BEFORE_BASE,
+                f"segment {cmd.segment_id} of {where} starts at offset {segment.base_offset}; it cannot end "
+                f"at {cmd.end_offset}",
+            )
         before = info.sealed_vector_before(segment.segment_id)
         if not before.dominated_by(cmd.end_vector):
-            return Refused(RefusalCode.VECTOR_WENT_BACK,
-                           f"the end vector {cmd.end_vector} of segment {cmd.segment_id} of {where} is behind the "
-                           f"previous segment's {before}: origin seqs never go back; recovery lost data")  # fmt: skip
-        sealed = replace(segment, state=SegmentState.SEALED, end_offset=cmd.end_offset, end_vector=cmd.end_vector,
-                         size_bytes=cmd.size_bytes, max_timestamp_ms=cmd.max_timestamp_ms)
-        self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=(*info.segments[:-1], sealed),
-                                                               producers=cmd.producers)  # fmt: skip
+            return Refused(
+                RefusalCode.VECTOR_WENT_BACK,
+                f"the end vector {cmd.end_vector} of segment {cmd.segment_id} of {where} is behind the "
+                f"previous segment's {before}: origin seqs never go back; recovery lost data",
+            )
+        sealed = replace(
+            segment,
+            state=SegmentState.SEALED,
+            end_offset=cmd.end_offset,
+            end_vector=cmd.end_vector,
+            size_bytes=cmd.size_bytes,
+            max_timestamp_ms=cmd.max_timestamp_ms,
+        )
+        self._partitions[(cmd.topic, cmd.partition)] = replace(
+            info, segments=(*info.segments[:-1], sealed), producers=cmd.producers
+        )
         return Applied(segment_id=segment.segment_id)
 
-    def _sealed_segment(self, topic: str, partition: int, segment_id: SegmentId,
-                        roll: str) -> tuple[PartitionInfo, SegmentInfo, str] | Refused:  # fmt: skip
+    def _sealed_segment(
+        self, topic: str, partition: int, segment_id: SegmentId, roll: str
+    ) -> tuple[PartitionInfo, SegmentInfo, str] | Refused:
         """The sealed segment a repair command names (and where it is, for messages); refused if it is unknown or
         open: its leader rolls it (``roll`` says into what) instead of copying a moving tail."""
         info = self._find_partition(topic, partition)
@@ -1070,9 +1192,11 @@ class SiteState:
         if segment is None:
             return Refused(RefusalCode.UNKNOWN_SEGMENT, f"{where} has no segment {segment_id}")
         if not segment.sealed:
-            return Refused(RefusalCode.NOT_SEALED,
-                           f"segment {segment_id} of {where} is open: its leader rolls it (seal, then {roll}) "
-                           "instead of copying a moving tail")  # fmt: skip
+            return Refused(
+                RefusalCode.NOT_SEALED,
+                f"segment {segment_id} of {where} is open: its leader rolls it (seal, then {roll}) "
+                "instead of copying a moving tail",
+            )
         return info, segment, where
 
     def _replace_member(self, cmd: ReplaceMember) -> Result:
@@ -1083,13 +1207,17 @@ class SiteState:
         if cmd.old not in segment.ensemble:
             if cmd.new in segment.ensemble:
                 return Applied(changed=False, segment_id=segment.segment_id)
-            return Refused(RefusalCode.NOT_A_MEMBER,
-                           f"node {cmd.old} is not a member of segment {cmd.segment_id} of {where} "
-                           f"{list(segment.ensemble)}: another repair replaced it; plan again")  # fmt: skip
+            return Refused(
+                RefusalCode.NOT_A_MEMBER,
+                f"node {cmd.old} is not a member of segment {cmd.segment_id} of {where} "
+                f"{list(segment.ensemble)}: another repair replaced it; plan again",
+            )
         if cmd.new in segment.ensemble:
-            return Refused(RefusalCode.INVALID_ENSEMBLE,
-                           f"node {cmd.new} already holds segment {cmd.segment_id} of {where}: copy to a node outside "
-                           f"its ensemble {list(segment.ensemble)}")  # fmt: skip
+            return Refused(
+                RefusalCode.INVALID_ENSEMBLE,
+                f"node {cmd.new} already holds segment {cmd.segment_id} of {where}: copy to a node outside "
+                f"its ensemble {list(segment.ensemble)}",
+            )
         if cmd.new not in self._nodes:
             return self._unknown_node(cmd.new)
         ensemble = tuple(cmd.new if member == cmd.old else member for member in segment.ensemble)
@@ -1098,18 +1226,21 @@ class SiteState:
         return Applied(segment_id=segment.segment_id)
 
     def _add_member(self, cmd: AddMember) -> Result:
-        found = self._sealed_segment(cmd.topic, cmd.partition, cmd.segment_id,
-                                     "the next segment on replication_factor nodes")  # fmt: skip
+        found = self._sealed_segment(
+            cmd.topic, cmd.partition, cmd.segment_id, "the next segment on replication_factor nodes"
+        )
         if isinstance(found, Refused):
             return found
         info, segment, where = found
         if cmd.node in segment.ensemble:
             return Applied(changed=False, segment_id=segment.segment_id)
         if len(segment.ensemble) >= cmd.replication_factor:
-            return Refused(RefusalCode.ENSEMBLE_FULL,
-                           f"segment {cmd.segment_id} of {where} already has {len(segment.ensemble)} members "
-                           f"{list(segment.ensemble)}, replication_factor {cmd.replication_factor}: another repair "
-                           f"completed it; plan again (node {cmd.node}'s copy is not needed)")  # fmt: skip
+            return Refused(
+                RefusalCode.ENSEMBLE_FULL,
+                f"segment {cmd.segment_id} of {where} already has {len(segment.ensemble)} members "
+                f"{list(segment.ensemble)}, replication_factor {cmd.replication_factor}: another repair "
+                f"completed it; plan again (node {cmd.node}'s copy is not needed)",
+            )
         if cmd.node not in self._nodes:
             return self._unknown_node(cmd.node)
         segments = tuple(replace(s, ensemble=(*s.ensemble, cmd.node)) if s is segment else s for s in info.segments)
@@ -1125,13 +1256,16 @@ class SiteState:
             return Applied(changed=False, segment_id=info.segments[0].segment_id)
         index = next((i for i, s in enumerate(info.segments) if s.segment_id == cmd.first_segment), None)
         if index is None:
-            return Refused(RefusalCode.LAST_SEGMENT,
-                           f"{where} has no segment {cmd.first_segment} to keep as its first: retention never "
-                           "drops a chain's last segment; plan again")  # fmt: skip
+            return Refused(
+                RefusalCode.LAST_SEGMENT,
+                f"{where} has no segment {cmd.first_segment} to keep as its first: retention never "
+                "drops a chain's last segment; plan again",
+            )
         dropped = info.segments[index - 1]
         assert dropped.end_vector is not None  # only the last segment can be open
-        self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=info.segments[index:],
-                                                               start_vector=dropped.end_vector)  # fmt: skip
+        self._partitions[(cmd.topic, cmd.partition)] = replace(
+            info, segments=info.segments[index:], start_vector=dropped.end_vector
+        )
         return Applied(segment_id=cmd.first_segment)
 
     # -- snapshot -------------------------------------------------------------------------------------------
@@ -1234,15 +1368,30 @@ def _partition_from_dict(raw: Mapping[str, Any]) -> PartitionInfo:
         end_vector = None if entry.get("end_vector") is None else _vector(entry, "end_vector")
         if sealed != (end_offset is not None) or sealed != (end_vector is not None):
             raise InvalidSnapshot(f"segment {entry.get('segment_id')!r}: a sealed segment has an end, an open one none")
-        segments.append(SegmentInfo(SegmentId(_int(entry, "segment_id")), LocalOffset(_int(entry, "base_offset")),
-                                    _ensemble(entry, "ensemble"), LeaderEpoch(_int(entry, "opened_epoch")), state,
-                                    None if end_offset is None else LocalOffset(end_offset), end_vector,
-                                    _optional_int(entry, "size_bytes"),
-                                    _optional_int(entry, "max_timestamp_ms")))  # fmt: skip
+        segments.append(
+            SegmentInfo(
+                SegmentId(_int(entry, "segment_id")),
+                LocalOffset(_int(entry, "base_offset")),
+                _ensemble(entry, "ensemble"),
+                LeaderEpoch(_int(entry, "opened_epoch")),
+                state,
+                None if end_offset is None else LocalOffset(end_offset),
+                end_vector,
+                _optional_int(entry, "size_bytes"),
+                _optional_int(entry, "max_timestamp_ms"),
+            )
+        )
     leader = None if raw.get("leader") is None else _node(raw, "leader")
     start_vector = _vector(raw, "start_vector") if raw.get("start_vector") is not None else VectorOffset()
-    return PartitionInfo(_str(raw, "topic"), _int(raw, "partition"), leader, LeaderEpoch(_int(raw, "leader_epoch")),
-                         tuple(segments), start_vector, _producers(raw, "producers"))  # fmt: skip
+    return PartitionInfo(
+        _str(raw, "topic"),
+        _int(raw, "partition"),
+        leader,
+        LeaderEpoch(_int(raw, "leader_epoch")),
+        tuple(segments),
+        start_vector,
+        _producers(raw, "producers"),
+    )
 
 
 def _node_to_dict(info: NodeInfo) -> dict[str, Any]:
@@ -1258,16 +1407,28 @@ def _node_to_dict(info: NodeInfo) -> dict[str, Any]:
 
 
 def _node_from_dict(raw: Mapping[str, Any]) -> NodeInfo:
-    return NodeInfo(_node(raw, "node"), _str(raw, "address"), _optional_int(raw, "last_heartbeat_ms"),
-                    _int(raw, "free_bytes"), _int(raw, "load"), _bool(raw, "draining"),
-                    _int(raw, "bytes_moved") if "bytes_moved" in raw else 0)  # fmt: skip
+    return NodeInfo(
+        _node(raw, "node"),
+        _str(raw, "address"),
+        _optional_int(raw, "last_heartbeat_ms"),
+        _int(raw, "free_bytes"),
+        _int(raw, "load"),
+        _bool(raw, "draining"),
+        _int(raw, "bytes_moved") if "bytes_moved" in raw else 0,
+    )
 
 
 # -- the leadership controller ------------------------------------------------------------------------------
 
 
-def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int, controller_since_ms: int | None = None,
-                    settle_ms: int = 0, controller: NodeId | None = None) -> list[ElectLeader]:  # fmt: skip
+def plan_leadership(
+    state: SiteState,
+    now_ms: int,
+    session_timeout_ms: int,
+    controller_since_ms: int | None = None,
+    settle_ms: int = 0,
+    controller: NodeId | None = None,
+) -> list[ElectLeader]:
     """The leader elections to propose now: one per partition whose leader is missing or whose heartbeat expired.
 
     **Not before the controller has led the log for a session.** Heartbeats reach the state through the Raft log,
@@ -1327,8 +1488,13 @@ def plan_leadership(state: SiteState, now_ms: int, session_timeout_ms: int, cont
             led[info.leader] = led.get(info.leader, 0) + 1
 
     def candidate_order(node: NodeInfo) -> tuple[bool, int, bool, int, int]:
-        return (node.draining, led.get(node.node, 0), node.node == controller, -(node.last_heartbeat_ms or 0),
-                node.node)  # fmt: skip
+        return (
+            node.draining,
+            led.get(node.node, 0),
+            node.node == controller,
+            -(node.last_heartbeat_ms or 0),
+            node.node,
+        )
 
     plan: list[ElectLeader] = []
     for info in state.partitions():
@@ -1367,4 +1533,3 @@ def partitions_without_leader(state: SiteState, now_ms: int, session_timeout_ms:
     """Partitions whose leader is missing or expired: offline until :func:`plan_leadership` finds them one."""
     live = {info.node for info in state.live_nodes(now_ms, session_timeout_ms)}
     return [info for info in state.partitions() if info.leader is None or info.leader not in live]
-

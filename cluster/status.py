@@ -88,8 +88,7 @@ class ClusterStatus:
         return sum(n.bytes_moved for n in self.nodes)
 
 
-def cluster_status(state: SiteState, now_ms: int, session_timeout_ms: int,
-                   replication_factor: int) -> ClusterStatus:  # fmt: skip
+def cluster_status(state: SiteState, now_ms: int, session_timeout_ms: int, replication_factor: int) -> ClusterStatus:
     """The status of every node, partition and under-replicated segment of ``state`` at ``now_ms``."""
     nodes = state.nodes()
     loads = {n.node: n for n in node_loads(state, now_ms, session_timeout_ms)}
@@ -111,23 +110,40 @@ def cluster_status(state: SiteState, now_ms: int, session_timeout_ms: int,
                     # dead rather than failing the whole status.
                     loads[member] = NodeLoad(member, 0, 0, alive=False, draining=False)
             # The metadata holds no sizes; under_replicated does not read them.
-            views.append(SegmentView(info.topic, info.partition, segment.segment_id, segment.ensemble,
-                                     segment.sealed, size_bytes=0))  # fmt: skip
+            views.append(
+                SegmentView(
+                    info.topic, info.partition, segment.segment_id, segment.ensemble, segment.sealed, size_bytes=0
+                )
+            )
         open_segment = info.open_segment
         leader = loads.get(info.leader) if info.leader is not None else None
-        partitions.append(PartitionStatus(
-            info.topic, info.partition, info.leader, leader is not None and leader.alive, info.leader_epoch,
-            len(info.segments), open_segment.segment_id if open_segment is not None else None,
-            open_segment.ensemble if open_segment is not None else (),
-        ))  # fmt: skip
+        partitions.append(
+            PartitionStatus(
+                info.topic,
+                info.partition,
+                info.leader,
+                leader is not None and leader.alive,
+                info.leader_epoch,
+                len(info.segments),
+                open_segment.segment_id if open_segment is not None else None,
+                open_segment.ensemble if open_segment is not None else (),
+            )
+        )
     statuses = tuple(
         NodeStatus(
-            n, info.address, info.is_live(now_ms, session_timeout_ms),
+            n,
+            info.address,
+            info.is_live(now_ms, session_timeout_ms),
             None if info.last_heartbeat_ms is None else now_ms - info.last_heartbeat_ms,
-            info.free_bytes, info.load, info.draining, segments.get(n, 0), open_segments.get(n, 0),
-            leader_of.get(n, 0), info.bytes_moved,
+            info.free_bytes,
+            info.load,
+            info.draining,
+            segments.get(n, 0),
+            open_segments.get(n, 0),
+            leader_of.get(n, 0),
+            info.bytes_moved,
         )
         for n, info in sorted(nodes.items())
-    )  # fmt: skip
+    )
     lacking = under_replicated(views, loads.values(), replication_factor=replication_factor)
     return ClusterStatus(statuses, tuple(partitions), lacking)

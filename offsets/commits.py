@@ -85,10 +85,18 @@ class Commit:
 
     def value(self) -> bytes:
         doc = {
-            "g": self.group, "t": self.topic, "p": self.partition, "v": self.vector.to_text(), "h": self.hlc,
-            "by": str(self.committed_by), "ho": self.hint_offset, "m": self.member_id, "gen": self.generation,
-            "at": self.committed_at_ms, "md": self.metadata,
-        }  # fmt: skip
+            "g": self.group,
+            "t": self.topic,
+            "p": self.partition,
+            "v": self.vector.to_text(),
+            "h": self.hlc,
+            "by": str(self.committed_by),
+            "ho": self.hint_offset,
+            "m": self.member_id,
+            "gen": self.generation,
+            "at": self.committed_at_ms,
+            "md": self.metadata,
+        }
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
     @classmethod
@@ -96,12 +104,18 @@ class Commit:
         try:
             doc = json.loads(value)
             return cls(
-                group=str(doc["g"]), topic=str(doc["t"]), partition=int(doc["p"]),
-                vector=VectorOffset.parse(str(doc["v"])), hlc=HlcStamp(int(doc["h"])),
-                committed_by=Origin.parse(str(doc["by"])), hint_offset=int(doc.get("ho", -1)),
-                member_id=str(doc.get("m", "")), generation=int(doc.get("gen", -1)),
-                committed_at_ms=int(doc.get("at", 0)), metadata=str(doc.get("md", "")),
-            )  # fmt: skip
+                group=str(doc["g"]),
+                topic=str(doc["t"]),
+                partition=int(doc["p"]),
+                vector=VectorOffset.parse(str(doc["v"])),
+                hlc=HlcStamp(int(doc["h"])),
+                committed_by=Origin.parse(str(doc["by"])),
+                hint_offset=int(doc.get("ho", -1)),
+                member_id=str(doc.get("m", "")),
+                generation=int(doc.get("gen", -1)),
+                committed_at_ms=int(doc.get("at", 0)),
+                metadata=str(doc.get("md", "")),
+            )
         # OverflowError: int() of a JSON 1e400 or Infinity; RecursionError: deeply nested JSON.
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
             raise InvalidCommit(f"not a commit record: {type(exc).__name__}: {exc}") from None

@@ -58,9 +58,10 @@ class HeldTable:
         """Sites known to hold the record ``(origin, seq)`` of ``topic/partition`` fsynced, sorted."""
         held = self.entries
         return sorted(
-            site for site in self.sites
+            site
+            for site in self.sites
             if (vector := held.get((site, topic, partition))) is not None and vector.covers(origin, seq)
-        )  # fmt: skip
+        )
 
 
 class HeldReporter:
@@ -92,8 +93,11 @@ class HeldReporter:
         if self._in_flight is not None:
             return None
         version = table.version
-        entries = [(key, vector) for key, vector in table.changed_since(self._acked)
-                   if key[0] != self.upstream and self.accepts(key)]  # fmt: skip
+        entries = [
+            (key, vector)
+            for key, vector in table.changed_since(self._acked)
+            if key[0] != self.upstream and self.accepts(key)
+        ]
         if not entries:
             self._acked = version
             return None

@@ -50,18 +50,29 @@ REPLICA_LINES = 10
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_input_arguments(parser)
-    parser.add_argument("--as-of", help="records appended at their origin at or after this time count as in flight "
-                        "when missing: 'now', epoch ms or ISO-8601 (default: 60 s before now)")
+    parser.add_argument(
+        "--as-of",
+        help="records appended at their origin at or after this time count as in flight "
+        "when missing: 'now', epoch ms or ISO-8601 (default: 60 s before now)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print only the verdict")
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     """What ``georep audit`` and ``georep delays`` read, where they write, and where Spark runs."""
     parser.add_argument("--topology", help="topology TOML file: sites, links, filters (default: the embedded a, b, c)")
-    parser.add_argument("--data-root", type=Path,
-                        help=f"directory with one data dir per site, DATA_ROOT/<site>/ (default {DEFAULT_DATA_ROOT})")
-    parser.add_argument("--site", action="append", default=[], metavar="SITE=DIR",
-                        help="a site's data dir, instead of DATA_ROOT/<site>; repeat for several sites")
+    parser.add_argument(
+        "--data-root",
+        type=Path,
+        help=f"directory with one data dir per site, DATA_ROOT/<site>/ (default {DEFAULT_DATA_ROOT})",
+    )
+    parser.add_argument(
+        "--site",
+        action="append",
+        default=[],
+        metavar="SITE=DIR",
+        help="a site's data dir, instead of DATA_ROOT/<site>; repeat for several sites",
+    )
     parser.add_argument("--report", type=Path, required=True, help="directory to write the report files to")
     parser.add_argument("--master", help="Spark master URL (default local[*]; under spark-submit, its --master)")
     parser.add_argument("--topics", default="", help="comma-separated topic names or fnmatch patterns (default: all)")
@@ -79,22 +90,26 @@ def parse_as_of(text: str | None, now_ms: int) -> int:
         when = datetime.fromisoformat(text)
     except ValueError:
         raise AuditInputError(
-            f"--as-of {text!r}: use 'now', epoch milliseconds or ISO-8601 such as 2026-01-31T12:00:00Z") from None
+            f"--as-of {text!r}: use 'now', epoch milliseconds or ISO-8601 such as 2026-01-31T12:00:00Z"
+        ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     return int(when.timestamp() * 1000)
 
 
-def resolve_inputs(topology_spec: str | None, data_root: Path | None, site_args: list[str],
-                   topics: str) -> tuple[Topology, dict[str, Path], list[SegmentFile]]:  # fmt: skip
+def resolve_inputs(
+    topology_spec: str | None, data_root: Path | None, site_args: list[str], topics: str
+) -> tuple[Topology, dict[str, Path], list[SegmentFile]]:
     """The topology, each audited site's data dir, and the segment files listed now. Raises AuditInputError."""
     topology = load_topology_for_audit(topology_spec)
     if site_args:
         dirs = parse_site_dirs(",".join(site_args))
         for site, path in dirs.items():
             if site not in topology.site_ids():
-                raise AuditInputError(f"site {site!r} is not in the topology ({', '.join(topology.site_ids())}): "
-                                      "pass the --topology that names it")  # fmt: skip
+                raise AuditInputError(
+                    f"site {site!r} is not in the topology ({', '.join(topology.site_ids())}): "
+                    "pass the --topology that names it"
+                )
             if not path.is_dir():
                 raise AuditInputError(f"the data dir of site {site}, {path}, is not a directory")
     else:
@@ -103,8 +118,10 @@ def resolve_inputs(topology_spec: str | None, data_root: Path | None, site_args:
     segments = list_segments(dirs, patterns)
     if not segments:
         which = f" of topics {', '.join(patterns)}" if patterns else ""
-        raise AuditInputError(f"no segment files{which} under {', '.join(str(d) for d in dirs.values())}: "
-                              "check --data-root/--site and --topics")  # fmt: skip
+        raise AuditInputError(
+            f"no segment files{which} under {', '.join(str(d) for d in dirs.values())}: "
+            "check --data-root/--site and --topics"
+        )
     return topology, dirs, segments
 
 
@@ -134,8 +151,9 @@ class AuditResult:
         return EXIT_CLEAN if self.clean else EXIT_DIVERGENCE
 
 
-def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: list[SegmentFile],
-              report_dir: Path, as_of_ms: int) -> AuditResult:  # fmt: skip
+def run_audit(
+    spark: Any, topology: Topology, dirs: dict[str, Path], segments: list[SegmentFile], report_dir: Path, as_of_ms: int
+) -> AuditResult:
     """Run every check, write ``report_dir``, and return the verdict with its human summary."""
     from pyspark.sql import functions as F
 
@@ -148,13 +166,20 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
     reader = spark.read.format("georep").option("segments", listing).option("level", "batches")
     batches = reader.load().coalesce(spark.sparkContext.defaultParallelism).cache()
     log, replica_issues, cached = site_logs(spark, batches, segments)
-    inventory = log.groupBy("site", "topic", "partition", "origin_site").agg(
-        F.sum(F.when(F.col("status") == "ok", F.col("records"))).alias("records"),
-        F.count("*").alias("batches"), F.sum("size_bytes").alias("bytes")).collect()  # fmt: skip
+    inventory = (
+        log.groupBy("site", "topic", "partition", "origin_site")
+        .agg(
+            F.sum(F.when(F.col("status") == "ok", F.col("records"))).alias("records"),
+            F.count("*").alias("batches"),
+            F.sum("size_bytes").alias("bytes"),
+        )
+        .collect()
+    )
     streams = [(r.topic, r.origin_site) for r in inventory if r.origin_site is not None]
     sites = sorted(dirs)
-    expected = spark.createDataFrame(expected_reach(topology, streams, sites), "topic string, origin_site string, "
-                                     "site string")  # fmt: skip
+    expected = spark.createDataFrame(
+        expected_reach(topology, streams, sites), "topic string, origin_site string, site string"
+    )
 
     mismatches = checks.batch_mismatches(log).cache()
     narrowed = _narrow_mismatches(spark, log, mismatches, listing)
@@ -187,8 +212,9 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
             t[k] += r[k] or 0
     for site in sites:
         totals[site]["partitions"] = len({(r.topic, r.partition) for r in inventory if r.site == site})
-        totals[site]["nodes"] = sorted({s.node for s in segments if s.site == site and s.node is not None},
-                                       key=node_order)  # fmt: skip
+        totals[site]["nodes"] = sorted(
+            {s.node for s in segments if s.site == site and s.node is not None}, key=node_order
+        )
 
     report = {
         "format": REPORT_FORMAT,
@@ -198,15 +224,18 @@ def run_audit(spark: Any, topology: Topology, dirs: dict[str, Path], segments: l
         "as_of": _iso(as_of_ms),
         "generated_at": _iso(int(time.time() * 1000)),
         "elapsed_s": round(time.monotonic() - started, 3),
-        "input": {"sites": {s: str(d) for s, d in sorted(dirs.items())}, "segments": len(segments),
-                  "bytes": sum(s.size_bytes for s in segments)},
+        "input": {
+            "sites": {s: str(d) for s, d in sorted(dirs.items())},
+            "segments": len(segments),
+            "bytes": sum(s.size_bytes for s in segments),
+        },
         "sites": totals,
         "counts": dict(sorted(counts.items())),
         "pairs": pairs_of(by_kind),
         "issues": sample,
         "issues_truncated": sum(c["issues"] for c in counts.values()) > len(sample),
         "issues_parquet": ISSUES_DIR,
-    }  # fmt: skip
+    }
     (report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return AuditResult(clean, report, summary_lines(report, report_dir))
 
@@ -235,14 +264,25 @@ def pairs_of(by_kind: list[dict[str, Any]]) -> list[dict[str, Any]]:
     pairs = []
     for key in sorted(groups):
         rows = groups[key]
-        first = min(rows, key=lambda r: (not r["divergence"], r["first"]["topic"] or "", r["first"]["partition"] or 0,
-                                         r["first"]["first_seq"] or 0))  # fmt: skip
-        pairs.append({
-            "site": rows[0]["site"], "reference_site": rows[0]["reference_site"], "origin": rows[0]["origin"],
-            "divergence": any(r["divergence"] for r in rows),
-            "kinds": {r["kind"]: r["records"] or 0 for r in sorted(rows, key=lambda r: r["kind"])},
-            "first": {**first["first"], "kind": first["kind"]},
-        })  # fmt: skip
+        first = min(
+            rows,
+            key=lambda r: (
+                not r["divergence"],
+                r["first"]["topic"] or "",
+                r["first"]["partition"] or 0,
+                r["first"]["first_seq"] or 0,
+            ),
+        )
+        pairs.append(
+            {
+                "site": rows[0]["site"],
+                "reference_site": rows[0]["reference_site"],
+                "origin": rows[0]["origin"],
+                "divergence": any(r["divergence"] for r in rows),
+                "kinds": {r["kind"]: r["records"] or 0 for r in sorted(rows, key=lambda r: r["kind"])},
+                "first": {**first["first"], "kind": first["kind"]},
+            }
+        )
     return pairs
 
 
@@ -261,18 +301,28 @@ def _narrow_mismatches(spark: Any, batches: Any, mismatches: Any, listing: str) 
     wanted = mismatches.select("site", "reference_site", *checks.STREAM, "first_seq", "last_seq").alias("w")
     copies = batches.where("status = 'ok'").alias("c")
     located = (
-        copies.join(wanted, [*(c(f"c.{k}") == w(k) for k in checks.STREAM),
-                             c("c.base_seq") <= w("last_seq"), c("c.last_seq") >= w("first_seq"),
-                             (c("c.site") == w("site")) | (c("c.site") == w("reference_site"))])
-        .select("c.file", "c.position").distinct().limit(MAX_DRILLED_BATCHES).collect()
-    )  # fmt: skip
+        copies.join(
+            wanted,
+            [
+                *(c(f"c.{k}") == w(k) for k in checks.STREAM),
+                c("c.base_seq") <= w("last_seq"),
+                c("c.last_seq") >= w("first_seq"),
+                (c("c.site") == w("site")) | (c("c.site") == w("reference_site")),
+            ],
+        )
+        .select("c.file", "c.position")
+        .distinct()
+        .limit(MAX_DRILLED_BATCHES)
+        .collect()
+    )
     if not located:
         return mismatches
     positions: dict[str, list[int]] = {}
     for row in located:
         positions.setdefault(row.file, []).append(row.position)
-    records = (spark.read.format("georep").option("segments", listing)
-               .option("batchPositions", json.dumps(positions)).load())  # fmt: skip
+    records = (
+        spark.read.format("georep").option("segments", listing).option("batchPositions", json.dumps(positions)).load()
+    )
     return checks.first_record_differences(mismatches, records)
 
 
@@ -290,12 +340,13 @@ def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
     sites = report["sites"]
     lines = [
         f"georep audit of {len(sites)} site(s) ({', '.join(sites)}), {report['input']['segments']} segment file(s), "
-        f"as of {report['as_of']}",
+        f"as of {report['as_of']}"
     ]
     for site, t in sites.items():
         nodes = f", read from {len(t['nodes'])} nodes' segment copies" if t.get("nodes") else ""
-        lines.append(f"  {site}: {t['records']:,} records in {t['batches']:,} batches, {t['partitions']} "
-                     f"partition(s){nodes}")  # fmt: skip
+        lines.append(
+            f"  {site}: {t['records']:,} records in {t['batches']:,} batches, {t['partitions']} partition(s){nodes}"
+        )
     for pair in report["pairs"]:
         ref = pair["reference_site"]
         who = f"{pair['site']} vs {ref}" if ref else f"{pair['site']} (own log)"
@@ -309,8 +360,10 @@ def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
     replica = [i for i in report["issues"] if i["kind"] == REPLICA_DIVERGENCE]
     for i in replica[:REPLICA_LINES]:
         where = coordinate(i["topic"], i["partition"], i["origin"] or "?", i["first_seq"] or 0)
-        lines.append(f"  DIVERGENCE {i['site']} node {i['node']} vs node {i['reference_node']}: segment "
-                     f"{i['segment']} of {i['topic']}/{i['partition']} parts at offset {i['offset']} ({where})")
+        lines.append(
+            f"  DIVERGENCE {i['site']} node {i['node']} vs node {i['reference_node']}: segment "
+            f"{i['segment']} of {i['topic']}/{i['partition']} parts at offset {i['offset']} ({where})"
+        )
     if len(replica) > REPLICA_LINES:
         lines.append(f"  ... and {len(replica) - REPLICA_LINES} more replica divergence(s) in the report")
     counts = ", ".join(f"{k} {v['issues']}" for k, v in report["counts"].items()) or "no issues"

@@ -32,20 +32,41 @@ TORN_TAIL = "torn_tail"
 UNEXPECTED = "unexpected"
 REPLICA_DIVERGENCE = "replica_divergence"  # inside a multi-node site: spark_jobs/replicas.py
 # kind -> whether it is a divergence (exit code 1)
-KINDS = {MISSING: True, DUPLICATE: True, ORDER: True, MISMATCH: True, CORRUPT: True, REPLICA_DIVERGENCE: True,
-         IN_FLIGHT: False, TORN_TAIL: False, UNEXPECTED: False}  # fmt: skip
+KINDS = {
+    MISSING: True,
+    DUPLICATE: True,
+    ORDER: True,
+    MISMATCH: True,
+    CORRUPT: True,
+    REPLICA_DIVERGENCE: True,
+    IN_FLIGHT: False,
+    TORN_TAIL: False,
+    UNEXPECTED: False,
+}
 
-ISSUE_SCHEMA = StructType([
-    StructField("kind", StringType()), StructField("divergence", BooleanType()),
-    StructField("site", StringType()), StructField("reference_site", StringType()),
-    StructField("topic", StringType()), StructField("partition", IntegerType()),
-    StructField("origin", StringType()), StructField("first_seq", LongType()), StructField("last_seq", LongType()),
-    StructField("records", LongType()), StructField("offset", LongType()),
-    StructField("file", StringType()), StructField("position", LongType()), StructField("detail", StringType()),
-    # A multi-node site's copies (null elsewhere): the node whose copy, the node whose copy it was compared with
-    # (replica_divergence), and the segment.
-    StructField("node", StringType()), StructField("reference_node", StringType()), StructField("segment", LongType()),
-])  # fmt: skip
+ISSUE_SCHEMA = StructType(
+    [
+        StructField("kind", StringType()),
+        StructField("divergence", BooleanType()),
+        StructField("site", StringType()),
+        StructField("reference_site", StringType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("origin", StringType()),
+        StructField("first_seq", LongType()),
+        StructField("last_seq", LongType()),
+        StructField("records", LongType()),
+        StructField("offset", LongType()),
+        StructField("file", StringType()),
+        StructField("position", LongType()),
+        StructField("detail", StringType()),
+        # A multi-node site's copies (null elsewhere): the node whose copy, the node whose copy it was compared with
+        # (replica_divergence), and the segment.
+        StructField("node", StringType()),
+        StructField("reference_node", StringType()),
+        StructField("segment", LongType()),
+    ]
+)
 
 STREAM = ["topic", "partition", "origin"]
 SITE_STREAM = ["site", *STREAM]
@@ -65,8 +86,11 @@ def as_issues(df: DataFrame, kind: str | Column, **cols: Column | str | int | No
         if field.name == "kind":
             given = kind if isinstance(kind, Column) else f"'{kind}'"
         elif field.name == "divergence":
-            given = F.coalesce(*[F.when(kind == k, F.lit(d)) for k, d in KINDS.items()]) if isinstance(
-                kind, Column) else KINDS[kind]  # fmt: skip
+            given = (
+                F.coalesce(*[F.when(kind == k, F.lit(d)) for k, d in KINDS.items()])
+                if isinstance(kind, Column)
+                else KINDS[kind]
+            )
         else:
             given = cols.get(field.name)
             given = f"`{given}`" if isinstance(given, str) else given
@@ -85,9 +109,19 @@ def ok_batches(batches: DataFrame) -> DataFrame:
 def damaged_batches(batches: DataFrame) -> DataFrame:
     """``corrupt`` and ``torn_tail`` batches, named by site, file and byte position."""
     bad = batches.where(F.col("status") != "ok")
-    return as_issues(bad, F.when(F.col("status") == "torn_tail", F.lit(TORN_TAIL)).otherwise(F.lit(CORRUPT)),
-                     site="site", topic="topic", partition="partition", offset="base_offset", file="file",
-                     position="position", detail="error", node="node", segment="segment")  # fmt: skip
+    return as_issues(
+        bad,
+        F.when(F.col("status") == "torn_tail", F.lit(TORN_TAIL)).otherwise(F.lit(CORRUPT)),
+        site="site",
+        topic="topic",
+        partition="partition",
+        offset="base_offset",
+        file="file",
+        position="position",
+        detail="error",
+        node="node",
+        segment="segment",
+    )
 
 
 def sequence_issues(batches: DataFrame) -> DataFrame:
@@ -99,8 +133,9 @@ def sequence_issues(batches: DataFrame) -> DataFrame:
     a duplicate, is out of order. A log whose oldest segments retention deleted
     (``log_start_offset`` > 0) is not checked for a hole before its first batch.
     """
-    by_seq = Window.partitionBy(*SITE_STREAM).orderBy("base_seq", "base_offset").rowsBetween(
-        Window.unboundedPreceding, -1)  # fmt: skip
+    by_seq = (
+        Window.partitionBy(*SITE_STREAM).orderBy("base_seq", "base_offset").rowsBetween(Window.unboundedPreceding, -1)
+    )
     by_offset = Window.partitionBy(*SITE_STREAM).orderBy("base_offset").rowsBetween(Window.unboundedPreceding, -1)
     df = (
         ok_batches(batches)
@@ -109,33 +144,71 @@ def sequence_issues(batches: DataFrame) -> DataFrame:
         .withColumn("dup", F.col("base_seq") <= F.col("seq_before"))
         .withColumn("expect", F.coalesce(F.col("seq_before"), F.when(F.col("log_start_offset") == 0, F.lit(-1))) + 1)
     )
-    common = {"site": "site", "topic": "topic", "partition": "partition", "origin": "origin",
-              "offset": "base_offset", "file": "file", "position": "position", "node": "node",
-              "segment": "segment"}  # fmt: skip
+    common = {
+        "site": "site",
+        "topic": "topic",
+        "partition": "partition",
+        "origin": "origin",
+        "offset": "base_offset",
+        "file": "file",
+        "position": "position",
+        "node": "node",
+        "segment": "segment",
+    }
     dups = df.where("dup")
     dup_last = F.least(F.col("last_seq"), F.col("seq_before"))
     holes = df.where(F.col("base_seq") > F.col("expect"))
     order = df.where(~F.col("dup") & (F.col("base_seq") <= F.col("log_before")))
     return (
-        as_issues(dups, DUPLICATE, **common, first_seq="base_seq", last_seq=dup_last,
-                  records=dup_last - F.col("base_seq") + 1,
-                  detail=F.format_string("seqs %d..%d held again at offset %d", "base_seq", dup_last, "base_offset"))
-        .unionByName(as_issues(
-            holes, MISSING, **common, first_seq="expect", last_seq=F.col("base_seq") - 1,
-            records=F.col("base_seq") - F.col("expect"),
-            detail=F.format_string("hole: seqs %d..%d absent, the log goes on at seq %d (offset %d)",
-                                   "expect", F.col("base_seq") - 1, "base_seq", "base_offset")))
-        .unionByName(as_issues(
-            order, ORDER, **common, first_seq="base_seq", last_seq="last_seq", records="records",
-            detail=F.format_string("seq %d at offset %d comes after seq %d in the log",
-                                   "base_seq", "base_offset", "log_before")))
-    )  # fmt: skip
+        as_issues(
+            dups,
+            DUPLICATE,
+            **common,
+            first_seq="base_seq",
+            last_seq=dup_last,
+            records=dup_last - F.col("base_seq") + 1,
+            detail=F.format_string("seqs %d..%d held again at offset %d", "base_seq", dup_last, "base_offset"),
+        )
+        .unionByName(
+            as_issues(
+                holes,
+                MISSING,
+                **common,
+                first_seq="expect",
+                last_seq=F.col("base_seq") - 1,
+                records=F.col("base_seq") - F.col("expect"),
+                detail=F.format_string(
+                    "hole: seqs %d..%d absent, the log goes on at seq %d (offset %d)",
+                    "expect",
+                    F.col("base_seq") - 1,
+                    "base_seq",
+                    "base_offset",
+                ),
+            )
+        )
+        .unionByName(
+            as_issues(
+                order,
+                ORDER,
+                **common,
+                first_seq="base_seq",
+                last_seq="last_seq",
+                records="records",
+                detail=F.format_string(
+                    "seq %d at offset %d comes after seq %d in the log", "base_seq", "base_offset", "log_before"
+                ),
+            )
+        )
+    )
 
 
 def site_streams(batches: DataFrame) -> DataFrame:
     """Per (site, topic, partition, origin): the highest seq held, and how many records and batches."""
-    return ok_batches(batches).groupBy(*SITE_STREAM, "origin_site").agg(
-        F.max("last_seq").alias("held_max"), F.sum("records").alias("records"), F.count("*").alias("batches"))
+    return (
+        ok_batches(batches)
+        .groupBy(*SITE_STREAM, "origin_site")
+        .agg(F.max("last_seq").alias("held_max"), F.sum("records").alias("records"), F.count("*").alias("batches"))
+    )
 
 
 def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> DataFrame:
@@ -154,8 +227,9 @@ def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> Data
         F.max("held_max").alias("known_max"),
         # the furthest; among equals the origin, then the lowest site id
         F.min_by("site", F.struct(-F.col("held_max"), F.col("site") != F.col("origin_site"), "site")).alias(
-            "reference_site"),
-    )  # fmt: skip
+            "reference_site"
+        ),
+    )
     targets = furthest.join(expected, ["topic", "origin_site"])
     held = streams.select(*SITE_STREAM, "held_max")
     behind = (
@@ -166,24 +240,44 @@ def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> Data
     )
     ok = ok_batches(batches)
     first_batch = ok.groupBy(*STREAM, "base_seq").agg(
-        F.coalesce(F.min(F.when(F.col("site") == F.col("origin_site"), F.col("append_time_ms"))),
-                   F.min("append_time_ms")).alias("appended_ms"))  # fmt: skip
+        F.coalesce(
+            F.min(F.when(F.col("site") == F.col("origin_site"), F.col("append_time_ms"))), F.min("append_time_ms")
+        ).alias("appended_ms")
+    )
     gaps = behind.join(first_batch.withColumnRenamed("base_seq", "first_missing"), [*STREAM, "first_missing"], "left")
     recent = F.coalesce(F.col("appended_ms") >= F.lit(as_of_ms), F.lit(False))
     tail = as_issues(
-        gaps, F.when(recent, F.lit(IN_FLIGHT)).otherwise(F.lit(MISSING)),
-        site="site", reference_site="reference_site", topic="topic", partition="partition", origin="origin",
-        first_seq="first_missing", last_seq="known_max", records=F.col("known_max") - F.col("first_missing") + 1,
-        detail=F.format_string("behind %s: lacks seqs %d..%d; the first was appended at its origin at %s ms",
-                               "reference_site", "first_missing", "known_max",
-                               F.coalesce(F.col("appended_ms").cast("string"), F.lit("an unknown time"))),
-    )  # fmt: skip
+        gaps,
+        F.when(recent, F.lit(IN_FLIGHT)).otherwise(F.lit(MISSING)),
+        site="site",
+        reference_site="reference_site",
+        topic="topic",
+        partition="partition",
+        origin="origin",
+        first_seq="first_missing",
+        last_seq="known_max",
+        records=F.col("known_max") - F.col("first_missing") + 1,
+        detail=F.format_string(
+            "behind %s: lacks seqs %d..%d; the first was appended at its origin at %s ms",
+            "reference_site",
+            "first_missing",
+            "known_max",
+            F.coalesce(F.col("appended_ms").cast("string"), F.lit("an unknown time")),
+        ),
+    )
     extra = streams.join(expected, ["topic", "origin_site", "site"], "left_anti")
     unexpected = as_issues(
-        extra, UNEXPECTED, site="site", topic="topic", partition="partition", origin="origin",
-        first_seq=F.lit(0), last_seq="held_max", records="records",
+        extra,
+        UNEXPECTED,
+        site="site",
+        topic="topic",
+        partition="partition",
+        origin="origin",
+        first_seq=F.lit(0),
+        last_seq="held_max",
+        records="records",
         detail=F.lit("the topology's links and filters do not lead this origin's records of this topic here"),
-    )  # fmt: skip
+    )
     return tail.unionByName(unexpected)
 
 
@@ -198,20 +292,38 @@ def batch_mismatches(batches: DataFrame) -> DataFrame:
     """
     ok = ok_batches(batches)
     crcs = ok.groupBy(*BATCH_KEY, "crc").agg(
-        F.count("*").alias("copies"), F.max(F.col("site") == F.col("origin_site")).alias("at_origin"))
+        F.count("*").alias("copies"), F.max(F.col("site") == F.col("origin_site")).alias("at_origin")
+    )
     rank = Window.partitionBy(*BATCH_KEY).orderBy(F.desc("at_origin"), F.desc("copies"), "crc")
     keyed = crcs.withColumn("n_crcs", F.count("*").over(Window.partitionBy(*BATCH_KEY)))
     ref = keyed.where(F.col("n_crcs") > 1).withColumn("r", F.row_number().over(rank)).where("r = 1")
-    ref_site = ok.join(ref.select(*BATCH_KEY, "crc"), [*BATCH_KEY, "crc"]).groupBy(*BATCH_KEY).agg(
-        F.min_by("site", F.struct(F.col("site") != F.col("origin_site"), "site")).alias("reference_site"),
-        F.first("crc").alias("ref_crc"))  # fmt: skip
+    ref_site = (
+        ok.join(ref.select(*BATCH_KEY, "crc"), [*BATCH_KEY, "crc"])
+        .groupBy(*BATCH_KEY)
+        .agg(
+            F.min_by("site", F.struct(F.col("site") != F.col("origin_site"), "site")).alias("reference_site"),
+            F.first("crc").alias("ref_crc"),
+        )
+    )
     differ = ok.join(ref_site, BATCH_KEY).where(F.col("crc") != F.col("ref_crc"))
     copies = as_issues(
-        differ, MISMATCH, site="site", reference_site="reference_site", topic="topic", partition="partition",
-        origin="origin", first_seq="base_seq", last_seq="last_seq", records="records", offset="base_offset",
-        file="file", position="position", node="node", segment="segment",
+        differ,
+        MISMATCH,
+        site="site",
+        reference_site="reference_site",
+        topic="topic",
+        partition="partition",
+        origin="origin",
+        first_seq="base_seq",
+        last_seq="last_seq",
+        records="records",
+        offset="base_offset",
+        file="file",
+        position="position",
+        node="node",
+        segment="segment",
         detail=F.format_string("batch CRC 0x%08x, 0x%08x at %s", "crc", "ref_crc", "reference_site"),
-    )  # fmt: skip
+    )
     at_origin = ok.where(F.col("site") == F.col("origin_site"))
     origin_held = site_streams(at_origin).select(*STREAM, "held_max")
     recut = (
@@ -221,12 +333,28 @@ def batch_mismatches(batches: DataFrame) -> DataFrame:
         .where(F.col("base_seq") <= F.col("held_max"))
     )
     cut = as_issues(
-        recut, MISMATCH, site="site", reference_site="origin_site", topic="topic", partition="partition",
-        origin="origin", first_seq="base_seq", last_seq="last_seq", records="records", offset="base_offset",
-        file="file", position="position", node="node", segment="segment",
-        detail=F.format_string("batch of seqs %d..%d: the origin %s cut these seqs into other batches",
-                               "base_seq", "last_seq", "origin_site"),
-    )  # fmt: skip
+        recut,
+        MISMATCH,
+        site="site",
+        reference_site="origin_site",
+        topic="topic",
+        partition="partition",
+        origin="origin",
+        first_seq="base_seq",
+        last_seq="last_seq",
+        records="records",
+        offset="base_offset",
+        file="file",
+        position="position",
+        node="node",
+        segment="segment",
+        detail=F.format_string(
+            "batch of seqs %d..%d: the origin %s cut these seqs into other batches",
+            "base_seq",
+            "last_seq",
+            "origin_site",
+        ),
+    )
     return copies.unionByName(cut)
 
 
@@ -238,11 +366,13 @@ def first_record_differences(mismatches: DataFrame, records: DataFrame) -> DataF
     (a header field differs, or the batch is cut differently) keeps its batch
     range, and its detail says so.
     """
-    ok = records.where(F.col("status") == "ok").select("site", *STREAM, "origin_seq", "record_hash",
-                                                       F.col("offset").alias("record_offset"))
+    ok = records.where(F.col("status") == "ok").select(
+        "site", *STREAM, "origin_seq", "record_hash", F.col("offset").alias("record_offset")
+    )
     mine = ok
-    theirs = ok.select(F.col("site").alias("reference_site"), *STREAM, "origin_seq",
-                       F.col("record_hash").alias("ref_hash"))  # fmt: skip
+    theirs = ok.select(
+        F.col("site").alias("reference_site"), *STREAM, "origin_seq", F.col("record_hash").alias("ref_hash")
+    )
     issues = mismatches
     joined = (
         issues.join(mine, [*SITE_STREAM])
@@ -250,26 +380,40 @@ def first_record_differences(mismatches: DataFrame, records: DataFrame) -> DataF
         .join(theirs, ["reference_site", *STREAM, "origin_seq"])
         .where(F.col("record_hash") != F.col("ref_hash"))
         .groupBy("site", "reference_site", *STREAM, "first_seq")
-        .agg(F.min_by(F.struct("origin_seq", "record_offset", "record_hash", "ref_hash"), "origin_seq").alias("d"),
-             F.max("origin_seq").alias("last_differing"), F.count("*").alias("differing"))
-    )  # fmt: skip
+        .agg(
+            F.min_by(F.struct("origin_seq", "record_offset", "record_hash", "ref_hash"), "origin_seq").alias("d"),
+            F.max("origin_seq").alias("last_differing"),
+            F.count("*").alias("differing"),
+        )
+    )
     narrowed = (
         issues.join(joined, ["site", "reference_site", *STREAM, "first_seq"], "left")
         .withColumn("first_seq", F.coalesce(F.col("d.origin_seq"), F.col("first_seq")))
         .withColumn("last_seq", F.coalesce(F.col("last_differing"), F.col("last_seq")))
         .withColumn("offset", F.coalesce(F.col("d.record_offset"), F.col("offset")))
         .withColumn("records", F.coalesce(F.col("differing"), F.col("records")))
-        .withColumn("detail", F.when(
-            F.col("d").isNotNull(),
-            F.format_string("record differs (hash 0x%08x, 0x%08x at %s); %d record(s) of the batch differ",
-                            "d.record_hash", "d.ref_hash", "reference_site", "differing"),
-        ).otherwise(F.concat(F.col("detail"), F.lit("; the records themselves are identical"))))
-    )  # fmt: skip
+        .withColumn(
+            "detail",
+            F.when(
+                F.col("d").isNotNull(),
+                F.format_string(
+                    "record differs (hash 0x%08x, 0x%08x at %s); %d record(s) of the batch differ",
+                    "d.record_hash",
+                    "d.ref_hash",
+                    "reference_site",
+                    "differing",
+                ),
+            ).otherwise(F.concat(F.col("detail"), F.lit("; the records themselves are identical"))),
+        )
+    )
     return narrowed.select(*ISSUE_SCHEMA.fieldNames())
 
 
 def summary_by_kind(issues: DataFrame) -> DataFrame:
     """Per (reference site, site, origin, kind): issues, records, and the first coordinate."""
     return issues.groupBy("reference_site", "site", "origin", "kind").agg(
-        F.min(F.struct("topic", "partition", "first_seq")).alias("first"), F.max("divergence").alias("divergence"),
-        F.sum("records").alias("records"), F.count("*").alias("issues"))
+        F.min(F.struct("topic", "partition", "first_seq")).alias("first"),
+        F.max("divergence").alias("divergence"),
+        F.sum("records").alias("records"),
+        F.count("*").alias("issues"),
+    )

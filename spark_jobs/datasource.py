@@ -44,8 +44,11 @@ from spark_jobs.scan import BATCH_SCHEMA, RECORD_SCHEMA, read_batches, read_reco
 
 NAME = "georep"
 LEVELS = ("records", "batches")
-_SPARK_TYPES: dict[pa.DataType, DataType] = {pa.string(): StringType(), pa.int32(): IntegerType(),
-                                             pa.int64(): LongType()}  # fmt: skip
+_SPARK_TYPES: dict[pa.DataType, DataType] = {
+    pa.string(): StringType(),
+    pa.int32(): IntegerType(),
+    pa.int64(): LongType(),
+}
 
 
 def spark_schema(schema: pa.Schema) -> StructType:

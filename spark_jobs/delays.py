@@ -35,8 +35,23 @@ OVER_TIME_DIR = "delays_over_time.parquet"
 SUMMARY_PNG = "delays_summary.png"
 OVER_TIME_PNG = "delays_over_time.png"
 BUCKETS = 60
-NICE_BUCKETS_MS = [10, 50, 100, 250, 500, 1_000, 5_000, 10_000, 30_000, 60_000, 300_000, 900_000, 3_600_000,
-                   21_600_000, 86_400_000]  # fmt: skip
+NICE_BUCKETS_MS = [
+    10,
+    50,
+    100,
+    250,
+    500,
+    1_000,
+    5_000,
+    10_000,
+    30_000,
+    60_000,
+    300_000,
+    900_000,
+    3_600_000,
+    21_600_000,
+    86_400_000,
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,17 +89,24 @@ def batch_delays(batches: Any) -> Any:
 
     ok = batches.where(F.col("status") == "ok")
     at_origin = ok.where(F.col("site") == F.col("origin_site")).select(
-        "topic", "partition", "origin", "base_seq", F.col("append_time_ms").alias("origin_append_ms"))
+        "topic", "partition", "origin", "base_seq", F.col("append_time_ms").alias("origin_append_ms")
+    )
     copies = ok.where(F.col("site") != F.col("origin_site")).join(
-        at_origin, ["topic", "partition", "origin", "base_seq"], "left")
+        at_origin, ["topic", "partition", "origin", "base_seq"], "left"
+    )
     reference = F.coalesce(F.col("origin_append_ms"), F.col("max_timestamp_ms"))
     return copies.select(
-        "site", "origin", "origin_site", "topic", "records",
+        "site",
+        "origin",
+        "origin_site",
+        "topic",
+        "records",
         (F.col("append_time_ms") - reference).alias("delay_ms"),
-        F.when(F.col("origin_append_ms").isNotNull(), F.lit("origin_append")).otherwise(F.lit("producer_timestamp"))
+        F.when(F.col("origin_append_ms").isNotNull(), F.lit("origin_append"))
+        .otherwise(F.lit("producer_timestamp"))
         .alias("reference"),
         reference.alias("at_ms"),
-    )  # fmt: skip
+    )
 
 
 def _percentiles(df: Any, keys: list[str]) -> Any:
@@ -92,43 +114,56 @@ def _percentiles(df: Any, keys: list[str]) -> Any:
 
     p = F.percentile(F.col("delay_ms"), F.array(F.lit(0.5), F.lit(0.99)), F.col("records"))
     return df.groupBy(*keys).agg(
-        F.sum("records").alias("records"), p.getItem(0).alias("p50_ms"), p.getItem(1).alias("p99_ms"),
-        F.max("delay_ms").alias("max_ms"), F.min("delay_ms").alias("min_ms"))  # fmt: skip
+        F.sum("records").alias("records"),
+        p.getItem(0).alias("p50_ms"),
+        p.getItem(1).alias("p99_ms"),
+        F.max("delay_ms").alias("max_ms"),
+        F.min("delay_ms").alias("min_ms"),
+    )
 
 
-def run_delays(spark: Any, topology: Topology, segments: list[SegmentFile], report_dir: Path,
-               bucket_ms: int | None = None) -> dict[str, Any]:  # fmt: skip
+def run_delays(
+    spark: Any, topology: Topology, segments: list[SegmentFile], report_dir: Path, bucket_ms: int | None = None
+) -> dict[str, Any]:
     """Compute the delays, write ``report_dir`` (JSON, Parquet, PNGs) and return the JSON document."""
     from pyspark.sql import functions as F
 
     from spark_jobs.datasource import segments_option
     from spark_jobs.replicas import any_copies
 
-    batches = (spark.read.format("georep").option("segments", segments_option(segments)).option("level", "batches")
-               .load())  # fmt: skip
+    batches = (
+        spark.read.format("georep").option("segments", segments_option(segments)).option("level", "batches").load()
+    )
     if any_copies(segments):  # choosing a multi-node site's copies reads the batches before the delays do
         batches = batches.cache()
     log, _replica_issues, cached = site_logs(spark, batches, segments)  # a multi-node site's batches once each
     delays = batch_delays(log).cache()
     router = Router(topology)
-    paths = [(r.topic, r.origin_site, r.site, route(router, r.topic, r.origin_site, r.site))
-             for r in delays.select("topic", "origin_site", "site").distinct().collect()]  # fmt: skip
-    with_path = delays.join(spark.createDataFrame(paths, "topic string, origin_site string, site string, path string")
-                            if paths else delays.select("topic", "origin_site", "site").withColumn("path", F.lit("")),
-                            ["topic", "origin_site", "site"])  # fmt: skip
-    summary = [r.asDict() for r in _percentiles(with_path, ["path", "origin", "site", "reference"])
-               .orderBy("origin", "site").collect()]  # fmt: skip
+    paths = [
+        (r.topic, r.origin_site, r.site, route(router, r.topic, r.origin_site, r.site))
+        for r in delays.select("topic", "origin_site", "site").distinct().collect()
+    ]
+    with_path = delays.join(
+        spark.createDataFrame(paths, "topic string, origin_site string, site string, path string")
+        if paths
+        else delays.select("topic", "origin_site", "site").withColumn("path", F.lit("")),
+        ["topic", "origin_site", "site"],
+    )
+    summary = [
+        r.asDict()
+        for r in _percentiles(with_path, ["path", "origin", "site", "reference"]).orderBy("origin", "site").collect()
+    ]
     span = delays.agg(F.min("at_ms").alias("lo"), F.max("at_ms").alias("hi")).first()
     width = bucket_ms or bucket_for(int((span.hi or 0) - (span.lo or 0)))
-    over_time = _percentiles(with_path.withColumn("bucket_ms", F.floor(F.col("at_ms") / width) * width),
-                             ["origin", "site", "bucket_ms"]).orderBy("origin", "site", "bucket_ms")  # fmt: skip
+    over_time = _percentiles(
+        with_path.withColumn("bucket_ms", F.floor(F.col("at_ms") / width) * width), ["origin", "site", "bucket_ms"]
+    ).orderBy("origin", "site", "bucket_ms")
     report_dir.mkdir(parents=True, exist_ok=True)
     over_time.coalesce(1).write.mode("overwrite").parquet(str(report_dir / OVER_TIME_DIR))
     series = [r.asDict() for r in over_time.collect()]
     for df in (delays, *cached, batches):
         df.unpersist()
-    doc = {"format": 1, "bucket_ms": width, "delays": summary,
-           "plots": [SUMMARY_PNG, OVER_TIME_PNG] if summary else []}  # fmt: skip
+    doc = {"format": 1, "bucket_ms": width, "delays": summary, "plots": [SUMMARY_PNG, OVER_TIME_PNG] if summary else []}
     (report_dir / DELAYS_FILE).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     if summary:
         plot(summary, series, width, report_dir)
@@ -175,12 +210,13 @@ def plot(summary: list[dict[str, Any]], series: list[dict[str, Any]], bucket_ms:
 def summary_lines(doc: dict[str, Any], report_dir: Path) -> list[str]:
     lines = [f"{'PATH':<16} {'ORIGIN':<18} {'SITE':<6} {'RECORDS':>9} {'P50 MS':>8} {'P99 MS':>8} {'MAX MS':>8}  REF"]
     for r in doc["delays"]:
-        lines.append(f"{r['path']:<16} {r['origin']:<18} {r['site']:<6} {r['records']:>9,} {r['p50_ms']:>8.0f} "
-                     f"{r['p99_ms']:>8.0f} {r['max_ms']:>8.0f}  {r['reference']}")  # fmt: skip
+        lines.append(
+            f"{r['path']:<16} {r['origin']:<18} {r['site']:<6} {r['records']:>9,} {r['p50_ms']:>8.0f} "
+            f"{r['p99_ms']:>8.0f} {r['max_ms']:>8.0f}  {r['reference']}"
+        )
     if not doc["delays"]:
         lines.append("no replicated batches: nothing to measure")
-    lines.append(f"report: {report_dir / DELAYS_FILE}; plots: "
-                 + ", ".join(str(report_dir / p) for p in doc["plots"]))  # fmt: skip
+    lines.append(f"report: {report_dir / DELAYS_FILE}; plots: " + ", ".join(str(report_dir / p) for p in doc["plots"]))
     return lines
 
 

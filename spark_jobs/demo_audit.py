@@ -46,11 +46,16 @@ def run_demo_audit(data_root: Path, topology: Topology, report_dir: Path, out: C
         caught = run_audit(spark, topology, tampered, list_segments(tampered), report_dir / "tampered", as_of_ms)
         for line in caught.summary:
             out("   " + line)
-        named = [(i["kind"], i["site"], i["origin"], i["first_seq"]) for i in caught.report["issues"]
-                 if i["kind"] != "in_flight"]  # not a divergence: the clean audit allows it too
+        named = [
+            (i["kind"], i["site"], i["origin"], i["first_seq"])
+            for i in caught.report["issues"]
+            if i["kind"] != "in_flight"
+        ]  # not a divergence: the clean audit allows it too
         found = ("mismatch", VICTIM, origin, seq) in named
-        out(f"   the audit {'names' if found else 'DID NOT name'} the divergence: mismatch at site {VICTIM}, "
-            f"coordinate {origin}:{seq}")  # fmt: skip
+        out(
+            f"   the audit {'names' if found else 'DID NOT name'} the divergence: mismatch at site {VICTIM}, "
+            f"coordinate {origin}:{seq}"
+        )
 
         out("\n10. replication delay per path, origin and site (append time at the site - at the origin)")
         doc = run_delays(spark, topology, list_segments(dirs), report_dir / "delays")

@@ -74,9 +74,15 @@ def _index_of(batches: list[Stored], origin: str, seq: int) -> int:
 
 
 def _reencode(header: BatchHeader, records: list[RecordInput]) -> bytes:
-    return encode_batch(records, producer_id=header.producer_id, producer_epoch=header.producer_epoch,
-                        base_sequence=header.base_sequence, compression=Compression(header.compression),
-                        origin=header.origin, base_origin_seq=header.base_origin_seq)  # fmt: skip
+    return encode_batch(
+        records,
+        producer_id=header.producer_id,
+        producer_epoch=header.producer_epoch,
+        base_sequence=header.base_sequence,
+        compression=Compression(header.compression),
+        origin=header.origin,
+        base_origin_seq=header.base_origin_seq,
+    )
 
 
 def flip_value_byte(part_dir: Path, origin: str, seq: int) -> None:
@@ -128,5 +134,13 @@ def corrupt_byte(segment_path: Path, position: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-__all__ = ["NothingToInject", "corrupt_byte", "delete_batch", "duplicate_batch", "flip_value_byte",
-           "read_partition", "rewrite_partition", "swap_batches"]  # fmt: skip
+__all__ = [
+    "NothingToInject",
+    "corrupt_byte",
+    "delete_batch",
+    "duplicate_batch",
+    "flip_value_byte",
+    "read_partition",
+    "rewrite_partition",
+    "swap_batches",
+]

@@ -193,7 +193,8 @@ def _cluster_segments(site: str, nodes: dict[str, Path], topics: tuple[str, ...]
                 if segment_dir.name.isdigit() and segment_dir.is_dir():  # not 0000000008.new/, being created
                     found = partition_segments(site, parsed[0], parsed[1], segment_dir)
                     copies.setdefault(parsed, []).extend(
-                        dataclasses.replace(f, node=node, segment_id=int(segment_dir.name)) for f in found)
+                        dataclasses.replace(f, node=node, segment_id=int(segment_dir.name)) for f in found
+                    )
     out: list[SegmentFile] = []
     for key in sorted(copies):
         files = sorted(copies[key], key=lambda f: (f.segment_id, node_order(f.node or ""), f.base_offset))
@@ -202,8 +203,9 @@ def _cluster_segments(site: str, nodes: dict[str, Path], topics: tuple[str, ...]
             bases[f.segment_id] = min(f.base_offset, bases.get(f.segment_id, f.base_offset))
         ids = list(bases)  # in segment id order
         ends = dict(zip(ids, (bases[i] for i in ids[1:]), strict=False))
-        out.extend(dataclasses.replace(f, log_start_offset=bases[ids[0]], segment_end=ends.get(f.segment_id))
-                   for f in files)  # fmt: skip
+        out.extend(
+            dataclasses.replace(f, log_start_offset=bases[ids[0]], segment_end=ends.get(f.segment_id)) for f in files
+        )
     return out
 
 
@@ -223,8 +225,7 @@ def partition_segments(site: str, topic: str, partition: int, part_dir: Path) ->
             raise AuditInputError(f"cannot read {path}: {exc.strerror}; check its permissions") from None
         if not _readable(path):
             raise AuditInputError(f"cannot read {path}: permission denied; run the audit as a user that can")
-        out.append(SegmentFile(site, topic, partition, str(path), base, size, i == len(bases) - 1, recovery,
-                               bases[0]))  # fmt: skip
+        out.append(SegmentFile(site, topic, partition, str(path), base, size, i == len(bases) - 1, recovery, bases[0]))
     return out
 
 

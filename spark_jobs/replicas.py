@@ -121,11 +121,19 @@ def copies_of(batches: DataFrame) -> DataFrame:
 def copy_stats(batches: DataFrame) -> list[CopyStats]:
     """Every copy that holds a batch, summed up (one row per copy)."""
     ok = F.col("status") == "ok"
-    rows = copies_of(batches).groupBy(*SEGMENT, "node").agg(
-        F.max(F.when(ok, F.col("base_offset") + F.col("records"))).alias("end"),
-        F.count(F.when(~ok, F.lit(1))).alias("damaged")).collect()  # fmt: skip
-    return [CopyStats((r.site, r.topic, r.partition, r.segment), r.node, -1 if r.end is None else r.end, r.damaged)
-            for r in rows]  # fmt: skip
+    rows = (
+        copies_of(batches)
+        .groupBy(*SEGMENT, "node")
+        .agg(
+            F.max(F.when(ok, F.col("base_offset") + F.col("records"))).alias("end"),
+            F.count(F.when(~ok, F.lit(1))).alias("damaged"),
+        )
+        .collect()
+    )
+    return [
+        CopyStats((r.site, r.topic, r.partition, r.segment), r.node, -1 if r.end is None else r.end, r.damaged)
+        for r in rows
+    ]
 
 
 def divergent_pairs(batches: DataFrame) -> list[Parting]:
@@ -136,30 +144,42 @@ def divergent_pairs(batches: DataFrame) -> list[Parting]:
     """
     ok = ok_batches(copies_of(batches))
     version = F.struct(*VERSION)
-    disagree = (ok.groupBy(*SEGMENT, "base_offset").agg(F.min(version).alias("lo"), F.max(version).alias("hi"))
-                .where(F.col("lo") != F.col("hi")).select(*SEGMENT, "base_offset"))  # fmt: skip
+    disagree = (
+        ok.groupBy(*SEGMENT, "base_offset")
+        .agg(F.min(version).alias("lo"), F.max(version).alias("hi"))
+        .where(F.col("lo") != F.col("hi"))
+        .select(*SEGMENT, "base_offset")
+    )
     held = ok.join(disagree, [*SEGMENT, "base_offset"], "left_semi")
 
     def side(name: str) -> DataFrame:
-        return held.select(*SEGMENT, "base_offset", F.col("node").alias(f"node_{name}"),
-                           F.struct(*_SIDE).alias(name))  # fmt: skip
+        return held.select(*SEGMENT, "base_offset", F.col("node").alias(f"node_{name}"), F.struct(*_SIDE).alias(name))
 
     differs = F.lit(False)
     for c in VERSION:
         differs = differs | (F.col(f"a.{c}") != F.col(f"b.{c}"))
     rows = (
-        side("a").join(side("b"), [*SEGMENT, "base_offset"])
+        side("a")
+        .join(side("b"), [*SEGMENT, "base_offset"])
         .where((F.col("node_a") != F.col("node_b")) & differs)
         .groupBy(*SEGMENT, "node_a", "node_b")
         .agg(F.min_by(F.struct("base_offset", "a", "b"), "base_offset").alias("first"))
         .collect()
-    )  # fmt: skip
+    )
     out = []
     for r in rows:  # each pair came both ways: keep it once, in node order
         if node_order(r.node_a) < node_order(r.node_b):
             first = r.first
-            out.append(Parting((r.site, r.topic, r.partition, r.segment), r.node_a, r.node_b, first.base_offset,
-                               Side(**first.a.asDict()), Side(**first.b.asDict())))  # fmt: skip
+            out.append(
+                Parting(
+                    (r.site, r.topic, r.partition, r.segment),
+                    r.node_a,
+                    r.node_b,
+                    first.base_offset,
+                    Side(**first.a.asDict()),
+                    Side(**first.b.asDict()),
+                )
+            )
     return sorted(out, key=lambda p: (p.key, node_order(p.node_a), node_order(p.node_b)))
 
 
@@ -168,9 +188,11 @@ def site_log(batches: DataFrame, keep: DataFrame) -> DataFrame:
     only those of the files in ``keep`` (the reference copies, rows of ``KEEP_SCHEMA``), below their segment's
     end."""
     kept = F.col("segment_end").isNull() | (F.col("base_offset") < F.col("segment_end"))
-    return (batches.join(F.broadcast(keep.withColumn("reference", F.lit(True))), "file", "left")
-            .where(F.col("node").isNull() | (F.col("reference") & kept))
-            .drop("segment_end", "reference"))  # fmt: skip
+    return (
+        batches.join(F.broadcast(keep.withColumn("reference", F.lit(True))), "file", "left")
+        .where(F.col("node").isNull() | (F.col("reference") & kept))
+        .drop("segment_end", "reference")
+    )
 
 
 # -- the driver: plain Python over those rows -------------------------------------------------------------------
@@ -193,8 +215,13 @@ def choose_references(copies: Iterable[CopyStats], partings: Iterable[Parting]) 
 
 def keep_rows(segments: Sequence[SegmentFile], references: dict[SegmentKey, str]) -> list[tuple[str, int | None]]:
     """(file, segment end) of every reference copy's file: rows of ``KEEP_SCHEMA`` for :func:`site_log`."""
-    return [(s.path, s.segment_end) for s in segments if s.node is not None and s.segment_id is not None
-            and references.get((s.site, s.topic, s.partition, s.segment_id)) == s.node]  # fmt: skip
+    return [
+        (s.path, s.segment_end)
+        for s in segments
+        if s.node is not None
+        and s.segment_id is not None
+        and references.get((s.site, s.topic, s.partition, s.segment_id)) == s.node
+    ]
 
 
 def replica_issues(partings: Sequence[Parting], references: dict[SegmentKey, str]) -> list[dict[str, Any]]:
@@ -215,17 +242,35 @@ def replica_issues(partings: Sequence[Parting], references: dict[SegmentKey, str
             node, other = p.node_b, p.node_a
         mine, theirs = (p.a, p.b) if node == p.node_a else (p.b, p.a)
         site, topic, partition, segment = p.key
-        detail = (f"segment {segment}: node {node}'s copy and node {other}'s are not prefixes of one another from "
-                  f"offset {p.base_offset}: here {_batch(mine)}; there {_batch(theirs)}")  # fmt: skip
-        row = {"kind": REPLICA_DIVERGENCE, "divergence": KINDS[REPLICA_DIVERGENCE], "site": site,
-               "reference_site": None, "topic": topic, "partition": partition, "origin": mine.origin,
-               "first_seq": mine.base_seq, "last_seq": mine.last_seq, "records": mine.records,
-               "offset": p.base_offset, "file": mine.file, "position": mine.position, "detail": detail, "node": node,
-               "reference_node": other, "segment": segment}  # fmt: skip
+        detail = (
+            f"segment {segment}: node {node}'s copy and node {other}'s are not prefixes of one another from "
+            f"offset {p.base_offset}: here {_batch(mine)}; there {_batch(theirs)}"
+        )
+        row = {
+            "kind": REPLICA_DIVERGENCE,
+            "divergence": KINDS[REPLICA_DIVERGENCE],
+            "site": site,
+            "reference_site": None,
+            "topic": topic,
+            "partition": partition,
+            "origin": mine.origin,
+            "first_seq": mine.base_seq,
+            "last_seq": mine.last_seq,
+            "records": mine.records,
+            "offset": p.base_offset,
+            "file": mine.file,
+            "position": mine.position,
+            "detail": detail,
+            "node": node,
+            "reference_node": other,
+            "segment": segment,
+        }
         out.append({name: row[name] for name in ISSUE_SCHEMA.fieldNames()})
     return out
 
 
 def _batch(side: Side) -> str:
-    return (f"batch CRC 0x{side.crc:08x}, {side.size_bytes} bytes, appended at {side.append_time_ms} ms "
-            f"({side.origin} seqs {side.base_seq}..{side.last_seq})")  # fmt: skip
+    return (
+        f"batch CRC 0x{side.crc:08x}, {side.size_bytes} bytes, appended at {side.append_time_ms} ms "
+        f"({side.origin} seqs {side.base_seq}..{side.last_seq})"
+    )

@@ -51,23 +51,45 @@ RECORDS_PER_ARROW_BATCH = 65_536
 
 # The first N_CONSTANT columns are the segment file's, the same on every row of it.
 _COMMON = [
-    ("site", pa.string()), ("topic", pa.string()), ("partition", pa.int32()), ("node", pa.string()),
-    ("segment", pa.int64()), ("file", pa.string()),
-    ("position", pa.int64()), ("status", pa.string()), ("error", pa.string()),
-    ("origin", pa.string()), ("origin_site", pa.string()), ("origin_epoch", pa.int64()),
-    ("append_time_ms", pa.int64()), ("log_start_offset", pa.int64()),
-]  # fmt: skip
-BATCH_SCHEMA = pa.schema([
-    *_COMMON,
-    ("base_offset", pa.int64()), ("base_seq", pa.int64()), ("last_seq", pa.int64()), ("records", pa.int32()),
-    ("size_bytes", pa.int32()), ("crc", pa.int64()), ("first_timestamp_ms", pa.int64()),
-    ("max_timestamp_ms", pa.int64()),
-])  # fmt: skip
-RECORD_SCHEMA = pa.schema([
-    *_COMMON,
-    ("offset", pa.int64()), ("origin_seq", pa.int64()), ("timestamp_ms", pa.int64()),
-    ("key_hash", pa.int64()), ("value_hash", pa.int64()), ("record_hash", pa.int64()),
-])  # fmt: skip
+    ("site", pa.string()),
+    ("topic", pa.string()),
+    ("partition", pa.int32()),
+    ("node", pa.string()),
+    ("segment", pa.int64()),
+    ("file", pa.string()),
+    ("position", pa.int64()),
+    ("status", pa.string()),
+    ("error", pa.string()),
+    ("origin", pa.string()),
+    ("origin_site", pa.string()),
+    ("origin_epoch", pa.int64()),
+    ("append_time_ms", pa.int64()),
+    ("log_start_offset", pa.int64()),
+]
+BATCH_SCHEMA = pa.schema(
+    [
+        *_COMMON,
+        ("base_offset", pa.int64()),
+        ("base_seq", pa.int64()),
+        ("last_seq", pa.int64()),
+        ("records", pa.int32()),
+        ("size_bytes", pa.int32()),
+        ("crc", pa.int64()),
+        ("first_timestamp_ms", pa.int64()),
+        ("max_timestamp_ms", pa.int64()),
+    ]
+)
+RECORD_SCHEMA = pa.schema(
+    [
+        *_COMMON,
+        ("offset", pa.int64()),
+        ("origin_seq", pa.int64()),
+        ("timestamp_ms", pa.int64()),
+        ("key_hash", pa.int64()),
+        ("value_hash", pa.int64()),
+        ("record_hash", pa.int64()),
+    ]
+)
 
 N_CONSTANT = 6
 
@@ -158,10 +180,13 @@ def _hash_or_none(data: bytes | None) -> int | None:
 
 def _constants(segment: SegmentFile, n: int) -> list[pa.Array]:
     return [
-        pa.repeat(segment.site, n), pa.repeat(segment.topic, n), pa.repeat(pa.scalar(segment.partition, pa.int32()), n),
-        pa.repeat(pa.scalar(segment.node, pa.string()), n), pa.repeat(pa.scalar(segment.segment_id, pa.int64()), n),
+        pa.repeat(segment.site, n),
+        pa.repeat(segment.topic, n),
+        pa.repeat(pa.scalar(segment.partition, pa.int32()), n),
+        pa.repeat(pa.scalar(segment.node, pa.string()), n),
+        pa.repeat(pa.scalar(segment.segment_id, pa.int64()), n),
         pa.repeat(segment.path, n),
-    ]  # fmt: skip
+    ]
 
 
 def _origin_columns(headers: list[BatchHeader | None]) -> list[list[object]]:
@@ -192,15 +217,24 @@ def read_batches(segment: SegmentFile) -> Iterator[pa.RecordBatch]:
 
     columns: list[pa.Array | list[object] | list[int | None]] = [
         *_constants(segment, len(found)),
-        [s.position for s in found], [s.status for s in found], [s.error for s in found],
+        [s.position for s in found],
+        [s.status for s in found],
+        [s.error for s in found],
         *_origin_columns(headers),
-        per_batch(lambda h: h.append_time_ms), pa.repeat(pa.scalar(segment.log_start_offset), len(found)),
-        [s.base_offset for s in found], per_batch(lambda h: h.base_origin_seq), per_batch(lambda h: h.last_origin_seq),
-        per_batch(lambda h: h.records_count), [s.size_bytes for s in found], per_batch(lambda h: h.crc),
-        per_batch(lambda h: h.first_timestamp), per_batch(lambda h: h.max_timestamp),
-    ]  # fmt: skip
-    yield pa.RecordBatch.from_arrays([pa.array(c, type=f.type) for c, f in zip(columns, BATCH_SCHEMA, strict=True)],
-                                     schema=BATCH_SCHEMA)  # fmt: skip
+        per_batch(lambda h: h.append_time_ms),
+        pa.repeat(pa.scalar(segment.log_start_offset), len(found)),
+        [s.base_offset for s in found],
+        per_batch(lambda h: h.base_origin_seq),
+        per_batch(lambda h: h.last_origin_seq),
+        per_batch(lambda h: h.records_count),
+        [s.size_bytes for s in found],
+        per_batch(lambda h: h.crc),
+        per_batch(lambda h: h.first_timestamp),
+        per_batch(lambda h: h.max_timestamp),
+    ]
+    yield pa.RecordBatch.from_arrays(
+        [pa.array(c, type=f.type) for c, f in zip(columns, BATCH_SCHEMA, strict=True)], schema=BATCH_SCHEMA
+    )
 
 
 class _RecordColumns:
@@ -214,9 +248,26 @@ class _RecordColumns:
         return len(self.rows[0])
 
     def add_damage(self, s: Scanned) -> None:
-        for column, value in zip(self.rows, (s.position, s.status, s.error, None, None, None, None,
-                                             self.segment.log_start_offset, s.base_offset, None, None, None, None,
-                                             None), strict=True):  # fmt: skip
+        for column, value in zip(
+            self.rows,
+            (
+                s.position,
+                s.status,
+                s.error,
+                None,
+                None,
+                None,
+                None,
+                self.segment.log_start_offset,
+                s.base_offset,
+                None,
+                None,
+                None,
+                None,
+                None,
+            ),
+            strict=True,
+        ):
             column.append(value)
 
     def add_batch(self, s: Scanned) -> None:
@@ -225,11 +276,19 @@ class _RecordColumns:
         records = decode_records(s.data, h)
         n = len(records)
         origin = f"{h.origin_site}@{h.origin_epoch}"
-        (position, status, error, origin_col, site, epoch, append, start, offset, seq, ts, khash, vhash,
-         rhash) = self.rows  # fmt: skip
-        for column, value in ((position, s.position), (status, OK), (error, None), (origin_col, origin),
-                              (site, h.origin_site), (epoch, h.origin_epoch), (append, h.append_time_ms),
-                              (start, self.segment.log_start_offset)):  # fmt: skip
+        (position, status, error, origin_col, site, epoch, append, start, offset, seq, ts, khash, vhash, rhash) = (
+            self.rows
+        )
+        for column, value in (
+            (position, s.position),
+            (status, OK),
+            (error, None),
+            (origin_col, origin),
+            (site, h.origin_site),
+            (epoch, h.origin_epoch),
+            (append, h.append_time_ms),
+            (start, self.segment.log_start_offset),
+        ):
             column.extend([value] * n)
         for r in records:
             offset.append(r.offset)

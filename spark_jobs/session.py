@@ -34,8 +34,9 @@ def under_spark_submit() -> bool:
     return "PYSPARK_GATEWAY_PORT" in os.environ
 
 
-def spark_session(master: str | None = None, app_name: str = "georep-audit",
-                  conf: dict[str, str] | None = None) -> SparkSession:  # fmt: skip
+def spark_session(
+    master: str | None = None, app_name: str = "georep-audit", conf: dict[str, str] | None = None
+) -> SparkSession:
     # Executors run the data source's Python; on a local master they must use this interpreter.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)
@@ -59,7 +60,9 @@ def start_spark(master: str | None, app_name: str = "georep-audit") -> SparkSess
     try:
         return spark_session(master, app_name)
     except Exception as exc:  # Java missing, bad master URL, ...: all end the same way
-        print(f"georep: error: cannot start Spark with master {master or DEFAULT_MASTER!r}: "
-              f"{str(exc).strip().splitlines()[0]}; check --master and that Java 17+ is installed (JAVA_HOME)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"georep: error: cannot start Spark with master {master or DEFAULT_MASTER!r}: "
+            f"{str(exc).strip().splitlines()[0]}; check --master and that Java 17+ is installed (JAVA_HOME)",
+            file=sys.stderr,
+        )
         return None

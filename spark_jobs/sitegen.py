@@ -52,8 +52,12 @@ def origin_batches(site: str, spec: SiteSpec, partition: int) -> list[tuple[int,
     for base in range(0, spec.records_per_origin, spec.batch_records):
         n = min(spec.batch_records, spec.records_per_origin - base)
         ts = T0_MS + base
-        records = [RecordInput(b"k%d" % ((base + i) % 997), b"%s-%d-%d-" % (site.encode(), partition, base + i) + pad,
-                               (), ts + i) for i in range(n)]  # fmt: skip
+        records = [
+            RecordInput(
+                b"k%d" % ((base + i) % 997), b"%s-%d-%d-" % (site.encode(), partition, base + i) + pad, (), ts + i
+            )
+            for i in range(n)
+        ]
         out.append((ts + 5, encode_batch(records, compression=spec.compression, origin=origin, base_origin_seq=base)))
     return out
 
@@ -116,8 +120,9 @@ def to_cluster_site(site_dir: Path, nodes: list[str], replication_factor: int, s
             ensemble = [nodes[(sid + k) % len(nodes)] for k in range(replication_factor)]
             chain.append(ensemble)
             for node in ensemble:
-                copy = SegmentLog.create_at(segment_dir(site_dir, node, topic, partition, sid), REPLICA_LOG_CONFIG,
-                                            base, vector, T0_MS)  # fmt: skip
+                copy = SegmentLog.create_at(
+                    segment_dir(site_dir, node, topic, partition, sid), REPLICA_LOG_CONFIG, base, vector, T0_MS
+                )
                 for appended, batch in chunk:
                     copy.append(parse_header(batch), [memoryview(batch)[24:]], appended)
                 copy.close()

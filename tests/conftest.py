@@ -22,11 +22,16 @@ from tests.support.sites import Sites
 # files, named here, because xdist's own marks do not group anything under pytest 9.2 (xdist 3.8 renames items
 # through an attribute pytest no longer reads), so the scheduler below groups by file instead.
 SHARED_ON_ONE_WORKER = {
-    "test_audit.py": "spark", "test_audit_sites.py": "spark", "test_audit_replicas.py": "spark",
-    "test_audit_commands.py": "spark", "test_audit_reader.py": "spark",
-    "test_sim.py": "sim", "test_sim_cluster.py": "sim-cluster", "test_sim_geo_cluster.py": "sim-geo-cluster",
+    "test_audit.py": "spark",
+    "test_audit_sites.py": "spark",
+    "test_audit_replicas.py": "spark",
+    "test_audit_commands.py": "spark",
+    "test_audit_reader.py": "spark",
+    "test_sim.py": "sim",
+    "test_sim_cluster.py": "sim-cluster",
+    "test_sim_geo_cluster.py": "sim-geo-cluster",
     "test_faults_toxiproxy.py": "faults-toxiproxy",
-}  # fmt: skip
+}
 GROUPS_FIRST = ("spark", "sim", "sim-cluster", "sim-geo-cluster")
 
 
@@ -50,8 +55,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     uses_spark = [i for i in items if "spark" in getattr(i, "fixturenames", ())]
     strays = [i.nodeid for i in uses_spark if _group(i.nodeid) not in spark_groups]
     if strays:
-        raise pytest.UsageError(f"{strays[0]} uses Spark: add its file to a Spark group of SHARED_ON_ONE_WORKER in "
-                                "tests/conftest.py so that it shares a JVM")  # fmt: skip
+        raise pytest.UsageError(
+            f"{strays[0]} uses Spark: add its file to a Spark group of SHARED_ON_ONE_WORKER in "
+            "tests/conftest.py so that it shares a JVM"
+        )
     rank = {g: i for i, g in enumerate(GROUPS_FIRST)}
     items.sort(key=lambda item: rank.get(_group(item.nodeid) or "", len(rank)))  # stable: file order otherwise
 
@@ -86,8 +93,9 @@ def start_node(tmp_path: Path) -> Iterator[object]:
     started: list[NodeProcess] = []
 
     def factory(site: str = "a", data_dir: Path | None = None, extra_args: list[str] | None = None) -> NodeProcess:
-        node = NodeProcess(site=site, data_dir=data_dir or tmp_path / f"node-{site}-{len(started)}",
-                           extra_args=list(extra_args or []))
+        node = NodeProcess(
+            site=site, data_dir=data_dir or tmp_path / f"node-{site}-{len(started)}", extra_args=list(extra_args or [])
+        )
         started.append(node)
         return node.start()
 
@@ -119,8 +127,9 @@ def make_sites(tmp_path: Path) -> Iterator[Callable[..., Sites]]:
     """
     made: list[Sites] = []
 
-    def factory(sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000,
-                extra_args: list[str] | None = None) -> Sites:  # fmt: skip
+    def factory(
+        sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000, extra_args: list[str] | None = None
+    ) -> Sites:
         s = Sites(tmp_path, sites, links, stall_ms, extra_args)
         made.append(s)
         return s
@@ -142,8 +151,15 @@ def spark() -> Iterator[Any]:
     from spark_jobs.session import DEFAULTS, spark_session
 
     java_options = DEFAULTS["spark.driver.extraJavaOptions"] + " -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-    session = spark_session("local[1]", "georep-audit-tests", {
-        "spark.sql.shuffle.partitions": "1", "spark.driver.extraJavaOptions": java_options,
-        "spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"})
+    session = spark_session(
+        "local[1]",
+        "georep-audit-tests",
+        {
+            "spark.sql.shuffle.partitions": "1",
+            "spark.driver.extraJavaOptions": java_options,
+            "spark.sql.codegen.wholeStage": "false",
+            "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+        },
+    )
     yield session
     session.stop()

@@ -100,17 +100,24 @@ names = st.lists(st.sampled_from(["a", "b", "orders", "eu"]), min_size=1, max_si
 patterns = st.lists(st.sampled_from(["a", "b", "orders", "+", "**"]), min_size=1, max_size=3).map("/".join)
 entries_st = st.builds(
     lambda who, op, pat: acl_entry(who, op, f"topic:{pat}"),
-    st.sampled_from(["client:alice", "client:bob", "client:**"]), st.sampled_from(["produce", "consume"]), patterns,
-)  # fmt: skip
+    st.sampled_from(["client:alice", "client:bob", "client:**"]),
+    st.sampled_from(["produce", "consume"]),
+    patterns,
+)
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(entries_st, max_size=6), st.lists(entries_st, max_size=3), names,
-       st.sampled_from([Operation.PRODUCE, Operation.CONSUME]), st.sampled_from([ALICE, BOB]),
-       st.randoms())  # fmt: skip
+@given(
+    st.lists(entries_st, max_size=6),
+    st.lists(entries_st, max_size=3),
+    names,
+    st.sampled_from([Operation.PRODUCE, Operation.CONSUME]),
+    st.sampled_from([ALICE, BOB]),
+    st.randoms(),
+)
 def test_decisions_are_monotone_and_independent_of_order(
-    entries: list[AclEntry], more: list[AclEntry], name: str, op: Operation, who: Principal, rnd: random.Random,
-) -> None:  # fmt: skip
+    entries: list[AclEntry], more: list[AclEntry], name: str, op: Operation, who: Principal, rnd: random.Random
+) -> None:
     before = authorize(entries, who, op, topic(name), "a").allowed
     shuffled = list(entries)
     rnd.shuffle(shuffled)
@@ -118,8 +125,12 @@ def test_decisions_are_monotone_and_independent_of_order(
     if before:
         assert authorize(entries + more, who, op, topic(name), "a").allowed
     # the reference: some entry matches all three parts, with the filter matched by topology/filters.py
-    naive = any(e.operation is op and (str(e.principal) in (str(who), "client:**"))
-                and TopicFilter(e.resource.filter).matches(name) for e in entries)  # fmt: skip
+    naive = any(
+        e.operation is op
+        and (str(e.principal) in (str(who), "client:**"))
+        and TopicFilter(e.resource.filter).matches(name)
+        for e in entries
+    )
     assert before == naive
 
 
@@ -131,8 +142,13 @@ def test_entries_round_trip_through_their_key(entry: AclEntry) -> None:
 
 # -- replicated records ---------------------------------------------------------------------------------------------
 
-records_st = st.builds(AclRecord, st.sampled_from(["client:alice produce topic:x", "client:bob consume topic:**"]),
-                       st.booleans(), st.integers(0, 5), st.sampled_from(["a", "b", "c"]))  # fmt: skip
+records_st = st.builds(
+    AclRecord,
+    st.sampled_from(["client:alice produce topic:x", "client:bob consume topic:**"]),
+    st.booleans(),
+    st.integers(0, 5),
+    st.sampled_from(["a", "b", "c"]),
+)
 
 
 def _fold(records: list[AclRecord]) -> dict[str, AclRecord]:
@@ -217,9 +233,9 @@ def test_only_a_linked_site_pulls_and_only_what_its_link_carries() -> None:
     assert not repair_decision(topo, "a", parse_principal("site:c"), "orders", "a").allowed
 
 
-link_sets = st.lists(st.tuples(st.sampled_from("abcd"), st.sampled_from("abcd"), st.sampled_from(["**", "x", "y"])),
-                     max_size=8).map(lambda ls: list({(s, d): (s, d, f) for s, d, f in ls
-                                                      if s != d}.values()))  # fmt: skip
+link_sets = st.lists(
+    st.tuples(st.sampled_from("abcd"), st.sampled_from("abcd"), st.sampled_from(["**", "x", "y"])), max_size=8
+).map(lambda ls: list({(s, d): (s, d, f) for s, d, f in ls if s != d}.values()))
 
 
 @settings(max_examples=100, deadline=None)
@@ -254,8 +270,11 @@ def test_every_node_rpc_has_a_rule() -> None:
 
 
 def test_table_decisions() -> None:
-    entries = [acl_entry("client:alice", "produce", "topic:orders/**"), acl_entry("client:alice", "commit", "group:g"),
-               acl_entry("client:alice", "consume", "topic:orders/**")]  # fmt: skip
+    entries = [
+        acl_entry("client:alice", "produce", "topic:orders/**"),
+        acl_entry("client:alice", "commit", "group:g"),
+        acl_entry("client:alice", "consume", "topic:orders/**"),
+    ]
     policy = _policy(entries, _topology([("a", "b", "orders/**")]))
     assert decide(NODE_ACCESS, "Produce", pb.ProduceRequest(topic="orders/eu"), ALICE, policy).allowed
     assert not decide(NODE_ACCESS, "Produce", pb.ProduceRequest(topic="orders/eu"), BOB, policy).allowed
@@ -280,8 +299,10 @@ def test_table_decisions() -> None:
 
 def test_pairs_of_entries_do_not_interact() -> None:
     """Each entry decides alone: for every pair, the pair allows exactly what either allows."""
-    pool = [acl_entry(*e) for e in itertools.product(["client:alice", "client:**"], ["produce", "consume"],
-                                                      ["topic:x", "topic:**"])]  # fmt: skip
+    pool = [
+        acl_entry(*e)
+        for e in itertools.product(["client:alice", "client:**"], ["produce", "consume"], ["topic:x", "topic:**"])
+    ]
     for first, second in itertools.combinations(pool, 2):
         for op in (Operation.PRODUCE, Operation.CONSUME):
             for name in ("x", "y"):

@@ -19,8 +19,9 @@ from tests.support.sites import wait_until
 
 
 def georep(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "georep.cli", *args], input=stdin, capture_output=True, text=True,
-                          timeout=90)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "georep.cli", *args], input=stdin, capture_output=True, text=True, timeout=90
+    )
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,12 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterSite
     certs = root / "certs"
     made = georep("certs", "init", "--dir", str(certs), "--sites", "a", "--nodes", "a=3", "--clients", "alice", "bob")
     assert made.returncode == 0, made.stderr
-    cluster = ClusterSite(root, count=3, extra_args=["--replication-factor", "3", "--min-insync-replicas", "2"],
-                          raft_secret=certs / "raft-a.secret")  # fmt: skip
+    cluster = ClusterSite(
+        root,
+        count=3,
+        extra_args=["--replication-factor", "3", "--min-insync-replicas", "2"],
+        raft_secret=certs / "raft-a.secret",
+    )
     cluster.use_tls(certs)
     with cluster.running():
         yield cluster, certs
@@ -38,19 +43,30 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterSite
 
 def test_an_entry_added_at_one_node_holds_at_every_node_and_replicated_writes_pass(
     site: tuple[ClusterSite, Path],
-) -> None:  # fmt: skip
+) -> None:
     cluster, certs = site
     admin = TlsConfig.from_dir(certs)
     with open_channel(cluster.address(1), admin) as channel:
         pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name="orders", partitions=1), timeout=30)
-    added = georep("acl", "add", "client:alice", "produce", "topic:orders", "--bootstrap", cluster.address(2),
-                   "--tls-dir", str(certs))  # fmt: skip
+    added = georep(
+        "acl",
+        "add",
+        "client:alice",
+        "produce",
+        "topic:orders",
+        "--bootstrap",
+        cluster.address(2),
+        "--tls-dir",
+        str(certs),
+    )
     assert added.returncode == 0, added.stderr
 
     def listed_at_every_node() -> bool:
-        return all("client:alice produce topic:orders" in georep("acl", "list", "--bootstrap", cluster.address(n),
-                                                                  "--tls-dir", str(certs)).stdout
-                   for n in (1, 2, 3))  # fmt: skip
+        return all(
+            "client:alice produce topic:orders"
+            in georep("acl", "list", "--bootstrap", cluster.address(n), "--tls-dir", str(certs)).stdout
+            for n in (1, 2, 3)
+        )
 
     wait_until("every node lists the entry", listed_at_every_node, 30)
     bootstrap = ",".join(cluster.address(n) for n in (1, 2, 3))
@@ -63,6 +79,10 @@ def test_an_entry_added_at_one_node_holds_at_every_node_and_replicated_writes_pa
     ends = []
     for n in (1, 2, 3):  # the leader describes the partition it serves
         with open_channel(cluster.address(n), admin) as channel:
-            ends += [s.log_end_offset for s in pbg.NodeStub(channel).DescribeTopic(
-                pb.DescribeTopicRequest(name="orders"), timeout=10).partition_states]  # fmt: skip
+            ends += [
+                s.log_end_offset
+                for s in pbg.NodeStub(channel)
+                .DescribeTopic(pb.DescribeTopicRequest(name="orders"), timeout=10)
+                .partition_states
+            ]
     assert ends == [2]  # alice's two records, none of bob's

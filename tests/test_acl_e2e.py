@@ -60,8 +60,11 @@ class FakeSiteC:
         vector = pb.VectorOffset(entries=[pb.OriginSeq(site="c", epoch=1, next_seq=2)])
         yield pb.ReplicateResponse()
         for batches in (own, forged):
-            yield pb.ReplicateResponse(chunks=[pb.ReplicaChunk(topic=FORGED, partition=0, batches=batches,
-                                                               src_vector=vector, src_log_end_offset=2)])  # fmt: skip
+            yield pb.ReplicateResponse(
+                chunks=[
+                    pb.ReplicaChunk(topic=FORGED, partition=0, batches=batches, src_vector=vector, src_log_end_offset=2)
+                ]
+            )
         deadline = time.monotonic() + 10
         while context.is_active() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -70,12 +73,17 @@ class FakeSiteC:
         def unary(fn: Any) -> grpc.RpcMethodHandler[Any, Any]:
             return grpc.unary_unary_rpc_method_handler(fn, None, lambda m: m.SerializeToString())
 
-        return grpc.method_handlers_generic_handler("georep.v1.Node", {
-            "ListTopics": unary(self.list_topics),
-            "ListAcls": unary(self.list_acls),
-            "ReportHeld": unary(self.report_held),
-            "Replicate": grpc.unary_stream_rpc_method_handler(self.replicate, None, lambda m: m.SerializeToString()),
-        })  # fmt: skip
+        return grpc.method_handlers_generic_handler(
+            "georep.v1.Node",
+            {
+                "ListTopics": unary(self.list_topics),
+                "ListAcls": unary(self.list_acls),
+                "ReportHeld": unary(self.report_held),
+                "Replicate": grpc.unary_stream_rpc_method_handler(
+                    self.replicate, None, lambda m: m.SerializeToString()
+                ),
+            },
+        )
 
 
 @dataclass
@@ -105,10 +113,16 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     lines = [f'[sites.{s}]\nnodes = ["127.0.0.1:{p}"]\n' for s, p in ports.items()]
     lines += [f'[[links]]\nsrc = "{s}"\ndst = "{d}"\n' for s, d in (("a", "b"), ("b", "a"), ("c", "b"))]
     topology.write_text("\n".join(lines))
-    nodes = {s: NodeProcess(site=s, data_dir=root / s, listen=f"127.0.0.1:{ports[s]}",
-                            tls=TlsConfig.from_dir(certs, parse_principal(f"site:{s}")),
-                            extra_args=["--topology", str(topology), "--stall-ms", "1000"])
-             for s in "ab"}  # fmt: skip
+    nodes = {
+        s: NodeProcess(
+            site=s,
+            data_dir=root / s,
+            listen=f"127.0.0.1:{ports[s]}",
+            tls=TlsConfig.from_dir(certs, parse_principal(f"site:{s}")),
+            extra_args=["--topology", str(topology), "--stall-ms", "1000"],
+        )
+        for s in "ab"
+    }
     fake: grpc.Server | None = None
     try:
         for node in nodes.values():
@@ -130,8 +144,9 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
 
 def _produce(stub: pbg.NodeStub, topic: str, value: bytes) -> pb.ProduceResponse:
     batch = encode_batch([RecordInput(b"k", value, (), int(time.time() * 1000))])
-    resp: pb.ProduceResponse = stub.Produce(pb.ProduceRequest(topic=topic, partition=0, batch=batch,
-                                                              acks=pb.ACKS_LEADER), timeout=10)  # fmt: skip
+    resp: pb.ProduceResponse = stub.Produce(
+        pb.ProduceRequest(topic=topic, partition=0, batch=batch, acks=pb.ACKS_LEADER), timeout=10
+    )
     return resp
 
 
@@ -147,14 +162,24 @@ def _denied(call: Any, *parts: str) -> None:
 def test_a_client_needs_an_acl_and_one_added_at_a_works_at_b_too(net: Net) -> None:
     admin = net.stub("a", "client:admin")
     alice_a, alice_b = net.stub("a", "client:alice"), net.stub("b", "client:alice")
-    _denied(lambda: _produce(alice_a, "orders/eu", b"no"), "client:alice", "produce", "topic:orders/eu",
-            "georep acl add client:alice produce topic:orders/eu")  # fmt: skip
+    _denied(
+        lambda: _produce(alice_a, "orders/eu", b"no"),
+        "client:alice",
+        "produce",
+        "topic:orders/eu",
+        "georep acl add client:alice produce topic:orders/eu",
+    )
     fetch = pb.FetchRequest(topic="orders/eu", partition=0, max_wait_ms=10)
     _denied(lambda: next(iter(alice_a.Fetch(fetch, timeout=10))), "client:alice", "consume", "topic:orders/eu")
     # as the user sees it: the georep commands with alice's certificate
     as_alice = ("--bootstrap", net.nodes["a"].address, "--tls-dir", str(net.certs), "--principal", "client:alice")
-    produced = subprocess.run([sys.executable, "-m", "georep.cli", "produce", "orders/eu", *as_alice],
-                              input="hello\n", capture_output=True, text=True, timeout=60)  # fmt: skip
+    produced = subprocess.run(
+        [sys.executable, "-m", "georep.cli", "produce", "orders/eu", *as_alice],
+        input="hello\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert produced.returncode != 0
     assert "client:alice may not produce topic:orders/eu" in produced.stderr, produced.stderr
     consumed = georep("consume", "orders/eu", "--from-beginning", "--max", "1", "--timeout", "5", *as_alice)
@@ -170,8 +195,10 @@ def test_a_client_needs_an_acl_and_one_added_at_a_works_at_b_too(net: Net) -> No
     # a produce stream answers a refused batch and goes on with the others
     admin.CreateTopic(pb.CreateTopicRequest(name="payments", partitions=1), timeout=10)
     batch = encode_batch([RecordInput(b"k", b"v", (), int(time.time() * 1000))])
-    mixed = [pb.ProduceRequest(topic=t, partition=0, batch=batch, correlation_id=i)
-             for i, t in enumerate(["orders/eu", "payments", "orders/eu"])]  # fmt: skip
+    mixed = [
+        pb.ProduceRequest(topic=t, partition=0, batch=batch, correlation_id=i)
+        for i, t in enumerate(["orders/eu", "payments", "orders/eu"])
+    ]
     answers = {r.correlation_id: r for r in alice_a.ProduceStream(iter(mixed), timeout=10)}
     assert sorted(answers) == [0, 1, 2]
     assert not answers[0].HasField("error") and not answers[2].HasField("error")
@@ -206,12 +233,21 @@ def test_a_client_needs_an_acl_and_one_added_at_a_works_at_b_too(net: Net) -> No
 def test_a_consumer_may_not_commit_for_a_group_it_may_not_read(net: Net) -> None:
     assert net.acl("a", "add", "client:alice", "consume", "topic:orders/**").returncode == 0
     alice = net.stub("a", "client:alice")
-    commit = pb.CommitOffsetsRequest(group="billing", generation=-1, commits=[pb.PartitionCommit(
-        topic="orders/eu", partition=0, vector=pb.VectorOffset(), hint_offset=-1)])  # fmt: skip
-    _denied(lambda: alice.CommitOffsets(commit, timeout=10), "client:alice", "commit", "group:billing",
-            "georep acl add client:alice commit group:billing")  # fmt: skip
-    _denied(lambda: alice.FetchCommitted(pb.FetchCommittedRequest(group="billing"), timeout=10), "read",
-            "group:billing")  # fmt: skip
+    commit = pb.CommitOffsetsRequest(
+        group="billing",
+        generation=-1,
+        commits=[pb.PartitionCommit(topic="orders/eu", partition=0, vector=pb.VectorOffset(), hint_offset=-1)],
+    )
+    _denied(
+        lambda: alice.CommitOffsets(commit, timeout=10),
+        "client:alice",
+        "commit",
+        "group:billing",
+        "georep acl add client:alice commit group:billing",
+    )
+    _denied(
+        lambda: alice.FetchCommitted(pb.FetchCommittedRequest(group="billing"), timeout=10), "read", "group:billing"
+    )
     as_alice = ("--bootstrap", net.nodes["a"].address, "--tls-dir", str(net.certs), "--principal", "client:alice")
     joined = georep("consume", "orders/eu", "--group", "billing", "--max", "1", "--timeout", "5", *as_alice)
     assert joined.returncode != 0
@@ -220,8 +256,9 @@ def test_a_consumer_may_not_commit_for_a_group_it_may_not_read(net: Net) -> None
 
 def test_a_site_without_a_link_may_not_pull(net: Net) -> None:
     pull = pb.ReplicateRequest(dst_site="z", wants=[pb.PullWant(topic="orders/eu", partition=0)])
-    _denied(lambda: next(iter(net.stub("a", "site:z").Replicate(pull, timeout=10))), "site:z", "replicate",
-            "no link a -> z")  # fmt: skip
+    _denied(
+        lambda: next(iter(net.stub("a", "site:z").Replicate(pull, timeout=10))), "site:z", "replicate", "no link a -> z"
+    )
     # a linked site pulls only for itself
     lying = pb.ReplicateRequest(dst_site="z", wants=[pb.PullWant(topic="orders/eu", partition=0)])
     _denied(lambda: next(iter(net.stub("a", "site:b").Replicate(lying, timeout=10))), "site:b", "site b")
@@ -245,6 +282,7 @@ def test_a_batch_with_a_forged_origin_is_refused(net: Net) -> None:
     assert net.acl("a", "add", "client:alice", "produce", "topic:orders/**").returncode == 0
     forged = origin_batch(Origin("b", 1), 0)  # type: ignore[arg-type]
     with pytest.raises(grpc.RpcError) as info:
-        net.stub("a", "client:alice").Produce(pb.ProduceRequest(topic="orders/eu", partition=0, batch=forged),
-                                              timeout=10)  # fmt: skip
+        net.stub("a", "client:alice").Produce(
+            pb.ProduceRequest(topic="orders/eu", partition=0, batch=forged), timeout=10
+        )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stamp" in (info.value.details() or "")

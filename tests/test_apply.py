@@ -70,8 +70,11 @@ def test_empty_response_changes_nothing() -> None:
 
 def test_contiguous_batches_are_appended_and_advance_the_vector() -> None:
     plan = plan_apply(VectorOffset(), [span(A, 0, 2), span(A, 3, 3), span(A, 4, 9)])
-    assert plan.decisions == (Append(A, OriginSeq(0), OriginSeq(2)), Append(A, OriginSeq(3), OriginSeq(3)),
-                              Append(A, OriginSeq(4), OriginSeq(9)))  # fmt: skip
+    assert plan.decisions == (
+        Append(A, OriginSeq(0), OriginSeq(2)),
+        Append(A, OriginSeq(3), OriginSeq(3)),
+        Append(A, OriginSeq(4), OriginSeq(9)),
+    )
     assert plan.append_indexes == (0, 1, 2)
     assert plan.vector == vec(a=10)
     assert "appended" in plan.decisions[0].message()
@@ -79,8 +82,10 @@ def test_contiguous_batches_are_appended_and_advance_the_vector() -> None:
 
 def test_batch_already_held_is_covered_and_skipped() -> None:
     plan = plan_apply(vec(a=10), [span(A, 0, 4), span(A, 5, 9), span(A, 10, 11)])
-    assert plan.decisions[:2] == (Covered(A, OriginSeq(0), OriginSeq(4), OriginSeq(10)),
-                                  Covered(A, OriginSeq(5), OriginSeq(9), OriginSeq(10)))  # fmt: skip
+    assert plan.decisions[:2] == (
+        Covered(A, OriginSeq(0), OriginSeq(4), OriginSeq(10)),
+        Covered(A, OriginSeq(5), OriginSeq(9), OriginSeq(10)),
+    )
     assert plan.append_indexes == (2,)
     assert plan.vector == vec(a=12)
     assert "already held" in plan.decisions[0].message()
@@ -101,8 +106,10 @@ def test_gap_is_never_appended_past() -> None:
     assert plan.decisions[0] == gap
     # Even the missing batch arriving later in the response stays blocked: an
     # upstream sends each origin in seq order, so the response is not trusted.
-    assert plan.decisions[1:] == (BlockedByGap(A, OriginSeq(7), OriginSeq(8), gap),
-                                  BlockedByGap(A, OriginSeq(3), OriginSeq(4), gap))  # fmt: skip
+    assert plan.decisions[1:] == (
+        BlockedByGap(A, OriginSeq(7), OriginSeq(8), gap),
+        BlockedByGap(A, OriginSeq(3), OriginSeq(4), gap),
+    )
     assert plan.append_indexes == ()
     assert plan.vector == vec(a=3)
     assert plan.gaps == {A: gap}

@@ -42,8 +42,9 @@ def sites(tmp_path: Path) -> dict[str, Path]:
     return synthetic_sites(tmp_path)
 
 
-def test_clean_sites_give_a_clean_report_and_an_empty_parquet(spark: Any, sites: dict[str, Path],
-                                                              tmp_path: Path) -> None:  # fmt: skip
+def test_clean_sites_give_a_clean_report_and_an_empty_parquet(
+    spark: Any, sites: dict[str, Path], tmp_path: Path
+) -> None:
     result = audit(spark, sites, tmp_path / "report")
     assert result.clean and result.exit_code == EXIT_CLEAN and result.report["issues"] == []
     assert {s: t["records"] for s, t in result.report["sites"].items()} == {s: 3 * 2 * 200 for s in SITES}
@@ -54,8 +55,9 @@ def test_clean_sites_give_a_clean_report_and_an_empty_parquet(spark: Any, sites:
 
 
 @pytest.mark.slow
-def test_each_injected_divergence_is_named_by_site_coordinate_and_kind(spark: Any, sites: dict[str, Path],
-                                                                       tmp_path: Path) -> None:  # fmt: skip
+def test_each_injected_divergence_is_named_by_site_coordinate_and_kind(
+    spark: Any, sites: dict[str, Path], tmp_path: Path
+) -> None:
     """Four edits to three sites' logs, each through the storage layer (CRCs valid), caught in one audit."""
     inject.flip_value_byte(part(sites, "b"), "a@1", 57)  # I1: one byte of one value, batch CRC recomputed
     inject.delete_batch(part(sites, "c", 1), "b@1", 45)  # I1 prefix: a batch gone from the middle of c's log
@@ -74,16 +76,25 @@ def test_each_injected_divergence_is_named_by_site_coordinate_and_kind(spark: An
     assert "record differs" in by_kind["mismatch"]["detail"]
     assert by_kind["duplicate"]["offset"] == 600  # the copy appended at the log end
     assert {(p["site"], p["reference_site"], p["origin"], p["first"]["first_seq"]) for p in result.report["pairs"]} == {
-        ("a", None, "c@1", 100), ("b", "a", "a@1", 57), ("b", None, "a@1", 20), ("c", None, "b@1", 40)}  # fmt: skip
+        ("a", None, "c@1", 100),
+        ("b", "a", "a@1", 57),
+        ("b", None, "a@1", 20),
+        ("c", None, "b@1", 40),
+    }
     assert any("b vs a" in line and "orders/0 a@1:57" in line for line in result.summary)
     table = pq.read_table(tmp_path / "r" / "discrepancies.parquet").to_pylist()
     assert sorted((r["kind"], r["site"], r["first_seq"]) for r in table) == [
-        ("duplicate", "a", 100), ("mismatch", "b", 57), ("missing", "c", 40), ("order", "b", 20)]  # fmt: skip
+        ("duplicate", "a", 100),
+        ("mismatch", "b", 57),
+        ("missing", "c", 40),
+        ("order", "b", 20),
+    ]
 
 
 @pytest.mark.slow
-def test_a_batch_cut_otherwise_than_at_its_origin_is_a_mismatch(spark: Any, sites: dict[str, Path],
-                                                                  tmp_path: Path) -> None:  # fmt: skip
+def test_a_batch_cut_otherwise_than_at_its_origin_is_a_mismatch(
+    spark: Any, sites: dict[str, Path], tmp_path: Path
+) -> None:
     """Same records, other batch boundaries: not the origin's bytes (dedup never re-cuts a batch)."""
 
     def split(batches: list[inject.Stored]) -> list[inject.Stored]:
@@ -92,8 +103,10 @@ def test_a_batch_cut_otherwise_than_at_its_origin_is_a_mismatch(spark: Any, site
         appended, batch = batches[i]
         records = [RecordInput(r.key, r.value, r.headers, r.timestamp_ms) for r in decode_records(batch)]
         h = parse_header(batch)
-        halves = [(appended, encode_batch(records[:5], origin=h.origin, base_origin_seq=0)),
-                  (appended, encode_batch(records[5:], origin=h.origin, base_origin_seq=5))]  # fmt: skip
+        halves = [
+            (appended, encode_batch(records[:5], origin=h.origin, base_origin_seq=0)),
+            (appended, encode_batch(records[5:], origin=h.origin, base_origin_seq=5)),
+        ]
         return [*batches[:i], *halves, *batches[i + 1 :]]
 
     inject.rewrite_partition(part(sites, "c"), split)
@@ -102,8 +115,7 @@ def test_a_batch_cut_otherwise_than_at_its_origin_is_a_mismatch(spark: Any, site
     assert all("other batches; the records themselves are identical" in i["detail"] for i in result.report["issues"])
 
 
-def test_a_corrupt_batch_is_named_by_site_file_and_position(spark: Any, sites: dict[str, Path],
-                                                            tmp_path: Path) -> None:  # fmt: skip
+def test_a_corrupt_batch_is_named_by_site_file_and_position(spark: Any, sites: dict[str, Path], tmp_path: Path) -> None:
     segment = next(s for s in list_segments(sites) if s.site == "c" and not s.last)
     inject.corrupt_byte(Path(segment.path), 200)
     result = audit(spark, sites, tmp_path / "r")
@@ -115,8 +127,9 @@ def test_a_corrupt_batch_is_named_by_site_file_and_position(spark: Any, sites: d
 
 
 @pytest.mark.slow
-def test_a_site_behind_by_a_recent_tail_is_in_flight_and_an_old_one_is_missing(spark: Any, sites: dict[str, Path],
-                                                                               tmp_path: Path) -> None:  # fmt: skip
+def test_a_site_behind_by_a_recent_tail_is_in_flight_and_an_old_one_is_missing(
+    spark: Any, sites: dict[str, Path], tmp_path: Path
+) -> None:
     for _ in range(2):  # b lacks a's last two batches of partition 0
         inject.rewrite_partition(part(sites, "b"), lambda batches: _drop_last_of(batches, "a@1"))
     recent = audit(spark, sites, tmp_path / "r1", as_of_ms=ALWAYS_IN_FLIGHT_MS)
@@ -138,10 +151,15 @@ def test_expected_reach_follows_link_filters(spark: Any, tmp_path: Path) -> None
     """c's link from b carries only 'audit/**': c must not hold, and need not hold, 'orders'."""
     dirs = write_sites(tmp_path / "data", ["a", "b"], SPEC)
     write_sites(tmp_path / "data", ["c"], SiteSpec(topic="other", records_per_origin=20))
-    text = "\n".join([*(f'[sites.{s}]\nnodes = ["127.0.0.1:{7000 + i}"]' for i, s in enumerate(SITES)),
-                      '[[links]]\nsrc = "a"\ndst = "b"', '[[links]]\nsrc = "b"\ndst = "a"',
-                      '[[links]]\nsrc = "b"\ndst = "c"\ntopics = ["audit/**"]',
-                      '[[links]]\nsrc = "c"\ndst = "b"\ntopics = ["audit/**"]'])  # fmt: skip
+    text = "\n".join(
+        [
+            *(f'[sites.{s}]\nnodes = ["127.0.0.1:{7000 + i}"]' for i, s in enumerate(SITES)),
+            '[[links]]\nsrc = "a"\ndst = "b"',
+            '[[links]]\nsrc = "b"\ndst = "a"',
+            '[[links]]\nsrc = "b"\ndst = "c"\ntopics = ["audit/**"]',
+            '[[links]]\nsrc = "c"\ndst = "b"\ntopics = ["audit/**"]',
+        ]
+    )
     topology = parse_topology(text)
     dirs["c"] = tmp_path / "data" / "c"
     result = audit(spark, dirs, tmp_path / "r", topology=topology)

@@ -37,15 +37,17 @@ def test_usage_errors_exit_2_with_what_to_do(tmp_path: Path) -> None:
     no_report = georep("audit")
     assert no_report.returncode == EXIT_USAGE and "--report" in no_report.stderr
     write_sites(tmp_path / "data", SITES, SPEC)
-    no_topic = georep("audit", "--data-root", str(tmp_path / "data"), "--report", str(tmp_path / "r"),
-                      "--topics", "nothing-*")  # fmt: skip
+    no_topic = georep(
+        "audit", "--data-root", str(tmp_path / "data"), "--report", str(tmp_path / "r"), "--topics", "nothing-*"
+    )
     assert no_topic.returncode == EXIT_USAGE and "no segment files of topics nothing-*" in no_topic.stderr
     as_of = georep("audit", "--data-root", str(tmp_path / "data"), "--report", str(tmp_path / "r"), "--as-of", "soon")
     assert as_of.returncode == EXIT_USAGE and "ISO-8601" in as_of.stderr
 
 
-def test_georep_audit_exits_0_when_clean_and_1_on_divergence(spark: Any, tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_georep_audit_exits_0_when_clean_and_1_on_divergence(
+    spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The command's verdict as its exit status, from its own argument parser (in this process, on the shared
     session: a process of its own would start a JVM per run; the usage errors above go through the process)."""
     from spark_jobs.audit import cli_parser, main
@@ -63,8 +65,9 @@ def test_georep_audit_exits_0_when_clean_and_1_on_divergence(spark: Any, tmp_pat
 
 
 @pytest.mark.slow
-def test_delays_per_path_origin_and_site_use_the_origin_append_time(spark: Any, sites: dict[str, Path],
-                                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_delays_per_path_origin_and_site_use_the_origin_append_time(
+    spark: Any, sites: dict[str, Path], tmp_path: Path
+) -> None:
     from spark_jobs.delays import run_delays
 
     doc = run_delays(spark, default_topology(), list_segments(sites), tmp_path / "d")

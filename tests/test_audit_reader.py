@@ -33,8 +33,15 @@ def write_log(part_dir: Path, batches: list[bytes], segment_bytes_max: int = 1 <
 
 
 def batch(origin: Origin, seq: int, n: int = 3, compression: Compression = Compression.NONE) -> bytes:
-    records = [RecordInput(None if i == 1 else b"k%d" % (seq + i), b"v%d" % (seq + i) * 5,
-                           [("h", b"x")] if i == 2 else [], 1_000 + seq + i) for i in range(n)]  # fmt: skip
+    records = [
+        RecordInput(
+            None if i == 1 else b"k%d" % (seq + i),
+            b"v%d" % (seq + i) * 5,
+            [("h", b"x")] if i == 2 else [],
+            1_000 + seq + i,
+        )
+        for i in range(n)
+    ]
     return encode_batch(records, origin=origin, base_origin_seq=seq, compression=compression)
 
 
@@ -52,8 +59,12 @@ def rows(batches: list[pa.RecordBatch]) -> list[dict[str, object]]:
 def test_records_come_back_with_their_coordinates_and_hashes_across_segments(
     tmp_path: Path, compression: Compression
 ) -> None:
-    written = [batch(A1, 0, compression=compression), batch(B7, 0, compression=compression),
-               batch(A1, 3, compression=compression), batch(B7, 3, 2, compression=compression)]  # fmt: skip
+    written = [
+        batch(A1, 0, compression=compression),
+        batch(B7, 0, compression=compression),
+        batch(A1, 3, compression=compression),
+        batch(B7, 3, 2, compression=compression),
+    ]
     site = site_with(tmp_path, written, segment_bytes_max=2 * len(written[0]))
     segments = list_segments({"a": site})
     assert len(segments) > 1 and [s.last for s in segments][-1] and not segments[0].last
@@ -71,7 +82,11 @@ def test_records_come_back_with_their_coordinates_and_hashes_across_segments(
     assert len({r["record_hash"] for r in got if r["origin"] == "a@1"}) == 6
     per_batch = rows([b for s in segments for b in read_batches(s)])
     assert [(r["origin"], r["base_seq"], r["last_seq"], r["records"]) for r in per_batch] == [
-        ("a@1", 0, 2, 3), ("b@7", 0, 2, 3), ("a@1", 3, 5, 3), ("b@7", 3, 4, 2)]  # fmt: skip
+        ("a@1", 0, 2, 3),
+        ("b@7", 0, 2, 3),
+        ("a@1", 3, 5, 3),
+        ("b@7", 3, 4, 2),
+    ]
 
 
 def test_schemas_are_what_spark_is_told() -> None:
@@ -94,7 +109,8 @@ def test_a_corrupt_batch_is_a_row_naming_file_and_position_and_the_next_batches_
     got = rows(list(read_records(segment)))
     bad = [r for r in got if r["status"] != "ok"]
     assert [(r["status"], r["file"], r["position"], r["offset"]) for r in bad] == [
-        ("corrupt", segment.path, position, 3)]  # fmt: skip
+        ("corrupt", segment.path, position, 3)
+    ]
     assert "CRC mismatch" in str(bad[0]["error"])
     assert [r["origin_seq"] for r in got if r["status"] == "ok"] == [0, 1, 2, 6, 7, 8]
 
@@ -169,8 +185,13 @@ def test_a_multi_node_site_is_listed_copy_by_copy_with_where_each_segment_ends(t
     write_log(site / "1" / "logs" / "orders%2Feu-0", [batch(B7, 0)])  # not where a node of a multi-node site writes
     segments = list_segments({"a": site})
     assert [(s.node, s.segment_id, s.base_offset, s.segment_end, s.log_start_offset) for s in segments] == [
-        ("1", 0, 0, 3, 0), ("10", 0, 0, 3, 0), ("2", 1, 3, 9, 0), ("10", 1, 3, 9, 0), ("1", 2, 9, 12, 0),
-        ("2", 3, 12, None, 0)]  # fmt: skip
+        ("1", 0, 0, 3, 0),
+        ("10", 0, 0, 3, 0),
+        ("2", 1, 3, 9, 0),
+        ("10", 1, 3, 9, 0),
+        ("1", 2, 9, 12, 0),
+        ("2", 3, 12, None, 0),
+    ]
     assert all(s.last and s.topic == "orders/eu" and s.partition == 0 for s in segments)
     got = rows(list(read_batches(segments[3])))
     assert [(r["node"], r["segment"], r["base_offset"], r["status"]) for r in got] == [("10", 1, 3, "ok")]
@@ -188,15 +209,31 @@ def test_the_spark_source_reads_sites_in_parallel_with_a_topic_filter(tmp_path: 
     df = spark.read.format("georep").option("sites", f"a={site}").option("topics", "orders/*").load()
     assert df.rdd.getNumPartitions() == 2  # one per segment
     assert sorted((r.origin, r.origin_seq) for r in df.select("origin", "origin_seq").collect()) == [
-        ("a@1", 0), ("a@1", 1), ("a@1", 2), ("b@7", 0), ("b@7", 1), ("b@7", 2), ("b@7", 3)]  # fmt: skip
+        ("a@1", 0),
+        ("a@1", 1),
+        ("a@1", 2),
+        ("b@7", 0),
+        ("b@7", 1),
+        ("b@7", 2),
+        ("b@7", 3),
+    ]
     everything = spark.read.format("georep").option("sites", f"a={site}").option("level", "batches").load()
     assert sorted(r.topic for r in everything.collect()) == ["orders/eu", "orders/eu", "other"]
     topology = tmp_path / "one-site.toml"
     topology.write_text('[sites.a]\nnodes = ["127.0.0.1:7101"]\n')
-    by_root = (spark.read.format("georep").option("dataRoot", str(tmp_path)).option("topology", str(topology))
-               .option("topics", "other").load())  # fmt: skip
+    by_root = (
+        spark.read.format("georep")
+        .option("dataRoot", str(tmp_path))
+        .option("topology", str(topology))
+        .option("topics", "other")
+        .load()
+    )
     assert [(r.site, r.topic, r.origin_seq) for r in by_root.collect()] == [("a", "other", s) for s in range(3)]
     (second,) = [r for r in everything.collect() if r.origin == "b@7"]
-    one = (spark.read.format("georep").option("sites", f"a={site}")
-           .option("batchPositions", json.dumps({second.file: [second.position]})).load())  # fmt: skip
+    one = (
+        spark.read.format("georep")
+        .option("sites", f"a={site}")
+        .option("batchPositions", json.dumps({second.file: [second.position]}))
+        .load()
+    )
     assert sorted((r.origin, r.origin_seq) for r in one.collect()) == [("b@7", s) for s in range(4)]

@@ -121,17 +121,28 @@ def test_the_copy_most_others_agree_with_stands_for_the_site_then_the_longest() 
     assert choose_references(copies(("1", 90, 0), ("10", 100, 0), ("2", 100, 0)), []) == {KEY: "2"}  # the longest
     assert choose_references(copies(("1", 100, 1), ("2", 100, 0)), []) == {KEY: "2"}  # then the undamaged
     # node 1 parts from both others: they agree, so one of them stands for the site, however long node 1's copy
-    assert choose_references(copies(("1", 200, 0), ("2", 100, 0), ("10", 100, 0)),
-                             [_parts("1", "2"), _parts("1", "10")]) == {KEY: "2"}  # fmt: skip
+    assert choose_references(
+        copies(("1", 200, 0), ("2", 100, 0), ("10", 100, 0)), [_parts("1", "2"), _parts("1", "10")]
+    ) == {KEY: "2"}
 
 
 def test_each_copy_that_parts_is_told_once_against_the_reference_copy() -> None:
     refs = {KEY: "2"}
     (one,) = replica_issues([_parts("1", "2"), _parts("1", "3")], refs)
     assert (one["kind"], one["divergence"], one["node"], one["reference_node"], one["segment"]) == (
-        "replica_divergence", True, "1", "2", 7)  # fmt: skip
-    assert (one["offset"], one["file"], one["origin"], one["first_seq"], one["last_seq"]) == (40, "/a/1/seg", "b@1",
-                                                                                             20, 39)  # fmt: skip
+        "replica_divergence",
+        True,
+        "1",
+        "2",
+        7,
+    )
+    assert (one["offset"], one["file"], one["origin"], one["first_seq"], one["last_seq"]) == (
+        40,
+        "/a/1/seg",
+        "b@1",
+        20,
+        39,
+    )
     assert "here batch CRC 0x00000011" in one["detail"] and "there batch CRC 0x00000022" in one["detail"]
     # 1 and 3 both extend the short reference copy 2, in two ways: told once, the later node against the earlier
     (past,) = replica_issues([_parts("1", "3", offset=90)], refs)

@@ -19,13 +19,22 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 
 
 def test_every_bench_is_covered() -> None:
-    assert {"produce.py", "replication.py", "ensemble.py", "site_cluster.py", "failover.py", "audit.py", "fuzz.py",
-            "soak.py"} <= set(SCRIPTS)
+    assert {
+        "produce.py",
+        "replication.py",
+        "ensemble.py",
+        "site_cluster.py",
+        "failover.py",
+        "audit.py",
+        "fuzz.py",
+        "soak.py",
+    } <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bench_script_starts(script: str) -> None:
-    done = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
-                          timeout=120, cwd=BENCH.parent)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=120, cwd=BENCH.parent
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "usage:" in done.stdout

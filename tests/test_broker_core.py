@@ -73,13 +73,16 @@ def test_a_retried_batch_answers_the_original_coordinates_and_stores_nothing() -
     assert isinstance(info.value.decision, OutOfOrderSequence) and log.log_end_offset == 2
 
 
-@pytest.mark.parametrize("mangle, error", [
-    (lambda b: b + b, errors.MalformedBatch),  # two batches in one request
-    (lambda b: b[:-1] + bytes([b[-1] ^ 1]), errors.BatchCrcMismatch),
-    (lambda b: stamp_origin(b, B, 0)[0] + b[len(stamp_origin(b, B, 0)[0]):], errors.MalformedBatch),  # stamped
-    (lambda b: b + bytes(5000), errors.BatchTooLarge),
-    (lambda b: b[:20], errors.MalformedBatch),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "mangle, error",
+    [
+        (lambda b: b + b, errors.MalformedBatch),  # two batches in one request
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), errors.BatchCrcMismatch),
+        (lambda b: stamp_origin(b, B, 0)[0] + b[len(stamp_origin(b, B, 0)[0]) :], errors.MalformedBatch),  # stamped
+        (lambda b: b + bytes(5000), errors.BatchTooLarge),
+        (lambda b: b[:20], errors.MalformedBatch),
+    ],
+)
 def test_a_bad_batch_is_refused_and_nothing_is_stored(mangle, error) -> None:  # type: ignore[no-untyped-def]
     log, table = MemoryLog(), ProducerStateTable()
     with pytest.raises(error) as info:

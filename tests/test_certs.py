@@ -22,8 +22,14 @@ def test_init_makes_a_certificate_per_principal_signed_by_the_ca(tmp_path: Path)
     d = tmp_path / "certs"
     ok(georep("certs", "init", "--dir", str(d), "--sites", "a,b,c", "--nodes", "c=2", "--clients", "alice"))
     ca = _cert(d / "ca.crt")
-    expected = {"site-a": "site:a", "site-b": "site:b", "node-c-1": "node:c/1", "node-c-2": "node:c/2",
-                "client-admin": "client:admin", "client-alice": "client:alice"}  # fmt: skip
+    expected = {
+        "site-a": "site:a",
+        "site-b": "site:b",
+        "node-c-1": "node:c/1",
+        "node-c-2": "node:c/2",
+        "client-admin": "client:admin",
+        "client-alice": "client:alice",
+    }
     assert sorted(p.stem for p in d.glob("*.crt")) == sorted([*expected, "ca"])
     for stem, principal in expected.items():
         cert = _cert(d / f"{stem}.crt")
@@ -61,9 +67,14 @@ def test_the_common_name_alone_names_the_principal_of_a_certificate_from_another
     assert principal_of_certificate(cert) == Principal("client", "carol")
     # what a bring-your-own PKI might issue: a host-name CN and no georep URI
     builder = x509.CertificateBuilder().subject_name(x509.Name.from_rfc4514_string("CN=db1.example.com"))
-    other = (builder.issuer_name(ca_cert.subject).public_key(ec.generate_private_key(ec.SECP256R1()).public_key())
-             .serial_number(1).not_valid_before(cert.not_valid_before_utc).not_valid_after(cert.not_valid_after_utc)
-             .sign(ca_key, dev_ca.hashes.SHA256()))  # fmt: skip
+    other = (
+        builder.issuer_name(ca_cert.subject)
+        .public_key(ec.generate_private_key(ec.SECP256R1()).public_key())
+        .serial_number(1)
+        .not_valid_before(cert.not_valid_before_utc)
+        .not_valid_after(cert.not_valid_after_utc)
+        .sign(ca_key, dev_ca.hashes.SHA256())
+    )
     assert principal_of_certificate(other) is None
 
 

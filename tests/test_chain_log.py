@@ -74,9 +74,11 @@ def test_a_replication_source_stops_at_a_segment_held_elsewhere_keeping_what_it_
         for store, sid, seq, n in ((here, 0, 0, 2), (member, 1, 2, 3)):
             b = make_batch(A, seq, [b"v%d" % i for i in range(n)])
             store.append_batch(KEY, EPOCH, SegmentId(sid), b.header, b.body, 5)
-        chain = [ChainSegment(SegmentId(0), 0, 2, VectorOffset({A: 2}), (NodeId(1),)),
-                 ChainSegment(SegmentId(1), 2, 5, VectorOffset({A: 5}), (NodeId(2),)),
-                 ChainSegment(SegmentId(2), 5, None, None, (NodeId(1), NodeId(2)))]  # fmt: skip
+        chain = [
+            ChainSegment(SegmentId(0), 0, 2, VectorOffset({A: 2}), (NodeId(1),)),
+            ChainSegment(SegmentId(1), 2, 5, VectorOffset({A: 5}), (NodeId(2),)),
+            ChainSegment(SegmentId(2), 5, None, None, (NodeId(1), NodeId(2))),
+        ]
         log = ChainLog(KEY, here, chain, EPOCH, VectorOffset({A: 5}))
         b = make_batch(A, 5, [b"w0", b"w1", b"w2"])
         log.append(b.header, b.body, 5)
@@ -88,8 +90,11 @@ def test_a_replication_source_stops_at_a_segment_held_elsewhere_keeping_what_it_
                 step = source.step(0, 1 << 20)
             sent += [h.base_offset for c in step.chunks for h in iter_headers(c.batches)]
             for m in missing:  # what SiteCluster.read_elsewhere does, from the member's copy
-                log.cache_remote(m.segment.segment_id, m.offset,
-                                 member.read(KEY, m.segment.segment_id, LocalOffset(m.offset), 1 << 20, 5).data)
+                log.cache_remote(
+                    m.segment.segment_id,
+                    m.offset,
+                    member.read(KEY, m.segment.segment_id, LocalOffset(m.offset), 1 << 20, 5).data,
+                )
         assert sent == [0, 2, 5], "a batch was lost or sent twice around the segment held elsewhere"
         with pytest.raises(SegmentElsewhere):  # outside the context, a reader is told as before
             ChainLog(KEY, here, chain, EPOCH, VectorOffset({A: 5})).read(LocalOffset(2), 1 << 20)

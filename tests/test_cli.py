@@ -57,8 +57,18 @@ def test_produce_with_key_separator_then_consume_json(node: NodeProcess) -> None
 def test_consume_offset_vector_and_timeout(node: NodeProcess) -> None:
     b = ("--bootstrap", node.address)
     ok(georep("topic", "create", "one", "--partitions", "1", *b))
-    ok(georep("produce", "one", "--linger-ms", "0", "--batch-size", "64", *b,
-              stdin=b"".join(b"line-%d\n" % i for i in range(10))))  # fmt: skip
+    ok(
+        georep(
+            "produce",
+            "one",
+            "--linger-ms",
+            "0",
+            "--batch-size",
+            "64",
+            *b,
+            stdin=b"".join(b"line-%d\n" % i for i in range(10)),
+        )
+    )
     out = ok(georep("consume", "one", "--offset", "4", "--partition", "0", "--timeout", "1", *b))
     assert out.splitlines() == [f"line-{i}" for i in range(4, 10)]
     first = json.loads(ok(georep("consume", "one", "--from-beginning", "--json", "--max", "1", *b)))

@@ -77,8 +77,11 @@ def test_round_trip_keys_headers_nulls(node: NodeProcess, codec: str) -> None:
             record = by_value[(key, value)]
             assert tuple(record.headers) == tuple(kw.get("headers") or ())
             assert (record.partition, record.offset, record.origin, record.origin_seq) == (
-                meta.partition, meta.offset, meta.origin, meta.origin_seq,
-            )  # fmt: skip
+                meta.partition,
+                meta.offset,
+                meta.origin,
+                meta.origin_seq,
+            )
             assert record.timestamp_ms == meta.timestamp_ms
         assert by_value[(b"text-key", b"text")].timestamp_ms == 1_700_000_000_000
 
@@ -238,8 +241,9 @@ def test_producer_survives_kill9_and_restart_without_loss_or_duplicates(node: No
 
     async def main() -> None:
         await create(node.address, "durable", 2)
-        async with Producer(node.address, linger_ms=2, batch_size=2048, retry_backoff_ms=50,
-                            delivery_timeout_ms=60_000) as producer:  # fmt: skip
+        async with Producer(
+            node.address, linger_ms=2, batch_size=2048, retry_backoff_ms=50, delivery_timeout_ms=60_000
+        ) as producer:
             futures = []
             killer: threading.Thread | None = None
             for i in range(n):

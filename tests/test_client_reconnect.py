@@ -28,8 +28,11 @@ class SlowDescribe(pbg.NodeServicer):
     async def Health(self, request: pb.HealthRequest, context: object) -> pb.HealthResponse:  # type: ignore[override]
         return pb.HealthResponse(status="serving", site="a", epoch=1)
 
-    async def DescribeTopic(self, request: pb.DescribeTopicRequest,  # type: ignore[override]
-                            context: object) -> pb.TopicDescription:  # fmt: skip
+    async def DescribeTopic(
+        self,
+        request: pb.DescribeTopicRequest,  # type: ignore[override]
+        context: object,
+    ) -> pb.TopicDescription:
         await asyncio.sleep(30)
         return pb.TopicDescription(name=request.name)
 
@@ -51,8 +54,9 @@ async def _with_server(body):  # type: ignore[no-untyped-def]
 def test_a_call_cut_by_another_tasks_reconnect_is_node_unavailable() -> None:
     async def body(connection: Connection) -> None:
         generation = connection.generation
-        call = asyncio.create_task(connection.unary(connection.stub.DescribeTopic(pb.DescribeTopicRequest(name="t"),
-                                                                                  timeout=20)))  # fmt: skip
+        call = asyncio.create_task(
+            connection.unary(connection.stub.DescribeTopic(pb.DescribeTopicRequest(name="t"), timeout=20))
+        )
         await asyncio.sleep(0.3)
         await connection.reconnect(generation)  # what a fetcher does when its node went away
         with pytest.raises(NodeUnavailable, match="replaced while a call was in flight"):
@@ -64,8 +68,9 @@ def test_a_call_cut_by_another_tasks_reconnect_is_node_unavailable() -> None:
 
 def test_cancelling_the_callers_own_task_still_cancels_it() -> None:
     async def body(connection: Connection) -> None:
-        call = asyncio.create_task(connection.unary(connection.stub.DescribeTopic(pb.DescribeTopicRequest(name="t"),
-                                                                                  timeout=20)))  # fmt: skip
+        call = asyncio.create_task(
+            connection.unary(connection.stub.DescribeTopic(pb.DescribeTopicRequest(name="t"), timeout=20))
+        )
         await asyncio.sleep(0.3)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -164,8 +164,10 @@ def test_broken_stream_resends_unanswered_batches_in_order_with_same_bytes() -> 
     again = d.take_sendable()
     assert again == sent[1:]
     assert [(b.producer_id, b.base_sequence, b.data) for b in again] == [
-        (7, 2, b"bytes-2"), (7, 4, b"bytes-4"), (7, 6, b"bytes-6"),
-    ]  # fmt: skip
+        (7, 2, b"bytes-2"),
+        (7, 4, b"bytes-4"),
+        (7, 6, b"bytes-6"),
+    ]
 
 
 def test_out_of_order_after_a_retriable_error_is_resent() -> None:
@@ -263,8 +265,9 @@ def test_status_codes_map_to_exceptions() -> None:
     produce, code = Operation.PRODUCE, grpc.StatusCode
     assert isinstance(from_status(produce, code.NOT_FOUND, "unknown topic 'x'", "unknown-topic"), UnknownTopic)
     assert isinstance(from_status(produce, code.INVALID_ARGUMENT, "bad name", "invalid-request"), InvalidRequest)
-    too_big = from_status(produce, code.INVALID_ARGUMENT, "batch of 9 bytes exceeds max_batch_bytes=8",
-                          "batch-too-large")  # fmt: skip
+    too_big = from_status(
+        produce, code.INVALID_ARGUMENT, "batch of 9 bytes exceeds max_batch_bytes=8", "batch-too-large"
+    )
     assert isinstance(too_big, BatchTooLarge)
     fenced = from_status(produce, code.FAILED_PRECONDITION, "producer 1 is fenced", "producer-fenced")
     assert isinstance(fenced, ProducerFenced)
@@ -319,10 +322,17 @@ class StallingStream:
             await self.cancelled.wait()
             raise asyncio.CancelledError()
         count = parse_header(request.batch).records_count
-        self.responses.put_nowait(georep_pb2.ProduceResponse(
-            correlation_id=request.correlation_id, partition=request.partition, base_offset=self.written,
-            origin_site="a", origin_epoch=1, base_origin_seq=self.written, last_origin_seq=self.written + count - 1,
-        ))  # fmt: skip
+        self.responses.put_nowait(
+            georep_pb2.ProduceResponse(
+                correlation_id=request.correlation_id,
+                partition=request.partition,
+                base_offset=self.written,
+                origin_site="a",
+                origin_epoch=1,
+                base_origin_seq=self.written,
+                last_origin_seq=self.written + count - 1,
+            )
+        )
         self.written += count
 
     async def read(self) -> Any:

@@ -41,7 +41,8 @@ def raft_total(address: str) -> int:
 
 
 def test_a_fourth_node_joins_the_running_site_and_takes_new_segments_at_the_next_roll_with_nothing_moved(
-        tmp_path: Path) -> None:  # fmt: skip
+    tmp_path: Path,
+) -> None:
     site = ClusterSite(tmp_path, 4, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "32768"])
     three = tmp_path / "topology-of-three.toml"  # what the running nodes were started with
     three.write_text(site_toml("a", site.grpc_ports[:3], site.raft_ports[:3]))
@@ -61,8 +62,11 @@ def test_a_fourth_node_joins_the_running_site_and_takes_new_segments_at_the_next
 
     def open_segments() -> dict[tuple[str, int], int]:
         status = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(1))))
-        return {(p["topic"], p["partition"]): p["open_segment"]["segment_id"] for p in status["partitions"]
-                if p["topic"] == TOPIC and p["open_segment"] is not None}  # fmt: skip
+        return {
+            (p["topic"], p["partition"]): p["open_segment"]["segment_id"]
+            for p in status["partitions"]
+            if p["topic"] == TOPIC and p["open_segment"] is not None
+        }
 
     async def drive() -> tuple[int, dict[tuple[str, int], int], dict[tuple[str, int], int]]:
         task = asyncio.create_task(produce())
@@ -128,5 +132,7 @@ def test_a_fourth_node_joins_the_running_site_and_takes_new_segments_at_the_next
         # Nothing was copied to node 4: every segment it holds was opened after it started; and it took one at
         # the partition's next roll after it was live (the segment after the one open then, or that one).
         assert min(ids) > before[key], f"{key}: node 4 holds {ids}, older than {before[key]} open at its start"
-        assert min(ids) <= joined_at[key] + 1, f"{key}: node 4's first segment {min(ids)} came later than the roll " \
-                                               f"after {joined_at[key]}, the segment open when it was live"
+        assert min(ids) <= joined_at[key] + 1, (
+            f"{key}: node 4's first segment {min(ids)} came later than the roll "
+            f"after {joined_at[key]}, the segment open when it was live"
+        )

@@ -30,8 +30,15 @@ from tests.support.raft import FAST
 from tests.support.segments import make_batch
 from topology.ids import NodeId, SegmentId, SiteId
 
-CONFIG = ClusterConfig(replication_factor=3, ack_quorum=2, session_timeout_ms=2_000, tick_ms=100,
-                       segment_bytes=16 << 10, roll_wait_ms=1_000, retry_ms=100)  # fmt: skip
+CONFIG = ClusterConfig(
+    replication_factor=3,
+    ack_quorum=2,
+    session_timeout_ms=2_000,
+    tick_ms=100,
+    segment_bytes=16 << 10,
+    roll_wait_ms=1_000,
+    retry_ms=100,
+)
 KEY = ("t", 0)
 ORIGIN = Origin(SiteId("a"), 7)
 WAIT_S = 30.0
@@ -54,8 +61,9 @@ class Node:
         self.server.add_generic_rpc_handlers((SegmentService(self.store, self.executor, now_ms).handler(),))
         port = add_port(self.server, "127.0.0.1:0")
         await self.server.start()
-        self.member = ClusterMember(self.me, f"127.0.0.1:{port}", self.metadata, self.store, self.executor, now_ms,
-                                    lambda: 1 << 40, CONFIG)  # fmt: skip
+        self.member = ClusterMember(
+            self.me, f"127.0.0.1:{port}", self.metadata, self.store, self.executor, now_ms, lambda: 1 << 40, CONFIG
+        )
         await self.member.start()
 
     async def stop(self) -> None:
@@ -146,8 +154,9 @@ def test_a_site_of_four_nodes_elects_writes_rolls_and_survives_its_leader(tmp_pa
                 copies = []
                 for n in nodes.values():
                     if n.me in seg.ensemble and seg.segment_id in n.store.segment_ids(KEY):
-                        data = n.store.read(KEY, SegmentId(seg.segment_id), seg.base_offset, 1 << 24,
-                                            seg.end_offset).data  # fmt: skip
+                        data = n.store.read(
+                            KEY, SegmentId(seg.segment_id), seg.base_offset, 1 << 24, seg.end_offset
+                        ).data
                         copies.append(data)
                         assert iter_headers(data)[-1].next_offset == seg.end_offset
                 assert copies and all(c == copies[0] for c in copies)

@@ -21,14 +21,7 @@ import pytest
 
 from cluster.placement import NodeLoad
 from cluster.quorum import NotContiguous, SegmentSealed
-from cluster.repair import (
-    LeadershipStuck,
-    LeaderView,
-    MoveLeadership,
-    SegmentView,
-    drain_status,
-    plan_leader_moves,
-)
+from cluster.repair import LeadershipStuck, LeaderView, MoveLeadership, SegmentView, drain_status, plan_leader_moves
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.rpc import LEADER_METADATA
@@ -88,8 +81,11 @@ def test_a_leadership_with_nowhere_to_go_is_reported_and_a_partition_with_nothin
 
 
 def test_a_drain_is_done_once_no_segment_names_the_node_and_it_leads_nothing() -> None:
-    segments = [SegmentView("t", 0, SegmentId(0), (N1, N2, N3), True, 10), SegmentView("t", 0, SegmentId(1),
-                (N2, N3, N1), False, 5), SegmentView("t", 1, SegmentId(0), (N2, N3, N4), True, 10)]  # fmt: skip
+    segments = [
+        SegmentView("t", 0, SegmentId(0), (N1, N2, N3), True, 10),
+        SegmentView("t", 0, SegmentId(1), (N2, N3, N1), False, 5),
+        SegmentView("t", 1, SegmentId(0), (N2, N3, N4), True, 10),
+    ]
     leaders = [LeaderView("t", 0, N2, 1, (N2, N3, N1)), LeaderView("t", 1, N1, 1, None)]
     status = drain_status(N1, True, segments, leaders)
     assert (status.sealed_segments, status.open_segments, status.leader_of, status.drained) == (1, 1, 1, False)
@@ -211,8 +207,6 @@ def test_copy_in_reads_the_sealed_range_from_a_member_over_grpc_from_where_it_ho
 EXTRA = ["--session-timeout-ms", "1500", "--repair-delay-ms", "2000", "--segment-bytes-max", "8192"]
 
 
-
-
 def _leader_hint(exc: grpc.RpcError) -> str:
     for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
         if key == LEADER_METADATA:
@@ -220,17 +214,11 @@ def _leader_hint(exc: grpc.RpcError) -> str:
     return ""
 
 
-
-
-
-
 def held(site: ClusterSite, n: int) -> dict[int, int]:
     """Node ``n``'s copies of ``TOPIC``/0: segment id -> fsynced end."""
     with open_channel(site.address(n)) as channel:
         answer = pbg.SegmentsStub(channel).ListSegments(pb.ListSegmentsRequest(), timeout=5)
     return {h.segment.segment_id: h.flushed_offset for h in answer.segments if h.segment.topic == TOPIC}
-
-
 
 
 def read_copies(root: Path, nodes: list[int]) -> dict[int, dict[int, bytes]]:
@@ -271,8 +259,11 @@ def test_a_node_back_from_kill_9_gets_every_sealed_segment_it_lacks_and_all_copi
         site.nodes[victim].kill9()
         # Once the site knows it dead (a session), new segments open on the two live nodes only; writes as fast as
         # a quiet machine makes them would otherwise roll them all with the dead node still in their ensembles.
-        wait_for("the site sees the killed node dead",
-                 lambda: not next(n for n in status(site).nodes if n.node_id == victim).live, 30)  # fmt: skip
+        wait_for(
+            "the site sees the killed node dead",
+            lambda: not next(n for n in status(site).nodes if n.node_id == victim).live,
+            30,
+        )
         before = sealed_ids(status(site))
         produce(site, 60, "down")  # ~60 KiB: several 8 KiB segments, opened on the two live nodes
         during = status(site)
@@ -289,8 +280,9 @@ def test_a_node_back_from_kill_9_gets_every_sealed_segment_it_lacks_and_all_copi
             count = sealed_ids(answer)
             sealed = range(count - 1)  # the last one is open (or sealed by a roll that just happened)
             ends = [{n: copies[n].get(s) for n in (1, 2, 3)} for s in sealed]
-            uneven = [(s, e) for s, e in zip(sealed, ends, strict=True)
-                      if None in e.values() or len(set(e.values())) > 1]  # fmt: skip
+            uneven = [
+                (s, e) for s, e in zip(sealed, ends, strict=True) if None in e.values() or len(set(e.values())) > 1
+            ]
             return True if not uneven else f"segments whose copies differ or are missing: {uneven[:3]}"
 
         wait_for("every sealed segment back on 3 nodes with equal ends", repaired)
@@ -299,8 +291,9 @@ def test_a_node_back_from_kill_9_gets_every_sealed_segment_it_lacks_and_all_copi
         assert members == 3 * sealed_ids(final), "the metadata does not give every segment a 3-member ensemble"
         doc = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(leader))))
         moved = {n["node"]: n["bytes_moved"] for n in doc["nodes"]}
-        assert moved[victim] > 0 and doc["bytes_moved"] == sum(moved.values()), \
+        assert moved[victim] > 0 and doc["bytes_moved"] == sum(moved.values()), (
             f"the segments copied back to node {victim} are not counted as bytes moved: {moved}"
+        )
         produce(site, 5, "after")
     finally:
         site.close()
@@ -326,8 +319,17 @@ def test_a_decommissioned_node_ends_holding_nothing_that_three_others_do_not_and
         other = site.address(1 + victim % 4)
         unknown = georep("cluster", "decommission", "9", "--bootstrap", other)
         assert unknown.returncode == 2 and b"not a node of this site" in unknown.stderr, unknown.stderr
-        result = georep("cluster", "decommission", str(victim), "--bootstrap", other, "--wait", "--wait-timeout-s",
-                        str(WAIT_S), timeout=WAIT_S + 30)  # fmt: skip
+        result = georep(
+            "cluster",
+            "decommission",
+            str(victim),
+            "--bootstrap",
+            other,
+            "--wait",
+            "--wait-timeout-s",
+            str(WAIT_S),
+            timeout=WAIT_S + 30,
+        )
         lines = ok(result).splitlines()
         assert f"node {victim} is draining" in lines[0] and "leads 1 partition(s)" in lines[0], lines
         assert f"node {victim} is drained" in lines[-1], lines

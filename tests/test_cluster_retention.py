@@ -42,12 +42,9 @@ E1 = LeaderEpoch(1)
 A = Origin.parse("a@1")
 
 
-
-
-
-
-def chain(segments: list[tuple[int, int | None, int | None]], config: dict[str, int] | None = None,
-          open_last: bool = True) -> SiteState:  # fmt: skip
+def chain(
+    segments: list[tuple[int, int | None, int | None]], config: dict[str, int] | None = None, open_last: bool = True
+) -> SiteState:
     """Topic t (one partition) led by node 1, with one sealed segment per ``(records, size_bytes, max_ts)``, each
     record one origin seq of a@1, then an open segment (``open_last``)."""
     state = SiteState()
@@ -109,8 +106,16 @@ def test_a_trimmed_state_survives_its_snapshot_and_older_snapshots_and_logs_stil
     assert "start_vector" not in snap["partitions"][0], "an untrimmed partition snapshots as before"
     assert "size_bytes" not in snap["partitions"][0]["segments"][0]
 
-    old_seal = {"v": 1, "kind": "seal_segment", "topic": "t", "partition": 0, "epoch": 1, "segment_id": 0,
-                "end_offset": 5, "end_vector": {"a@1": 5}}  # fmt: skip
+    old_seal = {
+        "v": 1,
+        "kind": "seal_segment",
+        "topic": "t",
+        "partition": 0,
+        "epoch": 1,
+        "segment_id": 0,
+        "end_offset": 5,
+        "end_vector": {"a@1": 5},
+    }
     decoded = command_from_dict(old_seal)
     assert isinstance(decoded, SealSegment) and decoded.size_bytes is None and decoded.max_timestamp_ms is None
     assert decoded.to_dict() == old_seal, "a seal without size or timestamp encodes as before"
@@ -134,25 +139,40 @@ def test_plan_retention_by_time_and_by_size() -> None:
     by_size = chain(segs, {"retention_bytes": 150})
     assert plan_retention(by_size, now_ms=0) == [TrimChain("t", 0, SegmentId(2))], "300 B -> 100 B"
     assert plan_retention(chain(segs, {"retention_bytes": 150}, open_last=False), now_ms=0) == [
-        TrimChain("t", 0, SegmentId(2))], "without an open segment the last sealed one stays"  # fmt: skip
+        TrimChain("t", 0, SegmentId(2))
+    ], "without an open segment the last sealed one stays"
     assert plan_retention(chain(segs), now_ms=99_000) == [], "no retention configured"
     assert plan_retention(chain(segs), now_ms=99_000, defaults={"retention_ms": 0}) == [
-        TrimChain("t", 0, SegmentId(3))], "the site's defaults apply"  # fmt: skip
+        TrimChain("t", 0, SegmentId(3))
+    ], "the site's defaults apply"
     unknown: list[tuple[int, int | None, int | None]] = [(5, None, None), (3, 100, 2_000)]
     assert plan_retention(chain(unknown, {"retention_ms": 0, "retention_bytes": 0}), now_ms=99_000) == [], (
-        "a segment sealed without size or timestamp is never dropped on a guess")
+        "a segment sealed without size or timestamp is never dropped on a guess"
+    )
 
 
-SEGMENT = st.tuples(st.integers(0, 5), st.one_of(st.none(), st.integers(0, 500)),
-                    st.one_of(st.none(), st.integers(0, 10_000)))  # fmt: skip
+SEGMENT = st.tuples(
+    st.integers(0, 5), st.one_of(st.none(), st.integers(0, 500)), st.one_of(st.none(), st.integers(0, 10_000))
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(segments=st.lists(SEGMENT, max_size=8), open_last=st.booleans(), retention_ms=st.integers(-1, 10_000),
-       retention_bytes=st.integers(-1, 2_000), now_ms=st.integers(0, 20_000), trims=st.integers(1, 3))  # fmt: skip
-def test_plan_retention_properties(segments: list[tuple[int, int | None, int | None]], open_last: bool,
-                                   retention_ms: int, retention_bytes: int, now_ms: int,
-                                   trims: int) -> None:  # fmt: skip
+@given(
+    segments=st.lists(SEGMENT, max_size=8),
+    open_last=st.booleans(),
+    retention_ms=st.integers(-1, 10_000),
+    retention_bytes=st.integers(-1, 2_000),
+    now_ms=st.integers(0, 20_000),
+    trims=st.integers(1, 3),
+)
+def test_plan_retention_properties(
+    segments: list[tuple[int, int | None, int | None]],
+    open_last: bool,
+    retention_ms: int,
+    retention_bytes: int,
+    now_ms: int,
+    trims: int,
+) -> None:
     # An empty segment holds no batch: no size but 0, no timestamp.
     segments = [(n, 0 if n == 0 else size, None if n == 0 else ts) for n, size, ts in segments]
     if not segments and not open_last:
@@ -168,11 +188,12 @@ def test_plan_retention_properties(segments: list[tuple[int, int | None, int | N
         check_trim(before, part(state), retention_ms, retention_bytes, now_ms)
 
 
-def check_trim(before: PartitionInfo, after: PartitionInfo, retention_ms: int, retention_bytes: int,
-               now_ms: int) -> None:  # fmt: skip
+def check_trim(
+    before: PartitionInfo, after: PartitionInfo, retention_ms: int, retention_bytes: int, now_ms: int
+) -> None:
     kept, dropped = after.segments, before.segments[: len(before.segments) - len(after.segments)]
     # A prefix goes, never the last segment, and the chain stays contiguous from its new start.
-    assert kept == before.segments[len(dropped):]
+    assert kept == before.segments[len(dropped) :]
     assert kept and kept[-1] == before.segments[-1], "the last segment (the open one, if any) always stays"
     for prev, nxt in pairwise(kept):
         assert prev.end_offset == nxt.base_offset

@@ -34,7 +34,8 @@ def _copies(root: Path, node: int) -> list[int]:
 def _earliest(address: str) -> int:
     with open_channel(address) as channel:
         r = pbg.NodeStub(channel).ListOffsets(
-            pb.ListOffsetsRequest(topic=TOPIC, partition=0, position=pb.START_EARLIEST), timeout=10)
+            pb.ListOffsetsRequest(topic=TOPIC, partition=0, position=pb.START_EARLIEST), timeout=10
+        )
     return int(r.offsets[0].offset)
 
 
@@ -52,17 +53,26 @@ async def _read_from_earliest(bootstrap: str, expect_last: bytes) -> list[tuple[
 def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: Path) -> None:
     b_port = free_ports(1)[0]
     more = f'[sites.b]\nnodes = ["127.0.0.1:{b_port}"]\n[[links]]\nsrc = "a"\ndst = "b"\n'
-    site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "2048",
-                                                "--retention-check-ms", "200"], more_toml=more)  # fmt: skip
-    b = NodeProcess("b", tmp_path / "b", listen=f"127.0.0.1:{b_port}",
-                    extra_args=["--topology", str(site.topology), "--scrub-bytes-per-s", "0",
-                                "--retention-check-ms", "600000"])  # fmt: skip
+    site = ClusterSite(
+        tmp_path,
+        3,
+        extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "2048", "--retention-check-ms", "200"],
+        more_toml=more,
+    )
+    b = NodeProcess(
+        "b",
+        tmp_path / "b",
+        listen=f"127.0.0.1:{b_port}",
+        extra_args=["--topology", str(site.topology), "--scrub-bytes-per-s", "0", "--retention-check-ms", "600000"],
+    )
     try:
         site.start()
         b.start()  # pulls a's partition from the start, through the trims
         with open_channel(site.address(1)) as channel:
-            pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(
-                name=TOPIC, partitions=1, config={"retention_bytes": str(RETENTION_BYTES)}), timeout=30)
+            pbg.NodeStub(channel).CreateTopic(
+                pb.CreateTopicRequest(name=TOPIC, partitions=1, config={"retention_bytes": str(RETENTION_BYTES)}),
+                timeout=30,
+            )
         site.wait_leader(TOPIC)
         writer = Writer(site)
 
@@ -116,8 +126,13 @@ def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: P
         for _ in range(20):  # following the leader if it moves meanwhile (NOT_LEADER names it)
             with open_channel(address) as channel:
                 try:
-                    next(iter(pbg.NodeStub(channel).Fetch(pb.FetchRequest(topic=TOPIC, partition=0, offset=0,
-                                                                          max_bytes=1 << 16), timeout=10)))  # fmt: skip
+                    next(
+                        iter(
+                            pbg.NodeStub(channel).Fetch(
+                                pb.FetchRequest(topic=TOPIC, partition=0, offset=0, max_bytes=1 << 16), timeout=10
+                            )
+                        )
+                    )
                     raise AssertionError("a fetch below the log start was served")
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -133,7 +148,7 @@ def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: P
         assert read and read[0][0] >= start and read[-1][1] == last, "a consumer from earliest did not read on"
         values = [v for _, v in read]
         written = [v for _, v in writer.acked]
-        assert values == written[len(written) - len(values):], "what is read is not the newest suffix written"
+        assert values == written[len(written) - len(values) :], "what is read is not the newest suffix written"
         assert len(values) < len(written)
 
         # Writes and reads go on after the trim.
@@ -152,4 +167,3 @@ def test_retention_trims_the_chain_and_every_node_deletes_its_copies(tmp_path: P
     finally:
         b.stop()
         site.close()
-

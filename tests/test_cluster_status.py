@@ -56,13 +56,25 @@ def four_nodes() -> SiteState:
     an open one on 1,2 (opened while 3 was down); ``t``/1 led by 2 has an open one on 2,1,3; ``t``/2 has no leader."""
     state = SiteState()
     apply(state, *(RegisterNode(n, f"10.0.0.{n}:9092") for n in (N1, N2, N3, N4)))
-    apply(state, NodeHeartbeat(N3, 1_000, 30 << 30, 1), NodeHeartbeat(N1, 9_500, 50 << 30, 2),
-          NodeHeartbeat(N2, 9_800, 40 << 30, 2), CreateTopic(TopicSpec("t", 3)))  # fmt: skip
-    apply(state, ElectLeader("t", 0, N1, LeaderEpoch(0)), OpenSegment("t", 0, LeaderEpoch(1), LocalOffset(0),
-          (N1, N2, N3)), SealSegment("t", 0, LeaderEpoch(1), SegmentId(0), LocalOffset(10),
-          VectorOffset.parse("a@1:10")), OpenSegment("t", 0, LeaderEpoch(1), LocalOffset(10), (N1, N2)))  # fmt: skip
-    apply(state, ElectLeader("t", 1, N2, LeaderEpoch(0)), OpenSegment("t", 1, LeaderEpoch(1), LocalOffset(0),
-          (N2, N1, N3)))  # fmt: skip
+    apply(
+        state,
+        NodeHeartbeat(N3, 1_000, 30 << 30, 1),
+        NodeHeartbeat(N1, 9_500, 50 << 30, 2),
+        NodeHeartbeat(N2, 9_800, 40 << 30, 2),
+        CreateTopic(TopicSpec("t", 3)),
+    )
+    apply(
+        state,
+        ElectLeader("t", 0, N1, LeaderEpoch(0)),
+        OpenSegment("t", 0, LeaderEpoch(1), LocalOffset(0), (N1, N2, N3)),
+        SealSegment("t", 0, LeaderEpoch(1), SegmentId(0), LocalOffset(10), VectorOffset.parse("a@1:10")),
+        OpenSegment("t", 0, LeaderEpoch(1), LocalOffset(10), (N1, N2)),
+    )
+    apply(
+        state,
+        ElectLeader("t", 1, N2, LeaderEpoch(0)),
+        OpenSegment("t", 1, LeaderEpoch(1), LocalOffset(0), (N2, N1, N3)),
+    )
     return state
 
 
@@ -85,8 +97,11 @@ def test_bytes_moved_are_each_nodes_last_report_and_the_site_total_keeps_a_dead_
     apply(state, NodeHeartbeat(N2, 9_900, 40 << 30, 2, bytes_moved=5_000), NodeHeartbeat(N3, 1_100, 30 << 30, 1, 700))
     view = cluster_status(state, now_ms=10_000, session_timeout_ms=SESSION_MS, replication_factor=3)
     assert [(n.node, n.live, n.bytes_moved) for n in view.nodes] == [
-        (N1, True, 0), (N2, True, 5_000), (N3, False, 700), (N4, False, 0),
-    ]  # fmt: skip
+        (N1, True, 0),
+        (N2, True, 5_000),
+        (N3, False, 700),
+        (N4, False, 0),
+    ]
     assert view.bytes_moved == 5_700, "node 3 is dead, but what was copied to it was moved all the same"
     restored = SiteState.restore(json.loads(json.dumps(state.snapshot())))
     assert restored.node(N2) is not None and restored.node(N2).bytes_moved == 5_000, "a Raft snapshot keeps it"
@@ -94,8 +109,10 @@ def test_bytes_moved_are_each_nodes_last_report_and_the_site_total_keeps_a_dead_
 
 def test_the_view_names_every_partitions_leader_and_open_ensemble() -> None:
     view = cluster_status(four_nodes(), now_ms=10_000, session_timeout_ms=SESSION_MS, replication_factor=3)
-    rows = [(p.topic, p.partition, p.leader, p.leader_live, p.leader_epoch, p.segments, p.open_segment,
-             p.open_ensemble) for p in view.partitions]  # fmt: skip
+    rows = [
+        (p.topic, p.partition, p.leader, p.leader_live, p.leader_epoch, p.segments, p.open_segment, p.open_ensemble)
+        for p in view.partitions
+    ]
     assert rows == [
         ("t", 0, N1, True, 1, 2, 1, (N1, N2)),
         ("t", 1, N2, True, 1, 1, 0, (N2, N1, N3)),
@@ -105,8 +122,9 @@ def test_the_view_names_every_partitions_leader_and_open_ensemble() -> None:
 
 def test_segments_with_a_dead_member_or_short_of_the_replication_factor_are_under_replicated() -> None:
     view = cluster_status(four_nodes(), now_ms=10_000, session_timeout_ms=SESSION_MS, replication_factor=3)
-    found = [(u.topic, u.partition, u.segment_id, u.sealed, u.dead, u.live_count, u.wanted)
-             for u in view.under_replicated]  # fmt: skip
+    found = [
+        (u.topic, u.partition, u.segment_id, u.sealed, u.dead, u.live_count, u.wanted) for u in view.under_replicated
+    ]
     assert found == [
         ("t", 0, 0, True, (N3,), 2, 3),  # node 3 died
         ("t", 0, 1, False, (), 2, 3),  # opened on two nodes while 3 was down
@@ -122,39 +140,81 @@ def test_while_every_member_heartbeats_nothing_is_under_replicated_and_draining_
     apply(state, SetDraining(N2, True))
     view = cluster_status(state, now_ms=10_000, session_timeout_ms=SESSION_MS, replication_factor=2)
     assert [(u.partition, u.segment_id, u.draining) for u in view.under_replicated] == [
-        (0, 0, (N2,)), (0, 1, (N2,)), (1, 0, (N2,)),
-    ]  # fmt: skip
+        (0, 0, (N2,)),
+        (0, 1, (N2,)),
+        (1, 0, (N2,)),
+    ]
 
 
 def response() -> pb.ClusterStatusResponse:
     return pb.ClusterStatusResponse(
-        site="a", epoch=7, node_id=1, replication_factor=3, session_timeout_ms=1500,
-        raft=pb.RaftGroupStatus(self_address="127.0.0.1:9101", leader_address="127.0.0.1:9102", is_leader=False,
-                                reachable_nodes=2, total_nodes=3),
+        site="a",
+        epoch=7,
+        node_id=1,
+        replication_factor=3,
+        session_timeout_ms=1500,
+        raft=pb.RaftGroupStatus(
+            self_address="127.0.0.1:9101",
+            leader_address="127.0.0.1:9102",
+            is_leader=False,
+            reachable_nodes=2,
+            total_nodes=3,
+        ),
         nodes=[
-            pb.ClusterNodeStatus(node_id=1, address="127.0.0.1:7101", live=True, last_heartbeat_age_ms=200,
-                                 segments=1, store_bytes=4096),
-            pb.ClusterNodeStatus(node_id=2, address="127.0.0.1:7102", live=True, last_heartbeat_age_ms=300,
-                                 segments=1, bytes_moved=100),
-            pb.ClusterNodeStatus(node_id=3, address="127.0.0.1:7103", live=False, last_heartbeat_age_ms=9000,
-                                 segments=1, bytes_moved=2048),
+            pb.ClusterNodeStatus(
+                node_id=1, address="127.0.0.1:7101", live=True, last_heartbeat_age_ms=200, segments=1, store_bytes=4096
+            ),
+            pb.ClusterNodeStatus(
+                node_id=2, address="127.0.0.1:7102", live=True, last_heartbeat_age_ms=300, segments=1, bytes_moved=100
+            ),
+            pb.ClusterNodeStatus(
+                node_id=3,
+                address="127.0.0.1:7103",
+                live=False,
+                last_heartbeat_age_ms=9000,
+                segments=1,
+                bytes_moved=2048,
+            ),
         ],
-        partitions=[pb.ClusterPartitionStatus(topic="t", partition=0, leader=3, leader_live=False, leader_epoch=1,
-                                              segments=1, open_segment_id=0, open_ensemble=[3, 1, 2])],
-        under_replicated=[pb.UnderReplicatedSegment(topic="t", partition=0, segment_id=0, ensemble=[3, 1, 2],
-                                                    dead=[3], live_members=2, wanted_members=3, message="m")],
-    )  # fmt: skip
+        partitions=[
+            pb.ClusterPartitionStatus(
+                topic="t",
+                partition=0,
+                leader=3,
+                leader_live=False,
+                leader_epoch=1,
+                segments=1,
+                open_segment_id=0,
+                open_ensemble=[3, 1, 2],
+            )
+        ],
+        under_replicated=[
+            pb.UnderReplicatedSegment(
+                topic="t",
+                partition=0,
+                segment_id=0,
+                ensemble=[3, 1, 2],
+                dead=[3],
+                live_members=2,
+                wanted_members=3,
+                message="m",
+            )
+        ],
+    )
 
 
 def test_bytes_and_raft_roles_come_from_each_nodes_own_answer() -> None:
-    own_2 = pb.ClusterStatusResponse(node_id=2, raft=pb.RaftGroupStatus(self_address="127.0.0.1:9102",
-                                                                        is_leader=True),
-                                     nodes=[pb.ClusterNodeStatus(node_id=2, store_bytes=8192,
-                                                                 bytes_moved=300)])  # fmt: skip
+    own_2 = pb.ClusterStatusResponse(
+        node_id=2,
+        raft=pb.RaftGroupStatus(self_address="127.0.0.1:9102", is_leader=True),
+        nodes=[pb.ClusterNodeStatus(node_id=2, store_bytes=8192, bytes_moved=300)],
+    )
     doc = status_json(response(), {2: own_2})
     assert [(n["node"], n["store_bytes"], n["raft_role"], n["bytes_moved"]) for n in doc["nodes"]] == [
-        (1, 4096, "follower", 0), (2, 8192, "leader", 300), (3, None, None, 2048),
-    ], "bytes moved: a node's own count when it answered, else its last heartbeat's (a dead node's too)"  # fmt: skip
+        (1, 4096, "follower", 0),
+        (2, 8192, "leader", 300),
+        (3, None, None, 2048),
+    ], "bytes moved: a node's own count when it answered, else its last heartbeat's (a dead node's too)"
     assert doc["bytes_moved"] == 2348
     assert doc["raft"]["leader_node"] == 2 and doc["raft"]["leader_address"] == "127.0.0.1:9102"
     assert doc["partitions"][0]["open_segment"] == {"segment_id": 0, "ensemble": [3, 1, 2]}
@@ -186,8 +246,9 @@ def status(bootstrap: str) -> dict[str, Any]:
     return doc
 
 
-def wait_status(bootstrap: str, ok: Callable[[dict[str, Any]], bool], what: str,
-                timeout_s: float = 60.0) -> dict[str, Any]:  # fmt: skip
+def wait_status(
+    bootstrap: str, ok: Callable[[dict[str, Any]], bool], what: str, timeout_s: float = 60.0
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     doc: dict[str, Any] = {}
     while time.monotonic() < deadline:
@@ -250,8 +311,9 @@ def test_cluster_status_of_a_three_node_site_before_and_after_a_kill(tmp_path: P
         row = next(n for n in doc["nodes"] if n["node"] == victim)
         assert row["store_bytes"] is None and row["raft_role"] is None, "a dead node is not asked"
         assert row["last_heartbeat_age_ms"] >= 1500
-        on_victim = {(u["topic"], u["partition"], u["segment_id"]) for u in doc["under_replicated"]
-                     if victim in u["ensemble"]}  # fmt: skip
+        on_victim = {
+            (u["topic"], u["partition"], u["segment_id"]) for u in doc["under_replicated"] if victim in u["ensemble"]
+        }
         assert len(on_victim) == row["segments"] == held, "every segment it holds is under-replicated"
         assert all(u["dead"] == [victim] for u in doc["under_replicated"] if victim in u["ensemble"])
 
@@ -263,13 +325,17 @@ def test_cluster_status_of_a_three_node_site_before_and_after_a_kill(tmp_path: P
             opened = p["open_segment"] is not None and victim not in p["open_segment"]["ensemble"]
             return p["leader"] != victim and p["leader_live"] and opened
 
-        doc = wait_status(survivors, moved, f"{TOPIC}/0 led by a live node, with a segment opened without node "
-                          f"{victim}")  # fmt: skip
+        doc = wait_status(
+            survivors, moved, f"{TOPIC}/0 led by a live node, with a segment opened without node {victim}"
+        )
         p = doc["partitions"][0]
         assert p["leader"] in others and p["segments"] >= 2
         assert sorted(p["open_segment"]["ensemble"]) == others
-        short = next(u for u in doc["under_replicated"]
-                     if (u["partition"], u["segment_id"]) == (0, p["open_segment"]["segment_id"]))  # fmt: skip
+        short = next(
+            u
+            for u in doc["under_replicated"]
+            if (u["partition"], u["segment_id"]) == (0, p["open_segment"]["segment_id"])
+        )
         assert (short["sealed"], short["dead"], short["live_members"], short["wanted_members"]) == (False, [], 2, 3)
         assert any(u["partition"] == 0 and u["sealed"] and u["dead"] == [victim] for u in doc["under_replicated"])
     finally:

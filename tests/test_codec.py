@@ -47,7 +47,8 @@ SMALL_HEX = (
     "39b08bc4"  # crc
     "01"  # magic
     "0000"  # attributes: no compression
-    + "00" * 32  # origin_site: unstamped
+    + "00"
+    * 32  # origin_site: unstamped
     + "00000000"  # origin_epoch
     "ffffffffffffffff"  # base_origin_seq -1
     "00000000"  # last_offset_delta
@@ -61,10 +62,12 @@ SMALL_HEX = (
     "00"  # record attributes
     "0000000000000000"  # timestamp_delta
     "00000000"  # offset_delta
-    "00000001" "6b"  # key b"k"
-    "00000001" "76"  # value b"v"
+    "00000001"
+    "6b"  # key b"k"
+    "00000001"
+    "76"  # value b"v"
     "00000000"  # header_count
-)  # fmt: skip
+)
 
 RICH = [
     RecordInput(b"key-0", b"value-0", [], TS),
@@ -162,9 +165,7 @@ records_strategy = st.lists(
     max_size=12,
 )
 origins = st.builds(
-    Origin,
-    site=st.from_regex(r"[a-z][a-z0-9-]{0,31}", fullmatch=True).map(SiteId),
-    epoch=st.integers(0, EPOCH_MAX),
+    Origin, site=st.from_regex(r"[a-z][a-z0-9-]{0,31}", fullmatch=True).map(SiteId), epoch=st.integers(0, EPOCH_MAX)
 )
 producers = st.one_of(
     st.just({"producer_id": -1, "producer_epoch": -1, "base_sequence": -1}),
@@ -300,19 +301,29 @@ def test_random_bytes_raise_only_codec_errors(buf: bytes) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    records_count=st.integers(1, 2**31 - 1),
-    compression=st.integers(0, 2**15 - 1),
-    body=st.binary(max_size=200),
-)
+@given(records_count=st.integers(1, 2**31 - 1), compression=st.integers(0, 2**15 - 1), body=st.binary(max_size=200))
 def test_valid_header_with_random_records_raises_only_codec_errors(
     records_count: int, compression: int, body: bytes
 ) -> None:
     """A well-framed header in front of garbage: the record decoder must not crash or hang."""
     head = HEADER.pack(
-        0, HEADER_BYTES - LENGTH_PREFIX_BYTES + len(body), 0, 0, 1, compression,
-        b"a", 1, 0, records_count - 1, TS, TS, -1, -1, -1, records_count,
-    )  # fmt: skip
+        0,
+        HEADER_BYTES - LENGTH_PREFIX_BYTES + len(body),
+        0,
+        0,
+        1,
+        compression,
+        b"a",
+        1,
+        0,
+        records_count - 1,
+        TS,
+        TS,
+        -1,
+        -1,
+        -1,
+        records_count,
+    )
     _only_codec_errors(head + body)
 
 

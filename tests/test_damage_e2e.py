@@ -26,8 +26,10 @@ def produce(address: str, topic: str = "t") -> None:
     b = ("--bootstrap", address)
     lines = b"".join(b"%d\n" % i for i in range(RECORDS))
     ok(georep("topic", "create", topic, "--partitions", "1", *b))
-    assert f"produced {RECORDS} records" in georep("produce", topic, "--batch-size", "4096", *b,
-                                                   stdin=lines).stderr.decode()  # fmt: skip
+    assert (
+        f"produced {RECORDS} records"
+        in georep("produce", topic, "--batch-size", "4096", *b, stdin=lines).stderr.decode()
+    )
 
 
 def flip_mid_second_segment(data_dir: Path, topic: str = "t") -> None:
@@ -84,8 +86,11 @@ def test_a_peers_copy_repairs_the_damage_in_place(make_sites: Callable[..., Site
     b.start()
     # nobody has read it yet: the background scrubber (or a's pull) finds it, and b fetches a's copy by its
     # coordinate
-    wait_until("b found and repaired the batch", lambda: metric(b, "georep_corrupt_batches_total") == 1
-               and metric(b, "georep_repaired_batches_total") == 1, 30)  # fmt: skip
+    wait_until(
+        "b found and repaired the batch",
+        lambda: metric(b, "georep_corrupt_batches_total") == 1 and metric(b, "georep_repaired_batches_total") == 1,
+        30,
+    )
     assert metric(b, "georep_quarantined_batches{") == 0
     scrub = georep("scrub", "--now", "--bootstrap", b.address)
     assert scrub.returncode == 0 and "0 damaged batch(es) found; 0 quarantined now" in scrub.stdout.decode()
@@ -149,7 +154,8 @@ def every_record_once_at(sites: Sites, site: str) -> None:
 
 
 def test_a_torn_sealed_segment_at_a_replica_is_repaired_by_coordinate_never_cut(
-        make_sites: Callable[..., Sites]) -> None:  # fmt: skip
+    make_sites: Callable[..., Sites],
+) -> None:
     """Issue 20, item 1: y cut the log at the damage, deleted the good segments after it and kept its vector, so
     it held 114 of 300 records for good while status said converged."""
     sites = two_sites_with_300_records(make_sites)
@@ -160,8 +166,11 @@ def test_a_torn_sealed_segment_at_a_replica_is_repaired_by_coordinate_never_cut(
         f.truncate(second.stat().st_size - 100)
     segments = sorted(p.name for p in second.parent.glob("*.log"))
     y.start()
-    wait_until("y repaired the torn tail from x's copy", lambda: metric(y, "georep_repaired_batches_total") >= 1
-               and metric(y, "georep_quarantined_batches{") == 0, 30)  # fmt: skip
+    wait_until(
+        "y repaired the torn tail from x's copy",
+        lambda: metric(y, "georep_repaired_batches_total") >= 1 and metric(y, "georep_quarantined_batches{") == 0,
+        30,
+    )
     every_record_once_at(sites, "y")
     assert sorted(p.name for p in second.parent.glob("*.log")) == segments  # nothing deleted
     log = (y.data_dir / "node.log").read_text()
@@ -173,7 +182,8 @@ def test_a_torn_sealed_segment_at_a_replica_is_repaired_by_coordinate_never_cut(
 
 
 def test_a_lying_origin_index_is_rebuilt_from_the_batches_never_used_to_overwrite_one(
-        make_sites: Callable[..., Sites]) -> None:  # fmt: skip
+    make_sites: Callable[..., Sites],
+) -> None:
     """Issue 20, item 2: y's .oindex said seq 55 where the CRC-valid batch said 53; scrub quarantined the good
     batch and wrote x's seqs 55..56 over it: values 54 and 55 lost, 56 and 57 held twice."""
     sites = two_sites_with_300_records(make_sites)

@@ -82,8 +82,11 @@ def test_a_full_disk_during_replica_apply_stops_the_link_loses_nothing_and_catch
     wait_until("b's disk fills up", lambda: sites.stub("b").Health(pb.HealthRequest(), timeout=5).disk_full, 60)
     assert b.alive()
     # the link shows why it is not streaming, and keeps showing it while it backs off
-    wait_until("b's link reports the full disk",
-               lambda: any("DiskFull" in link.last_error for link in sites.status("b").links), 10)  # fmt: skip
+    wait_until(
+        "b's link reports the full disk",
+        lambda: any("DiskFull" in link.last_error for link in sites.status("b").links),
+        10,
+    )
     # what b holds is whole: a prefix of a's records, each once, in order
     check_prefix(sites, "b", "t")
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)

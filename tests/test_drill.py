@@ -37,11 +37,30 @@ def test_drill_keeps_its_promises_and_its_report_matches_an_independent_count(
     report_path = tmp_path / "report.json"
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "georep.cli", "drill", "--topology", str(sites.topology),
-             "--data-dir", str(tmp_path), "--report", str(report_path), "--mode", mode,
-             "--warmup", "2", "--after", "2", "--rate", "100"],
-            capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "georep.cli",
+                "drill",
+                "--topology",
+                str(sites.topology),
+                "--data-dir",
+                str(tmp_path),
+                "--report",
+                str(report_path),
+                "--mode",
+                mode,
+                "--warmup",
+                "2",
+                "--after",
+                "2",
+                "--rate",
+                "100",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "every promise kept" in proc.stdout
         doc = json.loads(report_path.read_text())
@@ -69,13 +88,20 @@ def test_drill_keeps_its_promises_and_its_report_matches_an_independent_count(
 
 
 def test_drill_usage_errors_exit_2(tmp_path: Path) -> None:
-    bad = subprocess.run([sys.executable, "-m", "georep.cli", "drill", "--topology", str(tmp_path / "nope.toml")],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "georep.cli", "drill", "--topology", str(tmp_path / "nope.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "nope.toml" in bad.stderr
     (tmp_path / "t.toml").write_text(
-        '[sites.a]\nnodes = ["127.0.0.1:1"]\n[sites.b]\nnodes = ["127.0.0.1:2"]\n'
-        '[[links]]\nsrc = "a"\ndst = "b"\n'
+        '[sites.a]\nnodes = ["127.0.0.1:1"]\n[sites.b]\nnodes = ["127.0.0.1:2"]\n[[links]]\nsrc = "a"\ndst = "b"\n'
     )
-    down = subprocess.run([sys.executable, "-m", "georep.cli", "drill", "--topology", str(tmp_path / "t.toml")],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    down = subprocess.run(
+        [sys.executable, "-m", "georep.cli", "drill", "--topology", str(tmp_path / "t.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert down.returncode == 2 and "does not answer" in down.stderr and "georep up" in down.stderr

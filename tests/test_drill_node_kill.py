@@ -22,8 +22,12 @@ PARTITIONS = 2
 
 
 def drill(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "georep.cli", "drill", "--mode", "node-kill", *args],
-                          capture_output=True, text=True, timeout=90)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "georep.cli", "drill", "--mode", "node-kill", *args],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
 
 
 def running_pid(site: ClusterSite, node: int) -> int:
@@ -37,9 +41,24 @@ def test_node_kill_keeps_acks_all_and_its_report_matches_what_the_site_holds(tmp
     try:
         site.start()
         started = {n: node.pid for n, node in site.nodes.items()}
-        proc = drill("--topology", str(site.topology), "--data-dir", str(tmp_path), "--site", "a",
-                     "--report", str(report_path), "--partitions", str(PARTITIONS),
-                     "--warmup", "2", "--after", "2", "--rate", "100")  # fmt: skip
+        proc = drill(
+            "--topology",
+            str(site.topology),
+            "--data-dir",
+            str(tmp_path),
+            "--site",
+            "a",
+            "--report",
+            str(report_path),
+            "--partitions",
+            str(PARTITIONS),
+            "--warmup",
+            "2",
+            "--after",
+            "2",
+            "--rate",
+            "100",
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "every promise kept" in proc.stdout
         doc = json.loads(report_path.read_text())
@@ -75,7 +94,8 @@ def test_node_kill_keeps_acks_all_and_its_report_matches_what_the_site_holds(tmp
         assert all(s == list(range(len(s))) for s in seqs.values())
         # ... which is the vector the report gives ...
         assert VectorOffset.parse(doc["partitions_final"][str(p)]) == VectorOffset.parse(
-            ",".join(f"{o}:{len(s)}" for o, s in seqs.items()))  # fmt: skip
+            ",".join(f"{o}:{len(s)}" for o, s in seqs.items())
+        )
     # ... and what the report counts: records in the topic, all delivered to its consumer once, with no gap.
     assert doc["records_in_topic"] == len(records) == doc["delivered_unique"] == doc["delivered"]
     assert doc["duplicates_total"] == doc["gaps"] == doc["misread"] == doc["never_delivered"] == 0
@@ -92,9 +112,11 @@ def test_node_kill_keeps_acks_all_and_its_report_matches_what_the_site_holds(tmp
 
 def test_node_kill_refuses_a_one_node_site_and_an_unknown_node(tmp_path: Path) -> None:
     topology = tmp_path / "t.toml"
-    topology.write_text('[sites.a]\nnodes = ["127.0.0.1:1"]\n'
-                        '[sites.b]\nnodes = [{ id = 1, address = "127.0.0.1:2", raft = "127.0.0.1:3" }, '
-                        '{ id = 2, address = "127.0.0.1:4", raft = "127.0.0.1:5" }]\n')  # fmt: skip
+    topology.write_text(
+        '[sites.a]\nnodes = ["127.0.0.1:1"]\n'
+        '[sites.b]\nnodes = [{ id = 1, address = "127.0.0.1:2", raft = "127.0.0.1:3" }, '
+        '{ id = 2, address = "127.0.0.1:4", raft = "127.0.0.1:5" }]\n'
+    )
     one = drill("--topology", str(topology), "--site", "a")
     assert one.returncode == 2 and "site a has one node" in one.stderr and "--site b" in one.stderr
     unknown = drill("--topology", str(topology), "--site", "b", "--node", "7")

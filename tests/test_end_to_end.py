@@ -23,16 +23,24 @@ pytestmark = pytest.mark.slow
 
 
 def cli(*args: str, stdin: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "georep.cli", *args], input=stdin, capture_output=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "georep.cli", *args],
+        input=stdin,
+        capture_output=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def read_partition(address: str, topic: str, partition: int) -> list[tuple[int, bytes | None, int]]:
     """(offset, value, origin_seq) of every record, read with raw gRPC and checked batch by batch."""
     with open_channel(address) as channel:
         stub = pbg.NodeStub(channel)
-        end = stub.ListOffsets(pb.ListOffsetsRequest(topic=topic, partition=partition,
-                                                     position=pb.START_LATEST)).offsets[0].offset  # fmt: skip
+        end = (
+            stub.ListOffsets(pb.ListOffsetsRequest(topic=topic, partition=partition, position=pb.START_LATEST))
+            .offsets[0]
+            .offset
+        )
         out: list[tuple[int, bytes | None, int]] = []
         if end == 0:
             return out
@@ -42,8 +50,9 @@ def read_partition(address: str, topic: str, partition: int) -> list[tuple[int, 
             pos = 0
             while pos < len(data):
                 header = check_batch(data, pos)  # a partial or corrupt batch fails here
-                out.extend((r.offset, r.value, r.origin_seq)
-                           for r in decode_records(data[pos : pos + header.size_bytes]))  # fmt: skip
+                out.extend(
+                    (r.offset, r.value, r.origin_seq) for r in decode_records(data[pos : pos + header.size_bytes])
+                )
                 pos += header.size_bytes
             if resp.next_offset >= end:
                 stream.cancel()

@@ -73,13 +73,16 @@ async def read_copy(address: str, end_offset: int = 0) -> bytes:
     async with aio_channel(address) as channel:
         stub = pbg.SegmentsStub(channel)
         ref = pb.SegmentRef(topic=KEY[0], partition=KEY[1], segment_id=SEG)
-        chunks = [r.batches async for r in stub.ReadSegment(pb.ReadSegmentRequest(segment=ref, offset=BASE,
-                                                                                   end_offset=end_offset))]  # fmt: skip
+        chunks = [
+            r.batches
+            async for r in stub.ReadSegment(pb.ReadSegmentRequest(segment=ref, offset=BASE, end_offset=end_offset))
+        ]
     return b"".join(chunks)
 
 
-def writer_for(tmp_path: Path, members: dict[NodeId, NodeProcess], executor: ThreadPoolExecutor,
-               epoch: LeaderEpoch = E1) -> tuple[SegmentWriter, ReplicaStore, PartitionLead]:  # fmt: skip
+def writer_for(
+    tmp_path: Path, members: dict[NodeId, NodeProcess], executor: ThreadPoolExecutor, epoch: LeaderEpoch = E1
+) -> tuple[SegmentWriter, ReplicaStore, PartitionLead]:
     store = ReplicaStore(tmp_path / "leader", now_ms=0)
     segment = SegmentToWrite(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, *sorted(members)), 2, epoch)
     addresses = {n: p.address for n, p in members.items()}
@@ -114,8 +117,9 @@ def test_every_member_holds_the_leaders_bytes_and_the_lac_follows_the_fsyncs(
                 await writer.confirmed(ends[-1])
             assert writer.lac == ends[-1]
             everything = b"".join(batches)
-            await wait_for("both members caught up", lambda: all(
-                quorum(lead).member_end(n) == ends[-1] for n in members))  # fmt: skip
+            await wait_for(
+                "both members caught up", lambda: all(quorum(lead).member_end(n) == ends[-1] for n in members)
+            )
             for node in members.values():
                 assert await read_copy(node.address) == everything  # byte for byte, local prefixes included
             # a read up to an offset inside the copy stops at the batch boundary below it
@@ -206,7 +210,8 @@ def test_a_newer_leader_fences_the_members_and_the_old_writer_stops_with_not_lea
             for node in members.values():
                 async with aio_channel(node.address) as channel:
                     fenced = await pbg.SegmentsStub(channel).FenceSegments(
-                        pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=2))
+                        pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=2)
+                    )
                 assert [(e.segment_id, e.end_offset) for e in fenced.ends] == [(SEG, end)]
             # the old leader's next write is refused by every member: it learns it is deposed
             late = await writer.append(batches[5])
@@ -279,9 +284,12 @@ def to_recover(epoch: LeaderEpoch = E2) -> SegmentToRecover:
     return SegmentToRecover(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, NodeId(2), NEW), 2, epoch)
 
 
-async def recover_retrying(store: ReplicaStore, addresses: dict[NodeId, str],
-                           seal: Callable[[SegmentId, LocalOffset], Awaitable[str | None]],
-                           executor: ThreadPoolExecutor) -> int:  # fmt: skip
+async def recover_retrying(
+    store: ReplicaStore,
+    addresses: dict[NodeId, str],
+    seal: Callable[[SegmentId, LocalOffset], Awaitable[str | None]],
+    executor: ThreadPoolExecutor,
+) -> int:
     """Recover as a leader does: again, a few times, while too few members answer the fence (a member just
     restarted may not answer yet on a loaded machine)."""
     for attempt in range(5):
@@ -307,8 +315,9 @@ def test_the_new_leader_recovers_every_acked_write_copies_the_tail_seals_and_cut
             server, new_address = await serve_member(new_store, executor)
             old_store = ReplicaStore(tmp_path / "leader", now_ms=0)
             segment = SegmentToWrite(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, NodeId(2), NEW), 2, E1)
-            writer, _ = solo_writer(old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor,
-                                    clock_ms=lambda: 0)  # fmt: skip
+            writer, _ = solo_writer(
+                old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor, clock_ms=lambda: 0
+            )
             await writer.start()
             confirmed = 0
             for i, b in enumerate(batches):
@@ -335,15 +344,17 @@ def test_the_new_leader_recovers_every_acked_write_copies_the_tail_seals_and_cut
             # every acked write is below the sealed end, and nothing was invented
             assert confirmed <= sealed <= iter_headers(b"".join(batches))[-1].next_offset
             assert seals == [(SEG, sealed)]
-            held = b"".join(batches)[: sum(h.size_bytes for h in iter_headers(b"".join(batches))
-                                           if h.base_offset < sealed)]  # fmt: skip
+            held = b"".join(batches)[
+                : sum(h.size_bytes for h in iter_headers(b"".join(batches)) if h.base_offset < sealed)
+            ]
             assert await read_copy(new_address) == held
             assert await read_copy(two.address) == held  # node 2 was copied the tail it missed
             # both members learned the seal: the old leader's epoch is refused from now on
             async with aio_channel(two.address) as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as late:
                     await pbg.SegmentsStub(channel).FenceSegments(
-                        pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=1))
+                        pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=1)
+                    )
             assert late.value.code() == grpc.StatusCode.ABORTED
             await server.stop(None)
             new_store.close()
@@ -364,8 +375,9 @@ def test_a_new_leader_that_fell_behind_copies_the_tail_to_itself_before_it_seals
             server, new_address = await serve_member(new_store, executor)
             old_store = ReplicaStore(tmp_path / "leader", now_ms=0)
             segment = SegmentToWrite(KEY, SEG, BASE, {A: OriginSeq(40)}, (LEADER, NodeId(2), NEW), 2, E1)
-            writer, _ = solo_writer(old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor,
-                                    clock_ms=lambda: 0)  # fmt: skip
+            writer, _ = solo_writer(
+                old_store, segment, LEADER, {NodeId(2): two.address, NEW: new_address}, executor, clock_ms=lambda: 0
+            )
             await writer.start()
             confirmed = 0
             for i, b in enumerate(batches):
@@ -414,7 +426,8 @@ def test_recovery_refuses_without_enough_members_and_steps_down_for_a_newer_lead
             two.start()
             async with aio_channel(two.address) as channel:  # a newer leader got there first
                 await pbg.SegmentsStub(channel).FenceSegments(
-                    pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=5))
+                    pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=5)
+                )
             addresses[NodeId(2)] = two.address
             with pytest.raises(NotLeader, match="epoch 5"):
                 await recover_segment(store, to_recover(), NEW, addresses, never, executor, lambda: 0)

@@ -208,16 +208,20 @@ def test_trailers_carry_the_leader_and_where_readable_data_goes_on() -> None:
     assert LEADER_METADATA not in trailers and NEXT_OFFSET_METADATA not in trailers
 
 
-@pytest.mark.parametrize(("code", "expected"), [
-    (grpc.StatusCode.UNAVAILABLE, c.NodeUnavailable),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, c.NodeUnavailable),
-    (grpc.StatusCode.CANCELLED, c.NodeUnavailable),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, c.BatchTooLarge),  # the message size limit, before any handler
-    (grpc.StatusCode.ABORTED, c.ServerError),  # never a group's error without the node saying so
-    (grpc.StatusCode.INTERNAL, c.ServerError),
-])  # fmt: skip
-def test_a_status_grpc_made_itself_has_no_reason_and_is_read_by_its_code(code: grpc.StatusCode,
-                                                                           expected: type[c.GeorepError]) -> None:
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, c.NodeUnavailable),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, c.NodeUnavailable),
+        (grpc.StatusCode.CANCELLED, c.NodeUnavailable),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, c.BatchTooLarge),  # the message size limit, before any handler
+        (grpc.StatusCode.ABORTED, c.ServerError),  # never a group's error without the node saying so
+        (grpc.StatusCode.INTERNAL, c.ServerError),
+    ],
+)
+def test_a_status_grpc_made_itself_has_no_reason_and_is_read_by_its_code(
+    code: grpc.StatusCode, expected: type[c.GeorepError]
+) -> None:
     error = c.from_rpc_error(FailedCall(code, "details", ()), "h:1", operation=P)
     assert type(error) is expected
 

@@ -19,8 +19,9 @@ from georep.faultproxy.toxics import End, Piece, Pipeline, Slicer, ToxicError, T
 from tests.support.toxiproxy import create_proxy, toxiproxy_server
 
 
-def spec(kind: str, stream: str = "downstream", toxicity: float = 1.0, name: str | None = None,
-         **attributes: int) -> ToxicSpec:  # fmt: skip
+def spec(
+    kind: str, stream: str = "downstream", toxicity: float = 1.0, name: str | None = None, **attributes: int
+) -> ToxicSpec:
     body: dict[str, object] = {"type": kind, "stream": stream, "toxicity": toxicity, "attributes": attributes}
     if name:
         body["name"] = name
@@ -136,11 +137,14 @@ def test_changing_one_toxic_keeps_the_others_state() -> None:
 
 @pytest.mark.parametrize(
     ("body", "says"),
-    [({"type": "lag"}, "invalid toxic type"), ({"type": "latency", "stream": "sideways"}, "invalid stream"),
-     ({"type": "latency", "toxicity": 2}, "invalid toxicity"),
-     ({"type": "latency", "attributes": {"rate": 1}}, "no attribute 'rate'"),
-     ({"type": "bandwidth", "attributes": {"rate": -1}}, "non-negative integer")],
-)  # fmt: skip
+    [
+        ({"type": "lag"}, "invalid toxic type"),
+        ({"type": "latency", "stream": "sideways"}, "invalid stream"),
+        ({"type": "latency", "toxicity": 2}, "invalid toxicity"),
+        ({"type": "latency", "attributes": {"rate": 1}}, "no attribute 'rate'"),
+        ({"type": "bandwidth", "attributes": {"rate": -1}}, "non-negative integer"),
+    ],
+)
 def test_a_bad_toxic_is_refused_with_what_to_send(body: dict[str, object], says: str) -> None:
     with pytest.raises(ToxicError, match=says):
         ToxicSpec.parse(body)
@@ -148,8 +152,13 @@ def test_a_bad_toxic_is_refused_with_what_to_send(body: dict[str, object], says:
 
 def test_a_toxic_defaults_like_toxiproxy() -> None:
     t = ToxicSpec.parse({"type": "latency", "attributes": {"latency": 5}})
-    assert t.as_json() == {"name": "latency_downstream", "type": "latency", "stream": "downstream",
-                           "toxicity": 1.0, "attributes": {"latency": 5, "jitter": 0}}  # fmt: skip
+    assert t.as_json() == {
+        "name": "latency_downstream",
+        "type": "latency",
+        "stream": "downstream",
+        "toxicity": 1.0,
+        "attributes": {"latency": 5, "jitter": 0},
+    }
 
 
 # -- the proxy over real sockets, through toxiproxy-python ---------------------------------------
@@ -210,8 +219,11 @@ def test_the_client_manages_proxies_and_toxics(toxiproxy: Toxiproxy, echo: str) 
     proxy.add_toxic(type="bandwidth", stream="upstream", name="slow", attributes={"rate": 1000}, toxicity=0.5)
     toxics = proxy.toxics()
     assert set(toxics) == {"latency_downstream", "slow"}
-    assert (toxics["slow"].stream, toxics["slow"].toxicity, toxics["slow"].attributes) == ("upstream", 0.5,
-                                                                                          {"rate": 1000})
+    assert (toxics["slow"].stream, toxics["slow"].toxicity, toxics["slow"].attributes) == (
+        "upstream",
+        0.5,
+        {"rate": 1000},
+    )
     with pytest.raises(InvalidToxic):
         proxy.add_toxic(type="latency", attributes={"latency": "slow"})
     assert proxy.destroy_toxic("slow") and set(proxy.toxics()) == {"latency_downstream"}

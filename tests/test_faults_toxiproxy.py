@@ -80,8 +80,9 @@ def both(pair: Pair, topic: str, n: int, value_bytes: int = 0, tag: str = "") ->
     """``n`` records written at each site at once, every one acknowledged."""
 
     async def run() -> list[set[tuple[bytes, bytes]]]:
-        return await asyncio.gather(*(produce(pair.sites.address(s), topic, f"{s}{tag}", n, value_bytes, pair.tls)
-                                      for s in SITES))  # fmt: skip
+        return await asyncio.gather(
+            *(produce(pair.sites.address(s), topic, f"{s}{tag}", n, value_bytes, pair.tls) for s in SITES)
+        )
 
     a, b = asyncio.run(run())
     return a | b

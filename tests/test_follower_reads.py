@@ -47,7 +47,8 @@ CHAIN = [seg(0, 0, 10, N1, N2, N3), seg(1, 10, 25, N2, N3, N4), seg(2, 25, None,
 
 def test_a_member_serves_the_open_segment_up_to_the_announced_lac_and_its_own_copy() -> None:
     assert follower_bound(CHAIN, N1, open_copy_end=40, announced_lac=31) == FollowerBound(
-        31, True, "the LAC of the open segment 2 the leader announced")
+        31, True, "the LAC of the open segment 2 the leader announced"
+    )
     assert follower_bound(CHAIN, N1, open_copy_end=28, announced_lac=31).end == 28, "its copy is behind the LAC"
     assert follower_bound(CHAIN, N1, open_copy_end=40, announced_lac=None).end == 25, "no LAC yet: sealed only"
     assert follower_bound(CHAIN, N1, open_copy_end=40, announced_lac=20).end == 25, "a LAC below the base"
@@ -64,7 +65,8 @@ def test_a_node_outside_the_open_ensemble_serves_the_sealed_segments_then_sends_
 def test_between_a_seal_and_the_next_open_everything_is_final() -> None:
     sealed = [*CHAIN[:2], seg(2, 25, 33, N3, N1, N2)]
     assert follower_bound(sealed, N4, None, None) == FollowerBound(
-        33, True, "segment 2 is sealed there, and no later segment is known to this node yet")
+        33, True, "segment 2 is sealed there, and no later segment is known to this node yet"
+    )
     assert follower_bound([], N1, None, None).end == 0
 
 
@@ -132,14 +134,17 @@ def follower_store(tmp_path: Path) -> tuple[ReplicaStore, list[ChainSegment], by
     for seq in (2, 5, 8):
         b = make_batch(A, seq, [b"1", b"2", b"3"])
         store.append_batch(KEY, EPOCH, SegmentId(1), b.header, b.body, 10)
-    chain = [ChainSegment(SegmentId(0), 0, 2, VectorOffset({A: 2}), (N1, N2)),
-             ChainSegment(SegmentId(1), 2, None, None, (N1, N2, N3))]  # fmt: skip
+    chain = [
+        ChainSegment(SegmentId(0), 0, 2, VectorOffset({A: 2}), (N1, N2)),
+        ChainSegment(SegmentId(1), 2, None, None, (N1, N2, N3)),
+    ]
     sealed = store.read(KEY, SegmentId(0), LocalOffset(0), 1 << 20, 2).data
     return store, chain, sealed
 
 
 def test_a_follower_log_serves_sealed_bytes_to_the_seal_and_the_open_segment_to_the_announced_lac(
-        tmp_path: Path) -> None:  # fmt: skip
+    tmp_path: Path,
+) -> None:
     store, chain, sealed = follower_store(tmp_path)
     try:
         log = FollowerLog(KEY, store, chain, N2)
@@ -160,7 +165,8 @@ def test_a_follower_log_serves_sealed_bytes_to_the_seal_and_the_open_segment_to_
 
 
 def test_outside_the_open_ensemble_a_follower_log_stops_at_the_open_base_and_reads_sealed_ones_elsewhere(
-        tmp_path: Path) -> None:  # fmt: skip
+    tmp_path: Path,
+) -> None:
     holder, chain, sealed = follower_store(tmp_path / "holder")
     store = ReplicaStore(tmp_path / "other", now_ms=0)
     try:
@@ -202,16 +208,24 @@ def read_replica(address: str, offset: int = 0) -> tuple[list[tuple[str, int, by
     followers = True
     with open_channel(address) as channel:
         for _ in range(10_000):
-            request = pb.FetchRequest(topic=TOPIC, partition=0, offset=offset, max_bytes=1 << 20, max_wait_ms=200,
-                                      read_from=pb.READ_FROM_REPLICA)  # fmt: skip
+            request = pb.FetchRequest(
+                topic=TOPIC,
+                partition=0,
+                offset=offset,
+                max_bytes=1 << 20,
+                max_wait_ms=200,
+                read_from=pb.READ_FROM_REPLICA,
+            )
             response = next(iter(pbg.NodeStub(channel).Fetch(request, timeout=10)))
             followers = followers and response.follower_read
             if not response.batches:
                 return out, followers
             at = 0
             for h in iter_headers(response.batches):
-                out.extend((str(h.origin), r.origin_seq, bytes(r.value or b""))
-                           for r in decode_records(response.batches[at : at + h.size_bytes], h))  # fmt: skip
+                out.extend(
+                    (str(h.origin), r.origin_seq, bytes(r.value or b""))
+                    for r in decode_records(response.batches[at : at + h.size_bytes], h)
+                )
                 at += h.size_bytes
             offset = response.next_offset
     raise AssertionError("the follower's read did not end")
@@ -225,11 +239,10 @@ def follower_matches_leader(site: ClusterSite, follower: int, leader: int) -> bo
     return True if got == expected else f"node {follower} serves {len(got)} records, the leader {len(expected)}"
 
 
-
-
 @pytest.mark.slow
 def test_a_follower_serves_exactly_what_the_leader_does_and_a_follower_consumer_reads_it_across_a_leader_kill(
-        tmp_path: Path) -> None:  # fmt: skip
+    tmp_path: Path,
+) -> None:
     site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "8192"])
     try:
         site.start()
@@ -239,12 +252,14 @@ def test_a_follower_serves_exactly_what_the_leader_does_and_a_follower_consumer_
         follower = next(n for n in (1, 2, 3) if n != leader)
         with open_channel(site.address(follower)) as channel:
             with pytest.raises(grpc.RpcError) as refused:  # the default: only the leader serves
-                next(iter(pbg.NodeStub(channel).Fetch(pb.FetchRequest(topic=TOPIC, partition=0, offset=0),
-                                                       timeout=10)))  # fmt: skip
+                next(iter(pbg.NodeStub(channel).Fetch(pb.FetchRequest(topic=TOPIC, partition=0, offset=0), timeout=10)))
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         produce(site, 30, "before")  # ~30 KiB: a few 8 KiB segments sealed, one open
-        wait_for(f"node {follower} serving what leader {leader} does", lambda: follower_matches_leader(
-            site, follower, leader), timeout_s=30)  # fmt: skip
+        wait_for(
+            f"node {follower} serving what leader {leader} does",
+            lambda: follower_matches_leader(site, follower, leader),
+            timeout_s=30,
+        )
 
         async def read_through_the_kill() -> list[tuple[str, int, bytes]]:
             """A follower-reads consumer at ``follower`` reads while its leader is killed and writes go on."""
@@ -257,8 +272,11 @@ def test_a_follower_serves_exactly_what_the_leader_does_and_a_follower_consumer_
         during = asyncio.run(read_through_the_kill())
         new_leader = site.wait_leader(TOPIC, not_node=leader)
         other = next(n for n in site.live() if n != new_leader)
-        wait_for(f"node {other} serving what the new leader {new_leader} does", lambda: follower_matches_leader(
-            site, other, new_leader), timeout_s=30)  # fmt: skip
+        wait_for(
+            f"node {other} serving what the new leader {new_leader} does",
+            lambda: follower_matches_leader(site, other, new_leader),
+            timeout_s=30,
+        )
         expected = read_partition(site.address(new_leader), TOPIC, 0)
         assert len(expected) == 50 and len({(o, s) for o, s, _ in expected}) == 50, "a record lost or doubled"
         assert during == expected, "read at a follower while its leader died: a record the site does not hold"
@@ -268,9 +286,24 @@ def test_a_follower_serves_exactly_what_the_leader_does_and_a_follower_consumer_
         # The preferred node is the killed one: the consumer falls back to the leader and misses nothing.
         got, from_follower = asyncio.run(consume_all(site.address(new_leader), site.address(leader), len(expected)))
         assert got == expected and from_follower == 0, "a consumer whose preferred node is down did not fall back"
-        printed = ok(georep("consume", TOPIC, "--from-beginning", "--read-from", "follower", "--prefer",
-                            site.address(other), "--json", "--max", "50", "--timeout", "10", "--bootstrap",
-                            site.address(new_leader)))  # fmt: skip
+        printed = ok(
+            georep(
+                "consume",
+                TOPIC,
+                "--from-beginning",
+                "--read-from",
+                "follower",
+                "--prefer",
+                site.address(other),
+                "--json",
+                "--max",
+                "50",
+                "--timeout",
+                "10",
+                "--bootstrap",
+                site.address(new_leader),
+            )
+        )
         values = [json.loads(line)["value"] for line in printed.splitlines()]
         assert values == [v.decode() for _, _, v in expected], "georep consume --read-from follower differs"
     finally:
@@ -292,14 +325,17 @@ def pull_all(address: str, count: int) -> list[tuple[str, int, bytes]]:
     want = pb.PullWant(topic=TOPIC, partition=0, have=pb.VectorOffset(), origin_sites=["a"])
     out: list[tuple[str, int, bytes]] = []
     with open_channel(address) as channel:
-        call = pbg.NodeStub(channel).Replicate(pb.ReplicateRequest(dst_site="b", wants=[want], max_bytes=4096,
-                                                                   max_wait_ms=200), timeout=10)  # fmt: skip
+        call = pbg.NodeStub(channel).Replicate(
+            pb.ReplicateRequest(dst_site="b", wants=[want], max_bytes=4096, max_wait_ms=200), timeout=10
+        )
         for response in call:
             for chunk in response.chunks:
                 at = 0
                 for h in iter_headers(chunk.batches):
-                    out.extend((str(h.origin), r.origin_seq, bytes(r.value or b""))
-                               for r in decode_records(chunk.batches[at : at + h.size_bytes], h))  # fmt: skip
+                    out.extend(
+                        (str(h.origin), r.origin_seq, bytes(r.value or b""))
+                        for r in decode_records(chunk.batches[at : at + h.size_bytes], h)
+                    )
                     at += h.size_bytes
             if len(out) >= count:
                 call.cancel()
@@ -321,8 +357,11 @@ def test_a_cross_site_pull_at_a_leader_lacking_a_sealed_segment_reads_it_from_a_
     wrote. Leaders are killed (the previous one restarted first, to keep the Raft majority) until one leads that
     lacks a sealed segment; a site pulling from scratch through it gets that segment all the same (it was
     UNAVAILABLE before), read from a member."""
-    site = ClusterSite(tmp_path, 4, extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "4096",
-                                                "--repair-delay-ms", "600000"])  # fmt: skip
+    site = ClusterSite(
+        tmp_path,
+        4,
+        extra_args=["--session-timeout-ms", "1500", "--segment-bytes-max", "4096", "--repair-delay-ms", "600000"],
+    )
     try:
         site.start()
         with open_channel(site.address(1)) as channel:
@@ -342,7 +381,8 @@ def test_a_cross_site_pull_at_a_leader_lacking_a_sealed_segment_reads_it_from_a_
         assert missing, "no leader lacked a sealed segment: nothing was read elsewhere"
         expected = read_partition(site.address(leader), TOPIC, 0)
         assert len(expected) == 30
-        assert pull_all(site.address(leader), len(expected)) == expected, \
+        assert pull_all(site.address(leader), len(expected)) == expected, (
             f"the pull through node {leader}, which lacks segments {missing}, differs from its log"
+        )
     finally:
         site.close()

@@ -38,8 +38,7 @@ def test_an_idempotent_producer_writes_through_frozen_leaders_without_a_failed_s
                 values = [f"r{len(sent) + i}".encode() for i in range(20)]
                 sent.extend(values)
                 futures = [p.send(TOPIC, v, key=v) for v in values]
-                for value, outcome in zip(values, await asyncio.gather(*futures, return_exceptions=True),
-                                          strict=True):  # fmt: skip
+                for value, outcome in zip(values, await asyncio.gather(*futures, return_exceptions=True), strict=True):
                     if isinstance(outcome, BaseException):
                         failed.append(f"{value.decode()}: {type(outcome).__name__}: {outcome}")
                     else:

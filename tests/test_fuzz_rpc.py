@@ -134,4 +134,3 @@ def test_after_the_fuzzing_the_node_is_up_and_its_logs_recover_whole(fuzzed_node
     node.start()  # recovery after kill -9 finds every log whole
     _channel, again = stub_for(node)
     assert log_end(again, "t", 0) == before + 3
-

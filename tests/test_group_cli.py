@@ -19,8 +19,20 @@ TOPIC = "t"
 
 
 def produce(bootstrap: str, values: list[str], *extra: str) -> None:
-    ok(georep("produce", TOPIC, "--bootstrap", bootstrap, "--linger-ms", "0", "--batch-size", "16", *extra,
-              stdin="".join(v + "\n" for v in values).encode()))  # fmt: skip
+    ok(
+        georep(
+            "produce",
+            TOPIC,
+            "--bootstrap",
+            bootstrap,
+            "--linger-ms",
+            "0",
+            "--batch-size",
+            "16",
+            *extra,
+            stdin="".join(v + "\n" for v in values).encode(),
+        )
+    )
 
 
 def vectors(bootstrap: str) -> dict[int, str]:
@@ -57,11 +69,20 @@ def test_consume_group_twice_continues_where_the_first_left(node: NodeProcess) -
     by_partition = {c["partition"]: c for c in d["offsets"]}
     assert {p: c["vector"] for p, c in by_partition.items()} == held
     assert {p: c["lag_records"] for p, c in by_partition.items()} == {0: 3, 1: 0}
-    assert all(c["committed_by"] == d["site"] and c["committed_at"].endswith("Z") and c["hlc"] > 0
-               for c in d["offsets"])  # fmt: skip
+    assert all(
+        c["committed_by"] == d["site"] and c["committed_at"].endswith("Z") and c["hlc"] > 0 for c in d["offsets"]
+    )
     listed = json.loads(ok(georep("group", "list", "--json", "--bootstrap", b)))
-    assert listed["groups"] == [{"group": "g", "members": 0, "generation": listed["groups"][0]["generation"],
-                                 "assignor": "range", "committed_partitions": 2, "lag_records": 3}]  # fmt: skip
+    assert listed["groups"] == [
+        {
+            "group": "g",
+            "members": 0,
+            "generation": listed["groups"][0]["generation"],
+            "assignor": "range",
+            "committed_partitions": 2,
+            "lag_records": 3,
+        }
+    ]
     text = ok(georep("group", "describe", "g", "--bootstrap", b)).splitlines()
     assert text[0].startswith(f"Group: g  Site: {d['site']}")
     commit_rows = [line.split() for line in text if line.startswith(f"{TOPIC} ")]
@@ -77,9 +98,23 @@ def test_describe_shows_a_running_member_and_its_assignment(node: NodeProcess) -
     ok(georep("topic", "create", TOPIC, "--partitions", "3", "--bootstrap", b))
     produce(b, ["x", "y"])
     with subprocess.Popen(
-        [sys.executable, "-m", "georep.cli", "consume", TOPIC, "--group", "live", "--from-beginning",
-         "--timeout", "12", "--bootstrap", b], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    ) as consumer:  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "georep.cli",
+            "consume",
+            TOPIC,
+            "--group",
+            "live",
+            "--from-beginning",
+            "--timeout",
+            "12",
+            "--bootstrap",
+            b,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as consumer:
         try:
             wait_until("the consumer joins", lambda: _known(b, "live") and describe(b, "live")["members"], 15)
             d = describe(b, "live")
@@ -148,8 +183,22 @@ def test_geo_commits_resume_at_another_site_and_geo_acks_time_out(make_sites: Ca
     produce(a, values, "--acks", "geo:2")
     wait_until("b holds every record", lambda: converged(sites, ["a", "b"], TOPIC, 12), 20)
 
-    first = ok(georep("consume", TOPIC, "--group", "g", "--from-beginning", "--max", "5", "--commit-acks", "geo:2",
-                      "--bootstrap", a, timeout=60)).splitlines()  # fmt: skip
+    first = ok(
+        georep(
+            "consume",
+            TOPIC,
+            "--group",
+            "g",
+            "--from-beginning",
+            "--max",
+            "5",
+            "--commit-acks",
+            "geo:2",
+            "--bootstrap",
+            a,
+            timeout=60,
+        )
+    ).splitlines()
     # geo:2: the commit is at b when the command returns.
     at_b = describe(b, "g")
     assert at_b["site"].startswith("b@") and at_b["members"] == []
@@ -157,13 +206,25 @@ def test_geo_commits_resume_at_another_site_and_geo_acks_time_out(make_sites: Ca
     assert sum(c["lag_records"] for c in at_b["offsets"]) == 7
     rest = ok(georep("consume", TOPIC, "--group", "g", "--from-beginning", "--timeout", "2", "--bootstrap", b))
     assert sorted(first + rest.splitlines()) == sorted(values), "resuming at another site: a record twice, or never"
-    wait_until("b's final commit reaches a",
-               lambda: sum(c["lag_records"] for c in describe(a, "g")["offsets"]) == 0, 20)  # fmt: skip
+    wait_until(
+        "b's final commit reaches a", lambda: sum(c["lag_records"] for c in describe(a, "g")["offsets"]) == 0, 20
+    )
 
     sites.stub("b").SetLink(pb.SetLinkRequest(src="a", enabled=False), timeout=5)
     started = time.monotonic()
-    result = georep("produce", TOPIC, "--acks", "geo:2", "--request-timeout-ms", "1500", "--partition", "0",
-                    "--bootstrap", a, stdin=b"stays\n")  # fmt: skip
+    result = georep(
+        "produce",
+        TOPIC,
+        "--acks",
+        "geo:2",
+        "--request-timeout-ms",
+        "1500",
+        "--partition",
+        "0",
+        "--bootstrap",
+        a,
+        stdin=b"stays\n",
+    )
     err = result.stderr.decode()
     assert result.returncode == 1 and time.monotonic() - started < 20
     assert len(err.splitlines()) == 1 and "Traceback" not in err

@@ -48,14 +48,23 @@ def test_a_reset_partition_is_folded_again_from_its_start_and_keeps_other_partit
     for name in (g, other):
         index = offsets_partition(name)
         log = logs[index] = MemoryLog()
-        made = commits.new_commits(name, [CommitEntry("t", 0, VectorOffset({origin: 5}))],
-                                   commits.stamp(1_000, 0, "a"), origin, now_ms=1_000)  # fmt: skip
-        append_as_origin(log, ProducerStateTable(), origin, commit_batch(made, 1_000), topic="__georep_offsets",
-                         max_batch_bytes=1 << 20, now_ms=1_000)  # fmt: skip
+        made = commits.new_commits(
+            name, [CommitEntry("t", 0, VectorOffset({origin: 5}))], commits.stamp(1_000, 0, "a"), origin, now_ms=1_000
+        )
+        append_as_origin(
+            log,
+            ProducerStateTable(),
+            origin,
+            commit_batch(made, 1_000),
+            topic="__georep_offsets",
+            max_batch_bytes=1 << 20,
+            now_ms=1_000,
+        )
     commits.catch_up(logs)
     # A commit the table holds that the log does not (appended, never confirmed, cut by a seal) ...
-    ghost = commits.new_commits(g, [CommitEntry("t", 0, VectorOffset({origin: 9}))], commits.stamp(2_000, 0, "a"),
-                                origin, now_ms=2_000)  # fmt: skip
+    ghost = commits.new_commits(
+        g, [CommitEntry("t", 0, VectorOffset({origin: 9}))], commits.stamp(2_000, 0, "a"), origin, now_ms=2_000
+    )
     commits.record(ghost)
     assert commits.table.get(g, "t", 0).vector.get(origin) == 9  # type: ignore[union-attr]
     # ... is gone once the partition is folded again; the other partition's groups are untouched.
@@ -79,7 +88,8 @@ def test_a_new_coordinator_holds_a_group_with_commits_for_a_session_then_assigns
     assert first.assignment == () and second.assignment == ()
     assert coordinator.heartbeat("g", first.member_id, ["t"], 3_000, "range", 12_900, "a").assignment == ()
     coordinator.expire(13_000)  # the node's tick releases the hold
-    after = [coordinator.heartbeat("g", m, ["t"], 3_000, "range", 13_100, "x") for m in (first.member_id,
-                                                                                       second.member_id)]
+    after = [
+        coordinator.heartbeat("g", m, ["t"], 3_000, "range", 13_100, "x") for m in (first.member_id, second.member_id)
+    ]
     assert sorted(tp for hb in after for tp in hb.assignment) == [("t", p) for p in range(4)]
     assert after[0].generation > second.generation

@@ -79,11 +79,12 @@ def test_range_matches_kafkas_range_assignor() -> None:
     assert out == {"C0": (("t0", 0), ("t0", 1), ("t1", 0), ("t1", 1)), "C1": (("t0", 2), ("t1", 2))}
     # Per topic, over that topic's subscribers sorted by member id; the first ones take the extras.
     out = range_assign({"c": ("t0",), "a": ("t0", "t1"), "b": ("t1",)}, {"t0": 5, "t1": 2})
-    assert out == {"a": (("t0", 0), ("t0", 1), ("t0", 2), ("t1", 0)), "b": (("t1", 1),),
-                   "c": (("t0", 3), ("t0", 4))}  # fmt: skip
+    assert out == {"a": (("t0", 0), ("t0", 1), ("t0", 2), ("t1", 0)), "b": (("t1", 1),), "c": (("t0", 3), ("t0", 4))}
     assert range_assign({"a": ("t0",), "b": ("t0",), "c": ("t0",)}, {"t0": 2}) == {
-        "a": (("t0", 0),), "b": (("t0", 1),), "c": (),
-    }  # fmt: skip
+        "a": (("t0", 0),),
+        "b": (("t0", 1),),
+        "c": (),
+    }
 
 
 def _same_topics(names: list[str], topics: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
@@ -103,8 +104,12 @@ def test_sticky_is_balanced_within_one_when_everyone_subscribes_alike(
 
 
 @PROPERTY
-@given(st.lists(st.sampled_from([f"m{i}" for i in range(8)]), min_size=2, max_size=8, unique=True),
-       st.sets(st.sampled_from(TOPICS), min_size=1), counts_st, st.data())  # fmt: skip
+@given(
+    st.lists(st.sampled_from([f"m{i}" for i in range(8)]), min_size=2, max_size=8, unique=True),
+    st.sets(st.sampled_from(TOPICS), min_size=1),
+    counts_st,
+    st.data(),
+)
 def test_sticky_moves_only_the_partitions_it_must(
     names: list[str], topics: set[str], counts: dict[str, int], data: st.DataObject
 ) -> None:

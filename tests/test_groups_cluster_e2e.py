@@ -107,12 +107,19 @@ async def _drive(site: ClusterSite, coordinator: int, others: list[int], run: Gr
 
     async def produce(first: int, last: int) -> None:  # half before the kill, half after it
         async with Producer(everyone, acks="all", linger_ms=2, delivery_timeout_ms=60_000) as producer:
-            await asyncio.gather(*(producer.send(TOPIC, f"r{i}".encode(), key=f"k{i}".encode())
-                                   for i in range(first, last)))  # fmt: skip
+            await asyncio.gather(
+                *(producer.send(TOPIC, f"r{i}".encode(), key=f"k{i}".encode()) for i in range(first, last))
+            )
 
     await produce(0, RECORDS // 2)
-    options = {"group_id": GROUP, "enable_auto_commit": False, "auto_offset_reset": "earliest",
-               "commit_acks": "all", "session_timeout_ms": 3000, "max_wait_ms": 200}  # fmt: skip
+    options = {
+        "group_id": GROUP,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "commit_acks": "all",
+        "session_timeout_ms": 3000,
+        "max_wait_ms": 200,
+    }
     # One member is connected to the coordinator itself (it loses its connection too), the other to another node
     # (it follows the NOT_LEADER hint to the coordinator).
     first = Consumer(",".join(site.address(n) for n in [coordinator, *others]), client_id="m1", **options)
@@ -128,8 +135,9 @@ async def _drive(site: ClusterSite, coordinator: int, others: list[int], run: Gr
         site.nodes[coordinator].kill9()
         await produce(RECORDS // 2, RECORDS)
         loop = asyncio.get_running_loop()
-        survivor = await loop.run_in_executor(None, lambda: site.wait_leader(
-            OFFSETS_TOPIC, offsets_partition(GROUP), not_node=coordinator))  # fmt: skip
+        survivor = await loop.run_in_executor(
+            None, lambda: site.wait_leader(OFFSETS_TOPIC, offsets_partition(GROUP), not_node=coordinator)
+        )
         await run.until(RECORDS, 60)
         stop.set()
         await asyncio.gather(*tasks)

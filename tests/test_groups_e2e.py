@@ -49,8 +49,14 @@ def test_consumer_fails_over_to_another_site_with_no_duplicate_and_no_gap(make_s
         wait_until("sites converge", lambda: converged(sites, ["a", "b", "c"], TOPIC, 600), 20)
         seen: list[ConsumerRecord] = []
         bootstrap = f"{sites.address('a')},{sites.address('c')}"
-        consumer = Consumer(bootstrap, group_id="g", auto_offset_reset="earliest", max_bytes=4096,
-                            enable_auto_commit=False, client_id="c0")  # fmt: skip
+        consumer = Consumer(
+            bootstrap,
+            group_id="g",
+            auto_offset_reset="earliest",
+            max_bytes=4096,
+            enable_auto_commit=False,
+            client_id="c0",
+        )
         async with consumer:
             consumer.subscribe([TOPIC])
             await consume_until(consumer, seen, 200)
@@ -81,16 +87,23 @@ def test_a_restarted_consumer_resumes_at_the_committed_vector_at_any_site(make_s
         await produce(sites.address("b"), TOPIC, "b", 100)
         wait_until("sites converge", lambda: converged(sites, ["a", "b", "c"], TOPIC, 200), 20)
         first: list[ConsumerRecord] = []
-        async with Consumer(sites.address("a"), group_id="g", auto_offset_reset="earliest", max_bytes=2048,
-                            enable_auto_commit=False, commit_acks="geo:2") as consumer:  # fmt: skip
+        async with Consumer(
+            sites.address("a"),
+            group_id="g",
+            auto_offset_reset="earliest",
+            max_bytes=2048,
+            enable_auto_commit=False,
+            commit_acks="geo:2",
+        ) as consumer:
             consumer.subscribe([TOPIC])
             await consume_until(consumer, first, 60)
             await consumer.commit()
             committed_vector = consumer.vector((TOPIC, 0))
         # A new process at site c: the group's commit (geo:2) is there, or arrives before the read.
         rest: list[ConsumerRecord] = []
-        async with Consumer(sites.address("c"), group_id="g", auto_offset_reset="earliest",
-                            enable_auto_commit=False) as consumer:  # fmt: skip
+        async with Consumer(
+            sites.address("c"), group_id="g", auto_offset_reset="earliest", enable_auto_commit=False
+        ) as consumer:
             consumer.subscribe([TOPIC])
             committed = await consumer.committed([(TOPIC, 0)])
             assert committed[(TOPIC, 0)].vector == committed_vector
@@ -107,10 +120,22 @@ def test_group_rebalances_when_a_member_dies_and_fences_it(make_sites: Callable[
 
     async def run() -> None:
         await produce(sites.address("a"), TOPIC, "a", 400)
-        one = Consumer(sites.address("a"), group_id="g", auto_offset_reset="earliest", enable_auto_commit=False,
-                       session_timeout_ms=1500, client_id="m1")  # fmt: skip
-        two = Consumer(sites.address("a"), group_id="g", auto_offset_reset="earliest", enable_auto_commit=False,
-                       session_timeout_ms=1500, client_id="m2")  # fmt: skip
+        one = Consumer(
+            sites.address("a"),
+            group_id="g",
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            session_timeout_ms=1500,
+            client_id="m1",
+        )
+        two = Consumer(
+            sites.address("a"),
+            group_id="g",
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            session_timeout_ms=1500,
+            client_id="m2",
+        )
         await one.start()
         await two.start()
         one.subscribe([TOPIC])
@@ -155,8 +180,12 @@ def test_geo2_ack_survives_the_origin_killed_right_after_the_ack(make_sites: Cal
     acked = asyncio.run(run())
     held = set()
     for s in ("b", "c"):
-        for entry in sites.stub(s).DescribeTopic(pb.DescribeTopicRequest(name=TOPIC), timeout=5).partition_states[0] \
-                .vector.entries:  # fmt: skip
+        for entry in (
+            sites.stub(s)
+            .DescribeTopic(pb.DescribeTopicRequest(name=TOPIC), timeout=5)
+            .partition_states[0]
+            .vector.entries
+        ):
             held.add((s, f"{entry.site}@{entry.epoch}", entry.next_seq))
     # Every acked record is at b or c right now, with a dead: nothing waits for a to come back.
     for origin, seq in acked:
@@ -185,16 +214,28 @@ def test_geo_acks_beyond_the_topology_and_bad_commits_are_refused(make_sites: Ca
     sites = setup_triangle(make_sites, partitions=1)
     stub = sites.stub("a")
     with pytest.raises(grpc.RpcError) as err:
-        stub.CommitOffsets(pb.CommitOffsetsRequest(group="g", member_id="", generation=-1, acks=pb.ACKS_GEO,
-                                                   geo_sites=4, commits=[pb.PartitionCommit(topic=TOPIC)]))  # fmt: skip
+        stub.CommitOffsets(
+            pb.CommitOffsetsRequest(
+                group="g",
+                member_id="",
+                generation=-1,
+                acks=pb.ACKS_GEO,
+                geo_sites=4,
+                commits=[pb.PartitionCommit(topic=TOPIC)],
+            )
+        )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "reach only 3 site" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        stub.CommitOffsets(pb.CommitOffsetsRequest(group="g", member_id="ghost", generation=3,
-                                                   commits=[pb.PartitionCommit(topic=TOPIC)]))  # fmt: skip
+        stub.CommitOffsets(
+            pb.CommitOffsetsRequest(
+                group="g", member_id="ghost", generation=3, commits=[pb.PartitionCommit(topic=TOPIC)]
+            )
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "is not in group" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        stub.CommitOffsets(pb.CommitOffsetsRequest(group="g", generation=-1,
-                                                   commits=[pb.PartitionCommit(topic="nope")]))  # fmt: skip
+        stub.CommitOffsets(
+            pb.CommitOffsetsRequest(group="g", generation=-1, commits=[pb.PartitionCommit(topic="nope")])
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as err:
         stub.CreateTopic(pb.CreateTopicRequest(name="__georep_x", partitions=1))

@@ -36,7 +36,8 @@ def test_a_reporter_speaks_only_for_the_sites_the_records_reach_through_it() -> 
     assert held_claim_refusal(topo, "a", "b", "d", "orders/eu") is None  # a -> b -> d carries orders
     assert held_claim_refusal(topo, "a", "b", "b", "__georep_offsets") is None  # every link carries it
     assert "no chain of links carrying topic 'orders/eu' leads from site b to site c" in (
-        held_claim_refusal(topo, "a", "b", "c", "orders/eu") or "")
+        held_claim_refusal(topo, "a", "b", "c", "orders/eu") or ""
+    )
     assert "site 'zz' is not in the topology" in (held_claim_refusal(topo, "a", "b", "zz", "orders/eu") or "")
     assert "does not carry topic 'payments'" in (held_claim_refusal(topo, "a", "b", "b", "payments") or "")
     assert "no link a -> c" in (held_claim_refusal(topo, "a", "c", "c", "orders/eu") or "")
@@ -55,15 +56,16 @@ def test_the_refusal_names_each_refused_claim_and_what_to_do() -> None:
     assert "(and 1 more)" in text and "same topology file" in text
 
 
-link_sets = st.lists(st.tuples(st.sampled_from(SITES), st.sampled_from(SITES), st.sampled_from(["**", "x", "y"])),
-                     max_size=9).map(lambda ls: list({(s, d): (s, d, f) for s, d, f in ls
-                                                      if s != d}.values()))  # fmt: skip
+link_sets = st.lists(
+    st.tuples(st.sampled_from(SITES), st.sampled_from(SITES), st.sampled_from(["**", "x", "y"])), max_size=9
+).map(lambda ls: list({(s, d): (s, d, f) for s, d, f in ls if s != d}.values()))
 
 
 @settings(max_examples=150, deadline=None)
 @given(link_sets, st.sampled_from(["x", "y"]), st.sampled_from(SITES))
 def test_honest_reports_reach_the_origin_and_no_accepted_claim_is_about_a_site_its_records_miss(
-        links: list[tuple[str, str, str]], name: str, origin: str) -> None:  # fmt: skip
+    links: list[tuple[str, str, str]], name: str, origin: str
+) -> None:
     """The docstring of ``held_claim_refusal``, checked against the topology. Every site the origin's records
     reach holds them and reports to every site it pulls from, relaying what it accepted (leaving out what that
     upstream would refuse, as ``HeldReporter`` does); at the fixpoint:
@@ -128,6 +130,7 @@ def test_a_site_reports_only_in_its_own_name_and_only_the_sites_nodes_pass_repor
     assert not posing.allowed and "reports only in its own name" in posing.message
     passed = decide(NODE_ACCESS, "ReportHeld", pb.ReportHeldRequest(reporter="b", forwarded=True), site_b, policy)
     assert not passed.allowed and "only a node of site a passes" in passed.message
-    assert decide(NODE_ACCESS, "ReportHeld", pb.ReportHeldRequest(reporter="b", forwarded=True), node_a2,
-                  policy).allowed  # fmt: skip
+    assert decide(
+        NODE_ACCESS, "ReportHeld", pb.ReportHeldRequest(reporter="b", forwarded=True), node_a2, policy
+    ).allowed
     assert not decide(NODE_ACCESS, "ReportHeld", own, parse_principal("client:alice"), policy).allowed

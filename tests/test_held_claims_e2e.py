@@ -48,16 +48,26 @@ class Net:
 @pytest.fixture
 def net(tmp_path: Path) -> Iterator[Net]:
     certs = tmp_path / "certs"
-    made = subprocess.run([sys.executable, "-m", "georep.cli", "certs", "init", "--dir", str(certs), "--sites",
-                           "a,b,c"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    made = subprocess.run(
+        [sys.executable, "-m", "georep.cli", "certs", "init", "--dir", str(certs), "--sites", "a,b,c"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert made.returncode == 0, made.stderr
     ports = dict(zip("abc", free_ports(3), strict=True))
     topology = tmp_path / "topology.toml"
     topology.write_text(topology_toml(ports, [("a", "b"), ("b", "a"), ("c", "b")]))
-    nodes = {s: NodeProcess(site=s, data_dir=tmp_path / s, listen=f"127.0.0.1:{ports[s]}",
-                            tls=TlsConfig.from_dir(certs, parse_principal(f"site:{s}")),
-                            extra_args=["--topology", str(topology), "--stall-ms", "1000"])
-             for s in "abc"}  # fmt: skip
+    nodes = {
+        s: NodeProcess(
+            site=s,
+            data_dir=tmp_path / s,
+            listen=f"127.0.0.1:{ports[s]}",
+            tls=TlsConfig.from_dir(certs, parse_principal(f"site:{s}")),
+            extra_args=["--topology", str(topology), "--stall-ms", "1000"],
+        )
+        for s in "abc"
+    }
     try:
         nodes["a"].start()
         nodes["c"].start()
@@ -69,8 +79,9 @@ def net(tmp_path: Path) -> Iterator[Net]:
 
 def _produce_geo2(stub: pbg.NodeStub, value: bytes, timeout_ms: int) -> pb.ProduceResponse:
     batch = encode_batch([RecordInput(b"k", value, (), int(time.time() * 1000))])
-    request = pb.ProduceRequest(topic=TOPIC, partition=0, batch=batch, acks=pb.ACKS_GEO, geo_sites=2,
-                                ack_timeout_ms=timeout_ms)  # fmt: skip
+    request = pb.ProduceRequest(
+        topic=TOPIC, partition=0, batch=batch, acks=pb.ACKS_GEO, geo_sites=2, ack_timeout_ms=timeout_ms
+    )
     resp: pb.ProduceResponse = stub.Produce(request, timeout=timeout_ms / 1000 + 30)
     return resp
 
@@ -87,8 +98,9 @@ def test_forged_held_claims_never_release_a_geo_ack(net: Net) -> None:
     as_b = net.stub("a", "site:b")  # b's certificate, b's node down
 
     with pytest.raises(grpc.RpcError) as refused:
-        as_b.ReportHeld(pb.ReportHeldRequest(reporter="b", entries=[_claim("c", epoch), _claim("zz", epoch)]),
-                        timeout=10)  # fmt: skip
+        as_b.ReportHeld(
+            pb.ReportHeldRequest(reporter="b", entries=[_claim("c", epoch), _claim("zz", epoch)]), timeout=10
+        )
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
     details = refused.value.details() or ""
     assert "site a refused 2 claim(s) of site b's held report" in details, details

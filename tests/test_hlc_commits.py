@@ -147,7 +147,14 @@ def test_commit_value_is_readable_json() -> None:
 @pytest.mark.parametrize(
     "garbage",
     [
-        b"", b"\xff\xfe", b"null", b"[]", b'"text"', b"5", b"{}", b'{"g":"x"}',
+        b"",
+        b"\xff\xfe",
+        b"null",
+        b"[]",
+        b'"text"',
+        b"5",
+        b"{}",
+        b'{"g":"x"}',
         b'{"g":"x","t":"t","p":"one","v":"","h":1,"by":"a@1"}',
         b'{"g":"x","t":"t","p":0,"v":"nope","h":1,"by":"a@1"}',
         b'{"g":"x","t":"t","p":0,"v":"","h":1,"by":"A@1"}',
@@ -156,7 +163,7 @@ def test_commit_value_is_readable_json() -> None:
         b'{"g":"x","t":"t","p":0,"v":"","h":Infinity,"by":"a@1"}',
         b"[" * 100_000,
     ],
-)  # fmt: skip
+)
 def test_garbage_is_an_invalid_commit(garbage: bytes) -> None:
     with pytest.raises(InvalidCommit, match="not a commit record"):
         Commit.decode(garbage)
@@ -173,8 +180,13 @@ def test_validate_group() -> None:
     assert validate_group("billing") == "billing"
     assert validate_group("é-groupe 1") == "é-groupe 1"
     assert validate_group("g" * GROUP_NAME_MAX_CHARS)
-    for bad, why in [("", "empty"), ("g" * (GROUP_NAME_MAX_CHARS + 1), "limit"), ("a\x00b", "control"),
-                     ("tab\there", "control"), ("new\nline", "control")]:  # fmt: skip
+    for bad, why in [
+        ("", "empty"),
+        ("g" * (GROUP_NAME_MAX_CHARS + 1), "limit"),
+        ("a\x00b", "control"),
+        ("tab\there", "control"),
+        ("new\nline", "control"),
+    ]:
         with pytest.raises(InvalidCommit, match=why):
             validate_group(bad)
 
@@ -289,10 +301,13 @@ def test_held_table_only_grows_and_reports_what_changed() -> None:
 
 
 held_updates = st.lists(
-    st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 1),
-              st.dictionaries(st.sampled_from([A1, B3]), st.integers(0, 9), max_size=2).map(VectorOffset)),
+    st.tuples(
+        st.sampled_from(["a", "b", "c"]),
+        st.integers(0, 1),
+        st.dictionaries(st.sampled_from([A1, B3]), st.integers(0, 9), max_size=2).map(VectorOffset),
+    ),
     max_size=20,
-)  # fmt: skip
+)
 
 
 @PROPERTY

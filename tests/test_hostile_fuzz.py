@@ -25,9 +25,12 @@ pytestmark = pytest.mark.slow
 
 # What a Kafka produce of a hostile batch may be refused with: each comes with a message saying why.
 KAFKA_REFUSALS = {
-    2: "CORRUPT_MESSAGE", 10: "MESSAGE_TOO_LARGE", 32: "INVALID_TIMESTAMP", 76: "UNSUPPORTED_COMPRESSION_TYPE",
+    2: "CORRUPT_MESSAGE",
+    10: "MESSAGE_TOO_LARGE",
+    32: "INVALID_TIMESTAMP",
+    76: "UNSUPPORTED_COMPRESSION_TYPE",
     87: "INVALID_RECORD",
-}  # fmt: skip
+}
 EXAMPLES = 200
 
 
@@ -44,8 +47,7 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sites]:
 
 def json_records(address: str) -> list[tuple[object, ...]]:
     """Every record of t-0 at ``address`` through ``georep consume``: (origin, origin seq, key, value, timestamp)."""
-    result = georep("consume", "t", "--from-beginning", "--timeout", "3", "--json", "--bootstrap", address,
-                    timeout=120)  # fmt: skip
+    result = georep("consume", "t", "--from-beginning", "--timeout", "3", "--json", "--bootstrap", address, timeout=120)
     assert result.returncode == 0, result.stderr.decode()
     assert "skipped" not in result.stderr.decode()
     rows = [json.loads(line) for line in result.stdout.splitlines()]
@@ -57,8 +59,12 @@ def test_every_hostile_batch_is_refused_clearly_or_readable_everywhere(sites: Si
     kafka_x = kafka_address(sites.nodes["x"])
     stored = {"records": 0}
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(hostile=hostile_batches(), hostile_kafka=hostile_kafka_batches())
     def send(hostile: tuple[bytes, str], hostile_kafka: tuple[bytes, str]) -> None:
         batch, label = hostile

@@ -53,9 +53,16 @@ def test_confluent_produce_consume_and_group_rebalance(bootstrap: str) -> None:
     confluent_produce(bootstrap, "orders", first)
 
     def consumer(name: str) -> object:
-        c = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": "g", "client.id": name,
-                                      "auto.offset.reset": "earliest", "enable.auto.commit": False,
-                                      **FAST_GROUP})  # fmt: skip
+        c = confluent_kafka.Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": "g",
+                "client.id": name,
+                "auto.offset.reset": "earliest",
+                "enable.auto.commit": False,
+                **FAST_GROUP,
+            }
+        )
         c.subscribe(["orders"])
         return c
 
@@ -75,15 +82,21 @@ def test_confluent_produce_consume_and_group_rebalance(bootstrap: str) -> None:
     consumers["c1"].commit(asynchronous=False)  # type: ignore[attr-defined]
 
     consumers["c2"] = consumer("c2")
-    poll_until("the rebalance gave each member one partition", step,
-               lambda: all(len(c.assignment()) == 1 for c in consumers.values()))  # type: ignore[attr-defined]
+    poll_until(
+        "the rebalance gave each member one partition",
+        step,
+        lambda: all(len(c.assignment()) == 1 for c in consumers.values()),
+    )  # type: ignore[attr-defined]
     parts = {name: c.assignment()[0].partition for name, c in consumers.items()}  # type: ignore[attr-defined]
     assert sorted(parts.values()) == [0, 1]
     second = values(100, "second")
     confluent_produce(bootstrap, "orders", second)
-    poll_until("the group read the second 100", step,
-               lambda: sum(1 for recs in got.values() for _p, _o, v in recs if v.startswith(b"second")) >= 100)
-    after = [(name, p, v) for name, recs in got.items() for p, _o, v in recs[100 if name == "c1" else 0:]]
+    poll_until(
+        "the group read the second 100",
+        step,
+        lambda: sum(1 for recs in got.values() for _p, _o, v in recs if v.startswith(b"second")) >= 100,
+    )
+    after = [(name, p, v) for name, recs in got.items() for p, _o, v in recs[100 if name == "c1" else 0 :]]
     # Nothing committed is delivered again, and each member reads only its own partition after the rebalance.
     assert sorted(v for _n, _p, v in after) == sorted(second)
     assert all(p == parts[name] for name, p, _v in after)
@@ -108,9 +121,16 @@ def test_kafka_python_produce_consume_and_group_rebalance(bootstrap: str) -> Non
     producer.flush(30)
 
     def consumer(name: str) -> KafkaConsumer:
-        return KafkaConsumer("events", bootstrap_servers=bootstrap, group_id="kg", client_id=name,
-                             auto_offset_reset="earliest", enable_auto_commit=False, session_timeout_ms=6000,
-                             heartbeat_interval_ms=300)  # fmt: skip
+        return KafkaConsumer(
+            "events",
+            bootstrap_servers=bootstrap,
+            group_id="kg",
+            client_id=name,
+            auto_offset_reset="earliest",
+            enable_auto_commit=False,
+            session_timeout_ms=6000,
+            heartbeat_interval_ms=300,
+        )
 
     got: dict[str, list[tuple[int, bytes]]] = {"k1": [], "k2": []}
     consumers = {"k1": consumer("k1")}
@@ -124,17 +144,23 @@ def test_kafka_python_produce_consume_and_group_rebalance(bootstrap: str) -> Non
     assert sorted(v for _p, v in got["k1"]) == sorted(first)
     consumers["k1"].commit()
     consumers["k2"] = consumer("k2")
-    poll_until("the rebalance gave each member one partition", step,
-               lambda: all(len(c.assignment()) == 1 for c in consumers.values()))
+    poll_until(
+        "the rebalance gave each member one partition",
+        step,
+        lambda: all(len(c.assignment()) == 1 for c in consumers.values()),
+    )
     parts = {name: next(iter(c.assignment())).partition for name, c in consumers.items()}
     second = values(60, "second")
     for v in second:
         producer.send("events", v)
     producer.flush(30)
     producer.close()
-    poll_until("the group read the second 60", step,
-               lambda: sum(1 for recs in got.values() for _p, v in recs if v.startswith(b"second")) >= 60)
-    after = [(name, p, v) for name, recs in got.items() for p, v in recs[60 if name == "k1" else 0:]]
+    poll_until(
+        "the group read the second 60",
+        step,
+        lambda: sum(1 for recs in got.values() for _p, v in recs if v.startswith(b"second")) >= 60,
+    )
+    after = [(name, p, v) for name, recs in got.items() for p, v in recs[60 if name == "k1" else 0 :]]
     assert sorted(v for _n, _p, v in after) == sorted(second)
     assert all(p == parts[name] for name, p, _v in after)
     # ListGroups and DescribeGroups, as kafka-python's admin client asks them.
@@ -166,8 +192,9 @@ def test_aiokafka_produce_and_consume(bootstrap: str) -> None:
             await producer.flush()
         finally:
             await producer.stop()
-        consumer = aiokafka.AIOKafkaConsumer("clicks", bootstrap_servers=bootstrap, group_id="ag",
-                                             auto_offset_reset="earliest")  # fmt: skip
+        consumer = aiokafka.AIOKafkaConsumer(
+            "clicks", bootstrap_servers=bootstrap, group_id="ag", auto_offset_reset="earliest"
+        )
         await consumer.start()
         got: list[bytes] = []
         try:
@@ -206,8 +233,10 @@ def test_unsupported_requests_get_error_codes_on_an_open_connection(bootstrap: s
         resp = _request(sock, 18, 9, 8)
         correlation, code, count = struct.unpack_from(">ihi", resp)
         assert (correlation, code) == (8, 35) and count >= 17
-        ranges = {struct.unpack_from(">hhh", resp, 10 + 6 * i)[0]: struct.unpack_from(">hhh", resp, 10 + 6 * i)[1:]
-                  for i in range(count)}  # fmt: skip
+        ranges = {
+            struct.unpack_from(">hhh", resp, 10 + 6 * i)[0]: struct.unpack_from(">hhh", resp, 10 + 6 * i)[1:]
+            for i in range(count)
+        }
         assert ranges[0] == (3, 9) and ranges[1] == (4, 12)
         # Produce at a version below the lowest served: its own response type, with the error code.
         resp = _request(sock, 0, 1, 9, b"\xff\xff\x00\x00\x00\x00\x00\x00")

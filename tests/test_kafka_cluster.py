@@ -29,16 +29,25 @@ def opened(*ensemble: int) -> tuple[SegmentInfo, ...]:
     return (SegmentInfo(SegmentId(1), 0, tuple(NodeId(n) for n in ensemble), 1),)  # type: ignore[arg-type]
 
 
-def part(index: int, leader: int | None, epoch: int = 3, ensemble: tuple[int, ...] = (2, 3, 1),
-         topic: str = "t") -> PartitionInfo:  # fmt: skip
-    return PartitionInfo(topic, index, None if leader is None else NodeId(leader), epoch,  # type: ignore[arg-type]
-                         opened(*ensemble))
+def part(
+    index: int, leader: int | None, epoch: int = 3, ensemble: tuple[int, ...] = (2, 3, 1), topic: str = "t"
+) -> PartitionInfo:
+    return PartitionInfo(
+        topic,
+        index,
+        None if leader is None else NodeId(leader),
+        epoch,  # type: ignore[arg-type]
+        opened(*ensemble),
+    )
 
 
 def test_metadata_names_georep_leaders_epochs_and_ensembles() -> None:
     v = view([part(0, 2), part(1, 3, epoch=7, ensemble=(3, 1))], live={1, 2, 3})
-    assert v.brokers() == [KafkaBroker(1, "10.0.0.1", 9092), KafkaBroker(2, "10.0.0.2", 9092),
-                           KafkaBroker(3, "10.0.0.3", 9092)]  # fmt: skip
+    assert v.brokers() == [
+        KafkaBroker(1, "10.0.0.1", 9092),
+        KafkaBroker(2, "10.0.0.2", 9092),
+        KafkaBroker(3, "10.0.0.3", 9092),
+    ]
     r0, r1 = v.route("t", 0), v.route("t", 1)
     assert (r0.error, r0.leader, r0.leader_epoch, r0.replicas, r0.isr) == (0, 2, 3, (2, 3, 1), (2, 3, 1))
     assert (r1.error, r1.leader, r1.leader_epoch, r1.replicas) == (0, 3, 7, (3, 1))
@@ -74,8 +83,11 @@ def test_a_one_node_site_is_one_broker_leading_everything() -> None:
 
 def test_the_view_of_a_site_state_takes_live_nodes_from_heartbeats() -> None:
     state = SiteState()
-    state._nodes = {NodeId(1): NodeInfo(NodeId(1), "a:1", 10_000), NodeId(2): NodeInfo(NodeId(2), "a:2", 1_000),
-                    NodeId(3): NodeInfo(NodeId(3), "a:3", None)}  # fmt: skip
+    state._nodes = {
+        NodeId(1): NodeInfo(NodeId(1), "a:1", 10_000),
+        NodeId(2): NodeInfo(NodeId(2), "a:2", 1_000),
+        NodeId(3): NodeInfo(NodeId(3), "a:3", None),
+    }
     state._partitions = {("t", 0): part(0, 2)}
     v = ClusterView.of(state, 3, KAFKA, now_ms=10_500, session_timeout_ms=6_000)
     assert v.live == frozenset({1, 3})  # node 2's last heartbeat is too old; this node (3) is live
@@ -120,8 +132,14 @@ def leaders(bootstrap: str) -> dict[int, int]:
 
 
 def read_all(bootstrap: str, partitions: int, want: int) -> dict[int, list[bytes]]:
-    c = confluent_kafka.Consumer({"bootstrap.servers": bootstrap, "group.id": "reader", "enable.auto.commit": False,
-                                  "auto.offset.reset": "earliest"})  # fmt: skip
+    c = confluent_kafka.Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "reader",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
     c.assign([confluent_kafka.TopicPartition(TOPIC, i, confluent_kafka.OFFSET_BEGINNING) for i in range(partitions)])
     got: dict[int, list[bytes]] = {i: [] for i in range(partitions)}
 
@@ -171,8 +189,11 @@ def test_clients_follow_partition_leaders_across_nodes_and_a_killed_leader(site:
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])[TOPIC].result(15)
     found: dict[int, int] = {}
-    poll_until("every partition has a leader", lambda: found.update(leaders(bootstrap)),
-               lambda: len(found) == PARTITIONS and all(n > 0 for n in found.values()))  # fmt: skip
+    poll_until(
+        "every partition has a leader",
+        lambda: found.update(leaders(bootstrap)),
+        lambda: len(found) == PARTITIONS and all(n > 0 for n in found.values()),
+    )
     assert len(set(found.values())) > 1, found  # the partitions are led by different nodes
     victim_partition, victim = next((i, n) for i, n in sorted(found.items()) if n != 1)
     other = next(n for n in (1, 2, 3) if n != victim)
@@ -182,8 +203,15 @@ def test_clients_follow_partition_leaders_across_nodes_and_a_killed_leader(site:
     coordinator = request(bootstrap, 10, 0, string("g"))
     assert struct.unpack_from(">h", coordinator)[0] == k.COORDINATOR_NOT_AVAILABLE  # no groups here yet
 
-    p = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all",
-                                  "linger.ms": 5, "message.timeout.ms": 60_000})  # fmt: skip
+    p = confluent_kafka.Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+            "message.timeout.ms": 60_000,
+        }
+    )
     acked: dict[int, list[bytes]] = {i: [] for i in range(PARTITIONS)}
     errors: list[object] = []
 

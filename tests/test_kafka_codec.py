@@ -98,7 +98,10 @@ def test_kafka_batch_to_georep_keeps_records_and_producer_fields() -> None:
     assert not h.stamped
     recs = decode_records(batch)
     assert [(r.key, r.value, r.timestamp_ms, r.headers) for r in recs] == [
-        (b"k0", b"v0", 1000, (("h", b"x"),)), (b"k1", b"v1", 1001, ()), (b"k2", b"v2", 1002, ())]  # fmt: skip
+        (b"k0", b"v0", 1000, (("h", b"x"),)),
+        (b"k1", b"v1", 1001, ()),
+        (b"k2", b"v2", 1002, ()),
+    ]
 
 
 def test_kafka_batch_with_null_key_and_value_and_a_compressed_one() -> None:
@@ -106,8 +109,10 @@ def test_kafka_batch_with_null_key_and_value_and_a_compressed_one() -> None:
     builder.append(0, 5, None, None, [("n", None)])
     builder.append(1, 6, b"", b"", [])
     recs = decode_records(kafka_to_georep(bytes(builder.build())))
-    assert [(r.key, r.value, r.headers, r.timestamp_ms) for r in recs] == [(None, None, (("n", None),), 5),
-                                                                           (b"", b"", (), 6)]  # fmt: skip
+    assert [(r.key, r.value, r.headers, r.timestamp_ms) for r in recs] == [
+        (None, None, (("n", None),), 5),
+        (b"", b"", (), 6),
+    ]
     gzip = DefaultRecordBatchBuilder(2, 1, False, 7, 0, 0, 1 << 20)  # codec 1: gzip, through kafka-python's reader
     for i in range(3):
         gzip.append(i, 100 + i, None, b"z" * 100, [])
@@ -134,7 +139,8 @@ def test_georep_to_kafka_offsets_and_coordinate_headers() -> None:
     assert kb.validate_crc() and kb.base_offset == 40
     assert [(r.offset, r.key, r.value, r.timestamp, r.headers) for r in kb] == [
         (40, b"k0", b"v0", 1000, [("h", b"x"), ("georep.origin", b"a@1"), ("georep.origin_seq", b"5")]),
-        (41, b"k1", b"v1", 1001, [("georep.origin", b"a@1"), ("georep.origin_seq", b"6")])]  # fmt: skip
+        (41, b"k1", b"v1", 1001, [("georep.origin", b"a@1"), ("georep.origin_seq", b"6")]),
+    ]
 
 
 def test_covered_records_are_left_out_and_a_covered_batch_still_spans_its_offsets() -> None:

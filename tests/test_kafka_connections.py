@@ -24,8 +24,11 @@ def test_the_table_admits_up_to_its_bounds_and_releases_slots() -> None:
     assert isinstance(refused, Refused) and "--kafka-max-connections-per-ip" in refused.reason
     admit(table, "10.0.0.2")
     full = table.admit("10.0.0.3", 0)
-    assert isinstance(full, Refused) and "3 connections are open" in full.reason and "--kafka-max-connections" in \
-        full.reason  # fmt: skip
+    assert (
+        isinstance(full, Refused)
+        and "3 connections are open" in full.reason
+        and "--kafka-max-connections" in full.reason
+    )
     table.release(a1)
     table.release(a1)  # twice: nothing more
     admit(table, "10.0.0.1")

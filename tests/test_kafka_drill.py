@@ -21,16 +21,37 @@ pytestmark = pytest.mark.slow
 
 
 def test_kafka_drill_fails_a_group_over_exactly(make_sites: Callable[..., Sites], tmp_path: Path) -> None:
-    sites = make_sites(["a", "b"], [("a", "b"), ("b", "a")],
-                       extra_args=[*KAFKA_ARGS, "--kafka-commit-acks", "geo:2"])  # fmt: skip
+    sites = make_sites(["a", "b"], [("a", "b"), ("b", "a")], extra_args=[*KAFKA_ARGS, "--kafka-commit-acks", "geo:2"])
     sites.start()
     report = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "georep.cli", "drill", "--client", "kafka", "--topology", str(sites.topology),
-         "--data-dir", str(tmp_path), "--report", str(report), "--warmup", "4", "--after", "3", "--rate", "100",
-         "--partitions", "2", "--no-restart"],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "georep.cli",
+            "drill",
+            "--client",
+            "kafka",
+            "--topology",
+            str(sites.topology),
+            "--data-dir",
+            str(tmp_path),
+            "--report",
+            str(report),
+            "--warmup",
+            "4",
+            "--after",
+            "3",
+            "--rate",
+            "100",
+            "--partitions",
+            "2",
+            "--no-restart",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "every promise kept" in proc.stdout
     doc = json.loads(report.read_text())

@@ -68,8 +68,13 @@ def log_of(broker: Broker) -> PartitionLog:
 
 
 def commit(committed_by: Origin, vector: VectorOffset, hint_offset: int) -> pb.CommittedOffset:
-    return pb.CommittedOffset(topic=TOPIC, partition=0, vector=vector_to_proto(vector),
-                              committed_by=str(committed_by), hint_offset=hint_offset)  # fmt: skip
+    return pb.CommittedOffset(
+        topic=TOPIC,
+        partition=0,
+        vector=vector_to_proto(vector),
+        committed_by=str(committed_by),
+        hint_offset=hint_offset,
+    )
 
 
 def check_resume(broker: Broker) -> None:
@@ -107,8 +112,13 @@ def test_a_planted_bug_in_the_fetch_cursors_hint_reaches_the_gateway(
 
 def fetch_at(g: KafkaGateway, offset: int) -> tuple[int, bytes]:
     """(error code, records) of one partition of a Kafka Fetch at ``offset``."""
-    body = SimpleNamespace(topics=[SimpleNamespace(topic=TOPIC, partitions=[
-        SimpleNamespace(partition=0, fetch_offset=offset, partition_max_bytes=1 << 20)])])  # fmt: skip
+    body = SimpleNamespace(
+        topics=[
+            SimpleNamespace(
+                topic=TOPIC, partitions=[SimpleNamespace(partition=0, fetch_offset=offset, partition_max_bytes=1 << 20)]
+            )
+        ]
+    )
 
     async def once() -> list[object]:  # a read with nothing durable waits for the next fsync: a future of the loop
         return g._fetch_once(body, CLIENT, 1 << 20, PEER)[0]
@@ -149,8 +159,11 @@ def test_offsets_by_time_point_only_at_durable_batches_at_both_front_ends(broker
         service = NodeService(broker, NodeMetrics(broker))
         request = pb.ListOffsetsRequest(topic=TOPIC, partition=0, timestamp_ms=timestamp_ms)
         ours = (await service.list_offsets(request.SerializeToString(), None)).offsets[0].offset  # type: ignore[arg-type]
-        body = SimpleNamespace(topics=[SimpleNamespace(name=TOPIC, partitions=[
-            SimpleNamespace(partition_index=0, timestamp=timestamp_ms)])])  # fmt: skip
+        body = SimpleNamespace(
+            topics=[
+                SimpleNamespace(name=TOPIC, partitions=[SimpleNamespace(partition_index=0, timestamp=timestamp_ms)])
+            ]
+        )
         answer = await gateway(broker)._list_offsets(Request(2, 1, 1, "c", body), PEER)
         return ours, answer.topics[0].partitions[0].offset
 
@@ -163,8 +176,9 @@ def test_offsets_by_time_point_only_at_durable_batches_at_both_front_ends(broker
 
 def test_neither_front_end_creates_an_internal_topic(broker: Broker) -> None:
     """The rule lives in ``Broker.create_topic`` (as the write rule lives in ``Broker.append``)."""
-    body = SimpleNamespace(validate_only=False, topics=[SimpleNamespace(name="__georep_x", num_partitions=1,
-                                                                        configs=[])])  # fmt: skip
+    body = SimpleNamespace(
+        validate_only=False, topics=[SimpleNamespace(name="__georep_x", num_partitions=1, configs=[])]
+    )
     answer = asyncio.run(gateway(broker)._create_topics(Request(19, 5, 1, "c", body), PEER))
     assert answer.topics[0].error_code == k.INVALID_TOPIC_EXCEPTION and "reserved" in answer.topics[0].error_message
 
@@ -177,8 +191,9 @@ def test_neither_front_end_creates_an_internal_topic(broker: Broker) -> None:
     assert "__georep_x" not in broker.metadata.topics()
 
 
-@pytest.mark.parametrize(("name", "code"), [("__georep_x", k.INVALID_TOPIC_EXCEPTION), (TOPIC, k.TOPIC_ALREADY_EXISTS),
-                                            ("ok", 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "code"), [("__georep_x", k.INVALID_TOPIC_EXCEPTION), (TOPIC, k.TOPIC_ALREADY_EXISTS), ("ok", 0)]
+)
 def test_a_validate_only_create_meets_the_same_rules(broker: Broker, name: str, code: int) -> None:
     body = SimpleNamespace(validate_only=True, topics=[SimpleNamespace(name=name, num_partitions=1, configs=[])])
     answer = asyncio.run(gateway(broker)._create_topics(Request(19, 5, 1, "c", body), PEER))

@@ -34,8 +34,9 @@ CHUNK = b"\0" * (64 << 10)
 
 
 def georep_ok(*args: str, stdin: str | None = None) -> str:
-    done = subprocess.run([sys.executable, "-m", "georep.cli", *args], capture_output=True, text=True, timeout=60,
-                          input=stdin)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "georep.cli", *args], capture_output=True, text=True, timeout=60, input=stdin
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -83,8 +84,9 @@ def sasl_node(start_node: Any) -> Iterator[NodeProcess]:
     yield node
 
 
-def flood(address: str, stop: threading.Event, rounds: list[int], worst: list[int], failures: list[str],
-          index: int) -> None:  # fmt: skip
+def flood(
+    address: str, stop: threading.Event, rounds: list[int], worst: list[int], failures: list[str], index: int
+) -> None:
     """Unauthenticated connections, again and again, each the header of a 99 MiB frame and then its bytes until
     the node closes the socket; ``worst[index]``: the most bytes of one frame the node let this thread send."""
     cap = BEFORE_AUTH + SOCKET_SLACK_BYTES
@@ -111,16 +113,24 @@ def flood(address: str, stop: threading.Event, rounds: list[int], worst: list[in
 
 
 @pytest.mark.slow
-def test_unauthenticated_frames_are_cut_at_512_kib_while_an_authenticated_client_works(sasl_node: NodeProcess,
-                                                                                        tmp_path: Path) -> None:
+def test_unauthenticated_frames_are_cut_at_512_kib_while_an_authenticated_client_works(
+    sasl_node: NodeProcess, tmp_path: Path
+) -> None:
     confluent_kafka = pytest.importorskip("confluent_kafka")
     bootstrap = kafka_address(sasl_node)
-    alice = {"bootstrap.servers": bootstrap, "security.protocol": "SASL_PLAINTEXT",
-             "sasl.mechanisms": "SCRAM-SHA-512", "sasl.username": "alice", "sasl.password": "alice-secret"}  # fmt: skip
+    alice = {
+        "bootstrap.servers": bootstrap,
+        "security.protocol": "SASL_PLAINTEXT",
+        "sasl.mechanisms": "SCRAM-SHA-512",
+        "sasl.username": "alice",
+        "sasl.password": "alice-secret",
+    }
     stop = threading.Event()
     rounds, worst, failures = [0] * 20, [0] * 20, []  # type: ignore[var-annotated]
-    threads = [threading.Thread(target=flood, args=(bootstrap, stop, rounds, worst, failures, i), daemon=True)
-               for i in range(20)]  # fmt: skip
+    threads = [
+        threading.Thread(target=flood, args=(bootstrap, stop, rounds, worst, failures, i), daemon=True)
+        for i in range(20)
+    ]
     for t in threads:
         t.start()
     try:
@@ -147,8 +157,9 @@ def test_unauthenticated_frames_are_cut_at_512_kib_while_an_authenticated_client
             t.join(60)
     assert not failures, failures[:3]
     assert all(rounds) and max(worst) <= BEFORE_AUTH + SOCKET_SLACK_BYTES
-    assert f"a frame of {FLOOD_FRAME_BYTES} bytes before SASL authentication (at most {BEFORE_AUTH}" in \
-        node_log(sasl_node)  # fmt: skip
+    assert f"a frame of {FLOOD_FRAME_BYTES} bytes before SASL authentication (at most {BEFORE_AUTH}" in node_log(
+        sasl_node
+    )
 
 
 @pytest.mark.slow
@@ -182,9 +193,17 @@ def test_idle_and_half_sent_connections_are_closed_after_the_idle_time(start_nod
 
 
 def test_connections_over_the_bounds_are_closed_at_accept(start_node: Any) -> None:
-    node: NodeProcess = start_node(extra_args=[*KAFKA_ARGS, "--kafka-max-connections", "3",
-                                               "--kafka-max-connections-per-ip", "2",
-                                               "--grpc-max-connections", "2"])  # fmt: skip
+    node: NodeProcess = start_node(
+        extra_args=[
+            *KAFKA_ARGS,
+            "--kafka-max-connections",
+            "3",
+            "--kafka-max-connections-per-ip",
+            "2",
+            "--grpc-max-connections",
+            "2",
+        ]
+    )
     address = kafka_address(node)
     first, second = connect(address), connect(address)
     api_versions(first)
@@ -212,8 +231,7 @@ def test_connections_over_the_bounds_are_closed_at_accept(start_node: Any) -> No
     assert "refused the connection from 127.0.0.1:" in log and "(--kafka-max-connections-per-ip)" in log
     assert "3 connections are open, the most this listener takes (--kafka-max-connections)" in log
 
-    channels = [grpc.insecure_channel(node.address, options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(3)]  # fmt: skip
+    channels = [grpc.insecure_channel(node.address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(3)]
     try:
         for ch in channels[:2]:
             assert pbg.NodeStub(ch).Health(pb.HealthRequest(), timeout=10).site == "a"
@@ -237,9 +255,18 @@ def test_sigterm_with_kafka_clients_connected_logs_no_traceback(start_node: Any)
     half_sent.sendall((100).to_bytes(4, "big") + b"x" * 10)
     fetching = connect(address)  # a fetch waiting for records that never come
     topic = FetchRequest.FetchTopic
-    fetch = FetchRequest[4](replica_id=-1, max_wait_ms=60_000, min_bytes=1, max_bytes=1 << 20, isolation_level=0,
-                            topics=[topic(topic="t", partitions=[topic.FetchPartition(
-                                partition=0, fetch_offset=0, partition_max_bytes=1 << 20)])])  # fmt: skip
+    fetch = FetchRequest[4](
+        replica_id=-1,
+        max_wait_ms=60_000,
+        min_bytes=1,
+        max_bytes=1 << 20,
+        isolation_level=0,
+        topics=[
+            topic(
+                topic="t", partitions=[topic.FetchPartition(partition=0, fetch_offset=0, partition_max_bytes=1 << 20)]
+            )
+        ],
+    )
     fetch.with_header(correlation_id=7, client_id="raw")
     fetching.sendall(fetch.encode(header=True, framed=True))
     api_versions(served, 2)  # a round trip after the fetch was sent: the node has almost surely read it by now

@@ -68,8 +68,10 @@ def test_vector_at_matches_the_full_history_across_retention_and_reopen(ops: lis
                 else:
                     log.close()
                     log = writer.log = open_log(directory, segment_bytes_max=500, retention_ms=RETENTION_MS)
-            history = [(s.header.origin, s.header.base_origin_seq, s.header.base_offset,
-                        s.header.last_offset_delta + 1) for s in writer.stored]  # fmt: skip
+            history = [
+                (s.header.origin, s.header.base_origin_seq, s.header.base_offset, s.header.last_offset_delta + 1)
+                for s in writer.stored
+            ]
             start, end = log.log_start_offset, log.log_end_offset
             for offset in range(start, end + 1):
                 assert vector_at(log, offset) == reference(history, offset), offset
@@ -118,8 +120,7 @@ def test_a_chain_answers_from_each_segment_copy_and_its_start_after_a_trim(tmp_p
         for origin, seq in ((A, 2), (B, 0)):
             b = make_batch(origin, seq, [b"1", b"2", b"3"])
             log.append(b.header, b.body, 10)
-        assert [vector_at(log, o).to_dict() for o in (1, 2, 4, 8)] == [
-            {A: 1}, {A: 2}, {A: 4}, {A: 5, B: 3}]  # fmt: skip
+        assert [vector_at(log, o).to_dict() for o in (1, 2, 4, 8)] == [{A: 1}, {A: 2}, {A: 4}, {A: 5, B: 3}]
         store.trim(KEY, SegmentId(1))  # segment 0 (A's seqs 0..1) is gone: its records still count
         assert log.log_start_offset == 2
         assert vector_at(log, 2).to_dict() == {A: 2}

@@ -39,8 +39,9 @@ confluent_kafka = pytest.importorskip("confluent_kafka")
 RFC_SALT = base64.b64decode("W22ZaJ0SNY7soEsUEjb6gQ==")
 RFC_CLIENT_FIRST = b"n,,n=user,r=rOprNGfwEbeRWgbNEkqO"
 RFC_SERVER_NONCE = "%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0"
-RFC_CLIENT_FINAL = (b"c=biws,r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,"
-                    b"p=dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ=")
+RFC_CLIENT_FINAL = (
+    b"c=biws,r=rOprNGfwEbeRWgbNEkqO%hvYDpWUa2RaTCAfuxFIlj)hNlF$k0,p=dHzbZapWIk4jUhN+Ute9ytag9zjfMHgsqmmiz7AndVQ="
+)
 
 
 def rfc_server(password: str = "pencil") -> ScramServer:
@@ -122,20 +123,31 @@ def test_credential_records_merge_like_acls_and_stay_out_of_the_acl_entries(tmp_
 
 
 def georep(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "georep.cli", *args], capture_output=True, text=True, timeout=60,
-                          input=stdin)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "georep.cli", *args], capture_output=True, text=True, timeout=60, input=stdin
+    )
 
 
 def sasl_config(certs: Path, bootstrap: str, user: str, password: str) -> dict[str, Any]:
-    return {"bootstrap.servers": bootstrap, "security.protocol": "SASL_SSL", "ssl.ca.location": str(certs / "ca.crt"),
-            "sasl.mechanisms": "SCRAM-SHA-512", "sasl.username": user, "sasl.password": password}  # fmt: skip
+    return {
+        "bootstrap.servers": bootstrap,
+        "security.protocol": "SASL_SSL",
+        "ssl.ca.location": str(certs / "ca.crt"),
+        "sasl.mechanisms": "SCRAM-SHA-512",
+        "sasl.username": user,
+        "sasl.password": password,
+    }
 
 
 def test_sasl_scram_users_produce_consume_and_are_authorized_as_client_principals(tmp_path: Path) -> None:
     certs = tmp_path / "certs"
     georep_ok("certs", "init", "--dir", str(certs), "--sites", "a")
-    node = NodeProcess(site="a", data_dir=tmp_path / "a", extra_args=[*KAFKA_ARGS, "--kafka-sasl", "scram"],
-                       tls=TlsConfig.from_dir(certs, site_principal("a")))  # fmt: skip
+    node = NodeProcess(
+        site="a",
+        data_dir=tmp_path / "a",
+        extra_args=[*KAFKA_ARGS, "--kafka-sasl", "scram"],
+        tls=TlsConfig.from_dir(certs, site_principal("a")),
+    )
     node.start()
     try:
         admin = ["--bootstrap", node.address, "--tls-dir", str(certs)]
@@ -160,9 +172,14 @@ def test_sasl_scram_users_produce_consume_and_are_authorized_as_client_principal
         # kafka-python with SCRAM-SHA-256.
         from kafka import KafkaProducer
 
-        carol = KafkaProducer(bootstrap_servers=bootstrap, security_protocol="SASL_SSL",
-                              ssl_cafile=str(certs / "ca.crt"), sasl_mechanism="SCRAM-SHA-256",
-                              sasl_plain_username="carol", sasl_plain_password="carol-secret")  # fmt: skip
+        carol = KafkaProducer(
+            bootstrap_servers=bootstrap,
+            security_protocol="SASL_SSL",
+            ssl_cafile=str(certs / "ca.crt"),
+            sasl_mechanism="SCRAM-SHA-256",
+            sasl_plain_username="carol",
+            sasl_plain_password="carol-secret",
+        )
         carol.send("open", b"from-carol").get(timeout=30)
         carol.close()
 
@@ -174,8 +191,9 @@ def test_sasl_scram_users_produce_consume_and_are_authorized_as_client_principal
         codes = sorted((e.code() if e is not None else 0) for e in errors)
         assert codes == [0, confluent_kafka.KafkaError.TOPIC_AUTHORIZATION_FAILED]  # type: ignore[attr-defined]
 
-        c = confluent_kafka.Consumer({**alice, "group.id": "g", "auto.offset.reset": "earliest",
-                                      "enable.auto.commit": False})  # fmt: skip
+        c = confluent_kafka.Consumer(
+            {**alice, "group.id": "g", "auto.offset.reset": "earliest", "enable.auto.commit": False}
+        )
         c.subscribe(["open"])
         got: list[bytes] = []
 
@@ -189,25 +207,37 @@ def test_sasl_scram_users_produce_consume_and_are_authorized_as_client_principal
 
         # A wrong password: the client reports the server's authentication failure.
         failures: list[Any] = []
-        wrong = confluent_kafka.Producer({**sasl_config(certs, bootstrap, "alice", "wrong"),
-                                          "error_cb": failures.append})  # fmt: skip
-        poll_until("the client reports the failed authentication", lambda: wrong.poll(0.2), lambda: bool(failures),
-                   timeout_s=20)  # fmt: skip
-        assert any(e.code() == confluent_kafka.KafkaError._AUTHENTICATION  # type: ignore[attr-defined]
-                   and "invalid credentials" in e.str() for e in failures), failures  # fmt: skip
+        wrong = confluent_kafka.Producer(
+            {**sasl_config(certs, bootstrap, "alice", "wrong"), "error_cb": failures.append}
+        )
+        poll_until(
+            "the client reports the failed authentication",
+            lambda: wrong.poll(0.2),
+            lambda: bool(failures),
+            timeout_s=20,
+        )
+        assert any(
+            e.code() == confluent_kafka.KafkaError._AUTHENTICATION  # type: ignore[attr-defined]
+            and "invalid credentials" in e.str()
+            for e in failures
+        ), failures
 
         # A request before authentication closes the connection (Kafka's rule).
         host, port = bootstrap.rsplit(":", 1)
         ctx = ssl.create_default_context(cafile=str(certs / "ca.crt"))
-        with socket.create_connection((host, int(port)), timeout=10) as raw, \
-                ctx.wrap_socket(raw, server_hostname=host) as tls:  # fmt: skip
+        with (
+            socket.create_connection((host, int(port)), timeout=10) as raw,
+            ctx.wrap_socket(raw, server_hostname=host) as tls,
+        ):
             request = MetadataRequest[0](topics=[])
             request.with_header(correlation_id=1, client_id="raw")
             tls.sendall(request.encode(header=True, framed=True))
             assert tls.recv(4) == b""
         # SaslHandshake v0: the SCRAM tokens then go as bare frames, and the requests after are served.
-        with socket.create_connection((host, int(port)), timeout=10) as raw, \
-                ctx.wrap_socket(raw, server_hostname=host) as tls:  # fmt: skip
+        with (
+            socket.create_connection((host, int(port)), timeout=10) as raw,
+            ctx.wrap_socket(raw, server_hostname=host) as tls,
+        ):
             handshake = SaslHandshakeRequest[0](mechanism="SCRAM-SHA-512")
             handshake.with_header(correlation_id=2, client_id="raw")
             tls.sendall(handshake.encode(header=True, framed=True))
@@ -242,8 +272,11 @@ def georep_ok(*args: str, stdin: str | None = None) -> str:
 
 
 def admin_channel(certs: Path) -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]]:
-    creds = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes(), (certs / "client-admin.key").read_bytes(),
-                                         (certs / "client-admin.crt").read_bytes())  # fmt: skip
+    creds = grpc.ssl_channel_credentials(
+        (certs / "ca.crt").read_bytes(),
+        (certs / "client-admin.key").read_bytes(),
+        (certs / "client-admin.crt").read_bytes(),
+    )
     return creds, []
 
 
@@ -260,8 +293,7 @@ class ScramClient:
     def final(self, server_first_bytes: bytes) -> bytes:
         server_first = server_first_bytes.decode()
         fields = dict(part.split("=", 1) for part in server_first.split(","))
-        salted = hashlib.pbkdf2_hmac("sha512", self.password.encode(), base64.b64decode(fields["s"]),
-                                     int(fields["i"]))  # fmt: skip
+        salted = hashlib.pbkdf2_hmac("sha512", self.password.encode(), base64.b64decode(fields["s"]), int(fields["i"]))
         client_key = hmac.new(salted, b"Client Key", "sha512").digest()
         without_proof = f"c=biws,r={fields['r']}"
         auth = f"{self.first_bare},{server_first},{without_proof}".encode()

@@ -19,17 +19,25 @@ confluent_kafka = pytest.importorskip("confluent_kafka")
 
 
 def ssl_config(certs: Path, name: str) -> dict[str, str]:
-    return {"security.protocol": "SSL", "ssl.ca.location": str(certs / "ca.crt"),
-            "ssl.certificate.location": str(certs / f"client-{name}.crt"),
-            "ssl.key.location": str(certs / f"client-{name}.key")}  # fmt: skip
+    return {
+        "security.protocol": "SSL",
+        "ssl.ca.location": str(certs / "ca.crt"),
+        "ssl.certificate.location": str(certs / f"client-{name}.crt"),
+        "ssl.key.location": str(certs / f"client-{name}.key"),
+    }
 
 
 def test_tls_listener_authenticates_and_authorizes(tmp_path: Path) -> None:
     certs = tmp_path / "certs"
-    subprocess.run([sys.executable, "-m", "georep.cli", "certs", "init", "--dir", str(certs), "--sites", "a",
-                    "--clients", "bob"], check=True, capture_output=True, timeout=60)  # fmt: skip
-    node = NodeProcess(site="a", data_dir=tmp_path / "a", extra_args=KAFKA_ARGS,
-                       tls=TlsConfig.from_dir(certs, site_principal("a")))  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "georep.cli", "certs", "init", "--dir", str(certs), "--sites", "a", "--clients", "bob"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    node = NodeProcess(
+        site="a", data_dir=tmp_path / "a", extra_args=KAFKA_ARGS, tls=TlsConfig.from_dir(certs, site_principal("a"))
+    )
     node.start()
     try:
         bootstrap = kafka_address(node)
@@ -54,15 +62,22 @@ def test_tls_listener_authenticates_and_authorizes(tmp_path: Path) -> None:
         c.close()
         # client:bob has a certificate from the CA but no ACL entry: every topic request is refused.
         errors: list[object] = []
-        bob = confluent_kafka.Producer({"bootstrap.servers": bootstrap, **ssl_config(certs, "bob"),
-                                        "message.timeout.ms": 10_000})  # fmt: skip
+        bob = confluent_kafka.Producer(
+            {"bootstrap.servers": bootstrap, **ssl_config(certs, "bob"), "message.timeout.ms": 10_000}
+        )
         bob.produce("secure", value=b"no", on_delivery=lambda err, msg: errors.append(err))
         bob.flush(30)
         assert len(errors) == 1 and errors[0] is not None
         assert errors[0].code() == confluent_kafka.KafkaError.TOPIC_AUTHORIZATION_FAILED  # type: ignore[attr-defined]
         # A client without a certificate does not get through the handshake.
-        plain = AdminClient({"bootstrap.servers": bootstrap, "security.protocol": "SSL",
-                             "ssl.ca.location": str(certs / "ca.crt"), "socket.timeout.ms": 3000})  # fmt: skip
+        plain = AdminClient(
+            {
+                "bootstrap.servers": bootstrap,
+                "security.protocol": "SSL",
+                "ssl.ca.location": str(certs / "ca.crt"),
+                "socket.timeout.ms": 3000,
+            }
+        )
         with pytest.raises(confluent_kafka.KafkaException):
             plain.list_topics(timeout=5)
     finally:

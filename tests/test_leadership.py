@@ -151,8 +151,9 @@ def test_plan_open_below_the_ack_quorum_is_blocked_and_says_why() -> None:
 
 
 def test_node_loads_count_the_open_segments_each_node_is_written_in() -> None:
-    state = apply(site(live=(N1, N2, N3)), ElectLeader("t", 0, N1, E0),
-                  OpenSegment("t", 0, E1, LocalOffset(0), (N1, N2, N3)))  # fmt: skip
+    state = apply(
+        site(live=(N1, N2, N3)), ElectLeader("t", 0, N1, E0), OpenSegment("t", 0, E1, LocalOffset(0), (N1, N2, N3))
+    )
     assert open_loads(state) == {N1: 1, N2: 1, N3: 1}
     loads = {n.node: n for n in node_loads(state, 100_000, SESSION_MS)}
     assert loads[N2].load == 1 and loads[N4].load == 0 and not loads[N4].alive and loads[N2].alive

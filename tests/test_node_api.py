@@ -30,11 +30,18 @@ def test_produce_assigns_coordinates_and_fetch_returns_verbatim_batches(api: pbg
     data = fetch_all(api, "t", 0, 5)
     headers = iter_headers(data, verify=True)
     assert [h.base_offset for h in headers] == [0, 3]
-    records = [r for h, pos in zip(headers, [0, headers[0].size_bytes], strict=True)
-               for r in decode_records(data[pos : pos + h.size_bytes])]  # fmt: skip
+    records = [
+        r
+        for h, pos in zip(headers, [0, headers[0].size_bytes], strict=True)
+        for r in decode_records(data[pos : pos + h.size_bytes])
+    ]
     assert [(r.offset, r.origin_seq, r.key) for r in records] == [
-        (0, 0, b"k0"), (1, 1, b"k1"), (2, 2, b"k2"), (3, 3, b"k0"), (4, 4, b"k1"),
-    ]  # fmt: skip
+        (0, 0, b"k0"),
+        (1, 1, b"k1"),
+        (2, 2, b"k2"),
+        (3, 3, b"k0"),
+        (4, 4, b"k1"),
+    ]
     assert {str(r.origin) for r in records} == {f"a@{health.epoch}"}
 
 
@@ -42,8 +49,7 @@ def test_unknown_topic_and_partition(api: pbg.NodeStub) -> None:
     msg = expect_error(grpc.StatusCode.NOT_FOUND, api.Produce, pb.ProduceRequest(topic="nope", batch=batch()))
     assert "georep topic create nope" in msg
     expect_error(grpc.StatusCode.NOT_FOUND, api.DescribeTopic, pb.DescribeTopicRequest(name="nope"))
-    msg = expect_error(grpc.StatusCode.NOT_FOUND, api.Produce, pb.ProduceRequest(topic="t", partition=2,
-                                                                              batch=batch()))  # fmt: skip
+    msg = expect_error(grpc.StatusCode.NOT_FOUND, api.Produce, pb.ProduceRequest(topic="t", partition=2, batch=batch()))
     assert "0..1" in msg
     stream = api.Fetch(pb.FetchRequest(topic="nope", partition=0, offset=0))
     expect_error(grpc.StatusCode.NOT_FOUND, lambda: next(stream))
@@ -51,20 +57,31 @@ def test_unknown_topic_and_partition(api: pbg.NodeStub) -> None:
 
 @pytest.mark.parametrize(
     ("name", "partitions", "fragment"),
-    [("bad name", 1, "invalid topic name"), ("a//b", 1, "invalid topic name"), ("", 1, "empty"),
-     ("x" * 300, 1, "limit"), ("ok", 0, "partition count"), ("ok", 100_000, "partition count")],
-)  # fmt: skip
-def test_invalid_topics_are_refused_and_leave_nothing(api: pbg.NodeStub, name: str, partitions: int,
-                                                      fragment: str) -> None:  # fmt: skip
-    msg = expect_error(grpc.StatusCode.INVALID_ARGUMENT, api.CreateTopic,
-                       pb.CreateTopicRequest(name=name, partitions=partitions))  # fmt: skip
+    [
+        ("bad name", 1, "invalid topic name"),
+        ("a//b", 1, "invalid topic name"),
+        ("", 1, "empty"),
+        ("x" * 300, 1, "limit"),
+        ("ok", 0, "partition count"),
+        ("ok", 100_000, "partition count"),
+    ],
+)
+def test_invalid_topics_are_refused_and_leave_nothing(
+    api: pbg.NodeStub, name: str, partitions: int, fragment: str
+) -> None:
+    msg = expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT, api.CreateTopic, pb.CreateTopicRequest(name=name, partitions=partitions)
+    )
     assert fragment in msg
     assert [t.name for t in api.ListTopics(pb.ListTopicsRequest()).topics] == ["__georep_offsets", "t"]
 
 
 def test_unknown_config_key_is_refused(api: pbg.NodeStub) -> None:
-    msg = expect_error(grpc.StatusCode.INVALID_ARGUMENT, api.CreateTopic,
-                       pb.CreateTopicRequest(name="c", partitions=1, config={"retention.ms": "5"}))  # fmt: skip
+    msg = expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        api.CreateTopic,
+        pb.CreateTopicRequest(name="c", partitions=1, config={"retention.ms": "5"}),
+    )
     assert "retention_ms" in msg  # names the keys that do exist
 
 
@@ -76,8 +93,9 @@ def test_oversized_batch_is_refused_and_nothing_is_stored(start_node) -> None:  
     node = start_node(extra_args=["--max-batch-bytes", "65536"])
     channel, stub = stub_for(node)
     stub.CreateTopic(pb.CreateTopicRequest(name="t", partitions=1))
-    msg = expect_error(grpc.StatusCode.INVALID_ARGUMENT, stub.Produce,
-                       pb.ProduceRequest(topic="t", batch=batch(100, value_bytes=1024)))  # fmt: skip
+    msg = expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT, stub.Produce, pb.ProduceRequest(topic="t", batch=batch(100, value_bytes=1024))
+    )
     assert "max_batch_bytes=65536" in msg
     assert log_end(stub, "t", 0) == 0
     channel.close()
@@ -95,8 +113,11 @@ def test_a_message_over_the_grpc_limit_is_refused_and_the_node_stays_up(api: pbg
 
 def test_topic_and_node_limits_above_the_maximum_are_refused(api: pbg.NodeStub, tmp_path: Path) -> None:
     config = {"max_batch_bytes": str(MAX_BATCH_BYTES_LIMIT + 1)}
-    details = expect_error(grpc.StatusCode.INVALID_ARGUMENT, api.CreateTopic,
-                           pb.CreateTopicRequest(name="big", partitions=1, config=config))  # fmt: skip
+    details = expect_error(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        api.CreateTopic,
+        pb.CreateTopicRequest(name="big", partitions=1, config=config),
+    )
     assert f"above the maximum {MAX_BATCH_BYTES_LIMIT}" in details
     flags = NodeProcess(site="a", data_dir=tmp_path / "n", extra_args=["--max-batch-bytes", str(1 << 30)])
     proc = subprocess.run(flags.command(), capture_output=True, text=True, timeout=60)
@@ -145,8 +166,11 @@ def test_fetch_out_of_range_names_the_valid_range(api: pbg.NodeStub) -> None:
 
 
 def test_geo_acks_without_links_are_refused(api: pbg.NodeStub) -> None:
-    msg = expect_error(grpc.StatusCode.FAILED_PRECONDITION, api.Produce,
-                       pb.ProduceRequest(topic="t", batch=batch(), acks=pb.ACKS_GEO, geo_sites=2))  # fmt: skip
+    msg = expect_error(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        api.Produce,
+        pb.ProduceRequest(topic="t", batch=batch(), acks=pb.ACKS_GEO, geo_sites=2),
+    )
     assert "acks=geo:2" in msg
     assert log_end(api, "t", 0) == 0
 
@@ -194,8 +218,9 @@ def test_second_node_on_the_same_port_fails_clearly(node: NodeProcess, tmp_path:
     assert "cannot listen on" in proc.stderr
 
 
-def test_a_second_node_on_the_same_data_dir_is_refused_naming_the_holder(api: pbg.NodeStub, node: NodeProcess,
-                                                                         start_node) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_a_second_node_on_the_same_data_dir_is_refused_naming_the_holder(
+    api: pbg.NodeStub, node: NodeProcess, start_node
+) -> None:  # type: ignore[no-untyped-def]
     second = NodeProcess(site="a", data_dir=node.data_dir)
     proc = subprocess.run(second.command(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -238,8 +263,12 @@ def test_idle_client_keepalive_pings_are_accepted(api: pbg.NodeStub, node: NodeP
     """Clients ping idle connections; the node must not answer with GOAWAY too_many_pings."""
     import time
 
-    options = [("grpc.keepalive_time_ms", 1_500), ("grpc.keepalive_timeout_ms", 2_000),
-               ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]  # fmt: skip
+    options = [
+        ("grpc.keepalive_time_ms", 1_500),
+        ("grpc.keepalive_timeout_ms", 2_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
     with open_channel(node.address, options=options) as channel:
         pbg.NodeStub(channel).Health(pb.HealthRequest())
         time.sleep(8)  # 5 pings; gRPC's default server policy sends GOAWAY at the third

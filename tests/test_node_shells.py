@@ -116,8 +116,16 @@ def sealed_chain() -> SiteState:
 def test_a_node_records_the_seals_its_view_shows_even_of_segments_it_holds_no_copy_of(tmp_path: Path) -> None:
     store = ReplicaStore(tmp_path / "node", now_ms=0)
     executor = ThreadPoolExecutor(2)
-    member = ClusterMember(N4, "10.0.0.4:9092", ViewOnly(sealed_chain()), store, executor, lambda: 2_000,
-                           lambda: 1 << 40, ClusterConfig(session_timeout_ms=60_000))  # fmt: skip
+    member = ClusterMember(
+        N4,
+        "10.0.0.4:9092",
+        ViewOnly(sealed_chain()),
+        store,
+        executor,
+        lambda: 2_000,
+        lambda: 1 << 40,
+        ClusterConfig(session_timeout_ms=60_000),
+    )
     try:
         asyncio.run(member.tick())
         # A deposed leader (epoch 1, cut off when segment 0 was sealed) tries to have this node copy segment 0: the
@@ -135,10 +143,25 @@ def test_a_node_records_the_seals_its_view_shows_even_of_segments_it_holds_no_co
 
 # The rules a multi-node site's node decides by; their one home is cluster/node.py and what it drives
 # (cluster/lead.py, cluster/member.py, cluster/controller.py). A shell that names one keeps its own copy of it.
-RULES = {"role_step", "plan_open", "roll_seal_at", "plan_leadership", "SegmentRecovery", "SegmentQuorum",
-         "cut_after_seal", "check_append", "node_loads", "plan_repair"}  # fmt: skip
-SHELLS = ("georep/server/cluster_member.py", "georep/server/ensemble.py", "georep/server/recovery.py",
-          "georep/storage/replica_store.py", "georep/server/site_repair.py")  # fmt: skip
+RULES = {
+    "role_step",
+    "plan_open",
+    "roll_seal_at",
+    "plan_leadership",
+    "SegmentRecovery",
+    "SegmentQuorum",
+    "cut_after_seal",
+    "check_append",
+    "node_loads",
+    "plan_repair",
+}
+SHELLS = (
+    "georep/server/cluster_member.py",
+    "georep/server/ensemble.py",
+    "georep/server/recovery.py",
+    "georep/storage/replica_store.py",
+    "georep/server/site_repair.py",
+)
 
 
 def names_used(path: Path) -> set[str]:

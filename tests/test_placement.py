@@ -197,8 +197,9 @@ def test_with_min_size_an_ensemble_is_never_short_while_more_nodes_are_eligible(
         ensemble = choose_ensemble(nodes, 3, leader=NodeId(1), min_size=2, previous=ids(1, 2, 3), salt=salt)
         assert len(ensemble) == 3 and NodeId(4) in ensemble  # the previous-ensemble rule still applies
     # With every eligible node taken there is no outsider to swap in: the previous ensemble, short, it is.
-    assert set(choose_ensemble([*healthy(1, 2), node(3, alive=False)], 3, leader=NodeId(1), min_size=2,
-                               previous=ids(1, 2, 3))) == set(ids(1, 2))  # fmt: skip
+    assert set(
+        choose_ensemble([*healthy(1, 2), node(3, alive=False)], 3, leader=NodeId(1), min_size=2, previous=ids(1, 2, 3))
+    ) == set(ids(1, 2))
 
 
 def test_below_min_size_not_enough_nodes_names_the_floor_and_what_to_do() -> None:
@@ -346,8 +347,9 @@ def test_property_with_min_size_as_many_eligible_nodes_as_there_are_up_to_size(
     floor = min(floor, size)
     can = eligible(nodes, exclude)
     try:
-        ensemble = choose_ensemble(nodes, size, leader=leader, previous=previous, exclude=exclude, salt=salt,
-                                   min_size=floor)  # fmt: skip
+        ensemble = choose_ensemble(
+            nodes, size, leader=leader, previous=previous, exclude=exclude, salt=salt, min_size=floor
+        )
     except NotEnoughNodes as err:
         assert len(can) < floor
         assert (err.needed, err.wanted, set(err.eligible)) == (floor, size, can)
@@ -458,8 +460,11 @@ def roll_in_turn(node_count: int, rf: int, partitions_per_node: int, rounds: int
 
 
 @PROPERTY
-@given(st.integers(2, 9).flatmap(lambda n: st.tuples(st.just(n), st.integers(2, min(n, 4)))), st.integers(1, 3),
-       st.integers(3, 10))  # fmt: skip
+@given(
+    st.integers(2, 9).flatmap(lambda n: st.tuples(st.just(n), st.integers(2, min(n, 4)))),
+    st.integers(1, 3),
+    st.integers(3, 10),
+)
 def test_property_segments_spread_over_all_nodes(node_rf: tuple[int, int], per_node: int, rounds: int) -> None:
     node_count, rf = node_rf
     held = roll_in_turn(node_count, rf, per_node, rounds)

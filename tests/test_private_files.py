@@ -63,12 +63,20 @@ def test_a_node_keeps_its_data_dir_private_and_tightens_an_open_one(tmp_path: Pa
     data.chmod(0o755)
     (data / "notes.txt").write_text("left by an older version")
     (data / "notes.txt").chmod(0o644)
-    node = NodeProcess(site="a", data_dir=data, listen=f"127.0.0.1:{free_ports(1)[0]}",
-                       extra_args=["--insecure", "--segment-bytes-max", "4096"])  # fmt: skip
+    node = NodeProcess(
+        site="a",
+        data_dir=data,
+        listen=f"127.0.0.1:{free_ports(1)[0]}",
+        extra_args=["--insecure", "--segment-bytes-max", "4096"],
+    )
     node.start()
     try:
-        created = subprocess.run([*GEOREP, "topic", "create", "t", "--partitions", "2", "--bootstrap", node.address,
-                                  "--insecure"], capture_output=True, text=True, timeout=60)  # fmt: skip
+        created = subprocess.run(
+            [*GEOREP, "topic", "create", "t", "--partitions", "2", "--bootstrap", node.address, "--insecure"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert created.returncode == 0, created.stderr
         asyncio.run(produce(node.address, "t", "p", 300, value_bytes=100))
         wait_until("segments rolled", lambda: len(list(data.glob("logs/t-*/*.log"))) > 4, 30)
@@ -85,18 +93,30 @@ def test_georep_up_keeps_a_multi_node_sites_data_dirs_private(tmp_path: Path) ->
     g, r = free_ports(3), free_ports(3)
     topo, data = tmp_path / "site.toml", tmp_path / "data"
     topo.write_text(site_toml("a", g, r))
-    up = subprocess.Popen([*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data), "--",
-                           "--segment-bytes-max", "4096"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    up = subprocess.Popen(
+        [*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data), "--", "--segment-bytes-max", "4096"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_until("every node serves", lambda: all((data / "a" / n / "node.json").exists() for n in "123"), 60)
         certs = ("--data-dir", str(data))
-        created = subprocess.run([*GEOREP, "topic", "create", "t", "--partitions", "1", "--bootstrap",
-                                  f"127.0.0.1:{g[0]}", *certs], capture_output=True, text=True, timeout=60)  # fmt: skip
+        created = subprocess.run(
+            [*GEOREP, "topic", "create", "t", "--partitions", "1", "--bootstrap", f"127.0.0.1:{g[0]}", *certs],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert created.returncode == 0, created.stderr
         lines = "".join(f"record {i:04d} {'x' * 100}\n" for i in range(200))
-        produced = subprocess.run([*GEOREP, "produce", "t", "--acks", "all", "--bootstrap", f"127.0.0.1:{g[1]}",
-                                   *certs], input=lines, capture_output=True, text=True, timeout=60)  # fmt: skip
+        produced = subprocess.run(
+            [*GEOREP, "produce", "t", "--acks", "all", "--bootstrap", f"127.0.0.1:{g[1]}", *certs],
+            input=lines,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert produced.returncode == 0, produced.stderr
     finally:
         up.send_signal(signal.SIGTERM)

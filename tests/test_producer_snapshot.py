@@ -73,8 +73,18 @@ def _log(draws: list[tuple[int, int, int, bool]]) -> list[Entry]:
             epoch[producer] = epoch.get(producer, 0) + 1
             seq[producer] = 0
         base = seq.get(producer, 0)
-        out.append(Entry(OTHER if other else ORIGIN, producer, epoch.get(producer, 0), base, records - 1,
-                         LocalOffset(offset), OriginSeq(offset), NOW + offset))  # fmt: skip
+        out.append(
+            Entry(
+                OTHER if other else ORIGIN,
+                producer,
+                epoch.get(producer, 0),
+                base,
+                records - 1,
+                LocalOffset(offset),
+                OriginSeq(offset),
+                NOW + offset,
+            )
+        )
         seq[producer] = base + records
         offset += records
     return out
@@ -82,18 +92,23 @@ def _log(draws: list[tuple[int, int, int, bool]]) -> list[Entry]:
 
 def _state(table: ProducerStateTable) -> dict[int, tuple[int, list[tuple[int, int, object]]]]:
     """What a table decides with: per producer, its epoch and its cached batches with their answers."""
-    return {pid: (s.epoch, [(b.base_sequence, b.last_sequence, b.result) for b in s.batches])
-            for pid, s in sorted(table._producers.items())}  # fmt: skip
+    return {
+        pid: (s.epoch, [(b.base_sequence, b.last_sequence, b.result) for b in s.batches])
+        for pid, s in sorted(table._producers.items())
+    }
 
 
 # -- the fold -------------------------------------------------------------------------------------------------
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4), st.integers(0, 30), st.booleans()), max_size=60),
-       st.lists(st.integers(0, 60), max_size=4))  # fmt: skip
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4), st.integers(0, 30), st.booleans()), max_size=60),
+    st.lists(st.integers(0, 60), max_size=4),
+)
 def test_seals_folded_one_after_the_other_give_the_table_of_the_whole_chain(
-        draws: list[tuple[int, int, int, bool]], cuts: list[int]) -> None:  # fmt: skip
+    draws: list[tuple[int, int, int, bool]], cuts: list[int]
+) -> None:
     """Segment after segment, each seal folds the previous one's snapshot and its own batches: a leader that starts
     from the last one decides every batch as the leader that held the whole chain would."""
     log = _log(draws)
@@ -107,15 +122,20 @@ def test_seals_folded_one_after_the_other_give_the_table_of_the_whole_chain(
 
 
 def test_a_producer_idle_past_the_expiration_is_left_out_as_a_running_leader_drops_it() -> None:
-    log = [Entry(ORIGIN, 1, 0, 0, 0, LocalOffset(0), OriginSeq(0), NOW),
-           Entry(ORIGIN, 2, 0, 0, 0, LocalOffset(1), OriginSeq(1), NOW + 50)]  # fmt: skip
+    log = [
+        Entry(ORIGIN, 1, 0, 0, 0, LocalOffset(0), OriginSeq(0), NOW),
+        Entry(ORIGIN, 2, 0, 0, 0, LocalOffset(1), OriginSeq(1), NOW + 50),
+    ]
     snapshot = fold((), ORIGIN, log, now_ms=NOW + 100, expiration_ms=60)
     assert [e.producer_id for e in snapshot.entries] == [2]
 
 
 def test_past_the_bound_the_least_recently_active_producers_go_first_and_are_counted() -> None:
-    log = [Entry(ORIGIN, pid, 0, seq, 0, LocalOffset(2 * pid + seq), OriginSeq(2 * pid + seq), NOW)
-           for pid in range(6) for seq in range(2)]  # fmt: skip
+    log = [
+        Entry(ORIGIN, pid, 0, seq, 0, LocalOffset(2 * pid + seq), OriginSeq(2 * pid + seq), NOW)
+        for pid in range(6)
+        for seq in range(2)
+    ]
     snapshot = fold((), ORIGIN, log, now_ms=NOW, max_entries=8)
     kept = {(e.producer_id, e.base_sequence) for e in snapshot.entries}
     assert len(kept) == 8 and snapshot.left_out == 0
@@ -130,14 +150,17 @@ def test_past_the_bound_the_least_recently_active_producers_go_first_and_are_cou
 
 def _worst_snapshot() -> ProducerSnapshot:
     big = 2**63 - 1
-    entries = tuple(ProducerEntry(ORIGIN, big - i, 32767, 2**31 - 1, 2**31 - 1, LocalOffset(big - i),
-                                  OriginSeq(big - i), big) for i in range(SNAPSHOT_ENTRIES_MAX))  # fmt: skip
+    entries = tuple(
+        ProducerEntry(ORIGIN, big - i, 32767, 2**31 - 1, 2**31 - 1, LocalOffset(big - i), OriginSeq(big - i), big)
+        for i in range(SNAPSHOT_ENTRIES_MAX)
+    )
     return ProducerSnapshot(ORIGIN, entries)
 
 
 def test_a_seal_with_the_largest_snapshot_is_one_metadata_command() -> None:
-    seal = SealSegment("t", 0, LeaderEpoch(3), SegmentId(5), LocalOffset(10), VectorOffset({ORIGIN: 10}), 100, NOW,
-                       _worst_snapshot())  # fmt: skip
+    seal = SealSegment(
+        "t", 0, LeaderEpoch(3), SegmentId(5), LocalOffset(10), VectorOffset({ORIGIN: 10}), 100, NOW, _worst_snapshot()
+    )
     raw = seal.to_dict()
     assert command_from_dict(raw) == seal
     assert 1 + len(pickle.dumps((0, (raw,)), protocol=2)) < COMMAND_BYTES_MAX  # what the Raft store measures
@@ -148,8 +171,14 @@ def test_the_metadata_keeps_the_last_seals_snapshot_across_a_dump_and_an_older_s
     snapshot = ProducerSnapshot(ORIGIN, (ProducerEntry(ORIGIN, 7, 0, 0, 1, LocalOffset(0), OriginSeq(0), NOW),))
     info = state.partition("t", 0)
     assert info is not None and info.sealed_producers(ORIGIN) == ProducerSnapshot(ORIGIN)  # nothing sealed: empty
-    assert isinstance(state.apply(SealSegment("t", 0, LeaderEpoch(1), SegmentId(0), LocalOffset(2),
-                                              VectorOffset({ORIGIN: 2}), producers=snapshot)), Applied)  # fmt: skip
+    assert isinstance(
+        state.apply(
+            SealSegment(
+                "t", 0, LeaderEpoch(1), SegmentId(0), LocalOffset(2), VectorOffset({ORIGIN: 2}), producers=snapshot
+            )
+        ),
+        Applied,
+    )
     assert SiteState.restore(state.snapshot()).partition("t", 0) == state.partition("t", 0)
     info = state.partition("t", 0)
     assert info is not None and info.sealed_producers(ORIGIN) == snapshot
@@ -180,8 +209,9 @@ PID = 7
 def _write(store: ReplicaStore, segment: int, base: int, sequences: list[int], epoch: int = 1) -> None:
     """The producer's batches of one record each (sequence ``s`` at origin seq and offset ``s``), as a leader's
     broker appends them to its copy."""
-    store.open_segment(KEY, LeaderEpoch(epoch), SegmentId(segment), base, {ORIGIN: OriginSeq(base)} if base else {},
-                       NOW)  # fmt: skip
+    store.open_segment(
+        KEY, LeaderEpoch(epoch), SegmentId(segment), base, {ORIGIN: OriginSeq(base)} if base else {}, NOW
+    )
     for s in sequences:
         batch = make_batch(ORIGIN, s, [b"v%d" % s], producer_id=PID, producer_epoch=0, base_sequence=s)
         store.append_batch(KEY, LeaderEpoch(epoch), SegmentId(segment), batch.header, batch.body, NOW + s)
@@ -197,17 +227,32 @@ def _chain_where_node_2_missed_the_last_segment(tmp_path: Path) -> tuple[SiteSta
     _write(new_leader, 0, 0, [0, 1, 2])
     for segment, base, end, ensemble in ((0, 0, 3, (1, 2, 3)), (1, 3, 6, (1, 3, 4))):
         if segment == 1:
-            assert isinstance(state.apply(OpenSegment("t", 0, LeaderEpoch(1), LocalOffset(base),
-                                                      tuple(NodeId(n) for n in ensemble))), Applied)  # fmt: skip
+            assert isinstance(
+                state.apply(OpenSegment("t", 0, LeaderEpoch(1), LocalOffset(base), tuple(NodeId(n) for n in ensemble))),
+                Applied,
+            )
             _write(writer, 1, 3, [3, 4, 5])
         info = state.partition(*KEY)
         assert info is not None
         producers = seal_producers(writer, info, SegmentId(segment), base, end, ORIGIN, NOW + 10)
-        assert isinstance(state.apply(SealSegment("t", 0, LeaderEpoch(1), SegmentId(segment), LocalOffset(end),
-                                                  VectorOffset({ORIGIN: end}), producers=producers)), Applied)
+        assert isinstance(
+            state.apply(
+                SealSegment(
+                    "t",
+                    0,
+                    LeaderEpoch(1),
+                    SegmentId(segment),
+                    LocalOffset(end),
+                    VectorOffset({ORIGIN: end}),
+                    producers=producers,
+                )
+            ),
+            Applied,
+        )
     assert isinstance(state.apply(ElectLeader("t", 0, NodeId(2), LeaderEpoch(1))), Applied)
-    assert isinstance(state.apply(OpenSegment("t", 0, LeaderEpoch(2), LocalOffset(6),
-                                              (NodeId(2), NodeId(3), NodeId(4)))), Applied)  # fmt: skip
+    assert isinstance(
+        state.apply(OpenSegment("t", 0, LeaderEpoch(2), LocalOffset(6), (NodeId(2), NodeId(3), NodeId(4)))), Applied
+    )
     new_leader.open_segment(KEY, LeaderEpoch(2), SegmentId(2), 6, {ORIGIN: OriginSeq(6)}, NOW)
     writer.close()
     return state, new_leader
@@ -231,7 +276,8 @@ def test_a_new_leader_that_missed_the_producers_last_segment_continues_its_seque
 
 
 def test_the_rule_before_issue_21_refused_the_producers_next_batch(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The rule before issue 21: a new leader rebuilt its table from the copies it held (``history_at_open``
     ignoring the seal's snapshot). Node 2 then knows the producer only up to sequence 2."""
     monkeypatch.setattr(producer_snapshot, "history_at_open", lambda sealed, held: held())  # PLANTED

@@ -318,10 +318,7 @@ class ProducerStateMachine(RuleBasedStateMachine):
 
     # -- rules --
 
-    @rule(
-        producer_id=st.sampled_from([-1, 1, 2, 3]),
-        start=st.sampled_from([0, 5, SEQUENCE_MODULUS - 4]),
-    )
+    @rule(producer_id=st.sampled_from([-1, 1, 2, 3]), start=st.sampled_from([0, 5, SEQUENCE_MODULUS - 4]))
     def new_client(self, producer_id: int, start: int) -> None:
         if producer_id not in self.clients:
             self.clients[producer_id] = Client(epoch=0, next_seq=start)

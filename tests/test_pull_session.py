@@ -17,15 +17,7 @@ from georep.broker.fetch import batch_by_coordinate
 from georep.broker.repair import RepairQueue
 from georep.record.batch import iter_headers, parse_header
 from georep.replication.links import LinkManager, LinkState
-from georep.replication.session import (
-    DISABLED,
-    ApplyChunk,
-    Effect,
-    LinkEvent,
-    OpenStream,
-    PullConfig,
-    PullSession,
-)
+from georep.replication.session import DISABLED, ApplyChunk, Effect, LinkEvent, OpenStream, PullConfig, PullSession
 from georep.replication.sink import SEQ_MAX, apply_chunk
 from georep.replication.source import Chunk, ReplicaSource
 from georep.replication.topics import RemoteTopic, plan_topic_sync
@@ -215,8 +207,9 @@ def test_a_partition_that_stops_being_served_during_its_apply_reopens_the_stream
     class Leader(Dst):
         def __init__(self) -> None:
             super().__init__()
-            self.session = PullSession(SiteId("b"), self.links, A, self.vector_of, itertools.count(1), CONFIG,
-                                       usable=lambda key: key in served)  # fmt: skip
+            self.session = PullSession(
+                SiteId("b"), self.links, A, self.vector_of, itertools.count(1), CONFIG, usable=lambda key: key in served
+            )
 
         def vector_of(self, key: tuple[str, int]) -> Mapping[Origin, int]:
             assert key in served, "the vector of a partition this node does not serve"
@@ -295,7 +288,6 @@ def test_held_reports_go_one_at_a_time_and_leave_out_the_upstreams_own_entries()
     assert reporter.next_report(table) is None
     reporter.reset()  # the upstream reconnected: it may have forgotten everything
     assert reporter.next_report(table) is not None
-
 
 
 # -- a damaged batch at the source -------------------------------------------------------------

@@ -61,8 +61,11 @@ def flipped_victim(tmp_path: Path, at: int) -> tuple[Writer, Stored]:
     second = log_files(tmp_path / "p")[1]
     victim = next(s for s in w.stored if s.header.base_offset >= int(second.stem))
     victim = w.stored[w.stored.index(victim) + 3]  # mid-segment
-    flip(second, victim_position(tmp_path / "p", victim.header.base_offset) + (victim.header.size_bytes + at) % (
-        victim.header.size_bytes))  # fmt: skip
+    flip(
+        second,
+        victim_position(tmp_path / "p", victim.header.base_offset)
+        + (victim.header.size_bytes + at) % (victim.header.size_bytes),
+    )
     return w, victim
 
 
@@ -74,8 +77,12 @@ def test_a_flipped_record_byte_in_a_sealed_segment_is_quarantined_never_skipped(
     assert damaged == [want]
     assert served == [s.header.base_offset for s in w.stored if s is not victim]  # everything else, in order
     [d] = log.damaged_batches()
-    assert (d.base_offset, d.origin, d.base_origin_seq, d.crc) == (want[0], victim.header.origin,
-                                                                   victim.header.base_origin_seq, victim.header.crc)
+    assert (d.base_offset, d.origin, d.base_origin_seq, d.crc) == (
+        want[0],
+        victim.header.origin,
+        victim.header.base_origin_seq,
+        victim.header.crc,
+    )
     assert "offsets" in str(BatchDamaged(d)) and str(victim.header.origin) in str(BatchDamaged(d))
     log.close()
     # the quarantine survives a restart
@@ -109,7 +116,8 @@ def test_a_flipped_byte_in_a_batchs_local_prefix_is_mended_from_its_origin_index
     assert log.damaged_batches() == []
     [got] = [b for b in read_all(log) if parse_header(b).base_offset == victim.header.base_offset]
     assert got[REWRITTEN_BYTES:] == victim.batch.covered and parse_header(got).append_time_ms == (
-        victim.header.append_time_ms)  # fmt: skip
+        victim.header.append_time_ms
+    )
     log.close()
 
 
@@ -173,9 +181,11 @@ def pristine_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[t
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
 def test_any_flipped_bit_in_sealed_data_is_served_to_no_one_and_costs_only_its_batch(
-    pristine_log: tuple[Path, list[tuple[int, int, bytes]]], tmp_path_factory: pytest.TempPathFactory,
-    where: float, bit: int,
-) -> None:  # fmt: skip
+    pristine_log: tuple[Path, list[tuple[int, int, bytes]]],
+    tmp_path_factory: pytest.TempPathFactory,
+    where: float,
+    bit: int,
+) -> None:
     source, batches = pristine_log
     directory = tmp_path_factory.mktemp("flip") / "p"
     shutil.copytree(source, directory)

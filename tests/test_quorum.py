@@ -51,8 +51,9 @@ KEY = ("t", 0)
 ALL = Acks(AckKind.ALL)
 
 
-def quorum(ack_quorum: int = 2, base_offset: int = 0, ensemble: tuple[NodeId, ...] = (N1, N2, N3),
-           leader: NodeId = N1) -> SegmentQuorum:  # fmt: skip
+def quorum(
+    ack_quorum: int = 2, base_offset: int = 0, ensemble: tuple[NodeId, ...] = (N1, N2, N3), leader: NodeId = N1
+) -> SegmentQuorum:
     return SegmentQuorum(SEG, base_offset, ensemble, ack_quorum, EPOCH, leader)
 
 
@@ -74,8 +75,9 @@ def reference_lac(ends: list[int], ack_quorum: int) -> int:
         ((N1, N2, N3), 2, N4, "leader 4 is not in ensemble"),
     ],
 )
-def test_an_ensemble_that_cannot_work_is_refused(ensemble: tuple[NodeId, ...], ack_quorum: int, leader: NodeId,
-                                                 match: str) -> None:  # fmt: skip
+def test_an_ensemble_that_cannot_work_is_refused(
+    ensemble: tuple[NodeId, ...], ack_quorum: int, leader: NodeId, match: str
+) -> None:
     with pytest.raises(InvalidEnsemble, match=match):
         SegmentQuorum(SEG, 0, ensemble, ack_quorum, EPOCH, leader)
 
@@ -300,8 +302,9 @@ def test_a_stale_lac_changes_nothing() -> None:
 
 def test_other_sites_are_told_only_what_the_quorum_holds() -> None:
     t = AckTable("a", A)
-    t.open_partition(KEY, True, 8, VectorOffset({A: 8}), replicated_in_site=True, lac=5,
-                     lac_vector=VectorOffset({A: 5}))  # fmt: skip
+    t.open_partition(
+        KEY, True, 8, VectorOffset({A: 8}), replicated_in_site=True, lac=5, lac_vector=VectorOffset({A: 5})
+    )
     assert t.held.entries[("a", "t", 0)] == VectorOffset({A: 5})  # not the 8 this node flushed
     t.wait("w", KEY, 10, A, 9, Acks(), now_ms=0)
     t.flush_done(KEY, 10, VectorOffset({A: 10}))
@@ -354,8 +357,9 @@ PROPERTY = settings(max_examples=300, deadline=None)
 
 @PROPERTY
 @given(ensembles(), st.integers(0, 50), QUORUM_OPS)
-def test_the_lac_is_the_ack_quorum_th_largest_member_end(shape: tuple[tuple[NodeId, ...], int], base: int,
-                                                           ops: list[tuple[str, int, int]]) -> None:  # fmt: skip
+def test_the_lac_is_the_ack_quorum_th_largest_member_end(
+    shape: tuple[tuple[NodeId, ...], int], base: int, ops: list[tuple[str, int, int]]
+) -> None:
     ensemble, ack_quorum = shape
     q = SegmentQuorum(SEG, base, ensemble, ack_quorum, EPOCH, ensemble[0])
     ends = dict.fromkeys(ensemble, base)  # the reference: each member's furthest report
@@ -378,8 +382,9 @@ def test_the_lac_is_the_ack_quorum_th_largest_member_end(shape: tuple[tuple[Node
 
 @PROPERTY
 @given(ensembles(), st.data())
-def test_the_lac_never_moves_back_whatever_order_the_acks_arrive_in(shape: tuple[tuple[NodeId, ...], int],
-                                                                      data: st.DataObject) -> None:  # fmt: skip
+def test_the_lac_never_moves_back_whatever_order_the_acks_arrive_in(
+    shape: tuple[tuple[NodeId, ...], int], data: st.DataObject
+) -> None:
     ensemble, ack_quorum = shape
     q = SegmentQuorum(SEG, 0, ensemble, ack_quorum, EPOCH, ensemble[0])
     q.appended(20)
@@ -488,8 +493,7 @@ class Members:
     def deposed_leader_appends(self, node: NodeId) -> None:
         before = (self.guards[node].state, self.written_end[node])
         with pytest.raises(Fenced):
-            self.guards[node].check_append(LeaderEpoch(EPOCH - 1), SEG, self.written_end[node],
-                                           self.written_end[node])  # fmt: skip
+            self.guards[node].check_append(LeaderEpoch(EPOCH - 1), SEG, self.written_end[node], self.written_end[node])
         assert (self.guards[node].state, self.written_end[node]) == before
 
     def fsync(self, node: NodeId) -> list[QuorumEffect]:
@@ -537,10 +541,13 @@ class Members:
 
 
 MEMBER_OPS = st.lists(
-    st.tuples(st.sampled_from(["append", "deliver", "fsync", "ack", "crash", "reconnect", "fenced"]),
-              st.integers(0, 4), st.integers(0, 8)),
+    st.tuples(
+        st.sampled_from(["append", "deliver", "fsync", "ack", "crash", "reconnect", "fenced"]),
+        st.integers(0, 4),
+        st.integers(0, 8),
+    ),
     max_size=80,
-)  # fmt: skip
+)
 
 
 @PROPERTY
@@ -690,8 +697,11 @@ class AckQuorumMachine(RuleBasedStateMachine):
         self.tokens += 1
         deadline = self.now_ms + timeout_ms if acks.kind is AckKind.GEO and acks.sites > 1 else -1
         self.pending[self.tokens] = Waiting(acks, batch.end_offset, batch.last_seq, deadline)
-        self.perform(self.acks.wait(self.tokens, KEY, batch.end_offset, A, batch.last_seq, acks, self.now_ms,
-                                    timeout_ms=timeout_ms))  # fmt: skip
+        self.perform(
+            self.acks.wait(
+                self.tokens, KEY, batch.end_offset, A, batch.last_seq, acks, self.now_ms, timeout_ms=timeout_ms
+            )
+        )
 
     @rule(level=LEVELS, data=st.data())
     def producer_retries_a_written_batch(self, level: str, data: st.DataObject) -> None:
@@ -714,8 +724,11 @@ class AckQuorumMachine(RuleBasedStateMachine):
     def leader_fsync_completes(self) -> None:
         self.flush_running = False
         effects = self.m.fsync(self.m.leader)
-        self.perform(self.acks.flush_done(KEY, self.m.fsynced_end[self.m.leader],
-                                          self.m.vector_at(self.m.fsynced_end[self.m.leader])))  # fmt: skip
+        self.perform(
+            self.acks.flush_done(
+                KEY, self.m.fsynced_end[self.m.leader], self.m.vector_at(self.m.fsynced_end[self.m.leader])
+            )
+        )
         self.quorum_effects(effects)
 
     @precondition(lambda self: self.flush_running)

@@ -13,8 +13,14 @@ def log_of(*terms: int) -> list[Entry]:
 
 
 def append(prev: int, prev_term: int, entries: list[Entry]) -> dict[str, Any]:
-    return {"type": "append_entries", "term": 2, "commit_index": 3, "prevLogIdx": prev, "prevLogTerm": prev_term,
-            "entries": entries}  # fmt: skip
+    return {
+        "type": "append_entries",
+        "term": 2,
+        "commit_index": 3,
+        "prevLogIdx": prev,
+        "prevLogTerm": prev_term,
+        "entries": entries,
+    }
 
 
 def trim(log: list[Entry], message: dict[str, Any]) -> Any:
@@ -45,11 +51,13 @@ def test_a_conflict_is_cut_from_its_first_entry_on() -> None:
 
 def test_other_messages_pass_unchanged() -> None:
     log = log_of(1, 1)
-    for message in (append(5, 1, log_of(1, 1, 1, 1, 1, 1)[5:]),  # beyond the log: pysyncobj asks for earlier ones
-                    append(1, 9, log[1:]),  # the previous entry conflicts
-                    append(2, 1, []),  # a heartbeat
-                    {**append(1, 1, log[1:]), "transmission": "start", "data": b""},
-                    {"type": "request_vote", "term": 3}):  # fmt: skip
+    for message in (
+        append(5, 1, log_of(1, 1, 1, 1, 1, 1)[5:]),  # beyond the log: pysyncobj asks for earlier ones
+        append(1, 9, log[1:]),  # the previous entry conflicts
+        append(2, 1, []),  # a heartbeat
+        {**append(1, 1, log[1:]), "transmission": "start", "data": b""},
+        {"type": "request_vote", "term": 3},
+    ):
         assert trim(log, message) is message
 
 

@@ -90,8 +90,10 @@ class Node:
         with self.lock:
             self.commits += 1
             if index > self.synced:
-                self.early.append(f"{self.name}, the leader, counted itself in committing {index} with "
-                                  f"entries {self.synced + 1}..{self.added} unsynced")  # fmt: skip
+                self.early.append(
+                    f"{self.name}, the leader, counted itself in committing {index} with "
+                    f"entries {self.synced + 1}..{self.added} unsynced"
+                )
 
 
 def watch(site: Site, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Node], list[str]]:
@@ -184,10 +186,28 @@ def test_strace_shows_each_node_fdatasync_its_journal(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(CHILD))
     run = subprocess.run(
-        [strace, "-f", "-y", "-qq", "-e", "trace=fdatasync,fsync", "-e", "signal=none", "-o", str(trace),
-         sys.executable, str(script), str(tmp_path / "site"), str(COMMANDS)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
-    )  # fmt: skip
+        [
+            strace,
+            "-f",
+            "-y",
+            "-qq",
+            "-e",
+            "trace=fdatasync,fsync",
+            "-e",
+            "signal=none",
+            "-o",
+            str(trace),
+            sys.executable,
+            str(script),
+            str(tmp_path / "site"),
+            str(COMMANDS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     calls = [m.groups() for m in map(SYNC_LINE.match, trace.read_text().splitlines()) if m]
     journal = [(call, path) for call, _, path in calls if is_journal(path)]

@@ -105,8 +105,10 @@ def test_the_successor_of_a_crashed_leader_takes_over_in_one_election(elections_
         )
         assert new == successor(site, leader), "the node after the leader's address ran first, and won"
         site.start(leader)  # back for the next round: it follows the new leader
-        wait_until(lambda new=new, leader=leader: site[leader].leader_address == site.addresses[new],
-                   f"node {leader} follows node {new}")  # fmt: skip
+        wait_until(
+            lambda new=new, leader=leader: site[leader].leader_address == site.addresses[new],
+            f"node {leader} follows node {new}",
+        )
 
 
 def test_a_node_that_restarts_rejoins_without_an_election(slow_reconnect_site: Site) -> None:
@@ -127,8 +129,11 @@ def test_a_node_that_restarts_rejoins_without_an_election(slow_reconnect_site: S
         leader = site.leader()
     term = site[leader].status().term
     site.start(victim)
-    wait_until(lambda: site[victim].leader_address == site.addresses[leader],
-               f"restarted node {victim} follows node {leader}", timeout_s=15.0)  # fmt: skip
+    wait_until(
+        lambda: site[victim].leader_address == site.addresses[leader],
+        f"restarted node {victim} follows node {leader}",
+        timeout_s=15.0,
+    )
     site.converged()
     assert site.leader() == leader
     assert site[leader].status().term == term, "the restarted node ran for leader and the group elected again"

@@ -50,8 +50,14 @@ def sealed_frame(message: Any, rand_key: bytes | None = None) -> bytes:
 
 
 def append(entries: list[tuple[bytes, int, int]]) -> dict[str, Any]:
-    return {"type": "append_entries", "term": BIG_INDEX, "commit_index": BIG_INDEX, "entries": entries,
-            "prevLogIdx": BIG_INDEX, "prevLogTerm": BIG_INDEX}  # fmt: skip
+    return {
+        "type": "append_entries",
+        "term": BIG_INDEX,
+        "commit_index": BIG_INDEX,
+        "entries": entries,
+        "prevLogIdx": BIG_INDEX,
+        "prevLogTerm": BIG_INDEX,
+    }
 
 
 def worst_messages() -> Iterator[tuple[str, dict[str, Any]]]:
@@ -96,8 +102,9 @@ class Pair:
         ours.setblocking(False)
         self.messages: list[Any] = []
         self.refused: list[str] = []
-        self.conn = GuardedConnection(self.poller, FrameBounds.for_port(sealed=True),
-                                      lambda _conn, why: self.refused.append(why), sock=ours)  # fmt: skip
+        self.conn = GuardedConnection(
+            self.poller, FrameBounds.for_port(sealed=True), lambda _conn, why: self.refused.append(why), sock=ours
+        )
         self.conn.encryptor = getEncryptor(SECRET)
         self.conn.setOnMessageReceivedCallback(self.messages.append)
 
@@ -131,8 +138,9 @@ def test_a_sealed_key_then_a_member_sized_frame_pass(pair: Pair) -> None:
 def test_a_frame_over_the_bound_before_authentication_closes_at_its_header(pair: Pair) -> None:
     pair.feed(struct.pack("i", FRAME_BYTES_BEFORE_AUTH + 1) + b"x" * 1000)
     assert pair.closed() and pair.messages == []
-    assert pair.refused == [f"a frame of {FRAME_BYTES_BEFORE_AUTH + 1} bytes, over the {FRAME_BYTES_BEFORE_AUTH} "
-                            "this connection accepts"]  # fmt: skip
+    assert pair.refused == [
+        f"a frame of {FRAME_BYTES_BEFORE_AUTH + 1} bytes, over the {FRAME_BYTES_BEFORE_AUTH} this connection accepts"
+    ]
 
 
 def test_a_frame_not_sealed_with_the_secret_closes(pair: Pair) -> None:

@@ -145,8 +145,9 @@ def test_clear_empties_it_on_disk(tmp_path: Path) -> None:
     assert reopened(journal, tmp_path) == [(b"x", 7, 2)]
 
 
-def test_a_failed_fdatasync_stops_every_later_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+def test_a_failed_fdatasync_stops_every_later_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     journal = filled(tmp_path, 1)
     journal.add(b"y", 2, 1)
 

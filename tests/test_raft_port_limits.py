@@ -158,8 +158,10 @@ def test_idle_connections_without_the_secret_are_capped_and_timed_out_while_memb
         def open_count() -> int:
             return sum(not closed_by_peer(sock) for sock in flood)
 
-        wait_until(lambda: open_count() <= 3 * PENDING_MAX,
-                   f"each node keeps at most {PENDING_MAX} of the {FLOOD_PER_PORT} connections it got")  # fmt: skip
+        wait_until(
+            lambda: open_count() <= 3 * PENDING_MAX,
+            f"each node keeps at most {PENDING_MAX} of the {FLOOD_PER_PORT} connections it got",
+        )
         # a member that restarts during the flood reconnects, catches up and counts again
         site.stop(follower, snapshot=False)
         ok(site[leader].propose(CreateTopic(TopicSpec("while-one-is-down", 1))))
@@ -167,8 +169,11 @@ def test_idle_connections_without_the_secret_are_capped_and_timed_out_while_memb
         ok(site[follower].propose(CreateTopic(TopicSpec("after-its-restart", 1))))
         assert len(site.converged()["topics"]) == 2  # type: ignore[arg-type]
         assert site.leader() == leader
-        wait_until(lambda: open_count() == 0, "the nodes close every connection that did not authenticate in time",
-                   timeout_s=30)  # fmt: skip
+        wait_until(
+            lambda: open_count() == 0,
+            "the nodes close every connection that did not authenticate in time",
+            timeout_s=30,
+        )
     finally:
         for sock in flood:
             sock.close()

@@ -45,14 +45,18 @@ def test_certs_init_writes_one_secret_per_multi_node_site_and_keeps_it(tmp_path:
     assert read_secret(tmp_path / secret_file_name("b")) != secret
 
 
-@pytest.mark.parametrize(("content", "mode", "says"), [
-    (None, 0o600, "No such file"),
-    (b" \n", 0o600, "is empty"),
-    (b"x" * (MIN_CHARS - 1), 0o600, f"at least {MIN_CHARS}"),
-    (b"x" * MIN_CHARS, 0o644, "chmod 600"),
-])  # fmt: skip
-def test_a_secret_file_that_cannot_serve_is_refused_with_what_to_do(tmp_path: Path, content: bytes | None, mode: int,
-                                                                     says: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("content", "mode", "says"),
+    [
+        (None, 0o600, "No such file"),
+        (b" \n", 0o600, "is empty"),
+        (b"x" * (MIN_CHARS - 1), 0o600, f"at least {MIN_CHARS}"),
+        (b"x" * MIN_CHARS, 0o644, "chmod 600"),
+    ],
+)
+def test_a_secret_file_that_cannot_serve_is_refused_with_what_to_do(
+    tmp_path: Path, content: bytes | None, mode: int, says: str
+) -> None:
     path = tmp_path / "raft-a.secret"
     if content is not None:
         write_secret(path, content)
@@ -73,8 +77,11 @@ def test_up_gives_each_node_of_a_multi_node_site_its_secret_file(tmp_path: Path)
     topology_file.write_text(site_toml("a", [1, 2, 3], [4, 5, 6]) + '[sites.b]\nnodes = ["127.0.0.1:7"]\n')
     topology = load_topology(topology_file)
     procs = site_processes(topology, topology_file, tmp_path / "data", [], ensure_certs(topology, tmp_path / "data"))
-    secrets = {p.site: p.extra_args[p.extra_args.index("--raft-secret-file") + 1]
-               for p in procs if "--raft-secret-file" in p.extra_args}  # fmt: skip
+    secrets = {
+        p.site: p.extra_args[p.extra_args.index("--raft-secret-file") + 1]
+        for p in procs
+        if "--raft-secret-file" in p.extra_args
+    }
     assert sorted(secrets) == ["a"] and len([p for p in procs if p.site == "a"]) == 3
     assert read_secret(Path(secrets["a"])) and Path(secrets["a"]).is_absolute()  # node.json's restart runs anywhere
     assert all("--raft-secret-file" in p.command() for p in procs if p.site == "a")
@@ -156,13 +163,16 @@ def test_a_plaintext_add_at_a_raft_port_is_dropped_unanswered(site: tuple[Cluste
                 answer = b""
         assert answer == b"", f"{address} answered a plaintext message: {answer!r}"
     assert members_seen(cluster, secret) == [frozenset(raft_addresses(cluster))] * 3
-    wait_until("a member logs the refused message",
-               lambda: any("not sealed with this node's Raft secret" in node_log(n) for n in cluster.nodes.values()),
-               10)  # fmt: skip
+    wait_until(
+        "a member logs the refused message",
+        lambda: any("not sealed with this node's Raft secret" in node_log(n) for n in cluster.nodes.values()),
+        10,
+    )
 
 
-def test_a_node_with_another_secret_neither_joins_nor_changes_metadata(site: tuple[ClusterSite, Path],
-                                                                       tmp_path: Path) -> None:  # fmt: skip
+def test_a_node_with_another_secret_neither_joins_nor_changes_metadata(
+    site: tuple[ClusterSite, Path], tmp_path: Path
+) -> None:
     cluster, certs = site
     secret = read_secret(certs / secret_file_name("a"))
     wrong = tmp_path / "wrong.secret"
@@ -171,37 +181,74 @@ def test_a_node_with_another_secret_neither_joins_nor_changes_metadata(site: tup
     # The site's three nodes and itself as a fourth: it claims to be a member of site a
     topology = tmp_path / "topology.toml"
     topology.write_text(site_toml("a", [*cluster.grpc_ports, grpc_port], [*cluster.raft_ports, raft_port]))
-    intruder = NodeProcess("a", tmp_path / "intruder", listen=f"127.0.0.1:{grpc_port}",
-                           extra_args=["--node-id", "4", "--topology", str(topology), "--scrub-bytes-per-s", "0",
-                                       "--raft-secret-file", str(wrong)],
-                           tls=TlsConfig.from_dir(certs, node_principal("a", 4)))  # fmt: skip
+    intruder = NodeProcess(
+        "a",
+        tmp_path / "intruder",
+        listen=f"127.0.0.1:{grpc_port}",
+        extra_args=[
+            "--node-id",
+            "4",
+            "--topology",
+            str(topology),
+            "--scrub-bytes-per-s",
+            "0",
+            "--raft-secret-file",
+            str(wrong),
+        ],
+        tls=TlsConfig.from_dir(certs, node_principal("a", 4)),
+    )
     intruder.launch()
     try:
-        wait_until("the intruder says what to check",
-                   lambda: "--raft-secret-file" in node_log(intruder) and "no Raft leader" in node_log(intruder),
-                   30)  # fmt: skip
+        wait_until(
+            "the intruder says what to check",
+            lambda: "--raft-secret-file" in node_log(intruder) and "no Raft leader" in node_log(intruder),
+            30,
+        )
         assert intruder.alive()  # waiting for a majority it never gets; it serves nothing meanwhile
         assert not (intruder.data_dir / "node.json").exists()
         log = node_log(intruder)
         assert "added to the site's group" not in log and "is a member of the running group" not in log
         assert members_seen(cluster, secret) == [frozenset(raft_addresses(cluster))] * 3
-        wait_until("every member logs the refused messages",
-                   lambda: all("not sealed with this node's Raft secret" in node_log(n)
-                               for n in cluster.nodes.values()), 10)  # fmt: skip
+        wait_until(
+            "every member logs the refused messages",
+            lambda: all("not sealed with this node's Raft secret" in node_log(n) for n in cluster.nodes.values()),
+            10,
+        )
         create_topic(cluster, certs, "after")  # the group commits as before
         wait_until("every node has the topic", lambda: described_everywhere(cluster, certs, "after"), 10)
     finally:
         intruder.stop()
 
 
-def test_a_tls_node_of_a_multi_node_site_without_the_secret_refuses_to_start(site: tuple[ClusterSite, Path],
-                                                                            tmp_path: Path) -> None:  # fmt: skip
+def test_a_tls_node_of_a_multi_node_site_without_the_secret_refuses_to_start(
+    site: tuple[ClusterSite, Path], tmp_path: Path
+) -> None:
     cluster, certs = site
     tls = TlsConfig.from_dir(certs, node_principal("a", 1))
     run = subprocess.run(
-        [sys.executable, "-m", "georep.cli", "node", "--site", "a", "--node-id", "1", "--topology",
-         str(cluster.topology), "--data-dir", str(tmp_path / "d"), "--tls-ca", str(tls.ca), "--tls-cert",
-         str(tls.cert), "--tls-key", str(tls.key)],
-        capture_output=True, text=True, timeout=60)  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "georep.cli",
+            "node",
+            "--site",
+            "a",
+            "--node-id",
+            "1",
+            "--topology",
+            str(cluster.topology),
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--tls-ca",
+            str(tls.ca),
+            "--tls-cert",
+            str(tls.cert),
+            "--tls-key",
+            str(tls.key),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2
     assert "--raft-secret-file raft-a.secret" in run.stderr and "georep certs init" in run.stderr, run.stderr

@@ -42,10 +42,6 @@ def site(tmp_path: Path) -> Iterator[Site]:
     s.close()  # the finalizer: every SyncObj the test started is destroyed, whatever happened
 
 
-
-
-
-
 def test_writes_through_any_node_are_applied_everywhere(site: Site) -> None:
     site.start()
     store: MetadataStore = site[1]  # the port the broker uses

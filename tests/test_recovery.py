@@ -157,7 +157,12 @@ def check_quarantined(directory: Path, p: Pristine, lost: set[int]) -> None:
                 log.read(h.base_offset, 1)
             d = quarantined[h.base_offset]
             assert (d.origin, d.base_origin_seq, d.last_origin_seq, d.size_bytes, d.crc) == (
-                h.origin, h.base_origin_seq, h.last_origin_seq, h.size_bytes, h.crc)  # fmt: skip
+                h.origin,
+                h.base_origin_seq,
+                h.last_origin_seq,
+                h.size_bytes,
+                h.crc,
+            )
         else:
             assert log.read(h.base_offset, 1).data == p.batches[i]
     for i in sorted(lost):
@@ -186,14 +191,19 @@ def batches_touched(p: Pristine, segment: int, first: int, end: int) -> set[int]
 
 
 def zero_changes(p: Pristine, segment: int, first: int, end: int) -> set[int]:
-    return {i for i in batches_touched(p, segment, first, end) for pos, j in p.segments[segment] if j == i
-            and p.batches[i][max(first - pos, 24) : end - pos].strip(b"\0")}  # fmt: skip
+    return {
+        i
+        for i in batches_touched(p, segment, first, end)
+        for pos, j in p.segments[segment]
+        if j == i and p.batches[i][max(first - pos, 24) : end - pos].strip(b"\0")
+    }
 
 
 @PROPERTY
 @given(data=st.data())
-def test_a_torn_tail_below_the_recovery_point_is_quarantined_never_cut(pristine: dict[bool, Pristine],
-                                                                       data: st.DataObject) -> None:  # fmt: skip
+def test_a_torn_tail_below_the_recovery_point_is_quarantined_never_cut(
+    pristine: dict[bool, Pristine], data: st.DataObject
+) -> None:
     """Issue 20, item 1: a log closed cleanly has its recovery point at its end, so a tail cut from any of its
     segments (the sealed ones included) loses nothing the origin index cannot name and a peer cannot give back."""
     p = pristine[True]
@@ -209,8 +219,9 @@ def test_a_torn_tail_below_the_recovery_point_is_quarantined_never_cut(pristine:
 
 @PROPERTY
 @given(data=st.data())
-def test_a_torn_tail_above_the_recovery_point_is_cut_at_the_last_whole_batch(pristine: dict[bool, Pristine],
-                                                                             data: st.DataObject) -> None:  # fmt: skip
+def test_a_torn_tail_above_the_recovery_point_is_cut_at_the_last_whole_batch(
+    pristine: dict[bool, Pristine], data: st.DataObject
+) -> None:
     p = pristine[False]
     last = len(p.segments) - 1
     size = len(log_files(p.directory)[last].read_bytes())
@@ -266,7 +277,8 @@ def test_a_flipped_byte_below_the_recovery_point_costs_only_its_batch(
         else:
             log = open_log(directory, **CONFIG)  # a crashed log: only its sealed segments are checked here
             assert sorted(d.base_offset for d in scrubbed(log)) == sorted(
-                p.headers[i].base_offset for i in batches_touched(p, segment, byte, byte + 1))  # fmt: skip
+                p.headers[i].base_offset for i in batches_touched(p, segment, byte, byte + 1)
+            )
             log.close()
 
 
@@ -298,8 +310,9 @@ def test_a_zeroed_page_loses_only_the_batches_it_touches(pristine: dict[bool, Pr
 
 
 @pytest.mark.parametrize("closed", [True, False])
-def test_a_flipped_append_time_is_mended_from_the_origin_index_copy(pristine: dict[bool, Pristine], scratch: Path,
-                                                                    closed: bool) -> None:  # fmt: skip
+def test_a_flipped_append_time_is_mended_from_the_origin_index_copy(
+    pristine: dict[bool, Pristine], scratch: Path, closed: bool
+) -> None:
     # append_time_ms (bytes 12-20 of a batch) is outside the CRC by design; the .oindex entry holds the second copy.
     p = pristine[closed]
     directory = copy_of(p, scratch)
@@ -308,8 +321,9 @@ def test_a_flipped_append_time_is_mended_from_the_origin_index_copy(pristine: di
     check_recovered(directory, p, len(p.batches)) if not closed else check_quarantined(directory, p, set())
 
 
-def test_damage_in_a_middle_segment_never_deletes_a_later_segment(pristine: dict[bool, Pristine],
-                                                                  scratch: Path) -> None:  # fmt: skip
+def test_damage_in_a_middle_segment_never_deletes_a_later_segment(
+    pristine: dict[bool, Pristine], scratch: Path
+) -> None:
     p = pristine[True]
     directory = copy_of(p, scratch)
     (directory / RECOVERY_POINT).unlink()
@@ -321,8 +335,9 @@ def test_damage_in_a_middle_segment_never_deletes_a_later_segment(pristine: dict
     log.close()
 
 
-def test_a_lost_log_file_whose_origin_index_survives_is_quarantined_whole(pristine: dict[bool, Pristine],
-                                                                          scratch: Path) -> None:  # fmt: skip
+def test_a_lost_log_file_whose_origin_index_survives_is_quarantined_whole(
+    pristine: dict[bool, Pristine], scratch: Path
+) -> None:
     p = pristine[True]
     for segment in (0, 3, len(p.segments) - 1):  # the first (not a retention leftover), a middle one, the active one
         directory = copy_of(p, scratch / str(segment))
@@ -330,8 +345,9 @@ def test_a_lost_log_file_whose_origin_index_survives_is_quarantined_whole(pristi
         check_quarantined(directory, p, {i for _pos, i in p.segments[segment]})
 
 
-def test_a_missing_middle_segment_without_its_origin_index_is_refused_never_cut(pristine: dict[bool, Pristine],
-                                                                                scratch: Path) -> None:  # fmt: skip
+def test_a_missing_middle_segment_without_its_origin_index_is_refused_never_cut(
+    pristine: dict[bool, Pristine], scratch: Path
+) -> None:
     p = pristine[True]
     directory = copy_of(p, scratch)
     missing = log_files(directory)[3]
@@ -344,8 +360,9 @@ def test_a_missing_middle_segment_without_its_origin_index_is_refused_never_cut(
     assert [f.name for f in log_files(directory)[3:]] == later  # nothing after the hole was deleted
 
 
-def test_damage_below_the_recovery_point_that_no_index_names_is_refused(pristine: dict[bool, Pristine],
-                                                                        scratch: Path) -> None:  # fmt: skip
+def test_damage_below_the_recovery_point_that_no_index_names_is_refused(
+    pristine: dict[bool, Pristine], scratch: Path
+) -> None:
     p = pristine[True]
     directory = copy_of(p, scratch)
     victim = log_files(directory)[2]
@@ -357,8 +374,7 @@ def test_damage_below_the_recovery_point_that_no_index_names_is_refused(pristine
     assert {f.name: f.read_bytes() for f in directory.iterdir() if f.suffix == ".log"} == before  # nothing cut
 
 
-def test_a_cut_at_a_segment_start_leaves_an_empty_active_segment(pristine: dict[bool, Pristine],
-                                                                 scratch: Path) -> None:  # fmt: skip
+def test_a_cut_at_a_segment_start_leaves_an_empty_active_segment(pristine: dict[bool, Pristine], scratch: Path) -> None:
     p = pristine[False]
     directory = copy_of(p, scratch)
     last = log_files(directory)[-1]
@@ -372,8 +388,9 @@ def test_a_cut_at_a_segment_start_leaves_an_empty_active_segment(pristine: dict[
     check_recovered(directory, p, p.segments[-1][0][1], corrupt=False)
 
 
-def test_inconsistent_sealed_index_files_are_rebuilt_without_losing_data(pristine: dict[bool, Pristine],
-                                                                         scratch: Path) -> None:  # fmt: skip
+def test_inconsistent_sealed_index_files_are_rebuilt_without_losing_data(
+    pristine: dict[bool, Pristine], scratch: Path
+) -> None:
     p = pristine[True]
     directory = copy_of(p, scratch)
     oindex = sorted(directory.glob("*.oindex"))[1]
@@ -389,16 +406,20 @@ def test_inconsistent_sealed_index_files_are_rebuilt_without_losing_data(pristin
 
 
 @pytest.mark.parametrize("field", ["base_origin_seq", "position", "size_bytes", "base_offset"])
-def test_a_lying_origin_index_entry_is_rebuilt_from_the_batches_never_trusted(pristine: dict[bool, Pristine],
-                                                                              scratch: Path, field: str) -> None:
+def test_a_lying_origin_index_entry_is_rebuilt_from_the_batches_never_trusted(
+    pristine: dict[bool, Pristine], scratch: Path, field: str
+) -> None:
     """Issue 20, item 2 at the storage layer: an .oindex entry of a sealed segment names another seq (or
     position, size, offset) than its CRC-valid batch; the log must not believe it."""
     p = pristine[True]
     directory = copy_of(p, scratch)
     oindex = sorted(directory.glob("*.oindex"))[1]
     raw = bytearray(oindex.read_bytes())
-    at = FILE_HEADER.size + 2 * ORIGIN_ENTRY_BYTES + {"base_origin_seq": 43, "position": 59, "size_bytes": 63,
-                                                      "base_offset": 55}[field]  # fmt: skip
+    at = (
+        FILE_HEADER.size
+        + 2 * ORIGIN_ENTRY_BYTES
+        + {"base_origin_seq": 43, "position": 59, "size_bytes": 63, "base_offset": 55}[field]
+    )
     raw[at] ^= 0x02
     oindex.write_bytes(bytes(raw))
     log = open_log(directory, **CONFIG)
@@ -430,8 +451,9 @@ def test_stray_temporary_files_are_removed(pristine: dict[bool, Pristine], scrat
 
 
 @pytest.mark.parametrize("damage", ["not json", "flipped digit"])
-def test_an_unreadable_recovery_point_means_validating_everything(pristine: dict[bool, Pristine],
-                                                                  scratch: Path, damage: str) -> None:  # fmt: skip
+def test_an_unreadable_recovery_point_means_validating_everything(
+    pristine: dict[bool, Pristine], scratch: Path, damage: str
+) -> None:
     p = pristine[True]
     directory = copy_of(p, scratch)
     path = directory / RECOVERY_POINT
@@ -470,8 +492,9 @@ def test_after_retention_the_vector_below_the_log_start_survives_a_lost_recovery
 
 
 @pytest.mark.parametrize("damage", ["unreadable", "lists a good batch"])
-def test_the_quarantine_list_is_derived_from_the_batches(pristine: dict[bool, Pristine], scratch: Path,
-                                                         damage: str) -> None:  # fmt: skip
+def test_the_quarantine_list_is_derived_from_the_batches(
+    pristine: dict[bool, Pristine], scratch: Path, damage: str
+) -> None:
     p = pristine[True]
     directory = copy_of(p, scratch)
     position, index = p.segments[1][2]

@@ -247,8 +247,12 @@ def test_this_node_unable_to_use_its_own_copy_fails(answered_first: bool) -> Non
         r.fenced(N1, 110)
     r.fenced(N2, 120)
     out = r.unreachable(N1)
-    assert out == [Failed("this node (1) cannot use its own copy of segment 7: it cannot lead the partition; "
-                          "let another member of the ensemble lead")]  # fmt: skip
+    assert out == [
+        Failed(
+            "this node (1) cannot use its own copy of segment 7: it cannot lead the partition; "
+            "let another member of the ensemble lead"
+        )
+    ]
 
 
 def test_with_aq_equal_to_e_one_answer_decides_but_every_member_must_hold_the_end() -> None:
@@ -494,8 +498,14 @@ class World:
     def writer_targets(self) -> list[NodeId]:
         """Members the old writer can still append to: up, never fenced, short of W."""
         n = len(self.bounds) - 1
-        return [k for k in self.nodes if not self.members[k].down and self.members[k].epoch == 0
-                and not self.members[k].knows_seal and len(self.members[k].data) < n]  # fmt: skip
+        return [
+            k
+            for k in self.nodes
+            if not self.members[k].down
+            and self.members[k].epoch == 0
+            and not self.members[k].knows_seal
+            and len(self.members[k].data) < n
+        ]
 
     def learn_seal(self, node: NodeId) -> None:
         """``node`` learns the committed seal: it cuts what it holds beyond it, and takes nothing more."""
@@ -565,8 +575,9 @@ def test_recovery_against_a_model_of_the_ensemble(data: st.DataObject) -> None:
             kinds.append("crash")
         if takeovers < 2:
             kinds.append("takeover")
-        learners = [n for n in nodes if world.meta.sealed is not None and not members[n].knows_seal
-                    and not members[n].down]  # fmt: skip
+        learners = [
+            n for n in nodes if world.meta.sealed is not None and not members[n].knows_seal and not members[n].down
+        ]
         if learners and world.pool:
             kinds.append("learn")
         if not world.pool and ("takeover" not in kinds or not draw(st.booleans(), label="a leader after quiet")):

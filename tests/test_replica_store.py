@@ -29,8 +29,11 @@ E1, E2 = LeaderEpoch(1), LeaderEpoch(2)
 
 def leader_log(tmp_path: Path, batches: int, base: int = 0) -> tuple[SegmentLog, list[bytes]]:
     """A leader's log of one segment starting at ``base``: its batches as stored, local prefixes included."""
-    log = (open_log(tmp_path / "leader") if base == 0 else
-           SegmentLog.create_at(tmp_path / "leader", LogConfig(), base, {A: OriginSeq(7)}, 0))  # fmt: skip
+    log = (
+        open_log(tmp_path / "leader")
+        if base == 0
+        else SegmentLog.create_at(tmp_path / "leader", LogConfig(), base, {A: OriginSeq(7)}, 0)
+    )
     w = Writer(log, next_seq={A: 7} if base else {})
     for i in range(batches):
         w.append((A, B)[i % 2], 1 + i % 3)
@@ -46,8 +49,7 @@ def test_a_copy_holds_the_leaders_bytes_exactly_and_starts_at_the_segments_base(
     assert store.flush(KEY, SEG) == leader.log_end_offset
     store.close()
     reopened = ReplicaStore(tmp_path / "node", now_ms=0)
-    copy = SegmentLog.open(tmp_path / "node" / "replicas" / "orders%2Feu-3" / "0000000004",
-                           LogConfig(), 0)  # fmt: skip
+    copy = SegmentLog.open(tmp_path / "node" / "replicas" / "orders%2Feu-3" / "0000000004", LogConfig(), 0)
     try:
         assert read_all(copy) == batches  # prefix (base offset, append time) and body, byte for byte
         assert copy.log_start_offset == 1000 and copy.vector() == leader.vector()
@@ -160,9 +162,13 @@ def test_a_member_killed_mid_stream_keeps_every_acked_batch_and_every_fence(tmp_
     leader.close()
     assert all(b"\n--8<--\n" not in b for b in batches)
     (tmp_path / "chunks").write_bytes(b"\n--8<--\n".join(batches))
-    with subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "node"), str(tmp_path / "chunks")],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": "."},
-                          cwd=Path(__file__).resolve().parent.parent) as child:  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path / "node"), str(tmp_path / "chunks")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": "."},
+        cwd=Path(__file__).resolve().parent.parent,
+    ) as child:
         assert child.stdout is not None
         acked: list[tuple[int, int]] = []
         for line in child.stdout:

@@ -123,6 +123,7 @@ def test_apply_appends_verbatim_skips_covered_and_stops_at_a_gap() -> None:
     out = apply_chunk(dst, chunk, now_ms=9_000)
     assert (out.appended_batches, out.appended_records, out.skipped_batches, out.gap) == (3, 6, 0, None)
     assert out.lag_ms == 9_000 - 1_005
+
     # the CRC-covered bytes are identical; only the 24-byte local prefix is the dst's
     def bodies(data: bytes) -> list[bytes]:
         out, pos = [], 0

@@ -16,9 +16,13 @@ from georep.auth.principal import (
 
 @pytest.mark.parametrize(
     ("text", "kind", "name", "site"),
-    [("site:a", "site", "a", "a"), ("node:us-east/2", "node", "us-east/2", "us-east"),
-     ("client:alice", "client", "alice", None), ("client:svc.orders@prod", "client", "svc.orders@prod", None)],
-)  # fmt: skip
+    [
+        ("site:a", "site", "a", "a"),
+        ("node:us-east/2", "node", "us-east/2", "us-east"),
+        ("client:alice", "client", "alice", None),
+        ("client:svc.orders@prod", "client", "svc.orders@prod", None),
+    ],
+)
 def test_the_three_forms_parse_and_print_back(text: str, kind: str, name: str, site: str | None) -> None:
     p = parse_principal(text)
     assert (p.kind, p.name, p.site) == (kind, name, site)
@@ -34,9 +38,26 @@ def test_a_node_principal_names_its_node_and_speaks_for_its_site() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "alice", "user:alice", "site:", "site:A", "site:a/1", "node:a", "node:a/", "node:a/0", "node:a/01",
-     "node:a/x", "node:/1", "client:", "client:-x", "client:a b", "client:" + "x" * 65, "site:" + "a" * 33],
-)  # fmt: skip
+    [
+        "",
+        "alice",
+        "user:alice",
+        "site:",
+        "site:A",
+        "site:a/1",
+        "node:a",
+        "node:a/",
+        "node:a/0",
+        "node:a/01",
+        "node:a/x",
+        "node:/1",
+        "client:",
+        "client:-x",
+        "client:a b",
+        "client:" + "x" * 65,
+        "site:" + "a" * 33,
+    ],
+)
 def test_anything_else_is_refused_with_the_accepted_forms(text: str) -> None:
     with pytest.raises(InvalidPrincipal) as info:
         parse_principal(text)

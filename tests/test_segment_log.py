@@ -66,8 +66,11 @@ def test_round_trip_across_many_segments_from_every_offset(log: SegmentLog) -> N
         assert [r.origin_seq for r in decode_records(result.data)] == list(
             range(expected.header.base_origin_seq, expected.header.next_origin_seq)
         )
-    assert read_all(log) == [PREFIX.pack(s.header.base_offset, s.header.batch_length, s.header.append_time_ms,
-                                         s.header.crc) + s.batch.covered for s in w.stored]  # fmt: skip
+    assert read_all(log) == [
+        PREFIX.pack(s.header.base_offset, s.header.batch_length, s.header.append_time_ms, s.header.crc)
+        + s.batch.covered
+        for s in w.stored
+    ]
 
 
 def test_read_returns_whole_batches_within_max_bytes_and_stops_at_the_segment_end(tmp_path: Path) -> None:
@@ -245,10 +248,19 @@ def check_lookups(log: SegmentLog, w: Writer, start: int = 0) -> None:
         assert log.offset_for_timestamp(ts) == (later[0] if later else None), ts
     assert log.vector() == w.next_seq
     assert log.batch_entries() == [
-        BatchEntry(h.origin, h.base_origin_seq, h.last_offset_delta, h.base_offset, h.max_timestamp, h.producer_id,
-                   h.producer_epoch, h.base_sequence, h.append_time_ms)
+        BatchEntry(
+            h.origin,
+            h.base_origin_seq,
+            h.last_offset_delta,
+            h.base_offset,
+            h.max_timestamp,
+            h.producer_id,
+            h.producer_epoch,
+            h.base_sequence,
+            h.append_time_ms,
+        )
         for h in (s.header for s in retained)
-    ]  # fmt: skip
+    ]
 
 
 def fill_three_origins(w: Writer, batches: int = 45) -> None:
@@ -388,8 +400,11 @@ def test_disk_full_leaves_nothing_half_written_and_recovers_after_retention(tiny
     assert sum(p.stat().st_size for p in log_files(directory)) == size  # nothing of the failed batch remains
     last = log_files(directory)[-1].read_bytes()
     assert sum(h.size_bytes for h in iter_headers(last, verify=True)) == len(last)
-    assert read_all(log) == [PREFIX.pack(s.header.base_offset, s.header.batch_length, s.header.append_time_ms,
-                                         s.header.crc) + s.batch.covered for s in w.stored]  # fmt: skip
+    assert read_all(log) == [
+        PREFIX.pack(s.header.base_offset, s.header.batch_length, s.header.append_time_ms, s.header.crc)
+        + s.batch.covered
+        for s in w.stored
+    ]
     assert log.enforce_retention(0) > 0
     stored = w.append(A, 1, value_bytes=3000)
     assert stored.header.base_offset == end

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.slow
 
 
 def _node(tmp_path: Path, *flags: str) -> NodeProcess:
-    return NodeProcess(site="a", data_dir=tmp_path / "a", listen=f"127.0.0.1:{free_ports(1)[0]}",
-                       extra_args=["--insecure", *flags])  # fmt: skip
+    return NodeProcess(
+        site="a", data_dir=tmp_path / "a", listen=f"127.0.0.1:{free_ports(1)[0]}", extra_args=["--insecure", *flags]
+    )
 
 
 def _log(node: NodeProcess) -> str:

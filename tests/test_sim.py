@@ -136,11 +136,19 @@ QUICK_TOPOLOGIES = 2  # make test-quick runs the first two topologies' swarms; m
 
 @pytest.mark.parametrize(
     ("topology", "runs"),
-    [pytest.param(name, runs, marks=() if i < QUICK_TOPOLOGIES else pytest.mark.slow,
-                  id=f"{name}-seeds-{runs[0][0]}..{runs[-1][0]}") for i, (name, runs) in enumerate(_swarm_groups())],
-)  # fmt: skip
-def test_swarm_keeps_every_invariant(topology: str, runs: list[tuple[int, str, bool, float]],
-                                     pool: ProcessPoolExecutor) -> None:  # fmt: skip
+    [
+        pytest.param(
+            name,
+            runs,
+            marks=() if i < QUICK_TOPOLOGIES else pytest.mark.slow,
+            id=f"{name}-seeds-{runs[0][0]}..{runs[-1][0]}",
+        )
+        for i, (name, runs) in enumerate(_swarm_groups())
+    ],
+)
+def test_swarm_keeps_every_invariant(
+    topology: str, runs: list[tuple[int, str, bool, float]], pool: ProcessPoolExecutor
+) -> None:
     total = FaultCounts()
     failures = []
     for outcome in pool.map(_one_run, runs):
@@ -402,8 +410,11 @@ def test_the_same_seed_gives_the_same_run_in_other_processes() -> None:
     for hash_seed in ("1", "2"):
         done = subprocess.run(
             [sys.executable, "-m", "georep.sim", "--seed", "9", "--topology", "random-5", "--steps", "800"],
-            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONHASHSEED": hash_seed},
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        )
         assert done.returncode == 0, done.stderr
         traces.add(done.stdout.split("trace=")[1].split()[0])
     assert len(traces) == 1
@@ -441,8 +452,9 @@ def test_filters_keep_topics_away_from_sites_they_do_not_reach() -> None:
     a_orders = {o: n for o, n in result.vectors["a"][("orders/eu", 0)].items() if o.startswith("a@")}
     assert a_orders and all(n > 0 for n in a_orders.values())
     assert all(not o.startswith("a@") for o in result.vectors["b"][("orders/eu", 0)])
-    assert set(result.vectors["d"][("orders/eu", 0)]) == {o for o in result.vectors["d"][("orders/eu", 0)]
-                                                         if o.startswith("d@")}
+    assert set(result.vectors["d"][("orders/eu", 0)]) == {
+        o for o in result.vectors["d"][("orders/eu", 0)] if o.startswith("d@")
+    }
     assert any(o.startswith("a@") for o in result.vectors["d"][("audit/x", 0)])
 
 

@@ -106,8 +106,9 @@ def swarm(pool: ProcessPoolExecutor) -> dict[str, tuple[list[str], ClusterCounts
 
 @pytest.mark.slow  # make test runs the 210 seeds; make test-quick the named seeds below
 @pytest.mark.parametrize(("shape", "seeds"), SWARM, ids=[f"{s}-seeds-{r[0]}..{r[-1]}" for s, r in SWARM])
-def test_swarm_keeps_every_invariant(shape: str, seeds: range,
-                                     swarm: dict[str, tuple[list[str], ClusterCounts]]) -> None:  # fmt: skip
+def test_swarm_keeps_every_invariant(
+    shape: str, seeds: range, swarm: dict[str, tuple[list[str], ClusterCounts]]
+) -> None:
     failures, c = swarm[shape]
     assert not failures, f"{len(failures)} of {len(seeds)} runs failed:\n\n" + "\n\n".join(failures)
     assert c.acked == c.produced > 0 and c.reads > 0 and c.read_batches > 0
@@ -225,8 +226,13 @@ def test_a_planted_bug_in_repair_sources_is_caught(monkeypatch: pytest.MonkeyPat
 
     def from_the_dead(segments: Any, nodes: Any, **kw: Any) -> repair.RepairPlan:
         plan = real(segments, nodes, **kw)
-        return dataclasses.replace(plan, copies=tuple(dataclasses.replace(c, source=c.replaces)  # PLANTED
-                                                      for c in plan.copies))  # fmt: skip
+        return dataclasses.replace(
+            plan,
+            copies=tuple(
+                dataclasses.replace(c, source=c.replaces)  # PLANTED
+                for c in plan.copies
+            ),
+        )
 
     monkeypatch.setattr(repair, "plan_repair", from_the_dead)
     _caught(7, "rf2", r"C6 repair of .* chose node \d+, which sent no heartbeat")
@@ -274,8 +280,12 @@ def test_a_planted_bug_in_repair_of_short_segments_is_caught(monkeypatch: pytest
         return real(segments, nodes, **{**kw, "replication_factor": None})  # PLANTED
 
     monkeypatch.setattr(repair, "plan_repair", rf_ignored)
-    _caught(0, "single3", r"liveness after healing: .* \(sealed\) has 2 members .* below replication_factor 3, "
-                          r"while 3 nodes are live: repair did not widen it")  # fmt: skip
+    _caught(
+        0,
+        "single3",
+        r"liveness after healing: .* \(sealed\) has 2 members .* below replication_factor 3, "
+        r"while 3 nodes are live: repair did not widen it",
+    )
 
 
 def test_a_planted_bug_in_the_election_compare_and_set_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -295,8 +305,11 @@ def test_a_planted_bug_in_the_election_compare_and_set_is_caught(monkeypatch: py
 
 def test_a_planted_bug_in_the_chain_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """site_state.py: the next segment starts at the last one's base instead of its sealed end."""
-    monkeypatch.setattr(site_state.PartitionInfo, "next_base_offset", property(
-        lambda self: LocalOffset(0) if not self.segments else self.segments[-1].base_offset))  # PLANTED
+    monkeypatch.setattr(
+        site_state.PartitionInfo,
+        "next_base_offset",
+        property(lambda self: LocalOffset(0) if not self.segments else self.segments[-1].base_offset),
+    )  # PLANTED
     _caught(0, "single3", r"C2 chain: .* starts at \d+, not at \d+ where the previous one was sealed")
 
 
@@ -329,8 +342,12 @@ def test_a_planted_bug_in_the_producers_history_is_caught(monkeypatch: pytest.Mo
     segment, leaves a successor that knows an older sequence: the producer's next batch is refused, though the
     partition holds the batch before it (caught at the refusal, before the producer gives up on the batch)."""
     monkeypatch.setattr(producer_snapshot, "history_at_open", lambda sealed, held: held())  # PLANTED
-    _caught(2, "single3", r"spurious OutOfOrderSequence: node \d+ refused producer \d+'s sequence \d+ of .* expecting "
-                          r"\d+, but the partition holds its batches up to sequence \d+")  # fmt: skip
+    _caught(
+        2,
+        "single3",
+        r"spurious OutOfOrderSequence: node \d+ refused producer \d+'s sequence \d+ of .* expecting "
+        r"\d+, but the partition holds its batches up to sequence \d+",
+    )
 
 
 def test_every_check_has_a_planted_bug_that_it_catches() -> None:
@@ -345,20 +362,34 @@ def test_every_check_has_a_planted_bug_that_it_catches() -> None:
 
 def test_the_repair_planner_fills_short_members_and_never_reads_from_them() -> None:
     nodes = [placement.NodeLoad(NodeId(n), 100 << 30, 0, alive=n != 3, draining=False) for n in (1, 2, 3, 4)]
-    short = repair.SegmentView("t", 0, SegmentId(0), (NodeId(1), NodeId(2), NodeId(4)), True, 1 << 20,
-                               short=(NodeId(2),))  # fmt: skip
-    lost = repair.SegmentView("t", 0, SegmentId(1), (NodeId(1), NodeId(3), NodeId(2)), True, 1 << 20,
-                              short=(NodeId(1),))  # fmt: skip
-    plan = repair.plan_repair([short, lost], nodes, down_since_ms={NodeId(3): 0}, now_ms=10_000,
-                              repair_delay_ms=1_000, max_concurrent_copies=4)  # fmt: skip
+    short = repair.SegmentView(
+        "t", 0, SegmentId(0), (NodeId(1), NodeId(2), NodeId(4)), True, 1 << 20, short=(NodeId(2),)
+    )
+    lost = repair.SegmentView(
+        "t", 0, SegmentId(1), (NodeId(1), NodeId(3), NodeId(2)), True, 1 << 20, short=(NodeId(1),)
+    )
+    plan = repair.plan_repair(
+        [short, lost],
+        nodes,
+        down_since_ms={NodeId(3): 0},
+        now_ms=10_000,
+        repair_delay_ms=1_000,
+        max_concurrent_copies=4,
+    )
     assert plan.fills == (
         repair.FillSegment("t", 0, SegmentId(0), NodeId(1), NodeId(2)),
         repair.FillSegment("t", 0, SegmentId(1), NodeId(2), NodeId(1)),
     )
     (copy,) = plan.copies
     assert (copy.segment_id, copy.replaces, copy.target, copy.source) == (1, 3, 4, 2)  # not from short node 1
-    without = repair.plan_repair([dataclasses.replace(short, short=())], nodes, down_since_ms={NodeId(3): 0},
-                                 now_ms=10_000, repair_delay_ms=1_000, max_concurrent_copies=4)  # fmt: skip
+    without = repair.plan_repair(
+        [dataclasses.replace(short, short=())],
+        nodes,
+        down_since_ms={NodeId(3): 0},
+        now_ms=10_000,
+        repair_delay_ms=1_000,
+        max_concurrent_copies=4,
+    )
     assert without.fills == () and without.copies == ()  # the old input gives the old plan
 
 
@@ -374,8 +405,9 @@ def test_a_three_node_rf3_site_with_a_node_down_keeps_taking_acks_all_writes() -
     assert (sim.cfg.nodes, sim.cfg.rf, sim.cfg.aq) == (3, 3, 2)
     assert c.kills > 0 and c.opens_short > 0 and c.acked_short > 0 and c.members_added > 0
     short = [seg for seg, size in sorted(sim.checker.opened_size.items()) if size == 2]
-    acked_in_short = [a for acks in sim.checker.acked.values() for a in acks.values()
-                      if (a.key[0], a.key[1], a.segment_id) in short]  # fmt: skip
+    acked_in_short = [
+        a for acks in sim.checker.acked.values() for a in acks.values() if (a.key[0], a.key[1], a.segment_id) in short
+    ]
     assert acked_in_short, "no acks=all write was released in a segment opened with a node down"
     for info in sim.meta.partitions():
         assert all(len(s.ensemble) == 3 for s in info.segments if s.sealed), info
@@ -431,8 +463,11 @@ def test_the_same_seed_gives_the_same_run_in_other_processes() -> None:
     for hash_seed in ("1", "2"):
         done = subprocess.run(
             [sys.executable, "-m", "georep.sim", "--cluster", "--seed", "9", "--shape", "expand5"],
-            capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONHASHSEED": hash_seed},
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
+        )
         assert done.returncode == 0, done.stderr
         traces.add(done.stdout.split("trace=")[1].split()[0])
     assert len(traces) == 1

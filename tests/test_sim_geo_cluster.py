@@ -55,8 +55,10 @@ def _one_run(run: tuple[int, str]) -> Outcome:
     return result.counts, cluster, geo
 
 
-@pytest.mark.parametrize("topology", [pytest.param(t, marks=() if i == 0 else pytest.mark.slow)
-                                      for i, t in enumerate(GEO_CLUSTER_TOPOLOGIES)])  # quick: the first only
+@pytest.mark.parametrize(
+    "topology",
+    [pytest.param(t, marks=() if i == 0 else pytest.mark.slow) for i, t in enumerate(GEO_CLUSTER_TOPOLOGIES)],
+)  # quick: the first only
 def test_swarm_with_a_multi_node_site_keeps_every_invariant(topology: str, pool: ProcessPoolExecutor) -> None:
     first = SEED_BASE + GEO_CLUSTER_TOPOLOGIES.index(topology) * 1_000
     runs = [(seed, topology) for seed in range(first, first + SEEDS_PER_TOPOLOGY)]
@@ -144,9 +146,12 @@ def test_a_planted_bug_in_the_producers_history_is_caught_at_a_refusal(monkeypat
     """The same planted rule, where the successor knows the producer but an older sequence: the producer's next
     batch is refused with OutOfOrderSequence though the chain holds the batch before it (ring4-split seed 37)."""
     monkeypatch.setattr(producer_snapshot, "history_at_open", lambda sealed, held: held())  # PLANTED
-    with pytest.raises(SimulationFailure, match=r"spurious OutOfOrderSequence: \w+ refused producer \d+'s sequence "
-                                                r"\d+ of .* expecting \d+, but the chain holds its batches up to "
-                                                r"sequence \d+") as failure:  # fmt: skip
+    with pytest.raises(
+        SimulationFailure,
+        match=r"spurious OutOfOrderSequence: \w+ refused producer \d+'s sequence "
+        r"\d+ of .* expecting \d+, but the chain holds its batches up to "
+        r"sequence \d+",
+    ) as failure:
         run_geo_cluster_seed(37, "ring4-split")
     assert "python -m georep.sim --geo-cluster --seed 37 --topology ring4-split" in failure.value.replay
 
@@ -161,4 +166,3 @@ def test_the_replay_command_runs_one_seed(capsys: pytest.CaptureFixture[str]) ->
 def test_the_replay_command_refuses_both_simulators() -> None:
     with pytest.raises(SystemExit):
         sim_main(["--geo-cluster", "--cluster", "--seed", "1"])
-

@@ -102,18 +102,18 @@ def test_producers_follow_partition_leaders_across_kills_and_lose_nothing(tmp_pa
         sent = 0
         async with Producer(bootstrap, acks="all", linger_ms=2, batch_size=2048, delivery_timeout_ms=60_000) as p:
             while not stop.is_set():
-                futures = [p.send(topic, f"{name}-{sent + i}".encode(), key=f"k{sent + i}".encode())
-                           for i in range(20)]  # fmt: skip
+                futures = [p.send(topic, f"{name}-{sent + i}".encode(), key=f"k{sent + i}".encode()) for i in range(20)]
                 for meta in await asyncio.gather(*futures):
-                    acked.add((meta.partition, str(meta.origin), meta.origin_seq,
-                               f"{name}-{sent}".encode()))  # fmt: skip
+                    acked.add((meta.partition, str(meta.origin), meta.origin_seq, f"{name}-{sent}".encode()))
                     sent += 1
         return sent
 
     async def drive() -> tuple[int, int]:
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(produce("p1", site.address(1), stop)),
-                 asyncio.create_task(produce("p2", site.address(3), stop))]  # fmt: skip
+        tasks = [
+            asyncio.create_task(produce("p1", site.address(1), stop)),
+            asyncio.create_task(produce("p2", site.address(3), stop)),
+        ]
         loop = asyncio.get_running_loop()
         for _ in range(2):
             await asyncio.sleep(1.5)
@@ -158,6 +158,8 @@ async def consume_all(bootstrap: str, topic: str, partitions: int, expect: int) 
         while len(out) < expect and time.monotonic() < deadline:
             for r in await consumer.poll(timeout_ms=500):
                 out.append((r.partition, str(r.origin), r.origin_seq, bytes(r.value or b"")))
-        out += [(r.partition, str(r.origin), r.origin_seq, bytes(r.value or b""))
-                for r in await consumer.poll(timeout_ms=300)]  # nothing more may come  # fmt: skip
+        out += [
+            (r.partition, str(r.origin), r.origin_seq, bytes(r.value or b""))
+            for r in await consumer.poll(timeout_ms=300)
+        ]  # nothing more may come
     return out

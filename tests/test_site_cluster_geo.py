@@ -28,18 +28,24 @@ PARTITIONS = 2
 @pytest.mark.slow
 def test_a_multi_node_site_replicates_both_ways_through_a_leader_kill(tmp_path: Path) -> None:
     b_port = free_ports(1)[0]
-    more = (f'[sites.b]\nnodes = ["127.0.0.1:{b_port}"]\n'
-            '[[links]]\nsrc = "a"\ndst = "b"\n[[links]]\nsrc = "b"\ndst = "a"\n')  # fmt: skip
+    more = (
+        f'[sites.b]\nnodes = ["127.0.0.1:{b_port}"]\n[[links]]\nsrc = "a"\ndst = "b"\n[[links]]\nsrc = "b"\ndst = "a"\n'
+    )
     extra = ["--session-timeout-ms", "1500", "--segment-bytes-max", "16384"]
     site_a = ClusterSite(tmp_path, 3, extra_args=extra, more_toml=more)
-    b = NodeProcess("b", tmp_path / "b", listen=f"127.0.0.1:{b_port}",
-                    extra_args=["--topology", str(site_a.topology), "--scrub-bytes-per-s", "0"])  # fmt: skip
+    b = NodeProcess(
+        "b",
+        tmp_path / "b",
+        listen=f"127.0.0.1:{b_port}",
+        extra_args=["--topology", str(site_a.topology), "--scrub-bytes-per-s", "0"],
+    )
     acked: dict[str, set[tuple[int, str, int]]] = {"a": set(), "b": set()}
 
     async def produce(site: str, bootstrap: str, acks: str, stop: asyncio.Event) -> None:
         n = 0
-        async with Producer(bootstrap, acks=acks, linger_ms=2, batch_size=1024, delivery_timeout_ms=60_000,
-                            request_timeout_ms=20_000) as producer:  # fmt: skip
+        async with Producer(
+            bootstrap, acks=acks, linger_ms=2, batch_size=1024, delivery_timeout_ms=60_000, request_timeout_ms=20_000
+        ) as producer:
             while not stop.is_set():
                 futures = [producer.send(TOPIC, f"{site}-{n + i}".encode(), key=f"{n + i}".encode()) for i in range(10)]
                 for meta in await asyncio.gather(*futures):
@@ -48,8 +54,10 @@ def test_a_multi_node_site_replicates_both_ways_through_a_leader_kill(tmp_path: 
 
     async def drive() -> None:
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(produce("a", site_a.address(1), "geo:2", stop)),
-                 asyncio.create_task(produce("b", b.address, "geo:2", stop))]  # fmt: skip
+        tasks = [
+            asyncio.create_task(produce("a", site_a.address(1), "geo:2", stop)),
+            asyncio.create_task(produce("b", b.address, "geo:2", stop)),
+        ]
         loop = asyncio.get_running_loop()
         await asyncio.sleep(2.0)
         victim = await loop.run_in_executor(None, site_a.wait_leader, TOPIC, 0)

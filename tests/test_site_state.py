@@ -54,10 +54,6 @@ def vec(text: str) -> VectorOffset:
     return VectorOffset.parse(text)
 
 
-
-
-
-
 def site(nodes: tuple[NodeId, ...] = (N1, N2, N3, N4), now_ms: int = 1_000, topic: str = "t") -> SiteState:
     """Nodes registered and heartbeating at ``now_ms``, topic ``topic`` with 2 partitions."""
     state = SiteState()
@@ -108,9 +104,15 @@ def test_every_command_round_trips_through_json(command: Command) -> None:
 def test_the_log_format_is_plain_json_with_a_version_and_kind() -> None:
     seal = SealSegment("t", 0, E2, S1, LocalOffset(50), vec("a@1:40,b@2:10"))
     assert seal.to_dict() == {
-        "v": 1, "kind": "seal_segment", "topic": "t", "partition": 0, "epoch": 2, "segment_id": 1,
-        "end_offset": 50, "end_vector": {"a@1": 40, "b@2": 10},
-    }  # fmt: skip
+        "v": 1,
+        "kind": "seal_segment",
+        "topic": "t",
+        "partition": 0,
+        "epoch": 2,
+        "segment_id": 1,
+        "end_offset": 50,
+        "end_vector": {"a@1": 40, "b@2": 10},
+    }
 
 
 @pytest.mark.parametrize(
@@ -124,13 +126,36 @@ def test_the_log_format_is_plain_json_with_a_version_and_kind() -> None:
         ({"v": 1, "kind": "register_node", "node": True, "address": "h:1"}, "'node' must be an integer"),
         ({"v": 1, "kind": "register_node", "node": 0, "address": "h:1"}, "invalid node id 0"),
         ({"v": 1, "kind": "set_draining", "node": 1, "draining": "yes"}, "'draining' must be true or false"),
-        ({"v": 1, "kind": "open_segment", "topic": "t", "partition": 0, "epoch": 1, "base_offset": 0,
-          "ensemble": []}, "at least one node"),  # fmt: skip
-        ({"v": 1, "kind": "seal_segment", "topic": "t", "partition": 0, "epoch": 1, "segment_id": 0,
-          "end_offset": 5, "end_vector": {"not-an-origin": 5}}, "invalid origin"),  # fmt: skip
+        (
+            {
+                "v": 1,
+                "kind": "open_segment",
+                "topic": "t",
+                "partition": 0,
+                "epoch": 1,
+                "base_offset": 0,
+                "ensemble": [],
+            },
+            "at least one node",
+        ),
+        (
+            {
+                "v": 1,
+                "kind": "seal_segment",
+                "topic": "t",
+                "partition": 0,
+                "epoch": 1,
+                "segment_id": 0,
+                "end_offset": 5,
+                "end_vector": {"not-an-origin": 5},
+            },
+            "invalid origin",
+        ),
         ({"v": 1, "kind": "create_topic", "name": "a b", "partitions": 1, "config": {}}, "invalid topic name"),
-        ({"v": 1, "kind": "add_member", "topic": "t", "partition": 0, "segment_id": 0, "node": 4},
-         "'replication_factor' must be an integer"),  # fmt: skip
+        (
+            {"v": 1, "kind": "add_member", "topic": "t", "partition": 0, "segment_id": 0, "node": 4},
+            "'replication_factor' must be an integer",
+        ),
     ],
 )
 def test_undecodable_commands_are_refused_with_the_reason(raw: Any, match: str) -> None:
@@ -243,8 +268,10 @@ def test_elect_leader_is_a_compare_and_set_on_the_epoch() -> None:
 
 def test_while_a_segment_is_open_the_leader_comes_from_its_ensemble() -> None:
     state = led(site(), N1, (N1, N2, N3))
-    assert "not in the ensemble [1, 2, 3]" in refused(state, ElectLeader("t", 0, N4, E1),
-                                                      RefusalCode.NOT_IN_ENSEMBLE).reason  # fmt: skip
+    assert (
+        "not in the ensemble [1, 2, 3]"
+        in refused(state, ElectLeader("t", 0, N4, E1), RefusalCode.NOT_IN_ENSEMBLE).reason
+    )
     applied(state, ElectLeader("t", 0, N3, E1))
     # once sealed, any node may lead: there is nothing to recover
     applied(state, SealSegment("t", 0, E2, S0, LocalOffset(10), vec("a@1:10")))
@@ -259,18 +286,24 @@ def test_open_segment_rules() -> None:
     refused(state, OpenSegment("t", 0, E0, LocalOffset(0), (N1,)), RefusalCode.STALE_EPOCH)  # no leader yet
     applied(state, ElectLeader("t", 0, N1, E0))
     refused(state, OpenSegment("t", 0, E0, LocalOffset(0), (N1,)), RefusalCode.STALE_EPOCH)
-    assert "must start at offset 0" in refused(state, OpenSegment("t", 0, E1, LocalOffset(5), (N1, N2)),
-                                               RefusalCode.BASE_OFFSET_MISMATCH).reason  # fmt: skip
-    assert "must start with its leader, node 1" in refused(state, OpenSegment("t", 0, E1, LocalOffset(0), (N2, N1)),
-                                                            RefusalCode.INVALID_ENSEMBLE).reason  # fmt: skip
+    assert (
+        "must start at offset 0"
+        in refused(state, OpenSegment("t", 0, E1, LocalOffset(5), (N1, N2)), RefusalCode.BASE_OFFSET_MISMATCH).reason
+    )
+    assert (
+        "must start with its leader, node 1"
+        in refused(state, OpenSegment("t", 0, E1, LocalOffset(0), (N2, N1)), RefusalCode.INVALID_ENSEMBLE).reason
+    )
     refused(state, OpenSegment("t", 0, E1, LocalOffset(0), (N1, N5)), RefusalCode.UNKNOWN_NODE)
 
     opened = applied(state, OpenSegment("t", 0, E1, LocalOffset(0), (N1, N2, N3)))
     assert opened.segment_id == S0
     retry = applied(state, OpenSegment("t", 0, E1, LocalOffset(0), (N1, N2, N3)))
     assert (retry.changed, retry.segment_id) == (False, S0), "a retried open is a no-op"
-    assert "segment 0 of t/0 is still open" in refused(state, OpenSegment("t", 0, E1, LocalOffset(0), (N1, N4)),
-                                                       RefusalCode.SEGMENT_OPEN).reason  # fmt: skip
+    assert (
+        "segment 0 of t/0 is still open"
+        in refused(state, OpenSegment("t", 0, E1, LocalOffset(0), (N1, N4)), RefusalCode.SEGMENT_OPEN).reason
+    )
 
     applied(state, SealSegment("t", 0, E1, S0, LocalOffset(42), vec("a@1:42")))
     refused(state, OpenSegment("t", 0, E1, LocalOffset(41), (N1, N4)), RefusalCode.BASE_OFFSET_MISMATCH)
@@ -293,8 +326,12 @@ def test_seal_segment_rules() -> None:
     applied(state, SealSegment("t", 0, E2, S0, LocalOffset(5), vec("a@1:3,b@2:2")))
     again = applied(state, SealSegment("t", 0, E2, S0, LocalOffset(5), vec("b@2:2,a@1:3")))
     assert again.changed is False, "sealing again at the same end is a no-op"
-    assert "never changes" in refused(state, SealSegment("t", 0, E2, S0, LocalOffset(6), vec("a@1:4,b@2:2")),
-                                      RefusalCode.END_MISMATCH).reason  # fmt: skip
+    assert (
+        "never changes"
+        in refused(
+            state, SealSegment("t", 0, E2, S0, LocalOffset(6), vec("a@1:4,b@2:2")), RefusalCode.END_MISMATCH
+        ).reason
+    )
     refused(state, SealSegment("t", 0, E2, S0, LocalOffset(5), vec("a@1:5")), RefusalCode.END_MISMATCH)
 
     applied(state, OpenSegment("t", 0, E2, LocalOffset(5), (N2, N3)))
@@ -317,8 +354,10 @@ def test_replace_member_repairs_sealed_segments_only() -> None:
     assert part(state).segments[0].ensemble == (N1, N4, N3), "the new member takes the old one's place"
     assert applied(state, ReplaceMember("t", 0, S0, N2, N4)).changed is False, "a retried repair is a no-op"
     # a second repair planned from the old state (N2 -> another node) lost the race
-    assert "another repair replaced it" in refused(state, ReplaceMember("t", 0, S0, N2, N5),
-                                                   RefusalCode.NOT_A_MEMBER).reason  # fmt: skip
+    assert (
+        "another repair replaced it"
+        in refused(state, ReplaceMember("t", 0, S0, N2, N5), RefusalCode.NOT_A_MEMBER).reason
+    )
 
 
 def test_add_member_widens_a_short_sealed_segment_up_to_the_replication_factor() -> None:
@@ -346,9 +385,14 @@ def test_snapshot_is_plain_json_and_restores() -> None:
     applied(state, SetDraining(N4, True))
     raw = json.loads(json.dumps(state.snapshot()))
     assert raw["partitions"][0]["segments"][0] == {
-        "segment_id": 0, "base_offset": 0, "ensemble": [1, 2, 3], "opened_epoch": 1, "state": "sealed",
-        "end_offset": 10, "end_vector": {"a@1": 10},
-    }  # fmt: skip
+        "segment_id": 0,
+        "base_offset": 0,
+        "ensemble": [1, 2, 3],
+        "opened_epoch": 1,
+        "state": "sealed",
+        "end_offset": 10,
+        "end_vector": {"a@1": 10},
+    }
     restored = SiteState.restore(raw)
     assert restored == state and restored.snapshot() == state.snapshot()
     assert restored.copy() == state
@@ -381,8 +425,9 @@ def test_plan_leadership_picks_a_live_member_of_the_open_ensemble() -> None:
     # t/0: N1 expired -> N3; t/1: no segment -> any live node, the most recent heartbeat (N4)
     assert plan == [ElectLeader("t", 0, N3, E1), ElectLeader("t", 1, N4, E0)]
     assert [(p.topic, p.partition) for p in partitions_without_leader(state, now_ms, SESSION_MS)] == [
-        ("t", 0), ("t", 1)
-    ]  # fmt: skip
+        ("t", 0),
+        ("t", 1),
+    ]
 
     applied(state, SetDraining(N3, True))  # a draining member is the last resort
     assert plan_leadership(state, now_ms, SESSION_MS)[0] == ElectLeader("t", 0, N2, E1)

@@ -65,8 +65,9 @@ batches = st.lists(st.tuples(st.integers(0, 1), st.integers(1, 4)), min_size=1, 
 
 @settings(max_examples=200, deadline=None)
 @given(counts=batches, data=st.data(), sealed=st.booleans())
-def test_whole_bytes_are_taken_as_they_are_whatever_the_index_says(counts: list[tuple[int, int]],
-                                                                  data: st.DataObject, sealed: bool) -> None:
+def test_whole_bytes_are_taken_as_they_are_whatever_the_index_says(
+    counts: list[tuple[int, int]], data: st.DataObject, sealed: bool
+) -> None:
     raw, truth = build(counts)
     end = truth[-1].next_offset
     packed = bytearray(pack_entries(truth))
@@ -76,15 +77,17 @@ def test_whole_bytes_are_taken_as_they_are_whatever_the_index_says(counts: list[
     evidence = list(iter_origin_entries(bytes(packed[: len(packed) // ORIGIN_ENTRY_BYTES * ORIGIN_ENTRY_BYTES])))
     got = plan(raw, evidence, end if sealed else None, end)
     assert got.refused is None and got.cut is None and not got.lost
-    assert got.entries == truth or [
-        e for e, t in zip(got.entries, truth, strict=True) if e != t and e.append_time_ms == t.append_time_ms
-    ] == []  # only an append time can come from the index (its second copy): every other field is the batch's
+    assert (
+        got.entries == truth
+        or [e for e, t in zip(got.entries, truth, strict=True) if e != t and e.append_time_ms == t.append_time_ms] == []
+    )  # only an append time can come from the index (its second copy): every other field is the batch's
 
 
 @settings(max_examples=300, deadline=None)
 @given(counts=batches, data=st.data(), kind=st.sampled_from(["flip", "zero", "tear"]), sealed=st.booleans())
-def test_damage_is_named_with_the_coordinates_the_batches_had(counts: list[tuple[int, int]], data: st.DataObject,
-                                                              kind: str, sealed: bool) -> None:  # fmt: skip
+def test_damage_is_named_with_the_coordinates_the_batches_had(
+    counts: list[tuple[int, int]], data: st.DataObject, kind: str, sealed: bool
+) -> None:
     raw, truth = build(counts)
     end = truth[-1].next_offset
     damaged = bytearray(raw)
@@ -114,8 +117,9 @@ def test_damage_is_named_with_the_coordinates_the_batches_had(counts: list[tuple
 
 @settings(max_examples=200, deadline=None)
 @given(counts=batches, data=st.data())
-def test_without_an_index_damage_below_the_durable_end_is_refused_and_above_it_cut(counts: list[tuple[int, int]],
-                                                                                  data: st.DataObject) -> None:
+def test_without_an_index_damage_below_the_durable_end_is_refused_and_above_it_cut(
+    counts: list[tuple[int, int]], data: st.DataObject
+) -> None:
     raw, truth = build(counts)
     end = truth[-1].next_offset
     victim = data.draw(st.sampled_from(truth), label="victim")
@@ -137,7 +141,11 @@ def test_an_index_entry_that_breaks_its_origins_sequence_is_not_believed() -> No
     damaged = bytearray(raw)
     damaged[truth[1].position + 60] ^= 0x01
     lying = list(truth)
-    lying[1] = OriginEntry(**{**{f: getattr(truth[1], f) for f in OriginEntry.__dataclass_fields__},
-                              "base_origin_seq": truth[1].base_origin_seq + 2})  # fmt: skip
+    lying[1] = OriginEntry(
+        **{
+            **{f: getattr(truth[1], f) for f in OriginEntry.__dataclass_fields__},
+            "base_origin_seq": truth[1].base_origin_seq + 2,
+        }
+    )
     assert plan(bytes(damaged), lying, None, truth[-1].next_offset).refused is not None
     assert plan(bytes(damaged), truth, None, truth[-1].next_offset).lost[0].entry == truth[1]

@@ -40,8 +40,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def node(pki: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     certs, _ = pki
-    proc = NodeProcess(site="a", data_dir=tmp_path_factory.mktemp("node") / "a",
-                       tls=TlsConfig.from_dir(certs, SITE_A)).start()  # fmt: skip
+    proc = NodeProcess(
+        site="a", data_dir=tmp_path_factory.mktemp("node") / "a", tls=TlsConfig.from_dir(certs, SITE_A)
+    ).start()
     yield proc
     proc.stop()
 
@@ -67,7 +68,8 @@ def test_a_client_with_a_ca_signed_certificate_produces_and_consumes(node: NodeP
 
 
 def test_clients_without_a_trusted_certificate_are_refused_with_what_to_pass(
-        node: NodeProcess, pki: tuple[Path, Path], tmp_path: Path) -> None:  # fmt: skip
+    node: NodeProcess, pki: tuple[Path, Path], tmp_path: Path
+) -> None:
     certs, other = pki
     with pytest.raises(TlsRefused) as no_cert:
         asyncio.run(_topics(node.address, None))
@@ -83,8 +85,14 @@ def test_clients_without_a_trusted_certificate_are_refused_with_what_to_pass(
 
     # the command line says the same, and works with the directory 'georep certs init' wrote
     env = {"GEOREP_TLS_DIR": ""}
-    refused = subprocess.run([sys.executable, "-m", "georep.cli", "topic", "list", "--bootstrap", node.address],
-                             capture_output=True, text=True, timeout=60, cwd=tmp_path, env=_env(env))  # fmt: skip
+    refused = subprocess.run(
+        [sys.executable, "-m", "georep.cli", "topic", "list", "--bootstrap", node.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=_env(env),
+    )
     assert refused.returncode == 1 and "--tls-dir" in refused.stderr and "Traceback" not in refused.stderr
     listed = georep("topic", "list", "--bootstrap", node.address, "--tls-dir", str(certs), env=env)
     assert listed.returncode == 0, listed.stderr.decode()
@@ -98,8 +106,10 @@ def _server_serial(address: str, certs: Path) -> int:
     host, _, port = address.rpartition(":")
     context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
     context.load_cert_chain(str(certs / "client-admin.crt"), str(certs / "client-admin.key"))
-    with socket.create_connection((host, int(port)), timeout=5) as raw, \
-            context.wrap_socket(raw, server_hostname=host) as conn:  # fmt: skip
+    with (
+        socket.create_connection((host, int(port)), timeout=5) as raw,
+        context.wrap_socket(raw, server_hostname=host) as conn,
+    ):
         der = conn.getpeercert(binary_form=True)
     assert der is not None
     return x509.load_der_x509_certificate(der).serial_number
@@ -128,7 +138,8 @@ def test_two_tls_sites_replicate(tmp_path: Path) -> None:
                 await admin.create_topic("t", 2)
             wait_until("b has the topic", lambda: sites.vectors("b", "t") != {})
             return await produce(sites.address("a"), "t", "a", 200, tls=tls) | await produce(
-                sites.address("b"), "t", "b", 200, tls=tls)
+                sites.address("b"), "t", "b", 200, tls=tls
+            )
 
         sent = asyncio.run(write())
         wait_until("a and b converge over mutual TLS", lambda: converged(sites, ["a", "b"], "t", len(sent)))

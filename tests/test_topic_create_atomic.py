@@ -81,8 +81,13 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 def test_a_disk_that_fills_during_a_create_leaves_no_orphan_directory(small_disk: Path, tmp_path: Path) -> None:
     data = small_disk / "a"
-    node = NodeProcess(site="a", data_dir=data, listen=f"127.0.0.1:{free_ports(1)[0]}", extra_args=["--insecure"],
-                       log_path=tmp_path / "node.log")  # fmt: skip
+    node = NodeProcess(
+        site="a",
+        data_dir=data,
+        listen=f"127.0.0.1:{free_ports(1)[0]}",
+        extra_args=["--insecure"],
+        log_path=tmp_path / "node.log",
+    )
     node.start()
     try:
         stub = stub_of(node)
@@ -98,8 +103,9 @@ def test_a_disk_that_fills_during_a_create_leaves_no_orphan_directory(small_disk
         node.stop()
         node.start()
         assert partition_dirs(data, "big") == []
-        remount = subprocess.run(["mount", "-o", "remount,nr_inodes=100000", str(small_disk)], capture_output=True,
-                                 text=True)  # fmt: skip
+        remount = subprocess.run(
+            ["mount", "-o", "remount,nr_inodes=100000", str(small_disk)], capture_output=True, text=True
+        )
         assert remount.returncode == 0, remount.stderr
         stub = stub_of(node)
         stub.CreateTopic(pb.CreateTopicRequest(name="big", partitions=500), timeout=60)  # the retry makes it whole

@@ -62,8 +62,11 @@ def S(text: str) -> SiteId:  # reads like a constructor
     return SiteId(text)
 
 
-def make(links: Sequence[tuple[str, str] | tuple[str, str, int]], *,
-         topics: dict[tuple[str, str], tuple[str, ...]] | None = None) -> Topology:
+def make(
+    links: Sequence[tuple[str, str] | tuple[str, str, int]],
+    *,
+    topics: dict[tuple[str, str], tuple[str, ...]] | None = None,
+) -> Topology:
     """A topology from (src, dst[, cost]) tuples, with every site they mention."""
     ids = sorted({end for link in links for end in (link[0], link[1])})
     site_list = tuple(Site(S(s), (f"127.0.0.1:{7000 + 100 * i + 1}",)) for i, s in enumerate(ids))
@@ -87,14 +90,15 @@ def test_the_issue_example_parses() -> None:
     assert warnings(t) == [
         "site 'a' is not reached by any link: records written at other sites never get there "
         "(add a [[links]] table with dst = 'a')",
-        "site 'b' has no outgoing link: records written at 'b' never leave it "
-        "(add a [[links]] table with src = 'b')",
+        "site 'b' has no outgoing link: records written at 'b' never leave it (add a [[links]] table with src = 'b')",
     ]
 
 
 def test_topics_and_cost_are_optional_and_default_to_everything_and_1() -> None:
-    t = parse_topology(SITES_AB + '[[links]]\nsrc = "a"\ndst = "b"\n[[links]]\nsrc = "b"\ndst = "a"\ncost = 7\n'
-                       'topics = ["orders/**", "+/audit"]\n')
+    t = parse_topology(
+        SITES_AB + '[[links]]\nsrc = "a"\ndst = "b"\n[[links]]\nsrc = "b"\ndst = "a"\ncost = 7\n'
+        'topics = ["orders/**", "+/audit"]\n'
+    )
     ab, ba = t.link("a", "b"), t.link("b", "a")
     assert ab.topics == (TopicFilter("**"),) and ab.cost == 1 and ab.carries("anything/at/all")
     assert ba.cost == 7 and [str(f) for f in ba.topics] == ["orders/**", "+/audit"]
@@ -121,8 +125,9 @@ def links_text(*pairs: str, extra: str = "") -> str:
 
 def node_table(n: int, *, nid: int | None = None, address: str | None = None, raft: str | None = None) -> str:
     """Node n of site b in the table form: gRPC port 720n, Raft port 721n unless told otherwise."""
-    return NodeSpec(NodeId(n if nid is None else nid), address or f"127.0.0.1:{7200 + n}",
-                    raft or f"127.0.0.1:{7210 + n}").as_toml()
+    return NodeSpec(
+        NodeId(n if nid is None else nid), address or f"127.0.0.1:{7200 + n}", raft or f"127.0.0.1:{7210 + n}"
+    ).as_toml()
 
 
 BAD_FILES = {
@@ -130,22 +135,13 @@ BAD_FILES = {
         SITES_AB + links_text("ab", "bz"),
         "link #2 (b -> z): unknown site 'z'; known sites: a, b",
     ),
-    "unknown src": (
-        SITES_AB + links_text("qa"),
-        "link #1 (q -> a): unknown site 'q'; known sites: a, b",
-    ),
-    "self-link": (
-        SITES_AB + links_text("ab", "aa"),
-        "link #2 (a -> a): a link from a site to itself is not allowed",
-    ),
+    "unknown src": (SITES_AB + links_text("qa"), "link #1 (q -> a): unknown site 'q'; known sites: a, b"),
+    "self-link": (SITES_AB + links_text("ab", "aa"), "link #2 (a -> a): a link from a site to itself is not allowed"),
     "duplicate link": (
         SITES_AB + links_text("ab", "ba", "ab"),
         "link #3 (a -> b): duplicate of link #1; keep one link and put all its topic filters in it",
     ),
-    "missing dst": (
-        SITES_AB + '[[links]]\nsrc = "a"\n',
-        "link #1: missing 'dst'",
-    ),
+    "missing dst": (SITES_AB + '[[links]]\nsrc = "a"\n', "link #1: missing 'dst'"),
     "site id that is not a string": (
         SITES_AB + '[[links]]\nsrc = "a"\ndst = 2\n',
         "link #1: 'dst' must be a site id string, got 2",
@@ -162,14 +158,8 @@ BAD_FILES = {
         SITES_AB + '[[link]]\nsrc = "a"\ndst = "b"\n',
         "top level: unknown key 'link'; allowed keys are links, sites",
     ),
-    "missing nodes": (
-        "[sites.a]\n",
-        "[sites.a]: missing 'nodes', for example nodes = [\"127.0.0.1:7101\"]",
-    ),
-    "site with no nodes": (
-        "[sites.a]\nnodes = []\n",
-        "site 'a' has no nodes: list at least one",
-    ),
+    "missing nodes": ("[sites.a]\n", "[sites.a]: missing 'nodes', for example nodes = [\"127.0.0.1:7101\"]"),
+    "site with no nodes": ("[sites.a]\nnodes = []\n", "site 'a' has no nodes: list at least one"),
     "nodes not a list": (
         '[sites.a]\nnodes = "127.0.0.1:7101"\n',
         '[sites.a]: nodes must be a list of strings "HOST:PORT" or of tables '
@@ -191,8 +181,7 @@ BAD_FILES = {
     ),
     "node table without an id": (
         '[sites.b]\nnodes = [{ address = "127.0.0.1:7201" }]\n',
-        "[sites.b], node #1: missing 'id'; write the node as "
-        '{ id = 1, address = "HOST:PORT", raft = "HOST:PORT" }',
+        '[sites.b], node #1: missing \'id\'; write the node as { id = 1, address = "HOST:PORT", raft = "HOST:PORT" }',
     ),
     "node table without an address": (
         "[sites.b]\nnodes = [" + node_table(1) + ', { id = 2, raft = "127.0.0.1:7212" }]\n',
@@ -254,13 +243,17 @@ BAD_FILES = {
         "every gRPC, Raft and Kafka address in the topology must be different: use another port",
     ),
     "a Kafka address on some nodes of a multi-node site only": (
-        "[sites.b]\nnodes = [" + NodeSpec(NodeId(1), "127.0.0.1:7201", "127.0.0.1:7211", "127.0.0.1:9201").as_toml()
-        + ", " + node_table(2) + "]\n",
+        "[sites.b]\nnodes = ["
+        + NodeSpec(NodeId(1), "127.0.0.1:7201", "127.0.0.1:7211", "127.0.0.1:9201").as_toml()
+        + ", "
+        + node_table(2)
+        + "]\n",
         "site 'b', node 2 (127.0.0.1:7202) has no Kafka address but other nodes of the site have; give every node "
         'kafka = "HOST:PORT"',
     ),
     "a Kafka address equal to a Raft address": (
-        "[sites.b]\nnodes = [" + NodeSpec(NodeId(1), "127.0.0.1:7201", "127.0.0.1:7211", "127.0.0.1:7211").as_toml()
+        "[sites.b]\nnodes = ["
+        + NodeSpec(NodeId(1), "127.0.0.1:7201", "127.0.0.1:7211", "127.0.0.1:7211").as_toml()
         + "]\n",
         "site 'b', node 1: its Kafka address 127.0.0.1:7211 is its Raft address; the Kafka port is separate: "
         "give kafka a port of its own",
@@ -273,14 +266,8 @@ BAD_FILES = {
         "[sites.b]\nnodes = [" + node_table(1) + ", " + node_table(2, address="127.0.0.1:7201") + "]\n",
         "node address 127.0.0.1:7201 is listed twice; each node needs its own address",
     ),
-    "bad site id (uppercase)": (
-        '[sites.EU]\nnodes = ["127.0.0.1:7101"]\n',
-        "[sites.EU]: invalid site id 'EU'",
-    ),
-    "bad site id (digit first)": (
-        '[sites.1a]\nnodes = ["127.0.0.1:7101"]\n',
-        "[sites.1a]: invalid site id '1a'",
-    ),
+    "bad site id (uppercase)": ('[sites.EU]\nnodes = ["127.0.0.1:7101"]\n', "[sites.EU]: invalid site id 'EU'"),
+    "bad site id (digit first)": ('[sites.1a]\nnodes = ["127.0.0.1:7101"]\n', "[sites.1a]: invalid site id '1a'"),
     "node address without a port": (
         '[sites.a]\nnodes = ["127.0.0.1"]\n',
         "site 'a': node address '127.0.0.1' must be HOST:PORT",
@@ -301,26 +288,14 @@ BAD_FILES = {
         '[sites.a]\nnodes = ["::1:7101"]\n',
         "put an IPv6 host in brackets, for example '[::1]:7101'",
     ),
-    "node address with a bad host name": (
-        '[sites.a]\nnodes = ["my_host:7101"]\n',
-        "'my_host' is not a host name",
-    ),
+    "node address with a bad host name": ('[sites.a]\nnodes = ["my_host:7101"]\n', "'my_host' is not a host name"),
     "the same node address in two sites": (
         '[sites.a]\nnodes = ["127.0.0.1:7101"]\n[sites.b]\nnodes = ["127.0.0.1:7101"]\n',
         "node address 127.0.0.1:7101 is listed by sites 'a' and 'b'",
     ),
-    "no sites": (
-        "",
-        "the topology has no sites",
-    ),
-    "links not an array of tables": (
-        'links = "a -> b"\n' + SITES_AB,
-        "'links' must be an array of tables",
-    ),
-    "not TOML": (
-        "sites: a, b\nlinks: a -> b\n",
-        "not valid TOML: ",
-    ),
+    "no sites": ("", "the topology has no sites"),
+    "links not an array of tables": ('links = "a -> b"\n' + SITES_AB, "'links' must be an array of tables"),
+    "not TOML": ("sites: a, b\nlinks: a -> b\n", "not valid TOML: "),
     "cost 0": (
         SITES_AB + links_text("ab", extra="cost = 0\n"),
         "link #1 (a -> b): cost 0 must be an integer from 1 to 1000000",
@@ -396,8 +371,9 @@ def test_a_programmatic_topology_is_validated_too() -> None:
 
 
 def test_valid_node_addresses() -> None:
-    t = parse_topology('[sites.a]\nnodes = ["localhost:1", "node-1.dc.example.com:65535", "[::1]:7101", '
-                       '"10.0.0.5:7101"]\n')
+    t = parse_topology(
+        '[sites.a]\nnodes = ["localhost:1", "node-1.dc.example.com:65535", "[::1]:7101", "10.0.0.5:7101"]\n'
+    )
     assert len(t.site("a").nodes) == 4
     assert warnings(t) == []  # a single site needs no links
 
@@ -418,8 +394,10 @@ def test_a_site_names_its_nodes_with_ids_and_raft_addresses_next_to_a_site_liste
     a, b = t.site("a"), t.site("b")
     assert a.nodes == ("127.0.0.1:7101",) and a.members == (NodeSpec(NodeId(1), "127.0.0.1:7101", None),)
     assert b.nodes == ("127.0.0.1:7201", "127.0.0.1:7202")  # what every caller of .nodes already reads
-    assert b.members == (NodeSpec(NodeId(1), "127.0.0.1:7201", "127.0.0.1:7211"),
-                         NodeSpec(NodeId(2), "127.0.0.1:7202", "127.0.0.1:7212"))
+    assert b.members == (
+        NodeSpec(NodeId(1), "127.0.0.1:7201", "127.0.0.1:7211"),
+        NodeSpec(NodeId(2), "127.0.0.1:7202", "127.0.0.1:7212"),
+    )
     assert b.member(NodeId(2)).raft == "127.0.0.1:7212"
     assert b.raft_addresses() == {1: "127.0.0.1:7211", 2: "127.0.0.1:7212"}
     assert a.raft_addresses() == {}  # one node: no Raft peers to name
@@ -434,8 +412,9 @@ def test_ids_follow_the_table_not_the_position() -> None:
 
 
 def test_every_node_of_a_site_names_its_kafka_address() -> None:
-    nodes = [NodeSpec(NodeId(n), f"127.0.0.1:{7200 + n}", f"127.0.0.1:{7210 + n}", f"127.0.0.1:{9200 + n}")
-             for n in (1, 2)]  # fmt: skip
+    nodes = [
+        NodeSpec(NodeId(n), f"127.0.0.1:{7200 + n}", f"127.0.0.1:{7210 + n}", f"127.0.0.1:{9200 + n}") for n in (1, 2)
+    ]
     site = parse_topology("[sites.b]\nnodes = [" + ", ".join(n.as_toml() for n in nodes) + "]\n").site("b")
     assert site.kafka_addresses() == {1: "127.0.0.1:9201", 2: "127.0.0.1:9202"}
     assert parse_topology("[sites.b]\nnodes = [" + node_table(1) + "]\n").site("b").kafka_addresses() == {}
@@ -453,7 +432,10 @@ def test_strings_give_ids_by_position_and_no_raft_address() -> None:
     t = parse_topology('[sites.a]\nnodes = ["127.0.0.1:7101", "127.0.0.1:7102", "127.0.0.1:7103"]\n')
     a = t.site("a")
     assert [(m.id, m.address, m.raft) for m in a.members] == [
-        (1, "127.0.0.1:7101", None), (2, "127.0.0.1:7102", None), (3, "127.0.0.1:7103", None)]
+        (1, "127.0.0.1:7101", None),
+        (2, "127.0.0.1:7102", None),
+        (3, "127.0.0.1:7103", None),
+    ]
     assert a.member(NodeId(3)).address == "127.0.0.1:7103"
     with pytest.raises(InvalidTopology) as caught:
         a.raft_addresses()
@@ -467,22 +449,30 @@ def test_strings_give_ids_by_position_and_no_raft_address() -> None:
 
 def test_an_unknown_node_id_says_which_ids_the_site_has() -> None:
     b = parse_topology(TWO_FORMS).site("b")
-    with pytest.raises(InvalidTopology, match=r"site 'b' has no node 3; its node ids are 1, 2: use one of them, "
-                                              r"or add the node to \[sites.b\] nodes"):
+    with pytest.raises(
+        InvalidTopology,
+        match=r"site 'b' has no node 3; its node ids are 1, 2: use one of them, "
+        r"or add the node to \[sites.b\] nodes",
+    ):
         b.member(NodeId(3))
 
 
 def test_a_site_built_in_code_is_checked_like_a_file() -> None:
     built = Site(S("a"), ("127.0.0.1:7101", "127.0.0.1:7102"))
-    assert built == Site.with_members(S("a"), (NodeSpec(NodeId(1), "127.0.0.1:7101"),
-                                               NodeSpec(NodeId(2), "127.0.0.1:7102")))
+    assert built == Site.with_members(
+        S("a"), (NodeSpec(NodeId(1), "127.0.0.1:7101"), NodeSpec(NodeId(2), "127.0.0.1:7102"))
+    )
     with pytest.raises(InvalidTopology, match="site 'a', node #1: id 0 is out of range: use 1 to 4095"):
         Topology((Site.with_members(S("a"), (NodeSpec(NodeId(0), "127.0.0.1:7101"),)),), ())
-    partial = Site.with_members(S("a"), (NodeSpec(NodeId(1), "127.0.0.1:7101", "127.0.0.1:7111"),
-                                         NodeSpec(NodeId(2), "127.0.0.1:7102")))
-    with pytest.raises(InvalidTopology, match=r"site 'a', node 2 \(127.0.0.1:7102\) has no Raft address but other "
-                                              r'nodes of the site have; a site with more than one node needs '
-                                              r'raft = "HOST:PORT" on every node'):
+    partial = Site.with_members(
+        S("a"), (NodeSpec(NodeId(1), "127.0.0.1:7101", "127.0.0.1:7111"), NodeSpec(NodeId(2), "127.0.0.1:7102"))
+    )
+    with pytest.raises(
+        InvalidTopology,
+        match=r"site 'a', node 2 \(127.0.0.1:7102\) has no Raft address but other "
+        r"nodes of the site have; a site with more than one node needs "
+        r'raft = "HOST:PORT" on every node',
+    ):
         Topology((partial,), ())
     with pytest.raises(InvalidTopology, match=r"are not the members' addresses .*Site.with_members"):
         Topology((Site(S("a"), ("127.0.0.1:7101",), (NodeSpec(NodeId(1), "127.0.0.1:7999"),)),), ())
@@ -499,8 +489,11 @@ def table_sites(draw: st.DrawFn) -> tuple[NodeSpec, ...]:
     ports = draw(st.lists(st.integers(1, 65535), min_size=2 * count, max_size=2 * count, unique=True))
     with_raft = count > 1 or draw(st.booleans())
     return tuple(
-        NodeSpec(NodeId(ids[i]), f"{draw(st.sampled_from(HOSTS))}:{ports[i]}",
-                 f"{draw(st.sampled_from(HOSTS))}:{ports[count + i]}" if with_raft else None)
+        NodeSpec(
+            NodeId(ids[i]),
+            f"{draw(st.sampled_from(HOSTS))}:{ports[i]}",
+            f"{draw(st.sampled_from(HOSTS))}:{ports[count + i]}" if with_raft else None,
+        )
         for i in range(count)
     )
 
@@ -539,8 +532,10 @@ def test_warnings_for_a_site_no_link_reaches_and_one_that_reaches_nobody() -> No
 def test_warning_for_a_site_that_some_origins_cannot_reach() -> None:
     # c reaches a and b, but nothing leads from a or b to c... except via d, which only c feeds.
     t = make([("a", "b"), ("b", "a"), ("c", "a"), ("c", "d"), ("d", "c")])
-    assert warnings(t) == ["site 'c' cannot receive records written at 'a', 'b': no chain of links leads there",
-                           "site 'd' cannot receive records written at 'a', 'b': no chain of links leads there"]
+    assert warnings(t) == [
+        "site 'c' cannot receive records written at 'a', 'b': no chain of links leads there",
+        "site 'd' cannot receive records written at 'a', 'b': no chain of links leads there",
+    ]
 
 
 def test_unknown_site_and_link_lookups_say_what_exists() -> None:
@@ -615,8 +610,29 @@ def test_a_link_matches_if_any_of_its_filters_does() -> None:
     assert not matches_any((), "orders")
 
 
-@pytest.mark.parametrize("bad", ["", "/", "/orders", "orders/", "a//b", "*", "a/*", "a*", "***", "a/**b",
-                                 "#", "a/#", "a+", "+a", "a/./b", "a/../b", "a b", "ü"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "/",
+        "/orders",
+        "orders/",
+        "a//b",
+        "*",
+        "a/*",
+        "a*",
+        "***",
+        "a/**b",
+        "#",
+        "a/#",
+        "a+",
+        "+a",
+        "a/./b",
+        "a/../b",
+        "a b",
+        "ü",
+    ],
+)
 def test_invalid_filters_are_rejected(bad: str) -> None:
     with pytest.raises(InvalidTopicFilter, match="topic filter"):
         TopicFilter(bad)
@@ -739,8 +755,10 @@ def test_an_upstream_that_could_only_get_the_records_from_dst_is_not_a_candidate
 
 
 def test_topic_filters_give_different_upstreams_per_topic() -> None:
-    t = make([("a", "b"), ("a", "c"), ("c", "b"), ("b", "a"), ("c", "a"), ("b", "c")],
-             topics={("a", "b"): ("orders/**",), ("c", "b"): ("orders/**", "metrics/+")})
+    t = make(
+        [("a", "b"), ("a", "c"), ("c", "b"), ("b", "a"), ("c", "a"), ("b", "c")],
+        topics={("a", "b"): ("orders/**",), ("c", "b"): ("orders/**", "metrics/+")},
+    )
     r = Router(t)
     assert r.preferred_upstream("b", "a", "orders/eu") == "a"
     assert r.preferred_upstream("b", "a", "orders") == "a"
@@ -836,9 +854,9 @@ def check_routes(t: Topology, live: frozenset[tuple[str, str]], topic: str) -> N
             assert cost == nx.shortest_path_length(reference, origin, dst, weight="weight")
             found = router.candidates(dst, origin, topic)
             assert found[0].cost == cost
-            assert [c.upstream for c in found] == sorted((c.upstream for c in found),
-                                                         key=lambda u: (next(c.cost for c in found
-                                                                             if c.upstream == u), u))
+            assert [c.upstream for c in found] == sorted(
+                (c.upstream for c in found), key=lambda u: (next(c.cost for c in found if c.upstream == u), u)
+            )
 
 
 @PROPERTY
@@ -884,8 +902,12 @@ def test_summary_lists_sites_links_routes_and_warnings() -> None:
     assert ["c", "->", "b", "1", "unknown", "-", "**"] in rows
     assert "routes (every topic): the upstream each site pulls each origin's records from" in text
     # a -> b is down, so b pulls a's records via c; everything else is direct.
-    assert rows[-4:] == [["site", "\\", "origin", "a", "b", "c"], ["a", "-", "b", "c"], ["b", "c", "-", "c"],
-                         ["c", "a", "b", "-"]]
+    assert rows[-4:] == [
+        ["site", "\\", "origin", "a", "b", "c"],
+        ["a", "-", "b", "c"],
+        ["b", "c", "-", "c"],
+        ["c", "a", "b", "-"],
+    ]
     assert "warnings" not in text
     assert summary_text(default_topology(), STATES) == text  # deterministic
 
@@ -904,8 +926,9 @@ def test_summary_with_filters_needs_a_topic_for_routes() -> None:
 
 
 def test_draw_writes_png_and_svg(tmp_path: Path) -> None:
-    t = make([("a", "b"), ("b", "c"), ("c", "a"), ("b", "a"), ("c", "b", 3), ("a", "c")],
-             topics={("a", "c"): ("orders/**",)})
+    t = make(
+        [("a", "b"), ("b", "c"), ("c", "a"), ("b", "a"), ("c", "b", 3), ("a", "c")], topics={("a", "c"): ("orders/**",)}
+    )
     png, svg = tmp_path / "t.png", tmp_path / "t.svg"
     draw(t, png, STATES)
     draw(t, svg, STATES)

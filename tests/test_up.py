@@ -26,8 +26,12 @@ def triangle(path: Path) -> Path:
 
 def start_up(topo: Path, data: Path) -> subprocess.Popen[str]:
     """``georep up`` in the background, once every site's node has written its node.json."""
-    up = subprocess.Popen([*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    up = subprocess.Popen(
+        [*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all((data / s / "node.json").exists() for s in "abc"):
         time.sleep(0.1)
@@ -83,8 +87,11 @@ def test_bad_topology_files_get_one_clear_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[sites.a]\nnodes = ["127.0.0.1:1"]\n[[links]]\nsrc = "a"\ndst = "zz"\n')
     for command in (["up"], ["status"]):
-        proc = run(*command, "--topology", str(bad), "--data-dir", str(tmp_path / "d"), timeout=30) \
-            if command == ["up"] else run(*command, "--topology", str(bad))  # fmt: skip
+        proc = (
+            run(*command, "--topology", str(bad), "--data-dir", str(tmp_path / "d"), timeout=30)
+            if command == ["up"]
+            else run(*command, "--topology", str(bad))
+        )
         assert proc.returncode == 2
         assert "unknown site 'zz'" in proc.stderr
         assert "Traceback" not in proc.stderr
@@ -105,8 +112,9 @@ def test_a_multi_node_site_that_cannot_run_is_refused_with_what_to_do(tmp_path: 
     alone.write_text(site_toml("a", g, r))
     node = run("node", "--site", "a", "--topology", str(alone), "--data-dir", str(tmp_path / "o"), timeout=30)
     assert node.returncode == 2 and "--node-id" in node.stderr
-    node = run("node", "--site", "a", "--node-id", "7", "--topology", str(alone), "--data-dir", str(tmp_path / "o"),
-               timeout=30)  # fmt: skip
+    node = run(
+        "node", "--site", "a", "--node-id", "7", "--topology", str(alone), "--data-dir", str(tmp_path / "o"), timeout=30
+    )
     assert node.returncode == 2 and "no node 7" in node.stderr
 
 
@@ -115,8 +123,12 @@ def test_up_runs_a_site_of_three_nodes_that_takes_writes_and_reads(tmp_path: Pat
     g, r = free_ports(3), free_ports(3)
     topo, data = tmp_path / "site.toml", tmp_path / "data"
     topo.write_text(site_toml("a", g, r))
-    up = subprocess.Popen([*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    up = subprocess.Popen(
+        [*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all((data / "a" / n / "node.json").exists() for n in "123"):
@@ -126,11 +138,22 @@ def test_up_runs_a_site_of_three_nodes_that_takes_writes_and_reads(tmp_path: Pat
         bootstrap = f"127.0.0.1:{g[0]}"
         certs = ("--data-dir", str(data))  # the node:a/<n> and client:admin certificates 'up' made there
         assert run("topic", "create", "t", "--partitions", "2", "--bootstrap", bootstrap, *certs).returncode == 0
-        produced = run("produce", "t", "--acks", "all", "--bootstrap", f"127.0.0.1:{g[1]}", *certs,
-                       input_text="one\ntwo\nthree\n")  # fmt: skip
+        produced = run(
+            "produce", "t", "--acks", "all", "--bootstrap", f"127.0.0.1:{g[1]}", *certs, input_text="one\ntwo\nthree\n"
+        )
         assert produced.returncode == 0, produced.stderr
-        consumed = run("consume", "t", "--from-beginning", "--max", "3", "--timeout", "20",
-                       "--bootstrap", f"127.0.0.1:{g[2]}", *certs)  # fmt: skip
+        consumed = run(
+            "consume",
+            "t",
+            "--from-beginning",
+            "--max",
+            "3",
+            "--timeout",
+            "20",
+            "--bootstrap",
+            f"127.0.0.1:{g[2]}",
+            *certs,
+        )
         assert consumed.returncode == 0, consumed.stderr
         assert sorted(consumed.stdout.split()) == ["one", "three", "two"]
     finally:

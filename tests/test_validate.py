@@ -31,12 +31,7 @@ from georep.record.batch import (
     stamp_origin,
 )
 from georep.record.compression import Compression, compress
-from georep.record.validate import (
-    CrcMismatch,
-    TimestampOutOfRange,
-    TimestampWindow,
-    validate_batch,
-)
+from georep.record.validate import CrcMismatch, TimestampOutOfRange, TimestampWindow, validate_batch
 from georep.replication.sink import CorruptChunk, InvalidChunk, apply_chunk
 from georep.server.status import Code, status_of
 from georep.storage.memory_log import MemoryLog
@@ -89,7 +84,7 @@ def test_offset_deltas_run_0_to_n_minus_1() -> None:
 def test_lengths_overrunning_the_record_or_the_section() -> None:
     refused(forge(record(b"v", length=10_000), 1), "has length 10000")
     refused(forge(record(b"v", length=3), 1), "has length 3")
-    refused(forge(record(b"v", key=b"k") [:21] + struct.pack(">i", 500) + b"\0" * 12, 1), "outside|add up")
+    refused(forge(record(b"v", key=b"k")[:21] + struct.pack(">i", 500) + b"\0" * 12, 1), "outside|add up")
     bad_value = bytearray(record(b"value"))
     struct.pack_into(">i", bad_value, 21, 4000)  # the value length
     refused(forge(bytes(bad_value), 1), "value_length 4000")
@@ -169,11 +164,14 @@ def test_the_records_section_is_bounded_by_the_limit() -> None:
         assert isinstance(err, RecordsTooLarge) and err.limit_bytes == 1000
 
 
-@pytest.mark.parametrize("codec, bomb, compressed_max", [
-    ("zstd", "zstd_bomb(1 << 30)", 40_000),  # 1 GiB in ~32 KB, the frame silent about its size
-    ("zstd", "zstd_bomb(1 << 30, declare_size=True)", 40_000),
-    ("lz4", "lz4_bomb(256 << 20)", 1_200_000),  # lz4 compresses zeros ~250:1
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "codec, bomb, compressed_max",
+    [
+        ("zstd", "zstd_bomb(1 << 30)", 40_000),  # 1 GiB in ~32 KB, the frame silent about its size
+        ("zstd", "zstd_bomb(1 << 30, declare_size=True)", 40_000),
+        ("lz4", "lz4_bomb(256 << 20)", 1_200_000),  # lz4 compresses zeros ~250:1
+    ],
+)
 def test_a_decompression_bomb_is_refused_without_allocating_it(codec: str, bomb: str, compressed_max: int) -> None:
     """In a fresh process, so its peak memory is the validation's: at most a few times the 8 MiB limit."""
     script = textwrap.dedent(f"""
@@ -192,8 +190,13 @@ def test_a_decompression_bomb_is_refused_without_allocating_it(codec: str, bomb:
         print(json.dumps([len(section), verdict, before, after]))
     """)
     # From the checkout, which tests.support is imported from (the tests themselves run from an empty directory).
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, check=True, timeout=120,
-                         cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        check=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     size, verdict, before_kib, after_kib = json.loads(out.stdout)
     assert size < compressed_max, size
     assert f"the {codec} records section" in verdict and f"limit of {LIMIT}" in verdict, verdict
@@ -201,8 +204,9 @@ def test_a_decompression_bomb_is_refused_without_allocating_it(codec: str, bomb:
 
 
 def test_readers_bound_decompression_too() -> None:
-    stored = encode_batch([RecordInput(None, b"v" * 5000, (), TS)], compression=Compression.ZSTD,
-                          origin=ORIGIN, base_origin_seq=0)  # fmt: skip
+    stored = encode_batch(
+        [RecordInput(None, b"v" * 5000, (), TS)], compression=Compression.ZSTD, origin=ORIGIN, base_origin_seq=0
+    )
     with pytest.raises(RecordsTooLarge):
         decode_records(stored, limit_bytes=1000)
     assert len(decode_records(stored)) == 1
@@ -213,11 +217,16 @@ def test_readers_bound_decompression_too() -> None:
 timestamps = st.integers(min_value=0, max_value=4_102_444_800_000)
 optional_bytes = st.none() | st.binary(max_size=30)
 records_strategy = st.lists(
-    st.builds(RecordInput, key=optional_bytes, value=optional_bytes,
-              headers=st.lists(st.tuples(st.text(max_size=6), optional_bytes), max_size=3),
-              timestamp_ms=timestamps),
-    min_size=1, max_size=10,
-)  # fmt: skip
+    st.builds(
+        RecordInput,
+        key=optional_bytes,
+        value=optional_bytes,
+        headers=st.lists(st.tuples(st.text(max_size=6), optional_bytes), max_size=3),
+        timestamp_ms=timestamps,
+    ),
+    min_size=1,
+    max_size=10,
+)
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -256,14 +265,20 @@ def test_hostile_batches_are_refused_or_readable(hostile: tuple[bytes, str]) -> 
 
 @FAST
 @given(records=records_strategy, codec=st.sampled_from(Compression), data=st.data())
-def test_a_mutated_record_section_is_refused_or_readable(records: list[RecordInput], codec: Compression,
-                                                         data: st.DataObject) -> None:  # fmt: skip
+def test_a_mutated_record_section_is_refused_or_readable(
+    records: list[RecordInput], codec: Compression, data: st.DataObject
+) -> None:
     batch = bytearray(encode_batch(records))
     at = data.draw(st.integers(HEADER_BYTES, len(batch) - 1), label="at")
     batch[at] = data.draw(st.integers(0, 255).filter(lambda b: b != batch[at]), label="byte")
     section = compress(codec, bytes(batch[HEADER_BYTES:]))
-    forged = forge(section, len(records), attributes=int(codec), first_ts=records[0].timestamp_ms,
-                   max_ts=max(r.timestamp_ms for r in records))  # fmt: skip
+    forged = forge(
+        section,
+        len(records),
+        attributes=int(codec),
+        first_ts=records[0].timestamp_ms,
+        max_ts=max(r.timestamp_ms for r in records),
+    )
     try:
         validate_batch(forged, LIMIT)
     except InvalidBatch:
@@ -280,20 +295,43 @@ def test_the_origin_append_refuses_each_kind_with_its_own_error_and_stores_nothi
     flipped = bytearray(good)
     flipped[-1] ^= 1
     cases = [
-        (forge(record(b"v"), 1, attributes=7), errors.InvalidRecords, "unknown compression codec id 7",
-         Code.INVALID_ARGUMENT, k.INVALID_RECORD),
-        (bomb, errors.DecompressedTooLarge, "decompress to more than max_batch_bytes=4096",
-         Code.INVALID_ARGUMENT, k.MESSAGE_TOO_LARGE),
-        (encode_batch([RecordInput(None, b"v", (), TS + 3_600_001)]), errors.TimestampRefused,
-         "message_timestamp_after_max_ms=3600000", Code.INVALID_ARGUMENT, k.INVALID_TIMESTAMP),
+        (
+            forge(record(b"v"), 1, attributes=7),
+            errors.InvalidRecords,
+            "unknown compression codec id 7",
+            Code.INVALID_ARGUMENT,
+            k.INVALID_RECORD,
+        ),
+        (
+            bomb,
+            errors.DecompressedTooLarge,
+            "decompress to more than max_batch_bytes=4096",
+            Code.INVALID_ARGUMENT,
+            k.MESSAGE_TOO_LARGE,
+        ),
+        (
+            encode_batch([RecordInput(None, b"v", (), TS + 3_600_001)]),
+            errors.TimestampRefused,
+            "message_timestamp_after_max_ms=3600000",
+            Code.INVALID_ARGUMENT,
+            k.INVALID_TIMESTAMP,
+        ),
         (bytes(flipped), errors.BatchCrcMismatch, "CRC", Code.DATA_LOSS, k.CORRUPT_MESSAGE),
         (good + good, errors.MalformedBatch, "one batch per request", Code.INVALID_ARGUMENT, k.CORRUPT_MESSAGE),
-    ]  # fmt: skip
+    ]
     for batch, error, message, status, kafka_code in cases:
         log = MemoryLog()
         with pytest.raises(error, match=message) as info:
-            append_as_origin(log, ProducerStateTable(), ORIGIN, batch, topic="t", max_batch_bytes=4096, now_ms=TS,
-                             window=TimestampWindow(TS))  # fmt: skip
+            append_as_origin(
+                log,
+                ProducerStateTable(),
+                ORIGIN,
+                batch,
+                topic="t",
+                max_batch_bytes=4096,
+                now_ms=TS,
+                window=TimestampWindow(TS),
+            )
         assert log.log_end_offset == 0
         assert (status_of(info.value), k.error_code(info.value)) == (status, kafka_code), error
 
@@ -307,12 +345,17 @@ def test_apply_stores_what_came_before_an_invalid_batch_and_nothing_from_it_on()
     poison = forge(record(b"v", index=3), 1, site=b"x", epoch=1, seq=1)
     log = MemoryLog()
     with pytest.raises(InvalidChunk, match=r"origin x@1 origin seqs 1\.\.1 is invalid: record 0 .* offset_delta 3"):
-        apply_chunk(log, stamped(0) + stamped(0, origin=other) + poison + stamped(2) + stamped(1, origin=other),
-                    now_ms=TS, limit_bytes=LIMIT)  # fmt: skip
+        apply_chunk(
+            log,
+            stamped(0) + stamped(0, origin=other) + poison + stamped(2) + stamped(1, origin=other),
+            now_ms=TS,
+            limit_bytes=LIMIT,
+        )
     assert log.vector() == {ORIGIN: 1, other: 1}
     # a batch the vector covers is skipped unread; one past the topic's limit is refused like any invalid one
-    big = encode_batch([RecordInput(None, b"w" * 5000, (), TS)], compression=Compression.LZ4, origin=ORIGIN,
-                       base_origin_seq=1)  # fmt: skip
+    big = encode_batch(
+        [RecordInput(None, b"w" * 5000, (), TS)], compression=Compression.LZ4, origin=ORIGIN, base_origin_seq=1
+    )
     with pytest.raises(InvalidChunk, match=r"lz4 records section holds \d+ bytes, more than the limit of 4096"):
         apply_chunk(log, stamped(0) + big, now_ms=TS, limit_bytes=4096)
     unstamped = encode_batch([RecordInput(None, b"v", (), TS)])

@@ -107,8 +107,10 @@ def test_poison_batches_are_refused_at_the_origin_and_every_site_reads_on(make_s
         assert "invalid batch for topic 't'" in details and reason in details and "Nothing was stored" in details, name
     ok(georep("produce", "t", *x, stdin=b"good-2\n"))
     assert log_end(sites.stub("x")) == 2  # not 2147483650
-    wait_until("y holds both good records", lambda: sites.vectors("y", "t") == sites.vectors("x", "t") and
-               sum(sites.vectors("y", "t")[0].values()) == 2)  # fmt: skip
+    wait_until(
+        "y holds both good records",
+        lambda: sites.vectors("y", "t") == sites.vectors("x", "t") and sum(sites.vectors("y", "t")[0].values()) == 2,
+    )
     for site in ("x", "y"):
         for extra in ((), ("--skip-corrupt",)):
             code, lines, err = consume(sites.address(site), *extra)
@@ -128,7 +130,8 @@ def append_offline(node: NodeProcess, batches: list[bytes]) -> None:
 
 @pytest.mark.slow
 def test_a_stored_poison_batch_is_reported_skipped_served_past_and_not_replicated(
-        make_sites: Callable[..., Sites]) -> None:  # fmt: skip
+    make_sites: Callable[..., Sites],
+) -> None:
     """Item 3's readers: x holds good-1, the records_count 2^31-1 poison and good-2, stored as a site without
     validation would have. georep consume prints good-1 then says what to do; --skip-corrupt skips the poison
     and goes on; a Kafka client reads past it; y, pulling from x (a lying upstream), refuses it at apply and
@@ -155,8 +158,10 @@ def test_a_stored_poison_batch_is_reported_skipped_served_past_and_not_replicate
     assert "skipped invalid records of t/0, offsets 1..2147483647" in err and "skipped 1 invalid batch(es)" in err
 
     assert kafka_python_read(kafka_address(x_node), "t") == [b"good-1", b"good-2"]
-    assert "offsets 1..2147483647 is invalid and was served to Kafka clients as an empty batch" in \
-        (x_node.data_dir / "node.log").read_text()  # fmt: skip
+    assert (
+        "offsets 1..2147483647 is invalid and was served to Kafka clients as an empty batch"
+        in (x_node.data_dir / "node.log").read_text()
+    )
 
     def refused_at_y() -> bool:
         links = sites.status("y").links
@@ -168,8 +173,10 @@ def test_a_stored_poison_batch_is_reported_skipped_served_past_and_not_replicate
     assert said in error and "records_count 2147483647 cannot fit" in error, error
     assert sites.vectors("y", "t") == {0: {str(origin): 1}}  # good-1 only: nothing of x after the poison
     sent = metric(x_node, "georep_replication_sent_bytes")
-    wait_until("x sent the poison to y three more times",
-               lambda: metric(x_node, "georep_replication_sent_bytes") >= sent + 3 * len(poison))  # fmt: skip
+    wait_until(
+        "x sent the poison to y three more times",
+        lambda: metric(x_node, "georep_replication_sent_bytes") >= sent + 3 * len(poison),
+    )
     y_log = (sites.nodes["y"].data_dir / "node.log").read_text()
     assert y_log.count(f"link x -> y down: InvalidChunk: {said}") == 1  # once, however often the pull is retried
     code, lines, err = consume(sites.address("y"))
@@ -233,12 +240,15 @@ def test_a_kafka_write_to_an_internal_topic_is_refused_by_the_broker(start_node)
     ok(georep("consume", "t", "--group", "g", "--from-beginning", "--max", "1", *b))  # creates __georep_offsets
     channel, stub = stub_for(node)
     try:
-        commits = sum(ps.log_end_offset for ps in stub.DescribeTopic(
-            pb.DescribeTopicRequest(name="__georep_offsets"), timeout=5).partition_states)  # fmt: skip
+        commits = sum(
+            ps.log_end_offset
+            for ps in stub.DescribeTopic(pb.DescribeTopicRequest(name="__georep_offsets"), timeout=5).partition_states
+        )
         assert commits >= 1
         forged = kafka_batch(kafka_record(b'{"forged": true}', key=b"g"), 1, first_ts=now_ms())
-        for partition in range(len(stub.DescribeTopic(pb.DescribeTopicRequest(name="__georep_offsets"),
-                                                      timeout=5).partition_states)):  # fmt: skip
+        for partition in range(
+            len(stub.DescribeTopic(pb.DescribeTopicRequest(name="__georep_offsets"), timeout=5).partition_states)
+        ):
             code, message = produce_raw(kafka_address(node), "__georep_offsets", partition, forged)
             assert code == INVALID_TOPIC_EXCEPTION and "internal to georep" in message, (code, message)
         georep_batch = encode_batch([RecordInput(b"g", b'{"forged": true}', (), now_ms())])
@@ -246,9 +256,10 @@ def test_a_kafka_write_to_an_internal_topic_is_refused_by_the_broker(start_node)
         ok(georep("produce", "t", *b, stdin=b"two\n"))
         out = ok(georep("consume", "t", "--group", "g", "--max", "1", "--timeout", "10", *b))
         assert out.splitlines() == ["two"]  # the group's first commit held, and its next one went in
-        after = sum(ps.log_end_offset for ps in stub.DescribeTopic(
-            pb.DescribeTopicRequest(name="__georep_offsets"), timeout=5).partition_states)  # fmt: skip
+        after = sum(
+            ps.log_end_offset
+            for ps in stub.DescribeTopic(pb.DescribeTopicRequest(name="__georep_offsets"), timeout=5).partition_states
+        )
         assert after > commits
     finally:
         channel.close()
-

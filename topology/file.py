@@ -36,4 +36,3 @@ def parse_topology_file(path: str, data: bytes) -> Topology:
 def unreadable(path: str, exc: OSError) -> TopologyFileError:
     """What to say of a topology file that could not be read."""
     return TopologyFileError(f"cannot read topology file {path}: {exc.strerror or exc}")
-

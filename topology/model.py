@@ -61,6 +61,8 @@ COST_MAX = 1_000_000
 def _matches_any(filters: tuple[TopicFilter, ...], topic: str) -> bool:
     """``matches_any``, remembered: routing asks it for every link on every route it computes."""
     return matches_any(filters, topic)
+
+
 _HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _PORT = re.compile(r"[0-9]{1,5}")
 
@@ -271,7 +273,7 @@ def _validate(sites: tuple[Site, ...], links: tuple[Link, ...]) -> None:
             raise InvalidTopology(f"{where} is defined twice")
         ids.add(s.id)
         if not s.nodes:
-            raise InvalidTopology(f"{where} has no nodes: list at least one, for example nodes = [\"127.0.0.1:7101\"]")
+            raise InvalidTopology(f'{where} has no nodes: list at least one, for example nodes = ["127.0.0.1:7101"]')
         _validate_members(s)
         for m in s.members:
             try:
@@ -394,9 +396,7 @@ def _validate_members(s: Site) -> None:
 def _unknown_keys(table: Mapping[str, object], allowed: tuple[str, ...], where: str) -> None:
     extra = sorted(k for k in table if k not in allowed)
     if extra:
-        raise InvalidTopology(
-            f"{where}: unknown key {extra[0]!r}; allowed keys are {', '.join(allowed)}"
-        )
+        raise InvalidTopology(f"{where}: unknown key {extra[0]!r}; allowed keys are {', '.join(allowed)}")
 
 
 def _string_list(value: object, where: str, what: str) -> list[str]:
@@ -420,8 +420,8 @@ def _parse_site(key: str, table: object) -> Site:
     forms = {type(v) for v in raw} if isinstance(raw, list) else set()
     if not isinstance(raw, list) or not forms <= {str, dict}:
         raise InvalidTopology(
-            f"{where}: nodes must be a list of strings \"HOST:PORT\" or of tables "
-            f"{{ id = 1, address = \"HOST:PORT\", raft = \"HOST:PORT\" }}, got {raw!r}"
+            f'{where}: nodes must be a list of strings "HOST:PORT" or of tables '
+            f'{{ id = 1, address = "HOST:PORT", raft = "HOST:PORT" }}, got {raw!r}'
         )
     if forms == {str, dict}:
         raise InvalidTopology(

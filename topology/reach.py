@@ -14,10 +14,7 @@ from topology.model import Topology
 
 
 def expected_sites(
-    topology: Topology,
-    origin_site: str,
-    topic: str,
-    live_links: Iterable[tuple[str, str]] | None = None,
+    topology: Topology, origin_site: str, topic: str, live_links: Iterable[tuple[str, str]] | None = None
 ) -> frozenset[SiteId]:
     """Sites that ``origin_site``'s records of ``topic`` reach over links whose filters carry ``topic``.
 

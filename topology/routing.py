@@ -116,8 +116,9 @@ class Router:
 
 
 @functools.lru_cache(maxsize=ROUTES_CACHED)
-def _candidates(sites: tuple[SiteId, ...], edges: tuple[tuple[SiteId, SiteId, int], ...], origin: SiteId,
-                dst: SiteId) -> tuple[Candidate, ...]:  # fmt: skip
+def _candidates(
+    sites: tuple[SiteId, ...], edges: tuple[tuple[SiteId, SiteId, int], ...], origin: SiteId, dst: SiteId
+) -> tuple[Candidate, ...]:
     """dst's candidates for origin's records over the graph of ``edges`` (src, dst, cost); see the docstring."""
     import networkx as nx  # here, not at the top: every CLI command imports this module, few route
 

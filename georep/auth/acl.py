@@ -168,14 +168,18 @@ class PrincipalPattern:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise InvalidAcl(f"invalid principal pattern {self.kind}:{self.name}: the kind must be one of "
-                             f"{', '.join(KINDS)}; use {_PRINCIPAL_FORMS}")  # fmt: skip
+            raise InvalidAcl(
+                f"invalid principal pattern {self.kind}:{self.name}: the kind must be one of "
+                f"{', '.join(KINDS)}; use {_PRINCIPAL_FORMS}"
+            )
         levels = self.name.split("/")
         if ONE_LEVEL in levels or ANY_LEVELS in levels:
             for level in levels:
                 if level == "" or (level not in (ONE_LEVEL, ANY_LEVELS) and ("+" in level or "*" in level)):
-                    raise InvalidAcl(f"invalid principal pattern {self}: a wildcard must be a whole level "
-                                     f"('+' or '**') and no level may be empty; use {_PRINCIPAL_FORMS}")  # fmt: skip
+                    raise InvalidAcl(
+                        f"invalid principal pattern {self}: a wildcard must be a whole level "
+                        f"('+' or '**') and no level may be empty; use {_PRINCIPAL_FORMS}"
+                    )
             object.__setattr__(self, "_levels", tuple(levels))
             return
         try:
@@ -221,15 +225,22 @@ class AclEntry:
 
     def __post_init__(self) -> None:
         if self.operation is Operation.REPLICATE:
-            raise InvalidAcl("replicate is not granted by ACL entries: a site may pull from this one when the "
-                             "topology has a link from this site to it, and only the topics that link's filters "
-                             "carry; add or widen the link in the topology instead")  # fmt: skip
+            raise InvalidAcl(
+                "replicate is not granted by ACL entries: a site may pull from this one when the "
+                "topology has a link from this site to it, and only the topics that link's filters "
+                "carry; add or widen the link in the topology instead"
+            )
         want = RESOURCE_OF[self.operation]
         if self.resource.kind is not want:
-            example = {ResourceKind.TOPIC: "topic:orders/**", ResourceKind.GROUP: "group:billing",
-                       ResourceKind.CLUSTER: "cluster"}[want]  # fmt: skip
-            raise InvalidAcl(f"operation {self.operation} applies to a {want}, not to {self.resource}: for "
-                             f"example '{self.principal} {self.operation} {example}'")  # fmt: skip
+            example = {
+                ResourceKind.TOPIC: "topic:orders/**",
+                ResourceKind.GROUP: "group:billing",
+                ResourceKind.CLUSTER: "cluster",
+            }[want]
+            raise InvalidAcl(
+                f"operation {self.operation} applies to a {want}, not to {self.resource}: for "
+                f"example '{self.principal} {self.operation} {example}'"
+            )
 
     def __str__(self) -> str:
         return f"{self.principal} {self.operation} {self.resource}"
@@ -277,8 +288,14 @@ class Decision:
         return f"{self.principal} may not {self.operation} {self.resource}: {self.because}"
 
 
-def authorize(entries: Iterable[AclEntry], principal: Principal, operation: Operation, resource: Resource,
-              own_site: str, super_users: Iterable[Principal] = DEFAULT_SUPER_USERS) -> Decision:  # fmt: skip
+def authorize(
+    entries: Iterable[AclEntry],
+    principal: Principal,
+    operation: Operation,
+    resource: Resource,
+    own_site: str,
+    super_users: Iterable[Principal] = DEFAULT_SUPER_USERS,
+) -> Decision:
     """Whether ``principal`` may do ``operation`` on ``resource`` here (see the module docstring)."""
     if is_super_user(principal, own_site, super_users):
         return Decision(True, principal, operation, resource, "super-user")
@@ -290,18 +307,24 @@ def authorize(entries: Iterable[AclEntry], principal: Principal, operation: Oper
 
 def _advice(principal: Principal, operation: Operation, resource: Resource) -> str:
     if operation is Operation.REPLICATE:
-        return ("only a site that the topology links as pulling from this site may replicate, and only the topics "
-                "that link carries; add a link to the topology")  # fmt: skip
-    return (f"no ACL entry allows it (access is denied by default); an admin can allow it with "
-            f"'georep acl add {principal} {operation} {resource}'")  # fmt: skip
+        return (
+            "only a site that the topology links as pulling from this site may replicate, and only the topics "
+            "that link carries; add a link to the topology"
+        )
+    return (
+        f"no ACL entry allows it (access is denied by default); an admin can allow it with "
+        f"'georep acl add {principal} {operation} {resource}'"
+    )
 
 
 class UnknownAcl(Exception):
     """A remove of an entry the site does not hold."""
 
     def __init__(self, entry: AclEntry) -> None:
-        super().__init__(f"no ACL entry '{entry}' to remove: list the entries with 'georep acl list' and remove one "
-                         "of those exactly as listed")  # fmt: skip
+        super().__init__(
+            f"no ACL entry '{entry}' to remove: list the entries with 'georep acl list' and remove one "
+            "of those exactly as listed"
+        )
 
 
 class PermissionDenied(Exception):

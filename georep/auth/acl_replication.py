@@ -80,8 +80,9 @@ def pull_decision(topology: Topology | None, me: str, principal: Principal, topi
     return Decision(True, principal, Operation.REPLICATE, CLUSTER, f"the link {link.describe()}")
 
 
-def repair_decision(topology: Topology | None, me: str, principal: Principal, topic_name: str,
-                    origin_site: str) -> Decision:  # fmt: skip
+def repair_decision(
+    topology: Topology | None, me: str, principal: Principal, topic_name: str, origin_site: str
+) -> Decision:
     """Whether ``principal`` may fetch a copy of ``origin_site``'s batch of ``topic_name`` from ``me``."""
     caller = principal.site
     resource = topic(topic_name)
@@ -209,8 +210,10 @@ def held_claim_refusal(topology: Topology | None, me: str, reporter: str, site: 
     except UnknownSite:
         return f"site {site!r} is not in the topology"
     if site not in reach:
-        return (f"no chain of links carrying topic {topic_name!r} leads from site {reporter} to site {site}, so site "
-                f"{reporter} cannot know what site {site} holds of it")  # fmt: skip
+        return (
+            f"no chain of links carrying topic {topic_name!r} leads from site {reporter} to site {site}, so site "
+            f"{reporter} cannot know what site {site} holds of it"
+        )
     return None
 
 

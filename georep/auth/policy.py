@@ -7,15 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from georep.auth.acl import (
-    CLUSTER,
-    DEFAULT_SUPER_USERS,
-    AclEntry,
-    Decision,
-    Operation,
-    Resource,
-    authorize,
-)
+from georep.auth.acl import CLUSTER, DEFAULT_SUPER_USERS, AclEntry, Decision, Operation, Resource, authorize
 from georep.auth.acl_replication import pull_decision, repair_decision
 from georep.auth.principal import Principal
 from topology.model import Topology
@@ -27,9 +19,13 @@ class Policy:
     """What decisions depend on: the site, its super-users, its ACL entries and its topology (read at each call,
     so an ``acl add`` or a new topology takes effect at the next call)."""
 
-    def __init__(self, own_site: str, entries: Callable[[], Iterable[AclEntry]],
-                 topology: Callable[[], Topology | None] = lambda: None,
-                 super_users: Iterable[Principal] = DEFAULT_SUPER_USERS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        own_site: str,
+        entries: Callable[[], Iterable[AclEntry]],
+        topology: Callable[[], Topology | None] = lambda: None,
+        super_users: Iterable[Principal] = DEFAULT_SUPER_USERS,
+    ) -> None:
         self.own_site = own_site
         self.entries = entries
         self.topology = topology
@@ -39,16 +35,18 @@ class Policy:
         self._memo: dict[tuple[Principal, Operation, Resource], Decision] = {}
         self._memo_of: object = None
 
-    def _decide(self, entries: list[AclEntry], principal: Principal, operation: Operation,
-                resource: Resource) -> Decision:  # fmt: skip
+    def _decide(
+        self, entries: list[AclEntry], principal: Principal, operation: Operation, resource: Resource
+    ) -> Decision:
         if entries is not self._memo_of or len(self._memo) >= MEMO_MAX:
             self._memo = {}
             self._memo_of = entries
         key = (principal, operation, resource)
         decision = self._memo.get(key)
         if decision is None:
-            decision = self._memo[key] = authorize(entries, principal, operation, resource, self.own_site,
-                                                   self.super_users)  # fmt: skip
+            decision = self._memo[key] = authorize(
+                entries, principal, operation, resource, self.own_site, self.super_users
+            )
         return decision
 
     def acl(self, principal: Principal, operation: Operation, resources: Iterable[Resource]) -> Decision:
@@ -71,8 +69,13 @@ class Policy:
     def in_site(self, principal: Principal) -> Decision:
         if principal.site == self.own_site:
             return Decision(True, principal, Operation.ADMIN, CLUSTER, f"a node of site {self.own_site}")
-        return Decision(False, principal, Operation.ADMIN, CLUSTER,
-                        f"the segment service is for the nodes of site {self.own_site} only")  # fmt: skip
+        return Decision(
+            False,
+            principal,
+            Operation.ADMIN,
+            CLUSTER,
+            f"the segment service is for the nodes of site {self.own_site} only",
+        )
 
     def pull(self, principal: Principal, topics: Iterable[str]) -> Decision:
         return pull_decision(self.topology(), self.own_site, principal, topics)

@@ -77,8 +77,13 @@ class ScramCredential:
         """Raises ``ValueError`` for text :meth:`encode` did not write."""
         try:
             fields = dict(part.split("=", 1) for part in text.split(","))
-            return cls(mechanism, base64.b64decode(fields["s"], validate=True), int(fields["i"]),
-                       base64.b64decode(fields["k"], validate=True), base64.b64decode(fields["v"], validate=True))
+            return cls(
+                mechanism,
+                base64.b64decode(fields["s"], validate=True),
+                int(fields["i"]),
+                base64.b64decode(fields["k"], validate=True),
+                base64.b64decode(fields["v"], validate=True),
+            )
         except (KeyError, ValueError) as exc:
             raise ValueError(f"invalid SCRAM credential {text!r}: {exc}") from None
 

@@ -173,9 +173,16 @@ class AckTable:
 
     # -- partitions -------------------------------------------------------------
 
-    def open_partition(self, key: PartitionKey, fsync_per_batch: bool, flushed_offset: int,
-                       flushed_vector: VectorOffset, replicated_in_site: bool = False, lac: int = 0,
-                       lac_vector: VectorOffset | None = None) -> None:  # fmt: skip
+    def open_partition(
+        self,
+        key: PartitionKey,
+        fsync_per_batch: bool,
+        flushed_offset: int,
+        flushed_vector: VectorOffset,
+        replicated_in_site: bool = False,
+        lac: int = 0,
+        lac_vector: VectorOffset | None = None,
+    ) -> None:
         """A partition this node holds, with what is already durable in it.
 
         ``replicated_in_site``: the partition's segments have an ensemble of several nodes here, and ``lac`` and
@@ -187,8 +194,13 @@ class AckTable:
                 f"{key[0]}/{key[1]}: a LAC was given for a partition not replicated in the site; pass "
                 "replicated_in_site=True, or leave lac and lac_vector out (its quorum end is its flushed offset)"
             )
-        self._partitions[key] = _Partition(fsync_per_batch, replicated_in_site=replicated_in_site, lac=lac,
-                                           flushed_offset=flushed_offset, flush_target=flushed_offset)  # fmt: skip
+        self._partitions[key] = _Partition(
+            fsync_per_batch,
+            replicated_in_site=replicated_in_site,
+            lac=lac,
+            flushed_offset=flushed_offset,
+            flush_target=flushed_offset,
+        )
         held = lac_vector if replicated_in_site else flushed_vector
         self.held.update(self.site, key[0], key[1], held if held is not None else VectorOffset())
 
@@ -207,8 +219,17 @@ class AckTable:
 
     # -- waiters ----------------------------------------------------------------
 
-    def wait(self, token: Token, key: PartitionKey, end_offset: int, origin: Origin, last_seq: int, acks: Acks,
-             now_ms: int, timeout_ms: int = 0) -> list[Effect]:  # fmt: skip
+    def wait(
+        self,
+        token: Token,
+        key: PartitionKey,
+        end_offset: int,
+        origin: Origin,
+        last_seq: int,
+        acks: Acks,
+        now_ms: int,
+        timeout_ms: int = 0,
+    ) -> list[Effect]:
         """Hold the ack of a batch ending at ``end_offset`` (seqs up to ``last_seq`` of ``origin``) until ``acks``
         holds. Returns the effects now: a :class:`Release` if it already holds, a :class:`StartFlush` if it needs
         an fsync and none is running."""
@@ -220,8 +241,18 @@ class AckTable:
         deadline = now_ms + timeout_ms if sites > 1 else -1
         needs_fsync = p.fsync_per_batch and end_offset > p.flushed_offset
         needs_quorum = p.replicated_in_site and acks.kind is not AckKind.LEADER and end_offset > p.lac
-        w = _Waiter(token, key, end_offset if needs_fsync else 0, origin, last_seq, sites, deadline, timeout_ms,
-                    flushed=not needs_fsync, quorum_offset=end_offset if needs_quorum else 0)  # fmt: skip
+        w = _Waiter(
+            token,
+            key,
+            end_offset if needs_fsync else 0,
+            origin,
+            last_seq,
+            sites,
+            deadline,
+            timeout_ms,
+            flushed=not needs_fsync,
+            quorum_offset=end_offset if needs_quorum else 0,
+        )
         out: list[Effect] = []
         if needs_fsync:
             out += self._want_flush(key, p, end_offset)
@@ -306,8 +337,9 @@ class AckTable:
         p.flush_target = p.flushed_offset
         failed = [w for w in p.waiters if not w.flushed]
         p.waiters = [w for w in p.waiters if w.flushed]
-        return [Fail(w.token, FsyncFailed(f"fsync failed: {error}; the batch was written but not acked"))
-                for w in failed]  # fmt: skip
+        return [
+            Fail(w.token, FsyncFailed(f"fsync failed: {error}; the batch was written but not acked")) for w in failed
+        ]
 
     def held_reported(self, entries: Iterable[tuple[str, str, int, VectorOffset]]) -> list[Effect]:
         """What other sites hold fsynced (``ReportHeld``). This site's own entry comes from its fsyncs or its
@@ -367,8 +399,10 @@ class AckTable:
         holding = self.held.sites_holding(w.key[0], w.key[1], w.origin, w.seq)
         quorum = (
             f"; this site's ack quorum has not confirmed it yet (last add confirmed {p.lac}, batch ends at "
-            f"{w.quorum_offset})" if p.lac < w.quorum_offset else ""
-        )  # fmt: skip
+            f"{w.quorum_offset})"
+            if p.lac < w.quorum_offset
+            else ""
+        )
         return GeoAckTimeout(
             f"acks=geo:{w.sites} not reached within {w.timeout_ms} ms: {len(holding)} site(s) "
             f"({', '.join(holding) or 'none'}) hold {w.key[0]}/{w.key[1]} origin seq {w.seq} of {w.origin}{quorum}. "

@@ -49,14 +49,7 @@ from georep.broker.errors import (
     SequenceRejected,
     TimestampRefused,
 )
-from georep.record.batch import (
-    HEADER_BYTES,
-    REWRITTEN_BYTES,
-    BatchHeader,
-    CorruptBatch,
-    parse_header,
-    stamp_origin,
-)
+from georep.record.batch import HEADER_BYTES, REWRITTEN_BYTES, BatchHeader, CorruptBatch, parse_header, stamp_origin
 from georep.record.validate import (
     CrcMismatch,
     InvalidBatch,
@@ -84,8 +77,9 @@ class Produced:
         return LocalOffset(self.result.base_offset + self.records)
 
 
-def check_batch_shape(batch: bytes | memoryview, topic: str, max_batch_bytes: int,
-                      window: TimestampWindow | None = None) -> BatchHeader:  # fmt: skip
+def check_batch_shape(
+    batch: bytes | memoryview, topic: str, max_batch_bytes: int, window: TimestampWindow | None = None
+) -> BatchHeader:
     """The header of ``batch`` if it is one whole, valid, unstamped batch within ``max_batch_bytes`` (see the
     module docstring); raises otherwise. ``window``: the topic's limits on record timestamps around this site's
     clock."""
@@ -98,8 +92,10 @@ def check_batch_shape(batch: bytes | memoryview, topic: str, max_batch_bytes: in
     except TimestampOutOfRange as exc:
         raise TimestampRefused(f"batch refused by topic {topic!r}: {exc}") from None
     except InvalidBatch as exc:
-        raise InvalidRecords(f"invalid batch for topic {topic!r}: {exc}. Nothing was stored: the producer "
-                             "encoded a batch georep cannot serve; fix or replace that producer") from None
+        raise InvalidRecords(
+            f"invalid batch for topic {topic!r}: {exc}. Nothing was stored: the producer "
+            "encoded a batch georep cannot serve; fix or replace that producer"
+        ) from None
     except CrcMismatch:
         raise BatchCrcMismatch() from None
     except CorruptBatch as exc:
@@ -127,8 +123,9 @@ def append_as_origin(
     ``now_ms`` too, with the topic's timestamp limits (the simulator, whose clocks skew freely, gives none)."""
     header = check_batch_shape(batch, topic, max_batch_bytes, window)
     records = header.records_count
-    decision = producers.check(header.producer_id, header.producer_epoch, header.base_sequence,
-                               header.last_sequence, now_ms)  # fmt: skip
+    decision = producers.check(
+        header.producer_id, header.producer_epoch, header.base_sequence, header.last_sequence, now_ms
+    )
     if isinstance(decision, Duplicate):
         return Produced(decision.result, origin, True, records)
     if not isinstance(decision, Append):
@@ -137,6 +134,7 @@ def append_as_origin(
     stamped = parse_header(head)
     stored = log.append(stamped, (memoryview(head)[REWRITTEN_BYTES:], memoryview(batch)[HEADER_BYTES:]), now_ms)
     result = AppendResult(stored.base_offset, stored.base_origin_seq, stored.last_origin_seq, stored.append_time_ms)
-    producers.record(header.producer_id, header.producer_epoch, header.base_sequence, header.last_sequence,
-                     result, now_ms)  # fmt: skip
+    producers.record(
+        header.producer_id, header.producer_epoch, header.base_sequence, header.last_sequence, result, now_ms
+    )
     return Produced(result, origin, False, records)

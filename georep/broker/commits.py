@@ -147,9 +147,7 @@ class CommitLog:
             try:
                 header = check_batch(view, pos)
             except CorruptBatch as exc:
-                report.problems.append(
-                    f"unreadable batch in {OFFSETS_TOPIC}-{index}: {exc}; commits in it are skipped"
-                )
+                report.problems.append(f"unreadable batch in {OFFSETS_TOPIC}-{index}: {exc}; commits in it are skipped")
                 return
             for record in decode_records(view[pos : pos + header.size_bytes], header):
                 if record.value is None:
@@ -173,14 +171,33 @@ class CommitLog:
             )
         return self.clock.now(now_ms, after_hlc)
 
-    def new_commits(self, group: str, entries: Sequence[CommitEntry], stamp: HlcStamp, origin: Origin, *,
-                    member_id: str = "", generation: int = -1, now_ms: int) -> list[Commit]:  # fmt: skip
+    def new_commits(
+        self,
+        group: str,
+        entries: Sequence[CommitEntry],
+        stamp: HlcStamp,
+        origin: Origin,
+        *,
+        member_id: str = "",
+        generation: int = -1,
+        now_ms: int,
+    ) -> list[Commit]:
         return [
-            Commit(group=group, topic=c.topic, partition=c.partition, vector=c.vector, hlc=stamp, committed_by=origin,
-                   hint_offset=c.hint_offset if c.hint_offset >= 0 else -1, member_id=member_id,
-                   generation=generation, committed_at_ms=now_ms, metadata=c.metadata)
+            Commit(
+                group=group,
+                topic=c.topic,
+                partition=c.partition,
+                vector=c.vector,
+                hlc=stamp,
+                committed_by=origin,
+                hint_offset=c.hint_offset if c.hint_offset >= 0 else -1,
+                member_id=member_id,
+                generation=generation,
+                committed_at_ms=now_ms,
+                metadata=c.metadata,
+            )
             for c in entries
-        ]  # fmt: skip
+        ]
 
     def record(self, commits: Iterable[Commit]) -> None:
         """Commits this site just appended: the table holds them before the fold reaches them."""

@@ -22,9 +22,7 @@ class InvalidRequest(BrokerError):
 
 class UnknownPartition(BrokerError):
     def __init__(self, topic: str, partition: int, partitions: int) -> None:
-        super().__init__(
-            f"topic {topic!r} has partitions 0..{partitions - 1}; partition {partition} does not exist"
-        )
+        super().__init__(f"topic {topic!r} has partitions 0..{partitions - 1}; partition {partition} does not exist")
 
 
 class InternalTopic(InvalidRequest):
@@ -54,9 +52,10 @@ class DecompressedTooLarge(BatchTooLarge, InvalidRecords):
 
     def __init__(self, limit: int, topic: str) -> None:
         InvalidRequest.__init__(
-            self, f"the batch's records decompress to more than max_batch_bytes={limit} of topic {topic!r}; "
-            "nothing was stored: lower the producer's batch_size or raise the topic's max_batch_bytes"
-        )  # fmt: skip
+            self,
+            f"the batch's records decompress to more than max_batch_bytes={limit} of topic {topic!r}; "
+            "nothing was stored: lower the producer's batch_size or raise the topic's max_batch_bytes",
+        )
 
 
 class TimestampRefused(InvalidRecords):
@@ -157,11 +156,16 @@ class NotCoordinator(NotLeader):
     the coordinator's address as the hint, so clients follow it as they follow a partition's leader."""
 
     def __init__(self, group: str, topic: str, partition: int, leader_hint: str = "", why: str = "") -> None:
-        where = f"; its coordinator is {leader_hint}" if leader_hint else (
-            f"; find its coordinator with DescribeTopic {topic} (the leader of partition {partition}) and retry")
+        where = (
+            f"; its coordinator is {leader_hint}"
+            if leader_hint
+            else (f"; find its coordinator with DescribeTopic {topic} (the leader of partition {partition}) and retry")
+        )
         because = f" ({why})" if why else ""
-        BrokerError.__init__(self, f"this node does not lead {topic}-{partition}, so it does not coordinate group "
-                                   f"{group!r}{because}{where}")  # fmt: skip
+        BrokerError.__init__(
+            self,
+            f"this node does not lead {topic}-{partition}, so it does not coordinate group {group!r}{because}{where}",
+        )
         self.leader_hint = leader_hint
 
 

@@ -48,8 +48,9 @@ class _Pending:
 class RepairQueue:
     """Every quarantined batch of one site and where its repair stands."""
 
-    def __init__(self, peers: Sequence[str], retry_min_ms: int = RETRY_MIN_MS,
-                 retry_max_ms: int = RETRY_MAX_MS) -> None:  # fmt: skip
+    def __init__(
+        self, peers: Sequence[str], retry_min_ms: int = RETRY_MIN_MS, retry_max_ms: int = RETRY_MAX_MS
+    ) -> None:
         self.peers = list(peers)
         self.retry_min_ms = retry_min_ms
         self.retry_max_ms = retry_max_ms

@@ -31,15 +31,19 @@ EXIT_USAGE = 2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="{add,remove,list}")
     ops = ", ".join(op.value for op in Operation if op is not Operation.REPLICATE)
-    helps = (("add", "allow operations on a resource to a principal"),
-             ("remove", "stop allowing them (the entries as 'georep acl list' shows them)"))
+    helps = (
+        ("add", "allow operations on a resource to a principal"),
+        ("remove", "stop allowing them (the entries as 'georep acl list' shows them)"),
+    )
     for name, help_text in helps:
         action = actions.add_parser(name, help=help_text)
-        action.add_argument("who", metavar="PRINCIPAL",
-                            help="client:alice, site:b, node:a/2, or a pattern: client:**, node:a/+")
+        action.add_argument(
+            "who", metavar="PRINCIPAL", help="client:alice, site:b, node:a/2, or a pattern: client:**, node:a/+"
+        )
         action.add_argument("operations", help=f"one or more, comma-separated: {ops}")
-        action.add_argument("resource", help="topic:<filter> (topic:orders/**), group:<filter> (group:billing) "
-                                             "or cluster")  # fmt: skip
+        action.add_argument(
+            "resource", help="topic:<filter> (topic:orders/**), group:<filter> (group:billing) or cluster"
+        )
         add_admin_call_arguments(action)
     listing = actions.add_parser("list", help="the entries in force at the site")
     listing.add_argument("--json", action="store_true", help="one JSON object per entry")
@@ -47,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_admin_call_arguments(listing)
 
 
-async def _put(address: str, tls: TlsConfig | None, token: str | None,
-               requests: list[pb.PutAclRequest]) -> list[pb.PutAclResponse]:  # fmt: skip
+async def _put(
+    address: str, tls: TlsConfig | None, token: str | None, requests: list[pb.PutAclRequest]
+) -> list[pb.PutAclResponse]:
     async with client_channel(address, tls) as channel:
         stub = pbg.NodeStub(channel)
         return [await stub.PutAcl(r, timeout=TIMEOUT_S, metadata=call_metadata(token)) for r in requests]
@@ -70,8 +75,14 @@ def main(args: argparse.Namespace) -> int:
         requests = []
         for operation in args.operations.split(","):
             entry = acl_entry(args.who, operation, args.resource)  # checked before anything is sent
-            requests.append(pb.PutAclRequest(principal=str(entry.principal), operation=str(entry.operation),
-                                             resource=str(entry.resource), remove=args.action == "remove"))
+            requests.append(
+                pb.PutAclRequest(
+                    principal=str(entry.principal),
+                    operation=str(entry.operation),
+                    resource=str(entry.resource),
+                    remove=args.action == "remove",
+                )
+            )
         token = find_token(args.admin_token, args.data_dir)
         for resp in asyncio.run(_put(address, tls, token, requests)):
             verb = "added" if resp.record.present else "removed"
@@ -90,12 +101,24 @@ def _print_list(resp: pb.ListAclsResponse, as_json: bool) -> None:
     if as_json:
         for r in resp.records:
             principal, operation, resource = r.entry.split(" ")
-            print(json.dumps({"principal": principal, "operation": operation, "resource": resource,
-                              "present": r.present, "stamp_ms": r.stamp_ms, "site": r.site}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "principal": principal,
+                        "operation": operation,
+                        "resource": resource,
+                        "present": r.present,
+                        "stamp_ms": r.stamp_ms,
+                        "site": r.site,
+                    }
+                )
+            )
         return
     if not resp.records:
-        print("no ACL entries: only super-users (the site's nodes, client:admin) may do anything; add entries "
-              "with 'georep acl add PRINCIPAL OPERATION RESOURCE'")  # fmt: skip
+        print(
+            "no ACL entries: only super-users (the site's nodes, client:admin) may do anything; add entries "
+            "with 'georep acl add PRINCIPAL OPERATION RESOURCE'"
+        )
         return
     for r in resp.records:
         print(r.entry if r.present else f"{r.entry}  (removed)")

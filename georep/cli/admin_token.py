@@ -50,9 +50,15 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 def add_admin_call_arguments(parser: argparse.ArgumentParser) -> None:
     """Where an admin command calls (``--bootstrap``) and as whom: a TLS node checks the principal of the TLS
     flags, a plaintext node the admin token."""
-    parser.add_argument("--bootstrap", default=default_bootstrap(), metavar="HOST:PORT",
-                        help=f"a node of the site (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101)")  # fmt: skip
-    parser.add_argument("--admin-token",
-                        help=f"a plaintext node's admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token); "
-                             "a TLS node checks the principal instead (client:admin by default)")  # fmt: skip
+    parser.add_argument(
+        "--bootstrap",
+        default=default_bootstrap(),
+        metavar="HOST:PORT",
+        help=f"a node of the site (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101)",
+    )
+    parser.add_argument(
+        "--admin-token",
+        help=f"a plaintext node's admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token); "
+        "a TLS node checks the principal instead (client:admin by default)",
+    )
     add_client_tls_arguments(parser, data_dir=True)

@@ -50,18 +50,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     init = actions.add_parser("init", help="make a development CA and certificates (what exists is kept)")
     init.add_argument("--dir", type=Path, required=True, help="directory for ca.crt, ca.key and the certificates")
-    init.add_argument("--sites", type=_sites, default=[], metavar="A,B,C",
-                      help="sites: one certificate site:<s> per one-node site")  # fmt: skip
-    init.add_argument("--nodes", type=_node_count, nargs="*", default=[], metavar="SITE=COUNT",
-                      help="sites of several nodes: node:<s>/1 .. node:<s>/COUNT instead of site:<s>")  # fmt: skip
+    init.add_argument(
+        "--sites", type=_sites, default=[], metavar="A,B,C", help="sites: one certificate site:<s> per one-node site"
+    )
+    init.add_argument(
+        "--nodes",
+        type=_node_count,
+        nargs="*",
+        default=[],
+        metavar="SITE=COUNT",
+        help="sites of several nodes: node:<s>/1 .. node:<s>/COUNT instead of site:<s>",
+    )
     init.add_argument("--topology", type=Path, help="take the sites, nodes and host names from a topology file")
-    init.add_argument("--clients", nargs="*", default=[], metavar="NAME",
-                      help="client certificates client:<name> (client:admin is always made)")  # fmt: skip
-    init.add_argument("--hosts", default="", metavar="H1,H2",
-                      help="more names (DNS or IP) for node certificates besides localhost, 127.0.0.1 and ::1")
+    init.add_argument(
+        "--clients",
+        nargs="*",
+        default=[],
+        metavar="NAME",
+        help="client certificates client:<name> (client:admin is always made)",
+    )
+    init.add_argument(
+        "--hosts",
+        default="",
+        metavar="H1,H2",
+        help="more names (DNS or IP) for node certificates besides localhost, 127.0.0.1 and ::1",
+    )
     init.add_argument("--days", type=int, default=dev_ca.LEAF_DAYS, help="validity of new certificates")
-    init.add_argument("--renew", type=_principal, nargs="*", default=[], metavar="PRINCIPAL",
-                      help="issue new keys and certificates for these principals, e.g. site:a client:alice")
+    init.add_argument(
+        "--renew",
+        type=_principal,
+        nargs="*",
+        default=[],
+        metavar="PRINCIPAL",
+        help="issue new keys and certificates for these principals, e.g. site:a client:alice",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -81,8 +103,9 @@ def main(args: argparse.Namespace) -> int:
         nodes.update({s: len(topology.site(s).nodes) for s in topology.site_ids() if s not in nodes})
     unknown = sorted(set(nodes) - set(sites))
     if unknown:
-        print(f"georep: error: --nodes names {', '.join(unknown)}, not in --sites; add them to --sites",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"georep: error: --nodes names {', '.join(unknown)}, not in --sites; add them to --sites", file=sys.stderr
+        )
         return 2
     plan = dev_ca.plan(sites, nodes, args.clients, hosts)
     try:
@@ -96,7 +119,9 @@ def main(args: argparse.Namespace) -> int:
     if kept:
         print(f"kept {len(kept)} existing certificate(s): {', '.join(map(str, kept))}")
     for site in plan.raft_sites:
-        print(f"Raft secret of site {site}: {args.dir / secret_file_name(site)} (give it to every node of the site: "
-              "--raft-secret-file)")  # fmt: skip
+        print(
+            f"Raft secret of site {site}: {args.dir / secret_file_name(site)} (give it to every node of the site: "
+            "--raft-secret-file)"
+        )
     print(f"CA: {args.dir / CA_FILE} (give it to every node and client; keep ca.key private)")
     return 0

@@ -80,31 +80,43 @@ class StatusRefused(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    status = actions.add_parser("status", help="nodes, bytes and segments per node, leaders, under-replicated "
-                                "segments, Raft leader")  # fmt: skip
+    status = actions.add_parser(
+        "status", help="nodes, bytes and segments per node, leaders, under-replicated segments, Raft leader"
+    )
     status.add_argument(
-        "--bootstrap", default=default_bootstrap(), metavar="HOST:PORT[,HOST:PORT]",
+        "--bootstrap",
+        default=default_bootstrap(),
+        metavar="HOST:PORT[,HOST:PORT]",
         help=f"node(s) of the site to ask; the first reachable one answers (default: ${BOOTSTRAP_ENV}, else "
-             "127.0.0.1:7101; now %(default)s)",
-    )  # fmt: skip
+        "127.0.0.1:7101; now %(default)s)",
+    )
     status.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     add_client_tls_arguments(status, data_dir=True)
     drain = actions.add_parser("decommission", help="drain a node: move its leaderships and segments to other nodes")
     drain.add_argument("node_id", type=int, metavar="NODE_ID", help="the node to drain (its --node-id)")
     drain.add_argument(
-        "--bootstrap", default=default_bootstrap(), metavar="HOST:PORT[,HOST:PORT]",
+        "--bootstrap",
+        default=default_bootstrap(),
+        metavar="HOST:PORT[,HOST:PORT]",
         help=f"node(s) of the site to ask; the first reachable one answers (default: ${BOOTSTRAP_ENV}, else "
-             "127.0.0.1:7101; now %(default)s)",
-    )  # fmt: skip
-    drain.add_argument("--wait", action="store_true",
-                       help="wait until the node holds no segment the site needs and leads no partition")  # fmt: skip
-    drain.add_argument("--wait-timeout-s", type=float, default=WAIT_TIMEOUT_S_DEFAULT,
-                       help=f"give up waiting after this long (default {WAIT_TIMEOUT_S_DEFAULT:.0f})")  # fmt: skip
+        "127.0.0.1:7101; now %(default)s)",
+    )
+    drain.add_argument(
+        "--wait", action="store_true", help="wait until the node holds no segment the site needs and leads no partition"
+    )
+    drain.add_argument(
+        "--wait-timeout-s",
+        type=float,
+        default=WAIT_TIMEOUT_S_DEFAULT,
+        help=f"give up waiting after this long (default {WAIT_TIMEOUT_S_DEFAULT:.0f})",
+    )
     drain.add_argument("--cancel", action="store_true", help="stop draining the node: it takes new segments again")
-    drain.add_argument("--data-dir", type=Path, default=Path(".georep"),
-                       help="where 'georep up' keeps admin.token (default .georep)")  # fmt: skip
-    drain.add_argument("--admin-token",
-                       help=f"the nodes' admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token)")  # fmt: skip
+    drain.add_argument(
+        "--data-dir", type=Path, default=Path(".georep"), help="where 'georep up' keeps admin.token (default .georep)"
+    )
+    drain.add_argument(
+        "--admin-token", help=f"the nodes' admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token)"
+    )
     add_client_tls_arguments(drain)
 
 
@@ -121,8 +133,7 @@ def raft_leader_node(answer: pb.ClusterStatusResponse, reports: Reports) -> int 
     return None
 
 
-def _own(node: pb.ClusterNodeStatus, answer: pb.ClusterStatusResponse,
-         reports: Reports) -> pb.ClusterNodeStatus | None:  # fmt: skip
+def _own(node: pb.ClusterNodeStatus, answer: pb.ClusterStatusResponse, reports: Reports) -> pb.ClusterNodeStatus | None:
     """The node's entry in its own answer (the only one with its bytes), if it was had."""
     source = answer if node.node_id == answer.node_id else reports.get(node.node_id)
     if source is None:
@@ -142,49 +153,76 @@ def status_json(answer: pb.ClusterStatusResponse, reports: Reports) -> dict[str,
     nodes = []
     for n in answer.nodes:
         own = _own(n, answer, reports)
-        nodes.append({
-            "node": n.node_id, "address": n.address, "live": n.live,
-            "last_heartbeat_age_ms": n.last_heartbeat_age_ms if n.HasField("last_heartbeat_age_ms") else None,
-            "free_bytes": n.free_bytes, "load": n.load, "draining": n.draining, "segments": n.segments,
-            "open_segments": n.open_segments, "leader_of": n.leader_of,
-            "store_bytes": own.store_bytes if own is not None and own.HasField("store_bytes") else None,
-            "bytes_moved": (own or n).bytes_moved,
-            "raft_role": _role(n, answer, reports),
-        })  # fmt: skip
+        nodes.append(
+            {
+                "node": n.node_id,
+                "address": n.address,
+                "live": n.live,
+                "last_heartbeat_age_ms": n.last_heartbeat_age_ms if n.HasField("last_heartbeat_age_ms") else None,
+                "free_bytes": n.free_bytes,
+                "load": n.load,
+                "draining": n.draining,
+                "segments": n.segments,
+                "open_segments": n.open_segments,
+                "leader_of": n.leader_of,
+                "store_bytes": own.store_bytes if own is not None and own.HasField("store_bytes") else None,
+                "bytes_moved": (own or n).bytes_moved,
+                "raft_role": _role(n, answer, reports),
+            }
+        )
     partitions = [
         {
-            "topic": p.topic, "partition": p.partition, "leader": p.leader or None, "leader_live": p.leader_live,
-            "leader_epoch": p.leader_epoch, "segments": p.segments,
+            "topic": p.topic,
+            "partition": p.partition,
+            "leader": p.leader or None,
+            "leader_live": p.leader_live,
+            "leader_epoch": p.leader_epoch,
+            "segments": p.segments,
             "open_segment": (
                 {"segment_id": p.open_segment_id, "ensemble": list(p.open_ensemble)}
-                if p.HasField("open_segment_id") else None
+                if p.HasField("open_segment_id")
+                else None
             ),
         }
         for p in answer.partitions
-    ]  # fmt: skip
+    ]
     under = [
         {
-            "topic": u.topic, "partition": u.partition, "segment_id": u.segment_id, "sealed": u.sealed,
-            "ensemble": list(u.ensemble), "dead": list(u.dead), "draining": list(u.draining),
-            "live_members": u.live_members, "wanted_members": u.wanted_members, "message": u.message,
+            "topic": u.topic,
+            "partition": u.partition,
+            "segment_id": u.segment_id,
+            "sealed": u.sealed,
+            "ensemble": list(u.ensemble),
+            "dead": list(u.dead),
+            "draining": list(u.draining),
+            "live_members": u.live_members,
+            "wanted_members": u.wanted_members,
+            "message": u.message,
         }
         for u in answer.under_replicated
-    ]  # fmt: skip
+    ]
     raft = answer.raft
     return {
-        "site": answer.site, "origin": f"{answer.site}@{answer.epoch}", "answered_by": answer.node_id,
-        "replication_factor": answer.replication_factor, "session_timeout_ms": answer.session_timeout_ms,
+        "site": answer.site,
+        "origin": f"{answer.site}@{answer.epoch}",
+        "answered_by": answer.node_id,
+        "replication_factor": answer.replication_factor,
+        "session_timeout_ms": answer.session_timeout_ms,
         "raft": {
-            "leader_address": raft.leader_address or None, "leader_node": raft_leader_node(answer, reports),
-            "self_address": raft.self_address, "role": "leader" if raft.is_leader else "follower",
-            "reachable_nodes": raft.reachable_nodes, "total_nodes": raft.total_nodes,
-            "applied_index": raft.applied_index, "commit_index": raft.commit_index,
+            "leader_address": raft.leader_address or None,
+            "leader_node": raft_leader_node(answer, reports),
+            "self_address": raft.self_address,
+            "role": "leader" if raft.is_leader else "follower",
+            "reachable_nodes": raft.reachable_nodes,
+            "total_nodes": raft.total_nodes,
+            "applied_index": raft.applied_index,
+            "commit_index": raft.commit_index,
         },
         "bytes_moved": sum(n["bytes_moved"] for n in nodes),
         "nodes": nodes,
         "partitions": partitions,
         "under_replicated": under,
-    }  # fmt: skip
+    }
 
 
 def size_text(n: int | None) -> str:
@@ -203,6 +241,44 @@ def _ids(nodes: list[int]) -> str:
     return ",".join(map(str, nodes)) or "-"
 
 
+def _node_table(doc: dict[str, Any]) -> str:
+    """One row per node: its state, heartbeat age, free space, load, segments, leaderships and bytes."""
+    rows = []
+    for n in doc["nodes"]:
+        state = ("live" if n["live"] else "dead") + (",draining" if n["draining"] else "")
+        age = n["last_heartbeat_age_ms"]
+        heartbeat = "never" if age is None else f"{age / 1000:.1f}s"
+        rows.append(
+            (
+                n["node"],
+                n["address"],
+                state,
+                heartbeat,
+                size_text(n["free_bytes"]).replace(" ", ""),
+                n["load"],
+                n["segments"],
+                n["open_segments"],
+                n["leader_of"],
+                size_text(n["store_bytes"]).replace(" ", ""),
+                size_text(n["bytes_moved"]).replace(" ", ""),
+            )
+        )
+    header = (
+        "NODE",
+        "ADDRESS",
+        "STATE",
+        "HEARTBEAT-AGE",
+        "FREE",
+        "LOAD",
+        "SEGMENTS",
+        "OPEN",
+        "LEADS",
+        "STORED",
+        "MOVED",
+    )
+    return table(header, rows)
+
+
 def render(answer: pb.ClusterStatusResponse, reports: Reports) -> str:
     doc = status_json(answer, reports)
     live = sum(1 for n in answer.nodes if n.live)
@@ -215,25 +291,18 @@ def render(answer: pb.ClusterStatusResponse, reports: Reports) -> str:
         f"{answer.replication_factor}; as node {answer.node_id} sees it",
         f"raft: leader {leader}; node {answer.node_id} is {raft['role']}; {raft['reachable_nodes']} of "
         f"{raft['total_nodes']} metadata nodes reachable from it",
-    ]  # fmt: skip
+    ]
     if raft["leader_address"] is None:
-        lines.append(f"  no Raft leader known to node {answer.node_id}: no heartbeat commits until one is elected, so "
-                     "nodes that are up may show dead for now")  # fmt: skip
+        lines.append(
+            f"  no Raft leader known to node {answer.node_id}: no heartbeat commits until one is elected, so "
+            "nodes that are up may show dead for now"
+        )
     lines.append("")
-    rows = []
-    for n in doc["nodes"]:
-        state = ("live" if n["live"] else "dead") + (",draining" if n["draining"] else "")
-        age = n["last_heartbeat_age_ms"]
-        heartbeat = "never" if age is None else f"{age / 1000:.1f}s"
-        rows.append((n["node"], n["address"], state, heartbeat, size_text(n["free_bytes"]).replace(" ", ""),
-                     n["load"], n["segments"], n["open_segments"], n["leader_of"],
-                     size_text(n["store_bytes"]).replace(" ", ""),
-                     size_text(n["bytes_moved"]).replace(" ", "")))  # fmt: skip
-    header = ("NODE", "ADDRESS", "STATE", "HEARTBEAT-AGE", "FREE", "LOAD", "SEGMENTS", "OPEN", "LEADS", "STORED",
-              "MOVED")  # fmt: skip
-    lines.append(table(header, rows))
-    lines.append(f"bytes moved between nodes by repairs: {size_text(doc['bytes_moved'])}"
-                 + (f" ({doc['bytes_moved']} B)" if doc["bytes_moved"] >= 1024 else ""))  # fmt: skip
+    lines.append(_node_table(doc))
+    lines.append(
+        f"bytes moved between nodes by repairs: {size_text(doc['bytes_moved'])}"
+        + (f" ({doc['bytes_moved']} B)" if doc["bytes_moved"] >= 1024 else "")
+    )
     lines.append("")
     if doc["partitions"]:
         prows = []
@@ -250,10 +319,19 @@ def render(answer: pb.ClusterStatusResponse, reports: Reports) -> str:
         lines.append("under-replicated segments: none")
     else:
         lines.append(f"under-replicated segments: {len(under)}")
-        urows = [(u["topic"], u["partition"], u["segment_id"], "sealed" if u["sealed"] else "open",
-                  _ids(u["ensemble"]), f"{u['live_members']}/{u['wanted_members']}", _ids(u["dead"]),
-                  _ids(u["draining"]))
-                 for u in under]  # fmt: skip
+        urows = [
+            (
+                u["topic"],
+                u["partition"],
+                u["segment_id"],
+                "sealed" if u["sealed"] else "open",
+                _ids(u["ensemble"]),
+                f"{u['live_members']}/{u['wanted_members']}",
+                _ids(u["dead"]),
+                _ids(u["draining"]),
+            )
+            for u in under
+        ]
         lines.append(table(("TOPIC", "PARTITION", "SEGMENT", "STATE", "ENSEMBLE", "LIVE", "DEAD", "DRAINING"), urows))
     return "\n".join(lines)
 
@@ -283,8 +361,11 @@ async def fetch(bootstrap: str, tls: TlsConfig | None = None) -> tuple[pb.Cluste
             if code == grpc.StatusCode.FAILED_PRECONDITION:  # the site has one node: nothing to show
                 raise StatusRefused(f"{connection.address}: {exc.details()}", EXIT_USAGE) from None
             if code == grpc.StatusCode.UNIMPLEMENTED:
-                raise StatusRefused(f"the node at {connection.address} does not serve ClusterStatus: it runs an "
-                                    "older georep; upgrade it", EXIT_ERROR) from None  # fmt: skip
+                raise StatusRefused(
+                    f"the node at {connection.address} does not serve ClusterStatus: it runs an "
+                    "older georep; upgrade it",
+                    EXIT_ERROR,
+                ) from None
             raise from_rpc_error(exc, connection.address, operation=Operation.ADMIN) from None
     finally:
         await connection.close()
@@ -299,8 +380,10 @@ def drain_text(node: int, draining: bool, sealed: int, open_: int, leads: int) -
         return f"node {node} is not draining: it takes new segments"
     if not (sealed or open_ or leads):
         return f"node {node} is drained: it holds no segment the site needs and leads no partition; it can be stopped"
-    return (f"node {node} is draining: the site still needs {sealed} sealed and {open_} open segment(s) on it, and it "
-            f"leads {leads} partition(s)")  # fmt: skip
+    return (
+        f"node {node} is draining: the site still needs {sealed} sealed and {open_} open segment(s) on it, and it "
+        f"leads {leads} partition(s)"
+    )
 
 
 def _drain_of(answer: pb.ClusterStatusResponse, node: int) -> tuple[bool, int, int, int] | None:
@@ -311,22 +394,28 @@ def _drain_of(answer: pb.ClusterStatusResponse, node: int) -> tuple[bool, int, i
     return None
 
 
-async def decommission(bootstrap: str, node: int, cancel: bool, token: str | None,
-                       tls: TlsConfig | None = None) -> pb.DecommissionNodeResponse:  # fmt: skip
+async def decommission(
+    bootstrap: str, node: int, cancel: bool, token: str | None, tls: TlsConfig | None = None
+) -> pb.DecommissionNodeResponse:
     connection = Connection(bootstrap, tls=tls)
     try:
         stub = await connection.connect()
         try:
             answer: pb.DecommissionNodeResponse = await stub.DecommissionNode(
-                pb.DecommissionNodeRequest(node_id=node, cancel=cancel), timeout=TIMEOUT_S,
-                metadata=call_metadata(token))  # fmt: skip
+                pb.DecommissionNodeRequest(node_id=node, cancel=cancel),
+                timeout=TIMEOUT_S,
+                metadata=call_metadata(token),
+            )
         except grpc.RpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
                 raise StatusRefused(f"{connection.address}: {exc.details()}", EXIT_USAGE) from None
             if code == grpc.StatusCode.UNIMPLEMENTED:
-                raise StatusRefused(f"the node at {connection.address} does not serve DecommissionNode: it runs an "
-                                    "older georep; upgrade it", EXIT_ERROR) from None  # fmt: skip
+                raise StatusRefused(
+                    f"the node at {connection.address} does not serve DecommissionNode: it runs an "
+                    "older georep; upgrade it",
+                    EXIT_ERROR,
+                ) from None
             raise from_rpc_error(exc, connection.address, operation=Operation.ADMIN) from None
         return answer
     finally:
@@ -359,8 +448,10 @@ def main_decommission(args: argparse.Namespace) -> int:
     try:
         tls = client_tls(args)
         answer = asyncio.run(decommission(args.bootstrap, args.node_id, args.cancel, token, tls))
-        print(drain_text(answer.node_id, answer.draining, answer.sealed_segments, answer.open_segments,
-                         answer.leader_of), flush=True)  # fmt: skip
+        print(
+            drain_text(answer.node_id, answer.draining, answer.sealed_segments, answer.open_segments, answer.leader_of),
+            flush=True,
+        )
         if not args.wait or args.cancel or answer.drained:
             return 0
         if asyncio.run(wait_drained(args.bootstrap, args.node_id, args.wait_timeout_s, tls)):
@@ -377,8 +468,11 @@ def main_decommission(args: argparse.Namespace) -> int:
     except GeorepError as exc:
         print(f"georep: error: {exc.message}", file=sys.stderr)
         return EXIT_ERROR
-    print(f"georep: error: node {args.node_id} still holds segments after {args.wait_timeout_s:.0f} s; it keeps "
-          "draining: 'georep cluster status' shows what is under-replicated and why", file=sys.stderr)  # fmt: skip
+    print(
+        f"georep: error: node {args.node_id} still holds segments after {args.wait_timeout_s:.0f} s; it keeps "
+        "draining: 'georep cluster status' shows what is under-replicated and why",
+        file=sys.stderr,
+    )
     return EXIT_ERROR
 
 

@@ -72,12 +72,17 @@ def say(text: str = "") -> None:
 
 
 def record_json(r: ConsumerRecord) -> str:
-    return json.dumps({
-        "key": r.key.decode() if r.key is not None else None,
-        "value": r.value.decode() if r.value is not None else None,
-        "partition": r.partition, "offset": r.offset, "origin": str(r.origin),
-        "origin_seq": r.origin_seq, "timestamp": r.timestamp_ms,
-    })  # fmt: skip
+    return json.dumps(
+        {
+            "key": r.key.decode() if r.key is not None else None,
+            "value": r.value.decode() if r.value is not None else None,
+            "partition": r.partition,
+            "offset": r.offset,
+            "origin": str(r.origin),
+            "origin_seq": r.origin_seq,
+            "timestamp": r.timestamp_ms,
+        }
+    )
 
 
 def client_tls(node: NodeProcess) -> TlsConfig | None:
@@ -85,8 +90,9 @@ def client_tls(node: NodeProcess) -> TlsConfig | None:
     return None if node.tls is None else TlsConfig.from_dir(node.tls.ca.parent, ADMIN)
 
 
-async def consume_all(bootstrap: str, topic: str, expected: int, timeout_s: float = 60.0,
-                      tls: TlsConfig | None = None) -> list[ConsumerRecord]:  # fmt: skip
+async def consume_all(
+    bootstrap: str, topic: str, expected: int, timeout_s: float = 60.0, tls: TlsConfig | None = None
+) -> list[ConsumerRecord]:
     """Every record of ``topic`` from the beginning, until ``expected`` arrived."""
     out: list[ConsumerRecord] = []
     async with Consumer(bootstrap, tls=tls) as consumer:
@@ -152,8 +158,9 @@ async def produce_through_crash(node: NodeProcess, topic: str, records: int, kil
     """
     acked: list[RecordMetadata] = []
     at_kill = -1
-    async with Producer(node.address, acks="leader", linger_ms=2, batch_size=16_384,
-                        retry_backoff_ms=50, tls=client_tls(node)) as producer:  # fmt: skip
+    async with Producer(
+        node.address, acks="leader", linger_ms=2, batch_size=16_384, retry_backoff_ms=50, tls=client_tls(node)
+    ) as producer:
         futures = []
         for i in range(records):
             fut = producer.send(topic, b"crash-%d" % i, key=b"k%d" % (i % 97))
@@ -207,7 +214,9 @@ async def run(data_dir: Path, records: int) -> int:
     try:
         for node in nodes:
             node.start()
-            say(f"  site {node.site}: node on {node.address} (pid {node.pid}), metrics http://{node.metrics_address}/metrics")
+            say(
+                f"  site {node.site}: node on {node.address} (pid {node.pid}), metrics http://{node.metrics_address}/metrics"
+            )
         await _create_everywhere(by_site)
         failures += await _write_at_every_site(nodes, records)
         failures += await _route_around_a_cut(nodes, by_site)
@@ -266,10 +275,19 @@ async def _route_around_a_cut(nodes: list[NodeProcess], by_site: dict[str, NodeP
     took = await wait_converged(nodes, TOPIC)
     status = await site_status(by_site["a"])
     links = {f"{lk.src}->{lk.dst}": lk.state for lk in status.links}
-    upstreams = sorted({(lag.origin, lag.upstream) for p in status.partitions if p.topic == TOPIC for lag in p.lags
-                        if lag.origin.startswith("c@")})  # fmt: skip
-    say(f"   a's links: {links}; a now pulls {upstreams[0][0] if upstreams else 'c'} from: "
-        f"{', '.join(sorted({u for _, u in upstreams})) or '-'}")  # fmt: skip
+    upstreams = sorted(
+        {
+            (lag.origin, lag.upstream)
+            for p in status.partitions
+            if p.topic == TOPIC
+            for lag in p.lags
+            if lag.origin.startswith("c@")
+        }
+    )
+    say(
+        f"   a's links: {links}; a now pulls {upstreams[0][0] if upstreams else 'c'} from: "
+        f"{', '.join(sorted({u for _, u in upstreams})) or '-'}"
+    )
     say(f"   converged again {took:.2f}s after the last ack, around the cut link")
     if links.get("c->a") != "down" or any(u != "b" for _, u in upstreams):
         failures.append(f"after the cut, a should pull c's records from b: {upstreams}, links {links}")
@@ -285,9 +303,11 @@ async def _crash_and_restart(nodes: list[NodeProcess], by_site: dict[str, NodePr
     async with Admin(by_site["a"].address, tls=client_tls(by_site["a"])) as admin:
         await admin.create_topic("demo/crash", 1)
     report = await produce_through_crash(by_site["a"], "demo/crash", 20_000, kill_after_acked=6_000)
-    say(f"   killed after {report.kill_after_acked} acks; after restart: {report.acked}/{report.sent} acked, "
+    say(
+        f"   killed after {report.kill_after_acked} acks; after restart: {report.acked}/{report.sent} acked, "
         f"{report.present} distinct present, {report.duplicates} duplicates, "
-        f"{report.missing_acked} acked records missing")  # fmt: skip
+        f"{report.missing_acked} acked records missing"
+    )
     if not report.ok:
         failures.append(f"crash recovery: {report}")
     took = await wait_converged(nodes, "demo/crash")
@@ -302,8 +322,9 @@ async def _dr_drill(data_dir: Path) -> list[str]:
     """Step 6: ``georep drill``'s site kill, with its report."""
     say("\n6. DR drill: producers at every site (acks=leader and acks=geo:2), a consumer group at a;")
     say("   SIGKILL a, the consumers fail over to b, a restarts and rejoins")
-    drill_args = argparse.Namespace(**{**vars(drill_defaults()), "data_dir": data_dir,
-                                       "report": data_dir / "drill-report.json"})  # fmt: skip
+    drill_args = argparse.Namespace(
+        **{**vars(drill_defaults()), "data_dir": data_dir, "report": data_dir / "drill-report.json"}
+    )
     doc = await drill(drill_args, out=lambda line: say(f"   {line}"))
     drill_args.report.write_text(json.dumps(doc, indent=2) + "\n")
     say("\n" + "\n".join(f"   {line}" for line in render(doc).splitlines()))
@@ -344,12 +365,19 @@ async def cluster_site_step(root: Path, topic: str = "demo/cluster") -> list[str
     grpc_ports, raft_ports = _free_ports(3), _free_ports(3)
     root.mkdir(parents=True, exist_ok=True)
     topology_file = root / "topology.toml"
-    members = ", ".join(f'{{ id = {i + 1}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}" }}'
-                        for i, (g, r) in enumerate(zip(grpc_ports, raft_ports, strict=True)))  # fmt: skip
+    members = ", ".join(
+        f'{{ id = {i + 1}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}" }}'
+        for i, (g, r) in enumerate(zip(grpc_ports, raft_ports, strict=True))
+    )
     topology_file.write_text(f"[sites.d]\nnodes = [{members}]\n")
     topology = load_topology(topology_file)
-    nodes = site_processes(topology, topology_file, root, ["--session-timeout-ms", "1500", "--segment-bytes-max",
-                                                           "262144"], ensure_certs(topology, root))  # fmt: skip
+    nodes = site_processes(
+        topology,
+        topology_file,
+        root,
+        ["--session-timeout-ms", "1500", "--segment-bytes-max", "262144"],
+        ensure_certs(topology, root),
+    )
     tls = client_tls(nodes[0])
     failures: list[str] = []
     try:
@@ -371,8 +399,10 @@ async def cluster_site_step(root: Path, topic: str = "demo/cluster") -> list[str
         values = await _read_back(nodes[0].address, topic, tls, acked)
         missing = len(acked - set(values))
         duplicates = sum(n - 1 for n in values.values() if n > 1)
-        say(f"   {len(acked)} records acknowledged at acks=all; read back from the leaders: {len(values)} distinct, "
-            f"{missing} acknowledged records missing, {duplicates} duplicates")  # fmt: skip
+        say(
+            f"   {len(acked)} records acknowledged at acks=all; read back from the leaders: {len(values)} distinct, "
+            f"{missing} acknowledged records missing, {duplicates} duplicates"
+        )
         if victim is None:
             failures.append("three-node site: no leader of partition 0 to kill")
         if missing or duplicates or not acked:
@@ -401,8 +431,7 @@ class LeaderKillWrites:
                 values = [f"{tag}-{n + i}".encode() for i in range(50)]
                 sent_at = time.monotonic()
                 futures = [producer.send(self.topic, v, key=v) for v in values]
-                for value, result in zip(values, await asyncio.gather(*futures, return_exceptions=True),
-                                         strict=True):  # fmt: skip
+                for value, result in zip(values, await asyncio.gather(*futures, return_exceptions=True), strict=True):
                     if not isinstance(result, BaseException):
                         self.acked.add(value)
                         if result.partition == 0 and sent_at > self.killed_at and not self.first_ack_after_kill:
@@ -412,21 +441,27 @@ class LeaderKillWrites:
     async def kill_the_leader(self, nodes: list[NodeProcess]) -> NodeProcess | None:
         """Write, kill partition 0's leader, wait for a write to it, restart the node, stop writing; the victim."""
         topic = self.topic
-        producers = [asyncio.create_task(self.produce("p1", nodes[1].address)),
-                     asyncio.create_task(self.produce("p2", nodes[2].address))]  # fmt: skip
+        producers = [
+            asyncio.create_task(self.produce("p1", nodes[1].address)),
+            asyncio.create_task(self.produce("p2", nodes[2].address)),
+        ]
         await asyncio.sleep(2.0)
         victim = await _leader_of(nodes, topic, 0)
         if victim is not None:
             victim.kill9()
             self.killed_at = time.monotonic()
-            say(f"   SIGKILL node {victim.node_id} (pid {victim.pid}), the leader of {topic}-0, after "
-                f"{len(self.acked)} acks")  # fmt: skip
+            say(
+                f"   SIGKILL node {victim.node_id} (pid {victim.pid}), the leader of {topic}-0, after "
+                f"{len(self.acked)} acks"
+            )
         while not self.first_ack_after_kill and time.monotonic() - self.killed_at < 30:
             await asyncio.sleep(0.01)
         if self.first_ack_after_kill:
-            say(f"   {topic}-0 acknowledged writes again {self.first_ack_after_kill[0] - self.killed_at:.2f}s after "
+            say(
+                f"   {topic}-0 acknowledged writes again {self.first_ack_after_kill[0] - self.killed_at:.2f}s after "
                 "the kill (a new leader detected the death, recovered the open segment and opened the next "
-                "one)")  # fmt: skip
+                "one)"
+            )
         await asyncio.sleep(1.0)
         if victim is not None:
             victim.start(60)

@@ -113,20 +113,31 @@ class DrillError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", type=Path, help="topology TOML file (default: the embedded a, b, c)")
-    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                        help="where 'georep up' keeps DATA_DIR/<site>/node.json and admin.token "
-                             "(default .georep)")  # fmt: skip
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=DEFAULT_DATA_DIR,
+        help="where 'georep up' keeps DATA_DIR/<site>/node.json and admin.token (default .georep)",
+    )
     parser.add_argument("--report", type=Path, help="write the report as JSON to this file")
-    parser.add_argument("--site", help="the site to fail (default: the topology's first site; node-kill: its first "
-                        "site of several nodes)")  # fmt: skip
+    parser.add_argument(
+        "--site",
+        help="the site to fail (default: the topology's first site; node-kill: its first site of several nodes)",
+    )
     parser.add_argument("--failover-to", help="where the consumers go (default: the next site)")
-    parser.add_argument("--mode", choices=MODES, default="kill",
-                        help="kill: SIGKILL the site's node (local); isolate: cut all its links (any deployment); "
-                             "node-kill: SIGKILL one node of a multi-node site (local)")  # fmt: skip
-    parser.add_argument("--node", type=int, help="node-kill: the node id to kill (default: the leader of the drill "
-                        "topic's partition 0)")  # fmt: skip
-    parser.add_argument("--acks", help="ack levels, one producer per site each (default leader,geo:2; node-kill: "
-                        "all,leader)")  # fmt: skip
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="kill",
+        help="kill: SIGKILL the site's node (local); isolate: cut all its links (any deployment); "
+        "node-kill: SIGKILL one node of a multi-node site (local)",
+    )
+    parser.add_argument(
+        "--node", type=int, help="node-kill: the node id to kill (default: the leader of the drill topic's partition 0)"
+    )
+    parser.add_argument(
+        "--acks", help="ack levels, one producer per site each (default leader,geo:2; node-kill: all,leader)"
+    )
     parser.add_argument("--rate", type=float, default=200.0, help="records/s per producer (default 200)")
     parser.add_argument("--consumers", type=int, default=2, help="consumers in the group (default 2)")
     parser.add_argument("--partitions", type=int, default=4, help="partitions of the drill topic (default 4)")
@@ -135,9 +146,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--commit-interval-ms", type=int, default=200, help="consumer commit interval")
     parser.add_argument("--commit-acks", default="geo:2", help="ack level of the commits (default geo:2)")
     parser.add_argument("--no-restart", action="store_true", help="leave the site down (or isolated)")
-    parser.add_argument("--client", choices=("georep", "kafka"), default="georep",
-                        help="kafka: producers and a consumer group of unmodified Kafka clients (confluent-kafka) "
-                        "on the sites' Kafka ports, failing over from a killed site (docs/kafka.md)")  # fmt: skip
+    parser.add_argument(
+        "--client",
+        choices=("georep", "kafka"),
+        default="georep",
+        help="kafka: producers and a consumer group of unmodified Kafka clients (confluent-kafka) "
+        "on the sites' Kafka ports, failing over from a killed site (docs/kafka.md)",
+    )
     parser.add_argument("--admin-token", help=f"admin token for isolate (default ${TOKEN_ENV}, DATA_DIR/admin.token)")
     add_client_tls_arguments(parser)
 
@@ -245,8 +260,12 @@ async def served_partitions(site: Site, topic: str) -> dict[int, tuple[str, pb.P
         raise error
     out: dict[int, tuple[str, pb.PartitionState]] = {}
     for partition, leader in current_leaders(answers.values()).items():
-        listing = {address: ps for address, answer in answers.items() for ps in answer.partition_states
-                   if ps.partition == partition}  # fmt: skip
+        listing = {
+            address: ps
+            for address, answer in answers.items()
+            for ps in answer.partition_states
+            if ps.partition == partition
+        }
         if leader.address in listing:
             out[partition] = (leader.address, listing[leader.address])
         elif len(listing) == 1:  # the metadata spells the leader's address otherwise than the topology
@@ -259,8 +278,9 @@ def current_leaders(descriptions: Iterable[pb.TopicDescription]) -> dict[int, pb
     out: dict[int, pb.PartitionLeader] = {}
     for desc in descriptions:
         for leader in desc.leaders:
-            if leader.node_id and (leader.partition not in out
-                                   or leader.leader_epoch > out[leader.partition].leader_epoch):  # fmt: skip
+            if leader.node_id and (
+                leader.partition not in out or leader.leader_epoch > out[leader.partition].leader_epoch
+            ):
                 out[leader.partition] = leader
     return out
 
@@ -269,8 +289,9 @@ async def vectors(site: Site, topic: str) -> dict[int, VectorOffset]:
     return {p: vector_from_proto(ps.vector) for p, (_, ps) in (await served_partitions(site, topic)).items()}
 
 
-async def wait_for(what: str, cond: Callable[[], Any], timeout_s: float,
-                   state: Callable[[], str] | None = None) -> None:  # fmt: skip
+async def wait_for(
+    what: str, cond: Callable[[], Any], timeout_s: float, state: Callable[[], str] | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -286,8 +307,9 @@ async def wait_for(what: str, cond: Callable[[], Any], timeout_s: float,
 async def produce_loop(run: Run, site: Site, level: str, rate: float, stop: asyncio.Event) -> None:
     key = f"{site.name}|{level}"
     interval = 1.0 / rate
-    producer = Producer(site.bootstrap, acks=level, linger_ms=5, request_timeout_ms=10_000,
-                        delivery_timeout_ms=20_000, tls=site.tls)  # fmt: skip
+    producer = Producer(
+        site.bootstrap, acks=level, linger_ms=5, request_timeout_ms=10_000, delivery_timeout_ms=20_000, tls=site.tls
+    )
     try:
         await producer.start()
     except GeorepError:
@@ -324,8 +346,9 @@ def _acked(run: Run, key: str, level: str, site: str, value: str, fut: asyncio.F
     run.acked[value] = Acked(level, site, str(meta.origin), meta.origin_seq, meta.partition, _now())
 
 
-async def consume_loop(run: Run, consumer: Consumer, name: str, commit_interval_s: float | None,
-                       stop: asyncio.Event) -> None:  # fmt: skip
+async def consume_loop(
+    run: Run, consumer: Consumer, name: str, commit_interval_s: float | None, stop: asyncio.Event
+) -> None:
     """Poll until ``stop``, noting every record; commit every ``commit_interval_s`` (None: a consumer without a
     group, which keeps its position itself)."""
     next_commit = time.monotonic() + (commit_interval_s or 0.0)
@@ -378,8 +401,9 @@ def node_info(data_dir: Path, site: str) -> dict[str, Any]:
     return info
 
 
-async def set_links(topology: Topology, victim: str, sites: Mapping[SiteId, Site], enabled: bool,
-                    token: str | None) -> None:  # fmt: skip
+async def set_links(
+    topology: Topology, victim: str, sites: Mapping[SiteId, Site], enabled: bool, token: str | None
+) -> None:
     for link in topology.links_sorted():
         if victim not in (link.src, link.dst):
             continue
@@ -397,8 +421,14 @@ def restart_node(info: dict[str, Any], node_dir: Path, what: str) -> None:
         raise DrillError(f"{node_dir / NODE_INFO} has no 'command': restart {what} by hand")
     with append_private(node_dir / "node.log") as log:
         # A session of its own: the restarted node outlives the drill, like the one it replaces.
-        subprocess.Popen(command, cwd=info.get("cwd"), stdout=log, stderr=subprocess.STDOUT,
-                         stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        subprocess.Popen(
+            command,
+            cwd=info.get("cwd"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 # --- the drill ------------------------------------------------------------------------
@@ -428,8 +458,10 @@ async def drill(args: argparse.Namespace, out: Callable[[str], None] = print) ->
         try:
             await s.stub_call("Health", pb.HealthRequest())
         except grpc.aio.AioRpcError as exc:
-            raise DrillError(f"site {s.name} at {s.address} does not answer ({exc.code().name}): start the "
-                             "topology first ('georep up')") from None  # fmt: skip
+            raise DrillError(
+                f"site {s.name} at {s.address} does not answer ({exc.code().name}): start the "
+                "topology first ('georep up')"
+            ) from None
     return await SiteDrill(args, topology, sites, levels, victim, target, out).drill()
 
 
@@ -469,8 +501,16 @@ class SiteDrill:
     """One drill of a site (``--mode kill`` or ``isolate``): the workload, the event, the consumers' failover,
     what the survivors hold, the rejoin, and the accounting of every record (the module's docstring)."""
 
-    def __init__(self, args: argparse.Namespace, topology: Topology, sites: dict[SiteId, Site], levels: list[str],
-                 victim: SiteId, target: SiteId, out: Callable[[str], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        topology: Topology,
+        sites: dict[SiteId, Site],
+        levels: list[str],
+        victim: SiteId,
+        target: SiteId,
+        out: Callable[[str], None],
+    ) -> None:
         self.args, self.topology, self.sites, self.levels, self.out = args, topology, sites, levels, out
         self.victim, self.target = victim, target
         self.names = list(sites)
@@ -488,14 +528,17 @@ class SiteDrill:
 
     async def drill(self) -> dict[str, Any]:
         args, run, victim, target = self.args, self.run, self.victim, self.target
-        self.out(f"drill: {args.mode} site {victim}, consumers fail over to {target}; topic {run.topic}, ack "
-                 f"levels {', '.join(self.levels)}, {args.rate:g} records/s per producer, commits "
-                 f"{args.commit_acks}")  # fmt: skip
+        self.out(
+            f"drill: {args.mode} site {victim}, consumers fail over to {target}; topic {run.topic}, ack "
+            f"levels {', '.join(self.levels)}, {args.rate:g} records/s per producer, commits "
+            f"{args.commit_acks}"
+        )
         await self.create_topic()
         self.producer_tasks = {
             (s, level): asyncio.create_task(produce_loop(run, self.sites[s], level, args.rate, self.stop_producers))
-            for s in self.names for level in self.levels
-        }  # fmt: skip
+            for s in self.names
+            for level in self.levels
+        }
         await self.start_consumers(f"{self.sites[victim].address},{self.sites[target].address}", "c")
         await asyncio.sleep(args.warmup)
         await self.event()
@@ -506,8 +549,9 @@ class SiteDrill:
         lost = await self.lost_by_survivors()
         rejoined, lost_after = await self.rejoin()
         final = await self.drain()
-        return report(run, args, victim, target, self.target_origin, self.levels, lost, lost_after, rejoined, rto_ms,
-                      final)  # fmt: skip
+        return report(
+            run, args, victim, target, self.target_origin, self.levels, lost, lost_after, rejoined, rto_ms, final
+        )
 
     async def create_topic(self) -> None:
         topic = self.run.topic
@@ -524,9 +568,16 @@ class SiteDrill:
     async def start_consumers(self, bootstrap: str, tag: str) -> None:
         args = self.args
         for i in range(args.consumers):
-            c = Consumer(bootstrap, group_id=self.run.group, auto_offset_reset="earliest", enable_auto_commit=False,
-                         commit_acks=args.commit_acks, client_id=f"drill-{i}", session_timeout_ms=6000,
-                         tls=self.sites[self.target].tls)  # fmt: skip
+            c = Consumer(
+                bootstrap,
+                group_id=self.run.group,
+                auto_offset_reset="earliest",
+                enable_auto_commit=False,
+                commit_acks=args.commit_acks,
+                client_id=f"drill-{i}",
+                session_timeout_ms=6000,
+                tls=self.sites[self.target].tls,
+            )
             await c.start()
             c.subscribe([self.run.topic])
             self.consumers.append(c)
@@ -536,8 +587,10 @@ class SiteDrill:
     async def event(self) -> None:
         """Kill the victim's node or cut its links; after a cut, abandon its consumers for new ones at the target."""
         args, run, victim = self.args, self.run, self.victim
-        self.out(f"drill: {args.mode} {victim} after {args.warmup:g}s warm-up "
-                 f"({len(run.acked)} records acked, {len(run.deliveries)} delivered, {run.commit_count} commits)")
+        self.out(
+            f"drill: {args.mode} {victim} after {args.warmup:g}s warm-up "
+            f"({len(run.acked)} records acked, {len(run.deliveries)} delivered, {run.commit_count} commits)"
+        )
         for level in self.levels:  # producers at the victim stop with it
             self.producer_tasks[(victim, level)].cancel()
         run.event_at = _now()
@@ -571,8 +624,12 @@ class SiteDrill:
             return any(d.site_origin == self.target_origin and d.at >= event for d in run.deliveries)
 
         try:
-            await wait_for(f"a consumer reads at {target}", first_at_target, 60,
-                           lambda: "; ".join(c.describe() for c in self.consumers))  # fmt: skip
+            await wait_for(
+                f"a consumer reads at {target}",
+                first_at_target,
+                60,
+                lambda: "; ".join(c.describe() for c in self.consumers),
+            )
         except BaseException:
             # The drill cannot finish: still give the operator the site back.
             with contextlib.suppress(Exception):
@@ -610,8 +667,11 @@ class SiteDrill:
         if self.args.no_restart:
             return False, []
         await self.restore()
-        await wait_for(f"site {self.victim} rejoins and every site converges", lambda: self.converged(self.names),
-                       CONVERGE_TIMEOUT_S)  # fmt: skip
+        await wait_for(
+            f"site {self.victim} rejoins and every site converges",
+            lambda: self.converged(self.names),
+            CONVERGE_TIMEOUT_S,
+        )
         held_all = await vectors(self.sites[self.target], self.run.topic)
         return True, [a for a in self.run.acked.values() if not covers(held_all, a)]
 
@@ -649,36 +709,89 @@ async def merged_vectors(sites: list[Site], topic: str) -> dict[int, VectorOffse
 
 
 def report(
-    run: Run, args: argparse.Namespace, victim: str, target: str, target_origin: str, levels: list[str],
-    lost: list[Acked], lost_after: list[Acked], rejoined: bool, rto_ms: float, final: dict[int, VectorOffset],
-) -> dict[str, Any]:  # fmt: skip
+    run: Run,
+    args: argparse.Namespace,
+    victim: str,
+    target: str,
+    target_origin: str,
+    levels: list[str],
+    lost: list[Acked],
+    lost_after: list[Acked],
+    rejoined: bool,
+    rto_ms: float,
+    final: dict[int, VectorOffset],
+) -> dict[str, Any]:
     event = run.event_at
     seen: dict[tuple[int, str, int], int] = {}
     for d in run.deliveries:
         key = (d.partition, d.origin, d.origin_seq)
         seen[key] = seen.get(key, 0) + 1
     dup_vs_commit = [
-        d for d in run.deliveries
-        if d.at >= event and d.partition in run.commits
+        d
+        for d in run.deliveries
+        if d.at >= event
+        and d.partition in run.commits
         and run.commits[d.partition][1].covers(Origin.parse(d.origin), d.origin_seq)
-    ]  # fmt: skip
-    in_topic = {
-        (p, str(o), s) for p, v in final.items() for o, n in v.items() for s in range(n)
-    }  # fmt: skip
+    ]
+    in_topic = {(p, str(o), s) for p, v in final.items() for o, n in v.items() for s in range(n)}
     never = sorted(in_topic - set(seen))
-    per_level: dict[str, Any] = {}
-    for level in levels:
-        acked = [a for a in run.acked.values() if a.level == level]
-        lost_l = [a for a in lost if a.level == level]
-        per_level[level] = {
-            "sent": sum(n for k, n in run.sent.items() if k.endswith(f"|{level}")),
-            "acked": len(acked),
-            "failed": sum(n for k, n in run.errors.items() if k.endswith(f"|{level}")),
-            "acked_at_victim": sum(1 for a in acked if a.site == victim),
-            "rpo_lost": len(lost_l),
-            "rpo_window_ms": round((event - min(a.acked_at for a in lost_l)) * 1000) if lost_l else 0,
-            "lost_after_rejoin": sum(1 for a in lost_after if a.level == level),
-        }
+    per_level = {level: _level_figures(run, level, victim, lost, lost_after) for level in levels}
+    broken = _broken_ack_promises(per_level)
+    if dup_vs_commit:
+        broken.append(f"{len(dup_vs_commit)} records delivered again after the failover were covered by a commit")
+    if never:
+        broken.append(f"{len(never)} records in the topic were never delivered")
+    doc = {
+        "mode": args.mode,
+        "victim": victim,
+        "failover_to": target,
+        "failover_origin": target_origin,
+        "topic": run.topic,
+        "group": run.group,
+        "rejoined": rejoined,
+        "records_in_topic": len(in_topic),
+        "records_sent": sum(run.sent.values()),
+        "records_acked": len(run.acked),
+        "delivered": len(run.deliveries),
+        "delivered_unique": len(seen),
+        "duplicates_total": sum(n - 1 for n in seen.values()),
+        "duplicates_vs_commit": len(dup_vs_commit),
+        "never_delivered": len(never),
+        "never_delivered_first": [list(k) for k in never[:5]],
+        "duplicates_vs_commit_first": [
+            [d.consumer, d.partition, d.origin, d.origin_seq, d.site_origin, round((d.at - event) * 1000)]
+            for d in dup_vs_commit[:5]
+        ],
+        "rto_ms": round(rto_ms),
+        "commits": run.commit_count,
+        "commit_errors": run.commit_errors,
+        "commit_acks": args.commit_acks,
+        "acks": per_level,
+        "promises_broken": broken,
+        "ok": not broken,
+        "partitions_final": {str(p): v.to_text() for p, v in sorted(final.items())},
+    }
+    return doc
+
+
+def _level_figures(run: Run, level: str, victim: str, lost: list[Acked], lost_after: list[Acked]) -> dict[str, Any]:
+    """One ack level's figures: sent, acked, failed, and what the failover lost of what it acked."""
+    event = run.event_at
+    acked = [a for a in run.acked.values() if a.level == level]
+    lost_l = [a for a in lost if a.level == level]
+    return {
+        "sent": sum(n for k, n in run.sent.items() if k.endswith(f"|{level}")),
+        "acked": len(acked),
+        "failed": sum(n for k, n in run.errors.items() if k.endswith(f"|{level}")),
+        "acked_at_victim": sum(1 for a in acked if a.site == victim),
+        "rpo_lost": len(lost_l),
+        "rpo_window_ms": round((event - min(a.acked_at for a in lost_l)) * 1000) if lost_l else 0,
+        "lost_after_rejoin": sum(1 for a in lost_after if a.level == level),
+    }
+
+
+def _broken_ack_promises(per_level: dict[str, Any]) -> list[str]:
+    """The ack levels whose promise the failover broke: geo:N (N >= 2) lost at the failover, any lost for good."""
     broken = []
     for level, figures in per_level.items():
         n = parse_acks(level)[1]
@@ -686,28 +799,7 @@ def report(
             broken.append(f"{figures['rpo_lost']} records acked with acks={level} are at no surviving site")
         if figures["lost_after_rejoin"]:
             broken.append(f"{figures['lost_after_rejoin']} records acked with acks={level} are lost for good")
-    if dup_vs_commit:
-        broken.append(f"{len(dup_vs_commit)} records delivered again after the failover were covered by a commit")
-    if never:
-        broken.append(f"{len(never)} records in the topic were never delivered")
-    doc = {
-        "mode": args.mode, "victim": victim, "failover_to": target, "failover_origin": target_origin,
-        "topic": run.topic, "group": run.group, "rejoined": rejoined,
-        "records_in_topic": len(in_topic), "records_sent": sum(run.sent.values()),
-        "records_acked": len(run.acked),
-        "delivered": len(run.deliveries), "delivered_unique": len(seen),
-        "duplicates_total": sum(n - 1 for n in seen.values()),
-        "duplicates_vs_commit": len(dup_vs_commit), "never_delivered": len(never),
-        "never_delivered_first": [list(k) for k in never[:5]],
-        "duplicates_vs_commit_first": [
-            [d.consumer, d.partition, d.origin, d.origin_seq, d.site_origin, round((d.at - event) * 1000)]
-            for d in dup_vs_commit[:5]
-        ],
-        "rto_ms": round(rto_ms), "commits": run.commit_count, "commit_errors": run.commit_errors,
-        "commit_acks": args.commit_acks, "acks": per_level, "promises_broken": broken, "ok": not broken,
-        "partitions_final": {str(p): v.to_text() for p, v in sorted(final.items())},
-    }  # fmt: skip
-    return doc
+    return broken
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -722,8 +814,10 @@ def render(doc: dict[str, Any]) -> str:
         f"{'LOST AFTER REJOIN':>18}",
     ]
     for level, f in doc["acks"].items():
-        lines.append(f"  {level:<10} {f['sent']:>7} {f['acked']:>7} {f['failed']:>7} {f['rpo_lost']:>9} "
-                     f"{str(f['rpo_window_ms']) + ' ms':>9} {f['lost_after_rejoin']:>18}")  # fmt: skip
+        lines.append(
+            f"  {level:<10} {f['sent']:>7} {f['acked']:>7} {f['failed']:>7} {f['rpo_lost']:>9} "
+            f"{str(f['rpo_window_ms']) + ' ms':>9} {f['lost_after_rejoin']:>18}"
+        )
     lines += [
         f"  RTO (event to first record consumed at {doc['failover_to']}): {doc['rto_ms']} ms",
         f"  delivered {doc['delivered']} ({doc['delivered_unique']} distinct); duplicates relative to the last "
@@ -783,17 +877,21 @@ def cluster_node_info(data_dir: Path, site: str, node: int, address: str) -> dic
             "DATA_DIR/<site>/<node id>/)"
         ) from None
     if str(info.get("listen", "")).rpartition(":")[2] != address.rpartition(":")[2]:
-        raise DrillError(f"{path} is of a node listening on {info.get('listen')}, but the topology puts node "
-                         f"{node} of site {site} on {address}: give the --topology and --data-dir the site runs "
-                         "with")  # fmt: skip
+        raise DrillError(
+            f"{path} is of a node listening on {info.get('listen')}, but the topology puts node "
+            f"{node} of site {site} on {address}: give the --topology and --data-dir the site runs "
+            "with"
+        )
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        raise DrillError(f"node {node} of site {site} is not running (pid {pid}, from {path}): start the site "
-                         "first") from None  # fmt: skip
+        raise DrillError(
+            f"node {node} of site {site} is not running (pid {pid}, from {path}): start the site first"
+        ) from None
     except PermissionError:
-        raise DrillError(f"pid {pid} (from {path}) is another user's: run the drill as the user that runs the "
-                         "site's nodes") from None  # fmt: skip
+        raise DrillError(
+            f"pid {pid} (from {path}) is another user's: run the drill as the user that runs the site's nodes"
+        ) from None
     return info
 
 
@@ -805,8 +903,9 @@ async def leaders_at(site: Site, topic: str) -> dict[int, pb.PartitionLeader]:
     return current_leaders(answers)
 
 
-async def read_partition(address: str, topic: str, partition: int, start: int, end: int,
-                         tls: TlsConfig | None = None) -> list[SiteRecord]:  # fmt: skip
+async def read_partition(
+    address: str, topic: str, partition: int, start: int, end: int, tls: TlsConfig | None = None
+) -> list[SiteRecord]:
     """The records of a partition at the node that serves it, from ``start`` up to ``end`` (its log end when asked),
     in log order. A node serves readers only what the quorum confirmed: a tail that stays unconfirmed for
     ``RPC_TIMEOUT_S`` is left out, as a reader would never see it."""
@@ -816,8 +915,9 @@ async def read_partition(address: str, topic: str, partition: int, start: int, e
     async with client_channel(address, tls, CHANNEL_OPTIONS) as channel:
         stub = pbg.NodeStub(channel)
         while offset < end and time.monotonic() < deadline:
-            request = pb.FetchRequest(topic=topic, partition=partition, offset=offset, max_bytes=1 << 20,
-                                      max_wait_ms=100)  # fmt: skip
+            request = pb.FetchRequest(
+                topic=topic, partition=partition, offset=offset, max_bytes=1 << 20, max_wait_ms=100
+            )
             call = stub.Fetch(request, timeout=RPC_TIMEOUT_S)
             try:
                 response = await call.read()
@@ -828,8 +928,10 @@ async def read_partition(address: str, topic: str, partition: int, start: int, e
             try:
                 records = decode_response(topic, partition, response.batches, offset, None)
             except (CorruptBatch, DecompressionError) as exc:
-                raise DrillError(f"{topic}-{partition} at {address} served a corrupt batch near offset {offset}: "
-                                 f"{exc}; check the node with 'georep scrub --now'") from None  # fmt: skip
+                raise DrillError(
+                    f"{topic}-{partition} at {address} served a corrupt batch near offset {offset}: "
+                    f"{exc}; check the node with 'georep scrub --now'"
+                ) from None
             for r in records:
                 out.append(SiteRecord(r.offset, str(r.origin), r.origin_seq, (r.value or b"").decode(errors="replace")))
             offset = max(offset, response.next_offset)
@@ -869,24 +971,34 @@ async def site_whole(site: Site, topic: str, partitions: int) -> bool:
     return len(led) >= partitions and len(await vectors(site, topic)) >= partitions
 
 
-async def node_kill(args: argparse.Namespace, topology: Topology, sites: dict[SiteId, Site], levels: list[str],
-                    out: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+async def node_kill(
+    args: argparse.Namespace,
+    topology: Topology,
+    sites: dict[SiteId, Site],
+    levels: list[str],
+    out: Callable[[str], None],
+) -> dict[str, Any]:
     victim, members = _node_kill_victim(args, topology, sites)
     for s in sites.values():
         for address in s.nodes:
             try:
                 await s.stub_call("Health", pb.HealthRequest(), address)
             except grpc.aio.AioRpcError as exc:
-                raise DrillError(f"node {address} of site {s.name} does not answer ({exc.code().name}): a drill starts "
-                                 "from a whole topology; start it first ('georep up')") from None  # fmt: skip
+                raise DrillError(
+                    f"node {address} of site {s.name} does not answer ({exc.code().name}): a drill starts "
+                    "from a whole topology; start it first ('georep up')"
+                ) from None
     # Every candidate's node.json now, rather than after the warm-up: the leader of partition 0 is known only then.
-    infos = {n: cluster_node_info(args.data_dir, victim, n, members[n])
-             for n in ([args.node] if args.node is not None else sorted(members))}  # fmt: skip
+    infos = {
+        n: cluster_node_info(args.data_dir, victim, n, members[n])
+        for n in ([args.node] if args.node is not None else sorted(members))
+    }
     return await NodeKillDrill(args, sites, levels, victim, members, infos, out).drill()
 
 
-def _node_kill_victim(args: argparse.Namespace, topology: Topology,
-                      sites: dict[SiteId, Site]) -> tuple[SiteId, dict[int, str]]:  # fmt: skip
+def _node_kill_victim(
+    args: argparse.Namespace, topology: Topology, sites: dict[SiteId, Site]
+) -> tuple[SiteId, dict[int, str]]:
     """The site whose node the drill kills (``--site``, else the first of several nodes) and its nodes' addresses."""
     names = list(sites)
     if args.failover_to:
@@ -898,13 +1010,15 @@ def _node_kill_victim(args: argparse.Namespace, topology: Topology,
     except UnknownSite as exc:
         raise DrillError(str(exc)) from None
     if len(spec.nodes) < 2:
-        raise DrillError(f"--mode node-kill kills one node of a site of several nodes, and site {victim} has one node: "
-                         "use --mode kill to kill a one-node site"
-                         + (f", or --site {several[0]}" if several else ""))  # fmt: skip
+        raise DrillError(
+            f"--mode node-kill kills one node of a site of several nodes, and site {victim} has one node: "
+            "use --mode kill to kill a one-node site" + (f", or --site {several[0]}" if several else "")
+        )
     members = {int(m.id): m.address for m in spec.members} or {i + 1: a for i, a in enumerate(spec.nodes)}
     if args.node is not None and args.node not in members:
-        raise DrillError(f"site {victim} has no node {args.node}: its nodes are "
-                         f"{', '.join(str(n) for n in sorted(members))}")  # fmt: skip
+        raise DrillError(
+            f"site {victim} has no node {args.node}: its nodes are {', '.join(str(n) for n in sorted(members))}"
+        )
     return SiteId(victim), members
 
 
@@ -913,9 +1027,16 @@ class NodeKillDrill:
     partition 0 (or ``--node``), the partitions' failover, what the site holds, the node's return, and the
     accounting of every record (the module's docstring)."""
 
-    def __init__(self, args: argparse.Namespace, sites: dict[SiteId, Site], levels: list[str], victim: SiteId,
-                 members: dict[int, str], infos: dict[int, dict[str, Any]],
-                 out: Callable[[str], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        sites: dict[SiteId, Site],
+        levels: list[str],
+        victim: SiteId,
+        members: dict[int, str],
+        infos: dict[int, dict[str, Any]],
+        out: Callable[[str], None],
+    ) -> None:
         self.args, self.sites, self.levels, self.out = args, sites, levels, out
         self.victim, self.members, self.infos = victim, members, infos
         self.names = list(sites)
@@ -926,8 +1047,9 @@ class NodeKillDrill:
         self.stop_consumer = asyncio.Event()
         # No group (the drill measures the partition leaders' failover alone): the consumer keeps its position, a
         # local offset of the site, which means the same at every node of it.
-        self.consumer = Consumer(self.site.bootstrap, auto_offset_reset="earliest", client_id="drill-reader",
-                                 tls=self.site.tls)  # fmt: skip
+        self.consumer = Consumer(
+            self.site.bootstrap, auto_offset_reset="earliest", client_id="drill-reader", tls=self.site.tls
+        )
         self.consumer_task: asyncio.Task[None] | None = None
         self.info: dict[str, Any] = {}  # the killed node's node.json, once killed: what restarts it
         self.node = 0
@@ -937,13 +1059,17 @@ class NodeKillDrill:
         args, run, site, victim = self.args, self.run, self.site, self.victim
         health = await site.any_call("Health", pb.HealthRequest())
         site_origin = f"{health.site}@{health.epoch}"
-        self.out(f"drill: node-kill at site {victim} ({len(self.members)} nodes); topic {run.topic}, ack levels "
-                 f"{', '.join(self.levels)}, {args.rate:g} records/s per producer at "
-                 f"{', '.join(self.names)}")  # fmt: skip
+        self.out(
+            f"drill: node-kill at site {victim} ({len(self.members)} nodes); topic {run.topic}, ack levels "
+            f"{', '.join(self.levels)}, {args.rate:g} records/s per producer at "
+            f"{', '.join(self.names)}"
+        )
         await self.create_topic()
-        self.producer_tasks = [asyncio.create_task(produce_loop(run, self.sites[s], level, args.rate,
-                                                                self.stop_producers))
-                               for s in self.names for level in self.levels]  # fmt: skip
+        self.producer_tasks = [
+            asyncio.create_task(produce_loop(run, self.sites[s], level, args.rate, self.stop_producers))
+            for s in self.names
+            for level in self.levels
+        ]
         try:
             await self.consumer.start()
             self.consumer.assign([(run.topic, p) for p in range(args.partitions)])
@@ -955,8 +1081,9 @@ class NodeKillDrill:
             self.stop_producers.set()
             await asyncio.gather(*self.producer_tasks, return_exceptions=True)
             # -- what the site holds without the node
-            ev.new_leaders = {p: leader.node_id for p, leader in (await leaders_at(site, run.topic)).items()
-                              if p in ev.led}  # fmt: skip
+            ev.new_leaders = {
+                p: leader.node_id for p, leader in (await leaders_at(site, run.topic)).items() if p in ev.led
+            }
             held = by_coordinate(await read_site(site, run.topic, args.partitions))
             lost = {v: a for v, a in run.acked.items() if a.site == victim and held.get(_coordinate(a)) != v}
             rejoined = await self.rejoin()
@@ -981,8 +1108,11 @@ class NodeKillDrill:
         async def served_everywhere() -> bool:
             return all([len(await vectors(s, topic)) >= partitions for s in self.sites.values()])
 
-        await wait_for(f"every site serves every partition of {topic} (do the link filters carry 'drill-*'?)",
-                       served_everywhere, 30)  # fmt: skip
+        await wait_for(
+            f"every site serves every partition of {topic} (do the link filters carry 'drill-*'?)",
+            served_everywhere,
+            30,
+        )
 
     async def kill(self, site_origin: str) -> NodeKill:
         """SIGKILL the node leading partition 0 (or ``--node``); what it led."""
@@ -998,9 +1128,11 @@ class NodeKillDrill:
         self.info = self.infos[node]
         led = sorted(p for p, leader in leaders.items() if leader.node_id == node)
         ev = NodeKill(victim, site_origin, node, int(self.info["pid"]), self.members[node], led)
-        self.out(f"drill: SIGKILL node {node} of site {victim} (pid {ev.pid}), leader of {_partitions_text(led)}, "
-                 f"after {args.warmup:g}s warm-up ({len(run.acked)} records acked, "
-                 f"{len(run.deliveries)} read)")  # fmt: skip
+        self.out(
+            f"drill: SIGKILL node {node} of site {victim} (pid {ev.pid}), leader of {_partitions_text(led)}, "
+            f"after {args.warmup:g}s warm-up ({len(run.acked)} records acked, "
+            f"{len(run.deliveries)} read)"
+        )
         run.sent_before_event = dict(run.sent)  # no await until the kill: whatever is numbered from here is after it
         run.event_at = _now()
         try:
@@ -1040,24 +1172,33 @@ class NodeKillDrill:
 
         def where() -> str:
             acked, read = self.firsts(led)
-            return (f"writes acked again on {_partitions_text(sorted(acked))}, read again on "
-                    f"{_partitions_text(sorted(read))}; consumer {self.consumer.describe()}")  # fmt: skip
+            return (
+                f"writes acked again on {_partitions_text(sorted(acked))}, read again on "
+                f"{_partitions_text(sorted(read))}; consumer {self.consumer.describe()}"
+            )
 
-        await wait_for(f"every partition node {node} led takes writes and serves them again", failed_over,
-                       FAILOVER_TIMEOUT_S, where)  # fmt: skip
+        await wait_for(
+            f"every partition node {node} led takes writes and serves them again",
+            failed_over,
+            FAILOVER_TIMEOUT_S,
+            where,
+        )
         acked_first, read_first = self.firsts(led)
         ev.rto_ms = {p: round((t - event) * 1000) for p, t in sorted(acked_first.items())}
         ev.rto_read_ms = {p: round((t - event) * 1000) for p, t in sorted(read_first.items())}
-        self.out(f"drill: a partition node {node} led acked a write {min(ev.rto_ms.values())} ms after the kill "
-                 f"(all {len(led)}: {max(ev.rto_ms.values())} ms); first such record consumed after "
-                 f"{min(ev.rto_read_ms.values())} ms")  # fmt: skip
+        self.out(
+            f"drill: a partition node {node} led acked a write {min(ev.rto_ms.values())} ms after the kill "
+            f"(all {len(led)}: {max(ev.rto_ms.values())} ms); first such record consumed after "
+            f"{min(ev.rto_read_ms.values())} ms"
+        )
 
     async def restore(self) -> None:
         """Restart the killed node, once (unless ``--no-restart``, or no node was killed)."""
         if self.info and not self.restored and not self.args.no_restart:
             self.restored = True
-            restart_node(self.info, self.args.data_dir / self.victim / str(self.node),
-                         f"node {self.node} of site {self.victim}")  # fmt: skip
+            restart_node(
+                self.info, self.args.data_dir / self.victim / str(self.node), f"node {self.node} of site {self.victim}"
+            )
 
     async def rejoin(self) -> bool:
         """Restart the node and wait until the site is whole, then until every site converges; whether the node
@@ -1066,9 +1207,11 @@ class NodeKillDrill:
         rejoined = False
         if not args.no_restart:
             await self.restore()
-            await wait_for(f"node {self.node} is back and site {self.victim} is whole (every node live, every "
-                           "partition led)", lambda: site_whole(site, run.topic, partitions),
-                           CONVERGE_TIMEOUT_S)  # fmt: skip
+            await wait_for(
+                f"node {self.node} is back and site {self.victim} is whole (every node live, every partition led)",
+                lambda: site_whole(site, run.topic, partitions),
+                CONVERGE_TIMEOUT_S,
+            )
             rejoined = True
 
         async def all_converged() -> bool:
@@ -1108,11 +1251,11 @@ def _partitions_text(partitions: list[int]) -> str:
     return ("partition " if len(partitions) == 1 else "partitions ") + ", ".join(map(str, partitions))
 
 
-def node_kill_report(
-    run: Run, ev: NodeKill, levels: list[str], lost: dict[str, Acked], lost_after: dict[str, Acked],
-    rejoined: bool, final: SiteContent, final_vectors: dict[int, VectorOffset],
-) -> dict[str, Any]:  # fmt: skip
-    event = run.event_at
+def _deliveries_against(
+    run: Run, final: SiteContent
+) -> tuple[dict[tuple[int, str, int], int], list[Delivery], list[Delivery]]:
+    """The consumer's deliveries against what the site holds at the end: how often each record was read, the
+    reads that skipped records the site holds before them, and the reads of records the site does not hold there."""
     at_offset = {(p, r.offset): (i, r) for p, records in final.items() for i, r in enumerate(records)}
     seen: dict[tuple[int, str, int], int] = {}
     gaps: list[Delivery] = []
@@ -1128,6 +1271,20 @@ def node_kill_report(
         if found[0] > last.get(d.partition, -1) + 1:
             gaps.append(d)  # records the site holds before this one were skipped
         last[d.partition] = max(found[0], last.get(d.partition, -1))
+    return seen, gaps, misread
+
+
+def node_kill_report(
+    run: Run,
+    ev: NodeKill,
+    levels: list[str],
+    lost: dict[str, Acked],
+    lost_after: dict[str, Acked],
+    rejoined: bool,
+    final: SiteContent,
+    final_vectors: dict[int, VectorOffset],
+) -> dict[str, Any]:
+    seen, gaps, misread = _deliveries_against(run, final)
     in_topic = {(p, r.origin, r.origin_seq) for p, records in final.items() for r in records}
     never = sorted(in_topic - set(seen))
 
@@ -1139,21 +1296,12 @@ def node_kill_report(
     per_level: dict[str, Any] = {}
     broken = []
     for level in levels:
-        acked = [a for a in run.acked.values() if a.level == level]
-        lost_l = [a for a in lost.values() if a.level == level]
-        per_level[level] = {
-            "sent": sum(n for k, n in run.sent.items() if k.endswith(f"|{level}")),
-            "acked": len(acked),
-            "failed": sum(n for k, n in run.errors.items() if k.endswith(f"|{level}")),
-            "acked_at_victim": sum(1 for a in acked if a.site == ev.site),
-            "rpo_lost": len(lost_l),
-            "rpo_window_ms": round((event - min(a.acked_at for a in lost_l)) * 1000) if lost_l else 0,
-            "lost_after_rejoin": sum(1 for a in lost_after.values() if a.level == level),
-        }
+        per_level[level] = _level_figures(run, level, ev.site, list(lost.values()), list(lost_after.values()))
         bad = sum(1 for v, a in lost.items() if a.level == level and not allowed(v, a))
         if bad:
-            broken.append(f"{bad} records acked with acks={level} at site {ev.site} were not there once node "
-                          f"{ev.node} was dead")  # fmt: skip
+            broken.append(
+                f"{bad} records acked with acks={level} at site {ev.site} were not there once node {ev.node} was dead"
+            )
         bad_after = sum(1 for v, a in lost_after.items() if a.level == level and not allowed(v, a))
         if bad_after:
             broken.append(f"{bad_after} records acked with acks={level} are lost for good")
@@ -1169,22 +1317,37 @@ def node_kill_report(
     first = [ms for ms in ev.rto_ms.values()]
     first_read = [ms for ms in ev.rto_read_ms.values()]
     return {
-        "mode": "node-kill", "victim": ev.site, "victim_node": ev.node, "victim_pid": ev.pid,
-        "victim_address": ev.address, "victim_partitions": ev.led,
-        "new_leaders": {str(p): n for p, n in sorted(ev.new_leaders.items())}, "site_origin": ev.site_origin,
-        "topic": run.topic, "rejoined": rejoined,
-        "records_in_topic": len(in_topic), "records_sent": sum(run.sent.values()), "records_acked": len(run.acked),
-        "delivered": len(run.deliveries), "delivered_unique": len(seen), "duplicates_total": dups,
-        "gaps": len(gaps), "misread": len(misread), "never_delivered": len(never),
+        "mode": "node-kill",
+        "victim": ev.site,
+        "victim_node": ev.node,
+        "victim_pid": ev.pid,
+        "victim_address": ev.address,
+        "victim_partitions": ev.led,
+        "new_leaders": {str(p): n for p, n in sorted(ev.new_leaders.items())},
+        "site_origin": ev.site_origin,
+        "topic": run.topic,
+        "rejoined": rejoined,
+        "records_in_topic": len(in_topic),
+        "records_sent": sum(run.sent.values()),
+        "records_acked": len(run.acked),
+        "delivered": len(run.deliveries),
+        "delivered_unique": len(seen),
+        "duplicates_total": dups,
+        "gaps": len(gaps),
+        "misread": len(misread),
+        "never_delivered": len(never),
         "never_delivered_first": [list(k) for k in never[:5]],
         "gaps_first": [[d.partition, d.offset, d.origin, d.origin_seq] for d in gaps[:5]],
         "misread_first": [[d.partition, d.offset, d.origin, d.origin_seq] for d in misread[:5]],
-        "rto_ms": min(first) if first else None, "rto_ms_all": max(first) if first else None,
+        "rto_ms": min(first) if first else None,
+        "rto_ms_all": max(first) if first else None,
         "rto_ms_by_partition": {str(p): ms for p, ms in ev.rto_ms.items()},
         "rto_read_ms": min(first_read) if first_read else None,
-        "acks": per_level, "promises_broken": broken, "ok": not broken,
+        "acks": per_level,
+        "promises_broken": broken,
+        "ok": not broken,
         "partitions_final": {str(p): v.to_text() for p, v in sorted(final_vectors.items())},
-    }  # fmt: skip
+    }
 
 
 def render_node_kill(doc: dict[str, Any]) -> str:
@@ -1199,20 +1362,24 @@ def render_node_kill(doc: dict[str, Any]) -> str:
         f"{'LOST AFTER REJOIN':>18}",
     ]
     for level, f in doc["acks"].items():
-        lines.append(f"  {level:<10} {f['sent']:>7} {f['acked']:>7} {f['failed']:>7} {f['rpo_lost']:>9} "
-                     f"{str(f['rpo_window_ms']) + ' ms':>9} {f['lost_after_rejoin']:>18}")  # fmt: skip
+        lines.append(
+            f"  {level:<10} {f['sent']:>7} {f['acked']:>7} {f['failed']:>7} {f['rpo_lost']:>9} "
+            f"{str(f['rpo_window_ms']) + ' ms':>9} {f['lost_after_rejoin']:>18}"
+        )
     if doc["rto_ms"] is None:
         lines.append(f"  RTO: none to measure, node {node} led no partition of the topic")
     else:
         by_partition = ", ".join(f"p{p} {ms} ms" for p, ms in doc["rto_ms_by_partition"].items())
-        lines.append(f"  RTO (kill to the first write acked on a partition node {node} led): {doc['rto_ms']} ms "
-                     f"({by_partition}); to the first such record consumed: {doc['rto_read_ms']} ms")  # fmt: skip
+        lines.append(
+            f"  RTO (kill to the first write acked on a partition node {node} led): {doc['rto_ms']} ms "
+            f"({by_partition}); to the first such record consumed: {doc['rto_read_ms']} ms"
+        )
         moved = ", ".join(f"p{p} -> node {n}" for p, n in doc["new_leaders"].items())
         lines.append(f"  new leaders: {moved or '-'}")
     lines += [
         f"  one consumer assigned every partition at {doc['victim']}: delivered {doc['delivered']} "
         f"({doc['delivered_unique']} distinct); duplicates: {doc['duplicates_total']}; gaps: {doc['gaps']}; "
-        f"misread: {doc['misread']}; never delivered: {doc['never_delivered']}",
+        f"misread: {doc['misread']}; never delivered: {doc['never_delivered']}"
     ]
     if doc["promises_broken"]:
         lines.append("  PROMISES BROKEN:")
@@ -1240,6 +1407,3 @@ def main(args: argparse.Namespace) -> int:
         args.report.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"report written to {args.report}")
     return 0 if doc["ok"] else EXIT_BROKEN
-
-
-

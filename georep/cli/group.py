@@ -70,9 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     describe.add_argument("group")
     for sub in (listing, describe):
         sub.add_argument(
-            "--bootstrap", type=_bootstrap, default=default_bootstrap(), metavar="HOST:PORT[,HOST:PORT]",
+            "--bootstrap",
+            type=_bootstrap,
+            default=default_bootstrap(),
+            metavar="HOST:PORT[,HOST:PORT]",
             help=f"node(s) to ask; the first reachable one answers (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101)",
-        )  # fmt: skip
+        )
         sub.add_argument("--json", action="store_true", help="one JSON document instead of a table")
         add_client_tls_arguments(sub, data_dir=True)
 
@@ -119,52 +122,93 @@ def list_json(site: str, groups: pb.ListGroupsResponse) -> dict[str, Any]:
     return {
         "site": site,
         "groups": [
-            {"group": g.group, "members": g.members, "generation": g.generation, "assignor": g.assignor,
-             "committed_partitions": g.committed_partitions, "lag_records": _lag_json(g.lag_records)}
+            {
+                "group": g.group,
+                "members": g.members,
+                "generation": g.generation,
+                "assignor": g.assignor,
+                "committed_partitions": g.committed_partitions,
+                "lag_records": _lag_json(g.lag_records),
+            }
             for g in groups.groups
         ],
-    }  # fmt: skip
+    }
 
 
 def render_list(site: str, groups: pb.ListGroupsResponse) -> str:
     if not groups.groups:
         return f"no consumer groups at site {site} (start one with 'georep consume TOPIC --group G')"
-    rows = [(g.group, g.members, g.generation, g.assignor or "-", g.committed_partitions, _lag_text(g.lag_records))
-            for g in groups.groups]  # fmt: skip
+    rows = [
+        (g.group, g.members, g.generation, g.assignor or "-", g.committed_partitions, _lag_text(g.lag_records))
+        for g in groups.groups
+    ]
     return _table(("GROUP", "MEMBERS", "GENERATION", "ASSIGNOR", "PARTITIONS", "LAG"), rows)
 
 
 def describe_json(site: str, d: pb.GroupDescription) -> dict[str, Any]:
     return {
-        "site": site, "group": d.group, "generation": d.generation, "assignor": d.assignor,
+        "site": site,
+        "group": d.group,
+        "generation": d.generation,
+        "assignor": d.assignor,
         "members": [
-            {"member_id": m.member_id, "client_id": m.client_id, "assignment": assignment_json(m.assignment),
-             "last_heartbeat_age_ms": m.last_heartbeat_age_ms}
+            {
+                "member_id": m.member_id,
+                "client_id": m.client_id,
+                "assignment": assignment_json(m.assignment),
+                "last_heartbeat_age_ms": m.last_heartbeat_age_ms,
+            }
             for m in d.members
         ],
         "offsets": [
-            {"topic": c.topic, "partition": c.partition, "vector": vector_from_proto(c.vector).to_text(),
-             "committed_by": c.committed_by, "hlc": c.hlc, "committed_at": utc_iso(c.committed_at_ms),
-             "committed_at_ms": c.committed_at_ms, "member_id": c.member_id, "generation": c.generation,
-             "hint_offset": c.hint_offset, "metadata": c.metadata, "lag_records": _lag_json(c.lag_records)}
+            {
+                "topic": c.topic,
+                "partition": c.partition,
+                "vector": vector_from_proto(c.vector).to_text(),
+                "committed_by": c.committed_by,
+                "hlc": c.hlc,
+                "committed_at": utc_iso(c.committed_at_ms),
+                "committed_at_ms": c.committed_at_ms,
+                "member_id": c.member_id,
+                "generation": c.generation,
+                "hint_offset": c.hint_offset,
+                "metadata": c.metadata,
+                "lag_records": _lag_json(c.lag_records),
+            }
             for c in d.offsets
         ],
-    }  # fmt: skip
+    }
 
 
 def render_describe(site: str, d: pb.GroupDescription) -> str:
     lines = [f"Group: {d.group}  Site: {site}  Generation: {d.generation}  Assignor: {d.assignor or '-'}"]
     if d.members:
-        rows = [(m.member_id, m.client_id or "-", assignment_text(m.assignment),
-                 f"{m.last_heartbeat_age_ms / 1000:.1f}s ago")
-                for m in d.members]  # fmt: skip
+        rows = [
+            (
+                m.member_id,
+                m.client_id or "-",
+                assignment_text(m.assignment),
+                f"{m.last_heartbeat_age_ms / 1000:.1f}s ago",
+            )
+            for m in d.members
+        ]
         lines += ["", _table(("MEMBER", "CLIENT", "ASSIGNMENT", "LAST-HEARTBEAT"), rows)]
     else:
         lines += ["", f"no members at site {site}"]
     if d.offsets:
-        commits = [(c.topic, c.partition, vector_text(c.vector), c.committed_by, c.hlc, utc_iso(c.committed_at_ms),
-                 c.member_id or "-", _lag_text(c.lag_records))
-                for c in d.offsets]  # fmt: skip
+        commits = [
+            (
+                c.topic,
+                c.partition,
+                vector_text(c.vector),
+                c.committed_by,
+                c.hlc,
+                utc_iso(c.committed_at_ms),
+                c.member_id or "-",
+                _lag_text(c.lag_records),
+            )
+            for c in d.offsets
+        ]
         header = ("TOPIC", "PARTITION", "COMMITTED", "BY", "HLC", "COMMITTED-AT", "MEMBER", "LAG")
         lines += ["", _table(header, commits)]
     else:
@@ -179,7 +223,8 @@ async def _leaders(connection: Connection) -> list[pb.PartitionLeader]:
     """The leaders of the internal topic's partitions (none on a one-node site, or before the topic exists)."""
     try:
         description: pb.TopicDescription = await connection.stub.DescribeTopic(
-            pb.DescribeTopicRequest(name=OFFSETS_TOPIC), timeout=TIMEOUT_S)  # fmt: skip
+            pb.DescribeTopicRequest(name=OFFSETS_TOPIC), timeout=TIMEOUT_S
+        )
     except grpc.RpcError as exc:
         error = from_rpc_error(exc, connection.address, operation=Operation.GROUP)
         if isinstance(error, UnknownTopic):
@@ -195,8 +240,7 @@ async def _list(connection: Connection) -> pb.ListGroupsResponse:
     for _attempt in range(COORDINATOR_ATTEMPTS):
         leaders = await _leaders(connection)
         if not leaders:
-            groups: pb.ListGroupsResponse = await connection.stub.ListGroups(pb.ListGroupsRequest(),
-                                                                             timeout=TIMEOUT_S)  # fmt: skip
+            groups: pb.ListGroupsResponse = await connection.stub.ListGroups(pb.ListGroupsRequest(), timeout=TIMEOUT_S)
             return groups
         try:
             return await _list_leaders(connection, leaders)
@@ -210,8 +254,10 @@ async def _list(connection: Connection) -> pb.ListGroupsResponse:
 async def _list_leaders(connection: Connection, leaders: list[pb.PartitionLeader]) -> pb.ListGroupsResponse:
     leaderless = sorted(leader.partition for leader in leaders if not leader.address)
     if leaderless:
-        raise NodeUnavailable(f"partition(s) {leaderless} of {OFFSETS_TOPIC} have no leader now (the site is "
-                              "electing one): the groups they coordinate cannot be listed; retry in a moment")
+        raise NodeUnavailable(
+            f"partition(s) {leaderless} of {OFFSETS_TOPIC} have no leader now (the site is "
+            "electing one): the groups they coordinate cannot be listed; retry in a moment"
+        )
     merged: dict[str, pb.GroupSummary] = {}
     for address in sorted({leader.address for leader in leaders}):
         node = connection if address == connection.address else Connection(address, tls=connection.tls)
@@ -237,17 +283,20 @@ async def _fill_lags(connection: Connection, d: pb.GroupDescription) -> None:
     for topic in sorted({c.topic for c in unknown}):
         try:
             described: pb.TopicDescription = await connection.stub.DescribeTopic(
-                pb.DescribeTopicRequest(name=topic), timeout=TIMEOUT_S)  # fmt: skip
+                pb.DescribeTopicRequest(name=topic), timeout=TIMEOUT_S
+            )
         except grpc.RpcError:
             continue
         wanted = {c.partition for c in unknown if c.topic == topic}
-        for address in sorted({lead.address for lead in described.leaders if lead.partition in wanted and
-                               lead.address}):  # fmt: skip
+        for address in sorted(
+            {lead.address for lead in described.leaders if lead.partition in wanted and lead.address}
+        ):
             node = Connection(address, tls=connection.tls)
             try:
                 stub = await node.connect()
-                at_leader: pb.TopicDescription = await stub.DescribeTopic(pb.DescribeTopicRequest(name=topic),
-                                                                          timeout=TIMEOUT_S)  # fmt: skip
+                at_leader: pb.TopicDescription = await stub.DescribeTopic(
+                    pb.DescribeTopicRequest(name=topic), timeout=TIMEOUT_S
+                )
                 vectors.update({(topic, st.partition): st.vector for st in at_leader.partition_states})
             except (grpc.RpcError, GeorepError):
                 continue
@@ -268,15 +317,17 @@ async def _describe(connection: Connection, group: str) -> pb.GroupDescription:
         for _attempt in range(COORDINATOR_ATTEMPTS):
             try:
                 stub = await node.connect()
-                description: pb.GroupDescription = await stub.DescribeGroup(pb.DescribeGroupRequest(group=group),
-                                                                            timeout=TIMEOUT_S)  # fmt: skip
+                description: pb.GroupDescription = await stub.DescribeGroup(
+                    pb.DescribeGroupRequest(group=group), timeout=TIMEOUT_S
+                )
                 return description
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc, node.address, operation=Operation.GROUP)
             except NodeUnavailable as exc:
                 error = exc
             if not isinstance(error, NotLeader | NodeUnavailable) or (
-                    isinstance(error, NodeUnavailable) and node is connection):
+                isinstance(error, NodeUnavailable) and node is connection
+            ):
                 raise error
             hint = error.leader if isinstance(error, NotLeader) else ""
             if not hint:
@@ -293,8 +344,9 @@ async def _describe(connection: Connection, group: str) -> pb.GroupDescription:
             await node.close()
 
 
-async def _ask(bootstrap: str, action: str, group: str,
-               tls: TlsConfig | None = None) -> tuple[str, pb.ListGroupsResponse | pb.GroupDescription]:  # fmt: skip
+async def _ask(
+    bootstrap: str, action: str, group: str, tls: TlsConfig | None = None
+) -> tuple[str, pb.ListGroupsResponse | pb.GroupDescription]:
     connection = Connection(bootstrap, tls=tls)
     try:
         await connection.connect()

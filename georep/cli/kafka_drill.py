@@ -78,20 +78,40 @@ def _info(data_dir: Path, site: str) -> dict[str, Any]:
     try:
         info: dict[str, Any] = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise KafkaDrillError(f"the Kafka drill reads {path} ({exc}): run it on the machine and with the "
-                              "--data-dir of 'georep up'") from None  # fmt: skip
+        raise KafkaDrillError(
+            f"the Kafka drill reads {path} ({exc}): run it on the machine and with the --data-dir of 'georep up'"
+        ) from None
     if not info.get("kafka"):
-        raise KafkaDrillError(f"site {site}'s node serves no Kafka listener: start it with --kafka-listen "
-                              "('georep up' does)")  # fmt: skip
+        raise KafkaDrillError(
+            f"site {site}'s node serves no Kafka listener: start it with --kafka-listen ('georep up' does)"
+        )
     return info
 
 
-def _producer(bootstrap: str, site: str, rate: float, stop: threading.Event, acked: list[str],
-              failed: list[str], topic: str, secure: dict[str, str]) -> None:  # fmt: skip
+def _producer(
+    bootstrap: str,
+    site: str,
+    rate: float,
+    stop: threading.Event,
+    acked: list[str],
+    failed: list[str],
+    topic: str,
+    secure: dict[str, str],
+) -> None:
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all", "linger.ms": 5,
-                  "message.timeout.ms": 10_000, "socket.timeout.ms": 3_000, "log_level": 0, **secure})  # fmt: skip
+    p = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+            "message.timeout.ms": 10_000,
+            "socket.timeout.ms": 3_000,
+            "log_level": 0,
+            **secure,
+        }
+    )
 
     def delivered(err: Any, msg: Any) -> None:
         (failed if err else acked).append(msg.value().decode())
@@ -137,8 +157,7 @@ def _consume(consumers: list[Any], got: Deliveries, stop: threading.Event, commi
                         for tp in c.commit(asynchronous=False) or []:
                             if tp.error is None and tp.offset >= 0:
                                 with got.lock:
-                                    got.committed[tp.partition] = max(got.committed.get(tp.partition, 0),
-                                                                      tp.offset)  # fmt: skip
+                                    got.committed[tp.partition] = max(got.committed.get(tp.partition, 0), tp.offset)
                     except Exception:  # nothing to commit yet, or a rebalance: the next round commits
                         continue
 
@@ -148,9 +167,19 @@ def _consumers(bootstrap: str, group: str, topic: str, n: int, secure: dict[str,
 
     out = []
     for i in range(n):
-        c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "client.id": f"drill-{i}",
-                      "auto.offset.reset": "earliest", "enable.auto.commit": False, "session.timeout.ms": 6000,
-                      "heartbeat.interval.ms": 500, "log_level": 0, **secure})  # fmt: skip
+        c = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": group,
+                "client.id": f"drill-{i}",
+                "auto.offset.reset": "earliest",
+                "enable.auto.commit": False,
+                "session.timeout.ms": 6000,
+                "heartbeat.interval.ms": 500,
+                "log_level": 0,
+                **secure,
+            }
+        )
         c.subscribe([topic])
         out.append(c)
     return out
@@ -160,8 +189,9 @@ def _read_all(bootstrap: str, topic: str, partitions: int, secure: dict[str, str
     """Every record of ``topic`` at one site, with no group (the independent count)."""
     from confluent_kafka import Consumer, TopicPartition
 
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": "unused", "enable.auto.commit": False,
-                  "log_level": 0, **secure})  # fmt: skip
+    c = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": "unused", "enable.auto.commit": False, "log_level": 0, **secure}
+    )
     try:
         ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)}
         c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
@@ -192,12 +222,17 @@ def ssl_config(tls: TlsConfig | None) -> dict[str, str]:
     """librdkafka's settings for mutual TLS with georep's certificate files (none for a plaintext site)."""
     if tls is None:
         return {}
-    return {"security.protocol": "SSL", "ssl.ca.location": str(tls.ca), "ssl.certificate.location": str(tls.cert),
-            "ssl.key.location": str(tls.key)}  # fmt: skip
+    return {
+        "security.protocol": "SSL",
+        "ssl.ca.location": str(tls.ca),
+        "ssl.certificate.location": str(tls.cert),
+        "ssl.key.location": str(tls.key),
+    }
 
 
-def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str], None] = print,
-                tls: TlsConfig | None = None) -> dict[str, Any]:  # fmt: skip
+def kafka_drill(
+    args: argparse.Namespace, topology: Topology, out: Callable[[str], None] = print, tls: TlsConfig | None = None
+) -> dict[str, Any]:
     try:
         victim, target = drill_sites(topology, args.site, args.failover_to)
     except DrillSitesError as exc:
@@ -207,23 +242,29 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
     kafka = {s: str(infos[s]["kafka"]) for s in infos}
     stamp = int(time.time() * 1000)
     topic, group = f"kdrill-{stamp}", f"kdrill-{stamp}"
-    out(f"drill (Kafka clients): kill site {victim}, the group fails over to {target}; topic {topic}, "
-        f"{args.rate:g} records/s per producer at acks=all, commits every {args.commit_interval_ms} ms")  # fmt: skip
+    out(
+        f"drill (Kafka clients): kill site {victim}, the group fails over to {target}; topic {topic}, "
+        f"{args.rate:g} records/s per producer at acks=all, commits every {args.commit_interval_ms} ms"
+    )
     _create_topic(topic, args.partitions, victim, kafka[victim], target, kafka[target], secure)
 
     acked: dict[str, list[str]] = {victim: [], target: []}
     failed: dict[str, list[str]] = {victim: [], target: []}
     stops = {s: threading.Event() for s in (victim, target)}
-    producers = [threading.Thread(target=_producer, args=(kafka[s], s, args.rate, stops[s], acked[s], failed[s],
-                                                          topic, secure), daemon=True)
-                 for s in (victim, target)]  # fmt: skip
+    producers = [
+        threading.Thread(
+            target=_producer, args=(kafka[s], s, args.rate, stops[s], acked[s], failed[s], topic, secure), daemon=True
+        )
+        for s in (victim, target)
+    ]
     for t in producers:
         t.start()
     before, after = Deliveries(), Deliveries()
     stop_before, stop_after = threading.Event(), threading.Event()
     consumers_a = _consumers(kafka[victim], group, topic, args.consumers, secure)
-    reading_a = threading.Thread(target=_consume, args=(consumers_a, before, stop_before,
-                                                        args.commit_interval_ms / 1000), daemon=True)  # fmt: skip
+    reading_a = threading.Thread(
+        target=_consume, args=(consumers_a, before, stop_before, args.commit_interval_ms / 1000), daemon=True
+    )
     reading_a.start()
     time.sleep(args.warmup)
     killed_ms = _kill_between_commits(before, int(infos[victim]["pid"]))
@@ -255,8 +296,9 @@ def kafka_drill(args: argparse.Namespace, topology: Topology, out: Callable[[str
     return _report(victim, target, topic, group, acked, held, before, after, committed, expected, killed_ms)
 
 
-def _create_topic(topic: str, partitions: int, victim: str, victim_kafka: str, target: str, target_kafka: str,
-                  secure: dict[str, str]) -> None:  # fmt: skip
+def _create_topic(
+    topic: str, partitions: int, victim: str, victim_kafka: str, target: str, target_kafka: str, secure: dict[str, str]
+) -> None:
     """Create ``topic`` at the victim, and wait until the link carries it to the target."""
     from confluent_kafka import admin as kafka_admin
 
@@ -307,13 +349,29 @@ def _restart(info: dict[str, Any], node_dir: Path) -> None:
     command = info.get("command")
     if command:
         with append_private(node_dir / "node.log") as log:
-            subprocess.Popen(command, cwd=info.get("cwd"), stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+            subprocess.Popen(
+                command,
+                cwd=info.get("cwd"),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
 
-def _report(victim: str, target: str, topic: str, group: str, acked: dict[str, list[str]], held: list[str],
-            before: Deliveries, after: Deliveries, committed: set[str], expected: list[str],
-            killed_ms: float) -> dict[str, Any]:  # fmt: skip
+def _report(
+    victim: str,
+    target: str,
+    topic: str,
+    group: str,
+    acked: dict[str, list[str]],
+    held: list[str],
+    before: Deliveries,
+    after: Deliveries,
+    committed: set[str],
+    expected: list[str],
+    killed_ms: float,
+) -> dict[str, Any]:
     held_set = set(held)
     delivered_after = list(after.values)
     duplicates = [v for v in delivered_after if v in committed]
@@ -334,15 +392,26 @@ def _report(victim: str, target: str, topic: str, group: str, acked: dict[str, l
     if not before.committed:
         broken.append(f"no commit was acknowledged at {victim} before the kill")
     return {
-        "client": "kafka", "victim": victim, "failover_to": target, "topic": topic, "group": group,
-        "acked": {s: len(v) for s, v in acked.items()}, "held_at_failover_site": len(held),
-        "delivered_before": len(before.values), "committed_records": len(committed),
-        "delivered_after": len(delivered_after), "expected_after": len(expected),
-        "duplicates_relative_to_commit": len(duplicates), "delivered_twice_after": repeated, "lost": len(lost),
-        "lost_examples": lost[:10], "rpo_acks_all_at_victim": len(rpo),
+        "client": "kafka",
+        "victim": victim,
+        "failover_to": target,
+        "topic": topic,
+        "group": group,
+        "acked": {s: len(v) for s, v in acked.items()},
+        "held_at_failover_site": len(held),
+        "delivered_before": len(before.values),
+        "committed_records": len(committed),
+        "delivered_after": len(delivered_after),
+        "expected_after": len(expected),
+        "duplicates_relative_to_commit": len(duplicates),
+        "delivered_twice_after": repeated,
+        "lost": len(lost),
+        "lost_examples": lost[:10],
+        "rpo_acks_all_at_victim": len(rpo),
         "rto_ms": None if after.first_ms is None else round(after.first_ms - killed_ms),
-        "promises_broken": broken, "ok": not broken,
-    }  # fmt: skip
+        "promises_broken": broken,
+        "ok": not broken,
+    }
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -358,7 +427,7 @@ def render(doc: dict[str, Any]) -> str:
         f"duplicates relative to the last commit: {doc['duplicates_relative_to_commit']}; lost: {doc['lost']} "
         f"(delivered twice within the new group's rebalance, past its own commits: {doc['delivered_twice_after']})",
         f"  RTO (kill to the first record consumed at {doc['failover_to']}): {doc['rto_ms']} ms",
-    ]  # fmt: skip
+    ]
     if doc["promises_broken"]:
         lines.append("  PROMISES BROKEN:")
         lines += [f"    - {b}" for b in doc["promises_broken"]]

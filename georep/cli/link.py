@@ -28,15 +28,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="the link's source site")
     parser.add_argument("dst", help="the link's destination site, which pulls over it")
     parser.add_argument("--topology", type=Path, help="topology TOML file (default: sites a, b, c)")
-    parser.add_argument("--data-dir", type=Path, default=Path(".georep"),
-                        help="where 'georep up' keeps admin.token (default .georep)")  # fmt: skip
-    parser.add_argument("--admin-token",
-                        help=f"the nodes' admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token)")  # fmt: skip
+    parser.add_argument(
+        "--data-dir", type=Path, default=Path(".georep"), help="where 'georep up' keeps admin.token (default .georep)"
+    )
+    parser.add_argument(
+        "--admin-token", help=f"the nodes' admin token (default: ${TOKEN_ENV}, else DATA_DIR/admin.token)"
+    )
     add_client_tls_arguments(parser)
 
 
-async def set_link(address: str, src: str, enabled: bool, token: str | None = None,
-                   tls: TlsConfig | None = None) -> pb.SetLinkResponse:  # fmt: skip
+async def set_link(
+    address: str, src: str, enabled: bool, token: str | None = None, tls: TlsConfig | None = None
+) -> pb.SetLinkResponse:
     async with client_channel(address, tls) as channel:
         return await pbg.NodeStub(channel).SetLink(
             pb.SetLinkRequest(src=src, enabled=enabled), timeout=TIMEOUT_S, metadata=call_metadata(token)

@@ -53,9 +53,11 @@ DELEGATED = {
 
 def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--bootstrap", default=default_bootstrap(), metavar="HOST:PORT[,HOST:PORT]",
+        "--bootstrap",
+        default=default_bootstrap(),
+        metavar="HOST:PORT[,HOST:PORT]",
         help=f"node(s) to connect to (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101; now %(default)s)",
-    )  # fmt: skip
+    )
     add_client_tls_arguments(parser, data_dir=True)
 
 
@@ -104,8 +106,11 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     create.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE", help="topic config overrides")
     create.set_defaults(run=cmd_topic_create)
     listing = topic_commands.add_parser("list", help="list topics")
-    listing.add_argument("--internal", action="store_true",
-                         help=f"also list georep's internal topics ({OFFSETS_TOPIC}: committed offsets)")  # fmt: skip
+    listing.add_argument(
+        "--internal",
+        action="store_true",
+        help=f"also list georep's internal topics ({OFFSETS_TOPIC}: committed offsets)",
+    )
     listing.set_defaults(run=cmd_topic_list)
     describe = topic_commands.add_parser("describe", help="partitions, offsets, vectors and config of a topic")
     describe.add_argument("name")
@@ -129,8 +134,13 @@ def _add_produce(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     produce.add_argument("--batch-size", type=int, default=65536, help="batch size in bytes (default 65536)")
     produce.add_argument("--linger-ms", type=_positive_float, default=5, help="batch linger time (default 5)")
     produce.add_argument("--compression", default="none", choices=("none", "zstd", "lz4"))
-    produce.add_argument("--request-timeout-ms", type=_positive, default=30_000, metavar="MS",
-                         help="how long a batch may wait for its acks, geo:N included (default 30000)")  # fmt: skip
+    produce.add_argument(
+        "--request-timeout-ms",
+        type=_positive,
+        default=30_000,
+        metavar="MS",
+        help="how long a batch may wait for its acks, geo:N included (default 30000)",
+    )
     produce.set_defaults(run=cmd_produce)
     _add_bootstrap(produce)
 
@@ -141,32 +151,49 @@ def _add_consume(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     consume.add_argument("topic")
     consume.add_argument("--from-beginning", action="store_true", help="start at the earliest offset (default: end)")
     consume.add_argument("--max", type=_nonnegative, help="exit after N records")
-    consume.add_argument("--timeout", type=_positive_float, metavar="S",
-                         help="exit after S seconds without a new record")  # fmt: skip
-    consume.add_argument("--json", action="store_true",
-                         help="one JSON object per record: key, value, partition, offset, origin, origin_seq, "
-                              "timestamp")  # fmt: skip
+    consume.add_argument(
+        "--timeout", type=_positive_float, metavar="S", help="exit after S seconds without a new record"
+    )
+    consume.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object per record: key, value, partition, offset, origin, origin_seq, timestamp",
+    )
     consume.add_argument("--partition", type=_nonnegative, help="read only this partition")
-    consume.add_argument("--skip-corrupt", action="store_true",
-                         help="skip records the node holds damaged (quarantined until repaired) and report them, "
-                         "instead of stopping with an error")  # fmt: skip
+    consume.add_argument(
+        "--skip-corrupt",
+        action="store_true",
+        help="skip records the node holds damaged (quarantined until repaired) and report them, "
+        "instead of stopping with an error",
+    )
     consume.add_argument("--offset", type=_nonnegative, help="start at this local offset (needs --partition)")
-    consume.add_argument("--vector", metavar="TEXT",
-                         help="start after what this vector offset covers, e.g. 'a@1:10,b@3:0'")  # fmt: skip
-    consume.add_argument("--group", metavar="G",
-                         help="read as a member of consumer group G: continue at its committed vector, commit "
-                              "every 5 s and on exit (--from-beginning: start at the earliest offset where G has "
-                              "no commit)")  # fmt: skip
-    consume.add_argument("--commit-acks", metavar="ACKS",
-                         help="ack level of the group's commits: leader or geo:N (default leader)")  # fmt: skip
-    consume.add_argument("--read-from", choices=("leader", "follower"), default="leader",
-                         help="a multi-node site: fetch each partition at its leader (default), or at the "
-                              "--prefer node (default: the first --bootstrap node that answers), which serves it "
-                              "as a follower up to what its leader confirmed; where it cannot, the leader "
-                              "does")  # fmt: skip
-    consume.add_argument("--prefer", metavar="HOST:PORT",
-                         help="with --read-from follower: the node to read from (e.g. the one in your "
-                              "rack)")  # fmt: skip
+    consume.add_argument(
+        "--vector", metavar="TEXT", help="start after what this vector offset covers, e.g. 'a@1:10,b@3:0'"
+    )
+    consume.add_argument(
+        "--group",
+        metavar="G",
+        help="read as a member of consumer group G: continue at its committed vector, commit "
+        "every 5 s and on exit (--from-beginning: start at the earliest offset where G has "
+        "no commit)",
+    )
+    consume.add_argument(
+        "--commit-acks", metavar="ACKS", help="ack level of the group's commits: leader or geo:N (default leader)"
+    )
+    consume.add_argument(
+        "--read-from",
+        choices=("leader", "follower"),
+        default="leader",
+        help="a multi-node site: fetch each partition at its leader (default), or at the "
+        "--prefer node (default: the first --bootstrap node that answers), which serves it "
+        "as a follower up to what its leader confirmed; where it cannot, the leader "
+        "does",
+    )
+    consume.add_argument(
+        "--prefer",
+        metavar="HOST:PORT",
+        help="with --read-from follower: the node to read from (e.g. the one in your rack)",
+    )
     consume.set_defaults(run=cmd_consume)
     _add_bootstrap(consume)
 
@@ -232,4 +259,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return 0
-

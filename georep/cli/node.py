@@ -58,10 +58,11 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--site", required=True, help="site id, e.g. us-east")
     parser.add_argument(
-        "--listen", default=None,
+        "--listen",
+        default=None,
         help="gRPC address HOST:PORT (port 0: any free port; default 127.0.0.1:7101, or the node's address in the "
         "topology for a node of a multi-node site)",
-    )  # fmt: skip
+    )
     _add_cluster_arguments(parser)
     parser.add_argument("--data-dir", required=True, type=Path, help="where this node keeps its logs")
     parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
@@ -69,42 +70,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_listener_arguments(parser)
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
     parser.add_argument(
-        "--shutdown-timeout-ms", type=int, default=SHUTDOWN_TIMEOUT_MS_DEFAULT,
+        "--shutdown-timeout-ms",
+        type=int,
+        default=SHUTDOWN_TIMEOUT_MS_DEFAULT,
         help="a stop (SIGTERM, Ctrl-C) that takes longer is forced: the node logs what had not finished and exits "
         f"with code {EXIT_FORCED}; so does a second SIGTERM or Ctrl-C (default {SHUTDOWN_TIMEOUT_MS_DEFAULT})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--topology", default=None,
+        "--topology",
+        default=None,
         help="topology TOML file: sites, their nodes and the links this site pulls over; 'default' for the "
         "embedded 3-site topology (a, b, c on 127.0.0.1:7101/7201/7301). Without it the node runs "
         "standalone, with no links",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--stall-ms", type=int, default=None,
+        "--stall-ms",
+        type=int,
+        default=None,
         help=f"move an origin to another upstream after its preferred one stays behind this long "
         f"(default {DEFAULT_STALL_MS})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--admin-token-file", type=Path, default=None,
+        "--admin-token-file",
+        type=Path,
+        default=None,
         help="file holding the admin token that admin calls (georep link cut/heal, drills) must present; "
         "without it only callers on this host may make them",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--scrub-bytes-per-s", type=int, default=SCRUB_BYTES_PER_S_DEFAULT,
+        "--scrub-bytes-per-s",
+        type=int,
+        default=SCRUB_BYTES_PER_S_DEFAULT,
         help="how fast the background scrubber re-checks stored batches, in bytes per second; damaged ones are "
         f"quarantined and repaired from a peer (0: off; default {SCRUB_BYTES_PER_S_DEFAULT})",
-    )  # fmt: skip
+    )
     add_node_tls_arguments(parser)
     parser.add_argument(
-        RAFT_SECRET_FLAG, type=Path, default=None, metavar="FILE",
+        RAFT_SECRET_FLAG,
+        type=Path,
+        default=None,
+        metavar="FILE",
         help="a node of a multi-node site: the site's Raft secret (raft-<site>.secret of 'georep certs init'), the "
         "same file on every node; it seals the Raft metadata port. Required with TLS; --insecure runs Raft plaintext",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--super-user", action="append", type=_principal, default=None, metavar="PRINCIPAL",
+        "--super-user",
+        action="append",
+        type=_principal,
+        default=None,
+        metavar="PRINCIPAL",
         help="a principal allowed everything without ACL entries, besides the site's own nodes; repeat for "
         "several (default: client:admin; naming any replaces it)",
-    )  # fmt: skip
+    )
     for key, value in DEFAULT_TOPIC_CONFIG.items():
         parser.add_argument(
             f"--{key.replace('_', '-')}", type=int, default=value, help=f"default topic {key} (default {value})"
@@ -115,78 +132,109 @@ def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """A node of a multi-node site: its id, and the site's replication settings (docs/cluster.md)."""
     repair_delay_ms = ClusterConfig().repair_delay_ms
     parser.add_argument(
-        "--node-id", type=int, default=None,
+        "--node-id",
+        type=int,
+        default=None,
         help="this node's id in its site, for a site that lists several nodes in --topology (docs/cluster.md)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--replication-factor", type=int, default=None,
+        "--replication-factor",
+        type=int,
+        default=None,
         help="multi-node sites: the nodes each new segment is written to (default: 3, or the site's node count if "
         "smaller)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--session-timeout-ms", type=int, default=None,
+        "--session-timeout-ms",
+        type=int,
+        default=None,
         help="multi-node sites: a node that has not heartbeated for this long is dead, and the partitions it led "
         "get new leaders (default 6000; it must exceed the clock skew between the site's nodes)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--min-insync-replicas", type=int, default=None,
+        "--min-insync-replicas",
+        type=int,
+        default=None,
         help="multi-node sites: the nodes that must hold a batch fsynced before acks=all (default: 2, or the "
         "replication factor if smaller)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--repair-delay-ms", type=int, default=None,
+        "--repair-delay-ms",
+        type=int,
+        default=None,
         help="multi-node sites: how long a dead node may stay down before the site copies its sealed segments to "
         f"other nodes (it may only be rebooting; BookKeeper's autorecovery waits likewise). Segments opened on fewer "
         f"nodes than the replication factor, and draining nodes' segments, are copied at once (default "
         f"{repair_delay_ms})",
-    )  # fmt: skip
+    )
 
 
 def _add_kafka_arguments(parser: argparse.ArgumentParser) -> None:
     """The Kafka wire protocol (docs/kafka.md)."""
     parser.add_argument(
-        "--kafka-listen", default=None, metavar="HOST:PORT",
+        "--kafka-listen",
+        default=None,
+        metavar="HOST:PORT",
         help="also serve the Kafka wire protocol here, for unmodified Kafka clients (docs/kafka.md); off by default",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--kafka-commit-acks", default=None, metavar="ACKS",
+        "--kafka-commit-acks",
+        default=None,
+        metavar="ACKS",
         help="ack level of the commits Kafka clients make: leader, all, or geo:N to wait until N sites hold each "
         "commit, so a group that fails over to another site resumes exactly at its last commit (default leader)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--kafka-sasl", default=None, choices=["scram"],
+        "--kafka-sasl",
+        default=None,
+        choices=["scram"],
         help="Kafka clients authenticate with SASL SCRAM-SHA-256/512 as client:<user> ('georep user add'): "
         "SASL_SSL on a TLS node, SASL_PLAINTEXT with --insecure (docs/kafka.md); off by default (mutual TLS)",
-    )  # fmt: skip
+    )
 
 
 def add_listener_arguments(parser: argparse.ArgumentParser) -> None:
     """The connection bounds of the node's gRPC and Kafka ports (docs/security.md, "Listener limits")."""
     grpc = ServerLimits()
     parser.add_argument(
-        "--connections-max-idle-ms", type=int, default=IDLE_MS_DEFAULT, metavar="MS",
+        "--connections-max-idle-ms",
+        type=int,
+        default=IDLE_MS_DEFAULT,
+        metavar="MS",
         help="close a connection of the gRPC or Kafka port that has had no request for this long (Kafka's "
         f"connections.max.idle.ms; a half-sent request does not count; clients reconnect; default {IDLE_MS_DEFAULT})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--grpc-max-connections", type=int, default=grpc.max_connections, metavar="N",
+        "--grpc-max-connections",
+        type=int,
+        default=grpc.max_connections,
+        metavar="N",
         help=f"connections the gRPC port takes at once; one more is closed at accept (default {grpc.max_connections})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--grpc-max-concurrent-streams", type=int, default=0, metavar="N",
+        "--grpc-max-concurrent-streams",
+        type=int,
+        default=0,
+        metavar="N",
         help="calls in flight on one gRPC connection; more wait in the client (default 0: no bound; georep's clients "
         "open a stream per partition they read)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--kafka-max-connections", type=int, default=None, metavar="N",
+        "--kafka-max-connections",
+        type=int,
+        default=None,
+        metavar="N",
         help="connections the Kafka port takes at once; one more is closed at accept (Kafka's max.connections; "
         f"default {MAX_CONNECTIONS_DEFAULT})",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--kafka-max-connections-per-ip", type=int, default=None, metavar="N",
+        "--kafka-max-connections-per-ip",
+        type=int,
+        default=None,
+        metavar="N",
         help="connections the Kafka port takes from one address (Kafka's max.connections.per.ip; 0: no bound; "
         f"default {MAX_CONNECTIONS_PER_IP_DEFAULT})",
-    )  # fmt: skip
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -221,22 +269,48 @@ def main(args: argparse.Namespace) -> int:
         if in_site is not None:
             in_site = replace(in_site, raft_secret=raft_secret(args.raft_secret_file, args.site, tls is not None))
         return asyncio.run(
-            serve(args.site, listen, metrics_listen, args.data_dir, defaults, args.retention_check_ms,
-                  topology, stall_ms, admin_token, args.scrub_bytes_per_s, in_site, tls,
-                  kafka=kafka_options(args),
-                  super_users=tuple(args.super_user) if args.super_user else DEFAULT_SUPER_USERS,
-                  grpc_limits=grpc_limits(args), shutdown_timeout_ms=args.shutdown_timeout_ms)  # fmt: skip
+            serve(
+                args.site,
+                listen,
+                metrics_listen,
+                args.data_dir,
+                defaults,
+                args.retention_check_ms,
+                topology,
+                stall_ms,
+                admin_token,
+                args.scrub_bytes_per_s,
+                in_site,
+                tls,
+                kafka=kafka_options(args),
+                super_users=tuple(args.super_user) if args.super_user else DEFAULT_SUPER_USERS,
+                grpc_limits=grpc_limits(args),
+                shutdown_timeout_ms=args.shutdown_timeout_ms,
+            )
         )
-    except (UsageError, DataDirMismatch, DataDirLocked, DataDirUnusable, InvalidSiteId, StorageError,
-            ReplicaError) as exc:
+    except (
+        UsageError,
+        DataDirMismatch,
+        DataDirLocked,
+        DataDirUnusable,
+        InvalidSiteId,
+        StorageError,
+        ReplicaError,
+    ) as exc:
         log.error("%s", exc)
         return 2
 
 
 SESSION_TIMEOUT_MS_DEFAULT = 6_000
 # Flags that only a node of a multi-node site uses: its segments are written to several nodes, under Raft.
-MULTI_NODE_FLAGS = ("node_id", "replication_factor", "min_insync_replicas", "session_timeout_ms", "repair_delay_ms",
-                    "raft_secret_file")  # fmt: skip
+MULTI_NODE_FLAGS = (
+    "node_id",
+    "replication_factor",
+    "min_insync_replicas",
+    "session_timeout_ms",
+    "repair_delay_ms",
+    "raft_secret_file",
+)
 
 
 def refuse_inapplicable(args: argparse.Namespace, topology: Topology | None) -> None:
@@ -257,21 +331,29 @@ def refuse_inapplicable(args: argparse.Namespace, topology: Topology | None) -> 
             fix = "list the site's nodes in the topology (docs/cluster.md), or drop the flag"
         raise UsageError(f"{flag} {value}: only a node of a multi-node site uses it, and {why}: {fix}")
     if args.stall_ms is not None and topology is None:
-        raise UsageError(f"--stall-ms {args.stall_ms}: it times the failover between upstreams, and this node runs "
-                         "without --topology, so it pulls over no link: pass --topology, or drop the flag")  # fmt: skip
+        raise UsageError(
+            f"--stall-ms {args.stall_ms}: it times the failover between upstreams, and this node runs "
+            "without --topology, so it pulls over no link: pass --topology, or drop the flag"
+        )
     if args.kafka_listen is None:
         for name in ("kafka_commit_acks", "kafka_sasl", "kafka_max_connections", "kafka_max_connections_per_ip"):
             if getattr(args, name) is not None:
-                raise UsageError(f"--{name.replace('_', '-')} {getattr(args, name)}: it sets up the Kafka listener, "
-                                 "and the node has none: add --kafka-listen HOST:PORT, or drop the flag")  # fmt: skip
+                raise UsageError(
+                    f"--{name.replace('_', '-')} {getattr(args, name)}: it sets up the Kafka listener, "
+                    "and the node has none: add --kafka-listen HOST:PORT, or drop the flag"
+                )
     insecure = getattr(args, "insecure", False)
     if args.super_user and insecure:
-        raise UsageError("--super-user: a node started with --insecure authorizes no call, so no principal is "
-                         "checked: drop --super-user, or serve TLS to have principals and ACLs")  # fmt: skip
+        raise UsageError(
+            "--super-user: a node started with --insecure authorizes no call, so no principal is "
+            "checked: drop --super-user, or serve TLS to have principals and ACLs"
+        )
     if args.admin_token_file is not None and not insecure:
-        raise UsageError(f"--admin-token-file {args.admin_token_file}: a TLS node authorizes admin calls by the "
-                         "caller's principal (client:admin, or an admin ACL entry), never by a token: drop the flag "
-                         "(the token is for --insecure nodes)")  # fmt: skip
+        raise UsageError(
+            f"--admin-token-file {args.admin_token_file}: a TLS node authorizes admin calls by the "
+            "caller's principal (client:admin, or an admin ACL entry), never by a token: drop the flag "
+            "(the token is for --insecure nodes)"
+        )
 
 
 def _principal(text: str) -> Principal:
@@ -287,8 +369,11 @@ def grpc_limits(args: argparse.Namespace) -> ServerLimits:
         raise UsageError(f"--grpc-max-connections {args.grpc_max_connections}: use at least 1")
     if args.grpc_max_concurrent_streams < 0:
         raise UsageError(f"--grpc-max-concurrent-streams {args.grpc_max_concurrent_streams}: use 0 (no bound) or more")
-    return ServerLimits(max_connections=args.grpc_max_connections, idle_ms=idle_ms(args),
-                        max_concurrent_streams=args.grpc_max_concurrent_streams)  # fmt: skip
+    return ServerLimits(
+        max_connections=args.grpc_max_connections,
+        idle_ms=idle_ms(args),
+        max_concurrent_streams=args.grpc_max_concurrent_streams,
+    )
 
 
 def idle_ms(args: argparse.Namespace) -> int:
@@ -312,18 +397,22 @@ def kafka_options(args: argparse.Namespace) -> KafkaOptions | None:
 
     sasl = args.kafka_sasl == "scram"
     if sasl and getattr(args, "insecure", False):
-        log.warning("warning: --kafka-sasl with --insecure: SASL_PLAINTEXT; SCRAM keeps the password off the wire, "
-                    "but the records and the session are plaintext that anyone on the network path can read or "
-                    "take over: use TLS (SASL_SSL) outside tests")  # fmt: skip
-    return KafkaOptions(parse_address(args.kafka_listen, "--kafka-listen"), acks, sasl=sasl,
-                        limits=kafka_limits(args))  # fmt: skip
+        log.warning(
+            "warning: --kafka-sasl with --insecure: SASL_PLAINTEXT; SCRAM keeps the password off the wire, "
+            "but the records and the session are plaintext that anyone on the network path can read or "
+            "take over: use TLS (SASL_SSL) outside tests"
+        )
+    return KafkaOptions(parse_address(args.kafka_listen, "--kafka-listen"), acks, sasl=sasl, limits=kafka_limits(args))
 
 
 def kafka_limits(args: argparse.Namespace) -> ListenerLimits:
     """``--kafka-max-connections``, ``--kafka-max-connections-per-ip`` and ``--connections-max-idle-ms``."""
     most = MAX_CONNECTIONS_DEFAULT if args.kafka_max_connections is None else args.kafka_max_connections
-    per_ip = MAX_CONNECTIONS_PER_IP_DEFAULT if args.kafka_max_connections_per_ip is None \
-        else args.kafka_max_connections_per_ip  # fmt: skip
+    per_ip = (
+        MAX_CONNECTIONS_PER_IP_DEFAULT
+        if args.kafka_max_connections_per_ip is None
+        else args.kafka_max_connections_per_ip
+    )
     if most < 1:
         raise UsageError(f"--kafka-max-connections {most}: use at least 1")
     if per_ip < 0:
@@ -396,16 +485,18 @@ def in_site_options(topology: Topology, args: argparse.Namespace) -> InSiteOptio
         raise UsageError(str(exc)) from None
     ids = ", ".join(str(m.id) for m in site.members)
     if args.node_id is None:
-        raise UsageError(f"site {args.site!r} has {len(site.nodes)} nodes (ids {ids}): say which one this is with "
-                         "--node-id")  # fmt: skip
+        raise UsageError(
+            f"site {args.site!r} has {len(site.nodes)} nodes (ids {ids}): say which one this is with --node-id"
+        )
     try:
         me = site.member(args.node_id)
     except InvalidTopology as exc:
         raise UsageError(str(exc)) from None
     rf = args.replication_factor if args.replication_factor is not None else min(3, len(site.nodes))
     if not 1 <= rf <= len(site.nodes):
-        raise UsageError(f"--replication-factor {rf}: site {args.site!r} has {len(site.nodes)} nodes; use 1 to "
-                         f"{len(site.nodes)}")  # fmt: skip
+        raise UsageError(
+            f"--replication-factor {rf}: site {args.site!r} has {len(site.nodes)} nodes; use 1 to {len(site.nodes)}"
+        )
     aq = args.min_insync_replicas if args.min_insync_replicas is not None else min(2, rf)
     if not 1 <= aq <= rf:
         raise UsageError(f"--min-insync-replicas {aq}: use 1 to the replication factor ({rf})")
@@ -417,10 +508,15 @@ def in_site_options(topology: Topology, args: argparse.Namespace) -> InSiteOptio
         raise UsageError(f"--repair-delay-ms {repair_delay_ms}: use 0 (copy at once) or more")
     assert me.raft is not None  # the topology requires it on every node of a multi-node site
     tick_ms = min(500, session_timeout_ms // 5)  # a few heartbeats per session, and as quick to react
-    config = ClusterConfig(replication_factor=rf, ack_quorum=aq, session_timeout_ms=session_timeout_ms,
-                           tick_ms=tick_ms, retry_ms=tick_ms, segment_bytes=args.segment_bytes_max,
-                           repair_delay_ms=repair_delay_ms,
-                           retention_interval_ms=args.retention_check_ms,
-                           topic_defaults=topic_defaults(args))  # fmt: skip
-    return InSiteOptions(me.id, me.raft, tuple(rafts.values()), config,
-                         RaftTiming.for_session(session_timeout_ms))  # fmt: skip
+    config = ClusterConfig(
+        replication_factor=rf,
+        ack_quorum=aq,
+        session_timeout_ms=session_timeout_ms,
+        tick_ms=tick_ms,
+        retry_ms=tick_ms,
+        segment_bytes=args.segment_bytes_max,
+        repair_delay_ms=repair_delay_ms,
+        retention_interval_ms=args.retention_check_ms,
+        topic_defaults=topic_defaults(args),
+    )
+    return InSiteOptions(me.id, me.raft, tuple(rafts.values()), config, RaftTiming.for_session(session_timeout_ms))

@@ -32,10 +32,14 @@ def topic_json(topic: TopicInfo) -> dict[str, Any]:
         "config": topic.config,
         "partition_states": [
             {
-                "partition": p.partition, "log_start_offset": p.log_start_offset,
-                "log_end_offset": p.log_end_offset, "size_bytes": p.size_bytes, "segments": p.segments,
-                "vector": p.vector.to_text(), "damaged": list(p.damaged),
+                "partition": p.partition,
+                "log_start_offset": p.log_start_offset,
+                "log_end_offset": p.log_end_offset,
+                "size_bytes": p.size_bytes,
+                "segments": p.segments,
+                "vector": p.vector.to_text(),
+                "damaged": list(p.damaged),
             }
             for p in topic.partition_states
         ],
-    }  # fmt: skip
+    }

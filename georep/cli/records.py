@@ -45,9 +45,15 @@ class _Tally:
 
 async def cmd_produce(args: argparse.Namespace) -> int:
     separator = args.key_separator.encode() if args.key_separator else None
-    producer = Producer(args.bootstrap, tls=client_tls(args), acks=args.acks, batch_size=args.batch_size,
-                        linger_ms=args.linger_ms, compression=args.compression,
-                        request_timeout_ms=args.request_timeout_ms)  # fmt: skip
+    producer = Producer(
+        args.bootstrap,
+        tls=client_tls(args),
+        acks=args.acks,
+        batch_size=args.batch_size,
+        linger_ms=args.linger_ms,
+        compression=args.compression,
+        request_timeout_ms=args.request_timeout_ms,
+    )
     stdin = cast(io.BufferedReader, sys.stdin.buffer)
     loop = asyncio.get_running_loop()
     tally = _Tally()
@@ -93,15 +99,17 @@ def _text(data: bytes | None) -> str | None:
 
 
 def _record_json(record: ConsumerRecord) -> str:
-    return json.dumps({
-        "key": _text(record.key),
-        "value": _text(record.value),
-        "partition": record.partition,
-        "offset": record.offset,
-        "origin": str(record.origin),
-        "origin_seq": record.origin_seq,
-        "timestamp": record.timestamp_ms,
-    })  # fmt: skip
+    return json.dumps(
+        {
+            "key": _text(record.key),
+            "value": _text(record.value),
+            "partition": record.partition,
+            "offset": record.offset,
+            "origin": str(record.origin),
+            "origin_seq": record.origin_seq,
+            "timestamp": record.timestamp_ms,
+        }
+    )
 
 
 async def cmd_consume(args: argparse.Namespace) -> int:
@@ -111,9 +119,18 @@ async def cmd_consume(args: argparse.Namespace) -> int:
         reset = "earliest" if args.from_beginning else "latest"
     group = {} if args.group is None else {"group_id": args.group, "commit_acks": args.commit_acks or "leader"}
     tls = client_tls(args)
-    async with Consumer(args.bootstrap, tls=tls, auto_offset_reset=reset, skip_corrupt=args.skip_corrupt,
-                        read_from=args.read_from, prefer=args.prefer, **group) as consumer, \
-            Admin(args.bootstrap, tls=tls) as admin:  # fmt: skip
+    async with (
+        Consumer(
+            args.bootstrap,
+            tls=tls,
+            auto_offset_reset=reset,
+            skip_corrupt=args.skip_corrupt,
+            read_from=args.read_from,
+            prefer=args.prefer,
+            **group,
+        ) as consumer,
+        Admin(args.bootstrap, tls=tls) as admin,
+    ):
         await _consume_from(args, vector, consumer, admin)
         count = await _print_records(args, consumer)
         if args.group is not None:
@@ -124,14 +141,19 @@ async def cmd_consume(args: argparse.Namespace) -> int:
             finally:
                 consumer.assign([])
         for s in consumer.skipped:
-            where = f"offsets {s.first_offset}..{s.next_offset - 1}" if s.first_offset >= 0 else \
-                f"up to offset {s.next_offset - 1}"  # fmt: skip
+            where = (
+                f"offsets {s.first_offset}..{s.next_offset - 1}"
+                if s.first_offset >= 0
+                else f"up to offset {s.next_offset - 1}"
+            )
             err(f"skipped {s.kind} records of {s.topic}/{s.partition}, {where}: {s.message}")
     damaged = sum(1 for s in consumer.skipped if s.kind == "damaged")
     invalid = len(consumer.skipped) - damaged
-    err(f"consumed {count} records from {args.topic!r}"
+    err(
+        f"consumed {count} records from {args.topic!r}"
         + (f", skipped {damaged} damaged range(s)" if damaged else "")
-        + (f", skipped {invalid} invalid batch(es)" if invalid else ""))
+        + (f", skipped {invalid} invalid batch(es)" if invalid else "")
+    )
     return 0
 
 
@@ -148,23 +170,28 @@ def _consume_checked(args: argparse.Namespace) -> VectorOffset | None:
     if args.group is None and args.commit_acks is not None:
         raise InvalidRequest("--commit-acks needs --group: only a group commits its position")
     if args.group is not None and (args.partition is not None or args.offset is not None or vector is not None):
-        raise InvalidRequest("--group starts at the group's committed vector: leave out --partition, --offset and "
-                             "--vector (or leave out --group)")  # fmt: skip
+        raise InvalidRequest(
+            "--group starts at the group's committed vector: leave out --partition, --offset and "
+            "--vector (or leave out --group)"
+        )
     if args.prefer is not None and args.read_from != "follower":
         raise InvalidRequest("--prefer names the node follower reads go to: add --read-from follower")
     return vector
 
 
-async def _consume_from(args: argparse.Namespace, vector: VectorOffset | None, consumer: Consumer,
-                        admin: Admin) -> None:  # fmt: skip
+async def _consume_from(
+    args: argparse.Namespace, vector: VectorOffset | None, consumer: Consumer, admin: Admin
+) -> None:
     """Assign the partitions to read and put the consumer where the flags say it starts."""
     topic = await admin.describe_topic(args.topic)
     if args.group is not None:
         partitions: list[int] = []  # the group's coordinator assigns them
     elif args.partition is not None:
         if not 0 <= args.partition < topic.partitions:
-            raise InvalidRequest(f"partition {args.partition} does not exist: topic {args.topic!r} has "
-                                 f"partitions 0..{topic.partitions - 1}")  # fmt: skip
+            raise InvalidRequest(
+                f"partition {args.partition} does not exist: topic {args.topic!r} has "
+                f"partitions 0..{topic.partitions - 1}"
+            )
         partitions = [args.partition]
     else:
         partitions = list(range(topic.partitions))
@@ -223,8 +250,9 @@ async def cmd_offsets(args: argparse.Namespace) -> int:
     async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
         offsets = await admin.list_offsets(args.topic, -1 if args.partition is None else args.partition, spec)
     if args.json:
-        print(json.dumps([{"partition": o.partition, "offset": o.offset, "timestamp": o.timestamp_ms}
-                          for o in offsets]))  # fmt: skip
+        print(
+            json.dumps([{"partition": o.partition, "offset": o.offset, "timestamp": o.timestamp_ms} for o in offsets])
+        )
     else:
         print(table(("PARTITION", "OFFSET", "TIMESTAMP"), [(o.partition, o.offset, o.timestamp_ms) for o in offsets]))
     return 0

@@ -26,12 +26,18 @@ BAR_WIDTH = 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--now", action="store_true", required=True,
-                        help="run a full pass now, in the foreground (the node also scrubs in the background)")
     parser.add_argument(
-        "--bootstrap", default=default_bootstrap(), metavar="HOST:PORT",
+        "--now",
+        action="store_true",
+        required=True,
+        help="run a full pass now, in the foreground (the node also scrubs in the background)",
+    )
+    parser.add_argument(
+        "--bootstrap",
+        default=default_bootstrap(),
+        metavar="HOST:PORT",
         help=f"the node to scrub (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101; now %(default)s)",
-    )  # fmt: skip
+    )
     add_client_tls_arguments(parser, data_dir=True)
 
 
@@ -39,8 +45,10 @@ def bar(progress: pb.ScrubProgress) -> str:
     total = max(progress.total_bytes, 1)
     done = min(progress.checked_bytes, total)
     filled = BAR_WIDTH * done // total
-    return (f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {100 * done // total:3d}% "
-            f"{done / 1e6:,.1f}/{total / 1e6:,.1f} MB, {progress.found} damaged")  # fmt: skip
+    return (
+        f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {100 * done // total:3d}% "
+        f"{done / 1e6:,.1f}/{total / 1e6:,.1f} MB, {progress.found} damaged"
+    )
 
 
 async def scrub(address: str, tls: TlsConfig | None = None) -> pb.ScrubProgress:
@@ -65,15 +73,21 @@ def main(args: argparse.Namespace) -> int:
         return 2
     except grpc.aio.AioRpcError as exc:
         problem = asyncio.run(tls_problem(address, tls)) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
-        print(f"georep: error: scrub at {address}: {problem or f'{exc.code().name}: {exc.details()}'}",
-              file=sys.stderr)  # fmt: skip
+        print(f"georep: error: scrub at {address}: {problem or f'{exc.code().name}: {exc.details()}'}", file=sys.stderr)
         return 1
-    rebuilt = (f"; {result.indexes_rebuilt} segment index(es) disagreed with their batches and were rebuilt from "
-               "them" if result.indexes_rebuilt else "")  # fmt: skip
+    rebuilt = (
+        f"; {result.indexes_rebuilt} segment index(es) disagreed with their batches and were rebuilt from them"
+        if result.indexes_rebuilt
+        else ""
+    )
     if result.invalid:
-        rebuilt += (f"; {result.invalid} whole batch(es) hold records no reader accepts, stored before every batch "
-                    "was validated: the node log names them, and readers skip them (georep consume --skip-corrupt)")
-    print(f"scrubbed {result.checked_bytes:,} bytes at {address}: {result.found} damaged batch(es) found; "
-          f"{result.quarantined} quarantined now{rebuilt}"
-          + (" (the node repairs them from peers; see georep_repaired_batches_total)" if result.quarantined else ""))
+        rebuilt += (
+            f"; {result.invalid} whole batch(es) hold records no reader accepts, stored before every batch "
+            "was validated: the node log names them, and readers skip them (georep consume --skip-corrupt)"
+        )
+    print(
+        f"scrubbed {result.checked_bytes:,} bytes at {address}: {result.found} damaged batch(es) found; "
+        f"{result.quarantined} quarantined now{rebuilt}"
+        + (" (the node repairs them from peers; see georep_repaired_batches_total)" if result.quarantined else "")
+    )
     return 3 if result.quarantined else 0

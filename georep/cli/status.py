@@ -111,12 +111,16 @@ def render(statuses: dict[str, pb.SiteStatusResponse | str], kafka: dict[str, st
             for d in p.damaged:
                 lines.append(f"      DAMAGED {damaged_text(d)}; quarantined until a peer's copy repairs it")
             for lag in p.lags:
-                lines.append(f"      {lag.origin:<24} from {lag.upstream or '-':<8} lag {lag.lag_records} records"
-                             f", ~{lag.lag_bytes} bytes, {lag.lag_ms} ms")  # fmt: skip
+                lines.append(
+                    f"      {lag.origin:<24} from {lag.upstream or '-':<8} lag {lag.lag_records} records"
+                    f", ~{lag.lag_bytes} bytes, {lag.lag_ms} ms"
+                )
         for link in s.links:
             err = f"  ({link.last_error})" if link.last_error else ""
-            lines.append(f"  link {link.src} -> {link.dst}: {link.state}, applied {link.applied_batches} batches "
-                         f"({link.applied_bytes} bytes), skipped {link.skipped_batches}{err}")  # fmt: skip
+            lines.append(
+                f"  link {link.src} -> {link.dst}: {link.state}, applied {link.applied_batches} batches "
+                f"({link.applied_bytes} bytes), skipped {link.skipped_batches}{err}"
+            )
         for c in s.conflicts:
             lines.append(f"  CONFLICT {c.topic}: {c.message}")
     rows = convergence(statuses)

@@ -37,11 +37,14 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-ca", type=Path, help="PEM file of the CA that signs every node's and client's cert")
     group.add_argument("--tls-cert", type=Path, help="PEM file of this node's certificate (site:<s> or node:<s>/<n>)")
     group.add_argument("--tls-key", type=Path, help="PEM file of this node's private key")
-    group.add_argument("--tls-server-name", metavar="NAME",
-                       help="the name the other nodes' certificates are checked for, in place of the host of their "
-                            "addresses")  # fmt: skip
-    group.add_argument("--insecure", action="store_true",
-                       help="plaintext: no TLS and no ACLs (development only; prints a warning)")  # fmt: skip
+    group.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the other nodes' certificates are checked for, in place of the host of their addresses",
+    )
+    group.add_argument(
+        "--insecure", action="store_true", help="plaintext: no TLS and no ACLs (development only; prints a warning)"
+    )
 
 
 def node_tls(args: argparse.Namespace) -> TlsConfig | None:
@@ -73,18 +76,30 @@ def _principal(text: str) -> Principal:
 def add_client_arguments(parser: argparse.ArgumentParser, data_dir: bool = False) -> None:
     """The client TLS flags; ``data_dir``: also ``--data-dir`` (commands that have none of their own)."""
     group = parser.add_argument_group("TLS (default: $GEOREP_TLS_DIR, else the certificates of 'georep up')")
-    group.add_argument("--tls-dir", type=Path, metavar="DIR",
-                       help="directory of 'georep certs init': its ca.crt and the certificate of --principal")
-    group.add_argument("--principal", type=_principal, default=ADMIN,
-                       help=f"with --tls-dir: whose certificate to present (default {ADMIN})")  # fmt: skip
+    group.add_argument(
+        "--tls-dir",
+        type=Path,
+        metavar="DIR",
+        help="directory of 'georep certs init': its ca.crt and the certificate of --principal",
+    )
+    group.add_argument(
+        "--principal",
+        type=_principal,
+        default=ADMIN,
+        help=f"with --tls-dir: whose certificate to present (default {ADMIN})",
+    )
     group.add_argument("--tls-ca", type=Path, help="PEM file of the CA that signed the nodes' certificates")
     group.add_argument("--tls-cert", type=Path, help="PEM file of this client's certificate")
     group.add_argument("--tls-key", type=Path, help="PEM file of this client's private key")
     group.add_argument("--tls-server-name", metavar="NAME", help="check the node's certificate for NAME")
     group.add_argument("--insecure", action="store_true", help="plaintext, for a node started with --insecure")
     if data_dir:
-        group.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
-                           help="the data dir of 'georep up', whose certs/ are the default (default .georep)")
+        group.add_argument(
+            "--data-dir",
+            type=Path,
+            default=DEFAULT_DATA_DIR,
+            help="the data dir of 'georep up', whose certs/ are the default (default .georep)",
+        )
 
 
 def client_tls(args: argparse.Namespace, data_dir: Path | None = None) -> TlsConfig | None:
@@ -113,14 +128,17 @@ def client_tls(args: argparse.Namespace, data_dir: Path | None = None) -> TlsCon
         directory = found
     tls = TlsConfig.from_dir(directory, args.principal, args.tls_server_name)
     if not tls.cert.exists():
-        raise TlsArgsError(f"{directory} has no certificate for {args.principal} ({tls.cert.name}): pass "
-                           "--principal with one it has, or make it with 'georep certs init --dir "
-                           f"{directory} --clients NAME'")  # fmt: skip
+        raise TlsArgsError(
+            f"{directory} has no certificate for {args.principal} ({tls.cert.name}): pass "
+            "--principal with one it has, or make it with 'georep certs init --dir "
+            f"{directory} --clients NAME'"
+        )
     return tls
 
 
 def default_client_tls(data_dir: Path = DEFAULT_DATA_DIR) -> TlsConfig | None:
     """The client TLS settings with no flags: ``$GEOREP_TLS_DIR``, else ``DATA_DIR/certs``, else plaintext."""
-    args = argparse.Namespace(tls_ca=None, tls_cert=None, tls_key=None, tls_dir=None, tls_server_name=None,
-                              insecure=False, principal=ADMIN)  # fmt: skip
+    args = argparse.Namespace(
+        tls_ca=None, tls_cert=None, tls_key=None, tls_dir=None, tls_server_name=None, insecure=False, principal=ADMIN
+    )
     return client_tls(args, data_dir)

@@ -39,8 +39,9 @@ async def cmd_topic_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([topic_json(t) for t in topics]))
         return 0
-    rows = [(t.name, t.partitions, sum(p.log_end_offset - p.log_start_offset for p in t.partition_states))
-            for t in topics]  # fmt: skip
+    rows = [
+        (t.name, t.partitions, sum(p.log_end_offset - p.log_start_offset for p in t.partition_states)) for t in topics
+    ]
     if rows:
         print(table(("TOPIC", "PARTITIONS", "RECORDS"), rows))
     else:
@@ -57,13 +58,25 @@ async def cmd_topic_describe(args: argparse.Namespace) -> int:
     print(f"Topic: {topic.name}  Partitions: {topic.partitions}")
     if topic.config:
         print("Config: " + ", ".join(f"{k}={v}" for k, v in topic.config.items()))
-    rows = [(p.partition, p.log_start_offset, p.log_end_offset, p.size_bytes, p.segments, len(p.damaged),
-             p.vector.to_text() or "-") for p in topic.partition_states]  # fmt: skip
+    rows = [
+        (
+            p.partition,
+            p.log_start_offset,
+            p.log_end_offset,
+            p.size_bytes,
+            p.segments,
+            len(p.damaged),
+            p.vector.to_text() or "-",
+        )
+        for p in topic.partition_states
+    ]
     print(table(("PARTITION", "START", "END", "BYTES", "SEGMENTS", "DAMAGED", "VECTOR"), rows))
     for p in topic.partition_states:
         for text in p.damaged:
-            print(f"partition {p.partition}: quarantined {text}; repaired from a peer's copy when one answers "
-                  "('georep scrub --now' checks every batch)")  # fmt: skip
+            print(
+                f"partition {p.partition}: quarantined {text}; repaired from a peer's copy when one answers "
+                "('georep scrub --now' checks every batch)"
+            )
     return 0
 
 
@@ -71,11 +84,22 @@ async def cmd_health(args: argparse.Namespace) -> int:
     async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
         health = await admin.health()
     if args.json:
-        print(json.dumps({"status": health.status, "site": health.site, "epoch": health.epoch,
-                          "version": health.version, "uptime_ms": health.uptime_ms,
-                          "disk_full": health.disk_full}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "status": health.status,
+                    "site": health.site,
+                    "epoch": health.epoch,
+                    "version": health.version,
+                    "uptime_ms": health.uptime_ms,
+                    "disk_full": health.disk_full,
+                }
+            )
+        )
     else:
         disk = "FULL" if health.disk_full else "ok"
-        print(f"{health.status} site={health.site} origin={health.site}@{health.epoch} version={health.version} "
-              f"uptime={health.uptime_ms / 1000:.1f}s disk={disk}")  # fmt: skip
+        print(
+            f"{health.status} site={health.site} origin={health.site}@{health.epoch} version={health.version} "
+            f"uptime={health.uptime_ms / 1000:.1f}s disk={disk}"
+        )
     return 0 if health.status == "SERVING" and not health.disk_full else EXIT_ERROR

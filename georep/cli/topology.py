@@ -72,10 +72,7 @@ def _router(topology: Topology, link_state: Mapping[_LinkKey, LinkStatus] | None
 
 
 def summary_text(
-    topology: Topology,
-    link_state: Mapping[_LinkKey, LinkStatus] | None = None,
-    *,
-    topic: str | None = None,
+    topology: Topology, link_state: Mapping[_LinkKey, LinkStatus] | None = None, *, topic: str | None = None
 ) -> str:
     """Sites, links (filters, cost, state, lag), the preferred upstreams and the warnings.
 
@@ -83,16 +80,27 @@ def summary_text(
     Links whose state is "down" are left out of the routes.
     """
     ids = topology.site_ids()
-    lines = [f"topology: {len(ids)} site{'s' if len(ids) != 1 else ''}, "
-             f"{len(topology.links)} link{'s' if len(topology.links) != 1 else ''}", "", "sites:"]
+    lines = [
+        f"topology: {len(ids)} site{'s' if len(ids) != 1 else ''}, "
+        f"{len(topology.links)} link{'s' if len(topology.links) != 1 else ''}",
+        "",
+        "sites:",
+    ]
     lines += _table([["site", "nodes"]] + [[s, ", ".join(topology.site(s).nodes)] for s in ids])
     lines += ["", "links:"]
     if topology.links:
         rows = [["link", "cost", "state", "lag", "topics"]]
         for link in topology.links_sorted():
             status = _status(link_state, link.key)
-            rows.append([link.describe(), str(link.cost), status.state, status.lag_text() or "-",
-                         ", ".join(str(f) for f in link.topics)])
+            rows.append(
+                [
+                    link.describe(),
+                    str(link.cost),
+                    status.state,
+                    status.lag_text() or "-",
+                    ", ".join(str(f) for f in link.topics),
+                ]
+            )
         lines += _table(rows)
     else:
         lines.append("  (none)")
@@ -166,23 +174,44 @@ def draw(topology: Topology, path: Path, link_state: Mapping[_LinkKey, LinkStatu
     fig = Figure(figsize=(7.0, 6.0))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    nx.draw_networkx_nodes(graph, pos, nodelist=ids, node_size=node_size, node_color="#e3f2fd",
-                           edgecolors="#1565c0", ax=ax)
+    nx.draw_networkx_nodes(
+        graph, pos, nodelist=ids, node_size=node_size, node_color="#e3f2fd", edgecolors="#1565c0", ax=ax
+    )
     labels = {}
     for sid in ids:
         count = len(topology.site(sid).nodes)
         labels[sid] = f"{sid}\n{count} node{'s' if count != 1 else ''}"
     nx.draw_networkx_labels(graph, pos, labels=labels, font_size=9, ax=ax)
     if keys:
-        nx.draw_networkx_edges(graph, pos, edgelist=keys, edge_color=colours, style=styles, width=2.0,
-                               arrows=True, arrowstyle="-|>", arrowsize=18, node_size=node_size,
-                               connectionstyle=curve, ax=ax)
+        nx.draw_networkx_edges(
+            graph,
+            pos,
+            edgelist=keys,
+            edge_color=colours,
+            style=styles,
+            width=2.0,
+            arrows=True,
+            arrowstyle="-|>",
+            arrowsize=18,
+            node_size=node_size,
+            connectionstyle=curve,
+            ax=ax,
+        )
         edge_labels = {key: _edge_label(topology, key, statuses[key]) for key in keys}
         edge_labels = {key: text for key, text in edge_labels.items() if text}
         if edge_labels:
-            nx.draw_networkx_edge_labels(graph, pos, edge_labels=edge_labels, font_size=7, rotate=False,
-                                         label_pos=0.35, node_size=node_size, connectionstyle=curve,
-                                         bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none"}, ax=ax)
+            nx.draw_networkx_edge_labels(
+                graph,
+                pos,
+                edge_labels=edge_labels,
+                font_size=7,
+                rotate=False,
+                label_pos=0.35,
+                node_size=node_size,
+                connectionstyle=curve,
+                bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none"},
+                ax=ax,
+            )
     legend = [Line2D([0], [0], color=colour, lw=2, label=state) for state, colour in _STATE_COLOURS.items()]
     legend.append(Line2D([0], [0], color=_OTHER_COLOUR, lw=2, label="other (e.g. stalled)"))
     ax.legend(handles=legend, loc="lower right", fontsize=8, title="link state", title_fontsize=8)
@@ -209,10 +238,12 @@ def main(
         prog="georep topology show",
         description="Print a summary of a topology file and write a picture of it (PNG or SVG).",
     )
-    parser.add_argument("file", nargs="?", type=Path,
-                        help="topology TOML file (default: the embedded three-site default)")
-    parser.add_argument("-o", "--output", type=Path,
-                        help="picture to write, .png or .svg (default: <file name>.png, or topology.png)")
+    parser.add_argument(
+        "file", nargs="?", type=Path, help="topology TOML file (default: the embedded three-site default)"
+    )
+    parser.add_argument(
+        "-o", "--output", type=Path, help="picture to write, .png or .svg (default: <file name>.png, or topology.png)"
+    )
     parser.add_argument("--topic", help="show the routes of this topic (needed when links have topic filters)")
     args = parser.parse_args(argv)
     if args.topic is not None:

@@ -38,11 +38,17 @@ POLL_S = 0.5
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", type=Path, help="topology TOML file (default: sites a, b, c in a cycle)")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="DATA_DIR/<site>/ per site")
-    parser.add_argument("--insecure", action="store_true",
-                        help="run the nodes plaintext, without TLS or ACLs (default: mutual TLS with the "
-                             "certificates in DATA_DIR/certs, made by 'georep certs init' if missing)")  # fmt: skip
-    parser.add_argument("node_args", nargs=argparse.REMAINDER,
-                        help="after '--': extra 'georep node' flags for every node, e.g. -- --flush-interval-ms 100")
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run the nodes plaintext, without TLS or ACLs (default: mutual TLS with the "
+        "certificates in DATA_DIR/certs, made by 'georep certs init' if missing)",
+    )
+    parser.add_argument(
+        "node_args",
+        nargs=argparse.REMAINDER,
+        help="after '--': extra 'georep node' flags for every node, e.g. -- --flush-interval-ms 100",
+    )
 
 
 def ensure_certs(topology: Topology, data_dir: Path) -> Path:
@@ -61,8 +67,9 @@ def node_tls(directory: Path | None, site: str, node: int | None) -> TlsConfig |
     return TlsConfig.from_dir(directory, site_principal(site) if node is None else node_principal(site, node))
 
 
-def site_processes(topology: Topology, topology_file: Path | None, data_dir: Path,
-                   extra_args: list[str], certs: Path | None = None) -> list[NodeProcess]:  # fmt: skip
+def site_processes(
+    topology: Topology, topology_file: Path | None, data_dir: Path, extra_args: list[str], certs: Path | None = None
+) -> list[NodeProcess]:
     """A node process per node of every site, as ``georep up`` starts them (not yet started); with mutual TLS
     from the certificates in ``certs`` (see :func:`ensure_certs`), plaintext without."""
     procs = []
@@ -75,11 +82,20 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
         commit_acks = kafka_args(len(topology.site_ids()), extra_args)
         if len(site.nodes) == 1:
             member = site.members[0]
-            listen = ["--kafka-listen", member.kafka] if member.kafka and "--kafka-listen" not in extra_args else \
-                kafka_listen(site.nodes[0], extra_args, fixed)  # fmt: skip
-            procs.append(NodeProcess(site=sid, data_dir=data_dir / sid, listen=site.nodes[0],
-                                     extra_args=[*args, *listen, *commit_acks],
-                                     tls=node_tls(certs, sid, None)))  # fmt: skip
+            listen = (
+                ["--kafka-listen", member.kafka]
+                if member.kafka and "--kafka-listen" not in extra_args
+                else kafka_listen(site.nodes[0], extra_args, fixed)
+            )
+            procs.append(
+                NodeProcess(
+                    site=sid,
+                    data_dir=data_dir / sid,
+                    listen=site.nodes[0],
+                    extra_args=[*args, *listen, *commit_acks],
+                    tls=node_tls(certs, sid, None),
+                )
+            )
             continue
         try:
             site.raft_addresses()
@@ -91,9 +107,16 @@ def site_processes(topology: Topology, topology_file: Path | None, data_dir: Pat
             # Each node serves Kafka clients at its topology address, which the others name in Metadata
             listen = ["--kafka-listen", member.kafka] if member.kafka and "--kafka-listen" not in extra_args else []
             kafka = [*listen, *commit_acks] if listen or "--kafka-listen" in extra_args else []
-            procs.append(NodeProcess(site=sid, data_dir=data_dir / sid / str(member.id), listen=member.address,
-                                     extra_args=[*args, *secret, "--node-id", str(member.id), *kafka],
-                                     node_id=member.id, tls=node_tls(certs, sid, member.id)))  # fmt: skip
+            procs.append(
+                NodeProcess(
+                    site=sid,
+                    data_dir=data_dir / sid / str(member.id),
+                    listen=member.address,
+                    extra_args=[*args, *secret, "--node-id", str(member.id), *kafka],
+                    node_id=member.id,
+                    tls=node_tls(certs, sid, member.id),
+                )
+            )
     return procs
 
 
@@ -112,9 +135,12 @@ def kafka_listen(address: str, extra_args: list[str], fixed: bool) -> list[str]:
 
 def kafka_warnings(topology: Topology) -> list[str]:
     """Multi-node sites whose nodes name no Kafka address: 'georep up' starts no Kafka listener on them."""
-    return [f"site {sid}'s nodes have no kafka = \"HOST:PORT\" in the topology, so they serve no Kafka clients; add "
-            f"one to every node of the site (docs/kafka.md)" for sid in topology.site_ids()
-            if len(topology.site(sid).members) > 1 and not topology.site(sid).kafka_addresses()]  # fmt: skip
+    return [
+        f'site {sid}\'s nodes have no kafka = "HOST:PORT" in the topology, so they serve no Kafka clients; add '
+        f"one to every node of the site (docs/kafka.md)"
+        for sid in topology.site_ids()
+        if len(topology.site(sid).members) > 1 and not topology.site(sid).kafka_addresses()
+    ]
 
 
 def kafka_args(sites: int, extra_args: list[str]) -> list[str]:
@@ -186,8 +212,10 @@ def main(args: argparse.Namespace) -> int:
                 return 1
         print(f"{'SITE':<8} {'NODE':>4} {'ADDRESS':<22} {'KAFKA':<22} {'METRICS':<22} {'PID':>8}  DATA")
         for proc in started:
-            print(f"{proc.site:<8} {proc.node_id or 1:>4} {proc.address:<22} {proc.kafka_address or '-':<22} "
-                  f"{proc.metrics_address:<22} {proc.pid:>8}  {proc.data_dir}")  # fmt: skip
+            print(
+                f"{proc.site:<8} {proc.node_id or 1:>4} {proc.address:<22} {proc.kafka_address or '-':<22} "
+                f"{proc.metrics_address:<22} {proc.pid:>8}  {proc.data_dir}"
+            )
         print("all sites up; Ctrl-C stops them", flush=True)
         reported: set[Path] = set()
         while not stopping:

@@ -42,14 +42,25 @@ class UsageError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True, metavar="{add,remove,list}")
-    add = actions.add_parser("add", help="store (or replace) a user's SCRAM credential; the password is read from "
-                                         "--password-file or standard input")  # fmt: skip
+    add = actions.add_parser(
+        "add",
+        help="store (or replace) a user's SCRAM credential; the password is read from "
+        "--password-file or standard input",
+    )
     add.add_argument("name", help="the user: its principal is client:NAME")
-    add.add_argument("--mechanism", default=DEFAULT_MECHANISM, choices=MECHANISMS,
-                     help=f"the SCRAM mechanism the client will use (default {DEFAULT_MECHANISM})")
+    add.add_argument(
+        "--mechanism",
+        default=DEFAULT_MECHANISM,
+        choices=MECHANISMS,
+        help=f"the SCRAM mechanism the client will use (default {DEFAULT_MECHANISM})",
+    )
     add.add_argument("--password-file", type=Path, help="read the password from this file (its first line)")
-    add.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS,
-                     help=f"PBKDF2 iterations, at least {MIN_ITERATIONS} (default {DEFAULT_ITERATIONS})")
+    add.add_argument(
+        "--iterations",
+        type=int,
+        default=DEFAULT_ITERATIONS,
+        help=f"PBKDF2 iterations, at least {MIN_ITERATIONS} (default {DEFAULT_ITERATIONS})",
+    )
     add_admin_call_arguments(add)
     remove = actions.add_parser("remove", help="delete a user's credential (at every linked site)")
     remove.add_argument("name")
@@ -86,8 +97,14 @@ def _request(args: argparse.Namespace) -> pb.PutUserRequest:
     if args.iterations < MIN_ITERATIONS:
         raise UsageError(f"--iterations {args.iterations}: use at least {MIN_ITERATIONS}")
     cred = derive(args.mechanism, read_password(args.password_file), os.urandom(SALT_BYTES), args.iterations)
-    return pb.PutUserRequest(user=args.name, mechanism=cred.mechanism, salt=cred.salt, iterations=cred.iterations,
-                             stored_key=cred.stored_key, server_key=cred.server_key)  # fmt: skip
+    return pb.PutUserRequest(
+        user=args.name,
+        mechanism=cred.mechanism,
+        salt=cred.salt,
+        iterations=cred.iterations,
+        stored_key=cred.stored_key,
+        server_key=cred.server_key,
+    )
 
 
 async def _call(address: str, args: argparse.Namespace, request: pb.PutUserRequest | None) -> object:
@@ -125,8 +142,18 @@ def main(args: argparse.Namespace) -> int:
 def _print_list(resp: pb.ListUsersResponse, as_json: bool) -> None:
     if as_json:
         for u in resp.users:
-            print(json.dumps({"user": u.user, "principal": f"client:{u.user}", "mechanism": u.mechanism,
-                              "iterations": u.iterations, "stamp_ms": u.stamp_ms, "site": u.site}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "user": u.user,
+                        "principal": f"client:{u.user}",
+                        "mechanism": u.mechanism,
+                        "iterations": u.iterations,
+                        "stamp_ms": u.stamp_ms,
+                        "site": u.site,
+                    }
+                )
+            )
         return
     if not resp.users:
         print("no SASL users: add one with 'georep user add NAME' (the password on standard input)")

@@ -45,9 +45,23 @@ class ProducerBatch:
     """Records for one partition, their futures, and their delivery state."""
 
     __slots__ = (
-        "topic", "partition", "records", "futures", "size_bytes", "capacity", "created_ms", "state",
-        "producer_id", "base_sequence", "data", "correlation_id", "sent", "sent_ms", "error", "done",
-    )  # fmt: skip
+        "topic",
+        "partition",
+        "records",
+        "futures",
+        "size_bytes",
+        "capacity",
+        "created_ms",
+        "state",
+        "producer_id",
+        "base_sequence",
+        "data",
+        "correlation_id",
+        "sent",
+        "sent_ms",
+        "error",
+        "done",
+    )
 
     def __init__(self, topic: str, partition: int, created_ms: float, capacity: int) -> None:
         self.topic = topic
@@ -68,8 +82,10 @@ class ProducerBatch:
         self.done: Any = None  # set by the shell: completes when the batch is acked or failed
 
     def __repr__(self) -> str:
-        return (f"ProducerBatch({self.topic}/{self.partition}, {len(self.records)} records, "
-                f"{self.state.value}, pid={self.producer_id}, seq={self.base_sequence})")  # fmt: skip
+        return (
+            f"ProducerBatch({self.topic}/{self.partition}, {len(self.records)} records, "
+            f"{self.state.value}, pid={self.producer_id}, seq={self.base_sequence})"
+        )
 
 
 class RecordAccumulator:
@@ -81,8 +97,17 @@ class RecordAccumulator:
         self.open: dict[tuple[str, int], ProducerBatch] = {}
         self.closed: list[ProducerBatch] = []
 
-    def append(self, topic: str, partition: int, record: RecordInput, future: Any, size: int,
-               now_ms: float, *, max_batch_bytes: int) -> ProducerBatch | None:  # fmt: skip
+    def append(
+        self,
+        topic: str,
+        partition: int,
+        record: RecordInput,
+        future: Any,
+        size: int,
+        now_ms: float,
+        *,
+        max_batch_bytes: int,
+    ) -> ProducerBatch | None:
         """Add a record. Returns the batch just opened for it, if a new one was opened.
 
         A batch that this record would overflow is closed first (into ``closed``).
@@ -113,8 +138,7 @@ class RecordAccumulator:
     def close_lingered(self, now_ms: float, force: bool = False) -> list[ProducerBatch]:
         """Close open batches older than ``linger_ms`` (all of them with ``force``), oldest first."""
         linger = self.linger_ms
-        due = [b for b in self.open.values() if force or now_ms - b.created_ms >= linger
-               or b.size_bytes >= b.capacity]  # fmt: skip
+        due = [b for b in self.open.values() if force or now_ms - b.created_ms >= linger or b.size_bytes >= b.capacity]
         due.sort(key=lambda b: b.created_ms)
         for batch in due:
             del self.open[(batch.topic, batch.partition)]

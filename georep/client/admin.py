@@ -43,17 +43,26 @@ class TopicInfo:
     @classmethod
     def from_proto(cls, message: georep_pb2.TopicDescription) -> TopicInfo:
         states = [
-            PartitionInfo(p.partition, p.log_start_offset, p.log_end_offset, p.size_bytes, p.segments,
-                          vector_from_proto(p.vector), tuple(damaged_text(d) for d in p.damaged))
+            PartitionInfo(
+                p.partition,
+                p.log_start_offset,
+                p.log_end_offset,
+                p.size_bytes,
+                p.segments,
+                vector_from_proto(p.vector),
+                tuple(damaged_text(d) for d in p.damaged),
+            )
             for p in message.partition_states
-        ]  # fmt: skip
+        ]
         states.sort(key=lambda p: p.partition)
         return cls(message.name, message.partitions, dict(sorted(message.config.items())), states)
 
 
 def damaged_text(d: georep_pb2.DamagedRange) -> str:
-    return (f"offsets {d.base_offset}..{d.next_offset - 1} (origin {d.origin} seqs {d.base_origin_seq}.."
-            f"{d.last_origin_seq}): {d.reason}")  # fmt: skip
+    return (
+        f"offsets {d.base_offset}..{d.next_offset - 1} (origin {d.origin} seqs {d.base_origin_seq}.."
+        f"{d.last_origin_seq}): {d.reason}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +96,13 @@ def offset_spec(spec: str | int) -> dict[str, Any]:
 class Admin:
     """``async with Admin("127.0.0.1:7101") as admin: await admin.create_topic("t", 3)``."""
 
-    def __init__(self, bootstrap: str | list[str], request_timeout_ms: int = 30_000,
-                 connect_timeout_ms: int = 5_000, tls: TlsConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        bootstrap: str | list[str],
+        request_timeout_ms: int = 30_000,
+        connect_timeout_ms: int = 5_000,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self._connection = Connection(bootstrap, connect_timeout_ms, tls)
         self._timeout_s = request_timeout_ms / 1000
 

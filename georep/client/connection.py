@@ -127,8 +127,9 @@ class Connection:
     to call :meth:`reconnect` with the old generation replaces it.
     """
 
-    def __init__(self, bootstrap: str | list[str], connect_timeout_ms: int = 5000,
-                 tls: TlsConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, bootstrap: str | list[str], connect_timeout_ms: int = 5000, tls: TlsConfig | None = None
+    ) -> None:
         self.addresses = parse_bootstrap(bootstrap)
         self.connect_timeout_s = connect_timeout_ms / 1000
         self.tls = tls  # None: plaintext, for a node started with --insecure

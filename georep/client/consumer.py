@@ -74,22 +74,36 @@ class Consumer:
         if auto_offset_reset not in OFFSET_RESETS:
             raise InvalidRequest(f"invalid auto_offset_reset {auto_offset_reset!r}: use earliest, latest or none")
         if read_from not in READ_FROM:
-            raise InvalidRequest(f"invalid read_from {read_from!r}: use 'leader' (each partition at its leader) or "
-                                 "'follower' (at the preferred node, which may follow the partition)")  # fmt: skip
+            raise InvalidRequest(
+                f"invalid read_from {read_from!r}: use 'leader' (each partition at its leader) or "
+                "'follower' (at the preferred node, which may follow the partition)"
+            )
         if prefer is not None and read_from != "follower":
             raise InvalidRequest("prefer names the node follower reads go to: give it with read_from='follower'")
         self._group: Coordinator | None = None
         self._group_id = group_id
         self._group_options = GroupOptions(
-            session_timeout_ms=session_timeout_ms, assignor=assignor, client_id=client_id,
-            enable_auto_commit=enable_auto_commit, auto_commit_interval_ms=auto_commit_interval_ms,
-            commit_acks=parse_acks(commit_acks), commit_wait_caught_up_ms=commit_wait_caught_up_ms,
-        )  # fmt: skip
+            session_timeout_ms=session_timeout_ms,
+            assignor=assignor,
+            client_id=client_id,
+            enable_auto_commit=enable_auto_commit,
+            auto_commit_interval_ms=auto_commit_interval_ms,
+            commit_acks=parse_acks(commit_acks),
+            commit_wait_caught_up_ms=commit_wait_caught_up_ms,
+        )
         self._connection = Connection(bootstrap, connect_timeout_ms, tls)
         self._request_timeout_s = request_timeout_ms / 1000
         self._subscription = SubscriptionState(auto_offset_reset, queued_responses_max)
-        options = FetchOptions(max_bytes, max_wait_ms, retry_backoff_ms, max(retry_backoff_max_ms, retry_backoff_ms),
-                               self._request_timeout_s, connect_timeout_ms, read_from, skip_corrupt)  # fmt: skip
+        options = FetchOptions(
+            max_bytes,
+            max_wait_ms,
+            retry_backoff_ms,
+            max(retry_backoff_max_ms, retry_backoff_ms),
+            self._request_timeout_s,
+            connect_timeout_ms,
+            read_from,
+            skip_corrupt,
+        )
         # read_from="follower": the node every partition is fetched at first (None: the bootstrap connection's).
         preferred = Connection(prefer, connect_timeout_ms, tls) if prefer is not None else None
         self._fetcher = Fetcher(self._subscription, self._connection, options, preferred, tls)
@@ -153,8 +167,10 @@ class Consumer:
         parts = [f"at {self._connection.origin or self._connection.address or 'no site'}"]
         g = self._group
         if g is not None:
-            parts.append(f"group {g.group} member {g.member_id or '-'} generation {g.generation} at {g.site or '-'}"
-                         + (f" (last error: {g.error.message})" if g.error is not None else ""))  # fmt: skip
+            parts.append(
+                f"group {g.group} member {g.member_id or '-'} generation {g.generation} at {g.site or '-'}"
+                + (f" (last error: {g.error.message})" if g.error is not None else "")
+            )
         for tp, s in sorted(self._subscription.states.items()):
             fetch = "no fetch" if s.fetcher is None else "fetch ended" if s.fetcher.done() else "fetching"
             parts.append(f"{tp[0]}/{tp[1]} position {s.position} from {s.served_by or '-'}, {fetch}")
@@ -201,8 +217,9 @@ class Consumer:
     def _membership(self) -> Coordinator:
         if self._group is None:
             group = check_group(self._group_id)
-            self._group = Coordinator(self._connection, self._subscription, self._fetcher, group,
-                                      self._group_options, self._request_timeout_s)  # fmt: skip
+            self._group = Coordinator(
+                self._connection, self._subscription, self._fetcher, group, self._group_options, self._request_timeout_s
+            )
         return self._group
 
     # --- reading ---------------------------------------------------------------
@@ -230,9 +247,11 @@ class Consumer:
 
     async def _partitions(self, topic: str) -> int:
         try:
-            description = await self._connection.unary(self._connection.stub.DescribeTopic(
-                georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_s
-            ))
+            description = await self._connection.unary(
+                self._connection.stub.DescribeTopic(
+                    georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_s
+                )
+            )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self._connection.address, operation=Operation.FETCH) from None
         return int(description.partitions)

@@ -95,8 +95,15 @@ class Committed(NamedTuple):
 
 
 class Coordinator:
-    def __init__(self, connection: Connection, subscription: SubscriptionState, fetcher: Fetcher, group: str,
-                 options: GroupOptions, timeout_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        connection: Connection,
+        subscription: SubscriptionState,
+        fetcher: Fetcher,
+        group: str,
+        options: GroupOptions,
+        timeout_s: float,
+    ) -> None:
         self.connection = connection  # the consumer's: the site it reads from, whose group it joins
         self.subscription = subscription
         self.fetcher = fetcher
@@ -177,8 +184,12 @@ class Coordinator:
                 resp = await self._call()
             except MemberFenced:
                 # Its session expired, or (a multi-node site) the group's coordinator changed: it knows no member.
-                log.warning("group %r: member %s is not known to the coordinator (session expired, or a new "
-                            "coordinator): rejoining", self.group, self.member_id)  # fmt: skip
+                log.warning(
+                    "group %r: member %s is not known to the coordinator (session expired, or a new "
+                    "coordinator): rejoining",
+                    self.group,
+                    self.member_id,
+                )
                 self.member_id = ""
                 moved = True
                 resp = await self._call()
@@ -200,10 +211,13 @@ class Coordinator:
 
     async def _call(self) -> pb.GroupHeartbeatResponse:
         request = pb.GroupHeartbeatRequest(
-            group=self.group, member_id=self.member_id, topics=self.topics,
-            session_timeout_ms=self.options.session_timeout_ms, assignor=self.options.assignor,
+            group=self.group,
+            member_id=self.member_id,
+            topics=self.topics,
+            session_timeout_ms=self.options.session_timeout_ms,
+            assignor=self.options.assignor,
             client_id=self.options.client_id,
-        )  # fmt: skip
+        )
         return await self._rpc(lambda stub: stub.GroupHeartbeat(request, timeout=self._timeout_s))
 
     # -- finding the coordinator ------------------------------------------------
@@ -233,8 +247,12 @@ class Coordinator:
                 if await self._follow(error.leader, connection):
                     continue  # a new address: no need to wait
             elif isinstance(error, NodeUnavailable) and connection is not main:
-                log.info("group %r: coordinator %s went away (%s): asking the site for the next one", self.group,
-                         connection.address or ", ".join(connection.addresses), error.message)  # fmt: skip
+                log.info(
+                    "group %r: coordinator %s went away (%s): asking the site for the next one",
+                    self.group,
+                    connection.address or ", ".join(connection.addresses),
+                    error.message,
+                )
                 await self._drop_coordinator()
             else:
                 raise error
@@ -243,8 +261,11 @@ class Coordinator:
         if isinstance(error, NodeUnavailable):
             # Only a coordinator's connection gets here (the connected node's failure is raised at once): say so,
             # so that the heartbeat loop does not replace a connection that works.
-            raise NotLeader(f"no coordinator of group {self.group!r} answered ({error.message}); the site may be "
-                            "electing one: retry", error.code)  # fmt: skip
+            raise NotLeader(
+                f"no coordinator of group {self.group!r} answered ({error.message}); the site may be "
+                "electing one: retry",
+                error.code,
+            )
         assert error is not None
         raise error
 
@@ -270,8 +291,9 @@ class Coordinator:
         main = self.connection
         try:
             stub = await main.connect()
-            description = await main.unary(stub.DescribeTopic(pb.DescribeTopicRequest(name=OFFSETS_TOPIC),
-                                                              timeout=self._timeout_s))  # fmt: skip
+            description = await main.unary(
+                stub.DescribeTopic(pb.DescribeTopicRequest(name=OFFSETS_TOPIC), timeout=self._timeout_s)
+            )
         except (grpc.RpcError, GeorepError):
             return ""
         index = offsets_partition(self.group)
@@ -283,14 +305,18 @@ class Coordinator:
             await coordinator.close()
 
     async def fetch_committed(self, tps: list[TopicPartition]) -> dict[TopicPartition, Committed]:
-        request = pb.FetchCommittedRequest(group=self.group, partitions=topic_partitions_to_proto(tps),
-                                           wait_caught_up_ms=self.options.commit_wait_caught_up_ms)  # fmt: skip
+        request = pb.FetchCommittedRequest(
+            group=self.group,
+            partitions=topic_partitions_to_proto(tps),
+            wait_caught_up_ms=self.options.commit_wait_caught_up_ms,
+        )
         resp = await self._rpc(
             lambda stub: stub.FetchCommitted(request, timeout=self._timeout_s + request.wait_caught_up_ms / 1000)
         )
         return {
-            (c.topic, c.partition): Committed(vector_from_proto(c.vector), c.committed_by, c.hint_offset, c.hlc,
-                                              c.committed_at_ms, c.lag_records)  # fmt: skip
+            (c.topic, c.partition): Committed(
+                vector_from_proto(c.vector), c.committed_by, c.hint_offset, c.hlc, c.committed_at_ms, c.lag_records
+            )
             for c in resp.offsets
         }
 
@@ -303,13 +329,20 @@ class Coordinator:
         for attempt in range(2):
             acks, geo_sites = self.options.commit_acks
             request = pb.CommitOffsetsRequest(
-                group=self.group, member_id=self.member_id if member else "",
-                generation=self.generation if member else -1, acks=acks, geo_sites=geo_sites,
-                ack_timeout_ms=int(self._timeout_s * 1000), after_hlc=self.last_hlc,
-                commits=[pb.PartitionCommit(topic=t, partition=p, vector=vector_to_proto(v),
-                                            hint_offset=hints.get((t, p), -1))
-                         for (t, p), v in sorted(offsets.items())],
-            )  # fmt: skip
+                group=self.group,
+                member_id=self.member_id if member else "",
+                generation=self.generation if member else -1,
+                acks=acks,
+                geo_sites=geo_sites,
+                ack_timeout_ms=int(self._timeout_s * 1000),
+                after_hlc=self.last_hlc,
+                commits=[
+                    pb.PartitionCommit(
+                        topic=t, partition=p, vector=vector_to_proto(v), hint_offset=hints.get((t, p), -1)
+                    )
+                    for (t, p), v in sorted(offsets.items())
+                ],
+            )
             try:
                 resp = await self._rpc(self._commit_call(request))
             except GeorepError as error:
@@ -329,8 +362,9 @@ class Coordinator:
             self.last_hlc = max(self.last_hlc, resp.hlc)
             return
 
-    def _commit_call(self, request: pb.CommitOffsetsRequest
-                     ) -> Callable[[pbg.NodeAsyncStub], Awaitable[pb.CommitOffsetsResponse]]:  # fmt: skip
+    def _commit_call(
+        self, request: pb.CommitOffsetsRequest
+    ) -> Callable[[pbg.NodeAsyncStub], Awaitable[pb.CommitOffsetsResponse]]:
         return lambda stub: stub.CommitOffsets(request, timeout=self._timeout_s + 1)
 
     # -- the consumer's side -------------------------------------------------------
@@ -349,8 +383,9 @@ class Coordinator:
             c = committed.get(tp)
             state = subscription.states.get(tp)
             if state is None:
-                subscription.add(tp, None if c is None else Start("vector", -1, c.vector, c.committed_by,
-                                                                  c.hint_offset))  # fmt: skip
+                subscription.add(
+                    tp, None if c is None else Start("vector", -1, c.vector, c.committed_by, c.hint_offset)
+                )
             elif c is not None and not c.vector.dominated_by(state.vector()):
                 # Another member committed past what this one consumed (it owned the partition meanwhile): go on
                 # after both.

@@ -50,8 +50,10 @@ class PartitionDelivery:
         self.not_before_ms = 0.0  # retry backoff after a retriable error, set by the shell
 
     def __repr__(self) -> str:
-        return (f"PartitionDelivery({self.topic}/{self.partition}, queued={len(self.queue)}, "
-                f"in_flight={len(self.in_flight)}, blocked={self.blocked})")  # fmt: skip
+        return (
+            f"PartitionDelivery({self.topic}/{self.partition}, queued={len(self.queue)}, "
+            f"in_flight={len(self.in_flight)}, blocked={self.blocked})"
+        )
 
     @property
     def idle(self) -> bool:

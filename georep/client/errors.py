@@ -235,11 +235,33 @@ BY_CODE: dict[grpc.StatusCode, type[GeorepError]] = {
 _ANY = (InvalidRequest, NotLeader, NodeUnavailable, NotSupported, PermissionDenied, ServerError)
 # What each operation can meet; any other answer is a node's bug to this client and surfaces as a ServerError.
 SURFACES: dict[Operation, frozenset[type[GeorepError]]] = {
-    Operation.PRODUCE: frozenset({*_ANY, BatchTooLarge, GeoAcksUnreachable, UnknownTopic, CorruptData,
-                                  OutOfOrderSequence, ProducerFenced, GeoAckTimeout, DiskFull}),  # fmt: skip
+    Operation.PRODUCE: frozenset(
+        {
+            *_ANY,
+            BatchTooLarge,
+            GeoAcksUnreachable,
+            UnknownTopic,
+            CorruptData,
+            OutOfOrderSequence,
+            ProducerFenced,
+            GeoAckTimeout,
+            DiskFull,
+        }
+    ),
     Operation.FETCH: frozenset({*_ANY, UnknownTopic, CorruptData, DamagedData, OffsetOutOfRange}),
-    Operation.GROUP: frozenset({*_ANY, UnknownTopic, UnknownGroup, MemberFenced, GroupRebalanced, CommitsBehind,
-                                GeoAcksUnreachable, GeoAckTimeout, DiskFull}),  # fmt: skip
+    Operation.GROUP: frozenset(
+        {
+            *_ANY,
+            UnknownTopic,
+            UnknownGroup,
+            MemberFenced,
+            GroupRebalanced,
+            CommitsBehind,
+            GeoAcksUnreachable,
+            GeoAckTimeout,
+            DiskFull,
+        }
+    ),
     Operation.ADMIN: frozenset({*_ANY, UnknownTopic, UnknownGroup, UnknownLink, UnknownAcl, TopicExists, DiskFull}),
 }
 
@@ -253,8 +275,15 @@ def error_class(operation: Operation, code: grpc.StatusCode, reason: str) -> typ
     return cls if cls in SURFACES[operation] else ServerError
 
 
-def from_status(operation: Operation, code: grpc.StatusCode, message: str, reason: str = "", address: str = "",
-                leader: str = "", next_offset: int = -1) -> GeorepError:  # fmt: skip
+def from_status(
+    operation: Operation,
+    code: grpc.StatusCode,
+    message: str,
+    reason: str = "",
+    address: str = "",
+    leader: str = "",
+    next_offset: int = -1,
+) -> GeorepError:
     """The exception for a node's answer: its status ``code``, details ``message`` and ``reason``, and what its
     trailers add (``leader``: a NOT_LEADER's hint; ``next_offset``: where readable data goes on after damage)."""
     where = f" at {address}" if address else ""
@@ -269,8 +298,11 @@ def from_status(operation: Operation, code: grpc.StatusCode, message: str, reaso
         detail = f" ({message})" if message else ""
         return NodeUnavailable(f"lost connection to georep node{where}{detail}: is it running? check --bootstrap", code)
     if cls is BatchTooLarge and code is grpc.StatusCode.RESOURCE_EXHAUSTED and not reason:
-        return BatchTooLarge(f"the request is above the node{where}'s message size limit ({message}); nothing "
-                             "was stored: send smaller batches", code)  # fmt: skip
+        return BatchTooLarge(
+            f"the request is above the node{where}'s message size limit ({message}); nothing "
+            "was stored: send smaller batches",
+            code,
+        )
     if cls is UnknownTopic and not message:
         return UnknownTopic(f"unknown topic{where}: create it with 'georep topic create'", code)
     if cls is NotSupported and not message:
@@ -294,8 +326,15 @@ def from_rpc_error(exc: grpc.RpcError, address: str = "", *, operation: Operatio
         next_offset = int(_trailer(trailers, NEXT_OFFSET_METADATA) or -1)
     except ValueError:
         next_offset = -1
-    return from_status(operation, code or grpc.StatusCode.UNKNOWN, details or "", _trailer(trailers, REASON_METADATA),
-                       address, _trailer(trailers, LEADER_METADATA), next_offset)  # fmt: skip
+    return from_status(
+        operation,
+        code or grpc.StatusCode.UNKNOWN,
+        details or "",
+        _trailer(trailers, REASON_METADATA),
+        address,
+        _trailer(trailers, LEADER_METADATA),
+        next_offset,
+    )
 
 
 def code_of(number: int) -> grpc.StatusCode:
@@ -304,5 +343,4 @@ def code_of(number: int) -> grpc.StatusCode:
 
 def from_produce_error(error: georep_pb2.Error, address: str = "") -> GeorepError:
     """The exception for a per-batch ``ProduceResponse.error``."""
-    return from_status(Operation.PRODUCE, code_of(error.code), error.message, error.reason, address,
-                       error.leader_hint)
+    return from_status(Operation.PRODUCE, code_of(error.code), error.message, error.reason, address, error.leader_hint)

@@ -83,8 +83,14 @@ class FetchOptions:
 
 
 class Fetcher:
-    def __init__(self, subscription: SubscriptionState, connection: Connection, options: FetchOptions,
-                 prefer: Connection | None = None, tls: TlsConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        subscription: SubscriptionState,
+        connection: Connection,
+        options: FetchOptions,
+        prefer: Connection | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.subscription = subscription
         self.connection = connection  # the bootstrap connection: every call but the fetches a leader serves
         self.options = options
@@ -115,8 +121,7 @@ class Fetcher:
                         f"no position for {state.tp[0]}/{state.tp[1]} and auto_offset_reset='none': "
                         "call seek(), seek_to_beginning(), seek_to_end() or seek_to_vector() first"
                     )
-                state.fetcher = asyncio.create_task(_PartitionFetch(self, state).run(),
-                                                    name=f"georep-fetch-{state.tp}")  # fmt: skip
+                state.fetcher = asyncio.create_task(_PartitionFetch(self, state).run(), name=f"georep-fetch-{state.tp}")
 
     async def close(self) -> None:
         tasks = [s.fetcher for s in self.subscription.states.values() if s.fetcher is not None]
@@ -168,8 +173,9 @@ class Fetcher:
     def request(self, state: PartitionState, start: Start, replica: bool) -> georep_pb2.FetchRequest:
         topic, partition = state.tp
         o = self.options
-        request = georep_pb2.FetchRequest(topic=topic, partition=partition, max_bytes=o.max_bytes,
-                                          max_wait_ms=o.max_wait_ms)  # fmt: skip
+        request = georep_pb2.FetchRequest(
+            topic=topic, partition=partition, max_bytes=o.max_bytes, max_wait_ms=o.max_wait_ms
+        )
         if replica:
             request.read_from = georep_pb2.READ_FROM_REPLICA
         if start.kind == "offset":
@@ -191,14 +197,14 @@ class Fetcher:
         self.data.set()
 
     async def latest_as_vector(self, state: PartitionState) -> Start:
-        """"The end of the log" as a vector: positions and commits then mean the same at every site."""
+        """ "The end of the log" as a vector: positions and commits then mean the same at every site."""
         topic, partition = state.tp
         connection = self.connection
         try:
             stub = await connection.connect()
-            description = await connection.unary(stub.DescribeTopic(
-                georep_pb2.DescribeTopicRequest(name=topic), timeout=self.options.request_timeout_s
-            ))
+            description = await connection.unary(
+                stub.DescribeTopic(georep_pb2.DescribeTopicRequest(name=topic), timeout=self.options.request_timeout_s)
+            )
         except (grpc.RpcError, GeorepError):
             return state.start  # the fetch reports the error, or retries
         states = [ps for ps in description.partition_states if ps.partition == partition]
@@ -348,8 +354,9 @@ class _PartitionFetch:
             return True
         if isinstance(error, OffsetOutOfRange):
             where = f"{state.tp[0]}/{state.tp[1]}, auto_offset_reset='none'"
-            error = OffsetOutOfRange(f"{error.message} ({where}: seek to a valid offset, or use "
-                                     "seek_to_beginning/seek_to_end)", error.code)
+            error = OffsetOutOfRange(
+                f"{error.message} ({where}: seek to a valid offset, or use seek_to_beginning/seek_to_end)", error.code
+            )
         await self.f.put(state, Chunk([], self.last_next, error))
         return False
 
@@ -383,8 +390,9 @@ class _PartitionFetch:
             return
         if self.reported_damage != at:
             self.reported_damage = at
-            await self.f.put(state, Chunk([], self.last_next, DamagedData(error.message, error.code,
-                                                                          error.next_offset)))  # fmt: skip
+            await self.f.put(
+                state, Chunk([], self.last_next, DamagedData(error.message, error.code, error.next_offset))
+            )
         await asyncio.sleep(DAMAGED_RETRY_S)
 
     async def _past_bad_batch(self, records: list[ConsumerRecord], bad: BadBatch, address: str) -> bool:
@@ -395,16 +403,36 @@ class _PartitionFetch:
         if records:
             await f.put(state, Chunk(records, bad.base_offset))  # every record before it first
         if bad.next_offset < 0:  # a CRC failure: its header, so where it ends, cannot be trusted
-            await f.put(state, Chunk([], self.last_next, CorruptData(
-                f"corrupt batch fetched from {topic}/{partition} at {address}: {bad.error}; the node's copy may be "
-                "damaged, try another site")))  # fmt: skip
+            await f.put(
+                state,
+                Chunk(
+                    [],
+                    self.last_next,
+                    CorruptData(
+                        f"corrupt batch fetched from {topic}/{partition} at {address}: {bad.error}; "
+                        "the node's copy may be damaged, try another site"
+                    ),
+                ),
+            )
             return False
-        message = (f"invalid batch at {topic}/{partition} offsets {bad.base_offset}..{bad.next_offset - 1}, served "
-                   f"by {address}: {bad.error}. It was stored before georep validated batches")  # fmt: skip
+        message = (
+            f"invalid batch at {topic}/{partition} offsets {bad.base_offset}..{bad.next_offset - 1}, served "
+            f"by {address}: {bad.error}. It was stored before georep validated batches"
+        )
         if not f.options.skip_corrupt:
-            await f.put(state, Chunk([], bad.base_offset, InvalidData(
-                f"{message}; skip it (georep consume --skip-corrupt, Consumer(skip_corrupt=True)) or read it at a "
-                "site that holds a valid copy", None, bad.next_offset)))  # fmt: skip
+            await f.put(
+                state,
+                Chunk(
+                    [],
+                    bad.base_offset,
+                    InvalidData(
+                        f"{message}; skip it (georep consume --skip-corrupt, Consumer(skip_corrupt=True)) "
+                        "or read it at a site that holds a valid copy",
+                        None,
+                        bad.next_offset,
+                    ),
+                ),
+            )
             return False
         f.skipped.append(Skipped(topic, partition, bad.base_offset, bad.next_offset, message, "invalid"))
         await f.put(state, Chunk([], bad.next_offset))

@@ -24,13 +24,7 @@ from typing import Any, NamedTuple
 import grpc
 from crc32c import crc32c as _crc32c
 
-from georep.client.accumulator import (
-    RECORD_OVERHEAD_BYTES,
-    BatchState,
-    ProducerBatch,
-    RecordAccumulator,
-    record_size,
-)
+from georep.client.accumulator import RECORD_OVERHEAD_BYTES, BatchState, ProducerBatch, RecordAccumulator, record_size
 from georep.client.connection import Connection
 from georep.client.delivery import PartitionDelivery
 from georep.client.errors import (
@@ -94,8 +88,17 @@ class _Route:
     """One ProduceStream to one node: the bootstrap connection's (key ``""``), or a partition leader's (key: its
     address). Each has its own connection, correlation ids and reconnect backoff."""
 
-    __slots__ = ("key", "connection", "call", "reader", "generation", "broken_generation", "backoff_ms",
-                 "not_before_ms", "by_correlation")  # fmt: skip
+    __slots__ = (
+        "key",
+        "connection",
+        "call",
+        "reader",
+        "generation",
+        "broken_generation",
+        "backoff_ms",
+        "not_before_ms",
+        "by_correlation",
+    )
 
     def __init__(self, key: str, connection: Connection, backoff_ms: int) -> None:
         self.key = key
@@ -283,17 +286,20 @@ class Producer:
         self._append(topic, count, record, future, partition)
         return future
 
-    def _append(self, topic: str, count: int, record: RecordInput, future: asyncio.Future[RecordMetadata],
-                partition: int | None) -> None:  # fmt: skip
+    def _append(
+        self, topic: str, count: int, record: RecordInput, future: asyncio.Future[RecordMetadata], partition: int | None
+    ) -> None:
         size = record_size(record.key, record.value, record.headers)
         limit = self._max_batch_bytes.get(topic, MAX_BATCH_BYTES_LIMIT)
         if HEADER_BYTES + size > limit:
-            future.set_exception(RecordTooLarge(
-                f"a record of {size} bytes makes a batch of {HEADER_BYTES + size} bytes, above the "
-                f"max_batch_bytes={limit} of topic {topic!r}; nothing was sent. Split the record, or give the "
-                f"topic a larger max_batch_bytes (up to {MAX_BATCH_BYTES_LIMIT}: georep topic create {topic} --config "
-                "max_batch_bytes=N, or the node's --max-batch-bytes for new topics)"
-            ))  # fmt: skip
+            future.set_exception(
+                RecordTooLarge(
+                    f"a record of {size} bytes makes a batch of {HEADER_BYTES + size} bytes, above the "
+                    f"max_batch_bytes={limit} of topic {topic!r}; nothing was sent. Split the record, or give the "
+                    f"topic a larger max_batch_bytes (up to {MAX_BATCH_BYTES_LIMIT}: georep topic create {topic} "
+                    "--config max_batch_bytes=N, or the node's --max-batch-bytes for new topics)"
+                )
+            )
             return
         accumulator = self._accumulator
         if partition is None:
@@ -313,15 +319,23 @@ class Producer:
             )
             return
         self._buffered_bytes += size
-        opened = accumulator.append(topic, partition, record, future, size, self._loop.time() * 1000,  # type: ignore[union-attr]
-                                    max_batch_bytes=limit)  # fmt: skip
+        opened = accumulator.append(
+            topic,
+            partition,
+            record,
+            future,
+            size,
+            self._loop.time() * 1000,  # type: ignore[union-attr]
+            max_batch_bytes=limit,
+        )
         if opened is not None:
             opened.done = self._loop.create_future()  # type: ignore[union-attr]
             self._outstanding.add(opened)
             self._wakeup.set()  # type: ignore[union-attr]
 
-    def _defer(self, topic: str, record: RecordInput, future: asyncio.Future[RecordMetadata],
-               partition: int | None) -> None:  # fmt: skip
+    def _defer(
+        self, topic: str, record: RecordInput, future: asyncio.Future[RecordMetadata], partition: int | None
+    ) -> None:
         self._pending_metadata.setdefault(topic, []).append((record, future, partition))
         if topic not in self._metadata_tasks:
             self._metadata_tasks[topic] = asyncio.create_task(self._fetch_metadata(topic))
@@ -336,9 +350,11 @@ class Producer:
                     stub = await self._connection.connect()
                     generation = self._connection.generation
                     try:
-                        description = await self._connection.unary(stub.DescribeTopic(
-                            georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_ms / 1000
-                        ))
+                        description = await self._connection.unary(
+                            stub.DescribeTopic(
+                                georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_ms / 1000
+                            )
+                        )
                     except grpc.RpcError as exc:
                         raise from_rpc_error(exc, self._connection.address, operation=Operation.PRODUCE) from None
                     break
@@ -380,9 +396,9 @@ class Producer:
             return count
         stub = await self._connection.connect()
         try:
-            description = await self._connection.unary(stub.DescribeTopic(
-                georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_ms / 1000
-            ))
+            description = await self._connection.unary(
+                stub.DescribeTopic(georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_ms / 1000)
+            )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self._connection.address, operation=Operation.PRODUCE) from None
         self._learn(topic, description)
@@ -474,8 +490,11 @@ class Producer:
         origin = Origin(SiteId(response.origin_site), response.origin_epoch)
         for i, (future, record) in enumerate(zip(batch.futures, batch.records, strict=True)):
             if not future.done():
-                future.set_result(RecordMetadata(topic, partition, LocalOffset(base + i), origin,
-                                                 OriginSeq(seq + i), record.timestamp_ms))  # fmt: skip
+                future.set_result(
+                    RecordMetadata(
+                        topic, partition, LocalOffset(base + i), origin, OriginSeq(seq + i), record.timestamp_ms
+                    )
+                )
         self._finish(batch)
 
     # --- the sender ------------------------------------------------------------
@@ -632,10 +651,14 @@ class Producer:
                 batch.sent_ms = loop.time() * 1000
                 route.by_correlation[batch.correlation_id] = batch
                 request = georep_pb2.ProduceRequest(
-                    correlation_id=batch.correlation_id, topic=batch.topic, partition=batch.partition,
-                    batch=batch.data, acks=self._acks, geo_sites=self._geo_sites,
+                    correlation_id=batch.correlation_id,
+                    topic=batch.topic,
+                    partition=batch.partition,
+                    batch=batch.data,
+                    acks=self._acks,
+                    geo_sites=self._geo_sites,
                     ack_timeout_ms=self._request_timeout_ms,
-                )  # fmt: skip
+                )
                 try:
                     await call.write(request)
                 except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError, RuntimeError):
@@ -657,8 +680,13 @@ class Producer:
 
     def _encode(self, batch: ProducerBatch) -> bytes:
         if self._idempotent:
-            return encode_batch(batch.records, producer_id=batch.producer_id, producer_epoch=0,
-                                base_sequence=batch.base_sequence or 0, compression=self._compression)  # fmt: skip
+            return encode_batch(
+                batch.records,
+                producer_id=batch.producer_id,
+                producer_epoch=0,
+                base_sequence=batch.base_sequence or 0,
+                compression=self._compression,
+            )
         return encode_batch(batch.records, compression=self._compression)
 
     def _stream_broken(self, route: _Route, call: Any) -> None:
@@ -700,8 +728,9 @@ class Producer:
             raise
         except grpc.RpcError as exc:
             if call is route.call and exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                self._refused_oversized(route, from_rpc_error(exc, route.connection.address,
-                                                                   operation=Operation.PRODUCE))
+                self._refused_oversized(
+                    route, from_rpc_error(exc, route.connection.address, operation=Operation.PRODUCE)
+                )
         self._stream_broken(route, call)
 
     def _refused_oversized(self, route: _Route, error: GeorepError) -> None:

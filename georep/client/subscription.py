@@ -46,8 +46,19 @@ class Chunk:
 
 
 class PartitionState:
-    __slots__ = ("tp", "start", "position", "base_vector", "consumed", "queue", "current", "fetcher", "served_by",
-                 "leader", "fallback_until")  # fmt: skip
+    __slots__ = (
+        "tp",
+        "start",
+        "position",
+        "base_vector",
+        "consumed",
+        "queue",
+        "current",
+        "fetcher",
+        "served_by",
+        "leader",
+        "fallback_until",
+    )
 
     def __init__(self, tp: TopicPartition, start: Start, queue_max: int) -> None:
         self.tp = tp
@@ -85,8 +96,13 @@ class SubscriptionState:
     def default_start(self) -> Start:
         if self.subscription_start is not None:
             return self.subscription_start
-        return Start("latest") if self.reset == "latest" else Start("earliest") if self.reset == "earliest" \
-            else Start("none")  # fmt: skip
+        return (
+            Start("latest")
+            if self.reset == "latest"
+            else Start("earliest")
+            if self.reset == "earliest"
+            else Start("none")
+        )
 
     def add(self, tp: TopicPartition, start: Start | None = None) -> PartitionState:
         """``tp`` read from ``start`` (by default the subscription's), unless it is read already."""

@@ -37,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(serve(host, int(port), args.seed))
     except OSError as exc:
-        print(f"georep fault proxy: cannot listen on {args.listen}: {exc.strerror or exc}; choose another port",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"georep fault proxy: cannot listen on {args.listen}: {exc.strerror or exc}; choose another port",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -67,8 +67,9 @@ def split_address(address: str, what: str) -> tuple[str, int]:
 class Direction:
     """One direction of a proxied connection: read, run the toxics, write each piece at its time."""
 
-    def __init__(self, conn: Connection, stream: str, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:  # fmt: skip
+    def __init__(
+        self, conn: Connection, stream: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         self.conn, self.stream = conn, stream
         self.reader, self.writer = reader, writer
         self.pipeline = Pipeline(conn.proxy.rng)
@@ -129,8 +130,12 @@ class Direction:
 class Connection:
     """A client connection and its connection to the upstream: two directions."""
 
-    def __init__(self, proxy: Proxy, client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-                 upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        proxy: Proxy,
+        client: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+    ) -> None:
         self.proxy = proxy
         self.client_writer, self.upstream_writer = client[1], upstream[1]
         self.directions = {
@@ -206,8 +211,13 @@ class Proxy:
         self.server: asyncio.Server | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "listen": self.listen, "upstream": self.upstream, "enabled": self.enabled,
-                "toxics": [t.as_json() for t in self.toxics.values()]}  # fmt: skip
+        return {
+            "name": self.name,
+            "listen": self.listen,
+            "upstream": self.upstream,
+            "enabled": self.enabled,
+            "toxics": [t.as_json() for t in self.toxics.values()],
+        }
 
     def toxics_of(self, stream: str) -> list[ToxicSpec]:
         return [t for t in self.toxics.values() if t.stream == stream]
@@ -219,8 +229,11 @@ class Proxy:
         try:
             self.server = await asyncio.start_server(self._accept, host, port, reuse_address=True)
         except OSError as exc:
-            raise ApiError(500, f"proxy {self.name} cannot listen on {self.listen}: {exc.strerror or exc}; "
-                                "choose another port, or 127.0.0.1:0 for any free one") from None  # fmt: skip
+            raise ApiError(
+                500,
+                f"proxy {self.name} cannot listen on {self.listen}: {exc.strerror or exc}; "
+                "choose another port, or 127.0.0.1:0 for any free one",
+            ) from None
         bound = self.server.sockets[0].getsockname()
         self.listen = f"{host}:{bound[1]}"  # a port 0 becomes the one bound, and stays across disable/enable
         self.enabled = True
@@ -407,8 +420,15 @@ class FaultProxy:
             payload, ctype = answer.encode(), "text/plain"
         else:
             payload, ctype = json.dumps(answer).encode(), "application/json"
-        reason = {200: "OK", 201: "Created", 204: "No Content", 400: "Bad Request", 404: "Not Found",
-                  409: "Conflict", 500: "Internal Server Error"}.get(status, "Status")  # fmt: skip
+        reason = {
+            200: "OK",
+            201: "Created",
+            204: "No Content",
+            400: "Bad Request",
+            404: "Not Found",
+            409: "Conflict",
+            500: "Internal Server Error",
+        }.get(status, "Status")
         head = f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nConnection: close\r\n"
         if status != 204:
             head += f"Content-Length: {len(payload)}\r\n"

@@ -92,8 +92,13 @@ class ToxicSpec:
     attributes: Mapping[str, int] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, object]:
-        return {"name": self.name, "type": self.type, "stream": self.stream, "toxicity": self.toxicity,
-                "attributes": dict(self.attributes)}  # fmt: skip
+        return {
+            "name": self.name,
+            "type": self.type,
+            "stream": self.stream,
+            "toxicity": self.toxicity,
+            "attributes": dict(self.attributes),
+        }
 
     @classmethod
     def parse(cls, body: Mapping[str, object], current: ToxicSpec | None = None) -> ToxicSpec:
@@ -115,12 +120,13 @@ class ToxicSpec:
             raise ToxicError(f"invalid toxicity {toxicity!r}: give a number from 0 to 1")
         given = body.get("attributes", {})
         if not isinstance(given, Mapping):
-            raise ToxicError(f"invalid attributes {given!r}: give an object such as {{\"latency\": 100}}")
+            raise ToxicError(f'invalid attributes {given!r}: give an object such as {{"latency": 100}}')
         attributes = dict(current.attributes) if current else dict(ATTRIBUTES[kind])
         for key, value in given.items():
             if key not in ATTRIBUTES[kind]:
-                raise ToxicError(f"a {kind} toxic has no attribute {key!r}: its attributes are "
-                                 f"{', '.join(sorted(ATTRIBUTES[kind]))}")  # fmt: skip
+                raise ToxicError(
+                    f"a {kind} toxic has no attribute {key!r}: its attributes are {', '.join(sorted(ATTRIBUTES[kind]))}"
+                )
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ToxicError(f"invalid {kind} attribute {key}={value!r}: give a non-negative integer")
             attributes[key] = value

@@ -45,8 +45,10 @@ from georep.kafka import errors as k
 if TYPE_CHECKING:
     from georep.server.site_cluster import SiteCluster
 
-NO_GROUPS = ("Kafka consumer groups are served by one-node sites only for now (docs/kafka.md): on a multi-node "
-             "site, assign partitions to consumers and keep their positions yourself, or use georep's own groups")
+NO_GROUPS = (
+    "Kafka consumer groups are served by one-node sites only for now (docs/kafka.md): on a multi-node "
+    "site, assign partitions to consumers and keep their positions yourself, or use georep's own groups"
+)
 LEADER_NOT_AVAILABLE = 5  # Kafka's code for a partition without a leader now (an election is under way)
 NO_LEADER = -1
 ONE_NODE_ID = 0  # the broker id of a one-node site's only node
@@ -122,8 +124,15 @@ class ClusterView:
     partitions: Mapping[tuple[str, int], PartitionInfo]
 
     @classmethod
-    def of(cls, state: SiteState, me: int, kafka: Mapping[int, str], now_ms: int, session_timeout_ms: int,
-           keys: list[tuple[str, int]] | None = None) -> ClusterView:  # fmt: skip
+    def of(
+        cls,
+        state: SiteState,
+        me: int,
+        kafka: Mapping[int, str],
+        now_ms: int,
+        session_timeout_ms: int,
+        keys: list[tuple[str, int]] | None = None,
+    ) -> ClusterView:
         """The view from ``state`` at ``now_ms``: of ``keys``' partitions only, or of all."""
         live = frozenset(n.node for n in state.live_nodes(now_ms, session_timeout_ms)) | {me}
         if keys is None:
@@ -172,7 +181,8 @@ def cluster_view_of(site_cluster: SiteCluster, kafka: Mapping[int, str]) -> View
 
     def view(keys: list[tuple[str, int]] | None) -> SiteView:
         now_ms, timeout_ms = member.clock_ms(), member.config.session_timeout_ms
-        return site_cluster.metadata.read(lambda state: ClusterView.of(state, int(member.me), kafka, now_ms,
-                                                                       timeout_ms, keys))  # fmt: skip
+        return site_cluster.metadata.read(
+            lambda state: ClusterView.of(state, int(member.me), kafka, now_ms, timeout_ms, keys)
+        )
 
     return view

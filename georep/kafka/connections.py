@@ -43,11 +43,15 @@ class ListenerLimits:
 
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.max_connections_per_ip < 0 or self.idle_ms < 1:
-            raise ValueError(f"invalid listener limits {self}: at least one connection, a bound per address of 0 "
-                             "(none) or more, and an idle time of at least 1 ms")  # fmt: skip
+            raise ValueError(
+                f"invalid listener limits {self}: at least one connection, a bound per address of 0 "
+                "(none) or more, and an idle time of at least 1 ms"
+            )
         if not 0 < self.frame_bytes_before_auth <= self.frame_bytes_max:
-            raise ValueError(f"invalid listener limits {self}: the bound before authentication must be positive and "
-                             "at most the frame bound")  # fmt: skip
+            raise ValueError(
+                f"invalid listener limits {self}: the bound before authentication must be positive and "
+                "at most the frame bound"
+            )
 
     def sweep_interval_ms(self) -> int:
         """How often the listener looks for idle connections: a tenth of the idle time, between 50 ms and 5 s (a
@@ -88,11 +92,15 @@ class ConnectionTable:
         """A new connection from ``host``: its id, or why it must be closed at once."""
         limits = self.limits
         if len(self._connections) >= limits.max_connections:
-            return Refused(f"{len(self._connections)} connections are open, the most this listener takes "
-                           "(--kafka-max-connections)")  # fmt: skip
+            return Refused(
+                f"{len(self._connections)} connections are open, the most this listener takes (--kafka-max-connections)"
+            )
         if limits.max_connections_per_ip and self._per_host[host] >= limits.max_connections_per_ip:
-            return Refused(f"{self._per_host[host]} connections from {host} are open, the most one address may "
-                           "have (--kafka-max-connections-per-ip)", "max_connections_per_ip")  # fmt: skip
+            return Refused(
+                f"{self._per_host[host]} connections from {host} are open, the most one address may "
+                "have (--kafka-max-connections-per-ip)",
+                "max_connections_per_ip",
+            )
         self._next_id += 1
         self._connections[self._next_id] = _Connection(host, now_ms)
         self._per_host[host] += 1

@@ -102,9 +102,16 @@ Pending = Awaitable[Any]  # what is left of a request: resolves to the response 
 
 
 class KafkaGateway:
-    def __init__(self, broker: Broker, groups: GroupService, host: str, port: int,
-                 create_topic: Callable[[str, int, dict[str, str]], Awaitable[None]],
-                 commit_acks: Acks = LEADER, policy: Policy | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        broker: Broker,
+        groups: GroupService,
+        host: str,
+        port: int,
+        create_topic: Callable[[str, int, dict[str, str]], Awaitable[None]],
+        commit_acks: Acks = LEADER,
+        policy: Policy | None = None,
+    ) -> None:
         self.broker = broker
         self.groups = groups
         self.host = host
@@ -134,8 +141,9 @@ class KafkaGateway:
         if self.policy is None:
             return
         kind = resources[0].kind if resources else ResourceKind.CLUSTER
-        code = {ResourceKind.TOPIC: k.TOPIC_AUTHORIZATION_FAILED,
-                ResourceKind.GROUP: k.GROUP_AUTHORIZATION_FAILED}.get(kind, k.CLUSTER_AUTHORIZATION_FAILED)  # fmt: skip
+        code = {ResourceKind.TOPIC: k.TOPIC_AUTHORIZATION_FAILED, ResourceKind.GROUP: k.GROUP_AUTHORIZATION_FAILED}.get(
+            kind, k.CLUSTER_AUTHORIZATION_FAILED
+        )
         if peer.principal is None:
             raise Denied(code, "the client certificate names no georep principal")
         decision = self.policy.acl(peer.principal, operation, resources)
@@ -153,8 +161,9 @@ class KafkaGateway:
     async def _metadata(self, req: Request, peer: Client) -> Any:
         r = kmetadata.MetadataResponse
         body = req.body
-        wanted = None if body.topics is None or (req.version == 0 and not body.topics) else [t.name for t in
-                                                                                              body.topics]  # fmt: skip
+        wanted = (
+            None if body.topics is None or (req.version == 0 and not body.topics) else [t.name for t in body.topics]
+        )
         topics = []
         known = self.broker.metadata.topics()
         view = self._view()
@@ -166,13 +175,21 @@ class KafkaGateway:
             parts = []
             for i in range(spec.partitions):
                 route = view.route(name, i)
-                parts.append(r.MetadataResponseTopic.MetadataResponsePartition(
-                    error_code=route.error, partition_index=i, leader_id=route.leader, leader_epoch=route.leader_epoch,
-                    replica_nodes=list(route.replicas), isr_nodes=list(route.isr)))  # fmt: skip
+                parts.append(
+                    r.MetadataResponseTopic.MetadataResponsePartition(
+                        error_code=route.error,
+                        partition_index=i,
+                        leader_id=route.leader,
+                        leader_epoch=route.leader_epoch,
+                        replica_nodes=list(route.replicas),
+                        isr_nodes=list(route.isr),
+                    )
+                )
             topics.append(r.MetadataResponseTopic(name=name, partitions=parts))
         brokers = [r.MetadataResponseBroker(node_id=b.node_id, host=b.host, port=b.port) for b in view.brokers()]
-        return r(brokers=brokers, cluster_id=f"georep-{self.broker.identity.site}", controller_id=view.me,
-                 topics=topics)  # fmt: skip
+        return r(
+            brokers=brokers, cluster_id=f"georep-{self.broker.identity.site}", controller_id=view.me, topics=topics
+        )
 
     async def _create_topics(self, req: Request, peer: Client) -> Any:
         r = kadmin.CreateTopicsResponse
@@ -195,8 +212,11 @@ class KafkaGateway:
         r = kadmin.DeleteTopicsResponse
         names = list(req.body.topic_names or []) + [t.name for t in (req.body.topics or []) if t.name]
         msg = "georep does not delete topics (they replicate to every site); use retention to drop old data"
-        return r(responses=[r.DeletableTopicResult(name=n, error_code=k.TOPIC_DELETION_DISABLED, error_message=msg)
-                            for n in names])  # fmt: skip
+        return r(
+            responses=[
+                r.DeletableTopicResult(name=n, error_code=k.TOPIC_DELETION_DISABLED, error_message=msg) for n in names
+            ]
+        )
 
     # -- produce ----------------------------------------------------------------------------------------------
 
@@ -228,7 +248,8 @@ class KafkaGateway:
             if len(outcome) == 2:
                 code, message = outcome
                 part = r.TopicProduceResponse.PartitionProduceResponse(
-                    index=index, error_code=code, base_offset=-1, error_message=message)  # fmt: skip
+                    index=index, error_code=code, base_offset=-1, error_message=message
+                )
             else:
                 p, produced, waiter = outcome
                 code = 0
@@ -238,8 +259,12 @@ class KafkaGateway:
                     except Exception as exc:
                         code = self._code(exc, topic, index)
                 part = r.TopicProduceResponse.PartitionProduceResponse(
-                    index=index, error_code=code, base_offset=produced.result.base_offset, log_append_time_ms=-1,
-                    log_start_offset=p.log.log_start_offset)  # fmt: skip
+                    index=index,
+                    error_code=code,
+                    base_offset=produced.result.base_offset,
+                    log_append_time_ms=-1,
+                    log_start_offset=p.log.log_start_offset,
+                )
             by_topic.setdefault(topic, []).append(part)
         if no_response:
             return None
@@ -272,8 +297,9 @@ class KafkaGateway:
             if not done:
                 remaining = 0
 
-    def _fetch_once(self, body: Any, client: str, budget: int,
-                    peer: Client) -> tuple[list[Any], int, list[asyncio.Future[None]]]:  # fmt: skip
+    def _fetch_once(
+        self, body: Any, client: str, budget: int, peer: Client
+    ) -> tuple[list[Any], int, list[asyncio.Future[None]]]:
         r = kconsumer.FetchResponse
         topics = []
         size = 0
@@ -286,8 +312,13 @@ class KafkaGateway:
                     self._allow(peer, Operation.CONSUME, [acl_topic(t.topic)])
                     p = self.broker.partition(t.topic, fp.partition)
                 except Exception as exc:
-                    parts.append(pd(partition_index=fp.partition, error_code=self._code(exc, t.topic, fp.partition),
-                                    high_watermark=-1))  # fmt: skip
+                    parts.append(
+                        pd(
+                            partition_index=fp.partition,
+                            error_code=self._code(exc, t.topic, fp.partition),
+                            high_watermark=-1,
+                        )
+                    )
                     continue
                 plog = p.log
                 flushed = plog.flushed_offset
@@ -300,15 +331,24 @@ class KafkaGateway:
                     code = k.OFFSET_OUT_OF_RANGE
                 except Exception as exc:
                     code = self._code(exc, t.topic, fp.partition)
-                parts.append(pd(partition_index=fp.partition, error_code=code, high_watermark=flushed,
-                                last_stable_offset=flushed, log_start_offset=plog.log_start_offset,
-                                aborted_transactions=None, preferred_read_replica=-1,
-                                records=records))  # fmt: skip
+                parts.append(
+                    pd(
+                        partition_index=fp.partition,
+                        error_code=code,
+                        high_watermark=flushed,
+                        last_stable_offset=flushed,
+                        log_start_offset=plog.log_start_offset,
+                        aborted_transactions=None,
+                        preferred_read_replica=-1,
+                        records=records,
+                    )
+                )
             topics.append(r.FetchableTopicResponse(topic=t.topic, partitions=parts))
         return topics, size, waits
 
-    def _read(self, p: Partition, topic: str, fp: Any, client: str, budget: int,
-              waits: list[asyncio.Future[None]]) -> bytes:  # fmt: skip
+    def _read(
+        self, p: Partition, topic: str, fp: Any, client: str, budget: int, waits: list[asyncio.Future[None]]
+    ) -> bytes:
         """One partition of a Fetch: the durable batches at its offset as Kafka records (what the client's resumed
         commit covers left out), or a wait for the next fsync. The fetch cursor decides the range and what is
         durable, as for georep's own Fetch; raises ``OffsetOutOfRange`` outside the log."""
@@ -333,10 +373,16 @@ class KafkaGateway:
             if len(self._invalid_reported) >= INVALID_REPORTED_MAX:
                 self._invalid_reported.clear()
             self._invalid_reported.add(key)
-            log.error("%s-%d: the stored batch at offsets %d..%d is invalid and was served to Kafka clients as an "
-                      "empty batch, which they move past: %s. It was stored before georep validated batches; "
-                      "'georep consume' reports it too, and another site may hold a valid copy",
-                      topic, partition, bad.base_offset, bad.next_offset - 1, bad.reason)  # fmt: skip
+            log.error(
+                "%s-%d: the stored batch at offsets %d..%d is invalid and was served to Kafka clients as an "
+                "empty batch, which they move past: %s. It was stored before georep validated batches; "
+                "'georep consume' reports it too, and another site may hold a valid copy",
+                topic,
+                partition,
+                bad.base_offset,
+                bad.next_offset - 1,
+                bad.reason,
+            )
 
     async def _list_offsets(self, req: Request, peer: Client) -> Any:
         r = kconsumer.ListOffsetsResponse
@@ -356,11 +402,17 @@ class KafkaGateway:
                     else:  # LATEST, and the max-timestamp query (-3), which gets the end
                         offset = plog.flushed_offset
                     epoch = self._view([(t.name, lp.partition_index)]).route(t.name, lp.partition_index).leader_epoch
-                    parts.append(rp(partition_index=lp.partition_index, timestamp=-1, offset=offset,
-                                    leader_epoch=epoch))  # fmt: skip
+                    parts.append(
+                        rp(partition_index=lp.partition_index, timestamp=-1, offset=offset, leader_epoch=epoch)
+                    )
                 except Exception as exc:
-                    parts.append(rp(partition_index=lp.partition_index, offset=-1,
-                                    error_code=self._code(exc, t.name, lp.partition_index)))  # fmt: skip
+                    parts.append(
+                        rp(
+                            partition_index=lp.partition_index,
+                            offset=-1,
+                            error_code=self._code(exc, t.name, lp.partition_index),
+                        )
+                    )
             out.append(r.ListOffsetsTopicResponse(name=t.name, partitions=parts))
         return r(topics=out)
 
@@ -383,17 +435,29 @@ class KafkaGateway:
         names = [p.name for p in b.protocols]
         chosen = next((n for n in names if n in EAGER_PROTOCOLS), None)
         if b.protocol_type != "consumer" or chosen is None:
-            log.info("group %r: join refused, protocol type %r with strategies %s (georep assigns on the server; "
-                     "use range or roundrobin)", b.group_id, b.protocol_type, names)  # fmt: skip
+            log.info(
+                "group %r: join refused, protocol type %r with strategies %s (georep assigns on the server; "
+                "use range or roundrobin)",
+                b.group_id,
+                b.protocol_type,
+                names,
+            )
             return refuse(k.INCONSISTENT_GROUP_PROTOCOL)
         metadata = bytes(next(p.metadata for p in b.protocols if p.name == chosen))
         try:
             topics = tuple(kconsumer.ConsumerProtocolSubscription.decode(metadata).topics)
             self._allow(peer, Operation.READ, [acl_group(b.group_id)])
             self._allow(peer, Operation.CONSUME, [acl_topic(t) for t in topics])
-            hb = await self.groups.heartbeat(pb.GroupHeartbeatRequest(
-                group=b.group_id, member_id=b.member_id, topics=topics, session_timeout_ms=b.session_timeout_ms,
-                assignor="range", client_id=req.client_id))  # fmt: skip
+            hb = await self.groups.heartbeat(
+                pb.GroupHeartbeatRequest(
+                    group=b.group_id,
+                    member_id=b.member_id,
+                    topics=topics,
+                    session_timeout_ms=b.session_timeout_ms,
+                    assignor="range",
+                    client_id=req.client_id,
+                )
+            )
         except Exception as exc:
             return refuse(self._code(exc))
         g = self.kgroups.setdefault(b.group_id, KafkaGroup())
@@ -402,8 +466,14 @@ class KafkaGateway:
         live = self.groups.coordinator.groups.get(b.group_id)
         for gone in [m for m in g.members if live is None or m not in live.members]:  # expired or left
             del g.members[gone]
-        return r(generation_id=hb.generation, protocol_type="consumer", protocol_name=chosen, leader="",
-                 member_id=hb.member_id, members=[])  # fmt: skip
+        return r(
+            generation_id=hb.generation,
+            protocol_type="consumer",
+            protocol_name=chosen,
+            leader="",
+            member_id=hb.member_id,
+            members=[],
+        )
 
     async def _beat(self, group: str, member_id: str, peer: Client) -> tuple[int, Any]:
         """Heartbeat ``member_id`` at the coordinator: (error code, georep heartbeat answer)."""
@@ -412,9 +482,16 @@ class KafkaGateway:
             return k.UNKNOWN_MEMBER_ID, None
         try:
             self._allow(peer, Operation.READ, [acl_group(group)])
-            hb = await self.groups.heartbeat(pb.GroupHeartbeatRequest(
-                group=group, member_id=member_id, topics=member.topics, session_timeout_ms=member.session_timeout_ms,
-                assignor="range", client_id=member.client_id))  # fmt: skip
+            hb = await self.groups.heartbeat(
+                pb.GroupHeartbeatRequest(
+                    group=group,
+                    member_id=member_id,
+                    topics=member.topics,
+                    session_timeout_ms=member.session_timeout_ms,
+                    assignor="range",
+                    client_id=member.client_id,
+                )
+            )
         except Exception as exc:
             return self._code(exc), None
         return 0, hb
@@ -428,8 +505,12 @@ class KafkaGateway:
         if hb.generation != b.generation_id:
             return r(error_code=k.REBALANCE_IN_PROGRESS, assignment=b"")
         a = kconsumer.ConsumerProtocolAssignment
-        assignment = a(version=0, assigned_partitions=[a.TopicPartition(topic=tp.topic, partitions=list(tp.partitions))
-                                                       for tp in hb.assignment])  # fmt: skip
+        assignment = a(
+            version=0,
+            assigned_partitions=[
+                a.TopicPartition(topic=tp.topic, partitions=list(tp.partitions)) for tp in hb.assignment
+            ],
+        )
         g = self.kgroups[b.group_id]
         return r(protocol_type="consumer", protocol_name=g.protocol, assignment=bytes(assignment.encode()))
 
@@ -475,9 +556,15 @@ class KafkaGateway:
                     resumed = self.filters.for_fetch((client, t.name, pc.partition_index), offset)
                     if resumed is not None:
                         vector = vector.merge(resumed)
-                    commits.append(pb.PartitionCommit(
-                        topic=t.name, partition=pc.partition_index, vector=vector_to_proto(vector),
-                        hint_offset=offset, metadata=pc.committed_metadata or ""))  # fmt: skip
+                    commits.append(
+                        pb.PartitionCommit(
+                            topic=t.name,
+                            partition=pc.partition_index,
+                            vector=vector_to_proto(vector),
+                            hint_offset=offset,
+                            metadata=pc.committed_metadata or "",
+                        )
+                    )
                 except Exception as exc:
                     problems[(t.name, pc.partition_index)] = self._code(exc)
         code = 0
@@ -491,17 +578,38 @@ class KafkaGateway:
             after = max((c.hlc for c in self.groups.table.of_group(b.group_id)), default=0)
             acks = self.commit_acks
             try:
-                await self.groups.commit(pb.CommitOffsetsRequest(
-                    group=b.group_id, member_id=member_id, generation=generation, commits=commits,
-                    acks=pb.ACKS_GEO if acks.kind is AckKind.GEO else pb.ACKS_ALL if acks.kind is AckKind.ALL
-                    else pb.ACKS_LEADER, geo_sites=acks.sites if acks.kind is AckKind.GEO else 0,
-                    after_hlc=after))  # fmt: skip
+                await self.groups.commit(
+                    pb.CommitOffsetsRequest(
+                        group=b.group_id,
+                        member_id=member_id,
+                        generation=generation,
+                        commits=commits,
+                        acks=pb.ACKS_GEO
+                        if acks.kind is AckKind.GEO
+                        else pb.ACKS_ALL
+                        if acks.kind is AckKind.ALL
+                        else pb.ACKS_LEADER,
+                        geo_sites=acks.sites if acks.kind is AckKind.GEO else 0,
+                        after_hlc=after,
+                    )
+                )
             except Exception as exc:
                 code = self._code(exc)
-        return r(topics=[r.OffsetCommitResponseTopic(name=t.name, partitions=[
-            r.OffsetCommitResponseTopic.OffsetCommitResponsePartition(
-                partition_index=pc.partition_index, error_code=problems.get((t.name, pc.partition_index), code))
-            for pc in t.partitions]) for t in b.topics])  # fmt: skip
+        return r(
+            topics=[
+                r.OffsetCommitResponseTopic(
+                    name=t.name,
+                    partitions=[
+                        r.OffsetCommitResponseTopic.OffsetCommitResponsePartition(
+                            partition_index=pc.partition_index,
+                            error_code=problems.get((t.name, pc.partition_index), code),
+                        )
+                        for pc in t.partitions
+                    ],
+                )
+                for t in b.topics
+            ]
+        )
 
     async def _offset_fetch(self, req: Request, peer: Client) -> Any:
         r = kconsumer.OffsetFetchResponse
@@ -510,13 +618,17 @@ class KafkaGateway:
         rt, rp = r.OffsetFetchResponseTopic, r.OffsetFetchResponseTopic.OffsetFetchResponsePartition
         try:
             self._allow(peer, Operation.READ, [acl_group(b.group_id)])
-            answer = await self.groups.fetch_committed(pb.FetchCommittedRequest(
-                group=b.group_id, wait_caught_up_ms=COMMITTED_WAIT_MS))  # fmt: skip
+            answer = await self.groups.fetch_committed(
+                pb.FetchCommittedRequest(group=b.group_id, wait_caught_up_ms=COMMITTED_WAIT_MS)
+            )
         except Exception as exc:
             return r(error_code=self._code(exc), topics=[])
         committed = {(c.topic, c.partition): c for c in answer.offsets}
-        wanted = ([(t.name, list(t.partition_indexes)) for t in b.topics] if b.topics is not None else
-                  [(t, sorted(p for (tt, p) in committed if tt == t)) for t in sorted({t for t, _ in committed})])
+        wanted = (
+            [(t.name, list(t.partition_indexes)) for t in b.topics]
+            if b.topics is not None
+            else [(t, sorted(p for (tt, p) in committed if tt == t)) for t in sorted({t for t, _ in committed})]
+        )
         out = []
         for topic, partitions in wanted:
             parts = []
@@ -527,8 +639,14 @@ class KafkaGateway:
                     continue
                 try:
                     offset = self._resume_offset(client, c)
-                    parts.append(rp(partition_index=index, committed_offset=offset, metadata=c.metadata,
-                                    committed_leader_epoch=-1))  # fmt: skip
+                    parts.append(
+                        rp(
+                            partition_index=index,
+                            committed_offset=offset,
+                            metadata=c.metadata,
+                            committed_leader_epoch=-1,
+                        )
+                    )
                 except Exception as exc:
                     parts.append(rp(partition_index=index, committed_offset=-1, error_code=self._code(exc)))
             out.append(rt(name=topic, partitions=parts))
@@ -554,8 +672,14 @@ class KafkaGateway:
     async def _list_groups(self, req: Request, peer: Client) -> Any:
         r = kadmin.ListGroupsResponse
         answer = await self.groups.list_groups()
-        return r(groups=[r.ListedGroup(group_id=g.group, protocol_type="consumer",
-                                       group_state="Stable" if g.members else "Empty") for g in answer.groups])
+        return r(
+            groups=[
+                r.ListedGroup(
+                    group_id=g.group, protocol_type="consumer", group_state="Stable" if g.members else "Empty"
+                )
+                for g in answer.groups
+            ]
+        )
 
     async def _describe_groups(self, req: Request, peer: Client) -> Any:
         r = kadmin.DescribeGroupsResponse
@@ -567,15 +691,22 @@ class KafkaGateway:
             try:
                 self._allow(peer, Operation.READ, [acl_group(name)])
             except Denied as exc:
-                out.append(dg(group_id=name, error_code=exc.kafka_code, group_state="", protocol_type="",
-                              protocol_data="", members=[]))  # fmt: skip
+                out.append(
+                    dg(
+                        group_id=name,
+                        error_code=exc.kafka_code,
+                        group_state="",
+                        protocol_type="",
+                        protocol_data="",
+                        members=[],
+                    )
+                )
                 continue
             g = self.groups.coordinator.groups.get(name)
             kg = self.kgroups.get(name, KafkaGroup())
             if g is None or not g.members:
                 state = "Empty" if any(True for _ in self.groups.table.of_group(name)) else "Dead"
-                out.append(dg(group_id=name, group_state=state, protocol_type="consumer", protocol_data="",
-                              members=[]))  # fmt: skip
+                out.append(dg(group_id=name, group_state=state, protocol_type="consumer", protocol_data="", members=[]))
                 continue
             members = []
             for member_id, m in sorted(g.members.items()):
@@ -583,13 +714,30 @@ class KafkaGateway:
                 by_topic: dict[str, list[int]] = {}
                 for topic, index in m.assignment:
                     by_topic.setdefault(topic, []).append(index)
-                assignment = a(version=0, assigned_partitions=[a.TopicPartition(topic=t, partitions=ps)
-                                                               for t, ps in sorted(by_topic.items())])  # fmt: skip
-                members.append(dm(member_id=member_id, client_id=m.client_id, client_host=km.client_host if km else "",
-                                  member_metadata=km.metadata if km else b"",
-                                  member_assignment=bytes(assignment.encode())))  # fmt: skip
-            out.append(dg(group_id=name, group_state="Stable", protocol_type="consumer", protocol_data=kg.protocol,
-                          members=members))  # fmt: skip
+                assignment = a(
+                    version=0,
+                    assigned_partitions=[
+                        a.TopicPartition(topic=t, partitions=ps) for t, ps in sorted(by_topic.items())
+                    ],
+                )
+                members.append(
+                    dm(
+                        member_id=member_id,
+                        client_id=m.client_id,
+                        client_host=km.client_host if km else "",
+                        member_metadata=km.metadata if km else b"",
+                        member_assignment=bytes(assignment.encode()),
+                    )
+                )
+            out.append(
+                dg(
+                    group_id=name,
+                    group_state="Stable",
+                    protocol_type="consumer",
+                    protocol_data=kg.protocol,
+                    members=members,
+                )
+            )
         return r(groups=out)
 
     # -- errors -------------------------------------------------------------------------------------------------

@@ -151,8 +151,9 @@ def decode_request(frame: bytes) -> Request | Unsupported:
         return Unsupported(api_key, version, correlation_id, f"API key {api_key} is not served by georep")
     req_cls, _resp_cls, low, high = entry
     if not low <= version <= high:
-        return Unsupported(api_key, version, correlation_id, f"API key {api_key} version {version} is outside "
-                           f"{low}..{high}")  # fmt: skip
+        return Unsupported(
+            api_key, version, correlation_id, f"API key {api_key} version {version} is outside {low}..{high}"
+        )
     try:
         body = req_cls.decode(frame, version=version, header=True)
     except Exception as exc:  # the codec raises several types for malformed bytes
@@ -169,8 +170,10 @@ def encode_response(api_key: int, version: int, correlation_id: int, response: A
 
 def api_versions_body(version: int, error_code: int = NONE) -> Any:
     resp_cls = kmetadata.ApiVersionsResponse
-    keys = [resp_cls.ApiVersion(api_key=k, min_version=low, max_version=high)
-            for k, (_q, _r, low, high) in sorted(SUPPORTED.items())]  # fmt: skip
+    keys = [
+        resp_cls.ApiVersion(api_key=k, min_version=low, max_version=high)
+        for k, (_q, _r, low, high) in sorted(SUPPORTED.items())
+    ]
     return resp_cls(version=version, error_code=error_code, api_keys=keys, throttle_time_ms=0)
 
 
@@ -179,8 +182,9 @@ def sasl_handshake_body(version: int, error_code: int, mechanisms: list[str]) ->
 
 
 def sasl_authenticate_body(version: int, error_code: int, message: str | None, auth_bytes: bytes) -> Any:
-    return ksasl.SaslAuthenticateResponse(version=version, error_code=error_code, error_message=message,
-                                          auth_bytes=auth_bytes, session_lifetime_ms=0)  # fmt: skip
+    return ksasl.SaslAuthenticateResponse(
+        version=version, error_code=error_code, error_message=message, auth_bytes=auth_bytes, session_lifetime_ms=0
+    )
 
 
 def error_response(unsupported: Unsupported) -> bytes:

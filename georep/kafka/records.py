@@ -110,11 +110,18 @@ def kafka_to_georep(data: bytes | memoryview, limit_bytes: int = READ_RECORDS_BY
     if 12 + length != len(buf):
         raise RecordsError(INVALID_RECORD, "a produce request must hold exactly one record batch per partition")
     if buf[16] != MAGIC_V2:
-        raise RecordsError(UNSUPPORTED_FOR_MESSAGE_FORMAT,
-                           f"record batch magic {buf[16]}: only v2 batches (Kafka 0.11+) are taken")  # fmt: skip
+        raise RecordsError(
+            UNSUPPORTED_FOR_MESSAGE_FORMAT, f"record batch magic {buf[16]}: only v2 batches (Kafka 0.11+) are taken"
+        )
     head = DefaultRecordBatch.HEADER_STRUCT.unpack_from(buf, 0)
-    attributes, first_ts, producer_id, producer_epoch, base_sequence, count = (head[5], head[7], head[9], head[10],
-                                                                               head[11], head[12])  # fmt: skip
+    attributes, first_ts, producer_id, producer_epoch, base_sequence, count = (
+        head[5],
+        head[7],
+        head[9],
+        head[10],
+        head[11],
+        head[12],
+    )
     if crc32c.crc32c(buf[_ATTRIBUTES_AT:]) != head[4]:
         raise RecordsError(CORRUPT_MESSAGE, "record batch CRC mismatch")
     if attributes & (_TRANSACTIONAL | _CONTROL):
@@ -122,11 +129,12 @@ def kafka_to_georep(data: bytes | memoryview, limit_bytes: int = READ_RECORDS_BY
     if count < 1:
         raise RecordsError(INVALID_RECORD, f"a record batch with records count {count}: it needs at least one")
     codec = attributes & _CODEC_MASK
-    body = buf[_BATCH_HEAD_MIN:] if not codec else memoryview(_decompressed(codec, buf[_BATCH_HEAD_MIN:],
-                                                                            limit_bytes))  # fmt: skip
+    body = buf[_BATCH_HEAD_MIN:] if not codec else memoryview(_decompressed(codec, buf[_BATCH_HEAD_MIN:], limit_bytes))
     if len(body) > limit_bytes:
-        raise RecordsError(MESSAGE_TOO_LARGE, f"the batch's records hold {len(body)} bytes, more than the topic's "
-                           f"max_batch_bytes={limit_bytes}")  # fmt: skip
+        raise RecordsError(
+            MESSAGE_TOO_LARGE,
+            f"the batch's records hold {len(body)} bytes, more than the topic's max_batch_bytes={limit_bytes}",
+        )
     records = _records_in_place(body, count, first_ts)
     return encode_batch(records, producer_id=producer_id, producer_epoch=producer_epoch, base_sequence=base_sequence)
 
@@ -142,13 +150,18 @@ def _decompressed(codec: int, data: memoryview, limit_bytes: int) -> bytes:
         if codec == _GZIP:
             return _gunzip(data, limit_bytes)
     except DecompressedTooLarge:
-        raise RecordsError(MESSAGE_TOO_LARGE, f"the batch's {name} records decompress to more than the topic's "
-                           f"max_batch_bytes={limit_bytes}: send smaller batches or raise the topic's "
-                           "max_batch_bytes") from None  # fmt: skip
+        raise RecordsError(
+            MESSAGE_TOO_LARGE,
+            f"the batch's {name} records decompress to more than the topic's "
+            f"max_batch_bytes={limit_bytes}: send smaller batches or raise the topic's "
+            "max_batch_bytes",
+        ) from None
     except DecompressionError as exc:
         raise RecordsError(CORRUPT_MESSAGE, f"cannot read the {name} records: {exc}") from None
-    raise RecordsError(UNSUPPORTED_COMPRESSION_TYPE, f"compression {name} is not supported by georep's Kafka "
-                       "gateway: use gzip, lz4, zstd or none")  # fmt: skip
+    raise RecordsError(
+        UNSUPPORTED_COMPRESSION_TYPE,
+        f"compression {name} is not supported by georep's Kafka gateway: use gzip, lz4, zstd or none",
+    )
 
 
 def _gunzip(data: memoryview, limit_bytes: int) -> bytes:
@@ -185,8 +198,10 @@ def _records_in_place(buf: memoryview, count: int, first_ts: int) -> list[Record
             ts_delta, pos = decode_varint(buf, pos)
             offset_delta, pos = decode_varint(buf, pos)
             if offset_delta != index:
-                raise RecordsError(INVALID_RECORD, f"record {index} has offset delta {offset_delta}: a produced "
-                                   "batch's offset deltas run 0, 1, 2 ...")  # fmt: skip
+                raise RecordsError(
+                    INVALID_RECORD,
+                    f"record {index} has offset delta {offset_delta}: a produced batch's offset deltas run 0, 1, 2 ...",
+                )
             key_len, pos = decode_varint(buf, pos)
             key = buf[pos : pos + key_len] if key_len >= 0 else None
             pos += max(key_len, 0)
@@ -194,8 +209,13 @@ def _records_in_place(buf: memoryview, count: int, first_ts: int) -> list[Record
             value = buf[pos : pos + value_len] if value_len >= 0 else None
             pos += max(value_len, 0)
             header_count, pos = decode_varint(buf, pos)
-            if (end > len(buf) or key_len < -1 or value_len < -1 or pos > end
-                    or not 0 <= header_count <= (end - pos) // 2):  # a header takes at least 2 bytes; fmt: skip
+            if (
+                end > len(buf)
+                or key_len < -1
+                or value_len < -1
+                or pos > end
+                or not 0 <= header_count <= (end - pos) // 2
+            ):  # a header takes at least 2 bytes
                 raise RecordsError(INVALID_RECORD, f"record {index} of the batch has inconsistent lengths")
             headers: list[tuple[str, bytes | None]] = []
             for _h in range(header_count):
@@ -233,14 +253,16 @@ class Converted(NamedTuple):
     invalid: tuple[InvalidStored, ...]  # the stored batches served empty
 
 
-def georep_to_kafka(chunk: bytes, from_offset: int = 0, skip: Mapping[Origin, int] | None = None,
-                    skip_below: int = -1) -> bytes:  # fmt: skip
+def georep_to_kafka(
+    chunk: bytes, from_offset: int = 0, skip: Mapping[Origin, int] | None = None, skip_below: int = -1
+) -> bytes:
     """:func:`convert_fetched`'s Kafka batches."""
     return convert_fetched(chunk, from_offset, skip, skip_below).data
 
 
-def convert_fetched(chunk: bytes, from_offset: int = 0, skip: Mapping[Origin, int] | None = None,
-                    skip_below: int = -1) -> Converted:  # fmt: skip
+def convert_fetched(
+    chunk: bytes, from_offset: int = 0, skip: Mapping[Origin, int] | None = None, skip_below: int = -1
+) -> Converted:
     """Whole georep batches (as a log read returns them) as Kafka v2 batches, concatenated.
 
     ``skip``: leave out the records this vector covers, in batches that start below ``skip_below`` (from
@@ -320,8 +342,18 @@ def _convert(batch: memoryview, h: BatchHeader, skip: Mapping[Origin, int] | Non
         if ts_delta > 0:
             max_ts = max(max_ts, h.first_timestamp + ts_delta)
         seq_text = b"%d" % (base_seq + index)
-        size = (1 + size_of_varint(ts_delta) + size_of_varint(delta) + _bytes_size(key) + _bytes_size(value)
-                + size_of_varint(header_count + 2) + len(headers) + len(coordinate) + 1 + len(seq_text))  # fmt: skip
+        size = (
+            1
+            + size_of_varint(ts_delta)
+            + size_of_varint(delta)
+            + _bytes_size(key)
+            + _bytes_size(value)
+            + size_of_varint(header_count + 2)
+            + len(headers)
+            + len(coordinate)
+            + 1
+            + len(seq_text)
+        )
         encode_varint(size, write_byte)
         write_byte(0)  # attributes
         encode_varint(ts_delta, write_byte)
@@ -341,8 +373,9 @@ def _convert(batch: memoryview, h: BatchHeader, skip: Mapping[Origin, int] | Non
 def _sealed(out: bytearray, base_offset: int, last_delta: int, first_ts: int, max_ts: int, count: int) -> bytearray:
     """``out`` (a header's room, then ``count`` records) with its v2 batch header written and its CRC-32C: no
     producer id (fetched records carry none), no attributes (uncompressed, CreateTime)."""
-    _KAFKA_HEAD.pack_into(out, 0, base_offset, len(out) - 12, 0, MAGIC_V2, 0, 0, last_delta, first_ts, max_ts,
-                          -1, -1, -1, count)  # fmt: skip
+    _KAFKA_HEAD.pack_into(
+        out, 0, base_offset, len(out) - 12, 0, MAGIC_V2, 0, 0, last_delta, first_ts, max_ts, -1, -1, -1, count
+    )
     struct.pack_into(">I", out, _CRC_AT, crc32c.crc32c(memoryview(out)[_ATTRIBUTES_AT:]))
     return out
 

@@ -123,8 +123,13 @@ Answer = tuple[Request, "asyncio.Future[Any]"] | bytes  # a request and its pend
 
 
 class KafkaServer:
-    def __init__(self, gateway: KafkaGateway, ssl_context: ssl.SSLContext | None = None, sasl: Lookup | None = None,
-                 limits: ListenerLimits | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        gateway: KafkaGateway,
+        ssl_context: ssl.SSLContext | None = None,
+        sasl: Lookup | None = None,
+        limits: ListenerLimits | None = None,
+    ) -> None:
         self.gateway = gateway
         self.ssl_context = ssl_context
         self.sasl = sasl  # the credentials of the SASL users; None: the listener takes no SASL
@@ -180,9 +185,13 @@ class KafkaServer:
             if not idle:
                 continue
             peers = [self._open[c].peer for c in idle if c in self._open]
-            log.info("kafka: closing %d connection(s) with no request for %d ms (--connections-max-idle-ms): %s%s",
-                     len(idle), self.limits.idle_ms, ", ".join(peers[:5]),
-                     f" and {len(peers) - 5} more" if len(peers) > 5 else "")  # fmt: skip
+            log.info(
+                "kafka: closing %d connection(s) with no request for %d ms (--connections-max-idle-ms): %s%s",
+                len(idle),
+                self.limits.idle_ms,
+                ", ".join(peers[:5]),
+                f" and {len(peers) - 5} more" if len(peers) > 5 else "",
+            )
             for conn in idle:
                 if conn in self._open:
                     self._open[conn].close()
@@ -197,14 +206,16 @@ class KafkaServer:
         peername = writer.get_extra_info("peername")
         host = str(peername[0]) if peername else ""
         peer = f"{host}:{peername[1]}" if peername else "?"
-        admitted = self.table.admit(host, _now_ms()) if not self._stopping else Refused("the node is stopping",
-                                                                                         "stopping")
+        admitted = (
+            self.table.admit(host, _now_ms()) if not self._stopping else Refused("the node is stopping", "stopping")
+        )
         if isinstance(admitted, Refused):
             writer.transport.abort()
             left_out = self._refused_log.setdefault(admitted.bound, LogThrottle()).allow(_now_ms())
             if left_out is not None:
-                log.warning("kafka: refused the connection from %s at accept: %s%s", peer, admitted.reason,
-                            _left_out(left_out))  # fmt: skip
+                log.warning(
+                    "kafka: refused the connection from %s at accept: %s%s", peer, admitted.reason, _left_out(left_out)
+                )
             return
         task = asyncio.current_task()
         assert task is not None
@@ -213,8 +224,9 @@ class KafkaServer:
         try:
             if self.ssl_context is not None:
                 try:
-                    await writer.start_tls(self.ssl_context, ssl_handshake_timeout=min(TLS_HANDSHAKE_TIMEOUT_S,
-                                                                                       self.limits.idle_ms / 1000))
+                    await writer.start_tls(
+                        self.ssl_context, ssl_handshake_timeout=min(TLS_HANDSHAKE_TIMEOUT_S, self.limits.idle_ms / 1000)
+                    )
                 except (OSError, EOFError):  # a failed or abandoned handshake (ssl.SSLError is an OSError)
                     return
             else:
@@ -231,8 +243,9 @@ class KafkaServer:
             except Exception:  # a client that does not read, or a connection already reset
                 writer.transport.abort()
 
-    async def _requests(self, conn: _Open, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        host: str) -> None:  # fmt: skip
+    async def _requests(
+        self, conn: _Open, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str
+    ) -> None:
         client = Client(host, peer_principal(writer))
         sasl = SaslSession(self.sasl)
         queue: asyncio.Queue[Answer | None] = asyncio.Queue(IN_FLIGHT_MAX)
@@ -274,8 +287,9 @@ class KafkaServer:
             with contextlib.suppress(BaseException):
                 await sender
 
-    def _answer(self, frame: bytes, client: Client, sasl: SaslSession,
-                host: str) -> tuple[Answer, Client, str | None] | None:  # fmt: skip
+    def _answer(
+        self, frame: bytes, client: Client, sasl: SaslSession, host: str
+    ) -> tuple[Answer, Client, str | None] | None:
         """What to queue for one frame, the connection's client from then on, and why it must close after (None:
         it stays open); None for a frame with nothing to answer. Raises :class:`CloseConnection`."""
         if sasl.raw:  # after a v0 handshake: a bare SASL token, answered bare
@@ -315,12 +329,23 @@ class KafkaServer:
         if left_out is None:
             return
         if before_auth:
-            log.warning("kafka: closing the connection from %s: a frame of %d bytes before SASL authentication "
-                        "(at most %d until the client has authenticated, as Kafka's sasl.server.max.receive.size)%s",
-                        peer, exc.size, exc.limit, _left_out(left_out))  # fmt: skip
+            log.warning(
+                "kafka: closing the connection from %s: a frame of %d bytes before SASL authentication "
+                "(at most %d until the client has authenticated, as Kafka's sasl.server.max.receive.size)%s",
+                peer,
+                exc.size,
+                exc.limit,
+                _left_out(left_out),
+            )
         else:
-            log.warning("kafka: closing the connection from %s: a frame of %d bytes (at most %d, as Kafka's "
-                        "socket.request.max.bytes)%s", peer, exc.size, exc.limit, _left_out(left_out))  # fmt: skip
+            log.warning(
+                "kafka: closing the connection from %s: a frame of %d bytes (at most %d, as Kafka's "
+                "socket.request.max.bytes)%s",
+                peer,
+                exc.size,
+                exc.limit,
+                _left_out(left_out),
+            )
 
     async def _send(self, conn: int, queue: asyncio.Queue[Answer | None], writer: asyncio.StreamWriter) -> None:
         try:
@@ -334,8 +359,11 @@ class KafkaServer:
                     req, task = item
                     try:
                         response = await task
-                        data = None if response is None else encode_response(req.api_key, req.version,
-                                                                              req.correlation_id, response)
+                        data = (
+                            None
+                            if response is None
+                            else encode_response(req.api_key, req.version, req.correlation_id, response)
+                        )
                     except Exception:  # a bug: answer UNKNOWN_SERVER_ERROR rather than leave the client waiting
                         log.exception("kafka: request %d v%d failed", req.api_key, req.version)
                         data = failure_response(req.api_key, req.version, req.correlation_id)
@@ -426,8 +454,9 @@ def peer_principal(writer: asyncio.StreamWriter) -> Principal | None:
     return principal_of_certificate(x509.load_der_x509_certificate(der))
 
 
-async def start_kafka(options: KafkaOptions, broker: Broker, groups: GroupService,
-                      site_cluster: SiteCluster | None) -> tuple[KafkaServer, str]:  # fmt: skip
+async def start_kafka(
+    options: KafkaOptions, broker: Broker, groups: GroupService, site_cluster: SiteCluster | None
+) -> tuple[KafkaServer, str]:
     """Start the listener in the node's event loop; returns it and the address it serves (``node.json``).
     Raises ``OSError`` if it cannot listen."""
     host, port = options.listen

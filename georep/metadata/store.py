@@ -51,8 +51,12 @@ class AclRecord:
         return (self.stamp_ms, self.site, self.present, self.data)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"entry": self.entry, "present": self.present, "stamp_ms": self.stamp_ms,
-                               "site": self.site}
+        out: dict[str, Any] = {
+            "entry": self.entry,
+            "present": self.present,
+            "stamp_ms": self.stamp_ms,
+            "site": self.site,
+        }
         if self.data:  # only then, so ACL-only tables and snapshots read as before
             out["data"] = self.data
         return out
@@ -64,8 +68,14 @@ class AclRecord:
             data = raw.get("data", "")
         except (KeyError, TypeError, AttributeError):
             raise ValueError(f"invalid ACL record {raw!r}: it needs entry, present, stamp_ms and site") from None
-        if not (isinstance(entry, str) and isinstance(present, bool) and isinstance(stamp, int)
-                and not isinstance(stamp, bool) and isinstance(site, str) and isinstance(data, str)):  # fmt: skip
+        if not (
+            isinstance(entry, str)
+            and isinstance(present, bool)
+            and isinstance(stamp, int)
+            and not isinstance(stamp, bool)
+            and isinstance(site, str)
+            and isinstance(data, str)
+        ):
             raise ValueError(f"invalid ACL record {raw!r}")
         return cls(entry, present, stamp, site, data)
 

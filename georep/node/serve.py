@@ -30,13 +30,7 @@ from georep.auth.acl_sync import AclCache
 from georep.auth.policy import Policy
 from georep.auth.principal import Principal
 from georep.metadata.store import SiteIdentity
-from georep.raft.store import (
-    MetadataUnavailable,
-    RaftMetadataStore,
-    RaftStartError,
-    RaftTiming,
-    join_running_group,
-)
+from georep.raft.store import MetadataUnavailable, RaftMetadataStore, RaftStartError, RaftTiming, join_running_group
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.tls import MESSAGE_BYTES_MAX, ServerLimits, TlsConfig, TlsError, add_port, server_options
 from georep.server.broker import Broker
@@ -110,9 +104,25 @@ async def serve(
         tightened = tighten(data_dir)
         if tightened:
             log.warning("%s", tightened.describe(data_dir))
-        return await _serve_locked(site, listen, metrics_listen, data_dir, defaults, retention_check_ms, topology,
-                                   stall_ms, admin_token, scrub_bytes_per_s, lock, in_site, tls, kafka,
-                                   super_users, grpc_limits, shutdown_timeout_ms)  # fmt: skip
+        return await _serve_locked(
+            site,
+            listen,
+            metrics_listen,
+            data_dir,
+            defaults,
+            retention_check_ms,
+            topology,
+            stall_ms,
+            admin_token,
+            scrub_bytes_per_s,
+            lock,
+            in_site,
+            tls,
+            kafka,
+            super_users,
+            grpc_limits,
+            shutdown_timeout_ms,
+        )
     finally:
         lock.release()
 
@@ -138,9 +148,12 @@ async def _site_identity(metadata: RaftMetadataStore, site: str, executor: Threa
             result = await loop.run_in_executor(executor, metadata.propose, InitSite(site, int(time.time())))
         except MetadataUnavailable as exc:
             if not waited:
-                log.warning("waiting for a majority of site %s's nodes to agree on its metadata: %s. If they run, "
-                            "check that every node has the same --raft-secret-file (a node with another is refused)",
-                            site, exc)  # fmt: skip
+                log.warning(
+                    "waiting for a majority of site %s's nodes to agree on its metadata: %s. If they run, "
+                    "check that every node has the same --raft-secret-file (a node with another is refused)",
+                    site,
+                    exc,
+                )
             waited = True
             continue
         if isinstance(result, Refused):
@@ -173,20 +186,43 @@ class _Node:
             self.metadata.close()
 
 
-async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tuple[str, int], data_dir: Path,
-                        defaults: dict[str, int], retention_check_ms: int, topology: Topology | None, stall_ms: int,
-                        admin_token: str | None, scrub_bytes_per_s: int, lock: DataDirLock,
-                        in_site: InSiteOptions | None, tls: TlsConfig | None,
-                        kafka: KafkaOptions | None = None,
-                        super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
-                        grpc_limits: ServerLimits | None = None,
-                        shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT) -> int:  # fmt: skip
+async def _serve_locked(
+    site: str,
+    listen: tuple[str, int],
+    metrics_listen: tuple[str, int],
+    data_dir: Path,
+    defaults: dict[str, int],
+    retention_check_ms: int,
+    topology: Topology | None,
+    stall_ms: int,
+    admin_token: str | None,
+    scrub_bytes_per_s: int,
+    lock: DataDirLock,
+    in_site: InSiteOptions | None,
+    tls: TlsConfig | None,
+    kafka: KafkaOptions | None = None,
+    super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
+    grpc_limits: ServerLimits | None = None,
+    shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT,
+) -> int:
     # The Raft metadata and the segment threads of a multi-node site; this node's copies of the segments whose
     # ensembles it is a member of (docs/cluster.md).
     segment_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="segments")
     metadata, identity = await _site_metadata(site, data_dir, in_site, segment_executor)
-    node = _wire(site, listen, data_dir, defaults, topology, stall_ms, admin_token, in_site, tls, identity, metadata,
-                 segment_executor)  # fmt: skip
+    node = _wire(
+        site,
+        listen,
+        data_dir,
+        defaults,
+        topology,
+        stall_ms,
+        admin_token,
+        in_site,
+        tls,
+        identity,
+        metadata,
+        segment_executor,
+    )
     server = _grpc_server(node, topology, tls, super_users, grpc_limits)
     port = await _start_grpc(server, f"{listen[0]}:{listen[1]}", tls, node)
     kafka_server, kafka_address = await _start_kafka(kafka, site, topology, in_site, tls, super_users, server, node)
@@ -194,18 +230,29 @@ async def _serve_locked(site: str, listen: tuple[str, int], metrics_listen: tupl
         await node.member.start()
     metrics_address = node.metrics.serve(*metrics_listen)
     info = {
-        "pid": os.getpid(), "site": identity.site, "epoch": identity.epoch, "version": __version__,
-        "listen": f"{listen[0]}:{port}", "metrics": metrics_address, "kafka": kafka_address,
+        "pid": os.getpid(),
+        "site": identity.site,
+        "epoch": identity.epoch,
+        "version": __version__,
+        "listen": f"{listen[0]}:{port}",
+        "metrics": metrics_address,
+        "kafka": kafka_address,
         # how to start this node again the same way (georep drill restarts a killed site)
-        "command": [sys.executable, "-m", "georep.cli", *sys.argv[1:]], "cwd": os.getcwd(),
-    }  # fmt: skip
+        "command": [sys.executable, "-m", "georep.cli", *sys.argv[1:]],
+        "cwd": os.getcwd(),
+    }
     # A stop asked for once node.json says the node serves is a clean stop: the handlers come first.
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     _warn_insecure(tls, in_site, str(info["listen"]))
-    log.info("site %s (origin %s) serving on %s, metrics on %s", identity.site, node.broker.origin, info["listen"],
-             metrics_address)  # fmt: skip
+    log.info(
+        "site %s (origin %s) serving on %s, metrics on %s",
+        identity.site,
+        node.broker.origin,
+        info["listen"],
+        metrics_address,
+    )
     lock.describe(str(info["listen"]))
     write_json_atomic(data_dir / NODE_INFO, info)  # last: whoever waits for it finds the warnings logged
     housekeeping = _start_housekeeping(node, scrub_bytes_per_s, retention_check_ms)
@@ -224,20 +271,33 @@ async def _site_metadata(
     try:
         # A node new to a running site is added to its Raft group first (docs/cluster.md, "Expansion"); the
         # store itself must be built in this thread (pysyncobj's tick thread stops with the thread that built it)
-        partners = await asyncio.get_running_loop().run_in_executor(segment_executor, functools.partial(
-            join_running_group, in_site.raft_address, in_site.raft_peers, data_dir, password=in_site.raft_secret))
-        metadata = RaftMetadataStore(in_site.raft_address, partners, data_dir, in_site.raft_timing,
-                                     in_site.raft_secret)  # fmt: skip
+        partners = await asyncio.get_running_loop().run_in_executor(
+            segment_executor,
+            functools.partial(
+                join_running_group, in_site.raft_address, in_site.raft_peers, data_dir, password=in_site.raft_secret
+            ),
+        )
+        metadata = RaftMetadataStore(in_site.raft_address, partners, data_dir, in_site.raft_timing, in_site.raft_secret)
     except RaftStartError as exc:
         segment_executor.shutdown()
         raise UsageError(str(exc)) from None
     return metadata, await _site_identity(metadata, site, segment_executor)
 
 
-def _wire(site: str, listen: tuple[str, int], data_dir: Path, defaults: dict[str, int], topology: Topology | None,
-          stall_ms: int, admin_token: str | None, in_site: InSiteOptions | None, tls: TlsConfig | None,
-          identity: SiteIdentity, metadata: RaftMetadataStore | None,
-          segment_executor: ThreadPoolExecutor) -> _Node:  # fmt: skip
+def _wire(
+    site: str,
+    listen: tuple[str, int],
+    data_dir: Path,
+    defaults: dict[str, int],
+    topology: Topology | None,
+    stall_ms: int,
+    admin_token: str | None,
+    in_site: InSiteOptions | None,
+    tls: TlsConfig | None,
+    identity: SiteIdentity,
+    metadata: RaftMetadataStore | None,
+    segment_executor: ThreadPoolExecutor,
+) -> _Node:
     """The broker and the services over it: the replicator, the segment member of a multi-node site, the gRPC
     services."""
     from georep.server.replicator import Replicator
@@ -252,34 +312,63 @@ def _wire(site: str, listen: tuple[str, int], data_dir: Path, defaults: dict[str
     member: ClusterMember | None = None
     if in_site is not None and metadata is not None:
         address = f"{listen[0]}:{listen[1]}"
-        member = ClusterMember(in_site.node_id, address, metadata, replicas, segment_executor, broker.clock_ms,
-                               lambda: shutil.disk_usage(data_dir).free, in_site.config, tls)  # fmt: skip
+        member = ClusterMember(
+            in_site.node_id,
+            address,
+            metadata,
+            replicas,
+            segment_executor,
+            broker.clock_ms,
+            lambda: shutil.disk_usage(data_dir).free,
+            in_site.config,
+            tls,
+        )
         site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor, tls)
     service = NodeService(broker, metrics, replicator, admin_token, site_cluster, authorizes=tls is not None)
     segments = SegmentService(replicas, segment_executor, broker.clock_ms, member, tls)  # member: repair's rolls
-    return _Node(identity, metadata, segment_executor, broker, metrics, replicator, replicas, member, site_cluster,
-                 service, segments)  # fmt: skip
+    return _Node(
+        identity,
+        metadata,
+        segment_executor,
+        broker,
+        metrics,
+        replicator,
+        replicas,
+        member,
+        site_cluster,
+        service,
+        segments,
+    )
 
 
-def _grpc_server(node: _Node, topology: Topology | None, tls: TlsConfig | None, super_users: tuple[Principal, ...],
-                 grpc_limits: ServerLimits | None) -> grpc.aio.Server:  # fmt: skip
+def _grpc_server(
+    node: _Node,
+    topology: Topology | None,
+    tls: TlsConfig | None,
+    super_users: tuple[Principal, ...],
+    grpc_limits: ServerLimits | None,
+) -> grpc.aio.Server:
     # server_options bounds every message (tls.MESSAGE_BYTES_MAX, above every topic's max_batch_bytes and the
     # fetch cap: an oversized batch reaches the broker, which names the limit).
     assert FETCH_MAX_BYTES_CAP < MESSAGE_BYTES_MAX
     # A TLS node checks every call's principal against its ACLs and topology first (georep/server/rpc.py); a
     # plaintext one (--insecure) authorizes nothing.
-    interceptors = ([authorization(node.identity.site, node.broker.metadata, topology, super_users)]
-                    if tls is not None else [])  # fmt: skip
+    interceptors = (
+        [authorization(node.identity.site, node.broker.metadata, topology, super_users)] if tls is not None else []
+    )
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=server_options([
-            ("grpc.so_reuseport", 0),  # a second node on the same port must fail, not share it
-            # Clients ping every 10 s, even between calls, to notice a dead node
-            # under a long-poll fetch. gRPC servers by default answer pings more
-            # often than every 5 min with GOAWAY "too_many_pings".
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_INTERVAL_MS),
-        ], grpc_limits)
+        options=server_options(
+            [
+                ("grpc.so_reuseport", 0),  # a second node on the same port must fail, not share it
+                # Clients ping every 10 s, even between calls, to notice a dead node
+                # under a long-poll fetch. gRPC servers by default answer pings more
+                # often than every 5 min with GOAWAY "too_many_pings".
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_INTERVAL_MS),
+            ],
+            grpc_limits,
+        ),
     )
     server.add_generic_rpc_handlers((node.service.handler(), node.segments.handler()))
     return server
@@ -302,9 +391,16 @@ async def _start_grpc(server: grpc.aio.Server, address: str, tls: TlsConfig | No
     return port
 
 
-async def _start_kafka(kafka: KafkaOptions | None, site: str, topology: Topology | None, in_site: InSiteOptions | None,
-                       tls: TlsConfig | None, super_users: tuple[Principal, ...], server: grpc.aio.Server,
-                       node: _Node) -> tuple[KafkaServer | None, str]:  # fmt: skip
+async def _start_kafka(
+    kafka: KafkaOptions | None,
+    site: str,
+    topology: Topology | None,
+    in_site: InSiteOptions | None,
+    tls: TlsConfig | None,
+    super_users: tuple[Principal, ...],
+    server: grpc.aio.Server,
+    node: _Node,
+) -> tuple[KafkaServer | None, str]:
     """The Kafka listener (docs/kafka.md), if asked for, and the address Kafka clients are told; a listener the node
     cannot start stops the node."""
     # A node of a multi-node site tells Kafka clients which node leads what, by the topology's Kafka addresses
@@ -312,9 +408,11 @@ async def _start_kafka(kafka: KafkaOptions | None, site: str, topology: Topology
     if kafka is not None and in_site is not None and in_site.node_id not in kafka_nodes:
         await server.stop(0)
         node.close()
-        raise UsageError(f"--kafka-listen: a node of a multi-node site needs its site's Kafka addresses, which Kafka "
-                         f"clients are sent to for the partitions each node leads: add kafka = \"HOST:PORT\" to every "
-                         f"node of site {site} in the topology file (docs/kafka.md)")  # fmt: skip
+        raise UsageError(
+            f"--kafka-listen: a node of a multi-node site needs its site's Kafka addresses, which Kafka "
+            f'clients are sent to for the partitions each node leads: add kafka = "HOST:PORT" to every '
+            f"node of site {site} in the topology file (docs/kafka.md)"
+        )
     if kafka is None:
         return None, ""
     from georep.kafka.server import server_ssl_context, start_kafka
@@ -323,9 +421,11 @@ async def _start_kafka(kafka: KafkaOptions | None, site: str, topology: Topology
         # The Kafka port takes mutual TLS too (or SASL: SASL_SSL, or SASL_PLAINTEXT on an --insecure node),
         # and checks the same ACLs (docs/kafka.md)
         if tls is not None or kafka.sasl:
-            kafka = replace(kafka, ssl_context=None if tls is None else server_ssl_context(tls, kafka.sasl),
-                            policy=Policy(node.identity.site, AclCache(node.broker.metadata.acls), lambda: topology,
-                                          super_users))  # fmt: skip
+            kafka = replace(
+                kafka,
+                ssl_context=None if tls is None else server_ssl_context(tls, kafka.sasl),
+                policy=Policy(node.identity.site, AclCache(node.broker.metadata.acls), lambda: topology, super_users),
+            )
         kafka_server, kafka_address = await start_kafka(kafka, node.broker, node.service.groups, node.site_cluster)
         if node.site_cluster is not None:  # set before any request is read (no await since the listener started)
             from georep.kafka.cluster import cluster_view_of
@@ -335,19 +435,27 @@ async def _start_kafka(kafka: KafkaOptions | None, site: str, topology: Topology
     except OSError as exc:
         await server.stop(0)
         node.close()
-        raise UsageError(f"cannot listen for Kafka clients on {kafka.listen[0]}:{kafka.listen[1]}: "
-                         f"{exc.strerror or exc}; is another process using the port?") from None
+        raise UsageError(
+            f"cannot listen for Kafka clients on {kafka.listen[0]}:{kafka.listen[1]}: "
+            f"{exc.strerror or exc}; is another process using the port?"
+        ) from None
     return kafka_server, kafka_address
 
 
 def _warn_insecure(tls: TlsConfig | None, in_site: InSiteOptions | None, listen: str) -> None:
     if tls is None:
-        log.warning("--insecure: serving plaintext, without TLS and without ACLs; any process that reaches %s may "
-                    "produce, consume, commit and replicate (docs/security.md)", listen)  # fmt: skip
+        log.warning(
+            "--insecure: serving plaintext, without TLS and without ACLs; any process that reaches %s may "
+            "produce, consume, commit and replicate (docs/security.md)",
+            listen,
+        )
     if in_site is not None and in_site.raft_secret is None:
-        log.warning("no --raft-secret-file: the Raft port %s is plaintext and unauthenticated; any process that "
-                    "reaches it may join the site's Raft group, change its metadata or run code in this node "
-                    "(docs/security.md)", in_site.raft_address)  # fmt: skip
+        log.warning(
+            "no --raft-secret-file: the Raft port %s is plaintext and unauthenticated; any process that "
+            "reaches it may join the site's Raft group, change its metadata or run code in this node "
+            "(docs/security.md)",
+            in_site.raft_address,
+        )
 
 
 def _start_housekeeping(node: _Node, scrub_bytes_per_s: int, retention_check_ms: int) -> list[asyncio.Task[None]]:
@@ -360,14 +468,22 @@ def _start_housekeeping(node: _Node, scrub_bytes_per_s: int, retention_check_ms:
     ]
     if node.replicator is not None:
         node.replicator.start()
-        log.info("pulling from %s", ", ".join(f"{p.src} ({p.address})" for p in node.replicator.pullers.values())
-                 or "no site: no link leads here")  # fmt: skip
+        log.info(
+            "pulling from %s",
+            ", ".join(f"{p.src} ({p.address})" for p in node.replicator.pullers.values())
+            or "no site: no link leads here",
+        )
     return housekeeping
 
 
-async def _shut_down(node: _Node, server: grpc.aio.Server, kafka_server: KafkaServer | None,
-                     housekeeping: list[asyncio.Task[None]], shutdown_timeout_ms: int,
-                     node_info: Path) -> None:  # fmt: skip
+async def _shut_down(
+    node: _Node,
+    server: grpc.aio.Server,
+    kafka_server: KafkaServer | None,
+    housekeeping: list[asyncio.Task[None]],
+    shutdown_timeout_ms: int,
+    node_info: Path,
+) -> None:
     """Stop taking calls, end what runs, fsync and close every log, within ``shutdown_timeout_ms``; then
     ``node_info`` goes: the node no longer serves."""
     shutdown = Shutdown(shutdown_timeout_ms)
@@ -424,8 +540,12 @@ async def _scrub_loop(broker: Broker, bytes_per_s: int) -> None:
                 if step.found:
                     log.error("scrubber: %d damaged batch(es) in %s/%d quarantined", len(step.found), *key)
                 for text in step.invalid:
-                    log.error("scrubber: %s/%d %s; readers skip it (georep consume --skip-corrupt; Kafka clients "
-                              "pass over it)", *key, text)  # fmt: skip
+                    log.error(
+                        "scrubber: %s/%d %s; readers skip it (georep consume --skip-corrupt; Kafka clients "
+                        "pass over it)",
+                        *key,
+                        text,
+                    )
                 await asyncio.sleep(step.checked_bytes / bytes_per_s)
         await asyncio.sleep(max(0.0, SCRUB_PASS_MIN_S - (time.monotonic() - started)))
 
@@ -444,4 +564,3 @@ async def _retention_loop(broker: Broker, interval_s: float) -> None:
         deleted = broker.enforce_retention()
         if deleted:
             log.info("retention deleted %d segments", deleted)
-

@@ -55,8 +55,13 @@ def acks_from_proto(acks: int, geo_sites: int) -> Acks:
 
 def damaged_to_proto(damaged: Iterable[DamagedBatch]) -> list[georep_pb2.DamagedRange]:
     return [
-        georep_pb2.DamagedRange(origin=str(d.origin), base_origin_seq=d.base_origin_seq,
-                                last_origin_seq=d.last_origin_seq, base_offset=d.base_offset,
-                                next_offset=d.next_offset, reason=d.reason)  # fmt: skip
+        georep_pb2.DamagedRange(
+            origin=str(d.origin),
+            base_origin_seq=d.base_origin_seq,
+            last_origin_seq=d.last_origin_seq,
+            base_offset=d.base_offset,
+            next_offset=d.next_offset,
+            reason=d.reason,
+        )
         for d in damaged
     ]

@@ -25,8 +25,9 @@ from typing import Any
 Entry = tuple[bytes, int, int]  # (command, index, term), as pysyncobj keeps them
 
 
-def trim_append(message: Mapping[str, Any], entry_at: Callable[[int], Entry | None],
-                last_index: int) -> Mapping[str, Any] | None:  # fmt: skip
+def trim_append(
+    message: Mapping[str, Any], entry_at: Callable[[int], Entry | None], last_index: int
+) -> Mapping[str, Any] | None:
     """The message a follower should process instead of ``message`` (itself if it is not such an append); None to
     drop it. ``entry_at(index)`` is the follower's entry at ``index`` (None if it has none there), ``last_index``
     the index of its last entry."""

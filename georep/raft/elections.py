@@ -39,8 +39,9 @@ from collections.abc import Iterable
 JITTER_SLOTS = 0.25  # how much of its slot a follower's draw may take: the rest separates it from the next rank
 
 
-def election_timeout_s(me: str, last_leader: str | None, members: Iterable[str], min_s: float, max_s: float,
-                       draw: float) -> float:  # fmt: skip
+def election_timeout_s(
+    me: str, last_leader: str | None, members: Iterable[str], min_s: float, max_s: float, draw: float
+) -> float:
     """How long ``me`` waits without a message from the leader before it runs for leader; see the module docstring.
 
     ``last_leader``: the Raft address of the leader it follows now, or last followed (None: none yet).

@@ -51,9 +51,14 @@ class FrameBounds:
     payload: int
 
     @classmethod
-    def for_port(cls, sealed: bool, append_batch_bytes: int = APPEND_BATCH_BYTES,
-                 dump_chunk_bytes: int = DUMP_CHUNK_BYTES, command_bytes_max: int = COMMAND_BYTES_MAX,
-                 before_auth: int = FRAME_BYTES_BEFORE_AUTH) -> FrameBounds:  # fmt: skip
+    def for_port(
+        cls,
+        sealed: bool,
+        append_batch_bytes: int = APPEND_BATCH_BYTES,
+        dump_chunk_bytes: int = DUMP_CHUNK_BYTES,
+        command_bytes_max: int = COMMAND_BYTES_MAX,
+        before_auth: int = FRAME_BYTES_BEFORE_AUTH,
+    ) -> FrameBounds:
         payload = payload_bytes_max(append_batch_bytes, dump_chunk_bytes, command_bytes_max)
         return cls(before_auth, frame_bytes_max(payload, sealed), payload)
 

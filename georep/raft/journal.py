@@ -170,17 +170,26 @@ class DurableJournal(Journal):  # type: ignore[misc]  # pysyncobj has no type hi
             if parsed is None:
                 synced_at = _synced_past(data, pos)
                 if synced_at is not None:
-                    raise _damaged(self._path, f"the record at byte {pos} does not check, and the record at byte "
-                                               f"{synced_at} says the file was synced past it")  # fmt: skip
-                logger.warning("Raft journal %s: cut %d bytes at byte %d that do not check (a write that a crash "
-                               "cut short, never acknowledged)", self._path, len(data) - pos, pos)  # fmt: skip
+                    raise _damaged(
+                        self._path,
+                        f"the record at byte {pos} does not check, and the record at byte "
+                        f"{synced_at} says the file was synced past it",
+                    )
+                logger.warning(
+                    "Raft journal %s: cut %d bytes at byte %d that do not check (a write that a crash "
+                    "cut short, never acknowledged)",
+                    self._path,
+                    len(data) - pos,
+                    pos,
+                )
                 os.ftruncate(fd, pos)
                 os.fdatasync(fd)
                 break
             _, index, term, command, end = parsed
             if self._entries and index != self._entries[-1][1] + 1:
-                raise _damaged(self._path, f"the record at byte {pos} holds entry {index} after entry "
-                                           f"{self._entries[-1][1]}")  # fmt: skip
+                raise _damaged(
+                    self._path, f"the record at byte {pos} holds entry {index} after entry {self._entries[-1][1]}"
+                )
             self._entries.append((command, index, term))
             self._offsets.append(pos)
             pos = end
@@ -192,8 +201,11 @@ class DurableJournal(Journal):  # type: ignore[misc]  # pysyncobj has no type hi
     def _fail(self, what: str, error: OSError) -> JournalFailed:
         failed = JournalFailed(error.errno, f"{what} the Raft journal {self._path} failed: {error.strerror or error}")
         if self._failed is None:
-            logger.critical("%s. This node stops taking part in its site's metadata (a write it answered for may "
-                            "not be on disk): check the disk, then restart the node", failed)  # fmt: skip
+            logger.critical(
+                "%s. This node stops taking part in its site's metadata (a write it answered for may "
+                "not be on disk): check the disk, then restart the node",
+                failed,
+            )
             self._failed = failed
         return failed
 
@@ -340,8 +352,11 @@ def _read_meta(path: Path) -> dict[str, Any]:
         if not isinstance(doc, dict) or doc.get("format") != META_FORMAT or doc.get("version") != FORMAT_VERSION:
             raise ValueError(f"not a {META_FORMAT} file of version {FORMAT_VERSION}")
         term, voted_for, commit_index = doc["term"], doc["voted_for"], doc["commit_index"]
-        if not (isinstance(term, int) and isinstance(commit_index, int) and (voted_for is None
-                                                                             or isinstance(voted_for, str))):
+        if not (
+            isinstance(term, int)
+            and isinstance(commit_index, int)
+            and (voted_for is None or isinstance(voted_for, str))
+        ):
             raise ValueError(f"term {term!r}, voted_for {voted_for!r}, commit_index {commit_index!r}")
     except (OSError, ValueError, KeyError) as e:
         raise _damaged(path, str(e)) from None
@@ -390,10 +405,15 @@ def _upgrade_pysyncobj_journal(directory: Path) -> None:
         if not isinstance(meta, dict):
             meta = {}
         voted_for = meta.get("votedForNodeId")
-        _write_meta(directory / META_FILE, {"term": int(meta.get("currentTerm", 0)),
-                                            "voted_for": None if voted_for is None else str(voted_for),
-                                            "commit_index": int(meta.get("raftCommitIndex", 1))},
-                    sync_directory=True)  # fmt: skip
+        _write_meta(
+            directory / META_FILE,
+            {
+                "term": int(meta.get("currentTerm", 0)),
+                "voted_for": None if voted_for is None else str(voted_for),
+                "commit_index": int(meta.get("raftCommitIndex", 1)),
+            },
+            sync_directory=True,
+        )
         entries = _read_pysyncobj_journal(old) if old.exists() else []
         records = HEADER + b"".join(_record(bytes(c), i, t, 0) for c, i, t in entries)
         replace_file(new, records)

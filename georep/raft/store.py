@@ -203,12 +203,14 @@ _RAFT_CANDIDATE = 1  # pysyncobj's _RAFT_STATE values, as onStateChanged passes 
 _RAFT_LEADER = 2
 
 # pysyncobj failures after which the command is certainly not in any log: retry within the timeout.
-_NOT_IN_LOG = frozenset({
-    FAIL_REASON.QUEUE_FULL,  # never queued
-    FAIL_REASON.MISSING_LEADER,  # no leader known: never sent
-    FAIL_REASON.NOT_LEADER,  # sent to a node that is no longer the leader: it did not append it
-    FAIL_REASON.DISCARDED,  # appended, then overwritten by a new leader's log: never applied
-})  # fmt: skip
+_NOT_IN_LOG = frozenset(
+    {
+        FAIL_REASON.QUEUE_FULL,  # never queued
+        FAIL_REASON.MISSING_LEADER,  # no leader known: never sent
+        FAIL_REASON.NOT_LEADER,  # sent to a node that is no longer the leader: it did not append it
+        FAIL_REASON.DISCARDED,  # appended, then overwritten by a new leader's log: never applied
+    }
+)
 
 
 class MetadataUnavailable(Exception):
@@ -241,7 +243,7 @@ class CommandTooLarge(ValueError):
         self.size = size
         super().__init__(
             f"the {what} encodes to {size} bytes, over the {COMMAND_BYTES_MAX} bytes a metadata command may take "
-            "(every message on the site's Raft port is bounded: docs/cluster.md, \"Metadata: what survives what\"); "
+            '(every message on the site\'s Raft port is bounded: docs/cluster.md, "Metadata: what survives what"); '
             "it cannot be stored: make it smaller (fewer or shorter names)"
         )
 
@@ -277,18 +279,31 @@ class RaftTiming:
         # pysyncobj checks these with assert (gone under python -O); say which setting is wrong instead
         rules = [
             (self.heartbeat_interval_s > 0, "heartbeat_interval_s must be positive"),
-            (self.election_timeout_min_s > 3 * self.heartbeat_interval_s,
-             "election_timeout_min_s must exceed 3 * heartbeat_interval_s"),
-            (self.election_timeout_max_s > self.election_timeout_min_s,
-             "election_timeout_max_s must exceed election_timeout_min_s"),
-            (self.connection_timeout_s >= self.election_timeout_max_s,
-             "connection_timeout_s must be at least election_timeout_max_s"),
-            (self.leader_step_down_s > self.heartbeat_interval_s,
-             "leader_step_down_s must exceed heartbeat_interval_s"),
-            (self.reconnect_interval_s >= 0 and self.tick_s > 0 and self.write_timeout_s > 0
-             and self.retry_interval_s > 0 and self.close_snapshot_timeout_s >= 0,
-             "intervals and timeouts must be positive"),
-        ]  # fmt: skip
+            (
+                self.election_timeout_min_s > 3 * self.heartbeat_interval_s,
+                "election_timeout_min_s must exceed 3 * heartbeat_interval_s",
+            ),
+            (
+                self.election_timeout_max_s > self.election_timeout_min_s,
+                "election_timeout_max_s must exceed election_timeout_min_s",
+            ),
+            (
+                self.connection_timeout_s >= self.election_timeout_max_s,
+                "connection_timeout_s must be at least election_timeout_max_s",
+            ),
+            (
+                self.leader_step_down_s > self.heartbeat_interval_s,
+                "leader_step_down_s must exceed heartbeat_interval_s",
+            ),
+            (
+                self.reconnect_interval_s >= 0
+                and self.tick_s > 0
+                and self.write_timeout_s > 0
+                and self.retry_interval_s > 0
+                and self.close_snapshot_timeout_s >= 0,
+                "intervals and timeouts must be positive",
+            ),
+        ]
         for ok, rule in rules:
             if not ok:
                 raise ValueError(f"invalid Raft timing {self}: {rule}")
@@ -301,9 +316,14 @@ class RaftTiming:
         if session_timeout_ms >= 3_000:
             return cls()
         election_min_s = max(0.15, session_timeout_ms / 5_000)
-        return cls(election_timeout_min_s=election_min_s, election_timeout_max_s=2 * election_min_s,
-                   heartbeat_interval_s=election_min_s / 4, connection_timeout_s=max(1.0, 2 * election_min_s),
-                   reconnect_interval_s=0.2, leader_step_down_s=max(1.0, session_timeout_ms / 1_000))  # fmt: skip
+        return cls(
+            election_timeout_min_s=election_min_s,
+            election_timeout_max_s=2 * election_min_s,
+            heartbeat_interval_s=election_min_s / 4,
+            connection_timeout_s=max(1.0, 2 * election_min_s),
+            reconnect_interval_s=0.2,
+            leader_step_down_s=max(1.0, session_timeout_ms / 1_000),
+        )
 
     def conf_kwargs(self) -> dict[str, Any]:
         return {
@@ -415,7 +435,7 @@ def ask_group(address: str, timeout_s: float = ASK_TIMEOUT_S, password: bytes | 
         return None
     prefix = "partner_node_status_server_"
     self_address = str(status["self"])
-    members = {self_address, *(key[len(prefix):] for key in status if isinstance(key, str) and key.startswith(prefix))}
+    members = {self_address, *(key[len(prefix) :] for key in status if isinstance(key, str) and key.startswith(prefix))}
     leader = status.get("leader")
     return GroupView(self_address, None if leader is None else str(leader), frozenset(members))
 
@@ -433,9 +453,14 @@ def _check_bindable(address: str) -> None:
         ) from None
 
 
-def join_running_group(self_address: str, partner_addresses: Iterable[str], data_dir: Path,
-                       timeout_s: float = JOIN_TIMEOUT_S, ask_timeout_s: float = ASK_TIMEOUT_S,
-                       password: bytes | None = None) -> list[str]:  # fmt: skip
+def join_running_group(
+    self_address: str,
+    partner_addresses: Iterable[str],
+    data_dir: Path,
+    timeout_s: float = JOIN_TIMEOUT_S,
+    ask_timeout_s: float = ASK_TIMEOUT_S,
+    password: bytes | None = None,
+) -> list[str]:
     """Before :class:`RaftMetadataStore` starts on a node: if the site's Raft group already runs without this node,
     have its leader add it (pysyncobj's ``addNodeToCluster``, one member at a time) and wait until that is committed.
 
@@ -460,8 +485,11 @@ def join_running_group(self_address: str, partner_addresses: Iterable[str], data
         step = join_step(self_address, False, views)
         if step is JoinStep.START:
             if views and any(self_address not in v.members for v in views):
-                logger.info("Raft node %s is a member of the running group now (%s)", self_address,
-                            ", ".join(sorted(v.answered_by for v in views if self_address in v.members)))  # fmt: skip
+                logger.info(
+                    "Raft node %s is a member of the running group now (%s)",
+                    self_address,
+                    ", ".join(sorted(v.answered_by for v in views if self_address in v.members)),
+                )
             return [a for a in known if a != self_address]
         if step is JoinStep.WAIT:
             why = f"members {', '.join(v.answered_by for v in views)} know of no Raft leader"
@@ -470,15 +498,22 @@ def join_running_group(self_address: str, partner_addresses: Iterable[str], data
                 _check_bindable(self_address)
                 checked_bind = True
             leader = next(v.leader for v in views if v.leader is not None)
-            logger.info("Raft node %s: the site's running group (%s) does not count it; asking leader %s to add it",
-                        self_address, ", ".join(sorted({m for v in views for m in v.members})), leader)  # fmt: skip
+            logger.info(
+                "Raft node %s: the site's running group (%s) does not count it; asking leader %s to add it",
+                self_address,
+                ", ".join(sorted({m for v in views for m in v.members})),
+                leader,
+            )
             answer = _utility(leader, ["add", self_address], ask_timeout_s, password)
             if isinstance(answer, str) and answer.startswith("SUCCESS"):
                 logger.info("Raft node %s was added to the site's group by %s", self_address, leader)
                 return [a for a in known if a != self_address]
             # FAIL: the leader changed, or another change is not committed yet (one at a time): ask again
-            why = f"leader {leader} answered {answer!r} to adding it" if answer is not None else \
-                f"leader {leader} did not answer in {ask_timeout_s:g} s"
+            why = (
+                f"leader {leader} answered {answer!r} to adding it"
+                if answer is not None
+                else f"leader {leader} did not answer in {ask_timeout_s:g} s"
+            )
         if time.monotonic() >= deadline:
             raise JoinFailed(
                 f"Raft node {self_address} is not a member of its site's running Raft group and could not be added "
@@ -532,7 +567,10 @@ class _CheckedEncryptor:
         logger.warning(
             "Raft node %s refused %d message(s) not sealed with this node's Raft secret and closed the connection: "
             "a node of this site started with another --raft-secret-file (every node of a site needs the same "
-            "file, made by 'georep certs init'), or a process that is not a node of this site", self._me, count)
+            "file, made by 'georep certs init'), or a process that is not a node of this site",
+            self._me,
+            count,
+        )
 
 
 def _command_bytes(raw: dict[str, Any]) -> int:
@@ -578,8 +616,12 @@ def _read_dump(path: Path) -> _Dump:
         cluster = raft["cluster"]
         if not (isinstance(cluster, list) and all(isinstance(a, str) for a in cluster)):
             raise ValueError("'raft.cluster' must be a list of addresses")
-        return _Dump(SiteState.restore(doc["state"]), _entry_from_json(raft["last_applied"]),
-                     _entry_from_json(raft["previous"]), cluster)  # fmt: skip
+        return _Dump(
+            SiteState.restore(doc["state"]),
+            _entry_from_json(raft["last_applied"]),
+            _entry_from_json(raft["previous"]),
+            cluster,
+        )
     except (OSError, ValueError, KeyError, TypeError, InvalidSnapshot) as e:
         raise RaftStartError(
             f"cannot read the metadata dump {path}: {e}. If the other nodes of the site hold the metadata, stop this "
@@ -666,13 +708,19 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
     in other threads take ``_state_lock``.
     """
 
-    def __init__(self, self_address: str, partners: list[str], conf: dict[str, Any], dump_path: Path,
-                 initial: _Dump | None, transport_class: Callable[..., Any],
-                 rejoining: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        self_address: str,
+        partners: list[str],
+        conf: dict[str, Any],
+        dump_path: Path,
+        initial: _Dump | None,
+        transport_class: Callable[..., Any],
+        rejoining: bool = False,
+    ) -> None:
         password = conf.get("password")
         # before SyncObj.__init__: it connects to the partners with this (pysyncobj reads :attr:`encryptor`)
-        self._checked_encryptor = None if password is None else _CheckedEncryptor(getEncryptor(password),
-                                                                                  self_address)  # fmt: skip
+        self._checked_encryptor = None if password is None else _CheckedEncryptor(getEncryptor(password), self_address)
         self._state_lock = threading.Lock()
         self._site_state = initial.state if initial is not None else SiteState()
         self._dumped_index = initial.last_applied[1] if initial is not None else 0
@@ -682,8 +730,9 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         self._first_timeout: bool | None = rejoining  # until the first timeout is drawn: whether this node ran before
         self.leader_since: float | None = None  # time.monotonic() when this replica became the leader; None: it is not
         self.on_change: Callable[[], None] | None = None  # called in the tick thread after each applied command
-        syncobj_conf = SyncObjConf(serializer=self._write_dump, deserializer=self._read_dump,
-                                   onStateChanged=self._state_changed, **conf)  # fmt: skip
+        syncobj_conf = SyncObjConf(
+            serializer=self._write_dump, deserializer=self._read_dump, onStateChanged=self._state_changed, **conf
+        )
         super().__init__(self_address, partners, syncobj_conf, transportClass=transport_class)
         # The tick thread sleeps 0.1 s before its first tick, so no transfer can have started yet.
         self._SyncObj__serializer.__class__ = _ClosingSerializer
@@ -725,8 +774,9 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
             self._last_leader = str(leader.address)
         conf = self.conf
         members = [str(node.address) for node in self.otherNodes]
-        timeout_s = election_timeout_s(self._me, self._last_leader, members, conf.raftMinTimeout, conf.raftMaxTimeout,
-                                       random.random())  # fmt: skip
+        timeout_s = election_timeout_s(
+            self._me, self._last_leader, members, conf.raftMinTimeout, conf.raftMaxTimeout, random.random()
+        )
         rejoining, self._first_timeout = self._first_timeout, None
         if rejoining is None:
             return timeout_s
@@ -803,16 +853,19 @@ class _Outcome:
 def _open_journal(raft_dir: Path, journal_sync: bool) -> DurableJournal | None:
     if not journal_sync:
         if (raft_dir / JOURNAL_FILE).exists():
-            raise RaftStartError(f"{raft_dir} holds a fsynced journal ({JOURNAL_FILE}); journal_sync=False would "
-                                 "start from another one: use a fresh data dir")  # fmt: skip
+            raise RaftStartError(
+                f"{raft_dir} holds a fsynced journal ({JOURNAL_FILE}); journal_sync=False would "
+                "start from another one: use a fresh data dir"
+            )
         return None
     try:
         return DurableJournal(raft_dir)
     except JournalDamaged as e:
         raise RaftStartError(str(e)) from None
     except OSError as e:
-        raise RaftStartError(f"cannot open the Raft journal in {raft_dir}: {e.strerror or e}; check the data dir's "
-                             "disk and permissions") from None
+        raise RaftStartError(
+            f"cannot open the Raft journal in {raft_dir}: {e.strerror or e}; check the data dir's disk and permissions"
+        ) from None
 
 
 class RaftMetadataStore:
@@ -830,9 +883,16 @@ class RaftMetadataStore:
     that measure what the fsyncs cost (``bench/metadata.py``), never for a node. A data dir keeps one kind of journal.
     """
 
-    def __init__(self, self_address: str, partner_addresses: Iterable[str], data_dir: Path,
-                 timing: RaftTiming | None = None, password: bytes | None = None,
-                 port_limits: RaftPortLimits | None = None, journal_sync: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        self_address: str,
+        partner_addresses: Iterable[str],
+        data_dir: Path,
+        timing: RaftTiming | None = None,
+        password: bytes | None = None,
+        port_limits: RaftPortLimits | None = None,
+        journal_sync: bool = True,
+    ) -> None:
         self._timing = timing or RaftTiming()
         self._self_address = _check_raft_address(self_address)
         partners = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
@@ -863,8 +923,11 @@ class RaftMetadataStore:
         with warnings.catch_warnings():
             # pysyncobj 0.3.17 reads the journal's .meta file with open(...).read() and never closes it
             warnings.filterwarnings("ignore", category=ResourceWarning, message=r"unclosed file .*\.meta'>")
-            transport = functools.partial(GuardedTransport, limits=port_limits or RaftPortLimits(),
-                                          journal_sync=raft_log.sync if raft_log is not None else None)  # fmt: skip
+            transport = functools.partial(
+                GuardedTransport,
+                limits=port_limits or RaftPortLimits(),
+                journal_sync=raft_log.sync if raft_log is not None else None,
+            )
             try:
                 replica = _Replica(self_address, partners, conf, dump_path, initial, transport, rejoining)
             except BaseException:
@@ -953,8 +1016,10 @@ class RaftMetadataStore:
                 if outcome.error == FAIL_REASON.SUCCESS:
                     result = outcome.result
                     if not isinstance(result, Applied | Refused):
-                        raise CommitUnconfirmed(f"the {what} was committed but gave no result ({result!r}): "
-                                                "read the state to see its effect")  # fmt: skip
+                        raise CommitUnconfirmed(
+                            f"the {what} was committed but gave no result ({result!r}): "
+                            "read the state to see its effect"
+                        )
                     return result
                 if outcome.error not in _NOT_IN_LOG:
                     reachable, unreachable = self._reachability()
@@ -1033,10 +1098,16 @@ class RaftMetadataStore:
 
     def status(self) -> RaftStatus:
         reachable, unreachable = self._reachability()
-        return RaftStatus(self._self_address, self.leader_address, self.is_leader, reachable,
-                          reachable + len(unreachable),
-                          int(self._replica.raftLastApplied), int(self._replica.raftCommitIndex),
-                          int(self._replica.raftCurrentTerm))  # fmt: skip
+        return RaftStatus(
+            self._self_address,
+            self.leader_address,
+            self.is_leader,
+            reachable,
+            reachable + len(unreachable),
+            int(self._replica.raftLastApplied),
+            int(self._replica.raftCommitIndex),
+            int(self._replica.raftCurrentTerm),
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -1067,8 +1138,11 @@ class RaftMetadataStore:
         deadline = time.monotonic() + self._timing.close_snapshot_timeout_s
         while self._replica.dumped_index() < target:
             if time.monotonic() >= deadline:
-                logger.warning("Raft node %s: no dump of the metadata within %g s before closing; the journal has it",
-                               self._self_address, self._timing.close_snapshot_timeout_s)  # fmt: skip
+                logger.warning(
+                    "Raft node %s: no dump of the metadata within %g s before closing; the journal has it",
+                    self._self_address,
+                    self._timing.close_snapshot_timeout_s,
+                )
                 return
             time.sleep(0.01)
 

@@ -81,8 +81,17 @@ class RaftPortLimits:
     backlog: int = 128
 
     def __post_init__(self) -> None:
-        if min(self.pending_connections_max, self.connections_max, self.reads_per_event, self.accepts_per_event,
-               self.backlog) < 1 or self.handshake_timeout_s <= 0:  # fmt: skip
+        if (
+            min(
+                self.pending_connections_max,
+                self.connections_max,
+                self.reads_per_event,
+                self.accepts_per_event,
+                self.backlog,
+            )
+            < 1
+            or self.handshake_timeout_s <= 0
+        ):
             raise ValueError(f"invalid Raft port limits {self}: every limit must be positive")
 
 
@@ -106,10 +115,21 @@ class GuardedConnection:
     frame or message closes the connection, before it closes.
     """
 
-    def __init__(self, poller: Any, bounds: FrameBounds, on_refused: Callable[[GuardedConnection, str], None], *,
-                 sock: socket.socket | None = None, peer: str = "", trusted: bool = False, timeout_s: float = 10.0,
-                 send_buffer_bytes: int = 1 << 16, recv_buffer_bytes: int = 1 << 16,
-                 keepalive: tuple[int, int, int] | None = None, reads_per_event: int = 16) -> None:  # fmt: skip
+    def __init__(
+        self,
+        poller: Any,
+        bounds: FrameBounds,
+        on_refused: Callable[[GuardedConnection, str], None],
+        *,
+        sock: socket.socket | None = None,
+        peer: str = "",
+        trusted: bool = False,
+        timeout_s: float = 10.0,
+        send_buffer_bytes: int = 1 << 16,
+        recv_buffer_bytes: int = 1 << 16,
+        keepalive: tuple[int, int, int] | None = None,
+        reads_per_event: int = 16,
+    ) -> None:
         # read and written by pysyncobj's TCPTransport (the handshake of a port with a secret)
         self.sendRandKey: Any = None
         self.recvRandKey: Any = None
@@ -215,9 +235,13 @@ class GuardedConnection:
         if self.encryptor:
             data = self.encryptor.encrypt_at_time(data, int(syncobj_clock()))
         if len(data) > self._bounds.after_auth:
-            logger.error("a Raft message of %d bytes to %s is over the %d bytes a member accepts: the peer will "
-                         "close the connection (a command larger than georep allows?)", len(data), self.peer,
-                         self._bounds.after_auth)  # fmt: skip
+            logger.error(
+                "a Raft message of %d bytes to %s is over the %d bytes a member accepts: the peer will "
+                "close the connection (a command larger than georep allows?)",
+                len(data),
+                self.peer,
+                self._bounds.after_auth,
+            )
         self._write_buffer += _HEADER.pack(len(data))
         self._write_buffer += data
         self._try_send()
@@ -293,8 +317,11 @@ class GuardedConnection:
         runs at each tick, never on a send or a read, so it drops no message. A process that dies closes its
         connections at once; this catches a peer whose host went silent."""
         since = self._unanswered_since
-        if self._state != CONNECTION_STATE.DISCONNECTED and since is not None \
-                and syncobj_clock() - since > self._timeout_s:  # fmt: skip
+        if (
+            self._state != CONNECTION_STATE.DISCONNECTED
+            and since is not None
+            and syncobj_clock() - since > self._timeout_s
+        ):
             self.disconnect()
 
     def _try_send(self) -> None:
@@ -388,8 +415,16 @@ class GuardedServer:
     """pysyncobj's ``TcpServer``: the listening socket, accepting a bounded number of connections per event and
     handing each socket to ``on_accepted(sock, peer)``."""
 
-    def __init__(self, poller: Any, host: str, port: int, on_accepted: Callable[[socket.socket, str], None],
-                 limits: RaftPortLimits, send_buffer_bytes: int, recv_buffer_bytes: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        poller: Any,
+        host: str,
+        port: int,
+        on_accepted: Callable[[socket.socket, str], None],
+        limits: RaftPortLimits,
+        send_buffer_bytes: int,
+        recv_buffer_bytes: int,
+    ) -> None:
         self._poller = poller
         self._host = host
         self._port = int(port)
@@ -468,8 +503,10 @@ class _RefusalLog:
         logger.log(level, "Raft node %s closed %d connection(s) to its Raft port: %s", self._me, count, detail)
 
 
-_STRANGER = ("; a process without the site's Raft secret is probing or flooding the port, which should be "
-             "reachable from the site's nodes only")  # fmt: skip
+_STRANGER = (
+    "; a process without the site's Raft secret is probing or flooding the port, which should be "
+    "reachable from the site's nodes only"
+)
 
 
 def _is_append(message: Any) -> bool:
@@ -489,8 +526,15 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
     held messages of the module docstring. Build it through ``SyncObj(transportClass=functools.partial(
     GuardedTransport, limits=..., journal_sync=...))``."""
 
-    def __init__(self, syncObj: Any, selfNode: Any, otherNodes: Any, *, limits: RaftPortLimits,
-                 journal_sync: Callable[[], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        syncObj: Any,
+        selfNode: Any,
+        otherNodes: Any,
+        *,
+        limits: RaftPortLimits,
+        journal_sync: Callable[[], None] | None = None,
+    ) -> None:
         # before TCPTransport.__init__: it calls addNode and _createServer
         self._limits = limits
         self._bounds = FrameBounds.for_port(sealed=syncObj.encryptor is not None)
@@ -520,9 +564,16 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
     def _new_connection(self, sock: socket.socket | None, peer: str, trusted: bool) -> GuardedConnection:
         conf = self._syncObj.conf
         return GuardedConnection(
-            self._syncObj._poller, self._bounds, self._on_refused, sock=sock, peer=peer, trusted=trusted,
-            timeout_s=conf.connectionTimeout, send_buffer_bytes=conf.sendBufferSize,
-            recv_buffer_bytes=conf.recvBufferSize, keepalive=conf.tcp_keepalive,
+            self._syncObj._poller,
+            self._bounds,
+            self._on_refused,
+            sock=sock,
+            peer=peer,
+            trusted=trusted,
+            timeout_s=conf.connectionTimeout,
+            send_buffer_bytes=conf.sendBufferSize,
+            recv_buffer_bytes=conf.recvBufferSize,
+            keepalive=conf.tcp_keepalive,
             reads_per_event=self._limits.reads_per_event,
         )
 
@@ -534,8 +585,15 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
             host = "::" if ":" in host else "0.0.0.0"
         if host not in ("0.0.0.0", "::"):
             host = globalDnsResolver().resolve(host)
-        self._server = GuardedServer(self._syncObj._poller, host, int(port), self._on_accepted, self._limits,
-                                     conf.sendBufferSize, conf.recvBufferSize)  # fmt: skip
+        self._server = GuardedServer(
+            self._syncObj._poller,
+            host,
+            int(port),
+            self._on_accepted,
+            self._limits,
+            conf.sendBufferSize,
+            conf.recvBufferSize,
+        )
 
     def addNode(self, node: Any) -> None:
         self._nodes.add(node)
@@ -552,14 +610,20 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
     def _on_accepted(self, sock: socket.socket, peer: str) -> None:
         if len(self._accepted) >= self._limits.connections_max:
             sock.close()
-            self._refusals.note("connections", logging.WARNING,
-                                f"{self._limits.connections_max} connections open already (the last from {peer})")
+            self._refusals.note(
+                "connections",
+                logging.WARNING,
+                f"{self._limits.connections_max} connections open already (the last from {peer})",
+            )
             return
         if len(self._pending) >= self._limits.pending_connections_max:
             oldest = next(iter(self._pending))
-            self._refusals.note("pending", logging.WARNING,
-                                f"{self._limits.pending_connections_max} connections had not authenticated: the "
-                                f"oldest (from {oldest.peer}) made room for a new one" + _STRANGER)  # fmt: skip
+            self._refusals.note(
+                "pending",
+                logging.WARNING,
+                f"{self._limits.pending_connections_max} connections had not authenticated: the "
+                f"oldest (from {oldest.peer}) made room for a new one" + _STRANGER,
+            )
             oldest.disconnect()
             self._pending.pop(oldest, None)
             self._accepted.discard(oldest)
@@ -580,21 +644,28 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
 
     def _on_refused(self, conn: GuardedConnection, why: str) -> None:
         if not conn.authenticated:
-            self._refusals.note("frame-before-auth", logging.WARNING,
-                                f"{why} before authentication (from {conn.peer})" + _STRANGER)  # fmt: skip
+            self._refusals.note(
+                "frame-before-auth", logging.WARNING, f"{why} before authentication (from {conn.peer})" + _STRANGER
+            )
         else:
-            self._refusals.note("frame", logging.ERROR,
-                                f"{why} from {conn.peer}, which holds the site's Raft secret: a node of another "
-                                "georep version, or a bug (a message larger than georep's bound)")  # fmt: skip
+            self._refusals.note(
+                "frame",
+                logging.ERROR,
+                f"{why} from {conn.peer}, which holds the site's Raft secret: a node of another "
+                "georep version, or a bug (a message larger than georep's bound)",
+            )
 
     def _expire_pending(self) -> None:
         deadline = time.monotonic() - self._limits.handshake_timeout_s
         for conn in list(self._pending):
             if conn.opened_at > deadline:
                 break  # oldest first
-            self._refusals.note("handshake", logging.WARNING,
-                                f"not a member's {self._limits.handshake_timeout_s:g} s after it was accepted "
-                                f"(from {conn.peer})" + _STRANGER)  # fmt: skip
+            self._refusals.note(
+                "handshake",
+                logging.WARNING,
+                f"not a member's {self._limits.handshake_timeout_s:g} s after it was accepted "
+                f"(from {conn.peer})" + _STRANGER,
+            )
             conn.disconnect()
             self._pending.pop(conn, None)
 

@@ -220,9 +220,23 @@ def parse_header(buf: bytes | bytearray | memoryview, pos: int = 0) -> BatchHead
         raise CorruptBatch(f"batch at byte {pos} has records_count {f[15]} and last_offset_delta {f[9]}")
     site = f[6].rstrip(b"\0").decode("ascii", "replace")
     return BatchHeader(
-        LocalOffset(f[0]), f[1], f[2], f[3], f[4], f[5], SiteId(site), f[7], OriginSeq(f[8]),
-        f[9], f[10], f[11], f[12], f[13], f[14], f[15],
-    )  # fmt: skip
+        LocalOffset(f[0]),
+        f[1],
+        f[2],
+        f[3],
+        f[4],
+        f[5],
+        SiteId(site),
+        f[7],
+        OriginSeq(f[8]),
+        f[9],
+        f[10],
+        f[11],
+        f[12],
+        f[13],
+        f[14],
+        f[15],
+    )
 
 
 def compute_crc(batch: bytes | bytearray | memoryview) -> int:
@@ -355,10 +369,23 @@ def encode_batch(
     epoch = origin.epoch if origin else 0
     count = len(records)
     head = HEADER.pack(
-        0, HEADER_BYTES - LENGTH_PREFIX_BYTES + len(body), 0, 0, MAGIC, int(compression),
-        site, epoch, base_origin_seq, count - 1, first_ts, max_ts,
-        producer_id, producer_epoch, base_sequence, count,
-    )  # fmt: skip
+        0,
+        HEADER_BYTES - LENGTH_PREFIX_BYTES + len(body),
+        0,
+        0,
+        MAGIC,
+        int(compression),
+        site,
+        epoch,
+        base_origin_seq,
+        count - 1,
+        first_ts,
+        max_ts,
+        producer_id,
+        producer_epoch,
+        base_sequence,
+        count,
+    )
     crc = crc32c.crc32c(head[CRC_START:])
     crc = crc32c.crc32c(body, crc)
     return head[:20] + struct.pack(">I", crc) + head[24:] + body
@@ -369,8 +396,10 @@ def walk_records(body: bytes | memoryview, count: int, first_timestamp: int, max
     delta. Raises :class:`InvalidBatch` naming the record and the byte where it goes wrong."""
     end = len(body)
     if count > end // _RECORD_MIN_BYTES:
-        raise InvalidBatch(f"records_count {count} cannot fit in a records section of {end} bytes (a record takes "
-                           f"at least {_RECORD_MIN_BYTES})")  # fmt: skip
+        raise InvalidBatch(
+            f"records_count {count} cannot fit in a records section of {end} bytes (a record takes "
+            f"at least {_RECORD_MIN_BYTES})"
+        )
     unpack_head = RECORD_HEAD.unpack_from
     unpack_i32 = _I32.unpack_from
     low = -first_timestamp  # every record timestamp in [0, max_timestamp]
@@ -382,8 +411,15 @@ def walk_records(body: bytes | memoryview, count: int, first_timestamp: int, max
             length, attributes, ts_delta, offset_delta, key_length = unpack_head(body, pos)
             rec_end = pos + 4 + length
             p = pos + _HEAD_BYTES + (key_length if key_length > 0 else 0)
-            if (length < _RECORD_MIN_BYTES - 4 or rec_end > end or attributes or offset_delta != index
-                    or not low <= ts_delta <= high or key_length < -1 or p + 8 > rec_end):  # fmt: skip
+            if (
+                length < _RECORD_MIN_BYTES - 4
+                or rec_end > end
+                or attributes
+                or offset_delta != index
+                or not low <= ts_delta <= high
+                or key_length < -1
+                or p + 8 > rec_end
+            ):
                 raise _explain(body, pos, index, low, high)
             if ts_delta > top:
                 top = ts_delta
@@ -403,14 +439,18 @@ def walk_records(body: bytes | memoryview, count: int, first_timestamp: int, max
     except struct.error:  # only past the section's end, which the bounds above keep it from reaching
         raise _explain(body, pos, index, low, high) from None
     if pos != end:
-        raise InvalidBatch(f"{end - pos} bytes follow the last of the {count} records (at byte {pos} of the "
-                           "records section)")  # fmt: skip
+        raise InvalidBatch(
+            f"{end - pos} bytes follow the last of the {count} records (at byte {pos} of the records section)"
+        )
     if count and _first_delta(body) != 0:
-        raise InvalidBatch(f"the first record's timestamp_delta is {_first_delta(body)}: first_timestamp must be "
-                           "the first record's timestamp")  # fmt: skip
+        raise InvalidBatch(
+            f"the first record's timestamp_delta is {_first_delta(body)}: first_timestamp must be "
+            "the first record's timestamp"
+        )
     if top != high:
-        raise InvalidBatch(f"max_timestamp is {max_timestamp} but the largest record timestamp is "
-                           f"{first_timestamp + top}")  # fmt: skip
+        raise InvalidBatch(
+            f"max_timestamp is {max_timestamp} but the largest record timestamp is {first_timestamp + top}"
+        )
     return min_delta
 
 
@@ -449,8 +489,10 @@ def _explain(body: bytes | memoryview, pos: int, index: int, low: int, high: int
     end = len(body)
     where = f"record {index} (byte {pos} of the records section)"
     if end - pos < _RECORD_MIN_BYTES:
-        return InvalidBatch(f"{where}: only {end - pos} bytes of the records section are left, fewer than a record "
-                            "takes; records_count says more records follow")  # fmt: skip
+        return InvalidBatch(
+            f"{where}: only {end - pos} bytes of the records section are left, fewer than a record "
+            "takes; records_count says more records follow"
+        )
     length, attributes, ts_delta, offset_delta, key_length = RECORD_HEAD.unpack_from(body, pos)
     rec_end = pos + 4 + length
     if length < _RECORD_MIN_BYTES - 4 or rec_end > end:
@@ -460,8 +502,10 @@ def _explain(body: bytes | memoryview, pos: int, index: int, low: int, high: int
     if offset_delta != index:
         return InvalidBatch(f"{where} has offset_delta {offset_delta}: a batch's offset deltas run 0..n-1")
     if not low <= ts_delta <= high:
-        return InvalidBatch(f"{where} has timestamp_delta {ts_delta}: its timestamp {ts_delta - low} is outside "
-                            f"0..max_timestamp ({high - low})")  # fmt: skip
+        return InvalidBatch(
+            f"{where} has timestamp_delta {ts_delta}: its timestamp {ts_delta - low} is outside "
+            f"0..max_timestamp ({high - low})"
+        )
     p = pos + _HEAD_BYTES + max(key_length, 0)
     if key_length < -1 or p + 8 > rec_end:
         return InvalidBatch(f"{where} has key_length {key_length}, outside the record")
@@ -482,8 +526,9 @@ def decompress_records(header: BatchHeader, body: bytes | memoryview, limit_byte
         raise InvalidBatch(str(exc)) from None
 
 
-def decode_records(batch: bytes | memoryview, header: BatchHeader | None = None,
-                   limit_bytes: int = READ_RECORDS_BYTES_MAX) -> list[Record]:  # fmt: skip
+def decode_records(
+    batch: bytes | memoryview, header: BatchHeader | None = None, limit_bytes: int = READ_RECORDS_BYTES_MAX
+) -> list[Record]:
     """Decode every record of one (already CRC-checked) batch, decompressing at most ``limit_bytes``.
 
     The records are checked first (:func:`walk_records`, the same checks a site makes before it stores a
@@ -496,8 +541,10 @@ def decode_records(batch: bytes | memoryview, header: BatchHeader | None = None,
     try:
         walk_records(body, header.records_count, header.first_timestamp, header.max_timestamp)
     except InvalidBatch as exc:
-        raise InvalidBatch(f"batch at offset {header.base_offset} ({header.origin} origin seqs "
-                           f"{header.base_origin_seq}..{header.last_origin_seq}): {exc}") from None  # fmt: skip
+        raise InvalidBatch(
+            f"batch at offset {header.base_offset} ({header.origin} origin seqs "
+            f"{header.base_origin_seq}..{header.last_origin_seq}): {exc}"
+        ) from None
     origin = header.origin
     base_offset = header.base_offset
     base_seq = header.base_origin_seq
@@ -531,7 +578,16 @@ def decode_records(batch: bytes | memoryview, header: BatchHeader | None = None,
                 hs.append((hk, None if hvl < 0 else b[p : p + hvl]))
                 p += max(hvl, 0)
             headers = tuple(hs)
-        append(Record(LocalOffset(base_offset + delta), origin, OriginSeq(base_seq + delta), first_ts + ts_delta,
-                      key, value, headers))  # fmt: skip
+        append(
+            Record(
+                LocalOffset(base_offset + delta),
+                origin,
+                OriginSeq(base_seq + delta),
+                first_ts + ts_delta,
+                key,
+                value,
+                headers,
+            )
+        )
         pos += 4 + length
     return out

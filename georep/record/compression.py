@@ -92,8 +92,10 @@ def decompress(codec: int, data: bytes | memoryview, limit_bytes: int) -> bytes 
         return decompress_zstd(data, limit_bytes)
     if codec == Compression.LZ4:
         return decompress_lz4(data, limit_bytes)
-    raise DecompressionError(f"unknown compression codec id {codec} in batch attributes (known: "
-                             f"{', '.join(f'{i} {n}' for i, n in sorted(CODEC_NAMES.items()))})")  # fmt: skip
+    raise DecompressionError(
+        f"unknown compression codec id {codec} in batch attributes (known: "
+        f"{', '.join(f'{i} {n}' for i, n in sorted(CODEC_NAMES.items()))})"
+    )
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -147,8 +149,9 @@ def decompress_lz4(data: bytes | memoryview, limit_bytes: int) -> bytes:
         raise DecompressionError(f"records do not decompress as lz4: {exc}") from None
     if len(out) > room:
         if declared:
-            raise DecompressionError(f"records do not decompress as lz4: the frame holds more than the {declared} "
-                                     "bytes it declares")  # fmt: skip
+            raise DecompressionError(
+                f"records do not decompress as lz4: the frame holds more than the {declared} bytes it declares"
+            )
         raise DecompressedTooLarge("lz4", limit_bytes)
     if not dctx.eof:
         raise DecompressionError("records do not decompress as lz4: the lz4 frame is truncated")

@@ -138,13 +138,17 @@ def check_header(batch: bytes | memoryview) -> BatchHeader:
     attributes = header.attributes & 0xFFFF
     if header.compression not in CODEC_NAMES:
         known = ", ".join(f"{i} {n}" for i, n in sorted(CODEC_NAMES.items()))
-        raise InvalidBatch(f"unknown compression codec id {header.compression} in the batch attributes "
-                           f"{attributes:#06x} (known: {known})")  # fmt: skip
+        raise InvalidBatch(
+            f"unknown compression codec id {header.compression} in the batch attributes "
+            f"{attributes:#06x} (known: {known})"
+        )
     if attributes & _RESERVED_ATTRIBUTES:
         raise InvalidBatch(f"reserved bits set in the batch attributes {attributes:#06x}: bits 3-15 must be 0")
     if header.first_timestamp < 0 or header.max_timestamp < 0:
-        raise InvalidBatch(f"negative timestamp in the batch header: first_timestamp {header.first_timestamp}, "
-                           f"max_timestamp {header.max_timestamp}")  # fmt: skip
+        raise InvalidBatch(
+            f"negative timestamp in the batch header: first_timestamp {header.first_timestamp}, "
+            f"max_timestamp {header.max_timestamp}"
+        )
     return header
 
 

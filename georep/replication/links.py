@@ -74,8 +74,9 @@ class LinkManager:
             link.src: InboundLink(link.src) for link in topology.links_sorted() if link.dst == self.site
         }
         # The inbound links cheapest first: the order of the last-resort candidates.
-        self._by_cost = sorted((link for link in topology.links_sorted() if link.dst == self.site),
-                               key=lambda lk: (lk.cost, lk.src))  # fmt: skip
+        self._by_cost = sorted(
+            (link for link in topology.links_sorted() if link.dst == self.site), key=lambda lk: (lk.cost, lk.src)
+        )
         self.partitions: dict[str, int] = {}
         self.local: dict[PartitionKey, dict[Origin, int]] = {}
         # (src, origin site) -> since when src has been seen behind another upstream
@@ -199,7 +200,7 @@ class LinkManager:
             return known
         direct = [
             link.src for link in self._by_cost if link.carries(topic) and self.router.is_link_up(link.src, self.site)
-        ]  # fmt: skip
+        ]
         if origin_site == self.site:
             order = tuple(direct)
         else:

@@ -250,8 +250,7 @@ class PullSession:
             st.gaps += 1
             return [LinkEvent("gap", outcome.gap.message()), *self._reopen(now_ms)]
         if not usable:
-            return [LinkEvent("wants", f"{key[0]}-{key[1]} is no longer pulled here: reopening"),
-                    *self._reopen(now_ms)]  # fmt: skip
+            return [LinkEvent("wants", f"{key[0]}-{key[1]} is no longer pulled here: reopening"), *self._reopen(now_ms)]
         return self._drain(s, now_ms)
 
     def on_stream_ended(self, stream_id: int, now_ms: int, error: str | None = None) -> list[Effect]:
@@ -322,8 +321,11 @@ class PullSession:
             s.inbox.popleft()
             out += self._progressed(s, msg, now_ms)
             if self._tail_lost(s, msg):
-                return [*out, LinkEvent("tail", f"data from {self.src} was lost on the way: reopening"),
-                        *self._reopen(now_ms)]  # fmt: skip
+                return [
+                    *out,
+                    LinkEvent("tail", f"data from {self.src} was lost on the way: reopening"),
+                    *self._reopen(now_ms),
+                ]
             if msg.first:
                 wants = self._check_wants(now_ms)
                 if wants:

@@ -76,8 +76,9 @@ class ApplyOutcome:
         return bool(self.overlaps)
 
 
-def apply_chunk(log: PartitionLog, batches: bytes, now_ms: int,
-                limit_bytes: int = READ_RECORDS_BYTES_MAX) -> ApplyOutcome:  # fmt: skip
+def apply_chunk(
+    log: PartitionLog, batches: bytes, now_ms: int, limit_bytes: int = READ_RECORDS_BYTES_MAX
+) -> ApplyOutcome:
     """Check, deduplicate and append one chunk's batches, each decompressing into at most ``limit_bytes`` (the
     topic's ``max_batch_bytes``). Raises :class:`CorruptChunk`, or :class:`InvalidChunk` after appending the
     batches before the invalid one.
@@ -106,11 +107,16 @@ def apply_chunk(log: PartitionLog, batches: bytes, now_ms: int,
     skipped = sum(1 for d in plan.decisions if isinstance(d, Covered))
     first_gap = next(iter(plan.gaps.values()), None) if plan.gaps else None
     return ApplyOutcome(
-        appended_batches=outcome.appended_batches, appended_bytes=outcome.appended_bytes,
-        appended_records=outcome.appended_records, skipped_batches=skipped, gap=first_gap, overlaps=plan.overlaps,
-        lag_ms=outcome.lag_ms, blocked_batches=len(headers) - outcome.appended_batches - skipped,
+        appended_batches=outcome.appended_batches,
+        appended_bytes=outcome.appended_bytes,
+        appended_records=outcome.appended_records,
+        skipped_batches=skipped,
+        gap=first_gap,
+        overlaps=plan.overlaps,
+        lag_ms=outcome.lag_ms,
+        blocked_batches=len(headers) - outcome.appended_batches - skipped,
         lag_ms_by_origin=outcome.lag_ms_by_origin,
-    )  # fmt: skip
+    )
 
 
 def _checked_headers(view: memoryview) -> tuple[list[BatchHeader], list[int], InvalidChunk | None]:
@@ -147,8 +153,10 @@ def _checked_headers(view: memoryview) -> tuple[list[BatchHeader], list[int], In
 
 def _check_stamped(header: BatchHeader) -> None:
     if header.base_origin_seq < 0:
-        raise InvalidBatch(f"it is unstamped (base_origin_seq {header.base_origin_seq}): a replicated batch "
-                           "carries its origin's coordinates")  # fmt: skip
+        raise InvalidBatch(
+            f"it is unstamped (base_origin_seq {header.base_origin_seq}): a replicated batch "
+            "carries its origin's coordinates"
+        )
     try:
         site_id(header.origin_site)
     except InvalidSiteId as exc:
@@ -161,13 +169,16 @@ def _invalid(batch: memoryview, reason: str) -> InvalidChunk:
     f = HEADER.unpack_from(batch, 0)
     site = f[6].rstrip(b"\0").decode("ascii", "replace")
     base, last = f[8], f[8] + f[9]
-    return InvalidChunk(f"replicated batch of origin {site}@{f[7]} origin seqs {base}..{last} is invalid: {reason}. "
-                        "It was not stored, nor anything after it in the chunk: a valid copy must come from another "
-                        "upstream, or the upstream must be fixed")  # fmt: skip
+    return InvalidChunk(
+        f"replicated batch of origin {site}@{f[7]} origin seqs {base}..{last} is invalid: {reason}. "
+        "It was not stored, nor anything after it in the chunk: a valid copy must come from another "
+        "upstream, or the upstream must be fixed"
+    )
 
 
-def _append(log: PartitionLog, view: memoryview, headers: list[BatchHeader], starts: list[int],
-            indexes: list[int], now_ms: int) -> ApplyOutcome:  # fmt: skip
+def _append(
+    log: PartitionLog, view: memoryview, headers: list[BatchHeader], starts: list[int], indexes: list[int], now_ms: int
+) -> ApplyOutcome:
     appended_bytes = 0
     appended_records = 0
     lag_ms: int | None = None
@@ -179,8 +190,13 @@ def _append(log: PartitionLog, view: memoryview, headers: list[BatchHeader], sta
         appended_bytes += h.size_bytes
         appended_records += h.records_count
         lag_ms = lags[h.origin] = now_ms - h.max_timestamp
-    return ApplyOutcome(appended_batches=len(indexes), appended_bytes=appended_bytes,
-                        appended_records=appended_records, lag_ms=lag_ms, lag_ms_by_origin=lags)  # fmt: skip
+    return ApplyOutcome(
+        appended_batches=len(indexes),
+        appended_bytes=appended_bytes,
+        appended_records=appended_records,
+        lag_ms=lag_ms,
+        lag_ms_by_origin=lags,
+    )
 
 
 def pull_have(vector: Mapping[Origin, int], own: Origin) -> dict[Origin, int]:

@@ -50,8 +50,13 @@ class UpstreamNodes:
         return True
 
 
-def pullable(key: PartitionKey, src: SiteId, upstream_partitions: Mapping[str, int],
-             conflicts: Container[tuple[str, SiteId]], served: Container[PartitionKey]) -> bool:  # fmt: skip
+def pullable(
+    key: PartitionKey,
+    src: SiteId,
+    upstream_partitions: Mapping[str, int],
+    conflicts: Container[tuple[str, SiteId]],
+    served: Container[PartitionKey],
+) -> bool:
     """Whether a stream from ``src`` may ask for partition ``key``: ``src`` has it (``upstream_partitions``: its
     topics' partition counts, as it last listed them), the topic is not in conflict with ``src``, and this node
     serves the partition."""

@@ -37,8 +37,9 @@ def record_from_pb(msg: pb.AclRecord) -> AclRecord:
     return record
 
 
-async def pull_acls(stub: pbg.NodeAsyncStub, metadata: MetadataStore, in_site: bool, src: str,
-                    timeout_s: float) -> list[AclRecord]:  # fmt: skip
+async def pull_acls(
+    stub: pbg.NodeAsyncStub, metadata: MetadataStore, in_site: bool, src: str, timeout_s: float
+) -> list[AclRecord]:
     """Keep every record of ``src``'s that is newer than this site's; the ones kept. A failed call or write is
     logged and left to the next round (the records are still there then)."""
     try:
@@ -62,6 +63,11 @@ async def pull_acls(stub: pbg.NodeAsyncStub, metadata: MetadataStore, in_site: b
         except (MetadataUnavailable, CommandRefused, OSError) as exc:
             log.warning("ACL record from site %s not kept yet (%s): %s", src, record.entry, exc)
             return []
-        log.info("%s %s from site %s: %s", "credential" if is_credential(record.entry) else "ACL",
-                 "added" if record.present else "removed", src, record.entry)
+        log.info(
+            "%s %s from site %s: %s",
+            "credential" if is_credential(record.entry) else "ACL",
+            "added" if record.present else "removed",
+            src,
+            record.entry,
+        )
     return kept

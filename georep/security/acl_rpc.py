@@ -39,15 +39,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from georep.auth.acl import (
-    CLUSTER,
-    Decision,
-    Operation,
-    PermissionDenied,
-    group,
-    is_super_user,
-    topic,
-)
+from georep.auth.acl import CLUSTER, Decision, Operation, PermissionDenied, group, is_super_user, topic
 from georep.auth.policy import Policy
 from georep.auth.principal import Principal
 from georep.proto import georep_pb2 as pb
@@ -112,9 +104,14 @@ def _admin(req: Any, who: Principal, policy: Policy) -> Decision:
 def _replicate(req: pb.ReplicateRequest, who: Principal, policy: Policy) -> Decision:
     decision = policy.pull(who, [w.topic for w in req.wants])
     if decision.allowed and who.site != policy.own_site and req.dst_site and req.dst_site != who.site:
-        return Decision(False, who, Operation.REPLICATE, CLUSTER,
-                        f"the pull names site {req.dst_site} as its destination, but the caller's certificate is "
-                        f"site {who.site}'s: a site pulls only for itself")  # fmt: skip
+        return Decision(
+            False,
+            who,
+            Operation.REPLICATE,
+            CLUSTER,
+            f"the pull names site {req.dst_site} as its destination, but the caller's certificate is "
+            f"site {who.site}'s: a site pulls only for itself",
+        )
     return decision
 
 
@@ -125,18 +122,29 @@ def _report_held(req: pb.ReportHeldRequest, who: Principal, policy: Policy) -> D
     if not decision.allowed or who.site == policy.own_site:
         return decision
     if req.forwarded:
-        return Decision(False, who, Operation.REPLICATE, CLUSTER,
-                        f"only a node of site {policy.own_site} passes a held report on to the others")  # fmt: skip
+        return Decision(
+            False,
+            who,
+            Operation.REPLICATE,
+            CLUSTER,
+            f"only a node of site {policy.own_site} passes a held report on to the others",
+        )
     if req.reporter != who.site:
-        return Decision(False, who, Operation.REPLICATE, CLUSTER,
-                        f"the held report names site {req.reporter or '(none)'} as its reporter, but the caller's "
-                        f"certificate is site {who.site}'s: a site reports only in its own name")  # fmt: skip
+        return Decision(
+            False,
+            who,
+            Operation.REPLICATE,
+            CLUSTER,
+            f"the held report names site {req.reporter or '(none)'} as its reporter, but the caller's "
+            f"certificate is site {who.site}'s: a site reports only in its own name",
+        )
     return decision
 
 
 NODE_ACCESS: Mapping[str, Access] = {
-    "CreateTopic": Access(pb.CreateTopicRequest, lambda req, who, policy: policy.acl(
-        who, Operation.CREATE_TOPIC, [topic(req.name)])),
+    "CreateTopic": Access(
+        pb.CreateTopicRequest, lambda req, who, policy: policy.acl(who, Operation.CREATE_TOPIC, [topic(req.name)])
+    ),
     "ListTopics": _open_access(pb.ListTopicsRequest),
     "DescribeTopic": _open_access(pb.DescribeTopicRequest),
     "Produce": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE)),
@@ -156,14 +164,13 @@ NODE_ACCESS: Mapping[str, Access] = {
     "ListAcls": Access(pb.ListAclsRequest, lambda req, who, policy: policy.admin_or_pull(who), False),
     "Replicate": Access(pb.ReplicateRequest, _replicate),
     "ReportHeld": Access(pb.ReportHeldRequest, _report_held),
-    "FetchBatch": Access(pb.FetchBatchRequest, lambda req, who, policy: policy.repair(
-        who, req.topic, req.origin_site)),
+    "FetchBatch": Access(pb.FetchBatchRequest, lambda req, who, policy: policy.repair(who, req.topic, req.origin_site)),
     "GroupHeartbeat": Access(pb.GroupHeartbeatRequest, _heartbeat),
     "LeaveGroup": Access(pb.LeaveGroupRequest, _group_read),
     "CommitOffsets": Access(pb.CommitOffsetsRequest, _commit),
     "FetchCommitted": Access(pb.FetchCommittedRequest, _group_read),
     "DescribeGroup": Access(pb.DescribeGroupRequest, _group_read),
-}  # fmt: skip
+}
 
 
 def _in_site(req: Any, who: Principal, policy: Policy) -> Decision:
@@ -173,16 +180,20 @@ def _in_site(req: Any, who: Principal, policy: Policy) -> Decision:
 SEGMENTS_ACCESS: Mapping[str, Access] = {
     name: Access(request, _in_site, reads_request=False)
     for name, request in (
-        ("AppendSegment", pb.SegmentAppendRequest), ("FenceSegments", pb.FenceSegmentsRequest),
-        ("SealSegment", pb.SealSegmentRequest), ("ReadSegment", pb.ReadSegmentRequest),
-        ("ListSegments", pb.ListSegmentsRequest), ("CopySegment", pb.CopySegmentRequest),
+        ("AppendSegment", pb.SegmentAppendRequest),
+        ("FenceSegments", pb.FenceSegmentsRequest),
+        ("SealSegment", pb.SealSegmentRequest),
+        ("ReadSegment", pb.ReadSegmentRequest),
+        ("ListSegments", pb.ListSegmentsRequest),
+        ("CopySegment", pb.CopySegmentRequest),
         ("RollSegment", pb.RollSegmentRequest),
     )
-}  # fmt: skip
+}
 
 
-def decide(table: Mapping[str, Access], method: str, request: Message, principal: Principal,
-           policy: Policy) -> Decision:  # fmt: skip
+def decide(
+    table: Mapping[str, Access], method: str, request: Message, principal: Principal, policy: Policy
+) -> Decision:
     """The decision for one call (a method not in the table: super-users only)."""
     access = table.get(method)
     if access is None:
@@ -190,8 +201,10 @@ def decide(table: Mapping[str, Access], method: str, request: Message, principal
     return access.rule(request, principal, policy)
 
 
-NO_PRINCIPAL = ("the peer certificate names no georep principal (a SAN URI georep:<principal> or a CN such as "
-                "client:alice): issue it with 'georep certs init' or put the principal in its SAN")  # fmt: skip
+NO_PRINCIPAL = (
+    "the peer certificate names no georep principal (a SAN URI georep:<principal> or a CN such as "
+    "client:alice): issue it with 'georep certs init' or put the principal in its SAN"
+)
 
 
 class Authorizer:
@@ -215,8 +228,14 @@ class Authorizer:
         """A super-user: every call is allowed whatever its request, so none is parsed or screened."""
         return is_super_user(principal, self.policy.own_site, self.policy.super_users)
 
-    def check(self, table: Mapping[str, Access], method: str, principal: Principal, data: bytes,
-              parse: Callable[[type[Message], bytes], Message]) -> Message | None:  # fmt: skip
+    def check(
+        self,
+        table: Mapping[str, Access],
+        method: str,
+        principal: Principal,
+        data: bytes,
+        parse: Callable[[type[Message], bytes], Message],
+    ) -> Message | None:
         """Raise :class:`PermissionDenied` unless ``principal`` may make this call with this request (``data``); the
         request, if the rule had to parse it (so that the handler does not parse it again), else None."""
         access = table.get(method)
@@ -226,8 +245,14 @@ class Authorizer:
             raise PermissionDenied.of(decision)
         return parsed
 
-    def screen(self, table: Mapping[str, Access], method: str, principal: Principal, data: bytes,
-               parse: Callable[[type[Message], bytes], Message]) -> tuple[Message, Message | None]:  # fmt: skip
+    def screen(
+        self,
+        table: Mapping[str, Access],
+        method: str,
+        principal: Principal,
+        data: bytes,
+        parse: Callable[[type[Message], bytes], Message],
+    ) -> tuple[Message, Message | None]:
         """One message of a client stream, parsed, and None if allowed; else the refusal to answer it with, if the
         method has one (:attr:`Access.refuse`), or :class:`PermissionDenied` raised, which ends the stream."""
         access = table[method]

@@ -84,8 +84,10 @@ def _write_cert(path: Path, cert: x509.Certificate) -> None:
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-    write_secret(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                         serialization.NoEncryption()))  # fmt: skip
+    write_secret(
+        path,
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+    )
 
 
 def _now() -> datetime.datetime:
@@ -98,8 +100,10 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
         key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
     except (OSError, ValueError) as exc:
-        raise TlsError(f"cannot load the CA in {directory} ({exc}); remove {cert_path} and {key_path} to make "
-                       "a new CA (and new certificates for everyone)") from None  # fmt: skip
+        raise TlsError(
+            f"cannot load the CA in {directory} ({exc}); remove {cert_path} and {key_path} to make "
+            "a new CA (and new certificates for everyone)"
+        ) from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise TlsError(f"{key_path} is not an EC key made by 'georep certs init'; bring your own PKI's tools instead")
     return cert, key
@@ -110,16 +114,31 @@ def _make_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
     now = _now()
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=CA_DAYS))
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CA_DAYS))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                     data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
-    )  # fmt: skip
+    )
     _write_key(directory / CA_KEY_FILE, key)  # the key first: a ca.crt without its key is never left behind
     _write_cert(directory / CA_FILE, cert)
     return cert, key
@@ -132,9 +151,14 @@ def _host_name(host: str) -> x509.GeneralName:
         return x509.DNSName(host)
 
 
-def issue(principal: Principal, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
-          hosts: Iterable[str] = (), days: int = LEAF_DAYS,
-          key: ec.EllipticCurvePrivateKey | None = None) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def issue(
+    principal: Principal,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    hosts: Iterable[str] = (),
+    days: int = LEAF_DAYS,
+    key: ec.EllipticCurvePrivateKey | None = None,
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A certificate for ``principal`` signed by the CA (and its new key, unless ``key`` is given)."""
     key = key or ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(principal.uri)]
@@ -146,14 +170,17 @@ def issue(principal: Principal, ca_cert: x509.Certificate, ca_key: ec.EllipticCu
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, str(principal))]))
-        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     return cert, key
 
 

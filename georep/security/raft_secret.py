@@ -67,6 +67,7 @@ def read_secret(path: Path) -> bytes:
             f"{FLAG} {path} holds {len(data)} characters; a Raft secret needs at least {MIN_CHARS} random ones; {make}"
         )
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise RaftSecretError(f"{FLAG} {path} is readable by other users (mode {stat.S_IMODE(mode):o}): "
-                              f"'chmod 600 {path}'")  # fmt: skip
+        raise RaftSecretError(
+            f"{FLAG} {path} is readable by other users (mode {stat.S_IMODE(mode):o}): 'chmod 600 {path}'"
+        )
     return data

@@ -82,8 +82,9 @@ class TlsConfig:
     def from_dir(cls, directory: Path, principal: Principal = ADMIN, server_name: str | None = None) -> TlsConfig:
         """The files ``georep certs init`` wrote for ``principal``: DIR/ca.crt, DIR/<kind>-<name>.crt/.key."""
         stem = principal_file_name(principal)
-        return cls(directory / CA_FILE, directory / f"{stem}{CERT_SUFFIX}", directory / f"{stem}{KEY_SUFFIX}",
-                   server_name)  # fmt: skip
+        return cls(
+            directory / CA_FILE, directory / f"{stem}{CERT_SUFFIX}", directory / f"{stem}{KEY_SUFFIX}", server_name
+        )
 
     def read(self) -> tuple[bytes, bytes, bytes]:
         """The CA, certificate and key as PEM bytes."""
@@ -135,9 +136,9 @@ def _check_pair(cert_pem: bytes, key_pem: bytes, cert_path: Path, key_path: Path
         key = serialization.load_pem_private_key(key_pem, password=None)
     except (ValueError, TypeError) as exc:
         raise TlsError(f"{key_path} holds no unencrypted PEM private key ({exc})") from None
-    if key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) \
-            != cert.public_key().public_bytes(serialization.Encoding.DER,
-                                              serialization.PublicFormat.SubjectPublicKeyInfo):  # fmt: skip
+    if key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    ) != cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
         raise TlsError(f"the key {key_path} does not belong to the certificate {cert_path}; pass the matching pair")
     return cert
 
@@ -243,8 +244,10 @@ def handshake_problem(address: str, tls: TlsConfig | None, timeout_s: float) -> 
     """
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
-    hint = ("pass --tls-dir DIR (from 'georep certs init', or DATA_DIR/certs of 'georep up') or --tls-ca, "
-            "--tls-cert and --tls-key")  # fmt: skip
+    hint = (
+        "pass --tls-dir DIR (from 'georep certs init', or DATA_DIR/certs of 'georep up') or --tls-ca, "
+        "--tls-cert and --tls-key"
+    )
     try:
         raw = socket.create_connection((host, int(port)), timeout=timeout_s)
     except OSError:
@@ -269,9 +272,11 @@ def handshake_problem(address: str, tls: TlsConfig | None, timeout_s: float) -> 
                 if conn.recv(9):
                     return None
         except ssl.SSLCertVerificationError as exc:
-            return (f"the node at {address} presented a certificate this client does not trust "
-                    f"({exc.verify_message}): is {tls.ca if tls else 'the CA'} the CA that signed the nodes' "
-                    "certificates? (a certificate made for another host name needs --tls-server-name)")  # fmt: skip
+            return (
+                f"the node at {address} presented a certificate this client does not trust "
+                f"({exc.verify_message}): is {tls.ca if tls else 'the CA'} the CA that signed the nodes' "
+                "certificates? (a certificate made for another host name needs --tls-server-name)"
+            )
         except ssl.SSLError as exc:
             if tls is None:
                 return None  # a plaintext node: TLS is not what failed
@@ -281,8 +286,10 @@ def handshake_problem(address: str, tls: TlsConfig | None, timeout_s: float) -> 
             pass
     if tls is None:
         return None
-    return (f"the node at {address} refused this client's certificate {tls.cert} (it needs a certificate signed "
-            f"by the CA the node trusts, naming a georep principal): {hint}")
+    return (
+        f"the node at {address} refused this client's certificate {tls.cert} (it needs a certificate signed "
+        f"by the CA the node trusts, naming a georep principal): {hint}"
+    )
 
 
 # --- servers -----------------------------------------------------------------------------------------------------
@@ -379,8 +386,11 @@ def principal_of_certificate(cert: x509.Certificate) -> Principal | None:
     from cryptography.x509.oid import NameOID
 
     try:
-        uris = list(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-                    .get_values_for_type(x509.UniformResourceIdentifier))  # fmt: skip
+        uris = list(
+            cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+                x509.UniformResourceIdentifier
+            )
+        )
     except x509.ExtensionNotFound:
         uris = []
     cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)

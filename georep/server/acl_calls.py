@@ -47,9 +47,13 @@ class AclCalls:
     async def list_acls(self, data: bytes, context: Context) -> pb.ListAclsResponse:
         req = parse(pb.ListAclsRequest, data)
         table = self.broker.metadata.acls()
-        return pb.ListAclsResponse(records=[_acl_to_pb(table[k]) for k in sorted(table)
-                                            if (req.with_removed or table[k].present)
-                                            and (req.with_credentials or is_acl(k))])  # fmt: skip
+        return pb.ListAclsResponse(
+            records=[
+                _acl_to_pb(table[k])
+                for k in sorted(table)
+                if (req.with_removed or table[k].present) and (req.with_credentials or is_acl(k))
+            ]
+        )
 
     async def put_user(self, data: bytes, context: Context) -> pb.PutUserResponse:
         """``georep user add|remove``: a credential record (or its tombstone) stamped above the one held."""
@@ -63,8 +67,9 @@ class AclCalls:
             now, site = self.broker.clock_ms(), self.broker.identity.site
             if req.remove:
                 if held is None or not held.present:
-                    raise InvalidRequest(f"user {req.user!r} has no {req.mechanism} credential: list the users with "
-                                         "'georep user list'")  # fmt: skip
+                    raise InvalidRequest(
+                        f"user {req.user!r} has no {req.mechanism} credential: list the users with 'georep user list'"
+                    )
                 record = credentials.remove(req.mechanism, req.user, held, now, site)
             else:
                 credential = ScramCredential(req.mechanism, req.salt, req.iterations, req.stored_key, req.server_key)
@@ -85,12 +90,21 @@ class AclCalls:
 
         parse(pb.ListUsersRequest, data)
         self.admin.check(context, "ListUsers")
-        return pb.ListUsersResponse(users=[
-            pb.UserInfo(user=u.user, mechanism=u.mechanism, iterations=u.iterations, stamp_ms=u.record.stamp_ms,
-                        site=u.record.site)
-            for u in credentials.users(self.broker.metadata.acls())])  # fmt: skip
+        return pb.ListUsersResponse(
+            users=[
+                pb.UserInfo(
+                    user=u.user,
+                    mechanism=u.mechanism,
+                    iterations=u.iterations,
+                    stamp_ms=u.record.stamp_ms,
+                    site=u.record.site,
+                )
+                for u in credentials.users(self.broker.metadata.acls())
+            ]
+        )
 
 
 def _acl_to_pb(record: AclRecord) -> pb.AclRecord:
-    return pb.AclRecord(entry=record.entry, present=record.present, stamp_ms=record.stamp_ms, site=record.site,
-                        data=record.data)
+    return pb.AclRecord(
+        entry=record.entry, present=record.present, stamp_ms=record.stamp_ms, site=record.site, data=record.data
+    )

@@ -28,14 +28,14 @@ class AdminGate:
             if not _is_loopback(context.peer()):
                 raise NotAuthorized(
                     f"{what} from {context.peer()} refused: this node has no admin token, so only local callers "
-                    "may; start it with --admin-token-file",
+                    "may; start it with --admin-token-file"
                 )
             return
         presented = dict(context.invocation_metadata() or ()).get("authorization", "")
         if not hmac.compare_digest(str(presented), f"Bearer {self.admin_token}"):
             raise NotAuthorized(
                 f"{what} refused: missing or wrong admin token; pass the token the node was started with "
-                "(--admin-token-file, or GEOREP_ADMIN_TOKEN / the data dir's admin.token for georep commands)",
+                "(--admin-token-file, or GEOREP_ADMIN_TOKEN / the data dir's admin.token for georep commands)"
             )
 
 

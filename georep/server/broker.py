@@ -70,7 +70,13 @@ class Partition:
     """One topic-partition: its log, its producer state, and what readers wait on."""
 
     def __init__(
-        self, topic: str, index: int, log_: PartitionLog, config: dict[str, int], origin: Origin, now_ms: int,
+        self,
+        topic: str,
+        index: int,
+        log_: PartitionLog,
+        config: dict[str, int],
+        origin: Origin,
+        now_ms: int,
         producers: ProducerStateTable | None = None,
     ) -> None:
         self.topic = topic
@@ -213,8 +219,9 @@ class Broker:
             self.acks.open_partition(p.key, p.fsync_per_batch, plog.flushed_offset, VectorOffset(plog.flushed_vector()))
             self.on_open(p)
 
-    def check_new_topic(self, name: str, partitions: int, raw_config: dict[str, str], *,
-                        internal: bool = False) -> TopicSpec:  # fmt: skip
+    def check_new_topic(
+        self, name: str, partitions: int, raw_config: dict[str, str], *, internal: bool = False
+    ) -> TopicSpec:
         """The topic :meth:`create_topic` would create (a validate-only create asks this alone). Raises
         ``InternalTopic``, ``InvalidTopic`` or ``TopicExists``.
 
@@ -222,8 +229,9 @@ class Broker:
         for their writes (georep's ``CreateTopic`` and Kafka's both come here). Only georep itself passes
         ``internal=True``: the group coordinator's commit topic, and topics a link replicates from a peer."""
         if is_internal(name) and not internal:
-            raise InternalTopic(f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: "
-                                "choose another name")  # fmt: skip
+            raise InternalTopic(
+                f"topic names starting with {INTERNAL_TOPIC_PREFIX!r} are reserved for georep: choose another name"
+            )
         validate_topic_name(name)
         validate_partitions(partitions)
         spec = TopicSpec(name, partitions, parse_topic_config(raw_config))
@@ -231,8 +239,9 @@ class Broker:
             raise TopicExists(name)
         return spec
 
-    def create_topic(self, name: str, partitions: int, raw_config: dict[str, str], *,
-                     internal: bool = False) -> TopicSpec:  # fmt: skip
+    def create_topic(
+        self, name: str, partitions: int, raw_config: dict[str, str], *, internal: bool = False
+    ) -> TopicSpec:
         """Raises what :meth:`check_new_topic` raises, ``DiskFull`` or ``WriteFailed``."""
         spec = self.check_new_topic(name, partitions, raw_config, internal=internal)
         if self.in_site:
@@ -250,8 +259,10 @@ class Broker:
             self._undo_create(name, partitions, intent)
             full = isinstance(exc, DiskFull) or exc.errno in (errno.ENOSPC, errno.EDQUOT)
             if full:
-                raise DiskFull(f"cannot create topic {name!r}: {exc}; free disk space, then create it again (nothing "
-                               "of it was kept)") from None  # fmt: skip
+                raise DiskFull(
+                    f"cannot create topic {name!r}: {exc}; free disk space, then create it again (nothing "
+                    "of it was kept)"
+                ) from None
             raise WriteFailed(f"cannot create topic {name!r}: {exc}; nothing of it was kept") from None
         try:
             intent.unlink()
@@ -279,8 +290,12 @@ class Broker:
             self._remove_leftovers(name)
             intent.unlink(missing_ok=True)
         except OSError as exc:
-            log.error("the failed create of topic %r left files that could not be removed yet (%s): the next start "
-                      "removes them", name, exc)  # fmt: skip
+            log.error(
+                "the failed create of topic %r left files that could not be removed yet (%s): the next start "
+                "removes them",
+                name,
+                exc,
+            )
 
     def _remove_leftovers(self, name: str) -> list[str]:
         """Remove the partition directories of ``name``, a topic the table lacks, that hold no batch; the ones
@@ -291,8 +306,12 @@ class Broker:
             if not pattern.fullmatch(directory.name) or not directory.is_dir():
                 continue
             if any(f.stat().st_size for f in directory.glob("*.log")):
-                log.error("partition directory %s holds batches of topic %r, which is not in the topic table: left as "
-                          "it is; move it away if the topic is not to be restored", directory, name)  # fmt: skip
+                log.error(
+                    "partition directory %s holds batches of topic %r, which is not in the topic table: left as "
+                    "it is; move it away if the topic is not to be restored",
+                    directory,
+                    name,
+                )
                 continue
             shutil.rmtree(directory)
             removed.append(directory.name)
@@ -309,9 +328,13 @@ class Broker:
             name = urllib.parse.unquote(intent.name)
             if intent.name not in defined:
                 removed = self._remove_leftovers(name)
-                log.warning("the create of topic %r did not finish (the node stopped or the disk filled up midway): "
-                            "removed its %d partition director%s; create the topic again", name, len(removed),
-                            "y" if len(removed) == 1 else "ies")  # fmt: skip
+                log.warning(
+                    "the create of topic %r did not finish (the node stopped or the disk filled up midway): "
+                    "removed its %d partition director%s; create the topic again",
+                    name,
+                    len(removed),
+                    "y" if len(removed) == 1 else "ies",
+                )
             intent.unlink()
         fsync_directory(self.creating_dir)
 
@@ -325,15 +348,24 @@ class Broker:
         p = self.partitions.get((topic, index))
         if p is None:
             if self.in_site and 0 <= index < spec.partitions:
-                raise NotLeader(topic, index, "another node of the site leads it, or none does yet",
-                                self.leader_hint(topic, index))  # fmt: skip
+                raise NotLeader(
+                    topic, index, "another node of the site leads it, or none does yet", self.leader_hint(topic, index)
+                )
             raise UnknownPartition(topic, index, spec.partitions)
         return p
 
     # -- partitions of a multi-node site ------------------------------------------------------------------
 
-    def attach(self, spec: TopicSpec, index: int, log_: PartitionLog, in_site: InSiteReplication, lac: int,
-               lac_vector: VectorOffset, producers: ProducerStateTable | None = None) -> Partition:  # fmt: skip
+    def attach(
+        self,
+        spec: TopicSpec,
+        index: int,
+        log_: PartitionLog,
+        in_site: InSiteReplication,
+        lac: int,
+        lac_vector: VectorOffset,
+        producers: ProducerStateTable | None = None,
+    ) -> Partition:
         """Serve ``spec``'s partition ``index``, which this node now leads, over ``log_`` (a ``ChainLog``), with the
         idempotent producers' table ``producers`` (else rebuilt from ``log_``'s batch index)."""
         config = spec.effective(self.defaults)
@@ -343,8 +375,9 @@ class Broker:
         if old is not None:
             self.detach(p.key, NotLeader(spec.name, index, "its segment changed"))
         self.partitions[p.key] = p
-        self.acks.open_partition(p.key, p.fsync_per_batch, lac, lac_vector, replicated_in_site=True, lac=lac,
-                                 lac_vector=lac_vector)  # fmt: skip
+        self.acks.open_partition(
+            p.key, p.fsync_per_batch, lac, lac_vector, replicated_in_site=True, lac=lac, lac_vector=lac_vector
+        )
         self.on_open(p)
         self.on_topic(spec.name, spec.partitions)
         p.notify_append()
@@ -378,8 +411,9 @@ class Broker:
 
     # -- produce --------------------------------------------------------------
 
-    def append(self, topic: str, index: int, batch: bytes, acks: Acks = LEADER, *,
-               internal: bool = False) -> tuple[Partition, Produced]:  # fmt: skip
+    def append(
+        self, topic: str, index: int, batch: bytes, acks: Acks = LEADER, *, internal: bool = False
+    ) -> tuple[Partition, Produced]:
         """Take one producer batch as its origin (``append_as_origin``). Synchronous, so batches
         on one stream are appended in the order they arrived.
 
@@ -387,22 +421,32 @@ class Broker:
         that says so, so every produce path meets it (gRPC ``Produce`` and ``ProduceStream``, the Kafka
         gateway). Only georep's own writers pass ``internal=True``: the group coordinator's commits."""
         if is_internal(topic) and not internal:
-            raise InternalTopic(f"topic {topic!r} is internal to georep and clients cannot write to it: consumer "
-                                "positions are stored by a group's commit (georep consume --group, Consumer.commit, "
-                                "a Kafka client's commit)")  # fmt: skip
+            raise InternalTopic(
+                f"topic {topic!r} is internal to georep and clients cannot write to it: consumer "
+                "positions are stored by a group's commit (georep consume --group, Consumer.commit, "
+                "a Kafka client's commit)"
+            )
         p = self.partition(topic, index)
         if p.sealing:
-            raise NotLeader(topic, index, "its segment is being sealed; retry in a moment",
-                            self.leader_hint(topic, index))  # fmt: skip
+            raise NotLeader(
+                topic, index, "its segment is being sealed; retry in a moment", self.leader_hint(topic, index)
+            )
         check_acks(acks, topic, self.identity.site, self.geo_reach(topic))
         try:
             now = self.clock_ms()
-            window = TimestampWindow(now, p.config["message_timestamp_before_max_ms"],
-                                     p.config["message_timestamp_after_max_ms"])  # fmt: skip
+            window = TimestampWindow(
+                now, p.config["message_timestamp_before_max_ms"], p.config["message_timestamp_after_max_ms"]
+            )
             produced = append_as_origin(
-                p.log, p.producers, self.origin, batch,
-                topic=topic, max_batch_bytes=p.config["max_batch_bytes"], now_ms=now, window=window,
-            )  # fmt: skip
+                p.log,
+                p.producers,
+                self.origin,
+                batch,
+                topic=topic,
+                max_batch_bytes=p.config["max_batch_bytes"],
+                now_ms=now,
+                window=window,
+            )
         except DiskFull:
             self.disk_full = True
             raise
@@ -416,13 +460,15 @@ class Broker:
             self.on_produce(topic, produced.records, len(batch))
         return p, produced
 
-    def ack_waiter(self, p: Partition, produced: Produced, acks: Acks = LEADER,
-                   timeout_ms: int = 0) -> asyncio.Future[None] | None:  # fmt: skip
+    def ack_waiter(
+        self, p: Partition, produced: Produced, acks: Acks = LEADER, timeout_ms: int = 0
+    ) -> asyncio.Future[None] | None:
         """What the ack must wait for to be as durable as its level promises (``AckTable``); None: nothing."""
         token = next(self._tokens)
         r = produced.result
-        effects = self.acks.wait(token, p.key, produced.end_offset, produced.origin, r.last_origin_seq, acks,
-                                 self.clock_ms(), timeout_ms)  # fmt: skip
+        effects = self.acks.wait(
+            token, p.key, produced.end_offset, produced.origin, r.last_origin_seq, acks, self.clock_ms(), timeout_ms
+        )
         if Release(token) in effects:
             self._perform(effects)
             return None
@@ -511,8 +557,9 @@ class Broker:
         """
         p = self.partition(topic, index)
         if p.sealing:  # a multi-node site's segment is being sealed: what would go in now would be cut
-            raise NotLeader(topic, index, "its segment is being sealed; pull again in a moment",
-                            self.leader_hint(topic, index))  # fmt: skip
+            raise NotLeader(
+                topic, index, "its segment is being sealed; pull again in a moment", self.leader_hint(topic, index)
+            )
         applying = asyncio.get_running_loop().run_in_executor(
             self.replica_writer, apply_chunk, p.log, batches, self.clock_ms(), p.config["max_batch_bytes"]
         )
@@ -598,4 +645,3 @@ class Broker:
         for p in self.partitions.values():
             p.log.close()
         self.executor.shutdown(wait=True)
-

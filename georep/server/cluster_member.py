@@ -154,18 +154,34 @@ class ClusterConfig:
 
 def node_config(config: ClusterConfig) -> NodeConfig:
     """The node core's settings from the node's."""
-    return NodeConfig(config.replication_factor, config.ack_quorum, config.session_timeout_ms, config.tick_ms,
-                      config.retry_ms, config.roll_wait_ms, repair_every_ms=config.repair_interval_ms,
-                      repair_delay_ms=config.repair_delay_ms,
-                      max_concurrent_copies=config.max_concurrent_copies)  # fmt: skip
+    return NodeConfig(
+        config.replication_factor,
+        config.ack_quorum,
+        config.session_timeout_ms,
+        config.tick_ms,
+        config.retry_ms,
+        config.roll_wait_ms,
+        repair_every_ms=config.repair_interval_ms,
+        repair_delay_ms=config.repair_delay_ms,
+        max_concurrent_copies=config.max_concurrent_copies,
+    )
 
 
 class ClusterMember:
     """One node of a multi-node site; see the module docstring."""
 
-    def __init__(self, me: NodeId, address: str, metadata: Metadata, store: ReplicaStore, executor: ThreadPoolExecutor,
-                 clock_ms: Callable[[], int], free_bytes: Callable[[], int], config: ClusterConfig | None = None,
-                 tls: TlsConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        me: NodeId,
+        address: str,
+        metadata: Metadata,
+        store: ReplicaStore,
+        executor: ThreadPoolExecutor,
+        clock_ms: Callable[[], int],
+        free_bytes: Callable[[], int],
+        config: ClusterConfig | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.me = me
         self.address = address
         self.metadata = metadata
@@ -310,8 +326,13 @@ class ClusterMember:
         result = await self.propose(elect)
         ctl.election_done((elect.topic, elect.partition), elect.expected_epoch)
         if isinstance(result, Applied):
-            log.info("controller: node %d leads %s-%d in epoch %s", elect.node, elect.topic, elect.partition,
-                     result.leader_epoch)  # fmt: skip
+            log.info(
+                "controller: node %d leads %s-%d in epoch %s",
+                elect.node,
+                elect.topic,
+                elect.partition,
+                result.leader_epoch,
+            )
 
     async def _retention(self) -> None:
         """Every ``retention_interval_ms``, propose the trims ``plan_retention`` picks (the Raft leader's duty)."""
@@ -322,8 +343,12 @@ class ClusterMember:
         for trim in plan_retention(self.metadata.state(), now, self.config.topic_defaults):
             result = await self.propose(trim)
             if isinstance(result, Applied) and result.changed:
-                log.info("controller: retention drops %s-%d's segments before %d", trim.topic, trim.partition,
-                         trim.first_segment)  # fmt: skip
+                log.info(
+                    "controller: retention drops %s-%d's segments before %d",
+                    trim.topic,
+                    trim.partition,
+                    trim.first_segment,
+                )
 
     async def _apply_trims(self) -> None:
         """Follow every committed trim (``TrimChain``): reads below a chain's new start are out of range, and this
@@ -358,10 +383,18 @@ class ClusterMember:
                     await self.run_blocking(self.store.learn_seal, step.key, step.epoch, step.through)
                     continue
                 topic, partition, segment_id = step.segment
-                log.info("node %d: %s-%d segment %d was sealed at %d; cutting this copy's tail from %d", self.me,
-                         topic, partition, segment_id, step.end, ends[step.segment])  # fmt: skip
-                await self.run_blocking(self.store.seal, (topic, partition), step.epoch, segment_id, step.end,
-                                        self.clock_ms())  # fmt: skip
+                log.info(
+                    "node %d: %s-%d segment %d was sealed at %d; cutting this copy's tail from %d",
+                    self.me,
+                    topic,
+                    partition,
+                    segment_id,
+                    step.end,
+                    ends[step.segment],
+                )
+                await self.run_blocking(
+                    self.store.seal, (topic, partition), step.epoch, segment_id, step.end, self.clock_ms()
+                )
             except (OSError, ReplicaError, QuorumError) as exc:  # the next tick tries again; roles go on meanwhile
                 log.error("node %d: learning the seal %s failed: %s", self.me, step, exc)
 
@@ -433,8 +466,9 @@ class ClusterMember:
         self.core.epoch_asked(eff.key, eff.command.expected_epoch, result)  # not confirmed: asked again
 
 
-def seal_producers(store: ReplicaStore, info: PartitionInfo, segment_id: SegmentId, base: int, end: int, origin: Origin,
-                   now_ms: int) -> ProducerSnapshot:  # fmt: skip
+def seal_producers(
+    store: ReplicaStore, info: PartitionInfo, segment_id: SegmentId, base: int, end: int, origin: Origin, now_ms: int
+) -> ProducerSnapshot:
     """The producers' table a seal of ``segment_id`` at ``end`` carries, from this node's view ``info`` (which shows
     the segment open) and its index of the segment, which it holds up to ``end`` (a roll's writer, or a recovery's
     leader: ``cluster/recovery.py``, rule (S)). Blocking: it reads the store's index."""
@@ -569,8 +603,17 @@ class PartitionLeader:
         else:
             summary = await m.run_blocking(m.store.seal_summary, self.key, s.segment_id, start_vector, end)
         producers = await m.run_blocking(self._producers_at, info, s.segment_id, int(s.base_offset), end)
-        command = SealSegment(self.key[0], self.key[1], self.epoch, s.segment_id, LocalOffset(end), summary.end_vector,
-                              summary.size_bytes, summary.max_timestamp_ms, producers)  # fmt: skip
+        command = SealSegment(
+            self.key[0],
+            self.key[1],
+            self.epoch,
+            s.segment_id,
+            LocalOffset(end),
+            summary.end_vector,
+            summary.size_bytes,
+            summary.max_timestamp_ms,
+            producers,
+        )
         result = await m.propose(command)
         self._step(lambda lead, ctx: lead.sealed(eff.token, result, ctx))
 
@@ -603,11 +646,20 @@ class PartitionLeader:
         if info is None:
             raise NotLeader(*self.key, "the topic is gone")
         start_vector = info.sealed_vector_before(eff.segment_id).to_dict()
-        segment = SegmentToWrite(self.key, eff.segment_id, eff.base_offset, start_vector, eff.ensemble,
-                                 m.config.ack_quorum, self.epoch)  # fmt: skip
+        segment = SegmentToWrite(
+            self.key, eff.segment_id, eff.base_offset, start_vector, eff.ensemble, m.config.ack_quorum, self.epoch
+        )
         sid = eff.segment_id
-        writer = self.writer = SegmentWriter(m.store, segment, m.me, m.addresses(), m.executor, m.clock_ms,
-                                             lambda event: self._step_writing(sid, event), m.tls)  # fmt: skip
+        writer = self.writer = SegmentWriter(
+            m.store,
+            segment,
+            m.me,
+            m.addresses(),
+            m.executor,
+            m.clock_ms,
+            lambda event: self._step_writing(sid, event),
+            m.tls,
+        )
         await writer.start()
         while not self._shows_open(eff.segment_id):  # the broker serves the chain its view lists
             await asyncio.sleep(0.02)
@@ -616,8 +668,14 @@ class PartitionLeader:
         self._rolling = False
         self._writable.set()
         m.listener.segment_opened(self)
-        log.info("node %d writes %s-%d segment %d from offset %d on %s", m.me, *self.key, eff.segment_id,
-                 eff.base_offset, list(eff.ensemble))  # fmt: skip
+        log.info(
+            "node %d writes %s-%d segment %d from offset %d on %s",
+            m.me,
+            *self.key,
+            eff.segment_id,
+            eff.base_offset,
+            list(eff.ensemble),
+        )
 
     def _shows_open(self, segment_id: SegmentId) -> bool:
         info = self._info()

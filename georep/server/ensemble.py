@@ -89,9 +89,17 @@ class _Stream:
 class SegmentWriter:
     """Writes one open segment to its ensemble; see the module docstring."""
 
-    def __init__(self, store: ReplicaStore, segment: SegmentToWrite, me: NodeId, addresses: Mapping[NodeId, str],
-                 executor: ThreadPoolExecutor, clock_ms: Callable[[], int], feed: Feed,
-                 tls: TlsConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: ReplicaStore,
+        segment: SegmentToWrite,
+        me: NodeId,
+        addresses: Mapping[NodeId, str],
+        executor: ThreadPoolExecutor,
+        clock_ms: Callable[[], int],
+        feed: Feed,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.store = store
         self.segment = segment
         self.me = me
@@ -141,8 +149,9 @@ class SegmentWriter:
     async def start(self) -> None:
         """Open the leader's own copy and a stream to every other member."""
         s = self.segment
-        await self._run(self.store.open_segment, s.key, s.epoch, s.segment_id, s.base_offset, dict(s.start_vector),
-                        self.clock_ms())  # fmt: skip
+        await self._run(
+            self.store.open_segment, s.key, s.epoch, s.segment_id, s.base_offset, dict(s.start_vector), self.clock_ms()
+        )
         held = int(await self._run(self.store.end_offset, s.key, s.segment_id))
         if held > self.appended_end:  # the lead adopted a segment its copy holds some of: stream it too
             self.appended(held)
@@ -313,18 +322,30 @@ class SegmentWriter:
 
     def _broken(self, node: NodeId, why: str) -> None:
         s = self.segment
-        log.warning("segment %d of %s-%d: stream to member %d (%s) broke: %s; retrying", s.segment_id, *s.key, node,
-                    self.addresses[node], why)  # fmt: skip
+        log.warning(
+            "segment %d of %s-%d: stream to member %d (%s) broke: %s; retrying",
+            s.segment_id,
+            *s.key,
+            node,
+            self.addresses[node],
+            why,
+        )
 
     async def _stream(self, node: NodeId, stream: _Stream, stub: pbg.SegmentsAsyncStub) -> None:
         """One stream to ``node``, until it breaks (raises) or the writer closes (cancelled)."""
         s = self.segment
         outbox: asyncio.Queue[pb.SegmentAppendRequest] = asyncio.Queue()
         ref = pb.SegmentRef(topic=s.key[0], partition=s.key[1], segment_id=s.segment_id)
-        outbox.put_nowait(pb.SegmentAppendRequest(open=pb.SegmentOpen(
-            segment=ref, leader_epoch=s.epoch, base_offset=s.base_offset,
-            start_vector=vector_to_proto(VectorOffset(s.start_vector)),
-        )))  # fmt: skip
+        outbox.put_nowait(
+            pb.SegmentAppendRequest(
+                open=pb.SegmentOpen(
+                    segment=ref,
+                    leader_epoch=s.epoch,
+                    base_offset=s.base_offset,
+                    start_vector=vector_to_proto(VectorOffset(s.start_vector)),
+                )
+            )
+        )
 
         async def requests() -> AsyncIterator[pb.SegmentAppendRequest]:
             while True:
@@ -339,8 +360,9 @@ class SegmentWriter:
             if first.end_offset > self.appended_end:
                 # A copy of a segment this writer opened can only hold what it sent: this is a bug, or another
                 # writer of the same epoch. Never count it.
-                raise StreamBroken(f"the member holds up to offset {first.end_offset}, past this leader's end "
-                                   f"{self.appended_end}")  # fmt: skip
+                raise StreamBroken(
+                    f"the member holds up to offset {first.end_offset}, past this leader's end {self.appended_end}"
+                )
             end, flushed = int(first.end_offset), int(first.flushed_offset)
             self._feed(lambda lead, ctx: lead.member_reconnected(node, end))
             self._feed(lambda lead, ctx: lead.member_acked(node, flushed))
@@ -360,14 +382,14 @@ class SegmentWriter:
         finally:
             call.cancel()
 
-    async def _receive(self, node: NodeId, answers: AsyncIterator[pb.SegmentAck],
-                       in_flight: asyncio.Semaphore) -> None:  # fmt: skip
+    async def _receive(self, node: NodeId, answers: AsyncIterator[pb.SegmentAck], in_flight: asyncio.Semaphore) -> None:
         async for ack in answers:
             in_flight.release()
             self._feed(_acked(node, int(ack.flushed_offset)))
 
-    async def _send(self, outbox: asyncio.Queue[pb.SegmentAppendRequest], stream: _Stream,
-                    in_flight: asyncio.Semaphore) -> None:  # fmt: skip
+    async def _send(
+        self, outbox: asyncio.Queue[pb.SegmentAppendRequest], stream: _Stream, in_flight: asyncio.Semaphore
+    ) -> None:
         """Send the leader's copy from the stream's position on, as it grows: at most ``IN_FLIGHT`` requests
         unanswered.
 
@@ -382,8 +404,14 @@ class SegmentWriter:
             await in_flight.acquire()
             lac = self.released
             if stream.position < self.appended_end:
-                result = await self._run(self.store.read, s.key, s.segment_id, LocalOffset(stream.position),
-                                         REQUEST_MAX_BYTES, self.appended_end)  # fmt: skip
+                result = await self._run(
+                    self.store.read,
+                    s.key,
+                    s.segment_id,
+                    LocalOffset(stream.position),
+                    REQUEST_MAX_BYTES,
+                    self.appended_end,
+                )
                 outbox.put_nowait(pb.SegmentAppendRequest(batches=result.data, lac=lac))
                 stream.position = max(stream.position, int(result.next_offset))
             else:
@@ -395,9 +423,15 @@ def _acked(node: NodeId, end: int) -> LeadEvent:
     return lambda lead, ctx: lead.member_acked(node, end)
 
 
-def solo_writer(store: ReplicaStore, segment: SegmentToWrite, me: NodeId, addresses: Mapping[NodeId, str],
-                executor: ThreadPoolExecutor, clock_ms: Callable[[], int],
-                tls: TlsConfig | None = None) -> tuple[SegmentWriter, PartitionLead]:  # fmt: skip
+def solo_writer(
+    store: ReplicaStore,
+    segment: SegmentToWrite,
+    me: NodeId,
+    addresses: Mapping[NodeId, str],
+    executor: ThreadPoolExecutor,
+    clock_ms: Callable[[], int],
+    tls: TlsConfig | None = None,
+) -> tuple[SegmentWriter, PartitionLead]:
     """A writer of ``segment`` with a lead of its own, adopted on it (a caller without a node: tests)."""
     s = segment
     opened = SegmentInfo(s.segment_id, LocalOffset(s.base_offset), s.ensemble, s.epoch)

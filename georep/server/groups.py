@@ -84,8 +84,12 @@ async def _none(key: tuple[str, int], timeout_s: float) -> list[Mapping[Origin, 
 
 
 class GroupService:
-    def __init__(self, broker: Broker, clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
-                 site_cluster: SiteCluster | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        broker: Broker,
+        clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+        site_cluster: SiteCluster | None = None,
+    ) -> None:
         self.broker = broker
         self.site_cluster = site_cluster
         self._led: dict[int, LeadToken] = {}  # multi-node site: the offsets partitions this node leads, as folded
@@ -136,14 +140,19 @@ class GroupService:
                 return
             try:
                 # Blocking: a Raft proposal, in a worker thread.
-                await asyncio.to_thread(self.broker.create_topic, OFFSETS_TOPIC, OFFSETS_PARTITIONS,
-                                        OFFSETS_TOPIC_CONFIG, internal=True)  # fmt: skip
+                await asyncio.to_thread(
+                    self.broker.create_topic, OFFSETS_TOPIC, OFFSETS_PARTITIONS, OFFSETS_TOPIC_CONFIG, internal=True
+                )
                 log.info("created the internal topic %s (%d partitions)", OFFSETS_TOPIC, OFFSETS_PARTITIONS)
             except TopicExists:
                 pass
             except MetadataUnavailable as exc:  # no Raft majority now: the client looks again
-                raise NotCoordinator(group, OFFSETS_TOPIC, offsets_partition(group),
-                                     why=f"the site's metadata cannot create {OFFSETS_TOPIC} now: {exc}") from None
+                raise NotCoordinator(
+                    group,
+                    OFFSETS_TOPIC,
+                    offsets_partition(group),
+                    why=f"the site's metadata cannot create {OFFSETS_TOPIC} now: {exc}",
+                ) from None
 
     def _offsets_logs(self) -> dict[int, PartitionLog]:
         if not self.broker.in_site:
@@ -155,17 +164,20 @@ class GroupService:
         logs = self._offsets_logs()
         if not self.broker.in_site:
             return logs
-        now = {i: (int(chain.epoch), int(chain.open.segment_id))
-               for i, chain in logs.items() if isinstance(chain, ChainLog)}  # fmt: skip
+        now = {
+            i: (int(chain.epoch), int(chain.open.segment_id))
+            for i, chain in logs.items()
+            if isinstance(chain, ChainLog)
+        }
         step = lead_step(self._led, now)
         for name in forget_groups(self.coordinator, step.forget_members, offsets_partition):
-            log.info("group %r: this node no longer coordinates it under the same leader epoch; its members rejoin",
-                     name)  # fmt: skip
+            log.info(
+                "group %r: this node no longer coordinates it under the same leader epoch; its members rejoin", name
+            )
         for index in step.refold:
             self.commits.reset(index, offsets_partition)
         now_ms = self.clock_ms()
-        self._taken_over_ms = {i: now_ms if i in step.taken_over else self._taken_over_ms.get(i, now_ms)
-                               for i in now}  # fmt: skip
+        self._taken_over_ms = {i: now_ms if i in step.taken_over else self._taken_over_ms.get(i, now_ms) for i in now}
         self._led = now
         return logs
 
@@ -214,8 +226,10 @@ class GroupService:
                 chain = logs[index]
                 assert isinstance(chain, ChainLog)
                 await self.site_cluster.read_elsewhere(chain, missing, 1 << 20)
-        raise SegmentUnreadable(f"the fold of {OFFSETS_TOPIC} read {REMOTE_READS_MAX} segments from other nodes "
-                                "without reaching the end; retry")
+        raise SegmentUnreadable(
+            f"the fold of {OFFSETS_TOPIC} read {REMOTE_READS_MAX} segments from other nodes "
+            "without reaching the end; retry"
+        )
 
     def lag(self, topic: str, partition: int, vector: VectorOffset) -> int:
         """Records this site holds for the partition that ``vector`` does not cover (exact: seqs are dense); -1 on a
@@ -227,11 +241,18 @@ class GroupService:
 
     def _committed(self, c: Commit) -> pb.CommittedOffset:
         return pb.CommittedOffset(
-            topic=c.topic, partition=c.partition, vector=vector_to_proto(c.vector), hlc=c.hlc,
-            committed_by=str(c.committed_by), hint_offset=c.hint_offset, member_id=c.member_id,
-            generation=c.generation, committed_at_ms=c.committed_at_ms, metadata=c.metadata,
+            topic=c.topic,
+            partition=c.partition,
+            vector=vector_to_proto(c.vector),
+            hlc=c.hlc,
+            committed_by=str(c.committed_by),
+            hint_offset=c.hint_offset,
+            member_id=c.member_id,
+            generation=c.generation,
+            committed_at_ms=c.committed_at_ms,
+            metadata=c.metadata,
             lag_records=self.lag(c.topic, c.partition, c.vector),
-        )  # fmt: skip
+        )
 
     # -- RPCs -------------------------------------------------------------------
 
@@ -244,16 +265,27 @@ class GroupService:
         await self.sync()  # the group's commits, which decide a new coordinator's hold
         self._coordinated(group)
         session_timeout_ms = req.session_timeout_ms or 10_000
-        hold = takeover_hold_until(self._taken_over_ms.get(offsets_partition(group)), session_timeout_ms,
-                                   any(True for _ in self.table.of_group(group)))  # fmt: skip
+        hold = takeover_hold_until(
+            self._taken_over_ms.get(offsets_partition(group)),
+            session_timeout_ms,
+            any(True for _ in self.table.of_group(group)),
+        )
         hb = self.coordinator.heartbeat(
-            group, req.member_id, list(req.topics), session_timeout_ms, req.assignor or "range", self.clock_ms(),
-            req.client_id, hold_until_ms=hold,
-        )  # fmt: skip
+            group,
+            req.member_id,
+            list(req.topics),
+            session_timeout_ms,
+            req.assignor or "range",
+            self.clock_ms(),
+            req.client_id,
+            hold_until_ms=hold,
+        )
         return pb.GroupHeartbeatResponse(
-            member_id=hb.member_id, generation=hb.generation, assignment=topic_partitions_to_proto(hb.assignment),
+            member_id=hb.member_id,
+            generation=hb.generation,
+            assignment=topic_partitions_to_proto(hb.assignment),
             heartbeat_interval_ms=hb.heartbeat_interval_ms,
-        )  # fmt: skip
+        )
 
     async def leave(self, req: pb.LeaveGroupRequest) -> pb.LeaveGroupResponse:
         self._observe_leadership()
@@ -279,16 +311,19 @@ class GroupService:
         await self._ensure_offsets_topic(group)
         await self.sync()
         self._coordinated(group)
-        self.coordinator.check_commit(group, req.member_id, req.generation, sorted((e.topic, e.partition)
-                                                                                    for e in entries))  # fmt: skip
+        self.coordinator.check_commit(
+            group, req.member_id, req.generation, sorted((e.topic, e.partition) for e in entries)
+        )
         now = self.clock_ms()
         stamp = self.commits.stamp(now, req.after_hlc, self.broker.identity.site)
         origin = self.broker.origin
-        commits = self.commits.new_commits(group, entries, stamp, origin, member_id=req.member_id,
-                                           generation=req.generation, now_ms=now)  # fmt: skip
+        commits = self.commits.new_commits(
+            group, entries, stamp, origin, member_id=req.member_id, generation=req.generation, now_ms=now
+        )
         acks: Acks = acks_from_proto(req.acks, req.geo_sites)
-        p, produced = self.broker.append(OFFSETS_TOPIC, offsets_partition(group), commit_batch(commits, now), acks,
-                                         internal=True)  # fmt: skip
+        p, produced = self.broker.append(
+            OFFSETS_TOPIC, offsets_partition(group), commit_batch(commits, now), acks, internal=True
+        )
         self.commits.record(commits)
         waiter = self.broker.ack_waiter(p, produced, acks, req.ack_timeout_ms)
         if waiter is not None:
@@ -337,11 +372,18 @@ class GroupService:
             # Named the leader of an offsets partition it does not serve yet (it is recovering it): its groups
             # would be missing from the answer. Say so; the client asks again.
             me = self.site_cluster.node_address(self.site_cluster.member.me)
-            taking_over = [i for i in range(OFFSETS_PARTITIONS)
-                           if i not in led and me and self.broker.leader_hint(OFFSETS_TOPIC, i) == me]  # fmt: skip
+            taking_over = [
+                i
+                for i in range(OFFSETS_PARTITIONS)
+                if i not in led and me and self.broker.leader_hint(OFFSETS_TOPIC, i) == me
+            ]
             if taking_over and OFFSETS_TOPIC in self.broker.metadata.topics():
-                raise NotLeader(OFFSETS_TOPIC, taking_over[0], "this node is taking the partition over and does "
-                                "not serve it yet; list the groups again in a moment")  # fmt: skip
+                raise NotLeader(
+                    OFFSETS_TOPIC,
+                    taking_over[0],
+                    "this node is taking the partition over and does "
+                    "not serve it yet; list the groups again in a moment",
+                )
         names = sorted(set(self.table.groups()) | {n for n, g in self.coordinator.groups.items() if g.members})
         out = []
         for name in names:
@@ -350,11 +392,16 @@ class GroupService:
             g = self.coordinator.groups.get(name)
             commits = list(self.table.of_group(name))
             lags = [self.lag(c.topic, c.partition, c.vector) for c in commits]
-            out.append(pb.GroupSummary(
-                group=name, members=len(g.members) if g else 0, generation=g.generation if g else 0,
-                assignor=g.assignor if g else "", committed_partitions=len(commits),
-                lag_records=-1 if any(lag < 0 for lag in lags) else sum(lags),
-            ))  # fmt: skip
+            out.append(
+                pb.GroupSummary(
+                    group=name,
+                    members=len(g.members) if g else 0,
+                    generation=g.generation if g else 0,
+                    assignor=g.assignor if g else "",
+                    committed_partitions=len(commits),
+                    lag_records=-1 if any(lag < 0 for lag in lags) else sum(lags),
+                )
+            )
         return pb.ListGroupsResponse(groups=out)
 
     async def describe(self, req: pb.DescribeGroupRequest) -> pb.GroupDescription:
@@ -367,16 +414,26 @@ class GroupService:
         if (g is None or not g.members) and not commits:
             raise UnknownGroup(
                 f"unknown group {group!r} at site {self.broker.identity.site}: no members and no commits here "
-                "(list groups with 'georep group list')",
+                "(list groups with 'georep group list')"
             )
         now = self.clock_ms()
-        members = [] if g is None else [
-            pb.GroupMember(member_id=m.member_id, client_id=m.client_id,
-                           assignment=topic_partitions_to_proto(m.assignment),
-                           last_heartbeat_age_ms=now - m.last_heartbeat_ms)
-            for _, m in sorted(g.members.items())
-        ]  # fmt: skip
+        members = (
+            []
+            if g is None
+            else [
+                pb.GroupMember(
+                    member_id=m.member_id,
+                    client_id=m.client_id,
+                    assignment=topic_partitions_to_proto(m.assignment),
+                    last_heartbeat_age_ms=now - m.last_heartbeat_ms,
+                )
+                for _, m in sorted(g.members.items())
+            ]
+        )
         return pb.GroupDescription(
-            group=group, generation=g.generation if g else 0, assignor=g.assignor if g else "",
-            members=members, offsets=[self._committed(c) for c in commits],
-        )  # fmt: skip
+            group=group,
+            generation=g.generation if g else 0,
+            assignor=g.assignor if g else "",
+            members=members,
+            offsets=[self._committed(c) for c in commits],
+        )

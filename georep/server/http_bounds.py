@@ -20,8 +20,9 @@ CONNECTIONS_MAX = 8  # Prometheus scrapes one at a time; a few more for people w
 TIMEOUT_S = 10.0
 
 
-def bound_connections(server: socketserver.BaseServer, most: int = CONNECTIONS_MAX,
-                      timeout_s: float = TIMEOUT_S) -> None:  # fmt: skip
+def bound_connections(
+    server: socketserver.BaseServer, most: int = CONNECTIONS_MAX, timeout_s: float = TIMEOUT_S
+) -> None:
     """Bound a running threading server's connections (it looks both methods up per request)."""
     assert isinstance(server, socketserver.ThreadingMixIn), "a server with a thread per connection"
     slots = threading.BoundedSemaphore(most)
@@ -30,8 +31,12 @@ def bound_connections(server: socketserver.BaseServer, most: int = CONNECTIONS_M
 
     def process_request(request: socket.socket, client_address: Any) -> None:
         if not slots.acquire(blocking=False):
-            log.warning("metrics: refused the connection from %s: %d connections are being served, the most the "
-                        "metrics listener takes", client_address, most)  # fmt: skip
+            log.warning(
+                "metrics: refused the connection from %s: %d connections are being served, the most the "
+                "metrics listener takes",
+                client_address,
+                most,
+            )
             server.shutdown_request(request)
             return
         request.settimeout(timeout_s)

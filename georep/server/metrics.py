@@ -50,7 +50,8 @@ class _PartitionCollector(Collector):
             for origin, seq in sorted(p.log.vector().items()):
                 vector.add_metric([*lv, str(origin)], seq)
         quarantined = GaugeMetricFamily(
-            "georep_quarantined_batches", "Batches quarantined as damaged, served to no one until repaired",
+            "georep_quarantined_batches",
+            "Batches quarantined as damaged, served to no one until repaired",
             labels=labels,
         )
         found = CounterMetricFamily("georep_corrupt_batches", "Damaged batches found (reads, scrubs) since start")
@@ -78,17 +79,22 @@ class _ReplicationCollector(Collector):
         r = self.replicator
         link_labels = ["src", "dst"]
         state = GaugeMetricFamily(
-            "georep_link_state", "1 for the inbound link's current state, 0 for the others",
+            "georep_link_state",
+            "1 for the inbound link's current state, 0 for the others",
             labels=[*link_labels, "state"],
         )
-        batches = CounterMetricFamily("georep_replication_applied_batches", "Replicated batches appended",
-                                      labels=link_labels)  # fmt: skip
-        size = CounterMetricFamily("georep_replication_applied_bytes", "Replicated batch bytes appended",
-                                   labels=link_labels)  # fmt: skip
-        records = CounterMetricFamily("georep_replication_applied_records", "Replicated records appended",
-                                      labels=link_labels)  # fmt: skip
+        batches = CounterMetricFamily(
+            "georep_replication_applied_batches", "Replicated batches appended", labels=link_labels
+        )
+        size = CounterMetricFamily(
+            "georep_replication_applied_bytes", "Replicated batch bytes appended", labels=link_labels
+        )
+        records = CounterMetricFamily(
+            "georep_replication_applied_records", "Replicated records appended", labels=link_labels
+        )
         skipped = CounterMetricFamily(
-            "georep_replication_skipped_batches", "Replicated batches already held (cycles, resends)",
+            "georep_replication_skipped_batches",
+            "Replicated batches already held (cycles, resends)",
             labels=link_labels,
         )
         gaps = CounterMetricFamily("georep_replication_gaps", "Streams reopened on a gap", labels=link_labels)
@@ -105,15 +111,18 @@ class _ReplicationCollector(Collector):
             gaps.add_metric(lv, st.gaps)
         origin_labels = ["topic", "partition", "origin"]
         lag_records = GaugeMetricFamily(
-            "georep_replication_lag_records", "Records the best live upstream holds that this site does not",
+            "georep_replication_lag_records",
+            "Records the best live upstream holds that this site does not",
             labels=origin_labels,
         )
         lag_bytes = GaugeMetricFamily(
-            "georep_replication_lag_bytes", "lag_records times the partition's mean stored bytes per record",
+            "georep_replication_lag_bytes",
+            "lag_records times the partition's mean stored bytes per record",
             labels=origin_labels,
         )
         lag_ms = GaugeMetricFamily(
-            "georep_replication_lag_ms", "Last applied batch: local append time minus its max producer timestamp",
+            "georep_replication_lag_ms",
+            "Last applied batch: local append time minus its max producer timestamp",
             labels=origin_labels,
         )
         for key in sorted(r.broker.partitions):

@@ -89,14 +89,21 @@ class NodeProcess:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "georep.cli", "node",
-            "--site", self.site,
-            "--listen", self.listen,
-            "--metrics-listen", self.metrics_listen,
-            "--data-dir", str(self.data_dir),
+            sys.executable,
+            "-m",
+            "georep.cli",
+            "node",
+            "--site",
+            self.site,
+            "--listen",
+            self.listen,
+            "--metrics-listen",
+            self.metrics_listen,
+            "--data-dir",
+            str(self.data_dir),
             *node_flags(self.tls),
             *self.extra_args,
-        ]  # fmt: skip
+        ]
 
     def start(self, timeout_s: float = 30.0) -> NodeProcess:
         return self.launch().wait_ready(timeout_s)

@@ -108,14 +108,14 @@ async def fence_member(m: Members, eff: FenceMember) -> LeadEvent:
             async with m.channel(m.addresses[node]) as channel:
                 answer = await pbg.SegmentsStub(channel).FenceSegments(
                     pb.FenceSegmentsRequest(topic=key[0], partition=key[1], leader_epoch=eff.epoch),
-                    timeout=CALL_TIMEOUT_S)  # fmt: skip
+                    timeout=CALL_TIMEOUT_S,
+                )
             end = next((e.end_offset for e in answer.ends if e.segment_id == s.segment_id), base)
     except Fenced as exc:
         their = int(exc.fenced_epoch)
         return lambda lead, ctx: lead.fence_refused(attempt, node, their, ctx)
     except grpc.aio.AioRpcError as exc:
-        log.warning("recovery of %s-%d: fencing member %d failed: %s: %s", *key, node, exc.code().name,
-                    exc.details())  # fmt: skip
+        log.warning("recovery of %s-%d: fencing member %d failed: %s: %s", *key, node, exc.code().name, exc.details())
         refused = _their_epoch(exc, eff.epoch)
         if refused is not None:
             return lambda lead, ctx: lead.fence_refused(attempt, node, refused, ctx)
@@ -123,8 +123,14 @@ async def fence_member(m: Members, eff: FenceMember) -> LeadEvent:
     except (OSError, ReplicaError, KeyError) as exc:
         log.error("recovery of %s-%d: member %d cannot be fenced: %s", *key, node, exc)
         return lambda lead, ctx: lead.unreachable(attempt, node, ctx)
-    log.info("recovery of %s-%d: member %d fenced at epoch %d, holds segment %d up to %d", *key, node, eff.epoch,
-             s.segment_id, end)  # fmt: skip
+    log.info(
+        "recovery of %s-%d: member %d fenced at epoch %d, holds segment %d up to %d",
+        *key,
+        node,
+        eff.epoch,
+        s.segment_id,
+        end,
+    )
     return lambda lead, ctx: lead.fenced(attempt, node, end, ctx)
 
 
@@ -155,8 +161,15 @@ async def copy_tail(m: Members, eff: CopyTail, start_vector: Mapping[Origin, Ori
     except (OSError, BrokerError, ReplicaError, KeyError, _CopyShort) as exc:
         why = str(exc)
         return lambda lead, ctx: lead.copy_failed(attempt, cid, c.target, why, ctx)
-    log.info("recovery of %s-%d: copied segment %d [%d, %d) from member %d to member %d", *eff.key,
-             eff.segment.segment_id, c.start_offset, c.end_offset, c.source, c.target)  # fmt: skip
+    log.info(
+        "recovery of %s-%d: copied segment %d [%d, %d) from member %d to member %d",
+        *eff.key,
+        eff.segment.segment_id,
+        c.start_offset,
+        c.end_offset,
+        c.source,
+        c.target,
+    )
     end = int(c.end_offset)
     return lambda lead, ctx: lead.copied(attempt, cid, c.target, end, ctx)
 
@@ -175,15 +188,17 @@ async def _read(m: Members, eff: CopyTail, node: NodeId, start: int, end: int) -
     ref = pb.SegmentRef(topic=key[0], partition=key[1], segment_id=sid)
     async with m.channel(m.addresses[node]) as channel:
         async for r in pbg.SegmentsStub(channel).ReadSegment(
-                pb.ReadSegmentRequest(segment=ref, offset=start, end_offset=end, max_bytes=READ_MAX_BYTES),
-                timeout=CALL_TIMEOUT_S):  # fmt: skip
+            pb.ReadSegmentRequest(segment=ref, offset=start, end_offset=end, max_bytes=READ_MAX_BYTES),
+            timeout=CALL_TIMEOUT_S,
+        ):
             yield r.batches
 
 
 async def _copy_here(m: Members, eff: CopyTail, start_vector: Mapping[Origin, OriginSeq]) -> None:
     key, s, c = eff.key, eff.segment, eff.copy
-    await m.run(m.store.open_segment, key, eff.epoch, s.segment_id, int(s.base_offset), dict(start_vector),
-                m.clock_ms())  # fmt: skip
+    await m.run(
+        m.store.open_segment, key, eff.epoch, s.segment_id, int(s.base_offset), dict(start_vector), m.clock_ms()
+    )
     held = await m.run(m.store.end_offset, key, s.segment_id)
     async for chunk in _read(m, eff, c.source, held, c.end_offset):
         await m.run(m.store.append, key, eff.epoch, s.segment_id, chunk)
@@ -196,10 +211,16 @@ async def _copy_there(m: Members, eff: CopyTail, start_vector: Mapping[Origin, O
     key, s, c = eff.key, eff.segment, eff.copy
     ref = pb.SegmentRef(topic=key[0], partition=key[1], segment_id=s.segment_id)
     outbox: asyncio.Queue[pb.SegmentAppendRequest | None] = asyncio.Queue()
-    outbox.put_nowait(pb.SegmentAppendRequest(open=pb.SegmentOpen(
-        segment=ref, leader_epoch=eff.epoch, base_offset=int(s.base_offset),
-        start_vector=vector_to_proto(VectorOffset(start_vector)),
-    )))  # fmt: skip
+    outbox.put_nowait(
+        pb.SegmentAppendRequest(
+            open=pb.SegmentOpen(
+                segment=ref,
+                leader_epoch=eff.epoch,
+                base_offset=int(s.base_offset),
+                start_vector=vector_to_proto(VectorOffset(start_vector)),
+            )
+        )
+    )
 
     async def requests() -> AsyncIterator[pb.SegmentAppendRequest]:
         while (request := await outbox.get()) is not None:
@@ -238,10 +259,12 @@ async def tell_sealed(m: Members, eff: SegmentSealed) -> None:
                 return
             async with m.channel(m.addresses[node]) as ch:
                 await pbg.SegmentsStub(ch).SealSegment(
-                    pb.SealSegmentRequest(segment=ref, leader_epoch=eff.epoch, end_offset=end), timeout=CALL_TIMEOUT_S)
+                    pb.SealSegmentRequest(segment=ref, leader_epoch=eff.epoch, end_offset=end), timeout=CALL_TIMEOUT_S
+                )
         except (grpc.aio.AioRpcError, OSError, BrokerError, ReplicaError, Fenced, KeyError) as exc:
-            log.warning("segment %d of %s-%d is sealed at %d, but member %d was not told: %s", sid, *key, end, node,
-                        exc)  # fmt: skip
+            log.warning(
+                "segment %d of %s-%d is sealed at %d, but member %d was not told: %s", sid, *key, end, node, exc
+            )
 
     await asyncio.gather(*(tell(n) for n in eff.ensemble))
 
@@ -265,9 +288,16 @@ class SegmentToRecover:
 Seal_ = Callable[[SegmentId, LocalOffset], Awaitable[str | None]]
 
 
-async def recover_segment(store: ReplicaStore, segment: SegmentToRecover, me: NodeId, addresses: Mapping[NodeId, str],
-                          seal: Seal_, executor: ThreadPoolExecutor, clock_ms: Callable[[], int],
-                          tls: TlsConfig | None = None) -> LocalOffset:  # fmt: skip
+async def recover_segment(
+    store: ReplicaStore,
+    segment: SegmentToRecover,
+    me: NodeId,
+    addresses: Mapping[NodeId, str],
+    seal: Seal_,
+    executor: ThreadPoolExecutor,
+    clock_ms: Callable[[], int],
+    tls: TlsConfig | None = None,
+) -> LocalOffset:
     """Recover ``segment`` as its new leader ``me`` (one attempt); returns the sealed end, where the next segment
     starts. ``seal`` commits the seal: None once committed, else why it was refused. Raises
     :class:`RecoveryFailed` (try again later) and :class:`NotLeader` (a newer leader fenced a member)."""

@@ -89,8 +89,11 @@ INBOX_MESSAGES = 2  # read ahead of the applies by this many messages, no more: 
 # link when its applies fall behind (the inbox above stops reading; gRPC buffers up to the window). Only this
 # channel: clients' fetch streams keep BDP probing and small windows.
 LINK_WINDOW_BYTES = 64 << 20
-PULL_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.http2.bdp_probe", 0),
-                        ("grpc.http2.lookahead_bytes", LINK_WINDOW_BYTES)]
+PULL_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", LINK_WINDOW_BYTES),
+]
 _END = "end"
 
 
@@ -107,10 +110,15 @@ class Puller:
         self.address = self.nodes.current
         broker = replicator.broker
         self.session = PullSession(
-            src, replicator.links, broker.origin, lambda key: broker.partition(*key).log.vector(),
-            itertools.count(1), PullConfig(STREAM_IDLE_MS, BACKOFF_MIN_MS, BACKOFF_MAX_MS), usable=self._usable,
+            src,
+            replicator.links,
+            broker.origin,
+            lambda key: broker.partition(*key).log.vector(),
+            itertools.count(1),
+            PullConfig(STREAM_IDLE_MS, BACKOFF_MIN_MS, BACKOFF_MAX_MS),
+            usable=self._usable,
             nodes=self.nodes,
-        )  # fmt: skip
+        )
         # Only the claims src takes: about sites its records reach through this one (held_claim_refusal).
         claims = HeldClaimCheck(replicator.topology, src)
         self.reporter = HeldReporter(src, lambda key: claims.refusal(replicator.site, key[0], key[1]) is None)
@@ -151,8 +159,14 @@ class Puller:
 
     def _move_to(self, address: str) -> None:
         """Pull from ``address`` from now on (the session moved its streams to another node of src)."""
-        log.info("link %s -> %s: pulling from %s's node %s (%s failed)", self.src, self.r.site, self.src, address,
-                 self.address)  # fmt: skip
+        log.info(
+            "link %s -> %s: pulling from %s's node %s (%s failed)",
+            self.src,
+            self.r.site,
+            self.src,
+            address,
+            self.address,
+        )
         self.address = address
         channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
@@ -200,8 +214,9 @@ class Puller:
             try:
                 if r.broker.in_site:  # a multi-node site's topics are Raft commands: not on the event loop
                     await asyncio.get_running_loop().run_in_executor(
-                        None, functools.partial(r.broker.create_topic, t.name, t.partitions, dict(t.config),
-                                                internal=True))  # fmt: skip
+                        None,
+                        functools.partial(r.broker.create_topic, t.name, t.partitions, dict(t.config), internal=True),
+                    )
                 else:
                     r.broker.create_topic(t.name, t.partitions, dict(t.config), internal=True)
                 log.info("created topic %r (%d partitions) replicated from site %s", t.name, t.partitions, self.src)
@@ -230,10 +245,13 @@ class Puller:
             entries = self.reporter.next_report(held)
             if entries is None:
                 continue
-            request = pb.ReportHeldRequest(reporter=self.r.site, entries=[
-                pb.HeldEntry(site=site, topic=topic, partition=index, vector=vector_to_proto(vector))
-                for (site, topic, index), vector in entries
-            ])  # fmt: skip
+            request = pb.ReportHeldRequest(
+                reporter=self.r.site,
+                entries=[
+                    pb.HeldEntry(site=site, topic=topic, partition=index, vector=vector_to_proto(vector))
+                    for (site, topic, index), vector in entries
+                ],
+            )
             try:
                 # To one node of src: a node of a multi-node site passes it on to the others (any may lead).
                 await self.stub.ReportHeld(request, timeout=RPC_TIMEOUT_S)
@@ -292,8 +310,7 @@ class Puller:
         try:
             chunks = [self._chunk(c) for c in what.chunks]
         except InvalidVectorOffset as exc:
-            await self._perform(session.on_stream_ended(stream_id, now(), f"site {self.src} sent a bad "
-                                                                             f"vector: {exc}"))  # fmt: skip
+            await self._perform(session.on_stream_ended(stream_id, now(), f"site {self.src} sent a bad vector: {exc}"))
             return
         heartbeat = not any(c.batches for c in chunks)
         await self._perform(session.on_message(stream_id, chunks, heartbeat, now()))
@@ -365,8 +382,11 @@ class Puller:
             self._move_to(effect.address)
         request = pb.ReplicateRequest(dst_site=self.r.site, max_bytes=STREAM_MAX_BYTES, max_wait_ms=HEARTBEAT_MS)
         for (topic, index), (have, sites) in effect.wants.items():
-            request.wants.append(pb.PullWant(topic=topic, partition=index, have=vector_to_proto(VectorOffset(have)),
-                                             origin_sites=list(sites)))  # fmt: skip
+            request.wants.append(
+                pb.PullWant(
+                    topic=topic, partition=index, have=vector_to_proto(VectorOffset(have)), origin_sites=list(sites)
+                )
+            )
         call = self.stub.Replicate(request)
         self._call, self._call_id = call, effect.stream_id
         self._reader = asyncio.create_task(self._read(effect.stream_id, call))
@@ -474,16 +494,22 @@ class Replicator:
 
     async def _repair(self, ask: Ask) -> None:
         (topic, index), d = ask.key, ask.damaged
-        request = pb.FetchBatchRequest(topic=topic, partition=index, origin_site=d.origin.site,
-                                       origin_epoch=d.origin.epoch, origin_seq=d.base_origin_seq)  # fmt: skip
+        request = pb.FetchBatchRequest(
+            topic=topic,
+            partition=index,
+            origin_site=d.origin.site,
+            origin_epoch=d.origin.epoch,
+            origin_seq=d.base_origin_seq,
+        )
         try:
             stub = pbg.NodeStub(self._peer_channel(ask.peer))
             response = await stub.FetchBatch(request, timeout=RPC_TIMEOUT_S)
             await self.broker.repair(topic, index, d.base_offset, response.batch)
         except grpc.RpcError as exc:
             self.repairs.failed(ask, f"{exc.code().name}: {exc.details()}", self.now_ms())
-            log.info("repair of %s/%d %s: site %s could not help (%s)", topic, index, d.describe(), ask.peer,
-                     exc.details())  # fmt: skip
+            log.info(
+                "repair of %s/%d %s: site %s could not help (%s)", topic, index, d.describe(), ask.peer, exc.details()
+            )
         except (RepairRefused, OSError) as exc:
             self.repairs.failed(ask, str(exc), self.now_ms())
             log.warning("repair of %s/%d %s from site %s refused: %s", topic, index, d.describe(), ask.peer, exc)
@@ -520,8 +546,9 @@ class Replicator:
         async def ask(src: SiteId) -> Mapping[Origin, int]:
             last = self.links.links[src].vectors.get(key, {})
             try:
-                desc = await self.pullers[src].stub.DescribeTopic(pb.DescribeTopicRequest(name=key[0]),
-                                                                  timeout=timeout_s)  # fmt: skip
+                desc = await self.pullers[src].stub.DescribeTopic(
+                    pb.DescribeTopicRequest(name=key[0]), timeout=timeout_s
+                )
             except grpc.RpcError:
                 return last
             for ps in desc.partition_states:
@@ -553,27 +580,39 @@ class Replicator:
         out = pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch)
         for (topic, index), p in sorted(self.broker.partitions.items()):
             vector = p.log.vector()
-            ps = pb.PartitionStatus(topic=topic, partition=index, vector=vector_to_proto(VectorOffset(vector)),
-                                    log_end_offset=p.log.log_end_offset,
-                                    damaged=damaged_to_proto(p.log.damaged_batches()))  # fmt: skip
+            ps = pb.PartitionStatus(
+                topic=topic,
+                partition=index,
+                vector=vector_to_proto(VectorOffset(vector)),
+                log_end_offset=p.log.log_end_offset,
+                damaged=damaged_to_proto(p.log.damaged_batches()),
+            )
             lag = self.links.lag_records((topic, index))
             per_record = self.bytes_per_record(topic, index)
             for origin in sorted(set(vector) | set(lag)):
                 upstream = "" if origin == self.broker.origin else self.links.upstream_for(topic, origin.site) or ""
                 ps.lags.append(
-                    pb.OriginLag(origin=str(origin), upstream=upstream, lag_records=lag.get(origin, 0),
-                                 lag_ms=self.lag_ms.get((topic, index, origin), 0),
-                                 lag_bytes=round(lag.get(origin, 0) * per_record))  # fmt: skip
+                    pb.OriginLag(
+                        origin=str(origin),
+                        upstream=upstream,
+                        lag_records=lag.get(origin, 0),
+                        lag_ms=self.lag_ms.get((topic, index, origin), 0),
+                        lag_bytes=round(lag.get(origin, 0) * per_record),
+                    )
                 )
             out.partitions.append(ps)
         for src, puller in sorted(self.pullers.items()):
             st = puller.stats
             out.links.append(
                 pb.LinkStatus(
-                    src=src, dst=self.site, state=self.link_state(src), applied_batches=st.applied_batches,
-                    applied_bytes=st.applied_bytes, skipped_batches=st.skipped_batches,
+                    src=src,
+                    dst=self.site,
+                    state=self.link_state(src),
+                    applied_batches=st.applied_batches,
+                    applied_bytes=st.applied_bytes,
+                    skipped_batches=st.skipped_batches,
                     last_error=st.last_error or self.links.links[src].last_error,
-                )  # fmt: skip
+                )
             )
         for (topic, _src), message in sorted(self.conflicts.items()):
             out.conflicts.append(pb.TopicConflict(topic=topic, message=message))

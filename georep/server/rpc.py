@@ -163,8 +163,12 @@ _END = object()  # the handler's answers ended
 SCREENED_ANSWERS_MAX = 1024  # answers of a screened client stream waiting for the caller to read them
 
 
-def authorization(site: str, metadata: MetadataStore, topology: Topology | None,
-                  super_users: Iterable[Principal] = DEFAULT_SUPER_USERS) -> Authorization:  # fmt: skip
+def authorization(
+    site: str,
+    metadata: MetadataStore,
+    topology: Topology | None,
+    super_users: Iterable[Principal] = DEFAULT_SUPER_USERS,
+) -> Authorization:
     """The interceptor of a TLS node of ``site``: its ACLs from ``metadata``, its links from ``topology``."""
     policy = Policy(site, AclCache(metadata.acls), lambda: topology, super_users)
     tables = {"georep.v1.Node": NODE_ACCESS, "georep.v1.Segments": SEGMENTS_ACCESS}
@@ -197,8 +201,9 @@ class Authorization(grpc.aio.ServerInterceptor):
         return guarded
 
 
-def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, table: Mapping[str, Access],
-             method: str) -> grpc.RpcMethodHandler[Any, Any]:  # fmt: skip
+def _guarded(
+    handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, table: Mapping[str, Access], method: str
+) -> grpc.RpcMethodHandler[Any, Any]:
     """``handler`` with the check first; a client stream's messages checked one by one when the rule reads them."""
 
     async def admit(data: bytes, context: Context) -> bytes | Message:
@@ -256,8 +261,13 @@ def _guarded(handler: grpc.RpcMethodHandler[Any, Any], authorizer: Authorizer, t
 
 
 async def _screened_stream(
-    inner: Any, requests: AsyncIterator[bytes], context: Context, authorizer: Authorizer, table: Mapping[str, Access],
-    method: str, principal: Principal,
+    inner: Any,
+    requests: AsyncIterator[bytes],
+    context: Context,
+    authorizer: Authorizer,
+    table: Mapping[str, Access],
+    method: str,
+    principal: Principal,
 ) -> AsyncGenerator[Message, None]:
     """The answers of the stream handler ``inner`` to ``requests``, each request screened for ``principal`` first."""
     # Each message is screened on its way in; a refused one is answered here, in among the handler's answers

@@ -57,8 +57,10 @@ T = TypeVar("T")
 
 def _segment(ref: pb.SegmentRef) -> tuple[PartitionKey, SegmentId]:
     if not ref.topic or ref.partition < 0 or ref.segment_id < 0:
-        raise InvalidRequest(f"malformed segment reference {ref.topic!r}/{ref.partition}/{ref.segment_id}: name "
-                             "the topic, a partition >= 0 and a segment id >= 0")  # fmt: skip
+        raise InvalidRequest(
+            f"malformed segment reference {ref.topic!r}/{ref.partition}/{ref.segment_id}: name "
+            "the topic, a partition >= 0 and a segment id >= 0"
+        )
     return (ref.topic, ref.partition), SegmentId(ref.segment_id)
 
 
@@ -71,9 +73,14 @@ def _epoch(value: int) -> LeaderEpoch:
 class SegmentService:
     """The member side of segment replication; every call runs the store in ``executor``."""
 
-    def __init__(self, store: ReplicaStore, executor: ThreadPoolExecutor, clock_ms: Callable[[], int],
-                 member: ClusterMember | None = None,
-                 tls: TlsConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: ReplicaStore,
+        executor: ThreadPoolExecutor,
+        clock_ms: Callable[[], int],
+        member: ClusterMember | None = None,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.store = store
         self.executor = executor
         self.clock_ms = clock_ms
@@ -102,8 +109,7 @@ class SegmentService:
         if req.open.base_offset < 0:
             raise InvalidRequest(f"base offset {req.open.base_offset} is negative")
         store = self.store
-        await self._run(store.open_segment, key, epoch, segment_id, req.open.base_offset, start_vector,
-                        self.clock_ms())  # fmt: skip
+        await self._run(store.open_segment, key, epoch, segment_id, req.open.base_offset, start_vector, self.clock_ms())
         flushed = await self._run(store.flush, key, segment_id)
         yield self._ack(key, segment_id, flushed)
         async for data in requests:
@@ -124,15 +130,14 @@ class SegmentService:
         if not req.topic or req.partition < 0:
             raise InvalidRequest("name the topic and a partition >= 0 to fence")
         ends = await self._run(self.store.fence, (req.topic, req.partition), _epoch(req.leader_epoch))
-        return pb.FenceSegmentsResponse(
-            ends=[pb.SegmentEnd(segment_id=s, end_offset=e) for s, e in ends.items()]
-        )
+        return pb.FenceSegmentsResponse(ends=[pb.SegmentEnd(segment_id=s, end_offset=e) for s, e in ends.items()])
 
     async def seal_segment(self, data: bytes, context: Context) -> pb.SealSegmentResponse:
         req = parse(pb.SealSegmentRequest, data)
         key, segment_id = _segment(req.segment)
-        end = await self._run(self.store.seal, key, _epoch(req.leader_epoch), segment_id, req.end_offset,
-                              self.clock_ms())  # fmt: skip
+        end = await self._run(
+            self.store.seal, key, _epoch(req.leader_epoch), segment_id, req.end_offset, self.clock_ms()
+        )
         return pb.SealSegmentResponse(end_offset=end)
 
     async def read_segment(self, data: bytes, context: Context) -> AsyncIterator[Message]:
@@ -154,18 +159,26 @@ class SegmentService:
     async def list_segments(self, data: bytes, context: Context) -> pb.ListSegmentsResponse:
         parse(pb.ListSegmentsRequest, data)
         held = await self._run(self.store.held)
-        return pb.ListSegmentsResponse(segments=[
-            pb.HeldSegment(segment=pb.SegmentRef(topic=h.key[0], partition=h.key[1], segment_id=h.segment_id),
-                           end_offset=h.end_offset, flushed_offset=h.flushed_offset, size_bytes=h.size_bytes)
-            for h in held
-        ])  # fmt: skip
+        return pb.ListSegmentsResponse(
+            segments=[
+                pb.HeldSegment(
+                    segment=pb.SegmentRef(topic=h.key[0], partition=h.key[1], segment_id=h.segment_id),
+                    end_offset=h.end_offset,
+                    flushed_offset=h.flushed_offset,
+                    size_bytes=h.size_bytes,
+                )
+                for h in held
+            ]
+        )
 
     async def copy_segment(self, data: bytes, context: Context) -> pb.CopySegmentResponse:
         req = parse(pb.CopySegmentRequest, data)
         key, segment_id = _segment(req.segment)
         if req.base_offset < 0 or req.end_offset < req.base_offset:
-            raise InvalidRequest(f"segment {segment_id} of {key[0]}-{key[1]}: base offset {req.base_offset} and "
-                                 f"sealed end {req.end_offset} do not make a range")  # fmt: skip
+            raise InvalidRequest(
+                f"segment {segment_id} of {key[0]}-{key[1]}: base offset {req.base_offset} and "
+                f"sealed end {req.end_offset} do not make a range"
+            )
         if not req.source_address:
             raise InvalidRequest("name the member to copy from (source_address: HOST:PORT)")
         try:
@@ -175,8 +188,9 @@ class SegmentService:
         segment = SealedRange(key, segment_id, req.base_offset, start_vector, req.end_offset)
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None else copy_timeout_s(0)
-        flushed, copied = await copy_in(self.store, segment, req.source_address, self.executor, self.clock_ms(),
-                                        self.tls, timeout)  # fmt: skip
+        flushed, copied = await copy_in(
+            self.store, segment, req.source_address, self.executor, self.clock_ms(), self.tls, timeout
+        )
         return pb.CopySegmentResponse(flushed_offset=flushed, copied_bytes=copied)
 
     async def roll_segment(self, data: bytes, context: Context) -> pb.RollSegmentResponse:
@@ -188,12 +202,15 @@ class SegmentService:
         return pb.RollSegmentResponse(rolling=reason is None, reason=reason or "")
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return service(SERVICE, {
-            "AppendSegment": stream_stream(self.append_segment),
-            "FenceSegments": unary(self.fence_segments),
-            "SealSegment": unary(self.seal_segment),
-            "ReadSegment": unary_stream(self.read_segment),
-            "ListSegments": unary(self.list_segments),
-            "CopySegment": unary(self.copy_segment),
-            "RollSegment": unary(self.roll_segment),
-        })  # fmt: skip
+        return service(
+            SERVICE,
+            {
+                "AppendSegment": stream_stream(self.append_segment),
+                "FenceSegments": unary(self.fence_segments),
+                "SealSegment": unary(self.seal_segment),
+                "ReadSegment": unary_stream(self.read_segment),
+                "ListSegments": unary(self.list_segments),
+                "CopySegment": unary(self.copy_segment),
+                "RollSegment": unary(self.roll_segment),
+            },
+        )

@@ -71,6 +71,7 @@ FOLLOWER_POLL_S = 0.1  # a follower's fetch looks at the metadata's chain (rolls
 REFUSALS_LOGGED_EVERY_S = 60.0
 REFUSALS_LOGGED_MAX = 1024
 
+
 def _error(exc: Exception) -> pb.Error:
     hint = exc.leader_hint if isinstance(exc, NotLeader) else ""
     return pb.Error(code=status(exc).value[0], message=str(exc), leader_hint=hint, reason=reason_of(exc))
@@ -141,15 +142,20 @@ class NodeService:
             plog = p.log
             states.append(
                 pb.PartitionState(
-                    partition=i, log_start_offset=plog.log_start_offset, log_end_offset=plog.log_end_offset,
-                    size_bytes=plog.size_bytes, segments=plog.segment_count, vector=_vector_to_pb(plog.vector()),
+                    partition=i,
+                    log_start_offset=plog.log_start_offset,
+                    log_end_offset=plog.log_end_offset,
+                    size_bytes=plog.size_bytes,
+                    segments=plog.segment_count,
+                    vector=_vector_to_pb(plog.vector()),
                     damaged=damaged_to_proto(plog.damaged_batches()),
-                )  # fmt: skip
+                )
             )
         config = {k: str(v) for k, v in spec.effective(self.broker.defaults).items()}
         leaders = self.site_cluster.leaders(name, spec.partitions) if self.site_cluster is not None else []
-        return pb.TopicDescription(name=name, partitions=spec.partitions, config=config, partition_states=states,
-                                   leaders=leaders)  # fmt: skip
+        return pb.TopicDescription(
+            name=name, partitions=spec.partitions, config=config, partition_states=states, leaders=leaders
+        )
 
     async def create_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         req = parse(pb.CreateTopicRequest, data)  # an internal topic's name is refused by Broker.create_topic
@@ -169,10 +175,13 @@ class NodeService:
     async def health(self, data: bytes, context: Context) -> pb.HealthResponse:
         parse(pb.HealthRequest, data)
         return pb.HealthResponse(
-            status="SERVING", site=self.broker.identity.site, epoch=self.broker.identity.epoch,
-            version=__version__, uptime_ms=int((time.monotonic() - self.started) * 1000),
+            status="SERVING",
+            site=self.broker.identity.site,
+            epoch=self.broker.identity.epoch,
+            version=__version__,
+            uptime_ms=int((time.monotonic() - self.started) * 1000),
             disk_full=self.broker.disk_full,
-        )  # fmt: skip
+        )
 
     async def list_offsets(self, data: bytes, context: Context) -> pb.ListOffsetsResponse:
         req = parse(pb.ListOffsetsRequest, data)
@@ -183,8 +192,9 @@ class NodeService:
             plog = self.broker.partition(req.topic, i).log
             if req.WhichOneof("spec") == "timestamp_ms":
                 at = offset_for_time(plog, req.timestamp_ms)  # the rule Kafka's ListOffsets follows too
-                out.append(pb.PartitionOffset(partition=i, offset=-1 if at is None else at,
-                                              timestamp_ms=req.timestamp_ms))  # fmt: skip
+                out.append(
+                    pb.PartitionOffset(partition=i, offset=-1 if at is None else at, timestamp_ms=req.timestamp_ms)
+                )
             elif req.position == pb.START_LATEST:
                 # the high watermark, as in Kafka: what a read from 'latest' starts at (broker/fetch.py)
                 out.append(pb.PartitionOffset(partition=i, offset=plog.flushed_offset, timestamp_ms=-1))
@@ -197,11 +207,16 @@ class NodeService:
     def _produced(self, req: pb.ProduceRequest, produced: Produced) -> pb.ProduceResponse:
         r = produced.result
         return pb.ProduceResponse(
-            correlation_id=req.correlation_id, partition=req.partition, base_offset=r.base_offset,
-            origin_site=produced.origin.site, origin_epoch=produced.origin.epoch,
-            base_origin_seq=r.base_origin_seq, last_origin_seq=r.last_origin_seq,
-            append_time_ms=r.append_time_ms, duplicate=produced.duplicate,
-        )  # fmt: skip
+            correlation_id=req.correlation_id,
+            partition=req.partition,
+            base_offset=r.base_offset,
+            origin_site=produced.origin.site,
+            origin_epoch=produced.origin.epoch,
+            base_origin_seq=r.base_origin_seq,
+            last_origin_seq=r.last_origin_seq,
+            append_time_ms=r.append_time_ms,
+            duplicate=produced.duplicate,
+        )
 
     async def produce(self, data: bytes, context: Context) -> pb.ProduceResponse:
         req = parse(pb.ProduceRequest, data)
@@ -215,7 +230,9 @@ class NodeService:
         return self._produced(req, produced)
 
     async def produce_stream(
-        self, requests: AsyncIterator[bytes | pb.ProduceRequest], context: Context  # parsed when screened (rpc.py)
+        self,
+        requests: AsyncIterator[bytes | pb.ProduceRequest],
+        context: Context,  # parsed when screened (rpc.py)
     ) -> AsyncIterator[pb.ProduceResponse]:
         # Per request: one append and, when the ack must wait for an fsync, one
         # callback on the shared fsync future. No task or queue per request:
@@ -333,12 +350,14 @@ class NodeService:
         info = self.site_cluster.metadata.state().partition(*key)
         if info is None or not info.segments:
             raise not_leader
-        chain = [ChainSegment(s.segment_id, s.base_offset, s.end_offset, s.end_vector, s.ensemble)
-                 for s in info.segments]  # fmt: skip
+        chain = [
+            ChainSegment(s.segment_id, s.base_offset, s.end_offset, s.end_vector, s.ensemble) for s in info.segments
+        ]
         return FollowerLog(key, self.site_cluster.store, chain, self.site_cluster.member.me, info.start_vector)
 
-    async def _fetch_as_follower(self, req: pb.FetchRequest, not_leader: NotLeader, max_bytes: int,
-                                 max_wait_s: float) -> AsyncIterator[pb.FetchResponse]:  # fmt: skip
+    async def _fetch_as_follower(
+        self, req: pb.FetchRequest, not_leader: NotLeader, max_bytes: int, max_wait_s: float
+    ) -> AsyncIterator[pb.FetchResponse]:
         """A fetch of a partition this node does not lead (``READ_FROM_REPLICA``): served below
         ``cluster.follower_reads.follower_bound`` over a :class:`FollowerLog`, rebuilt whenever the metadata's
         chain changes; a reader that reaches what this node cannot serve (it is not in the open segment's
@@ -375,9 +394,13 @@ class NodeService:
                 continue
             if not bound.grows or cursor.position > view.known_end():
                 hint = self.broker.leader_hint(*key)
-                raise NotLeader(req.topic, req.partition, f"this node serves it only below offset {bound.end} "
-                                f"({bound.why}), and the fetch is at {cursor.position}: read from the leader",
-                                hint)  # fmt: skip
+                raise NotLeader(
+                    req.topic,
+                    req.partition,
+                    f"this node serves it only below offset {bound.end} "
+                    f"({bound.why}), and the fetch is at {cursor.position}: read from the leader",
+                    hint,
+                )
             # Woken by the leader's next LAC announcement; a roll or a seal shows in the metadata, looked at again
             # every FOLLOWER_POLL_S.
             step_s = min(FOLLOWER_POLL_S, max(max_wait_s - waited_s, 0.0))
@@ -392,14 +415,21 @@ class NodeService:
 
     @staticmethod
     def _follower_response(view: FollowerLog, chunk: bytes, position: int, bound: int) -> pb.FetchResponse:
-        return pb.FetchResponse(batches=chunk, high_watermark=bound, log_start_offset=view.log_start_offset,
-                                next_offset=position, follower_read=True)  # fmt: skip
+        return pb.FetchResponse(
+            batches=chunk,
+            high_watermark=bound,
+            log_start_offset=view.log_start_offset,
+            next_offset=position,
+            follower_read=True,
+        )
 
     def _fetch_response(self, p: Partition, chunk: bytes, position: int) -> pb.FetchResponse:
         return pb.FetchResponse(
-            batches=chunk, high_watermark=p.log.flushed_offset,
-            log_start_offset=p.log.log_start_offset, next_offset=position,
-        )  # fmt: skip
+            batches=chunk,
+            high_watermark=p.log.flushed_offset,
+            log_start_offset=p.log.log_start_offset,
+            next_offset=position,
+        )
 
     # -- damage -------------------------------------------------------------------
 
@@ -436,11 +466,19 @@ class NodeService:
                     yield self._scrub_progress(min(checked, total), total, found, rebuilt, invalid, False)
         yield self._scrub_progress(total, total, found, rebuilt, invalid, True)
 
-    def _scrub_progress(self, checked: int, total: int, found: int, rebuilt: int, invalid: int,
-                        done: bool) -> pb.ScrubProgress:  # fmt: skip
+    def _scrub_progress(
+        self, checked: int, total: int, found: int, rebuilt: int, invalid: int, done: bool
+    ) -> pb.ScrubProgress:
         quarantined = sum(len(b) for b in self.broker.damaged().values())
-        return pb.ScrubProgress(checked_bytes=checked, total_bytes=total, found=found, quarantined=quarantined,
-                                done=done, indexes_rebuilt=rebuilt, invalid=invalid)  # fmt: skip
+        return pb.ScrubProgress(
+            checked_bytes=checked,
+            total_bytes=total,
+            found=found,
+            quarantined=quarantined,
+            done=done,
+            indexes_rebuilt=rebuilt,
+            invalid=invalid,
+        )
 
     # -- replication ------------------------------------------------------------
 
@@ -494,8 +532,13 @@ class NodeService:
         assert self.site_cluster is not None
         sources = [self._serve_replicas(partitions, local, max_bytes, max_wait_ms)]
         for address, forwarded in sorted(elsewhere.items()):
-            sub = pb.ReplicateRequest(dst_site=req.dst_site, wants=forwarded, max_bytes=req.max_bytes,
-                                      max_wait_ms=req.max_wait_ms, forwarded=True)  # fmt: skip
+            sub = pb.ReplicateRequest(
+                dst_site=req.dst_site,
+                wants=forwarded,
+                max_bytes=req.max_bytes,
+                max_wait_ms=req.max_wait_ms,
+                forwarded=True,
+            )
             sources.append(self.site_cluster.pull_from(address, sub))
         # Ends the pull (cleanly) when a partition left out or passed on moves: even here, where one was forwarded
         # a moment before this node attached it (a roll, a new leadership).
@@ -503,9 +546,13 @@ class NodeService:
         async for response in merge_streams(sources):
             yield response
 
-    async def _serve_replicas(self, partitions: dict[tuple[str, int], Partition],
-                              wants: dict[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]],
-                              max_bytes: int, max_wait_ms: int) -> AsyncIterator[pb.ReplicateResponse]:  # fmt: skip
+    async def _serve_replicas(
+        self,
+        partitions: dict[tuple[str, int], Partition],
+        wants: dict[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]],
+        max_bytes: int,
+        max_wait_ms: int,
+    ) -> AsyncIterator[pb.ReplicateResponse]:
         """The pulls of the partitions this node serves; ends (cleanly: the destination opens it again at once, and
         it is routed afresh) when this node stops serving one of them, or its segment changes."""
         source = ReplicaSource({k: p.log for k, p in partitions.items()}, wants, heartbeat_ms=max_wait_ms)
@@ -546,9 +593,12 @@ class NodeService:
         return pb.ReplicateResponse(
             chunks=[
                 pb.ReplicaChunk(
-                    topic=c.key[0], partition=c.key[1], batches=c.batches,
-                    src_vector=_vector_to_pb(c.src_vector), src_log_end_offset=c.src_log_end,
-                )  # fmt: skip
+                    topic=c.key[0],
+                    partition=c.key[1],
+                    batches=c.batches,
+                    src_vector=_vector_to_pb(c.src_vector),
+                    src_log_end_offset=c.src_log_end,
+                )
                 for c in chunks
             ]
         )
@@ -574,9 +624,13 @@ class NodeService:
             return self.replicator.status()
         identity = self.broker.identity
         parts = [
-            pb.PartitionStatus(topic=t, partition=i, vector=_vector_to_pb(p.log.vector()),
-                               log_end_offset=p.log.log_end_offset,
-                               damaged=damaged_to_proto(p.log.damaged_batches()))  # fmt: skip
+            pb.PartitionStatus(
+                topic=t,
+                partition=i,
+                vector=_vector_to_pb(p.log.vector()),
+                log_end_offset=p.log.log_end_offset,
+                damaged=damaged_to_proto(p.log.damaged_batches()),
+            )
             for (t, i), p in sorted(self.broker.partitions.items())
         ]
         return pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch, partitions=parts)
@@ -640,9 +694,11 @@ class NodeService:
         parse(pb.ClusterStatusRequest, data)
         if self.site_cluster is None:
             site = self.broker.identity.site
-            raise SingleNodeSite(f"site {site} has one node, so it has no segment cluster (ensembles, partition "
-                                 "leaders, Raft) to show: 'georep cluster status' is for sites whose nodes run with "
-                                 "--node-id; use 'georep health' and 'georep topic describe' here")  # fmt: skip
+            raise SingleNodeSite(
+                f"site {site} has one node, so it has no segment cluster (ensembles, partition "
+                "leaders, Raft) to show: 'georep cluster status' is for sites whose nodes run with "
+                "--node-id; use 'georep health' and 'georep topic describe' here"
+            )
         return await self.site_cluster.cluster_status()
 
     async def decommission_node(self, data: bytes, context: Context) -> pb.DecommissionNodeResponse:
@@ -650,50 +706,59 @@ class NodeService:
         self.admin.check(context, "DecommissionNode")
         if self.site_cluster is None:
             site = self.broker.identity.site
-            raise SingleNodeSite(f"site {site} has one node: there is no other node to move its segments to, so it "
-                                 "cannot be decommissioned (stop it, or add nodes with --node-id first)")  # fmt: skip
+            raise SingleNodeSite(
+                f"site {site} has one node: there is no other node to move its segments to, so it "
+                "cannot be decommissioned (stop it, or add nodes with --node-id first)"
+            )
         try:
             node = node_id(req.node_id)
         except InvalidNodeId as exc:
             raise InvalidRequest(str(exc)) from None
         drain = await self.site_cluster.member.decommission(node, not req.cancel)
         return pb.DecommissionNodeResponse(
-            node_id=drain.node, draining=drain.draining, sealed_segments=drain.sealed_segments,
-            open_segments=drain.open_segments, leader_of=drain.leader_of, drained=drain.drained,
+            node_id=drain.node,
+            draining=drain.draining,
+            sealed_segments=drain.sealed_segments,
+            open_segments=drain.open_segments,
+            leader_of=drain.leader_of,
+            drained=drain.drained,
             message=drain.message(),
-        )  # fmt: skip
+        )
 
     # -- wiring ---------------------------------------------------------------
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return service(SERVICE, {
-            "CreateTopic": unary(self.create_topic),
-            "ListTopics": unary(self.list_topics),
-            "DescribeTopic": unary(self.describe_topic),
-            "Produce": unary(self.produce),
-            "ListOffsets": unary(self.list_offsets),
-            "Health": unary(self.health),
-            "SiteStatus": unary(self.site_status),
-            "SetLink": unary(self.set_link),
-            "ReportHeld": unary(self.report_held),
-            "FetchBatch": unary(self.fetch_batch),
-            "Scrub": unary_stream(self.scrub),
-            "GroupHeartbeat": unary(self.group_calls.group_heartbeat),
-            "LeaveGroup": unary(self.group_calls.leave_group),
-            "CommitOffsets": unary(self.group_calls.commit_offsets),
-            "FetchCommitted": unary(self.group_calls.fetch_committed),
-            "ListGroups": unary(self.group_calls.list_groups),
-            "DescribeGroup": unary(self.group_calls.describe_group),
-            "ClusterStatus": unary(self.cluster_status),
-            "DecommissionNode": unary(self.decommission_node),
-            "PutAcl": unary(self.acls.put_acl),
-            "ListAcls": unary(self.acls.list_acls),
-            "PutUser": unary(self.acls.put_user),
-            "ListUsers": unary(self.acls.list_users),
-            "Replicate": unary_stream(self.replicate),
-            "ProduceStream": stream_stream(self.produce_stream),
-            "Fetch": unary_stream(self.fetch),
-        })  # fmt: skip
+        return service(
+            SERVICE,
+            {
+                "CreateTopic": unary(self.create_topic),
+                "ListTopics": unary(self.list_topics),
+                "DescribeTopic": unary(self.describe_topic),
+                "Produce": unary(self.produce),
+                "ListOffsets": unary(self.list_offsets),
+                "Health": unary(self.health),
+                "SiteStatus": unary(self.site_status),
+                "SetLink": unary(self.set_link),
+                "ReportHeld": unary(self.report_held),
+                "FetchBatch": unary(self.fetch_batch),
+                "Scrub": unary_stream(self.scrub),
+                "GroupHeartbeat": unary(self.group_calls.group_heartbeat),
+                "LeaveGroup": unary(self.group_calls.leave_group),
+                "CommitOffsets": unary(self.group_calls.commit_offsets),
+                "FetchCommitted": unary(self.group_calls.fetch_committed),
+                "ListGroups": unary(self.group_calls.list_groups),
+                "DescribeGroup": unary(self.group_calls.describe_group),
+                "ClusterStatus": unary(self.cluster_status),
+                "DecommissionNode": unary(self.decommission_node),
+                "PutAcl": unary(self.acls.put_acl),
+                "ListAcls": unary(self.acls.list_acls),
+                "PutUser": unary(self.acls.put_user),
+                "ListUsers": unary(self.acls.list_users),
+                "Replicate": unary_stream(self.replicate),
+                "ProduceStream": stream_stream(self.produce_stream),
+                "Fetch": unary_stream(self.fetch),
+            },
+        )
 
 
 def _fetch_start(req: pb.FetchRequest) -> FetchStart:

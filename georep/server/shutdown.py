@@ -49,8 +49,7 @@ class Shutdown:
         for sig in SIGNALS:
             loop.remove_signal_handler(sig)
             signal.signal(sig, self._on_signal)
-        self._timer = threading.Timer(self.timeout_ms / 1000, self.force,
-                                      (f"its timeout ({self.timeout_ms} ms)",))  # fmt: skip
+        self._timer = threading.Timer(self.timeout_ms / 1000, self.force, (f"its timeout ({self.timeout_ms} ms)",))
         self._timer.daemon = True
         self._timer.start()
 
@@ -80,8 +79,13 @@ class Shutdown:
         """End the process now: ``why``, and the step that had not finished, logged first."""
         if not self._forcing.acquire(blocking=False):
             return  # the timer and a signal at once: one of them ends the process
-        log.error("shutdown forced by %s: %s had not finished; exiting at once with code %d (the logs are "
-                  "recovered at the next start, as after a crash)", why, self.stage, EXIT_FORCED)  # fmt: skip
+        log.error(
+            "shutdown forced by %s: %s had not finished; exiting at once with code %d (the logs are "
+            "recovered at the next start, as after a crash)",
+            why,
+            self.stage,
+            EXIT_FORCED,
+        )
         for handler in logging.getLogger().handlers:
             handler.flush()
         os._exit(EXIT_FORCED)

@@ -58,8 +58,9 @@ REMOTE_READ_TIMEOUT_S = 10.0
 ROUTE_CHECK_S = 0.25  # how often a pull passed on to other nodes checks that their leadership has not moved
 
 
-def leader_producers(store: ReplicaStore, info: PartitionInfo, open_id: SegmentId, origin: Origin,
-                     now_ms: int) -> ProducerStateTable:  # fmt: skip
+def leader_producers(
+    store: ReplicaStore, info: PartitionInfo, open_id: SegmentId, origin: Origin, now_ms: int
+) -> ProducerStateTable:
     """The idempotent producers' table a leader starts writing open segment ``open_id`` with: the one the chain's last
     seal carries (``cluster/producer_snapshot.py`` has why), then the open segment's own batches. Never only the
     copies this node holds: it may hold none of the segments a producer last wrote to."""
@@ -87,9 +88,15 @@ class _Writing:
 class SiteCluster:
     """Attaches the partitions this node leads to its broker; see the module docstring."""
 
-    def __init__(self, broker: Broker, member: ClusterMember, metadata: RaftMetadataStore, store: ReplicaStore,
-                 executor: ThreadPoolExecutor,
-                 tls: TlsConfig | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        broker: Broker,
+        member: ClusterMember,
+        metadata: RaftMetadataStore,
+        store: ReplicaStore,
+        executor: ThreadPoolExecutor,
+        tls: TlsConfig | None = None,
+    ) -> None:
         self.broker = broker
         self.member = member
         self.metadata = metadata
@@ -122,9 +129,14 @@ class SiteCluster:
         for index in range(partitions):
             info = state.partition(topic, index)
             node = state.node(info.leader) if info is not None and info.leader is not None else None
-            out.append(pb.PartitionLeader(partition=index, node_id=node.node if node is not None else 0,
-                                          address=node.address if node is not None else "",
-                                          leader_epoch=info.leader_epoch if info is not None else 0))  # fmt: skip
+            out.append(
+                pb.PartitionLeader(
+                    partition=index,
+                    node_id=node.node if node is not None else 0,
+                    address=node.address if node is not None else "",
+                    leader_epoch=info.leader_epoch if info is not None else 0,
+                )
+            )
         return out
 
     def node_address(self, node: NodeId) -> str:
@@ -132,55 +144,84 @@ class SiteCluster:
         return info.address if info is not None else ""
 
     async def create_topic(self, name: str, partitions: int, config: dict[str, str]) -> None:
-        await asyncio.get_running_loop().run_in_executor(self.executor, self.broker.create_topic, name, partitions,
-                                                         config)  # fmt: skip
+        await asyncio.get_running_loop().run_in_executor(
+            self.executor, self.broker.create_topic, name, partitions, config
+        )
 
     async def cluster_status(self) -> pb.ClusterStatusResponse:
         """``ClusterStatus``: ``cluster.status.cluster_status`` of this node's view of the metadata, now, with its
         own store's bytes (the only disk it can read) and its view of the Raft group."""
         config = self.member.config
-        view = cluster_status(self.metadata.state(), self.member.clock_ms(), config.session_timeout_ms,
-                              config.replication_factor)  # fmt: skip
+        view = cluster_status(
+            self.metadata.state(), self.member.clock_ms(), config.session_timeout_ms, config.replication_factor
+        )
         # The store's lock is also taken by appends and fsyncs in the segment threads: not on the event loop.
         store_bytes = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.size_bytes)
         moved = {n.node: n.bytes_moved for n in view.nodes} | {self.member.me: self.store.moved.total}
         raft = self.metadata.status()
         identity = self.broker.identity
         return pb.ClusterStatusResponse(
-            site=identity.site, epoch=identity.epoch, node_id=self.member.me,
-            replication_factor=config.replication_factor, session_timeout_ms=config.session_timeout_ms,
+            site=identity.site,
+            epoch=identity.epoch,
+            node_id=self.member.me,
+            replication_factor=config.replication_factor,
+            session_timeout_ms=config.session_timeout_ms,
             raft=pb.RaftGroupStatus(
-                self_address=raft.self_address, leader_address=raft.leader_address or "", is_leader=raft.is_leader,
-                reachable_nodes=raft.reachable_nodes, total_nodes=raft.total_nodes,
-                applied_index=raft.applied_index, commit_index=raft.commit_index,
+                self_address=raft.self_address,
+                leader_address=raft.leader_address or "",
+                is_leader=raft.is_leader,
+                reachable_nodes=raft.reachable_nodes,
+                total_nodes=raft.total_nodes,
+                applied_index=raft.applied_index,
+                commit_index=raft.commit_index,
             ),
             nodes=[
                 pb.ClusterNodeStatus(
-                    node_id=n.node, address=n.address, live=n.live, last_heartbeat_age_ms=n.heartbeat_age_ms,
-                    free_bytes=n.free_bytes, load=n.load, draining=n.draining, segments=n.segments,
-                    open_segments=n.open_segments, leader_of=n.leader_of,
-                    store_bytes=store_bytes if n.node == self.member.me else None, bytes_moved=moved[n.node],
+                    node_id=n.node,
+                    address=n.address,
+                    live=n.live,
+                    last_heartbeat_age_ms=n.heartbeat_age_ms,
+                    free_bytes=n.free_bytes,
+                    load=n.load,
+                    draining=n.draining,
+                    segments=n.segments,
+                    open_segments=n.open_segments,
+                    leader_of=n.leader_of,
+                    store_bytes=store_bytes if n.node == self.member.me else None,
+                    bytes_moved=moved[n.node],
                 )
                 for n in view.nodes
             ],
             partitions=[
                 pb.ClusterPartitionStatus(
-                    topic=p.topic, partition=p.partition, leader=p.leader or 0, leader_live=p.leader_live,
-                    leader_epoch=p.leader_epoch, segments=p.segments, open_segment_id=p.open_segment,
+                    topic=p.topic,
+                    partition=p.partition,
+                    leader=p.leader or 0,
+                    leader_live=p.leader_live,
+                    leader_epoch=p.leader_epoch,
+                    segments=p.segments,
+                    open_segment_id=p.open_segment,
                     open_ensemble=list(p.open_ensemble),
                 )
                 for p in view.partitions
             ],
             under_replicated=[
                 pb.UnderReplicatedSegment(
-                    topic=u.topic, partition=u.partition, segment_id=u.segment_id, sealed=u.sealed,
-                    ensemble=list(u.ensemble), dead=list(u.dead), draining=list(u.draining),
-                    live_members=u.live_count, wanted_members=u.wanted, message=u.message(),
+                    topic=u.topic,
+                    partition=u.partition,
+                    segment_id=u.segment_id,
+                    sealed=u.sealed,
+                    ensemble=list(u.ensemble),
+                    dead=list(u.dead),
+                    draining=list(u.draining),
+                    live_members=u.live_count,
+                    wanted_members=u.wanted,
+                    message=u.message(),
                 )
                 for u in view.under_replicated
             ],
             bytes_moved=sum(moved.values()),
-        )  # fmt: skip
+        )
 
     # -- LeaderListener --------------------------------------------------------------------------------------
 
@@ -192,11 +233,18 @@ class SiteCluster:
         if writer is None or info is None or spec is None:
             return
         open_id = writer.segment.segment_id
-        chain = [ChainSegment(s.segment_id, s.base_offset, s.end_offset, s.end_vector, s.ensemble)
-                 for s in info.segments if s.segment_id <= open_id]  # fmt: skip
+        chain = [
+            ChainSegment(s.segment_id, s.base_offset, s.end_offset, s.end_vector, s.ensemble)
+            for s in info.segments
+            if s.segment_id <= open_id
+        ]
         if not chain or chain[-1].segment_id != open_id or chain[-1].end_offset is not None:
-            log.error("node %d: the view of %s-%d does not show segment %d open; not serving it", self.member.me,
-                      *lead.key, open_id)  # fmt: skip
+            log.error(
+                "node %d: the view of %s-%d does not show segment %d open; not serving it",
+                self.member.me,
+                *lead.key,
+                open_id,
+            )
             return
         lac_vector = info.sealed_vector_before(open_id)
         chain_log = ChainLog(lead.key, self.store, chain, lead.epoch, lac_vector)
@@ -249,13 +297,16 @@ class SiteCluster:
                 yield response
             # That node ended its part (a partition it served moved): end the whole pull, to be routed afresh.
         except grpc.aio.AioRpcError as exc:
-            raise SegmentUnreadable(f"the pull of {len(request.wants)} partition(s) led by the node at {address} "
-                                    f"ended ({exc.code().name}: {exc.details()}); pull again") from None
+            raise SegmentUnreadable(
+                f"the pull of {len(request.wants)} partition(s) led by the node at {address} "
+                f"ended ({exc.code().name}: {exc.details()}); pull again"
+            ) from None
         finally:
             call.cancel()
 
-    async def until_routes_change(self, routes: dict[PartitionKey, str], local: set[PartitionKey],
-                                  check_s: float = ROUTE_CHECK_S) -> AsyncIterator[pb.ReplicateResponse]:
+    async def until_routes_change(
+        self, routes: dict[PartitionKey, str], local: set[PartitionKey], check_s: float = ROUTE_CHECK_S
+    ) -> AsyncIterator[pb.ReplicateResponse]:
         """Yields nothing; returns once a partition of a pull this node passes on is led elsewhere than ``routes``
         says (or by this node, though it is not in ``local``): the pull ends cleanly, and the destination opens it
         again at once, routed afresh. Leaderless partitions are left out of a pull until they have a leader."""
@@ -307,8 +358,10 @@ class SiteCluster:
                 continue
             request = pb.ReadSegmentRequest(
                 segment=pb.SegmentRef(topic=chain.key[0], partition=chain.key[1], segment_id=segment.segment_id),
-                offset=missing.offset, end_offset=segment.end_offset or 0, max_bytes=max_bytes,
-            )  # fmt: skip
+                offset=missing.offset,
+                end_offset=segment.end_offset or 0,
+                max_bytes=max_bytes,
+            )
             try:
                 async with self.channel(address) as channel:
                     call = pbg.SegmentsStub(channel).ReadSegment(request, timeout=REMOTE_READ_TIMEOUT_S)
@@ -317,5 +370,7 @@ class SiteCluster:
                         return
             except grpc.aio.AioRpcError as exc:
                 why.append(f"node {node} ({address}): {exc.code().name} {exc.details()}")
-        raise SegmentUnreadable(f"{missing}, and none of them could be read ({'; '.join(why) or 'no address is known'})"
-                                "; bring one of them back, or wait for the site to repair the segment")
+        raise SegmentUnreadable(
+            f"{missing}, and none of them could be read ({'; '.join(why) or 'no address is known'})"
+            "; bring one of them back, or wait for the site to repair the segment"
+        )

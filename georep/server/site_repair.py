@@ -141,33 +141,47 @@ class SealedRange:
 # -- the target's side ------------------------------------------------------------------------------------------
 
 
-async def copy_in(store: ReplicaStore, segment: SealedRange, source: str, executor: ThreadPoolExecutor,
-                  now_ms: int, tls: TlsConfig | None = None,
-                  timeout_s: float = COPY_TIMEOUT_S_MIN) -> tuple[LocalOffset, int]:  # fmt: skip
+async def copy_in(
+    store: ReplicaStore,
+    segment: SealedRange,
+    source: str,
+    executor: ThreadPoolExecutor,
+    now_ms: int,
+    tls: TlsConfig | None = None,
+    timeout_s: float = COPY_TIMEOUT_S_MIN,
+) -> tuple[LocalOffset, int]:
     """Copy sealed ``segment`` into this node's store from the member at ``source`` (``ReadSegment``), from the end
     this node holds; fsync. Returns the fsynced end and the bytes read. Each chunk's CRCs are checked before it is
     appended (``ReplicaStore.append_sealed_copy``). Raises :class:`CopyFailed` when the source cannot be read or
     holds less than the sealed end, and the store's errors (``CorruptReplicaChunk``: a batch failed its CRC)."""
     loop = asyncio.get_running_loop()
     key, sid, end = segment.key, segment.segment_id, segment.end_offset
-    held = await loop.run_in_executor(executor, store.open_sealed_copy, key, sid, segment.base_offset,
-                                      dict(segment.start_vector), now_ms)  # fmt: skip
+    held = await loop.run_in_executor(
+        executor, store.open_sealed_copy, key, sid, segment.base_offset, dict(segment.start_vector), now_ms
+    )
     copied = 0
     if held < end:
-        request = pb.ReadSegmentRequest(segment=pb.SegmentRef(topic=key[0], partition=key[1], segment_id=sid),
-                                        offset=held, end_offset=end, max_bytes=READ_MAX_BYTES)  # fmt: skip
+        request = pb.ReadSegmentRequest(
+            segment=pb.SegmentRef(topic=key[0], partition=key[1], segment_id=sid),
+            offset=held,
+            end_offset=end,
+            max_bytes=READ_MAX_BYTES,
+        )
         try:
             async with client_channel(source, tls) as ch:
                 async for response in pbg.SegmentsStub(ch).ReadSegment(request, timeout=timeout_s):
                     await loop.run_in_executor(executor, store.append_sealed_copy, key, sid, end, response.batches)
                     copied += len(response.batches)
         except grpc.aio.AioRpcError as exc:
-            raise CopyFailed(f"copying segment {sid} of {key[0]}-{key[1]} from {source}: {exc.code().name}: "
-                             f"{exc.details()}") from None  # fmt: skip
+            raise CopyFailed(
+                f"copying segment {sid} of {key[0]}-{key[1]} from {source}: {exc.code().name}: {exc.details()}"
+            ) from None
     flushed = await loop.run_in_executor(executor, store.flush, key, sid)
     if flushed < end:
-        raise CopyFailed(f"copying segment {sid} of {key[0]}-{key[1]} from {source}: it sent up to offset {flushed}, "
-                         f"short of the sealed end {end}: it holds less than the seal; copy from another member")
+        raise CopyFailed(
+            f"copying segment {sid} of {key[0]}-{key[1]} from {source}: it sent up to offset {flushed}, "
+            f"short of the sealed end {end}: it holds less than the seal; copy from another member"
+        )
     return flushed, copied
 
 
@@ -178,8 +192,9 @@ def copy_timeout_s(size_bytes: int) -> float:
 # -- what the controller is told ----------------------------------------------------------------------------------
 
 
-def short_reports(state: SiteState, held: Mapping[NodeId, Mapping[SegmentKey, HeldCopy]],
-                  live: Sequence[NodeId]) -> dict[NodeId, set[SegmentKey]]:  # fmt: skip
+def short_reports(
+    state: SiteState, held: Mapping[NodeId, Mapping[SegmentKey, HeldCopy]], live: Sequence[NodeId]
+) -> dict[NodeId, set[SegmentKey]]:
     """What each live node reports short (``Controller.reported_short``): the sealed segments it is a member of and
     holds less of than the sealed end, by what it listed (``held``); a live node absent from ``held`` did not answer,
     and reports every sealed segment it is a member of (the safe side: it is not read from, and a fill of a copy
@@ -200,15 +215,25 @@ def leader_views(state: SiteState) -> list[LeaderView]:
     out = []
     for info in state.partitions():
         open_segment = info.open_segment
-        out.append(LeaderView(info.topic, info.partition, info.leader, info.leader_epoch,
-                              open_segment.ensemble if open_segment is not None else None))  # fmt: skip
+        out.append(
+            LeaderView(
+                info.topic,
+                info.partition,
+                info.leader,
+                info.leader_epoch,
+                open_segment.ensemble if open_segment is not None else None,
+            )
+        )
     return out
 
 
 def drain_status_of(state: SiteState, node: NodeId) -> DrainStatus:
     info = state.node(node)
-    segments = [SegmentView(p.topic, p.partition, s.segment_id, s.ensemble, s.sealed, 0)
-                for p in state.partitions() for s in p.segments]  # fmt: skip
+    segments = [
+        SegmentView(p.topic, p.partition, s.segment_id, s.ensemble, s.sealed, 0)
+        for p in state.partitions()
+        for s in p.segments
+    ]
     return drain_status(node, info is not None and info.draining, segments, leader_views(state))
 
 
@@ -272,9 +297,18 @@ class RepairController:
             if node not in live:
                 self.ctl.reported_short(node, set())  # a dead node reports nothing: it is replaced, not filled
         stuck = await self._move_leaders(state, loads)
-        sizes = {id(s): max((h[(i.topic, i.partition, s.segment_id)].size_bytes for h in held.values()
-                             if (i.topic, i.partition, s.segment_id) in h), default=0)
-                 for i in state.partitions() for s in i.segments}  # fmt: skip
+        sizes = {
+            id(s): max(
+                (
+                    h[(i.topic, i.partition, s.segment_id)].size_bytes
+                    for h in held.values()
+                    if (i.topic, i.partition, s.segment_id) in h
+                ),
+                default=0,
+            )
+            for i in state.partitions()
+            for s in i.segments
+        }
         copies, rolls = self.ctl.repair_plan(state, now, lambda s: sizes.get(id(s), 0), lambda: list(loads.values()))
         self._report([*stuck, *self.ctl.reports], now)
         for copy in copies:
@@ -296,9 +330,15 @@ class RepairController:
             if key in self.reported:
                 continue
             if isinstance(item, AwaitingRepairDelay):  # its message has the due time on this node's clock
-                log.info("repair: %s-%d segment %d lost node %d; it is copied elsewhere in %d ms unless the node "
-                         "comes back first (--repair-delay-ms)", item.topic, item.partition, item.segment_id,
-                         item.dead, item.due_ms - now)  # fmt: skip
+                log.info(
+                    "repair: %s-%d segment %d lost node %d; it is copied elsewhere in %d ms unless the node "
+                    "comes back first (--repair-delay-ms)",
+                    item.topic,
+                    item.partition,
+                    item.segment_id,
+                    item.dead,
+                    item.due_ms - now,
+                )
             elif isinstance(item, CopyDeferred):
                 log.info("repair: %s", key)
             else:
@@ -309,15 +349,19 @@ class RepairController:
         """What the effect's own message does not say of why it runs."""
         if isinstance(effect, FillSegment):
             if effect.target not in held:
-                return (f"; node {effect.target} did not list its copies, so it counts as short (a whole copy "
-                        "copies nothing)")  # fmt: skip
+                return (
+                    f"; node {effect.target} did not list its copies, so it counts as short (a whole copy "
+                    "copies nothing)"
+                )
             return ""
         if effect.replaces is None:
             return ""
         since = self.ctl.down_since.get(effect.replaces)
         if since is not None:
-            return (f": node {effect.replaces} has been dead for {now - since} ms, past the repair delay of "
-                    f"{self.m.config.repair_delay_ms} ms")  # fmt: skip
+            return (
+                f": node {effect.replaces} has been dead for {now - since} ms, past the repair delay of "
+                f"{self.m.config.repair_delay_ms} ms"
+            )
         return f": node {effect.replaces} is draining"
 
     @staticmethod
@@ -331,13 +375,19 @@ class RepairController:
         s = info.segment(key[2]) if info is not None else None
         if info is None or s is None or s.end_offset is None:
             return None
-        return SealedRange((key[0], key[1]), s.segment_id, s.base_offset,
-                           info.sealed_vector_before(s.segment_id).to_dict(), s.end_offset)  # fmt: skip
+        return SealedRange(
+            (key[0], key[1]),
+            s.segment_id,
+            s.base_offset,
+            info.sealed_vector_before(s.segment_id).to_dict(),
+            s.end_offset,
+        )
 
     # -- which members hold what ---------------------------------------------------------------------------------
 
-    async def _inventory(self, state: SiteState,
-                         loads: Mapping[NodeId, NodeLoad]) -> dict[NodeId, dict[SegmentKey, HeldCopy]]:  # fmt: skip
+    async def _inventory(
+        self, state: SiteState, loads: Mapping[NodeId, NodeLoad]
+    ) -> dict[NodeId, dict[SegmentKey, HeldCopy]]:
         """Every live node's copies (this node's from its store); a node that does not answer is left out."""
         nodes = [n for n in sorted(loads) if loads[n].alive]
         answers = await asyncio.gather(*(self._held_by(state, n) for n in nodes))
@@ -353,14 +403,22 @@ class RepairController:
                 return None
             try:
                 async with m.channel(info.address) as channel:
-                    answer = await pbg.SegmentsStub(channel).ListSegments(pb.ListSegmentsRequest(),
-                                                                         timeout=LIST_TIMEOUT_S)  # fmt: skip
+                    answer = await pbg.SegmentsStub(channel).ListSegments(
+                        pb.ListSegmentsRequest(), timeout=LIST_TIMEOUT_S
+                    )
             except grpc.aio.AioRpcError as exc:
                 log.debug("repair: node %d did not list its segments: %s", node, exc.code().name)
                 return None
-            copies = [HeldCopy((h.segment.topic, h.segment.partition), SegmentId(h.segment.segment_id),
-                               LocalOffset(h.end_offset), LocalOffset(h.flushed_offset), h.size_bytes)
-                      for h in answer.segments]  # fmt: skip
+            copies = [
+                HeldCopy(
+                    (h.segment.topic, h.segment.partition),
+                    SegmentId(h.segment.segment_id),
+                    LocalOffset(h.end_offset),
+                    LocalOffset(h.flushed_offset),
+                    h.size_bytes,
+                )
+                for h in answer.segments
+            ]
         return {(c.key[0], c.key[1], c.segment_id): c for c in copies}
 
     # -- copies ----------------------------------------------------------------------------------------------------
@@ -373,8 +431,14 @@ class RepairController:
             if not whole:
                 raise CopyFailed(f"node {effect.target} holds segment {segment.segment_id} up to {flushed} only")
             if command is None:
-                log.info("repair: node %d now holds %s-%d segment %d whole (%d bytes copied from node %d)",
-                         effect.target, *segment.key, segment.segment_id, copied, effect.source)  # fmt: skip
+                log.info(
+                    "repair: node %d now holds %s-%d segment %d whole (%d bytes copied from node %d)",
+                    effect.target,
+                    *segment.key,
+                    segment.segment_id,
+                    copied,
+                    effect.source,
+                )
             else:
                 await self._record(copy, command, flushed, copied)
             self.failures.pop(_retry_key(effect), None)
@@ -394,16 +458,31 @@ class RepairController:
         finally:
             self.ctl.recorded(copy.copy_id)
         if isinstance(result, Refused):
-            log.warning("repair: node %d holds %s-%d segment %d (fsynced to %d), but the metadata refused to record "
-                        "it: %s", effect.target, effect.topic, effect.partition, effect.segment_id, flushed,
-                        result.reason)  # fmt: skip
+            log.warning(
+                "repair: node %d holds %s-%d segment %d (fsynced to %d), but the metadata refused to record it: %s",
+                effect.target,
+                effect.topic,
+                effect.partition,
+                effect.segment_id,
+                flushed,
+                result.reason,
+            )
             return
         then = "joins its ensemble" if isinstance(command, AddMember) else f"replaces node {command.old}"
-        log.info("repair: node %d holds %s-%d segment %d whole (%d bytes copied from node %d) and %s", effect.target,
-                 effect.topic, effect.partition, effect.segment_id, copied, effect.source, then)  # fmt: skip
+        log.info(
+            "repair: node %d holds %s-%d segment %d whole (%d bytes copied from node %d) and %s",
+            effect.target,
+            effect.topic,
+            effect.partition,
+            effect.segment_id,
+            copied,
+            effect.source,
+            then,
+        )
 
-    async def _copy_on_target(self, effect: CopySegment | FillSegment, segment: SealedRange, size_bytes: int,
-                              state: SiteState) -> tuple[int, int]:  # fmt: skip
+    async def _copy_on_target(
+        self, effect: CopySegment | FillSegment, segment: SealedRange, size_bytes: int, state: SiteState
+    ) -> tuple[int, int]:
         m = self.m
         source = state.node(effect.source)
         target = state.node(effect.target)
@@ -414,14 +493,19 @@ class RepairController:
             return await copy_in(m.store, segment, source.address, m.executor, m.clock_ms(), m.tls, timeout)
         request = pb.CopySegmentRequest(
             segment=pb.SegmentRef(topic=segment.key[0], partition=segment.key[1], segment_id=segment.segment_id),
-            base_offset=segment.base_offset, start_vector=vector_to_proto(VectorOffset(segment.start_vector)),
-            end_offset=segment.end_offset, source_address=source.address, source_node=effect.source,
-        )  # fmt: skip
+            base_offset=segment.base_offset,
+            start_vector=vector_to_proto(VectorOffset(segment.start_vector)),
+            end_offset=segment.end_offset,
+            source_address=source.address,
+            source_node=effect.source,
+        )
         async with m.channel(target.address) as channel:
             answer = await pbg.SegmentsStub(channel).CopySegment(request, timeout=timeout)
         if answer.flushed_offset < segment.end_offset:
-            raise CopyFailed(f"node {effect.target} answered the copy holding {answer.flushed_offset}, short of the "
-                             f"sealed end {segment.end_offset}")  # fmt: skip
+            raise CopyFailed(
+                f"node {effect.target} answered the copy holding {answer.flushed_offset}, short of the "
+                f"sealed end {segment.end_offset}"
+            )
         return answer.flushed_offset, answer.copied_bytes
 
     async def _propose(self, command: Command) -> Applied | Refused:
@@ -440,8 +524,12 @@ class RepairController:
         """Ask the partition's leader to roll (``RollSegment``; this node's own lead directly)."""
         m = self.m
         what = f"{roll.key[0]}/{roll.key[1]} segment {roll.segment_id}"
-        log.info("repair: asking node %d to roll %s%s", roll.leader, what,
-                 " so that the next segment has every replica" if roll.widen else "")  # fmt: skip
+        log.info(
+            "repair: asking node %d to roll %s%s",
+            roll.leader,
+            what,
+            " so that the next segment has every replica" if roll.widen else "",
+        )
         if roll.leader == m.me:
             reason = m.roll(roll.key, roll.segment_id)
         else:
@@ -451,8 +539,9 @@ class RepairController:
             ref = pb.SegmentRef(topic=roll.key[0], partition=roll.key[1], segment_id=roll.segment_id)
             try:
                 async with m.channel(info.address) as channel:
-                    answer = await pbg.SegmentsStub(channel).RollSegment(pb.RollSegmentRequest(segment=ref),
-                                                                         timeout=ROLL_TIMEOUT_S)  # fmt: skip
+                    answer = await pbg.SegmentsStub(channel).RollSegment(
+                        pb.RollSegmentRequest(segment=ref), timeout=ROLL_TIMEOUT_S
+                    )
             except grpc.aio.AioRpcError as exc:
                 reason = f"{exc.code().name}: {exc.details()}"
             else:
@@ -469,11 +558,16 @@ class RepairController:
                 continue
             assert isinstance(move, MoveLeadership)
             log.info("decommission: %s", move.message())
-            result = await self.m.propose(ElectLeader(move.topic, move.partition, move.to,
-                                                      LeaderEpoch(move.expected_epoch)))  # fmt: skip
+            result = await self.m.propose(
+                ElectLeader(move.topic, move.partition, move.to, LeaderEpoch(move.expected_epoch))
+            )
             if isinstance(result, Refused):
-                log.info("decommission: the move of %s/%d was refused (%s); planned again", move.topic,
-                         move.partition, result.reason)  # fmt: skip
+                log.info(
+                    "decommission: the move of %s/%d was refused (%s); planned again",
+                    move.topic,
+                    move.partition,
+                    result.reason,
+                )
         return stuck
 
 
@@ -489,8 +583,10 @@ async def decommission(member: ClusterMember, node: NodeId, draining: bool) -> D
     try:
         result = await member.run_blocking(member.metadata.propose, SetDraining(node, draining))
     except MetadataUnavailable as exc:
-        raise MetadataNotConfirmed(f"the site's metadata did not confirm that node {node} is draining: {exc}; "
-                                   "retry (the same call again changes nothing once it applied)") from None  # fmt: skip
+        raise MetadataNotConfirmed(
+            f"the site's metadata did not confirm that node {node} is draining: {exc}; "
+            "retry (the same call again changes nothing once it applied)"
+        ) from None
     if isinstance(result, Refused):
         raise NodeNotInSite(result.reason)
     if draining:

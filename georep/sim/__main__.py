@@ -57,31 +57,57 @@ def _seed_range(text: str) -> range:
     return range(a, b + 1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m georep.sim", description=__doc__.split("\n\n")[0])
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--seed", type=int, help="replay one run")
     which.add_argument("--seeds", type=_seed_range, help="run a swarm of seeds A..B (both included)")
     parser.add_argument("--topology", help=f"one of {', '.join(TOPOLOGY_NAMES)}, or random-N")
-    parser.add_argument("--steps", type=int, help=f"events in the safety phase (default {DEFAULT_STEPS}, "
-                                                  f"{GEO_CLUSTER_STEPS} with --geo-cluster)")
-    parser.add_argument("--rebuild-p", type=float, default=0.0,
-                        help="chance that a crash also loses the disk (restart empty, new epoch); default 0")
-    parser.add_argument("--no-consumers", action="store_true",
-                        help="no standalone consumers or commits (I5): producers and replication alone")
-    parser.add_argument("--groups", action="store_true",
-                        help="add a consumer group whose members join at several sites (G1-G3)")
-    parser.add_argument("--site-nodes", type=int, default=1,
-                        help="nodes per site, each answering pulls for the whole site (default 1)")
-    parser.add_argument("--silence-every-ms", type=int, default=0,
-                        help="with --site-nodes 2 or more: mean virtual ms between two nodes going silent for good "
-                             "(default 0: never)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help=f"events in the safety phase (default {DEFAULT_STEPS}, {GEO_CLUSTER_STEPS} with --geo-cluster)",
+    )
+    parser.add_argument(
+        "--rebuild-p",
+        type=float,
+        default=0.0,
+        help="chance that a crash also loses the disk (restart empty, new epoch); default 0",
+    )
+    parser.add_argument(
+        "--no-consumers",
+        action="store_true",
+        help="no standalone consumers or commits (I5): producers and replication alone",
+    )
+    parser.add_argument(
+        "--groups", action="store_true", help="add a consumer group whose members join at several sites (G1-G3)"
+    )
+    parser.add_argument(
+        "--site-nodes", type=int, default=1, help="nodes per site, each answering pulls for the whole site (default 1)"
+    )
+    parser.add_argument(
+        "--silence-every-ms",
+        type=int,
+        default=0,
+        help="with --site-nodes 2 or more: mean virtual ms between two nodes going silent for good (default 0: never)",
+    )
     parser.add_argument("--verbose", action="store_true", help="print every event (one run only)")
-    parser.add_argument("--cluster", action="store_true",
-                        help="simulate one site's segment cluster (nodes, leaders, recovery, repair) instead")
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="simulate one site's segment cluster (nodes, leaders, recovery, repair) instead",
+    )
     parser.add_argument("--shape", choices=SHAPES, help="with --cluster: the run's shape (default: by seed)")
-    parser.add_argument("--geo-cluster", action="store_true",
-                        help="the multi-site simulator with one multi-node site (node kills, leader recovery)")
+    parser.add_argument(
+        "--geo-cluster",
+        action="store_true",
+        help="the multi-site simulator with one multi-node site (node kills, leader recovery)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.cluster and args.geo_cluster:
         parser.error("--cluster and --geo-cluster are two different simulators: pick one")
@@ -106,8 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--shape goes with --cluster")
     if args.site_nodes < 1 or args.silence_every_ms < 0:
         parser.error("--site-nodes must be at least 1 and --silence-every-ms at least 0")
-    options = RunOptions(rebuild_p=args.rebuild_p, consumers=not args.no_consumers, groups=args.groups,
-                         site_nodes=args.site_nodes, silence_every_ms=args.silence_every_ms)  # fmt: skip
+    options = RunOptions(
+        rebuild_p=args.rebuild_p,
+        consumers=not args.no_consumers,
+        groups=args.groups,
+        site_nodes=args.site_nodes,
+        silence_every_ms=args.silence_every_ms,
+    )
     try:
         if args.seed is not None:
             return _one(args.seed, args.topology or "triangle", args.steps, args.verbose, options)
@@ -136,8 +167,10 @@ def _one(seed: int, topology: str, steps: int, verbose: bool, options: RunOption
         return 1
     took = time.perf_counter() - started
     counts = " ".join(f"{k}={v}" for k, v in result.counts.as_dict().items() if v)
-    print(f"ok seed={seed} topology={topology} events={result.events} virtual_ms={result.virtual_ms} "
-          f"batches_checked={result.batches_checked} wall={took:.2f}s trace={result.trace[:16]}")  # fmt: skip
+    print(
+        f"ok seed={seed} topology={topology} events={result.events} virtual_ms={result.virtual_ms} "
+        f"batches_checked={result.batches_checked} wall={took:.2f}s trace={result.trace[:16]}"
+    )
     print(f"  {counts}")
     return 0
 
@@ -169,8 +202,10 @@ def _cluster_one(seed: int, shape: str, verbose: bool) -> int:
         return 1
     took = time.perf_counter() - started
     counts = " ".join(f"{k}={v}" for k, v in result.counts.as_dict().items() if v)
-    print(f"ok seed={seed} shape={shape} events={result.events} virtual_ms={result.virtual_ms} "
-          f"liveness_ms={result.liveness_ms} wall={took:.2f}s trace={result.trace[:16]}")  # fmt: skip
+    print(
+        f"ok seed={seed} shape={shape} events={result.events} virtual_ms={result.virtual_ms} "
+        f"liveness_ms={result.liveness_ms} wall={took:.2f}s trace={result.trace[:16]}"
+    )
     print(f"  {result.config}")
     print(f"  {counts}")
     return 0
@@ -202,8 +237,10 @@ def _geo_cluster_one(seed: int, topology: str, steps: int, verbose: bool) -> int
         print(f"FAIL {e}", file=sys.stderr)
         return 1
     took = time.perf_counter() - started
-    print(f"ok seed={seed} topology={topology} events={result.events} virtual_ms={result.virtual_ms} "
-          f"batches_checked={result.batches_checked} wall={took:.2f}s trace={result.trace[:16]}")  # fmt: skip
+    print(
+        f"ok seed={seed} topology={topology} events={result.events} virtual_ms={result.virtual_ms} "
+        f"batches_checked={result.batches_checked} wall={took:.2f}s trace={result.trace[:16]}"
+    )
     for counts in (result.counts.as_dict(), cluster.as_dict(), geo.as_dict()):
         print("  " + " ".join(f"{k}={v}" for k, v in counts.items() if v))
     return 0
@@ -230,8 +267,14 @@ def _geo_cluster_swarm(seeds: range, topology: str | None, steps: int) -> int:
     return _summary("geo-cluster runs", len(seeds), failures, events, counts, started)
 
 
-def _summary(what: str, runs: int, failures: Sequence[SimulationFailure | ClusterSimulationFailure], events: int,
-             counts: Mapping[str, int], started: float) -> int:  # fmt: skip
+def _summary(
+    what: str,
+    runs: int,
+    failures: Sequence[SimulationFailure | ClusterSimulationFailure],
+    events: int,
+    counts: Mapping[str, int],
+    started: float,
+) -> int:
     """The closing lines of a swarm: runs, failures, fault counts, and a replay command per failure."""
     took = time.perf_counter() - started
     print(f"{runs} {what}, {len(failures)} failed, {events} events, {took:.1f}s ({took / max(1, runs):.3f}s a run)")

@@ -239,8 +239,9 @@ def _vector(end: int) -> VectorOffset:
 
 def _entry(b: Batch) -> ProducerEntry:
     """A batch as a leader's producer table keeps it (its origin seq is its offset in this model)."""
-    return ProducerEntry(ORIGIN, b.producer, 0, b.sequence, b.records - 1, LocalOffset(b.offset), OriginSeq(b.offset),
-                         b.append_ms)  # fmt: skip
+    return ProducerEntry(
+        ORIGIN, b.producer, 0, b.sequence, b.records - 1, LocalOffset(b.offset), OriginSeq(b.offset), b.append_ms
+    )
 
 
 class ClusterNodes(SimNodes):
@@ -251,11 +252,26 @@ class ClusterNodes(SimNodes):
 
     def __init__(self, sim: ClusterSimulator) -> None:
         cfg = sim.cfg
-        config = NodeConfig(cfg.rf, cfg.aq, cfg.session_timeout_ms, cfg.tick_ms, cfg.retry_ms, cfg.roll_wait_ms,
-                            cfg.reconnect_ms, cfg.repair_every_ms, cfg.repair_delay_ms,
-                            cfg.max_concurrent_copies)  # fmt: skip
-        super().__init__(sim, config, cfg.fence_timeout_ms, cfg.copy_timeout_ms, sim.between,
-                         lambda shells: ClusterControllers(shells, sim))
+        config = NodeConfig(
+            cfg.rf,
+            cfg.aq,
+            cfg.session_timeout_ms,
+            cfg.tick_ms,
+            cfg.retry_ms,
+            cfg.roll_wait_ms,
+            cfg.reconnect_ms,
+            cfg.repair_every_ms,
+            cfg.repair_delay_ms,
+            cfg.max_concurrent_copies,
+        )
+        super().__init__(
+            sim,
+            config,
+            cfg.fence_timeout_ms,
+            cfg.copy_timeout_ms,
+            sim.between,
+            lambda shells: ClusterControllers(shells, sim),
+        )
         self.sim = sim
         self.leaders: dict[tuple[NodeId, PartKey], LeaderData] = {}
 
@@ -267,20 +283,34 @@ class ClusterNodes(SimNodes):
     # -- the hooks ----------------------------------------------------------------------------------------
 
     def held_entries(self, node: SimNode, key: PartKey, before: SegmentId) -> list[ProducerBatch]:
-        return [_entry(b) for seg in sorted(node.copies) if seg[:2] == key and seg[2] < before
-                for b in node.copies[seg].batches]  # fmt: skip
+        return [
+            _entry(b)
+            for seg in sorted(node.copies)
+            if seg[:2] == key and seg[2] < before
+            for b in node.copies[seg].batches
+        ]
 
     def seal_command(self, node: SimNode, eff: ProposeSeal) -> SealSegment | None:
         seg = (eff.key[0], eff.key[1], eff.segment.segment_id)
         copy = node.copies.get(seg)
         base = int(eff.segment.base_offset)
         if eff.end > base and (copy is None or copy.end < eff.end):
-            self.checker.fail("CORE", f"node {node.id} proposes to seal {seg} at {eff.end} but holds it only up to "
-                                      f"{copy.end if copy else base}")  # fmt: skip
+            self.checker.fail(
+                "CORE",
+                f"node {node.id} proposes to seal {seg} at {eff.end} but holds it only up to "
+                f"{copy.end if copy else base}",
+            )
             return None
         batches: list[ProducerBatch] = [_entry(b) for b in copy.read(base, eff.end)] if copy is not None else []
-        return SealSegment(eff.key[0], eff.key[1], eff.epoch, eff.segment.segment_id, LocalOffset(eff.end),
-                           _vector(eff.end), producers=self.seal_producers(node, eff, batches))  # fmt: skip
+        return SealSegment(
+            eff.key[0],
+            eff.key[1],
+            eff.epoch,
+            eff.segment.segment_id,
+            LocalOffset(eff.end),
+            _vector(eff.end),
+            producers=self.seal_producers(node, eff, batches),
+        )
 
     def adopted(self, node: SimNode, eff: Adopted) -> None:
         seg = (eff.key[0], eff.key[1], eff.segment_id)
@@ -357,8 +387,9 @@ class ClusterNodes(SimNodes):
         q = lead.quorum if lead is not None else None
         data = self.leaders.get((node.id, key))
         if lead is None or q is None or data is None or not lead.active:
-            self.sim.producers.reply(producer, conn, correlation, NotLeader(*key, f"node {node.id} has no open "
-                                                                                 "segment of it"))  # fmt: skip
+            self.sim.producers.reply(
+                producer, conn, correlation, NotLeader(*key, f"node {node.id} has no open segment of it")
+            )
             return
         last = batch.sequence + batch.records - 1
         decision = data.producers.check(batch.producer, 0, batch.sequence, last, self.sim.now_ms)
@@ -378,23 +409,32 @@ class ClusterNodes(SimNodes):
         info = self.sim.meta.partition(*key)
         still_open = info is not None and info.open_segment is not None and info.open_segment.segment_id == q.segment_id
         if held is not None and still_open:  # a zombie's append past a committed seal is cut: not a second copy
-            self.checker.fail("C1", f"exactly once: node {node.id} stores producer {producer}'s batch {batch.payload} "
-                                    f"(sequence {batch.sequence}) again at offset {stored.offset}, though the chain "
-                                    f"holds it at {held}: its producer table did not know the resend")  # fmt: skip
+            self.checker.fail(
+                "C1",
+                f"exactly once: node {node.id} stores producer {producer}'s batch {batch.payload} "
+                f"(sequence {batch.sequence}) again at offset {stored.offset}, though the chain "
+                f"holds it at {held}: its producer table did not know the resend",
+            )
             return
         if not self.append_as_leader(node, lead, stored):
             self.sim.producers.reply(producer, conn, correlation, NotLeader(*key, f"node {node.id} was fenced"))
             return
-        data.producers.record(batch.producer, 0, batch.sequence, last,
-                              AppendResult(LocalOffset(stored.offset), OriginSeq(stored.offset),
-                                           OriginSeq(stored.end - 1), stored.append_ms), self.sim.now_ms)  # fmt: skip
+        data.producers.record(
+            batch.producer,
+            0,
+            batch.sequence,
+            last,
+            AppendResult(
+                LocalOffset(stored.offset), OriginSeq(stored.offset), OriginSeq(stored.end - 1), stored.append_ms
+            ),
+            self.sim.now_ms,
+        )
         data.pending.append(PendingAck(producer, conn, correlation, stored))
         if q.appended_end - q.base_offset >= self.sim.cfg.roll_records and lead.active:
             self.counts.rolls_by_size += 1
             self.step(node, key, lambda ld, ctx: ld.start_roll(ctx.now_ms))
 
-    def _check_out_of_order(self, node: SimNode, open_id: SegmentId, key: PartKey,
-                            refused: OutOfOrderSequence) -> None:  # fmt: skip
+    def _check_out_of_order(self, node: SimNode, open_id: SegmentId, key: PartKey, refused: OutOfOrderSequence) -> None:
         """An ``OutOfOrderSequence`` is spurious if the partition holds the producer's batches up to another sequence
         than the leader's table expects: the table missed the producer's last sequences (what a new leader without
         the seal's snapshot did). The partition as this leader knows it: its view's sealed segments up to their
@@ -410,13 +450,16 @@ class ClusterNodes(SimNodes):
         batches += copy.batches if copy is not None else []
         held = [b.sequence + b.records for b in batches if b.producer == refused.producer_id]
         if held and not refused.new_epoch and held[-1] != refused.expected:
-            raise InvariantViolation(f"spurious OutOfOrderSequence: node {node.id} refused producer "
-                                     f"{refused.producer_id}'s sequence {refused.got} of {key[0]}/{key[1]} expecting "
-                                     f"{refused.expected}, but the partition holds its batches up to sequence "
-                                     f"{held[-1]}: the leader's producer table did not know its last sequences")
+            raise InvariantViolation(
+                f"spurious OutOfOrderSequence: node {node.id} refused producer "
+                f"{refused.producer_id}'s sequence {refused.got} of {key[0]}/{key[1]} expecting "
+                f"{refused.expected}, but the partition holds its batches up to sequence "
+                f"{held[-1]}: the leader's producer table did not know its last sequences"
+            )
 
-    def _duplicate(self, node: SimNode, lead: PartitionLead, data: LeaderData, p: PendingAck,
-                   decision: Duplicate) -> None:  # fmt: skip
+    def _duplicate(
+        self, node: SimNode, lead: PartitionLead, data: LeaderData, p: PendingAck, decision: Duplicate
+    ) -> None:
         """A resend of a batch the partition holds: the original answer, once the original is confirmed."""
         self.counts.dedup_hits += 1
         q = lead.quorum
@@ -424,9 +467,12 @@ class ClusterNodes(SimNodes):
         offset = int(decision.result.base_offset)
         seg, held = self.sim.batch_at(lead.key, q.segment_id, q.base_offset, offset)
         if held is None or held.payload != p.batch.payload:
-            self.checker.fail("C1", f"exactly once: the leader's producer table answered producer {p.producer}'s "
-                                    f"resent batch {p.batch.payload} with offset {offset}, where the chain holds "
-                                    f"{held}")  # fmt: skip
+            self.checker.fail(
+                "C1",
+                f"exactly once: the leader's producer table answered producer {p.producer}'s "
+                f"resent batch {p.batch.payload} with offset {offset}, where the chain holds "
+                f"{held}",
+            )
             return
         p = PendingAck(p.producer, p.conn, p.correlation, held)
         if seg != q.segment_id:
@@ -440,8 +486,14 @@ class ClusterNodes(SimNodes):
         lead = self.lead(node, key)
         q = lead.quorum if lead is not None else None
         if lead is not None and q is not None and q.segment_id == segment_id:
-            self.sim.at(self.sim.between(self.sim.cfg.latency_ms), None, self.sim.producers.lac_known, key,
-                        segment_id, lead.release_limit())  # fmt: skip
+            self.sim.at(
+                self.sim.between(self.sim.cfg.latency_ms),
+                None,
+                self.sim.producers.lac_known,
+                key,
+                segment_id,
+                lead.release_limit(),
+            )
 
     def read(self, node: SimNode, key: PartKey, segment_id: SegmentId, bound: int, where: float) -> None:
         seg = (key[0], key[1], segment_id)
@@ -455,6 +507,7 @@ class ClusterNodes(SimNodes):
         first = int(where * len(batches))
         for b in batches[first : first + READ_BATCHES_MAX]:
             self.checker.read(key, seg, node.id, b, bound, self.sim.meta, self.sim.now_ms)
+
 
 class ClusterControllers(SimControllers):
     """The controller's shell here: it repairs (copies and fills planned over the segments' sizes) under checks."""
@@ -478,10 +531,15 @@ class ClusterControllers(SimControllers):
         seg = (c.topic, c.partition, c.segment_id)
         fill = isinstance(c, FillSegment)
         assert isinstance(node, ClusterSimNode)
-        self.checker.repair_planned(seg, c.source, c.target, node.view, fill=fill,
-                                    adds=isinstance(c, CopySegment) and c.replaces is None)  # fmt: skip
-        self.checker.placed(f"{'fill' if fill else 'repair'} of {seg} (source, target)", (c.source, c.target),
-                            self.sim.last_hb_sent, self.sim.now_ms)  # fmt: skip
+        self.checker.repair_planned(
+            seg, c.source, c.target, node.view, fill=fill, adds=isinstance(c, CopySegment) and c.replaces is None
+        )
+        self.checker.placed(
+            f"{'fill' if fill else 'repair'} of {seg} (source, target)",
+            (c.source, c.target),
+            self.sim.last_hb_sent,
+            self.sim.now_ms,
+        )
         if fill:
             self.counts.fills += 1
         else:
@@ -490,8 +548,17 @@ class ClusterControllers(SimControllers):
         if eff.end is None:
             self.checker.fail("C6", f"repair: {seg} was handed out with no sealed end")
             return
-        self.fabric.send(node, c.source, self.shells.members.repair_source, seg, eff.base_offset, eff.end, c.target,
-                         node.id, eff.copy_id)  # fmt: skip
+        self.fabric.send(
+            node,
+            c.source,
+            self.shells.members.repair_source,
+            seg,
+            eff.base_offset,
+            eff.end,
+            c.target,
+            node.id,
+            eff.copy_id,
+        )
         self.sim.at(self.sim.cfg.copy_timeout_ms * 4, node, self._repair_timeout, node, eff.copy_id)
 
     def _repair_timeout(self, node: SimNode, copy_id: int) -> None:
@@ -514,9 +581,11 @@ class ClusterProducers:
         self.sim = sim
         cfg = sim.cfg
         self.producers = [
-            SimProducer(i, key, PartitionDelivery(key[0], key[1], i + 1, cfg.max_in_flight),
-                        (i + 1) * PAYLOADS_PER_PRODUCER) for i, key in enumerate(sim.keys)
-        ]  # fmt: skip
+            SimProducer(
+                i, key, PartitionDelivery(key[0], key[1], i + 1, cfg.max_in_flight), (i + 1) * PAYLOADS_PER_PRODUCER
+            )
+            for i, key in enumerate(sim.keys)
+        ]
         self._ids = len(self.producers) + 1
 
     def start(self) -> None:
@@ -600,8 +669,9 @@ class ClusterProducers:
             delivery.on_success(batch)
         else:
             sim.counts.retries += 1
-            client_error = from_status(Operation.PRODUCE, status_of(error) or grpc.StatusCode.INTERNAL, str(error),
-                                       reason_of(error))
+            client_error = from_status(
+                Operation.PRODUCE, status_of(error) or grpc.StatusCode.INTERNAL, str(error), reason_of(error)
+            )
             if isinstance(error, NotLeader):
                 p.leader = None  # ask the metadata again
             if delivery.on_error(batch, client_error, sim.now_ms, sim.between(sim.cfg.backoff_ms)):
@@ -621,9 +691,11 @@ class ClusterProducers:
     def _failed(self, p: SimProducer, batch: ClientBatch, error: Exception | None) -> None:
         """An acks=all send to a site that keeps its promises never fails to the application: a leader change is
         retried, and the new leader knows every producer's last sequences (``cluster/producer_snapshot.py``)."""
-        raise InvariantViolation(f"producer {p.index} of {p.key[0]}/{p.key[1]}: batch {p.payloads[id(batch)]} "
-                                 f"(producer id {batch.producer_id}, sequence {batch.base_sequence}) failed to the "
-                                 f"application: {type(error).__name__}: {error}")  # fmt: skip
+        raise InvariantViolation(
+            f"producer {p.index} of {p.key[0]}/{p.key[1]}: batch {p.payloads[id(batch)]} "
+            f"(producer id {batch.producer_id}, sequence {batch.base_sequence}) failed to the "
+            f"application: {type(error).__name__}: {error}"
+        )
 
     # -- readers ---------------------------------------------------------------------------------------------
 
@@ -680,8 +752,11 @@ class ClusterFaults:
         sim = self.sim
         if self.down_count() >= sim.cfg.max_down:
             return None
-        candidates = [sim.nodes[n] for n in sorted(sim.nodes)
-                      if sim.running(sim.nodes[n]) and sim.nodes[n].isolated_until <= sim.now_ms]  # fmt: skip
+        candidates = [
+            sim.nodes[n]
+            for n in sorted(sim.nodes)
+            if sim.running(sim.nodes[n]) and sim.nodes[n].isolated_until <= sim.now_ms
+        ]
         return sim.rng.choice(candidates) if candidates else None
 
     def kill_some(self) -> None:
@@ -829,9 +904,12 @@ class ClusterFaults:
         assert isinstance(node, ClusterSimNode)
         opened = sim.checker.opened_ms.get(seg, sim.now_ms)
         if opened < node.joined_ms:
-            sim.checker.fail("C6", f"expansion: node {node.id} (joined at t+{node.joined_ms - START_MS}ms) got "
-                                   f"{seg[0]}/{seg[1]} segment {seg[2]}, opened before it joined, by {how}: only "
-                                   "repair may move old data to a new node")  # fmt: skip
+            sim.checker.fail(
+                "C6",
+                f"expansion: node {node.id} (joined at t+{node.joined_ms - START_MS}ms) got "
+                f"{seg[0]}/{seg[1]} segment {seg[2]}, opened before it joined, by {how}: only "
+                "repair may move old data to a new node",
+            )
 
     def check_expansion_placement(self, loads: list[NodeLoad], ensemble: tuple[NodeId, ...], key: PartKey) -> None:
         added = self.added
@@ -843,9 +921,12 @@ class ClusterFaults:
         if added in ensemble:
             self.expansion_placed = True
             return
-        self.sim.checker.fail("C6", f"expansion: the first segment placed after node {added} became eligible "
-                                    f"({key[0]}/{key[1]}, ensemble {list(ensemble)}) does not include it: a new node "
-                                    "must take new segments at the next roll")  # fmt: skip
+        self.sim.checker.fail(
+            "C6",
+            f"expansion: the first segment placed after node {added} became eligible "
+            f"({key[0]}/{key[1]}, ensemble {list(ensemble)}) does not include it: a new node "
+            "must take new segments at the next roll",
+        )
 
 
 class ClusterSimulator:
@@ -885,9 +966,15 @@ class ClusterSimulator:
         self._events = 0
         self._trace = hashlib.sha256()
         self._liveness_start = START_MS
-        self.checker = ClusterChecker(rf=self.cfg.rf, aq=self.cfg.aq, single_loss=self.cfg.single_loss,
-                                      session_timeout_ms=self.cfg.session_timeout_ms, copies_of=self._copies_of,
-                                      counts=self.counts, enabled=checks)  # fmt: skip
+        self.checker = ClusterChecker(
+            rf=self.cfg.rf,
+            aq=self.cfg.aq,
+            single_loss=self.cfg.single_loss,
+            session_timeout_ms=self.cfg.session_timeout_ms,
+            copies_of=self._copies_of,
+            counts=self.counts,
+            enabled=checks,
+        )
         self.shells = ClusterNodes(self)
         for i in range(1, self.cfg.nodes + 1):
             self.new_node(NodeId(i), voter=True, used=self.rng.randint(60, 120) * GIB)
@@ -943,8 +1030,11 @@ class ClusterSimulator:
 
     def reachable(self, src: SimNode, dst: NodeId) -> bool:
         target = self.nodes[dst]
-        return target.up and self.links[(src.id, dst)].down_until <= self.now_ms \
-            and self.links[(dst, src.id)].down_until <= self.now_ms  # fmt: skip
+        return (
+            target.up
+            and self.links[(src.id, dst)].down_until <= self.now_ms
+            and self.links[(dst, src.id)].down_until <= self.now_ms
+        )
 
     def can_lead_metadata(self, node: SimNode) -> bool:
         """A running voter that reaches the metadata majority (``SimNodes.leads_metadata`` picks the controller)."""
@@ -1016,8 +1106,14 @@ class ClusterSimulator:
         info = self.meta.partition(*key)
         segment_id = open_id
         if offset < base and info is not None:
-            segment_id = next((s.segment_id for s in info.segments
-                               if s.end_offset is not None and s.base_offset <= offset < s.end_offset), open_id)
+            segment_id = next(
+                (
+                    s.segment_id
+                    for s in info.segments
+                    if s.end_offset is not None and s.base_offset <= offset < s.end_offset
+                ),
+                open_id,
+            )
         stream = self.checker.streams.get((key[0], key[1], segment_id), [])
         return segment_id, next((b for b in stream if b.offset == offset), None)
 
@@ -1172,15 +1268,26 @@ class ClusterSimulator:
             raise self._failure(f"invariant violated at t+{self.now_ms - START_MS}ms event {self._events}: {e}") from e
         except Exception as e:  # a crash of the shell or the core is a failure of the run, with its replay
             text = "".join(traceback.format_exception(e)[-6:])
-            raise self._failure(f"unexpected error at t+{self.now_ms - START_MS}ms event {self._events}: "
-                                f"{type(e).__name__}: {e}\n{text}") from e  # fmt: skip
+            raise self._failure(
+                f"unexpected error at t+{self.now_ms - START_MS}ms event {self._events}: "
+                f"{type(e).__name__}: {e}\n{text}"
+            ) from e
         self.trace(repr(sorted(self.counts.as_dict().items())))
-        return ClusterResult(self.seed, self.shape, self.cfg.describe(), self._events, self.now_ms - START_MS,
-                             self.now_ms - self._liveness_start, self._trace.hexdigest(), self.counts)  # fmt: skip
+        return ClusterResult(
+            self.seed,
+            self.shape,
+            self.cfg.describe(),
+            self._events,
+            self.now_ms - START_MS,
+            self.now_ms - self._liveness_start,
+            self._trace.hexdigest(),
+            self.counts,
+        )
 
     def _failure(self, message: str) -> ClusterSimulationFailure:
-        return ClusterSimulationFailure(f"{message}\n  {self.cfg.describe()}", self.seed, self.shape,
-                                        replay_command(self.seed, self.shape))  # fmt: skip
+        return ClusterSimulationFailure(
+            f"{message}\n  {self.cfg.describe()}", self.seed, self.shape, replay_command(self.seed, self.shape)
+        )
 
     def _run_liveness(self) -> None:
         self.phase = "liveness"
@@ -1228,10 +1335,12 @@ class ClusterSimulator:
         if self.added is not None:
             node = self.nodes[self.added]
             newer = [
-                s for info in self.meta.partitions() for s in info.segments
-                if self.added in s.ensemble and self.checker.opened_ms.get((info.topic, info.partition, s.segment_id),
-                                                                           0) >= node.joined_ms
-            ]  # fmt: skip
+                s
+                for info in self.meta.partitions()
+                for s in info.segments
+                if self.added in s.ensemble
+                and self.checker.opened_ms.get((info.topic, info.partition, s.segment_id), 0) >= node.joined_ms
+            ]
             if not newer:
                 problems.append(f"expansion: node {self.added} holds no segment opened after it joined")
         return problems
@@ -1251,8 +1360,9 @@ class ClusterSimulator:
             return problems
         return self._chain_problems(where, key, info, q.lac)
 
-    def _segment_problems(self, where: str, info: PartitionInfo, open_id: SegmentId, lac: int,
-                          appended_end: int) -> list[str]:  # fmt: skip
+    def _segment_problems(
+        self, where: str, info: PartitionInfo, open_id: SegmentId, lac: int, appended_end: int
+    ) -> list[str]:
         problems: list[str] = []
         live = len(self.meta.live_nodes(self.now_ms, self.cfg.session_timeout_ms))
         for s in info.segments:
@@ -1267,15 +1377,19 @@ class ClusterSimulator:
                 continue
             if len(full) < len(s.ensemble):
                 short = [m for m in s.ensemble if m not in full]
-                problems.append(f"{where} segment {s.segment_id} ({'sealed' if s.sealed else 'open'}, end {end}) is "
-                                f"under-replicated: members {short} do not hold it fsynced")  # fmt: skip
+                problems.append(
+                    f"{where} segment {s.segment_id} ({'sealed' if s.sealed else 'open'}, end {end}) is "
+                    f"under-replicated: members {short} do not hold it fsynced"
+                )
             if not s.sealed and lac < appended_end:
                 problems.append(f"{where} segment {s.segment_id}: LAC {lac} is behind the appended end {appended_end}")
             if len(s.ensemble) < self.cfg.rf <= live:
-                problems.append(f"{where} segment {s.segment_id} ({'sealed' if s.sealed else 'open'}) has "
-                                f"{len(s.ensemble)} members {list(s.ensemble)}, below replication_factor "
-                                f"{self.cfg.rf}, while {live} nodes are live: "
-                                f"{'repair did not widen it' if s.sealed else 'it was not rolled'}")  # fmt: skip
+                problems.append(
+                    f"{where} segment {s.segment_id} ({'sealed' if s.sealed else 'open'}) has "
+                    f"{len(s.ensemble)} members {list(s.ensemble)}, below replication_factor "
+                    f"{self.cfg.rf}, while {live} nodes are live: "
+                    f"{'repair did not widen it' if s.sealed else 'it was not rolled'}"
+                )
         return problems
 
     def _chain_problems(self, where: str, key: PartKey, info: PartitionInfo, lac: int) -> list[str]:
@@ -1297,8 +1411,9 @@ class ClusterSimulator:
             expected = b.end
             at[b.offset] = b
             if b.payload in payloads:
-                problems.append(f"{where}: batch {b.payload} is in the chain twice (offsets {payloads[b.payload]} "
-                                f"and {b.offset})")  # fmt: skip
+                problems.append(
+                    f"{where}: batch {b.payload} is in the chain twice (offsets {payloads[b.payload]} and {b.offset})"
+                )
             payloads[b.payload] = b.offset
         acked = self.checker.acked.get(key, {})
         for payload in sorted(acked):
@@ -1312,7 +1427,8 @@ class ClusterSimulator:
         return problems
 
 
-def run_cluster_seed(seed: int, shape: str | None = None, *, checks: frozenset[str] = ALL_CHECKS,
-                     verbose: bool = False) -> ClusterResult:  # fmt: skip
+def run_cluster_seed(
+    seed: int, shape: str | None = None, *, checks: frozenset[str] = ALL_CHECKS, verbose: bool = False
+) -> ClusterResult:
     """One run, as ``python -m georep.sim --cluster --seed SEED --shape SHAPE`` does it (shape: by seed)."""
     return ClusterSimulator(seed, shape or swarm_shape(seed), checks=checks, verbose=verbose).run()

@@ -117,14 +117,20 @@ class ClusterChecker:
         """The segment's writer appended ``batch`` to its stream (its own copy)."""
         first = self.writers.setdefault(seg, writer)
         if first != writer:
-            self._fail("C5", f"one writer per segment: {_seg(seg)} was opened by node {first[0]} (incarnation "
-                             f"{first[1]}, epoch {first[2]}), but node {writer[0]} (incarnation {writer[1]}, epoch "
-                             f"{writer[2]}) appends {batch} to it")  # fmt: skip
+            self._fail(
+                "C5",
+                f"one writer per segment: {_seg(seg)} was opened by node {first[0]} (incarnation "
+                f"{first[1]}, epoch {first[2]}), but node {writer[0]} (incarnation {writer[1]}, epoch "
+                f"{writer[2]}) appends {batch} to it",
+            )
         stream = self.streams.setdefault(seg, [])
         end = stream[-1].end if stream else None
         if end is not None and batch.offset != end:
-            self._fail("C3", f"prefix: the writer of {_seg(seg)} appends {batch} after its stream's end {end}: "
-                             "two different batches at one offset, or a hole")  # fmt: skip
+            self._fail(
+                "C3",
+                f"prefix: the writer of {_seg(seg)} appends {batch} after its stream's end {end}: "
+                "two different batches at one offset, or a hole",
+            )
         stream.append(batch)
 
     def segment_opened(self, seg: SegKey, now_ms: int) -> None:
@@ -134,13 +140,15 @@ class ClusterChecker:
     def copy_write(self, node: NodeId, seg: SegKey, copy: SegCopy, batch: Batch, how: str) -> None:
         """``node`` writes ``batch`` at the end of its copy of ``seg`` (``how``: append, recovery, repair)."""
         if batch.offset != copy.end:
-            self._fail("C3", f"prefix: node {node} writes {batch} ({how}) into its copy of {_seg(seg)}, whose end "
-                             f"is {copy.end}: a copy must stay contiguous")  # fmt: skip
+            self._fail(
+                "C3",
+                f"prefix: node {node} writes {batch} ({how}) into its copy of {_seg(seg)}, whose end "
+                f"is {copy.end}: a copy must stay contiguous",
+            )
         self.check_held(node, seg, batch, how)
         sealed = self.sealed_ends.get(seg)
         if sealed is not None and batch.end > sealed and how == "repair":
-            self._fail("C3", f"prefix: node {node} got {batch} of {_seg(seg)} by repair, past its sealed end "
-                             f"{sealed}")  # fmt: skip
+            self._fail("C3", f"prefix: node {node} got {batch} of {_seg(seg)} by repair, past its sealed end {sealed}")
 
     def check_held(self, node: NodeId, seg: SegKey, batch: Batch, how: str) -> None:
         """``batch`` (which ``node`` holds or is about to hold at its offset) is the writer stream's batch there."""
@@ -148,32 +156,46 @@ class ClusterChecker:
         i = _index(stream, batch.offset)
         if i < 0 or stream[i] != batch:
             theirs = stream[i] if i >= 0 else None
-            self._fail("C3", f"prefix: node {node} holds {batch} ({how}) in {_seg(seg)}, but the writer's stream "
-                             f"has {theirs} at offset {batch.offset}: two different batches at one offset")  # fmt: skip
+            self._fail(
+                "C3",
+                f"prefix: node {node} holds {batch} ({how}) in {_seg(seg)}, but the writer's stream "
+                f"has {theirs} at offset {batch.offset}: two different batches at one offset",
+            )
 
     def accepted(self, node: NodeId, key: PartKey, epoch: LeaderEpoch, sender: tuple[NodeId, int]) -> None:
         """``node`` accepted an append of ``key`` from ``sender`` (node, incarnation) under ``epoch``."""
         first = self._accepted.setdefault((node, key, epoch), sender)
         if first != sender:
-            self._fail("C5", f"one writer per epoch: node {node} accepted appends of {key[0]}/{key[1]} under epoch "
-                             f"{epoch} from node {first[0]} (incarnation {first[1]}) and from node {sender[0]} "
-                             f"(incarnation {sender[1]})")  # fmt: skip
+            self._fail(
+                "C5",
+                f"one writer per epoch: node {node} accepted appends of {key[0]}/{key[1]} under epoch "
+                f"{epoch} from node {first[0]} (incarnation {first[1]}) and from node {sender[0]} "
+                f"(incarnation {sender[1]})",
+            )
         fence = self._fence.get((node, key), LeaderEpoch(0))
         if epoch < fence:
-            self._fail("C5", f"one writer per epoch: node {node} accepted an append of {key[0]}/{key[1]} under epoch "
-                             f"{epoch} while fenced at epoch {fence}: a deposed leader got past the fence")  # fmt: skip
+            self._fail(
+                "C5",
+                f"one writer per epoch: node {node} accepted an append of {key[0]}/{key[1]} under epoch "
+                f"{epoch} while fenced at epoch {fence}: a deposed leader got past the fence",
+            )
         top = self._max_accepted.get((node, key), LeaderEpoch(0))
         if epoch < top:
-            self._fail("C5", f"epochs only increase: node {node} accepted an append of {key[0]}/{key[1]} under epoch "
-                             f"{epoch} after one under epoch {top}: a deposed leader got past the fence")  # fmt: skip
+            self._fail(
+                "C5",
+                f"epochs only increase: node {node} accepted an append of {key[0]}/{key[1]} under epoch "
+                f"{epoch} after one under epoch {top}: a deposed leader got past the fence",
+            )
         self._max_accepted[(node, key)] = max(top, epoch)
 
     def fence_state(self, node: NodeId, key: PartKey, epoch: LeaderEpoch) -> None:
         """``node``'s persisted fence for ``key`` is now ``epoch``."""
         before = self._fence.get((node, key), LeaderEpoch(0))
         if epoch < before:
-            self._fail("C5", f"epochs only increase: node {node}'s fence for {key[0]}/{key[1]} went back from "
-                             f"{before} to {epoch}")  # fmt: skip
+            self._fail(
+                "C5",
+                f"epochs only increase: node {node}'s fence for {key[0]}/{key[1]} went back from {before} to {epoch}",
+            )
         self._fence[(node, key)] = max(before, epoch)
 
     # -- C1: durability ---------------------------------------------------------------------------------------
@@ -183,9 +205,12 @@ class ClusterChecker:
         table = self.acked.setdefault(ack.key, {})
         before = table.get(ack.batch.payload)
         if before is not None and before.batch != ack.batch:
-            self._fail("C1", f"exactly once: batch {ack.batch.payload} of {ack.key[0]}/{ack.key[1]} was acked at "
-                             f"offset {before.batch.offset} (segment {before.segment_id}) and again at offset "
-                             f"{ack.batch.offset} (segment {ack.segment_id}): stored twice")  # fmt: skip
+            self._fail(
+                "C1",
+                f"exactly once: batch {ack.batch.payload} of {ack.key[0]}/{ack.key[1]} was acked at "
+                f"offset {before.batch.offset} (segment {before.segment_id}) and again at offset "
+                f"{ack.batch.offset} (segment {ack.segment_id}): stored twice",
+            )
         if before is None:
             table[ack.batch.payload] = ack
             self.counts.acked += 1
@@ -250,23 +275,34 @@ class ClusterChecker:
                 self.counts.budget_exceeded += 1
             return
         crashed = self.crashes_since(seg, top.released_ms)
-        self._fail("C1", f"durability: {top.batch} of {_seg(seg)}, acked at the LAC by node {top.leader} (epoch "
-                         f"{top.epoch}) {now_ms - top.released_ms} ms ago, is held fsynced by {len(holders)} member(s) "
-                         f"{holders} of the ensemble, fewer than min_insync_replicas={self.aq} (members crashed "
-                         f"since: {crashed})")  # fmt: skip
+        self._fail(
+            "C1",
+            f"durability: {top.batch} of {_seg(seg)}, acked at the LAC by node {top.leader} (epoch "
+            f"{top.epoch}) {now_ms - top.released_ms} ms ago, is held fsynced by {len(holders)} member(s) "
+            f"{holders} of the ensemble, fewer than min_insync_replicas={self.aq} (members crashed "
+            f"since: {crashed})",
+        )
 
     # -- C2 / C5: metadata ------------------------------------------------------------------------------------
 
-    def committed(self, cmd: Command, result: Result, before: PartitionInfo | None, meta: SiteState,
-                  now_ms: int) -> None:  # fmt: skip
+    def committed(
+        self, cmd: Command, result: Result, before: PartitionInfo | None, meta: SiteState, now_ms: int
+    ) -> None:
         """A metadata command was applied at log position ``len(log)``; ``before`` is its partition before."""
         topic = getattr(cmd, "topic", None)
         partition = getattr(cmd, "partition", None)
-        if (isinstance(cmd, ElectLeader) and isinstance(result, Applied) and before is not None
-                and before.leader_epoch != cmd.expected_epoch):  # fmt: skip
-            self._fail("C5", f"compare-and-set: ElectLeader of {cmd.topic}/{cmd.partition} for node {cmd.node} "
-                                 f"expected epoch {cmd.expected_epoch} but applied at epoch {before.leader_epoch}: two "
-                                 "plans from the same state both won")  # fmt: skip
+        if (
+            isinstance(cmd, ElectLeader)
+            and isinstance(result, Applied)
+            and before is not None
+            and before.leader_epoch != cmd.expected_epoch
+        ):
+            self._fail(
+                "C5",
+                f"compare-and-set: ElectLeader of {cmd.topic}/{cmd.partition} for node {cmd.node} "
+                f"expected epoch {cmd.expected_epoch} but applied at epoch {before.leader_epoch}: two "
+                "plans from the same state both won",
+            )
         if not isinstance(topic, str) or not isinstance(partition, int):
             return
         info = meta.partition(topic, partition)
@@ -275,14 +311,19 @@ class ClusterChecker:
         key = (topic, partition)
         previous = self._epochs.get(key, LeaderEpoch(0))
         if info.leader_epoch < previous:
-            self._fail("C2", f"epochs only increase: {topic}/{partition}'s leader epoch went from {previous} to "
-                             f"{info.leader_epoch}")  # fmt: skip
+            self._fail(
+                "C2",
+                f"epochs only increase: {topic}/{partition}'s leader epoch went from {previous} to {info.leader_epoch}",
+            )
         self._epochs[key] = info.leader_epoch
         if info.leader is not None:
             named = self._epoch_leader.setdefault((key, info.leader_epoch), info.leader)
             if named != info.leader:
-                self._fail("C5", f"one leader per epoch: epoch {info.leader_epoch} of {topic}/{partition} named node "
-                                 f"{named} and now node {info.leader}")  # fmt: skip
+                self._fail(
+                    "C5",
+                    f"one leader per epoch: epoch {info.leader_epoch} of {topic}/{partition} named node "
+                    f"{named} and now node {info.leader}",
+                )
         self._check_chain(info, now_ms)
 
     def _check_chain(self, info: PartitionInfo, now_ms: int) -> None:
@@ -293,15 +334,24 @@ class ClusterChecker:
             if s.segment_id != i:
                 self._fail("C2", f"chain: {where}'s segment #{i} has id {s.segment_id}")
             if s.base_offset != next_base:
-                self._fail("C2", f"chain: {where} segment {s.segment_id} starts at {s.base_offset}, not at "
-                                 f"{next_base} where the previous one was sealed")  # fmt: skip
+                self._fail(
+                    "C2",
+                    f"chain: {where} segment {s.segment_id} starts at {s.base_offset}, not at "
+                    f"{next_base} where the previous one was sealed",
+                )
             if not self.aq <= len(s.ensemble) <= self.rf or len(set(s.ensemble)) != len(s.ensemble):
-                self._fail("C2", f"chain: {where} segment {s.segment_id} has ensemble {list(s.ensemble)}, not "
-                                 f"{self.aq} to {self.rf} distinct nodes")  # fmt: skip
+                self._fail(
+                    "C2",
+                    f"chain: {where} segment {s.segment_id} has ensemble {list(s.ensemble)}, not "
+                    f"{self.aq} to {self.rf} distinct nodes",
+                )
             self.opened_size.setdefault(seg, len(s.ensemble))
             if s.opened_epoch > info.leader_epoch:
-                self._fail("C2", f"chain: {where} segment {s.segment_id} was opened under epoch {s.opened_epoch}, "
-                                 f"after the partition's epoch {info.leader_epoch}")  # fmt: skip
+                self._fail(
+                    "C2",
+                    f"chain: {where} segment {s.segment_id} was opened under epoch {s.opened_epoch}, "
+                    f"after the partition's epoch {info.leader_epoch}",
+                )
             members = self.members_ever.setdefault(seg, [])
             for m in s.ensemble:
                 if m not in members:
@@ -314,12 +364,17 @@ class ClusterChecker:
                 continue
             assert s.end_offset is not None
             if s.end_offset < s.base_offset:
-                self._fail("C2", f"chain: {where} segment {s.segment_id} ends at {s.end_offset}, before its base "
-                                 f"{s.base_offset}")  # fmt: skip
+                self._fail(
+                    "C2",
+                    f"chain: {where} segment {s.segment_id} ends at {s.end_offset}, before its base {s.base_offset}",
+                )
             known = self.sealed_ends.setdefault(seg, int(s.end_offset))
             if known != s.end_offset:
-                self._fail("C2", f"chain: {where} segment {s.segment_id} was sealed at {known} and is now sealed at "
-                                 f"{s.end_offset}: a sealed end never changes")  # fmt: skip
+                self._fail(
+                    "C2",
+                    f"chain: {where} segment {s.segment_id} was sealed at {known} and is now sealed at "
+                    f"{s.end_offset}: a sealed end never changes",
+                )
             if known == s.end_offset and seg not in self._seal_checked:
                 self._seal_checked.add(seg)
                 self._check_seen_after_seal(seg, int(s.end_offset))
@@ -327,19 +382,26 @@ class ClusterChecker:
 
     # -- C4: readers ------------------------------------------------------------------------------------------
 
-    def read(self, key: PartKey, seg: SegKey, node: NodeId, batch: Batch, bound: int, meta: SiteState,
-             now_ms: int) -> None:  # fmt: skip
+    def read(
+        self, key: PartKey, seg: SegKey, node: NodeId, batch: Batch, bound: int, meta: SiteState, now_ms: int
+    ) -> None:
         """A reader was handed ``batch`` of ``seg`` from ``node``'s copy, reading up to ``bound``."""
         self.counts.read_batches += 1
         if batch.end > bound:
-            self._fail("C4", f"visibility: node {node} handed a reader {batch} of {_seg(seg)}, past the bound "
-                             f"{bound} (the LAC or the sealed end)")  # fmt: skip
+            self._fail(
+                "C4",
+                f"visibility: node {node} handed a reader {batch} of {_seg(seg)}, past the bound "
+                f"{bound} (the LAC or the sealed end)",
+            )
         seen = self.seen.setdefault(key, {})
         before = seen.get(batch.offset)
         if before is not None and before[1] != batch:
-            self._fail("C4", f"visibility: a reader read {before[1]} at offset {batch.offset} of {key[0]}/{key[1]} "
-                             f"(segment {before[0]}) and now reads {batch} there (segment {seg[2]}): what a reader "
-                             "saw did not survive")  # fmt: skip
+            self._fail(
+                "C4",
+                f"visibility: a reader read {before[1]} at offset {batch.offset} of {key[0]}/{key[1]} "
+                f"(segment {before[0]}) and now reads {batch} there (segment {seg[2]}): what a reader "
+                "saw did not survive",
+            )
         if before is None:
             seen[batch.offset] = (seg[2], batch)
         sealed = self.sealed_ends.get(seg)
@@ -347,57 +409,79 @@ class ClusterChecker:
             self._fail("C4", f"visibility: a reader read {batch} of {_seg(seg)}, past its sealed end {sealed}")
         holders = self.holders(seg, batch.end, meta)
         if len(holders) < self.aq and not self._over_budget(seg, self.opened_ms.get(seg, 0)):
-            self._fail("C4", f"visibility: a reader read {batch} of {_seg(seg)} below bound {bound}, but only "
-                             f"{holders} hold it fsynced, fewer than min_insync_replicas={self.aq}: a crash could take "
-                             "back what it saw")  # fmt: skip
+            self._fail(
+                "C4",
+                f"visibility: a reader read {batch} of {_seg(seg)} below bound {bound}, but only "
+                f"{holders} hold it fsynced, fewer than min_insync_replicas={self.aq}: a crash could take "
+                "back what it saw",
+            )
 
     def _check_seen_after_seal(self, seg: SegKey, end: int) -> None:
         seen = self.seen.get((seg[0], seg[1]), {})
         for offset in sorted(seen):
             segment_id, batch = seen[offset]
             if segment_id == seg[2] and batch.end > end:
-                self._fail("C4", f"visibility: a reader read {batch} of {_seg(seg)}, but the segment was sealed at "
-                                 f"{end}: recovery cut what a reader saw")  # fmt: skip
+                self._fail(
+                    "C4",
+                    f"visibility: a reader read {batch} of {_seg(seg)}, but the segment was sealed at "
+                    f"{end}: recovery cut what a reader saw",
+                )
 
     # -- C6: effects of the planners --------------------------------------------------------------------------
 
-    def placed(self, what: str, nodes: tuple[NodeId, ...], last_heartbeat_sent: Mapping[NodeId, int | None],
-               now_ms: int) -> None:  # fmt: skip
+    def placed(
+        self, what: str, nodes: tuple[NodeId, ...], last_heartbeat_sent: Mapping[NodeId, int | None], now_ms: int
+    ) -> None:
         """``nodes`` were chosen by a planner (``what``): none of them may have been silent for a session."""
         for n in nodes:
             sent = last_heartbeat_sent.get(n)
             if sent is None or now_ms - sent >= self.session_timeout_ms:
                 silent = "never heartbeated" if sent is None else f"sent no heartbeat for {now_ms - sent} ms"
-                self._fail("C6", f"{what} chose node {n}, which {silent} (session timeout "
-                                 f"{self.session_timeout_ms} ms): no metadata view could show it alive")  # fmt: skip
+                self._fail(
+                    "C6",
+                    f"{what} chose node {n}, which {silent} (session timeout "
+                    f"{self.session_timeout_ms} ms): no metadata view could show it alive",
+                )
 
     def placed_size(self, what: str, ensemble: tuple[NodeId, ...], eligible: int) -> None:
         """A new ensemble, placed when ``eligible`` nodes were alive and not draining in the leader's view, has RF
         members, or all of those when fewer (a segment opens short only when no other node could take it)."""
         if len(ensemble) < min(self.rf, eligible) or len(ensemble) < self.aq:
-            self._fail("C6", f"{what} chose {len(ensemble)} node(s) {list(ensemble)} while {eligible} were eligible "
-                             f"(replication_factor {self.rf}, min_insync_replicas {self.aq}): a segment opens on "
-                             "fewer than RF nodes only when no other node can take it, and never on fewer than "
-                             "AQ")  # fmt: skip
+            self._fail(
+                "C6",
+                f"{what} chose {len(ensemble)} node(s) {list(ensemble)} while {eligible} were eligible "
+                f"(replication_factor {self.rf}, min_insync_replicas {self.aq}): a segment opens on "
+                "fewer than RF nodes only when no other node can take it, and never on fewer than "
+                "AQ",
+            )
 
-    def repair_planned(self, seg: SegKey, source: NodeId, target: NodeId, meta: SiteState, *,
-                       fill: bool = False, adds: bool = False) -> None:  # fmt: skip
+    def repair_planned(
+        self, seg: SegKey, source: NodeId, target: NodeId, meta: SiteState, *, fill: bool = False, adds: bool = False
+    ) -> None:
         """A repair copy (or a fill of a short member) planned: of a sealed segment, to a non-member (a member);
         one that adds a member (``adds``), of a segment below RF."""
         info = meta.partition(seg[0], seg[1])
         segment = info.segment(seg[2]) if info is not None else None
         if segment is None or not segment.sealed:
-            self._fail("C6", f"repair: a copy of {_seg(seg)} from node {source} to node {target} was planned while "
-                             "the segment is open (not sealed): a copy would chase a moving tail")  # fmt: skip
+            self._fail(
+                "C6",
+                f"repair: a copy of {_seg(seg)} from node {source} to node {target} was planned while "
+                "the segment is open (not sealed): a copy would chase a moving tail",
+            )
         elif fill and target not in segment.ensemble:
-            self._fail("C6", f"repair: a fill of {_seg(seg)} targets node {target}, not a member "
-                             f"{list(segment.ensemble)}")  # fmt: skip
+            self._fail(
+                "C6", f"repair: a fill of {_seg(seg)} targets node {target}, not a member {list(segment.ensemble)}"
+            )
         elif not fill and target in segment.ensemble:
-            self._fail("C6", f"repair: a copy of {_seg(seg)} targets node {target}, already a member "
-                             f"{list(segment.ensemble)}")  # fmt: skip
+            self._fail(
+                "C6", f"repair: a copy of {_seg(seg)} targets node {target}, already a member {list(segment.ensemble)}"
+            )
         elif adds and len(segment.ensemble) >= self.rf:
-            self._fail("C6", f"repair: a copy of {_seg(seg)} to node {target} would add a member to "
-                             f"{list(segment.ensemble)}, which already has replication_factor {self.rf}")  # fmt: skip
+            self._fail(
+                "C6",
+                f"repair: a copy of {_seg(seg)} to node {target} would add a member to "
+                f"{list(segment.ensemble)}, which already has replication_factor {self.rf}",
+            )
 
     def fail(self, check: str, message: str) -> None:
         """A violation found by the simulator itself (expansion, cuts, the pure core refusing an event)."""

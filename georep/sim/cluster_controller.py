@@ -45,8 +45,11 @@ class SimControllers:
             return False
         if node.core is not None and node.core.controller is not None:
             return True
-        return not any(n.core is not None and n.core.controller is not None and self.fabric.can_lead_metadata(n)
-                       for nid, n in sorted(self.shells.nodes.items()) if nid != node.id)  # fmt: skip
+        return not any(
+            n.core is not None and n.core.controller is not None and self.fabric.can_lead_metadata(n)
+            for nid, n in sorted(self.shells.nodes.items())
+            if nid != node.id
+        )
 
     def elect(self, node: SimNode, eff: ProposeElection) -> None:
         core = node.core

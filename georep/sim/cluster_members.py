@@ -96,8 +96,10 @@ class SimMembers:
 
     def learn(self, node: SimNode, view: SiteState) -> None:
         """Committed seals: the guard refuses the sealed segments from now on, and a longer copy is cut."""
-        guards = {key: self.guard(node, key).state for key in sorted({(s[0], s[1]) for s in node.copies} |
-                                                                     set(node.guard_disk))}  # fmt: skip
+        guards = {
+            key: self.guard(node, key).state
+            for key in sorted({(s[0], s[1]) for s in node.copies} | set(node.guard_disk))
+        }
         ends = {seg: node.copies[seg].end for seg in sorted(node.copies)}
         for step in membership.seals_to_learn(view, guards, ends):
             if isinstance(step, membership.GuardSeal):
@@ -109,16 +111,22 @@ class SimMembers:
             info = view.partition(seg[0], seg[1])
             segment = info.segment(seg[2]) if info is not None else None
             if segment is not None and segment.end_offset is not None and node.copies[seg].end > segment.end_offset:
-                self.checker.fail("C3", f"prefix: node {node.id} knows {seg[0]}/{seg[1]} segment {seg[2]} is sealed "
-                                        f"at {segment.end_offset} but its copy still ends at "
-                                        f"{node.copies[seg].end}")  # fmt: skip
+                self.checker.fail(
+                    "C3",
+                    f"prefix: node {node.id} knows {seg[0]}/{seg[1]} segment {seg[2]} is sealed "
+                    f"at {segment.end_offset} but its copy still ends at "
+                    f"{node.copies[seg].end}",
+                )
 
     def cut(self, node: SimNode, seg: SegKey, end: int) -> None:
         copy = node.copies[seg]
         i = copy.index_at(end)
         if i < 0:
-            self.checker.fail("C3", f"prefix: node {node.id} must cut {seg[0]}/{seg[1]} segment {seg[2]} at {end}, "
-                                    "which is not a batch boundary of its copy")  # fmt: skip
+            self.checker.fail(
+                "C3",
+                f"prefix: node {node.id} must cut {seg[0]}/{seg[1]} segment {seg[2]} at {end}, "
+                "which is not a batch boundary of its copy",
+            )
             return
         self.counts.tail_cuts += 1
         self.fabric.log(f"node {node.id} cuts {seg} from {copy.end} to {end}")
@@ -126,15 +134,20 @@ class SimMembers:
         copy.fsynced = min(copy.fsynced, i)
         self.checker.touched(seg)
 
-    def member_fence(self, member: SimNode, seg: SegKey, base: int, epoch: LeaderEpoch, leader: NodeId,
-                     attempt: int) -> None:  # fmt: skip
+    def member_fence(
+        self, member: SimNode, seg: SegKey, base: int, epoch: LeaderEpoch, leader: NodeId, attempt: int
+    ) -> None:
         key = (seg[0], seg[1])
         refused = membership.judge_fence(self.guard(member, key), epoch)
         if refused is not None:
             their = int(refused.fenced_epoch)
-            self.fabric.send(member, leader, self.shells.step_answer, key, lambda ld, ctx: ld.fence_refused(attempt,
-                                                                                                  member.id, their,
-                                                                                                  ctx))  # fmt: skip
+            self.fabric.send(
+                member,
+                leader,
+                self.shells.step_answer,
+                key,
+                lambda ld, ctx: ld.fence_refused(attempt, member.id, their, ctx),
+            )
             return
         self.persist(member, key)
         copy = member.copies.get(seg)
@@ -143,8 +156,9 @@ class SimMembers:
 
         def answer() -> None:  # what it holds durably, after its fsync: an acked batch is there
             end = copy.fsynced_end if copy is not None else base
-            self.fabric.send(member, leader, self.shells.step_answer, key, lambda ld, ctx: ld.fenced(attempt, member.id,
-                                                                                              end, ctx))  # fmt: skip
+            self.fabric.send(
+                member, leader, self.shells.step_answer, key, lambda ld, ctx: ld.fenced(attempt, member.id, end, ctx)
+            )
 
         self.fsync_soon(member, answer)
 
@@ -158,13 +172,15 @@ class SimMembers:
         batches = tuple(copy.read(int(c.start_offset), int(c.end_offset), fsynced_only=True))
         self.fabric.send(source, c.target, self.copy_target, seg, base, batches, eff, leader)
 
-    def copy_target(self, target: SimNode, seg: SegKey, base: int, batches: tuple[Batch, ...], eff: CopyTail,
-                    leader: NodeId) -> None:  # fmt: skip
+    def copy_target(
+        self, target: SimNode, seg: SegKey, base: int, batches: tuple[Batch, ...], eff: CopyTail, leader: NodeId
+    ) -> None:
         key = (seg[0], seg[1])
         refused = membership.judge_copy(self.guard(target, key), eff.epoch, seg[2])
         if refused is not None:
-            self._copy_answer(target, leader, eff, None, int(refused.fenced_epoch) if refused.why == "fenced"
-                              else refused.message)  # fmt: skip
+            self._copy_answer(
+                target, leader, eff, None, int(refused.fenced_epoch) if refused.why == "fenced" else refused.message
+            )
             return
         self.persist(target, key)
         copy = target.copies.get(seg)
@@ -181,11 +197,13 @@ class SimMembers:
         target.unsynced.add(seg)
         end = int(eff.copy.end_offset)
         ok = copy.end >= end
-        self.fsync_soon(target, lambda: self._copy_answer(target, leader, eff, end if ok else None,
-                                                          None if ok else "gap"))  # fmt: skip
+        self.fsync_soon(
+            target, lambda: self._copy_answer(target, leader, eff, end if ok else None, None if ok else "gap")
+        )
 
-    def _copy_answer(self, node: SimNode, leader: NodeId, eff: CopyTail, end: int | None,
-                     why: str | int | None) -> None:  # fmt: skip
+    def _copy_answer(
+        self, node: SimNode, leader: NodeId, eff: CopyTail, end: int | None, why: str | int | None
+    ) -> None:
         attempt, cid, target = eff.attempt, eff.copy_id, eff.copy.target
         event: Callable[[PartitionLead, LeadContext], list[LeadEffect]]
         if end is not None:
@@ -196,8 +214,17 @@ class SimMembers:
             event = lambda ld, ctx: ld.copy_failed(attempt, cid, target, str(why), ctx)  # noqa: E731
         self.fabric.send(node, leader, self.shells.step_answer, eff.key, event)
 
-    def member_append(self, member: SimNode, key: PartKey, segment_id: SegmentId, base: int, epoch: LeaderEpoch,
-                      sender: NodeId, sender_inc: int, batches: tuple[Batch, ...]) -> None:  # fmt: skip
+    def member_append(
+        self,
+        member: SimNode,
+        key: PartKey,
+        segment_id: SegmentId,
+        base: int,
+        epoch: LeaderEpoch,
+        sender: NodeId,
+        sender_inc: int,
+        batches: tuple[Batch, ...],
+    ) -> None:
         """A member gets a leader's batches: its guard judges each; it appends, fsyncs and acks its end."""
         seg = (key[0], key[1], segment_id)
         self.shells.appending(member, key, epoch)
@@ -209,8 +236,13 @@ class SimMembers:
             verdict = membership.judge_append(guard, epoch, seg, batch.offset, end, member.gaps)
             if isinstance(verdict, membership.Refuse):
                 self.counts.fenced_appends += verdict.why == "fenced"
-                self.fabric.send(member, sender, self.shells.step_answer, key,
-                                 lambda ld, ctx, why=verdict.why: ld.member_refused(segment_id, member.id, why))
+                self.fabric.send(
+                    member,
+                    sender,
+                    self.shells.step_answer,
+                    key,
+                    lambda ld, ctx, why=verdict.why: ld.member_refused(segment_id, member.id, why),
+                )
                 return
             if isinstance(verdict, membership.Held):  # a resend of what it holds: the same bytes (C3), acked again
                 if copy is not None:
@@ -221,8 +253,13 @@ class SimMembers:
             if isinstance(verdict, membership.Gap):
                 if verdict.report:
                     self.counts.gaps += 1
-                    self.fabric.send(member, sender, self.shells.step_answer, key,
-                                     lambda ld, ctx, end=verdict.end: ld.member_gap(segment_id, member.id, end))
+                    self.fabric.send(
+                        member,
+                        sender,
+                        self.shells.step_answer,
+                        key,
+                        lambda ld, ctx, end=verdict.end: ld.member_gap(segment_id, member.id, end),
+                    )
                 break
             if verdict.persist:
                 self.persist(member, key)
@@ -237,14 +274,16 @@ class SimMembers:
             member.unsynced.add(seg)
             self.fsync_soon(member)
 
-    def repair_source(self, source: SimNode, seg: SegKey, base: int, end: int, target: NodeId, ctl_node: NodeId,
-                      copy_id: int) -> None:  # fmt: skip
+    def repair_source(
+        self, source: SimNode, seg: SegKey, base: int, end: int, target: NodeId, ctl_node: NodeId, copy_id: int
+    ) -> None:
         copy = source.copies.get(seg)
         batches = tuple(copy.read(base, end, fsynced_only=True)) if copy is not None else ()
         self.fabric.send(source, target, self.repair_target, seg, base, batches, ctl_node, copy_id)
 
-    def repair_target(self, target: SimNode, seg: SegKey, base: int, batches: tuple[Batch, ...], ctl_node: NodeId,
-                      copy_id: int) -> None:  # fmt: skip
+    def repair_target(
+        self, target: SimNode, seg: SegKey, base: int, batches: tuple[Batch, ...], ctl_node: NodeId, copy_id: int
+    ) -> None:
         copy = target.copies.get(seg)
         if copy is None:
             copy = self.shells.new_copy(target, seg, base, "repair")
@@ -258,8 +297,7 @@ class SimMembers:
             copy.batches.append(b)
         target.unsynced.add(seg)
         done = self.shells.controllers.repair_done
-        self.fsync_soon(target, lambda: self.fabric.send(target, ctl_node, done, copy_id, target.id,
-                                                         copy.fsynced_end))  # fmt: skip
+        self.fsync_soon(target, lambda: self.fabric.send(target, ctl_node, done, copy_id, target.id, copy.fsynced_end))
 
     def report_short(self, node: SimNode, controller: NodeId | None) -> None:
         """Tell the controller which sealed segments this member holds less of than the sealed end."""

@@ -155,10 +155,28 @@ def _topics(rng: random.Random) -> tuple[tuple[str, int], ...]:
     return (("audit", rng.randint(1, 2)), ("orders", rng.randint(1, 2)))
 
 
-def _draw(rng: random.Random, shape: str, nodes: int, add_node: bool, topics: tuple[tuple[str, int], ...], rf: int,
-          aq: int, single_loss: bool, max_down: int, meta_faults: bool) -> ClusterConfig:  # fmt: skip
+def _draw(
+    rng: random.Random,
+    shape: str,
+    nodes: int,
+    add_node: bool,
+    topics: tuple[tuple[str, int], ...],
+    rf: int,
+    aq: int,
+    single_loss: bool,
+    max_down: int,
+    meta_faults: bool,
+) -> ClusterConfig:
     return ClusterConfig(
-        shape, nodes, add_node, topics, rf, aq, single_loss, max_down, meta_faults,
+        shape,
+        nodes,
+        add_node,
+        topics,
+        rf,
+        aq,
+        single_loss,
+        max_down,
+        meta_faults,
         kill_every_ms=rng.choice((700, 1_200, 2_000)),
         down_ms=(100, rng.choice((600, 1_500, 3_000))),
         pause_every_ms=rng.choice((1_500, 3_000)),
@@ -173,7 +191,7 @@ def _draw(rng: random.Random, shape: str, nodes: int, add_node: bool, topics: tu
         latency_ms=(1, rng.choice((2, 5, 12))),
         fsync_ms=(1, rng.choice((4, 10, 25))),
         roll_records=rng.choice((8, 20, 45)),
-    )  # fmt: skip
+    )
 
 
 def shape_config(shape: str, rng: random.Random) -> ClusterConfig:

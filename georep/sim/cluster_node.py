@@ -62,10 +62,15 @@ from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 Action = Callable[..., None]
 NOTE_COUNTS = {  # what a lead's Note adds to
-    "recovery": "recoveries", "recovery_done": "recoveries_done", "recovery_failed": "recoveries_failed",
-    "recovery_superseded": "recoveries_superseded", "recovery_copy": "recovery_copies",
-    "placement_wait": "placement_waits", "quorum_lost": "quorum_lost", "resend": "resends",
-}  # fmt: skip
+    "recovery": "recoveries",
+    "recovery_done": "recoveries_done",
+    "recovery_failed": "recoveries_failed",
+    "recovery_superseded": "recoveries_superseded",
+    "recovery_copy": "recovery_copies",
+    "placement_wait": "placement_waits",
+    "quorum_lost": "quorum_lost",
+    "resend": "resends",
+}
 
 
 class Fabric(Protocol):
@@ -143,9 +148,15 @@ class SimNodes:
 
     origin: Origin  # the site's: whose producers the tables keep
 
-    def __init__(self, fabric: Fabric, config: NodeConfig, fence_timeout_ms: int, copy_timeout_ms: int,
-                 rng_between: Callable[[tuple[int, int]], int],
-                 controllers: Callable[[SimNodes], SimControllers] = SimControllers) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fabric: Fabric,
+        config: NodeConfig,
+        fence_timeout_ms: int,
+        copy_timeout_ms: int,
+        rng_between: Callable[[tuple[int, int]], int],
+        controllers: Callable[[SimNodes], SimControllers] = SimControllers,
+    ) -> None:
         self.fabric = fabric
         self.config = config
         self.fence_timeout_ms = fence_timeout_ms
@@ -186,8 +197,10 @@ class SimNodes:
         assert core is not None
         view = self.fabric.view(node)
         self.members.learn(node, view)
-        self.run(node, core.tick(view, self.fabric.now_ms, self.controllers.leads_metadata(node),
-                                 self.controllers.repair_sizes()))  # fmt: skip
+        self.run(
+            node,
+            core.tick(view, self.fabric.now_ms, self.controllers.leads_metadata(node), self.controllers.repair_sizes()),
+        )
         self.reconcile(node)
 
     def reconcile(self, node: SimNode) -> None:
@@ -195,8 +208,9 @@ class SimNodes:
         if core is not None:
             self.run(node, core.reconcile(self.fabric.view(node), self.fabric.now_ms))
 
-    def step(self, node: SimNode, key: PartKey,
-             event: Callable[[PartitionLead, LeadContext], list[LeadEffect]]) -> None:  # fmt: skip
+    def step(
+        self, node: SimNode, key: PartKey, event: Callable[[PartitionLead, LeadContext], list[LeadEffect]]
+    ) -> None:
         """Feed ``node``'s lead of ``key`` an event and carry out what it returns."""
         core = node.core
         if core is not None and node.up:
@@ -239,8 +253,9 @@ class SimNodes:
 
     def _run_other(self, node: SimNode, eff: NodeEffect) -> None:
         if isinstance(eff, Adopted):
-            self.fabric.log(f"node {node.id} writes {eff.key} segment {eff.segment_id} at {eff.base_offset} on "
-                            f"{list(eff.ensemble)}")  # fmt: skip
+            self.fabric.log(
+                f"node {node.id} writes {eff.key} segment {eff.segment_id} at {eff.base_offset} on {list(eff.ensemble)}"
+            )
             self.adopted(node, eff)
         elif isinstance(eff, Reconnect):
             if self.fabric.reachable(node, eff.member):
@@ -279,31 +294,49 @@ class SimNodes:
 
     def _fence(self, node: SimNode, eff: FenceMember) -> None:
         seg = (eff.key[0], eff.key[1], eff.segment.segment_id)
-        self.fabric.send(node, eff.member, self.members.member_fence, seg, int(eff.segment.base_offset), eff.epoch,
-                         node.id, eff.attempt)  # fmt: skip
+        self.fabric.send(
+            node,
+            eff.member,
+            self.members.member_fence,
+            seg,
+            int(eff.segment.base_offset),
+            eff.epoch,
+            node.id,
+            eff.attempt,
+        )
         key, attempt, member = eff.key, eff.attempt, eff.member
-        self.fabric.at(self.fence_timeout_ms, node, self.step, node, key,
-                       lambda ld, ctx: ld.unreachable(attempt, member, ctx))  # fmt: skip
+        self.fabric.at(
+            self.fence_timeout_ms, node, self.step, node, key, lambda ld, ctx: ld.unreachable(attempt, member, ctx)
+        )
 
-    def step_answer(self, leader: SimNode, key: PartKey,
-                    event: Callable[[PartitionLead, LeadContext], list[LeadEffect]]) -> None:  # fmt: skip
+    def step_answer(
+        self, leader: SimNode, key: PartKey, event: Callable[[PartitionLead, LeadContext], list[LeadEffect]]
+    ) -> None:
         self.step(leader, key, event)
 
     def _copy(self, node: SimNode, eff: CopyTail) -> None:
         seg = (eff.key[0], eff.key[1], eff.segment.segment_id)
-        self.fabric.send(node, eff.copy.source, self.members.copy_source, seg, int(eff.segment.base_offset), eff,
-                         node.id)  # fmt: skip
+        self.fabric.send(
+            node, eff.copy.source, self.members.copy_source, seg, int(eff.segment.base_offset), eff, node.id
+        )
         key, attempt, cid, target = eff.key, eff.attempt, eff.copy_id, eff.copy.target
-        self.fabric.at(self.copy_timeout_ms, node, self.step, node, key,
-                       lambda ld, ctx: ld.copy_failed(attempt, cid, target, "timeout", ctx))  # fmt: skip
+        self.fabric.at(
+            self.copy_timeout_ms,
+            node,
+            self.step,
+            node,
+            key,
+            lambda ld, ctx: ld.copy_failed(attempt, cid, target, "timeout", ctx),
+        )
 
     def _seal(self, node: SimNode, eff: ProposeSeal) -> None:
         cmd = self.seal_command(node, eff)
         if cmd is None:
             return
         key, token = eff.key, eff.token
-        self.fabric.propose(node, cmd, lambda result: self.step(node, key,
-                                                                lambda ld, ctx: ld.sealed(token, result, ctx)))
+        self.fabric.propose(
+            node, cmd, lambda result: self.step(node, key, lambda ld, ctx: ld.sealed(token, result, ctx))
+        )
 
     def seal_producers(self, node: SimNode, eff: ProposeSeal, batches: list[ProducerBatch]) -> ProducerSnapshot:
         """The producers' table a seal carries (as ``georep/server/cluster_member.py`` ``seal_producers``): the
@@ -311,11 +344,13 @@ class SimNodes:
         info = self.fabric.view(node).partition(*eff.key)
         sealed = info.sealed_producers(self.origin) if info is not None else None
         history = producer_snapshot.history_at_open(
-            sealed, lambda: self.held_entries(node, eff.key, eff.segment.segment_id))
+            sealed, lambda: self.held_entries(node, eff.key, eff.segment.segment_id)
+        )
         return producer_snapshot.fold(history, self.origin, batches, now_ms=self.table_now_ms())
 
-    def producer_table(self, node: SimNode, key: PartKey, segment_id: SegmentId,
-                       own: list[ProducerBatch]) -> ProducerStateTable:  # fmt: skip
+    def producer_table(
+        self, node: SimNode, key: PartKey, segment_id: SegmentId, own: list[ProducerBatch]
+    ) -> ProducerStateTable:
         """The table a leader starts writing ``segment_id`` with, as the node builds it
         (``georep/server/site_cluster.py`` ``leader_producers``); ``own``: the segment's batches so far."""
         info = self.fabric.view(node).partition(*key)
@@ -326,16 +361,14 @@ class SimNodes:
             if copy is None or copy.end < last.end_offset:
                 self.counts.leaders_missing_history += 1
         history = producer_snapshot.history_at_open(sealed, lambda: self.held_entries(node, key, segment_id))
-        return ProducerStateTable.rebuild(itertools.chain(history, own), now_ms=self.table_now_ms(),
-                                         origin=self.origin)  # fmt: skip
+        return ProducerStateTable.rebuild(itertools.chain(history, own), now_ms=self.table_now_ms(), origin=self.origin)
 
     # -- a leader: opening, streaming -----------------------------------------------------------------------
 
     def _open(self, node: SimNode, eff: ProposeOpen) -> None:
         self.placing(node, eff)
         cmd, key = eff.command, eff.key
-        self.fabric.propose(node, cmd, lambda result: self.step(node, key,
-                                                                lambda ld, ctx: ld.opened(cmd, result, ctx)))
+        self.fabric.propose(node, cmd, lambda result: self.step(node, key, lambda ld, ctx: ld.opened(cmd, result, ctx)))
 
     def _stream(self, node: SimNode, eff: StreamTo) -> None:
         """Send ``eff.member`` what the leader's copy holds from ``eff.offset``."""
@@ -346,8 +379,18 @@ class SimNodes:
             return
         batches = tuple(copy.read(eff.offset, q.appended_end))
         if batches:
-            self.fabric.send(node, eff.member, self.members.member_append, eff.key, eff.segment_id, q.base_offset,
-                             lead.epoch, node.id, node.incarnation, batches)  # fmt: skip
+            self.fabric.send(
+                node,
+                eff.member,
+                self.members.member_append,
+                eff.key,
+                eff.segment_id,
+                q.base_offset,
+                lead.epoch,
+                node.id,
+                node.incarnation,
+                batches,
+            )
 
     def member_acked(self, node: SimNode, key: PartKey, segment_id: SegmentId, member: NodeId, end: int) -> None:
         lead = self.lead(node, key)

@@ -176,15 +176,22 @@ class SimConsumer:
 
 
 def commit_at(
-    sim: Simulator, site: SimSite, group: str, entries: list[CommitEntry], after_hlc: int,
-    then: Callable[[Exception | None], None], member_id: str = "", generation: int = -1,
-) -> Commit:  # fmt: skip
+    sim: Simulator,
+    site: SimSite,
+    group: str,
+    entries: list[CommitEntry],
+    after_hlc: int,
+    then: Callable[[Exception | None], None],
+    member_id: str = "",
+    generation: int = -1,
+) -> Commit:
     """Commit at ``site`` as its ``CommitOffsets`` does: stamp, one batch of the internal topic appended as
     this site's origin, ack at ``leader`` (fsynced). Returns the commit (of the first entry)."""
     now = sim.local_ms(site)
     stamp = site.commits.stamp(now, after_hlc, site.id)
-    commits = site.commits.new_commits(group, entries, stamp, site.origin, member_id=member_id,
-                                       generation=generation, now_ms=now)  # fmt: skip
+    commits = site.commits.new_commits(
+        group, entries, stamp, site.origin, member_id=member_id, generation=generation, now_ms=now
+    )
     key = (OFFSETS_TOPIC, offsets_partition(group))
     produced = sim.append(site, key, commit_batch(commits, now))
     site.commits.record(commits)
@@ -242,8 +249,9 @@ class ConsumerWorkload:
             sim._after(sim.rng.randint(*sim.config.hop_ms), "hop", c.index)
 
     def trace(self) -> str:
-        return " ".join(f"{c.group} {c.session.vector().to_text()} {c.delivered} {len(c.commits)}"
-                        for c in self.consumers)  # fmt: skip
+        return " ".join(
+            f"{c.group} {c.session.vector().to_text()} {c.delivered} {len(c.commits)}" for c in self.consumers
+        )
 
     # -- events -------------------------------------------------------------------------
 

@@ -82,9 +82,11 @@ class FaultSchedule:
         if sim.phase != "safety":
             return
         candidates = [
-            (sid, node) for sid in sorted(sim.sites) for node in sim.pull_nodes[sid]
+            (sid, node)
+            for sid in sorted(sim.sites)
+            for node in sim.pull_nodes[sid]
             if node not in sim.silent_nodes and sum(n not in sim.silent_nodes for n in sim.pull_nodes[sid]) >= 2
-        ]  # fmt: skip
+        ]
         if candidates:
             sid, node = sim.rng.choice(candidates)
             sim.silent_nodes.add(node)

@@ -41,8 +41,16 @@ class Faults:
 
     @classmethod
     def none(cls) -> Faults:
-        return cls(drop_p=0.0, dup_p=0.0, reorder_p=0.0, latency_ms=(1, 1), jitter_ms=0, cut_every_ms=0,
-                   crash_every_ms=0, skew_ms=0)  # fmt: skip
+        return cls(
+            drop_p=0.0,
+            dup_p=0.0,
+            reorder_p=0.0,
+            latency_ms=(1, 1),
+            jitter_ms=0,
+            cut_every_ms=0,
+            crash_every_ms=0,
+            skew_ms=0,
+        )
 
     @classmethod
     def swarm(cls, rng: random.Random) -> Faults:

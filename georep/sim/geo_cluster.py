@@ -207,11 +207,13 @@ class GeoFabric:
             return
         due = max(self.now_ms + self.sim.between(self.sim.gc.latency_ms), self._fifo.get((src.id, dst), 0))
         self._fifo[(src.id, dst)] = due
-        self.sim.later(due - self.now_ms, self._deliver, src, src.incarnation, target, target.incarnation, fn,
-                       (target, *args))  # fmt: skip
+        self.sim.later(
+            due - self.now_ms, self._deliver, src, src.incarnation, target, target.incarnation, fn, (target, *args)
+        )
 
-    def _deliver(self, src: SimNode, src_incarnation: int, dst: SimNode, incarnation: int, fn: Action,
-                 args: tuple[object, ...]) -> None:  # fmt: skip
+    def _deliver(
+        self, src: SimNode, src_incarnation: int, dst: SimNode, incarnation: int, fn: Action, args: tuple[object, ...]
+    ) -> None:
         """A kill loses what its node had not sent yet (its streams' buffers), and what was on its way to it."""
         if src.incarnation != src_incarnation:
             self.counts.dropped_messages += 1
@@ -221,8 +223,9 @@ class GeoFabric:
     def propose(self, node: SimNode, cmd: Command, then: Callable[[Result | None], None] | None = None) -> None:
         self.sim.later(self.sim.between(self.sim.gc.raft_ms), self._commit, node, node.incarnation, cmd, then)
 
-    def _commit(self, node: SimNode, incarnation: int, cmd: Command,
-                then: Callable[[Result | None], None] | None) -> None:  # fmt: skip
+    def _commit(
+        self, node: SimNode, incarnation: int, cmd: Command, then: Callable[[Result | None], None] | None
+    ) -> None:
         """The command commits whatever became of its proposer; only the incarnation that proposed it hears."""
         result = self.sim.commit(cmd)
         if then is not None and node.up and node.incarnation == incarnation:
@@ -328,14 +331,23 @@ class GeoNodes(SimNodes):
         base = int(eff.segment.base_offset)
         chain = self.sim.sites[self.sim.sid()].logs[eff.key].batch_entries()
         batches: list[ProducerBatch] = [e for e in chain if base <= e.base_offset < eff.end]
-        return SealSegment(eff.key[0], eff.key[1], eff.epoch, eff.segment.segment_id, LocalOffset(eff.end),
-                           self.sim.vector_at(eff.key, eff.end), producers=self.seal_producers(node, eff, batches))
+        return SealSegment(
+            eff.key[0],
+            eff.key[1],
+            eff.epoch,
+            eff.segment.segment_id,
+            LocalOffset(eff.end),
+            self.sim.vector_at(eff.key, eff.end),
+            producers=self.seal_producers(node, eff, batches),
+        )
 
     def adopted(self, node: SimNode, eff: Adopted) -> None:
         log = self.sim.sites[self.sim.sid()].logs[eff.key]
-        self.sim.fail_unless(log.log_end_offset == eff.base_offset, "C2",
-                             f"{eff.key} segment {eff.segment_id} opens at {eff.base_offset} but the chain ends at "
-                             f"{log.log_end_offset}")  # fmt: skip
+        self.sim.fail_unless(
+            log.log_end_offset == eff.base_offset,
+            "C2",
+            f"{eff.key} segment {eff.segment_id} opens at {eff.base_offset} but the chain ends at {log.log_end_offset}",
+        )
         self.sim.maybe_serve()
 
     def released(self, node: SimNode, eff: Release) -> None:
@@ -355,8 +367,12 @@ class GeoNodes(SimNodes):
         """A roll's seal committed and its leader has not opened the next segment yet: maybe kill it now, so that
         the controller may name a node that holds none of the sealed segment."""
         sim = self.sim
-        if eff.roll and sim.phase == "safety" and all(n.up for n in self.nodes.values()) \
-                and sim.rng.random() < sim.gc.roll_kill_p:  # fmt: skip
+        if (
+            eff.roll
+            and sim.phase == "safety"
+            and all(n.up for n in self.nodes.values())
+            and sim.rng.random() < sim.gc.roll_kill_p
+        ):
             self.counts.roll_kills += 1
             sim.kill(node)
 
@@ -367,9 +383,16 @@ class GeoNodes(SimNodes):
 class GeoClusterSimulator(Simulator):
     """See the module docstring."""
 
-    def __init__(self, seed: int, topology: str = "triangle", *, config: SimConfig | None = None,
-                 cluster: GeoClusterConfig | None = None, verbose: bool = False,
-                 log: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        seed: int,
+        topology: str = "triangle",
+        *,
+        config: SimConfig | None = None,
+        cluster: GeoClusterConfig | None = None,
+        verbose: bool = False,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.gc = cluster or GeoClusterConfig()
         self.cluster_site: SiteId | None = None  # set below; _boot needs to know before
         super().__init__(seed, topology, config=config, verbose=verbose, log=log)
@@ -382,8 +405,14 @@ class GeoClusterSimulator(Simulator):
         for i in range(1, gc.nodes + 1):
             fsync_ms = self.between(gc.fsync_ms)  # each node's disk: different speeds open windows for recovery
             self.shells.nodes[NodeId(i)] = SimNode(NodeId(i), (fsync_ms, fsync_ms))
-        self.cchecker = ClusterChecker(rf=gc.rf, aq=gc.aq, single_loss=True, session_timeout_ms=gc.session_timeout_ms,
-                                       copies_of=lambda n: self.shells.node(n).copies, counts=self.ccounts)  # fmt: skip
+        self.cchecker = ClusterChecker(
+            rf=gc.rf,
+            aq=gc.aq,
+            single_loss=True,
+            session_timeout_ms=gc.session_timeout_ms,
+            copies_of=lambda n: self.shells.node(n).copies,
+            counts=self.ccounts,
+        )
         self._calls: dict[int, Callable[[], None]] = {}
         self._call_ids = itertools.count(1)
         self._payloads = itertools.count(1)
@@ -419,8 +448,9 @@ class GeoClusterSimulator(Simulator):
                 site.producers[key] = self.shells.producer_table(serving[0], key, q.segment_id, own)
         for key, log in sorted(site.logs.items()):  # as Broker.attach does for a ChainLog: the LAC is durable
             lac, vector = int(log.flushed_offset), VectorOffset(log.flushed_vector())
-            site.acks.open_partition(key, self.fsync_per_batch[key[0]], lac, vector, replicated_in_site=True,
-                                     lac=lac, lac_vector=vector)  # fmt: skip
+            site.acks.open_partition(
+                key, self.fsync_per_batch[key[0]], lac, vector, replicated_in_site=True, lac=lac, lac_vector=vector
+            )
 
     def later(self, delay_ms: int, fn: Callable[..., None], *args: object) -> None:
         """Run ``fn(*args)`` after ``delay_ms`` on the simulator's heap (an event named ``gc``)."""
@@ -496,9 +526,12 @@ class GeoClusterSimulator(Simulator):
             self._changed(site.id, key)
         if log.flushed_offset < end:
             log.flush_to(end)  # AQ members hold the sealed segment: the recovery copied it to them
-        self.fail_unless(log.flushed_offset == end, "C4",
-                         f"visibility: {key[0]}/{key[1]} segment {segment_id} is sealed at {end}, below its LAC "
-                         f"{log.flushed_offset}: the recovery cut what the site acked and served")  # fmt: skip
+        self.fail_unless(
+            log.flushed_offset == end,
+            "C4",
+            f"visibility: {key[0]}/{key[1]} segment {segment_id} is sealed at {end}, below its LAC "
+            f"{log.flushed_offset}: the recovery cut what the site acked and served",
+        )
         self._note_durable(key)
 
     def vector_at(self, key: PartitionKey, end: int) -> VectorOffset:
@@ -658,32 +691,45 @@ class GeoClusterSimulator(Simulator):
         """An ``OutOfOrderSequence`` is spurious if the chain holds the producer's batches up to another sequence
         than the site's producer table expects: the leader's table missed the producer's last sequences (what a new
         leader without the seal's snapshot did)."""
-        held = [e.base_sequence + e.last_offset_delta + 1 for e in site.logs[key].batch_entries()
-                if e.origin == site.origin and e.producer_id == refused.producer_id]  # fmt: skip
+        held = [
+            e.base_sequence + e.last_offset_delta + 1
+            for e in site.logs[key].batch_entries()
+            if e.origin == site.origin and e.producer_id == refused.producer_id
+        ]
         if held and not refused.new_epoch and held[-1] != refused.expected:
-            raise InvariantViolation(f"spurious OutOfOrderSequence: {site.id} refused producer {refused.producer_id}'s "
-                                     f"sequence {refused.got} of {key[0]}/{key[1]} expecting {refused.expected}, but "
-                                     f"the chain holds its batches up to sequence {held[-1]}: the leader's producer "
-                                     "table did not know its last sequences")  # fmt: skip
+            raise InvariantViolation(
+                f"spurious OutOfOrderSequence: {site.id} refused producer {refused.producer_id}'s "
+                f"sequence {refused.got} of {key[0]}/{key[1]} expecting {refused.expected}, but "
+                f"the chain holds its batches up to sequence {held[-1]}: the leader's producer "
+                "table did not know its last sequences"
+            )
 
     def _resolve(self, producer: SimProducer) -> None:
         failed = producer.failed_batches
         super()._resolve(producer)
         if producer.site == self.cluster_site and producer.failed_batches > failed:
-            raise InvariantViolation(f"{producer.name}: {producer.failed_batches - failed} batch(es) failed to the "
-                                     "application at the multi-node site when the producer's round of resends "
-                                     "resolved (OutOfOrderSequence with nothing wrong before it: the leader's "
-                                     "producer table did not know the producer's last sequences)")  # fmt: skip
+            raise InvariantViolation(
+                f"{producer.name}: {producer.failed_batches - failed} batch(es) failed to the "
+                "application at the multi-node site when the producer's round of resends "
+                "resolved (OutOfOrderSequence with nothing wrong before it: the leader's "
+                "producer table did not know the producer's last sequences)"
+            )
 
-    def _on_produce_answer(self, pi: int, incarnation: int, correlation: int, produced: Produced | None,
-                           error: Exception | None) -> None:  # fmt: skip
+    def _on_produce_answer(
+        self, pi: int, incarnation: int, correlation: int, produced: Produced | None, error: Exception | None
+    ) -> None:
         producer = self.producers[pi]
         failed = producer.failed_batches
         super()._on_produce_answer(pi, incarnation, correlation, produced, error)
-        if producer.site == self.cluster_site and producer.failed_batches > failed \
-                and not isinstance(error, GeoAckTimeout):  # fmt: skip
-            raise InvariantViolation(f"{producer.name}: a batch failed to the application at the multi-node site: "
-                                     f"{type(error).__name__}: {error}")
+        if (
+            producer.site == self.cluster_site
+            and producer.failed_batches > failed
+            and not isinstance(error, GeoAckTimeout)
+        ):
+            raise InvariantViolation(
+                f"{producer.name}: a batch failed to the application at the multi-node site: "
+                f"{type(error).__name__}: {error}"
+            )
 
     # -- I6 and C1 at the ack --------------------------------------------------------------------------------
 
@@ -696,34 +742,46 @@ class GeoClusterSimulator(Simulator):
             # acks=all holds at the LAC whatever the topic's fsync policy (the base records only fsynced acks):
             # the write must stay in the chain across every recovery.
             origin, seq = produced.origin, int(produced.result.last_origin_seq)
-            holders = {sid: s.rebuilds for sid, s in sorted(self.sites.items())
-                       if s.logs[key].flushed_vector().get(origin, 0) > seq}  # fmt: skip
+            holders = {
+                sid: s.rebuilds
+                for sid, s in sorted(self.sites.items())
+                if s.logs[key].flushed_vector().get(origin, 0) > seq
+            }
             self.acked.append(AckedWrite(key, origin, seq, holders, str(producer.acks)))
         offset = int(produced.result.base_offset)
         info = self.meta.partition(*key)
         assert info is not None
-        segment = next((s for s in info.segments if s.base_offset <= offset
-                        and (s.end_offset is None or offset < s.end_offset)), None)  # fmt: skip
+        segment = next(
+            (s for s in info.segments if s.base_offset <= offset and (s.end_offset is None or offset < s.end_offset)),
+            None,
+        )
         serving = self.shells.serving(key)
         stream = self.cchecker.streams.get((key[0], key[1], segment.segment_id), []) if segment else []
         i = bisect.bisect_left(stream, offset, key=lambda b: b.offset)
         if segment is None or serving is None or i >= len(stream) or stream[i].offset != offset:
-            raise InvariantViolation(f"C1 {producer.name} was acked at offset {offset} of {key[0]}/{key[1]}, "
-                                     "which no segment's writer stream holds")  # fmt: skip
+            raise InvariantViolation(
+                f"C1 {producer.name} was acked at offset {offset} of {key[0]}/{key[1]}, "
+                "which no segment's writer stream holds"
+            )
         self.gcounts.acks_all_released += 1
         self.ccounts.acked_short += len(segment.ensemble) < self.gc.rf  # writes went on with a node down
         self.gcounts.geo_acks_released += producer.acks.kind is AckKind.GEO
-        self.cchecker.released(AckedBatch(key, segment.segment_id, stream[i], self.now_ms, serving[0].id,
-                                           serving[1].epoch),
-                               self.meta, self.now_ms)  # fmt: skip
-
+        self.cchecker.released(
+            AckedBatch(key, segment.segment_id, stream[i], self.now_ms, serving[0].id, serving[1].epoch),
+            self.meta,
+            self.now_ms,
+        )
 
     def _failure(self, message: str) -> SimulationFailure:
         steps = "" if self.config.steps == GEO_CLUSTER_STEPS else f" --steps {self.config.steps}"
         replay = f"python -m georep.sim --geo-cluster --seed {self.seed} --topology {self.topology_name}{steps}"
-        return SimulationFailure(f"{message}\n  multi-node site: {self.sid()} ({self.gc.nodes} nodes, RF "
-                                 f"{self.gc.rf}, min_insync_replicas {self.gc.aq})", self.seed, self.topology_name,
-                                 replay)  # fmt: skip
+        return SimulationFailure(
+            f"{message}\n  multi-node site: {self.sid()} ({self.gc.nodes} nodes, RF "
+            f"{self.gc.rf}, min_insync_replicas {self.gc.aq})",
+            self.seed,
+            self.topology_name,
+            replay,
+        )
 
     # -- liveness --------------------------------------------------------------------------------------------
 
@@ -747,8 +805,10 @@ class GeoClusterSimulator(Simulator):
                 continue
             behind = [n for n in q.ensemble if q.member_end(n) < q.appended_end]
             if behind:
-                out.append(f"{key[0]}/{key[1]} segment {q.segment_id}: nodes {behind} do not hold up to "
-                           f"{q.appended_end} fsynced (LAC {q.lac})")  # fmt: skip
+                out.append(
+                    f"{key[0]}/{key[1]} segment {q.segment_id}: nodes {behind} do not hold up to "
+                    f"{q.appended_end} fsynced (LAC {q.lac})"
+                )
         return out
 
     def _live(self, logs: Mapping[str, Mapping[PartitionKey, MemoryLog]]) -> bool:
@@ -758,13 +818,21 @@ class GeoClusterSimulator(Simulator):
         return self._in_site_problems() or super()._liveness_problems(logs)
 
 
-def run_geo_cluster_seed(seed: int, topology: str = "triangle", *, steps: int = GEO_CLUSTER_STEPS,
-                         verbose: bool = False) -> tuple[SimResult, ClusterCounts, GeoClusterCounts]:  # fmt: skip
+def run_geo_cluster_seed(
+    seed: int, topology: str = "triangle", *, steps: int = GEO_CLUSTER_STEPS, verbose: bool = False
+) -> tuple[SimResult, ClusterCounts, GeoClusterCounts]:
     """One run, as ``python -m georep.sim --geo-cluster --seed SEED --topology NAME --steps STEPS`` does it."""
     sim = GeoClusterSimulator(seed, topology, config=SimConfig(steps=steps), verbose=verbose)
     result = sim.run()
     return result, sim.ccounts, sim.gcounts
 
 
-__all__ = ["GEO_CLUSTER_STEPS", "GEO_CLUSTER_TOPOLOGIES", "GeoClusterConfig", "GeoClusterCounts",
-           "GeoClusterSimulator", "START_MS", "run_geo_cluster_seed"]  # fmt: skip
+__all__ = [
+    "GEO_CLUSTER_STEPS",
+    "GEO_CLUSTER_TOPOLOGIES",
+    "GeoClusterConfig",
+    "GeoClusterCounts",
+    "GeoClusterSimulator",
+    "START_MS",
+    "run_geo_cluster_seed",
+]

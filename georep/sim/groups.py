@@ -116,13 +116,15 @@ class GroupWorkload:
         sim = self.sim
         now = sim.local_ms(site)
         try:
-            hb = site.coordinator.heartbeat(GROUP, m.member_id, [self.topic], sim.config.session_timeout_ms,
-                                            self.assignor, now, m.name)  # fmt: skip
+            hb = site.coordinator.heartbeat(
+                GROUP, m.member_id, [self.topic], sim.config.session_timeout_ms, self.assignor, now, m.name
+            )
         except UnknownMember:
             m.leave_site()  # its session expired: fenced; join again
             sim.counts.members_fenced += 1
-            hb = site.coordinator.heartbeat(GROUP, "", [self.topic], sim.config.session_timeout_ms, self.assignor,
-                                            now, m.name)  # fmt: skip
+            hb = site.coordinator.heartbeat(
+                GROUP, "", [self.topic], sim.config.session_timeout_ms, self.assignor, now, m.name
+            )
         sim.counts.group_heartbeats += 1
         m.member_id = hb.member_id
         if hb.generation != m.generation:

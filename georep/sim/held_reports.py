@@ -82,8 +82,10 @@ class HeldReports:
                 claims = self._claims[msg.upstream] = HeldClaimCheck(sim.topology, msg.upstream)
             why = claims.refusal(msg.reporter, site, topic)
             if why is not None:
-                raise InvariantViolation(f"site {msg.upstream} would refuse {msg.reporter}'s honest claim that site "
-                                         f"{site} holds {topic}: {why}")  # fmt: skip
+                raise InvariantViolation(
+                    f"site {msg.upstream} would refuse {msg.reporter}'s honest claim that site "
+                    f"{site} holds {topic}: {why}"
+                )
         sim.perform_acks(upstream, upstream.acks.held_reported(msg.entries))
         reporter = sim.sites[msg.reporter]
         answer = HeldAnswer(msg.reporter, msg.upstream, msg.report_id, reporter.incarnation)

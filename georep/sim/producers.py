@@ -222,8 +222,12 @@ class ProducerWorkload:
             return
         for batch in delivery.take_sendable():
             if batch.data is None:
-                batch.data = encode_batch(batch.records, producer_id=batch.producer_id, producer_epoch=0,
-                                          base_sequence=batch.base_sequence or 0)  # fmt: skip
+                batch.data = encode_batch(
+                    batch.records,
+                    producer_id=batch.producer_id,
+                    producer_epoch=0,
+                    base_sequence=batch.base_sequence or 0,
+                )
             elif batch.sent_ms:
                 producer.resent_batches += 1
             batch.sent_ms = sim.now_ms
@@ -301,9 +305,8 @@ class ProducerWorkload:
         key = producer.key
         origin, seq = produced.origin, int(produced.result.last_origin_seq)
         holders = {
-            sid: s.rebuilds for sid, s in sorted(sim.sites.items())
-            if s.logs[key].flushed_vector().get(origin, 0) > seq
-        }  # fmt: skip
+            sid: s.rebuilds for sid, s in sorted(sim.sites.items()) if s.logs[key].flushed_vector().get(origin, 0) > seq
+        }
         held = [sid for sid in sorted(sim.sites) if sim.ever_flushed[(sid, key)].get(origin, 0) > seq]
         needed = producer.acks.sites if producer.acks.kind is AckKind.GEO else 1
         durable = needed > 1 or sim.fsync_per_batch[key[0]]

@@ -159,9 +159,15 @@ class SimulationFailure(AssertionError):
 
 
 def replay_command(
-    seed: int, topology: str, steps: int = DEFAULT_STEPS, rebuild_p: float = 0.0, consumers: bool = True,
-    groups: bool = False, site_nodes: int = 1, silence_every_ms: int = 0,
-) -> str:  # fmt: skip
+    seed: int,
+    topology: str,
+    steps: int = DEFAULT_STEPS,
+    rebuild_p: float = 0.0,
+    consumers: bool = True,
+    groups: bool = False,
+    site_nodes: int = 1,
+    silence_every_ms: int = 0,
+) -> str:
     extra = "" if steps == DEFAULT_STEPS else f" --steps {steps}"
     extra += f" --rebuild-p {rebuild_p}" if rebuild_p else ""
     extra += f" --site-nodes {site_nodes}" if site_nodes != 1 else ""
@@ -225,6 +231,44 @@ class Simulator:
         self.fsync_per_batch = {t: is_internal(t) or self.rng.random() < 0.5 for t in self.topics}
         self.verbose = verbose
         self._print = log or (lambda line: print(line, file=sys.stderr))
+        self._init_run_loop()
+        self.network = Network(self)
+        self.pull = PullConfig(cfg.idle_timeout_ms, cfg.backoff_ms[0], cfg.backoff_ms[1])
+        self.sites: dict[SiteId, SimSite] = {}
+        self.pull_nodes = {
+            sid: tuple(f"{sid}/{n}" for n in range(1, max(1, cfg.site_nodes) + 1)) for sid in self.topology.site_ids()
+        }
+        self.silent_nodes: set[str] = set()  # nodes that answer nothing, for good (Faults.silence_every_ms)
+        self.origins: list[Origin] = []  # every origin ever, old epochs of rebuilt sites included
+        self._make_sites()
+        self.producer_workload = ProducerWorkload(self)
+        self.producers = self.producer_workload.producers
+        self.acked: list[AckedWrite] = []
+        # (site, partition) -> {origin: next seq} of everything the site ever held fsynced, across disk losses
+        self.ever_flushed: dict[tuple[SiteId, PartitionKey], dict[Origin, int]] = {
+            (sid, key): {} for sid in self.sites for key in self.keys
+        }
+        self.consumers = ConsumerWorkload(self, consumer_count)
+        self.groups = GroupWorkload(self, member_count)
+        self.replication = Replication(self)
+        self.held_reports = HeldReports(self)
+        self.fault_schedule = FaultSchedule(self)
+        self._handlers: dict[str, Callable[..., None]] = {
+            "produce_answer": self._on_produce_answer,
+            "flush": self._on_flush,
+            "fsync_done": self._on_fsync_done,
+            "tick": self._on_tick,
+            "fault_crash": self._on_fault_crash,
+            **self.producer_workload.handlers(),
+            **self.network.handlers(),
+            **self.replication.handlers(),
+            **self.fault_schedule.handlers(),
+            **self.consumers.handlers(),
+            **self.groups.handlers(),
+        }
+
+    def _init_run_loop(self) -> None:
+        """The clock, the event heap, the counters and the checker, before anything is scheduled."""
         self.now_ms = START_MS
         self.counts = FaultCounts()
         self.checker = InvariantChecker()
@@ -242,32 +286,6 @@ class Simulator:
         self._liveness_start_ms = START_MS
         self.kinds: dict[str, int] = {}
         self.cut: dict[tuple[SiteId, SiteId], int] = {}  # link -> heal due
-        self.network = Network(self)
-        self.pull = PullConfig(cfg.idle_timeout_ms, cfg.backoff_ms[0], cfg.backoff_ms[1])
-        self.sites: dict[SiteId, SimSite] = {}
-        self.pull_nodes = {sid: tuple(f"{sid}/{n}" for n in range(1, max(1, cfg.site_nodes) + 1))
-                      for sid in self.topology.site_ids()}  # fmt: skip
-        self.silent_nodes: set[str] = set()  # nodes that answer nothing, for good (Faults.silence_every_ms)
-        self.origins: list[Origin] = []  # every origin ever, old epochs of rebuilt sites included
-        self._make_sites()
-        self.producer_workload = ProducerWorkload(self)
-        self.producers = self.producer_workload.producers
-        self.acked: list[AckedWrite] = []
-        # (site, partition) -> {origin: next seq} of everything the site ever held fsynced, across disk losses
-        self.ever_flushed: dict[tuple[SiteId, PartitionKey], dict[Origin, int]] = {
-            (sid, key): {} for sid in self.sites for key in self.keys
-        }
-        self.consumers = ConsumerWorkload(self, consumer_count)
-        self.groups = GroupWorkload(self, member_count)
-        self.replication = Replication(self)
-        self.held_reports = HeldReports(self)
-        self.fault_schedule = FaultSchedule(self)
-        self._handlers: dict[str, Callable[..., None]] = {
-            "produce_answer": self._on_produce_answer, "flush": self._on_flush, "fsync_done": self._on_fsync_done,
-            "tick": self._on_tick, "fault_crash": self._on_fault_crash,
-            **self.producer_workload.handlers(), **self.network.handlers(), **self.replication.handlers(),
-            **self.fault_schedule.handlers(), **self.consumers.handlers(), **self.groups.handlers(),
-        }  # fmt: skip
 
     def _make_sites(self) -> None:
         cfg = self.config
@@ -277,15 +295,31 @@ class Simulator:
             origin = Origin(sid, self.rng.randint(1, 1_000_000))
             inbound = tuple(link.src for link in self.topology.links_sorted() if link.dst == sid)
             self.origins.append(origin)
-            site = SimSite(sid, origin, skew, self.rng.randint(*cfg.flush_ms), self.rng.randint(*cfg.fsync_ms),
-                           inbound, {key: MemoryLog() for key in self.keys},
-                           commits=CommitLog(decode_commit))  # fmt: skip
+            site = SimSite(
+                sid,
+                origin,
+                skew,
+                self.rng.randint(*cfg.flush_ms),
+                self.rng.randint(*cfg.fsync_ms),
+                inbound,
+                {key: MemoryLog() for key in self.keys},
+                commits=CommitLog(decode_commit),
+            )
             self.sites[sid] = site
             self._boot(site)
 
     def _boot(self, site: SimSite) -> None:
-        site.boot(self.topology, self.topics, self.fsync_per_batch, self.config.stall_ms, self.pull,
-                  self._stream_ids, self.local_ms(site), self._new_member_id, self.pull_nodes)  # fmt: skip
+        site.boot(
+            self.topology,
+            self.topics,
+            self.fsync_per_batch,
+            self.config.stall_ms,
+            self.pull,
+            self._stream_ids,
+            self.local_ms(site),
+            self._new_member_id,
+            self.pull_nodes,
+        )
 
     def _new_member_id(self, client_id: str) -> str:
         return f"{client_id or 'consumer'}-{self.rng.getrandbits(48):012x}"
@@ -322,15 +356,30 @@ class Simulator:
         }
         self._trace.update(repr(sorted(vectors.items())).encode())
         self._trace.update(self.consumers.trace().encode())
-        return SimResult(self.seed, self.topology_name, self._events, self.now_ms - START_MS,
-                         self._trace.hexdigest(), self.counts, vectors, self.checker.batches_checked,
-                         self.now_ms - self._liveness_start_ms)  # fmt: skip
+        return SimResult(
+            self.seed,
+            self.topology_name,
+            self._events,
+            self.now_ms - START_MS,
+            self._trace.hexdigest(),
+            self.counts,
+            vectors,
+            self.checker.batches_checked,
+            self.now_ms - self._liveness_start_ms,
+        )
 
     def _failure(self, message: str) -> SimulationFailure:
         cfg = self.config
-        replay = replay_command(self.seed, self.topology_name, cfg.steps, self.faults.rebuild_p,
-                                bool(cfg.consumers[1]), bool(cfg.group_members[1]), cfg.site_nodes,
-                                self.faults.silence_every_ms)  # fmt: skip
+        replay = replay_command(
+            self.seed,
+            self.topology_name,
+            cfg.steps,
+            self.faults.rebuild_p,
+            bool(cfg.consumers[1]),
+            bool(cfg.group_members[1]),
+            cfg.site_nodes,
+            self.faults.silence_every_ms,
+        )
         return SimulationFailure(message, self.seed, self.topology_name, replay)
 
     def _start(self) -> None:
@@ -444,21 +493,46 @@ class Simulator:
     def append(self, site: SimSite, key: PartitionKey, batch: bytes) -> Produced:
         """``append_as_origin`` at ``site``; registers what it stamped with the checker (I1 bytes)."""
         log = site.logs[key]
-        produced = append_as_origin(log, site.producers[key], site.origin, batch, topic=key[0],
-                                    max_batch_bytes=1 << 30, now_ms=self.local_ms(site))  # fmt: skip
+        produced = append_as_origin(
+            log,
+            site.producers[key],
+            site.origin,
+            batch,
+            topic=key[0],
+            max_batch_bytes=1 << 30,
+            now_ms=self.local_ms(site),
+        )
         self._changed(site.id, key)
         if not produced.duplicate:
             self.checker.register(key, parse_header(log.read(produced.result.base_offset, 1).data))
         return produced
 
-    def wait_ack(self, site: SimSite, key: PartitionKey, produced: Produced, acks: Acks,
-                 then: Callable[[Exception | None], None], timeout_ms: int = 0) -> None:  # fmt: skip
+    def wait_ack(
+        self,
+        site: SimSite,
+        key: PartitionKey,
+        produced: Produced,
+        acks: Acks,
+        then: Callable[[Exception | None], None],
+        timeout_ms: int = 0,
+    ) -> None:
         """Hold ``then`` until ``site``'s ack table releases (None) or fails (the error) the batch."""
         token = next(self._tokens)
         site.waiters[token] = then
         r = produced.result
-        self.perform_acks(site, site.acks.wait(token, key, produced.end_offset, produced.origin, r.last_origin_seq,
-                                               acks, self.local_ms(site), timeout_ms))  # fmt: skip
+        self.perform_acks(
+            site,
+            site.acks.wait(
+                token,
+                key,
+                produced.end_offset,
+                produced.origin,
+                r.last_origin_seq,
+                acks,
+                self.local_ms(site),
+                timeout_ms,
+            ),
+        )
 
     def perform_acks(self, site: SimSite, effects: list[Effect]) -> None:
         for effect in effects:
@@ -509,8 +583,9 @@ class Simulator:
 
     # -- what the parts do, under the names a subclass overrides or calls --------------------
 
-    def _on_produce_answer(self, pi: int, incarnation: int, correlation: int, produced: Produced | None,
-                           error: Exception | None) -> None:  # fmt: skip
+    def _on_produce_answer(
+        self, pi: int, incarnation: int, correlation: int, produced: Produced | None, error: Exception | None
+    ) -> None:
         self.producer_workload.answered(pi, incarnation, correlation, error)
 
     def _resolve(self, producer: SimProducer) -> None:
@@ -578,8 +653,12 @@ def run_seed(
     join at several sites. ``site_nodes`` (``--site-nodes``) gives every site that many nodes answering pulls, and
     ``silence_every_ms`` (``--silence-every-ms``) silences one of them for good that often.
     """
-    config = SimConfig(steps=steps, consumers=(2, 3) if consumers else (0, 0),
-                       group_members=(2, 3) if groups else (0, 0), site_nodes=site_nodes)  # fmt: skip
+    config = SimConfig(
+        steps=steps,
+        consumers=(2, 3) if consumers else (0, 0),
+        group_members=(2, 3) if groups else (0, 0),
+        site_nodes=site_nodes,
+    )
     sim = Simulator(seed, topology, faults=faults, config=config, verbose=verbose)
     if rebuild_p:
         sim.faults = dataclasses.replace(sim.faults, rebuild_p=rebuild_p)

@@ -97,8 +97,16 @@ class SimSite:
         self.upstreams = {src: UpstreamNodes(nodes[src]) for src in self.inbound}
         # Every simulated site has every topic from the start and no conflict: every partition is pullable.
         self.sessions = {
-            src: PullSession(src, links, self.origin, lambda key: logs[key].vector(), stream_ids, pull,
-                             usable=_pullable_from(src, topics, logs), nodes=self.upstreams[src])  # fmt: skip
+            src: PullSession(
+                src,
+                links,
+                self.origin,
+                lambda key: logs[key].vector(),
+                stream_ids,
+                pull,
+                usable=_pullable_from(src, topics, logs),
+                nodes=self.upstreams[src],
+            )
             for src in self.inbound
         }
         self.reporters = {src: _reporter(topology, src, self.id) for src in self.inbound}
@@ -119,8 +127,9 @@ class SimSite:
         self.waiters = {}
 
 
-def _pullable_from(src: SiteId, topics: Mapping[str, int],
-                   logs: Mapping[PartitionKey, MemoryLog]) -> Callable[[PartitionKey], bool]:  # fmt: skip
+def _pullable_from(
+    src: SiteId, topics: Mapping[str, int], logs: Mapping[PartitionKey, MemoryLog]
+) -> Callable[[PartitionKey], bool]:
     return lambda key: pullable(key, src, topics, (), logs)
 
 

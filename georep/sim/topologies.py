@@ -101,8 +101,10 @@ def build_topology(name: str, rng: random.Random) -> Topology:
         s = _letters(4)
         meshed = [
             _link(x, y, AUDIT_ONLY if (x, y) in (("a", "d"), ("b", "d")) else ALL_TOPICS)
-            for x in s for y in s if x != y
-        ]  # fmt: skip
+            for x in s
+            for y in s
+            if x != y
+        ]
         return Topology(_sites(s), tuple(meshed))
     if name == "diamond-audit":
         # d feeds b and c, which feed a; a -> d carries only audit/**, so orders written at a, b or c
@@ -113,9 +115,12 @@ def build_topology(name: str, rng: random.Random) -> Topology:
         # A one-way ring where b -> c carries only orders/** and d -> a only audit/**, plus a
         # costly shortcut c -> a carrying everything.
         links = (
-            _link("a", "b"), _link("b", "c", ORDERS_ONLY), _link("c", "d"), _link("d", "a", AUDIT_ONLY),
+            _link("a", "b"),
+            _link("b", "c", ORDERS_ONLY),
+            _link("c", "d"),
+            _link("d", "a", AUDIT_ONLY),
             _link("c", "a", cost=3),
-        )  # fmt: skip
+        )
         return Topology(_sites(_letters(4)), links)
     match = _RANDOM.fullmatch(name)
     if match:

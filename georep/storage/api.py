@@ -57,8 +57,10 @@ class DamagedBatch:
     crc: int = -1  # the batch's CRC-32C as its origin index entry recorded it; -1 when unknown (an older list)
 
     def describe(self) -> str:
-        return (f"offsets {self.base_offset}..{self.next_offset - 1} (origin {self.origin} seqs "
-                f"{self.base_origin_seq}..{self.last_origin_seq}, {self.segment} byte {self.position})")  # fmt: skip
+        return (
+            f"offsets {self.base_offset}..{self.next_offset - 1} (origin {self.origin} seqs "
+            f"{self.base_origin_seq}..{self.last_origin_seq}, {self.segment} byte {self.position})"
+        )
 
 
 class BatchDamaged(StorageError):
@@ -91,10 +93,22 @@ def copy_for_repair(damaged: DamagedBatch, batch: bytes) -> BatchHeader:
         header = check_batch(batch)
     except CorruptBatch as exc:
         raise RepairRefused(f"the copy offered for {damaged.describe()} is itself damaged: {exc}") from None
-    offered = (header.origin, header.base_origin_seq, header.last_origin_seq, header.size_bytes,
-               header.last_offset_delta, header.crc if damaged.crc >= 0 else -1)  # fmt: skip
-    quarantined = (damaged.origin, damaged.base_origin_seq, damaged.last_origin_seq, damaged.size_bytes,
-                   damaged.next_offset - damaged.base_offset - 1, damaged.crc)  # fmt: skip
+    offered = (
+        header.origin,
+        header.base_origin_seq,
+        header.last_origin_seq,
+        header.size_bytes,
+        header.last_offset_delta,
+        header.crc if damaged.crc >= 0 else -1,
+    )
+    quarantined = (
+        damaged.origin,
+        damaged.base_origin_seq,
+        damaged.last_origin_seq,
+        damaged.size_bytes,
+        damaged.next_offset - damaged.base_offset - 1,
+        damaged.crc,
+    )
     if offered != quarantined or len(batch) != header.size_bytes:
         raise RepairRefused(
             f"the copy offered for {damaged.describe()} is another batch: origin {header.origin} seqs "

@@ -81,8 +81,10 @@ class SegmentElsewhere(StorageError):
     """A read reached a segment this node holds no copy of; ``members`` hold it."""
 
     def __init__(self, key: PartitionKey, segment: ChainSegment, offset: int) -> None:
-        super().__init__(f"segment {segment.segment_id} of {key[0]}-{key[1]} (offsets {segment.base_offset}.."
-                         f"{segment.end_offset}) is on nodes {list(segment.ensemble)}, not this one")  # fmt: skip
+        super().__init__(
+            f"segment {segment.segment_id} of {key[0]}-{key[1]} (offsets {segment.base_offset}.."
+            f"{segment.end_offset}) is on nodes {list(segment.ensemble)}, not this one"
+        )
         self.segment = segment
         self.offset = offset
 
@@ -101,16 +103,28 @@ class ChainSegment:
 class ChainLog:
     """One partition led by this node, over its chain of segments; see the module docstring."""
 
-    def __init__(self, key: PartitionKey, store: ReplicaStore, chain: Sequence[ChainSegment], epoch: LeaderEpoch,
-                 lac_vector: VectorOffset) -> None:  # fmt: skip
+    def __init__(
+        self,
+        key: PartitionKey,
+        store: ReplicaStore,
+        chain: Sequence[ChainSegment],
+        epoch: LeaderEpoch,
+        lac_vector: VectorOffset,
+    ) -> None:
         if not chain or chain[-1].end_offset is not None:
             raise ValueError(f"{key}: a chain log needs an open segment at its end")
         if store.copy(key, chain[-1].segment_id) is None:
             raise ValueError(f"{key}: this node holds no copy of the open segment {chain[-1].segment_id}")
         self._init_chain(key, store, chain, epoch, lac_vector)
 
-    def _init_chain(self, key: PartitionKey, store: ReplicaStore, chain: Sequence[ChainSegment], epoch: LeaderEpoch,
-                    lac_vector: VectorOffset) -> None:  # fmt: skip
+    def _init_chain(
+        self,
+        key: PartitionKey,
+        store: ReplicaStore,
+        chain: Sequence[ChainSegment],
+        epoch: LeaderEpoch,
+        lac_vector: VectorOffset,
+    ) -> None:
         self.key = key
         self.store = store
         self.chain = tuple(chain)
@@ -191,8 +205,9 @@ class ChainLog:
     def _open_copy(self) -> SegmentLog:
         copy = self.store.copy(self.key, self.open.segment_id)
         if copy is None:
-            raise StorageError(f"{self.key[0]}-{self.key[1]}: this node's copy of segment {self.open.segment_id} "
-                               "is gone")  # fmt: skip
+            raise StorageError(
+                f"{self.key[0]}-{self.key[1]}: this node's copy of segment {self.open.segment_id} is gone"
+            )
         return copy
 
     def _copies(self) -> list[SegmentLog]:
@@ -369,8 +384,14 @@ class FollowerLog(ChainLog):
     chain: the fetch builds a new one when the metadata's chain changes (a roll, a seal).
     """
 
-    def __init__(self, key: PartitionKey, store: ReplicaStore, chain: Sequence[ChainSegment], me: NodeId,
-                 start_vector: VectorOffset | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        key: PartitionKey,
+        store: ReplicaStore,
+        chain: Sequence[ChainSegment],
+        me: NodeId,
+        start_vector: VectorOffset | None = None,
+    ) -> None:
         """``start_vector``: the chain's start (the metadata's, past what retention trimmed); the vector of a
         chain whose sealed segments are all gone, read at a node without a copy of the open segment."""
         if not chain:
@@ -414,8 +435,10 @@ class FollowerLog(ChainLog):
         return self._sealed_vector.to_dict()
 
     def flushed_vector(self) -> dict[Origin, OriginSeq]:
-        raise StorageError(f"{self.key[0]}-{self.key[1]}: a follower's view has no flushed vector (its leader's "
-                           "ChainLog serves replication)")  # fmt: skip
+        raise StorageError(
+            f"{self.key[0]}-{self.key[1]}: a follower's view has no flushed vector (its leader's "
+            "ChainLog serves replication)"
+        )
 
     def advance_lac(self, lac: int) -> bool:
         raise StorageError(f"{self.key[0]}-{self.key[1]}: a follower learns the LAC from its leader's announcements")

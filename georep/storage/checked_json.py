@@ -36,8 +36,9 @@ def dumps_checked(doc: dict[str, Any]) -> bytes:
     return (json.dumps({**doc, CHECKSUM_KEY: _checksum(doc)}, sort_keys=True, indent=1) + "\n").encode("ascii")
 
 
-def loads_checked(data: bytes, *, unchecked_formats: tuple[int, ...] = (),
-                  format_key: str = "format") -> dict[str, Any]:  # fmt: skip
+def loads_checked(
+    data: bytes, *, unchecked_formats: tuple[int, ...] = (), format_key: str = "format"
+) -> dict[str, Any]:
     """The object in ``data`` without its checksum member; raises :class:`DamagedStateFile` when they disagree.
 
     ``unchecked_formats``: the values of ``format_key`` of files written before the checksum, accepted without one.

@@ -62,10 +62,20 @@ class OriginEntry:
 
     def pack(self) -> bytes:
         return ORIGIN_ENTRY.pack(
-            self.origin_site, self.origin_epoch, self.base_origin_seq, self.last_offset_delta, self.base_offset,
-            self.position, self.size_bytes, self.max_timestamp, self.producer_id, self.producer_epoch,
-            self.base_sequence, self.append_time_ms, self.crc,
-        )  # fmt: skip
+            self.origin_site,
+            self.origin_epoch,
+            self.base_origin_seq,
+            self.last_offset_delta,
+            self.base_offset,
+            self.position,
+            self.size_bytes,
+            self.max_timestamp,
+            self.producer_id,
+            self.producer_epoch,
+            self.base_sequence,
+            self.append_time_ms,
+            self.crc,
+        )
 
 
 def entry_for(header: BatchHeader, base_offset: int, position: int, append_time_ms: int) -> OriginEntry:
@@ -77,10 +87,20 @@ def entry_for(header: BatchHeader, base_offset: int, position: int, append_time_
     if len(site) > 32:
         raise struct.error(f"origin site {header.origin_site!r} is longer than 32 bytes")
     return OriginEntry(
-        site.ljust(32, b"\0"), header.origin_epoch, header.base_origin_seq, header.last_offset_delta, base_offset,
-        position, header.size_bytes, header.max_timestamp, header.producer_id, header.producer_epoch,
-        header.base_sequence, append_time_ms, header.crc,
-    )  # fmt: skip
+        site.ljust(32, b"\0"),
+        header.origin_epoch,
+        header.base_origin_seq,
+        header.last_offset_delta,
+        base_offset,
+        position,
+        header.size_bytes,
+        header.max_timestamp,
+        header.producer_id,
+        header.producer_epoch,
+        header.base_sequence,
+        append_time_ms,
+        header.crc,
+    )
 
 
 def pack_origin_entry(header: BatchHeader, base_offset: int, position: int, append_time_ms: int) -> bytes:

@@ -58,6 +58,9 @@ def read_log_start(directory: Path) -> LogStart | None:
 
 
 def write_log_start(directory: Path, start: LogStart) -> None:
-    doc = {"format": FORMAT, "log_start": int(start.log_start),
-           "vector": {str(origin): int(seq) for origin, seq in sorted(start.vector.items())}}  # fmt: skip
+    doc = {
+        "format": FORMAT,
+        "log_start": int(start.log_start),
+        "vector": {str(origin): int(seq) for origin, seq in sorted(start.vector.items())},
+    }
     replace_file(directory / FILE_NAME, dumps_checked(doc))

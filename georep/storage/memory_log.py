@@ -93,8 +93,7 @@ class MemoryLog:
             raise BatchDamaged(damaged[bases[first]])
         i = first
         size = 0
-        while (i < len(batches) and (i == first or size + len(batches[i]) <= max_bytes)
-               and bases[i] not in damaged):  # fmt: skip
+        while i < len(batches) and (i == first or size + len(batches[i]) <= max_bytes) and bases[i] not in damaged:
             size += len(batches[i])
             i += 1
         return ReadResult(b"".join(batches[first:i]), self._headers[i - 1].next_offset)
@@ -106,8 +105,18 @@ class MemoryLog:
         data = bytearray(self._batches[i])
         data[-1] ^= 0xFF
         self._batches[i] = bytes(data)
-        damaged = DamagedBatch(h.base_offset, h.next_offset, h.origin, h.base_origin_seq, h.last_origin_seq,
-                               "memory", 0, h.size_bytes, reason, h.crc)  # fmt: skip
+        damaged = DamagedBatch(
+            h.base_offset,
+            h.next_offset,
+            h.origin,
+            h.base_origin_seq,
+            h.last_origin_seq,
+            "memory",
+            0,
+            h.size_bytes,
+            reason,
+            h.crc,
+        )
         self._damaged[h.base_offset] = damaged
         self.damage_found_total += 1
         return damaged
@@ -148,10 +157,19 @@ class MemoryLog:
 
     def batch_entries(self) -> list[BatchEntry]:
         return [
-            BatchEntry(h.origin, h.base_origin_seq, h.last_offset_delta, h.base_offset, h.max_timestamp,
-                       h.producer_id, h.producer_epoch, h.base_sequence, h.append_time_ms)
+            BatchEntry(
+                h.origin,
+                h.base_origin_seq,
+                h.last_offset_delta,
+                h.base_offset,
+                h.max_timestamp,
+                h.producer_id,
+                h.producer_epoch,
+                h.base_sequence,
+                h.append_time_ms,
+            )
             for h in self._headers
-        ]  # fmt: skip
+        ]
 
     def segment_at(self, offset: int) -> SegmentBatches:
         # One segment from offset 0, never trimmed: nothing lies below it.

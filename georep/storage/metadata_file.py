@@ -129,8 +129,12 @@ def load_or_create_identity(data_dir: Path, site: str, now_s: int) -> SiteIdenti
         return SiteIdentity(site_id(raw["site"]), int(raw["epoch"]))
     identity = SiteIdentity(site_id(site), now_s)
     if any((data_dir / "logs").glob("*")):
-        log.warning("data dir %s holds partition logs but no site.json: site %s starts under a new epoch %d (no "
-                    "coordinate of an earlier epoch is reused; its records stay and keep replicating)",
-                    data_dir, site, now_s)  # fmt: skip
+        log.warning(
+            "data dir %s holds partition logs but no site.json: site %s starts under a new epoch %d (no "
+            "coordinate of an earlier epoch is reused; its records stay and keep replicating)",
+            data_dir,
+            site,
+            now_s,
+        )
     write_json_atomic(path, {"version": 2, "site": identity.site, "epoch": identity.epoch}, checked=True)
     return identity

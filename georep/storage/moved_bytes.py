@@ -53,12 +53,15 @@ class MovedBytes:
         except FileNotFoundError:
             return 0
         except (OSError, ValueError) as exc:
-            raise MovedBytesCorrupt(f"{path} cannot be read ({exc}); it holds only the count of bytes repairs "
-                                    "copied to this node: delete it to count from 0 again") from None  # fmt: skip
+            raise MovedBytesCorrupt(
+                f"{path} cannot be read ({exc}); it holds only the count of bytes repairs "
+                "copied to this node: delete it to count from 0 again"
+            ) from None
         fmt, total = (raw.get("format"), raw.get("bytes_moved")) if isinstance(raw, dict) else (None, None)
         if fmt != MOVED_FORMAT or isinstance(total, bool) or not isinstance(total, int) or total < 0:
-            raise MovedBytesCorrupt(f"{path} is not a format-{MOVED_FORMAT} count of bytes moved ({raw!r}); delete "
-                                    "it to count from 0 again")  # fmt: skip
+            raise MovedBytesCorrupt(
+                f"{path} is not a format-{MOVED_FORMAT} count of bytes moved ({raw!r}); delete it to count from 0 again"
+            )
         return total
 
     @property

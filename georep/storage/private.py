@@ -64,10 +64,12 @@ class Tightened:
     def describe(self, root: Path) -> str:
         shown = ", ".join([*self.directories, *self.files][:SHOWN])
         more = len(self.files) + len(self.directories) - SHOWN
-        return (f"data dir {root} was open to other users: removed their access to {len(self.directories)} "
-                f"director{'y' if len(self.directories) == 1 else 'ies'} and {len(self.files)} file(s) ({shown}"
-                f"{f', and {more} more' if more > 0 else ''}). A node keeps its data dir 0700 and its files 0600: "
-                "they hold records and users' SCRAM keys")  # fmt: skip
+        return (
+            f"data dir {root} was open to other users: removed their access to {len(self.directories)} "
+            f"director{'y' if len(self.directories) == 1 else 'ies'} and {len(self.files)} file(s) ({shown}"
+            f"{f', and {more} more' if more > 0 else ''}). A node keeps its data dir 0700 and its files 0600: "
+            "they hold records and users' SCRAM keys"
+        )
 
 
 def tighten(root: Path) -> Tightened:

@@ -91,8 +91,10 @@ class ReplicaError(Exception):
 
 class UnknownSegment(ReplicaError):
     def __init__(self, key: PartitionKey, segment_id: int) -> None:
-        super().__init__(f"this node holds no copy of segment {segment_id} of {key[0]}-{key[1]}: ask a member of "
-                         "the segment's ensemble (the site's metadata lists them)")  # fmt: skip
+        super().__init__(
+            f"this node holds no copy of segment {segment_id} of {key[0]}-{key[1]}: ask a member of "
+            "the segment's ensemble (the site's metadata lists them)"
+        )
 
 
 class CorruptReplicaChunk(ReplicaError):
@@ -131,11 +133,13 @@ def _whole_batches(key: PartitionKey, segment_id: int, chunk: bytes, then: str) 
     try:
         headers = iter_headers(chunk, verify=True)
     except CorruptBatch as exc:
-        raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: {exc}; nothing was stored, "
-                                  f"{then}") from None  # fmt: skip
+        raise CorruptReplicaChunk(
+            f"segment {segment_id} of {key[0]}-{key[1]}: {exc}; nothing was stored, {then}"
+        ) from None
     if sum(h.size_bytes for h in headers) != len(chunk):
-        raise CorruptReplicaChunk(f"segment {segment_id} of {key[0]}-{key[1]}: the chunk ends inside a batch; "
-                                  f"nothing was stored, {then}")  # fmt: skip
+        raise CorruptReplicaChunk(
+            f"segment {segment_id} of {key[0]}-{key[1]}: the chunk ends inside a batch; nothing was stored, {then}"
+        )
     return headers
 
 
@@ -163,8 +167,9 @@ class SealSummary:
 class PartitionReplicas:
     """One partition's segments on this node, and its guard."""
 
-    def __init__(self, key: PartitionKey, directory: Path, guard: ReplicaGuard,
-                 segments: dict[SegmentId, SegmentLog]) -> None:  # fmt: skip
+    def __init__(
+        self, key: PartitionKey, directory: Path, guard: ReplicaGuard, segments: dict[SegmentId, SegmentLog]
+    ) -> None:
         self.key = key
         self.directory = directory
         self.guard = guard
@@ -189,15 +194,20 @@ def _read_guard(directory: Path) -> ReplicaGuard:
         return ReplicaGuard()
     except (OSError, ValueError) as exc:
         # Starting with an empty fence could accept a deposed leader: refuse to guess.
-        raise ReplicaError(f"{path} is unreadable ({exc}): this node cannot know which leaders it fenced. Restore "
-                           "the file, or remove this node's replicas directory and let the site repair its "
-                           "segments onto it again") from None  # fmt: skip
+        raise ReplicaError(
+            f"{path} is unreadable ({exc}): this node cannot know which leaders it fenced. Restore "
+            "the file, or remove this node's replicas directory and let the site repair its "
+            "segments onto it again"
+        ) from None
     if not isinstance(doc, dict) or doc.get("format") != GUARD_FORMAT:
-        raise ReplicaError(f"{path} has format {doc.get('format') if isinstance(doc, dict) else doc!r}; this build "
-                           f"reads {GUARD_FORMAT}")  # fmt: skip
+        raise ReplicaError(
+            f"{path} has format {doc.get('format') if isinstance(doc, dict) else doc!r}; this build "
+            f"reads {GUARD_FORMAT}"
+        )
     sealed = doc.get("sealed_through")
-    return ReplicaGuard(GuardState(LeaderEpoch(int(doc["fenced_epoch"])),
-                                   None if sealed is None else SegmentId(int(sealed))))  # fmt: skip
+    return ReplicaGuard(
+        GuardState(LeaderEpoch(int(doc["fenced_epoch"])), None if sealed is None else SegmentId(int(sealed)))
+    )
 
 
 class ReplicaStore:
@@ -270,9 +280,11 @@ class ReplicaStore:
     def held(self) -> list[HeldCopy]:
         """Every segment copy this node holds, by partition and segment id."""
         with self._lock:
-            return [HeldCopy(key, sid, seg.log_end_offset, seg.flushed_offset, seg.size_bytes)
-                    for key, p in sorted(self._partitions.items())
-                    for sid, seg in sorted(p.segments.items())]  # fmt: skip
+            return [
+                HeldCopy(key, sid, seg.log_end_offset, seg.flushed_offset, seg.size_bytes)
+                for key, p in sorted(self._partitions.items())
+                for sid, seg in sorted(p.segments.items())
+            ]
 
     def _segment(self, key: PartitionKey, segment_id: SegmentId) -> SegmentLog:
         """A copy this node holds (reads and fsyncs never create anything). Raises :class:`UnknownSegment`."""
@@ -293,8 +305,15 @@ class ReplicaStore:
 
     # -- the leader's calls --------------------------------------------------------------------------------
 
-    def open_segment(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, base_offset: int,
-                     start_vector: dict[Origin, OriginSeq], now_ms: int) -> None:  # fmt: skip
+    def open_segment(
+        self,
+        key: PartitionKey,
+        epoch: LeaderEpoch,
+        segment_id: SegmentId,
+        base_offset: int,
+        start_vector: dict[Origin, OriginSeq],
+        now_ms: int,
+    ) -> None:
         """Start this node's copy of a new segment, empty at ``base_offset`` (its vector goes on from
         ``start_vector``, the end vector of the segment before it). Opening an existing copy again changes nothing.
 
@@ -338,14 +357,21 @@ class ReplicaStore:
             at = 0
             for h in headers:
                 end = seg.log_end_offset
-                verdict = membership.judge_append(p.guard, epoch, (key[0], key[1], segment_id), h.base_offset, end,
-                                                  self._gaps)  # fmt: skip
+                verdict = membership.judge_append(
+                    p.guard, epoch, (key[0], key[1], segment_id), h.base_offset, end, self._gaps
+                )
                 if isinstance(verdict, membership.Refuse):
                     raise _refused(verdict, epoch, segment_id, p.guard)
                 if isinstance(verdict, membership.Gap):
                     if verdict.report:
-                        log.warning("segment %d of %s-%d: a batch at offset %d is past this copy's end %d; the "
-                                    "leader resends from there", segment_id, *key, h.base_offset, end)  # fmt: skip
+                        log.warning(
+                            "segment %d of %s-%d: a batch at offset %d is past this copy's end %d; the "
+                            "leader resends from there",
+                            segment_id,
+                            *key,
+                            h.base_offset,
+                            end,
+                        )
                     raise NotContiguous(segment_id, h.base_offset, end)
                 if isinstance(verdict, membership.Take):
                     if verdict.persist:
@@ -354,8 +380,15 @@ class ReplicaStore:
                 at += h.size_bytes
             return seg.log_end_offset
 
-    def append_batch(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, header: BatchHeader,
-                     body: Sequence[BytesLike], append_time_ms: int) -> BatchHeader:  # fmt: skip
+    def append_batch(
+        self,
+        key: PartitionKey,
+        epoch: LeaderEpoch,
+        segment_id: SegmentId,
+        header: BatchHeader,
+        body: Sequence[BytesLike],
+        append_time_ms: int,
+    ) -> BatchHeader:
         """The leader's own append of one batch (stamped by its broker) to its copy of the open ``segment_id``, at
         the copy's end; returns the header as stored. Judged as a member's append (``judge_append``), so a leader
         that a newer one fenced writes nothing (``Fenced``)."""
@@ -372,8 +405,14 @@ class ReplicaStore:
 
     # -- repair's calls --------------------------------------------------------------------------------------
 
-    def open_sealed_copy(self, key: PartitionKey, segment_id: SegmentId, base_offset: int,
-                         start_vector: dict[Origin, OriginSeq], now_ms: int) -> LocalOffset:  # fmt: skip
+    def open_sealed_copy(
+        self,
+        key: PartitionKey,
+        segment_id: SegmentId,
+        base_offset: int,
+        start_vector: dict[Origin, OriginSeq],
+        now_ms: int,
+    ) -> LocalOffset:
         """A repair is about to copy sealed ``segment_id`` here: record the seal in the guard (so that no leader
         appends to it from now on), create the copy empty at ``base_offset`` if this node has none, and return the
         copy's end, from which :meth:`append_sealed_copy` goes on. The fence epoch does not change."""
@@ -387,8 +426,9 @@ class ReplicaStore:
             if existing is not None:
                 return existing.log_end_offset
             if segment_id < self._trimmed_before.get(key, SegmentId(0)):
-                raise ReplicaError(f"segment {segment_id} of {key[0]}-{key[1]} was dropped by retention: nothing to "
-                                   "copy")  # fmt: skip
+                raise ReplicaError(
+                    f"segment {segment_id} of {key[0]}-{key[1]} was dropped by retention: nothing to copy"
+                )
             final = p.directory / _segment_dir_name(segment_id)
             building = final.with_name(final.name + NEW_SUFFIX)
             if building.exists():
@@ -399,8 +439,9 @@ class ReplicaStore:
             seg = p.segments[segment_id] = SegmentLog.open(final, REPLICA_LOG_CONFIG, now_ms)
             return seg.log_end_offset
 
-    def append_sealed_copy(self, key: PartitionKey, segment_id: SegmentId, end_offset: int,
-                           chunk: bytes) -> LocalOffset:  # fmt: skip
+    def append_sealed_copy(
+        self, key: PartitionKey, segment_id: SegmentId, end_offset: int, chunk: bytes
+    ) -> LocalOffset:
         """Append whole batches of sealed ``segment_id`` (as its members store them, local prefixes included) read
         from another member, at this copy's end; returns the new end (not yet fsynced: :meth:`flush`).
 
@@ -412,17 +453,21 @@ class ReplicaStore:
         """
         headers = _whole_batches(key, segment_id, chunk, "the repair copies it again")
         if headers and headers[-1].next_offset > end_offset:
-            raise PastSealedEnd(f"segment {segment_id} of {key[0]}-{key[1]} is sealed at offset {end_offset}, but the "
-                                f"copy sent a batch ending at {headers[-1].next_offset}: the source's copy is longer "
-                                "than the seal (it has not cut its tail yet); copy from another member")  # fmt: skip
+            raise PastSealedEnd(
+                f"segment {segment_id} of {key[0]}-{key[1]} is sealed at offset {end_offset}, but the "
+                f"copy sent a batch ending at {headers[-1].next_offset}: the source's copy is longer "
+                "than the seal (it has not cut its tail yet); copy from another member"
+            )
         view = memoryview(chunk)
         with self._lock:
             p = self._partition(key)
             seg = p.segment(segment_id)
             sealed = p.guard.state.sealed_through
             if sealed is None or sealed < segment_id:
-                raise ReplicaError(f"segment {segment_id} of {key[0]}-{key[1]} is not sealed on this node: open the "
-                                   "copy with open_sealed_copy first")  # fmt: skip
+                raise ReplicaError(
+                    f"segment {segment_id} of {key[0]}-{key[1]} is not sealed on this node: open the "
+                    "copy with open_sealed_copy first"
+                )
             if headers and headers[0].base_offset != seg.log_end_offset:
                 raise NotContiguous(segment_id, headers[0].base_offset, seg.log_end_offset)
             at = 0
@@ -476,8 +521,9 @@ class ReplicaStore:
         with self._lock:
             return {key: p.guard.state for key, p in sorted(self._partitions.items())}
 
-    def seal(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, end_offset: int,
-             now_ms: int) -> LocalOffset:  # fmt: skip
+    def seal(
+        self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, end_offset: int, now_ms: int
+    ) -> LocalOffset:
         """``segment_id`` was sealed at ``end_offset`` by the leader of ``epoch`` (the seal is committed in the
         site's metadata). Records it, then cuts this node's copy if it is longer. Returns the copy's end, which
         is below ``end_offset`` if this copy is short (repair fills it: ``cluster/repair.py``)."""
@@ -491,8 +537,14 @@ class ReplicaStore:
             if seg is None:
                 return LocalOffset(0)
             if seg.log_end_offset > end_offset:
-                log.info("segment %d of %s-%d: cutting this copy from offset %d back to the sealed end %d",
-                         segment_id, key[0], key[1], seg.log_end_offset, end_offset)  # fmt: skip
+                log.info(
+                    "segment %d of %s-%d: cutting this copy from offset %d back to the sealed end %d",
+                    segment_id,
+                    key[0],
+                    key[1],
+                    seg.log_end_offset,
+                    end_offset,
+                )
                 directory = seg.directory
                 seg.close()
                 p.segments[segment_id] = seg = SegmentLog.cut(directory, REPLICA_LOG_CONFIG, end_offset, now_ms)
@@ -500,8 +552,14 @@ class ReplicaStore:
 
     # -- reads -----------------------------------------------------------------------------------------------
 
-    def read(self, key: PartitionKey, segment_id: SegmentId, offset: LocalOffset, max_bytes: int,
-             end_offset: int | None = None) -> ReadResult:  # fmt: skip
+    def read(
+        self,
+        key: PartitionKey,
+        segment_id: SegmentId,
+        offset: LocalOffset,
+        max_bytes: int,
+        end_offset: int | None = None,
+    ) -> ReadResult:
         """Whole batches of this node's copy from ``offset``, as stored; with ``end_offset``, only those that start
         below it (a read up to the LAC or a sealed end, a copy of a range)."""
         with self._lock:
@@ -517,14 +575,16 @@ class ReplicaStore:
             offset = LocalOffset(h.next_offset)
         return ReadResult(result.data[:keep], offset)
 
-    def vector_at(self, key: PartitionKey, segment_id: SegmentId, start: Mapping[Origin, int],
-                  end_offset: int) -> VectorOffset:  # fmt: skip
+    def vector_at(
+        self, key: PartitionKey, segment_id: SegmentId, start: Mapping[Origin, int], end_offset: int
+    ) -> VectorOffset:
         """The partition's vector at ``end_offset`` of this copy: ``start`` (the vector at the segment's base, the end
         vector of the segment before it) advanced by every batch below ``end_offset``. What a seal records."""
         return self.seal_summary(key, segment_id, start, end_offset).end_vector
 
-    def seal_summary(self, key: PartitionKey, segment_id: SegmentId, start: Mapping[Origin, int],
-                     end_offset: int) -> SealSummary:  # fmt: skip
+    def seal_summary(
+        self, key: PartitionKey, segment_id: SegmentId, start: Mapping[Origin, int], end_offset: int
+    ) -> SealSummary:
         """What a seal at ``end_offset`` records of this copy: the vector there (:meth:`vector_at`), and for
         retention the bytes of the batches below it and their newest producer timestamp."""
         vector = VectorOffset(start)
@@ -535,8 +595,9 @@ class ReplicaStore:
         while offset < end_offset:
             result = self.read(key, segment_id, offset, VECTOR_READ_BYTES, end_offset)
             if not result.data:
-                raise ReplicaError(f"segment {segment_id} of {key[0]}-{key[1]}: this copy ends at {offset}, short of "
-                                   f"{end_offset}")  # fmt: skip
+                raise ReplicaError(
+                    f"segment {segment_id} of {key[0]}-{key[1]}: this copy ends at {offset}, short of {end_offset}"
+                )
             headers = list(iter_headers(result.data))
             vector = vector_below(vector.to_dict(), headers, end_offset)
             for h in headers:
@@ -545,8 +606,9 @@ class ReplicaStore:
             offset = result.next_offset
         return SealSummary(vector, size, newest)
 
-    def batch_entries(self, key: PartitionKey, segment_id: SegmentId,
-                      end_offset: int | None = None) -> list[BatchEntry]:  # fmt: skip
+    def batch_entries(
+        self, key: PartitionKey, segment_id: SegmentId, end_offset: int | None = None
+    ) -> list[BatchEntry]:
         """The index entries of this node's copy of ``segment_id`` (no log reads), in log order; with ``end_offset``,
         those of the batches below it: what a seal folds into the producers' table
         (``cluster/producer_snapshot.py``)."""
@@ -593,8 +655,12 @@ class ReplicaStore:
             directory.rename(doomed)
             fsync_directory(p.directory)
             shutil.rmtree(doomed)
-            log.info("segment %d of %s-%d: retention dropped it from the chain; deleted this node's copy", sid,
-                     key[0], key[1])  # fmt: skip
+            log.info(
+                "segment %d of %s-%d: retention dropped it from the chain; deleted this node's copy",
+                sid,
+                key[0],
+                key[1],
+            )
         return sorted(gone)
 
     def close(self) -> None:

@@ -72,8 +72,11 @@ def segment_name(base_offset: int) -> str:
 
 def segment_paths(directory: Path, base_offset: int) -> tuple[Path, Path, Path]:
     name = segment_name(base_offset)
-    return (directory / (name + LOG_SUFFIX), directory / (name + INDEX_SUFFIX),
-            directory / (name + ORIGIN_INDEX_SUFFIX))  # fmt: skip
+    return (
+        directory / (name + LOG_SUFFIX),
+        directory / (name + INDEX_SUFFIX),
+        directory / (name + ORIGIN_INDEX_SUFFIX),
+    )
 
 
 class UnrepairableDamage(StorageError):
@@ -184,13 +187,35 @@ class Segment:
     """
 
     __slots__ = (
-        "_index_end", "_oindex_end", "_since_index", "base_offset", "batch_count", "directory", "first_append_time_ms",
-        "index_fd", "index_positions", "index_relative_offsets", "log_fd", "next_offset", "oindex_fd",
-        "running_max_timestamps", "size",
-    )  # fmt: skip
+        "_index_end",
+        "_oindex_end",
+        "_since_index",
+        "base_offset",
+        "batch_count",
+        "directory",
+        "first_append_time_ms",
+        "index_fd",
+        "index_positions",
+        "index_relative_offsets",
+        "log_fd",
+        "next_offset",
+        "oindex_fd",
+        "running_max_timestamps",
+        "size",
+    )
 
-    def __init__(self, directory: Path, base_offset: int, log_fd: int, index_fd: int, oindex_fd: int,
-                 size: int, next_offset: int, origin_entries: BytesLike, index_entries: BytesLike) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: Path,
+        base_offset: int,
+        log_fd: int,
+        index_fd: int,
+        oindex_fd: int,
+        size: int,
+        next_offset: int,
+        origin_entries: BytesLike,
+        index_entries: BytesLike,
+    ) -> None:
         self.directory = directory
         self.base_offset = base_offset
         self.log_fd = log_fd
@@ -234,8 +259,7 @@ class Segment:
             for path in paths:
                 fds.append(_open_rw(path, create=True))
             _write_all(fds[1], [FILE_HEADER.pack(INDEX_MAGIC, INDEX_FORMAT_VERSION)], 0, FILE_HEADER.size)
-            _write_all(fds[2], [FILE_HEADER.pack(ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION)], 0,
-                       FILE_HEADER.size)  # fmt: skip
+            _write_all(fds[2], [FILE_HEADER.pack(ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION)], 0, FILE_HEADER.size)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -246,8 +270,17 @@ class Segment:
         return cls(directory, base_offset, fds[0], fds[1], fds[2], 0, base_offset, b"", b"")
 
     @classmethod
-    def load(cls, directory: Path, base_offset: int, index_interval_bytes: int, *, next_base: int | None,
-             durable_end: int, running: dict[OriginKey, int], trust: bool) -> tuple[Segment, LoadOutcome]:  # fmt: skip
+    def load(
+        cls,
+        directory: Path,
+        base_offset: int,
+        index_interval_bytes: int,
+        *,
+        next_base: int | None,
+        durable_end: int,
+        running: dict[OriginKey, int],
+        trust: bool,
+    ) -> tuple[Segment, LoadOutcome]:
         """Open an existing segment: trusted from its index files, or walked batch by batch.
 
         With ``trust`` (a sealed segment below the recovery point), the segment is trusted if its index files are
@@ -264,15 +297,24 @@ class Segment:
             log_size = os.fstat(log_fd).st_size
             evidence = read_index_file(oindex_path, ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION, ORIGIN_ENTRY_BYTES)
             sparse = read_index_file(index_path, INDEX_MAGIC, INDEX_FORMAT_VERSION, INDEX_ENTRY.size)
-            if trust and next_base is not None and _consistent(base_offset, log_size, next_base, evidence, sparse,
-                                                               running):  # fmt: skip
+            if (
+                trust
+                and next_base is not None
+                and _consistent(base_offset, log_size, next_base, evidence, sparse, running)
+            ):
                 assert evidence is not None and sparse is not None
                 outcome = LoadOutcome(False, False, None)
                 entries, size, next_offset = evidence, log_size, next_base
             else:
                 decoded = list(iter_origin_entries(evidence)) if evidence is not None else None
-                plan = plan_segment(base_offset, LogBytes(log_fd, log_size), decoded, next_base=next_base,
-                                    durable_end=durable_end, running=running)  # fmt: skip
+                plan = plan_segment(
+                    base_offset,
+                    LogBytes(log_fd, log_size),
+                    decoded,
+                    next_base=next_base,
+                    durable_end=durable_end,
+                    running=running,
+                )
                 if plan.refused is not None:
                     raise UnrepairableDamage(refusal(log_path, plan.refused))
                 carry_out(log_fd, plan)
@@ -332,8 +374,15 @@ class Segment:
 
     # -- append ----------------------------------------------------------------------------------
 
-    def append(self, header: BatchHeader, prefix: bytes, body: Sequence[BytesLike], base_offset: int,
-               append_time_ms: int, index_interval_bytes: int) -> None:  # fmt: skip
+    def append(
+        self,
+        header: BatchHeader,
+        prefix: bytes,
+        body: Sequence[BytesLike],
+        base_offset: int,
+        append_time_ms: int,
+        index_interval_bytes: int,
+    ) -> None:
         """Write one batch to the log, then its index entries. On any failure, undo and raise."""
         position = self.size
         size = header.size_bytes
@@ -365,15 +414,23 @@ class Segment:
         self.next_offset = base_offset + header.last_offset_delta + 1
 
     def _truncate_to_tracked_sizes(self) -> None:
-        for fd, size in ((self.log_fd, self.size), (self.index_fd, self._index_end),
-                         (self.oindex_fd, self._oindex_end)):  # fmt: skip
+        for fd, size in (
+            (self.log_fd, self.size),
+            (self.index_fd, self._index_end),
+            (self.oindex_fd, self._oindex_end),
+        ):
             try:
                 os.ftruncate(fd, size)
             except OSError as exc:
                 # Later writes go to the tracked position and overwrite the
                 # leftover; recovery cuts whatever remains past the last batch.
-                log.error("segment %s in %s: cannot truncate a failed append back to %d bytes: %s",
-                          segment_name(self.base_offset), self.directory, size, exc)  # fmt: skip
+                log.error(
+                    "segment %s in %s: cannot truncate a failed append back to %d bytes: %s",
+                    segment_name(self.base_offset),
+                    self.directory,
+                    size,
+                    exc,
+                )
 
     def seal(self) -> None:
         """Make the segment durable and exactly its tracked size before it stops being active."""
@@ -413,8 +470,10 @@ class Segment:
 
     def sparse_entries(self) -> bytes:
         """The sparse index as kept in memory, in the ``.index`` file's entry layout."""
-        return b"".join(INDEX_ENTRY.pack(rel, pos) for rel, pos in zip(self.index_relative_offsets,
-                                                                        self.index_positions, strict=True))
+        return b"".join(
+            INDEX_ENTRY.pack(rel, pos)
+            for rel, pos in zip(self.index_relative_offsets, self.index_positions, strict=True)
+        )
 
     def origin_entries(self, start: int = 0, count: int | None = None) -> bytes:
         """``count`` origin-index entries from entry ``start``, read from the ``.oindex`` file."""
@@ -423,8 +482,14 @@ class Segment:
         return os.pread(self.oindex_fd, count * ORIGIN_ENTRY_BYTES, FILE_HEADER.size + start * ORIGIN_ENTRY_BYTES)
 
 
-def _consistent(base_offset: int, log_size: int, next_offset: int, origin_entries: bytes | None,
-                index_entries: bytes | None, running: dict[OriginKey, int]) -> bool:  # fmt: skip
+def _consistent(
+    base_offset: int,
+    log_size: int,
+    next_offset: int,
+    origin_entries: bytes | None,
+    index_entries: bytes | None,
+    running: dict[OriginKey, int],
+) -> bool:
     """Whether a sealed segment's index files may be trusted without reading its batches.
 
     Cheap, from the index files alone: the origin entries tile the ``.log`` byte for byte from position 0 to its
@@ -464,8 +529,9 @@ def carry_out(log_fd: int, plan: SegmentPlan) -> None:
 
 def write_indexes(directory: Path, base_offset: int, entries: bytes, sparse: bytes) -> None:
     _, index_path, oindex_path = segment_paths(directory, base_offset)
-    replace_file(oindex_path, file_bytes(ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION, entries),
-                 sync_directory=False)  # fmt: skip
+    replace_file(
+        oindex_path, file_bytes(ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION, entries), sync_directory=False
+    )
     replace_file(index_path, file_bytes(INDEX_MAGIC, INDEX_FORMAT_VERSION, sparse), sync_directory=False)
 
 
@@ -479,8 +545,9 @@ def refusal(log_path: Path, why: str) -> str:
     )
 
 
-def read_batches(fd: int, offset: int, position: int, limit: int, limit_offset: int,
-                 max_bytes: int) -> tuple[bytes, int, int]:  # fmt: skip
+def read_batches(
+    fd: int, offset: int, position: int, limit: int, limit_offset: int, max_bytes: int
+) -> tuple[bytes, int, int]:
     """Whole batches from the one containing ``offset``, within ``[position, limit)`` of one segment.
 
     ``position`` is a batch boundary at or before the batch holding ``offset``

@@ -222,9 +222,17 @@ def check_config(config: LogConfig) -> None:
 class SegmentLog:
     """A ``PartitionLog`` kept in segment files in one directory. Build it with :meth:`open`."""
 
-    def __init__(self, directory: Path, config: LogConfig, segments: list[Segment], origins: OriginIndex,
-                 vector: dict[Origin, OriginSeq], vector_offset: int, sealed_vector: dict[Origin, OriginSeq],
-                 recovery: RecoveryReport) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: Path,
+        config: LogConfig,
+        segments: list[Segment],
+        origins: OriginIndex,
+        vector: dict[Origin, OriginSeq],
+        vector_offset: int,
+        sealed_vector: dict[Origin, OriginSeq],
+        recovery: RecoveryReport,
+    ) -> None:
         self.directory = directory
         self.config = config
         self.recovery = recovery
@@ -271,8 +279,11 @@ class SegmentLog:
         point = read_recovery_point(directory)
         listed = _read_damaged(directory)
         if listed is None:
-            log.warning("partition log %s: %s is unreadable; every segment is walked to find the damage again",
-                        directory, DAMAGED_FILE)  # fmt: skip
+            log.warning(
+                "partition log %s: %s is unreadable; every segment is walked to find the damage again",
+                directory,
+                DAMAGED_FILE,
+            )
         segments: list[Segment] = []
         lost: list[DamagedBatch] = []
         try:
@@ -300,8 +311,9 @@ class SegmentLog:
         return opened
 
     @classmethod
-    def create_at(cls, directory: Path, config: LogConfig, base_offset: int, vector: dict[Origin, OriginSeq],
-                  now_ms: int) -> SegmentLog:  # fmt: skip
+    def create_at(
+        cls, directory: Path, config: LogConfig, base_offset: int, vector: dict[Origin, OriginSeq], now_ms: int
+    ) -> SegmentLog:
         """A new, empty log whose first offset is ``base_offset`` and whose vector starts at ``vector``.
 
         For a segment of a partition whose earlier segments live on other nodes (a member of a segment's
@@ -315,8 +327,7 @@ class SegmentLog:
         directory.mkdir(parents=True)
         if base_offset:  # first: what starts the log later than offset 0 is known before anything else exists
             write_log_start(directory, LogStart(LocalOffset(base_offset), dict(vector)))
-        write_recovery_point(directory, RecoveryPoint(LocalOffset(base_offset), LocalOffset(base_offset),
-                                                      dict(vector)))  # fmt: skip
+        write_recovery_point(directory, RecoveryPoint(LocalOffset(base_offset), LocalOffset(base_offset), dict(vector)))
         Segment.create(directory, base_offset).close()
         fsync_directory(directory)
         fsync_directory(directory.parent)
@@ -332,27 +343,37 @@ class SegmentLog:
         between leaves a log that opens either whole or cut, never torn.
         """
         directory = Path(directory)
-        bases = sorted(int(p.name[: -len(LOG_SUFFIX)]) for p in directory.glob("*" + LOG_SUFFIX)
-                       if p.name[: -len(LOG_SUFFIX)].isdigit())  # fmt: skip
+        bases = sorted(
+            int(p.name[: -len(LOG_SUFFIX)])
+            for p in directory.glob("*" + LOG_SUFFIX)
+            if p.name[: -len(LOG_SUFFIX)].isdigit()
+        )
         if not bases or end_offset < bases[-1]:
-            raise ValueError(f"partition log {directory}: cannot cut at offset {end_offset}: only the last segment "
-                             f"(from offset {bases[-1] if bases else '?'}) can be cut")  # fmt: skip
+            raise ValueError(
+                f"partition log {directory}: cannot cut at offset {end_offset}: only the last segment "
+                f"(from offset {bases[-1] if bases else '?'}) can be cut"
+            )
         log_path, index_path, oindex_path = segment_paths(directory, bases[-1])
         data = log_path.read_bytes()
         position, offset = 0, bases[-1]
         while offset < end_offset:
             if position >= len(data):
-                raise ValueError(f"partition log {directory}: cannot cut at offset {end_offset}: the log ends at "
-                                 f"offset {offset}")  # fmt: skip
+                raise ValueError(
+                    f"partition log {directory}: cannot cut at offset {end_offset}: the log ends at offset {offset}"
+                )
             header = check_batch(data, position)
             if header.base_offset != offset:
-                raise ValueError(f"partition log {directory}: the batch at byte {position} starts at offset "
-                                 f"{header.base_offset}, not {offset}")  # fmt: skip
+                raise ValueError(
+                    f"partition log {directory}: the batch at byte {position} starts at offset "
+                    f"{header.base_offset}, not {offset}"
+                )
             position += header.size_bytes
             offset = header.next_offset
         if offset != end_offset:
-            raise ValueError(f"partition log {directory}: offset {end_offset} is inside the batch ending at {offset}: "
-                             "a cut must fall between batches")  # fmt: skip
+            raise ValueError(
+                f"partition log {directory}: offset {end_offset} is inside the batch ending at {offset}: "
+                "a cut must fall between batches"
+            )
         if position < len(data):
             point = read_recovery_point(directory)
             if point is not None and point.recovery_point > end_offset:  # the cut goes below it: lower it first
@@ -369,8 +390,14 @@ class SegmentLog:
         return cls.open(directory, config, now_ms)
 
     @classmethod
-    def _from_segments(cls, directory: Path, config: LogConfig, segments: list[Segment],
-                       point: RecoveryPoint | None, report: RecoveryReport) -> SegmentLog:  # fmt: skip
+    def _from_segments(
+        cls,
+        directory: Path,
+        config: LogConfig,
+        segments: list[Segment],
+        point: RecoveryPoint | None,
+        report: RecoveryReport,
+    ) -> SegmentLog:
         """The log over loaded segments: its vector, the origin index and each segment's start vector.
 
         Below the first retained segment, the vector comes from the recovery point (or, when that is unreadable,
@@ -512,8 +539,9 @@ class SegmentLog:
                     # and stop before the first quarantined batch after the read's start.
                     entry = segment.entry_at_offset(offset)
                     position = entry.position if entry is not None else position
-                    limit, limit_offset = next(((at, base) for at, base in known if at > position),
-                                               (limit, limit_offset))  # fmt: skip
+                    limit, limit_offset = next(
+                        ((at, base) for at, base in known if at > position), (limit, limit_offset)
+                    )
                 fd = os.dup(segment.log_fd)
             try:
                 data, next_offset, _start = read_batches(fd, offset, position, limit, limit_offset, max_bytes)
@@ -528,8 +556,10 @@ class SegmentLog:
             found, rebuilt = self._revalidate(segment, bad)
             if not found and not rebuilt:
                 break
-        raise StorageError(f"partition log {self.directory}: offset {offset} cannot be read even after checking "
-                           "its segment against the origin index; run 'georep scrub --now' and see the node log")
+        raise StorageError(
+            f"partition log {self.directory}: offset {offset} cannot be read even after checking "
+            "its segment against the origin index; run 'georep scrub --now' and see the node log"
+        )
 
     def _revalidate(self, segment: Segment, hint: str) -> tuple[list[DamagedBatch], bool]:
         """Walk ``segment`` again, as recovery does, and act on the plan: ``(newly quarantined, mended)``, where
@@ -548,8 +578,9 @@ class SegmentLog:
             running = {_origin_key(o): int(seq) for o, seq in self._start_vectors[i].items()}
             fd = os.dup(segment.log_fd)
         try:
-            plan = plan_segment(segment.base_offset, LogBytes(fd, size), evidence, next_base=next_base,
-                                durable_end=end, running=running)  # fmt: skip
+            plan = plan_segment(
+                segment.base_offset, LogBytes(fd, size), evidence, next_base=next_base, durable_end=end, running=running
+            )
         finally:
             os.close(fd)
         name = segment_name(segment.base_offset) + LOG_SUFFIX
@@ -566,18 +597,33 @@ class SegmentLog:
             if rebuilt:
                 segment.reindex(entries, self.config.index_interval_bytes)
                 self._reindex()
-                log.warning("partition log %s: the origin index of %s disagreed with its CRC-valid batches (first "
-                            "noticed as: %s); rebuilt it from them", self.directory, name, hint)  # fmt: skip
+                log.warning(
+                    "partition log %s: the origin index of %s disagreed with its CRC-valid batches (first "
+                    "noticed as: %s); rebuilt it from them",
+                    self.directory,
+                    name,
+                    hint,
+                )
             for slot in plan.mended:
-                log.warning("partition log %s: %s byte %d: only the batch's local prefix was damaged (its CRC-covered "
-                            "bytes match the origin index); rewrote it", self.directory, name,
-                            slot.entry.position)  # fmt: skip
+                log.warning(
+                    "partition log %s: %s byte %d: only the batch's local prefix was damaged (its CRC-covered "
+                    "bytes match the origin index); rewrote it",
+                    self.directory,
+                    name,
+                    slot.entry.position,
+                )
             new = [damaged_slot(s.entry, name, s.reason) for s in plan.lost if s.entry.base_offset not in self._damaged]
             self.damage_found_total += len(new)
             for d in new:
                 self._damaged[d.base_offset] = d
-                log.error("partition log %s: quarantined %s: %s (first noticed as: %s); it is served to no one "
-                          "until repaired from a peer", self.directory, d.describe(), d.reason, hint)  # fmt: skip
+                log.error(
+                    "partition log %s: quarantined %s: %s (first noticed as: %s); it is served to no one "
+                    "until repaired from a peer",
+                    self.directory,
+                    d.describe(),
+                    d.reason,
+                    hint,
+                )
             if new:
                 self._write_damaged()
         return new, rebuilt or bool(plan.mended)
@@ -609,8 +655,12 @@ class SegmentLog:
             entry = segment.entry_at_offset(d.base_offset)
             if entry is None or _check_stored(segment.log_fd, entry) is None:
                 released += 1
-                log.warning("partition log %s: %s listed %s, which holds a good batch: released from quarantine",
-                            self.directory, DAMAGED_FILE, d.describe())  # fmt: skip
+                log.warning(
+                    "partition log %s: %s listed %s, which holds a good batch: released from quarantine",
+                    self.directory,
+                    DAMAGED_FILE,
+                    d.describe(),
+                )
                 continue
             quarantine[d.base_offset] = damaged_slot(entry, segment_name(segment.base_offset) + LOG_SUFFIX, d.reason)
         self._damaged = quarantine
@@ -618,8 +668,12 @@ class SegmentLog:
         if lost or released or len(quarantine) != len(listed):
             self._write_damaged()
         for d in quarantine.values():
-            log.error("partition log %s: %s stay quarantined (%s): served to no one until repaired from a peer",
-                      self.directory, d.describe(), d.reason)  # fmt: skip
+            log.error(
+                "partition log %s: %s stay quarantined (%s): served to no one until repaired from a peer",
+                self.directory,
+                d.describe(),
+                d.reason,
+            )
 
     def scrub(self, offset: int, max_bytes: int) -> ScrubStep:
         """Check the batches from ``offset`` (about ``max_bytes`` of them, in one segment), below the flushed
@@ -679,8 +733,10 @@ class SegmentLog:
             segment = self._segments[bisect_right(self._bases, base_offset) - 1]
             entry = segment.entry_at_offset(base_offset)
             if entry is None or entry.position != damaged.position or entry.size_bytes != damaged.size_bytes:
-                raise RepairRefused(f"the slot of {damaged.describe()} is no longer where the quarantine list says; "
-                                    "run 'georep scrub --now' to check the segment again")  # fmt: skip
+                raise RepairRefused(
+                    f"the slot of {damaged.describe()} is no longer where the quarantine list says; "
+                    "run 'georep scrub --now' to check the segment again"
+                )
             if _check_stored(segment.log_fd, entry) is not None:
                 prefix = local_prefix(base_offset, header.batch_length, entry.append_time_ms, header.crc)
                 fixed = prefix + bytes(memoryview(batch)[REWRITTEN_BYTES:])
@@ -689,8 +745,10 @@ class SegmentLog:
                 os.fsync(segment.log_fd)
                 still = _check_stored(segment.log_fd, entry)
                 if still is not None:
-                    raise StorageError(f"partition log {self.directory}: {damaged.describe()} reads back damaged "
-                                       f"after the repair was written ({still}): the disk may be failing")  # fmt: skip
+                    raise StorageError(
+                        f"partition log {self.directory}: {damaged.describe()} reads back damaged "
+                        f"after the repair was written ({still}): the disk may be failing"
+                    )
             del self._damaged[base_offset]
             self._write_damaged()
             self.repaired_total += 1
@@ -734,8 +792,9 @@ class SegmentLog:
                 raise OffsetOutOfRange(offset, self._log_start, self._log_end)
             i = bisect_right(self._bases, offset) - 1
             segment = self._segments[i]
-            return SegmentBatches(LocalOffset(segment.base_offset), dict(self._start_vectors[i]),
-                                  self._entries(segment))  # fmt: skip
+            return SegmentBatches(
+                LocalOffset(segment.base_offset), dict(self._start_vectors[i]), self._entries(segment)
+            )
 
     def _entries(self, segment: Segment) -> list[BatchEntry]:
         """``segment``'s batches from its origin index (lock held)."""
@@ -750,7 +809,7 @@ class SegmentLog:
                 e.producer_epoch,
                 e.base_sequence,
                 e.append_time_ms,
-            )  # fmt: skip
+            )
             for e in iter_origin_entries(segment.origin_entries())
         ]
 
@@ -784,8 +843,9 @@ class SegmentLog:
             doomed = self._expired_segments(now_ms)
             if doomed:
                 # The second copy of the vector below the new log start goes first (georep/storage/log_start.py).
-                write_log_start(self.directory, LogStart(LocalOffset(self._bases[doomed]),
-                                                         dict(self._start_vectors[doomed])))  # fmt: skip
+                write_log_start(
+                    self.directory, LogStart(LocalOffset(self._bases[doomed]), dict(self._start_vectors[doomed]))
+                )
             while deleted < doomed:
                 oldest = self._segments[0]
                 self._segments.pop(0)
@@ -800,8 +860,12 @@ class SegmentLog:
                 if any(b < self._log_start for b in self._damaged):
                     self._damaged = {b: d for b, d in self._damaged.items() if b >= self._log_start}
                     self._write_damaged()
-                log.info("partition log %s: retention deleted %d segment(s); log start is now %d",
-                         self.directory, deleted, self._log_start)  # fmt: skip
+                log.info(
+                    "partition log %s: retention deleted %d segment(s); log start is now %d",
+                    self.directory,
+                    deleted,
+                    self._log_start,
+                )
         return deleted
 
     def _expired_segments(self, now_ms: int) -> int:
@@ -901,12 +965,16 @@ class SegmentLog:
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            log.warning("partition log %s: cannot write the recovery point (%s); startup will validate more",
-                        self.directory, exc.strerror)  # fmt: skip
+            log.warning(
+                "partition log %s: cannot write the recovery point (%s); startup will validate more",
+                self.directory,
+                exc.strerror,
+            )
 
 
-def _vector_below(directory: Path, point: RecoveryPoint | None, log_start: int,
-                  log_end: int) -> tuple[dict[Origin, OriginSeq], int]:  # fmt: skip
+def _vector_below(
+    directory: Path, point: RecoveryPoint | None, log_start: int, log_end: int
+) -> tuple[dict[Origin, OriginSeq], int]:
     """The persisted vector and the offset it covers up to: ``(vector, covered)``.
 
     From the recovery point when it is readable. Otherwise from the ``log-start`` file, which covers everything
@@ -932,13 +1000,22 @@ def _vector_below(directory: Path, point: RecoveryPoint | None, log_start: int,
             "either file from a backup, or move the node's whole data dir away and start it empty (a new epoch; "
             "every record is pulled back from the linked sites)"
         )
-    log.warning("partition log %s: no readable %s; the vector below offset %d comes from %s", directory,
-                RECOVERY_POINT_FILE, start.log_start, LOG_START_FILE)  # fmt: skip
+    log.warning(
+        "partition log %s: no readable %s; the vector below offset %d comes from %s",
+        directory,
+        RECOVERY_POINT_FILE,
+        start.log_start,
+        LOG_START_FILE,
+    )
     return dict(start.vector), start.log_start
 
 
-def _start_vectors(vector: dict[Origin, OriginSeq], vector_offset: int, first: dict[Origin, tuple[int, int]],
-                   segment_ends: list[dict[Origin, int]]) -> list[dict[Origin, OriginSeq]]:  # fmt: skip
+def _start_vectors(
+    vector: dict[Origin, OriginSeq],
+    vector_offset: int,
+    first: dict[Origin, tuple[int, int]],
+    segment_ends: list[dict[Origin, int]],
+) -> list[dict[Origin, OriginSeq]]:
     """The log's vector at each segment's base, at open: only the vector at ``vector_offset`` is persisted.
 
     Below the log start, for each origin: the base seq of its first retained batch if that batch lies below
@@ -1028,17 +1105,34 @@ def _stored_problem(data: bytes, entry: OriginEntry) -> str | None:
         header = check_batch(data)
     except CorruptBatch as exc:
         return str(exc)
-    stored = {"base_offset": header.base_offset, "size": header.size_bytes, "origin_site": header.origin_site,
-              "origin_epoch": header.origin_epoch, "base_origin_seq": header.base_origin_seq,
-              "records": header.records_count, "crc": header.crc, "append_time_ms": header.append_time_ms,
-              "max_timestamp": header.max_timestamp, "producer_id": header.producer_id,
-              "producer_epoch": header.producer_epoch, "base_sequence": header.base_sequence}  # fmt: skip
-    indexed = {"base_offset": entry.base_offset, "size": entry.size_bytes,
-               "origin_site": entry.origin_site.rstrip(b"\0").decode("ascii", "replace"),
-               "origin_epoch": entry.origin_epoch, "base_origin_seq": entry.base_origin_seq,
-               "records": entry.last_offset_delta + 1, "crc": entry.crc, "append_time_ms": entry.append_time_ms,
-               "max_timestamp": entry.max_timestamp, "producer_id": entry.producer_id,
-               "producer_epoch": entry.producer_epoch, "base_sequence": entry.base_sequence}  # fmt: skip
+    stored = {
+        "base_offset": header.base_offset,
+        "size": header.size_bytes,
+        "origin_site": header.origin_site,
+        "origin_epoch": header.origin_epoch,
+        "base_origin_seq": header.base_origin_seq,
+        "records": header.records_count,
+        "crc": header.crc,
+        "append_time_ms": header.append_time_ms,
+        "max_timestamp": header.max_timestamp,
+        "producer_id": header.producer_id,
+        "producer_epoch": header.producer_epoch,
+        "base_sequence": header.base_sequence,
+    }
+    indexed = {
+        "base_offset": entry.base_offset,
+        "size": entry.size_bytes,
+        "origin_site": entry.origin_site.rstrip(b"\0").decode("ascii", "replace"),
+        "origin_epoch": entry.origin_epoch,
+        "base_origin_seq": entry.base_origin_seq,
+        "records": entry.last_offset_delta + 1,
+        "crc": entry.crc,
+        "append_time_ms": entry.append_time_ms,
+        "max_timestamp": entry.max_timestamp,
+        "producer_id": entry.producer_id,
+        "producer_epoch": entry.producer_epoch,
+        "base_sequence": entry.base_sequence,
+    }
     differ = [f"{k} {stored[k]} where the origin index says {indexed[k]}" for k in stored if stored[k] != indexed[k]]
     return f"its header has {', '.join(differ)}" if differ else None
 
@@ -1081,8 +1175,11 @@ def _tidy_directory(directory: Path, report: RecoveryReport, log_start: int | No
             continue
         deleted = log_start is not None and base < log_start
         if not deleted and path.name.endswith(ORIGIN_INDEX_SUFFIX):
-            log.error("partition log %s: %s has lost its .log; its batches are quarantined until repaired",
-                      directory, path.name)  # fmt: skip
+            log.error(
+                "partition log %s: %s has lost its .log; its batches are quarantined until repaired",
+                directory,
+                path.name,
+            )
             (directory / (path.name[: -len(ORIGIN_INDEX_SUFFIX)] + LOG_SUFFIX)).touch(mode=0o600)
             logs.add(base)
         elif deleted:
@@ -1092,9 +1189,16 @@ def _tidy_directory(directory: Path, report: RecoveryReport, log_start: int | No
     return sorted(logs)
 
 
-def _load_segments(directory: Path, config: LogConfig, bases: list[int], point: RecoveryPoint | None,
-                   may_trust: bool, segments: list[Segment], lost: list[DamagedBatch],
-                   report: RecoveryReport) -> None:  # fmt: skip
+def _load_segments(
+    directory: Path,
+    config: LogConfig,
+    bases: list[int],
+    point: RecoveryPoint | None,
+    may_trust: bool,
+    segments: list[Segment],
+    lost: list[DamagedBatch],
+    report: RecoveryReport,
+) -> None:
     """Load every segment in order into ``segments``; what their plans find lost goes into ``lost``.
 
     A sealed segment is never cut (its end is its own durable end: it was fsynced when it rolled); the last one
@@ -1109,9 +1213,15 @@ def _load_segments(directory: Path, config: LogConfig, bases: list[int], point: 
             raise MissingSegment(_missing(directory, segments[-1].next_offset, base))
         next_base = bases[i + 1] if i + 1 < len(bases) else None
         trust = may_trust and next_base is not None and next_base <= durable
-        segment, outcome = Segment.load(directory, base, config.index_interval_bytes, next_base=next_base,
-                                        durable_end=durable if next_base is None else next_base,
-                                        running=running, trust=trust)  # fmt: skip
+        segment, outcome = Segment.load(
+            directory,
+            base,
+            config.index_interval_bytes,
+            next_base=next_base,
+            durable_end=durable if next_base is None else next_base,
+            running=running,
+            trust=trust,
+        )
         segments.append(segment)
         for entry in iter_origin_entries(segment.origin_entries()):
             running[entry.origin_key] = entry.next_origin_seq
@@ -1124,31 +1234,52 @@ def _load_segments(directory: Path, config: LogConfig, bases: list[int], point: 
 
 
 def _missing(directory: Path, start: int, end: int) -> str:
-    return (f"partition log {directory}: the segment file(s) holding offsets {start}..{end - 1} are missing, and so "
-            "is their origin index. Restore them from a backup; or stop the node, move its whole data dir away and "
-            "start it empty: the site gets a new epoch and pulls every record back")
+    return (
+        f"partition log {directory}: the segment file(s) holding offsets {start}..{end - 1} are missing, and so "
+        "is their origin index. Restore them from a backup; or stop the node, move its whole data dir away and "
+        "start it empty: the site gets a new epoch and pulls every record back"
+    )
 
 
-def _report_plan(directory: Path, segment: Segment, plan: SegmentPlan, lost: list[DamagedBatch],
-                 report: RecoveryReport) -> None:  # fmt: skip
+def _report_plan(
+    directory: Path, segment: Segment, plan: SegmentPlan, lost: list[DamagedBatch], report: RecoveryReport
+) -> None:
     name = segment_name(segment.base_offset) + LOG_SUFFIX
     for slot in plan.mended:
-        log.warning("partition log %s: %s byte %d: only the batch's local prefix was damaged (its CRC-covered "
-                    "bytes match the origin index); rewrote it", directory, name, slot.entry.position)  # fmt: skip
+        log.warning(
+            "partition log %s: %s byte %d: only the batch's local prefix was damaged (its CRC-covered "
+            "bytes match the origin index); rewrote it",
+            directory,
+            name,
+            slot.entry.position,
+        )
     for found in plan.lost:
         lost.append(damaged_slot(found.entry, name, found.reason))
     if plan.cut is not None:
         report.damaged_offset = LocalOffset(plan.next_offset)
         report.damage = f"segment {name}: {plan.cut}"
-        log.warning("partition log %s: %s; cut there (above the recovery point, so never acknowledged by an "
-                    "fsync that recovery could see)", directory, report.damage)  # fmt: skip
+        log.warning(
+            "partition log %s: %s; cut there (above the recovery point, so never acknowledged by an "
+            "fsync that recovery could see)",
+            directory,
+            report.damage,
+        )
 
 
 def damaged_slot(entry: OriginEntry, segment: str, reason: str) -> DamagedBatch:
     site = SiteId(entry.origin_site.rstrip(b"\0").decode("ascii", "replace"))
-    return DamagedBatch(entry.base_offset, entry.next_offset, Origin(site, entry.origin_epoch),
-                        entry.base_origin_seq, entry.next_origin_seq - 1, segment, entry.position, entry.size_bytes,
-                        reason, entry.crc)  # fmt: skip
+    return DamagedBatch(
+        entry.base_offset,
+        entry.next_offset,
+        Origin(site, entry.origin_epoch),
+        entry.base_origin_seq,
+        entry.next_origin_seq - 1,
+        segment,
+        entry.position,
+        entry.size_bytes,
+        reason,
+        entry.crc,
+    )
 
 
 def _conforms(segment_log: SegmentLog) -> PartitionLog:
@@ -1156,5 +1287,13 @@ def _conforms(segment_log: SegmentLog) -> PartitionLog:
     return segment_log
 
 
-__all__ = ["INDEX_SUFFIX", "LOG_SUFFIX", "ORIGIN_INDEX_SUFFIX", "InvalidLogConfig", "LogClosed", "RecoveryReport",
-           "SegmentLog", "check_config"]  # fmt: skip
+__all__ = [
+    "INDEX_SUFFIX",
+    "LOG_SUFFIX",
+    "ORIGIN_INDEX_SUFFIX",
+    "InvalidLogConfig",
+    "LogClosed",
+    "RecoveryReport",
+    "SegmentLog",
+    "check_config",
+]

@@ -105,8 +105,15 @@ class SegmentPlan:
         return [s for s in self.slots if isinstance(s, Good) and s.prefix is not None]
 
 
-def plan_segment(base_offset: int, data: SegmentBytes, evidence: Sequence[OriginEntry] | None, *,
-                 next_base: int | None, durable_end: int, running: Mapping[OriginKey, int]) -> SegmentPlan:  # fmt: skip
+def plan_segment(
+    base_offset: int,
+    data: SegmentBytes,
+    evidence: Sequence[OriginEntry] | None,
+    *,
+    next_base: int | None,
+    durable_end: int,
+    running: Mapping[OriginKey, int],
+) -> SegmentPlan:
     """Walk one segment and decide every slot; see the module docstring.
 
     ``next_base``: the next segment's base offset (a sealed segment must end exactly there), or None for the last.
@@ -127,8 +134,10 @@ def plan_segment(base_offset: int, data: SegmentBytes, evidence: Sequence[Origin
         if walk.offset >= durable_end:
             return walk.plan(cut=f"torn tail at byte {walk.position} (offset {walk.offset}): {reason}")
         if not walk.take_evidence(entry, reason):
-            return walk.plan(refused=f"byte {walk.position} (offset {walk.offset}): {reason}, and the origin index "
-                                     "names no batch that fits there")  # fmt: skip
+            return walk.plan(
+                refused=f"byte {walk.position} (offset {walk.offset}): {reason}, and the origin index "
+                "names no batch that fits there"
+            )
     return walk.finish(durable_end)
 
 
@@ -168,28 +177,33 @@ class _Walk:
         if entry is None or not self._fits(entry):
             return False
         if self.data.crc_of(self.position, entry.size_bytes) == entry.crc:
-            prefix = local_prefix(self.offset, entry.size_bytes - LENGTH_PREFIX_BYTES, entry.append_time_ms,
-                                  entry.crc)  # fmt: skip
+            prefix = local_prefix(self.offset, entry.size_bytes - LENGTH_PREFIX_BYTES, entry.append_time_ms, entry.crc)
             self._advance(Good(entry, prefix))
         else:
             self._advance(Lost(entry, reason))
         return True
 
     def misplaced(self, found: BatchHeader) -> str:
-        return (f"the batch there has base_offset {found.base_offset} and {found.records_count} record(s); the "
-                f"segment expects offset {self.offset}" + ("" if self.next_base is None else
-                                                           f" and ends at {self.next_base}"))  # fmt: skip
+        return (
+            f"the batch there has base_offset {found.base_offset} and {found.records_count} record(s); the "
+            f"segment expects offset {self.offset}"
+            + ("" if self.next_base is None else f" and ends at {self.next_base}")
+        )
 
     def finish(self, durable_end: int) -> SegmentPlan:
         if self.next_base is not None and self.offset != self.next_base and self.position < self.data.size:
-            return self.plan(refused=f"the segment's batches end at offset {self.offset} (byte {self.position}), "
-                                     f"its next segment starts at {self.next_base}, and the origin index names "
-                                     "nothing in between")  # fmt: skip
+            return self.plan(
+                refused=f"the segment's batches end at offset {self.offset} (byte {self.position}), "
+                f"its next segment starts at {self.next_base}, and the origin index names "
+                "nothing in between"
+            )
         # A whole segment that ends short of the next one: the offsets between lie in a missing segment, which
         # the caller refuses as such (SegmentPlan.next_offset says where the gap begins).
         if self.next_base is None and self.offset < durable_end:
-            return self.plan(refused=f"the log ends at offset {self.offset}, below the recovery point {durable_end}, "
-                                     "and the origin index names nothing in between")  # fmt: skip
+            return self.plan(
+                refused=f"the log ends at offset {self.offset}, below the recovery point {durable_end}, "
+                "and the origin index names nothing in between"
+            )
         if self.position < self.data.size:
             return self.plan(cut=f"{self.data.size - self.position} byte(s) after the segment's last batch")
         return self.plan()
@@ -199,9 +213,15 @@ class _Walk:
 
     def _fits(self, entry: OriginEntry) -> bool:
         continues = self.running.get(entry.origin_key, entry.base_origin_seq) == entry.base_origin_seq
-        return (entry.position == self.position and entry.base_offset == self.offset and continues
-                and entry.size_bytes >= HEADER_BYTES and entry.last_offset_delta >= 0 and entry.base_origin_seq >= 0
-                and self._inside(entry.next_offset))  # fmt: skip
+        return (
+            entry.position == self.position
+            and entry.base_offset == self.offset
+            and continues
+            and entry.size_bytes >= HEADER_BYTES
+            and entry.last_offset_delta >= 0
+            and entry.base_origin_seq >= 0
+            and self._inside(entry.next_offset)
+        )
 
     def _inside(self, next_offset: int) -> bool:
         return self.next_base is None or next_offset <= self.next_base

@@ -26,14 +26,21 @@ def synthetic_sites(tmp_path: Path) -> dict[str, Path]:
     return write_sites(tmp_path / "data", SITES, SPEC)
 
 
-def audit(spark: Any, dirs: dict[str, Path], report: Path, as_of_ms: int = NEVER_IN_FLIGHT_MS,
-          topology: Topology | None = None) -> AuditResult:  # fmt: skip
+def audit(
+    spark: Any,
+    dirs: dict[str, Path],
+    report: Path,
+    as_of_ms: int = NEVER_IN_FLIGHT_MS,
+    topology: Topology | None = None,
+) -> AuditResult:
     return run_audit(spark, topology or default_topology(), dirs, list_segments(dirs), report, as_of_ms)
 
 
 def issues(result: AuditResult) -> list[tuple[str, str, str | None, int, str, int, int]]:
-    return sorted((i["kind"], i["site"], i["topic"], i["partition"], i["origin"], i["first_seq"], i["last_seq"])
-                  for i in result.report["issues"])  # fmt: skip
+    return sorted(
+        (i["kind"], i["site"], i["topic"], i["partition"], i["origin"], i["first_seq"], i["last_seq"])
+        for i in result.report["issues"]
+    )
 
 
 def part(dirs: dict[str, Path], site: str, p: int = 0) -> Path:

@@ -29,6 +29,8 @@ def chain_of(store: ReplicaStore, held_first: bool) -> tuple[ChainLog, bytes]:
         assert stored.next_offset == 2
     store.open_segment(KEY, EPOCH, SegmentId(1), 2, {A: OriginSeq(2)}, 0)
     sealed = VectorOffset({A: 2})
-    chain = [ChainSegment(SegmentId(0), 0, 2, sealed, (NodeId(1), NodeId(2))),
-             ChainSegment(SegmentId(1), 2, None, None, (NodeId(3), NodeId(1)))]  # fmt: skip
+    chain = [
+        ChainSegment(SegmentId(0), 0, 2, sealed, (NodeId(1), NodeId(2))),
+        ChainSegment(SegmentId(1), 2, None, None, (NodeId(3), NodeId(1))),
+    ]
     return ChainLog(KEY, store, chain, EPOCH, sealed), first

@@ -7,12 +7,16 @@ import subprocess
 import sys
 
 
-def georep(*args: str, stdin: bytes = b"", env: dict[str, str] | None = None,
-           timeout: float = 30) -> subprocess.CompletedProcess[bytes]:  # fmt: skip
+def georep(
+    *args: str, stdin: bytes = b"", env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [sys.executable, "-m", "georep.cli", *args], input=stdin, capture_output=True, timeout=timeout,
+        [sys.executable, "-m", "georep.cli", *args],
+        input=stdin,
+        capture_output=True,
+        timeout=timeout,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def ok(result: subprocess.CompletedProcess[bytes]) -> str:

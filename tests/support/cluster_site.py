@@ -23,8 +23,10 @@ from tests.support.ports import free_ports
 
 def site_toml(site: str, grpc_ports: list[int], raft_ports: list[int], kafka_ports: list[int] | None = None) -> str:
     kafka = [f', kafka = "127.0.0.1:{k}"' for k in kafka_ports] if kafka_ports else [""] * len(grpc_ports)
-    nodes = ", ".join(f'{{ id = {i + 1}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}"{kafka[i]} }}'
-                      for i, (g, r) in enumerate(zip(grpc_ports, raft_ports, strict=True)))  # fmt: skip
+    nodes = ", ".join(
+        f'{{ id = {i + 1}, address = "127.0.0.1:{g}", raft = "127.0.0.1:{r}"{kafka[i]} }}'
+        for i, (g, r) in enumerate(zip(grpc_ports, raft_ports, strict=True))
+    )
     return f"[sites.{site}]\nnodes = [{nodes}]\n"
 
 
@@ -35,20 +37,40 @@ class ClusterSite:
     ``raft_secret``: the site's Raft secret file (``georep certs init``), which a node with TLS needs.
     ``kafka``: every node serves Kafka clients too, at ``kafka_address(node)`` (the topology's ``kafka``)."""
 
-    def __init__(self, root: Path, count: int = 3, site: str = "a", extra_args: list[str] | None = None,
-                 more_toml: str = "", raft_secret: Path | None = None, kafka: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: Path,
+        count: int = 3,
+        site: str = "a",
+        extra_args: list[str] | None = None,
+        more_toml: str = "",
+        raft_secret: Path | None = None,
+        kafka: bool = False,
+    ) -> None:
         ports = free_ports((3 if kafka else 2) * count)
         self.site = site
-        self.grpc_ports, self.raft_ports = ports[:count], ports[count:2 * count]
-        self.kafka_ports = ports[2 * count:]
+        self.grpc_ports, self.raft_ports = ports[:count], ports[count : 2 * count]
+        self.kafka_ports = ports[2 * count :]
         self.topology = root / "topology.toml"
         self.topology.write_text(site_toml(site, self.grpc_ports, self.raft_ports, self.kafka_ports) + more_toml)
         secret = [] if raft_secret is None else ["--raft-secret-file", str(raft_secret)]
         self.nodes = {
-            i + 1: NodeProcess(site, root / site / str(i + 1), listen=f"127.0.0.1:{self.grpc_ports[i]}",
-                               extra_args=["--node-id", str(i + 1), "--topology", str(self.topology),
-                                           "--scrub-bytes-per-s", "0", *secret, *(extra_args or []),
-                                           *(["--kafka-listen", self.kafka_address(i + 1)] if kafka else [])])
+            i + 1: NodeProcess(
+                site,
+                root / site / str(i + 1),
+                listen=f"127.0.0.1:{self.grpc_ports[i]}",
+                extra_args=[
+                    "--node-id",
+                    str(i + 1),
+                    "--topology",
+                    str(self.topology),
+                    "--scrub-bytes-per-s",
+                    "0",
+                    *secret,
+                    *(extra_args or []),
+                    *(["--kafka-listen", self.kafka_address(i + 1)] if kafka else []),
+                ],
+            )
             for i in range(count)
         }
 
@@ -128,8 +150,7 @@ def read_partition(address: str, topic: str, partition: int) -> list[tuple[str, 
     out: list[tuple[str, int, bytes]] = []
     offset, moves = 0, 0
     for _ in range(100_000):
-        request = pb.FetchRequest(topic=topic, partition=partition, offset=offset, max_bytes=1 << 20,
-                                  max_wait_ms=200)  # fmt: skip
+        request = pb.FetchRequest(topic=topic, partition=partition, offset=offset, max_bytes=1 << 20, max_wait_ms=200)
         with open_channel(address) as channel:
             try:
                 response = next(iter(pbg.NodeStub(channel).Fetch(request, timeout=10)))
@@ -176,9 +197,12 @@ class Writer:
 
     def send(self, seq: int, deadline_s: float = 60.0) -> None:
         values = [f"v{seq}-{i}".encode() for i in range(5)]
-        batch = encode_batch([RecordInput(None, v, (), 1_700_000_000_000 + seq) for v in values],
-                             producer_id=PRODUCER_ID, producer_epoch=0,
-                             base_sequence=seq * 5)  # fmt: skip
+        batch = encode_batch(
+            [RecordInput(None, v, (), 1_700_000_000_000 + seq) for v in values],
+            producer_id=PRODUCER_ID,
+            producer_epoch=0,
+            base_sequence=seq * 5,
+        )
         request = pb.ProduceRequest(topic=TOPIC, partition=0, batch=batch, acks=pb.ACKS_ALL, ack_timeout_ms=10_000)
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
@@ -210,8 +234,9 @@ def produce(site: ClusterSite, count: int, tag: str, deadline_s: float = 60.0) -
     acked = 0
     address = site.address(site.live()[0])
     for i in range(count):
-        request = pb.ProduceRequest(topic=TOPIC, partition=0, batch=_batch(f"{tag}-{i}"), acks=pb.ACKS_ALL,
-                                    ack_timeout_ms=10_000)  # fmt: skip
+        request = pb.ProduceRequest(
+            topic=TOPIC, partition=0, batch=_batch(f"{tag}-{i}"), acks=pb.ACKS_ALL, ack_timeout_ms=10_000
+        )
         deadline = time.monotonic() + deadline_s
         while True:
             try:
@@ -259,8 +284,9 @@ def wait_for(what: str, check: Callable[[], object], timeout_s: float = WAIT_S) 
     raise AssertionError(f"{what} within {timeout_s} s; last: {last}")
 
 
-async def consume_all(bootstrap: str, prefer: str, count: int, topic: str = TOPIC,
-                      partition: int = 0) -> tuple[list[tuple[str, int, bytes]], int]:  # fmt: skip
+async def consume_all(
+    bootstrap: str, prefer: str, count: int, topic: str = TOPIC, partition: int = 0
+) -> tuple[list[tuple[str, int, bytes]], int]:
     """``count`` records of ``topic``-``partition`` read by a consumer with read_from="follower" (fewer if they do
     not come within a minute), and how many of its fetch responses a follower served."""
     out: list[tuple[str, int, bytes]] = []

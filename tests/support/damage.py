@@ -78,8 +78,17 @@ _KINDS: tuple[tuple[str, Callable[[str], bool]], ...] = (
 
 
 # How often each kind of file is picked: mostly the user topic's segment files, which hold the records.
-WEIGHTS = {"segment log": 6, "origin index": 3, "sparse index": 2, "quarantine list": 1, "recovery point": 2,
-           "log start": 1, "topics": 1, "site identity": 1, "node info": 1}  # fmt: skip
+WEIGHTS = {
+    "segment log": 6,
+    "origin index": 3,
+    "sparse index": 2,
+    "quarantine list": 1,
+    "recovery point": 2,
+    "log start": 1,
+    "topics": 1,
+    "site identity": 1,
+    "node info": 1,
+}
 
 
 def damage_one_file(rng: random.Random, site: str, data_dir: Path) -> Damage:
@@ -185,8 +194,11 @@ class Campaign:
                 return
 
     def settle(self, what: str) -> None:
-        wait_until(f"{what}: every site holds all {len(self.expected)} records with nothing quarantined",
-                   self.settled, SETTLE_S)  # fmt: skip
+        wait_until(
+            f"{what}: every site holds all {len(self.expected)} records with nothing quarantined",
+            self.settled,
+            SETTLE_S,
+        )
 
     def settled(self) -> bool:
         vectors = []
@@ -197,7 +209,11 @@ class Campaign:
                 return False
             if any(ps.damaged for ps in desc.partition_states):
                 return False
-            vectors.append({ps.partition: {(e.site, e.epoch): e.next_seq for e in ps.vector.entries}
-                            for ps in desc.partition_states})  # fmt: skip
+            vectors.append(
+                {
+                    ps.partition: {(e.site, e.epoch): e.next_seq for e in ps.vector.entries}
+                    for ps in desc.partition_states
+                }
+            )
         total = sum(sum(v.values()) for v in vectors[0].values())
         return all(v == vectors[0] for v in vectors) and total == len(self.expected)

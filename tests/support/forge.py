@@ -18,23 +18,59 @@ TS = 1_700_000_000_000
 ZEROS_MIB = bytes(1 << 20)
 
 
-def forge(records: bytes, count: int, *, attributes: int = 0, first_ts: int = TS, max_ts: int | None = None,
-          site: bytes = b"", epoch: int = 0, seq: int = -1, producer_id: int = -1, producer_epoch: int = -1,
-          base_sequence: int = -1, last_delta: int | None = None, magic: int = MAGIC) -> bytes:  # fmt: skip
+def forge(
+    records: bytes,
+    count: int,
+    *,
+    attributes: int = 0,
+    first_ts: int = TS,
+    max_ts: int | None = None,
+    site: bytes = b"",
+    epoch: int = 0,
+    seq: int = -1,
+    producer_id: int = -1,
+    producer_epoch: int = -1,
+    base_sequence: int = -1,
+    last_delta: int | None = None,
+    magic: int = MAGIC,
+) -> bytes:
     """A batch with these fields over ``records`` (the records section as sent: compressed if ``attributes``
     say so) and a CRC-32C that matches."""
-    head = bytearray(HEADER.pack(
-        0, HEADER_BYTES - LENGTH_PREFIX_BYTES + len(records), 0, 0, magic, attributes, site, epoch, seq,
-        count - 1 if last_delta is None else last_delta, first_ts, first_ts if max_ts is None else max_ts,
-        producer_id, producer_epoch, base_sequence, count,
-    ))  # fmt: skip
+    head = bytearray(
+        HEADER.pack(
+            0,
+            HEADER_BYTES - LENGTH_PREFIX_BYTES + len(records),
+            0,
+            0,
+            magic,
+            attributes,
+            site,
+            epoch,
+            seq,
+            count - 1 if last_delta is None else last_delta,
+            first_ts,
+            first_ts if max_ts is None else max_ts,
+            producer_id,
+            producer_epoch,
+            base_sequence,
+            count,
+        )
+    )
     crc = crc32c.crc32c(records, crc32c.crc32c(head[CRC_START:]))
     struct.pack_into(">I", head, 20, crc)
     return bytes(head) + records
 
 
-def record(value: bytes | None, *, index: int = 0, ts_delta: int = 0, key: bytes | None = None,
-           headers: bytes = b"\0\0\0\0", attributes: int = 0, length: int | None = None) -> bytes:  # fmt: skip
+def record(
+    value: bytes | None,
+    *,
+    index: int = 0,
+    ts_delta: int = 0,
+    key: bytes | None = None,
+    headers: bytes = b"\0\0\0\0",
+    attributes: int = 0,
+    length: int | None = None,
+) -> bytes:
     """One record of georep's layout; ``headers`` is the raw header count and headers."""
     body = (b"" if key is None else key) + struct.pack(">i", -1 if value is None else len(value))
     body += (value or b"") + headers
@@ -101,15 +137,28 @@ def _hostile(draw: st.DrawFn) -> tuple[bytes, str]:
     pieces = []
     deltas = [0, *draw(st.lists(st.integers(-3, 3), min_size=n - 1, max_size=n - 1))]
     for i in range(n):
-        pairs = draw(st.lists(st.tuples(st.sampled_from([b"h"] * 8 + [b"", b"\xc3\xa9", b"\xff"]),
-                                        st.none() | st.binary(max_size=4)), max_size=2))  # fmt: skip
+        pairs = draw(
+            st.lists(
+                st.tuples(st.sampled_from([b"h"] * 8 + [b"", b"\xc3\xa9", b"\xff"]), st.none() | st.binary(max_size=4)),
+                max_size=2,
+            )
+        )
         lie = draw(st.sampled_from([None] * 40 + [-1, 3, 2**31 - 1]))
         index = draw(st.integers(-1, n + 1)) if draw(rarely) else i
         length = draw(st.integers(-5, 200)) if draw(rarely) else None
         key = draw(st.none() | st.binary(max_size=4))
         value = draw(st.none() | st.binary(max_size=30))
-        pieces.append(record(value, key=key, index=index, ts_delta=deltas[i], headers=raw_headers(pairs, lie),
-                             length=length, attributes=int(draw(rarely))))  # fmt: skip
+        pieces.append(
+            record(
+                value,
+                key=key,
+                index=index,
+                ts_delta=deltas[i],
+                headers=raw_headers(pairs, lie),
+                length=length,
+                attributes=int(draw(rarely)),
+            )
+        )
     section = b"".join(pieces)
     if draw(rarely):
         at = draw(st.integers(0, len(section)))

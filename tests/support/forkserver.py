@@ -44,8 +44,14 @@ from georep.server.process import Launched, popen_launcher
 
 ENABLE_ENV = "GEOREP_TEST_FORKSERVER"  # "0": the tests start nodes with Popen, as 'georep up' does
 # What a node imports before it serves. Importing them creates no thread, channel or event loop.
-PRELOAD = ["georep.cli", "georep.cli.main", "georep.cli.node", "georep.node.serve", "georep.server.replicator",
-           "tests.support.forkserver"]  # fmt: skip
+PRELOAD = [
+    "georep.cli",
+    "georep.cli.main",
+    "georep.cli.node",
+    "georep.node.serve",
+    "georep.server.replicator",
+    "tests.support.forkserver",
+]
 # Imported by nodes with a Kafka listener only (0.2 s: kafka-python); preloaded when it imports here.
 PRELOAD_IF_IMPORTS = ["georep.kafka.server"]
 PR_SET_PDEATHSIG = 1
@@ -129,8 +135,10 @@ def _run_node(args: list[str], env: dict[str, str], cwd: str, log_path: str) -> 
     """In the forked child: become ``python -m georep.cli ARGS`` started by Popen, run it, exit with its code."""
     # The fork server's "alive" pipe and the resource tracker's: held here, they would keep both alive after the
     # test process died. The node uses neither.
-    for fd in (multiprocessing.forkserver._forkserver._forkserver_alive_fd,  # type: ignore[attr-defined]
-               multiprocessing.resource_tracker._resource_tracker._fd):  # type: ignore[attr-defined]  # fmt: skip
+    for fd in (
+        multiprocessing.forkserver._forkserver._forkserver_alive_fd,  # type: ignore[attr-defined]
+        multiprocessing.resource_tracker._resource_tracker._fd,  # type: ignore[attr-defined]
+    ):
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)

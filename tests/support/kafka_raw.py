@@ -37,9 +37,16 @@ def _bytes_field(data: bytes | None) -> bytes:
     return varint(-1) if data is None else varint(len(data)) + data
 
 
-def kafka_record(value: bytes | None, *, key: bytes | None = None, index: int = 0, ts_delta: int = 0,
-                 headers: list[tuple[bytes, bytes | None]] | None = None, header_count: int | None = None,
-                 length: int | None = None) -> bytes:  # fmt: skip
+def kafka_record(
+    value: bytes | None,
+    *,
+    key: bytes | None = None,
+    index: int = 0,
+    ts_delta: int = 0,
+    headers: list[tuple[bytes, bytes | None]] | None = None,
+    header_count: int | None = None,
+    length: int | None = None,
+) -> bytes:
     """One record of Kafka's v2 layout; ``header_count`` and ``length`` may lie."""
     pairs = headers or []
     body = b"\0" + varint(ts_delta) + varint(index) + _bytes_field(key) + _bytes_field(value)
@@ -48,12 +55,35 @@ def kafka_record(value: bytes | None, *, key: bytes | None = None, index: int = 
     return varint(len(body) if length is None else length) + body
 
 
-def kafka_batch(records: bytes, count: int, *, attributes: int = 0, first_ts: int = TS, max_ts: int | None = None,
-                producer_id: int = -1, producer_epoch: int = -1, base_sequence: int = -1) -> bytes:  # fmt: skip
+def kafka_batch(
+    records: bytes,
+    count: int,
+    *,
+    attributes: int = 0,
+    first_ts: int = TS,
+    max_ts: int | None = None,
+    producer_id: int = -1,
+    producer_epoch: int = -1,
+    base_sequence: int = -1,
+) -> bytes:
     """A v2 batch over ``records`` (compressed if ``attributes`` say so) with a CRC-32C that matches."""
-    head = bytearray(_HEAD.pack(0, _HEAD.size - 12 + len(records), 0, 2, 0, attributes, count - 1, first_ts,
-                                first_ts if max_ts is None else max_ts, producer_id, producer_epoch, base_sequence,
-                                count))  # fmt: skip
+    head = bytearray(
+        _HEAD.pack(
+            0,
+            _HEAD.size - 12 + len(records),
+            0,
+            2,
+            0,
+            attributes,
+            count - 1,
+            first_ts,
+            first_ts if max_ts is None else max_ts,
+            producer_id,
+            producer_epoch,
+            base_sequence,
+            count,
+        )
+    )
     crc = crc32c.crc32c(records, crc32c.crc32c(head[_ATTRIBUTES_AT:]))
     struct.pack_into(">I", head, 17, crc)
     return bytes(head) + records
@@ -81,10 +111,18 @@ def zstd_value_records(value_bytes: int) -> bytes:
 def produce_raw(address: str, topic: str, partition: int, records: bytes, acks: int = 1) -> tuple[int, str]:
     """One Produce request (v8) of ``records`` on a fresh connection: the partition's error code and message."""
     r = kproducer.ProduceRequest
-    req = r(version=8, transactional_id=None, acks=acks, timeout_ms=10_000, topic_data=[
-        r.TopicProduceData(name=topic, partition_data=[r.TopicProduceData.PartitionProduceData(index=partition,
-                                                                                               records=records)])])
-    req.with_header(correlation_id=1, client_id="hostile")  # fmt: skip
+    req = r(
+        version=8,
+        transactional_id=None,
+        acks=acks,
+        timeout_ms=10_000,
+        topic_data=[
+            r.TopicProduceData(
+                name=topic, partition_data=[r.TopicProduceData.PartitionProduceData(index=partition, records=records)]
+            )
+        ],
+    )
+    req.with_header(correlation_id=1, client_id="hostile")
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(req.encode(header=True, framed=True))
@@ -107,14 +145,23 @@ def _hostile_kafka(draw: st.DrawFn) -> tuple[bytes, str]:
     deltas = [0, *draw(st.lists(st.integers(-3, 3), min_size=n - 1, max_size=n - 1))]
     pieces = []
     for i in range(n):
-        headers = draw(st.lists(st.tuples(st.sampled_from([b"h"] * 8 + [b"", b"\xc3\xa9", b"\xff"]),
-                                          st.none() | st.binary(max_size=4)), max_size=2))  # fmt: skip
-        pieces.append(kafka_record(
-            draw(st.none() | st.binary(max_size=30)), key=draw(st.none() | st.binary(max_size=4)),
-            index=draw(st.integers(-1, n + 1)) if draw(rarely) else i, ts_delta=deltas[i], headers=headers,
-            header_count=draw(st.sampled_from([-1, 3, 2**31 - 1])) if draw(rarely) else None,
-            length=draw(st.integers(-5, 200)) if draw(rarely) else None,
-        ))  # fmt: skip
+        headers = draw(
+            st.lists(
+                st.tuples(st.sampled_from([b"h"] * 8 + [b"", b"\xc3\xa9", b"\xff"]), st.none() | st.binary(max_size=4)),
+                max_size=2,
+            )
+        )
+        pieces.append(
+            kafka_record(
+                draw(st.none() | st.binary(max_size=30)),
+                key=draw(st.none() | st.binary(max_size=4)),
+                index=draw(st.integers(-1, n + 1)) if draw(rarely) else i,
+                ts_delta=deltas[i],
+                headers=headers,
+                header_count=draw(st.sampled_from([-1, 3, 2**31 - 1])) if draw(rarely) else None,
+                length=draw(st.integers(-5, 200)) if draw(rarely) else None,
+            )
+        )
     section = b"".join(pieces)
     if draw(rarely):
         at = draw(st.integers(0, len(section)))
@@ -146,9 +193,12 @@ def kafka_python_read(address: str, topic: str, partition: int = 0, timeout_s: f
         consumer.seek_to_beginning(tp)
         end = consumer.end_offsets([tp])[tp]
         got: list[bytes | None] = []
-        poll_until(f"kafka-python read {topic}-{partition} to offset {end}",
-                   lambda: got.extend(m.value for ms in consumer.poll(200).values() for m in ms),
-                   lambda: consumer.position(tp) >= end, timeout_s)  # fmt: skip
+        poll_until(
+            f"kafka-python read {topic}-{partition} to offset {end}",
+            lambda: got.extend(m.value for ms in consumer.poll(200).values() for m in ms),
+            lambda: consumer.position(tp) >= end,
+            timeout_s,
+        )
         return got
     finally:
         consumer.close()

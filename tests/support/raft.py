@@ -48,8 +48,9 @@ class Site:
     def start(self, *indexes: int) -> None:
         for i in indexes or range(len(self.addresses)):
             assert i not in self.stores, f"node {i} is already running"
-            self.stores[i] = RaftMetadataStore(self.addresses[i], self.addresses, self.tmp_path / f"node{i}",
-                                               self.timing, password=self.password)  # fmt: skip
+            self.stores[i] = RaftMetadataStore(
+                self.addresses[i], self.addresses, self.tmp_path / f"node{i}", self.timing, password=self.password
+            )
 
     def stop(self, i: int, snapshot: bool = True) -> None:
         self.stores.pop(i).close(snapshot=snapshot)

@@ -42,8 +42,16 @@ class Batch:
         return b"".join(bytes(b) for b in self.body)
 
 
-def make_batch(origin: Origin, seq: int, values: Sequence[bytes], *, timestamp_ms: int = 1_000,
-               producer_id: int = -1, producer_epoch: int = -1, base_sequence: int = -1) -> Batch:  # fmt: skip
+def make_batch(
+    origin: Origin,
+    seq: int,
+    values: Sequence[bytes],
+    *,
+    timestamp_ms: int = 1_000,
+    producer_id: int = -1,
+    producer_epoch: int = -1,
+    base_sequence: int = -1,
+) -> Batch:
     """Encode as a producer, then stamp and parse the 109-byte header as the origin's broker does."""
     records = [RecordInput(None, v, (), timestamp_ms + i) for i, v in enumerate(values)]
     raw = encode_batch(records, producer_id=producer_id, producer_epoch=producer_epoch, base_sequence=base_sequence)
@@ -67,12 +75,20 @@ class Writer:
     stored: list[Stored] = field(default_factory=list)
     clock_ms: int = 10_000
 
-    def append(self, origin: Origin = A, count: int = 1, *, value_bytes: int = 40, timestamp_ms: int | None = None,
-               append_time_ms: int | None = None) -> Stored:  # fmt: skip
+    def append(
+        self,
+        origin: Origin = A,
+        count: int = 1,
+        *,
+        value_bytes: int = 40,
+        timestamp_ms: int | None = None,
+        append_time_ms: int | None = None,
+    ) -> Stored:
         seq = self.next_seq.get(origin, 0)
         values = [f"{origin}/{seq + i}/".encode().ljust(value_bytes, b"x") for i in range(count)]
-        batch = make_batch(origin, seq, values, timestamp_ms=1_000 + len(self.stored) if timestamp_ms is None
-                           else timestamp_ms)  # fmt: skip
+        batch = make_batch(
+            origin, seq, values, timestamp_ms=1_000 + len(self.stored) if timestamp_ms is None else timestamp_ms
+        )
         self.clock_ms = self.clock_ms + 1 if append_time_ms is None else append_time_ms
         header = self.log.append(batch.header, batch.body, self.clock_ms)
         self.next_seq[origin] = seq + count

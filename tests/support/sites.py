@@ -32,8 +32,9 @@ from tests.support.ports import free_ports
 
 
 def origin_batch(origin: Origin, base_seq: int, n: int = 2, tag: bytes = b"") -> bytes:
-    records = [RecordInput(b"k%d" % (base_seq + i), tag + b"v%d" % (base_seq + i), (), 1_000 + base_seq + i)
-               for i in range(n)]  # fmt: skip
+    records = [
+        RecordInput(b"k%d" % (base_seq + i), tag + b"v%d" % (base_seq + i), (), 1_000 + base_seq + i) for i in range(n)
+    ]
     return encode_batch(records, origin=origin, base_origin_seq=base_seq)
 
 
@@ -52,8 +53,15 @@ TRIANGLE = [("a", "b"), ("b", "c"), ("c", "a"), ("b", "a"), ("c", "b"), ("a", "c
 class Sites:
     """One node per site, on the ports the topology names."""
 
-    def __init__(self, root: Path, sites: list[str], links: list[tuple[str, str]], stall_ms: int = 1000,
-                 extra_args: list[str] | None = None, tls_dir: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: Path,
+        sites: list[str],
+        links: list[tuple[str, str]],
+        stall_ms: int = 1000,
+        extra_args: list[str] | None = None,
+        tls_dir: Path | None = None,
+    ) -> None:
         # tls_dir: mutual TLS with a development CA there (site:<s> per node, client:admin for the test's calls)
         self.tls: TlsConfig | None = None
         if tls_dir is not None:
@@ -64,12 +72,15 @@ class Sites:
         self.topology = root / "topology.toml"
         self.topology.write_text(topology_toml(self.ports, links))
         self.nodes = {
-            s: NodeProcess(site=s, data_dir=root / s, listen=f"127.0.0.1:{self.ports[s]}",
-                           extra_args=["--topology", str(self.topology), "--stall-ms", str(stall_ms),
-                                       *(extra_args or [])],
-                           tls=None if tls_dir is None else TlsConfig.from_dir(tls_dir, site_principal(s)))
+            s: NodeProcess(
+                site=s,
+                data_dir=root / s,
+                listen=f"127.0.0.1:{self.ports[s]}",
+                extra_args=["--topology", str(self.topology), "--stall-ms", str(stall_ms), *(extra_args or [])],
+                tls=None if tls_dir is None else TlsConfig.from_dir(tls_dir, site_principal(s)),
+            )
             for s in sites
-        }  # fmt: skip
+        }
         self.channels: dict[str, grpc.Channel] = {}
 
     def start(self, *sites: str) -> None:
@@ -163,8 +174,9 @@ def check_invariants(sites: Sites, names: list[str], topic: str, expected: set[t
         assert sum(len(r) for r in parts.values()) == len(by_coord), f"I4: site {s} does not hold every coordinate"
 
 
-async def produce(address: str, topic: str, prefix: str, n: int, value_bytes: int = 0,
-                  tls: TlsConfig | None = None) -> set[tuple[bytes, bytes]]:  # fmt: skip
+async def produce(
+    address: str, topic: str, prefix: str, n: int, value_bytes: int = 0, tls: TlsConfig | None = None
+) -> set[tuple[bytes, bytes]]:
     """Send ``n`` keyed records (values padded to ``value_bytes``) and wait for every ack; returns what was sent."""
     sent = set()
     async with Producer(address, linger_ms=2, batch_size=4096, tls=tls) as producer:
