@@ -47,7 +47,7 @@ typecheck: $(STAMP)
 
 test: $(STAMP) strace lint typecheck
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
-	$(BIN)/python -m pytest -q -n 3 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 3 --dist loadgroup --durations=20
 
 test-quick: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
