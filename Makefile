@@ -56,7 +56,7 @@ test: $(STAMP) strace lint
 
 test-quick: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
-	$(BIN)/python -m pytest -q -n 3 --dist loadgroup -m "not slow"
+	$(BIN)/python -m pytest -q -n 4 --dist loadgroup -m "not slow" --durations=10
 
 # The generated code is committed; this regenerates it with the pinned grpcio-tools and mypy-protobuf
 # (typed stubs for the messages and the service, so mypy --strict checks every call).
