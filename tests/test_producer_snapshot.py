@@ -11,7 +11,6 @@ metadata that carries it, and the node's two uses of it over real segment copies
 from __future__ import annotations
 
 import itertools
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from cluster.site_state import (
 from dedup.producer import Append, Duplicate, OutOfOrderSequence, ProducerStateTable
 from georep.metadata.topics import TopicSpec
 from georep.raft.frames import COMMAND_BYTES_MAX
+from georep.raft.store import command_bytes
 from georep.server.cluster_member import seal_producers
 from georep.server.site_cluster import leader_producers
 from georep.storage.replica_store import ReplicaStore
@@ -163,7 +163,7 @@ def test_a_seal_with_the_largest_snapshot_is_one_metadata_command() -> None:
     )
     raw = seal.to_dict()
     assert command_from_dict(raw) == seal
-    assert 1 + len(pickle.dumps((0, (raw,)), protocol=2)) < COMMAND_BYTES_MAX  # what the Raft store measures
+    assert command_bytes(raw) < COMMAND_BYTES_MAX  # the log entry's size, as the Raft store measures it
 
 
 def test_the_metadata_keeps_the_last_seals_snapshot_across_a_dump_and_an_older_seal_clears_it() -> None:

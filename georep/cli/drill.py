@@ -825,12 +825,15 @@ def render(doc: dict[str, Any]) -> str:
         f"never delivered: {doc['never_delivered']}",
         f"  commits: {doc['commits']} at acks={doc['commit_acks']} ({doc['commit_errors']} failed)",
     ]
-    if doc["promises_broken"]:
-        lines.append("  PROMISES BROKEN:")
-        lines += [f"    - {b}" for b in doc["promises_broken"]]
-    else:
-        lines.append("  every promise kept")
+    lines += promises_lines(doc["promises_broken"], "every promise kept")
     return "\n".join(lines)
+
+
+def promises_lines(broken: list[str], kept: str) -> list[str]:
+    """A drill report's last lines: each promise the run broke, or ``kept`` when none was."""
+    if not broken:
+        return [f"  {kept}"]
+    return ["  PROMISES BROKEN:", *(f"    - {b}" for b in broken)]
 
 
 # --- node-kill: one node of a multi-node site ---------------------------------------------------------------
@@ -1381,11 +1384,7 @@ def render_node_kill(doc: dict[str, Any]) -> str:
         f"({doc['delivered_unique']} distinct); duplicates: {doc['duplicates_total']}; gaps: {doc['gaps']}; "
         f"misread: {doc['misread']}; never delivered: {doc['never_delivered']}"
     ]
-    if doc["promises_broken"]:
-        lines.append("  PROMISES BROKEN:")
-        lines += [f"    - {b}" for b in doc["promises_broken"]]
-    else:
-        lines.append("  every promise kept")
+    lines += promises_lines(doc["promises_broken"], "every promise kept")
     return "\n".join(lines)
 
 

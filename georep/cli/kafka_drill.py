@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from georep.cli.drill import promises_lines
 from georep.cli.drill_sites import DrillSitesError, drill_sites
 from georep.security.tls import TlsConfig
 from georep.storage.private import append_private
@@ -428,9 +429,7 @@ def render(doc: dict[str, Any]) -> str:
         f"(delivered twice within the new group's rebalance, past its own commits: {doc['delivered_twice_after']})",
         f"  RTO (kill to the first record consumed at {doc['failover_to']}): {doc['rto_ms']} ms",
     ]
-    if doc["promises_broken"]:
-        lines.append("  PROMISES BROKEN:")
-        lines += [f"    - {b}" for b in doc["promises_broken"]]
-    else:
-        lines.append("  every promise kept: zero lost and zero duplicated relative to the last commit")
+    lines += promises_lines(
+        doc["promises_broken"], "every promise kept: zero lost and zero duplicated relative to the last commit"
+    )
     return "\n".join(lines)

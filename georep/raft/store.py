@@ -573,7 +573,7 @@ class _CheckedEncryptor:
         )
 
 
-def _command_bytes(raw: dict[str, Any]) -> int:
+def command_bytes(raw: dict[str, Any]) -> int:
     """The length of the log entry pysyncobj makes of ``apply_command(raw)``: a type byte and the pickle of the
     method's id (a small int) and its arguments."""
     return 1 + len(syncobj_pickle.dumps((0, (raw,))))
@@ -1002,7 +1002,7 @@ class RaftMetadataStore:
         deadline = time.monotonic() + timeout
         raw = command.to_dict()
         what = f"{command.KIND} command"
-        size = _command_bytes(raw)
+        size = command_bytes(raw)
         if size > COMMAND_BYTES_MAX:
             raise CommandTooLarge(what, size)
         while True:

@@ -25,7 +25,7 @@ from cluster.lead import CopyTail, LeadContext, LeadEffect, PartitionLead
 from cluster.quorum import ReplicaGuard
 from cluster.site_state import SiteState
 from georep.sim.cluster_checks import ClusterChecker
-from georep.sim.cluster_model import Batch, ClusterCounts, PartKey, SegKey
+from georep.sim.cluster_model import Batch, ClusterCounts, PartKey, SegCopy, SegKey
 from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 if TYPE_CHECKING:
@@ -183,18 +183,7 @@ class SimMembers:
             )
             return
         self.persist(target, key)
-        copy = target.copies.get(seg)
-        if copy is None:
-            copy = self.shells.new_copy(target, seg, base, "recovery copy")
-        for b in batches:
-            if b.end <= copy.end:
-                self.checker.check_held(target.id, seg, b, "recovery")
-                continue
-            if b.offset != copy.end:
-                break
-            self.checker.copy_write(target.id, seg, copy, b, "recovery")
-            copy.batches.append(b)
-        target.unsynced.add(seg)
+        copy = self._write_copy(target, seg, base, batches, "recovery")
         end = int(eff.copy.end_offset)
         ok = copy.end >= end
         self.fsync_soon(
@@ -281,21 +270,27 @@ class SimMembers:
         batches = tuple(copy.read(base, end, fsynced_only=True)) if copy is not None else ()
         self.fabric.send(source, target, self.repair_target, seg, base, batches, ctl_node, copy_id)
 
-    def repair_target(
-        self, target: SimNode, seg: SegKey, base: int, batches: tuple[Batch, ...], ctl_node: NodeId, copy_id: int
-    ) -> None:
+    def _write_copy(self, target: SimNode, seg: SegKey, base: int, batches: tuple[Batch, ...], why: str) -> SegCopy:
+        """A recovery's or a repair's copy into ``target``'s segment: what it holds already is checked, the rest
+        appended while contiguous; fsynced later."""
         copy = target.copies.get(seg)
         if copy is None:
-            copy = self.shells.new_copy(target, seg, base, "repair")
+            copy = self.shells.new_copy(target, seg, base, "recovery copy" if why == "recovery" else why)
         for b in batches:
             if b.end <= copy.end:
-                self.checker.check_held(target.id, seg, b, "repair")
+                self.checker.check_held(target.id, seg, b, why)
                 continue
             if b.offset != copy.end:
                 break
-            self.checker.copy_write(target.id, seg, copy, b, "repair")
+            self.checker.copy_write(target.id, seg, copy, b, why)
             copy.batches.append(b)
         target.unsynced.add(seg)
+        return copy
+
+    def repair_target(
+        self, target: SimNode, seg: SegKey, base: int, batches: tuple[Batch, ...], ctl_node: NodeId, copy_id: int
+    ) -> None:
+        copy = self._write_copy(target, seg, base, batches, "repair")
         done = self.shells.controllers.repair_done
         self.fsync_soon(target, lambda: self.fabric.send(target, ctl_node, done, copy_id, target.id, copy.fsynced_end))
 
