@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import grpc
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dedup.producer import InvalidSequence, OutOfOrderSequence, ProducerStateTable
 from georep.broker import errors
@@ -215,6 +217,51 @@ def test_geo_acks_time_out_naming_where_the_batch_is() -> None:
     assert isinstance(fail, Fail) and isinstance(fail.error, errors.GeoAckTimeout)
     assert "1 site(s) (a)" in str(fail.error) and "retrying is safe" in str(fail.error)
     assert t.pending() == 0 and t.next_deadline_ms() is None
+
+
+# One op: (kind, partition, value). kinds: wait a geo:2 ack with timeout value; a report from site b that it holds
+# value seqs of the partition; this site's fsync of value seqs; a tick at +value ms; close one partition.
+_DEADLINE_OPS = st.lists(
+    st.tuples(st.sampled_from(["wait", "held", "own", "tick", "close"]), st.integers(0, 3), st.integers(1, 40)), max_size=60
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_DEADLINE_OPS)
+def test_geo_deadlines_fail_exactly_the_expired_waiters_in_any_order_of_events(ops: list[tuple[str, int, int]]) -> None:
+    """The deadline heap keeps answered waiters until they reach its top: ``next_deadline_ms`` must still name the
+    earliest waiter that waits, and ``tick`` fail exactly those past their deadline, whatever released or failed
+    the others first. The model is the set of unanswered tokens, read from the effects alone."""
+    t = AckTable("a", A)
+    keys = [("t", i) for i in range(4)]
+    for key in keys:
+        t.open_partition(key, False, 0, VectorOffset({}))
+    waiting: dict[int, int] = {}  # token -> deadline
+    now, seqs = 0, [0, 0, 0, 0]
+
+    def answered(effects: Sequence[object]) -> None:
+        for e in effects:
+            if isinstance(e, Release | Fail):
+                assert e.token in waiting, f"{e} answers a waiter twice or one never made"
+                del waiting[e.token]
+
+    for n, (kind, i, value) in enumerate(ops):
+        if kind == "wait" and keys[i] in t._partitions:
+            seqs[i] += 1
+            waiting[n] = now + value
+            answered(t.wait(n, keys[i], 0, A, seqs[i] - 1, Acks.geo(2), now_ms=now, timeout_ms=value))
+        elif kind == "held":
+            answered(t.held_reported([("b", "t", i, VectorOffset({A: value}))]))
+        elif kind == "own" and keys[i] in t._partitions:
+            answered(t.flush_done(keys[i], 0, VectorOffset({A: value})))
+        elif kind == "tick":
+            now += value
+            effects = t.tick(now)
+            assert {e.token for e in effects} == {tok for tok, d in waiting.items() if d <= now}
+            answered(effects)
+        elif kind == "close":
+            answered(t.close_partition(keys[i], errors.NodeStopping("moved")))
+        assert t.next_deadline_ms() == min(waiting.values(), default=None)
 
 
 def test_a_failed_fsync_fails_its_waiters_and_close_fails_the_rest() -> None:

@@ -55,7 +55,9 @@ checked at every release.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Iterable
+import heapq
+import itertools
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from georep.broker.errors import BrokerError, FsyncFailed, GeoAcksUnreachable, GeoAckTimeout, InvalidAcks, NodeStopping
@@ -148,6 +150,7 @@ class _Waiter:
     timeout_ms: int
     flushed: bool = False  # the local fsync it needed is done (or it needed none)
     quorum_offset: int = 0  # the LAC it waits for (all, geo:N in an in-site replicated partition); 0: none
+    done: bool = False  # answered (released or failed): its entry in the deadline heap is dead
 
 
 @dataclass(slots=True)
@@ -169,6 +172,10 @@ class AckTable:
         self.origin = origin
         self.held = HeldTable()
         self._partitions: dict[PartitionKey, _Partition] = {}
+        # Geo waiters by deadline, answered ones left in place and dropped when they reach the top: finding the
+        # next deadline and the expired waiters costs O(log n) per waiter, not a walk of every pending ack.
+        self._deadlines: list[tuple[int, int, _Waiter]] = []
+        self._deadline_order = itertools.count()
         self._closed = False
 
     # -- partitions -------------------------------------------------------------
@@ -212,7 +219,7 @@ class AckTable:
         p = self._partitions.pop(key, None)
         if p is None:
             return []
-        return [Fail(w.token, error) for w in p.waiters]
+        return self._answer_all(p.waiters, lambda _w: error)
 
     def fsync_per_batch(self, key: PartitionKey) -> bool:
         return self._partitions[key].fsync_per_batch
@@ -260,6 +267,8 @@ class AckTable:
             out.append(Release(token))
         else:
             p.waiters.append(w)
+            if deadline >= 0:
+                heapq.heappush(self._deadlines, (deadline, next(self._deadline_order), w))
         return out
 
     def replicated(self, key: PartitionKey, end_offset: int) -> list[Effect]:
@@ -337,9 +346,9 @@ class AckTable:
         p.flush_target = p.flushed_offset
         failed = [w for w in p.waiters if not w.flushed]
         p.waiters = [w for w in p.waiters if w.flushed]
-        return [
-            Fail(w.token, FsyncFailed(f"fsync failed: {error}; the batch was written but not acked")) for w in failed
-        ]
+        return self._answer_all(
+            failed, lambda _w: FsyncFailed(f"fsync failed: {error}; the batch was written but not acked")
+        )
 
     def held_reported(self, entries: Iterable[tuple[str, str, int, VectorOffset]]) -> list[Effect]:
         """What other sites hold fsynced (``ReportHeld``). This site's own entry comes from its fsyncs or its
@@ -356,27 +365,31 @@ class AckTable:
         return out
 
     def tick(self, now_ms: int) -> list[Effect]:
-        """Fail the geo waiters whose time is up."""
+        """Fail the geo waiters whose time is up, in deadline order."""
         out: list[Effect] = []
-        for _key, p in sorted(self._partitions.items()):
-            expired = [w for w in p.waiters if 0 <= w.deadline_ms <= now_ms]
-            if not expired:
-                continue
-            p.waiters = [w for w in p.waiters if not 0 <= w.deadline_ms <= now_ms]
-            out += [Fail(w.token, self._timeout(p, w)) for w in expired]
+        while self.next_deadline_ms() is not None and self._deadlines[0][0] <= now_ms:
+            w = heapq.heappop(self._deadlines)[2]
+            p = self._partitions[w.key]
+            p.waiters.remove(w)
+            w.done = True
+            out.append(Fail(w.token, self._timeout(p, w)))
         return out
 
     def next_deadline_ms(self) -> int | None:
-        deadlines = [w.deadline_ms for p in self._partitions.values() for w in p.waiters if w.deadline_ms >= 0]
-        return min(deadlines, default=None)
+        """The earliest deadline of a geo waiter still waiting (None: no such waiter)."""
+        heap = self._deadlines
+        while heap and heap[0][2].done:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     def close(self) -> list[Effect]:
         """The node is stopping: fail every waiter (the writes stay; a retry is deduplicated)."""
         self._closed = True
         out: list[Effect] = []
         for _key, p in sorted(self._partitions.items()):
-            out += [Fail(w.token, NodeStopping("node stopping; retry")) for w in p.waiters]
+            out += self._answer_all(p.waiters, lambda _w: NodeStopping("node stopping; retry"))
             p.waiters = []
+        self._deadlines.clear()
         return out
 
     def pending(self) -> int:
@@ -389,10 +402,20 @@ class AckTable:
         keep: list[_Waiter] = []
         for w in p.waiters:
             if self._met(p, w):
+                w.done = True
                 out.append(Release(w.token))
             else:
                 keep.append(w)
         p.waiters = keep
+        return out
+
+    @staticmethod
+    def _answer_all(waiters: Iterable[_Waiter], error: Callable[[_Waiter], BrokerError]) -> list[Effect]:
+        """Fail ``waiters`` (already out of their partition's list) with ``error(w)`` each."""
+        out: list[Effect] = []
+        for w in waiters:
+            w.done = True
+            out.append(Fail(w.token, error(w)))
         return out
 
     def _timeout(self, p: _Partition, w: _Waiter) -> GeoAckTimeout:
