@@ -168,6 +168,9 @@ class Producer:
         self._pending_metadata: dict[str, list[tuple[RecordInput, asyncio.Future[RecordMetadata], int | None]]] = {}
         self._metadata_tasks: dict[str, asyncio.Task[None]] = {}
         self._deliveries: dict[tuple[str, int], PartitionDelivery] = {}
+        # The deliveries with batches queued or in flight: what the sender walks, so its work per wake follows the
+        # partitions being written, not every partition ever written (10,000 of them for a topic that wide).
+        self._busy: dict[tuple[str, int], PartitionDelivery] = {}
         self._outstanding: set[ProducerBatch] = set()  # opened and not yet acked or failed
         self._next_correlation = 0
         self._buffered_bytes = 0
@@ -508,11 +511,16 @@ class Producer:
             )
         return delivery
 
+    def _forget_idle(self) -> None:
+        """Drop the deliveries with nothing queued or in flight from the sender's walk (``enqueue`` adds back)."""
+        for key in [key for key, d in self._busy.items() if d.idle]:
+            del self._busy[key]
+
     def _fresh_id(self) -> int:
         return new_producer_id() if self._idempotent else NO_PRODUCER_ID
 
     def _resolve_rounds(self) -> None:
-        for delivery in self._deliveries.values():
+        for delivery in list(self._busy.values()):
             if delivery.round_complete():
                 for batch in delivery.resolve(self._fresh_id()):
                     self._fail_batch(
@@ -523,7 +531,7 @@ class Producer:
 
     def _expire(self, now_ms: float) -> None:
         timeout = self._delivery_timeout_ms
-        for delivery in self._deliveries.values():
+        for delivery in list(self._busy.values()):
             for batch in delivery.expire(now_ms, timeout, self._fresh_id()):
                 self._fail_batch(
                     batch,
@@ -548,10 +556,13 @@ class Producer:
                     count = self._partition_counts.get(batch.topic, 1)
                     self._sticky.on_batch_closed(batch.topic, batch.partition, count)
                 for batch in self._accumulator.take_closed():
-                    self._delivery(batch.topic, batch.partition).enqueue(batch)
+                    delivery = self._delivery(batch.topic, batch.partition)
+                    delivery.enqueue(batch)
+                    self._busy[(batch.topic, batch.partition)] = delivery
+                self._forget_idle()
                 self._resolve_rounds()
                 timeout_s: float | None = None
-                wanted = {id(r): r for r in (self._route_for(d) for d in self._deliveries.values() if d.queue)}
+                wanted = {id(r): r for r in (self._route_for(d) for d in self._busy.values() if d.queue)}
                 for route in wanted.values():
                     if route.call is None:
                         wait_s = await self._open_route(route, now)
@@ -632,7 +643,7 @@ class Producer:
         assert loop is not None
         now = loop.time() * 1000
         retry_in_s: float | None = None
-        for delivery in list(self._deliveries.values()):
+        for delivery in list(self._busy.values()):
             if delivery.blocked or not delivery.queue:
                 continue
             route = self._route_for(delivery)
@@ -697,7 +708,7 @@ class Producer:
         route.backoff_ms = min(route.backoff_ms * 2, self._retry_backoff_max_ms)
         sent = {(b.topic, b.partition) for b in route.by_correlation.values()}
         self._close_stream(route)
-        for key, delivery in self._deliveries.items():
+        for key, delivery in self._busy.items():
             if key in sent or self._route_for(delivery) is route:
                 delivery.on_stream_broken()
         self._resolve_rounds()
