@@ -157,7 +157,8 @@ class GroupService:
     def _offsets_logs(self) -> dict[int, PartitionLog]:
         if not self.broker.in_site:
             return {i: self.broker.partition(OFFSETS_TOPIC, i).log for i in range(OFFSETS_PARTITIONS)}
-        return {i: p.log for (topic, i), p in self.broker.partitions.items() if topic == OFFSETS_TOPIC}
+        led = ((i, self.broker.partitions.get((OFFSETS_TOPIC, i))) for i in range(OFFSETS_PARTITIONS))
+        return {i: p.log for i, p in led if p is not None}  # not a walk of every partition: this runs every tick
 
     def _observe_leadership(self) -> dict[int, PartitionLog]:
         """Multi-node site: what this node leads of the offsets partitions now; drops what ``lead_step`` says."""
@@ -367,7 +368,7 @@ class GroupService:
         """Every group this site (a one-node site) or this node (a multi-node site: the groups whose offsets
         partition it leads) knows of: clients of a multi-node site ask each leader and merge."""
         await self.sync()
-        led = {i for (topic, i) in self.broker.partitions if topic == OFFSETS_TOPIC}
+        led = {i for i in range(OFFSETS_PARTITIONS) if (OFFSETS_TOPIC, i) in self.broker.partitions}
         if self.site_cluster is not None:
             # Named the leader of an offsets partition it does not serve yet (it is recovering it): its groups
             # would be missing from the answer. Say so; the client asks again.
