@@ -222,7 +222,8 @@ def test_geo_acks_time_out_naming_where_the_batch_is() -> None:
 # One op: (kind, partition, value). kinds: wait a geo:2 ack with timeout value; a report from site b that it holds
 # value seqs of the partition; this site's fsync of value seqs; a tick at +value ms; close one partition.
 _DEADLINE_OPS = st.lists(
-    st.tuples(st.sampled_from(["wait", "held", "own", "tick", "close"]), st.integers(0, 3), st.integers(1, 40)), max_size=60
+    st.tuples(st.sampled_from(["wait", "held", "own", "tick", "close"]), st.integers(0, 3), st.integers(1, 40)),
+    max_size=60,
 )
 
 

@@ -86,6 +86,7 @@ async def serve(
     super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
     grpc_limits: ServerLimits | None = None,
     shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT,
+    metrics_partition_detail: bool = False,
 ) -> int:
     """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``.
 
@@ -97,7 +98,8 @@ async def serve(
     certificate signed by the CA, and it calls the other nodes and sites with its own certificate; ``None`` is
     plaintext (``--insecure``), where no call is authorized (docs/security.md). ``super_users``: the principals a
     TLS node allows everything besides its own site's nodes (``georep node --super-user``). ``grpc_limits``: the
-    gRPC port's connection bounds (``--grpc-max-connections``...; None: the defaults).
+    gRPC port's connection bounds (``--grpc-max-connections``...; None: the defaults). ``metrics_partition_detail``:
+    /metrics has a series per partition (``--metrics-partition-detail``), not only per topic.
     """
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
@@ -122,6 +124,7 @@ async def serve(
             super_users,
             grpc_limits,
             shutdown_timeout_ms,
+            metrics_partition_detail,
         )
     finally:
         lock.release()
@@ -204,6 +207,7 @@ async def _serve_locked(
     super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
     grpc_limits: ServerLimits | None = None,
     shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT,
+    metrics_partition_detail: bool = False,
 ) -> int:
     # The Raft metadata and the segment threads of a multi-node site; this node's copies of the segments whose
     # ensembles it is a member of (docs/cluster.md).
@@ -222,6 +226,7 @@ async def _serve_locked(
         identity,
         metadata,
         segment_executor,
+        metrics_partition_detail,
     )
     server = _grpc_server(node, topology, tls, super_users, grpc_limits)
     port = await _start_grpc(server, f"{listen[0]}:{listen[1]}", tls, node)
@@ -297,13 +302,14 @@ def _wire(
     identity: SiteIdentity,
     metadata: RaftMetadataStore | None,
     segment_executor: ThreadPoolExecutor,
+    metrics_partition_detail: bool,
 ) -> _Node:
     """The broker and the services over it: the replicator, the segment member of a multi-node site, the gRPC
     services."""
     from georep.server.replicator import Replicator
 
     broker = Broker(data_dir, identity, defaults, metadata=metadata)
-    metrics = NodeMetrics(broker)
+    metrics = NodeMetrics(broker, metrics_partition_detail)
     replicator = Replicator(broker, topology, site, stall_ms, tls=tls) if topology is not None else None
     if replicator is not None:
         metrics.attach(replicator)

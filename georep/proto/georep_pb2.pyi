@@ -1239,6 +1239,8 @@ class LinkStatus(_message.Message):
     APPLIED_BYTES_FIELD_NUMBER: _builtins.int
     SKIPPED_BATCHES_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
+    STREAMS_OPENED_FIELD_NUMBER: _builtins.int
+    REOPENS_FIELD_NUMBER: _builtins.int
     src: _builtins.str
     dst: _builtins.str
     state: _builtins.str
@@ -1248,6 +1250,10 @@ class LinkStatus(_message.Message):
     skipped_batches: _builtins.int
     """already held (cycles, resends)"""
     last_error: _builtins.str
+    streams_opened: _builtins.int
+    """pull streams opened since the node started: one per flap, gap or reopen after the first"""
+    reopens: _builtins.int
+    """of those, reopened at once out of step (a gap, a lost tail, changed wants)"""
     def __init__(
         self,
         *,
@@ -1258,10 +1264,12 @@ class LinkStatus(_message.Message):
         applied_bytes: _builtins.int = ...,
         skipped_batches: _builtins.int = ...,
         last_error: _builtins.str = ...,
+        streams_opened: _builtins.int = ...,
+        reopens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_batches", b"applied_batches", "applied_bytes", b"applied_bytes", "dst", b"dst", "last_error", b"last_error", "skipped_batches", b"skipped_batches", "src", b"src", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_batches", b"applied_batches", "applied_bytes", b"applied_bytes", "dst", b"dst", "last_error", b"last_error", "reopens", b"reopens", "skipped_batches", b"skipped_batches", "src", b"src", "state", b"state", "streams_opened", b"streams_opened"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

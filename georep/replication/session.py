@@ -115,6 +115,7 @@ class PullStats:
     skipped_batches: int = 0
     gaps: int = 0
     reopens: int = 0
+    streams_opened: int = 0
     last_error: str = ""
 
 
@@ -285,6 +286,7 @@ class PullSession:
             for key, sites in sorted(wants.items())
         }
         stream_id = next(self._ids)
+        self.stats.streams_opened += 1
         self._stream = _Stream(stream_id, wants, now_ms, now_ms)
         self._retry_at_ms = None
         return [OpenStream(stream_id, stream_wants, "" if self.nodes is None else self.nodes.current)]

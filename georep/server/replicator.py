@@ -612,6 +612,8 @@ class Replicator:
                     applied_bytes=st.applied_bytes,
                     skipped_batches=st.skipped_batches,
                     last_error=st.last_error or self.links.links[src].last_error,
+                    streams_opened=st.streams_opened,
+                    reopens=st.reopens,
                 )
             )
         for (topic, _src), message in sorted(self.conflicts.items()):

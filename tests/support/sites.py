@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import grpc
@@ -130,12 +130,18 @@ def converged(sites: Sites, names: list[str], topic: str, expect_total: int | No
     return expect_total is None or sum(sum(p.values()) for p in vectors[0].values()) == expect_total
 
 
-def read_site(sites: Sites, site: str, topic: str) -> dict[int, list[tuple[str, int, bytes | None, bytes | None, int]]]:
-    """Every record of every partition at ``site``, in log order: (origin, origin seq, key, value, timestamp)."""
+def read_site(
+    sites: Sites, site: str, topic: str, partitions: Iterable[int] | None = None
+) -> dict[int, list[tuple[str, int, bytes | None, bytes | None, int]]]:
+    """Every record of every partition (or of ``partitions``) at ``site``, in log order: (origin, origin seq, key,
+    value, timestamp)."""
     stub = sites.stub(site)
-    desc = stub.DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
+    desc = stub.DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=30)
     out: dict[int, list[tuple[str, int, bytes | None, bytes | None, int]]] = {}
+    wanted = None if partitions is None else set(partitions)
     for ps in desc.partition_states:
+        if wanted is not None and ps.partition not in wanted:
+            continue
         records: list[tuple[str, int, bytes | None, bytes | None, int]] = []
         end = ps.log_end_offset
         if end:
