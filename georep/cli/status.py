@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,11 @@ TIMEOUT_S = 3.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", type=Path, help="topology TOML file (default: sites a, b, c)")
     parser.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+    parser.add_argument(
+        "--partitions",
+        action="store_true",
+        help="list every partition (default: a line per topic, and only the partitions damaged or lagging)",
+    )
     add_client_tls_arguments(parser, data_dir=True)
 
 
@@ -96,7 +102,15 @@ def kafka_addresses(data_dir: Path, sites: list[str]) -> dict[str, str]:
     return out
 
 
-def render(statuses: dict[str, pb.SiteStatusResponse | str], kafka: dict[str, str] | None = None) -> str:
+LISTED_MAX = 20  # partitions named one by one (damaged, lagging, differing) before "... and N more"
+
+
+def render(
+    statuses: dict[str, pb.SiteStatusResponse | str], kafka: dict[str, str] | None = None, partitions: bool = False
+) -> str:
+    """Per site: a line per topic, the partitions that need attention (damaged or lagging; every partition with
+    ``partitions``), the links and conflicts; then convergence. Its size follows the topics and the trouble, not
+    the partition count."""
     lines: list[str] = []
     for site, s in statuses.items():
         if isinstance(s, str):
@@ -104,22 +118,13 @@ def render(statuses: dict[str, pb.SiteStatusResponse | str], kafka: dict[str, st
             continue
         kafka_at = f", Kafka clients at {kafka[site]}" if kafka and kafka.get(site) else ""
         lines.append(f"site {site} (origin {site}@{s.epoch}){kafka_at}")
-        for p in s.partitions:
-            if is_internal(p.topic):
-                continue
-            lines.append(f"  {p.topic}/{p.partition}  end={p.log_end_offset}  vector={vector_text(p.vector)}")
-            for d in p.damaged:
-                lines.append(f"      DAMAGED {damaged_text(d)}; quarantined until a peer's copy repairs it")
-            for lag in p.lags:
-                lines.append(
-                    f"      {lag.origin:<24} from {lag.upstream or '-':<8} lag {lag.lag_records} records"
-                    f", ~{lag.lag_bytes} bytes, {lag.lag_ms} ms"
-                )
+        lines += _topic_lines(s.partitions, partitions)
         for link in s.links:
             err = f"  ({link.last_error})" if link.last_error else ""
             lines.append(
                 f"  link {link.src} -> {link.dst}: {link.state}, applied {link.applied_batches} batches "
-                f"({link.applied_bytes} bytes), skipped {link.skipped_batches}{err}"
+                f"({link.applied_bytes} bytes), skipped {link.skipped_batches}, streams opened "
+                f"{link.streams_opened}{err}"
             )
         for c in s.conflicts:
             lines.append(f"  CONFLICT {c.topic}: {c.message}")
@@ -130,8 +135,47 @@ def render(statuses: dict[str, pb.SiteStatusResponse | str], kafka: dict[str, st
     elif rows:
         same = sum(1 for _, _, ok in rows if ok)
         lines.append(f"converged partitions: {same}/{len(rows)}")
-        lines += [f"  differs: {t}/{p}" for t, p, ok in rows if not ok]
+        lines += _capped([f"  differs: {t}/{p}" for t, p, ok in rows if not ok], "differ")
     return "\n".join(lines)
+
+
+def _topic_lines(parts: Iterable[pb.PartitionStatus], every: bool) -> list[str]:
+    topics: dict[str, list[pb.PartitionStatus]] = {}
+    for p in parts:
+        if not is_internal(p.topic):
+            topics.setdefault(p.topic, []).append(p)
+    lines: list[str] = []
+    for topic, ps in topics.items():
+        lagging = [p for p in ps if any(lag.lag_records for lag in p.lags)]
+        damaged = [p for p in ps if p.damaged]
+        behind = sum(lag.lag_records for p in ps for lag in p.lags)
+        records = sum(e.next_seq for p in ps for e in p.vector.entries)
+        lines.append(
+            f"  topic {topic}: {len(ps)} partitions, {records} records, {len(lagging)} lagging ({behind} records "
+            f"behind), {len(damaged)} damaged"
+        )
+        shown = ps if every else [p for p in ps if p.damaged or any(lag.lag_records for lag in p.lags)]
+        detail = [line for p in shown for line in _partition_lines(p)]
+        lines += detail if every else _capped(detail, "more lines: georep status --partitions lists them all")
+    return lines
+
+
+def _partition_lines(p: pb.PartitionStatus) -> list[str]:
+    lines = [f"  {p.topic}/{p.partition}  end={p.log_end_offset}  vector={vector_text(p.vector)}"]
+    for d in p.damaged:
+        lines.append(f"      DAMAGED {damaged_text(d)}; quarantined until a peer's copy repairs it")
+    for lag in p.lags:
+        lines.append(
+            f"      {lag.origin:<24} from {lag.upstream or '-':<8} lag {lag.lag_records} records"
+            f", ~{lag.lag_bytes} bytes, {lag.lag_ms} ms"
+        )
+    return lines
+
+
+def _capped(lines: list[str], what: str) -> list[str]:
+    if len(lines) <= LISTED_MAX:
+        return lines
+    return [*lines[:LISTED_MAX], f"  ... and {len(lines) - LISTED_MAX} {what}"]
 
 
 def live_link_states(topology: Topology) -> dict[tuple[SiteId, SiteId], LinkStatus]:
@@ -166,5 +210,6 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(as_json(statuses), indent=1, sort_keys=True))
     else:
-        print(render(statuses, kafka_addresses(getattr(args, "data_dir", DEFAULT_DATA_DIR), list(statuses))))
+        kafka = kafka_addresses(getattr(args, "data_dir", DEFAULT_DATA_DIR), list(statuses))
+        print(render(statuses, kafka, partitions=args.partitions))
     return 0 if all(not isinstance(s, str) for s in statuses.values()) else 1
