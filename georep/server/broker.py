@@ -16,6 +16,7 @@ import asyncio
 import errno
 import itertools
 import logging
+import os
 import re
 import shutil
 import time
@@ -40,10 +41,10 @@ from georep.metadata.topics import (
 from georep.record.validate import TimestampWindow
 from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
-from georep.storage.durable_file import fsync_directory, replace_file
+from georep.storage.durable_file import fsync_directory
 from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.partition_dirs import partition_dir_name, topic_file_name
-from georep.storage.private import private_dir
+from georep.storage.private import FILE_MODE, private_dir
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -273,17 +274,17 @@ class Broker:
         :meth:`create_topic` returns or raises. A one-node site writes its topic table once for them all (not once
         per topic: a table of n topics is rewritten whole); a multi-node site commits one Raft command each."""
         outcomes: list[TopicSpec | Exception] = []
-        specs: list[TopicSpec] = []
+        specs: dict[str, TopicSpec] = {}
         for name, partitions, raw_config in requests:
             try:
                 spec = self.check_new_topic(name, partitions, raw_config, internal=internal)
-                if any(s.name == name for s in specs):
+                if name in specs:
                     raise TopicExists(name)
             except (InternalTopic, InvalidTopic, TopicExists) as exc:
                 outcomes.append(exc)
                 continue
             outcomes.append(spec)
-            specs.append(spec)
+            specs[name] = spec
         if self.in_site:
             # The site's Raft metadata (blocking: the service calls this in a worker thread); each partition's
             # leader attaches it here once its first segment is open.
@@ -294,7 +295,7 @@ class Broker:
                     except Exception as exc:  # each topic's own answer: what its single create raises
                         outcomes[i] = exc
             return outcomes
-        failed = self._create_on_disk(specs)
+        failed = self._create_on_disk(list(specs.values()))
         for i, outcome in enumerate(outcomes):
             if isinstance(outcome, TopicSpec) and outcome.name in failed:
                 outcomes[i] = failed[outcome.name]
@@ -311,8 +312,8 @@ class Broker:
         failed: dict[str, Exception] = {}
         try:
             private_dir(self.creating_dir)
-            for intent in intents.values():
-                replace_file(intent, b"", sync_directory=False)
+            for intent in intents.values():  # empty: its name is all it says, made durable by the directory's fsync
+                os.close(os.open(intent, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE))
             fsync_directory(self.creating_dir)
         except OSError as exc:
             for spec in specs:

@@ -171,11 +171,13 @@ class NodeService:
     def _summary(self, spec: TopicSpec) -> pb.TopicDescription:
         """The definition, and the records and bytes of the partitions served here: no vector, no state."""
         out = self._definition(spec)
+        records = size_bytes = 0
         for i in range(spec.partitions):
             p = self.broker.partitions.get((spec.name, i))
             if p is not None:
-                out.records += p.log.log_end_offset - p.log.log_start_offset
-                out.size_bytes += p.log.size_bytes
+                records += p.log.log_end_offset - p.log.log_start_offset
+                size_bytes += p.log.size_bytes
+        out.records, out.size_bytes = records, size_bytes
         return out
 
     def _listed(self, spec: TopicSpec, view: pb.TopicView.ValueType) -> pb.TopicDescription:
