@@ -112,3 +112,35 @@ def test_a_disk_that_fills_during_a_create_leaves_no_orphan_directory(small_disk
         assert len(partition_dirs(data, "big")) == 500
     finally:
         node.stop()
+
+
+def test_a_disk_that_fills_during_a_create_of_many_topics_keeps_the_whole_ones(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    """Issue 22: CreateTopics writes the topic table once for many topics. The disk fills midway: the topics made
+    before are whole and answered created, the others are refused with DiskFull, and none leaves a directory."""
+    data = small_disk / "a"
+    node = NodeProcess(site="a", data_dir=data, listen=f"127.0.0.1:{free_ports(1)[0]}", extra_args=["--insecure"])
+    node.start()
+    try:
+        stub = stub_of(node)
+        asked = [pb.CreateTopicRequest(name=f"t{i:03d}", partitions=20) for i in range(40)]
+        answer = stub.CreateTopics(pb.CreateTopicsRequest(topics=asked), timeout=60)
+        created = [r.name for r in answer.results if not r.HasField("error")]
+        refused = [r for r in answer.results if r.HasField("error")]
+        assert created and refused, "the disk did not fill midway"
+        assert created == [t.name for t in asked[: len(created)]]
+        assert all(r.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] for r in refused)
+        listed = {t.name for t in stub.ListTopics(pb.ListTopicsRequest(), timeout=10).topics}
+        for r in refused:
+            assert partition_dirs(data, r.name) == [] and r.name not in listed
+        for name in created:
+            assert len(partition_dirs(data, name)) == 20 and name in listed
+        assert not list((data / "creating").iterdir())
+        node.stop()
+        node.start()  # the table holds exactly the topics answered created
+        stub = stub_of(node)
+        listed = {t.name for t in stub.ListTopics(pb.ListTopicsRequest(), timeout=10).topics}
+        assert {n for n in listed if n.startswith("t")} == set(created)
+    finally:
+        node.stop()

@@ -24,6 +24,7 @@ from georep.cli.output import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, er
 from georep.cli.records import cmd_consume, cmd_offsets, cmd_produce
 from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topics import cmd_health, cmd_topic_create, cmd_topic_describe, cmd_topic_list
+from georep.client.admin import LIST_PAGE_SIZE
 from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap
 from georep.client.errors import GeorepError
 from offsets.commits import OFFSETS_TOPIC
@@ -100,8 +101,8 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     """``topic create``, ``topic list`` and ``topic describe``."""
     topic = commands.add_parser("topic", help="create, list and describe topics")
     topic_commands = topic.add_subparsers(dest="topic_command", metavar="ACTION", required=True)
-    create = topic_commands.add_parser("create", help="create a topic")
-    create.add_argument("name")
+    create = topic_commands.add_parser("create", help="create topics (one call for them all)")
+    create.add_argument("name", nargs="+", help="one or more topic names, each created with --partitions")
     create.add_argument("--partitions", type=int, required=True, help="number of partitions (fixed for life)")
     create.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE", help="topic config overrides")
     create.set_defaults(run=cmd_topic_create)
@@ -110,6 +111,11 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
         "--internal",
         action="store_true",
         help=f"also list georep's internal topics ({OFFSETS_TOPIC}: committed offsets)",
+    )
+    listing.add_argument("--limit", type=int, metavar="N", help="list at most N topics, and say how to go on")
+    listing.add_argument("--page-token", default="", metavar="TOKEN", help="go on where a --limit listing stopped")
+    listing.add_argument(
+        "--page-size", type=int, default=LIST_PAGE_SIZE, metavar="N", help="topics per call to the node"
     )
     listing.set_defaults(run=cmd_topic_list)
     describe = topic_commands.add_parser("describe", help="partitions, offsets, vectors and config of a topic")

@@ -6,11 +6,13 @@ import argparse
 import json
 from collections.abc import Sequence
 
-from georep.cli.output import EXIT_ERROR, table, topic_json
+from georep.cli.output import EXIT_ERROR, err, table, topic_json
 from georep.cli.tls_args import client_tls
-from georep.client.admin import Admin
+from georep.client.admin import Admin, NewTopic, TopicInfo
 from georep.client.errors import InvalidRequest
 from topology.filters import is_internal
+
+LIST_PAGES_MAX = 100_000  # 100 million topics at the smallest page: a bound, not a limit anyone meets
 
 
 def _parse_config(items: Sequence[str]) -> dict[str, str]:
@@ -24,8 +26,11 @@ def _parse_config(items: Sequence[str]) -> dict[str, str]:
 
 
 async def cmd_topic_create(args: argparse.Namespace) -> int:
+    config = _parse_config(args.config)
+    if len(args.name) > 1:
+        return await _create_many(args, config)
     async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
-        topic = await admin.create_topic(args.name, args.partitions, _parse_config(args.config))
+        topic = await admin.create_topic(args.name[0], args.partitions, config)
     if args.json:
         print(json.dumps(topic_json(topic)))
     else:
@@ -33,19 +38,54 @@ async def cmd_topic_create(args: argparse.Namespace) -> int:
     return 0
 
 
-async def cmd_topic_list(args: argparse.Namespace) -> int:
+async def _create_many(args: argparse.Namespace, config: dict[str, str]) -> int:
+    """Every name in one ``CreateTopics`` call (a call per 500): each created or refused on its own."""
     async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
-        topics = [t for t in await admin.list_topics() if args.internal or not is_internal(t.name)]
+        results = await admin.create_topics([NewTopic(name, args.partitions, config) for name in args.name])
+    refused = [r for r in results if r.error is not None]
     if args.json:
-        print(json.dumps([topic_json(t) for t in topics]))
-        return 0
-    rows = [
-        (t.name, t.partitions, sum(p.log_end_offset - p.log_start_offset for p in t.partition_states)) for t in topics
-    ]
-    if rows:
-        print(table(("TOPIC", "PARTITIONS", "RECORDS"), rows))
+        print(json.dumps([{"name": r.name, "partitions": r.partitions, "error": _text(r.error)} for r in results]))
     else:
+        for r in results:
+            if r.error is None:
+                print(f"created topic {r.name!r} with {r.partitions} partitions")
+        for r in refused:
+            err(f"error: topic {r.name!r} not created: {r.error}")
+        print(f"created {len(results) - len(refused)} of {len(results)} topics")
+    return EXIT_ERROR if refused else 0
+
+
+def _text(error: Exception | None) -> str | None:
+    return None if error is None else str(error)
+
+
+async def cmd_topic_list(args: argparse.Namespace) -> int:
+    """Every topic by name, a page per call; with ``--limit``, at most that many and the token to go on from."""
+    if args.limit is not None and args.limit <= 0:
+        raise InvalidRequest(f"--limit {args.limit}: list at least one topic")
+    if args.page_size <= 0:
+        raise InvalidRequest(f"--page-size {args.page_size}: ask for at least one topic per call")
+    topics: list[TopicInfo] = []
+    token = args.page_token
+    async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
+        for _ in range(LIST_PAGES_MAX):
+            wanted = args.page_size if args.limit is None else min(args.page_size, args.limit - len(topics))
+            page = await admin.list_topics_page(wanted, token)
+            topics += [t for t in page.topics if args.internal or not is_internal(t.name)]
+            if not page.next_page_token or page.next_page_token == token:
+                token = ""
+                break
+            token = page.next_page_token
+            if args.limit is not None and len(topics) >= args.limit:
+                break
+    if args.json:
+        print(json.dumps([topic_json(t, summary=True) for t in topics]))
+    elif topics:
+        print(table(("TOPIC", "PARTITIONS", "RECORDS"), [(t.name, t.partitions, t.records) for t in topics]))
+    elif not token:
         print("no topics (create one with 'georep topic create NAME --partitions N')")
+    if token:
+        err(f"more topics follow: go on with 'georep topic list --page-token {token}'")
     return 0
 
 

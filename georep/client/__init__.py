@@ -11,7 +11,16 @@ Quick start::
             print(record.offset, record.origin, record.value)
 """
 
-from georep.client.admin import Admin, Health, PartitionInfo, PartitionOffset, TopicInfo
+from georep.client.admin import (
+    Admin,
+    Health,
+    NewTopic,
+    PartitionInfo,
+    PartitionOffset,
+    TopicCreated,
+    TopicInfo,
+    TopicPage,
+)
 from georep.client.connection import DEFAULT_BOOTSTRAP, default_bootstrap, parse_bootstrap
 from georep.client.consumer import Consumer, ConsumerRecord, TopicPartition
 from georep.client.errors import (
@@ -51,6 +60,7 @@ __all__ = [
     "DiskFull",
     "GeorepError",
     "Health",
+    "NewTopic",
     "InvalidRequest",
     "NodeUnavailable",
     "OffsetOutOfRange",
@@ -58,6 +68,8 @@ __all__ = [
     "OutOfOrderSequence",
     "PartitionInfo",
     "PartitionOffset",
+    "TopicCreated",
+    "TopicPage",
     "Producer",
     "ProducerClosed",
     "ProducerFenced",

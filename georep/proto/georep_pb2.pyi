@@ -25,6 +25,30 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _TopicView:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TopicViewEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TopicView.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOPIC_VIEW_FULL: _TopicView.ValueType  # 0
+    """as DescribeTopic: every partition state this node serves (and the leaders)"""
+    TOPIC_VIEW_DEFINITION: _TopicView.ValueType  # 1
+    """name, partition count and effective configuration only"""
+    TOPIC_VIEW_SUMMARY: _TopicView.ValueType  # 2
+    """the definition, plus records and size_bytes summed over the partitions served here"""
+
+class TopicView(_TopicView, metaclass=_TopicViewEnumTypeWrapper):
+    """How much of each topic a listing carries."""
+
+TOPIC_VIEW_FULL: TopicView.ValueType  # 0
+"""as DescribeTopic: every partition state this node serves (and the leaders)"""
+TOPIC_VIEW_DEFINITION: TopicView.ValueType  # 1
+"""name, partition count and effective configuration only"""
+TOPIC_VIEW_SUMMARY: TopicView.ValueType  # 2
+"""the definition, plus records and size_bytes summed over the partitions served here"""
+Global___TopicView: _TypeAlias = TopicView  # noqa: Y015
+
 class _Acks:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -477,16 +501,42 @@ Global___CreateTopicRequest: _TypeAlias = CreateTopicRequest  # noqa: Y015
 
 @_typing.final
 class ListTopicsRequest(_message.Message):
+    """Without fields: every topic, each with every partition's state (TOPIC_VIEW_FULL), in one answer."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    VIEW_FIELD_NUMBER: _builtins.int
+    CHANGED_SINCE_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most this many topics per answer (AIP-158), capped by the node (1,000 with the full view, 10,000
+    otherwise); next_page_token says where to go on. 0: all of them in one answer (as before paging).
+    """
+    page_token: _builtins.str
+    """next_page_token of the previous answer; "": from the first topic"""
+    view: Global___TopicView.ValueType
+    changed_since: _builtins.str
+    """Topic sync: set (even to "") to list only the topics the node's catalog learnt after this catalog_token
+    (a previous answer's), in the order it learnt them, rather than every topic by name. An answer with no
+    topic and the same token means nothing changed. A token from another node, or from before a restart,
+    lists the catalog again from its first topic (restarted).
+    """
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        view: Global___TopicView.ValueType = ...,
+        changed_since: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_changed_since", b"_changed_since", "changed_since", b"changed_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_changed_since", b"_changed_since", "changed_since", b"changed_since", "page_size", b"page_size", "page_token", b"page_token", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__changed_since: _TypeAlias = _typing.Literal["changed_since"]  # noqa: Y015
+    _WhichOneofArgType__changed_since: _TypeAlias = _typing.Literal["_changed_since", b"_changed_since"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__changed_since) -> _WhichOneofReturnType__changed_since | None: ...
 
 Global___ListTopicsRequest: _TypeAlias = ListTopicsRequest  # noqa: Y015
 
@@ -495,12 +545,52 @@ class ListTopicsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TOPICS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    CATALOG_TOKEN_FIELD_NUMBER: _builtins.int
+    RESTARTED_FIELD_NUMBER: _builtins.int
+    TOTAL_SIZE_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """More topics follow: ask again with it as page_token (a listing by name) or as changed_since (a topic
+    sync). "": this was the last page.
+    """
+    catalog_token: _builtins.str
+    """Topic sync: where the answer leaves the caller in the node's catalog; the next sync asks changed_since it."""
+    restarted: _builtins.bool
+    """Topic sync: changed_since was not a token of this node's catalog as it is now, so the listing started
+    again from its first topic: what the caller learnt from this node before no longer holds.
+    """
+    total_size: _builtins.int
+    """topics at the node (all pages)"""
     @_builtins.property
     def topics(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopicDescription]: ...
     def __init__(
         self,
         *,
         topics: _abc.Iterable[Global___TopicDescription] | None = ...,
+        next_page_token: _builtins.str = ...,
+        catalog_token: _builtins.str = ...,
+        restarted: _builtins.bool = ...,
+        total_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["catalog_token", b"catalog_token", "next_page_token", b"next_page_token", "restarted", b"restarted", "topics", b"topics", "total_size", b"total_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTopicsResponse: _TypeAlias = ListTopicsResponse  # noqa: Y015
+
+@_typing.final
+class CreateTopicsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPICS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def topics(self) -> _containers.RepeatedCompositeFieldContainer[Global___CreateTopicRequest]: ...
+    def __init__(
+        self,
+        *,
+        topics: _abc.Iterable[Global___CreateTopicRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -508,7 +598,57 @@ class ListTopicsResponse(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ListTopicsResponse: _TypeAlias = ListTopicsResponse  # noqa: Y015
+Global___CreateTopicsRequest: _TypeAlias = CreateTopicsRequest  # noqa: Y015
+
+@_typing.final
+class CreateTopicsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___CreateTopicResult]:
+        """one per requested topic, in the request's order"""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___CreateTopicResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateTopicsResponse: _TypeAlias = CreateTopicsResponse  # noqa: Y015
+
+@_typing.final
+class CreateTopicResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    PARTITIONS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    partitions: _builtins.int
+    @_builtins.property
+    def error(self) -> Global___Error:
+        """unset: created"""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        error: Global___Error | None = ...,
+        partitions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "name", b"name", "partitions", b"partitions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateTopicResult: _TypeAlias = CreateTopicResult  # noqa: Y015
 
 @_typing.final
 class DescribeTopicRequest(_message.Message):
@@ -637,8 +777,13 @@ class TopicDescription(_message.Message):
     CONFIG_FIELD_NUMBER: _builtins.int
     PARTITION_STATES_FIELD_NUMBER: _builtins.int
     LEADERS_FIELD_NUMBER: _builtins.int
+    RECORDS_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     partitions: _builtins.int
+    records: _builtins.int
+    """TOPIC_VIEW_SUMMARY: summed over the partitions this node serves (records: log end minus log start offsets)."""
+    size_bytes: _builtins.int
     @_builtins.property
     def config(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """effective configuration"""
@@ -661,10 +806,12 @@ class TopicDescription(_message.Message):
         config: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         partition_states: _abc.Iterable[Global___PartitionState] | None = ...,
         leaders: _abc.Iterable[Global___PartitionLeader] | None = ...,
+        records: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "leaders", b"leaders", "name", b"name", "partition_states", b"partition_states", "partitions", b"partitions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "leaders", b"leaders", "name", b"name", "partition_states", b"partition_states", "partitions", b"partitions", "records", b"records", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

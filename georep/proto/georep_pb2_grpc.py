@@ -164,6 +164,11 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.ListUsersRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.ListUsersResponse.FromString,
                 _registered_method=True)
+        self.CreateTopics = channel.unary_unary(
+                '/georep.v1.Node/CreateTopics',
+                request_serializer=georep_dot_proto_dot_georep__pb2.CreateTopicsRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.CreateTopicsResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -370,6 +375,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateTopics(self, request, context):
+        """Many topics in one call (Kafka's CreateTopics): each is created or refused
+        on its own, and the answer says which. A one-node site writes its topic
+        table once for the whole call rather than once per topic.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -502,6 +516,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.ListUsers,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.ListUsersRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.ListUsersResponse.SerializeToString,
+            ),
+            'CreateTopics': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateTopics,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.CreateTopicsRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.CreateTopicsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1206,6 +1225,33 @@ class Node:
             '/georep.v1.Node/ListUsers',
             georep_dot_proto_dot_georep__pb2.ListUsersRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.ListUsersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateTopics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/CreateTopics',
+            georep_dot_proto_dot_georep__pb2.CreateTopicsRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.CreateTopicsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -121,6 +121,11 @@ class NodeStub:
     """
     ListUsers: _grpc.UnaryUnaryMultiCallable[_georep_pb2.ListUsersRequest, _georep_pb2.ListUsersResponse]
     """Admin (`georep user list`): the users with a credential, without keys."""
+    CreateTopics: _grpc.UnaryUnaryMultiCallable[_georep_pb2.CreateTopicsRequest, _georep_pb2.CreateTopicsResponse]
+    """Many topics in one call (Kafka's CreateTopics): each is created or refused
+    on its own, and the answer says which. A one-node site writes its topic
+    table once for the whole call rather than once per topic.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -209,6 +214,11 @@ class NodeAsyncStub(NodeStub):
     """
     ListUsers: _aio.UnaryUnaryMultiCallable[_georep_pb2.ListUsersRequest, _georep_pb2.ListUsersResponse]  # type: ignore[assignment]
     """Admin (`georep user list`): the users with a credential, without keys."""
+    CreateTopics: _aio.UnaryUnaryMultiCallable[_georep_pb2.CreateTopicsRequest, _georep_pb2.CreateTopicsResponse]  # type: ignore[assignment]
+    """Many topics in one call (Kafka's CreateTopics): each is created or refused
+    on its own, and the answer says which. A one-node site writes its topic
+    table once for the whole call rather than once per topic.
+    """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -450,6 +460,17 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_georep_pb2.ListUsersResponse, _abc.Awaitable[_georep_pb2.ListUsersResponse]]:
         """Admin (`georep user list`): the users with a credential, without keys."""
+
+    @_abc_1.abstractmethod
+    def CreateTopics(
+        self,
+        request: _georep_pb2.CreateTopicsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.CreateTopicsResponse, _abc.Awaitable[_georep_pb2.CreateTopicsResponse]]:
+        """Many topics in one call (Kafka's CreateTopics): each is created or refused
+        on its own, and the answer says which. A one-node site writes its topic
+        table once for the whole call rather than once per topic.
+        """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

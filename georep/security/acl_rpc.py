@@ -10,7 +10,7 @@ is given a rule.
 The rules:
 
 * topics: ``Produce``/``ProduceStream`` need produce; ``Fetch`` and ``ListOffsets`` consume; ``CreateTopic``
-  create_topic;
+  create_topic (``CreateTopics`` on every topic it names);
 * groups: ``GroupHeartbeat`` (join), ``LeaveGroup``, ``FetchCommitted``, ``DescribeGroup`` need read on the
   group, and the heartbeat consume on every subscribed topic; ``CommitOffsets`` needs commit on the group
   and consume on every committed topic (as Kafka's OffsetCommit needs READ on the group and the topic);
@@ -144,6 +144,10 @@ def _report_held(req: pb.ReportHeldRequest, who: Principal, policy: Policy) -> D
 NODE_ACCESS: Mapping[str, Access] = {
     "CreateTopic": Access(
         pb.CreateTopicRequest, lambda req, who, policy: policy.acl(who, Operation.CREATE_TOPIC, [topic(req.name)])
+    ),
+    "CreateTopics": Access(
+        pb.CreateTopicsRequest,
+        lambda req, who, policy: policy.acl(who, Operation.CREATE_TOPIC, [topic(t.name) for t in req.topics]),
     ),
     "ListTopics": _open_access(pb.ListTopicsRequest),
     "DescribeTopic": _open_access(pb.DescribeTopicRequest),

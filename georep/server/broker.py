@@ -16,11 +16,12 @@ import asyncio
 import errno
 import itertools
 import logging
+import os
 import re
 import shutil
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -29,15 +30,21 @@ from dedup.producer import ProducerStateTable
 from georep.broker.acks import LEADER, Acks, AckTable, Effect, Fail, HeldChanged, Release, StartFlush, Token, check_acks
 from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
-from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists
-from georep.metadata.topics import TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
+from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists, UnknownTopic
+from georep.metadata.topics import (
+    InvalidTopic,
+    TopicSpec,
+    parse_topic_config,
+    validate_partitions,
+    validate_topic_name,
+)
 from georep.record.validate import TimestampWindow
 from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
-from georep.storage.durable_file import fsync_directory, replace_file
+from georep.storage.durable_file import fsync_directory
 from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.partition_dirs import partition_dir_name, topic_file_name
-from georep.storage.private import private_dir
+from georep.storage.private import FILE_MODE, private_dir
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -129,6 +136,16 @@ class InSiteReplication(Protocol):
 
     def flush(self) -> None:
         """fsync the leader's copy (the writer reports it through ``Broker.own_flush_done``)."""
+
+
+def _create_failed(name: str, exc: Exception) -> Exception:
+    """What a create of ``name`` that the disk refused raises: nothing of the topic was kept."""
+    full = isinstance(exc, DiskFull) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT))
+    if full:
+        return DiskFull(
+            f"cannot create topic {name!r}: {exc}; free disk space, then create it again (nothing of it was kept)"
+        )
+    return WriteFailed(f"cannot create topic {name!r}: {exc}; nothing of it was kept")
 
 
 class Broker:
@@ -235,41 +252,102 @@ class Broker:
         validate_topic_name(name)
         validate_partitions(partitions)
         spec = TopicSpec(name, partitions, parse_topic_config(raw_config))
-        if name in self.metadata.topics():
-            raise TopicExists(name)
-        return spec
+        try:
+            self.metadata.get(name)  # not topics(): a copy of the whole table per create
+        except UnknownTopic:
+            return spec
+        raise TopicExists(name)
 
     def create_topic(
         self, name: str, partitions: int, raw_config: dict[str, str], *, internal: bool = False
     ) -> TopicSpec:
         """Raises what :meth:`check_new_topic` raises, ``DiskFull`` or ``WriteFailed``."""
-        spec = self.check_new_topic(name, partitions, raw_config, internal=internal)
+        (outcome,) = self.create_topics([(name, partitions, raw_config)], internal=internal)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def create_topics(
+        self, requests: Sequence[tuple[str, int, dict[str, str]]], *, internal: bool = False
+    ) -> list[TopicSpec | Exception]:
+        """Create each of ``requests`` (name, partitions, config) or say why not, in their order: what
+        :meth:`create_topic` returns or raises. A one-node site writes its topic table once for them all (not once
+        per topic: a table of n topics is rewritten whole); a multi-node site commits one Raft command each."""
+        outcomes: list[TopicSpec | Exception] = []
+        specs: dict[str, TopicSpec] = {}
+        for name, partitions, raw_config in requests:
+            try:
+                spec = self.check_new_topic(name, partitions, raw_config, internal=internal)
+                if name in specs:
+                    raise TopicExists(name)
+            except (InternalTopic, InvalidTopic, TopicExists) as exc:
+                outcomes.append(exc)
+                continue
+            outcomes.append(spec)
+            specs[name] = spec
         if self.in_site:
             # The site's Raft metadata (blocking: the service calls this in a worker thread); each partition's
             # leader attaches it here once its first segment is open.
-            self.metadata.create_topic(spec)
-            return spec
-        intent = self.creating_dir / topic_file_name(name)
+            for i, outcome in enumerate(outcomes):
+                if isinstance(outcome, TopicSpec):
+                    try:
+                        self.metadata.create_topic(outcome)
+                    except Exception as exc:  # each topic's own answer: what its single create raises
+                        outcomes[i] = exc
+            return outcomes
+        failed = self._create_on_disk(list(specs.values()))
+        for i, outcome in enumerate(outcomes):
+            if isinstance(outcome, TopicSpec) and outcome.name in failed:
+                outcomes[i] = failed[outcome.name]
+        return outcomes
+
+    def _create_on_disk(self, specs: list[TopicSpec]) -> dict[str, Exception]:
+        """Open ``specs``' partitions and add them to the topic table (one write); the ones that failed, and why.
+        A topic is in the table whole or not at all, with nothing of it left on disk."""
+        if not specs:
+            return {}
+        assert isinstance(self.metadata, FileMetadataStore)
+        intents = {spec.name: self.creating_dir / topic_file_name(spec.name) for spec in specs}
+        opened: list[TopicSpec] = []
+        failed: dict[str, Exception] = {}
         try:
             private_dir(self.creating_dir)
-            replace_file(intent, b"")
-            self._open_topic(spec, self.clock_ms())
-            self.metadata.create_topic(spec)
-        except (OSError, DiskFull) as exc:
-            self._undo_create(name, partitions, intent)
-            full = isinstance(exc, DiskFull) or exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            if full:
-                raise DiskFull(
-                    f"cannot create topic {name!r}: {exc}; free disk space, then create it again (nothing "
-                    "of it was kept)"
-                ) from None
-            raise WriteFailed(f"cannot create topic {name!r}: {exc}; nothing of it was kept") from None
+            for intent in intents.values():  # empty: its name is all it says, made durable by the directory's fsync
+                os.close(os.open(intent, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE))
+            fsync_directory(self.creating_dir)
+        except OSError as exc:
+            for spec in specs:
+                self._undo_create(spec.name, 0, intents[spec.name])
+            return {spec.name: _create_failed(spec.name, exc) for spec in specs}
+        now = self.clock_ms()
+        refused: OSError | DiskFull | None = None
+        for spec in specs:
+            if refused is not None:  # the disk refused a topic: the next ones are not tried, for the same reason
+                intents[spec.name].unlink(missing_ok=True)
+                failed[spec.name] = _create_failed(spec.name, refused)
+                continue
+            try:
+                self._open_topic(spec, now)
+                opened.append(spec)
+            except (OSError, DiskFull) as exc:
+                self._undo_create(spec.name, spec.partitions, intents[spec.name])
+                failed[spec.name] = _create_failed(spec.name, exc)
+                refused = exc
         try:
-            intent.unlink()
-        except OSError as exc:  # the topic is whole; the next start sees it defined and drops the intent
-            log.warning("topic %r created, but its create intent %s stays until the next start: %s", name, intent, exc)
-        self.on_topic(name, partitions)
-        return spec
+            self.metadata.create_topics(opened)
+        except (OSError, DiskFull) as exc:
+            for spec in opened:
+                self._undo_create(spec.name, spec.partitions, intents[spec.name])
+                failed[spec.name] = _create_failed(spec.name, exc)
+            return failed
+        try:
+            for spec in opened:
+                intents[spec.name].unlink()
+        except OSError as exc:  # the topics are whole; the next start sees them defined and drops the intents
+            log.warning("topics created, but intents in %s stay until the next start: %s", self.creating_dir, exc)
+        for spec in opened:
+            self.on_topic(spec.name, spec.partitions)
+        return failed
 
     # A topic create is made atomic on disk by an intent file (``creating/<topic>``), written and fsynced before the
     # first partition directory and removed once the topic is in the topic table. The partition directories cannot

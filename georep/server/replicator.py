@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import logging
 import time
@@ -44,7 +43,7 @@ from georep.broker.errors import BrokerError
 from georep.broker.repair import Ask, RepairQueue
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.metadata.store import TopicExists
-from georep.metadata.topics import InvalidTopic
+from georep.metadata.topics import InvalidTopic, TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import damaged_to_proto, vector_from_proto, vector_to_proto
@@ -58,6 +57,7 @@ from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker
+from georep.server.topic_creation import create_topics
 from georep.storage.api import DiskFull, RepairRefused
 from offsets.coordinates import Origin
 from offsets.held import HeldReporter
@@ -69,6 +69,8 @@ from topology.reach import expected_sites
 log = logging.getLogger(__name__)
 
 TOPIC_SYNC_S = 1.0
+SYNC_PAGE_TOPICS = 1_000  # topic definitions per ListTopics answer in a topic sync
+SYNC_PAGES_MAX = 1_000
 TICK_S = 0.2
 BACKOFF_MIN_MS = 100
 BACKOFF_MAX_MS = 2_000
@@ -126,9 +128,12 @@ class Puller:
         self._channel: grpc.aio.Channel | None = None
         self._stub: pbg.NodeAsyncStub | None = None
         self._topics_synced = asyncio.Event()
-        # The upstream's topics and partition counts, from the last ListTopics:
+        # The upstream's topics as learnt from its catalog (topic sync), and their partition counts:
         # a want for a topic it does not have (yet) would fail the whole stream.
+        self._remote: dict[str, RemoteTopic] = {}
         self.remote_topics: dict[str, int] = {}
+        self._catalog_token = ""  # where the last sync left this puller in src's catalog ("": from the start)
+        self._local_planned: dict[str, TopicSpec] | None = None  # this site's topics when the plan was last made
         self.enabled = asyncio.Event()  # mirrors the session's: an operator cut pauses topics and reports too
         self.enabled.set()
         self.held_changed = asyncio.Event()
@@ -196,42 +201,90 @@ class Puller:
         while True:
             await self.enabled.wait()
             try:
-                resp = await self.stub.ListTopics(pb.ListTopicsRequest(), timeout=RPC_TIMEOUT_S)
-                await self.sync_topics(resp)
+                await self.sync_topics()
                 self._topics_synced.set()
                 await pull_acls(self.stub, self.r.broker.metadata, self.r.broker.in_site, self.src, RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 log.debug("listing topics at %s (%s) failed: %s", self.src, self.address, exc.details())
+            except Exception:  # a bug must not end topic sync for good, silently: log it, sync again
+                log.exception("link %s -> %s: topic sync failed", self.src, self.r.site)
+                self._local_planned = None
             await asyncio.sleep(TOPIC_SYNC_S)
 
-    async def sync_topics(self, resp: pb.ListTopicsResponse) -> None:
+    async def sync_topics(self) -> None:
+        """One round of topic sync: learn what src's catalog changed (nothing, most rounds), then plan and carry
+        out what changed here or there. Raises ``AioRpcError``: the next round asks from where this one got."""
+        changed = await self._learn_topics()
+        if self.r.broker.metadata.topics() != self._local_planned:
+            await self._carry_out(list(self._remote.values()))  # this site's changed: any of src's may compare anew
+        elif changed:
+            await self._carry_out(changed)
+
+    async def _learn_topics(self) -> list[RemoteTopic]:
+        """Bring the view of src's topics up to its catalog, a page at a time; the topics learnt. A listing that
+        starts over (src restarted, or this puller moved to another of its nodes) replaces the view once whole."""
+        learnt: list[RemoteTopic] = []
+        fresh: dict[str, RemoteTopic] | None = None
+        token = self._catalog_token
+        for _ in range(SYNC_PAGES_MAX):
+            request = pb.ListTopicsRequest(
+                view=pb.TOPIC_VIEW_DEFINITION, page_size=SYNC_PAGE_TOPICS, changed_since=token
+            )
+            resp = await self.stub.ListTopics(request, timeout=RPC_TIMEOUT_S)
+            if resp.restarted or not resp.catalog_token:  # (no token: a node from before catalogs lists all)
+                fresh, learnt = {}, []
+            page = [RemoteTopic(t.name, t.partitions, dict(t.config)) for t in resp.topics]
+            learnt += page
+            token = resp.catalog_token
+            if fresh is None:
+                self._learnt(page)
+                self._catalog_token = token
+            else:
+                fresh.update((t.name, t) for t in page)
+            if not token or not resp.next_page_token:
+                if fresh is not None:
+                    self._remote = {}
+                    self._learnt(list(fresh.values()))
+                    self._catalog_token = token
+                return learnt
+        log.warning("site %s listed over %d pages of topics: the rest next round", self.src, SYNC_PAGES_MAX)
+        return learnt if fresh is None else []
+
+    def _learnt(self, topics: list[RemoteTopic]) -> None:
+        for t in topics:
+            self._remote[t.name] = t
+        # A want for a topic src does not have would fail the whole stream: only what it listed.
+        self.remote_topics = {name: t.partitions for name, t in self._remote.items()}
+
+    async def _carry_out(self, remote: list[RemoteTopic]) -> None:
+        """Create here what ``remote`` holds that the link carries and this site lacks; report and clear
+        conflicts. A create that fails is planned again next round."""
         r = self.r
-        remote = [RemoteTopic(t.name, t.partitions, dict(t.config)) for t in resp.topics]
-        self.remote_topics = {t.name: t.partitions for t in remote}
-        local = {name: spec.partitions for name, spec in r.broker.metadata.topics().items()}
+        local_specs = r.broker.metadata.topics()
+        local = {name: spec.partitions for name, spec in local_specs.items()}
         plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local)
-        for t in plan.create:
-            try:
-                if r.broker.in_site:  # a multi-node site's topics are Raft commands: not on the event loop
-                    await asyncio.get_running_loop().run_in_executor(
-                        None,
-                        functools.partial(r.broker.create_topic, t.name, t.partitions, dict(t.config), internal=True),
-                    )
-                else:
-                    r.broker.create_topic(t.name, t.partitions, dict(t.config), internal=True)
+        outcomes = await create_topics(
+            r.broker, [(t.name, t.partitions, dict(t.config)) for t in plan.create], internal=True
+        )
+        for t, outcome in zip(plan.create, outcomes, strict=True):
+            if isinstance(outcome, TopicSpec):
                 log.info("created topic %r (%d partitions) replicated from site %s", t.name, t.partitions, self.src)
-            except TopicExists:
-                pass  # created meanwhile: the next round compares partition counts
-            except (InvalidTopic, DiskFull, BrokerError) as exc:
+                continue
+            if isinstance(outcome, (InvalidTopic, DiskFull, BrokerError)):
                 r.conflicts[(t.name, self.src)] = (
-                    f"topic {t.name!r} of site {self.src} cannot be created at site {r.site}: {exc}"
+                    f"topic {t.name!r} of site {self.src} cannot be created at site {r.site}: {outcome}"
                 )
+            elif not isinstance(outcome, TopicExists):
+                log.warning("topic %r of site %s not created here yet: %s", t.name, self.src, outcome)
         for name, message in plan.conflicts.items():
             if r.conflicts.get((name, self.src)) != message:
                 log.warning("%s", message)
             r.conflicts[(name, self.src)] = message
         for name in plan.cleared:
             r.conflicts.pop((name, self.src), None)
+        # Planned against local_specs; after creates (ours, and whatever else came meanwhile, or a create that
+        # failed), the next round plans every topic again, against the table then.
+        self._local_planned = None if plan.create else local_specs
 
     # -- held reports -----------------------------------------------------------
 

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import functools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING
@@ -35,6 +36,8 @@ from georep.broker.fetch import (
     batch_by_coordinate,
     offset_for_time,
 )
+from georep.metadata.catalog import TopicCatalog
+from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource
@@ -46,6 +49,7 @@ from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
 from georep.server.rpc import Context, merge_streams, parse, service, status, stream_stream, unary, unary_stream
 from georep.server.status import DOMAIN_ERRORS, reason_of
+from georep.server.topic_creation import create_topics
 from georep.storage.api import BatchDamaged
 from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog, SegmentElsewhere
 from offsets.coordinates import InvalidOrigin, Origin
@@ -70,6 +74,9 @@ REPLICATE_MAX_WAIT_MS_DEFAULT = 500
 FOLLOWER_POLL_S = 0.1  # a follower's fetch looks at the metadata's chain (rolls, seals) this often while it waits
 REFUSALS_LOGGED_EVERY_S = 60.0
 REFUSALS_LOGGED_MAX = 1024
+# ListTopics' largest page: a full description carries every partition's vector, a definition a few fields.
+LIST_PAGE_MAX_FULL = 1_000
+LIST_PAGE_MAX = 10_000
 
 
 def _error(exc: Exception) -> pb.Error:
@@ -115,6 +122,8 @@ class NodeService:
         self.claims = HeldClaimCheck(replicator.topology if replicator is not None else None, broker.identity.site)
         self.served = ServedGate(broker.origin)
         self._refusals_logged: dict[str, tuple[str, float]] = {}
+        # ListTopics' view of the topic table; its own id, so a token of another node or process is not taken
+        self.catalog = TopicCatalog(secrets.token_hex(8))
         broker.on_open = self._partition_opened
         for p in list(broker.partitions.values()):
             self._partition_opened(p)
@@ -134,13 +143,13 @@ class NodeService:
 
     def _describe(self, name: str) -> pb.TopicDescription:
         spec = self.broker.topic(name)
-        states = []
+        out = self._definition(spec)
         for i in range(spec.partitions):
             p = self.broker.partitions.get((name, i))
             if p is None:
                 continue  # a partition another node of a multi-node site leads
             plog = p.log
-            states.append(
+            out.partition_states.append(
                 pb.PartitionState(
                     partition=i,
                     log_start_offset=plog.log_start_offset,
@@ -151,11 +160,32 @@ class NodeService:
                     damaged=damaged_to_proto(plog.damaged_batches()),
                 )
             )
+        if self.site_cluster is not None:
+            out.leaders.extend(self.site_cluster.leaders(name, spec.partitions))
+        return out
+
+    def _definition(self, spec: TopicSpec) -> pb.TopicDescription:
         config = {k: str(v) for k, v in spec.effective(self.broker.defaults).items()}
-        leaders = self.site_cluster.leaders(name, spec.partitions) if self.site_cluster is not None else []
-        return pb.TopicDescription(
-            name=name, partitions=spec.partitions, config=config, partition_states=states, leaders=leaders
-        )
+        return pb.TopicDescription(name=spec.name, partitions=spec.partitions, config=config)
+
+    def _summary(self, spec: TopicSpec) -> pb.TopicDescription:
+        """The definition, and the records and bytes of the partitions served here: no vector, no state."""
+        out = self._definition(spec)
+        records = size_bytes = 0
+        for i in range(spec.partitions):
+            p = self.broker.partitions.get((spec.name, i))
+            if p is not None:
+                records += p.log.log_end_offset - p.log.log_start_offset
+                size_bytes += p.log.size_bytes
+        out.records, out.size_bytes = records, size_bytes
+        return out
+
+    def _listed(self, spec: TopicSpec, view: pb.TopicView.ValueType) -> pb.TopicDescription:
+        if view == pb.TOPIC_VIEW_DEFINITION:
+            return self._definition(spec)
+        if view == pb.TOPIC_VIEW_SUMMARY:
+            return self._summary(spec)
+        return self._describe(spec.name)
 
     async def create_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         req = parse(pb.CreateTopicRequest, data)  # an internal topic's name is refused by Broker.create_topic
@@ -165,9 +195,44 @@ class NodeService:
             self.broker.create_topic(req.name, req.partitions, dict(req.config))
         return self._describe(req.name)
 
+    async def create_topics(self, data: bytes, context: Context) -> pb.CreateTopicsResponse:
+        """Each topic created or refused on its own (Kafka's CreateTopics); a bug still fails the whole call."""
+        req = parse(pb.CreateTopicsRequest, data)
+        requests = [(t.name, t.partitions, dict(t.config)) for t in req.topics]
+        executor = self.site_cluster.executor if self.site_cluster is not None else None
+        outcomes = await create_topics(self.broker, requests, executor=executor)
+        out = pb.CreateTopicsResponse()
+        for (name, _partitions, _config), outcome in zip(requests, outcomes, strict=True):
+            if isinstance(outcome, TopicSpec):
+                out.results.append(pb.CreateTopicResult(name=name, partitions=outcome.partitions))
+            elif isinstance(outcome, DOMAIN_ERRORS):
+                out.results.append(pb.CreateTopicResult(name=name, error=_error(outcome)))
+            else:
+                raise outcome
+        return out
+
     async def list_topics(self, data: bytes, context: Context) -> pb.ListTopicsResponse:
-        parse(pb.ListTopicsRequest, data)
-        return pb.ListTopicsResponse(topics=[self._describe(n) for n in sorted(self.broker.metadata.topics())])
+        """By name a page at a time, or (``changed_since``, topic sync) what the catalog learnt after a token:
+        nothing when nothing changed (``georep/metadata/catalog.py``)."""
+        req = parse(pb.ListTopicsRequest, data)
+        if req.view not in pb.TopicView.values():
+            raise InvalidRequest(f"unknown topic view {req.view}: use one of {sorted(pb.TopicView.values())}")
+        if req.page_size < 0:
+            raise InvalidRequest(f"page_size {req.page_size} is negative: ask for 0 (every topic) or a page size")
+        cap = LIST_PAGE_MAX_FULL if req.view == pb.TOPIC_VIEW_FULL else LIST_PAGE_MAX
+        size = min(req.page_size, cap) if req.page_size else 0
+        catalog = self.catalog
+        catalog.refresh(self.broker.metadata.topics())
+        out = pb.ListTopicsResponse(total_size=len(catalog))
+        if req.HasField("changed_since"):
+            changes = catalog.changes_since(req.changed_since, size)
+            specs = changes.topics
+            out.catalog_token, out.restarted = changes.token, changes.restarted
+            out.next_page_token = changes.token if changes.more else ""
+        else:
+            specs, out.next_page_token = catalog.page_by_name(req.page_token, size)
+        out.topics.extend(self._listed(spec, req.view) for spec in specs)
+        return out
 
     async def describe_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         return self._describe(parse(pb.DescribeTopicRequest, data).name)
@@ -732,6 +797,7 @@ class NodeService:
             SERVICE,
             {
                 "CreateTopic": unary(self.create_topic),
+                "CreateTopics": unary(self.create_topics),
                 "ListTopics": unary(self.list_topics),
                 "DescribeTopic": unary(self.describe_topic),
                 "Produce": unary(self.produce),

@@ -82,9 +82,16 @@ class FileMetadataStore:
             raise UnknownTopic(name) from None
 
     def create_topic(self, spec: TopicSpec) -> None:
-        if spec.name in self._topics:
-            raise TopicExists(spec.name)
-        topics = {**self._topics, spec.name: spec}
+        self.create_topics([spec])
+
+    def create_topics(self, specs: list[TopicSpec]) -> None:
+        """Add every one of ``specs`` with one write of the table, or none of them. Raises ``TopicExists`` (for
+        the first name taken, or given twice)."""
+        topics = dict(self._topics)
+        for spec in specs:
+            if spec.name in topics:
+                raise TopicExists(spec.name)
+            topics[spec.name] = spec
         self._write(topics, self._acls)
         self._topics = topics
 

@@ -1,0 +1,186 @@
+"""Topic sync follows change (issue 22): a site that lists a linked site's topics every second gets nothing back
+when nothing changed, then only what did; and the catalog that answers it (``georep/metadata/catalog.py``).
+
+The sync tests run site b's ``Replicator`` in this process, pulling from a real node of site a, and watch every
+``ListTopics`` answer b's puller gets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from georep.metadata.catalog import TopicCatalog
+from georep.metadata.store import SiteIdentity
+from georep.metadata.topics import TopicSpec
+from georep.proto import georep_pb2 as pb
+from georep.server.broker import Broker
+from georep.server.process import NodeProcess
+from georep.server.replicator import Replicator
+from tests.support.node_api import stub_for
+from tests.support.ports import free_ports
+from tests.support.sites import topology_toml
+from topology.file import parse_topology_file
+from topology.ids import SiteId
+
+
+class Spy:
+    """A puller's stub that keeps every ``ListTopics`` answer."""
+
+    def __init__(self, stub: Any) -> None:
+        self.stub = stub
+        self.answers: list[pb.ListTopicsResponse] = []
+
+    async def ListTopics(self, request: pb.ListTopicsRequest, timeout: float) -> pb.ListTopicsResponse:
+        answer = await self.stub.ListTopics(request, timeout=timeout)
+        self.answers.append(answer)
+        return answer  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stub, name)
+
+
+def site_b(tmp_path: Path, a: NodeProcess) -> Replicator:
+    port_a = int(a.address.rsplit(":", 1)[1])
+    (port_b,) = free_ports(1)
+    text = topology_toml({"a": port_a, "b": port_b}, [("a", "b")])
+    topology = parse_topology_file("topology.toml", text.encode())
+    broker = Broker(tmp_path / "b", SiteIdentity(SiteId("b"), 1))
+    return Replicator(broker, topology, "b", stall_ms=1000)
+
+
+async def until(what: str, cond: Callable[[], object], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
+        await asyncio.sleep(0.05)
+
+
+def listed(answers: list[pb.ListTopicsResponse]) -> list[str]:
+    return [t.name for answer in answers for t in answer.topics]
+
+
+def test_a_topic_sync_with_nothing_changed_carries_no_topic(tmp_path: Path, node: NodeProcess) -> None:
+    channel, stub_a = stub_for(node)
+    for name, partitions in (("orders", 3), ("events", 2)):
+        stub_a.CreateTopic(pb.CreateTopicRequest(name=name, partitions=partitions))
+
+    async def scenario() -> None:
+        r = site_b(tmp_path, node)
+        puller = r.pullers[SiteId("a")]
+        spy = Spy(puller.stub)
+        puller._stub = spy  # type: ignore[assignment]
+        task = asyncio.create_task(puller.topics_loop())
+        try:
+            await until("b has a's topics", lambda: {"orders", "events"} <= set(r.broker.metadata.topics()))
+            assert not any(t.partition_states for answer in spy.answers for t in answer.topics)
+            spy.answers.clear()
+            await until("two more rounds of topic sync", lambda: len(spy.answers) >= 2)
+            assert listed(spy.answers) == [], "nothing changed at a, yet its topics came again"
+            stub_a.CreateTopic(pb.CreateTopicRequest(name="late", partitions=1))
+            await until("b has the new topic", lambda: "late" in r.broker.metadata.topics())
+            assert listed(spy.answers) == ["late"]
+            assert r.broker.metadata.get("late").partitions == 1 and not r.conflicts
+        finally:
+            task.cancel()
+            await r.stop()
+            r.broker.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        channel.close()
+
+
+def test_a_conflict_that_arrives_as_a_change_is_reported_and_stays(tmp_path: Path, node: NodeProcess) -> None:
+    """b synced with a; then each site creates x with its own partition count: the change a sends is compared with
+    b's x, reported, and the report stays while nothing changes (an empty sync clears nothing)."""
+    channel, stub_a = stub_for(node)
+    stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=1))
+
+    async def scenario() -> None:
+        r = site_b(tmp_path, node)
+        puller = r.pullers[SiteId("a")]
+        try:
+            await puller.sync_topics()
+            assert "first" in r.broker.metadata.topics() and not r.conflicts
+            r.broker.create_topic("x", 3, {})
+            stub_a.CreateTopic(pb.CreateTopicRequest(name="x", partitions=2))
+            await puller.sync_topics()
+            assert "3 partitions at site b but 2 at site a" in r.conflicts[("x", SiteId("a"))]
+            assert "x" not in puller.remote_topics or puller.remote_topics["x"] == 2
+            await puller.sync_topics()
+            assert ("x", SiteId("a")) in r.conflicts
+        finally:
+            await r.stop()
+            r.broker.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        channel.close()
+
+
+# -- the catalog ------------------------------------------------------------------------------------------------
+
+
+def specs(*names: str, partitions: int = 1) -> dict[str, TopicSpec]:
+    return {name: TopicSpec(name, partitions) for name in names}
+
+
+def test_the_catalog_lists_changes_since_a_token_and_nothing_when_nothing_changed() -> None:
+    catalog = TopicCatalog("n1")
+    table = specs("b", "a")
+    catalog.refresh(table)
+    first = catalog.changes_since("", 0)
+    assert [t.name for t in first.topics] == ["a", "b"] and first.restarted and not first.more
+    assert not catalog.refresh(dict(table))  # the same table again: no change
+    again = catalog.changes_since(first.token, 0)
+    assert again.topics == [] and again.token == first.token and not again.restarted
+    catalog.refresh({**table, **specs("c", "0")})
+    later = catalog.changes_since(first.token, 1)
+    assert [t.name for t in later.topics] == ["0"] and later.more
+    rest = catalog.changes_since(later.token, 1)
+    assert [t.name for t in rest.topics] == ["c"] and not rest.more
+
+
+def test_a_token_of_another_catalog_or_a_redefined_topic_lists_everything_again() -> None:
+    catalog = TopicCatalog("n1")
+    catalog.refresh(specs("a", "b"))
+    token = catalog.token
+    other = TopicCatalog("n2")  # another node of the site, or this one after a restart
+    other.refresh(specs("a", "b"))
+    assert other.changes_since(token, 0).restarted
+    for bad in ("garbage", "n1:0:99", "n1:7:1", "n1:0:-1"):
+        assert catalog.changes_since(bad, 0).restarted, bad
+    catalog.refresh({**specs("a"), **specs("b", partitions=4)})  # b redefined (a re-created topic)
+    changes = catalog.changes_since(token, 0)
+    assert changes.restarted and [(t.name, t.partitions) for t in changes.topics] == [("a", 1), ("b", 4)]
+
+
+def test_pages_by_name_never_repeat_or_skip_a_topic_created_meanwhile() -> None:
+    catalog = TopicCatalog("n1")
+    catalog.refresh(specs(*(f"t{i:02d}" for i in range(0, 20, 2))))
+    seen: list[str] = []
+    token = ""
+    for step in range(20):
+        page, token = catalog.page_by_name(token, 3)
+        seen += [t.name for t in page]
+        if step == 1:  # created while the listing goes on: before and after the position reached
+            catalog.refresh(specs(*(f"t{i:02d}" for i in range(0, 20, 2)), "t01", "t19"))
+        if not token:
+            break
+    assert seen == sorted(set(seen)) and {f"t{i:02d}" for i in range(0, 20, 2)} <= set(seen) and "t19" in seen
+    assert catalog.page_by_name("", 0)[1] == "" and len(catalog.page_by_name("", 0)[0]) == 12
+
+
+@pytest.mark.parametrize("instance", ["a:b"])
+def test_a_catalog_id_cannot_hold_the_token_separator(instance: str) -> None:
+    with pytest.raises(ValueError):
+        TopicCatalog(instance)
