@@ -39,7 +39,7 @@ async def cmd_topic_create(args: argparse.Namespace) -> int:
 
 
 async def _create_many(args: argparse.Namespace, config: dict[str, str]) -> int:
-    """Every name in one ``CreateTopics`` call (a call per 500): each created or refused on its own."""
+    """The names in ``CreateTopics`` calls of 100: each topic created or refused on its own."""
     async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
         results = await admin.create_topics([NewTopic(name, args.partitions, config) for name in args.name])
     refused = [r for r in results if r.error is not None]

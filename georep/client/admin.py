@@ -30,7 +30,8 @@ _VIEWS: dict[str, georep_pb2.TopicView.ValueType] = {
     "full": georep_pb2.TOPIC_VIEW_FULL,
 }
 LIST_PAGE_SIZE = 1_000  # topics per ListTopics call of list_topics
-CREATE_TOPICS_PER_CALL = 500  # topics per CreateTopics call of create_topics (a node takes up to 1,000)
+CREATE_TOPICS_PER_CALL = 100  # topics per CreateTopics call of create_topics (a node takes up to 1,000): each
+# call well inside the default request timeout even where every partition costs fsyncs on a busy disk
 
 
 @dataclass(frozen=True, slots=True)

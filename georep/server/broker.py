@@ -23,6 +23,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -138,6 +139,15 @@ class InSiteReplication(Protocol):
         """fsync the leader's copy (the writer reports it through ``Broker.own_flush_done``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class NewTopics:
+    """Topics :meth:`Broker.open_new_topics` made on disk (by name: the spec and its partitions' logs), and the
+    ones it could not make."""
+
+    opened: dict[str, tuple[TopicSpec, list[PartitionLog]]]
+    failed: dict[str, Exception]
+
+
 def _create_failed(name: str, exc: Exception) -> Exception:
     """What a create of ``name`` that the disk refused raises: nothing of the topic was kept."""
     full = isinstance(exc, DiskFull) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT))
@@ -171,6 +181,7 @@ class Broker:
         self.logs_dir = data_dir / "logs"
         private_dir(self.logs_dir)
         self.creating_dir = data_dir / CREATING_DIR  # topic creates under way (``_finish_creates``)
+        self._creating: set[str] = set()  # names whose create is under way (in a worker thread)
         # A multi-node site keeps its topics in its Raft metadata, and this node serves only the partitions it
         # leads, attached as it comes to lead them (``attach``); a one-node site opens every partition here.
         self.in_site = metadata is not None
@@ -220,6 +231,11 @@ class Broker:
     # -- topics ---------------------------------------------------------------
 
     def _open_topic(self, spec: TopicSpec, now_ms: int) -> None:
+        self._serve_topic(spec, self._open_logs(spec, now_ms), now_ms)
+
+    def _open_logs(self, spec: TopicSpec, now_ms: int) -> list[PartitionLog]:
+        """Make and open ``spec``'s partition logs: files only, no table of the broker's (so a worker thread may
+        do it). If one fails, the ones opened are closed and the error raised."""
         config = spec.effective(self.defaults)
         log_config = LogConfig(
             segment_bytes_max=config["segment_bytes_max"],
@@ -228,10 +244,22 @@ class Broker:
             retention_bytes=config["retention_bytes"],
             flush_interval_ms=config["flush_interval_ms"],
         )
-        for i in range(spec.partitions):
-            directory = self.logs_dir / partition_dir_name(spec.name, i)
-            private_dir(directory)
-            plog = self.open_log(directory, log_config, now_ms)
+        logs: list[PartitionLog] = []
+        try:
+            for i in range(spec.partitions):
+                directory = self.logs_dir / partition_dir_name(spec.name, i)
+                private_dir(directory)
+                logs.append(self.open_log(directory, log_config, now_ms))
+        except BaseException:
+            for plog in logs:
+                plog.close()
+            raise
+        return logs
+
+    def _serve_topic(self, spec: TopicSpec, logs: list[PartitionLog], now_ms: int) -> None:
+        """Serve ``spec``'s partitions over ``logs`` (on the event loop: the broker's tables change)."""
+        config = spec.effective(self.defaults)
+        for i, plog in enumerate(logs):
             p = self.partitions[(spec.name, i)] = Partition(spec.name, i, plog, config, self.origin, now_ms)
             self.acks.open_partition(p.key, p.fsync_per_batch, plog.flushed_offset, VectorOffset(plog.flushed_vector()))
             self.on_open(p)
@@ -252,6 +280,8 @@ class Broker:
         validate_topic_name(name)
         validate_partitions(partitions)
         spec = TopicSpec(name, partitions, parse_topic_config(raw_config))
+        if name in self._creating:
+            raise TopicExists(name)
         try:
             self.metadata.get(name)  # not topics(): a copy of the whole table per create
         except UnknownTopic:
@@ -273,6 +303,29 @@ class Broker:
         """Create each of ``requests`` (name, partitions, config) or say why not, in their order: what
         :meth:`create_topic` returns or raises. A one-node site writes its topic table once for them all (not once
         per topic: a table of n topics is rewritten whole); a multi-node site commits one Raft command each."""
+        outcomes, specs = self.check_new_topics(requests, internal=internal)
+        if self.in_site:
+            # The site's Raft metadata (blocking: the service calls this in a worker thread); each partition's
+            # leader attaches it here once its first segment is open.
+            for i, outcome in enumerate(outcomes):
+                if isinstance(outcome, TopicSpec):
+                    try:
+                        self.metadata.create_topic(outcome)
+                    except Exception as exc:  # each topic's own answer: what its single create raises
+                        outcomes[i] = exc
+            return outcomes
+        self._creating.update(s.name for s in specs)
+        try:
+            failed = self.serve_new_topics(self.open_new_topics(specs))
+        finally:
+            self._creating.difference_update(s.name for s in specs)
+        return [failed.get(o.name, o) if isinstance(o, TopicSpec) else o for o in outcomes]
+
+    def check_new_topics(
+        self, requests: Sequence[tuple[str, int, dict[str, str]]], *, internal: bool = False
+    ) -> tuple[list[TopicSpec | Exception], list[TopicSpec]]:
+        """What :meth:`check_new_topic` says of each request (a name asked twice: ``TopicExists`` the second
+        time), and the topics to create."""
         outcomes: list[TopicSpec | Exception] = []
         specs: dict[str, TopicSpec] = {}
         for name, partitions, raw_config in requests:
@@ -285,31 +338,18 @@ class Broker:
                 continue
             outcomes.append(spec)
             specs[name] = spec
-        if self.in_site:
-            # The site's Raft metadata (blocking: the service calls this in a worker thread); each partition's
-            # leader attaches it here once its first segment is open.
-            for i, outcome in enumerate(outcomes):
-                if isinstance(outcome, TopicSpec):
-                    try:
-                        self.metadata.create_topic(outcome)
-                    except Exception as exc:  # each topic's own answer: what its single create raises
-                        outcomes[i] = exc
-            return outcomes
-        failed = self._create_on_disk(list(specs.values()))
-        for i, outcome in enumerate(outcomes):
-            if isinstance(outcome, TopicSpec) and outcome.name in failed:
-                outcomes[i] = failed[outcome.name]
-        return outcomes
+        return outcomes, list(specs.values())
 
-    def _create_on_disk(self, specs: list[TopicSpec]) -> dict[str, Exception]:
-        """Open ``specs``' partitions and add them to the topic table (one write); the ones that failed, and why.
-        A topic is in the table whole or not at all, with nothing of it left on disk."""
-        if not specs:
-            return {}
-        assert isinstance(self.metadata, FileMetadataStore)
-        intents = {spec.name: self.creating_dir / topic_file_name(spec.name) for spec in specs}
-        opened: list[TopicSpec] = []
+    def open_new_topics(self, specs: list[TopicSpec]) -> NewTopics:
+        """A one-node site's creates, on disk: their intents, then their partition logs, until the disk refuses
+        one (that one and the next ones fail, with nothing of them left). Touches no table of the broker's, so it
+        runs in a worker thread while the node serves (:meth:`reserve_new_topics` first, on the event loop);
+        :meth:`serve_new_topics` finishes them."""
+        opened: dict[str, tuple[TopicSpec, list[PartitionLog]]] = {}
         failed: dict[str, Exception] = {}
+        if not specs:
+            return NewTopics(opened, failed)
+        intents = {spec.name: self.creating_dir / topic_file_name(spec.name) for spec in specs}
         try:
             private_dir(self.creating_dir)
             for intent in intents.values():  # empty: its name is all it says, made durable by the directory's fsync
@@ -317,8 +357,9 @@ class Broker:
             fsync_directory(self.creating_dir)
         except OSError as exc:
             for spec in specs:
-                self._undo_create(spec.name, 0, intents[spec.name])
-            return {spec.name: _create_failed(spec.name, exc) for spec in specs}
+                self._remove_create(spec.name, intents[spec.name])
+                failed[spec.name] = _create_failed(spec.name, exc)
+            return NewTopics(opened, failed)
         now = self.clock_ms()
         refused: OSError | DiskFull | None = None
         for spec in specs:
@@ -327,27 +368,61 @@ class Broker:
                 failed[spec.name] = _create_failed(spec.name, refused)
                 continue
             try:
-                self._open_topic(spec, now)
-                opened.append(spec)
+                opened[spec.name] = (spec, self._open_logs(spec, now))
             except (OSError, DiskFull) as exc:
-                self._undo_create(spec.name, spec.partitions, intents[spec.name])
+                self._remove_create(spec.name, intents[spec.name])
                 failed[spec.name] = _create_failed(spec.name, exc)
                 refused = exc
+        return NewTopics(opened, failed)
+
+    def reserve_new_topics(self, specs: list[TopicSpec]) -> None:
+        """Until :meth:`serve_new_topics` (or :meth:`release_new_topics`), another create of these names is refused
+        (``TopicExists``)."""
+        self._creating.update(s.name for s in specs)
+
+    def release_new_topics(self, specs: list[TopicSpec]) -> None:
+        self._creating.difference_update(s.name for s in specs)
+
+    def serve_new_topics(self, new: NewTopics) -> dict[str, Exception]:
+        """Serve the topics :meth:`open_new_topics` opened and add them to the topic table (one write), on the
+        event loop; the topics that failed, and why. A topic is in the table whole or not at all."""
+        failed = dict(new.failed)
+        self._creating.difference_update([*new.opened, *new.failed])
+        if not new.opened:
+            return failed
+        assert isinstance(self.metadata, FileMetadataStore)
+        now = self.clock_ms()
+        for spec, logs in new.opened.values():
+            self._serve_topic(spec, logs, now)
+        specs = [spec for spec, _logs in new.opened.values()]
         try:
-            self.metadata.create_topics(opened)
+            self.metadata.create_topics(specs)
         except (OSError, DiskFull) as exc:
-            for spec in opened:
-                self._undo_create(spec.name, spec.partitions, intents[spec.name])
+            for spec in specs:
+                self._undo_create(spec.name, spec.partitions, self.creating_dir / topic_file_name(spec.name))
                 failed[spec.name] = _create_failed(spec.name, exc)
             return failed
         try:
-            for spec in opened:
-                intents[spec.name].unlink()
+            for spec in specs:
+                (self.creating_dir / topic_file_name(spec.name)).unlink()
         except OSError as exc:  # the topics are whole; the next start sees them defined and drops the intents
             log.warning("topics created, but intents in %s stay until the next start: %s", self.creating_dir, exc)
-        for spec in opened:
+        for spec in specs:
             self.on_topic(spec.name, spec.partitions)
         return failed
+
+    def _remove_create(self, name: str, intent: Path) -> None:
+        """What a create of ``name`` that never served left on disk (off the event loop too)."""
+        try:
+            self._remove_leftovers(name)
+            intent.unlink(missing_ok=True)
+        except OSError as exc:
+            log.error(
+                "the failed create of topic %r left files that could not be removed yet (%s): the next start "
+                "removes them",
+                name,
+                exc,
+            )
 
     # A topic create is made atomic on disk by an intent file (``creating/<topic>``), written and fsynced before the
     # first partition directory and removed once the topic is in the topic table. The partition directories cannot

@@ -1,15 +1,18 @@
 """Creating many topics at once (``CreateTopics``, and a topic sync that learns many) without holding the node.
 
-A one-node site creates topics on the event loop (its partitions join the broker's tables there), and each
-partition costs a directory, files and fsyncs (most of it ``SegmentLog.open``'s recovery point): a thousand topics
-in one go would hold the node's links and clients for seconds. So they go in steps of about
-:data:`STEP_PARTITIONS` partitions (one write of the topic table each), and what waits on the loop runs between
-steps. A multi-node site's are Raft commands, made in a worker thread.
+A one-node site's topic costs a directory, files and fsyncs per partition (most of it ``SegmentLog.open``'s
+recovery point): a thousand topics made on the event loop held a node for seconds, and a site that learnt them
+all in one topic sync stopped answering (``DEADLINE_EXCEEDED`` on ``georep topic list``) and its links went down
+("no message from b for 5000 ms"). So they are made in steps of about :data:`STEP_PARTITIONS` partitions: each
+step's files are made in a worker thread (``Broker.open_new_topics``: no table of the broker's is touched there,
+and the names are reserved meanwhile), and the step is then served and written to the topic table at once, on the
+loop (``Broker.serve_new_topics``: one write of the table per step). A multi-node site's are Raft commands, made in
+a worker thread.
 
-Leaving the loop free for as long as each step took (half the loop for creates) was measured worse, not better:
-every step changes the partitions a link may pull, and each change reopens its streams with every partition
-(``PullSession._check_wants``), so more steps that the loop notices cost more reopens (bench/topics.py, 1,000
-topics of 5 partitions: 89 s to create instead of 14-24 s).
+Leaving the loop to the rest of the node for as long as each step took, with the files made on the loop, was
+measured worse: every step changes the partitions a link may pull, and each change reopens its streams with every
+partition (``PullSession._check_wants``), so more steps cost more reopens (bench/topics.py, 1,000 topics of 5
+partitions: 89 s to create instead of 14-24 s).
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 
 from georep.metadata.topics import TopicSpec
-from georep.server.broker import Broker
+from georep.server.broker import Broker, NewTopics
 
-STEP_PARTITIONS = 64
+STEP_PARTITIONS = 256
 
 TopicRequest = tuple[str, int, dict[str, str]]  # name, partitions, config overrides
 
@@ -38,13 +41,35 @@ async def create_topics(
     out: list[TopicSpec | Exception] = []
     step: list[TopicRequest] = []
     partitions = 0
-    for request in requests:
+    for i, request in enumerate(requests):
         step.append(request)
         partitions += max(request[1], 1)
-        if partitions >= STEP_PARTITIONS:
-            out += broker.create_topics(step, internal=internal)
+        if partitions >= STEP_PARTITIONS or i == len(requests) - 1:
+            out += await _create_step(broker, step, internal, executor)
             step, partitions = [], 0
-            await asyncio.sleep(0)
-    if step:
-        out += broker.create_topics(step, internal=internal)
     return out
+
+
+async def _create_step(
+    broker: Broker, requests: list[TopicRequest], internal: bool, executor: Executor | None
+) -> list[TopicSpec | Exception]:
+    outcomes, specs = broker.check_new_topics(requests, internal=internal)
+    broker.reserve_new_topics(specs)
+    made = asyncio.get_running_loop().run_in_executor(executor, broker.open_new_topics, specs)
+    try:
+        new = await asyncio.shield(made)
+    except asyncio.CancelledError:  # the caller left: the files are made all the same, so finish the creates
+        made.add_done_callback(functools.partial(_finish_late, broker, specs))
+        raise
+    except BaseException:
+        broker.release_new_topics(specs)
+        raise
+    failed = broker.serve_new_topics(new)
+    return [failed.get(o.name, o) if isinstance(o, TopicSpec) else o for o in outcomes]
+
+
+def _finish_late(broker: Broker, specs: list[TopicSpec], made: asyncio.Future[NewTopics]) -> None:
+    if made.cancelled() or made.exception() is not None:
+        broker.release_new_topics(specs)
+    else:
+        broker.serve_new_topics(made.result())
