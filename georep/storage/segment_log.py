@@ -232,11 +232,12 @@ class SegmentLog:
         vector_offset: int,
         sealed_vector: dict[Origin, OriginSeq],
         recovery: RecoveryReport,
+        lock: threading.Lock,
     ) -> None:
         self.directory = directory
         self.config = config
         self.recovery = recovery
-        self._lock = threading.Lock()
+        self._lock = lock  # the segments' owner: the handle cache closes their files only while it is free
         self._segments = segments
         self._bases = [s.base_offset for s in segments]
         self._origins = origins
@@ -286,8 +287,10 @@ class SegmentLog:
             )
         segments: list[Segment] = []
         lost: list[DamagedBatch] = []
+        lock = threading.Lock()
+        lock.acquire()  # held while opening: the handle cache leaves these segments' files alone meanwhile
         try:
-            _load_segments(directory, config, bases, point, listed is not None, segments, lost, report)
+            _load_segments(directory, config, bases, point, listed is not None, segments, lost, report, lock)
             # What retention kept starts at the log-start file's offset (0 without one: nothing was deleted, or an
             # older build deleted, which the check of a log whose segments start later must let pass).
             expected = kept.log_start if kept is not None else 0
@@ -297,15 +300,17 @@ class SegmentLog:
                 start = point.recovery_point if point is not None else expected
                 if start > expected:  # every segment file is gone: nothing created the log at this offset
                     raise MissingSegment(_missing(directory, expected, start))
-                segments.append(Segment.create(directory, start))
+                segments.append(Segment.create(directory, start, lock))
             fsync_directory(directory)
-            opened = cls._from_segments(directory, config, segments, point, report)
+            opened = cls._from_segments(directory, config, segments, point, report, lock)
             opened._quarantine_at_open(listed or [], lost)
             opened._write_recovery_point()
         except BaseException:
             for segment in segments:
                 segment.close()
             raise
+        finally:
+            lock.release()
         if report.indexes_rebuilt or report.damaged_offset is not None or report.files_removed or lost:
             log.info("partition log %s recovered: %s", directory, report)
         return opened
@@ -328,7 +333,7 @@ class SegmentLog:
         if base_offset:  # first: what starts the log later than offset 0 is known before anything else exists
             write_log_start(directory, LogStart(LocalOffset(base_offset), dict(vector)))
         write_recovery_point(directory, RecoveryPoint(LocalOffset(base_offset), LocalOffset(base_offset), dict(vector)))
-        Segment.create(directory, base_offset).close()
+        Segment.create(directory, base_offset, threading.Lock()).close()
         fsync_directory(directory)
         fsync_directory(directory.parent)
         return cls.open(directory, config, now_ms)
@@ -397,6 +402,7 @@ class SegmentLog:
         segments: list[Segment],
         point: RecoveryPoint | None,
         report: RecoveryReport,
+        lock: threading.Lock,
     ) -> SegmentLog:
         """The log over loaded segments: its vector, the origin index and each segment's start vector.
 
@@ -407,7 +413,7 @@ class SegmentLog:
         log_start = segments[0].base_offset
         vector, covered = _vector_below(directory, point, log_start, segments[-1].next_offset)
         vector_offset = max(covered, active_base)
-        opened = cls(directory, config, segments, OriginIndex(), vector, vector_offset, {}, report)
+        opened = cls(directory, config, segments, OriginIndex(), vector, vector_offset, {}, report, lock)
         opened._index_segments(vector, covered)
         if log_start and read_log_start(directory) is None:  # made by an older build, or lost: the second copy again
             write_log_start(directory, LogStart(LocalOffset(log_start), dict(opened._start_vectors[0])))
@@ -889,7 +895,7 @@ class SegmentLog:
                 return
             self._closed = True
             try:
-                self._segments[-1].sync()
+                self._segments[-1].sync_if_written()
                 self._flushed = self._log_end
                 self._flushed_vector = dict(self._vector)
                 self._write_recovery_point()
@@ -941,7 +947,7 @@ class SegmentLog:
             self._flushed, self._flushed_vector = end, dict(sealed_vector)
         write_recovery_point(self.directory, RecoveryPoint(end, end, sealed_vector))
         self._vector_offset, self._sealed_vector = end, sealed_vector
-        segment = Segment.create(self.directory, end)
+        segment = Segment.create(self.directory, end, self._lock)
         try:
             fsync_directory(self.directory)
         except BaseException:
@@ -1198,6 +1204,7 @@ def _load_segments(
     segments: list[Segment],
     lost: list[DamagedBatch],
     report: RecoveryReport,
+    owner: threading.Lock,
 ) -> None:
     """Load every segment in order into ``segments``; what their plans find lost goes into ``lost``.
 
@@ -1221,6 +1228,7 @@ def _load_segments(
             durable_end=durable if next_base is None else next_base,
             running=running,
             trust=trust,
+            owner=owner,
         )
         segments.append(segment)
         for entry in iter_origin_entries(segment.origin_entries()):
