@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import heapq
 import itertools
 import logging
 import re
@@ -184,6 +185,11 @@ class Broker:
         self._tokens = itertools.count()
         self._geo_timer: asyncio.TimerHandle | None = None
         self._geo_timer_due = 0
+        # The periodic flush follows writes: a heap of (due, key) for the partitions written since their last
+        # fsync, so an idle partition costs nothing per tick (``flush_due``, ``_flush_loop``).
+        self._flush_heap: list[tuple[int, tuple[str, int]]] = []
+        self._flush_scheduled: set[tuple[str, int]] = set()
+        self.flush_wanted = asyncio.Event()  # set when the earliest due flush moved earlier
         now = self.clock_ms()
         if not self.in_site:
             self._finish_creates()
@@ -406,6 +412,9 @@ class Broker:
             return
         if flushed is None:
             self._perform(self.acks.flush_failed(key, error))
+            p = self.partitions.get(key)
+            if p is not None:
+                self._schedule_flush(p)
         else:
             self._perform(self.acks.flush_done(key, flushed, VectorOffset()))
 
@@ -457,6 +466,7 @@ class Broker:
             if p.in_site is not None:
                 p.in_site.appended(p.log.log_end_offset)
             p.notify_append()
+            self._schedule_flush(p)
             self.on_produce(topic, produced.records, len(batch))
         return p, produced
 
@@ -525,6 +535,7 @@ class Broker:
         if exc is not None:
             log.error("fsync of %s-%d failed: %s", p.topic, p.index, exc)
             self._perform(self.acks.flush_failed(p.key, str(exc) or type(exc).__name__))
+            self._schedule_flush(p)  # the periodic flush tries again, as it did when it walked every partition
             return
         p.last_flush_mono_ms = int(time.monotonic() * 1000)
         p.notify_durable()
@@ -593,6 +604,7 @@ class Broker:
             # Also after an apply that failed midway (a full disk): what it appended before the failure is
             # whole, and must be fsynced and served onward like the rest.
             p.notify_append()
+            self._schedule_flush(p)
             self._perform(self.acks.replicated(p.key, p.log.log_end_offset))
 
     # -- damage ---------------------------------------------------------------
@@ -621,13 +633,32 @@ class Broker:
 
     # -- housekeeping ---------------------------------------------------------
 
+    def _schedule_flush(self, p: Partition) -> None:
+        """A partition that flushes on an interval was written: fsync it ``flush_interval_ms`` after its last."""
+        interval = p.config["flush_interval_ms"]
+        if interval <= 0 or p.key in self._flush_scheduled:
+            return
+        due = max(p.last_flush_mono_ms + interval, int(time.monotonic() * 1000))
+        earliest = self._flush_heap[0][0] if self._flush_heap else None
+        heapq.heappush(self._flush_heap, (due, p.key))
+        self._flush_scheduled.add(p.key)
+        if earliest is None or due < earliest:
+            self.flush_wanted.set()
+
+    def next_flush_due(self) -> int | None:
+        """When (monotonic ms) the next written partition's periodic fsync is due, or None: nothing is."""
+        return self._flush_heap[0][0] if self._flush_heap else None
+
     def flush_due(self, now_mono_ms: int) -> None:
-        """fsync the partitions whose ``flush_interval_ms`` has passed since their last fsync."""
-        for p in self.partitions.values():
-            interval = p.config["flush_interval_ms"]
-            if interval > 0 and now_mono_ms - p.last_flush_mono_ms >= interval:
-                p.last_flush_mono_ms = now_mono_ms
-                self._perform(self.acks.flush(p.key, p.log.log_end_offset))
+        """fsync the written partitions whose ``flush_interval_ms`` has passed since their last fsync."""
+        while self._flush_heap and self._flush_heap[0][0] <= now_mono_ms:
+            _, key = heapq.heappop(self._flush_heap)
+            self._flush_scheduled.discard(key)
+            p = self.partitions.get(key)
+            if p is None:
+                continue  # deleted or no longer led meanwhile
+            p.last_flush_mono_ms = now_mono_ms
+            self._perform(self.acks.flush(p.key, p.log.log_end_offset))
 
     def enforce_retention(self) -> int:
         now = self.clock_ms()
