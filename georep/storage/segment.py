@@ -330,6 +330,7 @@ class Segment:
         running: dict[OriginKey, int],
         trust: bool,
         owner: threading.Lock,
+        synced: bool = False,
     ) -> tuple[Segment, LoadOutcome]:
         """Open an existing segment: trusted from its index files, or walked batch by batch.
 
@@ -340,7 +341,8 @@ class Segment:
         (only at or above ``durable_end``), index files rebuilt when they differ from the plan. Damage the plan
         cannot name raises :class:`UnrepairableDamage` and changes nothing. ``running`` is each origin's next
         seq before this segment (for the continuity checks); the caller advances it. The files are closed on
-        return: the handle cache opens them again when the segment is used.
+        return: the handle cache opens them again when the segment is used. ``synced``: the file system was
+        synced after the last writer died, so a walk that changes nothing needs no fsync of its own.
         """
         log_path, index_path, oindex_path = segment_paths(directory, base_offset)
         log_fd = _open_rw(log_path)
@@ -368,7 +370,7 @@ class Segment:
                 )
                 if plan.refused is not None:
                     raise UnrepairableDamage(refusal(log_path, plan.refused))
-                carry_out(log_fd, plan)
+                carry_out(log_fd, plan, changed_only=synced)
                 entries = pack_entries(plan.entries)
                 sparse_now = sparse_index(plan.entries, base_offset, index_interval_bytes)
                 rebuilt = entries != evidence or sparse_now != sparse
@@ -567,8 +569,14 @@ def _consistent(
     return all(entry in starts for entry in INDEX_ENTRY.iter_unpack(index_entries))
 
 
-def carry_out(log_fd: int, plan: SegmentPlan) -> None:
-    """Write what a plan decided into the ``.log``: mended prefixes, then the cut; then make it durable."""
+def carry_out(log_fd: int, plan: SegmentPlan, *, changed_only: bool = False) -> None:
+    """Write what a plan decided into the ``.log``: mended prefixes, then the cut; then make it durable.
+
+    ``changed_only``: the ``.log`` is known durable as it was found (the file system was synced since its
+    last writer died), so the fsync is needed only when the plan changed it.
+    """
+    if changed_only and not plan.mended and plan.cut is None:
+        return
     for slot in plan.mended:
         assert slot.prefix is not None
         if os.pwrite(log_fd, slot.prefix, slot.entry.position) != len(slot.prefix):

@@ -105,6 +105,7 @@ deleting a segment meanwhile cannot redirect them to another file.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import json
@@ -198,6 +199,7 @@ class RecoveryReport:
     segments_validated: int = 0
     indexes_rebuilt: int = 0  # segments whose .index/.oindex were rewritten from the log
     files_removed: int = 0  # stray .tmp files and orphan index files
+    files_restored: int = 0  # empty .log files put back beside a surviving origin index
     damaged_offset: LocalOffset | None = None  # where the log was cut, if it was
     damage: str | None = None
     # Batches the origin index lists past the recovered log end: appended, but
@@ -263,12 +265,18 @@ class SegmentLog:
     # -- open and recovery -----------------------------------------------------------------------
 
     @classmethod
-    def open(cls, directory: Path, config: LogConfig, now_ms: int) -> SegmentLog:
+    def open(cls, directory: Path, config: LogConfig, now_ms: int, *, filesystem_synced: bool = False) -> SegmentLog:
         """Create or recover the partition log in ``directory``.
 
         ``now_ms`` is accepted for symmetry with the other clock-taking calls;
         recovery makes no time-based decision (the age roll compares append
         times, and retention runs only when asked).
+
+        ``filesystem_synced``: the caller synced the file system after the log's last writer died and before
+        this open (``sync_filesystem``, once for all of a node's partitions). Everything found on disk is then
+        already durable, so an open that changes nothing does no fsync: the directory is fsynced only when
+        recovery created, removed or rewrote a file, and the recovery point is left where it is (a lower
+        recovery point is always true: the next open validates a little more).
         """
         del now_ms
         check_config(config)
@@ -290,7 +298,9 @@ class SegmentLog:
         lock = threading.Lock()
         lock.acquire()  # held while opening: the handle cache leaves these segments' files alone meanwhile
         try:
-            _load_segments(directory, config, bases, point, listed is not None, segments, lost, report, lock)
+            _load_segments(
+                directory, config, bases, point, listed is not None, segments, lost, report, lock, filesystem_synced
+            )
             # What retention kept starts at the log-start file's offset (0 without one: nothing was deleted, or an
             # older build deleted, which the check of a log whose segments start later must let pass).
             expected = kept.log_start if kept is not None else 0
@@ -301,10 +311,19 @@ class SegmentLog:
                 if start > expected:  # every segment file is gone: nothing created the log at this offset
                     raise MissingSegment(_missing(directory, expected, start))
                 segments.append(Segment.create(directory, start, lock))
-            fsync_directory(directory)
+            changed = bool(
+                report.indexes_rebuilt
+                or report.files_removed
+                or report.files_restored
+                or report.damaged_offset is not None
+                or lost
+            )
+            if not filesystem_synced or changed or len(segments) != len(bases):
+                fsync_directory(directory)
             opened = cls._from_segments(directory, config, segments, point, report, lock)
             opened._quarantine_at_open(listed or [], lost)
-            opened._write_recovery_point()
+            if not filesystem_synced or point is None or changed:
+                opened._write_recovery_point()
         except BaseException:
             for segment in segments:
                 segment.close()
@@ -978,6 +997,23 @@ class SegmentLog:
             )
 
 
+def sync_filesystem(path: Path) -> None:
+    """Make everything written to the file system holding ``path`` durable: one ``syncfs``, before a node opens
+    its partitions with ``filesystem_synced`` (``os.sync`` where ``syncfs`` is missing)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    syncfs = getattr(libc, "syncfs", None)
+    if syncfs is None:
+        os.sync()
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs of {path} failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _vector_below(
     directory: Path, point: RecoveryPoint | None, log_start: int, log_end: int
 ) -> tuple[dict[Origin, OriginSeq], int]:
@@ -1187,6 +1223,7 @@ def _tidy_directory(directory: Path, report: RecoveryReport, log_start: int | No
                 path.name,
             )
             (directory / (path.name[: -len(ORIGIN_INDEX_SUFFIX)] + LOG_SUFFIX)).touch(mode=0o600)
+            report.files_restored += 1
             logs.add(base)
         elif deleted:
             log.warning("partition log %s: removing %s, which has no .log", directory, path.name)
@@ -1205,6 +1242,7 @@ def _load_segments(
     lost: list[DamagedBatch],
     report: RecoveryReport,
     owner: threading.Lock,
+    synced: bool,
 ) -> None:
     """Load every segment in order into ``segments``; what their plans find lost goes into ``lost``.
 
@@ -1229,6 +1267,7 @@ def _load_segments(
             running=running,
             trust=trust,
             owner=owner,
+            synced=synced,
         )
         segments.append(segment)
         for entry in iter_origin_entries(segment.origin_entries()):
