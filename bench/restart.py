@@ -29,7 +29,8 @@ from tests.support.node_api import batch, fetch_all, log_end, stub_for
 
 def fds_and_rss(pid: int) -> tuple[int, int]:
     fds = len(os.listdir(f"/proc/{pid}/fd"))
-    rss_kb = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    rss_kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
     return fds, rss_kb // 1024
 
 

@@ -54,7 +54,7 @@ from georep.storage.index_format import (
     pack_origin_entry,
     sparse_index,
 )
-from georep.storage.slots import OriginKey, SegmentPlan, plan_segment
+from georep.storage.slots import OriginKey, SegmentPlan, plan_segment, trusted_prefix
 
 LOG_SUFFIX = ".log"
 INDEX_SUFFIX = ".index"
@@ -331,6 +331,7 @@ class Segment:
         trust: bool,
         owner: threading.Lock,
         synced: bool = False,
+        trust_prefix: bool = False,
     ) -> tuple[Segment, LoadOutcome]:
         """Open an existing segment: trusted from its index files, or walked batch by batch.
 
@@ -343,6 +344,9 @@ class Segment:
         seq before this segment (for the continuity checks); the caller advances it. The files are closed on
         return: the handle cache opens them again when the segment is used. ``synced``: the file system was
         synced after the last writer died, so a walk that changes nothing needs no fsync of its own.
+        ``trust_prefix``: the walk starts after the origin index's entries below ``durable_end`` (the recovery
+        point) when they are consistent (:func:`georep.storage.slots.trusted_prefix`), as a sealed segment below
+        it is trusted: only what lies after the recovery point is read.
         """
         log_path, index_path, oindex_path = segment_paths(directory, base_offset)
         log_fd = _open_rw(log_path)
@@ -367,6 +371,9 @@ class Segment:
                     next_base=next_base,
                     durable_end=durable_end,
                     running=running,
+                    trusted=trusted_prefix(base_offset, log_size, decoded or [], durable_end, running)
+                    if trust_prefix
+                    else (),
                 )
                 if plan.refused is not None:
                     raise UnrepairableDamage(refusal(log_path, plan.refused))

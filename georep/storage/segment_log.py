@@ -1268,6 +1268,7 @@ def _load_segments(
             trust=trust,
             owner=owner,
             synced=synced,
+            trust_prefix=may_trust and next_base is None,
         )
         segments.append(segment)
         for entry in iter_origin_entries(segment.origin_entries()):
