@@ -124,10 +124,10 @@ def plan_segment(
     :func:`trusted_prefix`); the walk starts after them.
     """
     walk = _Walk(base_offset, data, {e.position: e for e in evidence or ()}, next_base, dict(running))
-    for entry in trusted:
-        walk.slots.append(Good(entry))
-        walk.running[entry.origin_key] = entry.next_origin_seq
-        walk.position, walk.offset = entry.end_position, entry.next_offset
+    for kept in trusted:
+        walk.slots.append(Good(kept))
+        walk.running[kept.origin_key] = kept.next_origin_seq
+        walk.position, walk.offset = kept.end_position, kept.next_offset
     ends = [data.size, *(e.end_position for e in evidence or ())]
     for _ in range(max(ends) // HEADER_BYTES + 2):  # every step moves at least one header's length
         if next_base is not None and walk.offset >= next_base:
