@@ -63,3 +63,24 @@ def test_a_flipped_byte_after_the_recovery_point_is_still_cut_at_open(tmp_path: 
         assert log.log_end_offset == w.stored[12].header.base_offset >= recovery_point
     finally:
         log.close()
+
+
+def test_the_retention_run_moves_the_recovery_point_so_a_restart_reads_only_what_came_after(tmp_path: Path) -> None:
+    log = open_log(tmp_path)
+    w = Writer(log)
+    for _ in range(10):
+        w.append(A, 2, value_bytes=50)
+    log.flush()
+    log.enforce_retention(0)  # the node's periodic run: nothing to delete, the recovery point moves to 20
+    for _ in range(3):
+        w.append(B, 2, value_bytes=50)
+    log.flush()
+    log.abandon()
+    flip(log_files(tmp_path)[0], sum(s.header.size_bytes for s in w.stored[:3]) + 40)
+    reopened = SegmentLog.open(tmp_path, log.config, 0)
+    try:
+        assert reopened.damaged_batches() == [] and reopened.log_end_offset == 26
+        with pytest.raises(BatchDamaged):
+            reopened.read(LocalOffset(w.stored[3].header.base_offset), 1 << 20)
+    finally:
+        reopened.close()
