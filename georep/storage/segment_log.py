@@ -88,7 +88,10 @@ point is trusted when its index files are present and consistent (whole
 entries, the last origin entry ending exactly at the ``.log`` size and at the
 next segment's base offset); otherwise it is validated as below. The segment
 holding the recovery point, every later one and always the last are
-validated batch by batch: framing, CRC-32C and offset continuity. The 24-byte
+validated batch by batch: framing, CRC-32C and offset continuity; in the last
+one, the walk starts after the origin-index entries that end at or below the
+recovery point and tile the segment (``slots.trusted_prefix``), when the
+quarantine list is readable. The 24-byte
 prefix is outside the CRC; of its fields, ``base_offset`` is checked by
 continuity, ``batch_length`` by framing and CRC, ``crc`` by the CRC, and
 ``append_time_ms`` against the origin index's copy. At the first torn or
@@ -100,7 +103,10 @@ end.
 Concurrency. ``flush()`` may run in a worker thread while another thread
 appends and reads. One ``threading.Lock`` guards the in-memory state; fsync and
 read I/O run outside it on a ``dup`` of the file descriptor, so closing or
-deleting a segment meanwhile cannot redirect them to another file.
+deleting a segment meanwhile cannot redirect them to another file. The
+descriptors come from the process's handle cache
+(``georep/storage/handle_cache.py``), which closes a segment's files only
+while its log's lock is free.
 """
 
 from __future__ import annotations
