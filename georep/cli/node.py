@@ -34,6 +34,7 @@ from georep.server.cluster_member import ClusterConfig
 from georep.server.shutdown import EXIT_FORCED, SHUTDOWN_TIMEOUT_MS_DEFAULT
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
+from georep.storage.handle_cache import DEFAULT_MAX_OPEN_FILES, InvalidMaxOpenFiles, set_max_open_files
 from georep.storage.private import restrict_umask
 from georep.storage.replica_store import ReplicaError
 from topology.file import TopologyFileError
@@ -109,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=SCRUB_BYTES_PER_S_DEFAULT,
         help="how fast the background scrubber re-checks stored batches, in bytes per second; damaged ones are "
         f"quarantined and repaired from a peer (0: off; default {SCRUB_BYTES_PER_S_DEFAULT})",
+    )
+    parser.add_argument(
+        "--max-open-files",
+        type=int,
+        default=DEFAULT_MAX_OPEN_FILES,
+        help="how many segment files (.log, .index, .oindex: 3 per segment) the node keeps open at most; the "
+        "least recently used segments close, fsynced first, and open again on their next use "
+        f"(default {DEFAULT_MAX_OPEN_FILES}; keep it well below 'ulimit -n')",
     )
     add_node_tls_arguments(parser)
     parser.add_argument(
@@ -262,6 +271,10 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"--shutdown-timeout-ms {args.shutdown_timeout_ms} must be at least 1")
         if args.scrub_bytes_per_s < 0:
             raise UsageError(f"--scrub-bytes-per-s {args.scrub_bytes_per_s} must be 0 (off) or more")
+        try:
+            set_max_open_files(args.max_open_files)
+        except InvalidMaxOpenFiles as exc:
+            raise UsageError(str(exc)) from None
         stall_ms = DEFAULT_STALL_MS if args.stall_ms is None else args.stall_ms
         if stall_ms < 1:
             raise UsageError(f"--stall-ms {stall_ms} must be at least 1")

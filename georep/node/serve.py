@@ -8,6 +8,7 @@ fsync and retention loops, and shuts down cleanly on SIGTERM or Ctrl-C
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -518,11 +519,17 @@ async def _shut_down(
 
 
 async def _flush_loop(broker: Broker) -> None:
-    """fsync partitions whose topics flush on an interval rather than per batch."""
+    """fsync partitions whose topics flush on an interval rather than per batch: one timer, at the earliest
+    due partition among those written since their last fsync (idle partitions cost nothing)."""
     while True:
-        intervals = [p.config["flush_interval_ms"] for p in broker.partitions.values()]
-        due = [i for i in intervals if i > 0]
-        await asyncio.sleep(min(due, default=1000) / 1000)
+        broker.flush_wanted.clear()
+        due = broker.next_flush_due()
+        if due is None:
+            await broker.flush_wanted.wait()
+        else:
+            delay_s = max(0.0, due - time.monotonic() * 1000) / 1000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(broker.flush_wanted.wait(), delay_s)
         broker.flush_due(int(time.monotonic() * 1000))
 
 

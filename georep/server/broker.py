@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
+import heapq
 import itertools
 import logging
 import os
@@ -173,13 +175,19 @@ class Broker:
         self.origin = Origin(identity.site, identity.epoch)
         self.defaults = {**DEFAULT_TOPIC_CONFIG, **(defaults or {})}
         self.clock_ms = clock_ms
-        if open_log is None:
-            from georep.storage.segment_log import SegmentLog
-
-            open_log = SegmentLog.open
-        self.open_log = open_log
         self.logs_dir = data_dir / "logs"
         private_dir(self.logs_dir)
+        self._open_at_start: Callable[[Path, LogConfig, int], PartitionLog] | None = open_log
+        if open_log is None:
+            from georep.storage.segment_log import SegmentLog, sync_filesystem
+
+            open_log = SegmentLog.open
+            # One sync of the file system makes durable whatever a killed predecessor left in the page cache,
+            # so each partition's open at start fsyncs only what it changes (10,000 partitions: seconds, not
+            # minutes). Only at start: later opens are of directories this process may have written.
+            sync_filesystem(self.logs_dir)
+            self._open_at_start = functools.partial(SegmentLog.open, filesystem_synced=True)
+        self.open_log = open_log
         self.creating_dir = data_dir / CREATING_DIR  # topic creates under way (``_finish_creates``)
         self._creating: set[str] = set()  # names whose create is under way (in a worker thread)
         # A multi-node site keeps its topics in its Raft metadata, and this node serves only the partitions it
@@ -212,12 +220,17 @@ class Broker:
         self._tokens = itertools.count()
         self._geo_timer: asyncio.TimerHandle | None = None
         self._geo_timer_due = 0
+        # The periodic flush follows writes: a heap of (due, key) for the partitions written since their last
+        # fsync, so an idle partition costs nothing per tick (``flush_due``, ``_flush_loop``).
+        self._flush_heap: list[tuple[int, tuple[str, int]]] = []
+        self._flush_scheduled: set[tuple[str, int]] = set()
+        self.flush_wanted = asyncio.Event()  # set when the earliest due flush moved earlier
         now = self.clock_ms()
         if not self.in_site:
             self._finish_creates()
         try:
             for spec in self.metadata.topics().values() if not self.in_site else ():
-                self._open_topic(spec, now)
+                self._open_topic(spec, now, starting=True)
         except BaseException:
             for p in self.partitions.values():
                 p.log.close()
@@ -230,12 +243,13 @@ class Broker:
 
     # -- topics ---------------------------------------------------------------
 
-    def _open_topic(self, spec: TopicSpec, now_ms: int) -> None:
-        self._serve_topic(spec, self._open_logs(spec, now_ms), now_ms)
+    def _open_topic(self, spec: TopicSpec, now_ms: int, *, starting: bool = False) -> None:
+        self._serve_topic(spec, self._open_logs(spec, now_ms, starting=starting), now_ms)
 
-    def _open_logs(self, spec: TopicSpec, now_ms: int) -> list[PartitionLog]:
+    def _open_logs(self, spec: TopicSpec, now_ms: int, *, starting: bool = False) -> list[PartitionLog]:
         """Make and open ``spec``'s partition logs: files only, no table of the broker's (so a worker thread may
-        do it). If one fails, the ones opened are closed and the error raised."""
+        do it). If one fails, the ones opened are closed and the error raised. ``starting``: the node's start-up,
+        which opens through ``_open_at_start`` when it has one."""
         config = spec.effective(self.defaults)
         log_config = LogConfig(
             segment_bytes_max=config["segment_bytes_max"],
@@ -244,12 +258,13 @@ class Broker:
             retention_bytes=config["retention_bytes"],
             flush_interval_ms=config["flush_interval_ms"],
         )
+        opener = self._open_at_start if starting and self._open_at_start is not None else self.open_log
         logs: list[PartitionLog] = []
         try:
             for i in range(spec.partitions):
                 directory = self.logs_dir / partition_dir_name(spec.name, i)
                 private_dir(directory)
-                logs.append(self.open_log(directory, log_config, now_ms))
+                logs.append(opener(directory, log_config, now_ms))
         except BaseException:
             for plog in logs:
                 plog.close()
@@ -559,6 +574,9 @@ class Broker:
             return
         if flushed is None:
             self._perform(self.acks.flush_failed(key, error))
+            p = self.partitions.get(key)
+            if p is not None:
+                self._schedule_flush(p)
         else:
             self._perform(self.acks.flush_done(key, flushed, VectorOffset()))
 
@@ -610,6 +628,7 @@ class Broker:
             if p.in_site is not None:
                 p.in_site.appended(p.log.log_end_offset)
             p.notify_append()
+            self._schedule_flush(p)
             self.on_produce(topic, produced.records, len(batch))
         return p, produced
 
@@ -678,6 +697,7 @@ class Broker:
         if exc is not None:
             log.error("fsync of %s-%d failed: %s", p.topic, p.index, exc)
             self._perform(self.acks.flush_failed(p.key, str(exc) or type(exc).__name__))
+            self._schedule_flush(p)  # the periodic flush tries again, as it did when it walked every partition
             return
         p.last_flush_mono_ms = int(time.monotonic() * 1000)
         p.notify_durable()
@@ -746,6 +766,7 @@ class Broker:
             # Also after an apply that failed midway (a full disk): what it appended before the failure is
             # whole, and must be fsynced and served onward like the rest.
             p.notify_append()
+            self._schedule_flush(p)
             self._perform(self.acks.replicated(p.key, p.log.log_end_offset))
 
     # -- damage ---------------------------------------------------------------
@@ -774,13 +795,32 @@ class Broker:
 
     # -- housekeeping ---------------------------------------------------------
 
+    def _schedule_flush(self, p: Partition) -> None:
+        """A partition that flushes on an interval was written: fsync it ``flush_interval_ms`` after its last."""
+        interval = p.config["flush_interval_ms"]
+        if interval <= 0 or p.key in self._flush_scheduled:
+            return
+        due = max(p.last_flush_mono_ms + interval, int(time.monotonic() * 1000))
+        earliest = self._flush_heap[0][0] if self._flush_heap else None
+        heapq.heappush(self._flush_heap, (due, p.key))
+        self._flush_scheduled.add(p.key)
+        if earliest is None or due < earliest:
+            self.flush_wanted.set()
+
+    def next_flush_due(self) -> int | None:
+        """When (monotonic ms) the next written partition's periodic fsync is due, or None: nothing is."""
+        return self._flush_heap[0][0] if self._flush_heap else None
+
     def flush_due(self, now_mono_ms: int) -> None:
-        """fsync the partitions whose ``flush_interval_ms`` has passed since their last fsync."""
-        for p in self.partitions.values():
-            interval = p.config["flush_interval_ms"]
-            if interval > 0 and now_mono_ms - p.last_flush_mono_ms >= interval:
-                p.last_flush_mono_ms = now_mono_ms
-                self._perform(self.acks.flush(p.key, p.log.log_end_offset))
+        """fsync the written partitions whose ``flush_interval_ms`` has passed since their last fsync."""
+        while self._flush_heap and self._flush_heap[0][0] <= now_mono_ms:
+            _, key = heapq.heappop(self._flush_heap)
+            self._flush_scheduled.discard(key)
+            p = self.partitions.get(key)
+            if p is None:
+                continue  # deleted or no longer led meanwhile
+            p.last_flush_mono_ms = now_mono_ms
+            self._perform(self.acks.flush(p.key, p.log.log_end_offset))
 
     def enforce_retention(self) -> int:
         now = self.clock_ms()

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import struct
+import threading
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from georep.record.batch import (
 )
 from georep.storage.api import BytesLike, StorageError
 from georep.storage.durable_file import replace_file
+from georep.storage.handle_cache import HANDLES, close_quietly
 from georep.storage.index_format import (
     FILE_HEADER,
     INDEX_ENTRY,
@@ -52,7 +54,7 @@ from georep.storage.index_format import (
     pack_origin_entry,
     sparse_index,
 )
-from georep.storage.slots import OriginKey, SegmentPlan, plan_segment
+from georep.storage.slots import OriginKey, SegmentPlan, plan_segment, trusted_prefix
 
 LOG_SUFFIX = ".log"
 INDEX_SUFFIX = ".index"
@@ -181,12 +183,15 @@ class LoadOutcome:
 
 
 class Segment:
-    """A segment's open files and what is kept in memory about them.
+    """A segment's files and what is kept in memory about them.
 
-    Not thread-safe on its own: ``SegmentLog`` serialises mutation.
+    The files are opened on demand through the process's :data:`georep.storage.handle_cache.HANDLES`, which
+    closes least recently used segments beyond its bound; ``owner`` is the lock of the log holding the segment,
+    held around every use of the descriptors (``SegmentLog`` serialises mutation).
     """
 
     __slots__ = (
+        "_dirty",
         "_index_end",
         "_oindex_end",
         "_since_index",
@@ -194,12 +199,10 @@ class Segment:
         "batch_count",
         "directory",
         "first_append_time_ms",
-        "index_fd",
         "index_positions",
         "index_relative_offsets",
-        "log_fd",
         "next_offset",
-        "oindex_fd",
+        "owner",
         "running_max_timestamps",
         "size",
     )
@@ -208,9 +211,7 @@ class Segment:
         self,
         directory: Path,
         base_offset: int,
-        log_fd: int,
-        index_fd: int,
-        oindex_fd: int,
+        owner: threading.Lock,
         size: int,
         next_offset: int,
         origin_entries: BytesLike,
@@ -218,12 +219,57 @@ class Segment:
     ) -> None:
         self.directory = directory
         self.base_offset = base_offset
-        self.log_fd = log_fd
-        self.index_fd = index_fd
-        self.oindex_fd = oindex_fd
+        self.owner = owner
         self.size = size
         self.next_offset = next_offset
+        self._dirty = False  # written since the last fsync of all three files
         self._remember(origin_entries, index_entries)
+
+    # -- the files, through the handle cache -----------------------------------------------------
+
+    @property
+    def log_fd(self) -> int:
+        return HANDLES.fds(self)[0]
+
+    @property
+    def index_fd(self) -> int:
+        return HANDLES.fds(self)[1]
+
+    @property
+    def oindex_fd(self) -> int:
+        return HANDLES.fds(self)[2]
+
+    def open_files(self) -> tuple[int, int, int]:
+        fds: list[int] = []
+        try:
+            for path in segment_paths(self.directory, self.base_offset):
+                fds.append(_open_rw(path))
+        except BaseException:
+            close_quietly(tuple(fds))
+            raise
+        return fds[0], fds[1], fds[2]
+
+    def release_files(self, fds: tuple[int, int, int]) -> bool:
+        """fsync unsynced writes, then close: the handle cache's eviction (``owner`` held)."""
+        if self._dirty:
+            try:
+                for fd in fds:
+                    os.fdatasync(fd)
+            except OSError as exc:
+                log.error(
+                    "segment %s in %s: fsync before closing its files failed (%s); they stay open",
+                    segment_name(self.base_offset),
+                    self.directory,
+                    exc,
+                )
+                return False
+            self._dirty = False
+        close_quietly(fds)
+        return True
+
+    def mark_written(self) -> None:
+        """Bytes went to the files outside :meth:`append` (a mended prefix, a repair, a cut)."""
+        self._dirty = True
 
     def _remember(self, origin_entries: BytesLike, index_entries: BytesLike) -> None:
         """Keep in memory what lookups need of the index files: the sparse index and the running max timestamps."""
@@ -251,8 +297,8 @@ class Segment:
     # -- lifecycle -------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, directory: Path, base_offset: int) -> Segment:
-        """A new, empty segment (the caller fsyncs the directory)."""
+    def create(cls, directory: Path, base_offset: int, owner: threading.Lock) -> Segment:
+        """A new, empty segment, its files open (the caller fsyncs the directory)."""
         paths = segment_paths(directory, base_offset)
         fds: list[int] = []
         try:
@@ -267,7 +313,10 @@ class Segment:
                 with contextlib.suppress(OSError):
                     path.unlink()
             raise
-        return cls(directory, base_offset, fds[0], fds[1], fds[2], 0, base_offset, b"", b"")
+        segment = cls(directory, base_offset, owner, 0, base_offset, b"", b"")
+        segment._dirty = True
+        HANDLES.admit(segment, (fds[0], fds[1], fds[2]))
+        return segment
 
     @classmethod
     def load(
@@ -280,6 +329,9 @@ class Segment:
         durable_end: int,
         running: dict[OriginKey, int],
         trust: bool,
+        owner: threading.Lock,
+        synced: bool = False,
+        trust_prefix: bool = False,
     ) -> tuple[Segment, LoadOutcome]:
         """Open an existing segment: trusted from its index files, or walked batch by batch.
 
@@ -289,7 +341,12 @@ class Segment:
         as the evidence of what damaged slots held; this carries the plan out: prefixes mended, a torn tail cut
         (only at or above ``durable_end``), index files rebuilt when they differ from the plan. Damage the plan
         cannot name raises :class:`UnrepairableDamage` and changes nothing. ``running`` is each origin's next
-        seq before this segment (for the continuity checks); the caller advances it.
+        seq before this segment (for the continuity checks); the caller advances it. The files are closed on
+        return: the handle cache opens them again when the segment is used. ``synced``: the file system was
+        synced after the last writer died, so a walk that changes nothing needs no fsync of its own.
+        ``trust_prefix``: the walk starts after the origin index's entries below ``durable_end`` (the recovery
+        point) when they are consistent (:func:`georep.storage.slots.trusted_prefix`), as a sealed segment below
+        it is trusted: only what lies after the recovery point is read.
         """
         log_path, index_path, oindex_path = segment_paths(directory, base_offset)
         log_fd = _open_rw(log_path)
@@ -314,10 +371,13 @@ class Segment:
                     next_base=next_base,
                     durable_end=durable_end,
                     running=running,
+                    trusted=trusted_prefix(base_offset, log_size, decoded or [], durable_end, running)
+                    if trust_prefix
+                    else (),
                 )
                 if plan.refused is not None:
                     raise UnrepairableDamage(refusal(log_path, plan.refused))
-                carry_out(log_fd, plan)
+                carry_out(log_fd, plan, changed_only=synced)
                 entries = pack_entries(plan.entries)
                 sparse_now = sparse_index(plan.entries, base_offset, index_interval_bytes)
                 rebuilt = entries != evidence or sparse_now != sparse
@@ -326,44 +386,40 @@ class Segment:
                 gone = sum(1 for e in decoded or () if e.base_offset >= plan.next_offset)
                 outcome = LoadOutcome(True, rebuilt, plan, gone)
                 sparse, size, next_offset = sparse_now, plan.end_position, plan.next_offset
-            index_fd = _open_rw(index_path)
-        except BaseException:
+        finally:
             os.close(log_fd)
-            raise
-        try:
-            oindex_fd = _open_rw(oindex_path)
-        except BaseException:
-            os.close(log_fd)
-            os.close(index_fd)
-            raise
-        segment = cls(directory, base_offset, log_fd, index_fd, oindex_fd, size, next_offset, entries, sparse)
+        segment = cls(directory, base_offset, owner, size, next_offset, entries, sparse)
         return segment, outcome
 
     def reindex(self, entries: bytes, index_interval_bytes: int) -> None:
         """Replace both index files with ``entries`` (and the sparse index they imply), and what is kept of them.
 
-        The caller holds the log's lock; the files are replaced atomically and their descriptors reopened.
+        The caller holds the log's lock; the files are replaced atomically and opened again on the next use.
         """
         sparse = sparse_index(iter_origin_entries(entries), self.base_offset, index_interval_bytes)
+        self.sync_if_written()  # closing without it would leave writes no fsync of this partition sees
+        self.close()
         write_indexes(self.directory, self.base_offset, entries, sparse)
-        _, index_path, oindex_path = segment_paths(self.directory, self.base_offset)
-        for old in (self.index_fd, self.oindex_fd):
-            with contextlib.suppress(OSError):
-                os.close(old)
-        self.index_fd = _open_rw(index_path)
-        self.oindex_fd = _open_rw(oindex_path)
         self._remember(entries, sparse)
 
     def sync(self) -> None:
         """fdatasync the log and both index files."""
-        os.fdatasync(self.log_fd)
-        os.fdatasync(self.index_fd)
-        os.fdatasync(self.oindex_fd)
+        log_fd, index_fd, oindex_fd = HANDLES.fds(self)
+        os.fdatasync(log_fd)
+        os.fdatasync(index_fd)
+        os.fdatasync(oindex_fd)
+        self._dirty = False
+
+    def sync_if_written(self) -> None:
+        """:meth:`sync`, unless nothing was written since the last one (the files may then stay closed)."""
+        if self._dirty or HANDLES.is_open(self):
+            self.sync()
 
     def close(self) -> None:
-        for fd in (self.log_fd, self.index_fd, self.oindex_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        """Close the files (without fsync: :meth:`sync` first where that matters)."""
+        fds = HANDLES.discard(self)
+        if fds is not None:
+            close_quietly(fds)
 
     def delete(self) -> None:
         """Close and remove the files; the ``.log`` first, so a crash leaves at most orphan indexes."""
@@ -390,11 +446,13 @@ class Segment:
         index_entry = None
         if self._since_index >= index_interval_bytes:
             index_entry = INDEX_ENTRY.pack(base_offset - self.base_offset, position)
+        log_fd, index_fd, oindex_fd = HANDLES.fds(self)
+        self._dirty = True
         try:
-            _write_all(self.log_fd, [prefix, *body], position, size)
+            _write_all(log_fd, [prefix, *body], position, size)
             if index_entry is not None:
-                _write_all(self.index_fd, [index_entry], self._index_end, INDEX_ENTRY.size)
-            _write_all(self.oindex_fd, [origin_entry], self._oindex_end, ORIGIN_ENTRY_BYTES)
+                _write_all(index_fd, [index_entry], self._index_end, INDEX_ENTRY.size)
+            _write_all(oindex_fd, [origin_entry], self._oindex_end, ORIGIN_ENTRY_BYTES)
         except BaseException:
             self._truncate_to_tracked_sizes()
             raise
@@ -414,10 +472,11 @@ class Segment:
         self.next_offset = base_offset + header.last_offset_delta + 1
 
     def _truncate_to_tracked_sizes(self) -> None:
+        log_fd, index_fd, oindex_fd = HANDLES.fds(self)
         for fd, size in (
-            (self.log_fd, self.size),
-            (self.index_fd, self._index_end),
-            (self.oindex_fd, self._oindex_end),
+            (log_fd, self.size),
+            (index_fd, self._index_end),
+            (oindex_fd, self._oindex_end),
         ):
             try:
                 os.ftruncate(fd, size)
@@ -434,8 +493,9 @@ class Segment:
 
     def seal(self) -> None:
         """Make the segment durable and exactly its tracked size before it stops being active."""
-        if os.fstat(self.log_fd).st_size != self.size:
-            os.ftruncate(self.log_fd, self.size)
+        log_fd = self.log_fd
+        if os.fstat(log_fd).st_size != self.size:
+            os.ftruncate(log_fd, self.size)
         self.sync()
 
     # -- lookups ---------------------------------------------------------------------------------
@@ -516,8 +576,14 @@ def _consistent(
     return all(entry in starts for entry in INDEX_ENTRY.iter_unpack(index_entries))
 
 
-def carry_out(log_fd: int, plan: SegmentPlan) -> None:
-    """Write what a plan decided into the ``.log``: mended prefixes, then the cut; then make it durable."""
+def carry_out(log_fd: int, plan: SegmentPlan, *, changed_only: bool = False) -> None:
+    """Write what a plan decided into the ``.log``: mended prefixes, then the cut; then make it durable.
+
+    ``changed_only``: the ``.log`` is known durable as it was found (the file system was synced since its
+    last writer died), so the fsync is needed only when the plan changed it.
+    """
+    if changed_only and not plan.mended and plan.cut is None:
+        return
     for slot in plan.mended:
         assert slot.prefix is not None
         if os.pwrite(log_fd, slot.prefix, slot.entry.position) != len(slot.prefix):

@@ -88,7 +88,10 @@ point is trusted when its index files are present and consistent (whole
 entries, the last origin entry ending exactly at the ``.log`` size and at the
 next segment's base offset); otherwise it is validated as below. The segment
 holding the recovery point, every later one and always the last are
-validated batch by batch: framing, CRC-32C and offset continuity. The 24-byte
+validated batch by batch: framing, CRC-32C and offset continuity; in the last
+one, the walk starts after the origin-index entries that end at or below the
+recovery point and tile the segment (``slots.trusted_prefix``), when the
+quarantine list is readable. The 24-byte
 prefix is outside the CRC; of its fields, ``base_offset`` is checked by
 continuity, ``batch_length`` by framing and CRC, ``crc`` by the CRC, and
 ``append_time_ms`` against the origin index's copy. At the first torn or
@@ -100,11 +103,15 @@ end.
 Concurrency. ``flush()`` may run in a worker thread while another thread
 appends and reads. One ``threading.Lock`` guards the in-memory state; fsync and
 read I/O run outside it on a ``dup`` of the file descriptor, so closing or
-deleting a segment meanwhile cannot redirect them to another file.
+deleting a segment meanwhile cannot redirect them to another file. The
+descriptors come from the process's handle cache
+(``georep/storage/handle_cache.py``), which closes a segment's files only
+while its log's lock is free.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import json
@@ -198,6 +205,7 @@ class RecoveryReport:
     segments_validated: int = 0
     indexes_rebuilt: int = 0  # segments whose .index/.oindex were rewritten from the log
     files_removed: int = 0  # stray .tmp files and orphan index files
+    files_restored: int = 0  # empty .log files put back beside a surviving origin index
     damaged_offset: LocalOffset | None = None  # where the log was cut, if it was
     damage: str | None = None
     # Batches the origin index lists past the recovered log end: appended, but
@@ -232,11 +240,12 @@ class SegmentLog:
         vector_offset: int,
         sealed_vector: dict[Origin, OriginSeq],
         recovery: RecoveryReport,
+        lock: threading.Lock,
     ) -> None:
         self.directory = directory
         self.config = config
         self.recovery = recovery
-        self._lock = threading.Lock()
+        self._lock = lock  # the segments' owner: the handle cache closes their files only while it is free
         self._segments = segments
         self._bases = [s.base_offset for s in segments]
         self._origins = origins
@@ -254,6 +263,7 @@ class SegmentLog:
         self._size = sum(s.size for s in segments)
         self._closed = False
         self._origin_names: dict[tuple[bytes, int], Origin] = {}
+        self._point_at = -1  # the recovery point's offset as last written (or found at open)
         self._damaged: dict[int, DamagedBatch] = {}  # base offset -> quarantined batch (DAMAGED_FILE)
         self._invalid: set[int] = set()  # base offsets of stored batches whose records no reader accepts (reported)
         self.damage_found_total = 0
@@ -262,12 +272,18 @@ class SegmentLog:
     # -- open and recovery -----------------------------------------------------------------------
 
     @classmethod
-    def open(cls, directory: Path, config: LogConfig, now_ms: int) -> SegmentLog:
+    def open(cls, directory: Path, config: LogConfig, now_ms: int, *, filesystem_synced: bool = False) -> SegmentLog:
         """Create or recover the partition log in ``directory``.
 
         ``now_ms`` is accepted for symmetry with the other clock-taking calls;
         recovery makes no time-based decision (the age roll compares append
         times, and retention runs only when asked).
+
+        ``filesystem_synced``: the caller synced the file system after the log's last writer died and before
+        this open (``sync_filesystem``, once for all of a node's partitions). Everything found on disk is then
+        already durable, so an open that changes nothing does no fsync: the directory is fsynced only when
+        recovery created, removed or rewrote a file, and the recovery point is left where it is (a lower
+        recovery point is always true: the next open validates a little more).
         """
         del now_ms
         check_config(config)
@@ -286,8 +302,12 @@ class SegmentLog:
             )
         segments: list[Segment] = []
         lost: list[DamagedBatch] = []
+        lock = threading.Lock()
+        lock.acquire()  # held while opening: the handle cache leaves these segments' files alone meanwhile
         try:
-            _load_segments(directory, config, bases, point, listed is not None, segments, lost, report)
+            _load_segments(
+                directory, config, bases, point, listed is not None, segments, lost, report, lock, filesystem_synced
+            )
             # What retention kept starts at the log-start file's offset (0 without one: nothing was deleted, or an
             # older build deleted, which the check of a log whose segments start later must let pass).
             expected = kept.log_start if kept is not None else 0
@@ -297,15 +317,28 @@ class SegmentLog:
                 start = point.recovery_point if point is not None else expected
                 if start > expected:  # every segment file is gone: nothing created the log at this offset
                     raise MissingSegment(_missing(directory, expected, start))
-                segments.append(Segment.create(directory, start))
-            fsync_directory(directory)
-            opened = cls._from_segments(directory, config, segments, point, report)
+                segments.append(Segment.create(directory, start, lock))
+            changed = bool(
+                report.indexes_rebuilt
+                or report.files_removed
+                or report.files_restored
+                or report.damaged_offset is not None
+                or lost
+            )
+            if not filesystem_synced or changed or len(segments) != len(bases):
+                fsync_directory(directory)
+            opened = cls._from_segments(directory, config, segments, point, report, lock)
             opened._quarantine_at_open(listed or [], lost)
-            opened._write_recovery_point()
+            if not filesystem_synced or point is None or changed:
+                opened._write_recovery_point()
+            else:
+                opened._point_at = point.recovery_point
         except BaseException:
             for segment in segments:
                 segment.close()
             raise
+        finally:
+            lock.release()
         if report.indexes_rebuilt or report.damaged_offset is not None or report.files_removed or lost:
             log.info("partition log %s recovered: %s", directory, report)
         return opened
@@ -328,7 +361,7 @@ class SegmentLog:
         if base_offset:  # first: what starts the log later than offset 0 is known before anything else exists
             write_log_start(directory, LogStart(LocalOffset(base_offset), dict(vector)))
         write_recovery_point(directory, RecoveryPoint(LocalOffset(base_offset), LocalOffset(base_offset), dict(vector)))
-        Segment.create(directory, base_offset).close()
+        Segment.create(directory, base_offset, threading.Lock()).close()
         fsync_directory(directory)
         fsync_directory(directory.parent)
         return cls.open(directory, config, now_ms)
@@ -397,6 +430,7 @@ class SegmentLog:
         segments: list[Segment],
         point: RecoveryPoint | None,
         report: RecoveryReport,
+        lock: threading.Lock,
     ) -> SegmentLog:
         """The log over loaded segments: its vector, the origin index and each segment's start vector.
 
@@ -407,7 +441,7 @@ class SegmentLog:
         log_start = segments[0].base_offset
         vector, covered = _vector_below(directory, point, log_start, segments[-1].next_offset)
         vector_offset = max(covered, active_base)
-        opened = cls(directory, config, segments, OriginIndex(), vector, vector_offset, {}, report)
+        opened = cls(directory, config, segments, OriginIndex(), vector, vector_offset, {}, report, lock)
         opened._index_segments(vector, covered)
         if log_start and read_log_start(directory) is None:  # made by an older build, or lost: the second copy again
             write_log_start(directory, LogStart(LocalOffset(log_start), dict(opened._start_vectors[0])))
@@ -837,9 +871,13 @@ class SegmentLog:
             return self._flushed
 
     def enforce_retention(self, now_ms: int) -> int:
+        """Delete what retention says, and move the recovery point up to the flushed offset (the node runs this
+        every ``--retention-check-ms``, as Kafka checkpoints its recovery points): the next start-up after a
+        crash then reads only what was written since."""
         deleted = 0
         with self._lock:
             self._check_open()
+            self._checkpoint()
             doomed = self._expired_segments(now_ms)
             if doomed:
                 # The second copy of the vector below the new log start goes first (georep/storage/log_start.py).
@@ -889,10 +927,11 @@ class SegmentLog:
                 return
             self._closed = True
             try:
-                self._segments[-1].sync()
+                self._segments[-1].sync_if_written()
                 self._flushed = self._log_end
                 self._flushed_vector = dict(self._vector)
-                self._write_recovery_point()
+                if self._point_at != self._log_end:  # 10,000 idle partitions shut down without 20,000 fsyncs
+                    self._write_recovery_point()
             finally:
                 for segment in self._segments:
                     segment.close()
@@ -940,8 +979,9 @@ class SegmentLog:
         if end > self._flushed:
             self._flushed, self._flushed_vector = end, dict(sealed_vector)
         write_recovery_point(self.directory, RecoveryPoint(end, end, sealed_vector))
+        self._point_at = end
         self._vector_offset, self._sealed_vector = end, sealed_vector
-        segment = Segment.create(self.directory, end)
+        segment = Segment.create(self.directory, end, self._lock)
         try:
             fsync_directory(self.directory)
         except BaseException:
@@ -950,6 +990,22 @@ class SegmentLog:
         self._segments.append(segment)
         self._bases.append(end)
         self._start_vectors.append(dict(sealed_vector))
+
+    def _checkpoint(self) -> None:
+        """Write the recovery point at the flushed offset if it moved since it was last written (lock held).
+
+        Everything below ``_flushed`` was fsynced, and the vector offset (the active segment's base or later)
+        lies at or below it, so the file claims nothing that a crash could take back."""
+        if self._flushed <= self._point_at or self._vector_offset > self._flushed:
+            return
+        point = RecoveryPoint(self._flushed, LocalOffset(self._vector_offset), self._sealed_vector)
+        try:
+            write_recovery_point(self.directory, point)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            return  # the last one stays true; startup validates more
+        self._point_at = self._flushed
 
     def _write_recovery_point(self) -> None:
         """Move the recovery point to the log end, at open and close.
@@ -962,6 +1018,7 @@ class SegmentLog:
         point = RecoveryPoint(self._log_end, LocalOffset(self._vector_offset), self._sealed_vector)
         try:
             write_recovery_point(self.directory, point)
+            self._point_at = self._log_end
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -970,6 +1027,23 @@ class SegmentLog:
                 self.directory,
                 exc.strerror,
             )
+
+
+def sync_filesystem(path: Path) -> None:
+    """Make everything written to the file system holding ``path`` durable: one ``syncfs``, before a node opens
+    its partitions with ``filesystem_synced`` (``os.sync`` where ``syncfs`` is missing)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    syncfs = getattr(libc, "syncfs", None)
+    if syncfs is None:
+        os.sync()
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs of {path} failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _vector_below(
@@ -1181,6 +1255,7 @@ def _tidy_directory(directory: Path, report: RecoveryReport, log_start: int | No
                 path.name,
             )
             (directory / (path.name[: -len(ORIGIN_INDEX_SUFFIX)] + LOG_SUFFIX)).touch(mode=0o600)
+            report.files_restored += 1
             logs.add(base)
         elif deleted:
             log.warning("partition log %s: removing %s, which has no .log", directory, path.name)
@@ -1198,6 +1273,8 @@ def _load_segments(
     segments: list[Segment],
     lost: list[DamagedBatch],
     report: RecoveryReport,
+    owner: threading.Lock,
+    synced: bool,
 ) -> None:
     """Load every segment in order into ``segments``; what their plans find lost goes into ``lost``.
 
@@ -1221,6 +1298,9 @@ def _load_segments(
             durable_end=durable if next_base is None else next_base,
             running=running,
             trust=trust,
+            owner=owner,
+            synced=synced,
+            trust_prefix=may_trust and next_base is None,
         )
         segments.append(segment)
         for entry in iter_origin_entries(segment.origin_entries()):

@@ -113,13 +113,21 @@ def plan_segment(
     next_base: int | None,
     durable_end: int,
     running: Mapping[OriginKey, int],
+    trusted: Sequence[OriginEntry] = (),
 ) -> SegmentPlan:
     """Walk one segment and decide every slot; see the module docstring.
 
     ``next_base``: the next segment's base offset (a sealed segment must end exactly there), or None for the last.
     ``running``: each origin's next seq after the batches before this segment, where known.
+    ``trusted``: the segment's first origin-index entries, taken as good slots without reading their bytes (the
+    caller checked they tile the segment from byte 0 and end at or below the durable end: see
+    :func:`trusted_prefix`); the walk starts after them.
     """
     walk = _Walk(base_offset, data, {e.position: e for e in evidence or ()}, next_base, dict(running))
+    for kept in trusted:
+        walk.slots.append(Good(kept))
+        walk.running[kept.origin_key] = kept.next_origin_seq
+        walk.position, walk.offset = kept.end_position, kept.next_offset
     ends = [data.size, *(e.end_position for e in evidence or ())]
     for _ in range(max(ends) // HEADER_BYTES + 2):  # every step moves at least one header's length
         if next_base is not None and walk.offset >= next_base:
@@ -139,6 +147,32 @@ def plan_segment(
                 "names no batch that fits there"
             )
     return walk.finish(durable_end)
+
+
+def trusted_prefix(
+    base_offset: int, size: int, evidence: Sequence[OriginEntry], durable_end: int, running: Mapping[OriginKey, int]
+) -> list[OriginEntry]:
+    """The longest run of ``evidence`` from byte 0 that a recovery may take without reading the batches: entries
+    that tile the segment byte for byte and offset for offset, continue each origin's seqs, lie inside its
+    ``size`` bytes and end at or below ``durable_end`` (the recovery point: everything below it was fsynced).
+
+    The same trust as a sealed segment's below the recovery point: what the index cannot show (a flipped byte
+    in a batch) the scrubber and every read find later, and quarantine. Nothing here is ever cut.
+    """
+    seqs = dict(running)
+    position, offset = 0, base_offset
+    out: list[OriginEntry] = []
+    for e in evidence:
+        if e.position != position or e.base_offset != offset or e.size_bytes < HEADER_BYTES or e.last_offset_delta < 0:
+            break
+        if e.next_offset > durable_end or e.end_position > size:
+            break
+        if seqs.get(e.origin_key, e.base_origin_seq) != e.base_origin_seq:
+            break
+        seqs[e.origin_key] = e.next_origin_seq
+        out.append(e)
+        position, offset = e.end_position, e.next_offset
+    return out
 
 
 @dataclass(slots=True)

@@ -1,0 +1,141 @@
+"""A bound on the segment files a process keeps open: the least recently used segments close first.
+
+A node with 10,000 partitions would otherwise keep three files open for each (``.log``, ``.index``,
+``.oindex``) and hit its descriptor limit, as Kafka would without its bound on index mmaps. Every use of a
+segment's descriptors goes through :meth:`HandleCache.fds`, which opens the segment's files on demand and
+closes those of the least recently used segments beyond ``max_open_files``.
+
+Why closing is safe:
+
+- **Nobody is using what is closed.** Every direct use of a segment's descriptors happens with its log's lock
+  held (I/O outside the lock runs on a ``dup``). A victim is closed only when that lock can be taken without
+  waiting; a segment whose log is busy (or being opened, which holds the lock) is skipped. So a write or read
+  never finds its descriptor closed, or reused for another file.
+- **Nothing written is lost.** A segment with writes not yet fsynced is fsynced before its files close (flush
+  before close); an fsync that fails keeps the files open, so the partition's own next flush reports the
+  error on a descriptor that saw it.
+
+One cache per process (descriptors are a process's resource): the node sizes it from ``--max-open-files``.
+When every candidate is busy the cache runs over its bound for a moment rather than wait (at most the
+segments of the logs locked at that instant).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_OPEN_FILES = 1000
+FILES_PER_SEGMENT = 3
+
+
+class CachedFiles(Protocol):
+    """What the cache needs of a segment."""
+
+    owner: threading.Lock  # the lock of the log that holds it
+
+    def open_files(self) -> tuple[int, int, int]:
+        """Open the segment's files (the cache keeps the descriptors)."""
+
+    def release_files(self, fds: tuple[int, int, int]) -> bool:
+        """fsync what is unsynced, then close ``fds``; False (nothing closed) when the fsync failed."""
+
+
+class InvalidMaxOpenFiles(ValueError):
+    """A ``--max-open-files`` too small to keep one segment open."""
+
+
+class HandleCache:
+    """Open segment files, least recently used first, within ``max_open_files`` (see the module doc)."""
+
+    def __init__(self, max_open_files: int = DEFAULT_MAX_OPEN_FILES) -> None:
+        self._lock = threading.Lock()
+        self._open: OrderedDict[CachedFiles, tuple[int, int, int]] = OrderedDict()
+        self.max_open_files = DEFAULT_MAX_OPEN_FILES
+        self.resize(max_open_files)
+        self.opened_total = 0
+        self.closed_total = 0
+
+    def resize(self, max_open_files: int) -> None:
+        if max_open_files < FILES_PER_SEGMENT:
+            raise InvalidMaxOpenFiles(
+                f"max open files {max_open_files} is below {FILES_PER_SEGMENT}, the files of one segment: "
+                "raise --max-open-files"
+            )
+        with self._lock:
+            self.max_open_files = max_open_files
+            self._make_room(0)
+
+    @property
+    def open_files(self) -> int:
+        with self._lock:
+            return len(self._open) * FILES_PER_SEGMENT
+
+    def fds(self, segment: CachedFiles) -> tuple[int, int, int]:
+        """The segment's descriptors, opened now if they were closed (its log's lock is held by the caller)."""
+        with self._lock:
+            fds = self._open.get(segment)
+            if fds is not None:
+                self._open.move_to_end(segment)
+                return fds
+            self._make_room(FILES_PER_SEGMENT)
+            fds = segment.open_files()
+            self._open[segment] = fds
+            self.opened_total += 1
+            return fds
+
+    def admit(self, segment: CachedFiles, fds: tuple[int, int, int]) -> None:
+        """Keep descriptors a segment opened itself (a new segment)."""
+        with self._lock:
+            self._make_room(FILES_PER_SEGMENT)
+            self._open[segment] = fds
+            self.opened_total += 1
+
+    def is_open(self, segment: CachedFiles) -> bool:
+        with self._lock:
+            return segment in self._open
+
+    def discard(self, segment: CachedFiles) -> tuple[int, int, int] | None:
+        """Forget the segment; its descriptors, if open, are the caller's to close."""
+        with self._lock:
+            return self._open.pop(segment, None)
+
+    def _make_room(self, need: int) -> None:
+        """Close least recently used segments until ``need`` more files fit (cache lock held)."""
+        excess = len(self._open) * FILES_PER_SEGMENT + need - self.max_open_files
+        if excess <= 0:
+            return
+        for victim in list(self._open):
+            if excess <= 0:
+                return
+            if not victim.owner.acquire(blocking=False):
+                continue  # its log is in use (maybe by this thread): never close under a user
+            try:
+                if victim.release_files(self._open[victim]):
+                    del self._open[victim]
+                    self.closed_total += 1
+                    excess -= FILES_PER_SEGMENT
+            finally:
+                victim.owner.release()
+
+
+HANDLES = HandleCache()
+"""The process's cache: every segment log uses it."""
+
+
+def set_max_open_files(max_open_files: int) -> None:
+    """Bound the segment files this process keeps open (the node's ``--max-open-files``)."""
+    HANDLES.resize(max_open_files)
+
+
+def close_quietly(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError as exc:
+            log.warning("closing a segment file: %s", exc)
