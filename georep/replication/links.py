@@ -6,8 +6,17 @@ simulator feed it the same events:
 * ``link_up(src)`` when a ``Replicate`` stream to ``src`` delivers its first
   message, ``link_down(src)`` when the stream or the connection fails;
 * ``upstream_vector(src, partition, vector)`` from every chunk ``src`` sends
-  (heartbeats included), ``local_vector(partition, vector)`` after each apply;
+  (heartbeats included), ``local_vector(partition, vector)`` whenever this
+  site's vector of a partition moves (an apply, a flush of its own appends);
 * ``tick(now_ms)`` now and then, to detect stalls.
+
+Cost. Both feeds are per partition that moved, and ``tick`` looks only at the
+partitions of which some live upstream holds more than this site (kept by
+``_judge`` at each feed): an idle site's tick costs O(links), not
+O(partitions). A partition with no upstream ahead cannot make any upstream
+"behind" (the rule below needs an upstream with more), so leaving it out
+changes no decision. Lifting a stall still reads every partition this site
+holds (``_caught_up``), but only while a stall lasts.
 
 and ask it ``wants(src)``: for each partition the link carries, the origin
 sites ``src`` must send. A puller reopens its stream when that answer changes.
@@ -79,6 +88,8 @@ class LinkManager:
         )
         self.partitions: dict[str, int] = {}
         self.local: dict[PartitionKey, dict[Origin, int]] = {}
+        # The partitions of which some live upstream holds more than this site: the only ones tick looks at.
+        self._behind_keys: set[PartitionKey] = set()
         # (src, origin site) -> since when src has been seen behind another upstream
         self._behind_since: dict[tuple[SiteId, SiteId], int] = {}
         self.stalled: dict[tuple[SiteId, SiteId], Stall] = {}
@@ -97,6 +108,8 @@ class LinkManager:
             self.router.set_link_up(src, self.site, True)
             self._wants.clear()
             self._failover.clear()
+            for key in list(link.vectors):  # a down link's vectors did not count: now they do
+                self._judge(key)
 
     def link_down(self, src: str, now_ms: int, error: str = "") -> None:
         link = self.links[SiteId(src)]
@@ -106,7 +119,10 @@ class LinkManager:
             self._wants.clear()
             self._failover.clear()
         link.last_error = error or link.last_error
+        keys = list(link.vectors)
         link.vectors.clear()  # what it held then is no promise of what it holds when it is back
+        for key in keys:
+            self._judge(key)
 
     def topic(self, name: str, partitions: int) -> None:
         """A topic exists at this site with ``partitions`` partitions."""
@@ -116,14 +132,18 @@ class LinkManager:
 
     def upstream_vector(self, src: str, key: PartitionKey, vector: Mapping[Origin, int]) -> None:
         self.links[SiteId(src)].vectors[key] = dict(vector)
+        self._judge(key)
 
     def local_vector(self, key: PartitionKey, vector: Mapping[Origin, int]) -> None:
+        """This site's vector of ``key`` moved (an apply, an append, a cut): tell it for every change, since
+        ``tick`` looks only at the partitions these events say some upstream is ahead of."""
         self.local[key] = dict(vector)
+        self._judge(key)
 
     def tick(self, now_ms: int) -> None:
         """Mark stalls, and lift the ones whose upstream has caught up."""
         behind: set[tuple[SiteId, SiteId]] = set()
-        for key in sorted(self.local.keys() | self._upstream_keys()):
+        for key in sorted(self._behind_keys):  # the others have no upstream ahead: nothing to judge
             topic = key[0]
             mine = self.local.get(key, {})
             best = self._best_vector(key)
@@ -216,8 +236,13 @@ class LinkManager:
             return usable[0]
         return candidates[0] if candidates else None  # every candidate stalled: keep the best
 
-    def _upstream_keys(self) -> set[PartitionKey]:
-        return {key for link in self.links.values() for key in link.vectors}
+    def _judge(self, key: PartitionKey) -> None:
+        """Keep ``_behind_keys`` in step with one partition's vectors (O(links x origins))."""
+        mine = self.local.get(key, {})
+        if any(seq > mine.get(origin, 0) for origin, seq in self._best_vector(key).items()):
+            self._behind_keys.add(key)
+        else:
+            self._behind_keys.discard(key)
 
     def _best_vector(self, key: PartitionKey) -> dict[Origin, int]:
         best: dict[Origin, int] = {}

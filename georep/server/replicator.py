@@ -57,7 +57,7 @@ from georep.replication.topics import RemoteTopic, plan_topic_sync
 from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
 from georep.security.tls import TlsConfig, client_channel
-from georep.server.broker import Broker
+from georep.server.broker import Broker, Partition
 from georep.storage.api import DiskFull, RepairRefused
 from offsets.coordinates import Origin
 from offsets.held import HeldReporter
@@ -118,6 +118,7 @@ class Puller:
             PullConfig(STREAM_IDLE_MS, BACKOFF_MIN_MS, BACKOFF_MAX_MS),
             usable=self._usable,
             nodes=self.nodes,
+            usable_basis=self._usable_basis,
         )
         # Only the claims src takes: about sites its records reach through this one (held_claim_refusal).
         claims = HeldClaimCheck(replicator.topology, src)
@@ -180,6 +181,10 @@ class Puller:
         # The broker's partitions are the ones this node serves: all of a one-node site's, the ones a node of a
         # multi-node site leads.
         return pullable(key, self.src, self.remote_topics, self.r.conflicts, self.r.broker.partitions)
+
+    def _usable_basis(self) -> object:
+        """What ``_usable`` answers from, compared by value (O(topics), not O(partitions))."""
+        return (self.r.broker.partitions_version, tuple(self.r.conflicts), self.remote_topics)
 
     def set_enabled(self, enabled: bool) -> None:
         """An operator cut or healed the link; the stream loop tells the session."""
@@ -447,6 +452,8 @@ class Replicator:
         others = [s for s in topology.site_ids() if s != self.site and s not in self.pullers]
         self.repairs = RepairQueue([*upstreams, *others])
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        # Partitions whose durable state moved since the last tick (their watchers add them; partition_opened).
+        self._moved: set[PartitionKey] = set()
         for name, spec in sorted(broker.metadata.topics().items()):
             self.links.topic(name, spec.partitions)
         broker.on_topic = self.links.topic
@@ -530,9 +537,17 @@ class Replicator:
             if self.broker.in_site:  # topics other nodes of a multi-node site created, through Raft
                 for name, spec in sorted(self.broker.metadata.topics().items()):
                     self.links.topic(name, spec.partitions)
-            for key, p in sorted(self.broker.partitions.items()):
-                self.links.local_vector(key, p.log.vector())
+            moved, self._moved = self._moved, set()
+            for key in sorted(moved):  # only what moved since the last tick: idle partitions cost nothing here
+                p = self.broker.partitions.get(key)
+                if p is not None:
+                    self.links.local_vector(key, p.log.vector())
             self.links.tick(self.now_ms())
+
+    def partition_opened(self, p: Partition) -> None:
+        """A partition this node now serves: its vector goes to the links now, and again whenever it moves."""
+        p.durable_watchers.add(self._moved.add)
+        self._moved.add(p.key)
 
     async def upstream_vectors(self, key: PartitionKey, timeout_s: float) -> list[Mapping[Origin, int]]:
         """What each streaming upstream holds of ``key`` now, asked afresh (a read barrier for FetchCommitted).
