@@ -329,7 +329,7 @@ class ReplicaSource:
         """
         if self._last_sent_ms is None:
             self._last_sent_ms = now_ms
-            return Serve(self.summary(), True, False, now_ms + self.heartbeat_ms)
+            return Serve(self.summary(), True, bool(self._active), now_ms + self.heartbeat_ms)
         chunks = self.next_chunks(max_bytes)
         if chunks:
             self._last_sent_ms = now_ms
