@@ -58,7 +58,8 @@ from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker, Partition
-from georep.storage.api import DiskFull, RepairRefused
+from georep.storage import segment_log
+from georep.storage.api import DamagedBatch, DiskFull, RepairRefused
 from offsets.coordinates import Origin
 from offsets.held import HeldReporter
 from offsets.vector import InvalidVectorOffset, VectorOffset
@@ -452,6 +453,8 @@ class Replicator:
         others = [s for s in topology.site_ids() if s != self.site and s not in self.pullers]
         self.repairs = RepairQueue([*upstreams, *others])
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        self._damaged_basis: tuple[int, int] | None = None  # see damaged()
+        self._damaged: dict[PartitionKey, list[DamagedBatch]] = {}
         # Partitions whose durable state moved since the last tick (their watchers add them; partition_opened).
         self._moved: set[PartitionKey] = set()
         for name, spec in sorted(broker.metadata.topics().items()):
@@ -495,9 +498,19 @@ class Replicator:
     async def _repair_loop(self) -> None:
         while True:
             await asyncio.sleep(REPAIR_TICK_S)
-            asks = self.repairs.due(self.broker.damaged(), self.now_ms())
+            asks = self.repairs.due(self.damaged(), self.now_ms())
             if asks:
                 await asyncio.gather(*(self._repair(ask) for ask in asks))
+
+    def damaged(self) -> dict[PartitionKey, list[DamagedBatch]]:
+        """The quarantined batches of the partitions this node serves, walked for (``Broker.damaged``, O(partitions))
+        only after some partition log's quarantine list changed (``segment_log.quarantine_changes``: every change
+        is written through one place), or the set of served partitions did. The count is read before the walk, so
+        a change during it shows at the next call."""
+        basis = (segment_log.quarantine_changes[0], self.broker.partitions_version)
+        if basis != self._damaged_basis:
+            self._damaged_basis, self._damaged = basis, self.broker.damaged()
+        return self._damaged
 
     async def _repair(self, ask: Ask) -> None:
         (topic, index), d = ask.key, ask.damaged
