@@ -547,15 +547,20 @@ class Replicator:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            if self.broker.in_site:  # topics other nodes of a multi-node site created, through Raft
-                for name, spec in sorted(self.broker.metadata.topics().items()):
-                    self.links.topic(name, spec.partitions)
-            moved, self._moved = self._moved, set()
-            for key in sorted(moved):  # only what moved since the last tick: idle partitions cost nothing here
-                p = self.broker.partitions.get(key)
-                if p is not None:
-                    self.links.local_vector(key, p.log.vector())
-            self.links.tick(self.now_ms())
+            self.tick()
+
+    def tick(self) -> None:
+        """Feed the links the vectors of the partitions that moved since the last tick, then tick them (stalls)."""
+        if self.broker.in_site:  # topics other nodes of a multi-node site created, through Raft
+            for name, spec in sorted(self.broker.metadata.topics().items()):
+                self.links.topic(name, spec.partitions)
+        moved = sorted(self._moved)
+        self._moved.clear()  # in place: the partitions' watchers hold this set's add
+        for key in moved:  # only what moved since the last tick: idle partitions cost nothing here
+            p = self.broker.partitions.get(key)
+            if p is not None:
+                self.links.local_vector(key, p.log.vector())
+        self.links.tick(self.now_ms())
 
     def partition_opened(self, p: Partition) -> None:
         """A partition this node now serves: its vector goes to the links now, and again whenever it moves."""
