@@ -48,7 +48,11 @@ The rules:
   may be behind it on the way), but two in a row that carry a partition, with
   no data of it between them, while this site is still short of what the
   first one showed of it, mean that the data was sent and lost: reopen. Per
-  partition, since one stream may merge several source nodes' pulls.
+  partition, since one stream may merge several source nodes' pulls. A
+  heartbeat carries only the partitions whose state changed and a few in
+  turn (``source.py``, "Delta heartbeats"); "in a row" means two heartbeats
+  that carry the partition, whatever other heartbeats came between, so the
+  rule needs only that each partition is carried again now and then.
 * **An operator cut** (``set_enabled(False)``) ends the stream and marks the
   link down until it is healed.
 

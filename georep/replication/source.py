@@ -31,6 +31,42 @@ origin sites this link does not carry are read and skipped. That costs a read
 of data that is not sent; it is fine while a link carries most origins (the
 usual case: a site's upstreams split the origins between them). A per-origin
 read path through the origin index would remove it.
+
+**Costs follow what moved, not the partition count (issue 22).**
+
+* *Active cursors.* Only cursors that may have durable batches to read are
+  looked at: at first all of them (one pass, at the stream's start), then
+  those the driver names with :meth:`ReplicaSource.flushed` (it must, for
+  every move of a wanted partition's ``flushed_offset``: the node from
+  ``Partition.notify_durable``, the simulator from its fsyncs and seals). A
+  cursor found caught up leaves the turns. A cursor waiting at a quarantined
+  batch is polled each step until the batch is repaired (few, and rare).
+* *Delta heartbeats.* ``_told`` is what this stream last told the dst of each
+  partition (src vector, log end), by any chunk. A heartbeat carries a
+  partition whose state differs from it, plus ``REANNOUNCE`` partitions in
+  turn, changed or not. The stream's first message is a summary: every
+  partition of which the source holds anything (``{}`` and 0 are what the dst
+  assumes of a partition it was told nothing about; ``LinkManager`` forgets a
+  link's vectors when it goes down, and a new stream starts with a summary).
+
+Why it is safe. A gRPC stream is reliable and ordered: the last chunk of a
+partition the dst received is the last the source sent, so the dst's view of
+src (``LinkManager`` vectors: routing, stalls, lag) is the same as if every
+heartbeat repeated it. In the simulator, a stream may lose messages; what the
+dst then misses is told again by the rotation within ``partitions /
+REANNOUNCE`` heartbeats. The dst's lost-tail rule (``session.py``: two
+heartbeats in a row that carry a partition, promising more than the dst
+holds, with no data of it between) rests on one premise, per partition:
+*when a heartbeat carries a partition, every batch its earlier heartbeats'
+vectors covered has been handed out*. A heartbeat carries a partition only if
+its cursor has no durable batch left to read at that moment (otherwise it is
+left out and read first), and batches are handed out in log order, so the
+premise holds for each partition on its own; the rule never needed the other
+partitions in the same heartbeat. The rotation makes sure every partition is
+carried again, so a lost last message is found after at most two rounds of
+the rotation. A missed :meth:`ReplicaSource.flushed` cannot make a heartbeat
+promise what was not handed out either (the same check), it only delays the
+batches until the rotation or the next flush finds them.
 """
 
 from __future__ import annotations
