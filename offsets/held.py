@@ -8,7 +8,9 @@ sites that receive records back to the sites they came from: an origin learns
 of every site its records reach, however many hops away.
 
 Entries only grow (a vector merges by pointwise max), and a version counter
-lets a reporter send only the entries that grew since its last report. An
+lets a reporter send only the entries that grew since its last report. The
+entries are kept in the order they last grew, so finding them costs what
+changed, not the table's size (sites x partitions). An
 ``acks=geo:N`` ack waits until :meth:`HeldTable.sites_holding` counts N sites.
 
 A report is a claim, and claims are checked before they count
@@ -34,6 +36,7 @@ HeldEntry = tuple[str, str, int, VectorOffset]  # (site, topic, partition, what 
 @dataclass
 class HeldTable:
     entries: dict[HeldKey, VectorOffset] = field(default_factory=dict)
+    # The version at which each entry last grew, in that order (an entry that grows moves to the end).
     versions: dict[HeldKey, int] = field(default_factory=dict)
     version: int = 0
     sites: set[str] = field(default_factory=set)  # every site with an entry
@@ -46,12 +49,19 @@ class HeldTable:
             return False
         self.version += 1
         self.entries[key] = vector if current is None else current.merge(vector)
+        self.versions.pop(key, None)
         self.versions[key] = self.version
         self.sites.add(site)
         return True
 
     def changed_since(self, version: int) -> Iterator[tuple[HeldKey, VectorOffset]]:
-        for key in sorted(k for k, v in self.versions.items() if v > version):
+        """The entries that grew after ``version``, sorted: read from the newest back, so O(what changed)."""
+        changed: list[HeldKey] = []
+        for key, v in reversed(self.versions.items()):
+            if not v > version:
+                break
+            changed.append(key)
+        for key in sorted(changed):
             yield key, self.entries[key]
 
     def sites_holding(self, topic: str, partition: int, origin: Origin, seq: int) -> list[str]:
@@ -144,7 +154,8 @@ class ServedGate:
     def __init__(self, origin: Origin) -> None:
         self.origin = origin
         self._bound: dict[tuple[str, int], int] = {}
-        self._kept: dict[HeldKey, VectorOffset] = {}
+        # Per partition (every send looks up its own: O(claims kept for it), not all of them), per reporting site.
+        self._kept: dict[tuple[str, int], dict[HeldKey, VectorOffset]] = {}
 
     def bound(self, topic: str, partition: int) -> int:
         return self._bound.get((topic, partition), 0)
@@ -156,8 +167,9 @@ class ServedGate:
             bound = self.bound(topic, partition)
             if vector.get(self.origin) > bound:
                 key = (site, topic, partition)
-                kept = self._kept.get(key)
-                self._kept[key] = vector if kept is None else kept.merge(vector)
+                kept_here = self._kept.setdefault((topic, partition), {})
+                kept = kept_here.get(key)
+                kept_here[key] = vector if kept is None else kept.merge(vector)
                 vector = _held_to(vector, self.origin, bound)
             out.append((site, topic, partition, vector))
         return out
@@ -174,12 +186,17 @@ class ServedGate:
         if next_seq <= self.bound(topic, partition):
             return []
         self._bound[(topic, partition)] = next_seq
+        kept_here = self._kept.get((topic, partition))
+        if not kept_here:
+            return []
         out: list[HeldEntry] = []
-        for key in sorted(k for k in self._kept if k[1] == topic and k[2] == partition):
-            vector = self._kept[key]
+        for key in sorted(kept_here):
+            vector = kept_here[key]
             if vector.get(self.origin) <= next_seq:
-                del self._kept[key]
+                del kept_here[key]
             out.append((*key, _held_to(vector, self.origin, next_seq)))
+        if not kept_here:
+            del self._kept[(topic, partition)]
         return out
 
 

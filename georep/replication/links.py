@@ -6,8 +6,20 @@ simulator feed it the same events:
 * ``link_up(src)`` when a ``Replicate`` stream to ``src`` delivers its first
   message, ``link_down(src)`` when the stream or the connection fails;
 * ``upstream_vector(src, partition, vector)`` from every chunk ``src`` sends
-  (heartbeats included), ``local_vector(partition, vector)`` after each apply;
+  (heartbeats included), ``local_vector(partition, vector)`` whenever this
+  site's vector of a partition moves (an apply, a flush of its own appends);
 * ``tick(now_ms)`` now and then, to detect stalls.
+
+Cost. Both feeds are per partition that moved, and ``tick`` looks only at the
+partitions of which some live upstream holds more than this site (kept by
+``_judge`` at each feed): an idle site's tick costs O(links), not
+O(partitions). A partition with no upstream ahead cannot make any upstream
+"behind" (the rule below needs an upstream with more), so leaving it out
+changes no decision. A stall is lifted once its upstream holds, of every
+partition, what this site holds of the origin site: the partitions it is short
+of are found with one walk when the stall begins, then kept at each feed (the
+same two feeds, and ``link_down``, which forgets the link's vectors and walks
+again), so a lasting stall costs nothing per tick either.
 
 and ask it ``wants(src)``: for each partition the link carries, the origin
 sites ``src`` must send. A puller reopens its stream when that answer changes.
@@ -79,9 +91,13 @@ class LinkManager:
         )
         self.partitions: dict[str, int] = {}
         self.local: dict[PartitionKey, dict[Origin, int]] = {}
+        # The partitions of which some live upstream holds more than this site: the only ones tick looks at.
+        self._behind_keys: set[PartitionKey] = set()
         # (src, origin site) -> since when src has been seen behind another upstream
         self._behind_since: dict[tuple[SiteId, SiteId], int] = {}
         self.stalled: dict[tuple[SiteId, SiteId], Stall] = {}
+        # Per stall, the partitions whose stalled upstream holds less of the origin site than this site (_short_of).
+        self._short: dict[tuple[SiteId, SiteId], set[PartitionKey]] = {}
         # wants() depends only on the link states, the stalls and the topics; routing is costly
         # enough to dominate a simulated run, so answers are kept until one of those changes.
         self._wants: dict[SiteId, dict[PartitionKey, tuple[SiteId, ...]]] = {}
@@ -97,6 +113,8 @@ class LinkManager:
             self.router.set_link_up(src, self.site, True)
             self._wants.clear()
             self._failover.clear()
+            for key in list(link.vectors):  # a down link's vectors did not count: now they do
+                self._judge(key)
 
     def link_down(self, src: str, now_ms: int, error: str = "") -> None:
         link = self.links[SiteId(src)]
@@ -106,7 +124,13 @@ class LinkManager:
             self._wants.clear()
             self._failover.clear()
         link.last_error = error or link.last_error
+        keys = list(link.vectors)
         link.vectors.clear()  # what it held then is no promise of what it holds when it is back
+        for key in keys:
+            self._judge(key)
+        for pair in self._short:
+            if pair[0] == link.src:
+                self._short[pair] = self._walk_short(pair)
 
     def topic(self, name: str, partitions: int) -> None:
         """A topic exists at this site with ``partitions`` partitions."""
@@ -116,14 +140,20 @@ class LinkManager:
 
     def upstream_vector(self, src: str, key: PartitionKey, vector: Mapping[Origin, int]) -> None:
         self.links[SiteId(src)].vectors[key] = dict(vector)
+        self._judge(key)
+        self._recheck_short(key)
 
     def local_vector(self, key: PartitionKey, vector: Mapping[Origin, int]) -> None:
+        """This site's vector of ``key`` moved (an apply, an append, a cut): tell it for every change, since
+        ``tick`` looks only at the partitions these events say some upstream is ahead of."""
         self.local[key] = dict(vector)
+        self._judge(key)
+        self._recheck_short(key)
 
     def tick(self, now_ms: int) -> None:
         """Mark stalls, and lift the ones whose upstream has caught up."""
         behind: set[tuple[SiteId, SiteId]] = set()
-        for key in sorted(self.local.keys() | self._upstream_keys()):
+        for key in sorted(self._behind_keys):  # the others have no upstream ahead: nothing to judge
             topic = key[0]
             mine = self.local.get(key, {})
             best = self._best_vector(key)
@@ -144,12 +174,14 @@ class LinkManager:
             since = self._behind_since.setdefault(pair, now_ms)
             if now_ms - since >= self.stall_ms and pair not in self.stalled:
                 self.stalled[pair] = Stall(pair[0], pair[1], now_ms)
+                self._short[pair] = self._walk_short(pair)
                 self._wants.clear()
         for pair in sorted(set(self._behind_since) - behind):
             del self._behind_since[pair]
         for pair in sorted(self.stalled):
-            if pair not in behind and self._caught_up(*pair):
+            if pair not in behind and not self._short.get(pair):
                 del self.stalled[pair]
+                self._short.pop(pair, None)
                 self._wants.clear()
 
     # -- decisions ------------------------------------------------------------
@@ -216,8 +248,13 @@ class LinkManager:
             return usable[0]
         return candidates[0] if candidates else None  # every candidate stalled: keep the best
 
-    def _upstream_keys(self) -> set[PartitionKey]:
-        return {key for link in self.links.values() for key in link.vectors}
+    def _judge(self, key: PartitionKey) -> None:
+        """Keep ``_behind_keys`` in step with one partition's vectors (O(links x origins))."""
+        mine = self.local.get(key, {})
+        if any(seq > mine.get(origin, 0) for origin, seq in self._best_vector(key).items()):
+            self._behind_keys.add(key)
+        else:
+            self._behind_keys.discard(key)
 
     def _best_vector(self, key: PartitionKey) -> dict[Origin, int]:
         best: dict[Origin, int] = {}
@@ -229,10 +266,21 @@ class LinkManager:
                     best[origin] = seq
         return best
 
-    def _caught_up(self, src: SiteId, origin_site: SiteId) -> bool:
-        vectors = self.links[src].vectors
-        for key, mine in self.local.items():
-            for origin, seq in mine.items():
-                if origin.site == origin_site and vectors.get(key, {}).get(origin, 0) < seq:
-                    return False
-        return True
+    def _short_of(self, pair: tuple[SiteId, SiteId], key: PartitionKey) -> bool:
+        """Whether ``pair``'s upstream holds less of ``key`` than this site, for an origin of ``pair``'s site."""
+        src, origin_site = pair
+        theirs = self.links[src].vectors.get(key, {})
+        return any(o.site == origin_site and theirs.get(o, 0) < seq for o, seq in self.local.get(key, {}).items())
+
+    def _walk_short(self, pair: tuple[SiteId, SiteId]) -> set[PartitionKey]:
+        """Every partition ``pair``'s upstream is short of: one walk of what this site holds (a stall begins, or
+        its link forgot its vectors)."""
+        return {key for key in self.local if self._short_of(pair, key)}
+
+    def _recheck_short(self, key: PartitionKey) -> None:
+        """One partition's vectors moved: keep each stall's short set in step (O(stalls))."""
+        for pair, short in self._short.items():
+            if self._short_of(pair, key):
+                short.add(key)
+            else:
+                short.discard(key)

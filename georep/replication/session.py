@@ -48,7 +48,11 @@ The rules:
   may be behind it on the way), but two in a row that carry a partition, with
   no data of it between them, while this site is still short of what the
   first one showed of it, mean that the data was sent and lost: reopen. Per
-  partition, since one stream may merge several source nodes' pulls.
+  partition, since one stream may merge several source nodes' pulls. A
+  heartbeat carries only the partitions whose state changed and a few in
+  turn (``source.py``, "Delta heartbeats"); "in a row" means two heartbeats
+  that carry the partition, whatever other heartbeats came between, so the
+  rule needs only that each partition is carried again now and then.
 * **An operator cut** (``set_enabled(False)``) ends the stream and marks the
   link down until it is healed.
 
@@ -138,6 +142,9 @@ class _Stream:
     inbox: deque[_Message] = field(default_factory=deque)
     # Set by a heartbeat that showed src holding more of a wanted origin than dst; cleared by data.
     promised: dict[PartitionKey, dict[Origin, int]] | None = None
+    # What ``wants`` was last found equal to the stream's from: the links' answer (the same object until the
+    # routing changes) and the shell's word on usability (``usable_basis``). Unchanged: no need to compare again.
+    basis: tuple[object, object] | None = None
 
 
 class PullSession:
@@ -153,6 +160,7 @@ class PullSession:
         config: PullConfig | None = None,
         usable: Callable[[PartitionKey], bool] | None = None,
         nodes: UpstreamNodes | None = None,
+        usable_basis: Callable[[], object] | None = None,
     ) -> None:
         self.src = src
         self.links = links
@@ -162,6 +170,8 @@ class PullSession:
         # Partitions a stream may ask for (the node leaves out topics src does not have yet, or in conflict).
         self.usable = usable or (lambda key: True)
         self.nodes = nodes  # src's nodes: a failed stream moves the next one to another
+        # A value that changes whenever ``usable`` may answer differently (None: not known, compare every time).
+        self.usable_basis = usable_basis
         self.stats = PullStats()
         self.enabled = True
         self._ids = stream_ids
@@ -280,6 +290,7 @@ class PullSession:
     # -- internals ------------------------------------------------------------------
 
     def _open(self, now_ms: int) -> list[Effect]:
+        basis = self._basis()  # before wants(): a change in between is then seen at the next check
         wants = self.wants()
         stream_wants: StreamWants = {
             key: (pull_have(self.vector_of(key), self.own), tuple(str(site) for site in sites))
@@ -287,9 +298,12 @@ class PullSession:
         }
         stream_id = next(self._ids)
         self.stats.streams_opened += 1
-        self._stream = _Stream(stream_id, wants, now_ms, now_ms)
+        self._stream = _Stream(stream_id, wants, now_ms, now_ms, basis=basis)
         self._retry_at_ms = None
         return [OpenStream(stream_id, stream_wants, "" if self.nodes is None else self.nodes.current)]
+
+    def _basis(self) -> tuple[object, object] | None:
+        return None if self.usable_basis is None else (self.links.wants(self.src), self.usable_basis())
 
     def _reopen(self, now_ms: int) -> list[Effect]:
         self.stats.reopens += 1
@@ -344,8 +358,16 @@ class PullSession:
         return [LinkEvent("up", f"link {self.src} -> {self.links.site} streaming again")] if failed else []
 
     def _check_wants(self, now_ms: int) -> list[Effect]:
+        """Reopen if the wants changed. Comparing them is O(partitions): done only when what they are computed
+        from changed (``_Stream.basis``), so an idle link's tick is O(1)."""
         s = self._stream
-        if s is None or self.wants() == s.wants:
+        if s is None:
+            return []
+        basis = self._basis()
+        if basis is not None and s.basis is not None and basis[0] is s.basis[0] and basis[1] == s.basis[1]:
+            return []
+        if self.wants() == s.wants:
+            s.basis = basis
             return []
         return [LinkEvent("wants", f"wants from {self.src} changed: reopening"), *self._reopen(now_ms)]
 

@@ -31,6 +31,42 @@ origin sites this link does not carry are read and skipped. That costs a read
 of data that is not sent; it is fine while a link carries most origins (the
 usual case: a site's upstreams split the origins between them). A per-origin
 read path through the origin index would remove it.
+
+**Costs follow what moved, not the partition count (issue 22).**
+
+* *Active cursors.* Only cursors that may have durable batches to read are
+  looked at: at first all of them (one pass, at the stream's start), then
+  those the driver names with :meth:`ReplicaSource.flushed` (it must, for
+  every move of a wanted partition's ``flushed_offset``: the node from
+  ``Partition.notify_durable``, the simulator from its fsyncs and seals). A
+  cursor found caught up leaves the turns. A cursor waiting at a quarantined
+  batch is polled each step until the batch is repaired (few, and rare).
+* *Delta heartbeats.* ``_told`` is what this stream last told the dst of each
+  partition (src vector, log end), by any chunk. A heartbeat carries a
+  partition whose state differs from it, plus ``REANNOUNCE`` partitions in
+  turn, changed or not. The stream's first message is a summary: every
+  partition of which the source holds anything (``{}`` and 0 are what the dst
+  assumes of a partition it was told nothing about; ``LinkManager`` forgets a
+  link's vectors when it goes down, and a new stream starts with a summary).
+
+Why it is safe. A gRPC stream is reliable and ordered: the last chunk of a
+partition the dst received is the last the source sent, so the dst's view of
+src (``LinkManager`` vectors: routing, stalls, lag) is the same as if every
+heartbeat repeated it. In the simulator, a stream may lose messages; what the
+dst then misses is told again by the rotation within ``partitions /
+REANNOUNCE`` heartbeats. The dst's lost-tail rule (``session.py``: two
+heartbeats in a row that carry a partition, promising more than the dst
+holds, with no data of it between) rests on one premise, per partition:
+*when a heartbeat carries a partition, every batch its earlier heartbeats'
+vectors covered has been handed out*. A heartbeat carries a partition only if
+its cursor has no durable batch left to read at that moment (otherwise it is
+left out and read first), and batches are handed out in log order, so the
+premise holds for each partition on its own; the rule never needed the other
+partitions in the same heartbeat. The rotation makes sure every partition is
+carried again, so a lost last message is found after at most two rounds of
+the rotation. A missed :meth:`ReplicaSource.flushed` cannot make a heartbeat
+promise what was not handed out either (the same check), it only delays the
+batches until the rotation or the next flush finds them.
 """
 
 from __future__ import annotations
@@ -43,6 +79,9 @@ from georep.storage.api import BatchDamaged, DamagedBatch, OffsetOutOfRange, Par
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 
 PartitionKey = tuple[str, int]
+# Partitions a heartbeat re-announces in turn, whether or not they changed: what bounds how long a dst that lost a
+# stream's last message for a partition takes to notice (see the module docstring), at O(1) per heartbeat.
+REANNOUNCE = 8
 # Bytes of skipped batches one next_chunks() call may read, as a multiple of
 # max_bytes: a long stretch of unwanted or covered batches must not hold the
 # event loop. Past it, next_chunks() returns what it has and has_more() says so.
@@ -187,7 +226,9 @@ class ReplicaSource:
 
     ``wants`` maps each partition key to the dst's have-vector for it and the
     origin sites to send (every epoch of those sites). Every key must be in
-    ``logs``.
+    ``logs``. The driver calls :meth:`flushed` whenever a wanted partition's
+    durable offset or vector moves (see the module docstring: the source
+    looks only at partitions it was told about, and at a rotating few).
     """
 
     def __init__(
@@ -195,11 +236,21 @@ class ReplicaSource:
         logs: Mapping[tuple[str, int], PartitionLog],
         wants: Mapping[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]],
         heartbeat_ms: int = 500,
+        reannounce: int = REANNOUNCE,
     ) -> None:
         self._cursors = [_Cursor(key, logs[key], have, sites) for key, (have, sites) in sorted(wants.items())]
         self._wanted = frozenset(c.key for c in self._cursors)
         self._by_key = {c.key: c for c in self._cursors}
-        self._next = 0  # round-robin start
+        # Cursors that may have durable batches to read, in round-robin order (a dict: an ordered set).
+        self._active: dict[PartitionKey, _Cursor] = {c.key: c for c in self._cursors}
+        # Cursors waiting at a quarantined batch: polled every step until it is repaired (rare, and few).
+        self._blocked: dict[PartitionKey, _Cursor] = {}
+        # Partitions whose state may differ from what this stream last told the dst (``_told``).
+        self._changed: dict[PartitionKey, None] = {}
+        # What this stream last told the dst of each partition (src vector, log end); absent: nothing yet.
+        self._told: dict[PartitionKey, tuple[dict[Origin, int], int]] = {}
+        self._reannounce = max(1, reannounce)
+        self._rotation = 0  # the next partition to re-announce
         self.heartbeat_ms = heartbeat_ms
         self._last_sent_ms: int | None = None
 
@@ -217,54 +268,104 @@ class ReplicaSource:
         cursor = self._by_key.get(key)
         return 0 if cursor is None else cursor.handed_out.get(origin, 0)
 
+    def flushed(self, key: PartitionKey) -> None:
+        """``key``'s durable offset or vector moved (a flush, a quorum, a repair, a cut): look at it again."""
+        cursor = self._by_key.get(key)
+        if cursor is not None:
+            self._active[key] = cursor
+            self._changed[key] = None
+
+    def active(self) -> list[PartitionKey]:
+        """The partitions the next :meth:`step` may read (a multi-node site prepares their chains for it)."""
+        return [*self._active, *self._blocked]
+
     def next_chunks(self, max_bytes: int) -> list[Chunk]:
         """The batches to send now, at most ``max_bytes`` in all (but at least one batch), advancing cursors.
 
-        Partitions take turns: each call starts one partition further on. The
-        answer is ``[]`` when every cursor has reached its log's flushed
-        offset, or when only skipped batches were read this call
-        (:meth:`has_more` then says there is more to scan).
+        Only the active partitions (told :meth:`flushed`, or not yet caught
+        up) are looked at, in turns: each call starts one partition further
+        on. The answer is ``[]`` when every active cursor has reached its
+        log's flushed offset, or when only skipped batches were read this
+        call (:meth:`has_more` then says there is more to scan).
         """
-        n = len(self._cursors)
-        if n == 0:
+        self._unblock()
+        if not self._active:
             return []
         budget = max(max_bytes, 1)
         scan_budget = budget * SCAN_BUDGET_FACTOR
         out: list[Chunk] = []
         total = 0
-        start = self._next
-        self._next = (self._next + 1) % n
-        for i in range(n):
+        for cursor in list(self._active.values()):
             if total >= budget or scan_budget <= 0:
                 break
-            cursor = self._cursors[(start + i) % n]
-            if not cursor.pending():
+            # Next call starts one further on: this cursor goes to the back (or leaves, when caught up).
+            del self._active[cursor.key]
+            if not self._pending(cursor):
+                self._changed[cursor.key] = None  # caught up: the next heartbeat tells its vector if it moved
                 continue
             views, size, scanned = cursor.take(budget - total, scan_budget, oversize_ok=not out)
             scan_budget -= scanned
+            if cursor.blocked is not None:
+                self._blocked[cursor.key] = cursor
+                self._changed[cursor.key] = None  # its src vector is now held back at the damage
+            elif cursor.offset < cursor.log.flushed_offset:
+                self._active[cursor.key] = cursor
             if views:
                 total += size
                 data = views[0].tobytes() if len(views) == 1 else b"".join(views)
-                log = cursor.log
-                out.append(Chunk(cursor.key, data, cursor.src_vector(), log.log_end_offset))
+                out.append(self._tell(cursor, data))
         return out
 
     def heartbeat(self) -> list[Chunk]:
-        """One empty chunk per wanted partition, carrying the source's durable vector and log end."""
-        return [Chunk(c.key, b"", c.src_vector(), c.log.log_end_offset) for c in self._cursors]
+        """An empty chunk for each partition whose state differs from what this stream last told the dst, and for
+        the next few partitions in turn (``reannounce``), with the source's durable vector and log end.
+
+        A partition with durable batches still to read is left out (and made
+        active): a heartbeat carries a partition only once everything its
+        vector covers has been handed out, which the dst's lost-tail rule
+        relies on (``session.py``)."""
+        changed, self._changed = self._changed, {}
+        rotated: set[PartitionKey] = set()
+        n = len(self._cursors)
+        for _ in range(min(self._reannounce, n)):
+            rotated.add(self._cursors[self._rotation].key)
+            self._rotation = (self._rotation + 1) % n
+        out: list[Chunk] = []
+        for key in [*changed, *sorted(rotated - changed.keys())]:
+            cursor = self._by_key[key]
+            if self._pending(cursor):
+                self._active[key] = cursor
+                self._changed[key] = None  # told after its batches are
+                continue
+            state = (cursor.src_vector(), cursor.log.log_end_offset)
+            if key in rotated or self._told.get(key) != state:
+                out.append(self._tell(cursor, b"", state))
+        return out
+
+    def summary(self) -> list[Chunk]:
+        """The first heartbeat of a stream: every partition of which the source holds anything (an empty vector
+        and log is what the dst assumes of a partition it was told nothing about)."""
+        out: list[Chunk] = []
+        for cursor in self._cursors:
+            state = (cursor.src_vector(), cursor.log.log_end_offset)
+            if state[0] or state[1]:
+                out.append(self._tell(cursor, b"", state))
+            else:
+                self._told[cursor.key] = state
+        return out
 
     def step(self, now_ms: int, max_bytes: int) -> Serve:
         """What the stream does now: send data, send a heartbeat, scan on, or wait.
 
-        The first step of a stream is a heartbeat, so dst learns at once that
-        the stream is up and what this site holds. After that: the batches to
-        send, if any; a heartbeat when nothing was sent for ``heartbeat_ms``;
-        otherwise wait until the heartbeat is due or a wanted partition's
-        flushed offset moves (batches are served once durable).
+        The first step of a stream is a heartbeat with the summary, so dst
+        learns at once that the stream is up and what this site holds. After
+        that: the batches to send, if any; a heartbeat when nothing was sent
+        for ``heartbeat_ms``; otherwise wait until the heartbeat is due or a
+        wanted partition's flushed offset moves (:meth:`flushed`).
         """
         if self._last_sent_ms is None:
             self._last_sent_ms = now_ms
-            return Serve(self.heartbeat(), True, False, now_ms + self.heartbeat_ms)
+            return Serve(self.summary(), True, bool(self._active), now_ms + self.heartbeat_ms)
         chunks = self.next_chunks(max_bytes)
         if chunks:
             self._last_sent_ms = now_ms
@@ -273,13 +374,38 @@ class ReplicaSource:
             return Serve([], False, True, now_ms)  # only skipped batches so far: go on after others ran
         due = self._last_sent_ms + self.heartbeat_ms
         if now_ms >= due:
+            beat = self.heartbeat()  # it may find batches a flush left unannounced: then send them right after
             self._last_sent_ms = now_ms
-            return Serve(self.heartbeat(), True, False, now_ms + self.heartbeat_ms)
+            return Serve(beat, True, bool(self._active), now_ms + self.heartbeat_ms)
         return Serve([], False, False, due)
 
     def has_more(self) -> bool:
-        """Whether some cursor has durable batches left to read (sent or skipped)."""
-        for c in self._cursors:  # noqa: SIM110 - a loop, not any() over a generator: every idle pump asks
-            if c.pending():
+        """Whether some active cursor has durable batches left to read (sent or skipped)."""
+        self._unblock()
+        for key, cursor in list(self._active.items()):
+            if self._pending(cursor):
                 return True
+            del self._active[key]  # caught up: out of the turns until the next flush
+            self._changed[key] = None
         return False
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _pending(self, cursor: _Cursor) -> bool:
+        if cursor.pending():
+            return True
+        if cursor.blocked is not None:
+            self._blocked[cursor.key] = cursor
+        return False
+
+    def _unblock(self) -> None:
+        for key, cursor in list(self._blocked.items()):
+            if cursor.blocked is None or cursor.pending():  # repaired: read on, and tell the dst the new vector
+                del self._blocked[key]
+                self._active[key] = cursor
+                self._changed[key] = None
+
+    def _tell(self, cursor: _Cursor, data: bytes, state: tuple[dict[Origin, int], int] | None = None) -> Chunk:
+        vector, log_end = state if state is not None else (cursor.src_vector(), cursor.log.log_end_offset)
+        self._told[cursor.key] = (vector, log_end)
+        return Chunk(cursor.key, data, vector, log_end)

@@ -100,6 +100,8 @@ class Partition:
         self.producers = producers
         self._appended: asyncio.Future[None] | None = None
         self._durable: asyncio.Future[None] | None = None
+        # Told the key at every notify_durable: the replication streams and links that follow only what moved.
+        self.durable_watchers: set[Callable[[tuple[str, int]], None]] = set()
         self.last_flush_mono_ms = 0
         # A partition of a multi-node site (georep/server/site_cluster.py): appends go on to the segment's writer,
         # which fsyncs the leader's copy itself; ``sealing`` says its segment takes no more appends.
@@ -129,6 +131,8 @@ class Partition:
     def notify_durable(self) -> None:
         if self._durable is not None and not self._durable.done():
             self._durable.set_result(None)
+        for watch in tuple(self.durable_watchers):
+            watch(self.key)
 
 
 class InSiteReplication(Protocol):
@@ -210,6 +214,8 @@ class Broker:
         self.on_topic: Callable[[str, int], None] = lambda name, partitions: None
         # Called with every partition this node opens or comes to lead (after its ack table knows it).
         self.on_open: Callable[[Partition], None] = lambda p: None
+        # Bumped whenever ``partitions`` gains or loses one: who caches a view of it knows when to look again.
+        self.partitions_version = 0
         # When acks may go, and when to fsync (georep/broker/acks.py); its held table serves acks=geo:N.
         self.acks = AckTable(identity.site, self.origin)
         self.on_held: Callable[[], None] = lambda: None  # the held table learned something: report it upstream
@@ -276,6 +282,7 @@ class Broker:
         config = spec.effective(self.defaults)
         for i, plog in enumerate(logs):
             p = self.partitions[(spec.name, i)] = Partition(spec.name, i, plog, config, self.origin, now_ms)
+            self.partitions_version += 1
             self.acks.open_partition(p.key, p.fsync_per_batch, plog.flushed_offset, VectorOffset(plog.flushed_vector()))
             self.on_open(p)
 
@@ -451,6 +458,7 @@ class Broker:
         removed now stay under the intent, for the next start."""
         for i in range(partitions):
             p = self.partitions.pop((name, i), None)
+            self.partitions_version += 1
             if p is not None:
                 self.acks.close_partition(p.key, WriteFailed(f"topic {name!r} was not created"))
                 p.log.close()
@@ -543,6 +551,7 @@ class Broker:
         if old is not None:
             self.detach(p.key, NotLeader(spec.name, index, "its segment changed"))
         self.partitions[p.key] = p
+        self.partitions_version += 1
         self.acks.open_partition(
             p.key, p.fsync_per_batch, lac, lac_vector, replicated_in_site=True, lac=lac, lac_vector=lac_vector
         )
@@ -556,6 +565,7 @@ class Broker:
         p = self.partitions.pop(key, None)
         if p is None:
             return
+        self.partitions_version += 1
         self._perform(self.acks.close_partition(key, error))
         p.notify_append()
         p.notify_durable()  # long-polling readers wake up and find the partition gone

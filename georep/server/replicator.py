@@ -56,9 +56,10 @@ from georep.replication.topics import RemoteTopic, plan_topic_sync
 from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
 from georep.security.tls import TlsConfig, client_channel
-from georep.server.broker import Broker
+from georep.server.broker import Broker, Partition
 from georep.server.topic_creation import create_topics
-from georep.storage.api import DiskFull, RepairRefused
+from georep.storage import segment_log
+from georep.storage.api import DamagedBatch, DiskFull, RepairRefused
 from offsets.coordinates import Origin
 from offsets.held import HeldReporter
 from offsets.vector import InvalidVectorOffset, VectorOffset
@@ -120,6 +121,7 @@ class Puller:
             PullConfig(STREAM_IDLE_MS, BACKOFF_MIN_MS, BACKOFF_MAX_MS),
             usable=self._usable,
             nodes=self.nodes,
+            usable_basis=self._usable_basis,
         )
         # Only the claims src takes: about sites its records reach through this one (held_claim_refusal).
         claims = HeldClaimCheck(replicator.topology, src)
@@ -185,6 +187,10 @@ class Puller:
         # The broker's partitions are the ones this node serves: all of a one-node site's, the ones a node of a
         # multi-node site leads.
         return pullable(key, self.src, self.remote_topics, self.r.conflicts, self.r.broker.partitions)
+
+    def _usable_basis(self) -> object:
+        """What ``_usable`` answers from, compared by value (O(topics), not O(partitions))."""
+        return (self.r.broker.partitions_version, tuple(self.r.conflicts), self.remote_topics)
 
     def set_enabled(self, enabled: bool) -> None:
         """An operator cut or healed the link; the stream loop tells the session."""
@@ -500,6 +506,10 @@ class Replicator:
         others = [s for s in topology.site_ids() if s != self.site and s not in self.pullers]
         self.repairs = RepairQueue([*upstreams, *others])
         self._peer_channels: dict[str, grpc.aio.Channel] = {}
+        self._damaged_basis: tuple[int, int] | None = None  # see damaged()
+        self._damaged: dict[PartitionKey, list[DamagedBatch]] = {}
+        # Partitions whose durable state moved since the last tick (their watchers add them; partition_opened).
+        self._moved: set[PartitionKey] = set()
         for name, spec in sorted(broker.metadata.topics().items()):
             self.links.topic(name, spec.partitions)
         broker.on_topic = self.links.topic
@@ -541,9 +551,19 @@ class Replicator:
     async def _repair_loop(self) -> None:
         while True:
             await asyncio.sleep(REPAIR_TICK_S)
-            asks = self.repairs.due(self.broker.damaged(), self.now_ms())
+            asks = self.repairs.due(self.damaged(), self.now_ms())
             if asks:
                 await asyncio.gather(*(self._repair(ask) for ask in asks))
+
+    def damaged(self) -> dict[PartitionKey, list[DamagedBatch]]:
+        """The quarantined batches of the partitions this node serves, walked for (``Broker.damaged``, O(partitions))
+        only after some partition log's quarantine list changed (``segment_log.quarantine_changes``: every change
+        is written through one place), or the set of served partitions did. The count is read before the walk, so
+        a change during it shows at the next call."""
+        basis = (segment_log.quarantine_changes[0], self.broker.partitions_version)
+        if basis != self._damaged_basis:
+            self._damaged_basis, self._damaged = basis, self.broker.damaged()
+        return self._damaged
 
     async def _repair(self, ask: Ask) -> None:
         (topic, index), d = ask.key, ask.damaged
@@ -580,12 +600,25 @@ class Replicator:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            if self.broker.in_site:  # topics other nodes of a multi-node site created, through Raft
-                for name, spec in sorted(self.broker.metadata.topics().items()):
-                    self.links.topic(name, spec.partitions)
-            for key, p in sorted(self.broker.partitions.items()):
+            self.tick()
+
+    def tick(self) -> None:
+        """Feed the links the vectors of the partitions that moved since the last tick, then tick them (stalls)."""
+        if self.broker.in_site:  # topics other nodes of a multi-node site created, through Raft
+            for name, spec in sorted(self.broker.metadata.topics().items()):
+                self.links.topic(name, spec.partitions)
+        moved = sorted(self._moved)
+        self._moved.clear()  # in place: the partitions' watchers hold this set's add
+        for key in moved:  # only what moved since the last tick: idle partitions cost nothing here
+            p = self.broker.partitions.get(key)
+            if p is not None:
                 self.links.local_vector(key, p.log.vector())
-            self.links.tick(self.now_ms())
+        self.links.tick(self.now_ms())
+
+    def partition_opened(self, p: Partition) -> None:
+        """A partition this node now serves: its vector goes to the links now, and again whenever it moves."""
+        p.durable_watchers.add(self._moved.add)
+        self._moved.add(p.key)
 
     async def upstream_vectors(self, key: PartitionKey, timeout_s: float) -> list[Mapping[Origin, int]]:
         """What each streaming upstream holds of ``key`` now, asked afresh (a read barrier for FetchCommitted).

@@ -40,7 +40,7 @@ from georep.metadata.catalog import TopicCatalog
 from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
-from georep.replication.source import Chunk, ReplicaSource
+from georep.replication.source import Chunk, ReplicaSource, Serve
 from georep.server.acl_calls import AclCalls
 from georep.server.admin_gate import AdminGate
 from georep.server.broker import Broker, Partition
@@ -623,35 +623,65 @@ class NodeService:
         source = ReplicaSource({k: p.log for k, p in partitions.items()}, wants, heartbeat_ms=max_wait_ms)
         clock = self.broker.clock_ms
         stopping = self._stopping_future()
-        chains = [p.log for p in partitions.values() if isinstance(p.log, ChainLog)]
-        while not stopping.done():
-            if any(self.broker.partitions.get(key) is not p for key, p in partitions.items()):
-                return
-            # A multi-node site: a cursor that reaches a sealed segment this node holds no copy of stops there
-            # (keeping what it gathered), and the range is read from a member before the next step, as a fetch does.
-            with contextlib.ExitStack() as deferring:
-                missing = [(c, deferring.enter_context(c.deferring_elsewhere())) for c in chains]
-                step = source.step(clock(), max_bytes)
-            if step.chunks or step.heartbeat:  # a heartbeat of a pull that wants nothing (yet) has no chunk
-                if not step.heartbeat:
-                    self.metrics.replicated_out(sum(len(c.batches) for c in step.chunks))
-                    origin = self.broker.origin
-                    for c in step.chunks:  # before they leave: a report of them may come back at once
-                        self._count_held(self.served.sent(*c.key, source.handed_out(c.key, origin)))
-                yield self._replicate_response(step.chunks)
-            elsewhere = [(c, m[0]) for c, m in missing if m]
-            if elsewhere:
-                assert self.site_cluster is not None
-                for chain, first in elsewhere:
-                    await self.site_cluster.read_elsewhere(chain, first, max_bytes)
-                continue
-            if step.again:
-                await asyncio.sleep(0)  # let other streams run between two reads
-                continue
-            # Batches are served once durable, so wake on a flush, not on an append.
-            wake = [stopping, *(p.durable() for p in partitions.values())]
-            timeout = max(0.0, (step.wake_ms - clock()) / 1000)
-            await asyncio.wait(wake, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        loop = asyncio.get_running_loop()
+        woken: asyncio.Future[None] = loop.create_future()
+        moved: set[tuple[str, int]] = set()  # partitions whose durable state moved since the last look
+
+        def flushed(key: tuple[str, int]) -> None:
+            nonlocal woken
+            source.flushed(key)
+            moved.add(key)
+            if not woken.done():
+                woken.set_result(None)
+
+        for p in partitions.values():
+            p.durable_watchers.add(flushed)
+        try:
+            while not stopping.done():
+                # A partition stops being served here only through Broker.detach, which notifies its watchers.
+                if moved:
+                    if any(self.broker.partitions.get(key) is not partitions[key] for key in moved):
+                        return
+                    moved.clear()
+                step, elsewhere = self._replica_step(source, partitions, clock(), max_bytes)
+                if step.chunks or step.heartbeat:  # a heartbeat may carry nothing: nothing changed, nothing due
+                    if not step.heartbeat:
+                        self.metrics.replicated_out(sum(len(c.batches) for c in step.chunks))
+                        origin = self.broker.origin
+                        for c in step.chunks:  # before they leave: a report of them may come back at once
+                            self._count_held(self.served.sent(*c.key, source.handed_out(c.key, origin)))
+                    yield self._replicate_response(step.chunks)
+                if elsewhere:
+                    assert self.site_cluster is not None
+                    for chain, first in elsewhere:
+                        await self.site_cluster.read_elsewhere(chain, first, max_bytes)
+                    continue
+                if step.again:
+                    await asyncio.sleep(0)  # let other streams run between two reads
+                    continue
+                # Batches are served once durable, so wake on a flush (the watchers), not on an append.
+                if woken.done():
+                    woken = loop.create_future()
+                    if moved or source.active():
+                        continue
+                timeout = max(0.0, (step.wake_ms - clock()) / 1000)
+                await asyncio.wait([stopping, woken], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for p in partitions.values():
+                p.durable_watchers.discard(flushed)
+
+    @staticmethod
+    def _replica_step(
+        source: ReplicaSource, partitions: dict[tuple[str, int], Partition], now_ms: int, max_bytes: int
+    ) -> tuple[Serve, list[tuple[ChainLog, SegmentElsewhere]]]:
+        """One step of ``source``. A multi-node site: a cursor that reaches a sealed segment this node holds no copy
+        of stops there (keeping what it gathered), and the range is read from a member before the next step, as a
+        fetch does. Only the chains of the partitions the step may read are prepared."""
+        chains = [log for k in source.active() if isinstance(log := partitions[k].log, ChainLog)]
+        with contextlib.ExitStack() as deferring:
+            missing = [(c, deferring.enter_context(c.deferring_elsewhere())) for c in chains]
+            serve = source.step(now_ms, max_bytes)
+        return serve, [(c, m[0]) for c, m in missing if m]
 
     @staticmethod
     def _replicate_response(chunks: list[Chunk]) -> pb.ReplicateResponse:
@@ -742,6 +772,8 @@ class NodeService:
     def _partition_opened(self, p: Partition) -> None:
         """Records of this site that the log held when this node opened it may have left before (``ServedGate``)."""
         self._count_held(self.served.opened(p.topic, p.index, p.log.vector().get(self.broker.origin, 0)))
+        if self.replicator is not None:
+            self.replicator.partition_opened(p)
 
     def _log_refused(self, reporter: str, message: str) -> None:
         """A warning per reporter when what it gets refused changes, and once a minute while it lasts: the reporter

@@ -533,6 +533,11 @@ class GeoClusterSimulator(Simulator):
             f"{log.flushed_offset}: the recovery cut what the site acked and served",
         )
         self._note_durable(key)
+        if site.up:  # the chain's durable end moved: its streams look at it again
+            for dst, out in sorted(site.out_streams.items()):
+                if key in out.source.wanted:
+                    out.source.flushed(key)
+                    self._pump_soon(site, dst, 0)
 
     def vector_at(self, key: PartitionKey, end: int) -> VectorOffset:
         """The chain's vector at ``end``: the sealed end vector the metadata records."""
@@ -610,6 +615,7 @@ class GeoClusterSimulator(Simulator):
         self.consumers.flushed(site, key)
         for dst, out in sorted(site.out_streams.items()):
             if key in out.source.wanted:
+                out.source.flushed(key)
                 self._pump_soon(site, dst, 0)
 
     def _note_durable(self, key: PartitionKey) -> dict[Origin, OriginSeq]:

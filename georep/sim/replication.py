@@ -48,8 +48,9 @@ class Replication:
 
     def tick(self, site: SimSite) -> None:
         now = self.sim.now_ms
-        for key, log in site.logs.items():
-            site.links.local_vector(key, log.vector())
+        moved, site.moved = site.moved, set()
+        for key in sorted(moved):  # as a node's tick: only the partitions whose log changed
+            site.links.local_vector(key, site.logs[key].vector())
         site.links.tick(now)
         for src in site.inbound:
             self.perform_pull(site, src, site.sessions[src].tick(now))
@@ -58,6 +59,7 @@ class Replication:
         """``site`` fsynced batches of ``key``: its sources may send them now."""
         for dst, out in sorted(site.out_streams.items()):
             if key in out.source.wanted:
+                out.source.flushed(key)
                 self.pump_soon(site, dst, 0)
 
     # -- the source side ------------------------------------------------------------------
@@ -92,7 +94,7 @@ class Replication:
         out.pump_due_ms = -1
         for _round in range(PUMP_ROUNDS_MAX):  # as the node's handler loops: send what there is, then wait
             step = out.source.step(sim.now_ms, sim.config.chunk_bytes)
-            if step.chunks:
+            if step.chunks or step.heartbeat:  # a heartbeat may carry no chunk (nothing changed): it still goes
                 sim.counts.chunks += 0 if step.heartbeat else 1
                 sim.counts.heartbeats += step.heartbeat
                 message = ChunkMessage(sid, dst, stream_id, tuple(step.chunks), step.heartbeat)

@@ -468,6 +468,7 @@ class Simulator:
 
     def _changed(self, sid: SiteId, *keys: PartitionKey) -> None:
         self._dirty.setdefault(sid, set()).update(keys)
+        self.sites[sid].moved.update(keys)
 
     def _after(self, delay_ms: int, kind: str, *args: object) -> None:
         self._seq += 1

@@ -74,6 +74,8 @@ class SimSite:
     # table returned last, and at the last flush of the consumer's internal partition.
     winners: dict[int, int] = field(default_factory=dict)
     durable_winners: dict[int, int] = field(default_factory=dict)
+    # Partitions whose log changed since the last tick: the tick feeds only their vectors to the links, as a node's.
+    moved: set[PartitionKey] = field(default_factory=set)
 
     def boot(
         self,

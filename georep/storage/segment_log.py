@@ -181,6 +181,9 @@ from topology.ids import SiteId
 log = logging.getLogger(__name__)
 
 DAMAGED_FILE = "damaged.json"  # the quarantine list: batches whose bytes failed their check
+# Bumped at every change of any log's quarantine list, in any thread (a reader only compares it with what it saw
+# last): a node's repair loop walks its partitions' lists again only after it moved (georep/server/replicator.py).
+quarantine_changes = [0]
 
 _SEGMENT_FILE = re.compile(r"(\d{20})(\.log|\.index|\.oindex)")
 
@@ -701,6 +704,8 @@ class SegmentLog:
         self.damage_found_total += len(lost)
         if lost or released or len(quarantine) != len(listed):
             self._write_damaged()
+        elif quarantine:
+            quarantine_changes[0] += 1  # a log opened late (a replica copy) brings its listed damage along
         for d in quarantine.values():
             log.error(
                 "partition log %s: %s stay quarantined (%s): served to no one until repaired from a peer",
@@ -964,6 +969,7 @@ class SegmentLog:
 
     def _write_damaged(self) -> None:
         """Persist the quarantine list (lock held): it must survive restarts, or damage would be forgotten."""
+        quarantine_changes[0] += 1
         path = self.directory / DAMAGED_FILE
         if not self._damaged:
             path.unlink(missing_ok=True)
