@@ -75,7 +75,7 @@ node, at any time. :meth:`SiteState.snapshot` is a plain, sorted dict;
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Self
 
@@ -88,6 +88,8 @@ from offsets.vector import VectorOffset
 from topology.ids import LeaderEpoch, NodeId, SegmentId, node_id
 
 COMMAND_FORMAT_VERSION = 1
+BATCH_OVERHEAD_BYTES = 64  # a CommandBatch's own keys, pickled
+BATCH_ENTRY_OVERHEAD_BYTES = 16  # what one more command adds to a batch's pickle beyond its own
 SNAPSHOT_FORMAT_VERSION = 1
 PORT_MAX = 65535
 
@@ -242,6 +244,7 @@ class Applied:
     changed: bool = True
     leader_epoch: LeaderEpoch | None = None  # ElectLeader: the new epoch
     segment_id: SegmentId | None = None  # OpenSegment, SealSegment: the segment
+    results: tuple[Applied | Refused, ...] = ()  # CommandBatch: each command's result, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -791,6 +794,51 @@ class PutAcl(_CommandBase):
         return cls(AclRecord.from_dict(_mapping(raw, "record")))
 
 
+@dataclass(frozen=True, slots=True)
+class CommandBatch(_CommandBase):
+    """Several commands in one log entry, applied in order, each as if it were alone: a refused one leaves the
+    others applied, and the result lists each one's (``Applied.results``). Only the packing into log entries
+    changes, never what a command does: every command is a compare-and-set or idempotent on its own, so a batch
+    applies exactly what the same commands proposed one after another would, and splitting a long list over several
+    batches (:func:`batches`) is safe. A batch holds no batch. It is what keeps a controller's 10,000 elections
+    after a node's death, and the recoveries that follow, to a few dozen commits instead of tens of thousands."""
+
+    KIND: ClassVar[str] = "batch"
+    commands: tuple[Command, ...]
+
+    def __post_init__(self) -> None:
+        if not self.commands:
+            raise InvalidCommand("a command batch needs at least one command")
+        if any(isinstance(c, CommandBatch) for c in self.commands):
+            raise InvalidCommand("a command batch cannot hold another batch")
+
+    def _encode(self) -> dict[str, Any]:
+        return {"commands": [c.to_dict() for c in self.commands]}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        return cls(tuple(command_from_dict(c) for c in _list(raw, "commands")))
+
+
+def batches(commands: Iterable[Command], size_of: Callable[[Command], int], max_bytes: int) -> list[Command]:
+    """``commands`` packed, in order, into as few commands as fit ``max_bytes`` each (by ``size_of``, plus
+    :data:`BATCH_ENTRY_OVERHEAD_BYTES` per command): a lone command goes as itself, several as a
+    :class:`CommandBatch`. A command too large alone is left alone (its proposal refuses it)."""
+    out: list[Command] = []
+    group: list[Command] = []
+    used = BATCH_OVERHEAD_BYTES
+    for command in commands:
+        size = size_of(command) + BATCH_ENTRY_OVERHEAD_BYTES
+        if group and used + size > max_bytes:
+            out.append(group[0] if len(group) == 1 else CommandBatch(tuple(group)))
+            group, used = [], BATCH_OVERHEAD_BYTES
+        group.append(command)
+        used += size
+    if group:
+        out.append(group[0] if len(group) == 1 else CommandBatch(tuple(group)))
+    return out
+
+
 Command = (
     RegisterNode
     | NodeHeartbeat
@@ -806,6 +854,7 @@ Command = (
     | ReadBarrier
     | TrimChain
     | PutAcl
+    | CommandBatch
 )
 
 _COMMANDS: dict[str, type[Command]] = {
@@ -825,6 +874,7 @@ _COMMANDS: dict[str, type[Command]] = {
         ReadBarrier,
         TrimChain,
         PutAcl,
+        CommandBatch,
     )
 }
 
@@ -954,6 +1004,9 @@ class SiteState:
             return self._init_site(command)
         if isinstance(command, ReadBarrier):
             return Applied(changed=False)
+        if isinstance(command, CommandBatch):
+            results = tuple(self.apply(c) for c in command.commands)
+            return Applied(changed=any(isinstance(r, Applied) and r.changed for r in results), results=results)
         if isinstance(command, TrimChain):
             return self._trim_chain(command)
         if isinstance(command, PutAcl):
