@@ -13,6 +13,8 @@ from typing import Any, cast
 
 import pytest
 
+from cluster.leadership import open_loads
+from cluster.node import NodeConfig, NodeCore, NodeEffect, ProposeElection
 from cluster.site_state import (
     Applied,
     Command,
@@ -20,6 +22,8 @@ from cluster.site_state import (
     CreateTopic,
     ElectLeader,
     InvalidCommand,
+    NodeHeartbeat,
+    PartitionInfo,
     RefusalCode,
     Refused,
     RegisterNode,
@@ -27,8 +31,12 @@ from cluster.site_state import (
     SiteState,
     batches,
     command_from_dict,
+    next_leader_expiry_ms,
 )
+from cluster.status import InvalidPageToken, Page, cluster_status, page_token, parse_page_token
+from georep.cli.cluster import render, status_json
 from georep.metadata.topics import PARTITIONS_MAX, TopicSpec
+from georep.proto import georep_pb2 as pb
 from georep.raft.frames import COMMAND_BYTES_MAX
 from georep.raft.store import RaftMetadataStore, RaftStartError, command_bytes
 from georep.server.cluster_member import BATCH_BYTES_MAX, ClusterMember
@@ -177,3 +185,118 @@ def test_a_dump_changed_on_disk_is_refused_not_trusted(tmp_path: Path) -> None:
     dump.write_text(text[: len(text) // 2])  # torn
     with pytest.raises(RaftStartError, match=r"move .*raft away"):
         RaftMetadataStore(address, [address], tmp_path, COMPACTING)
+
+
+# -- idle cost: no walk over every partition while nothing changes ------------------------------------------------
+
+
+class _CountingState(SiteState):
+    """Counts the walks over every partition."""
+
+    __slots__ = ("walks",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.walks = 0
+
+    def partitions(self) -> list[PartitionInfo]:
+        self.walks += 1
+        return super().partitions()
+
+
+SESSION_MS = 3_000
+
+
+def _led_site(partitions: int) -> _CountingState:
+    state = _CountingState()
+    for n in (1, 2, 3):
+        ok(state.apply(RegisterNode(NodeId(n), f"127.0.0.1:{9000 + n}")))
+        ok(state.apply(NodeHeartbeat(NodeId(n), 0, 1 << 40, 0)))
+    ok(state.apply(CreateTopic(TopicSpec("big", partitions))))
+    for p in range(partitions):
+        ok(state.apply(ElectLeader("big", p, NodeId(1 + p % 3), LeaderEpoch(0))))
+    return state
+
+
+def _heartbeats(state: SiteState, now_ms: int, nodes: tuple[int, ...] = (1, 2, 3)) -> None:
+    for n in nodes:
+        ok(state.apply(NodeHeartbeat(NodeId(n), now_ms, 1 << 40, 0)))
+
+
+def test_an_idle_site_walks_no_partition_per_tick_and_still_replaces_a_dead_leader() -> None:
+    """What a node does per tick and per heartbeat committed (the controller's plan, the roles, the next leader
+    expiry, the load it reports) walks every partition only when the partitions or the live nodes changed; a node
+    that dies is still seen at once (the unsafe cache, keyed on the partitions alone, never re-elects)."""
+    state = _led_site(300)
+    core = NodeCore(NodeId(2), NodeConfig(3, 2, SESSION_MS, 200, 200, 1_000), {})
+    now = 0
+
+    def tick(nodes: tuple[int, ...] = (1, 2, 3)) -> list[NodeEffect]:
+        nonlocal now
+        now += 200
+        _heartbeats(state, now, nodes)
+        effects = core.tick(state, now, leads_metadata=True, elected_ms=-10 * SESSION_MS)
+        effects += core.reconcile(state, now)
+        next_leader_expiry_ms(state, now, SESSION_MS)
+        open_loads(state)
+        return effects
+
+    tick()
+    tick()
+    state.walks = 0
+    for _ in range(20):
+        assert not [e for e in tick() if isinstance(e, ProposeElection)]
+    assert state.walks == 0, f"{state.walks} walks over every partition in 20 idle ticks"
+
+    # node 3 dies: its heartbeats stop, and once its session has passed its 100 partitions are re-elected
+    elections: list[ElectLeader] = []
+    while now < 30 * SESSION_MS and not elections:
+        elections = [e.command for e in tick(nodes=(1, 2)) if isinstance(e, ProposeElection)]
+    assert len(elections) == 100 and {e.node for e in elections} <= {1, 2}
+
+
+# -- cluster status, paged --------------------------------------------------------------------------------------
+
+
+def test_cluster_status_pages_the_partitions_with_counts_over_all_of_them() -> None:
+    state = _led_site(5)
+    ok(state.apply(CreateTopic(TopicSpec("other", 2))))  # leaderless
+    now = 1_000
+    _heartbeats(state, now)
+    first = cluster_status(state, now, SESSION_MS, 3, Page(limit=4))
+    assert [(p.topic, p.partition) for p in first.partitions] == [("big", 0), ("big", 1), ("big", 2), ("big", 3)]
+    assert (first.partition_count, first.leaderless) == (7, 2)
+    assert first.next_after is not None
+    token = page_token(first.next_after)
+    second = cluster_status(state, now, SESSION_MS, 3, Page(limit=4, after=parse_page_token(token)))
+    assert [(p.topic, p.partition) for p in second.partitions] == [("big", 4), ("other", 0), ("other", 1)]
+    assert second.next_after is None
+    summary = cluster_status(state, now, SESSION_MS, 3, Page(limit=0))
+    assert summary.partitions == () and summary.partition_count == 7
+    assert sum(n.leader_of for n in summary.nodes) == 5, "the nodes' counts are the site's, whatever the page"
+    only = cluster_status(state, now, SESSION_MS, 3, Page(topic="other"))
+    assert [p.topic for p in only.partitions] == ["other", "other"] and only.partition_count == 2
+    with pytest.raises(InvalidPageToken, match="start again without a page token"):
+        parse_page_token("nonsense")
+
+
+def test_the_cli_shows_a_summary_and_where_the_next_page_starts() -> None:
+    answer = pb.ClusterStatusResponse(
+        site="a",
+        epoch=1,
+        node_id=1,
+        replication_factor=3,
+        nodes=[pb.ClusterNodeStatus(node_id=1, address="127.0.0.1:7101", live=True, leader_of=10_000)],
+        partition_count=10_000,
+        leaderless_partitions=3,
+        under_replicated_count=12,
+    )
+    text = render(answer, {})
+    assert "partitions: 10000, 3 without a live leader" in text and "(list them with --partitions)" in text
+    assert "under-replicated segments: 12" in text and "TOPIC" not in text
+    answer.partitions.add(topic="big", partition=0, leader=1, leader_live=True, leader_epoch=1, segments=1)
+    answer.next_page_token = "0:big"
+    text = render(answer, {})
+    assert "georep cluster status --partitions --page-token 0:big" in text
+    doc = status_json(answer, {})
+    assert (doc["partition_count"], doc["next_page_token"], doc["under_replicated_count"]) == (10_000, "0:big", 12)

@@ -292,6 +292,7 @@ class ClusterMember:
             raise RegistrationRefused(f"node {self.me} cannot register at {self.address}: {result.reason}")
         await self.run_blocking(self.metadata.read_barrier)
         self.core.epochs_at_start = {(i.topic, i.partition): i.leader_epoch for i in self.metadata.state().partitions()}
+        self.core.reconciled = None
         await self._heartbeat()
         self._task = asyncio.create_task(self._ticks())
 
