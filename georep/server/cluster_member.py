@@ -218,6 +218,10 @@ class ClusterMember:
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._queued: list[tuple[Command, asyncio.Future[Result | None]]] = []  # waiting for the proposal in flight
+        # The metadata versions whose seals and trims this node has followed whole (the per-tick passes over every
+        # partition run again only after a change)
+        self._seals_seen: int | None = None
+        self._trims_seen: int | None = None
         self._proposer: asyncio.Task[None] | None = None
 
     def spawn(self, work: Coroutine[object, object, None]) -> None:
@@ -422,6 +426,9 @@ class ClusterMember:
         node's copies of the segments before it are deleted. A node that was down when a trim committed deletes
         them here at its first tick, from its view of the metadata."""
         state = self.metadata.state()
+        if state.version == self._trims_seen:  # no command since the last whole pass: no trim to follow
+            return
+        whole = True
         for info in state.partitions():
             if not info.segments or info.segments[0].segment_id == 0:
                 continue
@@ -434,6 +441,9 @@ class ClusterMember:
                 await self.run_blocking(self.store.trim, key, first)
             except OSError as exc:  # the next tick tries again
                 log.error("node %d: deleting %s-%d's copies before segment %d failed: %s", self.me, *key, first, exc)
+                whole = False
+        if whole:
+            self._trims_seen = state.version
 
     # -- repair and decommission -------------------------------------------------------------------------------
 
@@ -442,6 +452,11 @@ class ClusterMember:
         the guards, and cut every copy longer than its committed seal (a member that was down or cut off when the
         seal was told keeps its tail until it learns the seal here)."""
         state = self.metadata.state()
+        # Per change of the metadata, not per tick: a seal is a command (a new version), and once a guard holds a
+        # seal the store refuses what would write past it, so no copy outgrows a seal between two versions.
+        if state.version == self._seals_seen:
+            return
+        whole = True
         held = await self.run_blocking(self.store.held)
         ends = {(h.key[0], h.key[1], h.segment_id): int(h.end_offset) for h in held}
         for step in membership.seals_to_learn(state, self.store.guard_states(), ends):
@@ -464,6 +479,9 @@ class ClusterMember:
                 )
             except (OSError, ReplicaError, QuorumError) as exc:  # the next tick tries again; roles go on meanwhile
                 log.error("node %d: learning the seal %s failed: %s", self.me, step, exc)
+                whole = False
+        if whole:
+            self._seals_seen = state.version
 
     def roll(self, key: PartitionKey, segment_id: SegmentId) -> str | None:
         """The controller asks this node to roll ``segment_id`` of ``key`` (repair's ``RollSegment``): None if it
