@@ -221,6 +221,7 @@ class ClusterMember:
         # The metadata versions whose seals and trims this node has followed whole (the per-tick passes over every
         # partition run again only after a change)
         self._seals_seen: int | None = None
+        self._leads_saw: int | None = None  # the view version every lead last looked at between ticks
         self._trims_seen: int | None = None
         self._proposer: asyncio.Task[None] | None = None
 
@@ -503,8 +504,12 @@ class ClusterMember:
         later)."""
         view, now = self.metadata.state(), self.clock_ms()
         effects = self.core.reconcile(view, now)
-        for key in sorted(self.core.leads):
-            effects += self.core.step(view, key, now, lambda lead, ctx: lead.tick(ctx))
+        # Only a view with something new (a version not seen yet) can let a lead go on before its tick; heartbeats
+        # (most changes) bring nothing: the leads' due retries wait for the tick, as they would anyway.
+        if view.version != self._leads_saw or effects:
+            self._leads_saw = view.version
+            for key in sorted(self.core.leads):
+                effects += self.core.step(view, key, now, lambda lead, ctx: lead.tick(ctx))
         self.run(effects)
 
     def step(self, key: PartitionKey, epoch: LeaderEpoch, event: LeadEvent) -> None:
