@@ -178,8 +178,9 @@ def test_a_dump_changed_on_disk_is_refused_not_trusted(tmp_path: Path) -> None:
     store.close()  # dumps
     dump = tmp_path / "raft" / "site-state.json"
     text = dump.read_text()
-    assert '"partitions":3' in text
-    dump.write_text(text.replace('"partitions":3', '"partitions":4'))  # still valid JSON, a state never had
+    assert '"leader_epoch":0' in text
+    # valid JSON and a consistent state, but one the site never had: only the checksum tells
+    dump.write_text(text.replace('"leader_epoch":0', '"leader_epoch":7', 1))
     with pytest.raises(RaftStartError, match=r"checksum does not match.*move .*raft away"):
         RaftMetadataStore(address, [address], tmp_path, COMPACTING)
     dump.write_text(text[: len(text) // 2])  # torn
