@@ -135,6 +135,7 @@ def cluster_status(
     views: list[SegmentView] = []
     partitions: list[PartitionStatus] = []
     leaderless = 0
+    count = 0
     for info in state.partitions():
         if info.leader is not None:
             leader_of[info.leader] = leader_of.get(info.leader, 0) + 1
@@ -159,6 +160,11 @@ def cluster_status(
         open_segment = info.open_segment
         leader = loads.get(info.leader) if info.leader is not None else None
         leaderless += not (leader is not None and leader.alive)
+        count += 1
+        if (page.after is not None and (info.topic, info.partition) <= page.after) or (
+            page.limit is not None and len(partitions) > page.limit
+        ):
+            continue  # not on the page (one past it is kept: it says that more follow)
         partitions.append(
             PartitionStatus(
                 info.topic,
@@ -188,16 +194,13 @@ def cluster_status(
         for n, info in sorted(nodes.items())
     )
     lacking = under_replicated(views, loads.values(), replication_factor=replication_factor)
-    after = page.after
-    listed = [p for p in partitions if after is None or (p.topic, p.partition) > after]
-    more = page.limit is not None and len(listed) > page.limit
-    if page.limit is not None:
-        listed = listed[: page.limit]
+    more = page.limit is not None and len(partitions) > page.limit
+    listed = partitions[: page.limit] if page.limit is not None else partitions
     return ClusterStatus(
         statuses,
         tuple(listed),
         lacking if page.limit is None else lacking[: page.limit],
-        partition_count=len(partitions),
+        partition_count=count,
         leaderless=leaderless,
         under_replicated_count=len(lacking),
         next_after=(listed[-1].topic, listed[-1].partition) if more and listed else None,
