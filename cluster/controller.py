@@ -81,6 +81,7 @@ class Controller:
     # a shell logs it.
     reports: tuple[repair.Unrepairable | repair.AwaitingRepairDelay | repair.CopyDeferred, ...] = ()
     _ids: int = 0
+    _quiet: tuple[int, frozenset[NodeId]] | None = None  # (version, live nodes) of the last empty plan, once settled
 
     def __post_init__(self) -> None:
         self.next_repair_ms = self.since_ms + self.config.repair_every_ms
@@ -88,7 +89,16 @@ class Controller:
     # -- elections ---------------------------------------------------------------------------------------
 
     def elections(self, view: SiteState, now_ms: int) -> list[ElectLeader]:
-        """The elections to propose now (each answered by :meth:`election_done`)."""
+        """The elections to propose now (each answered by :meth:`election_done`).
+
+        Planned afresh only when something it depends on changed since a plan came out empty: the partitions
+        (``view.version``), which nodes are live, or the settling time after the controller took over. An idle site
+        plans nothing per tick (the plan walks every partition: 10,000 of them, 5 times a second)."""
+        session = self.config.session_timeout_ms
+        settled = now_ms - self.since_ms >= session
+        quiet = (view.version, frozenset(n.node for n in view.live_nodes(now_ms, session)))
+        if settled and quiet == self._quiet:
+            return []
         out = []
         for elect in plan_leadership(
             view,
@@ -102,6 +112,7 @@ class Controller:
             if self.electing.get(key) != elect.expected_epoch:
                 self.electing[key] = elect.expected_epoch
                 out.append(elect)
+        self._quiet = quiet if settled and not out and not self.electing else None
         return out
 
     def election_done(self, key: PartitionKey, expected: LeaderEpoch) -> None:

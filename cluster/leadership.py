@@ -253,7 +253,12 @@ def roll_seal_at(lac: int, appended_end: int, rolling_since_ms: int, now_ms: int
 
 
 def open_loads(state: SiteState) -> dict[NodeId, int]:
-    """Per node, the open segments whose ensemble it is in: the streams being written to it."""
+    """Per node, the open segments whose ensemble it is in: the streams being written to it (computed once per
+    version of the state: a node reports it at every heartbeat)."""
+    return dict(state.derived("open_loads", _open_loads))
+
+
+def _open_loads(state: SiteState) -> dict[NodeId, int]:
     load: dict[NodeId, int] = {}
     for info in state.partitions():
         open_segment = info.open_segment

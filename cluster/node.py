@@ -113,6 +113,9 @@ class NodeCore:
         self.given_up: dict[PartitionKey, LeaderEpoch] = {}  # the newest epoch it gave up, per partition
         self.asked: dict[PartitionKey, LeaderEpoch] = {}  # its re-elections in flight
         self.controller: Controller | None = None
+        # The view version the roles were last reconciled with, while nothing of this core's changed since: None
+        # when a lead ended or an ask was lost (``_ended``, ``epoch_asked``), or the epochs at start were set.
+        self.reconciled: int | None = None
 
     def context(self, view: SiteState, key: PartitionKey, now_ms: int) -> LeadContext:
         return LeadContext(
@@ -122,7 +125,10 @@ class NodeCore:
     # -- roles -------------------------------------------------------------------------------------------
 
     def reconcile(self, view: SiteState, now_ms: int) -> list[NodeEffect]:
-        """Start or stop leading each partition as ``view`` says (``role_step``)."""
+        """Start or stop leading each partition as ``view`` says (``role_step``): nothing to do, and no walk over
+        every partition, if neither the view's partitions (its version) nor this core's leads changed since."""
+        if view.version == self.reconciled:
+            return []
         out: list[NodeEffect] = []
         for info in view.partitions():
             key = (info.topic, info.partition)
@@ -147,12 +153,14 @@ class NodeCore:
                 lead = self.leads[key] = PartitionLead(self.me, key, step.epoch, self.config.lead(), step.recover)
                 out.append(Leading(key, step.epoch))
                 out += self._ended(lead, lead.start(self.context(view, key, now_ms)))
+        self.reconciled = view.version
         return out
 
     def epoch_asked(self, key: PartitionKey, epoch: LeaderEpoch, result: Result | None) -> None:
         """The answer to :class:`ProposeEpoch`: lost or not confirmed, it is asked again at the next look."""
         if result is None and self.asked.get(key) == epoch:
             del self.asked[key]
+            self.reconciled = None
 
     def step(
         self,
@@ -176,6 +184,7 @@ class NodeCore:
         if lead.phase is Phase.DONE and self.leads.get(lead.key) is lead:
             del self.leads[lead.key]
             self.given_up[lead.key] = max(self.given_up.get(lead.key, LeaderEpoch(0)), lead.epoch)
+            self.reconciled = None
         return list(effects)
 
     # -- ticks -------------------------------------------------------------------------------------------

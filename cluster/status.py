@@ -76,11 +76,16 @@ class PartitionStatus:
 
 @dataclass(frozen=True, slots=True)
 class ClusterStatus:
-    """The site's nodes (by id), partitions (by topic and partition) and under-replicated segments (by key)."""
+    """The site's nodes (by id), partitions (by topic and partition) and under-replicated segments (by key): every
+    one, or a page of them (:class:`Page`) with the counts over all and where the next page starts."""
 
     nodes: tuple[NodeStatus, ...]
     partitions: tuple[PartitionStatus, ...]
     under_replicated: tuple[UnderReplicated, ...]
+    partition_count: int = 0
+    leaderless: int = 0  # partitions without a live leader
+    under_replicated_count: int = 0
+    next_after: tuple[str, int] | None = None  # the last partition listed, when more follow
 
     @property
     def bytes_moved(self) -> int:
@@ -88,8 +93,40 @@ class ClusterStatus:
         return sum(n.bytes_moved for n in self.nodes)
 
 
-def cluster_status(state: SiteState, now_ms: int, session_timeout_ms: int, replication_factor: int) -> ClusterStatus:
-    """The status of every node, partition and under-replicated segment of ``state`` at ``now_ms``."""
+@dataclass(frozen=True, slots=True)
+class Page:
+    """Which partitions to list: those of ``topic`` (None: every topic's) after ``after`` (topic, partition),
+    at most ``limit`` (None: all of them); under-replicated segments at most ``limit`` too."""
+
+    limit: int | None = None
+    after: tuple[str, int] | None = None
+    topic: str | None = None
+
+
+class InvalidPageToken(ValueError):
+    """A page token that no answer gave."""
+
+
+def page_token(after: tuple[str, int]) -> str:
+    """The token a client passes back to get the partitions after ``after``."""
+    return f"{after[1]}:{after[0]}"
+
+
+def parse_page_token(token: str) -> tuple[str, int]:
+    partition, sep, topic = token.partition(":")
+    if not sep or not topic or not partition.isdigit():
+        raise InvalidPageToken(
+            f"page token {token!r} is not one a cluster status answer gave: start again without a page token"
+        )
+    return topic, int(partition)
+
+
+def cluster_status(
+    state: SiteState, now_ms: int, session_timeout_ms: int, replication_factor: int, page: Page | None = None
+) -> ClusterStatus:
+    """The status of every node, partition and under-replicated segment of ``state`` at ``now_ms``; with ``page``,
+    the counts over all of them and the partitions and segments of that page only."""
+    page = page or Page()
     nodes = state.nodes()
     loads = {n.node: n for n in node_loads(state, now_ms, session_timeout_ms)}
     segments: dict[NodeId, int] = {}
@@ -97,6 +134,8 @@ def cluster_status(state: SiteState, now_ms: int, session_timeout_ms: int, repli
     leader_of: dict[NodeId, int] = {}
     views: list[SegmentView] = []
     partitions: list[PartitionStatus] = []
+    leaderless = 0
+    count = 0
     for info in state.partitions():
         if info.leader is not None:
             leader_of[info.leader] = leader_of.get(info.leader, 0) + 1
@@ -109,6 +148,9 @@ def cluster_status(state: SiteState, now_ms: int, session_timeout_ms: int, repli
                     # Not in the node table (RemoveNode refuses a member, so no correct log gets here): shown as
                     # dead rather than failing the whole status.
                     loads[member] = NodeLoad(member, 0, 0, alive=False, draining=False)
+        if page.topic is not None and info.topic != page.topic:
+            continue  # the nodes' counts are the site's; the partitions and segments listed, the topic's
+        for segment in info.segments:
             # The metadata holds no sizes; under_replicated does not read them.
             views.append(
                 SegmentView(
@@ -117,6 +159,12 @@ def cluster_status(state: SiteState, now_ms: int, session_timeout_ms: int, repli
             )
         open_segment = info.open_segment
         leader = loads.get(info.leader) if info.leader is not None else None
+        leaderless += not (leader is not None and leader.alive)
+        count += 1
+        if (page.after is not None and (info.topic, info.partition) <= page.after) or (
+            page.limit is not None and len(partitions) > page.limit
+        ):
+            continue  # not on the page (one past it is kept: it says that more follow)
         partitions.append(
             PartitionStatus(
                 info.topic,
@@ -146,4 +194,14 @@ def cluster_status(state: SiteState, now_ms: int, session_timeout_ms: int, repli
         for n, info in sorted(nodes.items())
     )
     lacking = under_replicated(views, loads.values(), replication_factor=replication_factor)
-    return ClusterStatus(statuses, tuple(partitions), lacking)
+    more = page.limit is not None and len(partitions) > page.limit
+    listed = partitions[: page.limit] if page.limit is not None else partitions
+    return ClusterStatus(
+        statuses,
+        tuple(listed),
+        lacking if page.limit is None else lacking[: page.limit],
+        partition_count=count,
+        leaderless=leaderless,
+        under_replicated_count=len(lacking),
+        next_after=(listed[-1].topic, listed[-1].partition) if more and listed else None,
+    )

@@ -61,7 +61,9 @@ def test_a_fourth_node_joins_the_running_site_and_takes_new_segments_at_the_next
         return acked
 
     def open_segments() -> dict[tuple[str, int], int]:
-        status = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(1))))
+        status = json.loads(
+            ok(georep("cluster", "status", "--json", "--partitions", "--all", "--bootstrap", site.address(1)))
+        )
         return {
             (p["topic"], p["partition"]): p["open_segment"]["segment_id"]
             for p in status["partitions"]
@@ -76,7 +78,9 @@ def test_a_fourth_node_joins_the_running_site_and_takes_new_segments_at_the_next
         joined_at = open_segments()  # node 4 serves, registered and heartbeating: live in the site's metadata
         joined = time.monotonic()
         while time.monotonic() - joined < 30:  # under load, every partition rolls within a few seconds
-            status = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(1))))
+            status = json.loads(
+                ok(georep("cluster", "status", "--json", "--partitions", "--all", "--bootstrap", site.address(1)))
+            )
             new = {n["node"]: n["segments"] for n in status["nodes"]}
             if new.get(4, 0) >= PARTITIONS:
                 break
@@ -96,7 +100,9 @@ def test_a_fourth_node_joins_the_running_site_and_takes_new_segments_at_the_next
         assert raft_total(site.address(1)) == 3
         acked, before, joined_at = asyncio.run(drive())
         assert acked > 0 and len(before) == len(joined_at) == PARTITIONS
-        status = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(4))))
+        status = json.loads(
+            ok(georep("cluster", "status", "--json", "--partitions", "--all", "--bootstrap", site.address(4)))
+        )
         assert status["raft"]["total_nodes"] == 4, status["raft"]
         assert {n["node"]: n["address"] for n in status["nodes"]}[4] == site.address(4)
         node4 = next(n for n in status["nodes"] if n["node"] == 4)

@@ -289,7 +289,9 @@ def test_a_node_back_from_kill_9_gets_every_sealed_segment_it_lacks_and_all_copi
         final = status(site)
         members = sum(n.segments for n in final.nodes)
         assert members == 3 * sealed_ids(final), "the metadata does not give every segment a 3-member ensemble"
-        doc = json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", site.address(leader))))
+        doc = json.loads(
+            ok(georep("cluster", "status", "--json", "--partitions", "--all", "--bootstrap", site.address(leader)))
+        )
         moved = {n["node"]: n["bytes_moved"] for n in doc["nodes"]}
         assert moved[victim] > 0 and doc["bytes_moved"] == sum(moved.values()), (
             f"the segments copied back to node {victim} are not counted as bytes moved: {moved}"

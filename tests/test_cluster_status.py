@@ -240,7 +240,7 @@ def test_the_table_marks_dead_nodes_and_leaders_and_lists_under_replicated_segme
 
 
 def status(bootstrap: str) -> dict[str, Any]:
-    result = georep("cluster", "status", "--json", "--bootstrap", bootstrap)
+    result = georep("cluster", "status", "--json", "--partitions", "--all", "--bootstrap", bootstrap)
     assert result.returncode == 0, result.stderr.decode()
     doc: dict[str, Any] = json.loads(result.stdout)
     return doc

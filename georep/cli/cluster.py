@@ -66,6 +66,8 @@ TIMEOUT_S = 10.0
 WAIT_POLL_S = 1.0
 WAIT_TIMEOUT_S_DEFAULT = 3600.0
 REPORT_TIMEOUT_S = 3.0  # per other node asked for its own bytes: a hung node must not hold the command long
+PAGE_DEFAULT = 100  # partitions per page of --partitions
+SUMMARY = pb.ClusterStatusRequest(partitions_limit=0)  # the nodes and the counts: what a node answers fastest
 
 Reports = dict[int, pb.ClusterStatusResponse]  # node id -> that node's own answer
 
@@ -91,6 +93,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "127.0.0.1:7101; now %(default)s)",
     )
     status.add_argument("--json", action="store_true", help="one JSON document instead of tables")
+    status.add_argument(
+        "--partitions",
+        action="store_true",
+        help="list partitions (leader, epoch, open ensemble) and under-replicated segments, a page at a time; "
+        "without it, only the counts",
+    )
+    status.add_argument(
+        "--limit",
+        type=int,
+        default=PAGE_DEFAULT,
+        metavar="N",
+        help="with --partitions: at most N partitions (and N under-replicated segments) per page (default %(default)s)",
+    )
+    status.add_argument(
+        "--page-token",
+        default="",
+        metavar="TOKEN",
+        help="with --partitions: the page after the one that printed TOKEN",
+    )
+    status.add_argument("--all", action="store_true", help="with --partitions: every partition, in one page")
+    status.add_argument("--topic", default="", help="with --partitions: only this topic's partitions")
     add_client_tls_arguments(status, data_dir=True)
     drain = actions.add_parser("decommission", help="drain a node: move its leaderships and segments to other nodes")
     drain.add_argument("node_id", type=int, metavar="NODE_ID", help="the node to drain (its --node-id)")
@@ -146,6 +169,16 @@ def _role(node: pb.ClusterNodeStatus, answer: pb.ClusterStatusResponse, reports:
     if source is None:
         return None
     return "leader" if source.raft.is_leader else "follower"
+
+
+def status_request(args: argparse.Namespace) -> pb.ClusterStatusRequest:
+    """What to ask: the summary, or with ``--partitions`` a page of the listing (or all of it, ``--all``)."""
+    if not args.partitions:
+        return SUMMARY
+    request = pb.ClusterStatusRequest(page_token=args.page_token, topic=args.topic)
+    if not args.all:
+        request.partitions_limit = args.limit
+    return request
 
 
 def status_json(answer: pb.ClusterStatusResponse, reports: Reports) -> dict[str, Any]:
@@ -220,8 +253,12 @@ def status_json(answer: pb.ClusterStatusResponse, reports: Reports) -> dict[str,
         },
         "bytes_moved": sum(n["bytes_moved"] for n in nodes),
         "nodes": nodes,
+        "partition_count": answer.partition_count,
+        "leaderless_partitions": answer.leaderless_partitions,
+        "under_replicated_count": answer.under_replicated_count,
         "partitions": partitions,
         "under_replicated": under,
+        "next_page_token": answer.next_page_token or None,
     }
 
 
@@ -279,6 +316,32 @@ def _node_table(doc: dict[str, Any]) -> str:
     return table(header, rows)
 
 
+def _partition_table(partitions: list[dict[str, Any]]) -> str:
+    prows = []
+    for p in partitions:
+        lead = "-" if p["leader"] is None else str(p["leader"]) + ("" if p["leader_live"] else "(dead)")
+        ensemble = "-" if p["open_segment"] is None else _ids(p["open_segment"]["ensemble"])
+        prows.append((p["topic"], p["partition"], lead, p["leader_epoch"], p["segments"], ensemble))
+    return table(("TOPIC", "PARTITION", "LEADER", "EPOCH", "SEGMENTS", "OPEN-ENSEMBLE"), prows)
+
+
+def _under_table(under: list[dict[str, Any]]) -> str:
+    urows = [
+        (
+            u["topic"],
+            u["partition"],
+            u["segment_id"],
+            "sealed" if u["sealed"] else "open",
+            _ids(u["ensemble"]),
+            f"{u['live_members']}/{u['wanted_members']}",
+            _ids(u["dead"]),
+            _ids(u["draining"]),
+        )
+        for u in under
+    ]
+    return table(("TOPIC", "PARTITION", "SEGMENT", "STATE", "ENSEMBLE", "LIVE", "DEAD", "DRAINING"), urows)
+
+
 def render(answer: pb.ClusterStatusResponse, reports: Reports) -> str:
     doc = status_json(answer, reports)
     live = sum(1 for n in answer.nodes if n.live)
@@ -304,35 +367,33 @@ def render(answer: pb.ClusterStatusResponse, reports: Reports) -> str:
         + (f" ({doc['bytes_moved']} B)" if doc["bytes_moved"] >= 1024 else "")
     )
     lines.append("")
-    if doc["partitions"]:
-        prows = []
-        for p in doc["partitions"]:
-            lead = "-" if p["leader"] is None else str(p["leader"]) + ("" if p["leader_live"] else "(dead)")
-            ensemble = "-" if p["open_segment"] is None else _ids(p["open_segment"]["ensemble"])
-            prows.append((p["topic"], p["partition"], lead, p["leader_epoch"], p["segments"], ensemble))
-        lines.append(table(("TOPIC", "PARTITION", "LEADER", "EPOCH", "SEGMENTS", "OPEN-ENSEMBLE"), prows))
+    count = max(doc["partition_count"], len(doc["partitions"]))  # an older node gives no counts: its list is all
+    under = doc["under_replicated"]
+    under_count = max(doc["under_replicated_count"], len(under))
+    leaderless = doc["leaderless_partitions"]
+    if count:
+        lines.append(
+            f"partitions: {count}, {leaderless} without a live leader; leaders per node in LEADS above"
+            + ("" if doc["partitions"] else " (list them with --partitions)")
+        )
     else:
         lines.append("no topics yet (create one with 'georep topic create')")
+    if doc["partitions"]:
+        lines.append(_partition_table(doc["partitions"]))
+        if doc["next_page_token"]:
+            lines.append(
+                f"{len(doc['partitions'])} listed; the next page: georep cluster status --partitions "
+                f"--page-token {doc['next_page_token']} (or --all)"
+            )
     lines.append("")
-    under = doc["under_replicated"]
-    if not under:
+    if not under_count:
         lines.append("under-replicated segments: none")
     else:
-        lines.append(f"under-replicated segments: {len(under)}")
-        urows = [
-            (
-                u["topic"],
-                u["partition"],
-                u["segment_id"],
-                "sealed" if u["sealed"] else "open",
-                _ids(u["ensemble"]),
-                f"{u['live_members']}/{u['wanted_members']}",
-                _ids(u["dead"]),
-                _ids(u["draining"]),
-            )
-            for u in under
-        ]
-        lines.append(table(("TOPIC", "PARTITION", "SEGMENT", "STATE", "ENSEMBLE", "LIVE", "DEAD", "DRAINING"), urows))
+        lines.append(f"under-replicated segments: {under_count}")
+        if under:
+            lines.append(_under_table(under))
+        if len(under) < under_count:
+            lines.append(f"{len(under)} listed: --partitions lists them a page at a time, --all every one")
     return "\n".join(lines)
 
 
@@ -343,19 +404,21 @@ async def _report(node: pb.ClusterNodeStatus, tls: TlsConfig | None) -> pb.Clust
     """``node``'s own answer, or None if it does not give one in time."""
     try:
         async with client_channel(node.address, tls, CHANNEL_OPTIONS) as channel:
-            report = await pbg.NodeStub(channel).ClusterStatus(pb.ClusterStatusRequest(), timeout=REPORT_TIMEOUT_S)
+            report = await pbg.NodeStub(channel).ClusterStatus(SUMMARY, timeout=REPORT_TIMEOUT_S)
     except grpc.aio.AioRpcError:
         return None
     return report if report.node_id == node.node_id else None  # another process at that address now
 
 
-async def fetch(bootstrap: str, tls: TlsConfig | None = None) -> tuple[pb.ClusterStatusResponse, Reports]:
-    """The first reachable node's answer, and the answers of the other live nodes that gave one."""
+async def fetch(
+    bootstrap: str, tls: TlsConfig | None = None, request: pb.ClusterStatusRequest = SUMMARY
+) -> tuple[pb.ClusterStatusResponse, Reports]:
+    """The first reachable node's answer to ``request``, and the other live nodes' own (for their bytes)."""
     connection = Connection(bootstrap, tls=tls)
     try:
         stub = await connection.connect()
         try:
-            answer: pb.ClusterStatusResponse = await stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=TIMEOUT_S)
+            answer: pb.ClusterStatusResponse = await stub.ClusterStatus(request, timeout=TIMEOUT_S)
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.FAILED_PRECONDITION:  # the site has one node: nothing to show
@@ -479,8 +542,11 @@ def main_decommission(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     if args.action == "decommission":
         return main_decommission(args)
+    if args.limit < 1:
+        print(f"georep: error: --limit {args.limit}: use 1 or more (--all for every partition)", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        answer, reports = asyncio.run(fetch(args.bootstrap, client_tls(args)))
+        answer, reports = asyncio.run(fetch(args.bootstrap, client_tls(args), status_request(args)))
     except TlsArgsError as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -2137,14 +2137,31 @@ Global___FetchBatchResponse: _TypeAlias = FetchBatchResponse  # noqa: Y015
 class ClusterStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PARTITIONS_LIMIT_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TOPIC_FIELD_NUMBER: _builtins.int
+    partitions_limit: _builtins.int
+    """Paging of the partition listing (issue 22). Unset: every partition and every under-replicated segment, as
+    before. Set: at most this many of each (0: none, only the counts below and the nodes: a summary).
+    """
+    page_token: _builtins.str
+    """a previous answer's next_page_token: the partitions after the last one it listed"""
+    topic: _builtins.str
+    """only this topic's partitions; empty: every topic's"""
     def __init__(
         self,
+        *,
+        partitions_limit: _builtins.int | None = ...,
+        page_token: _builtins.str = ...,
+        topic: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_partitions_limit", b"_partitions_limit", "partitions_limit", b"partitions_limit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_partitions_limit", b"_partitions_limit", "page_token", b"page_token", "partitions_limit", b"partitions_limit", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__partitions_limit: _TypeAlias = _typing.Literal["partitions_limit"]  # noqa: Y015
+    _WhichOneofArgType__partitions_limit: _TypeAlias = _typing.Literal["_partitions_limit", b"_partitions_limit"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__partitions_limit) -> _WhichOneofReturnType__partitions_limit | None: ...
 
 Global___ClusterStatusRequest: _TypeAlias = ClusterStatusRequest  # noqa: Y015
 
@@ -2387,6 +2404,10 @@ class ClusterStatusResponse(_message.Message):
     PARTITIONS_FIELD_NUMBER: _builtins.int
     UNDER_REPLICATED_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    PARTITION_COUNT_FIELD_NUMBER: _builtins.int
+    LEADERLESS_PARTITIONS_FIELD_NUMBER: _builtins.int
+    UNDER_REPLICATED_COUNT_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     epoch: _builtins.int
     node_id: _builtins.int
@@ -2395,6 +2416,14 @@ class ClusterStatusResponse(_message.Message):
     session_timeout_ms: _builtins.int
     bytes_moved: _builtins.int
     """the site's total: the sum of its nodes' bytes_moved"""
+    partition_count: _builtins.int
+    """Counts over every partition (of the request's topic, if it named one), whether listed or not (issue 22)."""
+    leaderless_partitions: _builtins.int
+    """no leader, or a leader that is not live"""
+    under_replicated_count: _builtins.int
+    """under-replicated segments, listed or not"""
+    next_page_token: _builtins.str
+    """set when more partitions follow the ones listed: pass it as page_token"""
     @_builtins.property
     def raft(self) -> Global___RaftGroupStatus: ...
     @_builtins.property
@@ -2420,10 +2449,14 @@ class ClusterStatusResponse(_message.Message):
         partitions: _abc.Iterable[Global___ClusterPartitionStatus] | None = ...,
         under_replicated: _abc.Iterable[Global___UnderReplicatedSegment] | None = ...,
         bytes_moved: _builtins.int = ...,
+        partition_count: _builtins.int = ...,
+        leaderless_partitions: _builtins.int = ...,
+        under_replicated_count: _builtins.int = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["raft", b"raft"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "epoch", b"epoch", "node_id", b"node_id", "nodes", b"nodes", "partitions", b"partitions", "raft", b"raft", "replication_factor", b"replication_factor", "session_timeout_ms", b"session_timeout_ms", "site", b"site", "under_replicated", b"under_replicated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_moved", b"bytes_moved", "epoch", b"epoch", "leaderless_partitions", b"leaderless_partitions", "next_page_token", b"next_page_token", "node_id", b"node_id", "nodes", b"nodes", "partition_count", b"partition_count", "partitions", b"partitions", "raft", b"raft", "replication_factor", b"replication_factor", "session_timeout_ms", b"session_timeout_ms", "site", b"site", "under_replicated", b"under_replicated", "under_replicated_count", b"under_replicated_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -143,6 +143,7 @@ from __future__ import annotations
 import base64
 import enum
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -159,6 +160,7 @@ from typing import Any, TypeVar
 import pysyncobj.pickle as syncobj_pickle
 from cryptography.fernet import InvalidToken
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException, replicated
+from pysyncobj.config import SERIALIZER_STATE
 from pysyncobj.encryptor import getEncryptor
 from pysyncobj.serializer import Serializer
 from pysyncobj.utility import TcpUtility, UtilityException
@@ -193,7 +195,9 @@ JOURNAL_FILE = journal.JOURNAL_FILE
 PYSYNCOBJ_JOURNAL_FILE = journal.PYSYNCOBJ_JOURNAL_FILE  # before issue 20; and with journal_sync=False
 DUMP_FILE = "site-state.json"
 DUMP_FORMAT = "georep-site-state-dump"
-DUMP_FORMAT_VERSION = 1
+DUMP_FORMAT_VERSION = 2  # 2: with a SHA-256 of its contents
+DUMP_FORMAT_VERSIONS_READ = (1, 2)
+DUMP_CHECKSUM_KEY = "sha256"
 PORT_MAX = 65535
 REFUSED_LOG_INTERVAL_S = 30.0  # at most one warning this often about messages sealed with another Raft secret
 
@@ -274,6 +278,10 @@ class RaftTiming:
     write_timeout_s: float = 5.0  # propose()'s default timeout
     retry_interval_s: float = 0.05  # between tries of a write that certainly did not enter the log
     close_snapshot_timeout_s: float = 2.0  # how long close() waits for the final dump
+    # A dump (log compaction) once the log holds more entries than this (pysyncobj's logCompactionMinEntries), or
+    # every compaction_interval_s: a restart replays at most about this many entries after the dump.
+    compaction_entries: int = 5_000
+    compaction_interval_s: float = 300.0
 
     def __post_init__(self) -> None:
         # pysyncobj checks these with assert (gone under python -O); say which setting is wrong instead
@@ -300,9 +308,11 @@ class RaftTiming:
                 and self.tick_s > 0
                 and self.write_timeout_s > 0
                 and self.retry_interval_s > 0
-                and self.close_snapshot_timeout_s >= 0,
+                and self.close_snapshot_timeout_s >= 0
+                and self.compaction_interval_s > 0,
                 "intervals and timeouts must be positive",
             ),
+            (self.compaction_entries >= 2, "compaction_entries must be at least 2"),
         ]
         for ok, rule in rules:
             if not ok:
@@ -334,6 +344,8 @@ class RaftTiming:
             "connectionRetryTime": self.reconnect_interval_s,
             "leaderFallbackTimeout": self.leader_step_down_s,
             "autoTickPeriod": self.tick_s,
+            "logCompactionMinEntries": self.compaction_entries,
+            "logCompactionMinTime": self.compaction_interval_s,
             # Send each command, and each new commit index, at once rather than at the next heartbeat: pysyncobj's
             # batching costs a commit up to three heartbeat periods (the command waits for the leader's tick, the
             # entry for its next append-entries, the follower for the commit index), about 150 ms, and a leader's
@@ -607,11 +619,13 @@ class _Dump:
 def _read_dump(path: Path) -> _Dump:
     """Read and check a dump file; raises :class:`RaftStartError` saying what to do."""
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(_checked_dump_text(path.read_bytes()))
         if not isinstance(doc, dict) or doc.get("format") != DUMP_FORMAT:
             raise ValueError(f"not a {DUMP_FORMAT} file")
-        if doc.get("version") != DUMP_FORMAT_VERSION:
+        if doc.get("version") not in DUMP_FORMAT_VERSIONS_READ:
             raise ValueError(f"dump format version {doc.get('version')!r}, this node reads {DUMP_FORMAT_VERSION}")
+        if doc.get("version") == DUMP_FORMAT_VERSION and DUMP_CHECKSUM_KEY not in doc:
+            raise ValueError(f"a version {DUMP_FORMAT_VERSION} dump without its checksum")
         raft = doc["raft"]
         cluster = raft["cluster"]
         if not (isinstance(cluster, list) and all(isinstance(a, str) for a in cluster)):
@@ -629,10 +643,31 @@ def _read_dump(path: Path) -> _Dump:
         ) from None
 
 
+def _checksummed(doc: dict[str, Any]) -> bytes:
+    """The dump's bytes: its JSON, then the SHA-256 of that JSON as its last key (:func:`_checked_dump_text`)."""
+    body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    digest = hashlib.sha256(body).hexdigest()
+    return body[:-1] + f',"{DUMP_CHECKSUM_KEY}":"{digest}"}}'.encode()
+
+
+def _checked_dump_text(data: bytes) -> bytes:
+    """The dump's JSON once its checksum matches; a version 1 dump (before the checksum) as it is. A dump torn by a
+    crash fails to parse, and one changed on disk fails here: either way the node refuses it rather than serve a
+    state the site never had (``_read_dump`` says how to get the leader's)."""
+    suffix = len(f',"{DUMP_CHECKSUM_KEY}":"') + 64 + 2
+    tail = data[-suffix:]
+    if not tail.startswith(f',"{DUMP_CHECKSUM_KEY}":"'.encode()):
+        return data  # no checksum: version 1 (refused below if it says version 2)
+    body = data[:-suffix] + b"}"
+    if hashlib.sha256(body).hexdigest().encode() != tail[-66:-2]:
+        raise ValueError("its checksum does not match its contents: the file was changed or damaged on disk")
+    return data
+
+
 def _write_json_fsynced(path: str, doc: dict[str, Any]) -> None:
     # 0600: the state holds ACLs and SCRAM credentials
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "w") as f:
-        json.dump(doc, f, sort_keys=True, separators=(",", ":"))
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600), "wb") as f:
+        f.write(_checksummed(doc))
         f.flush()
         os.fsync(f.fileno())
 
@@ -681,13 +716,67 @@ class _ClosingSerializer(Serializer):  # type: ignore[misc]  # pysyncobj has no 
 
     # pysyncobj's method names (one misspelt), overridden
     def getTransmissionData(self, transmissionID: Any) -> Any:
+        if self.__dict__.get(self._WRITING) is not None:
+            return None  # as pysyncobj does while it writes a dump: the transfer starts once it is written
         return self._closing(lambda: super(_ClosingSerializer, self).getTransmissionData(transmissionID))
 
     def cancelTransmisstion(self, id: Any) -> None:
         self._closing(lambda: super(_ClosingSerializer, self).cancelTransmisstion(id))
 
+    # Log compaction in the background. pysyncobj writes a dump made by a custom serializer in its tick thread, where
+    # no heartbeat goes out meanwhile: about 2 s at 100,000 partitions, longer than an election timeout, so every
+    # compaction of a big site's log would depose its leader. Here the tick thread only captures the state
+    # (``_Replica.capture_dump``) and a thread writes it: to a temporary file, fsynced, renamed over the dump and the
+    # directory fsynced. pysyncobj drops the journal entries the dump covers only once checkSerializing says
+    # SUCCESS, so the journal still holds them while the dump is written. No dump goes to a follower meanwhile, as
+    # pysyncobj does while its forked child writes one.
+    _CAPTURE = "_capture_dump"  # set by _Replica: raft_data -> the writer of the dump
+    _WRITING = "_dump_writing"  # (thread, outcome) of the dump being written
+    _CURRENT_ID = "_Serializer__currentID"
+    _FILE = "_Serializer__fileName"
+
+    def serialize(self, data: Any, id: Any) -> None:
+        if self.__dict__.get(self._WRITING) is not None:
+            return
+        self.__dict__[self._CURRENT_ID] = id
+        write = self.__dict__[self._CAPTURE](data[1:])
+        path = str(self.__dict__[self._FILE])
+        outcome: dict[str, BaseException | None] = {}
+
+        def run() -> None:
+            try:
+                tmp = path + ".tmp"
+                write(tmp)
+                os.replace(tmp, path)
+                fsync_directory(Path(path).parent)
+                outcome["error"] = None
+            except BaseException as e:  # reported by checkSerializing, in the tick thread
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run, name="raft-dump", daemon=True)
+        self.__dict__[self._WRITING] = (thread, outcome)
+        thread.start()
+
     def checkSerializing(self) -> Any:
-        return self._closing(lambda: super(_ClosingSerializer, self).checkSerializing())
+        writing = self.__dict__.get(self._WRITING)
+        if writing is None:
+            return SERIALIZER_STATE.NOT_SERIALIZING, None
+        thread, outcome = writing
+        current = self.__dict__[self._CURRENT_ID]
+        if thread.is_alive():
+            return SERIALIZER_STATE.SERIALIZING, current
+        self.__dict__[self._WRITING] = None
+        error = outcome.get("error")
+        if error is not None:
+            logger.error("writing the metadata dump failed (the journal keeps every entry): %r", error)
+            return SERIALIZER_STATE.FAILED, current
+        self._closing(lambda: self.__dict__.__setitem__(self._TRANSFERS, {}))  # the transfers restart with it
+        return SERIALIZER_STATE.SUCCESS, current
+
+    def wait_dump_written(self) -> None:
+        writing = self.__dict__.get(self._WRITING)
+        if writing is not None:
+            writing[0].join()
 
     def close_files(self) -> None:
         for transfer in self._transfers().values():
@@ -736,13 +825,16 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         super().__init__(self_address, partners, syncobj_conf, transportClass=transport_class)
         # The tick thread sleeps 0.1 s before its first tick, so no transfer can have started yet.
         self._SyncObj__serializer.__class__ = _ClosingSerializer
+        self._SyncObj__serializer.__dict__[_ClosingSerializer._CAPTURE] = self.capture_dump
 
     @property
     def encryptor(self) -> _CheckedEncryptor | None:  # what pysyncobj's transport seals each connection with
         return self._checked_encryptor
 
     def release_files(self) -> None:
-        """Close the files pysyncobj leaves open; only once the tick thread has stopped."""
+        """Close the files pysyncobj leaves open, once a dump being written is; only once the tick thread has
+        stopped."""
+        self._SyncObj__serializer.wait_dump_written()
         self._SyncObj__serializer.close_files()
 
     @replicated  # type: ignore[untyped-decorator]  # pysyncobj has no type hints
@@ -802,23 +894,29 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         return self._dumped_index
 
     def _write_dump(self, path: str, raft_data: tuple[Any, Any, Any]) -> None:
-        """pysyncobj's log compaction: the state as of ``last_applied`` goes to ``path`` (a temporary file that
-        pysyncobj then renames over the dump)."""
+        """pysyncobj's log compaction, in its tick thread (unused: :class:`_ClosingSerializer` calls
+        :meth:`capture_dump` instead, and writes in a thread of its own)."""
+        self.capture_dump(raft_data)(path)
+
+    def capture_dump(self, raft_data: tuple[Any, Any, Any]) -> Callable[[str], None]:
+        """The state as of ``last_applied`` (now, in the tick thread that applies the log), and what writes it to a
+        file later, in any thread: a copy of the tables, cheap (16 ms at 100,000 partitions) where encoding and
+        writing them is not (about 2 s)."""
         last_applied, previous, cluster = raft_data
         with self._state_lock:
-            snapshot = self._site_state.snapshot()
-        doc = {
-            "format": DUMP_FORMAT,
-            "version": DUMP_FORMAT_VERSION,
-            "state": snapshot,
-            "raft": {
-                "last_applied": _entry_to_json(last_applied),
-                "previous": _entry_to_json(previous),
-                "cluster": sorted(node.address for node in cluster),
-            },
+            state = self._site_state.copy()
+        raft = {
+            "last_applied": _entry_to_json(last_applied),
+            "previous": _entry_to_json(previous),
+            "cluster": sorted(node.address for node in cluster),
         }
-        _write_json_fsynced(path, doc)
-        self._dumped_index = int(last_applied[1])
+
+        def write(path: str) -> None:
+            doc = {"format": DUMP_FORMAT, "version": DUMP_FORMAT_VERSION, "state": state.snapshot(), "raft": raft}
+            _write_json_fsynced(path, doc)
+            self._dumped_index = int(last_applied[1])
+
+        return write
 
     def _read_dump(self, path: str) -> tuple[Any, Any, Any]:
         """pysyncobj loads a dump: at start, or one sent by the leader to a node too far behind its log."""

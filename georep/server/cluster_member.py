@@ -68,6 +68,7 @@ from cluster.retention import plan_retention
 from cluster.site_state import (
     Applied,
     Command,
+    CommandBatch,
     ElectLeader,
     NodeHeartbeat,
     PartitionInfo,
@@ -76,10 +77,12 @@ from cluster.site_state import (
     Result,
     SealSegment,
     SiteState,
+    batches,
     next_leader_expiry_ms,
 )
 from georep.broker.errors import NotLeader
-from georep.raft.store import MetadataUnavailable
+from georep.raft.frames import COMMAND_BYTES_MAX
+from georep.raft.store import MetadataUnavailable, command_bytes
 from georep.security.tls import TlsConfig, channels
 from georep.server.ensemble import LeadEvent, SegmentToWrite, SegmentWriter
 from georep.server.recovery import Members, copy_tail, fence_member, tell_sealed
@@ -92,6 +95,18 @@ from topology.ids import LeaderEpoch, NodeId, SegmentId
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# A batch of commands is at most half the largest command the store proposes: the sizes are each command's alone,
+# and a batch's own framing is estimated (cluster.site_state.batches).
+BATCH_BYTES_MAX = COMMAND_BYTES_MAX // 2
+
+
+def _command_size(command: Command) -> int:
+    return command_bytes(command.to_dict())
+
+
+def _packed_count(command: Command) -> int:
+    return len(command.commands) if isinstance(command, CommandBatch) else 1
 
 
 class RegistrationRefused(Exception):
@@ -202,6 +217,13 @@ class ClusterMember:
         self.repair: RepairController | None = None  # while this node is the Raft leader
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._queued: list[tuple[Command, asyncio.Future[Result | None]]] = []  # waiting for the proposal in flight
+        # The metadata versions whose seals and trims this node has followed whole (the per-tick passes over every
+        # partition run again only after a change)
+        self._seals_seen: int | None = None
+        self._leads_saw: int | None = None  # the view version every lead last looked at between ticks
+        self._trims_seen: int | None = None
+        self._proposer: asyncio.Task[None] | None = None
 
     def spawn(self, work: Coroutine[object, object, None]) -> None:
         """Run ``work`` in the background, keeping a reference until it ends."""
@@ -213,12 +235,55 @@ class ClusterMember:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def propose(self, command: Command) -> Result | None:
-        """Commit ``command``; None if the metadata could not confirm it (it may still apply: read the view)."""
+        """Commit ``command``; None if the metadata could not confirm it (it may still apply: read the view).
+
+        Group commit: the commands proposed while earlier ones are in flight wait, and go together, packed into as
+        few :class:`~cluster.site_state.CommandBatch` entries of at most :data:`BATCH_BYTES_MAX` as they fit. A
+        controller's elections after a node's death and the recoveries of the leads they make take a few dozen
+        commits, not one each (10,000 of them took minutes)."""
+        done: asyncio.Future[Result | None] = asyncio.get_running_loop().create_future()
+        self._queued.append((command, done))
+        if self._proposer is None or self._proposer.done():
+            self._proposer = asyncio.create_task(self._propose_queued())
+        return await asyncio.shield(done)
+
+    async def _propose_queued(self) -> None:
+        while self._queued:
+            queued, self._queued = self._queued, []
+            packed = batches([c for c, _ in queued], _command_size, BATCH_BYTES_MAX)
+            try:
+                outcomes = await asyncio.gather(*(self._propose_packed(c) for c in packed), return_exceptions=True)
+            except asyncio.CancelledError:  # the member stops: the callers hear "not confirmed"
+                for _, done in queued:
+                    if not done.done():
+                        done.set_result(None)
+                raise
+            first = 0
+            for command, outcome in zip(packed, outcomes, strict=True):
+                count = _packed_count(command)
+                for k, (_, done) in enumerate(queued[first : first + count]):
+                    if done.done():
+                        continue
+                    if isinstance(outcome, BaseException):  # CommandTooLarge: a lone command, its caller's error
+                        done.set_exception(outcome)
+                    else:
+                        done.set_result(outcome[k])
+                first += count
+
+    async def _propose_packed(self, command: Command) -> list[Result | None]:
+        """What each command packed in ``command`` gave (None for all if the batch was not confirmed)."""
+        count = _packed_count(command)
         try:
-            return await self.run_blocking(self.metadata.propose, command)
+            result = await self.run_blocking(self.metadata.propose, command)
         except MetadataUnavailable as exc:
-            log.warning("node %d: %s not confirmed: %s", self.me, command.KIND, exc)
-            return None
+            what = f"a batch of {count} commands" if count > 1 else command.KIND
+            log.warning("node %d: %s not confirmed: %s", self.me, what, exc)
+            return [None] * count
+        if count == 1:
+            return [result]
+        if isinstance(result, Applied) and len(result.results) == count:
+            return list(result.results)
+        return [result] * count  # the batch as a whole was refused (a node that cannot decode it): so is each
 
     def addresses(self) -> dict[NodeId, str]:
         return {n: info.address for n, info in self.metadata.state().nodes().items()}
@@ -232,6 +297,7 @@ class ClusterMember:
             raise RegistrationRefused(f"node {self.me} cannot register at {self.address}: {result.reason}")
         await self.run_blocking(self.metadata.read_barrier)
         self.core.epochs_at_start = {(i.topic, i.partition): i.leader_epoch for i in self.metadata.state().partitions()}
+        self.core.reconciled = None
         await self._heartbeat()
         self._task = asyncio.create_task(self._ticks())
 
@@ -245,6 +311,13 @@ class ClusterMember:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self._proposer is not None:
+            self._proposer.cancel()
+            await asyncio.gather(self._proposer, return_exceptions=True)
+        for _, done in self._queued:  # nobody proposes them now: their callers hear "not confirmed"
+            if not done.done():
+                done.set_result(None)
+        self._queued.clear()
 
     async def _ticks(self) -> None:
         """A tick every ``tick_ms``; between ticks, a look at the roles as soon as the metadata changes (a new
@@ -310,9 +383,8 @@ class ClusterMember:
             self._retention_due_ms = None
             self.repair = None  # the next controller starts afresh; copies under way finish and are recorded
             return
-        for eff in effects:
-            if isinstance(eff, ProposeElection):
-                await self._elect(ctl, eff.command)
+        # proposed together (one commit for a tick's elections, ``propose``), answered each on its own
+        await asyncio.gather(*(self._elect(ctl, eff.command) for eff in effects if isinstance(eff, ProposeElection)))
         # Like elections, repair waits until every live node has heartbeated through this Raft leader: before,
         # live nodes look dead, and their open segments would be rolled for nothing.
         if self.clock_ms() - ctl.since_ms < self.config.session_timeout_ms:
@@ -355,6 +427,9 @@ class ClusterMember:
         node's copies of the segments before it are deleted. A node that was down when a trim committed deletes
         them here at its first tick, from its view of the metadata."""
         state = self.metadata.state()
+        if state.version == self._trims_seen:  # no command since the last whole pass: no trim to follow
+            return
+        whole = True
         for info in state.partitions():
             if not info.segments or info.segments[0].segment_id == 0:
                 continue
@@ -367,6 +442,9 @@ class ClusterMember:
                 await self.run_blocking(self.store.trim, key, first)
             except OSError as exc:  # the next tick tries again
                 log.error("node %d: deleting %s-%d's copies before segment %d failed: %s", self.me, *key, first, exc)
+                whole = False
+        if whole:
+            self._trims_seen = state.version
 
     # -- repair and decommission -------------------------------------------------------------------------------
 
@@ -375,6 +453,11 @@ class ClusterMember:
         the guards, and cut every copy longer than its committed seal (a member that was down or cut off when the
         seal was told keeps its tail until it learns the seal here)."""
         state = self.metadata.state()
+        # Per change of the metadata, not per tick: a seal is a command (a new version), and once a guard holds a
+        # seal the store refuses what would write past it, so no copy outgrows a seal between two versions.
+        if state.version == self._seals_seen:
+            return
+        whole = True
         held = await self.run_blocking(self.store.held)
         ends = {(h.key[0], h.key[1], h.segment_id): int(h.end_offset) for h in held}
         for step in membership.seals_to_learn(state, self.store.guard_states(), ends):
@@ -397,6 +480,9 @@ class ClusterMember:
                 )
             except (OSError, ReplicaError, QuorumError) as exc:  # the next tick tries again; roles go on meanwhile
                 log.error("node %d: learning the seal %s failed: %s", self.me, step, exc)
+                whole = False
+        if whole:
+            self._seals_seen = state.version
 
     def roll(self, key: PartitionKey, segment_id: SegmentId) -> str | None:
         """The controller asks this node to roll ``segment_id`` of ``key`` (repair's ``RollSegment``): None if it
@@ -418,8 +504,12 @@ class ClusterMember:
         later)."""
         view, now = self.metadata.state(), self.clock_ms()
         effects = self.core.reconcile(view, now)
-        for key in sorted(self.core.leads):
-            effects += self.core.step(view, key, now, lambda lead, ctx: lead.tick(ctx))
+        # Only a view with something new (a version not seen yet) can let a lead go on before its tick; heartbeats
+        # (most changes) bring nothing: the leads' due retries wait for the tick, as they would anyway.
+        if view.version != self._leads_saw or effects:
+            self._leads_saw = view.version
+            for key in sorted(self.core.leads):
+                effects += self.core.step(view, key, now, lambda lead, ctx: lead.tick(ctx))
         self.run(effects)
 
     def step(self, key: PartitionKey, epoch: LeaderEpoch, event: LeadEvent) -> None:

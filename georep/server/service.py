@@ -788,7 +788,7 @@ class NodeService:
         log.warning("%s", message)
 
     async def cluster_status(self, data: bytes, context: Context) -> pb.ClusterStatusResponse:
-        parse(pb.ClusterStatusRequest, data)
+        request = parse(pb.ClusterStatusRequest, data)
         if self.site_cluster is None:
             site = self.broker.identity.site
             raise SingleNodeSite(
@@ -796,7 +796,7 @@ class NodeService:
                 "leaders, Raft) to show: 'georep cluster status' is for sites whose nodes run with "
                 "--node-id; use 'georep health' and 'georep topic describe' here"
             )
-        return await self.site_cluster.cluster_status()
+        return await self.site_cluster.cluster_status(request)
 
     async def decommission_node(self, data: bytes, context: Context) -> pb.DecommissionNodeResponse:
         req = parse(pb.DecommissionNodeRequest, data)

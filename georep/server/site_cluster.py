@@ -27,6 +27,7 @@ of its own:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -36,9 +37,9 @@ import grpc
 
 from cluster.producer_snapshot import history_at_open
 from cluster.site_state import PartitionInfo
-from cluster.status import cluster_status
+from cluster.status import InvalidPageToken, Page, cluster_status, page_token, parse_page_token
 from dedup.producer import ProducerStateTable
-from georep.broker.errors import NotLeader, SegmentUnreadable
+from georep.broker.errors import InvalidRequest, NotLeader, SegmentUnreadable
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -55,6 +56,7 @@ from topology.ids import NodeId, SegmentId
 log = logging.getLogger(__name__)
 
 REMOTE_READ_TIMEOUT_S = 10.0
+STORE_BYTES_WAIT_S = 1.0  # ClusterStatus waits this long for the store's size, then leaves it unknown
 ROUTE_CHECK_S = 0.25  # how often a pull passed on to other nodes checks that their leadership has not moved
 
 
@@ -148,15 +150,31 @@ class SiteCluster:
             self.executor, self.broker.create_topic, name, partitions, config
         )
 
-    async def cluster_status(self) -> pb.ClusterStatusResponse:
+    async def cluster_status(self, request: pb.ClusterStatusRequest | None = None) -> pb.ClusterStatusResponse:
         """``ClusterStatus``: ``cluster.status.cluster_status`` of this node's view of the metadata, now, with its
-        own store's bytes (the only disk it can read) and its view of the Raft group."""
+        own store's bytes (the only disk it can read) and its view of the Raft group; the page of partitions the
+        request asks for (all of them if it sets no limit). Raises ``InvalidPageToken``."""
+        request = request or pb.ClusterStatusRequest()
+        limit = request.partitions_limit if request.HasField("partitions_limit") else None
+        if limit is not None and limit < 0:
+            raise InvalidRequest(f"partitions_limit {limit}: use 0 (no partitions, the summary) or more")
+        try:
+            after = parse_page_token(request.page_token) if request.page_token else None
+        except InvalidPageToken as e:
+            raise InvalidRequest(str(e)) from None
+        page = Page(limit, after, request.topic or None)
         config = self.member.config
         view = cluster_status(
-            self.metadata.state(), self.member.clock_ms(), config.session_timeout_ms, config.replication_factor
+            self.metadata.state(), self.member.clock_ms(), config.session_timeout_ms, config.replication_factor, page
         )
-        # The store's lock is also taken by appends and fsyncs in the segment threads: not on the event loop.
-        store_bytes = await asyncio.get_running_loop().run_in_executor(self.executor, self.store.size_bytes)
+        # The store's lock is also taken by appends and fsyncs in the segment threads: not on the event loop. Those
+        # can queue thousands of jobs (a topic of 10,000 partitions being created): the status does not wait for
+        # them past STORE_BYTES_WAIT_S, it leaves the bytes unknown.
+        store_bytes: int | None = None
+        with contextlib.suppress(TimeoutError):
+            store_bytes = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(self.executor, self.store.size_bytes), STORE_BYTES_WAIT_S
+            )
         moved = {n.node: n.bytes_moved for n in view.nodes} | {self.member.me: self.store.moved.total}
         raft = self.metadata.status()
         identity = self.broker.identity
@@ -221,6 +239,10 @@ class SiteCluster:
                 for u in view.under_replicated
             ],
             bytes_moved=sum(moved.values()),
+            partition_count=view.partition_count,
+            leaderless_partitions=view.leaderless,
+            under_replicated_count=view.under_replicated_count,
+            next_page_token=page_token(view.next_after) if view.next_after is not None else "",
         )
 
     # -- LeaderListener --------------------------------------------------------------------------------------

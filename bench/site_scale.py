@@ -1,0 +1,223 @@
+"""A three-node site at many partitions (issue 22): idle cost, Raft metadata size, and leader re-election after a
+node's ``kill -9``.
+
+Run from the repository root::
+
+    .venv/bin/python bench/site_scale.py --partitions 2000
+    .venv/bin/python bench/site_scale.py --partitions 10000 --replication-factor 2
+
+``bench/scale.py`` calls :func:`measure` (one site, one size) and prints its :class:`SiteScale`. What is measured,
+on one site ``a`` of three ``georep node --node-id N`` processes (bench/site_cluster.py's ``Site``):
+
+* ``create_s``: ``CreateTopic`` of one topic of ``--partitions`` partitions, to every partition led by a live node
+  (``ClusterStatus``'s ``leaderless_partitions`` is 0: the summary, so the poll stays cheap).
+* idle, for ``--idle-s`` once every partition has an open segment on ``--replication-factor`` nodes (or after
+  ``--settle-timeout-s``): per node, CPU (utime + stime from ``/proc``, as a share of one core), RSS, open fds, and
+  the Raft directory's bytes (journal and dump).
+* ``reelect_s``: ``kill -9`` of a node that is not the Raft leader, to the first ``ClusterStatus`` of a survivor
+  that shows every partition led by a live node again. It includes the session timeout (``--session-timeout-ms``:
+  the time to notice the death), printed beside it; ``raft_entries`` is how many Raft log entries the survivors
+  committed meanwhile (the applied index's rise: elections go as batches, so it is far below the partition count).
+* ``restart_s``: the killed node started again, to when it serves (it wrote ``node.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from site_cluster import NODES, Site
+
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from georep.security.tls import client_channel
+
+TOPIC = "scale"
+POLL_S = 0.05
+RPC_TIMEOUT_S = 5.0
+SUMMARY = pb.ClusterStatusRequest(partitions_limit=0)
+
+
+@dataclass
+class NodeIdle:
+    node: int
+    cpu_share: float  # of one core, over the idle window
+    rss_mb: int
+    fds: int
+    raft_kib: int
+
+
+@dataclass
+class SiteScale:
+    partitions: int
+    replication_factor: int
+    session_timeout_ms: int
+    create_s: float = float("nan")
+    whole: bool = False  # every partition had an open segment on replication_factor nodes before the idle window
+    idle: list[NodeIdle] = field(default_factory=list)
+    victim: int = 0
+    reelect_s: float = float("nan")
+    raft_entries: int = 0
+    restart_s: float = float("nan")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+async def _summary(site: Site, nodes: list[int]) -> pb.ClusterStatusResponse | None:
+    for n in nodes:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async with client_channel(site.addresses[n], None) as ch:
+                answer: pb.ClusterStatusResponse = await pbg.NodeStub(ch).ClusterStatus(SUMMARY, timeout=RPC_TIMEOUT_S)
+                return answer
+    return None
+
+
+async def _until_led(site: Site, nodes: list[int], partitions: int, timeout_s: float) -> pb.ClusterStatusResponse:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        answer = await _summary(site, nodes)
+        if answer is not None and answer.partition_count == partitions and answer.leaderless_partitions == 0:
+            return answer
+        await asyncio.sleep(POLL_S)
+    raise TimeoutError(f"not every partition led by a live node within {timeout_s:g}s")
+
+
+async def _whole(site: Site, partitions: int, rf: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        answer = await _summary(site, site.live())
+        opened = [n.open_segments for n in answer.nodes] if answer is not None else []
+        if answer is not None and sum(opened) >= partitions * rf and answer.under_replicated_count == 0:
+            return True
+        await asyncio.sleep(1.0)
+    return False
+
+
+async def measure(
+    root: Path,
+    partitions: int,
+    replication_factor: int = 3,
+    session_timeout_ms: int = 3_000,
+    idle_s: float = 20.0,
+    settle_timeout_s: float = 300.0,
+) -> SiteScale:
+    """One site of three nodes under ``root`` (removed first): see the module docstring."""
+    shutil.rmtree(root, ignore_errors=True)
+    args = [
+        *("--replication-factor", str(replication_factor), "--min-insync-replicas", str(min(2, replication_factor))),
+        *("--session-timeout-ms", str(session_timeout_ms), "--scrub-bytes-per-s", "0"),
+    ]
+    out = SiteScale(partitions, replication_factor, session_timeout_ms)
+    site = Site(root, args)
+    try:
+        site.start()
+        started = time.monotonic()
+        async with client_channel(site.addresses[NODES[0]], None) as ch:
+            await pbg.NodeStub(ch).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=partitions), timeout=120)
+        await _until_led(site, list(NODES), partitions, settle_timeout_s)
+        out.create_s = time.monotonic() - started
+        out.whole = await _whole(site, partitions, replication_factor, settle_timeout_s)
+        pids = {n: p.pid for n, p in site.nodes.items() if p.pid is not None}
+        before = {n: _cpu_s(pid) for n, pid in pids.items()}
+        await asyncio.sleep(idle_s)
+        for n, pid in pids.items():
+            out.idle.append(
+                NodeIdle(
+                    n,
+                    (_cpu_s(pid) - before[n]) / idle_s,
+                    _rss_mb(pid),
+                    len(os.listdir(f"/proc/{pid}/fd")),
+                    _bytes_under(site.nodes[n].data_dir / "raft") // 1024,
+                )
+            )
+        await _reelect(site, out, settle_timeout_s)
+    finally:
+        site.close()
+    return out
+
+
+async def _reelect(site: Site, out: SiteScale, timeout_s: float) -> None:
+    status = await _summary(site, list(NODES))
+    raft_leader = site.raft_nodes.get(status.raft.leader_address) if status is not None else None
+    out.victim = next(n for n in reversed(NODES) if n != raft_leader)  # a partition leader, not the controller
+    survivors = [n for n in NODES if n != out.victim]
+    applied = status.raft.applied_index if status is not None else 0
+    victim = site.nodes[out.victim]
+    assert victim.proc is not None
+    killed = time.monotonic()
+    victim.proc.kill()
+    victim.proc.wait()
+    after = await _until_led(site, survivors, out.partitions, timeout_s)
+    out.reelect_s = time.monotonic() - killed
+    out.raft_entries = after.raft.applied_index - applied
+    restarted = time.monotonic()
+    await site.restart(out.victim)
+    out.restart_s = time.monotonic() - restarted
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--partitions", type=int, default=2_000)
+    parser.add_argument("--replication-factor", type=int, default=3)
+    parser.add_argument("--session-timeout-ms", type=int, default=3_000)
+    parser.add_argument("--idle-s", type=float, default=20.0)
+    parser.add_argument("--settle-timeout-s", type=float, default=300.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="georep-site-scale-") as tmp:
+        result = asyncio.run(
+            measure(
+                Path(tmp),
+                args.partitions,
+                args.replication_factor,
+                args.session_timeout_ms,
+                args.idle_s,
+                args.settle_timeout_s,
+            )
+        )
+    if args.json:
+        print(json.dumps(asdict(result), indent=1))
+        return 0
+    print(
+        f"{result.partitions} partitions, RF {result.replication_factor}: created and led in {result.create_s:.1f}s"
+        f" (whole: {result.whole})"
+    )
+    for n in result.idle:
+        print(
+            f"  node {n.node}: idle CPU {100 * n.cpu_share:.1f}% of a core, RSS {n.rss_mb} MB, {n.fds} fds, "
+            f"Raft dir {n.raft_kib} KiB"
+        )
+    print(
+        f"  kill -9 node {result.victim}: every partition led again in {result.reelect_s:.2f}s "
+        f"(session timeout {result.session_timeout_ms / 1000:g}s; {result.raft_entries} Raft entries); "
+        f"restart {result.restart_s:.1f}s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
