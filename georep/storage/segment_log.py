@@ -293,10 +293,11 @@ class SegmentLog:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         report = RecoveryReport()
-        kept = read_log_start(directory)
-        bases = _tidy_directory(directory, report, None if kept is None else kept.log_start)
+        names = os.listdir(directory)  # one listing: a file it lacks is not opened to find that out
+        kept = read_log_start(directory) if LOG_START_FILE in names else None
+        bases = _tidy_directory(directory, names, report, None if kept is None else kept.log_start)
         point = read_recovery_point(directory)
-        listed = _read_damaged(directory)
+        listed = _read_damaged(directory) if DAMAGED_FILE in names else []
         if listed is None:
             log.warning(
                 "partition log %s: %s is unreadable; every segment is walked to find the damage again",
@@ -1226,7 +1227,7 @@ def _origin_of(names: dict[tuple[bytes, int], Origin], entry: OriginEntry) -> Or
     return origin
 
 
-def _tidy_directory(directory: Path, report: RecoveryReport, log_start: int | None) -> list[int]:
+def _tidy_directory(directory: Path, names: list[str], report: RecoveryReport, log_start: int | None) -> list[int]:
     """Remove stray ``.tmp`` files; return the segments' base offsets.
 
     Index files without a ``.log`` below ``log_start`` (the ``log-start`` file's, written before retention
@@ -1237,7 +1238,7 @@ def _tidy_directory(directory: Path, report: RecoveryReport, log_start: int | No
     """
     logs: set[int] = set()
     indexes: list[tuple[int, Path]] = []
-    for path in directory.iterdir():
+    for path in (directory / name for name in names):
         if path.name.endswith(TMP_SUFFIX):
             log.warning("partition log %s: removing stray %s", directory, path.name)
             path.unlink()
