@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_cluster_arguments(parser)
     parser.add_argument("--data-dir", required=True, type=Path, help="where this node keeps its logs")
     parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
+    parser.add_argument(
+        "--metrics-partition-detail",
+        action="store_true",
+        help="also export one series per partition (default: summed per topic, so a scrape stays small with "
+        "thousands of partitions)",
+    )
     _add_kafka_arguments(parser)
     add_listener_arguments(parser)
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
@@ -286,6 +292,7 @@ def main(args: argparse.Namespace) -> int:
                 super_users=tuple(args.super_user) if args.super_user else DEFAULT_SUPER_USERS,
                 grpc_limits=grpc_limits(args),
                 shutdown_timeout_ms=args.shutdown_timeout_ms,
+                metrics_partition_detail=args.metrics_partition_detail,
             )
         )
     except (

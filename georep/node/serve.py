@@ -86,6 +86,7 @@ async def serve(
     super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
     grpc_limits: ServerLimits | None = None,
     shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT,
+    metrics_partition_detail: bool = False,
 ) -> int:
     """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``.
 
@@ -122,6 +123,7 @@ async def serve(
             super_users,
             grpc_limits,
             shutdown_timeout_ms,
+            metrics_partition_detail,
         )
     finally:
         lock.release()
@@ -204,6 +206,7 @@ async def _serve_locked(
     super_users: tuple[Principal, ...] = DEFAULT_SUPER_USERS,
     grpc_limits: ServerLimits | None = None,
     shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT,
+    metrics_partition_detail: bool = False,
 ) -> int:
     # The Raft metadata and the segment threads of a multi-node site; this node's copies of the segments whose
     # ensembles it is a member of (docs/cluster.md).
@@ -228,6 +231,7 @@ async def _serve_locked(
     kafka_server, kafka_address = await _start_kafka(kafka, site, topology, in_site, tls, super_users, server, node)
     if node.member is not None:
         await node.member.start()
+    node.metrics.partition_detail = metrics_partition_detail
     metrics_address = node.metrics.serve(*metrics_listen)
     info = {
         "pid": os.getpid(),

@@ -1,12 +1,15 @@
 """Prometheus metrics of one node, served at ``/metrics``.
 
 Counters are bumped once per batch, never per record. Partition gauges are
-read from the logs at scrape time, so they cost nothing on the hot path.
+read from the logs at scrape time, so they cost nothing on the hot path and
+nothing while nobody scrapes. They are summed per topic unless the node runs
+with ``--metrics-partition-detail``: the number of series follows the topics,
+not the partitions (docs/operations.md, "Metrics").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import grpc
@@ -19,61 +22,143 @@ from georep.server.http_bounds import bound_connections
 if TYPE_CHECKING:
     from georep.server.broker import Broker
     from georep.server.replicator import Replicator
+    from georep.storage.api import PartitionLog
+    from offsets.coordinates import Origin
 
 LINK_STATES = ("connecting", "streaming", "stalled", "down")
 
 
 class _PartitionCollector(Collector):
-    def __init__(self, broker: Broker) -> None:
+    """Per topic by default: a node's series follow its topics, not its partitions (a 10,000-partition topic is
+    one series per gauge). ``detail`` adds the per-partition series (``georep node --metrics-partition-detail``).
+    Quarantined batches are always per partition, but only for partitions that hold one now."""
+
+    def __init__(self, broker: Broker, detail: Callable[[], bool]) -> None:
         self.broker = broker
+        self.detail = detail
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = ["topic", "partition"]
-        end = GaugeMetricFamily("georep_partition_log_end_offset", "Next local offset to be assigned", labels=labels)
-        start = GaugeMetricFamily("georep_partition_log_start_offset", "First retained local offset", labels=labels)
-        size = GaugeMetricFamily("georep_partition_size_bytes", "Bytes in retained segments", labels=labels)
-        segs = GaugeMetricFamily("georep_partition_segments", "Retained segments", labels=labels)
-        unflushed = GaugeMetricFamily(
-            "georep_partition_unflushed_records", "Records appended but not yet fsynced", labels=labels
-        )
-        origin_labels = ["topic", "partition", "origin"]
-        vector = GaugeMetricFamily(
-            "georep_partition_origin_next_seq", "Vector offset: next origin seq per origin", labels=origin_labels
-        )
-        for (topic, index), p in sorted(self.broker.partitions.items()):
-            lv = [topic, str(index)]
-            end.add_metric(lv, p.log.log_end_offset)
-            start.add_metric(lv, p.log.log_start_offset)
-            size.add_metric(lv, p.log.size_bytes)
-            segs.add_metric(lv, p.log.segment_count)
-            unflushed.add_metric(lv, p.log.log_end_offset - p.log.flushed_offset)
-            for origin, seq in sorted(p.log.vector().items()):
-                vector.add_metric([*lv, str(origin)], seq)
+        topics: dict[str, _TopicLogs] = {}
+        detail = _PartitionGauges() if self.detail() else None
         quarantined = GaugeMetricFamily(
             "georep_quarantined_batches",
-            "Batches quarantined as damaged, served to no one until repaired",
-            labels=labels,
+            "Batches quarantined as damaged, served to no one until repaired (partitions that hold one)",
+            labels=["topic", "partition"],
         )
-        found = CounterMetricFamily("georep_corrupt_batches", "Damaged batches found (reads, scrubs) since start")
-        repaired = CounterMetricFamily("georep_repaired_batches", "Quarantined batches repaired from a peer's copy")
         found_total = repaired_total = 0
         for (topic, index), p in sorted(self.broker.partitions.items()):
-            quarantined.add_metric([topic, str(index)], len(p.log.damaged_batches()))
-            found_total += p.log.damage_found_total
-            repaired_total += p.log.repaired_total
+            log = p.log
+            vector = log.vector()
+            topics.setdefault(topic, _TopicLogs()).add(log, vector)
+            if detail is not None:
+                detail.add(topic, index, log, vector)
+            damaged = len(log.damaged_batches())
+            if damaged:
+                quarantined.add_metric([topic, str(index)], damaged)
+            found_total += log.damage_found_total
+            repaired_total += log.repaired_total
+        found = CounterMetricFamily("georep_corrupt_batches", "Damaged batches found (reads, scrubs) since start")
+        repaired = CounterMetricFamily("georep_repaired_batches", "Quarantined batches repaired from a peer's copy")
         found.add_metric([], found_total)
         repaired.add_metric([], repaired_total)
         yield from (quarantined, found, repaired)
+        yield from _topic_families(topics)
+        if detail is not None:
+            yield from detail.families()
         disk = GaugeMetricFamily("georep_disk_full", "1 while writes are turned away for lack of disk space")
         disk.add_metric([], 1 if self.broker.disk_full else 0)
-        yield from (end, start, size, segs, unflushed, vector, disk)
+        yield disk
+
+
+class _TopicLogs:
+    """One topic's partition logs summed at scrape time."""
+
+    __slots__ = ("end", "partitions", "segments", "size", "unflushed", "vector")
+
+    def __init__(self) -> None:
+        self.partitions = self.end = self.size = self.segments = self.unflushed = 0
+        self.vector: dict[str, int] = {}
+
+    def add(self, log: PartitionLog, vector: Mapping[Origin, int]) -> None:
+        self.partitions += 1
+        self.end += log.log_end_offset
+        self.size += log.size_bytes
+        self.segments += log.segment_count
+        self.unflushed += log.log_end_offset - log.flushed_offset
+        for origin, seq in vector.items():
+            key = str(origin)
+            self.vector[key] = self.vector.get(key, 0) + seq
+
+
+def _topic_families(topics: dict[str, _TopicLogs]) -> Iterator[GaugeMetricFamily]:
+    labels = ["topic"]
+    count = GaugeMetricFamily("georep_topic_partitions", "Partitions of the topic on this node", labels=labels)
+    end = GaugeMetricFamily(
+        "georep_topic_log_end_offset", "Sum of the partitions' next local offsets: records appended", labels=labels
+    )
+    size = GaugeMetricFamily("georep_topic_size_bytes", "Bytes in retained segments", labels=labels)
+    segs = GaugeMetricFamily("georep_topic_segments", "Retained segments", labels=labels)
+    unflushed = GaugeMetricFamily(
+        "georep_topic_unflushed_records", "Records appended but not yet fsynced", labels=labels
+    )
+    seqs = GaugeMetricFamily(
+        "georep_topic_origin_next_seq",
+        "Sum over the partitions of the vector offset: records held per origin",
+        labels=["topic", "origin"],
+    )
+    for topic, t in topics.items():
+        count.add_metric([topic], t.partitions)
+        end.add_metric([topic], t.end)
+        size.add_metric([topic], t.size)
+        segs.add_metric([topic], t.segments)
+        unflushed.add_metric([topic], t.unflushed)
+        for origin, seq in sorted(t.vector.items()):
+            seqs.add_metric([topic, origin], seq)
+    yield from (count, end, size, segs, unflushed, seqs)
+
+
+class _PartitionGauges:
+    """The per-partition series of ``--metrics-partition-detail``."""
+
+    def __init__(self) -> None:
+        labels = ["topic", "partition"]
+        self.end = GaugeMetricFamily(
+            "georep_partition_log_end_offset", "Next local offset to be assigned", labels=labels
+        )
+        self.start = GaugeMetricFamily(
+            "georep_partition_log_start_offset", "First retained local offset", labels=labels
+        )
+        self.size = GaugeMetricFamily("georep_partition_size_bytes", "Bytes in retained segments", labels=labels)
+        self.segs = GaugeMetricFamily("georep_partition_segments", "Retained segments", labels=labels)
+        self.unflushed = GaugeMetricFamily(
+            "georep_partition_unflushed_records", "Records appended but not yet fsynced", labels=labels
+        )
+        self.vector = GaugeMetricFamily(
+            "georep_partition_origin_next_seq",
+            "Vector offset: next origin seq per origin",
+            labels=["topic", "partition", "origin"],
+        )
+
+    def add(self, topic: str, index: int, log: PartitionLog, vector: Mapping[Origin, int]) -> None:
+        lv = [topic, str(index)]
+        self.end.add_metric(lv, log.log_end_offset)
+        self.start.add_metric(lv, log.log_start_offset)
+        self.size.add_metric(lv, log.size_bytes)
+        self.segs.add_metric(lv, log.segment_count)
+        self.unflushed.add_metric(lv, log.log_end_offset - log.flushed_offset)
+        for origin, seq in sorted(vector.items()):
+            self.vector.add_metric([*lv, str(origin)], seq)
+
+    def families(self) -> Iterator[GaugeMetricFamily]:
+        yield from (self.end, self.start, self.size, self.segs, self.unflushed, self.vector)
 
 
 class _ReplicationCollector(Collector):
     """Inbound links and lags, read from the replicator at scrape time (the apply path bumps plain ints)."""
 
-    def __init__(self, replicator: Replicator) -> None:
+    def __init__(self, replicator: Replicator, detail: Callable[[], bool]) -> None:
         self.replicator = replicator
+        self.detail = detail
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         r = self.replicator
@@ -109,34 +194,50 @@ class _ReplicationCollector(Collector):
             records.add_metric(lv, st.applied_records)
             skipped.add_metric(lv, st.skipped_batches)
             gaps.add_metric(lv, st.gaps)
-        origin_labels = ["topic", "partition", "origin"]
-        lag_records = GaugeMetricFamily(
-            "georep_replication_lag_records",
-            "Records the best live upstream holds that this site does not",
-            labels=origin_labels,
-        )
-        lag_bytes = GaugeMetricFamily(
-            "georep_replication_lag_bytes",
-            "lag_records times the partition's mean stored bytes per record",
-            labels=origin_labels,
-        )
-        lag_ms = GaugeMetricFamily(
-            "georep_replication_lag_ms",
-            "Last applied batch: local append time minus its max producer timestamp",
-            labels=origin_labels,
-        )
-        for key in sorted(r.broker.partitions):
-            per_record = r.bytes_per_record(*key)
-            for origin, lag in sorted(r.links.lag_records(key).items()):
-                lag_records.add_metric([key[0], str(key[1]), str(origin)], lag)
-                lag_bytes.add_metric([key[0], str(key[1]), str(origin)], round(lag * per_record))
-        for (topic, index, origin), ms in sorted(r.lag_ms.items()):
-            lag_ms.add_metric([topic, str(index), str(origin)], ms)
+        lag_records, lag_bytes, lag_ms = _lag_families(r, self.detail())
         conflicts = GaugeMetricFamily(
             "georep_topic_conflicts", "Topics not replicated over a link: partition counts differ"
         )
         conflicts.add_metric([], len(r.conflicts))
         yield from (state, batches, size, records, skipped, gaps, lag_records, lag_bytes, lag_ms, conflicts)
+
+
+def _lag_families(r: Replicator, detail: bool) -> tuple[GaugeMetricFamily, ...]:
+    """Replication lag per (topic, origin): records and bytes summed over the partitions, ms the largest; with
+    ``detail``, per (topic, partition, origin). Only origins some partition lags on, or has applied from, appear."""
+    labels = ["topic", "partition", "origin"] if detail else ["topic", "origin"]
+    lag_records = GaugeMetricFamily(
+        "georep_replication_lag_records", "Records the best live upstream holds that this site does not", labels=labels
+    )
+    lag_bytes = GaugeMetricFamily(
+        "georep_replication_lag_bytes", "lag_records times the partition's mean stored bytes per record", labels=labels
+    )
+    lag_ms = GaugeMetricFamily(
+        "georep_replication_lag_ms",
+        "Last applied batch: local append time minus its max producer timestamp (the largest over the partitions)",
+        labels=labels,
+    )
+    records: dict[tuple[str, ...], int] = {}
+    size: dict[tuple[str, ...], float] = {}
+    for key in sorted(r.broker.partitions):
+        lags = r.links.lag_records(key)
+        if not lags:
+            continue
+        per_record = r.bytes_per_record(*key)
+        for origin, lag in lags.items():
+            lv: tuple[str, ...] = (key[0], str(key[1]), str(origin)) if detail else (key[0], str(origin))
+            records[lv] = records.get(lv, 0) + lag
+            size[lv] = size.get(lv, 0.0) + lag * per_record
+    ms: dict[tuple[str, ...], int] = {}
+    for (topic, index, origin), value in r.lag_ms.items():
+        at: tuple[str, ...] = (topic, str(index), str(origin)) if detail else (topic, str(origin))
+        ms[at] = max(ms.get(at, value), value)
+    for lv in sorted(records):
+        lag_records.add_metric(list(lv), records[lv])
+        lag_bytes.add_metric(list(lv), round(size[lv]))
+    for at in sorted(ms):
+        lag_ms.add_metric(list(at), ms[at])
+    return lag_records, lag_bytes, lag_ms
 
 
 class NodeMetrics:
@@ -155,7 +256,8 @@ class NodeMetrics:
         self._replicated_out_bytes = Counter(
             "georep_replication_sent_bytes", "Batch bytes sent to downstream sites", registry=self.registry
         )
-        self.registry.register(_PartitionCollector(broker))
+        self.partition_detail = False  # georep node --metrics-partition-detail: per-partition series too
+        self.registry.register(_PartitionCollector(broker, lambda: self.partition_detail))
         broker.on_produce = self.produced
 
     def produced(self, topic: str, records: int, size: int) -> None:
@@ -172,7 +274,7 @@ class NodeMetrics:
         self._replicated_out_bytes.inc(size)
 
     def attach(self, replicator: Replicator) -> None:
-        self.registry.register(_ReplicationCollector(replicator))
+        self.registry.register(_ReplicationCollector(replicator, lambda: self.partition_detail))
 
     def serve(self, host: str, port: int) -> str:
         """Start the /metrics HTTP server in a daemon thread; returns its address."""
