@@ -1143,7 +1143,8 @@ Global___ReplicateResponse: _TypeAlias = ReplicateResponse  # noqa: Y015
 @_typing.final
 class SiteStatusRequest(_message.Message):
     """By default a summary: one TopicSummary per topic and each link's lag totals, however many partitions. The
-    per-partition rows come only with `partitions`, in (topic, partition) order, filtered and paged.
+    per-partition rows come only with `partitions`, in (topic, partition) order, filtered and paged; a page asked
+    with `after_topic` carries rows only (the summary, links and conflicts come with the first page).
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -46,30 +46,21 @@ def answer(broker: Broker, replicator: Replicator | None, req: pb.SiteStatusRequ
     after = (req.after_topic, req.after_partition) if req.after_topic else None
     for key, p in sorted(broker.partitions.items()):
         topic, index = key
-        if req.topic and topic != req.topic:
+        if (req.topic and topic != req.topic) or (after is not None and key <= after):
             continue
-        t = topics.get(topic)
-        if t is None:
-            t = topics[topic] = _Topic(pb.TopicSummary(topic=topic))
+        full = req.page_size > 0 and len(out.partitions) >= req.page_size
+        if after is not None and full:  # a later page carries rows only: the summary came with the first
+            out.more_partitions = True
+            break
         log = p.log
         vector = log.vector()
         damaged = log.damaged_batches()
         lag = replicator.links.lag_records(key) if replicator is not None else {}
-        s = t.summary
-        s.partitions += 1
-        s.log_end_offset += log.log_end_offset
-        s.damaged_batches += len(damaged)
-        s.partitions_damaged += 1 if damaged else 0
-        t.digest.update(vector_digest_entry(index, vector))
-        behind = sum(lag.values())
-        if behind and replicator is not None:
-            s.lag_records += behind
-            s.lag_bytes += round(behind * replicator.bytes_per_record(topic, index))
-            s.partitions_behind += 1
-            links.add(replicator, topic, lag)
-        if not req.partitions or (after is not None and key <= after):
+        if after is None:
+            _summarize(topics, links, replicator, key, log, vector, len(damaged), lag)
+        if not req.partitions:
             continue
-        if req.page_size and len(out.partitions) >= req.page_size:
+        if full:
             out.more_partitions = True
             continue
         row = pb.PartitionStatus(
@@ -90,9 +81,37 @@ def answer(broker: Broker, replicator: Replicator | None, req: pb.SiteStatusRequ
     for t in topics.values():
         t.summary.vector_digest = t.digest.digest()
         out.topics.append(t.summary)
-    if replicator is not None:
+    if replicator is not None and after is None:
         _add_links(out, replicator, links)
     return out
+
+
+def _summarize(
+    topics: dict[str, _Topic],
+    links: _LinkLags,
+    replicator: Replicator | None,
+    key: tuple[str, int],
+    log: PartitionLog,
+    vector: Mapping[Origin, int],
+    damaged: int,
+    lag: Mapping[Origin, int],
+) -> None:
+    topic, index = key
+    t = topics.get(topic)
+    if t is None:
+        t = topics[topic] = _Topic(pb.TopicSummary(topic=topic))
+    s = t.summary
+    s.partitions += 1
+    s.log_end_offset += log.log_end_offset
+    s.damaged_batches += damaged
+    s.partitions_damaged += 1 if damaged else 0
+    t.digest.update(vector_digest_entry(index, vector))
+    behind = sum(lag.values())
+    if behind and replicator is not None:
+        s.lag_records += behind
+        s.lag_bytes += round(behind * replicator.bytes_per_record(topic, index))
+        s.partitions_behind += 1
+        links.add(replicator, topic, lag)
 
 
 def _add_lags(
