@@ -254,6 +254,7 @@ async def serve_raw(port: int, directory: Path) -> None:
         return total.to_bytes(8, "big")
 
     calls = iter(range(1 << 30))
+    closing: set[asyncio.Task[None]] = set()
 
     async def push_durable(requests: Any, context: grpc.aio.ServicerContext) -> bytes:
         """Append every request to a file (one write each, like the node's append of a batch) while a task
@@ -268,11 +269,10 @@ async def serve_raw(port: int, directory: Path) -> None:
                 total += len(message)
         finally:
             fsyncer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await fsyncer
-            await asyncio.to_thread(os.fsync, fd)  # untimed by the client, which has its answer by then
-            os.close(fd)
-            path.unlink()
+            # The node answers acks=leader after the write, not after a last fsync: so does the sink. The last
+            # fsync, the close and the unlink run after the answer, untimed.
+            closing.add(asyncio.create_task(close_durable(fd, path)))
+            closing.difference_update({t for t in closing if t.done()})
         return total.to_bytes(8, "big")
 
     handler = grpc.method_handlers_generic_handler(
@@ -283,6 +283,12 @@ async def serve_raw(port: int, directory: Path) -> None:
         },
     )
     await serve_until_signalled(handler, port)
+
+
+async def close_durable(fd: int, path: Path) -> None:
+    await asyncio.to_thread(os.fsync, fd)
+    os.close(fd)
+    await asyncio.to_thread(path.unlink)
 
 
 async def fsync_every(fd: int, interval_s: float) -> None:
