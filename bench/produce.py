@@ -17,6 +17,10 @@ explains how to read it):
 * ``raw gRPC``: the same request bytes streamed to a grpc.aio server in another
   process whose client-streaming handler only counts them. The ceiling for any
   Python gRPC service on this machine.
+* ``durable ceiling``: the same raw gRPC sink, but its handler also appends each
+  request to a file and a task fsyncs that file every 100 ms, as the node does
+  (``--flush-interval-ms 100``, acks after the write). The ceiling for a Python
+  gRPC service that keeps what it takes: the honest bound for ``georep stream``.
 * ``encode``: ``encode_batch`` records/s on one core, and ``Producer.send``
   records/s into the accumulator when the client allows measuring it alone.
 * ``nats js``: NATS JetStream (file storage) with pipelined async publishes of
@@ -69,6 +73,8 @@ DEFAULT_WINDOW_BYTES = 16 << 20  # bytes of requests in flight on one stream
 CLIENT_LINGER_MS = 5
 NATS_WINDOW_MESSAGES = 4096  # JetStream async publishes awaiting their ack
 RAW_METHOD = "/bench.Sink/Push"
+DURABLE_METHOD = "/bench.Sink/PushDurable"
+DURABLE_FSYNC_INTERVAL_S = 0.1  # the node's --flush-interval-ms 100
 PRODUCE_STREAM_METHOD = "/georep.v1.Node/ProduceStream"
 NODE_FLUSH_INTERVAL_MS = 100
 # Node and raw server accept the same message sizes as the georep client sends.
@@ -196,7 +202,7 @@ def start_raw_server(stack: contextlib.ExitStack, log_dir: Path) -> str:
     port = free_port()
     log = open(log_dir / "raw-grpc.log", "wb")  # noqa: SIM115 - closed by the exit stack
     stack.callback(log.close)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-raw", str(port)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-raw", str(port), "--raw-dir", str(log_dir)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     stack.callback(stop_process, proc)
     wait_for_port(port, proc, "raw gRPC server")
@@ -240,17 +246,55 @@ def start_nats(stack: contextlib.ExitStack, root: Path) -> str | None:
 # -- raw gRPC reference server (runs in a child process) ------------------------
 
 
-async def serve_raw(port: int) -> None:
+async def serve_raw(port: int, directory: Path) -> None:
     async def push(requests: Any, context: grpc.aio.ServicerContext) -> bytes:
         total = 0
         async for message in requests:
             total += len(message)
         return total.to_bytes(8, "big")
 
+    calls = iter(range(1 << 30))
+    closing: set[asyncio.Task[None]] = set()
+
+    async def push_durable(requests: Any, context: grpc.aio.ServicerContext) -> bytes:
+        """Append every request to a file (one write each, like the node's append of a batch) while a task
+        fsyncs it every 100 ms in a thread; answers after the last write, as the node acks acks=leader."""
+        path = directory / f"durable-{next(calls)}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fsyncer = asyncio.create_task(fsync_every(fd, DURABLE_FSYNC_INTERVAL_S))
+        total = 0
+        try:
+            async for message in requests:
+                os.write(fd, message)
+                total += len(message)
+        finally:
+            fsyncer.cancel()
+            # The node answers acks=leader after the write, not after a last fsync: so does the sink. The last
+            # fsync, the close and the unlink run after the answer, untimed.
+            closing.add(asyncio.create_task(close_durable(fd, path)))
+            closing.difference_update({t for t in closing if t.done()})
+        return total.to_bytes(8, "big")
+
     handler = grpc.method_handlers_generic_handler(
-        "bench.Sink", {"Push": grpc.stream_unary_rpc_method_handler(push, None, None)}
+        "bench.Sink",
+        {
+            "Push": grpc.stream_unary_rpc_method_handler(push, None, None),
+            "PushDurable": grpc.stream_unary_rpc_method_handler(push_durable, None, None),
+        },
     )
     await serve_until_signalled(handler, port)
+
+
+async def close_durable(fd: int, path: Path) -> None:
+    await asyncio.to_thread(os.fsync, fd)
+    os.close(fd)
+    await asyncio.to_thread(path.unlink)
+
+
+async def fsync_every(fd: int, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        await asyncio.to_thread(os.fsync, fd)
 
 
 async def serve_until_signalled(handler: grpc.GenericRpcHandler, port: int) -> None:
@@ -271,8 +315,8 @@ async def serve_until_signalled(handler: grpc.GenericRpcHandler, port: int) -> N
 # -- measurements -----------------------------------------------------------------
 
 
-async def raw_push(channel: grpc.aio.Channel, messages: Sequence[bytes]) -> float:
-    push = channel.stream_unary(RAW_METHOD, request_serializer=None, response_deserializer=None)
+async def raw_push(channel: grpc.aio.Channel, messages: Sequence[bytes], method: str = RAW_METHOD) -> float:
+    push = channel.stream_unary(method, request_serializer=None, response_deserializer=None)
     start = time.perf_counter()
     call = push()
     for message in messages:
@@ -472,6 +516,14 @@ async def run_all(
                 # Same request bytes for the node and the raw sink; topics are fresh per run.
                 stream = Result("georep stream", batch_bytes, partitions, cfg.records, 0, note=f"window {window}")
                 raw = Result("raw gRPC", batch_bytes, partitions, cfg.records, 0, note="client-streaming sink")
+                durable = Result(
+                    "durable ceiling",
+                    batch_bytes,
+                    partitions,
+                    cfg.records,
+                    0,
+                    note=f"raw gRPC + append, fsync every {DURABLE_FSYNC_INTERVAL_S * 1000:.0f} ms",
+                )
                 stream_tls = Result(
                     "georep stream mTLS", batch_bytes, partitions, cfg.records, 0, note=f"window {window}, mutual TLS"
                 )
@@ -479,12 +531,15 @@ async def run_all(
                     topic = next_topic("stream", batch_bytes, partitions)
                     await create_topic(node_channel, topic, partitions)
                     reqs = build_requests(topic, partitions, cfg.records, batch_bytes, value, seed=i)
-                    stream.payload_bytes = raw.payload_bytes = reqs.batch_bytes
+                    stream.payload_bytes = raw.payload_bytes = durable.payload_bytes = reqs.batch_bytes
                     progress(f"georep stream {size_label(batch_bytes)} x{partitions}p run {i + 1}")
                     settle_page_cache()
                     stream.seconds.append(await stream_produce(node_channel, reqs.messages, window))
                     progress(f"raw gRPC {size_label(batch_bytes)} run {i + 1}")
                     raw.seconds.append(await raw_push(raw_channel, reqs.messages))
+                    progress(f"durable ceiling {size_label(batch_bytes)} run {i + 1}")
+                    settle_page_cache()
+                    durable.seconds.append(await raw_push(raw_channel, reqs.messages, DURABLE_METHOD))
                     del reqs
                     if tls_channel is not None:
                         topic = next_topic("stream-tls", batch_bytes, partitions)
@@ -495,7 +550,7 @@ async def run_all(
                         settle_page_cache()
                         stream_tls.seconds.append(await stream_produce(tls_channel, reqs.messages, window))
                         del reqs
-                results += [stream, *([stream_tls] if tls_channel is not None else []), raw]
+                results += [stream, *([stream_tls] if tls_channel is not None else []), raw, durable]
 
                 if not cfg.skip_client:
                     payload = cfg.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
@@ -617,20 +672,20 @@ def table(results: list[Result], nats_missing: str | None) -> Iterator[str]:
     nats = next((r for r in results if r.name == "nats js"), None)
     head = (
         f"{'measurement':<18} {'batch':>8} {'parts':>5} {'MB/s':>8} {'records/s':>10}  {'vs raw':>6} "
-        f"{'vs nats':>7}  {'runs MB/s':<18} note"
+        f"{'vs dur.':>7} {'vs nats':>7}  {'runs MB/s':<18} note"
     )
     yield head
     yield "-" * len(head)
     for r in results:
-        vs_raw = ""
-        vs_nats = ""
+        vs_raw = vs_durable = vs_nats = ""
         if r.name.startswith("georep"):
             vs_raw = ratio_text(r, find(results, "raw gRPC", r.batch_bytes, r.partitions))
+            vs_durable = ratio_text(r, find(results, "durable ceiling", r.batch_bytes, r.partitions))
             vs_nats = ratio_text(r, nats, per_record=True)
         runs = " ".join(f"{x:.0f}" for x in r.runs_mb_s())
         yield (
             f"{r.name:<18} {size_label(r.batch_bytes):>8} {r.partitions:>5} {r.mb_s:>8.1f} {r.records_s:>10,.0f}  "
-            f"{vs_raw:>6} {vs_nats:>7}  {runs:<18} {r.note}"
+            f"{vs_raw:>6} {vs_durable:>7} {vs_nats:>7}  {runs:<18} {r.note}"
         )
     if nats_missing:
         yield f"nats js: {nats_missing}"
@@ -656,6 +711,12 @@ def summary(results: list[Result]) -> Iterator[str]:
                 yield (
                     f"{r.name} {size_label(r.batch_bytes)} x{r.partitions}p: {ratio * 100:.1f}% of raw gRPC "
                     f"({verdict} the 50% target)"
+                )
+            durable = find(results, "durable ceiling", r.batch_bytes, r.partitions)
+            if durable is not None:
+                yield (
+                    f"{r.name} {size_label(r.batch_bytes)} x{r.partitions}p: {r.mb_s / durable.mb_s * 100:.1f}% of "
+                    "the durable ceiling (raw gRPC + append + fsync every 100 ms)"
                 )
         if r.name in ("encode_batch", "Producer.send"):
             verdict = "meets" if r.records_s >= 300_000 else "BELOW"
@@ -718,6 +779,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--quick", action="store_true", help="tiny smoke run: few records, one run each")
     parser.add_argument("--serve-raw", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--raw-dir", type=Path, default=Path(tempfile.gettempdir()), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.records is None:
         args.records = QUICK_RECORDS if args.quick else DEFAULT_RECORDS
@@ -733,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the finally blocks stop every child process.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.serve_raw is not None:
-        asyncio.run(serve_raw(args.serve_raw))
+        asyncio.run(serve_raw(args.serve_raw, args.raw_dir))
         return 0
     cfg = Config(args.records, args.batch_sizes, args.partitions, args.repeats, args.window_bytes, args.no_client)
     cores = os.cpu_count() or 1

@@ -178,7 +178,7 @@ def vector_of(msg: pb.VectorOffset) -> Vector:
 
 
 async def site_vector(stub: pbg.NodeStub, topic: str) -> tuple[Vector, pb.SiteStatusResponse]:
-    status = await stub.SiteStatus(pb.SiteStatusRequest(), timeout=10)
+    status = await stub.SiteStatus(pb.SiteStatusRequest(partitions=True, topic=topic), timeout=10)
     for p in status.partitions:
         if p.topic == topic and p.partition == 0:
             return vector_of(p.vector), status

@@ -106,7 +106,7 @@ async def consume_all(
 
 async def site_status(node: NodeProcess) -> pb.SiteStatusResponse:
     async with client_channel(node.address, client_tls(node)) as channel:
-        return await pbg.NodeStub(channel).SiteStatus(pb.SiteStatusRequest(), timeout=5)
+        return await pbg.NodeStub(channel).SiteStatus(pb.SiteStatusRequest(partitions=True), timeout=5)
 
 
 async def vectors(nodes: list[NodeProcess], topic: str) -> dict[str, dict[int, str]]:

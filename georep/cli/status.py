@@ -1,4 +1,8 @@
-"""``georep status``: every site's vectors, links, routes and lag, from ``SiteStatus``."""
+"""``georep status``: each site's topics, links and lag, and whether the sites converged, from ``SiteStatus``.
+
+The default is a summary per topic and per link, however many partitions there are; partitions show with
+``--partitions`` (and ``--topic``). Convergence compares each topic's vector digest across the sites and asks for
+the partition rows only of the topics whose digests differ, to name the partitions that differ."""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +36,18 @@ from topology.model import Topology
 TIMEOUT_S = 3.0
 
 
+PAGE_SIZE = 1_000  # partition rows per SiteStatus answer
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", type=Path, help="topology TOML file (default: sites a, b, c)")
     parser.add_argument("--json", action="store_true", help="one JSON document instead of tables")
     parser.add_argument(
         "--partitions",
         action="store_true",
-        help="list every partition (default: a line per topic, and only the partitions damaged or lagging)",
+        help="one row per partition (vector, lags, damage) besides the summary per topic and link",
     )
+    parser.add_argument("--topic", default="", help="only this topic")
     add_client_tls_arguments(parser, data_dir=True)
 
 
@@ -48,13 +55,29 @@ def vector_text(vector: pb.VectorOffset) -> str:
     return ",".join(f"{e.site}@{e.epoch}:{e.next_seq}" for e in vector.entries) or "-"
 
 
-async def fetch_status(topology: Topology, tls: TlsConfig | None = None) -> dict[str, pb.SiteStatusResponse | str]:
-    """Each site's status, or the reason it could not be had."""
+async def _ask(stub: pbg.NodeAsyncStub, partitions: bool, topic: str) -> pb.SiteStatusResponse:
+    """One site's status; with ``partitions``, every row of ``topic`` (or of every topic), page after page."""
+    req = pb.SiteStatusRequest(partitions=partitions, topic=topic, page_size=PAGE_SIZE if partitions else 0)
+    answer: pb.SiteStatusResponse = await stub.SiteStatus(req, timeout=TIMEOUT_S)
+    while answer.more_partitions and answer.partitions:
+        last = answer.partitions[-1]
+        req.after_topic, req.after_partition = last.topic, last.partition
+        page = await stub.SiteStatus(req, timeout=TIMEOUT_S)
+        answer.partitions.extend(page.partitions)
+        answer.more_partitions = page.more_partitions
+    return answer
+
+
+async def fetch_status(
+    topology: Topology, tls: TlsConfig | None = None, partitions: bool = False, topic: str = ""
+) -> dict[str, pb.SiteStatusResponse | str]:
+    """Each site's status, or the reason it could not be had: a summary per topic and link, and the partition
+    rows too with ``partitions``."""
 
     async def one(address: str) -> pb.SiteStatusResponse | str:
         async with client_channel(address, tls) as channel:
             try:
-                return await pbg.NodeStub(channel).SiteStatus(pb.SiteStatusRequest(), timeout=TIMEOUT_S)
+                return await _ask(pbg.NodeStub(channel), partitions, topic)
             except grpc.aio.AioRpcError as exc:
                 problem = await tls_problem(address, tls) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
                 return problem or f"unreachable at {address}: {exc.code().name} {exc.details()}"
@@ -71,8 +94,25 @@ def as_json(statuses: dict[str, pb.SiteStatusResponse | str]) -> dict[str, Any]:
     }
 
 
+def differing_topics(statuses: dict[str, pb.SiteStatusResponse | str]) -> list[str]:
+    """The users' topics whose partitions' vectors differ between the sites that hold them, or that hold a
+    quarantined batch somewhere: only these need a look at their partitions."""
+    seen: dict[str, set[bytes]] = {}
+    damaged: set[str] = set()
+    for s in statuses.values():
+        if isinstance(s, str):
+            continue
+        for t in s.topics:
+            if is_internal(t.topic):
+                continue
+            seen.setdefault(t.topic, set()).add(t.vector_digest)
+            if t.damaged_batches:
+                damaged.add(t.topic)
+    return sorted(t for t, digests in seen.items() if len(digests) > 1 or t in damaged)
+
+
 def convergence(statuses: dict[str, pb.SiteStatusResponse | str]) -> list[tuple[str, int, bool]]:
-    """(topic, partition, whether every reachable site holds the same records) for the users' topics.
+    """(topic, partition, whether every reachable site holds the same records) for the partition rows given.
 
     Each site's vector is read from its stored batches; a quarantined batch is counted in it (its slot waits for
     the repair) but is not held, so a partition with one anywhere has not converged.
@@ -89,6 +129,28 @@ def convergence(statuses: dict[str, pb.SiteStatusResponse | str]) -> list[tuple[
     return [(t, p, len(v) == 1) for (t, p), v in sorted(vectors.items())]
 
 
+def converged_counts(
+    statuses: dict[str, pb.SiteStatusResponse | str], rows: dict[str, dict[str, pb.SiteStatusResponse | str]]
+) -> tuple[int, int, list[tuple[str, int]]]:
+    """(converged partitions, partitions, the differing ones): a topic whose digests agree everywhere converged
+    whole; ``rows`` holds each differing topic's partition rows from every site."""
+    partitions: dict[str, int] = {}
+    for s in statuses.values():
+        if not isinstance(s, str):
+            for t in s.topics:
+                if not is_internal(t.topic):
+                    partitions[t.topic] = max(partitions.get(t.topic, 0), t.partitions)
+    total = sum(partitions.values())
+    differs = [(t, p) for topic in sorted(rows) for t, p, ok in convergence(rows[topic]) if t == topic and not ok]
+    return total - len(differs), total, differs
+
+
+async def fetch_differing(
+    topology: Topology, tls: TlsConfig | None, statuses: dict[str, pb.SiteStatusResponse | str]
+) -> dict[str, dict[str, pb.SiteStatusResponse | str]]:
+    return {t: await fetch_status(topology, tls, partitions=True, topic=t) for t in differing_topics(statuses)}
+
+
 def kafka_addresses(data_dir: Path, sites: list[str]) -> dict[str, str]:
     """The Kafka listener of each site's node that runs on this machine under ``data_dir`` (its node.json), as
     'georep up' starts them; a node elsewhere is not listed."""
@@ -102,15 +164,11 @@ def kafka_addresses(data_dir: Path, sites: list[str]) -> dict[str, str]:
     return out
 
 
-LISTED_MAX = 20  # partitions named one by one (damaged, lagging, differing) before "... and N more"
-
-
 def render(
-    statuses: dict[str, pb.SiteStatusResponse | str], kafka: dict[str, str] | None = None, partitions: bool = False
+    statuses: dict[str, pb.SiteStatusResponse | str],
+    kafka: dict[str, str] | None = None,
+    differing: dict[str, dict[str, pb.SiteStatusResponse | str]] | None = None,
 ) -> str:
-    """Per site: a line per topic, the partitions that need attention (damaged or lagging; every partition with
-    ``partitions``), the links and conflicts; then convergence. Its size follows the topics and the trouble, not
-    the partition count."""
     lines: list[str] = []
     for site, s in statuses.items():
         if isinstance(s, str):
@@ -118,64 +176,56 @@ def render(
             continue
         kafka_at = f", Kafka clients at {kafka[site]}" if kafka and kafka.get(site) else ""
         lines.append(f"site {site} (origin {site}@{s.epoch}){kafka_at}")
-        lines += _topic_lines(s.partitions, partitions)
+        lines += _topic_lines(s)
+        lines += _partition_lines(s)
         for link in s.links:
             err = f"  ({link.last_error})" if link.last_error else ""
             lines.append(
                 f"  link {link.src} -> {link.dst}: {link.state}, applied {link.applied_batches} batches "
-                f"({link.applied_bytes} bytes), skipped {link.skipped_batches}, streams opened "
-                f"{link.streams_opened}{err}"
+                f"({link.applied_bytes} bytes), skipped {link.skipped_batches}, lag {link.lag_records} records "
+                f"in {link.partitions_behind} partitions, {link.lag_ms} ms{err}"
             )
         for c in s.conflicts:
             lines.append(f"  CONFLICT {c.topic}: {c.message}")
-    rows = convergence(statuses)
     unreachable = [site for site, s in statuses.items() if isinstance(s, str)]
+    same, total, differs = converged_counts(statuses, differing or {})
     if unreachable:
         lines.append(f"convergence unknown: site(s) {', '.join(unreachable)} did not answer")
-    elif rows:
-        same = sum(1 for _, _, ok in rows if ok)
-        lines.append(f"converged partitions: {same}/{len(rows)}")
-        lines += _capped([f"  differs: {t}/{p}" for t, p, ok in rows if not ok], "differ")
+    elif total:
+        lines.append(f"converged partitions: {same}/{total}")
+        lines += [f"  differs: {t}/{p}" for t, p in differs]
     return "\n".join(lines)
 
 
-def _topic_lines(parts: Iterable[pb.PartitionStatus], every: bool) -> list[str]:
-    topics: dict[str, list[pb.PartitionStatus]] = {}
-    for p in parts:
-        if not is_internal(p.topic):
-            topics.setdefault(p.topic, []).append(p)
-    lines: list[str] = []
-    for topic, ps in topics.items():
-        lagging = [p for p in ps if any(lag.lag_records for lag in p.lags)]
-        damaged = [p for p in ps if p.damaged]
-        behind = sum(lag.lag_records for p in ps for lag in p.lags)
-        records = sum(e.next_seq for p in ps for e in p.vector.entries)
-        lines.append(
-            f"  topic {topic}: {len(ps)} partitions, {records} records, {len(lagging)} lagging ({behind} records "
-            f"behind), {len(damaged)} damaged"
+def _topic_lines(s: pb.SiteStatusResponse) -> list[str]:
+    lines = []
+    for t in s.topics:
+        if is_internal(t.topic):
+            continue
+        damaged = (
+            f", DAMAGED {t.damaged_batches} batches in {t.partitions_damaged} partitions" if t.damaged_batches else ""
         )
-        shown = ps if every else [p for p in ps if p.damaged or any(lag.lag_records for lag in p.lags)]
-        detail = [line for p in shown for line in _partition_lines(p)]
-        lines += detail if every else _capped(detail, "more lines: georep status --partitions lists them all")
-    return lines
-
-
-def _partition_lines(p: pb.PartitionStatus) -> list[str]:
-    lines = [f"  {p.topic}/{p.partition}  end={p.log_end_offset}  vector={vector_text(p.vector)}"]
-    for d in p.damaged:
-        lines.append(f"      DAMAGED {damaged_text(d)}; quarantined until a peer's copy repairs it")
-    for lag in p.lags:
         lines.append(
-            f"      {lag.origin:<24} from {lag.upstream or '-':<8} lag {lag.lag_records} records"
-            f", ~{lag.lag_bytes} bytes, {lag.lag_ms} ms"
+            f"  topic {t.topic}: {t.partitions} partitions, end {t.log_end_offset}, lag {t.lag_records} records "
+            f"(~{t.lag_bytes} bytes) in {t.partitions_behind} partitions, {t.lag_ms} ms{damaged}"
         )
     return lines
 
 
-def _capped(lines: list[str], what: str) -> list[str]:
-    if len(lines) <= LISTED_MAX:
-        return lines
-    return [*lines[:LISTED_MAX], f"  ... and {len(lines) - LISTED_MAX} {what}"]
+def _partition_lines(s: pb.SiteStatusResponse) -> list[str]:
+    lines = []
+    for p in s.partitions:
+        if is_internal(p.topic):
+            continue
+        lines.append(f"    {p.topic}/{p.partition}  end={p.log_end_offset}  vector={vector_text(p.vector)}")
+        for d in p.damaged:
+            lines.append(f"      DAMAGED {damaged_text(d)}; quarantined until a peer's copy repairs it")
+        for lag in p.lags:
+            lines.append(
+                f"      {lag.origin:<24} from {lag.upstream or '-':<8} lag {lag.lag_records} records"
+                f", ~{lag.lag_bytes} bytes, {lag.lag_ms} ms"
+            )
+    return lines
 
 
 def live_link_states(topology: Topology) -> dict[tuple[SiteId, SiteId], LinkStatus]:
@@ -186,13 +236,19 @@ def live_link_states(topology: Topology) -> dict[tuple[SiteId, SiteId], LinkStat
         if isinstance(s, str):
             continue
         for link in s.links:
-            carried = [lag for p in s.partitions for lag in p.lags if lag.upstream == link.src]
             out[(SiteId(link.src), SiteId(site))] = LinkStatus(
-                state=link.state,
-                lag_records=sum(lag.lag_records for lag in carried),
-                lag_ms=max((lag.lag_ms for lag in carried), default=0),
+                state=link.state, lag_records=link.lag_records, lag_ms=link.lag_ms
             )
     return out
+
+
+async def _gather(
+    topology: Topology, tls: TlsConfig | None, args: argparse.Namespace
+) -> tuple[dict[str, pb.SiteStatusResponse | str], dict[str, dict[str, pb.SiteStatusResponse | str]]]:
+    statuses = await fetch_status(topology, tls, partitions=args.partitions, topic=args.topic)
+    if args.partitions:  # every row is at hand already
+        return statuses, {t: statuses for t in differing_topics(statuses)}
+    return statuses, await fetch_differing(topology, tls, statuses)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -206,10 +262,14 @@ def main(args: argparse.Namespace) -> int:
     except TlsArgsError as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return 2
-    statuses = asyncio.run(fetch_status(topology, tls))
+    statuses, differing = asyncio.run(_gather(topology, tls, args))
     if args.json:
-        print(json.dumps(as_json(statuses), indent=1, sort_keys=True))
+        doc = as_json(statuses)
+        same, total, differs = converged_counts(statuses, differing)
+        if not any(isinstance(s, str) for s in statuses.values()):
+            doc["convergence"] = {"converged": same, "partitions": total, "differs": [f"{t}/{p}" for t, p in differs]}
+        print(json.dumps(doc, indent=1, sort_keys=True))
     else:
         kafka = kafka_addresses(getattr(args, "data_dir", DEFAULT_DATA_DIR), list(statuses))
-        print(render(statuses, kafka, partitions=args.partitions))
+        print(render(statuses, kafka, differing))
     return 0 if all(not isinstance(s, str) for s in statuses.values()) else 1

@@ -227,13 +227,13 @@ async def _serve_locked(
         identity,
         metadata,
         segment_executor,
-        metrics_partition_detail,
     )
     server = _grpc_server(node, topology, tls, super_users, grpc_limits)
     port = await _start_grpc(server, f"{listen[0]}:{listen[1]}", tls, node)
     kafka_server, kafka_address = await _start_kafka(kafka, site, topology, in_site, tls, super_users, server, node)
     if node.member is not None:
         await node.member.start()
+    node.metrics.partition_detail = metrics_partition_detail
     metrics_address = node.metrics.serve(*metrics_listen)
     info = {
         "pid": os.getpid(),
@@ -303,14 +303,13 @@ def _wire(
     identity: SiteIdentity,
     metadata: RaftMetadataStore | None,
     segment_executor: ThreadPoolExecutor,
-    metrics_partition_detail: bool,
 ) -> _Node:
     """The broker and the services over it: the replicator, the segment member of a multi-node site, the gRPC
     services."""
     from georep.server.replicator import Replicator
 
     broker = Broker(data_dir, identity, defaults, metadata=metadata)
-    metrics = NodeMetrics(broker, metrics_partition_detail)
+    metrics = NodeMetrics(broker)
     replicator = Replicator(broker, topology, site, stall_ms, tls=tls) if topology is not None else None
     if replicator is not None:
         metrics.attach(replicator)

@@ -1289,14 +1289,39 @@ Global___ReplicateResponse: _TypeAlias = ReplicateResponse  # noqa: Y015
 
 @_typing.final
 class SiteStatusRequest(_message.Message):
+    """By default a summary: one TopicSummary per topic and each link's lag totals, however many partitions. The
+    per-partition rows come only with `partitions`, in (topic, partition) order, filtered and paged; a page asked
+    with `after_topic` carries rows only (the summary, links and conflicts come with the first page).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
+    PARTITIONS_FIELD_NUMBER: _builtins.int
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    AFTER_TOPIC_FIELD_NUMBER: _builtins.int
+    AFTER_PARTITION_FIELD_NUMBER: _builtins.int
+    partitions: _builtins.bool
+    """also the per-partition rows"""
+    topic: _builtins.str
+    """only this topic ("" every topic)"""
+    page_size: _builtins.int
+    """at most this many partition rows (0: all of them)"""
+    after_topic: _builtins.str
+    """rows after (after_topic, after_partition) only: the last row of the previous page"""
+    after_partition: _builtins.int
     def __init__(
         self,
+        *,
+        partitions: _builtins.bool = ...,
+        topic: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        after_topic: _builtins.str = ...,
+        after_partition: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_partition", b"after_partition", "after_topic", b"after_topic", "page_size", b"page_size", "partitions", b"partitions", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1386,6 +1411,9 @@ class LinkStatus(_message.Message):
     APPLIED_BYTES_FIELD_NUMBER: _builtins.int
     SKIPPED_BATCHES_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
+    LAG_RECORDS_FIELD_NUMBER: _builtins.int
+    LAG_MS_FIELD_NUMBER: _builtins.int
+    PARTITIONS_BEHIND_FIELD_NUMBER: _builtins.int
     STREAMS_OPENED_FIELD_NUMBER: _builtins.int
     REOPENS_FIELD_NUMBER: _builtins.int
     src: _builtins.str
@@ -1397,6 +1425,12 @@ class LinkStatus(_message.Message):
     skipped_batches: _builtins.int
     """already held (cycles, resends)"""
     last_error: _builtins.str
+    lag_records: _builtins.int
+    """summed over the (partition, origin)s this link is the upstream of"""
+    lag_ms: _builtins.int
+    """the largest of those"""
+    partitions_behind: _builtins.int
+    """partitions with a lag on this link"""
     streams_opened: _builtins.int
     """pull streams opened since the node started: one per flap, gap or reopen after the first"""
     reopens: _builtins.int
@@ -1411,16 +1445,70 @@ class LinkStatus(_message.Message):
         applied_bytes: _builtins.int = ...,
         skipped_batches: _builtins.int = ...,
         last_error: _builtins.str = ...,
+        lag_records: _builtins.int = ...,
+        lag_ms: _builtins.int = ...,
+        partitions_behind: _builtins.int = ...,
         streams_opened: _builtins.int = ...,
         reopens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_batches", b"applied_batches", "applied_bytes", b"applied_bytes", "dst", b"dst", "last_error", b"last_error", "reopens", b"reopens", "skipped_batches", b"skipped_batches", "src", b"src", "state", b"state", "streams_opened", b"streams_opened"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_batches", b"applied_batches", "applied_bytes", b"applied_bytes", "dst", b"dst", "lag_ms", b"lag_ms", "lag_records", b"lag_records", "last_error", b"last_error", "partitions_behind", b"partitions_behind", "reopens", b"reopens", "skipped_batches", b"skipped_batches", "src", b"src", "state", b"state", "streams_opened", b"streams_opened"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LinkStatus: _TypeAlias = LinkStatus  # noqa: Y015
+
+@_typing.final
+class TopicSummary(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PARTITIONS_FIELD_NUMBER: _builtins.int
+    LOG_END_OFFSET_FIELD_NUMBER: _builtins.int
+    LAG_RECORDS_FIELD_NUMBER: _builtins.int
+    LAG_BYTES_FIELD_NUMBER: _builtins.int
+    LAG_MS_FIELD_NUMBER: _builtins.int
+    PARTITIONS_BEHIND_FIELD_NUMBER: _builtins.int
+    DAMAGED_BATCHES_FIELD_NUMBER: _builtins.int
+    PARTITIONS_DAMAGED_FIELD_NUMBER: _builtins.int
+    VECTOR_DIGEST_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    partitions: _builtins.int
+    log_end_offset: _builtins.int
+    """summed over the partitions"""
+    lag_records: _builtins.int
+    """summed over the partitions and origins"""
+    lag_bytes: _builtins.int
+    lag_ms: _builtins.int
+    """the largest"""
+    partitions_behind: _builtins.int
+    damaged_batches: _builtins.int
+    """quarantined now"""
+    partitions_damaged: _builtins.int
+    vector_digest: _builtins.bytes
+    """hash of every partition's vector: equal at two sites when the topic converged"""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        partitions: _builtins.int = ...,
+        log_end_offset: _builtins.int = ...,
+        lag_records: _builtins.int = ...,
+        lag_bytes: _builtins.int = ...,
+        lag_ms: _builtins.int = ...,
+        partitions_behind: _builtins.int = ...,
+        damaged_batches: _builtins.int = ...,
+        partitions_damaged: _builtins.int = ...,
+        vector_digest: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["damaged_batches", b"damaged_batches", "lag_bytes", b"lag_bytes", "lag_ms", b"lag_ms", "lag_records", b"lag_records", "log_end_offset", b"log_end_offset", "partitions", b"partitions", "partitions_behind", b"partitions_behind", "partitions_damaged", b"partitions_damaged", "topic", b"topic", "vector_digest", b"vector_digest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopicSummary: _TypeAlias = TopicSummary  # noqa: Y015
 
 @_typing.final
 class TopicConflict(_message.Message):
@@ -1453,14 +1541,20 @@ class SiteStatusResponse(_message.Message):
     PARTITIONS_FIELD_NUMBER: _builtins.int
     LINKS_FIELD_NUMBER: _builtins.int
     CONFLICTS_FIELD_NUMBER: _builtins.int
+    TOPICS_FIELD_NUMBER: _builtins.int
+    MORE_PARTITIONS_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     epoch: _builtins.int
+    more_partitions: _builtins.bool
+    """the page is full: ask again after its last row"""
     @_builtins.property
     def partitions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionStatus]: ...
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkStatus]: ...
     @_builtins.property
     def conflicts(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopicConflict]: ...
+    @_builtins.property
+    def topics(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopicSummary]: ...
     def __init__(
         self,
         *,
@@ -1469,10 +1563,12 @@ class SiteStatusResponse(_message.Message):
         partitions: _abc.Iterable[Global___PartitionStatus] | None = ...,
         links: _abc.Iterable[Global___LinkStatus] | None = ...,
         conflicts: _abc.Iterable[Global___TopicConflict] | None = ...,
+        topics: _abc.Iterable[Global___TopicSummary] | None = ...,
+        more_partitions: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conflicts", b"conflicts", "epoch", b"epoch", "links", b"links", "partitions", b"partitions", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conflicts", b"conflicts", "epoch", b"epoch", "links", b"links", "more_partitions", b"more_partitions", "partitions", b"partitions", "site", b"site", "topics", b"topics"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,12 +1,15 @@
 """Prometheus metrics of one node, served at ``/metrics``.
 
 Counters are bumped once per batch, never per record. Partition gauges are
-read from the logs at scrape time, so they cost nothing on the hot path.
+read from the logs at scrape time, so they cost nothing on the hot path and
+nothing while nobody scrapes. They are summed per topic unless the node runs
+with ``--metrics-partition-detail``: the number of series follows the topics,
+not the partitions (docs/operations.md, "Metrics").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import grpc
@@ -26,50 +29,40 @@ LINK_STATES = ("connecting", "streaming", "stalled", "down")
 
 
 class _PartitionCollector(Collector):
-    """Partition gauges, summed per topic; per partition only with ``detail`` (``--metrics-partition-detail``).
+    """Per topic by default: a node's series follow its topics, not its partitions (a 10,000-partition topic is
+    one series per gauge). ``detail`` adds the per-partition series (``georep node --metrics-partition-detail``).
+    Quarantined batches are always per partition, but only for partitions that hold one now."""
 
-    Per-partition series are what breaks a Prometheus server at 10,000 partitions a node (Kafka's exporters
-    aggregate by default for the same reason), so by default a scrape's size follows the topics, not the
-    partitions. Two series stay per partition because they are rare by nature: ``georep_quarantined_batches`` for
-    partitions that hold damage, and (in :class:`_ReplicationCollector`) the lag of partitions that lag.
-    """
-
-    def __init__(self, broker: Broker, detail: bool) -> None:
+    def __init__(self, broker: Broker, detail: Callable[[], bool]) -> None:
         self.broker = broker
         self.detail = detail
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        topics: dict[str, list[int]] = {}  # partitions, log end sum, size, segments, unflushed, quarantined
-        origins: dict[tuple[str, str], int] = {}
-        detail = _PartitionDetail() if self.detail else None
+        topics: dict[str, _TopicLogs] = {}
+        detail = _PartitionGauges() if self.detail() else None
         quarantined = GaugeMetricFamily(
             "georep_quarantined_batches",
-            "Batches quarantined as damaged, served to no one until repaired (partitions holding some)",
+            "Batches quarantined as damaged, served to no one until repaired (partitions that hold one)",
             labels=["topic", "partition"],
         )
         found_total = repaired_total = 0
         for (topic, index), p in sorted(self.broker.partitions.items()):
             log = p.log
-            damaged = len(log.damaged_batches())
-            row = topics.setdefault(topic, [0, 0, 0, 0, 0, 0])
-            unflushed = log.log_end_offset - log.flushed_offset
-            for i, value in enumerate((1, log.log_end_offset, log.size_bytes, log.segment_count, unflushed, damaged)):
-                row[i] += value
             vector = log.vector()
-            for origin, seq in vector.items():
-                origins[(topic, str(origin))] = origins.get((topic, str(origin)), 0) + seq
-            if damaged:
-                quarantined.add_metric([topic, str(index)], damaged)
+            topics.setdefault(topic, _TopicLogs()).add(log, vector)
             if detail is not None:
                 detail.add(topic, index, log, vector)
+            damaged = len(log.damaged_batches())
+            if damaged:
+                quarantined.add_metric([topic, str(index)], damaged)
             found_total += log.damage_found_total
             repaired_total += log.repaired_total
-        yield from _topic_families(topics, origins)
         found = CounterMetricFamily("georep_corrupt_batches", "Damaged batches found (reads, scrubs) since start")
         repaired = CounterMetricFamily("georep_repaired_batches", "Quarantined batches repaired from a peer's copy")
         found.add_metric([], found_total)
         repaired.add_metric([], repaired_total)
         yield from (quarantined, found, repaired)
+        yield from _topic_families(topics)
         if detail is not None:
             yield from detail.families()
         disk = GaugeMetricFamily("georep_disk_full", "1 while writes are turned away for lack of disk space")
@@ -77,32 +70,54 @@ class _PartitionCollector(Collector):
         yield disk
 
 
-_TOPIC_GAUGES = (
-    ("georep_topic_partitions", "Partitions of the topic this node holds"),
-    ("georep_topic_log_end_offset", "Sum over the topic's partitions of the next local offset"),
-    ("georep_topic_size_bytes", "Bytes in retained segments"),
-    ("georep_topic_segments", "Retained segments"),
-    ("georep_topic_unflushed_records", "Records appended but not yet fsynced"),
-    ("georep_topic_quarantined_batches", "Batches quarantined as damaged, served to no one until repaired"),
-)
+class _TopicLogs:
+    """One topic's partition logs summed at scrape time."""
+
+    __slots__ = ("end", "partitions", "segments", "size", "unflushed", "vector")
+
+    def __init__(self) -> None:
+        self.partitions = self.end = self.size = self.segments = self.unflushed = 0
+        self.vector: dict[str, int] = {}
+
+    def add(self, log: PartitionLog, vector: Mapping[Origin, int]) -> None:
+        self.partitions += 1
+        self.end += log.log_end_offset
+        self.size += log.size_bytes
+        self.segments += log.segment_count
+        self.unflushed += log.log_end_offset - log.flushed_offset
+        for origin, seq in vector.items():
+            key = str(origin)
+            self.vector[key] = self.vector.get(key, 0) + seq
 
 
-def _topic_families(topics: dict[str, list[int]], origins: dict[tuple[str, str], int]) -> Iterator[GaugeMetricFamily]:
-    families = [GaugeMetricFamily(name, text, labels=["topic"]) for name, text in _TOPIC_GAUGES]
-    for topic, row in topics.items():
-        for family, value in zip(families, row, strict=True):
-            family.add_metric([topic], value)
-    held = GaugeMetricFamily(
-        "georep_topic_origin_records",
-        "Records of each origin the topic holds here: the sum of its partitions' vector offsets",
+def _topic_families(topics: dict[str, _TopicLogs]) -> Iterator[GaugeMetricFamily]:
+    labels = ["topic"]
+    count = GaugeMetricFamily("georep_topic_partitions", "Partitions of the topic on this node", labels=labels)
+    end = GaugeMetricFamily(
+        "georep_topic_log_end_offset", "Sum of the partitions' next local offsets: records appended", labels=labels
+    )
+    size = GaugeMetricFamily("georep_topic_size_bytes", "Bytes in retained segments", labels=labels)
+    segs = GaugeMetricFamily("georep_topic_segments", "Retained segments", labels=labels)
+    unflushed = GaugeMetricFamily(
+        "georep_topic_unflushed_records", "Records appended but not yet fsynced", labels=labels
+    )
+    seqs = GaugeMetricFamily(
+        "georep_topic_origin_next_seq",
+        "Sum over the partitions of the vector offset: records held per origin",
         labels=["topic", "origin"],
     )
-    for (topic, origin), total in sorted(origins.items()):
-        held.add_metric([topic, origin], total)
-    yield from (*families, held)
+    for topic, t in topics.items():
+        count.add_metric([topic], t.partitions)
+        end.add_metric([topic], t.end)
+        size.add_metric([topic], t.size)
+        segs.add_metric([topic], t.segments)
+        unflushed.add_metric([topic], t.unflushed)
+        for origin, seq in sorted(t.vector.items()):
+            seqs.add_metric([topic, origin], seq)
+    yield from (count, end, size, segs, unflushed, seqs)
 
 
-class _PartitionDetail:
+class _PartitionGauges:
     """The per-partition series of ``--metrics-partition-detail``."""
 
     def __init__(self) -> None:
@@ -134,14 +149,14 @@ class _PartitionDetail:
         for origin, seq in sorted(vector.items()):
             self.vector.add_metric([*lv, str(origin)], seq)
 
-    def families(self) -> tuple[GaugeMetricFamily, ...]:
-        return (self.end, self.start, self.size, self.segs, self.unflushed, self.vector)
+    def families(self) -> Iterator[GaugeMetricFamily]:
+        yield from (self.end, self.start, self.size, self.segs, self.unflushed, self.vector)
 
 
 class _ReplicationCollector(Collector):
     """Inbound links and lags, read from the replicator at scrape time (the apply path bumps plain ints)."""
 
-    def __init__(self, replicator: Replicator, detail: bool) -> None:
+    def __init__(self, replicator: Replicator, detail: Callable[[], bool]) -> None:
         self.replicator = replicator
         self.detail = detail
 
@@ -179,76 +194,54 @@ class _ReplicationCollector(Collector):
             records.add_metric(lv, st.applied_records)
             skipped.add_metric(lv, st.skipped_batches)
             gaps.add_metric(lv, st.gaps)
-        lags = _Lags(self.detail)
-        for key in sorted(r.broker.partitions):
-            lags.add_records(key, r.links.lag_records(key), r.bytes_per_record(*key))
-        for (topic, index, origin), ms in sorted(r.lag_ms.items()):
-            lags.add_ms(topic, index, str(origin), ms)
+        lag_records, lag_bytes, lag_ms = _lag_families(r, self.detail())
         conflicts = GaugeMetricFamily(
             "georep_topic_conflicts", "Topics not replicated over a link: partition counts differ"
         )
         conflicts.add_metric([], len(r.conflicts))
-        yield from (state, batches, size, records, skipped, gaps)
-        yield from lags.families()
-        yield conflicts
+        yield from (state, batches, size, records, skipped, gaps, lag_records, lag_bytes, lag_ms, conflicts)
 
 
-class _Lags:
-    """Replication lag: per topic and origin always; per partition for the partitions that lag (every partition
-    with ``detail``), as Kafka's lag exporters keep only the partitions behind."""
-
-    def __init__(self, detail: bool) -> None:
-        self.detail = detail
-        labels = ["topic", "partition", "origin"]
-        self.records = GaugeMetricFamily(
-            "georep_replication_lag_records",
-            "Records the best live upstream holds that this site does not",
-            labels=labels,
-        )
-        self.bytes = GaugeMetricFamily(
-            "georep_replication_lag_bytes",
-            "lag_records times the partition's mean stored bytes per record",
-            labels=labels,
-        )
-        self.ms = GaugeMetricFamily(
-            "georep_replication_lag_ms",
-            "Last applied batch: local append time minus its max producer timestamp",
-            labels=labels,
-        )
-        self.topic_records: dict[tuple[str, str], int] = {}
-        self.topic_ms: dict[tuple[str, str], int] = {}
-
-    def add_records(self, key: tuple[str, int], lags: Mapping[Origin, int], per_record: float) -> None:
-        for origin, lag in sorted(lags.items()):
-            tk = (key[0], str(origin))
-            self.topic_records[tk] = self.topic_records.get(tk, 0) + lag
-            if lag or self.detail:
-                self.records.add_metric([key[0], str(key[1]), str(origin)], lag)
-                self.bytes.add_metric([key[0], str(key[1]), str(origin)], round(lag * per_record))
-
-    def add_ms(self, topic: str, index: int, origin: str, ms: int) -> None:
-        self.topic_ms[(topic, origin)] = max(self.topic_ms.get((topic, origin), 0), ms)
-        if self.detail:
-            self.ms.add_metric([topic, str(index), origin], ms)
-
-    def families(self) -> tuple[GaugeMetricFamily, ...]:
-        labels = ["topic", "origin"]
-        records = GaugeMetricFamily(
-            "georep_topic_replication_lag_records", "Sum of the topic's partitions' lag_records", labels=labels
-        )
-        ms = GaugeMetricFamily(
-            "georep_topic_replication_lag_ms", "The largest lag_ms of the topic's partitions", labels=labels
-        )
-        for (topic, origin), total in sorted(self.topic_records.items()):
-            records.add_metric([topic, origin], total)
-        for (topic, origin), worst in sorted(self.topic_ms.items()):
-            ms.add_metric([topic, origin], worst)
-        return (records, ms, self.records, self.bytes, self.ms)
+def _lag_families(r: Replicator, detail: bool) -> tuple[GaugeMetricFamily, ...]:
+    """Replication lag per (topic, origin): records and bytes summed over the partitions, ms the largest; with
+    ``detail``, per (topic, partition, origin). Only origins some partition lags on, or has applied from, appear."""
+    labels = ["topic", "partition", "origin"] if detail else ["topic", "origin"]
+    lag_records = GaugeMetricFamily(
+        "georep_replication_lag_records", "Records the best live upstream holds that this site does not", labels=labels
+    )
+    lag_bytes = GaugeMetricFamily(
+        "georep_replication_lag_bytes", "lag_records times the partition's mean stored bytes per record", labels=labels
+    )
+    lag_ms = GaugeMetricFamily(
+        "georep_replication_lag_ms",
+        "Last applied batch: local append time minus its max producer timestamp (the largest over the partitions)",
+        labels=labels,
+    )
+    records: dict[tuple[str, ...], int] = {}
+    size: dict[tuple[str, ...], float] = {}
+    for key in sorted(r.broker.partitions):
+        lags = r.links.lag_records(key)
+        if not lags:
+            continue
+        per_record = r.bytes_per_record(*key)
+        for origin, lag in lags.items():
+            lv: tuple[str, ...] = (key[0], str(key[1]), str(origin)) if detail else (key[0], str(origin))
+            records[lv] = records.get(lv, 0) + lag
+            size[lv] = size.get(lv, 0.0) + lag * per_record
+    ms: dict[tuple[str, ...], int] = {}
+    for (topic, index, origin), value in r.lag_ms.items():
+        at: tuple[str, ...] = (topic, str(index), str(origin)) if detail else (topic, str(origin))
+        ms[at] = max(ms.get(at, value), value)
+    for lv in sorted(records):
+        lag_records.add_metric(list(lv), records[lv])
+        lag_bytes.add_metric(list(lv), round(size[lv]))
+    for at in sorted(ms):
+        lag_ms.add_metric(list(at), ms[at])
+    return lag_records, lag_bytes, lag_ms
 
 
 class NodeMetrics:
-    def __init__(self, broker: Broker, partition_detail: bool = False) -> None:
-        self.partition_detail = partition_detail
+    def __init__(self, broker: Broker) -> None:
         self.registry = CollectorRegistry()
         self._produced_records = Counter(
             "georep_produced_records", "Records accepted from producers", ["topic"], registry=self.registry
@@ -263,7 +256,8 @@ class NodeMetrics:
         self._replicated_out_bytes = Counter(
             "georep_replication_sent_bytes", "Batch bytes sent to downstream sites", registry=self.registry
         )
-        self.registry.register(_PartitionCollector(broker, partition_detail))
+        self.partition_detail = False  # georep node --metrics-partition-detail: per-partition series too
+        self.registry.register(_PartitionCollector(broker, lambda: self.partition_detail))
         broker.on_produce = self.produced
 
     def produced(self, topic: str, records: int, size: int) -> None:
@@ -280,7 +274,7 @@ class NodeMetrics:
         self._replicated_out_bytes.inc(size)
 
     def attach(self, replicator: Replicator) -> None:
-        self.registry.register(_ReplicationCollector(replicator, self.partition_detail))
+        self.registry.register(_ReplicationCollector(replicator, lambda: self.partition_detail))
 
     def serve(self, host: str, port: int) -> str:
         """Start the /metrics HTTP server in a daemon thread; returns its address."""

@@ -46,7 +46,7 @@ from georep.metadata.store import TopicExists
 from georep.metadata.topics import InvalidTopic, TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.proto.convert import damaged_to_proto, vector_from_proto, vector_to_proto
+from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.replication.links import LinkManager, LinkState, PartitionKey
 from georep.replication.session import DISABLED, ApplyChunk, Effect, LinkEvent, OpenStream, PullConfig, PullSession
 from georep.replication.session import PullStats as LinkStats
@@ -660,48 +660,3 @@ class Replicator:
         plog = self.broker.partition(topic, index).log
         records = plog.log_end_offset - plog.log_start_offset
         return plog.size_bytes / records if records > 0 else 0.0
-
-    def status(self) -> pb.SiteStatusResponse:
-        identity = self.broker.identity
-        out = pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch)
-        for (topic, index), p in sorted(self.broker.partitions.items()):
-            vector = p.log.vector()
-            ps = pb.PartitionStatus(
-                topic=topic,
-                partition=index,
-                vector=vector_to_proto(VectorOffset(vector)),
-                log_end_offset=p.log.log_end_offset,
-                damaged=damaged_to_proto(p.log.damaged_batches()),
-            )
-            lag = self.links.lag_records((topic, index))
-            per_record = self.bytes_per_record(topic, index)
-            for origin in sorted(set(vector) | set(lag)):
-                upstream = "" if origin == self.broker.origin else self.links.upstream_for(topic, origin.site) or ""
-                ps.lags.append(
-                    pb.OriginLag(
-                        origin=str(origin),
-                        upstream=upstream,
-                        lag_records=lag.get(origin, 0),
-                        lag_ms=self.lag_ms.get((topic, index, origin), 0),
-                        lag_bytes=round(lag.get(origin, 0) * per_record),
-                    )
-                )
-            out.partitions.append(ps)
-        for src, puller in sorted(self.pullers.items()):
-            st = puller.stats
-            out.links.append(
-                pb.LinkStatus(
-                    src=src,
-                    dst=self.site,
-                    state=self.link_state(src),
-                    applied_batches=st.applied_batches,
-                    applied_bytes=st.applied_bytes,
-                    skipped_batches=st.skipped_batches,
-                    last_error=st.last_error or self.links.links[src].last_error,
-                    streams_opened=st.streams_opened,
-                    reopens=st.reopens,
-                )
-            )
-        for (topic, _src), message in sorted(self.conflicts.items()):
-            out.conflicts.append(pb.TopicConflict(topic=topic, message=message))
-        return out

@@ -41,6 +41,7 @@ from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.replication.source import Chunk, ReplicaSource, Serve
+from georep.server import site_status
 from georep.server.acl_calls import AclCalls
 from georep.server.admin_gate import AdminGate
 from georep.server.broker import Broker, Partition
@@ -714,21 +715,12 @@ class NodeService:
         return pb.SetLinkResponse(src=req.src, dst=site, enabled=req.enabled, state=state)
 
     async def site_status(self, data: bytes, context: Context) -> pb.SiteStatusResponse:
-        parse(pb.SiteStatusRequest, data)
-        if self.replicator is not None:
-            return self.replicator.status()
-        identity = self.broker.identity
-        parts = [
-            pb.PartitionStatus(
-                topic=t,
-                partition=i,
-                vector=_vector_to_pb(p.log.vector()),
-                log_end_offset=p.log.log_end_offset,
-                damaged=damaged_to_proto(p.log.damaged_batches()),
-            )
-            for (t, i), p in sorted(self.broker.partitions.items())
-        ]
-        return pb.SiteStatusResponse(site=identity.site, epoch=identity.epoch, partitions=parts)
+        """A summary per topic and link; per-partition rows only when asked, by topic and by page
+        (``georep/server/site_status.py``)."""
+        req = parse(pb.SiteStatusRequest, data)
+        if req.page_size < 0:
+            raise InvalidRequest(f"page_size {req.page_size} must be 0 (every row) or more")
+        return site_status.answer(self.broker, self.replicator, req)
 
     async def report_held(self, data: bytes, context: Context) -> pb.ReportHeldResponse:
         """What the sites downstream hold (``offsets/held.py``): each claim counts only if the topology lets the

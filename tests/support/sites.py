@@ -96,7 +96,7 @@ class Sites:
         return f"127.0.0.1:{self.ports[site]}"
 
     def status(self, site: str) -> pb.SiteStatusResponse:
-        return self.stub(site).SiteStatus(pb.SiteStatusRequest(), timeout=5)
+        return self.stub(site).SiteStatus(pb.SiteStatusRequest(partitions=True), timeout=5)
 
     def vectors(self, site: str, topic: str) -> dict[int, dict[str, int]]:
         try:
