@@ -191,3 +191,48 @@ def test_a_lost_last_message_is_found_by_the_rotating_reannounce_and_pulled_agai
     assert "tail" in link.events
     link.pump()  # the new stream starts from a's have-vector
     assert link.dst[key].vector() == {B: 4}
+
+
+# -- liveness at many partitions --------------------------------------------------------------------------------
+
+
+def test_a_source_scanning_only_other_origins_batches_still_heartbeats_when_due() -> None:
+    # A long stretch of batches the dst does not want (another origin's) takes many steps to scan; on main the
+    # source sent nothing meanwhile, and at many partitions the dst took the silence for a dead stream.
+    log = MemoryLog()
+    put(log, B, 0)
+    for seq in range(0, 6_000, 2):  # origin a, not wanted by this dst: more than one read (READ_BYTES_MIN)
+        put(log, A, seq)
+    put(log, B, 2)
+    log.flush()
+    source = ReplicaSource({("t", 0): log}, {("t", 0): ({}, ("b",))}, heartbeat_ms=HEARTBEAT_MS)
+    assert source.step(0, 1).heartbeat  # the summary
+    assert not source.step(1, 1).heartbeat  # b's first batch
+    step = source.step(1 + HEARTBEAT_MS, 1)  # a scan budget of 16 bytes: far from b's next batch
+    assert step.heartbeat and step.again  # on main: no message, "scan on"
+    assert step.chunks == [] or step.chunks[0].src_vector == {A: 6_000, B: 4}
+    while not (step := source.step(1 + HEARTBEAT_MS, 1)).chunks:
+        assert step.again
+    assert [c.key for c in step.chunks] == [("t", 0)] and step.chunks[0].batches  # b's second batch, in the end
+
+
+def test_a_dst_busy_applying_a_long_message_does_not_take_it_for_a_dead_stream() -> None:
+    link = Link()
+    link.perform(link.session.start(0))
+    link.pump()
+    assert link.source is not None
+    for p in range(3):
+        link.produce(("t", p), 0)
+    step = link.source.step(10, 1 << 20)
+    assert len(step.chunks) == 3
+    session = link.session
+    [apply] = session.on_message(link.stream_id, step.chunks, False, 10)  # the first chunk's apply
+    assert isinstance(apply, ApplyChunk)
+    # each apply takes 6 s (a slow disk): the stream delivered nothing new for longer than the idle timeout
+    idle = session.config.idle_timeout_ms
+    outcome = apply_chunk(link.dst[apply.key], apply.batches, 10)
+    [apply] = session.on_applied(link.stream_id, apply.key, outcome, 10 + idle - 4_000)
+    assert isinstance(apply, ApplyChunk)
+    outcome = apply_chunk(link.dst[apply.key], apply.batches, 10)
+    session.on_applied(link.stream_id, apply.key, outcome, 10 + idle + 2_000)
+    assert session.tick(10 + idle + 3_000) == []  # on main: "no message from b for 10000 ms", the link down

@@ -38,7 +38,9 @@ The rules:
 * **Stall detection** is ``LinkManager``'s: every chunk feeds it src's
   vector, every apply this site's vector.
 * **A dead stream**: no message for ``idle_timeout_ms`` (heartbeats
-  included) is a failure: the link is down and its origins route elsewhere.
+  included), and no apply of its chunks completed either (a dst busy with a
+  message of many partitions reads no other meanwhile: its silence is not
+  src's), is a failure: the link is down and its origins route elsewhere.
   Every failed stream (this, or an end with an error) moves the next one to
   src's next node (``georep/replication/upstream.py``).
 * **A lost tail.** A gap shows only when a later batch of the origin comes.
@@ -253,6 +255,9 @@ class PullSession:
         if s is None or s.stream_id != stream_id:
             return []
         s.applying = False
+        # An apply is a sign of life too: a dst busy applying a long message (many partitions, each its own
+        # apply) reads no further message meanwhile, and that silence is its own, not src's.
+        s.last_message_ms = max(s.last_message_ms, now_ms)
         if outcome.overlaps:
             text = outcome.overlaps[0].message()
             st.last_error = text

@@ -370,13 +370,16 @@ class ReplicaSource:
         if chunks:
             self._last_sent_ms = now_ms
             return Serve(chunks, False, True, now_ms)
-        if self.has_more():
-            return Serve([], False, True, now_ms)  # only skipped batches so far: go on after others ran
         due = self._last_sent_ms + self.heartbeat_ms
         if now_ms >= due:
-            beat = self.heartbeat()  # it may find batches a flush left unannounced: then send them right after
+            # Due even while only skipped batches are scanned (a long stretch of other origins' batches, at many
+            # partitions): the dst would take the silence for a dead stream. Safe: a heartbeat leaves out every
+            # partition with batches still to read (and it may find some a flush left unannounced).
+            beat = self.heartbeat()
             self._last_sent_ms = now_ms
             return Serve(beat, True, bool(self._active), now_ms + self.heartbeat_ms)
+        if self.has_more():
+            return Serve([], False, True, now_ms)  # only skipped batches so far: go on after others ran
         return Serve([], False, False, due)
 
     def has_more(self) -> bool:
