@@ -4,8 +4,9 @@ An idle window shows no link flapping, and a produce spread over every partition
 issue 22 both failed: with 5,000 partitions each heartbeat carried every partition's vector, links went down with
 "no message from b for 5000 ms" and reopened dozens of times, and records were not acknowledged within 120 s.
 
-Nothing here asserts a time. It fails on a flap (a link not streaming, a stream opened again, a "no message" line in
-a node's log), on a record not acknowledged, or on a record missing at some site.
+Nothing here asserts a time. It fails on a flap (in the idle window: a link not streaming or a stream opened again;
+at any time: a "no message" line in a node's log), on a record not acknowledged, or on a record missing at some
+site.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def test_five_thousand_partitions_idle_without_flapping_and_converge(tmp_path: P
             lambda: all(sum(sum(v.values()) for v in sites.vectors(s, TOPIC).values()) == RECORDS for s in SITES),
             timeout_s=180,
         )
-        check_steady(sites, opened, "after the produce")
+        # Under the produce a link may reopen its stream on purpose (stall detection moves an origin to another
+        # upstream while data is in transit); what must not happen is a link timing out or ending down.
+        assert all(link.state == "streaming" for link in links(sites).values()), links(sites)
         assert no_message_lines(tmp_path) == before, "a link timed out during the produce"
         vectors = [sites.vectors(s, TOPIC) for s in SITES]
         assert vectors[1] == vectors[0] and vectors[2] == vectors[0]
