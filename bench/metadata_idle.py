@@ -8,7 +8,7 @@ tick, the load it reports (``open_loads``) and the core's tick (the controller's
 the process CPU per tick, as a share of one core.
 """
 
-import sys
+import argparse
 import time
 
 from cluster.leadership import open_loads
@@ -26,7 +26,9 @@ from georep.metadata.topics import TopicSpec
 from offsets.coordinates import LocalOffset
 from topology.ids import LeaderEpoch, NodeId
 
-N = int(sys.argv[1])
+_parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+_parser.add_argument("partitions", type=int, nargs="?", default=10_000, help="partitions of the one topic")
+N = _parser.parse_args().partitions
 S = 3000
 st = SiteState()
 for n in (1, 2, 3):

@@ -18,9 +18,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, from a checkout
 
 from georep.proto import georep_pb2 as pb
 from georep.server.process import NodeProcess

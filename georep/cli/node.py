@@ -65,14 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "topology for a node of a multi-node site)",
     )
     _add_cluster_arguments(parser)
-    parser.add_argument("--data-dir", required=True, type=Path, help="where this node keeps its logs")
-    parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
-    parser.add_argument(
-        "--metrics-partition-detail",
-        action="store_true",
-        help="/metrics has series per partition (georep_partition_*), not only per topic (georep_topic_*): a "
-        "series per partition and origin is too many for Prometheus at thousands of partitions",
-    )
+    _add_storage_arguments(parser)
     _add_kafka_arguments(parser)
     add_listener_arguments(parser)
     parser.add_argument("--retention-check-ms", type=int, default=60_000, help="how often retention runs")
@@ -104,21 +97,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="file holding the admin token that admin calls (georep link cut/heal, drills) must present; "
         "without it only callers on this host may make them",
     )
-    parser.add_argument(
-        "--scrub-bytes-per-s",
-        type=int,
-        default=SCRUB_BYTES_PER_S_DEFAULT,
-        help="how fast the background scrubber re-checks stored batches, in bytes per second; damaged ones are "
-        f"quarantined and repaired from a peer (0: off; default {SCRUB_BYTES_PER_S_DEFAULT})",
-    )
-    parser.add_argument(
-        "--max-open-files",
-        type=int,
-        default=DEFAULT_MAX_OPEN_FILES,
-        help="how many segment files (.log, .index, .oindex: 3 per segment) the node keeps open at most; the "
-        "least recently used segments close, fsynced first, and open again on their next use "
-        f"(default {DEFAULT_MAX_OPEN_FILES}; keep it well below 'ulimit -n')",
-    )
     add_node_tls_arguments(parser)
     parser.add_argument(
         RAFT_SECRET_FLAG,
@@ -141,6 +119,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             f"--{key.replace('_', '-')}", type=int, default=value, help=f"default topic {key} (default {value})"
         )
+
+
+def _add_storage_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data directory, its scrubber and open files, and the metrics about it."""
+    parser.add_argument("--data-dir", required=True, type=Path, help="where this node keeps its logs")
+    parser.add_argument("--metrics-listen", default="127.0.0.1:0", help="/metrics address HOST:PORT")
+    parser.add_argument(
+        "--metrics-partition-detail",
+        action="store_true",
+        help="/metrics has series per partition (georep_partition_*), not only per topic (georep_topic_*): a "
+        "series per partition and origin is too many for Prometheus at thousands of partitions",
+    )
+    parser.add_argument(
+        "--scrub-bytes-per-s",
+        type=int,
+        default=SCRUB_BYTES_PER_S_DEFAULT,
+        help="how fast the background scrubber re-checks stored batches, in bytes per second; damaged ones are "
+        f"quarantined and repaired from a peer (0: off; default {SCRUB_BYTES_PER_S_DEFAULT})",
+    )
+    parser.add_argument(
+        "--max-open-files",
+        type=int,
+        default=DEFAULT_MAX_OPEN_FILES,
+        help="how many segment files (.log, .index, .oindex: 3 per segment) the node keeps open at most; the "
+        "least recently used segments close, fsynced first, and open again on their next use "
+        f"(default {DEFAULT_MAX_OPEN_FILES}; keep it well below 'ulimit -n')",
+    )
 
 
 def _add_cluster_arguments(parser: argparse.ArgumentParser) -> None:

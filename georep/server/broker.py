@@ -193,7 +193,8 @@ class Broker:
             self._open_at_start = functools.partial(SegmentLog.open, filesystem_synced=True)
         self.open_log = open_log
         self.creating_dir = data_dir / CREATING_DIR  # topic creates under way (``_finish_creates``)
-        self._creating: set[str] = set()  # names whose create is under way (in a worker thread)
+        # Names whose create is under way (files made in a worker thread): another create of them is refused.
+        self.creating: set[str] = set()
         # A multi-node site keeps its topics in its Raft metadata, and this node serves only the partitions it
         # leads, attached as it comes to lead them (``attach``); a one-node site opens every partition here.
         self.in_site = metadata is not None
@@ -302,7 +303,7 @@ class Broker:
         validate_topic_name(name)
         validate_partitions(partitions)
         spec = TopicSpec(name, partitions, parse_topic_config(raw_config))
-        if name in self._creating:
+        if name in self.creating:
             raise TopicExists(name)
         try:
             self.metadata.get(name)  # not topics(): a copy of the whole table per create
@@ -336,11 +337,11 @@ class Broker:
                     except Exception as exc:  # each topic's own answer: what its single create raises
                         outcomes[i] = exc
             return outcomes
-        self._creating.update(s.name for s in specs)
+        self.creating.update(s.name for s in specs)
         try:
             failed = self.serve_new_topics(self.open_new_topics(specs))
         finally:
-            self._creating.difference_update(s.name for s in specs)
+            self.creating.difference_update(s.name for s in specs)
         return [failed.get(o.name, o) if isinstance(o, TopicSpec) else o for o in outcomes]
 
     def check_new_topics(
@@ -365,7 +366,7 @@ class Broker:
     def open_new_topics(self, specs: list[TopicSpec]) -> NewTopics:
         """A one-node site's creates, on disk: their intents, then their partition logs, until the disk refuses
         one (that one and the next ones fail, with nothing of them left). Touches no table of the broker's, so it
-        runs in a worker thread while the node serves (:meth:`reserve_new_topics` first, on the event loop);
+        runs in a worker thread while the node serves (its names in :attr:`creating` first, on the event loop);
         :meth:`serve_new_topics` finishes them."""
         opened: dict[str, tuple[TopicSpec, list[PartitionLog]]] = {}
         failed: dict[str, Exception] = {}
@@ -397,19 +398,11 @@ class Broker:
                 refused = exc
         return NewTopics(opened, failed)
 
-    def reserve_new_topics(self, specs: list[TopicSpec]) -> None:
-        """Until :meth:`serve_new_topics` (or :meth:`release_new_topics`), another create of these names is refused
-        (``TopicExists``)."""
-        self._creating.update(s.name for s in specs)
-
-    def release_new_topics(self, specs: list[TopicSpec]) -> None:
-        self._creating.difference_update(s.name for s in specs)
-
     def serve_new_topics(self, new: NewTopics) -> dict[str, Exception]:
         """Serve the topics :meth:`open_new_topics` opened and add them to the topic table (one write), on the
         event loop; the topics that failed, and why. A topic is in the table whole or not at all."""
         failed = dict(new.failed)
-        self._creating.difference_update([*new.opened, *new.failed])
+        self.creating.difference_update([*new.opened, *new.failed])
         if not new.opened:
             return failed
         assert isinstance(self.metadata, FileMetadataStore)

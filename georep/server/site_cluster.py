@@ -30,14 +30,15 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from cluster.producer_snapshot import history_at_open
+from cluster.repair import UnderReplicated
 from cluster.site_state import PartitionInfo
-from cluster.status import InvalidPageToken, Page, cluster_status, page_token, parse_page_token
+from cluster.status import InvalidPageToken, Page, PartitionStatus, cluster_status, page_token, parse_page_token
 from dedup.producer import ProducerStateTable
 from georep.broker.errors import InvalidRequest, NotLeader, SegmentUnreadable
 from georep.client.connection import CHANNEL_OPTIONS
@@ -154,15 +155,7 @@ class SiteCluster:
         """``ClusterStatus``: ``cluster.status.cluster_status`` of this node's view of the metadata, now, with its
         own store's bytes (the only disk it can read) and its view of the Raft group; the page of partitions the
         request asks for (all of them if it sets no limit). Raises ``InvalidPageToken``."""
-        request = request or pb.ClusterStatusRequest()
-        limit = request.partitions_limit if request.HasField("partitions_limit") else None
-        if limit is not None and limit < 0:
-            raise InvalidRequest(f"partitions_limit {limit}: use 0 (no partitions, the summary) or more")
-        try:
-            after = parse_page_token(request.page_token) if request.page_token else None
-        except InvalidPageToken as e:
-            raise InvalidRequest(str(e)) from None
-        page = Page(limit, after, request.topic or None)
+        page = _status_page(request or pb.ClusterStatusRequest())
         config = self.member.config
         view = cluster_status(
             self.metadata.state(), self.member.clock_ms(), config.session_timeout_ms, config.replication_factor, page
@@ -210,34 +203,8 @@ class SiteCluster:
                 )
                 for n in view.nodes
             ],
-            partitions=[
-                pb.ClusterPartitionStatus(
-                    topic=p.topic,
-                    partition=p.partition,
-                    leader=p.leader or 0,
-                    leader_live=p.leader_live,
-                    leader_epoch=p.leader_epoch,
-                    segments=p.segments,
-                    open_segment_id=p.open_segment,
-                    open_ensemble=list(p.open_ensemble),
-                )
-                for p in view.partitions
-            ],
-            under_replicated=[
-                pb.UnderReplicatedSegment(
-                    topic=u.topic,
-                    partition=u.partition,
-                    segment_id=u.segment_id,
-                    sealed=u.sealed,
-                    ensemble=list(u.ensemble),
-                    dead=list(u.dead),
-                    draining=list(u.draining),
-                    live_members=u.live_count,
-                    wanted_members=u.wanted,
-                    message=u.message(),
-                )
-                for u in view.under_replicated
-            ],
+            partitions=_partition_rows(view.partitions),
+            under_replicated=_under_replicated_rows(view.under_replicated),
             bytes_moved=sum(moved.values()),
             partition_count=view.partition_count,
             leaderless_partitions=view.leaderless,
@@ -396,3 +363,49 @@ class SiteCluster:
             f"{missing}, and none of them could be read ({'; '.join(why) or 'no address is known'})"
             "; bring one of them back, or wait for the site to repair the segment"
         )
+
+
+def _status_page(request: pb.ClusterStatusRequest) -> Page:
+    """The page of partitions a ``ClusterStatus`` request asks for; ``InvalidRequest`` names what is wrong."""
+    limit = request.partitions_limit if request.HasField("partitions_limit") else None
+    if limit is not None and limit < 0:
+        raise InvalidRequest(f"partitions_limit {limit}: use 0 (no partitions, the summary) or more")
+    try:
+        after = parse_page_token(request.page_token) if request.page_token else None
+    except InvalidPageToken as e:
+        raise InvalidRequest(str(e)) from None
+    return Page(limit, after, request.topic or None)
+
+
+def _partition_rows(partitions: Iterable[PartitionStatus]) -> list[pb.ClusterPartitionStatus]:
+    return [
+        pb.ClusterPartitionStatus(
+            topic=p.topic,
+            partition=p.partition,
+            leader=p.leader or 0,
+            leader_live=p.leader_live,
+            leader_epoch=p.leader_epoch,
+            segments=p.segments,
+            open_segment_id=p.open_segment,
+            open_ensemble=list(p.open_ensemble),
+        )
+        for p in partitions
+    ]
+
+
+def _under_replicated_rows(rows: Iterable[UnderReplicated]) -> list[pb.UnderReplicatedSegment]:
+    return [
+        pb.UnderReplicatedSegment(
+            topic=u.topic,
+            partition=u.partition,
+            segment_id=u.segment_id,
+            sealed=u.sealed,
+            ensemble=list(u.ensemble),
+            dead=list(u.dead),
+            draining=list(u.draining),
+            live_members=u.live_count,
+            wanted_members=u.wanted,
+            message=u.message(),
+        )
+        for u in rows
+    ]

@@ -54,7 +54,7 @@ async def _create_step(
     broker: Broker, requests: list[TopicRequest], internal: bool, executor: Executor | None
 ) -> list[TopicSpec | Exception]:
     outcomes, specs = broker.check_new_topics(requests, internal=internal)
-    broker.reserve_new_topics(specs)
+    broker.creating.update(s.name for s in specs)  # another create of these names is refused meanwhile
     made = asyncio.get_running_loop().run_in_executor(executor, broker.open_new_topics, specs)
     try:
         new = await asyncio.shield(made)
@@ -62,7 +62,7 @@ async def _create_step(
         made.add_done_callback(functools.partial(_finish_late, broker, specs))
         raise
     except BaseException:
-        broker.release_new_topics(specs)
+        broker.creating.difference_update(s.name for s in specs)
         raise
     failed = broker.serve_new_topics(new)
     return [failed.get(o.name, o) if isinstance(o, TopicSpec) else o for o in outcomes]
@@ -70,6 +70,6 @@ async def _create_step(
 
 def _finish_late(broker: Broker, specs: list[TopicSpec], made: asyncio.Future[NewTopics]) -> None:
     if made.cancelled() or made.exception() is not None:
-        broker.release_new_topics(specs)
+        broker.creating.difference_update(s.name for s in specs)
     else:
         broker.serve_new_topics(made.result())
