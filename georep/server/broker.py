@@ -455,16 +455,7 @@ class Broker:
             if p is not None:
                 self.acks.close_partition(p.key, WriteFailed(f"topic {name!r} was not created"))
                 p.log.close()
-        try:
-            self._remove_leftovers(name)
-            intent.unlink(missing_ok=True)
-        except OSError as exc:
-            log.error(
-                "the failed create of topic %r left files that could not be removed yet (%s): the next start "
-                "removes them",
-                name,
-                exc,
-            )
+        self._remove_create(name, intent)
 
     def _remove_leftovers(self, name: str) -> list[str]:
         """Remove the partition directories of ``name``, a topic the table lacks, that hold no batch; the ones
