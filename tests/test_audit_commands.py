@@ -45,6 +45,7 @@ def test_usage_errors_exit_2_with_what_to_do(tmp_path: Path) -> None:
     assert as_of.returncode == EXIT_USAGE and "ISO-8601" in as_of.stderr
 
 
+@pytest.mark.slow  # a multi-second run; make test runs it, make test-quick stays under 3 minutes
 def test_georep_audit_exits_0_when_clean_and_1_on_divergence(
     spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

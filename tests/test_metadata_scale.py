@@ -153,6 +153,7 @@ def _single(tmp_path: Path, address: str) -> RaftMetadataStore:
     return store
 
 
+@pytest.mark.slow  # a multi-second run; make test runs it, make test-quick stays under 3 minutes
 def test_the_log_is_compacted_and_a_crashed_node_replays_only_its_tail(tmp_path: Path) -> None:
     address = f"127.0.0.1:{free_ports(1)[0]}"
     store = _single(tmp_path, address)

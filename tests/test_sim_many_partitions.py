@@ -12,6 +12,8 @@ from georep.sim.faults import FaultCounts
 from georep.sim.network import ChunkMessage, Network
 from georep.sim.simulator import SimConfig, Simulator
 
+pytestmark = pytest.mark.slow  # three simulated topologies of 300 partitions
+
 PARTITIONS = 300
 RUNS = [(4, "mesh5"), (6, "triangle"), (3, "ring5")]
 # A run whose faults drop a stream's last data: the lost-tail rule must find it over the re-announcing heartbeats.
