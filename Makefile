@@ -54,9 +54,10 @@ test: $(STAMP) strace lint
 	wait $$typecheck; typed=$$?; cat $(VENV)/typecheck.log; \
 	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
+# The quick loop: no slow scenario, and a quarter of each property test's examples (tests/support/examples.py).
 test-quick: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
-	$(BIN)/python -m pytest -q -n 4 --dist loadgroup -m "not slow" --durations=10
+	GEOREP_EXAMPLES_SCALE=0.25 $(BIN)/python -m pytest -q -n 4 --dist loadgroup -m "not slow" --durations=10
 
 # The generated code is committed; this regenerates it with the pinned grpcio-tools and mypy-protobuf
 # (typed stubs for the messages and the service, so mypy --strict checks every call).

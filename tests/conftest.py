@@ -6,11 +6,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
 from tests.support import forkserver
+from tests.support.examples import examples
 from tests.support.node_api import stub_for
 from tests.support.sites import Sites
 
@@ -33,6 +35,11 @@ SHARED_ON_ONE_WORKER = {
     "test_faults_toxiproxy.py": "faults-toxiproxy",
 }
 GROUPS_FIRST = ("spark", "sim", "sim-cluster", "sim-geo-cluster")
+
+# Property tests that name no example count draw Hypothesis's default 100, scaled as the named ones are
+# (tests/support/examples.py: make test-quick draws a quarter).
+settings.register_profile("georep", max_examples=examples(100))
+settings.load_profile("georep")
 
 
 def pytest_configure(config: pytest.Config) -> None:

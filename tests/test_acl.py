@@ -30,6 +30,7 @@ from georep.metadata.store import AclRecord
 from georep.proto import georep_pb2 as pb
 from georep.security.acl_rpc import NODE_ACCESS, SEGMENTS_ACCESS, decide
 from georep.storage.metadata_file import FileMetadataStore
+from tests.support.examples import examples
 from tests.support.raft import Site as RaftSite
 from tests.support.raft import wait_until as raft_wait
 from topology.filters import TopicFilter
@@ -106,7 +107,7 @@ entries_st = st.builds(
 )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     st.lists(entries_st, max_size=6),
     st.lists(entries_st, max_size=3),
@@ -134,7 +135,7 @@ def test_decisions_are_monotone_and_independent_of_order(
     assert before == naive
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(entries_st)
 def test_entries_round_trip_through_their_key(entry: AclEntry) -> None:
     assert parse_acl_entry(entry.key()) == entry
@@ -159,7 +160,7 @@ def _fold(records: list[AclRecord]) -> dict[str, AclRecord]:
     return table
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(records_st, max_size=10), st.randoms())
 def test_records_converge_whatever_the_order_and_repeats(records: list[AclRecord], rnd: random.Random) -> None:
     other = records + rnd.sample(records, k=len(records) // 2)
@@ -238,7 +239,7 @@ link_sets = st.lists(
 ).map(lambda ls: list({(s, d): (s, d, f) for s, d, f in ls if s != d}.values()))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(link_sets, st.sampled_from(["x", "y"]))
 def test_origin_rule_is_exactly_what_honest_sites_can_send(links: list[tuple[str, str, str]], name: str) -> None:
     """The docstring's proof, checked: run honest replication to its fixpoint (every site stamps its own origin and

@@ -31,6 +31,7 @@ from dedup.apply import (
 from georep.record.batch import RecordInput, encode_batch, parse_header
 from offsets.coordinates import Origin, OriginSeq
 from offsets.vector import SEQ_MAX, VectorOffset
+from tests.support.examples import examples
 from topology.ids import SiteId
 
 A = Origin(SiteId("a"), 1)
@@ -360,7 +361,7 @@ def split(batches: list[Span], cuts: list[int]) -> list[list[Span]]:
     return parts
 
 
-PROPERTY = settings(max_examples=300, deadline=None)
+PROPERTY = settings(max_examples=examples(300), deadline=None)
 
 
 @PROPERTY
@@ -478,5 +479,5 @@ class ApplyMachine(RuleBasedStateMachine):
                 assert self.site.vector.get(origin) == end
 
 
-ApplyMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+ApplyMachine.TestCase.settings = settings(max_examples=examples(150), stateful_step_count=30, deadline=None)
 TestApplyMachine = ApplyMachine.TestCase

@@ -24,6 +24,7 @@ from offsets.commits import InvalidCommit
 from offsets.coordinates import Origin
 from offsets.hlc import pack
 from offsets.vector import VectorOffset
+from tests.support.examples import examples
 from tests.support.sites import origin_batch
 from topology.ids import SiteId
 
@@ -227,7 +228,7 @@ _DEADLINE_OPS = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(_DEADLINE_OPS)
 def test_geo_deadlines_fail_exactly_the_expired_waiters_in_any_order_of_events(ops: list[tuple[str, int, int]]) -> None:
     """The deadline heap keeps answered waiters until they reach its top: ``next_deadline_ms`` must still name the

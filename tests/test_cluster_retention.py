@@ -33,6 +33,7 @@ from georep.storage.api import OffsetOutOfRange
 from georep.storage.replica_store import NEW_SUFFIX, ReplicaError, ReplicaStore, partition_dir_name
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
+from tests.support.examples import examples
 from tests.support.segments import make_batch
 from tests.support.site_state import applied, refused
 from topology.ids import LeaderEpoch, NodeId, SegmentId
@@ -156,7 +157,7 @@ SEGMENT = st.tuples(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     segments=st.lists(SEGMENT, max_size=8),
     open_last=st.booleans(),

@@ -34,6 +34,7 @@ from georep.record.batch import (
 )
 from georep.record.compression import Compression, DecompressionError
 from offsets.coordinates import EPOCH_MAX, Origin
+from tests.support.examples import examples
 from topology.ids import SiteId
 
 TS = 1_700_000_000_000
@@ -177,7 +178,7 @@ producers = st.one_of(
         }
     ),
 )
-FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _stored(batch: bytes, origin: Origin, base_origin_seq: int, base_offset: int, append_time_ms: int) -> bytes:
@@ -294,13 +295,13 @@ def _only_codec_errors(buf: bytes) -> None:
             parse(buf)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.binary(max_size=300))
 def test_random_bytes_raise_only_codec_errors(buf: bytes) -> None:
     _only_codec_errors(buf)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(records_count=st.integers(1, 2**31 - 1), compression=st.integers(0, 2**15 - 1), body=st.binary(max_size=200))
 def test_valid_header_with_random_records_raises_only_codec_errors(
     records_count: int, compression: int, body: bytes
@@ -327,7 +328,7 @@ def test_valid_header_with_random_records_raises_only_codec_errors(
     _only_codec_errors(head + body)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(records=records_strategy, data=st.data())
 def test_damaged_records_raise_only_codec_errors(records: list[RecordInput], data: st.DataObject) -> None:
     """Bytes damaged inside the records section (as a bad producer could send them) fail cleanly."""

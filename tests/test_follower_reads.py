@@ -32,6 +32,7 @@ from tests.support.chains import EPOCH, KEY, A
 from tests.support.channels import open_channel
 from tests.support.cli import georep, ok
 from tests.support.cluster_site import TOPIC, ClusterSite, consume_all, produce, read_partition, status, wait_for
+from tests.support.examples import examples
 from tests.support.segments import make_batch
 from topology.ids import LeaderEpoch, NodeId, SegmentId
 
@@ -91,7 +92,7 @@ def open_segments(draw: st.DrawFn) -> tuple[list[int], int, int, int, int]:
 
 
 @given(open_segments())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_a_follower_never_serves_what_any_recovery_could_cut(case: tuple[list[int], int, int, int, int]) -> None:
     ends, aq, me, lac, announced = case
     ensemble = tuple(NodeId(i + 1) for i in range(len(ends)))

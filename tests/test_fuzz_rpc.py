@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 
 from georep.proto import georep_pb2 as pb
 from georep.server.process import NodeProcess
+from tests.support.examples import examples
 from tests.support.node_api import batch, log_end, stub_for
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Node"]
 METHODS = sorted(m.name for m in SERVICE.methods)
 BAD_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-EXAMPLES = int(os.environ.get("GEOREP_FUZZ_EXAMPLES", "300"))
+EXAMPLES = examples(int(os.environ.get("GEOREP_FUZZ_EXAMPLES", "300")))
 
 _SCALARS = {
     FieldDescriptor.TYPE_STRING: st.one_of(st.text(max_size=40), st.sampled_from(["t", "", "a", "__georep_offsets"])),

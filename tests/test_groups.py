@@ -26,8 +26,9 @@ from cluster.groups import (
     range_assign,
     sticky_assign,
 )
+from tests.support.examples import examples
 
-PROPERTY = settings(max_examples=150, deadline=None)
+PROPERTY = settings(max_examples=examples(150), deadline=None)
 TOPICS = ("t0", "t1", "t2")
 
 member_names = st.lists(st.sampled_from([f"m{i}" for i in range(8)]), min_size=1, max_size=8, unique=True)
@@ -316,4 +317,4 @@ class CoordinatorMachine(RuleBasedStateMachine):
 
 
 TestCoordinatorMachine = CoordinatorMachine.TestCase
-TestCoordinatorMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestCoordinatorMachine.settings = settings(max_examples=examples(60), stateful_step_count=30, deadline=None)

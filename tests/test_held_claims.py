@@ -14,6 +14,7 @@ from georep.security.acl_rpc import NODE_ACCESS, decide
 from offsets.coordinates import Origin
 from offsets.held import HeldReporter, HeldTable, ServedGate
 from offsets.vector import VectorOffset
+from tests.support.examples import examples
 from topology.filters import TopicFilter
 from topology.model import Link, Site, Topology
 from topology.reach import expected_sites
@@ -61,7 +62,7 @@ link_sets = st.lists(
 ).map(lambda ls: list({(s, d): (s, d, f) for s, d, f in ls if s != d}.values()))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(link_sets, st.sampled_from(["x", "y"]), st.sampled_from(SITES))
 def test_honest_reports_reach_the_origin_and_no_accepted_claim_is_about_a_site_its_records_miss(
     links: list[tuple[str, str, str]], name: str, origin: str

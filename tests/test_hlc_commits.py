@@ -28,9 +28,10 @@ from offsets.coordinates import Origin
 from offsets.held import HeldTable
 from offsets.hlc import LOGICAL_BITS, LOGICAL_MAX, HlcStamp, HybridClock, pack, unpack
 from offsets.vector import VectorOffset
+from tests.support.examples import examples
 from topology.ids import SiteId
 
-PROPERTY = settings(max_examples=150, deadline=None)
+PROPERTY = settings(max_examples=examples(150), deadline=None)
 
 A1 = Origin(SiteId("a"), 1)
 B3 = Origin(SiteId("b"), 3)

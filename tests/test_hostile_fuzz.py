@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, event, given, settings
 from georep.proto import georep_pb2 as pb
 from georep.record.batch import parse_header
 from tests.support.cli import georep, ok
+from tests.support.examples import examples
 from tests.support.forge import hostile_batches
 from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address
 from tests.support.kafka_raw import hostile_kafka_batches, kafka_python_read, produce_raw
@@ -31,7 +32,7 @@ KAFKA_REFUSALS = {
     76: "UNSUPPORTED_COMPRESSION_TYPE",
     87: "INVALID_RECORD",
 }
-EXAMPLES = 200
+EXAMPLES = examples(200)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import Origin, OriginSeq
 from offsets.vector import VectorOffset
 from tests.support.chains import KEY, chain_of
+from tests.support.examples import examples
 from tests.support.segments import A, B, C, Writer, make_batch, open_log
 from topology.ids import SegmentId
 
@@ -50,7 +51,7 @@ steps = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(steps)
 def test_vector_at_matches_the_full_history_across_retention_and_reopen(ops: list[Step]) -> None:
     with tempfile.TemporaryDirectory() as tmp:

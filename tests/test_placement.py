@@ -31,6 +31,7 @@ from cluster.placement import (
     rank,
     tiebreak,
 )
+from tests.support.examples import examples
 from topology.ids import NodeId
 
 GiB = 1 << 30
@@ -281,7 +282,7 @@ def test_a_leader_that_cannot_hold_the_segment_is_refused(leader: NodeLoad, why:
 # --- properties --------------------------------------------------------------------
 
 # No deadline: the machine is shared, and one slow example is not a bug.
-PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 free_bytes = st.one_of(st.integers(0, 4 * GiB), st.integers(0, 4 << 40))
 

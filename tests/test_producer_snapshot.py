@@ -40,6 +40,7 @@ from georep.server.site_cluster import leader_producers
 from georep.storage.replica_store import ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
+from tests.support.examples import examples
 from tests.support.segments import make_batch
 from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
@@ -101,7 +102,7 @@ def _state(table: ProducerStateTable) -> dict[int, tuple[int, list[tuple[int, in
 # -- the fold -------------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4), st.integers(0, 30), st.booleans()), max_size=60),
     st.lists(st.integers(0, 60), max_size=4),

@@ -26,6 +26,7 @@ from dedup.producer import (
     ProducerStateTable,
 )
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from tests.support.examples import examples
 from topology.ids import SiteId
 
 ORIGIN = Origin(SiteId("a"), 1)
@@ -451,5 +452,5 @@ def _entry(x: Stored) -> Entry:
     )
 
 
-ProducerStateMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+ProducerStateMachine.TestCase.settings = settings(max_examples=examples(300), stateful_step_count=50, deadline=None)
 TestProducerState = ProducerStateMachine.TestCase

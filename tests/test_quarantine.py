@@ -15,6 +15,7 @@ from georep.record.batch import REWRITTEN_BYTES, iter_headers, local_prefix, par
 from georep.storage.api import BatchDamaged, RepairRefused, ScrubStep
 from georep.storage.memory_log import MemoryLog
 from georep.storage.segment_log import DAMAGED_FILE, SegmentLog
+from tests.support.examples import examples
 from tests.support.forge import forge
 from tests.support.segments import A, B, Stored, Writer, log_files, open_log, read_all
 from tests.support.sites import origin_batch
@@ -178,7 +179,7 @@ def pristine_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[t
     return directory, [(s.header.base_offset, s.header.next_offset, s.batch.covered) for s in w.stored]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
 def test_any_flipped_bit_in_sealed_data_is_served_to_no_one_and_costs_only_its_batch(
     pristine_log: tuple[Path, list[tuple[int, int, bytes]]],

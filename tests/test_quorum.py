@@ -40,6 +40,7 @@ from georep.broker import errors
 from georep.broker.acks import AckKind, Acks, AckTable, Effect, Fail, HeldChanged, Release, StartFlush
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
+from tests.support.examples import examples
 from topology.ids import LeaderEpoch, NodeId, SegmentId, SiteId
 
 N1, N2, N3, N4 = NodeId(1), NodeId(2), NodeId(3), NodeId(4)
@@ -352,7 +353,7 @@ QUORUM_OPS = st.lists(
     ),
     max_size=60,
 )
-PROPERTY = settings(max_examples=300, deadline=None)
+PROPERTY = settings(max_examples=examples(300), deadline=None)
 
 
 @PROPERTY
@@ -809,5 +810,5 @@ class AckQuorumMachine(RuleBasedStateMachine):
             assert self.unmet(w, known=True) is not None, f"acks={w.acks} (token {token}) waits, but its promise holds"
 
 
-AckQuorumMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+AckQuorumMachine.TestCase.settings = settings(max_examples=examples(200), stateful_step_count=40, deadline=None)
 TestAckQuorumMachine = AckQuorumMachine.TestCase

@@ -28,10 +28,11 @@ from georep.storage.recovery_point import FILE_NAME as RECOVERY_POINT
 from georep.storage.segment import UnrepairableDamage
 from georep.storage.segment_log import DAMAGED_FILE, MissingSegment, SegmentLog
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from tests.support.examples import examples
 from tests.support.segments import A, B, C, Writer, log_files, open_log
 
 CONFIG = {"segment_bytes_max": 2048, "index_interval_bytes": 256}
-PROPERTY = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from cluster.recovery import (
     cut_after_seal,
 )
 from offsets.coordinates import LocalOffset
+from tests.support.examples import examples
 from topology.ids import InvalidNodeId, LeaderEpoch, NodeId, SegmentId
 
 N1, N2, N3, N4, N5 = (NodeId(n) for n in range(1, 6))
@@ -529,7 +530,7 @@ class World:
         self.max_writer_end = max(self.max_writer_end, self.end_of(node))
 
 
-MODEL = settings(max_examples=300, deadline=None)
+MODEL = settings(max_examples=examples(300), deadline=None)
 
 
 @MODEL

@@ -39,6 +39,7 @@ from cluster.repair import (
     plan_repair,
     under_replicated,
 )
+from tests.support.examples import examples
 from topology.ids import NodeId, SegmentId
 
 GiB = 1 << 30
@@ -379,7 +380,7 @@ def test_bad_settings_and_node_tables_are_refused() -> None:
 # --- properties --------------------------------------------------------------------
 
 # No deadline: the machine is shared, and one slow example is not a bug.
-PROPERTY = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite

@@ -40,6 +40,7 @@ from cluster.site_state import (
 from georep.metadata.topics import InvalidTopic, TopicSpec
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
+from tests.support.examples import examples
 from tests.support.site_state import applied, refused
 from topology.ids import InvalidNodeId, LeaderEpoch, NodeId, SegmentId
 
@@ -681,7 +682,7 @@ def check_invariants(state: SiteState, leader_of_epoch: dict[tuple[str, int, int
                 assert state.node(member) is not None, "a segment member was removed"
 
 
-PROPERTY = settings(max_examples=100, deadline=None)
+PROPERTY = settings(max_examples=examples(100), deadline=None)
 
 
 @PROPERTY

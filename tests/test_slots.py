@@ -22,6 +22,7 @@ from georep.storage.index_format import ORIGIN_ENTRY_BYTES, OriginEntry, entry_f
 from georep.storage.segment import LogBytes
 from georep.storage.slots import Good, Lost, SegmentPlan, plan_segment
 from offsets.coordinates import Origin
+from tests.support.examples import examples
 from topology.ids import SiteId
 
 BASE = 1000
@@ -63,7 +64,7 @@ def plan(data: bytes, evidence: list[OriginEntry] | None, next_base: int | None,
 batches = st.lists(st.tuples(st.integers(0, 1), st.integers(1, 4)), min_size=1, max_size=12)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(counts=batches, data=st.data(), sealed=st.booleans())
 def test_whole_bytes_are_taken_as_they_are_whatever_the_index_says(
     counts: list[tuple[int, int]], data: st.DataObject, sealed: bool
@@ -83,7 +84,7 @@ def test_whole_bytes_are_taken_as_they_are_whatever_the_index_says(
     )  # only an append time can come from the index (its second copy): every other field is the batch's
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(counts=batches, data=st.data(), kind=st.sampled_from(["flip", "zero", "tear"]), sealed=st.booleans())
 def test_damage_is_named_with_the_coordinates_the_batches_had(
     counts: list[tuple[int, int]], data: st.DataObject, kind: str, sealed: bool
@@ -115,7 +116,7 @@ def test_damage_is_named_with_the_coordinates_the_batches_had(
             assert (slot.prefix == raw[t.position : t.position + CRC_START]) if prefix_hit else slot.prefix is None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(counts=batches, data=st.data())
 def test_without_an_index_damage_below_the_durable_end_is_refused_and_above_it_cut(
     counts: list[tuple[int, int]], data: st.DataObject

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import topology
 from georep.cli.topology import LinkStatus, draw, main, summary_text
+from tests.support.examples import examples
 from topology.filters import InvalidTopicFilter, TopicFilter, matches_any
 from topology.ids import NODE_ID_MAX, NodeId, SiteId
 from topology.model import (
@@ -37,7 +38,7 @@ from topology.model import (
 from topology.reach import expected_sites
 from topology.routing import Router
 
-PROPERTY = settings(max_examples=150, deadline=None)
+PROPERTY = settings(max_examples=examples(150), deadline=None)
 
 ISSUE_EXAMPLE = """\
 [sites.a]

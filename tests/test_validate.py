@@ -36,6 +36,7 @@ from georep.replication.sink import CorruptChunk, InvalidChunk, apply_chunk
 from georep.server.status import Code, status_of
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import Origin
+from tests.support.examples import examples
 from tests.support.forge import TS, forge, hostile_batches, record
 from topology.ids import SiteId
 
@@ -227,7 +228,7 @@ records_strategy = st.lists(
     min_size=1,
     max_size=10,
 )
-FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST
@@ -248,7 +249,7 @@ def _readers_agree(batch: bytes, count: int) -> None:
     assert converted.invalid == () and converted.data
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(1000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(hostile=hostile_batches())
 def test_hostile_batches_are_refused_or_readable(hostile: tuple[bytes, str]) -> None:
     """Arbitrary records sections and header fields under a valid CRC: the validator raises only its own errors,

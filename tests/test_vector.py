@@ -10,9 +10,10 @@ from georep.proto import georep_pb2
 from georep.proto.convert import vector_from_proto, vector_to_proto
 from offsets.coordinates import EPOCH_MAX, Origin
 from offsets.vector import SEQ_MAX, Coverage, InvalidVectorOffset, VectorOffset
+from tests.support.examples import examples
 from topology.ids import SiteId
 
-PROPERTY = settings(max_examples=200, deadline=None)
+PROPERTY = settings(max_examples=examples(200), deadline=None)
 
 # A few origins, so that generated vectors share keys and the laws get exercised.
 origins = st.builds(
