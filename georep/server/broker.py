@@ -48,6 +48,7 @@ from georep.storage.durable_file import fsync_directory
 from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.partition_dirs import partition_dir_name, topic_file_name
 from georep.storage.private import FILE_MODE, private_dir
+from georep.storage.recovery_checkpoint import RecoveryCheckpoint
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -164,6 +165,14 @@ def _create_failed(name: str, exc: Exception) -> Exception:
     return WriteFailed(f"cannot create topic {name!r}: {exc}; nothing of it was kept")
 
 
+def _save_checkpoint(checkpoint: RecoveryCheckpoint) -> None:
+    """Write the recovery-point checkpoint if a point moved; a disk that refuses it is logged, not fatal."""
+    try:
+        checkpoint.save()
+    except OSError as exc:  # the last one written stays true: the next start validates more
+        log.warning("cannot write %s (%s): the next start validates more of each partition", checkpoint.path, exc)
+
+
 class Broker:
     def __init__(
         self,
@@ -182,15 +191,19 @@ class Broker:
         self.logs_dir = data_dir / "logs"
         private_dir(self.logs_dir)
         self._open_at_start: Callable[[Path, LogConfig, int], PartitionLog] | None = open_log
+        # The recovery points of every partition in one file (georep/storage/recovery_checkpoint.py), written at
+        # each retention run and at close; None when the caller opens its own logs.
+        self.checkpoint: RecoveryCheckpoint | None = None
         if open_log is None:
             from georep.storage.segment_log import SegmentLog, sync_filesystem
 
-            open_log = SegmentLog.open
+            self.checkpoint = RecoveryCheckpoint.load(self.logs_dir)
+            open_log = functools.partial(SegmentLog.open, points=self.checkpoint)
             # One sync of the file system makes durable whatever a killed predecessor left in the page cache,
             # so each partition's open at start fsyncs only what it changes (10,000 partitions: seconds, not
             # minutes). Only at start: later opens are of directories this process may have written.
             sync_filesystem(self.logs_dir)
-            self._open_at_start = functools.partial(SegmentLog.open, filesystem_synced=True)
+            self._open_at_start = functools.partial(SegmentLog.open, filesystem_synced=True, points=self.checkpoint)
         self.open_log = open_log
         self.creating_dir = data_dir / CREATING_DIR  # topic creates under way (``_finish_creates``)
         # Names whose create is under way (files made in a worker thread): another create of them is refused.
@@ -242,6 +255,8 @@ class Broker:
             for p in self.partitions.values():
                 p.log.close()
             raise
+        if self.checkpoint is not None:
+            self.checkpoint.started([partition_dir_name(*key) for key in self.partitions])
 
     @property
     def held(self) -> HeldTable:
@@ -477,6 +492,8 @@ class Broker:
             removed.append(directory.name)
         if removed:
             fsync_directory(self.logs_dir)
+            if self.checkpoint is not None:
+                self.checkpoint.forget(removed)
         return removed
 
     def _finish_creates(self) -> None:
@@ -817,14 +834,19 @@ class Broker:
             self._perform(self.acks.flush(p.key, p.log.log_end_offset))
 
     def enforce_retention(self) -> int:
+        """Retention of every partition, which also moves their recovery points up to what was fsynced; then
+        the checkpoint of those points, when one moved (one file for the node, not one per partition)."""
         now = self.clock_ms()
         deleted = 0
         for p in self.partitions.values():
             deleted += p.log.enforce_retention(now)
             p.producers.expire(now)
+        if self.checkpoint is not None:
+            _save_checkpoint(self.checkpoint)
         return deleted
 
     def close(self) -> None:
+        """fsync and close every log, then write their recovery points, all in one checkpoint."""
         self._perform(self.acks.close())
         if self._geo_timer is not None:
             self._geo_timer.cancel()
@@ -832,3 +854,5 @@ class Broker:
         for p in self.partitions.values():
             p.log.close()
         self.executor.shutdown(wait=True)
+        if self.checkpoint is not None:
+            _save_checkpoint(self.checkpoint)
