@@ -165,6 +165,26 @@ def _create_failed(name: str, exc: Exception) -> Exception:
     return WriteFailed(f"cannot create topic {name!r}: {exc}; nothing of it was kept")
 
 
+def _segment_logs(
+    logs_dir: Path,
+) -> tuple[
+    RecoveryCheckpoint, Callable[[Path, LogConfig, int], PartitionLog], Callable[[Path, LogConfig, int], PartitionLog]
+]:
+    """A node's own partition logs in ``logs_dir``: their checkpoint, how to open one, and how to open one at start."""
+    from georep.storage.segment_log import SegmentLog, sync_filesystem
+
+    checkpoint = RecoveryCheckpoint.load(logs_dir)
+    # One sync of the file system makes durable whatever a killed predecessor left in the page cache, so each
+    # partition's open at start fsyncs only what it changes (10,000 partitions: seconds, not minutes). Only at
+    # start: later opens are of directories this process may have written.
+    sync_filesystem(logs_dir)
+    return (
+        checkpoint,
+        functools.partial(SegmentLog.open, points=checkpoint),
+        functools.partial(SegmentLog.open, filesystem_synced=True, points=checkpoint),
+    )
+
+
 def _save_checkpoint(checkpoint: RecoveryCheckpoint) -> None:
     """Write the recovery-point checkpoint if a point moved; a disk that refuses it is logged, not fatal."""
     try:
@@ -195,15 +215,7 @@ class Broker:
         # each retention run and at close; None when the caller opens its own logs.
         self.checkpoint: RecoveryCheckpoint | None = None
         if open_log is None:
-            from georep.storage.segment_log import SegmentLog, sync_filesystem
-
-            self.checkpoint = RecoveryCheckpoint.load(self.logs_dir)
-            open_log = functools.partial(SegmentLog.open, points=self.checkpoint)
-            # One sync of the file system makes durable whatever a killed predecessor left in the page cache,
-            # so each partition's open at start fsyncs only what it changes (10,000 partitions: seconds, not
-            # minutes). Only at start: later opens are of directories this process may have written.
-            sync_filesystem(self.logs_dir)
-            self._open_at_start = functools.partial(SegmentLog.open, filesystem_synced=True, points=self.checkpoint)
+            self.checkpoint, open_log, self._open_at_start = _segment_logs(self.logs_dir)
         self.open_log = open_log
         self.creating_dir = data_dir / CREATING_DIR  # topic creates under way (``_finish_creates``)
         # Names whose create is under way (files made in a worker thread): another create of them is refused.
