@@ -115,8 +115,10 @@ def test_a_flipped_digit_in_the_checkpoint_is_caught_by_its_checksum(tmp_path: P
 def test_an_entry_for_another_directory_of_the_same_name_is_not_used(tmp_path: Path) -> None:
     written(tmp_path, "t-0", 8, config=SMALL)  # its entry: A's first 12 seqs below offset 12, point 16
     old = entries(tmp_path)["t-0"]
-    shutil.rmtree(tmp_path / "t-0")  # the partition is made anew under its name (the checkpoint not rewritten)
-    written(tmp_path / "elsewhere", "t-0", 10, origin=B)  # 20 offsets: the old claims fit inside it
+    # The partition made anew under its name (the checkpoint not rewritten), 20 offsets: the old claims fit inside
+    # it. Made before the old one goes, so that the file system cannot give it the old one's inode number again.
+    written(tmp_path / "elsewhere", "t-0", 10, origin=B)
+    shutil.rmtree(tmp_path / "t-0")
     (tmp_path / "elsewhere" / "t-0").rename(tmp_path / "t-0")
     rewrite(tmp_path, {"t-0": old})  # checksummed, well-formed, and about the directory that was removed
     _checkpoint, log = reopened(tmp_path, "t-0")
@@ -323,3 +325,20 @@ def test_a_node_of_the_older_build_starts_from_its_per_partition_files_and_repla
         broker.close()
     assert not list(logs.glob(f"*/{PARTITION_FILE}"))
     assert all(entries(logs)[f"t-{i}"]["recovery_point"] == ends[i] for i in range(PARTITIONS))
+
+
+def test_a_producer_retry_after_a_restart_is_still_deduplicated(tmp_path: Path) -> None:
+    """The producer table is rebuilt at its first use, not at start: from the same log, so a retry of a batch
+    written before the restart is recognised."""
+    broker = broker_on(tmp_path)
+    broker.create_topic("t", 2, {})
+    _, first = broker.append("t", 1, batch(3, pid=7, seq=0))
+    broker.append("t", 0, batch(1))
+    broker.close()
+    broker = broker_on(tmp_path)
+    try:
+        p, again = broker.append("t", 1, batch(3, pid=7, seq=0))  # the client never saw the first ack
+        assert again.duplicate and again.result.base_offset == first.result.base_offset
+        assert p.log.log_end_offset == 3
+    finally:
+        broker.close()

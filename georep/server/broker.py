@@ -96,9 +96,12 @@ class Partition:
         self.log = log_
         self.config = config
         # A multi-node site's leader passes the table its chain's last seal carries (georep/server/site_cluster.py).
-        if producers is None:
-            producers = ProducerStateTable.rebuild(log_.batch_entries(), now_ms=now_ms, origin=origin)
-        self.producers = producers
+        # Otherwise it is rebuilt from the log at its first use, not at open: a start with 10,000 partitions read
+        # every batch entry of each only for this. Safe, because only this site's own appends (which use the table
+        # first) add batches the rebuild replays; replicated batches are not replayed.
+        self._producers = producers
+        self._origin = origin
+        self._opened_ms = now_ms  # the rebuild expires what a rebuild at open would have
         self._appended: asyncio.Future[None] | None = None
         self._durable: asyncio.Future[None] | None = None
         # Told the key at every notify_durable: the replication streams and links that follow only what moved.
@@ -108,6 +111,19 @@ class Partition:
         # which fsyncs the leader's copy itself; ``sealing`` says its segment takes no more appends.
         self.in_site: InSiteReplication | None = None
         self.sealing = False
+
+    @property
+    def producers(self) -> ProducerStateTable:
+        """Each producer's last sequences here (idempotent produce), rebuilt from the log at the first use."""
+        if self._producers is None:
+            entries = self.log.batch_entries()
+            self._producers = ProducerStateTable.rebuild(entries, now_ms=self._opened_ms, origin=self._origin)
+        return self._producers
+
+    def expire_producers(self, now_ms: int) -> None:
+        """Forget producers idle past their expiry (nothing to do for a table not rebuilt yet)."""
+        if self._producers is not None:
+            self._producers.expire(now_ms)
 
     @property
     def fsync_per_batch(self) -> bool:
@@ -852,7 +868,7 @@ class Broker:
         deleted = 0
         for p in self.partitions.values():
             deleted += p.log.enforce_retention(now)
-            p.producers.expire(now)
+            p.expire_producers(now)
         if self.checkpoint is not None:
             _save_checkpoint(self.checkpoint)
         return deleted
