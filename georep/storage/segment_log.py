@@ -359,12 +359,21 @@ class SegmentLog:
         """:meth:`open`'s recovery of the segments ``bases`` with the recovery point ``point``. Raises
         :class:`PointBeyondLog` when a ``point`` that ``may_be_wrong`` claims bytes the last segment lacks."""
         segments: list[Segment] = []
+        loaded: list[BytesLike] = []  # each segment's origin-index entries
         lost: list[DamagedBatch] = []
         lock = threading.Lock()
         lock.acquire()  # held while opening: the handle cache leaves these segments' files alone meanwhile
         try:
             _load_segments(
-                directory, config, bases, point, listed is not None, segments, lost, report, lock, filesystem_synced
+                directory,
+                config,
+                bases,
+                point,
+                listed is not None,
+                (segments, loaded, lost),
+                report,
+                lock,
+                filesystem_synced,
             )
             if point is not None and points.may_be_wrong:
                 _check_claim(directory, point, segments, lost)
@@ -378,6 +387,7 @@ class SegmentLog:
                 if start > expected:  # every segment file is gone: nothing created the log at this offset
                     raise MissingSegment(_missing(directory, expected, start))
                 segments.append(Segment.create(directory, start, lock))
+                loaded.append(b"")
             report.lost = len(lost)
             changed = bool(
                 report.indexes_rebuilt
@@ -388,7 +398,7 @@ class SegmentLog:
             )
             if not filesystem_synced or changed or len(segments) != len(bases):
                 fsync_directory(directory)
-            opened = cls._from_segments(directory, config, segments, point, report, lock, points)
+            opened = cls._from_segments(directory, config, (segments, loaded), point, report, lock, points)
             opened._quarantine_at_open(listed or [], lost)
             if not filesystem_synced or point is None or changed:
                 opened._write_recovery_point()
@@ -486,7 +496,7 @@ class SegmentLog:
         cls,
         directory: Path,
         config: LogConfig,
-        segments: list[Segment],
+        loaded: tuple[list[Segment], list[BytesLike]],
         point: RecoveryPoint | None,
         report: RecoveryReport,
         lock: threading.Lock,
@@ -497,21 +507,25 @@ class SegmentLog:
         Below the first retained segment, the vector comes from the recovery point (or, when that is unreadable,
         from the ``log-start`` file); from there on, from the segments' own batches.
         """
+        segments, entries = loaded
         active_base = segments[-1].base_offset
         log_start = segments[0].base_offset
         vector, covered = _vector_below(directory, point, log_start, segments[-1].next_offset)
         vector_offset = max(covered, active_base)
         opened = cls(directory, config, segments, OriginIndex(), vector, vector_offset, {}, report, lock, points)
-        opened._index_segments(vector, covered)
+        opened._index_segments(vector, covered, entries)
         if log_start and read_log_start(directory) is None:  # made by an older build, or lost: the second copy again
             write_log_start(directory, LogStart(LocalOffset(log_start), dict(opened._start_vectors[0])))
         return opened
 
-    def _index_segments(self, vector: dict[Origin, OriginSeq], covered: int) -> None:
+    def _index_segments(
+        self, vector: dict[Origin, OriginSeq], covered: int, loaded: Sequence[BytesLike] | None = None
+    ) -> None:
         """Fold every segment's origin entries into the origin index, the vector and the start vectors.
 
         ``vector`` is ``{origin: next seq}`` over every batch below offset ``covered`` (deleted ones included);
-        batches at or above it are read back from the segments.
+        batches at or above it are read back from the segments (or taken from ``loaded``: each segment's entries,
+        as the open loaded them).
         """
         origins = OriginIndex()
         names: dict[tuple[bytes, int], Origin] = {}
@@ -519,11 +533,11 @@ class SegmentLog:
         sealed_vector: dict[Origin, OriginSeq] | None = dict(vector) if covered >= active_base else None
         segment_ends: list[dict[Origin, int]] = []  # per segment, {origin: next seq after its batches there}
         first: dict[Origin, tuple[int, int]] = {}  # origin -> (base offset, base seq) of its first retained batch
-        for segment in self._segments:
+        for i, segment in enumerate(self._segments):
             if segment.base_offset == active_base and sealed_vector is None:
                 sealed_vector = dict(vector)
             ends: dict[Origin, int] = {}
-            for entry in iter_origin_entries(segment.origin_entries()):
+            for entry in iter_origin_entries(segment.origin_entries() if loaded is None else loaded[i]):
                 origin = _origin_of(names, entry)
                 next_seq = entry.next_origin_seq
                 origins.add(origin, next_seq, entry.base_offset)
@@ -1358,17 +1372,18 @@ def _load_segments(
     bases: list[int],
     point: RecoveryPoint | None,
     may_trust: bool,
-    segments: list[Segment],
-    lost: list[DamagedBatch],
+    out: tuple[list[Segment], list[BytesLike], list[DamagedBatch]],
     report: RecoveryReport,
     owner: threading.Lock,
     synced: bool,
 ) -> None:
-    """Load every segment in order into ``segments``; what their plans find lost goes into ``lost``.
+    """Load every segment in order into ``out``'s ``segments`` (and their origin-index entries into ``loaded``);
+    what their plans find lost goes into ``lost``.
 
     A sealed segment is never cut (its end is its own durable end: it was fsynced when it rolled); the last one
     is cut only at or above the recovery point, where a crash can leave a torn write.
     """
+    segments, loaded, lost = out
     durable = point.recovery_point if point is not None else 0
     running: dict[OriginKey, int] = {}
     for i, base in enumerate(bases):
@@ -1391,7 +1406,8 @@ def _load_segments(
             trust_prefix=may_trust and next_base is None,
         )
         segments.append(segment)
-        for entry in iter_origin_entries(segment.origin_entries()):
+        loaded.append(outcome.origin_entries)
+        for entry in iter_origin_entries(outcome.origin_entries):
             running[entry.origin_key] = entry.next_origin_seq
         report.segments_validated += outcome.validated
         report.segments_trusted += not outcome.validated
