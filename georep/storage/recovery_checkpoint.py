@@ -82,6 +82,7 @@ class RecoveryCheckpoint:
         self._found = entries  # as read at start: consulted once per partition, then dropped
         self._points: dict[str, _Entry] = {}
         self._legacy: set[str] = set()  # partitions opened from an old recovery-point file, removed once written
+        self._moved: list[str] = []  # partitions whose entry was written for another directory of their name
         self._lock = threading.Lock()
         self._dirty = False
 
@@ -122,18 +123,12 @@ class RecoveryCheckpoint:
                 with self._lock:
                     self._legacy.add(name)
             ino = _inode(directory)
-            if entry.dir_ino == ino:
-                with self._lock:  # still true: kept for the next write, unless the open moves or distrusts it
+            with self._lock:
+                if entry.dir_ino == ino:  # still true: kept for the next write, unless the open moves or distrusts it
                     self._points.setdefault(name, entry)
-                return entry.point
-            log.warning(
-                "partition log %s: %s has an entry for another directory of that name (inode %d, this one is %d): "
-                "ignored, every segment is validated",
-                directory,
-                FILE_NAME,
-                entry.dir_ino,
-                ino,
-            )
+                    return entry.point
+                self._moved.append(name)  # logged once for all by started(): a copied data dir moves every one
+            log.debug("partition log %s: entry for inode %d, this directory is %d", directory, entry.dir_ino, ino)
             return None
         if PARTITION_FILE not in names:
             return None
@@ -182,6 +177,15 @@ class RecoveryCheckpoint:
             self._found.clear()
             self._dirty = True
             legacy = len(self._legacy)
+            moved, self._moved = self._moved, []
+        if moved:
+            log.warning(
+                "%s has entries written for other directories of the names of %d partition(s) (%s): a data dir "
+                "copied or restored, or a partition made anew; they were validated from their segments",
+                self.path,
+                len(moved),
+                _some(sorted(moved)),
+            )
         if legacy:
             log.info(
                 "%d partition(s) started from their old per-partition %s file (an upgrade); %s replaces them",
@@ -190,8 +194,9 @@ class RecoveryCheckpoint:
                 self.path,
             )
         if stale:
-            shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
-            log.warning("%s names %d partition(s) this node does not have (%s): dropped", self.path, len(stale), shown)
+            log.warning(
+                "%s names %d partition(s) this node does not have (%s): dropped", self.path, len(stale), _some(stale)
+            )
 
     def save(self, *, force: bool = False) -> bool:
         """Write the file if a point moved since the last write (or ``force``); whether it wrote. Then remove
@@ -222,6 +227,10 @@ class RecoveryCheckpoint:
     def __len__(self) -> int:
         with self._lock:
             return len(self._points)
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def _inode(directory: Path) -> int:
