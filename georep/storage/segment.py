@@ -124,10 +124,16 @@ def _open_rw(path: Path, *, create: bool = False) -> int:
 def read_index_file(path: Path, magic: bytes, version: int, entry_bytes: int) -> bytes | None:
     """The entries of an index file, or ``None`` if it is missing, foreign, of another version or torn."""
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # not Path.read_bytes: two per segment at every start
     except FileNotFoundError:
         return None
-    return entries_of_file(data, magic, version, entry_bytes)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):  # ends at end of file: each pass reads at least one byte
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return entries_of_file(b"".join(chunks), magic, version, entry_bytes)
 
 
 class LogBytes:
