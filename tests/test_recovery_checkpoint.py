@@ -20,6 +20,7 @@ from georep.storage.recovery_checkpoint import FILE_NAME, RecoveryCheckpoint
 from georep.storage.recovery_point import FILE_NAME as PARTITION_FILE
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import Origin, OriginSeq
+from spark_jobs.layout import partition_segments
 from tests.support.node_api import batch
 from tests.support.segments import A, B, Writer, log_files, read_all
 
@@ -267,7 +268,7 @@ def broker_on(data_dir: Path, **kwargs: object) -> Broker:
 
 def fill(broker: Broker, records: int) -> dict[int, int]:
     """One batch of ``records`` records to each partition of topic ``t``; each one's log end."""
-    ends = {}
+    ends: dict[int, int] = {}
     for i in range(PARTITIONS):
         broker.append("t", i, batch(records))
         p = broker.partition("t", i)
@@ -300,6 +301,7 @@ def test_what_was_written_after_the_last_checkpoint_survives_a_crash(tmp_path: P
     before = entries(tmp_path / "logs")
     ends = fill(broker, 5)  # acknowledged (fsynced) after it: the file still says less
     for p in broker.partitions.values():
+        assert isinstance(p.log, SegmentLog)
         p.log.abandon()  # kill -9
     broker.executor.shutdown()
     broker.replica_writer.shutdown()
@@ -342,3 +344,18 @@ def test_a_producer_retry_after_a_restart_is_still_deduplicated(tmp_path: Path) 
         assert p.log.log_end_offset == 3
     finally:
         broker.close()
+
+
+def test_the_audit_reads_the_recovery_points_from_the_checkpoint(tmp_path: Path) -> None:
+    """The audit's file mode tells a torn tail from damage by the recovery point: it finds the point in the
+    node's checkpoint (a partition with none counts as all above it, and its damage as torn tails)."""
+    logs = tmp_path / "logs"
+    written(logs, "t-0", 3)
+    written(logs, "t-1", 2)
+    (segment,) = partition_segments("a", "t", 0, logs / "t-0")
+    assert segment.recovery_point == 6
+    assert partition_segments("a", "t", 1, logs / "t-1")[0].recovery_point == 4
+    log = SegmentLog.open(tmp_path / "own" / "t-0", CONFIG, 0)  # a log with its own file (a segment copy)
+    Writer(log).append(A, 2)
+    log.close()
+    assert partition_segments("a", "t", 0, tmp_path / "own" / "t-0")[0].recovery_point == 2

@@ -40,6 +40,7 @@ after the checkpoint holding its entry is durable, the old file is removed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -227,6 +228,30 @@ class RecoveryCheckpoint:
     def __len__(self) -> int:
         with self._lock:
             return len(self._points)
+
+
+def recorded_point(directory: Path) -> RecoveryPoint | None:
+    """The recovery point a node recorded for the partition ``directory``, for a reader that changes nothing (the
+    audit's file mode): its entry in the checkpoint of the directory's parent, when written for this directory;
+    else its own ``recovery-point`` file (an older build's, or a log kept on its own, as a multi-node site's
+    segment copies); else ``None``. The checkpoint is parsed once per version of the file."""
+    try:
+        st = os.stat(directory.parent / FILE_NAME)
+    except FileNotFoundError:
+        entries: dict[str, _Entry] = {}
+    else:
+        entries = _recorded(str(directory.parent), st.st_mtime_ns, st.st_size)
+    entry = entries.get(directory.name)
+    if entry is not None and entry.dir_ino == _inode(directory):
+        return entry.point
+    return read_recovery_point(directory) if (directory / PARTITION_FILE).exists() else None
+
+
+@functools.lru_cache(maxsize=8)
+def _recorded(logs_dir: str, mtime_ns: int, size: int) -> dict[str, _Entry]:
+    del mtime_ns, size  # the cache key: a rewritten file is read again
+    checkpoint = RecoveryCheckpoint.load(Path(logs_dir))
+    return dict(checkpoint._found)
 
 
 def _some(names: list[str]) -> str:
