@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from georep.storage.partition_dirs import parse_partition_dir
-from georep.storage.recovery_point import read_recovery_point
+from georep.storage.recovery_checkpoint import recorded_point
 from georep.storage.replica_store import REPLICAS_DIR
 from georep.storage.segment import LOG_SUFFIX
 from topology.file import TopologyFileError, is_default, parse_topology_file, unreadable
@@ -212,7 +212,7 @@ def _cluster_segments(site: str, nodes: dict[str, Path], topics: tuple[str, ...]
 def partition_segments(site: str, topic: str, partition: int, part_dir: Path) -> list[SegmentFile]:
     """The segment files of one ``SegmentLog`` directory (a partition log, or one node's copy of a segment)."""
     bases = sorted(int(p.stem) for p in part_dir.glob("*" + LOG_SUFFIX) if p.stem.isdigit())
-    point = read_recovery_point(part_dir)
+    point = recorded_point(part_dir)  # the node's checkpoint of its logs, or the directory's own file
     recovery = point.recovery_point if point else 0
     out = []
     for i, base in enumerate(bases):

@@ -48,6 +48,7 @@ from georep.storage.durable_file import fsync_directory
 from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.partition_dirs import partition_dir_name, topic_file_name
 from georep.storage.private import FILE_MODE, private_dir
+from georep.storage.recovery_checkpoint import RecoveryCheckpoint
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -95,9 +96,12 @@ class Partition:
         self.log = log_
         self.config = config
         # A multi-node site's leader passes the table its chain's last seal carries (georep/server/site_cluster.py).
-        if producers is None:
-            producers = ProducerStateTable.rebuild(log_.batch_entries(), now_ms=now_ms, origin=origin)
-        self.producers = producers
+        # Otherwise it is rebuilt from the log at its first use, not at open: a start with 10,000 partitions read
+        # every batch entry of each only for this. Safe, because only this site's own appends (which use the table
+        # first) add batches the rebuild replays; replicated batches are not replayed.
+        self._producers = producers
+        self._origin = origin
+        self._opened_ms = now_ms  # the rebuild expires what a rebuild at open would have
         self._appended: asyncio.Future[None] | None = None
         self._durable: asyncio.Future[None] | None = None
         # Told the key at every notify_durable: the replication streams and links that follow only what moved.
@@ -107,6 +111,19 @@ class Partition:
         # which fsyncs the leader's copy itself; ``sealing`` says its segment takes no more appends.
         self.in_site: InSiteReplication | None = None
         self.sealing = False
+
+    @property
+    def producers(self) -> ProducerStateTable:
+        """Each producer's last sequences here (idempotent produce), rebuilt from the log at the first use."""
+        if self._producers is None:
+            entries = self.log.batch_entries()
+            self._producers = ProducerStateTable.rebuild(entries, now_ms=self._opened_ms, origin=self._origin)
+        return self._producers
+
+    def expire_producers(self, now_ms: int) -> None:
+        """Forget producers idle past their expiry (nothing to do for a table not rebuilt yet)."""
+        if self._producers is not None:
+            self._producers.expire(now_ms)
 
     @property
     def fsync_per_batch(self) -> bool:
@@ -164,6 +181,34 @@ def _create_failed(name: str, exc: Exception) -> Exception:
     return WriteFailed(f"cannot create topic {name!r}: {exc}; nothing of it was kept")
 
 
+def _segment_logs(
+    logs_dir: Path,
+) -> tuple[
+    RecoveryCheckpoint, Callable[[Path, LogConfig, int], PartitionLog], Callable[[Path, LogConfig, int], PartitionLog]
+]:
+    """A node's own partition logs in ``logs_dir``: their checkpoint, how to open one, and how to open one at start."""
+    from georep.storage.segment_log import SegmentLog, sync_filesystem
+
+    checkpoint = RecoveryCheckpoint.load(logs_dir)
+    # One sync of the file system makes durable whatever a killed predecessor left in the page cache, so each
+    # partition's open at start fsyncs only what it changes (10,000 partitions: seconds, not minutes). Only at
+    # start: later opens are of directories this process may have written.
+    sync_filesystem(logs_dir)
+    return (
+        checkpoint,
+        functools.partial(SegmentLog.open, points=checkpoint),
+        functools.partial(SegmentLog.open, filesystem_synced=True, points=checkpoint),
+    )
+
+
+def _save_checkpoint(checkpoint: RecoveryCheckpoint) -> None:
+    """Write the recovery-point checkpoint if a point moved; a disk that refuses it is logged, not fatal."""
+    try:
+        checkpoint.save()
+    except OSError as exc:  # the last one written stays true: the next start validates more
+        log.warning("cannot write %s (%s): the next start validates more of each partition", checkpoint.path, exc)
+
+
 class Broker:
     def __init__(
         self,
@@ -182,15 +227,11 @@ class Broker:
         self.logs_dir = data_dir / "logs"
         private_dir(self.logs_dir)
         self._open_at_start: Callable[[Path, LogConfig, int], PartitionLog] | None = open_log
+        # The recovery points of every partition in one file (georep/storage/recovery_checkpoint.py), written at
+        # each retention run and at close; None when the caller opens its own logs.
+        self.checkpoint: RecoveryCheckpoint | None = None
         if open_log is None:
-            from georep.storage.segment_log import SegmentLog, sync_filesystem
-
-            open_log = SegmentLog.open
-            # One sync of the file system makes durable whatever a killed predecessor left in the page cache,
-            # so each partition's open at start fsyncs only what it changes (10,000 partitions: seconds, not
-            # minutes). Only at start: later opens are of directories this process may have written.
-            sync_filesystem(self.logs_dir)
-            self._open_at_start = functools.partial(SegmentLog.open, filesystem_synced=True)
+            self.checkpoint, open_log, self._open_at_start = _segment_logs(self.logs_dir)
         self.open_log = open_log
         self.creating_dir = data_dir / CREATING_DIR  # topic creates under way (``_finish_creates``)
         # Names whose create is under way (files made in a worker thread): another create of them is refused.
@@ -242,6 +283,8 @@ class Broker:
             for p in self.partitions.values():
                 p.log.close()
             raise
+        if self.checkpoint is not None:
+            self.checkpoint.started([partition_dir_name(*key) for key in self.partitions])
 
     @property
     def held(self) -> HeldTable:
@@ -477,6 +520,8 @@ class Broker:
             removed.append(directory.name)
         if removed:
             fsync_directory(self.logs_dir)
+            if self.checkpoint is not None:
+                self.checkpoint.forget(removed)
         return removed
 
     def _finish_creates(self) -> None:
@@ -817,14 +862,19 @@ class Broker:
             self._perform(self.acks.flush(p.key, p.log.log_end_offset))
 
     def enforce_retention(self) -> int:
+        """Retention of every partition, which also moves their recovery points up to what was fsynced; then
+        the checkpoint of those points, when one moved (one file for the node, not one per partition)."""
         now = self.clock_ms()
         deleted = 0
         for p in self.partitions.values():
             deleted += p.log.enforce_retention(now)
-            p.producers.expire(now)
+            p.expire_producers(now)
+        if self.checkpoint is not None:
+            _save_checkpoint(self.checkpoint)
         return deleted
 
     def close(self) -> None:
+        """fsync and close every log, then write their recovery points, all in one checkpoint."""
         self._perform(self.acks.close())
         if self._geo_timer is not None:
             self._geo_timer.cancel()
@@ -832,3 +882,5 @@ class Broker:
         for p in self.partitions.values():
             p.log.close()
         self.executor.shutdown(wait=True)
+        if self.checkpoint is not None:
+            _save_checkpoint(self.checkpoint)

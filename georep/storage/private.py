@@ -74,27 +74,41 @@ class Tightened:
 
 def tighten(root: Path) -> Tightened:
     """Take the group's and others' access away from ``root`` and everything under it (symbolic links are not
-    followed); what was changed, by path relative to ``root``. A missing ``root`` changes nothing."""
+    followed); what was changed, by path relative to ``root``. A missing ``root`` changes nothing.
+
+    One ``lstat`` per entry, through ``os.scandir`` (a node with 10,000 partitions has 40,000 of them: paths
+    built and stat'ed twice each were a seventh of its start)."""
     out = Tightened()
     if not root.is_dir():
         return out
-    _restrict(root, root, out)
-    for directory, dirs, files in os.walk(root):
-        here = Path(directory)
-        for name in sorted(dirs):
-            _restrict(here / name, root, out)
-        for name in sorted(files):
-            _restrict(here / name, root, out)
+    try:
+        st = root.lstat()
+    except FileNotFoundError:
+        return out
+    _restrict(str(root), st.st_mode, ".", out)
+    pending = [(str(root), "")]
+    while pending:  # each directory once: bounded by the tree, symbolic links are never followed
+        directory, relative = pending.pop()
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            try:
+                mode = entry.stat(follow_symlinks=False).st_mode
+            except FileNotFoundError:  # deleted meanwhile (a node's own files are not, but a stray tmp may be)
+                continue
+            name = relative + entry.name
+            _restrict(entry.path, mode, name, out)
+            if stat.S_ISDIR(mode):
+                pending.append((entry.path, name + "/"))
+    out.files.sort()
+    out.directories.sort()
     return out
 
 
-def _restrict(path: Path, root: Path, out: Tightened) -> None:
-    try:
-        st = path.lstat()
-    except FileNotFoundError:  # deleted meanwhile (a node's own files are not, but a stray tmp may be)
+def _restrict(path: str, mode: int, name: str, out: Tightened) -> None:
+    if stat.S_ISLNK(mode) or not mode & 0o077:
         return
-    if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
-        return
-    os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077)
-    name = "." if path == root else str(path.relative_to(root))
-    (out.directories if stat.S_ISDIR(st.st_mode) else out.files).append(name)
+    os.chmod(path, stat.S_IMODE(mode) & ~0o077)
+    (out.directories if stat.S_ISDIR(mode) else out.files).append(name)

@@ -28,6 +28,10 @@ hold. A format-1 file (no checksum) is still read; the next write replaces it.
 Text rather than binary because it is tiny, written only on roll and close,
 and an operator may want to read it.
 
+A node's logs keep their points in one file for all partitions instead
+(:mod:`georep.storage.recovery_checkpoint`); a log opened on its own (tests, a multi-node site's segment copies)
+uses this file. :class:`RecoveryPoints` is where a log reads and writes its point.
+
 It is derived: the segments are the truth. An unreadable file only means that every segment is walked at the
 next start; :mod:`georep.storage.log_start` keeps the one thing the segments cannot give back (the vector of
 what retention deleted).
@@ -36,8 +40,10 @@ what retention deleted).
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from georep.storage.checked_json import DamagedStateFile, dumps_checked, read_checked
 from georep.storage.durable_file import replace_file
@@ -90,3 +96,42 @@ def _non_negative(value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"expected a non-negative integer, got {value!r}")
     return value
+
+
+class RecoveryPoints(Protocol):
+    """Where a partition log keeps its recovery point: its own file (:data:`PARTITION_FILES`) or a node's
+    checkpoint of every partition (``georep/storage/recovery_checkpoint.py``).
+
+    ``may_be_wrong``: its points are not written durably at each write (a checkpoint written now and then, whose
+    entry may be for another directory of the same name), so a point that claims more than the log holds is
+    dropped and the log validated from its segments; otherwise that is damage below a true recovery point, and
+    the log is refused."""
+
+    may_be_wrong: bool
+
+    def read(self, directory: Path, names: Collection[str]) -> RecoveryPoint | None:
+        """``directory``'s point (``names``: its listing), or ``None``: none, or none to trust."""
+
+    def write(self, directory: Path, point: RecoveryPoint) -> None:
+        """``point`` is true for ``directory`` now (durable on return, or when its keeper says so)."""
+
+    def distrust(self, directory: Path, why: str) -> None:
+        """The point :meth:`read` gave claims more than the log holds (``why``): not to be used again."""
+
+
+class PartitionFile:
+    """The ``recovery-point`` file in each partition directory, written durably at each write."""
+
+    may_be_wrong = False
+
+    def read(self, directory: Path, names: Collection[str]) -> RecoveryPoint | None:
+        return read_recovery_point(directory) if FILE_NAME in names else None
+
+    def write(self, directory: Path, point: RecoveryPoint) -> None:
+        write_recovery_point(directory, point)
+
+    def distrust(self, directory: Path, why: str) -> None:
+        raise AssertionError("a partition's own recovery-point file is never distrusted")
+
+
+PARTITION_FILES = PartitionFile()

@@ -114,6 +114,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import os
@@ -158,7 +159,13 @@ from georep.storage.log_start import FILE_NAME as LOG_START_FILE
 from georep.storage.log_start import LogStart, read_log_start, write_log_start
 from georep.storage.origin_index import OriginIndex
 from georep.storage.recovery_point import FILE_NAME as RECOVERY_POINT_FILE
-from georep.storage.recovery_point import RecoveryPoint, read_recovery_point, write_recovery_point
+from georep.storage.recovery_point import (
+    PARTITION_FILES,
+    RecoveryPoint,
+    RecoveryPoints,
+    read_recovery_point,
+    write_recovery_point,
+)
 from georep.storage.segment import (
     INDEX_SUFFIX,
     LOG_SUFFIX,
@@ -196,6 +203,10 @@ class MissingSegment(StorageError):
     """A segment file is missing from the middle of a partition log: the node refuses to open it."""
 
 
+class PointBeyondLog(StorageError):
+    """A recovery point that claims more than the partition log holds."""
+
+
 class InvalidLogConfig(ValueError):
     """A ``LogConfig`` value the segment log cannot work with."""
 
@@ -215,6 +226,7 @@ class RecoveryReport:
     # their bytes did not survive (a torn tail, or a cut exactly between batches
     # that leaves nothing corrupt behind, as when the OS lost unflushed pages).
     indexed_batches_lost: int = 0
+    lost: int = 0  # batches quarantined at open: their slots hold bytes that fail their check
 
 
 def check_config(config: LogConfig) -> None:
@@ -244,8 +256,10 @@ class SegmentLog:
         sealed_vector: dict[Origin, OriginSeq],
         recovery: RecoveryReport,
         lock: threading.Lock,
+        points: RecoveryPoints = PARTITION_FILES,
     ) -> None:
         self.directory = directory
+        self._points = points  # where the recovery point is kept
         self.config = config
         self.recovery = recovery
         self._lock = lock  # the segments' owner: the handle cache closes their files only while it is free
@@ -275,7 +289,15 @@ class SegmentLog:
     # -- open and recovery -----------------------------------------------------------------------
 
     @classmethod
-    def open(cls, directory: Path, config: LogConfig, now_ms: int, *, filesystem_synced: bool = False) -> SegmentLog:
+    def open(
+        cls,
+        directory: Path,
+        config: LogConfig,
+        now_ms: int,
+        *,
+        filesystem_synced: bool = False,
+        points: RecoveryPoints = PARTITION_FILES,
+    ) -> SegmentLog:
         """Create or recover the partition log in ``directory``.
 
         ``now_ms`` is accepted for symmetry with the other clock-taking calls;
@@ -287,6 +309,10 @@ class SegmentLog:
         already durable, so an open that changes nothing does no fsync: the directory is fsynced only when
         recovery created, removed or rewrote a file, and the recovery point is left where it is (a lower
         recovery point is always true: the next open validates a little more).
+
+        ``points``: where the recovery point is kept (the directory's own file by default; a node's checkpoint of
+        every partition). A point from a keeper that ``may_be_wrong`` and that claims more than the log holds is
+        dropped, and the log validated from its segments.
         """
         del now_ms
         check_config(config)
@@ -296,7 +322,7 @@ class SegmentLog:
         names = os.listdir(directory)  # one listing: a file it lacks is not opened to find that out
         kept = read_log_start(directory) if LOG_START_FILE in names else None
         bases = _tidy_directory(directory, names, report, None if kept is None else kept.log_start)
-        point = read_recovery_point(directory)
+        point = points.read(directory, names)
         listed = _read_damaged(directory) if DAMAGED_FILE in names else []
         if listed is None:
             log.warning(
@@ -304,14 +330,53 @@ class SegmentLog:
                 directory,
                 DAMAGED_FILE,
             )
+        recover = functools.partial(cls._recover, directory, config, bases, kept, listed, filesystem_synced, points)
+        try:
+            opened = recover(point, report)
+        except (UnrepairableDamage, PointBeyondLog) as exc:
+            if point is None or not points.may_be_wrong:
+                raise
+            points.distrust(directory, str(exc))
+            report = RecoveryReport(files_removed=report.files_removed, files_restored=report.files_restored)
+            opened = recover(None, report)
+        if report.indexes_rebuilt or report.damaged_offset is not None or report.files_removed or report.lost:
+            log.info("partition log %s recovered: %s", directory, report)
+        return opened
+
+    @classmethod
+    def _recover(
+        cls,
+        directory: Path,
+        config: LogConfig,
+        bases: list[int],
+        kept: LogStart | None,
+        listed: list[DamagedBatch] | None,
+        filesystem_synced: bool,
+        points: RecoveryPoints,
+        point: RecoveryPoint | None,
+        report: RecoveryReport,
+    ) -> SegmentLog:
+        """:meth:`open`'s recovery of the segments ``bases`` with the recovery point ``point``. Raises
+        :class:`PointBeyondLog` when a ``point`` that ``may_be_wrong`` claims bytes the last segment lacks."""
         segments: list[Segment] = []
+        loaded: list[BytesLike] = []  # each segment's origin-index entries
         lost: list[DamagedBatch] = []
         lock = threading.Lock()
         lock.acquire()  # held while opening: the handle cache leaves these segments' files alone meanwhile
         try:
             _load_segments(
-                directory, config, bases, point, listed is not None, segments, lost, report, lock, filesystem_synced
+                directory,
+                config,
+                bases,
+                point,
+                listed is not None,
+                (segments, loaded, lost),
+                report,
+                lock,
+                filesystem_synced,
             )
+            if point is not None and points.may_be_wrong:
+                _check_claim(directory, point, segments, lost)
             # What retention kept starts at the log-start file's offset (0 without one: nothing was deleted, or an
             # older build deleted, which the check of a log whose segments start later must let pass).
             expected = kept.log_start if kept is not None else 0
@@ -322,6 +387,8 @@ class SegmentLog:
                 if start > expected:  # every segment file is gone: nothing created the log at this offset
                     raise MissingSegment(_missing(directory, expected, start))
                 segments.append(Segment.create(directory, start, lock))
+                loaded.append(b"")
+            report.lost = len(lost)
             changed = bool(
                 report.indexes_rebuilt
                 or report.files_removed
@@ -331,7 +398,7 @@ class SegmentLog:
             )
             if not filesystem_synced or changed or len(segments) != len(bases):
                 fsync_directory(directory)
-            opened = cls._from_segments(directory, config, segments, point, report, lock)
+            opened = cls._from_segments(directory, config, (segments, loaded), point, report, lock, points)
             opened._quarantine_at_open(listed or [], lost)
             if not filesystem_synced or point is None or changed:
                 opened._write_recovery_point()
@@ -343,8 +410,6 @@ class SegmentLog:
             raise
         finally:
             lock.release()
-        if report.indexes_rebuilt or report.damaged_offset is not None or report.files_removed or lost:
-            log.info("partition log %s recovered: %s", directory, report)
         return opened
 
     @classmethod
@@ -431,31 +496,36 @@ class SegmentLog:
         cls,
         directory: Path,
         config: LogConfig,
-        segments: list[Segment],
+        loaded: tuple[list[Segment], list[BytesLike]],
         point: RecoveryPoint | None,
         report: RecoveryReport,
         lock: threading.Lock,
+        points: RecoveryPoints,
     ) -> SegmentLog:
         """The log over loaded segments: its vector, the origin index and each segment's start vector.
 
         Below the first retained segment, the vector comes from the recovery point (or, when that is unreadable,
         from the ``log-start`` file); from there on, from the segments' own batches.
         """
+        segments, entries = loaded
         active_base = segments[-1].base_offset
         log_start = segments[0].base_offset
         vector, covered = _vector_below(directory, point, log_start, segments[-1].next_offset)
         vector_offset = max(covered, active_base)
-        opened = cls(directory, config, segments, OriginIndex(), vector, vector_offset, {}, report, lock)
-        opened._index_segments(vector, covered)
+        opened = cls(directory, config, segments, OriginIndex(), vector, vector_offset, {}, report, lock, points)
+        opened._index_segments(vector, covered, entries)
         if log_start and read_log_start(directory) is None:  # made by an older build, or lost: the second copy again
             write_log_start(directory, LogStart(LocalOffset(log_start), dict(opened._start_vectors[0])))
         return opened
 
-    def _index_segments(self, vector: dict[Origin, OriginSeq], covered: int) -> None:
+    def _index_segments(
+        self, vector: dict[Origin, OriginSeq], covered: int, loaded: Sequence[BytesLike] | None = None
+    ) -> None:
         """Fold every segment's origin entries into the origin index, the vector and the start vectors.
 
         ``vector`` is ``{origin: next seq}`` over every batch below offset ``covered`` (deleted ones included);
-        batches at or above it are read back from the segments.
+        batches at or above it are read back from the segments (or taken from ``loaded``: each segment's entries,
+        as the open loaded them).
         """
         origins = OriginIndex()
         names: dict[tuple[bytes, int], Origin] = {}
@@ -463,11 +533,11 @@ class SegmentLog:
         sealed_vector: dict[Origin, OriginSeq] | None = dict(vector) if covered >= active_base else None
         segment_ends: list[dict[Origin, int]] = []  # per segment, {origin: next seq after its batches there}
         first: dict[Origin, tuple[int, int]] = {}  # origin -> (base offset, base seq) of its first retained batch
-        for segment in self._segments:
+        for i, segment in enumerate(self._segments):
             if segment.base_offset == active_base and sealed_vector is None:
                 sealed_vector = dict(vector)
             ends: dict[Origin, int] = {}
-            for entry in iter_origin_entries(segment.origin_entries()):
+            for entry in iter_origin_entries(segment.origin_entries() if loaded is None else loaded[i]):
                 origin = _origin_of(names, entry)
                 next_seq = entry.next_origin_seq
                 origins.add(origin, next_seq, entry.base_offset)
@@ -985,7 +1055,7 @@ class SegmentLog:
         sealed_vector = dict(self._vector)
         if end > self._flushed:
             self._flushed, self._flushed_vector = end, dict(sealed_vector)
-        write_recovery_point(self.directory, RecoveryPoint(end, end, sealed_vector))
+        self._points.write(self.directory, RecoveryPoint(end, end, sealed_vector))
         self._point_at = end
         self._vector_offset, self._sealed_vector = end, sealed_vector
         segment = Segment.create(self.directory, end, self._lock)
@@ -1007,7 +1077,7 @@ class SegmentLog:
             return
         point = RecoveryPoint(self._flushed, LocalOffset(self._vector_offset), self._sealed_vector)
         try:
-            write_recovery_point(self.directory, point)
+            self._points.write(self.directory, point)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
@@ -1024,7 +1094,7 @@ class SegmentLog:
         """
         point = RecoveryPoint(self._log_end, LocalOffset(self._vector_offset), self._sealed_vector)
         try:
-            write_recovery_point(self.directory, point)
+            self._points.write(self.directory, point)
             self._point_at = self._log_end
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -1058,19 +1128,21 @@ def _vector_below(
 ) -> tuple[dict[Origin, OriginSeq], int]:
     """The persisted vector and the offset it covers up to: ``(vector, covered)``.
 
-    From the recovery point when it is readable. Otherwise from the ``log-start`` file, which covers everything
-    below the log start; with neither, a log starting above offset 0 is refused: the vector of what retention
-    deleted would be forgotten, and the site could re-pull it, or issue its own deleted seqs again.
+    From the recovery point when it is readable and covers the log start. Otherwise (none, or an older point
+    from a node's checkpoint, written before retention deleted more) from the ``log-start`` file, which covers
+    everything below the log start; with neither, a log starting above offset 0 is refused: the vector of what
+    retention deleted would be forgotten, and the site could re-pull it, or issue its own deleted seqs again.
     """
     if point is not None:
         if point.vector_offset > log_end:
-            raise StorageError(
+            raise PointBeyondLog(
                 f"partition log {directory}: the recovery point's vector covers offsets up to {point.vector_offset}, "
                 f"but the log ends at {log_end}: the log was cut below its recovery point, which recovery never "
                 "does. Restore the partition directory from a backup, or move the node's whole data dir away and "
                 "start it empty (a new epoch; every record is pulled back from the linked sites)"
             )
-        return dict(point.vector), point.vector_offset
+        if point.vector_offset >= log_start:
+            return dict(point.vector), point.vector_offset
     if not log_start:
         return {}, 0
     start = read_log_start(directory)
@@ -1081,14 +1153,37 @@ def _vector_below(
             "either file from a backup, or move the node's whole data dir away and start it empty (a new epoch; "
             "every record is pulled back from the linked sites)"
         )
-    log.warning(
-        "partition log %s: no readable %s; the vector below offset %d comes from %s",
-        directory,
-        RECOVERY_POINT_FILE,
-        start.log_start,
-        LOG_START_FILE,
-    )
-    return dict(start.vector), start.log_start
+    if point is None:
+        log.warning(
+            "partition log %s: no readable %s; the vector below offset %d comes from %s",
+            directory,
+            RECOVERY_POINT_FILE,
+            start.log_start,
+            LOG_START_FILE,
+        )
+    vector = dict(start.vector)
+    for origin, seq in (point.vector if point is not None else {}).items():  # a vector is a per-origin maximum
+        vector[origin] = max(vector.get(origin, OriginSeq(0)), seq)
+    return vector, start.log_start
+
+
+def _check_claim(directory: Path, point: RecoveryPoint, segments: list[Segment], lost: list[DamagedBatch]) -> None:
+    """Raise :class:`PointBeyondLog` when ``point`` claims bytes the last segment does not have: a slot below it
+    that lies past the end of the ``.log`` file (a flipped byte leaves the bytes there; only a point written for
+    other data, or a file cut short, puts a claimed batch past the end)."""
+    if not segments:
+        return
+    name = segment_name(segments[-1].base_offset) + LOG_SUFFIX
+    claimed = [d for d in lost if d.segment == name]
+    if not claimed:
+        return
+    size = os.stat(directory / name).st_size
+    beyond = [d for d in claimed if d.position + d.size_bytes > size]
+    if beyond:
+        raise PointBeyondLog(
+            f"recovery point {point.recovery_point}, but {name} holds {size} bytes and the batch at offset "
+            f"{beyond[0].base_offset} would end at byte {beyond[0].position + beyond[0].size_bytes}"
+        )
 
 
 def _start_vectors(
@@ -1238,19 +1333,19 @@ def _tidy_directory(directory: Path, names: list[str], report: RecoveryReport, l
     """
     logs: set[int] = set()
     indexes: list[tuple[int, Path]] = []
-    for path in (directory / name for name in names):
-        if path.name.endswith(TMP_SUFFIX):
-            log.warning("partition log %s: removing stray %s", directory, path.name)
-            path.unlink()
+    for name in names:  # names, not paths: 10,000 partitions' listings at start
+        if name.endswith(TMP_SUFFIX):
+            log.warning("partition log %s: removing stray %s", directory, name)
+            (directory / name).unlink()
             report.files_removed += 1
             continue
-        match = _SEGMENT_FILE.fullmatch(path.name)
+        match = _SEGMENT_FILE.fullmatch(name)
         if match is None:
             continue
         if match.group(2) == LOG_SUFFIX:
             logs.add(int(match.group(1)))
         else:
-            indexes.append((int(match.group(1)), path))
+            indexes.append((int(match.group(1)), directory / name))
     for base, path in sorted(indexes):
         if base in logs:
             continue
@@ -1277,17 +1372,18 @@ def _load_segments(
     bases: list[int],
     point: RecoveryPoint | None,
     may_trust: bool,
-    segments: list[Segment],
-    lost: list[DamagedBatch],
+    out: tuple[list[Segment], list[BytesLike], list[DamagedBatch]],
     report: RecoveryReport,
     owner: threading.Lock,
     synced: bool,
 ) -> None:
-    """Load every segment in order into ``segments``; what their plans find lost goes into ``lost``.
+    """Load every segment in order into ``out``'s ``segments`` (and their origin-index entries into ``loaded``);
+    what their plans find lost goes into ``lost``.
 
     A sealed segment is never cut (its end is its own durable end: it was fsynced when it rolled); the last one
     is cut only at or above the recovery point, where a crash can leave a torn write.
     """
+    segments, loaded, lost = out
     durable = point.recovery_point if point is not None else 0
     running: dict[OriginKey, int] = {}
     for i, base in enumerate(bases):
@@ -1310,7 +1406,8 @@ def _load_segments(
             trust_prefix=may_trust and next_base is None,
         )
         segments.append(segment)
-        for entry in iter_origin_entries(segment.origin_entries()):
+        loaded.append(outcome.origin_entries)
+        for entry in iter_origin_entries(outcome.origin_entries):
             running[entry.origin_key] = entry.next_origin_seq
         report.segments_validated += outcome.validated
         report.segments_trusted += not outcome.validated

@@ -69,7 +69,8 @@ _KINDS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("sparse index", lambda n: n.endswith(".index")),
     ("origin index", lambda n: n.endswith(".oindex")),
     ("quarantine list", lambda n: n == "damaged.json"),
-    ("recovery point", lambda n: n == "recovery-point"),
+    # A node's recovery points: its checkpoint of every partition, or a log's own file (an older data dir)
+    ("recovery point", lambda n: n in ("recovery-point", "recovery-point-checkpoint")),
     ("log start", lambda n: n == "log-start"),
     ("topics", lambda n: n == "topics.json"),
     ("site identity", lambda n: n == "site.json"),
