@@ -135,6 +135,7 @@ class Puller:
         self._remote: dict[str, RemoteTopic] = {}
         self.remote_topics: dict[str, int] = {}
         self._catalog_token = ""  # where the last sync left this puller in src's catalog ("": from the start)
+        self._acl_token = ""  # src's ACL table as this site last kept all of it ("": list it all)
         self._local_planned: dict[str, TopicSpec] | None = None  # this site's topics when the plan was last made
         self.enabled = asyncio.Event()  # mirrors the session's: an operator cut pauses topics and reports too
         self.enabled.set()
@@ -209,7 +210,9 @@ class Puller:
             try:
                 await self.sync_topics()
                 self._topics_synced.set()
-                await pull_acls(self.stub, self.r.broker.metadata, self.r.broker.in_site, self.src, RPC_TIMEOUT_S)
+                metadata, in_site = self.r.broker.metadata, self.r.broker.in_site
+                pulled = await pull_acls(self.stub, metadata, in_site, self.src, RPC_TIMEOUT_S, self._acl_token)
+                self._acl_token = pulled.token
             except grpc.aio.AioRpcError as exc:
                 log.debug("listing topics at %s (%s) failed: %s", self.src, self.address, exc.details())
             except Exception:  # a bug must not end topic sync for good, silently: log it, sync again
