@@ -127,6 +127,38 @@ def test_a_conflict_that_arrives_as_a_change_is_reported_and_stays(tmp_path: Pat
         channel.close()
 
 
+def test_an_idle_topic_sync_leaves_the_links_view_of_the_topics_as_it_was(tmp_path: Path, node: NodeProcess) -> None:
+    """The stream compares what it may want (``remote_topics`` among it) every tick: a sync that learnt nothing
+    keeps the same view, so the tick finds it unchanged by identity, not by a walk over every topic; a topic
+    created at a still arrives."""
+    channel, stub_a = stub_for(node)
+    stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=2))
+
+    async def scenario() -> None:
+        r = site_b(tmp_path, node)
+        puller = r.pullers[SiteId("a")]
+        try:
+            await puller.sync_topics()
+            view, basis = puller.remote_topics, puller._usable_basis()
+            assert view["first"] == 2
+            for _ in range(3):
+                await puller.sync_topics()
+            assert puller.remote_topics is view, "a sync that learnt nothing replaced the view of a's topics"
+            assert puller._usable_basis() == basis
+            stub_a.CreateTopic(pb.CreateTopicRequest(name="second", partitions=1))
+            await puller.sync_topics()
+            assert puller.remote_topics == {**view, "second": 1}
+            assert r.broker.metadata.get("second").partitions == 1
+        finally:
+            await r.stop()
+            r.broker.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        channel.close()
+
+
 # -- the catalog ------------------------------------------------------------------------------------------------
 
 

@@ -253,13 +253,17 @@ class Puller:
             if not token or not resp.next_page_token:
                 if fresh is not None:
                     self._remote = {}
-                    self._learnt(list(fresh.values()))
+                    self._learnt(list(fresh.values()), replace=True)
                     self._catalog_token = token
                 return learnt
         log.warning("site %s listed over %d pages of topics: the rest next round", self.src, SYNC_PAGES_MAX)
         return learnt if fresh is None else []
 
-    def _learnt(self, topics: list[RemoteTopic]) -> None:
+    def _learnt(self, topics: list[RemoteTopic], replace: bool = False) -> None:
+        if not topics and not replace:
+            # Most rounds learn nothing: remote_topics stays the same object, so the stream's wants basis
+            # (_usable_basis, compared every tick) matches by identity, not by a walk over every topic.
+            return
         for t in topics:
             self._remote[t.name] = t
         # A want for a topic src does not have would fail the whole stream: only what it listed.
