@@ -216,3 +216,60 @@ def test_pages_by_name_never_repeat_or_skip_a_topic_created_meanwhile() -> None:
 def test_a_catalog_id_cannot_hold_the_token_separator(instance: str) -> None:
     with pytest.raises(ValueError):
         TopicCatalog(instance)
+
+
+class CountingTopics:
+    """A node's metadata store that counts the copies of its whole topic table handed out."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.copies = 0
+
+    def topics(self) -> dict[str, TopicSpec]:
+        self.copies += 1
+        return self.store.topics()  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_idle_syncs_and_ticks_copy_no_topic_table_and_a_new_topic_still_reaches_the_links(
+    tmp_path: Path, node: NodeProcess
+) -> None:
+    """Topic sync (every second per link) and a multi-node site's tick (every 0.2 s) used to copy and compare the
+    whole topic table each time; they now follow its version. A topic another node of the site created (straight
+    into the metadata, as through Raft) still reaches the links at the next tick, and the next sync plans with it."""
+    channel, stub_a = stub_for(node)
+    stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=2))
+
+    async def scenario() -> None:
+        r = site_b(tmp_path, node)
+        puller = r.pullers[SiteId("a")]
+        counting = CountingTopics(r.broker.metadata)
+        r.broker.metadata = counting  # type: ignore[assignment]
+        r.broker.in_site = True  # the tick's path for topics that other nodes of the site create
+        try:
+            await puller.sync_topics()
+            await puller.sync_topics()  # a round after creates plans every topic once more
+            r.tick()
+            assert r.links.partitions["first"] == 2
+            counting.copies = 0
+            for _ in range(3):
+                await puller.sync_topics()
+                r.tick()
+            assert counting.copies == 0, "idle rounds copied the topic table"
+            counting.store.create_topic(TopicSpec("made-here", 4, {}))
+            r.tick()
+            assert r.links.partitions["made-here"] == 4
+            copies = counting.copies
+            await puller.sync_topics()
+            assert counting.copies > copies  # the sync planned again, against the table with the new topic
+        finally:
+            await r.stop()
+            r.broker.in_site = False
+            r.broker.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        channel.close()
