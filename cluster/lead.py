@@ -288,8 +288,15 @@ class PartitionLead:
             return self._begin_recovery(ctx)
         return self.try_open(ctx)
 
+    @property
+    def tick_idle(self) -> bool:
+        """Whether :meth:`tick` has nothing to do, whatever the time: an active lead with every member of its
+        segment connected (no retry, no roll, no reconnect is due). ``NodeCore.tick`` skips these, so an idle node
+        leading thousands of partitions does not build a context and tick each of them every tick."""
+        return self.phase is Phase.ACTIVE and not self.failed_at
+
     def tick(self, ctx: LeadContext) -> list[LeadEffect]:
-        """Retries that are due, a roll's seal, members to reconnect."""
+        """Retries that are due, a roll's seal, members to reconnect (nothing at all while :attr:`tick_idle`)."""
         if self.phase is Phase.RECOVERING:
             rec = self.recovery
             if rec is None and ctx.now_ms >= self.retry_at:

@@ -211,7 +211,7 @@ class NodeCore:
                 loads = self.context(view, ("", 0), now_ms).loads
                 copies, rolls = ctl.repair_plan(view, now_ms, size_of, lambda: list(loads()))
                 out += [*copies, *rolls]
-        for key in sorted(self.leads):
+        for key in sorted(key for key, lead in self.leads.items() if not lead.tick_idle):
             out += self.step(view, key, now_ms, lambda lead, ctx: lead.tick(ctx))
         return out
 

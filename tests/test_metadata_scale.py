@@ -13,8 +13,10 @@ from typing import Any, cast
 
 import pytest
 
+from cluster.lead import LeadConfig, LeadContext, LeadEffect, PartitionLead, Phase, Reconnect
 from cluster.leadership import open_loads
 from cluster.node import NodeConfig, NodeCore, NodeEffect, ProposeElection
+from cluster.quorum import SegmentQuorum
 from cluster.site_state import (
     Applied,
     Command,
@@ -43,7 +45,7 @@ from georep.server.cluster_member import BATCH_BYTES_MAX, ClusterMember
 from georep.storage.replica_store import ReplicaStore
 from tests.support.ports import free_ports
 from tests.support.raft import FAST, ok, wait_until
-from topology.ids import LeaderEpoch, NodeId
+from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 
 def _size(command: Command) -> int:
@@ -255,6 +257,45 @@ def test_an_idle_site_walks_no_partition_per_tick_and_still_replaces_a_dead_lead
     while now < 30 * SESSION_MS and not elections:
         elections = [e.command for e in tick(nodes=(1, 2)) if isinstance(e, ProposeElection)]
     assert len(elections) == 100 and {e.node for e in elections} <= {1, 2}
+
+
+class _CountingLead(PartitionLead):
+    """A lead writing segment 0 of its partition on nodes 1, 2, 3; counts its ticks."""
+
+    def __init__(self, key: tuple[str, int], config: LeadConfig) -> None:
+        super().__init__(NodeId(1), key, LeaderEpoch(1), config, None)
+        self.phase = Phase.ACTIVE
+        self.quorum = SegmentQuorum(SegmentId(0), 0, (NodeId(1), NodeId(2), NodeId(3)), 2, LeaderEpoch(1), NodeId(1))
+        self.ticks = 0
+
+    def tick(self, ctx: LeadContext) -> list[LeadEffect]:
+        self.ticks += 1
+        return super().tick(ctx)
+
+
+def test_an_idle_lead_is_not_ticked_and_a_broken_member_is_still_reconnected() -> None:
+    """Each tick used to build a context and tick every lead of the node: 10.9 ms per tick for 3,334 leads (a
+    third of 10,000 partitions), 2% of a core. A lead writing with every member connected has nothing due, whatever
+    the time, and is skipped; one whose member's stream broke still gets its ``Reconnect`` once it is due."""
+    state = _led_site(30)
+    config = NodeConfig(3, 2, SESSION_MS, 200, 200, 1_000)
+    core = NodeCore(NodeId(1), config, {})
+    leads = {("big", p): _CountingLead(("big", p), config.lead()) for p in range(0, 30, 3)}
+    core.leads.update(leads)
+    for now in range(200, 2_000, 200):
+        assert core.tick(state, now, leads_metadata=False) == []
+    assert sum(lead.ticks for lead in leads.values()) == 0, "idle leads were ticked"
+    broken = leads[("big", 3)]
+    broken.member_failed(NodeId(3), 2_000)  # its stream to node 3 broke
+    effects: list[NodeEffect] = []
+    for now in range(2_200, 4_000, 200):
+        effects += core.tick(state, now, leads_metadata=False)
+    assert effects and all(e == Reconnect(("big", 3), NodeId(3)) for e in effects)
+    assert broken.ticks > 0 and all(lead.ticks == 0 for lead in leads.values() if lead is not broken)
+    broken.member_reconnected(NodeId(3))
+    ticks = broken.ticks
+    core.tick(state, 4_200, leads_metadata=False)
+    assert broken.ticks == ticks  # reconnected: idle again
 
 
 # -- cluster status, paged --------------------------------------------------------------------------------------

@@ -127,6 +127,38 @@ def test_a_conflict_that_arrives_as_a_change_is_reported_and_stays(tmp_path: Pat
         channel.close()
 
 
+def test_an_idle_topic_sync_leaves_the_links_view_of_the_topics_as_it_was(tmp_path: Path, node: NodeProcess) -> None:
+    """The stream compares what it may want (``remote_topics`` among it) every tick: a sync that learnt nothing
+    keeps the same view, so the tick finds it unchanged by identity, not by a walk over every topic; a topic
+    created at a still arrives."""
+    channel, stub_a = stub_for(node)
+    stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=2))
+
+    async def scenario() -> None:
+        r = site_b(tmp_path, node)
+        puller = r.pullers[SiteId("a")]
+        try:
+            await puller.sync_topics()
+            view, basis = puller.remote_topics, puller._usable_basis()
+            assert view["first"] == 2
+            for _ in range(3):
+                await puller.sync_topics()
+            assert puller.remote_topics is view, "a sync that learnt nothing replaced the view of a's topics"
+            assert puller._usable_basis() == basis
+            stub_a.CreateTopic(pb.CreateTopicRequest(name="second", partitions=1))
+            await puller.sync_topics()
+            assert puller.remote_topics == {**view, "second": 1}
+            assert r.broker.metadata.get("second").partitions == 1
+        finally:
+            await r.stop()
+            r.broker.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        channel.close()
+
+
 # -- the catalog ------------------------------------------------------------------------------------------------
 
 
@@ -184,3 +216,60 @@ def test_pages_by_name_never_repeat_or_skip_a_topic_created_meanwhile() -> None:
 def test_a_catalog_id_cannot_hold_the_token_separator(instance: str) -> None:
     with pytest.raises(ValueError):
         TopicCatalog(instance)
+
+
+class CountingTopics:
+    """A node's metadata store that counts the copies of its whole topic table handed out."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.copies = 0
+
+    def topics(self) -> dict[str, TopicSpec]:
+        self.copies += 1
+        return self.store.topics()  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def test_idle_syncs_and_ticks_copy_no_topic_table_and_a_new_topic_still_reaches_the_links(
+    tmp_path: Path, node: NodeProcess
+) -> None:
+    """Topic sync (every second per link) and a multi-node site's tick (every 0.2 s) used to copy and compare the
+    whole topic table each time; they now follow its version. A topic another node of the site created (straight
+    into the metadata, as through Raft) still reaches the links at the next tick, and the next sync plans with it."""
+    channel, stub_a = stub_for(node)
+    stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=2))
+
+    async def scenario() -> None:
+        r = site_b(tmp_path, node)
+        puller = r.pullers[SiteId("a")]
+        counting = CountingTopics(r.broker.metadata)
+        r.broker.metadata = counting  # type: ignore[assignment]
+        r.broker.in_site = True  # the tick's path for topics that other nodes of the site create
+        try:
+            await puller.sync_topics()
+            await puller.sync_topics()  # a round after creates plans every topic once more
+            r.tick()
+            assert r.links.partitions["first"] == 2
+            counting.copies = 0
+            for _ in range(3):
+                await puller.sync_topics()
+                r.tick()
+            assert counting.copies == 0, "idle rounds copied the topic table"
+            counting.store.create_topic(TopicSpec("made-here", 4, {}))
+            r.tick()
+            assert r.links.partitions["made-here"] == 4
+            copies = counting.copies
+            await puller.sync_topics()
+            assert counting.copies > copies  # the sync planned again, against the table with the new topic
+        finally:
+            await r.stop()
+            r.broker.in_site = False
+            r.broker.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        channel.close()

@@ -88,6 +88,12 @@ def acl_newer(record: AclRecord, held: AclRecord | None) -> bool:
 class MetadataStore(Protocol):
     def topics(self) -> dict[str, TopicSpec]: ...
 
+    def topics_version(self) -> int:
+        """Changes whenever :meth:`topics` may answer otherwise (and may change more often): what lets the
+        topic sync, ``ListTopics`` and the replicator's tick skip copying and comparing every topic while nothing
+        changed. Read it before :meth:`topics`, so a change between the two shows as a new version next time."""
+        ...
+
     def get(self, name: str) -> TopicSpec:
         """Raises ``UnknownTopic``."""
         ...

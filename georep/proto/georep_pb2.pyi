@@ -201,18 +201,24 @@ class ListAclsRequest(_message.Message):
 
     WITH_REMOVED_FIELD_NUMBER: _builtins.int
     WITH_CREDENTIALS_FIELD_NUMBER: _builtins.int
+    CHANGED_SINCE_FIELD_NUMBER: _builtins.int
     with_removed: _builtins.bool
     with_credentials: _builtins.bool
     """the ACL sync: the users' SCRAM credential records too"""
+    changed_since: _builtins.str
+    """The ACL sync: the acl_token of this node's last answer. If its table has not changed since, the answer is
+    unchanged and carries no records. "" (or another node's or process's token): every record.
+    """
     def __init__(
         self,
         *,
         with_removed: _builtins.bool = ...,
         with_credentials: _builtins.bool = ...,
+        changed_since: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["with_credentials", b"with_credentials", "with_removed", b"with_removed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_since", b"changed_since", "with_credentials", b"with_credentials", "with_removed", b"with_removed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -356,16 +362,24 @@ class ListAclsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RECORDS_FIELD_NUMBER: _builtins.int
+    ACL_TOKEN_FIELD_NUMBER: _builtins.int
+    UNCHANGED_FIELD_NUMBER: _builtins.int
+    acl_token: _builtins.str
+    """the node's ACL table as answered: the next sync asks changed_since it"""
+    unchanged: _builtins.bool
+    """changed_since still holds: nothing changed, no records"""
     @_builtins.property
     def records(self) -> _containers.RepeatedCompositeFieldContainer[Global___AclRecord]: ...
     def __init__(
         self,
         *,
         records: _abc.Iterable[Global___AclRecord] | None = ...,
+        acl_token: _builtins.str = ...,
+        unchanged: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acl_token", b"acl_token", "records", b"records", "unchanged", b"unchanged"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

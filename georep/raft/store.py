@@ -1062,6 +1062,10 @@ class RaftMetadataStore:
     def topics(self) -> dict[str, TopicSpec]:
         return self._replica.read(lambda state: state.topics())
 
+    def topics_version(self) -> int:
+        """The state's version: it changes with every command but a heartbeat, so with every topic created."""
+        return self._replica.read(lambda state: state.version)
+
     def get(self, name: str) -> TopicSpec:
         spec = self._replica.read(lambda state: state.topic(name))
         if spec is None:

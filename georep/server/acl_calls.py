@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 
 from georep.auth.acl import UnknownAcl, acl_entry
 from georep.auth.acl_sync import change, is_acl
 from georep.broker.errors import InvalidRequest
+from georep.metadata.acl_token import AclChanges
 from georep.metadata.store import AclRecord
 from georep.proto import georep_pb2 as pb
 from georep.server.admin_gate import AdminGate
@@ -24,6 +26,7 @@ class AclCalls:
     def __init__(self, broker: Broker, admin: AdminGate) -> None:
         self.broker = broker
         self.admin = admin
+        self.changes = AclChanges(secrets.token_hex(8))  # the ACL sync's token (georep/metadata/acl_token.py)
 
     async def put_acl(self, data: bytes, context: Context) -> pb.PutAclResponse:
         """``georep acl add|remove``: an ACL record stamped above the one held (georep/auth/acl_sync.py)."""
@@ -45,14 +48,19 @@ class AclCalls:
         return pb.PutAclResponse(record=_acl_to_pb(record), changed=True)
 
     async def list_acls(self, data: bytes, context: Context) -> pb.ListAclsResponse:
+        """Every record (of those asked for); or, to an ACL sync whose ``changed_since`` still holds, none."""
         req = parse(pb.ListAclsRequest, data)
-        table = self.broker.metadata.acls()
+        table = self.broker.metadata.acls()  # once: the token answered is this table's
+        self.changes.refresh(table)
+        if req.changed_since and self.changes.unchanged_since(req.changed_since):
+            return pb.ListAclsResponse(acl_token=self.changes.token, unchanged=True)
         return pb.ListAclsResponse(
             records=[
                 _acl_to_pb(table[k])
                 for k in sorted(table)
                 if (req.with_removed or table[k].present) and (req.with_credentials or is_acl(k))
-            ]
+            ],
+            acl_token=self.changes.token,
         )
 
     async def put_user(self, data: bytes, context: Context) -> pb.PutUserResponse:

@@ -135,7 +135,8 @@ class Puller:
         self._remote: dict[str, RemoteTopic] = {}
         self.remote_topics: dict[str, int] = {}
         self._catalog_token = ""  # where the last sync left this puller in src's catalog ("": from the start)
-        self._local_planned: dict[str, TopicSpec] | None = None  # this site's topics when the plan was last made
+        self._acl_token = ""  # src's ACL table as this site last kept all of it ("": list it all)
+        self._local_planned: int | None = None  # this site's topics_version when the plan was last made
         self.enabled = asyncio.Event()  # mirrors the session's: an operator cut pauses topics and reports too
         self.enabled.set()
         self.held_changed = asyncio.Event()
@@ -209,7 +210,9 @@ class Puller:
             try:
                 await self.sync_topics()
                 self._topics_synced.set()
-                await pull_acls(self.stub, self.r.broker.metadata, self.r.broker.in_site, self.src, RPC_TIMEOUT_S)
+                metadata, in_site = self.r.broker.metadata, self.r.broker.in_site
+                pulled = await pull_acls(self.stub, metadata, in_site, self.src, RPC_TIMEOUT_S, self._acl_token)
+                self._acl_token = pulled.token
             except grpc.aio.AioRpcError as exc:
                 log.debug("listing topics at %s (%s) failed: %s", self.src, self.address, exc.details())
             except Exception:  # a bug must not end topic sync for good, silently: log it, sync again
@@ -221,7 +224,7 @@ class Puller:
         """One round of topic sync: learn what src's catalog changed (nothing, most rounds), then plan and carry
         out what changed here or there. Raises ``AioRpcError``: the next round asks from where this one got."""
         changed = await self._learn_topics()
-        if self.r.broker.metadata.topics() != self._local_planned:
+        if self.r.broker.metadata.topics_version() != self._local_planned:
             await self._carry_out(list(self._remote.values()))  # this site's changed: any of src's may compare anew
         elif changed:
             await self._carry_out(changed)
@@ -250,13 +253,17 @@ class Puller:
             if not token or not resp.next_page_token:
                 if fresh is not None:
                     self._remote = {}
-                    self._learnt(list(fresh.values()))
+                    self._learnt(list(fresh.values()), replace=True)
                     self._catalog_token = token
                 return learnt
         log.warning("site %s listed over %d pages of topics: the rest next round", self.src, SYNC_PAGES_MAX)
         return learnt if fresh is None else []
 
-    def _learnt(self, topics: list[RemoteTopic]) -> None:
+    def _learnt(self, topics: list[RemoteTopic], replace: bool = False) -> None:
+        if not topics and not replace:
+            # Most rounds learn nothing: remote_topics stays the same object, so the stream's wants basis
+            # (_usable_basis, compared every tick) matches by identity, not by a walk over every topic.
+            return
         for t in topics:
             self._remote[t.name] = t
         # A want for a topic src does not have would fail the whole stream: only what it listed.
@@ -266,6 +273,7 @@ class Puller:
         """Create here what ``remote`` holds that the link carries and this site lacks; report and clear
         conflicts. A create that fails is planned again next round."""
         r = self.r
+        version = r.broker.metadata.topics_version()  # before the table: a change in between shows next round
         local_specs = r.broker.metadata.topics()
         local = {name: spec.partitions for name, spec in local_specs.items()}
         plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local)
@@ -290,7 +298,7 @@ class Puller:
             r.conflicts.pop((name, self.src), None)
         # Planned against local_specs; after creates (ours, and whatever else came meanwhile, or a create that
         # failed), the next round plans every topic again, against the table then.
-        self._local_planned = None if plan.create else local_specs
+        self._local_planned = None if plan.create else version
 
     # -- held reports -----------------------------------------------------------
 
@@ -510,6 +518,7 @@ class Replicator:
         self._damaged: dict[PartitionKey, list[DamagedBatch]] = {}
         # Partitions whose durable state moved since the last tick (their watchers add them; partition_opened).
         self._moved: set[PartitionKey] = set()
+        self._topics_fed: int | None = None  # the metadata's topics_version the links were last fed (tick)
         for name, spec in sorted(broker.metadata.topics().items()):
             self.links.topic(name, spec.partitions)
         broker.on_topic = self.links.topic
@@ -605,8 +614,11 @@ class Replicator:
     def tick(self) -> None:
         """Feed the links the vectors of the partitions that moved since the last tick, then tick them (stalls)."""
         if self.broker.in_site:  # topics other nodes of a multi-node site created, through Raft
-            for name, spec in sorted(self.broker.metadata.topics().items()):
-                self.links.topic(name, spec.partitions)
+            version = self.broker.metadata.topics_version()  # before the table: a change in between shows next tick
+            if version != self._topics_fed:  # an idle site does not copy and walk every topic 5 times a second
+                for name, spec in sorted(self.broker.metadata.topics().items()):
+                    self.links.topic(name, spec.partitions)
+                self._topics_fed = version
         moved = sorted(self._moved)
         self._moved.clear()  # in place: the partitions' watchers hold this set's add
         for key in moved:  # only what moved since the last tick: idle partitions cost nothing here

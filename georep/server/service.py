@@ -125,6 +125,7 @@ class NodeService:
         self._refusals_logged: dict[str, tuple[str, float]] = {}
         # ListTopics' view of the topic table; its own id, so a token of another node or process is not taken
         self.catalog = TopicCatalog(secrets.token_hex(8))
+        self._catalog_saw: int | None = None  # the metadata's topics_version the catalog last took
         broker.on_open = self._partition_opened
         for p in list(broker.partitions.values()):
             self._partition_opened(p)
@@ -223,7 +224,10 @@ class NodeService:
         cap = LIST_PAGE_MAX_FULL if req.view == pb.TOPIC_VIEW_FULL else LIST_PAGE_MAX
         size = min(req.page_size, cap) if req.page_size else 0
         catalog = self.catalog
-        catalog.refresh(self.broker.metadata.topics())
+        version = self.broker.metadata.topics_version()  # before the table: a change in between shows next call
+        if version != self._catalog_saw:  # an unchanged table is not copied and compared on every sync
+            catalog.refresh(self.broker.metadata.topics())
+            self._catalog_saw = version
         out = pb.ListTopicsResponse(total_size=len(catalog))
         if req.HasField("changed_since"):
             changes = catalog.changes_since(req.changed_since, size)

@@ -55,6 +55,7 @@ class FileMetadataStore:
         self._path = path
         self._topics: dict[str, TopicSpec] = {}
         self._acls: dict[str, AclRecord] = {}
+        self._topics_version = 0  # one more per change of the topic table (MetadataStore.topics_version)
         if not path.exists():
             return
         try:
@@ -75,6 +76,9 @@ class FileMetadataStore:
     def topics(self) -> dict[str, TopicSpec]:
         return dict(self._topics)
 
+    def topics_version(self) -> int:
+        return self._topics_version
+
     def get(self, name: str) -> TopicSpec:
         try:
             return self._topics[name]
@@ -94,6 +98,7 @@ class FileMetadataStore:
             topics[spec.name] = spec
         self._write(topics, self._acls)
         self._topics = topics
+        self._topics_version += 1
 
     def acls(self) -> dict[str, AclRecord]:
         return self._acls
