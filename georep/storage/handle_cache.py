@@ -84,6 +84,11 @@ class HandleCache:
         with self._lock:
             return len(self._open) * FILES_PER_SEGMENT
 
+    @property
+    def full(self) -> bool:
+        """Opening one more segment would close another (read without the lock: a hint)."""
+        return (len(self._open) + 1) * FILES_PER_SEGMENT > self.max_open_files
+
     def fds(self, segment: CachedFiles) -> tuple[int, int, int]:
         """The segment's descriptors, opened now if they were closed (its log's lock is held by the caller)."""
         with self._lock:
