@@ -29,9 +29,9 @@ hop on the cheapest live path from the origin (``Router``). The links this
 site does not terminate are assumed up: a site only sees its own inbound
 links fail. An upstream that stays behind for an origin while another one has
 more of it, for ``stall_ms``, is *stalled* for that origin site and skipped:
-behind at the same partition, without moving any of that origin site's
-records there, for the whole time (a link under load, behind at a different
-partition at each tick, is slow, not stalled). It is taken back once it has
+behind at the same partition for the whole time, while it reported no more
+of that origin site's records on any partition (a link under load, behind
+somewhere at every tick but delivering, is slow, not stalled). It is taken back once it has
 caught up with this site.
 
 After the routed next hops, every other live inbound link that carries the
@@ -101,6 +101,8 @@ class LinkManager:
         # src held of the origin site there then: progress starts the clock again (_mark_stalls)
         self._behind_since: dict[BehindEntry, tuple[int, int]] = {}
         self.stalled: dict[tuple[SiteId, SiteId], Stall] = {}
+        # (src, origin site) whose src reported more of that origin site, on any partition, since the last tick
+        self._moved: set[tuple[SiteId, SiteId]] = set()
         # Per stall, the partitions whose stalled upstream holds less of the origin site than this site (_short_of).
         self._short: dict[tuple[SiteId, SiteId], set[PartitionKey]] = {}
         # wants() depends only on the link states, the stalls and the topics; routing is costly
@@ -144,7 +146,12 @@ class LinkManager:
             self._wants.clear()
 
     def upstream_vector(self, src: str, key: PartitionKey, vector: Mapping[Origin, int]) -> None:
-        self.links[SiteId(src)].vectors[key] = dict(vector)
+        link = self.links[SiteId(src)]
+        before = link.vectors.get(key, {})
+        for origin, seq in vector.items():
+            if seq > before.get(origin, 0):
+                self._moved.add((link.src, origin.site))
+        link.vectors[key] = dict(vector)
         self._judge(key)
         self._recheck_short(key)
 
@@ -190,12 +197,15 @@ class LinkManager:
                     break
 
     def _mark_stalls(self, behind: dict[BehindEntry, int], now_ms: int) -> None:
-        """Stall an upstream for an origin site once one partition stayed behind, with nothing of it moved by that
-        upstream, for ``stall_ms``. Judged per partition: under a produce over many partitions some partition is
-        briefly behind at every tick, and an upstream that delivers each of them in turn is not stalled."""
+        """Stall an upstream for an origin site once one partition stayed behind for ``stall_ms`` while that
+        upstream moved nothing of the origin site: not that partition, and not any other. Under a produce over
+        many partitions some partition is behind at every tick, and for longer than ``stall_ms`` when the
+        upstream's source is busy; an upstream that delivers is slow, not stalled. A partition it holds back for
+        good while others flow still moves once writes stop (I4 is about then)."""
+        moved, self._moved = self._moved, set()
         for entry, progress in sorted(behind.items()):
             seen = self._behind_since.get(entry)
-            if seen is None or seen[1] != progress:
+            if seen is None or seen[1] != progress or (entry[0], entry[1]) in moved:
                 seen = self._behind_since[entry] = (now_ms, progress)
             pair = (entry[0], entry[1])
             if now_ms - seen[0] >= self.stall_ms and pair not in self.stalled:
