@@ -19,6 +19,14 @@ of 1). For each it measures, in this order:
   (acks=leader), record ``i`` to partition ``i mod P`` of topic ``i mod T``, until every one is acknowledged;
   the rate against the 100-partition row of the same shape;
 * ``converge``: from the last ack until every site's vectors (``DescribeTopic``) hold every record;
+* ``keyless``: the same produce and convergence again, with records without key or partition (record ``i`` to
+  topic ``i mod T``): the producer's sticky partitioner fills a batch per partition before moving on, as
+  Kafka's default does. It spreads the records over the partitions batch by batch, not record by record, so
+  the row also counts the partitions it wrote (``touched``): records of 100 bytes fill the producer's 64 KiB
+  batches about 500 at a time, so 1M records reach about 2,000 of one topic's 10,000 partitions (100,000
+  reached 198 in a run). Round-robin is the
+  issue's "spread over all partitions"; keyless is how a Kafka application without keys writes
+  (``--partitioners`` picks either or both);
 * ``restart``: ``kill -9`` of site ``b``'s node, started again, until ``Health`` answers and a ``Fetch`` of
   a written partition returns data.
 
@@ -95,6 +103,11 @@ class Row:
     rate: float = math.nan  # records/s
     vs_100: float = math.nan
     converge_s: float = math.nan
+    keyless_produce_s: float = math.nan
+    keyless_rate: float = math.nan
+    keyless_vs_100: float = math.nan
+    keyless_converge_s: float = math.nan
+    keyless_touched: float = math.nan  # partitions the keyless produce wrote to
     restart_s: float = math.nan
     errors: list[str] = field(default_factory=list)
 
@@ -111,6 +124,8 @@ class Config:
     value_bytes: int
     idle_s: float
     cluster_partitions: int
+    partitioners: list[str]
+    steps: list[str]
     out: Path
     json_out: Path | None
 
@@ -170,15 +185,23 @@ def held_total(sites: Sites, site: str, names: list[str]) -> int:
     return sum(sum(sum(v.values()) for v in sites.vectors(site, n).values()) for n in names)
 
 
-async def produce(sites: Sites, names: list[str], per_topic: int, records: int, value: bytes) -> float:
-    """Every record acknowledged; the seconds from the first send."""
+def written(sites: Sites, names: list[str]) -> dict[tuple[str, int], int]:
+    """Records held at site a per (topic, partition)."""
+    return {(n, p): sum(v.values()) for n in names for p, v in sites.vectors("a", n).items()}
+
+
+async def produce(
+    sites: Sites, names: list[str], per_topic: int, records: int, value: bytes, keyless: bool = False
+) -> float:
+    """Every record acknowledged; the seconds from the first send. ``keyless``: no partition given (sticky)."""
     async with Producer(
         sites.address("a"), acks="leader", linger_ms=5, tls=sites.tls, delivery_timeout_ms=DELIVERY_TIMEOUT_MS
     ) as producer:
         start = time.perf_counter()
         futures = []
         for i in range(records):
-            futures.append(producer.send(names[i % len(names)], value, partition=(i // len(names)) % per_topic))
+            partition = None if keyless else (i // len(names)) % per_topic
+            futures.append(producer.send(names[i % len(names)], value, partition=partition))
             if producer.buffered_bytes > producer.buffer_memory:
                 await producer.wait_for_buffer()  # back-pressure, as bench/produce.py: 1M records exceed the buffer
             elif i % 1000 == 999:
@@ -266,32 +289,43 @@ def run_size(root: Path, partitions: int, topics: int, cfg: Config) -> Row:
             row.rss_bytes = max(rss_bytes(p) for p in pids)
             row.fds = max(open_fds(p) for p in pids)
 
-        step(row, "idle", idle)
+        if "idle" in cfg.steps:
+            step(row, "idle", idle)
 
         def scrape() -> None:
             row.scrape_s = max(scrape_s(sites.nodes[s].metrics_address) for s in SITES)
 
-        step(row, "scrape", scrape)
+        if "scrape" in cfg.steps:
+            step(row, "scrape", scrape)
         value = b"v" * cfg.value_bytes
 
-        def run_produce() -> None:
+        def run_produce(keyless: bool) -> None:
             before = {s: held_total(sites, s, names) for s in SITES}
-            row.produce_s = asyncio.run(produce(sites, names, per_topic, cfg.records, value))
-            row.rate = cfg.records / row.produce_s
+            partitions_before = written(sites, names) if keyless else {}
+            took = asyncio.run(produce(sites, names, per_topic, cfg.records, value, keyless))
             start = time.perf_counter()
             wait(
                 "every site holds every record",
                 lambda: all(held_total(sites, s, names) >= before[s] + cfg.records for s in SITES),
                 CONVERGE_TIMEOUT_S,
             )
-            row.converge_s = time.perf_counter() - start
+            converge_s = time.perf_counter() - start
+            if keyless:
+                row.keyless_produce_s, row.keyless_rate, row.keyless_converge_s = took, cfg.records / took, converge_s
+                after = written(sites, names)
+                row.keyless_touched = sum(after[k] > partitions_before.get(k, 0) for k in after)
+            else:
+                row.produce_s, row.rate, row.converge_s = took, cfg.records / took, converge_s
 
-        step(row, "produce", run_produce)
+        if "produce" in cfg.steps:
+            for partitioner in cfg.partitioners:
+                step(row, f"produce ({partitioner})", lambda keyless=partitioner == "keyless": run_produce(keyless))
 
         def restart() -> None:
             row.restart_s = restart_s(sites, names[0])
 
-        step(row, "restart", restart)
+        if "restart" in cfg.steps:
+            step(row, "restart", restart)
     finally:
         sites.close()
     return row
@@ -353,6 +387,10 @@ def judge(row: Row) -> dict[str, bool | None]:
         "fds": known(row.fds, row.fds <= FDS_MAX),
         "produce": known(row.vs_100, row.vs_100 >= PRODUCE_MIN_RATIO),
         "converge": known(row.converge_s, row.converge_s <= CONVERGE_MAX_RATIO * row.produce_s),
+        "keyless": known(row.keyless_vs_100, row.keyless_vs_100 >= PRODUCE_MIN_RATIO),
+        "keyless converge": known(
+            row.keyless_converge_s, row.keyless_converge_s <= CONVERGE_MAX_RATIO * row.keyless_produce_s
+        ),
         "restart": known(row.restart_s, row.restart_s <= RESTART_MAX_S),
     }
 
@@ -360,13 +398,14 @@ def judge(row: Row) -> dict[str, bool | None]:
 def table(rows: list[Row]) -> Iterator[str]:
     head = (
         f"{'size':>20} {'create s':>9} {'idle cpu':>14} {'RSS MB':>12} {'fds':>11} {'scrape s':>9} "
-        f"{'produce rec/s':>14} {'vs 100p':>13} {'converge s':>16} {'restart s':>14}"
+        f"{'produce rec/s':>14} {'vs 100p':>13} {'converge s':>16} "
+        f"{'keyless rec/s':>14} {'vs 100p':>13} {'converge s':>16} {'touched':>8} {'restart s':>14}"
     )
     yield head
     yield "-" * len(head)
     yield (
         f"{'target':>20} {'':>9} {'<= 2%':>14} {'<= 1024':>12} {'<= 2000':>11} {'':>9} {'':>14} {'>= 70%':>13} "
-        f"{'<= 2x produce':>16} {'<= 10':>14}"
+        f"{'<= 2x produce':>16} {'':>14} {'>= 70%':>13} {'<= 2x produce':>16} {'':>8} {'<= 10':>14}"
     )
     for r in rows:
         v = judge(r)
@@ -377,6 +416,10 @@ def table(rows: list[Row]) -> Iterator[str]:
             f"{fmt(r.fds, '.0f') + ' ' + verdict(v['fds']):>11} {fmt(r.scrape_s, '.3f'):>9} "
             f"{fmt(r.rate, ',.0f'):>14} {fmt(100 * r.vs_100, '.0f') + '% ' + verdict(v['produce']):>13} "
             f"{fmt(r.converge_s, '.1f') + ' ' + verdict(v['converge']):>16} "
+            f"{fmt(r.keyless_rate, ',.0f'):>14} "
+            f"{fmt(100 * r.keyless_vs_100, '.0f') + '% ' + verdict(v['keyless']):>13} "
+            f"{fmt(r.keyless_converge_s, '.1f') + ' ' + verdict(v['keyless converge']):>16} "
+            f"{fmt(r.keyless_touched, '.0f'):>8} "
             f"{fmt(r.restart_s, '.1f') + ' ' + verdict(v['restart']):>14}"
         )
         for e in r.errors:
@@ -393,7 +436,7 @@ def plot(rows: list[Row], reelect_s: float, out: Path) -> None:
         ("idle CPU, % of one core", lambda r: 100 * r.idle_cpu, 100 * IDLE_CPU_MAX),
         ("RSS, MB", lambda r: r.rss_bytes / 2**20, RSS_MAX / 2**20),
         ("open fds", lambda r: r.fds, FDS_MAX),
-        ("produce, records/s", lambda r: r.rate, None),
+        ("produce, records/s (round-robin)", lambda r: r.rate, None),
         ("converge after produce, s", lambda r: r.converge_s, None),
         ("restart after kill -9, s", lambda r: r.restart_s, RESTART_MAX_S),
         ("topic create, s", lambda r: r.create_s, None),
@@ -445,9 +488,12 @@ def run(cfg: Config) -> int:
             except (BenchError, grpc.RpcError, OSError, RuntimeError) as exc:
                 reelect_note = f"failed: {str(exc).splitlines()[0][:200]}"
     base = {r.topics == 1: r.rate for r in rows if r.partitions == min(cfg.sizes)}
+    keyless_base = {r.topics == 1: r.keyless_rate for r in rows if r.partitions == min(cfg.sizes)}
     for r in rows:
         ref = base.get(r.topics == 1, math.nan)
         r.vs_100 = r.rate / ref if ref else math.nan
+        ref = keyless_base.get(r.topics == 1, math.nan)
+        r.keyless_vs_100 = r.keyless_rate / ref if ref else math.nan
     print(f"\ngeorep scale: 3-site cycle a->b->c->a, mTLS, {os.cpu_count()} cores, {cfg.records:,} records")
     for line in table(rows):
         print(line)
@@ -473,6 +519,14 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument(
         "--cluster-partitions", type=int, default=10_000, help="partitions of the 3-node site (0: skip it)"
     )
+    parser.add_argument(
+        "--partitioners",
+        default="round-robin,keyless",
+        help="the produces to run: round-robin (record i to partition i mod P), keyless (sticky), or both",
+    )
+    parser.add_argument(
+        "--steps", default="idle,scrape,produce,restart", help="what to measure after the create (comma-separated)"
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/scale.png"), help="the PNG")
     parser.add_argument("--json", type=Path, default=None, dest="json_out", help="also write the figures here")
     parser.add_argument("--quick", action="store_true", help="smoke run: 10 and 20 partitions, small produce")
@@ -482,6 +536,12 @@ def parse_args(argv: list[str] | None) -> Config:
         sizes, args.topics, args.records, args.idle_s, args.cluster_partitions = [10, 20], 10, 2_000, 2.0, 10
     if not sizes or min(sizes) < 1:
         parser.error("--sizes: give at least one partition count, each at least 1")
+    partitioners = [x.strip() for x in args.partitioners.split(",") if x.strip()]
+    if not partitioners or set(partitioners) - {"round-robin", "keyless"}:
+        parser.error("--partitioners: round-robin, keyless, or both (comma-separated)")
+    steps = [x.strip() for x in args.steps.split(",") if x.strip()]
+    if set(steps) - {"idle", "scrape", "produce", "restart"}:
+        parser.error("--steps: any of idle, scrape, produce, restart (comma-separated)")
     return Config(
         sizes,
         args.topics,
@@ -489,6 +549,8 @@ def parse_args(argv: list[str] | None) -> Config:
         args.value_bytes,
         args.idle_s,
         args.cluster_partitions,
+        partitioners,
+        steps,
         args.out,
         args.json_out,
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from georep.replication.links import LinkManager, Stall
+from georep.replication.links import BehindEntry, LinkManager
 from offsets.coordinates import Origin
 from topology.ids import SiteId
 from topology.model import parse_topology
@@ -45,32 +45,18 @@ dst = "a"
 
 
 class FullWalk(LinkManager):
-    """main's tick: every partition with a vector, every tick; a stall's lift walks every partition held."""
+    """main's tick: every partition with a vector, every tick; a stall's lift walks every partition held (the
+    per-partition judgement, _behind_at and _mark_stalls, is shared: this checks what the tick looks at)."""
 
     def tick(self, now_ms: int) -> None:
-        behind: set[tuple[SiteId, SiteId]] = set()
+        behind: dict[BehindEntry, int] = {}
         keys = self.local.keys() | {key for link in self.links.values() for key in link.vectors}
         for key in sorted(keys):
-            mine = self.local.get(key, {})
-            best = self._best_vector(key)
-            for origin in sorted(best):
-                if best[origin] <= mine.get(origin, 0):
-                    continue
-                for candidate in self._candidates(key[0], origin.site):
-                    if self.links[candidate].vectors.get(key, {}).get(origin, 0) > mine.get(origin, 0):
-                        break
-                    behind.add((candidate, origin.site))
-                    if (candidate, origin.site) not in self.stalled:
-                        break
-        for pair in sorted(behind):
-            since = self._behind_since.setdefault(pair, now_ms)
-            if now_ms - since >= self.stall_ms and pair not in self.stalled:
-                self.stalled[pair] = Stall(pair[0], pair[1], now_ms)
-                self._wants.clear()
-        for pair in sorted(set(self._behind_since) - behind):
-            del self._behind_since[pair]
+            self._behind_at(key, behind)
+        self._mark_stalls(behind, now_ms)
+        pairs = {(src, origin_site) for src, origin_site, _key in behind}
         for pair in sorted(self.stalled):
-            if pair not in behind and self._walked_caught_up(*pair):
+            if pair not in pairs and self._walked_caught_up(*pair):
                 del self.stalled[pair]
                 self._wants.clear()
 

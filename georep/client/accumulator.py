@@ -89,13 +89,20 @@ class ProducerBatch:
 
 
 class RecordAccumulator:
-    """Open batches per (topic, partition), and the closed ones in closing order."""
+    """Open batches per (topic, partition), and the closed ones in closing order.
+
+    ``open`` keeps its batches in the order they were opened (a closed batch's key is removed, so a new batch
+    goes to the end), which is the order of their linger deadlines: closing the lingered ones and finding the
+    next deadline look only at the oldest, not at every open batch. At 10,000 partitions written in turn the
+    sender wakes for every answer, and walking 10,000 open batches each time dominated the producer.
+    A batch that fills up is kept apart (``full``) until the sender takes it."""
 
     def __init__(self, batch_size: int, linger_ms: float) -> None:
         self.batch_size = batch_size
         self.linger_ms = linger_ms
         self.open: dict[tuple[str, int], ProducerBatch] = {}
         self.closed: list[ProducerBatch] = []
+        self.full: list[ProducerBatch] = []  # open batches that reached their capacity
 
     def append(
         self,
@@ -120,6 +127,7 @@ class RecordAccumulator:
         opened = None
         if batch is None or (batch.size_bytes + size > batch.capacity and batch.records):
             if batch is not None:
+                del self.open[key]  # the new batch goes to the end: ``open`` stays in opening order
                 batch.state = BatchState.QUEUED
                 self.closed.append(batch)
             capacity = min(self.batch_size, max_batch_bytes)
@@ -127,6 +135,8 @@ class RecordAccumulator:
         batch.records.append(record)
         batch.futures.append(future)
         batch.size_bytes += size
+        if batch.size_bytes >= batch.capacity:
+            self.full.append(batch)
         return opened
 
     def close(self, batch: ProducerBatch) -> None:
@@ -136,10 +146,18 @@ class RecordAccumulator:
         self.closed.append(batch)
 
     def close_lingered(self, now_ms: float, force: bool = False) -> list[ProducerBatch]:
-        """Close open batches older than ``linger_ms`` (all of them with ``force``), oldest first."""
+        """Close open batches older than ``linger_ms`` (all of them with ``force``) and full ones, oldest first."""
         linger = self.linger_ms
-        due = [b for b in self.open.values() if force or now_ms - b.created_ms >= linger or b.size_bytes >= b.capacity]
-        due.sort(key=lambda b: b.created_ms)
+        due: list[ProducerBatch] = []
+        for batch in self.open.values():  # in opening order: the first one still lingering ends the walk
+            if not force and now_ms - batch.created_ms < linger:
+                break
+            due.append(batch)
+        full, self.full = self.full, []
+        if full:
+            taken = {id(b) for b in due}
+            due.extend(b for b in full if b.state is BatchState.OPEN and id(b) not in taken)
+            due.sort(key=lambda b: b.created_ms)
         for batch in due:
             del self.open[(batch.topic, batch.partition)]
             batch.state = BatchState.QUEUED
@@ -147,9 +165,9 @@ class RecordAccumulator:
         return due
 
     def next_linger_deadline_ms(self) -> float | None:
-        if not self.open:
-            return None
-        return min(b.created_ms for b in self.open.values()) + self.linger_ms
+        for batch in self.open.values():  # the oldest: opening order is deadline order
+            return batch.created_ms + self.linger_ms
+        return None
 
     def take_closed(self) -> list[ProducerBatch]:
         closed, self.closed = self.closed, []

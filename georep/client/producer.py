@@ -278,7 +278,8 @@ class Producer:
             size = (
                 RECORD_OVERHEAD_BYTES + (len(key) if key is not None else 0) + (len(value) if value is not None else 0)
             )
-            if batch is not None and batch.size_bytes + size <= batch.capacity:
+            # < not <=: a record that fills the batch goes through _append, which marks it full for the sender
+            if batch is not None and batch.size_bytes + size < batch.capacity:
                 batch.records.append(record)
                 batch.futures.append(future)
                 batch.size_bytes += size

@@ -28,8 +28,11 @@ Routing. For each (topic, origin site), the preferred upstream is the next
 hop on the cheapest live path from the origin (``Router``). The links this
 site does not terminate are assumed up: a site only sees its own inbound
 links fail. An upstream that stays behind for an origin while another one has
-more of it, for ``stall_ms``, is *stalled* for that origin site and skipped.
-It is taken back once it has caught up with this site.
+more of it, for ``stall_ms``, is *stalled* for that origin site and skipped:
+behind at the same partition for the whole time, while it reported no more
+of that origin site's records on any partition (a link under load, behind
+somewhere at every tick but delivering, is slow, not stalled). It is taken back once it has
+caught up with this site.
 
 After the routed next hops, every other live inbound link that carries the
 topic is a last-resort candidate (see ``_candidates``).
@@ -51,6 +54,7 @@ from topology.model import Topology
 from topology.routing import Router
 
 PartitionKey = tuple[str, int]
+BehindEntry = tuple[SiteId, SiteId, PartitionKey]  # (upstream, origin site, partition)
 DEFAULT_STALL_MS = 2_000
 
 
@@ -93,9 +97,12 @@ class LinkManager:
         self.local: dict[PartitionKey, dict[Origin, int]] = {}
         # The partitions of which some live upstream holds more than this site: the only ones tick looks at.
         self._behind_keys: set[PartitionKey] = set()
-        # (src, origin site) -> since when src has been seen behind another upstream
-        self._behind_since: dict[tuple[SiteId, SiteId], int] = {}
+        # (src, origin site, partition) -> since when src has been seen behind another upstream there, and what
+        # src held of the origin site there then: progress starts the clock again (_mark_stalls)
+        self._behind_since: dict[BehindEntry, tuple[int, int]] = {}
         self.stalled: dict[tuple[SiteId, SiteId], Stall] = {}
+        # (src, origin site) whose src reported more of that origin site, on any partition, since the last tick
+        self._moved: set[tuple[SiteId, SiteId]] = set()
         # Per stall, the partitions whose stalled upstream holds less of the origin site than this site (_short_of).
         self._short: dict[tuple[SiteId, SiteId], set[PartitionKey]] = {}
         # wants() depends only on the link states, the stalls and the topics; routing is costly
@@ -139,7 +146,12 @@ class LinkManager:
             self._wants.clear()
 
     def upstream_vector(self, src: str, key: PartitionKey, vector: Mapping[Origin, int]) -> None:
-        self.links[SiteId(src)].vectors[key] = dict(vector)
+        link = self.links[SiteId(src)]
+        before = link.vectors.get(key, {})
+        for origin, seq in vector.items():
+            if seq > before.get(origin, 0):
+                self._moved.add((link.src, origin.site))
+        link.vectors[key] = dict(vector)
         self._judge(key)
         self._recheck_short(key)
 
@@ -152,37 +164,56 @@ class LinkManager:
 
     def tick(self, now_ms: int) -> None:
         """Mark stalls, and lift the ones whose upstream has caught up."""
-        behind: set[tuple[SiteId, SiteId]] = set()
+        behind: dict[BehindEntry, int] = {}
         for key in sorted(self._behind_keys):  # the others have no upstream ahead: nothing to judge
-            topic = key[0]
-            mine = self.local.get(key, {})
-            best = self._best_vector(key)
-            for origin in sorted(best):
-                if best[origin] <= mine.get(origin, 0):
-                    continue  # no upstream has more than this site
-                # Walk the failover order: stalled candidates that are still behind stay stalled, and the
-                # first unstalled one (the one in use) is behind too, it stalls in turn. Checking only the
-                # first candidate left an origin on a fallback that was behind as well, for good, while a
-                # later candidate had more.
-                for candidate in self._candidates(topic, origin.site):
-                    if self.links[candidate].vectors.get(key, {}).get(origin, 0) > mine.get(origin, 0):
-                        break
-                    behind.add((candidate, origin.site))
-                    if (candidate, origin.site) not in self.stalled:
-                        break
-        for pair in sorted(behind):
-            since = self._behind_since.setdefault(pair, now_ms)
-            if now_ms - since >= self.stall_ms and pair not in self.stalled:
-                self.stalled[pair] = Stall(pair[0], pair[1], now_ms)
-                self._short[pair] = self._walk_short(pair)
-                self._wants.clear()
-        for pair in sorted(set(self._behind_since) - behind):
-            del self._behind_since[pair]
+            self._behind_at(key, behind)
+        self._mark_stalls(behind, now_ms)
+        pairs = {(src, origin_site) for src, origin_site, _key in behind}
         for pair in sorted(self.stalled):
-            if pair not in behind and not self._short.get(pair):
+            if pair not in pairs and not self._short.get(pair):
                 del self.stalled[pair]
                 self._short.pop(pair, None)
                 self._wants.clear()
+
+    def _behind_at(self, key: PartitionKey, behind: dict[BehindEntry, int]) -> None:
+        """Add to ``behind`` each (upstream, origin site, ``key``) whose upstream is behind at ``key``, with what
+        it holds of that origin site there (its progress)."""
+        mine = self.local.get(key, {})
+        best = self._best_vector(key)
+        for origin in sorted(best):
+            if best[origin] <= mine.get(origin, 0):
+                continue  # no upstream has more than this site
+            # Walk the failover order: stalled candidates that are still behind stay stalled, and the
+            # first unstalled one (the one in use) is behind too, it stalls in turn. Checking only the
+            # first candidate left an origin on a fallback that was behind as well, for good, while a
+            # later candidate had more.
+            for candidate in self._candidates(key[0], origin.site):
+                theirs = self.links[candidate].vectors.get(key, {})
+                if theirs.get(origin, 0) > mine.get(origin, 0):
+                    break
+                progress = sum(seq for o, seq in theirs.items() if o.site == origin.site)
+                behind[(candidate, origin.site, key)] = progress
+                if (candidate, origin.site) not in self.stalled:
+                    break
+
+    def _mark_stalls(self, behind: dict[BehindEntry, int], now_ms: int) -> None:
+        """Stall an upstream for an origin site once one partition stayed behind for ``stall_ms`` while that
+        upstream moved nothing of the origin site: not that partition, and not any other. Under a produce over
+        many partitions some partition is behind at every tick, and for longer than ``stall_ms`` when the
+        upstream's source is busy; an upstream that delivers is slow, not stalled. A partition it holds back for
+        good while others flow still moves once writes stop (I4 is about then)."""
+        moved, self._moved = self._moved, set()
+        for entry, progress in sorted(behind.items()):
+            seen = self._behind_since.get(entry)
+            if seen is None or seen[1] != progress or (entry[0], entry[1]) in moved:
+                seen = self._behind_since[entry] = (now_ms, progress)
+            pair = (entry[0], entry[1])
+            if now_ms - seen[0] >= self.stall_ms and pair not in self.stalled:
+                self.stalled[pair] = Stall(pair[0], pair[1], now_ms)
+                self._short[pair] = self._walk_short(pair)
+                self._wants.clear()
+        for entry in sorted(set(self._behind_since) - behind.keys()):
+            del self._behind_since[entry]
 
     # -- decisions ------------------------------------------------------------
 

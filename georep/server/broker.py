@@ -43,6 +43,7 @@ from georep.metadata.topics import (
 )
 from georep.record.validate import TimestampWindow
 from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
+from georep.server.group_flush import GroupFlush
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
 from georep.storage.durable_file import fsync_directory
 from georep.storage.metadata_file import FileMetadataStore
@@ -70,6 +71,7 @@ DEFAULT_TOPIC_CONFIG: dict[str, int] = {
 
 
 CREATING_DIR = "creating"
+FSYNC_THREADS = 4
 
 
 def _consume_exception(fut: asyncio.Future[None]) -> None:
@@ -243,7 +245,9 @@ class Broker:
         # Where to send a client for a partition this node does not lead (multi-node sites).
         self.leader_hint: Callable[[str, int], str] = lambda topic, index: ""
         self.partitions: dict[tuple[str, int], Partition] = {}
-        self.executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fsync")
+        self.executor = ThreadPoolExecutor(max_workers=FSYNC_THREADS, thread_name_prefix="fsync")
+        # Partitions flushed at the same time share one syncfs beyond FSYNC_THREADS at once (group_flush.py).
+        self.flusher = GroupFlush(self.executor, self.logs_dir, FSYNC_THREADS)
         # Replicated chunks are applied here, off the event loop: the page-cache
         # write was most of a pulling node's loop time, and the loop can take in
         # the next chunk meanwhile. One thread, so that two upstreams sending the
@@ -724,7 +728,7 @@ class Broker:
             p.in_site.flush()  # the segment writer fsyncs the copy it streams from, and reports own_flush_done
             return
         try:
-            task = asyncio.get_running_loop().run_in_executor(self.executor, p.log.flush)
+            task = self.flusher.flush(p.log)
         except RuntimeError:  # the executor is shut down: the node is stopping
             self._perform(self.acks.close())
             return
@@ -882,5 +886,6 @@ class Broker:
         for p in self.partitions.values():
             p.log.close()
         self.executor.shutdown(wait=True)
+        self.flusher.close()
         if self.checkpoint is not None:
             _save_checkpoint(self.checkpoint)

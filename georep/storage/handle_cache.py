@@ -13,7 +13,8 @@ Why closing is safe:
   never finds its descriptor closed, or reused for another file.
 - **Nothing written is lost.** A segment with writes not yet fsynced is fsynced before its files close (flush
   before close); an fsync that fails keeps the files open, so the partition's own next flush reports the
-  error on a descriptor that saw it.
+  error on a descriptor that saw it. Eviction prefers clean segments (a partition's flush syncs all three
+  files), so that this fsync rarely runs on the caller's thread, which is the event loop's for an append.
 
 One cache per process (descriptors are a process's resource): the node sizes it from ``--max-open-files``.
 When every candidate is busy the cache runs over its bound for a moment rather than wait (at most the
@@ -32,12 +33,19 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_OPEN_FILES = 1000
 FILES_PER_SEGMENT = 3
+# How far from the least recently used end eviction looks for a clean segment first. A partition's flush leaves
+# its segment clean, so under a produce over more partitions than the bound the oldest segments are clean.
+CLEAN_SCAN = 64
 
 
 class CachedFiles(Protocol):
     """What the cache needs of a segment."""
 
     owner: threading.Lock  # the lock of the log that holds it
+
+    @property
+    def dirty(self) -> bool:
+        """Written since its files were last fsynced (read without ``owner``: a hint, release_files decides)."""
 
     def open_files(self) -> tuple[int, int, int]:
         """Open the segment's files (the cache keeps the descriptors)."""
@@ -76,6 +84,11 @@ class HandleCache:
         with self._lock:
             return len(self._open) * FILES_PER_SEGMENT
 
+    @property
+    def full(self) -> bool:
+        """Opening one more segment would close another (read without the lock: a hint)."""
+        return (len(self._open) + 1) * FILES_PER_SEGMENT > self.max_open_files
+
     def fds(self, segment: CachedFiles) -> tuple[int, int, int]:
         """The segment's descriptors, opened now if they were closed (its log's lock is held by the caller)."""
         with self._lock:
@@ -106,15 +119,18 @@ class HandleCache:
             return self._open.pop(segment, None)
 
     def _make_room(self, need: int) -> None:
-        """Close least recently used segments until ``need`` more files fit (cache lock held)."""
+        """Close least recently used segments until ``need`` more files fit (cache lock held): clean ones first,
+        among the ``CLEAN_SCAN`` least recently used (closing them costs no fsync), then any in LRU order."""
         excess = len(self._open) * FILES_PER_SEGMENT + need - self.max_open_files
         if excess <= 0:
             return
-        for victim in list(self._open):
+        candidates = list(self._open)
+        clean = [victim for victim in candidates[:CLEAN_SCAN] if not victim.dirty]
+        for victim in clean + candidates:
             if excess <= 0:
                 return
-            if not victim.owner.acquire(blocking=False):
-                continue  # its log is in use (maybe by this thread): never close under a user
+            if victim not in self._open or not victim.owner.acquire(blocking=False):
+                continue  # closed above, or its log is in use (maybe by this thread): never close under a user
             try:
                 if victim.release_files(self._open[victim]):
                     del self._open[victim]

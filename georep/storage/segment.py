@@ -205,6 +205,7 @@ class Segment:
         "_index_end",
         "_oindex_end",
         "_since_index",
+        "_writes",
         "base_offset",
         "batch_count",
         "directory",
@@ -233,6 +234,7 @@ class Segment:
         self.size = size
         self.next_offset = next_offset
         self._dirty = False  # written since the last fsync of all three files
+        self._writes = 0  # writes so far: a flush marks the files clean only if none came after its fsync began
         self._remember(origin_entries, index_entries)
 
     # -- the files, through the handle cache -----------------------------------------------------
@@ -277,9 +279,25 @@ class Segment:
         close_quietly(fds)
         return True
 
+    @property
+    def dirty(self) -> bool:
+        """Written since the last fsync of all three files: the handle cache closes clean segments first."""
+        return self._dirty
+
+    @property
+    def writes(self) -> int:
+        return self._writes
+
+    def synced(self, writes: int) -> None:
+        """All three files were fsynced after the first ``writes`` writes (``owner`` held): they are clean unless
+        written since. A flush fsyncs outside the lock, so a write may land meanwhile; that one stays unsynced."""
+        if self._writes == writes:
+            self._dirty = False
+
     def mark_written(self) -> None:
         """Bytes went to the files outside :meth:`append` (a mended prefix, a repair, a cut)."""
         self._dirty = True
+        self._writes += 1
 
     def _remember(self, origin_entries: BytesLike, index_entries: BytesLike) -> None:
         """Keep in memory what lookups need of the index files: the sparse index and the running max timestamps."""
@@ -325,6 +343,7 @@ class Segment:
             raise
         segment = cls(directory, base_offset, owner, 0, base_offset, b"", b"")
         segment._dirty = True
+        segment._writes += 1
         HANDLES.admit(segment, (fds[0], fds[1], fds[2]))
         return segment
 
@@ -458,6 +477,7 @@ class Segment:
             index_entry = INDEX_ENTRY.pack(base_offset - self.base_offset, position)
         log_fd, index_fd, oindex_fd = HANDLES.fds(self)
         self._dirty = True
+        self._writes += 1
         try:
             _write_all(log_fd, [prefix, *body], position, size)
             if index_entry is not None:

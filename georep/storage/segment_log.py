@@ -154,6 +154,7 @@ from georep.storage.api import (
 )
 from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
 from georep.storage.durable_file import TMP_SUFFIX, fsync_directory, replace_file
+from georep.storage.handle_cache import HANDLES, close_quietly
 from georep.storage.index_format import OriginEntry, iter_origin_entries, pack_entries, sparse_index
 from georep.storage.log_start import FILE_NAME as LOG_START_FILE
 from georep.storage.log_start import LogStart, read_log_start, write_log_start
@@ -262,6 +263,7 @@ class SegmentLog:
         self._points = points  # where the recovery point is kept
         self.config = config
         self.recovery = recovery
+        self._device: int | None = None  # the file system's device, read when a grouped flush first asks
         self._lock = lock  # the segments' owner: the handle cache closes their files only while it is free
         self._segments = segments
         self._bases = [s.base_offset for s in segments]
@@ -924,26 +926,66 @@ class SegmentLog:
         ]
 
     def flush(self) -> LocalOffset:
-        """fsync the active segment's log; returns the flushed log end. Safe from a worker thread.
+        """fsync the active segment; returns the flushed log end. Safe from a worker thread.
 
-        Sealed segments were fsynced when they rolled, so the active one is all
-        that can be dirty. Its index files are not synced here: recovery always
-        validates the last segment and rebuilds its indexes from the log.
+        Sealed segments were fsynced when they rolled, so the active one is all that can be dirty. Its index
+        files need no fsync (recovery validates the active segment and rebuilds them from the log), except when
+        the handle cache is full: then they are synced with the log, so that the segment is clean and the cache
+        closes it without an fsync on the event loop's thread, which at 10,000 partitions written in turn was
+        three fdatasyncs per append.
         """
         with self._lock:
             if self._closed:
                 return self._flushed
             end = self._log_end
             vector = dict(self._vector)
-            fd = os.dup(self._segments[-1].log_fd)
+            segment = self._segments[-1]
+            writes = segment.writes
+            dups: list[int] = []
+            try:
+                for fd in HANDLES.fds(segment) if segment.dirty and HANDLES.full else (segment.log_fd,):
+                    dups.append(os.dup(fd))
+            except BaseException:
+                close_quietly(tuple(dups))
+                raise
         try:
-            os.fdatasync(fd)
+            for fd in dups:
+                os.fdatasync(fd)
         finally:
-            os.close(fd)
+            for fd in dups:
+                os.close(fd)
         with self._lock:
+            if len(dups) > 1:
+                segment.synced(writes)
             if end > self._flushed:
                 self._flushed = end
                 self._flushed_vector = vector
+            return self._flushed
+
+    @property
+    def device(self) -> int:
+        """The device of the file system holding the log (``st_dev``): a grouped flush syncs only its own."""
+        if self._device is None:
+            self._device = os.stat(self.directory).st_dev
+        return self._device
+
+    def flush_mark(self) -> FlushMark | None:
+        """What a sync of the whole file system that starts after this call makes durable (None: closed).
+
+        :func:`flush_together` takes marks of many logs, runs one ``syncfs``, then :meth:`flushed_to` each."""
+        with self._lock:
+            if self._closed:
+                return None
+            segment = self._segments[-1]
+            return FlushMark(self._log_end, dict(self._vector), segment, segment.writes)
+
+    def flushed_to(self, mark: FlushMark) -> LocalOffset:
+        """A sync of the file system that began after ``mark`` was taken succeeded: all of it is durable."""
+        with self._lock:
+            mark.segment.synced(mark.writes)  # syncfs covers the index files too
+            if mark.end > self._flushed:
+                self._flushed = mark.end
+                self._flushed_vector = mark.vector
             return self._flushed
 
     def enforce_retention(self, now_ms: int) -> int:
@@ -1104,6 +1146,44 @@ class SegmentLog:
                 self.directory,
                 exc.strerror,
             )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlushMark:
+    """A log's end and vector when a grouped flush began, and its active segment's write count then."""
+
+    end: LocalOffset
+    vector: dict[Origin, OriginSeq]
+    segment: Segment
+    writes: int
+
+
+def flush_together(logs: Sequence[SegmentLog], filesystem_fd: int) -> list[LocalOffset]:
+    """Flush many logs of one file system with one ``syncfs`` of ``filesystem_fd`` (a directory on it) instead of
+    one fdatasync each: their flushed offsets, in order. Safe from a worker thread.
+
+    ``syncfs`` returns once everything written to the file system before it began is on disk, and (Linux 5.8 and
+    later) fails if any writeback of it failed since ``filesystem_fd`` last reported: then no log is marked
+    flushed and the error is raised for all of them, as each log's own fsync would have raised it. A caller uses
+    it only for logs on the file system of ``filesystem_fd`` and where :data:`GROUP_FLUSH_SUPPORTED`."""
+    marks = [log.flush_mark() for log in logs]
+    if _SYNCFS is None:
+        raise OSError(errno.ENOSYS, "syncfs is not available here: flush each log on its own")
+    if _SYNCFS(filesystem_fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"syncfs failed: {os.strerror(err)}")
+    return [log.flushed_offset if mark is None else log.flushed_to(mark) for log, mark in zip(logs, marks, strict=True)]
+
+
+def _kernel_reports_syncfs_errors() -> bool:
+    """syncfs reports writeback errors from Linux 5.8 on; before, it returned 0 whatever happened."""
+    release = os.uname().release
+    parts = re.match(r"(\d+)\.(\d+)", release)
+    return os.uname().sysname == "Linux" and parts is not None and (int(parts[1]), int(parts[2])) >= (5, 8)
+
+
+_SYNCFS = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
+GROUP_FLUSH_SUPPORTED = _SYNCFS is not None and _kernel_reports_syncfs_errors()
 
 
 def sync_filesystem(path: Path) -> None:
