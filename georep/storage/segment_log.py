@@ -735,7 +735,7 @@ class SegmentLog:
                     hint,
                 )
             if new:
-                self._write_damaged()
+                _write_damaged(self.directory, self._damaged)
         return new, rebuilt or bool(plan.mended)
 
     def _reindex(self) -> None:
@@ -776,7 +776,7 @@ class SegmentLog:
         self._damaged = quarantine
         self.damage_found_total += len(lost)
         if lost or released or len(quarantine) != len(listed):
-            self._write_damaged()
+            _write_damaged(self.directory, self._damaged)
         elif quarantine:
             quarantine_changes[0] += 1  # a log opened late (a replica copy) brings its listed damage along
         for d in quarantine.values():
@@ -862,7 +862,7 @@ class SegmentLog:
                         f"after the repair was written ({still}): the disk may be failing"
                     )
             del self._damaged[base_offset]
-            self._write_damaged()
+            _write_damaged(self.directory, self._damaged)
             self.repaired_total += 1
         log.warning("partition log %s: repaired %s from a peer's copy", self.directory, damaged.describe())
         return damaged
@@ -1015,7 +1015,7 @@ class SegmentLog:
                 self._origins.trim(self._log_start)
                 if any(b < self._log_start for b in self._damaged):
                     self._damaged = {b: d for b, d in self._damaged.items() if b >= self._log_start}
-                    self._write_damaged()
+                    _write_damaged(self.directory, self._damaged)
                 log.info(
                     "partition log %s: retention deleted %d segment(s); log start is now %d",
                     self.directory,
@@ -1079,16 +1079,6 @@ class SegmentLog:
     def _check_open(self) -> None:
         if self._closed:
             raise LogClosed(f"partition log {self.directory} is closed")
-
-    def _write_damaged(self) -> None:
-        """Persist the quarantine list (lock held): it must survive restarts, or damage would be forgotten."""
-        quarantine_changes[0] += 1
-        path = self.directory / DAMAGED_FILE
-        if not self._damaged:
-            path.unlink(missing_ok=True)
-            return
-        rows = [dataclasses.asdict(d) | {"origin": str(d.origin)} for _, d in sorted(self._damaged.items())]
-        replace_file(path, dumps_checked({"format": 2, "batches": rows}))
 
     def _roll(self) -> None:
         """Seal the active segment and start a new one at the log end (lock held)."""
@@ -1293,6 +1283,17 @@ def _start_vectors(
             if next_seq > start.get(origin, 0):
                 start[origin] = OriginSeq(next_seq)
     return out
+
+
+def _write_damaged(directory: Path, damaged: dict[int, DamagedBatch]) -> None:
+    """Persist a log's quarantine list (its lock held): it must survive restarts, or damage would be forgotten."""
+    quarantine_changes[0] += 1
+    path = directory / DAMAGED_FILE
+    if not damaged:
+        path.unlink(missing_ok=True)
+        return
+    rows = [dataclasses.asdict(d) | {"origin": str(d.origin)} for _, d in sorted(damaged.items())]
+    replace_file(path, dumps_checked({"format": 2, "batches": rows}))
 
 
 def _read_damaged(directory: Path) -> list[DamagedBatch] | None:
