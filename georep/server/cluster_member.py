@@ -70,6 +70,7 @@ from cluster.site_state import (
     Command,
     CommandBatch,
     ElectLeader,
+    FailOver,
     NodeHeartbeat,
     PartitionInfo,
     Refused,
@@ -394,10 +395,12 @@ class ClusterMember:
         self.repair.due()
         await self._retention()
 
-    async def _elect(self, ctl: Controller, elect: ElectLeader) -> None:
+    async def _elect(self, ctl: Controller, elect: ElectLeader | FailOver) -> None:
         result = await self.propose(elect)
-        ctl.election_done((elect.topic, elect.partition), elect.expected_epoch)
-        if isinstance(result, Applied):
+        ctl.proposal_done(elect)
+        if isinstance(result, Applied) and isinstance(elect, FailOver):
+            log.info("controller: node %d's %d partitions moved to new leaders", elect.node, result.moved)
+        elif isinstance(result, Applied) and isinstance(elect, ElectLeader):
             log.info(
                 "controller: node %d leads %s-%d in epoch %s",
                 elect.node,
@@ -405,6 +408,8 @@ class ClusterMember:
                 elect.partition,
                 result.leader_epoch,
             )
+        elif isinstance(result, Refused) and isinstance(elect, FailOver):
+            log.info("controller: failover of node %d refused: %s", elect.node, result.reason)
 
     async def _retention(self) -> None:
         """Every ``retention_interval_ms``, propose the trims ``plan_retention`` picks (the Raft leader's duty)."""
