@@ -14,7 +14,7 @@ on one site ``a`` of three ``georep node --node-id N`` processes (bench/site_clu
 * idle, for ``--idle-s`` once every partition has an open segment on ``--replication-factor`` nodes (or after
   ``--settle-timeout-s``): per node, CPU (utime + stime from ``/proc``, as a share of one core), RSS, open fds, and
   the Raft directory's bytes (journal and dump).
-* ``reelect_s``: ``kill -9`` of a node that is not the Raft leader, to the first ``ClusterStatus`` of a survivor
+* ``reelect_s``: ``kill -9`` of the node that leads the most partitions (not the Raft leader), to the first ``ClusterStatus`` of a survivor
   that shows every partition led by a live node again. It includes the session timeout (``--session-timeout-ms``:
   the time to notice the death), printed beside it; ``raft_entries`` is how many Raft log entries the survivors
   committed meanwhile (the applied index's rise: elections go as batches, so it is far below the partition count).
@@ -66,6 +66,7 @@ class SiteScale:
     whole: bool = False  # every partition had an open segment on replication_factor nodes before the idle window
     idle: list[NodeIdle] = field(default_factory=list)
     victim: int = 0
+    victim_led: int = 0  # partitions it led when it was killed
     reelect_s: float = float("nan")
     raft_entries: int = 0
     restart_s: float = float("nan")
@@ -163,7 +164,10 @@ async def measure(
 async def _reelect(site: Site, out: SiteScale, timeout_s: float) -> None:
     status = await _summary(site, list(NODES))
     raft_leader = site.raft_nodes.get(status.raft.leader_address) if status is not None else None
-    out.victim = next(n for n in reversed(NODES) if n != raft_leader)  # a partition leader, not the controller
+    led = {n.node_id: n.leader_of for n in status.nodes} if status is not None else {}
+    # the node that leads the most partitions, not the controller (whose death also stops the metadata for a while)
+    out.victim = max((n for n in NODES if n != raft_leader), key=lambda n: (led.get(n, 0), n))
+    out.victim_led = led.get(out.victim, 0)
     survivors = [n for n in NODES if n != out.victim]
     applied = status.raft.applied_index if status is not None else 0
     victim = site.nodes[out.victim]
@@ -212,7 +216,7 @@ def main() -> int:
             f"Raft dir {n.raft_kib} KiB"
         )
     print(
-        f"  kill -9 node {result.victim}: every partition led again in {result.reelect_s:.2f}s "
+        f"  kill -9 node {result.victim} (leading {result.victim_led}): every partition led again in {result.reelect_s:.2f}s "
         f"(session timeout {result.session_timeout_ms / 1000:g}s; {result.raft_entries} Raft entries); "
         f"restart {result.restart_s:.1f}s"
     )
