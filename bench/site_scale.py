@@ -14,7 +14,8 @@ on one site ``a`` of three ``georep node --node-id N`` processes (bench/site_clu
 * idle, for ``--idle-s`` once every partition has an open segment on ``--replication-factor`` nodes (or after
   ``--settle-timeout-s``): per node, CPU (utime + stime from ``/proc``, as a share of one core), RSS, open fds, and
   the Raft directory's bytes (journal and dump).
-* ``reelect_s``: ``kill -9`` of the node that leads the most partitions (not the Raft leader), to the first ``ClusterStatus`` of a survivor
+* ``reelect_s``: ``kill -9`` of the node that leads the most partitions (not the Raft leader), to the first
+  ``ClusterStatus`` of a survivor
   that shows every partition led by a live node again. It includes the session timeout (``--session-timeout-ms``:
   the time to notice the death), printed beside it; ``raft_entries`` is how many Raft log entries the survivors
   committed meanwhile (the applied index's rise: elections go as batches, so it is far below the partition count).
@@ -216,7 +217,8 @@ def main() -> int:
             f"Raft dir {n.raft_kib} KiB"
         )
     print(
-        f"  kill -9 node {result.victim} (leading {result.victim_led}): every partition led again in {result.reelect_s:.2f}s "
+        f"  kill -9 node {result.victim} (leading {result.victim_led}): every partition led again in "
+        f"{result.reelect_s:.2f}s "
         f"(session timeout {result.session_timeout_ms / 1000:g}s; {result.raft_entries} Raft entries); "
         f"restart {result.restart_s:.1f}s"
     )
