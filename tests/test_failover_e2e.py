@@ -30,6 +30,17 @@ async def produce_everywhere(bootstrap: str, tag: str, acked: Acked) -> None:
             acked.add((meta.partition, str(meta.origin), meta.origin_seq, value))
 
 
+def whole(site: ClusterSite) -> bool:
+    """Every partition led by a live node and written on an open segment of three nodes: a kill then leaves two
+    members of each, the ack quorum, so every partition can be recovered."""
+    answer = status(site)
+    return (
+        len(answer.partitions) == PARTITIONS
+        and all(p.leader_live and len(p.open_ensemble) == 3 for p in answer.partitions)
+        and answer.under_replicated_count == 0
+    )
+
+
 def led_by_live_nodes(site: ClusterSite) -> bool:
     answer = status(site)
     return answer.partition_count == PARTITIONS and answer.leaderless_partitions == 0
@@ -45,6 +56,7 @@ def test_killing_the_node_that_leads_most_partitions_moves_them_at_once_and_lose
             pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=PARTITIONS), timeout=30)
         wait_for("every partition led", lambda: led_by_live_nodes(site))
         asyncio.run(produce_everywhere(site.address(1), "before", acked))
+        wait_for("every partition on three nodes", lambda: whole(site))
 
         answer = status(site)
         raft_leader = next((n for n in site.nodes if site.raft_ports[n - 1] == _port(answer.raft.leader_address)), 0)

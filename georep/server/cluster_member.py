@@ -203,6 +203,10 @@ class ClusterMember:
         self.metadata = metadata
         self.store = store
         self.executor = executor
+        # Metadata calls (proposals, read barriers, the heartbeat's free bytes) have threads of their own: in the
+        # executor they queued behind the disk work of thousands of segment opens, and a node whose heartbeat
+        # waited longer than a session was taken for dead (its partitions moved, more disk work, more waiting).
+        self.metadata_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="metadata")
         self.clock_ms = clock_ms
         self.free_bytes = free_bytes
         self.config = config or ClusterConfig()
@@ -234,6 +238,10 @@ class ClusterMember:
 
     async def run_blocking(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def run_metadata(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` in the metadata's own threads (see ``__init__``)."""
+        return await asyncio.get_running_loop().run_in_executor(self.metadata_executor, fn, *args)
 
     async def propose(self, command: Command) -> Result | None:
         """Commit ``command``; None if the metadata could not confirm it (it may still apply: read the view).
@@ -275,7 +283,7 @@ class ClusterMember:
         """What each command packed in ``command`` gave (None for all if the batch was not confirmed)."""
         count = _packed_count(command)
         try:
-            result = await self.run_blocking(self.metadata.propose, command)
+            result = await self.run_metadata(self.metadata.propose, command)
         except MetadataUnavailable as exc:
             what = f"a batch of {count} commands" if count > 1 else command.KIND
             log.warning("node %d: %s not confirmed: %s", self.me, what, exc)
@@ -296,7 +304,7 @@ class ClusterMember:
         result = await self.propose(RegisterNode(self.me, self.address))
         if isinstance(result, Refused):
             raise RegistrationRefused(f"node {self.me} cannot register at {self.address}: {result.reason}")
-        await self.run_blocking(self.metadata.read_barrier)
+        await self.run_metadata(self.metadata.read_barrier)
         self.core.epochs_at_start = {(i.topic, i.partition): i.leader_epoch for i in self.metadata.state().partitions()}
         self.core.reconciled = None
         await self._heartbeat()
@@ -319,6 +327,7 @@ class ClusterMember:
             if not done.done():
                 done.set_result(None)
         self._queued.clear()
+        self.metadata_executor.shutdown(wait=False, cancel_futures=True)
 
     async def _ticks(self) -> None:
         """A tick every ``tick_ms``; between ticks, a look at the roles as soon as the metadata changes (a new
@@ -368,8 +377,14 @@ class ClusterMember:
 
     async def _heartbeat(self) -> None:
         load = leadership.open_loads(self.metadata.state()).get(self.me, 0)
-        free = await self.run_blocking(self.free_bytes)
-        await self.propose(NodeHeartbeat(self.me, self.clock_ms(), free, load, self.store.moved.total))
+        free = await self.run_metadata(self.free_bytes)
+        beat = NodeHeartbeat(self.me, self.clock_ms(), free, load, self.store.moved.total)
+        # Not through the group commit (propose): queued behind a burst of seals and opens (each batch one commit,
+        # seconds under load), the heartbeat came late and the node was taken for dead.
+        try:
+            await self.run_metadata(self.metadata.propose, beat)
+        except MetadataUnavailable as exc:
+            log.warning("node %d: heartbeat not confirmed: %s", self.me, exc)
 
     async def _controller(self) -> None:
         """The core's tick: every lead's due retries, and the controller's duties while this node's Raft replica
