@@ -47,6 +47,11 @@ node, at any time. :meth:`SiteState.snapshot` is a plain, sorted dict;
   one. So two controllers that plan from the same state cannot both win, each
   epoch has at most one leader, and epochs only increase. Re-electing the same
   node also bumps the epoch (a restarted leader must fence its old self).
+* :class:`FailOver` moves every partition a dead node leads at once, by the
+  plan of ``cluster/failover.py`` that each replica runs as it applies it
+  (deterministic: the state and the command's ``now_ms`` only), if the node's
+  last heartbeat is still the one the controller saw and it is not live at
+  ``now_ms``; each moved partition's epoch goes up by one, as an election's.
 * While a segment is open, the leader comes from its ensemble (see
   :func:`plan_leadership` for why). A segment is opened by the leader of the
   current epoch, with itself first in the ensemble (it appends locally and
