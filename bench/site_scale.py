@@ -9,7 +9,8 @@ Run from the repository root::
 ``bench/scale.py`` calls :func:`measure` (one site, one size) and prints its :class:`SiteScale`. What is measured,
 on one site ``a`` of three ``georep node --node-id N`` processes (bench/site_cluster.py's ``Site``):
 
-* ``create_s``: ``CreateTopic`` of one topic of ``--partitions`` partitions, to every partition led by a live node
+* ``create_s``: ``CreateTopic`` of one topic of ``--partitions`` partitions (or ``--topics`` topics of as many, in
+  ``CreateTopics`` calls of 100), to every partition led by a live node
   (``ClusterStatus``'s ``leaderless_partitions`` is 0: the summary, so the poll stays cheap).
 * idle, for ``--idle-s`` once every partition has an open segment on ``--replication-factor`` nodes (or after
   ``--settle-timeout-s``): per node, CPU (utime + stime from ``/proc``, as a share of one core), RSS, open fds, and
@@ -47,6 +48,7 @@ TOPIC = "scale"
 POLL_S = 0.05
 RPC_TIMEOUT_S = 5.0
 SUMMARY = pb.ClusterStatusRequest(partitions_limit=0)
+TOPICS_PER_CALL = 100
 
 
 @dataclass
@@ -126,6 +128,7 @@ async def measure(
     session_timeout_ms: int = 3_000,
     idle_s: float = 20.0,
     settle_timeout_s: float = 300.0,
+    topics: int = 1,
 ) -> SiteScale:
     """One site of three nodes under ``root`` (removed first): see the module docstring."""
     shutil.rmtree(root, ignore_errors=True)
@@ -139,7 +142,9 @@ async def measure(
         site.start()
         started = time.monotonic()
         async with client_channel(site.addresses[NODES[0]], None) as ch:
-            await pbg.NodeStub(ch).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=partitions), timeout=120)
+            await _create(pbg.NodeStub(ch), partitions, topics)
+        partitions *= topics
+        out.partitions = partitions
         await _until_led(site, list(NODES), partitions, settle_timeout_s)
         out.create_s = time.monotonic() - started
         out.whole = await _whole(site, partitions, replication_factor, settle_timeout_s)
@@ -160,6 +165,23 @@ async def measure(
     finally:
         site.close()
     return out
+
+
+async def _create(stub: pbg.NodeStub, partitions: int, topics: int) -> None:
+    """One topic of ``partitions``, or ``topics`` topics of ``partitions`` each, in ``CreateTopics`` calls of
+    :data:`TOPICS_PER_CALL` (what ``georep topic create`` sends)."""
+    if topics == 1:
+        await stub.CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=partitions), timeout=120)
+        return
+    names = [f"{TOPIC}-{i:05d}" for i in range(topics)]
+    for at in range(0, topics, TOPICS_PER_CALL):
+        request = pb.CreateTopicsRequest(
+            topics=[pb.CreateTopicRequest(name=n, partitions=partitions) for n in names[at : at + TOPICS_PER_CALL]]
+        )
+        answer = await stub.CreateTopics(request, timeout=300)
+        failed = [r for r in answer.results if r.HasField("error")]
+        if failed:
+            raise RuntimeError(f"{len(failed)} topics not created, e.g. {failed[0]}")
 
 
 async def _reelect(site: Site, out: SiteScale, timeout_s: float) -> None:
@@ -186,7 +208,8 @@ async def _reelect(site: Site, out: SiteScale, timeout_s: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--partitions", type=int, default=2_000)
+    parser.add_argument("--partitions", type=int, default=2_000, help="per topic")
+    parser.add_argument("--topics", type=int, default=1, help="topics of --partitions each (CreateTopics of 100)")
     parser.add_argument("--replication-factor", type=int, default=3)
     parser.add_argument("--session-timeout-ms", type=int, default=3_000)
     parser.add_argument("--idle-s", type=float, default=20.0)
@@ -202,6 +225,7 @@ def main() -> int:
                 args.session_timeout_ms,
                 args.idle_s,
                 args.settle_timeout_s,
+                args.topics,
             )
         )
     if args.json:
