@@ -22,7 +22,9 @@ which sealed segments retention drops         ``plan_retention``: the Raft leade
                                               ``retention_interval_ms``; each node deletes its copies once it
                                               sees the trim (``_apply_trims``)
 
-:class:`ClusterMember` ticks every ``tick_ms``: it reports its heartbeat (free bytes and load), ticks the core
+:class:`ClusterMember` reports its heartbeat (free bytes and load) every ``tick_ms`` in a task of its own, straight
+to the Raft store (not behind the group commit, nor behind the tick: a live node's late heartbeat had it taken for
+dead), and ticks every ``tick_ms``: it ticks the core
 (every lead's due retries and reconnections; on the Raft leader the controller's elections, and a repair pass
 every ``repair_interval_ms`` in the background once it has led the Raft log for a session), learns the seals
 its view shows, and reconciles its roles with its view of the metadata.
@@ -221,6 +223,7 @@ class ClusterMember:
         self._retention_due_ms: int | None = None  # the controller's next retention plan
         self.repair: RepairController | None = None  # while this node is the Raft leader
         self._task: asyncio.Task[None] | None = None
+        self._beats: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._queued: list[tuple[Command, asyncio.Future[Result | None]]] = []  # waiting for the proposal in flight
         # The metadata versions whose seals and trims this node has followed whole (the per-tick passes over every
@@ -309,11 +312,13 @@ class ClusterMember:
         self.core.reconciled = None
         await self._heartbeat()
         self._task = asyncio.create_task(self._ticks())
+        self._beats = asyncio.create_task(self._heartbeats())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._beats):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self.core.stop(f"node {self.me} stops")  # every lead ends; their shells close here
         await asyncio.gather(*(lead.close() for lead in list(self.leaders.values())), return_exceptions=True)
         self.leaders.clear()
@@ -368,8 +373,24 @@ class ClusterMember:
             return None
         return next_leader_expiry_ms(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms)
 
+    async def _heartbeats(self) -> None:
+        """A heartbeat every ``tick_ms``, whatever the rest of the tick is waiting for.
+
+        In the tick, a heartbeat waited for the tick before it: a deposed controller's proposals (up to the write
+        timeout), a pass learning seals in the disk's threads. At 2,000 partitions that held a live node's
+        heartbeats for longer than its session, and the new controller moved its partitions away."""
+        loop = asyncio.get_running_loop()
+        tick_s = self.config.tick_ms / 1000
+        while True:
+            started = loop.time()
+            try:
+                await self._heartbeat()
+            except Exception:  # a bug in one heartbeat must not end them: log it and beat again
+                log.exception("node %d: heartbeat failed", self.me)
+            await asyncio.sleep(max(0.0, started + tick_s - loop.time()))
+
     async def tick(self) -> None:
-        await self._heartbeat()
+        """The controller's duties, seals, trims and roles (the heartbeats have a task of their own)."""
         await self._controller()
         await self._learn_seals()
         await self._apply_trims()
