@@ -36,13 +36,12 @@ against the recovery rule itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from topology.ids import NodeId
 
 if TYPE_CHECKING:
-    from cluster.site_state import NodeInfo, SiteState
+    from cluster.site_state import SiteState
 
 PartitionKey = tuple[str, int]
 
@@ -72,20 +71,19 @@ def plan_failover(
         if info.leader is not None and info.leader in live:
             led[info.leader] = led.get(info.leader, 0) + 1
 
-    def order(node: NodeInfo) -> tuple[bool, int, bool, int, int]:
-        return (node.draining, led.get(node.node, 0), node.node == avoid, -(node.last_heartbeat_ms or 0), node.node)
+    def order(node: NodeId) -> tuple[bool, int, bool, int, int]:
+        info = live[node]
+        return (info.draining, led.get(node, 0), node == avoid, -(info.last_heartbeat_ms or 0), node)
 
+    everyone = sorted(live)
     plan: dict[PartitionKey, NodeId] = {}
     for info in state.partitions():
         if info.leader != dead:
             continue
         open_segment = info.open_segment
-        pool: Iterable[NodeInfo] = (
-            [live[m] for m in open_segment.ensemble if m in live] if open_segment is not None else live.values()
-        )
-        candidates = sorted(pool, key=order)
-        if candidates:
-            chosen = candidates[0].node
+        pool = [m for m in open_segment.ensemble if m in live] if open_segment is not None else everyone
+        if pool:
+            chosen = min(pool, key=order)
             led[chosen] = led.get(chosen, 0) + 1
             plan[(info.topic, info.partition)] = chosen
     return plan

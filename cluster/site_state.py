@@ -1242,8 +1242,11 @@ class SiteState:
             return Refused(RefusalCode.NODE_NOT_DEAD if cmd.node in self._nodes else RefusalCode.UNKNOWN_NODE, blocker)
         plan = plan_failover(self, cmd.node, cmd.now_ms, cmd.session_timeout_ms, cmd.avoid)
         for key, node in plan.items():
-            info = self._partitions[key]
-            self._partitions[key] = replace(info, leader=node, leader_epoch=LeaderEpoch(info.leader_epoch + 1))
+            i = self._partitions[key]
+            # PartitionInfo(...), not dataclasses.replace: half the apply's time at 33,000 moves
+            self._partitions[key] = PartitionInfo(
+                i.topic, i.partition, node, LeaderEpoch(i.leader_epoch + 1), i.segments, i.start_vector, i.producers
+            )
         self._changed()  # the plan cached what it derived (partitions()) from the state before the moves
         return Applied(changed=bool(plan), moved=len(plan))
 
