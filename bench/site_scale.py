@@ -100,11 +100,16 @@ async def _summary(site: Site, nodes: list[int]) -> pb.ClusterStatusResponse | N
     return None
 
 
-async def _until_led(site: Site, nodes: list[int], partitions: int, timeout_s: float) -> pb.ClusterStatusResponse:
+async def _until_led(
+    site: Site, nodes: list[int], partitions: int, timeout_s: float, dead: int | None = None
+) -> pb.ClusterStatusResponse:
+    """Until every partition is led by a live node, and by none of node ``dead``: right after its kill, a node still
+    counts as live until its session runs out, so "no leaderless partition" alone held at once."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         answer = await _summary(site, nodes)
-        if answer is not None and answer.partition_count == partitions and answer.leaderless_partitions == 0:
+        moved = answer is not None and all(n.leader_of == 0 for n in answer.nodes if n.node_id == dead)
+        if answer is not None and answer.partition_count == partitions and answer.leaderless_partitions == 0 and moved:
             return answer
         await asyncio.sleep(POLL_S)
     raise TimeoutError(f"not every partition led by a live node within {timeout_s:g}s")
@@ -198,7 +203,7 @@ async def _reelect(site: Site, out: SiteScale, timeout_s: float) -> None:
     killed = time.monotonic()
     victim.proc.kill()
     victim.proc.wait()
-    after = await _until_led(site, survivors, out.partitions, timeout_s)
+    after = await _until_led(site, survivors, out.partitions, timeout_s, dead=out.victim)
     out.reelect_s = time.monotonic() - killed
     out.raft_entries = after.raft.applied_index - applied
     restarted = time.monotonic()
