@@ -41,9 +41,11 @@ def whole(site: ClusterSite) -> bool:
     )
 
 
-def led_by_live_nodes(site: ClusterSite) -> bool:
+def led_by_live_nodes(site: ClusterSite, dead: int | None = None) -> bool:
+    """Every partition led by a live node, and none by ``dead`` (which counts as live until its session runs out)."""
     answer = status(site)
-    return answer.partition_count == PARTITIONS and answer.leaderless_partitions == 0
+    moved = all(n.leader_of == 0 for n in answer.nodes if n.node_id == dead)
+    return answer.partition_count == PARTITIONS and answer.leaderless_partitions == 0 and moved
 
 
 @pytest.mark.slow
@@ -66,7 +68,7 @@ def test_killing_the_node_that_leads_most_partitions_moves_them_at_once_and_lose
         site.nodes[victim].kill9()
         survivors = [n for n in site.nodes if n != victim]
 
-        wait_for("every partition led by a live node again", lambda: led_by_live_nodes(site))
+        wait_for("every partition led by a live node again", lambda: led_by_live_nodes(site, victim))
         asyncio.run(produce_everywhere(site.address(survivors[0]), "after", acked))  # every partition serves
 
         logs = "".join((tmp_path / "a" / str(n) / "node.log").read_text() for n in survivors)
