@@ -432,7 +432,17 @@ class ClusterMember:
         await self._retention()
 
     async def _elect(self, ctl: Controller, elect: ElectLeader | FailOver) -> None:
-        result = await self.propose(elect)
+        result: Result | None
+        if isinstance(elect, FailOver):
+            # Straight to the store, like a heartbeat: behind the group commit it waited for batches of seals and
+            # rolls in flight (seconds under load) while every partition of the dead node had no leader.
+            try:
+                result = await self.run_metadata(self.metadata.propose, elect)
+            except MetadataUnavailable as exc:
+                log.warning("node %d: the failover of node %d not confirmed: %s", self.me, elect.node, exc)
+                result = None
+        else:
+            result = await self.propose(elect)
         ctl.proposal_done(elect)
         if isinstance(result, Applied) and isinstance(elect, FailOver):
             log.info("controller: node %d's %d partitions moved to new leaders", elect.node, result.moved)
