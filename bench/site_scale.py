@@ -9,12 +9,14 @@ Run from the repository root::
 ``bench/scale.py`` calls :func:`measure` (one site, one size) and prints its :class:`SiteScale`. What is measured,
 on one site ``a`` of three ``georep node --node-id N`` processes (bench/site_cluster.py's ``Site``):
 
-* ``create_s``: ``CreateTopic`` of one topic of ``--partitions`` partitions, to every partition led by a live node
+* ``create_s``: ``CreateTopic`` of one topic of ``--partitions`` partitions (or ``--topics`` topics of as many, in
+  ``CreateTopics`` calls of 100), to every partition led by a live node
   (``ClusterStatus``'s ``leaderless_partitions`` is 0: the summary, so the poll stays cheap).
 * idle, for ``--idle-s`` once every partition has an open segment on ``--replication-factor`` nodes (or after
   ``--settle-timeout-s``): per node, CPU (utime + stime from ``/proc``, as a share of one core), RSS, open fds, and
   the Raft directory's bytes (journal and dump).
-* ``reelect_s``: ``kill -9`` of a node that is not the Raft leader, to the first ``ClusterStatus`` of a survivor
+* ``reelect_s``: ``kill -9`` of the node that leads the most partitions (not the Raft leader), to the first
+  ``ClusterStatus`` of a survivor
   that shows every partition led by a live node again. It includes the session timeout (``--session-timeout-ms``:
   the time to notice the death), printed beside it; ``raft_entries`` is how many Raft log entries the survivors
   committed meanwhile (the applied index's rise: elections go as batches, so it is far below the partition count).
@@ -46,6 +48,7 @@ TOPIC = "scale"
 POLL_S = 0.05
 RPC_TIMEOUT_S = 5.0
 SUMMARY = pb.ClusterStatusRequest(partitions_limit=0)
+TOPICS_PER_CALL = 100
 
 
 @dataclass
@@ -66,6 +69,7 @@ class SiteScale:
     whole: bool = False  # every partition had an open segment on replication_factor nodes before the idle window
     idle: list[NodeIdle] = field(default_factory=list)
     victim: int = 0
+    victim_led: int = 0  # partitions it led when it was killed
     reelect_s: float = float("nan")
     raft_entries: int = 0
     restart_s: float = float("nan")
@@ -96,11 +100,16 @@ async def _summary(site: Site, nodes: list[int]) -> pb.ClusterStatusResponse | N
     return None
 
 
-async def _until_led(site: Site, nodes: list[int], partitions: int, timeout_s: float) -> pb.ClusterStatusResponse:
+async def _until_led(
+    site: Site, nodes: list[int], partitions: int, timeout_s: float, dead: int | None = None
+) -> pb.ClusterStatusResponse:
+    """Until every partition is led by a live node, and by none of node ``dead``: right after its kill, a node still
+    counts as live until its session runs out, so "no leaderless partition" alone held at once."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         answer = await _summary(site, nodes)
-        if answer is not None and answer.partition_count == partitions and answer.leaderless_partitions == 0:
+        moved = answer is not None and all(n.leader_of == 0 for n in answer.nodes if n.node_id == dead)
+        if answer is not None and answer.partition_count == partitions and answer.leaderless_partitions == 0 and moved:
             return answer
         await asyncio.sleep(POLL_S)
     raise TimeoutError(f"not every partition led by a live node within {timeout_s:g}s")
@@ -124,6 +133,7 @@ async def measure(
     session_timeout_ms: int = 3_000,
     idle_s: float = 20.0,
     settle_timeout_s: float = 300.0,
+    topics: int = 1,
 ) -> SiteScale:
     """One site of three nodes under ``root`` (removed first): see the module docstring."""
     shutil.rmtree(root, ignore_errors=True)
@@ -137,7 +147,9 @@ async def measure(
         site.start()
         started = time.monotonic()
         async with client_channel(site.addresses[NODES[0]], None) as ch:
-            await pbg.NodeStub(ch).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=partitions), timeout=120)
+            await _create(pbg.NodeStub(ch), partitions, topics)
+        partitions *= topics
+        out.partitions = partitions
         await _until_led(site, list(NODES), partitions, settle_timeout_s)
         out.create_s = time.monotonic() - started
         out.whole = await _whole(site, partitions, replication_factor, settle_timeout_s)
@@ -160,10 +172,30 @@ async def measure(
     return out
 
 
+async def _create(stub: pbg.NodeStub, partitions: int, topics: int) -> None:
+    """One topic of ``partitions``, or ``topics`` topics of ``partitions`` each, in ``CreateTopics`` calls of
+    :data:`TOPICS_PER_CALL` (what ``georep topic create`` sends)."""
+    if topics == 1:
+        await stub.CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=partitions), timeout=120)
+        return
+    names = [f"{TOPIC}-{i:05d}" for i in range(topics)]
+    for at in range(0, topics, TOPICS_PER_CALL):
+        request = pb.CreateTopicsRequest(
+            topics=[pb.CreateTopicRequest(name=n, partitions=partitions) for n in names[at : at + TOPICS_PER_CALL]]
+        )
+        answer = await stub.CreateTopics(request, timeout=300)
+        failed = [r for r in answer.results if r.HasField("error")]
+        if failed:
+            raise RuntimeError(f"{len(failed)} topics not created, e.g. {failed[0]}")
+
+
 async def _reelect(site: Site, out: SiteScale, timeout_s: float) -> None:
     status = await _summary(site, list(NODES))
     raft_leader = site.raft_nodes.get(status.raft.leader_address) if status is not None else None
-    out.victim = next(n for n in reversed(NODES) if n != raft_leader)  # a partition leader, not the controller
+    led = {n.node_id: n.leader_of for n in status.nodes} if status is not None else {}
+    # the node that leads the most partitions, not the controller (whose death also stops the metadata for a while)
+    out.victim = max((n for n in NODES if n != raft_leader), key=lambda n: (led.get(n, 0), n))
+    out.victim_led = led.get(out.victim, 0)
     survivors = [n for n in NODES if n != out.victim]
     applied = status.raft.applied_index if status is not None else 0
     victim = site.nodes[out.victim]
@@ -171,7 +203,7 @@ async def _reelect(site: Site, out: SiteScale, timeout_s: float) -> None:
     killed = time.monotonic()
     victim.proc.kill()
     victim.proc.wait()
-    after = await _until_led(site, survivors, out.partitions, timeout_s)
+    after = await _until_led(site, survivors, out.partitions, timeout_s, dead=out.victim)
     out.reelect_s = time.monotonic() - killed
     out.raft_entries = after.raft.applied_index - applied
     restarted = time.monotonic()
@@ -181,7 +213,8 @@ async def _reelect(site: Site, out: SiteScale, timeout_s: float) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--partitions", type=int, default=2_000)
+    parser.add_argument("--partitions", type=int, default=2_000, help="per topic")
+    parser.add_argument("--topics", type=int, default=1, help="topics of --partitions each (CreateTopics of 100)")
     parser.add_argument("--replication-factor", type=int, default=3)
     parser.add_argument("--session-timeout-ms", type=int, default=3_000)
     parser.add_argument("--idle-s", type=float, default=20.0)
@@ -197,6 +230,7 @@ def main() -> int:
                 args.session_timeout_ms,
                 args.idle_s,
                 args.settle_timeout_s,
+                args.topics,
             )
         )
     if args.json:
@@ -212,7 +246,8 @@ def main() -> int:
             f"Raft dir {n.raft_kib} KiB"
         )
     print(
-        f"  kill -9 node {result.victim}: every partition led again in {result.reelect_s:.2f}s "
+        f"  kill -9 node {result.victim} (leading {result.victim_led}): every partition led again in "
+        f"{result.reelect_s:.2f}s "
         f"(session timeout {result.session_timeout_ms / 1000:g}s; {result.raft_entries} Raft entries); "
         f"restart {result.restart_s:.1f}s"
     )

@@ -6,7 +6,8 @@ says so at each tick (``NodeCore.tick(..., leads_metadata=...)``), and a node th
 controller, whose memory is volatile, as a new controller starts afresh. Its elections are
 :func:`~cluster.site_state.plan_leadership` with the time it became the controller (``since_ms``: live nodes
 look dead until they heartbeat through it) and a settling time of three ticks, one proposal per partition and
-expected epoch in flight at a time.
+expected epoch in flight at a time; the partitions of a dead leader move together, in one
+:class:`~cluster.site_state.FailOver` per dead node (``cluster/failover.py``), one in flight per node and heartbeat.
 
 **Repair.** :meth:`Controller.repair_plan` runs :func:`~cluster.repair.plan_repair` every ``repair_every_ms``
 over the controller's view, with ``down_since`` as this controller first saw each node dead (a new controller
@@ -24,7 +25,15 @@ from dataclasses import dataclass, field
 
 from cluster import repair
 from cluster.placement import NodeLoad
-from cluster.site_state import AddMember, ElectLeader, ReplaceMember, SegmentInfo, SiteState, plan_leadership
+from cluster.site_state import (
+    AddMember,
+    ElectLeader,
+    FailOver,
+    ReplaceMember,
+    SegmentInfo,
+    SiteState,
+    plan_leadership,
+)
 from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 PartitionKey = tuple[str, int]
@@ -72,6 +81,7 @@ class Controller:
     since_ms: int
     config: ControllerConfig
     electing: dict[PartitionKey, LeaderEpoch] = field(default_factory=dict)
+    failing: dict[NodeId, int | None] = field(default_factory=dict)  # FailOver in flight: dead node -> its heartbeat
     down_since: dict[NodeId, int] = field(default_factory=dict)
     in_progress: dict[int, tuple[repair.CopySegment | repair.FillSegment, int]] = field(default_factory=dict)
     short: dict[NodeId, set[SegmentKey]] = field(default_factory=dict)  # what each member last reported short
@@ -88,8 +98,12 @@ class Controller:
 
     # -- elections ---------------------------------------------------------------------------------------
 
-    def elections(self, view: SiteState, now_ms: int) -> list[ElectLeader]:
+    def elections(self, view: SiteState, now_ms: int) -> list[ElectLeader | FailOver]:
         """The elections to propose now (each answered by :meth:`election_done`).
+
+        A partition with no leader yet gets an :class:`ElectLeader` of the node ``plan_leadership`` chose. The
+        partitions of a dead leader get one :class:`FailOver` per dead node (``cluster/failover.py``): every replica
+        plans their new leaders as it applies it, so they all move in one log entry, whatever their number.
 
         Planned afresh only when something it depends on changed since a plan came out empty: the partitions
         (``view.version``), which nodes are live, or the settling time after the controller took over. An idle site
@@ -99,7 +113,8 @@ class Controller:
         quiet = (view.version, frozenset(n.node for n in view.live_nodes(now_ms, session)))
         if settled and quiet == self._quiet:
             return []
-        out = []
+        out: list[ElectLeader | FailOver] = []
+        dead: set[NodeId] = set()
         for elect in plan_leadership(
             view,
             now_ms,
@@ -108,16 +123,35 @@ class Controller:
             settle_ms=SETTLE_TICKS * self.config.tick_ms,
             controller=self.me,
         ):
+            info = view.partition(elect.topic, elect.partition)
+            if info is not None and info.leader is not None:
+                dead.add(info.leader)
+                continue
             key = (elect.topic, elect.partition)
             if self.electing.get(key) != elect.expected_epoch:
                 self.electing[key] = elect.expected_epoch
                 out.append(elect)
-        self._quiet = quiet if settled and not out and not self.electing else None
+        for node in sorted(dead):
+            node_info = view.node(node)
+            heartbeat = node_info.last_heartbeat_ms if node_info is not None else None
+            if node in self.failing and self.failing[node] == heartbeat:
+                continue
+            self.failing[node] = heartbeat
+            out.append(FailOver(node, heartbeat, now_ms, session, avoid=self.me))
+        self._quiet = quiet if settled and not out and not self.electing and not self.failing else None
         return out
 
     def election_done(self, key: PartitionKey, expected: LeaderEpoch) -> None:
         if self.electing.get(key) == expected:
             del self.electing[key]
+
+    def proposal_done(self, command: ElectLeader | FailOver) -> None:
+        """The metadata answered (or gave up on) an election :meth:`elections` returned: it may be planned again."""
+        if isinstance(command, FailOver):
+            if self.failing.get(command.node, -1) == command.last_heartbeat_ms:
+                del self.failing[command.node]
+        else:
+            self.election_done((command.topic, command.partition), command.expected_epoch)
 
     # -- repair ------------------------------------------------------------------------------------------
 

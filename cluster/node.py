@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from cluster import leadership
 from cluster.controller import AskRoll, Controller, ControllerConfig, RepairCopy, controller_step
 from cluster.lead import LeadConfig, LeadContext, LeadEffect, PartitionLead, Phase
-from cluster.site_state import ElectLeader, Result, SiteState
+from cluster.site_state import ElectLeader, FailOver, Result, SiteState
 from topology.ids import LeaderEpoch, NodeId
 
 PartitionKey = tuple[str, int]
@@ -86,9 +86,10 @@ class ProposeEpoch:
 
 @dataclass(frozen=True, slots=True)
 class ProposeElection:
-    """The controller proposes ``command``; answer :meth:`Controller.election_done`."""
+    """The controller proposes ``command`` (an election, or a dead node's failover); answer
+    :meth:`Controller.proposal_done`."""
 
-    command: ElectLeader
+    command: ElectLeader | FailOver
 
 
 @dataclass(frozen=True, slots=True)

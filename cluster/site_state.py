@@ -47,6 +47,11 @@ node, at any time. :meth:`SiteState.snapshot` is a plain, sorted dict;
   one. So two controllers that plan from the same state cannot both win, each
   epoch has at most one leader, and epochs only increase. Re-electing the same
   node also bumps the epoch (a restarted leader must fence its old self).
+* :class:`FailOver` moves every partition a dead node leads at once, by the
+  plan of ``cluster/failover.py`` that each replica runs as it applies it
+  (deterministic: the state and the command's ``now_ms`` only), if the node's
+  last heartbeat is still the one the controller saw and it is not live at
+  ``now_ms``; each moved partition's epoch goes up by one, as an election's.
 * While a segment is open, the leader comes from its ensemble (see
   :func:`plan_leadership` for why). A segment is opened by the leader of the
   current epoch, with itself first in the ensemble (it appends locally and
@@ -80,6 +85,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Self, TypeVar
 
+from cluster.failover import failover_blocker, plan_failover
 from cluster.producer_snapshot import InvalidSnapshot as InvalidProducerSnapshot
 from cluster.producer_snapshot import ProducerSnapshot
 from georep.metadata.store import AclRecord, acl_newer
@@ -228,6 +234,7 @@ class RefusalCode(enum.StrEnum):
     NODE_IN_USE = "node_in_use"
     STALE_EPOCH = "stale_epoch"
     NOT_IN_ENSEMBLE = "not_in_ensemble"
+    NODE_NOT_DEAD = "node_not_dead"
     INVALID_ENSEMBLE = "invalid_ensemble"
     SEGMENT_OPEN = "segment_open"
     BASE_OFFSET_MISMATCH = "base_offset_mismatch"
@@ -250,6 +257,7 @@ class Applied:
     leader_epoch: LeaderEpoch | None = None  # ElectLeader: the new epoch
     segment_id: SegmentId | None = None  # OpenSegment, SealSegment: the segment
     results: tuple[Applied | Refused, ...] = ()  # CommandBatch: each command's result, in order
+    moved: int = 0  # FailOver: the partitions that got a new leader
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,6 +542,49 @@ class ElectLeader(_CommandBase):
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
         return cls(
             _str(raw, "topic"), _int(raw, "partition"), _node(raw, "node"), LeaderEpoch(_int(raw, "expected_epoch"))
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FailOver(_CommandBase):
+    """Move every partition dead ``node`` leads to a new leader (``cluster/failover.py``'s plan, run by every
+    replica as it applies this), if the node's last heartbeat is still ``last_heartbeat_ms`` and it is not live at
+    ``now_ms`` by ``session_timeout_ms``; ``avoid``: the proposing controller's node. One command, a few dozen bytes,
+    whatever the number of partitions."""
+
+    KIND: ClassVar[str] = "fail_over"
+    node: NodeId
+    last_heartbeat_ms: int | None
+    now_ms: int
+    session_timeout_ms: int
+    avoid: NodeId | None = None
+
+    def __post_init__(self) -> None:
+        node_id(self.node)
+        if self.avoid is not None:
+            node_id(self.avoid)
+        _check_non_negative("now_ms", self.now_ms)
+        if self.session_timeout_ms < 1:
+            raise InvalidCommand(f"session_timeout_ms={self.session_timeout_ms}: must be positive")
+
+    def _encode(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "last_heartbeat_ms": self.last_heartbeat_ms,
+            "now_ms": self.now_ms,
+            "session_timeout_ms": self.session_timeout_ms,
+            "avoid": self.avoid,
+        }
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        avoid = raw.get("avoid")
+        return cls(
+            _node(raw, "node"),
+            _optional_int(raw, "last_heartbeat_ms"),
+            _int(raw, "now_ms"),
+            _int(raw, "session_timeout_ms"),
+            None if avoid is None else _node(raw, "avoid"),
         )
 
 
@@ -851,6 +902,7 @@ Command = (
     | RemoveNode
     | CreateTopic
     | ElectLeader
+    | FailOver
     | OpenSegment
     | SealSegment
     | ReplaceMember
@@ -871,6 +923,7 @@ _COMMANDS: dict[str, type[Command]] = {
         RemoveNode,
         CreateTopic,
         ElectLeader,
+        FailOver,
         OpenSegment,
         SealSegment,
         ReplaceMember,
@@ -1028,6 +1081,8 @@ class SiteState:
             return self._create_topic(command)
         if isinstance(command, ElectLeader):
             return self._elect_leader(command)
+        if isinstance(command, FailOver):
+            return self._fail_over(command)
         if isinstance(command, OpenSegment):
             return self._open_segment(command)
         if isinstance(command, SealSegment):
@@ -1180,6 +1235,20 @@ class SiteState:
         epoch = LeaderEpoch(info.leader_epoch + 1)
         self._partitions[(cmd.topic, cmd.partition)] = replace(info, leader=cmd.node, leader_epoch=epoch)
         return Applied(leader_epoch=epoch)
+
+    def _fail_over(self, cmd: FailOver) -> Result:
+        blocker = failover_blocker(self, cmd.node, cmd.last_heartbeat_ms, cmd.now_ms, cmd.session_timeout_ms)
+        if blocker:
+            return Refused(RefusalCode.NODE_NOT_DEAD if cmd.node in self._nodes else RefusalCode.UNKNOWN_NODE, blocker)
+        plan = plan_failover(self, cmd.node, cmd.now_ms, cmd.session_timeout_ms, cmd.avoid)
+        for key, node in plan.items():
+            i = self._partitions[key]
+            # PartitionInfo(...), not dataclasses.replace: half the apply's time at 33,000 moves
+            self._partitions[key] = PartitionInfo(
+                i.topic, i.partition, node, LeaderEpoch(i.leader_epoch + 1), i.segments, i.start_vector, i.producers
+            )
+        self._changed()  # the plan cached what it derived (partitions()) from the state before the moves
+        return Applied(changed=bool(plan), moved=len(plan))
 
     def _open_segment(self, cmd: OpenSegment) -> Result:
         info = self._find_partition(cmd.topic, cmd.partition)

@@ -203,6 +203,39 @@ def response() -> pb.ClusterStatusResponse:
     )
 
 
+def test_the_summary_counts_as_the_full_status_does_as_nodes_die_drain_and_come_back() -> None:
+    """The summary (a page of 0, what a failover poll asks every 50 ms) keeps its walk per version of the state:
+    its counts must still follow every heartbeat that makes a node dead or live, and every draining flag."""
+    from cluster.status import Page
+
+    state = four_nodes()
+
+    def same(now_ms: int) -> None:
+        full = cluster_status(state, now_ms, SESSION_MS, 3)
+        summary = cluster_status(state, now_ms, SESSION_MS, 3, Page(limit=0))
+        assert summary.nodes == full.nodes
+        assert (summary.partition_count, summary.leaderless, summary.under_replicated_count) == (
+            full.partition_count,
+            full.leaderless,
+            full.under_replicated_count,
+        )
+
+    same(10_000)
+    same(10_000)  # from the cache
+    same(12_000)  # node 1's session ran out: t/0 has no live leader now, and more segments lack a member
+    apply(
+        state,
+        NodeHeartbeat(N3, 11_900, 30 << 30, 1),
+        NodeHeartbeat(N1, 11_950, 50 << 30, 2),
+        NodeHeartbeat(N2, 11_950, 40 << 30, 2),
+    )
+    same(12_000)  # all three are back: only the short segment is under-replicated
+    apply(state, SetDraining(N2, True))
+    same(12_000)
+    apply(state, ElectLeader("t", 2, N3, LeaderEpoch(0)))
+    same(12_000)
+
+
 def test_bytes_and_raft_roles_come_from_each_nodes_own_answer() -> None:
     own_2 = pb.ClusterStatusResponse(
         node_id=2,

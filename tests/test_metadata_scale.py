@@ -23,8 +23,10 @@ from cluster.site_state import (
     CommandBatch,
     CreateTopic,
     ElectLeader,
+    FailOver,
     InvalidCommand,
     NodeHeartbeat,
+    NodeInfo,
     PartitionInfo,
     RefusalCode,
     Refused,
@@ -252,11 +254,15 @@ def test_an_idle_site_walks_no_partition_per_tick_and_still_replaces_a_dead_lead
         assert not [e for e in tick() if isinstance(e, ProposeElection)]
     assert state.walks == 0, f"{state.walks} walks over every partition in 20 idle ticks"
 
-    # node 3 dies: its heartbeats stop, and once its session has passed its 100 partitions are re-elected
-    elections: list[ElectLeader] = []
+    # node 3 dies: its heartbeats stop, and once its session has passed its 100 partitions move, in one command
+    elections: list[ElectLeader | FailOver] = []
     while now < 30 * SESSION_MS and not elections:
         elections = [e.command for e in tick(nodes=(1, 2)) if isinstance(e, ProposeElection)]
-    assert len(elections) == 100 and {e.node for e in elections} <= {1, 2}
+    last_heartbeat = cast(NodeInfo, state.node(NodeId(3))).last_heartbeat_ms
+    assert elections == [FailOver(NodeId(3), last_heartbeat, now, SESSION_MS, NodeId(2))]
+    result = state.apply(elections[0])
+    assert isinstance(result, Applied) and result.moved == 100
+    assert {i.leader for i in state.partitions()} == {1, 2}
 
 
 class _CountingLead(PartitionLead):

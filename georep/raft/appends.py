@@ -15,10 +15,21 @@ pysyncobj 0.3.17 keeps two habits that Raft (§5.3) does not have, and that mess
 from the first conflict on are deleted, as Raft does, and drops an append whose entries it all holds when the log goes
 on after them (a late append: the answers to the later ones say more). :func:`next_index_after_answer` keeps a
 leader's next index where its appends already went.
+
+A third habit is a bug: a leader sends an entry of at least ``appendEntriesBatchSizeBytes`` in pieces of its pickle
+(``transmission``: ``start``, ``process``..., ``finish``), but labels a piece ``finish`` as soon as it reaches the
+length of the entry's *command*, which is shorter than its pickle by a few dozen bytes. An entry whose command ends
+that close below a multiple of the piece size is labelled ``finish`` one piece early: every follower unpickles a
+truncated entry, fails (``pickle data was truncated``, in its tick thread) and refuses it, at every resend, so the
+log stops there until the Raft leadership moves. The command batches of group commit
+(``cluster.site_state.batches``) are sized towards a bound, so that happened under load (a topic of 2,000
+partitions being created: twice in three minutes). :class:`TransmissionPieces` relabels such an early ``finish``
+as ``process``.
 """
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -59,3 +70,29 @@ def next_index_after_answer(answer: Mapping[str, Any], before: int | None, after
     if before is None or after is None:
         return after
     return max(before, after)
+
+
+class TransmissionPieces:
+    """One follower's view of the pieces of a split entry from its leader (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._received = bytearray()
+
+    def relabel(self, message: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``message``, with a ``finish`` that does not complete the entry's pickle relabelled ``process``."""
+        kind = message.get("transmission") if message.get("type") == "append_entries" else None
+        data = message.get("data")
+        if kind is None or not isinstance(data, bytes):
+            return message
+        if kind == "start":
+            self._received = bytearray(data)
+            return message
+        self._received += data
+        if kind != "finish":
+            return message
+        try:
+            pickle.loads(self._received)  # noqa: S301  # the leader's entry, from an authenticated member
+        except (EOFError, pickle.UnpicklingError):
+            return {**message, "transmission": "process"}
+        self._received = bytearray()
+        return message

@@ -59,7 +59,7 @@ from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.tcp_connection import CONNECTION_STATE, _getAddrType, set_keepalive
 from pysyncobj.transport import TCPTransport
 
-from georep.raft.appends import Entry, next_index_after_answer, trim_append
+from georep.raft.appends import Entry, TransmissionPieces, next_index_after_answer, trim_append
 from georep.raft.frames import FRAME_HEADER_BYTES, FrameBounds, frame_length_fault
 
 logger = logging.getLogger(__name__)
@@ -539,6 +539,7 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
         self._limits = limits
         self._bounds = FrameBounds.for_port(sealed=syncObj.encryptor is not None)
         self._pending: dict[GuardedConnection, None] = {}  # accepted, not a member's yet; oldest first
+        self._pieces: dict[Any, TransmissionPieces] = {}  # per member: the split entry it is receiving (appends.py)
         self._accepted: set[GuardedConnection] = set()
         self._outbox: list[tuple[Any, GuardedConnection, int, Any]] = []
         self._journal_sync = journal_sync
@@ -674,6 +675,8 @@ class GuardedTransport(TCPTransport):  # type: ignore[misc]  # pysyncobj has no 
         if not isinstance(message, dict):
             super()._onMessageReceived(node, message)
             return
+        if "transmission" in message:
+            message = dict(self._pieces.setdefault(node, TransmissionPieces()).relabel(message))
         raft_log = self._syncObj._SyncObj__raftLog
         if len(raft_log) > 0:
             trimmed = trim_append(message, lambda index: _entry_at(raft_log, index), raft_log[-1][1])

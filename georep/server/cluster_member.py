@@ -22,7 +22,9 @@ which sealed segments retention drops         ``plan_retention``: the Raft leade
                                               ``retention_interval_ms``; each node deletes its copies once it
                                               sees the trim (``_apply_trims``)
 
-:class:`ClusterMember` ticks every ``tick_ms``: it reports its heartbeat (free bytes and load), ticks the core
+:class:`ClusterMember` reports its heartbeat (free bytes and load) every ``tick_ms`` in a task of its own, straight
+to the Raft store (not behind the group commit, nor behind the tick: a live node's late heartbeat had it taken for
+dead), and ticks every ``tick_ms``: it ticks the core
 (every lead's due retries and reconnections; on the Raft leader the controller's elections, and a repair pass
 every ``repair_interval_ms`` in the background once it has led the Raft log for a session), learns the seals
 its view shows, and reconciles its roles with its view of the metadata.
@@ -70,6 +72,7 @@ from cluster.site_state import (
     Command,
     CommandBatch,
     ElectLeader,
+    FailOver,
     NodeHeartbeat,
     PartitionInfo,
     Refused,
@@ -202,6 +205,10 @@ class ClusterMember:
         self.metadata = metadata
         self.store = store
         self.executor = executor
+        # Metadata calls (proposals, read barriers, the heartbeat's free bytes) have threads of their own: in the
+        # executor they queued behind the disk work of thousands of segment opens, and a node whose heartbeat
+        # waited longer than a session was taken for dead (its partitions moved, more disk work, more waiting).
+        self.metadata_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="metadata")
         self.clock_ms = clock_ms
         self.free_bytes = free_bytes
         self.config = config or ClusterConfig()
@@ -216,6 +223,7 @@ class ClusterMember:
         self._retention_due_ms: int | None = None  # the controller's next retention plan
         self.repair: RepairController | None = None  # while this node is the Raft leader
         self._task: asyncio.Task[None] | None = None
+        self._beats: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._queued: list[tuple[Command, asyncio.Future[Result | None]]] = []  # waiting for the proposal in flight
         # The metadata versions whose seals and trims this node has followed whole (the per-tick passes over every
@@ -233,6 +241,10 @@ class ClusterMember:
 
     async def run_blocking(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def run_metadata(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` in the metadata's own threads (see ``__init__``)."""
+        return await asyncio.get_running_loop().run_in_executor(self.metadata_executor, fn, *args)
 
     async def propose(self, command: Command) -> Result | None:
         """Commit ``command``; None if the metadata could not confirm it (it may still apply: read the view).
@@ -274,7 +286,7 @@ class ClusterMember:
         """What each command packed in ``command`` gave (None for all if the batch was not confirmed)."""
         count = _packed_count(command)
         try:
-            result = await self.run_blocking(self.metadata.propose, command)
+            result = await self.run_metadata(self.metadata.propose, command)
         except MetadataUnavailable as exc:
             what = f"a batch of {count} commands" if count > 1 else command.KIND
             log.warning("node %d: %s not confirmed: %s", self.me, what, exc)
@@ -295,16 +307,18 @@ class ClusterMember:
         result = await self.propose(RegisterNode(self.me, self.address))
         if isinstance(result, Refused):
             raise RegistrationRefused(f"node {self.me} cannot register at {self.address}: {result.reason}")
-        await self.run_blocking(self.metadata.read_barrier)
+        await self.run_metadata(self.metadata.read_barrier)
         self.core.epochs_at_start = {(i.topic, i.partition): i.leader_epoch for i in self.metadata.state().partitions()}
         self.core.reconciled = None
         await self._heartbeat()
         self._task = asyncio.create_task(self._ticks())
+        self._beats = asyncio.create_task(self._heartbeats())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._beats):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self.core.stop(f"node {self.me} stops")  # every lead ends; their shells close here
         await asyncio.gather(*(lead.close() for lead in list(self.leaders.values())), return_exceptions=True)
         self.leaders.clear()
@@ -318,6 +332,7 @@ class ClusterMember:
             if not done.done():
                 done.set_result(None)
         self._queued.clear()
+        self.metadata_executor.shutdown(wait=False, cancel_futures=True)
 
     async def _ticks(self) -> None:
         """A tick every ``tick_ms``; between ticks, a look at the roles as soon as the metadata changes (a new
@@ -358,8 +373,24 @@ class ClusterMember:
             return None
         return next_leader_expiry_ms(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms)
 
+    async def _heartbeats(self) -> None:
+        """A heartbeat every ``tick_ms``, whatever the rest of the tick is waiting for.
+
+        In the tick, a heartbeat waited for the tick before it: a deposed controller's proposals (up to the write
+        timeout), a pass learning seals in the disk's threads. At 2,000 partitions that held a live node's
+        heartbeats for longer than its session, and the new controller moved its partitions away."""
+        loop = asyncio.get_running_loop()
+        tick_s = self.config.tick_ms / 1000
+        while True:
+            started = loop.time()
+            try:
+                await self._heartbeat()
+            except Exception:  # a bug in one heartbeat must not end them: log it and beat again
+                log.exception("node %d: heartbeat failed", self.me)
+            await asyncio.sleep(max(0.0, started + tick_s - loop.time()))
+
     async def tick(self) -> None:
-        await self._heartbeat()
+        """The controller's duties, seals, trims and roles (the heartbeats have a task of their own)."""
         await self._controller()
         await self._learn_seals()
         await self._apply_trims()
@@ -367,8 +398,14 @@ class ClusterMember:
 
     async def _heartbeat(self) -> None:
         load = leadership.open_loads(self.metadata.state()).get(self.me, 0)
-        free = await self.run_blocking(self.free_bytes)
-        await self.propose(NodeHeartbeat(self.me, self.clock_ms(), free, load, self.store.moved.total))
+        free = await self.run_metadata(self.free_bytes)
+        beat = NodeHeartbeat(self.me, self.clock_ms(), free, load, self.store.moved.total)
+        # Not through the group commit (propose): queued behind a burst of seals and opens (each batch one commit,
+        # seconds under load), the heartbeat came late and the node was taken for dead.
+        try:
+            await self.run_metadata(self.metadata.propose, beat)
+        except MetadataUnavailable as exc:
+            log.warning("node %d: heartbeat not confirmed: %s", self.me, exc)
 
     async def _controller(self) -> None:
         """The core's tick: every lead's due retries, and the controller's duties while this node's Raft replica
@@ -394,10 +431,22 @@ class ClusterMember:
         self.repair.due()
         await self._retention()
 
-    async def _elect(self, ctl: Controller, elect: ElectLeader) -> None:
-        result = await self.propose(elect)
-        ctl.election_done((elect.topic, elect.partition), elect.expected_epoch)
-        if isinstance(result, Applied):
+    async def _elect(self, ctl: Controller, elect: ElectLeader | FailOver) -> None:
+        result: Result | None
+        if isinstance(elect, FailOver):
+            # Straight to the store, like a heartbeat: behind the group commit it waited for batches of seals and
+            # rolls in flight (seconds under load) while every partition of the dead node had no leader.
+            try:
+                result = await self.run_metadata(self.metadata.propose, elect)
+            except MetadataUnavailable as exc:
+                log.warning("node %d: the failover of node %d not confirmed: %s", self.me, elect.node, exc)
+                result = None
+        else:
+            result = await self.propose(elect)
+        ctl.proposal_done(elect)
+        if isinstance(result, Applied) and isinstance(elect, FailOver):
+            log.info("controller: node %d's %d partitions moved to new leaders", elect.node, result.moved)
+        elif isinstance(result, Applied) and isinstance(elect, ElectLeader):
             log.info(
                 "controller: node %d leads %s-%d in epoch %s",
                 elect.node,
@@ -405,6 +454,8 @@ class ClusterMember:
                 elect.partition,
                 result.leader_epoch,
             )
+        elif isinstance(result, Refused) and isinstance(elect, FailOver):
+            log.info("controller: failover of node %d refused: %s", elect.node, result.reason)
 
     async def _retention(self) -> None:
         """Every ``retention_interval_ms``, propose the trims ``plan_retention`` picks (the Raft leader's duty)."""

@@ -84,6 +84,7 @@ from cluster.site_state import (
     Command,
     CreateTopic,
     ElectLeader,
+    FailOver,
     NodeHeartbeat,
     OpenSegment,
     PartitionInfo,
@@ -1193,6 +1194,12 @@ class ClusterSimulator:
         if isinstance(cmd, ElectLeader):
             if isinstance(result, Applied):
                 self.counts.elections += 1
+            else:
+                self.counts.elections_refused += 1
+        elif isinstance(cmd, FailOver):
+            if isinstance(result, Applied):
+                self.counts.elections += result.moved
+                self.counts.failovers += 1
             else:
                 self.counts.elections_refused += 1
         elif isinstance(cmd, OpenSegment) and changed:

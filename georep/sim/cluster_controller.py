@@ -56,8 +56,8 @@ class SimControllers:
         ctl = core.controller if core is not None else None
         if ctl is None:
             return
-        key, expected = (eff.command.topic, eff.command.partition), eff.command.expected_epoch
-        self.fabric.propose(node, eff.command, lambda result: ctl.election_done(key, expected))
+        command = eff.command
+        self.fabric.propose(node, command, lambda result: ctl.proposal_done(command))
 
     def repair_sizes(self) -> Callable[[SegmentInfo], int] | None:
         """What a sealed segment weighs, for repair placement; None: the controller plans no repair here."""

@@ -237,7 +237,8 @@ class ClusterCounts:
     no_majority: int = 0  # proposals held back because a majority of the voters was down
     proposals_lost: int = 0  # the proposer gave up (timeout), and the command never committed
     proposals_late: int = 0  # the proposer gave up, and the command committed later (ambiguous)
-    elections: int = 0  # ElectLeader applied
+    elections: int = 0  # ElectLeader applied, and partitions a FailOver moved
+    failovers: int = 0  # FailOver applied (each moves every partition of one dead leader)
     elections_refused: int = 0  # ElectLeader refused (a stale plan: the compare-and-set on the epoch)
     reelections: int = 0  # a node re-elected itself (restarted leader, or a superseded recovery)
     recoveries: int = 0

@@ -87,6 +87,7 @@ from cluster.site_state import (
     Command,
     CreateTopic,
     ElectLeader,
+    FailOver,
     NodeHeartbeat,
     OpenSegment,
     RegisterNode,
@@ -498,6 +499,12 @@ class GeoClusterSimulator(Simulator):
         if isinstance(cmd, ElectLeader):
             if isinstance(result, Applied):
                 self.ccounts.elections += 1
+            else:
+                self.ccounts.elections_refused += 1
+        elif isinstance(cmd, FailOver):
+            if isinstance(result, Applied):
+                self.ccounts.elections += result.moved
+                self.ccounts.failovers += 1
             else:
                 self.ccounts.elections_refused += 1
         elif isinstance(cmd, OpenSegment) and changed:
