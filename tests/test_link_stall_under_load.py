@@ -11,37 +11,14 @@ from __future__ import annotations
 
 from georep.replication.links import LinkManager
 from offsets.coordinates import Origin
+from tests.support.topologies import diamond
 from topology.ids import SiteId
-from topology.model import parse_topology
 
 D = Origin(SiteId("d"), 1)
 PARTITIONS = 50
 STALL_MS = 1_000
 TICK_MS = 100
-DIAMOND = parse_topology(
-    """
-[sites.a]
-nodes = ["127.0.0.1:1"]
-[sites.b]
-nodes = ["127.0.0.1:2"]
-[sites.c]
-nodes = ["127.0.0.1:3"]
-[sites.d]
-nodes = ["127.0.0.1:4"]
-[[links]]
-src = "d"
-dst = "b"
-[[links]]
-src = "d"
-dst = "c"
-[[links]]
-src = "b"
-dst = "a"
-[[links]]
-src = "c"
-dst = "a"
-"""
-)
+DIAMOND = diamond()
 
 
 def site_a() -> LinkManager:
