@@ -157,15 +157,22 @@ def test_every_replica_plans_the_same_leaders(site: Site) -> None:
     assert a == b
 
 
+def last_node_dead_leading_all(nodes: int, partitions: int) -> SiteState:
+    """Nodes 1..``nodes``, the last silent for two sessions and leading every partition of topic ``t``."""
+    state = SiteState()
+    dead = NODES[nodes - 1]
+    for n in NODES[:nodes]:
+        ok(state.apply(RegisterNode(n, f"10.0.0.{n}:9092")))
+        ok(state.apply(NodeHeartbeat(n, NOW_MS - (2 * SESSION_MS if n == dead else 0), 1 << 40, 0)))
+    ok(state.apply(CreateTopic(TopicSpec("t", partitions))))
+    for p in range(partitions):
+        ok(state.apply(ElectLeader("t", p, dead, LeaderEpoch(0))))
+    return state
+
+
 def test_a_node_that_heartbeated_since_the_plan_keeps_its_partitions() -> None:
     """The compare-and-set on the heartbeat: a late FailOver never moves the partitions of a node that came back."""
-    state = SiteState()
-    for n in NODES[:3]:
-        ok(state.apply(RegisterNode(n, f"10.0.0.{n}:9092")))
-        ok(state.apply(NodeHeartbeat(n, NOW_MS - (2 * SESSION_MS if n == 3 else 0), 1 << 40, 0)))
-    ok(state.apply(CreateTopic(TopicSpec("t", 4))))
-    for p in range(4):
-        ok(state.apply(ElectLeader("t", p, NodeId(3), LeaderEpoch(0))))
+    state = last_node_dead_leading_all(nodes=3, partitions=4)
     seen = NOW_MS - 2 * SESSION_MS
     ok(state.apply(NodeHeartbeat(NodeId(3), NOW_MS, 1 << 40, 0)))  # it comes back
     before = state.copy()
@@ -175,13 +182,7 @@ def test_a_node_that_heartbeated_since_the_plan_keeps_its_partitions() -> None:
 
 
 def test_the_dead_nodes_partitions_spread_over_the_survivors_away_from_the_controller() -> None:
-    state = SiteState()
-    for n in NODES[:4]:
-        ok(state.apply(RegisterNode(n, f"10.0.0.{n}:9092")))
-        ok(state.apply(NodeHeartbeat(n, NOW_MS - (2 * SESSION_MS if n == 4 else 0), 1 << 40, 0)))
-    ok(state.apply(CreateTopic(TopicSpec("t", 9))))
-    for p in range(9):
-        ok(state.apply(ElectLeader("t", p, NodeId(4), LeaderEpoch(0))))
+    state = last_node_dead_leading_all(nodes=4, partitions=9)
     plan = plan_failover(state, NodeId(4), NOW_MS, SESSION_MS, avoid=NodeId(1))
     counts = {n: list(plan.values()).count(n) for n in (1, 2, 3)}
     assert counts == {1: 3, 2: 3, 3: 3}  # spread evenly; the controller (1) takes its share last

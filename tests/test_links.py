@@ -4,37 +4,21 @@ from __future__ import annotations
 
 from georep.replication.links import LinkManager, LinkState
 from offsets.coordinates import Origin
+from tests.support.topologies import DIAMOND_TOML
 from topology.ids import SiteId
 from topology.model import default_topology, parse_topology
 
 D = Origin(SiteId("d"), 1)
 
-DIAMOND = """
-[sites.a]
-nodes = ["127.0.0.1:1"]
-[sites.b]
-nodes = ["127.0.0.1:2"]
-[sites.c]
-nodes = ["127.0.0.1:3"]
-[sites.d]
-nodes = ["127.0.0.1:4"]
-[[links]]
-src = "d"
-dst = "b"
-[[links]]
-src = "d"
-dst = "c"
-[[links]]
-src = "b"
-dst = "a"
-[[links]]
-src = "c"
-dst = "a"
-[[links]]
+# The diamond, and a filtered link back from a to d: a cycle that carries only audit topics.
+DIAMOND = (
+    DIAMOND_TOML
+    + """[[links]]
 src = "a"
 dst = "d"
 topics = ["audit/**"]
 """
+)
 
 
 def test_default_triangle_pulls_each_origin_from_itself_and_fails_over() -> None:

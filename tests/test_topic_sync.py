@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,24 @@ def site_b(tmp_path: Path, a: NodeProcess) -> Replicator:
     return Replicator(broker, topology, "b", stall_ms=1000)
 
 
+def run_at_b(tmp_path: Path, a: NodeProcess, scenario: Callable[[Replicator, Any], Awaitable[None]]) -> None:
+    """``scenario(site b's replicator, a stub on a)`` in an event loop; b stops and its broker closes after it."""
+    channel, stub_a = stub_for(a)
+
+    async def main() -> None:
+        r = site_b(tmp_path, a)
+        try:
+            await scenario(r, stub_a)
+        finally:
+            await r.stop()
+            r.broker.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        channel.close()
+
+
 async def until(what: str, cond: Callable[[], object], timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -67,12 +85,9 @@ def listed(answers: list[pb.ListTopicsResponse]) -> list[str]:
 
 
 def test_a_topic_sync_with_nothing_changed_carries_no_topic(tmp_path: Path, node: NodeProcess) -> None:
-    channel, stub_a = stub_for(node)
-    for name, partitions in (("orders", 3), ("events", 2)):
-        stub_a.CreateTopic(pb.CreateTopicRequest(name=name, partitions=partitions))
-
-    async def scenario() -> None:
-        r = site_b(tmp_path, node)
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        for name, partitions in (("orders", 3), ("events", 2)):
+            stub_a.CreateTopic(pb.CreateTopicRequest(name=name, partitions=partitions))
         puller = r.pullers[SiteId("a")]
         spy = Spy(puller.stub)
         puller._stub = spy  # type: ignore[assignment]
@@ -89,74 +104,51 @@ def test_a_topic_sync_with_nothing_changed_carries_no_topic(tmp_path: Path, node
             assert r.broker.metadata.get("late").partitions == 1 and not r.conflicts
         finally:
             task.cancel()
-            await r.stop()
-            r.broker.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        channel.close()
+    run_at_b(tmp_path, node, scenario)
 
 
 def test_a_conflict_that_arrives_as_a_change_is_reported_and_stays(tmp_path: Path, node: NodeProcess) -> None:
     """b synced with a; then each site creates x with its own partition count: the change a sends is compared with
     b's x, reported, and the report stays while nothing changes (an empty sync clears nothing)."""
-    channel, stub_a = stub_for(node)
-    stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=1))
 
-    async def scenario() -> None:
-        r = site_b(tmp_path, node)
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=1))
         puller = r.pullers[SiteId("a")]
-        try:
-            await puller.sync_topics()
-            assert "first" in r.broker.metadata.topics() and not r.conflicts
-            r.broker.create_topic("x", 3, {})
-            stub_a.CreateTopic(pb.CreateTopicRequest(name="x", partitions=2))
-            await puller.sync_topics()
-            assert "3 partitions at site b but 2 at site a" in r.conflicts[("x", SiteId("a"))]
-            assert "x" not in puller.remote_topics or puller.remote_topics["x"] == 2
-            await puller.sync_topics()
-            assert ("x", SiteId("a")) in r.conflicts
-        finally:
-            await r.stop()
-            r.broker.close()
+        await puller.sync_topics()
+        assert "first" in r.broker.metadata.topics() and not r.conflicts
+        r.broker.create_topic("x", 3, {})
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="x", partitions=2))
+        await puller.sync_topics()
+        assert "3 partitions at site b but 2 at site a" in r.conflicts[("x", SiteId("a"))]
+        assert "x" not in puller.remote_topics or puller.remote_topics["x"] == 2
+        await puller.sync_topics()
+        assert ("x", SiteId("a")) in r.conflicts
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        channel.close()
+    run_at_b(tmp_path, node, scenario)
 
 
 def test_an_idle_topic_sync_leaves_the_links_view_of_the_topics_as_it_was(tmp_path: Path, node: NodeProcess) -> None:
     """The stream compares what it may want (``remote_topics`` among it) every tick: a sync that learnt nothing
     keeps the same view, so the tick finds it unchanged by identity, not by a walk over every topic; a topic
     created at a still arrives."""
-    channel, stub_a = stub_for(node)
-    stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=2))
 
-    async def scenario() -> None:
-        r = site_b(tmp_path, node)
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=2))
         puller = r.pullers[SiteId("a")]
-        try:
+        await puller.sync_topics()
+        view, basis = puller.remote_topics, puller._usable_basis()
+        assert view["first"] == 2
+        for _ in range(3):
             await puller.sync_topics()
-            view, basis = puller.remote_topics, puller._usable_basis()
-            assert view["first"] == 2
-            for _ in range(3):
-                await puller.sync_topics()
-            assert puller.remote_topics is view, "a sync that learnt nothing replaced the view of a's topics"
-            assert puller._usable_basis() == basis
-            stub_a.CreateTopic(pb.CreateTopicRequest(name="second", partitions=1))
-            await puller.sync_topics()
-            assert puller.remote_topics == {**view, "second": 1}
-            assert r.broker.metadata.get("second").partitions == 1
-        finally:
-            await r.stop()
-            r.broker.close()
+        assert puller.remote_topics is view, "a sync that learnt nothing replaced the view of a's topics"
+        assert puller._usable_basis() == basis
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="second", partitions=1))
+        await puller.sync_topics()
+        assert puller.remote_topics == {**view, "second": 1}
+        assert r.broker.metadata.get("second").partitions == 1
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        channel.close()
+    run_at_b(tmp_path, node, scenario)
 
 
 # -- the catalog ------------------------------------------------------------------------------------------------
@@ -239,11 +231,9 @@ def test_idle_syncs_and_ticks_copy_no_topic_table_and_a_new_topic_still_reaches_
     """Topic sync (every second per link) and a multi-node site's tick (every 0.2 s) used to copy and compare the
     whole topic table each time; they now follow its version. A topic another node of the site created (straight
     into the metadata, as through Raft) still reaches the links at the next tick, and the next sync plans with it."""
-    channel, stub_a = stub_for(node)
-    stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=2))
 
-    async def scenario() -> None:
-        r = site_b(tmp_path, node)
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=2))
         puller = r.pullers[SiteId("a")]
         counting = CountingTopics(r.broker.metadata)
         r.broker.metadata = counting  # type: ignore[assignment]
@@ -265,11 +255,6 @@ def test_idle_syncs_and_ticks_copy_no_topic_table_and_a_new_topic_still_reaches_
             await puller.sync_topics()
             assert counting.copies > copies  # the sync planned again, against the table with the new topic
         finally:
-            await r.stop()
             r.broker.in_site = False
-            r.broker.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        channel.close()
+    run_at_b(tmp_path, node, scenario)
