@@ -11,6 +11,9 @@ group member asks again at its next heartbeat.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -22,12 +25,19 @@ from georep.broker.errors import CommitsBehind
 from georep.client.errors import CommitsBehind as ClientCommitsBehind
 from georep.client.errors import GroupRebalanced, Operation, from_status
 from georep.proto import georep_pb2 as pb
+from georep.replication.links import LinkState
 from georep.server.broker import Broker
 from georep.server.groups import GroupService
+from georep.server.process import NodeProcess
+from georep.server.replicator import Replicator
 from georep.server.status import wire_status
 from georep.storage.metadata_file import load_or_create_identity
 from offsets.commits import OFFSETS_TOPIC, offsets_partition
 from offsets.coordinates import Origin
+from tests.support.node_api import stub_for
+from tests.support.ports import free_ports
+from tests.support.sites import topology_toml
+from topology.file import parse_topology_file
 from topology.ids import SiteId
 
 
@@ -40,7 +50,7 @@ def test_a_site_behind_what_its_upstream_holds_now_refuses_rather_than_answer_st
         asked: list[tuple[tuple[str, int], float]] = []
         upstream = {Origin(SiteId("a"), 1): 3}  # an upstream already holds 3 commit records of origin a@1
 
-        async def upstream_vectors(key: tuple[str, int], timeout_s: float) -> list[Mapping[Origin, int]]:
+        async def upstream_vectors(key: tuple[str, int], timeout_s: float) -> list[Mapping[Origin, int] | None]:
             asked.append((key, timeout_s))
             return [upstream]
 
@@ -59,3 +69,48 @@ def test_a_site_behind_what_its_upstream_holds_now_refuses_rather_than_answer_st
         assert isinstance(from_status(Operation.GROUP, code, "", rebalanced[1]), GroupRebalanced)
 
     asyncio.run(main())
+
+
+def test_a_frozen_upstream_is_not_counted_with_what_it_last_sent(tmp_path: Path, node: NodeProcess) -> None:
+    """Site a streams to site b, then freezes (SIGSTOP: a GC pause, or a node starved under load) while its link
+    still streams. What a last sent can lack a commit it acknowledged since, so b's read barrier must not count a
+    with it: b answers ``CommitsBehind`` until a answers again. (Counting a with its last vector, as before, let a
+    consumer failing over under load start from the older commit: the drill's "delivered again after the failover
+    were covered by a commit".)"""
+    channel, stub_a = stub_for(node)
+    stub_a.FetchCommitted(pb.FetchCommittedRequest(group="g"))  # a creates its offsets topic
+    port_b = free_ports(1)[0]
+    topology = parse_topology_file(
+        "topology.toml", topology_toml({"a": int(node.address.rsplit(":", 1)[1]), "b": port_b}, [("a", "b")]).encode()
+    )
+
+    async def main() -> None:
+        (tmp_path / "b").mkdir()
+        broker = Broker(tmp_path / "b", load_or_create_identity(tmp_path / "b", "b", 1))
+        r = Replicator(broker, topology, "b", stall_ms=60_000)  # the link stays streaming while a is frozen
+        groups = GroupService(broker)
+        groups.upstream_vectors = r.upstream_vectors
+        request = pb.FetchCommittedRequest(group="g", wait_caught_up_ms=600)
+        r.start()
+        try:
+            deadline = time.monotonic() + 30
+            while r.links.links[SiteId("a")].state is not LinkState.STREAMING:
+                assert time.monotonic() < deadline, "the link a -> b never streamed"
+                await asyncio.sleep(0.05)
+            assert list((await groups.fetch_committed(request)).offsets) == []  # a answers: b is not behind
+            os.kill(node.pid, signal.SIGSTOP)
+            try:
+                assert await r.upstream_vectors((OFFSETS_TOPIC, offsets_partition("g")), 0.3) == [None]
+                with pytest.raises(CommitsBehind, match="could not ask"):
+                    await groups.fetch_committed(request)
+            finally:
+                os.kill(node.pid, signal.SIGCONT)
+            assert list((await groups.fetch_committed(request)).offsets) == []
+        finally:
+            await r.stop()
+            broker.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        channel.close()

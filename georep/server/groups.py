@@ -79,7 +79,7 @@ UPSTREAM_ASK_S = 2.0
 REMOTE_READS_MAX = 10_000  # segments read from other nodes in one fold: a bound, never reached
 
 
-async def _none(key: tuple[str, int], timeout_s: float) -> list[Mapping[Origin, int]]:
+async def _none(key: tuple[str, int], timeout_s: float) -> list[Mapping[Origin, int] | None]:
     return []
 
 
@@ -100,7 +100,7 @@ class GroupService:
         self.commits = CommitLog()
         # What each live upstream holds of a partition now; the replicator replaces it (a standalone node has
         # no upstream).
-        self.upstream_vectors: Callable[[tuple[str, int], float], Awaitable[list[Mapping[Origin, int]]]] = _none
+        self.upstream_vectors: Callable[[tuple[str, int], float], Awaitable[list[Mapping[Origin, int] | None]]] = _none
         if broker.in_site:
             return  # the site's metadata holds the internal topic: the first group call creates it there
         if OFFSETS_TOPIC not in broker.metadata.topics():
@@ -337,21 +337,7 @@ class GroupService:
         self._observe_leadership()
         self._coordinated(group)
         if req.wait_caught_up_ms > 0:
-            wait_s = min(req.wait_caught_up_ms, CAUGHT_UP_WAIT_MS_MAX) / 1000
-            deadline = time.monotonic() + wait_s
-            key = (OFFSETS_TOPIC, offsets_partition(group))
-            upstreams = await self.upstream_vectors(key, min(wait_s, UPSTREAM_ASK_S))
-            log_ = self._coordinated(group).log
-            while lacks(log_.vector(), upstreams) and time.monotonic() < deadline:
-                await asyncio.sleep(CAUGHT_UP_POLL_S)
-                log_ = self._coordinated(group).log  # a multi-node leader's chain log changes at a roll
-            if lacks(log_.vector(), upstreams):
-                raise CommitsBehind(
-                    f"site {self.broker.identity.site} has not caught up, within {req.wait_caught_up_ms} ms, with "
-                    f"the commits of group {group!r} that a live upstream holds: its committed positions "
-                    "could be stale. Retry (a group member retries by itself); if this lasts, check the links "
-                    "with 'georep status'"
-                )
+            await self._caught_up(group, req.wait_caught_up_ms)
         await self.sync()
         self._coordinated(group)
         if not req.partitions:
@@ -363,6 +349,33 @@ class GroupService:
                 if c is not None:
                     out.append(self._committed(c))
         return pb.FetchCommittedResponse(offsets=out)
+
+    async def _caught_up(self, group: str, wait_ms: int) -> None:
+        """Return once this site holds every commit record of ``group`` that each live upstream holds now; raise
+        ``CommitsBehind`` if it does not within ``wait_ms``, or if a streaming upstream does not answer (it may
+        hold a commit this site lacks: answering would risk a stale position, and I5)."""
+        wait_s = min(wait_ms, CAUGHT_UP_WAIT_MS_MAX) / 1000
+        deadline = time.monotonic() + wait_s
+        key = (OFFSETS_TOPIC, offsets_partition(group))
+        upstreams = await self.upstream_vectors(key, min(wait_s, UPSTREAM_ASK_S))
+        site = self.broker.identity.site
+        if any(u is None for u in upstreams):
+            raise CommitsBehind(
+                f"site {site} could not ask, within {wait_ms} ms, every live upstream what it holds of group "
+                f"{group!r}'s commits: its committed positions could be stale. Retry (a group member retries by "
+                "itself); if this lasts, check the links with 'georep status'"
+            )
+        known = [u for u in upstreams if u is not None]
+        log_ = self._coordinated(group).log
+        while lacks(log_.vector(), known) and time.monotonic() < deadline:
+            await asyncio.sleep(CAUGHT_UP_POLL_S)
+            log_ = self._coordinated(group).log  # a multi-node leader's chain log changes at a roll
+        if lacks(log_.vector(), known):
+            raise CommitsBehind(
+                f"site {site} has not caught up, within {wait_ms} ms, with the commits of group {group!r} that a "
+                "live upstream holds: its committed positions could be stale. Retry (a group member retries by "
+                "itself); if this lasts, check the links with 'georep status'"
+            )
 
     async def list_groups(self) -> pb.ListGroupsResponse:
         """Every group this site (a one-node site) or this node (a multi-node site: the groups whose offsets

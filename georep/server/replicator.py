@@ -632,30 +632,32 @@ class Replicator:
         p.durable_watchers.add(self._moved.add)
         self._moved.add(p.key)
 
-    async def upstream_vectors(self, key: PartitionKey, timeout_s: float) -> list[Mapping[Origin, int]]:
-        """What each streaming upstream holds of ``key`` now, asked afresh (a read barrier for FetchCommitted).
+    async def upstream_vectors(self, key: PartitionKey, timeout_s: float) -> list[Mapping[Origin, int] | None]:
+        """What each streaming upstream holds of ``key`` now, asked afresh (a read barrier for FetchCommitted);
+        ``None`` for an upstream that did not answer within ``timeout_s``.
 
         The vectors that chunks and heartbeats carry can be a heartbeat old: a commit a peer acknowledged a
         moment ago may not show in them yet, and a consumer starting from the older commit would read committed
-        records again. An upstream that does not answer within ``timeout_s`` counts with what it last sent.
+        records again. So an upstream that streams but does not answer (frozen, or starved under load) is not
+        counted with what it last sent: the caller cannot know this site is not behind it, and says so.
         """
         streaming = [src for src, link in sorted(self.links.links.items()) if link.state is LinkState.STREAMING]
 
-        async def ask(src: SiteId) -> Mapping[Origin, int]:
-            last = self.links.links[src].vectors.get(key, {})
+        async def ask(src: SiteId) -> Mapping[Origin, int] | None:
             try:
                 desc = await self.pullers[src].stub.DescribeTopic(
                     pb.DescribeTopicRequest(name=key[0]), timeout=timeout_s
                 )
-            except grpc.RpcError:
-                return last
+            except grpc.RpcError as exc:
+                # An upstream without the topic holds none of its records; any other failure tells nothing.
+                return {} if exc.code() is grpc.StatusCode.NOT_FOUND else None
             for ps in desc.partition_states:
                 if ps.partition == key[1]:
                     try:
                         return vector_from_proto(ps.vector).to_dict()
                     except InvalidVectorOffset:
-                        return last
-            return last
+                        return None
+            return {}  # the upstream has no such partition (yet): it holds nothing of it
 
         return list(await asyncio.gather(*(ask(src) for src in streaming)))
 
