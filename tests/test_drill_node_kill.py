@@ -68,7 +68,7 @@ def test_node_kill_keeps_acks_all_and_its_report_matches_what_the_site_holds(tmp
         assert doc["victim_pid"] == started[victim] and not site.nodes[victim].alive()
         restarted = running_pid(site, victim)
         assert restarted != started[victim]
-        held = {p: read_partition(site.address(site.wait_leader(topic, p, 30)), topic, p) for p in range(PARTITIONS)}
+        held = {p: read_partition(site.address(site.wait_leader(topic, p)), topic, p) for p in range(PARTITIONS)}
     finally:
         for n, node in site.nodes.items():  # the node the drill restarted is not one of the site's processes
             with contextlib.suppress(OSError, ValueError, KeyError):
