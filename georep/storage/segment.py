@@ -456,41 +456,41 @@ class Segment:
         if self._dirty or HANDLES.is_open(self):
             self.sync()
 
-    @property
-    def indexes_pending(self) -> bool:
-        """Index entries wait in memory, not yet in the files."""
-        return bool(self._pending) or self._index_written < len(self.index_positions)
-
-    def write_indexes_out(self, *, sync: bool, check: bool = False) -> None:
+    def write_indexes_out(self, *, sync: bool, check: bool = False, sparse: bool = True) -> None:
         """Write the index entries waiting in memory to the end of the index files (``owner`` held); with
-        ``sync``, fdatasync both files if anything in them is unsynced; with ``check`` (a seal), check and sync
-        them even when nothing waits.
+        ``sync``, fdatasync them if anything in them is unsynced; with ``check`` (a seal), check and sync them
+        even when nothing waits; without ``sparse`` (a checkpoint), the ``.oindex`` only: the sparse index names
+        no damage, and waits for the seal.
 
-        The files are checked first, from their header and their last entry: one that is missing, short, foreign
+        The files are checked first, from their header, size and last entry: one that is missing, short, foreign
         or whose last entry does not end where the first waiting one begins is rebuilt whole from the ``.log``
         (:meth:`_rebuild_indexes`), never appended to. A checkpoint (``sync`` false) leaves them to the page
         cache, as an append used to: they are derived, and recovery walks what lies past the recovery point.
         """
-        if not (check or self.indexes_pending or (sync and not self._indexes_synced)):
+        sparse_waits = sparse and self._index_written < len(self.index_positions)
+        if not (check or self._pending or sparse_waits or (sync and not self._indexes_synced)):
             return
-        fds = self._open_indexes()
+        fds = self._open_indexes(sparse=sparse)
         if fds is None:
             self._rebuild_indexes()
             return
         try:
             self._append_pending(fds, sync=sync)
         finally:
-            close_quietly(fds)
+            close_quietly(tuple(fd for fd in fds if fd is not None))
 
-    def _open_indexes(self) -> tuple[int, int] | None:
-        """The ``.oindex`` and ``.index`` open for writing, or None when they are missing or disagree."""
+    def _open_indexes(self, *, sparse: bool) -> tuple[int, int | None] | None:
+        """The ``.oindex`` (and with ``sparse`` the ``.index``) open for writing, or None when they are missing or
+        disagree with what this segment wrote to them."""
         _, index_path, oindex_path = segment_paths(self.directory, self.base_offset)
         fds: list[int] = []
         try:
             fds.append(_open_rw(oindex_path))
-            fds.append(_open_rw(index_path))
-            if self._files_agree(fds[0], fds[1]):
-                return fds[0], fds[1]
+            if sparse:
+                fds.append(_open_rw(index_path))
+            index_fd = fds[1] if sparse else None
+            if self._files_agree(fds[0], index_fd):
+                return fds[0], index_fd
         except FileNotFoundError:
             pass
         except BaseException:
@@ -499,41 +499,47 @@ class Segment:
         close_quietly(tuple(fds))
         return None
 
-    def _append_pending(self, fds: tuple[int, int], *, sync: bool) -> None:
-        """Write the waiting entries at the files' ends; on a failure cut both back, so they stay a prefix."""
+    def _append_pending(self, fds: tuple[int, int | None], *, sync: bool) -> None:
+        """Write the waiting entries at the files' ends; on a failure cut them back, so they stay a prefix."""
+        oindex_fd, index_fd = fds
         oindex_end = FILE_HEADER.size + self._oindex_written * ORIGIN_ENTRY_BYTES
         index_end = FILE_HEADER.size + self._index_written * INDEX_ENTRY.size
-        sparse = self.sparse_entries(self._index_written)
+        sparse = self.sparse_entries(self._index_written) if index_fd is not None else b""
         try:
-            _write_all(fds[0], [self._pending], oindex_end, len(self._pending))
-            _write_all(fds[1], [sparse], index_end, len(sparse))
+            _write_all(oindex_fd, [self._pending], oindex_end, len(self._pending))
+            if index_fd is not None:
+                _write_all(index_fd, [sparse], index_end, len(sparse))
             if sync:
-                os.fdatasync(fds[0])
-                os.fdatasync(fds[1])
+                os.fdatasync(oindex_fd)
+                if index_fd is not None:
+                    os.fdatasync(index_fd)
         except BaseException:
-            for fd, size in zip(fds, (oindex_end, index_end), strict=True):
+            ends = [(oindex_fd, oindex_end)] + ([(index_fd, index_end)] if index_fd is not None else [])
+            for fd, size in ends:
                 with contextlib.suppress(OSError):  # else the next write finds them disagreeing, and rebuilds
                     os.ftruncate(fd, size)
             raise
         self._oindex_written += len(self._pending) // ORIGIN_ENTRY_BYTES
-        self._index_written = len(self.index_positions)
         self._pending = bytearray()
-        self._indexes_synced = sync
+        if index_fd is not None:
+            self._index_written = len(self.index_positions)
+        self._indexes_synced = sync and index_fd is not None
 
-    def _files_agree(self, oindex_fd: int, index_fd: int) -> bool:
+    def _files_agree(self, oindex_fd: int, index_fd: int | None) -> bool:
         """Whether the index files are what this segment wrote to them: header, size and the last entry's end."""
         oindex_size = FILE_HEADER.size + self._oindex_written * ORIGIN_ENTRY_BYTES
-        index_size = FILE_HEADER.size + self._index_written * INDEX_ENTRY.size
-        if os.fstat(oindex_fd).st_size != oindex_size or os.fstat(index_fd).st_size != index_size:
+        if os.fstat(oindex_fd).st_size != oindex_size:
             return False
-        if os.pread(oindex_fd, FILE_HEADER.size, 0) != FILE_HEADER.pack(
-            ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION
+        if index_fd is not None and not _header_and_size(
+            index_fd, INDEX_MAGIC, INDEX_FORMAT_VERSION, FILE_HEADER.size + self._index_written * INDEX_ENTRY.size
         ):
             return False
-        if os.pread(index_fd, FILE_HEADER.size, 0) != FILE_HEADER.pack(INDEX_MAGIC, INDEX_FORMAT_VERSION):
+        if not self._oindex_written:  # the header is all there is
+            return _header_and_size(oindex_fd, ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION, oindex_size)
+        if index_fd is not None and not _header_and_size(  # a checkpoint skips it: the seal checks it
+            oindex_fd, ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION, oindex_size
+        ):
             return False
-        if not self._oindex_written:
-            return True
         last = os.pread(oindex_fd, ORIGIN_ENTRY_BYTES, oindex_size - ORIGIN_ENTRY_BYTES)
         if len(last) != ORIGIN_ENTRY_BYTES:
             return False
@@ -728,6 +734,10 @@ class _OriginEntries:
         first = max(start - written, 0) * ORIGIN_ENTRY_BYTES
         rest = (count - len(out) // ORIGIN_ENTRY_BYTES) * ORIGIN_ENTRY_BYTES
         return out + bytes(segment._pending[first : first + rest]) if rest > 0 else out
+
+
+def _header_and_size(fd: int, magic: bytes, version: int, size: int) -> bool:
+    return os.fstat(fd).st_size == size and os.pread(fd, FILE_HEADER.size, 0) == FILE_HEADER.pack(magic, version)
 
 
 def _indexes_after_walk(

@@ -1104,7 +1104,7 @@ class SegmentLog:
         try:
             # The origin index names what damage below the recovery point held (recovery trusts and mends by it
             # there, and cuts nothing): its entries reach the file before the point passes them.
-            self._segments[-1].write_indexes_out(sync=False)
+            self._segments[-1].write_indexes_out(sync=False, sparse=False)
             self._points.write(self.directory, point)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
