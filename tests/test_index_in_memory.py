@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from georep.record.batch import PREFIX
+from georep.storage import segment as segment_module
 from georep.storage.api import BatchDamaged
 from georep.storage.handle_cache import HANDLES, set_max_open_files
 from georep.storage.index_format import FILE_HEADER, ORIGIN_ENTRY_BYTES, entry_for
@@ -213,3 +214,22 @@ def test_partitions_written_in_turn_open_one_file_per_append_and_stay_bounded(
         assert read_all(w.log) == [stored_bytes(s) for s in w.stored]
         w.log.close()
     assert open_fds() - base <= SLACK
+
+
+def test_a_hot_partition_writes_its_entries_out_beyond_the_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory per partition is bounded between checkpoints: past ``PENDING_BYTES_MAX`` the entries go to the file."""
+    monkeypatch.setattr(segment_module, "PENDING_BYTES_MAX", 5 * ORIGIN_ENTRY_BYTES)
+    directory = tmp_path / "t-0"
+    log = open_log(directory, **CONFIG)
+    w = Writer(log)
+    write(w, 12)
+    active = log_files(directory)[-1]
+    assert oindex_of(active) == expected_oindex(w.stored[:10])  # written at the 5th and the 10th append
+    assert len(log.batch_entries()) == 12  # from the file, then from memory
+    log.flush()
+    log.abandon()
+    reopened = open_log(directory, **CONFIG)
+    check_every_record(reopened, w)
+    reopened.close()

@@ -133,21 +133,17 @@ class HandleCache:
 
         At most ``CLEAN_SCAN`` entries are looked at before the first close: under appends to more partitions than
         the bound, every append misses, and a copy of the whole cache per miss was a cost of its own."""
-        if self._files + need <= self.max_open_files:
-            return
-        clean = [victim for victim in islice(self._open, CLEAN_SCAN) if not victim.dirty]
-        for victim in clean:
-            if self._files + need <= self.max_open_files:
-                return
-            self._close(victim)
         while self._files + need > self.max_open_files:
-            closed = False
-            for victim in list(islice(self._open, CLEAN_SCAN)):
-                if self._close(victim):
-                    closed = True
-                    break
-            if not closed:
+            if not (self._close_first(clean_only=True) or self._close_first(clean_only=False)):
                 return  # every candidate looked at is in use: run over the bound for a moment rather than wait
+
+    def _close_first(self, *, clean_only: bool) -> bool:
+        """Close the least recently used segment (clean, with ``clean_only``) among the first ``CLEAN_SCAN`` that
+        can be closed now; under a produce over more partitions than the bound that is the first one looked at."""
+        for victim in islice(self._open, CLEAN_SCAN):
+            if (not clean_only or not victim.dirty) and self._close(victim):
+                return True  # _close changed the dict: stop iterating it
+        return False
 
     def _close(self, victim: CachedFiles) -> bool:
         """Close ``victim``'s files if its log is free and its unsynced writes fsync (cache lock held)."""

@@ -631,7 +631,7 @@ class Segment:
         if len(self._pending) >= PENDING_BYTES_MAX:
             try:
                 self.write_indexes_out(sync=False)
-            except OSError as exc:  # the batch is in the .log: the entries stay in memory for the next try
+            except (OSError, StorageError) as exc:  # the batch is in the .log: its entries wait for the next try
                 log.error(
                     "segment %s in %s: cannot write index entries (%s); they stay in memory until the seal",
                     segment_name(self.base_offset),
