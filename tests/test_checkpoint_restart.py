@@ -47,7 +47,7 @@ def assert_served(stub: pbg.NodeStub, acked: dict[int, int]) -> None:
             seen = pb.OriginSeq(site=last.origin_site, epoch=last.origin_epoch, next_seq=last.base_origin_seq)
             request = pb.FetchRequest(topic="t", partition=p, vector=pb.VectorOffset(entries=[seen]), max_wait_ms=100)
             stream = stub.Fetch(request)
-            first = list(iter_headers(next(iter(stream)).batches, verify=True))[0]
+            first = iter_headers(next(iter(stream)).batches, verify=True)[0]
             stream.cancel()
             assert (first.base_offset, first.base_origin_seq) == (last.base_offset, last.base_origin_seq), p
 
