@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from georep.record.batch import BatchHeader, check_batch, iter_headers
@@ -247,11 +247,15 @@ def test_a_flipped_byte_in_the_active_segment_after_a_crash_cuts_the_log_at_its_
     byte = data.draw(st.integers(0, size - 1), label="byte")
     index = p.batch_at(last, byte)
     position = next(pos for pos, i in p.segments[last] if i == index)
+    # The append time is outside the CRC, and its second copy (the .oindex entry) of an active segment is written at
+    # a checkpoint, a seal or a clean stop: this crash left none, so a flip there cannot be told (a sealed
+    # segment's is mended: test_a_flipped_append_time_is_mended_from_the_origin_index_copy).
+    assume(not 12 <= byte - position < 20)
     with tempfile.TemporaryDirectory() as tmp:
         directory = copy_of(p, tmp)
         flip(log_files(directory)[last], byte, mask)
-        if byte - position < 8 or 12 <= byte - position < 20:
-            check_recovered(directory, p, len(p.batches))  # the base offset or append time: mended
+        if byte - position < 8:
+            check_recovered(directory, p, len(p.batches))  # the base offset: mended by continuity
         else:
             check_recovered(directory, p, index)
 
@@ -315,11 +319,14 @@ def test_a_flipped_append_time_is_mended_from_the_origin_index_copy(
     pristine: dict[bool, Pristine], scratch: Path, closed: bool
 ) -> None:
     # append_time_ms (bytes 12-20 of a batch) is outside the CRC by design; the .oindex entry holds the second copy.
+    # It is written when the segment seals, at a clean stop and at a checkpoint: a crashed log's active segment
+    # has none (its entries were in memory), so there the flip is made in the last sealed segment.
     p = pristine[closed]
     directory = copy_of(p, scratch)
-    position, _index = p.segments[-1][1]
-    flip(log_files(directory)[-1], position + 19, 0x40)
-    check_recovered(directory, p, len(p.batches)) if not closed else check_quarantined(directory, p, set())
+    segment = -1 if closed else -2
+    position, _index = p.segments[segment][1]
+    flip(log_files(directory)[segment], position + 19, 0x40)
+    check_quarantined(directory, p, set())
 
 
 def test_damage_in_a_middle_segment_never_deletes_a_later_segment(
@@ -384,7 +391,8 @@ def test_a_cut_at_a_segment_start_leaves_an_empty_active_segment(pristine: dict[
     log = open_log(directory, **CONFIG)
     assert log.log_end_offset == base and log.segment_count == len(p.segments)
     assert log.read(LocalOffset(base), 100).data == b""
-    assert log.recovery.indexed_batches_lost == len(p.segments[-1]) and log.recovery.damaged_offset is None
+    # The crash left the active segment's index entries in memory only: no file names the batches that were lost.
+    assert log.recovery.indexed_batches_lost == 0 and log.recovery.damaged_offset is None
     log.abandon()
     check_recovered(directory, p, p.segments[-1][0][1], corrupt=False)
 

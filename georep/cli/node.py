@@ -142,7 +142,8 @@ def _add_storage_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-open-files",
         type=int,
         default=DEFAULT_MAX_OPEN_FILES,
-        help="how many segment files (.log, .index, .oindex: 3 per segment) the node keeps open at most; the "
+        help="how many segment files the node keeps open at most (one per segment used, its .log; index files "
+        "open only while they are written or read); the "
         "least recently used segments close, fsynced first, and open again on their next use "
         f"(default {DEFAULT_MAX_OPEN_FILES}; keep it well below 'ulimit -n')",
     )

@@ -2,9 +2,18 @@
 
 The binary layouts of the three files are documented in
 :mod:`georep.storage.segment_log`; the structs below implement them. This
-module holds the per-segment mechanics: appending one batch to the three files
-(and undoing it when a write fails), the batch-by-batch validation scan that
-recovery and index rebuilds use, and positioning a read.
+module holds the per-segment mechanics: appending one batch (and undoing it
+when the write fails), the batch-by-batch validation scan that recovery and
+index rebuilds use, and positioning a read.
+
+An append writes the ``.log`` only. Its index entries stay in memory (the
+sparse index for every segment, the origin-index entries not yet written in
+``pending``) and go to the index files when the segment seals, when the log
+closes, at a checkpoint (before the recovery point moves past them) and when
+more than ``PENDING_BYTES_MAX`` of them wait. Both index files are derived
+from the ``.log``: recovery walks the active segment and writes whatever the
+files lack, so a crash loses no record, only the work of indexing it again.
+This way a written partition keeps one file open, not three (issue 22).
 """
 
 from __future__ import annotations
@@ -62,6 +71,9 @@ INDEX_SUFFIX = ".index"
 ORIGIN_INDEX_SUFFIX = ".oindex"
 
 SCAN_CHUNK_BYTES = 8 << 20
+# Origin-index entries kept in memory before they are written out (about 2,600 batches): bounds a hot partition's
+# memory between checkpoints; a round-robin produce over 10,000 partitions never reaches it.
+PENDING_BYTES_MAX = 256 << 10
 _BASE_OFFSET = struct.Struct(">q")
 
 log = logging.getLogger(__name__)
@@ -116,7 +128,7 @@ def _write_all(fd: int, buffers: Sequence[BytesLike], position: int, size: int) 
     raise ShortWrite(errno.ENOSPC, f"short write: {done} of {size} bytes after repeated attempts")
 
 
-def _open_rw(path: Path, *, create: bool = False) -> int:
+def _open_rw(path: Path | str, *, create: bool = False) -> int:
     flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0)
     return os.open(path, flags, 0o600)  # a data dir's files are its owner's only (georep/storage/private.py)
 
@@ -187,6 +199,9 @@ class LoadOutcome:
     rebuilt: bool  # index files rewritten from the log
     plan: SegmentPlan | None  # what the walk decided, when it walked
     indexed_batches_lost: int = 0  # origin-index entries past the kept end: appended, their bytes did not survive
+    # Index files that lacked only the entries after their end (what a crash leaves when the entries were still in
+    # memory), completed in place: derived, like a rebuild, but nothing there was wrong, so nothing is fsynced.
+    extended: bool = False
     # The origin-index entries the segment holds, as loaded: the log's open folds them into memory without
     # reopening the files (with 10,000 partitions, three opens each through the handle cache).
     origin_entries: BytesLike = b""
@@ -202,8 +217,11 @@ class Segment:
 
     __slots__ = (
         "_dirty",
-        "_index_end",
-        "_oindex_end",
+        "_index_written",
+        "_indexes_synced",
+        "_log_path",
+        "_oindex_written",
+        "_pending",
         "_since_index",
         "_writes",
         "base_offset",
@@ -230,6 +248,7 @@ class Segment:
     ) -> None:
         self.directory = directory
         self.base_offset = base_offset
+        self._log_path = os.path.join(directory, segment_name(base_offset) + LOG_SUFFIX)  # opened at every miss
         self.owner = owner
         self.size = size
         self.next_offset = next_offset
@@ -243,25 +262,11 @@ class Segment:
     def log_fd(self) -> int:
         return HANDLES.fds(self)[0]
 
-    @property
-    def index_fd(self) -> int:
-        return HANDLES.fds(self)[1]
+    def open_files(self) -> tuple[int]:
+        """The ``.log`` only: the index files are written at seal and read through a descriptor of their own."""
+        return (_open_rw(self._log_path),)
 
-    @property
-    def oindex_fd(self) -> int:
-        return HANDLES.fds(self)[2]
-
-    def open_files(self) -> tuple[int, int, int]:
-        fds: list[int] = []
-        try:
-            for path in segment_paths(self.directory, self.base_offset):
-                fds.append(_open_rw(path))
-        except BaseException:
-            close_quietly(tuple(fds))
-            raise
-        return fds[0], fds[1], fds[2]
-
-    def release_files(self, fds: tuple[int, int, int]) -> bool:
+    def release_files(self, fds: tuple[int, ...]) -> bool:
         """fsync unsynced writes, then close: the handle cache's eviction (``owner`` held)."""
         if self._dirty:
             try:
@@ -281,7 +286,7 @@ class Segment:
 
     @property
     def dirty(self) -> bool:
-        """Written since the last fsync of all three files: the handle cache closes clean segments first."""
+        """Written since the last fsync of the ``.log``: the handle cache closes clean segments first."""
         return self._dirty
 
     @property
@@ -289,7 +294,7 @@ class Segment:
         return self._writes
 
     def synced(self, writes: int) -> None:
-        """All three files were fsynced after the first ``writes`` writes (``owner`` held): they are clean unless
+        """The ``.log`` was fsynced after the first ``writes`` writes (``owner`` held): it is clean unless
         written since. A flush fsyncs outside the lock, so a write may land meanwhile; that one stays unsynced."""
         if self._writes == writes:
             self._dirty = False
@@ -319,8 +324,11 @@ class Segment:
             running = max(running, entry.max_timestamp)
             self.running_max_timestamps.append(running)
         self._since_index = self.size - (self.index_positions[-1] if self.index_positions else 0)
-        self._index_end = FILE_HEADER.size + len(self.index_positions) * INDEX_ENTRY.size
-        self._oindex_end = FILE_HEADER.size + self.batch_count * ORIGIN_ENTRY_BYTES
+        # Entries in the files (all of them, as loaded or rewritten); later ones wait in memory (module doc).
+        self._index_written = len(self.index_positions)
+        self._oindex_written = self.batch_count
+        self._pending = bytearray()
+        self._indexes_synced = True  # what the files hold is fsynced (a segment loaded or rewritten whole)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -341,10 +349,12 @@ class Segment:
                 with contextlib.suppress(OSError):
                     path.unlink()
             raise
+        close_quietly((fds[1], fds[2]))  # written again at seal; nothing reads them before
         segment = cls(directory, base_offset, owner, 0, base_offset, b"", b"")
+        segment._indexes_synced = False
         segment._dirty = True
         segment._writes += 1
-        HANDLES.admit(segment, (fds[0], fds[1], fds[2]))
+        HANDLES.admit(segment, (fds[0],))
         return segment
 
     @classmethod
@@ -378,6 +388,7 @@ class Segment:
         it is trusted: only what lies after the recovery point is read.
         """
         log_path, index_path, oindex_path = segment_paths(directory, base_offset)
+        unwritten: tuple[int, int] | None = None  # entries already in the files, when some are not
         log_fd = _open_rw(log_path)
         try:
             log_size = os.fstat(log_fd).st_size
@@ -409,15 +420,19 @@ class Segment:
                 carry_out(log_fd, plan, changed_only=synced)
                 entries = pack_entries(plan.entries)
                 sparse_now = sparse_index(plan.entries, base_offset, index_interval_bytes)
-                rebuilt = entries != evidence or sparse_now != sparse
-                if rebuilt:
-                    write_indexes(directory, base_offset, entries, sparse_now)
+                rebuilt, unwritten = _indexes_after_walk(
+                    directory, base_offset, (evidence, sparse), (entries, sparse_now), active=next_base is None
+                )
                 gone = sum(1 for e in decoded or () if e.base_offset >= plan.next_offset)
-                outcome = LoadOutcome(True, rebuilt, plan, gone)
+                outcome = LoadOutcome(True, rebuilt, plan, gone, extended=unwritten is not None)
                 sparse, size, next_offset = sparse_now, plan.end_position, plan.next_offset
         finally:
             os.close(log_fd)
         segment = cls(directory, base_offset, owner, size, next_offset, entries, sparse)
+        if unwritten is not None:
+            segment._oindex_written, segment._index_written = unwritten
+            segment._pending = bytearray(entries[unwritten[0] * ORIGIN_ENTRY_BYTES :])
+            segment._indexes_synced = False
         return segment, dataclasses.replace(outcome, origin_entries=entries)
 
     def reindex(self, entries: bytes, index_interval_bytes: int) -> None:
@@ -432,17 +447,137 @@ class Segment:
         self._remember(entries, sparse)
 
     def sync(self) -> None:
-        """fdatasync the log and both index files."""
-        log_fd, index_fd, oindex_fd = HANDLES.fds(self)
-        os.fdatasync(log_fd)
-        os.fdatasync(index_fd)
-        os.fdatasync(oindex_fd)
+        """fdatasync the ``.log`` (the index files are synced when :meth:`write_indexes_out` writes them)."""
+        os.fdatasync(self.log_fd)
         self._dirty = False
 
     def sync_if_written(self) -> None:
-        """:meth:`sync`, unless nothing was written since the last one (the files may then stay closed)."""
+        """:meth:`sync`, unless nothing was written since the last one (the file may then stay closed)."""
         if self._dirty or HANDLES.is_open(self):
             self.sync()
+
+    def write_indexes_out(self, *, sync: bool, check: bool = False, sparse: bool = True) -> None:
+        """Write the index entries waiting in memory to the end of the index files (``owner`` held); with
+        ``sync``, fdatasync them if anything in them is unsynced; with ``check`` (a seal), check and sync them
+        even when nothing waits; without ``sparse`` (a checkpoint), the ``.oindex`` only: the sparse index names
+        no damage, and waits for the seal.
+
+        The files are checked first, from their header, size and last entry: one that is missing, short, foreign
+        or whose last entry does not end where the first waiting one begins is rebuilt whole from the ``.log``
+        (:meth:`_rebuild_indexes`), never appended to. A checkpoint (``sync`` false) leaves them to the page
+        cache, as an append used to: they are derived, and recovery walks what lies past the recovery point.
+        """
+        sparse_waits = sparse and self._index_written < len(self.index_positions)
+        if not (check or self._pending or sparse_waits or (sync and not self._indexes_synced)):
+            return
+        fds = self._open_indexes(sparse=sparse)
+        if fds is None:
+            self._rebuild_indexes()
+            return
+        try:
+            self._append_pending(fds, sync=sync)
+        finally:
+            close_quietly(tuple(fd for fd in fds if fd is not None))
+
+    def _open_indexes(self, *, sparse: bool) -> tuple[int, int | None] | None:
+        """The ``.oindex`` (and with ``sparse`` the ``.index``) open for writing, or None when they are missing or
+        disagree with what this segment wrote to them."""
+        _, index_path, oindex_path = segment_paths(self.directory, self.base_offset)
+        fds: list[int] = []
+        try:
+            fds.append(_open_rw(oindex_path))
+            if sparse:
+                fds.append(_open_rw(index_path))
+            index_fd = fds[1] if sparse else None
+            if self._files_agree(fds[0], index_fd):
+                return fds[0], index_fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            close_quietly(tuple(fds))
+            raise
+        close_quietly(tuple(fds))
+        return None
+
+    def _append_pending(self, fds: tuple[int, int | None], *, sync: bool) -> None:
+        """Write the waiting entries at the files' ends; on a failure cut them back, so they stay a prefix."""
+        oindex_fd, index_fd = fds
+        oindex_end = FILE_HEADER.size + self._oindex_written * ORIGIN_ENTRY_BYTES
+        index_end = FILE_HEADER.size + self._index_written * INDEX_ENTRY.size
+        sparse = self.sparse_entries(self._index_written) if index_fd is not None else b""
+        try:
+            _write_all(oindex_fd, [self._pending], oindex_end, len(self._pending))
+            if index_fd is not None:
+                _write_all(index_fd, [sparse], index_end, len(sparse))
+            if sync:
+                os.fdatasync(oindex_fd)
+                if index_fd is not None:
+                    os.fdatasync(index_fd)
+        except BaseException:
+            ends = [(oindex_fd, oindex_end)] + ([(index_fd, index_end)] if index_fd is not None else [])
+            for fd, size in ends:
+                with contextlib.suppress(OSError):  # else the next write finds them disagreeing, and rebuilds
+                    os.ftruncate(fd, size)
+            raise
+        self._oindex_written += len(self._pending) // ORIGIN_ENTRY_BYTES
+        self._pending = bytearray()
+        if index_fd is not None:
+            self._index_written = len(self.index_positions)
+        self._indexes_synced = sync and index_fd is not None
+
+    def _files_agree(self, oindex_fd: int, index_fd: int | None) -> bool:
+        """Whether the index files are what this segment wrote to them: header, size and the last entry's end."""
+        oindex_size = FILE_HEADER.size + self._oindex_written * ORIGIN_ENTRY_BYTES
+        if os.fstat(oindex_fd).st_size != oindex_size:
+            return False
+        if index_fd is not None and not _header_and_size(
+            index_fd, INDEX_MAGIC, INDEX_FORMAT_VERSION, FILE_HEADER.size + self._index_written * INDEX_ENTRY.size
+        ):
+            return False
+        if not self._oindex_written:  # the header is all there is
+            return _header_and_size(oindex_fd, ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION, oindex_size)
+        if index_fd is not None and not _header_and_size(  # a checkpoint skips it: the seal checks it
+            oindex_fd, ORIGIN_INDEX_MAGIC, ORIGIN_INDEX_FORMAT_VERSION, oindex_size
+        ):
+            return False
+        last = os.pread(oindex_fd, ORIGIN_ENTRY_BYTES, oindex_size - ORIGIN_ENTRY_BYTES)
+        if len(last) != ORIGIN_ENTRY_BYTES:
+            return False
+        entry = OriginEntry(*ORIGIN_ENTRY.unpack(last))
+        if self._pending:
+            first = OriginEntry(*ORIGIN_ENTRY.unpack_from(self._pending))
+            return entry.end_position == first.position and entry.next_offset == first.base_offset
+        return entry.end_position == self.size and entry.next_offset == self.next_offset
+
+    def _rebuild_indexes(self) -> None:
+        """Write both index files whole from a walk of the ``.log`` (``owner`` held): the files disagreed with it.
+
+        The walk checks what this segment appended; if the ``.log`` itself no longer holds it, the seal fails
+        rather than write an index of something else, and recovery decides at the next start."""
+        log.warning(
+            "segment %s in %s: its index files disagree with what was appended (missing, short or overwritten); "
+            "rebuilding them from the .log",
+            segment_name(self.base_offset),
+            self.directory,
+        )
+        plan = plan_segment(
+            self.base_offset,
+            LogBytes(self.log_fd, self.size),
+            list(iter_origin_entries(self._pending)),
+            next_base=None,
+            durable_end=self.next_offset,
+            running={},
+        )
+        if plan.refused or plan.cut or plan.lost or plan.next_offset != self.next_offset:
+            raise StorageError(
+                f"segment {segment_name(self.base_offset)} in {self.directory}: its .log no longer holds what was "
+                f"appended ({plan.refused or plan.cut or 'damaged batches'}); restart the node to recover it"
+            )
+        entries = pack_entries(plan.entries)
+        write_indexes(self.directory, self.base_offset, entries, self.sparse_entries())
+        self._oindex_written, self._index_written = len(plan.entries), len(self.index_positions)
+        self._pending = bytearray()
+        self._indexes_synced = True
 
     def close(self) -> None:
         """Close the files (without fsync: :meth:`sync` first where that matters)."""
@@ -472,27 +607,20 @@ class Segment:
         position = self.size
         size = header.size_bytes
         origin_entry = pack_origin_entry(header, base_offset, position, append_time_ms)
-        index_entry = None
-        if self._since_index >= index_interval_bytes:
-            index_entry = INDEX_ENTRY.pack(base_offset - self.base_offset, position)
-        log_fd, index_fd, oindex_fd = HANDLES.fds(self)
+        log_fd = HANDLES.fds(self)[0]
         self._dirty = True
         self._writes += 1
         try:
             _write_all(log_fd, [prefix, *body], position, size)
-            if index_entry is not None:
-                _write_all(index_fd, [index_entry], self._index_end, INDEX_ENTRY.size)
-            _write_all(oindex_fd, [origin_entry], self._oindex_end, ORIGIN_ENTRY_BYTES)
         except BaseException:
-            self._truncate_to_tracked_sizes()
+            self._truncate_to_tracked_size(log_fd)
             raise
-        if index_entry is not None:
+        if self._since_index >= index_interval_bytes:
             self.index_relative_offsets.append(base_offset - self.base_offset)
             self.index_positions.append(position)
-            self._index_end += INDEX_ENTRY.size
             self._since_index = 0
         self._since_index += size
-        self._oindex_end += ORIGIN_ENTRY_BYTES
+        self._pending += origin_entry
         if not self.batch_count:
             self.first_append_time_ms = append_time_ms
         previous_max = self.running_max_timestamps[-1] if self.batch_count else header.max_timestamp
@@ -500,33 +628,38 @@ class Segment:
         self.batch_count += 1
         self.size = position + size
         self.next_offset = base_offset + header.last_offset_delta + 1
-
-    def _truncate_to_tracked_sizes(self) -> None:
-        log_fd, index_fd, oindex_fd = HANDLES.fds(self)
-        for fd, size in (
-            (log_fd, self.size),
-            (index_fd, self._index_end),
-            (oindex_fd, self._oindex_end),
-        ):
+        if len(self._pending) >= PENDING_BYTES_MAX:
             try:
-                os.ftruncate(fd, size)
-            except OSError as exc:
-                # Later writes go to the tracked position and overwrite the
-                # leftover; recovery cuts whatever remains past the last batch.
+                self.write_indexes_out(sync=False)
+            except (OSError, StorageError) as exc:  # the batch is in the .log: its entries wait for the next try
                 log.error(
-                    "segment %s in %s: cannot truncate a failed append back to %d bytes: %s",
+                    "segment %s in %s: cannot write index entries (%s); they stay in memory until the seal",
                     segment_name(self.base_offset),
                     self.directory,
-                    size,
                     exc,
                 )
 
+    def _truncate_to_tracked_size(self, log_fd: int) -> None:
+        try:
+            os.ftruncate(log_fd, self.size)
+        except OSError as exc:
+            # Later writes go to the tracked position and overwrite the
+            # leftover; recovery cuts whatever remains past the last batch.
+            log.error(
+                "segment %s in %s: cannot truncate a failed append back to %d bytes: %s",
+                segment_name(self.base_offset),
+                self.directory,
+                self.size,
+                exc,
+            )
+
     def seal(self) -> None:
-        """Make the segment durable and exactly its tracked size before it stops being active."""
+        """Make the segment durable, exactly its tracked size and fully indexed before it stops being active."""
         log_fd = self.log_fd
         if os.fstat(log_fd).st_size != self.size:
             os.ftruncate(log_fd, self.size)
         self.sync()
+        self.write_indexes_out(sync=True, check=True)
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -545,31 +678,109 @@ class Segment:
         return i if i < self.batch_count else None
 
     def entry_at_offset(self, offset: int) -> OriginEntry | None:
-        """The origin-index entry of the batch holding ``offset`` (a bisect over the ``.oindex`` file)."""
-        lo, hi = 0, self.batch_count
-        while lo < hi:
-            mid = (lo + hi) // 2
-            entry = OriginEntry(*ORIGIN_ENTRY.unpack(self.origin_entries(mid, 1)))
-            if entry.next_offset <= offset:
-                lo = mid + 1
-            elif entry.base_offset > offset:
-                hi = mid
-            else:
-                return entry
+        """The origin-index entry of the batch holding ``offset`` (a bisect over the ``.oindex`` entries)."""
+        with _OriginEntries(self) as entries:
+            lo, hi = 0, self.batch_count
+            while lo < hi:
+                mid = (lo + hi) // 2
+                entry = OriginEntry(*ORIGIN_ENTRY.unpack(entries.read(mid, 1)))
+                if entry.next_offset <= offset:
+                    lo = mid + 1
+                elif entry.base_offset > offset:
+                    hi = mid
+                else:
+                    return entry
         return None
 
-    def sparse_entries(self) -> bytes:
-        """The sparse index as kept in memory, in the ``.index`` file's entry layout."""
+    def sparse_entries(self, start: int = 0) -> bytes:
+        """The sparse index as kept in memory from entry ``start``, in the ``.index`` file's entry layout."""
         return b"".join(
             INDEX_ENTRY.pack(rel, pos)
-            for rel, pos in zip(self.index_relative_offsets, self.index_positions, strict=True)
+            for rel, pos in zip(self.index_relative_offsets[start:], self.index_positions[start:], strict=True)
         )
 
     def origin_entries(self, start: int = 0, count: int | None = None) -> bytes:
-        """``count`` origin-index entries from entry ``start``, read from the ``.oindex`` file."""
+        """``count`` origin-index entries from entry ``start``: from the ``.oindex`` file, then from memory."""
         if count is None:
             count = self.batch_count - start
-        return os.pread(self.oindex_fd, count * ORIGIN_ENTRY_BYTES, FILE_HEADER.size + start * ORIGIN_ENTRY_BYTES)
+        with _OriginEntries(self) as entries:
+            return entries.read(start, count)
+
+
+class _OriginEntries:
+    """A segment's origin-index entries: those in the ``.oindex`` file, read through a descriptor opened for this
+    lookup only (when the lookup reaches them), then those still in memory. The segment's ``owner`` is held."""
+
+    def __init__(self, segment: Segment) -> None:
+        self._segment = segment
+        self._fd: int | None = None
+
+    def __enter__(self) -> _OriginEntries:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+
+    def read(self, start: int, count: int) -> bytes:
+        segment = self._segment
+        written = segment._oindex_written
+        out = b""
+        if start < written and count > 0:
+            if self._fd is None:
+                self._fd = os.open(segment_paths(segment.directory, segment.base_offset)[2], os.O_RDONLY | os.O_CLOEXEC)
+            n = min(count, written - start)
+            out = os.pread(self._fd, n * ORIGIN_ENTRY_BYTES, FILE_HEADER.size + start * ORIGIN_ENTRY_BYTES)
+        first = max(start - written, 0) * ORIGIN_ENTRY_BYTES
+        rest = (count - len(out) // ORIGIN_ENTRY_BYTES) * ORIGIN_ENTRY_BYTES
+        return out + bytes(segment._pending[first : first + rest]) if rest > 0 else out
+
+
+def _header_and_size(fd: int, magic: bytes, version: int, size: int) -> bool:
+    return os.fstat(fd).st_size == size and os.pread(fd, FILE_HEADER.size, 0) == FILE_HEADER.pack(magic, version)
+
+
+def _indexes_after_walk(
+    directory: Path,
+    base_offset: int,
+    found: tuple[bytes | None, bytes | None],
+    wanted: tuple[bytes, bytes],
+    *,
+    active: bool,
+) -> tuple[bool, tuple[int, int] | None]:
+    """What a load does with index files after the walk: ``(rebuilt, unwritten)``, where ``unwritten`` is how many
+    entries of each file (origin, sparse) are in it when the others wait in memory for the caller to write."""
+    if found == wanted:
+        return False, None
+    evidence, sparse = found
+    if active and _lacks_only_a_tail(found, wanted):
+        # Only the active segment's files lack a tail by design (a sealed one's were fsynced at its seal): that
+        # tail waits in memory, like an append's, and the caller writes it out.
+        assert evidence is not None and sparse is not None
+        return False, (len(evidence) // ORIGIN_ENTRY_BYTES, len(sparse) // INDEX_ENTRY.size)
+    rebuilt = _rebuild_at_load(directory, base_offset, wanted, active=active)
+    return rebuilt, None if rebuilt else (0, 0)
+
+
+def _rebuild_at_load(directory: Path, base_offset: int, wanted: tuple[bytes, bytes], *, active: bool) -> bool:
+    """Replace a segment's index files whole; False when the disk is full and the segment is the active one (its
+    entries then wait in memory, and the node still starts: an open never needs space for a derived file)."""
+    try:
+        write_indexes(directory, base_offset, *wanted)
+    except OSError as exc:
+        if not active or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        return False
+    return True
+
+
+def _lacks_only_a_tail(found: tuple[bytes | None, bytes | None], wanted: tuple[bytes, bytes]) -> bool:
+    """Whether index files hold a prefix of the entries a walk found: what a crash leaves of an active segment whose
+    entries were still in memory. Anything else (a foreign header, a torn or differing entry) is replaced whole."""
+    (evidence, sparse), (entries, sparse_now) = found, wanted
+    return (
+        evidence is not None and sparse is not None and entries.startswith(evidence) and sparse_now.startswith(sparse)
+    )
 
 
 def _consistent(

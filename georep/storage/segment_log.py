@@ -154,7 +154,6 @@ from georep.storage.api import (
 )
 from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
 from georep.storage.durable_file import TMP_SUFFIX, fsync_directory, replace_file
-from georep.storage.handle_cache import HANDLES, close_quietly
 from georep.storage.index_format import OriginEntry, iter_origin_entries, pack_entries, sparse_index
 from georep.storage.log_start import FILE_NAME as LOG_START_FILE
 from georep.storage.log_start import LogStart, read_log_start, write_log_start
@@ -219,6 +218,9 @@ class RecoveryReport:
     segments_trusted: int = 0
     segments_validated: int = 0
     indexes_rebuilt: int = 0  # segments whose .index/.oindex were rewritten from the log
+    # Active segments whose index files lacked the entries after their end (kept in memory until a seal, a clean
+    # stop or a checkpoint wrote them: what a crash leaves), completed in place from the walk of the log.
+    indexes_extended: int = 0
     files_removed: int = 0  # stray .tmp files and orphan index files
     files_restored: int = 0  # empty .log files put back beside a surviving origin index
     damaged_offset: LocalOffset | None = None  # where the log was cut, if it was
@@ -926,13 +928,12 @@ class SegmentLog:
         ]
 
     def flush(self) -> LocalOffset:
-        """fsync the active segment; returns the flushed log end. Safe from a worker thread.
+        """fsync the active segment's ``.log``; returns the flushed log end. Safe from a worker thread.
 
         Sealed segments were fsynced when they rolled, so the active one is all that can be dirty. Its index
-        files need no fsync (recovery validates the active segment and rebuilds them from the log), except when
-        the handle cache is full: then they are synced with the log, so that the segment is clean and the cache
-        closes it without an fsync on the event loop's thread, which at 10,000 partitions written in turn was
-        three fdatasyncs per append.
+        entries are in memory until it seals (recovery walks the active segment and writes what its index files
+        lack). The segment is then clean, so the handle cache closes it without an fsync on the event loop's
+        thread, which at 10,000 partitions written in turn was three fdatasyncs per append.
         """
         with self._lock:
             if self._closed:
@@ -941,22 +942,13 @@ class SegmentLog:
             vector = dict(self._vector)
             segment = self._segments[-1]
             writes = segment.writes
-            dups: list[int] = []
-            try:
-                for fd in HANDLES.fds(segment) if segment.dirty and HANDLES.full else (segment.log_fd,):
-                    dups.append(os.dup(fd))
-            except BaseException:
-                close_quietly(tuple(dups))
-                raise
+            fd = os.dup(segment.log_fd)
         try:
-            for fd in dups:
-                os.fdatasync(fd)
+            os.fdatasync(fd)
         finally:
-            for fd in dups:
-                os.close(fd)
+            os.close(fd)
         with self._lock:
-            if len(dups) > 1:
-                segment.synced(writes)
+            segment.synced(writes)
             if end > self._flushed:
                 self._flushed = end
                 self._flushed_vector = vector
@@ -1048,7 +1040,8 @@ class SegmentLog:
                 self._segments[-1].sync_if_written()
                 self._flushed = self._log_end
                 self._flushed_vector = dict(self._vector)
-                if self._point_at != self._log_end:  # 10,000 idle partitions shut down without 20,000 fsyncs
+                indexed = _write_indexes_at_close(self._segments[-1])  # the next start then walks nothing
+                if indexed and self._point_at != self._log_end:  # 10,000 idle partitions stop without 20,000 fsyncs
                     self._write_recovery_point()
             finally:
                 for segment in self._segments:
@@ -1109,6 +1102,9 @@ class SegmentLog:
             return
         point = RecoveryPoint(self._flushed, LocalOffset(self._vector_offset), self._sealed_vector)
         try:
+            # The origin index names what damage below the recovery point held (recovery trusts and mends by it
+            # there, and cuts nothing): its entries reach the file before the point passes them.
+            self._segments[-1].write_indexes_out(sync=False, sparse=False)
             self._points.write(self.directory, point)
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -1488,14 +1484,51 @@ def _load_segments(
         )
         segments.append(segment)
         loaded.append(outcome.origin_entries)
+        if outcome.extended:
+            _write_lacking_indexes(segment)
         for entry in iter_origin_entries(outcome.origin_entries):
             running[entry.origin_key] = entry.next_origin_seq
         report.segments_validated += outcome.validated
         report.segments_trusted += not outcome.validated
         report.indexes_rebuilt += outcome.rebuilt
+        report.indexes_extended += outcome.extended
         report.indexed_batches_lost += outcome.indexed_batches_lost
         if outcome.plan is not None:
             _report_plan(directory, segment, outcome.plan, lost, report)
+
+
+def _write_indexes_at_close(segment: Segment) -> bool:
+    """Write and fsync the active segment's waiting index entries at a clean stop (``owner`` held): False when they
+    could not be (the recovery point then stays where it is, and the next start walks the segment)."""
+    try:
+        segment.write_indexes_out(sync=True)
+    except (OSError, StorageError) as exc:
+        log.warning(
+            "partition log %s: cannot write the index files of segment %s at close (%s); the next start rebuilds "
+            "them from the log",
+            segment.directory,
+            segment_name(segment.base_offset),
+            exc,
+        )
+        return False
+    return True
+
+
+def _write_lacking_indexes(segment: Segment) -> None:
+    """Write the index entries a crash left out of the active segment's files (``owner`` held), without fsync: the
+    recovery point then stays covered by the origin index. On a full disk they wait in memory, as an append's do,
+    and the node still starts."""
+    try:
+        segment.write_indexes_out(sync=False)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        log.warning(
+            "partition log %s: no space to write the index entries of segment %s (%s); they are kept in memory",
+            segment.directory,
+            segment_name(segment.base_offset),
+            exc.strerror,
+        )
 
 
 def _missing(directory: Path, start: int, end: int) -> str:
