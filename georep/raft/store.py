@@ -801,6 +801,8 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
     in other threads take ``_state_lock``.
     """
 
+    _SyncObj__raftElectionDeadline: float  # pysyncobj's, which the pre-vote gate moves (on pysyncobj's clock)
+
     def __init__(
         self,
         self_address: str,
