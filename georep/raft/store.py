@@ -927,19 +927,25 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # pysyncobj's, overridden
         """pysyncobj's message handling, plus the pre-votes (tick thread) and the time of the leader's last append."""
         kind = message.get("type") if isinstance(message, dict) else None
-        if kind == _PRE_VOTE:
-            self._answer_pre_vote(node, message)
-            return
-        if kind == _PRE_VOTE_ANSWER:
-            round_ = self._pre_vote
-            if round_ is not None and self._SyncObj__raftState != _RAFT_LEADER:
-                was_won = round_.won
-                if round_.answer(str(node.address), int(message["term"]), bool(message["granted"])) and not was_won:
-                    self._SyncObj__raftElectionDeadline = 0.0  # run at this tick
+        if kind in (_PRE_VOTE, _PRE_VOTE_ANSWER):
+            try:
+                self._on_pre_vote_message(node, message)
+            except (KeyError, TypeError, ValueError) as exc:  # a member's bug: no vote, and say so
+                logger.warning("Raft node %s: a malformed %s from %s is ignored: %r", self._me, kind, node, exc)
             return
         if kind == "append_entries" and message["term"] >= self.raftCurrentTerm:
             self._leader_heard_at = raft_clock()
         SyncObj._SyncObj__onMessageReceived(self, node, message)
+
+    def _on_pre_vote_message(self, node: Any, message: dict[str, Any]) -> None:
+        if message["type"] == _PRE_VOTE:
+            self._answer_pre_vote(node, message)
+            return
+        round_ = self._pre_vote
+        if round_ is not None and self._SyncObj__raftState != _RAFT_LEADER:
+            was_won = round_.won
+            if round_.answer(str(node.address), int(message["term"]), bool(message["granted"])) and not was_won:
+                self._SyncObj__raftElectionDeadline = 0.0  # run at this tick
 
     def _answer_pre_vote(self, node: Any, message: dict[str, Any]) -> None:
         conf = self.conf
