@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
-from site_cluster import NODES, Site
+from site_cluster import NODES, Site, raft_elections
 
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -72,6 +72,8 @@ class SiteScale:
     victim_led: int = 0  # partitions it led when it was killed
     reelect_s: float = float("nan")
     raft_entries: int = 0
+    elections_settle: int = 0  # Raft elections (a node ran for leader, from the nodes' logs) from start to the kill
+    elections_reelect: int = 0  # from the kill until every partition was led again
     restart_s: float = float("nan")
 
 
@@ -145,6 +147,7 @@ async def measure(
     site = Site(root, args)
     try:
         site.start()
+        started_wall = time.time()
         started = time.monotonic()
         async with client_channel(site.addresses[NODES[0]], None) as ch:
             await _create(pbg.NodeStub(ch), partitions, topics)
@@ -166,7 +169,10 @@ async def measure(
                     _bytes_under(site.nodes[n].data_dir / "raft") // 1024,
                 )
             )
+        killed_wall = time.time()
+        out.elections_settle = raft_elections(site, started_wall, killed_wall)
         await _reelect(site, out, settle_timeout_s)
+        out.elections_reelect = raft_elections(site, killed_wall, killed_wall + out.reelect_s)
     finally:
         site.close()
     return out
@@ -220,11 +226,13 @@ def main() -> int:
     parser.add_argument("--idle-s", type=float, default=20.0)
     parser.add_argument("--settle-timeout-s", type=float, default=300.0)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", type=Path, help="run under this directory and keep it (the nodes' logs)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="georep-site-scale-") as tmp:
+    with contextlib.ExitStack() as stack:
+        root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="georep-site-scale-")))
         result = asyncio.run(
             measure(
-                Path(tmp),
+                root,
                 args.partitions,
                 args.replication_factor,
                 args.session_timeout_ms,
@@ -251,6 +259,7 @@ def main() -> int:
         f"(session timeout {result.session_timeout_ms / 1000:g}s; {result.raft_entries} Raft entries); "
         f"restart {result.restart_s:.1f}s"
     )
+    print(f"  Raft elections: {result.elections_settle} before the kill, {result.elections_reelect} during re-election")
     return 0
 
 

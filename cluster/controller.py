@@ -7,7 +7,9 @@ controller, whose memory is volatile, as a new controller starts afresh. Its ele
 :func:`~cluster.site_state.plan_leadership` with the time it became the controller (``since_ms``: live nodes
 look dead until they heartbeat through it) and a settling time of three ticks, one proposal per partition and
 expected epoch in flight at a time; the partitions of a dead leader move together, in one
-:class:`~cluster.site_state.FailOver` per dead node (``cluster/failover.py``), one in flight per node and heartbeat.
+:class:`~cluster.site_state.FailOver` per dead node (``cluster/failover.py``), one in flight per node and heartbeat,
+and only while the controller's own heartbeats commit within half a session (a log that commits late makes every
+node look dead: :meth:`Controller._log_is_fresh`).
 
 **Repair.** :meth:`Controller.repair_plan` runs :func:`~cluster.repair.plan_repair` every ``repair_every_ms``
 over the controller's view, with ``down_since`` as this controller first saw each node dead (a new controller
@@ -131,15 +133,25 @@ class Controller:
             if self.electing.get(key) != elect.expected_epoch:
                 self.electing[key] = elect.expected_epoch
                 out.append(elect)
-        for node in sorted(dead):
+        held = bool(dead) and not self._log_is_fresh(view, now_ms)  # plan again at the next tick, not when quiet
+        for node in sorted(dead) if not held else ():
             node_info = view.node(node)
             heartbeat = node_info.last_heartbeat_ms if node_info is not None else None
             if node in self.failing and self.failing[node] == heartbeat:
                 continue
             self.failing[node] = heartbeat
             out.append(FailOver(node, heartbeat, now_ms, session, avoid=self.me))
-        self._quiet = quiet if settled and not out and not self.electing and not self.failing else None
+        self._quiet = quiet if settled and not out and not held and not self.electing and not self.failing else None
         return out
+
+    def _log_is_fresh(self, view: SiteState, now_ms: int) -> bool:
+        """Whether the controller's own last heartbeat in ``view`` is younger than half a session: its heartbeats
+        go through the same log as every node's, so while its own commit late (a loaded machine: seconds), the
+        others' silence says nothing of them, and moving their partitions would only add work. A dead node is
+        condemned as soon as the log moves again; a controller cut off from the log is replaced by Raft."""
+        own = view.node(self.me)
+        heartbeat = own.last_heartbeat_ms if own is not None else None
+        return heartbeat is not None and now_ms - heartbeat < self.config.session_timeout_ms // 2
 
     def election_done(self, key: PartitionKey, expected: LeaderEpoch) -> None:
         if self.electing.get(key) == expected:

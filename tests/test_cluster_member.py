@@ -8,6 +8,7 @@ served by ``SegmentService`` on its own port, and a ``ClusterMember`` driving th
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -163,6 +164,44 @@ def test_a_site_of_four_nodes_elects_writes_rolls_and_survives_its_leader(tmp_pa
             # and the new leader takes writes in the new epoch, at acks=all with two nodes left
             await produce(new_lead, 10_000)
         finally:
+            for node in nodes.values():
+                await node.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_the_controller_moves_a_dead_nodes_partitions_while_its_disk_threads_are_busy(tmp_path: Path) -> None:
+    """At 5,000 partitions a controller's tick waited in its seal pass for the store's threads, queued behind
+    thousands of segment opens: a dead node's partitions kept their dead leader for 30 s. The controller's duties
+    (noticing the death, proposing the failover) go through the metadata's threads only."""
+    rafts = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    nodes = {NodeId(i + 1): Node(NodeId(i + 1), rafts[i], rafts, tmp_path / f"node-{i + 1}") for i in range(3)}
+    release = threading.Event()
+
+    async def run() -> None:
+        try:
+            for node in nodes.values():
+                await node.start()
+            await wait_for("a Raft leader", lambda: any(n.metadata.is_leader for n in nodes.values()))
+            ctl = next(n for n in nodes.values() if n.metadata.is_leader)
+            await ctl.member.propose(CreateTopic(TopicSpec("t", 6)))  # type: ignore[union-attr]
+            await wait_for("every partition led", lambda: all(i.leader for i in ctl.metadata.state().partitions()))
+            victim = next(i.leader for i in ctl.metadata.state().partitions() if i.leader != ctl.me)
+            for _ in range(4):  # every disk thread of the controller's node busy, as behind a burst of opens
+                ctl.executor.submit(release.wait)
+            await ctl.member.propose(CreateTopic(TopicSpec("u", 1)))  # type: ignore[union-attr]  # a new version
+            await nodes[victim].stop()
+            del nodes[victim]
+
+            def moved() -> bool:
+                return all(i.leader not in (None, victim) for i in ctl.metadata.state().partitions())
+
+            await wait_for(
+                f"node {victim}'s partitions led by live nodes", moved, timeout_s=6 * CONFIG.session_timeout_ms / 1000
+            )
+        finally:
+            release.set()
             for node in nodes.values():
                 await node.stop()
 

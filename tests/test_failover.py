@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cluster.controller import Controller, ControllerConfig
 from cluster.failover import plan_failover
 from cluster.quorum import last_add_confirmed
 from cluster.recovery import recovered_end
@@ -187,3 +188,19 @@ def test_the_dead_nodes_partitions_spread_over_the_survivors_away_from_the_contr
     counts = {n: list(plan.values()).count(n) for n in (1, 2, 3)}
     assert counts == {1: 3, 2: 3, 3: 3}  # spread evenly; the controller (1) takes its share last
     assert plan[("t", 0)] != 1
+
+
+def test_a_controller_whose_own_heartbeats_commit_late_condemns_nobody() -> None:
+    """Under load the metadata commits every node's heartbeat late, the controller's own included: the silence of
+    the others then says nothing of them. At 5,000 partitions on two loaded cores a controller that judged by the
+    clock alone moved every live node's partitions, one after the other, each move more work for the starved nodes.
+    A node is condemned only while the controller's own last heartbeat is fresher than half a session."""
+    config = ControllerConfig(session_timeout_ms=SESSION_MS, tick_ms=100, replication_factor=3)
+    state = last_node_dead_leading_all(nodes=3, partitions=4)  # node 3 silent for two sessions
+    ctl = Controller(NodeId(1), since_ms=NOW_MS - 10 * SESSION_MS, config=config)
+    assert any(isinstance(c, FailOver) for c in ctl.elections(state, NOW_MS)), "a dead node's partitions move"
+    late = NOW_MS + SESSION_MS * 6 // 10  # nothing committed since: the controller's own heartbeat is as old
+    ctl = Controller(NodeId(1), since_ms=NOW_MS - 10 * SESSION_MS, config=config)
+    assert not any(isinstance(c, FailOver) for c in ctl.elections(state, late)), "condemned through a stalled log"
+    ok(state.apply(NodeHeartbeat(NodeId(1), late - SESSION_MS // 10, 1 << 40, 0)))  # the log moves again
+    assert any(isinstance(c, FailOver) for c in ctl.elections(state, late))

@@ -188,3 +188,22 @@ def test_a_member_killed_mid_stream_keeps_every_acked_batch_and_every_fence(tmp_
     held = store.read(("t", 0), SegmentId(0), LocalOffset(0), 1 << 24).data
     assert b"".join(batches).startswith(held)  # a prefix of the leader's stream, byte for byte
     store.close()
+
+
+def test_opening_a_copy_syncs_each_file_and_directory_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failover at 5,000 partitions opens thousands of copies, and each fsync waits on a shared disk: an open
+    made the new log durable, then opened it twice more, each time syncing its directory and rewriting its
+    recovery point (13 fsyncs where 7 make it durable). The copy still comes back after a restart."""
+    store = ReplicaStore(tmp_path / "node", now_ms=0)
+    store.open_segment(KEY, E1, SegmentId(1), 0, {}, now_ms=0)  # the partition's directory and guard exist
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    store.open_segment(KEY, E1, SEG, 1000, {A: OriginSeq(7)}, now_ms=0)
+    # log-start and recovery point (file and directory each), the segment's directory, its parent before and after
+    # the rename
+    assert len(synced) <= 7, f"{len(synced)} fsyncs to open one copy"
+    store.close()
+    reopened = ReplicaStore(tmp_path / "node", now_ms=0)
+    assert reopened.segment_ids(KEY) == [SegmentId(1), SEG] and reopened.end_offset(KEY, SEG) == 1000
+    reopened.close()

@@ -162,6 +162,7 @@ from cryptography.fernet import InvalidToken
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjException, replicated
 from pysyncobj.config import SERIALIZER_STATE
 from pysyncobj.encryptor import getEncryptor
+from pysyncobj.monotonic import monotonic as raft_clock
 from pysyncobj.serializer import Serializer
 from pysyncobj.utility import TcpUtility, UtilityException
 
@@ -185,6 +186,7 @@ from georep.raft import journal
 from georep.raft.elections import election_timeout_s, first_election_timeout_s
 from georep.raft.frames import APPEND_BATCH_BYTES, COMMAND_BYTES_MAX, DUMP_CHUNK_BYTES
 from georep.raft.journal import DurableJournal, JournalDamaged, JournalHandle
+from georep.raft.prevote import LogPosition, PreVoteRound, grants_pre_vote
 from georep.raft.transport import GuardedTransport, RaftPortLimits
 from georep.storage.durable_file import fsync_directory
 
@@ -203,6 +205,8 @@ REFUSED_LOG_INTERVAL_S = 30.0  # at most one warning this often about messages s
 
 T = TypeVar("T")
 
+_PRE_VOTE = "pre_vote"  # georep's messages on the Raft port (prevote.py); pysyncobj ignores types it does not know
+_PRE_VOTE_ANSWER = "pre_vote_response"
 _RAFT_CANDIDATE = 1  # pysyncobj's _RAFT_STATE values, as onStateChanged passes them
 _RAFT_LEADER = 2
 
@@ -797,6 +801,8 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
     in other threads take ``_state_lock``.
     """
 
+    _SyncObj__raftElectionDeadline: float  # pysyncobj's, which the pre-vote gate moves (on pysyncobj's clock)
+
     def __init__(
         self,
         self_address: str,
@@ -817,6 +823,9 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         self._me = self_address
         self._last_leader: str | None = None  # the Raft address of the leader last followed (elections.py)
         self._first_timeout: bool | None = rejoining  # until the first timeout is drawn: whether this node ran before
+        self._pre_vote: PreVoteRound | None = None  # this node's last round of pre-votes (prevote.py)
+        # pysyncobj's clock (CLOCK_MONOTONIC_RAW, not time.monotonic) of the last append from a leader
+        self._leader_heard_at: float | None = None
         self.leader_since: float | None = None  # time.monotonic() when this replica became the leader; None: it is not
         self.on_change: Callable[[], None] | None = None  # called in the tick thread after each applied command
         syncobj_conf = SyncObjConf(
@@ -869,11 +878,87 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
         is really gone sent nothing, and the election goes on as before (safety never depends on when one runs)."""
         if (
             self._SyncObj__raftState != _RAFT_LEADER
-            and self._SyncObj__raftElectionDeadline < time.monotonic()
+            and self._SyncObj__raftElectionDeadline < raft_clock()
             and self._SyncObj__transport.ready
         ):
             self._poller.poll(0)
+        self._pre_vote_gate()
         super()._onTick(timeToWait)
+
+    def _pre_vote_gate(self) -> None:
+        """Before pysyncobj's tick: a follower whose election timer ran out asks for pre-votes instead of running;
+        it runs (the timer is left expired) only once a majority granted them (``georep.raft.prevote``)."""
+        if (
+            self._SyncObj__raftState == _RAFT_LEADER
+            or self._SyncObj__selfNode is None
+            or self._SyncObj__raftElectionDeadline >= raft_clock()
+            or self._SyncObj__transferInProgress  # the leader asked for this election
+            or not self._SyncObj__connectedToAnyone()
+        ):
+            return
+        term = self.raftCurrentTerm + 1
+        if self._pre_vote is not None and self._pre_vote.proposed_term == term and self._pre_vote.won:
+            self._pre_vote = None
+            return
+        others = list(self._SyncObj__otherNodes)
+        self._pre_vote = PreVoteRound(term, len(others) + 1)
+        if self._pre_vote.won:  # a group of one
+            return
+        self._SyncObj__raftElectionDeadline = raft_clock() + self._SyncObj__generateRaftTimeout()
+        heard = self._leader_heard_ago_s()
+        logger.info(
+            "Raft node %s heard no leader for %s: asks the others whether it may run for leader in term %d",
+            self._me,
+            "ever" if heard is None else f"{heard:.2f}s",
+            term,
+        )
+        mine = self._log_position()
+        for node in others:
+            self._SyncObj__transport.send(
+                node, {"type": _PRE_VOTE, "term": term, "last_log_index": mine.index, "last_log_term": mine.term}
+            )
+
+    def _log_position(self) -> LogPosition:
+        return LogPosition(self._SyncObj__getCurrentLogTerm(), self._SyncObj__getCurrentLogIndex())
+
+    def _leader_heard_ago_s(self) -> float | None:
+        return None if self._leader_heard_at is None else raft_clock() - self._leader_heard_at
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # pysyncobj's, overridden
+        """pysyncobj's message handling, plus the pre-votes (tick thread) and the time of the leader's last append."""
+        kind = message.get("type") if isinstance(message, dict) else None
+        if kind in (_PRE_VOTE, _PRE_VOTE_ANSWER):
+            try:
+                self._on_pre_vote_message(node, message)
+            except (KeyError, TypeError, ValueError) as exc:  # a member's bug: no vote, and say so
+                logger.warning("Raft node %s: a malformed %s from %s is ignored: %r", self._me, kind, node, exc)
+            return
+        if kind == "append_entries" and message["term"] >= self.raftCurrentTerm:
+            self._leader_heard_at = raft_clock()
+        SyncObj._SyncObj__onMessageReceived(self, node, message)
+
+    def _on_pre_vote_message(self, node: Any, message: dict[str, Any]) -> None:
+        if message["type"] == _PRE_VOTE:
+            self._answer_pre_vote(node, message)
+            return
+        round_ = self._pre_vote
+        if round_ is not None and self._SyncObj__raftState != _RAFT_LEADER:
+            was_won = round_.won
+            if round_.answer(str(node.address), int(message["term"]), bool(message["granted"])) and not was_won:
+                self._SyncObj__raftElectionDeadline = 0.0  # run at this tick
+
+    def _answer_pre_vote(self, node: Any, message: dict[str, Any]) -> None:
+        conf = self.conf
+        granted = grants_pre_vote(
+            self.raftCurrentTerm,
+            self._log_position(),
+            int(message["term"]),
+            LogPosition(int(message["last_log_term"]), int(message["last_log_index"])),
+            i_lead=self._SyncObj__raftState == _RAFT_LEADER,
+            heard_leader_ago_s=self._leader_heard_ago_s(),
+            sticky_s=conf.raftMinTimeout - conf.appendEntriesPeriod,
+        )
+        self._SyncObj__transport.send(node, {"type": _PRE_VOTE_ANSWER, "term": message["term"], "granted": granted})
 
     def _SyncObj__generateRaftTimeout(self) -> float:  # pysyncobj's private __generateRaftTimeout, overridden
         """The election timeout pysyncobj draws at each message of the leader, at start and when it runs: ranked

@@ -232,6 +232,7 @@ class ClusterMember:
         self._leads_saw: int | None = None  # the view version every lead last looked at between ticks
         self._trims_seen: int | None = None
         self._proposer: asyncio.Task[None] | None = None
+        self._passes: asyncio.Task[None] | None = None  # the seal and trim passes (_follow_store)
 
     def spawn(self, work: Coroutine[object, object, None]) -> None:
         """Run ``work`` in the background, keeping a reference until it ends."""
@@ -315,7 +316,7 @@ class ClusterMember:
         self._beats = asyncio.create_task(self._heartbeats())
 
     async def stop(self) -> None:
-        for task in (self._task, self._beats):
+        for task in (self._task, self._beats, self._passes):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -360,7 +361,9 @@ class ClusterMember:
             try:
                 if loop.time() >= next_tick:
                     next_tick = loop.time() + tick_s
-                    await self.tick()
+                    await self._controller()
+                    self._follow_store()
+                    self.reconcile()
                     continue
                 if expiry is not None and self.clock_ms() >= expiry:
                     await self._controller()
@@ -392,9 +395,22 @@ class ClusterMember:
     async def tick(self) -> None:
         """The controller's duties, seals, trims and roles (the heartbeats have a task of their own)."""
         await self._controller()
-        await self._learn_seals()
-        await self._apply_trims()
+        await self._store_passes()
         self.reconcile()
+
+    def _follow_store(self) -> None:
+        """Start the seal and trim passes unless they still run. They wait for the store's threads, which a burst of
+        segment opens (a topic of 10,000 partitions, a failover) queues for tens of seconds: in the tick, the
+        controller waited behind them, and a dead node's partitions kept their dead leader meanwhile."""
+        if self._passes is None or self._passes.done():
+            self._passes = asyncio.create_task(self._store_passes())
+
+    async def _store_passes(self) -> None:
+        try:
+            await self._learn_seals()
+            await self._apply_trims()
+        except Exception:  # a bug in one pass must not end the next ones
+            log.exception("node %d: following the store's seals and trims failed", self.me)
 
     async def _heartbeat(self) -> None:
         load = leadership.open_loads(self.metadata.state()).get(self.me, 0)

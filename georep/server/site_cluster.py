@@ -27,7 +27,6 @@ of its own:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Iterable
@@ -49,6 +48,7 @@ from georep.security.tls import TlsConfig, channels, client_channel
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterMember, PartitionLeader
 from georep.server.ensemble import SegmentWriter
+from georep.server.store_bytes import StoreBytes
 from georep.storage.chain_log import ChainLog, ChainSegment, SegmentElsewhere
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import Origin
@@ -57,7 +57,6 @@ from topology.ids import NodeId, SegmentId
 log = logging.getLogger(__name__)
 
 REMOTE_READ_TIMEOUT_S = 10.0
-STORE_BYTES_WAIT_S = 1.0  # ClusterStatus waits this long for the store's size, then leaves it unknown
 ROUTE_CHECK_S = 0.25  # how often a pull passed on to other nodes checks that their leadership has not moved
 
 
@@ -110,6 +109,7 @@ class SiteCluster:
         self._writing: dict[PartitionKey, _Writing] = {}
         self._peers: dict[str, grpc.aio.Channel] = {}  # long-lived channels to the other nodes, by address
         self._background: set[asyncio.Task[None]] = set()
+        self._store_bytes = StoreBytes(store.size_bytes, executor)
         member.listener = self
         member.origin = broker.origin
         broker.leader_hint = self.leader_address
@@ -160,14 +160,7 @@ class SiteCluster:
         view = cluster_status(
             self.metadata.state(), self.member.clock_ms(), config.session_timeout_ms, config.replication_factor, page
         )
-        # The store's lock is also taken by appends and fsyncs in the segment threads: not on the event loop. Those
-        # can queue thousands of jobs (a topic of 10,000 partitions being created): the status does not wait for
-        # them past STORE_BYTES_WAIT_S, it leaves the bytes unknown.
-        store_bytes: int | None = None
-        with contextlib.suppress(TimeoutError):
-            store_bytes = await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(self.executor, self.store.size_bytes), STORE_BYTES_WAIT_S
-            )
+        store_bytes = await self._store_bytes.read()  # the last measured: the store's threads may be busy
         moved = {n.node: n.bytes_moved for n in view.nodes} | {self.member.me: self.store.moved.total}
         raft = self.metadata.status()
         identity = self.broker.identity

@@ -337,7 +337,9 @@ class ReplicaStore:
             SegmentLog.create_at(building, REPLICA_LOG_CONFIG, base_offset, start_vector, now_ms).close()
             building.rename(final)
             fsync_directory(p.directory)
-            p.segments[segment_id] = SegmentLog.open(final, REPLICA_LOG_CONFIG, now_ms)
+            # create_at made every file durable and the rename is: nothing for the open to sync (a failover opens
+            # thousands of copies, and each fsync waits for a shared disk)
+            p.segments[segment_id] = SegmentLog.open(final, REPLICA_LOG_CONFIG, now_ms, filesystem_synced=True)
 
     def append(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, chunk: bytes) -> LocalOffset:
         """Append the leader's batches (whole batches, back to back, with their local prefixes) to this node's
@@ -436,7 +438,7 @@ class ReplicaStore:
             SegmentLog.create_at(building, REPLICA_LOG_CONFIG, base_offset, start_vector, now_ms).close()
             building.rename(final)
             fsync_directory(p.directory)
-            seg = p.segments[segment_id] = SegmentLog.open(final, REPLICA_LOG_CONFIG, now_ms)
+            seg = p.segments[segment_id] = SegmentLog.open(final, REPLICA_LOG_CONFIG, now_ms, filesystem_synced=True)
             return seg.log_end_offset
 
     def append_sealed_copy(

@@ -437,7 +437,8 @@ class SegmentLog:
         Segment.create(directory, base_offset, threading.Lock()).close()
         fsync_directory(directory)
         fsync_directory(directory.parent)
-        return cls.open(directory, config, now_ms)
+        # everything it holds was just made durable: the open neither syncs the directory nor rewrites the point
+        return cls.open(directory, config, now_ms, filesystem_synced=True)
 
     @classmethod
     def cut(cls, directory: Path, config: LogConfig, end_offset: int, now_ms: int) -> SegmentLog:
