@@ -117,9 +117,10 @@ class _Route:
         self.backoff_ms = backoff_ms
         self.not_before_ms = 0.0
         self.by_correlation: dict[int, ProducerBatch] = {}
-        # What the node takes in one request (its stream's initial metadata): 1 batch until it says more, as a
-        # node that does not know multi-batch requests never does.
-        self.batches_max = 1
+        # What the node takes in one request, from its stream's initial metadata: 0 until read (one batch a
+        # request meanwhile, at most max_in_flight_requests of them), 1 for a node that does not know multi-batch
+        # requests and says nothing (its first answer brings that metadata).
+        self.batches_max = 0
         self.bytes_max = 0
         self.requests: dict[_Request, None] = {}  # written and not fully answered, oldest first
         self.open: list[ProducerBatch] = []  # taken for the next request, not yet written
@@ -687,6 +688,9 @@ class Producer:
         assert loop is not None
         now = loop.time() * 1000
         retry_in_s: float | None = None
+        for route in list(self._routes.values()):  # what was taken before stays ahead of what is taken now
+            if route.call is not None and (route.open or route.full) and not await self._write_packed(route):
+                return None
         packing: dict[str, _Route] = {}
         for delivery in list(self._busy.values()):
             if delivery.blocked or not delivery.queue:
@@ -698,7 +702,7 @@ class Producer:
                 wait = (delivery.not_before_ms - now) / 1000
                 retry_in_s = wait if retry_in_s is None else min(retry_in_s, wait)
                 continue
-            if route.batches_max == 1:  # a node that takes one batch a message
+            if route.batches_max == 1:  # a node that takes one batch a message: as before, unbounded
                 for batch in delivery.take_sendable():
                     if not await self._write(route, [batch]):
                         return None
@@ -720,18 +724,20 @@ class Producer:
             batch.data = self._encode(batch)
         size = len(batch.data)
         bytes_max = min(self._max_request_bytes, route.bytes_max)
-        if route.open and (len(route.open) >= route.batches_max or route.open_bytes + size > bytes_max):
+        if route.open and (len(route.open) >= max(route.batches_max, 1) or route.open_bytes + size > bytes_max):
             route.full.append(route.open)
             route.open, route.open_bytes = [], 0
         route.open.append(batch)
         route.open_bytes += size
 
     async def _write_packed(self, route: _Route) -> bool:
-        """Write ``route``'s packed requests while it has room in flight; False if the stream broke."""
-        while route.full and len(route.requests) < self._max_in_flight_requests:
+        """Write ``route``'s packed requests while it has room in flight (a node that turned out to take one batch a
+        request: all of them, as before); False if the stream broke."""
+        bound = self._max_in_flight_requests if route.batches_max != 1 else len(route.requests) + len(route.full) + 1
+        while route.full and len(route.requests) < bound:
             if not await self._write(route, route.full.pop(0)):
                 return False
-        if route.open and not route.full and len(route.requests) < self._max_in_flight_requests:
+        if route.open and not route.full and len(route.requests) < bound:
             batches, route.open, route.open_bytes = route.open, [], 0
             return await self._write(route, batches)
         return True
@@ -753,7 +759,7 @@ class Producer:
             batch.sent_ms = sent_ms
             batch.request = request
             route.by_correlation[batch.correlation_id] = batch
-            if route.batches_max == 1:
+            if route.batches_max <= 1:
                 message.correlation_id = batch.correlation_id
                 message.topic = batch.topic
                 message.partition = batch.partition
@@ -811,7 +817,7 @@ class Producer:
         route.by_correlation.clear()
         route.requests.clear()
         route.open, route.open_bytes, route.full = [], 0, []  # taken, never written: resent as the stream reopens
-        route.batches_max, route.bytes_max = 1, 0  # until the next stream's node says what it takes
+        route.batches_max, route.bytes_max = 0, 0  # until the next stream's node says what it takes
         if call is not None:
             call.cancel()
         reader, route.reader = route.reader, None
@@ -841,16 +847,17 @@ class Producer:
 
     def _learn_bounds(self, route: _Route, call: Any, metadata: Any) -> None:
         """What the node takes in one request, from its stream's initial metadata (none said: one batch)."""
-        if call is not route.call or metadata is None:
+        if call is not route.call:
             return
-        said = dict(metadata)
+        said = dict(metadata or ())
+        route.batches_max, route.bytes_max = 1, 0
         with contextlib.suppress(KeyError, ValueError):
             batches_max = min(int(said[PRODUCE_BATCHES_MAX_METADATA]), self._max_request_batches)
             bytes_max = int(said[PRODUCE_BYTES_MAX_METADATA])
             if batches_max > 1 and bytes_max > 0:
                 route.batches_max, route.bytes_max = batches_max, bytes_max
-                if self._wakeup is not None:
-                    self._wakeup.set()
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     def _refused_oversized(self, route: _Route, error: GeorepError) -> None:
         """gRPC refused a message above the node's size limit, and ended the stream. The largest unanswered batch

@@ -80,6 +80,12 @@ def _commit(req: pb.CommitOffsetsRequest, who: Principal, policy: Policy) -> Dec
     return policy.acl(who, Operation.CONSUME, [topic(c.topic) for c in req.commits])
 
 
+def _produce(req: pb.ProduceRequest, who: Principal, policy: Policy) -> Decision:
+    """Produce on every topic the request writes: its one batch's, or each of its batches' (a multi-batch request)."""
+    names = sorted({b.topic for b in req.batches}) if req.batches else [req.topic]
+    return policy.acl(who, Operation.PRODUCE, [topic(name) for name in names])
+
+
 PERMISSION_DENIED_CODE = 7  # grpc.StatusCode.PERMISSION_DENIED, as a produce response's error code carries it
 
 
@@ -178,10 +184,8 @@ NODE_ACCESS: Mapping[str, Access] = {
     ),
     "ListTopics": _open_access(pb.ListTopicsRequest),
     "DescribeTopic": _open_access(pb.DescribeTopicRequest),
-    "Produce": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE)),
-    "ProduceStream": Access(
-        pb.ProduceRequest, _topic_op(Operation.PRODUCE), refuse=_refuse_produce, split=_split_produce
-    ),
+    "Produce": Access(pb.ProduceRequest, _produce),
+    "ProduceStream": Access(pb.ProduceRequest, _produce, refuse=_refuse_produce, split=_split_produce),
     "Fetch": Access(pb.FetchRequest, _topic_op(Operation.CONSUME)),
     "ListOffsets": Access(pb.ListOffsetsRequest, _topic_op(Operation.CONSUME)),
     "Health": _open_access(pb.HealthRequest),

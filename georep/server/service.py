@@ -44,7 +44,7 @@ from georep.server.broker import Broker, Partition
 from georep.server.group_calls import GroupCalls
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
-from georep.server.produce_stream import ProduceStreamCall
+from georep.server.produce_stream import REQUEST_BATCHES_MAX, REQUEST_BYTES_MAX, ProduceStreamCall
 from georep.server.produce_stream import answer as produce_answer
 from georep.server.rpc import Context, merge_streams, parse, service, status, stream_stream, unary, unary_stream
 from georep.server.status import DOMAIN_ERRORS, reason_of
@@ -114,6 +114,9 @@ class NodeService:
         self.acls = AclCalls(broker, self.admin)
         self.group_calls = GroupCalls(self.groups)
         self.started = time.monotonic()
+        # What one multi-batch produce request may carry (the node's --produce-request-batches-max and -bytes-max)
+        self.produce_batches_max = REQUEST_BATCHES_MAX
+        self.produce_bytes_max = REQUEST_BYTES_MAX
         self._stopping: asyncio.Future[None] | None = None
         # ReportHeld's claims: which the topology allows (acl_replication.held_claim_refusal), and how far what they
         # say of this site's own records counts (offsets.held.ServedGate: up to what has left this node).
@@ -293,7 +296,10 @@ class NodeService:
         requests: AsyncIterator[bytes | pb.ProduceRequest],
         context: Context,  # parsed when screened (rpc.py)
     ) -> AsyncIterator[pb.ProduceResponse]:
-        return ProduceStreamCall(self.broker, self._produce_error).serve(requests, context)
+        call = ProduceStreamCall(
+            self.broker, self._produce_error, batches_max=self.produce_batches_max, bytes_max=self.produce_bytes_max
+        )
+        return call.serve(requests, context)
 
     # -- fetch ----------------------------------------------------------------
 
