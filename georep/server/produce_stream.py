@@ -35,7 +35,9 @@ from georep.server.broker import Broker
 from georep.server.rpc import Context, parse
 from georep.server.status import DOMAIN_ERRORS
 
-PENDING_MAX = 1024  # unacked batches per stream before reading pauses
+# Unacked batches per stream before reading pauses. Each holds a few hundred bytes (its coordinates and waiter,
+# not its data), and a producer's max_in_flight_requests bounds what it sends: 5 requests of 1,000 batches fit.
+PENDING_MAX = 8 * 1024
 REQUEST_BATCHES_MAX = REPEATED_MAX["ProduceRequest.batches"]  # batches in one request (parse refuses more)
 REQUEST_BYTES_MAX = 64 << 20  # batch bytes in one multi-batch request, as much as one batch may hold
 RESULTS_MAX = 1_000  # answers in one packed ProduceResponse
