@@ -399,3 +399,41 @@ def test_request_bounds_must_be_positive() -> None:
     for name in ("max_in_flight_requests", "max_request_bytes", "max_request_batches"):
         with pytest.raises(InvalidRequest, match=name):
             Producer("127.0.0.1:1", **{name: 0})
+
+
+def test_a_stream_broken_with_requests_packed_and_waiting_resends_everything_in_order() -> None:
+    async def main() -> tuple[RecordingStream, RecordingStream]:
+        first = RecordingStream(batches_max=4, answer=lambda: False)
+        second = RecordingStream(batches_max=4)
+        streams = iter([first, second])
+
+        class Stub:
+            def ProduceStream(self) -> RecordingStream:  # the gRPC method name
+                return next(streams)
+
+        async def connect(*_: object) -> Stub:
+            return Stub()
+
+        producer = Producer("127.0.0.1:1", linger_ms=1, max_in_flight_requests=2, retry_backoff_ms=1)
+        producer._connection.connect = connect  # type: ignore[method-assign]
+        producer._connection.reconnect = connect  # type: ignore[method-assign]
+        await producer.start()
+        producer._partition_counts["t"] = 50
+        try:
+            futures = [producer.send("t", b"v", partition=i % 50) for i in range(300)]
+            flush = asyncio.ensure_future(producer.flush())
+            async with asyncio.timeout(10):
+                while len(first.written) < 2:  # two requests in flight, the rest taken and waiting, or queued
+                    await asyncio.sleep(0.01)
+            first.responses.put_nowait(grpc.aio.EOF)  # the node ends the stream: nothing was answered
+            async with asyncio.timeout(10):
+                await flush
+            assert [f.result().offset for f in futures] == [i // 50 for i in range(300)]
+        finally:
+            await producer.close(timeout_s=1)
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert len(first.written) == 2
+    assert_sequences_in_order(second)  # each partition from its first sequence, with no gap and no repeat
+    assert len(sent_batches(second)) >= 50
