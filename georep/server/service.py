@@ -114,7 +114,7 @@ class NodeService:
         self.acls = AclCalls(broker, self.admin)
         self.group_calls = GroupCalls(self.groups)
         self.started = time.monotonic()
-        # What one multi-batch produce request may carry (the node's --produce-request-batches-max and -bytes-max)
+        # What one multi-batch produce request may carry; announced to producers in the stream's initial metadata
         self.produce_batches_max = REQUEST_BATCHES_MAX
         self.produce_bytes_max = REQUEST_BYTES_MAX
         self._stopping: asyncio.Future[None] | None = None
