@@ -81,6 +81,12 @@ def parse_acks(acks: str) -> tuple[georep_pb2.Acks.ValueType, int]:
     raise InvalidRequest(f"invalid acks {acks!r}: use 'leader', 'all' or 'geo:N' (N >= 1 sites)")
 
 
+def _at_least_one(**settings: int) -> None:
+    for name, value in settings.items():
+        if value < 1:
+            raise InvalidRequest(f"invalid {name} {value}: must be at least 1")
+
+
 def new_producer_id() -> int:
     return secrets.randbits(PRODUCER_ID_BITS)
 
@@ -127,6 +133,17 @@ class _Route:
         self.open_bytes = 0
         self.full: list[list[ProducerBatch]] = []  # requests packed to their bound, waiting for room in flight
 
+    def learn_bounds(self, metadata: Any, batches_max: int) -> None:
+        """What the node takes in one request (at most ``batches_max`` batches, the producer's own bound), from its
+        stream's initial metadata; none said: one batch."""
+        said = dict(metadata or ())
+        self.batches_max, self.bytes_max = 1, 0
+        with contextlib.suppress(KeyError, ValueError):
+            batches = min(int(said[PRODUCE_BATCHES_MAX_METADATA]), batches_max)
+            size = int(said[PRODUCE_BYTES_MAX_METADATA])
+            if batches > 1 and size > 0:
+                self.batches_max, self.bytes_max = batches, size
+
 
 class _Request:
     """One ProduceStream message: when it was written, and how many of its batches are still unanswered."""
@@ -168,17 +185,9 @@ class Producer:
             self._compression = Compression.parse(compression)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        if batch_size < 1:
-            raise InvalidRequest(f"invalid batch_size {batch_size}: must be at least 1 byte")
-        if max_in_flight < 1:
-            raise InvalidRequest(f"invalid max_in_flight {max_in_flight}: must be at least 1")
-        for name, value in (
-            ("max_in_flight_requests", max_in_flight_requests),
-            ("max_request_bytes", max_request_bytes),
-            ("max_request_batches", max_request_batches),
-        ):
-            if value < 1:
-                raise InvalidRequest(f"invalid {name} {value}: must be at least 1")
+        requests = {"max_request_bytes": max_request_bytes, "max_request_batches": max_request_batches}
+        _at_least_one(batch_size=batch_size, max_in_flight=max_in_flight, **requests)
+        _at_least_one(max_in_flight_requests=max_in_flight_requests)
         if enable_idempotence and max_in_flight > IDEMPOTENT_IN_FLIGHT_MAX:
             raise InvalidRequest(
                 f"max_in_flight {max_in_flight} is above {IDEMPOTENT_IN_FLIGHT_MAX}, the most an idempotent "
@@ -826,7 +835,10 @@ class Producer:
 
     async def _read(self, route: _Route, call: Any) -> None:
         try:
-            self._learn_bounds(route, call, await call.initial_metadata())
+            metadata = await call.initial_metadata()
+            if call is route.call:
+                route.learn_bounds(metadata, self._max_request_batches)
+                self._wakeup.set()  # type: ignore[union-attr]
             while True:
                 response = await call.read()
                 if response is grpc.aio.EOF:
@@ -844,20 +856,6 @@ class Producer:
                     route, from_rpc_error(exc, route.connection.address, operation=Operation.PRODUCE)
                 )
         self._stream_broken(route, call)
-
-    def _learn_bounds(self, route: _Route, call: Any, metadata: Any) -> None:
-        """What the node takes in one request, from its stream's initial metadata (none said: one batch)."""
-        if call is not route.call:
-            return
-        said = dict(metadata or ())
-        route.batches_max, route.bytes_max = 1, 0
-        with contextlib.suppress(KeyError, ValueError):
-            batches_max = min(int(said[PRODUCE_BATCHES_MAX_METADATA]), self._max_request_batches)
-            bytes_max = int(said[PRODUCE_BYTES_MAX_METADATA])
-            if batches_max > 1 and bytes_max > 0:
-                route.batches_max, route.bytes_max = batches_max, bytes_max
-        if self._wakeup is not None:
-            self._wakeup.set()
 
     def _refused_oversized(self, route: _Route, error: GeorepError) -> None:
         """gRPC refused a message above the node's size limit, and ended the stream. The largest unanswered batch
