@@ -335,6 +335,9 @@ class StallingStream:
         )
         self.written += count
 
+    async def initial_metadata(self) -> Any:
+        return ()  # a node that takes one batch a message
+
     async def read(self) -> Any:
         return await self.responses.get()
 

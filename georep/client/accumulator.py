@@ -61,6 +61,7 @@ class ProducerBatch:
         "sent_ms",
         "error",
         "done",
+        "request",
     )
 
     def __init__(self, topic: str, partition: int, created_ms: float, capacity: int) -> None:
@@ -80,6 +81,7 @@ class ProducerBatch:
         self.sent_ms = 0.0
         self.error: Exception | None = None
         self.done: Any = None  # set by the shell: completes when the batch is acked or failed
+        self.request: Any = None  # set by the shell: the request (stream message) it was last written in
 
     def __repr__(self) -> str:
         return (

@@ -66,13 +66,14 @@ class PartitionDelivery:
         batch.state = BatchState.QUEUED
         self.queue.append(batch)
 
-    def take_sendable(self) -> list[ProducerBatch]:
-        """Batches to write now, in order. New ones get the next sequence; ``data`` None means encode."""
+    def take_sendable(self, limit: int | None = None) -> list[ProducerBatch]:
+        """Batches to write now (at most ``limit``), in order. New ones get the next sequence; ``data`` None means
+        encode."""
         out: list[ProducerBatch] = []
         if self.blocked:
             return out
         self._retire()
-        while self.queue and len(self.in_flight) < self.max_in_flight:
+        while self.queue and len(self.in_flight) < self.max_in_flight and (limit is None or len(out) < limit):
             batch = self.queue.popleft()
             if batch.base_sequence is None:
                 batch.producer_id = self.producer_id

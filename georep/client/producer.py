@@ -45,6 +45,7 @@ from georep.client.errors import (
 from georep.client.partitioner import StickyPartitioner, key_partition
 from georep.metadata.topics import MAX_BATCH_BYTES_LIMIT
 from georep.proto import georep_pb2
+from georep.proto.reasons import PRODUCE_BATCHES_MAX_METADATA, PRODUCE_BYTES_MAX_METADATA
 from georep.record.batch import HEADER_BYTES, NO_PRODUCER_ID, RecordInput, encode_batch
 from georep.record.compression import Compression
 from georep.security.tls import TlsConfig
@@ -80,6 +81,12 @@ def parse_acks(acks: str) -> tuple[georep_pb2.Acks.ValueType, int]:
     raise InvalidRequest(f"invalid acks {acks!r}: use 'leader', 'all' or 'geo:N' (N >= 1 sites)")
 
 
+def _at_least_one(**settings: int) -> None:
+    for name, value in settings.items():
+        if value < 1:
+            raise InvalidRequest(f"invalid {name} {value}: must be at least 1")
+
+
 def new_producer_id() -> int:
     return secrets.randbits(PRODUCER_ID_BITS)
 
@@ -98,6 +105,12 @@ class _Route:
         "backoff_ms",
         "not_before_ms",
         "by_correlation",
+        "batches_max",
+        "bytes_max",
+        "requests",
+        "open",
+        "open_bytes",
+        "full",
     )
 
     def __init__(self, key: str, connection: Connection, backoff_ms: int) -> None:
@@ -110,6 +123,36 @@ class _Route:
         self.backoff_ms = backoff_ms
         self.not_before_ms = 0.0
         self.by_correlation: dict[int, ProducerBatch] = {}
+        # What the node takes in one request, from its stream's initial metadata: 0 until read (one batch a
+        # request meanwhile, at most max_in_flight_requests of them), 1 for a node that does not know multi-batch
+        # requests and says nothing (its first answer brings that metadata).
+        self.batches_max = 0
+        self.bytes_max = 0
+        self.requests: dict[_Request, None] = {}  # written and not fully answered, oldest first
+        self.open: list[ProducerBatch] = []  # taken for the next request, not yet written
+        self.open_bytes = 0
+        self.full: list[list[ProducerBatch]] = []  # requests packed to their bound, waiting for room in flight
+
+    def learn_bounds(self, metadata: Any, batches_max: int) -> None:
+        """What the node takes in one request (at most ``batches_max`` batches, the producer's own bound), from its
+        stream's initial metadata; none said: one batch."""
+        said = dict(metadata or ())
+        self.batches_max, self.bytes_max = 1, 0
+        with contextlib.suppress(KeyError, ValueError):
+            batches = min(int(said[PRODUCE_BATCHES_MAX_METADATA]), batches_max)
+            size = int(said[PRODUCE_BYTES_MAX_METADATA])
+            if batches > 1 and size > 0:
+                self.batches_max, self.bytes_max = batches, size
+
+
+class _Request:
+    """One ProduceStream message: when it was written, and how many of its batches are still unanswered."""
+
+    __slots__ = ("sent_ms", "unanswered")
+
+    def __init__(self, sent_ms: float, unanswered: int) -> None:
+        self.sent_ms = sent_ms
+        self.unanswered = unanswered
 
 
 class Producer:
@@ -124,6 +167,9 @@ class Producer:
         linger_ms: float = 5,
         compression: str = "none",
         max_in_flight: int = 5,
+        max_in_flight_requests: int = 5,
+        max_request_bytes: int = 1 << 20,
+        max_request_batches: int = 1_000,
         delivery_timeout_ms: int = 120_000,
         request_timeout_ms: int = 30_000,
         retry_backoff_ms: int = 100,
@@ -139,10 +185,9 @@ class Producer:
             self._compression = Compression.parse(compression)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        if batch_size < 1:
-            raise InvalidRequest(f"invalid batch_size {batch_size}: must be at least 1 byte")
-        if max_in_flight < 1:
-            raise InvalidRequest(f"invalid max_in_flight {max_in_flight}: must be at least 1")
+        requests = {"max_request_bytes": max_request_bytes, "max_request_batches": max_request_batches}
+        _at_least_one(batch_size=batch_size, max_in_flight=max_in_flight, **requests)
+        _at_least_one(max_in_flight_requests=max_in_flight_requests)
         if enable_idempotence and max_in_flight > IDEMPOTENT_IN_FLIGHT_MAX:
             raise InvalidRequest(
                 f"max_in_flight {max_in_flight} is above {IDEMPOTENT_IN_FLIGHT_MAX}, the most an idempotent "
@@ -151,6 +196,9 @@ class Producer:
         self._connection = Connection(bootstrap, connect_timeout_ms, tls)
         self._batch_size = batch_size
         self._max_in_flight = max_in_flight
+        self._max_in_flight_requests = max_in_flight_requests
+        self._max_request_bytes = max_request_bytes
+        self._max_request_batches = max_request_batches
         self._delivery_timeout_ms = delivery_timeout_ms
         self._request_timeout_ms = request_timeout_ms
         self._retry_backoff_ms = retry_backoff_ms
@@ -622,73 +670,130 @@ class Producer:
         return None
 
     def _check_request_timeouts(self, now_ms: float) -> float | None:
-        """Break a stream if a batch got no answer long after the node's own ack timeout."""
+        """Break a stream if a request got no full answer long after the node's own ack timeout."""
         limit = self._request_timeout_ms + max(1000, self._request_timeout_ms // 10)
         soonest: float | None = None
         for route in list(self._routes.values()):
-            oldest = min((b.sent_ms for b in route.by_correlation.values()), default=None)
+            oldest = next(iter(route.requests), None)
             if oldest is None:
                 continue
-            if now_ms - oldest > limit:
+            if now_ms - oldest.sent_ms > limit:
                 self._stream_broken(route, route.call)
                 if self._wakeup is not None:
                     self._wakeup.set()
                 return 0
-            wait = (oldest + limit - now_ms) / 1000
+            wait = (oldest.sent_ms + limit - now_ms) / 1000
             soonest = wait if soonest is None else min(soonest, wait)
         return soonest
 
     async def _send_ready(self) -> float | None:
-        """Write what may go now; returns seconds until a partition in retry backoff may send."""
+        """Write what may go now; returns seconds until a partition in retry backoff may send.
+
+        To a node that takes multi-batch requests, every ready batch bound for it goes in one request (several
+        when one reaches ``max_request_batches`` or ``max_request_bytes``), and at most
+        ``max_in_flight_requests`` requests are unanswered per node, as Kafka's
+        max.in.flight.requests.per.connection: what cannot go waits, and goes packed in the next request."""
         loop = self._loop
         assert loop is not None
         now = loop.time() * 1000
         retry_in_s: float | None = None
+        for route in list(self._routes.values()):  # what was taken before stays ahead of what is taken now
+            if route.call is not None and (route.open or route.full) and not await self._write_packed(route):
+                return None
+        packing: dict[str, _Route] = {}
         for delivery in list(self._busy.values()):
             if delivery.blocked or not delivery.queue:
                 continue
             route = self._route_for(delivery)
-            call = route.call
-            if call is None:
+            if route.call is None:
                 continue
             if delivery.not_before_ms > now:
                 wait = (delivery.not_before_ms - now) / 1000
                 retry_in_s = wait if retry_in_s is None else min(retry_in_s, wait)
                 continue
-            for batch in delivery.take_sendable():
-                if batch.data is None:
-                    batch.data = self._encode(batch)
-                self._next_correlation += 1
-                batch.correlation_id = self._next_correlation
-                batch.sent_ms = loop.time() * 1000
-                route.by_correlation[batch.correlation_id] = batch
-                request = georep_pb2.ProduceRequest(
-                    correlation_id=batch.correlation_id,
-                    topic=batch.topic,
-                    partition=batch.partition,
-                    batch=batch.data,
-                    acks=self._acks,
-                    geo_sites=self._geo_sites,
-                    ack_timeout_ms=self._request_timeout_ms,
-                )
-                try:
-                    await call.write(request)
-                except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError, RuntimeError):
-                    self._stream_broken(route, call)
-                    return None
-                except asyncio.CancelledError:
-                    # grpc.aio raises CancelledError from a pending write when the call
-                    # is cancelled locally: the reader saw the stream end and
-                    # _close_stream() cancelled it. That is a broken stream, not a
-                    # cancellation of the sender, unless close() is cancelling us.
-                    task = asyncio.current_task()
-                    if task is not None and task.cancelling():
-                        raise
-                    self._stream_broken(route, call)
-                    return None
-                if call is not route.call:
-                    return None
+            if route.batches_max == 1:  # a node that takes one batch a message: as before, unbounded
+                for batch in delivery.take_sendable():
+                    if not await self._write(route, [batch]):
+                        return None
+                continue
+            packing[route.key] = route
+            while len(route.requests) + len(route.full) < self._max_in_flight_requests:
+                taken = delivery.take_sendable(1)
+                if not taken:
+                    break
+                self._pack(route, taken[0])
+        for route in packing.values():
+            if not await self._write_packed(route):
+                return None
         return retry_in_s
+
+    def _pack(self, route: _Route, batch: ProducerBatch) -> None:
+        """Put a taken batch in ``route``'s next request, closing that one first if the batch would not fit."""
+        if batch.data is None:
+            batch.data = self._encode(batch)
+        size = len(batch.data)
+        bytes_max = min(self._max_request_bytes, route.bytes_max)
+        if route.open and (len(route.open) >= max(route.batches_max, 1) or route.open_bytes + size > bytes_max):
+            route.full.append(route.open)
+            route.open, route.open_bytes = [], 0
+        route.open.append(batch)
+        route.open_bytes += size
+
+    async def _write_packed(self, route: _Route) -> bool:
+        """Write ``route``'s packed requests while it has room in flight (a node that turned out to take one batch a
+        request: all of them, as before); False if the stream broke."""
+        bound = self._max_in_flight_requests if route.batches_max != 1 else len(route.requests) + len(route.full) + 1
+        while route.full and len(route.requests) < bound:
+            if not await self._write(route, route.full.pop(0)):
+                return False
+        if route.open and not route.full and len(route.requests) < bound:
+            batches, route.open, route.open_bytes = route.open, [], 0
+            return await self._write(route, batches)
+        return True
+
+    async def _write(self, route: _Route, batches: list[ProducerBatch]) -> bool:
+        """Write ``batches`` as one request (multi-batch unless the node takes one a message); False if the stream
+        broke."""
+        call = route.call
+        sent_ms = self._loop.time() * 1000  # type: ignore[union-attr]
+        request = _Request(sent_ms, len(batches))
+        message = georep_pb2.ProduceRequest(
+            acks=self._acks, geo_sites=self._geo_sites, ack_timeout_ms=self._request_timeout_ms
+        )
+        for batch in batches:
+            if batch.data is None:
+                batch.data = self._encode(batch)
+            self._next_correlation += 1
+            batch.correlation_id = self._next_correlation
+            batch.sent_ms = sent_ms
+            batch.request = request
+            route.by_correlation[batch.correlation_id] = batch
+            if route.batches_max <= 1:
+                message.correlation_id = batch.correlation_id
+                message.topic = batch.topic
+                message.partition = batch.partition
+                message.batch = batch.data
+            else:
+                message.batches.add(
+                    correlation_id=batch.correlation_id, topic=batch.topic, partition=batch.partition, batch=batch.data
+                )
+        route.requests[request] = None
+        try:
+            await call.write(message)
+        except (grpc.RpcError, asyncio.InvalidStateError, grpc.aio.UsageError, RuntimeError):
+            self._stream_broken(route, call)
+            return False
+        except asyncio.CancelledError:
+            # grpc.aio raises CancelledError from a pending write when the call
+            # is cancelled locally: the reader saw the stream end and
+            # _close_stream() cancelled it. That is a broken stream, not a
+            # cancellation of the sender, unless close() is cancelling us.
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            self._stream_broken(route, call)
+            return False
+        return call is route.call
 
     def _encode(self, batch: ProducerBatch) -> bytes:
         if self._idempotent:
@@ -719,6 +824,9 @@ class Producer:
     def _close_stream(self, route: _Route) -> None:
         call, route.call = route.call, None
         route.by_correlation.clear()
+        route.requests.clear()
+        route.open, route.open_bytes, route.full = [], 0, []  # taken, never written: resent as the stream reopens
+        route.batches_max, route.bytes_max = 0, 0  # until the next stream's node says what it takes
         if call is not None:
             call.cancel()
         reader, route.reader = route.reader, None
@@ -727,6 +835,10 @@ class Producer:
 
     async def _read(self, route: _Route, call: Any) -> None:
         try:
+            metadata = await call.initial_metadata()
+            if call is route.call:
+                route.learn_bounds(metadata, self._max_request_batches)
+                self._wakeup.set()  # type: ignore[union-attr]
             while True:
                 response = await call.read()
                 if response is grpc.aio.EOF:
@@ -756,8 +868,23 @@ class Producer:
         self._fail_batch(batch, error)
 
     def _on_response(self, route: _Route, response: georep_pb2.ProduceResponse) -> None:
+        if response.results:  # several answers in one message
+            for one in response.results:
+                self._on_answer(route, one)
+        else:
+            self._on_answer(route, response)
+        self._wakeup.set()  # type: ignore[union-attr]
+
+    def _on_answer(self, route: _Route, response: georep_pb2.ProduceResponse) -> None:
         batch = route.by_correlation.pop(response.correlation_id, None)
-        if batch is None or batch.state is not BatchState.IN_FLIGHT:
+        if batch is None:
+            return
+        request = batch.request
+        if request is not None:
+            request.unanswered -= 1
+            if request.unanswered <= 0:
+                route.requests.pop(request, None)
+        if batch.state is not BatchState.IN_FLIGHT:
             return
         delivery = self._deliveries[(batch.topic, batch.partition)]
         if not response.HasField("error") or response.error.code == 0:
@@ -778,4 +905,3 @@ class Producer:
                 self._fail_batch(batch, error)
             if delivery.round_complete():
                 self._resolve_rounds()
-        self._wakeup.set()  # type: ignore[union-attr]

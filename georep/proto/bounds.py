@@ -32,6 +32,7 @@ REPEATED_MAX: dict[str, int] = {
     "CommitOffsetsRequest.commits": 100_000,
     "FetchCommittedRequest.partitions": 10_000,  # topics
     "CreateTopicRequest.config": 64,  # unknown keys are refused anyway
+    "ProduceRequest.batches": 1_000,  # one multi-batch request (georep/server/produce_stream.py)
 }
 
 

@@ -872,6 +872,7 @@ class ProduceRequest(_message.Message):
     ACKS_FIELD_NUMBER: _builtins.int
     GEO_SITES_FIELD_NUMBER: _builtins.int
     ACK_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.int
     topic: _builtins.str
     partition: _builtins.int
@@ -880,6 +881,15 @@ class ProduceRequest(_message.Message):
     geo_sites: _builtins.int
     ack_timeout_ms: _builtins.int
     """0 = the node's default"""
+    @_builtins.property
+    def batches(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProduceBatch]:
+        """A multi-batch request (ProduceStream only), as Kafka's ProduceRequest carries many partitions: when set,
+        fields 1-4 are unset and each entry is one batch with its own correlation_id; acks, geo_sites and
+        ack_timeout_ms apply to every entry. Each batch is appended in order and answered on its own, with its own
+        error. A node that accepts them says so, with its bounds, in the stream's initial metadata
+        (georep-produce-batches-max, georep-produce-bytes-max); a request above them ends the stream.
+        """
+
     def __init__(
         self,
         *,
@@ -890,14 +900,43 @@ class ProduceRequest(_message.Message):
         acks: Global___Acks.ValueType = ...,
         geo_sites: _builtins.int = ...,
         ack_timeout_ms: _builtins.int = ...,
+        batches: _abc.Iterable[Global___ProduceBatch] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_timeout_ms", b"ack_timeout_ms", "acks", b"acks", "batch", b"batch", "correlation_id", b"correlation_id", "geo_sites", b"geo_sites", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_timeout_ms", b"ack_timeout_ms", "acks", b"acks", "batch", b"batch", "batches", b"batches", "correlation_id", b"correlation_id", "geo_sites", b"geo_sites", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ProduceRequest: _TypeAlias = ProduceRequest  # noqa: Y015
+
+@_typing.final
+class ProduceBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CORRELATION_ID_FIELD_NUMBER: _builtins.int
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PARTITION_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
+    correlation_id: _builtins.int
+    topic: _builtins.str
+    partition: _builtins.int
+    batch: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        correlation_id: _builtins.int = ...,
+        topic: _builtins.str = ...,
+        partition: _builtins.int = ...,
+        batch: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "correlation_id", b"correlation_id", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProduceBatch: _TypeAlias = ProduceBatch  # noqa: Y015
 
 @_typing.final
 class ProduceResponse(_message.Message):
@@ -913,6 +952,7 @@ class ProduceResponse(_message.Message):
     APPEND_TIME_MS_FIELD_NUMBER: _builtins.int
     DUPLICATE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.int
     partition: _builtins.int
     base_offset: _builtins.int
@@ -927,6 +967,12 @@ class ProduceResponse(_message.Message):
     def error(self) -> Global___Error:
         """unset on success"""
 
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProduceResponse]:
+        """Several answers in one message (ProduceStream, only to a client that sent a multi-batch request): each entry
+        is one batch's answer as it would have come alone; fields 1-10 are then unset.
+        """
+
     def __init__(
         self,
         *,
@@ -940,10 +986,11 @@ class ProduceResponse(_message.Message):
         append_time_ms: _builtins.int = ...,
         duplicate: _builtins.bool = ...,
         error: Global___Error | None = ...,
+        results: _abc.Iterable[Global___ProduceResponse] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_time_ms", b"append_time_ms", "base_offset", b"base_offset", "base_origin_seq", b"base_origin_seq", "correlation_id", b"correlation_id", "duplicate", b"duplicate", "error", b"error", "last_origin_seq", b"last_origin_seq", "origin_epoch", b"origin_epoch", "origin_site", b"origin_site", "partition", b"partition"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_time_ms", b"append_time_ms", "base_offset", b"base_offset", "base_origin_seq", b"base_origin_seq", "correlation_id", b"correlation_id", "duplicate", b"duplicate", "error", b"error", "last_origin_seq", b"last_origin_seq", "origin_epoch", b"origin_epoch", "origin_site", b"origin_site", "partition", b"partition", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

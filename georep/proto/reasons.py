@@ -17,6 +17,9 @@ REASON_METADATA = "georep-reason"  # trailing metadata of every refusal a handle
 LEADER_METADATA = "georep-leader"  # of a NOT_LEADER refusal: the leader's address, if known
 NEXT_OFFSET_METADATA = "georep-next-offset"  # of a DATA_LOSS fetch: where readable data goes on after the damage
 FENCED_EPOCH_METADATA = "georep-fenced-epoch"  # of an ABORTED segment call: the epoch the member is fenced at
+# Initial metadata of a ProduceStream whose node takes multi-batch requests: the most batches, and batch bytes, in one
+PRODUCE_BATCHES_MAX_METADATA = "georep-produce-batches-max"
+PRODUCE_BYTES_MAX_METADATA = "georep-produce-bytes-max"
 
 
 class Reason(enum.StrEnum):

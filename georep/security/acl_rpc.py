@@ -55,6 +55,9 @@ class Access:
     # A client stream's answer to one refused message, in place of ending the whole stream (a produce stream
     # carries batches of several topics: the others go on, and the client fails only the refused batch).
     refuse: Callable[[Any, str], Message] | None = None
+    # A client stream's message that holds several requests (a multi-batch produce): what of it is allowed (None:
+    # nothing) and the answer to what is refused (None: nothing), decided part by part, in place of rule and refuse.
+    split: Callable[[Any, Principal, Policy], tuple[Message | None, Message | None]] | None = None
 
 
 def _topic_op(operation: Operation) -> Rule:
@@ -77,12 +80,42 @@ def _commit(req: pb.CommitOffsetsRequest, who: Principal, policy: Policy) -> Dec
     return policy.acl(who, Operation.CONSUME, [topic(c.topic) for c in req.commits])
 
 
+def _produce(req: pb.ProduceRequest, who: Principal, policy: Policy) -> Decision:
+    """Produce on every topic the request writes: its one batch's, or each of its batches' (a multi-batch request)."""
+    names = sorted({b.topic for b in req.batches}) if req.batches else [req.topic]
+    return policy.acl(who, Operation.PRODUCE, [topic(name) for name in names])
+
+
 PERMISSION_DENIED_CODE = 7  # grpc.StatusCode.PERMISSION_DENIED, as a produce response's error code carries it
 
 
 def _refuse_produce(req: pb.ProduceRequest, message: str) -> pb.ProduceResponse:
     error = pb.Error(code=PERMISSION_DENIED_CODE, message=message)
     return pb.ProduceResponse(correlation_id=req.correlation_id, partition=req.partition, error=error)
+
+
+def _split_produce(
+    req: pb.ProduceRequest, who: Principal, policy: Policy
+) -> tuple[pb.ProduceRequest | None, pb.ProduceResponse | None]:
+    """A produce stream's message, batch by batch: a refused topic fails its own batches, the others go on."""
+    if not req.batches:
+        decision = policy.acl(who, Operation.PRODUCE, [topic(req.topic)])
+        return (req, None) if decision.allowed else (None, _refuse_produce(req, decision.message))
+    decisions = {
+        name: policy.acl(who, Operation.PRODUCE, [topic(name)]) for name in sorted({b.topic for b in req.batches})
+    }
+    if all(d.allowed for d in decisions.values()):
+        return req, None
+    allowed = pb.ProduceRequest(acks=req.acks, geo_sites=req.geo_sites, ack_timeout_ms=req.ack_timeout_ms)
+    refused = pb.ProduceResponse()
+    for one in req.batches:
+        decision = decisions[one.topic]
+        if decision.allowed:
+            allowed.batches.append(one)
+        else:
+            error = pb.Error(code=PERMISSION_DENIED_CODE, message=decision.message)
+            refused.results.add(correlation_id=one.correlation_id, partition=one.partition, error=error)
+    return (allowed if allowed.batches else None), refused
 
 
 def _open_access(request: type[Message]) -> Access:
@@ -151,8 +184,8 @@ NODE_ACCESS: Mapping[str, Access] = {
     ),
     "ListTopics": _open_access(pb.ListTopicsRequest),
     "DescribeTopic": _open_access(pb.DescribeTopicRequest),
-    "Produce": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE)),
-    "ProduceStream": Access(pb.ProduceRequest, _topic_op(Operation.PRODUCE), refuse=_refuse_produce),
+    "Produce": Access(pb.ProduceRequest, _produce),
+    "ProduceStream": Access(pb.ProduceRequest, _produce, refuse=_refuse_produce, split=_split_produce),
     "Fetch": Access(pb.FetchRequest, _topic_op(Operation.CONSUME)),
     "ListOffsets": Access(pb.ListOffsetsRequest, _topic_op(Operation.CONSUME)),
     "Health": _open_access(pb.HealthRequest),
@@ -256,17 +289,20 @@ class Authorizer:
         principal: Principal,
         data: bytes,
         parse: Callable[[type[Message], bytes], Message],
-    ) -> tuple[Message, Message | None]:
-        """One message of a client stream, parsed, and None if allowed; else the refusal to answer it with, if the
-        method has one (:attr:`Access.refuse`), or :class:`PermissionDenied` raised, which ends the stream."""
+    ) -> tuple[Message | None, Message | None]:
+        """One message of a client stream, parsed: what of it the handler gets (None: nothing), and the refusal to
+        answer the rest with (None: nothing refused). A refused message of a method without a refusal
+        (:attr:`Access.refuse`) raises :class:`PermissionDenied`, which ends the stream."""
         access = table[method]
         request = parse(access.request, data)
+        if access.split is not None:
+            return access.split(request, principal, self.policy)
         decision = decide(table, method, request, principal, self.policy)
         if decision.allowed:
             return request, None
         if access.refuse is None:
             raise PermissionDenied.of(decision)
-        return request, access.refuse(request, decision.message)
+        return None, access.refuse(request, decision.message)
 
     @staticmethod
     def per_message(table: Mapping[str, Access], method: str) -> bool:

@@ -30,7 +30,19 @@ from pathlib import Path
 from typing import Protocol
 
 from dedup.producer import ProducerStateTable
-from georep.broker.acks import LEADER, Acks, AckTable, Effect, Fail, HeldChanged, Release, StartFlush, Token, check_acks
+from georep.broker.acks import (
+    LEADER,
+    AckKind,
+    Acks,
+    AckTable,
+    Effect,
+    Fail,
+    HeldChanged,
+    Release,
+    StartFlush,
+    Token,
+    check_acks,
+)
 from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
 from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists, UnknownTopic
@@ -645,7 +657,8 @@ class Broker:
             raise NotLeader(
                 topic, index, "its segment is being sealed; retry in a moment", self.leader_hint(topic, index)
             )
-        check_acks(acks, topic, self.identity.site, self.geo_reach(topic))
+        if acks.kind is AckKind.GEO:  # the reach walks the topology: not for every batch of every other level
+            check_acks(acks, topic, self.identity.site, self.geo_reach(topic))
         try:
             now = self.clock_ms()
             window = TimestampWindow(
@@ -691,7 +704,8 @@ class Broker:
         fut.add_done_callback(_consume_exception)
         self._waiters[token] = fut
         self._perform(effects)
-        self._arm_geo_timer()
+        if acks.kind is AckKind.GEO:  # only a geo waiter has a deadline
+            self._arm_geo_timer()
         return fut
 
     async def produce(self, topic: str, index: int, batch: bytes, acks: Acks = LEADER, timeout_ms: int = 0) -> Produced:

@@ -258,11 +258,19 @@ class NodeMetrics:
         )
         self.partition_detail = False  # georep node --metrics-partition-detail: per-partition series too
         self.registry.register(_PartitionCollector(broker, lambda: self.partition_detail))
+        self._produced_by_topic: dict[str, tuple[Counter, Counter]] = {}
         broker.on_produce = self.produced
 
     def produced(self, topic: str, records: int, size: int) -> None:
-        self._produced_records.labels(topic).inc(records)
-        self._produced_bytes.labels(topic).inc(size)
+        # Called per batch; a labels() lookup takes a lock and builds a key, twice per batch: keep each topic's.
+        counters = self._produced_by_topic.get(topic)
+        if counters is None:
+            counters = self._produced_by_topic[topic] = (
+                self._produced_records.labels(topic),
+                self._produced_bytes.labels(topic),
+            )
+        counters[0].inc(records)
+        counters[1].inc(size)
 
     def produce_error(self, code: grpc.StatusCode) -> None:
         self._produce_errors.labels(code.name).inc()

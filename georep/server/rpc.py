@@ -277,10 +277,10 @@ async def _screened_stream(
     async def screened() -> AsyncIterator[Message]:
         async for raw in requests:
             request, refusal = authorizer.screen(table, method, principal, raw, parse)
-            if refusal is None:
-                yield request  # parsed: the handler's parse() takes it as it is
-            else:
+            if refusal is not None:
                 await answers.put(refusal)
+            if request is not None:
+                yield request  # parsed: the handler's parse() takes it as it is
 
     async def pump() -> None:
         try:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import functools
 import logging
 import secrets
 import time
@@ -16,7 +14,6 @@ import grpc
 
 from georep import __version__
 from georep.auth.acl_replication import ClaimRefused, HeldClaimCheck
-from georep.broker.append import Produced
 from georep.broker.errors import (
     DamagedData,
     InvalidRequest,
@@ -24,7 +21,6 @@ from georep.broker.errors import (
     NotLeader,
     NoTopology,
     SingleNodeSite,
-    WriteFailed,
 )
 from georep.broker.fetch import (
     AtOffset,
@@ -48,6 +44,8 @@ from georep.server.broker import Broker, Partition
 from georep.server.group_calls import GroupCalls
 from georep.server.groups import GroupService
 from georep.server.metrics import NodeMetrics
+from georep.server.produce_stream import REQUEST_BATCHES_MAX, REQUEST_BYTES_MAX, ProduceStreamCall
+from georep.server.produce_stream import answer as produce_answer
 from georep.server.rpc import Context, merge_streams, parse, service, status, stream_stream, unary, unary_stream
 from georep.server.status import DOMAIN_ERRORS, reason_of
 from georep.server.topic_creation import create_topics
@@ -69,7 +67,6 @@ FETCH_MAX_BYTES_CAP = 16 << 20
 SCRUB_STEP_BYTES = 4 << 20
 SCRUB_PROGRESS_S = 0.5
 FETCH_MAX_WAIT_MS_CAP = 30_000
-PRODUCE_STREAM_MAX_PENDING = 1024  # unacked batches per stream before reading pauses
 REPLICATE_MAX_BYTES_DEFAULT = 1 << 20
 REPLICATE_MAX_WAIT_MS_DEFAULT = 500
 FOLLOWER_POLL_S = 0.1  # a follower's fetch looks at the metadata's chain (rolls, seals) this often while it waits
@@ -117,6 +114,9 @@ class NodeService:
         self.acls = AclCalls(broker, self.admin)
         self.group_calls = GroupCalls(self.groups)
         self.started = time.monotonic()
+        # What one multi-batch produce request may carry; announced to producers in the stream's initial metadata
+        self.produce_batches_max = REQUEST_BATCHES_MAX
+        self.produce_bytes_max = REQUEST_BYTES_MAX
         self._stopping: asyncio.Future[None] | None = None
         # ReportHeld's claims: which the topology allows (acl_replication.held_claim_refusal), and how far what they
         # say of this site's own records counts (offsets.held.ServedGate: up to what has left this node).
@@ -274,22 +274,10 @@ class NodeService:
 
     # -- produce --------------------------------------------------------------
 
-    def _produced(self, req: pb.ProduceRequest, produced: Produced) -> pb.ProduceResponse:
-        r = produced.result
-        return pb.ProduceResponse(
-            correlation_id=req.correlation_id,
-            partition=req.partition,
-            base_offset=r.base_offset,
-            origin_site=produced.origin.site,
-            origin_epoch=produced.origin.epoch,
-            base_origin_seq=r.base_origin_seq,
-            last_origin_seq=r.last_origin_seq,
-            append_time_ms=r.append_time_ms,
-            duplicate=produced.duplicate,
-        )
-
     async def produce(self, data: bytes, context: Context) -> pb.ProduceResponse:
         req = parse(pb.ProduceRequest, data)
+        if req.batches:
+            raise InvalidRequest("a multi-batch produce request goes over ProduceStream; Produce takes one batch")
         try:
             produced = await self.broker.produce(
                 req.topic, req.partition, req.batch, acks_from_proto(req.acks, req.geo_sites), req.ack_timeout_ms
@@ -297,80 +285,21 @@ class NodeService:
         except DOMAIN_ERRORS as exc:
             self.metrics.produce_error(status(exc))
             raise
-        return self._produced(req, produced)
+        return produce_answer(req.correlation_id, req.partition, produced)
 
-    async def produce_stream(
+    def _produce_error(self, exc: Exception) -> pb.Error:
+        self.metrics.produce_error(status(exc))
+        return _error(exc)
+
+    def produce_stream(
         self,
         requests: AsyncIterator[bytes | pb.ProduceRequest],
         context: Context,  # parsed when screened (rpc.py)
     ) -> AsyncIterator[pb.ProduceResponse]:
-        # Per request: one append and, when the ack must wait for an fsync, one
-        # callback on the shared fsync future. No task or queue per request:
-        # at 64 KiB batches that machinery cost more than the append itself.
-        ready: collections.deque[pb.ProduceResponse] = collections.deque()
-        wake = asyncio.Event()
-        room = asyncio.Event()
-        room.set()
-        state = {"waiting": 0, "done": False}
-        failure: list[BaseException] = []
-
-        def send(resp: pb.ProduceResponse) -> None:
-            ready.append(resp)
-            wake.set()
-
-        def fail(req: pb.ProduceRequest, exc: Exception) -> None:
-            self.metrics.produce_error(status(exc))
-            send(pb.ProduceResponse(correlation_id=req.correlation_id, partition=req.partition, error=_error(exc)))
-
-        def durable(fut: asyncio.Future[None], req: pb.ProduceRequest, produced: Produced) -> None:
-            state["waiting"] -= 1
-            room.set()
-            exc = asyncio.CancelledError("cancelled") if fut.cancelled() else fut.exception()
-            if exc is None:
-                send(self._produced(req, produced))
-            elif isinstance(exc, DOMAIN_ERRORS):
-                fail(req, exc)
-            else:
-                fail(req, WriteFailed(f"the batch was written but not acked: {exc}"))
-
-        async def read_all() -> None:
-            try:
-                async for raw in requests:
-                    req = parse(pb.ProduceRequest, raw)
-                    acks = acks_from_proto(req.acks, req.geo_sites)
-                    try:
-                        # Appended here, synchronously: stream order is append order.
-                        p, produced = self.broker.append(req.topic, req.partition, req.batch, acks)
-                    except DOMAIN_ERRORS as exc:
-                        fail(req, exc)
-                        continue
-                    waiter = self.broker.ack_waiter(p, produced, acks, req.ack_timeout_ms)
-                    if waiter is None:
-                        send(self._produced(req, produced))
-                        continue
-                    state["waiting"] += 1
-                    waiter.add_done_callback(functools.partial(durable, req=req, produced=produced))
-                    if state["waiting"] >= PRODUCE_STREAM_MAX_PENDING:
-                        room.clear()
-                        await room.wait()
-            except BaseException as exc:  # forwarded to the response stream
-                failure.append(exc)
-            state["done"] = True
-            wake.set()
-
-        reader = asyncio.create_task(read_all())
-        try:
-            while True:
-                while ready:
-                    yield ready.popleft()
-                if failure:
-                    raise failure[0]
-                if state["done"] and not state["waiting"]:
-                    return
-                wake.clear()
-                await wake.wait()
-        finally:
-            reader.cancel()
+        call = ProduceStreamCall(
+            self.broker, self._produce_error, batches_max=self.produce_batches_max, bytes_max=self.produce_bytes_max
+        )
+        return call.serve(requests, context)
 
     # -- fetch ----------------------------------------------------------------
 
