@@ -9,7 +9,9 @@ Run from the repository root::
 Each size starts three single-node sites ``a -> b -> c -> a`` (mutual TLS with a development CA, as
 ``georep up`` makes them) on free ports of 127.0.0.1 under one temporary directory, twice: once with the size's
 partitions as one topic, once as ``--topics`` topics (the partitions split evenly; at 100 partitions, 100 topics
-of 1). For each it measures, in this order:
+of 1). For each it measures, in this order (after the create, the order of ``--steps``, which may also name a
+step twice: ``--steps idle,produce,idle`` measures idle CPU over empty partitions and again over written ones;
+the row keeps the last):
 
 * ``create``: the topic(s) created at site ``a`` until every site describes every partition of them;
 * ``idle CPU``: process CPU seconds (``/proc/PID/stat`` utime+stime) of each node over ``--idle-s`` with no
