@@ -9,7 +9,9 @@ Run from the repository root::
 Each size starts three single-node sites ``a -> b -> c -> a`` (mutual TLS with a development CA, as
 ``georep up`` makes them) on free ports of 127.0.0.1 under one temporary directory, twice: once with the size's
 partitions as one topic, once as ``--topics`` topics (the partitions split evenly; at 100 partitions, 100 topics
-of 1). For each it measures, in this order:
+of 1). For each it measures, in this order (after the create, the order of ``--steps``, which may also name a
+step twice: ``--steps idle,produce,idle`` measures idle CPU over empty partitions and again over written ones;
+the row keeps the last):
 
 * ``create``: the topic(s) created at site ``a`` until every site describes every partition of them;
 * ``idle CPU``: process CPU seconds (``/proc/PID/stat`` utime+stime) of each node over ``--idle-s`` with no
@@ -290,14 +292,9 @@ def run_size(root: Path, partitions: int, topics: int, cfg: Config) -> Row:
             row.rss_bytes = max(rss_bytes(p) for p in pids)
             row.fds = max(open_fds(p) for p in pids)
 
-        if "idle" in cfg.steps:
-            step(row, "idle", idle)
-
         def scrape() -> None:
             row.scrape_s = max(scrape_s(sites.nodes[s].metrics_address) for s in SITES)
 
-        if "scrape" in cfg.steps:
-            step(row, "scrape", scrape)
         value = b"v" * cfg.value_bytes
 
         def run_produce(keyless: bool) -> None:
@@ -318,15 +315,19 @@ def run_size(root: Path, partitions: int, topics: int, cfg: Config) -> Row:
             else:
                 row.produce_s, row.rate, row.converge_s = took, cfg.records / took, converge_s
 
-        if "produce" in cfg.steps:
+        def produces() -> None:
             for partitioner in cfg.partitioners:
                 step(row, f"produce ({partitioner})", lambda keyless=partitioner == "keyless": run_produce(keyless))
 
         def restart() -> None:
             row.restart_s = restart_s(sites, names[0])
 
-        if "restart" in cfg.steps:
-            step(row, "restart", restart)
+        measures: dict[str, Callable[[], None]] = {"idle": idle, "scrape": scrape, "restart": restart}
+        for what in cfg.steps:  # in the order given: `--steps produce,idle` measures idle over written partitions
+            if what == "produce":
+                produces()
+            else:
+                step(row, what, measures[what])
     finally:
         sites.close()
     return row
@@ -537,7 +538,9 @@ def parse_args(argv: list[str] | None) -> Config:
         help="the produces to run: round-robin (record i to partition i mod P), keyless (sticky), or both",
     )
     parser.add_argument(
-        "--steps", default="idle,scrape,produce,restart", help="what to measure after the create (comma-separated)"
+        "--steps",
+        default="idle,scrape,produce,restart",
+        help="what to measure after the create, in this order (comma-separated)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/scale.png"), help="the PNG")
     parser.add_argument("--json", type=Path, default=None, dest="json_out", help="also write the figures here")

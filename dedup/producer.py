@@ -296,6 +296,12 @@ class ProducerStateTable:
             del self._producers[pid]
         return len(idle)
 
+    def next_expiry_ms(self) -> int | None:
+        """The first ``now_ms`` at which :meth:`expire` would drop a producer (None: the table is empty)."""
+        if not self._producers:
+            return None
+        return min(s.last_append_ms for s in self._producers.values()) + self.expiration_ms + 1
+
     @classmethod
     def rebuild(
         cls,

@@ -75,7 +75,8 @@ def test_alone_a_site_reports_the_damage_and_skips_only_when_asked(start_node) -
 
 
 def test_a_peers_copy_repairs_the_damage_in_place(make_sites: Callable[..., Sites]) -> None:
-    sites = make_sites(["a", "b"], [("a", "b"), ("b", "a")], extra_args=SEGMENT)
+    # The scrubber checks every partition once per --scrub-interval-ms: 2 s here, so it finds the damage within it.
+    sites = make_sites(["a", "b"], [("a", "b"), ("b", "a")], extra_args=[*SEGMENT, "--scrub-interval-ms", "2000"])
     sites.start()
     produce(sites.address("a"))
     wait_until("b holds every record", lambda: converged(sites, ["a", "b"], "t", RECORDS), 60)
@@ -84,8 +85,8 @@ def test_a_peers_copy_repairs_the_damage_in_place(make_sites: Callable[..., Site
     flip_mid_second_segment(b.data_dir)
     offsets_before = sorted(p.name for p in (b.data_dir / "logs" / "t-0").glob("*.log"))
     b.start()
-    # nobody has read it yet: the background scrubber (or a's pull) finds it, and b fetches a's copy by its
-    # coordinate
+    # nobody has read it yet: the background scrubber (or a's pull) finds it within its interval, and b fetches
+    # a's copy by its coordinate
     wait_until(
         "b found and repaired the batch",
         lambda: metric(b, "georep_corrupt_batches_total") == 1 and metric(b, "georep_repaired_batches_total") == 1,

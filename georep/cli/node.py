@@ -23,7 +23,7 @@ from georep.kafka.connections import (
 )
 from georep.metadata.store import DataDirMismatch
 from georep.metadata.topics import InvalidTopic, parse_topic_config
-from georep.node.serve import SCRUB_BYTES_PER_S_DEFAULT, InSiteOptions, UsageError, serve
+from georep.node.serve import SCRUB_BYTES_PER_S_DEFAULT, SCRUB_INTERVAL_MS_DEFAULT, InSiteOptions, UsageError, serve
 from georep.raft.store import RaftTiming
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.raft_secret import FLAG as RAFT_SECRET_FLAG
@@ -137,6 +137,14 @@ def _add_storage_arguments(parser: argparse.ArgumentParser) -> None:
         default=SCRUB_BYTES_PER_S_DEFAULT,
         help="how fast the background scrubber re-checks stored batches, in bytes per second; damaged ones are "
         f"quarantined and repaired from a peer (0: off; default {SCRUB_BYTES_PER_S_DEFAULT})",
+    )
+    parser.add_argument(
+        "--scrub-interval-ms",
+        type=int,
+        default=SCRUB_INTERVAL_MS_DEFAULT,
+        help="the background scrubber checks every partition once per this long, a few at a time spread evenly "
+        "over it, so damage nobody reads is found within about this long (longer only when the node holds more "
+        f"than --scrub-bytes-per-s can read in it; default {SCRUB_INTERVAL_MS_DEFAULT}: an hour)",
     )
     parser.add_argument(
         "--max-open-files",
@@ -277,6 +285,8 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"--shutdown-timeout-ms {args.shutdown_timeout_ms} must be at least 1")
         if args.scrub_bytes_per_s < 0:
             raise UsageError(f"--scrub-bytes-per-s {args.scrub_bytes_per_s} must be 0 (off) or more")
+        if args.scrub_interval_ms < 1:
+            raise UsageError(f"--scrub-interval-ms {args.scrub_interval_ms} must be at least 1")
         try:
             set_max_open_files(args.max_open_files)
         except InvalidMaxOpenFiles as exc:
@@ -312,6 +322,7 @@ def main(args: argparse.Namespace) -> int:
                 grpc_limits=grpc_limits(args),
                 shutdown_timeout_ms=args.shutdown_timeout_ms,
                 metrics_partition_detail=args.metrics_partition_detail,
+                scrub_interval_ms=args.scrub_interval_ms,
             )
         )
     except (

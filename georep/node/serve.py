@@ -39,11 +39,11 @@ from georep.server.cluster_member import ClusterConfig, ClusterMember
 from georep.server.metrics import NodeMetrics
 from georep.server.process import NODE_INFO
 from georep.server.rpc import authorization
+from georep.server.scrubber import BackgroundScrub
 from georep.server.segments import SegmentService
 from georep.server.service import FETCH_MAX_BYTES_CAP, SCRUB_STEP_BYTES, NodeService
 from georep.server.shutdown import SHUTDOWN_TIMEOUT_MS_DEFAULT, STEP_TIMEOUT_S, Shutdown
 from georep.server.site_cluster import SiteCluster
-from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLock
 from georep.storage.metadata_file import load_or_create_identity, write_json_atomic
 from georep.storage.private import tighten
@@ -62,8 +62,8 @@ SHUTDOWN_GRACE_S = 5.0
 STUCK_FSYNC_ENV = "GEOREP_TEST_STUCK_FSYNC_AT_STOP"
 KEEPALIVE_MIN_INTERVAL_MS = 1_000
 GROUP_TICK_S = 0.2
-SCRUB_PASS_MIN_S = 60.0  # a pass over little data waits this long before the next one
 SCRUB_BYTES_PER_S_DEFAULT = 8 << 20
+SCRUB_INTERVAL_MS_DEFAULT = 3_600_000  # one pass over every partition per hour, spread evenly over it
 
 
 class UsageError(Exception):
@@ -88,6 +88,7 @@ async def serve(
     grpc_limits: ServerLimits | None = None,
     shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT,
     metrics_partition_detail: bool = False,
+    scrub_interval_ms: int = SCRUB_INTERVAL_MS_DEFAULT,
 ) -> int:
     """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``.
 
@@ -101,6 +102,8 @@ async def serve(
     TLS node allows everything besides its own site's nodes (``georep node --super-user``). ``grpc_limits``: the
     gRPC port's connection bounds (``--grpc-max-connections``...; None: the defaults). ``metrics_partition_detail``:
     /metrics has a series per partition (``--metrics-partition-detail``), not only per topic.
+    ``scrub_interval_ms``: the background scrubber checks every partition once per that long
+    (``--scrub-interval-ms``), at ``scrub_bytes_per_s``.
     """
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
@@ -126,6 +129,7 @@ async def serve(
             grpc_limits,
             shutdown_timeout_ms,
             metrics_partition_detail,
+            scrub_interval_ms,
         )
     finally:
         lock.release()
@@ -209,6 +213,7 @@ async def _serve_locked(
     grpc_limits: ServerLimits | None = None,
     shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT,
     metrics_partition_detail: bool = False,
+    scrub_interval_ms: int = SCRUB_INTERVAL_MS_DEFAULT,
 ) -> int:
     # The Raft metadata and the segment threads of a multi-node site; this node's copies of the segments whose
     # ensembles it is a member of (docs/cluster.md).
@@ -261,7 +266,7 @@ async def _serve_locked(
     )
     lock.describe(str(info["listen"]))
     write_json_atomic(data_dir / NODE_INFO, info)  # last: whoever waits for it finds the warnings logged
-    housekeeping = _start_housekeeping(node, scrub_bytes_per_s, retention_check_ms)
+    housekeeping = _start_housekeeping(node, scrub_bytes_per_s, scrub_interval_ms, retention_check_ms)
     await stop.wait()
     await _shut_down(node, server, kafka_server, housekeeping, shutdown_timeout_ms, data_dir / NODE_INFO)
     log.info("stopped cleanly")
@@ -464,11 +469,13 @@ def _warn_insecure(tls: TlsConfig | None, in_site: InSiteOptions | None, listen:
         )
 
 
-def _start_housekeeping(node: _Node, scrub_bytes_per_s: int, retention_check_ms: int) -> list[asyncio.Task[None]]:
+def _start_housekeeping(
+    node: _Node, scrub_bytes_per_s: int, scrub_interval_ms: int, retention_check_ms: int
+) -> list[asyncio.Task[None]]:
     """The background loops (fsync, scrub, retention, groups) and the replicator's pullers."""
     housekeeping = [
         asyncio.create_task(_flush_loop(node.broker)),
-        asyncio.create_task(_scrub_loop(node.broker, scrub_bytes_per_s)),
+        asyncio.create_task(_scrub_loop(node.broker, scrub_bytes_per_s, scrub_interval_ms)),
         asyncio.create_task(_retention_loop(node.broker, retention_check_ms / 1000)),
         asyncio.create_task(_group_loop(node.service)),
     ]
@@ -532,34 +539,18 @@ async def _flush_loop(broker: Broker) -> None:
         broker.flush_due(int(time.monotonic() * 1000))
 
 
-async def _scrub_loop(broker: Broker, bytes_per_s: int) -> None:
-    """Check every stored batch, again and again, at ``bytes_per_s`` (HDFS's block scanner, Ceph's scrub):
-    damage no reader has reached yet is quarantined, and repaired from a peer, before anyone needs it."""
+async def _scrub_loop(broker: Broker, bytes_per_s: int, interval_ms: int) -> None:
+    """Check every stored batch once per ``interval_ms``, at ``bytes_per_s`` (georep/server/scrubber.py)."""
     if bytes_per_s <= 0:
         return
-    step_bytes = max(1, min(bytes_per_s, SCRUB_STEP_BYTES))
+    scrub = BackgroundScrub(broker, bytes_per_s, SCRUB_STEP_BYTES, interval_ms, _monotonic_ms())
     while True:
-        started = time.monotonic()
-        for key in sorted(broker.partitions):
-            offset = 0
-            while key in broker.partitions and offset < broker.partitions[key].log.flushed_offset:
-                try:
-                    step = await broker.scrub(key, offset, step_bytes)
-                except StorageError as exc:  # damage nothing names: reported, and the other partitions go on
-                    log.error("scrubber: %s/%d: %s", *key, exc)
-                    break
-                offset = step.next_offset
-                if step.found:
-                    log.error("scrubber: %d damaged batch(es) in %s/%d quarantined", len(step.found), *key)
-                for text in step.invalid:
-                    log.error(
-                        "scrubber: %s/%d %s; readers skip it (georep consume --skip-corrupt; Kafka clients "
-                        "pass over it)",
-                        *key,
-                        text,
-                    )
-                await asyncio.sleep(step.checked_bytes / bytes_per_s)
-        await asyncio.sleep(max(0.0, SCRUB_PASS_MIN_S - (time.monotonic() - started)))
+        due_ms = await scrub.tick(_monotonic_ms())
+        await asyncio.sleep(max(0, due_ms - _monotonic_ms()) / 1000)
+
+
+def _monotonic_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
 
 
 async def _group_loop(service: NodeService) -> None:
@@ -573,6 +564,6 @@ async def _group_loop(service: NodeService) -> None:
 async def _retention_loop(broker: Broker, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        deleted = broker.enforce_retention()
-        if deleted:
-            log.info("retention deleted %d segments", deleted)
+        run = broker.enforce_retention()
+        if run.deleted:
+            log.info("retention deleted %d segments", run.deleted)

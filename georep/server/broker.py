@@ -45,6 +45,7 @@ from georep.broker.acks import (
 )
 from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
+from georep.broker.retention_schedule import RetentionSchedule, earliest
 from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists, UnknownTopic
 from georep.metadata.topics import (
     InvalidTopic,
@@ -56,7 +57,7 @@ from georep.metadata.topics import (
 from georep.record.validate import TimestampWindow
 from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
 from georep.server.group_flush import GroupFlush
-from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
+from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep, StorageError
 from georep.storage.durable_file import fsync_directory
 from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.partition_dirs import partition_dir_name, topic_file_name
@@ -134,10 +135,13 @@ class Partition:
             self._producers = ProducerStateTable.rebuild(entries, now_ms=self._opened_ms, origin=self._origin)
         return self._producers
 
-    def expire_producers(self, now_ms: int) -> None:
-        """Forget producers idle past their expiry (nothing to do for a table not rebuilt yet)."""
-        if self._producers is not None:
-            self._producers.expire(now_ms)
+    def expire_producers(self, now_ms: int) -> int | None:
+        """Forget producers idle past their expiry (nothing to do for a table not rebuilt yet); returns when the
+        next one expires, unless a producer appends meanwhile (None: no producer is known)."""
+        if self._producers is None:
+            return None
+        self._producers.expire(now_ms)
+        return self._producers.next_expiry_ms()
 
     @property
     def fsync_per_batch(self) -> bool:
@@ -215,6 +219,14 @@ def _segment_logs(
     )
 
 
+@dataclass
+class RetentionRun:
+    """What one retention run did."""
+
+    deleted: int = 0  # sealed segments deleted
+    visited: int = 0  # partitions visited: those written since the last run and those whose data fell due
+
+
 def _save_checkpoint(checkpoint: RecoveryCheckpoint) -> None:
     """Write the recovery-point checkpoint if a point moved; a disk that refuses it is logged, not fatal."""
     try:
@@ -289,6 +301,9 @@ class Broker:
         self._flush_heap: list[tuple[int, tuple[str, int]]] = []
         self._flush_scheduled: set[tuple[str, int]] = set()
         self.flush_wanted = asyncio.Event()  # set when the earliest due flush moved earlier
+        # Retention visits the partitions written since its last run and those whose data falls due, not every
+        # partition (georep/broker/retention_schedule.py).
+        self.retention = RetentionSchedule()
         now = self.clock_ms()
         if not self.in_site:
             self._finish_creates()
@@ -343,6 +358,8 @@ class Broker:
         for i, plog in enumerate(logs):
             p = self.partitions[(spec.name, i)] = Partition(spec.name, i, plog, config, self.origin, now_ms)
             self.partitions_version += 1
+            self.retention.written(p.key)  # its first visit learns when its data falls due
+            p.durable_watchers.add(self.retention.written)
             self.acks.open_partition(p.key, p.fsync_per_batch, plog.flushed_offset, VectorOffset(plog.flushed_vector()))
             self.on_open(p)
 
@@ -597,6 +614,8 @@ class Broker:
             self.detach(p.key, NotLeader(spec.name, index, "its segment changed"))
         self.partitions[p.key] = p
         self.partitions_version += 1
+        self.retention.written(p.key)
+        p.durable_watchers.add(self.retention.written)
         self.acks.open_partition(
             p.key, p.fsync_per_batch, lac, lac_vector, replicated_in_site=True, lac=lac, lac_vector=lac_vector
         )
@@ -879,17 +898,27 @@ class Broker:
             p.last_flush_mono_ms = now_mono_ms
             self._perform(self.acks.flush(p.key, p.log.log_end_offset))
 
-    def enforce_retention(self) -> int:
-        """Retention of every partition, which also moves their recovery points up to what was fsynced; then
-        the checkpoint of those points, when one moved (one file for the node, not one per partition)."""
+    def enforce_retention(self) -> RetentionRun:
+        """Retention, producer expiry and the recovery point's move, in the partitions written since the last run
+        and those whose data fell due (``retention``); then the checkpoint of those points, when one moved (one
+        file for the node, not one per partition)."""
         now = self.clock_ms()
-        deleted = 0
-        for p in self.partitions.values():
-            deleted += p.log.enforce_retention(now)
-            p.expire_producers(now)
+        run = RetentionRun()
+        for key in self.retention.due(now):
+            p = self.partitions.get(key)
+            if p is None:
+                continue  # deleted, or no longer led
+            run.visited += 1
+            try:
+                run.deleted += p.log.enforce_retention(now)
+            except (OSError, StorageError) as exc:  # the other partitions go on; this one is tried again next run
+                log.error("retention of %s-%d failed: %s; it is tried again at the next run", *key, exc)
+                self.retention.written(key)
+                continue
+            self.retention.visited(key, earliest(p.log.retention_due_ms, p.expire_producers(now)))
         if self.checkpoint is not None:
             _save_checkpoint(self.checkpoint)
-        return deleted
+        return run
 
     def close(self) -> None:
         """fsync and close every log, then write their recovery points, all in one checkpoint."""

@@ -257,6 +257,12 @@ class PartitionLog(Protocol):
         """Delete sealed segments past retention; returns how many were deleted."""
         ...
 
+    @property
+    def retention_due_ms(self) -> int | None:
+        """The first ``now_ms`` at which ``enforce_retention`` deletes by time alone, as of its last run (None: not
+        before the log is written again; or no run yet)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -230,6 +230,8 @@ class ChainLog:
         """This node's fsync of the open segment (one member's share of the LAC); returns its fsynced end."""
         return self.store.flush(self.key, self.open.segment_id)
 
+    retention_due_ms: int | None = None  # never: the site's metadata trims the chain (below)
+
     def enforce_retention(self, now_ms: int) -> int:
         # A site's retention drops whole sealed segments through its metadata (cluster/retention.py, TrimChain),
         # and each node deletes its copies of them (ReplicaStore.trim): never one node's copies on its own.

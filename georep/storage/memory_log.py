@@ -44,6 +44,7 @@ class MemoryLog:
         self._damaged: dict[int, DamagedBatch] = {}
         self.damage_found_total = 0
         self.repaired_total = 0
+        self.retention_due_ms: int | None = None  # its one segment is never deleted
 
     @property
     def log_start_offset(self) -> LocalOffset:

@@ -289,6 +289,7 @@ class SegmentLog:
         self._invalid: set[int] = set()  # base offsets of stored batches whose records no reader accepts (reported)
         self.damage_found_total = 0
         self.repaired_total = 0
+        self.retention_due_ms: int | None = None  # set by each enforce_retention: the broker's retention schedule
 
     # -- open and recovery -----------------------------------------------------------------------
 
@@ -1015,6 +1016,7 @@ class SegmentLog:
                     deleted,
                     self._log_start,
                 )
+            self.retention_due_ms = _retention_due(self._segments, self.config)
         return deleted
 
     def _expired_segments(self, now_ms: int) -> int:
@@ -1280,6 +1282,14 @@ def _start_vectors(
             if next_seq > start.get(origin, 0):
                 start[origin] = OriginSeq(next_seq)
     return out
+
+
+def _retention_due(segments: list[Segment], config: LogConfig) -> int | None:
+    """When the oldest sealed segment's newest record leaves ``retention_ms`` (``_expired_segments``' rule); None:
+    no limit by time, or no sealed segment (a write must roll one first)."""
+    if config.retention_ms < 0 or len(segments) < 2:
+        return None
+    return segments[0].max_timestamp + config.retention_ms + 1
 
 
 def _write_damaged(directory: Path, damaged: dict[int, DamagedBatch]) -> None:
