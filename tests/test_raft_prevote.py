@@ -66,6 +66,25 @@ def _deafen(site: Site, i: int) -> None:
     site.deafened[i] = deliver  # type: ignore[attr-defined]
 
 
+def _count_vote_requests(site: Site, sender: int) -> list[object]:
+    """Every vote request the other nodes receive from node ``sender``, from now on."""
+    asked: list[object] = []
+    address = site.addresses[sender]
+    for i in site.stores:
+        if i == sender:
+            continue
+        transport: Any = site[i]._replica._SyncObj__transport
+        deliver = transport._onMessageReceivedCallback
+
+        def counting(node: Any, message: Any, deliver: Any = deliver) -> None:
+            if isinstance(message, dict) and message.get("type") == "request_vote" and address in str(node):
+                asked.append(message)
+            deliver(node, message)
+
+        transport._onMessageReceivedCallback = counting
+    return asked
+
+
 @pytest.fixture
 def site(tmp_path: Path) -> Iterator[Site]:
     s = Site(tmp_path, timing=FAST)
@@ -83,11 +102,15 @@ def test_a_node_deaf_to_its_leader_does_not_depose_it(site: Site) -> None:
     leader = site.leader()
     term = site[leader].status().term
     deaf = next(i for i in sorted(site.stores) if i != leader)
+    votes_asked_by_deaf = _count_vote_requests(site, deaf)
     _deafen(site, deaf)
     # The scenario, not a wait: the deaf node's election timer runs out several times over.
     time.sleep(5 * FAST.election_timeout_max_s)
-    assert site.leader() == leader, "the healthy leader was deposed by a node that only stopped hearing it"
-    assert site[leader].status().term == term, "the deaf node raised the term of a healthy quorum"
+    # Under a heavy load the healthy pair may elect again on its own; what the deaf node may never do is ask
+    # for votes (the step that, without a pre-vote, raises the term and deposes the leader).
+    assert not votes_asked_by_deaf, "the deaf node asked for votes: it would depose a healthy leader"
+    if site.leader() == leader:
+        assert site[leader].status().term == term, "the deaf node raised the term of a healthy quorum"
     populate(site[leader], topic="after")  # the metadata takes writes throughout
     site[deaf]._replica._SyncObj__transport._onMessageReceivedCallback = site.deafened.pop(deaf)  # type: ignore[attr-defined]
     wait_until(lambda: site[deaf].leader_address == site.addresses[leader], f"node {deaf} follows the leader again")
