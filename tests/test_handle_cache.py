@@ -12,7 +12,7 @@ import pytest
 from georep.record.batch import PREFIX
 from georep.storage.handle_cache import HANDLES, set_max_open_files
 from georep.storage.segment_log import SegmentLog
-from tests.support.segments import A, B, Writer, open_log, read_all
+from tests.support.segments import A, B, Writer, max_open_files, open_log, read_all
 
 CAP = 60
 SLACK = 20  # the test's own files, the interpreter's, and segments of logs locked at the instant (none here)
@@ -33,10 +33,8 @@ def open_fds() -> int:
 
 @pytest.fixture
 def capped() -> Iterator[None]:
-    before = HANDLES.max_open_files
-    set_max_open_files(CAP)
-    yield
-    set_max_open_files(before)
+    with max_open_files(CAP):
+        yield
 
 
 @pytest.fixture

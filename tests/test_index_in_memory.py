@@ -18,10 +18,9 @@ import pytest
 from georep.record.batch import PREFIX
 from georep.storage import segment as segment_module
 from georep.storage.api import BatchDamaged
-from georep.storage.handle_cache import HANDLES, set_max_open_files
 from georep.storage.index_format import FILE_HEADER, ORIGIN_ENTRY_BYTES, entry_for
 from georep.storage.segment_log import SegmentLog
-from tests.support.segments import A, B, Stored, Writer, log_files, open_log, read_all
+from tests.support.segments import A, B, Stored, Writer, log_files, max_open_files, open_log, read_all
 
 CONFIG = {"segment_bytes_max": 1 << 20, "index_interval_bytes": 256}
 
@@ -166,10 +165,8 @@ SLACK = 10  # the test's own files and the interpreter's
 
 @pytest.fixture
 def capped() -> Iterator[None]:
-    before = HANDLES.max_open_files
-    set_max_open_files(CAP)
-    yield
-    set_max_open_files(before)
+    with max_open_files(CAP):
+        yield
 
 
 @pytest.fixture

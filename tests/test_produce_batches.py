@@ -328,20 +328,26 @@ def test_the_producer_packs_the_batches_for_one_node_into_few_requests() -> None
     assert_sequences_in_order(stream)
 
 
-def test_packing_keeps_within_the_request_bounds() -> None:
-    async def main() -> RecordingStream:
-        stream = RecordingStream(batches_max=7)  # the node's bound, below the producer's own
-        producer = await producer_on(stream, max_request_bytes=2_000)
+def sent_through(stream: RecordingStream, records: int, value: bytes, **config: Any) -> RecordingStream:
+    """``records`` records of ``value`` sent in turn to the 50 partitions of ``t`` and flushed, through ``stream``."""
+
+    async def main() -> None:
+        producer = await producer_on(stream, **config)
         try:
-            for i in range(300):
-                producer.send("t", b"v" * 100, partition=i % 50)
+            for i in range(records):
+                producer.send("t", value, partition=i % 50)
             async with asyncio.timeout(10):
                 await producer.flush()
         finally:
             await producer.close(timeout_s=1)
-        return stream
 
-    stream = asyncio.run(main())
+    asyncio.run(main())
+    return stream
+
+
+def test_packing_keeps_within_the_request_bounds() -> None:
+    # the node's bound (7) is below the producer's own
+    stream = sent_through(RecordingStream(batches_max=7), 300, b"v" * 100, max_request_bytes=2_000)
     assert len(sent_batches(stream)) >= 50
     assert all(len(r.batches) <= 7 for r in stream.written)
     sizes = [sum(len(b.batch) for b in r.batches) for r in stream.written]
@@ -351,19 +357,7 @@ def test_packing_keeps_within_the_request_bounds() -> None:
 
 
 def test_a_node_that_takes_one_batch_a_message_gets_one_batch_a_message() -> None:
-    async def main() -> RecordingStream:
-        stream = RecordingStream(batches_max=1)
-        producer = await producer_on(stream)
-        try:
-            for i in range(100):
-                producer.send("t", b"v", partition=i % 50)
-            async with asyncio.timeout(10):
-                await producer.flush()
-        finally:
-            await producer.close(timeout_s=1)
-        return stream
-
-    stream = asyncio.run(main())
+    stream = sent_through(RecordingStream(batches_max=1), 100, b"v")
     assert stream.written and all(not r.batches and r.topic == "t" for r in stream.written)
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from georep.record.batch import (
     stamp_origin,
 )
 from georep.storage.api import LogConfig
+from georep.storage.handle_cache import HANDLES, set_max_open_files
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import Origin
 from topology.ids import SiteId
@@ -121,3 +123,14 @@ def read_all(log: SegmentLog, max_bytes: int = 1 << 20) -> list[bytes]:
         assert pos == len(result.data)
         offset = result.next_offset
     return out
+
+
+@contextlib.contextmanager
+def max_open_files(cap: int) -> Iterator[None]:
+    """The process's open-file cache bounded to ``cap`` files, and its bound given back after."""
+    before = HANDLES.max_open_files
+    set_max_open_files(cap)
+    try:
+        yield
+    finally:
+        set_max_open_files(before)
