@@ -86,8 +86,9 @@ from cluster.site_state import (
 from georep.broker.errors import NotLeader
 from georep.raft.frames import COMMAND_BYTES_MAX
 from georep.raft.store import MetadataUnavailable, command_bytes
-from georep.security.tls import TlsConfig, channels
+from georep.security.tls import TlsConfig
 from georep.server.ensemble import LeadEvent, SegmentToWrite, SegmentWriter
+from georep.server.peer_channels import PeerChannels
 from georep.server.recovery import Members, copy_tail, fence_member, tell_sealed
 from georep.server.site_repair import RepairController, decommission
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore, SealSummary
@@ -213,7 +214,7 @@ class ClusterMember:
         self.free_bytes = free_bytes
         self.config = config or ClusterConfig()
         self.tls = tls
-        self.channel = channels(tls)
+        self.channel = PeerChannels(tls)  # one channel per peer for every fence, copy and stream (peer_channels.py)
         self.leaders: dict[PartitionKey, PartitionLeader] = {}
         self.listener: LeaderListener = _NoListener()
         self.origin: Origin | None = None  # the site's (its broker's): seals fold its own producers' batches
@@ -334,6 +335,7 @@ class ClusterMember:
                 done.set_result(None)
         self._queued.clear()
         self.metadata_executor.shutdown(wait=False, cancel_futures=True)
+        await self.channel.close()
 
     async def _ticks(self) -> None:
         """A tick every ``tick_ms``; between ticks, a look at the roles as soon as the metadata changes (a new
@@ -816,6 +818,7 @@ class PartitionLeader:
             m.clock_ms,
             lambda event: self._step_writing(sid, event),
             m.tls,
+            m.channel,
         )
         await writer.start()
         while not self._shows_open(eff.segment_id):  # the broker serves the chain its view lists
