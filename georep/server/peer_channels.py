@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 
@@ -33,14 +32,16 @@ RECONNECT_OPTIONS = (
 
 ChannelUse = Callable[[str], AbstractAsyncContextManager[grpc.aio.Channel]]
 
-_STUBS: weakref.WeakKeyDictionary[grpc.aio.Channel, pbg.SegmentsAsyncStub] = weakref.WeakKeyDictionary()
+_STUB_ATTRIBUTE = "_georep_segments_stub"
 
 
 def segments_stub(channel: grpc.aio.Channel) -> pbg.SegmentsAsyncStub:
-    """The ``Segments`` stub of ``channel``, built once per channel (a stub builds a callable per method)."""
-    stub = _STUBS.get(channel)
+    """The ``Segments`` stub of ``channel``, built once per channel (a stub builds a callable per method). Kept on the
+    channel itself: a table of stubs by channel would keep every retired channel alive through its stub."""
+    stub: pbg.SegmentsAsyncStub | None = getattr(channel, _STUB_ATTRIBUTE, None)
     if stub is None:
-        stub = _STUBS[channel] = pbg.SegmentsStub(channel)
+        stub = pbg.SegmentsStub(channel)
+        setattr(channel, _STUB_ATTRIBUTE, stub)
     return stub
 
 
@@ -85,10 +86,6 @@ class PeerChannels:
         if self._current.get(address) is peer:
             del self._current[address]
         peer.retired = True
-
-    def open_count(self) -> int:
-        """Channels open now: the current ones and the retired ones some call still uses."""
-        return len(self._current) + len(self._closing)
 
     async def close(self) -> None:
         """Close every channel (the node stops: no call is left)."""
