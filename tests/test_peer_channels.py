@@ -4,9 +4,6 @@ fence, copy and stream, and a fresh one once a peer was found down."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,13 +12,12 @@ import grpc
 import pytest
 
 from georep.proto import georep_pb2 as pb
-from georep.security.tls import server_options
 from georep.server.peer_channels import PeerChannels, segments_stub
 from georep.server.segments import SegmentService
 from georep.storage.replica_store import ReplicaStore
 from tests.support.channels import add_port
 
-CALL_S = 60.0  # a bound on each call, never reached when the member serves
+CALL_S = 10.0  # a bound on each call, never reached when the member serves
 
 
 @pytest.fixture
@@ -100,58 +96,3 @@ def test_a_peer_found_down_is_reached_at_the_first_call_once_it_serves_again(
             store.close()
 
     asyncio.run(run())
-
-
-@pytest.mark.slow
-def test_a_burst_of_fences_to_a_member_whose_event_loop_is_busy_is_answered_not_cancelled(tmp_path: Path) -> None:
-    """The survivors of a kill fence thousands of partitions on each other at once, while their event loops run
-    recoveries: gRPC's server cancelled the calls waiting past its 3,000 pending requests (each a failed recovery,
-    retried later). A node's server options keep them waiting instead."""
-    calls = 4_000
-    ready, started = threading.Event(), threading.Event()
-    address: list[str] = []
-    stop = threading.Event()
-
-    def member() -> None:
-        async def run() -> None:
-            store, executor = ReplicaStore(tmp_path, 0), ThreadPoolExecutor(4)
-            server = grpc.aio.server(options=server_options())
-            server.add_generic_rpc_handlers((SegmentService(store, executor, lambda: 0).handler(),))
-            address.append(f"127.0.0.1:{add_port(server, '127.0.0.1:0')}")
-            await server.start()
-            ready.set()
-            started.wait(CALL_S)
-            time.sleep(2.0)  # blocks this member's event loop on purpose, as a burst of recoveries does
-            while not stop.is_set():
-                await asyncio.sleep(0.05)
-            await server.stop(None)
-            executor.shutdown()
-            store.close()
-
-        asyncio.run(run())
-
-    thread = threading.Thread(target=member)
-    thread.start()
-    try:
-        assert ready.wait(CALL_S)
-
-        async def burst() -> Counter[str]:
-            peers = PeerChannels(None)
-
-            async def one(partition: int) -> str:
-                try:
-                    await fence(peers, address[0], partition)
-                    return "OK"
-                except grpc.aio.AioRpcError as exc:
-                    return exc.code().name
-
-            try:
-                started.set()
-                return Counter(await asyncio.gather(*(one(p) for p in range(calls))))
-            finally:
-                await peers.close()
-
-        assert asyncio.run(burst()) == Counter({"OK": calls})
-    finally:
-        stop.set()
-        thread.join(CALL_S)

@@ -162,15 +162,9 @@ class ServerLimits:
     # grpc.max_concurrent_streams: 0 keeps gRPC's (no bound). georep's own clients open a stream per partition they
     # read, and a leader one per open segment per member, so a bound must exceed those.
     max_concurrent_streams: int = 0
-    # grpc.server.max_pending_requests (and its hard limit): calls that reached the server but wait for its event loop.
-    # gRPC's 1,000 (3,000 hard) cancelled the calls past them: the survivors of a kill fence thousands of partitions
-    # on each other at once while their loops are busy, and each CANCELLED fence failed a recovery, retried later.
-    pending_requests: int = 100_000
 
     def options(self) -> list[tuple[str, int]]:
         out = [
-            ("grpc.server.max_pending_requests", self.pending_requests),
-            ("grpc.server.max_pending_requests_hard_limit", self.pending_requests),
             ("grpc.max_allowed_incoming_connections", self.max_connections),
             ("grpc.max_connection_idle_ms", self.idle_ms),
             ("grpc.server_handshake_timeout_ms", self.handshake_timeout_ms),
