@@ -206,3 +206,36 @@ def test_the_controller_moves_a_dead_nodes_partitions_while_its_disk_threads_are
                 await node.stop()
 
     asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_a_node_heartbeats_while_its_event_loop_is_busy(tmp_path: Path) -> None:
+    """A survivor of a kill at 10,000 partitions runs recovery callbacks for seconds on end: a heartbeat that waited
+    for its event loop committed late, and the controller took the busy node for dead and moved its partitions too.
+    The heartbeats come from a thread of their own."""
+    import time
+
+    rafts = [f"127.0.0.1:{p}" for p in free_ports(3)]
+    nodes = {NodeId(i + 1): Node(NodeId(i + 1), rafts[i], rafts, tmp_path / f"node-{i + 1}") for i in range(3)}
+
+    async def run() -> None:
+        try:
+            for node in nodes.values():
+                await node.start()
+            await wait_for("a Raft leader", lambda: any(n.metadata.is_leader for n in nodes.values()))
+            busy = nodes[NodeId(1)]
+            blocked_at = now_ms()
+
+            def beat_since_blocked() -> bool:
+                info = busy.metadata.state().node(busy.me)
+                return info is not None and info.last_heartbeat_ms is not None and info.last_heartbeat_ms > blocked_at
+
+            deadline = time.monotonic() + WAIT_S
+            while not beat_since_blocked() and time.monotonic() < deadline:
+                time.sleep(0.05)  # blocks the event loop on purpose: nothing async runs meanwhile
+            assert beat_since_blocked(), "no heartbeat committed while the node's event loop was busy"
+        finally:
+            for node in nodes.values():
+                await node.stop()
+
+    asyncio.run(run())

@@ -25,6 +25,7 @@ from cluster.site_state import (
     Refused,
     RegisterNode,
     SealSegment,
+    SiteState,
 )
 from georep.metadata.store import MetadataStore, TopicExists, UnknownTopic
 from georep.metadata.topics import TopicSpec
@@ -202,3 +203,21 @@ def test_bad_addresses_are_refused(tmp_path: Path) -> None:
         RaftMetadataStore("127.0.0.1", [], tmp_path, FAST)
     with pytest.raises(RaftStartError, match="use host:port"):
         RaftMetadataStore("127.0.0.1:1", ["127.0.0.1:99999"], tmp_path, FAST)
+
+
+def test_reads_share_one_copy_until_a_command_changes_the_state(site: Site, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failover's leads each read the state many times a second: at 10,000 partitions a copy of the tables per
+    read was a third of a survivor's CPU. Reads share one copy while nothing changes, and the read after a command
+    shows it (a copy cached past a change would not)."""
+    site.start()
+    populate(site[0])
+    copies: list[int] = []
+    real = SiteState.copy
+    monkeypatch.setattr(SiteState, "copy", lambda self: (copies.append(1), real(self))[1])
+    before = site[0].state()
+    for _ in range(100):
+        assert site[0].state().topic("fresh") is None
+    assert len(copies) <= 1, f"{len(copies)} copies of an unchanged state"
+    ok(site[0].propose(CreateTopic(TopicSpec("fresh", 1))))
+    assert site[0].state().topic("fresh") is not None, "the read after a command shows it"
+    assert before.topic("fresh") is None, "a copy already handed out does not change under its reader"

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from tests.support.segments import A, B, Writer, open_log, read_all
 from topology.ids import LeaderEpoch, SegmentId
 
 KEY = ("orders/eu", 3)
+WAIT_S = 10.0  # a bound on each wait, never reached when the store works
 SEG = SegmentId(4)
 E1, E2 = LeaderEpoch(1), LeaderEpoch(2)
 
@@ -207,3 +210,35 @@ def test_opening_a_copy_syncs_each_file_and_directory_once(tmp_path: Path, monke
     reopened = ReplicaStore(tmp_path / "node", now_ms=0)
     assert reopened.segment_ids(KEY) == [SegmentId(1), SEG] and reopened.end_offset(KEY, SEG) == 1000
     reopened.close()
+
+
+def test_a_slow_open_holds_up_only_its_own_partition(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failover opens thousands of copies on the executor's threads, each a few fsyncs. Under one store-wide lock
+    a slow fsync of one partition held up every other partition's open, fence and append; now only its own."""
+    from georep.storage import replica_store
+
+    store = ReplicaStore(tmp_path / "node", now_ms=0)
+    slow_key, other = ("slow", 0), ("other", 0)
+    store.open_segment(other, E1, SEG, 0, {}, now_ms=0)
+    in_fsync, release = threading.Event(), threading.Event()
+    real = replica_store.fsync_directory
+
+    def fsync_directory(path: Path) -> None:
+        if path.name == replica_store.partition_dir_name(slow_key):
+            in_fsync.set()
+            release.wait(WAIT_S)  # the disk holds this partition's open
+        real(path)
+
+    monkeypatch.setattr(replica_store, "fsync_directory", fsync_directory)
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(store.open_segment, slow_key, E1, SEG, 0, {}, 0)
+        try:
+            assert in_fsync.wait(WAIT_S)
+            fenced = pool.submit(store.fence, other, E2)
+            assert fenced.result(WAIT_S) == {SEG: 0}, "another partition's fence waited for the slow open"
+            assert other in store.partitions()
+        finally:
+            release.set()
+        slow.result(WAIT_S)
+    assert store.segment_ids(slow_key) == [SEG] and store.guard_state(other).fenced_epoch == E2
+    store.close()

@@ -86,8 +86,10 @@ from cluster.site_state import (
 from georep.broker.errors import NotLeader
 from georep.raft.frames import COMMAND_BYTES_MAX
 from georep.raft.store import MetadataUnavailable, command_bytes
-from georep.security.tls import TlsConfig, channels
+from georep.security.tls import TlsConfig
 from georep.server.ensemble import LeadEvent, SegmentToWrite, SegmentWriter
+from georep.server.heartbeat_thread import HeartbeatThread
+from georep.server.peer_channels import PeerChannels
 from georep.server.recovery import Members, copy_tail, fence_member, tell_sealed
 from georep.server.site_repair import RepairController, decommission
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore, SealSummary
@@ -213,7 +215,7 @@ class ClusterMember:
         self.free_bytes = free_bytes
         self.config = config or ClusterConfig()
         self.tls = tls
-        self.channel = channels(tls)
+        self.channel = PeerChannels(tls)  # one channel per peer for every fence, copy and stream (peer_channels.py)
         self.leaders: dict[PartitionKey, PartitionLeader] = {}
         self.listener: LeaderListener = _NoListener()
         self.origin: Origin | None = None  # the site's (its broker's): seals fold its own producers' batches
@@ -223,7 +225,7 @@ class ClusterMember:
         self._retention_due_ms: int | None = None  # the controller's next retention plan
         self.repair: RepairController | None = None  # while this node is the Raft leader
         self._task: asyncio.Task[None] | None = None
-        self._beats: asyncio.Task[None] | None = None
+        self._beats: HeartbeatThread | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._queued: list[tuple[Command, asyncio.Future[Result | None]]] = []  # waiting for the proposal in flight
         # The metadata versions whose seals and trims this node has followed whole (the per-tick passes over every
@@ -311,12 +313,15 @@ class ClusterMember:
         await self.run_metadata(self.metadata.read_barrier)
         self.core.epochs_at_start = {(i.topic, i.partition): i.leader_epoch for i in self.metadata.state().partitions()}
         self.core.reconciled = None
-        await self._heartbeat()
+        await self.run_metadata(self._heartbeat)
         self._task = asyncio.create_task(self._ticks())
-        self._beats = asyncio.create_task(self._heartbeats())
+        self._beats = HeartbeatThread(self._heartbeat, self.config.tick_ms / 1000, f"heartbeats-{self.me}")
+        self._beats.start()
 
     async def stop(self) -> None:
-        for task in (self._task, self._beats, self._passes):
+        if self._beats is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._beats.stop)
+        for task in (self._task, self._passes):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -334,6 +339,7 @@ class ClusterMember:
                 done.set_result(None)
         self._queued.clear()
         self.metadata_executor.shutdown(wait=False, cancel_futures=True)
+        await self.channel.close()
 
     async def _ticks(self) -> None:
         """A tick every ``tick_ms``; between ticks, a look at the roles as soon as the metadata changes (a new
@@ -376,22 +382,6 @@ class ClusterMember:
             return None
         return next_leader_expiry_ms(self.metadata.state(), self.clock_ms(), self.config.session_timeout_ms)
 
-    async def _heartbeats(self) -> None:
-        """A heartbeat every ``tick_ms``, whatever the rest of the tick is waiting for.
-
-        In the tick, a heartbeat waited for the tick before it: a deposed controller's proposals (up to the write
-        timeout), a pass learning seals in the disk's threads. At 2,000 partitions that held a live node's
-        heartbeats for longer than its session, and the new controller moved its partitions away."""
-        loop = asyncio.get_running_loop()
-        tick_s = self.config.tick_ms / 1000
-        while True:
-            started = loop.time()
-            try:
-                await self._heartbeat()
-            except Exception:  # a bug in one heartbeat must not end them: log it and beat again
-                log.exception("node %d: heartbeat failed", self.me)
-            await asyncio.sleep(max(0.0, started + tick_s - loop.time()))
-
     async def tick(self) -> None:
         """The controller's duties, seals, trims and roles (the heartbeats have a task of their own)."""
         await self._controller()
@@ -412,14 +402,16 @@ class ClusterMember:
         except Exception:  # a bug in one pass must not end the next ones
             log.exception("node %d: following the store's seals and trims failed", self.me)
 
-    async def _heartbeat(self) -> None:
+    def _heartbeat(self) -> None:
+        """Propose this node's heartbeat and wait for its commit: blocking, in the heartbeat thread
+        (heartbeat_thread.py) so that the event loop's bursts do not delay it. In the tick, a heartbeat also waited
+        for the tick before it: at 2,000 partitions that held a live node's heartbeats longer than its session."""
         load = leadership.open_loads(self.metadata.state()).get(self.me, 0)
-        free = await self.run_metadata(self.free_bytes)
-        beat = NodeHeartbeat(self.me, self.clock_ms(), free, load, self.store.moved.total)
+        beat = NodeHeartbeat(self.me, self.clock_ms(), self.free_bytes(), load, self.store.moved.total)
         # Not through the group commit (propose): queued behind a burst of seals and opens (each batch one commit,
         # seconds under load), the heartbeat came late and the node was taken for dead.
         try:
-            await self.run_metadata(self.metadata.propose, beat)
+            self.metadata.propose(beat)
         except MetadataUnavailable as exc:
             log.warning("node %d: heartbeat not confirmed: %s", self.me, exc)
 
@@ -816,6 +808,7 @@ class PartitionLeader:
             m.clock_ms,
             lambda event: self._step_writing(sid, event),
             m.tls,
+            m.channel,
         )
         await writer.start()
         while not self._shows_open(eff.segment_id):  # the broker serves the chain its view lists

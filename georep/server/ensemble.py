@@ -43,6 +43,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_to_proto
 from georep.security.tls import TlsConfig, channels
+from georep.server.peer_channels import ChannelUse, segments_stub
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
@@ -99,6 +100,7 @@ class SegmentWriter:
         clock_ms: Callable[[], int],
         feed: Feed,
         tls: TlsConfig | None = None,
+        channel: ChannelUse | None = None,
     ) -> None:
         self.store = store
         self.segment = segment
@@ -110,7 +112,7 @@ class SegmentWriter:
         self.executor = executor
         self.clock_ms = clock_ms
         self.feed = feed
-        self._channel = channels(tls)
+        self._channel = channel or channels(tls)  # the node's channels to its peers, shared (peer_channels.py)
         self.appended_end = segment.base_offset
         self.released = segment.base_offset  # what the lead released: acks=all up to here
         self._wake = asyncio.Event()  # set when there is more to send or announce: member streams wake up
@@ -304,7 +306,7 @@ class SegmentWriter:
     async def _member(self, node: NodeId, stream: _Stream) -> None:
         try:
             async with self._channel(self.addresses[node]) as channel:
-                await self._stream(node, stream, pbg.SegmentsStub(channel))
+                await self._stream(node, stream, segments_stub(channel))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
                 self._depose(node, exc.details() or "fenced")

@@ -50,9 +50,9 @@ from cluster.quorum import Fenced
 from cluster.site_state import Applied, PartitionInfo, RefusalCode, Refused, SegmentInfo
 from georep.broker.errors import BrokerError, NotLeader, RecoveryFailed
 from georep.proto import georep_pb2 as pb
-from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_to_proto
-from georep.security.tls import ChannelFactory, TlsConfig, channels
+from georep.security.tls import TlsConfig, channels
+from georep.server.peer_channels import ChannelUse, segments_stub
 from georep.server.rpc import FENCED_EPOCH_METADATA
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
@@ -78,7 +78,7 @@ class Members:
     addresses: Mapping[NodeId, str]
     executor: ThreadPoolExecutor
     clock_ms: Callable[[], int]
-    channel: ChannelFactory
+    channel: ChannelUse
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -106,7 +106,7 @@ async def fence_member(m: Members, eff: FenceMember) -> LeadEvent:
             end = int(ends.get(s.segment_id, base))
         else:
             async with m.channel(m.addresses[node]) as channel:
-                answer = await pbg.SegmentsStub(channel).FenceSegments(
+                answer = await segments_stub(channel).FenceSegments(
                     pb.FenceSegmentsRequest(topic=key[0], partition=key[1], leader_epoch=eff.epoch),
                     timeout=CALL_TIMEOUT_S,
                 )
@@ -187,7 +187,7 @@ async def _read(m: Members, eff: CopyTail, node: NodeId, start: int, end: int) -
         return
     ref = pb.SegmentRef(topic=key[0], partition=key[1], segment_id=sid)
     async with m.channel(m.addresses[node]) as channel:
-        async for r in pbg.SegmentsStub(channel).ReadSegment(
+        async for r in segments_stub(channel).ReadSegment(
             pb.ReadSegmentRequest(segment=ref, offset=start, end_offset=end, max_bytes=READ_MAX_BYTES),
             timeout=CALL_TIMEOUT_S,
         ):
@@ -227,7 +227,7 @@ async def _copy_there(m: Members, eff: CopyTail, start_vector: Mapping[Origin, O
             yield request
 
     async with m.channel(m.addresses[c.target]) as channel:
-        call = pbg.SegmentsStub(channel).AppendSegment(requests(), timeout=CALL_TIMEOUT_S * 6)
+        call = segments_stub(channel).AppendSegment(requests(), timeout=CALL_TIMEOUT_S * 6)
         answers: AsyncIterator[pb.SegmentAck] = aiter(call)
         first = await anext(answers, None)
         if first is None:
@@ -258,7 +258,7 @@ async def tell_sealed(m: Members, eff: SegmentSealed) -> None:
                 await m.run(m.store.seal, key, eff.epoch, sid, end, m.clock_ms())
                 return
             async with m.channel(m.addresses[node]) as ch:
-                await pbg.SegmentsStub(ch).SealSegment(
+                await segments_stub(ch).SealSegment(
                     pb.SealSegmentRequest(segment=ref, leader_epoch=eff.epoch, end_offset=end), timeout=CALL_TIMEOUT_S
                 )
         except (grpc.aio.AioRpcError, OSError, BrokerError, ReplicaError, Fenced, KeyError) as exc:

@@ -47,13 +47,14 @@ bytes moved.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import shutil
 import threading
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from cluster import member as membership
@@ -165,15 +166,22 @@ class SealSummary:
 
 
 class PartitionReplicas:
-    """One partition's segments on this node, and its guard."""
+    """One partition's segments on this node, and its guard. ``lock`` is held for each call on the partition."""
 
     def __init__(
-        self, key: PartitionKey, directory: Path, guard: ReplicaGuard, segments: dict[SegmentId, SegmentLog]
+        self,
+        key: PartitionKey,
+        directory: Path,
+        guard: ReplicaGuard,
+        segments: dict[SegmentId, SegmentLog],
+        made: bool = True,
     ) -> None:
         self.key = key
         self.directory = directory
         self.guard = guard
         self.segments = segments
+        self.lock = threading.Lock()
+        self.made = made  # its directory exists and is durable (a leader's first call creates it)
 
     def segment(self, segment_id: SegmentId) -> SegmentLog:
         found = self.segments.get(segment_id)
@@ -211,15 +219,16 @@ def _read_guard(directory: Path) -> ReplicaGuard:
 
 
 class ReplicaStore:
-    """Every segment copy a node holds. Thread-safe: one lock, held for each call (calls are short, and a
-    segment's appends come from one leader stream in order)."""
+    """Every segment copy a node holds. Thread-safe: each call holds its partition's lock, and the store's lock
+    only to find the partition. A failover opens thousands of copies, each a few fsyncs: under one store-wide
+    lock the executor's threads synced one at a time, and every other call waited behind them."""
 
     def __init__(self, data_dir: Path, now_ms: int) -> None:
         self.root = data_dir / REPLICAS_DIR
         private_dir(self.root)
         self.moved = MovedBytes(data_dir)  # bytes repair copies appended here (append_sealed_copy)
         self.lacs = AnnouncedLacs()  # what leaders confirmed of the open segments copied here: follower reads
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dicts below, never held across disk work
         self._partitions: dict[PartitionKey, PartitionReplicas] = {}
         # Retention (TrimChain): per partition, the first segment its chain keeps, as this node last saw it.
         self._trimmed_before: dict[PartitionKey, SegmentId] = {}
@@ -251,57 +260,75 @@ class ReplicaStore:
             return sorted(self._partitions)
 
     def segment_ids(self, key: PartitionKey) -> list[SegmentId]:
-        with self._lock:
-            p = self._partitions.get(key)
+        with self._existing(key) as p:
             return sorted(p.segments) if p else []
 
     def guard_state(self, key: PartitionKey) -> GuardState:
-        with self._lock:
-            p = self._partitions.get(key)
+        with self._existing(key) as p:
             return p.guard.state if p else GuardState()
 
     def end_offset(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
-        with self._lock:
-            return self._segment(key, segment_id).log_end_offset
+        return self._segment(key, segment_id).log_end_offset
 
     def flushed_offset(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
-        with self._lock:
-            return self._segment(key, segment_id).flushed_offset
+        return self._segment(key, segment_id).flushed_offset
 
     def size_of(self, key: PartitionKey, segment_id: SegmentId) -> int:
         """The bytes of this node's copy of ``segment_id``."""
-        with self._lock:
-            return self._segment(key, segment_id).size_bytes
+        return self._segment(key, segment_id).size_bytes
 
     def size_bytes(self) -> int:
-        with self._lock:
-            return sum(s.size_bytes for p in self._partitions.values() for s in p.segments.values())
+        return sum(row.size_bytes for row in self.held())
 
     def held(self) -> list[HeldCopy]:
         """Every segment copy this node holds, by partition and segment id."""
+        out: list[HeldCopy] = []
+        for p in self._every():
+            with p.lock:
+                out += (
+                    HeldCopy(p.key, sid, seg.log_end_offset, seg.flushed_offset, seg.size_bytes)
+                    for sid, seg in sorted(p.segments.items())
+                )
+        return out
+
+    def _every(self) -> list[PartitionReplicas]:
+        """Every partition, in key order (walk them one lock at a time)."""
         with self._lock:
-            return [
-                HeldCopy(key, sid, seg.log_end_offset, seg.flushed_offset, seg.size_bytes)
-                for key, p in sorted(self._partitions.items())
-                for sid, seg in sorted(p.segments.items())
-            ]
+            return [p for _, p in sorted(self._partitions.items())]
 
     def _segment(self, key: PartitionKey, segment_id: SegmentId) -> SegmentLog:
         """A copy this node holds (reads and fsyncs never create anything). Raises :class:`UnknownSegment`."""
-        p = self._partitions.get(key)
-        if p is None:
-            raise UnknownSegment(key, segment_id)
-        return p.segment(segment_id)
+        with self._existing(key) as p:
+            if p is None:
+                raise UnknownSegment(key, segment_id)
+            return p.segment(segment_id)
 
-    def _partition(self, key: PartitionKey) -> PartitionReplicas:
-        """``key``'s replicas, created empty for a leader's first call."""
-        p = self._partitions.get(key)
+    @contextlib.contextmanager
+    def _existing(self, key: PartitionKey) -> Iterator[PartitionReplicas | None]:
+        """``key``'s replicas under their lock, or None if this node has none."""
+        with self._lock:
+            p = self._partitions.get(key)
         if p is None:
-            directory = self.root / partition_dir_name(key)
-            directory.mkdir(mode=DIR_MODE, exist_ok=True)
-            fsync_directory(self.root)
-            p = self._partitions[key] = PartitionReplicas(key, directory, ReplicaGuard(), {})
-        return p
+            yield None
+            return
+        with p.lock:
+            yield p
+
+    @contextlib.contextmanager
+    def _locked(self, key: PartitionKey) -> Iterator[PartitionReplicas]:
+        """``key``'s replicas under their lock, created empty for a leader's first call (the directory is made under
+        the partition's lock, so other partitions' calls do not wait for its fsync)."""
+        with self._lock:
+            p = self._partitions.get(key)
+            if p is None:
+                directory = self.root / partition_dir_name(key)
+                p = self._partitions[key] = PartitionReplicas(key, directory, ReplicaGuard(), {}, made=False)
+        with p.lock:
+            if not p.made:
+                p.directory.mkdir(mode=DIR_MODE, exist_ok=True)
+                fsync_directory(self.root)
+                p.made = True
+            yield p
 
     # -- the leader's calls --------------------------------------------------------------------------------
 
@@ -320,8 +347,7 @@ class ReplicaStore:
         The member judges it as a recovery's copy (``cluster.member.judge_copy``: ``Fenced``, ``SegmentSealed``),
         so a deposed leader's stream is refused at its first request, not only at its first batch.
         """
-        with self._lock:
-            p = self._partition(key)
+        with self._locked(key) as p:
             before = p.guard.state
             refused = membership.judge_copy(p.guard, epoch, segment_id)
             if refused is not None:
@@ -353,8 +379,7 @@ class ReplicaStore:
         """
         headers = _whole_batches(key, segment_id, chunk, "the leader resends")
         view = memoryview(chunk)
-        with self._lock:
-            p = self._partition(key)
+        with self._locked(key) as p:
             seg = p.segment(segment_id)
             at = 0
             for h in headers:
@@ -394,8 +419,7 @@ class ReplicaStore:
         """The leader's own append of one batch (stamped by its broker) to its copy of the open ``segment_id``, at
         the copy's end; returns the header as stored. Judged as a member's append (``judge_append``), so a leader
         that a newer one fenced writes nothing (``Fenced``)."""
-        with self._lock:
-            p = self._partition(key)
+        with self._locked(key) as p:
             seg = p.segment(segment_id)
             end = seg.log_end_offset
             verdict = membership.judge_append(p.guard, epoch, (key[0], key[1], segment_id), end, end, self._gaps)
@@ -418,8 +442,7 @@ class ReplicaStore:
         """A repair is about to copy sealed ``segment_id`` here: record the seal in the guard (so that no leader
         appends to it from now on), create the copy empty at ``base_offset`` if this node has none, and return the
         copy's end, from which :meth:`append_sealed_copy` goes on. The fence epoch does not change."""
-        with self._lock:
-            p = self._partition(key)
+        with self._locked(key) as p:
             sealed = p.guard.state.sealed_through
             if sealed is None or sealed < segment_id:
                 p.guard.seal(p.guard.fenced_epoch, segment_id)
@@ -427,7 +450,7 @@ class ReplicaStore:
             existing = p.segments.get(segment_id)
             if existing is not None:
                 return existing.log_end_offset
-            if segment_id < self._trimmed_before.get(key, SegmentId(0)):
+            if segment_id < self.trimmed_before(key):
                 raise ReplicaError(
                     f"segment {segment_id} of {key[0]}-{key[1]} was dropped by retention: nothing to copy"
                 )
@@ -461,8 +484,7 @@ class ReplicaStore:
                 "than the seal (it has not cut its tail yet); copy from another member"
             )
         view = memoryview(chunk)
-        with self._lock:
-            p = self._partition(key)
+        with self._locked(key) as p:
             seg = p.segment(segment_id)
             sealed = p.guard.state.sealed_through
             if sealed is None or sealed < segment_id:
@@ -483,21 +505,18 @@ class ReplicaStore:
     def copy(self, key: PartitionKey, segment_id: SegmentId) -> SegmentLog | None:
         """This node's copy of ``segment_id`` for lookups (its origin index, its batches' entries), or None. Read it
         through :meth:`read`: a seal may replace the object."""
-        with self._lock:
-            p = self._partitions.get(key)
+        with self._existing(key) as p:
             return p.segments.get(segment_id) if p is not None else None
 
     def flush(self, key: PartitionKey, segment_id: SegmentId) -> LocalOffset:
         """fsync this node's copy of ``segment_id``; returns the end it holds fsynced (what the member acks)."""
-        with self._lock:
-            seg = self._segment(key, segment_id)
+        seg = self._segment(key, segment_id)
         return seg.flush()  # outside the lock: an fsync is slow, and the log has its own lock
 
     def fence(self, key: PartitionKey, epoch: LeaderEpoch) -> dict[SegmentId, LocalOffset]:
         """A new leader fences this node at ``epoch`` (``Fenced`` if older than the fence). Returns the end of
         every segment copy, each fsynced first: what recovery counts (``cluster/recovery.py``)."""
-        with self._lock:
-            p = self._partition(key)
+        with self._locked(key) as p:
             before = p.guard.state
             refused = membership.judge_fence(p.guard, epoch)
             if refused is not None:
@@ -511,8 +530,7 @@ class ReplicaStore:
         """The site's metadata shows ``key``'s segments up to ``through`` sealed (``cluster.member.seals_to_learn``):
         the guard refuses them from now on, whether or not this node holds a copy (a deposed leader cannot open
         one here). Raises ``Fenced`` for an epoch older than the fence."""
-        with self._lock:
-            p = self._partition(key)
+        with self._locked(key) as p:
             before = p.guard.state
             p.guard.seal(epoch, through)
             if p.guard.state != before:
@@ -520,8 +538,11 @@ class ReplicaStore:
 
     def guard_states(self) -> dict[PartitionKey, GuardState]:
         """Every partition's guard state on this node."""
-        with self._lock:
-            return {key: p.guard.state for key, p in sorted(self._partitions.items())}
+        out: dict[PartitionKey, GuardState] = {}
+        for p in self._every():
+            with p.lock:
+                out[p.key] = p.guard.state
+        return out
 
     def seal(
         self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, end_offset: int, now_ms: int
@@ -529,8 +550,7 @@ class ReplicaStore:
         """``segment_id`` was sealed at ``end_offset`` by the leader of ``epoch`` (the seal is committed in the
         site's metadata). Records it, then cuts this node's copy if it is longer. Returns the copy's end, which
         is below ``end_offset`` if this copy is short (repair fills it: ``cluster/repair.py``)."""
-        with self._lock:
-            p = self._partition(key)
+        with self._locked(key) as p:
             before = p.guard.state
             p.guard.seal(epoch, segment_id)
             if p.guard.state != before:
@@ -564,8 +584,7 @@ class ReplicaStore:
     ) -> ReadResult:
         """Whole batches of this node's copy from ``offset``, as stored; with ``end_offset``, only those that start
         below it (a read up to the LAC or a sealed end, a copy of a range)."""
-        with self._lock:
-            seg = self._segment(key, segment_id)
+        seg = self._segment(key, segment_id)
         result = seg.read(offset, max_bytes)
         if end_offset is None or result.next_offset <= end_offset:
             return result
@@ -592,8 +611,7 @@ class ReplicaStore:
         vector = VectorOffset(start)
         size = 0
         newest: int | None = None
-        with self._lock:
-            offset = self._segment(key, segment_id).log_start_offset
+        offset = self._segment(key, segment_id).log_start_offset
         while offset < end_offset:
             result = self.read(key, segment_id, offset, VECTOR_READ_BYTES, end_offset)
             if not result.data:
@@ -614,8 +632,7 @@ class ReplicaStore:
         """The index entries of this node's copy of ``segment_id`` (no log reads), in log order; with ``end_offset``,
         those of the batches below it: what a seal folds into the producers' table
         (``cluster/producer_snapshot.py``)."""
-        with self._lock:
-            seg = self._segment(key, segment_id)
+        seg = self._segment(key, segment_id)
         entries = seg.batch_entries()
         return entries if end_offset is None else [e for e in entries if e.base_offset < end_offset]
 
@@ -644,7 +661,7 @@ class ReplicaStore:
         with self._lock:
             if first_segment > self._trimmed_before.get(key, SegmentId(0)):
                 self._trimmed_before[key] = first_segment
-            p = self._partitions.get(key)
+        with self._existing(key) as p:
             if p is None:
                 return []
             gone = {sid: seg for sid, seg in p.segments.items() if sid < first_segment}
@@ -667,7 +684,9 @@ class ReplicaStore:
 
     def close(self) -> None:
         with self._lock:
-            for p in self._partitions.values():
+            every = list(self._partitions.values())
+            self._partitions.clear()
+        for p in every:
+            with p.lock:
                 for seg in p.segments.values():
                     seg.close()
-            self._partitions.clear()
