@@ -44,6 +44,25 @@ async def serve(
     return server, f"127.0.0.1:{port}"
 
 
+class Member:
+    """A site member's segment service on one address, which a test may stop and serve again."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.store, self.executor = ReplicaStore(tmp_path, 0), ThreadPoolExecutor(2)
+        self.server: grpc.aio.Server | None = None
+        self.address = "127.0.0.1:0"
+
+    async def serve(self) -> str:
+        self.server, self.address = await serve(self.store, self.executor, self.address)
+        return self.address
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.stop(None)
+        self.executor.shutdown()
+        self.store.close()
+
+
 async def fence(peers: PeerChannels, address: str, partition: int) -> None:
     async with peers(address) as channel:
         request = pb.FenceSegmentsRequest(topic="t", partition=partition, leader_epoch=1)
@@ -55,8 +74,8 @@ def test_a_survivors_fences_of_many_partitions_share_one_channel_to_a_peer(tmp_p
     of its CPU."""
 
     async def run() -> None:
-        store, executor, peers = ReplicaStore(tmp_path, 0), ThreadPoolExecutor(2), PeerChannels(None)
-        server, address = await serve(store, executor)
+        member, peers = Member(tmp_path), PeerChannels(None)
+        address = await member.serve()
         try:
             await asyncio.gather(*(fence(peers, address, p) for p in range(20)))
             for p in range(20, 40):
@@ -64,9 +83,7 @@ def test_a_survivors_fences_of_many_partitions_share_one_channel_to_a_peer(tmp_p
             assert created == [address], f"{len(created)} channels for 40 fences to one peer"
         finally:
             await peers.close()
-            await server.stop(None)
-            executor.shutdown()
-            store.close()
+            await member.close()
 
     asyncio.run(run())
 
@@ -78,21 +95,20 @@ def test_a_peer_found_down_is_reached_at_the_first_call_once_it_serves_again(
     back. A call that fails UNAVAILABLE retires it, and the next call connects afresh."""
 
     async def run() -> None:
-        store, executor, peers = ReplicaStore(tmp_path, 0), ThreadPoolExecutor(2), PeerChannels(None)
-        server, address = await serve(store, executor)
+        member, peers = Member(tmp_path), PeerChannels(None)
+        address = await member.serve()
         try:
             await fence(peers, address, 0)
-            await server.stop(None)
+            assert member.server is not None
+            await member.server.stop(None)
             with pytest.raises(grpc.aio.AioRpcError) as down:
                 await fence(peers, address, 1)
             assert down.value.code() == grpc.StatusCode.UNAVAILABLE
-            server, _ = await serve(store, executor, address)
+            await member.serve()  # again, on the same address
             await fence(peers, address, 2)  # the first call after it serves again
             assert created == [address, address]
         finally:
             await peers.close()
-            await server.stop(None)
-            executor.shutdown()
-            store.close()
+            await member.close()
 
     asyncio.run(run())
