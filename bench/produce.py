@@ -484,6 +484,130 @@ def progress(text: str) -> None:
     print(f"  .. {text}", file=sys.stderr, flush=True)
 
 
+@dataclass
+class Bench:
+    """The channels and settings one run of every measurement shares; each method measures one family of rows."""
+
+    cfg: Config
+    node_address: str
+    node: grpc.aio.Channel
+    raw: grpc.aio.Channel
+    tls_address: str | None
+    client_tls: TlsConfig | None
+    tls: grpc.aio.Channel | None
+    value: bytes = field(default_factory=lambda: os.urandom(RECORD_VALUE_BYTES))
+    run_id: str = field(default_factory=lambda: os.urandom(4).hex())  # topics never collide with an earlier run
+    topics: Iterator[int] = field(default_factory=lambda: iter(range(1 << 30)))
+
+    def next_topic(self, kind: str, batch_bytes: int, partitions: int) -> str:
+        return f"bench-{self.run_id}-{kind}-{batch_bytes}-{partitions}p-{next(self.topics)}"
+
+    async def stream_rows(self, batch_bytes: int, partitions: int) -> list[Result]:
+        """The node's produce stream, the raw sink and the durable ceiling on the same request bytes (and the
+        node over mutual TLS), their runs alternating."""
+        cfg = self.cfg
+        window = max(2, cfg.window_bytes // batch_bytes)
+        stream = Result("georep stream", batch_bytes, partitions, cfg.records, 0, note=f"window {window}")
+        raw = Result("raw gRPC", batch_bytes, partitions, cfg.records, 0, note="client-streaming sink")
+        interval = f"raw gRPC + append, fsync every {DURABLE_FSYNC_INTERVAL_S * 1000:.0f} ms"
+        durable = Result("durable ceiling", batch_bytes, partitions, cfg.records, 0, note=interval)
+        stream_tls = Result(
+            "georep stream mTLS", batch_bytes, partitions, cfg.records, 0, note=f"window {window}, mutual TLS"
+        )
+        for i in range(cfg.repeats):
+            topic = self.next_topic("stream", batch_bytes, partitions)
+            await create_topic(self.node, topic, partitions)
+            reqs = build_requests(topic, partitions, cfg.records, batch_bytes, self.value, seed=i)
+            stream.payload_bytes = raw.payload_bytes = durable.payload_bytes = reqs.batch_bytes
+            progress(f"georep stream {size_label(batch_bytes)} x{partitions}p run {i + 1}")
+            settle_page_cache()
+            stream.seconds.append(await stream_produce(self.node, reqs.messages, window))
+            progress(f"raw gRPC {size_label(batch_bytes)} run {i + 1}")
+            raw.seconds.append(await raw_push(self.raw, reqs.messages))
+            progress(f"durable ceiling {size_label(batch_bytes)} run {i + 1}")
+            settle_page_cache()
+            durable.seconds.append(await raw_push(self.raw, reqs.messages, DURABLE_METHOD))
+            del reqs
+            if self.tls is not None:
+                topic = self.next_topic("stream-tls", batch_bytes, partitions)
+                await create_topic(self.tls, topic, partitions)
+                reqs = build_requests(topic, partitions, cfg.records, batch_bytes, self.value, seed=i)
+                stream_tls.payload_bytes = reqs.batch_bytes
+                progress(f"georep stream mTLS {size_label(batch_bytes)} x{partitions}p run {i + 1}")
+                settle_page_cache()
+                stream_tls.seconds.append(await stream_produce(self.tls, reqs.messages, window))
+                del reqs
+        return [stream, *([stream_tls] if self.tls is not None else []), raw, durable]
+
+    async def client_rows(self, batch_bytes: int, partitions: int) -> list[Result]:
+        """georep's Producer (and over mutual TLS right after each run); none when the client is missing."""
+        cfg = self.cfg
+        payload = cfg.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
+        note = f"Producer, linger {CLIENT_LINGER_MS} ms"
+        client = Result("georep client", batch_bytes, partitions, cfg.records, payload, note=note)
+        tls_row = Result(
+            "georep client mTLS", batch_bytes, partitions, cfg.records, payload, note=f"{note}, mutual TLS"
+        )
+
+        async def run_client(i: int) -> float:
+            topic = self.next_topic("client", batch_bytes, partitions)
+            await create_topic(self.node, topic, partitions)
+            progress(f"georep client {size_label(batch_bytes)} x{partitions}p run {i + 1}")
+            elapsed = await client_produce(self.node_address, topic, cfg.records, batch_bytes, self.value)
+            if self.tls is not None and self.tls_address is not None:  # the mTLS run right after
+                topic = self.next_topic("client-tls", batch_bytes, partitions)
+                await create_topic(self.tls, topic, partitions)
+                progress(f"georep client mTLS {size_label(batch_bytes)} x{partitions}p run {i + 1}")
+                settle_page_cache()
+                tls_row.seconds.append(
+                    await client_produce(self.tls_address, topic, cfg.records, batch_bytes, self.value, self.client_tls)
+                )
+            return elapsed
+
+        try:
+            rows = [await repeat(client, cfg.repeats, run_client)]
+        except ImportError as exc:
+            progress(f"georep.client.Producer is not available ({exc}); skipping the client runs")
+            cfg.skip_client = True
+            return []
+        return rows + ([tls_row] if tls_row.seconds else [])
+
+    async def one_core_rows(self, batch_bytes: int) -> list[Result]:
+        """encode_batch, and Producer.send accumulating only: what one core does with no I/O."""
+        cfg = self.cfg
+        encode = Result("encode_batch", batch_bytes, 1, 0, 0, note="1 core, no I/O")
+        for i in range(cfg.repeats):
+            progress(f"encode_batch {size_label(batch_bytes)} run {i + 1}")
+            encode.records = records_per_batch(batch_bytes) * max(1, cfg.records // records_per_batch(batch_bytes))
+            encode.payload_bytes = encode.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
+            encode.seconds.append(measure_encode(cfg.records, batch_bytes, self.value))
+        if cfg.skip_client:
+            return [encode]
+        payload = cfg.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
+        send_only = Result(
+            "Producer.send", batch_bytes, 1, cfg.records, payload, note="1 core, accumulate only, no I/O"
+        )
+
+        async def run_send(i: int) -> float:
+            topic = self.next_topic("send", batch_bytes, 1)
+            await create_topic(self.node, topic, 1)
+            progress(f"Producer.send {size_label(batch_bytes)} run {i + 1}")
+            return await client_send_only(self.node_address, topic, cfg.records, batch_bytes, self.value)
+
+        return [encode, await repeat(send_only, cfg.repeats, run_send)]
+
+    async def nats_row(self, nats_url: str) -> Result:
+        cfg = self.cfg
+        note = f"publish_async, {NATS_WINDOW_MESSAGES} pending, file storage"
+        nats_result = Result("nats js", 0, 1, cfg.records, cfg.records * RECORD_VALUE_BYTES, note=note)
+
+        async def run_nats(i: int) -> float:
+            progress(f"nats js run {i + 1}")
+            return await nats_publish(nats_url, f"BENCH{i}", cfg.records, self.value)
+
+        return await repeat(nats_result, cfg.repeats, run_nats)
+
+
 async def run_all(
     cfg: Config,
     node_address: str,
@@ -494,150 +618,25 @@ async def run_all(
 ) -> list[Result]:
     """Every measurement; with ``tls_address`` (a node serving mutual TLS) and ``client_tls``, an mTLS row
     beside each georep stream and client row, its runs alternating with the plaintext ones."""
-    value = os.urandom(RECORD_VALUE_BYTES)
+    node = client_channel(node_address, None, CHANNEL_OPTIONS)
+    raw = client_channel(raw_address, None, CHANNEL_OPTIONS)
+    tls = client_channel(tls_address, client_tls, CHANNEL_OPTIONS) if tls_address else None
+    bench = Bench(cfg, node_address, node, raw, tls_address, client_tls, tls)
     results: list[Result] = []
-    node_channel = client_channel(node_address, None, CHANNEL_OPTIONS)
-    raw_channel = client_channel(raw_address, None, CHANNEL_OPTIONS)
-    tls_channel = client_channel(tls_address, client_tls, CHANNEL_OPTIONS) if tls_address else None
     try:
-        await asyncio.wait_for(node_channel.channel_ready(), 30)
-        await asyncio.wait_for(raw_channel.channel_ready(), 30)
-        if tls_channel is not None:
-            await asyncio.wait_for(tls_channel.channel_ready(), 30)
-        topic_seq = iter(range(1 << 30))
-        run_id = os.urandom(4).hex()  # topics never collide with an earlier run on the same node
-
-        def next_topic(kind: str, batch_bytes: int, partitions: int) -> str:
-            return f"bench-{run_id}-{kind}-{batch_bytes}-{partitions}p-{next(topic_seq)}"
-
+        for channel in (node, raw, *([tls] if tls is not None else [])):
+            await asyncio.wait_for(channel.channel_ready(), 30)
         for batch_bytes in cfg.batch_sizes:
-            window = max(2, cfg.window_bytes // batch_bytes)
             for partitions in cfg.partitions:
-                # Same request bytes for the node and the raw sink; topics are fresh per run.
-                stream = Result("georep stream", batch_bytes, partitions, cfg.records, 0, note=f"window {window}")
-                raw = Result("raw gRPC", batch_bytes, partitions, cfg.records, 0, note="client-streaming sink")
-                durable = Result(
-                    "durable ceiling",
-                    batch_bytes,
-                    partitions,
-                    cfg.records,
-                    0,
-                    note=f"raw gRPC + append, fsync every {DURABLE_FSYNC_INTERVAL_S * 1000:.0f} ms",
-                )
-                stream_tls = Result(
-                    "georep stream mTLS", batch_bytes, partitions, cfg.records, 0, note=f"window {window}, mutual TLS"
-                )
-                for i in range(cfg.repeats):
-                    topic = next_topic("stream", batch_bytes, partitions)
-                    await create_topic(node_channel, topic, partitions)
-                    reqs = build_requests(topic, partitions, cfg.records, batch_bytes, value, seed=i)
-                    stream.payload_bytes = raw.payload_bytes = durable.payload_bytes = reqs.batch_bytes
-                    progress(f"georep stream {size_label(batch_bytes)} x{partitions}p run {i + 1}")
-                    settle_page_cache()
-                    stream.seconds.append(await stream_produce(node_channel, reqs.messages, window))
-                    progress(f"raw gRPC {size_label(batch_bytes)} run {i + 1}")
-                    raw.seconds.append(await raw_push(raw_channel, reqs.messages))
-                    progress(f"durable ceiling {size_label(batch_bytes)} run {i + 1}")
-                    settle_page_cache()
-                    durable.seconds.append(await raw_push(raw_channel, reqs.messages, DURABLE_METHOD))
-                    del reqs
-                    if tls_channel is not None:
-                        topic = next_topic("stream-tls", batch_bytes, partitions)
-                        await create_topic(tls_channel, topic, partitions)
-                        reqs = build_requests(topic, partitions, cfg.records, batch_bytes, value, seed=i)
-                        stream_tls.payload_bytes = reqs.batch_bytes
-                        progress(f"georep stream mTLS {size_label(batch_bytes)} x{partitions}p run {i + 1}")
-                        settle_page_cache()
-                        stream_tls.seconds.append(await stream_produce(tls_channel, reqs.messages, window))
-                        del reqs
-                results += [stream, *([stream_tls] if tls_channel is not None else []), raw, durable]
-
+                results += await bench.stream_rows(batch_bytes, partitions)
                 if not cfg.skip_client:
-                    payload = cfg.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
-                    client = Result(
-                        "georep client",
-                        batch_bytes,
-                        partitions,
-                        cfg.records,
-                        payload,
-                        note=f"Producer, linger {CLIENT_LINGER_MS} ms",
-                    )
-                    client_tls_row = Result(
-                        "georep client mTLS",
-                        batch_bytes,
-                        partitions,
-                        cfg.records,
-                        payload,
-                        note=f"Producer, linger {CLIENT_LINGER_MS} ms, mutual TLS",
-                    )
-
-                    async def run_client(
-                        i: int, bb: int = batch_bytes, p: int = partitions, tls_row: Result = client_tls_row
-                    ) -> float:
-                        topic = next_topic("client", bb, p)
-                        await create_topic(node_channel, topic, p)
-                        progress(f"georep client {size_label(bb)} x{p}p run {i + 1}")
-                        elapsed = await client_produce(node_address, topic, cfg.records, bb, value)
-                        if tls_channel is not None and tls_address is not None:  # the mTLS run right after
-                            topic = next_topic("client-tls", bb, p)
-                            await create_topic(tls_channel, topic, p)
-                            progress(f"georep client mTLS {size_label(bb)} x{p}p run {i + 1}")
-                            settle_page_cache()
-                            tls_row.seconds.append(
-                                await client_produce(tls_address, topic, cfg.records, bb, value, client_tls)
-                            )
-                        return elapsed
-
-                    try:
-                        results.append(await repeat(client, cfg.repeats, run_client))
-                        if client_tls_row.seconds:
-                            results.append(client_tls_row)
-                    except ImportError as exc:
-                        progress(f"georep.client.Producer is not available ({exc}); skipping the client runs")
-                        cfg.skip_client = True
-
-            encode = Result("encode_batch", batch_bytes, 1, 0, 0, note="1 core, no I/O")
-            for i in range(cfg.repeats):
-                progress(f"encode_batch {size_label(batch_bytes)} run {i + 1}")
-                encode.records = records_per_batch(batch_bytes) * max(1, cfg.records // records_per_batch(batch_bytes))
-                encode.payload_bytes = encode.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
-                encode.seconds.append(measure_encode(cfg.records, batch_bytes, value))
-            results.append(encode)
-
-            if not cfg.skip_client:
-                payload = cfg.records * (RECORD_VALUE_BYTES + RECORD_OVERHEAD_BYTES)
-                send_only = Result(
-                    "Producer.send", batch_bytes, 1, cfg.records, payload, note="1 core, accumulate only, no I/O"
-                )
-
-                async def run_send(i: int, bb: int = batch_bytes) -> float:
-                    topic = next_topic("send", bb, 1)
-                    await create_topic(node_channel, topic, 1)
-                    progress(f"Producer.send {size_label(bb)} run {i + 1}")
-                    return await client_send_only(node_address, topic, cfg.records, bb, value)
-
-                results.append(await repeat(send_only, cfg.repeats, run_send))
-
+                    results += await bench.client_rows(batch_bytes, partitions)
+            results += await bench.one_core_rows(batch_bytes)
         if nats_url is not None:
-            nats_result = Result(
-                "nats js",
-                0,
-                1,
-                cfg.records,
-                cfg.records * RECORD_VALUE_BYTES,
-                note=f"publish_async, {NATS_WINDOW_MESSAGES} pending, file storage",
-            )
-
-            async def run_nats(i: int) -> float:
-                progress(f"nats js run {i + 1}")
-                return await nats_publish(nats_url, f"BENCH{i}", cfg.records, value)
-
-            results.append(await repeat(nats_result, cfg.repeats, run_nats))
+            results.append(await bench.nats_row(nats_url))
     finally:
-        await node_channel.close()
-        await raw_channel.close()
-        if tls_channel is not None:
-            await tls_channel.close()
+        for channel in (node, raw, *([tls] if tls is not None else [])):
+            await channel.close()
     return results
 
 

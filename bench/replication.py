@@ -761,99 +761,116 @@ async def run_all(cfg: Config, root: Path) -> Results:
 
 
 def report(res: Results, cfg: Config) -> Iterator[str]:
-    if res.throughput:
-        mb = res.throughput[0].payload_bytes / 1e6
+    yield from _throughput_lines(res, cfg)
+    yield from _rtt_lines(res)
+    yield from _wire_lines(res)
+    yield from _latency_lines(res)
+
+
+def _throughput_lines(res: Results, cfg: Config) -> Iterator[str]:
+    if not res.throughput:
+        return
+    mb = res.throughput[0].payload_bytes / 1e6
+    yield (
+        f"1. Throughput over one link a -> b: {mb:.0f} MB of 1 KiB records produced at a first "
+        f"(topic flush_interval_ms={THROUGHPUT_FLUSH_MS}), then b started; best of {cfg.repeats}."
+    )
+    yield "   'ready->equal': from b's node being up to b's vector equal to a's (includes topic sync and"
+    yield "   stream setup); 'streaming': from the first applied bytes b reports to equal."
+    head = (
+        f"   {'batch':>7} {'ready->equal':>12} {'streaming':>10} {'raw gRPC':>9} {'vs raw':>7} "
+        f"{'stream vs raw':>13}  {'startup s':<14} {'runs MB/s':<16} raw msg"
+    )
+    yield head
+    yield "   " + "-" * (len(head) - 3)
+    for t in res.throughput:
+        runs = " ".join(f"{t.payload_bytes / s / 1e6:.0f}" for s in t.georep_s)
+        startup = " ".join(f"{s:.2f}" for s in t.startup_s)
+        msg = size_label(t.message_bytes) if t.message_bytes % 1024 == 0 else f"{t.message_bytes:,} B"
         yield (
-            f"1. Throughput over one link a -> b: {mb:.0f} MB of 1 KiB records produced at a first "
-            f"(topic flush_interval_ms={THROUGHPUT_FLUSH_MS}), then b started; best of {cfg.repeats}."
+            f"   {size_label(t.batch_bytes):>7} {t.georep_mb_s:>9.1f} MB/s {t.streaming_mb_s:>5.1f} MB/s "
+            f"{t.raw_mb_s:>6.1f} MB/s {t.georep_mb_s / t.raw_mb_s * 100:>6.0f}% "
+            f"{t.streaming_mb_s / t.raw_mb_s * 100:>12.0f}%  {startup:<14} {runs:<16} "
+            f"{msg}"
         )
-        yield "   'ready->equal': from b's node being up to b's vector equal to a's (includes topic sync and"
-        yield "   stream setup); 'streaming': from the first applied bytes b reports to equal."
-        head = (
-            f"   {'batch':>7} {'ready->equal':>12} {'streaming':>10} {'raw gRPC':>9} {'vs raw':>7} "
-            f"{'stream vs raw':>13}  {'startup s':<14} {'runs MB/s':<16} raw msg"
+    yield ""
+
+
+def _rtt_lines(res: Results) -> Iterator[str]:
+    if res.rtt is None:
+        return
+    r = res.rtt
+    yield (
+        f"1b. The same link through the fault proxy, {r.payload_bytes / 1e6:.0f} MB in "
+        f"{size_label(r.batch_bytes)} batches: no delay, and a latency toxic of {r.rtt_ms // 2} ms each way "
+        f"({r.rtt_ms} ms RTT); runs alternate; best of {len(r.flat)}."
+    )
+    head = f"   {'link':>14} {'ready->equal':>12} {'streaming':>10}  {'startup s':<18} runs MB/s"
+    yield head
+    yield "   " + "-" * (len(head) - 3)
+    for name, runs in (("no delay", r.flat), (f"{r.rtt_ms} ms RTT", r.delayed)):
+        startup = " ".join(f"{x[3]:.2f}" for x in runs)
+        rates = " ".join(f"{r.payload_bytes / x[0] / 1e6:.0f}" for x in runs)
+        yield (f"   {name:>14} {r.mb_s(runs):>7.1f} MB/s {r.streaming_mb_s(runs):>5.1f} MB/s  {startup:<18} {rates}")
+    yield (
+        f"   {r.rtt_ms} ms RTT / no delay: {r.ratio * 100:.0f}% ready->equal, {r.streaming_ratio * 100:.0f}% streaming"
+    )
+    yield ""
+
+
+def _wire_lines(res: Results) -> Iterator[str]:
+    if res.wire is None:
+        return
+    w = res.wire
+    yield (
+        f"2. Bytes on the wire, {w.sites}-site full mesh (every ordered pair linked, node default "
+        f"flush_interval_ms={w.flush_interval_ms}): {w.produced_bytes / w.sites / 1e6:.1f} MB produced at "
+        f"each site at once, 64 KiB batches."
+    )
+    yield (
+        f"   produced {w.produced_bytes / 1e6:.1f} MB in all; sent downstream {w.sent_bytes / 1e6:.1f} MB; "
+        f"applied {w.applied_bytes / 1e6:.1f} MB; skipped batches {w.skipped_batches:.0f}"
+    )
+    per_site = ", ".join(f"{s} {v / 1e6:.1f}" for s, v in sorted(w.sent_by_site.items()))
+    yield f"   sent MB by site: {per_site}"
+    if w.skipped_by_link:
+        yield "   skipped batches by link: " + ", ".join(f"{k} {v:.0f}" for k, v in w.skipped_by_link.items())
+    yield (
+        f"   sent / (produced x {w.sites - 1}) = {w.ratio:.3f}   applied / (produced x {w.sites - 1}) = "
+        f"{w.applied_ratio:.3f}"
+    )
+    yield f"   produce took {w.produce_s:.1f}s; every vector equal after {w.converge_s:.1f}s"
+    yield ""
+
+
+def _latency_lines(res: Results) -> Iterator[str]:
+    if not res.latency:
+        return
+    yield (
+        f"3. End-to-end latency a -> b -> c: a Producer at a (1 KiB records, linger {LATENCY_LINGER_MS} ms), "
+        f"a Consumer at c; produce send() to poll() return, same clock; {LATENCY_WARMUP_S:g}s warm-up "
+        "not counted."
+    )
+    head = (
+        f"   {'flush_interval_ms':>17} {'MB/s':>5} {'records':>8} {'received':>8} {'p50 ms':>7} "
+        f"{'p99 ms':>7} {'max ms':>7}"
+    )
+    yield head
+    yield "   " + "-" * (len(head) - 3)
+    for lat in res.latency:
+        j = lat.as_json()
+        note = (
+            " (node default: fsync per batch)"
+            if lat.flush_interval_ms == 0
+            else " (fsync every 5 ms)"
+            if lat.flush_interval_ms == 5
+            else ""
         )
-        yield head
-        yield "   " + "-" * (len(head) - 3)
-        for t in res.throughput:
-            runs = " ".join(f"{t.payload_bytes / s / 1e6:.0f}" for s in t.georep_s)
-            startup = " ".join(f"{s:.2f}" for s in t.startup_s)
-            msg = size_label(t.message_bytes) if t.message_bytes % 1024 == 0 else f"{t.message_bytes:,} B"
-            yield (
-                f"   {size_label(t.batch_bytes):>7} {t.georep_mb_s:>9.1f} MB/s {t.streaming_mb_s:>5.1f} MB/s "
-                f"{t.raw_mb_s:>6.1f} MB/s {t.georep_mb_s / t.raw_mb_s * 100:>6.0f}% "
-                f"{t.streaming_mb_s / t.raw_mb_s * 100:>12.0f}%  {startup:<14} {runs:<16} "
-                f"{msg}"
-            )
-        yield ""
-    if res.rtt is not None:
-        r = res.rtt
         yield (
-            f"1b. The same link through the fault proxy, {r.payload_bytes / 1e6:.0f} MB in "
-            f"{size_label(r.batch_bytes)} batches: no delay, and a latency toxic of {r.rtt_ms // 2} ms each way "
-            f"({r.rtt_ms} ms RTT); runs alternate; best of {len(r.flat)}."
+            f"   {lat.flush_interval_ms:>17} {lat.rate_mb_s:>5.1f} {lat.sent:>8} {lat.received:>8} "
+            f"{j['p50_ms']:>7.1f} {j['p99_ms']:>7.1f} {j['max_ms']:>7.1f}{note}"
         )
-        head = f"   {'link':>14} {'ready->equal':>12} {'streaming':>10}  {'startup s':<18} runs MB/s"
-        yield head
-        yield "   " + "-" * (len(head) - 3)
-        for name, runs in (("no delay", r.flat), (f"{r.rtt_ms} ms RTT", r.delayed)):
-            startup = " ".join(f"{x[3]:.2f}" for x in runs)
-            rates = " ".join(f"{r.payload_bytes / x[0] / 1e6:.0f}" for x in runs)
-            yield (
-                f"   {name:>14} {r.mb_s(runs):>7.1f} MB/s {r.streaming_mb_s(runs):>5.1f} MB/s  {startup:<18} {rates}"
-            )
-        yield (
-            f"   {r.rtt_ms} ms RTT / no delay: {r.ratio * 100:.0f}% ready->equal, "
-            f"{r.streaming_ratio * 100:.0f}% streaming"
-        )
-        yield ""
-    if res.wire is not None:
-        w = res.wire
-        yield (
-            f"2. Bytes on the wire, {w.sites}-site full mesh (every ordered pair linked, node default "
-            f"flush_interval_ms={w.flush_interval_ms}): {w.produced_bytes / w.sites / 1e6:.1f} MB produced at "
-            f"each site at once, 64 KiB batches."
-        )
-        yield (
-            f"   produced {w.produced_bytes / 1e6:.1f} MB in all; sent downstream {w.sent_bytes / 1e6:.1f} MB; "
-            f"applied {w.applied_bytes / 1e6:.1f} MB; skipped batches {w.skipped_batches:.0f}"
-        )
-        per_site = ", ".join(f"{s} {v / 1e6:.1f}" for s, v in sorted(w.sent_by_site.items()))
-        yield f"   sent MB by site: {per_site}"
-        if w.skipped_by_link:
-            yield "   skipped batches by link: " + ", ".join(f"{k} {v:.0f}" for k, v in w.skipped_by_link.items())
-        yield (
-            f"   sent / (produced x {w.sites - 1}) = {w.ratio:.3f}   applied / (produced x {w.sites - 1}) = "
-            f"{w.applied_ratio:.3f}"
-        )
-        yield f"   produce took {w.produce_s:.1f}s; every vector equal after {w.converge_s:.1f}s"
-        yield ""
-    if res.latency:
-        yield (
-            f"3. End-to-end latency a -> b -> c: a Producer at a (1 KiB records, linger {LATENCY_LINGER_MS} ms), "
-            f"a Consumer at c; produce send() to poll() return, same clock; {LATENCY_WARMUP_S:g}s warm-up "
-            "not counted."
-        )
-        head = (
-            f"   {'flush_interval_ms':>17} {'MB/s':>5} {'records':>8} {'received':>8} {'p50 ms':>7} "
-            f"{'p99 ms':>7} {'max ms':>7}"
-        )
-        yield head
-        yield "   " + "-" * (len(head) - 3)
-        for lat in res.latency:
-            j = lat.as_json()
-            note = (
-                " (node default: fsync per batch)"
-                if lat.flush_interval_ms == 0
-                else " (fsync every 5 ms)"
-                if lat.flush_interval_ms == 5
-                else ""
-            )
-            yield (
-                f"   {lat.flush_interval_ms:>17} {lat.rate_mb_s:>5.1f} {lat.sent:>8} {lat.received:>8} "
-                f"{j['p50_ms']:>7.1f} {j['p99_ms']:>7.1f} {j['max_ms']:>7.1f}{note}"
-            )
-        yield ""
+    yield ""
 
 
 def summary(res: Results) -> Iterator[str]:

@@ -199,23 +199,8 @@ def run_audit(
     sample = [r.asDict() for r in issues.orderBy(*order).limit(ISSUES_IN_JSON).collect()]
     for df in (mismatches, issues, *cached, batches):
         df.unpersist()
-    counts: dict[str, dict[str, int]] = {}
-    for row in by_kind:
-        c = counts.setdefault(row["kind"], {"issues": 0, "records": 0})
-        c["issues"] += row["issues"]
-        c["records"] += row["records"] or 0
+    counts = _counts_by_kind(by_kind)
     clean = not any(checks.KINDS[k] for k in counts)
-    totals: dict[str, dict[str, Any]] = {s: {"records": 0, "batches": 0, "bytes": 0, "partitions": 0} for s in sites}
-    for r in inventory:
-        t = totals[r.site]
-        for k in ("records", "batches", "bytes"):
-            t[k] += r[k] or 0
-    for site in sites:
-        totals[site]["partitions"] = len({(r.topic, r.partition) for r in inventory if r.site == site})
-        totals[site]["nodes"] = sorted(
-            {s.node for s in segments if s.site == site and s.node is not None}, key=node_order
-        )
-
     report = {
         "format": REPORT_FORMAT,
         "clean": clean,
@@ -229,7 +214,7 @@ def run_audit(
             "segments": len(segments),
             "bytes": sum(s.size_bytes for s in segments),
         },
-        "sites": totals,
+        "sites": _site_totals(inventory, segments, sites),
         "counts": dict(sorted(counts.items())),
         "pairs": pairs_of(by_kind),
         "issues": sample,
@@ -238,6 +223,31 @@ def run_audit(
     }
     (report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return AuditResult(clean, report, summary_lines(report, report_dir))
+
+
+def _counts_by_kind(by_kind: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Issues and records per kind, summed over the (kind, pair) rows of ``checks.summary_by_kind``."""
+    counts: dict[str, dict[str, int]] = {}
+    for row in by_kind:
+        c = counts.setdefault(row["kind"], {"issues": 0, "records": 0})
+        c["issues"] += row["issues"]
+        c["records"] += row["records"] or 0
+    return counts
+
+
+def _site_totals(inventory: list[Any], segments: list[SegmentFile], sites: list[str]) -> dict[str, dict[str, Any]]:
+    """Records, batches, bytes, partitions and nodes per site, from the inventory rows and the segment files."""
+    totals: dict[str, dict[str, Any]] = {s: {"records": 0, "batches": 0, "bytes": 0, "partitions": 0} for s in sites}
+    for r in inventory:
+        t = totals[r.site]
+        for k in ("records", "batches", "bytes"):
+            t[k] += r[k] or 0
+    for site in sites:
+        totals[site]["partitions"] = len({(r.topic, r.partition) for r in inventory if r.site == site})
+        totals[site]["nodes"] = sorted(
+            {s.node for s in segments if s.site == site and s.node is not None}, key=node_order
+        )
+    return totals
 
 
 def site_logs(spark: Any, batches: Any, segments: list[SegmentFile]) -> tuple[Any, Any, list[Any]]:

@@ -150,119 +150,136 @@ def test_sasl_scram_users_produce_consume_and_are_authorized_as_client_principal
     )
     node.start()
     try:
-        admin = ["--bootstrap", node.address, "--tls-dir", str(certs)]
-        (tmp_path / "alice.pw").write_text("alice-secret\n")
-        georep_ok("user", "add", "alice", "--password-file", str(tmp_path / "alice.pw"), *admin)
-        georep_ok("user", "add", "carol", "--mechanism", "SCRAM-SHA-256", *admin, stdin="carol-secret\n")
-        listed = georep_ok("user", "list", *admin)
-        assert "alice  SCRAM-SHA-512" in listed and "carol  SCRAM-SHA-256" in listed and "secret" not in listed
-        assert "credential" not in georep_ok("acl", "list", *admin)  # users are not ACL entries
-        georep_ok("acl", "add", "client:alice", "create_topic", "topic:**", *admin)
-        georep_ok("acl", "add", "client:alice", "produce,consume", "topic:open", *admin)
-        georep_ok("acl", "add", "client:alice", "read", "group:g", *admin)
-        georep_ok("acl", "add", "client:carol", "produce", "topic:open", *admin)
+        admin = add_users_and_acls(tmp_path, node, certs)
         bootstrap = kafka_address(node)
-
-        alice = sasl_config(certs, bootstrap, "alice", "alice-secret")
-        from confluent_kafka.admin import AdminClient, NewTopic
-
-        alice_admin = AdminClient(alice)
-        for f in alice_admin.create_topics([NewTopic("open", 1, 1), NewTopic("closed", 1, 1)]).values():
-            f.result(15)
-        # kafka-python with SCRAM-SHA-256.
-        from kafka import KafkaProducer
-
-        carol = KafkaProducer(
-            bootstrap_servers=bootstrap,
-            security_protocol="SASL_SSL",
-            ssl_cafile=str(certs / "ca.crt"),
-            sasl_mechanism="SCRAM-SHA-256",
-            sasl_plain_username="carol",
-            sasl_plain_password="carol-secret",
-        )
-        carol.send("open", b"from-carol").get(timeout=30)
-        carol.close()
-
-        errors: list[Any] = []
-        p = confluent_kafka.Producer({**alice, "enable.idempotence": True, "acks": "all", "message.timeout.ms": 15_000})
-        p.produce("open", value=b"from-alice", on_delivery=lambda err, msg: errors.append(err))
-        p.produce("closed", value=b"refused", on_delivery=lambda err, msg: errors.append(err))
-        assert p.flush(30) == 0
-        codes = sorted((e.code() if e is not None else 0) for e in errors)
-        assert codes == [0, confluent_kafka.KafkaError.TOPIC_AUTHORIZATION_FAILED]  # type: ignore[attr-defined]
-
-        c = confluent_kafka.Consumer(
-            {**alice, "group.id": "g", "auto.offset.reset": "earliest", "enable.auto.commit": False}
-        )
-        c.subscribe(["open"])
-        got: list[bytes] = []
-
-        def step() -> None:
-            m = c.poll(0.2)
-            if m is not None and m.error() is None:
-                got.append(m.value())
-
-        poll_until("alice read both records", step, lambda: sorted(got) == [b"from-alice", b"from-carol"])
-        c.close()
-
-        # A wrong password: the client reports the server's authentication failure.
-        failures: list[Any] = []
-        wrong = confluent_kafka.Producer(
-            {**sasl_config(certs, bootstrap, "alice", "wrong"), "error_cb": failures.append}
-        )
-        poll_until(
-            "the client reports the failed authentication",
-            lambda: wrong.poll(0.2),
-            lambda: bool(failures),
-            timeout_s=20,
-        )
-        assert any(
-            e.code() == confluent_kafka.KafkaError._AUTHENTICATION  # type: ignore[attr-defined]
-            and "invalid credentials" in e.str()
-            for e in failures
-        ), failures
-
-        # A request before authentication closes the connection (Kafka's rule).
-        host, port = bootstrap.rsplit(":", 1)
-        ctx = ssl.create_default_context(cafile=str(certs / "ca.crt"))
-        with (
-            socket.create_connection((host, int(port)), timeout=10) as raw,
-            ctx.wrap_socket(raw, server_hostname=host) as tls,
-        ):
-            request = MetadataRequest[0](topics=[])
-            request.with_header(correlation_id=1, client_id="raw")
-            tls.sendall(request.encode(header=True, framed=True))
-            assert tls.recv(4) == b""
-        # SaslHandshake v0: the SCRAM tokens then go as bare frames, and the requests after are served.
-        with (
-            socket.create_connection((host, int(port)), timeout=10) as raw,
-            ctx.wrap_socket(raw, server_hostname=host) as tls,
-        ):
-            handshake = SaslHandshakeRequest[0](mechanism="SCRAM-SHA-512")
-            handshake.with_header(correlation_id=2, client_id="raw")
-            tls.sendall(handshake.encode(header=True, framed=True))
-            assert read_frame(tls)[4:6] == b"\x00\x00"  # correlation id, then error code NONE
-            client = ScramClient("alice", "alice-secret")
-            tls.sendall(frame(client.first()))
-            tls.sendall(frame(client.final(read_frame(tls))))
-            assert read_frame(tls).startswith(b"v=")
-            tls.sendall(request.encode(header=True, framed=True))
-            assert int.from_bytes(read_frame(tls)[:4], "big") == 1  # the Metadata response
-
-        # The credential record as a linked site receives it (the ACL sync's ListAcls and merge), and it
-        # authenticates alice there with a SCRAM exchange.
-        stub = pbg.NodeStub(grpc.secure_channel(node.address, *admin_channel(certs)))
-        listed_pb = stub.ListAcls(pb.ListAclsRequest(with_removed=True, with_credentials=True), timeout=10)
-        b_store = FileMetadataStore(tmp_path / "b-topics.json")
-        for record in merge(b_store.acls(), [record_from_pb(r) for r in listed_pb.records]):
-            b_store.put_acl(record)
-        assert scram_exchange(CredentialLookup(b_store.acls), "alice", "alice-secret")
-        assert not scram_exchange(CredentialLookup(b_store.acls), "alice", "wrong")
-
+        clients_are_authorized(certs, bootstrap)
+        a_wrong_password_is_reported(certs, bootstrap)
+        frames_before_authentication_close_the_connection(certs, bootstrap)
+        credentials_sync_to_a_linked_site(tmp_path, node, certs, admin)
         georep_ok("user", "remove", "carol", "--mechanism", "SCRAM-SHA-256", *admin)
         assert "carol" not in georep_ok("user", "list", *admin)
     finally:
         node.kill9()
+
+
+def add_users_and_acls(tmp_path: Path, node: NodeProcess, certs: Path) -> list[str]:
+    """alice (SCRAM-SHA-512) may create topics, use topic ``open`` and group ``g``; carol (SCRAM-SHA-256) may
+    produce to ``open``. Returns the CLI's admin arguments."""
+    admin = ["--bootstrap", node.address, "--tls-dir", str(certs)]
+    (tmp_path / "alice.pw").write_text("alice-secret\n")
+    georep_ok("user", "add", "alice", "--password-file", str(tmp_path / "alice.pw"), *admin)
+    georep_ok("user", "add", "carol", "--mechanism", "SCRAM-SHA-256", *admin, stdin="carol-secret\n")
+    listed = georep_ok("user", "list", *admin)
+    assert "alice  SCRAM-SHA-512" in listed and "carol  SCRAM-SHA-256" in listed and "secret" not in listed
+    assert "credential" not in georep_ok("acl", "list", *admin)  # users are not ACL entries
+    georep_ok("acl", "add", "client:alice", "create_topic", "topic:**", *admin)
+    georep_ok("acl", "add", "client:alice", "produce,consume", "topic:open", *admin)
+    georep_ok("acl", "add", "client:alice", "read", "group:g", *admin)
+    georep_ok("acl", "add", "client:carol", "produce", "topic:open", *admin)
+    return admin
+
+
+def clients_are_authorized(certs: Path, bootstrap: str) -> None:
+    """confluent-kafka as alice and kafka-python as carol produce and consume as their own principals."""
+    alice = sasl_config(certs, bootstrap, "alice", "alice-secret")
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    alice_admin = AdminClient(alice)
+    for f in alice_admin.create_topics([NewTopic("open", 1, 1), NewTopic("closed", 1, 1)]).values():
+        f.result(15)
+    # kafka-python with SCRAM-SHA-256.
+    from kafka import KafkaProducer
+
+    carol = KafkaProducer(
+        bootstrap_servers=bootstrap,
+        security_protocol="SASL_SSL",
+        ssl_cafile=str(certs / "ca.crt"),
+        sasl_mechanism="SCRAM-SHA-256",
+        sasl_plain_username="carol",
+        sasl_plain_password="carol-secret",
+    )
+    carol.send("open", b"from-carol").get(timeout=30)
+    carol.close()
+
+    errors: list[Any] = []
+    p = confluent_kafka.Producer({**alice, "enable.idempotence": True, "acks": "all", "message.timeout.ms": 15_000})
+    p.produce("open", value=b"from-alice", on_delivery=lambda err, msg: errors.append(err))
+    p.produce("closed", value=b"refused", on_delivery=lambda err, msg: errors.append(err))
+    assert p.flush(30) == 0
+    codes = sorted((e.code() if e is not None else 0) for e in errors)
+    assert codes == [0, confluent_kafka.KafkaError.TOPIC_AUTHORIZATION_FAILED]  # type: ignore[attr-defined]
+
+    c = confluent_kafka.Consumer(
+        {**alice, "group.id": "g", "auto.offset.reset": "earliest", "enable.auto.commit": False}
+    )
+    c.subscribe(["open"])
+    got: list[bytes] = []
+
+    def step() -> None:
+        m = c.poll(0.2)
+        if m is not None and m.error() is None:
+            got.append(m.value())
+
+    poll_until("alice read both records", step, lambda: sorted(got) == [b"from-alice", b"from-carol"])
+    c.close()
+
+
+def a_wrong_password_is_reported(certs: Path, bootstrap: str) -> None:
+    """A wrong password: the client reports the server's authentication failure."""
+    failures: list[Any] = []
+    wrong = confluent_kafka.Producer({**sasl_config(certs, bootstrap, "alice", "wrong"), "error_cb": failures.append})
+    poll_until(
+        "the client reports the failed authentication",
+        lambda: wrong.poll(0.2),
+        lambda: bool(failures),
+        timeout_s=20,
+    )
+    assert any(
+        e.code() == confluent_kafka.KafkaError._AUTHENTICATION  # type: ignore[attr-defined]
+        and "invalid credentials" in e.str()
+        for e in failures
+    ), failures
+
+
+def frames_before_authentication_close_the_connection(certs: Path, bootstrap: str) -> None:
+    """A request before authentication closes the connection (Kafka's rule)."""
+    host, port = bootstrap.rsplit(":", 1)
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname=host) as tls,
+    ):
+        request = MetadataRequest[0](topics=[])
+        request.with_header(correlation_id=1, client_id="raw")
+        tls.sendall(request.encode(header=True, framed=True))
+        assert tls.recv(4) == b""
+    # SaslHandshake v0: the SCRAM tokens then go as bare frames, and the requests after are served.
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        ctx.wrap_socket(raw, server_hostname=host) as tls,
+    ):
+        handshake = SaslHandshakeRequest[0](mechanism="SCRAM-SHA-512")
+        handshake.with_header(correlation_id=2, client_id="raw")
+        tls.sendall(handshake.encode(header=True, framed=True))
+        assert read_frame(tls)[4:6] == b"\x00\x00"  # correlation id, then error code NONE
+        client = ScramClient("alice", "alice-secret")
+        tls.sendall(frame(client.first()))
+        tls.sendall(frame(client.final(read_frame(tls))))
+        assert read_frame(tls).startswith(b"v=")
+        tls.sendall(request.encode(header=True, framed=True))
+        assert int.from_bytes(read_frame(tls)[:4], "big") == 1  # the Metadata response
+
+
+def credentials_sync_to_a_linked_site(tmp_path: Path, node: NodeProcess, certs: Path, admin: list[str]) -> None:
+    """The credential record as a linked site receives it (the ACL sync's ListAcls and merge), and it
+    authenticates alice there with a SCRAM exchange."""
+    stub = pbg.NodeStub(grpc.secure_channel(node.address, *admin_channel(certs)))
+    listed_pb = stub.ListAcls(pb.ListAclsRequest(with_removed=True, with_credentials=True), timeout=10)
+    b_store = FileMetadataStore(tmp_path / "b-topics.json")
+    for record in merge(b_store.acls(), [record_from_pb(r) for r in listed_pb.records]):
+        b_store.put_acl(record)
+    assert scram_exchange(CredentialLookup(b_store.acls), "alice", "alice-secret")
+    assert not scram_exchange(CredentialLookup(b_store.acls), "alice", "wrong")
 
 
 def georep_ok(*args: str, stdin: str | None = None) -> str:

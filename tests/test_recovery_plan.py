@@ -533,43 +533,59 @@ class World:
 MODEL = settings(max_examples=examples(300), deadline=None)
 
 
-@MODEL
-@given(st.data())
-def test_recovery_against_a_model_of_the_ensemble(data: st.DataObject) -> None:
-    draw = data.draw
-    e = draw(st.integers(1, 5), label="E")
-    aq = draw(st.integers(1, e), label="AQ")
-    need = e - aq + 1
-    nodes = tuple(draw(st.permutations([NodeId(n) for n in draw(st.sets(st.integers(1, 9), min_size=e, max_size=e))])))
-    sizes = draw(st.lists(st.integers(1, 3), min_size=1, max_size=6), label="batch sizes")
+@dataclass
+class Scenario:
+    """A drawn ensemble, its old writer's stream, and the new leader that begins recovering it."""
+
+    world: World
+    members: dict[NodeId, Member]
+    aq: int
+    need: int
+    me: NodeId
+    up_at_start: int
+    writer_alive: bool  # cut off from the metadata but not from the members: it goes on appending
+
+
+def draw_scenario(data: st.DataObject) -> Scenario:
+    d = data.draw
+    e = d(st.integers(1, 5), label="E")
+    aq = d(st.integers(1, e), label="AQ")
+    nodes = tuple(d(st.permutations([NodeId(n) for n in d(st.sets(st.integers(1, 9), min_size=e, max_size=e))])))
+    sizes = d(st.lists(st.integers(1, 3), min_size=1, max_size=6), label="batch sizes")
     bounds = [BASE]
     for size in sizes:
         bounds.append(bounds[-1] + size)
     # The old writer appended every batch locally (unless it lost an unfsynced tail) and streamed it:
     # each other member holds some prefix, and AQ of them bound what was acked.
-    writer = draw(st.sampled_from(nodes), label="old writer's node")
-    held = {n: draw(st.integers(0, len(sizes))) for n in nodes}
-    if not draw(st.booleans(), label="the writer lost an unfsynced tail"):
+    writer = d(st.sampled_from(nodes), label="old writer's node")
+    held = {n: d(st.integers(0, len(sizes))) for n in nodes}
+    if not d(st.booleans(), label="the writer lost an unfsynced tail"):
         held[writer] = len(sizes)
     members = {n: Member(list(range(held[n])), held[n]) for n in nodes}
     world = World(nodes, aq, bounds, members)
     world.max_writer_end = max(world.end_of(n) for n in nodes)
-    me = draw(st.sampled_from(nodes), label="new leader")
+    me = d(st.sampled_from(nodes), label="new leader")
     others = [n for n in nodes if n != me]
-    down = draw(st.sets(st.sampled_from(others)) if others else st.just(set[NodeId]()), label="down")
-    if writer != me and not draw(st.booleans(), label="the writer's node is still up"):
+    down = d(st.sets(st.sampled_from(others)) if others else st.just(set[NodeId]()), label="down")
+    if writer != me and not d(st.booleans(), label="the writer's node is still up"):
         down.add(writer)
     for n in down:
         members[n].down = True
-    up_at_start = e - len(down)
-    # A writer cut off from the metadata but not from the members goes on appending to those not yet fenced.
-    writer_alive = writer != me and writer not in down and draw(st.booleans(), label="old writer still appending")
+    writer_alive = writer != me and writer not in down and d(st.booleans(), label="old writer still appending")
     world.begin(me)
-    leaders = {me}
+    return Scenario(world, members, aq, e - aq + 1, me, e - len(down), writer_alive)
+
+
+def play(data: st.DataObject, sc: Scenario) -> None:
+    """Deliveries, the old writer's appends, crashes, new leaders and members learning the seal, in a drawn
+    order with at most three faults; then every message arrives."""
+    draw = data.draw
+    world, members, nodes = sc.world, sc.members, sc.world.nodes
+    leaders = {sc.me}
     takeovers = 0
     for _ in range(300):
         kinds: list[str] = ["deliver"] * 4 if world.pool else []
-        if writer_alive and world.writer_targets() and world.pool:
+        if sc.writer_alive and world.writer_targets() and world.pool:
             kinds += ["write"] * 2
         crashable = [n for n in nodes if not members[n].down and n not in leaders]
         if crashable and world.faults < 3 and world.pool:
@@ -609,36 +625,53 @@ def test_recovery_against_a_model_of_the_ensemble(data: st.DataObject) -> None:
         world.deliver(0, None)
     assert not world.pool
 
-    # Every recovery ends, and says how.
+
+def check_outcomes(sc: Scenario) -> None:
+    """Every recovery ends and says how; with too few members up, none seals."""
+    world = sc.world
     for r, outcome in zip(world.recoveries, world.outcomes, strict=True):
         assert outcome is not None, f"recovery at epoch {r.epoch} is stuck in {r.phase}"
         event(f"outcome: {type(outcome).__name__}")
     event(f"recoveries: {len(world.recoveries)}")
-    meta = world.meta
-    if up_at_start < need:
-        assert meta.sealed is None, "sealed with fewer than E - AQ + 1 members able to answer"
+    if sc.up_at_start < sc.need:
+        assert world.meta.sealed is None, "sealed with fewer than E - AQ + 1 members able to answer"
         assert all(isinstance(o, (Failed, Superseded)) for o in world.outcomes)
     if len(world.recoveries) == 1 and world.faults == 0:
-        if up_at_start >= need and up_at_start >= aq:
-            assert world.outcomes[0] == Done(LocalOffset(world.end_of(me)))
+        if sc.up_at_start >= sc.need and sc.up_at_start >= sc.aq:
+            assert world.outcomes[0] == Done(LocalOffset(world.end_of(sc.me)))
         else:
             assert isinstance(world.outcomes[0], Failed)
             assert "Bring a member back" in world.outcomes[0].reason
-    assert meta.seals <= 1
-    if meta.sealed is None:
+    assert world.meta.seals <= 1
+    if world.meta.sealed is None:
         assert not any(isinstance(o, Done) for o in world.outcomes)
-        return
+
+
+def check_seal(sc: Scenario) -> None:
+    """One seal, by the recovery that says Done; no ack past it; AQ members, the sealer among them, hold exactly
+    the stream up to it once every member has learnt it."""
+    world, meta = sc.world, sc.world.meta
     sealed = meta.sealed
-    assert meta.sealed_by is not None
+    assert sealed is not None and meta.sealed_by is not None
     sealer = world.recoveries[meta.sealed_by]
     assert world.outcomes[meta.sealed_by] == Done(LocalOffset(sealed))
     assert [o for o in world.outcomes if isinstance(o, Done)] == [Done(LocalOffset(sealed))]
     # No ack ever went past the seal, not even from the old writer still appending afterwards.
     assert world.acked_end() <= sealed
     # Every member learns the committed seal (a down one when it comes back) and cuts.
-    for n in nodes:
-        if not members[n].knows_seal:
+    for n in world.nodes:
+        if not sc.members[n].knows_seal:
             world.learn_seal(n)
     content = world.stream[: world.batches_to(sealed)]
-    exact = [n for n in nodes if members[n].data == content]
-    assert len(exact) >= aq and sealer.self_node in exact
+    exact = [n for n in world.nodes if sc.members[n].data == content]
+    assert len(exact) >= sc.aq and sealer.self_node in exact
+
+
+@MODEL
+@given(st.data())
+def test_recovery_against_a_model_of_the_ensemble(data: st.DataObject) -> None:
+    sc = draw_scenario(data)
+    play(data, sc)
+    check_outcomes(sc)
+    if sc.world.meta.sealed is not None:
+        check_seal(sc)

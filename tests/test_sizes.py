@@ -1,4 +1,4 @@
-"""No function in ``georep/`` longer than a screen, no class with more methods than a reader can hold (``ast``).
+"""No function of the project longer than a screen, no class with more methods than a reader can hold (``ast``).
 
 A function is measured from its ``def`` to its last line (its docstring and comments included), a class by the
 functions defined directly in its body. What is still too long is named below, with who is splitting it; a name
@@ -15,8 +15,16 @@ ROOT = Path(__file__).resolve().parent.parent
 FUNCTION_LINES_MAX = 80
 CLASS_METHODS_MAX = 40
 
-# "path:qualified name" -> who splits it (issue 21). Empty when every split has landed.
-LONG_FUNCTIONS: dict[str, str] = {}
+# Every package of the project: the service, the pure core, the audit, the benchmarks and the tests.
+PACKAGES = ("georep", "topology", "offsets", "dedup", "cluster", "spark_jobs", "bench", "tests")
+
+# "path:qualified name" -> who splits it. Empty when every split has landed.
+LONG_FUNCTIONS: dict[str, str] = {
+    "cluster/repair.py:plan_repair": "issue 22, fourth session: the lead, once the re-election branch has landed",
+    "cluster/site_state.py:plan_leadership": "issue 22, fourth session: the lead, as above",
+    "bench/site_cluster.py:parse_args": "issue 22, fourth session: the lead, as above",
+    "bench/site_cluster.py:main": "issue 22, fourth session: the lead, as above",
+}
 BIG_CLASSES: dict[str, str] = {}
 
 
@@ -35,7 +43,7 @@ def offenders(root: Path = ROOT) -> tuple[dict[str, int], dict[str, int]]:
     """(functions over FUNCTION_LINES_MAX: their lines, classes over CLASS_METHODS_MAX: their methods)."""
     long_functions: dict[str, int] = {}
     big_classes: dict[str, int] = {}
-    for path in sorted((root / "georep").rglob("*.py")):
+    for path in sorted(p for package in PACKAGES for p in (root / package).rglob("*.py")):
         if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):  # generated (make proto)
             continue
         relative = path.relative_to(root).as_posix()
