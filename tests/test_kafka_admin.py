@@ -28,6 +28,7 @@ from confluent_kafka.admin import (  # noqa: E402
 
 INVALID_CONFIG = 40
 UNKNOWN_TOPIC_OR_PARTITION = 3
+INVALID_REQUEST = 42
 TAKEN = {
     "retention.ms": "3600000",
     "retention.bytes": "1048576",
@@ -190,3 +191,28 @@ def test_describe_cluster_at_every_version_served(node: NodeProcess, version: in
     host, port = kafka_address(node).rsplit(":", 1)
     assert (answer.error_code, answer.cluster_id, answer.controller_id) == (0, "georep-a", 0)
     assert [(b.broker_id, b.host, b.port) for b in answer.brokers] == [(0, host, int(port))]
+
+
+def test_topic_changes_are_refused_with_the_reason(admin: AdminClient) -> None:
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, NewPartitions
+
+    assert create(admin, NewTopic("unchanged", 1, 1)) is None
+    resource = ConfigResource(ConfigResource.Type.TOPIC, "unchanged", set_config={"retention.ms": "1000"})
+    incremental = ConfigResource(
+        ConfigResource.Type.TOPIC,
+        "unchanged",
+        incremental_configs=[ConfigEntry("retention.ms", "1000", incremental_operation=AlterConfigOpType.SET)],
+    )
+    with pytest.warns(DeprecationWarning):  # Kafka tools still send AlterConfigs: it gets the same answer
+        altered = admin.alter_configs([resource])[resource]
+    futures = [
+        altered,
+        admin.incremental_alter_configs([incremental])[incremental],
+        admin.create_partitions([NewPartitions("unchanged", 3)])["unchanged"],
+    ]
+    for future in futures:
+        with pytest.raises(confluent_kafka.KafkaException) as refused:
+            future.result(15)
+        error = refused.value.args[0]
+        assert error.code() == INVALID_REQUEST and "designed (docs/design.md" in error.str(), error
+    assert topic_configs(admin, "unchanged")["retention.ms"].value == "-1"  # type: ignore[attr-defined]

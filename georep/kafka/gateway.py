@@ -72,6 +72,11 @@ EARLIEST = -2
 TOPIC_RESOURCE, BROKER_RESOURCE, BROKER_LOGGER_RESOURCE = 2, 4, 8  # Kafka's ConfigResource types
 BROKERS_ENDPOINT = 1  # DescribeCluster v1+: brokers (2, controllers: Kafka's KRaft quorum, which georep has not)
 MISMATCHED_ENDPOINT_TYPE = 114
+ALTER_CONFIGS, CREATE_PARTITIONS = 33, 37
+CHANGES_NOT_BUILT = (
+    "a topic change must reach every site the topic replicates to, which is designed (docs/design.md, 'Topic changes "
+    "across sites') but not built"
+)
 
 
 @dataclass
@@ -235,6 +240,40 @@ class KafkaGateway:
 
     def _described(self, overrides: dict[str, int]) -> list[Described]:
         return describe(overrides, self.broker.defaults, DEFAULT_TOPIC_CONFIG, self.site)
+
+    async def _topic_changes(self, req: Request, peer: Client) -> Any:
+        """AlterConfigs, IncrementalAlterConfigs and CreatePartitions: each resource refused, saying why. A topic's
+        change must replicate to every site it reaches, which docs/design.md ("Topic changes across sites") designs
+        and is not built yet; answering (rather than leaving the APIs out of ApiVersions, which clients report as a
+        bare "not supported by broker") puts the reason in front of the user."""
+        b = req.body
+        if req.api_key == CREATE_PARTITIONS:
+            r = kadmin.CreatePartitionsResponse
+            why = f"georep cannot add partitions yet: {CHANGES_NOT_BUILT}; a topic keeps the count it was created with"
+            return r(
+                results=[
+                    r.CreatePartitionsTopicResult(name=t.name, error_code=k.INVALID_REQUEST, error_message=why)
+                    for t in b.topics
+                ]
+            )
+        ra = kadmin.AlterConfigsResponse if req.api_key == ALTER_CONFIGS else kadmin.IncrementalAlterConfigsResponse
+        out = []
+        for res in b.resources:
+            if res.resource_type == TOPIC_RESOURCE:
+                why = (
+                    f"georep cannot alter a topic's config yet: {CHANGES_NOT_BUILT}; DescribeConfigs shows the configs"
+                )
+            else:
+                why = "a georep node's settings are its command-line flags (georep node --help): restart it with them"
+            out.append(
+                ra.AlterConfigsResourceResponse(
+                    error_code=k.INVALID_REQUEST,
+                    error_message=why,
+                    resource_type=res.resource_type,
+                    resource_name=res.resource_name,
+                )
+            )
+        return ra(responses=out)
 
     async def _describe_configs(self, req: Request, peer: Client) -> Any:
         """Topics: every Kafka name georep takes, with the topic's value and its source; brokers (this node's id,
@@ -875,7 +914,10 @@ class KafkaGateway:
         20: _delete_topics,
         22: _init_producer_id,
         32: _describe_configs,
+        33: _topic_changes,
         35: _describe_log_dirs,
+        37: _topic_changes,
+        44: _topic_changes,
         60: _describe_cluster,
     }
 
