@@ -215,7 +215,7 @@ def test_aiokafka_produce_and_consume(bootstrap: str) -> None:
 def _request(sock: socket.socket, api_key: int, version: int, correlation_id: int, body: bytes = b"") -> bytes:
     client = b"raw"
     head = struct.pack(">hhih", api_key, version, correlation_id, len(client)) + client
-    if (version >= 3 and api_key == 18) or api_key == 60:
+    if (version >= 3 and api_key == 18) or (version >= 2 and api_key == 43):
         head += b"\x00"  # the flexible request header's empty tagged fields
     frame = head + body
     sock.sendall(struct.pack(">i", len(frame)) + frame)
@@ -225,9 +225,9 @@ def _request(sock: socket.socket, api_key: int, version: int, correlation_id: in
 def test_unsupported_requests_get_error_codes_on_an_open_connection(bootstrap: str) -> None:
     host, port = bootstrap.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        # DescribeCluster (60) v0, not served: its own (flexible) response layout, whose error code is
+        # ElectLeaders (43) v2, not served: its own (flexible) response layout, whose error code is
         # UNSUPPORTED_VERSION (35): correlation id, tagged fields, throttle_time_ms, error_code.
-        resp = _request(sock, 60, 0, 7, b"\x00\x00")
+        resp = _request(sock, 43, 2, 7, b"\x00\x00")
         assert struct.unpack_from(">ibih", resp) == (7, 0, 0, 35)
         # ApiVersions above the highest version served: a v0 answer with UNSUPPORTED_VERSION and the ranges.
         resp = _request(sock, 18, 9, 8)

@@ -182,12 +182,27 @@ def list_offsets_code(address: str, partition: int) -> int:
     return int(struct.unpack_from(">h", resp, at)[0])
 
 
+def check_site_settings(admin: object) -> None:
+    """A topic's min.insync.replicas is the site's (--min-insync-replicas, 2 of 3 here): described, and the only
+    value CreateTopics takes (issue 23)."""
+    from confluent_kafka.admin import ConfigResource, NewTopic
+
+    resource = ConfigResource(ConfigResource.Type.TOPIC, TOPIC)
+    configs = admin.describe_configs([resource])[resource].result(15)  # type: ignore[attr-defined]
+    assert configs["min.insync.replicas"].value == "2"
+    refused = NewTopic("one-insync", 1, 1, config={"min.insync.replicas": "1"})
+    with pytest.raises(confluent_kafka.KafkaException) as error:
+        admin.create_topics([refused])["one-insync"].result(15)  # type: ignore[attr-defined]
+    assert error.value.args[0].code() == k.INVALID_CONFIG and "use 2" in error.value.args[0].str()
+
+
 def test_clients_follow_partition_leaders_across_nodes_and_a_killed_leader(site: ClusterSite) -> None:
     bootstrap = site.kafka_address(1)  # the only address the clients are given
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
     admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])[TOPIC].result(15)
+    check_site_settings(admin)
     found: dict[int, int] = {}
     poll_until(
         "every partition has a leader",

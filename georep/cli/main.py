@@ -104,7 +104,15 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     create = topic_commands.add_parser("create", help="create topics (one call for them all)")
     create.add_argument("name", nargs="+", help="one or more topic names, each created with --partitions")
     create.add_argument("--partitions", type=int, required=True, help="number of partitions (fixed for life)")
-    create.add_argument("--config", nargs="*", default=[], metavar="KEY=VALUE", help="topic config overrides")
+    create.add_argument(
+        "--config",
+        nargs="*",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="topic config overrides, with georep's keys or Kafka's names (retention.ms=3600000; docs/kafka.md, "
+        "'Config names'); repeat the flag or list several",
+    )
     create.set_defaults(run=cmd_topic_create)
     listing = topic_commands.add_parser("list", help="list topics")
     listing.add_argument(

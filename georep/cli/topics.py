@@ -10,19 +10,25 @@ from georep.cli.output import EXIT_ERROR, err, table, topic_json
 from georep.cli.tls_args import client_tls
 from georep.client.admin import Admin, NewTopic, TopicInfo
 from georep.client.errors import InvalidRequest
+from georep.metadata.kafka_config import InvalidConfig, to_georep
 from topology.filters import is_internal
 
 LIST_PAGES_MAX = 100_000  # 100 million topics at the smallest page: a bound, not a limit anyone meets
 
 
 def _parse_config(items: Sequence[str]) -> dict[str, str]:
+    """``--config KEY=VALUE`` items, with georep's keys or Kafka's names (``retention.ms``, ``segment.bytes``: see
+    docs/kafka.md, "Config names"), as georep's keys. A min.insync.replicas is refused: it is the site's."""
     config: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise InvalidRequest(f"invalid --config {item!r}: expected KEY=VALUE, for example retention_ms=3600000")
+            raise InvalidRequest(f"invalid --config {item!r}: expected KEY=VALUE, for example retention.ms=3600000")
         config[key.strip()] = value.strip()
-    return config
+    try:
+        return to_georep(config, None)
+    except InvalidConfig as exc:
+        raise InvalidRequest(f"--config: {exc}") from None
 
 
 async def cmd_topic_create(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,9 +49,12 @@ from georep.kafka.cluster import NO_GROUPS, OneNode, SiteView, ViewOf
 from georep.kafka.offsets import FetchFilters, vector_at
 from georep.kafka.protocol import Request, api_versions_body
 from georep.kafka.records import InvalidStored, RecordsError, convert_fetched, kafka_to_georep
+from georep.metadata.kafka_config import Described, SiteSettings, broker_configs, describe, to_georep
+from georep.metadata.store import UnknownTopic
+from georep.metadata.topics import parse_topic_config
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto, vector_to_proto
-from georep.server.broker import Broker, Partition
+from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition
 from georep.server.groups import GroupService
 from georep.storage.api import OffsetOutOfRange
 from offsets.coordinates import InvalidOrigin, Origin
@@ -65,6 +69,14 @@ NO_FILTER_END = 1 << 62
 INVALID_REPORTED_MAX = 10_000
 LATEST = -1
 EARLIEST = -2
+TOPIC_RESOURCE, BROKER_RESOURCE, BROKER_LOGGER_RESOURCE = 2, 4, 8  # Kafka's ConfigResource types
+BROKERS_ENDPOINT = 1  # DescribeCluster v1+: brokers (2, controllers: Kafka's KRaft quorum, which georep has not)
+MISMATCHED_ENDPOINT_TYPE = 114
+ALTER_CONFIGS, CREATE_PARTITIONS = 33, 37
+CHANGES_NOT_BUILT = (
+    "a topic change must reach every site the topic replicates to, which is designed (docs/design.md, 'Topic changes "
+    "across sites') but not built"
+)
 
 
 @dataclass
@@ -123,6 +135,9 @@ class KafkaGateway:
         self.kgroups: dict[str, KafkaGroup] = {}
         # A node of a multi-node site: its view of the site's leaders and Kafka addresses (georep/kafka/cluster.py)
         self.view_of: ViewOf | None = None
+        # The site's replication factor and min.insync.replicas (a multi-node site's node flags): what a topic's
+        # Kafka configs may state, and what DescribeConfigs reports
+        self.site = SiteSettings()
         self._invalid_reported: set[tuple[str, int, int]] = set()  # stored invalid batches already logged
 
     def _view(self, keys: list[tuple[str, int]] | None = None) -> SiteView:
@@ -192,21 +207,149 @@ class KafkaGateway:
         )
 
     async def _create_topics(self, req: Request, peer: Client) -> Any:
+        """Kafka's config names become georep's keys (``georep/metadata/kafka_config.py``); a config georep cannot
+        take fails its topic with ``INVALID_CONFIG``, validate_only included."""
         r = kadmin.CreateTopicsResponse
         out = []
         for t in req.body.topics:
             partitions = t.num_partitions if t.num_partitions > 0 else 1
-            config = {c.name.replace(".", "_"): c.value for c in t.configs if c.value is not None}
             try:
                 self._allow(peer, Operation.CREATE_TOPIC, [acl_topic(t.name)])
+                config = to_georep({c.name: c.value for c in t.configs if c.value is not None}, self.site)
                 if req.body.validate_only:
                     self.broker.check_new_topic(t.name, partitions, config)
                 else:
                     await self.create_topic(t.name, partitions, config)
-                out.append(r.CreatableTopicResult(name=t.name, num_partitions=partitions, replication_factor=1))
+                described = self._described(parse_topic_config(config))
+                out.append(
+                    r.CreatableTopicResult(
+                        name=t.name,
+                        num_partitions=partitions,
+                        replication_factor=self.site.replication_factor,
+                        configs=[
+                            r.CreatableTopicResult.CreatableTopicConfigs(
+                                name=d.name, value=d.value, read_only=True, config_source=d.source, is_sensitive=False
+                            )
+                            for d in described
+                        ],
+                    )
+                )
             except Exception as exc:
                 out.append(r.CreatableTopicResult(name=t.name, error_code=self._code(exc), error_message=str(exc)))
         return r(topics=out)
+
+    def _described(self, overrides: dict[str, int]) -> list[Described]:
+        return describe(overrides, self.broker.defaults, DEFAULT_TOPIC_CONFIG, self.site)
+
+    async def _topic_changes(self, req: Request, peer: Client) -> Any:
+        """AlterConfigs, IncrementalAlterConfigs and CreatePartitions: each resource refused, saying why. A topic's
+        change must replicate to every site it reaches, which docs/design.md ("Topic changes across sites") designs
+        and is not built yet; answering (rather than leaving the APIs out of ApiVersions, which clients report as a
+        bare "not supported by broker") puts the reason in front of the user."""
+        b = req.body
+        if req.api_key == CREATE_PARTITIONS:
+            r = kadmin.CreatePartitionsResponse
+            why = f"georep cannot add partitions yet: {CHANGES_NOT_BUILT}; a topic keeps the count it was created with"
+            return r(
+                results=[
+                    r.CreatePartitionsTopicResult(name=t.name, error_code=k.INVALID_REQUEST, error_message=why)
+                    for t in b.topics
+                ]
+            )
+        ra = kadmin.AlterConfigsResponse if req.api_key == ALTER_CONFIGS else kadmin.IncrementalAlterConfigsResponse
+        out = []
+        for res in b.resources:
+            if res.resource_type == TOPIC_RESOURCE:
+                why = (
+                    f"georep cannot alter a topic's config yet: {CHANGES_NOT_BUILT}; DescribeConfigs shows the configs"
+                )
+            else:
+                why = "a georep node's settings are its command-line flags (georep node --help): restart it with them"
+            out.append(
+                ra.AlterConfigsResourceResponse(
+                    error_code=k.INVALID_REQUEST,
+                    error_message=why,
+                    resource_type=res.resource_type,
+                    resource_name=res.resource_name,
+                )
+            )
+        return ra(responses=out)
+
+    async def _describe_configs(self, req: Request, peer: Client) -> Any:
+        """Topics: every Kafka name georep takes, with the topic's value and its source; brokers (this node's id,
+        or "" for the cluster's defaults): the node's defaults under Kafka's broker names. Open to every principal,
+        as Metadata and georep's own DescribeTopic are. Every config is read-only: georep alters no topic config
+        yet (AlterConfigs needs the cross-site design of docs/design.md, "Topic changes across sites")."""
+        b = req.body
+        docs = req.version >= 3 and bool(b.include_documentation)
+        results = [self._config_result(res, bool(b.include_synonyms), docs) for res in b.resources]
+        return kadmin.DescribeConfigsResponse(results=results)
+
+    def _config_result(self, res: Any, synonyms: bool, docs: bool) -> Any:
+        r = kadmin.DescribeConfigsResponse.DescribeConfigsResult
+        kind, name = res.resource_type, res.resource_name
+
+        def refuse(code: int, message: str) -> Any:
+            return r(error_code=code, error_message=message, resource_type=kind, resource_name=name, configs=[])
+
+        described: list[Described] = []
+        if kind == TOPIC_RESOURCE:
+            try:
+                if is_internal(name):
+                    raise UnknownTopic(name)
+                described = self._described(self.broker.topic(name).config)
+            except UnknownTopic:
+                return refuse(k.UNKNOWN_TOPIC_OR_PARTITION, f"topic {name!r} does not exist at this site")
+        elif kind == BROKER_RESOURCE:
+            me = self._view([]).me
+            if name not in ("", str(me)):
+                return refuse(k.INVALID_REQUEST, f"this is broker {me}: ask broker {name} for its own configs")
+            described = broker_configs(self.broker.defaults, DEFAULT_TOPIC_CONFIG, self.site)
+        elif kind != BROKER_LOGGER_RESOURCE:  # a broker's loggers: none to describe
+            return refuse(k.INVALID_REQUEST, f"georep describes the configs of topics and brokers, not of type {kind}")
+        wanted = None if res.configuration_keys is None else set(res.configuration_keys)
+        configs = [_config_entry(d, synonyms, docs) for d in described if wanted is None or d.name in wanted]
+        return r(error_code=0, error_message=None, resource_type=kind, resource_name=name, configs=configs)
+
+    async def _describe_cluster(self, req: Request, peer: Client) -> Any:
+        """The brokers and controller Metadata names (``georep/kafka/cluster.py``), and Metadata's cluster id."""
+        r = kadmin.DescribeClusterResponse
+        cluster_id = f"georep-{self.broker.identity.site}"
+        if req.version >= 1 and req.body.endpoint_type != BROKERS_ENDPOINT:
+            message = "georep has no separate controllers: every node is a broker (ask for endpoint type 1)"
+            return r(error_code=MISMATCHED_ENDPOINT_TYPE, error_message=message, cluster_id=cluster_id, brokers=[])
+        view = self._view([])
+        brokers = [
+            r.DescribeClusterBroker(broker_id=n.node_id, host=n.host, port=n.port, rack=None, is_fenced=False)
+            for n in view.brokers()
+        ]
+        return r(error_code=0, error_message=None, cluster_id=cluster_id, controller_id=view.me, brokers=brokers)
+
+    async def _describe_log_dirs(self, req: Request, peer: Client) -> Any:
+        """One log dir, the node's: the size of each partition of the asked topics (null: all) it serves."""
+        r = kadmin.DescribeLogDirsResponse
+        lr = r.DescribeLogDirsResult
+        lt = lr.DescribeLogDirsTopic
+        wanted = None if req.body.topics is None else {t.topic: set(t.partitions) for t in req.body.topics}
+        by_topic: dict[str, list[Any]] = {}
+        for (topic, index), p in sorted(self.broker.partitions.items()):
+            if is_internal(topic) or (wanted is not None and index not in wanted.get(topic, ())):
+                continue
+            by_topic.setdefault(topic, []).append(
+                lt.DescribeLogDirsPartition(
+                    partition_index=index, partition_size=p.log.size_bytes, offset_lag=0, is_future_key=False
+                )
+            )
+        logs_dir = self.broker.logs_dir.resolve()
+        usage = shutil.disk_usage(logs_dir)
+        result = lr(
+            error_code=0,
+            log_dir=str(logs_dir),
+            topics=[lt(name=t, partitions=ps) for t, ps in by_topic.items()],
+            total_bytes=usage.total,
+            usable_bytes=usage.free,
+        )
+        return r(error_code=0, results=[result])
 
     async def _delete_topics(self, req: Request, peer: Client) -> Any:
         r = kadmin.DeleteTopicsResponse
@@ -770,4 +913,26 @@ class KafkaGateway:
         19: _create_topics,
         20: _delete_topics,
         22: _init_producer_id,
+        32: _describe_configs,
+        33: _topic_changes,
+        35: _describe_log_dirs,
+        37: _topic_changes,
+        44: _topic_changes,
+        60: _describe_cluster,
     }
+
+
+def _config_entry(d: Described, synonyms: bool, docs: bool) -> Any:
+    e = kadmin.DescribeConfigsResponse.DescribeConfigsResult.DescribeConfigsResourceResult
+    return e(
+        name=d.name,
+        value=d.value,
+        read_only=True,
+        config_source=d.source,
+        is_sensitive=False,
+        synonyms=[e.DescribeConfigsSynonym(name=n, value=v, source=src) for n, v, src in d.synonyms]
+        if synonyms
+        else [],
+        config_type=d.config_type,
+        documentation=d.documentation if docs else None,
+    )

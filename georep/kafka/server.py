@@ -50,6 +50,7 @@ from georep.kafka.protocol import (
     sasl_authenticate_body,
     sasl_handshake_body,
 )
+from georep.metadata.kafka_config import SiteSettings
 from georep.security.tls import TlsConfig, principal_of_certificate
 
 if TYPE_CHECKING:
@@ -469,6 +470,9 @@ async def start_kafka(
             broker.create_topic(name, partitions, config)
 
     gateway = KafkaGateway(broker, groups, host, port, create_topic, options.commit_acks, options.policy)
+    if site_cluster is not None:
+        config = site_cluster.member.config
+        gateway.site = SiteSettings(config.replication_factor, config.ack_quorum)
     lookup = CredentialLookup(broker.metadata.acls) if options.sasl else None
     if lookup is not None and options.ssl_context is not None:  # SASL_SSL: SCRAM authenticates, not a certificate
         options.ssl_context.verify_mode = ssl.CERT_OPTIONAL

@@ -1,0 +1,270 @@
+"""Kafka's topic config names and georep's topic config keys: the one table that maps them. Pure.
+
+Kafka clients and tools (CreateTopics, ``kafka-topics --config``, Terraform, UIs) name a topic's settings with
+Kafka's names (``retention.ms``, ``max.message.bytes``, ``cleanup.policy``); georep's topics have their own keys
+(:data:`georep.metadata.topics.TOPIC_CONFIG_KEYS`: ``retention_ms``, ``max_batch_bytes``). This table says, for
+each Kafka name georep takes:
+
+* **a mapped name** (:attr:`KafkaName.key` set): the georep key it sets, the value passed on as it is and
+  checked with that key's bounds (:func:`~georep.metadata.topics.parse_topic_config`), plus any bound of the Kafka
+  name's own (``flush.ms``: :data:`FLUSH_MS_MAX`);
+* **a fixed name** (no key): georep has no setting, because it behaves one way only; the name is accepted with
+  that one value, so tools that state Kafka's defaults work, and any other value is refused with why and what to
+  do (``cleanup.policy=compact``: georep has no log compaction yet);
+* ``min.insync.replicas`` is the site's, not the topic's: a multi-node site's ``--min-insync-replicas`` node flag
+  (docs/cluster.md), 1 on a one-node site. A topic may state the site's value and no other, until topics carry
+  their own (docs/design.md, "Topic changes across sites").
+
+Anything else is refused with :class:`InvalidConfig` (Kafka's ``INVALID_CONFIG``), whose message names the
+config and says what to do. georep's own keys are taken too, under their own names, so a georep client and a
+Kafka client may create the same topic either way. :func:`describe` is the other direction: every Kafka name
+with the topic's value and where it comes from, as DescribeConfigs answers it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from georep.metadata.topics import TOPIC_CONFIG_KEYS, InvalidTopic, parse_topic_config
+
+KAFKA_INVALID_CONFIG = 40  # Kafka's INVALID_CONFIG (this layer cannot import the gateway's table of codes)
+
+# Records are served, and acks=all released, only once fsynced (docs/kafka.md, "Records"): Kafka's default
+# flush.ms (Long.MAX_VALUE, "rely on replication") would hold a topic's records back for good. An hour is the
+# longest interval that still makes sense for a topic whose readers wait for the fsync.
+FLUSH_MS_MAX = 3_600_000
+
+
+class InvalidConfig(InvalidTopic):
+    """A topic config name or value georep cannot take; the message names it and says what to do."""
+
+    kafka_code = KAFKA_INVALID_CONFIG
+
+
+class ConfigType(enum.IntEnum):
+    """Kafka's ``ConfigType`` (DescribeConfigs v3+)."""
+
+    STRING = 2
+    INT = 3
+    LONG = 5
+    LIST = 7
+
+
+class ConfigSource(enum.IntEnum):
+    """Kafka's ``ConfigSource`` (DescribeConfigs v1+)."""
+
+    DYNAMIC_TOPIC_CONFIG = 1
+    STATIC_BROKER_CONFIG = 4
+    DEFAULT_CONFIG = 5
+
+
+@dataclass(frozen=True, slots=True)
+class SiteSettings:
+    """What the site, not the topic, decides: a multi-node site's node flags (one node: 1 and 1)."""
+
+    replication_factor: int = 1
+    min_insync_replicas: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaName:
+    name: str  # Kafka's topic config name
+    key: str | None  # the georep topic config key it sets; None: georep has no setting (see ``fixed``)
+    config_type: ConfigType
+    broker_name: str  # Kafka's broker-level default of it (the synonym DescribeConfigs lists)
+    fixed: str = ""  # with no key: the one value georep takes ("" for min.insync.replicas: the site's)
+    why: str = ""  # with no key: why no other value, and what to do instead
+
+
+MIN_INSYNC_REPLICAS = "min.insync.replicas"
+
+KAFKA_NAMES: tuple[KafkaName, ...] = (
+    KafkaName("cleanup.policy", None, ConfigType.LIST, "log.cleanup.policy", "delete",
+              "georep has no log compaction yet: old records go by retention.ms and retention.bytes only"),
+    KafkaName("compression.type", None, ConfigType.STRING, "compression.type", "producer",
+              "georep stores batches as the producer compressed them and recompresses nothing: choose the codec "
+              "on the producer (its compression.type)"),
+    KafkaName("flush.ms", "flush_interval_ms", ConfigType.LONG, "log.flush.interval.ms"),
+    KafkaName("max.message.bytes", "max_batch_bytes", ConfigType.INT, "message.max.bytes"),
+    KafkaName("message.timestamp.after.max.ms", "message_timestamp_after_max_ms", ConfigType.LONG,
+              "log.message.timestamp.after.max.ms"),
+    KafkaName("message.timestamp.before.max.ms", "message_timestamp_before_max_ms", ConfigType.LONG,
+              "log.message.timestamp.before.max.ms"),
+    KafkaName("message.timestamp.type", None, ConfigType.STRING, "log.message.timestamp.type", "CreateTime",
+              "georep keeps the producer's timestamps, which are part of a record's bytes and the same at every "
+              "site, so there is no LogAppendTime"),
+    KafkaName(MIN_INSYNC_REPLICAS, None, ConfigType.INT, MIN_INSYNC_REPLICAS, "",
+              "georep sets it per site, not per topic (a multi-node site's --min-insync-replicas node flag; 1 on a "
+              "one-node site)"),
+    KafkaName("retention.bytes", "retention_bytes", ConfigType.LONG, "log.retention.bytes"),
+    KafkaName("retention.ms", "retention_ms", ConfigType.LONG, "log.retention.ms"),
+    KafkaName("segment.bytes", "segment_bytes_max", ConfigType.INT, "log.segment.bytes"),
+    KafkaName("segment.ms", "segment_ms", ConfigType.LONG, "log.roll.ms"),
+)  # fmt: skip
+BY_NAME: dict[str, KafkaName] = {n.name: n for n in KAFKA_NAMES}
+BY_KEY: dict[str, KafkaName] = {n.key: n for n in KAFKA_NAMES if n.key is not None}
+
+# Kafka's other topic configs: georep has no counterpart, which the refusal says (rather than "unknown").
+KAFKA_ONLY = frozenset(
+    {
+        "delete.retention.ms",
+        "file.delete.delay.ms",
+        "flush.messages",
+        "follower.replication.throttled.replicas",
+        "index.interval.bytes",
+        "leader.replication.throttled.replicas",
+        "local.retention.bytes",
+        "local.retention.ms",
+        "max.compaction.lag.ms",
+        "message.downconversion.enable",
+        "message.format.version",
+        "message.timestamp.difference.max.ms",
+        "min.cleanable.dirty.ratio",
+        "min.compaction.lag.ms",
+        "preallocate",
+        "remote.log.copy.disable",
+        "remote.log.delete.on.disable",
+        "remote.storage.enable",
+        "segment.index.bytes",
+        "segment.jitter.ms",
+        "unclean.leader.election.enable",
+    }
+)
+_SEE = "docs/kafka.md, 'Config names'"
+
+
+def fixed_value(n: KafkaName, site: SiteSettings) -> str:
+    return str(site.min_insync_replicas) if n.name == MIN_INSYNC_REPLICAS else n.fixed
+
+
+def to_georep(raw: Mapping[str, str], site: SiteSettings | None) -> dict[str, str]:
+    """georep's topic config for a create's ``raw`` configs (Kafka names, georep keys or both), each checked: the
+    values of a mapped name by its georep key's bounds, a fixed name's value against the one georep takes. Raises
+    :class:`InvalidConfig` for the first config (in name order) georep cannot take. ``site`` None: a client that
+    does not know the site's settings (georep's CLI), which refuses min.insync.replicas rather than guess it."""
+    out: dict[str, str] = {}
+    given_as: dict[str, str] = {}  # georep key -> the name it was given under
+    for name in sorted(raw):
+        value = raw[name].strip()
+        kafka = BY_NAME.get(name)
+        key = kafka.key if kafka is not None else name if name in TOPIC_CONFIG_KEYS else None
+        if kafka is not None and key is None:
+            _check_fixed(kafka, value, site)
+            continue
+        if key is None:
+            raise InvalidConfig(_unknown(name))
+        _check_value(name, key, value)
+        if key in out and out[key] != value:
+            raise InvalidConfig(
+                f"config {given_as[key]}={out[key]} and {name}={value} set the same georep setting {key} to two "
+                "values: give it once"
+            )
+        out[key], given_as[key] = value, name
+    return out
+
+
+def _check_fixed(kafka: KafkaName, value: str, site: SiteSettings | None) -> None:
+    if site is None and kafka.name == MIN_INSYNC_REPLICAS:
+        raise InvalidConfig(f"config {kafka.name}={value!r}: {kafka.why}; leave it out, the site's value applies")
+    accepted = fixed_value(kafka, site or SiteSettings())
+    if value != accepted:
+        raise InvalidConfig(
+            f"config {kafka.name}={value!r} is not supported: {kafka.why}; use {accepted} or leave it out"
+        )
+
+
+def _check_value(name: str, key: str, value: str) -> None:
+    try:
+        parse_topic_config({key: value})
+    except InvalidTopic as exc:
+        spelled = "" if name == key else f" (georep's {key})"
+        raise InvalidConfig(f"config {name}={value!r}{spelled}: {exc}") from None
+    if name == "flush.ms" and int(value) > FLUSH_MS_MAX:
+        raise InvalidConfig(
+            f"config flush.ms={value} is above {FLUSH_MS_MAX} (an hour): georep serves a record, and acknowledges "
+            "acks=all, only once it is fsynced, so Kafka's 'never fsync' would hold the topic's records back; use 0 "
+            "(fsync every batch, georep's default) up to an hour"
+        )
+
+
+def _unknown(name: str) -> str:
+    kafka_names = ", ".join(n.name for n in KAFKA_NAMES)
+    if name in KAFKA_ONLY:
+        return (
+            f"Kafka's topic config {name!r} has no georep counterpart: leave it out (georep takes {kafka_names}; "
+            f"{_SEE})"
+        )
+    dotted = BY_KEY.get(name.replace(".", "_"))
+    if dotted is not None:
+        return f"unknown topic config {name!r}: use Kafka's name {dotted.name} or georep's key {dotted.key}"
+    return f"unknown topic config {name!r}: georep takes Kafka's {kafka_names}, or its own keys ({_SEE})"
+
+
+@dataclass(frozen=True, slots=True)
+class Described:
+    """One topic config as DescribeConfigs answers it."""
+
+    name: str
+    value: str
+    source: ConfigSource
+    config_type: ConfigType
+    synonyms: tuple[tuple[str, str, ConfigSource], ...]  # (name, value, source), the one in effect first
+    documentation: str
+
+
+def describe(
+    overrides: Mapping[str, int], defaults: Mapping[str, int], built_in: Mapping[str, int], site: SiteSettings
+) -> list[Described]:
+    """Every Kafka name of a topic with its value: the topic's own (``overrides``: DYNAMIC_TOPIC_CONFIG), else the
+    node's default (``defaults``, from its flags: STATIC_BROKER_CONFIG where it differs from georep's ``built_in``
+    one, else DEFAULT_CONFIG). A fixed name is georep's one value (the site's, for min.insync.replicas)."""
+    return [_described(n, overrides, defaults, built_in, site) for n in KAFKA_NAMES]
+
+
+def _described(
+    n: KafkaName,
+    overrides: Mapping[str, int],
+    defaults: Mapping[str, int],
+    built_in: Mapping[str, int],
+    site: SiteSettings,
+) -> Described:
+    if n.key is None:
+        value = fixed_value(n, site)
+        source = ConfigSource.DEFAULT_CONFIG
+        if n.name == MIN_INSYNC_REPLICAS and site.min_insync_replicas != 1:
+            source = ConfigSource.STATIC_BROKER_CONFIG
+        doc = f"georep takes {value} only: {n.why}"
+        return Described(n.name, value, source, n.config_type, ((n.broker_name, value, source),), doc)
+    synonyms: list[tuple[str, str, ConfigSource]] = []
+    if n.key in overrides:
+        synonyms.append((n.name, str(overrides[n.key]), ConfigSource.DYNAMIC_TOPIC_CONFIG))
+    if defaults[n.key] != built_in[n.key]:
+        synonyms.append((n.broker_name, str(defaults[n.key]), ConfigSource.STATIC_BROKER_CONFIG))
+    synonyms.append((n.broker_name, str(built_in[n.key]), ConfigSource.DEFAULT_CONFIG))
+    _name, value, source = synonyms[0]
+    doc = f"georep's topic config {n.key}: {TOPIC_CONFIG_KEYS[n.key]}"
+    return Described(n.name, value, source, n.config_type, tuple(synonyms), doc)
+
+
+def broker_configs(defaults: Mapping[str, int], built_in: Mapping[str, int], site: SiteSettings) -> list[Described]:
+    """The node's settings that a Kafka broker's DescribeConfigs names: each topic default under Kafka's broker
+    name, and the site's replication factor and min.insync.replicas."""
+    out = []
+    for n in KAFKA_NAMES:
+        d = _described(n, {}, defaults, built_in, site)
+        out.append(Described(n.broker_name, d.value, d.source, d.config_type, d.synonyms, d.documentation))
+    rf_source = ConfigSource.DEFAULT_CONFIG if site.replication_factor == 1 else ConfigSource.STATIC_BROKER_CONFIG
+    rf = str(site.replication_factor)
+    out.append(
+        Described(
+            "default.replication.factor",
+            rf,
+            rf_source,
+            ConfigType.INT,
+            (("default.replication.factor", rf, rf_source),),
+            "the site's replication factor (a multi-node site's --replication-factor node flag; 1 on a one-node site)",
+        )
+    )
+    return sorted(out, key=lambda d: d.name)

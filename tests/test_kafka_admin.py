@@ -1,0 +1,218 @@
+"""Kafka's admin APIs as Kafka's own admin clients call them (issue 23), on a one-node site's Kafka listener:
+CreateTopics with Kafka's config names (the ones georep takes, and the ones it refuses with INVALID_CONFIG),
+DescribeConfigs, DescribeCluster and DescribeLogDirs, with confluent-kafka's AdminClient and kafka-python's
+KafkaAdminClient; and ``georep topic create --config`` with Kafka's names."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from georep.server.process import NodeProcess
+from tests.support.cli import georep, ok
+from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address, read_frame
+
+confluent_kafka = pytest.importorskip("confluent_kafka")
+kafka = pytest.importorskip("kafka")
+
+from confluent_kafka.admin import (  # noqa: E402
+    AdminClient,
+    ConfigResource,
+    ConfigSource,
+    NewTopic,
+)
+
+INVALID_CONFIG = 40
+UNKNOWN_TOPIC_OR_PARTITION = 3
+INVALID_REQUEST = 42
+TAKEN = {
+    "retention.ms": "3600000",
+    "retention.bytes": "1048576",
+    "segment.bytes": "16777216",
+    "segment.ms": "600000",
+    "max.message.bytes": "2097152",
+    "flush.ms": "0",
+    "message.timestamp.before.max.ms": "86400000",
+    "message.timestamp.after.max.ms": "60000",
+    "cleanup.policy": "delete",
+    "compression.type": "producer",
+    "message.timestamp.type": "CreateTime",
+    "min.insync.replicas": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """One node for the module: every test uses its own topics."""
+    started = NodeProcess(site="a", data_dir=Path(tmp_path_factory.mktemp("admin")) / "node", extra_args=KAFKA_ARGS)
+    started.start()
+    yield started
+    started.kill9()
+
+
+@pytest.fixture(scope="module")
+def admin(node: NodeProcess) -> AdminClient:
+    return AdminClient({"bootstrap.servers": kafka_address(node)})
+
+
+def create(admin: AdminClient, topic: NewTopic, validate_only: bool = False) -> object:
+    """None, or the KafkaError the create of ``topic`` failed with."""
+    try:
+        admin.create_topics([topic], validate_only=validate_only)[topic.topic].result(15)
+    except confluent_kafka.KafkaException as exc:
+        return exc.args[0]
+    return None
+
+
+def topic_configs(admin: AdminClient, name: str) -> dict[str, object]:
+    resource = ConfigResource(ConfigResource.Type.TOPIC, name)
+    return dict(admin.describe_configs([resource])[resource].result(15))
+
+
+def test_create_topics_takes_kafkas_config_names_and_describe_configs_shows_them(admin: AdminClient) -> None:
+    assert create(admin, NewTopic("kafka-named", 2, 1, config=TAKEN)) is None
+    configs = topic_configs(admin, "kafka-named")
+    assert {name: configs[name].value for name in TAKEN} == TAKEN  # type: ignore[attr-defined]
+    retention = configs["retention.ms"]
+    assert retention.source == ConfigSource.DYNAMIC_TOPIC_CONFIG.value  # type: ignore[attr-defined]
+    assert configs["cleanup.policy"].source == ConfigSource.DEFAULT_CONFIG.value  # type: ignore[attr-defined]
+    # A topic created with no config: every name, at the node's defaults.
+    assert create(admin, NewTopic("plain", 1, 1)) is None
+    plain = topic_configs(admin, "plain")
+    assert plain["retention.ms"].value == "-1"  # type: ignore[attr-defined]
+    assert plain["max.message.bytes"].value == str(8 << 20)  # type: ignore[attr-defined]
+    assert plain["retention.ms"].source == ConfigSource.DEFAULT_CONFIG.value  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({"cleanup.policy": "compact"}, "no log compaction yet"),
+        ({"compression.type": "snappy"}, "use producer"),
+        ({"message.timestamp.type": "LogAppendTime"}, "use CreateTime"),
+        ({"min.insync.replicas": "2"}, "use 1"),
+        ({"retention.ms": "forever"}, "not an integer"),
+        ({"preallocate": "true"}, "no georep counterpart"),
+        ({"no.such.config": "1"}, "unknown topic config"),
+    ],
+)
+def test_configs_georep_cannot_take_get_invalid_config(admin: AdminClient, config: dict[str, str], says: str) -> None:
+    for validate_only in (True, False):
+        name = f"refused-{abs(hash(str(config))) % 10_000}-{validate_only}"
+        error = create(admin, NewTopic(name, 1, 1, config=config), validate_only)
+        assert error is not None and error.code() == INVALID_CONFIG, error  # type: ignore[attr-defined]
+        assert says in error.str(), error.str()  # type: ignore[attr-defined]
+        assert name not in admin.list_topics(timeout=10).topics
+
+
+def test_a_validate_only_create_with_kafka_names_creates_nothing(admin: AdminClient) -> None:
+    assert create(admin, NewTopic("only-checked", 1, 1, config={"cleanup.policy": "delete"}), True) is None
+    assert "only-checked" not in admin.list_topics(timeout=10).topics
+
+
+def test_describe_configs_of_an_unknown_topic_and_of_the_broker(admin: AdminClient) -> None:
+    unknown = ConfigResource(ConfigResource.Type.TOPIC, "nowhere")
+    with pytest.raises(confluent_kafka.KafkaException) as refused:
+        admin.describe_configs([unknown])[unknown].result(15)
+    assert refused.value.args[0].code() == UNKNOWN_TOPIC_OR_PARTITION
+    broker = ConfigResource(ConfigResource.Type.BROKER, "0")
+    configs = admin.describe_configs([broker])[broker].result(15)
+    assert configs["log.retention.ms"].value == "-1"
+    assert configs["min.insync.replicas"].value == "1" and configs["default.replication.factor"].value == "1"
+
+
+def test_describe_cluster(admin: AdminClient, node: NodeProcess) -> None:
+    described = admin.describe_cluster().result(15)
+    host, port = kafka_address(node).rsplit(":", 1)
+    assert described.cluster_id == "georep-a"
+    assert described.controller.id == 0
+    assert [(n.id, n.host, n.port) for n in described.nodes] == [(0, host, int(port))]
+
+
+def test_kafka_python_describes_configs_the_cluster_and_log_dirs(admin: AdminClient, node: NodeProcess) -> None:
+    from kafka.admin import ConfigResource as KConfigResource
+    from kafka.admin import ConfigResourceType, KafkaAdminClient
+    from kafka.admin import NewTopic as KNewTopic
+
+    client = KafkaAdminClient(bootstrap_servers=kafka_address(node))
+    try:
+        client.create_topics([KNewTopic("kp-named", 1, 1, topic_configs={"segment.bytes": "1048576"})])
+        described = client.describe_configs(
+            [KConfigResource(ConfigResourceType.TOPIC, "kp-named")], include_synonyms=True, config_filter="all"
+        )
+        cluster = client.describe_cluster()
+        log_dirs = client.describe_log_dirs()
+    finally:
+        client.close()
+    segment = described["topic"]["kp-named"]["segment.bytes"]
+    assert segment["value"] == "1048576" and segment["config_source"] == "DYNAMIC_TOPIC_CONFIG"
+    assert [s["name"] for s in segment["synonyms"]] == ["segment.bytes", "log.segment.bytes"]
+    assert cluster["cluster_id"] == "georep-a" and [b["broker_id"] for b in cluster["brokers"]] == [0]
+    (only,) = log_dirs
+    (log_dir,) = only["log_dirs"]
+    assert Path(log_dir["log_dir"]) == (node.data_dir / "logs").resolve()
+    sizes = {(t["name"], p["partition_index"]) for t in log_dir["topics"] for p in t["partitions"]}
+    assert ("kp-named", 0) in sizes
+
+
+def test_the_cli_takes_kafkas_config_names(node: NodeProcess) -> None:
+    b = ("--bootstrap", node.address)
+    ok(
+        georep(
+            "topic", "create", "cli-named", "--partitions", "1", "--config", "retention.ms=60000",
+            "--config", "segment.bytes=4096", *b,
+        )
+    )  # fmt: skip
+    described = ok(georep("topic", "describe", "cli-named", *b))
+    assert "retention_ms=60000" in described and "segment_bytes_max=4096" in described
+    refused = georep("topic", "create", "cli-compacted", "--partitions", "1", "--config", "cleanup.policy=compact", *b)
+    assert refused.returncode != 0 and "no log compaction yet" in refused.stderr.decode()
+
+
+def exchange(address: str, request: Any, response_cls: Any) -> Any:
+    """One request at its own version on a fresh connection, and its decoded response."""
+    request.with_header(correlation_id=1, client_id="raw")
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(bytes(request.encode(header=True, framed=True)))
+        return response_cls.decode(read_frame(sock), version=request.API_VERSION, header=True)
+
+
+@pytest.mark.parametrize("version", [0, 1, 2])
+def test_describe_cluster_at_every_version_served(node: NodeProcess, version: int) -> None:
+    from kafka.protocol import admin as kadmin
+
+    request = kadmin.DescribeClusterRequest(version=version, include_cluster_authorized_operations=False)
+    answer = exchange(kafka_address(node), request, kadmin.DescribeClusterResponse)
+    host, port = kafka_address(node).rsplit(":", 1)
+    assert (answer.error_code, answer.cluster_id, answer.controller_id) == (0, "georep-a", 0)
+    assert [(b.broker_id, b.host, b.port) for b in answer.brokers] == [(0, host, int(port))]
+
+
+def test_topic_changes_are_refused_with_the_reason(admin: AdminClient) -> None:
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, NewPartitions
+
+    assert create(admin, NewTopic("unchanged", 1, 1)) is None
+    resource = ConfigResource(ConfigResource.Type.TOPIC, "unchanged", set_config={"retention.ms": "1000"})
+    incremental = ConfigResource(
+        ConfigResource.Type.TOPIC,
+        "unchanged",
+        incremental_configs=[ConfigEntry("retention.ms", "1000", incremental_operation=AlterConfigOpType.SET)],
+    )
+    with pytest.warns(DeprecationWarning):  # Kafka tools still send AlterConfigs: it gets the same answer
+        altered = admin.alter_configs([resource])[resource]
+    futures = [
+        altered,
+        admin.incremental_alter_configs([incremental])[incremental],
+        admin.create_partitions([NewPartitions("unchanged", 3)])["unchanged"],
+    ]
+    for future in futures:
+        with pytest.raises(confluent_kafka.KafkaException) as refused:
+            future.result(15)
+        error = refused.value.args[0]
+        assert error.code() == INVALID_REQUEST and "designed (docs/design.md" in error.str(), error
+    assert topic_configs(admin, "unchanged")["retention.ms"].value == "-1"  # type: ignore[attr-defined]

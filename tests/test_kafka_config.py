@@ -1,0 +1,131 @@
+"""Kafka's topic config names mapped onto georep's keys (``georep/metadata/kafka_config.py``): what a create takes,
+what it refuses and why, and how a topic's configs are described back with Kafka's names."""
+
+from __future__ import annotations
+
+import pytest
+
+from georep.metadata.kafka_config import (
+    FLUSH_MS_MAX,
+    KAFKA_NAMES,
+    ConfigSource,
+    InvalidConfig,
+    SiteSettings,
+    broker_configs,
+    describe,
+    to_georep,
+)
+from georep.metadata.topics import TOPIC_CONFIG_KEYS
+
+ONE_NODE = SiteSettings()
+THREE_NODES = SiteSettings(replication_factor=3, min_insync_replicas=2)
+BUILT_IN = {
+    "segment_bytes_max": 1 << 30,
+    "segment_ms": 604_800_000,
+    "retention_ms": -1,
+    "retention_bytes": -1,
+    "flush_interval_ms": 0,
+    "max_batch_bytes": 8 << 20,
+    "message_timestamp_before_max_ms": -1,
+    "message_timestamp_after_max_ms": 3_600_000,
+}
+
+
+def test_kafka_names_set_georep_keys_and_the_fixed_ones_set_nothing() -> None:
+    raw = {
+        "retention.ms": "3600000",
+        "retention.bytes": "1048576",
+        "segment.bytes": "16777216",
+        "segment.ms": "60000",
+        "max.message.bytes": "2097152",
+        "flush.ms": "1000",
+        "message.timestamp.before.max.ms": "86400000",
+        "message.timestamp.after.max.ms": "60000",
+        "cleanup.policy": "delete",
+        "compression.type": "producer",
+        "message.timestamp.type": "CreateTime",
+        "min.insync.replicas": "1",
+    }
+    assert to_georep(raw, ONE_NODE) == {
+        "retention_ms": "3600000",
+        "retention_bytes": "1048576",
+        "segment_bytes_max": "16777216",
+        "segment_ms": "60000",
+        "max_batch_bytes": "2097152",
+        "flush_interval_ms": "1000",
+        "message_timestamp_before_max_ms": "86400000",
+        "message_timestamp_after_max_ms": "60000",
+    }
+
+
+def test_georep_keys_are_taken_too_and_every_georep_key_has_a_kafka_name() -> None:
+    assert to_georep({"retention_ms": "5000", "segment.ms": "7"}, ONE_NODE) == {
+        "retention_ms": "5000",
+        "segment_ms": "7",
+    }
+    assert sorted(n.key for n in KAFKA_NAMES if n.key) == sorted(TOPIC_CONFIG_KEYS)
+
+
+@pytest.mark.parametrize(
+    ("raw", "site", "says"),
+    [
+        ({"cleanup.policy": "compact"}, ONE_NODE, "no log compaction yet"),
+        ({"cleanup.policy": "compact,delete"}, ONE_NODE, "use delete"),
+        ({"compression.type": "zstd"}, ONE_NODE, "as the producer compressed them"),
+        ({"message.timestamp.type": "LogAppendTime"}, ONE_NODE, "use CreateTime"),
+        ({"min.insync.replicas": "2"}, ONE_NODE, "use 1 or leave it out"),
+        ({"min.insync.replicas": "1"}, THREE_NODES, "use 2 or leave it out"),
+        ({"min.insync.replicas": "2"}, None, "the site's value applies"),
+        (
+            {"retention.ms": "soon"},
+            ONE_NODE,
+            "retention.ms='soon' (georep's retention_ms): topic config retention_ms='soon' is not an integer",
+        ),
+        ({"segment.bytes": "10"}, ONE_NODE, "below the minimum 1024"),
+        ({"max.message.bytes": str(1 << 30)}, ONE_NODE, "above the maximum"),
+        ({"flush.ms": "9223372036854775807"}, ONE_NODE, f"above {FLUSH_MS_MAX}"),
+        ({"unclean.leader.election.enable": "false"}, ONE_NODE, "has no georep counterpart"),
+        ({"segment.bytes.max": "4096"}, ONE_NODE, "use Kafka's name segment.bytes or georep's key segment_bytes_max"),
+        ({"no.such.config": "1"}, ONE_NODE, "georep takes Kafka's cleanup.policy"),
+        ({"retention.ms": "1000", "retention_ms": "2000"}, ONE_NODE, "to two values"),
+    ],
+)
+def test_what_georep_cannot_take_is_refused_with_what_to_do(
+    raw: dict[str, str], site: SiteSettings | None, says: str
+) -> None:
+    with pytest.raises(InvalidConfig) as refused:
+        to_georep(raw, site)
+    assert says in str(refused.value)
+    assert refused.value.kafka_code == 40  # Kafka's INVALID_CONFIG
+
+
+def test_the_site_value_of_min_insync_replicas_is_taken() -> None:
+    assert to_georep({"min.insync.replicas": "2", "cleanup.policy": "delete"}, THREE_NODES) == {}
+    assert to_georep({"cleanup.policy": "delete"}, None) == {}  # the CLI knows no site value, and needs none here
+
+
+def test_describe_names_each_value_with_its_source_and_synonyms() -> None:
+    defaults = {**BUILT_IN, "retention_ms": 86_400_000}  # a node started with --retention-ms 86400000
+    described = {d.name: d for d in describe({"segment_bytes_max": 4096}, defaults, BUILT_IN, THREE_NODES)}
+    assert sorted(described) == sorted(n.name for n in KAFKA_NAMES)
+    seg = described["segment.bytes"]
+    assert (seg.value, seg.source) == ("4096", ConfigSource.DYNAMIC_TOPIC_CONFIG)
+    assert seg.synonyms == (
+        ("segment.bytes", "4096", ConfigSource.DYNAMIC_TOPIC_CONFIG),
+        ("log.segment.bytes", str(1 << 30), ConfigSource.DEFAULT_CONFIG),
+    )
+    ret = described["retention.ms"]
+    assert (ret.value, ret.source) == ("86400000", ConfigSource.STATIC_BROKER_CONFIG)
+    assert described["flush.ms"].source == ConfigSource.DEFAULT_CONFIG
+    assert (described["cleanup.policy"].value, described["cleanup.policy"].source) == (
+        "delete",
+        ConfigSource.DEFAULT_CONFIG,
+    )
+    assert described["min.insync.replicas"].value == "2"
+    assert "georep's topic config segment_bytes_max" in seg.documentation
+
+
+def test_broker_configs_use_kafkas_broker_names() -> None:
+    named = {d.name: d.value for d in broker_configs(BUILT_IN, BUILT_IN, THREE_NODES)}
+    assert named["log.retention.ms"] == "-1" and named["message.max.bytes"] == str(8 << 20)
+    assert named["default.replication.factor"] == "3" and named["min.insync.replicas"] == "2"
