@@ -52,6 +52,7 @@ def add_admin_call_arguments(parser: argparse.ArgumentParser) -> None:
     flags, a plaintext node the admin token."""
     parser.add_argument(
         "--bootstrap",
+        "--bootstrap-server",  # kafka-*.sh spelling
         default=default_bootstrap(),
         metavar="HOST:PORT",
         help=f"a node of the site (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101)",

@@ -87,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     status.add_argument(
         "--bootstrap",
+        "--bootstrap-server",  # kafka-*.sh spelling
         default=default_bootstrap(),
         metavar="HOST:PORT[,HOST:PORT]",
         help=f"node(s) of the site to ask; the first reachable one answers (default: ${BOOTSTRAP_ENV}, else "
@@ -119,6 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     drain.add_argument("node_id", type=int, metavar="NODE_ID", help="the node to drain (its --node-id)")
     drain.add_argument(
         "--bootstrap",
+        "--bootstrap-server",  # kafka-*.sh spelling
         default=default_bootstrap(),
         metavar="HOST:PORT[,HOST:PORT]",
         help=f"node(s) of the site to ask; the first reachable one answers (default: ${BOOTSTRAP_ENV}, else "

@@ -71,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for sub in (listing, describe):
         sub.add_argument(
             "--bootstrap",
+            "--bootstrap-server",  # kafka-*.sh spelling
             type=_bootstrap,
             default=default_bootstrap(),
             metavar="HOST:PORT[,HOST:PORT]",

@@ -55,11 +55,35 @@ DELEGATED = {
 def _add_bootstrap(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bootstrap",
+        "--bootstrap-server",  # kafka-*.sh spelling
         default=default_bootstrap(),
         metavar="HOST:PORT[,HOST:PORT]",
         help=f"node(s) to connect to (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101; now %(default)s)",
     )
     add_client_tls_arguments(parser, data_dir=True)
+
+
+def _add_topic(parser: argparse.ArgumentParser, dest: str = "topic") -> None:
+    """The topic as the positional argument, or as ``--topic`` (Kafka's tools spell it so)."""
+    parser.add_argument(dest, nargs="?", help="the topic (or --topic)")
+    parser.add_argument("--topic", dest="topic_option", action="append", default=[], help=argparse.SUPPRESS)
+
+
+def _topics_given(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fold ``--topic`` into the positional topic argument, refusing none, or two different ones."""
+    flags: list[str] = getattr(args, "topic_option", [])
+    if isinstance(getattr(args, "name", None), list):  # topic create: names from both
+        args.name = [*args.name, *flags]
+        if not args.name:
+            parser.error("give at least one topic name: georep topic create NAME [NAME ...] (or --topic NAME)")
+        return
+    dest = "name" if getattr(args, "topic_command", None) == "describe" else "topic"
+    given = {x for x in (getattr(args, dest), *flags) if x is not None}
+    if len(given) > 1:
+        parser.error(f"two topics given ({', '.join(sorted(given))}): give one, as TOPIC or --topic TOPIC")
+    if not given:
+        parser.error("give the topic, as TOPIC or --topic TOPIC")
+    setattr(args, dest, given.pop())
 
 
 def _nonnegative(text: str) -> int:
@@ -102,7 +126,10 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     topic = commands.add_parser("topic", help="create, list and describe topics")
     topic_commands = topic.add_subparsers(dest="topic_command", metavar="ACTION", required=True)
     create = topic_commands.add_parser("create", help="create topics (one call for them all)")
-    create.add_argument("name", nargs="+", help="one or more topic names, each created with --partitions")
+    create.add_argument("name", nargs="*", help="one or more topic names, each created with --partitions")
+    create.add_argument(
+        "--topic", dest="topic_option", action="append", default=[], help="a topic name (Kafka's spelling)"
+    )
     create.add_argument("--partitions", type=int, required=True, help="number of partitions (fixed for life)")
     create.add_argument(
         "--config",
@@ -127,7 +154,7 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     )
     listing.set_defaults(run=cmd_topic_list)
     describe = topic_commands.add_parser("describe", help="partitions, offsets, vectors and config of a topic")
-    describe.add_argument("name")
+    _add_topic(describe, "name")
     describe.set_defaults(run=cmd_topic_describe)
     for sub in (create, listing, describe):
         _add_bootstrap(sub)
@@ -137,7 +164,7 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
 def _add_produce(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``produce``: one record per stdin line."""
     produce = commands.add_parser("produce", help="send one record per stdin line")
-    produce.add_argument("topic")
+    _add_topic(produce)
     produce.add_argument(
         "--key-separator",
         metavar="SEP",
@@ -162,9 +189,9 @@ def _add_produce(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _add_consume(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``consume``: one record per line, from an offset, a vector or a group's commit."""
     consume = commands.add_parser("consume", help="print records, one per line")
-    consume.add_argument("topic")
+    _add_topic(consume)
     consume.add_argument("--from-beginning", action="store_true", help="start at the earliest offset (default: end)")
-    consume.add_argument("--max", type=_nonnegative, help="exit after N records")
+    consume.add_argument("--max", "--max-messages", type=_nonnegative, help="exit after N records")
     consume.add_argument(
         "--timeout", type=_positive_float, metavar="S", help="exit after S seconds without a new record"
     )
@@ -215,7 +242,7 @@ def _add_consume(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def _add_offsets_and_health(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``offsets`` and ``health``."""
     offsets = commands.add_parser("offsets", help="earliest, latest or by-time offsets per partition")
-    offsets.add_argument("topic")
+    _add_topic(offsets)
     offsets.add_argument("--time", default="latest", help="earliest, latest or a timestamp in ms (default latest)")
     offsets.add_argument("--partition", type=_nonnegative)
     offsets.add_argument("--json", action="store_true")
@@ -250,6 +277,15 @@ def _run_delegated(name: str, argv: list[str]) -> int:
     return code
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line of every command but the delegated ones, with Kafka's spellings folded in."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "topic_option"):
+        _topics_given(parser, args)
+    return args
+
+
 def _quiet_stdout() -> None:
     # Python flushes stdout at exit and would raise again into the closed pipe.
     with contextlib.suppress(OSError, ValueError):
@@ -262,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args_list and args_list[0] in DELEGATED:
             return _run_delegated(args_list[0], args_list[1:])
-        args = build_parser().parse_args(args_list)
+        args = parse_args(args_list)
         run: Callable[[argparse.Namespace], Any] = args.run
         return int(asyncio.run(run(args)))
     except GeorepError as exc:

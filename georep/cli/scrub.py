@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--bootstrap",
+        "--bootstrap-server",  # kafka-*.sh spelling
         default=default_bootstrap(),
         metavar="HOST:PORT",
         help=f"the node to scrub (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101; now %(default)s)",
