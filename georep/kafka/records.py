@@ -12,15 +12,18 @@ encoder and decoder, its reader for compressed batches), copying each record's b
   once, each with its length, offset delta (0, 1, 2 ...), key, value and headers inside the batch, with no
   byte left over. An uncompressed batch is walked in place (its CRC checked over a view of the request)
   and each record's key and value, as views, go straight into georep's encoder: the record bytes are copied
-  once, into the georep batch. A compressed one (gzip, lz4, zstd) is decompressed first, streaming and
+  once, into the georep batch. A compressed one (gzip, snappy raw or xerial, lz4, zstd) is decompressed first,
   bounded by the topic's ``max_batch_bytes`` (``georep/record/compression.py``): a bomb is refused with
-  ``MESSAGE_TOO_LARGE`` having cost about that much memory, never what it would have grown to. Snappy is
-  refused (``UNSUPPORTED_COMPRESSION_TYPE``): no maintained wheel reads it bounded. The producer's id, epoch
+  ``MESSAGE_TOO_LARGE`` having cost about that much memory, never what it would have grown to. Its converted
+  records are compressed again with the same codec (georep's id for it): one compressed Kafka batch is stored
+  as one compressed georep batch. The records cannot stay in Kafka's compressed bytes, as georep's record
+  layout is not Kafka's (docs/design.md, "Every codec, stored compressed"). The producer's id, epoch
   and base sequence are kept, so georep's producer table (``dedup/producer.py``) deduplicates the
   idempotent producer's retries with Kafka's own rules. The georep batch then goes through the origin
   append, whose validation (``georep/record/validate.py``) checks it once more, timestamps included.
 * **Fetch** (:func:`georep_to_kafka`). Each stored batch is walked in place and becomes, in one pass,
-  one Kafka batch (uncompressed) with the same base
+  one Kafka batch, uncompressed whatever the stored codec (decompressed at most ``READ_RECORDS_BYTES_MAX``;
+  docs/kafka.md, "Compression", says why), with the same base
   offset (a Kafka offset is the site's local offset) and the records' offset deltas, CreateTime
   timestamps, and two more headers per record: ``georep.origin`` (``site@epoch``) and
   ``georep.origin_seq`` (decimal), the record's coordinate, the same at every site.
