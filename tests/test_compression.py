@@ -224,3 +224,29 @@ def test_a_kafka_codec_id_past_zstd_is_refused_as_unsupported() -> None:
     with pytest.raises(RecordsError, match="compression 5 is not supported") as info:
         kafka_to_georep(kafka_batch(kafka_record(b"v"), 1, attributes=5), LIMIT)
     assert info.value.code == 76
+
+
+@pytest.mark.parametrize("library", ["aiokafka", "kafka-python"])
+@pytest.mark.parametrize("codec", ["gzip", "snappy", "lz4", "zstd"])
+def test_the_batches_kafka_python_and_aiokafka_build_are_stored_in_their_codec(library: str, codec: str) -> None:
+    """The clients' own batch builders, in process: aiokafka's snappy is the xerial framing."""
+    if library == "aiokafka":
+        from aiokafka.record.default_records import DefaultRecordBatchBuilder as Builder
+    else:
+        from kafka.codec import has_snappy
+        from kafka.record.default_records import DefaultRecordBatchBuilder as Builder
+
+        if codec == "snappy" and not has_snappy():
+            pytest.skip("kafka-python reads and writes snappy only with python-snappy installed")
+    builder = Builder(2, KAFKA_IDS[codec], False, -1, -1, -1, 1 << 20)
+    for i in range(20):
+        builder.append(i, TS + i, b"k", b"the same value, again and again " * 8, [])
+    raw = bytes(builder.build())
+    if library == "aiokafka" and codec == "snappy":
+        assert raw[61 : 61 + len(XERIAL_MAGIC)] == XERIAL_MAGIC
+    batch = kafka_to_georep(raw, LIMIT)
+    assert parse_header(batch).compression == KAFKA_TO_GEOREP[codec]
+    head, _crc = stamp_origin(batch, ORIGIN, 0)
+    assert [r.value for r in decode_records(head + batch[HEADER_BYTES:])] == [
+        b"the same value, again and again " * 8
+    ] * 20
