@@ -22,6 +22,7 @@ from georep.server.process import NodeProcess
 from tests.support.forge import ZEROS_MIB
 from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address, poll_until
 from tests.support.kafka_raw import kafka_batch, kafka_python_read, kafka_record, produce_raw
+from tests.support.sites import Sites, converged, wait_until
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 kafka = pytest.importorskip("kafka")
@@ -193,3 +194,22 @@ def test_a_bomb_or_garbage_in_every_codec_is_refused_and_nothing_is_stored(node:
     good = kafka_batch(compress[2](kafka_record(b"fine")), 1, attributes=2)
     assert produce_raw(bootstrap, "hostile", 0, good) == (0, "")
     assert [h.compression for h in stored_batches(node.data_dir, "hostile")] == [Compression.SNAPPY]
+
+
+def test_compressed_kafka_batches_cross_to_another_site_as_stored(tmp_path: Path) -> None:
+    """What a link carries is the stored batch, verbatim: the other site holds the same compressed bytes."""
+    sites = Sites(tmp_path, ["x", "y"], [("x", "y")], extra_args=KAFKA_ARGS)
+    try:
+        sites.start()
+        bootstrap = kafka_address(sites.nodes["x"])
+        create_topics(bootstrap, ["wan-snappy", "wan-gzip"])
+        produce(bootstrap, "confluent", "snappy", "wan-snappy")
+        produce(bootstrap, "aiokafka", "gzip", "wan-gzip")
+        for topic, codec in (("wan-snappy", "snappy"), ("wan-gzip", "gzip")):
+            wait_until(f"y holds {topic}", lambda t=topic: converged(sites, ["x", "y"], t, RECORDS), 60)
+            at_x, at_y = (stored_batches(sites.nodes[s].data_dir, topic) for s in ("x", "y"))
+            assert {h.compression for h in at_y} == {STORED_AS[codec]}
+            assert [(h.crc, h.size_bytes) for h in at_y] == [(h.crc, h.size_bytes) for h in at_x]
+            assert sum(h.size_bytes for h in at_y) < sum(len(v) for v in values(topic)) // 4
+    finally:
+        sites.close()
