@@ -55,7 +55,7 @@ def rows(batches: list[pa.RecordBatch]) -> list[dict[str, object]]:
     return pa.Table.from_batches(batches).to_pylist() if batches else []
 
 
-@pytest.mark.parametrize("compression", [Compression.NONE, Compression.ZSTD, Compression.LZ4])
+@pytest.mark.parametrize("compression", list(Compression))
 def test_records_come_back_with_their_coordinates_and_hashes_across_segments(
     tmp_path: Path, compression: Compression
 ) -> None:

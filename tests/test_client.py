@@ -51,7 +51,7 @@ async def read_all(address: str, topic: str, partitions: int, expected: int, tim
     return out
 
 
-@pytest.mark.parametrize("codec", ["none", "zstd", "lz4"])
+@pytest.mark.parametrize("codec", ["none", "zstd", "lz4", "gzip", "snappy"])
 def test_round_trip_keys_headers_nulls(node: NodeProcess, codec: str) -> None:
     async def main() -> None:
         await create(node.address, "rt", 2)

@@ -97,7 +97,7 @@ IMPURE_STDLIB = frozenset(
     }
 )
 # Third-party libraries a pure module may use: computations on bytes and graphs, no I/O.
-PURE_THIRD_PARTY = frozenset({"crc32c", "lz4", "networkx", "zstandard"})
+PURE_THIRD_PARTY = frozenset({"cramjam", "crc32c", "lz4", "networkx", "zstandard"})
 # A pure module's use of an impure standard module, and why it stays pure.
 PURE_ALLOWED = {
     ("georep/record/compression.py", "threading"): "threading.local: one zstd context per thread (a context may "

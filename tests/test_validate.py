@@ -171,16 +171,18 @@ def test_the_records_section_is_bounded_by_the_limit() -> None:
         ("zstd", "zstd_bomb(1 << 30)", 40_000),  # 1 GiB in ~32 KB, the frame silent about its size
         ("zstd", "zstd_bomb(1 << 30, declare_size=True)", 40_000),
         ("lz4", "lz4_bomb(256 << 20)", 1_200_000),  # lz4 compresses zeros ~250:1
+        ("gzip", "gzip_bomb(256 << 20)", 1_200_000),  # deflate at level 1: ~1000:1 (issue 23)
+        ("snappy", "snappy_bomb((1 << 32) - 1)", 60_000),  # a preamble declaring 4 GiB over 1 MiB (issue 23)
     ],
 )
 def test_a_decompression_bomb_is_refused_without_allocating_it(codec: str, bomb: str, compressed_max: int) -> None:
     """In a fresh process, so its peak memory is the validation's: at most a few times the 8 MiB limit."""
     script = textwrap.dedent(f"""
         import json, resource
-        from tests.support.forge import forge, lz4_bomb, zstd_bomb
+        from tests.support.forge import forge, gzip_bomb, lz4_bomb, snappy_bomb, zstd_bomb
         from georep.record.validate import RecordsTooLarge, validate_batch
         section = {bomb}
-        batch = forge(section, 1, attributes={1 if codec == "zstd" else 2})
+        batch = forge(section, 1, attributes={int(Compression[codec.upper()])})
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         try:
             validate_batch(batch, {LIMIT})

@@ -27,6 +27,7 @@ from georep.cli.topics import cmd_health, cmd_topic_create, cmd_topic_describe, 
 from georep.client.admin import LIST_PAGE_SIZE
 from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap
 from georep.client.errors import GeorepError
+from georep.record.compression import CODEC_NAMES
 from offsets.commits import OFFSETS_TOPIC
 
 # Subcommands owned by other modules: name -> (module, help).
@@ -174,7 +175,12 @@ def _add_produce(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     produce.add_argument("--partition", type=_nonnegative, help="send every record to this partition")
     produce.add_argument("--batch-size", type=int, default=65536, help="batch size in bytes (default 65536)")
     produce.add_argument("--linger-ms", type=_positive_float, default=5, help="batch linger time (default 5)")
-    produce.add_argument("--compression", default="none", choices=("none", "zstd", "lz4"))
+    produce.add_argument(
+        "--compression",
+        default="none",
+        choices=tuple(CODEC_NAMES.values()),
+        help="codec of each batch, stored and replicated compressed (default none)",
+    )
     produce.add_argument(
         "--request-timeout-ms",
         type=_positive,

@@ -12,15 +12,18 @@ encoder and decoder, its reader for compressed batches), copying each record's b
   once, each with its length, offset delta (0, 1, 2 ...), key, value and headers inside the batch, with no
   byte left over. An uncompressed batch is walked in place (its CRC checked over a view of the request)
   and each record's key and value, as views, go straight into georep's encoder: the record bytes are copied
-  once, into the georep batch. A compressed one (gzip, lz4, zstd) is decompressed first, streaming and
+  once, into the georep batch. A compressed one (gzip, snappy raw or xerial, lz4, zstd) is decompressed first,
   bounded by the topic's ``max_batch_bytes`` (``georep/record/compression.py``): a bomb is refused with
-  ``MESSAGE_TOO_LARGE`` having cost about that much memory, never what it would have grown to. Snappy is
-  refused (``UNSUPPORTED_COMPRESSION_TYPE``): no maintained wheel reads it bounded. The producer's id, epoch
+  ``MESSAGE_TOO_LARGE`` having cost about that much memory, never what it would have grown to. Its converted
+  records are compressed again with the same codec (georep's id for it): one compressed Kafka batch is stored
+  as one compressed georep batch. The records cannot stay in Kafka's compressed bytes, as georep's record
+  layout is not Kafka's (docs/design.md, "Every codec, stored compressed"). The producer's id, epoch
   and base sequence are kept, so georep's producer table (``dedup/producer.py``) deduplicates the
   idempotent producer's retries with Kafka's own rules. The georep batch then goes through the origin
   append, whose validation (``georep/record/validate.py``) checks it once more, timestamps included.
 * **Fetch** (:func:`georep_to_kafka`). Each stored batch is walked in place and becomes, in one pass,
-  one Kafka batch (uncompressed) with the same base
+  one Kafka batch, uncompressed whatever the stored codec (decompressed at most ``READ_RECORDS_BYTES_MAX``;
+  docs/kafka.md, "Compression", says why), with the same base
   offset (a Kafka offset is the site's local offset) and the records' offset deltas, CreateTime
   timestamps, and two more headers per record: ``georep.origin`` (``site@epoch``) and
   ``georep.origin_seq`` (decimal), the record's coordinate, the same at every site.
@@ -37,7 +40,6 @@ encoder and decoder, its reader for compressed batches), copying each record's b
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Mapping
 from typing import NamedTuple, cast
 
@@ -58,7 +60,13 @@ from georep.record.batch import (
     headers_in,
     walk_records,
 )
-from georep.record.compression import DecompressedTooLarge, DecompressionError, decompress_lz4, decompress_zstd
+from georep.record.compression import (
+    Compression,
+    DecompressedTooLarge,
+    DecompressionError,
+    decompress,
+    decompress_kafka_snappy,
+)
 from offsets.coordinates import Origin
 
 ORIGIN_HEADER = "georep.origin"
@@ -93,6 +101,8 @@ UNSUPPORTED_FOR_MESSAGE_FORMAT = 43
 UNSUPPORTED_COMPRESSION_TYPE = 76
 INVALID_RECORD = 87
 _GZIP, _SNAPPY, _LZ4, _ZSTD = 1, 2, 3, 4
+# Kafka's codec ids and georep's differ: a Kafka batch is stored in its producer's codec, under georep's id.
+_STORED_AS = {_GZIP: Compression.GZIP, _SNAPPY: Compression.SNAPPY, _LZ4: Compression.LZ4, _ZSTD: Compression.ZSTD}
 _RECORD_MIN_BYTES = 7  # length, attributes, timestamp delta, offset delta, key, value, header count: a byte each
 
 
@@ -136,19 +146,27 @@ def kafka_to_georep(data: bytes | memoryview, limit_bytes: int = READ_RECORDS_BY
             f"the batch's records hold {len(body)} bytes, more than the topic's max_batch_bytes={limit_bytes}",
         )
     records = _records_in_place(body, count, first_ts)
-    return encode_batch(records, producer_id=producer_id, producer_epoch=producer_epoch, base_sequence=base_sequence)
+    return encode_batch(
+        records,
+        producer_id=producer_id,
+        producer_epoch=producer_epoch,
+        base_sequence=base_sequence,
+        compression=_STORED_AS.get(codec, Compression.NONE),
+    )
 
 
-def _decompressed(codec: int, data: memoryview, limit_bytes: int) -> bytes:
-    """A compressed batch's records section, at most ``limit_bytes``, streaming and bounded."""
+def _decompressed(codec: int, data: memoryview, limit_bytes: int) -> bytes | memoryview:
+    """A compressed batch's records section, at most ``limit_bytes``, bounded (``georep/record/compression.py``)."""
     name = _CODEC_NAMES.get(codec, str(codec))
+    if codec not in _STORED_AS:
+        raise RecordsError(
+            UNSUPPORTED_COMPRESSION_TYPE,
+            f"compression {name} is not supported by georep's Kafka gateway: use gzip, snappy, lz4, zstd or none",
+        )
     try:
-        if codec == _ZSTD:
-            return decompress_zstd(data, limit_bytes)
-        if codec == _LZ4:
-            return decompress_lz4(data, limit_bytes)
-        if codec == _GZIP:
-            return _gunzip(data, limit_bytes)
+        if codec == _SNAPPY:  # Kafka's snappy is raw (librdkafka) or the xerial framing (Java, kafka-python, aiokafka)
+            return decompress_kafka_snappy(data, limit_bytes)
+        return decompress(_STORED_AS[codec], data, limit_bytes)
     except DecompressedTooLarge:
         raise RecordsError(
             MESSAGE_TOO_LARGE,
@@ -158,26 +176,6 @@ def _decompressed(codec: int, data: memoryview, limit_bytes: int) -> bytes:
         ) from None
     except DecompressionError as exc:
         raise RecordsError(CORRUPT_MESSAGE, f"cannot read the {name} records: {exc}") from None
-    raise RecordsError(
-        UNSUPPORTED_COMPRESSION_TYPE,
-        f"compression {name} is not supported by georep's Kafka gateway: use gzip, lz4, zstd or none",
-    )
-
-
-def _gunzip(data: memoryview, limit_bytes: int) -> bytes:
-    """One gzip member, its output stopped at ``limit_bytes + 1`` (zlib's ``max_length``)."""
-    dctx = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    try:
-        out = dctx.decompress(data, limit_bytes + 1)
-    except zlib.error as exc:
-        raise DecompressionError(f"records do not decompress as gzip: {exc}") from None
-    if len(out) > limit_bytes:
-        raise DecompressedTooLarge("gzip", limit_bytes)
-    if not dctx.eof:
-        raise DecompressionError("records do not decompress as gzip: the gzip stream is truncated")
-    if dctx.unused_data:
-        raise DecompressionError(f"records hold {len(dctx.unused_data)} bytes after their gzip stream")
-    return out
 
 
 def _records_in_place(buf: memoryview, count: int, first_ts: int) -> list[RecordInput]:

@@ -84,8 +84,8 @@ KAFKA_NAMES: tuple[KafkaName, ...] = (
     KafkaName("cleanup.policy", None, ConfigType.LIST, "log.cleanup.policy", "delete",
               "georep has no log compaction yet: old records go by retention.ms and retention.bytes only"),
     KafkaName("compression.type", None, ConfigType.STRING, "compression.type", "producer",
-              "georep stores batches as the producer compressed them and recompresses nothing: choose the codec "
-              "on the producer (its compression.type)"),
+              "georep stores each batch in its producer's codec, never in another: choose the codec on the "
+              "producer (its compression.type)"),
     KafkaName("flush.ms", "flush_interval_ms", ConfigType.LONG, "log.flush.interval.ms"),
     KafkaName("max.message.bytes", "max_batch_bytes", ConfigType.INT, "message.max.bytes"),
     KafkaName("message.timestamp.after.max.ms", "message_timestamp_after_max_ms", ConfigType.LONG,

@@ -14,7 +14,8 @@ Batch layout, format version 1::
         20   4u crc                CRC-32C of bytes [24, 12 + batch_length)
     ---- everything below is covered by the CRC and is identical at every site ----
         24    1 magic              format version, 1
-        25    2 attributes         bits 0-2: compression (0 none, 1 zstd, 2 lz4);
+        25    2 attributes         bits 0-2: compression (0 none, 1 zstd, 2 lz4,
+                                   3 gzip, 4 snappy; 5-7 unassigned: refused);
                                    bits 3-15: reserved, 0
         27   32 origin_site        origin site id, ASCII, NUL-padded; all NUL
                                    until the origin stamps the batch

@@ -7,7 +7,7 @@ the origin append, the Kafka gateway's produce all call :func:`validate_batch`, 
 1. **Framing**: the header's ``batch_length`` is the buffer's length; the magic is this build's.
 2. **CRC-32C** over everything from the magic on. These two raise :class:`CorruptBatch`: damaged bytes.
 3. **Header**: ``records_count`` at least 1 and ``last_offset_delta`` one less; a known codec (attributes
-   bits 0-2 in 0, 1, 2) and the reserved attribute bits 0; no negative timestamp.
+   bits 0-2 in 0..4: none, zstd, lz4, gzip, snappy) and the reserved attribute bits 0; no negative timestamp.
 4. **Records section**, decompressed into at most ``limit_bytes`` (a topic's ``max_batch_bytes``) by
    ``georep/record/compression.py``, streaming and bounded, so a bomb costs about ``limit_bytes`` of memory.
 5. **Records**, walked once: exactly ``records_count`` of them and no byte after the last; each record's

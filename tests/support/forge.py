@@ -4,8 +4,10 @@ valid CRC-32C, and decompression bombs that are never held whole in memory."""
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Iterator
 
+import cramjam
 import crc32c
 import lz4.frame
 import zstandard
@@ -108,6 +110,26 @@ def lz4_bomb(value_bytes: int) -> bytes:
     out += [compressor.compress(piece) for piece in _value_record_stream(value_bytes)]
     out.append(compressor.flush())
     return b"".join(out)
+
+
+def gzip_bomb(value_bytes: int) -> bytes:
+    """As :func:`zstd_bomb`, as one gzip member (deflate compresses zeros about 1000:1)."""
+    compressor = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    out = [compressor.compress(piece) for piece in _value_record_stream(value_bytes)]
+    out.append(compressor.flush())
+    return b"".join(out)
+
+
+def snappy_bomb(declared_bytes: int) -> bytes:
+    """A raw snappy block whose preamble declares ``declared_bytes`` and that holds 1 MiB of zeros: what a
+    decoder that trusts the preamble would allocate whole."""
+    block = bytes(cramjam.snappy.compress_raw(ZEROS_MIB))
+    preamble = bytearray()
+    while declared_bytes >= 0x80:
+        preamble.append(declared_bytes & 0x7F | 0x80)
+        declared_bytes >>= 7
+    preamble.append(declared_bytes)
+    return bytes(preamble) + block[3:]  # 1 MiB's own preamble is 3 bytes
 
 
 # -- a hostile producer, for Hypothesis ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import socket
 import struct
 from collections.abc import Iterator
 
+import cramjam
 import crc32c
 import lz4.frame
 import zstandard
@@ -170,6 +171,8 @@ def _hostile_kafka(draw: st.DrawFn) -> tuple[bytes, str]:
     if not draw(rarely):
         if codec == 1:
             section = gzip.compress(section)
+        elif codec == 2:  # raw, as librdkafka sends it
+            section = bytes(cramjam.snappy.compress_raw(section))
         elif codec == 3:
             section = lz4.frame.compress(section)
         elif codec == 4:
