@@ -71,7 +71,7 @@ def test_georep_keys_are_taken_too_and_every_georep_key_has_a_kafka_name() -> No
     [
         ({"cleanup.policy": "compact"}, ONE_NODE, "no log compaction yet"),
         ({"cleanup.policy": "compact,delete"}, ONE_NODE, "use delete"),
-        ({"compression.type": "zstd"}, ONE_NODE, "as the producer compressed them"),
+        ({"compression.type": "zstd"}, ONE_NODE, "in its producer's codec"),
         ({"message.timestamp.type": "LogAppendTime"}, ONE_NODE, "use CreateTime"),
         ({"min.insync.replicas": "2"}, ONE_NODE, "use 1 or leave it out"),
         ({"min.insync.replicas": "1"}, THREE_NODES, "use 2 or leave it out"),
