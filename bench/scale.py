@@ -63,6 +63,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, from a checkout
 
 from produce import BenchError, progress
+from pyspy_top import print_top, recording
 
 from georep.client import Producer
 from georep.client.admin import CREATE_TOPICS_PER_CALL
@@ -131,6 +132,7 @@ class Config:
     steps: list[str]
     out: Path
     json_out: Path | None
+    py_spy: Path | None = None
 
 
 def deadline_loop(timeout_s: float) -> Iterator[None]:
@@ -178,6 +180,11 @@ def every_site_has(sites: Sites, names: list[str], per_topic: int) -> bool:
         if any(listed.get(n) != per_topic for n in names):
             return False
     return True
+
+
+def streams_opened(sites: Sites) -> int:
+    """Pull streams opened so far, over every link (SiteStatus): one per reopen, flap or start."""
+    return sum(link.streams_opened for s in SITES for link in sites.status(s).links)
 
 
 def links_up(sites: Sites) -> bool:
@@ -282,15 +289,27 @@ def run_size(root: Path, partitions: int, topics: int, cfg: Config) -> Row:
             return row
         step(row, "links", lambda: wait("every link streams", lambda: links_up(sites), LINKS_TIMEOUT_S))
 
+        idles = iter(range(1, len(cfg.steps) + 1))
+
         def idle() -> None:
             pids = [sites.nodes[s].pid for s in SITES]
-            before = [cpu_seconds(p) for p in pids]
-            start = time.monotonic()
-            time.sleep(cfg.idle_s)
-            took = time.monotonic() - start
-            row.idle_cpu = max((cpu_seconds(p) - b) / took for p, b in zip(pids, before, strict=True))
+            window = f"{partitions}x{topics}-idle{next(idles)}"
+            spied = {} if cfg.py_spy is None else {cfg.py_spy / f"{window}-{s}.txt": sites.nodes[s].pid for s in SITES}
+            opened = streams_opened(sites)
+            with recording(spied):  # nothing recorded without --py-spy
+                before = [cpu_seconds(p) for p in pids]
+                start = time.monotonic()
+                time.sleep(cfg.idle_s)
+                took = time.monotonic() - start
+                shares = [(cpu_seconds(p) - b) / took for p, b in zip(pids, before, strict=True)]
+            row.idle_cpu = max(shares)
             row.rss_bytes = max(rss_bytes(p) for p in pids)
             row.fds = max(open_fds(p) for p in pids)
+            reopened = streams_opened(sites) - opened
+            each = " / ".join(f"{s} {100 * x:.1f}%" for s, x in zip(SITES, shares, strict=True))
+            progress(f"  {row.label}: {window}: {each} (load {os.getloadavg()[0]:.1f}); {reopened} streams opened")
+            for out, pid in spied.items():
+                print_top(out, f"{out.stem} (pid {pid})")
 
         def scrape() -> None:
             row.scrape_s = max(scrape_s(sites.nodes[s].metrics_address) for s in SITES)
@@ -544,6 +563,9 @@ def parse_args(argv: list[str] | None) -> Config:
     )
     parser.add_argument("--out", type=Path, default=Path("bench/scale.png"), help="the PNG")
     parser.add_argument("--json", type=Path, default=None, dest="json_out", help="also write the figures here")
+    parser.add_argument(
+        "--py-spy", type=Path, metavar="DIR", help="record each node with py-spy during each idle window into DIR"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 10 and 20 partitions, small produce")
     args = parser.parse_args(argv)
     sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s.strip()]
@@ -568,11 +590,14 @@ def parse_args(argv: list[str] | None) -> Config:
         steps,
         args.out,
         args.json_out,
+        args.py_spy,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.py_spy is not None:
+        cfg.py_spy.mkdir(parents=True, exist_ok=True)
 
     def on_sigterm(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt  # the finally blocks kill every node and remove the directory
