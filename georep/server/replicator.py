@@ -127,6 +127,10 @@ class Puller:
         claims = HeldClaimCheck(replicator.topology, src)
         self.reporter = HeldReporter(src, lambda key: claims.refusal(replicator.site, key[0], key[1]) is None)
         self._refused_report = ""  # src's last refusal of a report, logged once
+        # src may not know what this site holds: before the first stream, and after a stream failed or src ended
+        # it (it may have restarted). A stream reopened on purpose (its wants changed, a gap, a lost tail) was
+        # live up to then, so src still knows what it was told: its "up" resends nothing.
+        self._src_may_forget = True
         self._channel: grpc.aio.Channel | None = None
         self._stub: pbg.NodeAsyncStub | None = None
         self._topics_synced = asyncio.Event()
@@ -242,6 +246,10 @@ class Puller:
             resp = await self.stub.ListTopics(request, timeout=RPC_TIMEOUT_S)
             if resp.restarted or not resp.catalog_token:  # (no token: a node from before catalogs lists all)
                 fresh, learnt = {}, []
+            if resp.restarted and self._catalog_token:
+                # Another process answers (src restarted, or another of its nodes), perhaps between two streams
+                # that never failed: it may not know what this site holds.
+                self._report_everything()
             page = [RemoteTopic(t.name, t.partitions, dict(t.config)) for t in resp.topics]
             learnt += page
             token = resp.catalog_token
@@ -432,16 +440,26 @@ class Puller:
 
     def _log(self, event: LinkEvent) -> None:
         if event.kind == "up":
-            # src may have restarted and forgotten what we hold: report everything again.
-            self.reporter.reset()
-            self.held_changed.set()
+            if self._src_may_forget:
+                self._report_everything()
             log.info("%s", event.text)
         elif event.kind in ("down", "timeout", "disabled"):
+            self._src_may_forget = True
             log.warning("%s", event.text)
         elif event.kind == "diverged":
             log.error("%s", event.text)
         else:
+            self._src_may_forget = self._src_may_forget or event.kind == "ended"
             log.info("%s", event.text)
+
+    def _report_everything(self) -> None:
+        """src may have restarted and forgotten what this site holds: the next report carries every entry.
+
+        Not at every stream: at 10,000 written partitions a report of everything is 20,000 entries or more, and a
+        link reopens its stream on purpose whenever its wants change (a topic created, a stall)."""
+        self._src_may_forget = False
+        self.reporter.reset()
+        self.held_changed.set()
 
     def _open_call(self, effect: OpenStream) -> None:
         self._end_call()
