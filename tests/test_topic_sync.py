@@ -160,6 +160,41 @@ def test_an_idle_topic_sync_leaves_the_links_view_of_the_topics_as_it_was(tmp_pa
     run_at_b(tmp_path, node, scenario)
 
 
+def test_a_sync_round_that_creates_topics_in_many_steps_reopens_the_stream_once(
+    tmp_path: Path, node: NodeProcess
+) -> None:
+    """b creates what one round of topic sync learnt a step of about 256 partitions at a time; each step changed
+    what the link may pull, and the stream reopened, asking for every partition, once per step the tick saw (40
+    times per link for 10,000 partitions). It reopens once, after the round."""
+
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=1))
+        puller, session = r.pullers[SiteId("a")], r.pullers[SiteId("a")].session
+        await puller.sync_topics()
+        stream = asyncio.create_task(puller.stream_loop())
+        try:
+            await until("b streams from a", lambda: session._stream is not None and session._stream.delivered)
+            reopens = puller.stats.reopens
+            request = pb.CreateTopicsRequest(
+                topics=[pb.CreateTopicRequest(name=f"many{i:02d}", partitions=100) for i in range(20)]
+            )
+            stub_a.CreateTopics(request, timeout=60)
+            await puller.sync_topics()  # one round: 2,000 partitions, created in 8 steps
+            created = {key for key in r.broker.partitions if key[0].startswith("many")}
+            assert len(created) == 2_000
+
+            def caught_up() -> bool:  # the stream asks for every partition created
+                s = session._stream
+                return s is not None and s.delivered and created <= set(s.wants)
+
+            await until("b's stream pulls every partition", caught_up)
+            assert puller.stats.reopens == reopens + 1
+        finally:
+            stream.cancel()
+
+    run_at_b(tmp_path, node, scenario)
+
+
 def test_a_stream_reopened_for_a_new_topic_resends_no_held_report_but_a_restarted_upstream_gets_all(
     tmp_path: Path,
 ) -> None:

@@ -33,7 +33,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 
 import grpc
@@ -190,12 +190,18 @@ class Puller:
 
     def _usable(self, key: PartitionKey) -> bool:
         # The broker's partitions are the ones this node serves: all of a one-node site's, the ones a node of a
-        # multi-node site leads.
-        return pullable(key, self.src, self.remote_topics, self.r.conflicts, self.r.broker.partitions)
+        # multi-node site leads. A topic that a topic sync is still creating waits for the end of its round: it is
+        # served a step of about 256 partitions at a time, and each step would change the wants and reopen the
+        # stream, asking for every partition, once per step (40 times per link for 10,000 partitions).
+        r = self.r
+        return (
+            pullable(key, self.src, self.remote_topics, r.conflicts, r.broker.partitions) and key[0] not in r.creating
+        )
 
     def _usable_basis(self) -> object:
         """What ``_usable`` answers from, compared by value (O(topics), not O(partitions))."""
-        return (self.r.broker.partitions_version, tuple(self.r.conflicts), self.remote_topics)
+        r = self.r
+        return (r.broker.partitions_version, tuple(r.conflicts), self.remote_topics, r.created_rounds)
 
     def set_enabled(self, enabled: bool) -> None:
         """An operator cut or healed the link; the stream loop tells the session."""
@@ -285,9 +291,15 @@ class Puller:
         local_specs = r.broker.metadata.topics()
         local = {name: spec.partitions for name, spec in local_specs.items()}
         plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local)
-        outcomes = await create_topics(
-            r.broker, [(t.name, t.partitions, dict(t.config)) for t in plan.create], internal=True
-        )
+        names = Counter(t.name for t in plan.create)
+        r.creating += names
+        try:
+            outcomes = await create_topics(
+                r.broker, [(t.name, t.partitions, dict(t.config)) for t in plan.create], internal=True
+            )
+        finally:
+            r.creating -= names  # (a Counter keeps no name at zero)
+            r.created_rounds += 1 if names else 0
         for t, outcome in zip(plan.create, outcomes, strict=True):
             if isinstance(outcome, TopicSpec):
                 log.info("created topic %r (%d partitions) replicated from site %s", t.name, t.partitions, self.src)
@@ -519,6 +531,10 @@ class Replicator:
         self.links = LinkManager(topology, site, stall_ms)
         self.now_ms = clock_ms
         self.conflicts: dict[tuple[str, SiteId], str] = {}
+        # Topics that topic syncs are creating now (a count per name: two links may carry the same topic): the
+        # links pull them once their round has ended (Puller._usable), and each round's end moves the wants' basis.
+        self.creating: Counter[str] = Counter()
+        self.created_rounds = 0
         # (topic, partition, origin) -> replication delay of the last batch applied
         self.lag_ms: dict[tuple[str, int, Origin], int] = {}
         self.pullers = {
