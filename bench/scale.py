@@ -16,7 +16,8 @@ the row keeps the last):
 * ``create``: the topic(s) created at site ``a`` until every site describes every partition of them;
 * ``settle``: from then until the last pull stream a link opened, once none opened for 3 s (bounded: 120 s): each
   link's topic sync learning that its upstream holds the topics too reopens its stream once, by design
-  (``tests.support.sites.settled``, which tests/test_scale_e2e.py waits for too); the idle window starts after;
+  (``tests.support.sites.settled``, which tests/test_scale_e2e.py waits for too); the idle window starts after.
+  The progress line gives each node's CPU seconds from the create to the end of the settle;
 * ``idle CPU``: process CPU seconds (``/proc/PID/stat`` utime+stime) of each node over ``--idle-s`` with no
   traffic, as a share of one core; ``RSS`` and open ``fds`` at the end of the window (the worst node). Each
   window's line gives every node's share, the load average and the streams opened during it (0 when settled);
@@ -273,7 +274,10 @@ def run_size(root: Path, partitions: int, topics: int, cfg: Config) -> Row:
         if not step(row, "start", lambda: sites.start()):
             return row
 
+        cpu_before: list[float] = []
+
         def create() -> None:
+            cpu_before.extend(cpu_seconds(sites.nodes[s].pid) for s in SITES)
             start = time.perf_counter()
             for i in range(0, len(names), CREATE_TOPICS_PER_CALL):  # as `georep topic create t1 t2 ...` batches them
                 request = pb.CreateTopicsRequest(
@@ -292,6 +296,9 @@ def run_size(root: Path, partitions: int, topics: int, cfg: Config) -> Row:
             # What legitimately follows: each link's topic sync learns that its upstream holds the topics too, which
             # reopens its stream; the idle window starts after that. Bounded, and reported: it must stay short.
             _, row.settle_s = settled(sites, SETTLE_QUIET_S, SETTLE_TIMEOUT_S, poll_s=0.5)
+            spent = [cpu_seconds(sites.nodes[s].pid) - b for s, b in zip(SITES, cpu_before, strict=True)]
+            each = " / ".join(f"{s} {x:.1f} s" for s, x in zip(SITES, spent, strict=True))
+            progress(f"  {row.label}: create {row.create_s:.1f} s, settle {row.settle_s:.1f} s; node CPU {each}")
 
         if not step(row, "create", create):
             return row
