@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, from a checkout
 
-from pyspy_top import top_functions
+from pyspy_top import print_top, recording
 
 from georep.client.admin import Admin
 from georep.client.producer import Producer
@@ -42,7 +40,6 @@ VALUE = b"x" * 100
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 SHAPES = ("keyless", "round-robin")
 CREATE_TIMEOUT_MS = 600_000
-PY_SPY = str(Path(sys.executable).parent / "py-spy")
 
 
 @dataclass
@@ -77,20 +74,12 @@ async def run(partitions: int, records: int, sticky: bool, linger_ms: float, spy
             async with Admin(address, request_timeout_ms=CREATE_TIMEOUT_MS) as admin:
                 await admin.create_topic("t", partitions)
             pid = sites.nodes["a"].pid
-            recorders = []
-            if spy is not None:
-                shape = "keyless" if sticky else "round-robin"
-                for who, spied in (("node", pid), ("client", os.getpid())):
-                    out = spy / f"{partitions}-{shape}-{who}.txt"
-                    cmd = [PY_SPY, "record", "-p", str(spied), "-r", "50", "-f", "raw", "--nonblocking", "-o", str(out)]
-                    recorders.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            node_before, client_before = cpu_seconds(pid), time.process_time()
-            rate = await produce(address, partitions, records, sticky, linger_ms)
-            result = Result(rate, cpu_seconds(pid) - node_before, time.process_time() - client_before)
-            for recorder in recorders:
-                recorder.send_signal(signal.SIGINT)
-                recorder.wait(timeout=60)
-            return result
+            prefix = f"{partitions}-{'keyless' if sticky else 'round-robin'}"
+            spied = {} if spy is None else {spy / f"{prefix}-node.txt": pid, spy / f"{prefix}-client.txt": os.getpid()}
+            with recording(spied):  # nothing recorded without --py-spy
+                node_before, client_before = cpu_seconds(pid), time.process_time()
+                rate = await produce(address, partitions, records, sticky, linger_ms)
+                return Result(rate, cpu_seconds(pid) - node_before, time.process_time() - client_before)
         finally:
             sites.close()
 
@@ -117,10 +106,7 @@ def main() -> int:
             )
             if args.py_spy is not None:
                 for who in ("node", "client"):
-                    samples, rows = top_functions(args.py_spy / f"{p}-{shape}-{who}.txt")
-                    print(f"    {who}: {samples} samples; inclusive%  own%  function")
-                    for inclusive, own, fn in rows:
-                        print(f"    {inclusive:6.1f} {own:5.1f}  {fn}")
+                    print_top(args.py_spy / f"{p}-{shape}-{who}.txt", who)
     return 0
 
 

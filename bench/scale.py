@@ -14,8 +14,14 @@ step twice: ``--steps idle,produce,idle`` measures idle CPU over empty partition
 the row keeps the last):
 
 * ``create``: the topic(s) created at site ``a`` until every site describes every partition of them;
+* ``settle``: from then until the last pull stream a link opened, once none opened for 3 s (bounded: 120 s): each
+  link's topic sync learning that its upstream holds the topics too reopens its stream once, by design
+  (``tests.support.sites.settled``, which tests/test_scale_e2e.py waits for too); the idle window starts after.
+  The progress line gives each node's CPU seconds from the create to the end of the settle;
 * ``idle CPU``: process CPU seconds (``/proc/PID/stat`` utime+stime) of each node over ``--idle-s`` with no
-  traffic, as a share of one core; ``RSS`` and open ``fds`` at the end of the window (the worst node);
+  traffic, as a share of one core; ``RSS`` and open ``fds`` at the end of the window (the worst node). Each
+  window's line gives every node's share, the load average and the streams opened during it (0 when settled);
+  ``--py-spy DIR`` records every node over it and prints their top functions (bench/pyspy_top.py);
 * ``scrape``: one HTTP GET of each node's ``/metrics`` (the slowest);
 * ``produce``: ``--records`` records of ``--value-bytes`` written at site ``a`` with ``georep.client.Producer``
   (acks=leader), record ``i`` to partition ``i mod P`` of topic ``i mod T``, until every one is acknowledged;
@@ -63,17 +69,20 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, from a checkout
 
 from produce import BenchError, progress
+from pyspy_top import print_top, recording
 
 from georep.client import Producer
 from georep.client.admin import CREATE_TOPICS_PER_CALL
 from georep.proto import georep_pb2 as pb
-from tests.support.sites import Sites
+from tests.support.sites import Sites, settled, streams_opened
 
 SITES = ["a", "b", "c"]
 CYCLE = [("a", "b"), ("b", "c"), ("c", "a")]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 CREATE_TIMEOUT_S = 600.0
+SETTLE_QUIET_S = 3.0  # the create has settled once no link opened a stream for this long (as tests/test_scale_e2e.py)
+SETTLE_TIMEOUT_S = 120.0
 LINKS_TIMEOUT_S = 120.0
 CONVERGE_TIMEOUT_S = 600.0
 RESTART_TIMEOUT_S = 120.0
@@ -98,6 +107,7 @@ class Row:
     partitions: int
     topics: int
     create_s: float = math.nan
+    settle_s: float = math.nan  # from "every site describes every partition" until the last stream opened
     idle_cpu: float = math.nan  # the busiest node, share of one core
     rss_bytes: float = math.nan  # the largest node
     fds: float = math.nan  # the node with most
@@ -131,6 +141,7 @@ class Config:
     steps: list[str]
     out: Path
     json_out: Path | None
+    py_spy: Path | None = None
 
 
 def deadline_loop(timeout_s: float) -> Iterator[None]:
@@ -263,7 +274,10 @@ def run_size(root: Path, partitions: int, topics: int, cfg: Config) -> Row:
         if not step(row, "start", lambda: sites.start()):
             return row
 
+        cpu_before: list[float] = []
+
         def create() -> None:
+            cpu_before.extend(cpu_seconds(sites.nodes[s].pid) for s in SITES)
             start = time.perf_counter()
             for i in range(0, len(names), CREATE_TOPICS_PER_CALL):  # as `georep topic create t1 t2 ...` batches them
                 request = pb.CreateTopicsRequest(
@@ -278,19 +292,40 @@ def run_size(root: Path, partitions: int, topics: int, cfg: Config) -> Row:
             wait("every site has every topic", lambda: every_site_has(sites, names, per_topic), CREATE_TIMEOUT_S)
             row.create_s = time.perf_counter() - start
 
+        def settle() -> None:
+            # What legitimately follows: each link's topic sync learns that its upstream holds the topics too, which
+            # reopens its stream; the idle window starts after that. Bounded, and reported: it must stay short.
+            _, row.settle_s = settled(sites, SETTLE_QUIET_S, SETTLE_TIMEOUT_S, poll_s=0.5)
+            spent = [cpu_seconds(sites.nodes[s].pid) - b for s, b in zip(SITES, cpu_before, strict=True)]
+            each = " / ".join(f"{s} {x:.1f} s" for s, x in zip(SITES, spent, strict=True))
+            progress(f"  {row.label}: create {row.create_s:.1f} s, settle {row.settle_s:.1f} s; node CPU {each}")
+
         if not step(row, "create", create):
             return row
+        step(row, "settle", settle)
         step(row, "links", lambda: wait("every link streams", lambda: links_up(sites), LINKS_TIMEOUT_S))
+
+        idles = iter(range(1, len(cfg.steps) + 1))
 
         def idle() -> None:
             pids = [sites.nodes[s].pid for s in SITES]
-            before = [cpu_seconds(p) for p in pids]
-            start = time.monotonic()
-            time.sleep(cfg.idle_s)
-            took = time.monotonic() - start
-            row.idle_cpu = max((cpu_seconds(p) - b) / took for p, b in zip(pids, before, strict=True))
+            window = f"{partitions}x{topics}-idle{next(idles)}"
+            spied = {} if cfg.py_spy is None else {cfg.py_spy / f"{window}-{s}.txt": sites.nodes[s].pid for s in SITES}
+            opened = sum(streams_opened(sites).values())
+            with recording(spied):  # nothing recorded without --py-spy
+                before = [cpu_seconds(p) for p in pids]
+                start = time.monotonic()
+                time.sleep(cfg.idle_s)
+                took = time.monotonic() - start
+                shares = [(cpu_seconds(p) - b) / took for p, b in zip(pids, before, strict=True)]
+            row.idle_cpu = max(shares)
             row.rss_bytes = max(rss_bytes(p) for p in pids)
             row.fds = max(open_fds(p) for p in pids)
+            reopened = sum(streams_opened(sites).values()) - opened
+            each = " / ".join(f"{s} {100 * x:.1f}%" for s, x in zip(SITES, shares, strict=True))
+            progress(f"  {row.label}: {window}: {each} (load {os.getloadavg()[0]:.1f}); {reopened} streams opened")
+            for out, pid in spied.items():
+                print_top(out, f"{out.stem} (pid {pid})")
 
         def scrape() -> None:
             row.scrape_s = max(scrape_s(sites.nodes[s].metrics_address) for s in SITES)
@@ -399,20 +434,20 @@ def judge(row: Row) -> dict[str, bool | None]:
 
 def table(rows: list[Row]) -> Iterator[str]:
     head = (
-        f"{'size':>20} {'create s':>9} {'idle cpu':>14} {'RSS MB':>12} {'fds':>11} {'scrape s':>9} "
+        f"{'size':>20} {'create s':>9} {'settle s':>9} {'idle cpu':>14} {'RSS MB':>12} {'fds':>11} {'scrape s':>9} "
         f"{'produce rec/s':>14} {'vs 100p':>13} {'converge s':>16} "
         f"{'keyless rec/s':>14} {'vs 100p':>13} {'converge s':>16} {'touched':>8} {'restart s':>14}"
     )
     yield head
     yield "-" * len(head)
     yield (
-        f"{'target':>20} {'':>9} {'<= 2%':>14} {'<= 1024':>12} {'<= 2000':>11} {'':>9} {'':>14} {'>= 70%':>13} "
+        f"{'target':>20} {'':>9} {'':>9} {'<= 2%':>14} {'<= 1024':>12} {'<= 2000':>11} {'':>9} {'':>14} {'>= 70%':>13} "
         f"{'<= 2x produce':>16} {'':>14} {'>= 70%':>13} {'<= 2x produce':>16} {'':>8} {'<= 10':>14}"
     )
     for r in rows:
         v = judge(r)
         yield (
-            f"{r.label:>20} {fmt(r.create_s, '.1f'):>9} "
+            f"{r.label:>20} {fmt(r.create_s, '.1f'):>9} {fmt(r.settle_s, '.1f'):>9} "
             f"{fmt(100 * r.idle_cpu, '.1f') + '% ' + verdict(v['idle']):>14} "
             f"{fmt(r.rss_bytes / 2**20, '.0f') + ' ' + verdict(v['rss']):>12} "
             f"{fmt(r.fds, '.0f') + ' ' + verdict(v['fds']):>11} {fmt(r.scrape_s, '.3f'):>9} "
@@ -544,6 +579,9 @@ def parse_args(argv: list[str] | None) -> Config:
     )
     parser.add_argument("--out", type=Path, default=Path("bench/scale.png"), help="the PNG")
     parser.add_argument("--json", type=Path, default=None, dest="json_out", help="also write the figures here")
+    parser.add_argument(
+        "--py-spy", type=Path, metavar="DIR", help="record each node with py-spy during each idle window into DIR"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 10 and 20 partitions, small produce")
     args = parser.parse_args(argv)
     sizes = [int(s.replace("_", "")) for s in args.sizes.split(",") if s.strip()]
@@ -568,11 +606,14 @@ def parse_args(argv: list[str] | None) -> Config:
         steps,
         args.out,
         args.json_out,
+        args.py_spy,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.py_spy is not None:
+        cfg.py_spy.mkdir(parents=True, exist_ok=True)
 
     def on_sigterm(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt  # the finally blocks kill every node and remove the directory

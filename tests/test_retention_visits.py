@@ -66,8 +66,7 @@ def test_idle_partitions_cost_a_retention_run_nothing_and_written_ones_still_exp
 
     async def scenario() -> None:
         broker.create_topic("t", PARTITIONS, CONFIG)
-        assert broker.enforce_retention().visited == PARTITIONS  # each one's first visit learns its due time
-        assert broker.enforce_retention().visited == 0  # nothing written, nothing can expire
+        assert broker.enforce_retention().visited == 0  # new and empty: nothing can expire until written
         for index in (3, 7):
             await write(broker, "t", index, [stamped(T0)] * 5)  # two sealed segments and an active one
         run = broker.enforce_retention()
@@ -109,6 +108,29 @@ def test_an_idle_producer_still_expires_and_nothing_else_is_visited_for_it(tmp_p
 
     try:
         asyncio.run(scenario())
+    finally:
+        broker.close()
+
+
+def test_after_a_restart_the_first_run_visits_the_partitions_that_hold_data_and_deletes_what_fell_due(
+    tmp_path: Path,
+) -> None:
+    """A node opens its partitions with nothing scheduled: each one holding data is visited at the first run (what
+    fell due while the node was down is deleted then); an empty one waits for its first write, as a new one does."""
+    clock = Clock()
+    broker = broker_on(tmp_path, clock)
+    try:
+        broker.create_topic("t", PARTITIONS, CONFIG)
+        for index in (3, 7):
+            asyncio.run(write(broker, "t", index, [stamped(T0)] * 5))  # two sealed segments and an active one
+    finally:
+        broker.close()
+    clock.now_ms = T0 + RETENTION_MS + 1
+    broker = broker_on(tmp_path, clock)
+    try:
+        run = broker.enforce_retention()
+        assert (run.visited, run.deleted) == (2, 4)
+        assert broker.enforce_retention().visited == 0
     finally:
         broker.close()
 

@@ -19,14 +19,14 @@ import pytest
 
 from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
-from tests.support.sites import TRIANGLE, Sites, read_site, wait_until
+from tests.support.sites import TRIANGLE, Sites, read_site, settled, wait_until
 
 pytestmark = pytest.mark.slow
 
 PARTITIONS = 5_000
 RECORDS = 2 * PARTITIONS  # two per partition: every partition is written
 IDLE_WINDOW_S = 20.0
-SETTLE_S = 3.0  # no stream opened for this long: the create has settled (settled())
+SETTLE_S = 3.0  # no stream opened for this long: the create has settled (tests/support/sites.py settled())
 SITES = ["a", "b", "c"]
 TOPIC = "wide"
 
@@ -65,24 +65,6 @@ async def produce_everywhere(sites: Sites) -> int:
     return len(results)
 
 
-def settled(sites: Sites) -> dict[tuple[str, str], int]:
-    """Each link's streams opened, once none was opened for ``SETTLE_S``: the creation's last step.
-
-    A site holds the partitions before its pullers' topic sync (once a second) has learnt that each upstream holds
-    the topic too; learning it changes what the link may pull, which reopens its stream once, by design. The idle
-    window starts after that, or this fails after 60 s of streams still opening."""
-    deadline = time.monotonic() + 60
-    opened = {key: link.streams_opened for key, link in links(sites).items()}
-    since = time.monotonic()
-    while time.monotonic() - since < SETTLE_S:
-        assert time.monotonic() < deadline, f"streams still opening 60 s after the create: {opened}"
-        time.sleep(0.2)
-        now = {key: link.streams_opened for key, link in links(sites).items()}
-        if now != opened:
-            opened, since = now, time.monotonic()
-    return opened
-
-
 def test_five_thousand_partitions_idle_without_flapping_and_converge(tmp_path: Path) -> None:
     sites = Sites(tmp_path, SITES, TRIANGLE, tls_dir=tmp_path / "certs")
     try:
@@ -94,7 +76,7 @@ def test_five_thousand_partitions_idle_without_flapping_and_converge(tmp_path: P
             timeout_s=120,
         )
         wait_until("every link streams", lambda: all(link.state == "streaming" for link in links(sites).values()), 60)
-        opened = settled(sites)
+        opened, _ = settled(sites, SETTLE_S, timeout_s=60)
         before = no_message_lines(tmp_path)
 
         end = time.monotonic() + IDLE_WINDOW_S

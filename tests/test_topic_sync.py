@@ -22,7 +22,7 @@ from georep.proto import georep_pb2 as pb
 from georep.server.broker import Broker
 from georep.server.process import NodeProcess
 from georep.server.replicator import Replicator
-from tests.support.node_api import stub_for
+from tests.support.node_api import batch, stub_for
 from tests.support.ports import free_ports
 from tests.support.sites import topology_toml
 from topology.file import parse_topology_file
@@ -30,36 +30,45 @@ from topology.ids import SiteId
 
 
 class Spy:
-    """A puller's stub that keeps every ``ListTopics`` answer."""
+    """A puller's stub that keeps every ``ListTopics`` answer, and the partitions of every held report it sends."""
 
     def __init__(self, stub: Any) -> None:
         self.stub = stub
         self.answers: list[pb.ListTopicsResponse] = []
+        self.reported: list[tuple[str, int]] = []
 
     async def ListTopics(self, request: pb.ListTopicsRequest, timeout: float) -> pb.ListTopicsResponse:
         answer = await self.stub.ListTopics(request, timeout=timeout)
         self.answers.append(answer)
         return answer  # type: ignore[no-any-return]
 
+    async def ReportHeld(self, request: pb.ReportHeldRequest, timeout: float) -> pb.ReportHeldResponse:
+        answer = await self.stub.ReportHeld(request, timeout=timeout)
+        self.reported += [(e.topic, e.partition) for e in request.entries]
+        return answer  # type: ignore[no-any-return]
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stub, name)
 
 
-def site_b(tmp_path: Path, a: NodeProcess) -> Replicator:
+def site_b(tmp_path: Path, a: NodeProcess, port_b: int | None = None) -> Replicator:
     port_a = int(a.address.rsplit(":", 1)[1])
-    (port_b,) = free_ports(1)
+    if port_b is None:
+        (port_b,) = free_ports(1)
     text = topology_toml({"a": port_a, "b": port_b}, [("a", "b")])
     topology = parse_topology_file("topology.toml", text.encode())
     broker = Broker(tmp_path / "b", SiteIdentity(SiteId("b"), 1))
     return Replicator(broker, topology, "b", stall_ms=1000)
 
 
-def run_at_b(tmp_path: Path, a: NodeProcess, scenario: Callable[[Replicator, Any], Awaitable[None]]) -> None:
+def run_at_b(
+    tmp_path: Path, a: NodeProcess, scenario: Callable[[Replicator, Any], Awaitable[None]], port_b: int | None = None
+) -> None:
     """``scenario(site b's replicator, a stub on a)`` in an event loop; b stops and its broker closes after it."""
     channel, stub_a = stub_for(a)
 
     async def main() -> None:
-        r = site_b(tmp_path, a)
+        r = site_b(tmp_path, a, port_b)
         try:
             await scenario(r, stub_a)
         finally:
@@ -149,6 +158,91 @@ def test_an_idle_topic_sync_leaves_the_links_view_of_the_topics_as_it_was(tmp_pa
         assert r.broker.metadata.get("second").partitions == 1
 
     run_at_b(tmp_path, node, scenario)
+
+
+def test_a_sync_round_that_creates_topics_in_many_steps_reopens_the_stream_once(
+    tmp_path: Path, node: NodeProcess
+) -> None:
+    """b creates what one round of topic sync learnt a step of about 256 partitions at a time; each step changed
+    what the link may pull, and the stream reopened, asking for every partition, once per step the tick saw (40
+    times per link for 10,000 partitions). It reopens once, after the round."""
+
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=1))
+        puller, session = r.pullers[SiteId("a")], r.pullers[SiteId("a")].session
+        await puller.sync_topics()
+        stream = asyncio.create_task(puller.stream_loop())
+        try:
+            await until("b streams from a", lambda: session._stream is not None and session._stream.delivered)
+            reopens = puller.stats.reopens
+            request = pb.CreateTopicsRequest(
+                topics=[pb.CreateTopicRequest(name=f"many{i:02d}", partitions=100) for i in range(20)]
+            )
+            stub_a.CreateTopics(request, timeout=60)
+            await puller.sync_topics()  # one round: 2,000 partitions, created in 8 steps
+            created = {key for key in r.broker.partitions if key[0].startswith("many")}
+            assert len(created) == 2_000
+
+            def caught_up() -> bool:  # the stream asks for every partition created
+                s = session._stream
+                return s is not None and s.delivered and created <= set(s.wants)
+
+            await until("b's stream pulls every partition", caught_up)
+            assert puller.stats.reopens == reopens + 1
+        finally:
+            stream.cancel()
+
+    run_at_b(tmp_path, node, scenario)
+
+
+def test_a_stream_reopened_for_a_new_topic_resends_no_held_report_but_a_restarted_upstream_gets_all(
+    tmp_path: Path,
+) -> None:
+    """A topic that arrives changes what the link pulls, which reopens its stream on purpose; the upstream was
+    streaming all along and still knows what b told it, so nothing is reported again (each reopen used to report
+    every held entry: tens of thousands at 10,000 partitions, at each of the dozens of reopens of a mass create).
+    An upstream that restarted has forgotten: it is told everything again. A partition that holds nothing is never
+    reported (each one's empty entry was: every partition of a mass create, at every site)."""
+
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="empty", partitions=3))
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="t", partitions=4))
+        for p in range(4):
+            stub_a.Produce(pb.ProduceRequest(topic="t", partition=p, batch=batch(2)))
+        puller = r.pullers[SiteId("a")]
+        spy = Spy(puller.stub)
+        puller._stub = spy  # type: ignore[assignment]
+
+        def reports_settled() -> bool:
+            return not puller.held_changed.is_set() and not puller.reporter.in_flight
+
+        r.start()
+        everything = [("t", p) for p in range(4)]
+        await until("b told a it holds every partition of t", lambda: set(everything) <= set(spy.reported))
+        await until("b's reports settled", reports_settled)
+        assert sorted(set(spy.reported)) == everything, "b reported partitions that hold nothing"
+        spy.reported.clear()
+        reopens = puller.stats.reopens
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="u", partitions=1))
+        session = puller.session
+        await until("b's stream reopened for u", lambda: puller.stats.reopens > reopens and session._stream)
+        await until("the new stream streams", lambda: session._stream is not None and session._stream.delivered)
+        await until("b's reports settled", reports_settled)
+        assert spy.reported == [], "a stream reopened on purpose reported every held entry again"
+
+        await asyncio.to_thread(a.stop)
+        await asyncio.to_thread(a.start)
+        await until("b told the restarted a everything again", lambda: sorted(set(spy.reported)) == everything)
+
+    # a knows the link a -> b (else it refuses b's claims), on a port that stays the same over its restart
+    port_a, port_b = free_ports(2)
+    (tmp_path / "topology.toml").write_text(topology_toml({"a": port_a, "b": port_b}, [("a", "b")]))
+    topology = ["--topology", str(tmp_path / "topology.toml")]
+    a = NodeProcess("a", tmp_path / "a", listen=f"127.0.0.1:{port_a}", extra_args=topology).start()
+    try:
+        run_at_b(tmp_path, a, scenario, port_b)
+    finally:
+        a.kill9()
 
 
 # -- the catalog ------------------------------------------------------------------------------------------------

@@ -358,7 +358,10 @@ class Broker:
         for i, plog in enumerate(logs):
             p = self.partitions[(spec.name, i)] = Partition(spec.name, i, plog, config, self.origin, now_ms)
             self.partitions_version += 1
-            self.retention.written(p.key)  # its first visit learns when its data falls due
+            if plog.log_end_offset > plog.log_start_offset:  # its first visit learns when its data falls due
+                self.retention.written(p.key)
+            # (An empty log has nothing to delete nor producers to expire until its first write marks it: a create
+            # of 10,000 partitions made the next run visit each, once.)
             p.durable_watchers.add(self.retention.written)
             self.acks.open_partition(p.key, p.fsync_per_batch, plog.flushed_offset, VectorOffset(plog.flushed_vector()))
             self.on_open(p)

@@ -33,7 +33,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 
 import grpc
@@ -127,6 +127,10 @@ class Puller:
         claims = HeldClaimCheck(replicator.topology, src)
         self.reporter = HeldReporter(src, lambda key: claims.refusal(replicator.site, key[0], key[1]) is None)
         self._refused_report = ""  # src's last refusal of a report, logged once
+        # src may not know what this site holds: before the first stream, and after a stream failed or src ended
+        # it (it may have restarted). A stream reopened on purpose (its wants changed, a gap, a lost tail) was
+        # live up to then, so src still knows what it was told: its "up" resends nothing.
+        self._src_may_forget = True
         self._channel: grpc.aio.Channel | None = None
         self._stub: pbg.NodeAsyncStub | None = None
         self._topics_synced = asyncio.Event()
@@ -186,12 +190,18 @@ class Puller:
 
     def _usable(self, key: PartitionKey) -> bool:
         # The broker's partitions are the ones this node serves: all of a one-node site's, the ones a node of a
-        # multi-node site leads.
-        return pullable(key, self.src, self.remote_topics, self.r.conflicts, self.r.broker.partitions)
+        # multi-node site leads. A topic that a topic sync is still creating waits for the end of its round: it is
+        # served a step of about 256 partitions at a time, and each step would change the wants and reopen the
+        # stream, asking for every partition, once per step (40 times per link for 10,000 partitions).
+        r = self.r
+        return (
+            pullable(key, self.src, self.remote_topics, r.conflicts, r.broker.partitions) and key[0] not in r.creating
+        )
 
     def _usable_basis(self) -> object:
         """What ``_usable`` answers from, compared by value (O(topics), not O(partitions))."""
-        return (self.r.broker.partitions_version, tuple(self.r.conflicts), self.remote_topics)
+        r = self.r
+        return (r.broker.partitions_version, tuple(r.conflicts), self.remote_topics, r.created_rounds)
 
     def set_enabled(self, enabled: bool) -> None:
         """An operator cut or healed the link; the stream loop tells the session."""
@@ -242,6 +252,10 @@ class Puller:
             resp = await self.stub.ListTopics(request, timeout=RPC_TIMEOUT_S)
             if resp.restarted or not resp.catalog_token:  # (no token: a node from before catalogs lists all)
                 fresh, learnt = {}, []
+            if resp.restarted and self._catalog_token:
+                # Another process answers (src restarted, or another of its nodes), perhaps between two streams
+                # that never failed: it may not know what this site holds.
+                self._report_everything()
             page = [RemoteTopic(t.name, t.partitions, dict(t.config)) for t in resp.topics]
             learnt += page
             token = resp.catalog_token
@@ -277,9 +291,15 @@ class Puller:
         local_specs = r.broker.metadata.topics()
         local = {name: spec.partitions for name, spec in local_specs.items()}
         plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local)
-        outcomes = await create_topics(
-            r.broker, [(t.name, t.partitions, dict(t.config)) for t in plan.create], internal=True
-        )
+        names = Counter(t.name for t in plan.create)
+        r.creating += names
+        try:
+            outcomes = await create_topics(
+                r.broker, [(t.name, t.partitions, dict(t.config)) for t in plan.create], internal=True
+            )
+        finally:
+            r.creating -= names  # (a Counter keeps no name at zero)
+            r.created_rounds += 1 if names else 0
         for t, outcome in zip(plan.create, outcomes, strict=True):
             if isinstance(outcome, TopicSpec):
                 log.info("created topic %r (%d partitions) replicated from site %s", t.name, t.partitions, self.src)
@@ -309,7 +329,7 @@ class Puller:
             await self.held_changed.wait()
             self.held_changed.clear()
             await self.enabled.wait()
-            entries = self.reporter.next_report(held)
+            entries = self.reporter.next_report(held, skip_empty=True)
             if entries is None:
                 continue
             request = pb.ReportHeldRequest(
@@ -432,16 +452,26 @@ class Puller:
 
     def _log(self, event: LinkEvent) -> None:
         if event.kind == "up":
-            # src may have restarted and forgotten what we hold: report everything again.
-            self.reporter.reset()
-            self.held_changed.set()
+            if self._src_may_forget:
+                self._report_everything()
             log.info("%s", event.text)
         elif event.kind in ("down", "timeout", "disabled"):
+            self._src_may_forget = True
             log.warning("%s", event.text)
         elif event.kind == "diverged":
             log.error("%s", event.text)
         else:
+            self._src_may_forget = self._src_may_forget or event.kind == "ended"
             log.info("%s", event.text)
+
+    def _report_everything(self) -> None:
+        """src may have restarted and forgotten what this site holds: the next report carries every entry.
+
+        Not at every stream: at 10,000 written partitions a report of everything is 20,000 entries or more, and a
+        link reopens its stream on purpose whenever its wants change (a topic created, a stall)."""
+        self._src_may_forget = False
+        self.reporter.reset()
+        self.held_changed.set()
 
     def _open_call(self, effect: OpenStream) -> None:
         self._end_call()
@@ -501,6 +531,10 @@ class Replicator:
         self.links = LinkManager(topology, site, stall_ms)
         self.now_ms = clock_ms
         self.conflicts: dict[tuple[str, SiteId], str] = {}
+        # Topics that topic syncs are creating now (a count per name: two links may carry the same topic): the
+        # links pull them once their round has ended (Puller._usable), and each round's end moves the wants' basis.
+        self.creating: Counter[str] = Counter()
+        self.created_rounds = 0
         # (topic, partition, origin) -> replication delay of the last batch applied
         self.lag_ms: dict[tuple[str, int, Origin], int] = {}
         self.pullers = {

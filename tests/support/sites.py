@@ -123,6 +123,35 @@ def wait_until(what: str, cond: Callable[[], object], timeout_s: float = 30.0) -
     raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
 
 
+def streams_opened(sites: Sites) -> dict[tuple[str, str], int]:
+    """Pull streams opened so far on each link ``(src, dst)`` (SiteStatus's summary: no per-partition rows)."""
+    return {
+        (link.src, link.dst): link.streams_opened
+        for s in sites.nodes
+        for link in sites.stub(s).SiteStatus(pb.SiteStatusRequest(), timeout=30).links
+    }
+
+
+def settled(
+    sites: Sites, quiet_s: float = 3.0, timeout_s: float = 60.0, poll_s: float = 0.2
+) -> tuple[dict[tuple[str, str], int], float]:
+    """Each link's streams opened once none was opened for ``quiet_s``, and the seconds from the call until the last
+    one opened (0: none did). Raises AssertionError after ``timeout_s`` of streams still opening.
+
+    A create's last step: a site holds a new topic's partitions before its pullers' topic sync (once a second) has
+    learnt that each upstream holds the topic too, and learning it changes what the link may pull, which reopens
+    its stream once, by design."""
+    start = time.monotonic()
+    opened, since = streams_opened(sites), start
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() - start < timeout_s, f"streams still opening {timeout_s:g} s after the create: {opened}"
+        time.sleep(poll_s)
+        now = streams_opened(sites)
+        if now != opened:
+            opened, since = now, time.monotonic()
+    return opened, since - start
+
+
 def converged(sites: Sites, names: list[str], topic: str, expect_total: int | None = None) -> bool:
     vectors = [sites.vectors(s, topic) for s in names]
     if not vectors[0] or any(v != vectors[0] for v in vectors):
