@@ -264,105 +264,110 @@ def step(row: Row, what: str, fn: Callable[[], None]) -> bool:
     return True
 
 
+@dataclass
+class SizeRun:
+    """One size's three sites and the row its steps fill in; each method is one step."""
+
+    sites: Sites
+    row: Row
+    cfg: Config
+    names: list[str]
+    per_topic: int
+    cpu_before: list[float] = field(default_factory=list)
+    idles: Iterator[int] = field(default_factory=lambda: iter(range(1, 1 << 30)))
+
+    def create(self) -> None:
+        sites, names = self.sites, self.names
+        self.cpu_before = [cpu_seconds(sites.nodes[s].pid) for s in SITES]
+        start = time.perf_counter()
+        for i in range(0, len(names), CREATE_TOPICS_PER_CALL):  # as `georep topic create t1 t2 ...` batches them
+            request = pb.CreateTopicsRequest(
+                topics=[
+                    pb.CreateTopicRequest(name=n, partitions=self.per_topic)
+                    for n in names[i : i + CREATE_TOPICS_PER_CALL]
+                ]
+            )
+            for result in sites.stub("a").CreateTopics(request, timeout=300).results:
+                if result.HasField("error"):
+                    raise BenchError(f"create {result.name}: {result.error.message}")
+        wait("every site has every topic", lambda: every_site_has(sites, names, self.per_topic), CREATE_TIMEOUT_S)
+        self.row.create_s = time.perf_counter() - start
+
+    def settle(self) -> None:
+        # What legitimately follows: each link's topic sync learns that its upstream holds the topics too, which
+        # reopens its stream; the idle window starts after that. Bounded, and reported: it must stay short.
+        row, sites = self.row, self.sites
+        _, row.settle_s = settled(sites, SETTLE_QUIET_S, SETTLE_TIMEOUT_S, poll_s=0.5)
+        spent = [cpu_seconds(sites.nodes[s].pid) - b for s, b in zip(SITES, self.cpu_before, strict=True)]
+        each = " / ".join(f"{s} {x:.1f} s" for s, x in zip(SITES, spent, strict=True))
+        progress(f"  {row.label}: create {row.create_s:.1f} s, settle {row.settle_s:.1f} s; node CPU {each}")
+
+    def idle(self) -> None:
+        sites, row, cfg = self.sites, self.row, self.cfg
+        pids = [sites.nodes[s].pid for s in SITES]
+        window = f"{row.partitions}x{row.topics}-idle{next(self.idles)}"
+        spied = {} if cfg.py_spy is None else {cfg.py_spy / f"{window}-{s}.txt": sites.nodes[s].pid for s in SITES}
+        opened = sum(streams_opened(sites).values())
+        with recording(spied):  # nothing recorded without --py-spy
+            before = [cpu_seconds(p) for p in pids]
+            start = time.monotonic()
+            time.sleep(cfg.idle_s)
+            took = time.monotonic() - start
+            shares = [(cpu_seconds(p) - b) / took for p, b in zip(pids, before, strict=True)]
+        row.idle_cpu = max(shares)
+        row.rss_bytes = max(rss_bytes(p) for p in pids)
+        row.fds = max(open_fds(p) for p in pids)
+        reopened = sum(streams_opened(sites).values()) - opened
+        each = " / ".join(f"{s} {100 * x:.1f}%" for s, x in zip(SITES, shares, strict=True))
+        progress(f"  {row.label}: {window}: {each} (load {os.getloadavg()[0]:.1f}); {reopened} streams opened")
+        for out, pid in spied.items():
+            print_top(out, f"{out.stem} (pid {pid})")
+
+    def scrape(self) -> None:
+        self.row.scrape_s = max(scrape_s(self.sites.nodes[s].metrics_address) for s in SITES)
+
+    def produce(self, keyless: bool) -> None:
+        sites, names, row, cfg = self.sites, self.names, self.row, self.cfg
+        before = {s: held_total(sites, s, names) for s in SITES}
+        partitions_before = written(sites, names) if keyless else {}
+        value = b"v" * cfg.value_bytes
+        took = asyncio.run(produce(sites, names, self.per_topic, cfg.records, value, keyless))
+        start = time.perf_counter()
+        wait(
+            "every site holds every record",
+            lambda: all(held_total(sites, s, names) >= before[s] + cfg.records for s in SITES),
+            CONVERGE_TIMEOUT_S,
+        )
+        converge_s = time.perf_counter() - start
+        if keyless:
+            row.keyless_produce_s, row.keyless_rate, row.keyless_converge_s = took, cfg.records / took, converge_s
+            after = written(sites, names)
+            row.keyless_touched = sum(after[k] > partitions_before.get(k, 0) for k in after)
+        else:
+            row.produce_s, row.rate, row.converge_s = took, cfg.records / took, converge_s
+
+    def restart(self) -> None:
+        self.row.restart_s = restart_s(self.sites, self.names[0])
+
+
 def run_size(root: Path, partitions: int, topics: int, cfg: Config) -> Row:
     row = Row(partitions, topics)
     names = topic_names(topics)
-    per_topic = max(1, partitions // topics)
     sites = Sites(root, SITES, CYCLE, tls_dir=root / "tls")
+    run = SizeRun(sites, row, cfg, names, max(1, partitions // topics))
     progress(f"{row.label}: starting sites a, b, c in {root.name}/")
     try:
-        if not step(row, "start", lambda: sites.start()):
+        if not step(row, "start", lambda: sites.start()) or not step(row, "create", run.create):
             return row
-
-        cpu_before: list[float] = []
-
-        def create() -> None:
-            cpu_before.extend(cpu_seconds(sites.nodes[s].pid) for s in SITES)
-            start = time.perf_counter()
-            for i in range(0, len(names), CREATE_TOPICS_PER_CALL):  # as `georep topic create t1 t2 ...` batches them
-                request = pb.CreateTopicsRequest(
-                    topics=[
-                        pb.CreateTopicRequest(name=n, partitions=per_topic)
-                        for n in names[i : i + CREATE_TOPICS_PER_CALL]
-                    ]
-                )
-                for result in sites.stub("a").CreateTopics(request, timeout=300).results:
-                    if result.HasField("error"):
-                        raise BenchError(f"create {result.name}: {result.error.message}")
-            wait("every site has every topic", lambda: every_site_has(sites, names, per_topic), CREATE_TIMEOUT_S)
-            row.create_s = time.perf_counter() - start
-
-        def settle() -> None:
-            # What legitimately follows: each link's topic sync learns that its upstream holds the topics too, which
-            # reopens its stream; the idle window starts after that. Bounded, and reported: it must stay short.
-            _, row.settle_s = settled(sites, SETTLE_QUIET_S, SETTLE_TIMEOUT_S, poll_s=0.5)
-            spent = [cpu_seconds(sites.nodes[s].pid) - b for s, b in zip(SITES, cpu_before, strict=True)]
-            each = " / ".join(f"{s} {x:.1f} s" for s, x in zip(SITES, spent, strict=True))
-            progress(f"  {row.label}: create {row.create_s:.1f} s, settle {row.settle_s:.1f} s; node CPU {each}")
-
-        if not step(row, "create", create):
-            return row
-        step(row, "settle", settle)
+        step(row, "settle", run.settle)
         step(row, "links", lambda: wait("every link streams", lambda: links_up(sites), LINKS_TIMEOUT_S))
-
-        idles = iter(range(1, len(cfg.steps) + 1))
-
-        def idle() -> None:
-            pids = [sites.nodes[s].pid for s in SITES]
-            window = f"{partitions}x{topics}-idle{next(idles)}"
-            spied = {} if cfg.py_spy is None else {cfg.py_spy / f"{window}-{s}.txt": sites.nodes[s].pid for s in SITES}
-            opened = sum(streams_opened(sites).values())
-            with recording(spied):  # nothing recorded without --py-spy
-                before = [cpu_seconds(p) for p in pids]
-                start = time.monotonic()
-                time.sleep(cfg.idle_s)
-                took = time.monotonic() - start
-                shares = [(cpu_seconds(p) - b) / took for p, b in zip(pids, before, strict=True)]
-            row.idle_cpu = max(shares)
-            row.rss_bytes = max(rss_bytes(p) for p in pids)
-            row.fds = max(open_fds(p) for p in pids)
-            reopened = sum(streams_opened(sites).values()) - opened
-            each = " / ".join(f"{s} {100 * x:.1f}%" for s, x in zip(SITES, shares, strict=True))
-            progress(f"  {row.label}: {window}: {each} (load {os.getloadavg()[0]:.1f}); {reopened} streams opened")
-            for out, pid in spied.items():
-                print_top(out, f"{out.stem} (pid {pid})")
-
-        def scrape() -> None:
-            row.scrape_s = max(scrape_s(sites.nodes[s].metrics_address) for s in SITES)
-
-        value = b"v" * cfg.value_bytes
-
-        def run_produce(keyless: bool) -> None:
-            before = {s: held_total(sites, s, names) for s in SITES}
-            partitions_before = written(sites, names) if keyless else {}
-            took = asyncio.run(produce(sites, names, per_topic, cfg.records, value, keyless))
-            start = time.perf_counter()
-            wait(
-                "every site holds every record",
-                lambda: all(held_total(sites, s, names) >= before[s] + cfg.records for s in SITES),
-                CONVERGE_TIMEOUT_S,
-            )
-            converge_s = time.perf_counter() - start
-            if keyless:
-                row.keyless_produce_s, row.keyless_rate, row.keyless_converge_s = took, cfg.records / took, converge_s
-                after = written(sites, names)
-                row.keyless_touched = sum(after[k] > partitions_before.get(k, 0) for k in after)
-            else:
-                row.produce_s, row.rate, row.converge_s = took, cfg.records / took, converge_s
-
-        def produces() -> None:
-            for partitioner in cfg.partitioners:
-                step(row, f"produce ({partitioner})", lambda keyless=partitioner == "keyless": run_produce(keyless))
-
-        def restart() -> None:
-            row.restart_s = restart_s(sites, names[0])
-
-        measures: dict[str, Callable[[], None]] = {"idle": idle, "scrape": scrape, "restart": restart}
+        measures: dict[str, Callable[[], None]] = {"idle": run.idle, "scrape": run.scrape, "restart": run.restart}
         for what in cfg.steps:  # in the order given: `--steps produce,idle` measures idle over written partitions
-            if what == "produce":
-                produces()
-            else:
+            if what != "produce":
                 step(row, what, measures[what])
+                continue
+            for partitioner in cfg.partitioners:
+                step(row, f"produce ({partitioner})", lambda keyless=partitioner == "keyless": run.produce(keyless))
     finally:
         sites.close()
     return row
