@@ -84,9 +84,15 @@ def check_resume(broker: Broker) -> None:
     # Made here: the hint is exact in this very log, clamped into it (the tail it pointed into was lost).
     assert g._resume_offset(CLIENT, commit(here, VectorOffset({here: 2}), 2)) == 2
     assert g._resume_offset(CLIENT, commit(here, VectorOffset({here: 8}), 100)) == log.log_end_offset
-    # Made at another site: its hint is an offset of another log; the vector alone says where.
-    vector = VectorOffset({here: 2})
-    assert g._resume_offset(CLIENT, commit(ELSEWHERE, vector, 5)) == start_offset_for_vector(log, vector.to_dict())
+    # Made at another site: its hint is an offset of another log; the vector alone says where, exactly: record 3
+    # is the first it does not cover, inside the batch at 2..3 (the client drops record 2 of the fetched batch).
+    vector = VectorOffset({here: 3})
+    assert start_offset_for_vector(log, vector.to_dict()) == 2
+    assert g._resume_offset(CLIENT, commit(ELSEWHERE, vector, 5)) == 3
+    assert not g.filters._filters, "nothing the vector covers lies past 3: a plain reader needs no filter"
+    # Covering records this site does not hold yet: they may arrive past the answer, so the client is filtered.
+    assert g._resume_offset(CLIENT, commit(ELSEWHERE, VectorOffset({here: 3, ELSEWHERE: 4}), 5)) == 3
+    assert g.filters.for_fetch((CLIENT, TOPIC, 0), 3) == VectorOffset({here: 3, ELSEWHERE: 4})
 
 
 def test_a_resumed_commit_starts_where_a_fetch_cursor_from_it_starts(broker: Broker) -> None:
@@ -100,10 +106,10 @@ def test_a_planted_bug_in_the_fetch_cursors_hint_reaches_the_gateway(
     whatever log it was taken in."""
     real = fetch.start_position
 
-    def any_hint(log: PartitionLog, start: fetch.FetchStart, own: Origin) -> int:
+    def any_hint(log: PartitionLog, start: fetch.FetchStart, own: Origin, exact: bool = False) -> int:
         if isinstance(start, fetch.FromVector) and start.hint_offset >= 0:
             return min(start.hint_offset, log.log_end_offset)
-        return real(log, start, own)
+        return real(log, start, own, exact)
 
     monkeypatch.setattr(fetch, "start_position", any_hint)
     with pytest.raises(AssertionError):
@@ -169,9 +175,33 @@ def test_offsets_by_time_point_only_at_durable_batches_at_both_front_ends(broker
 
     flushed = log_of(broker).flushed_offset
     assert asyncio.run(both(2_000)) == (2, 2)
+    assert asyncio.run(both(1_000)) == (0, 0)
     assert asyncio.run(both(9_000)) == (-1, flushed)
     log_of(broker).flush()
     assert asyncio.run(both(9_000)) == (6, 6)
+
+
+def test_earliest_and_latest_are_the_same_offsets_at_both_front_ends(broker: Broker) -> None:
+    """One rule (``fetch.listed_offset``): earliest is the log start, latest the high watermark (the flushed
+    offset, not the log end: the batch at 6..7 is not fsynced), whichever front end asks."""
+
+    async def both(position: int, kafka_timestamp: int) -> tuple[int, int]:
+        service = NodeService(broker, NodeMetrics(broker))
+        request = pb.ListOffsetsRequest(topic=TOPIC, partition=0, position=position)  # type: ignore[arg-type]
+        ours = (await service.list_offsets(request.SerializeToString(), None)).offsets[0].offset  # type: ignore[arg-type]
+        body = SimpleNamespace(
+            topics=[
+                SimpleNamespace(name=TOPIC, partitions=[SimpleNamespace(partition_index=0, timestamp=kafka_timestamp)])
+            ]
+        )
+        answer = await gateway(broker)._list_offsets(Request(2, 1, 1, "c", body), PEER)
+        return ours, answer.topics[0].partitions[0].offset
+
+    log = log_of(broker)
+    assert asyncio.run(both(pb.START_EARLIEST, -2)) == (0, 0)
+    assert asyncio.run(both(pb.START_LATEST, -1)) == (6, 6) == (log.flushed_offset, log.flushed_offset)
+    log.flush()
+    assert asyncio.run(both(pb.START_LATEST, -1)) == (8, 8)
 
 
 def test_neither_front_end_creates_an_internal_topic(broker: Broker) -> None:

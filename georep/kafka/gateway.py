@@ -394,13 +394,16 @@ class KafkaGateway:
                 try:
                     self._allow(peer, Operation.CONSUME, [acl_topic(t.name)])
                     plog = self.broker.partition(t.name, lp.partition_index).log
-                    if lp.timestamp == EARLIEST:
-                        offset = plog.log_start_offset
-                    elif lp.timestamp >= 0:  # none durable yet: the high watermark, where the next ones go
-                        found = fetch.offset_for_time(plog, lp.timestamp)
-                        offset = plog.flushed_offset if found is None else found
-                    else:  # LATEST, and the max-timestamp query (-3), which gets the end
-                        offset = plog.flushed_offset
+                    query: fetch.Earliest | fetch.Latest | int = (
+                        fetch.Earliest()
+                        if lp.timestamp == EARLIEST
+                        else lp.timestamp
+                        if lp.timestamp >= 0
+                        else fetch.Latest()  # LATEST, and the max-timestamp query (-3), which gets the end
+                    )
+                    found = fetch.listed_offset(plog, query)
+                    # none durable that late yet: the high watermark, where the next ones go
+                    offset = plog.flushed_offset if found is None else found
                     epoch = self._view([(t.name, lp.partition_index)]).route(t.name, lp.partition_index).leader_epoch
                     parts.append(
                         rp(partition_index=lp.partition_index, timestamp=-1, offset=offset, leader_epoch=epoch)
@@ -653,21 +656,23 @@ class KafkaGateway:
         return r(topics=out)
 
     def _resume_offset(self, client: str, c: pb.CommittedOffset) -> int:
-        """This site's local offset for a committed vector: where a fetch cursor from it starts
-        (``georep/broker/fetch.py``: the commit's hint only in the log it was taken in, clamped into the log;
-        otherwise the first offset holding a record the vector does not cover)."""
+        """This site's local offset for a committed vector, exact (``fetch.resume_at``: the commit's hint only in
+        the log it was taken in; otherwise the offset of the first record the vector does not cover). A filter
+        for the client's fetches only where the vector covers records past that offset (interleaved origins,
+        records still to arrive, or a commit that kept covering what a resumed consumer skipped)."""
         plog = self.broker.partition(c.topic, c.partition).log
         vector = vector_from_proto(c.vector)
         try:
             hint_origin: Origin | None = Origin.parse(c.committed_by)
         except InvalidOrigin:
             hint_origin = None  # a hint is a shortcut: the vector alone says where
-        start = fetch.FromVector(vector, hint_origin, int(c.hint_offset))
-        offset = int(fetch.FetchCursor(plog, start, self.broker.origin).position)
-        # Past the offset the vector may still cover records (interleaved origins, or a commit that kept covering
-        # what a resumed consumer skipped): the client's fetches leave them out.
-        self.filters.set((client, c.topic, c.partition), offset, vector)
-        return offset
+        resume = fetch.resume_at(plog, fetch.FromVector(vector, hint_origin, int(c.hint_offset)), self.broker.origin)
+        key = (client, c.topic, c.partition)
+        if resume.covered_after:
+            self.filters.set(key, resume.offset, vector)
+        else:
+            self.filters.clear(key)
+        return int(resume.offset)
 
     async def _list_groups(self, req: Request, peer: Client) -> Any:
         r = kadmin.ListGroupsResponse

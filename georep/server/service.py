@@ -30,7 +30,7 @@ from georep.broker.fetch import (
     FromVector,
     Latest,
     batch_by_coordinate,
-    offset_for_time,
+    listed_offset,
 )
 from georep.metadata.catalog import TopicCatalog
 from georep.metadata.topics import TopicSpec
@@ -260,16 +260,15 @@ class NodeService:
         out = []
         for i in indexes:
             plog = self.broker.partition(req.topic, i).log
-            if req.WhichOneof("spec") == "timestamp_ms":
-                at = offset_for_time(plog, req.timestamp_ms)  # the rule Kafka's ListOffsets follows too
-                out.append(
-                    pb.PartitionOffset(partition=i, offset=-1 if at is None else at, timestamp_ms=req.timestamp_ms)
+            by_time = req.WhichOneof("spec") == "timestamp_ms"
+            # the rule Kafka's ListOffsets follows too (broker/fetch.py); latest is the high watermark
+            query = req.timestamp_ms if by_time else Latest() if req.position == pb.START_LATEST else Earliest()
+            at = listed_offset(plog, query)
+            out.append(
+                pb.PartitionOffset(
+                    partition=i, offset=-1 if at is None else at, timestamp_ms=req.timestamp_ms if by_time else -1
                 )
-            elif req.position == pb.START_LATEST:
-                # the high watermark, as in Kafka: what a read from 'latest' starts at (broker/fetch.py)
-                out.append(pb.PartitionOffset(partition=i, offset=plog.flushed_offset, timestamp_ms=-1))
-            else:
-                out.append(pb.PartitionOffset(partition=i, offset=plog.log_start_offset, timestamp_ms=-1))
+            )
         return pb.ListOffsetsResponse(offsets=out)
 
     # -- produce --------------------------------------------------------------
