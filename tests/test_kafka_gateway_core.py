@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 from georep.broker import fetch
-from georep.broker.errors import InternalTopic
+from georep.broker.errors import InternalTopic, NotLeader
 from georep.kafka import errors as k
-from georep.kafka.gateway import Client, KafkaGateway
+from georep.kafka.cluster import OneNode
+from georep.kafka.gateway import Client, KafkaGateway, LeaderUnreachable
 from georep.kafka.protocol import Request
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_to_proto
@@ -82,16 +83,16 @@ def check_resume(broker: Broker) -> None:
     g, log = gateway(broker), log_of(broker)
     here = broker.origin
     # Made here: the hint is exact in this very log, clamped into it (the tail it pointed into was lost).
-    assert g._resume_offset(CLIENT, commit(here, VectorOffset({here: 2}), 2)) == 2
-    assert g._resume_offset(CLIENT, commit(here, VectorOffset({here: 8}), 100)) == log.log_end_offset
+    assert g.resume_offset(CLIENT, commit(here, VectorOffset({here: 2}), 2)) == 2
+    assert g.resume_offset(CLIENT, commit(here, VectorOffset({here: 8}), 100)) == log.log_end_offset
     # Made at another site: its hint is an offset of another log; the vector alone says where, exactly: record 3
     # is the first it does not cover, inside the batch at 2..3 (the client drops record 2 of the fetched batch).
     vector = VectorOffset({here: 3})
     assert start_offset_for_vector(log, vector.to_dict()) == 2
-    assert g._resume_offset(CLIENT, commit(ELSEWHERE, vector, 5)) == 3
+    assert g.resume_offset(CLIENT, commit(ELSEWHERE, vector, 5)) == 3
     assert not g.filters._filters, "nothing the vector covers lies past 3: a plain reader needs no filter"
     # Covering records this site does not hold yet: they may arrive past the answer, so the client is filtered.
-    assert g._resume_offset(CLIENT, commit(ELSEWHERE, VectorOffset({here: 3, ELSEWHERE: 4}), 5)) == 3
+    assert g.resume_offset(CLIENT, commit(ELSEWHERE, VectorOffset({here: 3, ELSEWHERE: 4}), 5)) == 3
     assert g.filters.for_fetch((CLIENT, TOPIC, 0), 3) == VectorOffset({here: 3, ELSEWHERE: 4})
 
 
@@ -229,3 +230,40 @@ def test_a_validate_only_create_meets_the_same_rules(broker: Broker, name: str, 
     answer = asyncio.run(gateway(broker)._create_topics(Request(19, 5, 1, "c", body), PEER))
     assert answer.topics[0].error_code == code
     assert "ok" not in broker.metadata.topics(), "validate_only creates nothing"
+
+
+def test_a_coordinator_asks_the_partitions_leader_which_keeps_the_clients_filter(broker: Broker) -> None:
+    """A multi-node site (issue 23): the group's coordinator does not lead the partition, so it asks the leader for
+    where a commit resumes and for a commit's vector; the leader computes them from its log and keeps the client's
+    filter, since the client's fetches go to it."""
+    leader = gateway(broker)
+    coordinator = gateway(broker)
+
+    def not_here(topic: str, index: int) -> object:
+        raise NotLeader(topic, index, "another node leads it")
+
+    coordinator.broker = SimpleNamespace(partition=not_here, origin=broker.origin)  # type: ignore[assignment]
+    coordinator.view_of = lambda keys: OneNode("127.0.0.1", 9092)
+
+    async def ask(topic: str, index: int, question: pb.KafkaOffsetAsk) -> pb.PartitionOffset:
+        return leader.answer_coordinator(topic, index, question)
+
+    coordinator.ask_leader = ask
+    here = broker.origin
+    ahead = VectorOffset({here: 3, ELSEWHERE: 4})  # ELSEWHERE's records are still to come here: filtered
+
+    async def run() -> tuple[int, tuple[int, VectorOffset]]:
+        resumed = await coordinator._resume_offset(CLIENT, commit(ELSEWHERE, ahead, 5))
+        return resumed, await coordinator._commit_vector(CLIENT, TOPIC, 0, 4)
+
+    resumed, (offset, vector) = asyncio.run(run())
+    assert resumed == 3
+    assert leader.filters.for_fetch((CLIENT, TOPIC, 0), 3) == ahead and not coordinator.filters._filters
+    assert (offset, vector) == (4, VectorOffset({here: 4, ELSEWHERE: 4})), "what the filter skipped stays covered"
+
+    async def unreachable(topic: str, index: int, question: pb.KafkaOffsetAsk) -> pb.PartitionOffset:
+        raise ConnectionError("node 2 is down")
+
+    coordinator.ask_leader = unreachable
+    with pytest.raises(LeaderUnreachable, match="did not answer"):  # a retriable code, never a guessed vector
+        asyncio.run(coordinator._commit_vector(CLIENT, TOPIC, 0, 4))

@@ -1,0 +1,133 @@
+"""A Kafka consumer group on a 3-node site (issue 23): FindCoordinator names the leader of the group's
+``__georep_offsets`` partition; commits of partitions other nodes lead get their exact vectors from those
+leaders; the group rebalances and commits through a ``kill -9`` of its coordinator node and then of a partition
+leader node, and nothing a successful commit covered is delivered again."""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.cluster_site import ClusterSite
+from tests.support.kafka_nodes import poll_until
+from tests.test_kafka_cluster import request, string
+
+confluent_kafka = pytest.importorskip("confluent_kafka")
+pytestmark = pytest.mark.slow
+
+TOPIC = "orders"
+PARTITIONS = 3
+COUNT = 300
+GROUP = "billing"
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Iterator[ClusterSite]:
+    s = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500", "--kafka-commit-acks", "all"], kafka=True)
+    s.start()
+    yield s
+    s.close()
+
+
+def coordinator(site: ClusterSite) -> int:
+    """The node FindCoordinator names for the group, asked of every live node until one answers."""
+    found: list[int] = []
+
+    def ask() -> None:
+        for n in site.live():
+            answer = request(site.kafka_address(n), 10, 0, string(GROUP))
+            code, node = struct.unpack_from(">hi", answer)
+            if code == 0:
+                found.append(node)
+                return
+        time.sleep(0.2)
+
+    poll_until("a node names the group's coordinator", ask, lambda: bool(found), timeout_s=60)
+    return found[-1]
+
+
+class Group:
+    """Two members of one group, committing synchronously after each poll; every delivery checked against the
+    highest offset a successful commit covered when it was delivered."""
+
+    def __init__(self, bootstrap: str) -> None:
+        config = {
+            "bootstrap.servers": bootstrap,
+            "group.id": GROUP,
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": 6000,
+            "heartbeat.interval.ms": 300,
+        }
+        self.members = [confluent_kafka.Consumer({**config, "client.id": f"m{i}"}) for i in range(2)]
+        for m in self.members:
+            m.subscribe([TOPIC])
+        self.got: set[tuple[int, bytes]] = set()
+        self.committed = dict.fromkeys(range(PARTITIONS), 0)  # per partition: what successful commits covered
+        self.again: list[str] = []
+
+    def step(self) -> None:
+        for m in self.members:
+            msgs = [x for x in m.consume(num_messages=10, timeout=0.2) if x.error() is None]
+            for x in msgs:
+                if x.offset() < self.committed[x.partition()]:
+                    self.again.append(f"{x.partition()}@{x.offset()} below the commit {self.committed[x.partition()]}")
+                self.got.add((x.partition(), x.value()))
+            if not msgs:
+                continue
+            try:
+                done = m.commit(asynchronous=False)
+            except confluent_kafka.KafkaException:
+                continue  # a coordinator going away: the next commit covers these too
+            for tp in done or []:
+                if tp.error is None and tp.offset >= 0:
+                    self.committed[tp.partition] = max(self.committed[tp.partition], tp.offset)
+
+    def close(self) -> None:
+        for m in self.members:
+            m.close()
+
+
+def produce(bootstrap: str) -> set[tuple[int, bytes]]:
+    p = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all"})
+    sent = set()
+    for i in range(COUNT):
+        p.produce(TOPIC, value=b"v-%d" % i, partition=i % PARTITIONS)
+        sent.add((i % PARTITIONS, b"v-%d" % i))
+    assert p.flush(60) == 0
+    return sent
+
+
+def test_a_group_commits_and_rebalances_through_the_kill_of_its_coordinator_and_of_a_leader(
+    site: ClusterSite,
+) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    bootstrap = ",".join(site.kafka_address(n) for n in (1, 2, 3))
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # kept until the result: its handle serves the future
+    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])[TOPIC].result(15)
+    for i in range(PARTITIONS):
+        site.wait_leader(TOPIC, i)
+    sent = produce(bootstrap)
+    chosen = coordinator(site)
+    led_elsewhere = [i for i in range(PARTITIONS) if site.leader(TOPIC, i) != chosen]
+    assert led_elsewhere, "the coordinator commits partitions other nodes lead: their vectors come from there"
+    group = Group(bootstrap)
+    try:
+        poll_until("a third is read and committed", group.step, lambda: sum(group.committed.values()) >= COUNT // 3)
+        site.nodes[chosen].kill9()
+        poll_until("two thirds are read and committed", group.step, lambda: len(group.got) >= 2 * COUNT // 3)
+        site.nodes[chosen].launch()  # back, so that the site keeps its Raft majority through the next kill
+        site.nodes[chosen].wait_ready(60)
+        now = coordinator(site)
+        victim = next(n for n in (site.leader(TOPIC, i) for i in range(PARTITIONS)) if n is not None and n != now)
+        site.nodes[victim].kill9()
+        poll_until("every record is read", group.step, lambda: group.got >= sent, timeout_s=120)
+    finally:
+        group.close()
+    assert group.got == sent
+    assert group.again == [], "records a successful commit covered were delivered again"
