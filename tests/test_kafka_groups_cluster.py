@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cluster_site import ClusterSite
+from tests.support.cluster_site import ClusterSite, status
 from tests.support.kafka_nodes import poll_until
 from tests.test_kafka_cluster import request, string
 
@@ -92,6 +92,23 @@ class Group:
             m.close()
 
 
+class Repaired:
+    """Whether the site lists no under-replicated segment (asked at most twice a second)."""
+
+    def __init__(self, site: ClusterSite) -> None:
+        self.site = site
+        self.asked = 0.0
+
+    def __call__(self) -> bool:
+        if time.monotonic() - self.asked < 0.5:
+            return False
+        self.asked = time.monotonic()
+        try:
+            return not status(self.site).under_replicated
+        except AssertionError:  # no node answers yet
+            return False
+
+
 def produce(bootstrap: str) -> set[tuple[int, bytes]]:
     p = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all"})
     sent = set()
@@ -123,6 +140,9 @@ def test_a_group_commits_and_rebalances_through_the_kill_of_its_coordinator_and_
         poll_until("two thirds are read and committed", group.step, lambda: len(group.got) >= 2 * COUNT // 3)
         site.nodes[chosen].launch()  # back, so that the site keeps its Raft majority through the next kill
         site.nodes[chosen].wait_ready(60)
+        # Segments opened while it was down have the two other nodes only: a kill of one of them would leave
+        # fewer than min_insync_replicas, so the site first repairs them onto the node that came back.
+        poll_until("every segment is fully replicated again", group.step, Repaired(site), timeout_s=90)
         now = coordinator(site)
         victim = next(n for n in (site.leader(TOPIC, i) for i in range(PARTITIONS)) if n is not None and n != now)
         site.nodes[victim].kill9()
