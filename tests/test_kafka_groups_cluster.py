@@ -34,13 +34,13 @@ def site(tmp_path: Path) -> Iterator[ClusterSite]:
     s.close()
 
 
-def coordinator(site: ClusterSite) -> int:
-    """The node FindCoordinator names for the group, asked of every live node until one answers."""
+def coordinator(site: ClusterSite, group: str = GROUP) -> int:
+    """The node FindCoordinator names for ``group``, asked of every live node until one answers."""
     found: list[int] = []
 
     def ask() -> None:
         for n in site.live():
-            answer = request(site.kafka_address(n), 10, 0, string(GROUP))
+            answer = request(site.kafka_address(n), 10, 0, string(group))
             code, node = struct.unpack_from(">hi", answer)
             if code == 0:
                 found.append(node)
@@ -152,3 +152,74 @@ def test_a_group_commits_and_rebalances_through_the_kill_of_its_coordinator_and_
         group.close()
     assert group.got == sent
     assert group.again == [], "records a successful commit covered were delivered again"
+
+
+def kafka_python_resumes(bootstrap: str, group: str, want: int) -> tuple[int, list[int]]:
+    """A kafka-python member of ``group``: (records it reads until ``want``, or until ten empty polls once it has
+    partitions, the group's committed offsets after it commits)."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(
+        TOPIC,
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=300,
+    )
+    got = 0
+    empty = 0
+    deadline = time.monotonic() + 60
+    try:
+        quiet = 10 if want == 0 else 100  # empty polls that end the read
+        while (got < want or want == 0 or not c.assignment()) and empty < quiet and time.monotonic() < deadline:
+            batch = c.poll(200)
+            got += sum(len(msgs) for msgs in batch.values())
+            empty = 0 if batch or not c.assignment() else empty + 1
+        assert c.assignment(), "the member got no partitions within 60 s"
+        c.commit()
+        return got, [c.committed(TopicPartition(TOPIC, i)) or 0 for i in range(PARTITIONS)]
+    finally:
+        c.close()
+
+
+def aiokafka_reads(bootstrap: str, group: str, want: int) -> int:
+    import asyncio
+
+    import aiokafka
+
+    async def run() -> int:
+        c = aiokafka.AIOKafkaConsumer(
+            TOPIC, bootstrap_servers=bootstrap, group_id=group, auto_offset_reset="earliest", enable_auto_commit=False
+        )
+        await c.start()
+        got = 0
+        try:
+            async with asyncio.timeout(60):
+                while got < want:
+                    got += sum(len(m) for m in (await c.getmany(timeout_ms=500)).values())
+            await c.commit()
+            return got
+        finally:
+            await c.stop()
+
+    return asyncio.run(run())
+
+
+def test_kafka_python_and_aiokafka_groups_commit_on_a_three_node_site_and_resume_after_a_coordinator_kill(
+    site: ClusterSite,
+) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    bootstrap = ",".join(site.kafka_address(n) for n in (1, 2, 3))
+    admin = AdminClient({"bootstrap.servers": bootstrap})  # kept until the result: its handle serves the future
+    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])[TOPIC].result(15)
+    for i in range(PARTITIONS):
+        site.wait_leader(TOPIC, i)
+    produce(bootstrap)
+    ends = [COUNT // PARTITIONS] * PARTITIONS
+    assert kafka_python_resumes(bootstrap, "kp", COUNT) == (COUNT, ends)
+    assert aiokafka_reads(bootstrap, "ak", COUNT) == COUNT
+    site.nodes[coordinator(site, "kp")].kill9()  # the commit survives on the others (acks=all)
+    assert kafka_python_resumes(bootstrap, "kp", 0) == (0, ends), "a member of kp read committed records again"
