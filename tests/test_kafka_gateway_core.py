@@ -182,6 +182,29 @@ def test_offsets_by_time_point_only_at_durable_batches_at_both_front_ends(broker
     assert asyncio.run(both(9_000)) == (6, 6)
 
 
+def test_an_offset_by_time_is_the_first_record_stamped_that_late_inside_its_batch(broker: Broker) -> None:
+    """Kafka's answer, at both front ends: a batch stamped 20 s, 21 s and 22 s at offsets 8..10 answers 9 for 21 s
+    (the batch's base, 8, made a seeking Kafka reader read the record stamped 20 s too)."""
+    log = log_of(broker)
+    log.flush()
+    broker.append(TOPIC, 0, encode_batch([RecordInput(None, b"t%d" % i, (), 20_000 + 1_000 * i) for i in range(3)]))
+    log.flush()
+
+    async def both(timestamp_ms: int) -> tuple[int, int]:
+        service = NodeService(broker, NodeMetrics(broker))
+        request = pb.ListOffsetsRequest(topic=TOPIC, partition=0, timestamp_ms=timestamp_ms)
+        ours = (await service.list_offsets(request.SerializeToString(), None)).offsets[0].offset  # type: ignore[arg-type]
+        body = SimpleNamespace(
+            topics=[
+                SimpleNamespace(name=TOPIC, partitions=[SimpleNamespace(partition_index=0, timestamp=timestamp_ms)])
+            ]
+        )
+        answer = await gateway(broker)._list_offsets(Request(2, 1, 1, "c", body), PEER)
+        return ours, answer.topics[0].partitions[0].offset
+
+    assert [asyncio.run(both(t)) for t in (20_000, 21_000, 21_500, 22_000)] == [(8, 8), (9, 9), (10, 10), (10, 10)]
+
+
 def test_earliest_and_latest_are_the_same_offsets_at_both_front_ends(broker: Broker) -> None:
     """One rule (``fetch.listed_offset``): earliest is the log start, latest the high watermark (the flushed
     offset, not the log end: the batch at 6..7 is not fsynced), whichever front end asks."""

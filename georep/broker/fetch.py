@@ -60,7 +60,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from georep.broker.errors import NotHeld
-from georep.record.batch import iter_headers, parse_header
+from georep.record.batch import decode_records, iter_headers, parse_header
 from georep.storage.api import PartitionLog, start_offset_for_vector
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.log_prefix import vector_below
@@ -219,15 +219,22 @@ class FetchCursor:
 
 
 def offset_for_time(log: PartitionLog, timestamp_ms: int) -> LocalOffset | None:
-    """Where a read of the records at or after ``timestamp_ms`` starts: the first batch whose max timestamp is at or
-    after it, among the batches a reader may be handed (below the flushed offset); None when no such batch is
-    durable yet. Both front ends answer offsets by time with it (georep's ``ListOffsets``, Kafka's), each saying
-    None its own way. A batch past the flushed offset is not answered: a crash or a recovery may still cut it,
-    and a consumer told to start there would skip what is written in its place."""
+    """Where a read of the records at or after ``timestamp_ms`` starts: in the first batch whose max timestamp is at
+    or after it, the first record stamped at or after it (Kafka's answer: its clients drop a fetched batch's
+    records below the offset they asked for), among the batches a reader may be handed (below the flushed
+    offset); None when no such batch is durable yet. Both front ends answer offsets by time with it (georep's
+    ``ListOffsets``, Kafka's), each saying None its own way. A batch past the flushed offset is not answered: a
+    crash or a recovery may still cut it, and a consumer told to start there would skip what is written in its
+    place."""
     found = log.offset_for_timestamp(timestamp_ms)
     if found is None or found >= log.flushed_offset:
         return None
-    return found
+    try:
+        data = log.read(found, 1).data
+        records = decode_records(data[: parse_header(data).size_bytes]) if data else []
+    except Exception:  # a quarantined or invalid batch: its base, which reads no less (readers meet it anyway)
+        return found
+    return next((r.offset for r in records if r.timestamp_ms >= timestamp_ms), found)
 
 
 def durable_part(chunk: bytes, next_offset: LocalOffset, flushed: int) -> tuple[bytes, LocalOffset]:

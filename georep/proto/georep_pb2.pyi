@@ -1108,7 +1108,7 @@ class ListOffsetsRequest(_message.Message):
     """-1 for every partition"""
     position: Global___StartPosition.ValueType
     timestamp_ms: _builtins.int
-    """first offset whose batch max timestamp >= this"""
+    """first record stamped >= this, in the first batch whose max timestamp >= this"""
     @_builtins.property
     def kafka(self) -> Global___KafkaOffsetAsk:
         """A Kafka group's coordinator asks the partition's leader (a multi-node site, issue 23): one partition."""
