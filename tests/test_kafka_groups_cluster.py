@@ -155,8 +155,8 @@ def test_a_group_commits_and_rebalances_through_the_kill_of_its_coordinator_and_
 
 
 def kafka_python_resumes(bootstrap: str, group: str, want: int) -> tuple[int, list[int]]:
-    """A kafka-python member of ``group``: (records it reads until ``want``, or until ten empty polls once it has
-    partitions, the group's committed offsets after it commits)."""
+    """A kafka-python member of ``group``: (records it reads until ``want`` (0: until it polls nothing for a while
+    once it has partitions), the group's committed offsets after it commits)."""
     from kafka import KafkaConsumer, TopicPartition
 
     c = KafkaConsumer(
