@@ -17,7 +17,7 @@ from georep.broker import fetch
 from georep.broker.errors import InternalTopic, NotLeader
 from georep.kafka import errors as k
 from georep.kafka.cluster import OneNode
-from georep.kafka.gateway import Client, KafkaGateway, LeaderUnreachable
+from georep.kafka.gateway import Client, KafkaGateway, LeaderRefused, LeaderUnreachable
 from georep.kafka.protocol import Request
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_to_proto
@@ -288,5 +288,14 @@ def test_a_coordinator_asks_the_partitions_leader_which_keeps_the_clients_filter
         raise ConnectionError("node 2 is down")
 
     coordinator.ask_leader = unreachable
-    with pytest.raises(LeaderUnreachable, match="did not answer"):  # a retriable code, never a guessed vector
+    with pytest.raises(LeaderUnreachable, match="did not answer") as unreached:  # retriable, never a guessed vector
         asyncio.run(coordinator._commit_vector(CLIENT, TOPIC, 0, 4))
+    assert coordinator._code(unreached.value) == k.COORDINATOR_LOAD_IN_PROGRESS
+
+    async def below_start(topic: str, index: int, question: pb.KafkaOffsetAsk) -> pb.PartitionOffset:
+        raise LeaderRefused(k.OFFSET_OUT_OF_RANGE, "offset 0 is below the log start 5")
+
+    coordinator.ask_leader = below_start
+    with pytest.raises(LeaderRefused) as refused:  # what the client must hear is passed on, not retried
+        asyncio.run(coordinator._commit_vector(CLIENT, TOPIC, 0, 0))
+    assert coordinator._code(refused.value) == k.OFFSET_OUT_OF_RANGE

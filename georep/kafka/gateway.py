@@ -110,6 +110,15 @@ class LeaderUnreachable(Exception):
     kafka_code = k.COORDINATOR_LOAD_IN_PROGRESS
 
 
+class LeaderRefused(Exception):
+    """A partition's leader refused a coordinator's ask for a reason the client must hear (an offset below the
+    log start): not retried, answered with ``kafka_code``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.kafka_code = code
+
+
 class KafkaGateway:
     def __init__(
         self,
@@ -717,6 +726,8 @@ class KafkaGateway:
             raise LeaderUnreachable(f"{topic}-{partition}: this node does not lead it and knows no peer")
         try:
             return await self.ask_leader(topic, partition, ask)
+        except LeaderRefused:
+            raise
         except Exception as exc:
             raise LeaderUnreachable(f"{topic}-{partition}: its leader did not answer ({exc}); ask again") from exc
 

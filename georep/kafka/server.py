@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import grpc
 from cryptography import x509
 
 from georep.auth.credentials import CredentialLookup
@@ -37,7 +38,8 @@ from georep.auth.sasl import MECHANISMS, ScramCredential, ScramFailed, ScramServ
 from georep.broker.acks import LEADER, Acks
 from georep.broker.errors import NotLeader
 from georep.kafka.connections import ConnectionTable, ListenerLimits, LogThrottle, Refused
-from georep.kafka.gateway import AskLeader, Client, KafkaGateway, Pending
+from georep.kafka.errors import OFFSET_OUT_OF_RANGE
+from georep.kafka.gateway import AskLeader, Client, KafkaGateway, LeaderRefused, Pending
 from georep.kafka.protocol import (
     SASL_AUTHENTICATE,
     SASL_HANDSHAKE,
@@ -491,8 +493,13 @@ def leader_asker(site_cluster: SiteCluster) -> AskLeader:
         if not address:
             raise NotLeader(topic, partition, "the site names no leader of it now")
         request = pb.ListOffsetsRequest(topic=topic, partition=partition, kafka=question)
-        async with site_cluster.channel(address) as channel:
-            answer = await pbg.NodeStub(channel).ListOffsets(request, timeout=LEADER_ASK_TIMEOUT_S)
+        try:
+            async with site_cluster.channel(address) as channel:
+                answer = await pbg.NodeStub(channel).ListOffsets(request, timeout=LEADER_ASK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:  # a commit below the log start: the client must hear it
+                raise LeaderRefused(OFFSET_OUT_OF_RANGE, str(exc.details())) from exc
+            raise
         return answer.offsets[0]
 
     return ask
