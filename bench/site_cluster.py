@@ -892,8 +892,7 @@ def parse_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -928,6 +927,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=DEFAULT_SEGMENT_BYTES,
         help=f"the throughput site's --segment-bytes-max (default {DEFAULT_SEGMENT_BYTES})",
     )
+
+
+def _failover_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds", type=int, help=f"failover rounds (default {DEFAULT_ROUNDS}, --quick 1; 0 skips failover)"
     )
@@ -983,6 +985,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--report", type=Path, help="also write the results to this JSON file")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory (node logs) on exit")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _throughput_arguments(parser)
+    _failover_arguments(parser)
     args = parser.parse_args(argv)
     quick = args.quick
     args.record_bytes = args.record_bytes or parse_list("1024" if quick else DEFAULT_RECORD_BYTES, "--record-bytes")
@@ -1022,6 +1030,21 @@ def main(argv: list[str] | None = None) -> int:
         args.after,
         args.victim,
     )
+    _print_header(cfg)
+    started = time.monotonic()
+    pairs, fo, join, quiet = _run_phases(cfg, keep=args.keep, with_join=args.join)
+    _print_results(cfg, pairs, fo)
+    print()
+    for line in summary(pairs, fo, cfg, join, quiet):
+        print(line)
+    print(f"(total {time.monotonic() - started:.0f}s)")
+    if args.report:
+        args.report.write_text(json.dumps(report_json(cfg, pairs, fo, join, quiet), indent=2) + "\n")
+        print(f"results written to {args.report}")
+    return 0
+
+
+def _print_header(cfg: Config) -> None:
     cores = os.cpu_count() or 1
     print(
         f"georep site cluster benchmark: {cores} cores ({platform.machine()}), Python "
@@ -1035,14 +1058,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     if cores < 4:
         print(f"Note: with {cores} cores the three nodes, the producer and the kernel compete for CPU.")
-    started = time.monotonic()
+
+
+def _run_phases(
+    cfg: Config, *, keep: bool, with_join: bool
+) -> tuple[list[Pair], Failover | None, Join | None, Quiet | None]:
+    """The throughput site, then the failover site, then the join site, each stopped before the next starts."""
     pairs: list[Pair] = []
     fo: Failover | None = None
     join: Join | None = None
     quiet: Quiet | None = None
     with contextlib.ExitStack() as stack:
         root = Path(tempfile.mkdtemp(prefix="georep-bench-site-cluster-"))
-        if args.keep:
+        if keep:
             print(f"keeping {root} (node logs: {root}/*/{SITE}/*/node.log)")
         else:
             stack.callback(shutil.rmtree, root, ignore_errors=True)
@@ -1056,12 +1084,16 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.ExitStack() as phase:
                 site = start_site(phase, root / "failover", cfg, cfg.failover_segment_bytes)
                 fo = asyncio.run(measure_failover(site, cfg))
-        if args.join:
+        if with_join:
             site = Site(root / "join", node_args(cfg, cfg.failover_segment_bytes), listed=(1, 2, 3, 4), started=NODES)
             stack.callback(site.close)
             progress(f"starting nodes 1, 2, 3 of site {SITE} (4 listed) in join/")
             site.start()
             join = asyncio.run(measure_join(site, cfg))
+    return pairs, fo, join, quiet
+
+
+def _print_results(cfg: Config, pairs: list[Pair], fo: Failover | None) -> None:
     if pairs:
         print()
         print(
@@ -1085,14 +1117,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         for line in failover_table(fo.rounds):
             print(line)
-    print()
-    for line in summary(pairs, fo, cfg, join, quiet):
-        print(line)
-    print(f"(total {time.monotonic() - started:.0f}s)")
-    if args.report:
-        args.report.write_text(json.dumps(report_json(cfg, pairs, fo, join, quiet), indent=2) + "\n")
-        print(f"results written to {args.report}")
-    return 0
 
 
 if __name__ == "__main__":

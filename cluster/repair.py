@@ -123,7 +123,7 @@ failed (its source or target died): a failed copy is then planned again.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import crc32c
 
@@ -483,66 +483,125 @@ def plan_repair(
         )
     ordered = _checked_segments(segments, by_id)
     running = list(in_progress)
-    busy = {(c.key, c.replaces if isinstance(c, CopySegment) else c.target) for c in running}
-    taken: dict[SegmentKey, set[NodeId]] = {}
-    adding: dict[SegmentKey, int] = {}  # additions in progress, per segment
-    for c in running:
-        if isinstance(c, CopySegment):
-            taken.setdefault(c.key, set()).add(c.target)
-            if c.replaces is None:
-                adding[c.key] = adding.get(c.key, 0) + 1
-
-    rolls: list[RollSegment] = []
-    unrepairable: list[Unrepairable] = []
-    waiting: list[AwaitingRepairDelay] = []
-    needs: list[_Need] = []
+    survey = _Survey(by_id, running)
     for s in ordered:
+        survey.add(s, replication_factor, down_since_ms, now_ms, repair_delay_ms)
+    budget = _Budget.of(by_id, running, max_concurrent_copies)
+    copies, deferred = _place_copies(survey, budget)
+    fills = _plan_fills(ordered, survey, budget, deferred)
+    return RepairPlan(
+        tuple(copies),
+        tuple(survey.rolls),
+        tuple(survey.unrepairable),
+        tuple(survey.waiting),
+        tuple(deferred),
+        tuple(fills),
+    )
+
+
+@dataclass
+class _Survey:
+    """What each segment needs, before any copy is placed: rolls of open segments, copies to place (needs), and
+    the segments that must wait for the repair delay or cannot be repaired."""
+
+    by_id: dict[NodeId, NodeLoad]
+    running: list[CopySegment | FillSegment]
+    rolls: list[RollSegment] = field(default_factory=list)
+    unrepairable: list[Unrepairable] = field(default_factory=list)
+    waiting: list[AwaitingRepairDelay] = field(default_factory=list)
+    needs: list[_Need] = field(default_factory=list)
+    busy: set[tuple[SegmentKey, NodeId | None]] = field(default_factory=set)
+    taken: dict[SegmentKey, set[NodeId]] = field(default_factory=dict)
+    adding: dict[SegmentKey, int] = field(default_factory=dict)  # additions in progress, per segment
+
+    def __post_init__(self) -> None:
+        self.busy = {(c.key, c.replaces if isinstance(c, CopySegment) else c.target) for c in self.running}
+        for c in self.running:
+            if isinstance(c, CopySegment):
+                self.taken.setdefault(c.key, set()).add(c.target)
+                if c.replaces is None:
+                    self.adding[c.key] = self.adding.get(c.key, 0) + 1
+
+    def add(
+        self,
+        s: SegmentView,
+        replication_factor: int | None,
+        down_since_ms: Mapping[NodeId, int],
+        now_ms: int,
+        repair_delay_ms: int,
+    ) -> None:
+        by_id = self.by_id
         dead = sorted(m for m in s.ensemble if not by_id[m].alive)
         draining = sorted(m for m in s.ensemble if by_id[m].alive and by_id[m].draining)
         lacking = _missing(s, replication_factor)
         if not dead and not draining and not lacking:
-            continue
+            return
         alive = len(s.ensemble) - len(dead)
         if alive == 0:
-            unrepairable.append(SegmentUnavailable(s.topic, s.partition, s.segment_id, s.ensemble))
-            continue
+            self.unrepairable.append(SegmentUnavailable(s.topic, s.partition, s.segment_id, s.ensemble))
+            return
         if not s.sealed:
             if dead or draining:
-                rolls.append(RollSegment(s.topic, s.partition, s.segment_id, (dead + draining)[0]))
+                self.rolls.append(RollSegment(s.topic, s.partition, s.segment_id, (dead + draining)[0]))
             elif any(n.alive and not n.draining and n.node not in s.ensemble for n in by_id.values()):
-                rolls.append(RollSegment(s.topic, s.partition, s.segment_id, None))
-            continue
+                self.rolls.append(RollSegment(s.topic, s.partition, s.segment_id, None))
+            return
         healthy = alive - len(draining)
-        needs.extend(_Need(s, None, healthy, alive) for _ in range(lacking - adding.get(s.key, 0)))
+        self.needs.extend(_Need(s, None, healthy, alive) for _ in range(lacking - self.adding.get(s.key, 0)))
         for m in sorted(s.ensemble):
             node = by_id[m]
-            if (node.alive and not node.draining) or (s.key, m) in busy:
+            if (node.alive and not node.draining) or (s.key, m) in self.busy:
                 continue
             if not node.alive and not node.draining:
                 due_ms = down_since_ms[m] + repair_delay_ms
                 if now_ms < due_ms:
-                    waiting.append(AwaitingRepairDelay(s.topic, s.partition, s.segment_id, m, due_ms))
+                    self.waiting.append(AwaitingRepairDelay(s.topic, s.partition, s.segment_id, m, due_ms))
                     continue
-            needs.append(_Need(s, m, healthy, alive))
+            self.needs.append(_Need(s, m, healthy, alive))
 
-    free_bytes = {n: by_id[n].free_bytes for n in by_id}
-    load = {n: by_id[n].load for n in by_id}
-    sends = dict.fromkeys(by_id, 0)
-    for c in running:
-        if c.source in sends:
-            sends[c.source] += 1
-    slots = max(0, max_concurrent_copies - len(running))
+
+@dataclass
+class _Budget:
+    """Free bytes, load and sends per node as copies are placed, and the copy slots left."""
+
+    free_bytes: dict[NodeId, int]
+    load: dict[NodeId, int]
+    sends: dict[NodeId, int]
+    slots: int
+
+    @classmethod
+    def of(
+        cls, by_id: Mapping[NodeId, NodeLoad], running: list[CopySegment | FillSegment], max_concurrent_copies: int
+    ) -> _Budget:
+        sends = dict.fromkeys(by_id, 0)
+        for c in running:
+            if c.source in sends:
+                sends[c.source] += 1
+        return cls(
+            {n: by_id[n].free_bytes for n in by_id},
+            {n: by_id[n].load for n in by_id},
+            sends,
+            max(0, max_concurrent_copies - len(running)),
+        )
+
+    def source(self, complete: list[NodeLoad]) -> NodeId:
+        """The member to copy from: not draining, then the fewest sends, the least load, the lowest id."""
+        return min(complete, key=lambda n: (n.draining, self.sends[n.node], self.load[n.node], n.node)).node
+
+
+def _place_copies(survey: _Survey, budget: _Budget) -> tuple[list[CopySegment], list[CopyDeferred]]:
+    """A target and a source for each need, most urgent first, within the slots; unrepairable ones noted."""
+    by_id = survey.by_id
     copies: list[CopySegment] = []
     deferred: list[CopyDeferred] = []
-    needs.sort(key=_Need.order)
-    for need in needs:
+    for need in sorted(survey.needs, key=_Need.order):
         s = need.segment
-        if slots == 0:
+        if budget.slots == 0:
             deferred.append(CopyDeferred(s.topic, s.partition, s.segment_id, need.replaces))
             continue
         complete = [by_id[m] for m in s.ensemble if by_id[m].alive and m not in s.short]
         if not complete:
-            unrepairable.append(
+            survey.unrepairable.append(
                 NoRepairTarget(
                     s.topic,
                     s.partition,
@@ -552,8 +611,8 @@ def plan_repair(
                 )
             )
             continue
-        targets = taken.setdefault(s.key, set())
-        snapshot = [replace(by_id[n], free_bytes=free_bytes[n], load=load[n]) for n in sorted(by_id)]
+        targets = survey.taken.setdefault(s.key, set())
+        snapshot = [replace(by_id[n], free_bytes=budget.free_bytes[n], load=budget.load[n]) for n in sorted(by_id)]
         try:
             (target,) = choose_ensemble(
                 snapshot,
@@ -564,31 +623,39 @@ def plan_repair(
                 min_free_bytes=s.size_bytes,
             )
         except NotEnoughNodes as e:
-            unrepairable.append(NoRepairTarget(s.topic, s.partition, s.segment_id, need.replaces, str(e)))
+            survey.unrepairable.append(NoRepairTarget(s.topic, s.partition, s.segment_id, need.replaces, str(e)))
             continue
-        source = min(complete, key=lambda n: (n.draining, sends[n.node], load[n.node], n.node)).node
+        source = budget.source(complete)
         copies.append(CopySegment(s.topic, s.partition, s.segment_id, source, target, need.replaces))
         targets.add(target)
-        free_bytes[target] -= s.size_bytes
-        load[target] += 1
-        sends[source] += 1
-        slots -= 1
+        budget.free_bytes[target] -= s.size_bytes
+        budget.load[target] += 1
+        budget.sends[source] += 1
+        budget.slots -= 1
+    return copies, deferred
+
+
+def _plan_fills(
+    ordered: list[SegmentView], survey: _Survey, budget: _Budget, deferred: list[CopyDeferred]
+) -> list[FillSegment]:
+    """Fills of the live, not draining short members of sealed segments, with the slots copies left."""
+    by_id = survey.by_id
     fills: list[FillSegment] = []
     for s in ordered:
         for m in sorted(set(s.short)) if s.sealed else ():
-            if m not in s.ensemble or not by_id[m].alive or by_id[m].draining or (s.key, m) in busy:
+            if m not in s.ensemble or not by_id[m].alive or by_id[m].draining or (s.key, m) in survey.busy:
                 continue  # a dead or draining short member is replaced by a copy instead
             complete = [by_id[x] for x in s.ensemble if by_id[x].alive and x not in s.short]
             if not complete:
                 continue  # filled once a member that holds it all is back
-            if slots == 0:
+            if budget.slots == 0:
                 deferred.append(CopyDeferred(s.topic, s.partition, s.segment_id, m))
                 continue
-            source = min(complete, key=lambda n: (n.draining, sends[n.node], load[n.node], n.node)).node
+            source = budget.source(complete)
             fills.append(FillSegment(s.topic, s.partition, s.segment_id, source, m))
-            sends[source] += 1
-            slots -= 1
-    return RepairPlan(tuple(copies), tuple(rolls), tuple(unrepairable), tuple(waiting), tuple(deferred), tuple(fills))
+            budget.sends[source] += 1
+            budget.slots -= 1
+    return fills
 
 
 # -- decommissioning: leaderships off draining nodes, and how far a drain has got ---------------------------------

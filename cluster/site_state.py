@@ -1633,44 +1633,42 @@ def plan_leadership(
     """
     settling = controller_since_ms is not None and now_ms - controller_since_ms < session_timeout_ms
     live = {info.node: info for info in state.live_nodes(now_ms, session_timeout_ms)}
-
-    def silent_since_takeover(node: NodeId) -> bool:
-        """Heartbeated not once since the controller took over, a settling time ago (see above)."""
-        assert controller_since_ms is not None
-        hb = state.node(node)
-        last = hb.last_heartbeat_ms if hb is not None else None
-        return now_ms - controller_since_ms >= settle_ms and (last is None or last < controller_since_ms)
-
     led: dict[NodeId, int] = {}
     for info in state.partitions():
         if info.leader is not None and info.leader in live:
             led[info.leader] = led.get(info.leader, 0) + 1
 
-    def candidate_order(node: NodeInfo) -> tuple[bool, int, bool, int, int]:
-        return (
-            node.draining,
-            led.get(node.node, 0),
-            node.node == controller,
-            -(node.last_heartbeat_ms or 0),
-            node.node,
-        )
-
     plan: list[ElectLeader] = []
     for info in state.partitions():
-        if info.leader is not None and (info.leader in live or (settling and not silent_since_takeover(info.leader))):
+        if info.leader is not None and (
+            info.leader in live
+            or (settling and not _silent_since_takeover(state, info.leader, now_ms, controller_since_ms, settle_ms))
+        ):
             continue
-        open_segment = info.open_segment
-        pool: Iterable[NodeInfo]
-        if open_segment is not None:
-            pool = [live[member] for member in open_segment.ensemble if member in live]
-        else:
-            pool = live.values()
-        candidates = sorted(pool, key=candidate_order)
+        pool: Iterable[NodeInfo] = live.values()
+        if info.open_segment is not None:
+            pool = [live[member] for member in info.open_segment.ensemble if member in live]
+        candidates = sorted(pool, key=lambda node: _candidate_order(node, led, controller))
         if candidates:
             chosen = candidates[0].node
             led[chosen] = led.get(chosen, 0) + 1
             plan.append(ElectLeader(info.topic, info.partition, chosen, info.leader_epoch))
     return plan
+
+
+def _candidate_order(node: NodeInfo, led: Mapping[NodeId, int], controller: NodeId | None) -> tuple[Any, ...]:
+    """Not draining, fewest partitions led, not the controller, latest heartbeat, lowest id (``plan_leadership``)."""
+    return (node.draining, led.get(node.node, 0), node.node == controller, -(node.last_heartbeat_ms or 0), node.node)
+
+
+def _silent_since_takeover(
+    state: SiteState, node: NodeId, now_ms: int, controller_since_ms: int | None, settle_ms: int
+) -> bool:
+    """Heartbeated not once since the controller took over, a settling time ago (``plan_leadership``)."""
+    assert controller_since_ms is not None
+    hb = state.node(node)
+    last = hb.last_heartbeat_ms if hb is not None else None
+    return now_ms - controller_since_ms >= settle_ms and (last is None or last < controller_since_ms)
 
 
 def next_leader_expiry_ms(state: SiteState, now_ms: int, session_timeout_ms: int) -> int | None:
