@@ -3,8 +3,8 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.kafka_codecs            # a few seconds (-m: bench/kafka.py would hide the kafka package)
-    .venv/bin/python -m bench.kafka_codecs --quick    # smoke run
+    .venv/bin/python bench/kafka_codecs.py            # a few seconds
+    .venv/bin/python bench/kafka_codecs.py --quick    # smoke run
 
 For each of Kafka's codecs it builds one Kafka v2 batch of ``--records`` JSON-like records of about
 ``--value-bytes`` each, compressed as a Kafka producer compresses it, and prints:
@@ -23,9 +23,15 @@ from __future__ import annotations
 import argparse
 import gzip
 import struct
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
+
+# Run as a script, this file's folder comes first on sys.path, where bench/kafka.py would hide the kafka package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cramjam
 import crc32c

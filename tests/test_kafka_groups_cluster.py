@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cluster_site import ClusterSite, status
+from tests.support.cluster_site import ClusterSite, status, wait_for
 from tests.support.kafka_nodes import poll_until
 from tests.test_kafka_cluster import request, string
 
@@ -30,6 +30,9 @@ def site(tmp_path: Path) -> Iterator[ClusterSite]:
     # Kafka commits at the ack quorum: the default of a node of a multi-node site
     s = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500"], kafka=True)
     s.start()
+    # Leaders spread over the nodes live when a topic is created: under load a node may serve before its first
+    # heartbeat commits, and a topic created then would be led by the others only.
+    wait_for("every node live in the site's metadata", lambda: sum(n.live for n in status(s).nodes) == 3)
     yield s
     s.close()
 
