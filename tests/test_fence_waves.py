@@ -97,3 +97,27 @@ def test_fences_sent_all_at_once_are_shed_by_a_busy_peer(tmp_path: Path) -> None
     assert failed and all(isinstance(o, RecoveryFailed) for o in failed), outcomes
     with pytest.raises(ValueError):
         FenceWaves(per_peer=0)
+
+
+def test_a_peers_slots_are_never_more_than_its_bound_and_a_cancelled_waiter_gives_its_turn_on() -> None:
+    async def run() -> None:
+        waves = FenceWaves(per_peer=3)
+        running, most = 0, 0
+        gate = asyncio.Event()
+
+        async def fence() -> None:
+            nonlocal running, most
+            running += 1
+            most = max(most, running)
+            await gate.wait()
+            running -= 1
+
+        tasks = [asyncio.create_task(waves.send("peer", fence)) for _ in range(20)]
+        await asyncio.sleep(0.01)
+        tasks[10].cancel()  # a recovery that ended while its fence waited
+        gate.set()
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        assert most == 3
+        assert [isinstance(o, asyncio.CancelledError) for o in outcomes] == [i == 10 for i in range(20)]
+
+    asyncio.run(run())
