@@ -48,6 +48,7 @@ from site_cluster import NODES, Site, raft_elections
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import client_channel
+from georep.server.process import NodeStartError
 
 TOPIC = "scale"
 POLL_S = 0.05
@@ -239,7 +240,11 @@ async def _reelect(site: Site, out: SiteScale, timeout_s: float) -> None:
     out.reelect_s = time.monotonic() - killed
     out.raft_entries = after.raft.applied_index - applied
     restarted = time.monotonic()
-    await site.restart(out.victim)
+    try:
+        await site.restart(out.victim)
+    except NodeStartError as exc:  # the re-election above still stands: report the restart as failed
+        print(f"  restart of node {out.victim} failed: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return
     out.restart_s = time.monotonic() - restarted
 
 
