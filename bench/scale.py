@@ -39,8 +39,10 @@ the row keeps the last):
   a written partition returns data.
 
 ``--cluster-partitions`` then runs one site of three nodes (bench/site_cluster.py's ``Site``), creates one topic
-of that many partitions, kills the node leading the most partitions with ``kill -9``, and times until
-``ClusterStatus`` shows a live leader for every partition again.
+of that many partitions, waits for the site to settle (bench/site_scale.py's ``settle``: every open segment on
+three nodes, then every node under 15% of a core; at most 300 s, and the time it took is printed beside the
+figure), kills the node leading the most partitions with ``kill -9``, and times until ``ClusterStatus`` shows a
+live leader for every partition again.
 
 Each figure is printed next to the issue's target with PASS or MISS. A step that fails (a node that does not
 answer, a bounded wait that runs out) is reported on its row and the run goes on. Every node is killed and the
@@ -87,6 +89,7 @@ LINKS_TIMEOUT_S = 120.0
 CONVERGE_TIMEOUT_S = 600.0
 RESTART_TIMEOUT_S = 120.0
 REELECT_TIMEOUT_S = 120.0
+CLUSTER_SETTLE_TIMEOUT_S = 300.0  # the 3-node site's wait for the create's aftermath before the kill
 CLUSTER_TIMEOUT_S = 900.0
 DELIVERY_TIMEOUT_MS = 300_000
 RPC_TIMEOUT_S = 10.0
@@ -379,11 +382,15 @@ def run_size(root: Path, partitions: int, topics: int, cfg: Config) -> Row:
 async def reelection(root: Path, partitions: int) -> tuple[float, str]:
     """kill -9 of the node leading most partitions, until ClusterStatus shows a live leader for every one."""
     from site_cluster import Site
+    from site_scale import settle
 
     site = Site(root, ["--replication-factor", "3", "--min-insync-replicas", "2", "--scrub-bytes-per-s", "0"])
     try:
         site.start()
         await site.create_topic("big", partitions)
+        # the kill meets a settled site (site_scale.settle), not one still opening the create's segments
+        whole, settled, settle_s = await settle(site, partitions, 3, CLUSTER_SETTLE_TIMEOUT_S)
+        how = "settled" if settled else "NOT settled (timeout)" if whole else "NOT whole (timeout)"
         status = await site.status()
         counts: dict[int, int] = {}
         for p in status.partitions:
@@ -400,7 +407,10 @@ async def reelection(root: Path, partitions: int) -> tuple[float, str]:
                 mine = [p for p in status.partitions if p.topic == "big"]
                 leaderless = [p.partition for p in mine if not p.leader_live or p.leader == victim]
                 if len(mine) == partitions and not leaderless:
-                    return time.perf_counter() - start, f"node {victim} led {counts[victim]:,} partitions"
+                    return time.perf_counter() - start, (
+                        f"node {victim} led {counts[victim]:,} partitions; the site {how} {settle_s:.1f} s after the"
+                        " create"
+                    )
                 last = f"{len(leaderless):,} partitions without a live leader"
             await asyncio.sleep(POLL_S)
         raise BenchError(f"not every partition has a live leader {REELECT_TIMEOUT_S:g}s after the kill: {last}")

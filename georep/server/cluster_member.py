@@ -88,6 +88,7 @@ from georep.raft.frames import COMMAND_BYTES_MAX
 from georep.raft.store import MetadataUnavailable, command_bytes
 from georep.security.tls import TlsConfig
 from georep.server.ensemble import LeadEvent, SegmentToWrite, SegmentWriter
+from georep.server.fence_waves import FenceWaves
 from georep.server.heartbeat_thread import HeartbeatThread
 from georep.server.peer_channels import PeerChannels
 from georep.server.recovery import Members, copy_tail, fence_member, tell_sealed
@@ -216,6 +217,7 @@ class ClusterMember:
         self.config = config or ClusterConfig()
         self.tls = tls
         self.channel = PeerChannels(tls)  # one channel per peer for every fence, copy and stream (peer_channels.py)
+        self.fences = FenceWaves()  # a recovery's fences to each peer, in bounded waves (fence_waves.py)
         self.leaders: dict[PartitionKey, PartitionLeader] = {}
         self.listener: LeaderListener = _NoListener()
         self.origin: Origin | None = None  # the site's (its broker's): seals fold its own producers' batches
@@ -673,7 +675,7 @@ class PartitionLeader:
 
     def _members(self) -> Members:
         m = self.member
-        return Members(m.store, m.me, m.addresses(), m.executor, m.clock_ms, m.channel)
+        return Members(m.store, m.me, m.addresses(), m.executor, m.clock_ms, m.channel, m.fences)
 
     def _info(self) -> PartitionInfo | None:
         return self.member.metadata.state().partition(*self.key)

@@ -52,6 +52,7 @@ from georep.broker.errors import BrokerError, NotLeader, RecoveryFailed
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_to_proto
 from georep.security.tls import TlsConfig, channels
+from georep.server.fence_waves import FenceWaves
 from georep.server.peer_channels import ChannelUse, segments_stub
 from georep.server.rpc import FENCED_EPOCH_METADATA
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore
@@ -79,6 +80,7 @@ class Members:
     executor: ThreadPoolExecutor
     clock_ms: Callable[[], int]
     channel: ChannelUse
+    fences: FenceWaves  # this node's fences in flight to each peer, bounded (fence_waves.py)
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -105,11 +107,17 @@ async def fence_member(m: Members, eff: FenceMember) -> LeadEvent:
             ends = await m.run(m.store.fence, key, eff.epoch)
             end = int(ends.get(s.segment_id, base))
         else:
-            async with m.channel(m.addresses[node]) as channel:
-                answer = await segments_stub(channel).FenceSegments(
-                    pb.FenceSegmentsRequest(topic=key[0], partition=key[1], leader_epoch=eff.epoch),
-                    timeout=CALL_TIMEOUT_S,
-                )
+            address = m.addresses[node]
+            request = pb.FenceSegmentsRequest(topic=key[0], partition=key[1], leader_epoch=eff.epoch)
+
+            async def call() -> pb.FenceSegmentsResponse:
+                async with m.channel(address) as channel:
+                    answer: pb.FenceSegmentsResponse = await segments_stub(channel).FenceSegments(
+                        request, timeout=CALL_TIMEOUT_S
+                    )
+                    return answer
+
+            answer = await m.fences.send(address, call)
             end = next((e.end_offset for e in answer.ends if e.segment_id == s.segment_id), base)
     except Fenced as exc:
         their = int(exc.fenced_epoch)
@@ -297,11 +305,13 @@ async def recover_segment(
     executor: ThreadPoolExecutor,
     clock_ms: Callable[[], int],
     tls: TlsConfig | None = None,
+    fences: FenceWaves | None = None,
 ) -> LocalOffset:
     """Recover ``segment`` as its new leader ``me`` (one attempt); returns the sealed end, where the next segment
     starts. ``seal`` commits the seal: None once committed, else why it was refused. Raises
-    :class:`RecoveryFailed` (try again later) and :class:`NotLeader` (a newer leader fenced a member)."""
-    m = Members(store, me, addresses, executor, clock_ms, channels(tls))
+    :class:`RecoveryFailed` (try again later) and :class:`NotLeader` (a newer leader fenced a member). Recoveries
+    run together share ``fences``, as a node's do."""
+    m = Members(store, me, addresses, executor, clock_ms, channels(tls), fences or FenceWaves())
     s = segment
     opened = SegmentInfo(s.segment_id, LocalOffset(s.base_offset), s.ensemble, LeaderEpoch(max(s.epoch - 1, 0)))
     info = PartitionInfo(s.key[0], s.key[1], me, s.epoch, (opened,))
