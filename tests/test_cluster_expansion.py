@@ -36,11 +36,11 @@ def segment_ids(root: Path, node: int) -> dict[tuple[str, int], list[int]]:
         store.close()
 
 
-@pytest.mark.slow
 def raft_total(address: str) -> int:
     return int(json.loads(ok(georep("cluster", "status", "--json", "--bootstrap", address)))["raft"]["total_nodes"])
 
 
+@pytest.mark.slow
 def test_a_fourth_node_joins_the_running_site_and_takes_new_segments_at_the_next_roll_with_nothing_moved(
     tmp_path: Path,
 ) -> None:

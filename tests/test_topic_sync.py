@@ -160,6 +160,7 @@ def test_an_idle_topic_sync_leaves_the_links_view_of_the_topics_as_it_was(tmp_pa
     run_at_b(tmp_path, node, scenario)
 
 
+@pytest.mark.slow
 def test_a_sync_round_that_creates_topics_in_many_steps_reopens_the_stream_once(
     tmp_path: Path, node: NodeProcess
 ) -> None:
