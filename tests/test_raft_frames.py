@@ -163,3 +163,23 @@ def test_a_command_over_the_bound_is_refused_before_it_is_proposed(tmp_path: Pat
         record = AclRecord("client:x write topic:" + "t" * COMMAND_BYTES_MAX, True, 1, "a")
         with pytest.raises(CommandTooLarge, match=f"over the {COMMAND_BYTES_MAX} bytes a metadata command may take"):
             store.propose(PutAcl(record))
+
+
+def test_a_reconnect_without_a_disconnect_closes_the_previous_socket() -> None:
+    """A connect replaced the socket of a connect still in progress, leaving it to the garbage collector (a
+    ResourceWarning in a later, unrelated test); the previous socket must be closed at once."""
+    poller = createPoller("poll")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    conn = GuardedConnection(poller, FrameBounds.for_port(sealed=False), lambda _conn, _why: None, trusted=True)
+    try:
+        assert conn.connect("127.0.0.1", port)
+        first = conn._socket
+        assert first is not None
+        assert conn.connect("127.0.0.1", port)
+        assert first.fileno() == -1, "the first connect's socket is still open"
+    finally:
+        conn.disconnect()
+        listener.close()

@@ -198,8 +198,8 @@ class GuardedConnection:
     def connect(self, host: str | None, port: int) -> bool:
         if host is None:
             return False
+        self._drop_socket()  # a reconnect without a disconnect first must not leak the previous socket
         self._state = CONNECTION_STATE.DISCONNECTED
-        self._fileno = None
         self.epoch += 1
         self._authenticated = self._trusted
         self._read_buffer = bytearray()
@@ -226,6 +226,14 @@ class GuardedConnection:
         self._subscribe(write=True)
         return True
 
+    def _drop_socket(self) -> None:
+        if self._fileno is not None:
+            self._poller.unsubscribe(self._fileno)
+            self._fileno = None
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
     def send(self, message: Any) -> None:
         if self._unanswered_since is None and _is_append(message):
             self._unanswered_since = syncobj_clock()
@@ -251,12 +259,7 @@ class GuardedConnection:
         self.sendRandKey = None
         self.recvRandKey = None
         self.recvLastTimestamp = 0
-        if self._fileno is not None:
-            self._poller.unsubscribe(self._fileno)
-            self._fileno = None
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        self._drop_socket()
         self._write_buffer = bytearray()
         self._read_buffer = bytearray()
         self._state = CONNECTION_STATE.DISCONNECTED
