@@ -24,7 +24,7 @@ with the topic's value and where it comes from, as DescribeConfigs answers it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from georep.metadata.topics import TOPIC_CONFIG_KEYS, InvalidTopic, parse_topic_config
@@ -268,3 +268,21 @@ def broker_configs(defaults: Mapping[str, int], built_in: Mapping[str, int], sit
         )
     )
     return sorted(out, key=lambda d: d.name)
+
+
+def alter_changes(sets: Mapping[str, str], resets: Iterable[str], site: SiteSettings | None) -> dict[str, int | None]:
+    """An alter's changes as georep keys: each of ``sets`` (Kafka names or georep keys, checked as a create's
+    are, :func:`to_georep`) to its value, each of ``resets`` back to the node's default (``None``). A fixed name
+    takes only its one value and has nothing to reset. Raises :class:`InvalidConfig`."""
+    out: dict[str, int | None] = {key: int(value) for key, value in to_georep(sets, site).items()}
+    for name in sorted(resets):
+        kafka = BY_NAME.get(name)
+        key = kafka.key if kafka is not None else name if name in TOPIC_CONFIG_KEYS else None
+        if kafka is not None and key is None:
+            continue  # a fixed name: its default is its one value
+        if key is None:
+            raise InvalidConfig(_unknown(name))
+        if key in out:
+            raise InvalidConfig(f"config {name} is both set and reset in one alter: give it once")
+        out[key] = None
+    return out

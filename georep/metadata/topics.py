@@ -93,6 +93,8 @@ class TopicSpec:
     name: str
     partitions: int
     config: dict[str, int] = field(default_factory=dict)  # overrides only
+    # The incarnation live at this site (georep/metadata/topic_entry.py): 0 until the name is deleted once.
+    incarnation: int = 0
 
     def effective(self, defaults: dict[str, int]) -> dict[str, int]:
         return {**defaults, **self.config}

@@ -181,6 +181,8 @@ from cluster.site_state import (
     command_from_dict,
 )
 from georep.metadata.store import AclRecord, TopicExists, UnknownTopic
+from georep.metadata.topic_entry import TopicEntry
+from georep.metadata.topic_entry_codec import legacy_entry
 from georep.metadata.topics import TopicSpec
 from georep.raft import journal
 from georep.raft.elections import election_timeout_s, first_election_timeout_s
@@ -1107,6 +1109,7 @@ class RaftMetadataStore:
     ) -> None:
         self._timing = timing or RaftTiming()
         self._self_address = _check_raft_address(self_address)
+        self._entries: tuple[int | None, dict[str, TopicEntry]] = (None, {})  # (topics_version, entries())
         partners = sorted({_check_raft_address(a) for a in partner_addresses} - {self_address})
         rejoining = has_raft_state(data_dir)
         raft_dir = data_dir / RAFT_DIR
@@ -1180,6 +1183,21 @@ class RaftMetadataStore:
     def topics_version(self) -> int:
         """The state's version: it changes with every command but a heartbeat, so with every topic created."""
         return self._replica.read(lambda state: state.version)
+
+    def entries(self) -> dict[str, TopicEntry]:
+        """The topics as entries of incarnation 0 with no stamps: a multi-node site does not keep entries in its
+        Raft state yet (docs/design.md, "Topic changes across sites"). Rebuilt only when the topics change."""
+        version = self.topics_version()
+        if self._entries[0] != version:
+            old = self._entries[1]
+            fresh = {}
+            for name, spec in self.topics().items():
+                entry = old.get(name)
+                if entry is None or entry.partitions != spec.partitions or entry.config() != spec.config:
+                    entry = legacy_entry(name, spec.partitions, spec.config)
+                fresh[name] = entry
+            self._entries = (version, fresh)
+        return self._entries[1]
 
     def get(self, name: str) -> TopicSpec:
         spec = self._replica.read(lambda state: state.topic(name))

@@ -1,0 +1,107 @@
+"""Topic alter and add-partitions on a one-node site (issue 23), in process: the replicated entry stored in
+``topics.json`` (``georep/storage/metadata_file.py``), the merge through two real stores, and a change taking
+effect on the node without a restart (``georep/server/topic_changes.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from georep.broker.errors import BatchTooLarge
+from georep.metadata.kafka_config import InvalidConfig, alter_changes
+from georep.metadata.store import UnknownTopic
+from georep.metadata.topic_entry import alter, delete
+from georep.metadata.topic_entry_codec import legacy_entry
+from georep.metadata.topics import InvalidTopic, TopicSpec
+from georep.server.broker import Broker
+from georep.server.topic_changes import TopicChanges
+from georep.storage.metadata_file import FileMetadataStore, load_or_create_identity
+from tests.support.node_api import batch
+
+
+def store_at(path: Path, site: str, clock: list[int]) -> FileMetadataStore:
+    return FileMetadataStore(path, site, lambda: clock[0])
+
+
+def test_a_topic_table_from_before_entries_reads_as_incarnation_0_and_stays_readable(tmp_path: Path) -> None:
+    path = tmp_path / "topics.json"
+    old = {"version": 1, "topics": {"orders": {"partitions": 3, "config": {"retention_ms": 5000}}}}
+    path.write_text(json.dumps(old))
+    store = store_at(path, "a", [1_000])
+    assert store.entries()["orders"] == legacy_entry("orders", 3, {"retention_ms": 5000})
+    assert store.get("orders") == TopicSpec("orders", 3, {"retention_ms": 5000})
+    store.create_topic(TopicSpec("events", 1))
+    written = json.loads(path.read_text())["topics"]
+    # What a node from before entries reads of the table is still there, beside the entry's fields.
+    assert written["orders"]["partitions"] == 3 and written["orders"]["config"] == {"retention_ms": 5000}
+    assert written["events"]["incarnation"] == 0 and written["events"]["stamp"] == [1_000, "a"]
+    assert store_at(path, "a", [0]).entries() == store.entries()
+
+
+def test_alters_merged_through_two_real_stores_converge_and_a_concurrent_change_is_found(tmp_path: Path) -> None:
+    clock = [1_000]
+    a, b = store_at(tmp_path / "a.json", "a", clock), store_at(tmp_path / "b.json", "b", clock)
+    a.create_topic(TopicSpec("orders", 2, {"retention_ms": 1}))
+    b.merge_entries(list(a.entries().values()))
+    clock[0] = 2_000
+    a.merge_entries([alter(a.entries()["orders"], "orders", {"retention_ms": 111}, clock[0], "a")])
+    clock[0] = 2_500  # b changes the key before it hears of a's change: concurrent
+    b.merge_entries([alter(b.entries()["orders"], "orders", {"retention_ms": 222}, clock[0], "b")])
+    [at_b] = b.merge_entries([a.entries()["orders"]])
+    [at_a] = a.merge_entries([b.entries()["orders"]])
+    assert [(c.kept.value, c.lost.value) for c in at_b.conflicts] == [(222, 111)]
+    assert not at_a.conflicts  # b's joined register has seen both changes: found once, where they met
+    assert a.get("orders").config == b.get("orders").config == {"retention_ms": 222}
+    # Durable: both tables, read again from disk, hold the same entry.
+    reread = [store_at(tmp_path / f"{s}.json", s, clock).entries()["orders"] for s in "ab"]
+    assert reread[0] == reread[1] == a.entries()["orders"]
+    # A tombstone replicates as an entry too: the topic is gone from the live table, its entry stays.
+    b.merge_entries([delete(a.entries()["orders"], "orders", 3_000, "a")])
+    assert "orders" not in b.topics() and b.entries()["orders"].deleted
+    with pytest.raises(UnknownTopic):
+        b.get("orders")
+
+
+def test_alter_names_are_checked_as_kafka_names_or_georep_keys() -> None:
+    assert alter_changes({"retention.ms": "10"}, ["segment.bytes"], None) == {
+        "retention_ms": 10,
+        "segment_bytes_max": None,
+    }
+    with pytest.raises(InvalidConfig, match="no log compaction"):
+        alter_changes({"cleanup.policy": "compact"}, [], None)
+    with pytest.raises(InvalidConfig, match="unknown topic config"):
+        alter_changes({}, ["bogus"], None)
+
+
+def test_an_alter_and_a_growth_take_effect_on_the_node_without_a_restart(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        broker = Broker(tmp_path, load_or_create_identity(tmp_path, "a", 1))
+        try:
+            changes = TopicChanges(broker)
+            broker.create_topic("orders", 1, {})
+            big = batch(4, value_bytes=1500)
+            await broker.produce("orders", 0, big)
+            changes.alter("orders", {"max_batch_bytes": 1024, "segment_bytes_max": 4096})
+            with pytest.raises(BatchTooLarge):
+                await broker.produce("orders", 0, big)
+            assert broker.partition("orders", 0).log.config.segment_bytes_max == 4096  # type: ignore[attr-defined]
+            changes.alter("orders", {"max_batch_bytes": None})  # back to the default: taken again
+            await broker.produce("orders", 0, big)
+            with pytest.raises(InvalidTopic, match="only grows"):
+                changes.add_partitions("orders", 1)
+            changes.add_partitions("orders", 3)
+            await broker.produce("orders", 2, batch(1))
+            assert broker.topic("orders").partitions == 3 and broker.partition("orders", 2).log.log_end_offset == 1
+        finally:
+            broker.close()
+        again = Broker(tmp_path, load_or_create_identity(tmp_path, "a", 1))  # and after a restart, the same
+        try:
+            assert again.topic("orders").partitions == 3 and ("orders", 2) in again.partitions
+            assert again.topic("orders").config == {"segment_bytes_max": 4096}
+        finally:
+            again.close()
+
+    asyncio.run(scenario())
