@@ -42,6 +42,8 @@ CONFLICTS_KEPT = 100  # the latest conflicts status shows; the counter counts th
 class TopicChangesUnsupported(NotYetSupported):
     """A topic change this site cannot make yet (a multi-node site's, until its Raft command exists)."""
 
+    kafka_code = 42  # Kafka's INVALID_REQUEST, with the message
+
 
 class TopicChanges:
     """The node's topic changes; see the module docstring."""
