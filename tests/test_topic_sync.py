@@ -25,6 +25,7 @@ from georep.proto import georep_pb2 as pb
 from georep.server.broker import Broker
 from georep.server.process import NodeProcess
 from georep.server.replicator import Replicator
+from georep.server.site_status import answer
 from tests.support.node_api import batch, stub_for
 from tests.support.ports import free_ports
 from tests.support.sites import topology_toml
@@ -139,6 +140,64 @@ def test_concurrent_creates_with_two_partition_counts_converge_to_the_larger(tmp
         await puller.sync_topics()
         assert r.broker.metadata.get("x").partitions == 5 and ("x", 4) in r.broker.partitions
         assert puller.remote_topics["x"] == 5 and not r.conflicts
+
+    run_at_b(tmp_path, node, scenario)
+
+
+def test_an_alter_at_a_reaches_b_and_concurrent_alters_are_a_conflict_in_status(
+    tmp_path: Path, node: NodeProcess
+) -> None:
+    """Issue 23: a's alter replicates (the new value in force at b), and a change of one key made at both sites
+    before either heard of the other is kept by the later stamp and shown in b's status."""
+
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="orders", partitions=1, config={"retention_ms": "1000"}))
+        puller = r.pullers[SiteId("a")]
+        await puller.sync_topics()
+        assert r.broker.topic("orders").config == {"retention_ms": 1000}
+        stub_a.AlterTopic(pb.AlterTopicRequest(name="orders", set={"retention.ms": "2000", "segment.bytes": "4096"}))
+        await puller.sync_topics()
+        assert r.broker.topic("orders").config == {"retention_ms": 2000, "segment_bytes_max": 4096}
+        assert r.broker.partitions[("orders", 0)].log.config.retention_ms == 2000  # type: ignore[attr-defined]
+        assert not r.topic_changes.conflicts
+        r.topic_changes.alter("orders", {"retention_ms": 3000})  # at b, before it hears of a's next change
+        stub_a.AlterTopic(pb.AlterTopicRequest(name="orders", set={"retention_ms": "4000"}))
+        await puller.sync_topics()
+        [conflict] = r.topic_changes.conflicts
+        assert {conflict.kept.value, conflict.lost.value} == {3000, 4000}
+        assert r.broker.topic("orders").config["retention_ms"] == conflict.kept.value
+        status = answer(r.broker, r, pb.SiteStatusRequest())
+        assert (
+            status.config_conflicts_total == 1 and "changed at two sites at once" in status.config_conflicts[0].message
+        )
+        await puller.sync_topics()  # the same entries again: no second conflict
+        assert r.topic_changes.conflicts_total == 1
+
+    run_at_b(tmp_path, node, scenario)
+
+
+class OldPeer(Spy):
+    """An upstream from before topic entries: its listings carry definitions only."""
+
+    async def ListTopics(self, request: pb.ListTopicsRequest, timeout: float) -> pb.ListTopicsResponse:
+        answer = await super().ListTopics(request, timeout)
+        for t in answer.topics:
+            t.ClearField("entry")
+        return answer
+
+
+def test_a_sync_with_a_peer_from_before_entries_still_creates_and_grows(tmp_path: Path, node: NodeProcess) -> None:
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="legacy", partitions=1, config={"retention_ms": "1000"}))
+        puller = r.pullers[SiteId("a")]
+        puller._stub = OldPeer(puller.stub)  # type: ignore[assignment]
+        await puller.sync_topics()
+        assert r.broker.topic("legacy").partitions == 1 and r.broker.topic("legacy").config["retention_ms"] == 1000
+        r.topic_changes.alter("legacy", {"retention_ms": 5})  # stamped here: above the old peer's unstamped value
+        stub_a.AddPartitions(pb.AddPartitionsRequest(name="legacy", partitions=2))
+        await puller.sync_topics()
+        assert r.broker.topic("legacy").partitions == 2 and r.broker.topic("legacy").config["retention_ms"] == 5
+        assert not r.conflicts and not r.topic_changes.conflicts
 
     run_at_b(tmp_path, node, scenario)
 

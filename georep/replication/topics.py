@@ -59,7 +59,7 @@ def plan_topic_sync(
             continue
         if have is None:
             config = {k: v for k, v in t.config.items() if k in TOPIC_CONFIG_KEYS}
-            create.append(RemoteTopic(t.name, t.partitions, config))
+            create.append(RemoteTopic(t.name, t.partitions, config, t.entry))
         elif have != t.partitions and not merges:
             conflicts[t.name] = (
                 f"topic {t.name!r} has {have} partitions at site {link.dst} but {t.partitions} at site {link.src}: it "

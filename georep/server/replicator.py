@@ -285,7 +285,11 @@ class Puller:
             except InvalidTopic as exc:
                 self.r.conflicts[(t.name, self.src)] = f"topic {t.name!r} of site {self.src} is not taken: {exc}"
                 continue
-            page.append(RemoteTopic(t.name, entry.partitions, dict(t.config), entry))
+            # A one-node site creates from the entry's own overrides (its stored form); otherwise, and from an old
+            # peer, from src's effective config, as before entries.
+            merges = t.HasField("entry") and not self.r.broker.in_site
+            config = {k: str(v) for k, v in entry.config().items()} if merges else dict(t.config)
+            page.append(RemoteTopic(t.name, entry.partitions, config, entry))
         return page
 
     def _learnt(self, topics: list[RemoteTopic], replace: bool = False) -> None:
