@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,5 +104,39 @@ def test_an_alter_and_a_growth_take_effect_on_the_node_without_a_restart(tmp_pat
             assert again.topic("orders").config == {"segment_bytes_max": 4096}
         finally:
             again.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_tombstone_merged_here_stops_the_topic_and_tells_the_data_path_once(tmp_path: Path) -> None:
+    """Delete's metadata half: the tombstone another site made is stored, the topic leaves the live table, the
+    data path's hook hears of it once, and a create after it is the next incarnation."""
+
+    async def scenario() -> None:
+        broker = Broker(tmp_path, load_or_create_identity(tmp_path, "b", 1))
+        try:
+            changes = TopicChanges(broker)
+            told: list[tuple[str, int]] = []
+            changes.on_deleted = lambda entry: told.append((entry.name, entry.incarnation))
+            broker.create_topic("orders", 2, {})
+            assert changes.incarnation_of("orders") == 0
+            tombstone = delete(changes.held("orders"), "orders", broker.clock_ms() + 1, "a")
+            changes.merge([tombstone])
+            changes.merge([tombstone])  # again (a cycle of links): nothing more happens
+            assert told == [("orders", 0)] and changes.incarnation_of("orders") is None
+            with pytest.raises(UnknownTopic):
+                broker.topic("orders")
+            with pytest.raises(UnknownTopic):
+                changes.alter("orders", {"retention_ms": 1})
+            # Until delete's data path has removed the old partitions, no create goes over them.
+            with pytest.raises(InvalidTopic, match="still holds its partitions"):
+                broker.create_topic("orders", 1, {})
+            broker.metadata.create_topic(TopicSpec("orders", 1))  # (the table alone: what the create will write)
+            assert changes.incarnation_of("orders") == 1 and broker.topic("orders").incarnation == 1
+            # The live incarnation 0 a late link still sends ranks below the tombstone: it changes nothing.
+            [late] = changes.merge([replace(tombstone, deleted=False, partitions=4)])
+            assert not late.changed and broker.topic("orders").partitions == 1
+        finally:
+            broker.close()
 
     asyncio.run(scenario())

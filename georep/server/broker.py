@@ -390,6 +390,13 @@ class Broker:
         try:
             self.metadata.get(name)  # not topics(): a copy of the whole table per create
         except UnknownTopic:
+            held = self.metadata.entries().get(name)
+            if held is not None and held.deleted and (self.logs_dir / partition_dir_name(name, 0)).exists():
+                # A deleted incarnation's files: never under a new create (delete's data path removes them).
+                raise InvalidTopic(
+                    f"topic {name!r} was deleted and this node still holds its partitions: create it again once "
+                    "they are removed"
+                ) from None
             return spec
         raise TopicExists(name)
 

@@ -65,7 +65,14 @@ class TopicChanges:
         return store
 
     def held(self, name: str) -> TopicEntry | None:
+        """The entry held for ``name``: live, a tombstone (``deleted``), or None (never heard of)."""
         return self._store().entries().get(name)
+
+    def incarnation_of(self, name: str) -> int | None:
+        """The incarnation of ``name`` live here, or None (unknown, or deleted): what delete's data path checks a
+        pulled chunk or a commit record against (docs/design.md, "Topic changes across sites")."""
+        entry = self.broker.metadata.entries().get(name)
+        return None if entry is None or entry.deleted else entry.incarnation
 
     def alter(self, name: str, changes: Mapping[str, int | None]) -> TopicSpec:
         """Set (or, ``None``, reset to the default) each key of ``changes``. Raises ``UnknownTopic``."""
