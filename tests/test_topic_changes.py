@@ -11,16 +11,18 @@ from pathlib import Path
 
 import pytest
 
+from cluster.site_state import CreateTopic, MergeTopicEntry, RefusalCode, SiteState, command_from_dict
 from georep.broker.errors import BatchTooLarge
 from georep.metadata.kafka_config import InvalidConfig, alter_changes
 from georep.metadata.store import UnknownTopic
-from georep.metadata.topic_entry import alter, delete
+from georep.metadata.topic_entry import add_partitions, alter, delete
 from georep.metadata.topic_entry_codec import legacy_entry
 from georep.metadata.topics import InvalidTopic, TopicSpec
 from georep.server.broker import Broker
 from georep.server.topic_changes import TopicChanges
 from georep.storage.metadata_file import FileMetadataStore, load_or_create_identity
 from tests.support.node_api import batch
+from tests.support.site_state import applied, refused
 
 
 def store_at(path: Path, site: str, clock: list[int]) -> FileMetadataStore:
@@ -85,15 +87,15 @@ def test_an_alter_and_a_growth_take_effect_on_the_node_without_a_restart(tmp_pat
             broker.create_topic("orders", 1, {})
             big = batch(4, value_bytes=1500)
             await broker.produce("orders", 0, big)
-            changes.alter("orders", {"max_batch_bytes": 1024, "segment_bytes_max": 4096})
+            await changes.alter("orders", {"max_batch_bytes": 1024, "segment_bytes_max": 4096})
             with pytest.raises(BatchTooLarge):
                 await broker.produce("orders", 0, big)
             assert broker.partition("orders", 0).log.config.segment_bytes_max == 4096  # type: ignore[attr-defined]
-            changes.alter("orders", {"max_batch_bytes": None})  # back to the default: taken again
+            await changes.alter("orders", {"max_batch_bytes": None})  # back to the default: taken again
             await broker.produce("orders", 0, big)
             with pytest.raises(InvalidTopic, match="only grows"):
-                changes.add_partitions("orders", 1)
-            changes.add_partitions("orders", 3)
+                await changes.add_partitions("orders", 1)
+            await changes.add_partitions("orders", 3)
             await broker.produce("orders", 2, batch(1))
             assert broker.topic("orders").partitions == 3 and broker.partition("orders", 2).log.log_end_offset == 1
         finally:
@@ -127,7 +129,7 @@ def test_a_tombstone_merged_here_stops_the_topic_and_tells_the_data_path_once(tm
             with pytest.raises(UnknownTopic):
                 broker.topic("orders")
             with pytest.raises(UnknownTopic):
-                changes.alter("orders", {"retention_ms": 1})
+                await changes.alter("orders", {"retention_ms": 1})
             # Until delete's data path has removed the old partitions, no create goes over them.
             with pytest.raises(InvalidTopic, match="still holds its partitions"):
                 broker.create_topic("orders", 1, {})
@@ -140,3 +142,25 @@ def test_a_tombstone_merged_here_stops_the_topic_and_tells_the_data_path_once(tm
             broker.close()
 
     asyncio.run(scenario())
+
+
+def test_a_multi_node_sites_state_takes_entries_as_raft_commands() -> None:
+    """``MergeTopicEntry`` (cluster/site_state.py): an alter changes the topic's config, a growth adds partitions
+    with no leader (the controller places them as a create's), both survive a snapshot and the command's log
+    form, a repeat changes nothing, and what the state cannot take is refused, not half-applied."""
+    state = SiteState()
+    applied(state, CreateTopic(TopicSpec("orders", 2, {"retention_ms": 5})))
+    held = state.entries()["orders"]
+    assert held == legacy_entry("orders", 2, {"retention_ms": 5})
+    altered = alter(held, "orders", {"retention_ms": 7, "segment_bytes_max": 4096}, 1_000, "a")
+    grown = add_partitions(altered, "orders", 4)
+    for command in (MergeTopicEntry(altered), MergeTopicEntry(grown)):
+        applied(state, command_from_dict(json.loads(json.dumps(command.to_dict()))))
+    assert state.topic("orders") == TopicSpec("orders", 4, {"retention_ms": 7, "segment_bytes_max": 4096})
+    new_partition = state.partition("orders", 3)
+    assert new_partition is not None and new_partition.leader is None
+    assert not applied(state, MergeTopicEntry(altered)).changed  # older than what is held: nothing
+    assert SiteState.restore(json.loads(json.dumps(state.snapshot()))).entries() == state.entries()
+    refused(state, MergeTopicEntry(delete(grown, "orders", 2_000, "a")), RefusalCode.INVALID_TOPIC)
+    refused(state, MergeTopicEntry(legacy_entry("nowhere", 1, {})), RefusalCode.UNKNOWN_TOPIC)
+    assert state.topic("orders") is not None and "nowhere" not in state.topics()

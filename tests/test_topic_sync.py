@@ -160,7 +160,7 @@ def test_an_alter_at_a_reaches_b_and_concurrent_alters_are_a_conflict_in_status(
         assert r.broker.topic("orders").config == {"retention_ms": 2000, "segment_bytes_max": 4096}
         assert r.broker.partitions[("orders", 0)].log.config.retention_ms == 2000  # type: ignore[attr-defined]
         assert not r.topic_changes.conflicts
-        r.topic_changes.alter("orders", {"retention_ms": 3000})  # at b, before it hears of a's next change
+        await r.topic_changes.alter("orders", {"retention_ms": 3000})  # at b, before it hears of a's next change
         stub_a.AlterTopic(pb.AlterTopicRequest(name="orders", set={"retention_ms": "4000"}))
         await puller.sync_topics()
         [conflict] = r.topic_changes.conflicts
@@ -193,7 +193,7 @@ def test_a_sync_with_a_peer_from_before_entries_still_creates_and_grows(tmp_path
         puller._stub = OldPeer(puller.stub)  # type: ignore[assignment]
         await puller.sync_topics()
         assert r.broker.topic("legacy").partitions == 1 and r.broker.topic("legacy").config["retention_ms"] == 1000
-        r.topic_changes.alter("legacy", {"retention_ms": 5})  # stamped here: above the old peer's unstamped value
+        await r.topic_changes.alter("legacy", {"retention_ms": 5})  # stamped here: above the old peer's unstamped value
         stub_a.AddPartitions(pb.AddPartitionsRequest(name="legacy", partitions=2))
         await puller.sync_topics()
         assert r.broker.topic("legacy").partitions == 2 and r.broker.topic("legacy").config["retention_ms"] == 5

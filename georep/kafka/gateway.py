@@ -259,7 +259,7 @@ class KafkaGateway:
         validate_only = bool(b.validate_only)
         if req.api_key == CREATE_PARTITIONS:
             r = kadmin.CreatePartitionsResponse
-            return r(results=[self._grow(t, validate_only, peer) for t in b.topics])
+            return r(results=[await self._grow(t, validate_only, peer) for t in b.topics])
         ra = kadmin.AlterConfigsResponse if req.api_key == ALTER_CONFIGS else kadmin.IncrementalAlterConfigsResponse
         out = []
         for res in b.resources:
@@ -269,7 +269,7 @@ class KafkaGateway:
                 why = "a georep node's settings are its command-line flags (georep node --help): restart it with them"
             else:
                 try:
-                    self._alter(res, req.api_key == ALTER_CONFIGS, validate_only, peer)
+                    await self._alter(res, req.api_key == ALTER_CONFIGS, validate_only, peer)
                 except Exception as exc:
                     code, why = self._code(exc), str(exc)
             out.append(
@@ -288,7 +288,7 @@ class KafkaGateway:
             raise TopicChangesUnsupported("this node cannot change topics")
         return self.topic_changes
 
-    def _alter(self, res: Any, replace_all: bool, validate_only: bool, peer: Client) -> None:
+    async def _alter(self, res: Any, replace_all: bool, validate_only: bool, peer: Client) -> None:
         name = res.resource_name
         changes = self._changes(name, peer)
         configs = [(c.name, getattr(c, "config_operation", SET), c.value) for c in res.configs]
@@ -299,9 +299,9 @@ class KafkaGateway:
         if validate_only:
             alter(changes.held(name), name, wanted, 0, "")
         else:
-            changes.alter(name, wanted)
+            await changes.alter(name, wanted)
 
-    def _grow(self, t: Any, validate_only: bool, peer: Client) -> Any:
+    async def _grow(self, t: Any, validate_only: bool, peer: Client) -> Any:
         r = kadmin.CreatePartitionsResponse.CreatePartitionsTopicResult
         try:
             changes = self._changes(t.name, peer)
@@ -310,7 +310,7 @@ class KafkaGateway:
             if validate_only:
                 add_partitions(changes.held(t.name), t.name, t.count)
             else:
-                changes.add_partitions(t.name, t.count)
+                await changes.add_partitions(t.name, t.count)
         except InvalidTopic as exc:
             return r(name=t.name, error_code=k.INVALID_PARTITIONS, error_message=str(exc))
         except Exception as exc:

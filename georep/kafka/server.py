@@ -475,7 +475,7 @@ async def start_kafka(
             broker.create_topic(name, partitions, config)
 
     gateway = KafkaGateway(broker, groups, host, port, create_topic, options.commit_acks, options.policy)
-    gateway.topic_changes = topic_changes if site_cluster is None else None
+    gateway.topic_changes = topic_changes
     if site_cluster is not None:
         config = site_cluster.member.config
         gateway.site = SiteSettings(config.replication_factor, config.ack_quorum)

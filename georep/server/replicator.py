@@ -285,10 +285,9 @@ class Puller:
             except InvalidTopic as exc:
                 self.r.conflicts[(t.name, self.src)] = f"topic {t.name!r} of site {self.src} is not taken: {exc}"
                 continue
-            # A one-node site creates from the entry's own overrides (its stored form); otherwise, and from an old
-            # peer, from src's effective config, as before entries.
-            merges = t.HasField("entry") and not self.r.broker.in_site
-            config = {k: str(v) for k, v in entry.config().items()} if merges else dict(t.config)
+            # A topic is created from the entry's own overrides (its stored form); from an old peer, from src's
+            # effective config, as before entries.
+            config = {k: str(v) for k, v in entry.config().items()} if t.HasField("entry") else dict(t.config)
             page.append(RemoteTopic(t.name, entry.partitions, config, entry))
         return page
 
@@ -309,12 +308,10 @@ class Puller:
         version = r.broker.metadata.topics_version()  # before the table: a change in between shows next round
         local_specs = r.broker.metadata.topics()
         local = {name: spec.partitions for name, spec in local_specs.items()}
-        merges = not r.broker.in_site  # a one-node site keeps entries and merges src's (topic_changes.py)
-        plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local, merges=merges)
+        plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local, merges=True)
         names = Counter(t.name for t in plan.create)
         r.creating += names
-        if merges:
-            r.broker.received_entries.update((t.name, t.entry) for t in plan.create if t.entry is not None)
+        r.broker.received_entries.update((t.name, t.entry) for t in plan.create if t.entry is not None)
         try:
             outcomes = await create_topics(
                 r.broker, [(t.name, t.partitions, dict(t.config)) for t in plan.create], internal=True
@@ -324,8 +321,7 @@ class Puller:
             r.created_rounds += 1 if names else 0
             for t in plan.create:
                 r.broker.received_entries.pop(t.name, None)
-        if merges:
-            self._merge_entries(remote)
+        await self._merge_entries(remote)
         for t, outcome in zip(plan.create, outcomes, strict=True):
             if isinstance(outcome, TopicSpec):
                 log.info("created topic %r (%d partitions) replicated from site %s", t.name, t.partitions, self.src)
@@ -346,7 +342,7 @@ class Puller:
         # failed), the next round plans every topic again, against the table then.
         self._local_planned = None if plan.create else version
 
-    def _merge_entries(self, remote: list[RemoteTopic]) -> None:
+    async def _merge_entries(self, remote: list[RemoteTopic]) -> None:
         """Merge src's entries of the topics the link carries into this site's: alters, growths and deletes
         (georep/server/topic_changes.py). Only names held here (a create that failed is tried next round), and
         tombstones."""
@@ -358,7 +354,7 @@ class Puller:
             if t.entry is not None and link.carries(t.name) and (t.name in held or t.entry.deleted)
         ]
         if entries:
-            self.r.topic_changes.merge(entries)
+            await self.r.topic_changes.change(entries)
 
     # -- held reports -----------------------------------------------------------
 
@@ -691,8 +687,10 @@ class Replicator:
         if self.broker.in_site:  # topics other nodes of a multi-node site created, through Raft
             version = self.broker.metadata.topics_version()  # before the table: a change in between shows next tick
             if version != self._topics_fed:  # an idle site does not copy and walk every topic 5 times a second
-                for name, spec in sorted(self.broker.metadata.topics().items()):
+                topics = self.broker.metadata.topics()
+                for name, spec in sorted(topics.items()):
                     self.links.topic(name, spec.partitions)
+                self.topic_changes.follow(topics)  # a config changed through Raft: the partitions led here take it
                 self._topics_fed = version
         moved = sorted(self._moved)
         self._moved.clear()  # in place: the partitions' watchers hold this set's add

@@ -31,7 +31,7 @@ class TopicCalls:
             held = self._held(req.name)
             alter(held, req.name, changes, 0, "")  # what the change would refuse
         else:
-            self.changes.alter(req.name, changes)
+            await self.changes.alter(req.name, changes)
         return self.describe(req.name)
 
     async def add_partitions(self, data: bytes, context: Context) -> pb.TopicDescription:
@@ -40,7 +40,7 @@ class TopicCalls:
         if req.validate_only:
             add_partitions(self._held(req.name), req.name, req.partitions)
         else:
-            self.changes.add_partitions(req.name, req.partitions)
+            await self.changes.add_partitions(req.name, req.partitions)
         return self.describe(req.name)
 
     def _held(self, name: str) -> TopicEntry:  # (for validate_only: the checks the change makes)

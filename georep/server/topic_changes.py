@@ -20,27 +20,39 @@ topic calls :attr:`TopicChanges.on_deleted` (the data path's removal of its part
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Protocol, runtime_checkable
 
+from cluster.site_state import RefusalCode
 from georep.broker.errors import NotYetSupported
 from georep.metadata.store import UnknownTopic
 from georep.metadata.topic_entry import ConfigConflict, Merged, TopicEntry, add_partitions, alter, merge
 from georep.metadata.topic_entry_codec import spec_of
-from georep.metadata.topics import TopicSpec
+from georep.metadata.topics import InvalidTopic, TopicSpec
+from georep.raft.store import CommandRefused, RaftMetadataStore
 from georep.server.broker import Broker
 from georep.storage.api import LogConfig, PartitionLog
-from georep.storage.metadata_file import FileMetadataStore
 
 log = logging.getLogger(__name__)
 
 CONFLICTS_KEPT = 100  # the latest conflicts status shows; the counter counts them all
 
 
+@runtime_checkable
+class EntryStore(Protocol):
+    """A one-node site's metadata as :meth:`TopicChanges.merge` writes it (``FileMetadataStore``)."""
+
+    def entries(self) -> dict[str, TopicEntry]: ...
+
+    def merge_entries(self, received: Sequence[TopicEntry]) -> list[Merged]: ...
+
+
 class TopicChangesUnsupported(NotYetSupported):
-    """A topic change this site cannot make yet (a multi-node site's, until its Raft command exists)."""
+    """A topic change this node cannot make (a metadata store that keeps no entries)."""
 
     kafka_code = 42  # Kafka's INVALID_REQUEST, with the message
 
@@ -54,19 +66,17 @@ class TopicChanges:
         self.conflicts_total = 0
         # Delete's data path: told the tombstone of a topic this site held live, after the table holds it.
         self.on_deleted: Callable[[TopicEntry], None] = self._deleted_unhandled
+        self._configs: dict[str, dict[str, int]] = {}  # a multi-node site's configs as ``follow`` last saw them
 
-    def _store(self) -> FileMetadataStore:
+    def _store(self) -> EntryStore:
         store = self.broker.metadata
-        if not isinstance(store, FileMetadataStore):
-            raise TopicChangesUnsupported(
-                "altering or growing a topic on a multi-node site is not built yet: change it at a one-node site "
-                "linked to this one, or create a new topic with the settings wanted"
-            )
+        if not isinstance(store, EntryStore):
+            raise TopicChangesUnsupported("this node's metadata keeps no topic entries: it cannot change a topic")
         return store
 
     def held(self, name: str) -> TopicEntry | None:
         """The entry held for ``name``: live, a tombstone (``deleted``), or None (never heard of)."""
-        return self._store().entries().get(name)
+        return self.broker.metadata.entries().get(name)
 
     def incarnation_of(self, name: str) -> int | None:
         """The incarnation of ``name`` live here, or None (unknown, or deleted): what delete's data path checks a
@@ -74,18 +84,42 @@ class TopicChanges:
         entry = self.broker.metadata.entries().get(name)
         return None if entry is None or entry.deleted else entry.incarnation
 
-    def alter(self, name: str, changes: Mapping[str, int | None]) -> TopicSpec:
+    async def alter(self, name: str, changes: Mapping[str, int | None]) -> TopicSpec:
         """Set (or, ``None``, reset to the default) each key of ``changes``. Raises ``UnknownTopic``."""
         self._live(name)
         entry = alter(self.held(name), name, changes, self.broker.clock_ms(), self.broker.identity.site)
-        self.merge([entry])
+        await self.change([entry])
         return self.broker.topic(name)
 
-    def add_partitions(self, name: str, total: int) -> TopicSpec:
+    async def add_partitions(self, name: str, total: int) -> TopicSpec:
         """Grow ``name`` to ``total`` partitions. Raises ``UnknownTopic``, ``InvalidTopic`` (not a growth)."""
         self._live(name)
-        self.merge([add_partitions(self.held(name), name, total)])
+        await self.change([add_partitions(self.held(name), name, total)])
         return self.broker.topic(name)
+
+    async def change(self, received: Sequence[TopicEntry]) -> list[Merged]:
+        """:meth:`merge` on a one-node site; on a multi-node site, one Raft command (in a worker thread), whose
+        growth the site's controller places and whose config each partition's leader takes (:meth:`follow`)."""
+        store = self.broker.metadata
+        if not isinstance(store, RaftMetadataStore):
+            return self.merge(received)
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(None, store.merge_entries, received)
+        except CommandRefused as exc:
+            if exc.refused.code is RefusalCode.UNKNOWN_TOPIC:
+                raise UnknownTopic(received[0].name) from None
+            raise InvalidTopic(str(exc)) from None
+        for merged in results:
+            self._record(merged)
+        return results
+
+    def follow(self, topics: Mapping[str, TopicSpec]) -> None:
+        """A multi-node site's topic table after a change: the partitions this node serves take their topic's
+        config where it changed."""
+        for name, spec in topics.items():
+            if self._configs.get(name, spec.config) != spec.config:
+                self._reconfigure(spec)
+            self._configs[name] = spec.config
 
     def _live(self, name: str) -> None:
         entry = self.held(name)
@@ -118,11 +152,14 @@ class TopicChanges:
             self._carried_out(before[merged.entry.name], merged, opened.pop(merged.entry.name, []))
         return results
 
-    def _carried_out(self, old: TopicEntry | None, merged: Merged, logs: list[PartitionLog]) -> None:
+    def _record(self, merged: Merged) -> None:
         for conflict in merged.conflicts:
             self.conflicts.append(conflict)
             self.conflicts_total += 1
             log.warning("%s", conflict.describe())
+
+    def _carried_out(self, old: TopicEntry | None, merged: Merged, logs: list[PartitionLog]) -> None:
+        self._record(merged)
         new = merged.entry
         if not merged.changed or old is None:
             return
