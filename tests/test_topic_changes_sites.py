@@ -6,9 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
+from tests.support.channels import open_channel
+from tests.support.cluster_site import ClusterSite
 from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address
+from tests.support.node_api import batch
 from tests.support.sites import Sites, converged, wait_until
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
@@ -65,3 +71,38 @@ def test_an_alter_and_added_partitions_at_a_reach_b(tmp_path: Path) -> None:
         assert not status.conflicts and status.config_conflicts_total == 0
     finally:
         sites.close()
+
+
+def _produce(site: ClusterSite, node: int, topic: str, partition: int, value_bytes: int) -> grpc.StatusCode | None:
+    with open_channel(site.address(node)) as channel:
+        try:
+            pbg.NodeStub(channel).Produce(
+                pb.ProduceRequest(topic=topic, partition=partition, batch=batch(4, value_bytes=value_bytes)), timeout=10
+            )
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+    return None
+
+
+@pytest.mark.slow
+def test_alter_and_add_partitions_on_a_three_node_site(tmp_path: Path) -> None:
+    """On a multi-node site a change is a Raft command: made at any node, the topic's leader takes the new config
+    without a restart, and the controller places the added partitions."""
+    with ClusterSite(tmp_path, 3).running() as site:
+        with open_channel(site.address(1)) as channel:
+            pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name="orders", partitions=1), timeout=30)
+        leader = site.wait_leader("orders", 0)
+        wait_until("the leader takes a batch of 6 KB", lambda: _produce(site, leader, "orders", 0, 1500) is None)
+        with open_channel(site.address(leader % 3 + 1)) as channel:  # another node than the leader
+            stub = pbg.NodeStub(channel)
+            stub.AlterTopic(pb.AlterTopicRequest(name="orders", set={"max.message.bytes": "1024"}), timeout=30)
+            grown = stub.AddPartitions(pb.AddPartitionsRequest(name="orders", partitions=2), timeout=30)
+        assert grown.partitions == 2 and grown.config["max_batch_bytes"] == "1024"
+        wait_until(
+            "the leader refuses what the new max.message.bytes does not allow",
+            lambda: _produce(site, leader, "orders", 0, 1500) == grpc.StatusCode.INVALID_ARGUMENT,
+        )
+        second = site.wait_leader("orders", 1)
+        wait_until("the added partition takes records", lambda: _produce(site, second, "orders", 1, 10) is None)
+        described = site.describe("orders")
+        assert described is not None and described.partitions == 2
