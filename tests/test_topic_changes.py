@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from cluster.node import NodeConfig
+from cluster.placement import NodeLoad
+from cluster.repair import SegmentView, under_replicated
 from cluster.site_state import CreateTopic, MergeTopicEntry, RefusalCode, SiteState, command_from_dict
 from georep.broker.errors import BatchTooLarge
 from georep.metadata.kafka_config import InvalidConfig, alter_changes
@@ -23,6 +26,7 @@ from georep.server.topic_changes import TopicChanges
 from georep.storage.metadata_file import FileMetadataStore, load_or_create_identity
 from tests.support.node_api import batch
 from tests.support.site_state import applied, refused
+from topology.ids import NodeId, SegmentId
 
 
 def store_at(path: Path, site: str, clock: list[int]) -> FileMetadataStore:
@@ -164,3 +168,15 @@ def test_a_multi_node_sites_state_takes_entries_as_raft_commands() -> None:
     refused(state, MergeTopicEntry(delete(grown, "orders", 2_000, "a")), RefusalCode.INVALID_TOPIC)
     refused(state, MergeTopicEntry(legacy_entry("nowhere", 1, {})), RefusalCode.UNKNOWN_TOPIC)
     assert state.topic("orders") is not None and "nowhere" not in state.topics()
+
+
+def test_a_topics_replication_factor_sets_its_leads_ensembles_and_what_repair_wants() -> None:
+    config = NodeConfig(3, 2, session_timeout_ms=1, tick_ms=1, retry_ms=1, roll_wait_ms=1)
+    assert config.lead(TopicSpec("t", 1, {"replication_factor": 2})).replication_factor == 2
+    assert config.lead(TopicSpec("t", 1, {"replication_factor": 1})).replication_factor == 2  # >= min_insync
+    assert config.lead(TopicSpec("t", 1)).replication_factor == config.lead().replication_factor == 3
+    nodes = [NodeLoad(NodeId(n), 1 << 30, 0, alive=True, draining=False) for n in (1, 2, 3)]
+    pair = SegmentView("t", 0, SegmentId(1), (NodeId(1), NodeId(2)), True, 0, replication_factor=2)
+    assert under_replicated([pair], nodes, replication_factor=3) == ()
+    [short] = under_replicated([replace(pair, replication_factor=None)], nodes, replication_factor=3)
+    assert short.wanted == 3

@@ -12,7 +12,9 @@ import pytest
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from tests.support.channels import open_channel
+from tests.support.cli import georep, ok
 from tests.support.cluster_site import ClusterSite
+from tests.support.cluster_site import status as cluster_status
 from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address
 from tests.support.node_api import batch
 from tests.support.sites import Sites, converged, wait_until
@@ -106,3 +108,25 @@ def test_alter_and_add_partitions_on_a_three_node_site(tmp_path: Path) -> None:
         wait_until("the added partition takes records", lambda: _produce(site, second, "orders", 1, 10) is None)
         described = site.describe("orders")
         assert described is not None and described.partitions == 2
+
+
+def _open_ensembles(site: ClusterSite) -> dict[str, list[int]]:
+    rows = cluster_status(site).partitions
+    return {row.topic: list(row.open_ensemble) for row in rows if row.partition == 0 and row.open_ensemble}
+
+
+@pytest.mark.slow
+def test_a_topics_own_replication_factor_places_its_segments(tmp_path: Path) -> None:
+    """Issue 23: per-topic replication_factor (CreateTopics' field, ``georep topic create --replication-factor``)
+    on a 3-node site whose own is 3: a topic of 2 opens its segments on two nodes, and is not under-replicated;
+    one asking for more nodes than the site has opens on what it has, and status says it is short."""
+    with ClusterSite(tmp_path, 3).running() as site:
+        b = ("--bootstrap", site.address(1))
+        ok(georep("topic", "create", "pairs", "--partitions", "1", "--replication-factor", "2", *b))
+        ok(georep("topic", "create", "wide", "--partitions", "1", "--replication-factor", "5", *b))
+        ok(georep("topic", "create", "plain", "--partitions", "1", *b))
+        wait_until("every topic's first segment is open", lambda: len(_open_ensembles(site)) == 3)
+        sizes = {topic: len(members) for topic, members in _open_ensembles(site).items()}
+        assert sizes == {"pairs": 2, "wide": 3, "plain": 3}
+        short = {(u.topic, u.partition) for u in cluster_status(site).under_replicated}
+        assert ("wide", 0) in short and ("pairs", 0) not in short and ("plain", 0) not in short

@@ -138,7 +138,15 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     create.add_argument(
         "--topic", dest="topic_option", action="append", default=[], help="a topic name (Kafka's spelling)"
     )
-    create.add_argument("--partitions", type=int, required=True, help="number of partitions (fixed for life)")
+    create.add_argument(
+        "--partitions", type=int, required=True, help="number of partitions ('georep topic add-partitions' grows it)"
+    )
+    create.add_argument(
+        "--replication-factor",
+        type=int,
+        metavar="N",
+        help="on a multi-node site, copies of each segment (default: the site's --replication-factor)",
+    )
     create.add_argument(
         "--config",
         nargs="*",

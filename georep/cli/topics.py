@@ -39,6 +39,8 @@ def _parse_config(items: Sequence[str]) -> dict[str, str]:
 
 async def cmd_topic_create(args: argparse.Namespace) -> int:
     config = _parse_config(args.config)
+    if args.replication_factor is not None:
+        config = _parse_config([*args.config, f"replication_factor={args.replication_factor}"])
     if len(args.name) > 1:
         return await _create_many(args, config)
     async with Admin(args.bootstrap, tls=client_tls(args)) as admin:

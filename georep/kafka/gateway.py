@@ -226,6 +226,8 @@ class KafkaGateway:
             try:
                 self._allow(peer, Operation.CREATE_TOPIC, [acl_topic(t.name)])
                 config = to_georep({c.name: c.value for c in t.configs if c.value is not None}, self.site)
+                if t.replication_factor > 0:  # the topic's own (issue 23); -1: the site's
+                    config = to_georep({**config, "replication_factor": str(t.replication_factor)}, self.site)
                 if req.body.validate_only:
                     self.broker.check_new_topic(t.name, partitions, config)
                 else:
@@ -235,7 +237,7 @@ class KafkaGateway:
                     r.CreatableTopicResult(
                         name=t.name,
                         num_partitions=partitions,
-                        replication_factor=self.site.replication_factor,
+                        replication_factor=int(config.get("replication_factor", self.site.replication_factor)),
                         configs=[
                             r.CreatableTopicResult.CreatableTopicConfigs(
                                 name=d.name, value=d.value, read_only=True, config_source=d.source, is_sensitive=False
