@@ -226,7 +226,9 @@ class KafkaGateway:
             try:
                 self._allow(peer, Operation.CREATE_TOPIC, [acl_topic(t.name)])
                 config = to_georep({c.name: c.value for c in t.configs if c.value is not None}, self.site)
-                if t.replication_factor > 0:  # the topic's own (issue 23); -1: the site's
+                # The topic's own (issue 23); -1: the site's. Only a multi-node site's clients ask for it: a one-node
+                # site's see one broker, so ask for 1, which must not become the topic's at the sites it reaches.
+                if t.replication_factor > 0 and self.view_of is not None:
                     config = to_georep({**config, "replication_factor": str(t.replication_factor)}, self.site)
                 if req.body.validate_only:
                     self.broker.check_new_topic(t.name, partitions, config)
