@@ -117,12 +117,13 @@ def _open_ensembles(site: ClusterSite) -> dict[str, list[int]]:
 
 @pytest.mark.slow
 def test_a_topics_own_replication_factor_places_its_segments(tmp_path: Path) -> None:
-    """Issue 23: per-topic replication_factor (CreateTopics' field, ``georep topic create --replication-factor``)
+    """Issue 23: per-topic replication_factor (Kafka's CreateTopics, ``georep topic create --replication-factor``)
     on a 3-node site whose own is 3: a topic of 2 opens its segments on two nodes, and is not under-replicated;
     one asking for more nodes than the site has opens on what it has, and status says it is short."""
-    with ClusterSite(tmp_path, 3).running() as site:
+    with ClusterSite(tmp_path, 3, kafka=True).running() as site:
         b = ("--bootstrap", site.address(1))
-        ok(georep("topic", "create", "pairs", "--partitions", "1", "--replication-factor", "2", *b))
+        admin = AdminClient({"bootstrap.servers": site.kafka_address(2)})
+        admin.create_topics([NewTopic("pairs", 1, 2)])["pairs"].result(30)
         ok(georep("topic", "create", "wide", "--partitions", "1", "--replication-factor", "5", *b))
         ok(georep("topic", "create", "plain", "--partitions", "1", *b))
         wait_until("every topic's first segment is open", lambda: len(_open_ensembles(site)) == 3)
