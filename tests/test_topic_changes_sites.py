@@ -11,12 +11,14 @@ import pytest
 
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.server.process import NodeProcess
 from tests.support.channels import open_channel
 from tests.support.cli import georep, ok
 from tests.support.cluster_site import ClusterSite
 from tests.support.cluster_site import status as cluster_status
 from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address
 from tests.support.node_api import batch
+from tests.support.ports import free_ports
 from tests.support.sites import Sites, converged, wait_until
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
@@ -131,3 +133,48 @@ def test_a_topics_own_replication_factor_places_its_segments(tmp_path: Path) -> 
         assert sizes == {"pairs": 2, "wide": 3, "plain": 3}
         short = {(u.topic, u.partition) for u in cluster_status(site).under_replicated}
         assert ("wide", 0) in short and ("pairs", 0) not in short and ("plain", 0) not in short
+
+
+def _described(address: str, topic: str) -> tuple[int, dict[str, str]]:
+    with open_channel(address) as channel:
+        try:
+            d = pbg.NodeStub(channel).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
+        except grpc.RpcError:
+            return 0, {}
+    return d.partitions, dict(d.config)
+
+
+@pytest.mark.slow
+def test_changes_cross_between_a_one_node_site_and_a_three_node_site(tmp_path: Path) -> None:
+    """The topic sync merges entries into a multi-node site's Raft metadata and lists its changes onward: an alter
+    and a growth made at one-node b reach three-node a, and an alter made at a node of a reaches b."""
+    b_port = free_ports(1)[0]
+    more = (
+        f'[sites.b]\nnodes = ["127.0.0.1:{b_port}"]\n[[links]]\nsrc = "a"\ndst = "b"\n[[links]]\nsrc = "b"\ndst = "a"\n'
+    )
+    site_a = ClusterSite(tmp_path, 3, more_toml=more)
+    b = NodeProcess("b", tmp_path / "b", listen=f"127.0.0.1:{b_port}", extra_args=["--topology", str(site_a.topology)])
+    try:
+        site_a.start()
+        b.start()
+        with open_channel(b.address) as channel:
+            stub = pbg.NodeStub(channel)
+            stub.CreateTopic(pb.CreateTopicRequest(name="shared", partitions=1), timeout=30)
+            wait_until("a has the topic", lambda: _described(site_a.address(3), "shared")[0] == 1)
+            stub.AlterTopic(pb.AlterTopicRequest(name="shared", set={"retention.ms": "70000"}), timeout=30)
+            stub.AddPartitions(pb.AddPartitionsRequest(name="shared", partitions=2), timeout=30)
+        wait_until(
+            "a took b's alter and growth",
+            lambda: _described(site_a.address(3), "shared") == _described(b.address, "shared") != (1, {}),
+        )
+        assert _described(site_a.address(3), "shared")[0] == 2
+        assert _described(site_a.address(3), "shared")[1]["retention_ms"] == "70000"
+        site_a.wait_leader("shared", 1)
+        with open_channel(site_a.address(2)) as channel:
+            pbg.NodeStub(channel).AlterTopic(
+                pb.AlterTopicRequest(name="shared", set={"retention_ms": "80000"}), timeout=30
+            )
+        wait_until("b took a's alter", lambda: _described(b.address, "shared")[1].get("retention_ms") == "80000")
+    finally:
+        b.stop()
+        site_a.close()
