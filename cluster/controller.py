@@ -47,6 +47,7 @@ from cluster.site_state import (
     SiteState,
     plan_leadership,
 )
+from cluster.topic_settings import replication_factor_of
 from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 PartitionKey = tuple[str, int]
@@ -207,6 +208,7 @@ class Controller:
                 s.sealed,
                 size_of(s),
                 tuple(m for m in s.ensemble if (info.topic, info.partition, s.segment_id) in self.short.get(m, ())),
+                replication_factor_of(view.topic(info.topic), self.config.replication_factor),
             )
             for info in view.partitions()
             for s in info.segments
@@ -290,9 +292,8 @@ class Controller:
             del self.in_progress[copy_id]
             return True, None
         if effect.replaces is None:
-            return True, AddMember(
-                effect.topic, effect.partition, effect.segment_id, effect.target, self.config.replication_factor
-            )
+            rf = replication_factor_of(view.topic(effect.topic), self.config.replication_factor)
+            return True, AddMember(effect.topic, effect.partition, effect.segment_id, effect.target, rf)
         return True, ReplaceMember(effect.topic, effect.partition, effect.segment_id, effect.replaces, effect.target)
 
     def recorded(self, copy_id: int) -> None:

@@ -43,6 +43,8 @@ from cluster import leadership
 from cluster.controller import AskRoll, Controller, ControllerConfig, RepairCopy, controller_step
 from cluster.lead import LeadConfig, LeadContext, LeadEffect, PartitionLead, Phase
 from cluster.site_state import ElectLeader, FailOver, Result, SiteState
+from cluster.topic_settings import replication_factor_of
+from georep.metadata.topics import TopicSpec
 from topology.ids import LeaderEpoch, NodeId
 
 PartitionKey = tuple[str, int]
@@ -61,8 +63,11 @@ class NodeConfig:
     repair_delay_ms: int = 30_000
     max_concurrent_copies: int = 2
 
-    def lead(self) -> LeadConfig:
-        return LeadConfig(self.replication_factor, self.ack_quorum, self.retry_ms, self.roll_wait_ms, self.reconnect_ms)
+    def lead(self, spec: TopicSpec | None = None) -> LeadConfig:
+        """A lead of a partition of ``spec``: its new segments open on the topic's replication factor (the
+        site's by default), never on fewer than ``ack_quorum`` nodes, which each segment needs to ack."""
+        rf = max(replication_factor_of(spec, self.replication_factor), self.ack_quorum)
+        return LeadConfig(rf, self.ack_quorum, self.retry_ms, self.roll_wait_ms, self.reconnect_ms)
 
     def controller(self) -> ControllerConfig:
         return ControllerConfig(
@@ -151,7 +156,9 @@ class NodeCore:
                 self.asked[key] = info.leader_epoch
                 out.append(ProposeEpoch(key, step.command))
             elif isinstance(step, leadership.Lead):
-                lead = self.leads[key] = PartitionLead(self.me, key, step.epoch, self.config.lead(), step.recover)
+                lead = self.leads[key] = PartitionLead(
+                    self.me, key, step.epoch, self.config.lead(view.topic(key[0])), step.recover
+                )
                 out.append(Leading(key, step.epoch))
                 out += self._ended(lead, lead.start(self.context(view, key, now_ms)))
         self.reconciled = view.version

@@ -148,6 +148,7 @@ class SegmentView:
     sealed: bool
     size_bytes: int
     short: tuple[NodeId, ...] = ()  # members known to hold less than the sealed end: never a source; filled
+    replication_factor: int | None = None  # its topic's own (issue 23); None: the plan's
 
     @property
     def key(self) -> SegmentKey:
@@ -401,18 +402,20 @@ def under_replicated(
     for s in _checked_segments(segments, by_id):
         dead = tuple(m for m in s.ensemble if not by_id[m].alive)
         draining = tuple(m for m in s.ensemble if by_id[m].alive and by_id[m].draining)
-        if dead or draining or _missing(s, replication_factor):
-            out.append(
-                UnderReplicated(
-                    s.topic, s.partition, s.segment_id, s.sealed, s.ensemble, dead, draining, replication_factor
-                )
-            )
+        rf = _rf(s, replication_factor)
+        if dead or draining or _missing(s, rf):
+            out.append(UnderReplicated(s.topic, s.partition, s.segment_id, s.sealed, s.ensemble, dead, draining, rf))
     return tuple(out)
 
 
 def _check_replication_factor(replication_factor: int | None) -> None:
     if replication_factor is not None and replication_factor < 1:
         raise InvalidRepairInput(f"replication_factor={replication_factor}: must be >= 1 (or None)")
+
+
+def _rf(segment: SegmentView, replication_factor: int | None) -> int | None:
+    """The replication factor ``segment`` is held to: its topic's, else the plan's."""
+    return replication_factor if segment.replication_factor is None else segment.replication_factor
 
 
 def _missing(segment: SegmentView, replication_factor: int | None) -> int:
@@ -485,7 +488,7 @@ def plan_repair(
     running = list(in_progress)
     survey = _Survey(by_id, running)
     for s in ordered:
-        survey.add(s, replication_factor, down_since_ms, now_ms, repair_delay_ms)
+        survey.add(s, _rf(s, replication_factor), down_since_ms, now_ms, repair_delay_ms)
     budget = _Budget.of(by_id, running, max_concurrent_copies)
     copies, deferred = _place_copies(survey, budget)
     fills = _plan_fills(ordered, survey, budget, deferred)

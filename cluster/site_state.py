@@ -89,6 +89,8 @@ from cluster.failover import failover_blocker, plan_failover
 from cluster.producer_snapshot import InvalidSnapshot as InvalidProducerSnapshot
 from cluster.producer_snapshot import ProducerSnapshot
 from georep.metadata.store import AclRecord, acl_newer
+from georep.metadata.topic_entry import TopicEntry, merge
+from georep.metadata.topic_entry_codec import entry_from_dict, entry_to_dict, legacy_entry, spec_of
 from georep.metadata.topics import InvalidTopic, TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
@@ -851,6 +853,33 @@ class PutAcl(_CommandBase):
 
 
 @dataclass(frozen=True, slots=True)
+class MergeTopicEntry(_CommandBase):
+    """Join a topic's replicated entry (``georep/metadata/topic_entry.py``) into the one held: an alter or a
+    growth made at this site, or one a topic sync brought. A growth adds the new partitions with no leader, as a
+    create's. Refused: a live entry of a name the site lacks (create it first), and a merge that would delete a
+    live topic or change its incarnation (delete is not built on multi-node sites)."""
+
+    KIND: ClassVar[str] = "merge_topic_entry"
+    entry: TopicEntry
+
+    def __post_init__(self) -> None:
+        validate_topic_name(self.entry.name)
+        if not self.entry.deleted:
+            validate_partitions(self.entry.partitions)
+        parse_topic_config({k: str(v) for k, v in self.entry.config().items()})
+
+    def _encode(self) -> dict[str, Any]:
+        return {"name": self.entry.name, "entry": entry_to_dict(self.entry)}
+
+    @classmethod
+    def _decode(cls, raw: Mapping[str, Any]) -> Self:
+        try:
+            return cls(entry_from_dict(_str(raw, "name"), _mapping(raw, "entry")))
+        except (KeyError, TypeError) as e:
+            raise InvalidCommand(f"invalid topic entry: {e}") from None
+
+
+@dataclass(frozen=True, slots=True)
 class CommandBatch(_CommandBase):
     """Several commands in one log entry, applied in order, each as if it were alone: a refused one leaves the
     others applied, and the result lists each one's (``Applied.results``). Only the packing into log entries
@@ -911,6 +940,7 @@ Command = (
     | ReadBarrier
     | TrimChain
     | PutAcl
+    | MergeTopicEntry
     | CommandBatch
 )
 
@@ -932,6 +962,7 @@ _COMMANDS: dict[str, type[Command]] = {
         ReadBarrier,
         TrimChain,
         PutAcl,
+        MergeTopicEntry,
         CommandBatch,
     )
 }
@@ -972,10 +1003,13 @@ def _where(topic: str, partition: int) -> str:
 class SiteState:
     """The site's metadata; see the module docstring. Change it only through :meth:`apply`."""
 
-    __slots__ = ("_topics", "_partitions", "_nodes", "_site", "_acls", "_version", "_derived")
+    __slots__ = ("_topics", "_entries", "_partitions", "_nodes", "_site", "_acls", "_version", "_derived")
 
     def __init__(self) -> None:
         self._topics: dict[str, TopicSpec] = {}
+        # The entries of the names changed through MergeTopicEntry (the others' are unstamped, from _topics);
+        # replaced, never changed in place.
+        self._entries: dict[str, TopicEntry] = {}
         self._partitions: dict[tuple[str, int], PartitionInfo] = {}
         self._nodes: dict[NodeId, NodeInfo] = {}
         self._site: tuple[str, int] | None = None  # (site id, origin epoch), from the first InitSite
@@ -1010,6 +1044,11 @@ class SiteState:
     def topics(self) -> dict[str, TopicSpec]:
         return dict(sorted(self._topics.items()))
 
+    def entries(self) -> dict[str, TopicEntry]:
+        """Every name's replicated entry, tombstones included: a topic never changed by an entry is incarnation 0
+        with no stamps. The same dict (and entries) until the state's version changes."""
+        return self.derived("entries", _entries_of)
+
     def acls(self) -> dict[str, AclRecord]:
         """Entry text -> ACL record, tombstones included: the same dict until a :class:`PutAcl` changes it."""
         return self._acls
@@ -1042,6 +1081,7 @@ class SiteState:
         """An independent copy (the values are immutable, so copying the tables is enough)."""
         twin = SiteState()
         twin._topics = dict(self._topics)
+        twin._entries = self._entries
         twin._partitions = dict(self._partitions)
         twin._nodes = dict(self._nodes)
         twin._site = self._site
@@ -1100,6 +1140,8 @@ class SiteState:
             return Applied(changed=any(isinstance(r, Applied) and r.changed for r in results), results=results)
         if isinstance(command, TrimChain):
             return self._trim_chain(command)
+        if isinstance(command, MergeTopicEntry):
+            return self._merge_topic_entry(command.entry)
         if isinstance(command, PutAcl):
             if not acl_newer(command.record, self._acls.get(command.record.entry)):
                 return Applied(changed=False)
@@ -1214,6 +1256,29 @@ class SiteState:
         self._topics[spec.name] = TopicSpec(spec.name, spec.partitions, dict(sorted(spec.config.items())))
         for partition in range(spec.partitions):
             self._partitions[(spec.name, partition)] = PartitionInfo(spec.name, partition)
+        return Applied()
+
+    def _merge_topic_entry(self, received: TopicEntry) -> Result:
+        name = received.name
+        spec = self._topics.get(name)
+        held = self._entries.get(name) or (None if spec is None else legacy_entry(name, spec.partitions, spec.config))
+        if held is None and not received.deleted:
+            return Refused(RefusalCode.UNKNOWN_TOPIC, f"topic {name!r} does not exist at this site: create it first")
+        merged = merge(held, received).entry
+        if merged == held:
+            return Applied(changed=False)
+        if held is not None and not held.deleted and (merged.deleted or merged.incarnation != held.incarnation):
+            return Refused(
+                RefusalCode.INVALID_TOPIC,
+                f"topic {name!r} was deleted at another site; deleting a topic is not built on multi-node sites yet: "
+                "it stays here",
+            )
+        if not merged.deleted:
+            first = 0 if held is None or held.deleted else held.partitions
+            for partition in range(first, merged.partitions):
+                self._partitions[(name, partition)] = PartitionInfo(name, partition)
+            self._topics[name] = spec_of(merged)
+        self._entries = {**self._entries, name: merged}
         return Applied()
 
     def _elect_leader(self, cmd: ElectLeader) -> Result:
@@ -1442,6 +1507,8 @@ class SiteState:
         }
         if self._acls:  # only once there are any, so snapshots from before ACLs compare equal
             out["acls"] = [self._acls[k].to_dict() for k in sorted(self._acls)]
+        if self._entries:  # likewise: only once a topic was changed by an entry
+            out["entries"] = [{"name": k, **entry_to_dict(self._entries[k])} for k in sorted(self._entries)]
         return out
 
     @classmethod
@@ -1486,8 +1553,22 @@ class SiteState:
             record = AclRecord.from_dict(entry)
             acls[record.entry] = record
         state._acls = acls
+        state._entries = {}
+        for entry in raw.get("entries", ()):
+            try:
+                state._entries[_str(entry, "name")] = entry_from_dict(_str(entry, "name"), entry)
+            except KeyError as e:
+                raise InvalidSnapshot(f"invalid topic entry in the snapshot: {e}") from None
         state._changed()
         return state
+
+
+def _entries_of(state: SiteState) -> dict[str, TopicEntry]:
+    out = dict(state._entries)
+    for name, spec in state._topics.items():
+        if name not in out:
+            out[name] = legacy_entry(name, spec.partitions, spec.config)
+    return dict(sorted(out.items()))
 
 
 def _partition_to_dict(info: PartitionInfo) -> dict[str, Any]:

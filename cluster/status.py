@@ -40,6 +40,7 @@ from cluster.leadership import node_loads
 from cluster.placement import NodeLoad
 from cluster.repair import SegmentView, UnderReplicated, under_replicated
 from cluster.site_state import SiteState
+from cluster.topic_settings import own_replication_factor
 from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 
@@ -155,7 +156,13 @@ def cluster_status(
             # The metadata holds no sizes; under_replicated does not read them.
             views.append(
                 SegmentView(
-                    info.topic, info.partition, segment.segment_id, segment.ensemble, segment.sealed, size_bytes=0
+                    info.topic,
+                    info.partition,
+                    segment.segment_id,
+                    segment.ensemble,
+                    segment.sealed,
+                    size_bytes=0,
+                    replication_factor=own_replication_factor(state.topic(info.topic)),
                 )
             )
         open_segment = info.open_segment
@@ -248,7 +255,15 @@ def _count(state: SiteState) -> _Counts:
             leader_of[info.leader] = leader_of.get(info.leader, 0) + 1
         for segment in info.segments:
             views.append(
-                SegmentView(info.topic, info.partition, segment.segment_id, segment.ensemble, segment.sealed, 0)
+                SegmentView(
+                    info.topic,
+                    info.partition,
+                    segment.segment_id,
+                    segment.ensemble,
+                    segment.sealed,
+                    0,
+                    replication_factor=own_replication_factor(state.topic(info.topic)),
+                )
             )
             for member in segment.ensemble:
                 segments[member] = segments.get(member, 0) + 1

@@ -28,7 +28,7 @@ from confluent_kafka.admin import (  # noqa: E402
 
 INVALID_CONFIG = 40
 UNKNOWN_TOPIC_OR_PARTITION = 3
-INVALID_REQUEST = 42
+INVALID_PARTITIONS = 37
 TAKEN = {
     "retention.ms": "3600000",
     "retention.bytes": "1048576",
@@ -193,26 +193,67 @@ def test_describe_cluster_at_every_version_served(node: NodeProcess, version: in
     assert [(b.broker_id, b.host, b.port) for b in answer.brokers] == [(0, host, int(port))]
 
 
-def test_topic_changes_are_refused_with_the_reason(admin: AdminClient) -> None:
+def test_alter_configs_incremental_alter_configs_and_create_partitions_change_the_topic(
+    admin: AdminClient, node: NodeProcess
+) -> None:
+    """Each change is made and DescribeConfigs and Metadata show it (before issue 23's topic changes, all three
+    answered INVALID_REQUEST)."""
     from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, NewPartitions
 
-    assert create(admin, NewTopic("unchanged", 1, 1)) is None
-    resource = ConfigResource(ConfigResource.Type.TOPIC, "unchanged", set_config={"retention.ms": "1000"})
+    assert create(admin, NewTopic("changed", 1, 1, config={"segment.bytes": "1048576"})) is None
     incremental = ConfigResource(
         ConfigResource.Type.TOPIC,
-        "unchanged",
-        incremental_configs=[ConfigEntry("retention.ms", "1000", incremental_operation=AlterConfigOpType.SET)],
+        "changed",
+        incremental_configs=[
+            ConfigEntry("retention.ms", "1000", incremental_operation=AlterConfigOpType.SET),
+            ConfigEntry("segment.bytes", None, incremental_operation=AlterConfigOpType.DELETE),
+        ],
     )
-    with pytest.warns(DeprecationWarning):  # Kafka tools still send AlterConfigs: it gets the same answer
-        altered = admin.alter_configs([resource])[resource]
-    futures = [
-        altered,
-        admin.incremental_alter_configs([incremental])[incremental],
-        admin.create_partitions([NewPartitions("unchanged", 3)])["unchanged"],
-    ]
-    for future in futures:
-        with pytest.raises(confluent_kafka.KafkaException) as refused:
-            future.result(15)
-        error = refused.value.args[0]
-        assert error.code() == INVALID_REQUEST and "designed (docs/design.md" in error.str(), error
-    assert topic_configs(admin, "unchanged")["retention.ms"].value == "-1"  # type: ignore[attr-defined]
+    admin.incremental_alter_configs([incremental])[incremental].result(15)
+    configs = topic_configs(admin, "changed")
+    assert configs["retention.ms"].value == "1000" and not configs["retention.ms"].is_read_only  # type: ignore[attr-defined]
+    assert configs["segment.bytes"].source == ConfigSource.DEFAULT_CONFIG.value  # type: ignore[attr-defined]
+    # AlterConfigs replaces the whole config: retention.ms, left out, goes back to its default.
+    whole = ConfigResource(ConfigResource.Type.TOPIC, "changed", set_config={"max.message.bytes": "2097152"})
+    with pytest.warns(DeprecationWarning):  # Kafka tools still send AlterConfigs
+        admin.alter_configs([whole])[whole].result(15)
+    configs = topic_configs(admin, "changed")
+    assert configs["max.message.bytes"].value == "2097152" and configs["retention.ms"].value == "-1"  # type: ignore[attr-defined]
+    admin.create_partitions([NewPartitions("changed", 3)])["changed"].result(15)
+    assert len(admin.list_topics("changed", timeout=10).topics["changed"].partitions) == 3
+    described = ok(georep("topic", "describe", "changed", "--bootstrap", node.address))
+    assert "Partitions: 3" in described and "max_batch_bytes=2097152" in described
+
+
+def test_topic_changes_georep_cannot_make_are_refused_with_the_reason(admin: AdminClient) -> None:
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, NewPartitions
+
+    assert create(admin, NewTopic("kept", 2, 1)) is None
+    compact = ConfigResource(
+        ConfigResource.Type.TOPIC,
+        "kept",
+        incremental_configs=[ConfigEntry("cleanup.policy", "compact", incremental_operation=AlterConfigOpType.SET)],
+    )
+    with pytest.raises(confluent_kafka.KafkaException) as refused:
+        admin.incremental_alter_configs([compact])[compact].result(15)
+    assert refused.value.args[0].code() == INVALID_CONFIG and "no log compaction" in refused.value.args[0].str()
+    with pytest.raises(confluent_kafka.KafkaException) as fewer:
+        admin.create_partitions([NewPartitions("kept", 1)])["kept"].result(15)
+    assert fewer.value.args[0].code() == INVALID_PARTITIONS and "only grows" in fewer.value.args[0].str()
+    unknown = ConfigResource(ConfigResource.Type.TOPIC, "nowhere", set_config={"retention.ms": "1"})
+    with pytest.raises(confluent_kafka.KafkaException) as missing, pytest.warns(DeprecationWarning):
+        admin.alter_configs([unknown])[unknown].result(15)
+    assert missing.value.args[0].code() == UNKNOWN_TOPIC_OR_PARTITION
+
+
+def test_the_cli_alters_and_grows_a_topic(node: NodeProcess) -> None:
+    b = ("--bootstrap", node.address)
+    ok(georep("topic", "create", "cli-changed", "--partitions", "1", "--config", "retention.ms=60000", *b))
+    ok(georep("topic", "alter", "cli-changed", "--config", "segment.bytes=4096", "--delete-config", "retention.ms", *b))
+    ok(georep("topic", "add-partitions", "--topic", "cli-changed", "--partitions", "2", *b))
+    described = ok(georep("topic", "describe", "cli-changed", *b))
+    assert "Partitions: 2" in described and "segment_bytes_max=4096" in described and "retention_ms=-1" in described
+    fewer = georep("topic", "add-partitions", "cli-changed", "--partitions", "1", *b)
+    assert fewer.returncode != 0 and "the count only grows" in fewer.stderr.decode()
+    compact = georep("topic", "alter", "cli-changed", "--config", "cleanup.policy=compact", *b)
+    assert compact.returncode != 0 and "no log compaction yet" in compact.stderr.decode()

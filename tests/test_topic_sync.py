@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,14 @@ import pytest
 
 from georep.metadata.catalog import TopicCatalog
 from georep.metadata.store import SiteIdentity
+from georep.metadata.topic_entry import TopicEntry, add_partitions, alter, delete
+from georep.metadata.topic_entry_codec import legacy_entry
 from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.server.broker import Broker
 from georep.server.process import NodeProcess
 from georep.server.replicator import Replicator
+from georep.server.site_status import answer
 from tests.support.node_api import batch, stub_for
 from tests.support.ports import free_ports
 from tests.support.sites import topology_toml
@@ -117,9 +121,10 @@ def test_a_topic_sync_with_nothing_changed_carries_no_topic(tmp_path: Path, node
     run_at_b(tmp_path, node, scenario)
 
 
-def test_a_conflict_that_arrives_as_a_change_is_reported_and_stays(tmp_path: Path, node: NodeProcess) -> None:
-    """b synced with a; then each site creates x with its own partition count: the change a sends is compared with
-    b's x, reported, and the report stays while nothing changes (an empty sync clears nothing)."""
+def test_concurrent_creates_with_two_partition_counts_converge_to_the_larger(tmp_path: Path, node: NodeProcess) -> None:
+    """b synced with a; then each site creates x with its own partition count. Before entries this was a conflict
+    that stopped x replicating over the link; now (issue 23) b keeps the larger count, x is no conflict, and a
+    growth at a is taken by b."""
 
     async def scenario(r: Replicator, stub_a: Any) -> None:
         stub_a.CreateTopic(pb.CreateTopicRequest(name="first", partitions=1))
@@ -129,10 +134,70 @@ def test_a_conflict_that_arrives_as_a_change_is_reported_and_stays(tmp_path: Pat
         r.broker.create_topic("x", 3, {})
         stub_a.CreateTopic(pb.CreateTopicRequest(name="x", partitions=2))
         await puller.sync_topics()
-        assert "3 partitions at site b but 2 at site a" in r.conflicts[("x", SiteId("a"))]
-        assert "x" not in puller.remote_topics or puller.remote_topics["x"] == 2
+        assert r.broker.metadata.get("x").partitions == 3 and not r.conflicts
+        assert puller.remote_topics["x"] == 2  # b pulls the two a has
+        stub_a.AddPartitions(pb.AddPartitionsRequest(name="x", partitions=5))
         await puller.sync_topics()
-        assert ("x", SiteId("a")) in r.conflicts
+        assert r.broker.metadata.get("x").partitions == 5 and ("x", 4) in r.broker.partitions
+        assert puller.remote_topics["x"] == 5 and not r.conflicts
+
+    run_at_b(tmp_path, node, scenario)
+
+
+def test_an_alter_at_a_reaches_b_and_concurrent_alters_are_a_conflict_in_status(
+    tmp_path: Path, node: NodeProcess
+) -> None:
+    """Issue 23: a's alter replicates (the new value in force at b), and a change of one key made at both sites
+    before either heard of the other is kept by the later stamp and shown in b's status."""
+
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="orders", partitions=1, config={"retention_ms": "1000"}))
+        puller = r.pullers[SiteId("a")]
+        await puller.sync_topics()
+        assert r.broker.topic("orders").config == {"retention_ms": 1000}
+        stub_a.AlterTopic(pb.AlterTopicRequest(name="orders", set={"retention.ms": "2000", "segment.bytes": "4096"}))
+        await puller.sync_topics()
+        assert r.broker.topic("orders").config == {"retention_ms": 2000, "segment_bytes_max": 4096}
+        assert r.broker.partitions[("orders", 0)].log.config.retention_ms == 2000  # type: ignore[attr-defined]
+        assert not r.topic_changes.conflicts
+        await r.topic_changes.alter("orders", {"retention_ms": 3000})  # at b, before it hears of a's next change
+        stub_a.AlterTopic(pb.AlterTopicRequest(name="orders", set={"retention_ms": "4000"}))
+        await puller.sync_topics()
+        [conflict] = r.topic_changes.conflicts
+        assert {conflict.kept.value, conflict.lost.value} == {3000, 4000}
+        assert r.broker.topic("orders").config["retention_ms"] == conflict.kept.value
+        status = answer(r.broker, r, pb.SiteStatusRequest())
+        assert (
+            status.config_conflicts_total == 1 and "changed at two sites at once" in status.config_conflicts[0].message
+        )
+        await puller.sync_topics()  # the same entries again: no second conflict
+        assert r.topic_changes.conflicts_total == 1
+
+    run_at_b(tmp_path, node, scenario)
+
+
+class OldPeer(Spy):
+    """An upstream from before topic entries: its listings carry definitions only."""
+
+    async def ListTopics(self, request: pb.ListTopicsRequest, timeout: float) -> pb.ListTopicsResponse:
+        answer = await super().ListTopics(request, timeout)
+        for t in answer.topics:
+            t.ClearField("entry")
+        return answer
+
+
+def test_a_sync_with_a_peer_from_before_entries_still_creates_and_grows(tmp_path: Path, node: NodeProcess) -> None:
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        stub_a.CreateTopic(pb.CreateTopicRequest(name="legacy", partitions=1, config={"retention_ms": "1000"}))
+        puller = r.pullers[SiteId("a")]
+        puller._stub = OldPeer(puller.stub)  # type: ignore[assignment]
+        await puller.sync_topics()
+        assert r.broker.topic("legacy").partitions == 1 and r.broker.topic("legacy").config["retention_ms"] == 1000
+        await r.topic_changes.alter("legacy", {"retention_ms": 5})  # stamped here: above the old peer's unstamped value
+        stub_a.AddPartitions(pb.AddPartitionsRequest(name="legacy", partitions=2))
+        await puller.sync_topics()
+        assert r.broker.topic("legacy").partitions == 2 and r.broker.topic("legacy").config["retention_ms"] == 5
+        assert not r.conflicts and not r.topic_changes.conflicts
 
     run_at_b(tmp_path, node, scenario)
 
@@ -249,8 +314,8 @@ def test_a_stream_reopened_for_a_new_topic_resends_no_held_report_but_a_restarte
 # -- the catalog ------------------------------------------------------------------------------------------------
 
 
-def specs(*names: str, partitions: int = 1) -> dict[str, TopicSpec]:
-    return {name: TopicSpec(name, partitions) for name in names}
+def specs(*names: str, partitions: int = 1) -> dict[str, TopicEntry]:
+    return {name: legacy_entry(name, partitions, {}) for name in names}
 
 
 def test_the_catalog_lists_changes_since_a_token_and_nothing_when_nothing_changed() -> None:
@@ -269,7 +334,7 @@ def test_the_catalog_lists_changes_since_a_token_and_nothing_when_nothing_change
     assert [t.name for t in rest.topics] == ["c"] and not rest.more
 
 
-def test_a_token_of_another_catalog_or_a_redefined_topic_lists_everything_again() -> None:
+def test_a_token_of_another_catalog_lists_everything_again_and_a_changed_topic_only_itself() -> None:
     catalog = TopicCatalog("n1")
     catalog.refresh(specs("a", "b"))
     token = catalog.token
@@ -278,9 +343,21 @@ def test_a_token_of_another_catalog_or_a_redefined_topic_lists_everything_again(
     assert other.changes_since(token, 0).restarted
     for bad in ("garbage", "n1:0:99", "n1:7:1", "n1:0:-1"):
         assert catalog.changes_since(bad, 0).restarted, bad
-    catalog.refresh({**specs("a"), **specs("b", partitions=4)})  # b redefined (a re-created topic)
+    # b altered and grown (issue 23): one entry changed, so a sync lists b alone, not the whole catalog again.
+    b = alter(add_partitions(specs("b")["b"], "b", 4), "b", {"retention_ms": 5}, 1_000, "a")
+    catalog.refresh({**specs("a"), "b": b})
     changes = catalog.changes_since(token, 0)
-    assert changes.restarted and [(t.name, t.partitions) for t in changes.topics] == [("a", 1), ("b", 4)]
+    assert not changes.restarted and [(t.name, t.partitions) for t in changes.topics] == [("b", 4)]
+    # A delete is one change too; the tombstone is listed to syncs, not in a listing by name.
+    catalog.refresh({**specs("a"), "b": delete(b, "b", 2_000, "a")})
+    gone = catalog.changes_since(changes.token, 0)
+    assert [(t.name, t.deleted) for t in gone.topics] == [("b", True)] and not gone.more
+    assert [t.name for t in catalog.page_by_name("", 0)[0]] == ["a"] and len(catalog) == 1
+    # Changes of one name again and again do not grow what a late token is listed: once per name.
+    for i in range(3_000):
+        catalog.refresh({**specs("a"), "b": replace(b, partitions=5 + i)})
+    again = catalog.changes_since(token, 0)
+    assert [t.name for t in again.topics] == ["b"] or again.restarted
 
 
 def test_pages_by_name_never_repeat_or_skip_a_topic_created_meanwhile() -> None:

@@ -23,7 +23,14 @@ from georep import __version__
 from georep.cli.output import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, err
 from georep.cli.records import cmd_consume, cmd_offsets, cmd_produce
 from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
-from georep.cli.topics import cmd_health, cmd_topic_create, cmd_topic_describe, cmd_topic_list
+from georep.cli.topics import (
+    cmd_health,
+    cmd_topic_add_partitions,
+    cmd_topic_alter,
+    cmd_topic_create,
+    cmd_topic_describe,
+    cmd_topic_list,
+)
 from georep.client.admin import LIST_PAGE_SIZE
 from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap
 from georep.client.errors import GeorepError
@@ -78,7 +85,7 @@ def _topics_given(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if not args.name:
             parser.error("give at least one topic name: georep topic create NAME [NAME ...] (or --topic NAME)")
         return
-    dest = "name" if getattr(args, "topic_command", None) == "describe" else "topic"
+    dest = "name" if getattr(args, "topic_command", None) in ("describe", "alter", "add-partitions") else "topic"
     given = {x for x in (getattr(args, dest), *flags) if x is not None}
     if len(given) > 1:
         parser.error(f"two topics given ({', '.join(sorted(given))}): give one, as TOPIC or --topic TOPIC")
@@ -131,7 +138,15 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     create.add_argument(
         "--topic", dest="topic_option", action="append", default=[], help="a topic name (Kafka's spelling)"
     )
-    create.add_argument("--partitions", type=int, required=True, help="number of partitions (fixed for life)")
+    create.add_argument(
+        "--partitions", type=int, required=True, help="number of partitions ('georep topic add-partitions' grows it)"
+    )
+    create.add_argument(
+        "--replication-factor",
+        type=int,
+        metavar="N",
+        help="on a multi-node site, copies of each segment (default: the site's --replication-factor)",
+    )
     create.add_argument(
         "--config",
         nargs="*",
@@ -157,9 +172,41 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
     describe = topic_commands.add_parser("describe", help="partitions, offsets, vectors and config of a topic")
     _add_topic(describe, "name")
     describe.set_defaults(run=cmd_topic_describe)
-    for sub in (create, listing, describe):
+    for sub in (create, listing, describe, *_add_topic_change_commands(topic_commands)):
         _add_bootstrap(sub)
         sub.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _add_topic_change_commands(
+    topic_commands: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> list[argparse.ArgumentParser]:
+    """``topic alter`` and ``topic add-partitions``: changes that replicate to every site the topic's links reach."""
+    alter = topic_commands.add_parser("alter", help="change a topic's config at every site (last writer wins)")
+    _add_topic(alter, "name")
+    alter.add_argument(
+        "--config",
+        nargs="*",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set these, with georep's keys or Kafka's names (retention.ms=3600000); repeat or list several",
+    )
+    alter.add_argument(
+        "--delete-config",
+        nargs="*",
+        action="extend",
+        default=[],
+        metavar="KEY",
+        help="reset these to the node's default (Kafka's kafka-configs --delete-config)",
+    )
+    alter.set_defaults(run=cmd_topic_alter)
+    grow = topic_commands.add_parser("add-partitions", help="grow a topic to more partitions (the count only grows)")
+    _add_topic(grow, "name")
+    grow.add_argument("--partitions", type=int, required=True, help="the new total: more than the topic has")
+    grow.set_defaults(run=cmd_topic_add_partitions)
+    for sub in (alter, grow):
+        sub.add_argument("--validate-only", action="store_true", help="check the change, make none")
+    return [alter, grow]
 
 
 def _add_produce(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -187,6 +187,8 @@ def render(
             )
         for c in s.conflicts:
             lines.append(f"  CONFLICT {c.topic}: {c.message}")
+        for c in s.config_conflicts:
+            lines.append(f"  CONFIG CONFLICT {c.topic}: {c.message}")
     unreachable = [site for site, s in statuses.items() if isinstance(s, str)]
     same, total, differs = converged_counts(statuses, differing or {})
     if unreachable:

@@ -1,4 +1,4 @@
-"""``georep topic create|list|describe`` and ``georep health``: the admin client's commands."""
+"""``georep topic create|list|describe|alter|add-partitions`` and ``georep health``: the admin client's commands."""
 
 from __future__ import annotations
 
@@ -16,15 +16,21 @@ from topology.filters import is_internal
 LIST_PAGES_MAX = 100_000  # 100 million topics at the smallest page: a bound, not a limit anyone meets
 
 
-def _parse_config(items: Sequence[str]) -> dict[str, str]:
-    """``--config KEY=VALUE`` items, with georep's keys or Kafka's names (``retention.ms``, ``segment.bytes``: see
-    docs/kafka.md, "Config names"), as georep's keys. A min.insync.replicas is refused: it is the site's."""
+def _parse_config_items(items: Sequence[str]) -> dict[str, str]:
+    """``--config KEY=VALUE`` items as given (the node checks an alter's names and values)."""
     config: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise InvalidRequest(f"invalid --config {item!r}: expected KEY=VALUE, for example retention.ms=3600000")
         config[key.strip()] = value.strip()
+    return config
+
+
+def _parse_config(items: Sequence[str]) -> dict[str, str]:
+    """``--config KEY=VALUE`` items, with georep's keys or Kafka's names (``retention.ms``, ``segment.bytes``: see
+    docs/kafka.md, "Config names"), as georep's keys. A min.insync.replicas is refused: it is the site's."""
+    config = _parse_config_items(items)
     try:
         return to_georep(config, None)
     except InvalidConfig as exc:
@@ -33,6 +39,8 @@ def _parse_config(items: Sequence[str]) -> dict[str, str]:
 
 async def cmd_topic_create(args: argparse.Namespace) -> int:
     config = _parse_config(args.config)
+    if args.replication_factor is not None:
+        config = _parse_config([*args.config, f"replication_factor={args.replication_factor}"])
     if len(args.name) > 1:
         return await _create_many(args, config)
     async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
@@ -59,6 +67,34 @@ async def _create_many(args: argparse.Namespace, config: dict[str, str]) -> int:
             err(f"error: topic {r.name!r} not created: {r.error}")
         print(f"created {len(results) - len(refused)} of {len(results)} topics")
     return EXIT_ERROR if refused else 0
+
+
+async def cmd_topic_alter(args: argparse.Namespace) -> int:
+    """Set (``--config``) or reset (``--delete-config``) config keys; the change replicates, last writer winning."""
+    config = _parse_config_items(args.config)
+    if not config and not args.delete_config:
+        raise InvalidRequest("nothing to change: give --config KEY=VALUE or --delete-config KEY")
+    async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
+        topic = await admin.alter_topic(args.name, config, args.delete_config, validate_only=args.validate_only)
+    if args.json:
+        print(json.dumps(topic_json(topic)))
+    else:
+        done = "would change" if args.validate_only else "changed"
+        what = [f"{k}={v}" for k, v in sorted(config.items())] + [f"{k} (default)" for k in args.delete_config]
+        print(f"{done} topic {topic.name!r}: {', '.join(what)}")
+    return 0
+
+
+async def cmd_topic_add_partitions(args: argparse.Namespace) -> int:
+    async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
+        topic = await admin.add_partitions(args.name, args.partitions, validate_only=args.validate_only)
+    if args.json:
+        print(json.dumps(topic_json(topic)))
+    elif args.validate_only:
+        print(f"topic {topic.name!r} has {topic.partitions} partitions and can grow to {args.partitions}")
+    else:
+        print(f"topic {topic.name!r} now has {topic.partitions} partitions")
+    return 0
 
 
 def _text(error: Exception | None) -> str | None:

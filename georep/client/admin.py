@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -230,6 +230,23 @@ class Admin:
     async def describe_topic(self, name: str) -> TopicInfo:
         stub = await self._connection.connect()
         return TopicInfo.from_proto(await self._call(stub.DescribeTopic, georep_pb2.DescribeTopicRequest(name=name)))
+
+    async def alter_topic(
+        self, name: str, config: Mapping[str, str], reset: Sequence[str] = (), *, validate_only: bool = False
+    ) -> TopicInfo:
+        """Set each of ``config`` (Kafka's names or georep's keys) and reset each of ``reset`` to the node's
+        default; the change replicates to every site the topic's links reach, last writer winning."""
+        stub = await self._connection.connect()
+        request = georep_pb2.AlterTopicRequest(
+            name=name, set=dict(config), reset=list(reset), validate_only=validate_only
+        )
+        return TopicInfo.from_proto(await self._call(stub.AlterTopic, request))
+
+    async def add_partitions(self, name: str, partitions: int, *, validate_only: bool = False) -> TopicInfo:
+        """Grow ``name`` to ``partitions`` in all (more than it has); every site converges to the largest count."""
+        stub = await self._connection.connect()
+        request = georep_pb2.AddPartitionsRequest(name=name, partitions=partitions, validate_only=validate_only)
+        return TopicInfo.from_proto(await self._call(stub.AddPartitions, request))
 
     async def list_offsets(self, topic: str, partition: int = -1, spec: str | int = LATEST) -> list[PartitionOffset]:
         """Offsets per partition: ``spec`` is ``"earliest"``, ``"latest"`` or a timestamp (ms)."""

@@ -49,13 +49,25 @@ from georep.kafka.cluster import NO_GROUPS, OneNode, SiteView, ViewOf
 from georep.kafka.offsets import FetchFilters, vector_at
 from georep.kafka.protocol import Request, api_versions_body
 from georep.kafka.records import InvalidStored, RecordsError, convert_fetched, kafka_to_georep
-from georep.metadata.kafka_config import Described, SiteSettings, broker_configs, describe, to_georep
+from georep.metadata.kafka_config import (
+    BY_NAME,
+    SET,
+    Described,
+    SiteSettings,
+    alter_changes,
+    broker_configs,
+    describe,
+    kafka_alter,
+    to_georep,
+)
 from georep.metadata.store import UnknownTopic
-from georep.metadata.topics import parse_topic_config
+from georep.metadata.topic_entry import add_partitions, alter
+from georep.metadata.topics import InvalidTopic, parse_topic_config
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition
 from georep.server.groups import GroupService
+from georep.server.topic_changes import TopicChanges, TopicChangesUnsupported
 from georep.storage.api import OffsetOutOfRange
 from offsets.coordinates import InvalidOrigin, Origin
 from topology.filters import is_internal
@@ -73,10 +85,7 @@ TOPIC_RESOURCE, BROKER_RESOURCE, BROKER_LOGGER_RESOURCE = 2, 4, 8  # Kafka's Con
 BROKERS_ENDPOINT = 1  # DescribeCluster v1+: brokers (2, controllers: Kafka's KRaft quorum, which georep has not)
 MISMATCHED_ENDPOINT_TYPE = 114
 ALTER_CONFIGS, CREATE_PARTITIONS = 33, 37
-CHANGES_NOT_BUILT = (
-    "a topic change must reach every site the topic replicates to, which is designed (docs/design.md, 'Topic changes "
-    "across sites') but not built"
-)
+ASSIGNMENTS_REFUSED = "georep places a topic's partitions itself: leave the replica assignments out"
 
 
 @dataclass
@@ -139,6 +148,7 @@ class KafkaGateway:
         # Kafka configs may state, and what DescribeConfigs reports
         self.site = SiteSettings()
         self._invalid_reported: set[tuple[str, int, int]] = set()  # stored invalid batches already logged
+        self.topic_changes: TopicChanges | None = None  # alters and growths of a one-node site's topics
 
     def _view(self, keys: list[tuple[str, int]] | None = None) -> SiteView:
         return OneNode(self.host, self.port) if self.view_of is None else self.view_of(keys)
@@ -216,6 +226,10 @@ class KafkaGateway:
             try:
                 self._allow(peer, Operation.CREATE_TOPIC, [acl_topic(t.name)])
                 config = to_georep({c.name: c.value for c in t.configs if c.value is not None}, self.site)
+                # The topic's own (issue 23); -1: the site's. Only a multi-node site's clients ask for it: a one-node
+                # site's see one broker, so ask for 1, which must not become the topic's at the sites it reaches.
+                if t.replication_factor > 0 and self.view_of is not None:
+                    config = to_georep({**config, "replication_factor": str(t.replication_factor)}, self.site)
                 if req.body.validate_only:
                     self.broker.check_new_topic(t.name, partitions, config)
                 else:
@@ -225,7 +239,7 @@ class KafkaGateway:
                     r.CreatableTopicResult(
                         name=t.name,
                         num_partitions=partitions,
-                        replication_factor=self.site.replication_factor,
+                        replication_factor=int(config.get("replication_factor", self.site.replication_factor)),
                         configs=[
                             r.CreatableTopicResult.CreatableTopicConfigs(
                                 name=d.name, value=d.value, read_only=True, config_source=d.source, is_sensitive=False
@@ -242,44 +256,75 @@ class KafkaGateway:
         return describe(overrides, self.broker.defaults, DEFAULT_TOPIC_CONFIG, self.site)
 
     async def _topic_changes(self, req: Request, peer: Client) -> Any:
-        """AlterConfigs, IncrementalAlterConfigs and CreatePartitions: each resource refused, saying why. A topic's
-        change must replicate to every site it reaches, which docs/design.md ("Topic changes across sites") designs
-        and is not built yet; answering (rather than leaving the APIs out of ApiVersions, which clients report as a
-        bare "not supported by broker") puts the reason in front of the user."""
+        """AlterConfigs, IncrementalAlterConfigs and CreatePartitions of topics: each resource changed or refused on
+        its own, as :class:`~georep.server.topic_changes.TopicChanges` makes the change at this site and the topic
+        sync carries it to every site the topic reaches. A broker's configs are its flags: refused, saying so."""
         b = req.body
+        validate_only = bool(b.validate_only)
         if req.api_key == CREATE_PARTITIONS:
             r = kadmin.CreatePartitionsResponse
-            why = f"georep cannot add partitions yet: {CHANGES_NOT_BUILT}; a topic keeps the count it was created with"
-            return r(
-                results=[
-                    r.CreatePartitionsTopicResult(name=t.name, error_code=k.INVALID_REQUEST, error_message=why)
-                    for t in b.topics
-                ]
-            )
+            return r(results=[await self._grow(t, validate_only, peer) for t in b.topics])
         ra = kadmin.AlterConfigsResponse if req.api_key == ALTER_CONFIGS else kadmin.IncrementalAlterConfigsResponse
         out = []
         for res in b.resources:
-            if res.resource_type == TOPIC_RESOURCE:
-                why = (
-                    f"georep cannot alter a topic's config yet: {CHANGES_NOT_BUILT}; DescribeConfigs shows the configs"
-                )
-            else:
+            code, why = 0, None
+            if res.resource_type != TOPIC_RESOURCE:
+                code = k.INVALID_REQUEST
                 why = "a georep node's settings are its command-line flags (georep node --help): restart it with them"
+            else:
+                try:
+                    await self._alter(res, req.api_key == ALTER_CONFIGS, validate_only, peer)
+                except Exception as exc:
+                    code, why = self._code(exc), str(exc)
             out.append(
                 ra.AlterConfigsResourceResponse(
-                    error_code=k.INVALID_REQUEST,
-                    error_message=why,
-                    resource_type=res.resource_type,
-                    resource_name=res.resource_name,
+                    error_code=code, error_message=why, resource_type=res.resource_type, resource_name=res.resource_name
                 )
             )
         return ra(responses=out)
 
+    def _changes(self, name: str, peer: Client) -> TopicChanges:
+        self._allow(peer, Operation.ALTER_TOPIC, [acl_topic(name)])
+        if is_internal(name):
+            raise UnknownTopic(name)
+        self.broker.topic(name)  # UnknownTopic
+        if self.topic_changes is None:
+            raise TopicChangesUnsupported("this node cannot change topics")
+        return self.topic_changes
+
+    async def _alter(self, res: Any, replace_all: bool, validate_only: bool, peer: Client) -> None:
+        name = res.resource_name
+        changes = self._changes(name, peer)
+        configs = [(c.name, getattr(c, "config_operation", SET), c.value) for c in res.configs]
+        sets, resets = kafka_alter(configs, self.broker.topic(name).config, replace_all)
+        wanted = alter_changes(sets, resets, self.site)
+        if not wanted:
+            return
+        if validate_only:
+            alter(changes.held(name), name, wanted, 0, "")
+        else:
+            await changes.alter(name, wanted)
+
+    async def _grow(self, t: Any, validate_only: bool, peer: Client) -> Any:
+        r = kadmin.CreatePartitionsResponse.CreatePartitionsTopicResult
+        try:
+            changes = self._changes(t.name, peer)
+            if t.assignments:
+                return r(name=t.name, error_code=k.INVALID_REQUEST, error_message=ASSIGNMENTS_REFUSED)
+            if validate_only:
+                add_partitions(changes.held(t.name), t.name, t.count)
+            else:
+                await changes.add_partitions(t.name, t.count)
+        except InvalidTopic as exc:
+            return r(name=t.name, error_code=k.INVALID_PARTITIONS, error_message=str(exc))
+        except Exception as exc:
+            return r(name=t.name, error_code=self._code(exc), error_message=str(exc))
+        return r(name=t.name, error_code=0, error_message=None)
+
     async def _describe_configs(self, req: Request, peer: Client) -> Any:
         """Topics: every Kafka name georep takes, with the topic's value and its source; brokers (this node's id,
         or "" for the cluster's defaults): the node's defaults under Kafka's broker names. Open to every principal,
-        as Metadata and georep's own DescribeTopic are. Every config is read-only: georep alters no topic config
-        yet (AlterConfigs needs the cross-site design of docs/design.md, "Topic changes across sites")."""
+        as Metadata and georep's own DescribeTopic are."""
         b = req.body
         docs = req.version >= 3 and bool(b.include_documentation)
         results = [self._config_result(res, bool(b.include_synonyms), docs) for res in b.resources]
@@ -927,7 +972,7 @@ def _config_entry(d: Described, synonyms: bool, docs: bool) -> Any:
     return e(
         name=d.name,
         value=d.value,
-        read_only=True,
+        read_only=d.name not in BY_NAME or BY_NAME[d.name].key is None,  # a topic's mapped configs can be altered
         config_source=d.source,
         is_sensitive=False,
         synonyms=[e.DescribeConfigsSynonym(name=n, value=v, source=src) for n, v, src in d.synonyms]

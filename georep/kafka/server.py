@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from georep.server.broker import Broker
     from georep.server.groups import GroupService
     from georep.server.site_cluster import SiteCluster
+    from georep.server.topic_changes import TopicChanges
 
 log = logging.getLogger(__name__)
 
@@ -456,7 +457,11 @@ def peer_principal(writer: asyncio.StreamWriter) -> Principal | None:
 
 
 async def start_kafka(
-    options: KafkaOptions, broker: Broker, groups: GroupService, site_cluster: SiteCluster | None
+    options: KafkaOptions,
+    broker: Broker,
+    groups: GroupService,
+    site_cluster: SiteCluster | None,
+    topic_changes: TopicChanges | None = None,
 ) -> tuple[KafkaServer, str]:
     """Start the listener in the node's event loop; returns it and the address it serves (``node.json``).
     Raises ``OSError`` if it cannot listen."""
@@ -470,6 +475,7 @@ async def start_kafka(
             broker.create_topic(name, partitions, config)
 
     gateway = KafkaGateway(broker, groups, host, port, create_topic, options.commit_acks, options.policy)
+    gateway.topic_changes = topic_changes
     if site_cluster is not None:
         config = site_cluster.member.config
         gateway.site = SiteSettings(config.replication_factor, config.ack_quorum)

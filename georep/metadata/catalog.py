@@ -8,12 +8,14 @@
   ``georep/server/replicator.py``): a linked site lists only what changed since its last sync, and nothing at
   all when nothing did, rather than every topic every second.
 
-A catalog token is ``instance:generation:position``: ``position`` topics of the node's order of arrival, in
-the catalog ``instance`` (one per process, so a restart or another node of the site never takes a token for
-its own) at ``generation``. Topic tables only grow today (no delete, no alter), and a table that grew is a
-new tail of the order. A table that changed in any other way (a topic gone or redefined) starts a new
-generation: every earlier token then lists the catalog again from its first topic (``restarted``), so a
-re-created or changed topic reaches every site too.
+A catalog token is ``instance:generation:position``: a position in the node's log of changes, in the catalog
+``instance`` (one per process, so a restart or another node of the site never takes a token for its own) at
+``generation``. Each topic name sits at the position of its entry's last change
+(``georep/metadata/topic_entry.py``: a create, an alter, a growth or a delete): a sync lists the names whose last
+change is after its token, so an alter or a delete costs one entry, not a relisting of every topic. Older
+positions of a changed name are skipped; once they outnumber the names, the log is compacted into a new
+generation, and every earlier token then lists the catalog again from its first topic (``restarted``), as it does
+when a name disappears from the table (a data dir moved away).
 """
 
 from __future__ import annotations
@@ -22,59 +24,68 @@ import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from georep.metadata.topics import TopicSpec
+from georep.metadata.topic_entry import TopicEntry
+
+# The log of changes is compacted once it holds this many more positions than names (and twice as many).
+COMPACT_SLACK = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class Changes:
-    """The topics learnt after a token (at most a page of them), and where they leave the caller."""
+    """The entries changed after a token (at most a page of them), and where they leave the caller."""
 
-    topics: list[TopicSpec]
+    topics: list[TopicEntry]  # tombstones included
     token: str  # the catalog token after ``topics``: the next sync asks changes since it
     restarted: bool  # the token was "" or not this catalog's: ``topics`` start from the first topic
     more: bool  # more changes follow ``token``
 
 
 class TopicCatalog:
-    """The topic table of one node, in name order and in order of arrival; see the module docstring."""
+    """The topic table of one node, in name order and in order of change; see the module docstring."""
 
     def __init__(self, instance: str) -> None:
         if ":" in instance:
             raise ValueError(f"a catalog instance id has no ':': {instance!r}")
         self.instance = instance
-        self._table: dict[str, TopicSpec] = {}
-        self._names: list[str] = []  # sorted
-        self._arrivals: list[str] = []  # in the order learnt, this generation
+        self._table: dict[str, TopicEntry] = {}
+        self._names: list[str] = []  # the live names, sorted
+        self._log: list[str] = []  # one name per change, this generation
+        self._at: dict[str, int] = {}  # name -> the position of its last change in _log
         self._generation = 0
 
     def __len__(self) -> int:
-        return len(self._table)
+        return len(self._names)
 
     @property
     def token(self) -> str:
         """The token of the catalog as it is now: changes since it are none."""
-        return self._token(len(self._arrivals))
+        return self._token(len(self._log))
 
-    def refresh(self, table: Mapping[str, TopicSpec]) -> bool:
-        """Take the node's topic table as it is now; whether it changed. Costs one dict comparison when it did
-        not (the stores hand out the same ``TopicSpec`` objects, which compare by identity first)."""
+    def refresh(self, table: Mapping[str, TopicEntry]) -> bool:
+        """Take the node's entries as they are now; whether they changed. Costs one dict comparison when they did
+        not (the stores hand out the same entry objects, which compare by identity first)."""
         if table == self._table:
             return False
-        grown = all(table.get(name) == spec for name, spec in self._table.items())
-        added = sorted(name for name in table if name not in self._table)
-        self._table = dict(table)
-        if grown:
-            self._arrivals.extend(added)
-            for name in added:
-                bisect.insort(self._names, name)
-        else:
+        if any(name not in table for name in self._table):  # a name gone: no position says so, start over
+            self._table = dict(table)
             self._generation += 1
-            self._names = sorted(table)
-            self._arrivals = list(self._names)
+            self._log = sorted(table)
+            self._at = {name: i for i, name in enumerate(self._log)}
+        else:
+            changed = sorted(name for name, entry in table.items() if self._table.get(name) != entry)
+            self._table = dict(table)
+            for name in changed:
+                self._at[name] = len(self._log)
+                self._log.append(name)
+            if len(self._log) > 2 * len(self._at) + COMPACT_SLACK:
+                self._generation += 1
+                self._log = sorted(self._at, key=self._at.__getitem__)
+                self._at = {name: i for i, name in enumerate(self._log)}
+        self._names = sorted(name for name, entry in table.items() if not entry.deleted)
         return True
 
-    def page_by_name(self, after: str, size: int) -> tuple[list[TopicSpec], str]:
-        """Up to ``size`` topics (every one for 0) whose names sort after ``after``; and the last name of the
+    def page_by_name(self, after: str, size: int) -> tuple[list[TopicEntry], str]:
+        """Up to ``size`` live topics (every one for 0) whose names sort after ``after``; and the last name of the
         page if more follow, else ""."""
         start = bisect.bisect_right(self._names, after) if after else 0
         end = len(self._names) if size <= 0 else min(start + size, len(self._names))
@@ -82,14 +93,19 @@ class TopicCatalog:
         return page, (self._names[end - 1] if end < len(self._names) and end > start else "")
 
     def changes_since(self, token: str, size: int) -> Changes:
-        """Up to ``size`` topics (every one for 0) learnt after ``token`` ("" or a token of another catalog or
+        """Up to ``size`` entries (every one for 0) changed after ``token`` ("" or a token of another catalog or
         generation: from the first topic, ``restarted``)."""
         position = self._position(token)
         restarted = position is None
-        start = 0 if position is None else position
-        end = len(self._arrivals) if size <= 0 else min(start + size, len(self._arrivals))
-        topics = [self._table[name] for name in self._arrivals[start:end]]
-        return Changes(topics, self._token(end), restarted, end < len(self._arrivals))
+        at = 0 if position is None else position
+        entries: list[TopicEntry] = []
+        while at < len(self._log) and (size <= 0 or len(entries) < size):
+            name = self._log[at]
+            if self._at[name] == at:  # else an older change of a name that changed again later
+                entries.append(self._table[name])
+            at += 1
+        more = any(self._at[self._log[i]] == i for i in range(at, len(self._log)))
+        return Changes(entries, self._token(at), restarted, more)
 
     def _token(self, position: int) -> str:
         return f"{self.instance}:{self._generation}:{position}"
@@ -100,4 +116,4 @@ class TopicCatalog:
         if instance != self.instance or generation != str(self._generation) or not position.isdigit():
             return None
         at = int(position)
-        return at if at <= len(self._arrivals) else None
+        return at if at <= len(self._log) else None

@@ -24,7 +24,7 @@ with the topic's value and where it comes from, as DescribeConfigs answers it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from georep.metadata.topics import TOPIC_CONFIG_KEYS, InvalidTopic, parse_topic_config
@@ -268,3 +268,54 @@ def broker_configs(defaults: Mapping[str, int], built_in: Mapping[str, int], sit
         )
     )
     return sorted(out, key=lambda d: d.name)
+
+
+def alter_changes(sets: Mapping[str, str], resets: Iterable[str], site: SiteSettings | None) -> dict[str, int | None]:
+    """An alter's changes as georep keys: each of ``sets`` (Kafka names or georep keys, checked as a create's
+    are, :func:`to_georep`) to its value, each of ``resets`` back to the node's default (``None``). A fixed name
+    takes only its one value and has nothing to reset. Raises :class:`InvalidConfig`."""
+    out: dict[str, int | None] = {key: int(value) for key, value in to_georep(sets, site).items()}
+    for name in sorted(resets):
+        key = _key_of(name)
+        if name in BY_NAME and key is None:
+            continue  # a fixed name: its default is its one value
+        if key is None:
+            raise InvalidConfig(_unknown(name))
+        if key in out:
+            raise InvalidConfig(f"config {name} is both set and reset in one alter: give it once")
+        out[key] = None
+    return out
+
+
+SET, DELETE, APPEND, SUBTRACT = 0, 1, 2, 3  # IncrementalAlterConfigs' ConfigOperation
+
+
+def kafka_alter(
+    configs: Iterable[tuple[str, int, str | None]], overrides: Mapping[str, int], replace_all: bool
+) -> tuple[dict[str, str], list[str]]:
+    """What a Kafka alter of a topic sets and resets: ``configs`` as (name, operation, value);
+    ``replace_all`` (AlterConfigs, not incremental): every override it leaves out goes back to its default, as
+    Kafka's AlterConfigs replaces a topic's whole config. Raises :class:`InvalidConfig`."""
+    sets: dict[str, str] = {}
+    resets: list[str] = []
+    for name, operation, value in configs:
+        if operation == DELETE or (replace_all and value is None):
+            resets.append(name)
+        elif operation == SET:
+            if value is None:
+                raise InvalidConfig(f"config {name}: a SET needs a value; DELETE resets it to the default")
+            sets[name] = value
+        else:
+            raise InvalidConfig(
+                f"config {name}: APPEND and SUBTRACT are for list configs, and georep's topic configs are single "
+                "values: use SET"
+            )
+    if replace_all:
+        given = {_key_of(name) for name in [*sets, *resets]}
+        resets += sorted(key for key in overrides if key not in given)
+    return sets, resets
+
+
+def _key_of(name: str) -> str | None:
+    kafka = BY_NAME.get(name)
+    return kafka.key if kafka is not None else name if name in TOPIC_CONFIG_KEYS else None

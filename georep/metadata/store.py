@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from georep.metadata.topic_entry import TopicEntry
 from georep.metadata.topics import TopicSpec
 from topology.ids import SiteId
 
@@ -92,6 +93,11 @@ class MetadataStore(Protocol):
         """Changes whenever :meth:`topics` may answer otherwise (and may change more often): what lets the
         topic sync, ``ListTopics`` and the replicator's tick skip copying and comparing every topic while nothing
         changed. Read it before :meth:`topics`, so a change between the two shows as a new version next time."""
+        ...
+
+    def entries(self) -> dict[str, TopicEntry]:
+        """Every topic name's replicated entry (georep/metadata/topic_entry.py), tombstones included. A new dict
+        after every change, the same one until (its entries the same objects while they do not change)."""
         ...
 
     def get(self, name: str) -> TopicSpec:

@@ -49,13 +49,16 @@ TOPIC_CONFIG_KEYS: dict[str, str] = {
     "(-1: no limit; Kafka's message.timestamp.before.max.ms)",
     "message_timestamp_after_max_ms": "reject a produced record stamped more than this after the site's clock "
     "(-1: no limit; Kafka's message.timestamp.after.max.ms)",
+    "replication_factor": "a multi-node site opens each new segment on this many nodes (default: the site's "
+    "--replication-factor; a site with fewer nodes uses what it has; a one-node site keeps one copy)",
 }
 
 # The largest max_batch_bytes a topic may have. The node's gRPC receive limit is above it, so a batch over a
 # topic's limit always reaches the broker and gets its clear refusal, never a bare transport error.
 MAX_BATCH_BYTES_LIMIT = 64 << 20
 
-_MAXIMUMS = {"max_batch_bytes": MAX_BATCH_BYTES_LIMIT}
+REPLICATION_FACTOR_MAX = 16
+_MAXIMUMS = {"max_batch_bytes": MAX_BATCH_BYTES_LIMIT, "replication_factor": REPLICATION_FACTOR_MAX}
 
 _MINIMUMS = {
     "segment_bytes_max": 1024,
@@ -66,6 +69,7 @@ _MINIMUMS = {
     "max_batch_bytes": 1024,
     "message_timestamp_before_max_ms": -1,
     "message_timestamp_after_max_ms": -1,
+    "replication_factor": 1,
 }
 
 
@@ -93,6 +97,8 @@ class TopicSpec:
     name: str
     partitions: int
     config: dict[str, int] = field(default_factory=dict)  # overrides only
+    # The incarnation live at this site (georep/metadata/topic_entry.py): 0 until the name is deleted once.
+    incarnation: int = 0
 
     def effective(self, defaults: dict[str, int]) -> dict[str, int]:
         return {**defaults, **self.config}

@@ -437,7 +437,9 @@ async def _start_kafka(
                 ssl_context=None if tls is None else server_ssl_context(tls, kafka.sasl),
                 policy=Policy(node.identity.site, AclCache(node.broker.metadata.acls), lambda: topology, super_users),
             )
-        kafka_server, kafka_address = await start_kafka(kafka, node.broker, node.service.groups, node.site_cluster)
+        kafka_server, kafka_address = await start_kafka(
+            kafka, node.broker, node.service.groups, node.site_cluster, node.service.topic_calls.changes
+        )
         if node.site_cluster is not None:  # set before any request is read (no await since the listener started)
             from georep.kafka.cluster import cluster_view_of
 

@@ -793,6 +793,7 @@ class TopicDescription(_message.Message):
     LEADERS_FIELD_NUMBER: _builtins.int
     RECORDS_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    ENTRY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     partitions: _builtins.int
     records: _builtins.int
@@ -812,6 +813,13 @@ class TopicDescription(_message.Message):
         (a client sends produce and fetch there; a node that does not lead answers NOT_LEADER with a hint).
         """
 
+    @_builtins.property
+    def entry(self) -> Global___TopicEntryState:
+        """Topic sync (TOPIC_VIEW_DEFINITION with changed_since): the topic's replicated entry, which the syncing site
+        merges into its own. Unset: a node from before entries (incarnation 0, no stamps). A tombstone is listed
+        with partitions 0 and entry.deleted.
+        """
+
     def __init__(
         self,
         *,
@@ -822,10 +830,11 @@ class TopicDescription(_message.Message):
         leaders: _abc.Iterable[Global___PartitionLeader] | None = ...,
         records: _builtins.int = ...,
         size_bytes: _builtins.int = ...,
+        entry: Global___TopicEntryState | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "leaders", b"leaders", "name", b"name", "partition_states", b"partition_states", "partitions", b"partitions", "records", b"records", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "entry", b"entry", "leaders", b"leaders", "name", b"name", "partition_states", b"partition_states", "partitions", b"partitions", "records", b"records", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1604,10 +1613,13 @@ class SiteStatusResponse(_message.Message):
     CONFLICTS_FIELD_NUMBER: _builtins.int
     TOPICS_FIELD_NUMBER: _builtins.int
     MORE_PARTITIONS_FIELD_NUMBER: _builtins.int
+    CONFIG_CONFLICTS_FIELD_NUMBER: _builtins.int
+    CONFIG_CONFLICTS_TOTAL_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     epoch: _builtins.int
     more_partitions: _builtins.bool
     """the page is full: ask again after its last row"""
+    config_conflicts_total: _builtins.int
     @_builtins.property
     def partitions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionStatus]: ...
     @_builtins.property
@@ -1616,6 +1628,12 @@ class SiteStatusResponse(_message.Message):
     def conflicts(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopicConflict]: ...
     @_builtins.property
     def topics(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopicSummary]: ...
+    @_builtins.property
+    def config_conflicts(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopicConflict]:
+        """Concurrent changes of one topic config key at two sites that this node found (the latest, up to 100):
+        which value was kept everywhere, and which lost.
+        """
+
     def __init__(
         self,
         *,
@@ -1626,10 +1644,12 @@ class SiteStatusResponse(_message.Message):
         conflicts: _abc.Iterable[Global___TopicConflict] | None = ...,
         topics: _abc.Iterable[Global___TopicSummary] | None = ...,
         more_partitions: _builtins.bool = ...,
+        config_conflicts: _abc.Iterable[Global___TopicConflict] | None = ...,
+        config_conflicts_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conflicts", b"conflicts", "epoch", b"epoch", "links", b"links", "more_partitions", b"more_partitions", "partitions", b"partitions", "site", b"site", "topics", b"topics"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_conflicts", b"config_conflicts", "config_conflicts_total", b"config_conflicts_total", "conflicts", b"conflicts", "epoch", b"epoch", "links", b"links", "more_partitions", b"more_partitions", "partitions", b"partitions", "site", b"site", "topics", b"topics"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3191,3 +3211,178 @@ class DecommissionNodeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DecommissionNodeResponse: _TypeAlias = DecommissionNodeResponse  # noqa: Y015
+
+@_typing.final
+class TopicEntryState(_message.Message):
+    """A topic's replicated entry (georep/metadata/topic_entry.py): its incarnation, live or deleted, the stamp of
+    its create (or delete), and each config key's last-writer-wins register.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    DELETED_FIELD_NUMBER: _builtins.int
+    STAMP_MS_FIELD_NUMBER: _builtins.int
+    STAMP_SITE_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.int
+    deleted: _builtins.bool
+    stamp_ms: _builtins.int
+    stamp_site: _builtins.str
+    @_builtins.property
+    def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopicSettingState]: ...
+    def __init__(
+        self,
+        *,
+        incarnation: _builtins.int = ...,
+        deleted: _builtins.bool = ...,
+        stamp_ms: _builtins.int = ...,
+        stamp_site: _builtins.str = ...,
+        settings: _abc.Iterable[Global___TopicSettingState] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "incarnation", b"incarnation", "settings", b"settings", "stamp_ms", b"stamp_ms", "stamp_site", b"stamp_site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopicEntryState: _TypeAlias = TopicEntryState  # noqa: Y015
+
+@_typing.final
+class TopicSettingState(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SeenEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    STAMP_MS_FIELD_NUMBER: _builtins.int
+    STAMP_SITE_FIELD_NUMBER: _builtins.int
+    SEEN_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """georep's key (retention_ms, ...)"""
+    value: _builtins.int
+    """unset: reset to the node's default"""
+    stamp_ms: _builtins.int
+    stamp_site: _builtins.str
+    @_builtins.property
+    def seen(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """site -> changes of this key made there, as far as this register has seen"""
+
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _builtins.int | None = ...,
+        stamp_ms: _builtins.int = ...,
+        stamp_site: _builtins.str = ...,
+        seen: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_value", b"_value", "value", b"value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_value", b"_value", "key", b"key", "seen", b"seen", "stamp_ms", b"stamp_ms", "stamp_site", b"stamp_site", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__value: _TypeAlias = _typing.Literal["value"]  # noqa: Y015
+    _WhichOneofArgType__value: _TypeAlias = _typing.Literal["_value", b"_value"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__value) -> _WhichOneofReturnType__value | None: ...
+
+Global___TopicSettingState: _TypeAlias = TopicSettingState  # noqa: Y015
+
+@_typing.final
+class AlterTopicRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SetEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NAME_FIELD_NUMBER: _builtins.int
+    SET_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
+    VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    validate_only: _builtins.bool
+    """check, change nothing"""
+    @_builtins.property
+    def set(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Kafka's config names or georep's keys -> the new value"""
+
+    @_builtins.property
+    def reset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """back to the node's default"""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        set: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        reset: _abc.Iterable[_builtins.str] | None = ...,
+        validate_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "reset", b"reset", "set", b"set", "validate_only", b"validate_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AlterTopicRequest: _TypeAlias = AlterTopicRequest  # noqa: Y015
+
+@_typing.final
+class AddPartitionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PARTITIONS_FIELD_NUMBER: _builtins.int
+    VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    partitions: _builtins.int
+    """the new total: more than the topic has"""
+    validate_only: _builtins.bool
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        partitions: _builtins.int = ...,
+        validate_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "partitions", b"partitions", "validate_only", b"validate_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddPartitionsRequest: _TypeAlias = AddPartitionsRequest  # noqa: Y015

@@ -169,6 +169,16 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.CreateTopicsRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.CreateTopicsResponse.FromString,
                 _registered_method=True)
+        self.AlterTopic = channel.unary_unary(
+                '/georep.v1.Node/AlterTopic',
+                request_serializer=georep_dot_proto_dot_georep__pb2.AlterTopicRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.TopicDescription.FromString,
+                _registered_method=True)
+        self.AddPartitions = channel.unary_unary(
+                '/georep.v1.Node/AddPartitions',
+                request_serializer=georep_dot_proto_dot_georep__pb2.AddPartitionsRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.TopicDescription.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -384,6 +394,21 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AlterTopic(self, request, context):
+        """Change a topic's config (Kafka's AlterConfigs, IncrementalAlterConfigs): each key set, or reset to the
+        node's default; last writer wins across sites (docs/design.md, "Topic changes across sites").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddPartitions(self, request, context):
+        """Grow a topic to more partitions (Kafka's CreatePartitions): the count only grows, every site takes the largest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -521,6 +546,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.CreateTopics,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.CreateTopicsRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.CreateTopicsResponse.SerializeToString,
+            ),
+            'AlterTopic': grpc.unary_unary_rpc_method_handler(
+                    servicer.AlterTopic,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.AlterTopicRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.TopicDescription.SerializeToString,
+            ),
+            'AddPartitions': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddPartitions,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.AddPartitionsRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.TopicDescription.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1252,6 +1287,60 @@ class Node:
             '/georep.v1.Node/CreateTopics',
             georep_dot_proto_dot_georep__pb2.CreateTopicsRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.CreateTopicsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AlterTopic(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/AlterTopic',
+            georep_dot_proto_dot_georep__pb2.AlterTopicRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.TopicDescription.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddPartitions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/AddPartitions',
+            georep_dot_proto_dot_georep__pb2.AddPartitionsRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.TopicDescription.FromString,
             options,
             channel_credentials,
             insecure,

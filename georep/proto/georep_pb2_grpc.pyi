@@ -126,6 +126,12 @@ class NodeStub:
     on its own, and the answer says which. A one-node site writes its topic
     table once for the whole call rather than once per topic.
     """
+    AlterTopic: _grpc.UnaryUnaryMultiCallable[_georep_pb2.AlterTopicRequest, _georep_pb2.TopicDescription]
+    """Change a topic's config (Kafka's AlterConfigs, IncrementalAlterConfigs): each key set, or reset to the
+    node's default; last writer wins across sites (docs/design.md, "Topic changes across sites").
+    """
+    AddPartitions: _grpc.UnaryUnaryMultiCallable[_georep_pb2.AddPartitionsRequest, _georep_pb2.TopicDescription]
+    """Grow a topic to more partitions (Kafka's CreatePartitions): the count only grows, every site takes the largest."""
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -219,6 +225,12 @@ class NodeAsyncStub(NodeStub):
     on its own, and the answer says which. A one-node site writes its topic
     table once for the whole call rather than once per topic.
     """
+    AlterTopic: _aio.UnaryUnaryMultiCallable[_georep_pb2.AlterTopicRequest, _georep_pb2.TopicDescription]  # type: ignore[assignment]
+    """Change a topic's config (Kafka's AlterConfigs, IncrementalAlterConfigs): each key set, or reset to the
+    node's default; last writer wins across sites (docs/design.md, "Topic changes across sites").
+    """
+    AddPartitions: _aio.UnaryUnaryMultiCallable[_georep_pb2.AddPartitionsRequest, _georep_pb2.TopicDescription]  # type: ignore[assignment]
+    """Grow a topic to more partitions (Kafka's CreatePartitions): the count only grows, every site takes the largest."""
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -471,6 +483,24 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         on its own, and the answer says which. A one-node site writes its topic
         table once for the whole call rather than once per topic.
         """
+
+    @_abc_1.abstractmethod
+    def AlterTopic(
+        self,
+        request: _georep_pb2.AlterTopicRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.TopicDescription, _abc.Awaitable[_georep_pb2.TopicDescription]]:
+        """Change a topic's config (Kafka's AlterConfigs, IncrementalAlterConfigs): each key set, or reset to the
+        node's default; last writer wins across sites (docs/design.md, "Topic changes across sites").
+        """
+
+    @_abc_1.abstractmethod
+    def AddPartitions(
+        self,
+        request: _georep_pb2.AddPartitionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.TopicDescription, _abc.Awaitable[_georep_pb2.TopicDescription]]:
+        """Grow a topic to more partitions (Kafka's CreatePartitions): the count only grows, every site takes the largest."""
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -152,7 +152,7 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -169,9 +169,11 @@ from pysyncobj.utility import TcpUtility, UtilityException
 from cluster.site_state import (
     Applied,
     Command,
+    CommandBatch,
     CreateTopic,
     InvalidCommand,
     InvalidSnapshot,
+    MergeTopicEntry,
     PutAcl,
     ReadBarrier,
     RefusalCode,
@@ -181,6 +183,7 @@ from cluster.site_state import (
     command_from_dict,
 )
 from georep.metadata.store import AclRecord, TopicExists, UnknownTopic
+from georep.metadata.topic_entry import Merged, TopicEntry, merge
 from georep.metadata.topics import TopicSpec
 from georep.raft import journal
 from georep.raft.elections import election_timeout_s, first_election_timeout_s
@@ -262,6 +265,12 @@ class CommandRefused(Exception):
     def __init__(self, refused: Refused) -> None:
         self.refused = refused
         super().__init__(refused.reason)
+
+
+def _deletes(held: TopicEntry | None, merged: TopicEntry) -> bool:
+    """Whether ``merged`` deletes (or replaces by a later incarnation) the live ``held``: refused on a multi-node
+    site (``MergeTopicEntry``)."""
+    return held is not None and not held.deleted and (merged.deleted or merged.incarnation != held.incarnation)
 
 
 class RaftStartError(Exception):
@@ -1180,6 +1189,36 @@ class RaftMetadataStore:
     def topics_version(self) -> int:
         """The state's version: it changes with every command but a heartbeat, so with every topic created."""
         return self._replica.read(lambda state: state.version)
+
+    def entries(self) -> dict[str, TopicEntry]:
+        """Every name's entry (``SiteState.entries``): the same dict until the state changes."""
+        return self._replica.read(lambda state: state.entries())
+
+    def merge_entries(self, received: Sequence[TopicEntry]) -> list[Merged]:
+        """Join each of ``received`` into the site's entries, as one Raft command (``MergeTopicEntry`` each, in a
+        batch); what each merge gives against this node's view (its conflicts are this node's to report). A
+        refused entry is left out of the change (logged); with one entry, raises :class:`CommandRefused`. Blocks
+        up to the write timeout (call it off the event loop); raises :class:`MetadataUnavailable`."""
+        held = self.entries()
+        merges = [merge(held.get(e.name), e) for e in received]
+        # Only what changes this node's view, and what the state machine takes: every command changes the state's
+        # version, which starts the next sync round's merges, so proposing the same entries would never stop.
+        wanted = [i for i, m in enumerate(merges) if m.changed and not _deletes(held.get(m.entry.name), m.entry)]
+        for i, m in enumerate(merges):
+            if m.changed and i not in wanted:
+                logger.debug("topic %r: deleted at another site; not built on multi-node sites", m.entry.name)
+                merges[i] = Merged(held[m.entry.name], False, ())
+        if not wanted:
+            return merges
+        result = self.propose(CommandBatch(tuple(MergeTopicEntry(received[i]) for i in wanted)))
+        results = result.results if isinstance(result, Applied) else (result,) * len(wanted)
+        for i, outcome in zip(wanted, results, strict=True):
+            if isinstance(outcome, Refused):
+                if len(received) == 1:
+                    raise CommandRefused(outcome)
+                logger.warning("topic %r: entry not taken: %s", received[i].name, outcome.reason)
+                merges[i] = Merged(held.get(received[i].name) or received[i], False, ())
+        return merges
 
     def get(self, name: str) -> TopicSpec:
         spec = self._replica.read(lambda state: state.topic(name))

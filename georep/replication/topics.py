@@ -12,6 +12,10 @@ Topic definitions travel over the same links as records (ARCHITECTURE.md,
   partition counts must match at every site, since a record's partition is
   part of where it lives everywhere;
 * a conflict whose counts now agree is **cleared**.
+
+A one-node site keeps each topic as a replicated entry (georep/metadata/topic_entry.py) and merges src's into
+its own (``merges``): partition counts then converge to the largest, so unequal counts are no conflict, and
+a tombstone (a deleted topic) creates nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from georep.metadata.topic_entry import TopicEntry
 from georep.metadata.topics import TOPIC_CONFIG_KEYS
 from topology.model import Link
 
@@ -28,6 +33,7 @@ class RemoteTopic:
     name: str
     partitions: int
     config: Mapping[str, str] = field(default_factory=dict)
+    entry: TopicEntry | None = None  # what src listed of it (a node from before entries: its definition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +43,11 @@ class TopicSyncPlan:
     cleared: list[str]
 
 
-def plan_topic_sync(link: Link, remote: Sequence[RemoteTopic], local: Mapping[str, int]) -> TopicSyncPlan:
-    """What dst (``link.dst``, holding ``local``: topic -> partitions) does with src's ``remote`` topics."""
+def plan_topic_sync(
+    link: Link, remote: Sequence[RemoteTopic], local: Mapping[str, int], *, merges: bool = False
+) -> TopicSyncPlan:
+    """What dst (``link.dst``, holding ``local``: topic -> partitions) does with src's ``remote`` topics;
+    ``merges``: dst merges entries (module docstring)."""
     create: list[RemoteTopic] = []
     conflicts: dict[str, str] = {}
     cleared: list[str] = []
@@ -46,10 +55,12 @@ def plan_topic_sync(link: Link, remote: Sequence[RemoteTopic], local: Mapping[st
         if not link.carries(t.name):
             continue
         have = local.get(t.name)
+        if t.entry is not None and t.entry.deleted:
+            continue
         if have is None:
             config = {k: v for k, v in t.config.items() if k in TOPIC_CONFIG_KEYS}
-            create.append(RemoteTopic(t.name, t.partitions, config))
-        elif have != t.partitions:
+            create.append(RemoteTopic(t.name, t.partitions, config, t.entry))
+        elif have != t.partitions and not merges:
             conflicts[t.name] = (
                 f"topic {t.name!r} has {have} partitions at site {link.dst} but {t.partitions} at site {link.src}: it "
                 f"is not replicated over the link {link.src} -> {link.dst}. Partition counts must match at every "

@@ -182,6 +182,12 @@ NODE_ACCESS: Mapping[str, Access] = {
         pb.CreateTopicsRequest,
         lambda req, who, policy: policy.acl(who, Operation.CREATE_TOPIC, [topic(t.name) for t in req.topics]),
     ),
+    "AlterTopic": Access(
+        pb.AlterTopicRequest, lambda req, who, policy: policy.acl(who, Operation.ALTER_TOPIC, [topic(req.name)])
+    ),
+    "AddPartitions": Access(
+        pb.AddPartitionsRequest, lambda req, who, policy: policy.acl(who, Operation.ALTER_TOPIC, [topic(req.name)])
+    ),
     "ListTopics": _open_access(pb.ListTopicsRequest),
     "DescribeTopic": _open_access(pb.DescribeTopicRequest),
     "Produce": Access(pb.ProduceRequest, _produce),

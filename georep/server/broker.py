@@ -47,6 +47,7 @@ from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
 from georep.broker.retention_schedule import RetentionSchedule, earliest
 from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists, UnknownTopic
+from georep.metadata.topic_entry import TopicEntry
 from georep.metadata.topics import (
     InvalidTopic,
     TopicSpec,
@@ -260,12 +261,12 @@ class Broker:
             self.checkpoint, open_log, self._open_at_start = _segment_logs(self.logs_dir)
         self.open_log = open_log
         self.creating_dir = data_dir / CREATING_DIR  # topic creates under way (``_finish_creates``)
-        # Names whose create is under way (files made in a worker thread): another create of them is refused.
-        self.creating: set[str] = set()
+        self.creating: set[str] = set()  # names whose create is under way (files made in a worker thread)
+        self.received_entries: dict[str, TopicEntry] = {}  # a topic sync's, while it creates from them
         # A multi-node site keeps its topics in its Raft metadata, and this node serves only the partitions it
         # leads, attached as it comes to lead them (``attach``); a one-node site opens every partition here.
         self.in_site = metadata is not None
-        self.metadata: MetadataStore = metadata if metadata is not None else FileMetadataStore(data_dir / "topics.json")
+        self.metadata: MetadataStore = metadata or FileMetadataStore(data_dir / "topics.json", identity.site, clock_ms)
         # Where to send a client for a partition this node does not lead (multi-node sites).
         self.leader_hint: Callable[[str, int], str] = lambda topic, index: ""
         self.partitions: dict[tuple[str, int], Partition] = {}
@@ -327,10 +328,11 @@ class Broker:
     def _open_topic(self, spec: TopicSpec, now_ms: int, *, starting: bool = False) -> None:
         self._serve_topic(spec, self._open_logs(spec, now_ms, starting=starting), now_ms)
 
-    def _open_logs(self, spec: TopicSpec, now_ms: int, *, starting: bool = False) -> list[PartitionLog]:
-        """Make and open ``spec``'s partition logs: files only, no table of the broker's (so a worker thread may
-        do it). If one fails, the ones opened are closed and the error raised. ``starting``: the node's start-up,
-        which opens through ``_open_at_start`` when it has one."""
+    def _open_logs(self, spec: TopicSpec, now_ms: int, *, starting: bool = False, first: int = 0) -> list[PartitionLog]:
+        """Make and open ``spec``'s partition logs from index ``first`` (a growth opens only its new ones): files
+        only, no table of the broker's (so a worker thread may do it). If one fails, the ones opened are closed and
+        the error raised. ``starting``: the node's start-up, which opens through ``_open_at_start`` when it has
+        one."""
         config = spec.effective(self.defaults)
         log_config = LogConfig(
             segment_bytes_max=config["segment_bytes_max"],
@@ -342,7 +344,7 @@ class Broker:
         opener = self._open_at_start if starting and self._open_at_start is not None else self.open_log
         logs: list[PartitionLog] = []
         try:
-            for i in range(spec.partitions):
+            for i in range(first, spec.partitions):
                 directory = self.logs_dir / partition_dir_name(spec.name, i)
                 private_dir(directory)
                 logs.append(opener(directory, log_config, now_ms))
@@ -352,10 +354,11 @@ class Broker:
             raise
         return logs
 
-    def _serve_topic(self, spec: TopicSpec, logs: list[PartitionLog], now_ms: int) -> None:
-        """Serve ``spec``'s partitions over ``logs`` (on the event loop: the broker's tables change)."""
+    def _serve_topic(self, spec: TopicSpec, logs: list[PartitionLog], now_ms: int, *, first: int = 0) -> None:
+        """Serve ``spec``'s partitions from index ``first`` over ``logs`` (on the event loop: the broker's tables
+        change)."""
         config = spec.effective(self.defaults)
-        for i, plog in enumerate(logs):
+        for i, plog in enumerate(logs, start=first):
             p = self.partitions[(spec.name, i)] = Partition(spec.name, i, plog, config, self.origin, now_ms)
             self.partitions_version += 1
             if plog.log_end_offset > plog.log_start_offset:  # its first visit learns when its data falls due
@@ -387,6 +390,13 @@ class Broker:
         try:
             self.metadata.get(name)  # not topics(): a copy of the whole table per create
         except UnknownTopic:
+            held = self.metadata.entries().get(name)
+            if held is not None and held.deleted and (self.logs_dir / partition_dir_name(name, 0)).exists():
+                # A deleted incarnation's files: never under a new create (delete's data path removes them).
+                raise InvalidTopic(
+                    f"topic {name!r} was deleted and this node still holds its partitions: create it again once "
+                    "they are removed"
+                ) from None
             return spec
         raise TopicExists(name)
 
@@ -490,7 +500,7 @@ class Broker:
             self._serve_topic(spec, logs, now)
         specs = [spec for spec, _logs in new.opened.values()]
         try:
-            self.metadata.create_topics(specs)
+            self.metadata.create_topics(specs, self.received_entries)
         except (OSError, DiskFull) as exc:
             for spec in specs:
                 self._undo_create(spec.name, spec.partitions, self.creating_dir / topic_file_name(spec.name))

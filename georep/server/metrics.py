@@ -199,7 +199,13 @@ class _ReplicationCollector(Collector):
             "georep_topic_conflicts", "Topics not replicated over a link: partition counts differ"
         )
         conflicts.add_metric([], len(r.conflicts))
+        config_conflicts = CounterMetricFamily(
+            "georep_topic_config_conflicts",
+            "Concurrent changes of one topic config key at two sites found here (the later stamp is kept everywhere)",
+        )
+        config_conflicts.add_metric([], r.topic_changes.conflicts_total)
         yield from (state, batches, size, records, skipped, gaps, lag_records, lag_bytes, lag_ms, conflicts)
+        yield config_conflicts
 
 
 def _lag_families(r: Replicator, detail: bool) -> tuple[GaugeMetricFamily, ...]:

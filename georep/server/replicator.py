@@ -34,7 +34,7 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
@@ -43,10 +43,11 @@ from georep.broker.errors import BrokerError
 from georep.broker.repair import Ask, RepairQueue
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.metadata.store import TopicExists
-from georep.metadata.topics import InvalidTopic, TopicSpec
+from georep.metadata.topics import TOPIC_CONFIG_KEYS, InvalidTopic, TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_from_proto, vector_to_proto
+from georep.proto.topic_entry import entry_from_pb
 from georep.replication.links import LinkManager, LinkState, PartitionKey
 from georep.replication.session import DISABLED, ApplyChunk, Effect, LinkEvent, OpenStream, PullConfig, PullSession
 from georep.replication.session import PullStats as LinkStats
@@ -57,6 +58,7 @@ from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker, Partition
+from georep.server.topic_changes import TopicChanges
 from georep.server.topic_creation import create_topics
 from georep.storage import segment_log
 from georep.storage.api import DamagedBatch, DiskFull, RepairRefused
@@ -256,7 +258,7 @@ class Puller:
                 # Another process answers (src restarted, or another of its nodes), perhaps between two streams
                 # that never failed: it may not know what this site holds.
                 self._report_everything()
-            page = [RemoteTopic(t.name, t.partitions, dict(t.config)) for t in resp.topics]
+            page = self._remote_page(resp.topics)
             learnt += page
             token = resp.catalog_token
             if fresh is None:
@@ -272,6 +274,22 @@ class Puller:
                 return learnt
         log.warning("site %s listed over %d pages of topics: the rest next round", self.src, SYNC_PAGES_MAX)
         return learnt if fresh is None else []
+
+    def _remote_page(self, listed: Sequence[pb.TopicDescription]) -> list[RemoteTopic]:
+        """src's listed topics with their entries; one whose entry a create here would refuse is left out (and
+        reported), not the whole page."""
+        page = []
+        for t in listed:
+            try:
+                entry = entry_from_pb(t, TOPIC_CONFIG_KEYS)
+            except InvalidTopic as exc:
+                self.r.conflicts[(t.name, self.src)] = f"topic {t.name!r} of site {self.src} is not taken: {exc}"
+                continue
+            # A topic is created from the entry's own overrides (its stored form); from an old peer, from src's
+            # effective config, as before entries.
+            config = {k: str(v) for k, v in entry.config().items()} if t.HasField("entry") else dict(t.config)
+            page.append(RemoteTopic(t.name, entry.partitions, config, entry))
+        return page
 
     def _learnt(self, topics: list[RemoteTopic], replace: bool = False) -> None:
         if not topics and not replace:
@@ -290,9 +308,10 @@ class Puller:
         version = r.broker.metadata.topics_version()  # before the table: a change in between shows next round
         local_specs = r.broker.metadata.topics()
         local = {name: spec.partitions for name, spec in local_specs.items()}
-        plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local)
+        plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local, merges=True)
         names = Counter(t.name for t in plan.create)
         r.creating += names
+        r.broker.received_entries.update((t.name, t.entry) for t in plan.create if t.entry is not None)
         try:
             outcomes = await create_topics(
                 r.broker, [(t.name, t.partitions, dict(t.config)) for t in plan.create], internal=True
@@ -300,6 +319,9 @@ class Puller:
         finally:
             r.creating -= names  # (a Counter keeps no name at zero)
             r.created_rounds += 1 if names else 0
+            for t in plan.create:
+                r.broker.received_entries.pop(t.name, None)
+        await self._merge_entries(remote)
         for t, outcome in zip(plan.create, outcomes, strict=True):
             if isinstance(outcome, TopicSpec):
                 log.info("created topic %r (%d partitions) replicated from site %s", t.name, t.partitions, self.src)
@@ -319,6 +341,20 @@ class Puller:
         # Planned against local_specs; after creates (ours, and whatever else came meanwhile, or a create that
         # failed), the next round plans every topic again, against the table then.
         self._local_planned = None if plan.create else version
+
+    async def _merge_entries(self, remote: list[RemoteTopic]) -> None:
+        """Merge src's entries of the topics the link carries into this site's: alters, growths and deletes
+        (georep/server/topic_changes.py). Only names held here (a create that failed is tried next round), and
+        tombstones."""
+        held = self.r.broker.metadata.entries()
+        link = self.r.topology.link(self.src, self.r.site)
+        entries = [
+            t.entry
+            for t in remote
+            if t.entry is not None and link.carries(t.name) and (t.name in held or t.entry.deleted)
+        ]
+        if entries:
+            await self.r.topic_changes.change(entries)
 
     # -- held reports -----------------------------------------------------------
 
@@ -531,6 +567,7 @@ class Replicator:
         self.links = LinkManager(topology, site, stall_ms)
         self.now_ms = clock_ms
         self.conflicts: dict[tuple[str, SiteId], str] = {}
+        self.topic_changes = TopicChanges(broker)  # alters, growths and the syncs' merges of topic entries
         # Topics that topic syncs are creating now (a count per name: two links may carry the same topic): the
         # links pull them once their round has ended (Puller._usable), and each round's end moves the wants' basis.
         self.creating: Counter[str] = Counter()
@@ -650,8 +687,10 @@ class Replicator:
         if self.broker.in_site:  # topics other nodes of a multi-node site created, through Raft
             version = self.broker.metadata.topics_version()  # before the table: a change in between shows next tick
             if version != self._topics_fed:  # an idle site does not copy and walk every topic 5 times a second
-                for name, spec in sorted(self.broker.metadata.topics().items()):
+                topics = self.broker.metadata.topics()
+                for name, spec in sorted(topics.items()):
                     self.links.topic(name, spec.partitions)
+                self.topic_changes.follow(topics)  # a config changed through Raft: the partitions led here take it
                 self._topics_fed = version
         moved = sorted(self._moved)
         self._moved.clear()  # in place: the partitions' watchers hold this set's add

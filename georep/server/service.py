@@ -33,9 +33,11 @@ from georep.broker.fetch import (
     offset_for_time,
 )
 from georep.metadata.catalog import TopicCatalog
+from georep.metadata.topic_entry_codec import spec_of
 from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
+from georep.proto.topic_entry import entry_to_pb
 from georep.replication.source import Chunk, ReplicaSource, Serve
 from georep.server import site_status
 from georep.server.acl_calls import AclCalls
@@ -48,6 +50,8 @@ from georep.server.produce_stream import REQUEST_BATCHES_MAX, REQUEST_BYTES_MAX,
 from georep.server.produce_stream import answer as produce_answer
 from georep.server.rpc import Context, merge_streams, parse, service, status, stream_stream, unary, unary_stream
 from georep.server.status import DOMAIN_ERRORS, reason_of
+from georep.server.topic_calls import TopicCalls
+from georep.server.topic_changes import TopicChanges
 from georep.server.topic_creation import create_topics
 from georep.storage.api import BatchDamaged
 from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog, SegmentElsewhere
@@ -112,6 +116,8 @@ class NodeService:
             self.groups.upstream_vectors = replicator.upstream_vectors
         self.admin = AdminGate(admin_token, authorizes)
         self.acls = AclCalls(broker, self.admin)
+        changes = replicator.topic_changes if replicator is not None else TopicChanges(broker)
+        self.topic_calls = TopicCalls(changes, self._describe)
         self.group_calls = GroupCalls(self.groups)
         self.started = time.monotonic()
         # What one multi-batch produce request may carry; announced to producers in the stream's initial metadata
@@ -226,17 +232,22 @@ class NodeService:
         catalog = self.catalog
         version = self.broker.metadata.topics_version()  # before the table: a change in between shows next call
         if version != self._catalog_saw:  # an unchanged table is not copied and compared on every sync
-            catalog.refresh(self.broker.metadata.topics())
+            catalog.refresh(self.broker.metadata.entries())
             self._catalog_saw = version
         out = pb.ListTopicsResponse(total_size=len(catalog))
         if req.HasField("changed_since"):
             changes = catalog.changes_since(req.changed_since, size)
-            specs = changes.topics
             out.catalog_token, out.restarted = changes.token, changes.restarted
             out.next_page_token = changes.token if changes.more else ""
+            for entry in changes.topics:  # with each entry, which the syncing site merges into its own
+                listed = (
+                    pb.TopicDescription(name=entry.name) if entry.deleted else self._listed(spec_of(entry), req.view)
+                )
+                listed.entry.CopyFrom(entry_to_pb(entry))
+                out.topics.append(listed)
         else:
-            specs, out.next_page_token = catalog.page_by_name(req.page_token, size)
-        out.topics.extend(self._listed(spec, req.view) for spec in specs)
+            entries, out.next_page_token = catalog.page_by_name(req.page_token, size)
+            out.topics.extend(self._listed(spec_of(entry), req.view) for entry in entries)
         return out
 
     async def describe_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
@@ -755,6 +766,8 @@ class NodeService:
             {
                 "CreateTopic": unary(self.create_topic),
                 "CreateTopics": unary(self.create_topics),
+                "AlterTopic": unary(self.topic_calls.alter_topic),
+                "AddPartitions": unary(self.topic_calls.add_partitions),
                 "ListTopics": unary(self.list_topics),
                 "DescribeTopic": unary(self.describe_topic),
                 "Produce": unary(self.produce),

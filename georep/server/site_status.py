@@ -189,3 +189,6 @@ def _add_links(out: pb.SiteStatusResponse, r: Replicator, lags: _LinkLags) -> No
         )
     for (topic, _src), message in sorted(r.conflicts.items()):
         out.conflicts.append(pb.TopicConflict(topic=topic, message=message))
+    changes = r.topic_changes
+    out.config_conflicts.extend(pb.TopicConflict(topic=c.topic, message=c.describe()) for c in changes.conflicts)
+    out.config_conflicts_total = changes.conflicts_total

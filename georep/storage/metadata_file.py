@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from georep.metadata.store import AclRecord, DataDirMismatch, SiteIdentity, TopicExists, UnknownTopic, acl_newer
+from georep.metadata.topic_entry import Merged, TopicEntry, create, merge
+from georep.metadata.topic_entry_codec import entry_from_dict, entry_to_dict, spec_of
 from georep.metadata.topics import TopicSpec
 from georep.storage.api import StorageError
 from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
@@ -51,9 +55,21 @@ def write_json_atomic(path: Path, data: object, *, checked: bool = False) -> Non
 
 
 class FileMetadataStore:
-    def __init__(self, path: Path) -> None:
+    """``topics.json``: each topic name's :class:`TopicEntry` (tombstones included), the ACLs and SASL users.
+
+    ``site`` and ``clock_ms`` stamp the creates made here (georep/metadata/topic_entry.py)."""
+
+    def __init__(
+        self,
+        path: Path,
+        site: str = "",
+        clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    ) -> None:
         self._path = path
-        self._topics: dict[str, TopicSpec] = {}
+        self._site = site
+        self._clock_ms = clock_ms
+        self._entries: dict[str, TopicEntry] = {}
+        self._topics: dict[str, TopicSpec] = {}  # the live entries' specs: the same objects until they change
         self._acls: dict[str, AclRecord] = {}
         self._topics_version = 0  # one more per change of the topic table (MetadataStore.topics_version)
         if not path.exists():
@@ -61,7 +77,7 @@ class FileMetadataStore:
         try:
             raw = loads_checked(path.read_bytes(), unchecked_formats=(1,), format_key="version")
             for name, t in raw["topics"].items():
-                self._topics[name] = TopicSpec(name, int(t["partitions"]), {k: int(v) for k, v in t["config"].items()})
+                self._entries[name] = entry_from_dict(name, t)
             for entry in raw.get("acls", ()):  # absent in tables written before ACLs
                 record = AclRecord.from_dict(entry)
                 self._acls[record.entry] = record
@@ -72,12 +88,17 @@ class FileMetadataStore:
                 "linked sites back through topic and ACL sync, and serves the partitions on disk again as their "
                 "topics come back (a site with no links must create its topics again with the same partitions)"
             ) from None
+        self._topics = {name: spec_of(e) for name, e in self._entries.items() if not e.deleted}
 
     def topics(self) -> dict[str, TopicSpec]:
         return dict(self._topics)
 
     def topics_version(self) -> int:
         return self._topics_version
+
+    def entries(self) -> dict[str, TopicEntry]:
+        """Every name's entry, tombstones included. A new dict after every change, the same one until."""
+        return self._entries
 
     def get(self, name: str) -> TopicSpec:
         try:
@@ -88,16 +109,51 @@ class FileMetadataStore:
     def create_topic(self, spec: TopicSpec) -> None:
         self.create_topics([spec])
 
-    def create_topics(self, specs: list[TopicSpec]) -> None:
+    def create_topics(self, specs: list[TopicSpec], received: Mapping[str, TopicEntry] | None = None) -> None:
         """Add every one of ``specs`` with one write of the table, or none of them. Raises ``TopicExists`` (for
-        the first name taken, or given twice)."""
-        topics = dict(self._topics)
+        the first name taken, or given twice). A name held as a tombstone is created as its next incarnation.
+
+        ``received``: the entries a topic sync creates topics from. A spec that is such an entry's definition is
+        stored as that entry, not as a create of this site's: its settings stay the other site's changes, so the
+        next change there is not taken for one made here at the same time (a false conflict)."""
+        entries = dict(self._entries)
+        now = self._clock_ms()
         for spec in specs:
-            if spec.name in topics:
+            held = entries.get(spec.name)
+            if spec.name in self._topics or (held is not None and not held.deleted):
                 raise TopicExists(spec.name)
-            topics[spec.name] = spec
-        self._write(topics, self._acls)
-        self._topics = topics
+            given = (received or {}).get(spec.name)
+            if given is not None and not given.deleted and spec_of(given) == spec and merge(held, given).entry == given:
+                entries[spec.name] = given
+            else:
+                entries[spec.name] = create(spec.name, spec.partitions, spec.config, held, now, self._site)
+        self._write(entries, self._acls)
+        self._set_entries(entries, [spec.name for spec in specs])
+
+    def merge_entries(self, received: Sequence[TopicEntry]) -> list[Merged]:
+        """Join each of ``received`` into the entry held for its name (``topic_entry.merge``), with one write of
+        the table if any changed; what each merge gave, in order. Durable when it returns."""
+        entries = dict(self._entries)
+        out = []
+        for entry in received:
+            merged = merge(entries.get(entry.name), entry)
+            entries[entry.name] = merged.entry
+            out.append(merged)
+        changed = [m.entry.name for m in out if m.changed]
+        if changed:
+            self._write(entries, self._acls)
+            self._set_entries(entries, changed)
+        return out
+
+    def _set_entries(self, entries: dict[str, TopicEntry], names: list[str]) -> None:
+        topics = dict(self._topics)
+        for name in names:
+            entry = entries[name]
+            if entry.deleted:
+                topics.pop(name, None)
+            else:
+                topics[name] = spec_of(entry)
+        self._entries, self._topics = entries, topics
         self._topics_version += 1
 
     def acls(self) -> dict[str, AclRecord]:
@@ -107,12 +163,13 @@ class FileMetadataStore:
         if not acl_newer(record, self._acls.get(record.entry)):
             return False
         acls = {**self._acls, record.entry: record}
-        self._write(self._topics, acls)
+        self._write(self._entries, acls)
         self._acls = acls
         return True
 
-    def _write(self, topics: dict[str, TopicSpec], acls: dict[str, AclRecord]) -> None:
-        table = {t.name: {"partitions": t.partitions, "config": t.config} for t in topics.values()}
+    def _write(self, entries: dict[str, TopicEntry], acls: dict[str, AclRecord]) -> None:
+        # Each entry keeps today's "partitions" and "config" beside its own fields (a tombstone's are 0 and {}).
+        table = {name: entry_to_dict(e) for name, e in entries.items()}
         out: dict[str, Any] = {"version": 2, "topics": table}  # 2: with a checksum
         if acls:
             out["acls"] = [acls[k].to_dict() for k in sorted(acls)]

@@ -1,0 +1,50 @@
+"""The calls that change a topic (``georep topic alter``, ``georep topic add-partitions``): ``AlterTopic`` and
+``AddPartitions``, carried out by :class:`~georep.server.topic_changes.TopicChanges` (a one-node site's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from georep.broker.errors import InvalidRequest
+from georep.metadata.kafka_config import alter_changes
+from georep.metadata.store import UnknownTopic
+from georep.metadata.topic_entry import TopicEntry, add_partitions, alter
+from georep.proto import georep_pb2 as pb
+from georep.server.rpc import Context, parse
+from georep.server.topic_changes import TopicChanges
+
+
+class TopicCalls:
+    """``AlterTopic`` and ``AddPartitions``; ``describe`` answers with the topic as it is then."""
+
+    def __init__(self, changes: TopicChanges, describe: Callable[[str], pb.TopicDescription]) -> None:
+        self.changes = changes
+        self.describe = describe
+
+    async def alter_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
+        """Set or reset config keys (Kafka's names or georep's); ``validate_only`` checks and changes nothing."""
+        req = parse(pb.AlterTopicRequest, data)
+        changes = alter_changes(dict(req.set), list(req.reset), None)
+        if not changes:
+            raise InvalidRequest(f"alter of topic {req.name!r} changes nothing: give --config k=v or --delete-config k")
+        if req.validate_only:
+            held = self._held(req.name)
+            alter(held, req.name, changes, 0, "")  # what the change would refuse
+        else:
+            await self.changes.alter(req.name, changes)
+        return self.describe(req.name)
+
+    async def add_partitions(self, data: bytes, context: Context) -> pb.TopicDescription:
+        """Grow a topic to ``partitions``: more than it has (the count only grows)."""
+        req = parse(pb.AddPartitionsRequest, data)
+        if req.validate_only:
+            add_partitions(self._held(req.name), req.name, req.partitions)
+        else:
+            await self.changes.add_partitions(req.name, req.partitions)
+        return self.describe(req.name)
+
+    def _held(self, name: str) -> TopicEntry:  # (for validate_only: the checks the change makes)
+        entry = self.changes.held(name)
+        if entry is None or entry.deleted:
+            raise UnknownTopic(name)
+        return entry
