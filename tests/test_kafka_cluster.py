@@ -194,6 +194,10 @@ def check_site_settings(admin: object) -> None:
     with pytest.raises(confluent_kafka.KafkaException) as error:
         admin.create_topics([refused])["one-insync"].result(15)  # type: ignore[attr-defined]
     assert error.value.args[0].code() == k.INVALID_CONFIG and "use 2" in error.value.args[0].str()
+    one_copy = NewTopic("one-copy", 1, 1)  # a copy fewer than every write needs: refused, not silently raised
+    with pytest.raises(confluent_kafka.KafkaException) as error:
+        admin.create_topics([one_copy])["one-copy"].result(15)  # type: ignore[attr-defined]
+    assert error.value.args[0].code() == k.INVALID_REPLICATION_FACTOR and "at least 2" in error.value.args[0].str()
 
 
 def test_clients_follow_partition_leaders_across_nodes_and_a_killed_leader(site: ClusterSite) -> None:
@@ -201,7 +205,7 @@ def test_clients_follow_partition_leaders_across_nodes_and_a_killed_leader(site:
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])[TOPIC].result(15)
+    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 3)])[TOPIC].result(15)
     check_site_settings(admin)
     found: dict[int, int] = {}
     poll_until(

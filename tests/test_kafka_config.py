@@ -10,6 +10,7 @@ from georep.metadata.kafka_config import (
     KAFKA_NAMES,
     ConfigSource,
     InvalidConfig,
+    InvalidReplicationFactor,
     SiteSettings,
     broker_configs,
     describe,
@@ -103,6 +104,15 @@ def test_what_georep_cannot_take_is_refused_with_what_to_do(
 def test_the_site_value_of_min_insync_replicas_is_taken() -> None:
     assert to_georep({"min.insync.replicas": "2", "cleanup.policy": "delete"}, THREE_NODES) == {}
     assert to_georep({"cleanup.policy": "delete"}, None) == {}  # the CLI knows no site value, and needs none here
+
+
+def test_a_replication_factor_below_the_sites_min_insync_replicas_is_refused_not_raised() -> None:
+    """With fewer copies than every write needs, one node down stops the partition: a create asking for that
+    (Kafka clients ask for 1 by habit) is told what to ask for, not silently given more."""
+    assert to_georep({"replication_factor": "2"}, THREE_NODES) == {"replication_factor": "2"}
+    with pytest.raises(InvalidReplicationFactor, match="at least 2, or -1 for the site's 3") as error:
+        to_georep({"replication_factor": "1"}, THREE_NODES)
+    assert error.value.kafka_code == 38
 
 
 def test_describe_names_each_value_with_its_source_and_synonyms() -> None:

@@ -273,14 +273,9 @@ def test_a_planted_bug_in_placement_size_is_caught(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_planted_bug_in_repair_of_short_segments_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """repair.py: the planner ignores the replication factor, so segments opened on two nodes while the third
-    was down stay on two after it is back."""
-    real = repair.plan_repair
-
-    def rf_ignored(segments: Any, nodes: Any, **kw: Any) -> repair.RepairPlan:
-        return real(segments, nodes, **{**kw, "replication_factor": None})  # PLANTED
-
-    monkeypatch.setattr(repair, "plan_repair", rf_ignored)
+    """repair.py: the planner ignores the replication factor (the plan's and the topic's own), so segments
+    opened on two nodes while the third was down stay on two after it is back."""
+    monkeypatch.setattr(repair, "_rf", lambda segment, replication_factor: None)  # PLANTED
     _caught(
         0,
         "single3",

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from georep.metadata.topics import TOPIC_CONFIG_KEYS, InvalidTopic, parse_topic_config
 
 KAFKA_INVALID_CONFIG = 40  # Kafka's INVALID_CONFIG (this layer cannot import the gateway's table of codes)
+KAFKA_INVALID_REPLICATION_FACTOR = 38
 
 # Records are served, and acks=all released, only once fsynced (docs/kafka.md, "Records"): Kafka's default
 # flush.ms (Long.MAX_VALUE, "rely on replication") would hold a topic's records back for good. An hour is the
@@ -41,6 +42,13 @@ class InvalidConfig(InvalidTopic):
     """A topic config name or value georep cannot take; the message names it and says what to do."""
 
     kafka_code = KAFKA_INVALID_CONFIG
+
+
+class InvalidReplicationFactor(InvalidTopic):
+    """A replication factor below the site's min.insync.replicas: no segment of the topic could ack a write once
+    one of its nodes is down, which a silent raise would hide."""
+
+    kafka_code = KAFKA_INVALID_REPLICATION_FACTOR
 
 
 class ConfigType(enum.IntEnum):
@@ -156,6 +164,8 @@ def to_georep(raw: Mapping[str, str], site: SiteSettings | None) -> dict[str, st
         if key is None:
             raise InvalidConfig(_unknown(name))
         _check_value(name, key, value)
+        if key == "replication_factor" and site is not None:
+            _check_replication_factor(int(value), site)
         if key in out and out[key] != value:
             raise InvalidConfig(
                 f"config {given_as[key]}={out[key]} and {name}={value} set the same georep setting {key} to two "
@@ -163,6 +173,15 @@ def to_georep(raw: Mapping[str, str], site: SiteSettings | None) -> dict[str, st
             )
         out[key], given_as[key] = value, name
     return out
+
+
+def _check_replication_factor(replication_factor: int, site: SiteSettings) -> None:
+    if replication_factor < site.min_insync_replicas:
+        raise InvalidReplicationFactor(
+            f"replication factor {replication_factor} is below this site's min.insync.replicas "
+            f"({site.min_insync_replicas}): every write needs that many copies, so ask for at least "
+            f"{site.min_insync_replicas}, or -1 for the site's {site.replication_factor}"
+        )
 
 
 def _check_fixed(kafka: KafkaName, value: str, site: SiteSettings | None) -> None:
