@@ -128,6 +128,8 @@ def test_a_topics_own_replication_factor_places_its_segments(tmp_path: Path) -> 
         admin.create_topics([NewTopic("pairs", 1, 2)])["pairs"].result(30)
         ok(georep("topic", "create", "wide", "--partitions", "1", "--replication-factor", "5", *b))
         ok(georep("topic", "create", "plain", "--partitions", "1", *b))
+        lone = georep("topic", "create", "lone", "--partitions", "1", "--replication-factor", "1", *b)
+        assert lone.returncode != 0 and b"at least 2" in lone.stderr  # below min.insync.replicas: refused
         wait_until("every topic's first segment is open", lambda: len(_open_ensembles(site)) == 3)
         sizes = {topic: len(members) for topic, members in _open_ensembles(site).items()}
         assert sizes == {"pairs": 2, "wide": 3, "plain": 3}

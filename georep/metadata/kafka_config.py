@@ -175,6 +175,13 @@ def to_georep(raw: Mapping[str, str], site: SiteSettings | None) -> dict[str, st
     return out
 
 
+def check_replication_factor(config: Mapping[str, int], site: SiteSettings) -> None:
+    """Raises :class:`InvalidReplicationFactor` if ``config`` (georep keys, parsed) asks fewer copies than ``site``
+    acks a write with: both front ends' creates at a multi-node site ask this."""
+    if "replication_factor" in config:
+        _check_replication_factor(config["replication_factor"], site)
+
+
 def _check_replication_factor(replication_factor: int, site: SiteSettings) -> None:
     if replication_factor < site.min_insync_replicas:
         raise InvalidReplicationFactor(

@@ -41,6 +41,8 @@ from cluster.status import InvalidPageToken, Page, PartitionStatus, cluster_stat
 from dedup.producer import ProducerStateTable
 from georep.broker.errors import InvalidRequest, NotLeader, SegmentUnreadable
 from georep.client.connection import CHANNEL_OPTIONS
+from georep.metadata.kafka_config import SiteSettings, check_replication_factor
+from georep.metadata.topics import parse_topic_config
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.raft.store import RaftMetadataStore
@@ -147,6 +149,9 @@ class SiteCluster:
         return info.address if info is not None else ""
 
     async def create_topic(self, name: str, partitions: int, config: dict[str, str]) -> None:
+        """Raises what ``Broker.create_topic`` raises, or ``InvalidReplicationFactor``."""
+        member = self.member.config
+        check_replication_factor(parse_topic_config(config), SiteSettings(member.replication_factor, member.ack_quorum))
         await asyncio.get_running_loop().run_in_executor(
             self.executor, self.broker.create_topic, name, partitions, config
         )
