@@ -98,19 +98,19 @@ class HeldReporter:
         self._acked = 0  # the table version the upstream has acknowledged
         self._in_flight: int | None = None
 
-    def next_report(self, table: HeldTable, skip_empty: bool = False) -> list[tuple[HeldKey, VectorOffset]] | None:
+    def next_report(self, table: HeldTable) -> list[tuple[HeldKey, VectorOffset]] | None:
         """The entries to send now, or None (nothing new, or a report is in flight).
 
-        ``skip_empty`` leaves out the entries that hold nothing: an empty vector covers no record, so no ack counts
-        it, yet every partition opens with one at every site. The node skips them (a create of 10,000 partitions
-        in a 3-site cycle sent each upstream reports of 20,000 of them); the simulator's runs still carry them."""
+        Entries that hold nothing are left out: an empty vector covers no record, so no ack counts it, yet every
+        partition opens with one at every site (a create of 10,000 partitions in a 3-site cycle sent each upstream
+        reports of 20,000 of them)."""
         if self._in_flight is not None:
             return None
         version = table.version
         entries = [
             (key, vector)
             for key, vector in table.changed_since(self._acked)
-            if key[0] != self.upstream and self.accepts(key) and (vector or not skip_empty)
+            if key[0] != self.upstream and self.accepts(key) and vector
         ]
         if not entries:
             self._acked = version

@@ -365,7 +365,7 @@ class Puller:
             await self.held_changed.wait()
             self.held_changed.clear()
             await self.enabled.wait()
-            entries = self.reporter.next_report(held, skip_empty=True)
+            entries = self.reporter.next_report(held)
             if entries is None:
                 continue
             request = pb.ReportHeldRequest(
