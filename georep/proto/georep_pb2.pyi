@@ -1239,8 +1239,13 @@ class PullWant(_message.Message):
     PARTITION_FIELD_NUMBER: _builtins.int
     HAVE_FIELD_NUMBER: _builtins.int
     ORIGIN_SITES_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     partition: _builtins.int
+    incarnation: _builtins.int
+    """The topic's incarnation dst holds live (docs/design.md, "Topic changes across sites"); src serves the want
+    only if it holds the same one live. Absent (0) from a node before incarnations.
+    """
     @_builtins.property
     def have(self) -> Global___VectorOffset:
         """dst's vector for the partition"""
@@ -1256,10 +1261,11 @@ class PullWant(_message.Message):
         partition: _builtins.int = ...,
         have: Global___VectorOffset | None = ...,
         origin_sites: _abc.Iterable[_builtins.str] | None = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["have", b"have"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["have", b"have", "origin_sites", b"origin_sites", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["have", b"have", "incarnation", b"incarnation", "origin_sites", b"origin_sites", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1311,11 +1317,16 @@ class ReplicaChunk(_message.Message):
     BATCHES_FIELD_NUMBER: _builtins.int
     SRC_VECTOR_FIELD_NUMBER: _builtins.int
     SRC_LOG_END_OFFSET_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     partition: _builtins.int
     batches: _builtins.bytes
     """whole batches, verbatim; empty in a heartbeat"""
     src_log_end_offset: _builtins.int
+    incarnation: _builtins.int
+    """The incarnation of the topic src served the chunk from: dst applies it only into its live partition of the
+    same incarnation. Absent (0) from a node before incarnations.
+    """
     @_builtins.property
     def src_vector(self) -> Global___VectorOffset:
         """everything src holds for the partition"""
@@ -1328,10 +1339,11 @@ class ReplicaChunk(_message.Message):
         batches: _builtins.bytes = ...,
         src_vector: Global___VectorOffset | None = ...,
         src_log_end_offset: _builtins.int = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["src_vector", b"src_vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "partition", b"partition", "src_log_end_offset", b"src_log_end_offset", "src_vector", b"src_vector", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "incarnation", b"incarnation", "partition", b"partition", "src_log_end_offset", b"src_log_end_offset", "src_vector", b"src_vector", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -58,6 +58,7 @@ from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker, Partition
+from georep.server.incarnation_guard import ChunkGuard
 from georep.server.topic_changes import TopicChanges
 from georep.server.topic_creation import create_topics
 from georep.storage import segment_log
@@ -154,6 +155,7 @@ class Puller:
         self._call_id: int | None = None
         self._reader: asyncio.Task[None] | None = None
         self._last_tick = 0  # when the stream loop last ticked the session
+        self.chunks = ChunkGuard(broker.metadata, src)  # each chunk of the incarnation its want asked for
 
     @property
     def stats(self) -> LinkStats:
@@ -431,7 +433,7 @@ class Puller:
             await self._perform(session.on_stream_ended(stream_id, now(), error))
             return
         try:
-            chunks = [self._chunk(c) for c in what.chunks]
+            chunks = [self._chunk(c) for c in self.chunks.admit(what.chunks)]
         except InvalidVectorOffset as exc:
             await self._perform(session.on_stream_ended(stream_id, now(), f"site {self.src} sent a bad vector: {exc}"))
             return
@@ -475,6 +477,9 @@ class Puller:
     async def _apply(self, effect: ApplyChunk) -> list[Effect]:
         r = self.r
         topic, index = effect.key
+        if not self.chunks.still_live(topic):
+            why = f"topic {topic!r} changed incarnation (deleted, or re-created) while a chunk of it waited"
+            return self.session.on_stream_ended(effect.stream_id, r.now_ms(), why)
         try:
             if r.origins is not None:  # a TLS node: a batch claiming an origin src cannot have is refused
                 r.origins.check(self.src, topic, effect.batches)
@@ -517,7 +522,11 @@ class Puller:
         for (topic, index), (have, sites) in effect.wants.items():
             request.wants.append(
                 pb.PullWant(
-                    topic=topic, partition=index, have=vector_to_proto(VectorOffset(have)), origin_sites=list(sites)
+                    topic=topic,
+                    partition=index,
+                    have=vector_to_proto(VectorOffset(have)),
+                    origin_sites=list(sites),
+                    incarnation=self.chunks.want_incarnation(topic),
                 )
             )
         call = self.stub.Replicate(request)
