@@ -44,6 +44,7 @@ from georep.server.segments import SegmentService
 from georep.server.service import FETCH_MAX_BYTES_CAP, SCRUB_STEP_BYTES, NodeService
 from georep.server.shutdown import SHUTDOWN_TIMEOUT_MS_DEFAULT, STEP_TIMEOUT_S, Shutdown
 from georep.server.site_cluster import SiteCluster
+from georep.server.topic_removal import TopicRemoval
 from georep.storage.dirlock import DataDirLock
 from georep.storage.metadata_file import load_or_create_identity, write_json_atomic
 from georep.storage.private import tighten
@@ -336,6 +337,8 @@ def _wire(
         )
         site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor, tls)
     service = NodeService(broker, metrics, replicator, admin_token, site_cluster, authorizes=tls is not None)
+    # Delete's data path: the topic changes the replicator's sync and the node's calls share remove its partitions.
+    service.topic_calls.changes.on_deleted = TopicRemoval(broker, metrics.forget_topic)
     segments = SegmentService(replicas, segment_executor, broker.clock_ms, member, tls)  # member: repair's rolls
     return _Node(
         identity,

@@ -284,6 +284,12 @@ class NodeMetrics:
         counters[0].inc(records)
         counters[1].inc(size)
 
+    def forget_topic(self, topic: str) -> None:
+        """A deleted topic's series go (a re-created topic counts from zero)."""
+        if self._produced_by_topic.pop(topic, None) is not None:
+            self._produced_records.remove(topic)
+            self._produced_bytes.remove(topic)
+
     def produce_error(self, code: grpc.StatusCode) -> None:
         self._produce_errors.labels(code.name).inc()
 
