@@ -443,6 +443,7 @@ async def _start_kafka(
         kafka_server, kafka_address = await start_kafka(
             kafka, node.broker, node.service.groups, node.site_cluster, node.service.topic_calls.changes
         )
+        kafka_server.gateway.topic_calls = node.service.topic_calls
         if node.site_cluster is not None:  # set before any request is read (no await since the listener started)
             from georep.kafka.cluster import cluster_view_of
 

@@ -772,6 +772,7 @@ class NodeService:
                 "CreateTopics": unary(self.create_topics),
                 "AlterTopic": unary(self.topic_calls.alter_topic),
                 "AddPartitions": unary(self.topic_calls.add_partitions),
+                "DeleteTopic": unary(self.topic_calls.delete_topic),
                 "ListTopics": unary(self.list_topics),
                 "DescribeTopic": unary(self.describe_topic),
                 "Produce": unary(self.produce),

@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 from cluster.site_state import RefusalCode
 from georep.broker.errors import NotYetSupported
 from georep.metadata.store import UnknownTopic
-from georep.metadata.topic_entry import ConfigConflict, Merged, TopicEntry, add_partitions, alter, merge
+from georep.metadata.topic_entry import ConfigConflict, Merged, TopicEntry, add_partitions, alter, delete, merge
 from georep.metadata.topic_entry_codec import spec_of
 from georep.metadata.topics import InvalidTopic, TopicSpec
 from georep.raft.store import CommandRefused, RaftMetadataStore
@@ -96,6 +96,18 @@ class TopicChanges:
         self._live(name)
         await self.change([add_partitions(self.held(name), name, total)])
         return self.broker.topic(name)
+
+    async def delete(self, name: str) -> TopicEntry:
+        """Delete the live incarnation of ``name`` here (the tombstone replicates like any change); the tombstone.
+        Raises ``UnknownTopic``; ``TopicChangesUnsupported`` on a multi-node site (not built there yet)."""
+        self._live(name)
+        if isinstance(self.broker.metadata, RaftMetadataStore):
+            raise TopicChangesUnsupported(
+                f"a multi-node site cannot delete topic {name!r} yet: delete it at a one-node site its links reach"
+            )
+        entry = delete(self.held(name), name, self.broker.clock_ms(), self.broker.identity.site)
+        await self.change([entry])
+        return entry
 
     async def change(self, received: Sequence[TopicEntry]) -> list[Merged]:
         """:meth:`merge` on a one-node site; on a multi-node site, one Raft command (in a worker thread), whose
