@@ -1206,6 +1206,7 @@ class HealthResponse(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     UPTIME_MS_FIELD_NUMBER: _builtins.int
     DISK_FULL_FIELD_NUMBER: _builtins.int
+    CHECKS_INCARNATIONS_FIELD_NUMBER: _builtins.int
     status: _builtins.str
     """SERVING"""
     site: _builtins.str
@@ -1213,6 +1214,10 @@ class HealthResponse(_message.Message):
     version: _builtins.str
     uptime_ms: _builtins.int
     disk_full: _builtins.bool
+    checks_incarnations: _builtins.bool
+    """This node checks topic incarnations on every pull (PullWant/ReplicaChunk.incarnation): a site deletes a
+    topic only once every site it links to has said so (georep/server/delete_gate.py).
+    """
     def __init__(
         self,
         *,
@@ -1222,10 +1227,11 @@ class HealthResponse(_message.Message):
         version: _builtins.str = ...,
         uptime_ms: _builtins.int = ...,
         disk_full: _builtins.bool = ...,
+        checks_incarnations: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["disk_full", b"disk_full", "epoch", b"epoch", "site", b"site", "status", b"status", "uptime_ms", b"uptime_ms", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks_incarnations", b"checks_incarnations", "disk_full", b"disk_full", "epoch", b"epoch", "site", b"site", "status", b"status", "uptime_ms", b"uptime_ms", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -263,6 +263,7 @@ class NodeService:
             version=__version__,
             uptime_ms=int((time.monotonic() - self.started) * 1000),
             disk_full=self.broker.disk_full,
+            checks_incarnations=True,  # georep/server/incarnation_guard.py: a linked site may delete topics
         )
 
     async def list_offsets(self, data: bytes, context: Context) -> pb.ListOffsetsResponse:
