@@ -2,9 +2,9 @@
 incarnation, and an upstream serves a want only for the incarnation it holds live
 (``georep/server/incarnation_guard.py``).
 
-The hostile test runs site b's ``Replicator`` in this process, pulling from a fake site a that lists topic ``t``
-re-created (incarnation 1) and then serves, on b's pull, a chunk of the deleted incarnation 0 before one of
-incarnation 1 holding the same coordinates.
+The hostile test runs site b's ``Replicator`` in this process, pulling over mutual TLS from a fake site a (with a's
+own certificate: an authenticated peer, linked to b) that lists topic ``t`` re-created (incarnation 1) and then
+serves, on b's pull, a chunk of the deleted incarnation 0 before one of incarnation 1 holding the same coordinates.
 """
 
 from __future__ import annotations
@@ -19,11 +19,14 @@ from typing import Any
 
 import grpc
 
+from georep.auth.principal import parse_principal
 from georep.metadata.store import SiteIdentity
 from georep.metadata.topic_entry import Stamp, TopicEntry, create
 from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto.topic_entry import entry_to_pb
+from georep.security import dev_ca
+from georep.security.tls import TlsConfig
 from georep.server.broker import Broker
 from georep.server.incarnation_guard import servable_wants
 from georep.server.replicator import Replicator
@@ -102,15 +105,19 @@ async def until(what: str, cond: Callable[[], object], timeout_s: float = 20.0) 
 
 def test_a_chunk_of_a_deleted_incarnation_is_never_stored_in_the_re_created_topic(tmp_path: Path) -> None:
     port_a, port_b = free_ports(2)
+    certs = tmp_path / "certs"
+    dev_ca.init(certs, dev_ca.plan(["a", "b"], {}, []))
     fake = FakeSiteA()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     server.add_generic_rpc_handlers((fake.handler(),))  # type: ignore[arg-type]
-    assert add_port(server, f"127.0.0.1:{port_a}") == port_a
+    tls_a = TlsConfig.from_dir(certs, parse_principal("site:a"))
+    assert add_port(server, f"127.0.0.1:{port_a}", tls_a) == port_a
     server.start()
     topology = parse_topology_file("topology.toml", topology_toml({"a": port_a, "b": port_b}, [("a", "b")]).encode())
 
     async def main() -> None:
-        r = Replicator(Broker(tmp_path / "b", SiteIdentity(SiteId("b"), 1)), topology, "b", stall_ms=1000)
+        tls_b = TlsConfig.from_dir(certs, parse_principal("site:b"))
+        r = Replicator(Broker(tmp_path / "b", SiteIdentity(SiteId("b"), 1)), topology, "b", stall_ms=1000, tls=tls_b)
         r.start()
         try:
             await until("b holds a's records of t", lambda: _held(r) == {A: 2})
