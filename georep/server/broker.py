@@ -392,15 +392,9 @@ class Broker:
         try:
             self.metadata.get(name)  # not topics(): a copy of the whole table per create
         except UnknownTopic:
+            # The incarnation its files are made for: the one the table will store (the next after a tombstone), in
+            # directories of its own (a deleted incarnation's may still be on their way out).
             held = self.metadata.entries().get(name)
-            gone = None if held is None else partition_dir_name(name, 0, held.incarnation)
-            if held is not None and held.deleted and (self.logs_dir / str(gone)).exists():
-                # A deleted incarnation's files: never under a new create (delete's data path removes them).
-                raise InvalidTopic(
-                    f"topic {name!r} was deleted and this node still holds its partitions: create it again once "
-                    "they are removed"
-                ) from None
-            # The incarnation its files are made for: the one the table will store (the next after a tombstone).
             received = self.received_entries.get(name)
             if received is not None:
                 return dataclasses.replace(spec, incarnation=received.incarnation)
