@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from georep.metadata.store import UnknownTopic
 from georep.metadata.topic_entry import delete
+from georep.proto import georep_pb2 as pb
+from georep.proto.convert import vector_to_proto
 from georep.server.broker import Broker
+from georep.server.groups import GroupService
 from georep.server.topic_changes import TopicChanges
 from georep.server.topic_removal import TopicRemoval
 from georep.storage.deleted_dirs import DELETED_DIR, move_to_deleted
 from georep.storage.metadata_file import load_or_create_identity
+from offsets.coordinates import Origin
+from offsets.hlc import HlcStamp
+from offsets.vector import VectorOffset
 from tests.support.node_api import batch
+from topology.ids import SiteId
 
 
 def broker_at(data_dir: Path) -> Broker:
@@ -102,5 +110,42 @@ def test_a_delete_a_crash_interrupted_is_finished_at_start(tmp_path: Path, crash
             assert [again.partition("orders", i).log.log_end_offset for i in (0, 1)] == [0, 0]
         finally:
             again.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_re_created_topic_has_no_committed_position_even_when_an_old_commit_arrives_late(tmp_path: Path) -> None:
+    """Groups: a commit of the deleted incarnation is no position in the topic created again, whether it was
+    folded before the delete or arrives afterwards with a later stamp (a site that had not heard of the delete)."""
+
+    async def scenario() -> None:
+        broker = broker_at(tmp_path)
+        try:
+            groups = GroupService(broker)
+            changes = await orders_with_records(broker)
+            changes.on_deleted = TopicRemoval(broker)
+            have = VectorOffset({Origin(SiteId("b"), 1): 3})
+            commit = pb.CommitOffsetsRequest(
+                group="g",
+                generation=-1,
+                commits=[pb.PartitionCommit(topic="orders", partition=0, vector=vector_to_proto(have), hint_offset=-1)],
+            )
+            await groups.commit(commit)
+            asked = pb.FetchCommittedRequest(group="g")
+            assert [c.topic for c in (await groups.fetch_committed(asked)).offsets] == ["orders"]
+            changes.merge([delete(changes.held("orders"), "orders", broker.clock_ms() + 1, "a")])
+            broker.create_topic("orders", 1, {})
+            assert list((await groups.fetch_committed(asked)).offsets) == []
+            # A late commit of incarnation 0, stamped after the re-create, still is no position in incarnation 1.
+            [old] = groups.table.of_group("g")
+            groups.table.apply(replace(old, hlc=HlcStamp(old.hlc + (10_000 << 16))))
+            assert list((await groups.fetch_committed(asked)).offsets) == []
+            await groups.commit(commit)  # a commit now: of incarnation 1, which any of incarnation 0 never beats
+            [new] = (await groups.fetch_committed(asked)).offsets
+            assert groups.table.get("g", "orders", 0) is not None
+            assert groups.table.get("g", "orders", 0).incarnation == 1  # type: ignore[union-attr]
+            assert not groups.table.apply(replace(old, hlc=HlcStamp(new.hlc + (10_000 << 16))))
+        finally:
+            broker.close()
 
     asyncio.run(scenario())
