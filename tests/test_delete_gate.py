@@ -63,7 +63,7 @@ class OldSiteC:
 
     def handler(self) -> grpc.GenericRpcHandler:
         serialize = pb.HealthResponse.SerializeToString
-        health = grpc.unary_unary_rpc_method_handler(self.health, None, serialize)
+        health: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(self.health, None, serialize)
         return grpc.method_handlers_generic_handler("georep.v1.Node", {"Health": health})
 
 
@@ -74,7 +74,7 @@ def site_b_and_old_c(tmp_path: Path) -> Iterator[tuple[NodeProcess, OldSiteC]]:
     path.write_text(topology_toml({"b": port_b, "c": port_c}, [("b", "c"), ("c", "b")]))
     c = OldSiteC()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers((c.handler(),))  # type: ignore[arg-type]
+    server.add_generic_rpc_handlers((c.handler(),))
     assert add_port(server, f"127.0.0.1:{port_c}") == port_c
     server.start()
     b = NodeProcess(

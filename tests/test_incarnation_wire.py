@@ -30,9 +30,8 @@ from georep.security.tls import TlsConfig
 from georep.server.broker import Broker
 from georep.server.incarnation_guard import servable_wants
 from georep.server.replicator import Replicator
-from georep.storage.api import LocalOffset
 from georep.storage.metadata_file import FileMetadataStore
-from offsets.coordinates import Origin
+from offsets.coordinates import LocalOffset, Origin
 from tests.support.channels import add_port
 from tests.support.ports import free_ports
 from tests.support.sites import origin_batch, topology_toml
@@ -109,7 +108,7 @@ def test_a_chunk_of_a_deleted_incarnation_is_never_stored_in_the_re_created_topi
     dev_ca.init(certs, dev_ca.plan(["a", "b"], {}, []))
     fake = FakeSiteA()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((fake.handler(),))  # type: ignore[arg-type]
+    server.add_generic_rpc_handlers((fake.handler(),))
     tls_a = TlsConfig.from_dir(certs, parse_principal("site:a"))
     assert add_port(server, f"127.0.0.1:{port_a}", tls_a) == port_a
     server.start()
