@@ -84,7 +84,7 @@ class DeleteGate:
         self.ask_soon()
         return (
             f"linked site(s) {', '.join(missing)} have not announced that they check topic incarnations: upgrade "
-            "every linked site first (docs/operations.md, 'Deleting a topic'), then "
+            "every linked site first (docs/operations.md, 'Deletes and older sites'), then "
             "retry; an older site could serve the deleted records into a re-created topic"
         )
 
