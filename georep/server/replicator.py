@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -43,6 +44,7 @@ from georep.broker.errors import BrokerError
 from georep.broker.repair import Ask, RepairQueue
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.metadata.store import TopicExists
+from georep.metadata.topic_entry import TopicEntry, merge
 from georep.metadata.topics import TOPIC_CONFIG_KEYS, InvalidTopic, TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -101,6 +103,16 @@ PULL_CHANNEL_OPTIONS = [
     ("grpc.http2.lookahead_bytes", LINK_WINDOW_BYTES),
 ]
 _END = "end"
+
+
+def _buried(held: TopicEntry | None, received: TopicEntry | None) -> bool:
+    """Whether ``received``, a live entry of a name this site does not hold live, is of an incarnation this site
+    holds deleted: then it is no create (a peer that has not applied the delete yet would resurrect the topic as
+    the next incarnation here); the tombstone reaches that peer instead. A peer from before entries sends none:
+    incarnation 0."""
+    if held is None or not held.deleted:
+        return False
+    return received is None or merge(held, received).entry == held
 
 
 class Puller:
@@ -311,6 +323,8 @@ class Puller:
         local_specs = r.broker.metadata.topics()
         local = {name: spec.partitions for name, spec in local_specs.items()}
         plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local, merges=True)
+        held = r.broker.metadata.entries()
+        plan = dataclasses.replace(plan, create=[t for t in plan.create if not _buried(held.get(t.name), t.entry)])
         names = Counter(t.name for t in plan.create)
         r.creating += names
         r.broker.received_entries.update((t.name, t.entry) for t in plan.create if t.entry is not None)
