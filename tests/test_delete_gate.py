@@ -52,6 +52,27 @@ def test_a_delete_waits_until_every_linked_site_has_announced_and_remembers_them
     asyncio.run(scenario())
 
 
+def test_a_linked_site_that_starts_after_this_one_is_heard_of_within_seconds(tmp_path: Path) -> None:
+    topo = topology({"a": 1, "b": 2}, [("a", "b")])
+    asked: list[str] = []
+
+    async def ask(address: str) -> bool | None:
+        asked.append(address)
+        return len(asked) > 1  # a is not up at b's start, then it is
+
+    async def scenario() -> None:
+        gate = DeleteGate(topo, "b", tmp_path, ask)
+        task = asyncio.create_task(gate.run())
+        try:
+            async with asyncio.timeout(20):
+                while gate.refusal() is not None:
+                    await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
 class OldSiteC:
     """Site c, linked to b; its Health says whether it checks incarnations (``announce``)."""
 

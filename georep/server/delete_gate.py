@@ -8,8 +8,9 @@ another such node, and serve them as incarnation 0. So a node refuses ``DeleteTo
 a site that announced and is down later still counts, since a site down during a delete is a case the design
 covers (it learns the tombstone when it returns, and its old records are refused by the chunk check).
 
-The sites that have not announced yet are asked at start, every ``ASK_INTERVAL_S`` until all have, and again at
-once when a delete is refused, so a retry after an upgrade succeeds.
+The sites that have not announced yet are asked at start, then after 1 s, 2 s, 4 s ... up to every
+``ASK_INTERVAL_S`` until all have (linked sites started just after this one are heard of within seconds), and again
+at once when a delete is refused, so a retry after an upgrade succeeds.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 GATE_FILE = "delete_gate.json"
 ASK_INTERVAL_S = 30.0
+ASK_FIRST_INTERVAL_S = 1.0
 ASK_TIMEOUT_S = 2.0
 
 # Asks one node (address) whether it checks incarnations: True, False (an older node), or None (no answer).
@@ -109,10 +111,12 @@ class DeleteGate:
                 self._asking = asyncio.get_running_loop().create_task(self.ask_missing())
 
     async def run(self) -> None:
-        """Ask the missing sites every ``ASK_INTERVAL_S`` until every linked site has announced."""
+        """Ask the missing sites, backing off to every ``ASK_INTERVAL_S``, until every linked site has announced."""
+        interval_s = ASK_FIRST_INTERVAL_S
         while self.missing():
             try:
                 await self.ask_missing()
             except OSError as exc:  # the gate's file: the delete stays refused, and says so when asked
                 log.warning("could not record the sites that check topic incarnations: %s", exc)
-            await asyncio.sleep(ASK_INTERVAL_S)
+            await asyncio.sleep(interval_s)
+            interval_s = min(interval_s * 2, ASK_INTERVAL_S)
