@@ -17,6 +17,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_to_proto
 from georep.server.broker import Broker
 from georep.server.groups import GroupService
+from georep.server.metrics import NodeMetrics
 from georep.server.topic_changes import TopicChanges
 from georep.server.topic_removal import TopicRemoval
 from georep.storage.deleted_dirs import DELETED_DIR, move_to_deleted
@@ -54,15 +55,18 @@ def test_a_delete_stops_the_topic_removes_its_files_and_a_re_create_starts_empty
     async def scenario() -> None:
         broker = broker_at(tmp_path)
         try:
+            metrics = NodeMetrics(broker)
             changes = await orders_with_records(broker)
-            removal = TopicRemoval(broker)
+            removal = TopicRemoval(broker, metrics.forget_topic)
             changes.on_deleted = removal
+            assert metrics.registry.get_sample_value("georep_produced_records_total", {"topic": "orders"}) == 6
             assert partition_dirs(tmp_path) == ["events-0", "orders-0", "orders-1"]
             changes.merge([delete(changes.held("orders"), "orders", broker.clock_ms() + 1, "a")])
             with pytest.raises(UnknownTopic, match="was deleted \\(at site a\\)"):
                 broker.partition("orders", 0)
             assert not [key for key in broker.partitions if key[0] == "orders"]
             concurrent.futures.wait(removal.pending)
+            assert metrics.registry.get_sample_value("georep_produced_records_total", {"topic": "orders"}) is None
             assert partition_dirs(tmp_path) == ["events-0"] and leftovers(tmp_path) == []
             # Re-created: incarnation 1, in its own directory, with none of incarnation 0's records.
             broker.create_topic("orders", 1, {})
