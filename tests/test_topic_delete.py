@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from georep.metadata.store import UnknownTopic
-from georep.metadata.topic_entry import delete
+from georep.metadata.topic_entry import create, delete
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_to_proto
 from georep.server.broker import Broker
@@ -149,6 +149,29 @@ def test_a_re_created_topic_has_no_committed_position_even_when_an_old_commit_ar
             assert groups.table.get("g", "orders", 0) is not None
             assert groups.table.get("g", "orders", 0).incarnation == 1  # type: ignore[union-attr]
             assert not groups.table.apply(replace(old, hlc=HlcStamp(new.hlc + (10_000 << 16))))
+        finally:
+            broker.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_site_that_hears_of_the_re_create_before_the_delete_takes_both(tmp_path: Path) -> None:
+    """b holds incarnation 0 live and a topic sync brings incarnation 1 (a deleted and re-created the topic before
+    b synced): b removes incarnation 0's files and serves incarnation 1, empty, in its own directories."""
+
+    async def scenario() -> None:
+        broker = broker_at(tmp_path)
+        try:
+            changes = await orders_with_records(broker)
+            removal = TopicRemoval(broker)
+            changes.on_deleted = removal
+            tombstone = delete(changes.held("orders"), "orders", broker.clock_ms() + 1, "a")
+            changes.merge([create("orders", 3, {}, tombstone, broker.clock_ms() + 2, "a")])
+            assert broker.topic("orders").incarnation == 1
+            assert [broker.partition("orders", i).log.log_end_offset for i in range(3)] == [0, 0, 0]
+            await broker.produce("orders", 2, batch(1))
+            concurrent.futures.wait(removal.pending)
+            assert partition_dirs(tmp_path) == ["events-0", "orders@1-0", "orders@1-1", "orders@1-2"]
         finally:
             broker.close()
 

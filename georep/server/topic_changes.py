@@ -178,6 +178,8 @@ class TopicChanges:
         if new.deleted or old.deleted or new.incarnation != old.incarnation:
             if not old.deleted:
                 self.on_deleted(new if new.deleted else replace(old, deleted=True))
+            if not new.deleted and not self.broker.in_site:  # a later incarnation: served, in directories of its own
+                self._serve_new_incarnation(spec_of(new))
             return
         spec = spec_of(new)
         if logs:
@@ -186,6 +188,12 @@ class TopicChanges:
             log.info("topic %r grown from %d to %d partitions", spec.name, old.partitions, spec.partitions)
         if new.config() != old.config():
             self._reconfigure(spec)
+
+    def _serve_new_incarnation(self, spec: TopicSpec) -> None:
+        now = self.broker.clock_ms()
+        self.broker._serve_topic(spec, self.broker._open_logs(spec, now), now)
+        self.broker.on_topic(spec.name, spec.partitions)
+        log.info("topic %r is now incarnation %d (%d partitions)", spec.name, spec.incarnation, spec.partitions)
 
     def _open_new(self, spec: TopicSpec, first: int) -> list[PartitionLog]:
         return self.broker._open_logs(spec, self.broker.clock_ms(), first=first)
