@@ -17,7 +17,13 @@ readable::
 
     {"g": group, "t": topic, "p": partition, "v": "a@1:10,b@3:7",
      "h": hlc stamp, "by": "a@1700000000", "ho": hint local offset or -1,
-     "m": member id, "gen": generation, "at": wall ms, "md": metadata}
+     "m": member id, "gen": generation, "at": wall ms, "md": metadata, "i": incarnation}
+
+``i`` is the incarnation of the topic the position is in (the deletes of its name it had outlived,
+georep/metadata/topic_entry.py), absent when 0 (every record from before incarnations). A commit of a later
+incarnation wins over any of an earlier one whatever their stamps, and a reader takes only a commit of the
+topic's live incarnation: a topic created again after a delete has no committed position, even where a late
+commit of the deleted incarnation arrives after the re-create.
 
 ``ho`` is the committing consumer's local offset at the committing site
 (``by``): a consumer resuming at that same site and epoch can start its fetch
@@ -74,6 +80,7 @@ class Commit:
     generation: int = -1
     committed_at_ms: int = 0
     metadata: str = ""
+    incarnation: int = 0
 
     @property
     def order(self) -> tuple[int, str]:
@@ -97,6 +104,8 @@ class Commit:
             "at": self.committed_at_ms,
             "md": self.metadata,
         }
+        if self.incarnation:
+            doc["i"] = self.incarnation
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
     @classmethod
@@ -115,6 +124,7 @@ class Commit:
                 generation=int(doc.get("gen", -1)),
                 committed_at_ms=int(doc.get("at", 0)),
                 metadata=str(doc.get("md", "")),
+                incarnation=int(doc.get("i", 0)),
             )
         # OverflowError: int() of a JSON 1e400 or Infinity; RecursionError: deeply nested JSON.
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
@@ -135,7 +145,8 @@ class CommitTable:
         key = (commit.group, commit.topic, commit.partition)
         current = self.latest.get(key)
         if current is not None:
-            current_order, order = current.order, commit.order
+            # A later incarnation of the topic wins whatever the stamps (module docstring).
+            current_order, order = (current.incarnation, *current.order), (commit.incarnation, *commit.order)
             if current_order > order:
                 return False
             # Equal orders: a site whose clock state was lost in a restart while its wall clock stood

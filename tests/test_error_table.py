@@ -84,6 +84,7 @@ EXPECTED: dict[type[Exception], tuple[type[c.GeorepError], ...]] = {
     e.GeoAcksUnreachable: (c.GeoAcksUnreachable, SE, c.GeoAcksUnreachable, SE),
     e.NoTopology: same(c.NotSupported),
     e.SingleNodeSite: same(c.NotSupported),
+    e.TopicDeleteRefused: same(c.NotSupported),
     IllegalGeneration: (SE, SE, c.GroupRebalanced, SE),
     NotAssigned: (SE, SE, c.GroupRebalanced, SE),
     e.CommitsBehind: (SE, SE, c.CommitsBehind, SE),

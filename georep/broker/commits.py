@@ -181,7 +181,9 @@ class CommitLog:
         member_id: str = "",
         generation: int = -1,
         now_ms: int,
+        incarnations: Mapping[str, int] | None = None,
     ) -> list[Commit]:
+        """``incarnations``: the live incarnation of each topic committed (absent: 0)."""
         return [
             Commit(
                 group=group,
@@ -195,6 +197,7 @@ class CommitLog:
                 generation=generation,
                 committed_at_ms=now_ms,
                 metadata=c.metadata,
+                incarnation=(incarnations or {}).get(c.topic, 0),
             )
             for c in entries
         ]

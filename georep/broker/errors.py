@@ -173,6 +173,13 @@ class NotYetSupported(BrokerError):
     """A feature this kind of site does not run yet; the message says which and what to use meanwhile."""
 
 
+class TopicDeleteRefused(BrokerError):
+    """A topic delete this node cannot make safely now (a linked peer that does not check incarnations would
+    serve the deleted records into a re-created topic); the message says what to do."""
+
+    kafka_code = 73  # Kafka's TOPIC_DELETION_DISABLED, with the message
+
+
 class SegmentUnreadable(BrokerError):
     """A read reached a segment this node holds no copy of, and none of the nodes that hold it answered."""
 

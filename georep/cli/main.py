@@ -28,6 +28,7 @@ from georep.cli.topics import (
     cmd_topic_add_partitions,
     cmd_topic_alter,
     cmd_topic_create,
+    cmd_topic_delete,
     cmd_topic_describe,
     cmd_topic_list,
 )
@@ -85,7 +86,8 @@ def _topics_given(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         if not args.name:
             parser.error("give at least one topic name: georep topic create NAME [NAME ...] (or --topic NAME)")
         return
-    dest = "name" if getattr(args, "topic_command", None) in ("describe", "alter", "add-partitions") else "topic"
+    named = ("describe", "alter", "add-partitions", "delete")
+    dest = "name" if getattr(args, "topic_command", None) in named else "topic"
     given = {x for x in (getattr(args, dest), *flags) if x is not None}
     if len(given) > 1:
         parser.error(f"two topics given ({', '.join(sorted(given))}): give one, as TOPIC or --topic TOPIC")
@@ -180,7 +182,8 @@ def _add_topic_commands(commands: argparse._SubParsersAction[argparse.ArgumentPa
 def _add_topic_change_commands(
     topic_commands: argparse._SubParsersAction[argparse.ArgumentParser],
 ) -> list[argparse.ArgumentParser]:
-    """``topic alter`` and ``topic add-partitions``: changes that replicate to every site the topic's links reach."""
+    """``topic alter``, ``topic add-partitions`` and ``topic delete``: changes that replicate to every site the
+    topic's links reach."""
     alter = topic_commands.add_parser("alter", help="change a topic's config at every site (last writer wins)")
     _add_topic(alter, "name")
     alter.add_argument(
@@ -204,9 +207,14 @@ def _add_topic_change_commands(
     _add_topic(grow, "name")
     grow.add_argument("--partitions", type=int, required=True, help="the new total: more than the topic has")
     grow.set_defaults(run=cmd_topic_add_partitions)
-    for sub in (alter, grow):
+    drop = topic_commands.add_parser(
+        "delete", help="delete a topic at every site its links reach (created again, it starts empty)"
+    )
+    _add_topic(drop, "name")
+    drop.set_defaults(run=cmd_topic_delete)
+    for sub in (alter, grow, drop):
         sub.add_argument("--validate-only", action="store_true", help="check the change, make none")
-    return [alter, grow]
+    return [alter, grow, drop]
 
 
 def _add_produce(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

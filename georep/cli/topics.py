@@ -1,4 +1,5 @@
-"""``georep topic create|list|describe|alter|add-partitions`` and ``georep health``: the admin client's commands."""
+"""``georep topic create|list|describe|alter|add-partitions|delete`` and ``georep health``: the admin client's
+commands."""
 
 from __future__ import annotations
 
@@ -94,6 +95,18 @@ async def cmd_topic_add_partitions(args: argparse.Namespace) -> int:
         print(f"topic {topic.name!r} has {topic.partitions} partitions and can grow to {args.partitions}")
     else:
         print(f"topic {topic.name!r} now has {topic.partitions} partitions")
+    return 0
+
+
+async def cmd_topic_delete(args: argparse.Namespace) -> int:
+    async with Admin(args.bootstrap, tls=client_tls(args)) as admin:
+        incarnation = await admin.delete_topic(args.name, validate_only=args.validate_only)
+    if args.json:
+        print(json.dumps({"name": args.name, "incarnation": incarnation, "deleted": not args.validate_only}))
+    elif args.validate_only:
+        print(f"topic {args.name!r} (incarnation {incarnation}) can be deleted")
+    else:
+        print(f"deleted topic {args.name!r} (incarnation {incarnation}): every site its links reach removes it")
     return 0
 
 

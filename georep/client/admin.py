@@ -248,6 +248,13 @@ class Admin:
         request = georep_pb2.AddPartitionsRequest(name=name, partitions=partitions, validate_only=validate_only)
         return TopicInfo.from_proto(await self._call(stub.AddPartitions, request))
 
+    async def delete_topic(self, name: str, *, validate_only: bool = False) -> int:
+        """Delete ``name`` at every site its links reach; the incarnation deleted. A topic created again after it
+        starts empty (docs/operations.md, "Deleting a topic")."""
+        stub = await self._connection.connect()
+        request = georep_pb2.DeleteTopicRequest(name=name, validate_only=validate_only)
+        return int((await self._call(stub.DeleteTopic, request)).incarnation)
+
     async def list_offsets(self, topic: str, partition: int = -1, spec: str | int = LATEST) -> list[PartitionOffset]:
         """Offsets per partition: ``spec`` is ``"earliest"``, ``"latest"`` or a timestamp (ms)."""
         stub = await self._connection.connect()

@@ -67,6 +67,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition
 from georep.server.groups import GroupService
+from georep.server.topic_calls import TopicCalls
 from georep.server.topic_changes import TopicChanges, TopicChangesUnsupported
 from georep.storage.api import OffsetOutOfRange
 from offsets.coordinates import InvalidOrigin, Origin
@@ -149,6 +150,7 @@ class KafkaGateway:
         self.site = SiteSettings()
         self._invalid_reported: set[tuple[str, int, int]] = set()  # stored invalid batches already logged
         self.topic_changes: TopicChanges | None = None  # alters and growths of a one-node site's topics
+        self.topic_calls: TopicCalls | None = None  # deletes (DeleteTopics), as georep's DeleteTopic makes them
 
     def _view(self, keys: list[tuple[str, int]] | None = None) -> SiteView:
         return OneNode(self.host, self.port) if self.view_of is None else self.view_of(keys)
@@ -397,14 +399,26 @@ class KafkaGateway:
         return r(error_code=0, results=[result])
 
     async def _delete_topics(self, req: Request, peer: Client) -> Any:
+        """Each topic deleted or refused on its own, as georep's ``DeleteTopic`` does (the tombstone replicates to
+        every site the topic reaches). A topic named only by its id (v6) is refused: georep keeps no topic ids."""
         r = kadmin.DeleteTopicsResponse
         names = list(req.body.topic_names or []) + [t.name for t in (req.body.topics or []) if t.name]
-        msg = "georep does not delete topics (they replicate to every site); use retention to drop old data"
-        return r(
-            responses=[
-                r.DeletableTopicResult(name=n, error_code=k.TOPIC_DELETION_DISABLED, error_message=msg) for n in names
-            ]
-        )
+        out = []
+        for name in names:
+            code, why = 0, None
+            try:
+                self._allow(peer, Operation.DELETE_TOPIC, [acl_topic(name)])
+                if self.topic_calls is None:
+                    raise TopicChangesUnsupported("this node cannot delete topics")
+                await self.topic_calls.delete(name)
+            except Exception as exc:
+                code, why = self._code(exc), str(exc)
+            out.append(r.DeletableTopicResult(name=name, error_code=code, error_message=why))
+        for t in req.body.topics or []:
+            if not t.name:
+                why = "georep keeps no topic ids: name the topic"
+                out.append(r.DeletableTopicResult(name=None, error_code=k.INVALID_REQUEST, error_message=why))
+        return r(responses=out)
 
     # -- produce ----------------------------------------------------------------------------------------------
 

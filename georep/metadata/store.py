@@ -26,8 +26,10 @@ class TopicExists(Exception):
 
 
 class UnknownTopic(Exception):
-    def __init__(self, name: str) -> None:
-        super().__init__(f"topic {name!r} does not exist: create it with 'georep topic create {name} --partitions N'")
+    def __init__(self, name: str, deleted_at: str = "") -> None:
+        """``deleted_at``: the site whose delete this site holds the tombstone of (the message names it)."""
+        gone = f"was deleted (at site {deleted_at})" if deleted_at else "does not exist"
+        super().__init__(f"topic {name!r} {gone}: create it with 'georep topic create {name} --partitions N'")
 
 
 class DataDirMismatch(Exception):

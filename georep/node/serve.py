@@ -36,6 +36,7 @@ from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.tls import MESSAGE_BYTES_MAX, ServerLimits, TlsConfig, TlsError, add_port, server_options
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterConfig, ClusterMember
+from georep.server.delete_gate import DeleteGate, health_ask
 from georep.server.metrics import NodeMetrics
 from georep.server.process import NODE_INFO
 from georep.server.rpc import authorization
@@ -44,6 +45,7 @@ from georep.server.segments import SegmentService
 from georep.server.service import FETCH_MAX_BYTES_CAP, SCRUB_STEP_BYTES, NodeService
 from georep.server.shutdown import SHUTDOWN_TIMEOUT_MS_DEFAULT, STEP_TIMEOUT_S, Shutdown
 from georep.server.site_cluster import SiteCluster
+from georep.server.topic_removal import TopicRemoval
 from georep.storage.dirlock import DataDirLock
 from georep.storage.metadata_file import load_or_create_identity, write_json_atomic
 from georep.storage.private import tighten
@@ -186,6 +188,7 @@ class _Node:
     site_cluster: SiteCluster | None
     service: NodeService
     segments: SegmentService
+    delete_gate: DeleteGate | None = None  # a site with links deletes a topic only once every linked site checks
 
     def close(self) -> None:
         self.replicas.close()
@@ -336,7 +339,12 @@ def _wire(
         )
         site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor, tls)
     service = NodeService(broker, metrics, replicator, admin_token, site_cluster, authorizes=tls is not None)
+    # Delete's data path: the topic changes the replicator's sync and the node's calls share remove its partitions.
+    service.topic_calls.changes.on_deleted = TopicRemoval(broker, metrics.forget_topic)
     segments = SegmentService(replicas, segment_executor, broker.clock_ms, member, tls)  # member: repair's rolls
+    gate = DeleteGate(topology, site, data_dir, health_ask(tls)) if topology is not None else None
+    if gate is not None:
+        service.topic_calls.delete_refused = gate.refusal
     return _Node(
         identity,
         metadata,
@@ -349,6 +357,7 @@ def _wire(
         site_cluster,
         service,
         segments,
+        gate,
     )
 
 
@@ -440,6 +449,7 @@ async def _start_kafka(
         kafka_server, kafka_address = await start_kafka(
             kafka, node.broker, node.service.groups, node.site_cluster, node.service.topic_calls.changes
         )
+        kafka_server.gateway.topic_calls = node.service.topic_calls
         if node.site_cluster is not None:  # set before any request is read (no await since the listener started)
             from georep.kafka.cluster import cluster_view_of
 
@@ -481,6 +491,8 @@ def _start_housekeeping(
         asyncio.create_task(_retention_loop(node.broker, retention_check_ms / 1000)),
         asyncio.create_task(_group_loop(node.service)),
     ]
+    if node.delete_gate is not None:
+        housekeeping.append(asyncio.create_task(node.delete_gate.run()))
     if node.replicator is not None:
         node.replicator.start()
         log.info(

@@ -1206,6 +1206,7 @@ class HealthResponse(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     UPTIME_MS_FIELD_NUMBER: _builtins.int
     DISK_FULL_FIELD_NUMBER: _builtins.int
+    CHECKS_INCARNATIONS_FIELD_NUMBER: _builtins.int
     status: _builtins.str
     """SERVING"""
     site: _builtins.str
@@ -1213,6 +1214,10 @@ class HealthResponse(_message.Message):
     version: _builtins.str
     uptime_ms: _builtins.int
     disk_full: _builtins.bool
+    checks_incarnations: _builtins.bool
+    """This node checks topic incarnations on every pull (PullWant/ReplicaChunk.incarnation): a site deletes a
+    topic only once every site it links to has said so (georep/server/delete_gate.py).
+    """
     def __init__(
         self,
         *,
@@ -1222,10 +1227,11 @@ class HealthResponse(_message.Message):
         version: _builtins.str = ...,
         uptime_ms: _builtins.int = ...,
         disk_full: _builtins.bool = ...,
+        checks_incarnations: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["disk_full", b"disk_full", "epoch", b"epoch", "site", b"site", "status", b"status", "uptime_ms", b"uptime_ms", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checks_incarnations", b"checks_incarnations", "disk_full", b"disk_full", "epoch", b"epoch", "site", b"site", "status", b"status", "uptime_ms", b"uptime_ms", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1239,8 +1245,13 @@ class PullWant(_message.Message):
     PARTITION_FIELD_NUMBER: _builtins.int
     HAVE_FIELD_NUMBER: _builtins.int
     ORIGIN_SITES_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     partition: _builtins.int
+    incarnation: _builtins.int
+    """The topic's incarnation dst holds live (docs/design.md, "Topic changes across sites"); src serves the want
+    only if it holds the same one live. Absent (0) from a node before incarnations.
+    """
     @_builtins.property
     def have(self) -> Global___VectorOffset:
         """dst's vector for the partition"""
@@ -1256,10 +1267,11 @@ class PullWant(_message.Message):
         partition: _builtins.int = ...,
         have: Global___VectorOffset | None = ...,
         origin_sites: _abc.Iterable[_builtins.str] | None = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["have", b"have"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["have", b"have", "origin_sites", b"origin_sites", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["have", b"have", "incarnation", b"incarnation", "origin_sites", b"origin_sites", "partition", b"partition", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1311,11 +1323,16 @@ class ReplicaChunk(_message.Message):
     BATCHES_FIELD_NUMBER: _builtins.int
     SRC_VECTOR_FIELD_NUMBER: _builtins.int
     SRC_LOG_END_OFFSET_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     partition: _builtins.int
     batches: _builtins.bytes
     """whole batches, verbatim; empty in a heartbeat"""
     src_log_end_offset: _builtins.int
+    incarnation: _builtins.int
+    """The incarnation of the topic src served the chunk from: dst applies it only into its live partition of the
+    same incarnation. Absent (0) from a node before incarnations.
+    """
     @_builtins.property
     def src_vector(self) -> Global___VectorOffset:
         """everything src holds for the partition"""
@@ -1328,10 +1345,11 @@ class ReplicaChunk(_message.Message):
         batches: _builtins.bytes = ...,
         src_vector: Global___VectorOffset | None = ...,
         src_log_end_offset: _builtins.int = ...,
+        incarnation: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["src_vector", b"src_vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "partition", b"partition", "src_log_end_offset", b"src_log_end_offset", "src_vector", b"src_vector", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "incarnation", b"incarnation", "partition", b"partition", "src_log_end_offset", b"src_log_end_offset", "src_vector", b"src_vector", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -3386,3 +3404,46 @@ class AddPartitionsRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AddPartitionsRequest: _TypeAlias = AddPartitionsRequest  # noqa: Y015
+
+@_typing.final
+class DeleteTopicRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    validate_only: _builtins.bool
+    """check, delete nothing"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        validate_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "validate_only", b"validate_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteTopicRequest: _TypeAlias = DeleteTopicRequest  # noqa: Y015
+
+@_typing.final
+class DeleteTopicResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    incarnation: _builtins.int
+    """the incarnation deleted"""
+    def __init__(
+        self,
+        *,
+        incarnation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteTopicResponse: _TypeAlias = DeleteTopicResponse  # noqa: Y015

@@ -179,6 +179,11 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.AddPartitionsRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.TopicDescription.FromString,
                 _registered_method=True)
+        self.DeleteTopic = channel.unary_unary(
+                '/georep.v1.Node/DeleteTopic',
+                request_serializer=georep_dot_proto_dot_georep__pb2.DeleteTopicRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.DeleteTopicResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -409,6 +414,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteTopic(self, request, context):
+        """Delete a topic at every site its links reach (Kafka's DeleteTopics): the tombstone of its live incarnation
+        replicates, and each site stops serving the topic and removes its files (docs/design.md, "Topic changes
+        across sites"). A topic created again after it starts empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -556,6 +570,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.AddPartitions,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.AddPartitionsRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.TopicDescription.SerializeToString,
+            ),
+            'DeleteTopic': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTopic,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.DeleteTopicRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.DeleteTopicResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1341,6 +1360,33 @@ class Node:
             '/georep.v1.Node/AddPartitions',
             georep_dot_proto_dot_georep__pb2.AddPartitionsRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.TopicDescription.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTopic(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/DeleteTopic',
+            georep_dot_proto_dot_georep__pb2.DeleteTopicRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.DeleteTopicResponse.FromString,
             options,
             channel_credentials,
             insecure,

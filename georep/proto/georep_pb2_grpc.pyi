@@ -132,6 +132,11 @@ class NodeStub:
     """
     AddPartitions: _grpc.UnaryUnaryMultiCallable[_georep_pb2.AddPartitionsRequest, _georep_pb2.TopicDescription]
     """Grow a topic to more partitions (Kafka's CreatePartitions): the count only grows, every site takes the largest."""
+    DeleteTopic: _grpc.UnaryUnaryMultiCallable[_georep_pb2.DeleteTopicRequest, _georep_pb2.DeleteTopicResponse]
+    """Delete a topic at every site its links reach (Kafka's DeleteTopics): the tombstone of its live incarnation
+    replicates, and each site stops serving the topic and removes its files (docs/design.md, "Topic changes
+    across sites"). A topic created again after it starts empty.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -231,6 +236,11 @@ class NodeAsyncStub(NodeStub):
     """
     AddPartitions: _aio.UnaryUnaryMultiCallable[_georep_pb2.AddPartitionsRequest, _georep_pb2.TopicDescription]  # type: ignore[assignment]
     """Grow a topic to more partitions (Kafka's CreatePartitions): the count only grows, every site takes the largest."""
+    DeleteTopic: _aio.UnaryUnaryMultiCallable[_georep_pb2.DeleteTopicRequest, _georep_pb2.DeleteTopicResponse]  # type: ignore[assignment]
+    """Delete a topic at every site its links reach (Kafka's DeleteTopics): the tombstone of its live incarnation
+    replicates, and each site stops serving the topic and removes its files (docs/design.md, "Topic changes
+    across sites"). A topic created again after it starts empty.
+    """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -501,6 +511,17 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_georep_pb2.TopicDescription, _abc.Awaitable[_georep_pb2.TopicDescription]]:
         """Grow a topic to more partitions (Kafka's CreatePartitions): the count only grows, every site takes the largest."""
+
+    @_abc_1.abstractmethod
+    def DeleteTopic(
+        self,
+        request: _georep_pb2.DeleteTopicRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.DeleteTopicResponse, _abc.Awaitable[_georep_pb2.DeleteTopicResponse]]:
+        """Delete a topic at every site its links reach (Kafka's DeleteTopics): the tombstone of its live incarnation
+        replicates, and each site stops serving the topic and removes its files (docs/design.md, "Topic changes
+        across sites"). A topic created again after it starts empty.
+        """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

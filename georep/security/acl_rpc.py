@@ -188,6 +188,9 @@ NODE_ACCESS: Mapping[str, Access] = {
     "AddPartitions": Access(
         pb.AddPartitionsRequest, lambda req, who, policy: policy.acl(who, Operation.ALTER_TOPIC, [topic(req.name)])
     ),
+    "DeleteTopic": Access(
+        pb.DeleteTopicRequest, lambda req, who, policy: policy.acl(who, Operation.DELETE_TOPIC, [topic(req.name)])
+    ),
     "ListTopics": _open_access(pb.ListTopicsRequest),
     "DescribeTopic": _open_access(pb.DescribeTopicRequest),
     "Produce": Access(pb.ProduceRequest, _produce),

@@ -13,6 +13,7 @@ the domain errors of ``georep/broker/errors.py``; the gRPC layer maps them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import functools
 import heapq
@@ -59,6 +60,7 @@ from georep.record.validate import TimestampWindow
 from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
 from georep.server.group_flush import GroupFlush
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep, StorageError
+from georep.storage.deleted_dirs import DELETED_DIR, finish_removals
 from georep.storage.durable_file import fsync_directory
 from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.partition_dirs import partition_dir_name, topic_file_name
@@ -316,7 +318,7 @@ class Broker:
                 p.log.close()
             raise
         if self.checkpoint is not None:
-            self.checkpoint.started([partition_dir_name(*key) for key in self.partitions])
+            self.checkpoint.started([partition_dir_name(t, i, self.topic(t).incarnation) for t, i in self.partitions])
 
     @property
     def held(self) -> HeldTable:
@@ -345,7 +347,7 @@ class Broker:
         logs: list[PartitionLog] = []
         try:
             for i in range(first, spec.partitions):
-                directory = self.logs_dir / partition_dir_name(spec.name, i)
+                directory = self.logs_dir / partition_dir_name(spec.name, i, spec.incarnation)
                 private_dir(directory)
                 logs.append(opener(directory, log_config, now_ms))
         except BaseException:
@@ -390,14 +392,13 @@ class Broker:
         try:
             self.metadata.get(name)  # not topics(): a copy of the whole table per create
         except UnknownTopic:
+            # The incarnation its files are made for: the one the table will store (the next after a tombstone), in
+            # directories of its own (a deleted incarnation's may still be on their way out).
             held = self.metadata.entries().get(name)
-            if held is not None and held.deleted and (self.logs_dir / partition_dir_name(name, 0)).exists():
-                # A deleted incarnation's files: never under a new create (delete's data path removes them).
-                raise InvalidTopic(
-                    f"topic {name!r} was deleted and this node still holds its partitions: create it again once "
-                    "they are removed"
-                ) from None
-            return spec
+            received = self.received_entries.get(name)
+            if received is not None:
+                return dataclasses.replace(spec, incarnation=received.incarnation)
+            return spec if held is None else dataclasses.replace(spec, incarnation=held.incarnation + 1)
         raise TopicExists(name)
 
     def create_topic(
@@ -549,7 +550,7 @@ class Broker:
     def _remove_leftovers(self, name: str) -> list[str]:
         """Remove the partition directories of ``name``, a topic the table lacks, that hold no batch; the ones
         removed. A directory holding batches is left (with an error): no create makes one."""
-        pattern = re.compile(re.escape(topic_file_name(name)) + r"-\d+")
+        pattern = re.compile(re.escape(topic_file_name(name)) + r"(@\d+)?-\d+")
         removed = []
         for directory in sorted(self.logs_dir.iterdir()):
             if not pattern.fullmatch(directory.name) or not directory.is_dir():
@@ -571,7 +572,9 @@ class Broker:
         return removed
 
     def _finish_creates(self) -> None:
-        """Roll back the creates a crash or a full disk interrupted (their intents whose topic the table lacks)."""
+        """Roll back the creates a crash or a full disk interrupted (their intents whose topic the table lacks),
+        after finishing the deletes one interrupted (so their directories are out of a create's way)."""
+        finish_removals(self.logs_dir, self.data_dir / DELETED_DIR, self.metadata.entries(), self.checkpoint)
         if not self.creating_dir.is_dir():
             return
         defined = {topic_file_name(t) for t in self.metadata.topics()}

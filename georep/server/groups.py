@@ -33,7 +33,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from cluster.groups import (
@@ -240,6 +240,18 @@ class GroupService:
             return -1 if self.broker.in_site else 0
         return sum(max(0, seq - vector.get(origin)) for origin, seq in p.log.vector().items())
 
+    def _live(self, c: Commit) -> bool:
+        """Whether ``c`` is a position in its topic's live incarnation (or in a topic this site does not hold): a
+        commit of a deleted incarnation is no position in the topic created again (offsets/commits.py)."""
+        entry = self.broker.metadata.entries().get(c.topic)
+        if entry is None:
+            return True
+        return c.incarnation > entry.incarnation if entry.deleted else c.incarnation == entry.incarnation
+
+    def _positions(self, group: str) -> Iterator[Commit]:
+        """``group``'s commits that are positions in their topic's live incarnation."""
+        return (c for c in self.table.of_group(group) if self._live(c))
+
     def _committed(self, c: Commit) -> pb.CommittedOffset:
         return pb.CommittedOffset(
             topic=c.topic,
@@ -319,7 +331,14 @@ class GroupService:
         stamp = self.commits.stamp(now, req.after_hlc, self.broker.identity.site)
         origin = self.broker.origin
         commits = self.commits.new_commits(
-            group, entries, stamp, origin, member_id=req.member_id, generation=req.generation, now_ms=now
+            group,
+            entries,
+            stamp,
+            origin,
+            member_id=req.member_id,
+            generation=req.generation,
+            now_ms=now,
+            incarnations={e.topic: self.broker.topic(e.topic).incarnation for e in entries},
         )
         acks: Acks = acks_from_proto(req.acks, req.geo_sites)
         p, produced = self.broker.append(
@@ -341,12 +360,12 @@ class GroupService:
         await self.sync()
         self._coordinated(group)
         if not req.partitions:
-            return pb.FetchCommittedResponse(offsets=[self._committed(c) for c in self.table.of_group(group)])
+            return pb.FetchCommittedResponse(offsets=[self._committed(c) for c in self._positions(group)])
         out = []
         for tps in req.partitions:
             for partition in tps.partitions:
                 c = self.table.get(group, tps.topic, partition)
-                if c is not None:
+                if c is not None and self._live(c):
                     out.append(self._committed(c))
         return pb.FetchCommittedResponse(offsets=out)
 
@@ -404,7 +423,7 @@ class GroupService:
             if self.broker.in_site and offsets_partition(name) not in led:
                 continue
             g = self.coordinator.groups.get(name)
-            commits = list(self.table.of_group(name))
+            commits = list(self._positions(name))
             lags = [self.lag(c.topic, c.partition, c.vector) for c in commits]
             out.append(
                 pb.GroupSummary(
@@ -424,7 +443,7 @@ class GroupService:
         await self.sync()
         self._coordinated(group)
         g = self.coordinator.groups.get(group)
-        commits = list(self.table.of_group(group))
+        commits = list(self._positions(group))
         if (g is None or not g.members) and not commits:
             raise UnknownGroup(
                 f"unknown group {group!r} at site {self.broker.identity.site}: no members and no commits here "

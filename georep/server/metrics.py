@@ -183,6 +183,11 @@ class _ReplicationCollector(Collector):
             labels=link_labels,
         )
         gaps = CounterMetricFamily("georep_replication_gaps", "Streams reopened on a gap", labels=link_labels)
+        wrong_incarnation = CounterMetricFamily(
+            "georep_replication_incarnation_dropped_chunks",
+            "Pulled chunks dropped: of a topic incarnation this site does not hold live (a deleted or later one)",
+            labels=link_labels,
+        )
         for src, puller in sorted(r.pullers.items()):
             lv = [src, r.site]
             current = r.link_state(src)
@@ -194,6 +199,7 @@ class _ReplicationCollector(Collector):
             records.add_metric(lv, st.applied_records)
             skipped.add_metric(lv, st.skipped_batches)
             gaps.add_metric(lv, st.gaps)
+            wrong_incarnation.add_metric(lv, puller.chunks.dropped_chunks)
         lag_records, lag_bytes, lag_ms = _lag_families(r, self.detail())
         conflicts = GaugeMetricFamily(
             "georep_topic_conflicts", "Topics not replicated over a link: partition counts differ"
@@ -205,7 +211,7 @@ class _ReplicationCollector(Collector):
         )
         config_conflicts.add_metric([], r.topic_changes.conflicts_total)
         yield from (state, batches, size, records, skipped, gaps, lag_records, lag_bytes, lag_ms, conflicts)
-        yield config_conflicts
+        yield from (config_conflicts, wrong_incarnation)
 
 
 def _lag_families(r: Replicator, detail: bool) -> tuple[GaugeMetricFamily, ...]:
@@ -277,6 +283,12 @@ class NodeMetrics:
             )
         counters[0].inc(records)
         counters[1].inc(size)
+
+    def forget_topic(self, topic: str) -> None:
+        """A deleted topic's series go (a re-created topic counts from zero)."""
+        if self._produced_by_topic.pop(topic, None) is not None:
+            self._produced_records.remove(topic)
+            self._produced_bytes.remove(topic)
 
     def produce_error(self, code: grpc.StatusCode) -> None:
         self._produce_errors.labels(code.name).inc()

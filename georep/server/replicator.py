@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -43,6 +44,7 @@ from georep.broker.errors import BrokerError
 from georep.broker.repair import Ask, RepairQueue
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.metadata.store import TopicExists
+from georep.metadata.topic_entry import TopicEntry, merge
 from georep.metadata.topics import TOPIC_CONFIG_KEYS, InvalidTopic, TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -58,6 +60,7 @@ from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker, Partition
+from georep.server.incarnation_guard import ChunkGuard
 from georep.server.topic_changes import TopicChanges
 from georep.server.topic_creation import create_topics
 from georep.storage import segment_log
@@ -100,6 +103,16 @@ PULL_CHANNEL_OPTIONS = [
     ("grpc.http2.lookahead_bytes", LINK_WINDOW_BYTES),
 ]
 _END = "end"
+
+
+def _buried(held: TopicEntry | None, received: TopicEntry | None) -> bool:
+    """Whether ``received``, a live entry of a name this site does not hold live, is of an incarnation this site
+    holds deleted: then it is no create (a peer that has not applied the delete yet would resurrect the topic as
+    the next incarnation here); the tombstone reaches that peer instead. A peer from before entries sends none:
+    incarnation 0."""
+    if held is None or not held.deleted:
+        return False
+    return received is None or merge(held, received).entry == held
 
 
 class Puller:
@@ -154,6 +167,7 @@ class Puller:
         self._call_id: int | None = None
         self._reader: asyncio.Task[None] | None = None
         self._last_tick = 0  # when the stream loop last ticked the session
+        self.chunks = ChunkGuard(broker.metadata, src)  # each chunk of the incarnation its want asked for
 
     @property
     def stats(self) -> LinkStats:
@@ -309,6 +323,8 @@ class Puller:
         local_specs = r.broker.metadata.topics()
         local = {name: spec.partitions for name, spec in local_specs.items()}
         plan = plan_topic_sync(r.topology.link(self.src, r.site), remote, local, merges=True)
+        held = r.broker.metadata.entries()
+        plan = dataclasses.replace(plan, create=[t for t in plan.create if not _buried(held.get(t.name), t.entry)])
         names = Counter(t.name for t in plan.create)
         r.creating += names
         r.broker.received_entries.update((t.name, t.entry) for t in plan.create if t.entry is not None)
@@ -431,7 +447,7 @@ class Puller:
             await self._perform(session.on_stream_ended(stream_id, now(), error))
             return
         try:
-            chunks = [self._chunk(c) for c in what.chunks]
+            chunks = [self._chunk(c) for c in self.chunks.admit(what.chunks)]
         except InvalidVectorOffset as exc:
             await self._perform(session.on_stream_ended(stream_id, now(), f"site {self.src} sent a bad vector: {exc}"))
             return
@@ -475,6 +491,9 @@ class Puller:
     async def _apply(self, effect: ApplyChunk) -> list[Effect]:
         r = self.r
         topic, index = effect.key
+        if not self.chunks.still_live(topic):
+            why = f"topic {topic!r} changed incarnation (deleted, or re-created) while a chunk of it waited"
+            return self.session.on_stream_ended(effect.stream_id, r.now_ms(), why)
         try:
             if r.origins is not None:  # a TLS node: a batch claiming an origin src cannot have is refused
                 r.origins.check(self.src, topic, effect.batches)
@@ -517,7 +536,11 @@ class Puller:
         for (topic, index), (have, sites) in effect.wants.items():
             request.wants.append(
                 pb.PullWant(
-                    topic=topic, partition=index, have=vector_to_proto(VectorOffset(have)), origin_sites=list(sites)
+                    topic=topic,
+                    partition=index,
+                    have=vector_to_proto(VectorOffset(have)),
+                    origin_sites=list(sites),
+                    incarnation=self.chunks.want_incarnation(topic),
                 )
             )
         call = self.stub.Replicate(request)

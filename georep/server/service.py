@@ -45,6 +45,7 @@ from georep.server.admin_gate import AdminGate
 from georep.server.broker import Broker, Partition
 from georep.server.group_calls import GroupCalls
 from georep.server.groups import GroupService
+from georep.server.incarnation_guard import servable_wants
 from georep.server.metrics import NodeMetrics
 from georep.server.produce_stream import REQUEST_BATCHES_MAX, REQUEST_BYTES_MAX, ProduceStreamCall
 from georep.server.produce_stream import answer as produce_answer
@@ -262,6 +263,7 @@ class NodeService:
             version=__version__,
             uptime_ms=int((time.monotonic() - self.started) * 1000),
             disk_full=self.broker.disk_full,
+            checks_incarnations=True,  # georep/server/incarnation_guard.py: a linked site may delete topics
         )
 
     async def list_offsets(self, data: bytes, context: Context) -> pb.ListOffsetsResponse:
@@ -520,7 +522,8 @@ class NodeService:
         elsewhere: dict[str, list[pb.PullWant]] = {}
         partitions: dict[tuple[str, int], Partition] = {}
         routes: dict[tuple[str, int], str] = {}  # where each partition another node leads is pulled from
-        for want in req.wants:
+        served, incarnations = servable_wants(self.broker.metadata, req.wants, req.dst_site)
+        for want in served:
             key = (want.topic, want.partition)
             try:
                 partitions[key] = self.broker.partition(*key)
@@ -536,11 +539,11 @@ class NodeService:
         max_wait_ms = min(req.max_wait_ms or REPLICATE_MAX_WAIT_MS_DEFAULT, FETCH_MAX_WAIT_MS_CAP)
         local = {k: wants[k] for k in partitions}
         if not routes:
-            async for response in self._serve_replicas(partitions, local, max_bytes, max_wait_ms):
+            async for response in self._serve_replicas(partitions, local, max_bytes, max_wait_ms, incarnations):
                 yield response
             return
         assert self.site_cluster is not None
-        sources = [self._serve_replicas(partitions, local, max_bytes, max_wait_ms)]
+        sources = [self._serve_replicas(partitions, local, max_bytes, max_wait_ms, incarnations)]
         for address, forwarded in sorted(elsewhere.items()):
             sub = pb.ReplicateRequest(
                 dst_site=req.dst_site,
@@ -562,6 +565,7 @@ class NodeService:
         wants: dict[tuple[str, int], tuple[dict[Origin, int], tuple[str, ...]]],
         max_bytes: int,
         max_wait_ms: int,
+        incarnations: Mapping[str, int],
     ) -> AsyncIterator[pb.ReplicateResponse]:
         """The pulls of the partitions this node serves; ends (cleanly: the destination opens it again at once, and
         it is routed afresh) when this node stops serving one of them, or its segment changes."""
@@ -595,7 +599,7 @@ class NodeService:
                         origin = self.broker.origin
                         for c in step.chunks:  # before they leave: a report of them may come back at once
                             self._count_held(self.served.sent(*c.key, source.handed_out(c.key, origin)))
-                    yield self._replicate_response(step.chunks)
+                    yield self._replicate_response(step.chunks, incarnations)
                 if elsewhere:
                     assert self.site_cluster is not None
                     for chain, first in elsewhere:
@@ -629,7 +633,7 @@ class NodeService:
         return serve, [(c, m[0]) for c, m in missing if m]
 
     @staticmethod
-    def _replicate_response(chunks: list[Chunk]) -> pb.ReplicateResponse:
+    def _replicate_response(chunks: list[Chunk], incarnations: Mapping[str, int]) -> pb.ReplicateResponse:
         return pb.ReplicateResponse(
             chunks=[
                 pb.ReplicaChunk(
@@ -638,6 +642,7 @@ class NodeService:
                     batches=c.batches,
                     src_vector=_vector_to_pb(c.src_vector),
                     src_log_end_offset=c.src_log_end,
+                    incarnation=incarnations.get(c.key[0], 0),
                 )
                 for c in chunks
             ]
@@ -768,6 +773,7 @@ class NodeService:
                 "CreateTopics": unary(self.create_topics),
                 "AlterTopic": unary(self.topic_calls.alter_topic),
                 "AddPartitions": unary(self.topic_calls.add_partitions),
+                "DeleteTopic": unary(self.topic_calls.delete_topic),
                 "ListTopics": unary(self.list_topics),
                 "DescribeTopic": unary(self.describe_topic),
                 "Produce": unary(self.produce),

@@ -75,6 +75,7 @@ STATUS: dict[type[Exception], tuple[grpc.StatusCode, Reason]] = {
     e.GeoAcksUnreachable: (Code.FAILED_PRECONDITION, R.GEO_ACKS_UNREACHABLE),
     e.NoTopology: (Code.FAILED_PRECONDITION, R.NOT_A_CLUSTER),
     e.SingleNodeSite: (Code.FAILED_PRECONDITION, R.NOT_A_CLUSTER),
+    e.TopicDeleteRefused: (Code.FAILED_PRECONDITION, R.NOT_SUPPORTED),
     IllegalGeneration: (Code.ABORTED, R.GROUP_REBALANCED),
     NotAssigned: (Code.ABORTED, R.GROUP_REBALANCED),
     e.CommitsBehind: (Code.ABORTED, R.COMMITS_BEHIND),

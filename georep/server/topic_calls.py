@@ -1,17 +1,19 @@
-"""The calls that change a topic (``georep topic alter``, ``georep topic add-partitions``): ``AlterTopic`` and
-``AddPartitions``, carried out by :class:`~georep.server.topic_changes.TopicChanges` (a one-node site's)."""
+"""The calls that change a topic (``georep topic alter``, ``georep topic add-partitions``, ``georep topic
+delete``): ``AlterTopic``, ``AddPartitions`` and ``DeleteTopic``, carried out by
+:class:`~georep.server.topic_changes.TopicChanges` (a one-node site's)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from georep.broker.errors import InvalidRequest
+from georep.broker.errors import InternalTopic, InvalidRequest, TopicDeleteRefused
 from georep.metadata.kafka_config import alter_changes
 from georep.metadata.store import UnknownTopic
 from georep.metadata.topic_entry import TopicEntry, add_partitions, alter
 from georep.proto import georep_pb2 as pb
 from georep.server.rpc import Context, parse
 from georep.server.topic_changes import TopicChanges
+from topology.filters import is_internal
 
 
 class TopicCalls:
@@ -20,6 +22,26 @@ class TopicCalls:
     def __init__(self, changes: TopicChanges, describe: Callable[[str], pb.TopicDescription]) -> None:
         self.changes = changes
         self.describe = describe
+        # Why a delete is unsafe now (a linked peer that does not check incarnations), or None: set by the node.
+        self.delete_refused: Callable[[], str | None] = lambda: None
+
+    async def delete_topic(self, data: bytes, context: Context) -> pb.DeleteTopicResponse:
+        """Delete a topic's live incarnation here and, through the topic sync, at every site it reaches."""
+        req = parse(pb.DeleteTopicRequest, data)
+        return pb.DeleteTopicResponse(incarnation=await self.delete(req.name, req.validate_only))
+
+    async def delete(self, name: str, validate_only: bool = False) -> int:
+        """What ``DeleteTopic`` and Kafka's DeleteTopics do; the incarnation deleted. Raises ``UnknownTopic``,
+        ``InternalTopic``, ``TopicDeleteRefused``, ``TopicChangesUnsupported``."""
+        if is_internal(name):
+            raise InternalTopic(f"topic {name!r} is georep's own: it cannot be deleted")
+        incarnation = self._held(name).incarnation
+        refused = self.delete_refused()
+        if refused is not None:
+            raise TopicDeleteRefused(refused)
+        if not validate_only:
+            await self.changes.delete(name)
+        return incarnation
 
     async def alter_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         """Set or reset config keys (Kafka's names or georep's); ``validate_only`` checks and changes nothing."""

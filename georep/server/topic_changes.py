@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 from cluster.site_state import RefusalCode
 from georep.broker.errors import NotYetSupported
 from georep.metadata.store import UnknownTopic
-from georep.metadata.topic_entry import ConfigConflict, Merged, TopicEntry, add_partitions, alter, merge
+from georep.metadata.topic_entry import ConfigConflict, Merged, TopicEntry, add_partitions, alter, delete, merge
 from georep.metadata.topic_entry_codec import spec_of
 from georep.metadata.topics import InvalidTopic, TopicSpec
 from georep.raft.store import CommandRefused, RaftMetadataStore
@@ -96,6 +96,18 @@ class TopicChanges:
         self._live(name)
         await self.change([add_partitions(self.held(name), name, total)])
         return self.broker.topic(name)
+
+    async def delete(self, name: str) -> TopicEntry:
+        """Delete the live incarnation of ``name`` here (the tombstone replicates like any change); the tombstone.
+        Raises ``UnknownTopic``; ``TopicChangesUnsupported`` on a multi-node site (not built there yet)."""
+        self._live(name)
+        if isinstance(self.broker.metadata, RaftMetadataStore):
+            raise TopicChangesUnsupported(
+                f"a multi-node site cannot delete topic {name!r} yet: delete it at a one-node site its links reach"
+            )
+        entry = delete(self.held(name), name, self.broker.clock_ms(), self.broker.identity.site)
+        await self.change([entry])
+        return entry
 
     async def change(self, received: Sequence[TopicEntry]) -> list[Merged]:
         """:meth:`merge` on a one-node site; on a multi-node site, one Raft command (in a worker thread), whose
@@ -166,6 +178,8 @@ class TopicChanges:
         if new.deleted or old.deleted or new.incarnation != old.incarnation:
             if not old.deleted:
                 self.on_deleted(new if new.deleted else replace(old, deleted=True))
+            if not new.deleted and not self.broker.in_site:  # a later incarnation: served, in directories of its own
+                self._serve_new_incarnation(spec_of(new))
             return
         spec = spec_of(new)
         if logs:
@@ -174,6 +188,12 @@ class TopicChanges:
             log.info("topic %r grown from %d to %d partitions", spec.name, old.partitions, spec.partitions)
         if new.config() != old.config():
             self._reconfigure(spec)
+
+    def _serve_new_incarnation(self, spec: TopicSpec) -> None:
+        now = self.broker.clock_ms()
+        self.broker._serve_topic(spec, self.broker._open_logs(spec, now), now)
+        self.broker.on_topic(spec.name, spec.partitions)
+        log.info("topic %r is now incarnation %d (%d partitions)", spec.name, spec.incarnation, spec.partitions)
 
     def _open_new(self, spec: TopicSpec, first: int) -> list[PartitionLog]:
         return self.broker._open_logs(spec, self.broker.clock_ms(), first=first)

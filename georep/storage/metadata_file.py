@@ -104,7 +104,8 @@ class FileMetadataStore:
         try:
             return self._topics[name]
         except KeyError:
-            raise UnknownTopic(name) from None
+            entry = self._entries.get(name)
+            raise UnknownTopic(name, entry.stamp.site if entry is not None and entry.deleted else "") from None
 
     def create_topic(self, spec: TopicSpec) -> None:
         self.create_topics([spec])

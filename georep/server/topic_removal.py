@@ -1,0 +1,90 @@
+"""A deleted topic's partitions leave a one-node site's node: delete's data path after the tombstone (docs/design.md,
+"Topic changes across sites", "Storage").
+
+:class:`TopicRemoval` is ``TopicChanges.on_deleted``: told, once, of the tombstone of an incarnation this site held
+live, after ``topics.json`` holds it (step 1). On the event loop it stops serving the partitions (step 2: the
+broker forgets them, so producers and fetchers get ``UNKNOWN_TOPIC_OR_PARTITION`` / ``NOT_FOUND`` naming the
+delete; their waiting acks fail, their retention and flushes find them gone; the topic's metrics series go). Then,
+on the broker's replica writer (after any chunk of them still being applied), it closes their logs (releasing
+their descriptors from the handle cache) and moves their directories into ``deleted/`` (step 3), and removes them
+in the background (step 4). The steps a crash interrupts are finished at the next start
+(``georep/storage/deleted_dirs.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+from georep.broker.errors import NotLeader
+from georep.metadata.topic_entry import TopicEntry
+from georep.server.broker import Broker
+from georep.storage.api import PartitionLog
+from georep.storage.deleted_dirs import DELETED_DIR, move_to_deleted, remove_moved
+from georep.storage.partition_dirs import partition_dir_name
+
+log = logging.getLogger(__name__)
+
+
+class TopicRemoval:
+    """See the module docstring."""
+
+    def __init__(self, broker: Broker, forget_series: Callable[[str], None] = lambda topic: None) -> None:
+        self.broker = broker
+        self.forget_series = forget_series
+        self.deleted_dir = broker.data_dir / DELETED_DIR
+        self.pending: list[Future[None]] = []  # the removals under way (a test waits on them)
+
+    def __call__(self, entry: TopicEntry) -> None:
+        broker = self.broker
+        if broker.in_site:
+            log.error(
+                "topic %r (incarnation %d) was deleted at site %s; a multi-node site does not remove a deleted "
+                "topic's partitions yet: they stay on disk",
+                entry.name,
+                entry.incarnation,
+                entry.stamp.site,
+            )
+            return
+        keys = sorted(key for key in broker.partitions if key[0] == entry.name)
+        logs: list[tuple[str, PartitionLog]] = []
+        for key in keys:
+            logs.append((partition_dir_name(entry.name, key[1], entry.incarnation), broker.partitions[key].log))
+            broker.detach(key, NotLeader(entry.name, key[1], f"topic {entry.name!r} was deleted"))
+        self.forget_series(entry.name)
+        self.pending = [f for f in self.pending if not f.done()]
+        self.pending.append(broker.replica_writer.submit(self._move, entry, logs))
+        log.warning(
+            "topic %r (incarnation %d) deleted at site %s: its %d partition(s) here are no longer served and are "
+            "being removed",
+            entry.name,
+            entry.incarnation,
+            entry.stamp.site,
+            len(keys),
+        )
+
+    def _move(self, entry: TopicEntry, logs: list[tuple[str, PartitionLog]]) -> None:
+        """Off the event loop: close the logs, move their directories out, then remove them."""
+        for _, plog in logs:
+            try:
+                plog.close()
+            except OSError as exc:  # its files go whatever its last fsync said
+                log.warning(
+                    "closing a partition of deleted topic %r failed (%s): removed all the same", entry.name, exc
+                )
+        names = [name for name, _ in logs]
+        moved: list[Path] = []
+        try:
+            moved = move_to_deleted(self.broker.logs_dir, self.deleted_dir, names, entry.incarnation)
+        except OSError as exc:
+            log.error(
+                "cannot move the partitions of deleted topic %r out of %s (%s): the next start removes them",
+                entry.name,
+                self.broker.logs_dir,
+                exc,
+            )
+        if self.broker.checkpoint is not None:
+            self.broker.checkpoint.forget(names)
+        remove_moved(moved)
