@@ -66,7 +66,9 @@ SUPPORTED: dict[int, tuple[Any, Any, int, int]] = {
     35: (kadmin.DescribeLogDirsRequest, kadmin.DescribeLogDirsResponse, 1, 4),
     37: (kadmin.CreatePartitionsRequest, kadmin.CreatePartitionsResponse, 0, 3),  # refused per topic, with the reason
     36: (ksasl.SaslAuthenticateRequest, ksasl.SaslAuthenticateResponse, 0, 2),
+    42: (kadmin.DeleteGroupsRequest, kadmin.DeleteGroupsResponse, 0, 2),
     44: (kadmin.IncrementalAlterConfigsRequest, kadmin.IncrementalAlterConfigsResponse, 0, 1),  # refused, as 33
+    47: (kconsumer.OffsetDeleteRequest, kconsumer.OffsetDeleteResponse, 0, 0),
     60: (kadmin.DescribeClusterRequest, kadmin.DescribeClusterResponse, 0, 2),
 }
 API_VERSIONS = 18
