@@ -1142,20 +1142,28 @@ class PartitionOffset(_message.Message):
     PARTITION_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    VECTOR_FIELD_NUMBER: _builtins.int
     partition: _builtins.int
     offset: _builtins.int
     """-1 when no record has a timestamp that late"""
     timestamp_ms: _builtins.int
+    @_builtins.property
+    def vector(self) -> Global___VectorOffset:
+        """The vector of every record below offset (below the log end for -1): a consumer position that starts there,
+        the same at every site (georep group reset-offsets)
+        """
+
     def __init__(
         self,
         *,
         partition: _builtins.int = ...,
         offset: _builtins.int = ...,
         timestamp_ms: _builtins.int = ...,
+        vector: Global___VectorOffset | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["vector", b"vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "partition", b"partition", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "partition", b"partition", "timestamp_ms", b"timestamp_ms", "vector", b"vector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
