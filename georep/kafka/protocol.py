@@ -61,6 +61,7 @@ SUPPORTED: dict[int, tuple[Any, Any, int, int]] = {
     19: (kadmin.CreateTopicsRequest, kadmin.CreateTopicsResponse, 2, 7),
     20: (kadmin.DeleteTopicsRequest, kadmin.DeleteTopicsResponse, 1, 6),
     22: (kproducer.InitProducerIdRequest, kproducer.InitProducerIdResponse, 0, 4),
+    23: (kconsumer.OffsetForLeaderEpochRequest, kconsumer.OffsetForLeaderEpochResponse, 2, 4),
     32: (kadmin.DescribeConfigsRequest, kadmin.DescribeConfigsResponse, 1, 4),
     33: (kadmin.AlterConfigsRequest, kadmin.AlterConfigsResponse, 0, 2),  # refused per resource, with the reason
     35: (kadmin.DescribeLogDirsRequest, kadmin.DescribeLogDirsResponse, 1, 4),
