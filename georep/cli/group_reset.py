@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from georep.client.connection import Connection
-from georep.client.errors import GeorepError, InvalidRequest, Operation, from_rpc_error
+from georep.client.errors import GeorepError, InvalidRequest, Operation, UnknownGroup, from_rpc_error
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto, vector_to_proto
 from offsets.vector import InvalidVectorOffset, VectorOffset
@@ -114,10 +114,16 @@ def render_plan(group: str, topic: str, rows: Sequence[tuple[int, VectorOffset |
 Coordinated = Callable[[Connection, str, Callable[[Any], Awaitable[Any]]], Awaitable[Any]]
 
 
-async def _describe(connection: Connection, group: str, at: Coordinated) -> pb.GroupDescription:
-    d: pb.GroupDescription = await at(
-        connection, group, lambda stub: stub.DescribeGroup(pb.DescribeGroupRequest(group=group), timeout=TIMEOUT_S)
-    )
+async def _describe(connection: Connection, group: str, at: Coordinated, missing_ok: bool) -> pb.GroupDescription:
+    """The group, refused if it has members; a reset of a group unknown here starts it (as Kafka's)."""
+    try:
+        d: pb.GroupDescription = await at(
+            connection, group, lambda stub: stub.DescribeGroup(pb.DescribeGroupRequest(group=group), timeout=TIMEOUT_S)
+        )
+    except UnknownGroup:
+        if not missing_ok:
+            raise
+        return pb.GroupDescription(group=group)
     if d.members:
         raise GroupActive(
             f"group {group!r} has {len(d.members)} active member(s) at site {connection.origin}: stop its consumers "
@@ -164,7 +170,7 @@ async def _ends(connection: Connection, topic: str, partitions: list[int], targe
 async def reset(connection: Connection, args: argparse.Namespace, at: Coordinated) -> str:
     topic, chosen = parse_topic(args.topic)
     target = parse_target(args)
-    d = await _describe(connection, args.group, at)
+    d = await _describe(connection, args.group, at, missing_ok=True)
     described: pb.TopicDescription = await connection.stub.DescribeTopic(
         pb.DescribeTopicRequest(name=topic), timeout=TIMEOUT_S
     )
@@ -186,7 +192,7 @@ async def reset(connection: Connection, args: argparse.Namespace, at: Coordinate
 
 
 async def delete(connection: Connection, args: argparse.Namespace, at: Coordinated) -> str:
-    d = await _describe(connection, args.group, at)
+    d = await _describe(connection, args.group, at, missing_ok=False)
     commits = [
         pb.PartitionCommit(topic=c.topic, partition=c.partition, deleted=True, hint_offset=-1) for c in d.offsets
     ]
