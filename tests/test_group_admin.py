@@ -5,15 +5,18 @@ position: georep's own consumer and confluent-kafka's."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from georep.proto import georep_pb2 as pb
 from georep.server.process import NodeProcess
+from offsets.commits import OFFSETS_TOPIC
 from tests.support.cli import georep, ok
 from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address, read_frame
+from tests.support.sites import Sites, converged, wait_until
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 kafka = pytest.importorskip("kafka")
@@ -155,3 +158,32 @@ def exchange(address: str, request: object, response_cls: object) -> object:
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(bytes(request.encode(header=True, framed=True)))  # type: ignore[attr-defined]
         return response_cls.decode(read_frame(sock), version=request.API_VERSION, header=True)  # type: ignore[attr-defined]
+
+
+def test_a_delete_reaches_every_site_and_an_older_commit_from_another_site_does_not_undo_it(
+    make_sites: Callable[..., Sites],
+) -> None:
+    sites = make_sites(["a", "b"], [("a", "b"), ("b", "a")])
+    sites.start()
+    a, b = sites.address("a"), sites.address("b")
+    ok(georep("topic", "create", "t", "--partitions", "1", "--bootstrap", a))
+    ok(georep("produce", "t", "--bootstrap", a, "--acks", "geo:2", stdin=b"r0\nr1\nr2\n"))
+    ok(georep("group", "reset-offsets", "g", "--topic", "t", "--to-latest", "--bootstrap", a))
+    wait_until("a's commit reaches b", lambda: known(b, "g"), 20)
+
+    # b commits while a does not hear from it; a's delete comes later, with a larger stamp. When b's older
+    # commit reaches a afterwards, it must not bring the position back, at a or at b.
+    sites.stub("a").SetLink(pb.SetLinkRequest(src="b", enabled=False), timeout=5)
+    ok(georep("group", "reset-offsets", "g", "--topic", "t", "--to-earliest", "--bootstrap", b))
+    ok(georep("group", "delete", "g", "--bootstrap", a))
+    assert not known(a, "g")
+    wait_until("the delete reaches b", lambda: not known(b, "g"), 20)
+    sites.stub("a").SetLink(pb.SetLinkRequest(src="b", enabled=True), timeout=5)
+    wait_until("b's older commit reaches a", lambda: converged(sites, ["a", "b"], OFFSETS_TOPIC), 20)
+    assert not known(a, "g") and not known(b, "g"), "an older commit brought a deleted position back"
+
+
+def known(bootstrap: str, group: str) -> bool:
+    result = georep("group", "describe", group, "--bootstrap", bootstrap)
+    assert result.returncode == 0 or "unknown group" in result.stderr.decode(), result.stderr.decode()
+    return result.returncode == 0
