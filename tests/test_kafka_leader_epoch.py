@@ -6,6 +6,7 @@ leader gets UNKNOWN_LEADER_EPOCH or FENCED_LEADER_EPOCH, as from Kafka."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,3 +155,81 @@ def test_end_of_epoch_rules() -> None:
 
 
 _: type[SiteView] = EpochView  # the fake view meets the gateway's port
+
+
+# -- a confluent-kafka consumer across a leader change on a 3-node site ---------------------------------------
+
+
+@pytest.mark.slow
+def test_a_consumer_reads_on_across_a_leader_change_without_a_truncation(tmp_path: Path) -> None:
+    """librdkafka sees the partition's leader epoch grow in Metadata and validates its position with
+    OffsetForLeaderEpoch at the new leader: it goes on reading every record, once, with no truncation error."""
+    confluent_kafka = pytest.importorskip("confluent_kafka")
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from tests.support.cluster_site import ClusterSite
+    from tests.support.kafka_nodes import poll_until
+
+    site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500"], kafka=True)
+    site.start()
+    try:
+        bootstrap = ",".join(site.kafka_address(n) for n in (1, 2, 3))
+        admin = AdminClient({"bootstrap.servers": bootstrap})  # held: a handle dropped fails its futures
+        admin.create_topics([NewTopic("e", 1, 3)])["e"].result(15)
+        victim = site.wait_leader("e")
+        p = confluent_kafka.Producer({"bootstrap.servers": bootstrap, "acks": "all", "message.timeout.ms": 60_000})
+
+        def produce(first: int) -> None:
+            for i in range(first, first + 50):
+                p.produce("e", value=b"v-%d" % i, partition=0)
+            assert p.flush(60) == 0
+
+        lines: list[str] = []
+        logger = logging.getLogger("rdkafka-epoch")
+        logger.addHandler(ListHandler(lines))
+        logger.setLevel(logging.DEBUG)
+        c = confluent_kafka.Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": "epoch",
+                "enable.auto.commit": False,
+                "topic.metadata.refresh.interval.ms": 500,
+                "debug": "consumer,topic,protocol",
+                "logger": logger,
+            }
+        )
+        c.assign([confluent_kafka.TopicPartition("e", 0, confluent_kafka.OFFSET_BEGINNING)])
+        got: list[bytes] = []
+        errors: list[object] = []
+
+        def step() -> None:
+            m = c.poll(0.5)
+            if m is not None:
+                (errors.append(m.error()) if m.error() else got.append(m.value()))
+
+        try:
+            produce(0)
+            poll_until("the first 50 records are read", step, lambda: len(got) >= 50)
+            site.nodes[victim].kill9()
+            assert site.wait_leader("e", not_node=victim) != victim
+            produce(50)
+            poll_until("the next 50 records are read from the new leader", step, lambda: len(got) >= 100)
+            for _ in range(4):  # and nothing more (a duplicate) arrives
+                step()
+        finally:
+            c.close()
+        assert errors == []
+        assert got == [b"v-%d" % i for i in range(100)]
+        validated = [line for line in lines if "Sent OffsetForLeaderEpochRequest" in line]
+        assert validated, "the consumer validated its position at the new leader"
+    finally:
+        site.close()
+
+
+class ListHandler(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
