@@ -123,6 +123,36 @@ class Denied(Exception):
 Pending = Awaitable[Any]  # what is left of a request: resolves to the response object, or None (no response)
 
 
+async def _offset_for_leader_epoch(g: KafkaGateway, req: Request, peer: Client) -> Any:
+    """OffsetForLeaderEpoch (a function: the class is at its bound of methods): each partition's end of the epoch
+    asked for (``georep/kafka/leader_epochs.py``); the leader's epoch is the one Metadata names, its readable end
+    the high watermark that Fetch reports."""
+    r = kconsumer.OffsetForLeaderEpochResponse
+    rt, rp = r.OffsetForLeaderTopicResult, r.OffsetForLeaderTopicResult.EpochEndOffset
+    out = []
+    for t in req.body.topics:
+        parts = []
+        for lp in t.partitions:
+            try:
+                g._allow(peer, Operation.CONSUME, [acl_topic(t.topic)])
+                plog = g.broker.partition(t.topic, lp.partition).log
+                leader_epoch = g._view([(t.topic, lp.partition)]).route(t.topic, lp.partition).leader_epoch
+                end = end_of_epoch(lp.leader_epoch, lp.current_leader_epoch, leader_epoch, plog.flushed_offset)
+                parts.append(
+                    rp(
+                        partition=lp.partition,
+                        error_code=end.error,
+                        leader_epoch=end.leader_epoch,
+                        end_offset=end.end_offset,
+                    )
+                )
+            except Exception as exc:
+                code = g._code(exc, t.topic, lp.partition)
+                parts.append(rp(partition=lp.partition, error_code=code, leader_epoch=-1, end_offset=-1))
+        out.append(rt(topic=t.topic, partitions=parts))
+    return r(topics=out)
+
+
 class KafkaGateway:
     def __init__(
         self,
@@ -603,34 +633,6 @@ class KafkaGateway:
                         )
                     )
             out.append(r.ListOffsetsTopicResponse(name=t.name, partitions=parts))
-        return r(topics=out)
-
-    async def _offset_for_leader_epoch(self, req: Request, peer: Client) -> Any:
-        """Each partition's end of the epoch asked for (``georep/kafka/leader_epochs.py``): the leader's epoch is
-        the one Metadata names, its readable end the high watermark that Fetch reports."""
-        r = kconsumer.OffsetForLeaderEpochResponse
-        rt, rp = r.OffsetForLeaderTopicResult, r.OffsetForLeaderTopicResult.EpochEndOffset
-        out = []
-        for t in req.body.topics:
-            parts = []
-            for lp in t.partitions:
-                try:
-                    self._allow(peer, Operation.CONSUME, [acl_topic(t.topic)])
-                    plog = self.broker.partition(t.topic, lp.partition).log
-                    leader_epoch = self._view([(t.topic, lp.partition)]).route(t.topic, lp.partition).leader_epoch
-                    end = end_of_epoch(lp.leader_epoch, lp.current_leader_epoch, leader_epoch, plog.flushed_offset)
-                    parts.append(
-                        rp(
-                            partition=lp.partition,
-                            error_code=end.error,
-                            leader_epoch=end.leader_epoch,
-                            end_offset=end.end_offset,
-                        )
-                    )
-                except Exception as exc:
-                    code = self._code(exc, t.topic, lp.partition)
-                    parts.append(rp(partition=lp.partition, error_code=code, leader_epoch=-1, end_offset=-1))
-            out.append(rt(topic=t.topic, partitions=parts))
         return r(topics=out)
 
     # -- groups -----------------------------------------------------------------------------------------------
