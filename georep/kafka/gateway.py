@@ -45,6 +45,7 @@ from georep.broker import fetch
 from georep.broker.acks import LEADER, AckKind, Acks
 from georep.broker.errors import NotLeader
 from georep.kafka import errors as k
+from georep.kafka import group_admin
 from georep.kafka.cluster import NO_GROUPS, OneNode, SiteView, ViewOf
 from georep.kafka.leader_epochs import end_of_epoch
 from georep.kafka.offsets import FetchFilters, vector_at
@@ -959,53 +960,6 @@ class KafkaGateway:
             )
         return r(groups=out)
 
-    async def _delete_groups(self, req: Request, peer: Client) -> Any:
-        """DeleteGroups: every committed position of each group, with tombstone commits that replicate to every
-        site (``GroupService.delete``); NON_EMPTY_GROUP while a group has members, GROUP_ID_NOT_FOUND for one
-        this site has no position of."""
-        r = kadmin.DeleteGroupsResponse
-        results = []
-        for name in req.body.groups_names:
-            code = 0
-            try:
-                self._allow(peer, Operation.COMMIT, [acl_group(name)])
-                await self.groups.delete(name, None)
-            except Exception as exc:
-                code = self._code(exc)
-            results.append(r.DeletableGroupResult(group_id=name, error_code=code))
-        return r(results=results)
-
-    async def _offset_delete(self, req: Request, peer: Client) -> Any:
-        """OffsetDelete: the group's positions of the partitions named, as DeleteGroups does; a partition of a
-        topic that an active member subscribes to gets GROUP_SUBSCRIBED_TO_TOPIC, as in Kafka, and the others
-        are deleted even while the group has members."""
-        r = kconsumer.OffsetDeleteResponse
-        rt, rp = r.OffsetDeleteResponseTopic, r.OffsetDeleteResponseTopic.OffsetDeleteResponsePartition
-        b = req.body
-        try:
-            self._allow(peer, Operation.COMMIT, [acl_group(b.group_id)])
-            await self.groups.sync()
-            subscribed = self.groups.subscribed(b.group_id)
-            wanted = [(t.name, p.partition_index) for t in b.topics for p in t.partitions]
-            await self.groups.delete(b.group_id, [tp for tp in wanted if tp[0] not in subscribed], members_ok=True)
-        except Exception as exc:
-            return r(error_code=self._code(exc), topics=[])
-        return r(
-            topics=[
-                rt(
-                    name=t.name,
-                    partitions=[
-                        rp(
-                            partition_index=p.partition_index,
-                            error_code=k.GROUP_SUBSCRIBED_TO_TOPIC if t.name in subscribed else 0,
-                        )
-                        for p in t.partitions
-                    ],
-                )
-                for t in b.topics
-            ]
-        )
-
     # -- errors -------------------------------------------------------------------------------------------------
 
     def _code(self, exc: BaseException, topic: str | None = None, index: int = 0) -> int:
@@ -1041,9 +995,9 @@ class KafkaGateway:
         33: _topic_changes,
         35: _describe_log_dirs,
         37: _topic_changes,
-        42: _delete_groups,
+        42: group_admin.delete_groups,
         44: _topic_changes,
-        47: _offset_delete,
+        47: group_admin.offset_delete,
         60: _describe_cluster,
     }
 
