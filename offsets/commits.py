@@ -28,6 +28,14 @@ commit of the deleted incarnation arrives after the re-create.
 ``ho`` is the committing consumer's local offset at the committing site
 (``by``): a consumer resuming at that same site and epoch can start its fetch
 there instead of searching the origin index.
+
+**Deletes** (Kafka's DeleteGroups and OffsetDelete, ``georep group delete``) are
+commit records too, with ``"del": 1`` and an empty vector: a tombstone that wins
+by ``(hlc, by)`` like any commit, so it replicates with the commits and a stale
+commit from another site, stamped before it, cannot bring the position back.
+The table keeps the tombstone as the winner and hides it from every read; a
+later commit (a larger stamp) replaces it, as a commit after a delete does in
+Kafka.
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ class Commit:
     committed_at_ms: int = 0
     metadata: str = ""
     incarnation: int = 0
+    deleted: bool = False  # a tombstone: the group's position here is gone
 
     @property
     def order(self) -> tuple[int, str]:
@@ -106,6 +115,8 @@ class Commit:
         }
         if self.incarnation:
             doc["i"] = self.incarnation
+        if self.deleted:
+            doc["del"] = 1
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
     @classmethod
@@ -125,6 +136,7 @@ class Commit:
                 committed_at_ms=int(doc.get("at", 0)),
                 metadata=str(doc.get("md", "")),
                 incarnation=int(doc.get("i", 0)),
+                deleted=bool(doc.get("del", 0)),
             )
         # OverflowError: int() of a JSON 1e400 or Infinity; RecursionError: deeply nested JSON.
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
@@ -159,11 +171,14 @@ class CommitTable:
         return True
 
     def get(self, group: str, topic: str, partition: int) -> Commit | None:
-        return self.latest.get((group, topic, partition))
+        """The winning commit, or None if there is none or a delete won."""
+        c = self.latest.get((group, topic, partition))
+        return None if c is None or c.deleted else c
 
     def groups(self) -> list[str]:
-        return sorted({g for g, _, _ in self.latest})
+        return sorted({g for (g, _, _), c in self.latest.items() if not c.deleted})
 
     def of_group(self, group: str) -> Iterator[Commit]:
         for key in sorted(k for k in self.latest if k[0] == group):
-            yield self.latest[key]
+            if not self.latest[key].deleted:
+                yield self.latest[key]

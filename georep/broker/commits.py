@@ -66,6 +66,7 @@ class CommitEntry:
     vector: VectorOffset
     hint_offset: int = -1
     metadata: str = ""
+    deleted: bool = False  # a tombstone (offsets/commits.py): the position is deleted
 
 
 def check_commit_request(group: str, entries: Sequence[CommitEntry]) -> str:
@@ -198,6 +199,7 @@ class CommitLog:
                 committed_at_ms=now_ms,
                 metadata=c.metadata,
                 incarnation=(incarnations or {}).get(c.topic, 0),
+                deleted=c.deleted,
             )
             for c in entries
         ]

@@ -104,6 +104,10 @@ class UnknownGroup(BrokerError):
     """A group this site has neither members nor commits of."""
 
 
+class GroupNotEmpty(BrokerError):
+    """A delete of a group's positions while the group has active members (Kafka's NON_EMPTY_GROUP)."""
+
+
 class CommitsBehind(BrokerError):
     """A live upstream holds commits this site lacks: answering now could hand out a stale position.
 

@@ -1,4 +1,5 @@
-"""``georep group list|describe``: consumer groups as one site sees them.
+"""``georep group list|describe``: consumer groups as one site sees them (``reset-offsets`` and ``delete``:
+``georep/cli/group_reset.py``).
 
 Membership lives at the site a consumer is connected to (each site
 coordinates its own members), while commits replicate to every site. So both
@@ -26,12 +27,13 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import grpc
 
+from georep.cli import group_reset
 from georep.cli.tls_args import TlsArgsError, client_tls
 from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.client.connection import BOOTSTRAP_ENV, Connection, default_bootstrap, parse_bootstrap
@@ -68,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     listing = actions.add_parser("list", help="every group this site has members or commits of")
     describe = actions.add_parser("describe", help="members, assignments, committed vectors and lag of one group")
     describe.add_argument("group")
-    for sub in (listing, describe):
+
+    def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument(
             "--bootstrap",
             "--bootstrap-server",  # kafka-*.sh spelling
@@ -77,8 +80,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="HOST:PORT[,HOST:PORT]",
             help=f"node(s) to ask; the first reachable one answers (default: ${BOOTSTRAP_ENV}, else 127.0.0.1:7101)",
         )
-        sub.add_argument("--json", action="store_true", help="one JSON document instead of a table")
+        if sub.prog.split()[-1] in ("list", "describe"):
+            sub.add_argument("--json", action="store_true", help="one JSON document instead of a table")
         add_client_tls_arguments(sub, data_dir=True)
+
+    common(listing)
+    common(describe)
+    group_reset.add_arguments(actions, common)
 
 
 # --- rendering (pure) ----------------------------------------------------------------
@@ -312,16 +320,21 @@ async def _fill_lags(connection: Connection, d: pb.GroupDescription) -> None:
 
 
 async def _describe(connection: Connection, group: str) -> pb.GroupDescription:
-    """``DescribeGroup`` at the group's coordinator: the connected node, or the one a ``NotLeader`` names."""
+    """``DescribeGroup`` at the group's coordinator."""
+    description: pb.GroupDescription = await _at_coordinator(
+        connection, group, lambda stub: stub.DescribeGroup(pb.DescribeGroupRequest(group=group), timeout=TIMEOUT_S)
+    )
+    return description
+
+
+async def _at_coordinator(connection: Connection, group: str, call: Callable[[Any], Awaitable[Any]]) -> Any:
+    """``call`` at the group's coordinator: the connected node, or the one a ``NotLeader`` names."""
     node = connection
     try:
         for _attempt in range(COORDINATOR_ATTEMPTS):
             try:
                 stub = await node.connect()
-                description: pb.GroupDescription = await stub.DescribeGroup(
-                    pb.DescribeGroupRequest(group=group), timeout=TIMEOUT_S
-                )
-                return description
+                return await call(stub)
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc, node.address, operation=Operation.GROUP)
             except NodeUnavailable as exc:
@@ -346,14 +359,18 @@ async def _describe(connection: Connection, group: str) -> pb.GroupDescription:
 
 
 async def _ask(
-    bootstrap: str, action: str, group: str, tls: TlsConfig | None = None
-) -> tuple[str, pb.ListGroupsResponse | pb.GroupDescription]:
+    bootstrap: str, action: str, group: str, tls: TlsConfig | None = None, args: argparse.Namespace | None = None
+) -> tuple[str, pb.ListGroupsResponse | pb.GroupDescription | str]:
     connection = Connection(bootstrap, tls=tls)
     try:
         await connection.connect()
         try:
             if action == "list":
                 return connection.origin, await _list(connection)
+            if args is not None and action == "reset-offsets":
+                return connection.origin, await group_reset.reset(connection, args, _at_coordinator)
+            if args is not None and action == "delete":
+                return connection.origin, await group_reset.delete(connection, args, _at_coordinator)
             description = await _describe(connection, group)
             await _fill_lags(connection, description)
             return connection.origin, description
@@ -365,14 +382,18 @@ async def _ask(
 
 def main(args: argparse.Namespace) -> int:
     try:
-        site, answer = asyncio.run(_ask(args.bootstrap, args.action, getattr(args, "group", ""), client_tls(args)))
+        site, answer = asyncio.run(
+            _ask(args.bootstrap, args.action, getattr(args, "group", ""), client_tls(args), args)
+        )
     except TlsArgsError as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return 2
     except GeorepError as exc:
         print(f"georep: error: {exc.message}", file=sys.stderr)
         return EXIT_ERROR
-    if isinstance(answer, pb.ListGroupsResponse):
+    if isinstance(answer, str):
+        print(answer)
+    elif isinstance(answer, pb.ListGroupsResponse):
         print(json.dumps(list_json(site, answer)) if args.json else render_list(site, answer))
     else:
         print(json.dumps(describe_json(site, answer)) if args.json else render_describe(site, answer))

@@ -45,7 +45,9 @@ from georep.broker import fetch
 from georep.broker.acks import LEADER, AckKind, Acks
 from georep.broker.errors import NotLeader
 from georep.kafka import errors as k
+from georep.kafka import group_admin
 from georep.kafka.cluster import NO_GROUPS, OneNode, SiteView, ViewOf
+from georep.kafka.leader_epochs import end_of_epoch
 from georep.kafka.offsets import FetchFilters, vector_at
 from georep.kafka.protocol import Request, api_versions_body
 from georep.kafka.records import InvalidStored, RecordsError, convert_fetched, kafka_to_georep
@@ -121,6 +123,36 @@ class Denied(Exception):
 
 
 Pending = Awaitable[Any]  # what is left of a request: resolves to the response object, or None (no response)
+
+
+async def _offset_for_leader_epoch(g: KafkaGateway, req: Request, peer: Client) -> Any:
+    """OffsetForLeaderEpoch (a function: the class is at its bound of methods): each partition's end of the epoch
+    asked for (``georep/kafka/leader_epochs.py``); the leader's epoch is the one Metadata names, its readable end
+    the high watermark that Fetch reports."""
+    r = kconsumer.OffsetForLeaderEpochResponse
+    rt, rp = r.OffsetForLeaderTopicResult, r.OffsetForLeaderTopicResult.EpochEndOffset
+    out = []
+    for t in req.body.topics:
+        parts = []
+        for lp in t.partitions:
+            try:
+                g._allow(peer, Operation.CONSUME, [acl_topic(t.topic)])
+                plog = g.broker.partition(t.topic, lp.partition).log
+                leader_epoch = g._view([(t.topic, lp.partition)]).route(t.topic, lp.partition).leader_epoch
+                end = end_of_epoch(lp.leader_epoch, lp.current_leader_epoch, leader_epoch, plog.flushed_offset)
+                parts.append(
+                    rp(
+                        partition=lp.partition,
+                        error_code=end.error,
+                        leader_epoch=end.leader_epoch,
+                        end_offset=end.end_offset,
+                    )
+                )
+            except Exception as exc:
+                code = g._code(exc, t.topic, lp.partition)
+                parts.append(rp(partition=lp.partition, error_code=code, leader_epoch=-1, end_offset=-1))
+        out.append(rt(topic=t.topic, partitions=parts))
+    return r(topics=out)
 
 
 class KafkaGateway:
@@ -972,11 +1004,14 @@ class KafkaGateway:
         19: _create_topics,
         20: _delete_topics,
         22: _init_producer_id,
+        23: _offset_for_leader_epoch,
         32: _describe_configs,
         33: _topic_changes,
         35: _describe_log_dirs,
         37: _topic_changes,
+        42: group_admin.delete_groups,
         44: _topic_changes,
+        47: group_admin.offset_delete,
         60: _describe_cluster,
     }
 

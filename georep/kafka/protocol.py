@@ -61,12 +61,15 @@ SUPPORTED: dict[int, tuple[Any, Any, int, int]] = {
     19: (kadmin.CreateTopicsRequest, kadmin.CreateTopicsResponse, 2, 7),
     20: (kadmin.DeleteTopicsRequest, kadmin.DeleteTopicsResponse, 1, 6),
     22: (kproducer.InitProducerIdRequest, kproducer.InitProducerIdResponse, 0, 4),
+    23: (kconsumer.OffsetForLeaderEpochRequest, kconsumer.OffsetForLeaderEpochResponse, 2, 4),
     32: (kadmin.DescribeConfigsRequest, kadmin.DescribeConfigsResponse, 1, 4),
     33: (kadmin.AlterConfigsRequest, kadmin.AlterConfigsResponse, 0, 2),  # refused per resource, with the reason
     35: (kadmin.DescribeLogDirsRequest, kadmin.DescribeLogDirsResponse, 1, 4),
     37: (kadmin.CreatePartitionsRequest, kadmin.CreatePartitionsResponse, 0, 3),  # refused per topic, with the reason
     36: (ksasl.SaslAuthenticateRequest, ksasl.SaslAuthenticateResponse, 0, 2),
+    42: (kadmin.DeleteGroupsRequest, kadmin.DeleteGroupsResponse, 0, 2),
     44: (kadmin.IncrementalAlterConfigsRequest, kadmin.IncrementalAlterConfigsResponse, 0, 1),  # refused, as 33
+    47: (kconsumer.OffsetDeleteRequest, kconsumer.OffsetDeleteResponse, 0, 0),
     60: (kadmin.DescribeClusterRequest, kadmin.DescribeClusterResponse, 0, 2),
 }
 API_VERSIONS = 18

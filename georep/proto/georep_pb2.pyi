@@ -1142,20 +1142,28 @@ class PartitionOffset(_message.Message):
     PARTITION_FIELD_NUMBER: _builtins.int
     OFFSET_FIELD_NUMBER: _builtins.int
     TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    VECTOR_FIELD_NUMBER: _builtins.int
     partition: _builtins.int
     offset: _builtins.int
     """-1 when no record has a timestamp that late"""
     timestamp_ms: _builtins.int
+    @_builtins.property
+    def vector(self) -> Global___VectorOffset:
+        """The vector of every record below offset (below the log end for -1): a consumer position that starts there,
+        the same at every site (georep group reset-offsets)
+        """
+
     def __init__(
         self,
         *,
         partition: _builtins.int = ...,
         offset: _builtins.int = ...,
         timestamp_ms: _builtins.int = ...,
+        vector: Global___VectorOffset | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["vector", b"vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "partition", b"partition", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offset", b"offset", "partition", b"partition", "timestamp_ms", b"timestamp_ms", "vector", b"vector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1934,11 +1942,16 @@ class PartitionCommit(_message.Message):
     VECTOR_FIELD_NUMBER: _builtins.int
     HINT_OFFSET_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    DELETED_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     partition: _builtins.int
     hint_offset: _builtins.int
     """the consumer's local offset at this site, -1 if unknown"""
     metadata: _builtins.str
+    deleted: _builtins.bool
+    """A delete of the group's position here (georep group delete, Kafka's DeleteGroups and OffsetDelete): a
+    tombstone commit, refused while the group has members; the vector is ignored
+    """
     @_builtins.property
     def vector(self) -> Global___VectorOffset: ...
     def __init__(
@@ -1949,10 +1962,11 @@ class PartitionCommit(_message.Message):
         vector: Global___VectorOffset | None = ...,
         hint_offset: _builtins.int = ...,
         metadata: _builtins.str = ...,
+        deleted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["vector", b"vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hint_offset", b"hint_offset", "metadata", b"metadata", "partition", b"partition", "topic", b"topic", "vector", b"vector"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "hint_offset", b"hint_offset", "metadata", b"metadata", "partition", b"partition", "topic", b"topic", "vector", b"vector"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

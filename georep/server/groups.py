@@ -48,6 +48,7 @@ from georep.broker.acks import Acks
 from georep.broker.commits import CommitEntry, CommitLog, check_commit_request, commit_batch, lacks
 from georep.broker.errors import (
     CommitsBehind,
+    GroupNotEmpty,
     InvalidRequest,
     NotCoordinator,
     NotLeader,
@@ -310,23 +311,29 @@ class GroupService:
         for group, member in self.coordinator.expire(self.clock_ms()):
             log.info("member %s of group %r left: no heartbeat within its session timeout", member, group)
 
-    async def commit(self, req: pb.CommitOffsetsRequest) -> pb.CommitOffsetsResponse:
+    async def commit(self, req: pb.CommitOffsetsRequest, members_ok: bool = False) -> pb.CommitOffsetsResponse:
+        """A commit (``members_ok``: an OffsetDelete's tombstones of topics no member subscribes to, which Kafka
+        deletes while the group has members)."""
         entries = []
         for pc in req.commits:
             try:
-                vector = vector_from_proto(pc.vector)
+                vector = VectorOffset() if pc.deleted else vector_from_proto(pc.vector)
             except InvalidVectorOffset as exc:
                 raise InvalidRequest(f"malformed vector offset: {exc}") from None
-            entries.append(CommitEntry(pc.topic, pc.partition, vector, pc.hint_offset, pc.metadata))
+            entries.append(CommitEntry(pc.topic, pc.partition, vector, pc.hint_offset, pc.metadata, pc.deleted))
         group = check_commit_request(req.group, entries)
         for e in entries:
-            self._check_partition(e.topic, e.partition)
+            if not e.deleted:  # a position of a topic deleted since may still be deleted
+                self._check_partition(e.topic, e.partition)
         await self._ensure_offsets_topic(group)
         await self.sync()
         self._coordinated(group)
-        self.coordinator.check_commit(
-            group, req.member_id, req.generation, sorted((e.topic, e.partition) for e in entries)
-        )
+        if any(e.deleted for e in entries) and not members_ok:
+            self._check_deletable(group, req.member_id)
+        if not members_ok:
+            self.coordinator.check_commit(
+                group, req.member_id, req.generation, sorted((e.topic, e.partition) for e in entries)
+            )
         now = self.clock_ms()
         stamp = self.commits.stamp(now, req.after_hlc, self.broker.identity.site)
         origin = self.broker.origin
@@ -349,6 +356,47 @@ class GroupService:
         if waiter is not None:
             await waiter
         return pb.CommitOffsetsResponse(hlc=stamp, committed_by=str(origin))
+
+    def subscribed(self, group: str) -> set[str]:
+        """The topics the group's active members subscribe to."""
+        g = self.coordinator.groups.get(group)
+        return set() if g is None else {t for m in g.members.values() for t in m.topics}
+
+    async def delete(
+        self, group: str, partitions: list[tuple[str, int]] | None, members_ok: bool = False
+    ) -> list[tuple[str, int]]:
+        """Delete ``group``'s positions (``partitions``; all of them if None) with tombstone commits, as an
+        administrator (no member id); returns the partitions deleted. ``UnknownGroup`` for a group with neither
+        members nor positions, ``GroupNotEmpty`` while it has members. Partitions it has no position of are left
+        out: nothing to delete."""
+        group = validate_group(group)
+        await self._ensure_offsets_topic(group)
+        await self.sync()
+        self._coordinated(group)
+        g = self.coordinator.groups.get(group)
+        held = [(c.topic, c.partition) for c in self.table.of_group(group)]
+        if not held and (g is None or not g.members):
+            raise UnknownGroup(
+                f"unknown group {group!r} at site {self.broker.identity.site}: no members and no committed "
+                "positions here (list groups with 'georep group list')"
+            )
+        if not members_ok:
+            self._check_deletable(group, "")
+        doomed = held if partitions is None else sorted(set(partitions) & set(held))
+        if doomed:
+            commits = [pb.PartitionCommit(topic=t, partition=i, deleted=True, hint_offset=-1) for t, i in doomed]
+            await self.commit(pb.CommitOffsetsRequest(group=group, generation=-1, commits=commits), members_ok)
+        return doomed
+
+    def _check_deletable(self, group: str, member_id: str) -> None:
+        """A delete is an administrator's, and only of a group with no active member (Kafka's NON_EMPTY_GROUP)."""
+        g = self.coordinator.groups.get(group)
+        if member_id or (g is not None and g.members):
+            n = len(g.members) if g is not None else 0
+            raise GroupNotEmpty(
+                f"group {group!r} has {n} active member(s) at site {self.broker.identity.site}: stop its consumers "
+                "(or wait for their sessions to time out), then delete its offsets again"
+            )
 
     async def fetch_committed(self, req: pb.FetchCommittedRequest) -> pb.FetchCommittedResponse:
         group = validate_group(req.group)

@@ -54,10 +54,11 @@ from georep.server.status import DOMAIN_ERRORS, reason_of
 from georep.server.topic_calls import TopicCalls
 from georep.server.topic_changes import TopicChanges
 from georep.server.topic_creation import create_topics
-from georep.storage.api import BatchDamaged
+from georep.storage.api import BatchDamaged, PartitionLog
 from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog, SegmentElsewhere
 from offsets.coordinates import InvalidOrigin, Origin
 from offsets.held import HeldEntry, ServedGate
+from offsets.log_prefix import vector_below
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.ids import InvalidNodeId, InvalidSiteId, node_id, site_id
 
@@ -276,13 +277,20 @@ class NodeService:
             if req.WhichOneof("spec") == "timestamp_ms":
                 at = offset_for_time(plog, req.timestamp_ms)  # the rule Kafka's ListOffsets follows too
                 out.append(
-                    pb.PartitionOffset(partition=i, offset=-1 if at is None else at, timestamp_ms=req.timestamp_ms)
+                    pb.PartitionOffset(
+                        partition=i,
+                        offset=-1 if at is None else at,
+                        timestamp_ms=req.timestamp_ms,
+                        vector=_vector_below(plog, plog.flushed_offset if at is None else at),
+                    )
                 )
             elif req.position == pb.START_LATEST:
                 # the high watermark, as in Kafka: what a read from 'latest' starts at (broker/fetch.py)
-                out.append(pb.PartitionOffset(partition=i, offset=plog.flushed_offset, timestamp_ms=-1))
+                at = plog.flushed_offset
+                out.append(pb.PartitionOffset(partition=i, offset=at, timestamp_ms=-1, vector=_vector_below(plog, at)))
             else:
-                out.append(pb.PartitionOffset(partition=i, offset=plog.log_start_offset, timestamp_ms=-1))
+                at = plog.log_start_offset
+                out.append(pb.PartitionOffset(partition=i, offset=at, timestamp_ms=-1, vector=_vector_below(plog, at)))
         return pb.ListOffsetsResponse(offsets=out)
 
     # -- produce --------------------------------------------------------------
@@ -816,3 +824,9 @@ def _fetch_start(req: pb.FetchRequest) -> FetchStart:
                 hint_origin = None  # a hint is only a shortcut: without it the vector alone says where
         return FromVector(_vector_from_pb(req.vector), hint_origin, req.hint_offset)
     return Latest() if req.position == pb.START_LATEST else Earliest()
+
+
+def _vector_below(plog: PartitionLog, offset: int) -> pb.VectorOffset:
+    """The vector of every record below ``offset``: a position there that means the same at every site."""
+    segment = plog.segment_at(offset)
+    return vector_to_proto(vector_below(segment.start_vector, segment.entries, offset))

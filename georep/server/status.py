@@ -79,6 +79,7 @@ STATUS: dict[type[Exception], tuple[grpc.StatusCode, Reason]] = {
     IllegalGeneration: (Code.ABORTED, R.GROUP_REBALANCED),
     NotAssigned: (Code.ABORTED, R.GROUP_REBALANCED),
     e.CommitsBehind: (Code.ABORTED, R.COMMITS_BEHIND),
+    e.GroupNotEmpty: (Code.FAILED_PRECONDITION, R.INVALID_REQUEST),  # the message says: stop the consumers first
     # A newer leader fenced this node's copy, or sealed its segment: to a member's leader (the Segments service)
     # the code says stop writing; to a producer the reason says ask who leads now and send there (Kafka's
     # FENCED_LEADER_EPOCH, which its producer retries).
