@@ -85,6 +85,7 @@ EXPECTED: dict[type[Exception], tuple[type[c.GeorepError], ...]] = {
     e.NoTopology: same(c.NotSupported),
     e.SingleNodeSite: same(c.NotSupported),
     e.TopicDeleteRefused: same(c.NotSupported),
+    e.GroupNotEmpty: same(c.InvalidRequest),  # the message says: stop the group's consumers first
     IllegalGeneration: (SE, SE, c.GroupRebalanced, SE),
     NotAssigned: (SE, SE, c.GroupRebalanced, SE),
     e.CommitsBehind: (SE, SE, c.CommitsBehind, SE),
