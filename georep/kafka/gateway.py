@@ -45,7 +45,7 @@ from georep.broker import fetch
 from georep.broker.acks import LEADER, AckKind, Acks
 from georep.broker.errors import NotLeader
 from georep.kafka import errors as k
-from georep.kafka.cluster import NO_GROUPS, OneNode, SiteView, ViewOf
+from georep.kafka.cluster import NO_COORDINATOR, OneNode, SiteView, ViewOf
 from georep.kafka.offsets import FetchFilters, vector_at
 from georep.kafka.protocol import Request, api_versions_body
 from georep.kafka.records import InvalidStored, RecordsError, convert_fetched, kafka_to_georep
@@ -69,7 +69,9 @@ from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.topic_changes import TopicChanges, TopicChangesUnsupported
 from georep.storage.api import OffsetOutOfRange
+from offsets.commits import OFFSETS_TOPIC, offsets_partition
 from offsets.coordinates import InvalidOrigin, Origin
+from offsets.vector import VectorOffset
 from topology.filters import is_internal
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,22 @@ class Denied(Exception):
 
 
 Pending = Awaitable[Any]  # what is left of a request: resolves to the response object, or None (no response)
+AskLeader = Callable[[str, int, pb.KafkaOffsetAsk], Awaitable[pb.PartitionOffset]]
+
+
+class LeaderUnreachable(Exception):
+    """A group's coordinator could not ask a partition's leader for an offset (a multi-node site): retriable."""
+
+    kafka_code = k.COORDINATOR_LOAD_IN_PROGRESS
+
+
+class LeaderRefused(Exception):
+    """A partition's leader refused a coordinator's ask for a reason the client must hear (an offset below the
+    log start): not retried, answered with ``kafka_code``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.kafka_code = code
 
 
 class KafkaGateway:
@@ -147,6 +165,8 @@ class KafkaGateway:
         # The site's replication factor and min.insync.replicas (a multi-node site's node flags): what a topic's
         # Kafka configs may state, and what DescribeConfigs reports
         self.site = SiteSettings()
+        # ... and how it asks the leader of a partition it does not lead (a group's coordinator: commits, resumes)
+        self.ask_leader: AskLeader | None = None
         self._invalid_reported: set[tuple[str, int, int]] = set()  # stored invalid batches already logged
         self.topic_changes: TopicChanges | None = None  # alters and growths of a one-node site's topics
 
@@ -582,13 +602,16 @@ class KafkaGateway:
                 try:
                     self._allow(peer, Operation.CONSUME, [acl_topic(t.name)])
                     plog = self.broker.partition(t.name, lp.partition_index).log
-                    if lp.timestamp == EARLIEST:
-                        offset = plog.log_start_offset
-                    elif lp.timestamp >= 0:  # none durable yet: the high watermark, where the next ones go
-                        found = fetch.offset_for_time(plog, lp.timestamp)
-                        offset = plog.flushed_offset if found is None else found
-                    else:  # LATEST, and the max-timestamp query (-3), which gets the end
-                        offset = plog.flushed_offset
+                    query: fetch.Earliest | fetch.Latest | int = (
+                        fetch.Earliest()
+                        if lp.timestamp == EARLIEST
+                        else lp.timestamp
+                        if lp.timestamp >= 0
+                        else fetch.Latest()  # LATEST, and the max-timestamp query (-3), which gets the end
+                    )
+                    found = fetch.listed_offset(plog, query)
+                    # none durable that late yet: the high watermark, where the next ones go
+                    offset = plog.flushed_offset if found is None else found
                     epoch = self._view([(t.name, lp.partition_index)]).route(t.name, lp.partition_index).leader_epoch
                     parts.append(
                         rp(partition_index=lp.partition_index, timestamp=-1, offset=offset, leader_epoch=epoch)
@@ -608,9 +631,14 @@ class KafkaGateway:
 
     async def _find_coordinator(self, req: Request, peer: Client) -> Any:
         r = kmetadata.FindCoordinatorResponse
-        found = self._view([]).coordinator(req.body.key)
+        group = req.body.key
+        try:
+            await self.groups.ensure_offsets_topic(group)
+        except Exception as exc:
+            return r(error_code=self._code(exc), error_message=str(exc), node_id=-1, host="", port=-1)
+        found = self._view([(OFFSETS_TOPIC, offsets_partition(group))]).coordinator(group)
         if found is None:
-            return r(error_code=k.COORDINATOR_NOT_AVAILABLE, error_message=NO_GROUPS, node_id=-1, host="", port=-1)
+            return r(error_code=k.COORDINATOR_NOT_AVAILABLE, error_message=NO_COORDINATOR, node_id=-1, host="", port=-1)
         return r(node_id=found.node_id, host=found.host, port=found.port)
 
     async def _join_group(self, req: Request, peer: Client) -> Any:
@@ -736,14 +764,7 @@ class KafkaGateway:
         for t in b.topics:
             for pc in t.partitions:
                 try:
-                    plog = self.broker.partition(t.name, pc.partition_index).log
-                    offset = min(pc.committed_offset, plog.log_end_offset)
-                    vector = vector_at(plog, offset)
-                    # A consumer that resumed here from a vector committed elsewhere has also read (skipped) what
-                    # that vector covers beyond ``offset``: the new commit keeps covering it.
-                    resumed = self.filters.for_fetch((client, t.name, pc.partition_index), offset)
-                    if resumed is not None:
-                        vector = vector.merge(resumed)
+                    offset, vector = await self._commit_vector(client, t.name, pc.partition_index, pc.committed_offset)
                     commits.append(
                         pb.PartitionCommit(
                             topic=t.name,
@@ -826,7 +847,7 @@ class KafkaGateway:
                     parts.append(rp(partition_index=index, committed_offset=-1, metadata="", committed_leader_epoch=-1))
                     continue
                 try:
-                    offset = self._resume_offset(client, c)
+                    offset = await self._resume_offset(client, c)
                     parts.append(
                         rp(
                             partition_index=index,
@@ -835,27 +856,90 @@ class KafkaGateway:
                             committed_leader_epoch=-1,
                         )
                     )
+                except LeaderUnreachable as exc:
+                    # The whole answer (v2 on), so the client asks again: a partition's error could make it fall back
+                    # to auto.offset.reset, and read again what the group committed.
+                    if req.version < 2:
+                        parts.append(rp(partition_index=index, committed_offset=-1, error_code=exc.kafka_code))
+                        continue
+                    log.info("group %r: OffsetFetch answered %s: %s", b.group_id, k.COORDINATOR_LOAD_IN_PROGRESS, exc)
+                    return r(error_code=k.COORDINATOR_LOAD_IN_PROGRESS, topics=[])
                 except Exception as exc:
                     parts.append(rp(partition_index=index, committed_offset=-1, error_code=self._code(exc)))
             out.append(rt(name=topic, partitions=parts))
         return r(topics=out)
 
-    def _resume_offset(self, client: str, c: pb.CommittedOffset) -> int:
-        """This site's local offset for a committed vector: where a fetch cursor from it starts
-        (``georep/broker/fetch.py``: the commit's hint only in the log it was taken in, clamped into the log;
-        otherwise the first offset holding a record the vector does not cover)."""
+    def resume_offset(self, client: str, c: pb.CommittedOffset) -> int:
+        """This node's local offset for a committed vector, exact (``fetch.resume_at``: the commit's hint only in
+        the log it was taken in; otherwise the offset of the first record the vector does not cover). A filter
+        for the client's fetches only where the vector covers records past that offset (interleaved origins,
+        records still to arrive, or a commit that kept covering what a resumed consumer skipped). The filter is
+        this node's, the one serving the partition's fetches; raises ``NotLeader`` for a partition it does not
+        serve."""
         plog = self.broker.partition(c.topic, c.partition).log
         vector = vector_from_proto(c.vector)
         try:
             hint_origin: Origin | None = Origin.parse(c.committed_by)
         except InvalidOrigin:
             hint_origin = None  # a hint is a shortcut: the vector alone says where
-        start = fetch.FromVector(vector, hint_origin, int(c.hint_offset))
-        offset = int(fetch.FetchCursor(plog, start, self.broker.origin).position)
-        # Past the offset the vector may still cover records (interleaved origins, or a commit that kept covering
-        # what a resumed consumer skipped): the client's fetches leave them out.
-        self.filters.set((client, c.topic, c.partition), offset, vector)
-        return offset
+        resume = fetch.resume_at(plog, fetch.FromVector(vector, hint_origin, int(c.hint_offset)), self.broker.origin)
+        key = (client, c.topic, c.partition)
+        if resume.covered_after:
+            self.filters.set(key, resume.offset, vector)
+        else:
+            self.filters.clear(key)
+        return int(resume.offset)
+
+    def commit_vector(self, client: str, topic: str, partition: int, offset: int) -> tuple[int, VectorOffset]:
+        """The offset a commit of ``offset`` stores (clamped to the log end) and its exact vector, from this node's
+        log of the partition (``NotLeader`` if it does not serve it)."""
+        plog = self.broker.partition(topic, partition).log
+        offset = min(offset, plog.log_end_offset)
+        vector = vector_at(plog, offset)
+        # A consumer that resumed here from a vector committed elsewhere has also read (skipped) what that vector
+        # covers beyond ``offset``: the new commit keeps covering it.
+        resumed = self.filters.for_fetch((client, topic, partition), offset)
+        return offset, vector if resumed is None else vector.merge(resumed)
+
+    def answer_coordinator(self, topic: str, partition: int, ask: pb.KafkaOffsetAsk) -> pb.PartitionOffset:
+        """A group's coordinator on another node of this site asks (georep's ``ListOffsets``, ``kafka``): this node
+        leads the partition, so it computes from its log, and keeps the client's filter where its fetches come."""
+        if ask.HasField("resume"):
+            return pb.PartitionOffset(partition=partition, offset=self.resume_offset(ask.client, ask.resume))
+        offset, vector = self.commit_vector(ask.client, topic, partition, ask.commit_offset)
+        return pb.PartitionOffset(partition=partition, offset=offset, vector=vector_to_proto(vector))
+
+    async def _at_leader(self, topic: str, partition: int, ask: pb.KafkaOffsetAsk) -> pb.PartitionOffset:
+        if self.ask_leader is None:
+            raise LeaderUnreachable(f"{topic}-{partition}: this node does not lead it and knows no peer")
+        try:
+            return await self.ask_leader(topic, partition, ask)
+        except LeaderRefused:
+            raise
+        except Exception as exc:
+            raise LeaderUnreachable(f"{topic}-{partition}: its leader did not answer ({exc}); ask again") from exc
+
+    async def _commit_vector(self, client: str, topic: str, partition: int, offset: int) -> tuple[int, VectorOffset]:
+        """:meth:`commit_vector` here, or at the partition's leader when this node (the group's coordinator on a
+        multi-node site) does not lead it: the vector is computed where the log and the client's filter are."""
+        try:
+            return self.commit_vector(client, topic, partition, offset)
+        except NotLeader:
+            if self.view_of is None:
+                raise
+        answer = await self._at_leader(topic, partition, pb.KafkaOffsetAsk(client=client, commit_offset=offset))
+        return int(answer.offset), vector_from_proto(answer.vector)
+
+    async def _resume_offset(self, client: str, c: pb.CommittedOffset) -> int:
+        """:meth:`resume_offset` here, or at the partition's leader, which serves the client's fetches and so
+        keeps its filter."""
+        try:
+            return self.resume_offset(client, c)
+        except NotLeader:
+            if self.view_of is None:
+                raise
+        answer = await self._at_leader(c.topic, c.partition, pb.KafkaOffsetAsk(client=client, resume=c))
+        return int(answer.offset)
 
     async def _list_groups(self, req: Request, peer: Client) -> Any:
         r = kadmin.ListGroupsResponse

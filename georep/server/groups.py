@@ -127,7 +127,7 @@ class GroupService:
         self._observe_leadership()
         self.expire()
 
-    async def _ensure_offsets_topic(self, group: str) -> None:
+    async def ensure_offsets_topic(self, group: str) -> None:
         """A multi-node site: create the internal topic through the site's metadata if it lacks it, at the first
         group call (Kafka creates ``__consumer_offsets`` at the first coordinator lookup), so a site that runs no
         group carries none of its partitions. Every node that gets a group call may try at once: all but one get
@@ -262,7 +262,7 @@ class GroupService:
         for topic in req.topics:
             if is_internal(topic):
                 raise InvalidGroupRequest(f"topic {topic!r} is internal to georep: subscribe to your own topics")
-        await self._ensure_offsets_topic(group)
+        await self.ensure_offsets_topic(group)
         await self.sync()  # the group's commits, which decide a new coordinator's hold
         self._coordinated(group)
         session_timeout_ms = req.session_timeout_ms or 10_000
@@ -309,7 +309,7 @@ class GroupService:
         group = check_commit_request(req.group, entries)
         for e in entries:
             self._check_partition(e.topic, e.partition)
-        await self._ensure_offsets_topic(group)
+        await self.ensure_offsets_topic(group)
         await self.sync()
         self._coordinated(group)
         self.coordinator.check_commit(
@@ -333,7 +333,7 @@ class GroupService:
 
     async def fetch_committed(self, req: pb.FetchCommittedRequest) -> pb.FetchCommittedResponse:
         group = validate_group(req.group)
-        await self._ensure_offsets_topic(group)
+        await self.ensure_offsets_topic(group)
         self._observe_leadership()
         self._coordinated(group)
         if req.wait_caught_up_ms > 0:
@@ -420,7 +420,7 @@ class GroupService:
 
     async def describe(self, req: pb.DescribeGroupRequest) -> pb.GroupDescription:
         group = validate_group(req.group)
-        await self._ensure_offsets_topic(group)
+        await self.ensure_offsets_topic(group)
         await self.sync()
         self._coordinated(group)
         g = self.coordinator.groups.get(group)
