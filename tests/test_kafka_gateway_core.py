@@ -231,7 +231,8 @@ def test_earliest_and_latest_are_the_same_offsets_at_both_front_ends(broker: Bro
 def test_neither_front_end_creates_an_internal_topic(broker: Broker) -> None:
     """The rule lives in ``Broker.create_topic`` (as the write rule lives in ``Broker.append``)."""
     body = SimpleNamespace(
-        validate_only=False, topics=[SimpleNamespace(name="__georep_x", num_partitions=1, configs=[])]
+        validate_only=False,
+        topics=[SimpleNamespace(name="__georep_x", num_partitions=1, replication_factor=-1, configs=[])],
     )
     answer = asyncio.run(gateway(broker)._create_topics(Request(19, 5, 1, "c", body), PEER))
     assert answer.topics[0].error_code == k.INVALID_TOPIC_EXCEPTION and "reserved" in answer.topics[0].error_message
@@ -249,7 +250,9 @@ def test_neither_front_end_creates_an_internal_topic(broker: Broker) -> None:
     ("name", "code"), [("__georep_x", k.INVALID_TOPIC_EXCEPTION), (TOPIC, k.TOPIC_ALREADY_EXISTS), ("ok", 0)]
 )
 def test_a_validate_only_create_meets_the_same_rules(broker: Broker, name: str, code: int) -> None:
-    body = SimpleNamespace(validate_only=True, topics=[SimpleNamespace(name=name, num_partitions=1, configs=[])])
+    body = SimpleNamespace(
+        validate_only=True, topics=[SimpleNamespace(name=name, num_partitions=1, replication_factor=-1, configs=[])]
+    )
     answer = asyncio.run(gateway(broker)._create_topics(Request(19, 5, 1, "c", body), PEER))
     assert answer.topics[0].error_code == code
     assert "ok" not in broker.metadata.topics(), "validate_only creates nothing"
