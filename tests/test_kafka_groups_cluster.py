@@ -130,7 +130,7 @@ def test_a_group_commits_and_rebalances_through_the_kill_of_its_coordinator_and_
 
     bootstrap = ",".join(site.kafka_address(n) for n in (1, 2, 3))
     admin = AdminClient({"bootstrap.servers": bootstrap})  # kept until the result: its handle serves the future
-    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])[TOPIC].result(15)
+    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 3)])[TOPIC].result(15)
     for i in range(PARTITIONS):
         site.wait_leader(TOPIC, i)
     sent = produce(bootstrap)
@@ -221,7 +221,7 @@ def test_kafka_python_and_aiokafka_groups_commit_on_a_three_node_site_and_resume
 
     bootstrap = ",".join(site.kafka_address(n) for n in (1, 2, 3))
     admin = AdminClient({"bootstrap.servers": bootstrap})  # kept until the result: its handle serves the future
-    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])[TOPIC].result(15)
+    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 3)])[TOPIC].result(15)
     for i in range(PARTITIONS):
         site.wait_leader(TOPIC, i)
     produce(bootstrap)
