@@ -75,11 +75,12 @@ class Group:
         self.again: list[str] = []
 
     def step(self) -> None:
-        for m in self.members:
+        for i, m in enumerate(self.members):
             msgs = [x for x in m.consume(num_messages=10, timeout=0.2) if x.error() is None]
             for x in msgs:
                 if x.offset() < self.committed[x.partition()]:
-                    self.again.append(f"{x.partition()}@{x.offset()} below the commit {self.committed[x.partition()]}")
+                    below = f"{x.partition()}@{x.offset()} below the commit {self.committed[x.partition()]}"
+                    self.again.append(f"m{i}: {below}")
                 self.got.add((x.partition(), x.value()))
             if not msgs:
                 continue

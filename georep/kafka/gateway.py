@@ -26,6 +26,7 @@ import asyncio
 import logging
 import secrets
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ from georep.kafka.cluster import NO_COORDINATOR, OneNode, SiteView, ViewOf
 from georep.kafka.offsets import FetchFilters, vector_at
 from georep.kafka.protocol import Request, api_versions_body
 from georep.kafka.records import InvalidStored, RecordsError, convert_fetched, kafka_to_georep
+from georep.kafka.rejoin import REJOIN_POLL_S, laggards
 from georep.metadata.kafka_config import (
     BY_NAME,
     SET,
@@ -97,6 +99,7 @@ class KafkaMember:
     topics: tuple[str, ...]
     session_timeout_ms: int
     metadata: bytes
+    joined: int = -1  # the generation its last JoinGroup answered (``rejoin.laggards``)
 
 
 @dataclass
@@ -678,10 +681,17 @@ class KafkaGateway:
             return refuse(self._code(exc))
         g = self.kgroups.setdefault(b.group_id, KafkaGroup())
         g.protocol = chosen
-        g.members[hb.member_id] = KafkaMember(req.client_id, peer.host, topics, b.session_timeout_ms, metadata)
+        member = KafkaMember(req.client_id, peer.host, topics, b.session_timeout_ms, metadata, hb.generation)
+        g.members[hb.member_id] = member
         live = self.groups.coordinator.groups.get(b.group_id)
         for gone in [m for m in g.members if live is None or m not in live.members]:  # expired or left
             del g.members[gone]
+        rebalance_timeout_ms = getattr(b, "rebalance_timeout_ms", -1)  # v1 on; v0: the session timeout
+        try:
+            timeout_ms = rebalance_timeout_ms if rebalance_timeout_ms > 0 else b.session_timeout_ms
+            hb = await self._rejoined(b.group_id, hb, member, timeout_ms)
+        except Exception as exc:
+            return refuse(self._code(exc))
         return r(
             generation_id=hb.generation,
             protocol_type="consumer",
@@ -690,6 +700,44 @@ class KafkaGateway:
             member_id=hb.member_id,
             members=[],
         )
+
+    async def _rejoined(
+        self, group: str, hb: pb.GroupHeartbeatResponse, member: KafkaMember, timeout_ms: int
+    ) -> pb.GroupHeartbeatResponse:
+        """Wait until every Kafka member of ``group`` has joined at its current generation (``rejoin.py``: the eager
+        protocol's join barrier), heartbeating ``member`` meanwhile; the heartbeat answer at that generation. A
+        member not rejoined within ``timeout_ms`` (the rebalance timeout) is dropped from the group, as Kafka's
+        coordinator drops it: a live client hears UNKNOWN_MEMBER_ID at its next call, after revoking."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        beat_at = time.monotonic() + hb.heartbeat_interval_ms / 1000
+        request = pb.GroupHeartbeatRequest(
+            group=group,
+            member_id=hb.member_id,
+            topics=member.topics,
+            session_timeout_ms=member.session_timeout_ms,
+            assignor="range",
+            client_id=member.client_id,
+        )
+        while True:
+            live = self.groups.coordinator.groups.get(group)
+            if live is None or hb.member_id not in live.members:
+                return hb  # expired, or the coordinator moved: its next call hears UNKNOWN_MEMBER_ID
+            if live.generation != hb.generation or time.monotonic() >= beat_at:
+                hb = await self.groups.heartbeat(request)  # still inside its JoinGroup: it has revoked everything
+                member.joined = hb.generation
+                beat_at = time.monotonic() + hb.heartbeat_interval_ms / 1000
+                continue
+            kafka = self.kgroups.get(group, KafkaGroup()).members
+            waiting = laggards({m: k.joined for m, k in kafka.items()}, live.members, hb.generation)
+            if not waiting:
+                return hb
+            if time.monotonic() >= deadline:
+                for m in waiting:
+                    log.info("group %r: member %s did not rejoin within the rebalance timeout; dropped", group, m)
+                    await self.groups.leave(pb.LeaveGroupRequest(group=group, member_id=m))
+                    kafka.pop(m, None)
+                continue
+            await asyncio.sleep(REJOIN_POLL_S)
 
     async def _beat(self, group: str, member_id: str, peer: Client) -> tuple[int, Any]:
         """Heartbeat ``member_id`` at the coordinator: (error code, georep heartbeat answer)."""
