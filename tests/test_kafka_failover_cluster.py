@@ -13,7 +13,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.server.process import NodeProcess
 from tests.support.channels import open_channel
-from tests.support.cluster_site import ClusterSite
+from tests.support.cluster_site import ClusterSite, status, wait_for
 from tests.support.kafka_nodes import poll_until
 from tests.support.ports import free_ports
 
@@ -91,6 +91,9 @@ def test_committed_at_a_three_node_site_is_exact_after_a_failover_from_a_one_nod
     a.launch()
     b.start()
     a.wait_ready(60)
+    # b's leaders spread over the nodes live when the topic reaches it: wait until all three are (under load a node
+    # may serve before its first heartbeat commits).
+    wait_for("every node of b live in its metadata", lambda: sum(n.live for n in status(b).nodes) == 3)
     at_a, at_b = f"127.0.0.1:{a_kafka}", ",".join(b.kafka_address(n) for n in (1, 2, 3))
     try:
         admin = AdminClient({"bootstrap.servers": at_a})  # kept until the result: its handle serves the future
