@@ -70,7 +70,7 @@ from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.topic_changes import TopicChanges, TopicChangesUnsupported
-from georep.storage.api import OffsetOutOfRange
+from georep.storage.api import OffsetOutOfRange, PartitionLog
 from offsets.commits import OFFSETS_TOPIC, offsets_partition
 from offsets.coordinates import InvalidOrigin, Origin
 from offsets.vector import VectorOffset
@@ -930,6 +930,8 @@ class KafkaGateway:
             hint_origin: Origin | None = Origin.parse(c.committed_by)
         except InvalidOrigin:
             hint_origin = None  # a hint is a shortcut: the vector alone says where
+        if hint_origin == self.broker.origin:
+            self._not_behind(c.topic, c.partition, plog, int(c.hint_offset))
         resume = fetch.resume_at(plog, fetch.FromVector(vector, hint_origin, int(c.hint_offset)), self.broker.origin)
         key = (client, c.topic, c.partition)
         if resume.covered_after:
@@ -942,12 +944,28 @@ class KafkaGateway:
         """The offset a commit of ``offset`` stores (clamped to the log end) and its exact vector, from this node's
         log of the partition (``NotLeader`` if it does not serve it)."""
         plog = self.broker.partition(topic, partition).log
+        self._not_behind(topic, partition, plog, offset)
         offset = min(offset, plog.log_end_offset)
         vector = vector_at(plog, offset)
         # A consumer that resumed here from a vector committed elsewhere has also read (skipped) what that vector
         # covers beyond ``offset``: the new commit keeps covering it.
         resumed = self.filters.for_fetch((client, topic, partition), offset)
         return offset, vector if resumed is None else vector.merge(resumed)
+
+    def _not_behind(self, topic: str, partition: int, plog: PartitionLog, offset: int) -> None:
+        """``NotLeader`` when this node of a multi-node site ends its log of the partition below ``offset``, which a
+        client of this site read up to: its log is behind the partition's (a deposed leader not detached yet, or
+        a coordinator's stale view of who leads), and clamping to its end would store a commit lower than the one
+        the client is told succeeded, or resume one below its hint: the group would read again what it covered.
+        A one-node site's log is the partition: there an offset past the end stops at the end."""
+        end = plog.log_end_offset
+        if offset > end and self.view_of is not None:
+            raise NotLeader(
+                topic,
+                partition,
+                f"offset {offset} is past the end of this node's log of it ({end}): this node is behind the "
+                "partition's leader, or no record was written there yet; commit an offset the consumer has read",
+            )
 
     def answer_coordinator(self, topic: str, partition: int, ask: pb.KafkaOffsetAsk) -> pb.PartitionOffset:
         """A group's coordinator on another node of this site asks (georep's ``ListOffsets``, ``kafka``): this node
