@@ -930,10 +930,15 @@ class KafkaGateway:
             hint_origin: Origin | None = Origin.parse(c.committed_by)
         except InvalidOrigin:
             hint_origin = None  # a hint is a shortcut: the vector alone says where
-        if hint_origin == self.broker.origin:
-            self._not_behind(c.topic, c.partition, plog, int(c.hint_offset))
-        resume = fetch.resume_at(plog, fetch.FromVector(vector, hint_origin, int(c.hint_offset)), self.broker.origin)
         key = (client, c.topic, c.partition)
+        if hint_origin == self.broker.origin and self.view_of is not None and c.hint_offset > plog.log_end_offset:
+            # This node's log ends below this site's own commit (a deposed leader not detached yet, a stale view):
+            # clamping would resume below what the commit covered. The hint is the site's offset: answered as is.
+            # Where the partition really ends below it (a re-created topic), the client's fetch hears
+            # OFFSET_OUT_OF_RANGE and applies auto.offset.reset, as Kafka does for a commit past the end.
+            self.filters.clear(key)
+            return int(c.hint_offset)
+        resume = fetch.resume_at(plog, fetch.FromVector(vector, hint_origin, int(c.hint_offset)), self.broker.origin)
         if resume.covered_after:
             self.filters.set(key, resume.offset, vector)
         else:
@@ -941,8 +946,9 @@ class KafkaGateway:
         return int(resume.offset)
 
     def commit_vector(self, client: str, topic: str, partition: int, offset: int) -> tuple[int, VectorOffset]:
-        """The offset a commit of ``offset`` stores (clamped to the log end) and its exact vector, from this node's
-        log of the partition (``NotLeader`` if it does not serve it)."""
+        """The offset a commit of ``offset`` stores (clamped to the log end on a one-node site; refused past it on a
+        multi-node site, :meth:`_not_behind`) and its exact vector, from this node's log of the partition
+        (``NotLeader`` if it does not serve it)."""
         plog = self.broker.partition(topic, partition).log
         self._not_behind(topic, partition, plog, offset)
         offset = min(offset, plog.log_end_offset)
@@ -956,8 +962,8 @@ class KafkaGateway:
         """``NotLeader`` when this node of a multi-node site ends its log of the partition below ``offset``, which a
         client of this site read up to: its log is behind the partition's (a deposed leader not detached yet, or
         a coordinator's stale view of who leads), and clamping to its end would store a commit lower than the one
-        the client is told succeeded, or resume one below its hint: the group would read again what it covered.
-        A one-node site's log is the partition: there an offset past the end stops at the end."""
+        the client is told succeeded: the group would read again what it covered. A one-node site's log is the
+        partition: there an offset past the end stops at the end."""
         end = plog.log_end_offset
         if offset > end and self.view_of is not None:
             raise NotLeader(
