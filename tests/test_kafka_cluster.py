@@ -15,7 +15,7 @@ from cluster.site_state import NodeInfo, PartitionInfo, SegmentInfo, SiteState
 from georep.kafka import errors as k
 from georep.kafka.cluster import LEADER_NOT_AVAILABLE, NO_LEADER, ClusterView, KafkaBroker, OneNode
 from offsets.commits import OFFSETS_TOPIC, offsets_partition
-from tests.support.cluster_site import ClusterSite, site_toml
+from tests.support.cluster_site import ClusterSite, site_toml, status, wait_for
 from tests.support.kafka_nodes import poll_until
 from topology.ids import NodeId, SegmentId
 
@@ -129,6 +129,9 @@ COUNT = 300
 def site(tmp_path: Path) -> Iterator[ClusterSite]:
     s = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500"], kafka=True)
     s.start()
+    # Leaders spread over the nodes live when a topic is created: under load a node may serve before its first
+    # heartbeat commits, and a topic created then would be led by the others only.
+    wait_for("every node live in the site's metadata", lambda: sum(n.live for n in status(s).nodes) == 3)
     yield s
     s.close()
 
@@ -208,7 +211,7 @@ def test_clients_follow_partition_leaders_across_nodes_and_a_killed_leader(site:
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 1)])[TOPIC].result(15)
+    admin.create_topics([NewTopic(TOPIC, PARTITIONS, 3)])[TOPIC].result(15)
     check_site_settings(admin)
     found: dict[int, int] = {}
     poll_until(
