@@ -16,6 +16,12 @@ back from the start:
   record.
 * ``georep consume``: ``georep.client.Consumer`` assigned the partition from the earliest offset, likewise.
 
+With ``--group-site``, one more row: ``kafka group consume (3-node site)``, a confluent-kafka consumer group
+of two members subscribed to a three-partition topic of a 3-node site, settled (both members assigned) before
+``--records`` records are produced there, then reading every record with auto-commit every second; the clock
+runs from the first record delivered to the last. Its commits go to the group's coordinator, which
+asks the leaders of the partitions it does not lead for their vectors (docs/kafka.md, "Multi-node sites").
+
 The runs alternate (kafka, georep, kafka, georep ...) so a shared machine's noise falls on both; the summary
 takes each one's best run and prints the ratios kafka / georep. What the gateway adds per batch: a Kafka
 record batch v2 decoded and re-encoded as a georep batch on produce, and the reverse (plus two headers per
@@ -133,6 +139,60 @@ async def georep_consume(address: str, topic: str, records: int) -> float:
         await consumer.close()
 
 
+def kafka_group_on_site(records: int, value: bytes) -> float:
+    """Seconds for a two-member confluent-kafka group to read ``records`` records of a 3-node site (see the module
+    docstring)."""
+    from confluent_kafka import Consumer
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from tests.support.cluster_site import ClusterSite
+
+    with tempfile.TemporaryDirectory(prefix="georep-bench-kafka-site-") as tmp:
+        site = ClusterSite(Path(tmp), 3, extra_args=["--flush-interval-ms", "100"], kafka=True)
+        site.start()
+        try:
+            bootstrap = ",".join(site.kafka_address(n) for n in (1, 2, 3))
+            admin = AdminClient({"bootstrap.servers": bootstrap})
+            admin.create_topics([NewTopic("grp", 3, 1)])["grp"].result(30)
+            for i in range(3):
+                site.wait_leader("grp", i)
+            config = {
+                "bootstrap.servers": bootstrap,
+                "group.id": "bench",
+                "auto.offset.reset": "earliest",
+                "auto.commit.interval.ms": 1000,
+                "heartbeat.interval.ms": 300,  # no rebalance barrier: the first member learns of the second sooner
+                "fetch.max.bytes": 16 << 20,
+                "max.partition.fetch.bytes": 4 << 20,
+            }
+            members = [Consumer({**config, "client.id": f"m{i}"}) for i in range(2)]
+            for m in members:
+                m.subscribe(["grp"])
+            # The group settles (both members assigned) before the records come, so the clock times reading.
+            settle = time.perf_counter() + 60
+            while not all(m.assignment() for m in members) and time.perf_counter() < settle:
+                for m in members:
+                    m.consume(1, 0.1)
+            kafka_produce(bootstrap, "grp", records, value)
+            got, start = 0, 0.0
+            deadline = time.perf_counter() + 300
+            while got < records and time.perf_counter() < deadline:
+                for m in members:
+                    # a short wait: one member blocked on an empty queue would hold up the other
+                    n = sum(1 for x in m.consume(1000, 0.01) if x.error() is None)
+                    if n and not got:
+                        start = time.perf_counter()
+                    got += n
+            elapsed = time.perf_counter() - start
+            for m in members:
+                m.close()
+            if got < records:
+                raise RuntimeError(f"the group read {got} of {records} records")
+            return elapsed
+        finally:
+            site.close()
+
+
 def create_topics(bootstrap: str, names: list[str]) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -149,6 +209,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each (default 2)")
     parser.add_argument("--quick", action="store_true", help="5000 records, 1 run")
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument(
+        "--group-site", action="store_true", help="also a confluent-kafka group consuming on a 3-node site"
+    )
     args = parser.parse_args()
     if args.quick:
         args.records, args.repeats = 5_000, 1
@@ -178,13 +241,16 @@ def main() -> int:
                 )
         finally:
             node.stop()
+    if args.group_site:
+        key = "kafka group consume (3-node site)"
+        results[key] = [kafka_group_on_site(args.records, value) for _ in range(args.repeats)]
     mb = args.records * args.value_bytes / 1e6
     best = {k: min(v) for k, v in results.items()}
     summary: dict[str, Any] = {"records": args.records, "value_bytes": args.value_bytes, "repeats": args.repeats}
     print(f"\n{args.records} records of {args.value_bytes} B, best of {args.repeats}:")
     for k, s in best.items():
         summary[k] = {"seconds": round(s, 3), "records_s": round(args.records / s), "mb_s": round(mb / s, 1)}
-        print(f"  {k:<15} {args.records / s:>10,.0f} records/s  {mb / s:>7.1f} MB/s")
+        print(f"  {k:<34} {args.records / s:>10,.0f} records/s  {mb / s:>7.1f} MB/s")
     for what in ("produce", "consume"):
         ratio = best[f"georep {what}"] / best[f"kafka {what}"]
         summary[f"{what}_ratio_kafka_over_georep"] = round(ratio, 2)

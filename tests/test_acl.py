@@ -328,3 +328,15 @@ def test_raft_store_replicates_records_to_every_member_and_keeps_them_across_res
         raft_wait(lambda: site[0].acls() == {record.entry: record}, "the restarted member has it back")
     finally:
         site.close()
+
+
+def test_a_kafka_offset_ask_comes_only_from_the_sites_own_nodes() -> None:
+    """A group coordinator asks a partition's leader (issue 23) through ``ListOffsets``; the answer sets a Kafka
+    client's fetch filter, so a client that may consume the topic may still not ask it."""
+    policy = _policy([acl_entry("client:alice", "consume", "topic:orders/**")], _topology([("a", "b", "orders/**")]))
+    listed = pb.ListOffsetsRequest(topic="orders/eu", position=pb.START_LATEST)
+    assert decide(NODE_ACCESS, "ListOffsets", listed, ALICE, policy).allowed
+    ask = pb.ListOffsetsRequest(topic="orders/eu", kafka=pb.KafkaOffsetAsk(client="c@h", commit_offset=3))
+    refused = decide(NODE_ACCESS, "ListOffsets", ask, ALICE, policy)
+    assert not refused.allowed and "only from a node of site" in refused.message
+    assert decide(NODE_ACCESS, "ListOffsets", ask, parse_principal("node:a/2"), policy).allowed

@@ -14,7 +14,8 @@ import pytest
 from cluster.site_state import NodeInfo, PartitionInfo, SegmentInfo, SiteState
 from georep.kafka import errors as k
 from georep.kafka.cluster import LEADER_NOT_AVAILABLE, NO_LEADER, ClusterView, KafkaBroker, OneNode
-from tests.support.cluster_site import ClusterSite, site_toml
+from offsets.commits import OFFSETS_TOPIC, offsets_partition
+from tests.support.cluster_site import ClusterSite, site_toml, status, wait_for
 from tests.support.kafka_nodes import poll_until
 from topology.ids import NodeId, SegmentId
 
@@ -70,8 +71,14 @@ def test_a_request_to_a_node_that_does_not_serve_the_partition() -> None:
     assert v.not_served("t", 2) == LEADER_NOT_AVAILABLE  # named here, not serving yet (opening its segment)
 
 
-def test_no_node_of_a_multi_node_site_coordinates_kafka_groups_yet() -> None:
-    assert view([part(0, 1)], live={1, 2, 3}).coordinator("g") is None  # COORDINATOR_NOT_AVAILABLE, with why
+def test_a_groups_coordinator_is_the_live_leader_of_its_offsets_partition() -> None:
+    """As georep's own group calls find it: FindCoordinator names the leader of ``offsets_partition(group)``."""
+    index = offsets_partition("g")
+    led = part(index, 3, topic=OFFSETS_TOPIC)
+    assert view([led], live={1, 2, 3}).coordinator("g") == KafkaBroker(3, "10.0.0.3", 9092)
+    assert view([led], live={1, 2}).coordinator("g") is None, "a dead leader: COORDINATOR_NOT_AVAILABLE, retried"
+    assert view([part(index, None, topic=OFFSETS_TOPIC)], live={1, 2, 3}).coordinator("g") is None
+    assert view([], live={1, 2, 3}).coordinator("g") is None, "the internal topic is not in the view yet"
 
 
 def test_a_one_node_site_is_one_broker_leading_everything() -> None:
@@ -122,6 +129,9 @@ COUNT = 300
 def site(tmp_path: Path) -> Iterator[ClusterSite]:
     s = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500"], kafka=True)
     s.start()
+    # Leaders spread over the nodes live when a topic is created: under load a node may serve before its first
+    # heartbeat commits, and a topic created then would be led by the others only.
+    wait_for("every node live in the site's metadata", lambda: sum(n.live for n in status(s).nodes) == 3)
     yield s
     s.close()
 
@@ -219,8 +229,6 @@ def test_clients_follow_partition_leaders_across_nodes_and_a_killed_leader(site:
     assert site.wait_leader(TOPIC, victim_partition) == victim  # serving it (its segment is open)
     assert list_offsets_code(site.kafka_address(victim), victim_partition) == 0
     assert list_offsets_code(site.kafka_address(other), victim_partition) == k.NOT_LEADER_OR_FOLLOWER
-    coordinator = request(bootstrap, 10, 0, string("g"))
-    assert struct.unpack_from(">h", coordinator)[0] == k.COORDINATOR_NOT_AVAILABLE  # no groups here yet
 
     p = confluent_kafka.Producer(
         {

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from georep.broker import fetch
 from georep.kafka.offsets import vector_at
 from georep.storage.api import OffsetOutOfRange, start_offset_for_vector
 from georep.storage.chain_log import SegmentElsewhere
@@ -24,7 +25,7 @@ from offsets.vector import VectorOffset
 from tests.support.chains import KEY, chain_of
 from tests.support.examples import examples
 from tests.support.segments import A, B, C, Writer, make_batch, open_log
-from topology.ids import SegmentId
+from topology.ids import SegmentId, SiteId
 
 RETENTION_MS = 1_000_000
 History = list[tuple[Origin, int, int, int]]  # (origin, base seq, base offset, records) of every batch appended
@@ -140,3 +141,56 @@ def test_a_chain_segment_held_elsewhere_answers_only_at_its_base(tmp_path: Path)
             vector_at(log, 1)  # never a guess: a wrong vector means duplicates or losses after failover
     finally:
         store.close()
+
+
+# -- resuming a committed vector at one Kafka offset (issue 23: ``fetch.resume_at``) -------------------------------
+
+
+def interleaved(layout: list[tuple[Origin, int]]) -> tuple[MemoryLog, list[tuple[Origin, int]]]:
+    """A log of batches of ``(origin, records)`` in log order, and each offset's coordinate."""
+    log = MemoryLog()
+    at: list[tuple[Origin, int]] = []
+    next_seq: dict[Origin, int] = {}
+    for origin, count in layout:
+        seq = next_seq.get(origin, 0)
+        b = make_batch(origin, seq, [b"r%d" % i for i in range(count)])
+        log.append(b.header, b.body, 10)
+        at += [(origin, seq + i) for i in range(count)]
+        next_seq[origin] = seq + count
+    log.flush()
+    return log, at
+
+
+def resume(log: MemoryLog, vector: dict[Origin, int]) -> fetch.Resume:
+    return fetch.resume_at(log, fetch.FromVector(VectorOffset(vector)), Origin(SiteId("elsewhere"), 1))
+
+
+def test_a_resume_is_exact_inside_a_batch_and_filters_only_when_covered_records_follow() -> None:
+    log, _ = interleaved([(A, 4), (B, 2), (A, 2)])  # A0..3 at 0..3, B0..1 at 4..5, A4..5 at 6..7
+    assert start_offset_for_vector(log, {A: 2}) == 0, "the batch holding the first uncovered record"
+    assert resume(log, {A: 2}) == fetch.Resume(2, False), "A2 is at offset 2; nothing covered lies past it"
+    assert resume(log, {A: 2, B: 2}) == fetch.Resume(2, True), "B0..1 at 4..5 are covered: a reader must skip them"
+    assert resume(log, {A: 6, B: 1}) == fetch.Resume(5, True), "B1 at 5 is the first; A4..5 at 6..7 are covered"
+    assert resume(log, {A: 9}) == fetch.Resume(4, True), "A6..8 are covered and not here yet: they may arrive"
+    assert resume(log, {A: 6, B: 2}) == fetch.Resume(8, False), "all read: the log end"
+
+
+layouts = st.lists(st.tuples(st.sampled_from([A, B, C]), st.integers(1, 4)), min_size=1, max_size=12)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(layouts, st.dictionaries(st.sampled_from([A, B, C]), st.integers(0, 12)))
+def test_a_resume_is_the_first_uncovered_record_and_filters_exactly_when_a_reader_would_need_it(
+    layout: list[tuple[Origin, int]], vector: dict[Origin, int]
+) -> None:
+    """Against the naive reading of every offset's coordinate: the answer is the first uncovered record's offset,
+    and the filter is asked for exactly when a reader seeking there with no filter would read a covered record
+    (one held past the answer, or one not held yet)."""
+    log, at = interleaved(layout)
+    got = resume(log, vector)
+    uncovered = [i for i, (o, s) in enumerate(at) if s >= vector.get(o, 0)]
+    assert got.offset == (uncovered[0] if uncovered else len(at))
+    held = {o: sum(1 for oo, _ in at if oo == o) for o in (A, B, C)}
+    covered_past = any(s < vector.get(o, 0) for o, s in at[got.offset :])
+    still_to_come = any(vector.get(o, 0) > held[o] for o in (A, B, C))
+    assert got.covered_after == (covered_past or still_to_come)

@@ -38,8 +38,20 @@ or to wait for the next fsync.
 
 **Both front ends.** georep's ``Fetch`` keeps a cursor per stream; the Kafka
 gateway makes one per partition of each Fetch request, at the request's
-offset, and resumes a committed vector (OffsetFetch) at the position a cursor
-from that vector would take. Offsets by time follow :func:`offset_for_time`.
+offset. Listed offsets (earliest, latest, by time) are :func:`listed_offset`'s
+for both.
+
+**Resuming a vector at a Kafka offset** (:func:`resume_at`). A Kafka client
+resumes at one offset, not a vector: OffsetFetch answers the exact local offset
+of the first record the vector does not cover (:func:`first_uncovered`), inside
+its batch (Kafka clients drop the records before the offset they asked for
+from a fetched batch). Every record below that offset is covered. Past it the
+log may still hold covered records, interleaved with uncovered ones (each
+origin's records arrive in another order at each site), and covered records
+not held yet may still arrive: :attr:`Resume.covered_after` says so, and only
+then does the gateway filter that client's fetches. When it is false, a plain
+"seek to the offset and read" reader, with no filter at all, reads exactly the
+records the vector does not cover.
 """
 
 from __future__ import annotations
@@ -48,9 +60,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from georep.broker.errors import NotHeld
-from georep.record.batch import iter_headers, parse_header
+from georep.record.batch import decode_records, iter_headers, parse_header
 from georep.storage.api import PartitionLog, start_offset_for_vector
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
+from offsets.log_prefix import vector_below
 from offsets.vector import VectorOffset
 
 
@@ -79,8 +92,9 @@ class FromVector:
 FetchStart = AtOffset | Earliest | Latest | FromVector
 
 
-def start_position(log: PartitionLog, start: FetchStart, own: Origin) -> LocalOffset:
-    """The local offset a fetch from ``start`` begins at, in ``log`` of the site whose origin is ``own``."""
+def start_position(log: PartitionLog, start: FetchStart, own: Origin, exact: bool = False) -> LocalOffset:
+    """The local offset a fetch from ``start`` begins at, in ``log`` of the site whose origin is ``own``: for a
+    vector, the batch holding its first uncovered record, or with ``exact`` that record's own offset."""
     if isinstance(start, AtOffset):
         return LocalOffset(start.offset)
     if isinstance(start, Earliest):
@@ -89,7 +103,82 @@ def start_position(log: PartitionLog, start: FetchStart, own: Origin) -> LocalOf
         return log.flushed_offset
     if start.hint_origin == own and start.hint_offset >= 0:
         return LocalOffset(min(max(start.hint_offset, log.log_start_offset), log.log_end_offset))
-    return start_offset_for_vector(log, start.vector.to_dict())
+    vector = start.vector.to_dict()
+    return first_uncovered(log, vector) if exact else start_offset_for_vector(log, vector)
+
+
+def vector_at(log: PartitionLog, offset: int) -> VectorOffset:
+    """The vector of everything below local ``offset`` in ``log``: what a reader stopped at ``offset`` has read.
+
+    ``offset`` must lie in ``[log start, log end]`` (``OffsetOutOfRange`` otherwise: below the log start the
+    records are gone, and so is the exact vector). The answer is the vector at the base of the segment holding
+    ``offset`` (:meth:`PartitionLog.segment_at`: every batch below it, those retention or a chain trim deleted
+    included) advanced past that segment's batches below ``offset`` by ``offsets/log_prefix.py``, the one fold
+    every vector-at-an-offset question uses. Cost: one segment's batch entries, not the whole log's.
+    """
+    segment = log.segment_at(offset)
+    return vector_below(segment.start_vector, segment.entries, offset)
+
+
+def first_uncovered(log: PartitionLog, vector: Mapping[Origin, int]) -> LocalOffset:
+    """The local offset of the first record ``vector`` does not cover (the log end if none), exact inside its
+    batch: per origin, the batch holding its first uncovered seq (``start_offset_for_vector``'s lookup in the
+    origin index), then that seq's offset in the batch (a batch maps a contiguous offset range onto a
+    contiguous origin-seq range). One batch read per origin the vector leaves records of."""
+    start = int(log.log_end_offset)
+    for origin, next_seq in sorted(log.vector().items()):
+        want = vector.get(origin, 0)
+        if want >= next_seq:
+            continue
+        at = log.offset_for_origin_seq(origin, OriginSeq(want))
+        if at is not None and at < start:
+            start = min(start, _offset_of_seq(log, int(at), origin, want))
+    return LocalOffset(max(start, log.log_start_offset))
+
+
+def _offset_of_seq(log: PartitionLog, at: int, origin: Origin, seq: int) -> int:
+    """The offset of ``origin``'s ``seq`` in the batch at ``at`` (its base if retention took ``seq``, or if the
+    batch cannot be read: starting early is safe, the filter then drops what the vector covers)."""
+    try:
+        data = log.read(LocalOffset(at), 1).data
+    except Exception:  # a quarantined batch: the reader will meet it there anyway
+        return at
+    header = parse_header(data) if data else None
+    if header is None or header.origin != origin or header.base_offset != at:
+        return at
+    return at + min(max(0, seq - header.base_origin_seq), header.last_offset_delta)
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Where a Kafka reader resumes a committed vector at this site."""
+
+    offset: LocalOffset  # exact: every record below it is covered, and the record at it is not
+    covered_after: bool  # covered records lie past ``offset`` here, or may still arrive: filter the reader
+
+
+def resume_at(log: PartitionLog, start: FromVector, own: Origin) -> Resume:
+    """Where a reader of ``log`` resumes ``start`` at one local offset (see the module docstring): the commit's
+    hint in the log it was taken in (:func:`start_position`), else :func:`first_uncovered`; and whether the
+    vector covers records past that offset, now or once they arrive (then the vector exceeds the vector of
+    what lies below the offset)."""
+    offset = start_position(log, start, own, exact=True)
+    try:
+        below = vector_at(log, offset)
+    except Exception:  # a segment held on another node (a chain's old copy): not known here, so filter
+        return Resume(offset, True)
+    return Resume(offset, not start.vector <= below)
+
+
+def listed_offset(log: PartitionLog, query: Earliest | Latest | int) -> LocalOffset | None:
+    """ListOffsets for both front ends: the log start, the high watermark (``flushed_offset``: where a read from
+    latest starts), or for a timestamp :func:`offset_for_time` (None: no durable batch is that late; georep
+    answers -1, Kafka the high watermark, where such records will go)."""
+    if isinstance(query, Earliest):
+        return log.log_start_offset
+    if isinstance(query, Latest):
+        return log.flushed_offset
+    return offset_for_time(log, query)
 
 
 class FetchCursor:
@@ -130,15 +219,22 @@ class FetchCursor:
 
 
 def offset_for_time(log: PartitionLog, timestamp_ms: int) -> LocalOffset | None:
-    """Where a read of the records at or after ``timestamp_ms`` starts: the first batch whose max timestamp is at or
-    after it, among the batches a reader may be handed (below the flushed offset); None when no such batch is
-    durable yet. Both front ends answer offsets by time with it (georep's ``ListOffsets``, Kafka's), each saying
-    None its own way. A batch past the flushed offset is not answered: a crash or a recovery may still cut it,
-    and a consumer told to start there would skip what is written in its place."""
+    """Where a read of the records at or after ``timestamp_ms`` starts: in the first batch whose max timestamp is at
+    or after it, the first record stamped at or after it (Kafka's answer: its clients drop a fetched batch's
+    records below the offset they asked for), among the batches a reader may be handed (below the flushed
+    offset); None when no such batch is durable yet. Both front ends answer offsets by time with it (georep's
+    ``ListOffsets``, Kafka's), each saying None its own way. A batch past the flushed offset is not answered: a
+    crash or a recovery may still cut it, and a consumer told to start there would skip what is written in its
+    place."""
     found = log.offset_for_timestamp(timestamp_ms)
     if found is None or found >= log.flushed_offset:
         return None
-    return found
+    try:
+        data = log.read(found, 1).data
+        records = decode_records(data[: parse_header(data).size_bytes]) if data else []
+    except Exception:  # a quarantined or invalid batch: its base, which reads no less (readers meet it anyway)
+        return found
+    return next((r.offset for r in records if r.timestamp_ms >= timestamp_ms), found)
 
 
 def durable_part(chunk: bytes, next_offset: LocalOffset, flushed: int) -> tuple[bytes, LocalOffset]:

@@ -211,7 +211,8 @@ def _add_kafka_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ACKS",
         help="ack level of the commits Kafka clients make: leader, all, or geo:N to wait until N sites hold each "
-        "commit, so a group that fails over to another site resumes exactly at its last commit (default leader)",
+        "commit, so a group that fails over to another site resumes exactly at its last commit (default leader; "
+        "all on a node of a multi-node site, --node-id)",
     )
     parser.add_argument(
         "--kafka-sasl",
@@ -423,7 +424,9 @@ def kafka_options(args: argparse.Namespace) -> KafkaOptions | None:
     """``--kafka-listen`` and the ``--kafka-*`` flags; None without a Kafka listener."""
     if args.kafka_listen is None:
         return None
-    text = args.kafka_commit_acks or "leader"
+    # A node of a multi-node site commits at its ack quorum by default (Kafka's offsets.commit.required.acks=-1):
+    # a commit the coordinator alone held would be lost with its node, and the group would read it again.
+    text = args.kafka_commit_acks or ("all" if getattr(args, "node_id", None) is not None else "leader")
     if text in ("leader", "all"):
         acks = Acks(AckKind(text))
     elif text.startswith("geo:") and text[4:].isdigit() and int(text[4:]) >= 1:

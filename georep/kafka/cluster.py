@@ -21,14 +21,13 @@ partition. So the gateway answers with georep's own view, one for one:
   serves what it does not lead, so the broker decides and the view only chooses the code;
 * **the controller** is this node: every node creates topics (through the site's Raft log), so the one a
   client asks is as good as any;
-* **consumer groups** (FindCoordinator) are not served on a multi-node site yet: the answer is
-  ``COORDINATOR_NOT_AVAILABLE`` with the reason (:data:`NO_GROUPS`). The coordinator would be the leader
-  of the group's ``__georep_offsets`` partition, but an OffsetCommit must store the exact vector of the
-  committed offset, computed from the partition's log (``georep/kafka/offsets.py``), and a coordinator may
-  lead none of the group's partitions and hold no copy of their segments; and a consumer resuming from a
-  commit made at another site has its fetches filtered by the node that answered OffsetFetch, which is not
-  the node it then fetches from. Serving groups before both hold would commit vectors that lose or repeat
-  records at a failover, so the gateway refuses them instead.
+* **a group's coordinator** (FindCoordinator) is the leader of the group's ``__georep_offsets`` partition, as
+  georep's own group calls find it (``georep/server/groups.py``), and Kafka's is the leader of the group's
+  ``__consumer_offsets`` partition. While that partition has no live leader the answer is
+  ``COORDINATOR_NOT_AVAILABLE`` (:data:`NO_COORDINATOR`), which clients retry. The coordinator computes a
+  commit's exact vector, and where a commit resumes, at each partition's leader (the gateway asks it over
+  georep's ``ListOffsets``), so the vector comes from the log and the fetch filter sits on the node that serves
+  the client's fetches.
 
 A one-node site is the degenerate case (:class:`OneNode`): one broker, id 0, leading every partition.
 """
@@ -41,13 +40,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from cluster.site_state import PartitionInfo, SiteState
 from georep.kafka import errors as k
+from offsets.commits import OFFSETS_TOPIC, offsets_partition
 
 if TYPE_CHECKING:
     from georep.server.site_cluster import SiteCluster
 
-NO_GROUPS = (
-    "Kafka consumer groups are served by one-node sites only for now (docs/kafka.md): on a multi-node "
-    "site, assign partitions to consumers and keep their positions yourself, or use georep's own groups"
+NO_COORDINATOR = (
+    "the group's coordinator (the leader of its __georep_offsets partition) is being elected or has not started "
+    "leading yet; ask again"
 )
 LEADER_NOT_AVAILABLE = 5  # Kafka's code for a partition without a leader now (an election is under way)
 NO_LEADER = -1
@@ -168,8 +168,12 @@ class ClusterView:
         return k.NOT_LEADER_OR_FOLLOWER
 
     def coordinator(self, group: str) -> KafkaBroker | None:
-        """None: no node of a multi-node site coordinates Kafka groups yet (see the module docstring)."""
-        return None
+        """The leader of ``group``'s offsets partition, if live with a Kafka address (the view must hold that
+        partition); None: not now."""
+        route = self.route(OFFSETS_TOPIC, offsets_partition(group))
+        if route.error:
+            return None
+        return KafkaBroker(route.leader, *split_address(self.kafka[route.leader]))
 
 
 ViewOf = Callable[[list[tuple[str, int]] | None], SiteView]  # the view of some partitions (None: all), now

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import secrets
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +47,15 @@ from georep.broker.acks import LEADER, AckKind, Acks
 from georep.broker.errors import NotLeader
 from georep.kafka import errors as k
 from georep.kafka import group_admin
-from georep.kafka.cluster import NO_GROUPS, OneNode, SiteView, ViewOf
+from georep.kafka.cluster import NO_COORDINATOR, OneNode, SiteView, ViewOf
 from georep.kafka.leader_epochs import end_of_epoch
-from georep.kafka.offsets import FetchFilters, vector_at
+from georep.kafka.leader_offsets import AskLeader as AskLeader
+from georep.kafka.leader_offsets import LeaderOffsets, LeaderUnreachable
+from georep.kafka.leader_offsets import LeaderRefused as LeaderRefused
+from georep.kafka.offsets import FetchFilters
 from georep.kafka.protocol import Request, api_versions_body
 from georep.kafka.records import InvalidStored, RecordsError, convert_fetched, kafka_to_georep
+from georep.kafka.rejoin import REJOIN_POLL_S, laggards
 from georep.metadata.kafka_config import (
     BY_NAME,
     SET,
@@ -66,13 +71,13 @@ from georep.metadata.store import UnknownTopic
 from georep.metadata.topic_entry import add_partitions, alter
 from georep.metadata.topics import InvalidTopic, parse_topic_config
 from georep.proto import georep_pb2 as pb
-from georep.proto.convert import vector_from_proto, vector_to_proto
+from georep.proto.convert import vector_to_proto
 from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition
 from georep.server.groups import GroupService
 from georep.server.topic_calls import TopicCalls
 from georep.server.topic_changes import TopicChanges, TopicChangesUnsupported
 from georep.storage.api import OffsetOutOfRange
-from offsets.coordinates import InvalidOrigin, Origin
+from offsets.commits import OFFSETS_TOPIC, offsets_partition
 from topology.filters import is_internal
 
 log = logging.getLogger(__name__)
@@ -98,6 +103,7 @@ class KafkaMember:
     topics: tuple[str, ...]
     session_timeout_ms: int
     metadata: bytes
+    joined: int = -1  # the generation its last JoinGroup answered (``rejoin.laggards``)
 
 
 @dataclass
@@ -155,7 +161,7 @@ async def _offset_for_leader_epoch(g: KafkaGateway, req: Request, peer: Client) 
     return r(topics=out)
 
 
-class KafkaGateway:
+class KafkaGateway(LeaderOffsets):
     def __init__(
         self,
         broker: Broker,
@@ -180,6 +186,8 @@ class KafkaGateway:
         # The site's replication factor and min.insync.replicas (a multi-node site's node flags): what a topic's
         # Kafka configs may state, and what DescribeConfigs reports
         self.site = SiteSettings()
+        # ... and how it asks the leader of a partition it does not lead (a group's coordinator: commits, resumes)
+        self.ask_leader: AskLeader | None = None
         self._invalid_reported: set[tuple[str, int, int]] = set()  # stored invalid batches already logged
         self.topic_changes: TopicChanges | None = None  # alters and growths of a one-node site's topics
         self.topic_calls: TopicCalls | None = None  # deletes (DeleteTopics), as georep's DeleteTopic makes them
@@ -628,13 +636,16 @@ class KafkaGateway:
                 try:
                     self._allow(peer, Operation.CONSUME, [acl_topic(t.name)])
                     plog = self.broker.partition(t.name, lp.partition_index).log
-                    if lp.timestamp == EARLIEST:
-                        offset = plog.log_start_offset
-                    elif lp.timestamp >= 0:  # none durable yet: the high watermark, where the next ones go
-                        found = fetch.offset_for_time(plog, lp.timestamp)
-                        offset = plog.flushed_offset if found is None else found
-                    else:  # LATEST, and the max-timestamp query (-3), which gets the end
-                        offset = plog.flushed_offset
+                    query: fetch.Earliest | fetch.Latest | int = (
+                        fetch.Earliest()
+                        if lp.timestamp == EARLIEST
+                        else lp.timestamp
+                        if lp.timestamp >= 0
+                        else fetch.Latest()  # LATEST, and the max-timestamp query (-3), which gets the end
+                    )
+                    found = fetch.listed_offset(plog, query)
+                    # none durable that late yet: the high watermark, where the next ones go
+                    offset = plog.flushed_offset if found is None else found
                     epoch = self._view([(t.name, lp.partition_index)]).route(t.name, lp.partition_index).leader_epoch
                     parts.append(
                         rp(partition_index=lp.partition_index, timestamp=-1, offset=offset, leader_epoch=epoch)
@@ -654,9 +665,14 @@ class KafkaGateway:
 
     async def _find_coordinator(self, req: Request, peer: Client) -> Any:
         r = kmetadata.FindCoordinatorResponse
-        found = self._view([]).coordinator(req.body.key)
+        group = req.body.key
+        try:
+            await self.groups.ensure_offsets_topic(group)
+        except Exception as exc:
+            return r(error_code=self._code(exc), error_message=str(exc), node_id=-1, host="", port=-1)
+        found = self._view([(OFFSETS_TOPIC, offsets_partition(group))]).coordinator(group)
         if found is None:
-            return r(error_code=k.COORDINATOR_NOT_AVAILABLE, error_message=NO_GROUPS, node_id=-1, host="", port=-1)
+            return r(error_code=k.COORDINATOR_NOT_AVAILABLE, error_message=NO_COORDINATOR, node_id=-1, host="", port=-1)
         return r(node_id=found.node_id, host=found.host, port=found.port)
 
     async def _join_group(self, req: Request, peer: Client) -> Any:
@@ -696,10 +712,17 @@ class KafkaGateway:
             return refuse(self._code(exc))
         g = self.kgroups.setdefault(b.group_id, KafkaGroup())
         g.protocol = chosen
-        g.members[hb.member_id] = KafkaMember(req.client_id, peer.host, topics, b.session_timeout_ms, metadata)
+        member = KafkaMember(req.client_id, peer.host, topics, b.session_timeout_ms, metadata, hb.generation)
+        g.members[hb.member_id] = member
         live = self.groups.coordinator.groups.get(b.group_id)
         for gone in [m for m in g.members if live is None or m not in live.members]:  # expired or left
             del g.members[gone]
+        rebalance_timeout_ms = getattr(b, "rebalance_timeout_ms", -1)  # v1 on; v0: the session timeout
+        try:
+            timeout_ms = rebalance_timeout_ms if rebalance_timeout_ms > 0 else b.session_timeout_ms
+            hb = await self._rejoined(b.group_id, hb, member, timeout_ms)
+        except Exception as exc:
+            return refuse(self._code(exc))
         return r(
             generation_id=hb.generation,
             protocol_type="consumer",
@@ -708,6 +731,44 @@ class KafkaGateway:
             member_id=hb.member_id,
             members=[],
         )
+
+    async def _rejoined(
+        self, group: str, hb: pb.GroupHeartbeatResponse, member: KafkaMember, timeout_ms: int
+    ) -> pb.GroupHeartbeatResponse:
+        """Wait until every Kafka member of ``group`` has joined at its current generation (``rejoin.py``: the eager
+        protocol's join barrier), heartbeating ``member`` meanwhile; the heartbeat answer at that generation. A
+        member not rejoined within ``timeout_ms`` (the rebalance timeout) is dropped from the group, as Kafka's
+        coordinator drops it: a live client hears UNKNOWN_MEMBER_ID at its next call, after revoking."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        beat_at = time.monotonic() + hb.heartbeat_interval_ms / 1000
+        request = pb.GroupHeartbeatRequest(
+            group=group,
+            member_id=hb.member_id,
+            topics=member.topics,
+            session_timeout_ms=member.session_timeout_ms,
+            assignor="range",
+            client_id=member.client_id,
+        )
+        while True:
+            live = self.groups.coordinator.groups.get(group)
+            if live is None or hb.member_id not in live.members:
+                return hb  # expired, or the coordinator moved: its next call hears UNKNOWN_MEMBER_ID
+            if live.generation != hb.generation or time.monotonic() >= beat_at:
+                hb = await self.groups.heartbeat(request)  # still inside its JoinGroup: it has revoked everything
+                member.joined = hb.generation
+                beat_at = time.monotonic() + hb.heartbeat_interval_ms / 1000
+                continue
+            kafka = self.kgroups.get(group, KafkaGroup()).members
+            waiting = laggards({m: k.joined for m, k in kafka.items()}, live.members, hb.generation)
+            if not waiting:
+                return hb
+            if time.monotonic() >= deadline:
+                for m in waiting:
+                    log.info("group %r: member %s did not rejoin within the rebalance timeout; dropped", group, m)
+                    await self.groups.leave(pb.LeaveGroupRequest(group=group, member_id=m))
+                    kafka.pop(m, None)
+                continue
+            await asyncio.sleep(REJOIN_POLL_S)
 
     async def _beat(self, group: str, member_id: str, peer: Client) -> tuple[int, Any]:
         """Heartbeat ``member_id`` at the coordinator: (error code, georep heartbeat answer)."""
@@ -782,14 +843,7 @@ class KafkaGateway:
         for t in b.topics:
             for pc in t.partitions:
                 try:
-                    plog = self.broker.partition(t.name, pc.partition_index).log
-                    offset = min(pc.committed_offset, plog.log_end_offset)
-                    vector = vector_at(plog, offset)
-                    # A consumer that resumed here from a vector committed elsewhere has also read (skipped) what
-                    # that vector covers beyond ``offset``: the new commit keeps covering it.
-                    resumed = self.filters.for_fetch((client, t.name, pc.partition_index), offset)
-                    if resumed is not None:
-                        vector = vector.merge(resumed)
+                    offset, vector = await self._commit_vector(client, t.name, pc.partition_index, pc.committed_offset)
                     commits.append(
                         pb.PartitionCommit(
                             topic=t.name,
@@ -872,7 +926,7 @@ class KafkaGateway:
                     parts.append(rp(partition_index=index, committed_offset=-1, metadata="", committed_leader_epoch=-1))
                     continue
                 try:
-                    offset = self._resume_offset(client, c)
+                    offset = await self._resume_offset(client, c)
                     parts.append(
                         rp(
                             partition_index=index,
@@ -881,27 +935,18 @@ class KafkaGateway:
                             committed_leader_epoch=-1,
                         )
                     )
+                except LeaderUnreachable as exc:
+                    # The whole answer (v2 on), so the client asks again: a partition's error could make it fall back
+                    # to auto.offset.reset, and read again what the group committed.
+                    if req.version < 2:
+                        parts.append(rp(partition_index=index, committed_offset=-1, error_code=exc.kafka_code))
+                        continue
+                    log.info("group %r: OffsetFetch answered %s: %s", b.group_id, k.COORDINATOR_LOAD_IN_PROGRESS, exc)
+                    return r(error_code=k.COORDINATOR_LOAD_IN_PROGRESS, topics=[])
                 except Exception as exc:
                     parts.append(rp(partition_index=index, committed_offset=-1, error_code=self._code(exc)))
             out.append(rt(name=topic, partitions=parts))
         return r(topics=out)
-
-    def _resume_offset(self, client: str, c: pb.CommittedOffset) -> int:
-        """This site's local offset for a committed vector: where a fetch cursor from it starts
-        (``georep/broker/fetch.py``: the commit's hint only in the log it was taken in, clamped into the log;
-        otherwise the first offset holding a record the vector does not cover)."""
-        plog = self.broker.partition(c.topic, c.partition).log
-        vector = vector_from_proto(c.vector)
-        try:
-            hint_origin: Origin | None = Origin.parse(c.committed_by)
-        except InvalidOrigin:
-            hint_origin = None  # a hint is a shortcut: the vector alone says where
-        start = fetch.FromVector(vector, hint_origin, int(c.hint_offset))
-        offset = int(fetch.FetchCursor(plog, start, self.broker.origin).position)
-        # Past the offset the vector may still cover records (interleaved origins, or a commit that kept covering
-        # what a resumed consumer skipped): the client's fetches leave them out.
-        self.filters.set((client, c.topic, c.partition), offset, vector)
-        return offset
 
     async def _list_groups(self, req: Request, peer: Client) -> Any:
         r = kadmin.ListGroupsResponse

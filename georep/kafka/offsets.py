@@ -6,13 +6,15 @@ offset instead, which means the same records everywhere (I5). So:
 * **OffsetCommit** of offset ``L`` at this site stores :func:`vector_at` ``(log, L)``: for each origin, the
   next origin seq after the records below ``L`` here. Exact, also for ``L`` inside a batch (a batch maps a
   contiguous offset range onto a contiguous origin-seq range). ``L`` itself goes along as the commit's hint.
-* **OffsetFetch** answers the hint if the commit was made at this very site and epoch (the same log);
-  otherwise ``start_offset_for_vector``: the first local offset holding a record the vector does not cover.
-  Past that offset this site may hold records the vector covers, interleaved with ones it does not (the
-  origins' records arrived here in another order), and records it covers may still arrive. So the answer
-  registers a :class:`FetchFilter` for that client and partition, and the gateway's Fetch leaves the covered
-  records out (``georep/kafka/records.py``). The consumer sees offset gaps, as after compaction, and reads
-  exactly the records the commit does not cover, once.
+* **OffsetFetch** answers ``fetch.resume_at``: the hint if the commit was made at this very site and epoch
+  (the same log); otherwise the exact offset of the first record the vector does not cover, inside its batch
+  (the client drops the records of a fetched batch below the offset it asked for). Past that offset this site
+  may hold records the vector covers, interleaved with ones it does not (the origins' records arrived here in
+  another order), and records it covers may still arrive. Only then (``Resume.covered_after``) does the
+  answer register a :class:`FetchFilter` for that client and partition, and the gateway's Fetch leaves the
+  covered records out (``georep/kafka/records.py``): the consumer sees offset gaps, as after compaction, and
+  reads exactly the records the commit does not cover, once. Without interleaving, a reader that seeks to
+  the answer with no filter at all (another client, a lag tool's number) reads exactly those records too.
 """
 
 from __future__ import annotations
@@ -20,24 +22,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from georep.storage.api import PartitionLog
-from offsets.log_prefix import vector_below
+from georep.broker.fetch import vector_at
 from offsets.vector import VectorOffset
 
+__all__ = ["FetchFilters", "vector_at"]
+
 FILTERS_MAX = 10_000  # (client, partition) filters kept; the oldest go first
-
-
-def vector_at(log: PartitionLog, offset: int) -> VectorOffset:
-    """The vector of everything below local ``offset`` in ``log``: what a consumer at ``offset`` has read.
-
-    ``offset`` must lie in ``[log start, log end]`` (``OffsetOutOfRange`` otherwise: below the log start the
-    records are gone, and so is the exact vector). The answer is the vector at the base of the segment holding
-    ``offset`` (:meth:`PartitionLog.segment_at`: every batch below it, those retention or a chain trim deleted
-    included) advanced past that segment's batches below ``offset`` by ``offsets/log_prefix.py``, the one fold
-    every vector-at-an-offset question uses. Cost: one segment's batch entries, not the whole log's, per commit.
-    """
-    segment = log.segment_at(offset)
-    return vector_below(segment.start_vector, segment.entries, offset)
 
 
 @dataclass(frozen=True, slots=True)

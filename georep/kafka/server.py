@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import grpc
 from cryptography import x509
 
 from georep.auth.credentials import CredentialLookup
@@ -35,8 +36,10 @@ from georep.auth.policy import Policy
 from georep.auth.principal import Principal
 from georep.auth.sasl import MECHANISMS, ScramCredential, ScramFailed, ScramServer
 from georep.broker.acks import LEADER, Acks
+from georep.broker.errors import NotLeader
 from georep.kafka.connections import ConnectionTable, ListenerLimits, LogThrottle, Refused
-from georep.kafka.gateway import Client, KafkaGateway, Pending
+from georep.kafka.errors import OFFSET_OUT_OF_RANGE
+from georep.kafka.gateway import AskLeader, Client, KafkaGateway, LeaderRefused, Pending
 from georep.kafka.protocol import (
     SASL_AUTHENTICATE,
     SASL_HANDSHAKE,
@@ -51,6 +54,8 @@ from georep.kafka.protocol import (
     sasl_handshake_body,
 )
 from georep.metadata.kafka_config import SiteSettings
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import TlsConfig, principal_of_certificate
 
 if TYPE_CHECKING:
@@ -70,6 +75,7 @@ API_VERSIONS_KEY = 18
 ILLEGAL_SASL_STATE = 34
 UNSUPPORTED_SASL_MECHANISM = 33
 SASL_AUTHENTICATION_FAILED = 58
+LEADER_ASK_TIMEOUT_S = 5.0  # a group coordinator's ask of a partition's leader (a commit's vector)
 
 Lookup = Callable[[str, str], ScramCredential | None]  # (mechanism, user) -> the user's credential, if any
 
@@ -486,3 +492,24 @@ async def start_kafka(
     bound = await server.start(host, port)
     gateway.port = bound
     return server, f"{host}:{bound}"
+
+
+def leader_asker(site_cluster: SiteCluster) -> AskLeader:
+    """How a group's coordinator asks a partition's leader (another node of its site) for a Kafka offset: georep's
+    ``ListOffsets`` with a ``kafka`` ask, over the site's peer channels."""
+
+    async def ask(topic: str, partition: int, question: pb.KafkaOffsetAsk) -> pb.PartitionOffset:
+        address = site_cluster.leader_address(topic, partition)
+        if not address:
+            raise NotLeader(topic, partition, "the site names no leader of it now")
+        request = pb.ListOffsetsRequest(topic=topic, partition=partition, kafka=question)
+        try:
+            async with site_cluster.channel(address) as channel:
+                answer = await pbg.NodeStub(channel).ListOffsets(request, timeout=LEADER_ASK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:  # a commit below the log start: the client must hear it
+                raise LeaderRefused(OFFSET_OUT_OF_RANGE, str(exc.details())) from exc
+            raise
+        return answer.offsets[0]
+
+    return ask

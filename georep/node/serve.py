@@ -452,9 +452,12 @@ async def _start_kafka(
         kafka_server.gateway.topic_calls = node.service.topic_calls
         if node.site_cluster is not None:  # set before any request is read (no await since the listener started)
             from georep.kafka.cluster import cluster_view_of
+            from georep.kafka.server import leader_asker
 
             kafka_server.gateway.view_of = cluster_view_of(node.site_cluster, kafka_nodes)
+            kafka_server.gateway.ask_leader = leader_asker(node.site_cluster)
             kafka_address = kafka_nodes[int(node.site_cluster.member.me)]  # what clients are told (node.json)
+        node.service.kafka_offsets = kafka_server.gateway.answer_coordinator
     except OSError as exc:
         await server.stop(0)
         node.close()

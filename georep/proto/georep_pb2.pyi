@@ -1111,12 +1111,17 @@ class ListOffsetsRequest(_message.Message):
     PARTITION_FIELD_NUMBER: _builtins.int
     POSITION_FIELD_NUMBER: _builtins.int
     TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    KAFKA_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     partition: _builtins.int
     """-1 for every partition"""
     position: Global___StartPosition.ValueType
     timestamp_ms: _builtins.int
-    """first offset whose batch max timestamp >= this"""
+    """first record stamped >= this, in the first batch whose max timestamp >= this"""
+    @_builtins.property
+    def kafka(self) -> Global___KafkaOffsetAsk:
+        """A Kafka group's coordinator asks the partition's leader (a multi-node site, issue 23): one partition."""
+
     def __init__(
         self,
         *,
@@ -1124,16 +1129,51 @@ class ListOffsetsRequest(_message.Message):
         partition: _builtins.int = ...,
         position: Global___StartPosition.ValueType = ...,
         timestamp_ms: _builtins.int = ...,
+        kafka: Global___KafkaOffsetAsk | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["position", b"position", "spec", b"spec", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kafka", b"kafka", "position", b"position", "spec", b"spec", "timestamp_ms", b"timestamp_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["partition", b"partition", "position", b"position", "spec", b"spec", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kafka", b"kafka", "partition", b"partition", "position", b"position", "spec", b"spec", "timestamp_ms", b"timestamp_ms", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_spec: _TypeAlias = _typing.Literal["position", "timestamp_ms"]  # noqa: Y015
+    _WhichOneofReturnType_spec: _TypeAlias = _typing.Literal["position", "timestamp_ms", "kafka"]  # noqa: Y015
     _WhichOneofArgType_spec: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_spec) -> _WhichOneofReturnType_spec | None: ...
 
 Global___ListOffsetsRequest: _TypeAlias = ListOffsetsRequest  # noqa: Y015
+
+@_typing.final
+class KafkaOffsetAsk(_message.Message):
+    """What a Kafka group's coordinator asks the leader of a partition it does not lead: the exact vector of a
+    committed offset, or where a committed vector resumes (the leader keeps the client's fetch filter).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLIENT_FIELD_NUMBER: _builtins.int
+    COMMIT_OFFSET_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
+    client: _builtins.str
+    """the Kafka client, "client id@host", whose fetches the answer concerns"""
+    commit_offset: _builtins.int
+    """without resume: the vector of the records below this local offset"""
+    @_builtins.property
+    def resume(self) -> Global___CommittedOffset:
+        """set: the exact local offset this commit resumes at, here"""
+
+    def __init__(
+        self,
+        *,
+        client: _builtins.str = ...,
+        commit_offset: _builtins.int = ...,
+        resume: Global___CommittedOffset | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["resume", b"resume"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client", b"client", "commit_offset", b"commit_offset", "resume", b"resume"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KafkaOffsetAsk: _TypeAlias = KafkaOffsetAsk  # noqa: Y015
 
 @_typing.final
 class PartitionOffset(_message.Message):
@@ -1150,7 +1190,7 @@ class PartitionOffset(_message.Message):
     @_builtins.property
     def vector(self) -> Global___VectorOffset:
         """The vector of every record below offset (below the log end for -1): a consumer position that starts there,
-        the same at every site (georep group reset-offsets)
+        the same at every site (georep group reset-offsets); for a KafkaOffsetAsk, the commit's vector
         """
 
     def __init__(

@@ -9,7 +9,8 @@ is given a rule.
 
 The rules:
 
-* topics: ``Produce``/``ProduceStream`` need produce; ``Fetch`` and ``ListOffsets`` consume; ``CreateTopic``
+* topics: ``Produce``/``ProduceStream`` need produce; ``Fetch`` and ``ListOffsets`` consume (``ListOffsets``'s
+  Kafka offset ask: the site's own nodes only); ``CreateTopic``
   create_topic (``CreateTopics`` on every topic it names);
 * groups: ``GroupHeartbeat`` (join), ``LeaveGroup``, ``FetchCommitted``, ``DescribeGroup`` need read on the
   group, and the heartbeat consume on every subscribed topic; ``CommitOffsets`` needs commit on the group
@@ -134,6 +135,20 @@ def _admin(req: Any, who: Principal, policy: Policy) -> Decision:
     return policy.acl(who, Operation.ADMIN, [CLUSTER])
 
 
+def _list_offsets(req: pb.ListOffsetsRequest, who: Principal, policy: Policy) -> Decision:
+    """consume on the topic; a Kafka offset ask (a group coordinator's, issue 23) only from the site's own nodes
+    (super-users): it sets another client's fetch filter."""
+    if req.WhichOneof("spec") == "kafka" and not is_super_user(who, policy.own_site, policy.super_users):
+        return Decision(
+            False,
+            who,
+            Operation.CONSUME,
+            topic(req.topic),
+            f"a Kafka offset ask comes only from a node of site {policy.own_site} (a group's coordinator)",
+        )
+    return policy.acl(who, Operation.CONSUME, [topic(req.topic)])
+
+
 def _replicate(req: pb.ReplicateRequest, who: Principal, policy: Policy) -> Decision:
     decision = policy.pull(who, [w.topic for w in req.wants])
     if decision.allowed and who.site != policy.own_site and req.dst_site and req.dst_site != who.site:
@@ -196,7 +211,7 @@ NODE_ACCESS: Mapping[str, Access] = {
     "Produce": Access(pb.ProduceRequest, _produce),
     "ProduceStream": Access(pb.ProduceRequest, _produce, refuse=_refuse_produce, split=_split_produce),
     "Fetch": Access(pb.FetchRequest, _topic_op(Operation.CONSUME)),
-    "ListOffsets": Access(pb.ListOffsetsRequest, _topic_op(Operation.CONSUME)),
+    "ListOffsets": Access(pb.ListOffsetsRequest, _list_offsets),
     "Health": _open_access(pb.HealthRequest),
     "SiteStatus": _open_access(pb.SiteStatusRequest),
     "ClusterStatus": _open_access(pb.ClusterStatusRequest),

@@ -128,7 +128,7 @@ class GroupService:
         self._observe_leadership()
         self.expire()
 
-    async def _ensure_offsets_topic(self, group: str) -> None:
+    async def ensure_offsets_topic(self, group: str) -> None:
         """A multi-node site: create the internal topic through the site's metadata if it lacks it, at the first
         group call (Kafka creates ``__consumer_offsets`` at the first coordinator lookup), so a site that runs no
         group carries none of its partitions. Every node that gets a group call may try at once: all but one get
@@ -275,7 +275,7 @@ class GroupService:
         for topic in req.topics:
             if is_internal(topic):
                 raise InvalidGroupRequest(f"topic {topic!r} is internal to georep: subscribe to your own topics")
-        await self._ensure_offsets_topic(group)
+        await self.ensure_offsets_topic(group)
         await self.sync()  # the group's commits, which decide a new coordinator's hold
         self._coordinated(group)
         session_timeout_ms = req.session_timeout_ms or 10_000
@@ -325,7 +325,7 @@ class GroupService:
         for e in entries:
             if not e.deleted:  # a position of a topic deleted since may still be deleted
                 self._check_partition(e.topic, e.partition)
-        await self._ensure_offsets_topic(group)
+        await self.ensure_offsets_topic(group)
         await self.sync()
         self._coordinated(group)
         if any(e.deleted for e in entries) and not members_ok:
@@ -370,7 +370,7 @@ class GroupService:
         members nor positions, ``GroupNotEmpty`` while it has members. Partitions it has no position of are left
         out: nothing to delete."""
         group = validate_group(group)
-        await self._ensure_offsets_topic(group)
+        await self.ensure_offsets_topic(group)
         await self.sync()
         self._coordinated(group)
         g = self.coordinator.groups.get(group)
@@ -400,7 +400,7 @@ class GroupService:
 
     async def fetch_committed(self, req: pb.FetchCommittedRequest) -> pb.FetchCommittedResponse:
         group = validate_group(req.group)
-        await self._ensure_offsets_topic(group)
+        await self.ensure_offsets_topic(group)
         self._observe_leadership()
         self._coordinated(group)
         if req.wait_caught_up_ms > 0:
@@ -487,7 +487,7 @@ class GroupService:
 
     async def describe(self, req: pb.DescribeGroupRequest) -> pb.GroupDescription:
         group = validate_group(req.group)
-        await self._ensure_offsets_topic(group)
+        await self.ensure_offsets_topic(group)
         await self.sync()
         self._coordinated(group)
         g = self.coordinator.groups.get(group)

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import grpc
@@ -30,7 +30,7 @@ from georep.broker.fetch import (
     FromVector,
     Latest,
     batch_by_coordinate,
-    offset_for_time,
+    listed_offset,
 )
 from georep.metadata.catalog import TopicCatalog
 from georep.metadata.topic_entry_codec import spec_of
@@ -131,6 +131,8 @@ class NodeService:
         self.claims = HeldClaimCheck(replicator.topology if replicator is not None else None, broker.identity.site)
         self.served = ServedGate(broker.origin)
         self._refusals_logged: dict[str, tuple[str, float]] = {}
+        # The node's Kafka gateway, for a group coordinator on another node of the site (ListOffsets ``kafka``)
+        self.kafka_offsets: Callable[[str, int, pb.KafkaOffsetAsk], pb.PartitionOffset] | None = None
         # ListTopics' view of the topic table; its own id, so a token of another node or process is not taken
         self.catalog = TopicCatalog(secrets.token_hex(8))
         self._catalog_saw: int | None = None  # the metadata's topics_version the catalog last took
@@ -269,28 +271,27 @@ class NodeService:
 
     async def list_offsets(self, data: bytes, context: Context) -> pb.ListOffsetsResponse:
         req = parse(pb.ListOffsetsRequest, data)
+        if req.WhichOneof("spec") == "kafka":
+            if self.kafka_offsets is None:
+                raise InvalidRequest("this node serves no Kafka listener: a Kafka offset ask goes to one that does")
+            return pb.ListOffsetsResponse(offsets=[self.kafka_offsets(req.topic, req.partition, req.kafka)])
         spec = self.broker.topic(req.topic)
         indexes = range(spec.partitions) if req.partition == -1 else [req.partition]
         out = []
         for i in indexes:
             plog = self.broker.partition(req.topic, i).log
-            if req.WhichOneof("spec") == "timestamp_ms":
-                at = offset_for_time(plog, req.timestamp_ms)  # the rule Kafka's ListOffsets follows too
-                out.append(
-                    pb.PartitionOffset(
-                        partition=i,
-                        offset=-1 if at is None else at,
-                        timestamp_ms=req.timestamp_ms,
-                        vector=_vector_below(plog, plog.flushed_offset if at is None else at),
-                    )
+            by_time = req.WhichOneof("spec") == "timestamp_ms"
+            # the rule Kafka's ListOffsets follows too (broker/fetch.py); latest is the high watermark
+            query = req.timestamp_ms if by_time else Latest() if req.position == pb.START_LATEST else Earliest()
+            at = listed_offset(plog, query)
+            out.append(
+                pb.PartitionOffset(
+                    partition=i,
+                    offset=-1 if at is None else at,
+                    timestamp_ms=req.timestamp_ms if by_time else -1,
+                    vector=_vector_below(plog, plog.flushed_offset if at is None else at),
                 )
-            elif req.position == pb.START_LATEST:
-                # the high watermark, as in Kafka: what a read from 'latest' starts at (broker/fetch.py)
-                at = plog.flushed_offset
-                out.append(pb.PartitionOffset(partition=i, offset=at, timestamp_ms=-1, vector=_vector_below(plog, at)))
-            else:
-                at = plog.log_start_offset
-                out.append(pb.PartitionOffset(partition=i, offset=at, timestamp_ms=-1, vector=_vector_below(plog, at)))
+            )
         return pb.ListOffsetsResponse(offsets=out)
 
     # -- produce --------------------------------------------------------------
