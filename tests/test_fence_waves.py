@@ -6,8 +6,11 @@ write."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -18,7 +21,7 @@ from georep.server.fence_waves import FenceWaves
 from georep.server.recovery import SegmentToRecover, recover_segment
 from georep.server.segments import SegmentService
 from georep.storage.api import LogConfig
-from georep.storage.replica_store import ReplicaStore
+from georep.storage.replica_store import PartitionKey, ReplicaStore
 from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset
 from tests.support.channels import add_port
@@ -28,6 +31,7 @@ from topology.ids import LeaderEpoch, NodeId, SegmentId
 
 PARTITIONS = 60
 PEER_CALLS_MAX = 8  # the peer's server refuses calls past this many at once, as a busy survivor's sheds them
+BUSY_FENCE_S = 0.1
 SEG = SegmentId(0)
 E1, E2 = LeaderEpoch(1), LeaderEpoch(2)
 DEAD, PEER, NEW = NodeId(1), NodeId(2), NodeId(3)
@@ -53,10 +57,22 @@ def holding(root: Path, chunk: bytes) -> ReplicaStore:
     return store
 
 
+def busy(fence: Callable[[PartitionKey, LeaderEpoch], dict[SegmentId, LocalOffset]]) -> Any:
+    """A busy survivor's fence (its guard's fsync among its own recoveries' writes) takes a while: fences sent at
+    once then overlap past what its server takes, whatever the load on the machine running the test."""
+
+    def slow(key: PartitionKey, epoch: LeaderEpoch) -> dict[SegmentId, LocalOffset]:
+        time.sleep(BUSY_FENCE_S)
+        return fence(key, epoch)
+
+    return slow
+
+
 async def recover_all(tmp_path: Path, fences: FenceWaves) -> list[LocalOffset | BaseException]:
     chunk = acked_chunk(tmp_path)
     with ThreadPoolExecutor(4) as executor:
         peer, mine = holding(tmp_path / "peer", chunk), holding(tmp_path / "new", chunk)
+        peer.fence = busy(peer.fence)  # type: ignore[method-assign]
         server = grpc.aio.server(maximum_concurrent_rpcs=PEER_CALLS_MAX)
         server.add_generic_rpc_handlers((SegmentService(peer, executor, lambda: 0).handler(),))
         port = add_port(server, "127.0.0.1:0")
