@@ -44,6 +44,9 @@ def test_a_partition_that_moved_reaches_the_links_and_an_idle_one_is_not_read(tm
         # An apply that bypasses the pull session (which feeds the links itself): only the flush's watcher says it.
         await broker.append_replica("t", 1, origin_batch(B, 0))
         await flushed(broker, ("t", 1))
+        async with asyncio.timeout(10):  # the flush's watcher runs on the loop after the flush is seen
+            while ("t", 1) not in replicator._moved:
+                await asyncio.sleep(0.01)
         reads.clear()  # the apply reads the vector too: count the tick's reads only
         replicator.tick()
         assert replicator.links.local[("t", 1)] == {B: 2}
