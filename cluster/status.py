@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from cluster.leadership import node_loads
 from cluster.placement import NodeLoad
 from cluster.repair import SegmentView, UnderReplicated, under_replicated
-from cluster.site_state import SiteState
+from cluster.site_state import PartitionInfo, SiteState
 from cluster.topic_settings import own_replication_factor
 from topology.ids import LeaderEpoch, NodeId, SegmentId
 
@@ -108,6 +108,24 @@ class InvalidPageToken(ValueError):
     """A page token that no answer gave."""
 
 
+def segment_views(state: SiteState, info: PartitionInfo) -> list[SegmentView]:
+    """The partition's segments as repair's status reads them: held to its topic's own replication factor, and
+    sized 0 (the metadata holds no sizes; ``under_replicated`` does not read them)."""
+    replication_factor = own_replication_factor(state.topic(info.topic))
+    return [
+        SegmentView(
+            info.topic,
+            info.partition,
+            s.segment_id,
+            s.ensemble,
+            s.sealed,
+            size_bytes=0,
+            replication_factor=replication_factor,
+        )
+        for s in info.segments
+    ]
+
+
 def page_token(after: tuple[str, int]) -> str:
     """The token a client passes back to get the partitions after ``after``."""
     return f"{after[1]}:{after[0]}"
@@ -152,19 +170,7 @@ def cluster_status(
                     loads[member] = NodeLoad(member, 0, 0, alive=False, draining=False)
         if page.topic is not None and info.topic != page.topic:
             continue  # the nodes' counts are the site's; the partitions and segments listed, the topic's
-        for segment in info.segments:
-            # The metadata holds no sizes; under_replicated does not read them.
-            views.append(
-                SegmentView(
-                    info.topic,
-                    info.partition,
-                    segment.segment_id,
-                    segment.ensemble,
-                    segment.sealed,
-                    size_bytes=0,
-                    replication_factor=own_replication_factor(state.topic(info.topic)),
-                )
-            )
+        views += segment_views(state, info)
         open_segment = info.open_segment
         leader = loads.get(info.leader) if info.leader is not None else None
         leaderless += not (leader is not None and leader.alive)
@@ -253,18 +259,8 @@ def _count(state: SiteState) -> _Counts:
             no_leader += 1
         else:
             leader_of[info.leader] = leader_of.get(info.leader, 0) + 1
+        views += segment_views(state, info)
         for segment in info.segments:
-            views.append(
-                SegmentView(
-                    info.topic,
-                    info.partition,
-                    segment.segment_id,
-                    segment.ensemble,
-                    segment.sealed,
-                    0,
-                    replication_factor=own_replication_factor(state.topic(info.topic)),
-                )
-            )
             for member in segment.ensemble:
                 segments[member] = segments.get(member, 0) + 1
                 if not segment.sealed:

@@ -27,6 +27,7 @@ from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from offsets.coordinates import Origin
 from tests.support.channels import add_port, open_channel
+from tests.support.fake_upstream import upstream_handler
 from tests.support.ports import free_ports
 from tests.support.sites import origin_batch, wait_until
 
@@ -68,22 +69,6 @@ class FakeSiteC:
         deadline = time.monotonic() + 10
         while context.is_active() and time.monotonic() < deadline:
             time.sleep(0.1)
-
-    def handler(self) -> grpc.GenericRpcHandler:
-        def unary(fn: Any) -> grpc.RpcMethodHandler[Any, Any]:
-            return grpc.unary_unary_rpc_method_handler(fn, None, lambda m: m.SerializeToString())
-
-        return grpc.method_handlers_generic_handler(
-            "georep.v1.Node",
-            {
-                "ListTopics": unary(self.list_topics),
-                "ListAcls": unary(self.list_acls),
-                "ReportHeld": unary(self.report_held),
-                "Replicate": grpc.unary_stream_rpc_method_handler(
-                    self.replicate, None, lambda m: m.SerializeToString()
-                ),
-            },
-        )
 
 
 @dataclass
@@ -131,7 +116,7 @@ def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
         a_epoch = net.stub("a", "client:admin").Health(pb.HealthRequest(), timeout=10).epoch
         net.stub("a", "client:admin").CreateTopic(pb.CreateTopicRequest(name="orders/eu", partitions=1), timeout=10)
         fake = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        fake.add_generic_rpc_handlers((FakeSiteC(Origin("a", a_epoch)).handler(),))  # type: ignore[arg-type]
+        fake.add_generic_rpc_handlers((upstream_handler(FakeSiteC(Origin("a", a_epoch))),))  # type: ignore[arg-type]
         assert add_port(fake, f"127.0.0.1:{ports['c']}", net.tls("site:c")) == ports["c"]
         fake.start()
         yield net

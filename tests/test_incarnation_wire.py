@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -33,8 +33,9 @@ from georep.server.replicator import Replicator
 from georep.storage.metadata_file import FileMetadataStore
 from offsets.coordinates import LocalOffset, Origin
 from tests.support.channels import add_port
+from tests.support.fake_upstream import upstream_handler
 from tests.support.ports import free_ports
-from tests.support.sites import origin_batch, topology_toml
+from tests.support.sites import origin_batch, topology_toml, until
 from topology.file import parse_topology_file
 from topology.ids import SiteId
 
@@ -77,30 +78,6 @@ class FakeSiteA:
         while context.is_active() and time.monotonic() < deadline and not self.done.is_set():
             time.sleep(0.05)
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        def unary(fn: Any) -> grpc.RpcMethodHandler[Any, Any]:
-            return grpc.unary_unary_rpc_method_handler(fn, None, lambda m: m.SerializeToString())
-
-        return grpc.method_handlers_generic_handler(
-            "georep.v1.Node",
-            {
-                "ListTopics": unary(self.list_topics),
-                "ListAcls": unary(self.list_acls),
-                "ReportHeld": unary(self.report_held),
-                "Replicate": grpc.unary_stream_rpc_method_handler(
-                    self.replicate, None, lambda m: m.SerializeToString()
-                ),
-            },
-        )
-
-
-async def until(what: str, cond: Callable[[], object], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
-        await asyncio.sleep(0.05)
-
 
 def test_a_chunk_of_a_deleted_incarnation_is_never_stored_in_the_re_created_topic(tmp_path: Path) -> None:
     port_a, port_b = free_ports(2)
@@ -108,7 +85,7 @@ def test_a_chunk_of_a_deleted_incarnation_is_never_stored_in_the_re_created_topi
     dev_ca.init(certs, dev_ca.plan(["a", "b"], {}, []))
     fake = FakeSiteA()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((fake.handler(),))
+    server.add_generic_rpc_handlers((upstream_handler(fake),))
     tls_a = TlsConfig.from_dir(certs, parse_principal("site:a"))
     assert add_port(server, f"127.0.0.1:{port_a}", tls_a) == port_a
     server.start()

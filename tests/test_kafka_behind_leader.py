@@ -9,18 +9,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from georep.broker.errors import NotLeader
 from georep.kafka import errors as k
 from georep.kafka.cluster import OneNode
 from georep.kafka.gateway import LeaderUnreachable
-from georep.proto import georep_pb2 as pb
 from georep.server.broker import Broker
 from offsets.vector import VectorOffset
-from tests.test_kafka_gateway_core import CLIENT, TOPIC, batch, commit, gateway
+from tests.test_kafka_gateway_core import CLIENT, TOPIC, asking, batch, commit, gateway
 
 END = 8  # the log holds offsets 0..7
 
@@ -41,19 +38,7 @@ def behind(broker: Broker) -> tuple[object, object]:
     """(a coordinator that does not lead the partition, the behind node it asks as its leader)."""
     stale = gateway(broker)
     stale.view_of = lambda keys: OneNode("127.0.0.1", 9092)  # a multi-node site's gateway has a view
-    coordinator = gateway(broker)
-
-    def not_here(topic: str, index: int) -> object:
-        raise NotLeader(topic, index, "another node leads it")
-
-    coordinator.broker = SimpleNamespace(partition=not_here, origin=broker.origin)  # type: ignore[assignment]
-    coordinator.view_of = lambda keys: OneNode("127.0.0.1", 9092)
-
-    async def ask(topic: str, index: int, question: pb.KafkaOffsetAsk) -> pb.PartitionOffset:
-        return stale.answer_coordinator(topic, index, question)
-
-    coordinator.ask_leader = ask
-    return coordinator, stale
+    return asking(broker, stale), stale
 
 
 def test_a_node_behind_the_clients_offset_refuses_its_commit_rather_than_storing_less(broker: Broker) -> None:

@@ -258,11 +258,8 @@ def test_a_validate_only_create_meets_the_same_rules(broker: Broker, name: str, 
     assert "ok" not in broker.metadata.topics(), "validate_only creates nothing"
 
 
-def test_a_coordinator_asks_the_partitions_leader_which_keeps_the_clients_filter(broker: Broker) -> None:
-    """A multi-node site (issue 23): the group's coordinator does not lead the partition, so it asks the leader for
-    where a commit resumes and for a commit's vector; the leader computes them from its log and keeps the client's
-    filter, since the client's fetches go to it."""
-    leader = gateway(broker)
+def asking(broker: Broker, leader: KafkaGateway) -> KafkaGateway:
+    """A gateway of a multi-node site's node that coordinates groups but leads no partition: it asks ``leader``."""
     coordinator = gateway(broker)
 
     def not_here(topic: str, index: int) -> object:
@@ -274,7 +271,16 @@ def test_a_coordinator_asks_the_partitions_leader_which_keeps_the_clients_filter
     async def ask(topic: str, index: int, question: pb.KafkaOffsetAsk) -> pb.PartitionOffset:
         return leader.answer_coordinator(topic, index, question)
 
-    coordinator.ask_leader = ask
+    coordinator.ask_leader = ask  # type: ignore[method-assign]
+    return coordinator
+
+
+def test_a_coordinator_asks_the_partitions_leader_which_keeps_the_clients_filter(broker: Broker) -> None:
+    """A multi-node site (issue 23): the group's coordinator does not lead the partition, so it asks the leader for
+    where a commit resumes and for a commit's vector; the leader computes them from its log and keeps the client's
+    filter, since the client's fetches go to it."""
+    leader = gateway(broker)
+    coordinator = asking(broker, leader)
     here = broker.origin
     ahead = VectorOffset({here: 3, ELSEWHERE: 4})  # ELSEWHERE's records are still to come here: filtered
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -29,7 +28,7 @@ from georep.server.replicator import Replicator
 from georep.server.site_status import answer
 from tests.support.node_api import batch, stub_for
 from tests.support.ports import free_ports
-from tests.support.sites import topology_toml
+from tests.support.sites import topology_toml, until
 from topology.file import parse_topology_file
 from topology.ids import SiteId
 
@@ -84,14 +83,6 @@ def run_at_b(
         asyncio.run(main())
     finally:
         channel.close()
-
-
-async def until(what: str, cond: Callable[[], object], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
-        await asyncio.sleep(0.05)
 
 
 def listed(answers: list[pb.ListTopicsResponse]) -> list[str]:

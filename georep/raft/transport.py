@@ -107,6 +107,14 @@ def _decompress(data: bytes, limit: int) -> bytes:
     return out
 
 
+def _release(poller: Any, fileno: int | None, sock: socket.socket | None) -> None:
+    """Stop polling ``fileno`` and close ``sock``: a socket is never left to the garbage collector."""
+    if fileno is not None:
+        poller.unsubscribe(fileno)
+    if sock is not None:
+        sock.close()
+
+
 class GuardedConnection:
     """pysyncobj's ``TcpConnection``, the same interface and frames, with bounded frames, messages and reads.
 
@@ -227,12 +235,8 @@ class GuardedConnection:
         return True
 
     def _drop_socket(self) -> None:
-        if self._fileno is not None:
-            self._poller.unsubscribe(self._fileno)
-            self._fileno = None
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        _release(self._poller, self._fileno, self._socket)
+        self._fileno, self._socket = None, None
 
     def send(self, message: Any) -> None:
         if self._unanswered_since is None and _is_append(message):
@@ -456,12 +460,8 @@ class GuardedServer:
         self._poller.subscribe(self._fileno, self._on_event, POLL_EVENT_TYPE.READ | POLL_EVENT_TYPE.ERROR)
 
     def unbind(self) -> None:
-        if self._fileno is not None:
-            self._poller.unsubscribe(self._fileno)
-            self._fileno = None
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        _release(self._poller, self._fileno, self._socket)
+        self._fileno, self._socket = None, None
 
     def _on_event(self, descr: int, event: int) -> None:
         if event & POLL_EVENT_TYPE.ERROR:

@@ -114,6 +114,15 @@ class Sites:
             node.kill9()
 
 
+async def until(what: str, cond: Callable[[], object], timeout_s: float = 20.0) -> None:
+    """:func:`wait_until` inside an event loop: it waits without blocking the loop the condition depends on."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
+        await asyncio.sleep(0.05)
+
+
 def wait_until(what: str, cond: Callable[[], object], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
