@@ -21,7 +21,7 @@ from georep.kafka.leader_epochs import FENCED_LEADER_EPOCH, UNKNOWN_LEADER_EPOCH
 from georep.kafka.protocol import Request, decode_request, encode_response
 from georep.record.batch import RecordInput, encode_batch
 from georep.server.broker import Broker
-from georep.server.groups import GroupService
+from tests.test_kafka_gateway_core import gateway
 
 TOPIC = "t"
 PEER = Client("127.0.0.1")
@@ -41,13 +41,6 @@ def broker(tmp_path: Path) -> Iterator[Broker]:
     b.append(TOPIC, 0, encode_batch(records[:2]))
     yield b
     b.close()
-
-
-def gateway(broker: Broker) -> KafkaGateway:
-    async def create_topic(name: str, partitions: int, config: dict[str, str]) -> None:
-        broker.create_topic(name, partitions, config)
-
-    return KafkaGateway(broker, GroupService(broker), "127.0.0.1", 9092, create_topic)
 
 
 @dataclass(frozen=True)
