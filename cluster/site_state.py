@@ -94,6 +94,7 @@ from georep.metadata.topic_entry_codec import entry_from_dict, entry_to_dict, le
 from georep.metadata.topics import InvalidTopic, TopicSpec, parse_topic_config, validate_partitions, validate_topic_name
 from offsets.coordinates import LocalOffset, Origin
 from offsets.vector import VectorOffset
+from topology.filters import is_internal
 from topology.ids import LeaderEpoch, NodeId, SegmentId, node_id
 
 COMMAND_FORMAT_VERSION = 1
@@ -497,7 +498,9 @@ class RemoveNode(_CommandBase):
 
 @dataclass(frozen=True, slots=True)
 class CreateTopic(_CommandBase):
-    """Create a topic; its partitions start with no leader (epoch 0) and no segment. Refused if it exists."""
+    """Create a topic; its partitions start with no leader (epoch 0, or above every epoch of the name's deleted
+    incarnations) and no segment. Refused if it exists. After a tombstone of the name it makes the next
+    incarnation (docs/design.md, "Topic changes across sites")."""
 
     KIND: ClassVar[str] = "create_topic"
     spec: TopicSpec
@@ -510,12 +513,20 @@ class CreateTopic(_CommandBase):
 
     def _encode(self) -> dict[str, Any]:
         spec = self.spec
-        return {"name": spec.name, "partitions": spec.partitions, "config": dict(sorted(spec.config.items()))}
+        out = {"name": spec.name, "partitions": spec.partitions, "config": dict(sorted(spec.config.items()))}
+        if spec.incarnation:  # absent when 0: the commands of a log from before incarnations read the same
+            out["incarnation"] = spec.incarnation
+        return out
 
     @classmethod
     def _decode(cls, raw: Mapping[str, Any]) -> Self:
         config = _mapping(raw, "config")
-        return cls(TopicSpec(_str(raw, "name"), _int(raw, "partitions"), {k: _int(config, k) for k in sorted(config)}))
+        incarnation = _int(raw, "incarnation") if "incarnation" in raw else 0
+        return cls(
+            TopicSpec(
+                _str(raw, "name"), _int(raw, "partitions"), {k: _int(config, k) for k in sorted(config)}, incarnation
+            )
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -856,8 +867,10 @@ class PutAcl(_CommandBase):
 class MergeTopicEntry(_CommandBase):
     """Join a topic's replicated entry (``georep/metadata/topic_entry.py``) into the one held: an alter or a
     growth made at this site, or one a topic sync brought. A growth adds the new partitions with no leader, as a
-    create's. Refused: a live entry of a name the site lacks (create it first), and a merge that would delete a
-    live topic or change its incarnation (delete is not built on multi-node sites)."""
+    create's. A merge that deletes the live incarnation (a tombstone of it, or a later live incarnation) removes
+    the topic's partitions and their chains (see :meth:`SiteState._drop_topic`); a later incarnation's partitions
+    start empty. Refused: a live entry of a name the site lacks (create it first), and a tombstone of georep's own
+    topics (``__georep_offsets``)."""
 
     KIND: ClassVar[str] = "merge_topic_entry"
     entry: TopicEntry
@@ -1003,7 +1016,17 @@ def _where(topic: str, partition: int) -> str:
 class SiteState:
     """The site's metadata; see the module docstring. Change it only through :meth:`apply`."""
 
-    __slots__ = ("_topics", "_entries", "_partitions", "_nodes", "_site", "_acls", "_version", "_derived")
+    __slots__ = (
+        "_topics",
+        "_entries",
+        "_partitions",
+        "_nodes",
+        "_site",
+        "_acls",
+        "_version",
+        "_derived",
+        "_epoch_floors",
+    )
 
     def __init__(self) -> None:
         self._topics: dict[str, TopicSpec] = {}
@@ -1016,6 +1039,10 @@ class SiteState:
         self._acls: dict[str, AclRecord] = {}  # replaced, never changed in place: readers cache by identity
         self._version = next(_VERSIONS)
         self._derived: dict[str, Any] = {}  # what derived() computed at this version; replaced, never cleared
+        # Per deleted topic name: the highest leader epoch its deleted incarnations reached. A later incarnation's
+        # partitions start there, so a command of a deleted partition's leader (a stale epoch) never applies to
+        # them. Replaced, never changed in place.
+        self._epoch_floors: dict[str, LeaderEpoch] = {}
 
     # -- change tracking -------------------------------------------------------------------------------------
 
@@ -1088,6 +1115,7 @@ class SiteState:
         twin._acls = self._acls
         twin._version = self._version
         twin._derived = self._derived
+        twin._epoch_floors = self._epoch_floors
         return twin
 
     def __eq__(self, other: object) -> bool:
@@ -1167,6 +1195,14 @@ class SiteState:
     def _find_partition(self, topic: str, partition: int) -> PartitionInfo | Refused:
         spec = self._topics.get(topic)
         if spec is None:
+            tombstone = self._entries.get(topic)
+            if tombstone is not None and tombstone.deleted:
+                return Refused(
+                    RefusalCode.UNKNOWN_TOPIC,
+                    f"topic {topic!r} was deleted (incarnation {tombstone.incarnation}, at site "
+                    f"{tombstone.stamp.site}): its partitions and segments are gone; stop acting on "
+                    f"{_where(topic, partition)}",
+                )
             return Refused(
                 RefusalCode.UNKNOWN_TOPIC,
                 f"topic {topic!r} does not exist: create it with 'georep topic create {topic} --partitions N'",
@@ -1253,10 +1289,31 @@ class SiteState:
                 RefusalCode.TOPIC_EXISTS,
                 f"topic {spec.name!r} already exists: describe it with 'georep topic describe {spec.name}'",
             )
-        self._topics[spec.name] = TopicSpec(spec.name, spec.partitions, dict(sorted(spec.config.items())))
-        for partition in range(spec.partitions):
-            self._partitions[(spec.name, partition)] = PartitionInfo(spec.name, partition)
+        held = self._entries.get(spec.name)
+        incarnation = spec.incarnation if held is None else max(spec.incarnation, held.incarnation + 1)
+        self._topics[spec.name] = TopicSpec(spec.name, spec.partitions, dict(sorted(spec.config.items())), incarnation)
+        if held is not None or incarnation:  # the name's entry is the new incarnation's, unstamped as a create's
+            live = replace(legacy_entry(spec.name, spec.partitions, spec.config), incarnation=incarnation)
+            self._entries = {**self._entries, spec.name: live}
+        self._add_partitions(spec.name, 0, spec.partitions)
         return Applied()
+
+    def _add_partitions(self, name: str, first: int, end: int) -> None:
+        """Partitions ``first`` .. ``end - 1`` of ``name``, leaderless and empty (at the name's epoch floor)."""
+        floor = self._epoch_floors.get(name, LeaderEpoch(0))
+        for partition in range(first, end):
+            self._partitions[(name, partition)] = PartitionInfo(name, partition, leader_epoch=floor)
+
+    def _drop_topic(self, name: str) -> None:
+        """A delete: the topic's partitions go with their chains (the members remove their copies when they see
+        it, ``cluster/deleted_copies.py``); the name's epoch floor keeps the highest epoch they reached."""
+        spec = self._topics.pop(name)
+        floor = self._epoch_floors.get(name, LeaderEpoch(0))
+        for partition in range(spec.partitions):
+            info = self._partitions.pop((name, partition), None)
+            if info is not None:
+                floor = max(floor, info.leader_epoch)
+        self._epoch_floors = {**self._epoch_floors, name: floor}
 
     def _merge_topic_entry(self, received: TopicEntry) -> Result:
         name = received.name
@@ -1267,16 +1324,17 @@ class SiteState:
         merged = merge(held, received).entry
         if merged == held:
             return Applied(changed=False)
-        if held is not None and not held.deleted and (merged.deleted or merged.incarnation != held.incarnation):
+        deletes = held is not None and not held.deleted and (merged.deleted or merged.incarnation != held.incarnation)
+        if deletes and is_internal(name):
             return Refused(
                 RefusalCode.INVALID_TOPIC,
-                f"topic {name!r} was deleted at another site; deleting a topic is not built on multi-node sites yet: "
-                "it stays here",
+                f"topic {name!r} is georep's own (its partitions hold the groups' commits): it cannot be deleted",
             )
+        if deletes:
+            self._drop_topic(name)
         if not merged.deleted:
-            first = 0 if held is None or held.deleted else held.partitions
-            for partition in range(first, merged.partitions):
-                self._partitions[(name, partition)] = PartitionInfo(name, partition)
+            first = 0 if held is None or held.deleted or deletes else held.partitions
+            self._add_partitions(name, first, merged.partitions)
             self._topics[name] = spec_of(merged)
         self._entries = {**self._entries, name: merged}
         return Applied()
@@ -1509,6 +1567,8 @@ class SiteState:
             out["acls"] = [self._acls[k].to_dict() for k in sorted(self._acls)]
         if self._entries:  # likewise: only once a topic was changed by an entry
             out["entries"] = [{"name": k, **entry_to_dict(self._entries[k])} for k in sorted(self._entries)]
+        if self._epoch_floors:  # likewise: only once a topic was deleted
+            out["epoch_floors"] = dict(sorted(self._epoch_floors.items()))
         return out
 
     @classmethod
@@ -1559,6 +1619,8 @@ class SiteState:
                 state._entries[_str(entry, "name")] = entry_from_dict(_str(entry, "name"), entry)
             except KeyError as e:
                 raise InvalidSnapshot(f"invalid topic entry in the snapshot: {e}") from None
+        floors = raw.get("epoch_floors", {})
+        state._epoch_floors = {str(name): LeaderEpoch(_int(floors, name)) for name in sorted(floors)}
         state._changed()
         return state
 

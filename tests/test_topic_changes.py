@@ -165,9 +165,10 @@ def test_a_multi_node_sites_state_takes_entries_as_raft_commands() -> None:
     assert new_partition is not None and new_partition.leader is None
     assert not applied(state, MergeTopicEntry(altered)).changed  # older than what is held: nothing
     assert SiteState.restore(json.loads(json.dumps(state.snapshot()))).entries() == state.entries()
-    refused(state, MergeTopicEntry(delete(grown, "orders", 2_000, "a")), RefusalCode.INVALID_TOPIC)
     refused(state, MergeTopicEntry(legacy_entry("nowhere", 1, {})), RefusalCode.UNKNOWN_TOPIC)
     assert state.topic("orders") is not None and "nowhere" not in state.topics()
+    applied(state, MergeTopicEntry(delete(grown, "orders", 2_000, "a")))  # tests/test_site_state_delete.py
+    assert state.topic("orders") is None and state.entries()["orders"].deleted
 
 
 def test_a_topics_replication_factor_sets_its_leads_ensembles_and_what_repair_wants() -> None:

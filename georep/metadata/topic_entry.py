@@ -195,6 +195,15 @@ def delete(held: TopicEntry | None, name: str, now_ms: int, site: str) -> TopicE
     return TopicEntry(name, entry.incarnation, True, 0, (), stamp_above(entry.stamp, now_ms, site))
 
 
+def incarnation_deleted(held: TopicEntry | None, incarnation: int) -> bool:
+    """Whether ``held`` (a site's entry of a name) says the name's ``incarnation`` was deleted: at or below its
+    tombstone, or below its live incarnation (a live k + 1 implies the tombstone of k). A name never heard of
+    deletes nothing: files of a topic the entries do not know yet are never removed."""
+    if held is None:
+        return False
+    return incarnation < held.incarnation or (held.deleted and incarnation == held.incarnation)
+
+
 def merge(held: TopicEntry | None, received: TopicEntry) -> Merged:
     """``held`` joined with ``received`` (see the module docstring), and the concurrent changes found."""
     if held is None:

@@ -192,6 +192,7 @@ from georep.raft.journal import DurableJournal, JournalDamaged, JournalHandle
 from georep.raft.prevote import LogPosition, PreVoteRound, grants_pre_vote
 from georep.raft.transport import GuardedTransport, RaftPortLimits
 from georep.storage.durable_file import fsync_directory
+from topology.filters import is_internal
 
 logger = logging.getLogger(__name__)
 
@@ -267,10 +268,11 @@ class CommandRefused(Exception):
         super().__init__(refused.reason)
 
 
-def _deletes(held: TopicEntry | None, merged: TopicEntry) -> bool:
-    """Whether ``merged`` deletes (or replaces by a later incarnation) the live ``held``: refused on a multi-node
-    site (``MergeTopicEntry``)."""
-    return held is not None and not held.deleted and (merged.deleted or merged.incarnation != held.incarnation)
+def _refused_delete(held: TopicEntry | None, merged: TopicEntry) -> bool:
+    """Whether ``merged`` deletes (or replaces by a later incarnation) the live ``held`` of one of georep's own
+    topics, which the state machine refuses (``MergeTopicEntry``)."""
+    deletes = held is not None and not held.deleted and (merged.deleted or merged.incarnation != held.incarnation)
+    return deletes and is_internal(merged.name)
 
 
 class RaftStartError(Exception):
@@ -1203,10 +1205,10 @@ class RaftMetadataStore:
         merges = [merge(held.get(e.name), e) for e in received]
         # Only what changes this node's view, and what the state machine takes: every command changes the state's
         # version, which starts the next sync round's merges, so proposing the same entries would never stop.
-        wanted = [i for i, m in enumerate(merges) if m.changed and not _deletes(held.get(m.entry.name), m.entry)]
+        wanted = [i for i, m in enumerate(merges) if m.changed and not _refused_delete(held.get(m.entry.name), m.entry)]
         for i, m in enumerate(merges):
             if m.changed and i not in wanted:
-                logger.debug("topic %r: deleted at another site; not built on multi-node sites", m.entry.name)
+                logger.debug("topic %r: georep's own topic, never deleted", m.entry.name)
                 merges[i] = Merged(held[m.entry.name], False, ())
         if not wanted:
             return merges

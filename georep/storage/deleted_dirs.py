@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from georep.metadata.topic_entry import TopicEntry
+from georep.metadata.topic_entry import TopicEntry, incarnation_deleted
 from georep.storage.durable_file import fsync_directory
 from georep.storage.partition_dirs import parse_incarnation_dir
 from georep.storage.recovery_checkpoint import RecoveryCheckpoint
@@ -64,10 +64,7 @@ def deleted_incarnation_dirs(logs_dir: Path, entries: Mapping[str, TopicEntry]) 
         if parsed is None or not directory.is_dir():
             continue
         topic, _, incarnation = parsed
-        entry = entries.get(topic)
-        if entry is None:
-            continue
-        if incarnation < entry.incarnation or (entry.deleted and incarnation == entry.incarnation):
+        if incarnation_deleted(entries.get(topic), incarnation):
             found.setdefault(incarnation, []).append(directory.name)
     return found
 
