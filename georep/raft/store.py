@@ -1223,9 +1223,9 @@ class RaftMetadataStore:
         return merges
 
     def get(self, name: str) -> TopicSpec:
-        spec = self._replica.read(lambda state: state.topic(name))
+        spec, entry = self._replica.read(lambda state: (state.topic(name), state.entries().get(name)))
         if spec is None:
-            raise UnknownTopic(name)
+            raise UnknownTopic(name, entry.stamp.site if entry is not None and entry.deleted else "")
         return spec
 
     def acls(self) -> dict[str, AclRecord]:

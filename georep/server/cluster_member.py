@@ -237,6 +237,8 @@ class ClusterMember:
         self._trims_seen: int | None = None
         self._proposer: asyncio.Task[None] | None = None
         self._passes: asyncio.Task[None] | None = None  # the seal and trim passes (_follow_store)
+        self._deletes_seen: int | None = None  # the view version whose deleted topics' copies are removed
+        store.incarnation_of = self._incarnation_of
 
     def spawn(self, work: Coroutine[object, object, None]) -> None:
         """Run ``work`` in the background, keeping a reference until it ends."""
@@ -313,6 +315,9 @@ class ClusterMember:
         if isinstance(result, Refused):
             raise RegistrationRefused(f"node {self.me} cannot register at {self.address}: {result.reason}")
         await self.run_metadata(self.metadata.read_barrier)
+        # Before the first heartbeat (no lead picks this node for a new segment until then): the copies of topics
+        # deleted while it was down go, so none is ever taken for a later incarnation's.
+        await self._remove_deleted()
         self.core.epochs_at_start = {(i.topic, i.partition): i.leader_epoch for i in self.metadata.state().partitions()}
         self.core.reconciled = None
         await self.run_metadata(self._heartbeat)
@@ -399,6 +404,7 @@ class ClusterMember:
 
     async def _store_passes(self) -> None:
         try:
+            await self._remove_deleted()
             await self._learn_seals()
             await self._apply_trims()
         except Exception:  # a bug in one pass must not end the next ones
@@ -507,6 +513,38 @@ class ClusterMember:
         if whole:
             self._trims_seen = state.version
 
+    def _incarnation_of(self, topic: str) -> int:
+        """The live incarnation of ``topic`` in this node's view (the store names its copies by it)."""
+        entry = self.metadata.state().entries().get(topic)
+        return 0 if entry is None else entry.incarnation + int(entry.deleted)
+
+    async def _remove_deleted(self) -> None:
+        """Remove this node's copies of every topic incarnation the view holds deleted (docs/design.md, "Topic
+        changes across sites"): at the first pass after a delete, and at start for a node that was down during
+        it, whether its view learned the delete by log replay or by a snapshot."""
+        state = self.metadata.state()
+        if state.version == self._deletes_seen:
+            return
+        try:
+            removed = await self.run_blocking(self.store.remove_deleted, state.entries())
+        except OSError as exc:  # the next pass tries again
+            log.error("node %d: removing the copies of deleted topics failed: %s", self.me, exc)
+            return
+        if removed:
+            log.warning("node %d: removed its copies of deleted topic incarnations: %s", self.me, ", ".join(removed))
+        self._deletes_seen = state.version
+
+    def _step_down_deleted(self, view: SiteState) -> list[NodeEffect]:
+        """Every lead of a partition the view no longer holds (its topic was deleted) ends: waiting acks fail with
+        the delete named, and the writer stops."""
+        effects: list[NodeEffect] = []
+        for key in sorted(self.core.leads):
+            if view.partition(*key) is None:
+                entry = view.entries().get(key[0])
+                site = "" if entry is None else f" at site {entry.stamp.site}"
+                effects += self.core.step_down(key, f"topic {key[0]!r} was deleted{site}")
+        return effects
+
     # -- repair and decommission -------------------------------------------------------------------------------
 
     async def _learn_seals(self) -> None:
@@ -564,7 +602,8 @@ class ClusterMember:
         lead look at the view again (a lead waiting for its open or seal to show goes on at once, not a tick
         later)."""
         view, now = self.metadata.state(), self.clock_ms()
-        effects = self.core.reconcile(view, now)
+        effects = self._step_down_deleted(view) if view.version != self._leads_saw else []
+        effects += self.core.reconcile(view, now)
         # Only a view with something new (a version not seen yet) can let a lead go on before its tick; heartbeats
         # (most changes) bring nothing: the leads' due retries wait for the tick, as they would anyway.
         if view.version != self._leads_saw or effects:
@@ -598,7 +637,7 @@ class ClusterMember:
                 lead = self.leaders.get(eff.key)
                 if lead is not None and lead.epoch == eff.epoch:
                     del self.leaders[eff.key]
-                    self.spawn(lead.close())
+                    self.spawn(lead.close(eff.reason))
             elif isinstance(eff, ProposeEpoch):
                 self.spawn(self._ask(eff))
             elif isinstance(eff, ProposeElection):
@@ -680,18 +719,19 @@ class PartitionLeader:
     def _info(self) -> PartitionInfo | None:
         return self.member.metadata.state().partition(*self.key)
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "") -> None:
         self._closed = True
         self._writable.set()  # appends waiting for a segment wake up and find this leader closed
         writer, self.writer = self.writer, None
+        why = f"node {self.member.me} no longer leads epoch {self.epoch}" + (f": {reason}" if reason else "")
         if writer is not None:
-            self.member.listener.segment_closed(self, f"node {self.member.me} no longer leads epoch {self.epoch}")
+            self.member.listener.segment_closed(self, why)
         tasks = [t for t in self._tasks if t is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if writer is not None:
-            await writer.close(f"node {self.member.me} no longer leads epoch {self.epoch}")
+            await writer.close(why)
 
     # -- the lead's effects ------------------------------------------------------------------------------------
 

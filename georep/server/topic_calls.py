@@ -32,7 +32,7 @@ class TopicCalls:
 
     async def delete(self, name: str, validate_only: bool = False) -> int:
         """What ``DeleteTopic`` and Kafka's DeleteTopics do; the incarnation deleted. Raises ``UnknownTopic``,
-        ``InternalTopic``, ``TopicDeleteRefused``, ``TopicChangesUnsupported``."""
+        ``InternalTopic``, ``TopicDeleteRefused``."""
         if is_internal(name):
             raise InternalTopic(f"topic {name!r} is georep's own: it cannot be deleted")
         incarnation = self._held(name).incarnation

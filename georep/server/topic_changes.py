@@ -99,12 +99,10 @@ class TopicChanges:
 
     async def delete(self, name: str) -> TopicEntry:
         """Delete the live incarnation of ``name`` here (the tombstone replicates like any change); the tombstone.
-        Raises ``UnknownTopic``; ``TopicChangesUnsupported`` on a multi-node site (not built there yet)."""
+        Raises ``UnknownTopic``. On a multi-node site the tombstone is one Raft command (:meth:`change`): the state
+        drops the topic's partitions, and each node's member stops leading them and removes its copies
+        (``ClusterMember._remove_deleted``)."""
         self._live(name)
-        if isinstance(self.broker.metadata, RaftMetadataStore):
-            raise TopicChangesUnsupported(
-                f"a multi-node site cannot delete topic {name!r} yet: delete it at a one-node site its links reach"
-            )
         entry = delete(self.held(name), name, self.broker.clock_ms(), self.broker.identity.site)
         await self.change([entry])
         return entry

@@ -39,14 +39,7 @@ class TopicRemoval:
 
     def __call__(self, entry: TopicEntry) -> None:
         broker = self.broker
-        if broker.in_site:
-            log.error(
-                "topic %r (incarnation %d) was deleted at site %s; a multi-node site does not remove a deleted "
-                "topic's partitions yet: they stay on disk",
-                entry.name,
-                entry.incarnation,
-                entry.stamp.site,
-            )
+        if broker.in_site:  # the site's Raft state dropped the partitions: each member removes its copies
             return
         keys = sorted(key for key in broker.partitions if key[0] == entry.name)
         logs: list[tuple[str, PartitionLog]] = []

@@ -7,11 +7,20 @@ was sent as its own :class:`~georep.storage.segment_log.SegmentLog`, whose
 first offset is the segment's base, so a node holds segments 3 and 7 of a
 partition without 4 to 6. Layout, under the node's data dir::
 
-    replicas/<quoted topic>-<partition>/
+    replicas/<quoted topic>[@<incarnation>]-<partition>/
         guard.json               the partition's ReplicaGuard state, replaced durably
         0000000003/              segment 3: a SegmentLog starting at the segment's base offset
         0000000007/              segment 7
         0000000008.new/          a segment being created; removed at startup
+    deleted-replicas/            copies of deleted topic incarnations on their way out; emptied at startup
+
+**Incarnations.** A topic deleted and created again is a new incarnation (docs/design.md, "Topic changes across
+sites"); its copies live in directories of their own (``@k`` for k > 0, ``georep/storage/partition_dirs.py``),
+with a guard of their own, so the copies of two incarnations never mix: segment 0 of incarnation 1 is never taken
+for segment 0 of incarnation 0. The store holds one incarnation per partition, the one ``incarnation_of`` (the
+node's view of the site's metadata) names when a leader or a repair opens, fences or seals a copy: one of an
+earlier incarnation is moved out first. :meth:`ReplicaStore.remove_deleted` moves out every copy the entries say
+was deleted (the node's tick after a delete, and its start, after a stop or a crash in the middle of a removal).
 
 **Decisions are the member's.** Whether an append, a fence, a copy or a seal
 is allowed (leader epochs, sealed segments, contiguity) is decided by
@@ -53,17 +62,20 @@ import json
 import logging
 import shutil
 import threading
-import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from cluster import member as membership
 from cluster.quorum import Fenced, GuardState, NotContiguous, ReplicaGuard, SegmentSealed
+from georep.metadata.topic_entry import TopicEntry, incarnation_deleted
 from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, iter_headers
 from georep.storage.announced_lac import AnnouncedLacs
 from georep.storage.api import BatchEntry, BytesLike, LogConfig, ReadResult
+from georep.storage.deleted_dirs import deleted_incarnation_dirs, move_to_deleted, remove_moved
 from georep.storage.durable_file import fsync_directory, replace_file
 from georep.storage.moved_bytes import MovedBytes
+from georep.storage.partition_dirs import parse_incarnation_dir
+from georep.storage.partition_dirs import partition_dir_name as incarnation_dir_name
 from georep.storage.private import DIR_MODE, private_dir
 from georep.storage.segment import U32_MAX
 from georep.storage.segment_log import SegmentLog
@@ -75,6 +87,7 @@ from topology.ids import LeaderEpoch, SegmentId
 log = logging.getLogger(__name__)
 
 REPLICAS_DIR = "replicas"
+DELETED_REPLICAS_DIR = "deleted-replicas"
 GUARD_FILE = "guard.json"
 GUARD_FORMAT = 1
 VECTOR_READ_BYTES = 1 << 20
@@ -117,15 +130,8 @@ class HeldCopy:
     size_bytes: int
 
 
-def partition_dir_name(key: PartitionKey) -> str:
-    return f"{urllib.parse.quote(key[0], safe='')}-{key[1]}"
-
-
-def _parse_partition_dir(name: str) -> PartitionKey | None:
-    topic, sep, index = name.rpartition("-")
-    if not sep or not index.isdigit():
-        return None
-    return urllib.parse.unquote(topic), int(index)
+def partition_dir_name(key: PartitionKey, incarnation: int = 0) -> str:
+    return incarnation_dir_name(key[0], key[1], incarnation)
 
 
 def _whole_batches(key: PartitionKey, segment_id: int, chunk: bytes, then: str) -> list[BatchHeader]:
@@ -175,8 +181,10 @@ class PartitionReplicas:
         guard: ReplicaGuard,
         segments: dict[SegmentId, SegmentLog],
         made: bool = True,
+        incarnation: int = 0,
     ) -> None:
         self.key = key
+        self.incarnation = incarnation  # the topic's incarnation these copies are of (their directory's name)
         self.directory = directory
         self.guard = guard
         self.segments = segments
@@ -233,17 +241,31 @@ class ReplicaStore:
         # Retention (TrimChain): per partition, the first segment its chain keeps, as this node last saw it.
         self._trimmed_before: dict[PartitionKey, SegmentId] = {}
         self._gaps = membership.GapReports()  # a gap is logged once per end, not once per batch past it
+        # The topic's live incarnation as the node's view of the metadata has it (the member sets it): what a copy
+        # opened, fenced or sealed from now on belongs to (module docstring).
+        self.incarnation_of: Callable[[str], int] = lambda topic: 0
+        self.deleted_dir = data_dir / DELETED_REPLICAS_DIR
+        if self.deleted_dir.is_dir():  # a removal a stop interrupted: its copies were out of every partition's way
+            remove_moved(sorted(self.deleted_dir.iterdir()))
         try:
             for directory in sorted(p for p in self.root.iterdir() if p.is_dir()):
-                key = _parse_partition_dir(directory.name)
-                if key is not None:
-                    self._partitions[key] = self._open_partition(key, directory, now_ms)
+                parsed = parse_incarnation_dir(directory.name)
+                if parsed is None:
+                    continue
+                key, incarnation = (parsed[0], parsed[1]), parsed[2]
+                held = self._partitions.get(key)
+                if held is not None and held.incarnation > incarnation:
+                    continue  # an earlier incarnation's copies: remove_deleted moves them out
+                if held is not None:
+                    for seg in held.segments.values():
+                        seg.close()
+                self._partitions[key] = self._open_partition(key, directory, now_ms, incarnation)
         except BaseException:
             self.close()
             raise
 
     @staticmethod
-    def _open_partition(key: PartitionKey, directory: Path, now_ms: int) -> PartitionReplicas:
+    def _open_partition(key: PartitionKey, directory: Path, now_ms: int, incarnation: int = 0) -> PartitionReplicas:
         segments: dict[SegmentId, SegmentLog] = {}
         for child in sorted(directory.iterdir()):
             if child.name.endswith(NEW_SUFFIX):
@@ -251,7 +273,7 @@ class ReplicaStore:
                 shutil.rmtree(child)
             elif child.is_dir() and child.name.isdigit():
                 segments[SegmentId(int(child.name))] = SegmentLog.open(child, REPLICA_LOG_CONFIG, now_ms)
-        return PartitionReplicas(key, directory, _read_guard(directory), segments)
+        return PartitionReplicas(key, directory, _read_guard(directory), segments, incarnation=incarnation)
 
     # -- what a node holds -------------------------------------------------------------------------------
 
@@ -315,14 +337,23 @@ class ReplicaStore:
             yield p
 
     @contextlib.contextmanager
-    def _locked(self, key: PartitionKey) -> Iterator[PartitionReplicas]:
+    def _locked(self, key: PartitionKey, current: bool = True) -> Iterator[PartitionReplicas]:
         """``key``'s replicas under their lock, created empty for a leader's first call (the directory is made under
-        the partition's lock, so other partitions' calls do not wait for its fsync)."""
+        the partition's lock, so other partitions' calls do not wait for its fsync). ``current``: of the topic's
+        live incarnation, an earlier one's copies moved out first (appends skip the look: they follow an open)."""
+        stale: PartitionReplicas | None = None
         with self._lock:
             p = self._partitions.get(key)
+            incarnation = self.incarnation_of(key[0]) if current or p is None else p.incarnation
+            if p is not None and p.incarnation < incarnation:
+                stale, p = p, None
             if p is None:
-                directory = self.root / partition_dir_name(key)
-                p = self._partitions[key] = PartitionReplicas(key, directory, ReplicaGuard(), {}, made=False)
+                directory = self.root / partition_dir_name(key, incarnation)
+                p = self._partitions[key] = PartitionReplicas(
+                    key, directory, ReplicaGuard(), {}, made=False, incarnation=incarnation
+                )
+        if stale is not None:
+            self._move_out([stale], "a later incarnation of the topic is written here")
         with p.lock:
             if not p.made:
                 p.directory.mkdir(mode=DIR_MODE, exist_ok=True)
@@ -379,7 +410,7 @@ class ReplicaStore:
         """
         headers = _whole_batches(key, segment_id, chunk, "the leader resends")
         view = memoryview(chunk)
-        with self._locked(key) as p:
+        with self._locked(key, current=False) as p:
             seg = p.segment(segment_id)
             at = 0
             for h in headers:
@@ -419,7 +450,7 @@ class ReplicaStore:
         """The leader's own append of one batch (stamped by its broker) to its copy of the open ``segment_id``, at
         the copy's end; returns the header as stored. Judged as a member's append (``judge_append``), so a leader
         that a newer one fenced writes nothing (``Fenced``)."""
-        with self._locked(key) as p:
+        with self._locked(key, current=False) as p:
             seg = p.segment(segment_id)
             end = seg.log_end_offset
             verdict = membership.judge_append(p.guard, epoch, (key[0], key[1], segment_id), end, end, self._gaps)
@@ -681,6 +712,38 @@ class ReplicaStore:
                 key[1],
             )
         return sorted(gone)
+
+    def remove_deleted(self, entries: Mapping[str, TopicEntry]) -> list[str]:
+        """Move out and remove every copy of a topic incarnation ``entries`` (the site's) hold deleted, open or
+        not: at or below a tombstone, or below the live incarnation. Never one of a live incarnation, nor of a
+        topic the entries do not know. The directories removed."""
+        with self._lock:
+            gone = [
+                p
+                for _, p in sorted(self._partitions.items())
+                if incarnation_deleted(entries.get(p.key[0]), p.incarnation)
+            ]
+            for p in gone:
+                del self._partitions[p.key]
+                self._trimmed_before.pop(p.key, None)
+        self._move_out(gone, "its topic incarnation was deleted")
+        names: list[str] = [p.directory.name for p in gone]
+        for incarnation, left in deleted_incarnation_dirs(self.root, entries).items():  # not open: an earlier one
+            remove_moved(move_to_deleted(self.root, self.deleted_dir, left, incarnation))
+            names += left
+        return sorted(names)
+
+    def _move_out(self, gone: Sequence[PartitionReplicas], why: str) -> None:
+        """Close the copies of ``gone`` (no longer in the store), move their directories into ``deleted-replicas/``
+        (durably: from there they are out of every partition's way) and remove them."""
+        for p in gone:
+            with p.lock:
+                for seg in p.segments.values():
+                    seg.close()
+                p.segments.clear()
+            if p.made:
+                remove_moved(move_to_deleted(self.root, self.deleted_dir, [p.directory.name], p.incarnation))
+            log.warning("removed this node's copies of %s-%d (incarnation %d): %s", *p.key, p.incarnation, why)
 
     def close(self) -> None:
         with self._lock:

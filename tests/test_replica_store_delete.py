@@ -1,0 +1,66 @@
+"""A multi-node site's member after a topic delete (georep/storage/replica_store.py, "Incarnations"): the copies of
+a deleted incarnation go, those of a live one stay, and a later incarnation's segment 0 is never the earlier's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from georep.metadata.topic_entry import create, delete
+from georep.storage.replica_store import DELETED_REPLICAS_DIR, REPLICAS_DIR, ReplicaStore
+from tests.support.segments import read_all
+from tests.test_replica_store import leader_log
+from topology.ids import LeaderEpoch, SegmentId
+
+KEY = ("orders", 0)
+OTHER = ("kept", 0)
+S0 = SegmentId(0)
+E1, E5 = LeaderEpoch(1), LeaderEpoch(5)
+
+
+def _written(store: ReplicaStore, key: tuple[str, int], batches: list[bytes], epoch: LeaderEpoch = E1) -> None:
+    store.open_segment(key, epoch, S0, 0, {}, now_ms=0)
+    for b in batches:
+        store.append(key, epoch, S0, b)
+    store.flush(key, S0)
+
+
+def test_a_deleted_incarnations_copies_go_and_the_next_incarnation_starts_empty(tmp_path: Path) -> None:
+    _, old = leader_log(tmp_path / "a", 4)
+    _, new = leader_log(tmp_path / "b", 1)
+    store = ReplicaStore(tmp_path / "node", now_ms=0)
+    _written(store, KEY, old)
+    _written(store, OTHER, old)
+    live0 = create("orders", 1, {}, None, 1_000, "a")
+    tombstone = delete(live0, "orders", 2_000, "a")
+    # Incarnation 1 is live in the node's view before the removal pass ran: its leader's open must not find the
+    # deleted incarnation's segment 0 (opening an existing copy again changes nothing, so it would have been kept).
+    store.incarnation_of = lambda topic: 1 if topic == "orders" else 0
+    _written(store, KEY, new, E5)
+    copy = store.copy(KEY, S0)
+    assert copy is not None and read_all(copy) == new  # not one record of incarnation 0
+    replicas = tmp_path / "node" / REPLICAS_DIR
+    assert sorted(p.name for p in replicas.iterdir()) == ["kept-0", "orders@1-0"]
+    entries = {"orders": create("orders", 1, {}, tombstone, 3_000, "a"), "kept": create("kept", 1, {}, None, 0, "a")}
+    assert store.remove_deleted(entries) == []  # nothing of a live incarnation, nor of another topic
+    store.close()
+
+
+def test_a_node_down_during_the_delete_removes_its_copies_at_start(tmp_path: Path) -> None:
+    _, batches = leader_log(tmp_path / "a", 3)
+    store = ReplicaStore(tmp_path / "node", now_ms=0)
+    _written(store, KEY, batches)
+    _written(store, OTHER, batches)
+    store.close()
+    # A removal a crash interrupted: a copy already moved out, left in deleted-replicas/.
+    moved = tmp_path / "node" / DELETED_REPLICAS_DIR / "orders-1.0.abcd"
+    moved.mkdir(parents=True)
+    (moved / "leftover").write_bytes(b"x")
+    reopened = ReplicaStore(tmp_path / "node", now_ms=0)
+    assert not moved.exists()
+    tombstone = delete(create("orders", 1, {}, None, 1_000, "a"), "orders", 2_000, "a")
+    assert reopened.remove_deleted({"orders": tombstone}) == ["orders-0"]  # "kept": not in the entries, kept
+    assert reopened.partitions() == [OTHER] and reopened.segment_ids(KEY) == []
+    assert sorted(p.name for p in (tmp_path / "node" / REPLICAS_DIR).iterdir()) == ["kept-0"]
+    kept = reopened.copy(OTHER, S0)
+    assert kept is not None and read_all(kept) == batches
+    reopened.close()
