@@ -12,9 +12,12 @@ import pytest
 
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.record.batch import RecordInput, encode_batch
+from georep.server.process import NodeProcess
 from tests.support.channels import open_channel
 from tests.support.cli import georep, ok
 from tests.support.cluster_site import TOPIC, ClusterSite, produce, read_partition, wait_for
+from tests.support.ports import free_ports
 
 pytestmark = pytest.mark.slow  # three node processes
 
@@ -74,3 +77,67 @@ def test_a_delete_on_a_three_node_site_removes_every_copy_and_a_re_created_topic
             assert all(name == f"{TOPIC}@1-0" for name in copies(site, n)), copies(site, n)
     finally:
         site.close()
+
+
+def produce_at(address: str, tag: str, count: int) -> None:
+    """``count`` records ``tag-i``, acked by the one-node site at ``address``."""
+    with open_channel(address) as channel:
+        stub = pbg.NodeStub(channel)
+        for i in range(count):
+            batch = encode_batch([RecordInput(None, f"{tag}-{i}".encode(), (), 1_700_000_000_000)])
+            stub.Produce(pb.ProduceRequest(topic=TOPIC, partition=0, batch=batch, acks=pb.ACKS_ALL), timeout=15)
+
+
+def deleted_at(address: str) -> bool:
+    """``georep topic delete`` at ``address``: True once made; False while its delete gate waits for the linked
+    sites to announce that they check incarnations."""
+    result = georep("topic", "delete", TOPIC, "--bootstrap", address)
+    if result.returncode != 0:
+        assert "incarnation" in result.stderr.decode(), result.stderr.decode()
+        return False
+    return True
+
+
+def test_a_delete_at_a_one_node_site_reaches_a_three_node_site_through_a_link(tmp_path: Path) -> None:
+    """Site a (one node) links to site b (three nodes). A topic written at a reaches every node of b; deleted at a,
+    it is deleted at b by the topic sync (the tombstone proposed through b's Raft state), every node of b removes
+    its copies, and the topic created again at a holds at b only what was written after."""
+    a_port = free_ports(1)[0]
+    more = f'[sites.a]\nnodes = ["127.0.0.1:{a_port}"]\n[[links]]\nsrc = "a"\ndst = "b"\n'
+    site_b = ClusterSite(tmp_path, 3, site="b", extra_args=["--session-timeout-ms", "1500"], more_toml=more)
+    a = NodeProcess(
+        "a",
+        tmp_path / "a",
+        listen=f"127.0.0.1:{a_port}",
+        extra_args=["--topology", str(site_b.topology), "--scrub-bytes-per-s", "0"],
+    )
+    try:
+        site_b.start()
+        a.start()
+        ok(georep("topic", "create", TOPIC, "--partitions", "1", "--bootstrap", a.address))
+        produce_at(a.address, "old", 10)
+        wait_for("every node of b holds a copy", lambda: all(copies(site_b, n) == [f"{TOPIC}-0"] for n in (1, 2, 3)))
+        wait_for(
+            "b holds the old records",
+            lambda: len(read_partition(site_b.address(site_b.wait_leader(TOPIC)), TOPIC, 0)) == 10,
+        )
+        wait_for("the delete at a is made", lambda: deleted_at(a.address))
+        for n in (1, 2, 3):
+            wait_for(f"b's node {n} refuses reads of the deleted topic", lambda n=n: refused_as_deleted(site_b, n))
+            wait_for(f"b's node {n} removed its copies", lambda n=n: copies(site_b, n) == [])
+        ok(georep("topic", "create", TOPIC, "--partitions", "1", "--bootstrap", a.address))
+        produce_at(a.address, "new", 4)
+        want = [f"new-{i}".encode() for i in range(4)]
+
+        def b_holds_only_the_new_records() -> bool:
+            leader = site_b.leader(TOPIC)
+            if leader is None:
+                return False
+            values = [v for _, _, v in read_partition(site_b.address(leader), TOPIC, 0)]
+            assert all(v.startswith(b"new-") for v in values), values
+            return values == want
+
+        wait_for("b holds the re-created topic's records, and only them", b_holds_only_the_new_records)
+    finally:
+        a.stop()
+        site_b.close()
