@@ -30,6 +30,7 @@ def test_a_deleted_incarnations_copies_go_and_the_next_incarnation_starts_empty(
     store = ReplicaStore(tmp_path / "node", now_ms=0)
     _written(store, KEY, old)
     _written(store, OTHER, old)
+    store.lacs.announce(KEY, S0, 500)  # what incarnation 0's leader confirmed: none of it holds for incarnation 1
     live0 = create("orders", 1, {}, None, 1_000, "a")
     tombstone = delete(live0, "orders", 2_000, "a")
     # Incarnation 1 is live in the node's view before the removal pass ran: its leader's open must not find the
@@ -38,6 +39,7 @@ def test_a_deleted_incarnations_copies_go_and_the_next_incarnation_starts_empty(
     _written(store, KEY, new, E5)
     copy = store.copy(KEY, S0)
     assert copy is not None and read_all(copy) == new  # not one record of incarnation 0
+    assert store.lacs.get(KEY, S0) is None  # a follower serves nothing of it until its own leader confirms it
     replicas = tmp_path / "node" / REPLICAS_DIR
     assert sorted(p.name for p in replicas.iterdir()) == ["kept-0", "orders@1-0"]
     entries = {"orders": create("orders", 1, {}, tombstone, 3_000, "a"), "kept": create("kept", 1, {}, None, 0, "a")}

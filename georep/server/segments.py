@@ -121,7 +121,8 @@ class SegmentService:
                 flushed = await self._run(store.flush, key, segment_id)
             else:  # a LAC alone: nothing to fsync
                 flushed = await self._run(store.flushed_offset, key, segment_id)
-            if req.lac:
+            # Not from a leader fenced since (a deleted incarnation's, whose copies a later one replaced here).
+            if req.lac and store.guard_state(key).fenced_epoch <= epoch:
                 store.lacs.announce(key, segment_id, req.lac)
             yield self._ack(key, segment_id, flushed)
 

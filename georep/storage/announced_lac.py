@@ -46,6 +46,16 @@ class AnnouncedLacs:
             loop.call_soon_threadsafe(_wake, fut)
         return True
 
+    def forget(self, key: PartitionKey) -> None:
+        """``key``'s copies were removed (its topic incarnation was deleted): a later incarnation's segments start
+        with no LAC (an earlier one's would let a follower serve what its leader has not confirmed); its readers
+        wake and find the copies gone."""
+        with self._lock:
+            self._lacs.pop(key, None)
+            waiters = self._waiters.pop(key, [])
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_wake, fut)
+
     def get(self, key: PartitionKey, segment_id: SegmentId) -> int | None:
         with self._lock:
             return self._lacs.get(key, {}).get(segment_id)

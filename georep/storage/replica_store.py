@@ -741,6 +741,7 @@ class ReplicaStore:
                 for seg in p.segments.values():
                     seg.close()
                 p.segments.clear()
+            self.lacs.forget(p.key)
             if p.made:
                 remove_moved(move_to_deleted(self.root, self.deleted_dir, [p.directory.name], p.incarnation))
             log.warning("removed this node's copies of %s-%d (incarnation %d): %s", *p.key, p.incarnation, why)
