@@ -3,11 +3,21 @@ a deleted incarnation go, those of a live one stay, and a later incarnation's se
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
+import pytest
+
 from georep.metadata.topic_entry import create, delete
+from georep.proto import georep_pb2 as pb
+from georep.proto import georep_pb2_grpc as pbg
 from georep.storage.replica_store import DELETED_REPLICAS_DIR, REPLICAS_DIR, ReplicaStore
+from tests.support.channels import aio_channel
 from tests.support.segments import read_all
+from tests.test_ensemble import serve_member
 from tests.test_replica_store import leader_log
 from topology.ids import LeaderEpoch, SegmentId
 
@@ -66,3 +76,54 @@ def test_a_node_down_during_the_delete_removes_its_copies_at_start(tmp_path: Pat
     kept = reopened.copy(OTHER, S0)
     assert kept is not None and read_all(kept) == batches
     reopened.close()
+
+
+def test_a_member_refuses_calls_about_an_incarnation_its_view_does_not_hold_live(tmp_path: Path) -> None:
+    """The Segments service (georep/server/segment_refs.py): a member still holding incarnation 0's copies while
+    its view holds incarnation 1 refuses a late call of incarnation 0's leader or repair, serves incarnation 1's
+    calls from empty copies (the old ones moved out first), lists only incarnation 1's, and once its view holds the
+    topic deleted refuses every call about it."""
+    _, old = leader_log(tmp_path / "a", 3)
+    store = ReplicaStore(tmp_path / "node", now_ms=0)
+    _written(store, KEY, old)
+    view: dict[str, int | None] = {"orders": 1}
+    store.incarnation_of = lambda topic: view.get(topic, 0)
+
+    async def scenario() -> None:
+        with ThreadPoolExecutor(2) as executor:
+            server, address = await serve_member(store, executor)
+            try:
+                async with aio_channel(address) as channel:
+                    stub = pbg.SegmentsStub(channel)
+
+                    async def read(incarnation: int) -> bytes:
+                        ref = pb.SegmentRef(topic=KEY[0], partition=KEY[1], segment_id=S0, incarnation=incarnation)
+                        request = pb.ReadSegmentRequest(segment=ref, offset=0)
+                        return b"".join([r.batches async for r in stub.ReadSegment(request)])
+
+                    fence = pb.FenceSegmentsRequest(topic=KEY[0], partition=KEY[1], leader_epoch=9, incarnation=0)
+                    calls: list[Callable[[], Awaitable[object]]] = [lambda: stub.FenceSegments(fence), lambda: read(0)]
+                    for call in calls:
+                        with pytest.raises(grpc.aio.AioRpcError) as refused:
+                            await call()
+                        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                        assert "holds as incarnation 1" in (refused.value.details() or "")
+                    assert store.held() == []  # incarnation 0's copy is not listed to repair as this one's
+                    await stub.FenceSegments(pb.FenceSegmentsRequest(**{**_fields(fence), "incarnation": 1}))
+                    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                        await read(1)  # the copy of incarnation 0 was moved out: nothing of it is read
+                    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+                    view["orders"] = None  # deleted in this member's view
+                    with pytest.raises(grpc.aio.AioRpcError) as deleted:
+                        await read(1)
+                    assert "holds as deleted" in (deleted.value.details() or "")
+            finally:
+                await server.stop(None)
+
+    asyncio.run(scenario())
+    assert sorted(p.name for p in (tmp_path / "node" / REPLICAS_DIR).iterdir()) == ["orders@1-0"]
+    store.close()
+
+
+def _fields(request: pb.FenceSegmentsRequest) -> dict[str, object]:
+    return {f.name: v for f, v in request.ListFields()}

@@ -513,10 +513,11 @@ class ClusterMember:
         if whole:
             self._trims_seen = state.version
 
-    def _incarnation_of(self, topic: str) -> int:
-        """The live incarnation of ``topic`` in this node's view (the store names its copies by it)."""
+    def _incarnation_of(self, topic: str) -> int | None:
+        """The live incarnation of ``topic`` in this node's view (the store names its copies by it); None: deleted.
+        A topic the view does not know yet is incarnation 0 (a view a little behind the leader's create)."""
         entry = self.metadata.state().entries().get(topic)
-        return 0 if entry is None else entry.incarnation + int(entry.deleted)
+        return None if entry is not None and entry.deleted else (0 if entry is None else entry.incarnation)
 
     async def _remove_deleted(self) -> None:
         """Remove this node's copies of every topic incarnation the view holds deleted (docs/design.md, "Topic

@@ -44,6 +44,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_to_proto
 from georep.security.tls import TlsConfig, channels
 from georep.server.peer_channels import ChannelUse, segments_stub
+from georep.server.segment_refs import segment_ref
 from georep.storage.replica_store import PartitionKey, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
@@ -337,7 +338,7 @@ class SegmentWriter:
         """One stream to ``node``, until it breaks (raises) or the writer closes (cancelled)."""
         s = self.segment
         outbox: asyncio.Queue[pb.SegmentAppendRequest] = asyncio.Queue()
-        ref = pb.SegmentRef(topic=s.key[0], partition=s.key[1], segment_id=s.segment_id)
+        ref = segment_ref(self.store, s.key, s.segment_id)
         outbox.put_nowait(
             pb.SegmentAppendRequest(
                 open=pb.SegmentOpen(

@@ -55,6 +55,7 @@ from georep.security.tls import TlsConfig, channels
 from georep.server.fence_waves import FenceWaves
 from georep.server.peer_channels import ChannelUse, segments_stub
 from georep.server.rpc import FENCED_EPOCH_METADATA
+from georep.server.segment_refs import incarnation_sent, segment_ref
 from georep.storage.replica_store import PartitionKey, ReplicaError, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
@@ -108,7 +109,9 @@ async def fence_member(m: Members, eff: FenceMember) -> LeadEvent:
             end = int(ends.get(s.segment_id, base))
         else:
             address = m.addresses[node]
-            request = pb.FenceSegmentsRequest(topic=key[0], partition=key[1], leader_epoch=eff.epoch)
+            request = pb.FenceSegmentsRequest(
+                topic=key[0], partition=key[1], leader_epoch=eff.epoch, incarnation=incarnation_sent(m.store, key[0])
+            )
 
             async def call() -> pb.FenceSegmentsResponse:
                 async with m.channel(address) as channel:
@@ -193,7 +196,7 @@ async def _read(m: Members, eff: CopyTail, node: NodeId, start: int, end: int) -
             yield result.data
             offset = result.next_offset
         return
-    ref = pb.SegmentRef(topic=key[0], partition=key[1], segment_id=sid)
+    ref = segment_ref(m.store, key, sid)
     async with m.channel(m.addresses[node]) as channel:
         async for r in segments_stub(channel).ReadSegment(
             pb.ReadSegmentRequest(segment=ref, offset=start, end_offset=end, max_bytes=READ_MAX_BYTES),
@@ -217,7 +220,7 @@ async def _copy_here(m: Members, eff: CopyTail, start_vector: Mapping[Origin, Or
 
 async def _copy_there(m: Members, eff: CopyTail, start_vector: Mapping[Origin, OriginSeq]) -> None:
     key, s, c = eff.key, eff.segment, eff.copy
-    ref = pb.SegmentRef(topic=key[0], partition=key[1], segment_id=s.segment_id)
+    ref = segment_ref(m.store, key, s.segment_id)
     outbox: asyncio.Queue[pb.SegmentAppendRequest | None] = asyncio.Queue()
     outbox.put_nowait(
         pb.SegmentAppendRequest(
@@ -258,7 +261,7 @@ async def tell_sealed(m: Members, eff: SegmentSealed) -> None:
     Best effort: a member that misses it keeps its tail, which was never acked nor read (reads stop at the sealed
     end), until it learns the seal from its view."""
     key, sid, end = eff.key, eff.segment_id, eff.end
-    ref = pb.SegmentRef(topic=key[0], partition=key[1], segment_id=sid)
+    ref = segment_ref(m.store, key, sid)
 
     async def tell(node: NodeId) -> None:
         try:

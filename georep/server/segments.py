@@ -102,6 +102,7 @@ class SegmentService:
             raise InvalidRequest("the first SegmentAppendRequest of a stream must open the segment (set 'open')")
         key, segment_id = _segment(req.open.segment)
         epoch = _epoch(req.open.leader_epoch)
+        await self._run(self.store.check_incarnation, key, req.open.segment.incarnation)
         try:
             start_vector = vector_from_proto(req.open.start_vector).to_dict()
         except InvalidVectorOffset as exc:
@@ -130,12 +131,14 @@ class SegmentService:
         req = parse(pb.FenceSegmentsRequest, data)
         if not req.topic or req.partition < 0:
             raise InvalidRequest("name the topic and a partition >= 0 to fence")
+        await self._run(self.store.check_incarnation, (req.topic, req.partition), req.incarnation)
         ends = await self._run(self.store.fence, (req.topic, req.partition), _epoch(req.leader_epoch))
         return pb.FenceSegmentsResponse(ends=[pb.SegmentEnd(segment_id=s, end_offset=e) for s, e in ends.items()])
 
     async def seal_segment(self, data: bytes, context: Context) -> pb.SealSegmentResponse:
         req = parse(pb.SealSegmentRequest, data)
         key, segment_id = _segment(req.segment)
+        await self._run(self.store.check_incarnation, key, req.segment.incarnation)
         end = await self._run(
             self.store.seal, key, _epoch(req.leader_epoch), segment_id, req.end_offset, self.clock_ms()
         )
@@ -144,6 +147,7 @@ class SegmentService:
     async def read_segment(self, data: bytes, context: Context) -> AsyncIterator[Message]:
         req = parse(pb.ReadSegmentRequest, data)
         key, segment_id = _segment(req.segment)
+        await self._run(self.store.check_incarnation, key, req.segment.incarnation)
         max_bytes = min(req.max_bytes or READ_MAX_BYTES_DEFAULT, READ_MAX_BYTES_CAP)
         store = self.store
         end = req.end_offset or store.end_offset(key, segment_id)
@@ -175,6 +179,7 @@ class SegmentService:
     async def copy_segment(self, data: bytes, context: Context) -> pb.CopySegmentResponse:
         req = parse(pb.CopySegmentRequest, data)
         key, segment_id = _segment(req.segment)
+        await self._run(self.store.check_incarnation, key, req.segment.incarnation)
         if req.base_offset < 0 or req.end_offset < req.base_offset:
             raise InvalidRequest(
                 f"segment {segment_id} of {key[0]}-{key[1]}: base offset {req.base_offset} and "

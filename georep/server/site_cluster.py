@@ -50,6 +50,7 @@ from georep.security.tls import TlsConfig, channels, client_channel
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterMember, PartitionLeader
 from georep.server.ensemble import SegmentWriter
+from georep.server.segment_refs import segment_ref
 from georep.server.store_bytes import StoreBytes
 from georep.storage.chain_log import ChainLog, ChainSegment, SegmentElsewhere
 from georep.storage.replica_store import PartitionKey, ReplicaStore
@@ -344,7 +345,7 @@ class SiteCluster:
             if not address:
                 continue
             request = pb.ReadSegmentRequest(
-                segment=pb.SegmentRef(topic=chain.key[0], partition=chain.key[1], segment_id=segment.segment_id),
+                segment=segment_ref(self.store, chain.key, segment.segment_id),
                 offset=missing.offset,
                 end_offset=segment.end_offset or 0,
                 max_bytes=max_bytes,

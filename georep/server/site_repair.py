@@ -92,6 +92,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_to_proto
 from georep.raft.store import MetadataUnavailable
 from georep.security.tls import TlsConfig, client_channel
+from georep.server.segment_refs import segment_ref
 from georep.storage.replica_store import HeldCopy, PartitionKey, ReplicaError, ReplicaStore
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.vector import VectorOffset
@@ -162,7 +163,7 @@ async def copy_in(
     copied = 0
     if held < end:
         request = pb.ReadSegmentRequest(
-            segment=pb.SegmentRef(topic=key[0], partition=key[1], segment_id=sid),
+            segment=segment_ref(store, key, sid),
             offset=held,
             end_offset=end,
             max_bytes=READ_MAX_BYTES,
@@ -492,7 +493,7 @@ class RepairController:
         if effect.target == m.me:
             return await copy_in(m.store, segment, source.address, m.executor, m.clock_ms(), m.tls, timeout)
         request = pb.CopySegmentRequest(
-            segment=pb.SegmentRef(topic=segment.key[0], partition=segment.key[1], segment_id=segment.segment_id),
+            segment=segment_ref(m.store, segment.key, segment.segment_id),
             base_offset=segment.base_offset,
             start_vector=vector_to_proto(VectorOffset(segment.start_vector)),
             end_offset=segment.end_offset,

@@ -27,7 +27,7 @@ from georep.record.batch import CorruptBatch, InvalidBatch
 from georep.replication.sink import CorruptChunk
 from georep.storage.api import BatchDamaged, DiskFull, OffsetOutOfRange
 from georep.storage.chain_log import SegmentElsewhere
-from georep.storage.replica_store import CorruptReplicaChunk, ReplicaError, UnknownSegment
+from georep.storage.replica_store import CorruptReplicaChunk, IncarnationMismatch, ReplicaError, UnknownSegment
 from georep.storage.segment import UnrepairableDamage
 from offsets.commits import InvalidCommit
 from offsets.coordinates import InvalidOrigin
@@ -86,6 +86,7 @@ STATUS: dict[type[Exception], tuple[grpc.StatusCode, Reason]] = {
     Fenced: (Code.ABORTED, R.STALE_LEADER),
     SegmentSealed: (Code.FAILED_PRECONDITION, R.STALE_LEADER),
     NotContiguous: (Code.FAILED_PRECONDITION, R.SEGMENT_REFUSED),  # the leader resends from the member's end
+    IncarnationMismatch: (Code.FAILED_PRECONDITION, R.SEGMENT_REFUSED),  # the caller's view of a topic is not ours
     QuorumError: (Code.FAILED_PRECONDITION, R.SEGMENT_REFUSED),
     e.NotLeader: (Code.FAILED_PRECONDITION, R.NOT_LEADER),  # with the leader's address in the georep-leader trailer
     e.NotCoordinator: (Code.FAILED_PRECONDITION, R.NOT_LEADER),  # with the coordinator's address likewise

@@ -111,6 +111,11 @@ class UnknownSegment(ReplicaError):
         )
 
 
+class IncarnationMismatch(ReplicaError):
+    """A call about a topic incarnation this node's view of the site's metadata does not hold live; nothing was
+    done. The caller tries again once the views agree (this node's lags) or stops (the incarnation was deleted)."""
+
+
 class CorruptReplicaChunk(ReplicaError):
     """Bytes sent for a segment that are not whole, valid batches; nothing of them was stored."""
 
@@ -243,7 +248,8 @@ class ReplicaStore:
         self._gaps = membership.GapReports()  # a gap is logged once per end, not once per batch past it
         # The topic's live incarnation as the node's view of the metadata has it (the member sets it): what a copy
         # opened, fenced or sealed from now on belongs to (module docstring).
-        self.incarnation_of: Callable[[str], int] = lambda topic: 0
+        # None: deleted in this view (every call about the topic is refused).
+        self.incarnation_of: Callable[[str], int | None] = lambda topic: 0
         self.deleted_dir = data_dir / DELETED_REPLICAS_DIR
         if self.deleted_dir.is_dir():  # a removal a stop interrupted: its copies were out of every partition's way
             remove_moved(sorted(self.deleted_dir.iterdir()))
@@ -303,9 +309,11 @@ class ReplicaStore:
         return sum(row.size_bytes for row in self.held())
 
     def held(self) -> list[HeldCopy]:
-        """Every segment copy this node holds, by partition and segment id."""
+        """Every segment copy this node holds of its topic's live incarnation, by partition and segment id."""
         out: list[HeldCopy] = []
         for p in self._every():
+            if self.incarnation_of(p.key[0]) != p.incarnation:  # deleted: its removal pass comes
+                continue
             with p.lock:
                 out += (
                     HeldCopy(p.key, sid, seg.log_end_offset, seg.flushed_offset, seg.size_bytes)
@@ -345,6 +353,11 @@ class ReplicaStore:
         with self._lock:
             p = self._partitions.get(key)
             incarnation = self.incarnation_of(key[0]) if current or p is None else p.incarnation
+            if incarnation is None:
+                raise IncarnationMismatch(
+                    f"topic {key[0]!r} was deleted (this node's view of the site's metadata says so): nothing of "
+                    f"{key[0]}-{key[1]} is written here"
+                )
             if p is not None and p.incarnation < incarnation:
                 stale, p = p, None
             if p is None:
@@ -712,6 +725,24 @@ class ReplicaStore:
                 key[1],
             )
         return sorted(gone)
+
+    def check_incarnation(self, key: PartitionKey, incarnation: int) -> None:
+        """Raise :class:`IncarnationMismatch` unless ``incarnation`` is the one of ``key``'s topic this node's view
+        holds live: what a member checks of every call a leader, a recovery or a repair makes of it. Copies of an
+        earlier incarnation still here are moved out first, so the call never reads nor writes them."""
+        held = self.incarnation_of(key[0])
+        if held != incarnation:
+            now = "deleted" if held is None else f"incarnation {held}"
+            raise IncarnationMismatch(
+                f"a call about incarnation {incarnation} of topic {key[0]!r}, which this node's view of the site's "
+                f"metadata holds as {now}: refused; the caller tries again once the views agree"
+            )
+        with self._lock:
+            stale = self._partitions.get(key)
+            if stale is None or stale.incarnation >= held:
+                return
+            del self._partitions[key]
+        self._move_out([stale], "a later incarnation of the topic is asked for here")
 
     def remove_deleted(self, entries: Mapping[str, TopicEntry]) -> list[str]:
         """Move out and remove every copy of a topic incarnation ``entries`` (the site's) hold deleted, open or
