@@ -868,7 +868,7 @@ class MergeTopicEntry(_CommandBase):
     """Join a topic's replicated entry (``georep/metadata/topic_entry.py``) into the one held: an alter or a
     growth made at this site, or one a topic sync brought. A growth adds the new partitions with no leader, as a
     create's. A merge that deletes the live incarnation (a tombstone of it, or a later live incarnation) removes
-    the topic's partitions and their chains (see :meth:`SiteState._drop_topic`); a later incarnation's partitions
+    the topic's partitions and their chains (see :func:`_drop_topic`); a later incarnation's partitions
     start empty. Refused: a live entry of a name the site lacks (create it first), and a tombstone of georep's own
     topics (``__georep_offsets``)."""
 
@@ -1295,25 +1295,8 @@ class SiteState:
         if held is not None or incarnation:  # the name's entry is the new incarnation's, unstamped as a create's
             live = replace(legacy_entry(spec.name, spec.partitions, spec.config), incarnation=incarnation)
             self._entries = {**self._entries, spec.name: live}
-        self._add_partitions(spec.name, 0, spec.partitions)
+        _add_partitions(self, spec.name, 0, spec.partitions)
         return Applied()
-
-    def _add_partitions(self, name: str, first: int, end: int) -> None:
-        """Partitions ``first`` .. ``end - 1`` of ``name``, leaderless and empty (at the name's epoch floor)."""
-        floor = self._epoch_floors.get(name, LeaderEpoch(0))
-        for partition in range(first, end):
-            self._partitions[(name, partition)] = PartitionInfo(name, partition, leader_epoch=floor)
-
-    def _drop_topic(self, name: str) -> None:
-        """A delete: the topic's partitions go with their chains (the members remove their copies when they see
-        it, ``cluster/deleted_copies.py``); the name's epoch floor keeps the highest epoch they reached."""
-        spec = self._topics.pop(name)
-        floor = self._epoch_floors.get(name, LeaderEpoch(0))
-        for partition in range(spec.partitions):
-            info = self._partitions.pop((name, partition), None)
-            if info is not None:
-                floor = max(floor, info.leader_epoch)
-        self._epoch_floors = {**self._epoch_floors, name: floor}
 
     def _merge_topic_entry(self, received: TopicEntry) -> Result:
         name = received.name
@@ -1331,10 +1314,10 @@ class SiteState:
                 f"topic {name!r} is georep's own (its partitions hold the groups' commits): it cannot be deleted",
             )
         if deletes:
-            self._drop_topic(name)
+            _drop_topic(self, name)
         if not merged.deleted:
             first = 0 if held is None or held.deleted or deletes else held.partitions
-            self._add_partitions(name, first, merged.partitions)
+            _add_partitions(self, name, first, merged.partitions)
             self._topics[name] = spec_of(merged)
         self._entries = {**self._entries, name: merged}
         return Applied()
@@ -1623,6 +1606,25 @@ class SiteState:
         state._epoch_floors = {str(name): LeaderEpoch(_int(floors, name)) for name in sorted(floors)}
         state._changed()
         return state
+
+
+def _add_partitions(state: SiteState, name: str, first: int, end: int) -> None:
+    """Partitions ``first`` .. ``end - 1`` of ``name``, leaderless and empty (at the name's epoch floor)."""
+    floor = state._epoch_floors.get(name, LeaderEpoch(0))
+    for partition in range(first, end):
+        state._partitions[(name, partition)] = PartitionInfo(name, partition, leader_epoch=floor)
+
+
+def _drop_topic(state: SiteState, name: str) -> None:
+    """A delete: the topic's partitions go with their chains (each member removes its copies when it sees
+    it, ``ReplicaStore.remove_deleted``); the name's epoch floor keeps the highest epoch they reached."""
+    spec = state._topics.pop(name)
+    floor = state._epoch_floors.get(name, LeaderEpoch(0))
+    for partition in range(spec.partitions):
+        info = state._partitions.pop((name, partition), None)
+        if info is not None:
+            floor = max(floor, info.leader_epoch)
+    state._epoch_floors = {**state._epoch_floors, name: floor}
 
 
 def _entries_of(state: SiteState) -> dict[str, TopicEntry]:
