@@ -19,6 +19,10 @@ from tests.support.cli import georep, ok
 from tests.support.cluster_site import TOPIC, ClusterSite, produce, read_partition, wait_for
 from tests.support.ports import free_ports
 
+confluent_kafka = pytest.importorskip("confluent_kafka")
+
+from confluent_kafka.admin import AdminClient  # noqa: E402
+
 pytestmark = pytest.mark.slow  # three node processes
 
 
@@ -29,22 +33,27 @@ def copies(site: ClusterSite, node: int) -> list[str]:
 
 
 def refused_as_deleted(site: ClusterSite, node: int) -> bool:
-    """``node`` answers a fetch of the topic NOT_FOUND, naming the delete."""
-    request = pb.FetchRequest(topic=TOPIC, partition=0, offset=0, max_bytes=1 << 20, max_wait_ms=0)
+    """``node`` answers a fetch and a produce of the topic NOT_FOUND, naming the delete."""
+    fetch = pb.FetchRequest(topic=TOPIC, partition=0, offset=0, max_bytes=1 << 20, max_wait_ms=0)
+    batch = encode_batch([RecordInput(None, b"late", (), 1_700_000_000_000)])
+    produce = pb.ProduceRequest(topic=TOPIC, partition=0, batch=batch, acks=pb.ACKS_ALL)
     with open_channel(site.address(node)) as channel:
-        try:
-            next(iter(pbg.NodeStub(channel).Fetch(request, timeout=10)))
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.NOT_FOUND, (exc.code(), exc.details())
-            assert "was deleted" in (exc.details() or ""), exc.details()
-            return True
-    return False
+        stub = pbg.NodeStub(channel)
+        for call in (lambda: next(iter(stub.Fetch(fetch, timeout=10))), lambda: stub.Produce(produce, timeout=10)):
+            try:
+                call()
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.NOT_FOUND, (exc.code(), exc.details())
+                assert "was deleted" in (exc.details() or ""), exc.details()
+                continue
+            return False
+    return True
 
 
 def test_a_delete_on_a_three_node_site_removes_every_copy_and_a_re_created_topic_holds_no_old_record(
     tmp_path: Path,
 ) -> None:
-    site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500"])
+    site = ClusterSite(tmp_path, 3, extra_args=["--session-timeout-ms", "1500"], kafka=True)
     try:
         site.start()
         ok(georep("topic", "create", TOPIC, "--partitions", "1", "--bootstrap", site.address(2)))
@@ -75,6 +84,13 @@ def test_a_delete_on_a_three_node_site_removes_every_copy_and_a_re_created_topic
         assert values == [f"new-{i}".encode() for i in range(7)], values[:5]
         for n in (1, 2, 3):
             assert all(name == f"{TOPIC}@1-0" for name in copies(site, n)), copies(site, n)
+        # Kafka's DeleteTopics at any node deletes it the same way (incarnation 1 now).
+        admin = AdminClient({"bootstrap.servers": site.kafka_address(at)})
+        admin.delete_topics([TOPIC])[TOPIC].result(30)
+        for n in (1, 2, 3):
+            wait_for(f"node {n} refuses reads of the deleted topic again", lambda n=n: refused_as_deleted(site, n))
+            wait_for(f"node {n} removed its copies again", lambda n=n: copies(site, n) == [])
+        assert TOPIC not in admin.list_topics(timeout=10).topics
     finally:
         site.close()
 
