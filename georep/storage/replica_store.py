@@ -311,14 +311,25 @@ class ReplicaStore:
     def held(self) -> list[HeldCopy]:
         """Every segment copy this node holds of its topic's live incarnation, by partition and segment id."""
         out: list[HeldCopy] = []
-        for p in self._every():
-            if self.incarnation_of(p.key[0]) != p.incarnation:  # deleted: its removal pass comes
-                continue
+        for p in self._live():
             with p.lock:
                 out += (
                     HeldCopy(p.key, sid, seg.log_end_offset, seg.flushed_offset, seg.size_bytes)
                     for sid, seg in sorted(p.segments.items())
                 )
+        return out
+
+    def _live(self) -> list[PartitionReplicas]:
+        """Every partition whose copies are of its topic's live incarnation, in key order (the others are deleted:
+        their removal pass comes). One look at the view per topic, not per partition."""
+        live: dict[str, int | None] = {}
+        out = []
+        for p in self._every():
+            topic = p.key[0]
+            if topic not in live:
+                live[topic] = self.incarnation_of(topic)
+            if live[topic] == p.incarnation:
+                out.append(p)
         return out
 
     def _every(self) -> list[PartitionReplicas]:
@@ -581,9 +592,9 @@ class ReplicaStore:
                 p.persist_guard()
 
     def guard_states(self) -> dict[PartitionKey, GuardState]:
-        """Every partition's guard state on this node."""
+        """Every partition's guard state on this node (of its topic's live incarnation)."""
         out: dict[PartitionKey, GuardState] = {}
-        for p in self._every():
+        for p in self._live():
             with p.lock:
                 out[p.key] = p.guard.state
         return out
