@@ -237,7 +237,9 @@ class ClusterMember:
         self._trims_seen: int | None = None
         self._proposer: asyncio.Task[None] | None = None
         self._passes: asyncio.Task[None] | None = None  # the seal and trim passes (_follow_store)
-        self._deletes_seen: int | None = None  # the view version whose deleted topics' copies are removed
+        # The deletes (names, incarnations) whose copies this node removed: a pass walks its copies only when they
+        # change, not at every version of the view (at 10,000 partitions, a walk of replicas/ each time)
+        self._deletes_seen: tuple[tuple[str, int, bool], ...] | None = None
         store.incarnation_of = self._incarnation_of
 
     def spawn(self, work: Coroutine[object, object, None]) -> None:
@@ -523,17 +525,18 @@ class ClusterMember:
         """Remove this node's copies of every topic incarnation the view holds deleted (docs/design.md, "Topic
         changes across sites"): at the first pass after a delete, and at start for a node that was down during
         it, whether its view learned the delete by log replay or by a snapshot."""
-        state = self.metadata.state()
-        if state.version == self._deletes_seen:
+        entries = self.metadata.state().entries()
+        deletes = tuple((n, e.incarnation, e.deleted) for n, e in entries.items() if e.deleted or e.incarnation)
+        if deletes == self._deletes_seen:
             return
         try:
-            removed = await self.run_blocking(self.store.remove_deleted, state.entries())
+            removed = await self.run_blocking(self.store.remove_deleted, entries)
         except OSError as exc:  # the next pass tries again
             log.error("node %d: removing the copies of deleted topics failed: %s", self.me, exc)
             return
         if removed:
             log.warning("node %d: removed its copies of deleted topic incarnations: %s", self.me, ", ".join(removed))
-        self._deletes_seen = state.version
+        self._deletes_seen = deletes
 
     def _step_down_deleted(self, view: SiteState) -> list[NodeEffect]:
         """Every lead of a partition the view no longer holds (its topic was deleted) ends: waiting acks fail with
