@@ -14,6 +14,7 @@ import pytest
 from georep.metadata.topic_entry import create, delete
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.server.cluster_member import _newly_deleted
 from georep.storage.replica_store import DELETED_REPLICAS_DIR, REPLICAS_DIR, ReplicaStore
 from tests.support.channels import aio_channel
 from tests.support.segments import read_all
@@ -127,3 +128,14 @@ def test_a_member_refuses_calls_about_an_incarnation_its_view_does_not_hold_live
 
 def _fields(request: pb.FenceSegmentsRequest) -> dict[str, object]:
     return {f.name: v for f, v in request.ListFields()}
+
+
+def test_a_member_forgets_a_topics_metrics_series_once_per_delete() -> None:
+    """``_newly_deleted``: the deletes a member's pass finds new, whose ``georep_produced_*`` series go (as a one-node
+    site's ``TopicRemoval`` drops them); a re-create after a delete already seen keeps counting."""
+    tombstone = (("orders", 0, True),)
+    assert _newly_deleted((), tombstone) == ["orders"]
+    assert _newly_deleted(tombstone, tombstone) == []
+    assert _newly_deleted(tombstone, (("orders", 1, False),)) == []  # re-created: the delete was seen
+    assert _newly_deleted((("orders", 1, False),), (("orders", 2, False),)) == ["orders"]  # deleted and re-created
+    assert _newly_deleted((("orders", 1, False),), (("orders", 1, True),)) == ["orders"]

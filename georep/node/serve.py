@@ -337,6 +337,7 @@ def _wire(
             in_site.config,
             tls,
         )
+        member.forget_topic = metrics.forget_topic
         site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor, tls)
     service = NodeService(broker, metrics, replicator, admin_token, site_cluster, authorizes=tls is not None)
     # Delete's data path: the topic changes the replicator's sync and the node's calls share remove its partitions.

@@ -240,6 +240,7 @@ class ClusterMember:
         # The deletes (names, incarnations) whose copies this node removed: a pass walks its copies only when they
         # change, not at every version of the view (at 10,000 partitions, a walk of replicas/ each time)
         self._deletes_seen: tuple[tuple[str, int, bool], ...] | None = None
+        self.forget_topic: Callable[[str], None] = lambda topic: None  # a deleted topic's metrics series (serve.py)
         store.incarnation_of = self._incarnation_of
 
     def spawn(self, work: Coroutine[object, object, None]) -> None:
@@ -536,6 +537,8 @@ class ClusterMember:
             return
         if removed:
             log.warning("node %d: removed its copies of deleted topic incarnations: %s", self.me, ", ".join(removed))
+        for name in _newly_deleted(self._deletes_seen or (), deletes):
+            self.forget_topic(name)
         self._deletes_seen = deletes
 
     def _step_down_deleted(self, view: SiteState) -> list[NodeEffect]:
@@ -658,6 +661,20 @@ class ClusterMember:
     async def _ask(self, eff: ProposeEpoch) -> None:
         result = await self.propose(eff.command)
         self.core.epoch_asked(eff.key, eff.command.expected_epoch, result)  # not confirmed: asked again
+
+
+def _newly_deleted(before: tuple[tuple[str, int, bool], ...], now: tuple[tuple[str, int, bool], ...]) -> list[str]:
+    """The names of ``now``'s deletes (name, incarnation, deleted) that ``before`` had not seen: a tombstone not
+    held before, or a live incarnation above the one after the last tombstone seen (a delete and a re-create
+    between two looks). A re-create after a delete seen is not one: its series count from there."""
+    seen = {name: (incarnation, deleted) for name, incarnation, deleted in before}
+    out = []
+    for name, incarnation, deleted in now:
+        old = seen.get(name)
+        after = None if old is None else old[0] + int(old[1])  # the first incarnation not yet deleted
+        if (deleted and old != (incarnation, deleted)) or (not deleted and (after is None or incarnation > after)):
+            out.append(name)
+    return out
 
 
 def seal_producers(
