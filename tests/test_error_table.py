@@ -35,7 +35,7 @@ from georep.server import rpc
 from georep.server.status import STATUS, wire_status
 from georep.storage.api import BatchDamaged, DiskFull, OffsetOutOfRange
 from georep.storage.chain_log import SegmentElsewhere
-from georep.storage.replica_store import CorruptReplicaChunk, ReplicaError, UnknownSegment
+from georep.storage.replica_store import CorruptReplicaChunk, IncarnationMismatch, ReplicaError, UnknownSegment
 from georep.storage.segment import UnrepairableDamage
 from offsets.commits import InvalidCommit
 from offsets.coordinates import InvalidOrigin
@@ -92,6 +92,7 @@ EXPECTED: dict[type[Exception], tuple[type[c.GeorepError], ...]] = {
     Fenced: same(c.NotLeader),  # a leader that a newer one fenced: ask who leads, send there
     SegmentSealed: same(c.NotLeader),
     NotContiguous: same(SE),
+    IncarnationMismatch: same(SE),  # a member's answer to a leader or repair whose view of a topic is not its own
     QuorumError: same(SE),
     e.NotLeader: same(c.NotLeader),
     e.NotCoordinator: same(c.NotLeader),
