@@ -94,7 +94,7 @@ def test_create_topics_takes_kafkas_config_names_and_describe_configs_shows_them
         ({"cleanup.policy": "compact"}, "no log compaction yet"),
         ({"compression.type": "snappy"}, "use producer"),
         ({"message.timestamp.type": "LogAppendTime"}, "use CreateTime"),
-        ({"min.insync.replicas": "2"}, "use 1"),
+        ({"min.insync.replicas": "2"}, "above the topic's replication factor 1"),
         ({"retention.ms": "forever"}, "not an integer"),
         ({"preallocate": "true"}, "no georep counterpart"),
         ({"no.such.config": "1"}, "unknown topic config"),

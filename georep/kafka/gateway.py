@@ -68,7 +68,7 @@ from georep.metadata.kafka_config import (
     to_georep,
 )
 from georep.metadata.store import UnknownTopic
-from georep.metadata.topic_entry import add_partitions, alter
+from georep.metadata.topic_entry import add_partitions
 from georep.metadata.topics import InvalidTopic, parse_topic_config
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_to_proto
@@ -339,11 +339,11 @@ class KafkaGateway(LeaderOffsets):
         changes = self._changes(name, peer)
         configs = [(c.name, getattr(c, "config_operation", SET), c.value) for c in res.configs]
         sets, resets = kafka_alter(configs, self.broker.topic(name).config, replace_all)
-        wanted = alter_changes(sets, resets, self.site)
+        wanted = alter_changes(sets, resets)
         if not wanted:
             return
         if validate_only:
-            alter(changes.held(name), name, wanted, 0, "")
+            changes.altered(name, wanted)
         else:
             await changes.alter(name, wanted)
 

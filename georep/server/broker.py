@@ -47,6 +47,7 @@ from georep.broker.acks import (
 from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
 from georep.broker.retention_schedule import RetentionSchedule, earliest
+from georep.metadata.kafka_config import SiteSettings, check_quorum
 from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists, UnknownTopic
 from georep.metadata.topic_entry import TopicEntry
 from georep.metadata.topics import (
@@ -252,6 +253,9 @@ class Broker:
         self.identity = identity
         self.origin = Origin(identity.site, identity.epoch)
         self.defaults = {**DEFAULT_TOPIC_CONFIG, **(defaults or {})}
+        # The site's replication factor and min_insync_replicas (a multi-node site's node flags; one node: 1 and 1):
+        # what a client's topic may ask (check_quorum)
+        self.site = SiteSettings()
         self.clock_ms = clock_ms
         self.logs_dir = data_dir / "logs"
         private_dir(self.logs_dir)
@@ -387,6 +391,8 @@ class Broker:
         validate_topic_name(name)
         validate_partitions(partitions)
         spec = TopicSpec(name, partitions, parse_topic_config(raw_config))
+        if not internal:  # a topic a link brings was checked at its own site, whose settings differ
+            check_quorum(spec.config, self.site)
         if name in self.creating:
             raise TopicExists(name)
         try:
