@@ -268,6 +268,9 @@ class PartitionLead:
         self.roll_since: int | None = None
         self.seal_end: int | None = None  # a roll's chosen seal: the release limit
         self._token = 0
+        # Why no segment can be opened now (placement found fewer live nodes than the quorum), or None: the shell
+        # answers writes with it (NOT_ENOUGH_REPLICAS) rather than have producers wait for a segment
+        self.blocked: str | None = None
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -491,6 +494,7 @@ class PartitionLead:
             return self._adopt(step.segment_id, int(step.base_offset), step.ensemble, step.ack_quorum)
         if isinstance(step, leadership.Blocked):
             self.retry_at = ctx.now_ms + self.config.retry_ms
+            self.blocked = step.reason
             return [Note(self.key, "placement_wait", step.reason)]
         if isinstance(step, leadership.ProposeOpen):
             self.busy = True
@@ -513,6 +517,7 @@ class PartitionLead:
     ) -> list[LeadEffect]:
         aq = self.config.quorum_of(ack_quorum)
         self.quorum = SegmentQuorum(segment_id, base, ensemble, aq, self.epoch, self.me)
+        self.blocked = None
         self.phase = Phase.ACTIVE
         self.next_send = dict.fromkeys(ensemble, base)
         self.failed_at = {}

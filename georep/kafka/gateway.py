@@ -72,7 +72,7 @@ from georep.metadata.topic_entry import add_partitions
 from georep.metadata.topics import InvalidTopic, parse_topic_config
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_to_proto
-from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition
+from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition, partition_to_write
 from georep.server.groups import GroupService
 from georep.server.topic_calls import TopicCalls
 from georep.server.topic_changes import TopicChanges, TopicChangesUnsupported
@@ -472,7 +472,7 @@ class KafkaGateway(LeaderOffsets):
                     if body.transactional_id is not None:
                         raise RecordsError(k.INVALID_RECORD, "transactions are not supported")
                     self._allow(peer, Operation.PRODUCE, [acl_topic(t.name)])
-                    limit = self.broker.partition(t.name, pd.index).config["max_batch_bytes"]
+                    limit = partition_to_write(self.broker, t.name, pd.index).config["max_batch_bytes"]
                     batch = kafka_to_georep(pd.records or b"", limit)
                     p, produced = self.broker.append(t.name, pd.index, batch, acks)
                     waiter = self.broker.ack_waiter(p, produced, acks, body.timeout_ms) if body.acks != 0 else None

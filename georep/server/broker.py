@@ -45,7 +45,7 @@ from georep.broker.acks import (
     check_acks,
 )
 from georep.broker.append import Produced, append_as_origin
-from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
+from georep.broker.errors import InternalTopic, NotEnoughReplicas, NotLeader, UnknownPartition, WriteFailed
 from georep.broker.retention_schedule import RetentionSchedule, earliest
 from georep.metadata.kafka_config import SiteSettings, check_quorum
 from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists, UnknownTopic
@@ -275,6 +275,8 @@ class Broker:
         self.metadata: MetadataStore = metadata or FileMetadataStore(data_dir / "topics.json", identity.site, clock_ms)
         # Where to send a client for a partition this node does not lead (multi-node sites).
         self.leader_hint: Callable[[str, int], str] = lambda topic, index: ""
+        # Why a partition this node leads can open no segment now (too few live nodes for its quorum), or None
+        self.unplaceable: Callable[[str, int], str | None] = lambda topic, index: None
         self.partitions: dict[tuple[str, int], Partition] = {}
         self.executor = ThreadPoolExecutor(max_workers=FSYNC_THREADS, thread_name_prefix="fsync")
         # Partitions flushed at the same time share one syncfs beyond FSYNC_THREADS at once (group_flush.py).
@@ -693,7 +695,7 @@ class Broker:
                 "positions are stored by a group's commit (georep consume --group, Consumer.commit, "
                 "a Kafka client's commit)"
             )
-        p = self.partition(topic, index)
+        p = partition_to_write(self, topic, index)
         if p.sealing:
             raise NotLeader(
                 topic, index, "its segment is being sealed; retry in a moment", self.leader_hint(topic, index)
@@ -954,3 +956,12 @@ class Broker:
         self.flusher.close()
         if self.checkpoint is not None:
             _save_checkpoint(self.checkpoint)
+
+
+def partition_to_write(broker: Broker, topic: str, index: int) -> Partition:
+    """``broker.partition`` for a produce: on a multi-node site, a partition this node leads but can open no segment
+    of (fewer live nodes than its topic's min_insync_replicas) raises ``NotEnoughReplicas`` saying why, rather than
+    the ``NotLeader`` a reader gets (a producer retries either; this one tells what to do)."""
+    if broker.in_site and (topic, index) not in broker.partitions and (why := broker.unplaceable(topic, index)):
+        raise NotEnoughReplicas(why)
+    return broker.partition(topic, index)

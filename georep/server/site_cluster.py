@@ -115,8 +115,14 @@ class SiteCluster:
         member.origin = broker.origin
         broker.leader_hint = self.leader_address
         broker.site = SiteSettings(member.config.replication_factor, member.config.ack_quorum)
+        broker.unplaceable = self.unplaceable
 
     # -- the metadata ----------------------------------------------------------------------------------------
+
+    def unplaceable(self, topic: str, index: int) -> str | None:
+        """Why this node, leading ``topic``-``index``, can open no segment of it now (``PartitionLead.blocked``)."""
+        lead = self.member.core.leads.get((topic, index))
+        return None if lead is None else lead.blocked
 
     def leader_address(self, topic: str, index: int) -> str:
         """The address of the node the metadata names as the leader of ``topic``-``index``, or ""."""
