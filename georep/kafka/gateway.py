@@ -267,11 +267,13 @@ class KafkaGateway(LeaderOffsets):
             partitions = t.num_partitions if t.num_partitions > 0 else 1
             try:
                 self._allow(peer, Operation.CREATE_TOPIC, [acl_topic(t.name)])
-                config = to_georep({c.name: c.value for c in t.configs if c.value is not None}, self.site)
+                raw = {c.name: c.value for c in t.configs if c.value is not None}
                 # The topic's own (issue 23); -1: the site's. Only a multi-node site's clients ask for it: a one-node
                 # site's see one broker, so ask for 1, which must not become the topic's at the sites it reaches.
+                # Checked with the configs, so min.insync.replicas is held to the factor asked for.
                 if t.replication_factor > 0 and self.view_of is not None:
-                    config = to_georep({**config, "replication_factor": str(t.replication_factor)}, self.site)
+                    raw["replication_factor"] = str(t.replication_factor)
+                config = to_georep(raw, self.site)
                 if req.body.validate_only:
                     self.broker.check_new_topic(t.name, partitions, config)
                 else:
