@@ -317,9 +317,7 @@ def choose_ensemble(
             candidates.append(n)
     if len(fixed) + len(candidates) < floor:
         eligible = list(fixed) + [c.node for c in candidates]
-        raise NotEnoughNodes(
-            floor, eligible, dead, draining, out, full, min_free_bytes, wanted=size, by_quorum=min_size is not None
-        )
+        raise NotEnoughNodes(floor, eligible, dead, draining, out, full, min_free_bytes, size, min_size is not None)
     need = min(size, len(fixed) + len(candidates)) - len(fixed)
     ranked = rank(candidates, salt)
     chosen = ranked[:need]

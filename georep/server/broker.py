@@ -253,9 +253,7 @@ class Broker:
         self.identity = identity
         self.origin = Origin(identity.site, identity.epoch)
         self.defaults = {**DEFAULT_TOPIC_CONFIG, **(defaults or {})}
-        # The site's replication factor and min_insync_replicas (a multi-node site's node flags; one node: 1 and 1):
-        # what a client's topic may ask (check_quorum)
-        self.site = SiteSettings()
+        self.site = SiteSettings()  # a multi-node site's replication and quorum flags: what a topic may ask
         self.clock_ms = clock_ms
         self.logs_dir = data_dir / "logs"
         private_dir(self.logs_dir)
@@ -275,21 +273,18 @@ class Broker:
         self.metadata: MetadataStore = metadata or FileMetadataStore(data_dir / "topics.json", identity.site, clock_ms)
         # Where to send a client for a partition this node does not lead (multi-node sites).
         self.leader_hint: Callable[[str, int], str] = lambda topic, index: ""
-        # Why a partition this node leads can open no segment now (too few live nodes for its quorum), or None
-        self.unplaceable: Callable[[str, int], str | None] = lambda topic, index: None
+        self.unplaceable: Callable[[str, int], str | None] = lambda t, i: None  # why it can open no segment it leads
         self.partitions: dict[tuple[str, int], Partition] = {}
         self.executor = ThreadPoolExecutor(max_workers=FSYNC_THREADS, thread_name_prefix="fsync")
         # Partitions flushed at the same time share one syncfs beyond FSYNC_THREADS at once (group_flush.py).
         self.flusher = GroupFlush(self.executor, self.logs_dir, FSYNC_THREADS)
-        # Replicated chunks are applied here, off the event loop: the page-cache
-        # write was most of a pulling node's loop time, and the loop can take in
-        # the next chunk meanwhile. One thread, so that two upstreams sending the
-        # same origin during a failover never plan against the same vector at once.
+        # Replicated chunks are applied here, off the event loop: the page-cache write was most of a pulling node's
+        # loop time, and the loop can take in the next chunk meanwhile. One thread, so that two upstreams sending
+        # the same origin during a failover never plan against the same vector at once.
         self.replica_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="apply")
         self.disk_full = False
         self.on_produce: Callable[[str, int, int], None] = lambda topic, records, size: None
-        # Called with (name, partitions) for every topic this node opens: at
-        # startup, on CreateTopic, and when replication creates one.
+        # Called with (name, partitions) for every topic this node opens: at startup, on CreateTopic, from replication
         self.on_topic: Callable[[str, int], None] = lambda name, partitions: None
         # Called with every partition this node opens or comes to lead (after its ack table knows it).
         self.on_open: Callable[[Partition], None] = lambda p: None
