@@ -124,6 +124,7 @@ class NodeCore:
         # The view version the roles were last reconciled with, while nothing of this core's changed since: None
         # when a lead ended or an ask was lost (``_ended``, ``epoch_asked``), or the epochs at start were set.
         self.reconciled: int | None = None
+        self._specs: dict[str, TopicSpec | None] = {}  # the topic specs its leads were last tuned to (``_retune``)
 
     def context(self, view: SiteState, key: PartitionKey, now_ms: int) -> LeadContext:
         return LeadContext(
@@ -168,16 +169,20 @@ class NodeCore:
         return out
 
     def _retune(self, view: SiteState, now_ms: int) -> list[NodeEffect]:
-        """Each lead takes its topic's settings as ``view`` has them now (an alter: ``PartitionLead.retune``)."""
+        """Each lead takes its topic's settings as ``view`` has them now (an alter: ``PartitionLead.retune``). Only
+        the leads of topics whose spec changed since the last look are compared (a spec is replaced, never changed
+        in place), so that a view change at 10,000 partitions costs no walk of every lead's config."""
+        specs = {name: view.topic(name) for name in {key[0] for key in self.leads}}
+        changed = {
+            name: spec for name, spec in specs.items() if name not in self._specs or self._specs[name] is not spec
+        }
+        self._specs = specs
         out: list[NodeEffect] = []
-        configs: dict[str, LeadConfig] = {}
-        for key in sorted(self.leads):
+        configs = {name: self.config.lead(spec) for name, spec in changed.items()}
+        for key in sorted(k for k in self.leads if k[0] in configs):
             lead = self.leads[key]
-            config = configs.get(key[0])
-            if config is None:
-                config = configs[key[0]] = self.config.lead(view.topic(key[0]))
-            if config != lead.config:
-                out += self._ended(lead, lead.retune(config, now_ms))
+            if configs[key[0]] != lead.config:
+                out += self._ended(lead, lead.retune(configs[key[0]], now_ms))
         return out
 
     def epoch_asked(self, key: PartitionKey, epoch: LeaderEpoch, result: Result | None) -> None:
