@@ -9,6 +9,7 @@ that the new quorum applies from the next write. Pure: the lead and node cores, 
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from cluster.lead import (
@@ -38,8 +39,12 @@ from cluster.site_state import (
     SiteState,
     command_from_dict,
 )
+from georep.broker.errors import NotEnoughReplicas
+from georep.kafka.errors import error_code
 from georep.metadata.topic_entry import alter
 from georep.metadata.topics import TopicSpec
+from georep.proto.reasons import Reason
+from georep.server.status import wire_status
 from offsets.coordinates import LocalOffset
 from topology.ids import LeaderEpoch, NodeId, SegmentId
 
@@ -189,3 +194,22 @@ def test_the_snapshot_keeps_each_segments_quorum_and_an_old_one_reads_as_the_sit
             del s["ack_quorum"]
     info = SiteState.restore(snap).partition(*KEY)
     assert info is not None and info.segments[0].ack_quorum is None and info.segments[0].quorum(2) == 2
+
+
+def test_a_lead_that_cannot_place_its_topics_quorum_says_why_until_the_quorum_is_lowered() -> None:
+    """Two live nodes, the topic asks 3: no segment can open, and the lead keeps why, which the leader's broker
+    answers produces with (NOT_ENOUGH_REPLICAS, gRPC UNAVAILABLE) rather than NOT_LEADER; altered to 2, the next
+    retry opens a segment that records 2."""
+    two_live = [NodeLoad(n, 1 << 40, 0, n != C, False) for n in (A, B, C)]
+    lead = PartitionLead(A, KEY, E1, SITE.lead(topic(3)), None)
+    info = PartitionInfo("t", 0, A, E1)
+    out = lead.start(LeadContext(0, info, lambda: two_live))
+    assert not any(isinstance(e, ProposeOpen) for e in out)
+    assert lead.blocked is not None and "node 3 dead" in lead.blocked and "min_insync_replicas" in lead.blocked
+    assert error_code(NotEnoughReplicas(lead.blocked)) == 19  # Kafka's NOT_ENOUGH_REPLICAS, which producers retry
+    assert wire_status(NotEnoughReplicas(lead.blocked)) == (grpc.StatusCode.UNAVAILABLE, Reason.UNAVAILABLE)
+    assert lead.retune(SITE.lead(topic(2)), 50) == []  # not writing: nothing to roll
+    (propose,) = [e for e in lead.tick(LeadContext(1_000, info, lambda: two_live)) if isinstance(e, ProposeOpen)]
+    assert propose.command.ack_quorum == 2 and len(propose.command.ensemble) == 2
+    lead.opened(propose.command, Applied(segment_id=SegmentId(0)), LeadContext(1_000, info, lambda: two_live))
+    assert lead.blocked is None
