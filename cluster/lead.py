@@ -54,10 +54,19 @@ PartitionKey = tuple[str, int]
 @dataclass(frozen=True, slots=True)
 class LeadConfig:
     replication_factor: int
-    ack_quorum: int
+    ack_quorum: int  # the topic's min_insync_replicas now: what the next segment opens with
     retry_ms: int  # a failed recovery, a lost proposal, a placement that found too few nodes: again after this
     roll_wait_ms: int  # a rolling leader waits this long for the LAC to reach what it appended
     reconnect_ms: int = 0  # a broken member stream is tried again after this (the shell says when it is back)
+    # The site's configured quorum, for a segment opened before segments recorded theirs (None: ack_quorum)
+    site_ack_quorum: int | None = None
+
+    def quorum_of(self, segment_ack_quorum: int | None) -> int:
+        """The quorum a segment's writes are acked under: its own, recorded when it opened (a topic's quorum may
+        have changed since: its recovery must use the one its writes were acked under), else the site's."""
+        if segment_ack_quorum is not None:
+            return segment_ack_quorum
+        return self.ack_quorum if self.site_ack_quorum is None else self.site_ack_quorum
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +137,7 @@ class Adopted:
     segment_id: SegmentId
     base_offset: int
     ensemble: tuple[NodeId, ...]
+    ack_quorum: int  # the segment's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +268,9 @@ class PartitionLead:
         self.roll_since: int | None = None
         self.seal_end: int | None = None  # a roll's chosen seal: the release limit
         self._token = 0
+        # Why no segment can be opened now (placement found fewer live nodes than the quorum), or None: the shell
+        # answers writes with it (NOT_ENOUGH_REPLICAS) rather than have producers wait for a segment
+        self.blocked: str | None = None
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -341,8 +354,9 @@ class PartitionLead:
                 self.previous = info.segments[-1].ensemble
             return self.try_open(ctx)
         self._attempts += 1
+        aq = self.config.quorum_of(segment.ack_quorum)  # the quorum its writes were acked under, not the topic's now
         machine = SegmentRecovery(
-            segment.segment_id, int(segment.base_offset), segment.ensemble, self.config.ack_quorum, self.epoch, self.me
+            segment.segment_id, int(segment.base_offset), segment.ensemble, aq, self.epoch, self.me
         )
         self.recovery = _Recovery(segment, machine, self._attempts)
         return [Note(self.key, "recovery"), *self._recovered(self.recovery, machine.start(), ctx)]
@@ -474,11 +488,13 @@ class PartitionLead:
             ctx.loads(),
             self.config.replication_factor,
             min_ensemble=self.config.ack_quorum,
+            ack_quorum=self.config.ack_quorum,
         )
         if isinstance(step, leadership.Adopt):
-            return self._adopt(step.segment_id, int(step.base_offset), step.ensemble)
+            return self._adopt(step.segment_id, int(step.base_offset), step.ensemble, step.ack_quorum)
         if isinstance(step, leadership.Blocked):
             self.retry_at = ctx.now_ms + self.config.retry_ms
+            self.blocked = step.reason
             return [Note(self.key, "placement_wait", step.reason)]
         if isinstance(step, leadership.ProposeOpen):
             self.busy = True
@@ -490,20 +506,24 @@ class PartitionLead:
         if self.phase is not Phase.OPENING:
             return []
         if isinstance(result, Applied) and result.segment_id is not None:
-            return self._adopt(result.segment_id, int(command.base_offset), command.ensemble)
+            return self._adopt(result.segment_id, int(command.base_offset), command.ensemble, command.ack_quorum)
         if isinstance(result, Refused) and result.code is RefusalCode.STALE_EPOCH:
             return self.close(result.reason)
         self.retry_at = ctx.now_ms + self.config.retry_ms  # lost, or the state moved: look again
         return []
 
-    def _adopt(self, segment_id: SegmentId, base: int, ensemble: tuple[NodeId, ...]) -> list[LeadEffect]:
-        self.quorum = SegmentQuorum(segment_id, base, ensemble, self.config.ack_quorum, self.epoch, self.me)
+    def _adopt(
+        self, segment_id: SegmentId, base: int, ensemble: tuple[NodeId, ...], ack_quorum: int | None
+    ) -> list[LeadEffect]:
+        aq = self.config.quorum_of(ack_quorum)
+        self.quorum = SegmentQuorum(segment_id, base, ensemble, aq, self.epoch, self.me)
+        self.blocked = None
         self.phase = Phase.ACTIVE
         self.next_send = dict.fromkeys(ensemble, base)
         self.failed_at = {}
         self.roll_since = None
         self.seal_end = None
-        return [Adopted(self.key, self.epoch, segment_id, base, ensemble)]
+        return [Adopted(self.key, self.epoch, segment_id, base, ensemble, aq)]
 
     # -- writing -----------------------------------------------------------------------------------------
 
@@ -580,6 +600,18 @@ class PartitionLead:
         return out
 
     # -- rolling -----------------------------------------------------------------------------------------
+
+    def retune(self, config: LeadConfig, now_ms: int) -> list[LeadEffect]:
+        """The topic's settings changed (an alter here, or one a topic sync brought): the next segment opens with
+        ``config``; an open segment acked under another quorum is rolled now, so that the topic's new
+        ``min_insync_replicas`` applies from the next write, as Kafka users expect, while each segment keeps the
+        quorum its writes were acked under (its recovery needs it)."""
+        self.config = config
+        q = self.quorum
+        if self.phase is not Phase.ACTIVE or q is None or q.ack_quorum == config.ack_quorum:
+            return []
+        reason = f"min_insync_replicas is now {config.ack_quorum}, segment {q.segment_id} acks with {q.ack_quorum}"
+        return [Note(self.key, "quorum_changed", reason), *self.start_roll(now_ms)]
 
     def start_roll(self, now_ms: int) -> list[LeadEffect]:
         """Roll the open segment (by size, or the controller asks): no more appends; seal at the LAC."""

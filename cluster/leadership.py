@@ -152,11 +152,13 @@ def role_step(
 
 @dataclass(frozen=True, slots=True)
 class Adopt:
-    """Write segment ``segment_id``, open at ``base_offset`` on ``ensemble`` (this leader opened it)."""
+    """Write segment ``segment_id``, open at ``base_offset`` on ``ensemble`` (this leader opened it), acked by its
+    ``ack_quorum`` (None: opened before segments recorded it, the site's)."""
 
     segment_id: SegmentId
     base_offset: LocalOffset
     ensemble: tuple[NodeId, ...]
+    ack_quorum: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +196,7 @@ def plan_open(
     replication_factor: int,
     *,
     min_ensemble: int | None = None,
+    ack_quorum: int | None = None,
 ) -> OpenStep:
     """What the leader of ``epoch`` does to have a segment to write.
 
@@ -204,7 +207,8 @@ def plan_open(
     The next segment opens on ``replication_factor`` nodes, or on every eligible node while fewer are eligible,
     as long as they are at least ``min_ensemble``: pass the ack quorum (``min_insync_replicas``), which is the
     least that can confirm a write (see the module docstring). Below it, :class:`Blocked`. ``None`` keeps the
-    whole-ensemble rule: ``replication_factor`` nodes or :class:`Blocked`.
+    whole-ensemble rule: ``replication_factor`` nodes or :class:`Blocked`. ``ack_quorum``: the topic's
+    ``min_insync_replicas`` now, which the new segment records (its recovery needs it, ``cluster/recovery.py``).
     """
     if info.leader != me or info.leader_epoch != epoch:
         return Wait(f"the view names node {info.leader} in epoch {info.leader_epoch}")
@@ -213,7 +217,9 @@ def plan_open(
         return Wait(f"the view still shows segment {open_segment.segment_id} open, which this leader sealed")
     if open_segment is not None:
         if open_segment.opened_epoch == epoch:
-            return Adopt(open_segment.segment_id, open_segment.base_offset, open_segment.ensemble)
+            return Adopt(
+                open_segment.segment_id, open_segment.base_offset, open_segment.ensemble, open_segment.ack_quorum
+            )
         return Wait(f"segment {open_segment.segment_id} is open from epoch {open_segment.opened_epoch}: recover it")
     base = info.next_base_offset
     assert base is not None  # no open segment: the chain ends sealed, or is empty
@@ -232,7 +238,7 @@ def plan_open(
             f"cannot place the next segment of {info.topic}/{info.partition}, and it takes no writes "
             f"until it can: {exc}"
         )
-    return ProposeOpen(OpenSegment(info.topic, info.partition, epoch, LocalOffset(base), ensemble))
+    return ProposeOpen(OpenSegment(info.topic, info.partition, epoch, LocalOffset(base), ensemble, ack_quorum))
 
 
 # -- rolling ----------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from cluster import leadership
 from cluster.controller import AskRoll, Controller, ControllerConfig, RepairCopy, controller_step
 from cluster.lead import LeadConfig, LeadContext, LeadEffect, PartitionLead, Phase
 from cluster.site_state import ElectLeader, FailOver, Result, SiteState
-from cluster.topic_settings import replication_factor_of
+from cluster.topic_settings import ack_quorum_of, replication_factor_of
 from georep.metadata.topics import TopicSpec
 from topology.ids import LeaderEpoch, NodeId
 
@@ -65,9 +65,11 @@ class NodeConfig:
 
     def lead(self, spec: TopicSpec | None = None) -> LeadConfig:
         """A lead of a partition of ``spec``: its new segments open on the topic's replication factor (the
-        site's by default), never on fewer than ``ack_quorum`` nodes, which each segment needs to ack."""
-        rf = max(replication_factor_of(spec, self.replication_factor), self.ack_quorum)
-        return LeadConfig(rf, self.ack_quorum, self.retry_ms, self.roll_wait_ms, self.reconnect_ms)
+        site's by default) with the topic's ack quorum (likewise), never on fewer nodes than that quorum, which
+        each segment needs to ack."""
+        aq = ack_quorum_of(spec, self.ack_quorum)
+        rf = max(replication_factor_of(spec, self.replication_factor), aq)
+        return LeadConfig(rf, aq, self.retry_ms, self.roll_wait_ms, self.reconnect_ms, site_ack_quorum=self.ack_quorum)
 
     def controller(self) -> ControllerConfig:
         return ControllerConfig(
@@ -122,6 +124,7 @@ class NodeCore:
         # The view version the roles were last reconciled with, while nothing of this core's changed since: None
         # when a lead ended or an ask was lost (``_ended``, ``epoch_asked``), or the epochs at start were set.
         self.reconciled: int | None = None
+        self._specs: dict[str, TopicSpec | None] = {}  # the topic specs its leads were last tuned to (``_retune``)
 
     def context(self, view: SiteState, key: PartitionKey, now_ms: int) -> LeadContext:
         return LeadContext(
@@ -161,7 +164,25 @@ class NodeCore:
                 )
                 out.append(Leading(key, step.epoch))
                 out += self._ended(lead, lead.start(self.context(view, key, now_ms)))
+        out += self._retune(view, now_ms)
         self.reconciled = view.version
+        return out
+
+    def _retune(self, view: SiteState, now_ms: int) -> list[NodeEffect]:
+        """Each lead takes its topic's settings as ``view`` has them now (an alter: ``PartitionLead.retune``). Only
+        the leads of topics whose spec changed since the last look are compared (a spec is replaced, never changed
+        in place), so that a view change at 10,000 partitions costs no walk of every lead's config."""
+        specs = {name: view.topic(name) for name in {key[0] for key in self.leads}}
+        changed = {
+            name: spec for name, spec in specs.items() if name not in self._specs or self._specs[name] is not spec
+        }
+        self._specs = specs
+        out: list[NodeEffect] = []
+        configs = {name: self.config.lead(spec) for name, spec in changed.items()}
+        for key in sorted(k for k in self.leads if k[0] in configs):
+            lead = self.leads[key]
+            if configs[key[0]] != lead.config:
+                out += self._ended(lead, lead.retune(configs[key[0]], now_ms))
         return out
 
     def epoch_asked(self, key: PartitionKey, epoch: LeaderEpoch, result: Result | None) -> None:

@@ -160,6 +160,7 @@ class NotEnoughNodes(PlacementError):
         full: Sequence[NodeId],
         min_free_bytes: int,
         wanted: int | None = None,
+        by_quorum: bool = False,  # ``needed`` is the ack quorum (``min_size``), not the whole ensemble
     ) -> None:
         self.needed = needed
         self.wanted = needed if wanted is None else wanted
@@ -181,10 +182,11 @@ class NotEnoughNodes(PlacementError):
         why = "; not eligible: " + ", ".join(reasons) if reasons else ""
         if self.wanted > needed:
             need = f"need at least {needed} eligible node(s) (an ensemble of {needed} to {self.wanted})"
-            lower = "min_insync_replicas (the smallest ensemble a segment opens on)"
         else:
             need = f"need {needed} eligible node(s)"
-            lower = "the topic's replication_factor"
+        lower = "the topic's replication_factor"
+        if self.wanted > needed or by_quorum:
+            lower = "min_insync_replicas (the topic's, else the site's: the smallest ensemble a segment opens on)"
         super().__init__(
             f"{need}, have {len(self.eligible)} ({_nodes(self.eligible) or 'none'}){why}. "
             f"Add nodes (or bring the dead ones back, or free disk space), or lower {lower}"
@@ -315,7 +317,7 @@ def choose_ensemble(
             candidates.append(n)
     if len(fixed) + len(candidates) < floor:
         eligible = list(fixed) + [c.node for c in candidates]
-        raise NotEnoughNodes(floor, eligible, dead, draining, out, full, min_free_bytes, wanted=size)
+        raise NotEnoughNodes(floor, eligible, dead, draining, out, full, min_free_bytes, size, min_size is not None)
     need = min(size, len(fixed) + len(candidates)) - len(fixed)
     ranked = rank(candidates, salt)
     chosen = ranked[:need]

@@ -162,10 +162,17 @@ class SegmentInfo:
     # newest producer timestamp (None: no batch). Unknown (None) for segments sealed before seals carried them.
     size_bytes: int | None = None
     max_timestamp_ms: int | None = None
+    # The ack quorum (min_insync_replicas) its writes are acked under, which its recovery needs E - AQ + 1 fence
+    # answers for: its topic's when it opened. None: opened before segments recorded it, the site's configured one.
+    ack_quorum: int | None = None
 
     @property
     def sealed(self) -> bool:
         return self.state is SegmentState.SEALED
+
+    def quorum(self, site_ack_quorum: int) -> int:
+        """The ack quorum of this segment: its own, or ``site_ack_quorum`` for one opened before segments had one."""
+        return site_ack_quorum if self.ack_quorum is None else self.ack_quorum
 
 
 @dataclass(frozen=True, slots=True)
@@ -603,7 +610,8 @@ class FailOver(_CommandBase):
 
 @dataclass(frozen=True, slots=True)
 class OpenSegment(_CommandBase):
-    """The leader of ``epoch`` opens the next segment at ``base_offset`` on ``ensemble`` (itself first)."""
+    """The leader of ``epoch`` opens the next segment at ``base_offset`` on ``ensemble`` (itself first), its writes
+    acked by ``ack_quorum`` members (None: a command from before segments recorded it, the site's quorum)."""
 
     KIND: ClassVar[str] = "open_segment"
     topic: str
@@ -611,10 +619,16 @@ class OpenSegment(_CommandBase):
     epoch: LeaderEpoch
     base_offset: LocalOffset
     ensemble: tuple[NodeId, ...]
+    ack_quorum: int | None = None
 
     def __post_init__(self) -> None:
         _check_non_negative("base_offset", self.base_offset)
         _check_ensemble(self.ensemble)
+        if self.ack_quorum is not None and not 1 <= self.ack_quorum <= len(self.ensemble):
+            raise InvalidCommand(
+                f"ack quorum {self.ack_quorum} is not between 1 and the ensemble size {len(self.ensemble)}: a "
+                "segment's min_insync_replicas must be at least 1 and at most its replication factor"
+            )
 
     def _encode(self) -> dict[str, Any]:
         return {
@@ -623,6 +637,7 @@ class OpenSegment(_CommandBase):
             "epoch": self.epoch,
             "base_offset": self.base_offset,
             "ensemble": list(self.ensemble),
+            **({} if self.ack_quorum is None else {"ack_quorum": self.ack_quorum}),
         }
 
     @classmethod
@@ -633,6 +648,7 @@ class OpenSegment(_CommandBase):
             LeaderEpoch(_int(raw, "epoch")),
             LocalOffset(_int(raw, "base_offset")),
             _ensemble(raw, "ensemble"),
+            _optional_int(raw, "ack_quorum"),
         )
 
 
@@ -1365,11 +1381,12 @@ class SiteState:
         where = _where(cmd.topic, cmd.partition)
         open_segment = info.open_segment
         if open_segment is not None:
-            if (open_segment.opened_epoch, open_segment.base_offset, open_segment.ensemble) == (
-                cmd.epoch,
-                cmd.base_offset,
-                cmd.ensemble,
-            ):
+            if (
+                open_segment.opened_epoch,
+                open_segment.base_offset,
+                open_segment.ensemble,
+                open_segment.ack_quorum,
+            ) == (cmd.epoch, cmd.base_offset, cmd.ensemble, cmd.ack_quorum):
                 return Applied(changed=False, segment_id=open_segment.segment_id)
             return Refused(
                 RefusalCode.SEGMENT_OPEN,
@@ -1394,7 +1411,7 @@ class SiteState:
                 "others",
             )
         segment_id = SegmentId(info.segments[-1].segment_id + 1 if info.segments else 0)
-        segment = SegmentInfo(segment_id, cmd.base_offset, cmd.ensemble, cmd.epoch)
+        segment = SegmentInfo(segment_id, cmd.base_offset, cmd.ensemble, cmd.epoch, ack_quorum=cmd.ack_quorum)
         self._partitions[(cmd.topic, cmd.partition)] = replace(info, segments=(*info.segments, segment))
         return Applied(segment_id=segment_id)
 
@@ -1652,6 +1669,7 @@ def _partition_to_dict(info: PartitionInfo) -> dict[str, Any]:
                 "end_vector": None if s.end_vector is None else _vector_to_dict(s.end_vector),
                 **({} if s.size_bytes is None else {"size_bytes": s.size_bytes}),
                 **({} if s.max_timestamp_ms is None else {"max_timestamp_ms": s.max_timestamp_ms}),
+                **({} if s.ack_quorum is None else {"ack_quorum": s.ack_quorum}),
             }
             for s in info.segments
         ],
@@ -1683,6 +1701,7 @@ def _partition_from_dict(raw: Mapping[str, Any]) -> PartitionInfo:
                 end_vector,
                 _optional_int(entry, "size_bytes"),
                 _optional_int(entry, "max_timestamp_ms"),
+                _optional_int(entry, "ack_quorum"),
             )
         )
     leader = None if raw.get("leader") is None else _node(raw, "leader")

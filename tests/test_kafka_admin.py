@@ -94,7 +94,7 @@ def test_create_topics_takes_kafkas_config_names_and_describe_configs_shows_them
         ({"cleanup.policy": "compact"}, "no log compaction yet"),
         ({"compression.type": "snappy"}, "use producer"),
         ({"message.timestamp.type": "LogAppendTime"}, "use CreateTime"),
-        ({"min.insync.replicas": "2"}, "use 1"),
+        ({"min.insync.replicas": "2"}, "above the topic's replication factor 1"),
         ({"retention.ms": "forever"}, "not an integer"),
         ({"preallocate": "true"}, "no georep counterpart"),
         ({"no.such.config": "1"}, "unknown topic config"),
@@ -257,3 +257,36 @@ def test_the_cli_alters_and_grows_a_topic(node: NodeProcess) -> None:
     assert fewer.returncode != 0 and "the count only grows" in fewer.stderr.decode()
     compact = georep("topic", "alter", "cli-changed", "--config", "cleanup.policy=compact", *b)
     assert compact.returncode != 0 and "no log compaction yet" in compact.stderr.decode()
+
+
+def test_min_insync_replicas_is_the_topics_own_and_held_to_its_replication_factor(
+    admin: AdminClient, node: NodeProcess
+) -> None:
+    """Issue 23: Kafka's min.insync.replicas is the topic's min_insync_replicas, created, described and altered as
+    Kafka's tools do, and never above the topic's replication factor (before, any value but the site's was refused
+    and every topic showed the site's). A one-node site takes it with the topic's own factor, which the multi-node
+    sites the topic reaches apply."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry
+
+    config = {"min.insync.replicas": "2", "replication_factor": "3"}
+    assert create(admin, NewTopic("insync", 1, 1, config=config)) is None
+    shown = topic_configs(admin, "insync")["min.insync.replicas"]
+    assert (shown.value, shown.source) == ("2", ConfigSource.DYNAMIC_TOPIC_CONFIG.value)  # type: ignore[attr-defined]
+
+    def alter(name: str, value: str) -> object:
+        entry = ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
+        resource = ConfigResource(ConfigResource.Type.TOPIC, "insync", incremental_configs=[entry])
+        try:
+            admin.incremental_alter_configs([resource])[resource].result(15)
+        except confluent_kafka.KafkaException as exc:
+            return exc.args[0]
+        return None
+
+    over = alter("min.insync.replicas", "4")
+    assert over is not None and over.code() == INVALID_CONFIG and "of 1 to 3" in over.str()  # type: ignore[attr-defined]
+    lowered = alter("replication_factor", "1")  # below the topic's quorum: refused, not silently raised
+    assert lowered is not None and "a replication factor of at least 2" in lowered.str()  # type: ignore[attr-defined]
+    assert alter("min.insync.replicas", "3") is None
+    assert topic_configs(admin, "insync")["min.insync.replicas"].value == "3"  # type: ignore[attr-defined]
+    cli = georep("topic", "alter", "insync", "--config", "min_insync_replicas=5", "--bootstrap", node.address)
+    assert cli.returncode != 0 and "ask for min.insync.replicas of 1 to 3" in cli.stderr.decode()

@@ -193,17 +193,17 @@ def list_offsets_code(address: str, partition: int) -> int:
 
 
 def check_site_settings(admin: object) -> None:
-    """A topic's min.insync.replicas is the site's (--min-insync-replicas, 2 of 3 here): described, and the only
-    value CreateTopics takes (issue 23)."""
+    """A topic's min.insync.replicas defaults to the site's (--min-insync-replicas, 2 of 3 here): described; a
+    topic may ask its own, up to its replication factor (issue 23)."""
     from confluent_kafka.admin import ConfigResource, NewTopic
 
     resource = ConfigResource(ConfigResource.Type.TOPIC, TOPIC)
     configs = admin.describe_configs([resource])[resource].result(15)  # type: ignore[attr-defined]
     assert configs["min.insync.replicas"].value == "2"
-    refused = NewTopic("one-insync", 1, 1, config={"min.insync.replicas": "1"})
+    refused = NewTopic("four-insync", 1, 3, config={"min.insync.replicas": "4"})
     with pytest.raises(confluent_kafka.KafkaException) as error:
-        admin.create_topics([refused])["one-insync"].result(15)  # type: ignore[attr-defined]
-    assert error.value.args[0].code() == k.INVALID_CONFIG and "use 2" in error.value.args[0].str()
+        admin.create_topics([refused])["four-insync"].result(15)  # type: ignore[attr-defined]
+    assert error.value.args[0].code() == k.INVALID_CONFIG and "1 to 3" in error.value.args[0].str()
     one_copy = NewTopic("one-copy", 1, 1)  # a copy fewer than every write needs: refused, not silently raised
     with pytest.raises(confluent_kafka.KafkaException) as error:
         admin.create_topics([one_copy])["one-copy"].result(15)  # type: ignore[attr-defined]

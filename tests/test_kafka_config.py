@@ -33,6 +33,7 @@ BUILT_IN = {
 
 
 def test_kafka_names_set_georep_keys_and_the_fixed_ones_set_nothing() -> None:
+    """min.insync.replicas is the topic's own now (issue 23): it sets georep's min_insync_replicas."""
     raw = {
         "retention.ms": "3600000",
         "retention.bytes": "1048576",
@@ -56,6 +57,7 @@ def test_kafka_names_set_georep_keys_and_the_fixed_ones_set_nothing() -> None:
         "flush_interval_ms": "1000",
         "message_timestamp_before_max_ms": "86400000",
         "message_timestamp_after_max_ms": "60000",
+        "min_insync_replicas": "1",
     }
 
 
@@ -75,9 +77,11 @@ def test_georep_keys_are_taken_too_and_every_georep_key_has_a_kafka_name() -> No
         ({"cleanup.policy": "compact,delete"}, ONE_NODE, "use delete"),
         ({"compression.type": "zstd"}, ONE_NODE, "in its producer's codec"),
         ({"message.timestamp.type": "LogAppendTime"}, ONE_NODE, "use CreateTime"),
-        ({"min.insync.replicas": "2"}, ONE_NODE, "use 1 or leave it out"),
-        ({"min.insync.replicas": "1"}, THREE_NODES, "use 2 or leave it out"),
-        ({"min.insync.replicas": "2"}, None, "the site's value applies"),
+        ({"min.insync.replicas": "2"}, ONE_NODE, "factor 1 (this site's: a one-node site keeps one copy)"),
+        ({"min.insync.replicas": "4"}, THREE_NODES, "ask for min.insync.replicas of 1 to 3, or a replication"),
+        ({"min.insync.replicas": "3", "replication_factor": "2"}, THREE_NODES, "replication factor 2 (its own)"),
+        ({"min.insync.replicas": "0"}, THREE_NODES, "min_insync_replicas=0 is below the minimum 1"),
+        ({"min.insync.replicas": "two"}, None, "is not an integer"),
         (
             {"retention.ms": "soon"},
             ONE_NODE,
@@ -101,16 +105,29 @@ def test_what_georep_cannot_take_is_refused_with_what_to_do(
     assert refused.value.kafka_code == 40  # Kafka's INVALID_CONFIG
 
 
-def test_the_site_value_of_min_insync_replicas_is_taken() -> None:
-    assert to_georep({"min.insync.replicas": "2", "cleanup.policy": "delete"}, THREE_NODES) == {}
-    assert to_georep({"cleanup.policy": "delete"}, None) == {}  # the CLI knows no site value, and needs none here
+def test_min_insync_replicas_is_the_topics_own_up_to_its_replication_factor() -> None:
+    """Before issue 23's per-topic quorum, any value but the site's was refused ("use 2 or leave it out")."""
+    assert to_georep({"min.insync.replicas": "3", "cleanup.policy": "delete"}, THREE_NODES) == {
+        "min_insync_replicas": "3"
+    }
+    # below the site's quorum, a replication factor below the site's quorum is fine: the topic's own counts
+    assert to_georep({"min.insync.replicas": "1", "replication_factor": "1"}, THREE_NODES) == {
+        "min_insync_replicas": "1",
+        "replication_factor": "1",
+    }
+    # a one-node site takes it with a replication factor for the multi-node sites the topic reaches
+    assert to_georep({"min_insync_replicas": "2", "replication_factor": "3"}, ONE_NODE) == {
+        "min_insync_replicas": "2",
+        "replication_factor": "3",
+    }
+    assert to_georep({"min.insync.replicas": "2"}, None) == {"min_insync_replicas": "2"}  # the CLI: its node checks
 
 
 def test_a_replication_factor_below_the_sites_min_insync_replicas_is_refused_not_raised() -> None:
     """With fewer copies than every write needs, one node down stops the partition: a create asking for that
     (Kafka clients ask for 1 by habit) is told what to ask for, not silently given more."""
     assert to_georep({"replication_factor": "2"}, THREE_NODES) == {"replication_factor": "2"}
-    with pytest.raises(InvalidReplicationFactor, match="at least 2, or -1 for the site's 3") as error:
+    with pytest.raises(InvalidReplicationFactor, match=r"at least 2 \(or -1 for the site's 3\)") as error:
         to_georep({"replication_factor": "1"}, THREE_NODES)
     assert error.value.kafka_code == 38
 
@@ -140,3 +157,18 @@ def test_broker_configs_use_kafkas_broker_names() -> None:
     named = {d.name: d.value for d in broker_configs(BUILT_IN, BUILT_IN, THREE_NODES)}
     assert named["log.retention.ms"] == "-1" and named["message.max.bytes"] == str(8 << 20)
     assert named["default.replication.factor"] == "3" and named["min.insync.replicas"] == "2"
+
+
+def test_describe_shows_a_topics_min_insync_replicas_or_the_sites() -> None:
+    own = {d.name: d for d in describe({"min_insync_replicas": 3}, BUILT_IN, BUILT_IN, THREE_NODES)}[
+        "min.insync.replicas"
+    ]
+    assert (own.value, own.source) == ("3", ConfigSource.DYNAMIC_TOPIC_CONFIG)
+    assert own.synonyms[1:] == (
+        ("min.insync.replicas", "2", ConfigSource.STATIC_BROKER_CONFIG),
+        ("min.insync.replicas", "1", ConfigSource.DEFAULT_CONFIG),
+    )
+    site = {d.name: d for d in describe({}, BUILT_IN, BUILT_IN, THREE_NODES)}["min.insync.replicas"]
+    assert (site.value, site.source) == ("2", ConfigSource.STATIC_BROKER_CONFIG)
+    one = {d.name: d for d in describe({}, BUILT_IN, BUILT_IN, ONE_NODE)}["min.insync.replicas"]
+    assert (one.value, one.source) == ("1", ConfigSource.DEFAULT_CONFIG)

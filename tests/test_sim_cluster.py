@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,12 +42,13 @@ import cluster.quorum as quorum
 import cluster.recovery as recovery
 import cluster.repair as repair
 import cluster.site_state as site_state
+from cluster.lead import LeadConfig
 from cluster.quorum import ReplicaGuard
 from georep.sim.__main__ import main as sim_main
 from georep.sim.checker import InvariantViolation
-from georep.sim.cluster import ClusterSimulationFailure, ClusterSimulator, run_cluster_seed
+from georep.sim.cluster import ClusterResult, ClusterSimulationFailure, ClusterSimulator, run_cluster_seed
 from georep.sim.cluster_checks import ALL_CHECKS
-from georep.sim.cluster_model import ClusterCounts
+from georep.sim.cluster_model import ClusterCounts, shape_config
 from offsets.coordinates import LocalOffset
 from topology.ids import NodeId, SegmentId
 
@@ -495,3 +497,34 @@ def test_cli_keeps_shape_for_the_cluster(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         sim_main(["--seed", "1", "--shape", "single3"])
     assert "--shape goes with --cluster" in capsys.readouterr().err
+
+
+# -- issue 23: a topic's own min_insync_replicas, altered mid-run ------------------------------------------------
+
+
+def _altered(seed: int, shape: str, checks: frozenset[str] = ALL_CHECKS) -> ClusterResult:
+    """A seeded run in which an operator alters ``orders``' min_insync_replicas to 1, then to RF, then back to the
+    site's, while the faults go on: its leaders roll at each change, and the segments they recover were opened under
+    another quorum than the topic's then."""
+    cfg = shape_config(shape, random.Random(seed))
+    alters = ((1_500, "orders", 1), (3_500, "orders", cfg.rf), (5_500, "orders", None))
+    return ClusterSimulator(seed, shape, config=dataclasses.replace(cfg, quorum_alters=alters), checks=checks).run()
+
+
+def test_a_topic_whose_min_insync_replicas_is_altered_keeps_every_promise() -> None:
+    """C1 and C4 hold against each segment's own quorum (the one it opened with), and liveness once healed."""
+    rolls = 0
+    for shape, seeds in (("single3", range(4)), ("rf2", range(3)), ("expand5", range(2))):
+        for seed in seeds:
+            rolls += _altered(seed, shape).counts.quorum_rolls
+    assert rolls > 0  # the alters rolled open segments
+
+
+def test_a_planted_bug_recovering_with_the_topics_quorum_now_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """lead.py: a segment recovered with its topic's min_insync_replicas now, not the one its writes were acked
+    under: fewer fence answers than the acked quorum needs decide the end, and the seal cuts an acked batch."""
+    monkeypatch.setattr(LeadConfig, "quorum_of", lambda self, segment_ack_quorum: self.ack_quorum)  # PLANTED
+    with pytest.raises(ClusterSimulationFailure, match=r"C1 durability: .* fewer than min_insync_replicas=3"):
+        _altered(39, "single3")
+    with pytest.raises(ClusterSimulationFailure, match=r"C4 visibility: a reader read .* fewer than min_insync"):
+        _altered(13, "single3", frozenset({"C4"}))

@@ -73,14 +73,14 @@ def test_alters_merged_through_two_real_stores_converge_and_a_concurrent_change_
 
 
 def test_alter_names_are_checked_as_kafka_names_or_georep_keys() -> None:
-    assert alter_changes({"retention.ms": "10"}, ["segment.bytes"], None) == {
+    assert alter_changes({"retention.ms": "10"}, ["segment.bytes"]) == {
         "retention_ms": 10,
         "segment_bytes_max": None,
     }
     with pytest.raises(InvalidConfig, match="no log compaction"):
-        alter_changes({"cleanup.policy": "compact"}, [], None)
+        alter_changes({"cleanup.policy": "compact"}, [])
     with pytest.raises(InvalidConfig, match="unknown topic config"):
-        alter_changes({}, ["bogus"], None)
+        alter_changes({}, ["bogus"])
 
 
 def test_an_alter_and_a_growth_take_effect_on_the_node_without_a_restart(tmp_path: Path) -> None:

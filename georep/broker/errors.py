@@ -96,6 +96,12 @@ class GeoAcksUnreachable(BrokerError):
     """``acks=geo:N`` with more sites than the topic's records can reach from here."""
 
 
+class NotEnoughReplicas(BrokerError):
+    """A multi-node site's partition cannot take writes: fewer nodes are live than its topic's
+    ``min_insync_replicas``, so no segment can be opened that would acknowledge them (Kafka's NOT_ENOUGH_REPLICAS,
+    which producers retry). The message names the nodes and what to do: bring one back, or lower the quorum."""
+
+
 class GeoAckTimeout(BrokerError):
     """``acks=geo:N`` was not reached in time. The write stays and replicates later."""
 

@@ -30,7 +30,8 @@ def _parse_config_items(items: Sequence[str]) -> dict[str, str]:
 
 def _parse_config(items: Sequence[str]) -> dict[str, str]:
     """``--config KEY=VALUE`` items, with georep's keys or Kafka's names (``retention.ms``, ``segment.bytes``: see
-    docs/kafka.md, "Config names"), as georep's keys. A min.insync.replicas is refused: it is the site's."""
+    docs/kafka.md, "Config names"), as georep's keys. A min.insync.replicas is checked against the replication
+    factor by the node, which knows the site's."""
     config = _parse_config_items(items)
     try:
         return to_georep(config, None)

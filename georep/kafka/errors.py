@@ -75,6 +75,7 @@ CODES: dict[type[Exception], int] = {
     SegmentSealed: NOT_LEADER_OR_FOLLOWER,
     e.GeoAckTimeout: REQUEST_TIMED_OUT,
     e.GeoAcksUnreachable: NOT_ENOUGH_REPLICAS,
+    e.NotEnoughReplicas: NOT_ENOUGH_REPLICAS,
     e.CommitsBehind: COORDINATOR_LOAD_IN_PROGRESS,
     e.UnknownGroup: GROUP_ID_NOT_FOUND,
     e.GroupNotEmpty: NON_EMPTY_GROUP,

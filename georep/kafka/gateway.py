@@ -68,11 +68,11 @@ from georep.metadata.kafka_config import (
     to_georep,
 )
 from georep.metadata.store import UnknownTopic
-from georep.metadata.topic_entry import add_partitions, alter
+from georep.metadata.topic_entry import add_partitions
 from georep.metadata.topics import InvalidTopic, parse_topic_config
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_to_proto
-from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition
+from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition, partition_to_write
 from georep.server.groups import GroupService
 from georep.server.topic_calls import TopicCalls
 from georep.server.topic_changes import TopicChanges, TopicChangesUnsupported
@@ -267,11 +267,13 @@ class KafkaGateway(LeaderOffsets):
             partitions = t.num_partitions if t.num_partitions > 0 else 1
             try:
                 self._allow(peer, Operation.CREATE_TOPIC, [acl_topic(t.name)])
-                config = to_georep({c.name: c.value for c in t.configs if c.value is not None}, self.site)
+                raw = {c.name: c.value for c in t.configs if c.value is not None}
                 # The topic's own (issue 23); -1: the site's. Only a multi-node site's clients ask for it: a one-node
                 # site's see one broker, so ask for 1, which must not become the topic's at the sites it reaches.
+                # Checked with the configs, so min.insync.replicas is held to the factor asked for.
                 if t.replication_factor > 0 and self.view_of is not None:
-                    config = to_georep({**config, "replication_factor": str(t.replication_factor)}, self.site)
+                    raw["replication_factor"] = str(t.replication_factor)
+                config = to_georep(raw, self.site)
                 if req.body.validate_only:
                     self.broker.check_new_topic(t.name, partitions, config)
                 else:
@@ -339,11 +341,11 @@ class KafkaGateway(LeaderOffsets):
         changes = self._changes(name, peer)
         configs = [(c.name, getattr(c, "config_operation", SET), c.value) for c in res.configs]
         sets, resets = kafka_alter(configs, self.broker.topic(name).config, replace_all)
-        wanted = alter_changes(sets, resets, self.site)
+        wanted = alter_changes(sets, resets)
         if not wanted:
             return
         if validate_only:
-            alter(changes.held(name), name, wanted, 0, "")
+            changes.altered(name, wanted)
         else:
             await changes.alter(name, wanted)
 
@@ -472,7 +474,7 @@ class KafkaGateway(LeaderOffsets):
                     if body.transactional_id is not None:
                         raise RecordsError(k.INVALID_RECORD, "transactions are not supported")
                     self._allow(peer, Operation.PRODUCE, [acl_topic(t.name)])
-                    limit = self.broker.partition(t.name, pd.index).config["max_batch_bytes"]
+                    limit = partition_to_write(self.broker, t.name, pd.index).config["max_batch_bytes"]
                     batch = kafka_to_georep(pd.records or b"", limit)
                     p, produced = self.broker.append(t.name, pd.index, batch, acks)
                     waiter = self.broker.ack_waiter(p, produced, acks, body.timeout_ms) if body.acks != 0 else None

@@ -11,9 +11,9 @@ each Kafka name georep takes:
 * **a fixed name** (no key): georep has no setting, because it behaves one way only; the name is accepted with
   that one value, so tools that state Kafka's defaults work, and any other value is refused with why and what to
   do (``cleanup.policy=compact``: georep has no log compaction yet);
-* ``min.insync.replicas`` is the site's, not the topic's: a multi-node site's ``--min-insync-replicas`` node flag
-  (docs/cluster.md), 1 on a one-node site. A topic may state the site's value and no other, until topics carry
-  their own (docs/design.md, "Topic changes across sites").
+* ``min.insync.replicas`` is the topic's ``min_insync_replicas``, whose default is the site's (a multi-node
+  site's ``--min-insync-replicas`` node flag, 1 on a one-node site). It may not exceed the topic's replication
+  factor (its own, else the site's): :func:`check_quorum`, which needs the site's settings.
 
 Anything else is refused with :class:`InvalidConfig` (Kafka's ``INVALID_CONFIG``), whose message names the
 config and says what to do. georep's own keys are taken too, under their own names, so a georep client and a
@@ -45,8 +45,8 @@ class InvalidConfig(InvalidTopic):
 
 
 class InvalidReplicationFactor(InvalidTopic):
-    """A replication factor below the site's min.insync.replicas: no segment of the topic could ack a write once
-    one of its nodes is down, which a silent raise would hide."""
+    """A replication factor below the topic's min.insync.replicas (the site's, where it has none of its own): no
+    segment of the topic could ack an acks=all write, which a silent raise would hide."""
 
     kafka_code = KAFKA_INVALID_REPLICATION_FACTOR
 
@@ -82,11 +82,12 @@ class KafkaName:
     key: str | None  # the georep topic config key it sets; None: georep has no setting (see ``fixed``)
     config_type: ConfigType
     broker_name: str  # Kafka's broker-level default of it (the synonym DescribeConfigs lists)
-    fixed: str = ""  # with no key: the one value georep takes ("" for min.insync.replicas: the site's)
+    fixed: str = ""  # with no key: the one value georep takes
     why: str = ""  # with no key: why no other value, and what to do instead
 
 
 MIN_INSYNC_REPLICAS = "min.insync.replicas"
+MIN_INSYNC_KEY = "min_insync_replicas"  # georep's key for it (cluster/topic_settings.py)
 
 KAFKA_NAMES: tuple[KafkaName, ...] = (
     KafkaName("cleanup.policy", None, ConfigType.LIST, "log.cleanup.policy", "delete",
@@ -103,9 +104,7 @@ KAFKA_NAMES: tuple[KafkaName, ...] = (
     KafkaName("message.timestamp.type", None, ConfigType.STRING, "log.message.timestamp.type", "CreateTime",
               "georep keeps the producer's timestamps, which are part of a record's bytes and the same at every "
               "site, so there is no LogAppendTime"),
-    KafkaName(MIN_INSYNC_REPLICAS, None, ConfigType.INT, MIN_INSYNC_REPLICAS, "",
-              "georep sets it per site, not per topic (a multi-node site's --min-insync-replicas node flag; 1 on a "
-              "one-node site)"),
+    KafkaName(MIN_INSYNC_REPLICAS, MIN_INSYNC_KEY, ConfigType.INT, MIN_INSYNC_REPLICAS),
     KafkaName("retention.bytes", "retention_bytes", ConfigType.LONG, "log.retention.bytes"),
     KafkaName("retention.ms", "retention_ms", ConfigType.LONG, "log.retention.ms"),
     KafkaName("segment.bytes", "segment_bytes_max", ConfigType.INT, "log.segment.bytes"),
@@ -143,15 +142,12 @@ KAFKA_ONLY = frozenset(
 _SEE = "docs/kafka.md, 'Config names'"
 
 
-def fixed_value(n: KafkaName, site: SiteSettings) -> str:
-    return str(site.min_insync_replicas) if n.name == MIN_INSYNC_REPLICAS else n.fixed
-
-
 def to_georep(raw: Mapping[str, str], site: SiteSettings | None) -> dict[str, str]:
     """georep's topic config for a create's ``raw`` configs (Kafka names, georep keys or both), each checked: the
     values of a mapped name by its georep key's bounds, a fixed name's value against the one georep takes. Raises
-    :class:`InvalidConfig` for the first config (in name order) georep cannot take. ``site`` None: a client that
-    does not know the site's settings (georep's CLI), which refuses min.insync.replicas rather than guess it."""
+    :class:`InvalidConfig` for the first config (in name order) georep cannot take. ``site``: the node's, which
+    the whole config's quorum is checked against (:func:`check_quorum`); None: a client that does not know them
+    (georep's CLI), whose node checks it."""
     out: dict[str, str] = {}
     given_as: dict[str, str] = {}  # georep key -> the name it was given under
     for name in sorted(raw):
@@ -159,45 +155,50 @@ def to_georep(raw: Mapping[str, str], site: SiteSettings | None) -> dict[str, st
         kafka = BY_NAME.get(name)
         key = kafka.key if kafka is not None else name if name in TOPIC_CONFIG_KEYS else None
         if kafka is not None and key is None:
-            _check_fixed(kafka, value, site)
+            _check_fixed(kafka, value)
             continue
         if key is None:
             raise InvalidConfig(_unknown(name))
         _check_value(name, key, value)
-        if key == "replication_factor" and site is not None:
-            _check_replication_factor(int(value), site)
         if key in out and out[key] != value:
             raise InvalidConfig(
                 f"config {given_as[key]}={out[key]} and {name}={value} set the same georep setting {key} to two "
                 "values: give it once"
             )
         out[key], given_as[key] = value, name
+    if site is not None:
+        check_quorum(parse_topic_config(out), site)
     return out
 
 
-def check_replication_factor(config: Mapping[str, int], site: SiteSettings) -> None:
-    """Raises :class:`InvalidReplicationFactor` if ``config`` (georep keys, parsed) asks fewer copies than ``site``
-    acks a write with: both front ends' creates at a multi-node site ask this."""
-    if "replication_factor" in config:
-        _check_replication_factor(config["replication_factor"], site)
-
-
-def _check_replication_factor(replication_factor: int, site: SiteSettings) -> None:
-    if replication_factor < site.min_insync_replicas:
+def check_quorum(config: Mapping[str, int], site: SiteSettings) -> None:
+    """Raises if a topic of ``config`` (georep keys, parsed: its whole config after a create or an alter) would
+    ack with more members than its segments have: its min_insync_replicas (else the site's) above its
+    replication factor (else the site's). :class:`InvalidConfig` when the topic states the quorum, else
+    :class:`InvalidReplicationFactor`. Every create and alter at a node asks this (``Broker.site``)."""
+    aq = config.get(MIN_INSYNC_KEY, site.min_insync_replicas)
+    rf = config.get("replication_factor", site.replication_factor)
+    if aq <= rf:
+        return
+    if MIN_INSYNC_KEY not in config:
         raise InvalidReplicationFactor(
-            f"replication factor {replication_factor} is below this site's min.insync.replicas "
-            f"({site.min_insync_replicas}): every write needs that many copies, so ask for at least "
-            f"{site.min_insync_replicas}, or -1 for the site's {site.replication_factor}"
+            f"replication factor {rf} is below this site's min.insync.replicas ({aq}): every acks=all write needs "
+            f"that many copies, so ask for at least {aq} (or -1 for the site's {site.replication_factor}), or set "
+            f"the topic's min.insync.replicas to at most {rf}"
         )
+    whose = "its own" if "replication_factor" in config else "this site's"
+    one_node = ": a one-node site keeps one copy" if site.replication_factor == 1 and whose != "its own" else ""
+    raise InvalidConfig(
+        f"config min.insync.replicas={aq} (georep's {MIN_INSYNC_KEY}) is above the topic's replication factor "
+        f"{rf} ({whose}{one_node}): no segment could acknowledge an acks=all write; ask for min.insync.replicas of "
+        f"1 to {rf}, or a replication factor of at least {aq}"
+    )
 
 
-def _check_fixed(kafka: KafkaName, value: str, site: SiteSettings | None) -> None:
-    if site is None and kafka.name == MIN_INSYNC_REPLICAS:
-        raise InvalidConfig(f"config {kafka.name}={value!r}: {kafka.why}; leave it out, the site's value applies")
-    accepted = fixed_value(kafka, site or SiteSettings())
-    if value != accepted:
+def _check_fixed(kafka: KafkaName, value: str) -> None:
+    if value != kafka.fixed:
         raise InvalidConfig(
-            f"config {kafka.name}={value!r} is not supported: {kafka.why}; use {accepted} or leave it out"
+            f"config {kafka.name}={value!r} is not supported: {kafka.why}; use {kafka.fixed} or leave it out"
         )
 
 
@@ -245,7 +246,7 @@ def describe(
 ) -> list[Described]:
     """Every Kafka name of a topic with its value: the topic's own (``overrides``: DYNAMIC_TOPIC_CONFIG), else the
     node's default (``defaults``, from its flags: STATIC_BROKER_CONFIG where it differs from georep's ``built_in``
-    one, else DEFAULT_CONFIG). A fixed name is georep's one value (the site's, for min.insync.replicas)."""
+    one, else DEFAULT_CONFIG). A fixed name is georep's one value; min.insync.replicas' default is the site's."""
     return [_described(n, overrides, defaults, built_in, site) for n in KAFKA_NAMES]
 
 
@@ -257,18 +258,20 @@ def _described(
     site: SiteSettings,
 ) -> Described:
     if n.key is None:
-        value = fixed_value(n, site)
+        value = n.fixed
         source = ConfigSource.DEFAULT_CONFIG
-        if n.name == MIN_INSYNC_REPLICAS and site.min_insync_replicas != 1:
-            source = ConfigSource.STATIC_BROKER_CONFIG
         doc = f"georep takes {value} only: {n.why}"
         return Described(n.name, value, source, n.config_type, ((n.broker_name, value, source),), doc)
     synonyms: list[tuple[str, str, ConfigSource]] = []
     if n.key in overrides:
         synonyms.append((n.name, str(overrides[n.key]), ConfigSource.DYNAMIC_TOPIC_CONFIG))
-    if defaults[n.key] != built_in[n.key]:
-        synonyms.append((n.broker_name, str(defaults[n.key]), ConfigSource.STATIC_BROKER_CONFIG))
-    synonyms.append((n.broker_name, str(built_in[n.key]), ConfigSource.DEFAULT_CONFIG))
+    if n.key == MIN_INSYNC_KEY:  # the site's, not a topic default of the node's
+        default, built = site.min_insync_replicas, 1
+    else:
+        default, built = defaults[n.key], built_in[n.key]
+    if default != built:
+        synonyms.append((n.broker_name, str(default), ConfigSource.STATIC_BROKER_CONFIG))
+    synonyms.append((n.broker_name, str(built), ConfigSource.DEFAULT_CONFIG))
     _name, value, source = synonyms[0]
     doc = f"georep's topic config {n.key}: {TOPIC_CONFIG_KEYS[n.key]}"
     return Described(n.name, value, source, n.config_type, tuple(synonyms), doc)
@@ -276,7 +279,7 @@ def _described(
 
 def broker_configs(defaults: Mapping[str, int], built_in: Mapping[str, int], site: SiteSettings) -> list[Described]:
     """The node's settings that a Kafka broker's DescribeConfigs names: each topic default under Kafka's broker
-    name, and the site's replication factor and min.insync.replicas."""
+    name (the site's min.insync.replicas among them), and the site's replication factor."""
     out = []
     for n in KAFKA_NAMES:
         d = _described(n, {}, defaults, built_in, site)
@@ -296,11 +299,12 @@ def broker_configs(defaults: Mapping[str, int], built_in: Mapping[str, int], sit
     return sorted(out, key=lambda d: d.name)
 
 
-def alter_changes(sets: Mapping[str, str], resets: Iterable[str], site: SiteSettings | None) -> dict[str, int | None]:
+def alter_changes(sets: Mapping[str, str], resets: Iterable[str]) -> dict[str, int | None]:
     """An alter's changes as georep keys: each of ``sets`` (Kafka names or georep keys, checked as a create's
     are, :func:`to_georep`) to its value, each of ``resets`` back to the node's default (``None``). A fixed name
-    takes only its one value and has nothing to reset. Raises :class:`InvalidConfig`."""
-    out: dict[str, int | None] = {key: int(value) for key, value in to_georep(sets, site).items()}
+    takes only its one value and has nothing to reset. Raises :class:`InvalidConfig`. The quorum is checked on the
+    topic's whole config after the change (:func:`check_quorum`), which only the node knows."""
+    out: dict[str, int | None] = {key: int(value) for key, value in to_georep(sets, None).items()}
     for name in sorted(resets):
         key = _key_of(name)
         if name in BY_NAME and key is None:

@@ -51,6 +51,9 @@ TOPIC_CONFIG_KEYS: dict[str, str] = {
     "(-1: no limit; Kafka's message.timestamp.after.max.ms)",
     "replication_factor": "a multi-node site opens each new segment on this many nodes (default: the site's "
     "--replication-factor; a site with fewer nodes uses what it has; a one-node site keeps one copy)",
+    "min_insync_replicas": "a multi-node site acknowledges an acks=all write once this many nodes hold it fsynced "
+    "(default: the site's --min-insync-replicas; at most the replication factor; a one-node site keeps one copy "
+    "and acknowledges once it is fsynced; Kafka's min.insync.replicas)",
 }
 
 # The largest max_batch_bytes a topic may have. The node's gRPC receive limit is above it, so a batch over a
@@ -58,7 +61,11 @@ TOPIC_CONFIG_KEYS: dict[str, str] = {
 MAX_BATCH_BYTES_LIMIT = 64 << 20
 
 REPLICATION_FACTOR_MAX = 16
-_MAXIMUMS = {"max_batch_bytes": MAX_BATCH_BYTES_LIMIT, "replication_factor": REPLICATION_FACTOR_MAX}
+_MAXIMUMS = {
+    "max_batch_bytes": MAX_BATCH_BYTES_LIMIT,
+    "replication_factor": REPLICATION_FACTOR_MAX,
+    "min_insync_replicas": REPLICATION_FACTOR_MAX,
+}
 
 _MINIMUMS = {
     "segment_bytes_max": 1024,
@@ -70,6 +77,7 @@ _MINIMUMS = {
     "message_timestamp_before_max_ms": -1,
     "message_timestamp_after_max_ms": -1,
     "replication_factor": 1,
+    "min_insync_replicas": 1,
 }
 
 

@@ -45,8 +45,9 @@ from georep.broker.acks import (
     check_acks,
 )
 from georep.broker.append import Produced, append_as_origin
-from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
+from georep.broker.errors import InternalTopic, NotEnoughReplicas, NotLeader, UnknownPartition, WriteFailed
 from georep.broker.retention_schedule import RetentionSchedule, earliest
+from georep.metadata.kafka_config import SiteSettings, check_quorum
 from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists, UnknownTopic
 from georep.metadata.topic_entry import TopicEntry
 from georep.metadata.topics import (
@@ -252,6 +253,7 @@ class Broker:
         self.identity = identity
         self.origin = Origin(identity.site, identity.epoch)
         self.defaults = {**DEFAULT_TOPIC_CONFIG, **(defaults or {})}
+        self.site = SiteSettings()  # a multi-node site's replication and quorum flags: what a topic may ask
         self.clock_ms = clock_ms
         self.logs_dir = data_dir / "logs"
         private_dir(self.logs_dir)
@@ -271,19 +273,18 @@ class Broker:
         self.metadata: MetadataStore = metadata or FileMetadataStore(data_dir / "topics.json", identity.site, clock_ms)
         # Where to send a client for a partition this node does not lead (multi-node sites).
         self.leader_hint: Callable[[str, int], str] = lambda topic, index: ""
+        self.unplaceable: Callable[[str, int], str | None] = lambda t, i: None  # why it can open no segment it leads
         self.partitions: dict[tuple[str, int], Partition] = {}
         self.executor = ThreadPoolExecutor(max_workers=FSYNC_THREADS, thread_name_prefix="fsync")
         # Partitions flushed at the same time share one syncfs beyond FSYNC_THREADS at once (group_flush.py).
         self.flusher = GroupFlush(self.executor, self.logs_dir, FSYNC_THREADS)
-        # Replicated chunks are applied here, off the event loop: the page-cache
-        # write was most of a pulling node's loop time, and the loop can take in
-        # the next chunk meanwhile. One thread, so that two upstreams sending the
-        # same origin during a failover never plan against the same vector at once.
+        # Replicated chunks are applied here, off the event loop: the page-cache write was most of a pulling node's
+        # loop time, and the loop can take in the next chunk meanwhile. One thread, so that two upstreams sending
+        # the same origin during a failover never plan against the same vector at once.
         self.replica_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="apply")
         self.disk_full = False
         self.on_produce: Callable[[str, int, int], None] = lambda topic, records, size: None
-        # Called with (name, partitions) for every topic this node opens: at
-        # startup, on CreateTopic, and when replication creates one.
+        # Called with (name, partitions) for every topic this node opens: at startup, on CreateTopic, from replication
         self.on_topic: Callable[[str, int], None] = lambda name, partitions: None
         # Called with every partition this node opens or comes to lead (after its ack table knows it).
         self.on_open: Callable[[Partition], None] = lambda p: None
@@ -387,6 +388,8 @@ class Broker:
         validate_topic_name(name)
         validate_partitions(partitions)
         spec = TopicSpec(name, partitions, parse_topic_config(raw_config))
+        if not internal:  # a topic a link brings was checked at its own site, whose settings differ
+            check_quorum(spec.config, self.site)
         if name in self.creating:
             raise TopicExists(name)
         try:
@@ -687,7 +690,7 @@ class Broker:
                 "positions are stored by a group's commit (georep consume --group, Consumer.commit, "
                 "a Kafka client's commit)"
             )
-        p = self.partition(topic, index)
+        p = partition_to_write(self, topic, index)
         if p.sealing:
             raise NotLeader(
                 topic, index, "its segment is being sealed; retry in a moment", self.leader_hint(topic, index)
@@ -948,3 +951,12 @@ class Broker:
         self.flusher.close()
         if self.checkpoint is not None:
             _save_checkpoint(self.checkpoint)
+
+
+def partition_to_write(broker: Broker, topic: str, index: int) -> Partition:
+    """``broker.partition`` for a produce: on a multi-node site, a partition this node leads but can open no segment
+    of (fewer live nodes than its topic's min_insync_replicas) raises ``NotEnoughReplicas`` saying why, rather than
+    the ``NotLeader`` a reader gets (a producer retries either; this one tells what to do)."""
+    if broker.in_site and (topic, index) not in broker.partitions and (why := broker.unplaceable(topic, index)):
+        raise NotEnoughReplicas(why)
+    return broker.partition(topic, index)

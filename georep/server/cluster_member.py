@@ -859,7 +859,7 @@ class PartitionLeader:
             raise NotLeader(*self.key, "the topic is gone")
         start_vector = info.sealed_vector_before(eff.segment_id).to_dict()
         segment = SegmentToWrite(
-            self.key, eff.segment_id, eff.base_offset, start_vector, eff.ensemble, m.config.ack_quorum, self.epoch
+            self.key, eff.segment_id, eff.base_offset, start_vector, eff.ensemble, eff.ack_quorum, self.epoch
         )
         sid = eff.segment_id
         writer = self.writer = SegmentWriter(

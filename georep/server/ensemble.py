@@ -75,7 +75,7 @@ class SegmentToWrite:
     base_offset: int
     start_vector: Mapping[Origin, OriginSeq]  # the end vector of the segment before it
     ensemble: tuple[NodeId, ...]
-    ack_quorum: int
+    ack_quorum: int  # the segment's own (OpenSegment.ack_quorum), else the site's
     epoch: LeaderEpoch
 
 
@@ -437,7 +437,7 @@ def solo_writer(
 ) -> tuple[SegmentWriter, PartitionLead]:
     """A writer of ``segment`` with a lead of its own, adopted on it (a caller without a node: tests)."""
     s = segment
-    opened = SegmentInfo(s.segment_id, LocalOffset(s.base_offset), s.ensemble, s.epoch)
+    opened = SegmentInfo(s.segment_id, LocalOffset(s.base_offset), s.ensemble, s.epoch, ack_quorum=s.ack_quorum)
     info = PartitionInfo(s.key[0], s.key[1], me, s.epoch, (opened,))
     lead = PartitionLead(me, s.key, s.epoch, LeadConfig(len(s.ensemble), s.ack_quorum, 500, 0), None)
     writer: SegmentWriter | None = None

@@ -292,7 +292,7 @@ class SegmentToRecover:
     base_offset: int
     start_vector: Mapping[Origin, OriginSeq]
     ensemble: tuple[NodeId, ...]
-    ack_quorum: int
+    ack_quorum: int  # the segment's own (OpenSegment.ack_quorum), else the site's
     epoch: LeaderEpoch  # the new leader's
 
 
@@ -316,7 +316,9 @@ async def recover_segment(
     run together share ``fences``, as a node's do."""
     m = Members(store, me, addresses, executor, clock_ms, channels(tls), fences or FenceWaves())
     s = segment
-    opened = SegmentInfo(s.segment_id, LocalOffset(s.base_offset), s.ensemble, LeaderEpoch(max(s.epoch - 1, 0)))
+    opened = SegmentInfo(
+        s.segment_id, LocalOffset(s.base_offset), s.ensemble, LeaderEpoch(max(s.epoch - 1, 0)), ack_quorum=s.ack_quorum
+    )
     info = PartitionInfo(s.key[0], s.key[1], me, s.epoch, (opened,))
     lead = PartitionLead(me, s.key, s.epoch, LeadConfig(len(s.ensemble), s.ack_quorum, RETRY_MS, 0), opened)
     answers: asyncio.Queue[LeadEvent] = asyncio.Queue()

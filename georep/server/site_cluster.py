@@ -41,8 +41,7 @@ from cluster.status import InvalidPageToken, Page, PartitionStatus, cluster_stat
 from dedup.producer import ProducerStateTable
 from georep.broker.errors import InvalidRequest, NotLeader, SegmentUnreadable
 from georep.client.connection import CHANNEL_OPTIONS
-from georep.metadata.kafka_config import SiteSettings, check_replication_factor
-from georep.metadata.topics import parse_topic_config
+from georep.metadata.kafka_config import SiteSettings
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.raft.store import RaftMetadataStore
@@ -116,8 +115,15 @@ class SiteCluster:
         member.listener = self
         member.origin = broker.origin
         broker.leader_hint = self.leader_address
+        broker.site = SiteSettings(member.config.replication_factor, member.config.ack_quorum)
+        broker.unplaceable = self.unplaceable
 
     # -- the metadata ----------------------------------------------------------------------------------------
+
+    def unplaceable(self, topic: str, index: int) -> str | None:
+        """Why this node, leading ``topic``-``index``, can open no segment of it now (``PartitionLead.blocked``)."""
+        lead = self.member.core.leads.get((topic, index))
+        return None if lead is None else lead.blocked
 
     def leader_address(self, topic: str, index: int) -> str:
         """The address of the node the metadata names as the leader of ``topic``-``index``, or ""."""
@@ -150,9 +156,8 @@ class SiteCluster:
         return info.address if info is not None else ""
 
     async def create_topic(self, name: str, partitions: int, config: dict[str, str]) -> None:
-        """Raises what ``Broker.create_topic`` raises, or ``InvalidReplicationFactor``."""
-        member = self.member.config
-        check_replication_factor(parse_topic_config(config), SiteSettings(member.replication_factor, member.ack_quorum))
+        """Raises what ``Broker.create_topic`` raises (``InvalidConfig`` or ``InvalidReplicationFactor`` among them:
+        ``Broker.site``)."""
         await asyncio.get_running_loop().run_in_executor(
             self.executor, self.broker.create_topic, name, partitions, config
         )

@@ -73,6 +73,7 @@ STATUS: dict[type[Exception], tuple[grpc.StatusCode, Reason]] = {
     # the state of the node or of the producer forbids it
     e.SequenceRejected: (Code.FAILED_PRECONDITION, R.OUT_OF_ORDER_SEQUENCE),  # or fenced: see status_of
     e.GeoAcksUnreachable: (Code.FAILED_PRECONDITION, R.GEO_ACKS_UNREACHABLE),
+    e.NotEnoughReplicas: (Code.UNAVAILABLE, R.UNAVAILABLE),  # retried, as Kafka's producers retry it
     e.NoTopology: (Code.FAILED_PRECONDITION, R.NOT_A_CLUSTER),
     e.SingleNodeSite: (Code.FAILED_PRECONDITION, R.NOT_A_CLUSTER),
     e.TopicDeleteRefused: (Code.FAILED_PRECONDITION, R.NOT_SUPPORTED),

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from georep.broker.errors import InternalTopic, InvalidRequest, TopicDeleteRefused
 from georep.metadata.kafka_config import alter_changes
 from georep.metadata.store import UnknownTopic
-from georep.metadata.topic_entry import TopicEntry, add_partitions, alter
+from georep.metadata.topic_entry import TopicEntry, add_partitions
 from georep.proto import georep_pb2 as pb
 from georep.server.rpc import Context, parse
 from georep.server.topic_changes import TopicChanges
@@ -46,12 +46,11 @@ class TopicCalls:
     async def alter_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         """Set or reset config keys (Kafka's names or georep's); ``validate_only`` checks and changes nothing."""
         req = parse(pb.AlterTopicRequest, data)
-        changes = alter_changes(dict(req.set), list(req.reset), None)
+        changes = alter_changes(dict(req.set), list(req.reset))
         if not changes:
             raise InvalidRequest(f"alter of topic {req.name!r} changes nothing: give --config k=v or --delete-config k")
         if req.validate_only:
-            held = self._held(req.name)
-            alter(held, req.name, changes, 0, "")  # what the change would refuse
+            self.changes.altered(req.name, changes)  # what the change would refuse
         else:
             await self.changes.alter(req.name, changes)
         return self.describe(req.name)

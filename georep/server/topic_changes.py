@@ -29,6 +29,7 @@ from typing import Protocol, runtime_checkable
 
 from cluster.site_state import RefusalCode
 from georep.broker.errors import NotYetSupported
+from georep.metadata.kafka_config import check_quorum
 from georep.metadata.store import UnknownTopic
 from georep.metadata.topic_entry import ConfigConflict, Merged, TopicEntry, add_partitions, alter, delete, merge
 from georep.metadata.topic_entry_codec import spec_of
@@ -85,11 +86,19 @@ class TopicChanges:
         return None if entry is None or entry.deleted else entry.incarnation
 
     async def alter(self, name: str, changes: Mapping[str, int | None]) -> TopicSpec:
-        """Set (or, ``None``, reset to the default) each key of ``changes``. Raises ``UnknownTopic``."""
-        self._live(name)
-        entry = alter(self.held(name), name, changes, self.broker.clock_ms(), self.broker.identity.site)
-        await self.change([entry])
+        """Set (or, ``None``, reset to the default) each key of ``changes``. Raises what :meth:`altered` raises."""
+        await self.change([self.altered(name, changes, self.broker.clock_ms(), self.broker.identity.site)])
         return self.broker.topic(name)
+
+    def altered(self, name: str, changes: Mapping[str, int | None], now_ms: int = 0, site: str = "") -> TopicEntry:
+        """The entry an alter of ``name`` makes (a validate-only alter asks this alone). Raises ``UnknownTopic``,
+        and ``InvalidConfig`` or ``InvalidReplicationFactor`` where the topic's whole config after the change would
+        ack with more members than its segments have (``check_quorum``: a replication factor lowered below
+        min_insync_replicas is refused, never silently raised)."""
+        self._live(name)
+        entry = alter(self.held(name), name, changes, now_ms, site)
+        check_quorum(entry.config(), self.broker.site)
+        return entry
 
     async def add_partitions(self, name: str, total: int) -> TopicSpec:
         """Grow ``name`` to ``total`` partitions. Raises ``UnknownTopic``, ``InvalidTopic`` (not a growth)."""

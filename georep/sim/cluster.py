@@ -85,6 +85,7 @@ from cluster.site_state import (
     CreateTopic,
     ElectLeader,
     FailOver,
+    MergeTopicEntry,
     NodeHeartbeat,
     OpenSegment,
     PartitionInfo,
@@ -100,6 +101,7 @@ from georep.broker.errors import NotLeader, SequenceRejected
 from georep.client.accumulator import ProducerBatch as ClientBatch
 from georep.client.delivery import PartitionDelivery
 from georep.client.errors import Operation, from_status
+from georep.metadata.topic_entry import alter
 from georep.metadata.topics import MAX_BATCH_BYTES_LIMIT, TopicSpec
 from georep.record.batch import RecordInput
 from georep.server.status import reason_of, status_of
@@ -367,7 +369,8 @@ class ClusterNodes(SimNodes):
         loads = sim.loads(node)
         what = f"placement of {eff.key[0]}/{eff.key[1]} at offset {cmd.base_offset}"
         self.checker.placed(what, cmd.ensemble, sim.last_hb_sent, sim.now_ms)
-        self.checker.placed_size(what, cmd.ensemble, sum(1 for n in loads if n.alive and not n.draining))
+        eligible = sum(1 for n in loads if n.alive and not n.draining)
+        self.checker.placed_size(what, cmd.ensemble, eligible, cmd.ack_quorum)
         sim.faults.check_expansion_placement(loads, cmd.ensemble, eff.key)
 
     def appending(self, member: SimNode, key: PartKey, epoch: LeaderEpoch) -> None:
@@ -744,6 +747,15 @@ class ClusterFaults:
             sim.at(sim.interval(cfg.meta_outage_every_ms), None, self.meta_outage)
         if cfg.add_node:
             sim.at(sim.rng.randint(cfg.safety_ms // 5, cfg.safety_ms // 2), None, self.add_node)
+        for at_ms, topic, aq in cfg.quorum_alters:
+            sim.at(at_ms, None, self.alter_quorum, topic, aq)
+
+    def alter_quorum(self, topic: str, aq: int | None) -> None:
+        """An operator alters the topic's min_insync_replicas (None: back to the site's), as ``georep topic alter``
+        commits it: its leaders roll their open segments, and each segment keeps the quorum it opened with."""
+        sim = self.sim
+        entry = alter(sim.meta.entries().get(topic), topic, {"min_insync_replicas": aq}, sim.now_ms, ORIGIN.site)
+        sim._commit(MergeTopicEntry(entry))
 
     def down_count(self) -> int:
         sim = self.sim

@@ -95,6 +95,7 @@ class ClusterChecker:
         self._excused: dict[SegKey, int] = {}  # segment -> the acked end already counted as over budget
         self.members_ever: dict[SegKey, list[NodeId]] = {}
         self.opened_size: dict[SegKey, int] = {}  # the ensemble size a segment opened with
+        self.opened_aq: dict[SegKey, int] = {}  # the ack quorum a segment opened with (its topic's then)
         self.opened_ms: dict[SegKey, int] = {}
         self.crash_times: dict[NodeId, list[int]] = {}
         self.sealed_ends: dict[SegKey, int] = {}
@@ -258,8 +259,12 @@ class ClusterChecker:
         """Members (ever) of ``seg`` that crashed at or after ``since_ms``."""
         return [n for n in self.members_ever.get(seg, []) if any(t >= since_ms for t in self.crash_times.get(n, []))]
 
+    def aq_of(self, seg: SegKey) -> int:
+        """The quorum ``seg``'s writes are acked under: the one it opened with (its topic's then), else the site's."""
+        return self.opened_aq.get(seg, self.aq)
+
     def _over_budget(self, seg: SegKey, since_ms: int) -> bool:
-        budget = self.opened_size.get(seg, self.rf) - self.aq  # member losses the segment's writes survive
+        budget = self.opened_size.get(seg, self.rf) - self.aq_of(seg)  # member losses the segment's writes survive
         return not self.single_loss and len(self.crashes_since(seg, since_ms)) > budget
 
     def _check_durable(self, seg: SegKey, meta: SiteState, now_ms: int) -> None:
@@ -267,7 +272,7 @@ class ClusterChecker:
         if top is None:
             return
         holders = self.holders(seg, top.batch.end, meta)
-        if len(holders) >= self.aq:
+        if len(holders) >= self.aq_of(seg):
             return
         if self._over_budget(seg, top.released_ms):
             if self._excused.get(seg) != top.batch.end:
@@ -279,7 +284,7 @@ class ClusterChecker:
             "C1",
             f"durability: {top.batch} of {_seg(seg)}, acked at the LAC by node {top.leader} (epoch "
             f"{top.epoch}) {now_ms - top.released_ms} ms ago, is held fsynced by {len(holders)} member(s) "
-            f"{holders} of the ensemble, fewer than min_insync_replicas={self.aq} (members crashed "
+            f"{holders} of the ensemble, fewer than min_insync_replicas={self.aq_of(seg)} (members crashed "
             f"since: {crashed})",
         )
 
@@ -339,13 +344,15 @@ class ClusterChecker:
                     f"chain: {where} segment {s.segment_id} starts at {s.base_offset}, not at "
                     f"{next_base} where the previous one was sealed",
                 )
-            if not self.aq <= len(s.ensemble) <= self.rf or len(set(s.ensemble)) != len(s.ensemble):
+            aq = s.quorum(self.aq)
+            if not aq <= len(s.ensemble) <= self.rf or len(set(s.ensemble)) != len(s.ensemble):
                 self._fail(
                     "C2",
                     f"chain: {where} segment {s.segment_id} has ensemble {list(s.ensemble)}, not "
-                    f"{self.aq} to {self.rf} distinct nodes",
+                    f"{aq} (its min_insync_replicas) to {self.rf} distinct nodes",
                 )
             self.opened_size.setdefault(seg, len(s.ensemble))
+            self.opened_aq.setdefault(seg, aq)
             if s.opened_epoch > info.leader_epoch:
                 self._fail(
                     "C2",
@@ -408,11 +415,11 @@ class ClusterChecker:
         if sealed is not None and batch.end > sealed:
             self._fail("C4", f"visibility: a reader read {batch} of {_seg(seg)}, past its sealed end {sealed}")
         holders = self.holders(seg, batch.end, meta)
-        if len(holders) < self.aq and not self._over_budget(seg, self.opened_ms.get(seg, 0)):
+        if len(holders) < self.aq_of(seg) and not self._over_budget(seg, self.opened_ms.get(seg, 0)):
             self._fail(
                 "C4",
                 f"visibility: a reader read {batch} of {_seg(seg)} below bound {bound}, but only "
-                f"{holders} hold it fsynced, fewer than min_insync_replicas={self.aq}: a crash could take "
+                f"{holders} hold it fsynced, fewer than min_insync_replicas={self.aq_of(seg)}: a crash could take "
                 "back what it saw",
             )
 
@@ -443,14 +450,16 @@ class ClusterChecker:
                     f"{self.session_timeout_ms} ms): no metadata view could show it alive",
                 )
 
-    def placed_size(self, what: str, ensemble: tuple[NodeId, ...], eligible: int) -> None:
+    def placed_size(self, what: str, ensemble: tuple[NodeId, ...], eligible: int, aq: int | None = None) -> None:
         """A new ensemble, placed when ``eligible`` nodes were alive and not draining in the leader's view, has RF
-        members, or all of those when fewer (a segment opens short only when no other node could take it)."""
-        if len(ensemble) < min(self.rf, eligible) or len(ensemble) < self.aq:
+        members, or all of those when fewer (a segment opens short only when no other node could take it); never
+        fewer than ``aq``, the quorum it opens with (None: the site's)."""
+        aq = self.aq if aq is None else aq
+        if len(ensemble) < min(self.rf, eligible) or len(ensemble) < aq:
             self._fail(
                 "C6",
                 f"{what} chose {len(ensemble)} node(s) {list(ensemble)} while {eligible} were eligible "
-                f"(replication_factor {self.rf}, min_insync_replicas {self.aq}): a segment opens on "
+                f"(replication_factor {self.rf}, min_insync_replicas {aq}): a segment opens on "
                 "fewer than RF nodes only when no other node can take it, and never on fewer than "
                 "AQ",
             )

@@ -111,6 +111,8 @@ class ClusterConfig:
     fsync_ms: tuple[int, int]
     roll_records: int  # a leader rolls its open segment once it holds this many records
     roll_kill_p: float = 0.25  # the chance that a leader is killed right after its roll's seal commits
+    # (ms after the start, topic, its min_insync_replicas then, None: the site's): operators' alters (issue 23)
+    quorum_alters: tuple[tuple[int, str, int | None], ...] = ()
     safety_ms: int = 9_000
     liveness_ms: int = 25_000
     max_events: int = 400_000
@@ -256,6 +258,7 @@ class ClusterCounts:
     rolls_by_repair: int = 0
     rolls_to_widen: int = 0  # the controller asked a leader to roll a short open segment (a node can join now)
     placement_waits: int = 0  # placement could not find enough eligible nodes yet
+    quorum_rolls: int = 0  # open segments rolled because their topic's min_insync_replicas changed
     quorum_lost: int = 0
     fenced_appends: int = 0  # appends a member refused as fenced (a deposed leader)
     gaps: int = 0  # a member asked its leader to resend from its end

@@ -69,6 +69,7 @@ NOTE_COUNTS = {  # what a lead's Note adds to
     "recovery_copy": "recovery_copies",
     "placement_wait": "placement_waits",
     "quorum_lost": "quorum_lost",
+    "quorum_changed": "quorum_rolls",
     "resend": "resends",
 }
 
