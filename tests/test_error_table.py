@@ -100,6 +100,7 @@ EXPECTED: dict[type[Exception], tuple[type[c.GeorepError], ...]] = {
     OffsetOutOfRange: (SE, c.OffsetOutOfRange, SE, SE),
     e.GeoAckTimeout: (c.GeoAckTimeout, SE, c.GeoAckTimeout, SE),
     e.NodeStopping: same(c.NodeUnavailable),
+    e.NotEnoughReplicas: same(c.NodeUnavailable),  # fewer live nodes than the topic's min_insync_replicas: retried
     MetadataUnavailable: same(c.NodeUnavailable),
     e.RecoveryFailed: same(c.NodeUnavailable),
     e.SegmentUnreadable: same(c.NodeUnavailable),
