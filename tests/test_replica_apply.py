@@ -23,7 +23,7 @@ def test_an_apply_whose_puller_is_cancelled_is_still_fsynced_and_served(tmp_path
         broker = Broker(tmp_path, load_or_create_identity(tmp_path, "b", 1))
         broker.create_topic("t", 1, {})  # flush_interval_ms=0: fsync per batch
         p = broker.partition("t", 0)
-        task = asyncio.create_task(broker.append_replica("t", 0, origin_batch(Origin(SiteId("a"), 1), 0, n=3)))
+        task = asyncio.create_task(broker.append_replica([("t", 0, origin_batch(Origin(SiteId("a"), 1), 0, n=3))]))
         await asyncio.sleep(0)  # the apply is now in the writer thread
         task.cancel()
         for _ in range(500):

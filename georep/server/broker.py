@@ -45,7 +45,7 @@ from georep.broker.acks import (
     check_acks,
 )
 from georep.broker.append import Produced, append_as_origin
-from georep.broker.errors import InternalTopic, NotLeader, UnknownPartition, WriteFailed
+from georep.broker.errors import BrokerError, InternalTopic, NotLeader, UnknownPartition, WriteFailed
 from georep.broker.retention_schedule import RetentionSchedule, earliest
 from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists, UnknownTopic
 from georep.metadata.topic_entry import TopicEntry
@@ -57,7 +57,7 @@ from georep.metadata.topics import (
     validate_topic_name,
 )
 from georep.record.validate import TimestampWindow
-from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
+from georep.replication.sink import ApplyOutcome, CorruptChunk, InvalidChunk, apply_chunk
 from georep.server.group_flush import GroupFlush
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep, StorageError
 from georep.storage.deleted_dirs import DELETED_DIR, finish_removals
@@ -223,6 +223,39 @@ def _segment_logs(
 
 
 @dataclass
+@dataclass(frozen=True, slots=True)
+class ReplicaApply:
+    """What :meth:`Broker.append_replica` applied: each chunk's outcome, in order, up to the one that failed
+    (``error``), or all of them."""
+
+    outcomes: list[ApplyOutcome]
+    error: Exception | None = None
+
+
+def _apply_chunks(chunks: Sequence[tuple[Partition, bytes]], now_ms: int) -> ReplicaApply:
+    """The replica writer thread's part of ``Broker.append_replica``: stops at the first chunk that raises."""
+    outcomes: list[ApplyOutcome] = []
+    for p, batches in chunks:
+        try:
+            outcomes.append(apply_chunk(p.log, batches, now_ms, p.config["max_batch_bytes"]))
+        except Exception as exc:  # the loop's side sorts it (_replica_error): the outcomes before it count
+            return ReplicaApply(outcomes, exc)
+    return ReplicaApply(outcomes)
+
+
+def _replica_error(p: Partition, exc: Exception) -> Exception:
+    """A chunk's apply error as the puller reports it, naming the partition; a bug's is raised."""
+    if isinstance(exc, (DiskFull, BrokerError)):
+        return exc
+    if isinstance(exc, InvalidChunk):
+        return InvalidChunk(f"{p.topic}-{p.index}: {exc}")
+    if isinstance(exc, CorruptChunk):
+        return exc
+    if isinstance(exc, OSError):
+        return WriteFailed(f"write to {p.topic}-{p.index} failed: {exc}")
+    raise exc
+
+
 class RetentionRun:
     """What one retention run did."""
 
@@ -813,53 +846,63 @@ class Broker:
 
     # -- replication ----------------------------------------------------------
 
-    async def append_replica(self, topic: str, index: int, batches: bytes) -> ApplyOutcome:
-        """Apply one replicated chunk (docs/design.md, "Replication") in the replica writer thread.
+    async def append_replica(self, chunks: Sequence[tuple[str, int, bytes]]) -> ReplicaApply:
+        """Apply replicated chunks, a pulled message's (docs/design.md, "Replication"), in order, in one hop of the
+        replica writer thread: one hop per message, not per partition (issue 22). Stops at the first chunk that
+        fails; ``error`` names it (``CorruptChunk``, ``DiskFull``, a ``BrokerError``), and the chunks before it
+        stay applied. A bug's exception propagates.
 
         Nothing waits for an fsync here: the ack table asks for one (with fsync
         per batch) or the periodic flush makes the batches durable, and until
         then this site does not serve them onward either.
         """
-        p = self.partition(topic, index)
-        if p.sealing:  # a multi-node site's segment is being sealed: what would go in now would be cut
-            raise NotLeader(
-                topic, index, "its segment is being sealed; pull again in a moment", self.leader_hint(topic, index)
-            )
-        applying = asyncio.get_running_loop().run_in_executor(
-            self.replica_writer, apply_chunk, p.log, batches, self.clock_ms(), p.config["max_batch_bytes"]
-        )
+        todo: list[tuple[Partition, bytes]] = []
+        error: Exception | None = None
+        for topic, index, batches in chunks:
+            try:
+                p = self.partition(topic, index)
+            except BrokerError as exc:
+                error = exc
+                break
+            if p.sealing:  # a multi-node site's segment is being sealed: what would go in now would be cut
+                hint = self.leader_hint(topic, index)
+                error = NotLeader(topic, index, "its segment is being sealed; pull again in a moment", hint)
+                break
+            todo.append((p, batches))
+        if not todo:
+            return ReplicaApply([], error)
+        applying = asyncio.get_running_loop().run_in_executor(self.replica_writer, _apply_chunks, todo, self.clock_ms())
         # What follows an apply runs as a callback, not after the await: a puller
         # that reopens its stream cancels this coroutine, but the thread appends
         # anyway, and those batches must still be fsynced and announced, or this
         # site would never serve them onward.
-        applying.add_done_callback(lambda done: self._replica_applied(p, done))
-        try:
-            return await asyncio.shield(applying)
-        except DiskFull:
+        applying.add_done_callback(lambda done: self._replica_applied([p for p, _ in todo], done))
+        applied = await asyncio.shield(applying)
+        if applied.error is None:
+            return ReplicaApply(applied.outcomes, error)
+        if isinstance(applied.error, DiskFull):
             self.disk_full = True
-            raise
-        except InvalidChunk as exc:
-            raise InvalidChunk(f"{topic}-{index}: {exc}") from None
-        except OSError as exc:
-            raise WriteFailed(f"write to {topic}-{index} failed: {exc}") from None
+        failed = todo[len(applied.outcomes)][0]
+        return ReplicaApply(applied.outcomes, _replica_error(failed, applied.error))
 
-    def _replica_applied(self, p: Partition, done: asyncio.Future[ApplyOutcome]) -> None:
+    def _replica_applied(self, ps: list[Partition], done: asyncio.Future[ReplicaApply]) -> None:
         if done.cancelled():
             return
-        if done.exception() is None and done.result().appended_batches:
+        if done.exception() is None and any(o.appended_batches for o in done.result().outcomes):
             self.disk_full = False
-        if p.in_site is not None and self.partitions.get(p.key) is p:
-            try:
-                p.in_site.appended(p.log.log_end_offset)
-            except NotLeader as exc:  # the segment closed meanwhile: its seal keeps or cuts these batches
-                log.info("%s-%d: replicated batches applied as its segment closed: %s", *p.key, exc)
-                return
-        if p.log.log_end_offset > p.log.flushed_offset:
-            # Also after an apply that failed midway (a full disk): what it appended before the failure is
-            # whole, and must be fsynced and served onward like the rest.
-            p.notify_append()
-            self._schedule_flush(p)
-            self._perform(self.acks.replicated(p.key, p.log.log_end_offset))
+        for p in dict.fromkeys(ps):  # a message may carry two chunks of one partition
+            if p.in_site is not None and self.partitions.get(p.key) is p:
+                try:
+                    p.in_site.appended(p.log.log_end_offset)
+                except NotLeader as exc:  # the segment closed meanwhile: its seal keeps or cuts these batches
+                    log.info("%s-%d: replicated batches applied as its segment closed: %s", *p.key, exc)
+                    continue
+            if p.log.log_end_offset > p.log.flushed_offset:
+                # Also after an apply that failed midway (a full disk): what it appended before the failure is
+                # whole, and must be fsynced and served onward like the rest.
+                p.notify_append()
+                self._schedule_flush(p)
+                self._perform(self.acks.replicated(p.key, p.log.log_end_offset))
 
     # -- damage ---------------------------------------------------------------
 
