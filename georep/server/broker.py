@@ -66,6 +66,7 @@ from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.partition_dirs import partition_dir_name, topic_file_name
 from georep.storage.private import FILE_MODE, private_dir
 from georep.storage.recovery_checkpoint import RecoveryCheckpoint
+from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -208,7 +209,7 @@ def _segment_logs(
     RecoveryCheckpoint, Callable[[Path, LogConfig, int], PartitionLog], Callable[[Path, LogConfig, int], PartitionLog]
 ]:
     """A node's own partition logs in ``logs_dir``: their checkpoint, how to open one, and how to open one at start."""
-    from georep.storage.segment_log import SegmentLog, sync_filesystem
+    from georep.storage.segment_log import sync_filesystem
 
     checkpoint = RecoveryCheckpoint.load(logs_dir)
     # One sync of the file system makes durable whatever a killed predecessor left in the page cache, so each
@@ -226,21 +227,66 @@ def _segment_logs(
 @dataclass(frozen=True, slots=True)
 class ReplicaApply:
     """What :meth:`Broker.append_replica` applied: each chunk's outcome, in order, up to the one that failed
-    (``error``), or all of them."""
+    (``error``), or all of them; and the partitions the hop also fsynced (``synced``, after their last chunk)."""
 
     outcomes: list[ApplyOutcome]
     error: Exception | None = None
+    synced: tuple[Partition, ...] = ()
 
 
-def _apply_chunks(chunks: Sequence[tuple[Partition, bytes]], now_ms: int) -> ReplicaApply:
-    """The replica writer thread's part of ``Broker.append_replica``: stops at the first chunk that raises."""
+# Chunks a replica writer hop applies between two of its syncfs: well under the handle cache's bound, so that a
+# segment the hop wrote is synced (clean) before later chunks of the same hop evict it, which would fdatasync it.
+SYNC_CHUNKS = 256
+
+
+def _apply_chunks(
+    chunks: Sequence[tuple[Partition, bytes]], now_ms: int, sync: Callable[[list[SegmentLog]], object] | None
+) -> ReplicaApply:
+    """The replica writer thread's part of ``Broker.append_replica``: stops at the first chunk that raises.
+
+    ``sync`` (a :meth:`GroupFlush.sync_together`), if given, flushes the partitions written that fsync every
+    batch, one syncfs per ``SYNC_CHUNKS`` chunks; a partition counts as synced only once its syncfs returned
+    (a held report and the source read only what ``flushed_offset`` covers). A failed syncfs leaves the rest to
+    the partitions' own flushes."""
     outcomes: list[ApplyOutcome] = []
+    error: Exception | None = None
+    written: dict[Partition, None] = {}
+    synced: list[Partition] = []
     for p, batches in chunks:
         try:
             outcomes.append(apply_chunk(p.log, batches, now_ms, p.config["max_batch_bytes"]))
         except Exception as exc:  # the loop's side sorts it (_replica_error): the outcomes before it count
-            return ReplicaApply(outcomes, exc)
-    return ReplicaApply(outcomes)
+            error = exc
+            break
+        if sync is not None and outcomes[-1].appended_batches and _syncs_here(p):
+            written[p] = None
+            if len(written) >= SYNC_CHUNKS:
+                sync = _sync(sync, written, synced)
+    if sync is not None and written:
+        _sync(sync, written, synced)
+    return ReplicaApply(outcomes, error, tuple(synced))
+
+
+def _syncs_here(p: Partition) -> bool:
+    """A partition the replica writer flushes itself: this node's alone (not a segment of a multi-node site,
+    which its segment writer flushes), fsynced per batch (not on an interval), and on the group's file system."""
+    return p.in_site is None and p.config["flush_interval_ms"] <= 0 and isinstance(p.log, SegmentLog)
+
+
+def _sync(
+    sync: Callable[[list[SegmentLog]], object], written: dict[Partition, None], synced: list[Partition]
+) -> Callable[[list[SegmentLog]], object] | None:
+    """One syncfs of ``written``'s logs; then they are ``synced``. None after a failure: no more syncs this hop."""
+    logs = [p.log for p in written if isinstance(p.log, SegmentLog)]
+    try:
+        sync(logs)
+    except OSError as exc:
+        log.error("replica writer: syncfs of %d partition(s) failed (%s); their own flushes try again", len(logs), exc)
+        written.clear()
+        return None
+    synced += written
+    written.clear()
+    return sync
 
 
 def _replica_error(p: Partition, exc: Exception) -> Exception:
@@ -871,7 +917,11 @@ class Broker:
             todo.append((p, batches))
         if not todo:
             return ReplicaApply([], error)
-        applying = asyncio.get_running_loop().run_in_executor(self.replica_writer, _apply_chunks, todo, self.clock_ms())
+        flusher = self.flusher
+        sync = flusher.sync_together if all(flusher.groupable(p.log) for p, _ in todo if _syncs_here(p)) else None
+        applying = asyncio.get_running_loop().run_in_executor(
+            self.replica_writer, _apply_chunks, todo, self.clock_ms(), sync
+        )
         # What follows an apply runs as a callback, not after the await: a puller
         # that reopens its stream cancels this coroutine, but the thread appends
         # anyway, and those batches must still be fsynced and announced, or this
@@ -879,18 +929,26 @@ class Broker:
         applying.add_done_callback(lambda done: self._replica_applied([p for p, _ in todo], done))
         applied = await asyncio.shield(applying)
         if applied.error is None:
-            return ReplicaApply(applied.outcomes, error)
+            return dataclasses.replace(applied, error=error)
         if isinstance(applied.error, DiskFull):
             self.disk_full = True
         failed = todo[len(applied.outcomes)][0]
-        return ReplicaApply(applied.outcomes, _replica_error(failed, applied.error))
+        return dataclasses.replace(applied, error=_replica_error(failed, applied.error))
 
     def _replica_applied(self, ps: list[Partition], done: asyncio.Future[ReplicaApply]) -> None:
         if done.cancelled():
             return
-        if done.exception() is None and any(o.appended_batches for o in done.result().outcomes):
+        applied = done.result() if done.exception() is None else ReplicaApply([])
+        if any(o.appended_batches for o in applied.outcomes):
             self.disk_full = False
+        synced = set(applied.synced)
         for p in dict.fromkeys(ps):  # a message may carry two chunks of one partition
+            if p in synced and self.partitions.get(p.key) is p:
+                # The writer thread's syncfs made them durable: as a flush's end (_flush_done) says it.
+                p.notify_append()
+                p.last_flush_mono_ms = int(time.monotonic() * 1000)
+                p.notify_durable()
+                self._perform(self.acks.flush_done(p.key, p.log.flushed_offset, VectorOffset(p.log.flushed_vector())))
             if p.in_site is not None and self.partitions.get(p.key) is p:
                 try:
                     p.in_site.appended(p.log.log_end_offset)
