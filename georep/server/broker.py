@@ -898,9 +898,9 @@ class Broker:
         fails; ``error`` names it (``CorruptChunk``, ``DiskFull``, a ``BrokerError``), and the chunks before it
         stay applied. A bug's exception propagates.
 
-        Nothing waits for an fsync here: the ack table asks for one (with fsync
-        per batch) or the periodic flush makes the batches durable, and until
-        then this site does not serve them onward either.
+        The hop also fsyncs the partitions it wrote that fsync every batch (``_apply_chunks``: one syncfs per
+        ``SYNC_CHUNKS`` chunks); the others wait for the ack table's fsync or the periodic flush. Until a
+        partition's batches are durable this site neither reports them held nor serves them onward.
         """
         todo: list[tuple[Partition, bytes]] = []
         error: Exception | None = None
