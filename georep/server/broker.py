@@ -223,7 +223,6 @@ def _segment_logs(
     )
 
 
-@dataclass
 @dataclass(frozen=True, slots=True)
 class ReplicaApply:
     """What :meth:`Broker.append_replica` applied: each chunk's outcome, in order, up to the one that failed
@@ -302,6 +301,7 @@ def _replica_error(p: Partition, exc: Exception) -> Exception:
     raise exc
 
 
+@dataclass
 class RetentionRun:
     """What one retention run did."""
 
