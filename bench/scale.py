@@ -21,7 +21,8 @@ the row keeps the last):
 * ``idle CPU``: process CPU seconds (``/proc/PID/stat`` utime+stime) of each node over ``--idle-s`` with no
   traffic, as a share of one core; ``RSS`` and open ``fds`` at the end of the window (the worst node). Each
   window's line gives every node's share, the load average and the streams opened during it (0 when settled);
-  ``--py-spy DIR`` records every node over it and prints their top functions (bench/pyspy_top.py);
+  ``--py-spy DIR`` records every node over it (and over each produce until converged) and prints their top
+  functions (bench/pyspy_top.py);
 * ``scrape``: one HTTP GET of each node's ``/metrics`` (the slowest);
 * ``produce``: ``--records`` records of ``--value-bytes`` written at site ``a`` with ``georep.client.Producer``
   (acks=leader), record ``i`` to partition ``i mod P`` of topic ``i mod T``, until every one is acknowledged;
@@ -199,7 +200,12 @@ def links_up(sites: Sites) -> bool:
 
 
 def held_total(sites: Sites, site: str, names: list[str]) -> int:
-    return sum(sum(sum(v.values()) for v in sites.vectors(site, n).values()) for n in names)
+    """Records ``site`` holds in the topics ``names``. The summary view: polled every ``POLL_S`` at every site
+    while a produce converges, DescribeTopic's vector of every partition was a fifth of the origin's CPU at 2,000
+    partitions, the bench's own load on what it measures."""
+    listed = sites.stub(site).ListTopics(pb.ListTopicsRequest(view=pb.TOPIC_VIEW_SUMMARY), timeout=30)
+    wanted = set(names)
+    return sum(t.records for t in listed.topics if t.name in wanted)
 
 
 def written(sites: Sites, names: list[str]) -> dict[tuple[str, int], int]:
@@ -334,14 +340,32 @@ class SizeRun:
         before = {s: held_total(sites, s, names) for s in SITES}
         partitions_before = written(sites, names) if keyless else {}
         value = b"v" * cfg.value_bytes
-        took = asyncio.run(produce(sites, names, self.per_topic, cfg.records, value, keyless))
-        start = time.perf_counter()
-        wait(
-            "every site holds every record",
-            lambda: all(held_total(sites, s, names) >= before[s] + cfg.records for s in SITES),
-            CONVERGE_TIMEOUT_S,
+        pids = [sites.nodes[s].pid for s in SITES]
+        window = f"{row.partitions}x{row.topics}-{'keyless' if keyless else 'round-robin'}"
+        spied = (
+            {}
+            if cfg.py_spy is None
+            else {cfg.py_spy / f"{window}-{s}.txt": p for s, p in zip(SITES, pids, strict=True)}
         )
-        converge_s = time.perf_counter() - start
+        with recording(spied):  # nothing recorded without --py-spy
+            cpu_before = [cpu_seconds(p) for p in pids]
+            took = asyncio.run(produce(sites, names, self.per_topic, cfg.records, value, keyless))
+            start = time.perf_counter()
+            wait(
+                "every site holds every record",
+                lambda: all(held_total(sites, s, names) >= before[s] + cfg.records for s in SITES),
+                CONVERGE_TIMEOUT_S,
+            )
+            converge_s = time.perf_counter() - start
+            spent = [cpu_seconds(p) - b for p, b in zip(pids, cpu_before, strict=True)]
+        # Node CPU from the first send to convergence, per record: what the wall rate hides on a shared machine.
+        each = " / ".join(f"{s} {1e6 * x / cfg.records:.1f}" for s, x in zip(SITES, spent, strict=True))
+        progress(
+            f"  {row.label}: {window}: {cfg.records / took:,.0f} rec/s, converged {converge_s:.1f} s after; node CPU"
+            f" us/record {each}, all {1e6 * sum(spent) / cfg.records:.1f} (load {os.getloadavg()[0]:.1f})"
+        )
+        for out, pid in spied.items():
+            print_top(out, f"{out.stem} (pid {pid})")
         if keyless:
             row.keyless_produce_s, row.keyless_rate, row.keyless_converge_s = took, cfg.records / took, converge_s
             after = written(sites, names)
@@ -595,7 +619,10 @@ def parse_args(argv: list[str] | None) -> Config:
     parser.add_argument("--out", type=Path, default=Path("bench/scale.png"), help="the PNG")
     parser.add_argument("--json", type=Path, default=None, dest="json_out", help="also write the figures here")
     parser.add_argument(
-        "--py-spy", type=Path, metavar="DIR", help="record each node with py-spy during each idle window into DIR"
+        "--py-spy",
+        type=Path,
+        metavar="DIR",
+        help="record each node with py-spy during each idle window and each produce (until converged) into DIR",
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 10 and 20 partitions, small produce")
     args = parser.parse_args(argv)

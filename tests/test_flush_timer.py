@@ -40,7 +40,7 @@ def test_only_written_partitions_are_flushed_and_an_idle_tick_walks_no_partition
             broker.partitions = CountingPartitions(broker.partitions)
             written = [broker.partition("t", 7), broker.partition("t", 9)]
             broker.append("t", 7, batch(3))
-            await broker.append_replica("t", 9, origin_batch(Origin(SiteId("b"), 1), 0, n=2))
+            await broker.append_replica([("t", 9, origin_batch(Origin(SiteId("b"), 1), 0, n=2))])
             assert all(p.log.flushed_offset < p.log.log_end_offset for p in written)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and any(p.log.flushed_offset < p.log.log_end_offset for p in written):

@@ -100,3 +100,26 @@ def test_a_write_that_lands_while_the_flush_syncs_keeps_the_segment_dirty(
     assert eviction_syncs, "a segment written during its flush was closed without an fsync"
     for w in (first, second, third):
         w.log.close()
+
+
+def test_new_partitions_are_evicted_without_an_fsync_before_their_first_write(
+    tmp_path: Path, two_segments: None, eviction_syncs: list[int]
+) -> None:
+    """A topic wider than the cache (issue 22): its new partitions' empty segments were dirty, so creating it, and
+    then the first write of each, closed one with an fdatasync on the event loop's thread per partition."""
+    logs = [open_log(tmp_path / f"t-{i}") for i in range(LOGS)]  # each open evicts an older one, never written
+    writers = [Writer(log) for log in logs]
+    for w in writers:
+        w.append(A, 1, value_bytes=50)  # evicts a partition written only if it was not flushed: none here yet
+        w.log.flush()
+    assert eviction_syncs == []
+    for log in logs:
+        log.close()
+    lost = tmp_path / "t-new"
+    log = open_log(lost)
+    log.close()
+    for path in lost.glob("*.log"):  # an empty segment lost in a crash: the next open starts the log again
+        path.unlink()
+    again = open_log(lost)
+    assert (again.log_end_offset, again.vector()) == (0, {})
+    again.close()

@@ -42,7 +42,7 @@ def test_a_partition_that_moved_reaches_the_links_and_an_idle_one_is_not_read(tm
             vector = p.log.vector
             p.log.vector = lambda key=key, vector=vector: reads.append(key) or vector()  # type: ignore[method-assign]
         # An apply that bypasses the pull session (which feeds the links itself): only the flush's watcher says it.
-        await broker.append_replica("t", 1, origin_batch(B, 0))
+        await broker.append_replica([("t", 1, origin_batch(B, 0))])
         await flushed(broker, ("t", 1))
         async with asyncio.timeout(10):  # the flush's watcher runs on the loop after the flush is seen
             while ("t", 1) not in replicator._moved:

@@ -17,7 +17,7 @@ from georep.broker.fetch import batch_by_coordinate
 from georep.broker.repair import RepairQueue
 from georep.record.batch import iter_headers, parse_header
 from georep.replication.links import LinkManager, LinkState
-from georep.replication.session import DISABLED, ApplyChunk, Effect, LinkEvent, OpenStream, PullConfig, PullSession
+from georep.replication.session import DISABLED, ApplyChunks, Effect, LinkEvent, OpenStream, PullConfig, PullSession
 from georep.replication.sink import SEQ_MAX, apply_chunk
 from georep.replication.source import Chunk, ReplicaSource
 from georep.replication.topics import RemoteTopic, plan_topic_sync
@@ -55,9 +55,12 @@ class Dst:
         todo = list(effects)
         while todo:
             effect = todo.pop(0)
-            if isinstance(effect, ApplyChunk):
-                outcome = apply_chunk(self.log, effect.batches, now_ms)
-                todo = self.session.on_applied(effect.stream_id, effect.key, outcome, now_ms) + todo
+            if isinstance(effect, ApplyChunks):
+                outcomes = [apply_chunk(self.log, c.batches, now_ms) for c in effect.chunks]  # one writer hop
+                then: list[Effect] = []
+                for chunk, outcome in zip(effect.chunks, outcomes, strict=True):
+                    then += self.session.on_applied(effect.stream_id, chunk.key, outcome, now_ms)
+                todo = then + todo
             else:
                 out.append(effect)
         return out
@@ -89,13 +92,23 @@ def test_open_asks_for_the_wanted_origins_with_this_sites_own_origin_fully_held(
     assert dst.session.start(0) == []  # one stream at a time
 
 
-def test_chunks_are_applied_in_order_one_at_a_time() -> None:
+def test_a_messages_chunks_are_applied_together_in_order_and_the_next_message_waits() -> None:
     dst = Dst()
     dst.session.start(0)
-    effects = dst.session.on_message(1, [data(B, 0), data(B, 2)], False, 10)
-    assert kinds(effects) == ["up", "ApplyChunk"]  # the second chunk waits for the first one's apply
-    assert dst.session.on_message(1, [data(B, 4)], False, 11) == []  # so does the next message
-    assert dst.run(effects[1:], 12) == []
+    effects = dst.session.on_message(1, [data(B, 0), heartbeat({B: 4}), data(B, 2)], False, 10)
+    assert kinds(effects) == ["up", "ApplyChunks"]  # one hop for the message's data chunks (issue 22)
+    [_up, apply] = effects
+    assert isinstance(apply, ApplyChunks) and [c.batches for c in apply.chunks] == [
+        origin_batch(B, 0, 2),
+        origin_batch(B, 2, 2),
+    ]
+    assert dst.session.on_message(1, [data(B, 4)], False, 11) == []  # the next message waits for both
+    outcome = apply_chunk(dst.log, apply.chunks[0].batches, 12)
+    assert dst.session.on_applied(1, KEY, outcome, 12) == []  # one of two in: still waiting
+    outcome = apply_chunk(dst.log, apply.chunks[1].batches, 12)
+    [then] = dst.session.on_applied(1, KEY, outcome, 12)
+    assert isinstance(then, ApplyChunks) and len(then.chunks) == 1  # now the next message
+    assert dst.run([then], 13) == []
     assert dst.log.vector() == {B: 6} and dst.session.stats.applied_batches == 3
     assert dst.links.links[SiteId("b")].state is LinkState.STREAMING
 
@@ -166,7 +179,7 @@ def test_a_stream_that_fails_on_its_first_apply_backs_off_and_keeps_its_error_un
     for stream_id, now, retry in ((1, 10, 110), (2, 110, 310), (3, 310, 710)):  # a full disk, say
         first = stream_id == 1  # a failure that repeats with no progress between is announced once
         effects = dst.session.on_message(stream_id, [data(B, 0)], False, now)
-        assert kinds(effects) == (["up", "ApplyChunk"] if first else ["ApplyChunk"])
+        assert kinds(effects) == (["up", "ApplyChunks"] if first else ["ApplyChunks"])
         assert b.state is LinkState.STREAMING
         assert kinds(dst.session.on_stream_ended(stream_id, now, "DiskFull: no space")) == (["down"] if first else [])
         assert dst.session.stats.last_error == b.last_error == "DiskFull: no space"
@@ -217,8 +230,9 @@ def test_a_partition_that_stops_being_served_during_its_apply_reopens_the_stream
 
     dst = Leader()
     dst.session.start(0)
-    [_up, apply] = dst.session.on_message(1, [data(B, 0)], False, 10)
-    assert isinstance(apply, ApplyChunk)
+    [_up, applies] = dst.session.on_message(1, [data(B, 0)], False, 10)
+    assert isinstance(applies, ApplyChunks)
+    [apply] = applies.chunks
     outcome = apply_chunk(dst.log, apply.batches, 11)
     served.clear()  # the segment rolls while the writer thread applies the chunk
     [event, reopened] = dst.session.on_applied(1, KEY, outcome, 12)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from georep.record.batch import parse_header
 from georep.replication.links import LinkManager
-from georep.replication.session import ApplyChunk, Effect, LinkEvent, OpenStream, PullConfig, PullSession
+from georep.replication.session import ApplyChunks, Effect, LinkEvent, OpenStream, PullConfig, PullSession
 from georep.replication.sink import apply_chunk
 from georep.replication.source import REANNOUNCE, ReplicaSource
 from georep.storage.memory_log import MemoryLog
@@ -147,9 +147,12 @@ class Link:
             if isinstance(effect, OpenStream):
                 self.stream_id = effect.stream_id
                 self.source = ReplicaSource(self.src, effect.wants, heartbeat_ms=HEARTBEAT_MS)
-            elif isinstance(effect, ApplyChunk):
-                outcome = apply_chunk(self.dst[effect.key], effect.batches, self.now)
-                todo = self.session.on_applied(effect.stream_id, effect.key, outcome, self.now) + todo
+            elif isinstance(effect, ApplyChunks):
+                then: list[Effect] = []
+                for chunk in effect.chunks:
+                    outcome = apply_chunk(self.dst[chunk.key], chunk.batches, self.now)
+                    then += self.session.on_applied(effect.stream_id, chunk.key, outcome, self.now)
+                todo = then + todo
             elif isinstance(effect, LinkEvent):
                 self.events.append(effect.kind)
 
@@ -226,13 +229,14 @@ def test_a_dst_busy_applying_a_long_message_does_not_take_it_for_a_dead_stream()
     step = link.source.step(10, 1 << 20)
     assert len(step.chunks) == 3
     session = link.session
-    [apply] = session.on_message(link.stream_id, step.chunks, False, 10)  # the first chunk's apply
-    assert isinstance(apply, ApplyChunk)
+    [applies] = session.on_message(link.stream_id, step.chunks, False, 10)  # the message's three applies
+    assert isinstance(applies, ApplyChunks)
     # each apply takes 6 s (a slow disk): the stream delivered nothing new for longer than the idle timeout
     idle = session.config.idle_timeout_ms
+    apply = applies.chunks[0]
     outcome = apply_chunk(link.dst[apply.key], apply.batches, 10)
-    [apply] = session.on_applied(link.stream_id, apply.key, outcome, 10 + idle - 4_000)
-    assert isinstance(apply, ApplyChunk)
+    assert session.on_applied(link.stream_id, apply.key, outcome, 10 + idle - 4_000) == []
+    apply = applies.chunks[1]
     outcome = apply_chunk(link.dst[apply.key], apply.batches, 10)
     session.on_applied(link.stream_id, apply.key, outcome, 10 + idle + 2_000)
     assert session.tick(10 + idle + 3_000) == []  # on main: "no message from b for 10000 ms", the link down

@@ -21,8 +21,9 @@ from hypothesis import strategies as st
 import topology
 from georep.cli.topology import LinkStatus, draw, main, summary_text
 from tests.support.examples import examples
+from topology import ids
 from topology.filters import InvalidTopicFilter, TopicFilter, matches_any
-from topology.ids import NODE_ID_MAX, NodeId, SiteId
+from topology.ids import NODE_ID_MAX, InvalidSiteId, NodeId, SiteId, site_id
 from topology.model import (
     InvalidTopology,
     Link,
@@ -966,3 +967,13 @@ def test_main_prints_the_summary_and_writes_the_picture(tmp_path: Path) -> None:
     assert main(["-o", str(tmp_path / "x.gif")], out=out, err=err) == 2
     assert main(["--topic", "bad topic", "-o", str(picture)], out=out, err=err) == 2
     assert "--topic: invalid topic name" in err.getvalue()
+
+
+def test_site_ids_found_valid_are_remembered_within_a_bound_and_invalid_ones_are_still_refused() -> None:
+    for i in range(ids._VALID_MAX + 10):  # a peer naming ever new sites cannot grow the memo without bound
+        assert site_id(f"s{i}") == f"s{i}"
+    assert len(ids._VALID) <= ids._VALID_MAX
+    assert site_id("s1") == "s1"
+    for bad in ("", "Us-east", "1a", "a" * 33, "a_b"):
+        with pytest.raises(InvalidSiteId):
+            site_id(bad)

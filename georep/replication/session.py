@@ -12,9 +12,12 @@ outcome of an apply, the end of a stream, ``tick(now_ms)``); effects come out:
   this node of src (the shell drops any earlier one). The have-vector is the
   site's vector with its own current origin marked fully held (``pull_have``);
   the node is :class:`~georep.replication.upstream.UpstreamNodes`' choice.
-* :class:`ApplyChunk`: append one chunk's batches (``apply_chunk``), then
-  report :meth:`PullSession.on_applied`. Chunks are applied one at a time, in
-  arrival order; a message's chunks wait until the one before is applied.
+* :class:`ApplyChunks`: append a message's data chunks (``apply_chunk`` each,
+  in order), then report :meth:`PullSession.on_applied` for each, in order.
+  A message's chunks go out together, so a driver can apply them in one hop
+  (the node: one writer-thread hop per message, not per partition, issue 22);
+  the next message's wait until all of them are reported. A driver that stops
+  at a chunk (an error) reports the ones before it and ends the stream.
 * :class:`LinkEvent`: something to log or count (up, down, reopen and why).
 
 The rules:
@@ -103,6 +106,14 @@ class ApplyChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class ApplyChunks:
+    """A message's data chunks, to apply in this order (see the module doc)."""
+
+    stream_id: int
+    chunks: tuple[ApplyChunk, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class LinkEvent:
     """``kind``: up, down, timeout, gap, tail, diverged, wants, ended, disabled, healed."""
 
@@ -110,7 +121,7 @@ class LinkEvent:
     text: str
 
 
-Effect = OpenStream | ApplyChunk | LinkEvent
+Effect = OpenStream | ApplyChunks | LinkEvent
 
 
 @dataclass(slots=True)
@@ -140,7 +151,7 @@ class _Stream:
     opened_ms: int
     last_message_ms: int
     delivered: bool = False
-    applying: bool = False
+    applying: int = 0  # chunks handed out (ApplyChunks) whose outcome is not in yet
     inbox: deque[_Message] = field(default_factory=deque)
     # Set by a heartbeat that showed src holding more of a wanted origin than dst; cleared by data.
     promised: dict[PartitionKey, dict[Origin, int]] | None = None
@@ -237,7 +248,7 @@ class PullSession:
         return out
 
     def on_applied(self, stream_id: int, key: PartitionKey, outcome: ApplyOutcome, now_ms: int) -> list[Effect]:
-        """The outcome of an :class:`ApplyChunk` of stream ``stream_id``.
+        """The outcome of one chunk of an :class:`ApplyChunks` of stream ``stream_id``.
 
         The partition may have stopped being usable while the chunk was applied (a multi-node site's node stops
         serving a partition when its segment rolls or its leadership moves): this site's vector of it cannot be
@@ -254,7 +265,7 @@ class PullSession:
         s = self._stream
         if s is None or s.stream_id != stream_id:
             return []
-        s.applying = False
+        s.applying = max(0, s.applying - 1)
         # An apply is a sign of life too: a dst busy applying a long message (many partitions, each its own
         # apply) reads no further message meanwhile, and that silence is its own, not src's.
         s.last_message_ms = max(s.last_message_ms, now_ms)
@@ -267,7 +278,7 @@ class PullSession:
             return [LinkEvent("gap", outcome.gap.message()), *self._reopen(now_ms)]
         if not usable:
             return [LinkEvent("wants", f"{key[0]}-{key[1]} is no longer pulled here: reopening"), *self._reopen(now_ms)]
-        return self._drain(s, now_ms)
+        return [] if s.applying else self._drain(s, now_ms)
 
     def on_stream_ended(self, stream_id: int, now_ms: int, error: str | None = None) -> list[Effect]:
         """Stream ``stream_id`` ended: cleanly by src (``error`` None: reopen now), or with an error."""
@@ -328,17 +339,20 @@ class PullSession:
         return [] if (was_down and kind == "down") or repeated else [LinkEvent(kind, text)]
 
     def _drain(self, s: _Stream, now_ms: int) -> list[Effect]:
-        """Go on with the queued messages: the next chunk to apply, or what ends a message."""
+        """Go on with the queued messages: the next message's chunks to apply, or what ends a message."""
         links = self.links
         out: list[Effect] = []
         while s.inbox:
             msg = s.inbox[0]
+            applies: list[ApplyChunk] = []
             while msg.chunks:
                 chunk = msg.chunks.popleft()
                 links.upstream_vector(self.src, chunk.key, chunk.src_vector)
                 if chunk.batches:
-                    s.applying = True
-                    return [*out, ApplyChunk(s.stream_id, chunk.key, chunk.batches)]
+                    applies.append(ApplyChunk(s.stream_id, chunk.key, chunk.batches))
+            if applies:
+                s.applying = len(applies)
+                return [*out, ApplyChunks(s.stream_id, tuple(applies))]
             s.inbox.popleft()
             out += self._progressed(s, msg, now_ms)
             if self._tail_lost(s, msg):

@@ -45,7 +45,7 @@ from georep.broker.acks import (
     check_acks,
 )
 from georep.broker.append import Produced, append_as_origin
-from georep.broker.errors import InternalTopic, NotEnoughReplicas, NotLeader, UnknownPartition, WriteFailed
+from georep.broker.errors import BrokerError, InternalTopic, NotEnoughReplicas, NotLeader, UnknownPartition, WriteFailed
 from georep.broker.retention_schedule import RetentionSchedule, earliest
 from georep.metadata.kafka_config import SiteSettings, check_quorum
 from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists, UnknownTopic
@@ -58,7 +58,7 @@ from georep.metadata.topics import (
     validate_topic_name,
 )
 from georep.record.validate import TimestampWindow
-from georep.replication.sink import ApplyOutcome, InvalidChunk, apply_chunk
+from georep.replication.sink import ApplyOutcome, CorruptChunk, InvalidChunk, apply_chunk
 from georep.server.group_flush import GroupFlush
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep, StorageError
 from georep.storage.deleted_dirs import DELETED_DIR, finish_removals
@@ -67,6 +67,7 @@ from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.partition_dirs import partition_dir_name, topic_file_name
 from georep.storage.private import FILE_MODE, private_dir
 from georep.storage.recovery_checkpoint import RecoveryCheckpoint
+from georep.storage.segment_log import SegmentLog
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -209,7 +210,7 @@ def _segment_logs(
     RecoveryCheckpoint, Callable[[Path, LogConfig, int], PartitionLog], Callable[[Path, LogConfig, int], PartitionLog]
 ]:
     """A node's own partition logs in ``logs_dir``: their checkpoint, how to open one, and how to open one at start."""
-    from georep.storage.segment_log import SegmentLog, sync_filesystem
+    from georep.storage.segment_log import sync_filesystem
 
     checkpoint = RecoveryCheckpoint.load(logs_dir)
     # One sync of the file system makes durable whatever a killed predecessor left in the page cache, so each
@@ -221,6 +222,84 @@ def _segment_logs(
         functools.partial(SegmentLog.open, points=checkpoint),
         functools.partial(SegmentLog.open, filesystem_synced=True, points=checkpoint),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaApply:
+    """What :meth:`Broker.append_replica` applied: each chunk's outcome, in order, up to the one that failed
+    (``error``), or all of them; and the partitions the hop also fsynced (``synced``, after their last chunk)."""
+
+    outcomes: list[ApplyOutcome]
+    error: Exception | None = None
+    synced: tuple[Partition, ...] = ()
+
+
+# Chunks a replica writer hop applies between two of its syncfs: well under the handle cache's bound, so that a
+# segment the hop wrote is synced (clean) before later chunks of the same hop evict it, which would fdatasync it.
+SYNC_CHUNKS = 256
+
+
+def _apply_chunks(
+    chunks: Sequence[tuple[Partition, bytes]], now_ms: int, sync: Callable[[list[SegmentLog]], object] | None
+) -> ReplicaApply:
+    """The replica writer thread's part of ``Broker.append_replica``: stops at the first chunk that raises.
+
+    ``sync`` (a :meth:`GroupFlush.sync_together`), if given, flushes the partitions written that fsync every
+    batch, one syncfs per ``SYNC_CHUNKS`` chunks; a partition counts as synced only once its syncfs returned
+    (a held report and the source read only what ``flushed_offset`` covers). A failed syncfs leaves the rest to
+    the partitions' own flushes."""
+    outcomes: list[ApplyOutcome] = []
+    error: Exception | None = None
+    written: dict[Partition, None] = {}
+    synced: list[Partition] = []
+    for p, batches in chunks:
+        try:
+            outcomes.append(apply_chunk(p.log, batches, now_ms, p.config["max_batch_bytes"]))
+        except Exception as exc:  # the loop's side sorts it (_replica_error): the outcomes before it count
+            error = exc
+            break
+        if sync is not None and outcomes[-1].appended_batches and _syncs_here(p):
+            written[p] = None
+            if len(written) >= SYNC_CHUNKS:
+                sync = _sync(sync, written, synced)
+    if sync is not None and written:
+        _sync(sync, written, synced)
+    return ReplicaApply(outcomes, error, tuple(synced))
+
+
+def _syncs_here(p: Partition) -> bool:
+    """A partition the replica writer flushes itself: this node's alone (not a segment of a multi-node site,
+    which its segment writer flushes), fsynced per batch (not on an interval), and on the group's file system."""
+    return p.in_site is None and p.config["flush_interval_ms"] <= 0 and isinstance(p.log, SegmentLog)
+
+
+def _sync(
+    sync: Callable[[list[SegmentLog]], object], written: dict[Partition, None], synced: list[Partition]
+) -> Callable[[list[SegmentLog]], object] | None:
+    """One syncfs of ``written``'s logs; then they are ``synced``. None after a failure: no more syncs this hop."""
+    logs = [p.log for p in written if isinstance(p.log, SegmentLog)]
+    try:
+        sync(logs)
+    except OSError as exc:
+        log.error("replica writer: syncfs of %d partition(s) failed (%s); their own flushes try again", len(logs), exc)
+        written.clear()
+        return None
+    synced += written
+    written.clear()
+    return sync
+
+
+def _replica_error(p: Partition, exc: Exception) -> Exception:
+    """A chunk's apply error as the puller reports it, naming the partition; a bug's is raised."""
+    if isinstance(exc, (DiskFull, BrokerError)):
+        return exc
+    if isinstance(exc, InvalidChunk):
+        return InvalidChunk(f"{p.topic}-{p.index}: {exc}")
+    if isinstance(exc, CorruptChunk):
+        return exc
+    if isinstance(exc, OSError):
+        return WriteFailed(f"write to {p.topic}-{p.index} failed: {exc}")
+    raise exc
 
 
 @dataclass
@@ -816,53 +895,75 @@ class Broker:
 
     # -- replication ----------------------------------------------------------
 
-    async def append_replica(self, topic: str, index: int, batches: bytes) -> ApplyOutcome:
-        """Apply one replicated chunk (docs/design.md, "Replication") in the replica writer thread.
+    async def append_replica(self, chunks: Sequence[tuple[str, int, bytes]]) -> ReplicaApply:
+        """Apply replicated chunks, a pulled message's (docs/design.md, "Replication"), in order, in one hop of the
+        replica writer thread: one hop per message, not per partition (issue 22). Stops at the first chunk that
+        fails; ``error`` names it (``CorruptChunk``, ``DiskFull``, a ``BrokerError``), and the chunks before it
+        stay applied. A bug's exception propagates.
 
-        Nothing waits for an fsync here: the ack table asks for one (with fsync
-        per batch) or the periodic flush makes the batches durable, and until
-        then this site does not serve them onward either.
+        The hop also fsyncs the partitions it wrote that fsync every batch (``_apply_chunks``: one syncfs per
+        ``SYNC_CHUNKS`` chunks); the others wait for the ack table's fsync or the periodic flush. Until a
+        partition's batches are durable this site neither reports them held nor serves them onward.
         """
-        p = self.partition(topic, index)
-        if p.sealing:  # a multi-node site's segment is being sealed: what would go in now would be cut
-            raise NotLeader(
-                topic, index, "its segment is being sealed; pull again in a moment", self.leader_hint(topic, index)
-            )
+        todo: list[tuple[Partition, bytes]] = []
+        error: Exception | None = None
+        for topic, index, batches in chunks:
+            try:
+                p = self.partition(topic, index)
+            except BrokerError as exc:
+                error = exc
+                break
+            if p.sealing:  # a multi-node site's segment is being sealed: what would go in now would be cut
+                hint = self.leader_hint(topic, index)
+                error = NotLeader(topic, index, "its segment is being sealed; pull again in a moment", hint)
+                break
+            todo.append((p, batches))
+        if not todo:
+            return ReplicaApply([], error)
+        flusher = self.flusher
+        sync = flusher.sync_together if all(flusher.groupable(p.log) for p, _ in todo if _syncs_here(p)) else None
         applying = asyncio.get_running_loop().run_in_executor(
-            self.replica_writer, apply_chunk, p.log, batches, self.clock_ms(), p.config["max_batch_bytes"]
+            self.replica_writer, _apply_chunks, todo, self.clock_ms(), sync
         )
         # What follows an apply runs as a callback, not after the await: a puller
         # that reopens its stream cancels this coroutine, but the thread appends
         # anyway, and those batches must still be fsynced and announced, or this
         # site would never serve them onward.
-        applying.add_done_callback(lambda done: self._replica_applied(p, done))
-        try:
-            return await asyncio.shield(applying)
-        except DiskFull:
+        applying.add_done_callback(lambda done: self._replica_applied([p for p, _ in todo], done))
+        applied = await asyncio.shield(applying)
+        if applied.error is None:
+            return dataclasses.replace(applied, error=error)
+        if isinstance(applied.error, DiskFull):
             self.disk_full = True
-            raise
-        except InvalidChunk as exc:
-            raise InvalidChunk(f"{topic}-{index}: {exc}") from None
-        except OSError as exc:
-            raise WriteFailed(f"write to {topic}-{index} failed: {exc}") from None
+        failed = todo[len(applied.outcomes)][0]
+        return dataclasses.replace(applied, error=_replica_error(failed, applied.error))
 
-    def _replica_applied(self, p: Partition, done: asyncio.Future[ApplyOutcome]) -> None:
+    def _replica_applied(self, ps: list[Partition], done: asyncio.Future[ReplicaApply]) -> None:
         if done.cancelled():
             return
-        if done.exception() is None and done.result().appended_batches:
+        applied = done.result() if done.exception() is None else ReplicaApply([])
+        if any(o.appended_batches for o in applied.outcomes):
             self.disk_full = False
-        if p.in_site is not None and self.partitions.get(p.key) is p:
-            try:
-                p.in_site.appended(p.log.log_end_offset)
-            except NotLeader as exc:  # the segment closed meanwhile: its seal keeps or cuts these batches
-                log.info("%s-%d: replicated batches applied as its segment closed: %s", *p.key, exc)
-                return
-        if p.log.log_end_offset > p.log.flushed_offset:
-            # Also after an apply that failed midway (a full disk): what it appended before the failure is
-            # whole, and must be fsynced and served onward like the rest.
-            p.notify_append()
-            self._schedule_flush(p)
-            self._perform(self.acks.replicated(p.key, p.log.log_end_offset))
+        synced = set(applied.synced)
+        for p in dict.fromkeys(ps):  # a message may carry two chunks of one partition
+            if p in synced and self.partitions.get(p.key) is p:
+                # The writer thread's syncfs made them durable: as a flush's end (_flush_done) says it.
+                p.notify_append()
+                p.last_flush_mono_ms = int(time.monotonic() * 1000)
+                p.notify_durable()
+                self._perform(self.acks.flush_done(p.key, p.log.flushed_offset, VectorOffset(p.log.flushed_vector())))
+            if p.in_site is not None and self.partitions.get(p.key) is p:
+                try:
+                    p.in_site.appended(p.log.log_end_offset)
+                except NotLeader as exc:  # the segment closed meanwhile: its seal keeps or cuts these batches
+                    log.info("%s-%d: replicated batches applied as its segment closed: %s", *p.key, exc)
+                    continue
+            if p.log.log_end_offset > p.log.flushed_offset:
+                # Also after an apply that failed midway (a full disk): what it appended before the failure is
+                # whole, and must be fsynced and served onward like the rest.
+                p.notify_append()
+                self._schedule_flush(p)
+                self._perform(self.acks.replicated(p.key, p.log.log_end_offset))
 
     # -- damage ---------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -45,8 +45,7 @@ class GroupFlush:
     def flush(self, log: PartitionLog) -> asyncio.Future[LocalOffset]:
         """fsync what ``log`` holds (a future of its flushed offset). Raises RuntimeError once shut down."""
         loop = asyncio.get_running_loop()
-        groupable = self._fd >= 0 and isinstance(log, SegmentLog) and log.device == self._device
-        if not groupable or (self._alone < self.parallel and not self._group_running):
+        if not self.groupable(log) or (self._alone < self.parallel and not self._group_running):
             self._alone += 1
             task: asyncio.Future[LocalOffset] = loop.run_in_executor(self.executor, log.flush)
             task.add_done_callback(self._alone_done)
@@ -57,6 +56,18 @@ class GroupFlush:
         if not self._group_running:
             self._start_group(loop)
         return fut
+
+    def groupable(self, log: PartitionLog) -> bool:
+        """Whether one ``syncfs`` of the data directory's file system makes ``log`` durable (see the module doc)."""
+        return self._fd >= 0 and isinstance(log, SegmentLog) and log.device == self._device
+
+    def sync_together(self, logs: Sequence[SegmentLog]) -> list[LocalOffset]:
+        """In a worker thread: flush ``logs`` (each :meth:`groupable`) with one ``syncfs`` now, as a group does;
+        their flushed offsets. Raises ``OSError`` when the syncfs fails (then none is marked flushed). The replica
+        writer thread flushes what it applied this way, in the same hop (``Broker.append_replica``)."""
+        self.groups += 1
+        self.grouped_flushes += len(logs)
+        return flush_together(logs, self._fd)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -7,8 +7,8 @@ For each link ``src -> me`` of the topology, a :class:`Puller` runs three tasks:
   stream, with what wants and have-vectors, what to do with each chunk, lost
   tails, stalls) with grpc.aio: it opens the calls the session asks for,
   reads their messages into a small queue (so HTTP/2 flow control still
-  pushes back), applies chunks with ``Broker.append_replica`` in the writer
-  thread, and feeds the outcomes back;
+  pushes back), applies each message's chunks with ``Broker.append_replica``
+  in one writer-thread hop, and feeds the outcomes back;
 * **topics**: every ``TOPIC_SYNC_S`` it lists ``src``'s topics and carries
   out ``plan_topic_sync``: creates here the ones the link carries, reports
   conflicts (``SiteStatus.conflicts``, ``georep_topic_conflicts``); and it
@@ -51,7 +51,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.proto.topic_entry import entry_from_pb
 from georep.replication.links import LinkManager, LinkState, PartitionKey
-from georep.replication.session import DISABLED, ApplyChunk, Effect, LinkEvent, OpenStream, PullConfig, PullSession
+from georep.replication.session import DISABLED, ApplyChunks, Effect, LinkEvent, OpenStream, PullConfig, PullSession
 from georep.replication.session import PullStats as LinkStats
 from georep.replication.sink import CorruptChunk
 from georep.replication.source import Chunk
@@ -59,7 +59,7 @@ from georep.replication.topics import RemoteTopic, plan_topic_sync
 from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
 from georep.security.tls import TlsConfig, client_channel
-from georep.server.broker import Broker, Partition
+from georep.server.broker import Broker, Partition, ReplicaApply
 from georep.server.incarnation_guard import ChunkGuard
 from georep.server.topic_changes import TopicChanges
 from georep.server.topic_creation import create_topics
@@ -481,29 +481,44 @@ class Puller:
             effect = queue.popleft()
             if isinstance(effect, OpenStream):
                 self._open_call(effect)
-            elif isinstance(effect, ApplyChunk):
+            elif isinstance(effect, ApplyChunks):
                 queue.extend(await self._apply(effect))
             elif isinstance(effect, LinkEvent):
                 self._log(effect)
         if self._call_id != session.stream_id:
             self._end_call()  # the session left the stream (a failure, or an operator cut)
 
-    async def _apply(self, effect: ApplyChunk) -> list[Effect]:
+    async def _apply(self, effect: ApplyChunks) -> list[Effect]:
+        """A message's chunks, in one writer-thread hop (``Broker.append_replica``); then each outcome, in order,
+        to the session, and the stream ended at the first chunk that could not be applied."""
         r = self.r
-        topic, index = effect.key
-        if not self.chunks.still_live(topic):
-            why = f"topic {topic!r} changed incarnation (deleted, or re-created) while a chunk of it waited"
-            return self.session.on_stream_ended(effect.stream_id, r.now_ms(), why)
-        try:
+        chunks: list[tuple[str, int, bytes]] = []
+        why = ""
+        for chunk in effect.chunks:
+            topic, index = chunk.key
+            if not self.chunks.still_live(topic):
+                why = f"topic {topic!r} changed incarnation (deleted, or re-created) while a chunk of it waited"
+                break
             if r.origins is not None:  # a TLS node: a batch claiming an origin src cannot have is refused
-                r.origins.check(self.src, topic, effect.batches)
-            outcome = await r.broker.append_replica(topic, index, effect.batches)
-        except (CorruptChunk, DiskFull, BrokerError) as exc:
-            return self.session.on_stream_ended(effect.stream_id, r.now_ms(), f"{type(exc).__name__}: {exc}")
-        for origin, lag_ms in outcome.lag_ms_by_origin.items():
-            # A producer's timestamp is its claim: bounded so that no stored timestamp breaks status or metrics.
-            r.lag_ms[(topic, index, origin)] = min(max(lag_ms, 0), LAG_MS_MAX)
-        return self.session.on_applied(effect.stream_id, effect.key, outcome, r.now_ms())
+                try:
+                    r.origins.check(self.src, topic, chunk.batches)
+                except (CorruptChunk, BrokerError) as exc:  # ForgedOrigin, or a chunk it cannot frame
+                    why = f"{type(exc).__name__}: {exc}"
+                    break
+            chunks.append((topic, index, chunk.batches))
+        applied = await r.broker.append_replica(chunks) if chunks else ReplicaApply([])
+        out: list[Effect] = []
+        for chunk, outcome in zip(effect.chunks, applied.outcomes, strict=False):
+            topic, index = chunk.key
+            for origin, lag_ms in outcome.lag_ms_by_origin.items():
+                # A producer's timestamp is its claim: bounded so that no stored timestamp breaks status or metrics.
+                r.lag_ms[(topic, index, origin)] = min(max(lag_ms, 0), LAG_MS_MAX)
+            out += self.session.on_applied(effect.stream_id, chunk.key, outcome, r.now_ms())
+        if applied.error is not None:
+            why = f"{type(applied.error).__name__}: {applied.error}"
+        if why:
+            out += self.session.on_stream_ended(effect.stream_id, r.now_ms(), why)
+        return out
 
     def _log(self, event: LinkEvent) -> None:
         if event.kind == "up":

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from georep.replication.links import PartitionKey
-from georep.replication.session import ApplyChunk, LinkEvent, OpenStream
+from georep.replication.session import ApplyChunks, LinkEvent, OpenStream
 from georep.replication.session import Effect as PullEffect
 from georep.replication.sink import apply_chunk
 from georep.replication.source import ReplicaSource
@@ -127,14 +127,19 @@ class Replication:
             if isinstance(effect, OpenStream):
                 message = OpenMessage(src, site.id, effect.stream_id, effect.wants, effect.address)
                 sim.network.send((src, site.id), src, message)
-            elif isinstance(effect, ApplyChunk):
-                log = site.logs[effect.key]
-                outcome = apply_chunk(log, effect.batches, sim.local_ms(site))
-                sim.counts.applied_batches += outcome.appended_batches
-                if outcome.appended_batches:
-                    sim._changed(site.id, effect.key)
-                    sim.perform_acks(site, site.acks.replicated(effect.key, log.log_end_offset))
-                queue.extend(session.on_applied(effect.stream_id, effect.key, outcome, sim.now_ms))
+            elif isinstance(effect, ApplyChunks):
+                # As the node's writer thread: the message's chunks in one go, then their outcomes in order.
+                outcomes = []
+                for chunk in effect.chunks:
+                    log = site.logs[chunk.key]
+                    outcome = apply_chunk(log, chunk.batches, sim.local_ms(site))
+                    sim.counts.applied_batches += outcome.appended_batches
+                    if outcome.appended_batches:
+                        sim._changed(site.id, chunk.key)
+                        sim.perform_acks(site, site.acks.replicated(chunk.key, log.log_end_offset))
+                    outcomes.append(outcome)
+                for chunk, outcome in zip(effect.chunks, outcomes, strict=True):
+                    queue.extend(session.on_applied(effect.stream_id, chunk.key, outcome, sim.now_ms))
             else:
                 self._link_event(site, src, effect)
 

@@ -387,11 +387,13 @@ class SegmentLog:
             expected = kept.log_start if kept is not None else 0
             if segments and kept is not None and segments[0].base_offset > expected:
                 raise MissingSegment(_missing(directory, expected, segments[0].base_offset))
+            created = None
             if not segments:
                 start = point.recovery_point if point is not None else expected
                 if start > expected:  # every segment file is gone: nothing created the log at this offset
                     raise MissingSegment(_missing(directory, expected, start))
-                segments.append(Segment.create(directory, start, lock))
+                created = Segment.create(directory, start, lock)
+                segments.append(created)
                 loaded.append(b"")
             report.lost = len(lost)
             changed = bool(
@@ -403,6 +405,11 @@ class SegmentLog:
             )
             if not filesystem_synced or changed or len(segments) != len(bases):
                 fsync_directory(directory)
+            if created is not None:
+                # Clean: nothing was written to it, and an open that finds it gone creates it again (above). Dirty,
+                # each new partition cost an fdatasync when the handle cache first closed it, on the event loop:
+                # a topic wider than the cache paid one per partition at its create and again at its first write.
+                created.synced(created.writes)
             opened = cls._from_segments(directory, config, (segments, loaded), point, report, lock, points)
             opened._quarantine_at_open(listed or [], lost)
             if not filesystem_synced or point is None or changed:
