@@ -36,6 +36,13 @@ SHARED_ON_ONE_WORKER = {
 }
 GROUPS_FIRST = ("spark", "sim", "sim-cluster", "sim-geo-cluster")
 
+# After the groups, the slow scenarios (10-80 s each in a loaded run) go before the quick tests, the files of
+# LONGEST_FIRST (the longest single tests of the last runs) first among them, so that the run ends on quick tests:
+# handed out in file order, the 5,000-partition scenario of test_scale_e2e.py (76 s) started late and could hold
+# one worker after the others had finished. xdist hands out the groups first (the largest first), then the single
+# tests in the order pytest_collection_modifyitems leaves them.
+LONGEST_FIRST = ("test_scale_e2e.py", "test_faults_e2e.py", "test_bench_scripts.py")
+
 # Property tests that name no example count draw Hypothesis's default 100, scaled as the named ones are
 # (tests/support/examples.py: make test-quick draws a quarter).
 settings.register_profile("georep", max_examples=examples(100))
@@ -53,8 +60,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     forkserver.uninstall()
 
 
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+
+
 def _group(nodeid: str) -> str | None:
-    return SHARED_ON_ONE_WORKER.get(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
+    return SHARED_ON_ONE_WORKER.get(_file(nodeid))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -67,7 +78,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             "tests/conftest.py so that it shares a JVM"
         )
     rank = {g: i for i, g in enumerate(GROUPS_FIRST)}
-    items.sort(key=lambda item: rank.get(_group(item.nodeid) or "", len(rank)))  # stable: file order otherwise
+    longest = {f: i for i, f in enumerate(LONGEST_FIRST)}
+    items.sort(
+        key=lambda item: (
+            rank.get(_group(item.nodeid) or "", len(rank)),
+            item.get_closest_marker("slow") is None,
+            longest.get(_file(item.nodeid), len(longest)),
+        )
+    )  # stable: file order otherwise
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

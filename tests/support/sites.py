@@ -123,12 +123,15 @@ async def until(what: str, cond: Callable[[], object], timeout_s: float = 20.0) 
         await asyncio.sleep(0.05)
 
 
-def wait_until(what: str, cond: Callable[[], object], timeout_s: float = 30.0) -> None:
+def wait_until(what: str, cond: Callable[[], object], timeout_s: float = 30.0, poll_s: float = 0.1) -> None:
+    """Returns once ``cond()`` holds; raises AssertionError after ``timeout_s``. A condition that costs the nodes
+    more than a little (one over thousands of partitions) takes a longer ``poll_s``: its polls compete for the
+    CPU with the work they wait on."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():
             return
-        time.sleep(0.1)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting until {what}")
 
 
