@@ -51,7 +51,7 @@ def cli_commands() -> list[list[str]]:
 
 @pytest.mark.slow
 def test_the_tables_georep_commands_run_in_order(tmp_path: Path) -> None:
-    assert len(cli_commands()) == 10
+    assert len(cli_commands()) == 11
     node = NodeProcess(site="a", data_dir=tmp_path / "node")
     node.start()
     try:
