@@ -101,6 +101,7 @@ EXPECTED: dict[type[Exception], tuple[type[c.GeorepError], ...]] = {
     e.NodeStopping: same(c.NodeUnavailable),
     MetadataUnavailable: same(c.NodeUnavailable),
     e.RecoveryFailed: same(c.NodeUnavailable),
+    e.CatalogNotSynced: same(c.NodeUnavailable),
     e.SegmentUnreadable: same(c.NodeUnavailable),
     SegmentElsewhere: same(c.NodeUnavailable),
     e.NotYetSupported: same(c.NotSupported),
