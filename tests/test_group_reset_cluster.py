@@ -49,7 +49,7 @@ def georep_reads(site: ClusterSite, group: str) -> list[str]:
             group,
             "--from-beginning",
             "--timeout",
-            "3",
+            "10",
             "--bootstrap",
             bootstrap(site),
             timeout=60,
@@ -88,9 +88,9 @@ def reset(site: ClusterSite, node: int, group: str, *to: str) -> str:
 
 @pytest.mark.xfail(
     strict=False,
-    reason="found by this test, not yet diagnosed: in 2 of 3 runs a consumer of either front end read nothing "
-    "right after a reset to the earliest position, though FetchCommitted at the coordinator answered the empty "
-    "vector; a third run, asking FetchCommitted and Kafka's committed() first, read everything",
+    reason="not yet diagnosed: with a 3 s idle timeout georep's consumer read nothing right after a reset (with "
+    "10 s it passed), and in one exploratory run a Kafka consumer read nothing within 40 s after a reset to earliest, "
+    "though FetchCommitted at the coordinator answered the empty vector",
 )
 def test_reset_offsets_on_a_three_node_site_moves_both_front_ends(site: ClusterSite) -> None:
     ok(georep("topic", "create", TOPIC, "--partitions", str(PARTITIONS), "--bootstrap", site.address(1)))
