@@ -82,10 +82,16 @@ class OldSiteC:
     def health(self, request: bytes, context: Any) -> pb.HealthResponse:
         return pb.HealthResponse(status="SERVING", site="c", epoch=1, checks_incarnations=self.announce.is_set())
 
+    def list_topics(self, request: bytes, context: Any) -> pb.ListTopicsResponse:
+        return pb.ListTopicsResponse()  # no topics (b syncs with c before it creates one)
+
     def handler(self) -> grpc.GenericRpcHandler:
         serialize = pb.HealthResponse.SerializeToString
         health: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(self.health, None, serialize)
-        return grpc.method_handlers_generic_handler("georep.v1.Node", {"Health": health})
+        topics: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(
+            self.list_topics, None, pb.ListTopicsResponse.SerializeToString
+        )
+        return grpc.method_handlers_generic_handler("georep.v1.Node", {"Health": health, "ListTopics": topics})
 
 
 @pytest.fixture

@@ -103,6 +103,7 @@ EXPECTED: dict[type[Exception], tuple[type[c.GeorepError], ...]] = {
     e.NotEnoughReplicas: same(c.NodeUnavailable),  # fewer live nodes than the topic's min_insync_replicas: retried
     MetadataUnavailable: same(c.NodeUnavailable),
     e.RecoveryFailed: same(c.NodeUnavailable),
+    e.CatalogNotSynced: same(c.NodeUnavailable),
     e.SegmentUnreadable: same(c.NodeUnavailable),
     SegmentElsewhere: same(c.NodeUnavailable),
     e.NotYetSupported: same(c.NotSupported),

@@ -27,7 +27,7 @@ from georep.security.tls import TlsConfig
 from georep.server.process import NodeProcess
 from tests.support.channels import open_channel
 from tests.support.ports import free_ports
-from tests.support.sites import topology_toml, wait_until
+from tests.support.sites import catalog_synced, topology_toml, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -69,8 +69,11 @@ def net(tmp_path: Path) -> Iterator[Net]:
         for s in "abc"
     }
     try:
-        nodes["a"].start()
-        nodes["c"].start()
+        for s in "acb":
+            nodes[s].start()
+        # a creates topics once it has synced with its upstream b; b then goes down, a's records never left a.
+        wait_until("a synced with b", lambda: catalog_synced(nodes["a"].data_dir) == ["b"])
+        nodes["b"].stop()
         yield Net(certs, nodes)
     finally:
         for node in nodes.values():

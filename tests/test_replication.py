@@ -31,6 +31,7 @@ from offsets.coordinates import Origin
 from tests.support.sites import (
     TRIANGLE,
     Sites,
+    catalog_synced,
     check_invariants,
     converged,
     free_ports,
@@ -283,7 +284,9 @@ def test_two_sites_creating_a_topic_with_different_partition_counts_converge_to_
     """Before topic entries (issue 23) unequal counts were a conflict that stopped the topic replicating; now
     the count only grows, so both sites take the larger, and every partition's records cross the link."""
     sites = make_sites(["a", "b"], [("a", "b"), ("b", "a")])
-    sites.start("a")
+    sites.start("a", "b")  # each site creates topics once it has synced with the other (first_sync.py)
+    wait_until("a and b synced", lambda: [catalog_synced(sites.nodes[s].data_dir) for s in "ab"] == [["b"], ["a"]])
+    sites.nodes["b"].stop()
     sites.stub("a").CreateTopic(pb.CreateTopicRequest(name="x", partitions=2))
     sites.nodes["a"].stop()
     sites.start("b")

@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -17,9 +18,11 @@ from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_to_proto
 from georep.server.broker import Broker
 from georep.server.groups import GroupService
+from georep.server.late_records import log_records_taken_after
 from georep.server.metrics import NodeMetrics
 from georep.server.topic_changes import TopicChanges
 from georep.server.topic_removal import TopicRemoval
+from georep.storage.api import PartitionLog, SegmentBatches
 from georep.storage.deleted_dirs import DELETED_DIR, move_to_deleted
 from georep.storage.metadata_file import load_or_create_identity
 from offsets.coordinates import Origin
@@ -172,6 +175,57 @@ def test_a_site_that_hears_of_the_re_create_before_the_delete_takes_both(tmp_pat
             await broker.produce("orders", 2, batch(1))
             concurrent.futures.wait(removal.pending)
             assert partition_dirs(tmp_path) == ["events-0", "orders@1-0", "orders@1-1", "orders@1-2"]
+        finally:
+            broker.close()
+
+    asyncio.run(scenario())
+
+
+class CountedReads:
+    """A partition log that counts the segments read through it (the count's bound)."""
+
+    def __init__(self, log: PartitionLog) -> None:
+        self.log = log
+        self.segments_read = 0
+        self.log_start_offset = log.log_start_offset
+        self.log_end_offset = log.log_end_offset
+
+    def segment_at(self, offset: int) -> SegmentBatches:
+        self.segments_read += 1
+        return self.log.segment_at(offset)
+
+
+def test_a_delete_counts_the_records_this_site_took_after_it_naming_the_deleting_site(tmp_path: Path) -> None:
+    """b takes produces into orders before and after the moment a deletes it (b has not heard of the delete yet):
+    when the tombstone arrives, b counts the records removed that it took after the delete, per deleting site,
+    reading only the segments that can hold one."""
+    clock = [1_000_000]
+
+    async def scenario() -> None:
+        broker = Broker(tmp_path, load_or_create_identity(tmp_path, "b", 1), clock_ms=lambda: clock[0])
+        try:
+            metrics = NodeMetrics(broker)
+            broker.create_topic("orders", 2, {"segment_bytes_max": "1024"})
+            for _ in range(12):  # several segments, all taken before the delete
+                clock[0] += 1
+                await broker.produce("orders", 0, batch(3, value_bytes=60))
+            first = broker.partition("orders", 0).log
+            assert first.segment_count >= 4
+            deleted_at = clock[0]  # a deletes now; b takes more, one batch at the delete's very ms
+            await broker.produce("orders", 1, batch(1))
+            clock[0] += 1
+            await broker.produce("orders", 0, batch(2))
+            await broker.produce("orders", 1, batch(4))
+            counted = CountedReads(first)
+            assert log_records_taken_after(cast(PartitionLog, counted), deleted_at) == 2
+            assert counted.segments_read <= 2
+            changes = TopicChanges(broker)
+            removal = TopicRemoval(broker, metrics.forget_topic, metrics.delete_records)
+            changes.on_deleted = removal
+            changes.merge([delete(changes.held("orders"), "orders", deleted_at, "a")])
+            concurrent.futures.wait(removal.pending)
+            assert metrics.registry.get_sample_value("georep_topic_delete_records_total", {"site": "a"}) == 6
+            assert partition_dirs(tmp_path) == []
         finally:
             broker.close()
 

@@ -190,6 +190,16 @@ class TopicDeleteRefused(BrokerError):
     kafka_code = 73  # Kafka's TOPIC_DELETION_DISABLED, with the message
 
 
+class CatalogNotSynced(BrokerError):
+    """A create at a data dir that has not yet listed the topic catalog of each of its upstreams once: it could make
+    a topic a delete elsewhere removed (docs/design.md, "A create at a site that has not heard of a delete").
+    Retriable: the message names the upstream to make reachable."""
+
+    # Kafka's REQUEST_TIMED_OUT, retriable: what Kafka's CreateTopics answers when the create did not complete
+    # within its timeout, as here, where the node waited for the sync before answering.
+    kafka_code = 7
+
+
 class SegmentUnreadable(BrokerError):
     """A read reached a segment this node holds no copy of, and none of the nodes that hold it answered."""
 

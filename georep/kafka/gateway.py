@@ -44,7 +44,7 @@ from georep.auth.policy import Policy
 from georep.auth.principal import Principal
 from georep.broker import fetch
 from georep.broker.acks import LEADER, AckKind, Acks
-from georep.broker.errors import NotLeader
+from georep.broker.errors import CatalogNotSynced, NotLeader
 from georep.kafka import errors as k
 from georep.kafka import group_admin
 from georep.kafka.cluster import NO_COORDINATOR, OneNode, SiteView, ViewOf
@@ -263,6 +263,7 @@ class KafkaGateway(LeaderOffsets):
         take fails its topic with ``INVALID_CONFIG``, validate_only included."""
         r = kadmin.CreateTopicsResponse
         out = []
+        unsynced = await self._creates_refused() if not req.body.validate_only else None
         for t in req.body.topics:
             partitions = t.num_partitions if t.num_partitions > 0 else 1
             try:
@@ -276,6 +277,8 @@ class KafkaGateway(LeaderOffsets):
                 config = to_georep(raw, self.site)
                 if req.body.validate_only:
                     self.broker.check_new_topic(t.name, partitions, config)
+                elif unsynced is not None:
+                    raise unsynced
                 else:
                     await self.create_topic(t.name, partitions, config)
                 described = self._described(parse_topic_config(config))
@@ -295,6 +298,16 @@ class KafkaGateway(LeaderOffsets):
             except Exception as exc:
                 out.append(r.CreatableTopicResult(name=t.name, error_code=self._code(exc), error_message=str(exc)))
         return r(topics=out)
+
+    async def _creates_refused(self) -> CatalogNotSynced | None:
+        """Why this data dir may not create topics yet (one wait for the whole request), or None."""
+        if self.topic_calls is None:
+            return None
+        try:
+            await self.topic_calls.before_create()
+        except CatalogNotSynced as exc:
+            return exc
+        return None
 
     def _described(self, overrides: dict[str, int]) -> list[Described]:
         return describe(overrides, self.broker.defaults, DEFAULT_TOPIC_CONFIG, self.site)

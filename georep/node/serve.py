@@ -341,7 +341,7 @@ def _wire(
         site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor, tls)
     service = NodeService(broker, metrics, replicator, admin_token, site_cluster, authorizes=tls is not None)
     # Delete's data path: the topic changes the replicator's sync and the node's calls share remove its partitions.
-    service.topic_calls.changes.on_deleted = TopicRemoval(broker, metrics.forget_topic)
+    service.topic_calls.changes.on_deleted = TopicRemoval(broker, metrics.forget_topic, metrics.delete_records)
     segments = SegmentService(replicas, segment_executor, broker.clock_ms, member, tls)  # member: repair's rolls
     gate = DeleteGate(topology, site, data_dir, health_ask(tls)) if topology is not None else None
     if gate is not None:

@@ -268,6 +268,13 @@ class NodeMetrics:
         self._replicated_out_bytes = Counter(
             "georep_replication_sent_bytes", "Batch bytes sent to downstream sites", registry=self.registry
         )
+        # Per deleting site, not per topic: the topic's other series go with it, and these are counted as it goes.
+        self._delete_records = Counter(
+            "georep_topic_delete_records",
+            "Records a topic delete made at another site removed here that this site took after the delete",
+            ["site"],
+            registry=self.registry,
+        )
         self.partition_detail = False  # georep node --metrics-partition-detail: per-partition series too
         self.registry.register(_PartitionCollector(broker, lambda: self.partition_detail))
         self._produced_by_topic: dict[str, tuple[Counter, Counter]] = {}
@@ -289,6 +296,10 @@ class NodeMetrics:
         if self._produced_by_topic.pop(topic, None) is not None:
             self._produced_records.remove(topic)
             self._produced_bytes.remove(topic)
+
+    def delete_records(self, site: str, records: int) -> None:
+        """``records`` removed by a delete made at ``site`` had been taken here after it (thread-safe)."""
+        self._delete_records.labels(site).inc(records)
 
     def produce_error(self, code: grpc.StatusCode) -> None:
         self._produce_errors.labels(code.name).inc()

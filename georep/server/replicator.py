@@ -60,6 +60,7 @@ from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
 from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker, Partition, ReplicaApply
+from georep.server.first_sync import FirstSyncs
 from georep.server.incarnation_guard import ChunkGuard
 from georep.server.topic_changes import TopicChanges
 from georep.server.topic_creation import create_topics
@@ -154,6 +155,7 @@ class Puller:
         self._remote: dict[str, RemoteTopic] = {}
         self.remote_topics: dict[str, int] = {}
         self._catalog_token = ""  # where the last sync left this puller in src's catalog ("": from the start)
+        self._listed_whole = False  # the last listing reached the end of src's catalog (not cut at SYNC_PAGES_MAX)
         self._acl_token = ""  # src's ACL table as this site last kept all of it ("": list it all)
         self._local_planned: int | None = None  # this site's topics_version when the plan was last made
         self.enabled = asyncio.Event()  # mirrors the session's: an operator cut pauses topics and reports too
@@ -236,6 +238,8 @@ class Puller:
             try:
                 await self.sync_topics()
                 self._topics_synced.set()
+                if self._listed_whole:
+                    self.r.first_syncs.record(self.src)
                 metadata, in_site = self.r.broker.metadata, self.r.broker.in_site
                 pulled = await pull_acls(self.stub, metadata, in_site, self.src, RPC_TIMEOUT_S, self._acl_token)
                 self._acl_token = pulled.token
@@ -281,11 +285,13 @@ class Puller:
             else:
                 fresh.update((t.name, t) for t in page)
             if not token or not resp.next_page_token:
+                self._listed_whole = True
                 if fresh is not None:
                     self._remote = {}
                     self._learnt(list(fresh.values()), replace=True)
                     self._catalog_token = token
                 return learnt
+        self._listed_whole = False
         log.warning("site %s listed over %d pages of topics: the rest next round", self.src, SYNC_PAGES_MAX)
         return learnt if fresh is None else []
 
@@ -617,6 +623,8 @@ class Replicator:
             for link in topology.links_sorted()
             if link.dst == self.site
         }
+        # The upstreams this data dir has synced its topic catalog with once: user creates wait for all of them.
+        self.first_syncs = FirstSyncs(broker.data_dir, self.pullers)
         self.background: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         upstreams = sorted(self.pullers)

@@ -15,6 +15,7 @@ import grpc
 from georep import __version__
 from georep.auth.acl_replication import ClaimRefused, HeldClaimCheck
 from georep.broker.errors import (
+    CatalogNotSynced,
     DamagedData,
     InvalidRequest,
     NoSuchLink,
@@ -120,6 +121,8 @@ class NodeService:
         self.acls = AclCalls(broker, self.admin)
         changes = replicator.topic_changes if replicator is not None else TopicChanges(broker)
         self.topic_calls = TopicCalls(changes, self._describe)
+        if replicator is not None:
+            self.topic_calls.before_create = replicator.first_syncs.wait
         self.group_calls = GroupCalls(self.groups)
         self.started = time.monotonic()
         # What one multi-batch produce request may carry; announced to producers in the stream's initial metadata
@@ -201,6 +204,7 @@ class NodeService:
 
     async def create_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         req = parse(pb.CreateTopicRequest, data)  # an internal topic's name is refused by Broker.create_topic
+        await self.topic_calls.before_create()
         if self.site_cluster is not None:
             await self.site_cluster.create_topic(req.name, req.partitions, dict(req.config))
         else:
@@ -212,7 +216,12 @@ class NodeService:
         req = parse(pb.CreateTopicsRequest, data)
         requests = [(t.name, t.partitions, dict(t.config)) for t in req.topics]
         executor = self.site_cluster.executor if self.site_cluster is not None else None
-        outcomes = await create_topics(self.broker, requests, executor=executor)
+        try:
+            await self.topic_calls.before_create()
+        except CatalogNotSynced as exc:
+            outcomes: list[TopicSpec | Exception] = [exc] * len(requests)
+        else:
+            outcomes = await create_topics(self.broker, requests, executor=executor)
         out = pb.CreateTopicsResponse()
         for (name, _partitions, _config), outcome in zip(requests, outcomes, strict=True):
             if isinstance(outcome, TopicSpec):

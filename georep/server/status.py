@@ -97,6 +97,7 @@ STATUS: dict[type[Exception], tuple[grpc.StatusCode, Reason]] = {
     e.NodeStopping: (Code.UNAVAILABLE, R.UNAVAILABLE),
     MetadataUnavailable: (Code.UNAVAILABLE, R.UNAVAILABLE),  # no Raft leader, or a commit unconfirmed: retry
     e.RecoveryFailed: (Code.UNAVAILABLE, R.UNAVAILABLE),
+    e.CatalogNotSynced: (Code.UNAVAILABLE, R.UNAVAILABLE),  # retry once the upstream it names is reachable
     e.SegmentUnreadable: (Code.UNAVAILABLE, R.UNAVAILABLE),
     # a pull reached a segment this leader holds no copy of (a fetch reads it from a member instead)
     SegmentElsewhere: (Code.UNAVAILABLE, R.UNAVAILABLE),

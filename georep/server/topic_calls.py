@@ -4,7 +4,7 @@ delete``): ``AlterTopic``, ``AddPartitions`` and ``DeleteTopic``, carried out by
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from georep.broker.errors import InternalTopic, InvalidRequest, TopicDeleteRefused
 from georep.metadata.kafka_config import alter_changes
@@ -24,6 +24,9 @@ class TopicCalls:
         self.describe = describe
         # Why a delete is unsafe now (a linked peer that does not check incarnations), or None: set by the node.
         self.delete_refused: Callable[[], str | None] = lambda: None
+        # Waits until this data dir may create topics, or raises ``CatalogNotSynced`` (georep/server/first_sync.py):
+        # set by the node when the site has upstreams. Every user create of either front end awaits it first.
+        self.before_create: Callable[[], Awaitable[None]] = _creates_at_once
 
     async def delete_topic(self, data: bytes, context: Context) -> pb.DeleteTopicResponse:
         """Delete a topic's live incarnation here and, through the topic sync, at every site it reaches."""
@@ -69,3 +72,7 @@ class TopicCalls:
         if entry is None or entry.deleted:
             raise UnknownTopic(name)
         return entry
+
+
+async def _creates_at_once() -> None:
+    """A site with no upstream has no catalog to hear of a delete from."""

@@ -12,6 +12,7 @@ ARCHITECTURE.md:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -25,6 +26,7 @@ from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, decode_records, encode_batch, iter_headers
 from georep.security import dev_ca
 from georep.security.tls import TlsConfig
+from georep.server.first_sync import SYNC_FILE
 from georep.server.process import NodeProcess
 from offsets.coordinates import Origin
 from tests.support.channels import open_channel
@@ -238,3 +240,10 @@ async def produce(
         await producer.flush()
         await asyncio.gather(*futures)
     return sent
+
+
+def catalog_synced(data_dir: Path) -> list[str]:
+    """The upstreams whose topic catalog the node of ``data_dir`` has synced with once: it creates topics only once
+    all of its upstreams are listed (``georep/server/first_sync.py``)."""
+    path = data_dir / SYNC_FILE
+    return list(json.loads(path.read_text())["synced"]) if path.exists() else []
