@@ -15,7 +15,7 @@ from georep.proto import georep_pb2 as pb
 from georep.server.process import NodeProcess
 from offsets.commits import OFFSETS_TOPIC
 from tests.support.cli import georep, ok
-from tests.support.kafka_nodes import KAFKA_ARGS, kafka_address, read_frame
+from tests.support.kafka_nodes import KAFKA_ARGS, group_reads, kafka_address, read_frame
 from tests.support.sites import Sites, converged, wait_until
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
@@ -53,23 +53,7 @@ def georep_reads(node: NodeProcess, group: str) -> list[str]:
 
 
 def kafka_reads(node: NodeProcess, group: str, n: int) -> list[str]:
-    """What a confluent-kafka consumer of ``group`` reads from its committed position (``n`` records, or what
-    comes within a bounded wait), committing as it goes; closed after."""
-    consumer = confluent_kafka.Consumer(
-        {"bootstrap.servers": kafka_address(node), "group.id": group, "auto.offset.reset": "earliest"}
-    )
-    consumer.subscribe([TOPIC])
-    got: list[str] = []
-    deadline = time.monotonic() + (30 if n else 6)
-    try:
-        while time.monotonic() < deadline and (n == 0 or len(got) < n):
-            m = consumer.poll(0.5)
-            if m is not None and m.error() is None:
-                got.append(m.value().decode())
-        consumer.commit(asynchronous=False) if got else None
-    finally:
-        consumer.close()
-    return got
+    return group_reads(kafka_address(node), TOPIC, group, n, wait_s=30, idle_s=6)
 
 
 def reset(node: NodeProcess, group: str, *to: str) -> str:

@@ -4,7 +4,6 @@ partition, and both front ends, georep's consumer and confluent-kafka's, resume 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from tests.support.cli import georep, ok
 from tests.support.cluster_site import ClusterSite, status, wait_for
+from tests.support.kafka_nodes import group_reads
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
 pytestmark = pytest.mark.slow  # three node processes, CLI processes and Kafka consumers
@@ -64,27 +64,8 @@ def georep_reads(site: ClusterSite, group: str, n: int) -> list[str]:
 
 
 def kafka_reads(site: ClusterSite, group: str, n: int) -> list[str]:
-    """What a confluent-kafka consumer of ``group`` reads from its committed positions (``n`` records, or what comes
-    within a bounded wait), committing as it goes; closed after."""
-    consumer = confluent_kafka.Consumer(
-        {
-            "bootstrap.servers": ",".join(site.kafka_address(n) for n in site.nodes),
-            "group.id": group,
-            "auto.offset.reset": "earliest",
-        }
-    )
-    consumer.subscribe([TOPIC])
-    got: list[str] = []
-    deadline = time.monotonic() + (40 if n else 8)
-    try:
-        while time.monotonic() < deadline and (n == 0 or len(got) < n):
-            m = consumer.poll(0.5)
-            if m is not None and m.error() is None:
-                got.append(m.value().decode())
-        consumer.commit(asynchronous=False) if got else None
-    finally:
-        consumer.close()
-    return sorted(got)
+    bootstrap = ",".join(site.kafka_address(n) for n in site.nodes)
+    return sorted(group_reads(bootstrap, TOPIC, group, n, wait_s=40, idle_s=8))
 
 
 def reset(site: ClusterSite, node: int, group: str, *to: str) -> str:

@@ -45,3 +45,25 @@ def poll_until(what: str, step: Callable[[], Any], done: Callable[[], bool], tim
 
 def values(n: int, tag: str) -> list[bytes]:
     return [f"{tag}-{i}".encode() for i in range(n)]
+
+
+def group_reads(bootstrap: str, topic: str, group: str, n: int, wait_s: float, idle_s: float) -> list[str]:
+    """What a confluent-kafka consumer of ``group`` reads of ``topic`` from its committed positions: ``n`` records
+    (within ``wait_s``), or for ``n`` 0 what comes within ``idle_s``; committed as it goes, closed after."""
+    import confluent_kafka  # the callers skip without it
+
+    consumer = confluent_kafka.Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest"}
+    )
+    consumer.subscribe([topic])
+    got: list[str] = []
+    deadline = time.monotonic() + (wait_s if n else idle_s)
+    try:
+        while time.monotonic() < deadline and (n == 0 or len(got) < n):
+            m = consumer.poll(0.5)
+            if m is not None and m.error() is None:
+                got.append((m.value() or b"").decode())
+        consumer.commit(asynchronous=False) if got else None
+    finally:
+        consumer.close()
+    return got
