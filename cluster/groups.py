@@ -295,6 +295,7 @@ class GroupCoordinator:
 
 # What a node leads of one ``__georep_offsets`` partition: (leader epoch, open segment id) of its chain log.
 LeadToken = tuple[int, int]
+FIRST_EPOCH = 1  # a partition's first leader's epoch (the metadata's ElectLeader counts from 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,11 +320,19 @@ def lead_step(before: Mapping[int, LeadToken], now: Mapping[int, LeadToken]) -> 
       (it was never confirmed), and it lacks what other leaders appended meanwhile. What the log keeps is
       the truth; a fold of it gives every node the same winners.
 
-    A roll under the same leader epoch keeps the members (the coordinator did not change)."""
+    A roll under the same leader epoch keeps the members (the coordinator did not change).
+
+    * ``taken_over`` lists the partitions it now leads at a new leader epoch *above the first*: at epoch 1 no
+      coordinator came before it, and a node that restarted never leads at an epoch granted before its restart
+      (``cluster/leadership.py``, ``granted_to_this_incarnation``), so every member of the group's past joined
+      this one. Counting epoch 1 held a group that committed right after its offsets partition was made, on its
+      first use, for a session timeout (tests/test_group_coordinators.py)."""
     forget = sorted(i for i, token in before.items() if i not in now or now[i][0] != token[0])
     refold = sorted(i for i, token in before.items() if now.get(i) != token)
     refold += sorted(i for i in now if i not in before)
-    taken_over = sorted(i for i, token in now.items() if i not in before or before[i][0] != token[0])
+    taken_over = sorted(
+        i for i, token in now.items() if token[0] > FIRST_EPOCH and (i not in before or before[i][0] != token[0])
+    )
     return LeadStep(tuple(forget), tuple(sorted(set(refold))), tuple(taken_over))
 
 

@@ -17,8 +17,16 @@ from topology.ids import SiteId
 
 def test_a_partition_lost_or_led_at_a_new_epoch_drops_its_members_and_its_fold() -> None:
     before = {0: (3, 10), 1: (3, 11), 2: (5, 12)}
-    now = {0: (3, 10), 1: (4, 13), 3: (1, 14)}  # 0 unchanged, 1 at a new epoch, 2 lost, 3 gained
+    now = {0: (3, 10), 1: (4, 13), 3: (2, 14)}  # 0 unchanged, 1 at a new epoch, 2 lost, 3 gained
     assert lead_step(before, now) == LeadStep(forget_members=(1, 2), refold=(1, 2, 3), taken_over=(1, 3))
+
+
+def test_leading_a_partition_at_its_first_epoch_takes_nothing_over() -> None:
+    # The offsets partition made on a group's first use: no coordinator came before this one, so a group that
+    # commits and rejoins at once is not held for a session (a restarted node never leads an epoch granted before
+    # its restart). Counting it as a takeover had the first join after a reset on a 3-node site wait 10 s.
+    assert lead_step({}, {0: (1, 0)}) == LeadStep(forget_members=(), refold=(0,), taken_over=())
+    assert lead_step({0: (1, 0)}, {0: (2, 1)}).taken_over == (0,)  # a second leader takes over
 
 
 def test_a_roll_under_the_same_epoch_keeps_the_members_but_folds_again() -> None:

@@ -42,9 +42,7 @@ def produce(site: ClusterSite, values: list[str]) -> None:
 
 def georep_reads(site: ClusterSite, group: str, n: int) -> list[str]:
     """What georep's consumer of ``group`` reads from its committed positions: ``n`` records (a start at a wrong
-    position reads others), or, for ``n`` 0, what comes before it has been idle for 10 s. The first join after a
-    reset may wait about 10 s for its first record (docs/design.md, "Topic changes across sites"), so a read of ``n``
-    records ends at 30 s of idleness."""
+    position reads others), or, for ``n`` 0, what comes before it has been idle for 10 s."""
     out = ok(
         georep(
             "consume",
@@ -53,7 +51,7 @@ def georep_reads(site: ClusterSite, group: str, n: int) -> list[str]:
             group,
             "--from-beginning",
             "--timeout",
-            "30" if n else "10",
+            "10",
             *(["--max-messages", str(n)] if n else []),
             "--bootstrap",
             bootstrap(site),

@@ -94,7 +94,8 @@ class GroupService:
         self.broker = broker
         self.site_cluster = site_cluster
         self._led: dict[int, LeadToken] = {}  # multi-node site: the offsets partitions this node leads, as folded
-        self._taken_over_ms: dict[int, int] = {}  # ... and when it started leading each at its leader epoch
+        # ... and when it took each over at its leader epoch (None: it leads it since its first epoch, no takeover)
+        self._taken_over_ms: dict[int, int | None] = {}
         self._creating = asyncio.Lock()
         self.clock_ms = clock_ms
         self.coordinator = GroupCoordinator(self._partition_count, self._new_member_id)
@@ -179,7 +180,7 @@ class GroupService:
         for index in step.refold:
             self.commits.reset(index, offsets_partition)
         now_ms = self.clock_ms()
-        self._taken_over_ms = {i: now_ms if i in step.taken_over else self._taken_over_ms.get(i, now_ms) for i in now}
+        self._taken_over_ms = {i: now_ms if i in step.taken_over else self._taken_over_ms.get(i) for i in now}
         self._led = now
         return logs
 
