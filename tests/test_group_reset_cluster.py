@@ -62,7 +62,7 @@ def georep_reads(site: ClusterSite, group: str, n: int) -> list[str]:
 
 
 def kafka_reads(site: ClusterSite, group: str, n: int) -> list[str]:
-    bootstrap = ",".join(site.kafka_address(n) for n in site.nodes)
+    bootstrap = ",".join(site.kafka_address(node) for node in site.nodes)
     return sorted(group_reads(bootstrap, TOPIC, group, n, wait_s=40, idle_s=8))
 
 
