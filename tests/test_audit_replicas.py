@@ -54,6 +54,7 @@ def _rewritten(batch: bytes) -> bytes:
     return encode_batch(records, origin=h.origin, base_origin_seq=h.base_origin_seq)
 
 
+@pytest.mark.slow  # a 3-node site and two one-node sites, then Spark: 12 s of make test-quick's Spark worker
 def test_a_multi_node_site_audits_clean_against_one_node_sites_holding_the_same_records(
     spark: Any, cluster: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -44,6 +44,7 @@ def describe(bootstrap: str, group: str) -> dict:  # type: ignore[type-arg]
     return json.loads(ok(georep("group", "describe", group, "--json", "--bootstrap", bootstrap)))  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow  # two consumers of a group, each waiting out its idle timeout (11 s)
 def test_consume_group_twice_continues_where_the_first_left(node: NodeProcess) -> None:
     b = node.address
     ok(georep("topic", "create", TOPIC, "--partitions", "2", "--bootstrap", b))
