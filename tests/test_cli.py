@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from georep.client import key_partition
 from georep.server.process import NodeProcess
 from tests.support.cli import georep, ok
@@ -54,6 +56,7 @@ def test_produce_with_key_separator_then_consume_json(node: NodeProcess) -> None
     assert sorted(raw.stdout.splitlines()) == expected
 
 
+@pytest.mark.slow  # consumes that wait out their --timeout (7 s)
 def test_consume_offset_vector_and_timeout(node: NodeProcess) -> None:
     b = ("--bootstrap", node.address)
     ok(georep("topic", "create", "one", "--partitions", "1", *b))

@@ -42,6 +42,7 @@ def run(*args: str, timeout: float = 60, input_text: str | None = None) -> subpr
     return subprocess.run([*GEOREP, *args], capture_output=True, text=True, timeout=timeout, input=input_text)
 
 
+@pytest.mark.slow  # georep up of three sites (6 s)
 def test_up_starts_every_site_and_sigterm_stops_them_cleanly(tmp_path: Path) -> None:
     topo, data = triangle(tmp_path / "t.toml"), tmp_path / "data"
     up = start_up(topo, data)
@@ -63,6 +64,7 @@ def test_up_starts_every_site_and_sigterm_stops_them_cleanly(tmp_path: Path) -> 
         assert not (data / s / "node.json").exists()  # removed by a clean node shutdown
 
 
+@pytest.mark.slow  # two georep up runs of three sites each (8 s)
 def test_a_second_up_on_the_same_data_dir_fails_at_once_and_leaves_the_first_running(tmp_path: Path) -> None:
     topo, data = triangle(tmp_path / "t.toml"), tmp_path / "data"
     up = start_up(topo, data)
@@ -99,6 +101,7 @@ def test_bad_topology_files_get_one_clear_line(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "cannot read topology file" in missing.stderr
 
 
+@pytest.mark.slow  # georep up of a multi-node site (5 s)
 def test_a_multi_node_site_that_cannot_run_is_refused_with_what_to_do(tmp_path: Path) -> None:
     no_raft = tmp_path / "no-raft.toml"
     no_raft.write_text('[sites.a]\nnodes = ["127.0.0.1:1", "127.0.0.1:2"]\n')
