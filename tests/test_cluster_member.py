@@ -91,6 +91,19 @@ async def wait_for(what: str, check: Callable[[], object], timeout_s: float = WA
     return found
 
 
+def site_of(count: int, tmp_path: Path) -> dict[NodeId, Node]:
+    """``count`` nodes of one site, each with its Raft address and data dir under ``tmp_path``; not started."""
+    rafts = [f"127.0.0.1:{p}" for p in free_ports(count)]
+    return {NodeId(i + 1): Node(NodeId(i + 1), rafts[i], rafts, tmp_path / f"node-{i + 1}") for i in range(count)}
+
+
+async def start_site(nodes: dict[NodeId, Node]) -> None:
+    """Start every node and wait until the site's Raft group has a leader."""
+    for node in nodes.values():
+        await node.start()
+    await wait_for("a Raft leader", lambda: any(n.metadata.is_leader for n in nodes.values()))
+
+
 def writing_leader(nodes: dict[NodeId, Node]) -> PartitionLeader | None:
     for node in nodes.values():
         lead = node.member.leaders.get(KEY) if node.member is not None else None
@@ -114,15 +127,12 @@ async def produce(lead: PartitionLeader, seq: int, records: int = 4) -> int:
 def test_a_site_of_four_nodes_elects_writes_rolls_and_survives_its_leader(tmp_path: Path) -> None:
     """Four nodes, RF=3, min-insync=2: a segment opens on three live nodes (as a BookKeeper ledger needs its
     ensemble), so with one node dead the site still places new segments."""
-    rafts = [f"127.0.0.1:{p}" for p in free_ports(4)]
-    nodes = {NodeId(i + 1): Node(NodeId(i + 1), rafts[i], rafts, tmp_path / f"node-{i + 1}") for i in range(4)}
+    nodes = site_of(4, tmp_path)
 
     async def run() -> None:
         try:
-            for node in nodes.values():
-                await node.start()
+            await start_site(nodes)
             any_node = nodes[NodeId(1)]
-            await wait_for("a Raft leader", lambda: any(n.metadata.is_leader for n in nodes.values()))
             await any_node.member.propose(CreateTopic(TopicSpec("t", 1)))  # type: ignore[union-attr]
             lead = await wait_for("a leader writing t-0", lambda: writing_leader(nodes))
             assert isinstance(lead, PartitionLeader)
@@ -175,15 +185,12 @@ def test_the_controller_moves_a_dead_nodes_partitions_while_its_disk_threads_are
     """At 5,000 partitions a controller's tick waited in its seal pass for the store's threads, queued behind
     thousands of segment opens: a dead node's partitions kept their dead leader for 30 s. The controller's duties
     (noticing the death, proposing the failover) go through the metadata's threads only."""
-    rafts = [f"127.0.0.1:{p}" for p in free_ports(3)]
-    nodes = {NodeId(i + 1): Node(NodeId(i + 1), rafts[i], rafts, tmp_path / f"node-{i + 1}") for i in range(3)}
+    nodes = site_of(3, tmp_path)
     release = threading.Event()
 
     async def run() -> None:
         try:
-            for node in nodes.values():
-                await node.start()
-            await wait_for("a Raft leader", lambda: any(n.metadata.is_leader for n in nodes.values()))
+            await start_site(nodes)
             ctl = next(n for n in nodes.values() if n.metadata.is_leader)
             await ctl.member.propose(CreateTopic(TopicSpec("t", 6)))  # type: ignore[union-attr]
             await wait_for("every partition led", lambda: all(i.leader for i in ctl.metadata.state().partitions()))
@@ -215,14 +222,11 @@ def test_a_node_heartbeats_while_its_event_loop_is_busy(tmp_path: Path) -> None:
     The heartbeats come from a thread of their own."""
     import time
 
-    rafts = [f"127.0.0.1:{p}" for p in free_ports(3)]
-    nodes = {NodeId(i + 1): Node(NodeId(i + 1), rafts[i], rafts, tmp_path / f"node-{i + 1}") for i in range(3)}
+    nodes = site_of(3, tmp_path)
 
     async def run() -> None:
         try:
-            for node in nodes.values():
-                await node.start()
-            await wait_for("a Raft leader", lambda: any(n.metadata.is_leader for n in nodes.values()))
+            await start_site(nodes)
             busy = nodes[NodeId(1)]
             blocked_at = now_ms()
 

@@ -12,7 +12,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import grpc
 import pytest
 
 from georep.client.producer import Producer
@@ -94,12 +93,7 @@ def majority_leader(site: ClusterSite, partition: int) -> str | None:
     still serves what it held until its metadata replica catches up, so the node that claims the partition is not
     asked (tests/support/cluster_site.py's ``leader``): a read there could end at the deposed leader's old end."""
     named: Counter[str] = Counter()
-    for n in site.live():
-        with open_channel(site.address(n)) as channel:
-            try:
-                d = pbg.NodeStub(channel).DescribeTopic(pb.DescribeTopicRequest(name=TOPIC), timeout=5)
-            except grpc.RpcError:
-                continue
+    for _, d in site.descriptions(TOPIC):
         named.update(leader.address for leader in d.leaders if leader.partition == partition and leader.address)
     top = named.most_common(1)
     return top[0][0] if top and top[0][1] * 2 > len(site.nodes) else None

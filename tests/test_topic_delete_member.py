@@ -15,9 +15,8 @@ from georep.metadata.topic_entry import delete
 from georep.metadata.topics import TopicSpec
 from georep.record.batch import local_prefix
 from georep.server.cluster_member import PartitionLeader
-from tests.support.ports import free_ports
 from tests.support.segments import make_batch
-from tests.test_cluster_member import KEY, ORIGIN, Node, now_ms, produce, wait_for, writing_leader
+from tests.test_cluster_member import KEY, ORIGIN, Node, now_ms, produce, site_of, start_site, wait_for, writing_leader
 from topology.ids import NodeId
 
 
@@ -29,14 +28,11 @@ def copies_left(node: Node) -> list[object]:
 
 @pytest.mark.slow
 def test_a_delete_fails_a_waiting_ack_naming_it_and_every_member_removes_its_copies(tmp_path: Path) -> None:
-    rafts = [f"127.0.0.1:{p}" for p in free_ports(3)]
-    nodes = {NodeId(i + 1): Node(NodeId(i + 1), rafts[i], rafts, tmp_path / f"node-{i + 1}") for i in range(3)}
+    nodes = site_of(3, tmp_path)
 
     async def run() -> None:
         try:
-            for node in nodes.values():
-                await node.start()
-            await wait_for("a Raft leader", lambda: any(n.metadata.is_leader for n in nodes.values()))
+            await start_site(nodes)
             proposer = nodes[NodeId(1)].member
             assert proposer is not None
             await proposer.propose(CreateTopic(TopicSpec(KEY[0], 1)))

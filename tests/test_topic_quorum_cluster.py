@@ -25,12 +25,7 @@ STRICT, LOOSE = "strict", "loose"
 
 def _leader(site: ClusterSite, topic: str) -> int:
     """The node the site's metadata names as ``topic``-0's leader (it may not serve it: no segment open)."""
-    for n in site.live():
-        with open_channel(site.address(n)) as channel:
-            try:
-                d = pbg.NodeStub(channel).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
-            except grpc.RpcError:
-                continue
+    for _, d in site.descriptions(topic):
         leaders = [p.node_id for p in d.leaders if p.partition == 0 and p.node_id in site.live()]
         if leaders:
             return leaders[0]

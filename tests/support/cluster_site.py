@@ -89,27 +89,24 @@ class ClusterSite:
     def live(self) -> list[int]:
         return [n for n, p in self.nodes.items() if p.alive()]
 
-    def describe(self, topic: str) -> pb.TopicDescription | None:
-        """The topic as the first live node that answers describes it."""
-        for n in self.live():
-            with open_channel(self.address(n)) as channel:
-                try:
-                    return pbg.NodeStub(channel).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
-                except grpc.RpcError:
-                    continue
-        return None
-
-    def leader(self, topic: str, partition: int = 0) -> int | None:
-        """The node that leads ``topic``-``partition`` and serves it (its DescribeTopic lists the partition)."""
+    def descriptions(self, topic: str) -> Iterator[tuple[int, pb.TopicDescription]]:
+        """Each live node that answers, with the topic as it describes it."""
         for n in self.live():
             with open_channel(self.address(n)) as channel:
                 try:
                     d = pbg.NodeStub(channel).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
                 except grpc.RpcError:
                     continue
-            if any(s.partition == partition for s in d.partition_states):
-                return n
-        return None
+            yield n, d
+
+    def describe(self, topic: str) -> pb.TopicDescription | None:
+        """The topic as the first live node that answers describes it."""
+        return next((d for _, d in self.descriptions(topic)), None)
+
+    def leader(self, topic: str, partition: int = 0) -> int | None:
+        """The node that leads ``topic``-``partition`` and serves it (its DescribeTopic lists the partition)."""
+        serving = (n for n, d in self.descriptions(topic) if any(s.partition == partition for s in d.partition_states))
+        return next(serving, None)
 
     def wait_leader(self, topic: str, partition: int = 0, timeout_s: float = 60.0, not_node: int | None = None) -> int:
         deadline = time.monotonic() + timeout_s
