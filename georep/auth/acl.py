@@ -58,6 +58,7 @@ class Operation(enum.StrEnum):
     READ = "read"
     REPLICATE = "replicate"
     ADMIN = "admin"
+    AUDIT = "audit"  # read a topic's batch digests (ScanDigests), not its records: what an auditor needs
 
 
 class ResourceKind(enum.StrEnum):

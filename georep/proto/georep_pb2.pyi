@@ -2383,6 +2383,149 @@ class FetchBatchResponse(_message.Message):
 Global___FetchBatchResponse: _TypeAlias = FetchBatchResponse  # noqa: Y015
 
 @_typing.final
+class ScanDigestsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOPIC_FIELD_NUMBER: _builtins.int
+    PARTITION_FIELD_NUMBER: _builtins.int
+    FROM_OFFSET_FIELD_NUMBER: _builtins.int
+    TO_OFFSET_FIELD_NUMBER: _builtins.int
+    ALL_REPLICAS_FIELD_NUMBER: _builtins.int
+    MAX_DIGESTS_FIELD_NUMBER: _builtins.int
+    topic: _builtins.str
+    partition: _builtins.int
+    from_offset: _builtins.int
+    """local offset, inclusive: the batch holding it is the first digested"""
+    to_offset: _builtins.int
+    """exclusive; unset: up to the partition's end when the scan starts"""
+    all_replicas: _builtins.bool
+    """a multi-node site: every node's copy; else the first readable copy of each segment"""
+    max_digests: _builtins.int
+    """per response message; 0: the server's default"""
+    def __init__(
+        self,
+        *,
+        topic: _builtins.str = ...,
+        partition: _builtins.int = ...,
+        from_offset: _builtins.int = ...,
+        to_offset: _builtins.int | None = ...,
+        all_replicas: _builtins.bool = ...,
+        max_digests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_to_offset", b"_to_offset", "to_offset", b"to_offset"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_to_offset", b"_to_offset", "all_replicas", b"all_replicas", "from_offset", b"from_offset", "max_digests", b"max_digests", "partition", b"partition", "to_offset", b"to_offset", "topic", b"topic"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__to_offset: _TypeAlias = _typing.Literal["to_offset"]  # noqa: Y015
+    _WhichOneofArgType__to_offset: _TypeAlias = _typing.Literal["_to_offset", b"_to_offset"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__to_offset) -> _WhichOneofReturnType__to_offset | None: ...
+
+Global___ScanDigestsRequest: _TypeAlias = ScanDigestsRequest  # noqa: Y015
+
+@_typing.final
+class BatchDigest(_message.Message):
+    """One stored batch as the file audit's scan sees it (spark_jobs/scan.py's BATCH_SCHEMA, without file):
+    the same coordinates and CRC at every site that holds the batch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    ORIGIN_SITE_FIELD_NUMBER: _builtins.int
+    ORIGIN_EPOCH_FIELD_NUMBER: _builtins.int
+    APPEND_TIME_MS_FIELD_NUMBER: _builtins.int
+    LOG_START_OFFSET_FIELD_NUMBER: _builtins.int
+    BASE_OFFSET_FIELD_NUMBER: _builtins.int
+    BASE_SEQ_FIELD_NUMBER: _builtins.int
+    LAST_SEQ_FIELD_NUMBER: _builtins.int
+    RECORDS_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    CRC_FIELD_NUMBER: _builtins.int
+    FIRST_TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    MAX_TIMESTAMP_MS_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """the node holding this copy ("" at a one-node site)"""
+    segment: _builtins.int
+    """the segment holding it (its first offset, or its id at a multi-node site)"""
+    position: _builtins.int
+    """byte position in that segment's file"""
+    status: _builtins.str
+    """"ok", "corrupt" or "torn_tail", as spark_jobs/scan.py names them"""
+    error: _builtins.str
+    """why, when status is not ok"""
+    origin_site: _builtins.str
+    origin_epoch: _builtins.int
+    append_time_ms: _builtins.int
+    log_start_offset: _builtins.int
+    base_offset: _builtins.int
+    """local offset of its first record here"""
+    base_seq: _builtins.int
+    """origin sequence range"""
+    last_seq: _builtins.int
+    records: _builtins.int
+    size_bytes: _builtins.int
+    crc: _builtins.int
+    """the batch's CRC-32C, as stored"""
+    first_timestamp_ms: _builtins.int
+    max_timestamp_ms: _builtins.int
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        segment: _builtins.int = ...,
+        position: _builtins.int = ...,
+        status: _builtins.str = ...,
+        error: _builtins.str = ...,
+        origin_site: _builtins.str = ...,
+        origin_epoch: _builtins.int = ...,
+        append_time_ms: _builtins.int = ...,
+        log_start_offset: _builtins.int = ...,
+        base_offset: _builtins.int = ...,
+        base_seq: _builtins.int = ...,
+        last_seq: _builtins.int = ...,
+        records: _builtins.int = ...,
+        size_bytes: _builtins.int = ...,
+        crc: _builtins.int = ...,
+        first_timestamp_ms: _builtins.int = ...,
+        max_timestamp_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["append_time_ms", b"append_time_ms", "base_offset", b"base_offset", "base_seq", b"base_seq", "crc", b"crc", "error", b"error", "first_timestamp_ms", b"first_timestamp_ms", "last_seq", b"last_seq", "log_start_offset", b"log_start_offset", "max_timestamp_ms", b"max_timestamp_ms", "node", b"node", "origin_epoch", b"origin_epoch", "origin_site", b"origin_site", "position", b"position", "records", b"records", "segment", b"segment", "size_bytes", b"size_bytes", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchDigest: _TypeAlias = BatchDigest  # noqa: Y015
+
+@_typing.final
+class ScanDigestsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIGESTS_FIELD_NUMBER: _builtins.int
+    END_OFFSET_FIELD_NUMBER: _builtins.int
+    end_offset: _builtins.int
+    """the exclusive end this scan reads up to"""
+    @_builtins.property
+    def digests(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchDigest]: ...
+    def __init__(
+        self,
+        *,
+        digests: _abc.Iterable[Global___BatchDigest] | None = ...,
+        end_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digests", b"digests", "end_offset", b"end_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScanDigestsResponse: _TypeAlias = ScanDigestsResponse  # noqa: Y015
+
+@_typing.final
 class ClusterStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -104,6 +104,11 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.ScrubRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.ScrubProgress.FromString,
                 _registered_method=True)
+        self.ScanDigests = channel.unary_stream(
+                '/georep.v1.Node/ScanDigests',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ScanDigestsRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ScanDigestsResponse.FromString,
+                _registered_method=True)
         self.GroupHeartbeat = channel.unary_unary(
                 '/georep.v1.Node/GroupHeartbeat',
                 request_serializer=georep_dot_proto_dot_georep__pb2.GroupHeartbeatRequest.SerializeToString,
@@ -289,6 +294,21 @@ class NodeServicer:
     def Scrub(self, request, context):
         """Check every stored batch now (the background scrubber's work, at full
         speed), streaming progress; damaged batches are quarantined and repaired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScanDigests(self, request, context):
+        """The live audit's read path (issue 24, docs/audit.md): one digest per
+        stored batch of one partition in [from_offset, to_offset), its CRC and
+        coordinates but none of its records. Any member of a multi-node site
+        serves it; with all_replicas, every node's copy of each segment is
+        digested (the replica-divergence check). Needs the `audit` ACL
+        operation on the topic (reading digests is not reading data). Paced per
+        node (`audit_digest_rate` batches per second) so it does not starve
+        produce. NOT_FOUND for an unknown topic or partition, OUT_OF_RANGE for
+        a range past the partition's end.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -495,6 +515,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Scrub,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.ScrubRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.ScrubProgress.SerializeToString,
+            ),
+            'ScanDigests': grpc.unary_stream_rpc_method_handler(
+                    servicer.ScanDigests,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ScanDigestsRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ScanDigestsResponse.SerializeToString,
             ),
             'GroupHeartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.GroupHeartbeat,
@@ -955,6 +980,33 @@ class Node:
             '/georep.v1.Node/Scrub',
             georep_dot_proto_dot_georep__pb2.ScrubRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.ScrubProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScanDigests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/georep.v1.Node/ScanDigests',
+            georep_dot_proto_dot_georep__pb2.ScanDigestsRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ScanDigestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -79,6 +79,17 @@ class NodeStub:
     """Check every stored batch now (the background scrubber's work, at full
     speed), streaming progress; damaged batches are quarantined and repaired.
     """
+    ScanDigests: _grpc.UnaryStreamMultiCallable[_georep_pb2.ScanDigestsRequest, _georep_pb2.ScanDigestsResponse]
+    """The live audit's read path (issue 24, docs/audit.md): one digest per
+    stored batch of one partition in [from_offset, to_offset), its CRC and
+    coordinates but none of its records. Any member of a multi-node site
+    serves it; with all_replicas, every node's copy of each segment is
+    digested (the replica-divergence check). Needs the `audit` ACL
+    operation on the topic (reading digests is not reading data). Paced per
+    node (`audit_digest_rate` batches per second) so it does not starve
+    produce. NOT_FOUND for an unknown topic or partition, OUT_OF_RANGE for
+    a range past the partition's end.
+    """
     GroupHeartbeat: _grpc.UnaryUnaryMultiCallable[_georep_pb2.GroupHeartbeatRequest, _georep_pb2.GroupHeartbeatResponse]
     """Consumer groups at this site (cluster/groups.py): join, heartbeat and
     learn the assignment in one call; leave; commit and read vector offsets.
@@ -182,6 +193,17 @@ class NodeAsyncStub(NodeStub):
     Scrub: _aio.UnaryStreamMultiCallable[_georep_pb2.ScrubRequest, _georep_pb2.ScrubProgress]  # type: ignore[assignment]
     """Check every stored batch now (the background scrubber's work, at full
     speed), streaming progress; damaged batches are quarantined and repaired.
+    """
+    ScanDigests: _aio.UnaryStreamMultiCallable[_georep_pb2.ScanDigestsRequest, _georep_pb2.ScanDigestsResponse]  # type: ignore[assignment]
+    """The live audit's read path (issue 24, docs/audit.md): one digest per
+    stored batch of one partition in [from_offset, to_offset), its CRC and
+    coordinates but none of its records. Any member of a multi-node site
+    serves it; with all_replicas, every node's copy of each segment is
+    digested (the replica-divergence check). Needs the `audit` ACL
+    operation on the topic (reading digests is not reading data). Paced per
+    node (`audit_digest_rate` batches per second) so it does not starve
+    produce. NOT_FOUND for an unknown topic or partition, OUT_OF_RANGE for
+    a range past the partition's end.
     """
     GroupHeartbeat: _aio.UnaryUnaryMultiCallable[_georep_pb2.GroupHeartbeatRequest, _georep_pb2.GroupHeartbeatResponse]  # type: ignore[assignment]
     """Consumer groups at this site (cluster/groups.py): join, heartbeat and
@@ -367,6 +389,23 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_georep_pb2.ScrubProgress], _abc.AsyncIterator[_georep_pb2.ScrubProgress]]:
         """Check every stored batch now (the background scrubber's work, at full
         speed), streaming progress; damaged batches are quarantined and repaired.
+        """
+
+    @_abc_1.abstractmethod
+    def ScanDigests(
+        self,
+        request: _georep_pb2.ScanDigestsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_georep_pb2.ScanDigestsResponse], _abc.AsyncIterator[_georep_pb2.ScanDigestsResponse]]:
+        """The live audit's read path (issue 24, docs/audit.md): one digest per
+        stored batch of one partition in [from_offset, to_offset), its CRC and
+        coordinates but none of its records. Any member of a multi-node site
+        serves it; with all_replicas, every node's copy of each segment is
+        digested (the replica-divergence check). Needs the `audit` ACL
+        operation on the topic (reading digests is not reading data). Paced per
+        node (`audit_digest_rate` batches per second) so it does not starve
+        produce. NOT_FOUND for an unknown topic or partition, OUT_OF_RANGE for
+        a range past the partition's end.
         """
 
     @_abc_1.abstractmethod

@@ -15,6 +15,7 @@ The rules:
 * groups: ``GroupHeartbeat`` (join), ``LeaveGroup``, ``FetchCommitted``, ``DescribeGroup`` need read on the
   group, and the heartbeat consume on every subscribed topic; ``CommitOffsets`` needs commit on the group
   and consume on every committed topic (as Kafka's OffsetCommit needs READ on the group and the topic);
+* audits: ``ScanDigests`` needs audit on the topic (digests, not records);
 * the cluster: ``SetLink``, ``DecommissionNode``, ``Scrub``, ``PutAcl``, ``PutUser``, ``ListUsers`` need admin;
 * replication: ``Replicate``, ``ReportHeld`` (and ``ListAcls``, unless admin) follow the topology's links,
   ``FetchBatch`` its reach (``georep/auth/acl_replication.py``); a pull and a held report are made only in
@@ -226,6 +227,7 @@ NODE_ACCESS: Mapping[str, Access] = {
     "Replicate": Access(pb.ReplicateRequest, _replicate),
     "ReportHeld": Access(pb.ReportHeldRequest, _report_held),
     "FetchBatch": Access(pb.FetchBatchRequest, lambda req, who, policy: policy.repair(who, req.topic, req.origin_site)),
+    "ScanDigests": Access(pb.ScanDigestsRequest, _topic_op(Operation.AUDIT)),
     "GroupHeartbeat": Access(pb.GroupHeartbeatRequest, _heartbeat),
     "LeaveGroup": Access(pb.LeaveGroupRequest, _group_read),
     "CommitOffsets": Access(pb.CommitOffsetsRequest, _commit),
