@@ -87,6 +87,7 @@ from georep.proto.convert import vector_from_proto
 from georep.record.batch import CorruptBatch
 from georep.record.compression import DecompressionError
 from georep.security.tls import TlsConfig, client_channel
+from georep.server.first_sync import CREATE_WAIT_S
 from georep.server.process import NODE_INFO
 from georep.storage.private import append_private
 from offsets.coordinates import Origin
@@ -101,6 +102,8 @@ RPC_TIMEOUT_S = 5.0
 CONVERGE_TIMEOUT_S = 60.0
 FAILOVER_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 30.0
+CREATE_TIMEOUT_S = 60.0  # for the drill topic's create: a fresh site's first catalog sync (create_topic_at)
+CREATE_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 MODES = ("kill", "isolate", "node-kill")
 # A node of a multi-node site is lost, not the site: acks=all is the promise that survives it, acks=leader the one
 # that may not.
@@ -223,20 +226,48 @@ class Site:
     def bootstrap(self) -> str:
         return ",".join(self.nodes or (self.address,))
 
-    async def stub_call(self, method: str, request: Any, address: str | None = None) -> Any:
+    async def stub_call(
+        self, method: str, request: Any, address: str | None = None, timeout_s: float = RPC_TIMEOUT_S
+    ) -> Any:
         async with client_channel(address or self.address, self.tls) as channel:
-            return await getattr(pbg.NodeStub(channel), method)(request, timeout=RPC_TIMEOUT_S)
+            return await getattr(pbg.NodeStub(channel), method)(request, timeout=timeout_s)
 
-    async def any_call(self, method: str, request: Any) -> Any:
+    async def any_call(self, method: str, request: Any, timeout_s: float = RPC_TIMEOUT_S) -> Any:
         """The first node of the site that answers (a multi-node site with one node down still does)."""
         error: grpc.aio.AioRpcError | None = None
         for address in self.nodes or (self.address,):
             try:
-                return await self.stub_call(method, request, address)
+                return await self.stub_call(method, request, address, timeout_s)
             except grpc.aio.AioRpcError as exc:
                 error = exc
         assert error is not None
         raise error
+
+
+async def create_topic_at(site: Site, request: pb.CreateTopicRequest, timeout_s: float = CREATE_TIMEOUT_S) -> None:
+    """Create the drill's topic at ``site``, once the site may create topics.
+
+    A data dir that has not yet listed each upstream's topic catalog holds a create back for up to ``CREATE_WAIT_S``,
+    then answers UNAVAILABLE (georep/server/first_sync.py). Right after ``georep up`` that is the usual case, and on
+    a loaded machine the first sync can take longer than a call's ``RPC_TIMEOUT_S``: so each call is given the
+    server's wait plus a round trip, UNAVAILABLE and DEADLINE_EXCEEDED are retried until ``timeout_s``, and a retry
+    that finds the topic (made by a call whose answer was lost; the name is the drill's own) is done."""
+    deadline = time.monotonic() + timeout_s
+    retried = False
+    while True:
+        try:
+            await site.any_call("CreateTopic", request, CREATE_WAIT_S + RPC_TIMEOUT_S)
+            return
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if retried and code == grpc.StatusCode.ALREADY_EXISTS:
+                return
+            if code not in CREATE_RETRIED or time.monotonic() >= deadline:
+                raise DrillError(
+                    f"cannot create topic {request.name} at site {site.name} ({code.name}: {exc.details()})"
+                ) from None
+        retried = True
+        await asyncio.sleep(0.5)
 
 
 async def served_partitions(site: Site, topic: str) -> dict[int, tuple[str, pb.PartitionState]]:
@@ -570,7 +601,7 @@ class SiteDrill:
     async def create_topic(self) -> None:
         topic = self.run.topic
         request = pb.CreateTopicRequest(name=topic, partitions=self.args.partitions)
-        await self.sites[self.victim].stub_call("CreateTopic", request)
+        await create_topic_at(self.sites[self.victim], request)
 
         async def everywhere() -> bool:
             for s in self.sites.values():
@@ -1120,7 +1151,7 @@ class NodeKillDrill:
 
     async def create_topic(self) -> None:
         topic, partitions = self.run.topic, self.args.partitions
-        await self.site.any_call("CreateTopic", pb.CreateTopicRequest(name=topic, partitions=partitions))
+        await create_topic_at(self.site, pb.CreateTopicRequest(name=topic, partitions=partitions))
 
         async def served_everywhere() -> bool:
             return all([len(await vectors(s, topic)) >= partitions for s in self.sites.values()])
