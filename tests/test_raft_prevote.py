@@ -154,3 +154,31 @@ def test_the_survivors_still_elect_when_the_leader_dies(site: Site) -> None:
     new = site.leader()
     assert site[new].status().term == term + 1, "pre-vote cost the survivors a second election"
     populate(site[new], topic="after")
+
+
+def test_a_tick_held_up_past_the_election_deadline_still_asks_first(site: Site) -> None:
+    """pysyncobj reads its election deadline again after its journal's one-second timer: a tick held up there past
+    the deadline (a journal fsync on a busy disk, the GIL of a loaded node) once ran for leader with no pre-vote at
+    all (found by the scenario above, under a load average of 30)."""
+    site.start()
+    populate(site[0])
+    site.converged()
+    leader = site.leader()
+    deaf = next(i for i in sorted(site.stores) if i != leader)
+    journal: Any = site[deaf]._replica._SyncObj__raftLog
+    timer = journal.onOneSecondTimer
+
+    def held_up() -> None:
+        time.sleep(FAST.election_timeout_max_s + 0.1)  # longer than any election timeout
+        timer()
+
+    journal.onOneSecondTimer = held_up
+    events = _record_pre_votes(site, deaf)
+    _deafen(site, deaf)
+    time.sleep(5 * FAST.election_timeout_max_s)  # the scenario: several held-up ticks
+    journal.onOneSecondTimer = timer
+    seen = list(events)
+    for at, event in enumerate(seen):
+        if event[0] == "vote":
+            granted = [g for g in seen[:at] if g[0] == "grant" and g[3] == event[2] and site.addresses[deaf] in g[2]]
+            assert granted, f"the deaf node asked for votes in term {event[2]} with no pre-vote granted"

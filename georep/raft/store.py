@@ -146,6 +146,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import socket
@@ -897,28 +898,40 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
             and self._SyncObj__transport.ready
         ):
             self._poller.poll(0)
-        self._pre_vote_gate()
-        super()._onTick(timeToWait)
+        if self._pre_vote_gate():
+            super()._onTick(timeToWait)
+            return
+        # pysyncobj reads its deadline again after work of its own (a journal's one-second timer, a transport
+        # getting ready): a tick held up past the deadline there would run for leader without asking first, as
+        # on a loaded machine it did. The deadline is out of its reach for this tick; a message that resets it
+        # (an append, a vote) meanwhile is kept, else it comes back, and the next tick's gate asks.
+        held, self._SyncObj__raftElectionDeadline = self._SyncObj__raftElectionDeadline, math.inf
+        try:
+            super()._onTick(timeToWait)
+        finally:
+            if self._SyncObj__raftElectionDeadline == math.inf:
+                self._SyncObj__raftElectionDeadline = held
 
-    def _pre_vote_gate(self) -> None:
+    def _pre_vote_gate(self) -> bool:
         """Before pysyncobj's tick: a follower whose election timer ran out asks for pre-votes instead of running;
-        it runs (the timer is left expired) only once a majority granted them (``georep.raft.prevote``)."""
+        it runs (the timer is left expired) only once a majority granted them (``georep.raft.prevote``). Whether
+        pysyncobj may run an election in this tick."""
         if (
             self._SyncObj__raftState == _RAFT_LEADER
             or self._SyncObj__selfNode is None
-            or self._SyncObj__raftElectionDeadline >= raft_clock()
             or self._SyncObj__transferInProgress  # the leader asked for this election
-            or not self._SyncObj__connectedToAnyone()
         ):
-            return
+            return True
+        if self._SyncObj__raftElectionDeadline >= raft_clock() or not self._SyncObj__connectedToAnyone():
+            return False
         term = self.raftCurrentTerm + 1
         if self._pre_vote is not None and self._pre_vote.proposed_term == term and self._pre_vote.won:
             self._pre_vote = None
-            return
+            return True
         others = list(self._SyncObj__otherNodes)
         self._pre_vote = PreVoteRound(term, len(others) + 1)
         if self._pre_vote.won:  # a group of one
-            return
+            return True
         self._SyncObj__raftElectionDeadline = raft_clock() + self._SyncObj__generateRaftTimeout()
         heard = self._leader_heard_ago_s()
         logger.info(
@@ -932,6 +945,7 @@ class _Replica(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
             self._SyncObj__transport.send(
                 node, {"type": _PRE_VOTE, "term": term, "last_log_index": mine.index, "last_log_term": mine.term}
             )
+        return False
 
     def _log_position(self) -> LogPosition:
         return LogPosition(self._SyncObj__getCurrentLogTerm(), self._SyncObj__getCurrentLogIndex())
