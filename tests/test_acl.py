@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from cluster.site_state import PutAcl, SiteState, command_from_dict
 from georep.auth.acl import (
+    RESOURCE_OF,
     AclEntry,
     InvalidAcl,
     Operation,
@@ -85,6 +86,17 @@ def test_operations_go_with_their_kind_of_resource_and_replicate_comes_from_the_
         acl_entry("client:alice", "write", "topic:orders")
     with pytest.raises(InvalidAcl, match="'\\+' for exactly one level"):
         acl_entry("client:alice", "produce", "topic:orders*")
+
+
+def test_every_operation_but_replicate_can_be_granted_on_its_kind_of_resource() -> None:
+    """An operation added to the enum without its resource kind (``audit`` once was) could not be granted at all."""
+    example = {"topic": "topic:orders/**", "group": "group:g", "cluster": "cluster"}
+    for op in Operation:
+        if op is not Operation.REPLICATE:
+            assert acl_entry("client:alice", op.value, example[RESOURCE_OF[op].value]).operation is op
+    assert acl_entry("client:auditor", "audit", "topic:orders/**").operation is Operation.AUDIT
+    with pytest.raises(InvalidAcl, match="applies to a topic"):
+        acl_entry("client:auditor", "audit", "cluster")
 
 
 def test_super_users() -> None:
