@@ -310,6 +310,24 @@ def test_table_decisions() -> None:
     assert not decide(NODE_ACCESS, "NoSuchMethod", pb.HealthRequest(), ALICE, policy).allowed
 
 
+def test_digests_need_audit_on_the_topic_and_a_members_digests_only_the_sites_nodes() -> None:
+    auditor = parse_principal("client:auditor")
+    entries = [
+        acl_entry("client:auditor", "audit", "topic:orders/**"),
+        acl_entry("client:alice", "consume", "topic:orders/**"),
+    ]
+    policy = _policy(entries)
+    scan = pb.ScanDigestsRequest(topic="orders/eu")
+    assert decide(NODE_ACCESS, "ScanDigests", scan, auditor, policy).allowed
+    refused = decide(NODE_ACCESS, "ScanDigests", scan, ALICE, policy)  # consume is not audit
+    assert not refused.allowed and "georep acl add client:alice audit topic:orders/eu" in refused.message
+    assert not decide(NODE_ACCESS, "ScanDigests", pb.ScanDigestsRequest(topic="payments"), auditor, policy).allowed
+    assert not decide(NODE_ACCESS, "Fetch", pb.FetchRequest(topic="orders/eu"), auditor, policy).allowed
+    member = pb.ScanSegmentDigestsRequest(segment=pb.SegmentRef(topic="orders/eu"))
+    assert not decide(SEGMENTS_ACCESS, "ScanSegmentDigests", member, auditor, policy).allowed
+    assert decide(SEGMENTS_ACCESS, "ScanSegmentDigests", member, parse_principal("node:a/2"), policy).allowed
+
+
 def test_pairs_of_entries_do_not_interact() -> None:
     """Each entry decides alone: for every pair, the pair allows exactly what either allows."""
     pool = [
