@@ -32,7 +32,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterSite]:
     site = ClusterSite(root, 3, extra_args=args)
     with site.running():
         with open_channel(site.address(1)) as channel:
-            pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=1), timeout=30)
+            pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=2), timeout=30)
         site.wait_leader(TOPIC)
         assert produce(site, BATCHES, "audit") == BATCHES
         yield site
@@ -99,3 +99,8 @@ def test_a_member_refuses_a_range_past_what_it_can_read_and_unknown_segments(sit
             list(pbg.SegmentsStub(channel).ScanSegmentDigests(request, timeout=30))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "ask another member" in (info.value.details() or "")
+        request.short_copy_ok = True  # all_replicas asks so: a member without the copy has nothing to digest
+        answers = list(pbg.SegmentsStub(channel).ScanSegmentDigests(request, timeout=30))
+        assert [(len(a.digests), a.end_offset) for a in answers] == [(0, 0)]
+        empty = list(pbg.NodeStub(channel).ScanDigests(pb.ScanDigestsRequest(topic=TOPIC, partition=1), timeout=30))
+        assert [(len(a.digests), a.end_offset) for a in empty] == [(0, 0)]
