@@ -20,7 +20,7 @@ from georep.client.audit import scan_digests
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from tests.support.channels import open_channel
-from tests.support.cluster_site import TOPIC, ClusterSite, produce
+from tests.support.cluster_site import TOPIC, ClusterSite, produce, status
 
 BATCHES = 16  # ~1 KiB each: several 4 KiB segments
 
@@ -83,6 +83,22 @@ def test_every_member_answers_and_all_replicas_shows_the_one_damaged_copy(site: 
     assert copies[str(healthy)].status == "ok" and copies[str(healthy)].crc == victim.crc
     assert [d for d in after if d.status != "ok"] == [copies[str(damaged)]]
     assert {d.segment for d in after} == {d.segment for d in every}
+
+
+@pytest.mark.slow
+def test_a_node_outside_the_open_segments_ensemble_digests_it_up_to_the_leaders_lac(site: ClusterSite) -> None:
+    """Its own follower bound stops at the open segment's base; the LAC is its leader's to say."""
+    for extra in range(4):  # until the open segment holds a batch (a roll may have just emptied it)
+        row = next(p for p in status(site).partitions if p.topic == TOPIC and p.partition == 0)
+        held = [d for d in scan(site, site.wait_leader(TOPIC)) if d.segment == row.open_segment_id]
+        if held:
+            break
+        assert produce(site, 1, f"open-{extra}") == 1
+    assert held, "the open segment stayed empty"
+    (outsider,) = {1, 2, 3} - set(row.open_ensemble)
+    seen = [d for d in scan(site, outsider) if d.segment == row.open_segment_id]
+    assert [(d.base_offset, d.crc) for d in seen] == [(d.base_offset, d.crc) for d in held]
+    assert {d.node for d in seen} <= {str(n) for n in row.open_ensemble}
 
 
 @pytest.mark.slow
