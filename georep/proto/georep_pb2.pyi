@@ -151,7 +151,7 @@ class PutAclRequest(_message.Message):
     principal: _builtins.str
     """client:alice, client:**, node:a/+, site:b"""
     operation: _builtins.str
-    """produce, consume, create_topic, alter_topic, delete_topic, commit, read, admin"""
+    """produce, consume, create_topic, alter_topic, delete_topic, audit, commit, read, admin"""
     resource: _builtins.str
     """topic:<filter>, group:<filter> or cluster"""
     remove: _builtins.bool
@@ -3197,6 +3197,49 @@ class ReadSegmentResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReadSegmentResponse: _TypeAlias = ReadSegmentResponse  # noqa: Y015
+
+@_typing.final
+class ScanSegmentDigestsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    FROM_OFFSET_FIELD_NUMBER: _builtins.int
+    TO_OFFSET_FIELD_NUMBER: _builtins.int
+    MAX_DIGESTS_FIELD_NUMBER: _builtins.int
+    LOG_START_OFFSET_FIELD_NUMBER: _builtins.int
+    SHORT_COPY_OK_FIELD_NUMBER: _builtins.int
+    from_offset: _builtins.int
+    """inclusive: the batch holding it is the first digested"""
+    to_offset: _builtins.int
+    """exclusive; up to the copy's end at most"""
+    max_digests: _builtins.int
+    """per response message; 0: the server's default"""
+    log_start_offset: _builtins.int
+    """the partition's, copied into every digest (the member knows only its copy)"""
+    short_copy_ok: _builtins.bool
+    """Digest what the copy holds below to_offset even if it ends earlier, or holds nothing (all_replicas: a member
+    may lag the LAC, or await a repair); the response's end_offset says where it stopped. Unset: refuse (UNAVAILABLE)
+    a copy that does not hold [from_offset, to_offset) whole.
+    """
+    @_builtins.property
+    def segment(self) -> Global___SegmentRef: ...
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentRef | None = ...,
+        from_offset: _builtins.int = ...,
+        to_offset: _builtins.int = ...,
+        max_digests: _builtins.int = ...,
+        log_start_offset: _builtins.int = ...,
+        short_copy_ok: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_offset", b"from_offset", "log_start_offset", b"log_start_offset", "max_digests", b"max_digests", "segment", b"segment", "short_copy_ok", b"short_copy_ok", "to_offset", b"to_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScanSegmentDigestsRequest: _TypeAlias = ScanSegmentDigestsRequest  # noqa: Y015
 
 @_typing.final
 class ListSegmentsRequest(_message.Message):

@@ -250,6 +250,7 @@ SEGMENTS_ACCESS: Mapping[str, Access] = {
         ("ListSegments", pb.ListSegmentsRequest),
         ("CopySegment", pb.CopySegmentRequest),
         ("RollSegment", pb.RollSegmentRequest),
+        ("ScanSegmentDigests", pb.ScanSegmentDigestsRequest),
     )
 }
 
