@@ -227,6 +227,8 @@ def _read_counters(digests: Any, sites: list[str], progress: Progress) -> dict[s
 def _since_inputs(spark: Any, since: Since, starts: dict[tuple[str, str, int], int], batches: Any) -> Any:
     """The log (new batches and the previous run's pending ones), what each site held at the previous cut, and
     the seam's issues."""
+    from pyspark.sql import functions as F
+
     from spark_jobs import checks
 
     starts_df = spark.createDataFrame(
@@ -234,7 +236,13 @@ def _since_inputs(spark: Any, since: Since, starts: dict[tuple[str, str, int], i
         "site string, topic string, partition int, start long",
     )
     pending = spark.read.schema(batches.schema).parquet(str(since.report_dir / PENDING_DIR))
-    kept = pending.join(starts_df, ["site", "topic", "partition"]).where("base_offset < start").select(*batches.columns)
+    # Below each site's new range: like the new rows, they say the log audited starts there (no hole before it)
+    kept = (
+        pending.join(starts_df, ["site", "topic", "partition"])
+        .where("base_offset < start")
+        .withColumn("log_start_offset", F.greatest("log_start_offset", "start"))
+        .select(*batches.columns)
+    )
     held_before = spark.createDataFrame(held_rows(since.cut, starts), HELD_ROWS)
     return batches.unionByName(kept), held_before, [checks.boundary_issues(batches, held_before)]
 
