@@ -259,6 +259,7 @@ SEGMENTS_ACCESS: Mapping[str, Access] = {
         ("ListSegments", pb.ListSegmentsRequest),
         ("CopySegment", pb.CopySegmentRequest),
         ("RollSegment", pb.RollSegmentRequest),
+        ("ScanSegmentDigests", pb.ScanSegmentDigestsRequest),
     )
 }
 
