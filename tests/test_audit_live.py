@@ -123,6 +123,7 @@ def flip_in_a_sealed_segment(data_dir: Path) -> tuple[str, int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # it pays the module's topology (three TLS nodes, two topics written and converged)
 def test_live_audit_is_clean_then_names_a_flipped_byte_reading_only_digests_and_that_batch(
     on: Live, tmp_path: Path
 ) -> None:
