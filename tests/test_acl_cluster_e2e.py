@@ -8,10 +8,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from georep.auth.principal import parse_principal
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
+from georep.record.batch import RecordInput, encode_batch
 from georep.security.tls import TlsConfig
 from tests.support.channels import open_channel
 from tests.support.cluster_site import ClusterSite
@@ -86,3 +89,52 @@ def test_an_entry_added_at_one_node_holds_at_every_node_and_replicated_writes_pa
                 .partition_states
             ]
     assert ends == [2]  # alice's two records, none of bob's
+
+
+def test_an_auditor_reads_every_replicas_digests_through_any_node(site: tuple[ClusterSite, Path]) -> None:
+    """ScanDigests with all_replicas over mutual TLS: the auditor needs ``audit``; the node it asks digests the
+    other members' copies through their Segments service, as the site's own node (issue 24)."""
+    cluster, certs = site
+    admin, bob = TlsConfig.from_dir(certs), TlsConfig.from_dir(certs, parse_principal("client:bob"))
+    scan = pb.ScanDigestsRequest(topic="audited", partition=0, all_replicas=True)
+    with open_channel(cluster.address(1), admin) as channel:
+        stub = pbg.NodeStub(channel)
+        stub.CreateTopic(pb.CreateTopicRequest(name="audited", partitions=1), timeout=30)
+    produced = []
+
+    def produce_at_the_leader() -> bool:
+        try:
+            with open_channel(cluster.address(1), admin) as channel:
+                described = pbg.NodeStub(channel).DescribeTopic(pb.DescribeTopicRequest(name="audited"), timeout=10)
+            if not described.leaders or not described.leaders[0].address:
+                return False
+            with open_channel(described.leaders[0].address, admin) as channel:
+                while len(produced) < 3:
+                    batch = encode_batch([RecordInput(None, b"audited", (), 1_700_000_000_000)])
+                    request = pb.ProduceRequest(topic="audited", partition=0, batch=batch, acks=pb.ACKS_ALL)
+                    answer = pbg.NodeStub(channel).Produce(request, timeout=30)
+                    if answer.HasField("error"):
+                        return False
+                    produced.append(answer)
+        except grpc.RpcError:
+            return False  # no leader yet, or it moved: ask again
+        return True
+
+    wait_until("three batches produced at the leader", produce_at_the_leader, 60)
+    with open_channel(cluster.address(2), bob) as channel, pytest.raises(grpc.RpcError) as info:
+        list(pbg.NodeStub(channel).ScanDigests(scan, timeout=30))
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "georep acl add client:bob audit topic:audited" in (info.value.details() or "")
+    with open_channel(cluster.address(1), admin) as channel:
+        put = pb.PutAclRequest(principal="client:bob", operation="audit", resource="topic:audited")
+        pbg.NodeStub(channel).PutAcl(put, timeout=30)
+
+    def digests_at(node: int) -> list[pb.BatchDigest]:
+        with open_channel(cluster.address(node), bob) as channel:
+            return [d for r in pbg.NodeStub(channel).ScanDigests(scan, timeout=30) for d in r.digests]
+
+    wait_until("bob may audit at every node", lambda: all(len(digests_at(n)) == 9 for n in (1, 2, 3)), 30)
+    for n in (1, 2, 3):  # three batches, a copy of each on each of the three members
+        digests = digests_at(n)
+        assert sorted(d.node for d in digests) == sorted(["1", "2", "3"] * 3)
+        assert {d.status for d in digests} == {"ok"} and len({d.crc for d in digests}) == 3

@@ -6,6 +6,7 @@ The multi-node site's side (any member answers; all_replicas) is in tests/test_s
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,6 +58,10 @@ def test_one_digest_per_stored_batch_with_its_crc_in_messages_of_max_digests(nod
     ]
     assert {(d.status, d.node, d.origin_site, d.log_start_offset) for d in digests} == {("ok", "", "a", 0)}
     assert len({d.segment for d in digests}) > 3  # read across segments (named by their base offsets)
+    metrics = urllib.request.urlopen(f"http://{_node.metrics_address}/metrics", timeout=10).read().decode()
+    assert "georep_audit_digests_total" in metrics and "georep_audit_paced_seconds_total" in metrics
+    counted = next(line for line in metrics.splitlines() if line.startswith("georep_audit_digests_total"))
+    assert float(counted.split()[1]) >= BATCHES["t"]
     middle = list(scan_digests(channel, "t", 0, 10, 20))  # the client call: batches holding offsets 10..19
     holding = [h.base_offset for h in stored if h.next_offset > 10 and h.base_offset < 20]
     assert [d.base_offset for d in middle] == holding

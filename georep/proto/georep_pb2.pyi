@@ -151,7 +151,7 @@ class PutAclRequest(_message.Message):
     principal: _builtins.str
     """client:alice, client:**, node:a/+, site:b"""
     operation: _builtins.str
-    """produce, consume, create_topic, alter_topic, delete_topic, commit, read, admin"""
+    """produce, consume, create_topic, alter_topic, delete_topic, audit, commit, read, admin"""
     resource: _builtins.str
     """topic:<filter>, group:<filter> or cluster"""
     remove: _builtins.bool

@@ -143,7 +143,9 @@ async def digests_of(
                     f"{cursor.log.directory} was closed during the scan (its topic deleted, or the copy replaced at "
                     "a seal): retry the scan from the last digest received"
                 ) from None
-            await pacer.take(len(step))
+            waited_s = await pacer.take(len(step))
+            if pacer.on_step is not None:
+                pacer.on_step(len(step), sum(f.scanned.size_bytes for f in step), waited_s)
             pending += (to_pb(f) for f in step)
             while len(pending) >= max_digests:
                 yield pending[:max_digests]

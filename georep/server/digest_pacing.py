@@ -57,12 +57,16 @@ class DigestPacer:
         self._sleep = sleep
         self._bucket = TokenBucket(rate, rate, clock_s()) if rate else None
         self.waited_s = 0.0  # the total the scans slept here (metrics, tests)
+        # Told of every step of every scan: (batches digested, their bytes, seconds waited); the node's metrics.
+        self.on_step: Callable[[int, int, float], None] | None = None
 
-    async def take(self, n: int) -> None:
-        """Wait until ``n`` digests may go (``n`` may exceed one second's rate; see the module doc)."""
+    async def take(self, n: int) -> float:
+        """Wait until ``n`` digests may go (``n`` may exceed one second's rate; see the module doc); the seconds
+        waited."""
         if self._bucket is None or n <= 0:
-            return
+            return 0.0
         wait_s = self._bucket.reserve(n, self._clock_s())
         if wait_s > 0:
             self.waited_s += wait_s
             await self._sleep(wait_s)
+        return max(wait_s, 0.0)

@@ -268,6 +268,19 @@ class NodeMetrics:
         self._replicated_out_bytes = Counter(
             "georep_replication_sent_bytes", "Batch bytes sent to downstream sites", registry=self.registry
         )
+        self._audit_digests = Counter(
+            "georep_audit_digests",
+            "Stored batches digested for audits (ScanDigests) on this node",
+            registry=self.registry,
+        )
+        self._audit_digest_bytes = Counter(
+            "georep_audit_digest_bytes", "Batch bytes read to digest them for audits", registry=self.registry
+        )
+        self._audit_paced_seconds = Counter(
+            "georep_audit_paced_seconds",
+            "Seconds audit scans waited for --audit-digest-rate (all scans together)",
+            registry=self.registry,
+        )
         # Per deleting site, not per topic: the topic's other series go with it, and these are counted as it goes.
         self._delete_records = Counter(
             "georep_topic_delete_records",
@@ -306,6 +319,12 @@ class NodeMetrics:
 
     def fetched(self, size: int) -> None:
         self._fetched_bytes.inc(size)
+
+    def digested(self, batches: int, size: int, waited_s: float) -> None:
+        """One step of an audit's digest scan (``georep/server/digest_calls.py``)."""
+        self._audit_digests.inc(batches)
+        self._audit_digest_bytes.inc(size)
+        self._audit_paced_seconds.inc(waited_s)
 
     def replicated_out(self, size: int) -> None:
         self._replicated_out_bytes.inc(size)

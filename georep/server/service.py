@@ -129,6 +129,7 @@ class NodeService:
             self.topic_calls.before_create = replicator.first_syncs.wait
         self.group_calls = GroupCalls(self.groups)
         self.digests = DigestCalls(broker, DigestPacer(audit_digest_rate), site_cluster)
+        self.digests.pacer.on_step = metrics.digested
         self.started = time.monotonic()
         # What one multi-batch produce request may carry; announced to producers in the stream's initial metadata
         self.produce_batches_max = REQUEST_BATCHES_MAX
