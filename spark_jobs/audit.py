@@ -157,7 +157,7 @@ def run_audit(
     """Run every check, write ``report_dir``, and return the verdict with its human summary."""
     from pyspark.sql import functions as F
 
-    from spark_jobs import checks
+    from spark_jobs import checks, runtime
     from spark_jobs.datasource import segments_option
 
     started = time.monotonic()
@@ -220,6 +220,7 @@ def run_audit(
         "issues": sample,
         "issues_truncated": sum(c["issues"] for c in counts.values()) > len(sample),
         "issues_parquet": ISSUES_DIR,
+        "runtime": runtime.describe(spark),
     }
     (report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return AuditResult(clean, report, summary_lines(report, report_dir))

@@ -9,6 +9,7 @@ point it at a site that is running.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -102,6 +103,39 @@ def flip_value_byte(part_dir: Path, origin: str, seq: int) -> None:
     rewrite_partition(part_dir, edit)
 
 
+def flip_value_byte_in_sealed_segment(part_dir: Path, origin: str, seq: int) -> Path:
+    """Flip one bit of the value of record (origin, seq) where it lies, in a sealed segment (not the partition's
+    last), and write its batch's CRC afresh: the segment keeps its size, its batches their positions, the index
+    stays true, and every storage check passes. Returns the segment file. Raises :class:`NothingToInject` when
+    the record is in the open segment or nowhere, or when its batch would change size (a compressed one)."""
+    segments = partition_segments("x", "", 0, part_dir)
+    for segment in segments:
+        for scanned in scan_segment(segment):
+            h = scanned.header
+            if h is None or str(h.origin) != origin or not h.base_origin_seq <= seq <= h.last_origin_seq:
+                continue
+            if segment is segments[-1]:
+                raise NothingToInject(f"seq {seq} of origin {origin} is in the open segment {segment.path}")
+            records = [RecordInput(r.key, r.value, r.headers, r.timestamp_ms) for r in decode_records(scanned.data, h)]
+            target = records[seq - h.base_origin_seq]
+            value = bytearray(target.value or b"\0")
+            value[0] ^= 0x01
+            records[seq - h.base_origin_seq] = target._replace(value=bytes(value))
+            fresh = _reencode(h, records)
+            if len(fresh) != len(scanned.data):
+                raise NothingToInject(
+                    f"the batch of seq {seq} would change size ({h.compression=}): use flip_value_byte"
+                )
+            # The 20 bytes before the CRC are this site's (offset, length, append time); the CRC and body are new.
+            with open(segment.path, "r+b") as f:
+                f.seek(scanned.position)
+                f.write(scanned.data[:20] + fresh[20:])
+                f.flush()
+                os.fsync(f.fileno())
+            return Path(segment.path)
+    raise NothingToInject(f"no batch of origin {origin} holds seq {seq} in {part_dir}")
+
+
 def delete_batch(part_dir: Path, origin: str, seq: int) -> None:
     """Remove the batch holding (origin, seq)."""
     rewrite_partition(part_dir, lambda b: (lambda i: [*b[:i], *b[i + 1 :]])(_index_of(b, origin, seq)))
@@ -140,6 +174,7 @@ __all__ = [
     "delete_batch",
     "duplicate_batch",
     "flip_value_byte",
+    "flip_value_byte_in_sealed_segment",
     "read_partition",
     "rewrite_partition",
     "swap_batches",
