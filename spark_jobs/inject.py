@@ -9,7 +9,6 @@ point it at a site that is running.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -103,37 +102,29 @@ def flip_value_byte(part_dir: Path, origin: str, seq: int) -> None:
     rewrite_partition(part_dir, edit)
 
 
-def flip_value_byte_in_sealed_segment(part_dir: Path, origin: str, seq: int) -> Path:
-    """Flip one bit of the value of record (origin, seq) where it lies, in a sealed segment (not the partition's
-    last), and write its batch's CRC afresh: the segment keeps its size, its batches their positions, the index
-    stays true, and every storage check passes. Returns the segment file. Raises :class:`NothingToInject` when
-    the record is in the open segment or nowhere, or when its batch would change size (a compressed one)."""
-    segments = partition_segments("x", "", 0, part_dir)
-    for segment in segments:
-        for scanned in scan_segment(segment):
-            h = scanned.header
-            if h is None or str(h.origin) != origin or not h.base_origin_seq <= seq <= h.last_origin_seq:
-                continue
-            if segment is segments[-1]:
-                raise NothingToInject(f"seq {seq} of origin {origin} is in the open segment {segment.path}")
-            records = [RecordInput(r.key, r.value, r.headers, r.timestamp_ms) for r in decode_records(scanned.data, h)]
-            target = records[seq - h.base_origin_seq]
-            value = bytearray(target.value or b"\0")
-            value[0] ^= 0x01
-            records[seq - h.base_origin_seq] = target._replace(value=bytes(value))
-            fresh = _reencode(h, records)
-            if len(fresh) != len(scanned.data):
-                raise NothingToInject(
-                    f"the batch of seq {seq} would change size ({h.compression=}): use flip_value_byte"
-                )
-            # The 20 bytes before the CRC are this site's (offset, length, append time); the CRC and body are new.
-            with open(segment.path, "r+b") as f:
-                f.seek(scanned.position)
-                f.write(scanned.data[:20] + fresh[20:])
-                f.flush()
-                os.fsync(f.fileno())
-            return Path(segment.path)
-    raise NothingToInject(f"no batch of origin {origin} holds seq {seq} in {part_dir}")
+def flip_value_byte_in_place(segment: SegmentFile, origin_site: str) -> tuple[str, int, int]:
+    """Flip one bit of a value in the segment file itself, in the first batch of ``origin_site`` with two records
+    or more (its second record), re-encoding the batch to the same length with its CRC recomputed: the segment,
+    sealed or not, keeps every offset and index entry, and only a comparison with another site can tell.
+
+    Returns (origin, seq, byte position of the batch). For a stopped node's files."""
+    for s in scan_segment(segment):
+        h = s.header
+        if h is None or h.origin_site != origin_site or h.records_count < 2:
+            continue
+        records = [RecordInput(r.key, r.value, r.headers, r.timestamp_ms) for r in decode_records(s.data, h)]
+        value = bytearray(records[1].value or b"\0")
+        value[0] ^= 0x01
+        records[1] = records[1]._replace(value=bytes(value))
+        # This site's offset, length and append time stay; the CRC (bytes 20-24) is the re-encoded batch's.
+        edited = s.data[:20] + _reencode(h, records)[20:]
+        if len(edited) != len(s.data):
+            continue  # a compressed batch whose size changed: try the next
+        with open(segment.path, "r+b") as f:
+            f.seek(s.position)
+            f.write(edited)
+        return str(h.origin), h.base_origin_seq + 1, s.position
+    raise NothingToInject(f"{segment.path} holds no batch of origin site {origin_site} with two records")
 
 
 def delete_batch(part_dir: Path, origin: str, seq: int) -> None:
@@ -174,7 +165,7 @@ __all__ = [
     "delete_batch",
     "duplicate_batch",
     "flip_value_byte",
-    "flip_value_byte_in_sealed_segment",
+    "flip_value_byte_in_place",
     "read_partition",
     "rewrite_partition",
     "swap_batches",
