@@ -9,8 +9,11 @@ from the zip that submit.sh ships, and the report says where each of them took i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,7 +23,9 @@ from typing import Any
 import pytest
 
 from georep.proto import georep_pb2 as pb
+from georep.security import dev_ca
 from spark_jobs import inject
+from spark_jobs.layout import list_segments
 from tests.support.sites import TRIANGLE, Sites, converged, produce, wait_until
 from tests.support.spark_cluster import SparkCluster, python_without_checkout
 
@@ -30,7 +35,7 @@ NAMES = ["a", "b", "c"]
 TOPIC = "orders"
 RECORDS_PER_SITE = 300
 SEGMENT_BYTES = 8192  # several segments per partition: the flipped record lies in a sealed one
-SUBMIT_TIMEOUT_S = 240.0
+SUBMIT_TIMEOUT_S = 420.0  # a submission takes 30-60 s on an idle 2-core machine; several times that under load
 
 
 @pytest.fixture(scope="module")
@@ -54,33 +59,37 @@ def executor_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def submit(
-    cluster: SparkCluster, python: Path, sites: Sites, report: Path, log: Path
+    cluster: SparkCluster, python: Path, sites: Sites, certs: Path, report: Path
 ) -> tuple[int, dict[str, Any], str]:
-    """The file-mode audit of ``sites`` through submit.sh on ``cluster``: (exit code, report.json, stdout)."""
+    """``georep audit --live`` of ``sites`` through submit.sh on ``cluster``: (exit code, report.json, stdout).
+
+    The auditor's TLS files are read by the driver, which hands them to the executors in the data source's options."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYSPARK_PYTHON=str(python), SPARK_LOCAL_IP="127.0.0.1")
-    args = [
-        str(SUBMIT),
-        "--master",
-        cluster.master_url,
-        "--conf",
-        "spark.driver.host=127.0.0.1",
-        "--",
-        "--topology",
-        str(sites.topology),
-        "--data-root",
-        str(sites.topology.parent),
-        "--report",
-        str(report),
-        "--as-of",
-        "now",
-    ]
+    spark_args = ["--master", cluster.master_url, "--conf", "spark.sql.shuffle.partitions=2"]
+    job_args = ["--live", "--topology", str(sites.topology), "--report", str(report)]
+    tls_args = ["--tls-dir", str(certs), "--principal", "client:auditor", "--topics", TOPIC]
+    log = report.with_suffix(".log")
     with open(log, "wb") as err:
-        done = subprocess.run(args, cwd="/", env=env, stdout=subprocess.PIPE, stderr=err, timeout=SUBMIT_TIMEOUT_S)
-    out = done.stdout.decode(errors="replace")
+        # Its own process group: spark-submit's JVM and the driver's Pythons go with it, even on a timeout.
+        job = subprocess.Popen(
+            [str(SUBMIT), *spark_args, "--", *job_args, *tls_args],
+            cwd="/",
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,
+        )
+        try:
+            stdout, _ = job.communicate(timeout=SUBMIT_TIMEOUT_S)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    out = stdout.decode(errors="replace")
     if not (report / "report.json").exists():
-        pytest.fail(f"submit.sh exited {done.returncode} without a report:\n{out}\n{log.read_text()[-4000:]}")
-    return done.returncode, json.loads((report / "report.json").read_text()), out
+        pytest.fail(f"submit.sh exited {job.returncode} without a report:\n{out}\n{log.read_text()[-4000:]}")
+    return job.returncode, json.loads((report / "report.json").read_text()), out
 
 
 def assert_shipped(report: dict[str, Any], cluster: SparkCluster) -> None:
@@ -97,46 +106,66 @@ def assert_shipped(report: dict[str, Any], cluster: SparkCluster) -> None:
     assert runtime["ui"] and runtime["ui"].startswith("http://"), runtime
 
 
+def assert_progress(out: str, report: dict[str, Any]) -> None:
+    """The driver showed the run's stages and, per site, the digests its executors read (sent over UDP)."""
+    (done,) = [line for line in out.splitlines() if line.startswith("progress: done: ")]
+    stages = re.search(r"(\d+) stage\(s\) done", done)
+    assert stages and int(stages.group(1)) >= 1, done
+    for site, read in report["read"]["per_site"].items():
+        shown = re.search(rf"\| {site} ([\d,]+) digests [\d.,]+ MB of [\d.,]+ MB", done)
+        assert shown and 0 < int(shown.group(1).replace(",", "")) <= read["digests"] * 2, done  # a task may rerun
+
+
 @pytest.mark.slow
-def test_audit_submitted_to_a_standalone_cluster_is_clean_then_names_a_flipped_byte(
+@pytest.mark.timeout(1200)
+def test_live_audit_submitted_to_a_standalone_cluster_is_clean_then_names_a_flipped_byte(
     cluster: SparkCluster, executor_python: Path, tmp_path: Path
 ) -> None:
-    (tmp_path / "sites").mkdir()
-    sites = Sites(tmp_path / "sites", NAMES, TRIANGLE, tls_dir=tmp_path / "tls")
+    root = tmp_path / "sites"
+    root.mkdir()
+    certs = tmp_path / "certs"
+    sites = Sites(root, NAMES, TRIANGLE, extra_args=["--segment-bytes-max", str(SEGMENT_BYTES)], tls_dir=certs)
+    dev_ca.init(certs, dev_ca.plan(NAMES, {}, ["auditor"]))
     try:
         sites.start()
-        config = {"segment_bytes_max": str(SEGMENT_BYTES)}
-        sites.stub("a").CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=2, config=config), timeout=10)
+        for s in NAMES:  # the auditor may read digests and fetch batches by coordinate, nothing else
+            sites.stub(s).PutAcl(pb.PutAclRequest(principal="client:auditor", operation="audit", resource="topic:**"))
+        sites.stub("a").CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=2), timeout=10)
         wait_until("the topic reaches b and c", lambda: all(sites.vectors(s, TOPIC) for s in ("b", "c")), 20)
 
         async def everyone() -> None:
-            await asyncio.gather(*(produce(sites.address(s), TOPIC, s, RECORDS_PER_SITE, tls=sites.tls) for s in NAMES))
+            await asyncio.gather(
+                *(produce(sites.address(s), TOPIC, s, RECORDS_PER_SITE, 100, sites.tls) for s in NAMES)
+            )
 
         asyncio.run(everyone())
         total = RECORDS_PER_SITE * len(NAMES)
         wait_until("every site holds every record", lambda: converged(sites, NAMES, TOPIC, total), 60)
 
         started = time.monotonic()
-        code, clean, out = submit(cluster, executor_python, sites, tmp_path / "clean", tmp_path / "clean.log")
-        print(f"clean audit submitted and done in {time.monotonic() - started:.1f} s")
-        assert code == 0 and clean["clean"], out
+        code, clean, out = submit(cluster, executor_python, sites, certs, tmp_path / "clean")
+        print(f"clean live audit submitted and done in {time.monotonic() - started:.1f} s")
+        assert code == 0 and clean["clean"] and clean["mode"] == "live", out
         assert {s: t["records"] for s, t in clean["sites"].items()} == {s: total for s in NAMES}
+        assert clean["read"]["fetched_batches"] == 0
         assert_shipped(clean, cluster)
+        assert_progress(out, clean)
 
-        sites.nodes["b"].stop()
-        origin_a = f"a@{json.loads((sites.nodes['a'].data_dir / 'site.json').read_text())['epoch']}"
-        seq = 7
-        segment = inject.flip_value_byte_in_sealed_segment(
-            sites.nodes["b"].data_dir / "logs" / f"{TOPIC}-1", origin_a, seq
-        )
-        code, caught, out = submit(cluster, executor_python, sites, tmp_path / "flipped", tmp_path / "flipped.log")
+        b = sites.nodes["b"]
+        b.stop()
+        segments = [s for s in list_segments({"b": b.data_dir}, (TOPIC,)) if s.partition == 1]
+        assert len(segments) > 1, "the topic's segments are small enough for several"
+        origin, seq, _position = inject.flip_value_byte_in_place(segments[0], "a")  # sealed: not the last
+        b.start()
+        code, caught, out = submit(cluster, executor_python, sites, certs, tmp_path / "flipped")
         assert code == 1 and not caught["clean"], out
-        issues = [
+        found = [
             (i["kind"], i["site"], i["topic"], i["partition"], i["origin"], i["first_seq"]) for i in caught["issues"]
         ]
-        assert issues == [("mismatch", "b", TOPIC, 1, origin_a, seq)], out
-        assert caught["issues"][0]["reference_site"] == "a" and caught["issues"][0]["file"] == str(segment)
-        assert f"mismatch at {TOPIC}/1 {origin_a}:{seq}" in out
+        assert found == [("mismatch", "b", TOPIC, 1, origin, seq)], out
+        assert caught["issues"][0]["reference_site"] == "a"
+        assert f"mismatch at {TOPIC}/1 {origin}:{seq}" in out
+        assert caught["read"]["fetched_batches"] == 2  # b's copy and a's: every other batch was read as a digest
         assert_shipped(caught, cluster)
         print(f"both audits in {time.monotonic() - started:.1f} s")
     finally:

@@ -14,6 +14,7 @@ third-party packages without georep's editable install, so that an executor impo
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -36,6 +37,7 @@ DAEMON_MEMORY = "256m"  # the master's and workers' own JVM heaps; executors get
 # The daemons and spark-class's launcher do little work but start cold: the quick compiler alone and one GC thread
 # take about half the CPU off their start (C2 and parallel GC threads compile and collect for nothing here).
 QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+PR_SET_PDEATHSIG = 1  # prctl(2)
 START_TIMEOUT_S = 90.0  # a cold JVM start on a loaded 2-core machine takes 5-10 s; give it room
 LOG_TAIL_CHARS = 3000
 # The daemons log INFO to their stdout/stderr files: the logs say where each one bound and who registered.
@@ -54,6 +56,13 @@ logger.hadoop.level = error
 
 class ClusterStartError(RuntimeError):
     """A daemon exited or did not come up in time; the message carries its log's tail."""
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs spark-class: SIGKILL it when the test process dies without a teardown (killed
+    itself), so that no daemon outlives the run. The signal survives the exec of the JVM."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def spark_home() -> Path:
@@ -155,6 +164,7 @@ class SparkCluster:
                 cwd=self.root,
                 env=self._env(),
                 start_new_session=True,  # its own process group, killed whole by close()
+                preexec_fn=_die_with_parent,
             )
         self.daemons.append(Daemon(name, process, log))
 
