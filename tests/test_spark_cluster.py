@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,24 @@ def executor_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     probe = subprocess.run([str(python), "-c", "import georep"], cwd="/", capture_output=True, text=True)
     assert probe.returncode != 0 and "No module named 'georep'" in probe.stderr, probe.stderr
     return python
+
+
+def test_the_shipped_zip_holds_every_module_the_jobs_import(executor_python: Path, tmp_path: Path) -> None:
+    """What submit.sh ships is importable with nothing else of georep around: every spark_jobs module (and what
+    they import), and a namespace package (georep.kafka: no __init__.py, imported from a zip only when the zip
+    lists its directory)."""
+    shipped = tmp_path / "georep.zip"
+    subprocess.run([str(REPO / "deploy" / "spark" / "georep-zip.sh"), str(shipped)], check=True)
+    jobs = sorted(n[:-3].replace("/", ".") for n in zipfile.ZipFile(shipped).namelist() if n.startswith("spark_jobs/"))
+    modules = [m for m in jobs if m.count(".") == 1 and not m.endswith("__init__")] + ["georep.kafka.gateway"]
+    check = "import importlib, sys\nfor m in sys.argv[2:]:\n    f = importlib.import_module(m).__file__\n"
+    check += "    assert f.startswith(sys.argv[1] + '/'), (m, f)\nprint(len(sys.argv) - 2)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(shipped)}
+    done = subprocess.run(
+        [str(executor_python), "-c", check, str(shipped), *modules], cwd="/", env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == str(len(modules)), done.stderr[-3000:]
+    assert "spark_jobs.live_source" in modules and "spark_jobs.audit" in modules
 
 
 def submit(
