@@ -7,7 +7,8 @@ Two sources feed it:
 * **A status line** that a driver thread (:func:`watch`) recomposes every moment: Spark's stages and their tasks
   done of total (Spark's ``StatusTracker``), and per site the batches or digests read and the MB they took,
   which the executors' readers send to the driver as they go (:class:`Reporter`, small UDP datagrams to a
-  :class:`Listener` on the driver's address: Spark's accumulators do not reach a Python data source's reader).
+  :class:`Listener` on the driver's address: a Python data source's readers are built from string options by a
+  planning process, so an accumulator the driver made cannot reach them).
 
 On a terminal (:class:`TerminalProgress`) the status is one line redrawn in place, with the steps printed above
 it; elsewhere (:class:`PlainProgress`: a log, CI, a pipe) the steps are plain lines and the status a plain line
