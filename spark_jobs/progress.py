@@ -36,6 +36,7 @@ REPORT_EVERY_S = 0.5  # an executor's reader sends its counts at most this often
 REDRAW_EVERY_S = 0.25  # the terminal line
 PLAIN_EVERY_S = 10.0  # a plain status line, while something changed
 DATAGRAM_BYTES_MAX = 1024
+SITES_MAX = 1_000  # sites counted; a datagram naming one more is dropped
 
 
 class Progress(Protocol):
@@ -166,12 +167,14 @@ class SiteCount:
 class Listener:
     """A UDP socket on the driver that sums the counts executors send, per site, on a thread of its own."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, bind: str | None = None) -> None:
+        """Bound where the driver's own RPC binds (``bind``, else ``host``), and reached at ``host``: the address
+        the executors already reach the driver at (``spark.driver.host``)."""
         self.counts: dict[str, SiteCount] = {}
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.bind((socket.gethostbyname(host), 0))
-        self.address = f"{self._sock.getsockname()[0]}:{self._sock.getsockname()[1]}"
+        self._sock.bind((socket.gethostbyname(bind or host), 0))
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._thread = threading.Thread(target=self._serve, name="georep-progress", daemon=True)
         self._thread.start()
 
@@ -191,7 +194,9 @@ class Listener:
         except (ValueError, KeyError, TypeError):
             return
         with self._lock:
-            c = self.counts.setdefault(site[:64], SiteCount())
+            if site not in self.counts and len(self.counts) >= SITES_MAX:
+                return  # a stray sender's made-up sites do not grow the table
+            c = self.counts.setdefault(site, SiteCount())
             c.items, c.wire_bytes, c.stored_bytes = c.items + items, c.wire_bytes + wire, c.stored_bytes + stored
 
     def snapshot(self) -> dict[str, SiteCount]:
@@ -348,7 +353,8 @@ def watch(spark: Any, progress: Progress) -> Iterator[None]:
         yield
         return
     sc = spark.sparkContext
-    listener = Listener(sc.getConf().get("spark.driver.host", "127.0.0.1"))
+    conf = sc.getConf()
+    listener = Listener(conf.get("spark.driver.host", "127.0.0.1"), conf.get("spark.driver.bindAddress", None))
     terminal = isinstance(progress, TerminalProgress)
     watcher = Watcher(sc, progress, listener, REDRAW_EVERY_S if terminal else 1.0)
     _current = listener

@@ -5,6 +5,7 @@ from executors on other processes) is checked on a cluster in tests/test_spark_c
 from __future__ import annotations
 
 import io
+import json
 import socket
 from collections.abc import Iterator
 
@@ -12,6 +13,7 @@ import pyarrow as pa
 import pytest
 
 from spark_jobs.progress import (
+    SITES_MAX,
     Listener,
     PlainProgress,
     Reporter,
@@ -60,6 +62,14 @@ def test_what_is_not_a_count_is_dropped(listener: Listener) -> None:
     good.close()
     wait_until("the good datagram arrived", lambda: "c" in listener.snapshot(), 10)
     assert listener.snapshot() == {"c": SiteCount(1, 0, 100)}
+
+
+def test_a_flood_of_made_up_sites_does_not_grow_the_table(listener: Listener) -> None:
+    for i in range(SITES_MAX + 5):
+        listener.take(json.dumps({"s": f"s{i}", "n": 1, "w": 0, "b": 0}).encode())
+    listener.take(json.dumps({"s": "s0", "n": 1, "w": 0, "b": 0}).encode())  # a counted site counts on
+    counts = listener.snapshot()
+    assert len(counts) == SITES_MAX and counts["s0"].items == 2
 
 
 def test_a_reader_without_a_listener_reads_on() -> None:
