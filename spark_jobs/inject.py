@@ -116,8 +116,7 @@ def flip_value_byte_in_place(segment: SegmentFile, origin_site: str) -> tuple[st
         value = bytearray(records[1].value or b"\0")
         value[0] ^= 0x01
         records[1] = records[1]._replace(value=bytes(value))
-        # This site's offset, length and append time stay; the CRC (bytes 20-24) is the re-encoded batch's.
-        edited = s.data[:20] + _reencode(h, records)[20:]
+        edited = s.data[:20] + _reencode(h, records)[20:]  # the local offset and append time kept; the new CRC
         if len(edited) != len(s.data):
             continue  # a compressed batch whose size changed: try the next
         with open(segment.path, "r+b") as f:

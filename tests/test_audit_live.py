@@ -104,6 +104,22 @@ def divergences(doc: dict[str, Any]) -> list[tuple[str, str, str, int, int]]:
     )
 
 
+def flip_in_a_sealed_segment(data_dir: Path) -> tuple[str, int, int]:
+    """A value byte flipped in a record of another site's origin, in a segment of ``orders`` that is not its
+    partition's last (sealed): (origin, seq, partition)."""
+    segments = list_segments({"b": data_dir}, (ORDERS,))
+    for partition in (0, 1):
+        sealed = [s for s in segments if s.partition == partition][:-1]
+        for segment in sealed:
+            for origin_site in ("a", "c"):
+                try:
+                    origin, seq, _position = inject.flip_value_byte_in_place(segment, origin_site)
+                except inject.NothingToInject:
+                    continue
+                return origin, seq, partition
+    raise AssertionError(f"no sealed segment of {ORDERS} at b holds another origin's batch of two records")
+
+
 @pytest.mark.slow
 def test_live_audit_is_clean_then_names_a_flipped_byte_reading_only_digests_and_that_batch(
     on: Live, tmp_path: Path
@@ -123,17 +139,14 @@ def test_live_audit_is_clean_then_names_a_flipped_byte_reading_only_digests_and_
 
     b = sites.nodes["b"]
     b.stop()
-    segments = [s for s in list_segments({"b": b.data_dir}, (ORDERS,)) if s.partition == 1]
-    assert len(segments) > 1, "the topic's segments are small enough for several"
-    sealed = segments[0]
-    origin, seq, _position = inject.flip_value_byte_in_place(sealed, "a")
+    origin, seq, partition = flip_in_a_sealed_segment(b.data_dir)
     b.start()
     code, caught, lines = on.audit(tmp_path / "flipped", "--topics", ORDERS)
     assert code == EXIT_DIVERGENCE, lines
-    assert divergences(caught) == [("mismatch", "b", origin, 1, seq)], caught["issues"]
+    assert divergences(caught) == [("mismatch", "b", origin, partition, seq)], caught["issues"]
     (issue,) = (i for i in caught["issues"] if i["divergence"])
     assert issue["reference_site"] == "a" and issue["records"] == 1 and "record differs" in issue["detail"]
-    assert issue["file"].startswith(f"b/{ORDERS}/1@")
+    assert issue["file"].startswith(f"b/{ORDERS}/{partition}@")
     read = caught["read"]
     assert {s: r["digests"] for s, r in read["per_site"].items()} == stored  # every digest, once
     assert read["fetched_batches"] == 2  # b's copy and a's, the reference: no other batch moved
