@@ -140,6 +140,21 @@ def assert_shipped(report: dict[str, Any], cluster: SparkCluster) -> None:
     assert runtime["ui"] and runtime["ui"].startswith("http://"), runtime
 
 
+def flip_in_a_sealed_segment(data_dir: Path) -> tuple[str, int, int]:
+    """A value byte flipped, CRC recomputed, in a record of another site's origin in a segment that is not its
+    partition's last: (origin, seq, partition)."""
+    segments = list_segments({"b": data_dir}, (TOPIC,))
+    for partition in (0, 1):
+        for segment in [s for s in segments if s.partition == partition][:-1]:
+            for origin_site in ("a", "c"):
+                try:
+                    origin, seq, _position = inject.flip_value_byte_in_place(segment, origin_site)
+                except inject.NothingToInject:
+                    continue
+                return origin, seq, partition
+    raise AssertionError(f"no sealed segment of {TOPIC} at b holds a batch of a or c: are segments small enough?")
+
+
 def assert_progress(out: str, report: dict[str, Any]) -> None:
     """The driver showed the run's stages and, per site, the digests its executors read (sent over UDP)."""
     (done,) = [line for line in out.splitlines() if line.startswith("progress: done: ")]
@@ -187,18 +202,16 @@ def test_live_audit_submitted_to_a_standalone_cluster_is_clean_then_names_a_flip
 
         b = sites.nodes["b"]
         b.stop()
-        segments = [s for s in list_segments({"b": b.data_dir}, (TOPIC,)) if s.partition == 1]
-        assert len(segments) > 1, "the topic's segments are small enough for several"
-        origin, seq, _position = inject.flip_value_byte_in_place(segments[0], "a")  # sealed: not the last
+        origin, seq, partition = flip_in_a_sealed_segment(b.data_dir)
         b.start()
         code, caught, out = submit(cluster, executor_python, sites, certs, tmp_path / "flipped")
         assert code == 1 and not caught["clean"], out
         found = [
             (i["kind"], i["site"], i["topic"], i["partition"], i["origin"], i["first_seq"]) for i in caught["issues"]
         ]
-        assert found == [("mismatch", "b", TOPIC, 1, origin, seq)], out
+        assert found == [("mismatch", "b", TOPIC, partition, origin, seq)], out
         assert caught["issues"][0]["reference_site"] == "a"
-        assert f"mismatch at {TOPIC}/1 {origin}:{seq}" in out
+        assert f"mismatch at {TOPIC}/{partition} {origin}:{seq}" in out
         assert caught["read"]["fetched_batches"] == 2  # b's copy and a's: every other batch was read as a digest
         assert_shipped(caught, cluster)
         print(f"both audits in {time.monotonic() - started:.1f} s")
