@@ -145,11 +145,12 @@ def progress_for(
     quiet: bool, out: Callable[[str], None] = print, terminal: bool | None = None, stream: IO[str] | None = None
 ) -> Progress:
     """The display for a run: nothing with ``quiet``; on a terminal (``stream``, default stdout) the redrawn
-    status line; else plain lines through ``out``."""
+    status line; else plain lines through ``out`` (also when the caller collects the lines: an ``out`` other
+    than ``print``)."""
     if quiet:
         return SilentProgress()
     stream = stream or sys.stdout
-    if stream.isatty() if terminal is None else terminal:
+    if (stream.isatty() and out is print) if terminal is None else terminal:
         return TerminalProgress(stream)
     return PlainProgress(out)
 

@@ -143,3 +143,4 @@ def test_the_display_follows_the_output_and_quiet() -> None:
     assert isinstance(progress_for(False, stream=Tty()), TerminalProgress)
     assert type(progress_for(False, stream=io.StringIO())) is PlainProgress
     assert type(progress_for(False, terminal=False, stream=Tty())) is PlainProgress
+    assert type(progress_for(False, [].append, stream=Tty())) is PlainProgress  # the caller keeps the lines
