@@ -92,7 +92,10 @@ def submit(
     The auditor's TLS files are read by the driver, which hands them to the executors in the data source's options."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYSPARK_PYTHON=str(python), SPARK_LOCAL_IP="127.0.0.1")
+    scratch = report.with_suffix(".driver")  # the driver's block manager and files served to executors
+    scratch.mkdir()
     spark_args = ["--master", cluster.master_url, "--conf", "spark.sql.shuffle.partitions=2"]
+    spark_args += ["--conf", f"spark.local.dir={scratch}"]
     job_args = ["--live", "--topology", str(sites.topology), "--report", str(report)]
     tls_args = ["--tls-dir", str(certs), "--principal", "client:auditor", "--topics", TOPIC]
     log = report.with_suffix(".log")

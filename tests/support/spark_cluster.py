@@ -124,9 +124,12 @@ class SparkCluster:
                 work.mkdir(parents=True)
                 # Port 0: the worker's RPC and web UI ports are the kernel's pick; only the master's must be known.
                 args = ["--host", "127.0.0.1", "--port", "0", "--webui-port", "0", "--cores", str(self.cores)]
+                scratch = self.root / f"worker-{i + 1}" / "local"  # its executors' shuffle and block files
+                scratch.mkdir()
                 self._spawn(
                     f"worker-{i + 1}",
                     [WORKER_CLASS, *args, "--memory", self.memory, "--work-dir", str(work), self.master_url],
+                    {"SPARK_LOCAL_DIRS": str(scratch)},
                 )
             self._wait(f"{self.workers} workers registered with the master", self._all_registered, deadline)
         except BaseException:
@@ -151,7 +154,7 @@ class SparkCluster:
         )
         return env
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         logs = self.root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = logs / f"{name}.log"
@@ -162,7 +165,7 @@ class SparkCluster:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=self.root,
-                env=self._env(),
+                env={**self._env(), **(env or {})},
                 start_new_session=True,  # its own process group, killed whole by close()
                 preexec_fn=_die_with_parent,
             )
