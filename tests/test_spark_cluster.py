@@ -44,7 +44,8 @@ SUBMIT_TIMEOUT_S = 900.0  # a submission takes 30-60 s on an idle 2-core machine
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
     started = time.monotonic()
     spark = SparkCluster(tmp_path_factory.mktemp("spark-cluster")).start()
-    print(f"spark standalone master and 2 workers up in {time.monotonic() - started:.1f} s ({spark.master_url})")
+    took, cpu, load = time.monotonic() - started, sum(cpu_s(pid) for pid in spark.pids()), os.getloadavg()[0]
+    print(f"spark master and 2 workers up in {took:.1f} s, {cpu:.1f} CPU-s (load {load:.1f}): {spark.master_url}")
     try:
         yield spark
     finally:
