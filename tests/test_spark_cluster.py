@@ -37,6 +37,16 @@ NAMES = ["a", "b", "c"]
 TOPIC = "orders"
 RECORDS_PER_SITE = 300
 SEGMENT_BYTES = 8192  # several segments per partition: the flipped record lies in a sealed one
+# As tests/conftest.py's session, for jobs this small (a few hundred batches): the JVMs' quick compiler and one GC
+# thread, expressions interpreted rather than compiled, few shuffle partitions. The report does not depend on it.
+QUICK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+SMALL_JOB_CONF = {
+    "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={REPO}/spark_jobs/log4j2.properties {QUICK_JVM}",
+    "spark.executor.extraJavaOptions": QUICK_JVM,
+    "spark.sql.shuffle.partitions": "2",
+    "spark.sql.codegen.wholeStage": "false",
+    "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+}
 SUBMIT_TIMEOUT_S = 900.0  # a submission takes 30-60 s on an idle 2-core machine; several times that under load
 
 
@@ -95,8 +105,9 @@ def submit(
     env.update(PYSPARK_PYTHON=str(python), SPARK_LOCAL_IP="127.0.0.1")
     scratch = report.with_suffix(".driver")  # the driver's block manager and files served to executors
     scratch.mkdir()
-    spark_args = ["--master", cluster.master_url, "--conf", "spark.sql.shuffle.partitions=2"]
-    spark_args += ["--conf", f"spark.local.dir={scratch}"]
+    spark_args = ["--master", cluster.master_url, "--conf", f"spark.local.dir={scratch}"]
+    for key, value in SMALL_JOB_CONF.items():
+        spark_args += ["--conf", f"{key}={value}"]
     job_args = ["--live", "--topology", str(sites.topology), "--report", str(report)]
     tls_args = ["--tls-dir", str(certs), "--principal", "client:auditor", "--topics", TOPIC]
     log = report.with_suffix(".log")

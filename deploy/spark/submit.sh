@@ -55,7 +55,9 @@ build=$(mktemp -d)
 trap 'rm -rf "$build"' EXIT
 "$repo/deploy/spark/georep-zip.sh" "$build/georep.zip"
 
-"$submit" "${submit_args[@]}" \
+# The driver's quiet log configuration comes first, so that a --conf spark.driver.extraJavaOptions of the
+# user's, later on the command line, wins (add -Dlog4j2.configurationFile=... to it to keep the quiet logs).
+"$submit" --conf "spark.driver.extraJavaOptions=-Dlog4j2.configurationFile=$repo/spark_jobs/log4j2.properties" \
+    "${submit_args[@]}" \
     --py-files "$build/georep.zip" \
-    --conf "spark.driver.extraJavaOptions=-Dlog4j2.configurationFile=$repo/spark_jobs/log4j2.properties" \
     "$repo/spark_jobs/$job.py" "$@"
