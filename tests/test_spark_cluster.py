@@ -225,7 +225,7 @@ def test_live_audit_submitted_to_a_standalone_cluster_is_clean_then_names_a_flip
             (i["kind"], i["site"], i["topic"], i["partition"], i["origin"], i["first_seq"]) for i in caught["issues"]
         ]
         assert found == [("mismatch", "b", TOPIC, partition, origin, seq)], out
-        assert caught["issues"][0]["reference_site"] == "a"
+        assert caught["issues"][0]["reference_site"] == origin.split("@")[0]  # the origin's copy is the reference
         assert f"mismatch at {TOPIC}/{partition} {origin}:{seq}" in out
         assert caught["read"]["fetched_batches"] == 2  # b's copy and a's: every other batch was read as a digest
         assert_shipped(caught, cluster)
