@@ -33,8 +33,10 @@ class Live:
     sites: Sites
     certs: Path
 
-    def audit(self, report: Path, *more: str) -> tuple[int, dict[str, Any], list[str]]:
-        """One ``georep audit --live`` as client:auditor; its exit status, report and printed lines."""
+    def audit(
+        self, report: Path, *more: str, principal: str = "client:auditor"
+    ) -> tuple[int, dict[str, Any], list[str]]:
+        """One ``georep audit --live`` as ``principal``; its exit status, report and printed lines."""
         args = cli_parser().parse_args(
             [
                 "--live",
@@ -45,7 +47,7 @@ class Live:
                 "--tls-dir",
                 str(self.certs),
                 "--principal",
-                "client:auditor",
+                principal,
                 *more,
             ]
         )
@@ -75,7 +77,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     root = tmp_path_factory.mktemp("live")
     certs = root / "certs"
     sites = Sites(root, NAMES, TRIANGLE, extra_args=["--segment-bytes-max", "8192"], tls_dir=certs)
-    dev_ca.init(certs, dev_ca.plan(NAMES, {}, ["auditor"]))
+    dev_ca.init(certs, dev_ca.plan(NAMES, {}, ["auditor", "stranger"]))
     try:
         sites.start()
         for s in NAMES:  # the auditor may read digests (and fetch batches by coordinate), nothing else
@@ -173,6 +175,14 @@ def test_an_incremental_live_audit_reads_only_what_came_after_the_previous_cut(o
 
     code, again, _ = on.audit(tmp_path / "nothing", "--topics", EVENTS, "--since", str(tmp_path / "since"))
     assert code == EXIT_CLEAN and again["read"]["digests"] == 0
+
+
+def test_a_principal_without_the_audit_grant_gets_no_digest(
+    on: Live, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _doc, _lines = on.audit(tmp_path / "stranger", "--topics", EVENTS, principal="client:stranger")
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "ScanDigests of events/0" in err and "audit" in err, err
 
 
 def test_live_usage_errors_say_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
