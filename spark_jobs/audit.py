@@ -177,12 +177,14 @@ def run_audit(
     spark: Any, topology: Topology, dirs: dict[str, Path], segments: list[SegmentFile], report_dir: Path, as_of_ms: int
 ) -> AuditResult:
     """Run every check, write ``report_dir``, and return the verdict with its human summary."""
+    from spark_jobs import progress
     from spark_jobs.datasource import segments_option
 
     started = time.monotonic()
     listing = segments_option(segments)
     # One row per batch is small: a few partitions hold it, so the checks' stages stay few and short.
     reader = spark.read.format("georep").option("segments", listing).option("level", "batches")
+    reader = reader.options(**progress.reader_options())
     batches = reader.load().coalesce(spark.sparkContext.defaultParallelism).cache()
     log, replica_issues, cached = site_logs(spark, batches, segments)
     nodes = {
@@ -247,7 +249,7 @@ def check_and_report(
     """Every check over ``checked``; the issues' Parquet and report.json (with ``extra``'s fields) written."""
     from pyspark.sql import functions as F
 
-    from spark_jobs import checks
+    from spark_jobs import checks, runtime
 
     log, sites = checked.log, checked.sites
     inventory = (
@@ -299,6 +301,7 @@ def check_and_report(
         "issues": sample,
         "issues_truncated": sum(c["issues"] for c in counts.values()) > len(sample),
         "issues_parquet": ISSUES_DIR,
+        "runtime": runtime.describe(spark),
         **(extra or {}),
     }
     (report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
@@ -483,13 +486,15 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: An
     except AuditInputError as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    from spark_jobs.progress import progress_for, watch
     from spark_jobs.session import start_spark
 
     session = spark or start_spark(args.master)
     if session is None:
         return EXIT_USAGE
     try:
-        result = run_audit(session, topology, dirs, segments, args.report, as_of_ms)
+        with watch(session, progress_for(args.quiet, out)):
+            result = run_audit(session, topology, dirs, segments, args.report, as_of_ms)
     except Exception as exc:  # exit 1 must mean divergence, never a crash
         print(f"georep: error: the audit could not run: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -40,6 +40,7 @@ from spark_jobs.layout import (
     parse_site_dirs,
     site_dirs_from_topology,
 )
+from spark_jobs.progress import reported
 from spark_jobs.scan import BATCH_SCHEMA, RECORD_SCHEMA, read_batches, read_records
 
 NAME = "georep"
@@ -132,9 +133,9 @@ class GeorepReader(DataSourceReader):
         for segment in partition.segments:
             if self.level == "records":
                 positions = None if self.positions is None else self.positions[segment.path]
-                yield from read_records(segment, positions)
+                yield from reported(read_records(segment, positions), self.options, segment.site)
             else:
-                yield from read_batches(segment)
+                yield from reported(read_batches(segment), self.options, segment.site)
 
 
 def register(spark: SparkSession) -> None:

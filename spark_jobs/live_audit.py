@@ -37,6 +37,7 @@ from spark_jobs.layout import AuditInputError
 from spark_jobs.live_source import LIVE_SCHEMA, MAX_SLICE_OFFSETS, NAME, Slice, pack, plan_slices, slices_option
 from spark_jobs.live_source import tls_options as source_tls_options
 from spark_jobs.progress import Progress, SilentProgress
+from spark_jobs.progress import reader_options as progress_options
 from spark_jobs.scan import BATCH_SCHEMA, record_hash
 from topology.model import Topology
 
@@ -196,7 +197,7 @@ def _read_digests(spark: Any, slices: list[Slice], tls: TlsConfig | None, max_sl
     if not slices:  # nothing past the cut: an empty frame (a source with no partition is not one Spark reads)
         return spark.createDataFrame([], spark_schema(LIVE_SCHEMA))
     reader = spark.read.format(NAME).option("slices", slices_option(slices, max_slice_offsets))
-    return reader.options(**source_tls_options(tls)).load()
+    return reader.options(**source_tls_options(tls), **progress_options()).load()
 
 
 def _read_counters(digests: Any, sites: list[str], progress: Progress) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from spark_jobs.audit import DEFAULT_DATA_ROOT, EXIT_USAGE, IN_FLIGHT_WINDOW_MS,
 from spark_jobs.cut import Cut, take_cut
 from spark_jobs.layout import AuditInputError, load_topology_for_audit
 from spark_jobs.live_audit import Since, load_since, run_live_audit
-from spark_jobs.progress import progress_for
+from spark_jobs.progress import progress_for, watch
 from topology.model import Topology
 
 ERROR_MARK = "AuditInputError: "
@@ -81,9 +81,10 @@ def live_main(args: argparse.Namespace, out: Callable[[str], None] = print, spar
     if session is None:
         return EXIT_USAGE
     try:
-        result = run_live_audit(
-            session, topology, cut, tls, args.report, as_of_ms, since, progress, args.max_slice_offsets
-        )
+        with watch(session, progress):
+            result = run_live_audit(
+                session, topology, cut, tls, args.report, as_of_ms, since, progress, args.max_slice_offsets
+            )
     except Exception as exc:  # exit 1 must mean divergence, never a crash
         print(f"georep: error: the live audit could not run: {error_text(exc)}", file=sys.stderr)
         return EXIT_USAGE

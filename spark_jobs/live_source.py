@@ -45,6 +45,7 @@ from georep.proto import georep_pb2 as pb
 from georep.security.tls import MESSAGE_OPTIONS, TlsConfig
 from spark_jobs.datasource import spark_schema
 from spark_jobs.layout import AuditInputError
+from spark_jobs.progress import reported
 from spark_jobs.scan import BATCH_SCHEMA, OK
 
 NAME = "georep-live"
@@ -268,7 +269,7 @@ class LiveReader(DataSourceReader):
         assert isinstance(partition, SlicePartition)
         with open_channel(partition.slices[0].address, self.options) as channel:
             for s in partition.slices:
-                yield from read_slice(s, channel)
+                yield from reported(read_slice(s, channel), self.options, s.site)
 
 
 def register(spark: SparkSession) -> None:

@@ -20,7 +20,7 @@ from spark_jobs.datasource import register
 DEFAULT_MASTER = "local[*]"
 LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")
 DEFAULTS = {
-    "spark.ui.enabled": "false",
+    # The audit draws its own progress line (spark_jobs/progress.py) instead of Spark's console bar.
     "spark.ui.showConsoleProgress": "false",
     # The checks shuffle one row per batch, not per record: a few partitions, and no adaptive re-planning
     # (whose extra jobs cost more than they save at this size), keep each stage short.
@@ -29,6 +29,13 @@ DEFAULTS = {
     "spark.sql.session.timeZone": "UTC",
     "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
 }
+
+
+# Run in-process on a local master (``georep audit``, ``make demo``, the tests), Spark's web UI is off: it would
+# cost its start and a port per session (4040, 4041, ... with a warning for each one taken) for a job that the
+# progress line already follows. Under spark-submit, or on a cluster master, it stays on (Spark's default) unless
+# the user turns it off (--conf spark.ui.enabled=false).
+LOCAL_IN_PROCESS = {"spark.ui.enabled": "false"}
 
 
 def under_spark_submit() -> bool:
@@ -46,8 +53,10 @@ def spark_session(
         builder = builder.master(master)
         if master.startswith("local"):
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # no host name lookup, and no warning about it
+    local_in_process = not under_spark_submit() and (master or DEFAULT_MASTER).startswith("local")
+    defaults = {**DEFAULTS, **(LOCAL_IN_PROCESS if local_in_process else {})}
     given = SparkConf()
-    for key, value in {**DEFAULTS, **(conf or {})}.items():
+    for key, value in {**defaults, **(conf or {})}.items():
         if key in (conf or {}) or not given.contains(key):
             builder = builder.config(key, value)
     spark = builder.getOrCreate()

@@ -56,7 +56,13 @@ def test_georep_audit_exits_0_when_clean_and_1_on_divergence(
     dirs = write_sites(tmp_path / "data", SITES, SPEC)
     args = cli_parser().parse_args(["--data-root", str(tmp_path / "data"), "--report", str(tmp_path / "r")])
     assert main(args, spark=spark) == EXIT_CLEAN
-    assert "CLEAN: no divergence" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CLEAN: no divergence" in out
+    # Not on a terminal: the last status line, with the batches the readers counted for each site.
+    (done,) = [line for line in out.splitlines() if line.startswith("progress: done: ")]
+    assert all(f"| {site} " in done and " batches " in done for site in SITES), done
+    runtime = json.loads((tmp_path / "r" / "report.json").read_text())["runtime"]
+    assert runtime["master"].startswith("local") and runtime["executors"] == []  # probed on a cluster only
     inject.flip_value_byte(part(dirs, "c"), "b@1", 3)
     assert main(args, spark=spark) == EXIT_DIVERGENCE
     out = capsys.readouterr().out

@@ -4,12 +4,16 @@
 #   deploy/spark/submit.sh [--job audit|delays] [SPARK-SUBMIT OPTIONS] -- JOB OPTIONS
 #
 #   deploy/spark/submit.sh --master spark://spark-master:7077 -- \
-#       --topology /etc/georep/topology.toml --data-root /mnt/georep --report /mnt/georep-audit/$(date +%F)
+#       --live --topology /etc/georep/topology.toml --tls-dir /etc/georep/certs --principal client:auditor \
+#       --report /var/lib/georep-audit/$(date +%F)
+#   PYSPARK_PYTHON=./env/bin/python deploy/spark/submit.sh --master yarn --archives georep-env.tar.gz#env -- --live ...
 #   deploy/spark/submit.sh --job delays --master yarn --deploy-mode client -- --data-root /mnt/georep --report /tmp/d
-#   deploy/spark/submit.sh --master 'local[2]' -- --data-root .georep/demo --report /tmp/audit   # try it here
+#   deploy/spark/submit.sh --master 'local[2]' -- --live --report /tmp/audit          # try it here
 #
-# Options before "--" go to spark-submit, options after it to the job (docs/audit.md). The segment
-# files must be readable at the same paths on the driver and on every executor (README.md here).
+# Options before "--" go to spark-submit, options after it to the job (docs/audit.md). georep's own packages are
+# zipped and shipped with --py-files for every submission: nothing of georep need be installed on the Spark nodes,
+# only its third-party packages, in the Python that PYSPARK_PYTHON names (README.md here). The live audit needs
+# nothing shared on disk; the file audit needs the segment files at the same paths on the driver and executors.
 # SPARK_SUBMIT: the spark-submit to use (default: on PATH, else .venv/bin/spark-submit).
 set -euo pipefail
 
@@ -45,12 +49,15 @@ if [[ ! -x $submit ]]; then
     exit 2
 fi
 
-# georep's own packages (pure Python), shipped to the driver and executors with --py-files.
+# georep's own packages (pure Python), shipped to the driver and executors with --py-files: the executors import
+# georep from this zip (the report's runtime.executors says so), never from a copy on the nodes.
 build=$(mktemp -d)
 trap 'rm -rf "$build"' EXIT
-(cd "$repo" && find georep spark_jobs topology offsets dedup cluster -name '*.py' | sort | zip -q -@ "$build/georep.zip")
+"$repo/deploy/spark/georep-zip.sh" "$build/georep.zip"
 
-"$submit" "${submit_args[@]}" \
+# The driver's quiet log configuration comes first, so that a --conf spark.driver.extraJavaOptions of the
+# user's, later on the command line, wins (add -Dlog4j2.configurationFile=... to it to keep the quiet logs).
+"$submit" --conf "spark.driver.extraJavaOptions=-Dlog4j2.configurationFile=$repo/spark_jobs/log4j2.properties" \
+    "${submit_args[@]}" \
     --py-files "$build/georep.zip" \
-    --conf "spark.driver.extraJavaOptions=-Dlog4j2.configurationFile=$repo/spark_jobs/log4j2.properties" \
     "$repo/spark_jobs/$job.py" "$@"
