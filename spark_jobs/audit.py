@@ -56,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "when missing: 'now', epoch ms or ISO-8601 (default: 60 s before now)",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the verdict")
+    add_continuous_arguments(parser)
+
+
+def add_continuous_arguments(parser: argparse.ArgumentParser) -> None:
+    """--every, --runs, --keep-runs, --metrics-textfile: spark_jobs/continuous.py."""
+    from spark_jobs import continuous
+
+    continuous.add_arguments(parser)
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
@@ -386,6 +394,10 @@ def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
 def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: Any = None) -> int:
     """``georep audit``: the exit status is the verdict. ``spark``: a running session to use (and leave running);
     by default the command starts its own and stops it."""
+    from spark_jobs import continuous
+
+    if continuous.requested(args):
+        return continuous.main(args, out, spark)
     try:
         as_of_ms = parse_as_of(args.as_of, int(time.time() * 1000))
         topology, dirs, segments = resolve_inputs(args.topology, args.data_root, args.site, args.topics)
