@@ -246,6 +246,8 @@ def _point_latest(report_dir: Path, run_dir: Path) -> None:
 def _prune(report_dir: Path, keep_runs: int, keep: Path | None) -> None:
     """Remove the report dirs of all runs but the newest ``keep_runs`` and ``keep`` (only dirs named as runs)."""
     runs_dir = report_dir / RUNS_DIR
+    if not runs_dir.is_dir():  # no run has written a report yet
+        return
     dirs = sorted(p for p in runs_dir.iterdir() if p.is_dir() and _RUN_ID.match(p.name))
     for old in dirs[:-keep_runs]:
         if keep is None or old.resolve() != keep.resolve():
