@@ -56,6 +56,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "when missing: 'now', epoch ms or ISO-8601 (default: 60 s before now)",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the verdict")
+    live = parser.add_argument_group("the live audit (docs/audit.md, 'The live audit')")
+    live.add_argument(
+        "--live",
+        action="store_true",
+        help="read batch digests from the running sites of the topology over mutual TLS, not segment files",
+    )
+    live.add_argument(
+        "--since",
+        type=Path,
+        metavar="REPORT_DIR",
+        help="with --live: audit only what the sites appended after the cut of that earlier clean live audit",
+    )
+    live.add_argument(
+        "--max-slice-offsets",
+        type=int,
+        default=1_000_000,
+        metavar="N",
+        help="with --live: split a partition's range into input partitions of at most N offsets (default 1000000)",
+    )
+    from georep.cli.tls_args import add_client_arguments
+
+    add_client_arguments(parser)
     add_continuous_arguments(parser)
 
 
@@ -163,9 +185,6 @@ def run_audit(
     spark: Any, topology: Topology, dirs: dict[str, Path], segments: list[SegmentFile], report_dir: Path, as_of_ms: int
 ) -> AuditResult:
     """Run every check, write ``report_dir``, and return the verdict with its human summary."""
-    from pyspark.sql import functions as F
-
-    from spark_jobs import checks
     from spark_jobs.datasource import segments_option
 
     started = time.monotonic()
@@ -174,6 +193,71 @@ def run_audit(
     reader = spark.read.format("georep").option("segments", listing).option("level", "batches")
     batches = reader.load().coalesce(spark.sparkContext.defaultParallelism).cache()
     log, replica_issues, cached = site_logs(spark, batches, segments)
+    nodes = {
+        site: sorted({s.node for s in segments if s.site == site and s.node is not None}, key=node_order)
+        for site in dirs
+    }
+    checked = CheckInput(
+        batches=batches,
+        log=log,
+        sites=sorted(dirs),
+        narrow=lambda mismatches: _narrow_mismatches(spark, log, mismatches, listing),
+        extra_issues=[] if replica_issues is None else [replica_issues],
+        nodes=nodes,
+    )
+    try:
+        return check_and_report(
+            spark,
+            topology,
+            checked,
+            report_dir,
+            as_of_ms,
+            started,
+            {
+                "sites": {s: str(d) for s, d in sorted(dirs.items())},
+                "segments": len(segments),
+                "bytes": sum(s.size_bytes for s in segments),
+            },
+        )
+    finally:
+        for df in (*cached, batches):
+            df.unpersist()
+
+
+@dataclass
+class CheckInput:
+    """What the checks read, however it was read (segment files, or digests from live sites).
+
+    ``batches``: every batch row read (``BATCH_SCHEMA``); ``log``: each site's own partition log of them;
+    ``narrow``: mismatches in, mismatches narrowed to their first differing record out; ``held_before``: rows
+    (site, topic, partition, origin, origin_site, held_max) of what each site held before the rows read (an
+    incremental audit), or None."""
+
+    batches: Any
+    log: Any
+    sites: list[str]
+    narrow: Callable[[Any], Any]
+    extra_issues: list[Any] = field(default_factory=list)
+    nodes: dict[str, list[str]] = field(default_factory=dict)
+    held_before: Any = None
+
+
+def check_and_report(
+    spark: Any,
+    topology: Topology,
+    checked: CheckInput,
+    report_dir: Path,
+    as_of_ms: int,
+    started: float,
+    input_doc: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> AuditResult:
+    """Every check over ``checked``; the issues' Parquet and report.json (with ``extra``'s fields) written."""
+    from pyspark.sql import functions as F
+
+    from spark_jobs import checks
+
+    log, sites = checked.log, checked.sites
     inventory = (
         log.groupBy("site", "topic", "partition", "origin_site")
         .agg(
@@ -184,28 +268,27 @@ def run_audit(
         .collect()
     )
     streams = [(r.topic, r.origin_site) for r in inventory if r.origin_site is not None]
-    sites = sorted(dirs)
+    if checked.held_before is not None:
+        streams += [(r.topic, r.origin_site) for r in checked.held_before.select("topic", "origin_site").collect()]
     expected = spark.createDataFrame(
         expected_reach(topology, streams, sites), "topic string, origin_site string, site string"
     )
-
     mismatches = checks.batch_mismatches(log).cache()
-    narrowed = _narrow_mismatches(spark, log, mismatches, listing)
     issues = (
-        checks.damaged_batches(batches)  # of every copy
+        checks.damaged_batches(checked.batches)  # of every copy
         .unionByName(checks.sequence_issues(log))
-        .unionByName(checks.reach_issues(log, expected, as_of_ms))
-        .unionByName(narrowed)
+        .unionByName(checks.reach_issues(log, expected, as_of_ms, checked.held_before))
+        .unionByName(checked.narrow(mismatches))
     )
-    if replica_issues is not None:
-        issues = issues.unionByName(replica_issues)
+    for more in checked.extra_issues:
+        issues = issues.unionByName(more)
     issues = issues.cache()
     order: list[Any] = [F.desc("divergence"), "site", "topic", "partition", "origin", "first_seq", "kind"]
     report_dir.mkdir(parents=True, exist_ok=True)
     issues.coalesce(1).sortWithinPartitions(*order).write.mode("overwrite").parquet(str(report_dir / ISSUES_DIR))
     by_kind = [r.asDict(recursive=True) for r in checks.summary_by_kind(issues).collect()]
     sample = [r.asDict() for r in issues.orderBy(*order).limit(ISSUES_IN_JSON).collect()]
-    for df in (mismatches, issues, *cached, batches):
+    for df in (mismatches, issues):
         df.unpersist()
     counts = _counts_by_kind(by_kind)
     clean = not any(checks.KINDS[k] for k in counts)
@@ -217,17 +300,14 @@ def run_audit(
         "as_of": _iso(as_of_ms),
         "generated_at": _iso(int(time.time() * 1000)),
         "elapsed_s": round(time.monotonic() - started, 3),
-        "input": {
-            "sites": {s: str(d) for s, d in sorted(dirs.items())},
-            "segments": len(segments),
-            "bytes": sum(s.size_bytes for s in segments),
-        },
-        "sites": _site_totals(inventory, segments, sites),
+        "input": input_doc,
+        "sites": _site_totals(inventory, checked.nodes, sites),
         "counts": dict(sorted(counts.items())),
         "pairs": pairs_of(by_kind),
         "issues": sample,
         "issues_truncated": sum(c["issues"] for c in counts.values()) > len(sample),
         "issues_parquet": ISSUES_DIR,
+        **(extra or {}),
     }
     (report_dir / REPORT_FILE).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return AuditResult(clean, report, summary_lines(report, report_dir))
@@ -243,8 +323,8 @@ def _counts_by_kind(by_kind: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return counts
 
 
-def _site_totals(inventory: list[Any], segments: list[SegmentFile], sites: list[str]) -> dict[str, dict[str, Any]]:
-    """Records, batches, bytes, partitions and nodes per site, from the inventory rows and the segment files."""
+def _site_totals(inventory: list[Any], nodes: dict[str, list[str]], sites: list[str]) -> dict[str, dict[str, Any]]:
+    """Records, batches, bytes, partitions and nodes per site, from the inventory rows and the nodes read."""
     totals: dict[str, dict[str, Any]] = {s: {"records": 0, "batches": 0, "bytes": 0, "partitions": 0} for s in sites}
     for r in inventory:
         t = totals[r.site]
@@ -252,9 +332,7 @@ def _site_totals(inventory: list[Any], segments: list[SegmentFile], sites: list[
             t[k] += r[k] or 0
     for site in sites:
         totals[site]["partitions"] = len({(r.topic, r.partition) for r in inventory if r.site == site})
-        totals[site]["nodes"] = sorted(
-            {s.node for s in segments if s.site == site and s.node is not None}, key=node_order
-        )
+        totals[site]["nodes"] = nodes.get(site, [])
     return totals
 
 
@@ -356,10 +434,19 @@ def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
     from spark_jobs.checks import REPLICA_DIVERGENCE
 
     sites = report["sites"]
-    lines = [
-        f"georep audit of {len(sites)} site(s) ({', '.join(sites)}), {report['input']['segments']} segment file(s), "
-        f"as of {report['as_of']}"
-    ]
+    if report.get("mode") == "live":
+        read = report["read"]
+        lines = [
+            f"georep audit --live of {len(sites)} site(s) ({', '.join(sites)}), cut at "
+            f"{_iso(report['cut']['taken_at_ms'])}: {read['digests']:,} batch digest(s), "
+            f"{read['digest_bytes'] / 1e6:,.2f} MB moved for {read['stored_bytes'] / 1e6:,.2f} MB stored, "
+            f"{read.get('fetched_batches', 0)} batch(es) fetched; as of {report['as_of']}"
+        ]
+    else:
+        lines = [
+            f"georep audit of {len(sites)} site(s) ({', '.join(sites)}), {report['input']['segments']} segment "
+            f"file(s), as of {report['as_of']}"
+        ]
     for site, t in sites.items():
         nodes = f", read from {len(t['nodes'])} nodes' segment copies" if t.get("nodes") else ""
         lines.append(
@@ -398,6 +485,10 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: An
 
     if continuous.requested(args):
         return continuous.main(args, out, spark)
+    if getattr(args, "live", False) or getattr(args, "since", None) is not None:
+        from spark_jobs.live_cli import live_main
+
+        return live_main(args, out, spark)
     try:
         as_of_ms = parse_as_of(args.as_of, int(time.time() * 1000))
         topology, dirs, segments = resolve_inputs(args.topology, args.data_root, args.site, args.topics)

@@ -211,7 +211,9 @@ def site_streams(batches: DataFrame) -> DataFrame:
     )
 
 
-def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> DataFrame:
+def reach_issues(
+    batches: DataFrame, expected: DataFrame, as_of_ms: int, held_before: DataFrame | None = None
+) -> DataFrame:
     """I4: sites that the topology says should hold an origin's records but lack the newest ones.
 
     ``expected``: (topic, origin_site, site) rows, the expected reach. For each
@@ -221,9 +223,20 @@ def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> Data
     ``as_of_ms`` is ``in_flight``; an older tail is ``missing``. Holes in the
     middle of a log are :func:`sequence_issues`. Sites holding records that
     the reach excludes are ``unexpected``.
+
+    ``held_before``: (site, topic, partition, origin, origin_site, held_max) rows of what each site held before
+    the batches given (an incremental audit reads only what came after its previous cut): a site holds the
+    higher of the two.
     """
     streams = site_streams(batches)
-    furthest = streams.groupBy(*STREAM, "origin_site").agg(
+    holding = streams.select(*SITE_STREAM, "origin_site", "held_max")
+    if held_before is not None:
+        holding = (
+            holding.unionByName(held_before.select(*SITE_STREAM, "origin_site", "held_max"))
+            .groupBy(*SITE_STREAM, "origin_site")
+            .agg(F.max("held_max").alias("held_max"))
+        )
+    furthest = holding.groupBy(*STREAM, "origin_site").agg(
         F.max("held_max").alias("known_max"),
         # the furthest; among equals the origin, then the lowest site id
         F.min_by("site", F.struct(-F.col("held_max"), F.col("site") != F.col("origin_site"), "site")).alias(
@@ -231,7 +244,7 @@ def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> Data
         ),
     )
     targets = furthest.join(expected, ["topic", "origin_site"])
-    held = streams.select(*SITE_STREAM, "held_max")
+    held = holding.select(*SITE_STREAM, "held_max")
     behind = (
         targets.join(held, SITE_STREAM, "left")
         .withColumn("held_max", F.coalesce("held_max", F.lit(-1)))
@@ -279,6 +292,52 @@ def reach_issues(batches: DataFrame, expected: DataFrame, as_of_ms: int) -> Data
         detail=F.lit("the topology's links and filters do not lead this origin's records of this topic here"),
     )
     return tail.unionByName(unexpected)
+
+
+def boundary_issues(batches: DataFrame, held_before: DataFrame) -> DataFrame:
+    """An incremental audit's seam: each site's first batch of an origin after its previous cut must go on from
+    what the site held then (``held_before``'s ``held_max``, as :func:`reach_issues` takes it). Starting above
+    leaves a hole (``missing``); starting at or below holds seqs again (``duplicate``). ``batches``: only the
+    batches read past each site's previous cut."""
+    first = (
+        ok_batches(batches)
+        .groupBy(*SITE_STREAM)
+        .agg(F.min_by(F.struct("base_seq", "last_seq", "base_offset", "file", "position"), "base_offset").alias("b"))
+        .join(held_before.select(*SITE_STREAM, "held_max"), SITE_STREAM)
+        .withColumn("expect", F.col("held_max") + 1)
+    )
+    common = {"site": "site", "topic": "topic", "partition": "partition", "origin": "origin"}
+    where = {"offset": F.col("b.base_offset"), "file": F.col("b.file"), "position": F.col("b.position")}
+    hole = as_issues(
+        first.where(F.col("b.base_seq") > F.col("expect")),
+        MISSING,
+        **common,
+        **where,
+        first_seq="expect",
+        last_seq=F.col("b.base_seq") - 1,
+        records=F.col("b.base_seq") - F.col("expect"),
+        detail=F.format_string(
+            "hole after the previous cut: seqs %d..%d absent, the log goes on at seq %d (offset %d)",
+            "expect",
+            F.col("b.base_seq") - 1,
+            "b.base_seq",
+            "b.base_offset",
+        ),
+    )
+    again = F.least(F.col("b.last_seq"), F.col("held_max"))
+    dup = as_issues(
+        first.where(F.col("b.base_seq") < F.col("expect")),
+        DUPLICATE,
+        **common,
+        **where,
+        first_seq=F.col("b.base_seq"),
+        last_seq=again,
+        records=again - F.col("b.base_seq") + 1,
+        detail=F.format_string(
+            "seqs %d..%d held again at offset %d, after the previous cut", "b.base_seq", again, "b.base_offset"
+        ),
+    )
+    return hole.unionByName(dup)
 
 
 def batch_mismatches(batches: DataFrame) -> DataFrame:

@@ -102,6 +102,30 @@ def flip_value_byte(part_dir: Path, origin: str, seq: int) -> None:
     rewrite_partition(part_dir, edit)
 
 
+def flip_value_byte_in_place(segment: SegmentFile, origin_site: str) -> tuple[str, int, int]:
+    """Flip one bit of a value in the segment file itself, in the first batch of ``origin_site`` with two records
+    or more (its second record), re-encoding the batch to the same length with its CRC recomputed: the segment,
+    sealed or not, keeps every offset and index entry, and only a comparison with another site can tell.
+
+    Returns (origin, seq, byte position of the batch). For a stopped node's files."""
+    for s in scan_segment(segment):
+        h = s.header
+        if h is None or h.origin_site != origin_site or h.records_count < 2:
+            continue
+        records = [RecordInput(r.key, r.value, r.headers, r.timestamp_ms) for r in decode_records(s.data, h)]
+        value = bytearray(records[1].value or b"\0")
+        value[0] ^= 0x01
+        records[1] = records[1]._replace(value=bytes(value))
+        edited = s.data[:24] + _reencode(h, records)[24:]
+        if len(edited) != len(s.data):
+            continue  # a compressed batch whose size changed: try the next
+        with open(segment.path, "r+b") as f:
+            f.seek(s.position)
+            f.write(edited)
+        return str(h.origin), h.base_origin_seq + 1, s.position
+    raise NothingToInject(f"{segment.path} holds no batch of origin site {origin_site} with two records")
+
+
 def delete_batch(part_dir: Path, origin: str, seq: int) -> None:
     """Remove the batch holding (origin, seq)."""
     rewrite_partition(part_dir, lambda b: (lambda i: [*b[:i], *b[i + 1 :]])(_index_of(b, origin, seq)))
@@ -140,6 +164,7 @@ __all__ = [
     "delete_batch",
     "duplicate_batch",
     "flip_value_byte",
+    "flip_value_byte_in_place",
     "read_partition",
     "rewrite_partition",
     "swap_batches",

@@ -23,30 +23,19 @@ appending to is read as the prefix it had then.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import struct
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
 
 import crc32c
 import pyarrow as pa
 
-from georep.record.batch import (
-    LENGTH_PREFIX_BYTES,
-    BatchHeader,
-    CorruptBatch,
-    Record,
-    check_batch,
-    decode_records,
-    frame_length,
-    parse_header,
-)
+from georep.record.batch import BatchHeader, CorruptBatch, Record, decode_records
+from georep.storage.batch_scan import CORRUPT, OK, TORN_TAIL, ScanBounds, Scanned, scan_batches
 from spark_jobs.layout import SegmentFile
 
-OK = "ok"
-CORRUPT = "corrupt"
-TORN_TAIL = "torn_tail"
+__all__ = ["CORRUPT", "OK", "TORN_TAIL", "Scanned", "read_batches", "read_records", "scan_segment"]
+
 RECORDS_PER_ARROW_BATCH = 65_536
 
 # The first N_CONSTANT columns are the segment file's, the same on every row of it.
@@ -100,21 +89,9 @@ _LEN = struct.Struct(">i")
 READ_BUFFER_BYTES = 1 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class Scanned:
-    """One batch of a segment as found: a valid ``header`` and its bytes, or damage (``status``, ``error``)."""
-
-    position: int
-    base_offset: int  # the header's, or for damage the offset continuity expected there
-    size_bytes: int
-    status: str
-    error: str | None = None
-    header: BatchHeader | None = None
-    data: bytes = b""  # the whole batch, for a valid one
-
-
 def scan_segment(segment: SegmentFile) -> Generator[Scanned, None, None]:
-    """Every batch of the segment below its listed size, valid or damaged, read batch by batch.
+    """Every batch of the segment below its listed size, valid or damaged, read batch by batch
+    (:func:`georep.storage.batch_scan.scan_batches`: the node's digests judge batches the same way).
 
     Plain buffered reads, not mmap: a node may truncate a torn tail while we
     read, and a mapped page past the new end would kill the worker (SIGBUS);
@@ -125,34 +102,10 @@ def scan_segment(segment: SegmentFile) -> Generator[Scanned, None, None]:
         f = open(segment.path, "rb", buffering=READ_BUFFER_BYTES)  # noqa: SIM115 - closed in finally
     except FileNotFoundError:
         return
-    end = segment.size_bytes
-    pos = 0
-    expected = segment.base_offset
     try:
-        while pos < end:
-            total: int | None = None
-            data = b""
-            try:
-                prefix = f.read(min(LENGTH_PREFIX_BYTES, end - pos))
-                total = frame_length(prefix)
-                data = prefix + f.read(min(total, end - pos) - len(prefix))
-                header = check_batch(data)
-                if header.base_offset != expected:
-                    raise CorruptBatch(f"batch at byte {pos} has base_offset {header.base_offset}, expected {expected}")
-                yield Scanned(pos, expected, total, OK, header=header, data=data)
-                expected = header.next_offset
-                pos += total
-                continue
-            except CorruptBatch as exc:
-                error = str(exc).replace("at byte 0", f"at byte {pos}")
-            complete = total is not None and pos + total <= end
-            torn = segment.last and expected >= segment.recovery_point and (not complete or pos + (total or 0) == end)
-            yield Scanned(pos, expected, total or end - pos, TORN_TAIL if torn else CORRUPT, error)
-            if not complete or total is None:
-                return
-            with contextlib.suppress(CorruptBatch):  # skip a frameable batch, so one bad batch hides no others
-                expected += parse_header(data).records_count
-            pos += total
+        yield from scan_batches(
+            f, ScanBounds(segment.base_offset, segment.size_bytes, segment.last, segment.recovery_point)
+        )
     finally:
         f.close()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from pyspark import SparkConf
 from pyspark.sql import SparkSession
 
+from spark_jobs import live_source
 from spark_jobs.datasource import register
 
 DEFAULT_MASTER = "local[*]"
@@ -52,6 +53,7 @@ def spark_session(
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
+    live_source.register(spark)
     return spark
 
 

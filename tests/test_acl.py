@@ -340,3 +340,19 @@ def test_a_kafka_offset_ask_comes_only_from_the_sites_own_nodes() -> None:
     refused = decide(NODE_ACCESS, "ListOffsets", ask, ALICE, policy)
     assert not refused.allowed and "only from a node of site" in refused.message
     assert decide(NODE_ACCESS, "ListOffsets", ask, parse_principal("node:a/2"), policy).allowed
+
+
+def test_an_auditor_reads_digests_and_fetches_batches_by_coordinate_but_no_records() -> None:
+    """The live audit's principal: ScanDigests and FetchBatch (the drill into a batch whose CRC differs) with the
+    audit operation on the topic; no Fetch of records; a site still fetches by the topology's reach alone."""
+    auditor = parse_principal("client:auditor")
+    policy = _policy([acl_entry("client:auditor", "audit", "topic:orders/**")], _topology([("a", "b", "**")]))
+    digests = pb.ScanDigestsRequest(topic="orders/eu", partition=0)
+    assert decide(NODE_ACCESS, "ScanDigests", digests, auditor, policy).allowed
+    batch = pb.FetchBatchRequest(topic="orders/eu", partition=0, origin_site="a", origin_seq=3)
+    assert decide(NODE_ACCESS, "FetchBatch", batch, auditor, policy).allowed
+    other = decide(NODE_ACCESS, "FetchBatch", pb.FetchBatchRequest(topic="payments", origin_site="a"), auditor, policy)
+    assert not other.allowed and "audit" in other.message and "topic:payments" in other.message
+    assert not decide(NODE_ACCESS, "Fetch", pb.FetchRequest(topic="orders/eu"), auditor, policy).allowed
+    assert not decide(NODE_ACCESS, "FetchBatch", batch, BOB, policy).allowed
+    assert decide(NODE_ACCESS, "FetchBatch", batch, parse_principal("site:b"), policy).allowed

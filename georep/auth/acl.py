@@ -73,6 +73,7 @@ RESOURCE_OF: dict[Operation, ResourceKind] = {
     Operation.CREATE_TOPIC: ResourceKind.TOPIC,
     Operation.ALTER_TOPIC: ResourceKind.TOPIC,
     Operation.DELETE_TOPIC: ResourceKind.TOPIC,
+    Operation.AUDIT: ResourceKind.TOPIC,
     Operation.COMMIT: ResourceKind.GROUP,
     Operation.READ: ResourceKind.GROUP,
     Operation.REPLICATE: ResourceKind.CLUSTER,

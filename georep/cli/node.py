@@ -31,6 +31,7 @@ from georep.security.raft_secret import RaftSecretError, read_secret, secret_fil
 from georep.security.tls import ServerLimits, TlsError
 from georep.server.broker import DEFAULT_TOPIC_CONFIG
 from georep.server.cluster_member import ClusterConfig
+from georep.server.digest_pacing import AUDIT_DIGEST_RATE_DEFAULT
 from georep.server.shutdown import EXIT_FORCED, SHUTDOWN_TIMEOUT_MS_DEFAULT
 from georep.storage.api import StorageError
 from georep.storage.dirlock import DataDirLocked, DataDirUnusable
@@ -130,6 +131,14 @@ def _add_storage_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="/metrics has series per partition (georep_partition_*), not only per topic (georep_topic_*): a "
         "series per partition and origin is too many for Prometheus at thousands of partitions",
+    )
+    parser.add_argument(
+        "--audit-digest-rate",
+        type=int,
+        default=AUDIT_DIGEST_RATE_DEFAULT,
+        help="how many stored batches per second this node digests for live audits (ScanDigests), shared by every "
+        f"audit scan it serves, so that an audit does not starve produce (0: unbounded; default "
+        f"{AUDIT_DIGEST_RATE_DEFAULT})",
     )
     parser.add_argument(
         "--scrub-bytes-per-s",
@@ -286,6 +295,8 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"--shutdown-timeout-ms {args.shutdown_timeout_ms} must be at least 1")
         if args.scrub_bytes_per_s < 0:
             raise UsageError(f"--scrub-bytes-per-s {args.scrub_bytes_per_s} must be 0 (off) or more")
+        if args.audit_digest_rate < 0:
+            raise UsageError(f"--audit-digest-rate {args.audit_digest_rate} must be 0 (unbounded) or more")
         if args.scrub_interval_ms < 1:
             raise UsageError(f"--scrub-interval-ms {args.scrub_interval_ms} must be at least 1")
         try:
@@ -324,6 +335,7 @@ def main(args: argparse.Namespace) -> int:
                 shutdown_timeout_ms=args.shutdown_timeout_ms,
                 metrics_partition_detail=args.metrics_partition_detail,
                 scrub_interval_ms=args.scrub_interval_ms,
+                audit_digest_rate=args.audit_digest_rate,
             )
         )
     except (

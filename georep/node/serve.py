@@ -37,6 +37,7 @@ from georep.security.tls import MESSAGE_BYTES_MAX, ServerLimits, TlsConfig, TlsE
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterConfig, ClusterMember
 from georep.server.delete_gate import DeleteGate, health_ask
+from georep.server.digest_pacing import AUDIT_DIGEST_RATE_DEFAULT
 from georep.server.metrics import NodeMetrics
 from georep.server.process import NODE_INFO
 from georep.server.rpc import authorization
@@ -91,6 +92,7 @@ async def serve(
     shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT,
     metrics_partition_detail: bool = False,
     scrub_interval_ms: int = SCRUB_INTERVAL_MS_DEFAULT,
+    audit_digest_rate: int = AUDIT_DIGEST_RATE_DEFAULT,
 ) -> int:
     """Serve until SIGTERM or SIGINT; raises ``UsageError``, ``DataDirLocked`` or ``DataDirUnusable``.
 
@@ -105,7 +107,8 @@ async def serve(
     gRPC port's connection bounds (``--grpc-max-connections``...; None: the defaults). ``metrics_partition_detail``:
     /metrics has a series per partition (``--metrics-partition-detail``), not only per topic.
     ``scrub_interval_ms``: the background scrubber checks every partition once per that long
-    (``--scrub-interval-ms``), at ``scrub_bytes_per_s``.
+    (``--scrub-interval-ms``), at ``scrub_bytes_per_s``. ``audit_digest_rate``: the batches per second all of the
+    node's digest scans (the live audit's ``ScanDigests``) share, 0 unbounded (``--audit-digest-rate``).
     """
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
@@ -132,6 +135,7 @@ async def serve(
             shutdown_timeout_ms,
             metrics_partition_detail,
             scrub_interval_ms,
+            audit_digest_rate,
         )
     finally:
         lock.release()
@@ -217,6 +221,7 @@ async def _serve_locked(
     shutdown_timeout_ms: int = SHUTDOWN_TIMEOUT_MS_DEFAULT,
     metrics_partition_detail: bool = False,
     scrub_interval_ms: int = SCRUB_INTERVAL_MS_DEFAULT,
+    audit_digest_rate: int = AUDIT_DIGEST_RATE_DEFAULT,
 ) -> int:
     # The Raft metadata and the segment threads of a multi-node site; this node's copies of the segments whose
     # ensembles it is a member of (docs/cluster.md).
@@ -235,6 +240,7 @@ async def _serve_locked(
         identity,
         metadata,
         segment_executor,
+        audit_digest_rate,
     )
     server = _grpc_server(node, topology, tls, super_users, grpc_limits)
     port = await _start_grpc(server, f"{listen[0]}:{listen[1]}", tls, node)
@@ -311,6 +317,7 @@ def _wire(
     identity: SiteIdentity,
     metadata: RaftMetadataStore | None,
     segment_executor: ThreadPoolExecutor,
+    audit_digest_rate: int = AUDIT_DIGEST_RATE_DEFAULT,
 ) -> _Node:
     """The broker and the services over it: the replicator, the segment member of a multi-node site, the gRPC
     services."""
@@ -339,10 +346,19 @@ def _wire(
         )
         member.forget_topic = metrics.forget_topic
         site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor, tls)
-    service = NodeService(broker, metrics, replicator, admin_token, site_cluster, authorizes=tls is not None)
+    service = NodeService(
+        broker,
+        metrics,
+        replicator,
+        admin_token,
+        site_cluster,
+        authorizes=tls is not None,
+        audit_digest_rate=audit_digest_rate,
+    )
     # Delete's data path: the topic changes the replicator's sync and the node's calls share remove its partitions.
     service.topic_calls.changes.on_deleted = TopicRemoval(broker, metrics.forget_topic, metrics.delete_records)
     segments = SegmentService(replicas, segment_executor, broker.clock_ms, member, tls)  # member: repair's rolls
+    segments.digests = service.digests
     gate = DeleteGate(topology, site, data_dir, health_ask(tls)) if topology is not None else None
     if gate is not None:
         service.topic_calls.delete_refused = gate.refusal

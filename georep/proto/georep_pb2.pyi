@@ -3199,6 +3199,42 @@ class ReadSegmentResponse(_message.Message):
 Global___ReadSegmentResponse: _TypeAlias = ReadSegmentResponse  # noqa: Y015
 
 @_typing.final
+class ScanSegmentDigestsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    FROM_OFFSET_FIELD_NUMBER: _builtins.int
+    TO_OFFSET_FIELD_NUMBER: _builtins.int
+    MAX_DIGESTS_FIELD_NUMBER: _builtins.int
+    LOG_START_OFFSET_FIELD_NUMBER: _builtins.int
+    from_offset: _builtins.int
+    """inclusive: the batch holding it is the first digested"""
+    to_offset: _builtins.int
+    """exclusive; up to the copy's end at most"""
+    max_digests: _builtins.int
+    """per response message; 0: the server's default"""
+    log_start_offset: _builtins.int
+    """the partition's, copied into every digest (the member knows only its copy)"""
+    @_builtins.property
+    def segment(self) -> Global___SegmentRef: ...
+    def __init__(
+        self,
+        *,
+        segment: Global___SegmentRef | None = ...,
+        from_offset: _builtins.int = ...,
+        to_offset: _builtins.int = ...,
+        max_digests: _builtins.int = ...,
+        log_start_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_offset", b"from_offset", "log_start_offset", b"log_start_offset", "max_digests", b"max_digests", "segment", b"segment", "to_offset", b"to_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScanSegmentDigestsRequest: _TypeAlias = ScanSegmentDigestsRequest  # noqa: Y015
+
+@_typing.final
 class ListSegmentsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -1500,6 +1500,11 @@ class SegmentsStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.RollSegmentRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.RollSegmentResponse.FromString,
                 _registered_method=True)
+        self.ScanSegmentDigests = channel.unary_stream(
+                '/georep.v1.Segments/ScanSegmentDigests',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ScanSegmentDigestsRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ScanDigestsResponse.FromString,
+                _registered_method=True)
 
 
 class SegmentsServicer:
@@ -1575,6 +1580,16 @@ class SegmentsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScanSegmentDigests(self, request, context):
+        """The live audit (ScanDigests on another member, with all_replicas or for
+        a segment that member does not hold): this node digests its own copy of
+        the segment in [from_offset, to_offset), where it lives. Only digests
+        cross the network, never batches. Paced by this node's audit_digest_rate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SegmentsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1612,6 +1627,11 @@ def add_SegmentsServicer_to_server(servicer, server):
                     servicer.RollSegment,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.RollSegmentRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.RollSegmentResponse.SerializeToString,
+            ),
+            'ScanSegmentDigests': grpc.unary_stream_rpc_method_handler(
+                    servicer.ScanSegmentDigests,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ScanSegmentDigestsRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ScanDigestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1809,6 +1829,33 @@ class Segments:
             '/georep.v1.Segments/RollSegment',
             georep_dot_proto_dot_georep__pb2.RollSegmentRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.RollSegmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScanSegmentDigests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/georep.v1.Segments/ScanSegmentDigests',
+            georep_dot_proto_dot_georep__pb2.ScanSegmentDigestsRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ScanDigestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -613,6 +613,12 @@ class SegmentsStub:
     or draining, or it has fewer members than the replication factor and
     another node can join the next one).
     """
+    ScanSegmentDigests: _grpc.UnaryStreamMultiCallable[_georep_pb2.ScanSegmentDigestsRequest, _georep_pb2.ScanDigestsResponse]
+    """The live audit (ScanDigests on another member, with all_replicas or for
+    a segment that member does not hold): this node digests its own copy of
+    the segment in [from_offset, to_offset), where it lives. Only digests
+    cross the network, never batches. Paced by this node's audit_digest_rate.
+    """
 
 @_typing.type_check_only
 class SegmentsAsyncStub(SegmentsStub):
@@ -660,6 +666,12 @@ class SegmentsAsyncStub(SegmentsStub):
     """Repair: the partition's leader rolls this open segment (a member is dead
     or draining, or it has fewer members than the replication factor and
     another node can join the next one).
+    """
+    ScanSegmentDigests: _aio.UnaryStreamMultiCallable[_georep_pb2.ScanSegmentDigestsRequest, _georep_pb2.ScanDigestsResponse]  # type: ignore[assignment]
+    """The live audit (ScanDigests on another member, with all_replicas or for
+    a segment that member does not hold): this node digests its own copy of
+    the segment in [from_offset, to_offset), where it lives. Only digests
+    cross the network, never batches. Paced by this node's audit_digest_rate.
     """
 
 class SegmentsServicer(metaclass=_abc_1.ABCMeta):
@@ -747,6 +759,18 @@ class SegmentsServicer(metaclass=_abc_1.ABCMeta):
         """Repair: the partition's leader rolls this open segment (a member is dead
         or draining, or it has fewer members than the replication factor and
         another node can join the next one).
+        """
+
+    @_abc_1.abstractmethod
+    def ScanSegmentDigests(
+        self,
+        request: _georep_pb2.ScanSegmentDigestsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_georep_pb2.ScanDigestsResponse], _abc.AsyncIterator[_georep_pb2.ScanDigestsResponse]]:
+        """The live audit (ScanDigests on another member, with all_replicas or for
+        a segment that member does not hold): this node digests its own copy of
+        the segment in [from_offset, to_offset), where it lives. Only digests
+        cross the network, never batches. Paced by this node's audit_digest_rate.
         """
 
 def add_SegmentsServicer_to_server(servicer: SegmentsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -15,7 +15,9 @@ The rules:
 * groups: ``GroupHeartbeat`` (join), ``LeaveGroup``, ``FetchCommitted``, ``DescribeGroup`` need read on the
   group, and the heartbeat consume on every subscribed topic; ``CommitOffsets`` needs commit on the group
   and consume on every committed topic (as Kafka's OffsetCommit needs READ on the group and the topic);
-* audits: ``ScanDigests`` needs audit on the topic (digests, not records);
+* audits: ``ScanDigests`` needs audit on the topic (digests, not records); ``FetchBatch`` too, besides its
+  replication rule below: the live audit fetches the few batches whose CRCs differ between sites, by coordinate,
+  to name the first differing record;
 * the cluster: ``SetLink``, ``DecommissionNode``, ``Scrub``, ``PutAcl``, ``PutUser``, ``ListUsers`` need admin;
 * replication: ``Replicate``, ``ReportHeld`` (and ``ListAcls``, unless admin) follow the topology's links,
   ``FetchBatch`` its reach (``georep/auth/acl_replication.py``); a pull and a held report are made only in
@@ -118,6 +120,13 @@ def _split_produce(
             error = pb.Error(code=PERMISSION_DENIED_CODE, message=decision.message)
             refused.results.add(correlation_id=one.correlation_id, partition=one.partition, error=error)
     return (allowed if allowed.batches else None), refused
+
+
+def _fetch_batch(req: pb.FetchBatchRequest, who: Principal, policy: Policy) -> Decision:
+    """A peer's repair (the topology's reach), or an auditor's drill into a batch whose CRC differs (audit on the
+    topic): the refusal names the audit operation, the one a person is given with ``georep acl add``."""
+    repair = policy.repair(who, req.topic, req.origin_site)
+    return repair if repair.allowed else policy.acl(who, Operation.AUDIT, [topic(req.topic)])
 
 
 def _open_access(request: type[Message]) -> Access:
@@ -226,7 +235,7 @@ NODE_ACCESS: Mapping[str, Access] = {
     "ListAcls": Access(pb.ListAclsRequest, lambda req, who, policy: policy.admin_or_pull(who), False),
     "Replicate": Access(pb.ReplicateRequest, _replicate),
     "ReportHeld": Access(pb.ReportHeldRequest, _report_held),
-    "FetchBatch": Access(pb.FetchBatchRequest, lambda req, who, policy: policy.repair(who, req.topic, req.origin_site)),
+    "FetchBatch": Access(pb.FetchBatchRequest, _fetch_batch),
     "ScanDigests": Access(pb.ScanDigestsRequest, _topic_op(Operation.AUDIT)),
     "GroupHeartbeat": Access(pb.GroupHeartbeatRequest, _heartbeat),
     "LeaveGroup": Access(pb.LeaveGroupRequest, _group_read),
@@ -250,6 +259,7 @@ SEGMENTS_ACCESS: Mapping[str, Access] = {
         ("ListSegments", pb.ListSegmentsRequest),
         ("CopySegment", pb.CopySegmentRequest),
         ("RollSegment", pb.RollSegmentRequest),
+        ("ScanSegmentDigests", pb.ScanSegmentDigestsRequest),
     )
 }
 

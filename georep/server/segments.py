@@ -48,6 +48,7 @@ from topology.ids import LeaderEpoch, SegmentId
 
 if TYPE_CHECKING:
     from georep.server.cluster_member import ClusterMember
+    from georep.server.digest_calls import DigestCalls
 
 SERVICE = "georep.v1.Segments"
 READ_MAX_BYTES_DEFAULT = 1 << 20
@@ -86,6 +87,7 @@ class SegmentService:
         self.clock_ms = clock_ms
         self.member = member  # the node's cluster member, which rolls the segments it leads
         self.tls = tls
+        self.digests: DigestCalls | None = None  # the node's digest scans (ScanSegmentDigests), once wired
 
     async def _run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -207,6 +209,13 @@ class SegmentService:
         reason = self.member.roll(key, segment_id)
         return pb.RollSegmentResponse(rolling=reason is None, reason=reason or "")
 
+    async def scan_segment_digests(self, data: bytes, context: Context) -> AsyncIterator[Message]:
+        """This node's copy of one segment, digested here (``georep/server/digest_calls.py``)."""
+        if self.digests is None or self.digests.site_cluster is None:
+            raise InvalidRequest("this node serves no digests of segment copies: it is not a member of a site cluster")
+        async for response in self.digests.scan_segment_digests(data, context, self.executor):
+            yield response
+
     def handler(self) -> grpc.GenericRpcHandler:
         return service(
             SERVICE,
@@ -218,5 +227,6 @@ class SegmentService:
                 "ListSegments": unary(self.list_segments),
                 "CopySegment": unary(self.copy_segment),
                 "RollSegment": unary(self.roll_segment),
+                "ScanSegmentDigests": unary_stream(self.scan_segment_digests),
             },
         )

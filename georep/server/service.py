@@ -44,6 +44,8 @@ from georep.server import site_status
 from georep.server.acl_calls import AclCalls
 from georep.server.admin_gate import AdminGate
 from georep.server.broker import Broker, Partition
+from georep.server.digest_calls import DigestCalls
+from georep.server.digest_pacing import AUDIT_DIGEST_RATE_DEFAULT, DigestPacer
 from georep.server.group_calls import GroupCalls
 from georep.server.groups import GroupService
 from georep.server.incarnation_guard import servable_wants
@@ -109,7 +111,9 @@ class NodeService:
         admin_token: str | None = None,
         site_cluster: SiteCluster | None = None,
         authorizes: bool = False,
+        audit_digest_rate: int = AUDIT_DIGEST_RATE_DEFAULT,
     ) -> None:
+        """``audit_digest_rate``: the batches per second all of this node's digest scans share (0: unbounded)."""
         self.broker = broker
         self.site_cluster = site_cluster
         self.metrics = metrics
@@ -124,6 +128,7 @@ class NodeService:
         if replicator is not None:
             self.topic_calls.before_create = replicator.first_syncs.wait
         self.group_calls = GroupCalls(self.groups)
+        self.digests = DigestCalls(broker, DigestPacer(audit_digest_rate), site_cluster)
         self.started = time.monotonic()
         # What one multi-batch produce request may carry; announced to producers in the stream's initial metadata
         self.produce_batches_max = REQUEST_BATCHES_MAX
@@ -802,6 +807,7 @@ class NodeService:
                 "ReportHeld": unary(self.report_held),
                 "FetchBatch": unary(self.fetch_batch),
                 "Scrub": unary_stream(self.scrub),
+                "ScanDigests": unary_stream(self.digests.scan_digests),
                 "GroupHeartbeat": unary(self.group_calls.group_heartbeat),
                 "LeaveGroup": unary(self.group_calls.leave_group),
                 "CommitOffsets": unary(self.group_calls.commit_offsets),

@@ -672,6 +672,14 @@ class Segment:
         i = bisect_right(self.index_relative_offsets, offset - self.base_offset) - 1
         return self.index_positions[i] if i >= 0 else 0
 
+    def index_entry(self, offset: int) -> tuple[int, int]:
+        """``(position, base offset)`` of the batch the last sparse-index entry at or before ``offset`` names
+        (``(0, base_offset)`` if none): a batch boundary to walk forward from."""
+        i = bisect_right(self.index_relative_offsets, offset - self.base_offset) - 1
+        if i < 0:
+            return 0, self.base_offset
+        return self.index_positions[i], self.base_offset + self.index_relative_offsets[i]
+
     def first_batch_at_or_after_timestamp(self, timestamp_ms: int) -> int | None:
         """Index (within this segment) of the first batch with max_timestamp >= ``timestamp_ms``."""
         i = bisect_left(self.running_max_timestamps, timestamp_ms)

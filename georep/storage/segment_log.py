@@ -152,6 +152,7 @@ from georep.storage.api import (
     StorageError,
     copy_for_repair,
 )
+from georep.storage.batch_scan import ScanBounds
 from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
 from georep.storage.durable_file import TMP_SUFFIX, fsync_directory, replace_file
 from georep.storage.index_format import OriginEntry, iter_origin_entries, pack_entries, sparse_index
@@ -918,6 +919,36 @@ class SegmentLog:
             return SegmentBatches(
                 LocalOffset(segment.base_offset), dict(self._start_vectors[i]), self._entries(segment)
             )
+
+    def scan_plan(self, from_offset: int, end_offset: int) -> list[tuple[int, ScanBounds]]:
+        """Where a digest scan of ``[from_offset, end_offset)`` walks, one :class:`ScanBounds` per segment file
+        (``georep/storage/digests.py``), with the file's base offset: each file's size now, the first one from the
+        sparse-index entry at or before ``from_offset``. Nothing is opened here; :meth:`scan_fd` opens one file at
+        a time."""
+        out: list[tuple[int, ScanBounds]] = []
+        with self._lock:
+            self._check_open()
+            point = max(self._point_at, 0)
+            first = max(from_offset, self._log_start)
+            for i, segment in enumerate(self._segments):
+                if (segment.next_offset <= first and segment.size > 0) or segment.base_offset >= end_offset:
+                    continue
+                position, base = 0, segment.base_offset
+                if segment.base_offset < first:
+                    position, base = segment.index_entry(first)
+                last = i == len(self._segments) - 1
+                out.append((segment.base_offset, ScanBounds(base, segment.size, last, point, position, end_offset)))
+        return out
+
+    def scan_fd(self, segment_base: int) -> int | None:
+        """A descriptor of its own (the caller closes it) on the ``.log`` whose base is ``segment_base``, opened
+        through the handle cache; None when retention deleted the segment since :meth:`scan_plan`."""
+        with self._lock:
+            self._check_open()
+            i = bisect_right(self._bases, segment_base) - 1
+            if i < 0 or self._bases[i] != segment_base:
+                return None
+            return os.dup(self._segments[i].log_fd)
 
     def _entries(self, segment: Segment) -> list[BatchEntry]:
         """``segment``'s batches from its origin index (lock held)."""

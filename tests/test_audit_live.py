@@ -1,0 +1,192 @@
+"""``georep audit --live`` against three running sites over mutual TLS, as an auditor with only the audit grant.
+
+One topology for the module: sites a, b and c (one node each, small segments), topic ``orders`` written at every
+site, and topic ``events`` for the incremental run. The audits run in this process on the shared Spark session,
+through the command's own parser and entry point (``spark_jobs.audit.main``), so what is checked is what
+``georep audit --live`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from georep.proto import georep_pb2 as pb
+from georep.security import dev_ca
+from spark_jobs import inject
+from spark_jobs.audit import EXIT_CLEAN, EXIT_DIVERGENCE, EXIT_USAGE, cli_parser, main
+from spark_jobs.layout import list_segments
+from tests.support.sites import TRIANGLE, Sites, converged, produce, wait_until
+
+NAMES = ["a", "b", "c"]
+ORDERS, EVENTS = "orders", "events"
+
+
+@dataclass
+class Live:
+    sites: Sites
+    certs: Path
+
+    def audit(self, report: Path, *more: str) -> tuple[int, dict[str, Any], list[str]]:
+        """One ``georep audit --live`` as client:auditor; its exit status, report and printed lines."""
+        args = cli_parser().parse_args(
+            [
+                "--live",
+                "--topology",
+                str(self.sites.topology),
+                "--report",
+                str(report),
+                "--tls-dir",
+                str(self.certs),
+                "--principal",
+                "client:auditor",
+                *more,
+            ]
+        )
+        lines: list[str] = []
+        code = main(args, out=lines.append, spark=self.spark)
+        doc = json.loads((report / "report.json").read_text()) if (report / "report.json").exists() else {}
+        return code, doc, lines
+
+    spark: Any = None
+
+
+def batches_stored(sites: Sites, site: str, topic: str) -> int:
+    """Batches in the site's segment files of ``topic``, counted from the files (the node is quiet)."""
+    dirs = {site: sites.nodes[site].data_dir}
+    return sum(len(inject._batches(s)) for s in list_segments(dirs, (topic,)))
+
+
+def write(sites: Sites, topic: str, per_site: int, prefix: str, at: list[str]) -> None:
+    async def everyone() -> None:
+        await asyncio.gather(*(produce(sites.address(s), topic, f"{prefix}{s}", per_site, 100, sites.tls) for s in at))
+
+    asyncio.run(everyone())
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    root = tmp_path_factory.mktemp("live")
+    certs = root / "certs"
+    sites = Sites(root, NAMES, TRIANGLE, extra_args=["--segment-bytes-max", "8192"], tls_dir=certs)
+    dev_ca.init(certs, dev_ca.plan(NAMES, {}, ["auditor"]))
+    try:
+        sites.start()
+        for s in NAMES:  # the auditor may read digests (and fetch batches by coordinate), nothing else
+            sites.stub(s).PutAcl(pb.PutAclRequest(principal="client:auditor", operation="audit", resource="topic:**"))
+        sites.stub("a").CreateTopic(pb.CreateTopicRequest(name=ORDERS, partitions=2))
+        sites.stub("a").CreateTopic(pb.CreateTopicRequest(name=EVENTS, partitions=1))
+        wait_until("the topics reach b and c", lambda: all(sites.vectors(s, EVENTS) for s in NAMES), 20)
+        write(sites, ORDERS, 150, "o", NAMES)
+        write(sites, EVENTS, 60, "e", ["a"])
+        wait_until("every site holds every order", lambda: converged(sites, NAMES, ORDERS, 450), 30)
+        wait_until("every site holds every event", lambda: converged(sites, NAMES, EVENTS, 60), 30)
+        yield Live(sites, certs)
+    finally:
+        sites.close()
+
+
+@pytest.fixture
+def on(live: Live, spark: Any) -> Live:
+    live.spark = spark
+    return live
+
+
+def divergences(doc: dict[str, Any]) -> list[tuple[str, str, str, int, int]]:
+    return sorted(
+        (i["kind"], i["site"], i["origin"], i["partition"], i["first_seq"]) for i in doc["issues"] if i["divergence"]
+    )
+
+
+@pytest.mark.slow
+def test_live_audit_is_clean_then_names_a_flipped_byte_reading_only_digests_and_that_batch(
+    on: Live, tmp_path: Path
+) -> None:
+    sites = on.sites
+    code, clean, lines = on.audit(tmp_path / "clean", "--topics", ORDERS)
+    assert code == EXIT_CLEAN, lines
+    assert clean["clean"] and clean["mode"] == "live" and divergences(clean) == []
+    assert {s: t["records"] for s, t in clean["sites"].items()} == {s: 450 for s in NAMES}
+    stored = {s: batches_stored(sites, s, ORDERS) for s in NAMES}
+    assert {s: r["digests"] for s, r in clean["read"]["per_site"].items()} == stored
+    assert clean["read"]["fetched_batches"] == 0
+    assert clean["read"]["digest_bytes"] < clean["read"]["stored_bytes"] / 10
+    assert any(line.startswith("digests: site b:") for line in lines), lines  # progress, not on a terminal
+    cut = clean["cut"]["sites"]
+    assert sorted(cut) == NAMES and all(sorted(cut[s]["topics"][ORDERS]) == ["0", "1"] for s in NAMES)
+
+    b = sites.nodes["b"]
+    b.stop()
+    segments = [s for s in list_segments({"b": b.data_dir}, (ORDERS,)) if s.partition == 1]
+    assert len(segments) > 1, "the topic's segments are small enough for several"
+    sealed = segments[0]
+    origin, seq, _position = inject.flip_value_byte_in_place(sealed, "a")
+    b.start()
+    code, caught, lines = on.audit(tmp_path / "flipped", "--topics", ORDERS)
+    assert code == EXIT_DIVERGENCE, lines
+    assert divergences(caught) == [("mismatch", "b", origin, 1, seq)], caught["issues"]
+    (issue,) = (i for i in caught["issues"] if i["divergence"])
+    assert issue["reference_site"] == "a" and issue["records"] == 1 and "record differs" in issue["detail"]
+    assert issue["file"].startswith(f"b/{ORDERS}/1@")
+    read = caught["read"]
+    assert {s: r["digests"] for s, r in read["per_site"].items()} == stored  # every digest, once
+    assert read["fetched_batches"] == 2  # b's copy and a's, the reference: no other batch moved
+    assert read["per_site"]["a"]["fetched_batches"] == 1 and read["per_site"]["b"]["fetched_batches"] == 1
+    assert any("DIVERGENCE b vs a" in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_an_incremental_live_audit_reads_only_what_came_after_the_previous_cut(on: Live, tmp_path: Path) -> None:
+    sites = on.sites
+    code, full, _ = on.audit(tmp_path / "full", "--topics", EVENTS)
+    assert code == EXIT_CLEAN and full["read"]["digests"] == sum(batches_stored(sites, s, EVENTS) for s in NAMES)
+    before = {s: batches_stored(sites, s, EVENTS) for s in NAMES}
+    write(sites, EVENTS, 30, "more", ["b"])
+    wait_until("every site holds the new events", lambda: converged(sites, NAMES, EVENTS, 90), 30)
+    code, since, lines = on.audit(tmp_path / "since", "--topics", EVENTS, "--since", str(tmp_path / "full"))
+    assert code == EXIT_CLEAN, lines
+    new = {s: batches_stored(sites, s, EVENTS) - before[s] for s in NAMES}
+    assert all(new.values())
+    assert {s: r["digests"] for s, r in since["read"]["per_site"].items()} == new
+    assert {s: t["records"] for s, t in since["sites"].items()} == {s: 30 for s in NAMES}
+    assert since["since"]["taken_at_ms"] == full["cut"]["taken_at_ms"]
+    assert since["counts"] == {}
+
+    code, again, _ = on.audit(tmp_path / "nothing", "--topics", EVENTS, "--since", str(tmp_path / "since"))
+    assert code == EXIT_CLEAN and again["read"]["digests"] == 0
+
+
+def test_live_usage_errors_say_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before any site is asked: each with exit 2 and the fix."""
+
+    def refused(*argv: str) -> str:
+        args = cli_parser().parse_args(["--report", str(tmp_path / "r"), *argv])
+        assert main(args) == EXIT_USAGE
+        return capsys.readouterr().err
+
+    assert "--since goes with --live" in refused("--since", str(tmp_path))
+    assert "drop --data-root" in refused("--live", "--data-root", str(tmp_path))
+    assert "positive" in refused("--live", "--insecure", "--max-slice-offsets", "0")
+    assert "no report.json" in refused("--live", "--insecure", "--since", str(tmp_path / "nowhere"))
+    (tmp_path / "file-mode").mkdir()
+    (tmp_path / "file-mode" / "report.json").write_text(json.dumps({"clean": True, "format": 1}))
+    assert "has no cut" in refused("--live", "--insecure", "--since", str(tmp_path / "file-mode"))
+    (tmp_path / "diverged").mkdir()
+    (tmp_path / "diverged" / "report.json").write_text(json.dumps({"clean": False, "cut": {}}))
+    assert "found a divergence" in refused("--live", "--insecure", "--since", str(tmp_path / "diverged"))
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "report.json").write_text("{not json")
+    assert "cannot read" in refused("--live", "--insecure", "--since", str(tmp_path / "garbled"))
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "pending.parquet").mkdir()
+    (tmp_path / "odd" / "report.json").write_text(json.dumps({"clean": True, "cut": {"format": 1, "sites": 3}}))
+    assert "cut is malformed" in refused("--live", "--insecure", "--since", str(tmp_path / "odd"))
+    topology = tmp_path / "nobody.toml"
+    topology.write_text('[sites.a]\nnodes = ["127.0.0.1:1"]\n')
+    assert "site a did not answer" in refused("--live", "--insecure", "--topology", str(topology))
