@@ -303,7 +303,7 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: An
     try:
         with stop_on_signals() as stop:
             return run_loop(loop, stop)
-    except MetricsError as exc:
+    except (MetricsError, HistoryError) as exc:
         print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:

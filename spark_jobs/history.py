@@ -144,7 +144,10 @@ def _table(run: Run) -> pa.Table:
 def append(report_dir: Path, run: Run) -> Path:
     """Add ``run`` to the history of ``report_dir``, atomically; returns the file written."""
     directory = report_dir / HISTORY_DIR
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HistoryError(f"cannot create the history dir {directory} ({exc}): check --report") from None
     final = directory / f"{RUN_PREFIX}{run.run_id}.parquet"
     temp = directory / f".{final.name}.{os.getpid()}.tmp"
     try:
@@ -152,6 +155,10 @@ def append(report_dir: Path, run: Run) -> Path:
         with open(temp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(temp, final)
+    except OSError as exc:
+        raise HistoryError(
+            f"cannot append run {run.run_id} to the history in {directory} ({exc}): check its space and permissions"
+        ) from None
     finally:
         temp.unlink(missing_ok=True)
     return final

@@ -196,3 +196,9 @@ def test_sigterm_sets_the_stop_event_once_then_acts_as_before() -> None:
         assert stop.wait(10), "the handler ran"
         assert signal.getsignal(signal.SIGTERM) == before, "a second SIGTERM would act at once"
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_history_that_cannot_be_written_says_why(tmp_path: Path) -> None:
+    (tmp_path / history.HISTORY_DIR).write_text("a file where the history's dir goes")
+    with pytest.raises(history.HistoryError, match="cannot create the history dir"):
+        history.append(tmp_path, run(0))
