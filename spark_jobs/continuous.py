@@ -107,6 +107,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise HistoryError(
             "--keep-runs and --metrics-textfile go with --every DURATION or --runs N (a single run for cron: --runs 1)"
         )
+    if getattr(args, "since", None) is not None and not getattr(args, "live", False):
+        raise HistoryError("--since goes with --live: pass --live --since REPORT_DIR (file-mode runs are always full)")
     if args.metrics_textfile is not None:
         try:
             check_textfile_path(args.metrics_textfile)

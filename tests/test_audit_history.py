@@ -74,6 +74,9 @@ def test_flags_of_continuous_audits_need_every_or_runs(tmp_path: Path, capsys: p
         args = ["--report", str(tmp_path / "r"), "--runs", "1", "--metrics-textfile", str(bad)]
         assert audit_main(cli_parser().parse_args(args)) == EXIT_USAGE
         assert says in capsys.readouterr().err
+    since = ["--report", str(tmp_path / "r"), "--runs", "2", "--since", str(tmp_path)]
+    assert audit_main(cli_parser().parse_args(since)) == EXIT_USAGE
+    assert "--since goes with --live" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_parser().parse_args(["--report", "r", "--runs", "0"])
     assert "must be 1 or more" in capsys.readouterr().err
