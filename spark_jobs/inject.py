@@ -116,7 +116,7 @@ def flip_value_byte_in_place(segment: SegmentFile, origin_site: str) -> tuple[st
         value = bytearray(records[1].value or b"\0")
         value[0] ^= 0x01
         records[1] = records[1]._replace(value=bytes(value))
-        edited = s.data[:24] + _reencode(h, records)[24:]
+        edited = s.data[:20] + _reencode(h, records)[20:]  # the local offset and append time kept; the new CRC
         if len(edited) != len(s.data):
             continue  # a compressed batch whose size changed: try the next
         with open(segment.path, "r+b") as f:

@@ -114,11 +114,14 @@ def pending_floors(topology: Topology, cut: Cut) -> list[tuple[str, int, str, in
         for key, p in s.partitions.items():
             vectors.setdefault(key, {})[site] = dict(p.vector)
     out = []
+    reaches: dict[tuple[str, str], set[str]] = {}  # once per topic and origin site, not per partition
     for (topic, partition), by_site in sorted(vectors.items()):
         origins = sorted({o for v in by_site.values() for o in v})
         for origin in origins:
-            reach = {s for _t, _o, s in expected_reach(topology, [(topic, origin.rpartition("@")[0])], sites)}
-            floor = min((by_site.get(s, {}).get(origin, 0) for s in reach), default=0)
+            stream = (topic, origin.rpartition("@")[0])
+            if stream not in reaches:
+                reaches[stream] = {s for _t, _o, s in expected_reach(topology, [stream], sites)}
+            floor = min((by_site.get(s, {}).get(origin, 0) for s in reaches[stream]), default=0)
             out.append((topic, partition, origin, floor))
     return out
 

@@ -39,8 +39,9 @@ from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
+from georep.client.audit import scan_digests
+from georep.client.errors import GeorepError, OffsetOutOfRange
 from georep.proto import georep_pb2 as pb
-from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import MESSAGE_OPTIONS, TlsConfig
 from spark_jobs.datasource import spark_schema
 from spark_jobs.layout import AuditInputError
@@ -54,6 +55,7 @@ CALL_TIMEOUT_S = 3_600.0  # one slice's whole stream; the node paces it (audit_d
 TLS_OPTIONS = ("tlsca", "tlscert", "tlskeysecret")
 UNREADABLE_WAIT_S = 30.0
 UNREADABLE_POLL_S = 0.2
+DIGEST_FRAMING_BYTES = 3  # a digest's field tag and length prefix in its response message
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,37 +192,49 @@ def _arrow(rows: list[list[Any]]) -> pa.RecordBatch:
 
 
 def read_slice(s: Slice, channel: grpc.Channel) -> Iterator[pa.RecordBatch]:
-    """The digests of one slice, one Arrow batch per response message.
+    """The digests of one slice, in Arrow batches of at most ``DIGESTS_PER_MESSAGE`` rows.
 
     The cut's end may lie a few batches past what the node serves yet (what it appended but has not fsynced,
     or its quorum not confirmed): the node refuses such a range (OUT_OF_RANGE) before it sends anything, and the
     slice is asked again until it is readable, for at most ``UNREADABLE_WAIT_S``."""
-    request = pb.ScanDigestsRequest(
-        topic=s.topic, partition=s.partition, from_offset=s.from_offset, to_offset=s.to_offset
-    )
-    request.max_digests = DIGESTS_PER_MESSAGE
     deadline = time.monotonic() + UNREADABLE_WAIT_S
+    sent = False  # rows yielded: a retry would yield them again
     while True:
+        digests = scan_digests(
+            channel,
+            s.topic,
+            s.partition,
+            s.from_offset,
+            s.to_offset,
+            max_digests=DIGESTS_PER_MESSAGE,
+            timeout_s=CALL_TIMEOUT_S,
+        )
+        rows: list[list[Any]] = []
         try:
-            for response in pbg.NodeStub(channel).ScanDigests(request, timeout=CALL_TIMEOUT_S):
-                rows = []
-                for d in response.digests:
-                    if d.base_offset >= s.to_offset or (not s.first and d.base_offset < s.from_offset):
-                        continue  # another slice's batch
-                    rows.append(_row_values(s, d, d.ByteSize() + 3))  # + the field's tag and length prefix
-                if rows:
+            for d in digests:
+                if d.base_offset >= s.to_offset or (not s.first and d.base_offset < s.from_offset):
+                    continue  # another slice's batch
+                rows.append(_row_values(s, d, d.ByteSize() + DIGEST_FRAMING_BYTES))
+                if len(rows) >= DIGESTS_PER_MESSAGE:
                     yield _arrow(rows)
-            return
-        except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            if code == grpc.StatusCode.OUT_OF_RANGE and time.monotonic() < deadline:
+                    rows, sent = [], True
+        except OffsetOutOfRange as exc:
+            if not sent and time.monotonic() < deadline:
                 time.sleep(UNREADABLE_POLL_S)
                 continue
-            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            raise AuditInputError(
-                f"ScanDigests of {s.topic}/{s.partition} [{s.from_offset}, {s.to_offset}) at site {s.site} "
-                f"({s.address}) failed: {code.name if code else '?'} {details}"
-            ) from None
+            raise _failed(s, exc) from None
+        except GeorepError as exc:
+            raise _failed(s, exc) from None
+        if rows:
+            yield _arrow(rows)
+        return
+
+
+def _failed(s: Slice, exc: GeorepError) -> AuditInputError:
+    return AuditInputError(
+        f"ScanDigests of {s.topic}/{s.partition} [{s.from_offset}, {s.to_offset}) at site {s.site} ({s.address}) "
+        f"failed: {exc}"
+    )
 
 
 class SlicePartition(InputPartition):

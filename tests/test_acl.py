@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from cluster.site_state import PutAcl, SiteState, command_from_dict
 from georep.auth.acl import (
+    RESOURCE_OF,
     AclEntry,
     InvalidAcl,
     Operation,
@@ -85,6 +86,17 @@ def test_operations_go_with_their_kind_of_resource_and_replicate_comes_from_the_
         acl_entry("client:alice", "write", "topic:orders")
     with pytest.raises(InvalidAcl, match="'\\+' for exactly one level"):
         acl_entry("client:alice", "produce", "topic:orders*")
+
+
+def test_every_operation_but_replicate_can_be_granted_on_its_kind_of_resource() -> None:
+    """An operation added to the enum without its resource kind (``audit`` once was) could not be granted at all."""
+    example = {"topic": "topic:orders/**", "group": "group:g", "cluster": "cluster"}
+    for op in Operation:
+        if op is not Operation.REPLICATE:
+            assert acl_entry("client:alice", op.value, example[RESOURCE_OF[op].value]).operation is op
+    assert acl_entry("client:auditor", "audit", "topic:orders/**").operation is Operation.AUDIT
+    with pytest.raises(InvalidAcl, match="applies to a topic"):
+        acl_entry("client:auditor", "audit", "cluster")
 
 
 def test_super_users() -> None:
@@ -296,6 +308,24 @@ def test_table_decisions() -> None:
     assert not decide(SEGMENTS_ACCESS, "ReadSegment", read, parse_principal("site:b"), policy).allowed
     assert decide(SEGMENTS_ACCESS, "ReadSegment", read, parse_principal("node:a/2"), policy).allowed
     assert not decide(NODE_ACCESS, "NoSuchMethod", pb.HealthRequest(), ALICE, policy).allowed
+
+
+def test_digests_need_audit_on_the_topic_and_a_members_digests_only_the_sites_nodes() -> None:
+    auditor = parse_principal("client:auditor")
+    entries = [
+        acl_entry("client:auditor", "audit", "topic:orders/**"),
+        acl_entry("client:alice", "consume", "topic:orders/**"),
+    ]
+    policy = _policy(entries)
+    scan = pb.ScanDigestsRequest(topic="orders/eu")
+    assert decide(NODE_ACCESS, "ScanDigests", scan, auditor, policy).allowed
+    refused = decide(NODE_ACCESS, "ScanDigests", scan, ALICE, policy)  # consume is not audit
+    assert not refused.allowed and "georep acl add client:alice audit topic:orders/eu" in refused.message
+    assert not decide(NODE_ACCESS, "ScanDigests", pb.ScanDigestsRequest(topic="payments"), auditor, policy).allowed
+    assert not decide(NODE_ACCESS, "Fetch", pb.FetchRequest(topic="orders/eu"), auditor, policy).allowed
+    member = pb.ScanSegmentDigestsRequest(segment=pb.SegmentRef(topic="orders/eu"))
+    assert not decide(SEGMENTS_ACCESS, "ScanSegmentDigests", member, auditor, policy).allowed
+    assert decide(SEGMENTS_ACCESS, "ScanSegmentDigests", member, parse_principal("node:a/2"), policy).allowed
 
 
 def test_pairs_of_entries_do_not_interact() -> None:

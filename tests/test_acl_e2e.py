@@ -91,7 +91,7 @@ class Net:
 def net(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Net]:
     root = tmp_path_factory.mktemp("acl")
     certs = root / "certs"
-    made = georep("certs", "init", "--dir", str(certs), "--sites", "a,b,c,z", "--clients", "alice")
+    made = georep("certs", "init", "--dir", str(certs), "--sites", "a,b,c,z", "--clients", "alice", "auditor")
     assert made.returncode == 0, made.stderr
     ports = dict(zip("abc", free_ports(3), strict=True))
     topology = root / "topology.toml"
@@ -237,6 +237,30 @@ def test_a_consumer_may_not_commit_for_a_group_it_may_not_read(net: Net) -> None
     joined = georep("consume", "orders/eu", "--group", "billing", "--max", "1", "--timeout", "5", *as_alice)
     assert joined.returncode != 0
     assert "client:alice may not read group:billing" in joined.stderr, joined.stderr
+
+
+def test_reading_digests_needs_audit_and_audit_is_not_consume(net: Net) -> None:
+    """The live audit's ScanDigests (issue 24) needs ``audit`` on the topic; a consumer may not, and an auditor
+    without ``consume`` reads digests but no records."""
+    scan = pb.ScanDigestsRequest(topic="orders/eu", partition=0)
+    auditor, alice = net.stub("a", "client:auditor"), net.stub("a", "client:alice")
+    assert net.acl("a", "add", "client:alice", "consume", "topic:orders/**").returncode == 0
+    for who, stub in (("client:auditor", auditor), ("client:alice", alice)):
+        _denied(
+            lambda stub=stub: list(stub.ScanDigests(scan, timeout=10)),
+            who,
+            "audit",
+            "topic:orders/eu",
+            f"georep acl add {who} audit topic:orders/eu",
+        )
+    added = net.acl("a", "add", "client:auditor", "audit", "topic:orders/**")
+    assert added.returncode == 0, added.stderr
+    _produce(net.stub("a", "client:admin"), "orders/eu", b"audited")
+    digests = [d for r in auditor.ScanDigests(scan, timeout=10) for d in r.digests]
+    assert digests and {d.status for d in digests} == {"ok"}
+    assert {d.records for d in digests} == {1}  # what _produce wrote: one record a batch
+    fetch = pb.FetchRequest(topic="orders/eu", partition=0, max_wait_ms=10)
+    _denied(lambda: next(iter(auditor.Fetch(fetch, timeout=10))), "client:auditor", "consume", "topic:orders/eu")
 
 
 def test_a_site_without_a_link_may_not_pull(net: Net) -> None:

@@ -4,14 +4,18 @@ starts, which batches stay pending, and how ranges become input partitions."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from spark_jobs import inject
 from spark_jobs.cut import Cut, PartitionCut, SiteCut, start_offsets
-from spark_jobs.layout import AuditInputError
+from spark_jobs.layout import AuditInputError, list_segments
 from spark_jobs.live_audit import held_rows, pending_floors
 from spark_jobs.live_cli import error_text
 from spark_jobs.live_source import Slice, open_channel, pack, plan_slices, slices_from_option, slices_option
+from spark_jobs.scan import scan_segment
+from spark_jobs.sitegen import SiteSpec, write_sites
 from topology.model import default_topology
 
 
@@ -76,3 +80,18 @@ def test_an_executors_error_comes_out_of_sparks_wrapping() -> None:
     wrapped = RuntimeError("Py4JJavaError ...\n  File x\nspark_jobs.layout.AuditInputError: ScanDigests failed: X\n...")
     assert error_text(wrapped) == "ScanDigests failed: X"
     assert error_text(ValueError("one\ntwo")) == "one"
+
+
+def test_a_value_byte_flipped_in_place_keeps_every_batch_valid_and_changes_one_crc(tmp_path: Path) -> None:
+    dirs = write_sites(tmp_path, ["a", "b"], SiteSpec(topic="t", partitions=1, records_per_origin=40, batch_records=8))
+    (segment, *_) = list_segments({"b": dirs["b"]}, ("t",))
+    before = [s.header for s in scan_segment(segment)]
+    origin, seq, position = inject.flip_value_byte_in_place(segment, "a")
+    after = list(scan_segment(segment))
+    assert all(s.status == "ok" for s in after) and len(after) == len(before)
+    changed = [(b, s.header) for b, s in zip(before, after, strict=True) if b != s.header]
+    ((old, new),) = changed
+    assert new is not None and old is not None and old.crc != new.crc and new.base_origin_seq + 1 == seq
+    assert after[[s.position for s in after].index(position)].header == new and str(new.origin) == origin
+    with pytest.raises(inject.NothingToInject):
+        inject.flip_value_byte_in_place(segment, "z")

@@ -33,8 +33,10 @@ class Live:
     sites: Sites
     certs: Path
 
-    def audit(self, report: Path, *more: str) -> tuple[int, dict[str, Any], list[str]]:
-        """One ``georep audit --live`` as client:auditor; its exit status, report and printed lines."""
+    def audit(
+        self, report: Path, *more: str, principal: str = "client:auditor"
+    ) -> tuple[int, dict[str, Any], list[str]]:
+        """One ``georep audit --live`` as ``principal``; its exit status, report and printed lines."""
         args = cli_parser().parse_args(
             [
                 "--live",
@@ -45,7 +47,7 @@ class Live:
                 "--tls-dir",
                 str(self.certs),
                 "--principal",
-                "client:auditor",
+                principal,
                 *more,
             ]
         )
@@ -75,7 +77,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     root = tmp_path_factory.mktemp("live")
     certs = root / "certs"
     sites = Sites(root, NAMES, TRIANGLE, extra_args=["--segment-bytes-max", "8192"], tls_dir=certs)
-    dev_ca.init(certs, dev_ca.plan(NAMES, {}, ["auditor"]))
+    dev_ca.init(certs, dev_ca.plan(NAMES, {}, ["auditor", "stranger"]))
     try:
         sites.start()
         for s in NAMES:  # the auditor may read digests (and fetch batches by coordinate), nothing else
@@ -104,6 +106,22 @@ def divergences(doc: dict[str, Any]) -> list[tuple[str, str, str, int, int]]:
     )
 
 
+def flip_in_a_sealed_segment(data_dir: Path) -> tuple[str, int, int]:
+    """A value byte flipped in a record of another site's origin, in a segment of ``orders`` that is not its
+    partition's last (sealed): (origin, seq, partition)."""
+    segments = list_segments({"b": data_dir}, (ORDERS,))
+    for partition in (0, 1):
+        sealed = [s for s in segments if s.partition == partition][:-1]
+        for segment in sealed:
+            for origin_site in ("a", "c"):
+                try:
+                    origin, seq, _position = inject.flip_value_byte_in_place(segment, origin_site)
+                except inject.NothingToInject:
+                    continue
+                return origin, seq, partition
+    raise AssertionError(f"no sealed segment of {ORDERS} at b holds another origin's batch of two records")
+
+
 @pytest.mark.slow
 def test_live_audit_is_clean_then_names_a_flipped_byte_reading_only_digests_and_that_batch(
     on: Live, tmp_path: Path
@@ -123,17 +141,14 @@ def test_live_audit_is_clean_then_names_a_flipped_byte_reading_only_digests_and_
 
     b = sites.nodes["b"]
     b.stop()
-    segments = [s for s in list_segments({"b": b.data_dir}, (ORDERS,)) if s.partition == 1]
-    assert len(segments) > 1, "the topic's segments are small enough for several"
-    sealed = segments[0]
-    origin, seq, _position = inject.flip_value_byte_in_place(sealed, "a")
+    origin, seq, partition = flip_in_a_sealed_segment(b.data_dir)
     b.start()
     code, caught, lines = on.audit(tmp_path / "flipped", "--topics", ORDERS)
     assert code == EXIT_DIVERGENCE, lines
-    assert divergences(caught) == [("mismatch", "b", origin, 1, seq)], caught["issues"]
+    assert divergences(caught) == [("mismatch", "b", origin, partition, seq)], caught["issues"]
     (issue,) = (i for i in caught["issues"] if i["divergence"])
     assert issue["reference_site"] == "a" and issue["records"] == 1 and "record differs" in issue["detail"]
-    assert issue["file"].startswith(f"b/{ORDERS}/1@")
+    assert issue["file"].startswith(f"b/{ORDERS}/{partition}@")
     read = caught["read"]
     assert {s: r["digests"] for s, r in read["per_site"].items()} == stored  # every digest, once
     assert read["fetched_batches"] == 2  # b's copy and a's, the reference: no other batch moved
@@ -160,6 +175,14 @@ def test_an_incremental_live_audit_reads_only_what_came_after_the_previous_cut(o
 
     code, again, _ = on.audit(tmp_path / "nothing", "--topics", EVENTS, "--since", str(tmp_path / "since"))
     assert code == EXIT_CLEAN and again["read"]["digests"] == 0
+
+
+def test_a_principal_without_the_audit_grant_gets_no_digest(
+    on: Live, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _doc, _lines = on.audit(tmp_path / "stranger", "--topics", EVENTS, principal="client:stranger")
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "ScanDigests of events/0" in err and "audit" in err, err
 
 
 def test_live_usage_errors_say_what_to_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -103,7 +103,9 @@ def test_a_range_gives_the_batches_holding_its_offsets_from_mid_segment_and_mid_
     log, w = filled(tmp_path)
     try:
         ends = [(s.header.base_offset, s.header.next_offset) for s in w.stored]
-        for lo, hi in [(0, 1), (3, 40), (17, 18), (int(log.flushed_offset) - 1, int(log.flushed_offset)), (9, 9)]:
+        end = int(log.flushed_offset)
+        ranges = [(lo, min(lo + span, end)) for lo in range(end) for span in (1, 7)] + [(0, end), (9, 9)]
+        for lo, hi in ranges:  # from every offset: mid-batch, mid-segment, past sparse-index entries
             got = [(f.scanned.base_offset, f.scanned.next_offset) for f in everything(log, lo, hi)]
             assert got == [(b, n) for b, n in ends if n > lo and b < hi and lo < hi], (lo, hi)
     finally:

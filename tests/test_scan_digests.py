@@ -18,6 +18,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import iter_headers
 from georep.server.process import NodeProcess
+from tests.support.cli import georep
 from tests.support.node_api import batch, expect_error, fetch_all, log_end, stub_for
 
 NODE_ARGS = ["--segment-bytes-max", "4096", "--scrub-bytes-per-s", "0"]
@@ -137,3 +138,10 @@ def test_audit_digest_rate_paces_a_scan_to_fewer_digests_than_it_asked_for(paced
             got += len(response.digests)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert 1 <= got <= 5
+
+
+def test_a_negative_audit_digest_rate_is_a_usage_error_that_says_what_to_pass(tmp_path: Path) -> None:
+    args = ["node", "--site", "a", "--data-dir", str(tmp_path / "n"), "--insecure", "--listen", "127.0.0.1:0"]
+    refused = georep(*args, "--audit-digest-rate", "-5")
+    assert refused.returncode == 2
+    assert b"--audit-digest-rate -5 must be 0 (unbounded) or more" in refused.stderr

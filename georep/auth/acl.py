@@ -18,9 +18,9 @@ one level, ``**`` any number (zero included), as in ``topology/filters.py``. ``*
 
 **Resources.** ``topic:<filter>``, ``group:<filter>`` (the ``+``/``**`` syntax of ``topology/filters.py``, applied to
 group names as to topic names) or ``cluster``. Each operation goes with one kind of resource
-(:data:`RESOURCE_OF`): produce, consume, create_topic, alter_topic and delete_topic with topics; commit and read with
-groups; replicate and admin with the cluster. An entry that pairs an operation with the wrong kind cannot be built
-(:class:`InvalidAcl`), so it never silently matches nothing.
+(:data:`RESOURCE_OF`): produce, consume, create_topic, alter_topic, delete_topic and audit with topics; commit and
+read with groups; replicate and admin with the cluster. An entry that pairs an operation with the wrong kind cannot
+be built (:class:`InvalidAcl`), so it never silently matches nothing.
 
 **Super-users** (:func:`is_super_user`) need no entry: the site's own nodes (``site:<own site>``,
 ``node:<own site>/N``: they run the site, and a site that could lock out its own nodes could not replicate or

@@ -3207,6 +3207,7 @@ class ScanSegmentDigestsRequest(_message.Message):
     TO_OFFSET_FIELD_NUMBER: _builtins.int
     MAX_DIGESTS_FIELD_NUMBER: _builtins.int
     LOG_START_OFFSET_FIELD_NUMBER: _builtins.int
+    SHORT_COPY_OK_FIELD_NUMBER: _builtins.int
     from_offset: _builtins.int
     """inclusive: the batch holding it is the first digested"""
     to_offset: _builtins.int
@@ -3215,6 +3216,11 @@ class ScanSegmentDigestsRequest(_message.Message):
     """per response message; 0: the server's default"""
     log_start_offset: _builtins.int
     """the partition's, copied into every digest (the member knows only its copy)"""
+    short_copy_ok: _builtins.bool
+    """Digest what the copy holds below to_offset even if it ends earlier, or holds nothing (all_replicas: a member
+    may lag the LAC, or await a repair); the response's end_offset says where it stopped. Unset: refuse (UNAVAILABLE)
+    a copy that does not hold [from_offset, to_offset) whole.
+    """
     @_builtins.property
     def segment(self) -> Global___SegmentRef: ...
     def __init__(
@@ -3225,10 +3231,11 @@ class ScanSegmentDigestsRequest(_message.Message):
         to_offset: _builtins.int = ...,
         max_digests: _builtins.int = ...,
         log_start_offset: _builtins.int = ...,
+        short_copy_ok: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["segment", b"segment"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_offset", b"from_offset", "log_start_offset", b"log_start_offset", "max_digests", b"max_digests", "segment", b"segment", "to_offset", b"to_offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_offset", b"from_offset", "log_start_offset", b"log_start_offset", "max_digests", b"max_digests", "segment", b"segment", "short_copy_ok", b"short_copy_ok", "to_offset", b"to_offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

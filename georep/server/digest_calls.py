@@ -35,12 +35,13 @@ from georep.server.digest_pacing import DigestPacer
 from georep.server.rpc import Context, parse
 from georep.server.segment_refs import segment_ref
 from georep.storage.api import OffsetOutOfRange, StorageError
+from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog
 from georep.storage.digests import DigestCursor, Found
-from georep.storage.segment_log import SegmentLog
+from georep.storage.segment_log import LogClosed, SegmentLog
 from topology.ids import NodeId, SegmentId
 
 if TYPE_CHECKING:
-    from cluster.site_state import PartitionInfo, SegmentInfo
+    from cluster.site_state import SegmentInfo
     from georep.server.broker import Broker
     from georep.server.site_cluster import SiteCluster
 
@@ -48,7 +49,9 @@ log = logging.getLogger(__name__)
 
 MAX_DIGESTS_DEFAULT = 1_000
 MAX_DIGESTS_CAP = 10_000  # ~100 bytes each: a message stays far below gRPC's 4 MiB
-STEP_DIGESTS = 256  # batches read per step in a thread: a step of 64 KiB batches reads 16 MiB
+STEP_DIGESTS = 256  # batches read per step in a thread, and at most STEP_BYTES of them (as a scrub step)
+STEP_BYTES = 4 << 20
+LEADER_ASK_TIMEOUT_S = 5.0
 REMOTE_TIMEOUT_S = 3600.0  # a member's digests of one segment, paced: the stream's whole life
 LIST_TOPICS_HINT = "list the topics with 'georep topic list' and their partitions with 'georep topic describe NAME'"
 
@@ -133,7 +136,13 @@ async def digests_of(
     pending: list[pb.BatchDigest] = []
     try:
         while not cursor.done:
-            step = await loop.run_in_executor(executor, cursor.take, min(STEP_DIGESTS, max_digests))
+            try:
+                step = await loop.run_in_executor(executor, cursor.take, min(STEP_DIGESTS, max_digests), STEP_BYTES)
+            except LogClosed:
+                raise SegmentUnreadable(
+                    f"{cursor.log.directory} was closed during the scan (its topic deleted, or the copy replaced at "
+                    "a seal): retry the scan from the last digest received"
+                ) from None
             await pacer.take(len(step))
             pending += (to_pb(f) for f in step)
             while len(pending) >= max_digests:
@@ -199,18 +208,24 @@ class DigestCalls:
         key = (ref.topic, ref.partition)
         await asyncio.get_running_loop().run_in_executor(executor, store.check_incarnation, key, ref.incarnation)
         copy = store.copy(key, SegmentId(ref.segment_id))
-        if copy is None or copy.log_end_offset < req.to_offset:
+        to = req.to_offset
+        if req.short_copy_ok:
+            to = req.from_offset if copy is None else max(req.from_offset, min(to, int(copy.log_end_offset)))
+        elif copy is None or copy.log_end_offset < to:
             held = "none" if copy is None else f"one that ends at {copy.log_end_offset}"
             raise SegmentUnreadable(
                 f"node {self.site_cluster.member.me} holds {held} of segment {ref.segment_id} of "
-                f"{ref.topic}-{ref.partition}, not [{req.from_offset}, {req.to_offset}): ask another member"
+                f"{ref.topic}-{ref.partition}, not [{req.from_offset}, {to}): ask another member"
             )
         me, sid, start = str(self.site_cluster.member.me), ref.segment_id, req.log_start_offset
-        cursor = DigestCursor(copy, req.from_offset, req.to_offset)
+        if copy is None or to <= req.from_offset:
+            yield pb.ScanDigestsResponse(end_offset=to)
+            return
+        cursor = DigestCursor(copy, req.from_offset, to)
         async for digests in digests_of(
             cursor, executor, self.pacer, max_digests_of(req.max_digests), lambda f: digest_pb(f, me, sid, start)
         ):
-            yield pb.ScanDigestsResponse(digests=digests, end_offset=req.to_offset)
+            yield pb.ScanDigestsResponse(digests=digests, end_offset=to)
 
 
 class ClusterScan:
@@ -224,37 +239,45 @@ class ClusterScan:
         self.key = (req.topic, req.partition)
         self.max_digests = max_digests
 
-    def _chain(self) -> tuple[PartitionInfo, int]:
-        """The partition's chain in this node's view, and the end this node can read of it now."""
-        from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog
-
+    async def _chain(self) -> tuple[tuple[SegmentInfo, ...], int]:
+        """The partition's chain in this node's view, and the end readable now (none yet: empty): the LAC at its
+        leader; at another node, what it can serve itself (``FollowerLog``) or, further, the LAC its leader names."""
         info = self.cluster.metadata.state().partition(*self.key)
         if info is None or not info.segments:
-            raise ScanOutOfRange(
-                f"{self.key[0]}-{self.key[1]} holds no segment yet at this site: nothing to digest; retry once it "
-                "has a leader",
-                self.req.from_offset,
-                0,
-                0,
-            )
+            return (), 0
         led = self.cluster.broker.partitions.get(self.key)
         if led is not None and isinstance(led.log, ChainLog):
-            return info, int(led.log.flushed_offset)
+            return info.segments, int(led.log.flushed_offset)
         chain = [
             ChainSegment(s.segment_id, s.base_offset, s.end_offset, s.end_vector, s.ensemble) for s in info.segments
         ]
         view = FollowerLog(self.key, self.cluster.store, chain, self.cluster.member.me, info.start_vector)
-        return info, int(view.flushed_offset)
+        return info.segments, max(int(view.flushed_offset), await self._leader_end())
+
+    async def _leader_end(self) -> int:
+        """The partition's high watermark (its LAC) at its leader; 0 when no leader answers (this node's own bound
+        then stands)."""
+        address = self.cluster.leader_address(*self.key)
+        if not address:
+            return 0
+        request = pb.ListOffsetsRequest(topic=self.key[0], partition=self.key[1], position=pb.START_LATEST)
+        try:
+            async with self.cluster.channel(address) as channel:
+                answer = await pbg.NodeStub(channel).ListOffsets(request, timeout=LEADER_ASK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.info("ScanDigests of %s-%d: its leader at %s did not answer (%s)", *self.key, address, exc.code().name)
+            return 0
+        return max((o.offset for o in answer.offsets), default=0)
 
     async def responses(self) -> AsyncIterator[pb.ScanDigestsResponse]:
         req = self.req
-        info, readable = self._chain()
-        start = int(info.segments[0].base_offset)
-        where = f"what node {self.cluster.member.me} can read now; its leader may know more"
+        segments, readable = await self._chain()
+        start = int(segments[0].base_offset) if segments else 0
+        where = "the partition's last add confirmed"
         end = scan_end(req.topic, req.partition, req, start, readable, where)
         first = max(req.from_offset, start)
         sent = False
-        for segment in info.segments:
+        for segment in segments:
             lo = max(first, int(segment.base_offset))
             hi = min(end, int(segment.end_offset) if segment.end_offset is not None else end)
             if lo >= hi:
@@ -303,13 +326,16 @@ class ClusterScan:
         """``node``'s copy's digests of ``[lo, hi)``: read here for this node, asked of the member for another."""
         sid = int(segment.segment_id)
         if node == self.cluster.member.me:
-            copy = self._holds(segment, hi)
-            if copy is None:
+            copy = self.cluster.store.copy(self.key, segment.segment_id)
+            if copy is not None and self.req.all_replicas:
+                hi = max(lo, min(hi, int(copy.log_end_offset)))  # a member may lag the LAC (see ScanSegmentDigests)
+            elif copy is None or copy.log_end_offset < hi:
                 raise SegmentUnreadable(f"this node's copy of segment {sid} does not reach offset {hi}")
-            cursor = DigestCursor(copy, lo, hi)
+            if copy is None:
+                return
             me = str(node)
             async for digests in digests_of(
-                cursor,
+                DigestCursor(copy, lo, hi),
                 self.cluster.executor,
                 self.calls.pacer,
                 self.max_digests,
@@ -326,6 +352,7 @@ class ClusterScan:
             to_offset=hi,
             max_digests=self.max_digests,
             log_start_offset=start,
+            short_copy_ok=self.req.all_replicas,
         )
         async with self.cluster.channel(address) as channel:
             async for response in pbg.SegmentsStub(channel).ScanSegmentDigests(request, timeout=REMOTE_TIMEOUT_S):

@@ -16,7 +16,9 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
-AUDIT_DIGEST_RATE_DEFAULT = 50_000  # batches per second: ~1-3% of a core's CRC rate on 16 KiB batches
+# Batches per second. A digest costs ~15-20 us of CPU for a 16 KiB batch (bench/digests.py: ~50,000 batches per
+# CPU-second), so 10,000 a second holds an audit to about a fifth of one core and ~160 MB/s of reads per node.
+AUDIT_DIGEST_RATE_DEFAULT = 10_000
 
 
 class TokenBucket:

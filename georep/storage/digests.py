@@ -81,12 +81,15 @@ class DigestCursor:
         finally:
             os.close(fd)
 
-    def take(self, n: int) -> list[Found]:
-        """Up to ``n`` more (fewer only at the end, which sets ``done``). Blocking I/O: call it in a thread."""
+    def take(self, n: int, max_bytes: int = 1 << 62) -> list[Found]:
+        """Up to ``n`` more, and no more once ``max_bytes`` of batches were read (fewer only at the end, which sets
+        ``done``). Blocking I/O: call it in a thread."""
         out: list[Found] = []
+        read = 0
         for found in self._walk:
             out.append(found)
-            if len(out) >= n:
+            read += found.scanned.size_bytes
+            if len(out) >= n or read >= max_bytes:
                 return out
         self.done = True
         return out
