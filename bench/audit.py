@@ -4,6 +4,8 @@ Run from the repository root::
 
     .venv/bin/python bench/audit.py                      # 1M, 3M and 10M records
     .venv/bin/python bench/audit.py --records 200k,1M    # quicker
+    .venv/bin/python bench/audit.py --live               # live vs file mode on 3 running TLS sites (300k records)
+    .venv/bin/python bench/audit.py --live --records 10M # the size (bench/audit_live.py)
 
 Each size is a fresh set of 3 sites (a, b, c) written straight through the
 storage layer (``spark_jobs.sitegen``), every site holding every origin's
@@ -45,6 +47,8 @@ PARTITIONS = 4
 BATCH_RECORDS = 500
 SEGMENT_BYTES_MAX = 64 << 20
 FAR_FUTURE_MS = 4_000_000_000_000
+DEFAULT_RECORDS = "1M,3M,10M"
+LIVE_DEFAULT_RECORDS = 300_000
 
 
 def parse_count(text: str) -> int:
@@ -114,16 +118,49 @@ def measure(spark: Any, dirs: dict[str, Path], report: Path, repeats: int) -> di
     }
 
 
+def live_main(args: argparse.Namespace, cores: int) -> int:
+    import audit_live  # bench/audit_live.py, beside this script
+
+    records = parse_count(args.records) if args.records != DEFAULT_RECORDS else LIVE_DEFAULT_RECORDS
+    root = Path(tempfile.mkdtemp(prefix="georep-bench-audit-live-"))
+    print(
+        f"georep audit bench, live mode: master {args.master} ({cores} cores), {os.cpu_count()} cores on this machine, "
+        f"load average {os.getloadavg()[0]:.1f}; {records:,} stored records on 3 sites (full size: "
+        f".venv/bin/python bench/audit.py --live --records 10M)",
+        flush=True,
+    )
+    try:
+        spark = spark_session(args.master, "georep-bench-audit-live")
+        warm = generate(root / "warm", 30_000)  # the JVM's first jobs are slow: not on the clock of either mode
+        run_audit(spark, default_topology(), warm, list_segments(warm), root / "warm-report", FAR_FUTURE_MS)
+        figures = audit_live.run(spark, root, records, cores)
+        spark.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({"master": args.master, "cores": cores, **figures}, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--records", default="1M,3M,10M", help="comma-separated sizes, e.g. 1M,3M,10M or 200k")
+    parser.add_argument("--records", default=DEFAULT_RECORDS, help="comma-separated sizes, e.g. 1M,3M,10M or 200k")
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--repeats", type=int, default=1, help="runs per size for the audit; the best counts")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="live mode against file mode on 3 running sites (bench/audit_live.py); --records: one size, "
+        f"default {LIVE_DEFAULT_RECORDS:,}",
+    )
     args = parser.parse_args()
-    sizes = [parse_count(s) for s in args.records.split(",")]
     inside = args.master.removeprefix("local[").removesuffix("]")
     cores = int(inside) if inside.isdigit() else os.cpu_count() or 1
+    if args.live:
+        return live_main(args, cores)
+    sizes = [parse_count(s) for s in args.records.split(",")]
     root = Path(tempfile.mkdtemp(prefix="georep-bench-audit-"))
     rows = []
     try:

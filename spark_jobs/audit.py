@@ -78,6 +78,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from georep.cli.tls_args import add_client_arguments
 
     add_client_arguments(parser)
+    add_continuous_arguments(parser)
+
+
+def add_continuous_arguments(parser: argparse.ArgumentParser) -> None:
+    """--every, --runs, --keep-runs, --metrics-textfile: spark_jobs/continuous.py."""
+    from spark_jobs import continuous
+
+    continuous.add_arguments(parser)
 
 
 def add_input_arguments(parser: argparse.ArgumentParser) -> None:
@@ -476,6 +484,10 @@ def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
 def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: Any = None) -> int:
     """``georep audit``: the exit status is the verdict. ``spark``: a running session to use (and leave running);
     by default the command starts its own and stops it."""
+    from spark_jobs import continuous
+
+    if continuous.requested(args):
+        return continuous.main(args, out, spark)
     if getattr(args, "live", False) or getattr(args, "since", None) is not None:
         from spark_jobs.live_cli import live_main
 

@@ -214,3 +214,35 @@ def test_live_usage_errors_say_what_to_do(tmp_path: Path, capsys: pytest.Capture
     topology = tmp_path / "nobody.toml"
     topology.write_text('[sites.a]\nnodes = ["127.0.0.1:1"]\n')
     assert "site a did not answer" in refused("--live", "--insecure", "--topology", str(topology))
+
+
+@pytest.mark.slow
+def test_every_live_run_starts_from_the_last_clean_runs_cut(on: Live, tmp_path: Path) -> None:
+    """``--every --live``: the first run audits in full, the next only what the sites appended after its cut (new
+    records written between the runs), and both go into the history (spark_jobs/continuous.py)."""
+    from spark_jobs import history
+
+    sites, topic = on.sites, "ticks"
+    sites.stub("a").CreateTopic(pb.CreateTopicRequest(name=topic, partitions=1))
+    wait_until("the topic reaches b and c", lambda: all(sites.vectors(s, topic) for s in NAMES), 20)
+    write(sites, topic, 40, "t", ["a"])
+    wait_until("every site holds the ticks", lambda: converged(sites, NAMES, topic, 40), 30)
+
+    def between_runs(line: str) -> None:
+        if line.startswith("audit run 1 of 2"):
+            write(sites, topic, 20, "u", ["c"])
+            wait_until("every site holds the new ticks", lambda: converged(sites, NAMES, topic, 60), 30)
+
+    report = tmp_path / "continuous"
+    flags = ["--live", "--topology", str(sites.topology), "--report", str(report), "--tls-dir", str(on.certs)]
+    args = cli_parser().parse_args(
+        [*flags, "--principal", "client:auditor", "--topics", topic, "--every", "0s", "--runs", "2"]
+    )
+    assert main(args, out=between_runs, spark=on.spark) == EXIT_CLEAN
+    runs, skipped = history.read(report)
+    assert [(r.mode, r.verdict) for r in runs] == [("live", "clean")] * 2 and skipped == []
+    first, second = runs
+    assert first.since is None and first.audited_records == 3 * 40
+    assert second.since == str(report / "runs" / first.run_id) and second.audited_records == 3 * 20
+    assert json.loads(second.cut or "{}")["taken_at_ms"] > json.loads(first.cut or "{}")["taken_at_ms"]
+    assert 0 < second.bytes_moved < first.bytes_moved

@@ -53,7 +53,10 @@ DELEGATED = {
     "user": ("georep.cli.user", "user add|remove|list: Kafka SASL users and their SCRAM credentials"),
     "certs": ("georep.cli.certs", "certs init: a development CA and certificates for sites, nodes and clients"),
     "drill": ("georep.cli.drill", "run a DR drill against a running topology and report RPO, RTO and duplicates"),
-    "audit": ("spark_jobs.audit", "Spark audit: do all sites hold the same data? (reads segment files)"),
+    "audit": (
+        "spark_jobs.audit",
+        "Spark audit: do all sites hold the same data? (reads segment files); audit history REPORT_DIR: its runs",
+    ),
     "delays": ("spark_jobs.delays", "Spark analytics: replication delay per path, origin and site, with plots"),
 }
 
@@ -332,6 +335,10 @@ def _run_delegated(name: str, argv: list[str]) -> int:
         from georep.cli.status import live_link_states
 
         return int(module.main(argv[1:], live=live_link_states))
+    if name == "audit" and argv[:1] == ["history"]:  # the audit's only positional word: no flag is spelled so
+        from spark_jobs.history_cli import cli as history_cli
+
+        return history_cli(argv[1:])
     parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=help_text)
     module.add_arguments(parser)
     code: int = module.main(parser.parse_args(argv))
