@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --live: split a partition's range into input partitions of at most N offsets (default 1000000)",
     )
-    from georep.cli.tls_args import add_client_arguments
+    from georep.client.tls_args import add_client_arguments
 
     add_client_arguments(parser)
     add_continuous_arguments(parser)

@@ -211,6 +211,18 @@ def site_streams(batches: DataFrame) -> DataFrame:
     )
 
 
+def _holding(streams: DataFrame, held_before: DataFrame | None) -> DataFrame:
+    """Per site stream, the highest seq it holds: of the batches read, or before them (``held_before``)."""
+    holding = streams.select(*SITE_STREAM, "origin_site", "held_max")
+    if held_before is None:
+        return holding
+    return (
+        holding.unionByName(held_before.select(*SITE_STREAM, "origin_site", "held_max"))
+        .groupBy(*SITE_STREAM, "origin_site")
+        .agg(F.max("held_max").alias("held_max"))
+    )
+
+
 def reach_issues(
     batches: DataFrame, expected: DataFrame, as_of_ms: int, held_before: DataFrame | None = None
 ) -> DataFrame:
@@ -229,13 +241,7 @@ def reach_issues(
     higher of the two.
     """
     streams = site_streams(batches)
-    holding = streams.select(*SITE_STREAM, "origin_site", "held_max")
-    if held_before is not None:
-        holding = (
-            holding.unionByName(held_before.select(*SITE_STREAM, "origin_site", "held_max"))
-            .groupBy(*SITE_STREAM, "origin_site")
-            .agg(F.max("held_max").alias("held_max"))
-        )
+    holding = _holding(streams, held_before)
     furthest = holding.groupBy(*STREAM, "origin_site").agg(
         F.max("held_max").alias("known_max"),
         # the furthest; among equals the origin, then the lowest site id

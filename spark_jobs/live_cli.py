@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from georep.cli.tls_args import TlsArgsError, client_tls
+from georep.client.tls_args import TlsArgsError, client_tls
 from georep.security.tls import TlsError
 from spark_jobs.audit import DEFAULT_DATA_ROOT, EXIT_USAGE, IN_FLIGHT_WINDOW_MS, parse_as_of
 from spark_jobs.cut import Cut, take_cut

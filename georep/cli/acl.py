@@ -17,8 +17,8 @@ import grpc
 
 from georep.auth.acl import InvalidAcl, Operation, acl_entry
 from georep.cli.admin_token import add_admin_call_arguments, call_metadata, find_token
-from georep.cli.tls_args import TlsArgsError, client_tls
 from georep.client.connection import tls_problem
+from georep.client.tls_args import TlsArgsError, client_tls
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import TlsConfig, client_channel

@@ -13,8 +13,8 @@ import os
 import secrets
 from pathlib import Path
 
-from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap
+from georep.client.tls_args import add_client_arguments as add_client_tls_arguments
 
 TOKEN_FILE = "admin.token"
 TOKEN_ENV = "GEOREP_ADMIN_TOKEN"

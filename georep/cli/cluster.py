@@ -54,10 +54,10 @@ import grpc
 
 from georep.cli.admin_token import TOKEN_ENV, call_metadata, find_token
 from georep.cli.output import EXIT_ERROR, EXIT_USAGE, table
-from georep.cli.tls_args import TlsArgsError, client_tls
-from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.client.connection import BOOTSTRAP_ENV, CHANNEL_OPTIONS, Connection, default_bootstrap
 from georep.client.errors import GeorepError, InvalidRequest, NodeUnavailable, Operation, from_rpc_error
+from georep.client.tls_args import TlsArgsError, client_tls
+from georep.client.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import TlsConfig, client_channel

@@ -39,10 +39,10 @@ from georep.cli.drill import add_arguments as add_drill_arguments
 from georep.cli.drill import drill, render
 from georep.cli.link import set_link as set_link_rpc
 from georep.cli.status import vector_text
-from georep.cli.tls_args import certs_dir
 from georep.cli.topology_arg import load_topology
 from georep.cli.up import ensure_certs, site_processes, stop_restarted
 from georep.client import Admin, Consumer, ConsumerRecord, Producer, RecordMetadata
+from georep.client.tls_args import certs_dir
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import ADMIN, TlsConfig, client_channel

@@ -73,14 +73,14 @@ import grpc
 from georep.cli.admin_token import TOKEN_ENV, find_token
 from georep.cli.drill_sites import DrillSitesError, drill_sites
 from georep.cli.link import set_link
-from georep.cli.tls_args import TlsArgsError, client_tls
-from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topology_arg import load_topology
 from georep.cli.up import DEFAULT_DATA_DIR
 from georep.client.connection import CHANNEL_OPTIONS
 from georep.client.consumer import Consumer, ConsumerRecord, decode_response
 from georep.client.errors import GeorepError
 from georep.client.producer import Producer, parse_acks
+from georep.client.tls_args import TlsArgsError, client_tls
+from georep.client.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_from_proto

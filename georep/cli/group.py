@@ -34,8 +34,6 @@ from typing import Any
 import grpc
 
 from georep.cli import group_reset
-from georep.cli.tls_args import TlsArgsError, client_tls
-from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.client.connection import BOOTSTRAP_ENV, Connection, default_bootstrap, parse_bootstrap
 from georep.client.errors import (
     GeorepError,
@@ -46,6 +44,8 @@ from georep.client.errors import (
     UnknownTopic,
     from_rpc_error,
 )
+from georep.client.tls_args import TlsArgsError, client_tls
+from georep.client.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_from_proto
 from georep.security.tls import TlsConfig

@@ -10,10 +10,10 @@ from pathlib import Path
 import grpc
 
 from georep.cli.admin_token import TOKEN_ENV, call_metadata, find_token
-from georep.cli.tls_args import TlsArgsError, client_tls
-from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topology_arg import load_topology
 from georep.client.connection import tls_problem
+from georep.client.tls_args import TlsArgsError, client_tls
+from georep.client.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import TlsConfig, client_channel

@@ -22,7 +22,6 @@ from typing import Any
 from georep import __version__
 from georep.cli.output import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, PROG, err
 from georep.cli.records import cmd_consume, cmd_offsets, cmd_produce
-from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topics import (
     cmd_health,
     cmd_topic_add_partitions,
@@ -35,6 +34,7 @@ from georep.cli.topics import (
 from georep.client.admin import LIST_PAGE_SIZE
 from georep.client.connection import BOOTSTRAP_ENV, default_bootstrap
 from georep.client.errors import GeorepError
+from georep.client.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.record.compression import CODEC_NAMES
 from offsets.commits import OFFSETS_TOPIC
 

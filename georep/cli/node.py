@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 from georep.auth.acl import DEFAULT_SUPER_USERS
 from georep.auth.principal import InvalidPrincipal, Principal, parse_principal
 from georep.broker.acks import AckKind, Acks
-from georep.cli.tls_args import TlsArgsError, node_tls
-from georep.cli.tls_args import add_node_arguments as add_node_tls_arguments
 from georep.cli.topology_arg import load_topology
+from georep.client.tls_args import TlsArgsError, node_tls
+from georep.client.tls_args import add_node_arguments as add_node_tls_arguments
 from georep.kafka.connections import (
     IDLE_MS_DEFAULT,
     MAX_CONNECTIONS_DEFAULT,

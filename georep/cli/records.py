@@ -11,11 +11,11 @@ import time
 from typing import cast
 
 from georep.cli.output import EXIT_ERROR, err, table
-from georep.cli.tls_args import client_tls
 from georep.client.admin import Admin
 from georep.client.consumer import Consumer, ConsumerRecord
 from georep.client.errors import GeorepError, InvalidRequest
 from georep.client.producer import Producer, RecordMetadata
+from georep.client.tls_args import client_tls
 from offsets.vector import InvalidVectorOffset, VectorOffset
 
 STDIN_CHUNK_BYTES = 1 << 16

@@ -15,9 +15,9 @@ import sys
 
 import grpc
 
-from georep.cli.tls_args import TlsArgsError, client_tls
-from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.client.connection import BOOTSTRAP_ENV, CHANNEL_OPTIONS, default_bootstrap, tls_problem
+from georep.client.tls_args import TlsArgsError, client_tls
+from georep.client.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import TlsConfig, client_channel

@@ -17,13 +17,13 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from georep.cli.tls_args import TlsArgsError, client_tls, default_client_tls
-from georep.cli.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.cli.topology import LinkStatus
 from georep.cli.topology_arg import load_topology
 from georep.cli.up import DEFAULT_DATA_DIR
 from georep.client.admin import damaged_text
 from georep.client.connection import tls_problem
+from georep.client.tls_args import TlsArgsError, client_tls, default_client_tls
+from georep.client.tls_args import add_client_arguments as add_client_tls_arguments
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import TlsConfig, client_channel

@@ -8,9 +8,9 @@ import json
 from collections.abc import Sequence
 
 from georep.cli.output import EXIT_ERROR, err, table, topic_json
-from georep.cli.tls_args import client_tls
 from georep.client.admin import Admin, NewTopic, TopicInfo
 from georep.client.errors import InvalidRequest
+from georep.client.tls_args import client_tls
 from georep.metadata.kafka_config import InvalidConfig, to_georep
 from topology.filters import is_internal
 

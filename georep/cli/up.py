@@ -21,8 +21,8 @@ from pathlib import Path
 
 from georep.auth.principal import node_principal, site_principal
 from georep.cli.admin_token import ensure_token
-from georep.cli.tls_args import INSECURE_WARNING, certs_dir
 from georep.cli.topology_arg import load_topology
+from georep.client.tls_args import INSECURE_WARNING, certs_dir
 from georep.security import dev_ca
 from georep.security.raft_secret import secret_file_name
 from georep.security.tls import TlsConfig, TlsError

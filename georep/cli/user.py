@@ -23,8 +23,8 @@ import grpc
 from georep.auth.credentials import user_principal
 from georep.auth.sasl import DEFAULT_MECHANISM, MECHANISMS, MIN_ITERATIONS, derive
 from georep.cli.admin_token import add_admin_call_arguments, call_metadata, find_token
-from georep.cli.tls_args import TlsArgsError, client_tls
 from georep.client.connection import tls_problem
+from georep.client.tls_args import TlsArgsError, client_tls
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.security.tls import client_channel

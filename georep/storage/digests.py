@@ -19,7 +19,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 
 from georep.storage.batch_scan import ScanBounds, Scanned, scan_batches
-from georep.storage.segment_log import SegmentLog
+from georep.storage.segment_log import SegmentLog, scan_fd, scan_plan
 
 READ_BUFFER_BYTES = 1 << 20
 
@@ -61,7 +61,7 @@ class DigestCursor:
     def __init__(self, log: SegmentLog, from_offset: int, end_offset: int) -> None:
         self.log = log
         self.from_offset = from_offset
-        self.plan = log.scan_plan(from_offset, end_offset) if from_offset < end_offset else []
+        self.plan = scan_plan(log, from_offset, end_offset) if from_offset < end_offset else []
         self.done = not self.plan
         self._walk = self._batches()
 
@@ -70,7 +70,7 @@ class DigestCursor:
             yield from self._segment(segment_base, bounds)
 
     def _segment(self, segment_base: int, bounds: ScanBounds) -> Generator[Found, None, None]:
-        fd = self.log.scan_fd(segment_base)
+        fd = scan_fd(self.log, segment_base)
         if fd is None:
             return  # retention deleted it since the plan: read as empty, as the file audit does
         try:

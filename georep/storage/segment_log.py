@@ -920,36 +920,6 @@ class SegmentLog:
                 LocalOffset(segment.base_offset), dict(self._start_vectors[i]), self._entries(segment)
             )
 
-    def scan_plan(self, from_offset: int, end_offset: int) -> list[tuple[int, ScanBounds]]:
-        """Where a digest scan of ``[from_offset, end_offset)`` walks, one :class:`ScanBounds` per segment file
-        (``georep/storage/digests.py``), with the file's base offset: each file's size now, the first one from the
-        sparse-index entry at or before ``from_offset``. Nothing is opened here; :meth:`scan_fd` opens one file at
-        a time."""
-        out: list[tuple[int, ScanBounds]] = []
-        with self._lock:
-            self._check_open()
-            point = max(self._point_at, 0)
-            first = max(from_offset, self._log_start)
-            for i, segment in enumerate(self._segments):
-                if (segment.next_offset <= first and segment.size > 0) or segment.base_offset >= end_offset:
-                    continue
-                position, base = 0, segment.base_offset
-                if segment.base_offset < first:
-                    position, base = segment.index_entry(first)
-                last = i == len(self._segments) - 1
-                out.append((segment.base_offset, ScanBounds(base, segment.size, last, point, position, end_offset)))
-        return out
-
-    def scan_fd(self, segment_base: int) -> int | None:
-        """A descriptor of its own (the caller closes it) on the ``.log`` whose base is ``segment_base``, opened
-        through the handle cache; None when retention deleted the segment since :meth:`scan_plan`."""
-        with self._lock:
-            self._check_open()
-            i = bisect_right(self._bases, segment_base) - 1
-            if i < 0 or self._bases[i] != segment_base:
-                return None
-            return os.dup(self._segments[i].log_fd)
-
     def _entries(self, segment: Segment) -> list[BatchEntry]:
         """``segment``'s batches from its origin index (lock held)."""
         return [
@@ -1644,3 +1614,37 @@ __all__ = [
     "SegmentLog",
     "check_config",
 ]
+
+
+# A digest scan's walk of a log (georep/storage/digests.py): functions of the module rather than methods, so
+# SegmentLog keeps to its size; they read its segments under its lock as its methods do.
+def scan_plan(log: SegmentLog, from_offset: int, end_offset: int) -> list[tuple[int, ScanBounds]]:
+    """Where a digest scan of ``[from_offset, end_offset)`` walks, one :class:`ScanBounds` per segment file
+    (``georep/storage/digests.py``), with the file's base offset: each file's size now, the first one from the
+    sparse-index entry at or before ``from_offset``. Nothing is opened here; :func:`scan_fd` opens one file at
+    a time."""
+    out: list[tuple[int, ScanBounds]] = []
+    with log._lock:
+        log._check_open()
+        point = max(log._point_at, 0)
+        first = max(from_offset, log._log_start)
+        for i, segment in enumerate(log._segments):
+            if (segment.next_offset <= first and segment.size > 0) or segment.base_offset >= end_offset:
+                continue
+            position, base = 0, segment.base_offset
+            if segment.base_offset < first:
+                position, base = segment.index_entry(first)
+            last = i == len(log._segments) - 1
+            out.append((segment.base_offset, ScanBounds(base, segment.size, last, point, position, end_offset)))
+    return out
+
+
+def scan_fd(log: SegmentLog, segment_base: int) -> int | None:
+    """A descriptor of its own (the caller closes it) on the ``.log`` whose base is ``segment_base``, opened
+    through the handle cache; None when retention deleted the segment since :func:`scan_plan`."""
+    with log._lock:
+        log._check_open()
+        i = bisect_right(log._bases, segment_base) - 1
+        if i < 0 or log._bases[i] != segment_base:
+            return None
+        return os.dup(log._segments[i].log_fd)
