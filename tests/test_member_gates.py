@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from cluster.lead import PartitionLead
+from georep.server import member_gates
 from georep.server.ensemble import SegmentToWrite, SegmentWriter, solo_writer
 from georep.server.member_gates import BACKOFF_MIN_S, Admission, MemberGate, MemberGates
 from georep.server.peer_channels import PeerChannels
@@ -96,6 +97,22 @@ def test_a_writer_cancelled_as_it_is_chosen_to_probe_hands_the_probe_on() -> Non
         gate._next_probe()
         first.cancel()  # chosen, but cancelled before it ran
         assert await second is Admission.PROBE
+
+    asyncio.run(run())
+
+
+def test_a_probe_that_neither_answers_nor_fails_lets_another_writer_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One stream stuck in its connect, or behind the member's disk queue, must not hold every writer to the peer."""
+    monkeypatch.setattr(member_gates, "PROBE_OVERDUE_S", 0.05)
+
+    async def run() -> None:
+        gate = MemberGate()
+        gate.failed(probe=False)
+        tasks = admitting(gate, 3)
+        await until("a probe", lambda: len(probes(tasks)) == 1)
+        await until("a second probe once the first is overdue", lambda: len(probes(tasks)) == 2)
+        gate.answered()
+        assert (await tasks[2]) is Admission.OPEN
 
     asyncio.run(run())
 

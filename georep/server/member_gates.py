@@ -32,6 +32,9 @@ from topology.ids import NodeId
 
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 2.0
+# A probe neither answered nor failed for this long (a member whose disk queue holds its answer, a stream stuck in a
+# connect): another waiter probes too, so that one stuck stream does not hold every writer to the peer.
+PROBE_OVERDUE_S = 5.0
 
 
 class Admission(enum.Enum):
@@ -54,6 +57,7 @@ class MemberGate:
         self.probes = 0  # streams opened as probes (what a test or an operator can count)
         self._waiters: deque[asyncio.Future[Admission]] = deque()
         self._timer: asyncio.TimerHandle | None = None
+        self._overdue: asyncio.TimerHandle | None = None
 
     async def admit(self) -> Admission:
         """Wait until this writer may open its stream to the peer. A ``PROBE`` must be followed by exactly one of
@@ -121,11 +125,19 @@ class MemberGate:
         self.probing = True
         self.probes += 1
         self._waiters.popleft().set_result(Admission.PROBE)
+        self._overdue = asyncio.get_running_loop().call_later(PROBE_OVERDUE_S, self._probe_overdue, self.probes)
+
+    def _probe_overdue(self, probe: int) -> None:
+        if self.probing and self.probes == probe:
+            self.abandoned()
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._overdue is not None and not self.probing:
+            self._overdue.cancel()
+            self._overdue = None
 
     @property
     def waiting(self) -> int:
