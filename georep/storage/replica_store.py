@@ -80,7 +80,7 @@ from georep.storage.partition_dirs import partition_dir_name as incarnation_dir_
 from georep.storage.private import DIR_MODE, private_dir
 from georep.storage.segment import U32_MAX
 from georep.storage.segment_log import SegmentLog
-from georep.storage.sync_waves import SyncWaves, sync_waves_for
+from georep.storage.sync_waves import SyncWaves
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.log_prefix import vector_below
 from offsets.vector import VectorOffset
@@ -270,9 +270,11 @@ class ReplicaStore:
         # opened, fenced or sealed from now on belongs to (module docstring).
         # None: deleted in this view (every call about the topic is refused).
         self.incarnation_of: Callable[[str], int | None] = lambda topic: 0
-        # New copies and guards share their syncs with every thread writing at the same time (sync_waves.py); None
-        # where syncfs cannot be trusted: each syncs its own files.
-        self.waves: SyncWaves | None = sync_waves_for(self.root)
+        # New copies and guards can share their syncs with every thread writing at the same time (sync_waves.py:
+        # ``sync_waves_for(self.root)``). Off (None: each call syncs its own files) until measured on a quiet
+        # machine: in three of three bench runs with it on, the site ran 3 to 10 times the Raft elections of main
+        # at the same load while its segments were created (docs/design.md, "Seventh session").
+        self.waves: SyncWaves | None = None
         self.deleted_dir = data_dir / DELETED_REPLICAS_DIR
         if self.deleted_dir.is_dir():  # a removal a stop interrupted: its copies were out of every partition's way
             remove_moved(sorted(self.deleted_dir.iterdir()))

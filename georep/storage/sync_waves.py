@@ -11,7 +11,10 @@ that arrive while it runs wait for the next, which one of them runs. A sync that
 was to cover (each then fails as if its own fsync had failed), and the next wait runs a new one.
 
 Only where ``syncfs`` reports writeback errors (``GROUP_FLUSH_SUPPORTED``, Linux 5.8 and later): elsewhere the
-store keeps its per-file fsyncs (:func:`sync_waves_for`).
+store keeps its per-file fsyncs (:func:`sync_waves_for`). The store does not use it yet (``ReplicaStore.waves`` is
+None): with it on, bench runs on the shared machine had several times main's Raft elections while a topic's segments
+were created, maybe because a ``syncfs`` writes back the whole file system's dirty data, the Raft journal's
+included; docs/design.md, "Seventh session", says what would decide it.
 """
 
 from __future__ import annotations
