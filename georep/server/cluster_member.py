@@ -90,6 +90,7 @@ from georep.security.tls import TlsConfig
 from georep.server.ensemble import LeadEvent, SegmentToWrite, SegmentWriter
 from georep.server.fence_waves import FenceWaves
 from georep.server.heartbeat_thread import HeartbeatThread
+from georep.server.member_gates import MemberGates
 from georep.server.peer_channels import PeerChannels
 from georep.server.recovery import Members, copy_tail, fence_member, tell_sealed
 from georep.server.site_repair import RepairController, decommission
@@ -218,6 +219,7 @@ class ClusterMember:
         self.tls = tls
         self.channel = PeerChannels(tls)  # one channel per peer for every fence, copy and stream (peer_channels.py)
         self.fences = FenceWaves()  # a recovery's fences to each peer, in bounded waves (fence_waves.py)
+        self.gates = MemberGates()  # the segment streams' reconnect backoff per peer (member_gates.py)
         self.leaders: dict[PartitionKey, PartitionLeader] = {}
         self.listener: LeaderListener = _NoListener()
         self.origin: Origin | None = None  # the site's (its broker's): seals fold its own producers' batches
@@ -377,6 +379,7 @@ class ClusterMember:
             try:
                 if loop.time() >= next_tick:
                     next_tick = loop.time() + tick_s
+                    self._follow_liveness()
                     await self._controller()
                     self._follow_store()
                     self.reconcile()
@@ -386,6 +389,14 @@ class ClusterMember:
                 self.reconcile()
             except Exception:  # a bug in one tick must not end the member: log it and tick again
                 log.exception("node %d: cluster tick failed", self.me)
+
+    def _follow_liveness(self) -> None:
+        """Tell the streams' gates which peers the metadata shows dead: no segment writer probes a dead node (after
+        a kill, thousands of streams a second tried it), and they try again once its heartbeats come back."""
+        now_ms = self.clock_ms()
+        timeout_ms = self.config.session_timeout_ms
+        nodes = self.metadata.state().nodes()
+        self.gates.set_dead(n for n, info in nodes.items() if n != self.me and not info.is_live(now_ms, timeout_ms))
 
     def _next_expiry_ms(self) -> int | None:
         if self.core.controller is None:
@@ -872,6 +883,7 @@ class PartitionLeader:
             lambda event: self._step_writing(sid, event),
             m.tls,
             m.channel,
+            m.gates,
         )
         await writer.start()
         while not self._shows_open(eff.segment_id):  # the broker serves the chain its view lists

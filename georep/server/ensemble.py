@@ -15,7 +15,10 @@ happens (``feed``: the node steps the lead with the event and carries out what i
   restarts or fell behind is caught up from the same bytes, and nothing is buffered per member. At most
   ``IN_FLIGHT`` requests are unanswered; what is appended meanwhile goes into the next request, so members fsync
   once per request, not per batch. A broken stream feeds ``member_failed``; it is opened again when the lead says
-  (:class:`~cluster.lead.Reconnect`), after a backoff.
+  (:class:`~cluster.lead.Reconnect`), after a backoff, and through the peer's
+  :class:`~georep.server.member_gates.MemberGate`: while the member is unreachable, one writer of the node at a
+  time probes it for all of them (no probe while the site's metadata shows it dead), and the others open their
+  streams once one answers.
 * **Releases** (:class:`~cluster.lead.Release`): :meth:`SegmentWriter.confirmed` resolves once the lead released
   an offset (``acks=all``).
 * **A member fenced by a newer leader** (``ABORTED``) feeds ``member_refused``, and ends the writer: every waiter
@@ -43,6 +46,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_to_proto
 from georep.security.tls import TlsConfig, channels
+from georep.server.member_gates import Admission, MemberGate, MemberGates
 from georep.server.peer_channels import ChannelUse, segments_stub
 from georep.server.segment_refs import segment_ref
 from georep.storage.replica_store import PartitionKey, ReplicaStore
@@ -102,6 +106,7 @@ class SegmentWriter:
         feed: Feed,
         tls: TlsConfig | None = None,
         channel: ChannelUse | None = None,
+        gates: MemberGates | None = None,
     ) -> None:
         self.store = store
         self.segment = segment
@@ -114,6 +119,7 @@ class SegmentWriter:
         self.clock_ms = clock_ms
         self.feed = feed
         self._channel = channel or channels(tls)  # the node's channels to its peers, shared (peer_channels.py)
+        self._gates = gates or MemberGates()  # the node's reconnect backoff per peer, shared (member_gates.py)
         self.appended_end = segment.base_offset
         self.released = segment.base_offset  # what the lead released: acks=all up to here
         self._wake = asyncio.Event()  # set when there is more to send or announce: member streams wake up
@@ -305,16 +311,26 @@ class SegmentWriter:
     # -- one member's stream ---------------------------------------------------------------------------------
 
     async def _member(self, node: NodeId, stream: _Stream) -> None:
+        gate = self._gates[node]
+        probe = await gate.admit() is Admission.PROBE
+        answered: list[bool] = []  # set by _stream at the member's first answer (the gate is told there)
+        unreachable = False
         try:
             async with self._channel(self.addresses[node]) as channel:
-                await self._stream(node, stream, segments_stub(channel))
+                await self._stream(node, stream, segments_stub(channel), gate, answered)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.ABORTED:
                 self._depose(node, exc.details() or "fenced")
                 return
+            unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
             self._broken(node, f"{exc.code().name}: {exc.details()}")
         except (StreamBroken, QuorumError) as exc:
             self._broken(node, str(exc))
+        finally:
+            if unreachable:
+                gate.failed(probe and not answered)
+            elif probe and not answered:  # closed, or an answer that says nothing of the peer: another may probe
+                gate.abandoned()
         if self._closed or self._deposed is not None:
             return
         self._feed(lambda lead, ctx: lead.member_failed(node, ctx.now_ms))
@@ -334,8 +350,11 @@ class SegmentWriter:
             why,
         )
 
-    async def _stream(self, node: NodeId, stream: _Stream, stub: pbg.SegmentsAsyncStub) -> None:
-        """One stream to ``node``, until it breaks (raises) or the writer closes (cancelled)."""
+    async def _stream(
+        self, node: NodeId, stream: _Stream, stub: pbg.SegmentsAsyncStub, gate: MemberGate, answered: list[bool]
+    ) -> None:
+        """One stream to ``node``, until it breaks (raises) or the writer closes (cancelled). Its first answer tells
+        the peer's ``gate`` that the peer is reachable (``answered`` gets True)."""
         s = self.segment
         outbox: asyncio.Queue[pb.SegmentAppendRequest] = asyncio.Queue()
         ref = segment_ref(self.store, s.key, s.segment_id)
@@ -360,6 +379,8 @@ class SegmentWriter:
             first = await anext(answers, None)
             if first is None:
                 raise StreamBroken("the member ended the stream before answering")
+            answered.append(True)
+            gate.answered()  # the peer is reachable: every writer waiting on it opens its stream
             if first.end_offset > self.appended_end:
                 # A copy of a segment this writer opened can only hold what it sent: this is a bug, or another
                 # writer of the same epoch. Never count it.
@@ -434,8 +455,11 @@ def solo_writer(
     executor: ThreadPoolExecutor,
     clock_ms: Callable[[], int],
     tls: TlsConfig | None = None,
+    channel: ChannelUse | None = None,
+    gates: MemberGates | None = None,
 ) -> tuple[SegmentWriter, PartitionLead]:
-    """A writer of ``segment`` with a lead of its own, adopted on it (a caller without a node: tests)."""
+    """A writer of ``segment`` with a lead of its own, adopted on it (a caller without a node: tests). Writers that
+    stand for one node share its ``gates``."""
     s = segment
     opened = SegmentInfo(s.segment_id, LocalOffset(s.base_offset), s.ensemble, s.epoch, ack_quorum=s.ack_quorum)
     info = PartitionInfo(s.key[0], s.key[1], me, s.epoch, (opened,))
@@ -448,5 +472,5 @@ def solo_writer(
             writer.perform(effect)
 
     lead.start(LeadContext(clock_ms(), info, list))
-    writer = SegmentWriter(store, segment, me, addresses, executor, clock_ms, feed, tls)
+    writer = SegmentWriter(store, segment, me, addresses, executor, clock_ms, feed, tls, channel, gates)
     return writer, lead
