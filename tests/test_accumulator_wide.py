@@ -77,3 +77,15 @@ def test_a_full_batch_behind_lingering_ones_is_closed_at_once() -> None:
     closed: list[Any] = acc.close_lingered(now_ms=2)
     assert [(b.partition, len(b.records)) for b in closed] == [(0, 2)]
     assert [b.partition for b in acc.close_lingered(now_ms=5)] == [1]
+
+
+def test_a_limit_closes_the_oldest_lingered_batches_and_keeps_the_rest_open() -> None:
+    acc = RecordAccumulator(batch_size=109 + 2 * SIZE, linger_ms=5)
+    for p in range(4):
+        acc.append("t", p, rec(), None, SIZE, now_ms=p, max_batch_bytes=LIMIT)
+    for _ in range(2):
+        acc.append("t", 9, rec(), None, SIZE, now_ms=4, max_batch_bytes=LIMIT)  # full
+    assert acc.close_lingered(now_ms=20, limit=0) == [acc.take_closed()[0]]  # the full one closes whatever
+    assert [b.partition for b in acc.close_lingered(now_ms=20, limit=2)] == [0, 1]
+    assert acc.append("t", 2, rec(), None, SIZE, now_ms=21, max_batch_bytes=LIMIT) is None  # still open: it grows
+    assert [(b.partition, len(b.records)) for b in acc.close_lingered(now_ms=21)] == [(2, 2), (3, 1)]

@@ -389,6 +389,44 @@ def test_requests_in_flight_per_node_are_bounded() -> None:
     assert_sequences_in_order(stream)
 
 
+def test_a_lingered_batch_keeps_taking_records_while_the_node_has_no_room() -> None:
+    """Kafka's accumulator: a lingered batch stays open until its node has room in flight, so under load a batch
+    holds what arrived meanwhile, not one record per linger (issue 22: at 10,000 partitions written in turn each
+    batch held one record, and each costs the node, its replicas and the sender the same whatever it holds)."""
+    held = True
+
+    async def main() -> tuple[RecordingStream, list[asyncio.Future[Any]]]:
+        nonlocal held
+        stream = RecordingStream(batches_max=3, answer=lambda: not held)
+        producer = await producer_on(stream, max_in_flight_requests=1)
+        futures: list[asyncio.Future[Any]] = [producer.send("t", b"v", partition=0)]
+        try:
+            async with asyncio.timeout(10):  # the stream is open, its bounds known, its one request unanswered
+                while not (stream.written and producer._routes[""].batches_max == 3):
+                    await asyncio.sleep(0.01)
+            for _round in range(5):  # one record to each partition per round, each round past the 1 ms linger
+                futures += [producer.send("t", b"v", partition=p) for p in range(50)]
+                for _ in range(5):
+                    await asyncio.sleep(0.01)
+            assert len(stream.written) == 1  # one request in flight, unanswered: no room for more
+            held = False
+            stream.release()
+            async with asyncio.timeout(10):
+                await producer.flush()
+        finally:
+            await producer.close(timeout_s=1)
+        return stream, futures
+
+    stream, futures = asyncio.run(main())
+    assert all(f.done() and not f.exception() for f in futures)
+    batches = sent_batches(stream)
+    # After the first request's one batch, every partition's batch stayed open and took all 5 rounds (closed at
+    # each linger, they were 5 one-record batches per partition: 251 in all).
+    assert len(batches) == 1 + 50, len(batches)
+    assert [parse_header(b.batch).records_count for b in batches[1:]] == [5] * 50
+    assert_sequences_in_order(stream)
+
+
 def test_request_bounds_must_be_positive() -> None:
     for name in ("max_in_flight_requests", "max_request_bytes", "max_request_batches"):
         with pytest.raises(InvalidRequest, match=name):

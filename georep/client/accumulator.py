@@ -147,14 +147,21 @@ class RecordAccumulator:
         batch.state = BatchState.QUEUED
         self.closed.append(batch)
 
-    def close_lingered(self, now_ms: float, force: bool = False) -> list[ProducerBatch]:
-        """Close open batches older than ``linger_ms`` (all of them with ``force``) and full ones, oldest first."""
+    def close_lingered(self, now_ms: float, force: bool = False, limit: int | None = None) -> list[ProducerBatch]:
+        """Close open batches older than ``linger_ms`` (all of them with ``force``) and full ones, oldest first.
+
+        ``limit``: close at most that many lingered batches (full ones close whatever it says), the oldest; the
+        others stay open and keep taking records, as Kafka's accumulator keeps a lingered batch open until its
+        node has room for it (the sender's ``_linger_room``)."""
         linger = self.linger_ms
         due: list[ProducerBatch] = []
-        for batch in self.open.values():  # in opening order: the first one still lingering ends the walk
-            if not force and now_ms - batch.created_ms < linger:
-                break
-            due.append(batch)
+        if limit is None or limit > 0:
+            for batch in self.open.values():  # in opening order: the first one still lingering ends the walk
+                if not force and now_ms - batch.created_ms < linger:
+                    break
+                due.append(batch)
+                if limit is not None and len(due) >= limit:
+                    break
         full, self.full = self.full, []
         if full:
             taken = {id(b) for b in due}
