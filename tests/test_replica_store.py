@@ -218,7 +218,6 @@ def test_a_slow_open_holds_up_only_its_own_partition(tmp_path: Path, monkeypatch
     from georep.storage import replica_store
 
     store = ReplicaStore(tmp_path / "node", now_ms=0)
-    store.waves = None  # each call syncs its own files: the lock, not a sync shared by every partition, is tested
     slow_key, other = ("slow", 0), ("other", 0)
     store.open_segment(other, E1, SEG, 0, {}, now_ms=0)
     in_fsync, release = threading.Event(), threading.Event()

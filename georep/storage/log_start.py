@@ -57,10 +57,10 @@ def read_log_start(directory: Path) -> LogStart | None:
     return LogStart(LocalOffset(start), vector)
 
 
-def write_log_start(directory: Path, start: LogStart, *, sync: bool = True) -> None:
+def write_log_start(directory: Path, start: LogStart) -> None:
     doc = {
         "format": FORMAT,
         "log_start": int(start.log_start),
         "vector": {str(origin): int(seq) for origin, seq in sorted(start.vector.items())},
     }
-    replace_file(directory / FILE_NAME, dumps_checked(doc), sync=sync)
+    replace_file(directory / FILE_NAME, dumps_checked(doc))

@@ -82,14 +82,14 @@ def read_recovery_point(directory: Path) -> RecoveryPoint | None:
     return RecoveryPoint(point, vector_offset, vector)
 
 
-def write_recovery_point(directory: Path, point: RecoveryPoint, *, sync: bool = True) -> None:
+def write_recovery_point(directory: Path, point: RecoveryPoint) -> None:
     doc = {
         "format": FORMAT,
         "recovery_point": point.recovery_point,
         "vector_offset": point.vector_offset,
         "vector": {str(origin): seq for origin, seq in sorted(point.vector.items())},
     }
-    replace_file(directory / FILE_NAME, dumps_checked(doc), sync=sync)
+    replace_file(directory / FILE_NAME, dumps_checked(doc))
 
 
 def _non_negative(value: object) -> int:

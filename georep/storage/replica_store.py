@@ -60,7 +60,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -73,14 +72,13 @@ from georep.record.batch import REWRITTEN_BYTES, BatchHeader, CorruptBatch, iter
 from georep.storage.announced_lac import AnnouncedLacs
 from georep.storage.api import BatchEntry, BytesLike, LogConfig, ReadResult
 from georep.storage.deleted_dirs import deleted_incarnation_dirs, move_to_deleted, remove_moved
-from georep.storage.durable_file import fsync_directory, replace_file, stage_file
+from georep.storage.durable_file import fsync_directory, replace_file
 from georep.storage.moved_bytes import MovedBytes
 from georep.storage.partition_dirs import parse_incarnation_dir
 from georep.storage.partition_dirs import partition_dir_name as incarnation_dir_name
 from georep.storage.private import DIR_MODE, private_dir
 from georep.storage.segment import U32_MAX
 from georep.storage.segment_log import SegmentLog
-from georep.storage.sync_waves import SyncWaves
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 from offsets.log_prefix import vector_below
 from offsets.vector import VectorOffset
@@ -204,27 +202,9 @@ class PartitionReplicas:
             raise UnknownSegment(self.key, segment_id)
         return found
 
-    def persist_guard(self, waves: SyncWaves | None) -> None:
-        """Write the guard durably (before the call that changed it answers): with ``waves``, in two syncs shared
-        with every other thread writing at the same time (the new contents, then the rename over the old)."""
-        if waves is None:
-            replace_file(self.directory / GUARD_FILE, self._guard_bytes())
-            return
-        self.finish_guard(self.stage_guard(), waves)
-
-    def stage_guard(self) -> Path:
-        """The guard's new contents beside it, not synced (:meth:`finish_guard` puts them in place)."""
-        return stage_file(self.directory / GUARD_FILE, self._guard_bytes(), sync=False)
-
-    def finish_guard(self, staged: Path, waves: SyncWaves) -> None:
-        """``staged`` over the guard, durable on return."""
-        waves.wait()  # the new contents are durable before they replace the old
-        os.replace(staged, self.directory / GUARD_FILE)
-        waves.wait()
-
-    def _guard_bytes(self) -> bytes:
+    def persist_guard(self) -> None:
         doc = {"format": GUARD_FORMAT, **dataclasses.asdict(self.guard.state)}
-        return (json.dumps(doc, sort_keys=True) + "\n").encode()
+        replace_file(self.directory / GUARD_FILE, (json.dumps(doc, sort_keys=True) + "\n").encode())
 
 
 def _read_guard(directory: Path) -> ReplicaGuard:
@@ -270,11 +250,6 @@ class ReplicaStore:
         # opened, fenced or sealed from now on belongs to (module docstring).
         # None: deleted in this view (every call about the topic is refused).
         self.incarnation_of: Callable[[str], int | None] = lambda topic: 0
-        # New copies and guards can share their syncs with every thread writing at the same time (sync_waves.py:
-        # ``sync_waves_for(self.root)``). Off (None: each call syncs its own files) until measured on a quiet
-        # machine: in three of three bench runs with it on, the site ran 3 to 10 times the Raft elections of main
-        # at the same load while its segments were created (docs/design.md, "Seventh session").
-        self.waves: SyncWaves | None = None
         self.deleted_dir = data_dir / DELETED_REPLICAS_DIR
         if self.deleted_dir.is_dir():  # a removal a stop interrupted: its copies were out of every partition's way
             remove_moved(sorted(self.deleted_dir.iterdir()))
@@ -406,16 +381,9 @@ class ReplicaStore:
         with p.lock:
             if not p.made:
                 p.directory.mkdir(mode=DIR_MODE, exist_ok=True)
-                self._sync_directory(self.root)
+                fsync_directory(self.root)
                 p.made = True
             yield p
-
-    def _sync_directory(self, directory: Path) -> None:
-        """Make a creation in ``directory`` durable: its own fsync, or a share of the next sync wave."""
-        if self.waves is None:
-            fsync_directory(directory)
-        else:
-            self.waves.wait()
 
     # -- the leader's calls --------------------------------------------------------------------------------
 
@@ -439,32 +407,19 @@ class ReplicaStore:
             refused = membership.judge_copy(p.guard, epoch, segment_id)
             if refused is not None:
                 raise _refused(refused, epoch, segment_id, p.guard)
-            waves = self.waves
-            guard = p.guard.state != before
-            if guard and (waves is None or segment_id in p.segments):
-                p.persist_guard(waves)
+            if p.guard.state != before:
+                p.persist_guard()
             if segment_id in p.segments:
                 return
             final = p.directory / _segment_dir_name(segment_id)
             building = final.with_name(final.name + NEW_SUFFIX)
             if building.exists():
                 shutil.rmtree(building)
-            if waves is None:
-                SegmentLog.create_at(building, REPLICA_LOG_CONFIG, base_offset, start_vector, now_ms).close()
-                building.rename(final)
-                fsync_directory(p.directory)
-            else:
-                # The guard's new contents and the copy's files, then both renames: two syncs shared with every
-                # thread opening or fencing meanwhile, where each open synced seven times (a failover opens
-                # thousands of copies, and each fsync waited for a shared disk).
-                staged = p.stage_guard() if guard else None
-                SegmentLog.stage_at(building, REPLICA_LOG_CONFIG, base_offset, start_vector)
-                waves.wait()
-                if staged is not None:  # renamed first: the journal never holds the copy without the guard
-                    os.replace(staged, p.directory / GUARD_FILE)
-                building.rename(final)
-                waves.wait()
-            # every file and the rename are durable: nothing for the open to sync
+            SegmentLog.create_at(building, REPLICA_LOG_CONFIG, base_offset, start_vector, now_ms).close()
+            building.rename(final)
+            fsync_directory(p.directory)
+            # create_at made every file durable and the rename is: nothing for the open to sync (a failover opens
+            # thousands of copies, and each fsync waits for a shared disk)
             p.segments[segment_id] = SegmentLog.open(final, REPLICA_LOG_CONFIG, now_ms, filesystem_synced=True)
 
     def append(self, key: PartitionKey, epoch: LeaderEpoch, segment_id: SegmentId, chunk: bytes) -> LocalOffset:
@@ -502,7 +457,7 @@ class ReplicaStore:
                     raise NotContiguous(segment_id, h.base_offset, end)
                 if isinstance(verdict, membership.Take):
                     if verdict.persist:
-                        p.persist_guard(self.waves)
+                        p.persist_guard()
                     seg.append(h, [view[at + REWRITTEN_BYTES : at + h.size_bytes]], h.append_time_ms)
                 at += h.size_bytes
             return seg.log_end_offset
@@ -526,7 +481,7 @@ class ReplicaStore:
             if isinstance(verdict, membership.Refuse):
                 raise _refused(verdict, epoch, segment_id, p.guard)
             if isinstance(verdict, membership.Take) and verdict.persist:
-                p.persist_guard(self.waves)
+                p.persist_guard()
             return seg.append(header, body, append_time_ms)
 
     # -- repair's calls --------------------------------------------------------------------------------------
@@ -546,7 +501,7 @@ class ReplicaStore:
             sealed = p.guard.state.sealed_through
             if sealed is None or sealed < segment_id:
                 p.guard.seal(p.guard.fenced_epoch, segment_id)
-                p.persist_guard(self.waves)
+                p.persist_guard()
             existing = p.segments.get(segment_id)
             if existing is not None:
                 return existing.log_end_offset
@@ -622,7 +577,7 @@ class ReplicaStore:
             if refused is not None:
                 raise Fenced(epoch, refused.fenced_epoch)
             if p.guard.state != before:
-                p.persist_guard(self.waves)
+                p.persist_guard()
             segments = dict(p.segments)
         return {sid: seg.flush() for sid, seg in sorted(segments.items())}
 
@@ -634,7 +589,7 @@ class ReplicaStore:
             before = p.guard.state
             p.guard.seal(epoch, through)
             if p.guard.state != before:
-                p.persist_guard(self.waves)
+                p.persist_guard()
 
     def guard_states(self) -> dict[PartitionKey, GuardState]:
         """Every partition's guard state on this node (of its topic's live incarnation)."""
@@ -654,7 +609,7 @@ class ReplicaStore:
             before = p.guard.state
             p.guard.seal(epoch, segment_id)
             if p.guard.state != before:
-                p.persist_guard(self.waves)
+                p.persist_guard()
             seg = p.segments.get(segment_id)
             if seg is None:
                 return LocalOffset(0)

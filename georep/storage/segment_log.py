@@ -437,28 +437,17 @@ class SegmentLog:
         file (and the ``log-start`` file before both), so a crash in between leaves a directory that :meth:`open`
         starts empty at ``base_offset``.
         """
-        cls.stage_at(directory, config, base_offset, vector, sync=True)
-        # everything it holds was just made durable: the open neither syncs the directory nor rewrites the point
-        return cls.open(directory, config, now_ms, filesystem_synced=True)
-
-    @staticmethod
-    def stage_at(
-        directory: Path, config: LogConfig, base_offset: int, vector: dict[Origin, OriginSeq], *, sync: bool = False
-    ) -> None:
-        """The files of :meth:`create_at`'s new log, not opened. ``sync=False`` syncs none of them: the caller makes
-        the file system durable (one ``syncfs`` for many new logs: ``georep.storage.sync_waves``) before anything
-        can see ``directory`` (it builds it aside and renames it), then opens it with ``filesystem_synced``."""
         check_config(config)
         directory = Path(directory)
         directory.mkdir(parents=True)
         if base_offset:  # first: what starts the log later than offset 0 is known before anything else exists
-            write_log_start(directory, LogStart(LocalOffset(base_offset), dict(vector)), sync=sync)
-        point = RecoveryPoint(LocalOffset(base_offset), LocalOffset(base_offset), dict(vector))
-        write_recovery_point(directory, point, sync=sync)
+            write_log_start(directory, LogStart(LocalOffset(base_offset), dict(vector)))
+        write_recovery_point(directory, RecoveryPoint(LocalOffset(base_offset), LocalOffset(base_offset), dict(vector)))
         Segment.create(directory, base_offset, threading.Lock()).close()
-        if sync:
-            fsync_directory(directory)
-            fsync_directory(directory.parent)
+        fsync_directory(directory)
+        fsync_directory(directory.parent)
+        # everything it holds was just made durable: the open neither syncs the directory nor rewrites the point
+        return cls.open(directory, config, now_ms, filesystem_synced=True)
 
     @classmethod
     def cut(cls, directory: Path, config: LogConfig, end_offset: int, now_ms: int) -> SegmentLog:
