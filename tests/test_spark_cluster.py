@@ -170,6 +170,11 @@ def flip_in_a_sealed_segment(data_dir: Path) -> tuple[str, int, int]:
     raise AssertionError(f"no sealed segment of {TOPIC} at b holds a batch of a or c: are segments small enough?")
 
 
+def batches_stored(sites: Sites, site: str) -> int:
+    """Batches in the site's segment files of the topic, counted from the files (the node is quiet)."""
+    return sum(len(inject._batches(s)) for s in list_segments({site: sites.nodes[site].data_dir}, (TOPIC,)))
+
+
 def assert_progress(out: str, report: dict[str, Any]) -> None:
     """The driver showed the run's stages and, per site, the digests its executors read (sent over UDP)."""
     (done,) = [line for line in out.splitlines() if line.startswith("progress: done: ")]
@@ -212,6 +217,9 @@ def test_live_audit_submitted_to_a_standalone_cluster_is_clean_then_names_a_flip
         assert code == 0 and clean["clean"] and clean["mode"] == "live", out
         assert {s: t["records"] for s, t in clean["sites"].items()} == {s: total for s in NAMES}
         assert clean["read"]["fetched_batches"] == 0
+        stored = {s: batches_stored(sites, s) for s in NAMES}
+        assert {s: r["digests"] for s, r in clean["read"]["per_site"].items()} == stored  # every digest, once
+        assert clean["read"]["digest_bytes"] < clean["read"]["stored_bytes"] / 10
         assert_shipped(clean, cluster)
         assert_progress(out, clean)
 
@@ -225,9 +233,15 @@ def test_live_audit_submitted_to_a_standalone_cluster_is_clean_then_names_a_flip
             (i["kind"], i["site"], i["topic"], i["partition"], i["origin"], i["first_seq"]) for i in caught["issues"]
         ]
         assert found == [("mismatch", "b", TOPIC, partition, origin, seq)], out
-        assert caught["issues"][0]["reference_site"] == origin.split("@")[0]  # the origin's copy is the reference
+        (issue,) = caught["issues"]
+        reference = origin.split("@")[0]  # the origin's own copy is the reference (a or c)
+        assert issue["reference_site"] == reference and issue["records"] == 1 and "record differs" in issue["detail"]
+        assert issue["file"].startswith(f"b/{TOPIC}/{partition}@")
         assert f"mismatch at {TOPIC}/{partition} {origin}:{seq}" in out
-        assert caught["read"]["fetched_batches"] == 2  # b's copy and a's: every other batch was read as a digest
+        read = caught["read"]
+        assert {s: r["digests"] for s, r in read["per_site"].items()} == stored  # every digest, once
+        assert read["fetched_batches"] == 2  # b's copy and the reference's: every other batch was read as a digest
+        assert read["per_site"][reference]["fetched_batches"] == 1 and read["per_site"]["b"]["fetched_batches"] == 1
         assert_shipped(caught, cluster)
         print(f"both audits in {time.monotonic() - started:.1f} s")
     finally:

@@ -152,7 +152,7 @@ class RecordAccumulator:
 
         ``limit``: close at most that many lingered batches (full ones close whatever it says), the oldest; the
         others stay open and keep taking records, as Kafka's accumulator keeps a lingered batch open until its
-        node has room for it (the sender's ``_linger_room``)."""
+        node has room for it (the producer's ``linger_room``)."""
         linger = self.linger_ms
         due: list[ProducerBatch] = []
         if limit is None or limit > 0:

@@ -601,7 +601,7 @@ class Producer:
                 wakeup.clear()
                 now = loop.time() * 1000
                 force = self._flushing > 0 or self._closing or self._buffered_bytes > self.buffer_memory
-                room = None if force else self._linger_room()
+                room = None if force else linger_room(self._routes.values(), self._max_in_flight_requests)
                 for batch in self._accumulator.close_lingered(now, force, room):
                     count = self._partition_counts.get(batch.topic, 1)
                     self._sticky.on_batch_closed(batch.topic, batch.partition, count)
@@ -645,26 +645,6 @@ class Producer:
                 for batch in list(self._outstanding):
                     self._fail_batch(batch, error)
             raise
-
-    def _linger_room(self) -> int | None:
-        """How many lingered batches to close now: as many as the nodes' requests have room for (None: no bound).
-
-        Kafka's accumulator keeps a lingered batch open, still taking records, until the sender drains it for a
-        node with room in flight. So under load a batch grows to what arrived while the node was busy rather than
-        close at ``linger_ms`` and wait, closed, behind the requests in flight: with records sent to 10,000
-        partitions in turn, a batch closed at 5 ms holds one record, and each batch costs the node, its
-        replicas and this sender the same whatever it holds. Only a node that takes multi-batch requests, with
-        its stream open, bounds it; any other route (opening, one batch a request) leaves it unbounded, as
-        before, so a batch is never held back behind a stream that is not there to answer and wake the sender.
-        """
-        room = 0
-        for route in self._routes.values():
-            if route.call is None or route.batches_max <= 1:
-                return None
-            free = self._max_in_flight_requests - len(route.requests) - len(route.full)
-            if free > 0:
-                room += free * route.batches_max - len(route.open)
-        return max(room, 0)
 
     async def _open_route(self, route: _Route, now_ms: float) -> float | None:
         """Open ``route``'s stream (reconnecting after a break, with backoff); seconds to wait before trying again
@@ -928,3 +908,24 @@ class Producer:
                 self._fail_batch(batch, error)
             if delivery.round_complete():
                 self._resolve_rounds()
+
+
+def linger_room(routes: Iterable[_Route], max_in_flight: int) -> int | None:
+    """How many lingered batches to close now: as many as the nodes' requests have room for (None: no bound).
+
+    Kafka's accumulator keeps a lingered batch open, still taking records, until the sender drains it for a
+    node with room in flight. So under load a batch grows to what arrived while the node was busy rather than
+    close at ``linger_ms`` and wait, closed, behind the requests in flight: with records sent to 10,000
+    partitions in turn, a batch closed at 5 ms holds one record, and each batch costs the node, its
+    replicas and this sender the same whatever it holds. Only a node that takes multi-batch requests, with
+    its stream open, bounds it; any other route (opening, one batch a request) leaves it unbounded, as
+    before, so a batch is never held back behind a stream that is not there to answer and wake the sender.
+    """
+    room = 0
+    for route in routes:
+        if route.call is None or route.batches_max <= 1:
+            return None
+        free = max_in_flight - len(route.requests) - len(route.full)
+        if free > 0:
+            room += free * route.batches_max - len(route.open)
+    return max(room, 0)
