@@ -17,27 +17,26 @@ from tests.support.node_api import stub_for
 from tests.support.sites import Sites
 
 # Tests that share one expensive thing run on one xdist worker (`make test` runs `pytest -n 4 --dist loadgroup`):
-# the Spark tests share a JVM per group (two groups since the live audit's tests, issue 24: one chain of them all
-# held one worker for most of the run, and a second JVM's start costs less than that chain did), each simulator
-# module shares one process pool, and the Toxiproxy fault tests share two sites behind their proxies (a module
-# fixture: spread over workers, each worker would start its own). The groups of GROUPS_FIRST are the longest
-# chains of the run, so they are handed out first. The groups are whole files, named here, because xdist's own
-# marks do not group anything under pytest 9.2 (xdist 3.8 renames items through an attribute pytest no longer
-# reads), so the scheduler below groups by file instead.
+# the Spark tests share one JVM (the suite is CPU-bound on two cores: a second JVM for the live audit's tests made
+# a quiet run 12:36 where one made it 11:49, issue 24), each simulator module shares one process pool, and the
+# Toxiproxy fault tests share two sites behind their proxies (a module fixture: spread over workers, each worker
+# would start its own). The groups of GROUPS_FIRST are the longest chains of the run, so they are handed out
+# first. The groups are whole files, named here, because xdist's own marks do not group anything under pytest 9.2
+# (xdist 3.8 renames items through an attribute pytest no longer reads), so the scheduler below groups by file.
 SHARED_ON_ONE_WORKER = {
     "test_audit.py": "spark",
     "test_audit_sites.py": "spark",
     "test_audit_replicas.py": "spark",
     "test_audit_commands.py": "spark",
     "test_audit_reader.py": "spark",
-    "test_audit_live.py": "spark-live",
-    "test_audit_continuous.py": "spark-live",
+    "test_audit_live.py": "spark",
+    "test_audit_continuous.py": "spark",
     "test_sim.py": "sim",
     "test_sim_cluster.py": "sim-cluster",
     "test_sim_geo_cluster.py": "sim-geo-cluster",
     "test_faults_toxiproxy.py": "faults-toxiproxy",
 }
-GROUPS_FIRST = ("spark", "spark-live", "sim", "sim-cluster", "sim-geo-cluster")
+GROUPS_FIRST = ("spark", "sim", "sim-cluster", "sim-geo-cluster")
 
 # After the groups, the slow scenarios (10-80 s each in a loaded run) go before the quick tests, the files of
 # LONGEST_FIRST (the longest single tests of the last runs) first among them, so that the run ends on quick tests:

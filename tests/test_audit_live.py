@@ -99,22 +99,41 @@ def on(live: Live, spark: Any) -> Live:
 
 @pytest.mark.slow
 def test_an_incremental_live_audit_reads_only_what_came_after_the_previous_cut(on: Live, tmp_path: Path) -> None:
+    """``--every --live``: the first run audits in full, the next only what the sites appended after its cut (new
+    records written between the runs), both go into the history (spark_jobs/continuous.py); then a plain ``--since``
+    of the second run, with nothing new, reads nothing."""
+    from spark_jobs import history
+
     sites = on.sites
-    code, full, _ = on.audit(tmp_path / "full", "--topics", EVENTS)
-    assert code == EXIT_CLEAN and full["read"]["digests"] == sum(batches_stored(sites, s, EVENTS) for s in NAMES)
     before = {s: batches_stored(sites, s, EVENTS) for s in NAMES}
-    write(sites, EVENTS, 30, "more", ["b"])
-    wait_until("every site holds the new events", lambda: converged(sites, NAMES, EVENTS, 90), 30)
-    code, since, lines = on.audit(tmp_path / "since", "--topics", EVENTS, "--since", str(tmp_path / "full"))
-    assert code == EXIT_CLEAN, lines
+
+    def between_runs(line: str) -> None:
+        if line.startswith("audit run 1 of 2"):
+            write(sites, EVENTS, 30, "more", ["b"])
+            wait_until("every site holds the new events", lambda: converged(sites, NAMES, EVENTS, 90), 30)
+
+    report = tmp_path / "continuous"
+    flags = ["--live", "--topology", str(sites.topology), "--report", str(report), "--tls-dir", str(on.certs)]
+    args = cli_parser().parse_args(
+        [*flags, "--principal", "client:auditor", "--topics", EVENTS, "--every", "0s", "--runs", "2"]
+    )
+    assert main(args, out=between_runs, spark=on.spark) == EXIT_CLEAN
+    runs, skipped = history.read(report)
+    assert [(r.mode, r.verdict) for r in runs] == [("live", "clean")] * 2 and skipped == []
+    first, second = runs
+    full = json.loads((report / "runs" / first.run_id / "report.json").read_text())
+    since = json.loads((report / "runs" / second.run_id / "report.json").read_text())
+    assert first.since is None and full["read"]["digests"] == sum(before.values())
+    assert second.since == str(report / "runs" / first.run_id) and second.audited_records == 3 * 30
     new = {s: batches_stored(sites, s, EVENTS) - before[s] for s in NAMES}
     assert all(new.values())
-    assert {s: r["digests"] for s, r in since["read"]["per_site"].items()} == new
+    assert {s: r["digests"] for s, r in since["read"]["per_site"].items()} == new  # only the new batches
     assert {s: t["records"] for s, t in since["sites"].items()} == {s: 30 for s in NAMES}
     assert since["since"]["taken_at_ms"] == full["cut"]["taken_at_ms"]
     assert since["counts"] == {}
+    assert 0 < second.bytes_moved < first.bytes_moved
 
-    code, again, _ = on.audit(tmp_path / "nothing", "--topics", EVENTS, "--since", str(tmp_path / "since"))
+    code, again, _ = on.audit(tmp_path / "nothing", "--topics", EVENTS, "--since", str(report / "runs" / second.run_id))
     assert code == EXIT_CLEAN and again["read"]["digests"] == 0
 
 
@@ -154,35 +173,3 @@ def test_live_usage_errors_say_what_to_do(tmp_path: Path, capsys: pytest.Capture
     topology = tmp_path / "nobody.toml"
     topology.write_text('[sites.a]\nnodes = ["127.0.0.1:1"]\n')
     assert "site a did not answer" in refused("--live", "--insecure", "--topology", str(topology))
-
-
-@pytest.mark.slow
-def test_every_live_run_starts_from_the_last_clean_runs_cut(on: Live, tmp_path: Path) -> None:
-    """``--every --live``: the first run audits in full, the next only what the sites appended after its cut (new
-    records written between the runs), and both go into the history (spark_jobs/continuous.py)."""
-    from spark_jobs import history
-
-    sites, topic = on.sites, "ticks"
-    sites.stub("a").CreateTopic(pb.CreateTopicRequest(name=topic, partitions=1))
-    wait_until("the topic reaches b and c", lambda: all(sites.vectors(s, topic) for s in NAMES), 20)
-    write(sites, topic, 40, "t", ["a"])
-    wait_until("every site holds the ticks", lambda: converged(sites, NAMES, topic, 40), 30)
-
-    def between_runs(line: str) -> None:
-        if line.startswith("audit run 1 of 2"):
-            write(sites, topic, 20, "u", ["c"])
-            wait_until("every site holds the new ticks", lambda: converged(sites, NAMES, topic, 60), 30)
-
-    report = tmp_path / "continuous"
-    flags = ["--live", "--topology", str(sites.topology), "--report", str(report), "--tls-dir", str(on.certs)]
-    args = cli_parser().parse_args(
-        [*flags, "--principal", "client:auditor", "--topics", topic, "--every", "0s", "--runs", "2"]
-    )
-    assert main(args, out=between_runs, spark=on.spark) == EXIT_CLEAN
-    runs, skipped = history.read(report)
-    assert [(r.mode, r.verdict) for r in runs] == [("live", "clean")] * 2 and skipped == []
-    first, second = runs
-    assert first.since is None and first.audited_records == 3 * 40
-    assert second.since == str(report / "runs" / first.run_id) and second.audited_records == 3 * 20
-    assert json.loads(second.cut or "{}")["taken_at_ms"] > json.loads(first.cut or "{}")["taken_at_ms"]
-    assert 0 < second.bytes_moved < first.bytes_moved
