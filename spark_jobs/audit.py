@@ -498,24 +498,47 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: An
     except AuditInputError as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from spark_jobs.progress import progress_for, watch
+    from spark_jobs.progress import progress_for
+
+    return run_in_session(
+        args,
+        out,
+        spark,
+        progress_for(args.quiet, out),
+        lambda session: run_audit(session, topology, dirs, segments, args.report, as_of_ms),
+        "the audit",
+    )
+
+
+def run_in_session(
+    args: argparse.Namespace,
+    out: Callable[[str], None],
+    spark: Any,
+    progress: Any,
+    run: Callable[[Any], Any],
+    what: str,
+    describe: Callable[[BaseException], str] = str,
+) -> int:
+    """``run`` (a file or live audit, answering its result) on ``spark`` or a session of its own, watched by
+    ``progress``; prints its summary and answers its exit status, or EXIT_USAGE, saying why, if it could not run."""
+    from spark_jobs.progress import watch
     from spark_jobs.session import start_spark
 
     session = spark or start_spark(args.master)
     if session is None:
         return EXIT_USAGE
     try:
-        with watch(session, progress_for(args.quiet, out)):
-            result = run_audit(session, topology, dirs, segments, args.report, as_of_ms)
+        with watch(session, progress):
+            result = run(session)
     except Exception as exc:  # exit 1 must mean divergence, never a crash
-        print(f"georep: error: the audit could not run: {exc}", file=sys.stderr)
+        print(f"georep: error: {what} could not run: {describe(exc)}", file=sys.stderr)
         return EXIT_USAGE
     finally:
         if spark is None:
             session.stop()
     for line in result.summary if not args.quiet else result.summary[-2:]:
         out(line)
-    return result.exit_code
+    return int(result.exit_code)
 
 
 def cli_parser() -> argparse.ArgumentParser:

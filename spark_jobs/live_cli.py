@@ -14,11 +14,11 @@ from typing import Any
 
 from georep.client.tls_args import TlsArgsError, client_tls
 from georep.security.tls import TlsError
-from spark_jobs.audit import DEFAULT_DATA_ROOT, EXIT_USAGE, IN_FLIGHT_WINDOW_MS, parse_as_of
+from spark_jobs.audit import DEFAULT_DATA_ROOT, EXIT_USAGE, IN_FLIGHT_WINDOW_MS, parse_as_of, run_in_session
 from spark_jobs.cut import Cut, take_cut
 from spark_jobs.layout import AuditInputError, load_topology_for_audit
 from spark_jobs.live_audit import Since, load_since, run_live_audit
-from spark_jobs.progress import progress_for, watch
+from spark_jobs.progress import progress_for
 from topology.model import Topology
 
 ERROR_MARK = "AuditInputError: "
@@ -75,22 +75,14 @@ def live_main(args: argparse.Namespace, out: Callable[[str], None] = print, spar
     except (AuditInputError, TlsArgsError) as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from spark_jobs.session import start_spark
-
-    session = spark or start_spark(args.master)
-    if session is None:
-        return EXIT_USAGE
-    try:
-        with watch(session, progress):
-            result = run_live_audit(
-                session, topology, cut, tls, args.report, as_of_ms, since, progress, args.max_slice_offsets
-            )
-    except Exception as exc:  # exit 1 must mean divergence, never a crash
-        print(f"georep: error: the live audit could not run: {error_text(exc)}", file=sys.stderr)
-        return EXIT_USAGE
-    finally:
-        if spark is None:
-            session.stop()
-    for line in result.summary if not args.quiet else result.summary[-2:]:
-        out(line)
-    return result.exit_code
+    return run_in_session(
+        args,
+        out,
+        spark,
+        progress,
+        lambda session: run_live_audit(
+            session, topology, cut, tls, args.report, as_of_ms, since, progress, args.max_slice_offsets
+        ),
+        "the live audit",
+        error_text,
+    )
