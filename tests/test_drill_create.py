@@ -20,6 +20,7 @@ from tests.support.ports import free_ports
 from tests.support.sites import Sites
 
 
+@pytest.mark.slow  # it waits out a fresh site's first catalog sync with its upstream held down for 6 s
 def test_the_drill_creates_its_topic_once_a_fresh_site_has_synced_its_catalog(make_sites: Callable[..., Sites]) -> None:
     sites = make_sites(["a", "b"], [("a", "b"), ("b", "a")])
     sites.start("a")  # its upstream b is down: a holds creates back until it has listed b's catalog
