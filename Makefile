@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick lint format typecheck proto bench clean strace
+.PHONY: demo test test-quick lint format typecheck proto bench clean strace promtool
 
 # Bytecode is written where a module is first imported, once, and only for the modules something imports: where
 # PYTHONDONTWRITEBYTECODE is set (as on these machines) every process would compile again what it imports (pyspark,
@@ -36,6 +36,14 @@ strace:
 		  { apt-get update -qq > /dev/null 2>&1 && apt-get install -y -qq strace > /dev/null 2>&1; }; }; } || \
 		echo "strace could not be installed: its test is skipped (apt-get install -y strace)"
 
+# tests/test_audit_history.py checks the audit's metrics textfile with promtool (Debian's prometheus package):
+# installed here when it can be, as strace is, else that test is skipped with a message that says how to get it.
+promtool:
+	@command -v promtool > /dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null 2>&1 && \
+		{ apt-get install -y -qq prometheus > /dev/null 2>&1 || \
+		  { apt-get update -qq > /dev/null 2>&1 && apt-get install -y -qq prometheus > /dev/null 2>&1; }; }; } || \
+		echo "promtool could not be installed: its test is skipped (apt-get install -y prometheus)"
+
 # ruff's lint rules, and ruff format's layout: `make format` rewrites the tree as the check wants it
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -50,7 +58,7 @@ typecheck: $(STAMP)
 
 # The type check runs beside the suite, whose multi-process tests leave about a third of two cores idle (they wait
 # on sessions and pauses); so do four workers rather than three. make test fails if either fails.
-test: $(STAMP) strace lint
+test: $(STAMP) strace promtool lint
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
 	$(BIN)/mypy > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
 	$(BIN)/python -m pytest -q -n 4 --dist loadgroup --durations=20; tests=$$?; \
