@@ -86,6 +86,11 @@ def test_a_limit_closes_the_oldest_lingered_batches_and_keeps_the_rest_open() ->
     for _ in range(2):
         acc.append("t", 9, rec(), None, SIZE, now_ms=4, max_batch_bytes=LIMIT)  # full
     assert acc.close_lingered(now_ms=20, limit=0) == [acc.take_closed()[0]]  # the full one closes whatever
+    assert acc.held_for_room  # due batches left open: the sender waits for an answer, not a deadline
     assert [b.partition for b in acc.close_lingered(now_ms=20, limit=2)] == [0, 1]
+    assert acc.held_for_room
     assert acc.append("t", 2, rec(), None, SIZE, now_ms=21, max_batch_bytes=LIMIT) is None  # still open: it grows
     assert [(b.partition, len(b.records)) for b in acc.close_lingered(now_ms=21)] == [(2, 2), (3, 1)]
+    assert not acc.held_for_room
+    acc.append("t", 4, rec(), None, SIZE, now_ms=22, max_batch_bytes=LIMIT)
+    assert acc.close_lingered(now_ms=23, limit=0) == [] and not acc.held_for_room  # not due yet: not held

@@ -11,6 +11,7 @@ within the request bounds, at most ``max_in_flight_requests`` unanswered, each p
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -425,6 +426,32 @@ def test_a_lingered_batch_keeps_taking_records_while_the_node_has_no_room() -> N
     assert len(batches) == 1 + 50, len(batches)
     assert [parse_header(b.batch).records_count for b in batches[1:]] == [5] * 50
     assert_sequences_in_order(stream)
+
+
+def test_a_batch_that_falls_due_while_the_sender_works_is_still_sent() -> None:
+    """The race behind a CI hang (test_geo2_ack_survives_the_origin_killed_right_after_the_ack, 300 s): the sender
+    closed what was due at the top of its loop, then, at the bottom, took a linger deadline that had passed in the
+    meantime for one kept open for want of room, and waited for an answer that nothing was going to send. A
+    preempted sender (here: 3 ms inside each pass, past the 1 ms linger) must still send each record awaited in
+    turn."""
+
+    async def main() -> None:
+        producer = await producer_on(RecordingStream(batches_max=1000))
+        check = producer._check_request_timeouts
+
+        def preempted(now_ms: float) -> float | None:
+            time.sleep(0.003)
+            return check(now_ms)
+
+        producer._check_request_timeouts = preempted  # type: ignore[method-assign]
+        try:
+            async with asyncio.timeout(10):
+                for _ in range(20):
+                    await producer.send("t", b"v", partition=0)
+        finally:
+            await producer.close(timeout_s=1)
+
+    asyncio.run(main())
 
 
 def test_request_bounds_must_be_positive() -> None:

@@ -105,6 +105,7 @@ class RecordAccumulator:
         self.open: dict[tuple[str, int], ProducerBatch] = {}
         self.closed: list[ProducerBatch] = []
         self.full: list[ProducerBatch] = []  # open batches that reached their capacity
+        self.held_for_room = False  # the last close_lingered left a due batch open because of its limit
 
     def append(
         self,
@@ -152,16 +153,18 @@ class RecordAccumulator:
 
         ``limit``: close at most that many lingered batches (full ones close whatever it says), the oldest; the
         others stay open and keep taking records, as Kafka's accumulator keeps a lingered batch open until its
-        node has room for it (the producer's ``linger_room``)."""
+        node has room for it (the producer's ``linger_room``); ``held_for_room`` then says so, and the sender
+        waits for an answer rather than for a deadline that has passed."""
         linger = self.linger_ms
         due: list[ProducerBatch] = []
-        if limit is None or limit > 0:
-            for batch in self.open.values():  # in opening order: the first one still lingering ends the walk
-                if not force and now_ms - batch.created_ms < linger:
-                    break
-                due.append(batch)
-                if limit is not None and len(due) >= limit:
-                    break
+        self.held_for_room = False
+        for batch in self.open.values():  # in opening order: the first one still lingering ends the walk
+            if not force and now_ms - batch.created_ms < linger:
+                break
+            if limit is not None and len(due) >= limit:
+                self.held_for_room = True
+                break
+            due.append(batch)
         full, self.full = self.full, []
         if full:
             taken = {id(b) for b in due}

@@ -624,9 +624,10 @@ class Producer:
                     for wait_s in (retry_in_s, check_s):
                         if wait_s is not None:
                             timeout_s = wait_s if timeout_s is None else min(timeout_s, wait_s)
-                deadline = self._accumulator.next_linger_deadline_ms()
-                if deadline is not None and room is not None and deadline <= loop.time() * 1000:
-                    deadline = None  # lingered and kept open for want of room: an answer wakes the sender
+                # Lingered and kept open for want of room: an answer wakes the sender. Only what close_lingered
+                # held back says so; the clock does not (time passes in this loop, and a batch that fell due
+                # meanwhile, with room for it, would never be closed).
+                deadline = None if self._accumulator.held_for_room else self._accumulator.next_linger_deadline_ms()
                 if deadline is not None:
                     wait = max(deadline - loop.time() * 1000, 0) / 1000
                     timeout_s = wait if timeout_s is None else min(timeout_s, wait)
