@@ -43,7 +43,7 @@ GROUPS_FIRST = ("spark", "sim", "sim-cluster", "sim-geo-cluster")
 # handed out in file order, the 5,000-partition scenario of test_scale_e2e.py (76 s) started late and could hold
 # one worker after the others had finished. xdist hands out the groups first (the largest first), then the single
 # tests in the order pytest_collection_modifyitems leaves them.
-LONGEST_FIRST = ("test_scale_e2e.py", "test_faults_e2e.py", "test_bench_scripts.py")
+LONGEST_FIRST = ("test_spark_cluster.py", "test_scale_e2e.py", "test_faults_e2e.py", "test_bench_scripts.py")
 
 # Property tests that name no example count draw Hypothesis's default 100, scaled as the named ones are
 # (tests/support/examples.py: make test-quick draws a quarter).
