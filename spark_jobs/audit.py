@@ -343,15 +343,12 @@ def site_logs(spark: Any, batches: Any, segments: list[SegmentFile]) -> tuple[An
     """Each site's own partition log (a multi-node site's from its segments' reference copies), the
     ``replica_divergence`` issues (None when no site has several nodes), and the DataFrames cached for them."""
     from spark_jobs import replicas
-    from spark_jobs.checks import ISSUE_SCHEMA
 
     if not replicas.any_copies(segments):
         return batches, None, []
-    partings = replicas.divergent_pairs(batches)
-    references = replicas.choose_references(replicas.copy_stats(batches), partings)
+    references, issues = replicas.check_copies(spark, batches)
     keep = spark.createDataFrame(replicas.keep_rows(segments, references), replicas.KEEP_SCHEMA)
     log = replicas.site_log(batches, keep).cache()
-    issues = spark.createDataFrame(replicas.replica_issues(partings, references), ISSUE_SCHEMA)
     return log, issues, [log]
 
 
@@ -445,13 +442,21 @@ def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
             f"{read['digest_bytes'] / 1e6:,.2f} MB moved for {read['stored_bytes'] / 1e6:,.2f} MB stored, "
             f"{read.get('fetched_batches', 0)} batch(es) fetched; as of {report['as_of']}"
         ]
+        if read.get("replica_digests"):
+            lines.append(
+                f"  and every replica of the multi-node sites: {read['replica_digests']:,} digest(s), "
+                f"{read['replica_digest_bytes'] / 1e6:,.2f} MB moved"
+            )
     else:
         lines = [
             f"georep audit of {len(sites)} site(s) ({', '.join(sites)}), {report['input']['segments']} segment "
             f"file(s), as of {report['as_of']}"
         ]
     for site, t in sites.items():
-        nodes = f", read from {len(t['nodes'])} nodes' segment copies" if t.get("nodes") else ""
+        n = len(t.get("nodes") or ())
+        nodes = f", read from {n} nodes' segment copies" if n else ""
+        if n and report.get("mode") == "live":
+            nodes = f", the copies of its {n} nodes compared"
         lines.append(
             f"  {site}: {t['records']:,} records in {t['batches']:,} batches, {t['partitions']} partition(s){nodes}"
         )

@@ -33,7 +33,7 @@ from georep.record.batch import CorruptBatch, check_batch, decode_records
 from georep.security.tls import TlsConfig, client_channel
 from spark_jobs.audit import REPORT_FILE, AuditResult, CheckInput, check_and_report, expected_reach
 from spark_jobs.cut import Cut, start_offsets
-from spark_jobs.layout import AuditInputError
+from spark_jobs.layout import AuditInputError, node_order
 from spark_jobs.live_source import LIVE_SCHEMA, MAX_SLICE_OFFSETS, NAME, Slice, pack, plan_slices, slices_option
 from spark_jobs.live_source import tls_options as source_tls_options
 from spark_jobs.progress import Progress, SilentProgress
@@ -150,16 +150,20 @@ def run_live_audit(
     digests = _read_digests(spark, slices, tls, max_slice_offsets).cache()
     read = _read_counters(digests, sorted(cut.sites), progress)
     batches = digests.drop("digest_bytes")
+    multi = multi_node_sites(topology, cut)
+    copies = _read_copies(spark, multi, ranges, tls, max_slice_offsets, read, progress)
     log, held_before, extra_issues = batches, None, []
     if since is not None:
         log, held_before, extra_issues = _since_inputs(spark, since, starts, batches)
     read.update(slices=len(slices), input_partitions=len(pack(slices, max_slice_offsets)))
     checked = CheckInput(
-        batches=batches,
+        # the damaged batches of every copy read: a multi-node site's copies hold the batches its log is made of
+        batches=batches if copies is None else batches.where(~batches["site"].isin(multi)).unionByName(copies.batches),
         log=log,
         sites=sorted(cut.sites),
         narrow=lambda mismatches: _narrow_by_fetch(spark, cut, tls, mismatches, read, progress),
-        extra_issues=extra_issues,
+        extra_issues=extra_issues if copies is None else [*extra_issues, copies.issues],
+        nodes={} if copies is None else copies.nodes,
         held_before=held_before,
     )
     pending = _write_pending(spark, topology, cut, log, report_dir)
@@ -187,8 +191,69 @@ def run_live_audit(
             extra,
         )
     finally:
-        digests.unpersist()
+        for df in (digests, *([] if copies is None else [copies.digests])):
+            df.unpersist()
     return result
+
+
+def multi_node_sites(topology: Topology, cut: Cut) -> list[str]:
+    """The sites of ``cut`` of several nodes (the topology's node lists: the cut's answers do not name members)."""
+    return [site for site in sorted(cut.sites) if len(topology.site(site).nodes) > 1]
+
+
+@dataclass
+class Copies:
+    """A multi-node site's every copy of the audited range: the digests read (cached), their batch rows, the
+    ``replica_divergence`` issues among them, and the nodes whose copies they are, per site."""
+
+    digests: Any
+    batches: Any
+    issues: Any
+    nodes: dict[str, list[str]]
+
+
+def _read_copies(
+    spark: Any,
+    sites: list[str],
+    ranges: list[tuple[str, str, str, int, int, int]],
+    tls: TlsConfig | None,
+    max_slice_offsets: int,
+    read: dict[str, Any],
+    progress: Progress,
+) -> Copies | None:
+    """Every member's copy of the ranges of ``sites`` (``ScanDigests`` with ``all_replicas``, from the node each
+    range is read from), counted in ``read``, and compared as the file audit compares a site's copies
+    (:func:`spark_jobs.replicas.check_copies`). None when no range is of such a site."""
+    from spark_jobs import replicas
+
+    slices = plan_slices([r for r in ranges if r[0] in sites], max_slice_offsets, all_replicas=True)
+    if not slices:
+        return None
+    digests = _read_digests(spark, slices, tls, max_slice_offsets).cache()
+    nodes = _copy_counters(digests, sites, read, progress)
+    batches = digests.drop("digest_bytes")
+    _references, issues = replicas.check_copies(spark, batches)
+    return Copies(digests, batches, issues, nodes)
+
+
+def _copy_counters(digests: Any, sites: list[str], read: dict[str, Any], progress: Progress) -> dict[str, list[str]]:
+    """The copies' digests and wire bytes counted into ``read`` (per site and in total); the nodes read, per site."""
+    from pyspark.sql import functions as F
+
+    rows = digests.groupBy("site", "node").agg(F.count("*").alias("n"), F.sum("digest_bytes").alias("wire")).collect()
+    nodes: dict[str, list[str]] = {}
+    for site in sites:
+        mine = [r for r in rows if r.site == site]
+        nodes[site] = sorted({r.node for r in mine if r.node is not None}, key=node_order)
+        one = {"replica_digests": sum(r.n for r in mine), "replica_digest_bytes": sum(r.wire or 0 for r in mine)}
+        read["per_site"].setdefault(site, {}).update(one)
+        progress.step(
+            f"replicas: site {site}: {one['replica_digests']:,} digest(s) of the copies of node(s) "
+            f"{', '.join(nodes[site]) or '-'}, {one['replica_digest_bytes'] / 1e6:,.2f} MB moved"
+        )
+    for key in ("replica_digests", "replica_digest_bytes"):
+        read[key] = sum(read["per_site"][site][key] for site in sites)
+    return nodes
 
 
 def _read_digests(spark: Any, slices: list[Slice], tls: TlsConfig | None, max_slice_offsets: int) -> Any:
