@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --live: split a partition's range into input partitions of at most N offsets (default 1000000)",
     )
+    live.add_argument(
+        "--no-replica-check",
+        action="store_true",
+        help="with --live: read only the copy each multi-node site serves, not every member's (no replica_divergence "
+        "check; for a site with a member down, which fails that read)",
+    )
     from georep.client.tls_args import add_client_arguments
 
     add_client_arguments(parser)
@@ -498,6 +504,8 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: An
 
         return live_main(args, out, spark)
     try:
+        if getattr(args, "no_replica_check", False):
+            raise AuditInputError("--no-replica-check goes with --live: the file audit reads every copy from disk")
         as_of_ms = parse_as_of(args.as_of, int(time.time() * 1000))
         topology, dirs, segments = resolve_inputs(args.topology, args.data_root, args.site, args.topics)
     except AuditInputError as exc:

@@ -4,8 +4,11 @@ Steps (docs/audit.md, "The live audit"):
 
 1. the cut (:mod:`spark_jobs.cut`): every site's vectors and end offsets at one moment;
 2. the digests: the ``georep-live`` data source (:mod:`spark_jobs.live_source`) reads one digest per stored batch
-   of every site's ``[start, end)`` with ``ScanDigests``, in parallel, on the executors;
-3. the same checks as the file audit (:mod:`spark_jobs.checks`) and the same report;
+   of every site's ``[start, end)`` with ``ScanDigests``, in parallel, on the executors; a multi-node site's ranges
+   are read again with ``all_replicas``, one digest per member's copy (:func:`multi_node_sites`, :class:`Copies`);
+3. the same checks as the file audit (:mod:`spark_jobs.checks`) and the same report, the site's log being the
+   digests it serves; over every member's copy, the file audit's replica check
+   (:func:`spark_jobs.replicas.check_copies`: ``replica_divergence``) and its damaged batches;
 4. only the batches whose CRCs differ are fetched whole (``FetchBatch`` by coordinate, from the driver), from
    each site holding them, to name the first differing record.
 
@@ -137,8 +140,10 @@ def run_live_audit(
     since: Since | None = None,
     progress: Progress | None = None,
     max_slice_offsets: int = MAX_SLICE_OFFSETS,
+    replica_check: bool = True,
 ) -> AuditResult:
-    """Steps 2-4 of the live audit over ``cut``; the report written to ``report_dir``."""
+    """Steps 2-4 of the live audit over ``cut``; the report written to ``report_dir``. ``replica_check``: also
+    every member's copy of the multi-node sites' ranges, compared (``replica_divergence``)."""
     progress = progress or SilentProgress()
     started = time.monotonic()
     starts = start_offsets(cut, since.cut if since else None)
@@ -150,7 +155,7 @@ def run_live_audit(
     digests = _read_digests(spark, slices, tls, max_slice_offsets).cache()
     read = _read_counters(digests, sorted(cut.sites), progress)
     batches = digests.drop("digest_bytes")
-    multi = multi_node_sites(topology, cut)
+    multi = multi_node_sites(topology, cut) if replica_check else []
     copies = _read_copies(spark, multi, ranges, tls, max_slice_offsets, read, progress)
     log, held_before, extra_issues = batches, None, []
     if since is not None:
@@ -172,6 +177,7 @@ def run_live_audit(
         "cut": cut.to_json(),
         "since": None if since is None else {"report": str(since.report_dir), "taken_at_ms": since.cut.taken_at_ms},
         "read": read,  # the fetch counters join it during the checks
+        "replica_check": replica_check,
         "pending_batches": pending,
         "pending_parquet": PENDING_DIR,
     }

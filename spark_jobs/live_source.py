@@ -19,6 +19,9 @@ columns, so the same checks run on them), where ``file`` is a coordinate of the 
 ``site/topic/partition@node-address:segment``, and ``position`` the byte position in that segment; plus
 ``digest_bytes``, the bytes the digest took on the wire (what the audit moved, against ``size_bytes`` stored).
 
+A slice with ``all_replicas`` asks a multi-node site for every member's copy of the range (the replica check):
+one row per copy of each batch, ``node`` naming the member.
+
 A big range is split into slices of at most ``max_slice_offsets`` offsets, read in parallel. A batch belongs to
 the slice its base offset falls in (the first slice of a range also takes the batch that holds its start), so a
 batch that straddles a split is read once.
@@ -242,6 +245,7 @@ def _failed(s: Slice, exc: GeorepError) -> AuditInputError:
     return AuditInputError(
         f"ScanDigests{every} of {s.topic}/{s.partition} [{s.from_offset}, {s.to_offset}) at site {s.site} "
         f"({s.address}) failed: {exc}"
+        + ("; to audit the site without comparing its replicas, pass --no-replica-check" if s.all_replicas else "")
     )
 
 
