@@ -75,6 +75,7 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterSit
     root = tmp_path_factory.mktemp("live-replicas")
     b_port = free_ports(1)[0]
     args = ["--segment-bytes-max", "4096", "--replication-factor", "3", "--repair-delay-ms", "600000"]
+    args += ["--session-timeout-ms", "60000"]  # no leader change on a loaded machine: the test knows the serving copy
     site = ClusterSite(root, 3, extra_args=args, more_toml=_links(b_port))
     b = NodeProcess(
         "b",
@@ -89,6 +90,7 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterSit
                 pbg.NodeStub(channel).CreateTopic(pb.CreateTopicRequest(name=TOPIC, partitions=1), timeout=30)
             _write(site, site.wait_leader(TOPIC))
             wait_for("b holds every batch of a", lambda: _holds_all(_vector(b.address)))
+            wait_for("every node's copies hold every batch", lambda: _copies_complete(site))
             yield site, site.topology
     finally:
         b.stop()
@@ -97,6 +99,28 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterSit
 def _holds_all(vector: dict[str, int]) -> bool:
     """Every record written at ``a`` (its one origin), as a site's vector tells."""
     return [(o.partition("@")[0], n) for o, n in vector.items()] == [("a", BATCHES * 3)]
+
+
+def _copies(site: ClusterSite, node: int) -> dict[int, int]:
+    """Segment id -> whole batches in ``node``'s copy of it, read from its files."""
+    part_dir = site.nodes[node].data_dir / "replicas" / f"{TOPIC}-0"
+    return {
+        int(d.name): sum(1 for f in partition_segments("a", TOPIC, 0, d) for b in scan_segment(f) if b.status == "ok")
+        for d in sorted(part_dir.iterdir())
+        if d.name.isdigit()
+    }
+
+
+def _copies_complete(site: ClusterSite) -> bool:
+    """Each node holds a copy of every segment, all as long (a follower may lag the LAC a moment after the acks)."""
+    copies = [_copies(site, n) for n in site.nodes]
+    return sum(copies[0].values()) == BATCHES and all(c == copies[0] for c in copies)
+
+
+def _serving(site: ClusterSite, report: dict[str, Any]) -> int:
+    """The node of site a whose digests the audit's cut read (the partition's leader)."""
+    address = report["cut"]["sites"]["a"]["topics"][TOPIC]["0"][2]
+    return next(n for n in site.nodes if site.address(n) == address)
 
 
 def _audit(spark: Any, topology: Path, report: Path, *more: str) -> tuple[int, dict[str, Any], list[str]]:
@@ -123,8 +147,7 @@ def test_the_live_audit_names_the_one_replica_that_parts_from_its_peers(
     assert clean["sites"]["a"]["nodes"] == ["1", "2", "3"] and clean["sites"]["b"]["nodes"] == []
 
     # the node that served the site's digests (the cut's), and the two others, whose copies are damaged
-    address = clean["cut"]["sites"]["a"]["topics"][TOPIC]["0"][2]
-    serving = next(n for n in site.nodes if site.address(n) == address)
+    serving = _serving(site, clean)
     parted, damaged = sorted(n for n in site.nodes if n != serving)
     segment_dirs = sorted((site.nodes[parted].data_dir / "replicas" / f"{TOPIC}-0").iterdir())
     assert len(segment_dirs) >= 2, "no sealed segment"
@@ -138,6 +161,7 @@ def test_the_live_audit_names_the_one_replica_that_parts_from_its_peers(
     inject.corrupt_byte(other.path, second.position + second.size_bytes - 2)  # under the CRC: storage damage
 
     code, doc, lines = _audit(spark, topology, tmp_path / "parted")
+    assert _serving(site, doc) == serving, "the partition's leader changed: the site serves another copy"
     assert code == EXIT_DIVERGENCE
     assert {k: v["issues"] for k, v in doc["counts"].items()} == {"replica_divergence": 1, "corrupt": 1}, doc["counts"]
     (replica,) = [i for i in doc["issues"] if i["kind"] == "replica_divergence"]
@@ -155,5 +179,6 @@ def test_the_live_audit_names_the_one_replica_that_parts_from_its_peers(
 
     # the copy the site serves is whole: without the replica check, the sites agree
     code, served_only, _lines = _audit(spark, topology, tmp_path / "served", "--no-replica-check")
+    assert _serving(site, served_only) == serving, "the partition's leader changed: the site serves another copy"
     assert code == EXIT_CLEAN and served_only["counts"] == {} and served_only["replica_check"] is False
     assert "replica_digests" not in served_only["read"] and served_only["sites"]["a"]["nodes"] == []
