@@ -90,7 +90,7 @@ def live_main(args: argparse.Namespace, out: Callable[[str], None] = print, spar
             since,
             progress,
             args.max_slice_offsets,
-            replica_check=not args.no_replica_check,
+            replica_check=not getattr(args, "no_replica_check", False),
         ),
         "the live audit",
         error_text,
