@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --live: split a partition's range into input partitions of at most N offsets (default 1000000)",
     )
+    live.add_argument(
+        "--no-replica-check",
+        action="store_true",
+        help="with --live: read only the copy each multi-node site serves, not every member's (no replica_divergence "
+        "check; for a site with a member down, which fails that read)",
+    )
     from georep.client.tls_args import add_client_arguments
 
     add_client_arguments(parser)
@@ -343,15 +349,12 @@ def site_logs(spark: Any, batches: Any, segments: list[SegmentFile]) -> tuple[An
     """Each site's own partition log (a multi-node site's from its segments' reference copies), the
     ``replica_divergence`` issues (None when no site has several nodes), and the DataFrames cached for them."""
     from spark_jobs import replicas
-    from spark_jobs.checks import ISSUE_SCHEMA
 
     if not replicas.any_copies(segments):
         return batches, None, []
-    partings = replicas.divergent_pairs(batches)
-    references = replicas.choose_references(replicas.copy_stats(batches), partings)
+    references, issues = replicas.check_copies(spark, batches)
     keep = spark.createDataFrame(replicas.keep_rows(segments, references), replicas.KEEP_SCHEMA)
     log = replicas.site_log(batches, keep).cache()
-    issues = spark.createDataFrame(replicas.replica_issues(partings, references), ISSUE_SCHEMA)
     return log, issues, [log]
 
 
@@ -445,13 +448,21 @@ def summary_lines(report: dict[str, Any], report_dir: Path) -> list[str]:
             f"{read['digest_bytes'] / 1e6:,.2f} MB moved for {read['stored_bytes'] / 1e6:,.2f} MB stored, "
             f"{read.get('fetched_batches', 0)} batch(es) fetched; as of {report['as_of']}"
         ]
+        if read.get("replica_digests"):
+            lines.append(
+                f"  and every replica of the multi-node sites: {read['replica_digests']:,} digest(s), "
+                f"{read['replica_digest_bytes'] / 1e6:,.2f} MB moved"
+            )
     else:
         lines = [
             f"georep audit of {len(sites)} site(s) ({', '.join(sites)}), {report['input']['segments']} segment "
             f"file(s), as of {report['as_of']}"
         ]
     for site, t in sites.items():
-        nodes = f", read from {len(t['nodes'])} nodes' segment copies" if t.get("nodes") else ""
+        n = len(t.get("nodes") or ())
+        nodes = f", read from {n} nodes' segment copies" if n else ""
+        if n and report.get("mode") == "live":
+            nodes = f", the copies of its {n} nodes compared"
         lines.append(
             f"  {site}: {t['records']:,} records in {t['batches']:,} batches, {t['partitions']} partition(s){nodes}"
         )
@@ -493,6 +504,8 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: An
 
         return live_main(args, out, spark)
     try:
+        if getattr(args, "no_replica_check", False):
+            raise AuditInputError("--no-replica-check goes with --live: the file audit reads every copy from disk")
         as_of_ms = parse_as_of(args.as_of, int(time.time() * 1000))
         topology, dirs, segments = resolve_inputs(args.topology, args.data_root, args.site, args.topics)
     except AuditInputError as exc:

@@ -109,6 +109,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     if getattr(args, "since", None) is not None and not getattr(args, "live", False):
         raise HistoryError("--since goes with --live: pass --live --since REPORT_DIR (file-mode runs are always full)")
+    if getattr(args, "no_replica_check", False) and not getattr(args, "live", False):
+        raise HistoryError("--no-replica-check goes with --live: the file audit reads every copy from disk")
     if args.metrics_textfile is not None:
         try:
             check_textfile_path(args.metrics_textfile)

@@ -44,7 +44,7 @@ SCHEMA = pa.schema(
         pa.field("audited_batches", pa.int64()),
         pa.field("audited_records", pa.int64()),
         pa.field("audited_bytes", pa.int64()),
-        pa.field("bytes_moved", pa.int64()),  # file mode: segment bytes read; live: digests and fetched batches
+        pa.field("bytes_moved", pa.int64()),  # file mode: segment bytes read; live: digests, fetched batches
         pa.field("findings", pa.map_(pa.string(), pa.int64())),  # kind -> issues
         pa.field("finding_records", pa.map_(pa.string(), pa.int64())),  # kind -> records concerned
         pa.field("cut", pa.string()),  # live mode: the cut (JSON, as report.json's "cut"); file mode: null
@@ -113,7 +113,7 @@ def run_from_report(
         audited_records=sum(int(s.get("records") or 0) for s in sites),
         audited_bytes=sum(int(s.get("bytes") or 0) for s in sites),
         bytes_moved=(
-            int(read.get("digest_bytes", 0)) + int(read.get("fetched_bytes", 0))
+            sum(int(read.get(k, 0)) for k in ("digest_bytes", "replica_digest_bytes", "fetched_bytes"))
             if live
             else int(report.get("input", {}).get("bytes", 0))
         ),

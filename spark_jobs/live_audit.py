@@ -4,8 +4,11 @@ Steps (docs/audit.md, "The live audit"):
 
 1. the cut (:mod:`spark_jobs.cut`): every site's vectors and end offsets at one moment;
 2. the digests: the ``georep-live`` data source (:mod:`spark_jobs.live_source`) reads one digest per stored batch
-   of every site's ``[start, end)`` with ``ScanDigests``, in parallel, on the executors;
-3. the same checks as the file audit (:mod:`spark_jobs.checks`) and the same report;
+   of every site's ``[start, end)`` with ``ScanDigests``, in parallel, on the executors; a multi-node site's ranges
+   are read again with ``all_replicas``, one digest per member's copy (:func:`multi_node_sites`, :class:`Copies`);
+3. the same checks as the file audit (:mod:`spark_jobs.checks`) and the same report, the site's log being the
+   digests it serves; over every member's copy, the file audit's replica check
+   (:func:`spark_jobs.replicas.check_copies`: ``replica_divergence``) and its damaged batches;
 4. only the batches whose CRCs differ are fetched whole (``FetchBatch`` by coordinate, from the driver), from
    each site holding them, to name the first differing record.
 
@@ -33,7 +36,7 @@ from georep.record.batch import CorruptBatch, check_batch, decode_records
 from georep.security.tls import TlsConfig, client_channel
 from spark_jobs.audit import REPORT_FILE, AuditResult, CheckInput, check_and_report, expected_reach
 from spark_jobs.cut import Cut, start_offsets
-from spark_jobs.layout import AuditInputError
+from spark_jobs.layout import AuditInputError, node_order
 from spark_jobs.live_source import LIVE_SCHEMA, MAX_SLICE_OFFSETS, NAME, Slice, pack, plan_slices, slices_option
 from spark_jobs.live_source import tls_options as source_tls_options
 from spark_jobs.progress import Progress, SilentProgress
@@ -137,8 +140,10 @@ def run_live_audit(
     since: Since | None = None,
     progress: Progress | None = None,
     max_slice_offsets: int = MAX_SLICE_OFFSETS,
+    replica_check: bool = True,
 ) -> AuditResult:
-    """Steps 2-4 of the live audit over ``cut``; the report written to ``report_dir``."""
+    """Steps 2-4 of the live audit over ``cut``; the report written to ``report_dir``. ``replica_check``: also
+    every member's copy of the multi-node sites' ranges, compared (``replica_divergence``)."""
     progress = progress or SilentProgress()
     started = time.monotonic()
     starts = start_offsets(cut, since.cut if since else None)
@@ -150,16 +155,20 @@ def run_live_audit(
     digests = _read_digests(spark, slices, tls, max_slice_offsets).cache()
     read = _read_counters(digests, sorted(cut.sites), progress)
     batches = digests.drop("digest_bytes")
+    multi = multi_node_sites(topology, cut) if replica_check else []
+    copies = _read_copies(spark, multi, ranges, tls, max_slice_offsets, read, progress)
     log, held_before, extra_issues = batches, None, []
     if since is not None:
         log, held_before, extra_issues = _since_inputs(spark, since, starts, batches)
     read.update(slices=len(slices), input_partitions=len(pack(slices, max_slice_offsets)))
     checked = CheckInput(
-        batches=batches,
+        # the damaged batches of every copy read: a multi-node site's copies hold the batches its log is made of
+        batches=batches if copies is None else batches.where(~batches["site"].isin(multi)).unionByName(copies.batches),
         log=log,
         sites=sorted(cut.sites),
         narrow=lambda mismatches: _narrow_by_fetch(spark, cut, tls, mismatches, read, progress),
-        extra_issues=extra_issues,
+        extra_issues=extra_issues if copies is None else [*extra_issues, copies.issues],
+        nodes={} if copies is None else copies.nodes,
         held_before=held_before,
     )
     pending = _write_pending(spark, topology, cut, log, report_dir)
@@ -168,6 +177,7 @@ def run_live_audit(
         "cut": cut.to_json(),
         "since": None if since is None else {"report": str(since.report_dir), "taken_at_ms": since.cut.taken_at_ms},
         "read": read,  # the fetch counters join it during the checks
+        "replica_check": replica_check,
         "pending_batches": pending,
         "pending_parquet": PENDING_DIR,
     }
@@ -187,8 +197,69 @@ def run_live_audit(
             extra,
         )
     finally:
-        digests.unpersist()
+        for df in (digests, *([] if copies is None else [copies.digests])):
+            df.unpersist()
     return result
+
+
+def multi_node_sites(topology: Topology, cut: Cut) -> list[str]:
+    """The sites of ``cut`` of several nodes (the topology's node lists: the cut's answers do not name members)."""
+    return [site for site in sorted(cut.sites) if len(topology.site(site).nodes) > 1]
+
+
+@dataclass
+class Copies:
+    """A multi-node site's every copy of the audited range: the digests read (cached), their batch rows, the
+    ``replica_divergence`` issues among them, and the nodes whose copies they are, per site."""
+
+    digests: Any
+    batches: Any
+    issues: Any
+    nodes: dict[str, list[str]]
+
+
+def _read_copies(
+    spark: Any,
+    sites: list[str],
+    ranges: list[tuple[str, str, str, int, int, int]],
+    tls: TlsConfig | None,
+    max_slice_offsets: int,
+    read: dict[str, Any],
+    progress: Progress,
+) -> Copies | None:
+    """Every member's copy of the ranges of ``sites`` (``ScanDigests`` with ``all_replicas``, from the node each
+    range is read from), counted in ``read``, and compared as the file audit compares a site's copies
+    (:func:`spark_jobs.replicas.check_copies`). None when no range is of such a site."""
+    from spark_jobs import replicas
+
+    slices = plan_slices([r for r in ranges if r[0] in sites], max_slice_offsets, all_replicas=True)
+    if not slices:
+        return None
+    digests = _read_digests(spark, slices, tls, max_slice_offsets).cache()
+    nodes = _copy_counters(digests, sites, read, progress)
+    batches = digests.drop("digest_bytes")
+    _references, issues = replicas.check_copies(spark, batches)
+    return Copies(digests, batches, issues, nodes)
+
+
+def _copy_counters(digests: Any, sites: list[str], read: dict[str, Any], progress: Progress) -> dict[str, list[str]]:
+    """The copies' digests and wire bytes counted into ``read`` (per site and in total); the nodes read, per site."""
+    from pyspark.sql import functions as F
+
+    rows = digests.groupBy("site", "node").agg(F.count("*").alias("n"), F.sum("digest_bytes").alias("wire")).collect()
+    nodes: dict[str, list[str]] = {}
+    for site in sites:
+        mine = [r for r in rows if r.site == site]
+        nodes[site] = sorted({r.node for r in mine if r.node is not None}, key=node_order)
+        one = {"replica_digests": sum(r.n for r in mine), "replica_digest_bytes": sum(r.wire or 0 for r in mine)}
+        read["per_site"].setdefault(site, {}).update(one)
+        progress.step(
+            f"replicas: site {site}: {one['replica_digests']:,} digest(s) of the copies of node(s) "
+            f"{', '.join(nodes[site]) or '-'}, {one['replica_digest_bytes'] / 1e6:,.2f} MB moved"
+        )
+    for key in ("replica_digests", "replica_digest_bytes"):
+        read[key] = sum(read["per_site"][site][key] for site in sites)
+    return nodes
 
 
 def _read_digests(spark: Any, slices: list[Slice], tls: TlsConfig | None, max_slice_offsets: int) -> Any:

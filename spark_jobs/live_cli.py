@@ -81,7 +81,16 @@ def live_main(args: argparse.Namespace, out: Callable[[str], None] = print, spar
         spark,
         progress,
         lambda session: run_live_audit(
-            session, topology, cut, tls, args.report, as_of_ms, since, progress, args.max_slice_offsets
+            session,
+            topology,
+            cut,
+            tls,
+            args.report,
+            as_of_ms,
+            since,
+            progress,
+            args.max_slice_offsets,
+            replica_check=not getattr(args, "no_replica_check", False),
         ),
         "the live audit",
         error_text,

@@ -19,6 +19,9 @@ columns, so the same checks run on them), where ``file`` is a coordinate of the 
 ``site/topic/partition@node-address:segment``, and ``position`` the byte position in that segment; plus
 ``digest_bytes``, the bytes the digest took on the wire (what the audit moved, against ``size_bytes`` stored).
 
+A slice with ``all_replicas`` asks a multi-node site for every member's copy of the range (the replica check):
+one row per copy of each batch, ``node`` naming the member.
+
 A big range is split into slices of at most ``max_slice_offsets`` offsets, read in parallel. A batch belongs to
 the slice its base offset falls in (the first slice of a range also takes the batch that holds its start), so a
 batch that straddles a split is read once.
@@ -66,7 +69,8 @@ class Slice:
     ``first``: the first slice of its partition's audited range (it also takes the batch holding ``from_offset``);
     ``audited_from``: where that range starts, which the rows give as ``log_start_offset`` when it is above the
     log's own (an incremental audit: the checks then look for no hole before the range; the previous cut's
-    vectors check its boundary)."""
+    vectors check its boundary); ``all_replicas``: at a multi-node site, every member's copy of each segment, one
+    row per copy (``node`` names it), for the replica check; else the copy the site serves."""
 
     site: str
     address: str
@@ -76,12 +80,16 @@ class Slice:
     to_offset: int
     first: bool = True
     audited_from: int = 0
+    all_replicas: bool = False
 
 
 def plan_slices(
-    ranges: Sequence[tuple[str, str, str, int, int, int]], max_slice_offsets: int = MAX_SLICE_OFFSETS
+    ranges: Sequence[tuple[str, str, str, int, int, int]],
+    max_slice_offsets: int = MAX_SLICE_OFFSETS,
+    all_replicas: bool = False,
 ) -> list[Slice]:
-    """Slices for (site, address, topic, partition, start, end) ranges; empty ranges make none."""
+    """Slices for (site, address, topic, partition, start, end) ranges; empty ranges make none. ``all_replicas``:
+    slices of every copy (see :class:`Slice`)."""
     if max_slice_offsets < 1:
         raise AuditInputError(f"max_slice_offsets {max_slice_offsets}: give a positive number of offsets")
     out = []
@@ -89,7 +97,7 @@ def plan_slices(
         at = start
         while at < end:
             stop = min(end, at + max_slice_offsets)
-            out.append(Slice(site, address, topic, partition, at, stop, at == start, start))
+            out.append(Slice(site, address, topic, partition, at, stop, at == start, start, all_replicas))
             at = stop
     return out
 
@@ -207,6 +215,7 @@ def read_slice(s: Slice, channel: grpc.Channel) -> Iterator[pa.RecordBatch]:
             s.partition,
             s.from_offset,
             s.to_offset,
+            s.all_replicas,
             max_digests=DIGESTS_PER_MESSAGE,
             timeout_s=CALL_TIMEOUT_S,
         )
@@ -232,9 +241,11 @@ def read_slice(s: Slice, channel: grpc.Channel) -> Iterator[pa.RecordBatch]:
 
 
 def _failed(s: Slice, exc: GeorepError) -> AuditInputError:
+    every = " of every replica (the replica check of a multi-node site)" if s.all_replicas else ""
     return AuditInputError(
-        f"ScanDigests of {s.topic}/{s.partition} [{s.from_offset}, {s.to_offset}) at site {s.site} ({s.address}) "
-        f"failed: {exc}"
+        f"ScanDigests{every} of {s.topic}/{s.partition} [{s.from_offset}, {s.to_offset}) at site {s.site} "
+        f"({s.address}) failed: {exc}"
+        + ("; to audit the site without comparing its replicas, pass --no-replica-check" if s.all_replicas else "")
     )
 
 

@@ -183,6 +183,15 @@ def divergent_pairs(batches: DataFrame) -> list[Parting]:
     return sorted(out, key=lambda p: (p.key, node_order(p.node_a), node_order(p.node_b)))
 
 
+def check_copies(spark: Any, batches: DataFrame) -> tuple[dict[SegmentKey, str], DataFrame]:
+    """Every segment's reference copy (:func:`choose_references`) and the ``replica_divergence`` issues of the copies
+    in ``batches`` (rows of ``ISSUE_SCHEMA``): what both the file audit, over segment files, and the live audit, over
+    every member's digests (``ScanDigests`` with ``all_replicas``), check inside a multi-node site."""
+    partings = divergent_pairs(batches)
+    references = choose_references(copy_stats(batches), partings)
+    return references, spark.createDataFrame(replica_issues(partings, references), ISSUE_SCHEMA)
+
+
 def site_log(batches: DataFrame, keep: DataFrame) -> DataFrame:
     """The batches of each site's own partition log: a one-node site's as they are; of a multi-node site's copies,
     only those of the files in ``keep`` (the reference copies, rows of ``KEEP_SCHEMA``), below their segment's

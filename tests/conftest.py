@@ -30,6 +30,7 @@ SHARED_ON_ONE_WORKER = {
     "test_audit_commands.py": "spark",
     "test_audit_reader.py": "spark",
     "test_audit_live.py": "spark",
+    "test_audit_live_replicas.py": "spark",
     "test_audit_continuous.py": "spark",
     "test_sim.py": "sim",
     "test_sim_cluster.py": "sim-cluster",

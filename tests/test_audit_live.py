@@ -154,6 +154,8 @@ def test_live_usage_errors_say_what_to_do(tmp_path: Path, capsys: pytest.Capture
         return capsys.readouterr().err
 
     assert "--since goes with --live" in refused("--since", str(tmp_path))
+    assert "--no-replica-check goes with --live" in refused("--no-replica-check", "--data-root", str(tmp_path))
+    assert "--no-replica-check goes with --live" in refused("--no-replica-check", "--every", "1h", "--runs", "1")
     assert "drop --data-root" in refused("--live", "--data-root", str(tmp_path))
     assert "positive" in refused("--live", "--insecure", "--max-slice-offsets", "0")
     assert "no report.json" in refused("--live", "--insecure", "--since", str(tmp_path / "nowhere"))
