@@ -3,7 +3,7 @@
 Run from the repository root::
 
     .venv/bin/python bench/audit.py --live                    # 300k records: a few minutes
-    .venv/bin/python bench/audit.py --live --records 10M      # the size (hours of producing on 2 cores)
+    .venv/bin/python bench/audit.py --live --records 10M      # the size (about 5 min on 2 cores)
 
 Three sites a, b and c, one node each, linked as ``georep up`` links them (a cycle and its reverse), with mutual TLS
 from a development CA and an auditor principal holding only the ``audit`` grant. Each site produces a third of the

@@ -8,7 +8,9 @@ after it (:mod:`spark_jobs.audit_metrics`). With ``--live`` each run is incremen
 last clean run (``--since`` that run's report dir), and audits in full until there is one.
 
 SIGINT or SIGTERM stops the loop after the run in progress, or at once between runs; a second one acts as it would
-have without the loop (Ctrl-C interrupts the run). One Spark session serves every run.
+have without the loop (Ctrl-C interrupts the run). SIGUSR1 starts the next run now rather than at its time (after
+the run in progress, if one is), as an operator does after a repair: later runs keep their schedule from it. One
+Spark session serves every run.
 """
 
 from __future__ import annotations
@@ -118,30 +120,50 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise HistoryError(str(exc)) from None
 
 
+@dataclass
+class Signals:
+    """What the loop's signals asked for: ``stop`` (SIGINT, SIGTERM) and, with it or alone (SIGUSR1), ``wake``,
+    which ends the wait between runs."""
+
+    stop: threading.Event
+    wake: threading.Event
+
+    def wait(self, seconds: float) -> bool:
+        """Wait ``seconds``, or until a signal; True if it was one that stops the loop."""
+        self.wake.wait(seconds)
+        self.wake.clear()
+        return self.stop.is_set()
+
+
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
-    """An event that SIGINT or SIGTERM sets; the first signal also puts the previous handlers back, so a second one
-    acts at once. Signals are only caught from the main thread (elsewhere the event is never set by them)."""
-    stop = threading.Event()
+def loop_signals() -> Iterator[Signals]:
+    """SIGINT or SIGTERM set ``stop``; the first also puts the previous handlers back, so a second one acts at
+    once. SIGUSR1 sets ``wake`` only. Signals are only caught from the main thread (elsewhere nothing sets them)."""
+    signals = Signals(threading.Event(), threading.Event())
     if threading.current_thread() is not threading.main_thread():
-        yield stop
+        yield signals
         return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
 
-    def restore() -> None:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    def restore(*which: signal.Signals) -> None:
+        for s in which:
+            signal.signal(s, previous[s])
 
-    def handler(signum: int, frame: FrameType | None) -> None:
-        stop.set()  # no printing here: the handler may interrupt a print of the run
-        restore()
+    def stopping(signum: int, frame: FrameType | None) -> None:
+        signals.stop.set()  # no printing here: the handler may interrupt a print of the run
+        signals.wake.set()
+        restore(signal.SIGINT, signal.SIGTERM)
 
-    for s in previous:
-        signal.signal(s, handler)
+    def waking(signum: int, frame: FrameType | None) -> None:
+        signals.wake.set()
+
+    signal.signal(signal.SIGINT, stopping)
+    signal.signal(signal.SIGTERM, stopping)
+    signal.signal(signal.SIGUSR1, waking)
     try:
-        yield stop
+        yield signals
     finally:
-        restore()
+        restore(*previous)
 
 
 class _Tee(io.TextIOBase):
@@ -267,22 +289,23 @@ def _run_line(loop: Loop, run: Run, n: int) -> str:
     )
 
 
-def run_loop(loop: Loop, stop: threading.Event) -> int:
-    """Runs until --runs is reached or a signal; the exit code is the last run's."""
+def run_loop(loop: Loop, signals: Signals) -> int:
+    """Runs until --runs is reached or a signal stops it; the exit code is the last run's."""
     every_s = loop.args.every or 0.0
     n = 0
     while True:
         started = time.monotonic()
+        signals.wake.clear()  # a SIGUSR1 during this run asks for the next one at once
         run = run_once(loop)
         n += 1
         loop.out(_run_line(loop, run, n))
         if loop.args.runs is not None and n >= loop.args.runs:
             return run.exit_code
-        wait_s = max(0.0, started + every_s - time.monotonic())
-        if not stop.is_set() and wait_s > 0 and not loop.args.quiet:
+        wait_s = 0.0 if signals.wake.is_set() else max(0.0, started + every_s - time.monotonic())
+        if not signals.stop.is_set() and wait_s > 0 and not loop.args.quiet:
             at = datetime.fromtimestamp(time.time() + wait_s, UTC).isoformat(timespec="seconds")
-            loop.out(f"next run at {at.replace('+00:00', 'Z')} (in {wait_s:.0f}s)")
-        if stop.is_set() or stop.wait(wait_s):
+            loop.out(f"next run at {at.replace('+00:00', 'Z')} (in {wait_s:.0f}s; kill -USR1 {os.getpid()}: now)")
+        if signals.wait(wait_s):
             loop.out(f"stopped by a signal after {n} run(s); the last exited {run.exit_code}")
             return run.exit_code
 
@@ -305,8 +328,8 @@ def main(args: argparse.Namespace, out: Callable[[str], None] = print, spark: An
     since = args.since if getattr(args, "since", None) is not None else last_clean_run_dir(Path(args.report), runs)
     loop = Loop(args, out, session, runs, since, sorted(KINDS))
     try:
-        with stop_on_signals() as stop:
-            return run_loop(loop, stop)
+        with loop_signals() as signals:
+            return run_loop(loop, signals)
     except (MetricsError, HistoryError) as exc:
         print(f"{ERROR_PREFIX}{exc}", file=sys.stderr)
         return EXIT_USAGE

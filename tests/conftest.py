@@ -16,7 +16,7 @@ from tests.support.examples import examples
 from tests.support.node_api import stub_for
 from tests.support.sites import Sites
 
-# Tests that share one expensive thing run on one xdist worker (`make test` runs `pytest -n 4 --dist loadgroup`):
+# Tests that share one expensive thing run on one xdist worker (`make test` runs `pytest -n 5 --dist loadgroup`):
 # the Spark tests share one JVM (the suite is CPU-bound on two cores: a second JVM for the live audit's tests made
 # a quiet run 12:36 where one made it 11:49, issue 24), each simulator module shares one process pool, and the
 # Toxiproxy fault tests share two sites behind their proxies (a module fixture: spread over workers, each worker

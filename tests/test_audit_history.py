@@ -19,7 +19,7 @@ from spark_jobs import history
 from spark_jobs.audit import EXIT_USAGE, cli_parser
 from spark_jobs.audit import main as audit_main
 from spark_jobs.audit_metrics import MetricsError, check_textfile_path, write_textfile
-from spark_jobs.continuous import parse_duration, stop_on_signals
+from spark_jobs.continuous import loop_signals, parse_duration
 from spark_jobs.history import Run
 
 T0_MS = 1_795_000_000_000
@@ -193,12 +193,23 @@ def test_metrics_textfile_that_cannot_be_written_says_why(tmp_path: Path) -> Non
 
 def test_sigterm_sets_the_stop_event_once_then_acts_as_before() -> None:
     before = signal.getsignal(signal.SIGTERM)
-    with stop_on_signals() as stop:
-        assert not stop.is_set()
+    with loop_signals() as signals:
+        assert not signals.stop.is_set()
         os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.wait(10), "the handler ran"
+        assert signals.wait(10), "the handler ran, and stops the loop"
         assert signal.getsignal(signal.SIGTERM) == before, "a second SIGTERM would act at once"
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_sigusr1_ends_the_wait_for_the_next_run_and_stops_nothing() -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    with loop_signals() as signals:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert signals.wait(600) is False  # woken, not stopped (or this waits 600 s and pytest-timeout fails it)
+        assert not signals.wake.is_set()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert signals.wait(600) is False, "it stays installed for the next wait"
+    assert signal.getsignal(signal.SIGUSR1) == before
 
 
 def test_a_history_that_cannot_be_written_says_why(tmp_path: Path) -> None:

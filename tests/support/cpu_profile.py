@@ -61,12 +61,7 @@ def _live_children_cpu_s() -> float:
 def _cpu_s() -> float:
     own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return (
-        own.ru_utime
-        + own.ru_stime
-        + reaped.ru_utime
-        + reaped.ru_stime
-        + _forked_nodes_cpu_s()
-        + _live_children_cpu_s()
+        own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + _forked_nodes_cpu_s() + _live_children_cpu_s()
     )
 
 
