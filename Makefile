@@ -57,8 +57,8 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # The type check runs beside the suite, whose multi-process tests leave part of two cores idle (they wait on
-# sessions and pauses); so do five workers (a quiet run: 12:10 and 157% of the cores with five, 13:11 and 136% with
-# four). make test fails if either fails.
+# sessions and pauses); so do five workers (12:10 and 157% of the cores with five on a quiet machine; 13:11 and 136%
+# with four, a helper's venv build beside it at first). make test fails if either fails.
 test: $(STAMP) strace promtool lint
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
 	$(BIN)/mypy > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \

@@ -23,13 +23,12 @@ import pytest
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, encode_batch
-from georep.server.process import NodeProcess
 from spark_jobs import inject
 from spark_jobs.audit import EXIT_CLEAN, EXIT_DIVERGENCE, cli_parser, main
 from spark_jobs.layout import partition_segments
 from spark_jobs.scan import scan_segment
 from tests.support.channels import open_channel
-from tests.support.cluster_site import TOPIC, WAIT_S, ClusterSite, leader_hint, wait_for
+from tests.support.cluster_site import TOPIC, WAIT_S, ClusterSite, beside, leader_hint, wait_for
 from tests.support.ports import free_ports
 
 BATCHES = 12  # of 3 records, ~700 bytes: several 4 KiB segments
@@ -77,12 +76,7 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ClusterSit
     args = ["--segment-bytes-max", "4096", "--replication-factor", "3", "--repair-delay-ms", "600000"]
     args += ["--session-timeout-ms", "60000"]  # no leader change on a loaded machine: the test knows the serving copy
     site = ClusterSite(root, 3, extra_args=args, more_toml=_links(b_port))
-    b = NodeProcess(
-        "b",
-        root / "b",
-        listen=f"127.0.0.1:{b_port}",
-        extra_args=["--topology", str(site.topology), "--scrub-bytes-per-s", "0"],
-    )
+    b = beside(site, "b", root / "b", b_port)
     try:
         b.start()
         with site.running():

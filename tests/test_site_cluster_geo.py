@@ -16,9 +16,8 @@ import pytest
 from georep.client.producer import Producer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
-from georep.server.process import NodeProcess
 from tests.support.channels import open_channel
-from tests.support.cluster_site import ClusterSite, read_partition
+from tests.support.cluster_site import ClusterSite, beside, read_partition
 from tests.support.ports import free_ports
 
 TOPIC = "geo"
@@ -33,12 +32,7 @@ def test_a_multi_node_site_replicates_both_ways_through_a_leader_kill(tmp_path: 
     )
     extra = ["--session-timeout-ms", "1500", "--segment-bytes-max", "16384"]
     site_a = ClusterSite(tmp_path, 3, extra_args=extra, more_toml=more)
-    b = NodeProcess(
-        "b",
-        tmp_path / "b",
-        listen=f"127.0.0.1:{b_port}",
-        extra_args=["--topology", str(site_a.topology), "--scrub-bytes-per-s", "0"],
-    )
+    b = beside(site_a, "b", tmp_path / "b", b_port)
     acked: dict[str, set[tuple[int, str, int]]] = {"a": set(), "b": set()}
 
     async def produce(site: str, bootstrap: str, acks: str, stop: asyncio.Event) -> None:

@@ -13,10 +13,9 @@ import pytest
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.record.batch import RecordInput, encode_batch
-from georep.server.process import NodeProcess
 from tests.support.channels import open_channel
 from tests.support.cli import georep, ok
-from tests.support.cluster_site import TOPIC, ClusterSite, produce, read_partition, wait_for
+from tests.support.cluster_site import TOPIC, ClusterSite, beside, produce, read_partition, wait_for
 from tests.support.ports import free_ports
 
 confluent_kafka = pytest.importorskip("confluent_kafka")
@@ -121,12 +120,7 @@ def test_a_delete_at_a_one_node_site_reaches_a_three_node_site_through_a_link(tm
     a_port = free_ports(1)[0]
     more = f'[sites.a]\nnodes = ["127.0.0.1:{a_port}"]\n[[links]]\nsrc = "a"\ndst = "b"\n'
     site_b = ClusterSite(tmp_path, 3, site="b", extra_args=["--session-timeout-ms", "1500"], more_toml=more)
-    a = NodeProcess(
-        "a",
-        tmp_path / "a",
-        listen=f"127.0.0.1:{a_port}",
-        extra_args=["--topology", str(site_b.topology), "--scrub-bytes-per-s", "0"],
-    )
+    a = beside(site_b, "a", tmp_path / "a", a_port)
     try:
         site_b.start()
         a.start()

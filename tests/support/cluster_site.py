@@ -141,6 +141,17 @@ class ClusterSite:
             self.close()
 
 
+def beside(site: ClusterSite, name: str, data_dir: Path, port: int) -> NodeProcess:
+    """A one-node site ``name`` (not started) on ``port``, reading ``site``'s topology, which must list it (the
+    ``more_toml`` of the ClusterSite); no background scrubber, so the tests' files change only as they say."""
+    return NodeProcess(
+        name,
+        data_dir,
+        listen=f"127.0.0.1:{port}",
+        extra_args=["--topology", str(site.topology), "--scrub-bytes-per-s", "0"],
+    )
+
+
 def read_partition(address: str, topic: str, partition: int) -> list[tuple[str, int, bytes]]:
     """Every record of a partition at the node at ``address`` (a multi-node site: its leader, followed if it
     moves meanwhile: local offsets are the site's), in log order, as (origin, origin seq, value)."""
