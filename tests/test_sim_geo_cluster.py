@@ -31,9 +31,10 @@ from georep.sim.__main__ import main as sim_main
 from georep.sim.cluster_model import ClusterCounts
 from georep.sim.faults import FaultCounts
 from georep.sim.geo_cluster import GEO_CLUSTER_TOPOLOGIES, GeoClusterCounts, run_geo_cluster_seed
+from tests.support.examples import examples
 
 SEED_BASE = int(os.environ.get("GEOREP_SIM_SEED_BASE", "0"))
-SEEDS_PER_TOPOLOGY = 67  # x 3 topologies = 201 seeded runs per CI run
+SEEDS_PER_TOPOLOGY = examples(67)  # x 3 topologies = 201 seeded runs per CI run; make test-quick: 16 of one
 
 
 @pytest.fixture(scope="module")
