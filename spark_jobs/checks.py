@@ -157,7 +157,6 @@ def sequence_issues(batches: DataFrame) -> DataFrame:
     }
     dups = df.where("dup")
     dup_last = F.least(F.col("last_seq"), F.col("seq_before"))
-    holes = df.where(F.col("base_seq") > F.col("expect"))
     order = df.where(~F.col("dup") & (F.col("base_seq") <= F.col("log_before")))
     return (
         as_issues(
@@ -169,23 +168,7 @@ def sequence_issues(batches: DataFrame) -> DataFrame:
             records=dup_last - F.col("base_seq") + 1,
             detail=F.format_string("seqs %d..%d held again at offset %d", "base_seq", dup_last, "base_offset"),
         )
-        .unionByName(
-            as_issues(
-                holes,
-                MISSING,
-                **common,
-                first_seq="expect",
-                last_seq=F.col("base_seq") - 1,
-                records=F.col("base_seq") - F.col("expect"),
-                detail=F.format_string(
-                    "hole: seqs %d..%d absent, the log goes on at seq %d (offset %d)",
-                    "expect",
-                    F.col("base_seq") - 1,
-                    "base_seq",
-                    "base_offset",
-                ),
-            )
-        )
+        .unionByName(_hole_issues(df, F.col("base_seq"), F.col("base_offset"), "", **common))
         .unionByName(
             as_issues(
                 order,
@@ -300,6 +283,26 @@ def reach_issues(
     return tail.unionByName(unexpected)
 
 
+def _hole_issues(df: DataFrame, base_seq: Column, base_offset: Column, after: str, **cols: Column | str) -> DataFrame:
+    """``missing`` for each row of ``df`` whose batch (at ``base_seq``, ``base_offset``) starts above its column
+    ``expect``: seqs ``expect..base_seq - 1`` are absent; ``after`` follows "hole" in the detail."""
+    return as_issues(
+        df.where(base_seq > F.col("expect")),
+        MISSING,
+        **cols,
+        first_seq="expect",
+        last_seq=base_seq - 1,
+        records=base_seq - F.col("expect"),
+        detail=F.format_string(
+            f"hole{after}: seqs %d..%d absent, the log goes on at seq %d (offset %d)",
+            F.col("expect"),
+            base_seq - 1,
+            base_seq,
+            base_offset,
+        ),
+    )
+
+
 def boundary_issues(batches: DataFrame, held_before: DataFrame) -> DataFrame:
     """An incremental audit's seam: each site's first batch of an origin after its previous cut must go on from
     what the site held then (``held_before``'s ``held_max``, as :func:`reach_issues` takes it). Starting above
@@ -314,21 +317,8 @@ def boundary_issues(batches: DataFrame, held_before: DataFrame) -> DataFrame:
     )
     common = {"site": "site", "topic": "topic", "partition": "partition", "origin": "origin"}
     where = {"offset": F.col("b.base_offset"), "file": F.col("b.file"), "position": F.col("b.position")}
-    hole = as_issues(
-        first.where(F.col("b.base_seq") > F.col("expect")),
-        MISSING,
-        **common,
-        **where,
-        first_seq="expect",
-        last_seq=F.col("b.base_seq") - 1,
-        records=F.col("b.base_seq") - F.col("expect"),
-        detail=F.format_string(
-            "hole after the previous cut: seqs %d..%d absent, the log goes on at seq %d (offset %d)",
-            "expect",
-            F.col("b.base_seq") - 1,
-            "b.base_seq",
-            "b.base_offset",
-        ),
+    hole = _hole_issues(
+        first, F.col("b.base_seq"), F.col("b.base_offset"), " after the previous cut", **common, **where
     )
     again = F.least(F.col("b.last_seq"), F.col("held_max"))
     dup = as_issues(

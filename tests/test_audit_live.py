@@ -175,3 +175,32 @@ def test_live_usage_errors_say_what_to_do(tmp_path: Path, capsys: pytest.Capture
     topology = tmp_path / "nobody.toml"
     topology.write_text('[sites.a]\nnodes = ["127.0.0.1:1"]\n')
     assert "site a did not answer" in refused("--live", "--insecure", "--topology", str(topology))
+
+
+def test_an_incremental_seam_names_a_hole_and_a_repeat_after_the_previous_cut(spark: Any) -> None:
+    """``checks.boundary_issues``: each site's first new batch of an origin must go on from what the site held at
+    the previous cut. b held a@1 up to seq 9 and goes on at 15 (a hole, 10..14), c held up to 9 and goes on at 5
+    (5..9 again), d goes on at 10 (nothing to say)."""
+    from spark_jobs import checks
+    from spark_jobs.datasource import spark_schema
+    from spark_jobs.live_audit import HELD_ROWS
+    from spark_jobs.scan import BATCH_SCHEMA
+
+    def batch(site: str, base_seq: int, last_seq: int) -> dict[str, Any]:
+        row: dict[str, Any] = dict.fromkeys(BATCH_SCHEMA.names)
+        row.update(site=site, topic=EVENTS, partition=0, file=f"{site}/f", position=0, status="ok", origin="a@1")
+        row.update(
+            origin_site="a", base_offset=100, base_seq=base_seq, last_seq=last_seq, records=1 + last_seq - base_seq
+        )
+        return row
+
+    batches = spark.createDataFrame(
+        [batch("b", 15, 20), batch("c", 5, 12), batch("d", 10, 12)], spark_schema(BATCH_SCHEMA)
+    )
+    held = spark.createDataFrame([(s, EVENTS, 0, "a@1", "a", 9) for s in "bcd"], HELD_ROWS)
+    found = sorted(
+        (r.kind, r.site, r.first_seq, r.last_seq, r.detail) for r in checks.boundary_issues(batches, held).collect()
+    )
+    assert [f[:4] for f in found] == [("duplicate", "c", 5, 9), ("missing", "b", 10, 14)]
+    assert found[1][4] == "hole after the previous cut: seqs 10..14 absent, the log goes on at seq 15 (offset 100)"
+    assert found[0][4] == "seqs 5..9 held again at offset 100, after the previous cut"
