@@ -318,8 +318,9 @@ def _since_inputs(spark: Any, since: Since, starts: dict[tuple[str, str, int], i
         .withColumn("log_start_offset", F.greatest("log_start_offset", "start"))
         .select(*batches.columns)
     )
-    held_before = spark.createDataFrame(held_rows(since.cut, starts), HELD_ROWS)
-    return batches.unionByName(kept), held_before, [checks.boundary_issues(batches, held_before)]
+    held_before = spark.createDataFrame(held_rows(since.cut, starts), HELD_ROWS).cache()
+    log = batches.unionByName(kept).coalesce(spark.sparkContext.defaultParallelism).cache()
+    return log, held_before, [checks.boundary_issues(batches, held_before)]
 
 
 def _write_pending(spark: Any, topology: Topology, cut: Cut, log: Any, report_dir: Path) -> int:
