@@ -197,7 +197,9 @@ def run_live_audit(
             extra,
         )
     finally:
-        for df in (digests, *([] if copies is None else [copies.digests])):
+        cached = [digests, *([] if copies is None else [copies.digests])]
+        cached += [] if since is None else [log, held_before]
+        for df in cached:
             df.unpersist()
     return result
 
