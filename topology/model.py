@@ -17,6 +17,9 @@ A topology file is TOML::
     topics = ["orders/**", "+/audit"]   # optional; default ["**"], every topic
     cost = 1                            # optional; default 1
 
+A site's table may also list ``auto_create`` patterns: topics created on first
+use (``topology/autocreate.py``).
+
 A site lists its nodes either as ``"HOST:PORT"`` strings (the gRPC address of
 each node; node ids are 1, 2, 3, ... by position, and no node has a Raft
 address) or as tables: ``id`` (1 to ``NODE_ID_MAX``, unique within the site),
@@ -44,6 +47,7 @@ Parsing takes the file's text; reading the file is the caller's job.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import re
@@ -51,6 +55,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from topology.autocreate import AutoCreateRule, InvalidAutoCreate, parse_rules
 from topology.filters import ALL_TOPICS, InvalidTopicFilter, TopicFilter, is_internal, matches_any
 from topology.ids import NODE_ID_MAX, InvalidNodeId, InvalidSiteId, NodeId, SiteId, node_id, site_id
 
@@ -67,7 +72,7 @@ _HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _PORT = re.compile(r"[0-9]{1,5}")
 
 _TOP_KEYS = ("links", "sites")
-_SITE_KEYS = ("nodes",)
+_SITE_KEYS = ("nodes", "auto_create")
 _NODE_KEYS = ("address", "id", "kafka", "raft")
 _LINK_KEYS = ("cost", "dst", "src", "topics")
 
@@ -155,6 +160,7 @@ class Site:
     id: SiteId
     nodes: tuple[str, ...]
     members: tuple[NodeSpec, ...] = ()
+    auto_create: tuple[AutoCreateRule, ...] = ()  # topology/autocreate.py: topics created on first use
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -406,6 +412,17 @@ def _string_list(value: object, where: str, what: str) -> list[str]:
 
 
 def _parse_site(key: str, table: object) -> Site:
+    site = _parse_site_nodes(key, table)
+    assert isinstance(table, dict)  # _parse_site_nodes refused anything else
+    if "auto_create" not in table:
+        return site
+    try:
+        return dataclasses.replace(site, auto_create=parse_rules(table["auto_create"], f"[sites.{key}]"))
+    except InvalidAutoCreate as exc:
+        raise InvalidTopology(str(exc)) from None
+
+
+def _parse_site_nodes(key: str, table: object) -> Site:
     where = f"[sites.{key}]"
     if not isinstance(table, dict):
         raise InvalidTopology(f"{where} must be a table with nodes = [...], got {table!r}")

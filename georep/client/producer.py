@@ -178,8 +178,10 @@ class Producer:
         buffer_memory: int = 32 << 20,
         connect_timeout_ms: int = 5_000,
         tls: TlsConfig | None = None,
+        allow_auto_create_topics: bool = True,
     ) -> None:
         self._acks, self._geo_sites = parse_acks(acks)
+        self._auto_create = allow_auto_create_topics  # Kafka's allow.auto.create.topics (docs/topologies.md)
         self._tls = tls
         try:
             self._compression = Compression.parse(compression)
@@ -404,7 +406,8 @@ class Producer:
                     try:
                         description = await self._connection.unary(
                             stub.DescribeTopic(
-                                georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_ms / 1000
+                                georep_pb2.DescribeTopicRequest(name=topic, allow_auto_create=self._auto_create),
+                                timeout=self._request_timeout_ms / 1000,
                             )
                         )
                     except grpc.RpcError as exc:
@@ -449,7 +452,10 @@ class Producer:
         stub = await self._connection.connect()
         try:
             description = await self._connection.unary(
-                stub.DescribeTopic(georep_pb2.DescribeTopicRequest(name=topic), timeout=self._request_timeout_ms / 1000)
+                stub.DescribeTopic(
+                    georep_pb2.DescribeTopicRequest(name=topic, allow_auto_create=self._auto_create),
+                    timeout=self._request_timeout_ms / 1000,
+                )
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self._connection.address, operation=Operation.PRODUCE) from None

@@ -37,7 +37,7 @@ from kafka.protocol import metadata as kmetadata
 from kafka.protocol import producer as kproducer
 
 from cluster.quorum import Fenced, SegmentSealed
-from georep.auth.acl import Operation, Resource, ResourceKind
+from georep.auth.acl import Operation, PermissionDenied, Resource, ResourceKind
 from georep.auth.acl import group as acl_group
 from georep.auth.acl import topic as acl_topic
 from georep.auth.policy import Policy
@@ -72,6 +72,7 @@ from georep.metadata.topic_entry import add_partitions
 from georep.metadata.topics import InvalidTopic, parse_topic_config
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import vector_to_proto
+from georep.server.auto_create import AutoCreate
 from georep.server.broker import DEFAULT_TOPIC_CONFIG, Broker, Partition, partition_to_write
 from georep.server.groups import GroupService
 from georep.server.topic_calls import TopicCalls
@@ -191,6 +192,7 @@ class KafkaGateway(LeaderOffsets):
         self._invalid_reported: set[tuple[str, int, int]] = set()  # stored invalid batches already logged
         self.topic_changes: TopicChanges | None = None  # alters and growths of a one-node site's topics
         self.topic_calls: TopicCalls | None = None  # deletes (DeleteTopics), as georep's DeleteTopic makes them
+        self.auto_create: AutoCreate | None = None  # topics created on first use: the node's, shared with georep's
 
     def _view(self, keys: list[tuple[str, int]] | None = None) -> SiteView:
         return OneNode(self.host, self.port) if self.view_of is None else self.view_of(keys)
@@ -232,10 +234,14 @@ class KafkaGateway(LeaderOffsets):
             None if body.topics is None or (req.version == 0 and not body.topics) else [t.name for t in body.topics]
         )
         topics = []
+        refused = await self._create_on_first_use(wanted, peer) if wanted and body.allow_auto_topic_creation else {}
         known = self.broker.metadata.topics()
         view = self._view()
         for name in self._topic_names() if wanted is None else wanted:
             spec = known.get(name)
+            if name in refused:
+                topics.append(r.MetadataResponseTopic(error_code=refused[name], name=name))
+                continue
             if spec is None or is_internal(name):
                 topics.append(r.MetadataResponseTopic(error_code=k.UNKNOWN_TOPIC_OR_PARTITION, name=name))
                 continue
@@ -257,6 +263,30 @@ class KafkaGateway(LeaderOffsets):
         return r(
             brokers=brokers, cluster_id=f"georep-{self.broker.identity.site}", controller_id=view.me, topics=topics
         )
+
+    async def _create_on_first_use(self, names: list[str], peer: Client) -> dict[str, int]:
+        """The missing ``names`` that the site's ``auto_create`` patterns match, created (Kafka's
+        ``auto.create.topics.enable``, asked by a Metadata request's ``allow_auto_topic_creation``); the Kafka code of
+        each one that could not be, by name."""
+        refused: dict[str, int] = {}
+        if self.auto_create is None:
+            return refused
+
+        def refusal(name: str) -> str | None:
+            try:
+                self._allow(peer, Operation.CREATE_TOPIC, [acl_topic(name)])
+            except Denied as denied:
+                return str(denied)
+            return None
+
+        for name in names:
+            try:
+                await self.auto_create.ensure(name, refusal)
+            except Exception as exc:
+                code = k.TOPIC_AUTHORIZATION_FAILED if isinstance(exc, PermissionDenied) else self._code(exc)
+                log.info("kafka gateway: topic %s not created on first use: %s", name, exc)
+                refused[name] = code
+        return refused
 
     async def _create_topics(self, req: Request, peer: Client) -> Any:
         """Kafka's config names become georep's keys (``georep/metadata/kafka_config.py``); a config georep cannot

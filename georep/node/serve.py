@@ -31,6 +31,7 @@ from georep.auth.acl_sync import AclCache
 from georep.auth.policy import Policy
 from georep.auth.principal import Principal
 from georep.metadata.store import SiteIdentity
+from georep.metadata.topics import InvalidTopic, parse_topic_config
 from georep.raft.store import MetadataUnavailable, RaftMetadataStore, RaftStartError, RaftTiming, join_running_group
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.tls import MESSAGE_BYTES_MAX, ServerLimits, TlsConfig, TlsError, add_port, server_options
@@ -110,6 +111,8 @@ async def serve(
     (``--scrub-interval-ms``), at ``scrub_bytes_per_s``. ``audit_digest_rate``: the batches per second all of the
     node's digest scans (the live audit's ``ScanDigests``) share, 0 unbounded (``--audit-digest-rate``).
     """
+    if topology is not None:
+        check_auto_create(topology, site)  # before anything starts
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
         tightened = tighten(data_dir)
@@ -359,6 +362,8 @@ def _wire(
     service.topic_calls.changes.on_deleted = TopicRemoval(broker, metrics.forget_topic, metrics.delete_records)
     segments = SegmentService(replicas, segment_executor, broker.clock_ms, member, tls)  # member: repair's rolls
     segments.digests = service.digests
+    if topology is not None:
+        service.auto_create.rules = topology.site(site).auto_create  # checked at the start (check_auto_create)
     gate = DeleteGate(topology, site, data_dir, health_ask(tls)) if topology is not None else None
     if gate is not None:
         service.topic_calls.delete_refused = gate.refusal
@@ -378,6 +383,16 @@ def _wire(
     )
 
 
+def check_auto_create(topology: Topology, site: str) -> None:
+    """The site's ``auto_create`` patterns' configs, checked as ``CreateTopic`` checks one: a typo fails the node's
+    start, not every produce that would create a topic."""
+    for rule in topology.site(site).auto_create:
+        try:
+            parse_topic_config(dict(rule.config))
+        except InvalidTopic as exc:
+            raise UsageError(f"--topology: [sites.{site}] auto_create pattern {rule.pattern}: {exc}") from None
+
+
 def _grpc_server(
     node: _Node,
     topology: Topology | None,
@@ -393,6 +408,8 @@ def _grpc_server(
     interceptors = (
         [authorization(node.identity.site, node.broker.metadata, topology, super_users)] if tls is not None else []
     )
+    for interceptor in interceptors:  # a topic created on first use asks the caller's create_topic ACL
+        node.service.create_refusal = interceptor.authorizer.create_refusal
     server = grpc.aio.server(
         interceptors=interceptors,
         options=server_options(
@@ -467,6 +484,7 @@ async def _start_kafka(
             kafka, node.broker, node.service.groups, node.site_cluster, node.service.topic_calls.changes
         )
         kafka_server.gateway.topic_calls = node.service.topic_calls
+        kafka_server.gateway.auto_create = node.service.auto_create
         if node.site_cluster is not None:  # set before any request is read (no await since the listener started)
             from georep.kafka.cluster import cluster_view_of
             from georep.kafka.server import leader_asker

@@ -669,15 +669,21 @@ class DescribeTopicRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
+    ALLOW_AUTO_CREATE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    allow_auto_create: _builtins.bool
+    """A producer's metadata request, as Kafka's allow_auto_topic_creation: a missing topic that one of the site's
+    auto_create patterns matches is created first (the caller needs create_topic on it), then described.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
+        allow_auto_create: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_auto_create", b"allow_auto_create", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

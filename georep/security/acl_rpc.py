@@ -301,6 +301,15 @@ class Authorizer:
         """A super-user: every call is allowed whatever its request, so none is parsed or screened."""
         return is_super_user(principal, self.policy.own_site, self.policy.super_users)
 
+    def create_refusal(self, context: Any, name: str) -> str | None:
+        """None if the call's principal may create topic ``name`` (as ``CreateTopic`` asks), else why not: a
+        produce that would create its topic on first use asks it (``georep/server/auto_create.py``)."""
+        principal = self.principal("CreateTopic", context)
+        if self.unrestricted(principal):
+            return None
+        decision = self.policy.acl(principal, Operation.CREATE_TOPIC, [topic(name)])
+        return None if decision.allowed else decision.message
+
     def check(
         self,
         table: Mapping[str, Access],

@@ -31,6 +31,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto.bounds import REPEATED_MAX
 from georep.proto.convert import acks_from_proto
 from georep.proto.reasons import PRODUCE_BATCHES_MAX_METADATA, PRODUCE_BYTES_MAX_METADATA
+from georep.server.auto_create import AutoCreate, Refusal
 from georep.server.broker import Broker
 from georep.server.rpc import Context, parse
 from georep.server.status import DOMAIN_ERRORS
@@ -86,6 +87,9 @@ class ProduceStreamCall:
         self.packed = False  # the client sent a multi-batch request, so it reads packed answers
         self.done = False
         self.failure: BaseException | None = None
+        # Topics created on first use (auto_create.py), with the caller's create_topic ACL: set by the service
+        self.auto_create: AutoCreate | None = None
+        self.create_refusal: Refusal = lambda _topic: None
 
     async def serve(
         self, requests: AsyncIterator[bytes | pb.ProduceRequest], context: Context
@@ -126,8 +130,11 @@ class ProduceStreamCall:
                     check_request(req, self.batches_max, self.bytes_max)
                     self.packed = True
                     for one in req.batches:
-                        self._take(one.correlation_id, one.topic, one.partition, one.batch, acks, req.ack_timeout_ms)
-                else:
+                        if await self._created(one.correlation_id, one.topic, one.partition):
+                            self._take(
+                                one.correlation_id, one.topic, one.partition, one.batch, acks, req.ack_timeout_ms
+                            )
+                elif await self._created(req.correlation_id, req.topic, req.partition):
                     self._take(req.correlation_id, req.topic, req.partition, req.batch, acks, req.ack_timeout_ms)
                 if self.waiting >= PENDING_MAX:
                     self.room.clear()
@@ -136,6 +143,18 @@ class ProduceStreamCall:
             self.failure = exc
         self.done = True
         self.wake.set()
+
+    async def _created(self, correlation_id: int, topic: str, partition: int) -> bool:
+        """False, with the batch answered, if its topic is missing and creating it on first use failed; the
+        batches after it wait for the create, so stream order stays append order."""
+        if self.auto_create is None or self.auto_create.wanted(topic) is None:  # the usual case: no await
+            return True
+        try:
+            await self.auto_create.ensure(topic, self.create_refusal)
+        except DOMAIN_ERRORS as exc:
+            self._fail(correlation_id, partition, exc)
+            return False
+        return True
 
     def _take(self, correlation_id: int, topic: str, partition: int, batch: bytes, acks: Acks, timeout_ms: int) -> None:
         try:

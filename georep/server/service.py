@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -34,6 +35,7 @@ from georep.broker.fetch import (
     listed_offset,
 )
 from georep.metadata.catalog import TopicCatalog
+from georep.metadata.store import UnknownTopic
 from georep.metadata.topic_entry_codec import spec_of
 from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
@@ -43,6 +45,7 @@ from georep.replication.source import Chunk, ReplicaSource, Serve
 from georep.server import site_status
 from georep.server.acl_calls import AclCalls
 from georep.server.admin_gate import AdminGate
+from georep.server.auto_create import AutoCreate
 from georep.server.broker import Broker, Partition
 from georep.server.digest_calls import DigestCalls
 from georep.server.digest_pacing import AUDIT_DIGEST_RATE_DEFAULT, DigestPacer
@@ -128,6 +131,10 @@ class NodeService:
         if replicator is not None:
             self.topic_calls.before_create = replicator.first_syncs.wait
         self.group_calls = GroupCalls(self.groups)
+        # Topics created on first use: the site's auto_create patterns (set from the topology by the node), and
+        # whether a call's principal may create a topic (set from the ACLs on a TLS node; a plaintext one may)
+        self.auto_create = AutoCreate((), self._topic_exists, self._create_topic)
+        self.create_refusal: Callable[[Context, str], str | None] = lambda _context, _name: None
         self.digests = DigestCalls(broker, DigestPacer(audit_digest_rate), site_cluster)
         self.digests.pacer.on_step = metrics.digested
         self.started = time.monotonic()
@@ -161,6 +168,13 @@ class NodeService:
             stopping.set_result(None)
 
     # -- admin ----------------------------------------------------------------
+
+    def _topic_exists(self, name: str) -> bool:
+        try:
+            self.broker.topic(name)
+        except UnknownTopic:
+            return False
+        return True
 
     def _describe(self, name: str) -> pb.TopicDescription:
         spec = self.broker.topic(name)
@@ -210,12 +224,16 @@ class NodeService:
 
     async def create_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         req = parse(pb.CreateTopicRequest, data)  # an internal topic's name is refused by Broker.create_topic
+        await self._create_topic(req.name, req.partitions, dict(req.config))
+        return self._describe(req.name)
+
+    async def _create_topic(self, name: str, partitions: int, config: dict[str, str]) -> None:
+        """``CreateTopic``'s create, and a topic's created on first use (``auto_create``)."""
         await self.topic_calls.before_create()
         if self.site_cluster is not None:
-            await self.site_cluster.create_topic(req.name, req.partitions, dict(req.config))
+            await self.site_cluster.create_topic(name, partitions, config)
         else:
-            self.broker.create_topic(req.name, req.partitions, dict(req.config))
-        return self._describe(req.name)
+            self.broker.create_topic(name, partitions, config)
 
     async def create_topics(self, data: bytes, context: Context) -> pb.CreateTopicsResponse:
         """Each topic created or refused on its own (Kafka's CreateTopics); a bug still fails the whole call."""
@@ -270,7 +288,10 @@ class NodeService:
         return out
 
     async def describe_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
-        return self._describe(parse(pb.DescribeTopicRequest, data).name)
+        req = parse(pb.DescribeTopicRequest, data)
+        if req.allow_auto_create:  # a producer's metadata request (Kafka's allow_auto_topic_creation)
+            await self.auto_create.ensure(req.name, functools.partial(self.create_refusal, context))
+        return self._describe(req.name)
 
     async def health(self, data: bytes, context: Context) -> pb.HealthResponse:
         parse(pb.HealthRequest, data)
@@ -316,6 +337,7 @@ class NodeService:
         if req.batches:
             raise InvalidRequest("a multi-batch produce request goes over ProduceStream; Produce takes one batch")
         try:
+            await self.auto_create.ensure(req.topic, functools.partial(self.create_refusal, context))
             produced = await self.broker.produce(
                 req.topic, req.partition, req.batch, acks_from_proto(req.acks, req.geo_sites), req.ack_timeout_ms
             )
@@ -336,6 +358,8 @@ class NodeService:
         call = ProduceStreamCall(
             self.broker, self._produce_error, batches_max=self.produce_batches_max, bytes_max=self.produce_bytes_max
         )
+        call.auto_create = self.auto_create
+        call.create_refusal = functools.partial(self.create_refusal, context)
         return call.serve(requests, context)
 
     # -- fetch ----------------------------------------------------------------

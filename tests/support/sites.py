@@ -40,10 +40,13 @@ def origin_batch(origin: Origin, base_seq: int, n: int = 2, tag: bytes = b"") ->
     return encode_batch(records, origin=origin, base_origin_seq=base_seq)
 
 
-def topology_toml(ports: dict[str, int], links: list[tuple[str, str]]) -> str:
+def topology_toml(
+    ports: dict[str, int], links: list[tuple[str, str]], site_lines: dict[str, list[str]] | None = None
+) -> str:
+    """``site_lines``: more lines of a site's table (``auto_create = [...]``)."""
     lines = []
     for site, port in ports.items():
-        lines += [f"[sites.{site}]", f'nodes = ["127.0.0.1:{port}"]', ""]
+        lines += [f"[sites.{site}]", f'nodes = ["127.0.0.1:{port}"]', *(site_lines or {}).get(site, []), ""]
     for src, dst in links:
         lines += ["[[links]]", f'src = "{src}"', f'dst = "{dst}"', ""]
     return "\n".join(lines)
@@ -63,16 +66,19 @@ class Sites:
         stall_ms: int = 1000,
         extra_args: list[str] | None = None,
         tls_dir: Path | None = None,
+        site_lines: dict[str, list[str]] | None = None,
+        clients: tuple[str, ...] = (),
     ) -> None:
-        # tls_dir: mutual TLS with a development CA there (site:<s> per node, client:admin for the test's calls)
+        # tls_dir: mutual TLS with a development CA there (site:<s> per node, client:admin for the test's calls, and
+        # client:<c> for each of clients)
         self.tls: TlsConfig | None = None
         if tls_dir is not None:
-            dev_ca.init(tls_dir, dev_ca.plan(sites, {}, []))
+            dev_ca.init(tls_dir, dev_ca.plan(sites, {}, clients))
             self.tls = TlsConfig.from_dir(tls_dir)
         self.ports = dict(zip(sites, free_ports(len(sites)), strict=True))
         self.links = list(links)
         self.topology = root / "topology.toml"
-        self.topology.write_text(topology_toml(self.ports, links))
+        self.topology.write_text(topology_toml(self.ports, links, site_lines))
         self.nodes = {
             s: NodeProcess(
                 site=s,
