@@ -101,6 +101,7 @@ def _text(data: bytes | None) -> str | None:
 def _record_json(record: ConsumerRecord) -> str:
     return json.dumps(
         {
+            "topic": record.topic,
             "key": _text(record.key),
             "value": _text(record.value),
             "partition": record.partition,
@@ -179,10 +180,35 @@ def _consume_checked(args: argparse.Namespace) -> VectorOffset | None:
     return vector
 
 
+def is_pattern(topic: str) -> bool:
+    """A topic argument with a wildcard level (``orders/+``, ``orders/**``): every topic it matches is read."""
+    return any(level in ("+", "**") for level in topic.split("/"))
+
+
+def _consume_pattern(args: argparse.Namespace, vector: VectorOffset | None, consumer: Consumer) -> None:
+    """Subscribe to every topic ``args.topic`` matches, now and created later (a group's or each partition's start
+    as for one topic)."""
+    if args.partition is not None or args.offset is not None or vector is not None:
+        raise InvalidRequest(
+            f"{args.topic!r} is a pattern: --partition, --offset and --vector name a position in one partition of "
+            "one topic; leave them out, or name the topic"
+        )
+    consumer.subscribe(pattern=args.topic)
+    if args.group is not None:
+        return
+    if args.from_beginning:
+        consumer.seek_to_beginning()
+    else:
+        consumer.seek_to_end()
+
+
 async def _consume_from(
     args: argparse.Namespace, vector: VectorOffset | None, consumer: Consumer, admin: Admin
 ) -> None:
     """Assign the partitions to read and put the consumer where the flags say it starts."""
+    if is_pattern(args.topic):
+        _consume_pattern(args, vector, consumer)
+        return
     topic = await admin.describe_topic(args.topic)
     if args.group is not None:
         partitions: list[int] = []  # the group's coordinator assigns them

@@ -30,6 +30,7 @@ from georep.client.subscription import OFFSET_RESETS, Start, SubscriptionState, 
 from georep.proto import georep_pb2
 from georep.security.tls import TlsConfig
 from offsets.vector import VectorOffset
+from topology.filters import InvalidTopicFilter, TopicFilter
 
 __all__ = [
     "BadBatch",
@@ -70,6 +71,7 @@ class Consumer:
         read_from: str = "leader",
         prefer: str | None = None,
         tls: TlsConfig | None = None,
+        metadata_max_age_ms: int = 5_000,
     ) -> None:
         if auto_offset_reset not in OFFSET_RESETS:
             raise InvalidRequest(f"invalid auto_offset_reset {auto_offset_reset!r}: use earliest, latest or none")
@@ -93,7 +95,7 @@ class Consumer:
         )
         self._connection = Connection(bootstrap, connect_timeout_ms, tls)
         self._request_timeout_s = request_timeout_ms / 1000
-        self._subscription = SubscriptionState(auto_offset_reset, queued_responses_max)
+        self._subscription = SubscriptionState(auto_offset_reset, queued_responses_max, metadata_max_age_ms / 1000)
         options = FetchOptions(
             max_bytes,
             max_wait_ms,
@@ -145,12 +147,19 @@ class Consumer:
         """Read exactly these partitions (replacing any earlier assignment or subscription)."""
         self._subscription.assign(partitions)
 
-    def subscribe(self, topics: Iterable[str], group: str | None = None) -> None:
-        """Read the topics: with a group (here or ``group_id=``), the partitions the
-        group's coordinator assigns to this member; without one, every partition."""
+    def subscribe(self, topics: Iterable[str] = (), group: str | None = None, *, pattern: str | None = None) -> None:
+        """Read the topics, or every topic ``pattern`` matches (``orders/eu/**``: existing ones, and new ones within
+        ``metadata_max_age_ms``): with a group (here or ``group_id=``), the partitions the group's coordinator
+        assigns to this member; without one, every partition."""
         if self._group is not None:
             raise InvalidRequest("this consumer already joined a group: close it and create another to resubscribe")
-        self._subscription.subscribe(topics)
+        topics = list(topics)
+        if (pattern is None) == (not topics):
+            raise InvalidRequest("subscribe to topics or to a pattern (pattern='orders/**'), not both and not neither")
+        try:
+            self._subscription.subscribe(topics, None if pattern is None else TopicFilter(pattern))
+        except InvalidTopicFilter as exc:
+            raise InvalidRequest(str(exc)) from None
         if group is not None:
             self._group_id = group
 
@@ -229,6 +238,9 @@ class Consumer:
             raise GeorepError("poll() on a closed consumer")
         await self._connection.connect()
         subscription = self._subscription
+        pattern = subscription.pattern
+        if pattern is not None and pattern.due() and await pattern.refresh(self._connection, self._request_timeout_s):
+            subscription.matched(pattern.topics, in_group=bool(self._group_id))
         if subscription.subscribed and self._group_id:
             group = self._membership()
             if not group.started:

@@ -108,8 +108,6 @@ class Coordinator:
         self.subscription = subscription
         self.fetcher = fetcher
         self.group = group
-        topics = subscription.subscribed
-        self.topics = topics
         self.options = options
         self.member_id = ""
         self.generation = -1
@@ -213,7 +211,7 @@ class Coordinator:
         request = pb.GroupHeartbeatRequest(
             group=self.group,
             member_id=self.member_id,
-            topics=self.topics,
+            topics=self.subscription.subscribed,  # a pattern's topics as last resolved (topic_pattern.py)
             session_timeout_ms=self.options.session_timeout_ms,
             assignor=self.options.assignor,
             client_id=self.options.client_id,

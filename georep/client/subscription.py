@@ -14,8 +14,10 @@ import asyncio
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
+from georep.client.topic_pattern import PatternTopics
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
+from topology.filters import TopicFilter
 
 if TYPE_CHECKING:
     from georep.client.errors import GeorepError
@@ -85,11 +87,13 @@ class PartitionState:
 
 
 class SubscriptionState:
-    def __init__(self, reset: str, queue_max: int) -> None:
+    def __init__(self, reset: str, queue_max: int, pattern_refresh_s: float = 5.0) -> None:
         self.reset = reset  # auto_offset_reset
         self.queue_max = queue_max
         self.states: dict[TopicPartition, PartitionState] = {}
-        self.subscribed: list[str] = []
+        self.subscribed: list[str] = []  # the topics; with a pattern, those it matched at its last refresh
+        self.pattern: PatternTopics | None = None
+        self.pattern_refresh_s = pattern_refresh_s
         self.resolved_topics: set[str] = set()
         self.subscription_start: Start | None = None  # a seek made before the subscription resolved
 
@@ -113,18 +117,32 @@ class SubscriptionState:
 
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
         wanted = [(str(t), int(p)) for t, p in partitions]
-        self.subscribed = []
+        self.subscribed, self.pattern = [], None
         for tp in list(self.states):
             if tp not in wanted:
                 self.drop(tp)
         for tp in wanted:
             self.add(tp)
 
-    def subscribe(self, topics: Iterable[str]) -> None:
+    def subscribe(self, topics: Iterable[str], pattern: TopicFilter | None = None) -> None:
         self.assign([])
         self.subscribed = list(topics)
+        self.pattern = None if pattern is None else PatternTopics(pattern, self.pattern_refresh_s)
         self.resolved_topics = set()
         self.subscription_start = None
+
+    def matched(self, topics: dict[str, int], in_group: bool) -> None:
+        """A pattern's topics now (name -> partitions). Outside a group, every partition of them is read (those
+        of a topic no longer matched are dropped); a group member's are what its coordinator assigns."""
+        self.subscribed = sorted(topics)
+        if in_group:
+            return
+        for tp in [tp for tp in self.states if tp[0] not in topics]:
+            self.drop(tp)
+        for topic, partitions in topics.items():
+            for partition in range(partitions):
+                self.add((topic, partition))
+        self.resolved_topics = set(topics)
 
     def drop(self, tp: TopicPartition) -> None:
         self.states.pop(tp).cancel()
@@ -141,7 +159,7 @@ class SubscriptionState:
 
     def seek_all(self, tps: Iterable[TopicPartition] | None, start: Start) -> None:
         """``start`` for ``tps`` (by default every partition, and those the subscription resolves later)."""
-        if tps is None and self.subscribed:
+        if tps is None and (self.subscribed or self.pattern is not None):
             self.subscription_start = start
         for tp in self.partitions(tps):
             self.restart(tp, start)

@@ -191,8 +191,8 @@ class SyncConsumer:
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
         self._call("assign", list(partitions))
 
-    def subscribe(self, topics: Iterable[str]) -> None:
-        self._call("subscribe", list(topics))
+    def subscribe(self, topics: Iterable[str] = (), *, pattern: str | None = None) -> None:
+        self._call("subscribe", list(topics), None, pattern)
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self._call("seek", tp, offset)
