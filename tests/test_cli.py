@@ -39,7 +39,8 @@ def test_produce_with_key_separator_then_consume_json(node: NodeProcess) -> None
     records = [json.loads(line) for line in out.splitlines()]
     assert len(records) == 5
     for r in records:
-        assert set(r) == {"key", "value", "partition", "offset", "origin", "origin_seq", "timestamp"}
+        assert set(r) == {"topic", "key", "value", "partition", "offset", "origin", "origin_seq", "timestamp"}
+        assert r["topic"] == "events"
         assert r["origin"].startswith("a@")
         if r["key"] is not None:
             assert r["partition"] == key_partition(r["key"].encode(), 2)

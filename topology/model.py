@@ -60,6 +60,7 @@ from topology.filters import ALL_TOPICS, InvalidTopicFilter, TopicFilter, is_int
 from topology.ids import NODE_ID_MAX, InvalidNodeId, InvalidSiteId, NodeId, SiteId, node_id, site_id
 
 COST_MAX = 1_000_000
+LINK_MODES = ("all", "interest")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -74,7 +75,7 @@ _PORT = re.compile(r"[0-9]{1,5}")
 _TOP_KEYS = ("links", "sites")
 _SITE_KEYS = ("nodes", "auto_create")
 _NODE_KEYS = ("address", "id", "kafka", "raft")
-_LINK_KEYS = ("cost", "dst", "src", "topics")
+_LINK_KEYS = ("cost", "dst", "mode", "src", "topics")
 
 
 class InvalidTopology(ValueError):
@@ -214,6 +215,9 @@ class Link:
     dst: SiteId
     topics: tuple[TopicFilter, ...] = ALL_TOPICS
     cost: int = 1
+    # "all": every topic the filters match; "interest": only those some site at or behind dst wants now
+    # (topology/interest.py)
+    mode: str = "all"
 
     @property
     def key(self) -> tuple[SiteId, SiteId]:
@@ -509,8 +513,14 @@ def _parse_link(number: int, table: object) -> Link:
     cost = table.get("cost", 1)
     if isinstance(cost, bool) or not isinstance(cost, int):
         raise InvalidTopology(f"{where}: cost {cost!r} must be an integer from 1 to {COST_MAX}")
+    mode = table.get("mode", "all")
+    if mode not in LINK_MODES:
+        raise InvalidTopology(
+            f'{where}: mode {mode!r} is not one of {", ".join(LINK_MODES)}: "all" carries every topic the filters '
+            'match (a DR site), "interest" only those a site at or behind dst reads'
+        )
     # Ids are checked against the sites in Topology; unknown ones are reported there with the known ids.
-    return Link(SiteId(ends[0]), SiteId(ends[1]), topics, cost)
+    return Link(SiteId(ends[0]), SiteId(ends[1]), topics, cost, mode)
 
 
 def parse_topology(text: str) -> Topology:
