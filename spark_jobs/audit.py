@@ -169,7 +169,7 @@ def expected_reach(topology: Topology, streams: list[tuple[str, str]], sites: li
     out: list[tuple[str, str, str]] = []
     for topic, origin_site in sorted(set(streams)):
         try:
-            reach = expected_sites(topology, origin_site, topic)
+            reach = expected_sites(topology, origin_site, topic, through_interest=False)  # only held ones there
         except UnknownSite:
             reach = frozenset(sites)  # type: ignore[arg-type]
         out.extend((topic, origin_site, s) for s in sites if s in reach)

@@ -159,3 +159,7 @@ def test_lost_interest_lingers_then_ends_and_says_why() -> None:
     assert a.wants("orders/x", 599) and "lingering" in a.why("orders/x", 599)[0]
     a.tick(600)
     assert not a.wants("orders/x", 600) and a.wants("__georep_offsets", 600)
+    a.receive("b", {("orders/**", "b", ("b",))}, 1_000, lease_ms=2_000)  # type: ignore[arg-type]
+    a.tick(2_999)
+    assert a.wants("orders/x", 2_999)
+    assert a.tick(3_000) and "lingering" in a.why("orders/x", 3_000)[0]  # not renewed: lapsed, then lingers

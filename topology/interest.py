@@ -35,7 +35,7 @@ from topology.filters import TopicFilter, is_internal
 from topology.ids import SiteId
 from topology.model import Topology
 
-DEFAULT_LINGER_MS = 30_000
+DEFAULT_LINGER_MS = 30_000  # a site's interest_linger_ms unless its table says
 
 Entry = tuple[str, SiteId, tuple[SiteId, ...]]  # (filter text, the interested site, the path, that site first)
 Source = str  # "" for this site's own interests, else the downstream site whose advert it was
@@ -77,6 +77,7 @@ class Interests:
                 self.held[""] = self.held[""] | extra
         self._static = self.held[""]
         self._lost: dict[tuple[Source, str], int] = {}  # (source, filter) -> when it stopped being held
+        self._leases: dict[str, int] = {}  # downstream -> when its advert lapses (receive's lease_ms)
         self._matchers: dict[Source, _Match] = {}
 
     # -- events ---------------------------------------------------------------------------------------------
@@ -86,9 +87,12 @@ class Interests:
         entries = self._static | {(f, self.site, (self.site,)) for f in filters}
         return self._replace("", entries, now_ms)
 
-    def receive(self, downstream: str, advert: Iterable[Entry], now_ms: int) -> bool:
-        """The advert ``downstream`` sent over its interest link from this site; True if what it holds changed."""
+    def receive(self, downstream: str, advert: Iterable[Entry], now_ms: int, lease_ms: int | None = None) -> bool:
+        """The advert ``downstream`` sent over its interest link from this site; True if what it holds changed.
+        ``lease_ms``: it lapses (as :meth:`drop`) unless another comes within that long."""
         kept = frozenset(e for e in advert if self.site not in e[2] and not is_internal(e[0]))
+        if lease_ms is not None:
+            self._leases[downstream] = now_ms + lease_ms
         return self._replace(downstream, kept, now_ms)
 
     def drop(self, downstream: str, now_ms: int) -> bool:
@@ -100,11 +104,16 @@ class Interests:
         return True
 
     def tick(self, now_ms: int) -> bool:
-        """Forget interests lost ``linger_ms`` ago; True if any was (what this site pulls may shrink)."""
+        """Drop the adverts whose lease ran out, forget interests lost ``linger_ms`` ago; True if anything changed
+        (what this site pulls, or advertises, may shrink)."""
+        lapsed = [d for d, until in self._leases.items() if until <= now_ms]
+        for downstream in lapsed:
+            del self._leases[downstream]
+            self.drop(downstream, now_ms)
         expired = [k for k, at in self._lost.items() if now_ms - at >= self.linger_ms]
         for k in expired:
             del self._lost[k]
-        return bool(expired)
+        return bool(expired or lapsed)
 
     # -- decisions ------------------------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ _HOSTNAME_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _PORT = re.compile(r"[0-9]{1,5}")
 
 _TOP_KEYS = ("links", "sites")
-_SITE_KEYS = ("nodes", "auto_create")
+_SITE_KEYS = ("nodes", "auto_create", "interest_linger_ms")
 _NODE_KEYS = ("address", "id", "kafka", "raft")
 _LINK_KEYS = ("cost", "dst", "mode", "src", "topics")
 
@@ -162,6 +162,8 @@ class Site:
     nodes: tuple[str, ...]
     members: tuple[NodeSpec, ...] = ()
     auto_create: tuple[AutoCreateRule, ...] = ()  # topology/autocreate.py: topics created on first use
+    # how long the site goes on pulling a topic over its interest links once nobody wants it (topology/interest.py)
+    interest_linger_ms: int = 30_000
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -418,12 +420,14 @@ def _string_list(value: object, where: str, what: str) -> list[str]:
 def _parse_site(key: str, table: object) -> Site:
     site = _parse_site_nodes(key, table)
     assert isinstance(table, dict)  # _parse_site_nodes refused anything else
-    if "auto_create" not in table:
-        return site
+    linger = table.get("interest_linger_ms", site.interest_linger_ms)
+    if isinstance(linger, bool) or not isinstance(linger, int) or not 0 <= linger <= 86_400_000:
+        raise InvalidTopology(f"[sites.{key}]: interest_linger_ms must be a whole number of ms from 0 to 86400000")
     try:
-        return dataclasses.replace(site, auto_create=parse_rules(table["auto_create"], f"[sites.{key}]"))
+        rules = parse_rules(table["auto_create"], f"[sites.{key}]") if "auto_create" in table else ()
     except InvalidAutoCreate as exc:
         raise InvalidTopology(str(exc)) from None
+    return dataclasses.replace(site, auto_create=rules, interest_linger_ms=linger)
 
 
 def _parse_site_nodes(key: str, table: object) -> Site:

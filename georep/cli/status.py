@@ -185,6 +185,7 @@ def render(
                 f"({link.applied_bytes} bytes), skipped {link.skipped_batches}, lag {link.lag_records} records "
                 f"in {link.partitions_behind} partitions, {link.lag_ms} ms{err}"
             )
+            lines += [f"    asks for {i}" for i in link.interests]  # a link in mode "interest": and for whom
         for c in s.conflicts:
             lines.append(f"  CONFLICT {c.topic}: {c.message}")
         for c in s.config_conflicts:

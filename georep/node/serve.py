@@ -113,6 +113,7 @@ async def serve(
     """
     if topology is not None:
         check_auto_create(topology, site)  # before anything starts
+        check_interest_links(topology, site)
     lock = DataDirLock.acquire(data_dir, f"{listen[0]}:{listen[1]}")  # before anything in the directory is read
     try:
         tightened = tighten(data_dir)
@@ -383,6 +384,18 @@ def _wire(
     )
 
 
+def check_interest_links(topology: Topology, site: str) -> None:
+    """Links in mode "interest" join one-node sites only, for now: a multi-node site's readers are spread over its
+    nodes, and no node sums them yet."""
+    for li in topology.links:
+        several = [s for s in (li.src, li.dst) if len(topology.site(s).nodes) > 1]
+        if li.mode == "interest" and site in (li.src, li.dst) and several:
+            raise UsageError(
+                f'--topology: link {li.describe()} is in mode "interest", but site {several[0]} has several '
+                'nodes: interest links join one-node sites only for now; use mode = "all" (the default) for it'
+            )
+
+
 def check_auto_create(topology: Topology, site: str) -> None:
     """The site's ``auto_create`` patterns' configs, checked as ``CreateTopic`` checks one: a typo fails the node's
     start, not every produce that would create a topic."""
@@ -485,6 +498,10 @@ async def _start_kafka(
         )
         kafka_server.gateway.topic_calls = node.service.topic_calls
         kafka_server.gateway.auto_create = node.service.auto_create
+        groups = kafka_server.gateway.kgroups  # their topics are read here: interests (interest_links.py)
+        node.service.kafka_read_topics = lambda: {
+            t for g in groups.values() for m in g.members.values() for t in m.topics
+        }
         if node.site_cluster is not None:  # set before any request is read (no await since the listener started)
             from georep.kafka.cluster import cluster_view_of
             from georep.kafka.server import leader_asker

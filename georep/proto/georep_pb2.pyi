@@ -1558,6 +1558,8 @@ class LinkStatus(_message.Message):
     PARTITIONS_BEHIND_FIELD_NUMBER: _builtins.int
     STREAMS_OPENED_FIELD_NUMBER: _builtins.int
     REOPENS_FIELD_NUMBER: _builtins.int
+    INTERESTS_FIELD_NUMBER: _builtins.int
+    INTEREST_TOPICS_FIELD_NUMBER: _builtins.int
     src: _builtins.str
     dst: _builtins.str
     state: _builtins.str
@@ -1577,6 +1579,14 @@ class LinkStatus(_message.Message):
     """pull streams opened since the node started: one per flap, gap or reopen after the first"""
     reopens: _builtins.int
     """of those, reopened at once out of step (a gap, a lost tail, changed wants)"""
+    interest_topics: _builtins.int
+    """internal topics (committed positions) not counted: they travel every link"""
+    @_builtins.property
+    def interests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """A link in mode "interest": what this site tells src it reads, and for whom ("orders/** for site c (via c,b)"),
+        and how many topics its open stream pulls now for them (lingering ones included).
+        """
+
     def __init__(
         self,
         *,
@@ -1592,10 +1602,12 @@ class LinkStatus(_message.Message):
         partitions_behind: _builtins.int = ...,
         streams_opened: _builtins.int = ...,
         reopens: _builtins.int = ...,
+        interests: _abc.Iterable[_builtins.str] | None = ...,
+        interest_topics: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_batches", b"applied_batches", "applied_bytes", b"applied_bytes", "dst", b"dst", "lag_ms", b"lag_ms", "lag_records", b"lag_records", "last_error", b"last_error", "partitions_behind", b"partitions_behind", "reopens", b"reopens", "skipped_batches", b"skipped_batches", "src", b"src", "state", b"state", "streams_opened", b"streams_opened"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_batches", b"applied_batches", "applied_bytes", b"applied_bytes", "dst", b"dst", "interest_topics", b"interest_topics", "interests", b"interests", "lag_ms", b"lag_ms", "lag_records", b"lag_records", "last_error", b"last_error", "partitions_behind", b"partitions_behind", "reopens", b"reopens", "skipped_batches", b"skipped_batches", "src", b"src", "state", b"state", "streams_opened", b"streams_opened"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1850,6 +1862,78 @@ class ReportHeldResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReportHeldResponse: _TypeAlias = ReportHeldResponse  # noqa: Y015
+
+@_typing.final
+class InterestEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FILTER_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    filter: _builtins.str
+    """a topic name or filter (orders/**): the topics the site wants"""
+    site: _builtins.str
+    """the site that wants them"""
+    @_builtins.property
+    def path(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the sites the interest passed through, the wanting site first, the reporter last"""
+
+    def __init__(
+        self,
+        *,
+        filter: _builtins.str = ...,
+        site: _builtins.str = ...,
+        path: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filter", b"filter", "path", b"path", "site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InterestEntry: _TypeAlias = InterestEntry  # noqa: Y015
+
+@_typing.final
+class ReportInterestRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPORTER_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    reporter: _builtins.str
+    lease_ms: _builtins.int
+    """the report counts this long unless renewed (1 s to 10 min)"""
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___InterestEntry]: ...
+    def __init__(
+        self,
+        *,
+        reporter: _builtins.str = ...,
+        entries: _abc.Iterable[Global___InterestEntry] | None = ...,
+        lease_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "lease_ms", b"lease_ms", "reporter", b"reporter"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportInterestRequest: _TypeAlias = ReportInterestRequest  # noqa: Y015
+
+@_typing.final
+class ReportInterestResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReportInterestResponse: _TypeAlias = ReportInterestResponse  # noqa: Y015
 
 @_typing.final
 class TopicPartitions(_message.Message):

@@ -94,6 +94,11 @@ class NodeStub:
                 request_serializer=georep_dot_proto_dot_georep__pb2.ReportHeldRequest.SerializeToString,
                 response_deserializer=georep_dot_proto_dot_georep__pb2.ReportHeldResponse.FromString,
                 _registered_method=True)
+        self.ReportInterest = channel.unary_unary(
+                '/georep.v1.Node/ReportInterest',
+                request_serializer=georep_dot_proto_dot_georep__pb2.ReportInterestRequest.SerializeToString,
+                response_deserializer=georep_dot_proto_dot_georep__pb2.ReportInterestResponse.FromString,
+                _registered_method=True)
         self.FetchBatch = channel.unary_unary(
                 '/georep.v1.Node/FetchBatch',
                 request_serializer=georep_dot_proto_dot_georep__pb2.FetchBatchRequest.SerializeToString,
@@ -277,6 +282,14 @@ class NodeServicer:
     def ReportHeld(self, request, context):
         """dst -> src over each link: the vectors that dst, and the sites dst heard
         from, hold fsynced. An origin counts them for acks=geo:N.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportInterest(self, request, context):
+        """A downstream site's interests, for a link in mode "interest" (topology/interest.py): what it and the sites
+        behind it read. Replaces the reporter's previous report; lapses after lease_ms without a new one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -505,6 +518,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.ReportHeld,
                     request_deserializer=georep_dot_proto_dot_georep__pb2.ReportHeldRequest.FromString,
                     response_serializer=georep_dot_proto_dot_georep__pb2.ReportHeldResponse.SerializeToString,
+            ),
+            'ReportInterest': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportInterest,
+                    request_deserializer=georep_dot_proto_dot_georep__pb2.ReportInterestRequest.FromString,
+                    response_serializer=georep_dot_proto_dot_georep__pb2.ReportInterestResponse.SerializeToString,
             ),
             'FetchBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.FetchBatch,
@@ -926,6 +944,33 @@ class Node:
             '/georep.v1.Node/ReportHeld',
             georep_dot_proto_dot_georep__pb2.ReportHeldRequest.SerializeToString,
             georep_dot_proto_dot_georep__pb2.ReportHeldResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportInterest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/georep.v1.Node/ReportInterest',
+            georep_dot_proto_dot_georep__pb2.ReportInterestRequest.SerializeToString,
+            georep_dot_proto_dot_georep__pb2.ReportInterestResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,6 +70,10 @@ class NodeStub:
     """dst -> src over each link: the vectors that dst, and the sites dst heard
     from, hold fsynced. An origin counts them for acks=geo:N.
     """
+    ReportInterest: _grpc.UnaryUnaryMultiCallable[_georep_pb2.ReportInterestRequest, _georep_pb2.ReportInterestResponse]
+    """A downstream site's interests, for a link in mode "interest" (topology/interest.py): what it and the sites
+    behind it read. Replaces the reporter's previous report; lapses after lease_ms without a new one.
+    """
     FetchBatch: _grpc.UnaryUnaryMultiCallable[_georep_pb2.FetchBatchRequest, _georep_pb2.FetchBatchResponse]
     """One whole batch by its coordinate, verbatim: how a site repairs a batch it
     holds damaged (quarantined) from a peer's copy. NOT_FOUND if this site
@@ -184,6 +188,10 @@ class NodeAsyncStub(NodeStub):
     ReportHeld: _aio.UnaryUnaryMultiCallable[_georep_pb2.ReportHeldRequest, _georep_pb2.ReportHeldResponse]  # type: ignore[assignment]
     """dst -> src over each link: the vectors that dst, and the sites dst heard
     from, hold fsynced. An origin counts them for acks=geo:N.
+    """
+    ReportInterest: _aio.UnaryUnaryMultiCallable[_georep_pb2.ReportInterestRequest, _georep_pb2.ReportInterestResponse]  # type: ignore[assignment]
+    """A downstream site's interests, for a link in mode "interest" (topology/interest.py): what it and the sites
+    behind it read. Replaces the reporter's previous report; lapses after lease_ms without a new one.
     """
     FetchBatch: _aio.UnaryUnaryMultiCallable[_georep_pb2.FetchBatchRequest, _georep_pb2.FetchBatchResponse]  # type: ignore[assignment]
     """One whole batch by its coordinate, verbatim: how a site repairs a batch it
@@ -368,6 +376,16 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_georep_pb2.ReportHeldResponse, _abc.Awaitable[_georep_pb2.ReportHeldResponse]]:
         """dst -> src over each link: the vectors that dst, and the sites dst heard
         from, hold fsynced. An origin counts them for acks=geo:N.
+        """
+
+    @_abc_1.abstractmethod
+    def ReportInterest(
+        self,
+        request: _georep_pb2.ReportInterestRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_georep_pb2.ReportInterestResponse, _abc.Awaitable[_georep_pb2.ReportInterestResponse]]:
+        """A downstream site's interests, for a link in mode "interest" (topology/interest.py): what it and the sites
+        behind it read. Replaces the reporter's previous report; lapses after lease_ms without a new one.
         """
 
     @_abc_1.abstractmethod

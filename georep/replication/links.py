@@ -45,7 +45,7 @@ that carries the topic, cheapest link first.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from offsets.coordinates import Origin
@@ -110,6 +110,13 @@ class LinkManager:
         self._wants: dict[SiteId, dict[PartitionKey, tuple[SiteId, ...]]] = {}
         # The failover order depends only on the link states (tick asks for it per partition and origin).
         self._failover: dict[tuple[str, SiteId], tuple[SiteId, ...]] = {}
+        # Links in mode "interest" carry a topic only while this predicate holds (topology/interest.py; the node
+        # sets it, and calls interests_changed when its answers may have); None: they carry what their filters do.
+        self.interest: Callable[[str], bool] | None = None
+
+    def interests_changed(self) -> None:
+        """What this site wants over its interest links may have changed: wants() answers anew."""
+        self._wants.clear()
 
     # -- events ---------------------------------------------------------------
 
@@ -230,8 +237,9 @@ class LinkManager:
             return known
         link = self.topology.link(s, self.site)
         out: dict[PartitionKey, tuple[SiteId, ...]] = {}
+        by_interest = link.mode == "interest" and self.interest is not None
         for topic in sorted(self.partitions):
-            if not link.carries(topic):
+            if not link.carries(topic) or (by_interest and not self.interest(topic)):  # type: ignore[misc]
                 continue
             origins = tuple(o for o in self.topology.site_ids() if self._route(topic, o) == s)
             for p in range(self.partitions[topic]):

@@ -198,6 +198,11 @@ class PullSession:
     def stream_id(self) -> int | None:
         return None if self._stream is None else self._stream.stream_id
 
+    @property
+    def streaming(self) -> Wants:
+        """What the open stream pulls (empty while none is open): the wants it was opened with."""
+        return {} if self._stream is None else self._stream.wants
+
     def wants(self) -> Wants:
         usable = self.usable
         return {k: v for k, v in self.links.wants(self.src).items() if usable(k)}

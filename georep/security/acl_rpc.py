@@ -199,6 +199,22 @@ def _report_held(req: pb.ReportHeldRequest, who: Principal, policy: Policy) -> D
     return decision
 
 
+def _report_interest(req: pb.ReportInterestRequest, who: Principal, policy: Policy) -> Decision:
+    """A site reports what it reads in its own name only (its entries are checked against the topology in the
+    handler)."""
+    decision = policy.pull(who, ())
+    if decision.allowed and who.site != req.reporter:
+        return Decision(
+            False,
+            who,
+            Operation.REPLICATE,
+            CLUSTER,
+            f"the interest report names site {req.reporter or '(none)'} as its reporter, but the caller's "
+            f"certificate is site {who.site}'s: a site reports only in its own name",
+        )
+    return decision
+
+
 NODE_ACCESS: Mapping[str, Access] = {
     "CreateTopic": Access(
         pb.CreateTopicRequest, lambda req, who, policy: policy.acl(who, Operation.CREATE_TOPIC, [topic(req.name)])
@@ -235,6 +251,7 @@ NODE_ACCESS: Mapping[str, Access] = {
     "ListAcls": Access(pb.ListAclsRequest, lambda req, who, policy: policy.admin_or_pull(who), False),
     "Replicate": Access(pb.ReplicateRequest, _replicate),
     "ReportHeld": Access(pb.ReportHeldRequest, _report_held),
+    "ReportInterest": Access(pb.ReportInterestRequest, _report_interest),
     "FetchBatch": Access(pb.FetchBatchRequest, _fetch_batch),
     "ScanDigests": Access(pb.ScanDigestsRequest, _topic_op(Operation.AUDIT)),
     "GroupHeartbeat": Access(pb.GroupHeartbeatRequest, _heartbeat),

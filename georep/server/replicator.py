@@ -62,6 +62,7 @@ from georep.security.tls import TlsConfig, client_channel
 from georep.server.broker import Broker, Partition, ReplicaApply
 from georep.server.first_sync import FirstSyncs
 from georep.server.incarnation_guard import ChunkGuard
+from georep.server.interest_links import InterestLinks
 from georep.server.topic_changes import TopicChanges
 from georep.server.topic_creation import create_topics
 from georep.storage import segment_log
@@ -623,6 +624,7 @@ class Replicator:
             for link in topology.links_sorted()
             if link.dst == self.site
         }
+        self.interest_links = InterestLinks(self)  # links in mode "interest": what this site reads, and adverts
         # The upstreams this data dir has synced its topic catalog with once: user creates wait for all of them.
         self.first_syncs = FirstSyncs(broker.data_dir, self.pullers)
         self.background: set[asyncio.Task[None]] = set()
@@ -640,7 +642,7 @@ class Replicator:
             self.links.topic(name, spec.partitions)
         broker.on_topic = self.links.topic
         broker.on_held = self._held_changed
-        broker.geo_reach = lambda topic: len(expected_sites(topology, self.site, topic))
+        broker.geo_reach = lambda topic: len(expected_sites(topology, self.site, topic, through_interest=False))
 
     def _held_changed(self) -> None:
         for puller in self.pullers.values():
@@ -661,6 +663,8 @@ class Replicator:
             self._tasks.append(asyncio.create_task(puller.report_loop()))
         self._tasks.append(asyncio.create_task(self._tick_loop()))
         self._tasks.append(asyncio.create_task(self._repair_loop()))
+        if self.interest_links.upstreams:
+            self._tasks.append(asyncio.create_task(self.interest_links.report_loop()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -745,6 +749,7 @@ class Replicator:
             if p is not None:
                 self.links.local_vector(key, p.log.vector())
         self.links.tick(self.now_ms())
+        self.interest_links.tick(time.monotonic())
 
     def partition_opened(self, p: Partition) -> None:
         """A partition this node now serves: its vector goes to the links now, and again whenever it moves."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -52,6 +53,7 @@ from georep.server.digest_pacing import AUDIT_DIGEST_RATE_DEFAULT, DigestPacer
 from georep.server.group_calls import GroupCalls
 from georep.server.groups import GroupService
 from georep.server.incarnation_guard import servable_wants
+from georep.server.interest_report import interest_entries
 from georep.server.metrics import NodeMetrics
 from georep.server.produce_stream import REQUEST_BATCHES_MAX, REQUEST_BYTES_MAX, ProduceStreamCall
 from georep.server.produce_stream import answer as produce_answer
@@ -152,6 +154,10 @@ class NodeService:
         # ListTopics' view of the topic table; its own id, so a token of another node or process is not taken
         self.catalog = TopicCatalog(secrets.token_hex(8))
         self._catalog_saw: int | None = None  # the metadata's topics_version the catalog last took
+        self._fetching: collections.Counter[str] = collections.Counter()  # open Fetch calls per topic
+        self.kafka_read_topics: Callable[[], set[str]] = set  # the Kafka listener's groups' topics (serve.py)
+        if replicator is not None:
+            replicator.interest_links.local = self.read_topics
         broker.on_open = self._partition_opened
         for p in list(broker.partitions.values()):
             self._partition_opened(p)
@@ -366,6 +372,26 @@ class NodeService:
 
     async def fetch(self, data: bytes, context: Context) -> AsyncIterator[pb.FetchResponse]:
         req = parse(pb.FetchRequest, data)
+        self._fetching[req.topic] += 1  # a topic read here: an interest of this site (interest_links.py)
+        try:
+            async for response in self._fetch(req):
+                yield response
+        finally:
+            self._fetching[req.topic] -= 1
+            if not self._fetching[req.topic]:
+                del self._fetching[req.topic]
+
+    def read_topics(self) -> set[str]:
+        """The topics read at this node now: its consumer groups' subscriptions (georep's and the Kafka
+        listener's) and its open fetches; what this site asks its interest links for."""
+        groups = self.groups.coordinator.groups.values()
+        return (
+            {t for g in groups for m in g.members.values() for t in m.topics}
+            | set(self._fetching)
+            | (self.kafka_read_topics())
+        )
+
+    async def _fetch(self, req: pb.FetchRequest) -> AsyncIterator[pb.FetchResponse]:
         max_bytes = min(req.max_bytes or (1 << 20), FETCH_MAX_BYTES_CAP)
         max_wait_s = min(req.max_wait_ms or 500, FETCH_MAX_WAIT_MS_CAP) / 1000
         try:
@@ -719,6 +745,16 @@ class NodeService:
             raise InvalidRequest(f"page_size {req.page_size} must be 0 (every row) or more")
         return site_status.answer(self.broker, self.replicator, req)
 
+    async def report_interest(self, data: bytes, context: Context) -> pb.ReportInterestResponse:
+        """A downstream site's interests over an interest link from this site (``interest_links.py``), each
+        entry checked against the topology first: a report that could not come from the reporter is refused."""
+        req = parse(pb.ReportInterestRequest, data)
+        if self.replicator is None:
+            raise NoTopology(f"site {self.broker.identity.site} runs without a topology, so it has no links")
+        entries = interest_entries(self.replicator.topology, self.broker.identity.site, req)
+        self.replicator.interest_links.receive(req.reporter, entries, req.lease_ms)
+        return pb.ReportInterestResponse()
+
     async def report_held(self, data: bytes, context: Context) -> pb.ReportHeldResponse:
         """What the sites downstream hold (``offsets/held.py``): each claim counts only if the topology lets the
         reporter make it (the others are refused, named in the ``PERMISSION_DENIED`` that answers the report, and
@@ -825,6 +861,7 @@ class NodeService:
                 "ListTopics": unary(self.list_topics),
                 "DescribeTopic": unary(self.describe_topic),
                 "Produce": unary(self.produce),
+                "ReportInterest": unary(self.report_interest),
                 "ListOffsets": unary(self.list_offsets),
                 "Health": unary(self.health),
                 "SiteStatus": unary(self.site_status),

@@ -12,12 +12,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import damaged_to_proto, vector_to_proto
 from offsets.coordinates import Origin
 from offsets.vector import VectorOffset
+from topology.filters import is_internal
 
 if TYPE_CHECKING:
     from georep.server.broker import Broker
@@ -185,6 +186,7 @@ def _add_links(out: pb.SiteStatusResponse, r: Replicator, lags: _LinkLags) -> No
                 partitions_behind=lags.behind.get(src, 0),
                 streams_opened=st.streams_opened,
                 reopens=st.reopens,
+                **_interests(r, src),
             )
         )
     for (topic, _src), message in sorted(r.conflicts.items()):
@@ -192,3 +194,12 @@ def _add_links(out: pb.SiteStatusResponse, r: Replicator, lags: _LinkLags) -> No
     changes = r.topic_changes
     out.config_conflicts.extend(pb.TopicConflict(topic=c.topic, message=c.describe()) for c in changes.conflicts)
     out.config_conflicts_total = changes.conflicts_total
+
+
+def _interests(r: Replicator, src: str) -> dict[str, Any]:
+    """A link in mode "interest": what this site asks ``src`` for, and how many topics its stream pulls now."""
+    if src not in r.interest_links.upstreams:
+        return {}
+    streaming = r.pullers[src].session.streaming  # type: ignore[index]
+    topics = {topic for topic, _partition in streaming if not is_internal(topic)}  # those go always
+    return {"interests": r.interest_links.describe(src), "interest_topics": len(topics)}

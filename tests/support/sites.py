@@ -41,14 +41,18 @@ def origin_batch(origin: Origin, base_seq: int, n: int = 2, tag: bytes = b"") ->
 
 
 def topology_toml(
-    ports: dict[str, int], links: list[tuple[str, str]], site_lines: dict[str, list[str]] | None = None
+    ports: dict[str, int],
+    links: list[tuple[str, str]],
+    site_lines: dict[str, list[str]] | None = None,
+    link_lines: dict[tuple[str, str], list[str]] | None = None,
 ) -> str:
-    """``site_lines``: more lines of a site's table (``auto_create = [...]``)."""
+    """``site_lines``: more lines of a site's table (``auto_create = [...]``); ``link_lines``: of a link's
+    (``mode = "interest"``)."""
     lines = []
     for site, port in ports.items():
         lines += [f"[sites.{site}]", f'nodes = ["127.0.0.1:{port}"]', *(site_lines or {}).get(site, []), ""]
     for src, dst in links:
-        lines += ["[[links]]", f'src = "{src}"', f'dst = "{dst}"', ""]
+        lines += ["[[links]]", f'src = "{src}"', f'dst = "{dst}"', *(link_lines or {}).get((src, dst), []), ""]
     return "\n".join(lines)
 
 
@@ -68,6 +72,7 @@ class Sites:
         tls_dir: Path | None = None,
         site_lines: dict[str, list[str]] | None = None,
         clients: tuple[str, ...] = (),
+        link_lines: dict[tuple[str, str], list[str]] | None = None,
     ) -> None:
         # tls_dir: mutual TLS with a development CA there (site:<s> per node, client:admin for the test's calls, and
         # client:<c> for each of clients)
@@ -78,7 +83,7 @@ class Sites:
         self.ports = dict(zip(sites, free_ports(len(sites)), strict=True))
         self.links = list(links)
         self.topology = root / "topology.toml"
-        self.topology.write_text(topology_toml(self.ports, links, site_lines))
+        self.topology.write_text(topology_toml(self.ports, links, site_lines, link_lines))
         self.nodes = {
             s: NodeProcess(
                 site=s,

@@ -1,0 +1,116 @@
+"""Interest-based links on real nodes (issue 25): a chain a -> b -> c of links in mode "interest". Nothing moves
+until a reader at c subscribes; then b and c pull only the topics it reads, history first, with every coordinate
+as a holds it; when the reader leaves, pulling stops after the linger. A report that could not come from its
+sender is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from georep.client.consumer import Consumer
+from georep.client.producer import Producer
+from georep.proto import georep_pb2 as pb
+from tests.support.sites import Sites, wait_until
+
+INTEREST = ['mode = "interest"']
+LINGER = ["interest_linger_ms = 500"]
+TOPICS = ("orders/eu/x", "orders/us/y", "metrics/z")
+
+
+@pytest.fixture
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sites]:
+    net = Sites(
+        tmp_path_factory.mktemp("interest"),
+        ["a", "b", "c"],
+        [("a", "b"), ("b", "c")],
+        site_lines={"b": LINGER, "c": LINGER},
+        link_lines={("a", "b"): INTEREST, ("b", "c"): INTEREST},
+    )
+    try:
+        net.start()
+        for topic in TOPICS:
+            net.stub("a").CreateTopic(pb.CreateTopicRequest(name=topic, partitions=2), timeout=10)
+        wait_until("c knows every topic", lambda: all(_known(net, "c", t) for t in TOPICS))
+        yield net
+    finally:
+        net.close()
+
+
+def _known(net: Sites, site: str, topic: str) -> bool:
+    try:
+        net.stub(site).DescribeTopic(pb.DescribeTopicRequest(name=topic), timeout=5)
+    except grpc.RpcError:
+        return False
+    return True
+
+
+def _records(net: Sites, site: str, topic: str) -> int:
+    return sum(n for v in net.vectors(site, topic).values() for n in v.values())
+
+
+async def _produce(net: Sites, topic: str, n: int, tag: str) -> None:
+    async with Producer(net.address("a"), linger_ms=1) as producer:
+        await asyncio.gather(*(producer.send(topic, f"{tag}{i}".encode(), key=f"{tag}{i}".encode()) for i in range(n)))
+
+
+def test_an_interest_link_pulls_only_what_a_reader_behind_it_reads_history_first_and_stops_after_it_leaves(
+    chain: Sites,
+) -> None:
+    for topic in TOPICS:
+        asyncio.run(_produce(chain, topic, 20, "before"))
+    time.sleep(1.5)  # a window in which an "all" link would have moved everything (the test waits on no condition)
+    assert all(_records(chain, s, t) == 0 for s in "bc" for t in TOPICS), "nothing is read: nothing moves"
+
+    async def read_at_c() -> list[str]:
+        async with Consumer(
+            chain.address("c"), group_id="eu", auto_offset_reset="earliest", metadata_max_age_ms=200
+        ) as consumer:
+            consumer.subscribe(pattern="orders/eu/**")
+            got: list[str] = []
+            deadline = time.monotonic() + 30
+            while len(got) < 20 and time.monotonic() < deadline:
+                got += [(r.value or b"").decode() for r in await consumer.poll(timeout_ms=200)]
+            return got
+
+    got = asyncio.run(read_at_c())
+    assert sorted(got) == sorted(f"before{i}" for i in range(20)), got  # the history, from the earliest
+    assert chain.vectors("c", "orders/eu/x") == chain.vectors("a", "orders/eu/x")  # the same coordinates
+    assert chain.vectors("b", "orders/eu/x") == chain.vectors("a", "orders/eu/x")
+    for site in "bc":
+        assert _records(chain, site, "orders/us/y") == 0 and _records(chain, site, "metrics/z") == 0
+    assert "orders/eu/x for site c (via c,b)" in _link(chain, "a").interests  # what b asks a, for whom
+    # The reader left: once the linger (0.5 s) ran out at b and c, nothing more of the topic moves.
+    wait_until(
+        "b and c pull nothing more", lambda: not _link(chain, "a").interest_topics + _link(chain, "b").interest_topics
+    )
+    assert not _link(chain, "b").interests
+    asyncio.run(_produce(chain, "orders/eu/x", 5, "after"))
+    time.sleep(1.5)  # a window in which a pull would have moved them
+    assert _records(chain, "c", "orders/eu/x") == 20 and _records(chain, "b", "orders/eu/x") == 20
+
+
+def _link(net: Sites, src: str) -> pb.LinkStatus:
+    """The status of the link from ``src`` (at the site it leads to)."""
+    dst = {"a": "b", "b": "c"}[src]
+    (link,) = [li for li in net.status(dst).links if li.src == src]
+    return link
+
+
+def test_a_report_that_could_not_come_from_its_sender_is_refused(chain: Sites) -> None:
+    stub = chain.stub("a")
+    good = pb.InterestEntry(filter="orders/**", site="b", path=["b"])
+    with pytest.raises(grpc.RpcError, match="no link a -> c"):
+        stub.ReportInterest(pb.ReportInterestRequest(reporter="c", entries=[good], lease_ms=5000), timeout=5)
+    forged = pb.InterestEntry(filter="orders/**", site="c", path=["c", "a", "b"])
+    with pytest.raises(grpc.RpcError, match="has the path"):
+        stub.ReportInterest(pb.ReportInterestRequest(reporter="b", entries=[forged], lease_ms=5000), timeout=5)
+    bad_filter = pb.InterestEntry(filter="orders*", site="b", path=["b"])
+    with pytest.raises(grpc.RpcError, match="wildcard"):
+        stub.ReportInterest(pb.ReportInterestRequest(reporter="b", entries=[bad_filter], lease_ms=5000), timeout=5)
+    with pytest.raises(grpc.RpcError, match="lease_ms"):
+        stub.ReportInterest(pb.ReportInterestRequest(reporter="b", entries=[good], lease_ms=0), timeout=5)
