@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from georep.client.consumer import Consumer
@@ -168,3 +169,16 @@ def test_a_kafka_regex_subscription_reads_the_matching_topics(sites: Sites, tmp_
         assert sorted(got) == [("p4/a", "a"), ("p4/b", "b")]
     finally:
         consumer.close()
+
+
+def test_a_listing_for_a_pattern_carries_only_the_matching_topics(sites: Sites) -> None:
+    _create(sites, "p6/a", "p6/b/c", "p7/a")
+    stub = sites.stub("a")
+    for request in (
+        pb.ListTopicsRequest(pattern="p6/**", view=pb.TOPIC_VIEW_DEFINITION),
+        pb.ListTopicsRequest(pattern="p6/**", view=pb.TOPIC_VIEW_DEFINITION, changed_since=""),
+    ):
+        listed = stub.ListTopics(request, timeout=10)
+        assert sorted(t.name for t in listed.topics) == ["p6/a", "p6/b/c"], listed
+    with pytest.raises(grpc.RpcError, match="wildcard"):
+        stub.ListTopics(pb.ListTopicsRequest(pattern="p6*"), timeout=10)

@@ -4,10 +4,10 @@ site that the pattern matches, existing and future, as Kafka's pattern subscript
 The consumer resolves the pattern itself, as Kafka's classic consumer resolves its regex against Metadata, and a
 group member joins with the topics it matched (``GroupHeartbeat``'s subscription), so a new matching topic makes
 the group rebalance over it at the member's next heartbeat. Each refresh asks the node's topic catalog for what
-changed since the last one (``ListTopics`` ``changed_since``, as the sites' topic sync does): one small answer when
-nothing changed, whatever the number of topics. A token of another node or site (the consumer moved) lists the
-catalog again from its start. Patterns are ``topology/filters.py``'s (``+`` one level, ``**`` any number);
-internal topics never match.
+changed since the last one (``ListTopics`` ``changed_since``, as the sites' topic sync does, with the
+``pattern``, so that the node sends only the matching topics): one small answer when nothing changed, whatever the
+number of topics. A token of another node or site (the consumer moved) lists the catalog again from its start.
+Patterns are ``topology/filters.py``'s (``+`` one level, ``**`` any number); internal topics never match.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class PatternTopics:
         token = self._token
         while True:
             request = georep_pb2.ListTopicsRequest(
-                view=georep_pb2.TOPIC_VIEW_DEFINITION, changed_since=token, page_size=PAGE
+                view=georep_pb2.TOPIC_VIEW_DEFINITION, changed_since=token, page_size=PAGE, pattern=self.pattern.text
             )
             try:
                 resp = await connection.unary(connection.stub.ListTopics(request, timeout=timeout_s))

@@ -523,6 +523,7 @@ class ListTopicsRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     VIEW_FIELD_NUMBER: _builtins.int
     CHANGED_SINCE_FIELD_NUMBER: _builtins.int
+    PATTERN_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     """At most this many topics per answer (AIP-158), capped by the node (1,000 with the full view, 10,000
     otherwise); next_page_token says where to go on. 0: all of them in one answer (as before paging).
@@ -536,6 +537,10 @@ class ListTopicsRequest(_message.Message):
     topic and the same token means nothing changed. A token from another node, or from before a restart,
     lists the catalog again from its first topic (restarted).
     """
+    pattern: _builtins.str
+    """Only the topics this filter matches (orders/eu/**; with changed_since, their tombstones too): a pattern
+    subscription's listing carries nothing else. "": every topic.
+    """
     def __init__(
         self,
         *,
@@ -543,10 +548,11 @@ class ListTopicsRequest(_message.Message):
         page_token: _builtins.str = ...,
         view: Global___TopicView.ValueType = ...,
         changed_since: _builtins.str | None = ...,
+        pattern: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_changed_since", b"_changed_since", "changed_since", b"changed_since"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_changed_since", b"_changed_since", "changed_since", b"changed_since", "page_size", b"page_size", "page_token", b"page_token", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_changed_since", b"_changed_since", "changed_since", b"changed_since", "page_size", b"page_size", "page_token", b"page_token", "pattern", b"pattern", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__changed_since: _TypeAlias = _typing.Literal["changed_since"]  # noqa: Y015
     _WhichOneofArgType__changed_since: _TypeAlias = _typing.Literal["_changed_since", b"_changed_since"]  # noqa: Y015

@@ -37,6 +37,7 @@ from georep.broker.fetch import (
 )
 from georep.metadata.catalog import TopicCatalog
 from georep.metadata.store import UnknownTopic
+from georep.metadata.topic_entry import TopicEntry
 from georep.metadata.topic_entry_codec import spec_of
 from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
@@ -68,6 +69,7 @@ from offsets.coordinates import InvalidOrigin, Origin
 from offsets.held import HeldEntry, ServedGate
 from offsets.log_prefix import vector_below
 from offsets.vector import InvalidVectorOffset, VectorOffset
+from topology.filters import InvalidTopicFilter, TopicFilter
 from topology.ids import InvalidNodeId, InvalidSiteId, node_id, site_id
 
 if TYPE_CHECKING:
@@ -101,6 +103,17 @@ def _vector_from_pb(msg: pb.VectorOffset) -> VectorOffset:
         return vector_from_proto(msg)
     except InvalidVectorOffset as exc:
         raise InvalidRequest(f"malformed vector offset: {exc}") from None
+
+
+def _pattern_of(req: pb.ListTopicsRequest) -> Callable[[TopicEntry], bool] | None:
+    """``ListTopics``' ``pattern``: which of the listed entries it keeps (None: every one, as filter() takes it)."""
+    if not req.pattern:
+        return None
+    try:
+        pattern = TopicFilter(req.pattern)
+    except InvalidTopicFilter as exc:
+        raise InvalidRequest(f"ListTopics pattern: {exc}") from None
+    return lambda entry: pattern.matches(entry.name)
 
 
 def _vector_to_pb(vector: Mapping[Origin, int]) -> pb.VectorOffset:
@@ -278,11 +291,12 @@ class NodeService:
             catalog.refresh(self.broker.metadata.entries())
             self._catalog_saw = version
         out = pb.ListTopicsResponse(total_size=len(catalog))
+        wanted = _pattern_of(req)
         if req.HasField("changed_since"):
             changes = catalog.changes_since(req.changed_since, size)
             out.catalog_token, out.restarted = changes.token, changes.restarted
             out.next_page_token = changes.token if changes.more else ""
-            for entry in changes.topics:  # with each entry, which the syncing site merges into its own
+            for entry in filter(wanted, changes.topics):  # with each entry, which the syncing site merges
                 listed = (
                     pb.TopicDescription(name=entry.name) if entry.deleted else self._listed(spec_of(entry), req.view)
                 )
@@ -290,7 +304,7 @@ class NodeService:
                 out.topics.append(listed)
         else:
             entries, out.next_page_token = catalog.page_by_name(req.page_token, size)
-            out.topics.extend(self._listed(spec_of(entry), req.view) for entry in entries)
+            out.topics.extend(self._listed(spec_of(entry), req.view) for entry in filter(wanted, entries))
         return out
 
     async def describe_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
