@@ -23,17 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from georep.client.admin import Admin, NewTopic  # noqa: E402
-from georep.client.consumer import Consumer  # noqa: E402
-from georep.client.producer import Producer  # noqa: E402
-from tests.support.sites import Sites, wait_until  # noqa: E402
+from georep.client.admin import Admin, NewTopic
+from georep.client.consumer import Consumer
+from georep.client.producer import Producer
+from tests.support.sites import Sites, wait_until
 
 VALUE = b"x" * 100
 
