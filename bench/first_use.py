@@ -23,9 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, from a checkout
 
 from georep.client.admin import Admin, NewTopic
 from georep.client.consumer import Consumer
