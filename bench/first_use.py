@@ -1,21 +1,24 @@
-"""Topics created on first use (issue 25): what one topic costs, and a pattern consumer against a one-topic one.
+"""Dynamic topics (issue 25) on a chain a -> b -> c of interest links: topics created on first use at a, a wildcard
+subscription at c, and what crosses each link.
 
-Two sites a -> b (a's topology table: ``auto_create = ["bench/**"]``), from the repository root::
+From the repository root::
 
-    .venv/bin/python bench/first_use.py                     # 2,000 topics, 100,000 records
+    .venv/bin/python bench/first_use.py                                     # 2,000 topics, 100,000 records
     .venv/bin/python bench/first_use.py --topics 100000 --records 1000000   # the issue's size
 
-It prints, with the reference beside each figure:
+Each topic is ``bench/g<i mod 100>/t<i>``, one partition, created by its first record's metadata request at a
+(``auto_create = ["bench/**"]``). The bench prints:
 
-* ``first use``: the producer writes ``--records`` records spread round-robin over ``--topics`` new topics of one
-  partition (each created by its first record's metadata request), against the same records into
-  ``--topics`` topics created beforehand with one ``CreateTopics`` call per 1,000 topics;
-* the node's RSS and data dir per topic (from /proc and the disk, after the produce), and the time until site b
-  holds every topic and record;
-* ``pattern consumer``: records per second read by ``subscribe(pattern="bench/first/**")`` from the earliest
-  offset, against one topic holding as many records (``assign``).
+* ``first use``: ``--records`` records of 100 bytes spread round-robin over ``--topics`` new topics, against the
+  same records into as many topics created beforehand (``CreateTopics``, 1,000 per call) on a lone site;
+* a's RSS and data dir per topic (after the produce), and the RSS 100,000 topics would take at that rate;
+* ``subscribe``: a consumer group at c subscribes to ``bench/g7/**`` (1% of the topics); the time from the
+  subscription to its first record, and to the last of that 1%;
+* the bytes each link moved (its ``applied_bytes``), against the bytes produced;
+* the pattern consumer's records per second at c, against a one-topic consumer reading as many records at a.
 
-Target (issue 25): 100,000 topics in at most 2 GB of RSS per node.
+Targets (issue 25): bytes moved to c <= 2% of those produced; a new subscription's first record within 2 s;
+100,000 topics in at most 2 GB of RSS per node.
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 from georep.client.admin import Admin, NewTopic
 from georep.client.consumer import Consumer
 from georep.client.producer import Producer
-from tests.support.sites import Sites, wait_until
+from georep.proto import georep_pb2 as pb
+from tests.support.sites import Sites
 
 VALUE = b"x" * 100
+GROUPS = 100  # topics bench/g0/... to bench/g99/...: a pattern on one group is 1% of them
+CHAIN = {("a", "b"): ['mode = "interest"'], ("b", "c"): ['mode = "interest"']}
 
 
 def rss_mb(pid: int) -> float:
@@ -62,47 +68,77 @@ async def produce(address: str, names: list[str], records: int) -> float:
     return time.perf_counter() - t0
 
 
-async def create_first(address: str, names: list[str]) -> float:
+async def created_first(address: str, names: list[str], records: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     async with Admin(address) as admin:
         for i in range(0, len(names), 1000):
             await admin.create_topics([NewTopic(n, 1) for n in names[i : i + 1000]])
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, await produce(address, names, records)
 
 
-async def read_all(consumer: Consumer, records: int) -> float:
+async def read(consumer: Consumer, records: int, limit_s: float = 600) -> tuple[float, float]:
+    """Seconds to the first record and to the last of ``records``."""
     t0 = time.perf_counter()
-    got = 0
+    first, got = 0.0, 0
     while got < records:
-        got += len(await consumer.poll(timeout_ms=1000, max_records=5000))
-        if time.perf_counter() - t0 > 600:
-            raise SystemExit(f"read {got} of {records} records in 600 s")
-    return time.perf_counter() - t0
+        batch = await consumer.poll(timeout_ms=200, max_records=5000)
+        if batch and not got:
+            first = time.perf_counter() - t0
+        got += len(batch)
+        if time.perf_counter() - t0 > limit_s:
+            raise SystemExit(f"read {got} of {records} records in {limit_s:.0f} s")
+    return first, time.perf_counter() - t0
 
 
-async def consumers(address: str, records: int) -> tuple[float, float]:
-    async with Consumer(address, auto_offset_reset="earliest", metadata_max_age_ms=1000) as pattern:
-        pattern.subscribe(pattern="bench/first/**")
-        pattern_s = await read_all(pattern, records)
-    async with Consumer(address) as one:
-        one.assign([("bench/one", 0)])
-        one.seek_to_beginning()
-        one_s = await read_all(one, records)
-    return pattern_s, one_s
+async def subscribe_at_c(address: str, records: int) -> tuple[float, float]:
+    async with Consumer(address, group_id="bench", auto_offset_reset="earliest", metadata_max_age_ms=500) as c:
+        c.subscribe(pattern="bench/g7/**")
+        return await read(c, records)
 
 
-def held_records(sites: Sites, site: str, prefix: str) -> int:
-    from georep.proto import georep_pb2 as pb
+async def one_topic(address: str, records: int) -> float:
+    async with Consumer(address) as c:
+        c.assign([("bench/one", 0)])
+        c.seek_to_beginning()
+        return (await read(c, records))[1]
 
-    total, token = 0, ""
-    while True:
-        resp = sites.stub(site).ListTopics(
-            pb.ListTopicsRequest(view=pb.TOPIC_VIEW_SUMMARY, page_size=1000, page_token=token), timeout=60
-        )
-        total += sum(t.records for t in resp.topics if t.name.startswith(prefix))
-        token = resp.next_page_token
-        if not token:
-            return total
+
+def applied(sites: Sites, site: str) -> int:
+    return sum(link.applied_bytes for link in sites.status(site).links)
+
+
+def chain_run(root: Path, topics: int, records: int) -> dict[str, float]:
+    lines = {
+        "a": ['auto_create = ["bench/**"]'],
+        "b": ["interest_linger_ms = 5000"],
+        "c": ["interest_linger_ms = 5000"],
+    }
+    sites = Sites(root, ["a", "b", "c"], [("a", "b"), ("b", "c")], site_lines=lines, link_lines=CHAIN)
+    sites.start()
+    try:
+        pid = sites.nodes["a"].proc.pid  # type: ignore[union-attr]
+        rss0, disk0 = rss_mb(pid), disk_mb(root / "a")
+        names = [f"bench/g{i % GROUPS}/t{i}" for i in range(topics)]
+        first_s = asyncio.run(produce(sites.address("a"), names, records))
+        out = {"first_s": first_s, "rss0": rss0, "rss1": rss_mb(pid), "disk_kb": (disk_mb(root / "a") - disk0) * 1e3}
+        wanted = sum(1 for i in range(records) if (i % topics) % GROUPS == 7)
+        out["sub_first_s"], out["sub_all_s"] = asyncio.run(subscribe_at_c(sites.address("c"), wanted))
+        out["wanted"] = wanted
+        out["to_b"], out["to_c"] = applied(sites, "b"), applied(sites, "c")
+        return out
+    finally:
+        sites.close()
+
+
+def lone_run(root: Path, topics: int, records: int) -> dict[str, float]:
+    sites = Sites(root, ["a"], [])
+    sites.start()
+    try:
+        names = [f"bench/made/t{i}" for i in range(topics)]
+        create_s, made_s = asyncio.run(created_first(sites.address("a"), names, records))
+        return {"create_s": create_s, "made_s": made_s}
+    finally:
+        sites.close()
 
 
 def main() -> None:
@@ -110,44 +146,44 @@ def main() -> None:
     parser.add_argument("--topics", type=int, default=2000)
     parser.add_argument("--records", type=int, default=100_000)
     args = parser.parse_args()
+    n, r = args.topics, args.records
     root = Path(tempfile.mkdtemp(prefix="georep-bench-first-use-"))
-    sites = Sites(root, ["a", "b"], [("a", "b")], site_lines={"a": ['auto_create = ["bench/**"]']})
-    sites.start()
+    chain = chain_run(root / "chain", n, r)
+    lone = lone_run(root / "lone", n, r)
+    one = Sites(root / "one", ["a"], [])
+    one.start()
     try:
-        a = sites.address("a")
-        pid = sites.nodes["a"].proc.pid
-        rss0, disk0 = rss_mb(pid), disk_mb(root / "a")
-        first = [f"bench/first/t{i}" for i in range(args.topics)]
-        first_s = asyncio.run(produce(a, first, args.records))
-        rss1, disk1 = rss_mb(pid), disk_mb(root / "a")
-        t0 = time.perf_counter()
-        wait_until("b holds every record", lambda: held_records(sites, "b", "bench/first/") == args.records, 3600, 2)
-        reach_s = time.perf_counter() - t0
-        made = [f"bench/made/t{i}" for i in range(args.topics)]
-        create_s = asyncio.run(create_first(a, made))
-        made_s = asyncio.run(produce(a, made, args.records))
-        asyncio.run(produce(a, ["bench/one"], args.records))
-        pattern_s, one_s = asyncio.run(consumers(a, args.records))
-        n, r = args.topics, args.records
-        print(f"georep first-use bench: {n:,} topics of 1 partition, {r:,} records of {len(VALUE)} bytes, 2 cores")
-        print(f"  first use:      {first_s:7.1f} s, {r / first_s:9,.0f} records/s, {first_s / n * 1000:.2f} ms/topic")
-        print(
-            f"  created before: {create_s:7.1f} s to create + {made_s:.1f} s to produce ({r / made_s:,.0f} records/s); "
-            f"first use / (create + produce) = {first_s / (create_s + made_s):.2f}"
-        )
-        print(
-            f"  node a: RSS {rss0:.0f} -> {rss1:.0f} MB = {(rss1 - rss0) * 1024 / n:.1f} KB/topic "
-            f"(100,000 topics: {rss0 + (rss1 - rss0) * 100_000 / n:,.0f} MB) [target <= 2,048 MB]; "
-            f"disk {(disk1 - disk0) * 1000 / n:.1f} KB/topic"
-        )
-        print(f"  site b holds every topic and record {reach_s:.1f} s after the produce")
-        print(
-            f"  pattern consumer: {r / pattern_s:,.0f} records/s over {n:,} topics; one topic: {r / one_s:,.0f} "
-            f"records/s; ratio {one_s / pattern_s:.2f}"
-        )
-        print(f"  load average {os.getloadavg()[0]:.1f}")
+        asyncio.run(produce(one.address("a"), ["bench/one"], chain["wanted"]))
+        one_s = asyncio.run(one_topic(one.address("a"), int(chain["wanted"])))
     finally:
-        sites.close()
+        one.close()
+    produced = r * len(VALUE)
+    per_topic_kb = (chain["rss1"] - chain["rss0"]) * 1024 / n
+    print(f"georep dynamic-topics bench: {n:,} topics of 1 partition, {r:,} records of {len(VALUE)} bytes, 2 cores")
+    print(
+        f"  first use at a: {chain['first_s']:.1f} s ({r / chain['first_s']:,.0f} records/s); created first: "
+        f"{lone['create_s']:.1f} s + {lone['made_s']:.1f} s to produce; ratio "
+        f"{chain['first_s'] / (lone['create_s'] + lone['made_s']):.2f}"
+    )
+    print(
+        f"  a: RSS {chain['rss0']:.0f} -> {chain['rss1']:.0f} MB, {per_topic_kb:.1f} KB/topic (100,000 topics: "
+        f"{chain['rss0'] + per_topic_kb * 100_000 / 1024:,.0f} MB) [target <= 2,048 MB]; disk "
+        f"{chain['disk_kb'] / n:.1f} KB/topic"
+    )
+    print(
+        f"  subscribe at c to bench/g7/** ({chain['wanted']:,} records): first record after {chain['sub_first_s']:.2f} s "
+        f"[target <= 2 s], all after {chain['sub_all_s']:.1f} s"
+    )
+    print(
+        f"  bytes moved a -> b {chain['to_b']:,} ({100 * chain['to_b'] / produced:.2f}%), b -> c {chain['to_c']:,} "
+        f"({100 * chain['to_c'] / produced:.2f}% of {produced:,} produced) [target <= 2%]"
+    )
+    rate = chain["wanted"] / (chain["sub_all_s"] - chain["sub_first_s"] or 1e-9)
+    print(
+        f"  pattern consumer at c: {chain['wanted'] / chain['sub_all_s']:,.0f} records/s from the subscription "
+        f"({rate:,.0f} after the first); one topic: {chain['wanted'] / one_s:,.0f} records/s"
+    )
+    print(f"  load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

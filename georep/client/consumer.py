@@ -147,7 +147,7 @@ class Consumer:
         """Read exactly these partitions (replacing any earlier assignment or subscription)."""
         self._subscription.assign(partitions)
 
-    def subscribe(self, topics: Iterable[str] = (), group: str | None = None, *, pattern: str | None = None) -> None:
+    def subscribe(self, topics: Iterable[str] = (), group: str | None = None, pattern: str | None = None) -> None:
         """Read the topics, or every topic ``pattern`` matches (``orders/eu/**``: existing ones, and new ones within
         ``metadata_max_age_ms``): with a group (here or ``group_id=``), the partitions the group's coordinator
         assigns to this member; without one, every partition."""

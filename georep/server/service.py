@@ -105,6 +105,22 @@ def _vector_from_pb(msg: pb.VectorOffset) -> VectorOffset:
         raise InvalidRequest(f"malformed vector offset: {exc}") from None
 
 
+def _topic_exists(broker: Broker, name: str) -> bool:
+    try:
+        broker.topic(name)
+    except UnknownTopic:
+        return False
+    return True
+
+
+def read_topics(service: NodeService) -> set[str]:
+    """The topics read at a node now: its consumer groups' subscriptions (georep's and the Kafka listener's) and
+    its open fetches; what its site asks its interest links for (``interest_links.py``)."""
+    groups = service.groups.coordinator.groups.values()
+    members = {t for g in groups for m in g.members.values() for t in m.topics}
+    return members | set(service._fetching) | service.kafka_read_topics()
+
+
 def _pattern_of(req: pb.ListTopicsRequest) -> Callable[[TopicEntry], bool] | None:
     """``ListTopics``' ``pattern``: which of the listed entries it keeps (None: every one, as filter() takes it)."""
     if not req.pattern:
@@ -148,7 +164,7 @@ class NodeService:
         self.group_calls = GroupCalls(self.groups)
         # Topics created on first use: the site's auto_create patterns (set from the topology by the node), and
         # whether a call's principal may create a topic (set from the ACLs on a TLS node; a plaintext one may)
-        self.auto_create = AutoCreate((), self._topic_exists, self._create_topic)
+        self.auto_create = AutoCreate((), functools.partial(_topic_exists, broker), self._create_topic)
         self.create_refusal: Callable[[Context, str], str | None] = lambda _context, _name: None
         self.digests = DigestCalls(broker, DigestPacer(audit_digest_rate), site_cluster)
         self.digests.pacer.on_step = metrics.digested
@@ -170,7 +186,7 @@ class NodeService:
         self._fetching: collections.Counter[str] = collections.Counter()  # open Fetch calls per topic
         self.kafka_read_topics: Callable[[], set[str]] = set  # the Kafka listener's groups' topics (serve.py)
         if replicator is not None:
-            replicator.interest_links.local = self.read_topics
+            replicator.interest_links.local = functools.partial(read_topics, self)
         broker.on_open = self._partition_opened
         for p in list(broker.partitions.values()):
             self._partition_opened(p)
@@ -187,13 +203,6 @@ class NodeService:
             stopping.set_result(None)
 
     # -- admin ----------------------------------------------------------------
-
-    def _topic_exists(self, name: str) -> bool:
-        try:
-            self.broker.topic(name)
-        except UnknownTopic:
-            return False
-        return True
 
     def _describe(self, name: str) -> pb.TopicDescription:
         spec = self.broker.topic(name)
@@ -394,16 +403,6 @@ class NodeService:
             self._fetching[req.topic] -= 1
             if not self._fetching[req.topic]:
                 del self._fetching[req.topic]
-
-    def read_topics(self) -> set[str]:
-        """The topics read at this node now: its consumer groups' subscriptions (georep's and the Kafka
-        listener's) and its open fetches; what this site asks its interest links for."""
-        groups = self.groups.coordinator.groups.values()
-        return (
-            {t for g in groups for m in g.members.values() for t in m.topics}
-            | set(self._fetching)
-            | (self.kafka_read_topics())
-        )
 
     async def _fetch(self, req: pb.FetchRequest) -> AsyncIterator[pb.FetchResponse]:
         max_bytes = min(req.max_bytes or (1 << 20), FETCH_MAX_BYTES_CAP)
