@@ -151,7 +151,7 @@ def main() -> None:
         (root / part).mkdir()
     chain = chain_run(root / "chain", n, r)
     lone = lone_run(root / "lone", n, r)
-    one = Sites(root / "one", ["a"], [])
+    one = Sites(root / "one", ["a"], [], site_lines={"a": ['auto_create = ["bench/**"]']})
     one.start()
     try:
         asyncio.run(produce(one.address("a"), ["bench/one"], chain["wanted"]))
