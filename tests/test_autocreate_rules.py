@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from georep.auth.acl import PermissionDenied
+from georep.broker.errors import CatalogNotSynced
 from georep.metadata.store import TopicExists
 from georep.server.auto_create import AutoCreate
 from tests.support.examples import examples
@@ -65,19 +66,19 @@ def test_an_internal_name_is_never_created_whatever_the_patterns(levels: list[st
 
 
 class _Site:
-    """A topic table that ``AutoCreate`` creates into; each create yields to the loop, as a real one does."""
+    """A topic table that ``AutoCreate`` creates into, a ``CreateTopics`` at a time; each yields to the loop, as a
+    real one does."""
 
     def __init__(self, made_elsewhere: bool = False) -> None:
         self.topics: dict[str, int] = {}
-        self.creates = 0
+        self.creates: list[list[str]] = []
         self.made_elsewhere = made_elsewhere
 
-    async def create(self, name: str, partitions: int, config: dict[str, str]) -> None:
-        self.creates += 1
+    async def create(self, requests: list[tuple[str, int, dict[str, str]]]) -> list[object]:
+        self.creates.append([name for name, _p, _c in requests])
         await asyncio.sleep(0.01)
-        self.topics[name] = partitions
-        if self.made_elsewhere:
-            raise TopicExists(name)
+        self.topics.update((name, partitions) for name, partitions, _c in requests)
+        return [TopicExists(name) if self.made_elsewhere else name for name, _p, _c in requests]
 
 
 def test_many_produces_of_one_new_name_make_one_create() -> None:
@@ -90,7 +91,19 @@ def test_many_produces_of_one_new_name_make_one_create() -> None:
         await auto.ensure("misc/y", lambda _n: None)  # no pattern: nothing to do
 
     asyncio.run(run())
-    assert site.creates == 1 and site.topics == {"orders/x": 3} and auto.created == 1
+    assert site.creates == [["orders/x"]] and site.topics == {"orders/x": 3} and auto.created == 1
+
+
+def test_names_asked_for_while_a_create_runs_go_together_in_the_next() -> None:
+    site = _Site()
+    auto = AutoCreate((AutoCreateRule(TopicFilter("**")),), site.topics.__contains__, site.create)
+
+    async def run() -> None:
+        await asyncio.gather(*(auto.ensure(f"t{i}", lambda _n: None) for i in range(50)))
+
+    asyncio.run(run())
+    assert len(site.topics) == 50 and auto.created == 50
+    assert len(site.creates) <= 2, site.creates  # not one create per name: a table rewritten per create
 
 
 def test_a_name_made_meanwhile_counts_as_made_and_a_refusal_creates_nothing() -> None:
@@ -100,4 +113,21 @@ def test_a_name_made_meanwhile_counts_as_made_and_a_refusal_creates_nothing() ->
     assert site.topics == {"t": 1} and auto.created == 0
     with pytest.raises(PermissionDenied, match="client:bob may not create_topic"):
         asyncio.run(auto.ensure("u", lambda _n: "client:bob may not create_topic topic:u"))
-    assert "u" not in site.topics and site.creates == 1
+    assert "u" not in site.topics and len(site.creates) == 1
+
+
+def test_a_failed_create_fails_each_of_its_produces_and_the_next_may_succeed() -> None:
+    calls = 0
+
+    async def create(requests: list[tuple[str, int, dict[str, str]]]) -> list[object]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise CatalogNotSynced("no first catalog sync with site b yet")
+        return [name for name, _p, _c in requests]
+
+    auto = AutoCreate((AutoCreateRule(TopicFilter("**")),), lambda _n: False, create)
+    with pytest.raises(CatalogNotSynced):
+        asyncio.run(auto.ensure("t", lambda _n: None))
+    asyncio.run(auto.ensure("t", lambda _n: None))
+    assert auto.created == 1

@@ -279,10 +279,9 @@ class KafkaGateway(LeaderOffsets):
                 return str(denied)
             return None
 
-        for name in names:
-            try:
-                await self.auto_create.ensure(name, refusal)
-            except Exception as exc:
+        outcomes = await asyncio.gather(*(self.auto_create.ensure(n, refusal) for n in names), return_exceptions=True)
+        for name, exc in zip(names, outcomes, strict=True):  # created together (AutoCreate's group commit)
+            if isinstance(exc, Exception):
                 code = k.TOPIC_AUTHORIZATION_FAILED if isinstance(exc, PermissionDenied) else self._code(exc)
                 log.info("kafka gateway: topic %s not created on first use: %s", name, exc)
                 refused[name] = code

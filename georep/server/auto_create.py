@@ -6,10 +6,11 @@ and Produce): the decision (does the topic exist, which pattern, is one create a
 What each front end brings is its own ACL answer: whether the caller may ``create_topic`` on the name, as its
 ``CreateTopic`` would ask (a produce ACL alone creates nothing).
 
-The create is the one ``CreateTopic`` makes (``create``): a one-node site's table or a multi-node site's Raft
-command, after the first catalog sync with every upstream (``first_sync.py``), so it replicates like any create, and
-two sites that create the same name at once agree by the catalog's conflict rule. Concurrent produces of one new name
-wait for the one create (a create of a name that another call made meanwhile counts as made).
+The create is the one ``CreateTopics`` makes (``create``): a one-node site's table or a multi-node site's Raft
+commands, after the first catalog sync with every upstream (``first_sync.py``), so it replicates like any create,
+and two sites that create the same name at once agree by the catalog's conflict rule. Concurrent produces of one new
+name wait for the one create (a name that another call made meanwhile counts as made), and the names asked for
+while a create runs go together in the next.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from topology.autocreate import AutoCreateRule, rule_for
 
 log = logging.getLogger(__name__)
 
-Create = Callable[[str, int, dict[str, str]], Awaitable[object]]
+# CreateTopics: each request (name, partitions, config) created or refused on its own, in their order
+Create = Callable[[list[tuple[str, int, dict[str, str]]]], Awaitable[list[object]]]
+BATCH_MAX = 1_000  # topics per create
 Refusal = Callable[[str], str | None]  # the front end's ACL: None if the caller may create the topic, else why not
 
 
@@ -37,6 +40,8 @@ class AutoCreate:
         self.create = create
         self.created = 0  # topics this node created on first use
         self._running: dict[str, asyncio.Future[None]] = {}
+        self._queue: list[tuple[str, AutoCreateRule]] = []
+        self._creator: asyncio.Task[None] | None = None
 
     def wanted(self, topic: str) -> AutoCreateRule | None:
         """The rule that would create ``topic`` now: None when it exists, no pattern matches, or it is internal."""
@@ -59,15 +64,28 @@ class AutoCreate:
             )
         running = self._running.get(topic)
         if running is None:
-            running = asyncio.ensure_future(self._create(topic, rule))
-            self._running[topic] = running
-            running.add_done_callback(lambda _f: self._running.pop(topic, None))
+            running = self._running[topic] = asyncio.get_running_loop().create_future()
+            self._queue.append((topic, rule))
+            if self._creator is None or self._creator.done():
+                self._creator = asyncio.ensure_future(self._create_queued())
         await asyncio.shield(running)
 
-    async def _create(self, topic: str, rule: AutoCreateRule) -> None:
-        try:
-            await self.create(topic, rule.partitions, dict(rule.config))
-        except TopicExists:
-            return  # made meanwhile (another node of the site, a topic sync): what the produce wanted
-        self.created += 1
-        log.info("created topic %s on first use (auto_create %s)", topic, rule.describe())
+    async def _create_queued(self) -> None:
+        """Create what is queued, as one ``CreateTopics`` each time (group commit: the names asked for while one
+        create runs go together in the next): a one-node site rewrites its topic table once per create, so one
+        create per name cost O(topics) each."""
+        while self._queue:
+            batch, self._queue = self._queue[:BATCH_MAX], self._queue[BATCH_MAX:]
+            try:
+                outcomes = await self.create([(t, r.partitions, dict(r.config)) for t, r in batch])
+            except Exception as exc:  # the whole call failed (the first catalog sync did not come): each says so
+                outcomes = [exc] * len(batch)
+            for (topic, rule), outcome in zip(batch, outcomes, strict=True):
+                running = self._running.pop(topic)
+                if isinstance(outcome, Exception) and not isinstance(outcome, TopicExists):
+                    running.set_exception(outcome)
+                    continue
+                running.set_result(None)  # a TopicExists: made meanwhile (a topic sync), what the produce wanted
+                if not isinstance(outcome, Exception):
+                    self.created += 1
+                    log.info("created topic %s on first use (auto_create %s)", topic, rule.describe())

@@ -62,7 +62,7 @@ from georep.server.rpc import Context, merge_streams, parse, service, status, st
 from georep.server.status import DOMAIN_ERRORS, reason_of
 from georep.server.topic_calls import TopicCalls
 from georep.server.topic_changes import TopicChanges
-from georep.server.topic_creation import create_topics
+from georep.server.topic_creation import TopicRequest, create_topics
 from georep.storage.api import BatchDamaged, PartitionLog
 from georep.storage.chain_log import ChainLog, ChainSegment, FollowerLog, SegmentElsewhere
 from offsets.coordinates import InvalidOrigin, Origin
@@ -164,7 +164,7 @@ class NodeService:
         self.group_calls = GroupCalls(self.groups)
         # Topics created on first use: the site's auto_create patterns (set from the topology by the node), and
         # whether a call's principal may create a topic (set from the ACLs on a TLS node; a plaintext one may)
-        self.auto_create = AutoCreate((), functools.partial(_topic_exists, broker), self._create_topic)
+        self.auto_create = AutoCreate((), functools.partial(_topic_exists, broker), self._create_topics)
         self.create_refusal: Callable[[Context, str], str | None] = lambda _context, _name: None
         self.digests = DigestCalls(broker, DigestPacer(audit_digest_rate), site_cluster)
         self.digests.pacer.on_step = metrics.digested
@@ -255,8 +255,14 @@ class NodeService:
         await self._create_topic(req.name, req.partitions, dict(req.config))
         return self._describe(req.name)
 
+    async def _create_topics(self, requests: list[TopicRequest]) -> list[object]:
+        """``CreateTopics``' creates, each topic's outcome in order: topics created on first use (``auto_create``)."""
+        await self.topic_calls.before_create()
+        executor = self.site_cluster.executor if self.site_cluster is not None else None
+        return list(await create_topics(self.broker, requests, executor=executor))
+
     async def _create_topic(self, name: str, partitions: int, config: dict[str, str]) -> None:
-        """``CreateTopic``'s create, and a topic's created on first use (``auto_create``)."""
+        """``CreateTopic``'s create."""
         await self.topic_calls.before_create()
         if self.site_cluster is not None:
             await self.site_cluster.create_topic(name, partitions, config)
