@@ -56,6 +56,10 @@ _new_tuple = tuple.__new__
 
 PRODUCER_ID_BITS = 62
 IDEMPOTENT_IN_FLIGHT_MAX = 5  # the node remembers the last 5 batches per producer and partition
+# Topics whose partition count is asked at once. A send to 20,000 new topics asked all 20,000 together: the node
+# creates topics made on first use 1,000 at a time, so the last answers came after the request timeout, and each
+# timeout reconnected the channel under the others (bench/first_use.py --topics 20000 never finished).
+METADATA_IN_FLIGHT = 1_000
 
 
 class RecordMetadata(NamedTuple):
@@ -214,6 +218,7 @@ class Producer:
         self._sticky_partitions = self._sticky.current  # read on the hot path
         self._open_batches = self._accumulator.open
         self._partition_counts: dict[str, int] = {}
+        self._metadata_slots = asyncio.Semaphore(METADATA_IN_FLIGHT)
         self._max_batch_bytes: dict[str, int] = {}  # per topic, from its effective config
         self._pending_metadata: dict[str, list[tuple[RecordInput, asyncio.Future[RecordMetadata], int | None]]] = {}
         self._metadata_tasks: dict[str, asyncio.Task[None]] = {}
@@ -404,12 +409,13 @@ class Producer:
                     stub = await self._connection.connect()
                     generation = self._connection.generation
                     try:
-                        description = await self._connection.unary(
-                            stub.DescribeTopic(
-                                georep_pb2.DescribeTopicRequest(name=topic, allow_auto_create=self._auto_create),
-                                timeout=self._request_timeout_ms / 1000,
+                        async with self._metadata_slots:
+                            description = await self._connection.unary(
+                                stub.DescribeTopic(
+                                    georep_pb2.DescribeTopicRequest(name=topic, allow_auto_create=self._auto_create),
+                                    timeout=self._request_timeout_ms / 1000,
+                                )
                             )
-                        )
                     except grpc.RpcError as exc:
                         raise from_rpc_error(exc, self._connection.address, operation=Operation.PRODUCE) from None
                     break

@@ -252,22 +252,17 @@ class NodeService:
 
     async def create_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
         req = parse(pb.CreateTopicRequest, data)  # an internal topic's name is refused by Broker.create_topic
-        await self._create_topic(req.name, req.partitions, dict(req.config))
+        (outcome,) = await self._create_topics([(req.name, req.partitions, dict(req.config))])
+        if isinstance(outcome, Exception):
+            raise outcome
         return self._describe(req.name)
 
     async def _create_topics(self, requests: list[TopicRequest]) -> list[object]:
-        """``CreateTopics``' creates, each topic's outcome in order: topics created on first use (``auto_create``)."""
+        """Each topic created or refused on its own, in order: ``CreateTopic``, and topics created on first use
+        (``auto_create``)."""
         await self.topic_calls.before_create()
         executor = self.site_cluster.executor if self.site_cluster is not None else None
         return list(await create_topics(self.broker, requests, executor=executor))
-
-    async def _create_topic(self, name: str, partitions: int, config: dict[str, str]) -> None:
-        """``CreateTopic``'s create."""
-        await self.topic_calls.before_create()
-        if self.site_cluster is not None:
-            await self.site_cluster.create_topic(name, partitions, config)
-        else:
-            self.broker.create_topic(name, partitions, config)
 
     async def create_topics(self, data: bytes, context: Context) -> pb.CreateTopicsResponse:
         """Each topic created or refused on its own (Kafka's CreateTopics); a bug still fails the whole call."""
