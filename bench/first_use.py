@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 from georep.client.admin import Admin, NewTopic
 from georep.client.consumer import Consumer
 from georep.client.producer import Producer
+from georep.proto import georep_pb2 as pb
 from tests.support.sites import Sites
 
 VALUE = b"x" * 100
@@ -104,7 +105,8 @@ async def one_topic(address: str, records: int) -> float:
 
 
 def applied(sites: Sites, site: str) -> int:
-    return sum(link.applied_bytes for link in sites.status(site).links)
+    status = sites.stub(site).SiteStatus(pb.SiteStatusRequest(), timeout=120)  # the links; no partition rows
+    return sum(link.applied_bytes for link in status.links)
 
 
 def chain_run(root: Path, topics: int, records: int) -> dict[str, float]:
@@ -122,6 +124,7 @@ def chain_run(root: Path, topics: int, records: int) -> dict[str, float]:
         first_s = asyncio.run(produce(sites.address("a"), names, records))
         out = {"first_s": first_s, "rss0": rss0, "rss1": rss_mb(pid), "disk_kb": (disk_mb(root / "a") - disk0) * 1e3}
         wanted = sum(1 for i in range(records) if (i % topics) % GROUPS == 7)
+        print(f"  (first use: {first_s:.1f} s; RSS of a {out['rss1']:.0f} MB)", flush=True)
         out["sub_first_s"], out["sub_all_s"] = asyncio.run(subscribe_at_c(sites.address("c"), wanted))
         out["wanted"] = wanted
         out["to_b"], out["to_c"] = applied(sites, "b"), applied(sites, "c")
