@@ -12,14 +12,17 @@ Patterns are ``topology/filters.py``'s (``+`` one level, ``**`` any number); int
 
 from __future__ import annotations
 
+import logging
 import time
 
 from georep.client.connection import Connection
-from georep.client.errors import Operation, from_rpc_error
+from georep.client.errors import NodeUnavailable, Operation, from_rpc_error
 from georep.proto import georep_pb2
 from topology.filters import TopicFilter, is_internal
 
 PAGE = 10_000  # topics per answer (the node's cap for the definition view)
+RETRY_S = 1.0  # a refresh the node did not answer is tried again this soon
+log = logging.getLogger(__name__)
 
 
 class PatternTopics:
@@ -50,7 +53,13 @@ class PatternTopics:
             try:
                 resp = await connection.unary(connection.stub.ListTopics(request, timeout=timeout_s))
             except grpc.RpcError as exc:
-                raise from_rpc_error(exc, connection.address, operation=Operation.FETCH) from None
+                error = from_rpc_error(exc, connection.address, operation=Operation.FETCH)
+                if not isinstance(error, NodeUnavailable):
+                    raise error from None
+                # The node is away or busy: the topics stay as they were, and the next poll asks again.
+                log.info("pattern %s: listing the topics failed (%s); asking again", self.pattern, error.message)
+                self._next = time.monotonic() + min(self.refresh_s, RETRY_S)
+                return False
             restarted = restarted or resp.restarted
             listed.extend(resp.topics)
             token = resp.catalog_token
