@@ -150,6 +150,7 @@ def test_the_produce_acl_alone_creates_nothing_and_create_topic_is_asked_for(sit
     assert _records(sites, "a", "orders/alice") == 3
 
 
+@pytest.mark.slow  # node processes through several steps: make test runs it, test-quick does not
 def test_two_sites_that_create_one_name_apart_agree_on_one_definition_and_show_the_conflict(tmp_path: Path) -> None:
     """Each site creates ``orders/race`` on first use while the other is down (so neither has learnt the other's),
     each by its own pattern's config: once both run, they hold one definition, every record, and the conflict."""
@@ -195,6 +196,7 @@ def test_a_bad_config_in_a_pattern_fails_the_node_at_start_naming_it(tmp_path: P
         net.close()
 
 
+@pytest.mark.slow  # node processes through several steps: make test runs it, test-quick does not
 def test_kafka_clients_create_by_pattern_through_metadata_as_kafka_brokers_do(tmp_path: Path) -> None:
     """librdkafka's producer asks Metadata with allow_auto_topic_creation and creates the topic; a kafka-python
     consumer (allow_auto_create_topics off, as Kafka's consumers default to) and a name no pattern matches create

@@ -58,6 +58,7 @@ async def _produce(net: Sites, topic: str, n: int, tag: str) -> None:
         await asyncio.gather(*(producer.send(topic, f"{tag}{i}".encode(), key=f"{tag}{i}".encode()) for i in range(n)))
 
 
+@pytest.mark.slow  # node processes through several steps: make test runs it, test-quick does not
 def test_an_interest_link_pulls_only_what_a_reader_behind_it_reads_history_first_and_stops_after_it_leaves(
     chain: Sites,
 ) -> None:

@@ -84,6 +84,7 @@ def test_a_pattern_reads_every_matching_topic_and_one_created_later(sites: Sites
     ]
 
 
+@pytest.mark.slow  # node processes through several steps: make test runs it, test-quick does not
 def test_a_pattern_group_rebalances_over_a_new_topic_and_fails_over_to_another_site_exactly(sites: Sites) -> None:
     _create(sites, "p2/x")
     asyncio.run(_produce(sites.address("a"), {"p2/x": [f"x{i}" for i in range(10)]}))
@@ -146,6 +147,7 @@ def test_a_subscription_names_topics_or_a_pattern_not_both(sites: Sites) -> None
         consumer.subscribe(pattern="orders*")
 
 
+@pytest.mark.slow  # node processes through several steps: make test runs it, test-quick does not
 def test_a_kafka_regex_subscription_reads_the_matching_topics(sites: Sites, tmp_path: Path) -> None:
     confluent_kafka = pytest.importorskip("confluent_kafka")
     _create(sites, "p4/a", "p4/b", "p5/c")
