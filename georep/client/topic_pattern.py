@@ -51,12 +51,13 @@ class PatternTopics:
                 view=georep_pb2.TOPIC_VIEW_DEFINITION, changed_since=token, page_size=PAGE, pattern=self.pattern.text
             )
             try:
-                resp = await connection.unary(connection.stub.ListTopics(request, timeout=timeout_s))
-            except grpc.RpcError as exc:
-                error = from_rpc_error(exc, connection.address, operation=Operation.FETCH)
-                if not isinstance(error, NodeUnavailable):
-                    raise error from None
-                # The node is away or busy: the topics stay as they were, and the next poll asks again.
+                try:
+                    resp = await connection.unary(connection.stub.ListTopics(request, timeout=timeout_s))
+                except grpc.RpcError as exc:
+                    raise from_rpc_error(exc, connection.address, operation=Operation.FETCH) from None
+            except NodeUnavailable as error:
+                # The node is away or busy (or another call replaced the channel): the topics stay as they were,
+                # and the next poll asks again.
                 log.info("pattern %s: listing the topics failed (%s); asking again", self.pattern, error.message)
                 self._next = time.monotonic() + min(self.refresh_s, RETRY_S)
                 return False
