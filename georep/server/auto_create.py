@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from georep.auth.acl import PermissionDenied
 from georep.metadata.store import TopicExists
@@ -26,7 +26,7 @@ from topology.autocreate import AutoCreateRule, rule_for
 log = logging.getLogger(__name__)
 
 # CreateTopics: each request (name, partitions, config) created or refused on its own, in their order
-Create = Callable[[list[tuple[str, int, dict[str, str]]]], Awaitable[list[object]]]
+Create = Callable[[list[tuple[str, int, dict[str, str]]]], Awaitable[Sequence[object]]]
 BATCH_MAX = 1_000  # topics per create
 Refusal = Callable[[str], str | None]  # the front end's ACL: None if the caller may create the topic, else why not
 

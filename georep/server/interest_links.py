@@ -47,7 +47,6 @@ class InterestLinks:
         topology, site = replicator.topology, replicator.site
         self.table = Interests(topology, site, topology.site(site).interest_linger_ms)
         self.upstreams = sorted(li.src for li in topology.links if li.dst == site and li.mode == "interest")
-        self.downstreams = {li.dst for li in topology.links if li.src == site and li.mode == "interest"}
         self.local: Callable[[], set[str]] = set  # the topics read here now (the service sets it)
         self._changed = asyncio.Event()
         self._next_local = 0.0

@@ -118,7 +118,7 @@ def read_topics(service: NodeService) -> set[str]:
     its open fetches; what its site asks its interest links for (``interest_links.py``)."""
     groups = service.groups.coordinator.groups.values()
     members = {t for g in groups for m in g.members.values() for t in m.topics}
-    return members | set(service._fetching) | service.kafka_read_topics()
+    return members | set(service.fetching) | service.kafka_read_topics()
 
 
 def _pattern_of(req: pb.ListTopicsRequest) -> Callable[[TopicEntry], bool] | None:
@@ -183,7 +183,7 @@ class NodeService:
         # ListTopics' view of the topic table; its own id, so a token of another node or process is not taken
         self.catalog = TopicCatalog(secrets.token_hex(8))
         self._catalog_saw: int | None = None  # the metadata's topics_version the catalog last took
-        self._fetching: collections.Counter[str] = collections.Counter()  # open Fetch calls per topic
+        self.fetching: collections.Counter[str] = collections.Counter()  # open Fetch calls per topic
         self.kafka_read_topics: Callable[[], set[str]] = set  # the Kafka listener's groups' topics (serve.py)
         if replicator is not None:
             replicator.interest_links.local = functools.partial(read_topics, self)
@@ -257,24 +257,21 @@ class NodeService:
             raise outcome
         return self._describe(req.name)
 
-    async def _create_topics(self, requests: list[TopicRequest]) -> list[object]:
+    async def _create_topics(self, requests: list[TopicRequest]) -> list[TopicSpec | Exception]:
         """Each topic created or refused on its own, in order: ``CreateTopic``, and topics created on first use
         (``auto_create``)."""
         await self.topic_calls.before_create()
         executor = self.site_cluster.executor if self.site_cluster is not None else None
-        return list(await create_topics(self.broker, requests, executor=executor))
+        return await create_topics(self.broker, requests, executor=executor)
 
     async def create_topics(self, data: bytes, context: Context) -> pb.CreateTopicsResponse:
         """Each topic created or refused on its own (Kafka's CreateTopics); a bug still fails the whole call."""
         req = parse(pb.CreateTopicsRequest, data)
         requests = [(t.name, t.partitions, dict(t.config)) for t in req.topics]
-        executor = self.site_cluster.executor if self.site_cluster is not None else None
         try:
-            await self.topic_calls.before_create()
-        except CatalogNotSynced as exc:
-            outcomes: list[TopicSpec | Exception] = [exc] * len(requests)
-        else:
-            outcomes = await create_topics(self.broker, requests, executor=executor)
+            outcomes = await self._create_topics(requests)
+        except CatalogNotSynced as exc:  # every topic's own answer
+            outcomes = [exc] * len(requests)
         out = pb.CreateTopicsResponse()
         for (name, _partitions, _config), outcome in zip(requests, outcomes, strict=True):
             if isinstance(outcome, TopicSpec):
@@ -396,14 +393,14 @@ class NodeService:
 
     async def fetch(self, data: bytes, context: Context) -> AsyncIterator[pb.FetchResponse]:
         req = parse(pb.FetchRequest, data)
-        self._fetching[req.topic] += 1  # a topic read here: an interest of this site (interest_links.py)
+        self.fetching[req.topic] += 1  # a topic read here: an interest of this site (interest_links.py)
         try:
             async for response in self._fetch(req):
                 yield response
         finally:
-            self._fetching[req.topic] -= 1
-            if not self._fetching[req.topic]:
-                del self._fetching[req.topic]
+            self.fetching[req.topic] -= 1
+            if not self.fetching[req.topic]:
+                del self.fetching[req.topic]
 
     async def _fetch(self, req: pb.FetchRequest) -> AsyncIterator[pb.FetchResponse]:
         max_bytes = min(req.max_bytes or (1 << 20), FETCH_MAX_BYTES_CAP)
