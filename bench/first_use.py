@@ -34,6 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, from a checkout
 
+from pyspy_top import print_top, recording
+
 from georep.client.admin import Admin, NewTopic
 from georep.client.consumer import Consumer
 from georep.client.producer import Producer
@@ -109,7 +111,7 @@ def applied(sites: Sites, site: str) -> int:
     return sum(link.applied_bytes for link in status.links)
 
 
-def chain_run(root: Path, topics: int, records: int) -> dict[str, float]:
+def chain_run(root: Path, topics: int, records: int, spy: Path | None) -> dict[str, float]:
     lines = {
         "a": ['auto_create = ["bench/**"]'],
         "b": ["interest_linger_ms = 5000"],
@@ -121,7 +123,9 @@ def chain_run(root: Path, topics: int, records: int) -> dict[str, float]:
         pid = sites.nodes["a"].proc.pid  # type: ignore[union-attr]
         rss0, disk0 = rss_mb(pid), disk_mb(root / "a")
         names = [f"bench/g{i % GROUPS}/t{i}" for i in range(topics)]
-        first_s = asyncio.run(produce(sites.address("a"), names, records))
+        spied = {} if spy is None else {spy / f"first-use-{s}.txt": sites.nodes[s].pid for s in "abc"}
+        with recording(spied):  # nothing recorded without --py-spy
+            first_s = asyncio.run(produce(sites.address("a"), names, records))
         out = {"first_s": first_s, "rss0": rss0, "rss1": rss_mb(pid), "disk_kb": (disk_mb(root / "a") - disk0) * 1e3}
         wanted = sum(1 for i in range(records) if (i % topics) % GROUPS == 7)
         print(f"  (first use: {first_s:.1f} s; RSS of a {out['rss1']:.0f} MB)", flush=True)
@@ -164,12 +168,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topics", type=int, default=2000)
     parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--py-spy", type=Path, metavar="DIR", help="record a, b and c with py-spy during first use")
     args = parser.parse_args()
     n, r = args.topics, args.records
+    if args.py_spy is not None:
+        args.py_spy.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="georep-bench-first-use-"))
     for part in ("chain", "lone"):
         (root / part).mkdir()
-    chain = chain_run(root / "chain", n, r)
+    chain = chain_run(root / "chain", n, r, args.py_spy)
+    if args.py_spy is not None:
+        for site in "abc":
+            print_top(args.py_spy / f"first-use-{site}.txt", f"node {site}, first use")
     lone = lone_run(root / "lone", n, r)
     produced = r * len(VALUE)
     per_topic_kb = (chain["rss1"] - chain["rss0"]) * 1024 / n

@@ -103,6 +103,29 @@ def test_a_producers_first_request_creates_the_topic_by_its_pattern_and_it_reach
     assert metrics is not None and metrics.partitions == 1
 
 
+def test_new_topics_waiting_for_a_metadata_slot_survive_a_channel_replaced_meanwhile(
+    sites: Sites, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer asks for at most METADATA_IN_FLIGHT partition counts at once. A request that waited for its slot
+    while the channel was replaced (a timeout elsewhere reconnects) takes the new channel: once it took its stub
+    before the wait, its call hit the closed channel, the task died and its records' futures never resolved (seen
+    at 10,000 topics in bench/first_use.py)."""
+    import georep.client.producer as producer_module
+
+    monkeypatch.setattr(producer_module, "METADATA_IN_FLIGHT", 1)
+
+    async def go() -> None:
+        async with Producer(sites.address("a"), tls=_tls(sites, "client:admin")) as producer:
+            futures = [producer.send(f"orders/slot/t{i}", b"v") for i in range(12)]
+            for _ in range(5):  # every metadata task has its stub, or waits for a slot
+                await asyncio.sleep(0)
+            await producer._connection.reconnect(producer._connection.generation)
+            await asyncio.wait_for(asyncio.gather(*futures), timeout=60)
+
+    asyncio.run(go())
+    assert all(_records(sites, "a", f"orders/slot/t{i}") == 1 for i in range(12))
+
+
 def test_a_raw_produce_and_a_produce_stream_create_their_topic_too(sites: Sites) -> None:
     resp = _produce(sites.stub("a"), "orders/raw", b"one")
     assert not resp.HasField("error") and resp.base_offset == 0, resp
