@@ -1,10 +1,15 @@
-"""The file-backed metadata of a one-node site: ``topics.json`` (topics, ACLs, SASL users) and ``site.json``
-(the site's identity), behind the ``MetadataStore`` port of ``georep/metadata/store.py``.
+"""The file-backed metadata of a one-node site: ``topics.json`` (topics, ACLs, SASL users) with its journal
+``topics.journal``, and ``site.json`` (the site's identity), behind the ``MetadataStore`` port of
+``georep/metadata/store.py``.
 
-Both files are JSON replaced atomically (write, fsync, rename, fsync the directory), with a checksum member
+Both JSON files are replaced atomically (write, fsync, rename, fsync the directory), with a checksum member
 (``georep/storage/checked_json.py``): a changed digit still parses, and these files are not derived from
 anything, so damage is refused with what to do rather than believed. Files of format version 1 (before the
 checksum) are read as they are; the next write replaces them.
+
+A create or a merge of topics appends the entries it changed to the journal (``georep/storage/table_journal.py``)
+instead of rewriting the table: 100,000 topics created a thousand at a time had rewritten 5 billion bytes of table.
+ACL and user changes, and a journal grown past the table, write the table whole (a compaction).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from georep.metadata.topic_entry_codec import entry_from_dict, entry_to_dict, sp
 from georep.metadata.topics import TopicSpec
 from georep.storage.api import StorageError
 from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
+from georep.storage.durable_file import replace_file
+from georep.storage.table_journal import JournalDamaged, TableJournal
 from topology.ids import InvalidSiteId, site_id
 
 log = logging.getLogger(__name__)
@@ -72,19 +79,27 @@ class FileMetadataStore:
         self._topics: dict[str, TopicSpec] = {}  # the live entries' specs: the same objects until they change
         self._acls: dict[str, AclRecord] = {}
         self._topics_version = 0  # one more per change of the topic table (MetadataStore.topics_version)
+        self._journal = TableJournal(path)
+        self._snapshot_bytes = 0  # the size of the table as last written whole: the journal compacts past it
         if not path.exists():
             return
         try:
-            raw = loads_checked(path.read_bytes(), unchecked_formats=(1,), format_key="version")
+            data = path.read_bytes()
+            raw = loads_checked(data, unchecked_formats=(1,), format_key="version")
+            self._snapshot_bytes = len(data)
             for name, t in raw["topics"].items():
                 self._entries[name] = entry_from_dict(name, t)
             for entry in raw.get("acls", ()):  # absent in tables written before ACLs
                 record = AclRecord.from_dict(entry)
                 self._acls[record.entry] = record
-        except (DamagedStateFile, ValueError, KeyError, TypeError, AttributeError) as exc:
+            for change in self._journal.open(int(raw.get("journal", 0))):
+                for name, t in change["topics"].items():
+                    self._entries[name] = entry_from_dict(name, t)
+        except (DamagedStateFile, JournalDamaged, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise MetadataFileDamaged(
-                f"{path} is damaged ({exc}): it holds this site's topic definitions, ACLs and SASL users. Restore "
-                "it from a backup; or move it away and start the node: it takes the topics, ACLs and users of its "
+                f"{path} or its journal is damaged ({exc}): they hold this site's topic definitions, ACLs and SASL "
+                "users. Restore them from a backup (topics.json with its topics.*.journal files); or move them away "
+                "and start the node: it takes the topics, ACLs and users of its "
                 "linked sites back through topic and ACL sync, and serves the partitions on disk again as their "
                 "topics come back (a site with no links must create its topics again with the same partitions)"
             ) from None
@@ -128,8 +143,9 @@ class FileMetadataStore:
                 entries[spec.name] = given
             else:
                 entries[spec.name] = create(spec.name, spec.partitions, spec.config, held, now, self._site)
-        self._write(entries, self._acls)
-        self._set_entries(entries, [spec.name for spec in specs])
+        names = [spec.name for spec in specs]
+        self._write(entries, self._acls, names)
+        self._set_entries(entries, names)
 
     def merge_entries(self, received: Sequence[TopicEntry]) -> list[Merged]:
         """Join each of ``received`` into the entry held for its name (``topic_entry.merge``), with one write of
@@ -142,7 +158,7 @@ class FileMetadataStore:
             out.append(merged)
         changed = [m.entry.name for m in out if m.changed]
         if changed:
-            self._write(entries, self._acls)
+            self._write(entries, self._acls, changed)
             self._set_entries(entries, changed)
         return out
 
@@ -164,17 +180,26 @@ class FileMetadataStore:
         if not acl_newer(record, self._acls.get(record.entry)):
             return False
         acls = {**self._acls, record.entry: record}
-        self._write(self._entries, acls)
+        self._write(self._entries, acls, None)
         self._acls = acls
         return True
 
-    def _write(self, entries: dict[str, TopicEntry], acls: dict[str, AclRecord]) -> None:
+    def _write(self, entries: dict[str, TopicEntry], acls: dict[str, AclRecord], changed: list[str] | None) -> None:
+        """Make ``entries`` and ``acls`` durable: the entries ``changed`` appended to the journal, or (``changed``
+        None: the ACLs changed; or the journal outgrew the table) the table written whole."""
+        if changed is not None and not self._journal.wants_compaction(self._snapshot_bytes):
+            self._journal.append({"topics": {name: entry_to_dict(entries[name]) for name in changed}})
+            return
         # Each entry keeps today's "partitions" and "config" beside its own fields (a tombstone's are 0 and {}).
+        generation = self._journal.begin()
         table = {name: entry_to_dict(e) for name, e in entries.items()}
-        out: dict[str, Any] = {"version": 2, "topics": table}  # 2: with a checksum
+        out: dict[str, Any] = {"version": 2, "topics": table, "journal": generation}  # 2: with a checksum
         if acls:
             out["acls"] = [acls[k].to_dict() for k in sorted(acls)]
-        write_json_atomic(self._path, out, checked=True)
+        data = dumps_checked(out)
+        replace_file(self._path, data)
+        self._snapshot_bytes = len(data)
+        self._journal.retire_older(generation)
 
 
 def load_or_create_identity(data_dir: Path, site: str, now_s: int) -> SiteIdentity:

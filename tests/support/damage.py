@@ -4,7 +4,7 @@ Each seed, on three sites in a triangle (``tests/support/sites.py``) that keep r
 
 1. records are produced at a site the seed picks (every site is an origin: multi-master), and the sites converge;
 2. one site is stopped cleanly, and one of its files is damaged: a segment's ``.log``, ``.index`` or ``.oindex``,
-   ``damaged.json``, the recovery point, ``topics.json``, ``site.json`` or ``node.json``; by flipping bytes,
+   ``damaged.json``, the recovery point, ``topics.json`` and its journal, ``site.json`` or ``node.json``; by flipping bytes,
    truncating it, zeroing a page of it, or deleting it;
 3. the site is started again. Either it refuses to start, and then its log names the damaged file and says what
    to do (the campaign then puts the file back as a backup would, and starts it); or it starts;
@@ -73,6 +73,7 @@ _KINDS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("recovery point", lambda n: n in ("recovery-point", "recovery-point-checkpoint")),
     ("log start", lambda n: n == "log-start"),
     ("topics", lambda n: n == "topics.json"),
+    ("topics journal", lambda n: n.startswith("topics.") and n.endswith(".journal")),
     ("site identity", lambda n: n == "site.json"),
     ("node info", lambda n: n == "node.json"),
 )
@@ -87,6 +88,7 @@ WEIGHTS = {
     "recovery point": 2,
     "log start": 1,
     "topics": 1,
+    "topics journal": 1,
     "site identity": 1,
     "node info": 1,
 }
