@@ -8,6 +8,7 @@ import errno
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -158,7 +159,7 @@ OPS = st.lists(
 @settings(max_examples=examples(60), deadline=None)
 @given(ops=OPS, torn=st.integers(1, 40), min_compact=st.sampled_from([200, 2_000, 1 << 20]))
 def test_the_table_read_back_is_every_acknowledged_change_and_a_torn_tail_loses_only_the_last(
-    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, object]], torn: int, min_compact: int
+    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, Any]], torn: int, min_compact: int
 ) -> None:
     """Any sequence of creates, deletes (merged tombstones) and ACL changes, through compactions at any size, reads
     back as the table in memory. Then a last change torn at any byte reads back as the table before it."""
@@ -169,7 +170,7 @@ def test_the_table_read_back_is_every_acknowledged_change_and_a_torn_tail_loses_
         store = store_at(path)
         for op, arg in ops:
             if op == "create":
-                names = [f"t{i}" for i in arg if f"t{i}" not in store.topics()]  # type: ignore[union-attr]
+                names = [f"t{i}" for i in arg if f"t{i}" not in store.topics()]
                 if names:
                     create(store, *names)
             elif op == "delete" and f"t{arg}" in store.topics():

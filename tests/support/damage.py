@@ -4,8 +4,8 @@ Each seed, on three sites in a triangle (``tests/support/sites.py``) that keep r
 
 1. records are produced at a site the seed picks (every site is an origin: multi-master), and the sites converge;
 2. one site is stopped cleanly, and one of its files is damaged: a segment's ``.log``, ``.index`` or ``.oindex``,
-   ``damaged.json``, the recovery point, ``topics.json`` and its journal, ``site.json`` or ``node.json``; by flipping bytes,
-   truncating it, zeroing a page of it, or deleting it;
+   ``damaged.json``, the recovery point, ``topics.json`` or its journal, ``site.json`` or ``node.json``; by
+   flipping bytes, truncating it, zeroing a page of it, or deleting it;
 3. the site is started again. Either it refuses to start, and then its log names the damaged file and says what
    to do (the campaign then puts the file back as a backup would, and starts it); or it starts;
 4. it is scrubbed, and the campaign waits until every site holds the same records with nothing quarantined;
