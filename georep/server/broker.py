@@ -60,6 +60,7 @@ from georep.metadata.topics import (
 from georep.record.validate import TimestampWindow
 from georep.replication.sink import ApplyOutcome, CorruptChunk, InvalidChunk, apply_chunk
 from georep.server.group_flush import GroupFlush
+from georep.storage import api as storage_api
 from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep, StorageError
 from georep.storage.deleted_dirs import DELETED_DIR, finish_removals
 from georep.storage.durable_file import fsync_directory
@@ -968,8 +969,11 @@ class Broker:
     # -- damage ---------------------------------------------------------------
 
     def damaged(self) -> dict[tuple[str, int], list[DamagedBatch]]:
-        """The quarantined batches of every partition that has some."""
+        """The quarantined batches of every partition that has some: nothing to walk while no log anywhere has any
+        (``georep.storage.api.quarantined``)."""
         out: dict[tuple[str, int], list[DamagedBatch]] = {}
+        if not storage_api.quarantined:
+            return out
         for key, p in sorted(self.partitions.items()):
             batches = p.log.damaged_batches()
             if batches:

@@ -36,6 +36,12 @@ class DiskFull(StorageError):
     """A write hit ENOSPC (or EDQUOT). Nothing was half-written; reads still work."""
 
 
+# Whose quarantine list is not empty: a SegmentLog's directory, a MemoryLog itself. Kept where each log's list
+# changes: while it is empty (no damage anywhere, the usual case) a node's repair loop walks no partition, however
+# many are served or being created (Broker.damaged).
+quarantined: set[object] = set()
+
+
 @dataclass(frozen=True, slots=True)
 class DamagedBatch:
     """A stored batch whose bytes fail their check (CRC, framing, offset): quarantined until repaired.

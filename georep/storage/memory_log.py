@@ -25,6 +25,7 @@ from georep.storage.api import (
     ScrubStep,
     SegmentBatches,
     copy_for_repair,
+    quarantined,
 )
 from offsets.coordinates import LocalOffset, Origin, OriginSeq
 
@@ -119,6 +120,7 @@ class MemoryLog:
             h.crc,
         )
         self._damaged[h.base_offset] = damaged
+        quarantined.add(self)
         self.damage_found_total += 1
         return damaged
 
@@ -140,6 +142,8 @@ class MemoryLog:
         prefix = local_prefix(base_offset, h.batch_length, stored.append_time_ms, h.crc)
         self._batches[i] = prefix + bytes(memoryview(batch)[REWRITTEN_BYTES:])
         del self._damaged[base_offset]
+        if not self._damaged:
+            quarantined.discard(self)
         self.repaired_total += 1
         return damaged
 

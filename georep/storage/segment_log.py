@@ -151,6 +151,7 @@ from georep.storage.api import (
     SegmentBatches,
     StorageError,
     copy_for_repair,
+    quarantined,
 )
 from georep.storage.batch_scan import ScanBounds
 from georep.storage.checked_json import DamagedStateFile, dumps_checked, loads_checked
@@ -790,6 +791,7 @@ class SegmentLog:
         if lost or released or len(quarantine) != len(listed):
             _write_damaged(self.directory, self._damaged)
         elif quarantine:
+            quarantined.add(self.directory)
             quarantine_changes[0] += 1  # a log opened late (a replica copy) brings its listed damage along
         for d in quarantine.values():
             log.error(
@@ -815,7 +817,7 @@ class SegmentLog:
                 return ScrubStep(int(segment.next_offset), 0, [])
             first = (entry.position, entry.base_offset)
             entries = segment.origin_entries(0, segment.batch_count)
-            quarantined = {d.base_offset for d in self._damaged.values()}
+            in_quarantine = {d.base_offset for d in self._damaged.values()}
             fd = os.dup(segment.log_fd)
         checked = 0
         bad: str | None = None
@@ -827,7 +829,7 @@ class SegmentLog:
                     continue
                 if e.base_offset >= end or checked >= max_bytes:
                     break
-                if bad is None and e.base_offset not in quarantined:
+                if bad is None and e.base_offset not in in_quarantine:
                     data = os.pread(fd, e.size_bytes, e.position)
                     bad = _stored_problem(data, e)
                     why = None if bad is not None or e.base_offset in self._invalid else _invalid_records(data)
@@ -1302,6 +1304,10 @@ def _retention_due(segments: list[Segment], config: LogConfig) -> int | None:
 
 def _write_damaged(directory: Path, damaged: dict[int, DamagedBatch]) -> None:
     """Persist a log's quarantine list (its lock held): it must survive restarts, or damage would be forgotten."""
+    if damaged:
+        quarantined.add(directory)
+    else:
+        quarantined.discard(directory)
     quarantine_changes[0] += 1
     path = directory / DAMAGED_FILE
     if not damaged:
