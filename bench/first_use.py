@@ -169,6 +169,7 @@ def main() -> None:
     parser.add_argument("--topics", type=int, default=2000)
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--py-spy", type=Path, metavar="DIR", help="record a, b and c with py-spy during first use")
+    parser.add_argument("--lone-only", action="store_true", help="only the lone site's part (created first, pattern)")
     args = parser.parse_args()
     n, r = args.topics, args.records
     if args.py_spy is not None:
@@ -176,18 +177,30 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="georep-bench-first-use-"))
     for part in ("chain", "lone"):
         (root / part).mkdir()
-    chain = chain_run(root / "chain", n, r, args.py_spy)
-    if args.py_spy is not None:
+    chain = None if args.lone_only else chain_run(root / "chain", n, r, args.py_spy)
+    if chain is not None and args.py_spy is not None:
         for site in "abc":
             print_top(args.py_spy / f"first-use-{site}.txt", f"node {site}, first use")
     lone = lone_run(root / "lone", n, r)
+    print(f"georep dynamic-topics bench: {n:,} topics of 1 partition, {r:,} records of {len(VALUE)} bytes, 2 cores")
+    made = f"created first: {lone['create_s']:.1f} s + {lone['made_s']:.1f} s to produce"
+    if chain is None:
+        print(f"  {made}")
+    else:
+        print_chain(chain, n, r, made, lone["create_s"] + lone["made_s"])
+    print(
+        f"  pattern consumer (bench/made/**, {n:,} topics): {r / lone['pattern_s']:,.0f} records/s; one topic: "
+        f"{r / lone['one_s']:,.0f} records/s; ratio {lone['one_s'] / lone['pattern_s']:.2f}"
+    )
+    print(f"  load average {os.getloadavg()[0]:.1f}")
+
+
+def print_chain(chain: dict[str, float], n: int, r: int, made: str, made_s: float) -> None:
     produced = r * len(VALUE)
     per_topic_kb = (chain["rss1"] - chain["rss0"]) * 1024 / n
-    print(f"georep dynamic-topics bench: {n:,} topics of 1 partition, {r:,} records of {len(VALUE)} bytes, 2 cores")
     print(
-        f"  first use at a: {chain['first_s']:.1f} s ({r / chain['first_s']:,.0f} records/s); created first: "
-        f"{lone['create_s']:.1f} s + {lone['made_s']:.1f} s to produce; ratio "
-        f"{chain['first_s'] / (lone['create_s'] + lone['made_s']):.2f}"
+        f"  first use at a: {chain['first_s']:.1f} s ({r / chain['first_s']:,.0f} records/s); {made}; ratio "
+        f"{chain['first_s'] / made_s:.2f}"
     )
     print(
         f"  a: RSS {chain['rss0']:.0f} -> {chain['rss1']:.0f} MB, {per_topic_kb:.1f} KB/topic (100,000 topics: "
@@ -202,11 +215,6 @@ def main() -> None:
         f"  bytes moved a -> b {chain['to_b']:,} ({100 * chain['to_b'] / produced:.2f}%), b -> c {chain['to_c']:,} "
         f"({100 * chain['to_c'] / produced:.2f}% of {produced:,} produced) [target <= 2%]"
     )
-    print(
-        f"  pattern consumer (bench/made/**, {n:,} topics): {r / lone['pattern_s']:,.0f} records/s; one topic: "
-        f"{r / lone['one_s']:,.0f} records/s; ratio {lone['one_s'] / lone['pattern_s']:.2f}"
-    )
-    print(f"  load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

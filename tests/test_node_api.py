@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -163,6 +164,26 @@ def test_fetch_out_of_range_names_the_valid_range(api: pbg.NodeStub) -> None:
     stream = api.Fetch(pb.FetchRequest(topic="t", partition=0, offset=50))
     msg = expect_error(grpc.StatusCode.OUT_OF_RANGE, lambda: next(stream))
     assert "[0, 3]" in msg
+
+
+def test_an_idle_fetch_answers_after_max_wait_then_less_and_less_often(api: pbg.NodeStub) -> None:
+    """An idle stream answers (empty) after max_wait_ms, as Kafka's fetch does, then twice as late each time: a
+    consumer of 10,000 quiet partitions must not wake its node 20,000 times a second. 50 ms answered every time is
+    about 40 answers in 2 s; doubled, at most 6 (fewer on a loaded machine, never more). Then a record comes at
+    once, and the next idle answer is after max_wait again."""
+    api.CreateTopic(pb.CreateTopicRequest(name="idle", partitions=1))
+    stream = api.Fetch(pb.FetchRequest(topic="idle", partition=0, offset=0, max_wait_ms=50), timeout=60)
+    start = time.monotonic()
+    empties = 0
+    for response in stream:
+        assert response.batches == b""
+        empties += 1
+        if time.monotonic() - start > 2.0:
+            break
+    assert 1 <= empties <= 6, empties
+    api.Produce(pb.ProduceRequest(topic="idle", partition=0, batch=batch(1)))
+    assert next(stream).batches != b""
+    stream.cancel()
 
 
 def test_geo_acks_without_links_are_refused(api: pbg.NodeStub) -> None:

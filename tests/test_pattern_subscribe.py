@@ -184,3 +184,40 @@ def test_a_listing_for_a_pattern_carries_only_the_matching_topics(sites: Sites) 
         assert sorted(t.name for t in listed.topics) == ["p6/a", "p6/b/c"], listed
     with pytest.raises(grpc.RpcError, match="wildcard"):
         stub.ListTopics(pb.ListTopicsRequest(pattern="p6*"), timeout=10)
+
+
+def test_one_cancelled_stream_is_opened_again_without_replacing_the_channel_of_the_others(
+    sites: Sites, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer reads each partition on its own stream over one channel. A stream that ends CANCELLED (a call
+    cancelled, not the node lost: that is UNAVAILABLE) is opened again; it once reconnected the channel, which
+    cancelled every other stream, each of which reconnected in turn (a wildcard consumer of 10,000 topics read 203
+    records/s; bench/first_use.py --lone-only)."""
+    import georep.client.fetcher as fetcher_module
+
+    names = [f"p5/t{i}" for i in range(6)]
+    _create(sites, *names, partitions=1)
+    asyncio.run(_produce(sites.address("a"), {n: [f"{n}-0"] for n in names}))
+    real_read = fetcher_module._PartitionFetch._read
+    cancelled: list[str] = []
+
+    async def read_once_cancelled(self: fetcher_module._PartitionFetch, call: object, *args: object) -> bool:
+        if self.state.tp[0] == "p5/t3" and not cancelled:
+            cancelled.append(self.state.tp[0])
+            meta = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, meta, meta, details="Locally cancelled")
+        return await real_read(self, call, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fetcher_module._PartitionFetch, "_read", read_once_cancelled)
+
+    async def run() -> tuple[list[tuple[str, str]], int, int]:
+        async with Consumer(sites.address("a"), auto_offset_reset="earliest", metadata_max_age_ms=REFRESH_MS) as c:
+            c.subscribe(pattern="p5/**")
+            await c._connection.connect()
+            generation = c._connection.generation  # before any stream opens
+            return await _read(c, len(names)), generation, c._connection.generation
+
+    got, before, after = asyncio.run(run())
+    assert cancelled == ["p5/t3"]
+    assert sorted(got) == sorted((n, f"{n}-0") for n in names)
+    assert after == before  # the channel every other stream was on stayed

@@ -345,6 +345,13 @@ class _PartitionFetch:
         if isinstance(error, DamagedData) and error.next_offset >= 0:
             await self._damaged(error)
             return True
+        if isinstance(error, NodeUnavailable) and error.code == grpc.StatusCode.CANCELLED:
+            # This stream was cancelled, not the node lost (that is UNAVAILABLE): the channel was replaced under it,
+            # or the call alone ended. Open it again on the channel there is now. A reconnect here would cancel
+            # every other stream of the channel, each of which would reconnect in turn: with a few thousand
+            # partitions (a wildcard subscription) that storm held a consumer to a few hundred records a second.
+            await asyncio.sleep(self._backoff())
+            return True
         if isinstance(error, NodeUnavailable):
             await self._lost(preferred, generation, backoff_first=True)
             return True
