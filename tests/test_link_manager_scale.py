@@ -155,3 +155,63 @@ def test_the_incremental_tick_decides_what_the_full_walk_decided(seed: int) -> N
         assert fast.wants("b") == full.wants("b") and fast.wants("c") == full.wants("c")
         stalls += bool(full.stalled)
     assert stalls  # the run exercised stalls, not only the quiet path
+
+
+class NoCache(LinkManager):
+    """wants() as main computed it before topics were added to the answers kept: every topic routed, every call."""
+
+    def wants(self, src: str) -> dict[tuple[str, int], tuple[SiteId, ...]]:
+        self._forget_wants()
+        return super().wants(src)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_wants_kept_across_creates_and_growth_are_what_routing_every_topic_gives(seed: int) -> None:
+    """Topics created and grown between wants() calls are added to the answers kept; stalls and link changes in
+    between still start over. Against a reference that routes every topic at every call (planted: an answer kept
+    without the new topics, or with a grown topic's old partitions only, fails here)."""
+    rng = random.Random(seed)
+    kept, fresh = LinkManager(DIAMOND, "a", stall_ms=500), NoCache(DIAMOND, "a", stall_ms=500)
+    now, names = 0, ["t0"]
+    for m in (kept, fresh):
+        m.topic("t0", 1)
+    for _ in range(400):
+        op, src = rng.random(), rng.choice(["b", "c"])
+        name = rng.choice(names)
+        key = (name, rng.randrange(kept.partitions[name]))
+        vector = {o: rng.randint(0, 6) for o in rng.sample([D, D2], rng.randint(0, 2))}
+        new = f"t{len(names)}"
+        for m in (kept, fresh):
+            if op < 0.2:
+                m.topic(new, rng.randint(1, 3) if m is kept else kept.partitions[new])
+            elif op < 0.3:
+                m.topic(name, m.partitions[name] + 1)
+            elif op < 0.55:
+                m.upstream_vector(src, key, vector)
+            elif op < 0.7:
+                m.local_vector(key, vector)
+            elif op < 0.75:
+                m.link_down(src, now, "gone")
+            elif op < 0.85:
+                m.link_up(src, now)
+            else:
+                m.tick(now)
+        if op < 0.2:
+            names.append(new)
+        now += rng.randint(0, 300)
+        assert kept.wants("b") == fresh.wants("b") and kept.wants("c") == fresh.wants("c"), (seed, now)
+
+
+def test_a_new_topic_routes_only_itself() -> None:
+    """2,000 topics known and their wants kept: one more routes one topic per origin, not 2,001."""
+    m = LinkManager(DIAMOND, "a", stall_ms=1_000)
+    for i in range(2_000):
+        m.topic(f"t{i}", 1)
+    m.link_up("b", 0)
+    before = m.wants("b")
+    routed: list[Any] = []
+    m._route = counting(routed, m._route)  # type: ignore[method-assign]
+    m.topic("new", 2)
+    after = m.wants("b")
+    assert after is not before and set(after) - set(before) == {("new", 0), ("new", 1)}
+    assert len(routed) <= len(DIAMOND.site_ids())

@@ -108,15 +108,23 @@ class LinkManager:
         # wants() depends only on the link states, the stalls and the topics; routing is costly
         # enough to dominate a simulated run, so answers are kept until one of those changes.
         self._wants: dict[SiteId, dict[PartitionKey, tuple[SiteId, ...]]] = {}
+        # Topics created or grown since the answers were kept: the next wants() adds only them to the answers kept,
+        # so a site learning 100,000 topics a batch at a time routes each topic once, not every topic at every batch
+        # (issue 25). A topic never shrinks, so its partitions kept stay right.
+        self._topics_changed: set[str] = set()
         # The failover order depends only on the link states (tick asks for it per partition and origin).
         self._failover: dict[tuple[str, SiteId], tuple[SiteId, ...]] = {}
         # Links in mode "interest" carry a topic only while this predicate holds (topology/interest.py; the node
         # sets it, and calls interests_changed when its answers may have); None: they carry what their filters do.
         self.interest: Callable[[str], bool] | None = None
 
+    def _forget_wants(self) -> None:
+        self._wants.clear()
+        self._topics_changed.clear()
+
     def interests_changed(self) -> None:
         """What this site wants over its interest links may have changed: wants() answers anew."""
-        self._wants.clear()
+        self._forget_wants()
 
     # -- events ---------------------------------------------------------------
 
@@ -125,7 +133,7 @@ class LinkManager:
         if link.state is not LinkState.STREAMING:
             link.state, link.since_ms = LinkState.STREAMING, now_ms  # its last error stays until progress
             self.router.set_link_up(src, self.site, True)
-            self._wants.clear()
+            self._forget_wants()
             self._failover.clear()
             for key in list(link.vectors):  # a down link's vectors did not count: now they do
                 self._judge(key)
@@ -135,7 +143,7 @@ class LinkManager:
         if link.state is not LinkState.DOWN:
             link.state, link.since_ms = LinkState.DOWN, now_ms
             self.router.set_link_up(src, self.site, False)
-            self._wants.clear()
+            self._forget_wants()
             self._failover.clear()
         link.last_error = error or link.last_error
         keys = list(link.vectors)
@@ -150,7 +158,8 @@ class LinkManager:
         """A topic exists at this site with ``partitions`` partitions."""
         if self.partitions.get(name) != partitions:
             self.partitions[name] = partitions
-            self._wants.clear()
+            if self._wants:
+                self._topics_changed.add(name)
 
     def upstream_vector(self, src: str, key: PartitionKey, vector: Mapping[Origin, int]) -> None:
         link = self.links[SiteId(src)]
@@ -180,7 +189,7 @@ class LinkManager:
             if pair not in pairs and not self._short.get(pair):
                 del self.stalled[pair]
                 self._short.pop(pair, None)
-                self._wants.clear()
+                self._forget_wants()
 
     def _behind_at(self, key: PartitionKey, behind: dict[BehindEntry, int]) -> None:
         """Add to ``behind`` each (upstream, origin site, ``key``) whose upstream is behind at ``key``, with what
@@ -218,7 +227,7 @@ class LinkManager:
             if now_ms - seen[0] >= self.stall_ms and pair not in self.stalled:
                 self.stalled[pair] = Stall(pair[0], pair[1], now_ms)
                 self._short[pair] = self._walk_short(pair)
-                self._wants.clear()
+                self._forget_wants()
         for entry in sorted(set(self._behind_since) - behind.keys()):
             del self._behind_since[entry]
 
@@ -232,20 +241,37 @@ class LinkManager:
         answer is shared until the routing changes: read it, do not change it.
         """
         s = SiteId(src)
+        if self._topics_changed:
+            self._add_changed_topics()
         known = self._wants.get(s)
         if known is not None:
             return known
-        link = self.topology.link(s, self.site)
         out: dict[PartitionKey, tuple[SiteId, ...]] = {}
-        by_interest = link.mode == "interest" and self.interest is not None
         for topic in sorted(self.partitions):
-            if not link.carries(topic) or (by_interest and not self.interest(topic)):  # type: ignore[misc]
-                continue
-            origins = tuple(o for o in self.topology.site_ids() if self._route(topic, o) == s)
-            for p in range(self.partitions[topic]):
-                out[(topic, p)] = origins
+            self._want_topic(s, topic, out)
         self._wants[s] = out
         return out
+
+    def _want_topic(self, s: SiteId, topic: str, out: dict[PartitionKey, tuple[SiteId, ...]]) -> None:
+        """Add to ``out`` the partitions of ``topic`` the link ``s -> site`` carries, with their origins over it."""
+        link = self.topology.link(s, self.site)
+        if not link.carries(topic) or (
+            link.mode == "interest" and self.interest is not None and not self.interest(topic)
+        ):
+            return
+        origins = tuple(o for o in self.topology.site_ids() if self._route(topic, o) == s)
+        for p in range(self.partitions[topic]):
+            out[(topic, p)] = origins
+
+    def _add_changed_topics(self) -> None:
+        """The answers kept, each a new dict (a caller compares them by identity), with the topics created or grown
+        since: the others' routes did not change."""
+        changed, self._topics_changed = sorted(self._topics_changed), set()
+        for s, known in list(self._wants.items()):
+            out = dict(known)
+            for topic in changed:
+                self._want_topic(s, topic, out)
+            self._wants[s] = out
 
     def upstream_for(self, topic: str, origin_site: str) -> SiteId | None:
         return self._route(topic, SiteId(origin_site))
