@@ -128,7 +128,6 @@ def chain_run(root: Path, topics: int, records: int, spy: Path | None) -> dict[s
             first_s = asyncio.run(produce(sites.address("a"), names, records))
         out = {"first_s": first_s, "rss0": rss0, "rss1": rss_mb(pid), "disk_kb": (disk_mb(root / "a") - disk0) * 1e3}
         wanted = sum(1 for i in range(records) if (i % topics) % GROUPS == 7)
-        print(f"  (first use: {first_s:.1f} s; RSS of a {out['rss1']:.0f} MB)", flush=True)
         out["sub_first_s"], out["sub_all_s"] = asyncio.run(subscribe_at_c(sites.address("c"), wanted))
         out["wanted"] = wanted
         out["to_b"], out["to_c"] = applied(sites, "b"), applied(sites, "c")
@@ -169,39 +168,41 @@ def main() -> None:
     parser.add_argument("--topics", type=int, default=2000)
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--py-spy", type=Path, metavar="DIR", help="record a, b and c with py-spy during first use")
-    parser.add_argument("--lone-only", action="store_true", help="only the lone site's part (created first, pattern)")
+    parser.add_argument(
+        "--parts",
+        default="chain,lone",
+        help="chain (first use, subscription at c, bytes moved), lone (created first, pattern consumer), or both",
+    )
     args = parser.parse_args()
     n, r = args.topics, args.records
     if args.py_spy is not None:
         args.py_spy.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="georep-bench-first-use-"))
-    for part in ("chain", "lone"):
-        (root / part).mkdir()
-    chain = None if args.lone_only else chain_run(root / "chain", n, r, args.py_spy)
-    if chain is not None and args.py_spy is not None:
-        for site in "abc":
-            print_top(args.py_spy / f"first-use-{site}.txt", f"node {site}, first use")
-    lone = lone_run(root / "lone", n, r)
     print(f"georep dynamic-topics bench: {n:,} topics of 1 partition, {r:,} records of {len(VALUE)} bytes, 2 cores")
-    made = f"created first: {lone['create_s']:.1f} s + {lone['made_s']:.1f} s to produce"
-    if chain is None:
-        print(f"  {made}")
-    else:
-        print_chain(chain, n, r, made, lone["create_s"] + lone["made_s"])
-    print(
-        f"  pattern consumer (bench/made/**, {n:,} topics): {r / lone['pattern_s']:,.0f} records/s; one topic: "
-        f"{r / lone['one_s']:,.0f} records/s; ratio {lone['one_s'] / lone['pattern_s']:.2f}"
-    )
+    if "chain" in args.parts:
+        (root / "chain").mkdir()
+        chain = chain_run(root / "chain", n, r, args.py_spy)
+        print_chain(chain, n, r)
+        if args.py_spy is not None:
+            for site in "abc":
+                print_top(args.py_spy / f"first-use-{site}.txt", f"node {site}, first use")
+    if "lone" in args.parts:
+        (root / "lone").mkdir()
+        lone = lone_run(root / "lone", n, r)
+        made_s = lone["create_s"] + lone["made_s"]
+        ratio = f"; first use / created first {chain['first_s'] / made_s:.2f}" if "chain" in args.parts else ""
+        print(f"  created first: {lone['create_s']:.1f} s + {lone['made_s']:.1f} s to produce{ratio}")
+        print(
+            f"  pattern consumer (bench/made/**, {n:,} topics): {r / lone['pattern_s']:,.0f} records/s; one topic: "
+            f"{r / lone['one_s']:,.0f} records/s; ratio {lone['one_s'] / lone['pattern_s']:.2f}"
+        )
     print(f"  load average {os.getloadavg()[0]:.1f}")
 
 
-def print_chain(chain: dict[str, float], n: int, r: int, made: str, made_s: float) -> None:
+def print_chain(chain: dict[str, float], n: int, r: int) -> None:
     produced = r * len(VALUE)
     per_topic_kb = (chain["rss1"] - chain["rss0"]) * 1024 / n
-    print(
-        f"  first use at a: {chain['first_s']:.1f} s ({r / chain['first_s']:,.0f} records/s); {made}; ratio "
-        f"{chain['first_s'] / made_s:.2f}"
-    )
+    print(f"  first use at a: {chain['first_s']:.1f} s ({r / chain['first_s']:,.0f} records/s)")
     print(
         f"  a: RSS {chain['rss0']:.0f} -> {chain['rss1']:.0f} MB, {per_topic_kb:.1f} KB/topic (100,000 topics: "
         f"{chain['rss0'] + per_topic_kb * 100_000 / 1024:,.0f} MB) [target <= 2,048 MB]; disk "

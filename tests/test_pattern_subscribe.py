@@ -195,14 +195,14 @@ def test_one_cancelled_stream_is_opened_again_without_replacing_the_channel_of_t
     records/s; bench/first_use.py --lone-only)."""
     import georep.client.fetcher as fetcher_module
 
-    names = [f"p5/t{i}" for i in range(6)]
+    names = [f"pcancel/t{i}" for i in range(6)]
     _create(sites, *names, partitions=1)
     asyncio.run(_produce(sites.address("a"), {n: [f"{n}-0"] for n in names}))
     real_read = fetcher_module._PartitionFetch._read
     cancelled: list[str] = []
 
     async def read_once_cancelled(self: fetcher_module._PartitionFetch, call: object, *args: object) -> bool:
-        if self.state.tp[0] == "p5/t3" and not cancelled:
+        if self.state.tp[0] == "pcancel/t3" and not cancelled:
             cancelled.append(self.state.tp[0])
             meta = grpc.aio.Metadata()
             raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, meta, meta, details="Locally cancelled")
@@ -212,12 +212,12 @@ def test_one_cancelled_stream_is_opened_again_without_replacing_the_channel_of_t
 
     async def run() -> tuple[list[tuple[str, str]], int, int]:
         async with Consumer(sites.address("a"), auto_offset_reset="earliest", metadata_max_age_ms=REFRESH_MS) as c:
-            c.subscribe(pattern="p5/**")
+            c.subscribe(pattern="pcancel/**")
             await c._connection.connect()
             generation = c._connection.generation  # before any stream opens
             return await _read(c, len(names)), generation, c._connection.generation
 
     got, before, after = asyncio.run(run())
-    assert cancelled == ["p5/t3"]
+    assert cancelled == ["pcancel/t3"]
     assert sorted(got) == sorted((n, f"{n}-0") for n in names)
     assert after == before  # the channel every other stream was on stayed

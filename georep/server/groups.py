@@ -99,6 +99,7 @@ class GroupService:
         self._creating = asyncio.Lock()
         self.clock_ms = clock_ms
         self.coordinator = GroupCoordinator(self._partition_count, self._new_member_id)
+        self.subscriptions_changed = 0  # one more whenever a member joins or names other topics
         self.commits = CommitLog()
         # What each live upstream holds of a partition now; the replicator replaces it (a standalone node has
         # no upstream).
@@ -285,6 +286,10 @@ class GroupService:
             session_timeout_ms,
             any(True for _ in self.table.of_group(group)),
         )
+        held = self.coordinator.groups.get(group)
+        member = None if held is None else held.members.get(req.member_id)
+        if member is None or list(member.topics) != list(req.topics):
+            self.subscriptions_changed += 1  # what this site reads changed: its interest links look at once
         hb = self.coordinator.heartbeat(
             group,
             req.member_id,

@@ -4,8 +4,10 @@ links' wants that follow them.
 
 * **This site's own interests** are the topics its readers read now: every topic of a consumer group member's
   subscription (georep's and Kafka's groups) and of an open ``Fetch`` (``local``, set by the service), taken again
-  every :data:`LOCAL_S`. A pattern consumer resolves its pattern against the site's catalog, which the topic sync
-  keeps whole whatever the links' modes, so its topics are named here once it reads them.
+  every :data:`LOCAL_S`, and at the next tick when a group member joins or names other topics or a topic gets its
+  first fetch (``local_moved``): a new reader's interest leaves within a tick. A pattern consumer resolves its
+  pattern against the site's catalog, which the topic sync keeps whole whatever the links' modes, so its topics
+  are named here once it reads them.
 * **Adverts** go to each upstream of an interest link when this site's table changes, and again every
   :data:`RENEW_S` as a lease of :data:`LEASE_MS` (an upstream that hears nothing for that long drops the advert:
   a site that went away stops being served after the lease and the linger).
@@ -48,6 +50,8 @@ class InterestLinks:
         self.table = Interests(topology, site, topology.site(site).interest_linger_ms)
         self.upstreams = sorted(li.src for li in topology.links if li.dst == site and li.mode == "interest")
         self.local: Callable[[], set[str]] = set  # the topics read here now (the service sets it)
+        self.local_moved: Callable[[], object] = lambda: None  # changes when a reader may have come (the service's)
+        self._local_seen: object = None
         self._changed = asyncio.Event()
         self._next_local = 0.0
         if self.upstreams:
@@ -57,8 +61,9 @@ class InterestLinks:
         """This site's readers again (every LOCAL_S), and leases and lingers that ran out."""
         now_ms = self.r.now_ms()
         changed = False
-        if now_s >= self._next_local:
-            self._next_local = now_s + LOCAL_S
+        moved = self.local_moved()
+        if now_s >= self._next_local or moved != self._local_seen:
+            self._next_local, self._local_seen = now_s + LOCAL_S, moved
             changed = self.table.set_local(sorted(self.local()), now_ms)
         if self.table.tick(now_ms) or changed:
             self._on_change()

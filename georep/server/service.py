@@ -126,6 +126,12 @@ def read_topics(service: NodeService) -> set[str]:
     return members | set(service.fetching) | service.kafka_read_topics()
 
 
+def reads_moved(service: NodeService) -> tuple[int, int]:
+    """Moves whenever a group member joins or names other topics, or a topic gets its first open fetch: the
+    interest links then take :func:`read_topics` at their next tick, not up to ``LOCAL_S`` later."""
+    return service.groups.subscriptions_changed, service.fetching_changed
+
+
 def _pattern_of(req: pb.ListTopicsRequest) -> Callable[[TopicEntry], bool] | None:
     """``ListTopics``' ``pattern``: which of the listed entries it keeps (None: every one, as filter() takes it)."""
     if not req.pattern:
@@ -189,9 +195,11 @@ class NodeService:
         self.catalog = TopicCatalog(secrets.token_hex(8))
         self._catalog_saw: int | None = None  # the metadata's topics_version the catalog last took
         self.fetching: collections.Counter[str] = collections.Counter()  # open Fetch calls per topic
+        self.fetching_changed = 0  # one more whenever a topic gets its first open Fetch
         self.kafka_read_topics: Callable[[], set[str]] = set  # the Kafka listener's groups' topics (serve.py)
         if replicator is not None:
             replicator.interest_links.local = functools.partial(read_topics, self)
+            replicator.interest_links.local_moved = functools.partial(reads_moved, self)
         broker.on_open = self._partition_opened
         for p in list(broker.partitions.values()):
             self._partition_opened(p)
@@ -399,6 +407,7 @@ class NodeService:
     async def fetch(self, data: bytes, context: Context) -> AsyncIterator[pb.FetchResponse]:
         req = parse(pb.FetchRequest, data)
         self.fetching[req.topic] += 1  # a topic read here: an interest of this site (interest_links.py)
+        self.fetching_changed += self.fetching[req.topic] == 1
         try:
             async for response in self._fetch(req):
                 yield response
