@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from dedup.producer import ProducerStateTable
 from georep.broker.acks import (
@@ -68,7 +68,7 @@ from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.partition_dirs import partition_dir_name, topic_file_name
 from georep.storage.private import FILE_MODE, private_dir
 from georep.storage.recovery_checkpoint import RecoveryCheckpoint
-from georep.storage.segment_log import SegmentLog
+from georep.storage.segment_log import SegmentLog, sync_filesystem
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -205,23 +205,27 @@ def _create_failed(name: str, exc: Exception) -> Exception:
     return WriteFailed(f"cannot create topic {name!r}: {exc}; nothing of it was kept")
 
 
-def _segment_logs(
-    logs_dir: Path,
-) -> tuple[
-    RecoveryCheckpoint, Callable[[Path, LogConfig, int], PartitionLog], Callable[[Path, LogConfig, int], PartitionLog]
-]:
-    """A node's own partition logs in ``logs_dir``: their checkpoint, how to open one, and how to open one at start."""
-    from georep.storage.segment_log import sync_filesystem
+class SegmentLogs(NamedTuple):
+    """A node's own partition logs in ``logs_dir``: their checkpoint, and how to open one, one at start, and a new
+    one (unsynced: :meth:`Broker.open_new_topics` syncs the file system once for all of a create's)."""
 
+    checkpoint: RecoveryCheckpoint
+    open: Callable[[Path, LogConfig, int], PartitionLog]
+    open_at_start: Callable[[Path, LogConfig, int], PartitionLog]
+    create: Callable[[Path, LogConfig, int], PartitionLog]
+
+
+def _segment_logs(logs_dir: Path) -> SegmentLogs:
     checkpoint = RecoveryCheckpoint.load(logs_dir)
     # One sync of the file system makes durable whatever a killed predecessor left in the page cache, so each
     # partition's open at start fsyncs only what it changes (10,000 partitions: seconds, not minutes). Only at
     # start: later opens are of directories this process may have written.
     sync_filesystem(logs_dir)
-    return (
+    return SegmentLogs(
         checkpoint,
         functools.partial(SegmentLog.open, points=checkpoint),
         functools.partial(SegmentLog.open, filesystem_synced=True, points=checkpoint),
+        functools.partial(SegmentLog.create_empty, points=checkpoint),
     )
 
 
@@ -341,8 +345,9 @@ class Broker:
         # The recovery points of every partition in one file (georep/storage/recovery_checkpoint.py), written at
         # each retention run and at close; None when the caller opens its own logs.
         self.checkpoint: RecoveryCheckpoint | None = None
+        self._create_log: Callable[[Path, LogConfig, int], PartitionLog] | None = None  # unsynced (open_new_topics)
         if open_log is None:
-            self.checkpoint, open_log, self._open_at_start = _segment_logs(self.logs_dir)
+            self.checkpoint, open_log, self._open_at_start, self._create_log = _segment_logs(self.logs_dir)
         self.open_log = open_log
         self.creating_dir = data_dir / CREATING_DIR  # topic creates under way (``_finish_creates``)
         self.creating: set[str] = set()  # names whose create is under way (files made in a worker thread)
@@ -411,11 +416,13 @@ class Broker:
     def _open_topic(self, spec: TopicSpec, now_ms: int, *, starting: bool = False) -> None:
         self._serve_topic(spec, self._open_logs(spec, now_ms, starting=starting), now_ms)
 
-    def _open_logs(self, spec: TopicSpec, now_ms: int, *, starting: bool = False, first: int = 0) -> list[PartitionLog]:
+    def _open_logs(
+        self, spec: TopicSpec, now_ms: int, *, starting: bool = False, first: int = 0, new: bool = False
+    ) -> list[PartitionLog]:
         """Make and open ``spec``'s partition logs from index ``first`` (a growth opens only its new ones): files
         only, no table of the broker's (so a worker thread may do it). If one fails, the ones opened are closed and
         the error raised. ``starting``: the node's start-up, which opens through ``_open_at_start`` when it has
-        one."""
+        one. ``new``: a create's, through ``_create_log`` when it has one, unsynced (the caller syncs)."""
         config = spec.effective(self.defaults)
         log_config = LogConfig(
             segment_bytes_max=config["segment_bytes_max"],
@@ -425,6 +432,8 @@ class Broker:
             flush_interval_ms=config["flush_interval_ms"],
         )
         opener = self._open_at_start if starting and self._open_at_start is not None else self.open_log
+        if new and self._create_log is not None:
+            opener = self._create_log
         logs: list[PartitionLog] = []
         try:
             for i in range(first, spec.partitions):
@@ -564,12 +573,32 @@ class Broker:
                 failed[spec.name] = _create_failed(spec.name, refused)
                 continue
             try:
-                opened[spec.name] = (spec, self._open_logs(spec, now))
+                opened[spec.name] = (spec, self._open_logs(spec, now, new=True))
             except (OSError, DiskFull) as exc:
                 self._remove_create(spec.name, intents[spec.name])
                 failed[spec.name] = _create_failed(spec.name, exc)
                 refused = exc
+        if opened and self._create_log is not None:
+            self._sync_new_logs(opened, intents, failed)
         return NewTopics(opened, failed)
+
+    def _sync_new_logs(
+        self,
+        opened: dict[str, tuple[TopicSpec, list[PartitionLog]]],
+        intents: dict[str, Path],
+        failed: dict[str, Exception],
+    ) -> None:
+        """One sync of the file system for every partition log a create made (unsynced); if it fails, none of
+        them is created."""
+        try:
+            sync_filesystem(self.logs_dir)
+        except OSError as exc:
+            for name, (_spec, logs) in list(opened.items()):
+                for plog in logs:
+                    plog.close()
+                self._remove_create(name, intents[name])
+                failed[name] = _create_failed(name, exc)
+                del opened[name]
 
     def serve_new_topics(self, new: NewTopics) -> dict[str, Exception]:
         """Serve the topics :meth:`open_new_topics` opened and add them to the topic table (one write), on the
