@@ -127,6 +127,20 @@ def test_a_stalled_upstream_whose_link_drops_is_not_taken_back_for_what_it_said_
     assert ("b", "d") in m.stalled  # as main's full walk decides: b holds nothing it is known to hold
 
 
+def feed(m: LinkManager, op: float, src: str, key: tuple[str, int], vector: dict[Origin, int], now: int) -> None:
+    """One event of a random feed, picked by ``op`` in [0, 1)."""
+    if op < 0.4:
+        m.upstream_vector(src, key, vector)
+    elif op < 0.6:
+        m.local_vector(key, vector)
+    elif op < 0.65:
+        m.link_down(src, now, "gone")
+    elif op < 0.75:
+        m.link_up(src, now)
+    else:
+        m.tick(now)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_incremental_tick_decides_what_the_full_walk_decided(seed: int) -> None:
     rng = random.Random(seed)
@@ -140,16 +154,7 @@ def test_the_incremental_tick_decides_what_the_full_walk_decided(seed: int) -> N
         op, src, key = rng.random(), rng.choice(["b", "c"]), rng.choice(keys)
         vector = {o: rng.randint(0, 6) for o in rng.sample([D, D2], rng.randint(0, 2))}
         for m in (fast, full):
-            if op < 0.4:
-                m.upstream_vector(src, key, vector)
-            elif op < 0.6:
-                m.local_vector(key, vector)
-            elif op < 0.65:
-                m.link_down(src, now, "gone")
-            elif op < 0.75:
-                m.link_up(src, now)
-            else:
-                m.tick(now)
+            feed(m, op, src, key, vector, now)
         now += rng.randint(0, 300)
         assert fast.stalled == full.stalled, (seed, now)
         assert fast.wants("b") == full.wants("b") and fast.wants("c") == full.wants("c")
@@ -186,16 +191,8 @@ def test_wants_kept_across_creates_and_growth_are_what_routing_every_topic_gives
                 m.topic(new, rng.randint(1, 3) if m is kept else kept.partitions[new])
             elif op < 0.3:
                 m.topic(name, m.partitions[name] + 1)
-            elif op < 0.55:
-                m.upstream_vector(src, key, vector)
-            elif op < 0.7:
-                m.local_vector(key, vector)
-            elif op < 0.75:
-                m.link_down(src, now, "gone")
-            elif op < 0.85:
-                m.link_up(src, now)
             else:
-                m.tick(now)
+                feed(m, (op - 0.3) / 0.7, src, key, vector, now)
         if op < 0.2:
             names.append(new)
         now += rng.randint(0, 300)
