@@ -341,11 +341,10 @@ class Broker:
         self.clock_ms = clock_ms
         self.logs_dir = data_dir / "logs"
         private_dir(self.logs_dir)
+        # Opening at start, a create's logs (unsynced), all recovery points in one file: None with the caller's logs
         self._open_at_start: Callable[[Path, LogConfig, int], PartitionLog] | None = open_log
-        # The recovery points of every partition in one file (georep/storage/recovery_checkpoint.py), written at
-        # each retention run and at close; None when the caller opens its own logs.
+        self._create_log: Callable[[Path, LogConfig, int], PartitionLog] | None = None
         self.checkpoint: RecoveryCheckpoint | None = None
-        self._create_log: Callable[[Path, LogConfig, int], PartitionLog] | None = None  # unsynced (open_new_topics)
         if open_log is None:
             self.checkpoint, open_log, self._open_at_start, self._create_log = _segment_logs(self.logs_dir)
         self.open_log = open_log
