@@ -400,12 +400,45 @@ class Producer:
             self._metadata_tasks[topic] = asyncio.create_task(self._fetch_metadata(topic))
 
     async def _fetch_metadata(self, topic: str) -> None:
-        """Learn ``topic``'s partition count, then place the records that waited for it; or fail them, each with
-        the reason. A failure nobody foresaw fails them too, rather than leave their futures unresolved."""
+        """Learn ``topic``'s partition count (``DescribeTopic``, creating the topic where the site's
+        ``auto_create`` says so), then place the records that waited for it; or fail them, each with the reason
+        (a failure nobody foresaw too, rather than leave their futures unresolved). Retried on a node that went
+        away until ``delivery_timeout_ms``. At most ``METADATA_IN_FLIGHT`` at once, the stub taken inside the
+        slot: a channel replaced while a request waited for its slot is never used."""
+        deadline = time.monotonic() + self._delivery_timeout_ms / 1000
+        backoff_ms = self._retry_backoff_ms
         try:
-            description = await self._describe_for_send(topic)
-            if description is None:
-                return
+            while True:
+                generation = self._connection.generation
+                try:
+                    async with self._metadata_slots:
+                        stub = await self._connection.connect()
+                        generation = self._connection.generation
+                        try:
+                            description = await self._connection.unary(
+                                stub.DescribeTopic(
+                                    georep_pb2.DescribeTopicRequest(name=topic, allow_auto_create=self._auto_create),
+                                    timeout=self._request_timeout_ms / 1000,
+                                )
+                            )
+                        except grpc.RpcError as exc:
+                            raise from_rpc_error(exc, self._connection.address, operation=Operation.PRODUCE) from None
+                    break
+                except NodeUnavailable as exc:
+                    if time.monotonic() + backoff_ms / 1000 > deadline:
+                        late = f"no partition count for topic {topic!r} within delivery_timeout_ms: {exc}"
+                        self._fail_pending(topic, DeliveryTimeout(late))
+                        return
+                    await asyncio.sleep(backoff_ms / 1000)
+                    backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
+                    with contextlib.suppress(GeorepError):
+                        await self._connection.reconnect(generation)
+                except GeorepError as exc:
+                    if isinstance(exc, UnknownTopic) and "topic create" not in exc.message:
+                        hint = f"{exc.message} (create it with 'georep topic create {topic} --partitions N')"
+                        exc = UnknownTopic(hint, exc.code)
+                    self._fail_pending(topic, exc)
+                    return
             self._learn(topic, description)
             for record, future, partition in self._pending_metadata.pop(topic, []):
                 if not future.done():
@@ -415,47 +448,6 @@ class Producer:
             raise
         finally:
             self._metadata_tasks.pop(topic, None)
-
-    async def _describe_for_send(self, topic: str) -> georep_pb2.TopicDescription | None:
-        """``DescribeTopic`` (creating the topic where the site's ``auto_create`` says so), retried on a node
-        that went away until ``delivery_timeout_ms``; None once the pending records are failed. At most
-        ``METADATA_IN_FLIGHT`` at once, and the stub is taken inside the slot: a channel replaced while a request
-        waited for its slot is never used."""
-        deadline = time.monotonic() + self._delivery_timeout_ms / 1000
-        backoff_ms = self._retry_backoff_ms
-        while True:
-            generation = self._connection.generation
-            try:
-                async with self._metadata_slots:
-                    stub = await self._connection.connect()
-                    generation = self._connection.generation
-                    try:
-                        return await self._connection.unary(
-                            stub.DescribeTopic(
-                                georep_pb2.DescribeTopicRequest(name=topic, allow_auto_create=self._auto_create),
-                                timeout=self._request_timeout_ms / 1000,
-                            )
-                        )
-                    except grpc.RpcError as exc:
-                        raise from_rpc_error(exc, self._connection.address, operation=Operation.PRODUCE) from None
-            except NodeUnavailable as exc:
-                if time.monotonic() + backoff_ms / 1000 > deadline:
-                    self._fail_pending(
-                        topic,
-                        DeliveryTimeout(f"no partition count for topic {topic!r} within delivery_timeout_ms: {exc}"),
-                    )
-                    return None
-                await asyncio.sleep(backoff_ms / 1000)
-                backoff_ms = min(backoff_ms * 2, self._retry_backoff_max_ms)
-                with contextlib.suppress(GeorepError):
-                    await self._connection.reconnect(generation)
-            except GeorepError as exc:
-                if isinstance(exc, UnknownTopic) and "topic create" not in exc.message:
-                    exc = UnknownTopic(
-                        f"{exc.message} (create it with 'georep topic create {topic} --partitions N')", exc.code
-                    )
-                self._fail_pending(topic, exc)
-                return None
 
     async def partitions_for(self, topic: str) -> int:
         """The partition count of ``topic`` (cached); raises :class:`UnknownTopic` if it does not exist."""

@@ -68,7 +68,7 @@ from georep.storage.metadata_file import FileMetadataStore
 from georep.storage.partition_dirs import partition_dir_name, topic_file_name
 from georep.storage.private import FILE_MODE, private_dir
 from georep.storage.recovery_checkpoint import RecoveryCheckpoint
-from georep.storage.segment_log import SegmentLog, sync_filesystem
+from georep.storage.segment_log import SegmentLog, create_empty_log, sync_filesystem
 from offsets.coordinates import LocalOffset, Origin
 from offsets.held import HeldTable
 from offsets.vector import VectorOffset
@@ -225,7 +225,7 @@ def _segment_logs(logs_dir: Path) -> SegmentLogs:
         checkpoint,
         functools.partial(SegmentLog.open, points=checkpoint),
         functools.partial(SegmentLog.open, filesystem_synced=True, points=checkpoint),
-        functools.partial(SegmentLog.create_empty, points=checkpoint),
+        functools.partial(create_empty_log, points=checkpoint),
     )
 
 
@@ -577,20 +577,9 @@ class Broker:
                 self._remove_create(spec.name, intents[spec.name])
                 failed[spec.name] = _create_failed(spec.name, exc)
                 refused = exc
-        if opened and self._create_log is not None:
-            self._sync_new_logs(opened, intents, failed)
-        return NewTopics(opened, failed)
-
-    def _sync_new_logs(
-        self,
-        opened: dict[str, tuple[TopicSpec, list[PartitionLog]]],
-        intents: dict[str, Path],
-        failed: dict[str, Exception],
-    ) -> None:
-        """One sync of the file system for every partition log a create made (unsynced); if it fails, none of
-        them is created."""
-        try:
-            sync_filesystem(self.logs_dir)
+        try:  # one sync of the file system for every log made (unsynced); if it fails, none of them is created
+            if opened and self._create_log is not None:
+                sync_filesystem(self.logs_dir)
         except OSError as exc:
             for name, (_spec, logs) in list(opened.items()):
                 for plog in logs:
@@ -598,6 +587,7 @@ class Broker:
                 self._remove_create(name, intents[name])
                 failed[name] = _create_failed(name, exc)
                 del opened[name]
+        return NewTopics(opened, failed)
 
     def serve_new_topics(self, new: NewTopics) -> dict[str, Exception]:
         """Serve the topics :meth:`open_new_topics` opened and add them to the topic table (one write), on the

@@ -427,22 +427,6 @@ class SegmentLog:
         return opened
 
     @classmethod
-    def create_empty(
-        cls, directory: Path, config: LogConfig, now_ms: int, *, points: RecoveryPoints = PARTITION_FILES
-    ) -> SegmentLog:
-        """A new, empty log in ``directory`` (made here), with nothing synced: the caller syncs the file system
-        (``sync_filesystem``, once for a whole create of topics) before anything relies on it. A crash before
-        that leaves an empty directory or an empty segment, which :meth:`open` takes as a new log; one fsync of
-        each new directory had been most of the cost of creating a topic (issue 25: 100,000 topics on first use)."""
-        check_config(config)
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        if not any(directory.iterdir()):
-            Segment.create(directory, 0, threading.Lock()).close()
-        # What is on disk is all this process wrote: the open then neither syncs the directory nor the point.
-        return cls.open(directory, config, now_ms, filesystem_synced=True, points=points)
-
-    @classmethod
     def create_at(
         cls, directory: Path, config: LogConfig, base_offset: int, vector: dict[Origin, OriginSeq], now_ms: int
     ) -> SegmentLog:
@@ -1199,6 +1183,22 @@ def _kernel_reports_syncfs_errors() -> bool:
 
 _SYNCFS = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
 GROUP_FLUSH_SUPPORTED = _SYNCFS is not None and _kernel_reports_syncfs_errors()
+
+
+def create_empty_log(
+    directory: Path, config: LogConfig, now_ms: int, *, points: RecoveryPoints = PARTITION_FILES
+) -> SegmentLog:
+    """A new, empty log in ``directory`` (made here), with nothing synced: the caller syncs the file system
+    (``sync_filesystem``, once for a whole create of topics) before anything relies on it. A crash before that
+    leaves an empty directory or an empty segment, which :meth:`SegmentLog.open` takes as a new log; one fsync of
+    each new directory had been most of the cost of creating a topic (issue 25: 100,000 topics on first use)."""
+    check_config(config)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if not any(directory.iterdir()):
+        Segment.create(directory, 0, threading.Lock()).close()
+    # What is on disk is all this process wrote: the open then neither syncs the directory nor the point.
+    return SegmentLog.open(directory, config, now_ms, filesystem_synced=True, points=points)
 
 
 def sync_filesystem(path: Path) -> None:
