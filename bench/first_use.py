@@ -155,7 +155,9 @@ def chain_run(root: Path, topics: int, records: int, spy: Path | None) -> dict[s
         out["batch_bytes"] = batch_bytes(root / "a")
         out["settle_s"] = settle(sites, "c", topics)
         wanted = sum(1 for i in range(records) if (i % topics) % GROUPS == 7)
-        out["sub_first_s"], out["sub_all_s"] = asyncio.run(subscribe_at_c(sites.address("c"), wanted))
+        spied = {} if spy is None else {spy / f"subscribe-{s}.txt": sites.nodes[s].pid for s in "abc"}
+        with recording(spied):
+            out["sub_first_s"], out["sub_all_s"] = asyncio.run(subscribe_at_c(sites.address("c"), wanted))
         out["wanted"] = wanted
         out["to_b"], out["to_c"] = applied(sites, "b"), applied(sites, "c")
         return out
@@ -194,7 +196,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topics", type=int, default=2000)
     parser.add_argument("--records", type=int, default=100_000)
-    parser.add_argument("--py-spy", type=Path, metavar="DIR", help="record a, b and c with py-spy during first use")
+    parser.add_argument(
+        "--py-spy", type=Path, metavar="DIR", help="record a, b and c with py-spy during first use and the subscription"
+    )
     parser.add_argument(
         "--parts",
         default="chain,lone",
@@ -211,8 +215,8 @@ def main() -> None:
         chain = chain_run(root / "chain", n, r, args.py_spy)
         print_chain(chain, n, r)
         if args.py_spy is not None:
-            for site in "abc":
-                print_top(args.py_spy / f"first-use-{site}.txt", f"node {site}, first use")
+            for part, site in [(part, site) for part in ("first-use", "subscribe") for site in "abc"]:
+                print_top(args.py_spy / f"{part}-{site}.txt", f"node {site}, {part}")
     if "lone" in args.parts:
         (root / "lone").mkdir()
         lone = lone_run(root / "lone", n, r)

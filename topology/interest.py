@@ -128,9 +128,9 @@ class Interests:
             if source and not self._carries_to(source, topic):
                 continue
             if self._matcher(source)(topic):
+                if first:  # wants(): whether, not who
+                    return [source]
                 out += sorted({f"site {e[1]} ({e[0]})" for e in entries if TopicFilter(e[0]).matches(topic)})
-                if first and out:
-                    return out
         for (source, text), at in self._lost.items():
             lingers = now_ms - at < self.linger_ms and TopicFilter(text).matches(topic)
             if lingers and (not source or self._carries_to(source, topic)):

@@ -56,7 +56,7 @@ from georep.broker.errors import (
     UnknownGroup,
     UnknownPartition,
 )
-from georep.metadata.store import TopicExists
+from georep.metadata.store import TopicExists, UnknownTopic
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, topic_partitions_to_proto, vector_from_proto, vector_to_proto
 from georep.raft.store import MetadataUnavailable
@@ -115,8 +115,14 @@ class GroupService:
         return self.commits.table
 
     def _partition_count(self, topic: str) -> int:
-        spec = self.broker.metadata.topics().get(topic)
-        return 0 if spec is None or is_internal(topic) else spec.partitions
+        """One topic's count, without a copy of the whole table (asked per subscribed topic at each expiry check:
+        200 topics at a site of 20,000 copied 4 million entries a second)."""
+        if is_internal(topic):
+            return 0
+        try:
+            return self.broker.metadata.get(topic).partitions
+        except UnknownTopic:
+            return 0
 
     @staticmethod
     def _new_member_id(client_id: str) -> str:
