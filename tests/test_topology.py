@@ -977,3 +977,24 @@ def test_site_ids_found_valid_are_remembered_within_a_bound_and_invalid_ones_are
     for bad in ("", "Us-east", "1a", "a" * 33, "a_b"):
         with pytest.raises(InvalidSiteId):
             site_id(bad)
+
+
+def test_a_link_that_carries_everything_answers_without_matching_a_filter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A site of 100,000 topics asks each link whether it carries each topic at every change of its interests;
+    the remembered answers hold a few thousand, so a default link answered by matching "**" again each time."""
+    import topology.model as model
+
+    links = model.parse_topology(
+        '[sites.a]\nnodes = ["127.0.0.1:1"]\n[sites.b]\nnodes = ["127.0.0.1:2"]\n'
+        '[[links]]\nsrc = "a"\ndst = "b"\n[[links]]\nsrc = "b"\ndst = "a"\ntopics = ["orders/**"]\n'
+    ).links
+
+    def no_matching(filters: object, topic: str) -> bool:
+        raise AssertionError(f"matched {topic!r} against {filters!r}")
+
+    everything = next(li for li in links if li.src == "a")
+    monkeypatch.setattr(model, "_matches_any", no_matching)
+    assert everything.carries("metrics/cpu") and everything.carries("orders/eu/1")
+    monkeypatch.undo()
+    filtered = next(li for li in links if li.src == "b")
+    assert filtered.carries("orders/eu/1") and not filtered.carries("metrics/cpu")

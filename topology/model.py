@@ -231,8 +231,10 @@ class Link:
 
     def carries(self, topic: str) -> bool:
         """Whether records of ``topic`` travel over this link. Internal topics
-        (committed consumer positions) travel over every link, whatever its filters."""
-        return is_internal(topic) or _matches_any(self.topics, topic)
+        (committed consumer positions) travel over every link, whatever its filters. A link that carries
+        everything (the default) answers without matching: the remembered answers hold a few thousand topics, and a
+        site of 100,000 asks for each at every change of its interests."""
+        return is_internal(topic) or self.carries_everything or _matches_any(self.topics, topic)
 
     def describe(self) -> str:
         return f"{self.src} -> {self.dst}"
