@@ -127,9 +127,20 @@ class _Replicator:
         self.topology = parse_topology(toml)
         self.site = site
         self.links = LinkManager(self.topology, site)
+        self.pullers = {link.src: _Puller() for link in self.topology.links if link.dst == site}
 
     def now_ms(self) -> int:
         return 1_000
+
+
+class _Puller:
+    """A puller's side InterestLinks drives: it is asked to tick its session at once."""
+
+    def __init__(self) -> None:
+        self.ticks_asked = 0
+
+    def tick_soon(self) -> None:
+        self.ticks_asked += 1
 
 
 def test_a_new_reader_is_an_interest_at_the_next_tick_not_a_second_later() -> None:
@@ -150,5 +161,8 @@ def test_a_new_reader_is_an_interest_at_the_next_tick_not_a_second_later() -> No
     links.tick(0.2)  # nothing said a reader came: taken again only after LOCAL_S
     assert links.table.advert_for("a") == frozenset()
     moved[0] += 1
+    asked = links.r.pullers["a"].ticks_asked  # type: ignore[index]
     links.tick(0.4)
     assert [e[0] for e in links.table.advert_for("a")] == ["orders/eu/x"]
+    # and the pull from a starts now, not at the session's next tick (planted: no tick_soon, this fails)
+    assert links.r.pullers["a"].ticks_asked == asked + 1  # type: ignore[index]

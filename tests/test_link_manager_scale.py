@@ -12,8 +12,10 @@ import pytest
 
 from georep.replication.links import BehindEntry, LinkManager
 from offsets.coordinates import Origin
-from tests.support.topologies import diamond
+from tests.support.topologies import DIAMOND_TOML, diamond
 from topology.ids import SiteId
+from topology.interest import Interests
+from topology.model import parse_topology
 
 D = Origin(SiteId("d"), 1)
 D2 = Origin(SiteId("d"), 2)
@@ -212,3 +214,60 @@ def test_a_new_topic_routes_only_itself() -> None:
     after = m.wants("b")
     assert after is not before and set(after) - set(before) == {("new", 0), ("new", 1)}
     assert len(routed) <= len(DIAMOND.site_ids())
+
+
+INTEREST_TOML = (
+    DIAMOND_TOML.replace('src = "b"\ndst = "a"', 'src = "b"\ndst = "a"\nmode = "interest"')
+    + '[sites.e]\nnodes = ["127.0.0.1:5"]\n[[links]]\nsrc = "a"\ndst = "e"\nmode = "interest"\n'
+)
+FILTERS = ["t1", "t2", "t3", "t7", "t1/x", "t1/**", "+/x", "t2/+"]
+
+
+def change_interests(table: Interests, rng: random.Random, now: int) -> bool:
+    """Time first (leases and lingers that ran out), as the node's tick does, then a random change of site a's
+    interests: its readers, or e's advert."""
+    changed = table.tick(now)
+    op = rng.random()
+    if op < 0.4:
+        changed |= table.set_local(rng.sample(FILTERS, rng.randint(0, 3)), now)
+    elif op < 0.7:
+        entries = [(f, SiteId("e"), (SiteId("e"),)) for f in rng.sample(FILTERS, rng.randint(0, 3))]
+        changed |= table.receive("e", entries, now, lease_ms=rng.choice([300, 3_000]))
+    elif op < 0.8:
+        changed |= table.drop("e", now)
+    return changed
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_wants_after_an_interest_change_are_what_asking_about_every_topic_gives(seed: int) -> None:
+    """An interest change asks again only about the topics its filters match (a subscription to 1,000 of 100,000
+    topics, issue 25); against a reference that asks about every topic at every call, while topics are created
+    and grown, links fail and interests come, go and linger (planted: the changed filters not taken, or an answer
+    that only adds, fails here)."""
+    rng = random.Random(seed)
+    topology = parse_topology(INTEREST_TOML)
+    table = Interests(topology, "a", linger_ms=400)
+    kept, fresh = LinkManager(topology, "a", stall_ms=500), NoCache(topology, "a", stall_ms=500)
+    ticked = [0]  # the table's time: what it answers changes when it ticks (the node's tick, every 0.2 s)
+    for m in (kept, fresh):
+        m.interest = lambda topic: table.wants(topic, ticked[0])
+    now, names = 0, ["t0"]
+    for m in (kept, fresh):
+        m.topic("t0", 1)
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.15:
+            name = rng.choice(["t1", "t2", "t3", "t7", "t1/x", "t1/y", "z/x", "t2/q", f"n{len(names)}"])
+            names.append(name)
+            for m in (kept, fresh):
+                m.topic(name, kept.partitions.get(name, 0) + rng.randint(0, 2) if m is kept else kept.partitions[name])
+        elif op < 0.7:
+            ticked[0] = now
+            if change_interests(table, rng, now):
+                kept.interests_changed(table.take_changed())
+        else:
+            src = rng.choice(["b", "c"])
+            for m in (kept, fresh):
+                (m.link_up if op < 0.85 else m.link_down)(src, now)
+        now += rng.randint(0, 200)
+        assert kept.wants("b") == fresh.wants("b") and kept.wants("c") == fresh.wants("c"), (seed, now)

@@ -646,8 +646,9 @@ def test_filter_length_limit() -> None:
         TopicFilter("a" * 250)
 
 
-levels = st.sampled_from(["a", "b", "c"])
-filter_levels = st.sampled_from(["a", "b", "+", "**"])
+# "ab" starts with "a": a literal prefix that is not a level ("a/**" matches "a", not "ab/c": TopicFilter.prefix).
+levels = st.sampled_from(["a", "b", "c", "ab"])
+filter_levels = st.sampled_from(["a", "b", "ab", "+", "**"])
 
 
 def reference_match(pattern: list[str], topic: list[str]) -> bool:

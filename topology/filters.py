@@ -75,6 +75,8 @@ class TopicFilter:
 
     text: str
     levels: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    # What every matching name starts with: the literal levels before the first wildcard, joined (:func:`prefix_of`).
+    prefix: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str):
@@ -91,6 +93,7 @@ class TopicFilter:
             if problem is not None:
                 raise InvalidTopicFilter(f"invalid topic filter {self.text!r}: it {problem}")
         object.__setattr__(self, "levels", levels)
+        object.__setattr__(self, "prefix", prefix_of(levels))
 
     @classmethod
     def parse(cls, text: str) -> TopicFilter:
@@ -105,8 +108,21 @@ class TopicFilter:
         return all(level == ANY_LEVELS for level in self.levels)
 
     def matches(self, topic: str) -> bool:
-        """Whether ``topic`` (a valid topic name) matches this filter."""
-        return match_levels(self.levels, topic.split("/"))
+        """Whether ``topic`` (a valid topic name) matches this filter. A name without the filter's literal prefix is
+        refused without splitting it: a site of 100,000 topics matches each against a narrow filter cheaply."""
+        return topic.startswith(self.prefix) and match_levels(self.levels, topic.split("/"))
+
+
+def prefix_of(levels: Sequence[str]) -> str:
+    """The text every name the filter ``levels`` match starts with: its literal levels before the first wildcard,
+    joined by "/" ("" when it starts with one). A matching name's first levels are those literals, so it starts with
+    them; "orders/**" gives "orders", which "orders2/x" starts with too: the prefix narrows, ``matches`` decides."""
+    literal: list[str] = []
+    for level in levels:
+        if level in (ONE_LEVEL, ANY_LEVELS):
+            break
+        literal.append(level)
+    return "/".join(literal)
 
 
 def match_levels(pattern: Sequence[str], topic: Sequence[str]) -> bool:

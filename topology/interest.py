@@ -79,6 +79,9 @@ class Interests:
         self._lost: dict[tuple[Source, str], int] = {}  # (source, filter) -> when it stopped being held
         self._leases: dict[str, int] = {}  # downstream -> when its advert lapses (receive's lease_ms)
         self._matchers: dict[Source, _Match] = {}
+        # The filters whose holding changed since take_changed(): what wants() answers changed only for the topics
+        # they match (a site of 100,000 topics asks again about those, not about every topic).
+        self._changed: set[str] = set()
 
     # -- events ---------------------------------------------------------------------------------------------
 
@@ -113,7 +116,14 @@ class Interests:
         expired = [k for k, at in self._lost.items() if now_ms - at >= self.linger_ms]
         for k in expired:
             del self._lost[k]
+        self._changed.update(text for _source, text in expired)
         return bool(expired or lapsed)
+
+    def take_changed(self) -> set[str]:
+        """The filters held, lost or forgotten since the last call: :meth:`wants` changed for no topic that none
+        of them matches (more than changed, never less: a filter another source still holds is in it too)."""
+        changed, self._changed = self._changed, set()
+        return changed
 
     # -- decisions ------------------------------------------------------------------------------------------
 
@@ -160,11 +170,12 @@ class Interests:
         before = self.held.get(source, frozenset())
         if entries == before:
             return False
-        still = {e[0] for e in entries}
-        for text in {e[0] for e in before} - still:
+        still, was = {e[0] for e in entries}, {e[0] for e in before}
+        for text in was - still:
             self._lost[(source, text)] = now_ms
         for text in still:
             self._lost.pop((source, text), None)
+        self._changed |= still ^ was
         self.held[source] = entries
         self._matchers.pop(source, None)
         return True

@@ -104,8 +104,9 @@ class TopicCatalog:
             if self._at[name] == at:  # else an older change of a name that changed again later
                 entries.append(self._table[name])
             at += 1
-        more = any(self._at[self._log[i]] == i for i in range(at, len(self._log)))
-        return Changes(entries, self._token(at), restarted, more)
+        while at < len(self._log) and self._at[self._log[at]] != at:  # older changes only: nothing more to list
+            at += 1
+        return Changes(entries, self._token(at), restarted, at < len(self._log))
 
     def _token(self, position: int) -> str:
         return f"{self.instance}:{self._generation}:{position}"

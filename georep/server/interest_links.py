@@ -11,9 +11,10 @@ links' wants that follow them.
 * **Adverts** go to each upstream of an interest link when this site's table changes, and again every
   :data:`RENEW_S` as a lease of :data:`LEASE_MS` (an upstream that hears nothing for that long drops the advert:
   a site that went away stops being served after the lease and the linger).
-* **Wants.** A change of the table clears the links' wants (``LinkManager.interests_changed``): each pull
-  session then reopens with the partitions it now wants, a new topic from this site's position in it (nothing
-  held: the upstream's earliest retained record), so a new reader misses nothing still retained.
+* **Wants.** A change of the table asks the links' wants again for the topics the changed filters match
+  (``LinkManager.interests_changed``), and each pull session of an interest link ticks at once: it reopens with
+  the partitions it now wants, a new topic from this site's position in it (nothing held: the upstream's earliest
+  retained record), so a new reader misses nothing still retained.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ class InterestLinks:
             self._on_change()
 
     def _on_change(self) -> None:
-        self.r.links.interests_changed()
+        """The links' wants anew for the topics the changed filters match, pulled at once; adverts sent."""
+        self.r.links.interests_changed(self.table.take_changed())
+        for src in self.upstreams:
+            self.r.pullers[src].tick_soon()  # type: ignore[index]
         self._changed.set()
 
     def describe(self, src: str) -> list[str]:
