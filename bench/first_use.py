@@ -13,7 +13,8 @@ Each topic is ``bench/g<i mod 100>/t<i>``, one partition, created by its first r
   same records into as many topics created beforehand (``CreateTopics``, 1,000 per call) on a lone site;
 * a's RSS and data dir per topic (after the produce), and the RSS 100,000 topics would take at that rate;
 * ``subscribe``: a consumer group at c subscribes to ``bench/g7/**`` (1% of the topics); the time from the
-  subscription to its first record, and to the last of that 1%;
+  subscription to its first record, and to the last of that 1%; then ``--subscriptions`` - 1 more new groups, one
+  after the other, over ``bench/g8/**`` and on, and the spread of their first records;
 * the bytes each link moved (its ``applied_bytes``), against the bytes produced;
 * on a lone site: a pattern consumer reading every record of the ``--topics`` topics, against a one-topic consumer
   reading as many.
@@ -93,9 +94,10 @@ async def read(consumer: Consumer, records: int, limit_s: float = 600) -> tuple[
     return first, time.perf_counter() - t0
 
 
-async def subscribe_at_c(address: str, records: int) -> tuple[float, float]:
-    async with Consumer(address, group_id="bench", auto_offset_reset="earliest", metadata_max_age_ms=500) as c:
-        c.subscribe(pattern="bench/g7/**")
+async def subscribe_at_c(address: str, group: int, records: int) -> tuple[float, float]:
+    """A new consumer group at c over ``bench/g<group>/**``: seconds to its first record and to its last."""
+    async with Consumer(address, group_id=f"bench{group}", auto_offset_reset="earliest", metadata_max_age_ms=500) as c:
+        c.subscribe(pattern=f"bench/g{group}/**")
         return await read(c, records)
 
 
@@ -136,7 +138,7 @@ def settle(sites: Sites, site: str, topics: int, limit_s: float = 1800) -> float
         time.sleep(1.0)
 
 
-def chain_run(root: Path, topics: int, records: int, spy: Path | None) -> dict[str, float]:
+def chain_run(root: Path, topics: int, records: int, spy: Path | None, subscriptions: int) -> dict[str, float]:
     lines = {
         "a": ['auto_create = ["bench/**"]'],
         "b": ["interest_linger_ms = 5000"],
@@ -157,9 +159,13 @@ def chain_run(root: Path, topics: int, records: int, spy: Path | None) -> dict[s
         wanted = sum(1 for i in range(records) if (i % topics) % GROUPS == 7)
         spied = {} if spy is None else {spy / f"subscribe-{s}.txt": sites.nodes[s].pid for s in "abc"}
         with recording(spied):
-            out["sub_first_s"], out["sub_all_s"] = asyncio.run(subscribe_at_c(sites.address("c"), wanted))
+            out["sub_first_s"], out["sub_all_s"] = asyncio.run(subscribe_at_c(sites.address("c"), 7, wanted))
         out["wanted"] = wanted
         out["to_b"], out["to_c"] = applied(sites, "b"), applied(sites, "c")
+        for k in range(1, subscriptions):  # more new subscriptions, one after the other: the first record's spread
+            group = 7 + k
+            wanted_k = sum(1 for i in range(records) if (i % topics) % GROUPS == group)
+            out[f"sub_first_s{k}"] = asyncio.run(subscribe_at_c(sites.address("c"), group, wanted_k))[0]
         return out
     finally:
         sites.close()
@@ -200,6 +206,9 @@ def main() -> None:
         "--py-spy", type=Path, metavar="DIR", help="record a, b and c with py-spy during first use and the subscription"
     )
     parser.add_argument(
+        "--subscriptions", type=int, default=5, help="new subscriptions at c, one after the other (1%% of topics each)"
+    )
+    parser.add_argument(
         "--parts",
         default="chain,lone",
         help="chain (first use, subscription at c, bytes moved), lone (created first, pattern consumer), or both",
@@ -212,7 +221,7 @@ def main() -> None:
     print(f"georep dynamic-topics bench: {n:,} topics of 1 partition, {r:,} records of {len(VALUE)} bytes, 2 cores")
     if "chain" in args.parts:
         (root / "chain").mkdir()
-        chain = chain_run(root / "chain", n, r, args.py_spy)
+        chain = chain_run(root / "chain", n, r, args.py_spy, args.subscriptions)
         print_chain(chain, n, r)
         if args.py_spy is not None:
             for part, site in [(part, site) for part in ("first-use", "subscribe") for site in "abc"]:
@@ -244,6 +253,13 @@ def print_chain(chain: dict[str, float], n: int, r: int) -> None:
         f"  subscribe at c to bench/g7/** ({chain['wanted']:,} records): first record after "
         f"{chain['sub_first_s']:.2f} s [target <= 2 s], all after {chain['sub_all_s']:.1f} s"
     )
+    firsts = sorted(v for k, v in chain.items() if k.startswith("sub_first_s"))
+    if len(firsts) > 1:
+        print(
+            f"  {len(firsts)} new subscriptions at c, one after the other (bench/g7/** on): first record after "
+            f"{', '.join(f'{f:.2f}' for f in firsts)} s; median {firsts[len(firsts) // 2]:.2f} s, "
+            f"most {firsts[-1]:.2f} s [target <= 2 s]"
+        )
     batches = chain["batch_bytes"]
     print(
         f"  bytes moved a -> b {chain['to_b']:,}, b -> c {chain['to_c']:,}: {100 * chain['to_c'] / batches:.2f}% of "

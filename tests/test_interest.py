@@ -163,3 +163,27 @@ def test_lost_interest_lingers_then_ends_and_says_why() -> None:
     a.tick(2_999)
     assert a.wants("orders/x", 2_999)
     assert a.tick(3_000) and "lingering" in a.why("orders/x", 3_000)[0]  # not renewed: lapsed, then lingers
+
+
+def test_lingering_filters_are_parsed_once_not_for_each_topic_asked_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group of 1,000 topics that ends leaves 1,000 lingering filters; a new subscription then asks about 1,000
+    other topics. Each filter is parsed once per change of what lingers, not once per topic asked about (issue 25:
+    1,000,000 parses took a site seconds, and a new subscription's first record came after 3 to 9 s)."""
+    sites = tuple(Site(s, (f"127.0.0.1:{7000 + i}",)) for i, s in enumerate("ab"))  # type: ignore[arg-type]
+    topology = Topology(sites, (Link("a", "b", mode="interest"),))  # type: ignore[arg-type]
+    a = Interests(topology, "a", linger_ms=5_000)
+    old = [f"g7/t{i}" for i in range(1_000)]
+    a.receive("b", {(t, "b", ("b",)) for t in old}, 0)  # type: ignore[arg-type]
+    a.receive("b", {(t, "b", ("b",)) for t in [*old[:1], "g8/**"]}, 100)  # type: ignore[arg-type]
+    parsed = [0]
+    post_init = TopicFilter.__post_init__
+
+    def counted(self: TopicFilter) -> None:
+        parsed[0] += 1
+        post_init(self)
+
+    monkeypatch.setattr(TopicFilter, "__post_init__", counted)
+    assert all(a.wants(f"g8/t{i}", 200) for i in range(1_000))
+    assert all(a.wants(f"g7/t{i}", 200) for i in range(1_000))  # lingering
+    assert not any(a.wants(f"g9/t{i}", 200) for i in range(1_000))
+    assert parsed[0] <= 2 * 1_002  # the held filters and the lingering ones, once each (main: 2,000,000)

@@ -62,6 +62,10 @@ class _Match:
     def __call__(self, topic: str) -> bool:
         return topic in self.names or any(f.matches(topic) for f in self.filters)
 
+    def matching(self, topic: str) -> list[str]:
+        """The filters that match ``topic``, as texts."""
+        return ([topic] if topic in self.names else []) + [f.text for f in self.filters if f.matches(topic)]
+
 
 class Interests:
     """One site's interest table: its own interests, its downstreams' adverts, what it pulls and advertises."""
@@ -82,6 +86,7 @@ class Interests:
         # The filters whose holding changed since take_changed(): what wants() answers changed only for the topics
         # they match (a site of 100,000 topics asks again about those, not about every topic).
         self._changed: set[str] = set()
+        self._lost_by_source: dict[Source, _Match] | None = None  # _lost's filters parsed (_lost_matchers)
 
     # -- events ---------------------------------------------------------------------------------------------
 
@@ -116,6 +121,8 @@ class Interests:
         expired = [k for k, at in self._lost.items() if now_ms - at >= self.linger_ms]
         for k in expired:
             del self._lost[k]
+        if expired:
+            self._lost_by_source = None
         self._changed.update(text for _source, text in expired)
         return bool(expired or lapsed)
 
@@ -140,13 +147,17 @@ class Interests:
             if self._matcher(source)(topic):
                 if first:  # wants(): whether, not who
                     return [source]
-                out += sorted({f"site {e[1]} ({e[0]})" for e in entries if TopicFilter(e[0]).matches(topic)})
-        for (source, text), at in self._lost.items():
-            lingers = now_ms - at < self.linger_ms and TopicFilter(text).matches(topic)
-            if lingers and (not source or self._carries_to(source, topic)):
-                out.append(f"{text}, lingering until {at + self.linger_ms} ms")
-                if first:
-                    return out
+                texts = set(self._matcher(source).matching(topic))
+                out += sorted({f"site {e[1]} ({e[0]})" for e in entries if e[0] in texts})
+        for source, lost in self._lost_matchers().items():
+            if source and not self._carries_to(source, topic):
+                continue
+            for text in lost.matching(topic):
+                at = self._lost[(source, text)]
+                if now_ms - at < self.linger_ms:
+                    out.append(f"{text}, lingering until {at + self.linger_ms} ms")
+                    if first:
+                        return out
         return out
 
     def advert_for(self, upstream: str) -> frozenset[Entry]:
@@ -176,9 +187,20 @@ class Interests:
         for text in still:
             self._lost.pop((source, text), None)
         self._changed |= still ^ was
+        self._lost_by_source = None
         self.held[source] = entries
         self._matchers.pop(source, None)
         return True
+
+    def _lost_matchers(self) -> dict[Source, _Match]:
+        """The lost filters by source, parsed once per change of them: a site whose 1,000 lingering filters were
+        parsed again for each topic asked about took seconds to answer a subscription (issue 25)."""
+        if self._lost_by_source is None:
+            texts: dict[Source, list[str]] = {}
+            for source, text in self._lost:
+                texts.setdefault(source, []).append(text)
+            self._lost_by_source = {source: _Match.of(t) for source, t in sorted(texts.items())}
+        return self._lost_by_source
 
     def _matcher(self, source: Source) -> _Match:
         m = self._matchers.get(source)

@@ -53,7 +53,7 @@ import ipaddress
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from topology.autocreate import AutoCreateRule, InvalidAutoCreate, parse_rules
 from topology.filters import ALL_TOPICS, InvalidTopicFilter, TopicFilter, is_internal, matches_any
@@ -220,14 +220,15 @@ class Link:
     # "all": every topic the filters match; "interest": only those some site at or behind dst wants now
     # (topology/interest.py)
     mode: str = "all"
+    # Whether a filter matches every topic: asked per topic (carries), so worked out once.
+    carries_everything: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "carries_everything", any(f.matches_everything for f in self.topics))
 
     @property
     def key(self) -> tuple[SiteId, SiteId]:
         return (self.src, self.dst)
-
-    @property
-    def carries_everything(self) -> bool:
-        return any(f.matches_everything for f in self.topics)
 
     def carries(self, topic: str) -> bool:
         """Whether records of ``topic`` travel over this link. Internal topics
