@@ -77,7 +77,7 @@ class InterestLinks:
         """The links' wants anew for the topics the changed filters match, pulled at once; adverts sent."""
         self.r.links.interests_changed(self.table.take_changed())
         for src in self.upstreams:
-            self.r.pullers[src].tick_soon()  # type: ignore[index]
+            self.r.pullers[src].tick_soon()
         self._changed.set()
 
     def describe(self, src: str) -> list[str]:
