@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from tests.support.node_api import batch, stub_for
 from tests.support.ports import free_ports
 from tests.support.sites import topology_toml, until
 from topology.file import parse_topology_file
+from topology.filters import TopicFilter
 from topology.ids import SiteId
 
 
@@ -436,3 +438,33 @@ def test_idle_syncs_and_ticks_copy_no_topic_table_and_a_new_topic_still_reaches_
             r.broker.in_site = False
 
     run_at_b(tmp_path, node, scenario)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_pattern_listing_by_pages_gives_what_filtering_every_topic_gives(seed: int) -> None:
+    """A pattern narrows a listing by name to its literal prefix, and a listing of changes counts only the
+    matching names toward a page (issue 25: 100,000 topics listed in one answer, not ten). Paged either way, it
+    lists what the pattern keeps of the whole table, once each (planted: a range that stops at the prefix's first
+    non-match, or a prefix "a/" that loses the topic "a" that "a/**" matches, fails here)."""
+    rng = random.Random(seed)
+    levels = ["a", "ab", "b", "a-", "0"]
+    names = {"/".join(rng.choices(levels, k=rng.randint(1, 3))) for _ in range(60)}
+    catalog = TopicCatalog("n1")
+    catalog.refresh(specs(*names))
+    for text in ["a/**", "a", "ab/+", "+/a/**", "a/b", "**", "a/**/b", "0/a-"]:
+        pattern = TopicFilter(text)
+        expected = sorted(n for n in names if pattern.matches(n))
+        by_name, token = [], ""
+        while True:
+            page, token = catalog.page_by_name(token, rng.randint(1, 4), pattern.prefix)
+            by_name += [t.name for t in page if pattern.matches(t.name)]
+            if not token:
+                break
+        assert by_name == expected, text
+        changed, since, more = [], "", True
+        while more:
+            changes = catalog.changes_since(since, rng.randint(1, 4), pattern.matches)
+            assert all(pattern.matches(t.name) for t in changes.topics)
+            changed += [t.name for t in changes.topics]
+            since, more = changes.token, changes.more
+        assert sorted(changed) == expected and len(changed) == len(set(changed)), text

@@ -21,7 +21,7 @@ when a name disappears from the table (a data dir moved away).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from georep.metadata.topic_entry import TopicEntry
@@ -84,24 +84,29 @@ class TopicCatalog:
         self._names = sorted(name for name, entry in table.items() if not entry.deleted)
         return True
 
-    def page_by_name(self, after: str, size: int) -> tuple[list[TopicEntry], str]:
-        """Up to ``size`` live topics (every one for 0) whose names sort after ``after``; and the last name of the
-        page if more follow, else ""."""
-        start = bisect.bisect_right(self._names, after) if after else 0
-        end = len(self._names) if size <= 0 else min(start + size, len(self._names))
-        page = [self._table[name] for name in self._names[start:end]]
-        return page, (self._names[end - 1] if end < len(self._names) and end > start else "")
+    def page_by_name(self, after: str, size: int, prefix: str = "") -> tuple[list[TopicEntry], str]:
+        """Up to ``size`` live topics (every one for 0) whose names sort after ``after`` and start with ``prefix``;
+        and the last name of the page if more follow, else "". A pattern's listing passes its literal prefix
+        (``TopicFilter.prefix``): it reads the names that may match, not every name."""
+        names = self._names
+        start = max(bisect.bisect_right(names, after) if after else 0, bisect.bisect_left(names, prefix))
+        stop = bisect.bisect_right(names, prefix + "\U0010ffff") if prefix else len(names)
+        end = stop if size <= 0 else min(start + size, stop)
+        page = [self._table[name] for name in names[start:end]]
+        return page, (names[end - 1] if end < stop and end > start else "")
 
-    def changes_since(self, token: str, size: int) -> Changes:
+    def changes_since(self, token: str, size: int, keep: Callable[[str], bool] | None = None) -> Changes:
         """Up to ``size`` entries (every one for 0) changed after ``token`` ("" or a token of another catalog or
-        generation: from the first topic, ``restarted``)."""
+        generation: from the first topic, ``restarted``); with ``keep``, only the names it keeps, and a page counts
+        only them (a pattern consumer's first listing of 100,000 topics is one answer, not ten)."""
         position = self._position(token)
         restarted = position is None
         at = 0 if position is None else position
         entries: list[TopicEntry] = []
         while at < len(self._log) and (size <= 0 or len(entries) < size):
             name = self._log[at]
-            if self._at[name] == at:  # else an older change of a name that changed again later
+            # else an older change of a name that changed again later, or a name the caller does not want
+            if self._at[name] == at and (keep is None or keep(name)):
                 entries.append(self._table[name])
             at += 1
         while at < len(self._log) and self._at[self._log[at]] != at:  # older changes only: nothing more to list

@@ -37,7 +37,6 @@ from georep.broker.fetch import (
 )
 from georep.metadata.catalog import TopicCatalog
 from georep.metadata.store import UnknownTopic
-from georep.metadata.topic_entry import TopicEntry
 from georep.metadata.topic_entry_codec import spec_of
 from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
@@ -132,15 +131,14 @@ def reads_moved(service: NodeService) -> tuple[int, int]:
     return service.groups.subscriptions_changed, service.fetching_changed
 
 
-def _pattern_of(req: pb.ListTopicsRequest) -> Callable[[TopicEntry], bool] | None:
-    """``ListTopics``' ``pattern``: which of the listed entries it keeps (None: every one, as filter() takes it)."""
+def _pattern_of(req: pb.ListTopicsRequest) -> TopicFilter | None:
+    """``ListTopics``' ``pattern``, checked (None: every topic)."""
     if not req.pattern:
         return None
     try:
-        pattern = TopicFilter(req.pattern)
+        return TopicFilter(req.pattern)
     except InvalidTopicFilter as exc:
         raise InvalidRequest(f"ListTopics pattern: {exc}") from None
-    return lambda entry: pattern.matches(entry.name)
 
 
 def _vector_to_pb(vector: Mapping[Origin, int]) -> pb.VectorOffset:
@@ -311,20 +309,21 @@ class NodeService:
             catalog.refresh(self.broker.metadata.entries())
             self._catalog_saw = version
         out = pb.ListTopicsResponse(total_size=len(catalog))
-        wanted = _pattern_of(req)
+        pattern = _pattern_of(req)
         if req.HasField("changed_since"):
-            changes = catalog.changes_since(req.changed_since, size)
+            changes = catalog.changes_since(req.changed_since, size, None if pattern is None else pattern.matches)
             out.catalog_token, out.restarted = changes.token, changes.restarted
             out.next_page_token = changes.token if changes.more else ""
-            for entry in filter(wanted, changes.topics):  # with each entry, which the syncing site merges
+            for entry in changes.topics:  # with each entry, which the syncing site merges
                 listed = (
                     pb.TopicDescription(name=entry.name) if entry.deleted else self._listed(spec_of(entry), req.view)
                 )
                 listed.entry.CopyFrom(entry_to_pb(entry))
                 out.topics.append(listed)
         else:
-            entries, out.next_page_token = catalog.page_by_name(req.page_token, size)
-            out.topics.extend(self._listed(spec_of(entry), req.view) for entry in filter(wanted, entries))
+            entries, out.next_page_token = catalog.page_by_name(req.page_token, size, pattern.prefix if pattern else "")
+            wanted = entries if pattern is None else [e for e in entries if pattern.matches(e.name)]
+            out.topics.extend(self._listed(spec_of(entry), req.view) for entry in wanted)
         return out
 
     async def describe_topic(self, data: bytes, context: Context) -> pb.TopicDescription:
