@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 import urllib.request
@@ -221,6 +222,10 @@ def test_metrics_endpoint(api: pbg.NodeStub, node: NodeProcess) -> None:
     assert 'georep_produced_records_total{topic="t"} 4.0' in text
     assert 'georep_topic_log_end_offset{topic="t"} 4.0' in text  # summed per topic (issue 22)
     assert "georep_partition_log_end_offset" not in text  # per partition only with --metrics-partition-detail
+    # Garbage collection pauses, and the objects frozen out of them once the node serves (georep/node/gc_pauses.py)
+    assert 'georep_gc_pause_seconds_total{generation="2"}' in text
+    frozen = re.search(r"^georep_gc_frozen_objects (\S+)$", text, re.MULTILINE)
+    assert frozen is not None and float(frozen.group(1)) > 10_000
 
 
 def test_sigterm_shuts_down_cleanly(api: pbg.NodeStub, node: NodeProcess) -> None:

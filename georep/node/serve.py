@@ -32,6 +32,7 @@ from georep.auth.policy import Policy
 from georep.auth.principal import Principal
 from georep.metadata.store import SiteIdentity
 from georep.metadata.topics import InvalidTopic, parse_topic_config
+from georep.node.gc_pauses import GcPauses
 from georep.raft.store import MetadataUnavailable, RaftMetadataStore, RaftStartError, RaftTiming, join_running_group
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.tls import MESSAGE_BYTES_MAX, ServerLimits, TlsConfig, TlsError, add_port, server_options
@@ -548,6 +549,10 @@ def _start_housekeeping(
     ]
     if node.delete_gate is not None:
         housekeeping.append(asyncio.create_task(node.delete_gate.run()))
+    gc_pauses = GcPauses()  # full collections walk what came since the last one, not every topic's objects
+    gc_pauses.install()
+    node.metrics.registry.register(gc_pauses)
+    housekeeping.append(asyncio.create_task(gc_pauses.run()))
     if node.replicator is not None:
         node.replicator.start()
         log.info(
