@@ -166,3 +166,18 @@ def test_a_new_reader_is_an_interest_at_the_next_tick_not_a_second_later() -> No
     assert [e[0] for e in links.table.advert_for("a")] == ["orders/eu/x"]
     # and the pull from a starts now, not at the session's next tick (planted: no tick_soon, this fails)
     assert links.r.pullers["a"].ticks_asked == asked + 1  # type: ignore[index]
+    # The watch loop takes a reader that came within WATCH_S, with no replicator tick at all.
+    readers.add("orders/eu/y")
+    moved[0] += 1
+
+    async def watched() -> None:
+        task = asyncio.create_task(links.watch_loop())
+        try:
+            async with asyncio.timeout(5):
+                while len(links.table.advert_for("a")) < 2:
+                    await asyncio.sleep(0.005)
+        finally:
+            task.cancel()
+
+    asyncio.run(watched())
+    assert sorted(e[0] for e in links.table.advert_for("a")) == ["orders/eu/x", "orders/eu/y"]

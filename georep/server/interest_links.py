@@ -4,8 +4,8 @@ links' wants that follow them.
 
 * **This site's own interests** are the topics its readers read now: every topic of a consumer group member's
   subscription (georep's and Kafka's groups) and of an open ``Fetch`` (``local``, set by the service), taken again
-  every :data:`LOCAL_S`, and at the next tick when a group member joins or names other topics or a topic gets its
-  first fetch (``local_moved``): a new reader's interest leaves within a tick. A pattern consumer resolves its
+  every :data:`LOCAL_S`, and within :data:`WATCH_S` when a group member joins or names other topics or a topic
+  gets its first fetch (``local_moved``, which :meth:`InterestLinks.watch_loop` watches). A pattern consumer resolves its
   pattern against the site's catalog, which the topic sync keeps whole whatever the links' modes, so its topics
   are named here once it reads them.
 * **Adverts** go to each upstream of an interest link when this site's table changes, and again every
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOCAL_S = 1.0  # how often this site's own interests are taken again
+WATCH_S = 0.02  # how often watch_loop looks whether a reader came (two integers compared)
 RENEW_S = 5.0  # an advert is sent again at least this often
 LEASE_MS = 20_000  # and counts this long at the upstream unless renewed
 RPC_TIMEOUT_S = 5.0
@@ -68,6 +70,14 @@ class InterestLinks:
             changed = self.table.set_local(sorted(self.local()), now_ms)
         if self.table.tick(now_ms) or changed:
             self._on_change()
+
+    async def watch_loop(self) -> None:
+        """Take this site's readers within WATCH_S of a group member joining or a topic's first fetch, not at the
+        replicator's next tick (0.2 s): the first hop of a new subscription's first record."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            if self.local_moved() != self._local_seen:
+                self.tick(time.monotonic())
 
     def receive(self, reporter: str, entries: list[Entry], lease_ms: int) -> None:
         if self.table.receive(reporter, entries, self.r.now_ms(), lease_ms):

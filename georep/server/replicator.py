@@ -671,6 +671,7 @@ class Replicator:
         self._tasks.append(asyncio.create_task(self._repair_loop()))
         if self.interest_links.upstreams:
             self._tasks.append(asyncio.create_task(self.interest_links.report_loop()))
+            self._tasks.append(asyncio.create_task(self.interest_links.watch_loop()))
 
     async def stop(self) -> None:
         for task in self._tasks:
