@@ -3,7 +3,7 @@
 CPython's full collection (generation 2) walks every object the collector tracks, with the event loop stopped. A
 node of 100,000 topics tracks millions of objects, and a full collection then took about a second
 (``bench/first_use.py --topics 100000``: a new subscription's first record came after 2.2 to 2.4 s instead of 1.1
-to 1.4 s when one fell inside it; docs/design.md, "First use at 100,000 topics").
+to 1.4 s when one fell inside it; docs/design.md, "A new subscription at 100,000 topics").
 
 **Policy.** Once the node serves, and after each full collection, the objects that survived it are frozen
 (``gc.freeze``: moved to the permanent generation, which no collection walks). A full collection then walks what
@@ -15,7 +15,7 @@ an hour rather than one at every collection.
 
 **Measured.** ``georep_gc_pauses_total`` and ``georep_gc_pause_seconds_total`` per generation, the longest pause
 (``georep_gc_pause_max_seconds``) and the objects frozen (``georep_gc_frozen_objects``); a pause over
-:data:`WARN_S` is logged with the number of objects tracked.
+:data:`WARN_S` is logged (docs/operations.md, "Garbage collection pauses").
 """
 
 from __future__ import annotations

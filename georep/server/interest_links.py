@@ -5,9 +5,9 @@ links' wants that follow them.
 * **This site's own interests** are the topics its readers read now: every topic of a consumer group member's
   subscription (georep's and Kafka's groups) and of an open ``Fetch`` (``local``, set by the service), taken again
   every :data:`LOCAL_S`, and within :data:`WATCH_S` when a group member joins or names other topics or a topic
-  gets its first fetch (``local_moved``, which :meth:`InterestLinks.watch_loop` watches). A pattern consumer resolves its
-  pattern against the site's catalog, which the topic sync keeps whole whatever the links' modes, so its topics
-  are named here once it reads them.
+  gets its first fetch (``local_moved``, which :meth:`InterestLinks.watch_loop` watches). A pattern consumer
+  resolves its pattern against the site's catalog, which the topic sync keeps whole whatever the links' modes, so
+  its topics are named here once it reads them.
 * **Adverts** go to each upstream of an interest link when this site's table changes, and again every
   :data:`RENEW_S` as a lease of :data:`LEASE_MS` (an upstream that hears nothing for that long drops the advert:
   a site that went away stops being served after the lease and the linger).
