@@ -259,8 +259,9 @@ def test_wants_after_an_interest_change_are_what_asking_about_every_topic_gives(
         if op < 0.15:
             name = rng.choice(["t1", "t2", "t3", "t7", "t1/x", "t1/y", "z/x", "t2/q", f"n{len(names)}"])
             names.append(name)
+            count = max(1, kept.partitions.get(name, 0) + rng.randint(0, 2))  # created, grown, or the same again
             for m in (kept, fresh):
-                m.topic(name, kept.partitions.get(name, 0) + rng.randint(0, 2) if m is kept else kept.partitions[name])
+                m.topic(name, count)
         elif op < 0.7:
             ticked[0] = now
             if change_interests(table, rng, now):
