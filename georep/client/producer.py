@@ -44,7 +44,7 @@ from georep.client.errors import (
 )
 from georep.client.partitioner import StickyPartitioner, key_partition
 from georep.metadata.topics import MAX_BATCH_BYTES_LIMIT
-from georep.proto import georep_pb2
+from georep.proto import georep_pb2, georep_pb2_grpc
 from georep.proto.reasons import PRODUCE_BATCHES_MAX_METADATA, PRODUCE_BYTES_MAX_METADATA
 from georep.record.batch import HEADER_BYTES, NO_PRODUCER_ID, RecordInput, encode_batch
 from georep.record.compression import Compression
@@ -406,7 +406,7 @@ class Producer:
         away until ``delivery_timeout_ms``. At most ``METADATA_IN_FLIGHT`` at once, the stub taken inside the
         slot: a channel replaced while a request waited for its slot is never used."""
         deadline = time.monotonic() + self._delivery_timeout_ms / 1000
-        backoff_ms = self._retry_backoff_ms
+        backoff_ms, timeout_s = self._retry_backoff_ms, self._request_timeout_ms / 1000
         try:
             while True:
                 generation = self._connection.generation
@@ -414,15 +414,7 @@ class Producer:
                     async with self._metadata_slots:
                         stub = await self._connection.connect()
                         generation = self._connection.generation
-                        try:
-                            description = await self._connection.unary(
-                                stub.DescribeTopic(
-                                    georep_pb2.DescribeTopicRequest(name=topic, allow_auto_create=self._auto_create),
-                                    timeout=self._request_timeout_ms / 1000,
-                                )
-                            )
-                        except grpc.RpcError as exc:
-                            raise from_rpc_error(exc, self._connection.address, operation=Operation.PRODUCE) from None
+                        description = await _describe(self._connection, stub, topic, self._auto_create, timeout_s)
                     break
                 except NodeUnavailable as exc:
                     if time.monotonic() + backoff_ms / 1000 > deadline:
@@ -455,15 +447,7 @@ class Producer:
         if count is not None:
             return count
         stub = await self._connection.connect()
-        try:
-            description = await self._connection.unary(
-                stub.DescribeTopic(
-                    georep_pb2.DescribeTopicRequest(name=topic, allow_auto_create=self._auto_create),
-                    timeout=self._request_timeout_ms / 1000,
-                )
-            )
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self._connection.address, operation=Operation.PRODUCE) from None
+        description = await _describe(self._connection, stub, topic, self._auto_create, self._request_timeout_ms / 1000)
         self._learn(topic, description)
         return int(description.partitions)
 
@@ -920,6 +904,17 @@ class Producer:
                 self._fail_batch(batch, error)
             if delivery.round_complete():
                 self._resolve_rounds()
+
+
+async def _describe(
+    connection: Connection, stub: georep_pb2_grpc.NodeAsyncStub, topic: str, auto_create: bool, timeout_s: float
+) -> georep_pb2.TopicDescription:
+    """A producer's metadata request for ``topic`` (``auto_create``: Kafka's allow_auto_topic_creation)."""
+    request = georep_pb2.DescribeTopicRequest(name=topic, allow_auto_create=auto_create)
+    try:
+        return await connection.unary(stub.DescribeTopic(request, timeout=timeout_s))
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc, connection.address, operation=Operation.PRODUCE) from None
 
 
 def linger_room(routes: Iterable[_Route], max_in_flight: int) -> int | None:
