@@ -36,6 +36,7 @@ from georep.node.gc_pauses import GcPauses
 from georep.raft.store import MetadataUnavailable, RaftMetadataStore, RaftStartError, RaftTiming, join_running_group
 from georep.replication.links import DEFAULT_STALL_MS
 from georep.security.tls import MESSAGE_BYTES_MAX, ServerLimits, TlsConfig, TlsError, add_port, server_options
+from georep.server import retention_run
 from georep.server.broker import Broker
 from georep.server.cluster_member import ClusterConfig, ClusterMember
 from georep.server.delete_gate import DeleteGate, health_ask
@@ -638,6 +639,7 @@ async def _group_loop(service: NodeService) -> None:
 async def _retention_loop(broker: Broker, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        run = broker.enforce_retention()
+        run = retention_run.RetentionRun()
+        await retention_run.paced(broker, run)
         if run.deleted:
             log.info("retention deleted %d segments", run.deleted)

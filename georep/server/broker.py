@@ -46,7 +46,7 @@ from georep.broker.acks import (
 )
 from georep.broker.append import Produced, append_as_origin
 from georep.broker.errors import BrokerError, InternalTopic, NotEnoughReplicas, NotLeader, UnknownPartition, WriteFailed
-from georep.broker.retention_schedule import RetentionSchedule, earliest
+from georep.broker.retention_schedule import RetentionSchedule
 from georep.metadata.kafka_config import SiteSettings, check_quorum
 from georep.metadata.store import MetadataStore, SiteIdentity, TopicExists, UnknownTopic
 from georep.metadata.topic_entry import TopicEntry
@@ -59,9 +59,11 @@ from georep.metadata.topics import (
 )
 from georep.record.validate import TimestampWindow
 from georep.replication.sink import ApplyOutcome, CorruptChunk, InvalidChunk, apply_chunk
+from georep.server import retention_run
 from georep.server.group_flush import GroupFlush
+from georep.server.retention_run import RetentionRun
 from georep.storage import api as storage_api
-from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep, StorageError
+from georep.storage.api import DamagedBatch, DiskFull, LogConfig, PartitionLog, ScrubStep
 from georep.storage.deleted_dirs import DELETED_DIR, finish_removals
 from georep.storage.durable_file import fsync_directory
 from georep.storage.metadata_file import FileMetadataStore
@@ -305,22 +307,6 @@ def _replica_error(p: Partition, exc: Exception) -> Exception:
     if isinstance(exc, OSError):
         return WriteFailed(f"write to {p.topic}-{p.index} failed: {exc}")
     raise exc
-
-
-@dataclass
-class RetentionRun:
-    """What one retention run did."""
-
-    deleted: int = 0  # sealed segments deleted
-    visited: int = 0  # partitions visited: those written since the last run and those whose data fell due
-
-
-def _save_checkpoint(checkpoint: RecoveryCheckpoint) -> None:
-    """Write the recovery-point checkpoint if a point moved; a disk that refuses it is logged, not fatal."""
-    try:
-        checkpoint.save()
-    except OSError as exc:  # the last one written stays true: the next start validates more
-        log.warning("cannot write %s (%s): the next start validates more of each partition", checkpoint.path, exc)
 
 
 class Broker:
@@ -1041,26 +1027,8 @@ class Broker:
             self._perform(self.acks.flush(p.key, p.log.log_end_offset))
 
     def enforce_retention(self) -> RetentionRun:
-        """Retention, producer expiry and the recovery point's move, in the partitions written since the last run
-        and those whose data fell due (``retention``); then the checkpoint of those points, when one moved (one
-        file for the node, not one per partition)."""
-        now = self.clock_ms()
-        run = RetentionRun()
-        for key in self.retention.due(now):
-            p = self.partitions.get(key)
-            if p is None:
-                continue  # deleted, or no longer led
-            run.visited += 1
-            try:
-                run.deleted += p.log.enforce_retention(now)
-            except (OSError, StorageError) as exc:  # the other partitions go on; this one is tried again next run
-                log.error("retention of %s-%d failed: %s; it is tried again at the next run", *key, exc)
-                self.retention.written(key)
-                continue
-            self.retention.visited(key, earliest(p.log.retention_due_ms, p.expire_producers(now)))
-        if self.checkpoint is not None:
-            _save_checkpoint(self.checkpoint)
-        return run
+        """One retention run in one piece (``georep/server/retention_run.py``; the node's loop paces it)."""
+        return retention_run.enforce(self)
 
     def close(self) -> None:
         """fsync and close every log, then write their recovery points, all in one checkpoint."""
@@ -1073,7 +1041,7 @@ class Broker:
         self.executor.shutdown(wait=True)
         self.flusher.close()
         if self.checkpoint is not None:
-            _save_checkpoint(self.checkpoint)
+            retention_run.save_checkpoint(self.checkpoint)
 
 
 def partition_to_write(broker: Broker, topic: str, index: int) -> Partition:

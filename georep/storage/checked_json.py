@@ -24,9 +24,13 @@ class DamagedStateFile(ValueError):
     """A state file whose bytes are not the JSON object its checksum vouches for."""
 
 
+def canonical(value: Any) -> str:
+    """``value`` serialised as the checksum reads it: sorted keys, no spaces, ASCII."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
 def _checksum(doc: dict[str, Any]) -> int:
-    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii")
-    return int(crc32c.crc32c(canonical))
+    return int(crc32c.crc32c(canonical(doc).encode("ascii")))
 
 
 def dumps_checked(doc: dict[str, Any]) -> bytes:
@@ -34,6 +38,20 @@ def dumps_checked(doc: dict[str, Any]) -> bytes:
     if CHECKSUM_KEY in doc:
         raise ValueError(f"a checked document may not carry its own {CHECKSUM_KEY!r} member")
     return (json.dumps({**doc, CHECKSUM_KEY: _checksum(doc)}, sort_keys=True, indent=1) + "\n").encode("ascii")
+
+
+def dumps_checked_canonical(text: str) -> bytes:
+    """A document given as its canonical text (what :func:`canonical` gives for it) with its checksum member
+    added, on one line: what :func:`dumps_checked` writes, without indenting, and without serialising it again.
+
+    For a large document that a caller assembles from members it serialised once (the recovery-point checkpoint
+    of 100,000 partitions: 4 s to serialise whole, on a node's event loop). Its first member must sort after
+    ``"crc32c"``, so that the checksum member goes first and the text stays canonical."""
+    first = text[2 : text.find('"', 2)] if text.startswith('{"') else ""
+    if first <= CHECKSUM_KEY:
+        raise ValueError(f"a canonical document whose first member sorts after {CHECKSUM_KEY!r} is expected")
+    checksum = int(crc32c.crc32c(text.encode("ascii")))
+    return f'{{"{CHECKSUM_KEY}":{checksum},{text[1:]}\n'.encode("ascii")
 
 
 def loads_checked(

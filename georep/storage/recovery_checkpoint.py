@@ -8,7 +8,9 @@ a node's logs are opened with) and the node writes them all in one file, ``logs/
 * at the end of a start-up (after every partition opened), at each retention run (``--retention-check-ms``) when
   a point moved, and at a clean stop after every log was fsynced and closed;
 * atomically (:func:`~georep.storage.durable_file.replace_file`: temp, fsync, rename, directory fsync), as UTF-8
-  JSON with its own CRC-32C (:mod:`georep.storage.checked_json`)::
+  JSON with its own CRC-32C (:mod:`georep.storage.checked_json`), on one line (shown indented here), each entry
+  serialised once while its point stays the same (a save at 100,000 partitions joins them in about 0.2 s, where
+  serialising the whole document took 4 s)::
 
     {"crc32c": 3735928559,
      "format": 1,
@@ -49,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from georep.storage.checked_json import DamagedStateFile, dumps_checked, read_checked
+from georep.storage.checked_json import DamagedStateFile, canonical, dumps_checked_canonical, read_checked
 from georep.storage.durable_file import replace_file
 from georep.storage.recovery_point import FILE_NAME as PARTITION_FILE
 from georep.storage.recovery_point import RecoveryPoint, read_recovery_point
@@ -86,6 +88,7 @@ class RecoveryCheckpoint:
         self._moved: list[str] = []  # partitions whose entry was written for another directory of their name
         self._lock = threading.Lock()
         self._dirty = False
+        self._texts: dict[str, tuple[_Entry, str]] = {}  # each entry's member text, serialised once (save)
 
     @classmethod
     def load(cls, logs_dir: Path) -> RecoveryCheckpoint:
@@ -207,11 +210,11 @@ class RecoveryCheckpoint:
                 return False
             # Entries not read yet (a partition not opened so far) stay: they are checked when it is opened.
             kept = {**self._found, **self._points}
-            doc = {"format": FORMAT, "partitions": {n: _dump_entry(e) for n, e in sorted(kept.items())}}
+            text = self._canonical(kept)
             legacy = sorted(self._legacy & set(self._points))
             self._dirty = False
         try:
-            replace_file(self.path, dumps_checked(doc))
+            replace_file(self.path, dumps_checked_canonical(text))
         except BaseException:
             with self._lock:
                 self._dirty = True
@@ -228,6 +231,21 @@ class RecoveryCheckpoint:
     def __len__(self) -> int:
         with self._lock:
             return len(self._points)
+
+    def _canonical(self, kept: dict[str, _Entry]) -> str:
+        """The file's canonical text (lock held): each entry serialised once while it stays the same object, so a
+        save costs a join of the node's entries plus the serialisation of those that moved, not 4 s of
+        ``json.dumps`` at 100,000 partitions."""
+        texts = self._texts
+        fresh: dict[str, tuple[_Entry, str]] = {}
+        for name, entry in kept.items():
+            cached = texts.get(name)
+            fresh[name] = (
+                cached if cached is not None and cached[0] is entry else (entry, f"{canonical(name)}:{_member(entry)}")
+            )
+        self._texts = fresh
+        members = ",".join(fresh[name][1] for name in sorted(fresh))
+        return f'{{"format":{FORMAT},"partitions":{{{members}}}}}'
 
 
 def recorded_point(directory: Path) -> RecoveryPoint | None:
@@ -271,14 +289,16 @@ def _parse_entry(raw: Any) -> _Entry:
     return _Entry(_non_negative(raw["dir_ino"]), point)
 
 
-def _dump_entry(entry: _Entry) -> dict[str, Any]:
+def _member(entry: _Entry) -> str:
     p = entry.point
-    return {
-        "dir_ino": entry.dir_ino,
-        "recovery_point": int(p.recovery_point),
-        "vector_offset": int(p.vector_offset),
-        "vector": {str(origin): int(seq) for origin, seq in sorted(p.vector.items())},
-    }
+    return canonical(
+        {
+            "dir_ino": entry.dir_ino,
+            "recovery_point": int(p.recovery_point),
+            "vector_offset": int(p.vector_offset),
+            "vector": {str(origin): int(seq) for origin, seq in p.vector.items()},
+        }
+    )
 
 
 def _non_negative(value: object) -> int:
