@@ -22,6 +22,7 @@ import pytest
 
 from cluster.groups import IllegalGeneration
 from georep.broker.errors import CommitsBehind
+from georep.client.consumer import Consumer
 from georep.client.errors import CommitsBehind as ClientCommitsBehind
 from georep.client.errors import GroupRebalanced, Operation, from_status
 from georep.proto import georep_pb2 as pb
@@ -36,7 +37,7 @@ from offsets.commits import OFFSETS_TOPIC, offsets_partition
 from offsets.coordinates import Origin
 from tests.support.node_api import stub_for
 from tests.support.ports import free_ports
-from tests.support.sites import topology_toml
+from tests.support.sites import Sites, converged, produce, topology_toml, wait_until
 from topology.file import parse_topology_file
 from topology.ids import SiteId
 
@@ -114,3 +115,38 @@ def test_a_frozen_upstream_is_not_counted_with_what_it_last_sent(tmp_path: Path,
         asyncio.run(main())
     finally:
         channel.close()
+
+
+def test_a_member_whose_first_join_meets_commits_behind_retries_and_reads_rather_than_raise(tmp_path: Path) -> None:
+    """A new group member at b while b's upstream a is frozen (under load, a node stopped for seconds): b cannot
+    vouch for the group's commits, and its first heartbeat meets ``CommitsBehind``. The member tries again at its
+    next heartbeat, as it does later in its life; ``poll`` returns nothing meanwhile, then the records once a
+    answers. (It was raised out of ``poll``, which a Kafka user does not expect of a retriable condition: the
+    benchmark at 100,000 topics stopped on it.)"""
+    sites = Sites(tmp_path, ["a", "b"], [("a", "b")], stall_ms=60_000)  # the link stays up while a is frozen
+    sites.start()
+    try:
+        sites.stub("a").CreateTopic(pb.CreateTopicRequest(name="t", partitions=1), timeout=10)
+        sites.stub("a").FetchCommitted(pb.FetchCommittedRequest(group="g"), timeout=10)  # a's offsets topic
+        sent = asyncio.run(produce(sites.address("a"), "t", "r", 20))
+        wait_until("b holds the records", lambda: converged(sites, ["a", "b"], "t", 20))
+        wait_until("a -> b streams", lambda: sites.status("b").links[0].state == "streaming")
+
+        async def member() -> set[tuple[bytes, bytes]]:
+            got: set[tuple[bytes, bytes]] = set()
+            async with Consumer(sites.address("b"), group_id="g", auto_offset_reset="earliest") as consumer:
+                consumer.subscribe(["t"])
+                os.kill(sites.nodes["a"].pid, signal.SIGSTOP)
+                try:
+                    assert await consumer.poll(timeout_ms=100) == []  # its first join: CommitsBehind, retried
+                finally:
+                    os.kill(sites.nodes["a"].pid, signal.SIGCONT)
+                deadline = time.monotonic() + 60
+                while len(got) < len(sent):
+                    assert time.monotonic() < deadline, f"read {len(got)} of {len(sent)} records"
+                    got |= {(r.key, r.value) for r in await consumer.poll(timeout_ms=500)}
+            return got
+
+        assert asyncio.run(member()) == sent
+    finally:
+        sites.close()

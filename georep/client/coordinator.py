@@ -141,7 +141,12 @@ class Coordinator:
         return self._task is not None
 
     async def start(self) -> None:
-        await self.heartbeat()
+        try:
+            await self.heartbeat()
+        except CommitsBehind as exc:
+            # The site could not yet vouch for the group's commits (an upstream slow to answer): retried by the
+            # heartbeat task, as later in the member's life, not raised out of poll() as if it were the caller's.
+            log.info("group %r: %s", self.group, exc.message)
         self._task = asyncio.create_task(self._run(), name=f"georep-heartbeat-{self.group}")
 
     async def _run(self) -> None:

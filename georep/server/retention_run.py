@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,7 +44,7 @@ class RetentionRun:
     visited: int = 0  # partitions visited: those written since the last run and those whose data fell due
 
 
-def visits(broker: Broker, run: RetentionRun) -> Iterator[None]:
+def visits(broker: Broker, run: RetentionRun) -> Generator[None, None, None]:
     """Retention, producer expiry and the recovery point's move in each partition the schedule names now; yields
     after each visit. Closed early, it gives the partitions not visited back to the schedule."""
     now = broker.clock_ms()
