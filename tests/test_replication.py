@@ -24,7 +24,7 @@ import pytest
 from georep.proto import georep_pb2 as pb
 from georep.record.batch import iter_headers, parse_header
 from georep.replication.sink import CorruptChunk, apply_chunk
-from georep.replication.source import ReplicaSource
+from georep.replication.source import FIRST_MESSAGE_BYTES, ReplicaSource
 from georep.server.process import NodeProcess, NodeStartError
 from georep.storage.memory_log import MemoryLog
 from offsets.coordinates import Origin
@@ -114,6 +114,29 @@ def test_source_round_robins_partitions_and_respects_max_bytes() -> None:
     assert {calls[0][0], calls[1][0]} == {("t", 0), ("t", 1)}  # each call starts at the next partition
     # one oversized batch still goes out whole
     assert [len(c.batches) for c in ReplicaSource(logs, {KEY: ({}, ("a",))}).next_chunks(1)] == [size]
+
+
+def test_a_stream_sends_a_small_first_message_of_data_then_doubles_up_to_max_bytes() -> None:
+    """A new subscription's stream hands its first partitions on at once: at 100,000-topic sites a first message
+    of 1 MiB meant 1,000 cold partitions written, synced and served at each hop before the first record. Planted:
+    without the cap the first message is max_bytes; without the doubling every message stays small."""
+    logs = {("t", p): MemoryLog() for p in range(64)}
+    for log in logs.values():
+        for seq in range(0, 200, 2):
+            put(log, origin_batch(A1, seq, tag=b"x" * 300))
+        log.flush()
+    batch = len(origin_batch(A1, 0, tag=b"x" * 300))
+    total = 64 * 100 * batch
+    source = ReplicaSource(logs, {k: ({}, ("a",)) for k in logs})
+    assert source.step(0, 1 << 20).heartbeat  # the summary first
+    sizes = []
+    while sum(sizes) < total:
+        serve = source.step(0, 1 << 20)
+        sizes.append(sum(len(c.batches) for c in serve.chunks))
+    for i, size in enumerate(sizes):
+        assert 0 < size <= min(FIRST_MESSAGE_BYTES << i, 1 << 20) + batch, sizes  # doubling, never more
+    assert max(sizes) > (1 << 20) - 2 * batch, sizes  # up to max_bytes
+    assert len(sizes) < 10, sizes
 
 
 def test_apply_appends_verbatim_skips_covered_and_stops_at_a_gap() -> None:
