@@ -114,7 +114,7 @@ def test_the_merge_is_commutative_associative_and_idempotent(sent: list[TopicEnt
 
     assert m(a, b) == m(b, a)
     assert m(m(a, b), c) == m(a, m(b, c))
-    assert m(a, a) == a
+    assert merge(a, a) == Merged(a, False, ())  # a topic sync skips an entry equal to the one held
     assert not merge(m(a, b), a).changed
 
 

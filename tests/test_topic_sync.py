@@ -138,6 +138,33 @@ def test_concurrent_creates_with_two_partition_counts_converge_to_the_larger(tmp
     run_at_b(tmp_path, node, scenario)
 
 
+def test_a_sync_from_the_start_merges_only_the_entries_that_differ(tmp_path: Path, node: NodeProcess) -> None:
+    """After a restart a topic sync lists every topic again; the entries equal to those held are not merged again
+    (at 100,000 topics that was 1.7 s of the event loop, and on a multi-node site one Raft command of them all).
+    Planted: without the filter the second sync merges both topics."""
+
+    async def scenario(r: Replicator, stub_a: Any) -> None:
+        for name in ("orders", "events"):
+            stub_a.CreateTopic(pb.CreateTopicRequest(name=name, partitions=1))
+        puller = r.pullers[SiteId("a")]
+        await puller.sync_topics()
+        merged: list[list[str]] = []
+        change = r.topic_changes.change
+
+        async def counted(received: Any) -> Any:
+            merged.append(sorted(e.name for e in received))
+            return await change(received)
+
+        r.topic_changes.change = counted  # type: ignore[method-assign]
+        stub_a.AlterTopic(pb.AlterTopicRequest(name="orders", set={"retention.ms": "2000"}))
+        puller._catalog_token = ""  # as after a restart: every topic listed again
+        await puller.sync_topics()
+        assert merged == [["orders"]]
+        assert r.broker.topic("orders").config == {"retention_ms": 2000}
+
+    run_at_b(tmp_path, node, scenario)
+
+
 def test_an_alter_at_a_reaches_b_and_concurrent_alters_are_a_conflict_in_status(
     tmp_path: Path, node: NodeProcess
 ) -> None:
