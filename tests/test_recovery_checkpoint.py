@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import threading
 from pathlib import Path
 
 from georep.server.broker import Broker
@@ -394,3 +395,38 @@ def test_each_save_writes_what_serialising_the_whole_document_gives(tmp_path: Pa
                     got = entries(logs)[name]
                     assert got["recovery_point"] == point.recovery_point, f"seed {seed}: {name}"
                     assert got["vector"] == {str(o): s for o, s in point.vector.items()}, f"seed {seed}: {name}"
+
+
+def test_saves_from_two_threads_at_once_leave_a_readable_file_of_the_last_points(tmp_path: Path) -> None:
+    """A retention run writes the checkpoint in a thread that a stop does not wait for before its own save: two
+    writers of the one temporary file mixed their bytes (a checkpoint the next start could not read) or one found
+    the other's file renamed away. Saves are one at a time. Planted: without ``_saving`` this fails."""
+    logs = tmp_path / "logs"
+    names = [f"t{i}-0" for i in range(200)]
+    for name in names:
+        (logs / name).mkdir(parents=True)
+    checkpoint = RecoveryCheckpoint.load(logs)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def saver(k: int) -> None:
+        try:
+            for round_ in range(40):
+                barrier.wait()
+                for name in names[k::2]:  # each thread moves its half's points, then both save at once
+                    point = RecoveryPoint(LocalOffset(round_ * 10 + k), LocalOffset(0), {A: OriginSeq(round_)})
+                    checkpoint.write(logs / name, point)
+                barrier.wait()
+                checkpoint.save(force=True)
+        except BaseException as exc:  # reported below, with the file's state
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=saver, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    got = entries(logs)
+    assert {n: got[n]["recovery_point"] for n in names} == {n: 390 + i % 2 for i, n in enumerate(names)}

@@ -87,6 +87,7 @@ class RecoveryCheckpoint:
         self._legacy: set[str] = set()  # partitions opened from an old recovery-point file, removed once written
         self._moved: list[str] = []  # partitions whose entry was written for another directory of their name
         self._lock = threading.Lock()
+        self._saving = threading.Lock()  # held through a save, the file's write included
         self._dirty = False
         self._texts: dict[str, tuple[_Entry, str]] = {}  # each entry's member text, serialised once (save)
 
@@ -204,7 +205,14 @@ class RecoveryCheckpoint:
 
     def save(self, *, force: bool = False) -> bool:
         """Write the file if a point moved since the last write (or ``force``); whether it wrote. Then remove
-        the old per-partition files it replaces. Raises ``OSError`` (the last file written stays)."""
+        the old per-partition files it replaces. Raises ``OSError`` (the last file written stays).
+
+        One save at a time: a retention run writes it in a thread, which a stop does not wait for before its own
+        save, and two writers of the one temporary file would mix their bytes."""
+        with self._saving:
+            return self._save(force)
+
+    def _save(self, force: bool) -> bool:
         with self._lock:
             if not (self._dirty or force):
                 return False
