@@ -153,18 +153,21 @@ def chain_run(root: Path, topics: int, records: int, spy: Path | None, subscript
         spied = {} if spy is None else {spy / f"first-use-{s}.txt": sites.nodes[s].pid for s in "abc"}
         with recording(spied):  # nothing recorded without --py-spy
             first_s = asyncio.run(produce(sites.address("a"), names, records))
+        produced_at = time.perf_counter()
         out = {"first_s": first_s, "rss0": rss0, "rss1": rss_mb(pid), "disk_kb": (disk_mb(root / "a") - disk0) * 1e3}
         out["batch_bytes"] = batch_bytes(root / "a")
         out["settle_s"] = settle(sites, "c", topics)
         wanted = sum(1 for i in range(records) if (i % topics) % GROUPS == 7)
         spied = {} if spy is None else {spy / f"subscribe-{s}.txt": sites.nodes[s].pid for s in "abc"}
         with recording(spied):
+            out["sub_at_s"] = time.perf_counter() - produced_at
             out["sub_first_s"], out["sub_all_s"] = asyncio.run(subscribe_at_c(sites.address("c"), 7, wanted))
         out["wanted"] = wanted
         out["to_b"], out["to_c"] = applied(sites, "b"), applied(sites, "c")
         for k in range(1, subscriptions):  # more new subscriptions, one after the other: the first record's spread
             group = 7 + k
             wanted_k = sum(1 for i in range(records) if (i % topics) % GROUPS == group)
+            out[f"sub_at_s{k}"] = time.perf_counter() - produced_at
             out[f"sub_first_s{k}"] = asyncio.run(subscribe_at_c(sites.address("c"), group, wanted_k))[0]
         return out
     finally:
@@ -253,13 +256,16 @@ def print_chain(chain: dict[str, float], n: int, r: int) -> None:
         f"  subscribe at c to bench/g7/** ({chain['wanted']:,} records): first record after "
         f"{chain['sub_first_s']:.2f} s [target <= 2 s], all after {chain['sub_all_s']:.1f} s"
     )
-    firsts = sorted(v for k, v in chain.items() if k.startswith("sub_first_s"))
+    runs = [(chain[k.replace("first", "at")], v) for k, v in chain.items() if k.startswith("sub_first_s")]
+    firsts = sorted(v for _at, v in runs)
     if len(firsts) > 1:
         print(
             f"  {len(firsts)} new subscriptions at c, one after the other (bench/g7/** on): first record after "
             f"{', '.join(f'{f:.2f}' for f in firsts)} s; median {firsts[len(firsts) // 2]:.2f} s, "
             f"most {firsts[-1]:.2f} s [target <= 2 s]"
         )
+        in_order = ", ".join(f"{first:.2f} s ({at:.1f} s after the produce)" for at, first in runs)
+        print(f"    in order: {in_order}")
     batches = chain["batch_bytes"]
     print(
         f"  bytes moved a -> b {chain['to_b']:,}, b -> c {chain['to_c']:,}: {100 * chain['to_c'] / batches:.2f}% of "
