@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -216,11 +217,22 @@ def main() -> None:
         default="chain,lone",
         help="chain (first use, subscription at c, bytes moved), lone (created first, pattern consumer), or both",
     )
+    parser.add_argument("--keep", action="store_true", help="keep the sites' data dirs and node logs (printed)")
     args = parser.parse_args()
-    n, r = args.topics, args.records
     if args.py_spy is not None:
         args.py_spy.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="georep-bench-first-use-"))
+    try:
+        run_parts(args, root)
+    finally:  # 4 GB at the issue's size: removed unless --keep asks for the nodes' logs
+        if args.keep:
+            print(f"  kept {root} (the nodes' data dirs and logs)")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run_parts(args: argparse.Namespace, root: Path) -> None:
+    n, r = args.topics, args.records
     print(f"georep dynamic-topics bench: {n:,} topics of 1 partition, {r:,} records of {len(VALUE)} bytes, 2 cores")
     if "chain" in args.parts:
         (root / "chain").mkdir()

@@ -639,7 +639,12 @@ async def _group_loop(service: NodeService) -> None:
 async def _retention_loop(broker: Broker, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
-        run = retention_run.RetentionRun()
+        run, started = retention_run.RetentionRun(), time.monotonic()
         await retention_run.paced(broker, run)
-        if run.deleted:
-            log.info("retention deleted %d segments", run.deleted)
+        if run.deleted or run.visited >= retention_run.VISITS_LOGGED:
+            log.info(
+                "retention run: %d partition(s) visited, %d segment(s) deleted, in %.1f s",
+                run.visited,
+                run.deleted,
+                time.monotonic() - started,
+            )

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TURN_S = 0.02  # the longest a run keeps the event loop before giving it back
+VISITS_LOGGED = 1_000  # a run that visits this many partitions says so in the node's log, with how long it took
 
 
 @dataclass
