@@ -9,8 +9,8 @@ a node's logs are opened with) and the node writes them all in one file, ``logs/
   a point moved, and at a clean stop after every log was fsynced and closed;
 * atomically (:func:`~georep.storage.durable_file.replace_file`: temp, fsync, rename, directory fsync), as UTF-8
   JSON with its own CRC-32C (:mod:`georep.storage.checked_json`), on one line (shown indented here), each entry
-  serialised once while its point stays the same (a save at 100,000 partitions joins them in about 0.2 s, where
-  serialising the whole document took 4 s)::
+  serialised once while its point stays the same (a save at 100,000 partitions takes 0.2 s, 0.7 s when every
+  point moved, where serialising the whole document took 4 s)::
 
     {"crc32c": 3735928559,
      "format": 1,
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import threading
@@ -51,12 +52,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from georep.storage.checked_json import DamagedStateFile, canonical, dumps_checked_canonical, read_checked
+from georep.storage.checked_json import DamagedStateFile, dumps_checked_canonical, read_checked
 from georep.storage.durable_file import replace_file
 from georep.storage.recovery_point import FILE_NAME as PARTITION_FILE
 from georep.storage.recovery_point import RecoveryPoint, read_recovery_point
 from offsets.coordinates import InvalidOrigin, LocalOffset, Origin, OriginSeq
 from topology.ids import InvalidSiteId
+
+_quoted = json.encoder.encode_basestring_ascii  # a JSON string as json.dumps writes it (ASCII)
 
 FILE_NAME = "recovery-point-checkpoint"
 FORMAT = 1
@@ -249,7 +252,7 @@ class RecoveryCheckpoint:
         for name, entry in kept.items():
             cached = texts.get(name)
             fresh[name] = (
-                cached if cached is not None and cached[0] is entry else (entry, f"{canonical(name)}:{_member(entry)}")
+                cached if cached is not None and cached[0] is entry else (entry, f"{_quoted(name)}:{_member(entry)}")
             )
         self._texts = fresh
         members = ",".join(fresh[name][1] for name in sorted(fresh))
@@ -298,14 +301,14 @@ def _parse_entry(raw: Any) -> _Entry:
 
 
 def _member(entry: _Entry) -> str:
+    """The entry's canonical text (what :func:`~georep.storage.checked_json.canonical` gives for its object),
+    written out: four times faster, which is 2 s of a node's CPU less in a save after 100,000 partitions moved.
+    ``test_each_save_writes_what_serialising_the_whole_document_gives`` compares the two."""
     p = entry.point
-    return canonical(
-        {
-            "dir_ino": entry.dir_ino,
-            "recovery_point": int(p.recovery_point),
-            "vector_offset": int(p.vector_offset),
-            "vector": {str(origin): int(seq) for origin, seq in p.vector.items()},
-        }
+    vector = ",".join(f"{_quoted(o)}:{int(seq)}" for o, seq in sorted((str(o), seq) for o, seq in p.vector.items()))
+    return (
+        f'{{"dir_ino":{entry.dir_ino},"recovery_point":{int(p.recovery_point)},"vector":{{{vector}}},'
+        f'"vector_offset":{int(p.vector_offset)}}}'
     )
 
 
