@@ -2,10 +2,11 @@
 a turn at a time, giving the event loop back between turns, and writes the recovery-point checkpoint off it.
 
 Why. A run visits every partition written since the last one. After a first use that wrote 100,000 one-partition
-topics, that is 100,000 visits of about 100 us (each writes its index entries out and moves its recovery point),
-then a checkpoint of 100,000 entries: 10 s or more in one piece on the event loop, every ``--retention-check-ms``
-while the topics are written. Nothing else on the node ran meanwhile, so a downstream's pull stream heard nothing
-for its 5 s and timed out ("no message from a for 5000 ms"), and a new subscription waited 18 s for its first
+topics, that is 100,000 visits of 34 us (each writes its index entries out and moves its recovery point; 3.4 s on a
+quiet machine, ``bench/checkpoint.py``), then a checkpoint of 100,000 entries serialised whole (2.7 s): several
+seconds in one piece on the event loop, more under a first use's load, every ``--retention-check-ms`` while the
+topics are written. Nothing else on the node ran meanwhile, so a downstream's pull stream heard nothing for its
+5 s and timed out ("no message from a for 5000 ms"), and a new subscription waited 18 s for its first
 record. Paced, a run takes the same work in turns of :data:`TURN_S`, and every other task runs between two turns.
 
 What a run does is unchanged: the same partitions are visited, each visit whole (its log's lock held), against
