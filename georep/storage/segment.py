@@ -94,6 +94,13 @@ def segment_paths(directory: Path, base_offset: int) -> tuple[Path, Path, Path]:
     )
 
 
+def index_paths(directory: Path, base_offset: int) -> tuple[str, str]:
+    """The ``.index`` and ``.oindex`` paths as strings, for ``os.open``: a checkpoint opens one at each partition a
+    retention run visits, and building three ``Path`` objects was a third of the visit (``bench/checkpoint.py``)."""
+    stem = os.path.join(directory, segment_name(base_offset))
+    return stem + INDEX_SUFFIX, stem + ORIGIN_INDEX_SUFFIX
+
+
 class UnrepairableDamage(StorageError):
     """Damage below the recovery point that the origin index cannot name: the log is refused, never cut."""
 
@@ -482,7 +489,7 @@ class Segment:
     def _open_indexes(self, *, sparse: bool) -> tuple[int, int | None] | None:
         """The ``.oindex`` (and with ``sparse`` the ``.index``) open for writing, or None when they are missing or
         disagree with what this segment wrote to them."""
-        _, index_path, oindex_path = segment_paths(self.directory, self.base_offset)
+        index_path, oindex_path = index_paths(self.directory, self.base_offset)
         fds: list[int] = []
         try:
             fds.append(_open_rw(oindex_path))
@@ -736,7 +743,7 @@ class _OriginEntries:
         out = b""
         if start < written and count > 0:
             if self._fd is None:
-                self._fd = os.open(segment_paths(segment.directory, segment.base_offset)[2], os.O_RDONLY | os.O_CLOEXEC)
+                self._fd = os.open(index_paths(segment.directory, segment.base_offset)[1], os.O_RDONLY | os.O_CLOEXEC)
             n = min(count, written - start)
             out = os.pread(self._fd, n * ORIGIN_ENTRY_BYTES, FILE_HEADER.size + start * ORIGIN_ENTRY_BYTES)
         first = max(start - written, 0) * ORIGIN_ENTRY_BYTES
