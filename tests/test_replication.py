@@ -364,4 +364,4 @@ def test_metrics_show_links_applied_batches_and_lag(make_sites: Callable[..., Si
     assert 'georep_link_state{dst="b",src="a",state="streaming"} 1.0' in text
     applied = [line for line in text.splitlines() if line.startswith("georep_replication_applied_batches_total{")]
     assert applied and float(applied[0].split()[-1]) > 0
-    assert 'georep_replication_lag_ms{origin="a@' in text and "georep_topic_conflicts 0.0" in text
+    assert 'georep_replication_lag_seconds{origin="a@' in text and "georep_topic_conflicts 0.0" in text

@@ -352,6 +352,7 @@ def _wire(
         )
         member.forget_topic = metrics.forget_topic
         site_cluster = SiteCluster(broker, member, metadata, replicas, segment_executor, tls)
+        metrics.attach_cluster(site_cluster)
     service = NodeService(
         broker,
         metrics,

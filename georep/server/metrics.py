@@ -22,6 +22,7 @@ from georep.server.http_bounds import bound_connections
 if TYPE_CHECKING:
     from georep.server.broker import Broker
     from georep.server.replicator import Replicator
+    from georep.server.site_cluster import SiteCluster
     from georep.storage.api import PartitionLog
     from offsets.coordinates import Origin
 
@@ -200,7 +201,7 @@ class _ReplicationCollector(Collector):
             skipped.add_metric(lv, st.skipped_batches)
             gaps.add_metric(lv, st.gaps)
             wrong_incarnation.add_metric(lv, puller.chunks.dropped_chunks)
-        lag_records, lag_bytes, lag_ms = _lag_families(r, self.detail())
+        lag_records, lag_bytes, lag_seconds = _lag_families(r, self.detail())
         conflicts = GaugeMetricFamily(
             "georep_topic_conflicts", "Topics not replicated over a link: partition counts differ"
         )
@@ -210,7 +211,7 @@ class _ReplicationCollector(Collector):
             "Concurrent changes of one topic config key at two sites found here (the later stamp is kept everywhere)",
         )
         config_conflicts.add_metric([], r.topic_changes.conflicts_total)
-        yield from (state, batches, size, records, skipped, gaps, lag_records, lag_bytes, lag_ms, conflicts)
+        yield from (state, batches, size, records, skipped, gaps, lag_records, lag_bytes, lag_seconds, conflicts)
         yield from (config_conflicts, wrong_incarnation)
 
 
@@ -224,8 +225,8 @@ def _lag_families(r: Replicator, detail: bool) -> tuple[GaugeMetricFamily, ...]:
     lag_bytes = GaugeMetricFamily(
         "georep_replication_lag_bytes", "lag_records times the partition's mean stored bytes per record", labels=labels
     )
-    lag_ms = GaugeMetricFamily(
-        "georep_replication_lag_ms",
+    lag_seconds = GaugeMetricFamily(
+        "georep_replication_lag_seconds",
         "Last applied batch: local append time minus its max producer timestamp (the largest over the partitions)",
         labels=labels,
     )
@@ -248,8 +249,8 @@ def _lag_families(r: Replicator, detail: bool) -> tuple[GaugeMetricFamily, ...]:
         lag_records.add_metric(list(lv), records[lv])
         lag_bytes.add_metric(list(lv), round(size[lv]))
     for at in sorted(ms):
-        lag_ms.add_metric(list(at), ms[at])
-    return lag_records, lag_bytes, lag_ms
+        lag_seconds.add_metric(list(at), ms[at] / 1000)
+    return lag_records, lag_bytes, lag_seconds
 
 
 class NodeMetrics:
@@ -331,6 +332,12 @@ class NodeMetrics:
 
     def attach(self, replicator: Replicator) -> None:
         self.registry.register(_ReplicationCollector(replicator, lambda: self.partition_detail))
+
+    def attach_cluster(self, site: SiteCluster) -> None:
+        """A multi-node site's health and Raft group (``georep/server/cluster_metrics.py``)."""
+        from georep.server.cluster_metrics import ClusterCollector
+
+        self.registry.register(ClusterCollector(site))
 
     def serve(self, host: str, port: int) -> str:
         """Start the /metrics HTTP server in a daemon thread; returns its address."""
