@@ -48,6 +48,7 @@ def test_cut_link_is_routed_around_and_heal_restores_it(make_sites: Callable[...
 
     heal = georep("link", "heal", "c", "a", "--topology", str(sites.topology))
     assert heal.returncode == 0, heal.stderr
+    assert "link c -> a: healed, streaming" in heal.stdout  # it said "healed (state down)", the state before
     wait_until("a pulls c directly again", lambda: upstream_of(sites, "a", "c") == "c", 15)
     expected |= asyncio.run(produce(sites.address("c"), "t", "healed", 200))
     wait_until("all sites converge", lambda: converged(sites, names, "t", 600), 20)

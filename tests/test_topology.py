@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import topology
-from georep.cli.topology import LinkStatus, draw, main, summary_text
+from georep.cli.topology import STATE_COLOURS, LinkStatus, draw, main, summary_text
 from tests.support.examples import examples
 from topology import ids
 from topology.filters import InvalidTopicFilter, TopicFilter, matches_any
@@ -884,9 +884,9 @@ def test_with_links_down_and_filters_a_route_exists_exactly_when_reach_says_so(
 
 STATES = {
     ("a", "b"): LinkStatus("down"),
-    ("b", "c"): LinkStatus("up", lag_records=120, lag_ms=350),
+    ("b", "c"): LinkStatus("streaming", lag_records=120, lag_ms=350),
     ("c", "a"): LinkStatus("stalled", lag_records=9000),
-    ("b", "a"): LinkStatus("up", lag_records=0, lag_ms=2),
+    ("b", "a"): LinkStatus("streaming", lag_records=0, lag_ms=2),
 }
 
 
@@ -900,7 +900,7 @@ def test_summary_lists_sites_links_routes_and_warnings() -> None:
     assert text.startswith("topology: 3 sites, 6 links\n")
     assert ["a", "127.0.0.1:7101"] in rows
     assert ["a", "->", "b", "1", "down", "-", "**"] in rows
-    assert ["b", "->", "c", "1", "up", "120", "rec", "/", "350", "ms", "**"] in rows
+    assert ["b", "->", "c", "1", "streaming", "120", "rec", "/", "350", "ms", "**"] in rows
     assert ["c", "->", "a", "1", "stalled", "9000", "rec", "**"] in rows
     assert ["c", "->", "b", "1", "unknown", "-", "**"] in rows
     assert "routes (every topic): the upstream each site pulls each origin's records from" in text
@@ -926,6 +926,16 @@ def test_summary_with_filters_needs_a_topic_for_routes() -> None:
     orders = words(summary_text(t, topic="orders"))
     assert ["b", "a", "-", "a"] in orders
     assert ["c", "unreachable", "unreachable", "-"] in orders
+
+
+def test_each_state_a_node_reports_has_a_colour_of_its_own_and_streaming_is_green() -> None:
+    """A healthy link was drawn orange, labelled "other (e.g. stalled)": the picture knew a state "up" that no node
+    reports, and not "streaming"."""
+    from georep.server.metrics import LINK_STATES
+
+    assert set(STATE_COLOURS) == {*LINK_STATES, "unknown"}
+    assert STATE_COLOURS["streaming"] == "#2e7d32" and STATE_COLOURS["down"] == "#c62828"
+    assert len(set(STATE_COLOURS.values())) == len(STATE_COLOURS)
 
 
 def test_draw_writes_png_and_svg(tmp_path: Path) -> None:

@@ -165,6 +165,11 @@ def test_up_runs_a_site_of_three_nodes_that_takes_writes_and_reads(tmp_path: Pat
     assert up.returncode == 0, err
     assert "all sites stopped" in out
     assert not any((data / "a" / n / "node.json").exists() for n in "123")
+    lines = out.splitlines()  # each node is listed as it serves, between these two lines
+    rows = [i for i, line in enumerate(lines) if line.startswith("a ")]
+    assert len(rows) == 3
+    assert lines.index("starting 3 node(s); each is listed once it serves") < rows[0]
+    assert rows[-1] < lines.index("all sites up; Ctrl-C stops them")
 
 
 def test_status_reports_unreachable_sites(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from topology.file import TopologyFileError
 from topology.model import UnknownLink, UnknownSite
 
 TIMEOUT_S = 5.0
+HEAL_WAIT_S = 15.0  # how long ``heal`` waits for the link to stream again before it says the state it is in
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +47,34 @@ async def set_link(
         )
 
 
+async def heal(
+    address: str, src: str, token: str | None, tls: TlsConfig | None, wait_s: float = HEAL_WAIT_S
+) -> tuple[pb.SetLinkResponse, pb.LinkStatus | None]:
+    """Heal the link into the site at ``address`` from ``src``, then wait up to ``wait_s`` for it to stream: the
+    response, and the link as the site last reported it (None: it did not list it)."""
+    response = await set_link(address, src, True, token, tls)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    async with client_channel(address, tls) as channel:
+        stub = pbg.NodeStub(channel)
+        while True:
+            status = await stub.SiteStatus(pb.SiteStatusRequest(), timeout=TIMEOUT_S, metadata=call_metadata(token))
+            link = next((lk for lk in status.links if lk.src == src), None)
+            if link is None or link.state == "streaming" or loop.time() >= deadline:
+                return response, link
+            await asyncio.sleep(0.2)
+
+
+def _healed_text(response: pb.SetLinkResponse, link: pb.LinkStatus | None) -> str:
+    name = f"link {response.src} -> {response.dst}"
+    if link is None:
+        return f"{name}: healed (state {response.state})"
+    if link.state == "streaming":
+        return f"{name}: healed, streaming"
+    error = f": {link.last_error}" if link.last_error else ""
+    return f"{name}: healed, but still {link.state} after {HEAL_WAIT_S:.0f} s{error} (georep status shows it)"
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         topology = load_topology(args.topology)
@@ -57,7 +86,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         token = find_token(args.admin_token, args.data_dir)
         tls = client_tls(args)
-        resp = asyncio.run(set_link(address, args.src, args.action == "heal", token, tls))
+        if args.action == "heal":
+            healed, link = asyncio.run(heal(address, args.src, token, tls))
+        else:
+            cut = asyncio.run(set_link(address, args.src, False, token, tls))
     except TlsArgsError as exc:
         print(f"georep: error: {exc}", file=sys.stderr)
         return 2
@@ -65,5 +97,7 @@ def main(args: argparse.Namespace) -> int:
         problem = asyncio.run(tls_problem(address, tls)) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
         print(f"georep: error: site {args.dst} at {address}: {problem or exc.details()}", file=sys.stderr)
         return 1
-    print(f"link {resp.src} -> {resp.dst}: {'healed' if resp.enabled else 'cut'} (state {resp.state})")
+    print(
+        _healed_text(healed, link) if args.action == "heal" else f"link {cut.src} -> {cut.dst}: cut (state {cut.state})"
+    )
     return 0

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from georep.auth.acl import DEFAULT_SUPER_USERS
 from georep.auth.principal import InvalidPrincipal, Principal, parse_principal
 from georep.broker.acks import AckKind, Acks
+from georep.cli.log_args import add_log_arguments, configure_logging
 from georep.cli.topology_arg import load_topology
 from georep.client.tls_args import TlsArgsError, node_tls
 from georep.client.tls_args import add_node_arguments as add_node_tls_arguments
@@ -65,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="gRPC address HOST:PORT (port 0: any free port; default 127.0.0.1:7101, or the node's address in the "
         "topology for a node of a multi-node site)",
     )
+    add_log_arguments(parser)
     _add_cluster_arguments(parser)
     _add_storage_arguments(parser)
     _add_kafka_arguments(parser)
@@ -278,7 +280,7 @@ def add_listener_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     restrict_umask()  # what the node and its libraries (pysyncobj's journal) create: the owner's only
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args)
     try:
         metrics_listen = parse_address(args.metrics_listen, "--metrics-listen")
         defaults = topic_defaults(args)

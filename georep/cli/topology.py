@@ -21,12 +21,19 @@ from topology.ids import SiteId
 from topology.model import InvalidTopology, Topology, default_topology, parse_topology, warnings
 from topology.routing import Router
 
-STATE_UP = "up"
+STATE_STREAMING = "streaming"
 STATE_DOWN = "down"
-STATE_UNKNOWN = "unknown"
-# Edge colours by link state; any other state (for example "stalled") is drawn in _OTHER_COLOUR.
-_STATE_COLOURS = {STATE_UP: "#2e7d32", STATE_DOWN: "#c62828", STATE_UNKNOWN: "#9e9e9e"}
-_OTHER_COLOUR = "#ef6c00"
+STATE_UNKNOWN = "unknown"  # its destination site did not answer, or no live state was asked for
+# Edge colours by the states a destination reports for its inbound links (``SiteStatus``: georep/replication/
+# links.py's LinkState, and "stalled" when an origin's records stopped arriving over a streaming link), and unknown.
+STATE_COLOURS = {
+    STATE_STREAMING: "#2e7d32",
+    "connecting": "#1565c0",
+    "stalled": "#ef6c00",
+    STATE_DOWN: "#c62828",
+    STATE_UNKNOWN: "#9e9e9e",
+}
+_OTHER_COLOUR = "#6a1b9a"  # a state this version does not know (a newer node's)
 PICTURE_SUFFIXES = (".png", ".svg")
 
 _LinkKey = tuple[str, str]
@@ -130,7 +137,7 @@ def summary_text(
 def _edge_label(topology: Topology, key: _LinkKey, status: LinkStatus) -> str:
     link = topology.link(*key)
     parts = []
-    if status.state not in (STATE_UP, STATE_UNKNOWN):  # the colour says up or unknown; spell out the rest
+    if status.state not in (STATE_STREAMING, STATE_UNKNOWN):  # the colour says these; spell out the rest
         parts.append(status.state)
     lag = status.lag_text()
     if lag:
@@ -145,7 +152,7 @@ def _edge_label(topology: Topology, key: _LinkKey, status: LinkStatus) -> str:
 def draw(topology: Topology, path: Path, link_state: Mapping[_LinkKey, LinkStatus] | None = None) -> None:
     """Write a picture of the topology to ``path``; the format (PNG or SVG) follows its suffix.
 
-    Edges are coloured by link state (green up, red down, grey unknown, orange anything else) and
+    Edges are coloured by link state (green streaming, blue connecting, orange stalled, red down, grey unknown) and
     labelled with the lag when it is known, the topic filters when the link has any, and the cost
     when it is not 1. Opposite links a -> b and b -> a curve apart, so both are visible.
     """
@@ -166,7 +173,7 @@ def draw(topology: Topology, path: Path, link_state: Mapping[_LinkKey, LinkStatu
     graph.add_edges_from(keys)
     pos = nx.circular_layout(ids) if len(ids) > 1 else {ids[0]: (0.0, 0.0)}
     statuses = {key: _status(link_state, key) for key in keys}
-    colours = [_STATE_COLOURS.get(statuses[key].state, _OTHER_COLOUR) for key in keys]
+    colours = [STATE_COLOURS.get(statuses[key].state, _OTHER_COLOUR) for key in keys]
     styles = ["dashed" if statuses[key].state == STATE_DOWN else "solid" for key in keys]
     node_size = 1800
     curve = "arc3,rad=0.18"
@@ -212,8 +219,7 @@ def draw(topology: Topology, path: Path, link_state: Mapping[_LinkKey, LinkStatu
                 bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none"},
                 ax=ax,
             )
-    legend = [Line2D([0], [0], color=colour, lw=2, label=state) for state, colour in _STATE_COLOURS.items()]
-    legend.append(Line2D([0], [0], color=_OTHER_COLOUR, lw=2, label="other (e.g. stalled)"))
+    legend = [Line2D([0], [0], color=colour, lw=2, label=state) for state, colour in STATE_COLOURS.items()]
     ax.legend(handles=legend, loc="lower right", fontsize=8, title="link state", title_fontsize=8)
     ax.set_title(f"georep topology: {len(ids)} sites, {len(keys)} links")
     ax.margins(0.15)

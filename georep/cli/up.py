@@ -204,17 +204,18 @@ def main(args: argparse.Namespace) -> int:
             if stopping:
                 break
             launched.append(proc.launch())
+        print(f"starting {len(launched)} node(s); each is listed once it serves", flush=True)
+        print(f"{'SITE':<8} {'NODE':>4} {'ADDRESS':<22} {'KAFKA':<22} {'METRICS':<22} {'PID':>8}  DATA", flush=True)
         for proc in launched:
             try:
                 started.append(proc.wait_ready())
             except NodeStartError as exc:
                 print(f"georep: error: {exc}", file=sys.stderr)
                 return 1
-        print(f"{'SITE':<8} {'NODE':>4} {'ADDRESS':<22} {'KAFKA':<22} {'METRICS':<22} {'PID':>8}  DATA")
-        for proc in started:
             print(
                 f"{proc.site:<8} {proc.node_id or 1:>4} {proc.address:<22} {proc.kafka_address or '-':<22} "
-                f"{proc.metrics_address:<22} {proc.pid:>8}  {proc.data_dir}"
+                f"{proc.metrics_address:<22} {proc.pid:>8}  {proc.data_dir}",
+                flush=True,
             )
         print("all sites up; Ctrl-C stops them", flush=True)
         reported: set[Path] = set()
