@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.site_state import (
     Applied,
@@ -292,6 +294,33 @@ def wait_status(
     raise AssertionError(f"not {what} within {timeout_s} s; last status: {json.dumps(doc, indent=1)}")
 
 
+def scrape(site: ClusterSite, node: int) -> dict[str, float]:
+    """A node's /metrics: each sample as ``name{label="v",...}`` (labels sorted) -> value."""
+    with urllib.request.urlopen(f"http://{site.nodes[node].metrics_address}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def check_cluster_metrics(site: ClusterSite, doc: dict[str, Any]) -> None:
+    """Every node's /metrics says of the site what ``georep cluster status`` said (issue 26): one Raft leader."""
+    scraped = {n: scrape(site, n) for n in (1, 2, 3)}
+    for metrics in scraped.values():
+        assert metrics["georep_cluster_partitions"] == len(doc["partitions"])
+        assert metrics["georep_cluster_under_replicated_segments"] == len(doc["under_replicated"])
+        assert metrics["georep_cluster_leaderless_partitions"] == 0
+        for row in doc["nodes"]:
+            assert metrics[f'georep_cluster_node_live{{node="{row["node"]}"}}'] == int(row["live"])
+            assert metrics[f'georep_cluster_node_leader_partitions{{node="{row["node"]}"}}'] == row["leader_of"]
+        assert (metrics["georep_raft_has_leader"], metrics["georep_raft_nodes"]) == (1, 3)
+        assert metrics["georep_raft_commit_index"] >= metrics["georep_raft_applied_index"] > 0
+    assert sum(m["georep_raft_is_leader"] for m in scraped.values()) == 1
+
+
 def live_nodes(doc: dict[str, Any]) -> list[int]:
     return [n["node"] for n in doc["nodes"] if n["live"]]
 
@@ -332,6 +361,7 @@ def test_cluster_status_of_a_three_node_site_before_and_after_a_kill(tmp_path: P
         text = georep("cluster", "status", "--bootstrap", everyone)
         assert text.returncode == 0, text.stderr.decode()
         assert "under-replicated segments: none" in text.stdout.decode()
+        check_cluster_metrics(site, doc)
 
         victim = doc["partitions"][0]["leader"]
         held = next(n["segments"] for n in doc["nodes"] if n["node"] == victim)
@@ -371,6 +401,10 @@ def test_cluster_status_of_a_three_node_site_before_and_after_a_kill(tmp_path: P
         )
         assert (short["sealed"], short["dead"], short["live_members"], short["wanted_members"]) == (False, [], 2, 3)
         assert any(u["partition"] == 0 and u["sealed"] and u["dead"] == [victim] for u in doc["under_replicated"])
+        metrics = scrape(site, others[0])
+        assert metrics[f'georep_cluster_node_live{{node="{victim}"}}'] == 0
+        assert metrics["georep_cluster_under_replicated_segments"] > 0
+        assert metrics["georep_raft_reachable_nodes"] == 2
     finally:
         site.close()
 

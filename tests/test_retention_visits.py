@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -242,3 +243,35 @@ def test_a_paced_run_gives_the_event_loop_back_between_turns_and_one_cut_short_l
         asyncio.run(scenario())
     finally:
         broker.close()
+
+
+def test_each_turn_of_a_paced_run_is_followed_by_a_rest_as_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention is background work: after each turn it rests as long as the turn, so it takes at most half of the
+    node's loop while a first use's new subscriptions need it. Planted: ``asyncio.sleep(0)`` between turns (no
+    rest) fails here."""
+    clock = Clock()
+    broker = broker_on(tmp_path, clock)
+    rests: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded(delay: float) -> None:
+        rests.append(delay)
+        await real_sleep(0)
+
+    async def scenario() -> None:
+        broker.create_topic("t", PARTITIONS, {})
+        broker.enforce_retention()
+        for index in range(PARTITIONS):
+            await write(broker, "t", index, [stamped(T0)])
+        monkeypatch.setattr(retention_run.asyncio, "sleep", recorded)
+        run = RetentionRun()
+        await retention_run.paced(broker, run, turn_s=1e-9)
+        assert run.visited == PARTITIONS
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        broker.close()
+    assert rests and set(rests) == {1e-9}
