@@ -150,7 +150,7 @@ BAD_FILES = {
     ),
     "unknown key in a link (typo for topics)": (
         SITES_AB + links_text("ab", extra='topic = ["orders/**"]\n'),
-        "link #1 (a -> b): unknown key 'topic'; allowed keys are cost, dst, mode, src, topics",
+        "link #1 (a -> b): unknown key 'topic'; allowed keys are cost, dst, mode, rate_limit_bytes_per_s, src, topics",
     ),
     "unknown key in a site": (
         '[sites.a]\nnodes = ["127.0.0.1:7101"]\nnode = ["127.0.0.1:7102"]\n',

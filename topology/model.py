@@ -16,6 +16,7 @@ A topology file is TOML::
     dst = "b"
     topics = ["orders/**", "+/audit"]   # optional; default ["**"], every topic
     cost = 1                            # optional; default 1
+    rate_limit_bytes_per_s = 12500000   # optional; default none: at most this many bytes a second over the link
 
 A site's table may also list ``auto_create`` patterns: topics created on first
 use (``topology/autocreate.py``).
@@ -34,7 +35,9 @@ topology is different from every other.
 ``cost`` is a positive integer. Routing prefers the path with the smallest sum
 of link costs (with every cost 1, the fewest hops), so an operator can make an
 expensive WAN link a last resort by giving it a higher cost. Topic filter
-syntax is in ``topology/filters.py``.
+syntax is in ``topology/filters.py``. ``rate_limit_bytes_per_s`` (from
+``RATE_LIMIT_MIN`` up) caps what the link moves, as Kafka's replication quotas
+do: the upstream paces what it sends to ``dst`` (``georep/replication/pacing.py``).
 
 Every error names where it is ("link #3 (a -> b): ...", where #3 is the third
 ``[[links]]`` table) and what to do. Unknown keys are rejected, so a typo such
@@ -60,6 +63,7 @@ from topology.filters import ALL_TOPICS, InvalidTopicFilter, TopicFilter, is_int
 from topology.ids import NODE_ID_MAX, InvalidNodeId, InvalidSiteId, NodeId, SiteId, node_id, site_id
 
 COST_MAX = 1_000_000
+RATE_LIMIT_MIN = 65_536  # bytes a second: below it a link could not carry one batch of the default maximum in 16 s
 LINK_MODES = ("all", "interest")
 
 
@@ -75,7 +79,7 @@ _PORT = re.compile(r"[0-9]{1,5}")
 _TOP_KEYS = ("links", "sites")
 _SITE_KEYS = ("nodes", "auto_create", "interest_linger_ms")
 _NODE_KEYS = ("address", "id", "kafka", "raft")
-_LINK_KEYS = ("cost", "dst", "mode", "src", "topics")
+_LINK_KEYS = ("cost", "dst", "mode", "rate_limit_bytes_per_s", "src", "topics")
 
 
 class InvalidTopology(ValueError):
@@ -220,6 +224,8 @@ class Link:
     # "all": every topic the filters match; "interest": only those some site at or behind dst wants now
     # (topology/interest.py)
     mode: str = "all"
+    # at most this many bytes a second from src to dst (None: no limit); the upstream paces its streams to it
+    rate_limit_bytes_per_s: int | None = None
     # Whether a filter matches every topic: asked per topic (carries), so worked out once.
     carries_everything: bool = field(init=False, repr=False, compare=False)
 
@@ -526,8 +532,14 @@ def _parse_link(number: int, table: object) -> Link:
             f'{where}: mode {mode!r} is not one of {", ".join(LINK_MODES)}: "all" carries every topic the filters '
             'match (a DR site), "interest" only those a site at or behind dst reads'
         )
+    rate = table.get("rate_limit_bytes_per_s")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int) or rate < RATE_LIMIT_MIN):
+        raise InvalidTopology(
+            f"{where}: rate_limit_bytes_per_s {rate!r} must be an integer of at least {RATE_LIMIT_MIN} (bytes a "
+            "second); omit it for no limit"
+        )
     # Ids are checked against the sites in Topology; unknown ones are reported there with the known ids.
-    return Link(SiteId(ends[0]), SiteId(ends[1]), topics, cost, mode)
+    return Link(SiteId(ends[0]), SiteId(ends[1]), topics, cost, mode, rate)
 
 
 def parse_topology(text: str) -> Topology:

@@ -42,6 +42,7 @@ from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.proto.topic_entry import entry_to_pb
+from georep.replication.pacing import Pacer, share
 from georep.replication.source import Chunk, ReplicaSource, Serve
 from georep.server import site_status
 from georep.server.acl_calls import AclCalls
@@ -69,7 +70,8 @@ from offsets.held import HeldEntry, ServedGate
 from offsets.log_prefix import vector_below
 from offsets.vector import InvalidVectorOffset, VectorOffset
 from topology.filters import InvalidTopicFilter, TopicFilter
-from topology.ids import InvalidNodeId, InvalidSiteId, node_id, site_id
+from topology.ids import InvalidNodeId, InvalidSiteId, SiteId, node_id, site_id
+from topology.model import UnknownLink, UnknownSite
 
 if TYPE_CHECKING:
     from georep.server.replicator import Replicator
@@ -638,27 +640,22 @@ class NodeService:
                     elsewhere.setdefault(exc.leader_hint, []).append(want)
         max_bytes = min(req.max_bytes or REPLICATE_MAX_BYTES_DEFAULT, FETCH_MAX_BYTES_CAP)
         max_wait_ms = min(req.max_wait_ms or REPLICATE_MAX_WAIT_MS_DEFAULT, FETCH_MAX_WAIT_MS_CAP)
+        # A forwarded pull is paced by the node that passes it on, with the rest of its stream.
+        rate = None if req.forwarded else link_rate(self.replicator, self.broker.identity.site, req.dst_site)
+        if rate is not None:
+            max_bytes = min(max_bytes, int(rate))  # a message at most a second of the limit
         local = {k: wants[k] for k in partitions}
-        if not routes:
-            async for response in self._serve_replicas(partitions, local, max_bytes, max_wait_ms, incarnations):
-                yield response
-            return
-        assert self.site_cluster is not None
-        sources = [self._serve_replicas(partitions, local, max_bytes, max_wait_ms, incarnations)]
-        for address, forwarded in sorted(elsewhere.items()):
-            sub = pb.ReplicateRequest(
-                dst_site=req.dst_site,
-                wants=forwarded,
-                max_bytes=req.max_bytes,
-                max_wait_ms=req.max_wait_ms,
-                forwarded=True,
-            )
-            sources.append(self.site_cluster.pull_from(address, sub))
-        # Ends the pull (cleanly) when a partition left out or passed on moves: even here, where one was forwarded
-        # a moment before this node attached it (a roll, a new leadership).
-        sources.append(self.site_cluster.until_routes_change(routes, set(partitions)))
-        async for response in merge_streams(sources):
+        served_here = self._serve_replicas(partitions, local, max_bytes, max_wait_ms, incarnations)
+        stream = served_here
+        if routes:
+            assert self.site_cluster is not None
+            stream = with_forwarded(self.site_cluster, req, served_here, elsewhere, routes, set(partitions))
+        loop = asyncio.get_running_loop()
+        pacer = None if rate is None else Pacer.start(rate, loop.time())
+        async for response in stream:
             yield response
+            if pacer is not None:
+                await asyncio.sleep(pacer.charge(response.ByteSize(), loop.time()))
 
     async def _serve_replicas(
         self,
@@ -935,3 +932,41 @@ def _vector_below(plog: PartitionLog, offset: int) -> pb.VectorOffset:
     """The vector of every record below ``offset``: a position there that means the same at every site."""
     segment = plog.segment_at(offset)
     return vector_to_proto(vector_below(segment.start_vector, segment.entries, offset))
+
+
+def link_rate(replicator: Replicator | None, site: str, dst_site: str) -> float | None:
+    """This node's share of the limit of the link ``site -> dst_site``, if the topology sets one: each node of the
+    destination site pulls over a stream of its own (``georep/replication/pacing.py``)."""
+    if replicator is None or not dst_site:
+        return None
+    topology = replicator.topology
+    try:
+        link = topology.link(site, dst_site)
+    except (UnknownLink, UnknownSite):
+        return None
+    return share(link.rate_limit_bytes_per_s, len(topology.site(SiteId(dst_site)).members))
+
+
+def with_forwarded(
+    site_cluster: SiteCluster,
+    req: pb.ReplicateRequest,
+    served_here: AsyncIterator[pb.ReplicateResponse],
+    elsewhere: dict[str, list[pb.PullWant]],
+    routes: dict[tuple[str, int], str],
+    here: set[tuple[str, int]],
+) -> AsyncIterator[pb.ReplicateResponse]:
+    """A multi-node site: what this node serves, merged with the pulls of the partitions other nodes lead."""
+    sources = [served_here]
+    for address, forwarded in sorted(elsewhere.items()):
+        sub = pb.ReplicateRequest(
+            dst_site=req.dst_site,
+            wants=forwarded,
+            max_bytes=req.max_bytes,
+            max_wait_ms=req.max_wait_ms,
+            forwarded=True,
+        )
+        sources.append(site_cluster.pull_from(address, sub))
+    # Ends the pull (cleanly) when a partition left out or passed on moves: even here, where one was forwarded
+    # a moment before this node attached it (a roll, a new leadership).
+    sources.append(site_cluster.until_routes_change(routes, here))
+    return merge_streams(sources)
