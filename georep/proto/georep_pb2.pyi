@@ -1346,6 +1346,7 @@ class ReplicateRequest(_message.Message):
     MAX_BYTES_FIELD_NUMBER: _builtins.int
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
     FORWARDED_FIELD_NUMBER: _builtins.int
+    ACCEPT_ZSTD_FIELD_NUMBER: _builtins.int
     dst_site: _builtins.str
     max_bytes: _builtins.int
     """per response message"""
@@ -1354,6 +1355,10 @@ class ReplicateRequest(_message.Message):
     forwarded: _builtins.bool
     """Set by a node of a multi-node site that serves a pull for partitions another node of its site leads: the
     receiving node serves only the partitions it leads (NOT_LEADER for the rest), and forwards nothing.
+    """
+    accept_zstd: _builtins.bool
+    """The destination decodes ReplicaChunk.batches_zstd: the source may send a chunk's batches zstd-compressed for
+    the trip (georep/replication/wire.py). A source from before it ignores the field and sends them as stored.
     """
     @_builtins.property
     def wants(self) -> _containers.RepeatedCompositeFieldContainer[Global___PullWant]: ...
@@ -1365,10 +1370,11 @@ class ReplicateRequest(_message.Message):
         max_bytes: _builtins.int = ...,
         max_wait_ms: _builtins.int = ...,
         forwarded: _builtins.bool = ...,
+        accept_zstd: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_site", b"dst_site", "forwarded", b"forwarded", "max_bytes", b"max_bytes", "max_wait_ms", b"max_wait_ms", "wants", b"wants"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_zstd", b"accept_zstd", "dst_site", b"dst_site", "forwarded", b"forwarded", "max_bytes", b"max_bytes", "max_wait_ms", b"max_wait_ms", "wants", b"wants"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1384,6 +1390,7 @@ class ReplicaChunk(_message.Message):
     SRC_VECTOR_FIELD_NUMBER: _builtins.int
     SRC_LOG_END_OFFSET_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    BATCHES_ZSTD_FIELD_NUMBER: _builtins.int
     topic: _builtins.str
     partition: _builtins.int
     batches: _builtins.bytes
@@ -1392,6 +1399,10 @@ class ReplicaChunk(_message.Message):
     incarnation: _builtins.int
     """The incarnation of the topic src served the chunk from: dst applies it only into its live partition of the
     same incarnation. Absent (0) from a node before incarnations.
+    """
+    batches_zstd: _builtins.bytes
+    """Instead of batches, to a destination that set accept_zstd: the same bytes as one zstd frame that declares its
+    size. The destination stores the decompressed bytes, byte for byte what src holds.
     """
     @_builtins.property
     def src_vector(self) -> Global___VectorOffset:
@@ -1406,10 +1417,11 @@ class ReplicaChunk(_message.Message):
         src_vector: Global___VectorOffset | None = ...,
         src_log_end_offset: _builtins.int = ...,
         incarnation: _builtins.int = ...,
+        batches_zstd: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["src_vector", b"src_vector"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "incarnation", b"incarnation", "partition", b"partition", "src_log_end_offset", b"src_log_end_offset", "src_vector", b"src_vector", "topic", b"topic"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batches", b"batches", "batches_zstd", b"batches_zstd", "incarnation", b"incarnation", "partition", b"partition", "src_log_end_offset", b"src_log_end_offset", "src_vector", b"src_vector", "topic", b"topic"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -269,6 +269,11 @@ class NodeMetrics:
         self._replicated_out_bytes = Counter(
             "georep_replication_sent_bytes", "Batch bytes sent to downstream sites", registry=self.registry
         )
+        self._replicated_wire_bytes = Counter(
+            "georep_replication_sent_wire_bytes",
+            "Those batches' bytes as they went: compressed for the trip where the destination took it",
+            registry=self.registry,
+        )
         self._audit_digests = Counter(
             "georep_audit_digests",
             "Stored batches digested for audits (ScanDigests) on this node",
@@ -329,6 +334,9 @@ class NodeMetrics:
 
     def replicated_out(self, size: int) -> None:
         self._replicated_out_bytes.inc(size)
+
+    def replicated_wire(self, size: int) -> None:
+        self._replicated_wire_bytes.inc(size)
 
     def attach(self, replicator: Replicator) -> None:
         self.registry.register(_ReplicationCollector(replicator, lambda: self.partition_detail))

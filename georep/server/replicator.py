@@ -50,6 +50,7 @@ from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
 from georep.proto.convert import vector_from_proto, vector_to_proto
 from georep.proto.topic_entry import entry_from_pb
+from georep.replication import wire
 from georep.replication.links import LinkManager, LinkState, PartitionKey
 from georep.replication.session import DISABLED, ApplyChunks, Effect, LinkEvent, OpenStream, PullConfig, PullSession
 from georep.replication.session import PullStats as LinkStats
@@ -469,6 +470,9 @@ class Puller:
         except InvalidVectorOffset as exc:
             await self._perform(session.on_stream_ended(stream_id, now(), f"site {self.src} sent a bad vector: {exc}"))
             return
+        except CorruptChunk as exc:  # a compressed chunk that does not decompress within bounds
+            await self._perform(session.on_stream_ended(stream_id, now(), f"site {self.src} sent {exc}"))
+            return
         heartbeat = not any(c.batches for c in chunks)
         await self._perform(session.on_message(stream_id, chunks, heartbeat, now()))
 
@@ -490,7 +494,7 @@ class Puller:
         vector: dict[Origin, int] = dict(vector_from_proto(c.src_vector).to_dict())
         if self.r.origins is not None:  # a TLS node: src's word counts only for origins that can reach it
             vector = self.r.origins.plausible(self.src, c.topic, vector)
-        return Chunk((c.topic, c.partition), c.batches, vector, c.src_log_end_offset)
+        return Chunk((c.topic, c.partition), wire.unpack(c.batches, c.batches_zstd), vector, c.src_log_end_offset)
 
     async def _perform(self, effects: list[Effect]) -> None:
         session = self.session
@@ -565,7 +569,9 @@ class Puller:
         self._end_call()
         if effect.address and effect.address != self.address:
             self._move_to(effect.address)
-        request = pb.ReplicateRequest(dst_site=self.r.site, max_bytes=STREAM_MAX_BYTES, max_wait_ms=HEARTBEAT_MS)
+        request = pb.ReplicateRequest(
+            dst_site=self.r.site, max_bytes=STREAM_MAX_BYTES, max_wait_ms=HEARTBEAT_MS, accept_zstd=True
+        )
         for (topic, index), (have, sites) in effect.wants.items():
             request.wants.append(
                 pb.PullWant(

@@ -42,6 +42,7 @@ from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto.convert import acks_from_proto, damaged_to_proto, vector_from_proto, vector_to_proto
 from georep.proto.topic_entry import entry_to_pb
+from georep.replication import wire
 from georep.replication.pacing import Pacer, share
 from georep.replication.source import Chunk, ReplicaSource, Serve
 from georep.server import site_status
@@ -645,7 +646,7 @@ class NodeService:
         if rate is not None:
             max_bytes = min(max_bytes, int(rate))  # a message at most a second of the limit
         local = {k: wants[k] for k in partitions}
-        served_here = self._serve_replicas(partitions, local, max_bytes, max_wait_ms, incarnations)
+        served_here = self._serve_replicas(partitions, local, max_bytes, max_wait_ms, incarnations, req.accept_zstd)
         stream = served_here
         if routes:
             assert self.site_cluster is not None
@@ -664,6 +665,7 @@ class NodeService:
         max_bytes: int,
         max_wait_ms: int,
         incarnations: Mapping[str, int],
+        zstd: bool,
     ) -> AsyncIterator[pb.ReplicateResponse]:
         """The pulls of the partitions this node serves; ends (cleanly: the destination opens it again at once, and
         it is routed afresh) when this node stops serving one of them, or its segment changes."""
@@ -697,7 +699,10 @@ class NodeService:
                         origin = self.broker.origin
                         for c in step.chunks:  # before they leave: a report of them may come back at once
                             self._count_held(self.served.sent(*c.key, source.handed_out(c.key, origin)))
-                    yield self._replicate_response(step.chunks, incarnations)
+                    response = self._replicate_response(step.chunks, incarnations, zstd)
+                    if not step.heartbeat:
+                        self.metrics.replicated_wire(sum(len(c.batches) + len(c.batches_zstd) for c in response.chunks))
+                    yield response
                 if elsewhere:
                     assert self.site_cluster is not None
                     for chain, first in elsewhere:
@@ -731,20 +736,24 @@ class NodeService:
         return serve, [(c, m[0]) for c, m in missing if m]
 
     @staticmethod
-    def _replicate_response(chunks: list[Chunk], incarnations: Mapping[str, int]) -> pb.ReplicateResponse:
-        return pb.ReplicateResponse(
-            chunks=[
+    def _replicate_response(chunks: list[Chunk], incarnations: Mapping[str, int], zstd: bool) -> pb.ReplicateResponse:
+        """The message of ``chunks``; with ``zstd`` (the destination accepts it), each chunk's batches compressed for
+        the trip where that makes them smaller (``georep/replication/wire.py``)."""
+        out = pb.ReplicateResponse()
+        for c in chunks:
+            batches, batches_zstd = wire.pack(c.batches) if zstd else (c.batches, b"")
+            out.chunks.append(
                 pb.ReplicaChunk(
                     topic=c.key[0],
                     partition=c.key[1],
-                    batches=c.batches,
+                    batches=batches,
+                    batches_zstd=batches_zstd,
                     src_vector=_vector_to_pb(c.src_vector),
                     src_log_end_offset=c.src_log_end,
                     incarnation=incarnations.get(c.key[0], 0),
                 )
-                for c in chunks
-            ]
-        )
+            )
+        return out
 
     async def set_link(self, data: bytes, context: Context) -> pb.SetLinkResponse:
         req = parse(pb.SetLinkRequest, data)
@@ -964,6 +973,7 @@ def with_forwarded(
             max_bytes=req.max_bytes,
             max_wait_ms=req.max_wait_ms,
             forwarded=True,
+            accept_zstd=req.accept_zstd,
         )
         sources.append(site_cluster.pull_from(address, sub))
     # Ends the pull (cleanly) when a partition left out or passed on moves: even here, where one was forwarded
