@@ -19,6 +19,7 @@ import time
 from georep.record.batch import RecordInput, encode_batch
 from georep.record.compression import Compression
 from georep.replication import wire
+from georep.security.tls import MESSAGE_BYTES_MAX
 from georep.server.replicator import STREAM_MAX_BYTES
 
 BATCH_RECORDS = 60  # about 64 KiB of 1 KiB records, as a Kafka producer's default batch.size fills
@@ -71,7 +72,7 @@ def measure(records: int) -> dict[str, float]:
     pack_s = time.process_time() - start
     start = time.process_time()
     for batches_, batches_zstd in packed:
-        wire.unpack(batches_, batches_zstd)
+        wire.unpack(batches_, batches_zstd, MESSAGE_BYTES_MAX)
     unpack_s = time.process_time() - start
     reference = sum(len(b) for b in batches(records, Compression.ZSTD))
     return {

@@ -12,13 +12,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from georep.cli import node as node_cli
 from georep.cli.topology_arg import load_topology
+from tests.support.cli import start_up
 from tests.support.ports import free_ports
 from topology.ids import SiteId
 
@@ -111,17 +111,8 @@ def test_the_three_by_three_topology_comes_up_and_a_record_written_in_one_datace
     topo.write_text(on_localhost(THREE_BY_THREE.read_text()))
     topology = load_topology(topo)
     node_dirs = [data / s / str(m.id) for s in topology.site_ids() for m in topology.site(s).members]
-    up = subprocess.Popen(
-        [*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    up = start_up(topo, data, node_dirs, timeout_s=120)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not all((d / "node.json").exists() for d in node_dirs):
-            assert up.poll() is None, up.communicate()[1]
-            time.sleep(0.2)
         assert len({json.loads((d / "node.json").read_text())["pid"] for d in node_dirs}) == 9
         certs = ("--data-dir", str(data))
         us, eu, ap = (topology.site(SiteId(s)).members for s in ("us-east", "eu-west", "ap-south"))

@@ -13,30 +13,19 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from georep.auth.principal import parse_principal
-from georep.metadata.store import SiteIdentity
 from georep.metadata.topic_entry import Stamp, TopicEntry, create
 from georep.metadata.topics import TopicSpec
 from georep.proto import georep_pb2 as pb
 from georep.proto.topic_entry import entry_to_pb
-from georep.security import dev_ca
-from georep.security.tls import TlsConfig
-from georep.server.broker import Broker
 from georep.server.incarnation_guard import servable_wants
 from georep.server.replicator import Replicator
 from georep.storage.metadata_file import FileMetadataStore
 from offsets.coordinates import LocalOffset, Origin
-from tests.support.channels import add_port
-from tests.support.fake_upstream import upstream_handler
-from tests.support.ports import free_ports
-from tests.support.sites import origin_batch, topology_toml, until
-from topology.file import parse_topology_file
+from tests.support.fake_upstream import replicator_of_b, serve_as_site_a
+from tests.support.sites import origin_batch, until
 from topology.ids import SiteId
 
 TOPIC = "t"
@@ -80,20 +69,11 @@ class FakeSiteA:
 
 
 def test_a_chunk_of_a_deleted_incarnation_is_never_stored_in_the_re_created_topic(tmp_path: Path) -> None:
-    port_a, port_b = free_ports(2)
-    certs = tmp_path / "certs"
-    dev_ca.init(certs, dev_ca.plan(["a", "b"], {}, []))
     fake = FakeSiteA()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((upstream_handler(fake),))
-    tls_a = TlsConfig.from_dir(certs, parse_principal("site:a"))
-    assert add_port(server, f"127.0.0.1:{port_a}", tls_a) == port_a
-    server.start()
-    topology = parse_topology_file("topology.toml", topology_toml({"a": port_a, "b": port_b}, [("a", "b")]).encode())
+    server, topology, certs = serve_as_site_a(fake, tmp_path)
 
     async def main() -> None:
-        tls_b = TlsConfig.from_dir(certs, parse_principal("site:b"))
-        r = Replicator(Broker(tmp_path / "b", SiteIdentity(SiteId("b"), 1)), topology, "b", stall_ms=1000, tls=tls_b)
+        r = replicator_of_b(tmp_path, topology, certs)
         r.start()
         try:
             await until("b holds a's records of t", lambda: _held(r) == {A: 2})

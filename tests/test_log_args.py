@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from georep.cli.log_args import JsonFormatter
+from tests.support.cli import serve_once
 
 GEOREP = [sys.executable, "-m", "georep.cli"]
 
@@ -30,22 +29,8 @@ def test_a_json_line_keeps_a_multi_line_message_and_the_exception_in_one_object(
 def node_log(tmp_path: Path, *flags: str) -> list[str]:
     """The stderr lines of a node started with ``flags``, once it served and stopped."""
     data = tmp_path / "-".join(flags)
-    node = subprocess.Popen(
-        [*GEOREP, "node", "--site", "a", "--listen", "127.0.0.1:0", "--data-dir", str(data), "--insecure", *flags],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (data / "node.json").exists():
-            assert node.poll() is None, node.communicate()[1]
-            time.sleep(0.05)
-    finally:
-        node.send_signal(signal.SIGTERM)
-        _, err = node.communicate(timeout=60)
-    assert node.returncode == 0, err
-    return [line for line in err.splitlines() if line.strip()]
+    argv = [*GEOREP, "node", "--site", "a", "--listen", "127.0.0.1:0", "--data-dir", str(data), "--insecure", *flags]
+    return [line for line in serve_once(argv, data).splitlines() if line.strip()]
 
 
 def test_a_node_logs_one_json_object_a_line_at_the_level_asked(tmp_path: Path) -> None:

@@ -5,13 +5,10 @@ runtime dependencies pull in, and the wheel ``python -m build`` makes, installed
 from __future__ import annotations
 
 import importlib.metadata as metadata
-import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from georep import __version__
+from tests.support.cli import serve_once
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME_LOCK = ROOT / "requirements-runtime.lock"
@@ -81,21 +79,5 @@ def test_the_wheel_installed_with_the_runtime_lock_alone_runs_a_node(tmp_path: P
     version = subprocess.run([georep, "--version"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert version.stdout.strip() == f"georep {__version__}", version.stderr
     data = tmp_path / "a"
-    node = subprocess.Popen(
-        [georep, "node", "--site", "a", "--listen", "127.0.0.1:0", "--data-dir", str(data), "--insecure"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (data / "node.json").exists():
-            assert node.poll() is None, node.communicate()[1][-2000:]
-            time.sleep(0.1)
-        assert json.loads((data / "node.json").read_text())["pid"] == node.pid
-    finally:
-        node.send_signal(signal.SIGTERM)
-        _, err = node.communicate(timeout=60)
-    assert node.returncode == 0, err[-2000:]
+    argv = [georep, "node", "--site", "a", "--listen", "127.0.0.1:0", "--data-dir", str(data), "--insecure"]
+    serve_once(argv, data, cwd=tmp_path, env=env)

@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.cli import start_up
 from tests.support.cluster_site import site_toml
 from tests.support.ports import free_ports
 from tests.support.sites import TRIANGLE, topology_toml
@@ -24,20 +24,6 @@ def triangle(path: Path) -> Path:
     return path
 
 
-def start_up(topo: Path, data: Path) -> subprocess.Popen[str]:
-    """``georep up`` in the background, once every site's node has written its node.json."""
-    up = subprocess.Popen(
-        [*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not all((data / s / "node.json").exists() for s in "abc"):
-        time.sleep(0.1)
-    return up
-
-
 def run(*args: str, timeout: float = 60, input_text: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*GEOREP, *args], capture_output=True, text=True, timeout=timeout, input=input_text)
 
@@ -45,7 +31,7 @@ def run(*args: str, timeout: float = 60, input_text: str | None = None) -> subpr
 @pytest.mark.slow  # georep up of three sites (6 s)
 def test_up_starts_every_site_and_sigterm_stops_them_cleanly(tmp_path: Path) -> None:
     topo, data = triangle(tmp_path / "t.toml"), tmp_path / "data"
-    up = start_up(topo, data)
+    up = start_up(topo, data, [data / s for s in "abc"])
     try:
         infos = {s: json.loads((data / s / "node.json").read_text()) for s in "abc"}
         for info in infos.values():
@@ -67,7 +53,7 @@ def test_up_starts_every_site_and_sigterm_stops_them_cleanly(tmp_path: Path) -> 
 @pytest.mark.slow  # two georep up runs of three sites each (8 s)
 def test_a_second_up_on_the_same_data_dir_fails_at_once_and_leaves_the_first_running(tmp_path: Path) -> None:
     topo, data = triangle(tmp_path / "t.toml"), tmp_path / "data"
-    up = start_up(topo, data)
+    up = start_up(topo, data, [data / s for s in "abc"])
     try:
         infos = {s: json.loads((data / s / "node.json").read_text()) for s in "abc"}
         second = run("up", "--topology", str(topo), "--data-dir", str(data), timeout=60)
@@ -126,16 +112,8 @@ def test_up_runs_a_site_of_three_nodes_that_takes_writes_and_reads(tmp_path: Pat
     g, r = free_ports(3), free_ports(3)
     topo, data = tmp_path / "site.toml", tmp_path / "data"
     topo.write_text(site_toml("a", g, r))
-    up = subprocess.Popen(
-        [*GEOREP, "up", "--topology", str(topo), "--data-dir", str(data)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    up = start_up(topo, data, [data / "a" / n for n in "123"])
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all((data / "a" / n / "node.json").exists() for n in "123"):
-            time.sleep(0.1)
         pids = {json.loads((data / "a" / n / "node.json").read_text())["pid"] for n in "123"}
         assert len(pids) == 3, "one process per node"
         bootstrap = f"127.0.0.1:{g[0]}"

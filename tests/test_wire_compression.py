@@ -12,33 +12,23 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import zstandard
 
-from georep.auth.principal import parse_principal
-from georep.metadata.store import SiteIdentity
 from georep.metadata.topic_entry import Stamp, TopicEntry
 from georep.proto import georep_pb2 as pb
 from georep.proto.topic_entry import entry_to_pb
 from georep.record.batch import RecordInput, encode_batch
 from georep.replication import wire
 from georep.replication.sink import CorruptChunk
-from georep.security import dev_ca
-from georep.security.tls import MESSAGE_BYTES_MAX, TlsConfig
-from georep.server.broker import Broker
+from georep.security.tls import MESSAGE_BYTES_MAX
 from georep.server.replicator import Replicator
 from offsets.coordinates import LocalOffset, Origin
-from tests.support.channels import add_port
-from tests.support.fake_upstream import upstream_handler
-from tests.support.ports import free_ports
-from tests.support.sites import Sites, check_invariants, converged, origin_batch, produce, topology_toml, until
-from topology.file import parse_topology_file
-from topology.ids import SiteId
+from tests.support.fake_upstream import replicator_of_b, serve_as_site_a
+from tests.support.sites import Sites, check_invariants, converged, origin_batch, produce, until
 
 A = Origin("a", 1)  # type: ignore[arg-type]
 
@@ -66,7 +56,7 @@ def test_json_like_batches_go_several_times_smaller_and_come_back_byte_for_byte(
     batches = json_batch(50) + json_batch(50, seed=1)
     stored, packed = wire.pack(batches)
     assert stored == b"" and len(packed) * 4 < len(batches), f"{len(batches)} -> {len(packed)}"
-    assert wire.unpack(stored, packed) == batches
+    assert wire.unpack(stored, packed, MESSAGE_BYTES_MAX) == batches
 
 
 def test_chunks_that_would_not_shrink_go_as_stored() -> None:
@@ -74,7 +64,7 @@ def test_chunks_that_would_not_shrink_go_as_stored() -> None:
     assert wire.pack(incompressible) == (incompressible, b"")
     small = json_batch(1)[: wire.WIRE_MIN_BYTES - 1]
     assert wire.pack(small) == (small, b"")
-    assert wire.unpack(incompressible, b"") == incompressible
+    assert wire.unpack(incompressible, b"", MESSAGE_BYTES_MAX) == incompressible
 
 
 @pytest.mark.parametrize(
@@ -88,7 +78,7 @@ def test_chunks_that_would_not_shrink_go_as_stored() -> None:
 )
 def test_a_hostile_compressed_chunk_is_refused(batches: bytes, batches_zstd: bytes, says: str) -> None:
     with pytest.raises(CorruptChunk, match=says):
-        wire.unpack(batches, batches_zstd)
+        wire.unpack(batches, batches_zstd, MESSAGE_BYTES_MAX)
 
 
 def test_a_frame_that_hides_its_size_and_inflates_past_the_limit_is_refused() -> None:
@@ -164,19 +154,11 @@ class BombingSiteA:
 def test_an_upstreams_compression_bomb_ends_its_stream_and_nothing_of_it_is_stored(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    port_a, port_b = free_ports(2)
-    certs = tmp_path / "certs"
-    dev_ca.init(certs, dev_ca.plan(["a", "b"], {}, []))
     fake = BombingSiteA(origin_batch(A, 0, tag=b"real-"))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((upstream_handler(fake),))
-    assert add_port(server, f"127.0.0.1:{port_a}", TlsConfig.from_dir(certs, parse_principal("site:a"))) == port_a
-    server.start()
-    topology = parse_topology_file("topology.toml", topology_toml({"a": port_a, "b": port_b}, [("a", "b")]).encode())
+    server, topology, certs = serve_as_site_a(fake, tmp_path)
 
     async def main() -> None:
-        tls_b = TlsConfig.from_dir(certs, parse_principal("site:b"))
-        r = Replicator(Broker(tmp_path / "b", SiteIdentity(SiteId("b"), 1)), topology, "b", stall_ms=1000, tls=tls_b)
+        r = replicator_of_b(tmp_path, topology, certs)
         r.start()
         try:
             await until("b holds a's records of t", lambda: _held(r) == {A: 2}, 30)

@@ -7,7 +7,7 @@ trip saves most of those bytes: JSON-like records shrink several times. A chunk 
 (batches compressed by their producer) goes as stored.
 
 Safety. The destination decompresses before it checks or stores anything, bounded by the largest message it
-takes (``MESSAGE_BYTES_MAX``): a frame that declares more, or writes more, is refused, not inflated
+takes (the node's ``MESSAGE_BYTES_MAX``): a frame that declares more, or writes more, is refused, not inflated
 (``georep/record/compression.py``), and ends the stream like any corrupt chunk. What it stores is the
 decompressed bytes, which are byte for byte what the source holds: compression changes no offset, no coordinate
 and no CRC, and every check of a chunk (framing, CRCs, the batch's contents, its origin) runs on them as before.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from georep.record.compression import Compression, DecompressionError, compress, decompress_zstd
 from georep.replication.sink import CorruptChunk
-from georep.security.tls import MESSAGE_BYTES_MAX
 
 WIRE_MIN_BYTES = 1024  # smaller chunks go as stored: the frame's overhead would eat what it saves
 WIRE_MIN_SAVING = 0.1  # a chunk is sent compressed only if that saves at least a tenth of its bytes
@@ -33,7 +32,7 @@ def pack(batches: bytes) -> tuple[bytes, bytes]:
     return b"", packed
 
 
-def unpack(batches: bytes, batches_zstd: bytes, limit_bytes: int = MESSAGE_BYTES_MAX) -> bytes:
+def unpack(batches: bytes, batches_zstd: bytes, limit_bytes: int) -> bytes:
     """A chunk's batches as the source stores them; ``CorruptChunk`` if its compressed form is not one zstd frame of
     at most ``limit_bytes``, or if it has both forms."""
     if not batches_zstd:

@@ -59,7 +59,7 @@ from georep.replication.source import Chunk
 from georep.replication.topics import RemoteTopic, plan_topic_sync
 from georep.replication.upstream import UpstreamNodes, pullable
 from georep.security.acl_pull import pull_acls
-from georep.security.tls import TlsConfig, client_channel
+from georep.security.tls import MESSAGE_BYTES_MAX, TlsConfig, client_channel
 from georep.server.broker import Broker, Partition, ReplicaApply
 from georep.server.first_sync import FirstSyncs
 from georep.server.incarnation_guard import ChunkGuard
@@ -494,7 +494,12 @@ class Puller:
         vector: dict[Origin, int] = dict(vector_from_proto(c.src_vector).to_dict())
         if self.r.origins is not None:  # a TLS node: src's word counts only for origins that can reach it
             vector = self.r.origins.plausible(self.src, c.topic, vector)
-        return Chunk((c.topic, c.partition), wire.unpack(c.batches, c.batches_zstd), vector, c.src_log_end_offset)
+        return Chunk(
+            (c.topic, c.partition),
+            wire.unpack(c.batches, c.batches_zstd, MESSAGE_BYTES_MAX),
+            vector,
+            c.src_log_end_offset,
+        )
 
     async def _perform(self, effects: list[Effect]) -> None:
         session = self.session
