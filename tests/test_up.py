@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from georep.cli.up import stop_all
 from tests.support.cli import start_up
 from tests.support.cluster_site import site_toml
 from tests.support.ports import free_ports
@@ -164,3 +165,28 @@ def test_topology_show_writes_a_picture(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "a -> b" in proc.stdout
     assert "<svg" in picture.read_text()
+
+
+class Recorded:
+    """A NodeProcess's stop calls, recorded in ``events``."""
+
+    def __init__(self, name: str, events: list[tuple[str, str]]) -> None:
+        self.name, self.events = name, events
+        self.proc = self
+
+    def alive(self) -> bool:
+        return True
+
+    def terminate(self) -> None:
+        self.events.append(("SIGTERM", self.name))
+
+    def stop(self) -> None:
+        self.events.append(("wait", self.name))
+
+
+def test_up_sends_sigterm_to_every_node_before_it_waits_for_any() -> None:
+    """Stopped one at a time, the nodes of three sites of three took 31 s (each waited for the calls its running
+    peers held); together, 0.4 s. Planted: stop() in turn, as before, fails here."""
+    events: list[tuple[str, str]] = []
+    stop_all([Recorded(n, events) for n in "123"])  # type: ignore[list-item]
+    assert events == [("SIGTERM", "1"), ("SIGTERM", "2"), ("SIGTERM", "3"), ("wait", "1"), ("wait", "2"), ("wait", "3")]

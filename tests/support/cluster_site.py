@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from georep.auth.principal import node_principal
+from georep.cli.up import stop_all
 from georep.client.consumer import Consumer
 from georep.proto import georep_pb2 as pb
 from georep.proto import georep_pb2_grpc as pbg
@@ -118,8 +119,9 @@ class ClusterSite:
         raise AssertionError(f"no node serves {topic}-{partition} after {timeout_s} s")
 
     def close(self) -> None:
-        for node in self.nodes.values():
-            node.stop()
+        """Every node stopped, together (``georep up``'s ``stop_all``): one at a time, each waits for the calls its
+        running peers hold."""
+        stop_all(list(self.nodes.values()))
 
     def use_tls(self, certs: Path) -> None:
         """Each node serves mutual TLS with its own ``node:<site>/<n>`` certificate from ``certs`` (made by ``georep
@@ -134,10 +136,6 @@ class ClusterSite:
             self.start()
             yield self
         finally:
-            for node in self.nodes.values():
-                if node.alive():
-                    assert node.proc is not None
-                    node.proc.terminate()
             self.close()
 
 
