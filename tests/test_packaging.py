@@ -52,7 +52,8 @@ def test_the_runtime_lock_pins_what_the_runtime_dependencies_need_at_the_full_lo
     assert "pytest" not in runtime and "mypy" not in runtime and "pyspark" not in runtime
 
 
-@pytest.mark.slow  # a wheel built and installed with its runtime into a fresh venv (about 40 s)
+@pytest.mark.slow
+@pytest.mark.wheel  # a wheel built and installed with its runtime into a fresh venv: make wheel-check, in CI
 def test_the_wheel_installed_with_the_runtime_lock_alone_runs_a_node(tmp_path: Path) -> None:
     source = tmp_path / "source"  # a copy: setuptools writes build/ beside the sources
     source.mkdir()
