@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick wheel-check lint format typecheck proto bench clean strace promtool
+.PHONY: demo test test-quick wheel-check lint format typecheck proto bench clean strace promtool systemd-analyze
 
 # Bytecode is written where a module is first imported, once, and only for the modules something imports: where
 # PYTHONDONTWRITEBYTECODE is set (as on these machines) every process would compile again what it imports (pyspark,
@@ -28,21 +28,23 @@ demo: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
 	$(BIN)/georep demo
 
-# tests/test_raft_durability.py shows the Raft journal's fdatasync calls with strace: installed here when it can be
-# (root and apt-get), else that one test is skipped with a message that says how to get it.
-strace:
-	@command -v strace > /dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null 2>&1 && \
-		{ apt-get install -y -qq strace > /dev/null 2>&1 || \
-		  { apt-get update -qq > /dev/null 2>&1 && apt-get install -y -qq strace > /dev/null 2>&1; }; }; } || \
-		echo "strace could not be installed: its test is skipped (apt-get install -y strace)"
+# Debian packages some tests use, installed here when they can be (root and apt-get), else those tests are skipped
+# with a message that says how to get them: strace (tests/test_raft_durability.py shows the Raft journal's fdatasync
+# calls), prometheus (promtool and a Prometheus server: tests/test_audit_history.py, tests/test_alerts.py) and
+# systemd (systemd-analyze: tests/test_deploy_kit.py). $(1): the command, $(2): its package.
+apt_tool = @command -v $(1) > /dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null 2>&1 && \
+	{ apt-get install -y -qq $(2) > /dev/null 2>&1 || \
+	  { apt-get update -qq > /dev/null 2>&1 && apt-get install -y -qq $(2) > /dev/null 2>&1; }; }; } || \
+	echo "$(1) could not be installed: its tests are skipped (apt-get install -y $(2))"
 
-# tests/test_audit_history.py checks the audit's metrics textfile with promtool (Debian's prometheus package):
-# installed here when it can be, as strace is, else that test is skipped with a message that says how to get it.
+strace:
+	$(call apt_tool,strace,strace)
+
 promtool:
-	@command -v promtool > /dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null 2>&1 && \
-		{ apt-get install -y -qq prometheus > /dev/null 2>&1 || \
-		  { apt-get update -qq > /dev/null 2>&1 && apt-get install -y -qq prometheus > /dev/null 2>&1; }; }; } || \
-		echo "promtool could not be installed: its test is skipped (apt-get install -y prometheus)"
+	$(call apt_tool,promtool,prometheus)
+
+systemd-analyze:
+	$(call apt_tool,systemd-analyze,systemd)
 
 # ruff's lint rules, and ruff format's layout: `make format` rewrites the tree as the check wants it
 lint: $(STAMP)
@@ -59,7 +61,7 @@ typecheck: $(STAMP)
 # The type check runs beside the suite, whose multi-process tests leave part of two cores idle (they wait on
 # sessions and pauses); so do five workers (12:10 and 157% of the cores with five on a quiet machine; 13:11 and 136%
 # with four, a helper's venv build beside it at first). make test fails if either fails.
-test: $(STAMP) strace promtool lint
+test: $(STAMP) strace promtool systemd-analyze lint
 	$(BIN)/python -m compileall -q -j 0 $(PACKAGES) > /dev/null
 	$(BIN)/mypy > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
 	$(BIN)/python -m pytest -q -n 5 --dist loadgroup -m "not wheel" --durations=20; tests=$$?; \

@@ -35,7 +35,10 @@ def verify(unit_text: str, tmp_path: Path) -> str:
     (verify refuses a unit whose command does not exist here); it exits 0 on unknown keys, so its stderr is
     what tells."""
     if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed, so the unit is not checked: apt-get install -y systemd")
+        pytest.skip(
+            "systemd-analyze is not installed, so the unit is not checked: apt-get install -y systemd "
+            "(make test does where it can)"
+        )
     georep = Path(sys.executable).parent / "georep"
     assert georep.exists(), f"{georep}: install the project first (make test does)"
     assert INSTALLED in unit_text

@@ -28,7 +28,7 @@ from georep.security.tls import MESSAGE_BYTES_MAX
 from georep.server.replicator import Replicator
 from offsets.coordinates import LocalOffset, Origin
 from tests.support.fake_upstream import replicator_of_b, serve_as_site_a
-from tests.support.sites import Sites, check_invariants, converged, origin_batch, produce, until
+from tests.support.sites import Sites, check_invariants, converged, origin_batch, produce, until, wait_until
 
 A = Origin("a", 1)  # type: ignore[arg-type]
 
@@ -104,8 +104,7 @@ def test_two_sites_move_uncompressed_batches_compressed_and_hold_the_same_bytes(
     sites.start()
     sites.stub("a").CreateTopic(pb.CreateTopicRequest(name="t", partitions=2))
     expected = asyncio.run(produce(sites.address("a"), "t", "a", 300, value_bytes=1000))
-    until_converged = asyncio.run(_wait(lambda: converged(sites, ["a", "b"], "t", 300)))
-    assert until_converged
+    wait_until("b holds a's records", lambda: converged(sites, ["a", "b"], "t", 300), 30)
     check_invariants(sites, ["a", "b"], "t", expected)
     metrics_a = sites.nodes["a"].metrics_address
     sent, wire_bytes = (
@@ -113,11 +112,6 @@ def test_two_sites_move_uncompressed_batches_compressed_and_hold_the_same_bytes(
         metric(metrics_a, "georep_replication_sent_wire_bytes_total"),
     )
     assert sent > 300 * 1000 and wire_bytes * 3 < sent, f"{sent} batch bytes went as {wire_bytes}"
-
-
-async def _wait(cond: Callable[[], bool]) -> bool:
-    await until("b holds a's records", cond, 30)
-    return True
 
 
 class BombingSiteA:

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from georep.server.cluster_metrics import ClusterCollector
 from georep.server.http_bounds import bound_connections
 
 if TYPE_CHECKING:
@@ -343,8 +344,6 @@ class NodeMetrics:
 
     def attach_cluster(self, site: SiteCluster) -> None:
         """A multi-node site's health and Raft group (``georep/server/cluster_metrics.py``)."""
-        from georep.server.cluster_metrics import ClusterCollector
-
         self.registry.register(ClusterCollector(site))
 
     def serve(self, host: str, port: int) -> str:
